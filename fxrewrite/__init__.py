@@ -1,0 +1,35 @@
+"""fxrewrite: stock transformers models, rewritten into fused layers, served by a paged-attention engine.
+
+`import fxrewrite` stays light: the engine (`LLM`, `SamplingParams`) is imported on first use.
+"""
+
+from typing import Any
+
+__all__ = ["optimize", "explain", "LLM", "SamplingParams"]
+__version__ = "0.1.0"
+
+
+def optimize(model, **kwargs):
+    """Rewrite `model` in place to use fused layers; see `fxrewrite.compiler.optimize`."""
+    from fxrewrite.compiler import optimize as _optimize
+
+    return _optimize(model, **kwargs)
+
+
+def explain(model):
+    """The `FusionReport` of a model passed through `optimize`; see `fxrewrite.compiler.explain`."""
+    from fxrewrite.compiler import explain as _explain
+
+    return _explain(model)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from fxrewrite.runtime.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from fxrewrite.runtime.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'fxrewrite' has no attribute {name!r}")

@@ -1,0 +1,3 @@
+from fxrewrite.cli import main
+
+raise SystemExit(main())
