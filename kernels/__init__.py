@@ -1,0 +1,33 @@
+"""Triton kernels with plain-torch references of the same signature.
+
+Each module (``rms_norm``, ``activation``, ``rotary``, ``reshape_and_cache``,
+``paged_attention``) exposes a public function that dispatches with :func:`use_triton`
+and a ``*_ref`` torch function that is the specification. Importing this package never
+imports triton; :mod:`fxrewrite.kernels.triton_utils` does, and tolerates its absence.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["use_triton"]
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether the Triton kernel should run for a call whose main input is ``x``.
+
+    True when ``x`` is a CUDA tensor and triton is importable; on a CPU only when forced
+    with ``FXREWRITE_TRITON=1`` together with ``TRITON_INTERPRET=1`` (the kernels then run in
+    triton's interpreter, which is how the CPU tests compare them with the references).
+    Otherwise the torch reference runs.
+    """
+    from fxrewrite.kernels.triton_utils import HAS_TRITON
+
+    if not HAS_TRITON:
+        return False
+    if x.is_cuda:
+        return True
+    env = os.environ
+    return env.get("FXREWRITE_TRITON") == "1" and env.get("TRITON_INTERPRET") == "1"

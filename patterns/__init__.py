@@ -1,0 +1,29 @@
+"""Fusion patterns, one file each; `PATTERNS` is the order the compiler tries them in.
+
+Order (documented, and harmless by construction: patterns claim disjoint fx nodes, which the
+compiler checks):
+1. `RMSNormPattern`, `RotaryPattern` (scope "module"): replace whole leaf modules first, so that
+   parents see the fused layers when they are matched (the residual variant needs them).
+2. `QKVPattern` (three linears), `GLUPattern` (two linears and a product): disjoint by the number
+   of linears sharing an input.
+3. `RotaryApplyPattern`: the rotary call in attention, after QKV (independent edits of one forward).
+4. `ResidualRMSNormPattern`: the add + norm in a decoder layer, last.
+A new pattern is one file plus one line here.
+"""
+
+from fxrewrite.patterns.base import Context, Match, Pattern, Refusal
+from fxrewrite.patterns.glu import GLUPattern
+from fxrewrite.patterns.qkv import QKVPattern
+from fxrewrite.patterns.rms_norm import ResidualRMSNormPattern, RMSNormPattern
+from fxrewrite.patterns.rotary import RotaryApplyPattern, RotaryPattern
+
+PATTERNS: tuple[type[Pattern], ...] = (
+    RMSNormPattern,
+    RotaryPattern,
+    QKVPattern,
+    GLUPattern,
+    RotaryApplyPattern,
+    ResidualRMSNormPattern,
+)
+
+__all__ = ["PATTERNS", "Context", "Match", "Pattern", "Refusal"]

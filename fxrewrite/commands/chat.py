@@ -1,0 +1,45 @@
+"""`fxrewrite chat [MODEL]`: an interactive chat in the terminal; quits on EOF (Ctrl-D) or "exit"."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fxrewrite.commands.engine_args import add_engine_arguments, engine_kwargs
+from fxrewrite.commands.sampling_args import add_sampling_arguments, sampling_params
+
+QUIT_WORDS = ("exit", "quit", "/exit", "/quit")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None,
+                        help="model folder, hub id or .gguf file (default: the built-in default model)")
+    parser.add_argument("--system-prompt", default=None, help="system message that opens the conversation")
+    add_sampling_arguments(parser)
+    add_engine_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from fxrewrite.runtime.llm import LLM
+    from fxrewrite.runtime.server.generation_defaults import load_generation_defaults
+
+    llm = LLM(**engine_kwargs(args))
+    model_config = llm.llm_engine.model_config
+    params = sampling_params(args, load_generation_defaults(model_config.model_path, args.generation_config))
+    messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"chatting with {model_config.model}; type 'exit' or press Ctrl-D to quit", file=sys.stderr)
+    while True:
+        if interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() in QUIT_WORDS:  # "" is EOF
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        (output,) = llm.chat(messages, params, use_tqdm=False)
+        reply = output.outputs[0].text
+        print(reply, flush=True)
+        messages.append({"role": "assistant", "content": reply})

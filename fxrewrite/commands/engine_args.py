@@ -1,0 +1,176 @@
+"""The engine flags shared by `serve`, `generate`, `chat` and `bench`, spelled as vLLM spells them.
+
+`add_engine_arguments(parser)` adds them; `engine_kwargs(args)` turns the parsed namespace into the
+keyword arguments of `fxrewrite.runtime.llm.LLM` (and `LLMEngine`). Nothing heavy is imported here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+# Flags whose value is an `LLM(...)` keyword argument of the same name (dest == kwarg).
+ENGINE_KWARG_NAMES = (
+    "tokenizer",
+    "model_impl",
+    "fusion",
+    "hf_overrides",
+    "max_model_len",
+    "dtype",
+    "seed",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "block_size",
+    "enable_prefix_caching",
+    "gpu_memory_utilization",
+    "kv_cache_memory_bytes",
+    "enforce_eager",
+    "tensor_parallel_size",
+    "load_format",
+)
+
+# vLLM: lowercase suffixes are powers of 1000, uppercase of 1024 ("32k" = 32000, "32K" = 32768).
+_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+_REMOVED_ROPE_MESSAGE = (
+    "{flag} was removed; pass the RoPE settings through --hf-overrides with rope_parameters, e.g. "
+    "--hf-overrides '{{\"rope_parameters\": {{\"rope_type\": \"yarn\", \"factor\": 4.0, "
+    "\"original_max_position_embeddings\": 32768, \"rope_theta\": 1000000}}}}'"
+)
+
+
+def human_readable_int(value: str) -> int:
+    """Parse "2048", "32k" (32000), "32K" (32768), "4G" (4 GiB) or "1.5M" into an int (vLLM's rule)."""
+    text = value.strip().replace("_", "")
+    scale = 1
+    if text and text[-1] in _SUFFIXES:
+        scale, text = _SUFFIXES[text[-1]], text[:-1]
+    try:
+        number = float(text) if "." in text else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer such as 2048, 32k or 4G, got {value!r}"
+        ) from None
+    result = number * scale
+    if result != int(result):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number")
+    return int(result)
+
+
+def parse_hf_overrides(value: str) -> dict[str, Any]:
+    """Parse the JSON of --hf-overrides; the result must be a JSON object (a dict)."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(
+            f"not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): {value!r}; expected an "
+            'object such as \'{"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}\''
+        ) from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(
+            f"expected a JSON object (a dict of config keys), got a JSON {type(parsed).__name__}: {value!r}"
+        )
+    return parsed
+
+
+def _gpu_memory_utilization(value: str) -> float:
+    try:
+        fraction = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value!r}") from None
+    if not 0.0 < fraction <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {fraction}")
+    return fraction
+
+
+def _positive_int(value: str) -> int:
+    number = human_readable_int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return number
+
+
+class _RemovedFlag(argparse.Action):
+    """A flag vLLM once had and we do not: using it is an error that says what to use instead."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        suggestion = _rope_suggestion(option_string, values)
+        if suggestion is None:
+            parser.error(_REMOVED_ROPE_MESSAGE.format(flag=option_string))
+        parser.error(f"{option_string} was removed; pass the RoPE settings through --hf-overrides with "
+                     f"rope_parameters: --hf-overrides '{suggestion}'")
+
+
+def _rope_suggestion(flag: str, value: str | None) -> str | None:
+    """The --hf-overrides JSON equivalent to a removed flag's value, or None when it cannot be read."""
+    if value is None:
+        return None
+    try:
+        if flag == "--rope-theta":
+            params: Any = {"rope_theta": float(value)}
+        else:
+            params = json.loads(value)
+            if not isinstance(params, dict):
+                return None
+            if "type" in params and "rope_type" not in params:  # legacy rope_scaling spelling
+                params = {"rope_type": params.pop("type"), **params}
+    except ValueError:
+        return None
+    return json.dumps({"rope_parameters": params})
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the engine flags (vLLM names and defaults) to `parser`; returns it."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model-impl", choices=("auto", "native", "transformers"), default="auto",
+                   help="native: hand-written model in runtime/models; transformers: the HF modeling "
+                        "code rewritten by fxrewrite; auto: native when one exists (default)")
+    g.add_argument("--fusion", action=argparse.BooleanOptionalAction, default=True,
+                   help="rewrite transformers models into fused layers (--no-fusion runs them as written)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id (default: the model's)")
+    g.add_argument("--hf-overrides", type=parse_hf_overrides, default=None,
+                   help="JSON object merged into the model's config, e.g. "
+                        '\'{"rope_parameters": {"rope_type": "yarn", "factor": 4.0, ...}}\'')
+    g.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="context length in tokens (prompt + output); accepts 32k / 32K (default: from config)")
+    g.add_argument("--dtype", default="auto",
+                   choices=("auto", "half", "float16", "bfloat16", "float", "float32"),
+                   help="weight and activation dtype (auto: the config's torch_dtype; float32 on CPU)")
+    g.add_argument("--seed", type=int, default=0, help="random seed of the engine")
+    g.add_argument("--max-num-seqs", type=_positive_int, default=256,
+                   help="most sequences in one engine step")
+    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+                   help="most tokens in one engine step (default: derived from max-model-len)")
+    g.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV-cache block")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse KV blocks of shared prompt prefixes")
+    g.add_argument("--gpu-memory-utilization", type=_gpu_memory_utilization, default=0.9,
+                   help="fraction of GPU memory the engine may use (weights + activations + KV cache)")
+    g.add_argument("--kv-cache-memory-bytes", type=_positive_int, default=None,
+                   help="KV-cache size in bytes (e.g. 4G); overrides --gpu-memory-utilization for the cache")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no torch.compile")
+    g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
+                   help="number of GPUs to split the model over")
+    g.add_argument("--generation-config", default="auto",
+                   help="'auto': default sampling values from the model's generation_config.json; "
+                        "'vllm': none; or a folder holding a generation_config.json")
+    g.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"),
+                   help="weight format (dummy: random weights, for benchmarks)")
+    for flag in ("--rope-scaling", "--rope-theta"):
+        g.add_argument(flag, action=_RemovedFlag)
+    return parser
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The `LLM(...)` / `LLMEngine(...)` keyword arguments of parsed engine flags, `model` included.
+
+    `model` is `args.model` (None selects the default model). `--generation-config` is not an
+    engine argument: the server and the terminal commands read it (see `generation_defaults`).
+    """
+    kwargs = {name: getattr(args, name) for name in ENGINE_KWARG_NAMES}
+    kwargs["model"] = getattr(args, "model", None)
+    return kwargs

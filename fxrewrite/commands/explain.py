@@ -1,0 +1,40 @@
+"""`fxrewrite explain MODEL`: what `optimize` fuses in a model, what it refuses and why, and the diffs.
+
+The model is built from its config with parameters on the meta device (no weights are read), so
+this is fast even for large models; rotary buffers are real, as in the serving engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="model folder, hub id or .gguf file")
+    parser.add_argument("--hf-overrides", type=json.loads, default=None,
+                        help='JSON dict applied to the config, e.g. \'{"rope_parameters": {...}}\'')
+    parser.add_argument("--no-diff", action="store_true", help="print the report table only")
+    parser.add_argument("--trust-remote-code", action="store_true", help="allow custom modeling code")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    import fxrewrite
+    from fxrewrite.runtime.config import ModelConfig
+
+    config = ModelConfig.from_pretrained(args.model, hf_overrides=args.hf_overrides,
+                                         trust_remote_code=args.trust_remote_code)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config.hf_config, dtype=torch.float32,
+                                                 trust_remote_code=args.trust_remote_code)
+    fxrewrite.optimize(model.eval())
+    report = fxrewrite.explain(model)
+    print(report)
+    if not args.no_diff:
+        print()
+        print(report.diff(), end="")
+    return 0

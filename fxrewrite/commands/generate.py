@@ -1,0 +1,39 @@
+"""`fxrewrite generate [MODEL] --prompt TEXT`: complete prompts offline and print the texts."""
+
+from __future__ import annotations
+
+import argparse
+
+from fxrewrite.commands.engine_args import add_engine_arguments, engine_kwargs
+from fxrewrite.commands.sampling_args import add_sampling_arguments, sampling_params
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None,
+                        help="model folder, hub id or .gguf file (default: the built-in default model)")
+    parser.add_argument("--prompt", action="append", required=True,
+                        help="prompt text (repeat for a batch)")
+    parser.add_argument("--chat-template", action="store_true",
+                        help="send each prompt as a user message through the model's chat template")
+    add_sampling_arguments(parser)
+    add_engine_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from fxrewrite.runtime.llm import LLM
+    from fxrewrite.runtime.server.generation_defaults import load_generation_defaults
+
+    llm = LLM(**engine_kwargs(args))
+    model_config = llm.llm_engine.model_config
+    params = sampling_params(args, load_generation_defaults(model_config.model_path, args.generation_config))
+    if args.chat_template:
+        conversations = [[{"role": "user", "content": p}] for p in args.prompt]
+        outputs = llm.chat(conversations, params, use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    for prompt, output in zip(args.prompt, outputs):
+        for completion in output.outputs:
+            if len(args.prompt) > 1:
+                print(f"### {prompt}")
+            print(completion.text, flush=True)
+    return 0

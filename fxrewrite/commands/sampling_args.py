@@ -1,0 +1,31 @@
+"""Sampling flags of the terminal commands (`generate`, `chat`), named as the OpenAI request fields."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help="most tokens to generate (default: generation_config's max_new_tokens, else 256)")
+    g.add_argument("--temperature", type=float, default=None, help="0 for greedy (default: model's, else 1.0)")
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--min-p", type=float, default=None)
+    g.add_argument("--repetition-penalty", type=float, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def sampling_params(args: argparse.Namespace, defaults: dict[str, Any]):
+    """`SamplingParams` from the flags; flags left unset take `defaults` (generation_config.json)."""
+    from fxrewrite.runtime.sampling_params import SamplingParams
+
+    values: dict[str, Any] = {"max_tokens": 256}
+    values.update(defaults)
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop"):
+        given = getattr(args, name)
+        if given is not None:
+            values[name] = given
+    return SamplingParams(**values)

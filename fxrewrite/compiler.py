@@ -1,0 +1,213 @@
+"""`optimize(model)`: trace each module class, match `PATTERNS`, rewrite, build, bind per instance.
+
+Per module class (children before parents, so a parent sees its fused children):
+1. trace the first instance with the inputs recorded by a meta run (`fxrewrite.tracer`);
+2. run every pattern's `match` on that graph once (the per-class match cache); near misses and
+   nodes claimed twice become "skipped" lines of the report;
+3. "module" patterns: per instance `validate`, then `build` a replacement put in the parent's place;
+4. "forward" patterns: each match's source edit is tried alone first (a refusal drops that
+   match); per instance, the matches whose `validate` passes are applied: the source with exactly
+   those edits is compiled once per distinct set, `build` creates the fused children, and the
+   new forward is bound to that instance only.
+The model is changed in place; a second `optimize` is a no-op. The `FusionReport` is kept on the
+model (`explain`). Fail closed: any refusal leaves that module (or instance) as it was.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from torch import nn
+
+from fxrewrite import source, tracer, weights
+from fxrewrite.patterns import PATTERNS, Context, Match, Refusal
+from fxrewrite.report import ClassReport, FusionReport
+
+_REPORT_ATTR = "_fxrewrite_report"
+_OPTIONS = frozenset({"patterns", "example_inputs"})
+
+
+def optimize(model: nn.Module, **opts) -> nn.Module:
+    """Rewrite `model` in place to use fused layers; returns the same object.
+
+    Options: ``patterns`` (a tuple of pattern classes, default `fxrewrite.patterns.PATTERNS`);
+    ``example_inputs`` = (args, kwargs) for `model.forward` when it is not a causal LM taking
+    ``input_ids`` (only shapes/dtypes matter: they are turned into meta tensors).
+    Works with parameters on any device, meta included (the serving engine builds on meta and
+    loads weights afterwards with `fxrewrite.weights.load_hf_weights`). Raises TypeError for an
+    unknown option or a model that is not an `nn.Module`.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"optimize expects a torch.nn.Module, got {type(model).__name__}")
+    unknown = set(opts) - _OPTIONS
+    if unknown:
+        raise TypeError(f"unknown optimize option(s) {sorted(unknown)}; expected one of {sorted(_OPTIONS)}")
+    if getattr(model, _REPORT_ATTR, None) is not None:
+        return model
+    patterns = tuple(opts.get("patterns", PATTERNS))
+    report = FusionReport()
+    ctx = Context(model, _text_config(model))
+    records, error = tracer.record_inputs(model, example_inputs=opts.get("example_inputs"))
+    if error:
+        report.notes.append(f"meta run stopped early ({error}); classes not reached are left unchanged")
+    for cls, instances in _classes_children_first(model).items():
+        entry = report.entry(cls.__name__)
+        entry.instances = len(instances)
+        if cls not in records:
+            entry.skip("trace", "not called during the meta run")
+            continue
+        module, args, kwargs = records[cls]
+        _optimize_class(cls, instances, tracer.trace(module, args, kwargs, use_cache=False), patterns, ctx, entry, model)
+    model.__dict__[_REPORT_ATTR] = report
+    weights.install_hf_name_hooks(model)
+    return model
+
+
+def explain(model: nn.Module) -> FusionReport:
+    """The `FusionReport` of a model passed through `optimize`. ValueError if it was not."""
+    report = getattr(model, _REPORT_ATTR, None)
+    if report is None:
+        raise ValueError(f"{type(model).__name__} has not been passed through fxrewrite.optimize")
+    return report
+
+
+def _text_config(model: nn.Module):
+    config = getattr(model, "config", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _classes_children_first(model: nn.Module) -> dict[type, list[nn.Module]]:
+    by_class: dict[type, list[nn.Module]] = {}
+    for _, module in reversed(list(model.named_modules())):
+        cls = type(module)
+        if cls.__module__.startswith(("torch.", "fxrewrite.")):  # our layers and torch built-ins
+            continue
+        by_class.setdefault(cls, []).insert(0, module)
+    return by_class
+
+
+def _match_all(traced, patterns, ctx, entry: ClassReport) -> list[Match]:
+    matches: list[Match] = []
+    claimed: set[str] = set()
+    for pattern in patterns:
+        try:
+            found = pattern.match(traced, ctx)
+        except (Refusal, source.SourceError) as e:
+            entry.skip(pattern.name, str(e))
+            continue
+        except Exception as e:  # noqa: BLE001 - a pattern bug must not break the model: fail closed
+            entry.skip(pattern.name, f"match failed: {type(e).__name__}: {e}")
+            continue
+        for m in found:
+            if m.claimed & claimed:  # disjoint by construction; never trust it blindly
+                entry.skip(pattern.name, f"fx nodes {sorted(m.claimed & claimed)} already claimed")
+                continue
+            claimed |= m.claimed
+            matches.append(m)
+    return matches
+
+
+def _optimize_class(cls, instances, traced, patterns, ctx, entry: ClassReport, model) -> None:
+    if traced.partial:
+        entry.skip("trace", f"stopped at {traced.error}")
+    matches = _match_all(traced, patterns, ctx, entry)
+    entry.present.extend(f"{m.pattern.name}: {m.pattern.describe(m)}" for m in matches if m.present)
+    matches = [m for m in matches if not m.present]
+    module_matches = [m for m in matches if m.pattern.scope == "module"]
+    forward_matches = [m for m in matches if m.pattern.scope == "forward"]
+    if module_matches:
+        _replace_modules(instances, module_matches[0], ctx, entry, model)
+    if forward_matches:
+        _rewrite_forwards(cls, instances, forward_matches, ctx, entry)
+
+
+def _applied(entry: ClassReport, m: Match) -> None:
+    counts = entry.applied.setdefault(m.pattern.name, {})
+    desc = m.pattern.describe(m)
+    counts[desc] = counts.get(desc, 0) + 1
+
+
+def _replace_modules(instances, m: Match, ctx, entry: ClassReport, model) -> None:
+    parents = _parents(model)
+    for module in instances:
+        slots = parents.get(id(module), [])
+        if not slots:
+            entry.skip(m.pattern.name, "the module has no parent to be replaced in")
+            continue
+        try:
+            m.pattern.validate(m, module, ctx)
+            new = m.pattern.build(m, module, ctx)
+        except Refusal as e:
+            entry.skip(m.pattern.name, str(e))
+            continue
+        except Exception as e:  # noqa: BLE001 - building the replacement failed: keep the original
+            entry.skip(m.pattern.name, f"build failed: {type(e).__name__}: {e}")
+            continue
+        for parent, name in slots:
+            setattr(parent, name, new)
+        _applied(entry, m)
+
+
+def _parents(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    out: dict[int, list[tuple[nn.Module, str]]] = defaultdict(list)
+    for _, parent in model.named_modules(remove_duplicate=False):
+        for name, child in parent.named_children():
+            out[id(child)].append((parent, name))
+    return out
+
+
+def _rewrite_forwards(cls, instances, matches: list[Match], ctx, entry: ClassReport) -> None:
+    try:
+        src = source.ForwardSource.recover(cls)
+    except source.SourceError as e:
+        for m in matches:
+            entry.skip(m.pattern.name, str(e))
+        return
+    usable = []
+    for m in matches:  # each edit alone first: a refusal drops only that match
+        try:
+            m.pattern.rewrite(m, src, src.tree)
+            usable.append(m)
+        except (Refusal, source.SourceError) as e:
+            entry.skip(m.pattern.name, str(e))
+    compiled: dict[tuple[int, ...], object] = {}
+    for module in instances:
+        valid = [m for m in usable if _valid(m, module, ctx, entry)]
+        key = tuple(usable.index(m) for m in valid)
+        if not valid:
+            continue
+        if key not in compiled:
+            compiled[key] = _compile(src, valid, entry)
+        if compiled[key] is None:
+            continue
+        for m in valid:
+            m.pattern.build(m, module, ctx)
+            _applied(entry, m)
+            module.__dict__.setdefault("_fxrewrite_shards", []).extend(m.pattern.shards(m))
+        source.bind(module, compiled[key][0])
+    if compiled:
+        widest = max((k for k, v in compiled.items() if v is not None), key=len, default=None)
+        entry.diff = src.diff(compiled[widest][1]) if widest is not None else ""
+
+
+def _valid(m: Match, module: nn.Module, ctx, entry: ClassReport) -> bool:
+    try:
+        m.pattern.validate(m, module, ctx)
+        return True
+    except Refusal as e:
+        entry.skip(m.pattern.name, str(e))
+    except Exception as e:  # noqa: BLE001 - validate has no side effects on the module: fail closed
+        entry.skip(m.pattern.name, f"validate failed: {type(e).__name__}: {e}")
+    return False
+
+
+def _compile(src, matches: list[Match], entry: ClassReport):
+    tree = src.tree
+    try:
+        for m in matches:
+            tree = m.pattern.rewrite(m, src, tree)
+        fn = source.compile_forward(src, tree)
+    except (Refusal, source.SourceError, SyntaxError) as e:
+        entry.skip("+".join(m.pattern.name for m in matches), f"combined rewrite failed: {e}")
+        return None
+    return fn, tree

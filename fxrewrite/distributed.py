@@ -1,0 +1,146 @@
+"""Tensor-parallel state over `torch.distributed`: tp_rank / tp_size, the TP group, collectives.
+
+Two layouts, both plain `torch.distributed` (its own TCPStore / env:// rendezvous, nothing else on
+the wire):
+- engine (`fxrewrite.runtime.executor`): world rank 0 is the driver (schedules, never computes),
+  ranks 1..N are the N tensor-parallel workers; the default group (gloo) carries the step messages,
+  the TP group (NCCL on CUDA, gloo on CPU) carries the model's all-reduce / all-gather.
+- SPMD (``torchrun``, or any launcher that sets MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE):
+  every rank is a TP rank and runs the same program (`init_from_env`).
+
+Outside either (the default) tp_size is 1, tp_rank 0 and every collective here is a no-op, so the
+layers in `fxrewrite.layers` work unchanged in a single process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+# Collectives inside a model step: a peer that stops answering for this long is an error.
+TP_TIMEOUT = datetime.timedelta(minutes=10)
+# The driver/worker control group may sit idle for as long as the server has no requests.
+CONTROL_TIMEOUT = datetime.timedelta(days=365)
+
+
+@dataclasses.dataclass
+class ParallelState:
+    """What `initialize` set up. ``tp_group`` is None on the driver (it is not a TP rank)."""
+
+    rank: int
+    """Global rank in the default group."""
+    world_size: int
+    tp_ranks: tuple[int, ...]
+    """Global ranks of the TP group, in TP-rank order."""
+    tp_group: object | None
+    driver_group: object | None = None
+    """Group of (driver, TP rank 0): how sampled tokens go back; None in SPMD."""
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.tp_ranks)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp_ranks.index(self.rank) if self.rank in self.tp_ranks else 0
+
+
+_state: ParallelState | None = None
+
+
+def default_backend(device: torch.device | str | None = None) -> str:
+    """"nccl" for CUDA devices, else "gloo"."""
+    kind = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    return "nccl" if kind == "cuda" else "gloo"
+
+
+def initialize(rank: int, world_size: int, *, store=None, tp_ranks: list[int] | None = None,
+               with_driver: bool = False, tp_backend: str = "gloo") -> ParallelState:
+    """Join the default group (gloo) and build the TP group.
+
+    `store`: a `torch.distributed.Store` (the executor's TCPStore); None means env:// (MASTER_ADDR,
+    MASTER_PORT). `tp_ranks`: global ranks of the TP group (default: all). `with_driver`: rank 0 is
+    the driver, and a (0, tp_ranks[0]) group is made for the results. Every rank of the world must
+    call this with the same arguments except `rank` (group creation is collective).
+    Raises RuntimeError if already initialized.
+    """
+    global _state
+    if _state is not None or dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialized in this process")
+    tp_ranks = list(range(world_size)) if tp_ranks is None else list(tp_ranks)
+    kwargs = {"store": store} if store is not None else {"init_method": "env://"}
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=CONTROL_TIMEOUT if with_driver else TP_TIMEOUT, **kwargs)
+    if tp_backend == "gloo" and len(tp_ranks) == world_size and not with_driver:
+        tp_group = dist.group.WORLD
+    else:
+        tp_group = dist.new_group(tp_ranks, backend=tp_backend, timeout=TP_TIMEOUT)
+    driver_group = dist.new_group([0, tp_ranks[0]], backend="gloo", timeout=CONTROL_TIMEOUT) if with_driver else None
+    _state = ParallelState(rank, world_size, tuple(tp_ranks), tp_group if rank in tp_ranks else None, driver_group)
+    return _state
+
+
+def init_from_env(device: torch.device | str | None = None) -> ParallelState:
+    """SPMD: every rank is a TP rank; RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the
+    environment (what torchrun sets). On CUDA, LOCAL_RANK picks the device. ValueError when a
+    variable is missing."""
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise ValueError(f"init_from_env needs the environment variables {missing} (as torchrun sets them)")
+    backend = default_backend(device)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    return initialize(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), tp_backend=backend)
+
+
+def get_state() -> ParallelState | None:
+    return _state
+
+
+def _is_tp_rank() -> bool:
+    return _state is not None and _state.tp_group is not None
+
+
+def get_tp_size() -> int:
+    """Number of TP ranks; 1 outside a TP setup and on the driver (it builds no model shard)."""
+    return _state.tp_size if _is_tp_rank() else 1
+
+
+def get_tp_rank() -> int:
+    """This process's TP rank (0 outside a TP setup and on the driver)."""
+    return _state.tp_rank if _is_tp_rank() else 0
+
+
+def get_tp_group():
+    return _state.tp_group if _state is not None else None
+
+
+def destroy() -> None:
+    """Tear the groups down (idempotent)."""
+    global _state
+    _state = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum of `x` over the TP ranks (in place, returned); `x` itself at tp_size 1."""
+    if get_tp_size() == 1:
+        return x
+    dist.all_reduce(x, group=_state.tp_group)
+    return x
+
+
+def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """The TP ranks' `x` concatenated along `dim`, in rank order: [..., d] -> [..., tp_size * d]."""
+    tp_size = get_tp_size()
+    if tp_size == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(tp_size)]
+    dist.all_gather(parts, x, group=_state.tp_group)
+    return torch.cat(parts, dim=dim)

@@ -1,0 +1,64 @@
+"""RMSNorm with an optional fused residual add, calling `fxrewrite.kernels.rms_norm`.
+
+Formula (transformers `LlamaRMSNorm` / `Gemma2RMSNorm`): x̂ = x * rsqrt(mean(x², -1) + eps) in
+float32; Llama form ``weight * x̂.to(dtype)``; Gemma form ``(x̂ * (1 + weight)).to(dtype)``
+(``offset=1.0``). The weight is stored as the checkpoint stores it, so HF names and values load as is.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fxrewrite.kernels.rms_norm import rms_norm, rms_norm_ref
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim: x [..., hidden_size] -> same shape and dtype.
+
+    ``forward(x, residual)`` first sets residual = x + residual (in x's dtype, as the HF decoder
+    layer does) and returns ``(norm(residual), residual)``; this is vLLM's fused-add form.
+    ``upcast=False`` computes in the input dtype (for models whose norm does no float32 upcast).
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, offset: float = 0.0, upcast: bool = True,
+                 dtype: torch.dtype | None = None, device=None) -> None:
+        super().__init__()
+        if hidden_size <= 0:
+            raise ValueError(f"hidden_size must be positive, got {hidden_size}")
+        self.hidden_size, self.variance_epsilon = hidden_size, float(eps)
+        self.offset, self.upcast = float(offset), upcast
+        init = torch.zeros if offset else torch.ones
+        self.weight = nn.Parameter(init(hidden_size, dtype=dtype or torch.get_default_dtype(), device=device))
+        self.weight.weight_loader = self.weight_loader
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x [..., H]; residual None or like x. Returns out, or (out, x + residual)."""
+        if not self.upcast:
+            return self._forward_no_upcast(x, residual)
+        # The Triton kernel has no backward: use the torch reference while autograd records.
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        fn = rms_norm_ref if needs_grad else rms_norm
+        return fn(x, self.weight, self.variance_epsilon, residual, self.offset)
+
+    def _forward_no_upcast(self, x: torch.Tensor, residual: torch.Tensor | None):
+        if residual is not None:
+            x = x + residual
+            residual = x
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        out = h * (self.offset + self.weight) if self.offset else self.weight * h
+        return out if residual is None else (out, residual)
+
+    @staticmethod
+    def weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id=None) -> None:
+        """Copy the full weight [H] (norms are replicated under tensor parallelism)."""
+        if loaded_shard_id is not None:
+            raise ValueError(f"RMSNorm has no shards, got loaded_shard_id={loaded_shard_id!r}")
+        if tuple(param.shape) != tuple(loaded_weight.shape):
+            raise ValueError(f"weight shape {tuple(loaded_weight.shape)} does not match {tuple(param.shape)}")
+        if param.device.type != "meta":
+            with torch.no_grad():
+                param.copy_(loaded_weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.variance_epsilon}, offset={self.offset}"

@@ -1,0 +1,215 @@
+"""Linear layers with vLLM's names and tensor-parallel shape: Replicated, Column, MergedColumn, QKV, Row.
+
+Every parameter carries ``param.weight_loader(param, loaded_weight, loaded_shard_id=None)``, which
+copies a full (unsharded) checkpoint tensor, or one shard of a fused tensor ("q"/"k"/"v" for
+`QKVParallelLinear`, 0/1/... for `MergedColumnParallelLinear`), into this rank's slice.
+Weights are ``[output_size_per_partition, input_size_per_partition]`` as in `nn.Linear`, so
+`F.linear` is the whole forward and autograd, `torch.compile`, `.to()` and optimizers just work.
+Layout and loader semantics follow vLLM `vllm/model_executor/layers/linear.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fxrewrite.distributed import get_tp_group
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator != 0:
+        raise ValueError(f"{what}={numerator} is not divisible by tp_size={denominator}")
+    return numerator // denominator
+
+
+def _check_tp(tp_size: int, tp_rank: int) -> None:
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"expected 0 <= tp_rank < tp_size, got tp_rank={tp_rank}, tp_size={tp_size}")
+
+
+def _copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(f"weight shape {tuple(loaded.shape)} does not match parameter shape {tuple(param.shape)}")
+    if param.device.type != "meta":
+        with torch.no_grad():
+            param.copy_(loaded)
+
+
+class LinearBase(nn.Module):
+    """Shared parts: parameter creation on a chosen device/dtype and `weight_loader` wiring.
+
+    Subclasses set ``output_size_per_partition``/``input_size_per_partition`` and override
+    `weight_loader`.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_size: int, tp_rank: int,
+                 params_dtype: torch.dtype | None, device, in_per_part: int, out_per_part: int) -> None:
+        super().__init__()
+        _check_tp(tp_size, tp_rank)
+        self.input_size, self.output_size = input_size, output_size
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.input_size_per_partition = in_per_part
+        self.output_size_per_partition = out_per_part
+        factory = {"dtype": params_dtype or torch.get_default_dtype(), "device": device}
+        self.weight = nn.Parameter(torch.empty(out_per_part, in_per_part, **factory))
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_per_part, **factory))
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """`nn.Linear`'s initialisation (kaiming-uniform weight, uniform bias), skipped on meta."""
+        if self.weight.device.type == "meta":
+            return
+        tmp = nn.Linear(self.input_size_per_partition, self.output_size_per_partition,
+                        bias=self.bias is not None, device=self.weight.device, dtype=self.weight.dtype)
+        with torch.no_grad():
+            self.weight.copy_(tmp.weight)
+            if self.bias is not None:
+                self.bias.copy_(tmp.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., input_size_per_partition] -> [..., output_size_per_partition]."""
+        return F.linear(x, self.weight, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id=None) -> None:
+        """Copy a full tensor (replicated layers); subclasses shard it."""
+        if loaded_shard_id is not None:
+            raise ValueError(f"{type(self).__name__} has no shards, got loaded_shard_id={loaded_shard_id!r}")
+        _copy_checked(param, loaded_weight)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.input_size_per_partition}, out_features={self.output_size_per_partition}, "
+                f"bias={self.bias is not None}, tp_size={self.tp_size}")
+
+
+class ReplicatedLinear(LinearBase):
+    """Same full weight on every rank. Shapes: weight [output_size, input_size]."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_size: int = 1, tp_rank: int = 0,
+                 params_dtype: torch.dtype | None = None, device=None) -> None:
+        super().__init__(input_size, output_size, bias, tp_size, tp_rank, params_dtype, device,
+                         input_size, output_size)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output dim split across ranks: weight [output_size / tp_size, input_size]; no gather here."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_size: int = 1, tp_rank: int = 0,
+                 params_dtype: torch.dtype | None = None, device=None) -> None:
+        out = _divide(output_size, tp_size, "output_size")
+        super().__init__(input_size, output_size, bias, tp_size, tp_rank, params_dtype, device, input_size, out)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id=None) -> None:
+        """Take this rank's rows of a full [output_size, ...] tensor."""
+        if loaded_shard_id is not None:
+            raise ValueError(f"ColumnParallelLinear has no shards, got loaded_shard_id={loaded_shard_id!r}")
+        size = param.shape[0]
+        _copy_checked(param, loaded_weight.narrow(0, self.tp_rank * size, size))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul (gate and up of a gated MLP).
+
+    ``output_sizes`` are the global sizes; each rank holds ``output_sizes[i] / tp_size`` rows of
+    each part, parts in order. ``output_sizes_per_partition`` is what `forward`'s caller splits by.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, tp_size: int = 1,
+                 tp_rank: int = 0, params_dtype: torch.dtype | None = None, device=None) -> None:
+        self.output_sizes = [int(s) for s in output_sizes]
+        self.output_sizes_per_partition = [_divide(s, tp_size, "output_sizes[i]") for s in self.output_sizes]
+        super().__init__(input_size, sum(self.output_sizes), bias, tp_size, tp_rank, params_dtype, device)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id=None) -> None:
+        """Shard id i: copy this rank's slice of part i; None: a full merged tensor."""
+        if loaded_shard_id is None:
+            for i, size in enumerate(self.output_sizes):
+                start = sum(self.output_sizes[:i])
+                self.weight_loader(param, loaded_weight.narrow(0, start, size), i)
+            return
+        if not isinstance(loaded_shard_id, int) or not 0 <= loaded_shard_id < len(self.output_sizes):
+            raise ValueError(f"loaded_shard_id must be in 0..{len(self.output_sizes) - 1}, got {loaded_shard_id!r}")
+        size = self.output_sizes_per_partition[loaded_shard_id]
+        offset = sum(self.output_sizes_per_partition[:loaded_shard_id])
+        shard = loaded_weight.narrow(0, self.tp_rank * size, size)
+        _copy_checked(param.data.narrow(0, offset, size), shard)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matmul; output per rank is [q | k | v].
+
+    Heads are split across ranks; with fewer kv heads than ranks, kv heads are replicated
+    (vLLM's rule). ``q_size``/``kv_size`` are per-rank widths (heads * head_size).
+    """
+
+    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
+                 total_num_kv_heads: int | None = None, bias: bool = False, tp_size: int = 1, tp_rank: int = 0,
+                 params_dtype: torch.dtype | None = None, device=None) -> None:
+        total_num_kv_heads = total_num_heads if total_num_kv_heads is None else total_num_kv_heads
+        self.head_size = head_size
+        self.total_num_heads, self.total_num_kv_heads = total_num_heads, total_num_kv_heads
+        self.num_heads = _divide(total_num_heads, tp_size, "total_num_heads")
+        if tp_size >= total_num_kv_heads:
+            self.num_kv_heads, self.num_kv_head_replicas = 1, _divide(tp_size, total_num_kv_heads, "kv replicas")
+        else:
+            self.num_kv_heads, self.num_kv_head_replicas = _divide(total_num_kv_heads, tp_size, "kv heads"), 1
+        self.q_size = self.num_heads * head_size
+        self.kv_size = self.num_kv_heads * head_size
+        self.output_sizes = [self.q_size, self.kv_size, self.kv_size]
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * tp_size * head_size
+        super().__init__(hidden_size, output_size, bias, tp_size, tp_rank, params_dtype, device)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id=None) -> None:
+        """Shard "q"/"k"/"v": copy this rank's heads of that projection; None: a full [q|k|v] tensor."""
+        total_q = self.total_num_heads * self.head_size
+        total_kv = self.total_num_kv_heads * self.head_size
+        if loaded_shard_id is None:
+            for sid, start, size in (("q", 0, total_q), ("k", total_q, total_kv), ("v", total_q + total_kv, total_kv)):
+                self.weight_loader(param, loaded_weight.narrow(0, start, size), sid)
+            return
+        if loaded_shard_id == "q":
+            offset, size, rank = 0, self.q_size, self.tp_rank
+        elif loaded_shard_id in ("k", "v"):
+            offset = self.q_size + (self.kv_size if loaded_shard_id == "v" else 0)
+            size, rank = self.kv_size, self.tp_rank // self.num_kv_head_replicas
+        else:
+            raise ValueError(f"loaded_shard_id must be 'q', 'k' or 'v', got {loaded_shard_id!r}")
+        _copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Input dim split across ranks: weight [output_size, input_size / tp_size].
+
+    With tp_size > 1 each rank's output is a partial sum; ``reduce_results`` all-reduces it over
+    the TP group of `fxrewrite.distributed` (the default group outside one; bias added once, after
+    the reduction).
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_size: int = 1, tp_rank: int = 0,
+                 params_dtype: torch.dtype | None = None, device=None, reduce_results: bool = True) -> None:
+        in_part = _divide(input_size, tp_size, "input_size")
+        self.reduce_results = reduce_results
+        super().__init__(input_size, output_size, bias, tp_size, tp_rank, params_dtype, device, in_part, output_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., input_size / tp_size] -> [..., output_size] (summed over ranks when reducing)."""
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = F.linear(x, self.weight)
+        if self.reduce_results:
+            torch.distributed.all_reduce(out, group=get_tp_group())  # None: the default group
+        return out if self.bias is None else out + self.bias
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id=None) -> None:
+        """Weight: this rank's columns of a full [output_size, input_size]; bias: copied whole."""
+        if loaded_shard_id is not None:
+            raise ValueError(f"RowParallelLinear has no shards, got loaded_shard_id={loaded_shard_id!r}")
+        if param.dim() == 2:
+            size = param.shape[1]
+            loaded_weight = loaded_weight.narrow(1, self.tp_rank * size, size)
+        _copy_checked(param, loaded_weight)

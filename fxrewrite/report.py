@@ -1,0 +1,69 @@
+"""FusionReport: what `optimize` fused per module class, what it refused and why, and the source diffs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class ClassReport:
+    """One module class of the model."""
+
+    name: str
+    """Class name (qualified by its module's short name when ambiguous)."""
+    instances: int = 0
+    applied: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    """pattern name -> {description: number of instances it was applied to}."""
+    present: list[str] = dataclasses.field(default_factory=list)
+    """Fusions the model already has ("qkv: qkv_proj (already fused)")."""
+    skipped: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    """(pattern or "trace"/"source", reason) for every refusal."""
+    diff: str = ""
+    """Unified diff of the rewritten forward (empty when the source was not edited)."""
+
+    def skip(self, what: str, reason: str) -> None:
+        if (what, reason) not in self.skipped:
+            self.skipped.append((what, reason))
+
+
+@dataclasses.dataclass
+class FusionReport:
+    """Result of `fxrewrite.optimize`; `str(report)` is a table, `report.diff()` the source diffs."""
+
+    classes: dict[str, ClassReport] = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    """Model-wide notes (e.g. the meta recording run stopped early)."""
+
+    def entry(self, name: str) -> ClassReport:
+        return self.classes.setdefault(name, ClassReport(name))
+
+    def applied_patterns(self) -> list[str]:
+        """Sorted names of the patterns applied to at least one instance."""
+        return sorted({p for c in self.classes.values() for p in c.applied})
+
+    def present_patterns(self) -> list[str]:
+        """Sorted names of patterns the model already had fused."""
+        return sorted({p.split(":")[0] for c in self.classes.values() for p in c.present})
+
+    def skipped(self) -> list[tuple[str, str, str]]:
+        """(class, pattern, reason) for every refusal."""
+        return [(c.name, p, r) for c in self.classes.values() for p, r in c.skipped]
+
+    def __str__(self) -> str:
+        rows = [("module class", "instances", "applied", "skipped (reason)")]
+        for c in self.classes.values():
+            applied = "; ".join(f"{p}: {d}" + (f" x{n}" if n != c.instances else "")
+                                for p, descs in c.applied.items() for d, n in descs.items())
+            applied = "; ".join(x for x in (applied, "; ".join(c.present)) if x) or "-"
+            skipped = "; ".join(f"{p}: {r}" for p, r in c.skipped) or "-"
+            rows.append((c.name, str(c.instances), applied, skipped))
+        widths = [max(len(r[i]) for r in rows[:]) if i < 3 else 0 for i in range(4)]
+        widths = [min(w, 60) for w in widths]
+        lines = ["  ".join(cell.ljust(w) if i < 3 else cell for i, (cell, w) in enumerate(zip(r, widths)))
+                 for r in rows]
+        lines.insert(1, "-" * min(max(len(line) for line in lines), 140))
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+    def diff(self) -> str:
+        """Unified diffs of every rewritten forward, original vs new."""
+        return "".join(c.diff for c in self.classes.values() if c.diff)

@@ -1,0 +1,228 @@
+"""Tensor-parallel sharding of an optimized transformers model, read off the fusion (post-hoc transform).
+
+`shard_model(model, tp_rank, tp_size)` mutates a model already passed through `fxrewrite.optimize`
+(parameters on meta, as the engine builds it, or real: then each new layer is filled from the old
+one through its `weight_loader`). The plan, in order:
+1. fusion: every fused `QKVParallelLinear` becomes column-parallel by heads (kv heads replicated
+   when fewer than ranks) and forces its output projection row-parallel; every fused gate/up
+   `MergedColumnParallelLinear` forces the down projection row-parallel. The partner is the one
+   other plain `nn.Linear` child of the rewritten module that reads the fused layer's width (the
+   attention output, the activation output); none or several: ValueError (fail closed).
+2. the config's `base_model_tp_plan` ("colwise" / "rowwise") for plain linears the fusion left;
+3. the input embedding and LM head become `VocabParallelEmbedding` / `ParallelLMHead` (ties kept);
+4. anything else stays replicated.
+Attention modules need no edit: transformers infers heads from the projection width
+(``view(*shape, -1, head_dim)``) and the paged attention reads Hq / Hkv from the tensors.
+
+`iterate_safetensors_sliced(folder)` yields (name, `LazySlice`): the weight loaders `narrow` it to
+their rank's rows and only those bytes are read (safetensors ``get_slice``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from fxrewrite.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from fxrewrite.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+
+_COLWISE = ("colwise", "local_colwise")
+_ROWWISE = ("rowwise", "local_rowwise")
+
+
+def shard_model(model: nn.Module, tp_rank: int, tp_size: int) -> dict[str, str]:
+    """Shard `model` in place for rank `tp_rank` of `tp_size`; returns {module name: style}.
+
+    Styles: "qkv" / "merged" (fused, column), "colwise", "rowwise", "vocab". Raises ValueError when
+    a fused layer's partner cannot be found or a size does not divide by tp_size.
+    """
+    if tp_size == 1:
+        return {}
+    plan: dict[str, str] = {}
+    modules = dict(model.named_modules())
+    for prefix, module in list(modules.items()):
+        for new, _ in module.__dict__.get("_fxrewrite_shards", ()):
+            _shard_fused(module, prefix, new, tp_rank, tp_size, plan)
+    _apply_tp_plan(model, tp_rank, tp_size, plan)
+    _shard_vocab(model, tp_rank, tp_size, plan)
+    return plan
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _replace(parent: nn.Module, name: str, new: nn.Module, old: nn.Module) -> None:
+    """Put `new` in `parent.name`; fill it from `old` (full tensors) unless `old` is on meta."""
+    old_params = dict(old.named_parameters(recurse=False))
+    for pname, param in new.named_parameters(recurse=False):
+        src = old_params.get(pname)
+        if src is not None and src.device.type != "meta":
+            param.weight_loader(param, src.detach())
+        if src is not None:
+            param.requires_grad_(src.requires_grad)
+    setattr(parent, name, new)
+
+
+def _factory(old: nn.Module) -> dict:
+    return {"params_dtype": old.weight.dtype, "device": old.weight.device}
+
+
+def _shard_fused(module: nn.Module, prefix: str, name: str, tp_rank: int, tp_size: int, plan: dict) -> None:
+    fused = getattr(module, name)
+    tp = {"tp_size": tp_size, "tp_rank": tp_rank}
+    bias = fused.bias is not None
+    if isinstance(fused, QKVParallelLinear):
+        new = QKVParallelLinear(fused.input_size, fused.head_size, fused.total_num_heads, fused.total_num_kv_heads,
+                                bias=bias, **tp, **_factory(fused))
+        width, style = fused.total_num_heads * fused.head_size, "qkv"
+    elif isinstance(fused, MergedColumnParallelLinear):
+        new = MergedColumnParallelLinear(fused.input_size, fused.output_sizes, bias=bias, **tp, **_factory(fused))
+        width, style = fused.output_sizes[0], "merged"
+    else:
+        return
+    partner = _row_partner(module, prefix, name, width)
+    _replace(module, name, new, fused)
+    plan[_join(prefix, name)] = style
+    old = getattr(module, partner)
+    row = RowParallelLinear(old.in_features, old.out_features, bias=old.bias is not None, **tp, **_factory(old))
+    _replace(module, partner, row, old)
+    plan[_join(prefix, partner)] = "rowwise"
+
+
+def _row_partner(module: nn.Module, prefix: str, fused_name: str, width: int) -> str:
+    """The one plain nn.Linear child reading `width` features (what the fused layer's branch produces)."""
+    names = [n for n, c in module.named_children() if type(c) is nn.Linear and c.in_features == width]
+    if len(names) != 1:
+        where = prefix or type(module).__name__
+        raise ValueError(f"cannot shard {where}.{fused_name}: expected exactly one nn.Linear child reading "
+                         f"{width} features to make row-parallel, found {names or 'none'}")
+    return names[0]
+
+
+def _apply_tp_plan(model: nn.Module, tp_rank: int, tp_size: int, plan: dict) -> None:
+    """`base_model_tp_plan` ("colwise"/"rowwise") for plain nn.Linear modules the fusion left."""
+    config = getattr(model, "config", None)
+    base = getattr(model, "base_model", model)
+    tp_plan = getattr(config, "base_model_tp_plan", None) or {}
+    base_prefix = next((n for n, m in model.named_modules() if m is base), "")
+    head_dim = getattr(config, "head_dim", None)
+    for name, module in list(base.named_modules()):
+        full = _join(base_prefix, name)
+        style = next((s for pat, s in tp_plan.items() if fnmatch.fnmatchcase(name, pat)), None)
+        if full in plan or type(module) is not nn.Linear or style not in _COLWISE + _ROWWISE:
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = base.get_submodule(parent_name)
+        tp = {"tp_size": tp_size, "tp_rank": tp_rank, **_factory(module)}
+        if style in _COLWISE:
+            if head_dim and module.out_features % head_dim == 0 and (module.out_features // head_dim) % tp_size:
+                raise ValueError(f"cannot shard {full} column-wise: {module.out_features // head_dim} heads "
+                                 f"over tp_size={tp_size} (enable fusion to replicate kv heads)")
+            new = ColumnParallelLinear(module.in_features, module.out_features, module.bias is not None, **tp)
+        else:
+            new = RowParallelLinear(module.in_features, module.out_features, module.bias is not None, **tp)
+        _replace(parent, child, new, module)
+        plan[full] = "colwise" if style in _COLWISE else "rowwise"
+
+
+def _shard_vocab(model: nn.Module, tp_rank: int, tp_size: int, plan: dict) -> None:
+    """Input embedding -> VocabParallelEmbedding, LM head -> ParallelLMHead (plain ones only)."""
+    get_in = getattr(model, "get_input_embeddings", None)
+    get_out = getattr(model, "get_output_embeddings", None)
+    embed, head = (get_in() if get_in else None), (get_out() if get_out else None)
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    tp = {"tp_size": tp_size, "tp_rank": tp_rank}
+    new_embed = None
+    if type(embed) is nn.Embedding:
+        new_embed = VocabParallelEmbedding(embed.num_embeddings, embed.embedding_dim, **tp, **_factory(embed))
+        _put(model, names[id(embed)], new_embed, embed)
+        plan[names[id(embed)]] = "vocab"
+    if type(head) is nn.Linear:
+        tied = embed is not None and head.weight is embed.weight
+        new_head = ParallelLMHead(head.out_features, head.in_features, bias=head.bias is not None, **tp,
+                                  **_factory(head))
+        if tied and new_embed is not None:
+            new_head.weight = new_embed.weight
+            setattr(_parent(model, names[id(head)]), names[id(head)].rpartition(".")[2], new_head)
+        else:
+            _put(model, names[id(head)], new_head, head)
+        plan[names[id(head)]] = "vocab"
+
+
+def _parent(model: nn.Module, name: str) -> nn.Module:
+    return model.get_submodule(name.rpartition(".")[0])
+
+
+def _put(model: nn.Module, name: str, new: nn.Module, old: nn.Module) -> None:
+    _replace(_parent(model, name), name.rpartition(".")[2], new, old)
+
+
+class LazySlice:
+    """A safetensors tensor not read yet. `narrow` composes; any torch op on it (``param.copy_(x)``)
+    reads just the narrowed region. `shape` / `dim()` / `size()` need no read."""
+
+    def __init__(self, sliceable, shape: tuple[int, ...], ranges: tuple[tuple[int, int], ...] | None = None):
+        self._sliceable = sliceable
+        self._ranges = ranges or tuple((0, n) for n in shape)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(n for _, n in self._ranges)
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self.shape[dim]
+
+    def dim(self) -> int:
+        return len(self._ranges)
+
+    def narrow(self, dim: int, start: int, length: int) -> LazySlice:
+        dim = dim % self.dim()
+        begin, size = self._ranges[dim]
+        if start < 0 or length < 0 or start + length > size:
+            raise ValueError(f"narrow({dim}, {start}, {length}) is outside a dimension of size {size}")
+        ranges = list(self._ranges)
+        ranges[dim] = (begin + start, length)
+        return LazySlice(self._sliceable, (), tuple(ranges))
+
+    def materialize(self) -> torch.Tensor:
+        """Read the region from the file (a real CPU tensor)."""
+        return self._sliceable[tuple(slice(b, b + n) for b, n in self._ranges)]
+
+    def __getattr__(self, name: str):  # anything else: read, then behave as the tensor
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.materialize(), name)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        real = tree_map(lambda a: a.materialize() if isinstance(a, LazySlice) else a, (args, kwargs or {}))
+        return func(*real[0], **real[1])
+
+
+def iterate_safetensors_sliced(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor | LazySlice]]:
+    """(name, LazySlice) for every tensor of every *.safetensors file (0-d tensors read whole).
+
+    The file stays open while the consumer holds the item. FileNotFoundError if there is none.
+    """
+    from safetensors import safe_open
+
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {model_path}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                sl = f.get_slice(name)
+                shape = tuple(sl.get_shape())
+                yield name, (LazySlice(sl, shape) if shape else f.get_tensor(name))

@@ -1,0 +1,387 @@
+"""All-leaf fx tracer over meta tensors: one dataflow graph per module class, for pattern matching.
+
+Two steps:
+1. `record_inputs(model)` runs the whole model once on the meta device (every parameter and
+   buffer swapped for a meta twin with `torch.func.functional_call`; nothing is computed or
+   moved) and records, for the first instance of each module class, the arguments its `forward`
+   received. This is how the tracer knows real shapes without knowing the architecture.
+2. `trace(module, args, kwargs)` runs `type(module).forward` under `torch.fx` with every child
+   module a leaf (`call_module` node), every tensor value carried as a meta tensor in
+   ``node.meta["val"]``. Shapes, dtypes and devices come back as plain Python values, so
+   `.shape`, `len()`, unpacking and `.view(*shape)` work; the graph is specialised to them and is
+   only ever inspected, never run. The attention call is one leaf (`attention`), and functions
+   defined in the module's own source file (such as `apply_rotary_pos_emb`) are leaves too, so a
+   pattern can point at the call in the source. When a statement cannot be traced, the graph
+   built so far is kept and `Traced.error` says where and why.
+
+Nothing here knows any pattern or model (design rule: tracer and source never import patterns).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import traceback
+import types
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.func import functional_call
+from torch.fx.node import map_aggregate
+
+_TENSOR_PROPERTIES = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "is_meta", "layout"})
+_STATIC_METHODS = frozenset({"size", "dim", "numel", "is_floating_point", "is_contiguous", "get_device"})
+_STATIC_TYPES = (int, float, bool, str, torch.dtype, torch.device, torch.Size, type(None))
+_UNKNOWN = "<unknown>"  # meta value of a node whose value could not be computed
+
+
+class TraceFailure(RuntimeError):
+    """A statement needs a value the tracer does not have (data-dependent or unknown)."""
+
+
+@dataclasses.dataclass
+class Traced:
+    """The fx graph of one module class, traced through its first instance."""
+
+    module: nn.Module
+    """The instance that was traced (its values are read only for shapes)."""
+    graph: fx.Graph
+    """Nodes in program order; ``node.meta["val"]`` holds meta tensors / Python values."""
+    error: str | None = None
+    """None for a complete trace; else "file:line: message" of the first untraceable statement."""
+
+    @property
+    def partial(self) -> bool:
+        return self.error is not None
+
+
+def attention(module: Any, query, key, value, attention_mask, **kwargs):
+    """Stand-in for transformers' attention functions while tracing: one leaf node.
+
+    query [B, Hq, S, D], value [B, Hkv, S_kv, Dv] -> (out [B, S, Hq, Dv], None), the layout every
+    transformers attention function returns. Only shapes are produced (meta tensors).
+    """
+    tracer = _proxy_tracer((query, key, value, attention_mask, kwargs))
+    if tracer is not None:
+        return tracer.create_proxy("call_function", attention, ("self", query, key, value, attention_mask), kwargs)
+    b, h, s, _ = query.shape
+    out = torch.empty((b, s, h, value.shape[-1]), dtype=query.dtype, device="meta")
+    return out, None
+
+
+def _proxy_tracer(obj) -> fx.Tracer | None:
+    found: list[fx.Proxy] = []
+    map_aggregate(obj, lambda a: found.append(a) if isinstance(a, fx.Proxy) else None)
+    return found[0].tracer if found else None
+
+
+@contextlib.contextmanager
+def attention_as_leaf() -> Iterator[None]:
+    """Route transformers' attention registry lookups to `attention` while tracing."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ALL_ATTENTION_FUNCTIONS.get_interface = lambda *args, **kwargs: attention
+    try:
+        yield
+    finally:
+        del ALL_ATTENTION_FUNCTIONS.get_interface
+
+
+def to_meta(value):
+    """Tensors -> meta tensors of the same shape/dtype (recursively); other values unchanged."""
+    def convert(t):
+        if isinstance(t, torch.Tensor) and not isinstance(t, fx.Proxy) and not t.is_meta:
+            return torch.empty_like(t, device="meta")
+        return t
+    return map_aggregate(value, convert)
+
+
+def run_on_meta(module: nn.Module, args, kwargs, keep: frozenset = frozenset()):
+    """Call `module` with every parameter and buffer replaced by a meta twin (no data touched).
+
+    Buffers named in `keep` stay real (see `_buffer_modules_on_cpu`).
+    """
+    state = {name: to_meta(t) for name, t in module.named_parameters(remove_duplicate=False)}
+    state.update({name: to_meta(t) for name, t in module.named_buffers(remove_duplicate=False) if name not in keep})
+    return functional_call(module, state, tuple(args), dict(kwargs), tie_weights=False, strict=False)
+
+
+def record_inputs(model: nn.Module, seq_len: int = 5, example_inputs: tuple | None = None
+                  ) -> tuple[dict[type, tuple], str | None]:
+    """Run `model` on meta inputs; return ({class: (instance, args, kwargs)}, error).
+
+    Default inputs are a causal LM's: input_ids [1, seq_len] (and an all-ones attention mask);
+    `example_inputs` = (args, kwargs) replaces them (tensors are turned into meta tensors).
+    The first call of each class is kept. `error` is the exception text when the run stopped
+    early (what was recorded before it is still returned).
+    """
+    records: dict[type, tuple] = {}
+
+    def hook(module, args, kwargs):
+        records.setdefault(type(module), (module, args, dict(kwargs)))
+
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules()]
+    input_ids = torch.zeros((1, seq_len), dtype=torch.long, device="meta")
+    args, kwargs = example_inputs or ((), {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
+                                           "use_cache": False})
+    error = None
+    try:
+        with attention_as_leaf(), _eager_masks(model), _buffer_modules_run_real(model) as keep, torch.no_grad():
+            run_on_meta(model, to_meta(tuple(args)), to_meta(dict(kwargs)), keep)
+    except Exception as e:  # noqa: BLE001 - any failure just ends the recording
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        for handle in handles:
+            handle.remove()
+    return records, error
+
+
+@contextlib.contextmanager
+def _buffer_modules_run_real(model: nn.Module) -> Iterator[frozenset]:
+    """Let parameter-free modules with real buffers (rotary tables) run for real when meta fails.
+
+    Such a module (dynamic RoPE compares positions, which meta tensors cannot) is called with
+    zeros of the recorded shapes on its buffers' device, and its outputs turned into meta
+    tensors: only shapes matter here. Yields the buffer names to keep real during the run.
+    """
+    keep, patched = set(), []
+    for prefix, module in model.named_modules():
+        buffers = [b for b in module.buffers()]
+        if any(True for _ in module.parameters()) or not buffers or any(b.is_meta for b in buffers):
+            continue
+        keep.update(f"{prefix}.{n}" if prefix else n for n, _ in module.named_buffers())
+        device = buffers[0].device
+
+        def forward(*args, __forward=module.forward, __device=device, **kwargs):
+            def real(t):
+                return torch.zeros(t.shape, dtype=t.dtype, device=__device) if isinstance(t, torch.Tensor) else t
+            return to_meta(__forward(*map_aggregate(args, real), **map_aggregate(kwargs, real)))
+
+        had = "forward" in module.__dict__
+        patched.append((module, had, module.__dict__.get("forward")))
+        module.forward = forward
+    try:
+        yield frozenset(keep)
+    finally:
+        for module, had, old in patched:
+            if had:
+                module.forward = old
+            else:
+                del module.forward
+
+
+@contextlib.contextmanager
+def _eager_masks(model: nn.Module) -> Iterator[None]:
+    """Build masks the eager way during recording (a serving backend's mask hook needs its context)."""
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
+               and hasattr(c, "_attn_implementation_internal")}
+    saved = {key: c.__dict__.get("_attn_implementation_internal") for key, c in configs.items()}
+    for c in configs.values():
+        c.__dict__["_attn_implementation_internal"] = "eager"
+    try:
+        yield
+    finally:
+        for key, c in configs.items():
+            c.__dict__["_attn_implementation_internal"] = saved[key]
+
+
+class MetaProxy(fx.Proxy):
+    """An fx Proxy that answers shape questions from its meta value."""
+
+    def __getattr__(self, name: str):
+        val = self.node.meta.get("val")
+        if name in _TENSOR_PROPERTIES and isinstance(val, torch.Tensor):
+            return getattr(val, name)
+        return super().__getattr__(name)
+
+    def __len__(self) -> int:
+        val = self.node.meta.get("val")
+        if isinstance(val, (tuple, list, torch.Tensor)):
+            return len(val)
+        raise TraceFailure(f"len() of {self.node.name}, whose value is unknown")
+
+    def __iter__(self):
+        return iter([self[i] for i in range(len(self))])
+
+    def __bool__(self) -> bool:
+        raise TraceFailure(f"control flow depends on the value of {self.node.name}")
+
+    def keys(self):
+        raise TraceFailure(f"** unpacking of {self.node.name}")
+
+
+class AllLeafTracer(fx.Tracer):
+    """fx Tracer where every child module is a leaf and values are meta tensors (see module doc)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._executing = 0  # > 0 while computing a meta value: run code for real, trace nothing
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return True
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return MetaProxy(node, self)
+
+    def call_module(self, m, forward, args, kwargs):
+        if self._executing:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        if self._executing:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+    def create_arg(self, a):
+        if a is self.root:
+            return "self"
+        try:
+            return super().create_arg(a)
+        except (NotImplementedError, RuntimeError, TypeError):
+            return f"<{type(a).__name__}>"  # opaque object: kept as a label, never a dataflow edge
+
+    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+        val = self._meta_value(kind, target, args, kwargs)
+        if kind in ("call_function", "call_method") and _is_static(val):
+            return val  # shape arithmetic folds to constants
+        proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+        proxy.node.meta["val"] = val
+        return proxy
+
+    def _meta_value(self, kind, target, args, kwargs):
+        if kind == "get_attr":
+            self._executing += 1
+            try:
+                return to_meta(_fetch_attr(self.root, target))
+            finally:
+                self._executing -= 1
+        if kind not in ("call_function", "call_method", "call_module"):
+            return _UNKNOWN
+        unknown = []
+        margs, mkwargs = map_aggregate((args, kwargs), lambda a: _value_of(a, unknown))
+        if unknown:
+            return _UNKNOWN
+        self._executing += 1
+        try:
+            if kind == "call_function":
+                return target(*margs, **mkwargs)
+            if kind == "call_method":
+                return getattr(margs[0], target)(*margs[1:], **mkwargs)
+            return run_on_meta(self.root.get_submodule(target), margs, mkwargs)
+        except Exception:  # noqa: BLE001 - an op that fails on meta just has an unknown value
+            return _UNKNOWN
+        finally:
+            self._executing -= 1
+
+    def create_args_for_root(self, root_fn, is_module, concrete_args=None):
+        args, kwargs = concrete_args  # (args, kwargs) recorded for this instance
+
+        def placeholder(name, value):
+            if not _holds_tensor(value):
+                return value  # None, flags, caches, configs: traced as constants
+            proxy = self.create_proxy("placeholder", name, (), {})
+            proxy.node.meta["val"] = to_meta(value)
+            return proxy
+
+        params = list(inspect.signature(inspect.unwrap(root_fn)).parameters.values())
+        pos = [placeholder(params[i + 1].name if i + 1 < len(params) else f"arg{i}", a) for i, a in enumerate(args)]
+        kw = {k: placeholder(k, v) for k, v in kwargs.items()}
+        return (lambda root: root_fn(root, *pos, **kw)), [self.root]
+
+
+def _fetch_attr(root: nn.Module, target: str):
+    obj = root
+    for atom in target.split("."):
+        obj = getattr(obj, atom)
+    return obj
+
+
+def _value_of(a, unknown: list):
+    if isinstance(a, fx.Proxy):
+        val = a.node.meta.get("val", _UNKNOWN)
+        if isinstance(val, str) and val == _UNKNOWN:
+            unknown.append(a)
+        return val
+    return to_meta(a)
+
+
+def _holds_tensor(value) -> bool:
+    found: list = []
+    map_aggregate(value, lambda a: found.append(a) if isinstance(a, torch.Tensor) else None)
+    return bool(found)
+
+
+def _is_static(val) -> bool:
+    if isinstance(val, (tuple, list)):
+        return all(_is_static(v) for v in val)
+    return isinstance(val, _STATIC_TYPES) and not (isinstance(val, str) and val == _UNKNOWN)
+
+
+@contextlib.contextmanager
+def _local_functions_as_leaves(cls: type, tracer: AllLeafTracer) -> Iterator[None]:
+    """Make plain functions defined in the file of `cls.forward` leaf calls while tracing.
+
+    The module's globals are patched for the duration of the trace and restored after.
+    """
+    fn = inspect.unwrap(cls.forward)
+    namespace = fn.__globals__
+    module_name = namespace.get("__name__")
+    originals = {k: v for k, v in namespace.items()
+                 if isinstance(v, types.FunctionType) and v.__module__ == module_name}
+
+    def leaf(original):
+        def call(*args, **kwargs):
+            if _proxy_tracer((args, kwargs)) is tracer and not tracer._executing:
+                return tracer.create_proxy("call_function", original, args, kwargs)
+            return original(*args, **kwargs)
+        return call
+
+    namespace.update({k: leaf(v) for k, v in originals.items()})
+    try:
+        yield
+    finally:
+        namespace.update(originals)
+
+
+def _error_location(exc: BaseException, cls: type) -> str:
+    try:
+        filename = inspect.getsourcefile(inspect.unwrap(cls.forward))
+    except TypeError:
+        filename = None
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == filename]
+    where = f"{frames[-1].filename}:{frames[-1].lineno}: " if frames else ""
+    return f"{where}{type(exc).__name__}: {exc}"
+
+
+_CACHE: dict[type, Traced] = {}
+
+
+def trace(module: nn.Module, args: tuple = (), kwargs: dict | None = None, *, use_cache: bool = True) -> Traced:
+    """Trace `type(module).forward` called with the recorded `args`/`kwargs` (tensors may be meta).
+
+    Cached per class. Never raises for an untraceable forward: the partial graph comes back with
+    `Traced.error` set.
+    """
+    cls = type(module)
+    if use_cache and cls in _CACHE:
+        return _CACHE[cls]
+    tracer = AllLeafTracer()
+    error = None
+    with attention_as_leaf(), _local_functions_as_leaves(cls, tracer), torch.no_grad():
+        try:
+            tracer.trace(module, concrete_args=(tuple(args), dict(kwargs or {})))
+        except Exception as e:  # noqa: BLE001 - keep the partial graph, say where it stopped
+            error = _error_location(e, cls)
+    traced = Traced(module=module, graph=tracer.graph, error=error)
+    if use_cache:
+        _CACHE[cls] = traced
+    return traced
+
+
+def clear_cache() -> None:
+    """Forget traced graphs (tests; or after editing a class's source)."""
+    _CACHE.clear()

@@ -1,0 +1,133 @@
+"""Weights in Hugging Face names for fused models.
+
+Fused parameters (``qkv_proj.weight``, ``gate_up_proj.weight``...) map back to the original
+ones through each pattern's `shards`, recorded on the rewritten module as
+``_fxrewrite_shards = [(new_child, [(old_child, shard_id), ...]), ...]``. From that one table:
+- `install_hf_name_hooks` makes ``model.state_dict()`` split fused tensors into the HF names
+  (so ``save_pretrained`` output loads into a stock model) and ``load_state_dict`` merge HF
+  tensors into fused ones (so stock checkpoints load into the optimized model);
+- `load_hf_weights` loads an iterable of (HF name, tensor) through each parameter's
+  ``weight_loader`` (q/k/v and gate/up as shards), as the serving engine's loader does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+_SHARDS = "_fxrewrite_shards"
+_HOOKED = "_fxrewrite_hf_hooks"
+
+
+def _join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+def _sizes(fused: nn.Module) -> list[int]:
+    return list(getattr(fused, "output_sizes_per_partition", None) or fused.output_sizes)
+
+
+def shard_map(model: nn.Module) -> dict[str, tuple[str, Any]]:
+    """{HF parameter name: (fused parameter name, shard id)} over the whole model."""
+    out: dict[str, tuple[str, Any]] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for new, olds in module.__dict__.get(_SHARDS, ()):
+            fused = module.get_submodule(new)
+            for pname, _ in fused.named_parameters(recurse=False):
+                for old, sid in olds:
+                    out[_join(prefix, old, pname)] = (_join(prefix, new, pname), sid)
+    return out
+
+
+def _split_hook(module, state_dict, prefix, local_metadata) -> None:
+    for new, olds in module.__dict__.get(_SHARDS, ()):
+        sizes = _sizes(module.get_submodule(new))
+        for pname in ("weight", "bias"):
+            key = f"{prefix}{new}.{pname}"
+            if key in state_dict:
+                parts = state_dict.pop(key).split(sizes, dim=0)
+                for (old, _), part in zip(olds, parts):
+                    state_dict[f"{prefix}{old}.{pname}"] = part
+
+
+def _merge_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    for new, olds in module.__dict__.get(_SHARDS, ()):
+        for pname in ("weight", "bias"):
+            keys = [f"{prefix}{old}.{pname}" for old, _ in olds]
+            if all(k in state_dict for k in keys):
+                state_dict[f"{prefix}{new}.{pname}"] = torch.cat([state_dict.pop(k) for k in keys], dim=0)
+
+
+def install_hf_name_hooks(model: nn.Module) -> None:
+    """Register the split/merge state-dict hooks on every rewritten module (idempotent)."""
+    for module in model.modules():
+        if module.__dict__.get(_SHARDS) and not module.__dict__.get(_HOOKED):
+            module.register_state_dict_post_hook(_split_hook)
+            module.register_load_state_dict_pre_hook(_merge_hook)
+            module.__dict__[_HOOKED] = True
+
+
+def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, loaded_shard_id=None) -> None:
+    """Copy a whole tensor; ValueError on a shape mismatch (names both shapes)."""
+    if tuple(param.shape) != tuple(loaded_weight.shape):
+        raise ValueError(f"checkpoint shape {tuple(loaded_weight.shape)} != parameter shape {tuple(param.shape)}")
+    if param.device.type != "meta":
+        with torch.no_grad():
+            param.copy_(loaded_weight)
+
+
+def _loader(model: nn.Module, name: str, param: torch.Tensor):
+    """The parameter's `weight_loader`, else its module's (lost when a parameter was re-created)."""
+    loader = getattr(param, "weight_loader", None)
+    if loader is None:
+        owner = model.get_submodule(name.rpartition(".")[0])
+        loader = getattr(owner, "weight_loader", None)
+    return loader if callable(loader) else default_weight_loader
+
+
+def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Load (HF name, tensor) pairs into `model` (optimized or not); returns the model's names loaded.
+
+    HF names of fused parts (``...q_proj.weight``) go to the fused parameter's `weight_loader`
+    with their shard id; other names load whole (through `weight_loader` when the parameter has
+    one). Persistent buffers load too. Names the model does not have are skipped (compare the
+    returned set with ``dict(model.named_parameters())`` to check completeness). Parameters must
+    be materialised (not meta) for values to land.
+    """
+    shards = shard_map(model)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if name in shards:
+            target, shard_id = shards[name]
+            _loader(model, target, params[target])(params[target], tensor, shard_id)
+        elif name in params:
+            target = name
+            _loader(model, target, params[name])(params[name], tensor)
+        elif name in buffers:
+            target = name
+            default_weight_loader(buffers[name], tensor)
+        else:
+            continue
+        loaded.add(target)
+    return loaded
+
+
+def to_hf_names(model: nn.Module, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Map {model name: tensor shaped like that parameter} (grads, optimizer state...) to HF names.
+
+    Fused tensors are split along dim 0 into their original parts; other names pass through.
+    """
+    out = dict(named)
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for new, olds in module.__dict__.get(_SHARDS, ()):
+            sizes = _sizes(module.get_submodule(new))
+            for pname in ("weight", "bias"):
+                key = _join(prefix, new, pname)
+                if key in out:
+                    for (old, _), part in zip(olds, out.pop(key).split(sizes, dim=0)):
+                        out[_join(prefix, old, pname)] = part
+    return out

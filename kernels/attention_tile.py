@@ -1,0 +1,48 @@
+"""One key/value tile of paged attention with an online softmax: the loop body that the decode
+and prefill kernels share (``@triton.jit`` helper, inlined by triton).
+
+Scores live in the log2 domain (``exp2``): ``s = log2(e) * scale * q·k`` (or the soft-capped
+``log2(e) * cap * tanh(scale * q·k / cap)``); ``m`` is the running row max and ``l`` the running
+sum of ``exp2(s - m)``, both float32 (FlashAttention-2's recurrence).
+"""
+
+from __future__ import annotations
+
+from fxrewrite.kernels.triton_utils import tl, triton
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def attention_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row_ptr, n0, end, q_pos, kvh, scale, soft_cap,
+                   sliding_window, block_size, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, offs_d, d_mask,
+                   BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                   HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold keys [n0, min(n0 + BLOCK_N, end)) into (m_i, l_i, acc); q is [M, BLOCK_D]."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    n_mask = pos < end
+    blk = tl.load(bt_row_ptr + pos // block_size, mask=n_mask, other=0).to(tl.int64)
+    slot = pos % block_size
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(kc_ptr + blk[:, None] * kc_s0 + slot[:, None] * kc_s1 + kvh * kc_s2 + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if HAS_SOFTCAP:
+        s = s * scale
+        s = soft_cap * (2.0 * tl.sigmoid(2.0 * s / soft_cap) - 1.0) * 1.4426950408889634
+    else:
+        s = s * (scale * 1.4426950408889634)
+    visible = n_mask[None, :]
+    if MASK_CAUSAL:
+        visible = visible & (pos[None, :] <= q_pos[:, None])
+    if HAS_WINDOW:
+        visible = visible & (pos[None, :] > q_pos[:, None] - sliding_window)
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(vc_ptr + blk[:, None] * vc_s0 + slot[:, None] * vc_s1 + kvh * vc_s2 + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc

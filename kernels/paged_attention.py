@@ -1,0 +1,151 @@
+"""Varlen causal attention over a paged KV cache (decode and prefill), GQA, sliding window, soft cap.
+
+Batch layout (vLLM's): the T query tokens of B sequences are flattened, sequence b owning rows
+``query_start_loc[b]:query_start_loc[b+1]``. Its ``seq_lens[b]`` context tokens (cached prefix +
+this step's tokens, already written with ``reshape_and_cache``) live in the blocks
+``block_tables[b]``. Query token i of sequence b sits at position ``seq_lens[b] - q_len_b + i``
+and sees keys at positions p <= its own, and p > pos - sliding_window when a window is set
+(transformers' sliding-window mask). Scores are ``scale * q·k``, then
+``soft_cap * tanh(scores / soft_cap)`` when soft_cap is set (Gemma 2); softmax in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fxrewrite.kernels import use_triton
+
+__all__ = ["paged_attention", "paged_attention_ref"]
+
+
+def check_paged_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc) -> None:
+    """Shape checks shared by the reference and the kernels; ValueError naming the bad shape."""
+    if query.dim() != 3:
+        raise ValueError(f"paged_attention: query shape {tuple(query.shape)}; expected [T, Hq, D]")
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(f"paged_attention: caches {tuple(key_cache.shape)} / {tuple(value_cache.shape)}; "
+                         "expected equal [num_blocks, block_size, Hkv, D]")
+    num_kv_heads, head_size = key_cache.shape[2], key_cache.shape[3]
+    if query.shape[2] != head_size or query.shape[1] % num_kv_heads:
+        raise ValueError(f"paged_attention: query {tuple(query.shape)} vs cache heads {num_kv_heads} x "
+                         f"{head_size}; expected the same head_size and Hq a multiple of Hkv")
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_seqs + 1 or block_tables.shape[0] < num_seqs:
+        raise ValueError(f"paged_attention: {num_seqs} seq_lens, {query_start_loc.shape[0]} query_start_loc "
+                         f"entries, {block_tables.shape[0]} block table rows; expected B, B+1, >= B")
+
+
+def check_last_dim_contiguous(*tensors: torch.Tensor) -> None:
+    """The kernels index the head dim with unit stride."""
+    for t in tensors:
+        if t.stride(-1) != 1:
+            raise ValueError(f"paged_attention: a tensor of shape {tuple(t.shape)} has stride {t.stride()}; "
+                             "expected a contiguous last (head) dim")
+
+
+def _attend_one(q, k, v, q_pos, k_pos, scale, sliding_window, soft_cap):
+    """q [Lq, Hq, D], k/v [Lk, Hkv, D] -> [Lq, Hq, D] in float32 (GQA without copying k/v)."""
+    num_kv_heads = k.shape[1]
+    lq, hq, d = q.shape
+    qg = q.float().view(lq, num_kv_heads, hq // num_kv_heads, d).permute(1, 2, 0, 3)
+    kt = k.float().permute(1, 2, 0).unsqueeze(1)  # [Hkv, 1, D, Lk]
+    scores = torch.matmul(qg, kt) * scale  # [Hkv, G, Lq, Lk]
+    if soft_cap is not None:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
+    visible = k_pos[None, :] <= q_pos[:, None]
+    if sliding_window is not None:
+        visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no key -> 0
+    out = torch.matmul(probs, v.float().permute(1, 0, 2).unsqueeze(1))  # [Hkv, G, Lq, D]
+    return out.permute(2, 0, 1, 3).reshape(lq, hq, d)
+
+
+# Decode steps of up to this many gathered key elements run as one batched matmul in the reference.
+_BATCHED_DECODE_ELEMENTS = 1 << 24
+
+
+def _decode_ref_batched(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                        scale, sliding_window, soft_cap):
+    """All sequences at once when each has at most one query token (keys padded to the longest)."""
+    num_seqs, block_size = seq_lens.shape[0], key_cache.shape[1]
+    lens = seq_lens.long()
+    max_len = max(1, int(lens.max()))
+    tables = block_tables[:num_seqs, : -(-max_len // block_size)].long().clamp(0, key_cache.shape[0] - 1)
+    pos = torch.arange(max_len, device=query.device)
+    visible = pos[None] < lens[:, None]
+    if sliding_window is not None:
+        visible &= pos[None] > lens[:, None] - 1 - sliding_window
+    # Zero the padding so garbage (even NaN) in unused slots cannot leak through 0 * NaN.
+    k = key_cache[tables].flatten(1, 2)[:, :max_len].float().masked_fill(~visible[..., None, None], 0.0)
+    v = value_cache[tables].flatten(1, 2)[:, :max_len].float().masked_fill(~visible[..., None, None], 0.0)
+    starts = query_start_loc.long()
+    has_q = starts[1:] > starts[:-1]
+    rows = starts[:-1].clamp(max=max(query.shape[0] - 1, 0))
+    num_kv_heads, (num_heads, head_dim) = k.shape[2], query.shape[1:]
+    q = query[rows].float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.einsum("bhgd,blhd->bhgl", q, k) * scale
+    if soft_cap is not None:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    out = torch.zeros_like(query)
+    o = torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(num_seqs, num_heads, head_dim)
+    out[rows[has_q]] = o[has_q].to(query.dtype)
+    return out
+
+
+def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                        max_query_len: int, max_seq_len: int, scale: float,
+                        sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+    """Torch reference: one masked float32 attention per sequence over its gathered blocks.
+
+    query [T, Hq, D]; key_cache/value_cache [num_blocks, block_size, Hkv, D]; block_tables int
+    [B, max_blocks]; seq_lens int [B]; query_start_loc int [B+1]; returns [T, Hq, D] in
+    query's dtype (rows of padding tokens outside every sequence, and rows that see no key, are 0).
+    ``max_query_len``/``max_seq_len`` must bound the batch's (decode batches of at most
+    2**24 gathered key elements run as one batched matmul). ValueError on bad shapes.
+    """
+    check_paged_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+    num_seqs, (_, block_size, num_kv_heads, head_dim) = seq_lens.shape[0], key_cache.shape
+    if max_query_len == 1 and num_seqs * max_seq_len * num_kv_heads * head_dim <= _BATCHED_DECODE_ELEMENTS:
+        return _decode_ref_batched(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                                   scale, sliding_window, soft_cap)
+    out = torch.zeros_like(query)
+    starts = query_start_loc.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        q_start, q_end = starts[b], starts[b + 1]
+        q_len = q_end - q_start
+        if q_len <= 0:
+            continue
+        if seq_len < q_len:
+            raise ValueError(f"paged_attention: sequence {b} has seq_len {seq_len} < its {q_len} query tokens")
+        num_blocks = -(-seq_len // block_size)
+        blocks = block_tables[b, :num_blocks].long()
+        k = key_cache[blocks].flatten(0, 1)[:seq_len]
+        v = value_cache[blocks].flatten(0, 1)[:seq_len]
+        k_pos = torch.arange(seq_len, device=query.device)
+        q_pos = k_pos[seq_len - q_len:]
+        o = _attend_one(query[q_start:q_end], k, v, q_pos, k_pos, scale, sliding_window, soft_cap)
+        out[q_start:q_end] = o.to(query.dtype)
+    return out
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                    max_query_len: int, max_seq_len: int, scale: float,
+                    sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+    """Paged attention; on CUDA the decode kernel (split-K) when ``max_query_len == 1``, else the
+    varlen prefill kernel; on CPU :func:`paged_attention_ref`. Same contract as the reference."""
+    args = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+            max_query_len, max_seq_len, scale, sliding_window, soft_cap)
+    if not use_triton(query):
+        return paged_attention_ref(*args)
+    if max_query_len == 1:
+        from fxrewrite.kernels.paged_decode import paged_decode_triton
+
+        return paged_decode_triton(*args)
+    from fxrewrite.kernels.paged_prefill import paged_prefill_triton
+
+    return paged_prefill_triton(*args)

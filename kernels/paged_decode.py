@@ -1,0 +1,139 @@
+"""Paged-attention decode kernel (one query token per sequence) with split-K over long contexts.
+
+Grid (sequence, kv head, split): each program loads the G = Hq/Hkv query heads that share its
+kv head as one [G, D] tile (GQA: every cached key/value is read once per kv head), walks its
+partition of the context through the block table, and keeps an online softmax (running max m,
+sum l). With one split it writes the output directly; otherwise it writes normalised partial
+outputs with (m, l) and :func:`_reduce_kernel` merges them (the flash-decoding scheme).
+Semantics and arguments: :mod:`fxrewrite.kernels.paged_attention`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fxrewrite.kernels.attention_tile import attention_tile
+from fxrewrite.kernels.paged_attention import check_last_dim_contiguous, check_paged_args
+from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
+
+__all__ = ["paged_decode_triton"]
+
+# Programs wanted in flight (about 2 per SM on an H100/H200); splits only fill the GPU.
+_TARGET_PROGRAMS = 264
+_MIN_PARTITION = 256
+
+
+@triton.jit
+def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, part_ptr, ml_ptr,
+                   scale, soft_cap, sliding_window, block_size, partition, num_splits,
+                   q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0, o_s0, o_s1,
+                   G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                   HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    tok = tl.load(qsl_ptr + seq)
+    if tl.load(qsl_ptr + seq + 1) > tok:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        heads = kvh * G + offs_g
+        gd_mask = (offs_g[:, None] < G) & (offs_d[None, :] < HEAD_DIM)
+        q = tl.load(q_ptr + tok.to(tl.int64) * q_s0 + heads[:, None] * q_s1 + offs_d[None, :], mask=gd_mask, other=0.0)
+        start = split * partition
+        end = tl.minimum(start + partition, seq_len)
+        if HAS_WINDOW:
+            start = tl.maximum(start, seq_len - sliding_window)
+        m_i = tl.zeros([BLOCK_G], dtype=tl.float32) - 1.0e30
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+        bt_row = bt_ptr + seq.to(tl.int64) * bt_s0
+        for n0 in range(start, end, BLOCK_N):
+            # Every key below seq_len is causal for the last token; the window is in `start`.
+            m_i, l_i, acc = attention_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, n0, end, m_i, kvh, scale,
+                                           soft_cap, sliding_window, block_size, kc_s0, kc_s1, kc_s2,
+                                           vc_s0, vc_s1, vc_s2, offs_d, offs_d < HEAD_DIM, BLOCK_N, False,
+                                           HAS_SOFTCAP, False, DOT_PRECISION)
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        if not IS_SPLIT:
+            tl.store(out_ptr + tok.to(tl.int64) * o_s0 + heads[:, None] * o_s1 + offs_d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=gd_mask)
+        else:
+            # partials: [T, Hq, num_splits, BLOCK_D] float32; ml: [T, Hq, num_splits, 2] (m, l)
+            row = (tok.to(tl.int64) * (G * tl.num_programs(1)) + heads) * num_splits + split
+            tl.store(part_ptr + row[:, None] * BLOCK_D + offs_d[None, :], out, mask=gd_mask)
+            tl.store(ml_ptr + row * 2, m_i, mask=offs_g < G)
+            tl.store(ml_ptr + row * 2 + 1, l_i, mask=offs_g < G)
+
+
+@triton.jit
+def _reduce_kernel(qsl_ptr, out_ptr, part_ptr, ml_ptr, o_s0, o_s1, num_heads, num_splits,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_S: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    tok = tl.load(qsl_ptr + seq)
+    if tl.load(qsl_ptr + seq + 1) > tok:
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, BLOCK_D)
+        s_mask = offs_s < num_splits
+        row = (tok.to(tl.int64) * num_heads + head) * num_splits + offs_s
+        m = tl.load(ml_ptr + row * 2, mask=s_mask, other=-1.0e30)
+        l = tl.load(ml_ptr + row * 2 + 1, mask=s_mask, other=0.0)
+        w = tl.exp2(m - tl.max(m, axis=0)) * l  # m is in the log2 domain
+        parts = tl.load(part_ptr + row[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+        total = tl.sum(w, axis=0)
+        out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+        tl.store(out_ptr + tok.to(tl.int64) * o_s0 + head * o_s1 + offs_d, out.to(out_ptr.dtype.element_ty),
+                 mask=offs_d < HEAD_DIM)
+
+
+def _num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int) -> tuple[int, int]:
+    """(splits, partition tokens): enough programs to fill the GPU, partitions >= _MIN_PARTITION.
+    Depends only on host ints, so a CUDA graph captured with max_seq_len stays valid."""
+    max_splits = max(1, -(-max_seq_len // _MIN_PARTITION))
+    splits = min(max_splits, max(1, -(-_TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads))))
+    partition = -(-max(1, max_seq_len) // splits)
+    partition = -(-partition // block_n) * block_n
+    return -(-max(1, max_seq_len) // partition), partition
+
+
+def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                        max_query_len, max_seq_len, scale, sliding_window=None, soft_cap=None,
+                        *, block_n: int = 64, num_splits: int | None = None, num_warps: int = 4,
+                        num_stages: int = 2):
+    """Decode launch (every sequence has at most one query token). ``max_seq_len`` must bound every
+    seq_len (it sizes the split-K grid). Keyword-only knobs are for tests and the benchmark."""
+    check_paged_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+    if max_query_len > 1:
+        raise ValueError(f"paged_decode_triton: max_query_len={max_query_len}; expected 1 (use the prefill kernel)")
+    check_last_dim_contiguous(query, key_cache, value_cache)
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs, num_kv_heads = seq_lens.shape[0], key_cache.shape[2]
+    out = torch.zeros_like(query)
+    if num_seqs == 0 or num_tokens == 0:
+        return out
+    splits, partition = _num_splits(num_seqs, num_kv_heads, max_seq_len, block_n)
+    if num_splits is not None:
+        splits, partition = num_splits, -(-(-(-max(1, max_seq_len) // num_splits)) // block_n) * block_n
+    group, block_d = num_heads // num_kv_heads, max(16, next_power_of_2(head_dim))
+    part = ml = out
+    if splits > 1:
+        part = torch.empty((num_tokens, num_heads, splits, block_d), dtype=torch.float32, device=query.device)
+        ml = torch.empty((num_tokens, num_heads, splits, 2), dtype=torch.float32, device=query.device)
+    launch(_decode_kernel, (num_seqs, num_kv_heads, splits), query.device)(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, part, ml,
+        float(scale), float(soft_cap or 0.0), int(sliding_window or 0), key_cache.shape[1], partition, splits,
+        query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        G=group, HEAD_DIM=head_dim, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
+        IS_SPLIT=splits > 1, HAS_SOFTCAP=soft_cap is not None, HAS_WINDOW=sliding_window is not None,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages)
+    if splits > 1:
+        launch(_reduce_kernel, (num_seqs, num_heads), query.device)(
+            query_start_loc, out, part, ml, out.stride(0), out.stride(1), num_heads, splits,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=next_power_of_2(splits), num_warps=4)
+    return out

@@ -1,0 +1,87 @@
+"""Write this step's keys and values into the paged KV cache (vLLM ``reshape_and_cache``).
+
+Cache layout [num_blocks, block_size, num_kv_heads, head_size]; token t goes to block
+``slot_mapping[t] // block_size``, offset ``slot_mapping[t] % block_size``. A negative slot
+(padding, or a token whose KV is already cached) is skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fxrewrite.kernels import use_triton
+from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
+
+__all__ = ["reshape_and_cache", "reshape_and_cache_ref"]
+
+
+def _check(key, value, key_cache, value_cache, slot_mapping) -> None:
+    if key.dim() != 3 or key.shape != value.shape:
+        raise ValueError(f"reshape_and_cache: key {tuple(key.shape)} / value {tuple(value.shape)}; "
+                         "expected equal shapes [num_tokens, num_kv_heads, head_size]")
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape or key_cache.shape[2:] != key.shape[1:]:
+        raise ValueError(f"reshape_and_cache: caches {tuple(key_cache.shape)} / {tuple(value_cache.shape)}; "
+                         f"expected equal [num_blocks, block_size, {key.shape[1]}, {key.shape[2]}]")
+    if slot_mapping.shape[0] < key.shape[0]:
+        raise ValueError(f"reshape_and_cache: slot_mapping has {slot_mapping.shape[0]} entries for "
+                         f"{key.shape[0]} tokens; expected one per token")
+
+
+def reshape_and_cache_ref(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                          value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Torch reference, writes in place. key/value [T, Hkv, D]; caches [N, block_size, Hkv, D]
+    (values cast to the cache dtype); slot_mapping int [T] (extra entries ignored, < 0 skipped).
+    Raises ValueError on inconsistent shapes."""
+    _check(key, value, key_cache, value_cache, slot_mapping)
+    slots = slot_mapping[: key.shape[0]].long()
+    keep = slots >= 0
+    slots = slots[keep]
+    block_size = key_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    for src, cache in ((key, key_cache), (value, value_cache)):
+        # Indexing (not a flat view) so caches sliced out of a larger tensor work too.
+        cache[blocks, offsets] = src[keep].to(cache.dtype)
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter key/value into the caches; Triton on CUDA, else :func:`reshape_and_cache_ref`."""
+    if use_triton(key):
+        return reshape_and_cache_triton(key, value, key_cache, value_cache, slot_mapping)
+    return reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping)
+
+
+@triton.jit
+def _reshape_and_cache_kernel(key_ptr, value_ptr, kc_ptr, vc_ptr, slot_ptr, k_s0, k_s1, v_s0, v_s1,
+                              kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, block_size, num_heads,
+                              HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot >= 0:
+        blk = slot // block_size
+        off = slot % block_size
+        h = tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        mask = (h < num_heads) & (d < HEAD_DIM)
+        k = tl.load(key_ptr + tok * k_s0 + h * k_s1 + d, mask=mask)
+        v = tl.load(value_ptr + tok * v_s0 + h * v_s1 + d, mask=mask)
+        tl.store(kc_ptr + blk * kc_s0 + off * kc_s1 + h * kc_s2 + d, k.to(kc_ptr.dtype.element_ty), mask=mask)
+        tl.store(vc_ptr + blk * vc_s0 + off * vc_s1 + h * vc_s2 + d, v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def reshape_and_cache_triton(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                             value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Triton kernel, one program per token; same contract as :func:`reshape_and_cache_ref`.
+    Any strides (e.g. transposed HF [Hkv, T, D] views) except a non-unit head-dim stride."""
+    _check(key, value, key_cache, value_cache, slot_mapping)
+    for t in (key, value, key_cache, value_cache):
+        if t.stride(-1) != 1:
+            raise ValueError(f"reshape_and_cache: a tensor of shape {tuple(t.shape)} has strides {t.stride()}; "
+                             "expected a contiguous last (head) dim")
+    num_heads, head_dim = key.shape[1], key.shape[2]
+    if key.shape[0]:
+        launch(_reshape_and_cache_kernel, (key.shape[0],), key.device)(
+            key, value, key_cache, value_cache, slot_mapping, key.stride(0), key.stride(1),
+            value.stride(0), value.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), key_cache.shape[1], num_heads,
+            HEAD_DIM=head_dim, BLOCK_H=next_power_of_2(num_heads), BLOCK_D=next_power_of_2(head_dim), num_warps=4)

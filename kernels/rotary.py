@@ -1,0 +1,135 @@
+"""Rotary position embedding on q and k in one pass: neox (halves) and GPT-J (interleaved), partial rotary.
+
+``cos_sin_cache`` [max_position, rotary_dim] holds cos in its first half and sin in its second
+(vLLM's layout, built by ``fxrewrite.layers.rotary``); only the first ``rotary_dim`` features of
+each head rotate. Formula (transformers ``apply_rotary_pos_emb``): with (x1, x2) the two halves
+(neox) or the even/odd features (GPT-J), out1 = x1*cos - x2*sin and out2 = x2*cos + x1*sin.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fxrewrite.kernels import use_triton
+from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
+
+__all__ = ["rotary_embedding", "rotary_embedding_ref"]
+
+
+def _heads(x: torch.Tensor, num_tokens: int, head_size: int, name: str) -> torch.Tensor:
+    if x.numel() % (num_tokens * head_size):
+        raise ValueError(f"rotary_embedding: {name} shape {tuple(x.shape)} is not [num_tokens={num_tokens}, "
+                         f"num_heads * head_size={head_size}] (or [..., num_heads, head_size])")
+    return x.view(num_tokens, -1, head_size)
+
+
+def _check_cache(cos_sin_cache: torch.Tensor, head_size: int) -> int:
+    rotary_dim = cos_sin_cache.shape[-1]
+    if cos_sin_cache.dim() != 2 or rotary_dim % 2 or rotary_dim > head_size:
+        raise ValueError(f"rotary_embedding: cos_sin_cache shape {tuple(cos_sin_cache.shape)}; expected "
+                         f"[max_position, rotary_dim] with an even rotary_dim <= head_size={head_size}")
+    return rotary_dim
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox_style: bool) -> torch.Tensor:
+    cos = cos.unsqueeze(-2).to(x.dtype)
+    sin = sin.unsqueeze(-2).to(x.dtype)
+    if is_neox_style:
+        x1, x2 = torch.chunk(x, 2, dim=-1)
+    else:
+        x1, x2 = x[..., ::2], x[..., 1::2]
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    if is_neox_style:
+        return torch.cat((o1, o2), dim=-1)
+    return torch.stack((o1, o2), dim=-1).flatten(-2)
+
+
+def rotary_embedding_ref(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None,
+                         head_size: int, cos_sin_cache: torch.Tensor, is_neox_style: bool = True):
+    """Torch reference; returns new ``(query, key)`` of the input shapes (key may be None).
+
+    positions int64 [T] or [B, S]; query [..., Hq*D] or [..., Hq, D] with T tokens in front
+    (likewise key with Hkv heads); math in the query dtype with cos/sin cast to it, as
+    transformers does. Raises ValueError on inconsistent shapes.
+    """
+    rotary_dim = _check_cache(cos_sin_cache, head_size)
+    positions = positions.flatten()
+    num_tokens = positions.shape[0]
+    cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
+    outs = []
+    for name, x in (("query", query), ("key", key)):
+        if x is None:
+            outs.append(None)
+            continue
+        h = _heads(x, num_tokens, head_size, name)
+        rot = _rotate(h[..., :rotary_dim], cos, sin, is_neox_style)
+        outs.append(torch.cat((rot, h[..., rotary_dim:]), dim=-1).view(x.shape))
+    return outs[0], outs[1]
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None,
+                     head_size: int, cos_sin_cache: torch.Tensor, is_neox_style: bool = True):
+    """Rotary on q and k; returns ``(query, key)``. The Triton path rotates in place (and returns
+    the inputs), the reference returns new tensors: callers use the returned tensors."""
+    if use_triton(query):
+        return rotary_embedding_triton(positions, query, key, head_size, cos_sin_cache, is_neox_style)
+    return rotary_embedding_ref(positions, query, key, head_size, cos_sin_cache, is_neox_style)
+
+
+@triton.jit
+def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cache_ptr, q_tok_stride, q_head_stride, k_tok_stride,
+                   k_head_stride, cache_stride, num_q_heads, num_k_heads,
+                   HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                   IS_NEOX: tl.constexpr, HAS_KEY: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    i = tl.arange(0, BLOCK_HALF)
+    imask = i < HALF
+    cos = tl.load(cache_ptr + pos * cache_stride + i, mask=imask, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(cache_ptr + pos * cache_stride + HALF + i, mask=imask, other=0.0).to(tl.float32)[None, :]
+    if IS_NEOX:
+        off1 = i
+        off2 = i + HALF
+    else:
+        off1 = 2 * i
+        off2 = 2 * i + 1
+    heads = tl.arange(0, BLOCK_H)
+    # q heads are rows [0, num_q_heads), k heads follow; one tile covers both.
+    is_q = heads < num_q_heads
+    is_k = (heads >= num_q_heads) & (heads < num_q_heads + num_k_heads)
+    q_base = q_ptr + tok * q_tok_stride + heads[:, None] * q_head_stride
+    qm = is_q[:, None] & imask[None, :]
+    q1 = tl.load(q_base + off1[None, :], mask=qm, other=0.0).to(tl.float32)
+    q2 = tl.load(q_base + off2[None, :], mask=qm, other=0.0).to(tl.float32)
+    tl.store(q_base + off1[None, :], (q1 * cos - q2 * sin).to(q_ptr.dtype.element_ty), mask=qm)
+    tl.store(q_base + off2[None, :], (q2 * cos + q1 * sin).to(q_ptr.dtype.element_ty), mask=qm)
+    if HAS_KEY:
+        k_base = k_ptr + tok * k_tok_stride + (heads - num_q_heads)[:, None] * k_head_stride
+        km = is_k[:, None] & imask[None, :]
+        k1 = tl.load(k_base + off1[None, :], mask=km, other=0.0).to(tl.float32)
+        k2 = tl.load(k_base + off2[None, :], mask=km, other=0.0).to(tl.float32)
+        tl.store(k_base + off1[None, :], (k1 * cos - k2 * sin).to(k_ptr.dtype.element_ty), mask=km)
+        tl.store(k_base + off2[None, :], (k2 * cos + k1 * sin).to(k_ptr.dtype.element_ty), mask=km)
+
+
+def rotary_embedding_triton(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None,
+                            head_size: int, cos_sin_cache: torch.Tensor, is_neox_style: bool = True,
+                            *, num_warps: int = 4):
+    """Triton kernel, one program per token, q and k heads in one tile; rotates in place."""
+    rotary_dim = _check_cache(cos_sin_cache, head_size)
+    positions = positions.flatten()
+    num_tokens = positions.shape[0]
+    q = _heads(query, num_tokens, head_size, "query")
+    k = _heads(key, num_tokens, head_size, "key") if key is not None else q
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1:
+        raise ValueError("rotary_embedding: the head dim of query/key/cos_sin_cache must be contiguous")
+    num_k_heads = k.shape[1] if key is not None else 0
+    half = rotary_dim // 2
+    if num_tokens:
+        launch(_rotary_kernel, (num_tokens,), query.device)(
+            positions, q, k, cos_sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            cos_sin_cache.stride(0), q.shape[1], num_k_heads,
+            HALF=half, BLOCK_HALF=next_power_of_2(half), BLOCK_H=next_power_of_2(q.shape[1] + num_k_heads),
+            IS_NEOX=is_neox_style, HAS_KEY=key is not None, num_warps=num_warps)
+    return query, key

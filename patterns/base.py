@@ -1,0 +1,123 @@
+"""The pattern contract: match -> rewrite -> build (+ validate, describe, shards).
+
+A pattern is a class with classmethods only; the compiler (`fxrewrite.compiler`) drives it:
+
+1. ``match(traced, ctx) -> list[Match]`` runs once per module class on the traced graph of its
+   first instance (`fxrewrite.tracer.Traced`). It finds the pattern by dataflow only (which
+   node reads which), never by class or attribute names. A `Match` holds *names* (child
+   attribute names, fx node names, the name of an attribute holding eps) and facts that hold for
+   the whole class (an activation kind, an offset): never modules or per-instance numbers, which
+   `build` reads from each instance. A near miss (the shape is there, but something cannot be
+   proved, e.g. q/k/v disagree on bias) raises `Refusal` with the reason; no shape at all
+   returns []. ``Match.claimed`` lists the fx nodes the match owns: the compiler checks that no
+   node is claimed twice, so patterns stay disjoint by construction.
+2. ``rewrite(match, src, tree) -> tree`` (scope "forward") edits the class's `forward` source,
+   a libcst tree (`fxrewrite.source`), and returns the new tree. It raises `Refusal` (or
+   `fxrewrite.source.SourceError`) when the edit cannot be proved safe from the source alone
+   (a call appears twice, an input is reassigned in between, a temporary would shadow a name).
+   Module-scope patterns (the whole module is replaced, scope "module") have no rewrite.
+3. ``validate(match, module, ctx)`` runs per instance before anything changes; `Refusal`
+   leaves that instance as it was, with the reason in the report.
+4. ``build(match, module, ctx)`` creates the fused layers for one instance: for "forward"
+   patterns it sets the new children on `module` and deletes the consumed ones; for "module"
+   patterns it returns the replacement module, which the compiler puts in the parent's place.
+   New parameters take the replaced parameters' device and dtype (meta included: the engine
+   builds on meta and loads weights after); computed buffers go where the replaced module's
+   buffers are.
+5. ``describe(match) -> str``: one short phrase for the report ("q_proj,k_proj,v_proj -> qkv_proj").
+6. ``shards(match) -> list[(new_child, [(old_child, shard_id), ...])]``: how fused parameters
+   map back to the original ones; it drives both checkpoint loading and the HF-name state dict.
+
+A match whose ``present`` is True reports a fusion the model already has (Phi-3's
+``qkv_proj``): nothing is rewritten.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import libcst as cst
+from torch import nn
+
+
+class Refusal(ValueError):
+    """The pattern cannot prove its rewrite; the message is the reason shown in the report."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Match:
+    """One occurrence of a pattern in a class's graph (names and class-wide facts only)."""
+
+    pattern: type["Pattern"]
+    claimed: frozenset[str]
+    """fx node names this match owns (disjointness check)."""
+    names: tuple[tuple[str, str], ...]
+    """(role, attribute name) pairs, e.g. (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"))."""
+    facts: tuple[tuple[str, Any], ...] = ()
+    """Class-wide facts: (key, value), e.g. (("act", "silu"),)."""
+    present: bool = False
+    """True: the model already has this fusion; reported, not rewritten."""
+
+    def name(self, role: str) -> str:
+        return dict(self.names)[role]
+
+    def fact(self, key: str, default: Any = None) -> Any:
+        return dict(self.facts).get(key, default)
+
+
+@dataclasses.dataclass
+class Context:
+    """What patterns may read besides the module: the model and its (text) config."""
+
+    model: nn.Module
+    config: Any = None
+
+
+class Pattern:
+    """Base class; see the module docstring for the contract."""
+
+    name: ClassVar[str] = ""
+    scope: ClassVar[str] = "forward"  # "forward": edit the host's source; "module": replace the module
+
+    @classmethod
+    def match(cls, traced, ctx: Context) -> list[Match]:
+        raise NotImplementedError
+
+    @classmethod
+    def rewrite(cls, match: Match, src, tree: cst.Module) -> cst.Module:
+        return tree
+
+    @classmethod
+    def validate(cls, match: Match, module: nn.Module, ctx: Context) -> None:
+        return None
+
+    @classmethod
+    def build(cls, match: Match, module: nn.Module, ctx: Context):
+        raise NotImplementedError
+
+    @classmethod
+    def describe(cls, match: Match) -> str:
+        return ", ".join(name for _, name in match.names)
+
+    @classmethod
+    def shards(cls, match: Match) -> list[tuple[str, list[tuple[str, Any]]]]:
+        return []
+
+
+def require(condition: bool, reason: str) -> None:
+    """Raise `Refusal(reason)` unless `condition` holds (patterns' one-line checks)."""
+    if not condition:
+        raise Refusal(reason)
+
+
+def free_attribute(module: nn.Module, name: str) -> None:
+    """Refuse when `module` already has an attribute `name` (a new child would shadow it)."""
+    require(not hasattr(module, name), f"attribute {name!r} already exists on {type(module).__name__}")
+
+
+def copy_requires_grad(new: nn.Module, *old: nn.Module) -> None:
+    """Fused parameters are trainable only if all the parameters they replace were."""
+    trainable = all(p.requires_grad for m in old for p in m.parameters())
+    for p in new.parameters():
+        p.requires_grad_(trainable)

@@ -1,0 +1,149 @@
+"""Gated MLP: act(gate(x)) * up(x) -> `MergedColumnParallelLinear` (gate|up) + `SiluAndMul`/`GeluAndMul`.
+
+Found by dataflow: a product of two plain linears reading the same input, one of them through
+an activation. The activation is identified by what it computes (a module is probed against
+silu / gelu / gelu-tanh for exact equality; a functional call by its target), never by name.
+Phi-3's single ``gate_up_proj`` chunked in two is reported as present.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import libcst as cst
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fxrewrite import nodes, source
+from fxrewrite.layers.activation import GeluAndMul, SiluAndMul
+from fxrewrite.layers.linear import MergedColumnParallelLinear
+from fxrewrite.patterns.base import Context, Match, Pattern, copy_requires_grad, free_attribute, require
+
+NEW_LINEAR, NEW_ACT = "gate_up_proj", "act_and_mul"
+_ACTS = {"silu": lambda x: F.silu(x), "gelu": lambda x: F.gelu(x), "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def probe_activation(module: nn.Module) -> str | None:
+    """'silu' / 'gelu' / 'gelu_tanh' when `module` computes exactly that, else None."""
+    if any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
+        return None
+    x = torch.linspace(-8.0, 8.0, 401)
+    with torch.no_grad():
+        try:
+            y = module(x)
+        except Exception:  # noqa: BLE001 - not an elementwise activation
+            return None
+    return next((k for k, f in _ACTS.items() if isinstance(y, torch.Tensor) and torch.equal(y, f(x))), None)
+
+
+def _functional_act(node) -> str | None:
+    if nodes.is_op(node, F.silu, torch.nn.functional.silu):
+        return "silu"
+    if nodes.is_op(node, F.gelu):
+        return "gelu_tanh" if node.kwargs.get("approximate") == "tanh" else "gelu"
+    return None
+
+
+def _act_kind(node, root: nn.Module) -> str | None:
+    if node.op == "call_module" and len(node.args) == 1 and not node.kwargs:
+        return probe_activation(root.get_submodule(node.target))
+    return _functional_act(node)
+
+
+def _already_fused(traced) -> list[Match]:
+    found = []
+    for n in traced.graph.nodes:
+        chunk = next(iter(n.users), None) if nodes.is_linear(n, traced.module) and len(n.users) == 1 else None
+        if chunk is not None and nodes.is_op(chunk, "chunk") and chunk.args[1:2] == (2,):
+            found.append(Match(GLUPattern, frozenset({n.name, chunk.name}), (("gate_up", n.target),), present=True))
+    return found
+
+
+class GLUPattern(Pattern):
+    """See module docstring."""
+
+    name = "glu"
+
+    @classmethod
+    def match(cls, traced, ctx: Context) -> list[Match]:
+        matches, root = _already_fused(traced), traced.module
+        for mul in traced.graph.nodes:
+            if not nodes.is_op(mul, operator.mul, torch.mul) or len(mul.args) != 2:
+                continue
+            for act, up in (mul.args, mul.args[::-1]):
+                gate = act.args[0] if getattr(act, "op", None) in ("call_module", "call_function") and act.args else None
+                if not (gate is not None and hasattr(gate, "op") and nodes.is_linear(gate, root)
+                        and nodes.is_linear(up, root) and gate.args == up.args and len(gate.users) == 1
+                        and len(up.users) == 1 and len(act.users) == 1):
+                    continue
+                kind = _act_kind(act, root)
+                require(kind is not None, f"activation {act.target} is not silu/gelu/gelu_tanh")
+                gm, um = root.get_submodule(gate.target), root.get_submodule(up.target)
+                require(gm.out_features == um.out_features, "gate and up sizes differ")
+                require((gm.bias is None) == (um.bias is None), "gate and up disagree on bias")
+                names = (("gate", gate.target), ("up", up.target), ("act", str(act.target)))
+                claimed = frozenset({mul.name, act.name, gate.name, up.name})
+                matches.append(Match(cls, claimed, names, (("act", kind), ("act_is_module", act.op == "call_module"))))
+                break
+        return matches
+
+    @classmethod
+    def rewrite(cls, match: Match, src, tree: cst.Module) -> cst.Module:
+        info = source.collect(tree)
+        gate = source.unique_self_call(tree, match.name("gate"), info)
+        up = source.unique_self_call(tree, match.name("up"), info)
+        arg = source.parent(info, gate)
+        act = source.parent(info, arg)
+        product = source.parent(info, act)
+        require(isinstance(act, cst.Call) and act.args and act.args[0].value is gate
+                and all(a.keyword for a in act.args[1:]), "gate output is not passed straight to the activation")
+        require(isinstance(product, cst.BinaryOperation) and isinstance(product.operator, cst.Multiply)
+                and up in (product.left, product.right), "act(gate(x)) * up(x) is not one expression")
+        if match.fact("act_is_module"):
+            require(source.self_attribute(act.func) == match.name("act"), "activation call is not self.<act>(...)")
+        x = [a.value for a in gate.args]
+        require(len(x) == 1 and len(up.args) == 1 and x[0].deep_equals(up.args[0].value), "gate and up inputs differ")
+        require(isinstance(x[0], cst.Name), "gate/up input is not a variable")
+        new = cst.parse_expression(f"self.{NEW_ACT}(self.{NEW_LINEAR}({x[0].value}))")
+        return tree.deep_replace(product, new.with_changes(lpar=product.lpar, rpar=product.rpar))
+
+    @classmethod
+    def validate(cls, match: Match, module: nn.Module, ctx: Context) -> None:
+        gate, up = getattr(module, match.name("gate"), None), getattr(module, match.name("up"), None)
+        require(type(gate) is nn.Linear and type(up) is nn.Linear, "gate/up are not nn.Linear on this instance")
+        require(gate.in_features == up.in_features and gate.out_features == up.out_features, "gate/up shapes differ")
+        require((gate.bias is None) == (up.bias is None), "gate and up disagree on bias")
+        if match.fact("act_is_module"):
+            kind = probe_activation(getattr(module, match.name("act")))
+            require(kind == match.fact("act"), f"activation of this instance is {kind}, not {match.fact('act')}")
+        for name in (NEW_LINEAR, NEW_ACT):
+            free_attribute(module, name)
+
+    @classmethod
+    def build(cls, match: Match, module: nn.Module, ctx: Context) -> None:
+        gate, up = getattr(module, match.name("gate")), getattr(module, match.name("up"))
+        fused = MergedColumnParallelLinear(gate.in_features, [gate.out_features, up.out_features],
+                                           bias=gate.bias is not None, params_dtype=gate.weight.dtype,
+                                           device=gate.weight.device)
+        for shard, lin in enumerate((gate, up)):
+            fused.weight.weight_loader(fused.weight, lin.weight.detach(), shard)
+            if lin.bias is not None:
+                fused.bias.weight_loader(fused.bias, lin.bias.detach(), shard)
+        copy_requires_grad(fused, gate, up)
+        kind = match.fact("act")
+        act = SiluAndMul() if kind == "silu" else GeluAndMul("tanh" if kind == "gelu_tanh" else "none")
+        delattr(module, match.name("gate"))
+        delattr(module, match.name("up"))
+        setattr(module, NEW_LINEAR, fused)
+        setattr(module, NEW_ACT, act)
+
+    @classmethod
+    def describe(cls, match: Match) -> str:
+        if match.present:
+            return f"{match.name('gate_up')} (already fused)"
+        return f"{match.name('gate')},{match.name('up')} -> {NEW_LINEAR} + {match.fact('act')}_and_mul"
+
+    @classmethod
+    def shards(cls, match: Match):
+        return [] if match.present else [(NEW_LINEAR, [(match.name("gate"), 0), (match.name("up"), 1)])]

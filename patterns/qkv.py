@@ -1,0 +1,147 @@
+"""QKV: three linears reading one input (q, k, v) -> one `QKVParallelLinear` matmul, split in three.
+
+Found by dataflow: exactly three plain `nn.Linear` calls read the same value; sizes q >= k == v
+(GQA allowed); the head size is the last dim of the ``[..., heads, head_dim]`` view of q
+(else the config's head_dim, for q normalised before its view as in OLMo-2).
+A single linear already split three ways (Phi-3's ``qkv_proj``) is reported as present.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import libcst as cst
+import torch.fx as fx
+from torch import nn
+
+from fxrewrite import nodes, source
+from fxrewrite.layers.linear import QKVParallelLinear
+from fxrewrite.patterns.base import Context, Match, Pattern, Refusal, copy_requires_grad, free_attribute, require
+
+_ROLES = ("q", "k", "v")
+NEW_NAME = "qkv_proj"
+
+
+def linear_groups(traced, size: int) -> list[list[fx.Node]]:
+    """Groups of exactly `size` linear calls whose only input is the same node (program order)."""
+    by_input: dict[fx.Node, list[fx.Node]] = {}
+    for n in traced.graph.nodes:
+        if nodes.is_linear(n, traced.module) and len(n.args) == 1 and not n.kwargs and isinstance(n.args[0], fx.Node):
+            by_input.setdefault(n.args[0], []).append(n)
+    return [group for group in by_input.values() if len(group) == size]
+
+
+def _head_size(q: fx.Node) -> int | None:
+    for user in q.users:
+        val = nodes.meta(user)
+        if nodes.is_op(user, "view", "reshape") and val is not None and val.dim() >= 3:
+            return int(val.shape[-1])
+    return None
+
+
+def _config_head_size(config) -> int | None:
+    """head_dim from the model config, for q projections normalised before their head view (OLMo-2)."""
+    if config is None:
+        return None
+    head = getattr(config, "head_dim", None)
+    heads = getattr(config, "num_attention_heads", None)
+    return head or (config.hidden_size // heads if heads and getattr(config, "hidden_size", None) else None)
+
+
+def _already_fused(traced) -> list[Match]:
+    found = []
+    for n in traced.graph.nodes:
+        if not nodes.is_linear(n, traced.module):
+            continue
+        slices = [u for u in n.users if nodes.is_op(u, operator.getitem) and isinstance(u.args[1], tuple)
+                  and u.args[1][:1] == (Ellipsis,) and isinstance(u.args[1][-1], slice)]
+        if len(slices) == 3 and len(n.users) == 3:
+            found.append(Match(QKVPattern, frozenset({n.name}), (("qkv", n.target),), present=True))
+    return found
+
+
+class QKVPattern(Pattern):
+    """See module docstring."""
+
+    name = "qkv"
+
+    @classmethod
+    def match(cls, traced, ctx: Context) -> list[Match]:
+        matches = _already_fused(traced)
+        for group in linear_groups(traced, 3):
+            mods = [traced.module.get_submodule(n.target) for n in group]
+            order = sorted(range(3), key=lambda i: -mods[i].out_features)  # stable: q largest, then k, v
+            q, k, v = (group[i] for i in order)
+            mq, mk, mv = (mods[i] for i in order)
+            require(mk.out_features == mv.out_features,
+                    f"{k.target}/{v.target} sizes differ ({mk.out_features} vs {mv.out_features})")
+            require(len({m.bias is None for m in mods}) == 1, "q/k/v disagree on bias")
+            require(all("." not in n.target for n in group), "q/k/v are not direct children")
+            head_size = _head_size(q) or _config_head_size(ctx.config)
+            require(head_size is not None, f"no [..., heads, head_dim] view of {q.target} and no head_dim in config")
+            require(mq.out_features % head_size == 0 and mk.out_features % head_size == 0,
+                    f"head size {head_size} does not divide q/k sizes")
+            names = tuple(zip(_ROLES, (q.target, k.target, v.target)))
+            matches.append(Match(cls, frozenset(n.name for n in group), names, (("head_size", head_size),)))
+        return matches
+
+    @classmethod
+    def rewrite(cls, match: Match, src, tree: cst.Module) -> cst.Module:
+        info = source.collect(tree)
+        temps = [f"_fx_{role}" for role in _ROLES]
+        require(not info.names & set(temps), "temporaries _fx_q/_fx_k/_fx_v would shadow names in forward")
+        calls = [source.unique_self_call(tree, match.name(role), info) for role in _ROLES]
+        arg_names = {c.args[0].value.value if len(c.args) == 1 and isinstance(c.args[0].value, cst.Name)
+                     and not c.args[0].keyword and not c.args[0].star else None for c in calls}
+        require(len(arg_names) == 1 and None not in arg_names, "q/k/v inputs are not one variable")
+        (arg,) = arg_names
+        block, lines = source.same_block_index(info, calls)
+        source.check_not_rebound(block, lines[0], lines[-1], arg)
+        stmt = f"{', '.join(temps)} = self.{NEW_NAME}({arg}).split(self.{NEW_NAME}.output_sizes, dim=-1)"
+        edits = {id(lines[0]): source.with_statement_first(stmt)}
+        edits.update({id(call): cst.Name(temp) for call, temp in zip(calls, temps)})
+        tree = source.replace_many(tree, edits)
+        return tree
+
+    @classmethod
+    def validate(cls, match: Match, module: nn.Module, ctx: Context) -> None:
+        mods = [getattr(module, match.name(r), None) for r in _ROLES]
+        require(all(type(m) is nn.Linear for m in mods), "q/k/v are not all nn.Linear on this instance")
+        free_attribute(module, NEW_NAME)
+        head = match.fact("head_size")
+        q, k, v = mods
+        require(k.out_features == v.out_features and q.out_features % head == 0 and k.out_features % head == 0,
+                "q/k/v sizes on this instance do not fit the head size")
+        require(len({m.in_features for m in mods}) == 1 and len({m.bias is None for m in mods}) == 1,
+                "q/k/v input sizes or biases differ on this instance")
+        require(len({(m.weight.dtype, m.weight.device) for m in mods}) == 1, "q/k/v dtypes or devices differ")
+
+    @classmethod
+    def build(cls, match: Match, module: nn.Module, ctx: Context) -> None:
+        q, k, v = (getattr(module, match.name(r)) for r in _ROLES)
+        head = match.fact("head_size")
+        fused = QKVParallelLinear(q.in_features, head, q.out_features // head, k.out_features // head,
+                                  bias=q.bias is not None, params_dtype=q.weight.dtype, device=q.weight.device)
+        for role, lin in zip(_ROLES, (q, k, v)):
+            fused.weight.weight_loader(fused.weight, lin.weight.detach(), role)
+            if lin.bias is not None:
+                fused.bias.weight_loader(fused.bias, lin.bias.detach(), role)
+        copy_requires_grad(fused, q, k, v)
+        for role in _ROLES:
+            delattr(module, match.name(role))
+        setattr(module, NEW_NAME, fused)
+
+    @classmethod
+    def describe(cls, match: Match) -> str:
+        if match.present:
+            return f"{match.name('qkv')} (already fused)"
+        return f"{','.join(match.name(r) for r in _ROLES)} -> {NEW_NAME}"
+
+    @classmethod
+    def shards(cls, match: Match):
+        if match.present:
+            return []
+        return [(NEW_NAME, [(match.name(r), r) for r in _ROLES])]
+
+
+__all__ = ["QKVPattern", "Refusal"]

@@ -1,0 +1,196 @@
+"""RMSNorm: x * rsqrt(mean(x², -1) + eps) * weight (or * (1 + weight)) -> `RMSNorm`; then, in the
+parent, ``x = r + h; r = x; x = norm(x)`` -> ``x, r = norm(h, r)`` (fused residual add).
+
+`RMSNormPattern` matches a module whose whole forward is that dataflow (float32 upcast
+optional, Gemma's ``(1 + weight)`` form as ``offset``) and replaces the module. eps is read per
+instance from the one float attribute holding the traced constant. `ResidualRMSNormPattern`
+matches, in a parent's graph, an add whose result feeds a fused `RMSNorm` child and a later
+add, and rewrites the three source statements into one fused call.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import libcst as cst
+import torch
+from torch import nn
+
+from fxrewrite import nodes, source
+from fxrewrite.layers.layernorm import RMSNorm
+from fxrewrite.patterns.base import Context, Match, Pattern, Refusal, require
+
+
+def _split(node, pred):
+    """(a, b) args of a binary node where pred(a) holds (either order), else None."""
+    if len(node.args) != 2:
+        return None
+    a, b = node.args
+    if pred(a):
+        return a, b
+    if pred(b):
+        return b, a
+    return None
+
+
+def _weight_term(node) -> tuple[str, float] | None:
+    """(parameter name, offset) for `w`, `w.float()` or `c + w`."""
+    node = nodes.peel(node)
+    if getattr(node, "op", None) == "get_attr":
+        return node.target, 0.0
+    if getattr(node, "op", None) == "call_function" and nodes.is_op(node, operator.add):
+        pair = _split(node, lambda a: isinstance(a, (int, float)))
+        if pair and getattr(nodes.peel(pair[1]), "op", None) == "get_attr":
+            return nodes.peel(pair[1]).target, float(pair[0])
+    return None
+
+
+def _normed(node, x):
+    """eps when `node` is x * rsqrt(mean(x**2, -1, keepdim=True) + eps), x the same node, else None."""
+    if not nodes.is_op(node, operator.mul, torch.mul):
+        return None
+    pair = _split(node, lambda a: nodes.is_op(a, torch.rsqrt, "rsqrt"))
+    if pair is None or pair[1] is not x:
+        return None
+    add = pair[0].args[0]
+    eps_pair = _split(add, lambda a: isinstance(a, float)) if nodes.is_op(add, operator.add) else None
+    if eps_pair is None:
+        return None
+    eps, mean = eps_pair
+    dims = mean.args[1:] or (mean.kwargs.get("dim"),)
+    if not (nodes.is_op(mean, "mean") and dims[0] in (-1, (-1,), [-1]) and mean.kwargs.get("keepdim")):
+        return None
+    sq = mean.args[0]
+    is_square = (nodes.is_op(sq, "pow", torch.pow, operator.pow) and sq.args[0] is x and sq.args[1] == 2) or (
+        nodes.is_op(sq, operator.mul) and sq.args == (x, x))
+    return eps if is_square else None
+
+
+def _eps_attribute(module: nn.Module, eps: float) -> str:
+    names = [k for k, v in vars(module).items() if isinstance(v, float) and v == eps]
+    require(len(names) == 1, f"eps {eps} is held by {len(names)} float attributes, expected exactly one")
+    return names[0]
+
+
+class RMSNormPattern(Pattern):
+    """See module docstring."""
+
+    name = "rms_norm"
+    scope = "module"
+
+    @classmethod
+    def match(cls, traced, ctx: Context) -> list[Match]:
+        out = nodes.output_value(traced.graph)
+        if not hasattr(out, "op") or not nodes.is_op(nodes.peel(out), operator.mul, torch.mul):
+            return []
+        inputs = [p for p in nodes.placeholders(traced.graph) if p.users]
+        if len(inputs) != 1:
+            return []
+        for w, h in (nodes.peel(out).args, nodes.peel(out).args[::-1]):
+            weight, h = _weight_term(w), nodes.peel(h)
+            x = h.args[0] if hasattr(h, "args") and h.args and hasattr(h.args[0], "op") else None
+            eps = _normed(h, x) if weight and x is not None else None
+            if eps is not None and nodes.peel(x) is inputs[0]:
+                upcast = x is not inputs[0]
+                eps_name = _eps_attribute(traced.module, eps)
+                claimed = frozenset(n.name for n in traced.graph.nodes if n.op != "output")
+                facts = (("offset", weight[1]), ("upcast", upcast))
+                return [Match(cls, claimed, (("weight", weight[0]), ("eps", eps_name)), facts)]
+        return []
+
+    @classmethod
+    def validate(cls, match: Match, module: nn.Module, ctx: Context) -> None:
+        weight = getattr(module, match.name("weight"), None)
+        require(isinstance(weight, nn.Parameter) and weight.dim() == 1, "weight is not a 1-D parameter")
+        require(isinstance(getattr(module, match.name("eps"), None), float), "eps attribute is not a float")
+
+    @classmethod
+    def build(cls, match: Match, module: nn.Module, ctx: Context) -> nn.Module:
+        weight = getattr(module, match.name("weight"))
+        norm = RMSNorm(weight.shape[0], getattr(module, match.name("eps")), offset=match.fact("offset"),
+                       upcast=match.fact("upcast"), dtype=weight.dtype, device=weight.device)
+        norm.weight.weight_loader(norm.weight, weight.detach())
+        norm.weight.requires_grad_(weight.requires_grad)
+        norm.train(module.training)
+        return norm
+
+    @classmethod
+    def describe(cls, match: Match) -> str:
+        offset = match.fact("offset")
+        return "RMSNorm" + (f" (offset {offset:g})" if offset else "")
+
+
+class ResidualRMSNormPattern(Pattern):
+    """See module docstring (the fused residual-add variant)."""
+
+    name = "residual_rms_norm"
+
+    @classmethod
+    def match(cls, traced, ctx: Context) -> list[Match]:
+        matches = []
+        for add in traced.graph.nodes:
+            if not nodes.is_op(add, operator.add) or len(add.users) != 2:
+                continue
+            norm = next((u for u in add.users if u.op == "call_module" and u.args == (add,) and not u.kwargs), None)
+            other = next((u for u in add.users if u is not norm), None)
+            if norm is None or not nodes.is_op(other, operator.add) or "." in norm.target:
+                continue
+            if isinstance(traced.module.get_submodule(norm.target), RMSNorm):
+                matches.append(Match(cls, frozenset({add.name, norm.name}), (("norm", norm.target),)))
+        return matches
+
+    @classmethod
+    def rewrite(cls, match: Match, src, tree: cst.Module) -> cst.Module:
+        info = source.collect(tree)
+        call = source.unique_self_call(tree, match.name("norm"), info)
+        line, block = source.enclosing_statement(info, call)
+        body = source.block_statements(block)
+        i = next(k for k, s in enumerate(body) if s is line)
+        require(i >= 2, "norm call is not preceded by the residual add and copy")
+        x, r, e = _residual_shape(body[i - 2], body[i - 1], line, call)
+        new = cst.parse_statement(f"{x}, {r} = self.{match.name('norm')}(__E__, {r})\n")
+        new = new.deep_replace(new.body[0].value.args[0].value, e)
+        total = sum(source.line_count(tree, s) for s in (body[i - 2], body[i - 1], line))
+        leading = list(body[i - 2].leading_lines) + list(body[i - 1].leading_lines) + list(line.leading_lines)
+        used = cst.Module(body=[new.with_changes(leading_lines=leading)]).code.count("\n")
+        new = new.with_changes(leading_lines=[cst.EmptyLine(indent=False)] * max(total - used, 0) + leading)  # keep line numbers
+        comments = [s.trailing_whitespace for s in (line, body[i - 1], body[i - 2]) if s.trailing_whitespace.comment]
+        if comments:  # keep an end-of-line comment of the merged statements
+            new = new.with_changes(trailing_whitespace=comments[0])
+        new_body = body[: i - 2] + [new] + body[i + 1:]
+        return tree.deep_replace(block, block.with_changes(body=new_body))
+
+    @classmethod
+    def validate(cls, match: Match, module: nn.Module, ctx: Context) -> None:
+        require(isinstance(getattr(module, match.name("norm"), None), RMSNorm), "norm child is not a fused RMSNorm")
+
+    @classmethod
+    def build(cls, match: Match, module: nn.Module, ctx: Context) -> None:
+        return None  # the norm is already an RMSNorm; only the call changes
+
+    @classmethod
+    def describe(cls, match: Match) -> str:
+        return f"residual add + {match.name('norm')}"
+
+
+def _residual_shape(add_stmt, copy_stmt, norm_stmt, call) -> tuple[str, str, cst.BaseExpression]:
+    """(x, r, e) for `x = r + e` (or `e + r`); `r = x`; `x = self.norm(x)`; else Refusal."""
+    def assign(stmt):
+        if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 and isinstance(stmt.body[0], cst.Assign):
+            a = stmt.body[0]
+            if len(a.targets) == 1 and isinstance(a.targets[0].target, cst.Name):
+                return a.targets[0].target.value, a.value
+        raise Refusal("statements around the norm are not `x = r + h; r = x; x = norm(x)`")
+    x, norm_value = assign(norm_stmt)
+    r, copied = assign(copy_stmt)
+    x2, total = assign(add_stmt)
+    require(norm_value is call and len(call.args) == 1 and isinstance(call.args[0].value, cst.Name)
+            and call.args[0].value.value == x, "norm is not applied to the variable it assigns")
+    require(isinstance(copied, cst.Name) and copied.value == x and x2 == x and r != x, "residual copy not found")
+    require(isinstance(total, cst.BinaryOperation) and isinstance(total.operator, cst.Add), "no residual add")
+    left, right = total.left, total.right
+    if isinstance(left, cst.Name) and left.value == r:
+        return x, r, right
+    if isinstance(right, cst.Name) and right.value == r:
+        return x, r, left
+    raise Refusal(f"residual add does not read {r!r}")

@@ -1,0 +1,217 @@
+"""Rotary: the module turning position ids into (cos, sin) -> a `RotaryEmbedding` from `get_rope`;
+``apply_rotary_pos_emb(q, k, cos, sin)`` in attention -> one op rotating q and k.
+
+`RotaryPattern` matches a module whose forward returns ``(cos(e), sin(e))`` of one tensor (up
+to a constant scale and casts) and replaces it with `RotaryCosSin`, which reads cos/sin from a
+`RotaryEmbedding` built by `fxrewrite.layers.rotary.get_rope` from the config's
+``rope_parameters`` (every rope type, YaRN included). Each instance is probed: the new module
+must reproduce the old one's cos/sin at sample positions, or the instance is left alone.
+`RotaryApplyPattern` matches a call of a plain function taking (q, k, cos, sin) whose two
+outputs equal `apply_rotary_qk` bit for bit on random inputs of the traced shapes, and calls
+the fused op instead.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+
+import libcst as cst
+import torch
+from torch import nn
+
+from fxrewrite import nodes
+from fxrewrite.layers.rotary import get_rope
+from fxrewrite.patterns.base import Context, Match, Pattern, free_attribute, require
+
+NEW_APPLY = "apply_rotary_emb"
+_PROBE_POSITIONS = (0, 1, 2, 3, 7, 31, 100)
+
+
+def apply_rotary_qk(q, k, cos, sin, unsqueeze_dim: int = 1):
+    """Rotate q and k (neox "rotate half" form, partial rotary when cos is narrower than a head).
+
+    q [B, Hq, S, D], k [B, Hk, S, D], cos/sin [B, S, rotary_dim] (unsqueezed at `unsqueeze_dim`).
+    Formula: transformers `apply_rotary_pos_emb`: x * cos + rotate_half(x) * sin on the first
+    rotary_dim channels; the rest passes through.
+    """
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    rotary_dim = cos.shape[-1]
+
+    def rotate(x):
+        x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+        half = rotary_dim // 2
+        out = (x_rot * cos) + (torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1) * sin)
+        return out if x_pass.shape[-1] == 0 else torch.cat((out, x_pass), dim=-1)
+
+    return rotate(q), rotate(k)
+
+
+class ApplyRotaryEmb(nn.Module):
+    """`apply_rotary_qk` as a module (no parameters), so the rewritten forward can call it."""
+
+    def forward(self, q, k, cos, sin, unsqueeze_dim: int = 1):
+        return apply_rotary_qk(q, k, cos, sin, unsqueeze_dim)
+
+
+class RotaryCosSin(nn.Module):
+    """Drop-in for an HF rotary module: ``forward(x, position_ids) -> (cos, sin)`` in x's dtype.
+
+    cos/sin [*position_ids.shape, rotary_dim] come from ``rope.get_cos_sin`` (cached table).
+    """
+
+    def __init__(self, rope: nn.Module, arg_names: tuple[str, str]) -> None:
+        super().__init__()
+        self.rope = rope
+        self.arg_names = arg_names
+
+    def forward(self, *args, **kwargs):
+        bound = dict(zip(self.arg_names, args), **kwargs)
+        x, positions = bound[self.arg_names[0]], bound[self.arg_names[1]]
+        return self.rope.get_cos_sin(positions, dtype=x.dtype)
+
+
+def _cos_sin_source(node):
+    """The tensor e when `node` is cos(e)/sin(e) times constants and casts, with the op name."""
+    node = nodes.peel(node)
+    while nodes.is_op(node, operator.mul) and any(isinstance(a, (int, float)) for a in node.args):
+        node = nodes.peel(next(a for a in node.args if not isinstance(a, (int, float))))
+    for op in ("cos", "sin"):
+        if nodes.is_op(node, op, getattr(torch, op)):
+            return op, node.args[0]
+    return None, None
+
+
+def _rope_candidates(config) -> list[dict]:
+    params = getattr(config, "rope_parameters", None) or {}
+    found = [params] if "rope_type" in params else [v for v in params.values() if isinstance(v, dict)]
+    factor = getattr(config, "partial_rotary_factor", None)
+    return [dict(p, partial_rotary_factor=p.get("partial_rotary_factor", factor)) if factor else dict(p) for p in found]
+
+
+class RotaryPattern(Pattern):
+    """See module docstring (the cos/sin module)."""
+
+    name = "rotary"
+    scope = "module"
+
+    @classmethod
+    def match(cls, traced, ctx: Context) -> list[Match]:
+        out = nodes.output_value(traced.graph)
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            return []
+        (op0, e0), (op1, e1) = _cos_sin_source(out[0]), _cos_sin_source(out[1])
+        if (op0, op1) != ("cos", "sin") or e0 is not e1:
+            return []
+        params = [p for p in inspect.signature(type(traced.module).forward).parameters][1:]
+        require(len(params) == 2, f"rotary forward takes {params}, expected (x, position_ids)")
+        claimed = frozenset(n.name for n in traced.graph.nodes if n.op != "output")
+        return [Match(cls, claimed, (("x", params[0]), ("position_ids", params[1])))]
+
+    @classmethod
+    def _build_checked(cls, module: nn.Module, ctx: Context, names: tuple[str, str]) -> nn.Module:
+        buffers = list(module.buffers())
+        require(bool(buffers) and not buffers[0].is_meta, "rotary buffers are on meta; cannot verify cos/sin")
+        config = ctx.config
+        head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        max_pos = config.max_position_embeddings
+        device = buffers[0].device
+        positions = torch.tensor([[p for p in _PROBE_POSITIONS if p < max_pos] + [max_pos - 1]], device=device)
+        x = torch.zeros(1, dtype=torch.float32, device=device)
+        with torch.no_grad():
+            ref_cos, ref_sin = module(x, positions)
+        reasons = []
+        for params, neox in [(p, n) for p in _rope_candidates(config) for n in (True, False)]:
+            try:
+                new = RotaryCosSin(get_rope(head_size, max_pos, params, neox, torch.float32, device), names)
+                cos, sin = new(x, positions)
+            except (ValueError, KeyError, TypeError, RuntimeError) as e:
+                reasons.append(str(e))
+                continue
+            if cos.shape == ref_cos.shape and torch.allclose(cos, ref_cos, rtol=1e-5, atol=1e-5) and \
+                    torch.allclose(sin, ref_sin, rtol=1e-5, atol=1e-5):
+                return new
+            reasons.append(f"cos/sin of {params.get('rope_type')} ({'neox' if neox else 'gpt-j'}) differ")
+        raise_reason = "; ".join(reasons) or "config has no rope_parameters"
+        require(False, f"no RotaryEmbedding reproduces this module ({raise_reason})")
+
+    @classmethod
+    def validate(cls, match: Match, module: nn.Module, ctx: Context) -> None:
+        require(ctx.config is not None, "no model config to read rope_parameters from")
+        module.__dict__["_fxrewrite_rope"] = cls._build_checked(module, ctx, (match.name("x"), match.name("position_ids")))
+
+    @classmethod
+    def build(cls, match: Match, module: nn.Module, ctx: Context) -> nn.Module:
+        return module.__dict__.pop("_fxrewrite_rope")
+
+    @classmethod
+    def describe(cls, match: Match) -> str:
+        return "cos/sin -> RotaryEmbedding (get_rope)"
+
+
+class RotaryApplyPattern(Pattern):
+    """See module docstring (the apply call)."""
+
+    name = "rotary_apply"
+
+    @classmethod
+    def match(cls, traced, ctx: Context) -> list[Match]:
+        matches = []
+        for n in traced.graph.nodes:
+            if n.op != "call_function" or not callable(n.target) or not nodes.is_leaf_call(n):
+                continue
+            metas = [nodes.meta(a) for a in n.args[:4]]
+            if len(n.args) < 4 or any(m is None for m in metas) or set(n.kwargs) - {"unsqueeze_dim"}:
+                continue
+            if [m.dim() for m in metas] != [4, 4, 3, 3] or len(n.args) > 5:
+                continue
+            if set(nodes.getitem_users(n)) != {0, 1} or len(n.users) != 2:
+                continue
+            require(_same_outputs(n, metas), f"{n.target.__name__} does not compute neox rotary on q and k")
+            matches.append(Match(cls, frozenset({n.name}), (("fn", n.target.__name__),)))
+        return matches
+
+    @classmethod
+    def rewrite(cls, match: Match, src, tree: cst.Module) -> cst.Module:
+        name = match.name("fn")
+        require(callable(src.globals.get(name)), f"{name} is not a global function of the module")
+        calls = _calls_of(tree, name)
+        require(len(calls) == 1, f"{name}(...) appears {len(calls)} times in forward, expected exactly once")
+        return tree.deep_replace(calls[0].func, cst.parse_expression(f"self.{NEW_APPLY}"))
+
+    @classmethod
+    def validate(cls, match: Match, module: nn.Module, ctx: Context) -> None:
+        free_attribute(module, NEW_APPLY)
+
+    @classmethod
+    def build(cls, match: Match, module: nn.Module, ctx: Context) -> None:
+        setattr(module, NEW_APPLY, ApplyRotaryEmb())
+
+    @classmethod
+    def describe(cls, match: Match) -> str:
+        return f"{match.name('fn')} -> {NEW_APPLY}"
+
+
+def _same_outputs(node, metas) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    args = [torch.randn(m.shape, generator=gen, dtype=torch.float32) for m in metas] + list(node.args[4:])
+    try:
+        with torch.no_grad():
+            want = node.target(*args, **node.kwargs)
+        got = apply_rotary_qk(*args, **node.kwargs)
+    except Exception:  # noqa: BLE001 - not a rotary function of this shape
+        return False
+    return len(want) == 2 and all(isinstance(w, torch.Tensor) and w.shape == g.shape and torch.equal(w, g)
+                                  for w, g in zip(want, got))
+
+
+def _calls_of(tree: cst.Module, name: str) -> list[cst.Call]:
+    found: list[cst.Call] = []
+
+    class V(cst.CSTVisitor):
+        def visit_Call(self, node):
+            if isinstance(node.func, cst.Name) and node.func.value == name:
+                found.append(node)
+
+    tree.visit(V())
+    return found

@@ -1,0 +1,110 @@
+"""Paged attention for both model kinds.
+
+transformers models: `paged_attention_forward` is registered in transformers' `AttentionInterface` as
+"fxrewrite_paged" and the model's attn implementation is set to that name. transformers builds no dense
+mask for it: `masking_utils._preprocess_mask_arguments` exits early (mask None) for any implementation
+that is not in `AttentionMaskInterface`, so on purpose no mask function is registered under this name.
+Native models call the `Attention` layer. Both write this step's K/V into the layer's paged cache and
+attend over it with the step metadata from `fxrewrite.runtime.forward_context`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fxrewrite.kernels.paged_attention import paged_attention
+from fxrewrite.kernels.reshape_and_cache import reshape_and_cache
+from fxrewrite.runtime.forward_context import get_forward_context
+
+ATTN_IMPLEMENTATION = "fxrewrite_paged"
+
+
+def paged_attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer_idx: int,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
+    """query [T, Hq, D], key/value [T, Hkv, D] of this step -> [T, Hq, D]; caches the new K/V first."""
+    if torch.compiler.is_compiling():
+        # Under torch.compile: one opaque op (fxrewrite.runtime.compilation), so the graph does not break.
+        return torch.ops.fxrewrite.paged_attend(query, key, value, layer_idx, scale, sliding_window, soft_cap)
+    ctx = get_forward_context()
+    key_cache, value_cache = ctx.kv_caches[layer_idx]
+    reshape_and_cache(key, value, key_cache, value_cache, ctx.slot_mapping)
+    return paged_attention(
+        query, key_cache, value_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
+        ctx.max_query_len, ctx.max_seq_len, scale, sliding_window=sliding_window, soft_cap=soft_cap,
+    )
+
+
+def paged_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: query [1, Hq, T, D], key/value [1, Hkv, T, D]
+    (the step's flattened tokens as one batch row) -> ([1, T, Hq, D], None).
+
+    The layer index comes from `module.layer_idx`; scaling defaults to D**-0.5 like transformers'.
+    """
+    if query.shape[0] != 1:
+        raise ValueError(f"fxrewrite_paged attention expects one flattened batch row, got {query.shape[0]}")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
+    out = paged_attend(
+        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+        module.layer_idx, scale, sliding_window=window, soft_cap=softcap,
+    )
+    return out.unsqueeze(0), None
+
+
+def register_paged_attention() -> str:
+    """Register "fxrewrite_paged" in transformers' attention registry (idempotent); returns the name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    return ATTN_IMPLEMENTATION
+
+
+class Attention(nn.Module):
+    """Paged attention layer of the native models: q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D]."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        scale: float,
+        num_kv_heads: int,
+        layer_idx: int,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
+    ):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        self.layer_idx = layer_idx
+        self.sliding_window = sliding_window
+        self.soft_cap = soft_cap
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = paged_attend(
+            q.view(-1, self.num_heads, self.head_dim),
+            k.view(-1, self.num_kv_heads, self.head_dim),
+            v.view(-1, self.num_kv_heads, self.head_dim),
+            self.layer_idx, self.scale, self.sliding_window, self.soft_cap,
+        )
+        return out.reshape(-1, self.num_heads * self.head_dim)

@@ -1,0 +1,135 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, replayed over static buffers.
+
+nano-vllm's scheme (`ModelRunner.capture_cudagraph` / `run_model`): buckets 1, 2, 4, 8, then every 16
+up to max_num_seqs (at most 512), captured largest first into one shared memory pool. A decode step of
+n sequences copies its inputs into the first n rows of the static buffers, pads up to the next bucket
+(padding rows write no KV: slot -1) and replays that bucket's graph. Prefill and mixed steps, larger
+batches and `enforce_eager` run eagerly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+
+import torch
+from torch import nn
+
+from fxrewrite.runtime.compilation import forward_or_fallback
+from fxrewrite.runtime.forward_context import AttentionMetadata, forward_context
+
+logger = logging.getLogger(__name__)
+
+MAX_CAPTURE_SIZE = 512
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Bucket sizes, ascending: 1, 2, 4, 8, then multiples of 16 up to min(max_num_seqs, 512), plus
+    that top size itself so every decode batch the scheduler can form has a bucket."""
+    top = min(max_num_seqs, MAX_CAPTURE_SIZE)
+    sizes = [s for s in (1, 2, 4, 8) if s <= top] + list(range(16, top + 1, 16))
+    if sizes[-1] != top:
+        sizes.append(top)
+    return sizes
+
+
+class CUDAGraphRunner:
+    """Captures `model(input_ids, positions)` for decode batches and replays it.
+
+    Static buffers (max bucket B rows): input_ids/positions [B] int64, slot_mapping [B] int64,
+    seq_lens [B] int32, query_start_loc [B+1] int32 (always 0..B: one token per sequence),
+    block_tables [B, ceil(max_model_len / block_size)] int32, outputs [B, hidden] in the model dtype.
+    Graphs are captured with max_seq_len = max_model_len (it sizes the split-K grid of the decode
+    kernel, so it must bound every later seq_len) against the engine's KV caches, which must not be
+    reallocated afterwards.
+    """
+
+    def __init__(self, model: nn.Module, kv_caches, *, max_num_seqs: int, max_model_len: int,
+                 block_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.sizes = capture_sizes(max_num_seqs)
+        self.max_model_len = max_model_len
+        rows, max_blocks = self.sizes[-1], -(-max_model_len // block_size)
+        self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((rows,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(rows, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(rows, max_blocks, dtype=torch.int32, device=device)
+        self.outputs = torch.zeros(rows, hidden_size, dtype=dtype, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.sizes[-1]
+
+    def _metadata(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs],
+            seq_lens=self.seq_lens[:bs], query_start_loc=self.query_start_loc[: bs + 1],
+            max_query_len=1, max_seq_len=self.max_model_len, kv_caches=self.kv_caches,
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first (smaller graphs reuse the first one's pool).
+
+        During capture every row is a 1-token sequence at position 0 that writes nothing (slot -1)."""
+        for bs in reversed(self.sizes):
+            graph = torch.cuda.CUDAGraph()
+            with forward_context(self._metadata(bs)):
+                # Warm-up outside the graph: Triton JIT and torch.compile run here, not while capturing.
+                self.outputs[:bs] = forward_or_fallback(self.model, self.input_ids[:bs], self.positions[:bs])
+                with torch.cuda.graph(graph, self.pool):
+                    self.outputs[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[bs] = graph
+            torch.cuda.synchronize()
+
+    def can_run(self, num_tokens: int, metadata: AttentionMetadata) -> bool:
+        """A pure decode step (one token per sequence) no larger than the largest bucket."""
+        return (
+            bool(self.graphs)
+            and metadata.max_query_len == 1
+            and num_tokens == metadata.seq_lens.shape[0]
+            and num_tokens <= self.max_batch_size
+            and metadata.max_seq_len <= self.max_model_len
+        )
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """input_ids/positions [n] of n decoding sequences -> hidden [n, hidden] (a view of the static
+        output buffer, valid until the next replay). Call only when `can_run` is True."""
+        n = input_ids.shape[0]
+        bs = self.sizes[bisect.bisect_left(self.sizes, n)]
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(metadata.slot_mapping, non_blocking=True)
+        self.slot_mapping[n:bs].fill_(-1)
+        self.seq_lens[:n].copy_(metadata.seq_lens, non_blocking=True)
+        self.seq_lens[n:bs].fill_(1)
+        width = metadata.block_tables.shape[1]
+        self.block_tables[:n, :width].copy_(metadata.block_tables, non_blocking=True)
+        self.graphs[bs].replay()
+        return self.outputs[:n]
+
+
+def build_graph_runner(model: nn.Module, kv_caches, config, model_config,
+                       device: torch.device) -> CUDAGraphRunner | None:
+    """A captured CUDAGraphRunner on CUDA unless `config.enforce_eager`; None otherwise, or (logged as a
+    warning, steps then run eagerly) when the model cannot be captured."""
+    if device.type != "cuda" or config.enforce_eager:
+        return None
+    runner = CUDAGraphRunner(
+        model, kv_caches, max_num_seqs=config.max_num_seqs, max_model_len=model_config.max_model_len,
+        block_size=config.block_size, hidden_size=model_config.hidden_size, dtype=model_config.dtype,
+        device=device,
+    )
+    try:
+        runner.capture()
+    except Exception as e:  # a model with a host sync in its forward (e.g. dynamic NTK rope)
+        logger.warning("CUDA graph capture failed, decode runs eagerly: %s", e)
+        return None
+    return runner

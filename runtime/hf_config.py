@@ -1,0 +1,264 @@
+"""Load a model's transformers config with `hf_overrides`, normalise RoPE, derive `max_model_len`.
+
+hf_overrides (DESIGN.md): a dict, its JSON text (CLI), or a callable(config) -> config. In a dict,
+keys whose value is a dict are applied after the config loads (merged into a nested sub-config such
+as `text_config`, otherwise set whole: a `rope_parameters` dict replaces the old one); the other
+keys are passed to `AutoConfig.from_pretrained` at load. A top-level `max_model_len` key is taken
+out and returned as the offline API's way to set it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoConfig, PretrainedConfig
+
+from fxrewrite.layers.rope_init import normalize_rope_parameters, validate_rope_parameters
+
+logger = logging.getLogger(__name__)
+
+HfOverrides = dict[str, Any] | str | Callable[[PretrainedConfig], PretrainedConfig] | None
+
+MAX_LEN_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "model_max_length",
+    "max_target_positions",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+"""Config keys that bound the context length; the derived length is the minimum of those present."""
+
+ALLOW_LONG_ENV_VARS = ("FXREWRITE_ALLOW_LONG_MAX_MODEL_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN")
+_DEFAULT_MAX_MODEL_LEN = 2048  # vLLM's fallback when a config names no length at all
+_ROPE_FACTS = ("rope_theta", "partial_rotary_factor")  # model facts, not scaling choices
+
+
+def parse_hf_overrides(hf_overrides: HfOverrides) -> dict[str, Any] | Callable | None:
+    """Return the overrides as a dict (parsing JSON text) or the callable unchanged.
+
+    Raises ValueError for text that is not a JSON object, TypeError for any other kind of value.
+    """
+    if hf_overrides is None or callable(hf_overrides):
+        return hf_overrides
+    if isinstance(hf_overrides, str):
+        try:
+            hf_overrides = json.loads(hf_overrides)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"hf_overrides must be a JSON object, got {hf_overrides!r} ({exc})") from None
+        if not isinstance(hf_overrides, dict):
+            raise ValueError(f"hf_overrides must be a JSON object, got {json.dumps(hf_overrides)!r}")
+    if not isinstance(hf_overrides, dict):
+        raise TypeError(
+            f"hf_overrides must be a dict, a JSON object string or a callable(config) -> config, "
+            f"got {type(hf_overrides).__name__}"
+        )
+    return dict(hf_overrides)
+
+
+def split_hf_overrides(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], int | None]:
+    """(keys passed at load, dict-valued keys applied after load, max_model_len or None)."""
+    overrides = dict(overrides)
+    max_model_len = overrides.pop("max_model_len", None)
+    if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)):
+        raise ValueError(f"hf_overrides['max_model_len'] must be an int, got {max_model_len!r}")
+    nested = {k: v for k, v in overrides.items() if isinstance(v, dict)}
+    flat = {k: v for k, v in overrides.items() if not isinstance(v, dict)}
+    return flat, nested, max_model_len
+
+
+def load_hf_config(
+    model_path: str | Path,
+    hf_overrides: HfOverrides = None,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+) -> tuple[PretrainedConfig, int | None]:
+    """Load `model_path`'s config with the overrides applied; returns (config, max_model_len from
+    the overrides or None). RoPE parameters are normalised afterwards (`rope_type`, `rope_theta`).
+
+    Raises ValueError / TypeError for malformed overrides, OSError when no config.json is found.
+    """
+    overrides = parse_hf_overrides(hf_overrides)
+    flat, nested, max_model_len = ({}, {}, None) if not isinstance(overrides, dict) else split_hf_overrides(overrides)
+    try:
+        config = AutoConfig.from_pretrained(
+            str(model_path), revision=revision, trust_remote_code=trust_remote_code, **flat
+        )
+    except KeyError as exc:  # transformers' rope validation raises a bare KeyError
+        if "rope" not in str(exc):
+            raise
+        raise ValueError(f"invalid rope parameters in {model_path}: {exc.args[0]}") from None
+    # transformers only setdefaults a flat rope_theta into rope_parameters: make the override win.
+    forced = {k: v for k, v in flat.items() if k in _ROPE_FACTS}
+    fallback = {**_rope_facts_from_json(Path(model_path) / "config.json"), **forced}
+    for sub_config in _config_and_text_config(config):
+        _normalize_config_rope(sub_config, fallback, forced=forced)
+    _apply_nested_overrides(config, nested)
+    if callable(overrides):
+        config = overrides(config)
+        if not isinstance(config, PretrainedConfig):
+            raise TypeError(f"the hf_overrides callable must return a PretrainedConfig, got {type(config).__name__}")
+    for sub_config in _config_and_text_config(config):
+        _normalize_config_rope(sub_config, fallback, forced={})
+    return config, max_model_len
+
+
+def _config_and_text_config(config: PretrainedConfig) -> list[PretrainedConfig]:
+    text_config = config.get_text_config()
+    return [config] if text_config is config else [config, text_config]
+
+
+def _rope_facts_from_json(path: Path) -> dict[str, Any]:
+    """rope_theta / partial_rotary_factor as config.json spells them (flat override at load can drop them)."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    raw = raw.get("text_config", raw) if "rope_theta" not in raw and "rope_parameters" not in raw else raw
+    params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+    facts = {key: params.get(key, raw.get(key)) for key in _ROPE_FACTS}
+    return {k: v for k, v in facts.items() if v is not None}
+
+
+def _apply_nested_overrides(config: PretrainedConfig, nested: dict[str, dict]) -> None:
+    for key, value in nested.items():
+        key = "rope_parameters" if key == "rope_scaling" else key
+        current = getattr(config, key, None)
+        if isinstance(current, PretrainedConfig):
+            for sub_key, sub_value in value.items():
+                setattr(current, sub_key, sub_value)
+            continue
+        if key == "rope_parameters" and isinstance(current, dict):
+            value = _carry_rope_facts(current, value)
+        setattr(config, key, dict(value))
+
+
+def _carry_rope_facts(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """A replacing rope_parameters dict keeps the model's rope_theta / partial_rotary_factor unless it sets them."""
+    new = dict(new)
+    if old and "rope_type" not in old and all(isinstance(v, dict) for v in old.values()):
+        return new  # per-layer-type form: replaced as given
+    for key in _ROPE_FACTS:
+        if key not in new and old.get(key) is not None:
+            new[key] = old[key]
+    return new
+
+
+def _normalize_config_rope(config: PretrainedConfig, fallback: dict[str, Any], forced: dict[str, Any]) -> None:
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict) or not params:
+        return
+    if is_nested_rope_parameters(params):
+        config.rope_parameters = {
+            layer_type: _normalize_one(p, fallback, forced) if isinstance(p, dict) else p
+            for layer_type, p in params.items()
+        }
+    else:
+        config.rope_parameters = _normalize_one(params, fallback, forced)
+
+
+def _normalize_one(params: dict[str, Any], fallback: dict[str, Any], forced: dict[str, Any]) -> dict[str, Any]:
+    params = {k: v for k, v in params.items() if v is not None or k not in _ROPE_FACTS}
+    params.update(forced)
+    return normalize_rope_parameters(params, fallback.get("rope_theta"), fallback.get("partial_rotary_factor"))
+
+
+def is_nested_rope_parameters(params: dict[str, Any]) -> bool:
+    """True for transformers' per-layer-type form ({"full_attention": {...}, "sliding_attention": {...}})."""
+    return bool(params) and "rope_type" not in params and all(isinstance(v, dict) or v is None for v in params.values())
+
+
+def get_rope_parameters(text_config: PretrainedConfig) -> tuple[dict[str, Any], dict[str, dict] | None]:
+    """(flat rope parameters, per-layer-type dicts or None). For the nested form the flat one is
+    the "full_attention" entry (else the first). Always has rope_type and rope_theta."""
+    params = getattr(text_config, "rope_parameters", None) or {}
+    if is_nested_rope_parameters(params):
+        by_layer = {k: normalize_rope_parameters(v) for k, v in params.items() if isinstance(v, dict)}
+        main = by_layer.get("full_attention") or next(iter(by_layer.values()), {})
+        return normalize_rope_parameters(main), by_layer
+    return normalize_rope_parameters(params, getattr(text_config, "rope_theta", None)), None
+
+
+def check_rope_parameters(text_config: PretrainedConfig, head_dim: int) -> None:
+    """Validate every rope dict of the config (fxrewrite.layers.rope_init.validate_rope_parameters)."""
+    flat, by_layer = get_rope_parameters(text_config)
+    max_position = getattr(text_config, "max_position_embeddings", None)
+    for params in (by_layer or {"": flat}).values():
+        validate_rope_parameters(params, head_dim, max_position)
+
+
+def derive_max_model_len(
+    text_config: PretrainedConfig,
+    tokenizer_model_max_length: int | None = None,
+    disable_sliding_window: bool = False,
+) -> tuple[int, str]:
+    """The longest context the config supports, and a description of where it came from.
+
+    Minimum over MAX_LEN_KEYS present in the config and the tokenizer's model_max_length; the
+    sliding window when `disable_sliding_window`; then times rope `factor` except for llama3 and
+    longrope (already scaled), from `original_max_position_embeddings` for yarn. Per-layer-type
+    rope (Gemma 3) is not scaled: its max_position_embeddings is already the scaled length, as in vLLM.
+    """
+    derived, key = float("inf"), None
+    for name in MAX_LEN_KEYS:
+        value = getattr(text_config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value < derived:
+            derived, key = value, name
+    if tokenizer_model_max_length is not None and tokenizer_model_max_length < derived:
+        derived, key = tokenizer_model_max_length, "model_max_length (tokenizer)"
+    sliding_window = getattr(text_config, "sliding_window", None)
+    if disable_sliding_window and isinstance(sliding_window, int) and sliding_window < derived:
+        derived, key = sliding_window, "sliding_window"
+    if derived == float("inf"):
+        logger.warning("config names no context length (%s); using %d", ", ".join(MAX_LEN_KEYS), _DEFAULT_MAX_MODEL_LEN)
+        derived, key = _DEFAULT_MAX_MODEL_LEN, "default"
+    rope, by_layer = get_rope_parameters(text_config)
+    if by_layer is None and rope["rope_type"] not in ("default", "llama3", "longrope"):
+        factor = rope.get("factor") or 1.0
+        if rope["rope_type"] == "yarn":
+            derived, key = rope["original_max_position_embeddings"], "original_max_position_embeddings"
+        key = f"{key}={derived} * rope factor {factor}"
+        derived = derived * factor
+    else:
+        key = f"{key}={derived}"
+    return int(derived), key
+
+
+def verify_max_model_len(max_model_len: int | None, derived: int, key: str) -> int:
+    """Return `max_model_len` (the derived length when None) after checking it against `derived`.
+
+    Raises ValueError when it exceeds `derived`, unless FXREWRITE_ALLOW_LONG_MAX_MODEL_LEN=1 or
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, which log and warn instead.
+    """
+    if max_model_len is None:
+        return derived
+    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len <= 0:
+        raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
+    if max_model_len <= derived:
+        return max_model_len
+    msg = (
+        f"max_model_len={max_model_len} is greater than the derived max_model_len={derived} "
+        f"(from the model config: {key})."
+    )
+    if any(os.environ.get(name, "").strip().lower() in ("1", "true") for name in ALLOW_LONG_ENV_VARS):
+        warnings.warn(
+            f"{msg} Proceeding because {ALLOW_LONG_ENV_VARS[0]}=1: positions past {derived} give NaN or "
+            "garbage with RoPE and out-of-range indices with absolute position embeddings.",
+            UserWarning,
+            stacklevel=3,
+        )
+        logger.warning("%s Proceeding because of the escape variable.", msg)
+        return max_model_len
+    raise ValueError(
+        f"{msg} Set {ALLOW_LONG_ENV_VARS[0]}=1 (or VLLM_ALLOW_LONG_MAX_MODEL_LEN=1) to allow it anyway, "
+        "or scale RoPE (hf_overrides rope_parameters) to extend the context."
+    )

@@ -1,0 +1,64 @@
+"""Size and allocate the paged KV cache from a memory budget."""
+
+from __future__ import annotations
+
+import torch
+
+# On a CPU without kv_cache_memory_bytes: at most this much, and no more than max_num_seqs full-length
+# sequences need.
+_CPU_DEFAULT_BYTES = 256 * 2**20
+
+
+def kv_shape(model_config) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of the model's attention layers."""
+    return model_config.num_hidden_layers, model_config.num_key_value_heads, model_config.head_dim
+
+
+def bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of `block_size` tokens in every layer, in bytes."""
+    num_layers, num_kv_heads, head_dim = kv_shape(model_config)
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+
+def kv_cache_budget_bytes(config, model_config, device: torch.device, block_bytes: int) -> int:
+    """Bytes the KV cache may take: kv_cache_memory_bytes if given; on CUDA, gpu_memory_utilization of
+    the device minus what is in use (weights, this process and others) minus an activation estimate."""
+    if config.kv_cache_memory_bytes is not None:
+        return config.kv_cache_memory_bytes
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        activations = _activation_estimate(config, model_config)
+        return int(total * config.gpu_memory_utilization) - (total - free) - activations
+    max_blocks = config.max_num_seqs * -(-model_config.max_model_len // config.block_size)
+    return min(_CPU_DEFAULT_BYTES, max_blocks * block_bytes)
+
+
+def _activation_estimate(config, model_config) -> int:
+    """Rough peak of one forward: a few hidden-sized fp32 buffers per token plus the logits."""
+    tokens = config.max_num_batched_tokens
+    hidden = model_config.hidden_size * 4 * 16
+    return tokens * hidden + config.max_num_seqs * model_config.vocab_size * 4 * 2
+
+
+def num_kv_blocks(config, model_config, device: torch.device, dtype: torch.dtype) -> int:
+    """How many blocks fit in the budget; ValueError naming the budget when not even one does."""
+    block_bytes = bytes_per_block(model_config, config.block_size, dtype)
+    budget = kv_cache_budget_bytes(config, model_config, device, block_bytes)
+    num_blocks = budget // block_bytes
+    if num_blocks < 1:
+        raise ValueError(
+            f"KV cache budget of {budget} bytes holds no block of {block_bytes} bytes "
+            f"(block_size={config.block_size}); raise kv_cache_memory_bytes or gpu_memory_utilization"
+        )
+    return int(num_blocks)
+
+
+def allocate_kv_caches(
+    model_config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim],
+    views of one zeroed tensor."""
+    num_layers, num_kv_heads, head_dim = kv_shape(model_config)
+    cache = torch.zeros(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    return [(cache[0, i], cache[1, i]) for i in range(num_layers)]

@@ -1,0 +1,105 @@
+"""Offline API: `LLM(...)`, `generate()` and `chat()`, as in vLLM."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from fxrewrite.runtime.engine_config import EngineConfig
+from fxrewrite.runtime.llm_engine import LLMEngine
+from fxrewrite.runtime.outputs import RequestOutput
+from fxrewrite.runtime.sampling_params import SamplingParams
+
+
+class LLM:
+    """A model ready to generate. Takes vLLM's arguments (see `EngineConfig`); TypeError names an
+    unknown one, ValueError a bad value.
+
+        llm = LLM(model="Qwen/Qwen3-0.6B", model_impl="transformers")
+        out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))
+        print(out[0].outputs[0].text)
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt (text or token ids) to completion; outputs in the order of `prompts`.
+
+        ValueError (naming the prompt's index and the limit) when a prompt is invalid; then nothing runs.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = _per_prompt(sampling_params, len(prompts))
+        ids = [str(next(self._request_counter)) for _ in prompts]
+        try:
+            for i, (request_id, prompt, p) in enumerate(zip(ids, prompts, params)):
+                try:
+                    self.llm_engine.add_request(request_id, prompt, p)
+                except ValueError as e:
+                    raise ValueError(f"prompt {i}: {e}") from None
+            return self._run(ids, use_tqdm)
+        except BaseException:
+            for request_id in ids:
+                self.llm_engine.abort_request(request_id)
+            raise
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        engine, results = self.llm_engine, {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        with bar:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        results[output.request_id] = output
+                        bar.update(1)
+        return [results[request_id] for request_id in ids]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation (list of {"role", "content"}) or a
+        list of them, then `generate`. ValueError when the tokenizer has no chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.llm_engine.tokenizer
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"tokenizer of {self.llm_engine.model_config.model!r} has no chat template")
+        prompts = []
+        for conversation in conversations:
+            ids = tokenizer.apply_chat_template(
+                conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                tokenize=True, **(chat_template_kwargs or {}),
+            )
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            prompts.append(list(ids))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _per_prompt(sampling_params, num: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * num
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num
+    sampling_params = list(sampling_params)
+    if len(sampling_params) != num:
+        raise ValueError(f"got {len(sampling_params)} sampling_params for {num} prompts; expected one or {num}")
+    return sampling_params

@@ -1,0 +1,249 @@
+"""The synchronous engine: requests in, one scheduled model step per `step()`, outputs out."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from fxrewrite.runtime.block_manager import BlockManager
+from fxrewrite.runtime.detokenizer import IncrementalDetokenizer, check_stop_strings
+from fxrewrite.runtime.engine_config import EngineConfig
+from fxrewrite.runtime.outputs import CompletionOutput, Logprob, RequestOutput
+from fxrewrite.runtime.sampler import SampleResult
+from fxrewrite.runtime.sampling_params import SamplingParams
+from fxrewrite.runtime.scheduler import Scheduler
+from fxrewrite.runtime.sequence import Sequence
+
+
+class Request:
+    """A prompt and its n sequences (one per completion)."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params, arrival):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = params
+        self.seqs = [Sequence(request_id, prompt_token_ids, params, i, arrival) for i in range(params.n)]
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+
+class LLMEngine:
+    """Owns the tokenizer, model runner, block manager and scheduler.
+
+    `add_request` validates (ValueError, nothing allocated), `step` runs one batch and returns a
+    RequestOutput for every request that progressed; a finished request is forgotten after it is returned.
+    """
+
+    def __init__(self, config: EngineConfig):
+        from fxrewrite.runtime.model_runner import ModelRunner, load_model_config, load_tokenizer
+
+        self.config = config
+        self.model_config = load_model_config(config)
+        self.tokenizer = load_tokenizer(self.model_config, config)
+        self.eos_token_ids = _eos_token_ids(self.tokenizer, self.model_config)
+        self.model_runner = ModelRunner(config, self.model_config, self.eos_token_ids)
+        self.block_manager = BlockManager(
+            self.model_runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self._detokenizers: dict[int, IncrementalDetokenizer] = {}
+        self._arrivals = itertools.count()
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> LLMEngine:
+        return cls(EngineConfig.from_kwargs(**kwargs))
+
+    # requests
+    def add_request(
+        self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None
+    ) -> None:
+        """Queue a prompt (text, or token ids) for generation; ValueError for an invalid request."""
+        params = sampling_params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        self._check_lengths(token_ids, params)
+        request = Request(request_id, text, token_ids, params, next(self._arrivals))
+        self.requests[request_id] = request
+        for seq in request.seqs:
+            self._detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq)
+            self.scheduler.add(seq)
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+            text = prompt
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            token_ids, text = list(prompt), None
+            vocab = self.model_config.vocab_size
+            bad = [t for t in token_ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("prompt is empty: at least 1 token is needed")
+        return text, token_ids
+
+    def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> None:
+        max_len = self.model_config.max_model_len
+        if len(token_ids) > max_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len={max_len}")
+        # The last sampled token is never fed back, so it needs no KV slot.
+        final = len(token_ids) + (params.max_tokens or max_len) - 1
+        needed = min(final, max_len)
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        if needed > capacity:
+            raise ValueError(
+                f"request needs {needed} KV cache slots (prompt {len(token_ids)} + max_tokens "
+                f"{params.max_tokens}), more than the whole KV cache holds ({capacity}); "
+                "raise kv_cache_memory_bytes / gpu_memory_utilization or lower max_tokens"
+            )
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            self._finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # stepping
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; RequestOutputs (cumulative) for the requests it advanced."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty():
+            if self.scheduler.waiting and not self.scheduler.running:
+                # add_request checks each request fits the cache alone, so this is a bug, not a wait.
+                raise RuntimeError(f"no request can be scheduled: {self.get_stats()}")
+            return []
+        try:
+            seqs, results = self.model_runner.execute_model(sched)
+        except BaseException:
+            for request_id in list(self.requests):
+                self.abort_request(request_id)
+            raise
+        self.scheduler.update(sched)
+        for seq, result in zip(seqs, results):
+            self._process_sample(seq, result)
+        touched = dict.fromkeys(s.seq.request_id for s in sched.scheduled)
+        return [self._make_output(self.requests[r]) for r in touched if r in self.requests]
+
+    def _process_sample(self, seq: Sequence, result: SampleResult) -> None:
+        params = seq.sampling_params
+        seq.append_token(result.token_id)
+        seq.cumulative_logprob += result.logprob
+        if result.top_logprobs is not None:
+            seq.output_logprobs.append(
+                {t: Logprob(lp, rank, self.tokenizer.decode([t])) for t, (lp, rank) in result.top_logprobs.items()}
+            )
+        new_text = self._detokenizers[seq.seq_id].step()
+        reason, stop = _check_stop(seq, result.token_id, self.eos_token_ids, len(new_text))
+        if reason is None and (
+            seq.num_output_tokens >= (params.max_tokens or 1 << 62)
+            or seq.num_tokens >= self.model_config.max_model_len
+        ):
+            reason = "length"
+        if reason is not None:
+            seq.stop_reason = stop
+            self._finish(seq, reason)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.is_finished:
+            return
+        seq.finish_reason = reason
+        self.scheduler.finish(seq)
+        self._detokenizers.pop(seq.seq_id, None)
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        want_logprobs = request.sampling_params.logprobs is not None
+        outputs = [
+            CompletionOutput(
+                index=seq.index,
+                text=_visible_text(seq),
+                token_ids=seq.output_token_ids,
+                cumulative_logprob=seq.cumulative_logprob if want_logprobs else None,
+                logprobs=list(seq.output_logprobs) if want_logprobs else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+            for seq in request.seqs
+        ]
+        finished = request.finished
+        if finished:
+            del self.requests[request.request_id]
+        cached = max(seq.num_cached_tokens for seq in request.seqs)
+        return RequestOutput(
+            request.request_id, request.prompt, request.prompt_token_ids, outputs, finished,
+            metrics={"num_cached_tokens": cached},
+        )
+
+    def get_stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": bm.usage(),
+            "num_free_blocks": bm.num_free_blocks,
+            "num_blocks": bm.num_blocks,
+            "prefix_cache_hits": bm.prefix_cache_hits,
+            "prefix_cache_queries": bm.prefix_cache_queries,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }
+
+
+def _visible_text(seq: Sequence) -> str:
+    """The text to report: while running, hold back the tail that could still become a stop string
+    (vLLM's buffer), so streamed text never has to be taken back."""
+    params = seq.sampling_params
+    if seq.is_finished or not params.stop_strings or params.include_stop_str_in_output:
+        return seq.text
+    hold = max(len(s) for s in params.stop_strings) - 1
+    return seq.text[: max(len(seq.text) - hold, 0)]
+
+
+def _check_stop(seq: Sequence, token_id: int, eos_token_ids: set[int], new_text_len: int):
+    """(finish_reason, stop_reason) from EOS, stop token ids and stop strings; (None, None) if none."""
+    params = seq.sampling_params
+    if seq.num_output_tokens < params.min_tokens:
+        return None, None
+    if not params.ignore_eos and token_id in eos_token_ids:
+        return "stop", None
+    if token_id in params.stop_token_ids:
+        return "stop", token_id
+    stop = check_stop_strings(seq, new_text_len)
+    if stop is not None:
+        return "stop", stop
+    return None, None
+
+
+def _eos_token_ids(tokenizer, model_config) -> set[int]:
+    """EOS ids: the tokenizer's plus generation_config.json's (which may list several)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    gen_eos = getattr(model_config, "generation_eos_token_ids", None)
+    if gen_eos is None:
+        gen_eos = _read_generation_eos(model_config)
+    ids.update(gen_eos)
+    return ids
+
+
+def _read_generation_eos(model_config) -> list[int]:
+    import json
+    from pathlib import Path
+
+    path = Path(model_config.model_path) / "generation_config.json"
+    if not path.exists():
+        eos = getattr(model_config.hf_text_config, "eos_token_id", None)
+    else:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)

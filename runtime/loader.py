@@ -1,0 +1,109 @@
+"""Checkpoint loading: safetensors into native models (packed_modules_mapping) or HF models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+
+def iterate_safetensors(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of every *.safetensors file in the folder; FileNotFoundError if none."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {model_path}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def materialize(model: nn.Module, device: torch.device) -> nn.Module:
+    """Replace meta parameters by empty ones on `device` (keeping tied parameters tied and attributes
+    such as `weight_loader`); move buffers there. Values are set by the loader afterwards."""
+    new_params: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in new_params:
+                data = torch.empty(param.shape, dtype=param.dtype, device=device)
+                if param.device.type != "meta":
+                    data.copy_(param.data)
+                new = nn.Parameter(data, requires_grad=False)
+                new.__dict__.update(param.__dict__)
+                new_params[id(param)] = new
+            module._parameters[name] = new_params[id(param)]
+        for name, buf in list(module._buffers.items()):
+            if buf is not None:
+                module._buffers[name] = buf.to(device)
+    return model
+
+
+def load_native_weights(model: nn.Module, weights) -> set[str]:
+    """Load HF-named checkpoint tensors into a native model; returns the parameter names loaded.
+
+    `model.packed_modules_mapping` maps a checkpoint name part to (fused name part, shard id), e.g.
+    "q_proj" -> ("qkv_proj", "q"); each parameter's `weight_loader` copies the shard in place.
+    """
+    mapping = getattr(model, "packed_modules_mapping", {})
+    params = dict(model.named_parameters())
+    loaded = set()
+    for name, tensor in weights:
+        if name not in params and _skip(name, model):
+            continue
+        for part, (fused, shard) in mapping.items():
+            if part in name:
+                target = name.replace(part, fused)
+                _param(params, target, name).weight_loader(params[target], tensor, shard)
+                loaded.add(target)
+                break
+        else:
+            param = _param(params, name, name)
+            getattr(param, "weight_loader", _default_loader)(param, tensor)
+            loaded.add(name)
+    return loaded
+
+
+def _skip(name: str, model: nn.Module) -> bool:
+    """Checkpoint tensors a native model has no parameter for: rotary caches, a tied lm_head."""
+    if "rotary_emb.inv_freq" in name:
+        return True
+    return name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False)
+
+
+def _param(params: dict, target: str, name: str) -> nn.Parameter:
+    if target not in params:
+        raise ValueError(f"checkpoint tensor {name!r} has no parameter {target!r} in the model")
+    return params[target]
+
+
+def _default_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(f"weight shape {tuple(loaded.shape)} does not match parameter {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(loaded)
+
+
+def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:
+    """ValueError naming the parameters the checkpoint did not provide (they would hold garbage)."""
+    missing = sorted(set(dict(model.named_parameters())) - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ValueError(f"checkpoint is missing {len(missing)} parameter(s): {shown}")
+
+
+def load_weights(model: nn.Module, model_path: str | Path, native: bool) -> None:
+    """Load the folder's safetensors into the model (native or HF) and check nothing is missing."""
+    weights = iterate_safetensors(model_path)
+    if native:
+        loaded = load_native_weights(model, weights)
+    else:
+        from fxrewrite.weights import load_hf_weights
+
+        loaded = {f"hf_model.{name}" for name in load_hf_weights(model.hf_model, weights)}
+    check_all_loaded(model, loaded)

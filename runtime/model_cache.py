@@ -1,0 +1,97 @@
+"""The on-disk cache of model folders built locally (GGUF conversions, tokenizers, demo models).
+
+Layout: `cache_root()/models/<name>-<key>/`, a complete Hugging Face folder plus
+`fxrewrite_build.json` (what it was built from, and when). A folder is built in a temporary sibling
+and renamed into place, so another process never sees half a folder; an exclusive file lock on
+`<folder>.lock` keeps two processes from spending the same build twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+try:  # POSIX only; elsewhere concurrent builders just race and the loser's rename is dropped
+    import fcntl
+except ImportError:  # pragma: no cover
+    fcntl = None
+
+BUILD_INFO = "fxrewrite_build.json"
+
+
+def cache_root() -> Path:
+    """Root of fxrewrite's cache: `$FXREWRITE_CACHE`, else `$XDG_CACHE_HOME/fxrewrite`,
+    else `~/.cache/fxrewrite`. Read on every call, so tests can point it at a temporary folder."""
+    env = os.environ.get("FXREWRITE_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "fxrewrite"
+
+
+def file_key(path: str | os.PathLike, *extra: object) -> str:
+    """A short hex key for a source file: its resolved path, size and mtime (no hashing of the
+    content, which would cost seconds for a 100 MB GGUF), plus any `extra` values."""
+    p = Path(path).resolve()
+    st = p.stat()
+    text = "|".join(str(v) for v in (p, st.st_size, st.st_mtime_ns, *extra))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def read_build_info(folder: str | os.PathLike) -> dict:
+    """The `fxrewrite_build.json` record of a cached folder ({} when absent)."""
+    f = Path(folder) / BUILD_INFO
+    return json.loads(f.read_text()) if f.is_file() else {}
+
+
+@contextmanager
+def _locked(lock_path: Path):
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as fh:
+        if fcntl is not None:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            if fcntl is not None:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def cached_build(name: str, key: str, build: Callable[[Path], None], *, info: dict | None = None,
+                 root: str | os.PathLike | None = None) -> Path:
+    """Return `<root>/models/<name>-<key>`, calling `build(tmp_dir)` to fill it on first use.
+
+    `build` writes the complete folder into the empty `tmp_dir` it is given; the folder is then
+    renamed into place with a `fxrewrite_build.json` holding `info` and the build time (seconds).
+    Later calls (any process) return the existing folder without calling `build`.
+    Errors from `build` propagate and leave nothing behind.
+    """
+    models = Path(root) if root is not None else cache_root() / "models"
+    final = models / f"{name}-{key}"
+    if (final / BUILD_INFO).is_file():
+        return final
+    with _locked(models / f".{name}-{key}.lock"):
+        if (final / BUILD_INFO).is_file():  # another process finished it while we waited
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=models))
+        try:
+            start = time.perf_counter()
+            build(tmp)
+            record = {**(info or {}), "built_at": time.time(),
+                      "build_seconds": round(time.perf_counter() - start, 2)}
+            (tmp / BUILD_INFO).write_text(json.dumps(record, indent=2, default=str) + "\n")
+            if final.exists():  # a stale, incomplete folder (no build record): replace it
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return final

@@ -1,0 +1,128 @@
+"""Build and load the model, allocate the KV cache, run one step and sample."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from fxrewrite.runtime.compilation import compile_model, should_compile
+from fxrewrite.runtime.cuda_graphs import build_graph_runner
+from fxrewrite.runtime.engine_config import EngineConfig
+from fxrewrite.runtime.forward_context import forward_context
+from fxrewrite.runtime.inputs import prepare_inputs
+from fxrewrite.runtime.kv_cache import allocate_kv_caches, num_kv_blocks
+from fxrewrite.runtime.memory_profiling import profile_num_kv_blocks
+from fxrewrite.runtime.sampler import SampleResult, Sampler
+from fxrewrite.runtime.scheduler import SchedulerOutput
+from fxrewrite.runtime.sequence import Sequence
+
+
+def load_model_config(config: EngineConfig):
+    """ModelConfig for config.model (None: the built-in default model)."""
+    from fxrewrite.runtime.config import ModelConfig
+
+    model = config.model
+    if model is None:
+        from fxrewrite.runtime.default_model import default_model_path
+
+        model = str(default_model_path())
+    return ModelConfig.from_pretrained(
+        model, hf_overrides=config.hf_overrides, max_model_len=config.max_model_len, dtype=config.dtype,
+        tokenizer=config.tokenizer, revision=config.revision, trust_remote_code=config.trust_remote_code,
+    )
+
+
+def load_tokenizer(model_config, config: EngineConfig):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        str(model_config.tokenizer), trust_remote_code=config.trust_remote_code
+    )
+
+
+def resolve_model_impl(config: EngineConfig, model_config) -> str:
+    """"native" or "transformers"; auto picks native when the architecture has a native class."""
+    from fxrewrite.runtime.models.registry import get_native_model_cls
+
+    native = get_native_model_cls(model_config.architectures)
+    if config.model_impl == "native" and native is None:
+        raise ValueError(
+            f"model_impl='native': no native implementation for {model_config.architectures}; "
+            "use model_impl='transformers'"
+        )
+    if config.model_impl == "auto":
+        return "native" if native is not None else "transformers"
+    return config.model_impl
+
+
+def build_model(config: EngineConfig, model_config, device: torch.device) -> nn.Module:
+    """The model on `device` with its weights (random ones with load_format='dummy')."""
+    from fxrewrite.runtime.loader import load_weights, materialize
+    from fxrewrite.runtime.models.registry import get_native_model_cls
+    from fxrewrite.runtime.models.transformers_backend import TransformersForCausalLM
+
+    impl = resolve_model_impl(config, model_config)
+    if impl == "native":
+        cls = get_native_model_cls(model_config.architectures)
+        with _default_dtype(model_config.dtype):
+            model = cls(model_config, device="meta")
+    else:
+        model = TransformersForCausalLM.from_config(model_config.hf_config, model_config.dtype, config.fusion)
+    model = materialize(model, device)
+    if config.load_format == "dummy":
+        for param in model.parameters():
+            param.data.normal_(0.0, 0.02)
+    else:
+        load_weights(model, model_config.model_path, native=impl == "native")
+    model.impl = impl
+    return model.eval()
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    """Parameters created inside take `dtype` (restored afterwards, also on errors)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+class ModelRunner:
+    """Owns the model, the KV caches and the sampler; `execute_model` runs one scheduled step."""
+
+    def __init__(self, config: EngineConfig, model_config, eos_token_ids: set[int]):
+        self.config = config
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.block_size = config.block_size
+        torch.manual_seed(config.seed)
+        self.model = build_model(config, model_config, self.device)
+        self.kv_dtype = model_config.dtype
+        if should_compile(config, self.device):
+            compile_model(self.model)
+        if self.device.type == "cuda" and config.kv_cache_memory_bytes is None:
+            self.num_blocks = profile_num_kv_blocks(self.model, config, model_config, self.device)
+        else:
+            self.num_blocks = num_kv_blocks(config, model_config, self.device, self.kv_dtype)
+        self.kv_caches = allocate_kv_caches(model_config, self.num_blocks, self.block_size, self.kv_dtype, self.device)
+        self.graph_runner = build_graph_runner(self.model, self.kv_caches, config, model_config, self.device)
+        self.sampler = Sampler(eos_token_ids, seed=config.seed)
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> tuple[list[Sequence], list[SampleResult]]:
+        """Run the step's flattened tokens; returns the sequences that sampled and their samples."""
+        inputs = prepare_inputs(sched.scheduled, self.block_size, self.device)
+        inputs.attn_metadata.kv_caches = self.kv_caches
+        graphs = self.graph_runner
+        with forward_context(inputs.attn_metadata):
+            if graphs is not None and graphs.can_run(inputs.input_ids.shape[0], inputs.attn_metadata):
+                hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+            else:
+                hidden = self.model(inputs.input_ids, inputs.positions)
+        if not inputs.sample_seqs:
+            return [], []
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        return inputs.sample_seqs, self.sampler(logits, inputs.sample_seqs)

@@ -1,0 +1,30 @@
+"""Native Qwen3: Llama's layout plus an RMSNorm over each head of q and k, before rotary."""
+
+from __future__ import annotations
+
+import torch
+
+from fxrewrite.layers.layernorm import RMSNorm
+from fxrewrite.runtime.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+
+
+class Qwen3Attention(LlamaAttention):
+    def __init__(self, model_config, layer_idx: int, device):
+        super().__init__(model_config, layer_idx, device)
+        eps = model_config.hf_text_config.rms_norm_eps
+        self.q_norm = RMSNorm(self.head_dim, eps)
+        self.k_norm = RMSNorm(self.head_dim, eps)
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq*D], k [T, Hkv*D]: normalise each head's D values (transformers' Qwen3 q_norm/k_norm)."""
+        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim)).view(q.shape)
+        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim)).view(k.shape)
+        return q, k
+
+
+class Qwen3DecoderLayer(LlamaDecoderLayer):
+    attention_cls = Qwen3Attention
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    layer_cls = Qwen3DecoderLayer

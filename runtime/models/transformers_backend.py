@@ -1,0 +1,61 @@
+"""Serve a stock transformers model: built on meta, attention redirected to the paged cache."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fxrewrite.runtime.attention import register_paged_attention
+
+
+class TransformersForCausalLM(nn.Module):
+    """Wraps an HF `*ForCausalLM` with the engine's model interface.
+
+    forward(input_ids [T], positions [T]) -> hidden states [T, hidden]: the flattened tokens of all
+    sequences run as one batch row with use_cache=False; attention goes to "fxrewrite_paged".
+    compute_logits(hidden [S, hidden]) -> [S, vocab]: lm_head plus the model's final soft-capping /
+    logit scaling (Gemma 2 `final_logit_softcapping`, Cohere `logit_scale`, Granite `logits_scaling`).
+    """
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.hf_model = hf_model
+        self.config = hf_model.config
+
+    @classmethod
+    def from_config(cls, hf_config, dtype: torch.dtype, fusion: bool) -> TransformersForCausalLM:
+        """Build with parameters on meta (computed buffers such as rotary inv_freq stay real)."""
+        from accelerate import init_empty_weights
+        from transformers import AutoModelForCausalLM
+
+        attn = register_paged_attention()
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn)
+        # from_config leaves lm_head untied on meta; tie before materialising so one tensor is loaded.
+        model.tie_weights()
+        model.eval()
+        if fusion:
+            import fxrewrite
+
+            fxrewrite.optimize(model)
+        return cls(model)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        out = self.hf_model.base_model(
+            input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False
+        )
+        return out.last_hidden_state[0]
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = self.hf_model.get_output_embeddings()(hidden_states)
+        cfg = getattr(self.config, "get_text_config", lambda: self.config)()
+        scale = getattr(cfg, "logit_scale", None)
+        if scale is not None:
+            logits = logits * scale
+        divisor = getattr(cfg, "logits_scaling", None)
+        if divisor is not None:
+            logits = logits / divisor
+        cap = getattr(cfg, "final_logit_softcapping", None)
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -1,0 +1,112 @@
+"""Turn the last-token logits of a step into next tokens, per request's SamplingParams."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fxrewrite.runtime.sequence import Sequence
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float
+    """log-softmax of the raw logits at the sampled token."""
+    top_logprobs: dict[int, tuple[float, int]] | None = None
+    """{token_id: (logprob, rank)}: the sampled token plus the top `SamplingParams.logprobs`."""
+
+
+class Sampler:
+    """Greedy, temperature, top-k, top-p, min-p, penalties and min_tokens; a seed per request.
+
+    Order (vLLM's): penalties on the raw logits, min_tokens mask, then greedy argmax or
+    temperature -> top-k -> top-p -> min-p -> sample. Sampling draws q ~ Exp(1) per vocab entry and takes
+    argmax(p / q) (an exact categorical sample); seeded requests draw q from their own generator, so
+    their tokens do not depend on what else is in the batch.
+    """
+
+    def __init__(self, eos_token_ids: set[int], seed: int = 0):
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
+        """logits [S, V] (any float dtype) for sequences `seqs` -> one SampleResult per sequence."""
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._apply_penalties(logits.clone(), seqs)
+        greedy = torch.tensor([s.sampling_params.is_greedy for s in seqs], device=logits.device)
+        tokens = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            sampled = self._sample(logits, seqs)
+            tokens = torch.where(greedy, tokens, sampled)
+        return self._results(tokens, raw_logprobs, seqs)
+
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        for i, seq in enumerate(seqs):
+            p = seq.sampling_params
+            if p.has_penalties:
+                out_ids = torch.tensor(seq.output_token_ids, dtype=torch.int64, device=logits.device)
+                counts = torch.bincount(out_ids, minlength=vocab)[:vocab].to(logits.dtype)
+                if p.repetition_penalty != 1.0:
+                    seen = counts > 0
+                    seen[torch.tensor(seq.prompt_token_ids, device=logits.device)] = True
+                    row = logits[i]
+                    penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                    logits[i] = torch.where(seen, penalised, row)
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+            if seq.num_output_tokens < p.min_tokens:
+                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+                if banned:
+                    logits[i, [t for t in banned if t < vocab]] = float("-inf")
+        return logits
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        params = [s.sampling_params for s in seqs]
+        dev = logits.device
+        temps = torch.tensor([p.temperature if not p.is_greedy else 1.0 for p in params], device=dev)
+        logits = logits / temps[:, None]
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        vocab = logits.shape[-1]
+        ranks = torch.arange(vocab, device=dev)[None, :]
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+        sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
+        probs = torch.softmax(sorted_logits, dim=-1)
+        top_p = torch.tensor([p.top_p for p in params], device=dev)
+        # Drop a token when the tokens before it already reach top_p; the top token always stays.
+        drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+        min_p = torch.tensor([p.min_p for p in params], device=dev)
+        drop |= probs < (min_p[:, None] * probs[:, :1])
+        drop[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        probs = torch.softmax(sorted_logits, dim=-1)
+        q = self._exponential(probs.shape, seqs).to(dev)
+        choice = (probs / q).argmax(dim=-1)
+        return order.gather(1, choice[:, None]).squeeze(1)
+
+    def _exponential(self, shape: torch.Size, seqs: list[Sequence]) -> torch.Tensor:
+        q = torch.empty(shape).exponential_(generator=self.generator)
+        for i, seq in enumerate(seqs):
+            if seq.generator is not None:
+                q[i].exponential_(generator=seq.generator)
+        return q
+
+    def _results(self, tokens: torch.Tensor, raw_logprobs: torch.Tensor, seqs: list[Sequence]) -> list:
+        token_list = tokens.tolist()
+        chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
+        chosen_list = chosen.tolist()
+        results = []
+        for i, seq in enumerate(seqs):
+            num = seq.sampling_params.logprobs
+            top = None
+            if num is not None:
+                rank = int((raw_logprobs[i] > chosen[i]).sum()) + 1
+                top = {token_list[i]: (chosen_list[i], rank)}
+                if num > 0:
+                    values, ids = raw_logprobs[i].topk(num)
+                    for r, (v, t) in enumerate(zip(values.tolist(), ids.tolist()), start=1):
+                        top.setdefault(t, (v, r))
+            results.append(SampleResult(token_list[i], chosen_list[i], top))
+        return results

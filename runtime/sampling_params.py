@@ -1,0 +1,91 @@
+"""Per-request sampling settings, named and defaulted like vLLM's `SamplingParams`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How one request is sampled and when it stops.
+
+    Every field keeps vLLM's name and meaning. A temperature below 1e-5 means greedy (argmax).
+    Raises ValueError from the constructor for out-of-range values, naming the value and the range.
+    """
+
+    n: int = 1
+    """Number of independent completions for the prompt."""
+    temperature: float = 1.0
+    """Logits are divided by it; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability sums to >= top_p, in (0, 1]."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 or -1 keeps all."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the top token's, in [0, 1]."""
+    seed: int | None = None
+    """Seed of this request's own torch.Generator: the same seed gives the same tokens."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token already generated, in [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """Subtracted per occurrence from the logit of every token already generated, in [-2, 2]."""
+    repetition_penalty: float = 1.0
+    """CTRL-style: logits of prompt or generated tokens divided (if > 0) or multiplied by it; > 0."""
+    stop: list[str] | str | None = None
+    """Strings that end the completion; the text is cut right before the first one."""
+    stop_token_ids: list[int] | None = None
+    """Token ids that end the completion (kept in token_ids, like EOS)."""
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    """Most tokens to generate; None means up to max_model_len."""
+    min_tokens: int = 0
+    """EOS and stop_token_ids are masked until this many tokens were generated."""
+    logprobs: int | None = None
+    """Number of top logprobs to return per generated token (the sampled one is always included)."""
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._check()
+
+    def _check(self) -> None:
+        checks = [
+            (self.n >= 1, "n", self.n, "at least 1"),
+            (self.temperature >= 0, "temperature", self.temperature, "at least 0"),
+            (0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]"),
+            (self.top_k >= 0, "top_k", self.top_k, "-1, 0 (disabled) or a positive integer"),
+            (0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "in [-2, 2]"),
+            (self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "greater than 0"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens, "at least 1"),
+            (self.min_tokens >= 0, "min_tokens", self.min_tokens, "at least 0"),
+            (self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs, "at least 0"),
+        ]
+        for ok, name, value, expected in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams: {name}={value!r} must be {expected}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"SamplingParams: min_tokens={self.min_tokens} must be at most max_tokens={self.max_tokens}"
+            )
+        if any(not s for s in self.stop_strings):
+            raise ValueError(f"SamplingParams: stop={self.stop!r} must not contain empty strings")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1.0
+        )

@@ -1,0 +1,125 @@
+"""Continuous batching with chunked prefill and preemption by recompute."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from fxrewrite.runtime.block_manager import BlockManager
+from fxrewrite.runtime.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    """A sequence and how many of its tokens run this step (1 when decoding, a chunk when prefilling)."""
+
+    seq: Sequence
+    num_new_tokens: int
+    samples: bool = field(init=False)
+    """True when this step's chunk reaches the sequence's last token, so a new token is sampled."""
+    start: int = field(init=False)
+    """num_computed_tokens when scheduled: position of the first token that runs."""
+
+    def __post_init__(self) -> None:
+        self.start = self.seq.num_computed_tokens
+        self.samples = self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Decides, each step, which tokens of which sequences run.
+
+    Running sequences go first (decodes and unfinished prefills), in arrival order; when one cannot get a
+    block, the most recently admitted running sequence is preempted: its blocks are freed and it goes back
+    to the front of the waiting queue, to be recomputed later (prompt + output so far). Waiting sequences
+    are admitted while the token budget (max_num_batched_tokens), max_num_seqs and free blocks allow; a
+    long prompt is split into chunks across steps. A waiting sequence that cannot get blocks waits.
+    """
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if out.num_preempted == 0:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        bm, kept = self.block_manager, []
+        while self.running and budget > 0:
+            seq = self.running.popleft()
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not bm.can_append(seq, n):
+                victim = self.running.pop() if self.running else seq
+                self._preempt(victim)
+                out.num_preempted += 1
+                if victim is seq:
+                    break
+            else:
+                bm.append_slots(seq, n)
+                out.scheduled.append(ScheduledSeq(seq, n))
+                kept.append(seq)
+                budget -= n
+        self.running.extendleft(reversed(kept))
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = bm.find_cached_prefix(seq)
+            n = min(seq.num_tokens - len(cached) * bm.block_size, budget)
+            if not bm.can_allocate(seq, cached, n):
+                break
+            bm.allocate(seq, cached, n)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def update(self, out: SchedulerOutput) -> None:
+        """After the model ran: advance computed counts and publish newly full blocks to the prefix cache."""
+        for s in out.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            self.block_manager.commit(s.seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished (or aborted) sequence and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED

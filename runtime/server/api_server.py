@@ -1,0 +1,132 @@
+"""The OpenAI-compatible HTTP server: FastAPI app over an `AsyncLLMEngine`, run by uvicorn.
+
+Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (SSE when
+`stream` is true, ending with `data: [DONE]`), GET /health, GET /metrics (Prometheus), GET /version.
+With an API key, every /v1 route needs `Authorization: Bearer <key>` (compared in constant time);
+/health, /metrics and /version stay open, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from contextlib import asynccontextmanager
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from fxrewrite.runtime.server.async_engine import AsyncLLMEngine
+from fxrewrite.runtime.server.errors import error_response, install_error_handlers
+from fxrewrite.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
+from fxrewrite.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from fxrewrite.runtime.server.serving_chat import OpenAIServingChat
+from fxrewrite.runtime.server.serving_completion import OpenAIServingCompletion
+
+if TYPE_CHECKING:
+    from fxrewrite.runtime.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+class APIKeyMiddleware:
+    """ASGI middleware: /v1 requests without `Authorization: Bearer <api_key>` get a 401.
+
+    Plain ASGI (not BaseHTTPMiddleware) so that streaming responses and disconnects pass through.
+    """
+
+    def __init__(self, app: Any, api_key: str):
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                message = "missing API key" if not given else "invalid API key"
+                response = error_response(HTTPStatus.UNAUTHORIZED,
+                                          f"{message}: send 'Authorization: Bearer <key>'",
+                                          None, "invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(
+    engine: LLMEngine,
+    *,
+    served_model_names: list[str] | None = None,
+    api_key: str | None = None,
+    generation_defaults: dict[str, Any] | None = None,
+) -> FastAPI:
+    """The FastAPI app serving `engine`; its engine loop runs while the app's lifespan does.
+
+    served_model_names: the names clients put in `model` (default: the model as given to the engine).
+    """
+    from fxrewrite import __version__
+
+    names = list(served_model_names or [str(engine.model_config.model)])
+    metrics = ServerMetrics(names[0])
+    async_engine = AsyncLLMEngine(engine, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        metrics.update_engine_stats(engine.get_stats())
+        async_engine.start()
+        try:
+            yield
+        finally:
+            await async_engine.stop()
+
+    app = FastAPI(title="fxrewrite OpenAI-compatible server", version=__version__, lifespan=lifespan)
+    app.state.async_engine = async_engine
+    app.state.metrics = metrics
+    app.state.served_model_names = names
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    completion = OpenAIServingCompletion(async_engine, names, generation_defaults)
+    chat = OpenAIServingChat(async_engine, names, generation_defaults)
+    _add_routes(app, engine, names, completion, chat, metrics, __version__)
+    return app
+
+
+def _add_routes(app: FastAPI, engine: LLMEngine, names: list[str], completion: OpenAIServingCompletion,
+                chat: OpenAIServingChat, metrics: ServerMetrics, version: str) -> None:
+    model_config = engine.model_config
+    root = str(getattr(model_config, "model_path", model_config.model))
+
+    @app.get("/health")
+    async def health():
+        if not app.state.async_engine.is_running:
+            return error_response(HTTPStatus.SERVICE_UNAVAILABLE, "engine loop is not running", None, "engine_dead")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def show_version():
+        return {"version": version}
+
+    @app.get("/metrics")
+    async def show_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def show_models():
+        cards = [ModelCard(id=name, root=root, max_model_len=model_config.max_model_len) for name in names]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    @app.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw_request: Request):
+        return await completion.create_completion(request, raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
+        return await chat.create_chat_completion(request, raw_request)
+
+
+def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Serve `app` with uvicorn until interrupted (blocks)."""
+    import uvicorn
+
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=5)

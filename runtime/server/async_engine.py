@@ -1,0 +1,292 @@
+"""An asyncio front for the synchronous `LLMEngine`: requests arrive while one background task steps.
+
+Threading: `LLMEngine.step()` runs in a worker thread (so HTTP keeps being served during a step),
+and every engine call (`add_request`, `abort_request`, `step`, `get_stats`) happens while
+`_lock` is held, so the engine is never touched by two threads at once. Outputs are copied into
+`StepOutput` snapshots in the event-loop thread before the next step can change them.
+
+Per request, a `_Collector` keeps only the latest snapshot: outputs are cumulative, so a slow
+reader skips intermediate ones instead of queueing them. Aborts (a client gone) are recorded
+without awaiting, which is safe inside a cancelled generator's `finally`, and applied by the
+background task before its next step; the request's KV blocks are freed then.
+
+An exception from `step()` fails the requests in flight (each reader gets it) and the loop goes
+on serving new requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fxrewrite.runtime.llm_engine import LLMEngine
+    from fxrewrite.runtime.outputs import RequestOutput
+    from fxrewrite.runtime.sampling_params import SamplingParams
+    from fxrewrite.runtime.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The background loop stopped; no request can be served."""
+
+
+@dataclass(frozen=True)
+class ChoiceSnapshot:
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[dict, ...] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """A copy of one `RequestOutput` (cumulative text and tokens) taken right after a step."""
+
+    request_id: str
+    num_prompt_tokens: int
+    choices: tuple[ChoiceSnapshot, ...]
+    finished: bool
+    num_cached_tokens: int = 0
+
+    @classmethod
+    def of(cls, output: RequestOutput) -> StepOutput:
+        choices = tuple(
+            ChoiceSnapshot(c.index, c.text, tuple(c.token_ids),
+                           tuple(c.logprobs) if c.logprobs is not None else None,
+                           c.finish_reason, c.stop_reason)
+            for c in output.outputs
+        )
+        return cls(output.request_id, len(output.prompt_token_ids), choices, bool(output.finished),
+                   int(getattr(output, "num_cached_tokens", 0) or 0))
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+
+class _Collector:
+    """The latest output of one request, or the error that ended it."""
+
+    def __init__(self) -> None:
+        self._output: StepOutput | None = None
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, output: StepOutput) -> None:
+        self._output = output
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._ready.set()
+
+    async def get(self) -> StepOutput:
+        await self._ready.wait()
+        self._ready.clear()
+        if self._error is not None:
+            raise self._error
+        output, self._output = self._output, None
+        assert output is not None  # _ready is set only with an output or an error
+        return output
+
+
+class AsyncLLMEngine:
+    """Serve many concurrent `generate()` calls from one `LLMEngine`.
+
+    Start the loop with `start()` inside the running event loop (the app's lifespan) and stop it
+    with `stop()`. `generate()` raises ValueError (from the engine) for a bad request.
+    """
+
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None):
+        self.engine = engine
+        self.metrics = metrics
+        self._collectors: dict[str, _Collector] = {}
+        self._pending_aborts: set[str] = set()
+        self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.dead_error: BaseException | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run_loop(), name="engine-loop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._task is not None and not self._task.done() and self.dead_error is None
+
+    # -- requests --------------------------------------------------------------------------
+    async def add_request(
+        self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams
+    ) -> AsyncIterator[StepOutput]:
+        """Admit a request and return the iterator of its cumulative outputs.
+
+        Raises ValueError (from the engine) when the request is refused; nothing is held then.
+        The iterator ends after the output with `finished` set; leaving it early aborts the
+        request, and so does `abort(request_id)` (also needed when it is never iterated).
+        """
+        arrival = time.monotonic()
+        collector = await self._add(request_id, prompt, sampling_params)
+        return self._stream(request_id, collector, _LatencyTimer(self.metrics, arrival))
+
+    async def generate(
+        self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams
+    ) -> AsyncIterator[StepOutput]:
+        """`add_request` and iterate, in one call."""
+        async for output in await self.add_request(request_id, prompt, sampling_params):
+            yield output
+
+    async def _stream(self, request_id: str, collector: _Collector, timer: _LatencyTimer
+                      ) -> AsyncIterator[StepOutput]:
+        finished = False
+        try:
+            while not finished:
+                output = await collector.get()
+                timer.observe(output)
+                finished = output.finished
+                if finished and self.metrics is not None:
+                    for choice in output.choices:
+                        self.metrics.record_finished(choice.finish_reason)
+                yield output
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    async def _add(self, request_id: str, prompt: Any, sampling_params: SamplingParams) -> _Collector:
+        if not self.is_running:
+            raise EngineDeadError(f"the engine loop is not running ({self.dead_error!r})")
+        if request_id in self._collectors:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        async with self._lock:
+            self.engine.add_request(request_id, prompt, sampling_params)
+            collector = _Collector()
+            self._collectors[request_id] = collector
+        self._wake.set()
+        return collector
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request soon (before the next step); never blocks, safe in `finally`."""
+        if self._collectors.pop(request_id, None) is not None:
+            self._pending_aborts.add(request_id)
+            if self.metrics is not None:
+                self.metrics.aborted.inc()
+            self._wake.set()
+
+    async def get_stats(self) -> dict:
+        async with self._lock:
+            return dict(self.engine.get_stats())
+
+    # -- the loop --------------------------------------------------------------------------
+    async def _run_loop(self) -> None:
+        try:
+            while True:
+                if not self._pending_aborts and not self.engine.has_unfinished_requests():
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                async with self._lock:
+                    self._apply_aborts()
+                    outputs = await self._step() if self.engine.has_unfinished_requests() else []
+                    self._update_stats()
+                self._deliver(outputs)
+                await asyncio.sleep(0)  # let handlers read outputs and add requests
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # a bug in this loop: fail everyone, report unhealthy
+            logger.exception("engine loop died")
+            self.dead_error = e
+            self._fail_all(EngineDeadError(f"engine loop died: {e!r}"))
+            raise
+
+    async def _step(self) -> list[StepOutput]:
+        try:
+            outputs = await asyncio.to_thread(self.engine.step)
+        except Exception as e:
+            logger.exception("engine step failed; failing the %d requests in flight", len(self._collectors))
+            self._fail_all(e)
+            return []
+        return [StepOutput.of(o) for o in outputs]
+
+    def _apply_aborts(self) -> None:
+        aborts, self._pending_aborts = self._pending_aborts, set()
+        for request_id in aborts:
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                logger.exception("abort of request %s failed", request_id)
+
+    def _update_stats(self) -> None:
+        if self.metrics is not None:
+            self.metrics.update_engine_stats(self.engine.get_stats())
+
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        for output in outputs:
+            collector = self._collectors.get(output.request_id)
+            if collector is None:
+                continue  # aborted meanwhile
+            if output.finished:
+                del self._collectors[output.request_id]
+            collector.put(output)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Give `error` to every request in flight and free their blocks."""
+        collectors, self._collectors = self._collectors, {}
+        for request_id, collector in collectors.items():
+            collector.fail(error)
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                logger.exception("abort of failed request %s failed", request_id)
+
+
+class _LatencyTimer:
+    """Feeds TTFT, inter-token latency, token counts and e2e latency of one request to the metrics."""
+
+    def __init__(self, metrics: ServerMetrics | None, arrival: float):
+        self.metrics = metrics
+        self.arrival = arrival
+        self.last_time: float | None = None
+        self.num_tokens = 0
+        self.counted_prompt = False
+
+    def observe(self, output: StepOutput) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        now = time.monotonic()
+        if not self.counted_prompt:
+            m.prompt_tokens.inc(output.num_prompt_tokens)
+            self.counted_prompt = True
+        num_tokens = output.num_generated_tokens
+        new_tokens = num_tokens - self.num_tokens
+        if new_tokens > 0:
+            m.generation_tokens.inc(new_tokens)
+            if self.last_time is None:
+                m.ttft.observe(now - self.arrival)
+            else:
+                # One observation per token, so the count is the number of inter-token gaps even
+                # when a slow reader sees two steps' tokens at once.
+                for _ in range(new_tokens):
+                    m.itl.observe((now - self.last_time) / new_tokens)
+            self.last_time = now
+            self.num_tokens = num_tokens
+        if output.finished:
+            m.e2e.observe(now - self.arrival)

@@ -1,0 +1,104 @@
+"""Errors in OpenAI's JSON shape: `{"error": {"message", "type", "param", "code"}}`.
+
+Handlers registered by `install_error_handlers(app)` turn request-validation failures (FastAPI's
+422, malformed JSON included) into 400s, `OpenAIError` into its status, and anything unexpected
+into a 500, so that every error a client sees has the same shape and the openai client raises the
+matching exception (BadRequestError, AuthenticationError, NotFoundError, InternalServerError).
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from fxrewrite.runtime.server.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+_TYPE_OF_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    503: "server_error",
+}
+
+
+class OpenAIError(Exception):
+    """An error to send back as `status` with an OpenAI-shaped body.
+
+    `param` names the request field at fault (or None); `code` is a short machine-readable string.
+    """
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """The JSON body of an error response."""
+    error_type = _TYPE_OF_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    info = ErrorInfo(message=message, type=error_type, param=param, code=code)
+    return ErrorResponse(error=info).model_dump()
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None, str]:
+    """(message, param, code) of the first validation error, e.g. ("temperature: ...", "temperature", ...)."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None, "invalid_request"
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "")
+        return f"request body is not valid JSON: {detail}".rstrip(": "), None, "json_invalid"
+    # loc looks like ("body", "temperature") or ("body",) or ("body", "messages", 0, "role").
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if not loc and first.get("type") in ("missing", "model_attributes_type", "dict_type"):
+        return ("request body must be a JSON object (send it with Content-Type: application/json)",
+                None, "invalid_body")
+    param = loc[0] if loc else None
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    where = ".".join(loc)
+    if where and not message.startswith(where):
+        message = f"{where}: {message}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem(s))"
+    return message, param, "invalid_value"
+
+
+async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    message, param, code = _describe_validation(exc)
+    return error_response(HTTPStatus.BAD_REQUEST, message, param, code)
+
+
+async def _on_openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+    return error_response(exc.status, exc.message, exc.param, exc.code)
+
+
+async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return error_response(exc.status_code, str(exc.detail), None, None)
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error in %s %s", request.method, request.url.path)
+    return error_response(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {type(exc).__name__}: {exc}",
+                          None, "internal_error")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Register the handlers above on `app`."""
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(OpenAIError, _on_openai_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_unexpected)

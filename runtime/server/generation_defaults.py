@@ -1,0 +1,41 @@
+"""Default sampling values from a model's generation_config.json (vLLM's `--generation-config`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+# generation_config.json key -> request / SamplingParams field (the keys vLLM takes over).
+_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def load_generation_defaults(model_path: str | Path, generation_config: str = "auto") -> dict[str, Any]:
+    """Sampling defaults that a request's own values override.
+
+    generation_config: "auto" reads `<model_path>/generation_config.json` when present; "vllm"
+    uses none; any other value is a folder that must hold a generation_config.json.
+    Raises FileNotFoundError for a folder without one, ValueError for a file that is not a JSON object.
+    """
+    if generation_config == "vllm":
+        return {}
+    folder = Path(model_path) if generation_config == "auto" else Path(generation_config)
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        if generation_config == "auto":
+            return {}
+        raise FileNotFoundError(f"--generation-config {generation_config!r}: no generation_config.json in {folder}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return {field: data[key] for key, field in _KEYS.items() if data.get(key) is not None}

@@ -1,0 +1,60 @@
+"""Engine logprobs (`list[dict[token_id, Logprob]]`, one dict per generated token) in OpenAI's shapes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fxrewrite.runtime.server.protocol import ChatLogProbs, CompletionLogProbs, TokenLogprob, TopLogprob
+
+
+def _token_text(tokenizer: Any, token_id: int, entry: Any) -> str:
+    if entry is not None and getattr(entry, "decoded_token", None) is not None:
+        return entry.decoded_token
+    return tokenizer.decode([token_id])
+
+
+def _top(tokenizer: Any, step: dict, num_top: int) -> list[tuple[str, float]]:
+    """The `num_top` most likely tokens of one step as (text, logprob), best first."""
+    ranked = sorted(step.items(), key=lambda kv: -kv[1].logprob)[:num_top]
+    return [(_token_text(tokenizer, tid, lp), float(lp.logprob)) for tid, lp in ranked]
+
+
+def _steps(choice: Any, tok_start: int, tok_end: int):
+    """(token_id, {token_id: Logprob}) for the generated tokens in [tok_start, tok_end)."""
+    logprobs = choice.logprobs or ()
+    for j in range(tok_start, min(tok_end, len(logprobs))):
+        yield choice.token_ids[j], logprobs[j]
+
+
+def completion_logprobs(tokenizer: Any, choice: Any, tok_start: int, tok_end: int, num_top: int,
+                        text_offset: int = 0) -> CompletionLogProbs | None:
+    """Legacy-completions logprobs of tokens [tok_start, tok_end); offsets count from `text_offset`."""
+    if choice.logprobs is None:
+        return None
+    out = CompletionLogProbs()
+    offset = text_offset
+    for token_id, step in _steps(choice, tok_start, tok_end):
+        entry = step.get(token_id)
+        text = _token_text(tokenizer, token_id, entry)
+        out.tokens.append(text)
+        out.token_logprobs.append(float(entry.logprob) if entry is not None else None)
+        out.top_logprobs.append(dict(_top(tokenizer, step, num_top)) if num_top > 0 else None)
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+def chat_logprobs(tokenizer: Any, choice: Any, tok_start: int, tok_end: int,
+                  num_top: int) -> ChatLogProbs | None:
+    """Chat-completions logprobs (`content` list) of tokens [tok_start, tok_end)."""
+    if choice.logprobs is None:
+        return None
+    content = []
+    for token_id, step in _steps(choice, tok_start, tok_end):
+        entry = step.get(token_id)
+        text = _token_text(tokenizer, token_id, entry)
+        top = [TopLogprob(token=t, logprob=lp, bytes=list(t.encode("utf-8")))
+               for t, lp in _top(tokenizer, step, num_top)]
+        content.append(TokenLogprob(token=text, logprob=float(entry.logprob) if entry is not None else -9999.0,
+                                    bytes=list(text.encode("utf-8")), top_logprobs=top))
+    return ChatLogProbs(content=content)

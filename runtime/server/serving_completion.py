@@ -1,0 +1,123 @@
+"""POST /v1/completions: one engine request per prompt, n choices each, streamed or not."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from fxrewrite.runtime.server.async_engine import StepOutput
+from fxrewrite.runtime.server.errors import OpenAIError
+from fxrewrite.runtime.server.logprobs import completion_logprobs
+from fxrewrite.runtime.server.protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    UsageInfo,
+    random_id,
+)
+from fxrewrite.runtime.server.serving_engine import OpenAIServing
+from fxrewrite.runtime.server.streaming import (
+    DeltaTracker,
+    EventStreamResponse,
+    cancel_on_disconnect,
+    final_outputs,
+    merge_async_iterators,
+    sse,
+    sse_error,
+    stop_holdback,
+)
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """Handles `CompletionRequest`s."""
+
+    async def create_completion(self, request: CompletionRequest, raw_request: Request):
+        model = self.model_name(request.model)
+        if request.echo and request.logprobs is not None:
+            raise OpenAIError(HTTPStatus.BAD_REQUEST, "echo together with logprobs is not supported",
+                              param="echo", code="unsupported")
+        prompts = [self._encode(p) for p in request.prompts()]
+        explicit = "max_tokens" in request.model_fields_set
+        inputs = []
+        for _, token_ids in prompts:
+            max_tokens = self.max_tokens_for(request, len(token_ids), explicit)
+            inputs.append((token_ids, self.sampling_params(request, max_tokens, request.logprobs)))
+        request_id = random_id("cmpl")
+        ids, streams = await self.start_requests(request_id, inputs)
+        echo_texts = [text if request.echo else "" for text, _ in prompts]
+        if request.stream:
+            events = self._stream(request, model, request_id, ids, streams, echo_texts)
+            return EventStreamResponse(events, on_close=lambda: self.abort_all(ids))
+        try:
+            finals = await cancel_on_disconnect(final_outputs(streams), raw_request)
+        finally:
+            self.abort_all(ids)
+        response = self._response(request, model, request_id, finals, echo_texts)
+        return JSONResponse(response.model_dump())
+
+    def _encode(self, prompt: str | list[int]) -> tuple[str, list[int]]:
+        """(prompt text, prompt token ids); token-id prompts are range-checked and decoded for echo."""
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer.encode(prompt))
+        token_ids = self.check_token_ids(list(prompt))
+        return self.tokenizer.decode(token_ids), token_ids
+
+    def _choices(self, request: CompletionRequest, prompt_index: int, output: StepOutput,
+                 echo_text: str) -> list[CompletionChoice]:
+        choices = []
+        for c in output.choices:
+            logprobs = None
+            if request.logprobs is not None:
+                logprobs = completion_logprobs(self.tokenizer, c, 0, len(c.token_ids), request.logprobs)
+            choices.append(CompletionChoice(index=prompt_index * request.n + c.index, text=echo_text + c.text,
+                                            logprobs=logprobs, finish_reason=c.finish_reason,
+                                            stop_reason=c.stop_reason))
+        return choices
+
+    def _response(self, request: CompletionRequest, model: str, request_id: str,
+                  finals: list[StepOutput], echo_texts: list[str]) -> CompletionResponse:
+        choices = []
+        for i, output in enumerate(finals):
+            choices.extend(self._choices(request, i, output, echo_texts[i]))
+        return CompletionResponse(id=request_id, model=model, choices=choices, usage=_usage(finals))
+
+    async def _stream(self, request: CompletionRequest, model: str, request_id: str, ids: list[str],
+                      streams: list[AsyncIterator[StepOutput]], echo_texts: list[str]) -> AsyncIterator[str]:
+        created = int(time.time())
+        tracker = DeltaTracker(stop_holdback(request.stop))
+        last: dict[int, StepOutput] = {}
+        try:
+            async for i, output in merge_async_iterators(*streams):
+                last[i] = output
+                for d in tracker.deltas(i, output):
+                    text = (echo_texts[i] if d.is_first else "") + d.text
+                    logprobs = None
+                    if request.logprobs is not None:
+                        logprobs = completion_logprobs(self.tokenizer, d.choice, d.tok_start, d.tok_end,
+                                                       request.logprobs, d.text_start)
+                    choice = CompletionChoice(
+                        index=i * request.n + d.choice.index, text=text, logprobs=logprobs,
+                        finish_reason=d.choice.finish_reason if d.finished else None,
+                        stop_reason=d.choice.stop_reason if d.finished else None)
+                    chunk = CompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice])
+                    yield sse(chunk.model_dump_json())
+            if request.include_usage():
+                chunk = CompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
+                                                 usage=_usage(list(last.values())))
+                yield sse(chunk.model_dump_json())
+        except Exception as e:
+            yield sse_error(e)
+        finally:
+            self.abort_all(ids)
+        yield sse("[DONE]")
+
+
+def _usage(outputs: list[StepOutput]) -> UsageInfo:
+    prompt = sum(o.num_prompt_tokens for o in outputs)
+    completion = sum(o.num_generated_tokens for o in outputs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)

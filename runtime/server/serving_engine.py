@@ -1,0 +1,133 @@
+"""What completions and chat share: model-name check, prompt length check, sampling parameters.
+
+`OpenAIServing` holds the async engine, the served names and the tokenizer; `serving_completion`
+and `serving_chat` subclass it. Every user error raises `OpenAIError` (400/404) before anything is
+allocated in the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
+
+from fxrewrite.runtime.server.async_engine import EngineDeadError, StepOutput
+from fxrewrite.runtime.server.errors import OpenAIError
+from fxrewrite.runtime.server.protocol import SamplingRequest
+
+if TYPE_CHECKING:
+    from fxrewrite.runtime.sampling_params import SamplingParams
+    from fxrewrite.runtime.server.async_engine import AsyncLLMEngine
+
+# Fallbacks when neither the request nor generation_config.json sets a value (OpenAI's defaults).
+_SAMPLING_FALLBACKS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+class OpenAIServing:
+    """Shared request handling over one `AsyncLLMEngine`.
+
+    Args:
+        engine: the async engine (its `.engine.tokenizer` and `.engine.model_config` are used).
+        served_model_names: names a request's `model` may carry; the first one is the default.
+        generation_defaults: default sampling values (from generation_config.json), vLLM names.
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str],
+                 generation_defaults: dict[str, Any] | None = None):
+        self.engine = engine
+        self.served_model_names = list(served_model_names)
+        self.generation_defaults = dict(generation_defaults or {})
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = int(engine.engine.model_config.max_model_len)
+        self.vocab_size = len(self.tokenizer)
+
+    def model_name(self, requested: str | None) -> str:
+        """The served name a request addresses; 404 for a name this server does not serve."""
+        if requested is None:
+            return self.served_model_names[0]
+        if requested not in self.served_model_names:
+            raise OpenAIError(HTTPStatus.NOT_FOUND, f"The model `{requested}` does not exist; this server "
+                              f"serves {self.served_model_names}.", param="model", code="model_not_found")
+        return requested
+
+    def check_token_ids(self, token_ids: list[int]) -> list[int]:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise OpenAIError(HTTPStatus.BAD_REQUEST, f"prompt token id {bad[0]} is out of range "
+                              f"[0, {self.vocab_size})", param="prompt", code="invalid_value")
+        return token_ids
+
+    def max_tokens_for(self, request: SamplingRequest, num_prompt_tokens: int, explicit: bool) -> int:
+        """The number of tokens to generate, checked against max_model_len.
+
+        `explicit`: the request gave a limit (an over-long one is then a 400 instead of clamped).
+        """
+        if num_prompt_tokens >= self.max_model_len:
+            raise OpenAIError(
+                HTTPStatus.BAD_REQUEST,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                f"prompt has {num_prompt_tokens} tokens. Please reduce the length of the prompt.",
+                param="messages" if hasattr(request, "messages") else "prompt",
+                code="context_length_exceeded")
+        room = self.max_model_len - num_prompt_tokens
+        limit = request.output_limit()
+        if limit is None:
+            limit = self.generation_defaults.get("max_tokens")
+            explicit = False
+        if limit is None:
+            return room
+        if limit > room and explicit:
+            raise OpenAIError(
+                HTTPStatus.BAD_REQUEST,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {num_prompt_tokens + limit} tokens ({num_prompt_tokens} in the prompt, "
+                f"{limit} for the completion). Please reduce the length of the prompt or max_tokens.",
+                param="max_tokens", code="context_length_exceeded")
+        return min(limit, room)
+
+    def sampling_params(self, request: SamplingRequest, max_tokens: int, logprobs: int | None):
+        """The engine's `SamplingParams` for a request (400 when the engine refuses a value)."""
+        from fxrewrite.runtime.sampling_params import SamplingParams
+
+        values = {}
+        for name, fallback in _SAMPLING_FALLBACKS.items():
+            given = getattr(request, name)
+            values[name] = given if given is not None else self.generation_defaults.get(name, fallback)
+        try:
+            return SamplingParams(
+                n=request.n, seed=request.seed, stop=request.stop,
+                presence_penalty=request.presence_penalty or 0.0,
+                frequency_penalty=request.frequency_penalty or 0.0,
+                ignore_eos=request.ignore_eos, min_tokens=min(request.min_tokens, max_tokens),
+                stop_token_ids=request.stop_token_ids,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                skip_special_tokens=request.skip_special_tokens,
+                spaces_between_special_tokens=request.spaces_between_special_tokens,
+                max_tokens=max_tokens, logprobs=logprobs, **values)
+        except (ValueError, TypeError) as e:
+            raise OpenAIError(HTTPStatus.BAD_REQUEST, str(e), code="invalid_value") from None
+
+    async def start_requests(
+        self, request_id: str, prompts: list[tuple[list[int], SamplingParams]]
+    ) -> tuple[list[str], list[AsyncIterator[StepOutput]]]:
+        """Admit one engine request per prompt (ids `request_id-i`); all or none.
+
+        The caller must `abort_all(ids)` when done (a no-op for finished requests).
+        """
+        ids, streams = [], []
+        try:
+            for i, (token_ids, params) in enumerate(prompts):
+                rid = f"{request_id}-{i}"
+                streams.append(await self.engine.add_request(rid, token_ids, params))
+                ids.append(rid)
+        except ValueError as e:
+            self.abort_all(ids)
+            raise OpenAIError(HTTPStatus.BAD_REQUEST, str(e), code="invalid_value") from None
+        except EngineDeadError as e:
+            self.abort_all(ids)
+            raise OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, str(e), code="engine_dead") from None
+        return ids, streams
+
+    def abort_all(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.engine.abort(rid)

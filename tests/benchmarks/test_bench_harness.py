@@ -1,0 +1,84 @@
+"""CPU smoke test of the benchmark harness on the `tiny` config: configs, arms, JSON, PNG, CLI errors."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.common import CONFIG_DIR, load_bench_config, parse_arms  # noqa: E402
+
+# Published parameter counts (embeddings included, tied counted once), to 2 significant digits.
+EXPECTED_PARAMS = {"qwen3-0.6b": 0.60e9, "qwen3-4b": 4.0e9, "llama-3.1-8b": 8.0e9}
+
+
+def _num_params(cfg: dict) -> float:
+    h, i, layers, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    attn = h * d * (2 * cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"])
+    per_layer = attn + 3 * h * i
+    return layers * per_layer + v * h * (1 if cfg["tie_word_embeddings"] else 2)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_PARAMS))
+def test_real_configs_have_the_models_shapes(name):
+    spec = load_bench_config(name)
+    assert spec["name"] == name
+    assert abs(_num_params(spec["config"]) / EXPECTED_PARAMS[name] - 1) < 0.05
+
+
+def test_every_config_file_loads():
+    names = sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+    assert {"qwen3-0.6b", "qwen3-4b", "llama-3.1-8b", "tiny"} <= set(names)
+    with pytest.raises(FileNotFoundError, match="nope"):
+        load_bench_config("nope")
+
+
+def test_parse_arms():
+    assert parse_arms("before, after,native,hf") == ["before", "after", "native", "hf"]
+    with pytest.raises(ValueError, match="bogus"):
+        parse_arms("after,bogus")
+
+
+def test_throughput_workload_is_nano_vllms():
+    from benchmarks.throughput import ThroughputWorkload
+
+    prompts, outs = ThroughputWorkload().generate()
+    assert len(prompts) == 256 and len(outs) == 256
+    assert all(100 <= len(p) <= 1024 for p in prompts) and all(100 <= n <= 1024 for n in outs)
+    assert ThroughputWorkload().generate() == (prompts, outs)  # seeded
+
+
+def test_compare_on_tiny_writes_json_and_png(tmp_path):
+    import torch
+
+    from benchmarks.compare import compare, format_table
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = compare("tiny", ["native"], "throughput", num_prompts=2, out_dir=tmp_path,
+                         workload_overrides=dict(min_len=4, max_input_len=12, max_output_len=6),
+                         engine_kwargs={"max_num_seqs": 4, "kv_cache_memory_bytes": 1 << 22})
+    finally:
+        torch.set_num_threads(threads)
+    arm = result["arms"]["native"]
+    assert "error" not in arm, arm.get("traceback")
+    assert arm["output_tokens"] >= 2 * 4 and arm["output_tokens_per_s"] > 0 and not arm["truncated"]
+    saved = json.loads((tmp_path / f"{result['name']}.json").read_text())
+    assert saved["workload"]["kind"] == "throughput" and saved["environment"]["torch"]
+    assert (tmp_path / f"{result['name']}.png").stat().st_size > 0
+    assert "native" in format_table(result)
+
+
+def test_cli_rejects_unknown_arm(capsys):
+    from fxrewrite.cli import main
+
+    assert main(["bench", "compare", "--config", "tiny", "--arms", "bogus"]) == 2
+    assert "bogus" in capsys.readouterr().err

@@ -1,0 +1,93 @@
+"""Session-wide test setup: no network, a model cache, tiny model folders, the `gpu` marker.
+
+Fixtures (all session-scoped; the folders are shared, so tests must not modify them: copy with
+`shutil.copytree` first when a test needs to edit files):
+- `tiny_model_dir(arch="qwen3", **kwargs) -> Path`: a factory; builds
+  `fxrewrite.runtime.demo.build_model_dir(dir, arch, **kwargs)` once per distinct (arch, kwargs)
+  per session. Qwen archs carry Qwen3's real tokenizer (vocab 151,936), the others SmolLM2's (49,152).
+- `tiny_qwen3_dir`, `tiny_llama_dir`: `tiny_model_dir("qwen3")` / `tiny_model_dir("llama")`.
+- `default_model_dir -> Path`: the real SmolLM2-135M-Instruct folder (`default_model_path()`),
+  built from the installed GGUF on first use (30-60 s), then reused for the session.
+- `fxrewrite_cache -> Path`: the cache root used by the session.
+
+The cache is `$FXREWRITE_CACHE` when set (export it, e.g. to ~/.cache/fxrewrite, to keep the
+default model and the Qwen tokenizer across runs), else a fresh temporary folder, like CI.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Nothing in the tests may reach the network; set before anything imports huggingface_hub.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run by make gpu-check)")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fxrewrite_cache(tmp_path_factory):
+    """The session's model cache root (`$FXREWRITE_CACHE`, else a fresh temporary folder)."""
+    from pathlib import Path
+
+    preset = os.environ.get("FXREWRITE_CACHE")
+    if preset:
+        yield Path(preset).expanduser()
+        return
+    root = tmp_path_factory.mktemp("fxrewrite-cache")
+    os.environ["FXREWRITE_CACHE"] = str(root)
+    try:
+        yield root
+    finally:
+        os.environ.pop("FXREWRITE_CACHE", None)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, fxrewrite_cache):
+    """Factory: `tiny_model_dir(arch="qwen3", **build_model_dir_kwargs) -> Path`, built once per
+    distinct arguments per session (hidden 64, 2 layers, 4 heads, 2 kv heads by default)."""
+    from fxrewrite.runtime.demo import build_model_dir
+
+    built: dict[tuple, object] = {}
+
+    def make(arch: str = "qwen3", **kwargs):
+        key = (arch, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
+        if key not in built:
+            out = tmp_path_factory.mktemp(f"tiny-{arch}")
+            built[key] = build_model_dir(out, arch, **kwargs)
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tiny_model_dir):
+    return tiny_model_dir("qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(fxrewrite_cache):
+    """The real default model's folder (SmolLM2-135M-Instruct, bf16), built once into the cache."""
+    from fxrewrite.runtime.default_model import default_model_path
+
+    return default_model_path()

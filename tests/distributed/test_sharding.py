@@ -1,0 +1,73 @@
+"""The sharding plan read off the fusion, vocab-parallel layers and sliced loading, in one process
+(no collectives: shapes and loaded slices only; the numerics run in test_tensor_parallel.py)."""
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from fxrewrite.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from fxrewrite.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from fxrewrite.sharding import LazySlice, iterate_safetensors_sliced, shard_model
+
+
+def _optimized_qwen3(num_key_value_heads: int):
+    import fxrewrite
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=num_key_value_heads, head_dim=8,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return fxrewrite.optimize(Qwen3ForCausalLM(config).eval())
+
+
+@pytest.mark.parametrize("num_kv_heads, kv_per_rank", [(2, 1), (1, 1)])
+def test_fusion_drives_the_plan(num_kv_heads, kv_per_rank):
+    model = _optimized_qwen3(num_kv_heads)
+    full = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = shard_model(model, tp_rank=1, tp_size=2)
+    layer = model.model.layers[0]
+    assert plan["model.layers.0.self_attn.qkv_proj"] == "qkv"
+    assert plan["model.layers.0.self_attn.o_proj"] == "rowwise"
+    assert plan["model.layers.0.mlp.gate_up_proj"] == "merged"
+    assert plan["model.layers.0.mlp.down_proj"] == "rowwise"
+    assert plan["model.embed_tokens"] == plan["lm_head"] == "vocab"
+    qkv = layer.self_attn.qkv_proj
+    assert isinstance(qkv, QKVParallelLinear) and (qkv.num_heads, qkv.num_kv_heads) == (2, kv_per_rank)
+    assert isinstance(layer.self_attn.o_proj, RowParallelLinear)
+    assert isinstance(layer.mlp.gate_up_proj, MergedColumnParallelLinear)
+    assert isinstance(model.model.embed_tokens, VocabParallelEmbedding)
+    assert isinstance(model.lm_head, ParallelLMHead) and model.lm_head.weight is model.model.embed_tokens.weight
+    # rank 1's slices of the original weights (vocab 101 -> 51 rows a rank, the last one padding)
+    q = full["model.layers.0.self_attn.q_proj.weight"]
+    torch.testing.assert_close(qkv.weight[:16], q[16:])
+    k = full["model.layers.0.self_attn.k_proj.weight"]
+    torch.testing.assert_close(qkv.weight[16:24], k[8:16] if num_kv_heads == 2 else k)
+    o = full["model.layers.0.self_attn.o_proj.weight"]
+    torch.testing.assert_close(layer.self_attn.o_proj.weight, o[:, 16:])
+    emb = full["model.embed_tokens.weight"]
+    torch.testing.assert_close(model.model.embed_tokens.weight[:50], emb[51:])
+    assert torch.all(model.model.embed_tokens.weight[50] == 0)
+
+
+def test_unprovable_partner_is_refused():
+    model = _optimized_qwen3(2)
+    attn = model.model.layers[0].self_attn
+    attn.extra = nn.Linear(32, 32)  # a second linear reading the q width: which one is o_proj?
+    with pytest.raises(ValueError, match="exactly one nn.Linear"):
+        shard_model(model, tp_rank=0, tp_size=2)
+
+
+def test_sliced_loading_reads_only_the_rank_slice(tmp_path):
+    full = torch.arange(6 * 8, dtype=torch.float32).view(6, 8)
+    save_file({"w": full}, str(tmp_path / "model.safetensors"))
+    ((name, lazy),) = list(iterate_safetensors_sliced(tmp_path))
+    assert isinstance(lazy, LazySlice) and lazy.shape == (6, 8)
+    row = RowParallelLinear(8, 6, tp_size=2, tp_rank=1)
+    merged = MergedColumnParallelLinear(8, [3, 3], tp_size=3, tp_rank=2)
+    for name, lazy in iterate_safetensors_sliced(tmp_path):
+        row.weight.weight_loader(row.weight, lazy)
+        merged.weight.weight_loader(merged.weight, lazy)
+    torch.testing.assert_close(row.weight.data, full[:, 4:])
+    torch.testing.assert_close(merged.weight.data, full[[2, 5]])

@@ -1,0 +1,85 @@
+"""Tensor parallelism on a CPU (gloo, 2 ranks): TP=2 greedy tokens equal TP=1, a killed worker ends the
+engine with a clear error and leaves no process behind.
+
+Cases: Qwen3 with 1 kv head (fewer kv heads than ranks: replicated) and Llama with 2 (one per rank),
+each native and transformers+fusion. Three run torchrun-style (every rank runs the engine, one spawn
+for all), the fourth through `LLM(tensor_parallel_size=2)`'s driver + worker processes, which the
+failure test then kills.
+"""
+
+import json
+import os
+import signal
+import socket
+
+import psutil
+import pytest
+import torch.multiprocessing as mp
+
+from tp_ranks import MAX_TOKENS, generate_tokens, greedy_tokens, make_llm, sampling_params, spmd_rank
+
+from fxrewrite.runtime.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def qwen3_kv1(tiny_model_dir):
+    # SmolLM2's tokenizer keeps the vocabulary (and each engine start) small; the layers are Qwen3's.
+    return str(tiny_model_dir("qwen3", num_key_value_heads=1, vocab="smollm2"))
+
+
+@pytest.fixture(scope="module")
+def llama_kv2(tiny_model_dir):
+    return str(tiny_model_dir("llama", num_key_value_heads=2))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tp2_equals_tp1_native_and_fused(qwen3_kv1, llama_kv2, tmp_path):
+    cases = [(qwen3_kv1, "native"), (llama_kv2, "native"), (llama_kv2, "transformers")]
+    out = tmp_path / "tp2.json"
+    ctx = mp.start_processes(spmd_rank, args=(_free_port(), cases, str(out)), nprocs=2, join=False,
+                             start_method="spawn")
+    expected = {f"{path}|{impl}": greedy_tokens(path, impl) for path, impl in cases}  # overlaps the ranks
+    while not ctx.join(timeout=300):
+        pass
+    assert json.loads(out.read_text()) == expected
+    assert all(len(c) == MAX_TOKENS for tokens in expected.values() for t in tokens for c in t)
+
+
+@pytest.fixture(scope="module")
+def tp2_llm(qwen3_kv1):
+    llm = make_llm(qwen3_kv1, "transformers", tensor_parallel_size=2)
+    yield llm
+    llm.llm_engine.model_runner.shutdown()
+
+
+def test_llm_tp2_workers_equal_tp1_transformers_fused(tp2_llm, qwen3_kv1):
+    """Driver + 2 worker processes; greedy and seeded sampling (the generators live in rank 0)."""
+    tp1 = make_llm(qwen3_kv1, "transformers")
+    assert generate_tokens(tp2_llm) == generate_tokens(tp1)
+    assert generate_tokens(tp2_llm, sampling_params()) == generate_tokens(tp1, sampling_params())
+
+
+def test_killed_worker_ends_engine_with_clear_error(tp2_llm):
+    from fxrewrite.runtime.executor import WorkerError
+
+    engine = tp2_llm.llm_engine
+    pids = engine.model_runner.worker_pids()
+    engine.add_request("long", list(range(5, 25)), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    engine.step()
+    engine.step()
+    os.kill(pids[1], signal.SIGKILL)
+    with pytest.raises(WorkerError, match="SIGKILL"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert alive == []
+    assert not [c for c in psutil.Process().children(recursive=True) if c.pid in pids]
+    with pytest.raises(WorkerError, match="shut down"):
+        tp2_llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)

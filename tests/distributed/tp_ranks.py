@@ -1,0 +1,63 @@
+"""Rank entry points for the tensor-parallel tests (a module of its own, so spawned children import
+it by name without re-importing the test module)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 40)), [7] * 3]
+MAX_TOKENS = 8
+
+
+def make_llm(path: str, impl: str, tensor_parallel_size: int = 1):
+    """A float32 CPU engine with small blocks and chunked prefill (16 tokens a step)."""
+    from fxrewrite.runtime.llm import LLM
+
+    return LLM(path, model_impl=impl, dtype="float32", block_size=4, max_num_batched_tokens=16, device="cpu",
+               kv_cache_memory_bytes=1 << 22, tensor_parallel_size=tensor_parallel_size)
+
+
+def sampling_params():
+    """Per prompt: greedy, seeded temperature sampling with 2 completions, seeded top-k with penalties."""
+    from fxrewrite.runtime.sampling_params import SamplingParams
+
+    return [
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=1, n=2, max_tokens=MAX_TOKENS, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=20, seed=2, presence_penalty=0.5, max_tokens=MAX_TOKENS,
+                       ignore_eos=True),
+    ]
+
+
+def generate_tokens(llm, params=None) -> list[list[list[int]]]:
+    """Token ids of every completion of every prompt of PROMPTS; checks no KV block is left in use."""
+    from fxrewrite.runtime.sampling_params import SamplingParams
+
+    params = params or SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    bm = llm.llm_engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    return [[list(c.token_ids) for c in o.outputs] for o in outs]
+
+
+def greedy_tokens(path: str, impl: str, tensor_parallel_size: int = 1) -> list[list[list[int]]]:
+    return generate_tokens(make_llm(path, impl, tensor_parallel_size))
+
+
+def spmd_rank(rank: int, port: int, cases: list[tuple[str, str]], out_path: str) -> None:
+    """torchrun-style rank: every rank runs the same TP=2 engine; rank 0 writes {case: tokens}."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    from fxrewrite import distributed
+
+    distributed.init_from_env("cpu")
+    try:
+        results = {f"{path}|{impl}": greedy_tokens(path, impl, 2) for path, impl in cases}
+    finally:
+        distributed.destroy()
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)

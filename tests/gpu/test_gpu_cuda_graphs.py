@@ -1,0 +1,113 @@
+"""CUDA graphs: bucket sizes (CPU) and, on a GPU, replay of every bucket against the eager forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fxrewrite.runtime.cuda_graphs import capture_sizes
+
+
+def test_capture_sizes_are_nano_vllm_buckets():
+    assert capture_sizes(256) == [1, 2, 4, 8] + list(range(16, 257, 16))
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]  # the top size itself, so 17..20 get a graph
+    assert capture_sizes(3) == [1, 2, 3]
+    assert capture_sizes(4096)[-1] == 512
+
+
+def test_static_buffer_replay_logic_on_cpu(tiny_qwen3_dir):
+    """run()'s copy-in, padding and bucket choice, with each 'graph' replaying the model eagerly
+    over the static buffers (what a captured graph does), against the plain eager forward."""
+    from tests.gpu.conftest import decode_batch
+    from fxrewrite.runtime.cuda_graphs import CUDAGraphRunner
+    from fxrewrite.runtime.forward_context import forward_context
+    from fxrewrite.runtime.llm import LLM
+
+    llm = LLM(str(tiny_qwen3_dir), model_impl="native", kv_cache_memory_bytes=1 << 22, max_model_len=512)
+    runner = llm.llm_engine.model_runner
+    mc = llm.llm_engine.model_config
+    graphs = CUDAGraphRunner(runner.model, runner.kv_caches, max_num_seqs=20, max_model_len=512, block_size=16,
+                             hidden_size=mc.hidden_size, dtype=mc.dtype, device=runner.device)
+
+    class Replay:
+        def __init__(self, bs):
+            self.bs = bs
+
+        def replay(self):
+            with forward_context(graphs._metadata(self.bs)):
+                graphs.outputs[: self.bs] = runner.model(graphs.input_ids[: self.bs], graphs.positions[: self.bs])
+
+    graphs.graphs = {bs: Replay(bs) for bs in graphs.sizes}
+    for n in (1, 3, 16, 17, 20, 5):
+        ids, pos, meta = decode_batch(runner, n, max_len=200, seed=n)
+        assert graphs.can_run(n, meta)
+        with torch.inference_mode():
+            with forward_context(meta):
+                eager = runner.model(ids, pos)
+            replay = graphs.run(ids, pos, meta)
+        torch.testing.assert_close(replay, eager, rtol=1e-4, atol=1e-5)
+        bs = min(s for s in graphs.sizes if s >= n)
+        assert (graphs.slot_mapping[n:bs] == -1).all()  # padding rows of the bucket write no KV
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl,fusion", [("native", True), ("transformers", True), ("transformers", False)])
+def test_every_bucket_replay_matches_eager(make_llm, impl, fusion):
+    from tests.gpu.conftest import decode_batch
+    from fxrewrite.runtime.forward_context import forward_context
+
+    llm = make_llm(model_impl=impl, fusion=fusion, max_num_seqs=40, compilation_config=0)
+    runner = llm.llm_engine.model_runner
+    graphs = runner.graph_runner
+    assert graphs is not None, "CUDA graphs were not captured"
+    assert sorted(graphs.graphs) == capture_sizes(40)
+    for n in [*capture_sizes(40), 3, 33]:  # every bucket, and sizes that round up
+        ids, pos, meta = decode_batch(runner, n, seed=n)
+        assert graphs.can_run(n, meta)
+        with torch.inference_mode():
+            with forward_context(meta):
+                eager = runner.model(ids, pos).clone()
+            replay = graphs.run(ids, pos, meta).clone()
+        assert replay.shape == eager.shape
+        assert _close(replay, eager) < 1e-3, f"bucket for {n} sequences differs from eager"
+
+
+@pytest.mark.gpu
+def test_prefill_and_eager_fall_back(make_llm):
+    llm = make_llm(model_impl="native", enforce_eager=True)
+    assert llm.llm_engine.model_runner.graph_runner is None
+    assert not getattr(llm.llm_engine.model_runner.model, "_fxrewrite_compiled", False)
+
+
+@pytest.mark.gpu
+def test_generate_with_graphs_matches_eager(make_llm):
+    from fxrewrite.runtime.sampling_params import SamplingParams
+
+    prompts = [[int(t) for t in torch.randint(0, 10000, (n,), generator=torch.Generator().manual_seed(n))]
+               for n in (5, 17, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    fast = make_llm(model_impl="native", compilation_config=0).generate(prompts, params, use_tqdm=False)
+    slow = make_llm(model_impl="native", enforce_eager=True).generate(prompts, params, use_tqdm=False)
+    for a, b in zip(fast, slow):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+@pytest.mark.gpu
+def test_kv_cache_sized_by_memory_profiling(small_model_dir):
+    import gc
+
+    from fxrewrite.runtime.llm import LLM
+
+    total = torch.cuda.mem_get_info()[1]
+    llm = LLM(str(small_model_dir), load_format="dummy", model_impl="native", gpu_memory_utilization=0.3,
+              max_model_len=1024, compilation_config=0)
+    runner = llm.llm_engine.model_runner
+    assert runner.num_blocks > 1000
+    assert torch.cuda.memory_reserved() < 0.32 * total
+    del llm, runner
+    gc.collect()
+    torch.cuda.empty_cache()

@@ -1,0 +1,82 @@
+"""Rotary pattern: cos/sin module replaced by get_rope's RotaryEmbedding (YaRN included), apply call fused."""
+
+import sys
+from pathlib import Path
+
+import torch
+
+import fxrewrite
+from fxrewrite.patterns.rotary import RotaryCosSin, apply_rotary_qk
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "e2e"))
+from tiny_models import tiny_model  # noqa: E402
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "rope_theta": 10000.0}
+
+
+def _pair(**overrides):
+    stock = tiny_model("llama", **overrides)
+    fused = fxrewrite.optimize(tiny_model("llama", **overrides))
+    return stock, fused
+
+
+def test_yarn_cos_sin_and_logits_past_original_length():
+    stock, fused = _pair(rope_parameters=YARN, max_position_embeddings=131072)
+    assert isinstance(fused.model.rotary_emb, RotaryCosSin)
+    assert fused.model.rotary_emb.rope.rope_type == "yarn"
+    pos = torch.tensor([[0, 1, 4095, 32767, 32768, 40000, 65536, 131071]])
+    x = torch.zeros(1)
+    want, got = stock.model.rotary_emb(x, pos), fused.model.rotary_emb(x, pos)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert stock.model.rotary_emb.attention_scaling > 1.0  # yarn's mscale is applied
+    ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(40000, 40006)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids, position_ids=pos).logits, stock(ids, position_ids=pos).logits,
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_module_refused_when_config_does_not_reproduce_it():
+    model = tiny_model("llama")
+    model.model.rotary_emb.inv_freq.mul_(1.5)  # the module no longer computes what the config says
+    ids = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids).logits
+    fxrewrite.optimize(model)
+    report = fxrewrite.explain(model)
+    assert "rotary" not in report.applied_patterns()
+    assert any(p == "rotary" and "reproduces" in r for _, p, r in report.skipped())
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_apply_rotary_qk_matches_transformers_bitwise():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
+    cos, sin = torch.randn(1, 5, 8), torch.randn(1, 5, 8)
+    for got, want in zip(apply_rotary_qk(q, k, cos, sin), apply_rotary_pos_emb(q, k, cos, sin)):
+        assert torch.equal(got, want)
+
+
+def test_apply_call_refused_when_function_differs():
+    import transformers.models.llama.modeling_llama as llama
+
+    original = llama.apply_rotary_pos_emb
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):  # GPT-J style: not what the op computes
+        q2 = torch.stack((-q[..., 1::2], q[..., ::2]), dim=-1).flatten(-2)
+        k2 = torch.stack((-k[..., 1::2], k[..., ::2]), dim=-1).flatten(-2)
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return q * cos + q2 * sin, k * cos + k2 * sin
+
+    apply_rotary_pos_emb.__module__ = llama.__name__
+    llama.apply_rotary_pos_emb = apply_rotary_pos_emb
+    try:
+        model = fxrewrite.optimize(tiny_model("llama"))
+    finally:
+        llama.apply_rotary_pos_emb = original
+    report = fxrewrite.explain(model)
+    assert "rotary_apply" not in report.applied_patterns()
+    assert any(p == "rotary_apply" and "does not compute" in r for _, p, r in report.skipped())

@@ -1,0 +1,48 @@
+"""Incremental detokenization never splits a multi-byte character; stop strings cut exactly."""
+
+import pytest
+
+from fxrewrite.runtime.detokenizer import IncrementalDetokenizer, check_stop_strings
+from fxrewrite.runtime.sampling_params import SamplingParams
+from fxrewrite.runtime.sequence import Sequence
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_qwen3_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_qwen3_dir))
+
+
+def stream(tokenizer, prompt, text, **params):
+    seq = Sequence("r", tokenizer.encode(prompt), SamplingParams(**params))
+    detok, pieces = IncrementalDetokenizer(tokenizer, seq), []
+    for token in tokenizer.encode(text):
+        seq.append_token(token)
+        pieces.append(detok.step())
+    return seq, pieces
+
+
+def test_multibyte_characters_are_never_split(tokenizer):
+    text = " naïve 🙂🦜 你好, ünïcödé ✓"
+    ids = tokenizer.encode(text)
+    assert any("\ufffd" in tokenizer.decode([t]) for t in ids)  # the text really splits characters
+    seq, pieces = stream(tokenizer, "Say:", text)
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == seq.text == text
+
+
+def test_stop_string_cuts_text_exactly(tokenizer):
+    seq, _ = stream(tokenizer, "Count:", " one two three four", stop=["three"])
+    assert check_stop_strings(seq, len(seq.text)) == "three"
+    assert seq.text == " one two "
+    seq, _ = stream(tokenizer, "Count:", " one two three four", stop="two", include_stop_str_in_output=True)
+    assert check_stop_strings(seq, len(seq.text)) == "two" and seq.text == " one two"
+
+
+def test_stop_string_spanning_tokens_found_in_tail(tokenizer):
+    seq = Sequence("r", [1], SamplingParams(stop=["ab"]))
+    seq.text = "xxa"
+    assert check_stop_strings(seq, 1) is None
+    seq.text += "bcd"
+    assert check_stop_strings(seq, 3) == "ab" and seq.text == "xx"

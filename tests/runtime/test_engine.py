@@ -1,0 +1,187 @@
+"""LLM / LLMEngine end to end on tiny real-architecture models (random weights) against transformers."""
+
+import pytest
+import torch
+
+from fxrewrite.runtime.kv_cache import bytes_per_block
+from fxrewrite.runtime.llm import LLM
+from fxrewrite.runtime.sampling_params import SamplingParams
+
+PROMPTS = ["Hello, my name is", "The capital of France is a city where many people live and", "1 2 3"]
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(tiny_model_dir):
+    """Per arch: transformers' greedy continuation of each prompt (float32)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            path = tiny_model_dir(arch)
+            tok = AutoTokenizer.from_pretrained(path)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            outs = []
+            for prompt in PROMPTS:
+                ids = tok(prompt, return_tensors="pt").input_ids
+                gen = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
+                                     attention_mask=torch.ones_like(ids))
+                outs.append(gen[0, ids.shape[1]:].tolist())
+            cache[arch] = outs
+        return cache[arch]
+
+    return get
+
+
+def assert_no_leak(llm):
+    bm = llm.llm_engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.fixture(scope="module")
+def qwen3_llm(tiny_qwen3_dir):
+    return LLM(str(tiny_qwen3_dir), model_impl="native", dtype="float32", block_size=4)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("impl, fusion", [("native", True), ("transformers", True), ("transformers", False)])
+def test_greedy_equals_transformers_with_preemption_and_prefix_hits(tiny_model_dir, hf_greedy, arch, impl, fusion):
+    """A KV cache of 8 blocks of 4 tokens cannot hold the batch: requests are preempted and
+    recomputed; the second run of the same prompts hits the prefix cache. Tokens stay exact."""
+    from fxrewrite.runtime.config import ModelConfig
+
+    path = str(tiny_model_dir(arch))
+    block_bytes = bytes_per_block(ModelConfig.from_pretrained(path, dtype="float32"), 4, torch.float32)
+    llm = LLM(path, model_impl=impl, fusion=fusion, dtype="float32", block_size=4,
+              kv_cache_memory_bytes=8 * block_bytes, max_num_batched_tokens=8)
+    assert llm.llm_engine.model_runner.model.impl == impl
+    expected = hf_greedy(arch)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    stats = llm.llm_engine.get_stats()
+    assert stats["num_preemptions"] > 0
+    assert_no_leak(llm)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.llm_engine.get_stats()["prefix_cache_hits"] > 0
+    assert_no_leak(llm)
+
+
+def test_outputs_shape_text_and_finish_reason(qwen3_llm):
+    out = qwen3_llm.generate("Hello, my name is", GREEDY, use_tqdm=False)[0]
+    tok = qwen3_llm.get_tokenizer()
+    assert out.prompt == "Hello, my name is" and out.prompt_token_ids == tok.encode("Hello, my name is")
+    (completion,) = out.outputs
+    assert completion.finish_reason == "length" and len(completion.token_ids) == MAX_TOKENS
+    assert completion.text == tok.decode(completion.token_ids, skip_special_tokens=True)
+    assert out.finished
+    assert_no_leak(qwen3_llm)
+
+
+def test_seeded_sampling_is_reproducible_and_n2_gives_two_outputs(qwen3_llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=8, n=2, logprobs=2)
+    first = qwen3_llm.generate(PROMPTS, params, use_tqdm=False)
+    second = qwen3_llm.generate(PROMPTS[::-1], params, use_tqdm=False)[::-1]
+    for a, b in zip(first, second):
+        assert [c.index for c in a.outputs] == [0, 1]
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+        assert all(len(c.logprobs) == len(c.token_ids) for c in a.outputs)
+        assert all(t in lp for c in a.outputs for t, lp in zip(c.token_ids, c.logprobs))
+    assert_no_leak(qwen3_llm)
+
+
+def test_stop_string_cuts_text_exactly(qwen3_llm):
+    full = qwen3_llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)[0].outputs[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    out = qwen3_llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop=[stop]),
+                             use_tqdm=False)[0].outputs[0]
+    assert out.text == full[: full.index(stop)]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert_no_leak(qwen3_llm)
+
+
+def test_stop_token_ids_and_min_tokens(qwen3_llm):
+    greedy = qwen3_llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    stop_id = greedy[0]
+    out = qwen3_llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                         stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [stop_id] and out.finish_reason == "stop" and out.stop_reason == stop_id
+    out = qwen3_llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=3,
+                                                         stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) >= 3 and stop_id not in out.token_ids[:3]
+    assert_no_leak(qwen3_llm)
+
+
+def test_bad_request_fails_alone_and_leaks_nothing(qwen3_llm):
+    engine = qwen3_llm.llm_engine
+    engine.add_request("good", PROMPTS[0], GREEDY)
+    too_long = [1] * (engine.model_config.max_model_len + 1)
+    with pytest.raises(ValueError, match=rf"{len(too_long)} tokens.*max_model_len={engine.model_config.max_model_len}"):
+        engine.add_request("bad", too_long, GREEDY)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in finished] == ["good"] and len(finished[0].outputs[0].token_ids) == MAX_TOKENS
+    with pytest.raises(ValueError, match="prompt 1"):
+        qwen3_llm.generate([PROMPTS[0], too_long], GREEDY, use_tqdm=False)
+    assert_no_leak(qwen3_llm)
+    assert len(qwen3_llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == MAX_TOKENS
+
+
+def test_model_error_frees_all_blocks(qwen3_llm, monkeypatch):
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(qwen3_llm.llm_engine.model_runner.model, "forward", boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        qwen3_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert_no_leak(qwen3_llm)
+
+
+def test_abort_frees_blocks(qwen3_llm):
+    engine = qwen3_llm.llm_engine
+    engine.add_request("a", PROMPTS[1], GREEDY)
+    engine.step()
+    assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
+    engine.abort_request("a")
+    assert_no_leak(qwen3_llm)
+
+
+def test_config_errors(tiny_qwen3_dir):
+    with pytest.raises(ValueError, match="model_impl='vllm'.*'auto', 'native', 'transformers'"):
+        LLM(str(tiny_qwen3_dir), model_impl="vllm")
+    with pytest.raises(TypeError, match="'no_such_arg'"):
+        LLM(str(tiny_qwen3_dir), no_such_arg=1)
+    with pytest.raises(ValueError, match="block_size=0 must be a positive integer"):
+        LLM(str(tiny_qwen3_dir), block_size=0)
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=1.5 must be in \(0, 1\]"):
+        LLM(str(tiny_qwen3_dir), gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="top_p=1.5"):
+        SamplingParams(top_p=1.5)
+    with pytest.raises(ValueError, match="max_tokens=0 must be at least 1"):
+        SamplingParams(max_tokens=0)
+
+
+def test_generation_stops_at_max_model_len(tiny_qwen3_dir):
+    llm = LLM(str(tiny_qwen3_dir), model_impl="native", dtype="float32", max_model_len=32, block_size=4)
+    out = llm.generate([[1] * 30], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2 and out[0].outputs[0].finish_reason == "length"
+    out = llm.generate([[1] * 32], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 1
+    assert_no_leak(llm)
+
+
+def test_streamed_text_only_grows_with_stop_strings(qwen3_llm):
+    full = qwen3_llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)[0].outputs[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    engine, texts = qwen3_llm.llm_engine, []
+    engine.add_request("s", PROMPTS[1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop=[stop]))
+    while engine.has_unfinished_requests():
+        texts += [o.outputs[0].text for o in engine.step()]
+    assert all(texts[-1].startswith(t) for t in texts)
+    assert texts[-1] == full[: full.index(stop)]
+    assert_no_leak(qwen3_llm)

@@ -1,0 +1,68 @@
+"""Sampler: greedy, filters, seeds, penalties, min_tokens, logprobs; SamplingParams validation."""
+
+import math
+
+import pytest
+import torch
+
+from fxrewrite.runtime.sampler import Sampler
+from fxrewrite.runtime.sampling_params import SamplingParams
+from fxrewrite.runtime.sequence import Sequence
+
+
+def seqs_for(*params, prompt=(1, 2, 3)):
+    return [Sequence(str(i), list(prompt), p) for i, p in enumerate(params)]
+
+
+def test_greedy_is_argmax_and_logprob_is_raw_log_softmax():
+    logits = torch.tensor([[0.0, 3.0, 1.0, -1.0]])
+    (r,) = Sampler({0})(logits, seqs_for(SamplingParams(temperature=0, logprobs=2)))
+    assert r.token_id == 1
+    assert r.logprob == pytest.approx(torch.log_softmax(logits, -1)[0, 1].item())
+    assert set(r.top_logprobs) == {1, 2} and r.top_logprobs[1][1] == 1
+
+
+def test_top_k_1_and_tiny_top_p_and_min_p_equal_greedy():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(top_k=1), SamplingParams(top_p=1e-6), SamplingParams(min_p=1.0)]
+    results = Sampler(set())(logits, seqs_for(*params))
+    assert [r.token_id for r in results] == logits.argmax(-1).tolist()
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_batch():
+    logits = torch.zeros(1, 1000)
+    p = SamplingParams(temperature=1.0, seed=7)
+    first = [Sampler(set(), seed=1)(logits, seqs_for(p))[0].token_id for _ in range(1)]
+    seq = seqs_for(p)
+    again = Sampler(set(), seed=2)(torch.zeros(2, 1000), seqs_for(SamplingParams()) + seq)[1].token_id
+    assert first == [again]
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
+    sampler, seq = Sampler(set()), seqs_for(SamplingParams(seed=0))
+    counts = torch.zeros(3)
+    for _ in range(600):
+        counts[sampler(logits, seq)[0].token_id] += 1
+    assert torch.allclose(counts / 600, torch.tensor([0.7, 0.2, 0.1]), atol=0.06)
+
+
+def test_penalties_and_min_tokens():
+    logits = torch.tensor([[2.0, 1.9, 0.0, 0.0]])
+    (seq,) = seqs_for(SamplingParams(temperature=0, presence_penalty=1.0), prompt=(3,))
+    seq.append_token(0)
+    assert Sampler(set())(logits, [seq])[0].token_id == 1
+    (seq,) = seqs_for(SamplingParams(temperature=0, repetition_penalty=2.0), prompt=(0,))
+    assert Sampler(set())(logits, [seq])[0].token_id == 1
+    (seq,) = seqs_for(SamplingParams(temperature=0, min_tokens=1, max_tokens=4))
+    assert Sampler({0})(logits, [seq])[0].token_id == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
+     ({"temperature": -1}, "temperature"), ({"n": 0}, "n"), ({"min_p": 2}, "min_p")],
+)
+def test_bad_sampling_params_name_value_and_range(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kwargs)

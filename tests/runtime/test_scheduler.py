@@ -1,0 +1,62 @@
+"""Scheduler: chunked prefill under the token budget, mixed decode+prefill, preemption, waiting."""
+
+from fxrewrite.runtime.block_manager import BlockManager
+from fxrewrite.runtime.sampling_params import SamplingParams
+from fxrewrite.runtime.scheduler import Scheduler
+from fxrewrite.runtime.sequence import Sequence, SequenceStatus
+
+
+def make_seq(n, start=0):
+    return Sequence("r", list(range(start, start + n)), SamplingParams())
+
+
+def step(sched, next_token=1):
+    out = sched.schedule()
+    sampled = [s.seq for s in out.scheduled if s.samples]
+    sched.update(out)
+    for seq in sampled:
+        seq.append_token(next_token)
+    return out
+
+
+def test_chunked_prefill_respects_budget_and_mixes_decode():
+    sched = Scheduler(BlockManager(32, 4, False), max_num_seqs=8, max_num_batched_tokens=6)
+    a, b = make_seq(3), make_seq(10, 100)
+    sched.add(a)
+    sched.add(b)
+    out = step(sched)
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 3), (b, 3)]
+    assert out.scheduled[0].samples and not out.scheduled[1].samples
+    out = step(sched)  # a decodes 1 token, b continues its prefill with the rest of the budget
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 1), (b, 5)]
+    out = step(sched)
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 1), (b, 2)]
+    assert out.scheduled[1].samples
+
+
+def test_preemption_frees_blocks_and_recomputes():
+    bm = BlockManager(4, 4, False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    a, b = make_seq(8), make_seq(7, 50)
+    sched.add(a)
+    sched.add(b)
+    step(sched)  # a: 2 blocks, b: 2 blocks, cache full
+    assert bm.num_free_blocks == 0
+    out = step(sched)  # a needs a third block -> b (the latest) is preempted
+    assert out.num_preempted == 1 and sched.num_preemptions == 1
+    assert b.status == SequenceStatus.WAITING and b.block_table == [] and b.num_computed_tokens == 0
+    assert [s.seq for s in out.scheduled] == [a]
+
+
+def test_waiting_request_waits_for_blocks_and_max_num_seqs():
+    bm = BlockManager(3, 4, False)
+    sched = Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=64)
+    a, b = make_seq(4), make_seq(4, 10)
+    sched.add(a)
+    sched.add(b)
+    out = step(sched)
+    assert [s.seq for s in out.scheduled] == [a] and list(sched.waiting) == [b]
+    sched.finish(a)
+    assert bm.num_free_blocks == 3
+    out = step(sched)
+    assert [s.seq for s in out.scheduled] == [b]

@@ -1,0 +1,57 @@
+"""`fxrewrite generate` and `fxrewrite chat` print what the server answers for the same greedy requests.
+
+The commands run in-process through `fxrewrite.cli.main`, over the session's real engine (the one
+the test server uses, idle meanwhile) so that no second model load is paid.
+"""
+
+import io
+import subprocess
+import sys
+
+import pytest
+
+from fxrewrite.cli import main
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture
+def shared_engine(server, monkeypatch):
+    """`LLM(...)` inside the commands gets the server's engine instead of loading the model again."""
+    import fxrewrite.runtime.llm as llm_module
+
+    monkeypatch.setattr(llm_module, "LLMEngine", lambda config: server.engine)
+    return server.engine
+
+
+def _argv(command, model_dir, *extra):
+    return [command, str(model_dir), "--model-impl", "native", "--temperature", "0", "--max-tokens", "6", *extra]
+
+
+def test_generate_prints_the_completion(server, shared_engine, tiny_qwen3_dir, capsys):
+    assert main(_argv("generate", tiny_qwen3_dir, "--prompt", PROMPT)) == 0
+    printed = capsys.readouterr().out
+    expected = server.client().completions.create(model=server.model_name, prompt=PROMPT, temperature=0, max_tokens=6)
+    assert printed == expected.choices[0].text + "\n"
+
+
+@pytest.mark.parametrize("ending", ["exit\nnever read\n", ""])  # "exit", or EOF
+def test_chat_answers_each_line_and_quits(server, shared_engine, tiny_qwen3_dir, capsys, monkeypatch, ending):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Say hello.\n\nAnd again.\n" + ending))
+    assert main(_argv("chat", tiny_qwen3_dir)) == 0
+    printed = capsys.readouterr().out
+    client = server.client()
+    messages = [{"role": "user", "content": "Say hello."}]
+    first = client.chat.completions.create(model=server.model_name, messages=messages, temperature=0, max_tokens=6)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And again."}]
+    second = client.chat.completions.create(model=server.model_name, messages=messages, temperature=0, max_tokens=6)
+    assert printed == first.choices[0].message.content + "\n" + second.choices[0].message.content + "\n"
+
+
+def test_bad_hf_overrides_is_one_clean_line():
+    out = subprocess.run([sys.executable, "-m", "fxrewrite", "serve", "--hf-overrides", "{oops"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "--hf-overrides" in out.stderr and "not valid JSON" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -1,0 +1,98 @@
+"""The shared engine flags: vLLM names and defaults, --hf-overrides JSON, removed RoPE flags."""
+
+import argparse
+import dataclasses
+
+import pytest
+
+from fxrewrite.cli import build_parser
+from fxrewrite.commands.engine_args import add_engine_arguments, engine_kwargs, human_readable_int
+
+
+def parse(argv):
+    return build_parser().parse_args(argv)
+
+
+def test_defaults_match_llm_signature():
+    from fxrewrite.runtime.engine_config import EngineConfig
+
+    kwargs = engine_kwargs(parse(["serve"]))
+    assert kwargs["model"] is None
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    for name, value in kwargs.items():
+        assert defaults[name] == value, name
+    EngineConfig.from_kwargs(**kwargs)  # every key is an LLM(...) argument
+
+
+def test_all_flags_reach_kwargs():
+    args = parse([
+        "serve", "some/model", "--model-impl", "transformers", "--hf-overrides",
+        '{"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}', "--max-model-len", "32k",
+        "--dtype", "bfloat16", "--seed", "7", "--max-num-seqs", "8", "--max-num-batched-tokens", "4K",
+        "--block-size", "32", "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5",
+        "--kv-cache-memory-bytes", "1G", "--enforce-eager", "--tensor-parallel-size", "1",
+        "--tokenizer", "tok", "--load-format", "dummy", "--no-fusion", "--generation-config", "vllm",
+        "--port", "1234", "--api-key", "k", "--served-model-name", "a", "b",
+    ])
+    kw = engine_kwargs(args)
+    assert kw["model"] == "some/model"
+    assert kw["model_impl"] == "transformers"
+    assert kw["hf_overrides"] == {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}
+    assert kw["max_model_len"] == 32000 and kw["max_num_batched_tokens"] == 4096
+    assert kw["kv_cache_memory_bytes"] == 2**30
+    assert (kw["dtype"], kw["seed"], kw["max_num_seqs"], kw["block_size"]) == ("bfloat16", 7, 8, 32)
+    assert kw["enable_prefix_caching"] is False and kw["enforce_eager"] is True and kw["fusion"] is False
+    assert kw["gpu_memory_utilization"] == 0.5 and kw["tokenizer"] == "tok" and kw["load_format"] == "dummy"
+    assert (args.port, args.api_key, args.served_model_name, args.generation_config) == (1234, "k", ["a", "b"], "vllm")
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [("{not json", "not valid JSON"), ("[1, 2]", "expected a JSON object"), ('"yarn"', "JSON str")],
+)
+def test_hf_overrides_errors_are_clear(value, expected, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse(["serve", "--hf-overrides", value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--hf-overrides" in err and expected in err
+
+
+@pytest.mark.parametrize("flag", ["--rope-scaling", "--rope-theta"])
+def test_removed_rope_flags_point_to_hf_overrides(flag, capsys):
+    with pytest.raises(SystemExit):
+        parse(["serve", flag, '{"type": "yarn"}'])
+    err = capsys.readouterr().err
+    assert flag in err and "--hf-overrides" in err and "rope_parameters" in err
+
+
+def test_model_is_optional_and_generate_chat_take_it():
+    assert parse(["serve"]).model is None
+    assert parse(["generate", "m", "--prompt", "hi", "--prompt", "yo"]).prompt == ["hi", "yo"]
+    assert parse(["chat", "m", "--temperature", "0"]).model == "m"
+
+
+@pytest.mark.parametrize("bad", ["--gpu-memory-utilization=1.5", "--max-model-len=0", "--block-size=x"])
+def test_bad_values_exit_2(bad):
+    with pytest.raises(SystemExit) as e:
+        parse(["serve", bad])
+    assert e.value.code == 2
+
+
+def test_human_readable_int():
+    assert human_readable_int("2048") == 2048
+    assert human_readable_int("1.5k") == 1500
+    assert human_readable_int("2M") == 2 * 2**20
+    with pytest.raises(argparse.ArgumentTypeError):
+        human_readable_int("lots")
+
+
+def test_engine_arguments_on_a_fresh_parser():
+    parser = add_engine_arguments(argparse.ArgumentParser())
+    assert parser.parse_args([]).model_impl == "auto"
+
+
+def test_removed_rope_scaling_suggests_the_equivalent_override(capsys):
+    with pytest.raises(SystemExit):
+        parse(["serve", "--rope-scaling", '{"type": "yarn", "factor": 4.0}'])
+    assert """'{"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}'""" in capsys.readouterr().err

@@ -1,0 +1,109 @@
+"""Every error case answers with its status and OpenAI's body {"error": {message, type, param, code}}."""
+
+import openai
+import pytest
+
+
+# "model" left out: the server then uses its (only) served name.
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+COMPLETION = {"prompt": "hi", "max_tokens": 2}
+
+
+def _error(response, status):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    return error
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", COMPLETION | {"temperature": 5}, "temperature"),
+        ("/v1/completions", COMPLETION | {"n": 0}, "n"),
+        ("/v1/completions", COMPLETION | {"top_p": 0}, "top_p"),
+        ("/v1/completions", COMPLETION | {"max_tokens": -1}, "max_tokens"),
+        ("/v1/completions", COMPLETION | {"logprobs": 99}, "logprobs"),
+        ("/v1/completions", {"max_tokens": 2}, "prompt"),
+        ("/v1/completions", COMPLETION | {"prompt": [10**9]}, "prompt"),
+        ("/v1/chat/completions", CHAT | {"messages": []}, "messages"),
+        ("/v1/chat/completions", CHAT | {"top_logprobs": 3}, None),
+        ("/v1/chat/completions", CHAT | {"stream_options": {"include_usage": True}}, None),
+        ("/v1/chat/completions", CHAT | {"presence_penalty": "lots"}, "presence_penalty"),
+        ("/v1/chat/completions", CHAT | {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+         "messages"),
+    ],
+)
+def test_bad_parameters_are_400(server, path, body, param):
+    with server.http() as http:
+        error = _error(http.post(path, json=body), 400)
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    if param:
+        assert param in error["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b""])
+def test_malformed_json_is_400(server, path, raw):
+    with server.http() as http:
+        error = _error(http.post(path, content=raw, headers={"Content-Type": "application/json"}), 400)
+    assert error["type"] == "invalid_request_error"
+    if raw != b"{not json":
+        assert "JSON object" in error["message"]
+
+
+def test_form_encoded_body_is_400_asking_for_json(server):
+    with server.http() as http:
+        error = _error(http.post("/v1/completions", content=b"prompt=hi",
+                                 headers={"Content-Type": "application/x-www-form-urlencoded"}), 400)
+    assert "application/json" in error["message"]
+
+
+def test_prompt_over_max_model_len_is_400_naming_both_lengths(server):
+    too_long = [100] * (server.max_model_len + 10)
+    with server.http() as http:
+        error = _error(http.post("/v1/completions", json=COMPLETION | {"prompt": too_long}), 400)
+        assert str(server.max_model_len) in error["message"] and str(server.max_model_len + 10) in error["message"]
+        assert error["code"] == "context_length_exceeded"
+        fits = [100] * (server.max_model_len - 10)
+        error = _error(http.post("/v1/completions", json=COMPLETION | {"prompt": fits, "max_tokens": 50}), 400)
+        assert str(server.max_model_len) in error["message"] and "50" in error["message"]
+        chat = CHAT | {"messages": [{"role": "user", "content": "word " * (server.max_model_len + 5)}]}
+        error = _error(http.post("/v1/chat/completions", json=chat), 400)
+        assert str(server.max_model_len) in error["message"]
+    with pytest.raises(openai.BadRequestError):
+        server.client().completions.create(model=server.model_name, prompt=too_long, max_tokens=2)
+
+
+def test_default_max_tokens_is_clamped_to_the_context(server):
+    fits = [100] * (server.max_model_len - 3)
+    with server.http() as http:
+        r = http.post("/v1/completions", json={"model": server.model_name, "prompt": fits, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] <= 3
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "token-abc123"}])
+def test_missing_or_wrong_api_key_is_401(server, headers):
+    import httpx
+
+    r = httpx.post(f"{server.base_url}/v1/completions", json=COMPLETION, headers=headers, timeout=10)
+    error = _error(r, 401)
+    assert error["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_unknown_model_is_404(server):
+    with server.http() as http:
+        error = _error(http.post("/v1/chat/completions", json=CHAT | {"model": "gpt-17"}), 404)
+    assert "gpt-17" in error["message"] and error["param"] == "model"
+    with pytest.raises(openai.NotFoundError):
+        server.client().completions.create(model="gpt-17", prompt="hi", max_tokens=1)
+
+
+def test_unknown_route_is_404_in_openai_shape(server):
+    with server.http() as http:
+        _error(http.get("/v1/nothing-here"), 404)

@@ -1,0 +1,121 @@
+"""The official openai client, unchanged, against a real server: chat and completions, streamed or not."""
+
+import pytest
+
+
+PROMPT = "The capital of France is"
+GREEDY = {"temperature": 0.0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
+
+
+def test_models_health_version(server):
+    client = server.client()
+    assert [m.id for m in client.models.list().data] == [server.model_name]
+    with server.http() as http:
+        assert http.get("/health").status_code == 200
+        assert http.get("/version").json()["version"]
+
+
+def test_completion_stream_equals_non_stream(server):
+    client = server.client()
+    full = client.completions.create(model=server.model_name, prompt=PROMPT, **GREEDY)
+    choice = full.choices[0]
+    assert choice.finish_reason == "length" and choice.text
+    assert full.usage.completion_tokens == 12
+    assert full.usage.total_tokens == full.usage.prompt_tokens + 12
+
+    chunks = list(client.completions.create(model=server.model_name, prompt=PROMPT, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == choice.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+
+
+def test_chat_stream_equals_non_stream(server):
+    client = server.client()
+    messages = [{"role": "user", "content": "Say hello."}]
+    full = client.chat.completions.create(model=server.model_name, messages=messages, **GREEDY)
+    message = full.choices[0].message
+    assert message.role == "assistant" and message.content
+    assert full.usage.completion_tokens == 12
+
+    stream = client.chat.completions.create(model=server.model_name, messages=messages, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == message.content
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_max_completion_tokens_and_stop(server):
+    client = server.client()
+    messages = [{"role": "user", "content": "Count."}]
+    base = client.chat.completions.create(model=server.model_name, messages=messages, temperature=0,
+                                          max_completion_tokens=5, extra_body={"ignore_eos": True})
+    assert base.usage.completion_tokens == 5
+    text = base.choices[0].message.content
+    stop = text[2:4]
+    if stop.strip():
+        stopped = client.chat.completions.create(model=server.model_name, messages=messages, temperature=0,
+                                                 max_completion_tokens=5, stop=[stop],
+                                                 extra_body={"ignore_eos": True})
+        assert stopped.choices[0].finish_reason == "stop"
+        assert stopped.choices[0].message.content == text[: text.index(stop)]
+
+
+def test_several_prompts_n_and_token_ids(server):
+    client = server.client()
+    out = client.completions.create(model=server.model_name, prompt=["One", "Two"], n=2, temperature=0.8, seed=3,
+                                    max_tokens=4, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
+    assert out.usage.completion_tokens == 16
+    ids = server.engine.tokenizer.encode(PROMPT)
+    by_ids = client.completions.create(model=server.model_name, prompt=ids, **GREEDY)
+    by_text = client.completions.create(model=server.model_name, prompt=PROMPT, **GREEDY)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+
+
+def test_seed_makes_sampling_repeatable(server):
+    client = server.client()
+    kwargs = dict(model=server.model_name, prompt=PROMPT, temperature=1.0, top_p=0.9, seed=1234, max_tokens=8,
+                  extra_body={"ignore_eos": True, "top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1})
+    assert client.completions.create(**kwargs).choices[0].text == client.completions.create(**kwargs).choices[0].text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs(server, stream):
+    client = server.client()
+    out = client.chat.completions.create(model=server.model_name, messages=[{"role": "user", "content": "Hi"}],
+                                         logprobs=True, top_logprobs=2, stream=stream, **GREEDY)
+    chunks = list(out) if stream else [out]
+    content = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert len(content) == 12
+    for token in content:
+        assert token.logprob <= 0 and len(token.top_logprobs) == 2
+        assert token.top_logprobs[0].logprob >= token.top_logprobs[1].logprob
+        # greedy: the sampled token is the most likely one
+        assert token.logprob == pytest.approx(token.top_logprobs[0].logprob, abs=1e-4)
+
+    comp = client.completions.create(model=server.model_name, prompt=PROMPT, logprobs=3, **GREEDY)
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 12
+    assert all(len(top) <= 3 for top in lp.top_logprobs)
+    assert "".join(lp.tokens) == comp.choices[0].text
+
+
+def test_echo(server):
+    out = server.client().completions.create(model=server.model_name, prompt=PROMPT, echo=True, **GREEDY)
+    assert out.choices[0].text.startswith(PROMPT)
+
+
+def test_streamed_choices_of_several_prompts_match_non_streamed(server):
+    client = server.client()
+    kwargs = dict(model=server.model_name, prompt=["One", "Two"], n=2, temperature=0.8, seed=11, max_tokens=5,
+                  extra_body={"ignore_eos": True})
+    full = {c.index: c.text for c in client.completions.create(**kwargs).choices}
+    streamed = {i: "" for i in range(4)}
+    for chunk in client.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == full

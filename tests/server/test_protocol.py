@@ -1,0 +1,87 @@
+"""Request models: OpenAI field shapes, ranges and the cross-field rules the server relies on."""
+
+import pytest
+from pydantic import ValidationError
+
+from fxrewrite.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from fxrewrite.runtime.server.streaming import DeltaTracker, stop_holdback
+
+
+@pytest.mark.parametrize(
+    "prompt, expected",
+    [("hi", ["hi"]), (["a", "b"], ["a", "b"]), ([1, 2, 3], [[1, 2, 3]]), ([[1], [2, 3]], [[1], [2, 3]])],
+)
+def test_prompt_forms(prompt, expected):
+    assert CompletionRequest(prompt=prompt).prompts() == expected
+
+
+def test_completion_defaults_are_openai_and_sampling_fields_unset():
+    r = CompletionRequest(prompt="x")
+    assert (r.max_tokens, r.n, r.stream, r.echo, r.logprobs) == (16, 1, False, False, None)
+    assert r.temperature is None and r.top_p is None and r.top_k is None
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"temperature": -0.1}, {"temperature": 2.5}, {"top_p": 0}, {"n": 0}, {"max_tokens": 0},
+        {"presence_penalty": 3}, {"frequency_penalty": -2.1}, {"logprobs": 21}, {"top_k": -2},
+        {"min_p": 1.5}, {"repetition_penalty": 0}, {"min_tokens": -1}, {"prompt": ""}, {"prompt": []},
+        {"stream_options": {"include_usage": True}}, {"min_tokens": 20, "max_tokens": 10}, {"stop": [""]},
+        {"prompt": ["a", ""]},
+    ],
+)
+def test_completion_rejects(fields):
+    with pytest.raises(ValidationError):
+        CompletionRequest(**({"prompt": "x"} | fields))
+
+
+def test_chat_request():
+    r = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                   {"type": "text", "text": "b"}]}],
+                              max_completion_tokens=5, logprobs=True, top_logprobs=2)
+    assert r.output_limit() == 5 and r.max_tokens is None
+    assert r.messages[0].to_template_dict() == {"role": "user", "content": "a\nb"}
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest(messages=[])
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], top_logprobs=2)
+    image = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "image_url"}]}])
+    with pytest.raises(ValueError, match="image_url"):
+        image.messages[0].to_template_dict()
+
+
+def test_include_usage_needs_stream():
+    r = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], stream=True,
+                              stream_options={"include_usage": True})
+    assert r.include_usage()
+
+
+def test_delta_tracker_holds_back_stop_prefixes():
+    from fxrewrite.runtime.server.async_engine import ChoiceSnapshot, StepOutput
+
+    def out(text, finish=None):
+        choice = ChoiceSnapshot(0, text, tuple(range(len(text))), None, finish, None)
+        return StepOutput("r", 3, (choice,), finish is not None)
+
+    tracker = DeltaTracker(stop_holdback(["END"]))
+    texts = [d.text for o in (out("abcE"), out("abcEN"), out("abcdefg"), out("abcdefg", "stop"))
+             for d in tracker.deltas(0, o)]
+    assert "".join(texts) == "abcdefg"
+    assert texts[0] == "ab"  # "cE" could start "END": held back
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"logit_bias": {"1": 5}}, {"tools": [{"type": "function"}]}, {"response_format": {"type": "json_object"}},
+     {"best_of": 3}, {"seed": 2**64}],
+)
+def test_unsupported_fields_are_refused_not_ignored(fields):
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **fields)
+
+
+def test_off_values_of_unsupported_fields_and_unknown_extras_pass():
+    r = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], logit_bias={}, best_of=1,
+                              response_format={"type": "text"}, some_client_extra=1)
+    assert r.model_extra["some_client_extra"] == 1
