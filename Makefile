@@ -22,7 +22,7 @@ run: $(STAMP)
 	$(BIN)/python -m fxrewrite.runtime.demo run
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -m "not gpu" tests
 
 # On a GPU machine (the device tool): GPU-only tests plus a short benchmark, in one call.
 gpu-check:

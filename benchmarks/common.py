@@ -15,6 +15,7 @@ import json
 import platform
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -154,6 +155,44 @@ def run_requests(engine, prompts: list[list[int]], params: list, time_limit_s: f
     stats.output_tokens = sum(counts.values())
     stats.num_finished = len(stats.finish_s)
     return stats
+
+
+@contextmanager
+def step_profile(runner):
+    """Seconds spent, over the steps run inside the block, in the model runner's `execute_model`, and
+    within it in the sampler (which starts after a synchronize, so the forward's GPU time lands in
+    "forward": execute_model minus sampler). Yields the dict, filled on exit; restores the runner."""
+    import torch
+
+    totals = {"execute_model": 0.0, "sampler": 0.0, "steps": 0}
+    execute, sampler = runner.execute_model, runner.sampler
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+
+    def timed_execute(sched):
+        t0 = time.perf_counter()
+        try:
+            return execute(sched)
+        finally:
+            totals["execute_model"] += time.perf_counter() - t0
+            totals["steps"] += 1
+
+    def timed_sampler(logits, seqs):
+        sync()
+        t0 = time.perf_counter()
+        try:
+            return sampler(logits, seqs)
+        finally:
+            totals["sampler"] += time.perf_counter() - t0
+
+    runner.execute_model, runner.sampler = timed_execute, timed_sampler
+    try:
+        yield totals
+    finally:
+        del runner.execute_model
+        runner.sampler = sampler
+        totals["forward_and_inputs"] = totals["execute_model"] - totals["sampler"]
+        for key in ("execute_model", "sampler", "forward_and_inputs"):
+            totals[key] = round(totals[key], 3)
 
 
 def make_llm(arm: str, model_dir: Path, **engine_kwargs):

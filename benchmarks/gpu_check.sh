@@ -54,7 +54,7 @@ fi
 if [ -n "${RUN_LONG:-}" ]; then
 stamp "long context (Qwen3-0.6B shapes, YaRN x4, ${LONG_ARMS:-native})"
 timeout -k 5 ${LONG_TIMEOUT:-200} $PY -m fxrewrite bench compare --config qwen3-0.6b --arms "${LONG_ARMS:-native}" \
-  --workload long --time-limit 60 -O "${OPT_LEVEL:-0}" "${TOK[@]}" --out "$OUT_DIR" 2>&1 | tail -12
+  --workload long --time-limit 60 -O "${LONG_OPT_LEVEL:-${OPT_LEVEL:-0}}" "${TOK[@]}" --out "$OUT_DIR" 2>&1 | tail -12
 fi
 
 stamp "done"

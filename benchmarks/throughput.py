@@ -7,7 +7,6 @@ Greedy instead of nano-vllm's temperature 0.6 (see `temperature`). Figure: outpu
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import asdict, dataclass
 
 
@@ -41,7 +40,7 @@ class ThroughputWorkload:
 
 def run_throughput(llm, workload: ThroughputWorkload, time_limit_s: float | None = None) -> dict:
     """Warm up with one short request, then time the whole workload through `llm.llm_engine`."""
-    from benchmarks.common import run_requests
+    from benchmarks.common import run_requests, step_profile
     from fxrewrite.runtime.sampling_params import SamplingParams
 
     engine = llm.llm_engine
@@ -49,26 +48,10 @@ def run_throughput(llm, workload: ThroughputWorkload, time_limit_s: float | None
     run_requests(engine, [prompts[0][:16]], [SamplingParams(max_tokens=4, ignore_eos=True)])
     params = [SamplingParams(temperature=workload.temperature, max_tokens=n, ignore_eos=True, seed=None)
               for n in output_lens]
-    runner = engine.model_runner
-    execute, timer = runner.execute_model, {"s": 0.0, "steps": 0}
-
-    def timed_execute(sched):  # model step (inputs, forward, sampling) vs the rest of engine.step
-        t0 = time.perf_counter()
-        try:
-            return execute(sched)
-        finally:
-            timer["s"] += time.perf_counter() - t0
-            timer["steps"] += 1
-
-    runner.execute_model = timed_execute
-    try:
+    with step_profile(engine.model_runner) as profile:
         stats = run_requests(engine, prompts, params, time_limit_s)
-    finally:
-        del runner.execute_model
     return {
-        "num_steps": timer["steps"],
-        "execute_model_s": round(timer["s"], 3),
-        "scheduler_and_outputs_s": round(stats.elapsed_s - timer["s"], 3),
+        "step_profile_s": {**profile, "outside_model_step": round(stats.elapsed_s - profile["execute_model"], 3)},
         "output_tokens": stats.output_tokens,
         "prompt_tokens": stats.prompt_tokens,
         "elapsed_s": round(stats.elapsed_s, 3),

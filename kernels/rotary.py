@@ -113,6 +113,36 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cache_ptr, q_tok_stride, q_head_stride
         tl.store(k_base + off2[None, :], (k2 * cos + k1 * sin).to(k_ptr.dtype.element_ty), mask=km)
 
 
+@triton.jit
+def _rotary_gptj_kernel(pos_ptr, q_ptr, k_ptr, cache_ptr, q_tok_stride, q_head_stride, k_tok_stride,
+                        k_head_stride, cache_stride, num_q_heads, num_k_heads,
+                        HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                        IS_NEOX: tl.constexpr, HAS_KEY: tl.constexpr):
+    # GPT-J pairs are interleaved: load the rotary features contiguously and split the pairs in
+    # registers (stride-2 loads/stores ran at 6% of copy bandwidth on an H200).
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    i = tl.arange(0, BLOCK_HALF)
+    imask = i < HALF
+    cos = tl.load(cache_ptr + pos * cache_stride + i, mask=imask, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(cache_ptr + pos * cache_stride + HALF + i, mask=imask, other=0.0).to(tl.float32)[None, :]
+    j = tl.arange(0, 2 * BLOCK_HALF)
+    heads = tl.arange(0, BLOCK_H)
+    is_q = heads < num_q_heads
+    q_base = q_ptr + tok * q_tok_stride + heads[:, None] * q_head_stride + j[None, :]
+    qm = is_q[:, None] & (j < 2 * HALF)[None, :]
+    x1, x2 = tl.split(tl.reshape(tl.load(q_base, mask=qm, other=0.0).to(tl.float32), [BLOCK_H, BLOCK_HALF, 2]))
+    out = tl.reshape(tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin), [BLOCK_H, 2 * BLOCK_HALF])
+    tl.store(q_base, out.to(q_ptr.dtype.element_ty), mask=qm)
+    if HAS_KEY:
+        is_k = (heads >= num_q_heads) & (heads < num_q_heads + num_k_heads)
+        k_base = k_ptr + tok * k_tok_stride + (heads - num_q_heads)[:, None] * k_head_stride + j[None, :]
+        km = is_k[:, None] & (j < 2 * HALF)[None, :]
+        y1, y2 = tl.split(tl.reshape(tl.load(k_base, mask=km, other=0.0).to(tl.float32), [BLOCK_H, BLOCK_HALF, 2]))
+        out = tl.reshape(tl.join(y1 * cos - y2 * sin, y2 * cos + y1 * sin), [BLOCK_H, 2 * BLOCK_HALF])
+        tl.store(k_base, out.to(k_ptr.dtype.element_ty), mask=km)
+
+
 def rotary_embedding_triton(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None,
                             head_size: int, cos_sin_cache: torch.Tensor, is_neox_style: bool = True,
                             *, num_warps: int = 4):
@@ -127,7 +157,8 @@ def rotary_embedding_triton(positions: torch.Tensor, query: torch.Tensor, key: t
     num_k_heads = k.shape[1] if key is not None else 0
     half = rotary_dim // 2
     if num_tokens:
-        launch(_rotary_kernel, (num_tokens,), query.device)(
+        kernel = _rotary_kernel if is_neox_style else _rotary_gptj_kernel
+        launch(kernel, (num_tokens,), query.device)(
             positions, q, k, cos_sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             cos_sin_cache.stride(0), q.shape[1], num_k_heads,
             HALF=half, BLOCK_HALF=next_power_of_2(half), BLOCK_H=next_power_of_2(q.shape[1] + num_k_heads),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -21,7 +22,8 @@ class EngineConfig:
     """"native" (runtime/models), "transformers" (HF modeling code), "auto" (native when available)."""
     fusion: bool = True
     """With model_impl transformers: rewrite the model with fxrewrite.optimize (False = unfused)."""
-    hf_overrides: dict[str, Any] | None = None
+    hf_overrides: dict[str, Any] | str | Callable[[Any], Any] | None = None
+    """Config overrides: a dict, its JSON text, or a callable(config) -> config (see runtime/hf_config.py)."""
     max_model_len: int | None = None
     dtype: str = "auto"
     seed: int = 0
@@ -66,8 +68,13 @@ class EngineConfig:
             raise ValueError(
                 f"tensor_parallel_size={self.tensor_parallel_size!r}: only 1 is supported for now"
             )
-        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
-            raise ValueError(f"hf_overrides={self.hf_overrides!r} must be a dict")
+        if self.hf_overrides is not None and not (
+            isinstance(self.hf_overrides, (dict, str)) or callable(self.hf_overrides)
+        ):  # the JSON text and the dict itself are checked when the config loads
+            raise TypeError(
+                "hf_overrides must be a dict, a JSON object string or a callable(config) -> config, "
+                f"got {type(self.hf_overrides).__name__}: {self.hf_overrides!r}"
+            )
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_num_seqs)
 

@@ -16,6 +16,7 @@ exit (`shutdown`, garbage collection or interpreter exit) sends them ``None`` an
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import logging
@@ -121,7 +122,7 @@ def _poll(work, procs: _Processes, timeout: float, what: str) -> None:
             raise _failure(procs, what)
         if time.monotonic() - start > timeout:
             raise WorkerError(f"tensor-parallel workers did not answer within {timeout:.0f} s ({what})")
-        delay = min(delay * 2, 0.01)
+        delay = min(delay * 2, 1e-3)  # at most 1 ms late: a GPU decode step takes a few ms
     try:
         work.wait()
     except RuntimeError as e:  # gloo reports a dead peer as a closed connection
@@ -133,13 +134,16 @@ def _failure(procs: _Processes, what: str, cause: BaseException | None = None) -
     from torch.multiprocessing.spawn import ProcessException
 
     detail = str(cause) if cause is not None else "a worker process exited"
+    if procs.context is None:
+        return WorkerError(f"tensor-parallel worker failed during {what}: {detail}")
+    pids = [p.pid for p in procs.context.processes]
     try:
         procs.context.join(timeout=5.0, grace_period=1.0)
     except ProcessException as e:
         detail = str(e).strip()
     except Exception as e:  # noqa: BLE001
         detail = f"{detail}; {e}"
-    return WorkerError(f"tensor-parallel worker failed during {what}: {detail}")
+    return WorkerError(f"tensor-parallel worker failed during {what} (process i is TP rank i; pids {pids}): {detail}")
 
 
 class MultiprocExecutor:
@@ -177,6 +181,9 @@ class MultiprocExecutor:
         store = dist.TCPStore(host, port, self.tp_size + 1, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
         self._procs.store = store
+        # The workers get the resolved model_config; a callable hf_overrides would not pickle.
+        config = copy.copy(config)
+        config.hf_overrides = None
         self._procs.context = mp.start_processes(
             worker_main, args=(config, model_config, eos_token_ids, host, store.port, self.tp_size, os.getpid()),
             nprocs=self.tp_size, join=False, start_method="spawn",
@@ -209,7 +216,7 @@ class MultiprocExecutor:
         wait = lambda what: lambda w: _poll(w, self._procs, STEP_TIMEOUT_S, what)  # noqa: E731
         with self._procs.lock:
             try:
-                broadcast_object(msg, 0, wait=wait("sending a step"))
+                broadcast_object(msg, 0, wait=wait("the step broadcast"))
                 out = broadcast_object(None, 1, distributed.get_state().driver_group, wait=wait("a model step"))
             except BaseException as e:
                 self._dead = f"{type(e).__name__}: {e}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from typing import Any
 
 from fxrewrite.runtime.block_manager import BlockManager
@@ -13,6 +14,8 @@ from fxrewrite.runtime.sampler import SampleResult
 from fxrewrite.runtime.sampling_params import SamplingParams
 from fxrewrite.runtime.scheduler import Scheduler
 from fxrewrite.runtime.sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 
 class Request:
@@ -49,6 +52,7 @@ class LLMEngine:
             self.model_runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        _warn_if_cache_is_short(self.block_manager, self.model_config.max_model_len)
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
         self._arrivals = itertools.count()
@@ -66,7 +70,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
-        self._check_lengths(token_ids, params)
+        self._check_request(token_ids, params)
         request = Request(request_id, text, token_ids, params, next(self._arrivals))
         self.requests[request_id] = request
         for seq in request.seqs:
@@ -89,8 +93,10 @@ class LLMEngine:
             raise ValueError("prompt is empty: at least 1 token is needed")
         return text, token_ids
 
-    def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> None:
-        max_len = self.model_config.max_model_len
+    def _check_request(self, token_ids: list[int], params: SamplingParams) -> None:
+        max_len, vocab = self.model_config.max_model_len, self.model_config.vocab_size
+        if params.logprobs is not None and params.logprobs > vocab:  # topk over the vocabulary
+            raise ValueError(f"logprobs={params.logprobs} is more than the vocabulary size {vocab}")
         if len(token_ids) > max_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len={max_len}")
         # The last sampled token is never fed back, so it needs no KV slot.
@@ -105,6 +111,7 @@ class LLMEngine:
             )
 
     def abort_request(self, request_id: str) -> None:
+        """Drop a request and free its KV blocks now (finish_reason "abort"); unknown ids are ignored."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return
@@ -112,6 +119,7 @@ class LLMEngine:
             self._finish(seq, "abort")
 
     def has_unfinished_requests(self) -> bool:
+        """True while a request is queued, running, or finished but not yet returned by `step`."""
         return bool(self.requests)
 
     # stepping
@@ -185,6 +193,9 @@ class LLMEngine:
         )
 
     def get_stats(self) -> dict:
+        """num_running / num_waiting (sequences), kv_cache_usage (fraction 0..1 of blocks held),
+        num_free_blocks / num_blocks, prefix_cache_hits / prefix_cache_queries (prompt tokens),
+        num_preemptions (since start)."""
         bm = self.block_manager
         return {
             "num_running": len(self.scheduler.running),
@@ -196,6 +207,19 @@ class LLMEngine:
             "prefix_cache_queries": bm.prefix_cache_queries,
             "num_preemptions": self.scheduler.num_preemptions,
         }
+
+
+def _warn_if_cache_is_short(block_manager: BlockManager, max_model_len: int) -> None:
+    """Log when one sequence of max_model_len tokens cannot fit the whole KV cache (vLLM refuses to
+    start then): longer requests are refused by add_request, and a server's default max_tokens fills
+    the context."""
+    capacity = block_manager.num_blocks * block_manager.block_size
+    if capacity < max_model_len:
+        logger.warning(
+            "the KV cache holds %d tokens, less than max_model_len=%d: requests needing more are refused; "
+            "raise kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len",
+            capacity, max_model_len,
+        )
 
 
 def _visible_text(seq: Sequence) -> str:

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from numbers import Integral, Real
 
 _GREEDY_EPS = 1e-5
+_SEED_RANGE = (-(2**63), 2**63 - 1)  # what torch.Generator.manual_seed takes
+_NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_INTEGERS = ("n", "top_k", "min_tokens")
+_OPTIONAL_INTEGERS = ("max_tokens", "logprobs", "seed")  # None allowed
 
 
 @dataclass
@@ -12,7 +17,8 @@ class SamplingParams:
     """How one request is sampled and when it stops.
 
     Every field keeps vLLM's name and meaning. A temperature below 1e-5 means greedy (argmax).
-    Raises ValueError from the constructor for out-of-range values, naming the value and the range.
+    Raises TypeError from the constructor for a value of the wrong type and ValueError for an
+    out-of-range one, each naming the field, the value and what was expected.
     """
 
     n: int = 1
@@ -54,7 +60,21 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        self._check_types()
         self._check()
+
+    def _check_types(self) -> None:
+        for name in _NUMBERS + _INTEGERS + _OPTIONAL_INTEGERS:
+            value = getattr(self, name)
+            kind = Real if name in _NUMBERS else Integral
+            if isinstance(value, kind) and not isinstance(value, bool):
+                continue
+            if value is None and name in _OPTIONAL_INTEGERS:
+                continue
+            expected = "a number" if kind is Real else "an integer"
+            raise TypeError(f"SamplingParams: {name}={value!r} must be {expected}")
+        if not all(isinstance(t, Integral) and not isinstance(t, bool) for t in self.stop_token_ids):
+            raise TypeError(f"SamplingParams: stop_token_ids={self.stop_token_ids!r} must be a list of integers")
 
     def _check(self) -> None:
         checks = [
@@ -69,6 +89,10 @@ class SamplingParams:
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens, "at least 1"),
             (self.min_tokens >= 0, "min_tokens", self.min_tokens, "at least 0"),
             (self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs, "at least 0"),
+            (self.seed is None or _SEED_RANGE[0] <= self.seed <= _SEED_RANGE[1], "seed", self.seed,
+             f"in [{_SEED_RANGE[0]}, {_SEED_RANGE[1]}]"),
+            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
+             "token ids of at least 0"),
         ]
         for ok, name, value, expected in checks:
             if not ok:

@@ -26,6 +26,13 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Triton reads TRITON_INTERPRET once, at its first import (transformers imports it too), so the
+# kernel-vs-reference tests can run Triton kernels on CPU tensors only if it is set here, first.
+import torch  # noqa: E402  (importing torch does not import triton)
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_collection_modifyitems(config, items):
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fxrewrite.commands.engine_args import add_engine_arguments, engine_kwargs
-from fxrewrite.commands.sampling_args import add_sampling_arguments, sampling_params
+from fxrewrite.commands.engine_args import add_engine_arguments
+from fxrewrite.commands.sampling_args import add_sampling_arguments, load_llm
 
 QUIT_WORDS = ("exit", "quit", "/exit", "/quit")
 
@@ -20,13 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fxrewrite.runtime.llm import LLM
-    from fxrewrite.runtime.server.generation_defaults import load_generation_defaults
-
-    llm = LLM(**engine_kwargs(args))
-    model_config = llm.llm_engine.model_config
-    params = sampling_params(args, load_generation_defaults(model_config.model_path, args.generation_config))
+    llm, params = load_llm(args)
     messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+    model_config = llm.llm_engine.model_config
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"chatting with {model_config.model}; type 'exit' or press Ctrl-D to quit", file=sys.stderr)

@@ -139,7 +139,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help="context length in tokens (prompt + output); accepts 32k / 32K (default: from config)")
     g.add_argument("--dtype", default="auto",
                    choices=("auto", "half", "float16", "bfloat16", "float", "float32"),
-                   help="weight and activation dtype (auto: the config's torch_dtype; float32 on CPU)")
+                   help="weight and activation dtype (auto: the config's dtype, float32 when it names none)")
     g.add_argument("--seed", type=int, default=0, help="random seed of the engine")
     g.add_argument("--max-num-seqs", type=_positive_int, default=256,
                    help="most sequences in one engine step")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from fxrewrite.commands.engine_args import add_engine_arguments, engine_kwargs
-from fxrewrite.commands.sampling_args import add_sampling_arguments, sampling_params
+from fxrewrite.commands.engine_args import add_engine_arguments
+from fxrewrite.commands.sampling_args import add_sampling_arguments, load_llm
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,12 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fxrewrite.runtime.llm import LLM
-    from fxrewrite.runtime.server.generation_defaults import load_generation_defaults
-
-    llm = LLM(**engine_kwargs(args))
-    model_config = llm.llm_engine.model_config
-    params = sampling_params(args, load_generation_defaults(model_config.model_path, args.generation_config))
+    llm, params = load_llm(args)
     if args.chat_template:
         conversations = [[{"role": "user", "content": p}] for p in args.prompt]
         outputs = llm.chat(conversations, params, use_tqdm=False)

@@ -1,9 +1,12 @@
-"""Sampling flags of the terminal commands (`generate`, `chat`), named as the OpenAI request fields."""
+"""Sampling flags of the terminal commands (`generate`, `chat`), named as the OpenAI request fields;
+`load_llm(args)` builds both commands' LLM and SamplingParams from the parsed flags."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
+
+from fxrewrite.commands.engine_args import engine_kwargs
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,3 +32,14 @@ def sampling_params(args: argparse.Namespace, defaults: dict[str, Any]):
         if given is not None:
             values[name] = given
     return SamplingParams(**values)
+
+
+def load_llm(args: argparse.Namespace):
+    """(LLM of the engine flags, SamplingParams of the sampling flags over the model's
+    generation_config.json defaults): what `generate` and `chat` start with."""
+    from fxrewrite.runtime.llm import LLM
+    from fxrewrite.runtime.server.generation_defaults import load_generation_defaults
+
+    llm = LLM(**engine_kwargs(args))
+    defaults = load_generation_defaults(llm.llm_engine.model_config.model_path, args.generation_config)
+    return llm, sampling_params(args, defaults)

@@ -28,10 +28,16 @@ def layer_sliding_window(cfg, layer_idx: int) -> int | None:
     return window
 
 
+def model_rope(model_config) -> nn.Module:
+    """The model's RotaryEmbedding (cos/sin cache float32 [positions, rotary_dim]), built on the CPU."""
+    cfg = model_config.hf_text_config
+    return get_rope(model_config.head_dim, cfg.max_position_embeddings, model_config.rope_parameters, device="cpu")
+
+
 class LlamaAttention(nn.Module):
     qkv_bias_default = False
 
-    def __init__(self, model_config, layer_idx: int, device):
+    def __init__(self, model_config, layer_idx: int, device, rotary_emb: nn.Module | None = None):
         super().__init__()
         cfg = model_config.hf_text_config
         tp = {"tp_size": get_tp_size(), "tp_rank": get_tp_rank()}
@@ -48,9 +54,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias=o_bias, device=device, **tp
         )
-        self.rotary_emb = get_rope(
-            self.head_dim, cfg.max_position_embeddings, model_config.rope_parameters, device="cpu"
-        )
+        self.rotary_emb = rotary_emb if rotary_emb is not None else model_rope(model_config)
         self.attn = Attention(
             self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_idx,
             sliding_window=layer_sliding_window(cfg, layer_idx),
@@ -91,10 +95,10 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     attention_cls = LlamaAttention
 
-    def __init__(self, model_config, layer_idx: int, device):
+    def __init__(self, model_config, layer_idx: int, device, rotary_emb: nn.Module | None = None):
         super().__init__()
         cfg = model_config.hf_text_config
-        self.self_attn = self.attention_cls(model_config, layer_idx, device)
+        self.self_attn = self.attention_cls(model_config, layer_idx, device, rotary_emb)
         self.mlp = LlamaMLP(cfg, device)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -116,8 +120,9 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(
             cfg.vocab_size, cfg.hidden_size, tp_size=get_tp_size(), tp_rank=get_tp_rank(), device=device
         )
+        rotary_emb = model_rope(model_config)  # one cos/sin cache shared by every layer, as in vLLM
         self.layers = nn.ModuleList(
-            layer_cls(model_config, i, device) for i in range(cfg.num_hidden_layers)
+            layer_cls(model_config, i, device, rotary_emb) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

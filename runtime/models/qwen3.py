@@ -9,8 +9,8 @@ from fxrewrite.runtime.models.llama import LlamaAttention, LlamaDecoderLayer, Ll
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, model_config, layer_idx: int, device):
-        super().__init__(model_config, layer_idx, device)
+    def __init__(self, model_config, layer_idx: int, device, rotary_emb=None):
+        super().__init__(model_config, layer_idx, device, rotary_emb)
         eps = model_config.hf_text_config.rms_norm_eps
         self.q_norm = RMSNorm(self.head_dim, eps)
         self.k_norm = RMSNorm(self.head_dim, eps)

@@ -9,8 +9,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import fxrewrite
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "e2e"))
-from tiny_models import tiny_model  # noqa: E402
+from tests.e2e.tiny_models import tiny_model  # noqa: E402
 
 CALLS = []
 

@@ -8,8 +8,7 @@ import pytest
 from fxrewrite import tracer
 from fxrewrite.patterns import PATTERNS, Context, Refusal
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "e2e"))
-from tiny_models import ARCHS, tiny_model  # noqa: E402
+from tests.e2e.tiny_models import ARCHS, tiny_model  # noqa: E402
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))

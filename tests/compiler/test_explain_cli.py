@@ -5,8 +5,7 @@ from pathlib import Path
 
 from fxrewrite.cli import main
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "e2e"))
-from tiny_models import tiny_model  # noqa: E402
+from tests.e2e.tiny_models import tiny_model  # noqa: E402
 
 
 def test_explain_prints_report_and_diff(tmp_path, capsys):

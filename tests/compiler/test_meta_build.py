@@ -12,8 +12,7 @@ from torch import nn
 import fxrewrite
 from fxrewrite.weights import load_hf_weights
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "e2e"))
-from tiny_models import tiny_config, tiny_model  # noqa: E402
+from tests.e2e.tiny_models import tiny_config, tiny_model  # noqa: E402
 
 
 def materialize(model: nn.Module) -> None:

@@ -78,8 +78,7 @@ def test_trace_is_cached_per_class():
 def test_attention_call_is_one_leaf():
     import sys
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).parents[1] / "e2e"))
-    from tiny_models import tiny_model
+    from tests.e2e.tiny_models import tiny_model
 
     model = tiny_model("llama")
     records, error = tracer.record_inputs(model)

@@ -8,8 +8,7 @@ import transformers as T
 
 import fxrewrite
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "e2e"))
-from tiny_models import tiny_model  # noqa: E402
+from tests.e2e.tiny_models import tiny_model  # noqa: E402
 
 
 def _same_logits(a, b):

@@ -71,3 +71,24 @@ def test_sliced_loading_reads_only_the_rank_slice(tmp_path):
         merged.weight.weight_loader(merged.weight, lazy)
     torch.testing.assert_close(row.weight.data, full[:, 4:])
     torch.testing.assert_close(merged.weight.data, full[[2, 5]])
+
+
+def test_unfused_model_follows_base_model_tp_plan():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from fxrewrite.layers.linear import ColumnParallelLinear
+
+    config = Qwen3Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = Qwen3ForCausalLM(config)  # not optimized: nothing fused, the config's plan decides
+    plan = shard_model(model, tp_rank=0, tp_size=2)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert {plan[f"model.layers.0.self_attn.{n}"] for n in ("q_proj", "k_proj", "v_proj")} == {"colwise"}
+    assert plan["model.layers.0.self_attn.o_proj"] == plan["model.layers.0.mlp.down_proj"] == "rowwise"
+    assert isinstance(attn.k_proj, ColumnParallelLinear) and attn.k_proj.weight.shape == (8, 32)
+    assert isinstance(mlp.down_proj, RowParallelLinear) and mlp.down_proj.weight.shape == (32, 32)
+    assert "model.layers.0.self_attn.q_norm" not in plan  # per-head norm: replicated
+
+    config.num_key_value_heads = 1  # one kv head cannot be split column-wise without the fusion
+    with pytest.raises(ValueError, match="1 heads over tp_size=2"):
+        shard_model(Qwen3ForCausalLM(config), tp_rank=0, tp_size=2)

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from tiny_models import ARCHS, tiny_model
+from tests.e2e.tiny_models import ARCHS, tiny_model
 
 import fxrewrite
 from fxrewrite.weights import to_hf_names

@@ -2,23 +2,16 @@
 
 triton decides interpreter vs compiler when it is imported (its own ``tl.zeros``/``tl.sum`` are
 jit functions), so ``TRITON_INTERPRET=1`` must be in the environment before the first
-``import triton``. This conftest sets it when no GPU is present and triton is not imported yet
-(``pytest tests/kernels``); in a full-suite run other tests import transformers (and with it
-triton) first, so the kernel-vs-reference tests skip in-process and
-``test_interpreter_run.py`` reruns this folder in one subprocess with the variable set.
+``import triton``: the root ``tests/conftest.py`` sets it when no GPU is present, before anything
+imports triton.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 
 import pytest
 import torch
-
-if not torch.cuda.is_available() and "triton" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from fxrewrite.kernels.triton_utils import HAS_TRITON, interpreter_ready  # noqa: E402
 
@@ -30,7 +23,7 @@ def interpret():
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
     if not interpreter_ready():
-        pytest.skip("triton was imported without TRITON_INTERPRET=1; test_interpreter_run.py covers this")
+        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set (see tests/conftest.py)")
 
 
 @pytest.fixture

@@ -8,8 +8,7 @@ import torch
 import fxrewrite
 from fxrewrite.patterns.rotary import RotaryCosSin, apply_rotary_qk
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "e2e"))
-from tiny_models import tiny_model  # noqa: E402
+from tests.e2e.tiny_models import tiny_model  # noqa: E402
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "rope_theta": 10000.0}
 

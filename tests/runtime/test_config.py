@@ -178,6 +178,23 @@ def test_config_json_missing_rope_key_is_value_error(tmp_path):
     ({"rope_type": "linear", "factor": 0.5}, "factor.*>= 1"),
     ({"rope_type": "longrope", "short_factor": [1.0] * 3, "long_factor": [1.0] * 16,
       "original_max_position_embeddings": 4096}, "short_factor.*16.*got 3"),
+    # issue 2, item 5: each remaining required key and bad value, by message
+    ({"rope_type": "yarn", "factor": 4.0}, "rope_type='yarn' need 'original_max_position_embeddings'"),
+    ({"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 4096}, "rope_type='llama3' need 'factor'"),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+      "original_max_position_embeddings": 4096}, "rope_type='llama3' need 'high_freq_factor'"),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+     "rope_type='llama3' need 'original_max_position_embeddings'"),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 4096}, "high_freq_factor > low_freq_factor"),
+    ({"rope_type": "longrope", "short_factor": [1.0] * 16, "long_factor": [1.0] * 15,
+      "original_max_position_embeddings": 4096}, "long_factor.*16.*got 15"),
+    ({"rope_type": "longrope", "long_factor": [1.0] * 16, "original_max_position_embeddings": 4096},
+     "rope_type='longrope' need 'short_factor'"),
+    ({"rope_type": "dynamic"}, "rope_type='dynamic' need 'factor'"),
+    ({"rope_type": "yarn", "factor": 0.5, "original_max_position_embeddings": 4096}, "'factor'.*'yarn'.*>= 1.*0.5"),
+    ({"rope_type": "default", "partial_rotary_factor": 1.5}, r"partial_rotary_factor.*\(0, 1\].*1.5"),
 ])
 def test_rope_validation_errors_through_overrides(qwen3_dir, rope, match):
     with pytest.raises(ValueError, match=match):

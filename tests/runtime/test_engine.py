@@ -185,3 +185,32 @@ def test_streamed_text_only_grows_with_stop_strings(qwen3_llm):
     assert all(texts[-1].startswith(t) for t in texts)
     assert texts[-1] == full[: full.index(stop)]
     assert_no_leak(qwen3_llm)
+
+
+def test_too_many_logprobs_fails_alone(qwen3_llm):
+    """A request asking for more logprobs than the vocabulary has is refused at add_request; it used
+    to pass and then fail the whole step, taking the other requests of the batch down with it."""
+    engine = qwen3_llm.llm_engine
+    vocab = engine.model_config.vocab_size
+    engine.add_request("good", PROMPTS[0], GREEDY)
+    with pytest.raises(ValueError, match=rf"logprobs={vocab + 1}.*{vocab}"):
+        engine.add_request("bad", PROMPTS[0], SamplingParams(temperature=0, max_tokens=2, logprobs=vocab + 1))
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in finished] == ["good"] and len(finished[0].outputs[0].token_ids) == MAX_TOKENS
+    assert_no_leak(qwen3_llm)
+
+
+def test_kv_cache_shorter_than_max_model_len_is_reported(tiny_qwen3_dir, caplog):
+    """vLLM refuses to start then; we start (tests use tiny caches on purpose) but say which request
+    lengths will be refused, instead of leaving a server to answer 400 to every long default request."""
+    from fxrewrite.runtime.config import ModelConfig
+
+    block_bytes = bytes_per_block(ModelConfig.from_pretrained(str(tiny_qwen3_dir), dtype="float32"), 4, torch.float32)
+    with caplog.at_level("WARNING", logger="fxrewrite.runtime.llm_engine"):
+        llm = LLM(str(tiny_qwen3_dir), model_impl="native", dtype="float32", block_size=4,
+                  kv_cache_memory_bytes=8 * block_bytes, max_model_len=100)
+    assert "KV cache holds 32 tokens, less than max_model_len=100" in caplog.text
+    with pytest.raises(ValueError, match="more than the whole KV cache holds"):
+        llm.generate([[1] * 20], SamplingParams(max_tokens=20), use_tqdm=False)

@@ -47,3 +47,16 @@ def test_arch_greedy_equals_transformers(tiny_model_dir, arch):
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
                             use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == expected, (impl, fusion)
+
+
+def test_native_layers_share_one_rotary_cache(tiny_qwen3_dir):
+    """One cos/sin cache per model, not one per layer: with Qwen3's yarn override (131072 positions x
+    128 dims in float32 = 64 MiB) a per-layer copy costs 28 x 64 MiB. vLLM's get_rope shares it too."""
+    from fxrewrite.runtime.config import ModelConfig
+    from fxrewrite.runtime.models.qwen3 import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM(ModelConfig.from_pretrained(tiny_qwen3_dir), device="meta")
+    ropes = {id(layer.self_attn.rotary_emb) for layer in model.model.layers}
+    assert len(model.model.layers) > 1 and len(ropes) == 1
+    assert [n for n, _ in model.named_buffers() if n.endswith("cos_sin_cache")] == [
+        "model.layers.0.self_attn.rotary_emb.cos_sin_cache"]  # once

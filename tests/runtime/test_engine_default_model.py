@@ -43,3 +43,16 @@ def test_default_model_greedy_equals_transformers(default_model_dir, hf_referenc
     assert out.prompt_token_ids == prompt_ids
     assert out.outputs[0].token_ids == expected
     assert "Paris" in out.outputs[0].text
+
+
+def test_make_run_prints_the_answer_and_tokens_per_second(default_model_dir, capsys):
+    """`make run` = `python -m fxrewrite.runtime.demo run` with its defaults (issue 4's last must-show)."""
+    import re
+
+    from fxrewrite.runtime.demo import main
+
+    assert main(["run", "--max-tokens", "16"]) == 0
+    out = capsys.readouterr().out
+    answer = next(line for line in out.splitlines() if line.startswith("assistant:"))
+    assert "Paris" in answer
+    assert re.search(r"^\d+ tokens in [\d.]+ s: [\d.]+ tokens/s$", out, re.MULTILINE), out

@@ -66,3 +66,22 @@ def test_penalties_and_min_tokens():
 def test_bad_sampling_params_name_value_and_range(kwargs, name):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [({"top_p": "0.5"}, r"top_p='0.5' must be a number"), ({"temperature": None}, "temperature=None must be a number"),
+     ({"max_tokens": 2.5}, "max_tokens=2.5 must be an integer"), ({"n": True}, "n=True must be an integer"),
+     ({"logprobs": 1.0}, "logprobs=1.0 must be an integer"), ({"seed": "7"}, "seed='7' must be an integer"),
+     ({"stop_token_ids": [1, "2"]}, r"stop_token_ids=\[1, '2'\] must be a list of integers")],
+)
+def test_wrong_types_name_the_field(kwargs, message):
+    """A value of the wrong type is a TypeError naming the field, not a bare comparison error."""
+    with pytest.raises(TypeError, match=message):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, name", [({"seed": 2**64}, "seed"), ({"stop_token_ids": [-1]}, "stop_token_ids")])
+def test_out_of_range_ids_and_seed_are_value_errors(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kwargs)

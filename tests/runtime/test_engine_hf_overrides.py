@@ -1,0 +1,68 @@
+"""`LLM(hf_overrides=...)` end to end: the overridden config reaches the model and generates exactly
+like transformers built from the same overridden config (issue 4's user story, DESIGN.md's data path)."""
+
+import json
+
+import pytest
+import torch
+
+from fxrewrite.runtime.llm import LLM
+from fxrewrite.runtime.sampling_params import SamplingParams
+
+PROMPTS = ["Hello, my name is", "The capital of France is a city where many people live and"]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+# A flat key (applied at load), a nested rope dict (replaces the old one whole) and max_model_len.
+YARN = {
+    "max_position_embeddings": 256,
+    "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+                        "rope_theta": 1e6},
+    "max_model_len": 1024,
+}
+
+
+def hf_greedy(path, overrides):
+    """transformers' greedy tokens, its model built from ModelConfig's overridden hf_config."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fxrewrite.runtime.config import ModelConfig
+
+    config = ModelConfig.from_pretrained(path, hf_overrides=overrides).hf_config
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32)
+    assert model.model.rotary_emb.rope_type == "yarn"
+    tok = AutoTokenizer.from_pretrained(path)
+    outs = []
+    for prompt in PROMPTS:
+        ids = tok(prompt, return_tensors="pt").input_ids
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                             eos_token_id=None)
+        outs.append(gen[0, ids.shape[1]:].tolist())
+    return outs
+
+
+@pytest.mark.parametrize("impl, fusion", [("native", True), ("transformers", True)])
+def test_yarn_overrides_generate_like_transformers(tiny_qwen3_dir, impl, fusion):
+    llm = LLM(str(tiny_qwen3_dir), model_impl=impl, fusion=fusion, dtype="float32", block_size=4,
+              hf_overrides=YARN)
+    model_config = llm.llm_engine.model_config
+    assert model_config.max_model_len == 1024 and model_config.rope_parameters["rope_type"] == "yarn"
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_qwen3_dir, YARN)
+    bm = llm.llm_engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_callable_and_json_overrides_are_accepted(tiny_qwen3_dir):
+    """hf_overrides may be a dict, its JSON text, or a callable(config) -> config (issue 2, item 3)."""
+
+    def shrink(config):
+        config.max_position_embeddings = 300
+        return config
+
+    llm = LLM(str(tiny_qwen3_dir), model_impl="native", dtype="float32", hf_overrides=shrink)
+    assert llm.llm_engine.model_config.max_model_len == 300
+    llm = LLM(str(tiny_qwen3_dir), model_impl="native", dtype="float32", hf_overrides=json.dumps(YARN))
+    assert llm.llm_engine.model_config.max_model_len == 1024
+    with pytest.raises(TypeError, match="hf_overrides.*int"):
+        LLM(str(tiny_qwen3_dir), hf_overrides=42)
+    with pytest.raises(ValueError, match="hf_overrides must be a JSON object"):
+        LLM(str(tiny_qwen3_dir), hf_overrides="{oops")

@@ -1,0 +1,52 @@
+"""`fxrewrite serve` as its own process on 127.0.0.1 (issue 5: "a real server process"): the command's
+`run()` and uvicorn's own loop, which the in-process `server` fixture does not go through."""
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+STARTUP_TIMEOUT_S = 120
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_command_answers_the_openai_client_then_stops_on_sigterm(tiny_qwen3_dir):
+    from openai import OpenAI
+
+    port = _free_port()
+    argv = [sys.executable, "-m", "fxrewrite", "serve", str(tiny_qwen3_dir), "--port", str(port),
+            "--model-impl", "native", "--max-model-len", "256", "--kv-cache-memory-bytes", "2M",
+            "--served-model-name", "tiny", "--uvicorn-log-level", "warning"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "server did not come up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        out = client.completions.create(model="tiny", prompt="The capital of France is", max_tokens=4,
+                                        temperature=0, extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 4 and out.choices[0].finish_reason == "length"
+    finally:
+        proc.terminate()
+        output, _ = proc.communicate(timeout=30)
+    # uvicorn shuts down gracefully, then re-raises the signal it caught (so -SIGTERM, or 0).
+    assert proc.returncode in (0, -signal.SIGTERM), output
+    assert "Traceback" not in output, output
+    assert f"on http://127.0.0.1:{port}/v1" in output
