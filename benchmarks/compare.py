@@ -142,7 +142,8 @@ def format_table(result: dict) -> str:
              f"{'arm':<8} {HEADLINES[kind][1]:>36}  notes"]
     for arm, r in result["arms"].items():
         value = headline(r, kind)
-        note = r.get("error", "")[:60] or ("truncated" if r.get("truncated") else "")
+        errors = r.get("error") or "; ".join(r.get("errors") or [])
+        note = ("failed: " + errors[:60]) if errors else ("truncated" if r.get("truncated") else "")
         shown = f"{value:,.1f}" if value is not None else "-"
         lines.append(f"{arm:<8} {shown:>36}  {note}")
     for name, value in result.get("ratios", {}).items():

@@ -9,7 +9,7 @@
 # PNG, logs) go to $OUT when set (the device tool's output folder), else benchmarks/results.
 # Knobs (environment): NUM_PROMPTS (256), HF_NUM_PROMPTS (48), ARM_TIME_LIMIT (40 s), ARMS (before,after,native,hf),
 # OPT_LEVEL (-O for the engine arms: 0 = CUDA graphs only, 3 = also torch.compile; default 0),
-# SKIP_TESTS=1, SKIP_THROUGHPUT=1, SKIP_LATENCY=1, RUN_LONG=1 (the 32k/64k/128k YaRN run on Qwen3-0.6B).
+# TEST_PATHS (tests/gpu tests/kernels), SKIP_TESTS=1, SKIP_THROUGHPUT=1, SKIP_LATENCY=1, RUN_LONG=1 (the 32k/64k/128k YaRN run on Qwen3-0.6B).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${OUT:-benchmarks/results}
@@ -32,8 +32,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --f
 
 if [ -z "${SKIP_TESTS:-}" ]; then
 stamp "GPU tests"
-timeout -k 5 ${TEST_TIMEOUT:-130} $PY -m pytest -q -m gpu tests/gpu tests/kernels -p no:cacheprovider -rfE 2>&1 \
-  | tee "$OUT_DIR/gpu-tests.log" | grep -v "^$" | tail -40
+timeout -k 5 ${TEST_TIMEOUT:-130} $PY -m pytest -v -m gpu ${TEST_PATHS:-tests/gpu tests/kernels} -p no:cacheprovider \
+  -rfE --durations=8 2>&1 | tee "$OUT_DIR/gpu-tests.log" | grep -E "PASS|FAIL|ERROR|SKIP|passed|failed|s call|Error" | tail -60
 echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT_DIR/gpu-tests.log"
 fi
 

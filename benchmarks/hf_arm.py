@@ -41,15 +41,16 @@ def run_hf_throughput(model_dir: Path, prompts: list[list[int]], output_lens: li
     max_new = round(sum(output_lens) / len(output_lens))
     gen = GenerationConfig(max_new_tokens=max_new, do_sample=False)
     warm = GenerationConfig(max_new_tokens=8, do_sample=False)
-    with torch.inference_mode():
-        model.generate_batch(**_supported(model.generate_batch, inputs=prompts[:2], generation_config=warm,
-                                          progress_bar=False))
-        _sync(device)
-        start = time.perf_counter()
-        results = model.generate_batch(**_supported(model.generate_batch, inputs=prompts, generation_config=gen,
-                                                    progress_bar=False))
-        _sync(device)
-        elapsed = time.perf_counter() - start
+    # No inference_mode here: generate_batch runs its loop in a thread of its own, which would then
+    # update tensors made in inference mode outside it (a RuntimeError in transformers 5.17).
+    model.generate_batch(**_supported(model.generate_batch, inputs=prompts[:2], generation_config=warm,
+                                      progress_bar=False))
+    _sync(device)
+    start = time.perf_counter()
+    results = model.generate_batch(**_supported(model.generate_batch, inputs=prompts, generation_config=gen,
+                                                progress_bar=False))
+    _sync(device)
+    elapsed = time.perf_counter() - start
     outputs = list(results.values())
     output_tokens = sum(len(r.generated_tokens) for r in outputs)
     errors = [r.error for r in outputs if getattr(r, "error", None)]

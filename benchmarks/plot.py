@@ -12,8 +12,16 @@ HEADLINES = {
 }
 
 
+def arm_failed(arm_result: dict) -> bool:
+    """An arm that raised, or whose requests all failed (transformers' generate_batch reports errors
+    per request and returns empty outputs)."""
+    return "error" in arm_result or (bool(arm_result.get("errors")) and not arm_result.get("output_tokens"))
+
+
 def headline(arm_result: dict, kind: str) -> float | None:
     """The arm's headline number (None when the arm failed or lacks it)."""
+    if arm_failed(arm_result):
+        return None
     value = arm_result
     for part in HEADLINES[kind][0].split("."):
         if not isinstance(value, dict) or part not in value:

@@ -43,9 +43,10 @@ def _paged_attend_fake(query, key, value, layer_idx, scale, sliding_window=None,
 
 
 def should_compile(config, device: torch.device) -> bool:
-    """Compile on CUDA unless enforce_eager (which turns off torch.compile and CUDA graphs both) or
-    `compilation_config` is 0. ValueError when compilation_config is not an int in 0..3 (vLLM's levels)."""
-    level = getattr(config, "compilation_config", 3)
+    """Compile on CUDA when `compilation_config` is 1-3 (opt-in, default 0) and not enforce_eager (which
+    turns off torch.compile and CUDA graphs both). ValueError when compilation_config is not an int in
+    0..3 (vLLM's levels)."""
+    level = getattr(config, "compilation_config", 0)
     if not isinstance(level, int) or isinstance(level, bool) or not 0 <= level <= 3:
         raise ValueError(f"compilation_config={level!r}: expected an optimisation level 0, 1, 2 or 3")
     return device.type == "cuda" and not config.enforce_eager and level > 0

@@ -37,9 +37,10 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     """KV cache size in bytes on any device; overrides gpu_memory_utilization."""
     enforce_eager: bool = False
-    compilation_config: int = 3
+    compilation_config: int = 0
     """vLLM's optimisation level: 0 = no torch.compile (CUDA graphs stay on unless enforce_eager);
-    1-3 = torch.compile the model forward on CUDA (fxrewrite.runtime.compilation)."""
+    1-3 = torch.compile the model forward on CUDA (fxrewrite.runtime.compilation). Off by default:
+    compiling a 28-layer model took minutes on the H200 (see BENCHMARKS.md)."""
     tensor_parallel_size: int = 1
     load_format: str = "auto"
     """"auto"/"safetensors" load the checkpoint; "dummy" keeps random weights (benchmarks)."""
@@ -64,10 +65,8 @@ class EngineConfig:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size!r}: only 1 is supported for now"
-            )
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be a positive integer")
         if self.hf_overrides is not None and not (
             isinstance(self.hf_overrides, (dict, str)) or callable(self.hf_overrides)
         ):  # the JSON text and the dict itself are checked when the config loads

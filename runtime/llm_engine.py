@@ -41,13 +41,15 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig):
-        from fxrewrite.runtime.model_runner import ModelRunner, load_model_config, load_tokenizer
+        from fxrewrite.runtime.executor import create_model_runner
+        from fxrewrite.runtime.model_runner import load_model_config, load_tokenizer
 
         self.config = config
         self.model_config = load_model_config(config)
         self.tokenizer = load_tokenizer(self.model_config, config)
         self.eos_token_ids = _eos_token_ids(self.tokenizer, self.model_config)
-        self.model_runner = ModelRunner(config, self.model_config, self.eos_token_ids)
+        # tensor_parallel_size > 1: worker processes behind the same interface (runtime/executor.py)
+        self.model_runner = create_model_runner(config, self.model_config, self.eos_token_ids)
         self.block_manager = BlockManager(
             self.model_runner.num_blocks, config.block_size, config.enable_prefix_caching
         )

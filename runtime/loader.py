@@ -99,7 +99,11 @@ def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:
 
 def load_weights(model: nn.Module, model_path: str | Path, native: bool) -> None:
     """Load the folder's safetensors into the model (native or HF) and check nothing is missing."""
-    weights = iterate_safetensors(model_path)
+    from fxrewrite.distributed import get_tp_size
+    from fxrewrite.sharding import iterate_safetensors_sliced
+
+    # On a TP rank, read only this rank's slice of each sharded tensor.
+    weights = iterate_safetensors_sliced(model_path) if get_tp_size() > 1 else iterate_safetensors(model_path)
     if native:
         loaded = load_native_weights(model, weights)
     else:

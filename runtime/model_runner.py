@@ -70,6 +70,7 @@ def build_model(config: EngineConfig, model_config, device: torch.device) -> nn.
             model = cls(model_config, device="meta")
     else:
         model = TransformersForCausalLM.from_config(model_config.hf_config, model_config.dtype, config.fusion)
+        _shard_for_tensor_parallel(model)
     model = materialize(model, device)
     if config.load_format == "dummy":
         for param in model.parameters():
@@ -78,6 +79,14 @@ def build_model(config: EngineConfig, model_config, device: torch.device) -> nn.
         load_weights(model, model_config.model_path, native=impl == "native")
     model.impl = impl
     return model.eval()
+
+
+def _shard_for_tensor_parallel(model: nn.Module) -> None:
+    """On a TP rank: shard the (optimized) HF model as its fusion says (fxrewrite.sharding); no-op at TP 1."""
+    from fxrewrite.distributed import get_tp_rank, get_tp_size
+    from fxrewrite.sharding import shard_model
+
+    shard_model(model.hf_model, get_tp_rank(), get_tp_size())
 
 
 @contextmanager

@@ -43,8 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--kv-cache-memory-bytes", type=human_readable_int, default=None)
-    g.add_argument("--compilation-config", "-O", type=int, default=3, choices=(0, 1, 2, 3),
-                   help="0: no torch.compile (CUDA graphs stay on); 3: compile the model forward (default)")
+    g.add_argument("--compilation-config", "-O", type=int, default=0, choices=(0, 1, 2, 3),
+                   help="0: no torch.compile, CUDA graphs only (default); 3: also compile the model forward")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no torch.compile")
     g.add_argument("--device", default=None, help="torch device (default: cuda when available)")
     k = sub.add_parser("kernels", help="each Triton kernel vs its torch reference and the copy bandwidth")

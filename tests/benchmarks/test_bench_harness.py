@@ -82,3 +82,20 @@ def test_cli_rejects_unknown_arm(capsys):
 
     assert main(["bench", "compare", "--config", "tiny", "--arms", "bogus"]) == 2
     assert "bogus" in capsys.readouterr().err
+
+
+def test_failed_arms_have_no_headline_and_show_in_the_table():
+    from benchmarks.compare import format_table, ratios
+    from benchmarks.plot import arm_failed, headline
+
+    result = {
+        "config": "tiny", "date": "d", "environment": {"gpu": "g"}, "workload": {"kind": "throughput"},
+        "arms": {"native": {"output_tokens_per_s": 10.0, "output_tokens": 5},
+                 "hf": {"output_tokens_per_s": 0.0, "output_tokens": 0, "errors": ["boom"]},
+                 "after": {"error": "RuntimeError: x"}},
+    }
+    assert not arm_failed(result["arms"]["native"]) and arm_failed(result["arms"]["hf"])
+    assert headline(result["arms"]["hf"], "throughput") is None
+    assert ratios(result) == {}
+    table = format_table(result)
+    assert "failed: boom" in table and "failed: RuntimeError" in table
