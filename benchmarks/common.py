@@ -143,7 +143,8 @@ def run_requests(engine, prompts: list[list[int]], params: list, time_limit_s: f
         for out in engine.step():
             now = time.perf_counter() - start
             counts[out.request_id] = len(out.outputs[0].token_ids)
-            stats.first_token_s.setdefault(out.request_id, now)
+            if counts[out.request_id]:  # a prefill chunk that sampled nothing is not a first token
+                stats.first_token_s.setdefault(out.request_id, now)
             if out.finished:
                 stats.finish_s[out.request_id] = now
         if time_limit_s is not None and time.perf_counter() - start > time_limit_s:
