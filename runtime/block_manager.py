@@ -59,15 +59,23 @@ class BlockManager:
         """Block ids holding the longest computed prefix of seq (never all its tokens: one must be run)."""
         if not self.enable_prefix_caching:
             return []
-        hits, prev = [], None
-        for i in range((seq.num_tokens - 1) // self.block_size):
-            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            prev = compute_block_hash(prev, tokens)
-            block_id = self.hash_to_block_id.get(prev)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+        hits, bs = [], self.block_size
+        hashes = self._token_block_hashes(seq, (seq.num_tokens - 1) // bs)
+        for i, h in enumerate(hashes):
+            block_id = self.hash_to_block_id.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
                 break
             hits.append(block_id)
         return hits
+
+    def _token_block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """The chained hashes of seq's first num_blocks full blocks, each computed once per sequence (a
+        waiting sequence is looked up every step until admitted, and commit needs the same hashes)."""
+        cached, bs = seq.token_block_hashes, self.block_size
+        for i in range(len(cached), num_blocks):
+            prev = cached[-1] if cached else None
+            cached.append(compute_block_hash(prev, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
+        return cached[:num_blocks]
 
     # allocation
     def can_allocate(self, seq: Sequence, cached: list[int], num_new_tokens: int) -> bool:
@@ -122,14 +130,16 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if len(seq.block_hashes) >= num_full:  # the common decode step: no block filled up
+            return
+        hashes = self._token_block_hashes(seq, num_full)
         for i in range(len(seq.block_hashes), num_full):
-            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            prev = seq.block_hashes[-1] if seq.block_hashes else None
-            h = compute_block_hash(prev, tokens)
+            h = hashes[i]
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if h not in self.hash_to_block_id:
-                block.hash, block.token_ids = h, tokens
+                block.hash = h
+                block.token_ids = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
                 self.hash_to_block_id[h] = block.block_id
 
     def _take(self, block_id: int) -> None:

@@ -26,6 +26,10 @@ class IncrementalDetokenizer:
             "skip_special_tokens": params.skip_special_tokens,
             "spaces_between_special_tokens": params.spaces_between_special_tokens,
         }
+        backend = _plain_backend(tokenizer)
+        if backend is not None:  # same text, without transformers' per-call argument handling (~4x faster)
+            skip = params.skip_special_tokens
+            self._decode = lambda token_ids: backend.decode(token_ids, skip_special_tokens=skip)
 
     def _decode(self, token_ids: list[int]) -> str:
         try:
@@ -44,6 +48,25 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(tokens)
         self.seq.text += new_text
         return new_text
+
+
+def _plain_backend(tokenizer):
+    """The `tokenizers.Tokenizer` behind a transformers fast tokenizer whose decode is exactly the backend's
+    (decode/_decode not overridden, no clean_up_tokenization_spaces); None otherwise. Fast tokenizers
+    ignore spaces_between_special_tokens, so only skip_special_tokens matters."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    cls = type(tokenizer)
+    if (
+        not isinstance(tokenizer, TokenizersBackend)
+        or cls.decode is not TokenizersBackend.decode
+        or cls._decode is not TokenizersBackend._decode
+        or getattr(tokenizer, "clean_up_tokenization_spaces", True)
+    ):
+        return None
+    return getattr(tokenizer, "_tokenizer", None)
 
 
 def check_stop_strings(seq: Sequence, new_text_len: int) -> str | None:

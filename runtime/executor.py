@@ -48,6 +48,7 @@ def create_model_runner(config, model_config, eos_token_ids: set[int]):
     tp_size = config.tensor_parallel_size
     if tp_size == 1:
         return ModelRunner(config, model_config, eos_token_ids)
+    _check_tp_divisible(model_config, tp_size, config)
     state = distributed.get_state()
     if state is not None and state.tp_group is not None and state.tp_size == tp_size:
         runner = ModelRunner(config, rank_model_config(model_config, tp_size), eos_token_ids)
@@ -57,6 +58,18 @@ def create_model_runner(config, model_config, eos_token_ids: set[int]):
         runner.num_blocks = int(num_blocks)
         return runner
     return MultiprocExecutor(config, model_config, eos_token_ids)
+
+
+def _check_tp_divisible(model_config, tp_size: int, config) -> None:
+    """Refuse a tensor_parallel_size that does not divide the heads / MLP width, before any worker starts."""
+    text = model_config.hf_text_config
+    checks = [("num_attention_heads", model_config.num_attention_heads),
+              ("intermediate_size", getattr(text, "intermediate_size", None))]
+    if getattr(config, "fusion", True) is False:
+        checks.append(("num_key_value_heads", model_config.num_key_value_heads))
+    for name, value in checks:
+        if isinstance(value, int) and value % tp_size:
+            raise ValueError(f"tensor_parallel_size={tp_size} must divide the model's {name}={value}")
 
 
 @dataclasses.dataclass

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from fxrewrite.runtime.forward_context import AttentionMetadata
@@ -26,38 +28,62 @@ class StepInputs:
 
 
 def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.device) -> StepInputs:
-    """Concatenate this step's tokens of every scheduled sequence (decodes and prefill chunks alike)."""
-    input_ids, positions, slot_mapping, seq_lens, query_start_loc = [], [], [], [], [0]
-    logits_indices, sample_seqs = [], []
-    for s in scheduled:
-        seq, start, end = s.seq, s.start, s.start + s.num_new_tokens
-        input_ids.extend(seq.token_ids[start:end])
-        positions.extend(range(start, end))
-        table = seq.block_table
-        slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
-        seq_lens.append(end)
-        query_start_loc.append(query_start_loc[-1] + s.num_new_tokens)
-        if s.samples:
-            logits_indices.append(query_start_loc[-1] - 1)
-            sample_seqs.append(seq)
-    max_blocks = max(len(s.seq.block_table) for s in scheduled)
-    block_tables = [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in scheduled]
+    """Concatenate this step's tokens of every scheduled sequence (decodes and prefill chunks alike).
 
-    def tensor(values, dtype):
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    Per-token values (positions, slots) are computed with numpy over the whole batch, and the int64 and
+    int32 tensors each travel to the device in one copy (slices of one buffer): a decode step of 256
+    sequences costs one Python pass over the sequences, not one per token.
+    """
+    num_seqs = len(scheduled)
+    tables = [s.seq.block_table for s in scheduled]
+    starts = np.fromiter((s.start for s in scheduled), dtype=np.int64, count=num_seqs)
+    num_new = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_seqs)
+    table_lens = np.fromiter(map(len, tables), dtype=np.int64, count=num_seqs)
+    samples = np.fromiter((s.samples for s in scheduled), dtype=bool, count=num_seqs)
+    ends = starts + num_new
+    cu_new = np.cumsum(num_new)
+    num_tokens = int(cu_new[-1])
+    max_blocks = int(table_lens.max())
 
+    # int64 buffer: input_ids [T] | positions [T] | slot_mapping [T] | logits_indices [S]
+    sample_idx = np.flatnonzero(samples)
+    buf64 = np.empty(3 * num_tokens + len(sample_idx), dtype=np.int64)
+    input_ids, positions = buf64[:num_tokens], buf64[num_tokens : 2 * num_tokens]
+    slot_mapping, logits_indices = buf64[2 * num_tokens : 3 * num_tokens], buf64[3 * num_tokens :]
+    ids = itertools.chain.from_iterable(s.seq.token_ids[s.start : s.start + s.num_new_tokens] for s in scheduled)
+    input_ids[:] = np.fromiter(ids, dtype=np.int64, count=num_tokens)
+    seq_of_token = np.repeat(np.arange(num_seqs), num_new)
+    positions[:] = np.arange(num_tokens) + np.repeat(starts - (cu_new - num_new), num_new)
+    logits_indices[:] = cu_new[sample_idx] - 1
+
+    # int32 buffer: block_tables [B, max_blocks] (padded with 0) | seq_lens [B] | query_start_loc [B+1]
+    buf32 = np.zeros(num_seqs * max_blocks + 2 * num_seqs + 1, dtype=np.int32)
+    block_tables = buf32[: num_seqs * max_blocks].reshape(num_seqs, max_blocks)
+    flat_tables = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(table_lens.sum()))
+    block_tables[np.arange(max_blocks)[None, :] < table_lens[:, None]] = flat_tables
+    seq_lens = buf32[num_seqs * max_blocks : num_seqs * max_blocks + num_seqs]
+    seq_lens[:] = ends
+    query_start_loc = buf32[num_seqs * max_blocks + num_seqs :]
+    query_start_loc[1:] = cu_new
+    slot_mapping[:] = block_tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + (
+        positions % block_size
+    )
+
+    t64 = torch.from_numpy(buf64).to(device, non_blocking=True)
+    t32 = torch.from_numpy(buf32).to(device, non_blocking=True)
+    nb = num_seqs * max_blocks
     metadata = AttentionMetadata(
-        slot_mapping=tensor(slot_mapping, torch.int64),
-        block_tables=tensor(block_tables, torch.int32),
-        seq_lens=tensor(seq_lens, torch.int32),
-        query_start_loc=tensor(query_start_loc, torch.int32),
-        max_query_len=max(s.num_new_tokens for s in scheduled),
-        max_seq_len=max(seq_lens),
+        slot_mapping=t64[2 * num_tokens : 3 * num_tokens],
+        block_tables=t32[:nb].view(num_seqs, max_blocks),
+        seq_lens=t32[nb : nb + num_seqs],
+        query_start_loc=t32[nb + num_seqs :],
+        max_query_len=int(num_new.max()),
+        max_seq_len=int(ends.max()),
     )
     return StepInputs(
-        input_ids=tensor(input_ids, torch.int64),
-        positions=tensor(positions, torch.int64),
+        input_ids=t64[:num_tokens],
+        positions=t64[num_tokens : 2 * num_tokens],
         attn_metadata=metadata,
-        logits_indices=tensor(logits_indices, torch.int64),
-        sample_seqs=sample_seqs,
+        logits_indices=t64[3 * num_tokens :],
+        sample_seqs=[scheduled[i].seq for i in sample_idx.tolist()],
     )

@@ -37,9 +37,13 @@ class LLM:
 
         ValueError (naming the prompt's index and the limit) when a prompt is invalid; then nothing runs.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                and isinstance(prompts[0], int)):
             prompts = [prompts]
-        prompts = list(prompts)
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts={prompts!r} must be a string, a list of token ids, or a list of those")
+        # vLLM's TextPrompt / TokensPrompt dicts
+        prompts = [p.get("prompt_token_ids", p.get("prompt")) if isinstance(p, dict) else p for p in prompts]
         params = _per_prompt(sampling_params, len(prompts))
         ids = [str(next(self._request_counter)) for _ in prompts]
         try:
@@ -83,7 +87,11 @@ class LLM:
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"tokenizer of {self.llm_engine.model_config.model!r} has no chat template")
         prompts = []
-        for conversation in conversations:
+        for n, conversation in enumerate(conversations):
+            for i, message in enumerate(conversation):
+                if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                    raise ValueError(f"conversation {n} message {i}: {message!r} must be a dict with a "
+                                     f"string 'role' (and 'content')")
             ids = tokenizer.apply_chat_template(
                 conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                 tokenize=True, **(chat_template_kwargs or {}),

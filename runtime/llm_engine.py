@@ -172,23 +172,24 @@ class LLMEngine:
         self._detokenizers.pop(seq.seq_id, None)
 
     def _make_output(self, request: Request) -> RequestOutput:
+        # Built for every request that progressed, every step (the streaming contract): one pass, no
+        # generator expressions or properties in the per-sequence loop.
         want_logprobs = request.sampling_params.logprobs is not None
-        outputs = [
-            CompletionOutput(
-                index=seq.index,
-                text=_visible_text(seq),
-                token_ids=seq.output_token_ids,
-                cumulative_logprob=seq.cumulative_logprob if want_logprobs else None,
-                logprobs=list(seq.output_logprobs) if want_logprobs else None,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-            )
-            for seq in request.seqs
-        ]
+        outputs, cached = [], 0
+        for seq in request.seqs:
+            outputs.append(CompletionOutput(
+                seq.index,
+                _visible_text(seq),
+                seq.token_ids[seq.num_prompt_tokens :],
+                seq.cumulative_logprob if want_logprobs else None,
+                list(seq.output_logprobs) if want_logprobs else None,
+                seq.finish_reason,
+                seq.stop_reason,
+            ))
+            cached = max(cached, seq.num_cached_tokens)
         finished = request.finished
         if finished:
             del self.requests[request.request_id]
-        cached = max(seq.num_cached_tokens for seq in request.seqs)
         return RequestOutput(
             request.request_id, request.prompt, request.prompt_token_ids, outputs, finished,
             metrics={"num_cached_tokens": cached},

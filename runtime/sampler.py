@@ -24,24 +24,44 @@ class Sampler:
     Order (vLLM's): penalties on the raw logits, min_tokens mask, then greedy argmax or
     temperature -> top-k -> top-p -> min-p -> sample. Sampling draws q ~ Exp(1) per vocab entry and takes
     argmax(p / q) (an exact categorical sample); seeded requests draw q from their own generator, so
-    their tokens do not depend on what else is in the batch.
+    their tokens do not depend on what else is in the batch. The noise is drawn on the logits' device
+    (one shared generator for unseeded requests, one per seeded sequence), so seeded runs repeat on the
+    same kind of device but differ between CPU and GPU.
     """
 
     def __init__(self, eos_token_ids: set[int], seed: int = 0):
         self.eos_token_ids = sorted(eos_token_ids)
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def generator_on(self, device: torch.device) -> torch.Generator:
+        """The shared generator of unseeded requests on `device` (seeded with `seed` at first use)."""
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = self._generators[device] = torch.Generator(device=device)
+            generator.manual_seed(self.seed)
+        return generator
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
         """logits [S, V] (any float dtype) for sequences `seqs` -> one SampleResult per sequence."""
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self._apply_penalties(logits.clone(), seqs)
-        greedy = torch.tensor([s.sampling_params.is_greedy for s in seqs], device=logits.device)
+        if any(self._changes_logits(s) for s in seqs):
+            logits = self._apply_penalties(logits.clone(), seqs)
+        # Decided from the params on the host: no device->host sync before the one in _results.
+        greedy_list = [s.sampling_params.is_greedy for s in seqs]
         tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
+        if not all(greedy_list):
             sampled = self._sample(logits, seqs)
+            greedy = torch.tensor(greedy_list).to(logits.device, non_blocking=True)
             tokens = torch.where(greedy, tokens, sampled)
         return self._results(tokens, raw_logprobs, seqs)
+
+    @staticmethod
+    def _changes_logits(seq: Sequence) -> bool:
+        """Whether _apply_penalties would touch this sequence's row (penalties or an active min_tokens)."""
+        p = seq.sampling_params
+        return p.has_penalties or seq.num_output_tokens < p.min_tokens
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         vocab = logits.shape[-1]
@@ -82,21 +102,25 @@ class Sampler:
         drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         probs = torch.softmax(sorted_logits, dim=-1)
-        q = self._exponential(probs.shape, seqs).to(dev)
+        q = self._exponential(probs.shape, seqs, dev)
         choice = (probs / q).argmax(dim=-1)
         return order.gather(1, choice[:, None]).squeeze(1)
 
-    def _exponential(self, shape: torch.Size, seqs: list[Sequence]) -> torch.Tensor:
-        q = torch.empty(shape).exponential_(generator=self.generator)
+    def _exponential(self, shape: torch.Size, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
+        """q ~ Exp(1) [S, V] on `device`: every row from the shared generator, then seeded rows redrawn
+        from their own generator (so the shared stream does not depend on which requests are seeded)."""
+        q = torch.empty(shape, device=device).exponential_(generator=self.generator_on(device))
         for i, seq in enumerate(seqs):
-            if seq.generator is not None:
-                q[i].exponential_(generator=seq.generator)
+            generator = seq.generator_on(device)
+            if generator is not None:
+                q[i].exponential_(generator=generator)
         return q
 
     def _results(self, tokens: torch.Tensor, raw_logprobs: torch.Tensor, seqs: list[Sequence]) -> list:
-        token_list = tokens.tolist()
         chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
-        chosen_list = chosen.tolist()
+        # One device->host copy for both (token ids < 2**24 are exact in float64, float32 values too).
+        token_floats, chosen_list = torch.stack([tokens.double(), chosen.double()]).tolist()
+        token_list = [int(t) for t in token_floats]
         results = []
         for i, seq in enumerate(seqs):
             num = seq.sampling_params.logprobs

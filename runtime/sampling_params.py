@@ -56,6 +56,9 @@ class SamplingParams:
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.stop is not None and not isinstance(self.stop, str) and not (
+                isinstance(self.stop, (list, tuple)) and all(isinstance(x, str) for x in self.stop)):
+            raise TypeError(f"SamplingParams: stop={self.stop!r} must be a string or a list of strings")
         self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:

@@ -48,12 +48,18 @@ class Sequence:
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []
+        self.token_block_hashes: list[int] = []
+        """Chained hashes of the full blocks of token_ids, filled lazily by the block manager; token_ids
+        only grow, so these stay valid across preemption (unlike block_hashes, which follow the table)."""
         self.output_logprobs: list[dict[int, Logprob]] = []
         self.cumulative_logprob = 0.0
         self.text = ""
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.generator = _make_generator(sampling_params.seed, index)
+        self.seed = None if sampling_params.seed is None else sampling_params.seed + index
+        """Seed of this sequence's own sampling noise (completion i of a request uses seed + i)."""
+        self.generator: torch.Generator | None = None
+        """Made by the sampler on the logits' device at the first sample (see `generator_on`)."""
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -81,11 +87,11 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
-
-def _make_generator(seed: int | None, index: int) -> torch.Generator | None:
-    """A CPU generator per seeded sequence; completion i of a request uses seed + i."""
-    if seed is None:
-        return None
-    generator = torch.Generator()
-    generator.manual_seed(seed + index)
-    return generator
+    def generator_on(self, device: torch.device) -> torch.Generator | None:
+        """This seeded sequence's generator on `device` (None when unseeded); made once, then it advances."""
+        if self.seed is None:
+            return None
+        if self.generator is None:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(self.seed)
+        return self.generator

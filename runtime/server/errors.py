@@ -13,7 +13,7 @@ from http import HTTPStatus
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fxrewrite.runtime.server.protocol import ErrorInfo, ErrorResponse
@@ -90,6 +90,16 @@ async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONR
     return error_response(exc.status_code, str(exc.detail), None, None)
 
 
+class ClientDisconnected(Exception):
+    """The client closed the connection before its (non-streamed) answer was ready; the request has
+    been aborted. Not a server error: answered with nginx's 499 (nobody reads it) and not logged."""
+
+
+async def _on_client_disconnected(request: Request, exc: ClientDisconnected) -> Response:
+    logger.debug("client disconnected from %s %s", request.method, request.url.path)
+    return Response(status_code=499)
+
+
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error in %s %s", request.method, request.url.path)
     return error_response(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {type(exc).__name__}: {exc}",
@@ -100,5 +110,6 @@ def install_error_handlers(app: FastAPI) -> None:
     """Register the handlers above on `app`."""
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(OpenAIError, _on_openai_error)
+    app.add_exception_handler(ClientDisconnected, _on_client_disconnected)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(Exception, _on_unexpected)

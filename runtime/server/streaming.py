@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from fxrewrite.runtime.server.errors import OpenAIError, error_body
+from fxrewrite.runtime.server.errors import ClientDisconnected, OpenAIError, error_body
 
 if TYPE_CHECKING:
     from fxrewrite.runtime.server.async_engine import ChoiceSnapshot, StepOutput
@@ -144,7 +144,7 @@ async def final_outputs(streams: list[AsyncIterator[StepOutput]]) -> list[StepOu
 
 
 async def cancel_on_disconnect(awaitable: Awaitable[T], raw_request: Request) -> T:
-    """Await `awaitable`, cancelling it if the client disconnects first (then raise CancelledError)."""
+    """Await `awaitable`, cancelling it if the client disconnects first (then raise ClientDisconnected)."""
     work = asyncio.ensure_future(awaitable)
     watcher = asyncio.ensure_future(_wait_disconnect(raw_request))
     try:
@@ -153,7 +153,7 @@ async def cancel_on_disconnect(awaitable: Awaitable[T], raw_request: Request) ->
         watcher.cancel()
     if not work.done():
         work.cancel()
-        raise asyncio.CancelledError("client disconnected")
+        raise ClientDisconnected("client disconnected")
     return work.result()
 
 

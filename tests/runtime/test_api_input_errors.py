@@ -1,0 +1,44 @@
+"""Bad input to the offline API found by a new-user session: each is a clear TypeError/ValueError
+naming the value, raised before anything runs, and vLLM's dict prompts are accepted."""
+
+import pytest
+
+from fxrewrite import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen3_dir):
+    return LLM(str(tiny_qwen3_dir), kv_cache_memory_bytes=1 << 22, max_model_len=256)
+
+
+def test_stop_must_be_strings():
+    with pytest.raises(TypeError, match="stop=5"):
+        SamplingParams(stop=5)
+    with pytest.raises(TypeError, match="stop="):
+        SamplingParams(stop=["a", 3])
+
+
+def test_prompts_of_the_wrong_type_name_the_value(llm):
+    with pytest.raises(TypeError, match="prompts=123"):
+        llm.generate(123, use_tqdm=False)
+
+
+def test_vllm_dict_prompts_equal_plain_prompts(llm):
+    params = SamplingParams(max_tokens=6, temperature=0)
+    ids = llm.get_tokenizer().encode("The capital of France is")
+    plain = llm.generate(["The capital of France is", ids], params, use_tqdm=False)
+    dicts = llm.generate([{"prompt": "The capital of France is"}, {"prompt_token_ids": ids}], params,
+                         use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_chat_message_without_role_is_refused(llm):
+    with pytest.raises(ValueError, match="role"):
+        llm.chat([{"rol": "user", "content": "hi"}], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_tensor_parallel_size_must_divide_heads_before_any_worker_starts(tiny_qwen3_dir):
+    # the tiny Qwen3 has 4 attention heads
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the model's num_attention_heads=4"):
+        LLM(str(tiny_qwen3_dir), tensor_parallel_size=3, kv_cache_memory_bytes=1 << 22)
