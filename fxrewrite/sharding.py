@@ -14,15 +14,13 @@ one through its `weight_loader`). The plan, in order:
 Attention modules need no edit: transformers infers heads from the projection width
 (``view(*shape, -1, head_dim)``) and the paged attention reads Hq / Hkv from the tensors.
 
-`iterate_safetensors_sliced(folder)` yields (name, `LazySlice`): the weight loaders `narrow` it to
-their rank's rows and only those bytes are read (safetensors ``get_slice``).
+`LazySlice` wraps a safetensors ``get_slice`` handle: the weight loaders `narrow` it to their
+rank's rows and only those bytes are read (`fxrewrite.runtime.loader.iterate_safetensors(sliced=True)`).
 """
 
 from __future__ import annotations
 
 import fnmatch
-from pathlib import Path
-from typing import Iterator
 
 import torch
 from torch import nn
@@ -208,21 +206,3 @@ class LazySlice:
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         real = tree_map(lambda a: a.materialize() if isinstance(a, LazySlice) else a, (args, kwargs or {}))
         return func(*real[0], **real[1])
-
-
-def iterate_safetensors_sliced(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor | LazySlice]]:
-    """(name, LazySlice) for every tensor of every *.safetensors file (0-d tensors read whole).
-
-    The file stays open while the consumer holds the item. FileNotFoundError if there is none.
-    """
-    from safetensors import safe_open
-
-    files = sorted(Path(model_path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors file in {model_path}")
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                sl = f.get_slice(name)
-                shape = tuple(sl.get_shape())
-                yield name, (LazySlice(sl, shape) if shape else f.get_tensor(name))

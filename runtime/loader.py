@@ -9,9 +9,15 @@ import torch
 from torch import nn
 
 
-def iterate_safetensors(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of every *.safetensors file in the folder; FileNotFoundError if none."""
+def iterate_safetensors(model_path: str | Path, sliced: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of every *.safetensors file in the folder; FileNotFoundError if none.
+
+    With `sliced` (tensor-parallel ranks) each tensor comes as a `LazySlice`, read only where a
+    weight loader narrows it; 0-d tensors are read whole. The file stays open while the item is held.
+    """
     from safetensors import safe_open
+
+    from fxrewrite.sharding import LazySlice
 
     files = sorted(Path(model_path).glob("*.safetensors"))
     if not files:
@@ -19,7 +25,12 @@ def iterate_safetensors(model_path: str | Path) -> Iterator[tuple[str, torch.Ten
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if not sliced:
+                    yield name, f.get_tensor(name)
+                    continue
+                sl = f.get_slice(name)
+                shape = tuple(sl.get_shape())
+                yield name, (LazySlice(sl, shape) if shape else f.get_tensor(name))
 
 
 def materialize(model: nn.Module, device: torch.device) -> nn.Module:
@@ -100,10 +111,8 @@ def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:
 def load_weights(model: nn.Module, model_path: str | Path, native: bool) -> None:
     """Load the folder's safetensors into the model (native or HF) and check nothing is missing."""
     from fxrewrite.distributed import get_tp_size
-    from fxrewrite.sharding import iterate_safetensors_sliced
-
     # On a TP rank, read only this rank's slice of each sharded tensor.
-    weights = iterate_safetensors_sliced(model_path) if get_tp_size() > 1 else iterate_safetensors(model_path)
+    weights = iterate_safetensors(model_path, sliced=get_tp_size() > 1)
     if native:
         loaded = load_native_weights(model, weights)
     else:

@@ -8,7 +8,8 @@ from torch import nn
 
 from fxrewrite.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from fxrewrite.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from fxrewrite.sharding import LazySlice, iterate_safetensors_sliced, shard_model
+from fxrewrite.runtime.loader import iterate_safetensors
+from fxrewrite.sharding import LazySlice, shard_model
 
 
 def _optimized_qwen3(num_key_value_heads: int):
@@ -62,11 +63,11 @@ def test_unprovable_partner_is_refused():
 def test_sliced_loading_reads_only_the_rank_slice(tmp_path):
     full = torch.arange(6 * 8, dtype=torch.float32).view(6, 8)
     save_file({"w": full}, str(tmp_path / "model.safetensors"))
-    ((name, lazy),) = list(iterate_safetensors_sliced(tmp_path))
+    ((name, lazy),) = list(iterate_safetensors(tmp_path, sliced=True))
     assert isinstance(lazy, LazySlice) and lazy.shape == (6, 8)
     row = RowParallelLinear(8, 6, tp_size=2, tp_rank=1)
     merged = MergedColumnParallelLinear(8, [3, 3], tp_size=3, tp_rank=2)
-    for name, lazy in iterate_safetensors_sliced(tmp_path):
+    for name, lazy in iterate_safetensors(tmp_path, sliced=True):
         row.weight.weight_loader(row.weight, lazy)
         merged.weight.weight_loader(merged.weight, lazy)
     torch.testing.assert_close(row.weight.data, full[:, 4:])
