@@ -32,7 +32,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --f
 
 if [ -z "${SKIP_TESTS:-}" ]; then
 stamp "GPU tests"
-timeout -k 5 ${TEST_TIMEOUT:-130} $PY -m pytest -v -m gpu ${TEST_PATHS:-tests/gpu tests/kernels} -p no:cacheprovider \
+timeout -k 5 ${TEST_TIMEOUT:-300} $PY -m pytest -v -m gpu ${TEST_PATHS:-tests/gpu tests/kernels} -p no:cacheprovider \
   -rfE --durations=8 2>&1 | tee "$OUT_DIR/gpu-tests.log" | grep -E "PASS|FAIL|ERROR|SKIP|passed|failed|s call|Error" | tail -60
 echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT_DIR/gpu-tests.log"
 fi
