@@ -19,8 +19,8 @@ class ThroughputWorkload:
     max_token_id: int = 10000
     seed: int = 0
     temperature: float = 0.0
-    """nano-vllm samples at 0.6; greedy here, because the engine's sampler draws its sampling noise on
-    the CPU ([batch, vocab] per step), which would time the sampler rather than the model."""
+    """nano-vllm samples at 0.6; greedy here, as in every recorded run so far (the sampler drew its
+    noise on the CPU until 2026-11-29; it now draws it on the device, so 0.6 is fair to try next)."""
 
     def describe(self) -> dict:
         return {"kind": "throughput", **asdict(self)}
