@@ -160,39 +160,41 @@ def run_requests(engine, prompts: list[list[int]], params: list, time_limit_s: f
 
 @contextmanager
 def step_profile(runner):
-    """Seconds spent, over the steps run inside the block, in the model runner's `execute_model`, and
-    within it in the sampler (which starts after a synchronize, so the forward's GPU time lands in
-    "forward": execute_model minus sampler). Yields the dict, filled on exit; restores the runner."""
-    import torch
+    """Seconds spent, over the steps run inside the block, in `execute_model_async` ("launch": building
+    the inputs and queueing the forward and sampler on the device) and blocked waiting for a step's
+    tokens ("wait": the device is behind the host). Whatever else the run took is host work
+    (scheduling, output processing) that the device did not hide. Yields the dict, filled on exit."""
+    totals = {"launch": 0.0, "wait": 0.0, "steps": 0}
+    if not getattr(runner, "supports_async", False):  # the tensor-parallel executor: steps are synchronous
+        yield totals
+        return
+    launch = runner.execute_model_async
 
-    totals = {"execute_model": 0.0, "sampler": 0.0, "steps": 0}
-    execute, sampler = runner.execute_model, runner.sampler
-    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
-
-    def timed_execute(sched):
+    def timed_launch(sched, previous=None):
         t0 = time.perf_counter()
         try:
-            return execute(sched)
+            pending = launch(sched, previous)
         finally:
-            totals["execute_model"] += time.perf_counter() - t0
+            totals["launch"] += time.perf_counter() - t0
             totals["steps"] += 1
+        result = pending.result
 
-    def timed_sampler(logits, seqs):
-        sync()
-        t0 = time.perf_counter()
-        try:
-            return sampler(logits, seqs)
-        finally:
-            totals["sampler"] += time.perf_counter() - t0
+        def timed_result():
+            t1 = time.perf_counter()
+            try:
+                return result()
+            finally:
+                totals["wait"] += time.perf_counter() - t1
 
-    runner.execute_model, runner.sampler = timed_execute, timed_sampler
+        pending.result = timed_result
+        return pending
+
+    runner.execute_model_async = timed_launch
     try:
         yield totals
     finally:
-        del runner.execute_model
-        runner.sampler = sampler
-        totals["forward_and_inputs"] = totals["execute_model"] - totals["sampler"]
-        for key in ("execute_model", "sampler", "forward_and_inputs"):
+        del runner.execute_model_async
+        for key in ("launch", "wait"):
             totals[key] = round(totals[key], 3)
 
 
@@ -202,6 +204,23 @@ def make_llm(arm: str, model_dir: Path, **engine_kwargs):
 
     kwargs = {"load_format": "dummy", **engine_kwargs, **ENGINE_ARMS[arm]}
     return LLM(str(model_dir), **kwargs)
+
+
+def engine_weight_bytes(engine) -> int:
+    """Weight bytes one decode step reads on one GPU: `weight_bytes` of the model in this process, or,
+    with tensor-parallel workers (the weights live in them), the model built on the meta device from
+    its config, divided by the number of ranks (the few replicated norm weights are not counted twice)."""
+    import torch
+
+    model = engine.model_runner.model
+    if any(True for _ in getattr(model, "parameters", lambda: iter(()))()):
+        return weight_bytes(model)
+    from transformers import AutoModelForCausalLM
+
+    config = engine.model_config.hf_config
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config, dtype=engine.model_config.dtype)
+    return weight_bytes(meta) // engine.config.tensor_parallel_size
 
 
 def weight_bytes(model) -> int:

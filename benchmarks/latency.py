@@ -32,14 +32,14 @@ class LatencyWorkload:
 
 def run_latency(llm, workload: LatencyWorkload, time_limit_s: float | None = None) -> dict:
     """Per batch size: ttft_ms, decode_ms_per_step, decode_tokens_per_s (per sequence), roofline."""
-    from benchmarks.common import copy_bandwidth_bytes_per_s, run_requests, weight_bytes
+    from benchmarks.common import copy_bandwidth_bytes_per_s, engine_weight_bytes, run_requests
     from fxrewrite.runtime.sampling_params import SamplingParams
 
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=workload.output_len, ignore_eos=True)
     run_requests(engine, workload.prompts(1), [SamplingParams(max_tokens=8, ignore_eos=True)])  # warm-up
     bandwidth = copy_bandwidth_bytes_per_s()
-    nbytes = weight_bytes(engine.model_runner.model)
+    nbytes = engine_weight_bytes(engine)
     result = {"weight_bytes": nbytes, "copy_bandwidth_GBps": bandwidth and round(bandwidth / 1e9, 1)}
     for bs in workload.batch_sizes:
         stats = run_requests(engine, workload.prompts(bs), [params] * bs, time_limit_s)

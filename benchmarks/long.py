@@ -108,6 +108,8 @@ def run_long(llm, workload: LongWorkload, time_limit_s: float | None = None) -> 
 def prefix_check(llm, workload: LongWorkload) -> dict:
     """Logits at the prefix's last token: first chunk of the longest prompt vs the prefix alone."""
     runner = llm.llm_engine.model_runner
+    if not hasattr(runner, "kv_caches"):
+        return {"skipped": "the prefix check reads logits in this process; the model runs in tensor-parallel workers"}
     tokens = workload.prompt(max(workload.prompt_lens))
     chunk = llm.llm_engine.config.max_num_batched_tokens
     want = workload.prefix_len - 1

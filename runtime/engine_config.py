@@ -41,6 +41,9 @@ class EngineConfig:
     """vLLM's optimisation level: 0 = no torch.compile (CUDA graphs stay on unless enforce_eager);
     1-3 = torch.compile the model forward on CUDA (fxrewrite.runtime.compilation). Off by default:
     compiling a 28-layer model took minutes on the H200 (see BENCHMARKS.md)."""
+    async_scheduling: bool = True
+    """Schedule and launch step n+1 while step n runs (its tokens feed n+1 on the device). Applies to
+    the single-process engine; the tensor-parallel executor steps synchronously."""
     tensor_parallel_size: int = 1
     load_format: str = "auto"
     """"auto"/"safetensors" load the checkpoint; "dummy" keeps random weights (benchmarks)."""

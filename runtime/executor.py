@@ -248,7 +248,7 @@ class MultiprocExecutor:
                 new.append(NewSeq(seq.seq_id, seq.request_id, seq.index, seq.prompt_token_ids, seq.sampling_params))
                 self._seqs[seq.seq_id], self._sent[seq.seq_id] = seq, seq.num_prompt_tokens
             delta = seq.token_ids[self._sent[seq.seq_id]:]
-            self._sent[seq.seq_id] = seq.num_tokens
+            self._sent[seq.seq_id] = len(seq.token_ids)
             steps.append(SeqStep(seq.seq_id, delta, list(seq.block_table), s.start, s.num_new_tokens))
         return StepMessage(new, steps, finished)
 

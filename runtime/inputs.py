@@ -25,10 +25,16 @@ class StepInputs:
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor
     sample_seqs: list
+    gather_dst: torch.Tensor | None = None
+    gather_src: torch.Tensor | None = None
 
 
-def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.device) -> StepInputs:
+def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.device,
+                   previous_rows: dict[int, int] | None = None) -> StepInputs:
     """Concatenate this step's tokens of every scheduled sequence (decodes and prefill chunks alike).
+
+    A sequence whose last token is still pending (sampled by the step in flight) gets a 0 there and a
+    gather entry from `previous_rows` (seq_id -> row of that step's samples); RuntimeError if missing.
 
     Per-token values (positions, slots) are computed with numpy over the whole batch, and the int64 and
     int32 tensors each travel to the device in one copy (slices of one buffer): a decode step of 256
@@ -45,13 +51,16 @@ def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch
     num_tokens = int(cu_new[-1])
     max_blocks = int(table_lens.max())
 
-    # int64 buffer: input_ids [T] | positions [T] | slot_mapping [T] | logits_indices [S]
+    ids, gather = _token_ids(scheduled, cu_new, previous_rows)
+    # int64 buffer: input_ids [T] | positions [T] | slot_mapping [T] | logits_indices [S] | gather [2G]
     sample_idx = np.flatnonzero(samples)
-    buf64 = np.empty(3 * num_tokens + len(sample_idx), dtype=np.int64)
+    s_end = 3 * num_tokens + len(sample_idx)
+    buf64 = np.empty(s_end + 2 * len(gather), dtype=np.int64)
     input_ids, positions = buf64[:num_tokens], buf64[num_tokens : 2 * num_tokens]
-    slot_mapping, logits_indices = buf64[2 * num_tokens : 3 * num_tokens], buf64[3 * num_tokens :]
-    ids = itertools.chain.from_iterable(s.seq.token_ids[s.start : s.start + s.num_new_tokens] for s in scheduled)
+    slot_mapping, logits_indices = buf64[2 * num_tokens : 3 * num_tokens], buf64[3 * num_tokens : s_end]
     input_ids[:] = np.fromiter(ids, dtype=np.int64, count=num_tokens)
+    if gather:
+        buf64[s_end:].reshape(len(gather), 2)[:] = gather
     seq_of_token = np.repeat(np.arange(num_seqs), num_new)
     positions[:] = np.arange(num_tokens) + np.repeat(starts - (cu_new - num_new), num_new)
     logits_indices[:] = cu_new[sample_idx] - 1
@@ -69,8 +78,7 @@ def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch
         positions % block_size
     )
 
-    t64 = torch.from_numpy(buf64).to(device, non_blocking=True)
-    t32 = torch.from_numpy(buf32).to(device, non_blocking=True)
+    t64, t32 = _to_device(buf64, device), _to_device(buf32, device)
     nb = num_seqs * max_blocks
     metadata = AttentionMetadata(
         slot_mapping=t64[2 * num_tokens : 3 * num_tokens],
@@ -84,6 +92,35 @@ def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch
         input_ids=t64[:num_tokens],
         positions=t64[num_tokens : 2 * num_tokens],
         attn_metadata=metadata,
-        logits_indices=t64[3 * num_tokens :],
+        logits_indices=t64[3 * num_tokens : s_end],
         sample_seqs=[scheduled[i].seq for i in sample_idx.tolist()],
+        gather_dst=t64[s_end::2] if gather else None,
+        gather_src=t64[s_end + 1 :: 2] if gather else None,
     )
+
+
+def _token_ids(scheduled: list[ScheduledSeq], cu_new: np.ndarray, previous_rows: dict[int, int] | None):
+    """The step's token ids (an iterable of T ints) and [(flat index, previous row)] for pending ones."""
+    if not any(s.start + s.num_new_tokens > len(s.seq.token_ids) for s in scheduled):
+        ids = itertools.chain.from_iterable(s.seq.token_ids[s.start : s.start + s.num_new_tokens] for s in scheduled)
+        return ids, []
+    ids, gather = [], []
+    for s, end in zip(scheduled, cu_new.tolist()):
+        seq, stop = s.seq, s.start + s.num_new_tokens
+        ids += seq.token_ids[s.start : stop]
+        if stop > len(seq.token_ids):
+            row = None if previous_rows is None else previous_rows.get(seq.seq_id)
+            if row is None or stop != len(seq.token_ids) + 1:
+                raise RuntimeError(f"sequence {seq.seq_id}: token {stop - 1} is neither on the host nor in flight")
+            ids.append(0)
+            gather.append((end - 1, row))
+    return ids, gather
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host array -> device through pinned memory, so the copy neither waits for the GPU nor makes the
+    next step wait for this one (torch's caching host allocator reuses the pinned blocks)."""
+    tensor = torch.from_numpy(array)
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)

@@ -12,7 +12,7 @@ from fxrewrite.runtime.engine_config import EngineConfig
 from fxrewrite.runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from fxrewrite.runtime.sampler import SampleResult
 from fxrewrite.runtime.sampling_params import SamplingParams
-from fxrewrite.runtime.scheduler import Scheduler
+from fxrewrite.runtime.scheduler import Scheduler, SchedulerOutput
 from fxrewrite.runtime.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -55,6 +55,9 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         _warn_if_cache_is_short(self.block_manager, self.model_config.max_model_len)
+        self.async_scheduling = config.async_scheduling and getattr(self.model_runner, "supports_async", False)
+        self._inflight = None
+        """The launched step whose tokens are not read back yet (async scheduling)."""
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
         self._arrivals = itertools.count()
@@ -126,24 +129,74 @@ class LLMEngine:
 
     # stepping
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; RequestOutputs (cumulative) for the requests it advanced."""
+        """Run one scheduled batch; RequestOutputs (cumulative) for the requests that progressed.
+
+        With async scheduling (the default on one process; vLLM's `async_scheduling`) the step is
+        scheduled and launched before the previous one's tokens are read back, so the host's work
+        overlaps the device's, and each call returns the outputs of the step launched by the call
+        before. Its sampled tokens feed this step on the device; a sequence that stops on one of them
+        had a token computed for nothing, which is dropped. Steps with repetition/frequency/presence
+        penalties (which need every earlier token on the host) wait for the previous step first.
+        """
+        previous, self._inflight = self._inflight, None
         sched = self.scheduler.schedule()
         if sched.is_empty():
+            if previous is not None:
+                return self._complete(previous)
             if self.scheduler.waiting and not self.scheduler.running:
                 # add_request checks each request fits the cache alone, so this is a bug, not a wait.
                 raise RuntimeError(f"no request can be scheduled: {self.get_stats()}")
             return []
+        outputs = []
+        if previous is not None and any(s.seq.sampling_params.has_penalties for s in sched.scheduled):
+            outputs, previous = self._complete(previous), None
         try:
-            seqs, results = self.model_runner.execute_model(sched)
+            launched = self._launch(sched, previous)
         except BaseException:
-            for request_id in list(self.requests):
-                self.abort_request(request_id)
+            self._abort_all()
             raise
-        self.scheduler.update(sched)
+        if previous is not None:
+            outputs = self._complete(previous)
+        if self.async_scheduling:
+            self._inflight = launched
+            return outputs
+        return self._complete(launched)
+
+    def _launch(self, sched: SchedulerOutput, previous):
+        runner = self.model_runner
+        if self.async_scheduling:
+            launched = runner.execute_model_async(sched, previous)
+        else:
+            launched = _CompletedStep(sched, runner.execute_model(sched))
+        self.scheduler.advance(sched)
+        max_len = self.model_config.max_model_len
+        for s in sched.scheduled:
+            if s.samples:
+                seq = s.seq
+                seq.num_pending_tokens += 1
+                max_tokens = seq.sampling_params.max_tokens or 1 << 62
+                if seq.num_tokens - seq.num_prompt_tokens >= max_tokens or seq.num_tokens >= max_len:
+                    seq.awaiting_final_token = True
+        return launched
+
+    def _complete(self, step) -> list[RequestOutput]:
+        """Wait for a launched step's tokens, append them, check stops, return the outputs."""
+        try:
+            seqs, results = step.result()
+        except BaseException:
+            self._abort_all()
+            raise
         for seq, result in zip(seqs, results):
-            self._process_sample(seq, result)
-        touched = dict.fromkeys(s.seq.request_id for s in sched.scheduled)
+            if not seq.is_finished:  # else it stopped (or was aborted) while this step ran
+                self._process_sample(seq, result)
+        self.scheduler.commit(step.sched)
+        touched = dict.fromkeys(s.seq.request_id for s in step.sched.scheduled)
         return [self._make_output(self.requests[r]) for r in touched if r in self.requests]
+
+    def _abort_all(self) -> None:
+        self._inflight = None
+        for request_id in list(self.requests):
+            self.abort_request(request_id)
 
     def _process_sample(self, seq: Sequence, result: SampleResult) -> None:
         params = seq.sampling_params
@@ -157,7 +210,7 @@ class LLMEngine:
         reason, stop = _check_stop(seq, result.token_id, self.eos_token_ids, len(new_text))
         if reason is None and (
             seq.num_output_tokens >= (params.max_tokens or 1 << 62)
-            or seq.num_tokens >= self.model_config.max_model_len
+            or len(seq.token_ids) >= self.model_config.max_model_len
         ):
             reason = "length"
         if reason is not None:
@@ -210,6 +263,16 @@ class LLMEngine:
             "prefix_cache_queries": bm.prefix_cache_queries,
             "num_preemptions": self.scheduler.num_preemptions,
         }
+
+
+class _CompletedStep:
+    """A step that ran synchronously (tensor-parallel executor, or async scheduling off)."""
+
+    def __init__(self, sched: SchedulerOutput, out: tuple[list[Sequence], list[SampleResult]]):
+        self.sched, self._out = sched, out
+
+    def result(self) -> tuple[list[Sequence], list[SampleResult]]:
+        return self._out
 
 
 def _warn_if_cache_is_short(block_manager: BlockManager, max_model_len: int) -> None:

@@ -14,7 +14,7 @@ from fxrewrite.runtime.forward_context import forward_context
 from fxrewrite.runtime.inputs import prepare_inputs
 from fxrewrite.runtime.kv_cache import allocate_kv_caches, num_kv_blocks
 from fxrewrite.runtime.memory_profiling import profile_num_kv_blocks
-from fxrewrite.runtime.sampler import SampleResult, Sampler
+from fxrewrite.runtime.sampler import SampledTokens, SampleResult, Sampler
 from fxrewrite.runtime.scheduler import SchedulerOutput
 from fxrewrite.runtime.sequence import Sequence
 
@@ -120,10 +120,21 @@ class ModelRunner:
         self.graph_runner = build_graph_runner(self.model, self.kv_caches, config, model_config, self.device)
         self.sampler = Sampler(eos_token_ids, seed=config.seed)
 
-    @torch.inference_mode()
+    supports_async = True
+    """`execute_model_async` can take the previous step's tokens from the device (LLMEngine checks this)."""
+
     def execute_model(self, sched: SchedulerOutput) -> tuple[list[Sequence], list[SampleResult]]:
         """Run the step's flattened tokens; returns the sequences that sampled and their samples."""
-        inputs = prepare_inputs(sched.scheduled, self.block_size, self.device)
+        return self.execute_model_async(sched).result()
+
+    @torch.inference_mode()
+    def execute_model_async(self, sched: SchedulerOutput, previous: PendingStep | None = None) -> PendingStep:
+        """Launch the step and return without waiting for the device. Tokens of `previous` (the step still
+        in flight) that this step feeds back are read from its sampled tokens on the device."""
+        rows = previous.rows if previous is not None else None
+        inputs = prepare_inputs(sched.scheduled, self.block_size, self.device, rows)
+        if inputs.gather_dst is not None:
+            inputs.input_ids[inputs.gather_dst] = previous.samples.tokens[inputs.gather_src]
         inputs.attn_metadata.kv_caches = self.kv_caches
         graphs = self.graph_runner
         with forward_context(inputs.attn_metadata):
@@ -132,6 +143,23 @@ class ModelRunner:
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions)
         if not inputs.sample_seqs:
-            return [], []
+            return PendingStep(sched, None)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        return inputs.sample_seqs, self.sampler(logits, inputs.sample_seqs)
+        return PendingStep(sched, self.sampler.sample(logits, inputs.sample_seqs))
+
+
+class PendingStep:
+    """A launched step: its schedule and its sampled tokens (on the device until `result()`)."""
+
+    def __init__(self, sched: SchedulerOutput, samples: SampledTokens | None):
+        self.sched = sched
+        self.samples = samples
+        self.seqs: list[Sequence] = samples.seqs if samples is not None else []
+        self.rows = {seq.seq_id: i for i, seq in enumerate(self.seqs)}
+        """seq_id -> row of its sample in `samples.tokens`."""
+
+    def result(self) -> tuple[list[Sequence], list[SampleResult]]:
+        """(sequences that sampled, their SampleResults); waits for this step's tokens only."""
+        if self.samples is None:
+            return [], []
+        return self.seqs, self.samples.results()

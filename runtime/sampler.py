@@ -44,24 +44,30 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
         """logits [S, V] (any float dtype) for sequences `seqs` -> one SampleResult per sequence."""
+        return self.sample(logits, seqs).results()
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
+        """Sample without waiting for the device: the tokens stay on it (for the next step's inputs) and
+        travel to the host in the background; `SampledTokens.results()` waits for them."""
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         if any(self._changes_logits(s) for s in seqs):
             logits = self._apply_penalties(logits.clone(), seqs)
-        # Decided from the params on the host: no device->host sync before the one in _results.
+        # Decided from the params on the host: no device->host sync here at all.
         greedy_list = [s.sampling_params.is_greedy for s in seqs]
         tokens = logits.argmax(dim=-1)
         if not all(greedy_list):
             sampled = self._sample(logits, seqs)
-            greedy = torch.tensor(greedy_list).to(logits.device, non_blocking=True)
+            greedy = _to_device(greedy_list, torch.bool, logits.device)
             tokens = torch.where(greedy, tokens, sampled)
-        return self._results(tokens, raw_logprobs, seqs)
+        want_logprobs = any(s.sampling_params.logprobs is not None for s in seqs)
+        return SampledTokens(seqs, tokens, raw_logprobs, keep_logprobs=want_logprobs)
 
     @staticmethod
     def _changes_logits(seq: Sequence) -> bool:
         """Whether _apply_penalties would touch this sequence's row (penalties or an active min_tokens)."""
         p = seq.sampling_params
-        return p.has_penalties or seq.num_output_tokens < p.min_tokens
+        return p.has_penalties or _num_outputs(seq) < p.min_tokens
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         vocab = logits.shape[-1]
@@ -77,7 +83,7 @@ class Sampler:
                     penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
                     logits[i] = torch.where(seen, penalised, row)
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-            if seq.num_output_tokens < p.min_tokens:
+            if _num_outputs(seq) < p.min_tokens:
                 banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
                 if banned:
                     logits[i, [t for t in banned if t < vocab]] = float("-inf")
@@ -86,18 +92,18 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.sampling_params for s in seqs]
         dev = logits.device
-        temps = torch.tensor([p.temperature if not p.is_greedy else 1.0 for p in params], device=dev)
+        temps = _to_device([p.temperature if not p.is_greedy else 1.0 for p in params], torch.float32, dev)
         logits = logits / temps[:, None]
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[-1]
         ranks = torch.arange(vocab, device=dev)[None, :]
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+        top_k = _to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64, dev)
         sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
         probs = torch.softmax(sorted_logits, dim=-1)
-        top_p = torch.tensor([p.top_p for p in params], device=dev)
+        top_p = _to_device([p.top_p for p in params], torch.float32, dev)
         # Drop a token when the tokens before it already reach top_p; the top token always stays.
         drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
-        min_p = torch.tensor([p.min_p for p in params], device=dev)
+        min_p = _to_device([p.min_p for p in params], torch.float32, dev)
         drop |= probs < (min_p[:, None] * probs[:, :1])
         drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
@@ -116,17 +122,59 @@ class Sampler:
                 q[i].exponential_(generator=generator)
         return q
 
-    def _results(self, tokens: torch.Tensor, raw_logprobs: torch.Tensor, seqs: list[Sequence]) -> list:
+
+
+def _num_outputs(seq: Sequence) -> int:
+    """Output tokens so far, counting those still in flight (the step being sampled comes after them)."""
+    return seq.num_tokens - seq.num_prompt_tokens
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on `device` without a stream sync (a plain torch.tensor(..., device=cuda)
+    waits for the GPU, which would stall async scheduling)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+class SampledTokens:
+    """One step's sampled tokens: `tokens` [S] int64 stay on the device (the next step's inputs are
+    gathered from them); the token ids and their logprobs are copied to pinned host memory in the
+    background, and `results()` waits for that copy (a CUDA event), not for the whole stream.
+    """
+
+    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor, raw_logprobs: torch.Tensor, keep_logprobs: bool):
+        self.seqs = seqs
+        self.tokens = tokens
         chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
-        # One device->host copy for both (token ids < 2**24 are exact in float64, float32 values too).
-        token_floats, chosen_list = torch.stack([tokens.double(), chosen.double()]).tolist()
-        token_list = [int(t) for t in token_floats]
-        results = []
-        for i, seq in enumerate(seqs):
+        # Token ids < 2**24 are exact in float64, float32 logprobs too: one copy for both.
+        packed = torch.stack([tokens.double(), chosen.double()])
+        self._chosen = chosen
+        self._raw_logprobs = raw_logprobs if keep_logprobs else None
+        self._event = None
+        if tokens.is_cuda:
+            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self._host.copy_(packed, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = packed
+        self._results: list[SampleResult] | None = None
+
+    def results(self) -> list[SampleResult]:
+        """One SampleResult per sequence, in order (waits for this step's copy to the host)."""
+        if self._results is None:
+            if self._event is not None:
+                self._event.synchronize()
+            token_floats, chosen_list = self._host.tolist()
+            self._results = self._build([int(t) for t in token_floats], chosen_list)
+        return self._results
+
+    def _build(self, token_list: list[int], chosen_list: list[float]) -> list[SampleResult]:
+        raw_logprobs, results = self._raw_logprobs, []
+        for i, seq in enumerate(self.seqs):
             num = seq.sampling_params.logprobs
             top = None
             if num is not None:
-                rank = int((raw_logprobs[i] > chosen[i]).sum()) + 1
+                rank = int((raw_logprobs[i] > self._chosen[i]).sum()) + 1
                 top = {token_list[i]: (chosen_list[i], rank)}
                 if num > 0:
                     values, ids = raw_logprobs[i].topk(num)

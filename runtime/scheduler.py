@@ -73,6 +73,9 @@ class Scheduler:
         bm, kept = self.block_manager, []
         while self.running and budget > 0:
             seq = self.running.popleft()
+            if seq.awaiting_final_token:  # its last token is in flight; nothing more to run
+                kept.append(seq)
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not bm.can_append(seq, n):
                 victim = self.running.pop() if self.running else seq
@@ -109,11 +112,18 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def update(self, out: SchedulerOutput) -> None:
-        """After the model ran: advance computed counts and publish newly full blocks to the prefix cache."""
+    def advance(self, out: SchedulerOutput) -> None:
+        """Once the step is launched: its tokens count as computed (their K/V are written in stream order,
+        before any later step reads them)."""
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
-            self.block_manager.commit(s.seq)
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """Once the step's sampled tokens are on the host: publish newly full blocks to the prefix cache
+        (hashing needs the real token ids, so not before)."""
+        for s in out.scheduled:
+            if s.seq.status == SequenceStatus.RUNNING:
+                self.block_manager.commit(s.seq)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished (or aborted) sequence and free its blocks."""

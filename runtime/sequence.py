@@ -24,6 +24,11 @@ class Sequence:
 
     `num_computed_tokens` counts tokens whose K/V are in the cache; tokens after it are fed to the
     model in the next steps (a chunk of the prompt, or the last sampled token when decoding).
+
+    With async scheduling a sampled token stays on the device while the next step is scheduled:
+    `num_pending_tokens` (0 to 2) counts those, so `num_tokens` (what the scheduler plans with) is
+    `len(token_ids) + num_pending_tokens`, while `token_ids` and `num_output_tokens` hold only tokens
+    that reached the host.
     """
 
     _counter = itertools.count()
@@ -46,6 +51,10 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
+        self.num_pending_tokens = 0
+        self.awaiting_final_token = False
+        """True once the token in flight is sure to be the last (max_tokens / max_model_len): the
+        scheduler stops scheduling the sequence while that token comes back."""
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []
         self.token_block_hashes: list[int] = []
@@ -66,10 +75,12 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Tokens including the ones sampled but not yet back on the host."""
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:
+        """Output tokens on the host (pending ones not counted)."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
@@ -85,7 +96,10 @@ class Sequence:
         return self.status == SequenceStatus.FINISHED
 
     def append_token(self, token_id: int) -> None:
+        """A sampled token reached the host: it replaces the oldest pending one, if any."""
         self.token_ids.append(token_id)
+        if self.num_pending_tokens:
+            self.num_pending_tokens -= 1
 
     def generator_on(self, device: torch.device) -> torch.Generator | None:
         """This seeded sequence's generator on `device` (None when unseeded); made once, then it advances."""

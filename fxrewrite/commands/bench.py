@@ -46,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compilation-config", "-O", type=int, default=0, choices=(0, 1, 2, 3),
                    help="0: no torch.compile, CUDA graphs only (default); 3: also compile the model forward")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no torch.compile")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="schedule step n+1 while step n runs (default on)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=human_readable_int, default=1,
+                   help="GPUs per engine arm (worker processes over torch.distributed)")
     g.add_argument("--device", default=None, help="torch device (default: cuda when available)")
     k = sub.add_parser("kernels", help="each Triton kernel vs its torch reference and the copy bandwidth")
     k.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
@@ -74,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "gpu_memory_utilization": args.gpu_memory_utilization, "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
         "compilation_config": args.compilation_config, "enforce_eager": args.enforce_eager, "device": args.device,
+        "async_scheduling": args.async_scheduling, "tensor_parallel_size": args.tensor_parallel_size,
     }
     result = compare(
         args.config, parse_arms(args.arms), args.workload, num_prompts=args.num_prompts,

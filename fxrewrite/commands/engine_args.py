@@ -26,6 +26,7 @@ ENGINE_KWARG_NAMES = (
     "gpu_memory_utilization",
     "kv_cache_memory_bytes",
     "enforce_eager",
+    "async_scheduling",
     "tensor_parallel_size",
     "load_format",
 )
@@ -153,6 +154,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--kv-cache-memory-bytes", type=_positive_int, default=None,
                    help="KV-cache size in bytes (e.g. 4G); overrides --gpu-memory-utilization for the cache")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no torch.compile")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="schedule step n+1 while step n runs on the device")
     g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
                    help="number of GPUs to split the model over")
     g.add_argument("--generation-config", default="auto",

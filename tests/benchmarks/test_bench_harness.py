@@ -99,3 +99,19 @@ def test_failed_arms_have_no_headline_and_show_in_the_table():
     assert ratios(result) == {}
     table = format_table(result)
     assert "failed: boom" in table and "failed: RuntimeError" in table
+
+
+def test_cli_latency_with_tensor_parallel_workers(tmp_path, capsys):
+    """`bench compare --tensor-parallel-size 2` on the CPU (gloo workers): the latency workload runs and
+    its roofline uses one rank's share of the weights (the driver holds none)."""
+    from fxrewrite.cli import main
+
+    rc = main(["bench", "compare", "--config", "tiny", "--arms", "native", "--workload", "latency",
+               "--tensor-parallel-size", "2", "--max-num-seqs", "8", "--kv-cache-memory-bytes", "4M",
+               "--device", "cpu", "--out", str(tmp_path)])
+    assert rc == 0, capsys.readouterr().err
+    saved = json.loads(next(tmp_path.glob("*.json")).read_text())
+    arm = saved["arms"]["native"]
+    assert "error" not in arm, arm.get("traceback")
+    assert saved["engine_kwargs"]["tensor_parallel_size"] == 2
+    assert arm["batch_1"]["decode_ms_per_step"] > 0 and arm["weight_bytes"] > 0

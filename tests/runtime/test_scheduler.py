@@ -13,9 +13,10 @@ def make_seq(n, start=0):
 def step(sched, next_token=1):
     out = sched.schedule()
     sampled = [s.seq for s in out.scheduled if s.samples]
-    sched.update(out)
+    sched.advance(out)
     for seq in sampled:
         seq.append_token(next_token)
+    sched.commit(out)
     return out
 
 

@@ -77,7 +77,7 @@ def test_disconnect_mid_stream_frees_blocks_and_server_keeps_serving(server):
 
 def test_engine_error_fails_the_request_not_the_server(server, monkeypatch):
     runner = server.engine.model_runner
-    original = runner.execute_model
+    original = runner.execute_model_async
     calls = {"n": 0}
 
     def fail_once(*args, **kwargs):
@@ -86,7 +86,7 @@ def test_engine_error_fails_the_request_not_the_server(server, monkeypatch):
             raise RuntimeError("injected engine failure")
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "execute_model", fail_once)
+    monkeypatch.setattr(runner, "execute_model_async", fail_once)
     client = server.client()
     import openai
 

@@ -1,0 +1,81 @@
+"""Find what makes the engine's host wait for the GPU: runs a short throughput workload through one arm
+with `torch.cuda.set_sync_debug_mode("warn")` and prints each distinct call stack that synchronised,
+with how often it did, plus the host time of each step's launch (graph-replayed decode vs eager).
+
+    python -m benchmarks.find_host_syncs --config qwen3-0.6b --arm after
+
+Async scheduling only hides the host's work when a step's launch never waits for the device; the one
+wait that belongs there is `SampledTokens.results()` (an event), which this does not flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+import traceback
+import warnings
+
+import torch
+
+
+def find_host_syncs(config: str, arm: str, num_prompts: int, tokenizer_dir=None) -> dict:
+    from benchmarks.common import bench_model_dir, load_bench_config, make_llm, run_requests
+    from benchmarks.throughput import ThroughputWorkload
+    from fxrewrite.runtime.sampling_params import SamplingParams
+
+    spec = load_bench_config(config)
+    workload = ThroughputWorkload(num_prompts=num_prompts, max_input_len=512, max_output_len=128)
+    llm = make_llm(arm, bench_model_dir(spec, tokenizer_dir), max_model_len=workload.max_model_len)
+    engine, runner = llm.llm_engine, llm.llm_engine.model_runner
+    prompts, output_lens = workload.generate()
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
+    run_requests(engine, prompts[:4], params[:4])  # warm-up
+
+    stacks: collections.Counter = collections.Counter()
+    launch_ms = {"graph": [], "eager": []}
+    launch = runner.execute_model_async
+
+    def timed(sched, previous=None):
+        decode = all(s.num_new_tokens == 1 for s in sched.scheduled)
+        t0 = time.perf_counter()
+        out = launch(sched, previous)
+        launch_ms["graph" if decode else "eager"].append((time.perf_counter() - t0) * 1e3)
+        return out
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
+        stacks["\n".join(f"    {f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}" for f in frames[-8:])] += 1
+
+    runner.execute_model_async = timed
+    old_show = warnings.showwarning
+    warnings.showwarning = record
+    warnings.simplefilter("always")
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        stats = run_requests(engine, prompts, params)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = old_show
+        del runner.execute_model_async
+    summary = {k: {"steps": len(v), "mean_ms": round(sum(v) / max(1, len(v)), 3)} for k, v in launch_ms.items()}
+    return {"arm": arm, "elapsed_s": round(stats.elapsed_s, 3), "launch": summary,
+            "sync_stacks": stacks.most_common(12)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="qwen3-0.6b")
+    p.add_argument("--arm", default="after", choices=("before", "after", "native"))
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--tokenizer-dir", default=None)
+    args = p.parse_args(argv)
+    result = find_host_syncs(args.config, args.arm, args.num_prompts, args.tokenizer_dir)
+    print(f"{args.arm}: {result['elapsed_s']} s; launch host time: {result['launch']}")
+    for stack, count in result["sync_stacks"]:
+        print(f"-- {count} syncs from:\n{stack}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,135 @@
+"""Where a decode step's GPU time goes, kernel by kernel (torch.profiler over CUDA graph replays and
+eager forwards of one decode batch), plus the LM head + sampler that run after the graph.
+
+    python -m benchmarks.profile_decode --config qwen3-4b --arm native --batch 1 --out DIR
+
+Writes DIR/<date>-<config>-<arm>-decode-profile.json and prints the top kernels per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from pathlib import Path
+
+import torch
+
+STEPS = 20
+
+
+def _kernel_table(prof, steps: int, top: int = 25) -> list[dict]:
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = getattr(e, "self_cuda_time_total", 0.0)
+        if us <= 0 or getattr(e, "device_type", None) is None or "CUDA" not in str(e.device_type):
+            continue
+        rows.append({"kernel": e.key[:120], "calls_per_step": round(e.count / steps, 2),
+                     "us_per_step": round(us / steps, 2)})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return rows[:top]
+
+
+def _profile(fn, steps: int = STEPS) -> tuple[list[dict], float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    table = _kernel_table(prof, steps)
+    return table, round(sum(r["us_per_step"] for r in _kernel_table(prof, steps, top=10_000)), 1)
+
+
+def _timed_ms(fn, iters: int = 50) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return round(start.elapsed_time(end) / iters, 4)
+
+
+@torch.inference_mode()
+def profile_decode(config: str, arm: str, batch: int, context: int, engine_kwargs: dict,
+                   tokenizer_dir=None) -> dict:
+    from benchmarks.common import bench_model_dir, environment, load_bench_config, make_llm
+    from fxrewrite.runtime.forward_context import forward_context
+
+    spec = load_bench_config(config)
+    llm = make_llm(arm, bench_model_dir(spec, tokenizer_dir), max_model_len=4096, max_num_seqs=max(8, batch),
+                   **engine_kwargs)
+    runner = llm.llm_engine.model_runner
+    graphs = runner.graph_runner
+    bs = min(s for s in graphs.sizes if s >= batch)
+    blocks = -(-context // runner.block_size)
+    graphs.slot_mapping.fill_(-1)  # write no KV
+    graphs.seq_lens[:bs] = context
+    graphs.block_tables[:bs, :blocks] = torch.arange(blocks, dtype=torch.int32, device=runner.device)
+    graphs.input_ids[:bs] = 1
+    graphs.positions[:bs] = context - 1
+    metadata = graphs._metadata(bs)
+    metadata.max_seq_len = context
+
+    def eager():
+        with forward_context(metadata):
+            runner.model(graphs.input_ids[:bs], graphs.positions[:bs])
+
+    seqs = []
+    from fxrewrite.runtime.sampling_params import SamplingParams
+    from fxrewrite.runtime.sequence import Sequence
+
+    seqs = [Sequence(f"p{i}", [1] * 8, SamplingParams(temperature=0)) for i in range(batch)]
+    hidden = graphs.outputs[:batch]
+
+    def head_and_sampler():
+        runner.sampler.sample(runner.model.compute_logits(hidden), seqs)
+
+    graph = graphs.graphs[bs]
+    graph_table, graph_us = _profile(graph.replay)
+    eager_table, eager_us = _profile(eager)
+    return {
+        "date": datetime.date.today().isoformat(), "environment": environment(), "config": spec["name"],
+        "arm": arm, "batch": batch, "bucket": bs, "context": context,
+        "graph_replay_ms": _timed_ms(graph.replay), "eager_forward_ms": _timed_ms(eager),
+        "lm_head_and_sampler_ms": _timed_ms(head_and_sampler),
+        "graph_kernels_us_per_step": graph_us, "graph_top_kernels": graph_table,
+        "eager_kernels_us_per_step": eager_us, "eager_top_kernels": eager_table,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="qwen3-4b")
+    p.add_argument("--arm", default="native", choices=("before", "after", "native"))
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=256, help="tokens already in each sequence's KV cache")
+    p.add_argument("-O", "--compilation-config", type=int, default=0)
+    p.add_argument("--tokenizer-dir", default=None)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = p.parse_args(argv)
+    result = profile_decode(args.config, args.arm, args.batch, args.context,
+                            {"compilation_config": args.compilation_config}, args.tokenizer_dir)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{result['date']}-{result['config']}-{args.arm}-b{args.batch}-decode-profile.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{args.config} {args.arm} batch {args.batch}: graph {result['graph_replay_ms']} ms, eager "
+          f"{result['eager_forward_ms']} ms, LM head + sampler {result['lm_head_and_sampler_ms']} ms")
+    for name in ("graph", "eager"):
+        print(f"-- {name}: {result[f'{name}_kernels_us_per_step']} us of kernels per step")
+        for r in result[f"{name}_top_kernels"][:18]:
+            print(f"  {r['us_per_step']:9.2f} us  x{r['calls_per_step']:<6} {r['kernel']}")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
