@@ -19,13 +19,14 @@ import warnings
 import torch
 
 
-def find_host_syncs(config: str, arm: str, num_prompts: int, tokenizer_dir=None) -> dict:
+def find_host_syncs(config: str, arm: str, num_prompts: int, tokenizer_dir=None, max_input_len: int = 512,
+                    max_output_len: int = 128, sync_debug: bool = True) -> dict:
     from benchmarks.common import bench_model_dir, load_bench_config, make_llm, run_requests
     from benchmarks.throughput import ThroughputWorkload
     from fxrewrite.runtime.sampling_params import SamplingParams
 
     spec = load_bench_config(config)
-    workload = ThroughputWorkload(num_prompts=num_prompts, max_input_len=512, max_output_len=128)
+    workload = ThroughputWorkload(num_prompts=num_prompts, max_input_len=max_input_len, max_output_len=max_output_len)
     llm = make_llm(arm, bench_model_dir(spec, tokenizer_dir), max_model_len=workload.max_model_len)
     engine, runner = llm.llm_engine, llm.llm_engine.model_runner
     prompts, output_lens = workload.generate()
@@ -34,13 +35,16 @@ def find_host_syncs(config: str, arm: str, num_prompts: int, tokenizer_dir=None)
 
     stacks: collections.Counter = collections.Counter()
     launch_ms = {"graph": [], "eager": []}
+    slowest = []
     launch = runner.execute_model_async
 
     def timed(sched, previous=None):
         decode = all(s.num_new_tokens == 1 for s in sched.scheduled)
         t0 = time.perf_counter()
         out = launch(sched, previous)
-        launch_ms["graph" if decode else "eager"].append((time.perf_counter() - t0) * 1e3)
+        ms = (time.perf_counter() - t0) * 1e3
+        launch_ms["graph" if decode else "eager"].append(ms)
+        slowest.append((round(ms, 2), len(sched.scheduled), sched.num_tokens))
         return out
 
     def record(message, category, filename, lineno, file=None, line=None):
@@ -51,14 +55,17 @@ def find_host_syncs(config: str, arm: str, num_prompts: int, tokenizer_dir=None)
     old_show = warnings.showwarning
     warnings.showwarning = record
     warnings.simplefilter("always")
-    torch.cuda.set_sync_debug_mode("warn")
+    if sync_debug:
+        torch.cuda.set_sync_debug_mode("warn")
     try:
         stats = run_requests(engine, prompts, params)
     finally:
         torch.cuda.set_sync_debug_mode(0)
         warnings.showwarning = old_show
         del runner.execute_model_async
-    summary = {k: {"steps": len(v), "mean_ms": round(sum(v) / max(1, len(v)), 3)} for k, v in launch_ms.items()}
+    summary = {k: {"steps": len(v), "total_s": round(sum(v) / 1e3, 3), "mean_ms": round(sum(v) / max(1, len(v)), 3)}
+               for k, v in launch_ms.items()}
+    summary["slowest (ms, seqs, tokens)"] = sorted(slowest, reverse=True)[:8]
     return {"arm": arm, "elapsed_s": round(stats.elapsed_s, 3), "launch": summary,
             "sync_stacks": stacks.most_common(12)}
 
@@ -68,9 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="qwen3-0.6b")
     p.add_argument("--arm", default="after", choices=("before", "after", "native"))
     p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--max-input-len", type=int, default=512)
+    p.add_argument("--max-output-len", type=int, default=128)
+    p.add_argument("--no-sync-debug", action="store_true", help="only time the launches")
     p.add_argument("--tokenizer-dir", default=None)
     args = p.parse_args(argv)
-    result = find_host_syncs(args.config, args.arm, args.num_prompts, args.tokenizer_dir)
+    result = find_host_syncs(args.config, args.arm, args.num_prompts, args.tokenizer_dir, args.max_input_len,
+                             args.max_output_len, not args.no_sync_debug)
     print(f"{args.arm}: {result['elapsed_s']} s; launch host time: {result['launch']}")
     for stack, count in result["sync_stacks"]:
         print(f"-- {count} syncs from:\n{stack}")

@@ -2,7 +2,9 @@
 
 Grid (sequence, kv head, split): each program loads the G = Hq/Hkv query heads that share its
 kv head as one [G, D] tile (GQA: every cached key/value is read once per kv head), walks its
-partition of the context through the block table, and keeps an online softmax (running max m,
+partition of the context through the block table (the split count is fixed on the host, so a CUDA
+graph stays valid; each sequence's partition length is its own context over that count, so a short
+sequence still spreads over several programs instead of leaving one program to walk it alone), and keeps an online softmax (running max m,
 sum l). With one split it writes the output directly; otherwise it writes normalised partial
 outputs with (m, l) and :func:`_reduce_kernel` merges them (the flash-decoding scheme).
 Semantics and arguments: :mod:`fxrewrite.kernels.paged_attention`.
@@ -25,7 +27,7 @@ _MIN_PARTITION = 256
 
 @triton.jit
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, part_ptr, ml_ptr,
-                   scale, soft_cap, sliding_window, block_size, partition, num_splits,
+                   scale, soft_cap, sliding_window, block_size, num_splits,
                    q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0, o_s0, o_s1,
                    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -41,10 +43,13 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr
         heads = kvh * G + offs_g
         gd_mask = (offs_g[:, None] < G) & (offs_d[None, :] < HEAD_DIM)
         q = tl.load(q_ptr + tok.to(tl.int64) * q_s0 + heads[:, None] * q_s1 + offs_d[None, :], mask=gd_mask, other=0.0)
-        start = split * partition
-        end = tl.minimum(start + partition, seq_len)
+        lo = 0
         if HAS_WINDOW:
-            start = tl.maximum(start, seq_len - sliding_window)
+            lo = tl.maximum(seq_len - sliding_window, 0)
+        # this sequence's partition: its own context over the splits, in whole BLOCK_N tiles
+        part = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+        start = lo + split * part
+        end = tl.minimum(start + part, seq_len)
         m_i = tl.zeros([BLOCK_G], dtype=tl.float32) - 1.0e30
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
@@ -89,14 +94,12 @@ def _reduce_kernel(qsl_ptr, out_ptr, part_ptr, ml_ptr, o_s0, o_s1, num_heads, nu
                  mask=offs_d < HEAD_DIM)
 
 
-def _num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int) -> tuple[int, int]:
-    """(splits, partition tokens): enough programs to fill the GPU, partitions >= _MIN_PARTITION.
-    Depends only on host ints, so a CUDA graph captured with max_seq_len stays valid."""
+def _num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int:
+    """Splits per (sequence, kv head): enough programs to fill the GPU, partitions of the longest
+    context >= _MIN_PARTITION tokens. Depends only on host ints, so a CUDA graph captured with
+    max_seq_len stays valid (shorter sequences divide their own context by the same count)."""
     max_splits = max(1, -(-max_seq_len // _MIN_PARTITION))
-    splits = min(max_splits, max(1, -(-_TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads))))
-    partition = -(-max(1, max_seq_len) // splits)
-    partition = -(-partition // block_n) * block_n
-    return -(-max(1, max_seq_len) // partition), partition
+    return min(max_splits, max(1, -(-_TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads))))
 
 
 def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
@@ -111,12 +114,10 @@ def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, q
     check_last_dim_contiguous(query, key_cache, value_cache)
     num_tokens, num_heads, head_dim = query.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], key_cache.shape[2]
-    out = torch.zeros_like(query)
+    out = torch.empty_like(query)  # every query token belongs to a sequence, so every row is written
     if num_seqs == 0 or num_tokens == 0:
         return out
-    splits, partition = _num_splits(num_seqs, num_kv_heads, max_seq_len, block_n)
-    if num_splits is not None:
-        splits, partition = num_splits, -(-(-(-max(1, max_seq_len) // num_splits)) // block_n) * block_n
+    splits = num_splits if num_splits is not None else _num_splits(num_seqs, num_kv_heads, max_seq_len)
     group, block_d = num_heads // num_kv_heads, max(16, next_power_of_2(head_dim))
     part = ml = out
     if splits > 1:
@@ -124,7 +125,7 @@ def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, q
         ml = torch.empty((num_tokens, num_heads, splits, 2), dtype=torch.float32, device=query.device)
     launch(_decode_kernel, (num_seqs, num_kv_heads, splits), query.device)(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, part, ml,
-        float(scale), float(soft_cap or 0.0), int(sliding_window or 0), key_cache.shape[1], partition, splits,
+        float(scale), float(soft_cap or 0.0), int(sliding_window or 0), key_cache.shape[1], splits,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),

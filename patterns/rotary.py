@@ -21,6 +21,8 @@ import torch
 from torch import nn
 
 from fxrewrite import nodes
+from fxrewrite.kernels import use_triton
+from fxrewrite.kernels.rotary import rotary_embedding_triton
 from fxrewrite.layers.rotary import get_rope
 from fxrewrite.patterns.base import Context, Match, Pattern, free_attribute, require
 
@@ -48,10 +50,34 @@ def apply_rotary_qk(q, k, cos, sin, unsqueeze_dim: int = 1):
 
 
 class ApplyRotaryEmb(nn.Module):
-    """`apply_rotary_qk` as a module (no parameters), so the rewritten forward can call it."""
+    """`apply_rotary_qk` as a module (no parameters), so the rewritten forward can call it.
+
+    Inference on a GPU (no autograd, one batch row: the serving engine's flattened tokens) runs the
+    Triton rotary kernel on copies of q and k: 5 kernels instead of the ~12 elementwise ones of the
+    torch form, which computes in the input dtype where the kernel computes in float32.
+    """
 
     def forward(self, q, k, cos, sin, unsqueeze_dim: int = 1):
+        if _kernel_applies(q, k, cos, unsqueeze_dim):
+            return _rotary_kernel_qk(q, k, cos, sin)
         return apply_rotary_qk(q, k, cos, sin, unsqueeze_dim)
+
+
+def _kernel_applies(q, k, cos, unsqueeze_dim: int) -> bool:
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or cos.requires_grad)
+    return (not grad and use_triton(q) and unsqueeze_dim == 1 and q.dim() == 4 and k.dim() == 4
+            and q.shape[0] == 1 and cos.dim() == 3 and cos.shape[:2] == (1, q.shape[2]) and q.stride(-1) == 1
+            and k.stride(-1) == 1 and cos.shape[-1] % 2 == 0 and cos.shape[-1] <= q.shape[-1])
+
+
+def _rotary_kernel_qk(q, k, cos, sin):
+    """q [1, Hq, S, D], k [1, Hk, S, D], cos/sin [1, S, rotary_dim] (neox: each half repeated) -> new q, k."""
+    half = cos.shape[-1] // 2
+    cache = torch.cat((cos[0, :, :half], sin[0, :, :half]), dim=-1)  # row s = position s's cos | sin
+    positions = torch.arange(cache.shape[0], device=q.device)
+    q_out, k_out = q.clone(), k.clone()  # the kernel rotates in place; the callers' q and k stay as they were
+    rotary_embedding_triton(positions, q_out[0].transpose(0, 1), k_out[0].transpose(0, 1), q.shape[-1], cache, True)
+    return q_out, k_out
 
 
 class RotaryCosSin(nn.Module):

@@ -65,15 +65,7 @@ def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch
     positions[:] = np.arange(num_tokens) + np.repeat(starts - (cu_new - num_new), num_new)
     logits_indices[:] = cu_new[sample_idx] - 1
 
-    # int32 buffer: block_tables [B, max_blocks] (padded with 0) | seq_lens [B] | query_start_loc [B+1]
-    buf32 = np.zeros(num_seqs * max_blocks + 2 * num_seqs + 1, dtype=np.int32)
-    block_tables = buf32[: num_seqs * max_blocks].reshape(num_seqs, max_blocks)
-    flat_tables = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(table_lens.sum()))
-    block_tables[np.arange(max_blocks)[None, :] < table_lens[:, None]] = flat_tables
-    seq_lens = buf32[num_seqs * max_blocks : num_seqs * max_blocks + num_seqs]
-    seq_lens[:] = ends
-    query_start_loc = buf32[num_seqs * max_blocks + num_seqs :]
-    query_start_loc[1:] = cu_new
+    buf32, block_tables = _int32_buffer(tables, table_lens, max_blocks, ends, cu_new)
     slot_mapping[:] = block_tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + (
         positions % block_size
     )
@@ -97,6 +89,21 @@ def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch
         gather_dst=t64[s_end::2] if gather else None,
         gather_src=t64[s_end + 1 :: 2] if gather else None,
     )
+
+
+def _int32_buffer(tables: list[list[int]], table_lens: np.ndarray, max_blocks: int, ends: np.ndarray,
+                  cu_new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int32 buffer: block_tables [B, max_blocks] (padded with 0) | seq_lens [B] | query_start_loc [B+1];
+    returns it and the block_tables view."""
+    num_seqs = len(tables)
+    nb = num_seqs * max_blocks
+    buf32 = np.zeros(nb + 2 * num_seqs + 1, dtype=np.int32)
+    block_tables = buf32[:nb].reshape(num_seqs, max_blocks)
+    flat_tables = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(table_lens.sum()))
+    block_tables[np.arange(max_blocks)[None, :] < table_lens[:, None]] = flat_tables
+    buf32[nb : nb + num_seqs] = ends
+    buf32[nb + num_seqs + 1 :] = cu_new
+    return buf32, block_tables
 
 
 def _token_ids(scheduled: list[ScheduledSeq], cu_new: np.ndarray, previous_rows: dict[int, int] | None):

@@ -62,13 +62,12 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.norm_qk(q, k)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.position_qk(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
-    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hook for per-head q/k norms (Qwen3); identity for Llama."""
-        return q, k
+    def position_qk(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q [T, Hq*D], k [T, Hkv*D] -> rotated (Qwen3 adds its per-head norms here)."""
+        return self.rotary_emb(positions, q, k)
 
 
 class Qwen2Attention(LlamaAttention):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from fxrewrite.kernels.qk_norm_rope import qk_norm_rope
 from fxrewrite.layers.layernorm import RMSNorm
 from fxrewrite.runtime.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
@@ -15,11 +16,17 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(self.head_dim, eps)
         self.k_norm = RMSNorm(self.head_dim, eps)
 
-    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq*D], k [T, Hkv*D]: normalise each head's D values (transformers' Qwen3 q_norm/k_norm)."""
-        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim)).view(q.shape)
-        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim)).view(k.shape)
-        return q, k
+    def position_qk(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q [T, Hq*D], k [T, Hkv*D]: normalise each head's D values (transformers' Qwen3 q_norm/k_norm),
+        then rotate; one fused kernel (fxrewrite.kernels.qk_norm_rope) unless the rotary's cos/sin
+        depend on the batch (dynamic NTK, longrope)."""
+        rope = self.rotary_emb
+        if rope.rope_type in ("dynamic", "longrope"):
+            q = self.q_norm(q.view(-1, self.num_heads, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim)).view(k.shape)
+            return rope(positions, q, k)
+        return qk_norm_rope(positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.variance_epsilon,
+                            self.head_dim, rope.cos_sin_cache, rope.is_neox_style)
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):

@@ -59,7 +59,8 @@ def test_ref_rejects_bad_shapes(paged_batch):
                             batch.seq_lens, batch.query_start_loc[:-1], 6, 22, 1.0)
 
 
-@pytest.mark.parametrize("heads,dim,window,cap,splits", [((4, 2), 16, None, None, None), ((4, 1), 24, 9, 3.0, 3)])
+@pytest.mark.parametrize("heads,dim,window,cap,splits", [((4, 2), 16, None, None, None), ((4, 1), 24, 9, 3.0, 3),
+                                                     ((4, 2), 16, None, None, 8), ((4, 1), 24, 5, None, 8)])
 def test_decode_kernel_matches_ref(interpret, paged_batch, heads, dim, window, cap, splits):
     batch = paged_batch(DECODE, *heads, dim, 8, seed=1)
     want = paged_attention_ref(*batch.args(), 0.3, window, cap)

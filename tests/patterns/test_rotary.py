@@ -3,12 +3,14 @@
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import fxrewrite
 from fxrewrite.patterns.rotary import RotaryCosSin, apply_rotary_qk
 
 from tests.e2e.tiny_models import tiny_model  # noqa: E402
+from tests.kernels.conftest import interpret  # noqa: E402, F401  (the Triton-interpreter fixture)
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "rope_theta": 10000.0}
 
@@ -79,3 +81,26 @@ def test_apply_call_refused_when_function_differs():
     report = fxrewrite.explain(model)
     assert "rotary_apply" not in report.applied_patterns()
     assert any(p == "rotary_apply" and "does not compute" in r for _, p, r in report.skipped())
+
+
+@pytest.mark.parametrize("rotary_dim", [16, 8])
+def test_apply_rotary_emb_kernel_path_matches_torch_form(interpret, monkeypatch, rotary_dim):
+    """The engine's path (no grad, one batch row): the Triton kernel on copies of q and k gives
+    `apply_rotary_qk`'s result (float32) and leaves the inputs untouched; with grad, the torch form runs."""
+    from fxrewrite.patterns.rotary import ApplyRotaryEmb, _kernel_applies, apply_rotary_qk
+
+    monkeypatch.setenv("FXREWRITE_TRITON", "1")
+    torch.manual_seed(0)
+    seq, dim = 5, 16
+    q = torch.randn(1, seq, 4, dim).transpose(1, 2)  # transformers' [B, H, S, D] views
+    k = torch.randn(1, seq, 2, dim).transpose(1, 2)
+    angles = torch.rand(1, seq, rotary_dim // 2) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    q0, k0 = q.clone(), k.clone()
+    want_q, want_k = apply_rotary_qk(q, k, cos, sin)
+    assert _kernel_applies(q, k, cos, 1)
+    got_q, got_k = ApplyRotaryEmb()(q, k, cos, sin)
+    torch.testing.assert_close(got_q, want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_k, want_k, rtol=1e-5, atol=1e-5)
+    assert torch.equal(q, q0) and torch.equal(k, k0)
+    assert not _kernel_applies(q.requires_grad_(), k, cos, 1)

@@ -1,0 +1,123 @@
+"""Qwen3's attention prologue in one pass: an RMSNorm over each head of q and of k, then rotary.
+
+Formula (transformers ``Qwen3Attention``): q = q_norm(q.view(..., Hq, D)), k = k_norm(k.view(..., Hkv, D)),
+each the Llama RMSNorm ``w * (x * rsqrt(mean(x², -1) + eps)).to(dtype)``, then ``apply_rotary_pos_emb``
+on the first ``rotary_dim`` features (neox halves or GPT-J pairs; see :mod:`fxrewrite.kernels.rotary`).
+The unfused form is five kernels at decode (two copies of the strided q/k views, two norms, the rotary);
+here each token is one program that reads and writes its q and k heads once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fxrewrite.kernels import use_triton
+from fxrewrite.kernels.rms_norm import rms_norm_ref
+from fxrewrite.kernels.rotary import rotary_embedding_ref
+from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
+
+__all__ = ["qk_norm_rope", "qk_norm_rope_ref", "qk_norm_rope_triton"]
+
+
+def qk_norm_rope_ref(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, q_weight: torch.Tensor,
+                     k_weight: torch.Tensor, eps: float, head_size: int, cos_sin_cache: torch.Tensor,
+                     is_neox_style: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference; returns new ``(query, key)`` of the input shapes.
+
+    positions int64 [T]; query [T, Hq*D] (or [T, Hq, D]), key [T, Hkv*D] (or [T, Hkv, D]), any float dtype;
+    q_weight / k_weight [D]; cos_sin_cache [max_position, rotary_dim] (cos then sin, float32).
+    Raises ValueError on inconsistent shapes (from the RMSNorm and rotary references).
+    """
+    num_tokens = positions.numel()
+    q = rms_norm_ref(query.reshape(num_tokens, -1, head_size), q_weight, eps).view(query.shape)
+    k = rms_norm_ref(key.reshape(num_tokens, -1, head_size), k_weight, eps).view(key.shape)
+    return rotary_embedding_ref(positions, q, k, head_size, cos_sin_cache, is_neox_style)
+
+
+def qk_norm_rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, q_weight: torch.Tensor,
+                 k_weight: torch.Tensor, eps: float, head_size: int, cos_sin_cache: torch.Tensor,
+                 is_neox_style: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton on CUDA (in place; returns the inputs), else :func:`qk_norm_rope_ref`: use the returned tensors."""
+    if use_triton(query):
+        return qk_norm_rope_triton(positions, query, key, q_weight, k_weight, eps, head_size, cos_sin_cache,
+                                   is_neox_style)
+    return qk_norm_rope_ref(positions, query, key, q_weight, k_weight, eps, head_size, cos_sin_cache, is_neox_style)
+
+
+@triton.jit
+def _norm_rope_heads(base, head_stride, num_heads, w_ptr, cos, sin, eps, off1, off2, imask, offp, pmask,
+                     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Normalise and rotate `num_heads` heads of one token in place (rows of a [BLOCK_H, D] tile)."""
+    heads = tl.arange(0, BLOCK_H)
+    hmask = heads < num_heads
+    rows = base + heads[:, None] * head_stride
+    m1 = hmask[:, None] & imask[None, :]
+    mp = hmask[:, None] & pmask[None, :]
+    x1 = tl.load(rows + off1[None, :], mask=m1, other=0.0).to(tl.float32)
+    x2 = tl.load(rows + off2[None, :], mask=m1, other=0.0).to(tl.float32)
+    xp = tl.load(rows + offp[None, :], mask=mp, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1) + tl.sum(xp * xp, 1)) / HEAD_DIM + eps)[:, None]
+    dtype = base.dtype.element_ty
+    # Llama's order: x̂ rounded to the input dtype, times the weight, rounded again.
+    w1 = tl.load(w_ptr + off1, mask=imask, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + off2, mask=imask, other=0.0).to(tl.float32)[None, :]
+    wp = tl.load(w_ptr + offp, mask=pmask, other=0.0).to(tl.float32)[None, :]
+    y1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+    y2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    yp = (xp * rstd).to(dtype).to(tl.float32) * wp
+    tl.store(rows + off1[None, :], (y1 * cos - y2 * sin).to(dtype), mask=m1)
+    tl.store(rows + off2[None, :], (y2 * cos + y1 * sin).to(dtype), mask=m1)
+    tl.store(rows + offp[None, :], yp.to(dtype), mask=mp)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(pos_ptr, q_ptr, k_ptr, qw_ptr, kw_ptr, cache_ptr, q_tok_stride, q_head_stride,
+                         k_tok_stride, k_head_stride, cache_stride, num_q_heads, num_k_heads, eps,
+                         HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                         PASS: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                         BLOCK_HK: tl.constexpr, IS_NEOX: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    i = tl.arange(0, BLOCK_HALF)
+    imask = i < HALF
+    cos = tl.load(cache_ptr + pos * cache_stride + i, mask=imask, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(cache_ptr + pos * cache_stride + HALF + i, mask=imask, other=0.0).to(tl.float32)[None, :]
+    if IS_NEOX:
+        off1 = i
+        off2 = i + HALF
+    else:
+        off1 = 2 * i
+        off2 = 2 * i + 1
+    j = tl.arange(0, BLOCK_PASS)
+    offp = 2 * HALF + j  # features past rotary_dim: normalised, not rotated
+    pmask = j < PASS
+    _norm_rope_heads(q_ptr + tok * q_tok_stride, q_head_stride, num_q_heads, qw_ptr, cos, sin, eps,
+                     off1, off2, imask, offp, pmask, HEAD_DIM, BLOCK_HQ)
+    _norm_rope_heads(k_ptr + tok * k_tok_stride, k_head_stride, num_k_heads, kw_ptr, cos, sin, eps,
+                     off1, off2, imask, offp, pmask, HEAD_DIM, BLOCK_HK)
+
+
+def qk_norm_rope_triton(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, q_weight: torch.Tensor,
+                        k_weight: torch.Tensor, eps: float, head_size: int, cos_sin_cache: torch.Tensor,
+                        is_neox_style: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place on ``query`` / ``key`` (each head's D features must be contiguous; tokens and heads may
+    be strided, e.g. slices of a fused QKV output). Same contract as :func:`qk_norm_rope_ref`."""
+    num_tokens = positions.numel()
+    q = query.view(num_tokens, -1, head_size)
+    k = key.view(num_tokens, -1, head_size)
+    rotary_dim = cos_sin_cache.shape[-1]
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1:
+        raise ValueError("qk_norm_rope: the head dim of query/key/cos_sin_cache must be contiguous")
+    if rotary_dim % 2 or rotary_dim > head_size or q_weight.shape != (head_size,) or k_weight.shape != (head_size,):
+        raise ValueError(f"qk_norm_rope: rotary_dim={rotary_dim} (even, <= {head_size}) and q/k weights "
+                         f"{tuple(q_weight.shape)}/{tuple(k_weight.shape)} (expected [{head_size}])")
+    if num_tokens == 0:
+        return query, key
+    half, rest = rotary_dim // 2, head_size - rotary_dim
+    launch(_qk_norm_rope_kernel, (num_tokens,), query.device)(
+        positions, q, k, q_weight, k_weight, cos_sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        cos_sin_cache.stride(0), q.shape[1], k.shape[1], float(eps),
+        HEAD_DIM=head_size, HALF=half, BLOCK_HALF=next_power_of_2(half), PASS=rest,
+        BLOCK_PASS=max(1, next_power_of_2(rest)), BLOCK_HQ=next_power_of_2(q.shape[1]),
+        BLOCK_HK=next_power_of_2(k.shape[1]), IS_NEOX=is_neox_style, num_warps=4)
+    return query, key
