@@ -15,7 +15,7 @@ if str(REPO_ROOT) not in sys.path:
 from benchmarks.common import CONFIG_DIR, load_bench_config, parse_arms  # noqa: E402
 
 # Published parameter counts (embeddings included, tied counted once), to 2 significant digits.
-EXPECTED_PARAMS = {"qwen3-0.6b": 0.60e9, "qwen3-4b": 4.0e9, "llama-3.1-8b": 8.0e9}
+EXPECTED_PARAMS = {"qwen3-0.6b": 0.60e9, "qwen3-4b": 4.0e9, "llama-3.1-8b": 8.0e9, "qwen3-32b": 32.8e9}
 
 
 def _num_params(cfg: dict) -> float:
