@@ -42,3 +42,13 @@ def test_tensor_parallel_size_must_divide_heads_before_any_worker_starts(tiny_qw
     # the tiny Qwen3 has 4 attention heads
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the model's num_attention_heads=4"):
         LLM(str(tiny_qwen3_dir), tensor_parallel_size=3, kv_cache_memory_bytes=1 << 22)
+
+
+def test_boolean_engine_arguments_must_be_bools():
+    import pytest
+
+    from fxrewrite.runtime.engine_config import EngineConfig
+
+    for name in ("async_scheduling", "fusion", "enforce_eager"):
+        with pytest.raises(ValueError, match=f"{name}='maybe' must be True or False"):
+            EngineConfig(**{name: "maybe"})
