@@ -53,7 +53,7 @@ def create_model_runner(config, model_config, eos_token_ids: set[int]):
     if state is not None and state.tp_group is not None and state.tp_size == tp_size:
         runner = ModelRunner(config, rank_model_config(model_config, tp_size), eos_token_ids)
         # Every rank schedules on its own: they must agree on the KV cache size to stay in step.
-        num_blocks = torch.tensor([runner.num_blocks], dtype=torch.int64)
+        num_blocks = torch.tensor([runner.num_blocks], dtype=torch.int64, device=runner.device)  # NCCL: on the GPU
         dist.all_reduce(num_blocks, op=dist.ReduceOp.MIN, group=state.tp_group)
         runner.num_blocks = int(num_blocks)
         return runner

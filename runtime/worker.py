@@ -122,7 +122,8 @@ class Worker:
 
     def num_blocks(self) -> int:
         """The smallest KV block count over the TP ranks (what the driver's block manager may use)."""
-        n = torch.tensor([self.runner.num_blocks], dtype=torch.int64)
+        # On the runner's device: the TP group is NCCL on GPUs, and NCCL has no CPU tensors.
+        n = torch.tensor([self.runner.num_blocks], dtype=torch.int64, device=self.runner.device)
         dist.all_reduce(n, op=dist.ReduceOp.MIN, group=distributed.get_tp_group())
         return int(n)
 
@@ -160,19 +161,18 @@ def worker_main(local_rank: int, config, model_config, eos_token_ids: set[int], 
     store.set(f"fxrewrite/worker_ready/{rank}", "1")
     state = distributed.initialize(rank, tp_size + 1, store=store, tp_ranks=list(range(1, tp_size + 1)),
                                    with_driver=True, tp_backend=backend)
-    try:
-        worker = Worker(config, model_config, eos_token_ids)
-        num_blocks = worker.num_blocks()
+    worker = Worker(config, model_config, eos_token_ids)
+    num_blocks = worker.num_blocks()
+    if state.tp_rank == 0:
+        broadcast_object({"num_blocks": num_blocks, "impl": getattr(worker.runner.model, "impl", None)},
+                         1, state.driver_group)
+    while (msg := broadcast_object(None, 0)) is not None:
+        out = worker.execute(msg)
         if state.tp_rank == 0:
-            broadcast_object({"num_blocks": num_blocks, "impl": getattr(worker.runner.model, "impl", None)},
-                             1, state.driver_group)
-        while (msg := broadcast_object(None, 0)) is not None:
-            out = worker.execute(msg)
-            if state.tp_rank == 0:
-                broadcast_object(out, 1, state.driver_group)
-    finally:
-        distributed.destroy()
-    # Normal shutdown: skip the interpreter's slow teardown (nothing is left to flush but stdio).
+            broadcast_object(out, 1, state.driver_group)
+    # Normal shutdown: exit without destroying the process groups (NCCL's destroy_process_group blocks
+    # on an H200 pair until the driver kills us; the exit frees everything) or the interpreter's slow
+    # teardown (nothing is left to flush but stdio).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
