@@ -6,13 +6,16 @@ compiler checks):
    parents see the fused layers when they are matched (the residual variant needs them).
 2. `QKVPattern` (three linears), `GLUPattern` (two linears and a product): disjoint by the number
    of linears sharing an input.
-3. `RotaryApplyPattern`: the rotary call in attention, after QKV (independent edits of one forward).
+3. `QKNormRopePattern`, `RotaryApplyPattern`: the rotary call in attention, after QKV (independent
+   edits of one forward); a call whose q and k are per-head RMSNorms (Qwen3) is the first's, every
+   other one the second's (`RotaryApplyPattern` leaves the first's calls alone).
 4. `ResidualRMSNormPattern`: the add + norm in a decoder layer, last.
 A new pattern is one file plus one line here.
 """
 
 from fxrewrite.patterns.base import Context, Match, Pattern, Refusal
 from fxrewrite.patterns.glu import GLUPattern
+from fxrewrite.patterns.qk_norm_rope import QKNormRopePattern
 from fxrewrite.patterns.qkv import QKVPattern
 from fxrewrite.patterns.rms_norm import ResidualRMSNormPattern, RMSNormPattern
 from fxrewrite.patterns.rotary import RotaryApplyPattern, RotaryPattern
@@ -22,6 +25,7 @@ PATTERNS: tuple[type[Pattern], ...] = (
     RotaryPattern,
     QKVPattern,
     GLUPattern,
+    QKNormRopePattern,
     RotaryApplyPattern,
     ResidualRMSNormPattern,
 )

@@ -8,7 +8,7 @@ to a constant scale and casts) and replaces it with `RotaryCosSin`, which reads 
 must reproduce the old one's cos/sin at sample positions, or the instance is left alone.
 `RotaryApplyPattern` matches a call of a plain function taking (q, k, cos, sin) whose two
 outputs equal `apply_rotary_qk` bit for bit on random inputs of the traced shapes, and calls
-the fused op instead.
+the fused op instead, except where q and k are per-head RMSNorms: `qk_norm_rope` fuses those calls.
 """
 
 from __future__ import annotations
@@ -182,16 +182,11 @@ class RotaryApplyPattern(Pattern):
 
     @classmethod
     def match(cls, traced, ctx: Context) -> list[Match]:
+        from fxrewrite.patterns.qk_norm_rope import fused_norms  # that module builds on this one
+
         matches = []
-        for n in traced.graph.nodes:
-            if n.op != "call_function" or not callable(n.target) or not nodes.is_leaf_call(n):
-                continue
-            metas = [nodes.meta(a) for a in n.args[:4]]
-            if len(n.args) < 4 or any(m is None for m in metas) or set(n.kwargs) - {"unsqueeze_dim"}:
-                continue
-            if [m.dim() for m in metas] != [4, 4, 3, 3] or len(n.args) > 5:
-                continue
-            if set(nodes.getitem_users(n)) != {0, 1} or len(n.users) != 2:
+        for n, metas in apply_calls(traced):
+            if isinstance(fused_norms(n, traced), tuple):  # q/k per-head norms: qk_norm_rope fuses the call
                 continue
             require(_same_outputs(n, metas), f"{n.target.__name__} does not compute neox rotary on q and k")
             matches.append(Match(cls, frozenset({n.name}), (("fn", n.target.__name__),)))
@@ -216,6 +211,21 @@ class RotaryApplyPattern(Pattern):
     @classmethod
     def describe(cls, match: Match) -> str:
         return f"{match.name('fn')} -> {NEW_APPLY}"
+
+
+def apply_calls(traced):
+    """(node, metas of q, k, cos, sin) for each leaf function call shaped like a rotary apply:
+    (q [B, H, S, D], k, cos [B, S, d], sin[, unsqueeze_dim]) -> exactly its two outputs used."""
+    for n in traced.graph.nodes:
+        if n.op != "call_function" or not callable(n.target) or not nodes.is_leaf_call(n):
+            continue
+        metas = [nodes.meta(a) for a in n.args[:4]]
+        if len(n.args) < 4 or any(m is None for m in metas) or set(n.kwargs) - {"unsqueeze_dim"}:
+            continue
+        if [m.dim() for m in metas] != [4, 4, 3, 3] or len(n.args) > 5:
+            continue
+        if set(nodes.getitem_users(n)) == {0, 1} and len(n.users) == 2:
+            yield n, metas
 
 
 def _same_outputs(node, metas) -> bool:

@@ -16,7 +16,7 @@ def test_explain_prints_report_and_diff(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "module class" in out and "Qwen3Attention" in out
     assert "qkv: q_proj,k_proj,v_proj -> qkv_proj" in out
-    assert "+    query_states, key_states = self.apply_rotary_emb(" in out
+    assert "+    query_states, key_states = self.qk_norm_rope(" in out
     assert "(fxrewrite)" in out
 
 

@@ -12,6 +12,8 @@ from fxrewrite.weights import to_hf_names
 FULL = ["glu", "qkv", "residual_rms_norm", "rms_norm", "rotary", "rotary_apply"]
 EXPECTED_APPLIED = {arch: FULL for arch in ARCHS}
 EXPECTED_APPLIED["phi3"] = ["residual_rms_norm", "rms_norm", "rotary", "rotary_apply"]
+# Qwen3's per-head q/k norms: its rotary call is fused with them (qk_norm_rope), not alone (rotary_apply)
+EXPECTED_APPLIED["qwen3"] = ["glu", "qk_norm_rope", "qkv", "residual_rms_norm", "rms_norm", "rotary"]
 EXPECTED_PRESENT = {arch: [] for arch in ARCHS}
 EXPECTED_PRESENT["phi3"] = ["glu", "qkv"]  # Phi-3 ships qkv_proj / gate_up_proj already fused
 
@@ -34,7 +36,8 @@ def test_report_lists_patterns(pair):
     assert report.present_patterns() == EXPECTED_PRESENT[arch]
     assert report.skipped() == []
     diff = report.diff()
-    assert "+    query_states, key_states = self.apply_rotary_emb(" in diff
+    fused_call = "self.qk_norm_rope(" if arch == "qwen3" else "self.apply_rotary_emb("
+    assert "+    query_states, key_states = " + fused_call in diff
     assert ("self.qkv_proj(hidden_states).split(" in diff) == (arch != "phi3")
 
 
