@@ -51,7 +51,8 @@ def run_engine_arm(arm: str, model_dir: Path, spec: dict, workload, engine_kwarg
     setup_s = time.perf_counter() - start
     runner = llm.llm_engine.model_runner
     graphs = getattr(runner, "graph_runner", None)
-    setup = {"setup_s": round(setup_s, 1), "cuda_graph_buckets": len(graphs.graphs) if graphs else 0,
+    buckets = len(graphs.graphs) if graphs else getattr(runner.model, "cuda_graph_buckets", 0)  # TP: the workers'
+    setup = {"setup_s": round(setup_s, 1), "cuda_graph_buckets": buckets,
              "compiled": bool(getattr(runner.model, "_fxrewrite_compiled", False))}
     run = {"throughput": run_throughput, "latency": run_latency, "long": run_long}[kind]
     try:
@@ -91,7 +92,8 @@ def compare(config: str | Path, arms: list[str], workload_kind: str = "throughpu
     env = environment()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"{datetime.date.today().isoformat()}-{spec['name']}-{workload_kind}"
+    tp = (engine_kwargs or {}).get("tensor_parallel_size") or 1
+    stem = f"{datetime.date.today().isoformat()}-{spec['name']}-{workload_kind}" + (f"-tp{tp}" if tp > 1 else "")
     result = {
         "name": stem, "date": env["date"], "config": spec["name"], "environment": env,
         "workload": workload.describe(), "engine_kwargs": {"load_format": "dummy", **(engine_kwargs or {})},

@@ -121,7 +121,7 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_block_ids[block_id] = None
-        seq.block_table.clear()
+        seq.block_table = []  # a new list: the tensor-parallel executor tracks tables by identity
         seq.block_hashes.clear()
         seq.num_computed_tokens = 0
 

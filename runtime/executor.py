@@ -7,6 +7,11 @@
 - else `MultiprocExecutor`: N workers started with `torch.multiprocessing` (spawn), joined through a
   `torch.distributed.TCPStore` (MASTER_ADDR / MASTER_PORT when set, else a free local port).
 
+Steps are asynchronous like the single-process runner's: `execute_model_async` sends the step and
+returns a `RemoteStep`; its `result()` receives the tokens, which TP rank 0 sends in step order, so the
+engine schedules step n+1 while the workers run step n. A message carries only what changed (new
+tokens, new block ids; `fxrewrite.runtime.worker.StepEncoder`).
+
 Failure handling: every wait on a worker polls the workers' process sentinels, so a worker that
 dies (or raises) ends the step with a RuntimeError carrying its exit status or traceback, and the
 others are terminated (then killed); Ctrl-C in the driver shuts the workers down the same way
@@ -16,6 +21,7 @@ exit (`shutdown`, garbage collection or interpreter exit) sends them ``None`` an
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import datetime
@@ -30,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from fxrewrite import distributed
-from fxrewrite.runtime.worker import NewSeq, SeqStep, StepMessage, broadcast_object, worker_main
+from fxrewrite.runtime.worker import StepEncoder, broadcast_object, worker_main
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +83,9 @@ class RemoteModel:
     """What the driver knows of the workers' model (its weights live in the workers)."""
 
     impl: str | None
+    cuda_graph_buckets: int = 0
+    """Decode batch sizes with a captured CUDA graph on the workers."""
+    _fxrewrite_compiled: bool = False
 
 
 class _Processes:
@@ -128,14 +137,15 @@ class WorkerError(RuntimeError):
 
 def _poll(work, procs: _Processes, timeout: float, what: str) -> None:
     """Wait for a torch.distributed work item while watching the worker processes."""
-    start, delay = time.monotonic(), 1e-4
+    start = time.monotonic()
     sentinels = list(procs.context.sentinels) if procs.context is not None else []
     while not work.is_completed():
-        if sentinels and multiprocessing.connection.wait(sentinels, timeout=delay):
-            raise _failure(procs, what)
-        if time.monotonic() - start > timeout:
+        elapsed = time.monotonic() - start
+        if elapsed > timeout:
             raise WorkerError(f"tensor-parallel workers did not answer within {timeout:.0f} s ({what})")
-        delay = min(delay * 2, 1e-3)  # at most 1 ms late: a GPU decode step takes a few ms
+        # 50 us late at most while steps flow (a decode step is a few ms), 1 ms once idle for a second.
+        if sentinels and multiprocessing.connection.wait(sentinels, timeout=5e-5 if elapsed < 1.0 else 1e-3):
+            raise _failure(procs, what)
     try:
         work.wait()
     except RuntimeError as e:  # gloo reports a dead peer as a closed connection
@@ -178,8 +188,8 @@ class MultiprocExecutor:
         self._procs = _Processes()
         self._finalizer = weakref.finalize(self, self._procs.close, True)
         self._dead: str | None = None
-        self._seqs: dict[int, object] = {}
-        self._sent: dict[int, int] = {}
+        self._encoder = StepEncoder()
+        self._outstanding: collections.deque[RemoteStep] = collections.deque()
         try:
             self._start(config, model_config, eos_token_ids, backend)
         except BaseException:
@@ -208,7 +218,7 @@ class MultiprocExecutor:
         info = broadcast_object(None, 1, distributed.get_state().driver_group,
                                 wait=lambda w: _poll(w, self._procs, STARTUP_TIMEOUT_S, "model loading"))
         self.num_blocks = info["num_blocks"]
-        self.model = RemoteModel(info["impl"])
+        self.model = RemoteModel(info["impl"], info["cuda_graph_buckets"], info["compiled"])
 
     def _wait_ready(self, store) -> None:
         """Poll the store until every worker is about to join the group, watching their processes."""
@@ -221,44 +231,85 @@ class MultiprocExecutor:
             if time.monotonic() > deadline:
                 raise WorkerError(f"tensor-parallel workers did not start within {STARTUP_TIMEOUT_S:.0f} s")
 
+    supports_async = True
+    """A step's tokens are received after the next step is sent (LLMEngine's async scheduling)."""
+
     def execute_model(self, sched):
-        """Ship the step to the workers; returns (driver Sequences that sampled, their SampleResults)."""
+        """Run the step on the workers; returns (driver Sequences that sampled, their SampleResults)."""
+        return self.execute_model_async(sched).result()
+
+    def execute_model_async(self, sched, previous=None) -> RemoteStep:
+        """Send the step to the workers and return without waiting. `previous` is not needed: each
+        worker feeds tokens still in flight from its own last step."""
+        self._check_alive()
+        msg = self._encoder.encode(sched)
+        step = RemoteStep(self, sched)
+        with self._procs.lock:
+            self._guard(lambda: broadcast_object(msg, 0, wait=self._wait("the step broadcast")))
+            self._outstanding.append(step)
+        return step
+
+    def _receive(self, step: RemoteStep) -> None:
+        """Receive results in launch order up to `step`'s (a step the engine dropped is skipped)."""
+        with self._procs.lock:
+            while step._out is None:
+                self._check_alive()
+                head = self._outstanding.popleft()
+                group = distributed.get_state().driver_group
+                head._out = self._guard(lambda: broadcast_object(None, 1, group, wait=self._wait("a model step")))
+
+    def _wait(self, what: str):
+        return lambda work: _poll(work, self._procs, STEP_TIMEOUT_S, what)
+
+    def _guard(self, fn):
+        try:
+            return fn()
+        except BaseException as e:
+            self._dead = f"{type(e).__name__}: {e}"
+            self.shutdown(graceful=False)
+            raise
+
+    def _check_alive(self) -> None:
         if self._dead is not None:
             raise WorkerError(f"the tensor-parallel workers are shut down ({self._dead})")
-        msg = self._encode(sched)
-        wait = lambda what: lambda w: _poll(w, self._procs, STEP_TIMEOUT_S, what)  # noqa: E731
-        with self._procs.lock:
-            try:
-                broadcast_object(msg, 0, wait=wait("the step broadcast"))
-                out = broadcast_object(None, 1, distributed.get_state().driver_group, wait=wait("a model step"))
-            except BaseException as e:
-                self._dead = f"{type(e).__name__}: {e}"
-                self.shutdown(graceful=False)
-                raise
-        return [self._seqs[seq_id] for seq_id, _ in out], [result for _, result in out]
-
-    def _encode(self, sched) -> StepMessage:
-        finished = [sid for sid, seq in self._seqs.items() if seq.is_finished]
-        for sid in finished:
-            del self._seqs[sid], self._sent[sid]
-        new, steps = [], []
-        for s in sched.scheduled:
-            seq = s.seq
-            if seq.seq_id not in self._seqs:
-                new.append(NewSeq(seq.seq_id, seq.request_id, seq.index, seq.prompt_token_ids, seq.sampling_params))
-                self._seqs[seq.seq_id], self._sent[seq.seq_id] = seq, seq.num_prompt_tokens
-            delta = seq.token_ids[self._sent[seq.seq_id]:]
-            self._sent[seq.seq_id] = len(seq.token_ids)
-            steps.append(SeqStep(seq.seq_id, delta, list(seq.block_table), s.start, s.num_new_tokens))
-        return StepMessage(new, steps, finished)
 
     def shutdown(self, graceful: bool = True) -> None:
-        """Stop the workers (idempotent): graceful sends them None and joins; else terminate/kill."""
+        """Stop the workers (idempotent): graceful receives the steps in flight, sends the workers None
+        and joins them; else terminate/kill."""
         if self._dead is None:
-            self._dead = "shut down by the driver"
+            if graceful:
+                graceful = self._drain()
+            if self._dead is None:
+                self._dead = "shut down by the driver"
         if self._finalizer.detach() is not None:
             self._procs.close(graceful)
+
+    def _drain(self) -> bool:
+        """Receive the tokens of steps in flight (rank 0 sends them before it reads the next message)."""
+        try:
+            if self._outstanding:
+                self._receive(self._outstanding[-1])
+            return True
+        except Exception as e:  # noqa: BLE001 - shutting down anyway (_guard has closed the workers)
+            logger.debug("tokens of the steps in flight not received: %s", e)
+            return False
 
     def worker_pids(self) -> list[int]:
         ctx = self._procs.context
         return [p.pid for p in ctx.processes] if ctx is not None else []
+
+
+class RemoteStep:
+    """A step sent to the workers; `result()` waits for its tokens (rank 0 sends them in step order)."""
+
+    def __init__(self, executor: MultiprocExecutor, sched):
+        self.sched = sched
+        self._executor = executor
+        self._seqs = {s.seq.seq_id: s.seq for s in sched.scheduled}
+        self._out: list | None = None
+
+    def result(self):
+        """(driver Sequences that sampled, their SampleResults); WorkerError when a worker failed."""
+        if self._out is None:
+            self._executor._receive(self)
+        return [self._seqs[seq_id] for seq_id, _ in self._out], [result for _, result in self._out]

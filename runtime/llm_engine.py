@@ -266,7 +266,7 @@ class LLMEngine:
 
 
 class _CompletedStep:
-    """A step that ran synchronously (tensor-parallel executor, or async scheduling off)."""
+    """A step that ran synchronously (async scheduling off)."""
 
     def __init__(self, sched: SchedulerOutput, out: tuple[list[Sequence], list[SampleResult]]):
         self.sched, self._out = sched, out

@@ -2,11 +2,15 @@
 
 Protocol (all over `torch.distributed`, see `fxrewrite.distributed`): world rank 0 is the driver
 (`fxrewrite.runtime.executor`), ranks 1..N the workers. Each step the driver broadcasts a
-`StepMessage` on the default (gloo) group; every worker applies it to its `SequenceMirror`, runs
-`ModelRunner.execute_model` (the model's collectives run on the TP group), and TP rank 0 sends
-``[(seq_id, SampleResult), ...]`` back on the (driver, rank 0) group. ``None`` means shut down.
-Sampling state lives in the workers' mirrors: a seeded request's generator advances there only,
-exactly as it would in a single-process engine, and every rank samples the same gathered logits.
+`StepMessage` on the default (gloo) group; every worker applies it to its `SequenceMirror` and launches
+the step (`ModelRunner.execute_model_async`; the model's collectives run on the TP group), and TP rank 0
+sends that step's ``[(seq_id, SampleResult), ...]`` back on the (driver, rank 0) group as soon as they
+reach the host. ``None`` means shut down.
+
+Async scheduling: the driver may send step n+1 before it has step n's tokens; such a token is "pending"
+in the message, and each worker feeds it from its own step n's sampled tokens on the device, exactly as
+the single-process engine does. Sampling state lives in the workers' mirrors: a seeded request's
+generator advances there only, and every rank samples the same gathered logits.
 """
 
 from __future__ import annotations
@@ -15,11 +19,14 @@ import copy
 import dataclasses
 import os
 import pickle
+import queue
 import signal
 import sys
 import threading
 import time
+import traceback
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -39,23 +46,24 @@ class NewSeq:
     sampling_params: object
 
 
-@dataclasses.dataclass
-class SeqStep:
-    """One scheduled sequence: tokens appended since the last message, its block table, the chunk."""
-
-    seq_id: int
-    new_token_ids: list[int]
-    block_table: list[int]
-    start: int
-    num_new_tokens: int
+STEP_FIELDS = ("seq_id", "start", "num_new_tokens", "num_pending_tokens", "num_tokens_sent", "table_start",
+               "num_blocks_sent")
 
 
 @dataclasses.dataclass
 class StepMessage:
+    """One step, packed in flat int64 arrays (pickling per-sequence objects costs milliseconds at 256
+    sequences). `steps` [n, len(STEP_FIELDS)], a row per scheduled sequence: its id, `start` (its
+    num_computed_tokens), the chunk length, its tokens in flight, how many host tokens were appended
+    since the last message (they follow in `tokens`), and the block-table delta: `blocks` holds
+    `num_blocks_sent` ids that replace the table from index `table_start` (0: a whole new table)."""
+
     new: list[NewSeq]
-    steps: list[SeqStep]
     finished: list[int]
     """seq ids the driver has finished or aborted: the mirrors drop them."""
+    steps: np.ndarray
+    tokens: np.ndarray
+    blocks: np.ndarray
 
 
 class SequenceMirror:
@@ -72,13 +80,57 @@ class SequenceMirror:
             seq.seq_id = n.seq_id
             self.seqs[n.seq_id] = seq
         out = SchedulerOutput()
-        for st in msg.steps:
-            seq = self.seqs[st.seq_id]
-            seq.token_ids.extend(st.new_token_ids)
-            seq.block_table = st.block_table
-            seq.num_computed_tokens = st.start
-            out.scheduled.append(ScheduledSeq(seq, st.num_new_tokens))
+        tokens, blocks = msg.tokens.tolist(), msg.blocks.tolist()
+        t = b = 0
+        for seq_id, start, num_new, pending, num_tokens, table_start, num_blocks in msg.steps.tolist():
+            seq = self.seqs[seq_id]
+            if num_tokens:
+                seq.token_ids += tokens[t : t + num_tokens]
+                t += num_tokens
+            if table_start == 0:
+                seq.block_table = blocks[b : b + num_blocks]
+            else:
+                del seq.block_table[table_start:]
+                seq.block_table += blocks[b : b + num_blocks]
+            b += num_blocks
+            seq.num_computed_tokens = start
+            seq.num_pending_tokens = pending
+            out.scheduled.append(ScheduledSeq(seq, num_new))
         return out
+
+
+class StepEncoder:
+    """Driver side of `SequenceMirror`: remembers what each sequence has sent, so a message carries only
+    the tokens and block ids that changed. A block table is tracked by identity: `BlockManager.free`
+    gives a preempted sequence a new list, which is then sent whole."""
+
+    def __init__(self) -> None:
+        self.seqs: dict[int, Sequence] = {}
+        self._sent: dict[int, tuple[int, list[int] | None, int]] = {}
+        """seq_id -> (host tokens sent, the block table list last sent, its length then)."""
+
+    def encode(self, sched: SchedulerOutput) -> StepMessage:
+        finished = [sid for sid, seq in self.seqs.items() if seq.is_finished]
+        for sid in finished:
+            del self.seqs[sid], self._sent[sid]
+        new, rows, tokens, blocks = [], [], [], []
+        for s in sched.scheduled:
+            seq = s.seq
+            sid = seq.seq_id
+            if sid not in self.seqs:
+                new.append(NewSeq(sid, seq.request_id, seq.index, seq.prompt_token_ids, seq.sampling_params))
+                self.seqs[sid] = seq
+                self._sent[sid] = (seq.num_prompt_tokens, None, 0)
+            num_sent, table_sent, num_blocks_sent = self._sent[sid]
+            table, num_tokens = seq.block_table, len(seq.token_ids)
+            table_start = num_blocks_sent if table is table_sent else 0
+            tokens += seq.token_ids[num_sent:]
+            blocks += table[table_start:]
+            rows.append((sid, s.start, s.num_new_tokens, seq.num_pending_tokens, num_tokens - num_sent,
+                         table_start, len(table) - table_start))
+            self._sent[sid] = (num_tokens, table, len(table))
+        return StepMessage(new, finished, np.array(rows, dtype=np.int64).reshape(-1, len(STEP_FIELDS)),
+                           np.array(tokens, dtype=np.int64), np.array(blocks, dtype=np.int64))
 
 
 def rank_model_config(model_config, tp_size: int):
@@ -127,12 +179,48 @@ class Worker:
         dist.all_reduce(n, op=dist.ReduceOp.MIN, group=distributed.get_tp_group())
         return int(n)
 
-    def execute(self, msg: StepMessage) -> list[tuple[int, object]]:
+    def launch(self, msg: StepMessage, previous):
+        """Apply the message and launch its step (`previous`: this worker's last step, whose sampled
+        tokens feed the pending ones); None when nothing is scheduled."""
         sched = self.mirror.apply(msg)
         if sched.is_empty():
-            return []
-        seqs, results = self.runner.execute_model(sched)
-        return [(seq.seq_id, result) for seq, result in zip(seqs, results)]
+            return None
+        return self.runner.execute_model_async(sched, previous)
+
+
+class ResultSender:
+    """TP rank 0's thread that sends each step's tokens to the driver once they reach the host, in step
+    order. A thread, so that the main thread can take the next message meanwhile: the driver sends step
+    n+1 before it receives step n's tokens (async scheduling), and a gloo send waits for its receiver."""
+
+    def __init__(self, group, device) -> None:
+        self._group, self._device = group, torch.device(device)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="fxrewrite-results", daemon=True)
+        self._thread.start()
+
+    def send(self, step) -> None:
+        """Queue a launched step (`PendingStep`, or None for an empty one: an empty list is sent)."""
+        self._queue.put(step)
+
+    def close(self) -> None:
+        self._queue.put(_STOP)
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            if self._device.type == "cuda":
+                torch.cuda.set_device(self._device)  # the current device is per thread
+            while (step := self._queue.get()) is not _STOP:
+                seqs, results = step.result() if step is not None else ([], [])
+                broadcast_object([(seq.seq_id, r) for seq, r in zip(seqs, results)], 1, self._group)
+        except BaseException:  # noqa: BLE001 - the process must die, so the driver sees it
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+
+
+_STOP = object()
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -164,12 +252,20 @@ def worker_main(local_rank: int, config, model_config, eos_token_ids: set[int], 
     worker = Worker(config, model_config, eos_token_ids)
     num_blocks = worker.num_blocks()
     if state.tp_rank == 0:
-        broadcast_object({"num_blocks": num_blocks, "impl": getattr(worker.runner.model, "impl", None)},
-                         1, state.driver_group)
+        runner = worker.runner
+        info = {"num_blocks": num_blocks, "impl": getattr(runner.model, "impl", None),
+                "cuda_graph_buckets": len(runner.graph_runner.graphs) if runner.graph_runner is not None else 0,
+                "compiled": bool(getattr(runner.model, "_fxrewrite_compiled", False))}
+        broadcast_object(info, 1, state.driver_group)
+    sender = ResultSender(state.driver_group, config.device) if state.tp_rank == 0 else None
+    step = None
     while (msg := broadcast_object(None, 0)) is not None:
-        out = worker.execute(msg)
-        if state.tp_rank == 0:
-            broadcast_object(out, 1, state.driver_group)
+        launched = worker.launch(msg, step)
+        step = launched or step
+        if sender is not None:
+            sender.send(launched)
+    if sender is not None:
+        sender.close()
     # Normal shutdown: exit without destroying the process groups (NCCL's destroy_process_group blocks
     # on an H200 pair until the driver kills us; the exit frees everything) or the interpreter's slow
     # teardown (nothing is left to flush but stdio).

@@ -60,6 +60,20 @@ def test_tp2_equals_tp1_native_and_fused(qwen3_kv1, llama_kv2, tmp_path):
     assert all(len(c) == MAX_TOKENS for tokens in expected.values() for t in tokens for c in t)
 
 
+def test_tp2_preemption_under_async_scheduling_equals_tp1(qwen3_kv1):
+    """12 KV blocks of 4 tokens for ~17 blocks of work: sequences are preempted and recomputed under new
+    block tables while steps are in flight (the driver sends only table deltas, a new table whole)."""
+    small = {"kv_cache_memory_bytes": 12 << 10}  # 1 KiB a block: 2 layers x (K, V) x 4 tokens x 1 head x 16 x 4 B
+    tp2 = make_llm(qwen3_kv1, "native", tensor_parallel_size=2, **small)
+    try:
+        assert tp2.llm_engine.async_scheduling and tp2.llm_engine.block_manager.num_blocks == 12
+        tokens = generate_tokens(tp2)
+        assert tp2.llm_engine.get_stats()["num_preemptions"] > 0
+    finally:
+        tp2.llm_engine.model_runner.shutdown()
+    assert tokens == generate_tokens(make_llm(qwen3_kv1, "native", **small))
+
+
 @pytest.fixture(scope="module")
 def tp2_llm(qwen3_kv1):
     llm = make_llm(qwen3_kv1, "transformers", tensor_parallel_size=2)

@@ -12,12 +12,13 @@ PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 40)), [7] * 3]
 MAX_TOKENS = 8
 
 
-def make_llm(path: str, impl: str, tensor_parallel_size: int = 1):
+def make_llm(path: str, impl: str, tensor_parallel_size: int = 1, **kwargs):
     """A float32 CPU engine with small blocks and chunked prefill (16 tokens a step)."""
     from fxrewrite.runtime.llm import LLM
 
+    kwargs = {"kv_cache_memory_bytes": 1 << 22, **kwargs}
     return LLM(path, model_impl=impl, dtype="float32", block_size=4, max_num_batched_tokens=16, device="cpu",
-               kv_cache_memory_bytes=1 << 22, tensor_parallel_size=tensor_parallel_size)
+               tensor_parallel_size=tensor_parallel_size, **kwargs)
 
 
 def sampling_params():
