@@ -25,8 +25,8 @@ class LatencyWorkload:
     def max_model_len(self) -> int:
         return self.prompt_len + self.output_len
 
-    def prompts(self, batch_size: int) -> list[list[int]]:
-        rng = random.Random(self.seed + batch_size)
+    def prompts(self, batch_size: int, seed_offset: int = 0) -> list[list[int]]:
+        rng = random.Random(self.seed + batch_size + seed_offset)
         return [[rng.randint(0, 10000) for _ in range(self.prompt_len)] for _ in range(batch_size)]
 
 
@@ -37,7 +37,8 @@ def run_latency(llm, workload: LatencyWorkload, time_limit_s: float | None = Non
 
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=workload.output_len, ignore_eos=True)
-    run_requests(engine, workload.prompts(1), [SamplingParams(max_tokens=8, ignore_eos=True)])  # warm-up
+    for bs in workload.batch_sizes:  # warm-up at every batch size (Triton JIT of its prefill), other prompts
+        run_requests(engine, workload.prompts(bs, seed_offset=1000), [SamplingParams(max_tokens=8, ignore_eos=True)] * bs)
     bandwidth = copy_bandwidth_bytes_per_s()
     nbytes = engine_weight_bytes(engine)
     result = {"weight_bytes": nbytes, "copy_bandwidth_GBps": bandwidth and round(bandwidth / 1e9, 1)}

@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", metavar="{compare,kernels}", required=True)
     c = sub.add_parser("compare", help="one workload through several arms, JSON + PNG in benchmarks/results")
     c.add_argument("--config", required=True,
-                   help="bench config: a path or a name in benchmarks/configs (qwen3-0.6b, qwen3-4b, llama-3.1-8b, tiny)")
+                   help="bench config: a path or a name in benchmarks/configs (qwen3-0.6b, qwen3-4b, qwen3-32b, llama-3.1-8b, tiny)")
     c.add_argument("--arms", default="before,after,native",
                    help="comma list of before, after, native, hf (default: before,after,native)")
     c.add_argument("--workload", default="throughput", choices=("throughput", "latency", "long"))
