@@ -82,16 +82,22 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation (list of {"role", "content"}) or a
         list of them, then `generate`. ValueError when the tokenizer has no chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise TypeError(f"messages must be a non-empty list of {{'role', 'content'}} dicts (one conversation) "
+                            f"or a list of such lists, got {type(messages).__name__} {messages!r}")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         tokenizer = self.llm_engine.tokenizer
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"tokenizer of {self.llm_engine.model_config.model!r} has no chat template")
         prompts = []
         for n, conversation in enumerate(conversations):
+            if not isinstance(conversation, (list, tuple)):
+                raise TypeError(f"conversation {n}: {conversation!r} must be a list of message dicts")
             for i, message in enumerate(conversation):
-                if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                        or not ("content" in message or "tool_calls" in message):
                     raise ValueError(f"conversation {n} message {i}: {message!r} must be a dict with a "
-                                     f"string 'role' (and 'content')")
+                                     f"string 'role' and a 'content' (or 'tool_calls')")
             ids = tokenizer.apply_chat_template(
                 conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                 tokenize=True, **(chat_template_kwargs or {}),
@@ -103,11 +109,18 @@ class LLM:
 
 
 def _per_prompt(sampling_params, num: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt. TypeError naming the type of anything else (a dict included:
+    build ``SamplingParams(**d)``); ValueError when a list's length is not `num`."""
     if sampling_params is None:
         return [SamplingParams()] * num
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * num
-    sampling_params = list(sampling_params)
+    if not isinstance(sampling_params, (list, tuple)):
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got "
+                        f"{type(sampling_params).__name__} {sampling_params!r}")
+    for i, p in enumerate(sampling_params):
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__} {p!r}")
     if len(sampling_params) != num:
         raise ValueError(f"got {len(sampling_params)} sampling_params for {num} prompts; expected one or {num}")
-    return sampling_params
+    return list(sampling_params)

@@ -92,6 +92,9 @@ class LLMEngine:
             bad = [t for t in token_ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
+        elif isinstance(prompt, (list, tuple)):
+            i, bad = next((i, t) for i, t in enumerate(prompt) if not isinstance(t, int))
+            raise ValueError(f"prompt token ids must be ints: element {i} is {type(bad).__name__} {bad!r}")
         else:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not token_ids:

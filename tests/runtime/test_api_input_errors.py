@@ -38,6 +38,29 @@ def test_chat_message_without_role_is_refused(llm):
     assert not llm.llm_engine.has_unfinished_requests()
 
 
+def test_chat_input_shapes_are_checked(llm):
+    with pytest.raises(TypeError, match="messages must be a non-empty list.*str 'hello'"):
+        llm.chat("hello", use_tqdm=False)
+    with pytest.raises(ValueError, match="message 0: .* 'content'"):
+        llm.chat([{"role": "user"}], use_tqdm=False)
+    with pytest.raises(TypeError, match="conversation 1: 'hi' must be a list"):
+        llm.chat([[{"role": "user", "content": "a"}], "hi"], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_sampling_params_of_the_wrong_type_name_the_type(llm):
+    with pytest.raises(TypeError, match="got dict {'max_tokens': 3}"):
+        llm.generate(["a"], {"max_tokens": 3}, use_tqdm=False)
+    with pytest.raises(TypeError, match=r"sampling_params\[1\] must be a SamplingParams, got int 5"):
+        llm.generate(["a", "b"], [SamplingParams(), 5], use_tqdm=False)
+
+
+def test_token_id_lists_name_the_bad_element(llm):
+    with pytest.raises(ValueError, match="prompt 0: prompt token ids must be ints: element 2 is float 3.5"):
+        llm.generate([[1, 2, 3.5]], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
 def test_tensor_parallel_size_must_divide_heads_before_any_worker_starts(tiny_qwen3_dir):
     # the tiny Qwen3 has 4 attention heads
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the model's num_attention_heads=4"):
