@@ -64,15 +64,20 @@ def run_engine_arm(arm: str, model_dir: Path, spec: dict, workload, engine_kwarg
     return {**setup, "num_kv_blocks": stats["num_blocks"], **figures}
 
 
-def run_hf(model_dir: Path, workload, hf_num_prompts: int | None) -> dict:
+def run_hf(model_dir: Path, workload, hf_num_prompts: int | None, device: str | None = None) -> dict:
+    """transformers' `generate_batch` on `device` (default: cuda when available, else cpu)."""
+    import torch
+
     from benchmarks.hf_arm import run_hf_throughput
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
 
     if workload.describe()["kind"] != "throughput":
         return {"skipped": "the hf arm runs the throughput workload only"}
     prompts, output_lens = workload.generate()
     n = min(hf_num_prompts or len(prompts), len(prompts))
     try:
-        return run_hf_throughput(model_dir, prompts[:n], output_lens[:n])
+        return run_hf_throughput(model_dir, prompts[:n], output_lens[:n], device=device)
     finally:
         free_device_memory()
 
@@ -106,7 +111,7 @@ def compare(config: str | Path, arms: list[str], workload_kind: str = "throughpu
         print(f"[bench] {spec['name']} {workload_kind}: arm {arm} ...", flush=True)
         try:
             if arm == "hf":
-                figures = run_hf(model_dir, workload, hf_num_prompts)
+                figures = run_hf(model_dir, workload, hf_num_prompts, (engine_kwargs or {}).get("device"))
             else:
                 figures = run_engine_arm(arm, model_dir, spec, workload, dict(engine_kwargs or {}), time_limit_s)
         except Exception as e:  # record and go on: one broken arm must not lose the others

@@ -294,6 +294,10 @@ class MultiprocExecutor:
             logger.debug("tokens of the steps in flight not received: %s", e)
             return False
 
+    def check_health(self) -> None:
+        """WorkerError once a worker has failed or the workers were shut down."""
+        self._check_alive()
+
     def worker_pids(self) -> list[int]:
         ctx = self._procs.context
         return [p.pid for p in ctx.processes] if ctx is not None else []

@@ -43,6 +43,9 @@ class LLM:
         if not isinstance(prompts, (list, tuple)):
             raise TypeError(f"prompts={prompts!r} must be a string, a list of token ids, or a list of those")
         # vLLM's TextPrompt / TokensPrompt dicts
+        for i, p in enumerate(prompts):
+            if isinstance(p, dict) and not {"prompt", "prompt_token_ids"} & p.keys():
+                raise ValueError(f"prompt {i}: {p!r} has neither 'prompt' nor 'prompt_token_ids'")
         prompts = [p.get("prompt_token_ids", p.get("prompt")) if isinstance(p, dict) else p for p in prompts]
         params = _per_prompt(sampling_params, len(prompts))
         ids = [str(next(self._request_counter)) for _ in prompts]

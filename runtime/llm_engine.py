@@ -251,6 +251,13 @@ class LLMEngine:
             metrics={"num_cached_tokens": cached},
         )
 
+    def check_health(self) -> None:
+        """Raise (WorkerError) when the model can no longer run: the tensor-parallel workers died or were
+        shut down. A no-op for the single-process runner (vLLM's `check_health`)."""
+        check = getattr(self.model_runner, "check_health", None)
+        if check is not None:
+            check()
+
     def get_stats(self) -> dict:
         """num_running / num_waiting (sequences), kv_cache_usage (fraction 0..1 of blocks held),
         num_free_blocks / num_blocks, prefix_cache_hits / prefix_cache_queries (prompt tokens),

@@ -142,6 +142,8 @@ class ChatMessage(OpenAIBaseModel):
     def to_template_dict(self) -> dict[str, Any]:
         """The message as chat templates expect it; text parts are joined, other parts refused."""
         message = self.model_dump(exclude_none=True)
+        if self.content is None:  # chat templates read message['content']: a jinja error otherwise
+            raise ValueError(f"a {self.role!r} message needs a 'content' (a string or a list of text parts)")
         if isinstance(self.content, list):
             kinds = {part.type for part in self.content} - {"text"}
             if kinds:

@@ -111,3 +111,5 @@ def test_killed_worker_ends_engine_with_clear_error(tp2_llm):
     assert not [c for c in psutil.Process().children(recursive=True) if c.pid in pids]
     with pytest.raises(WorkerError, match="shut down"):
         tp2_llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(WorkerError, match="SIGKILL"):
+        engine.check_health()  # what the server's /health reports

@@ -55,6 +55,11 @@ def test_sampling_params_of_the_wrong_type_name_the_type(llm):
         llm.generate(["a", "b"], [SamplingParams(), 5], use_tqdm=False)
 
 
+def test_dict_prompt_without_a_prompt_key_is_named(llm):
+    with pytest.raises(ValueError, match="prompt 1: {'text': 'hi'} has neither 'prompt' nor 'prompt_token_ids'"):
+        llm.generate(["a", {"text": "hi"}], use_tqdm=False)
+
+
 def test_token_id_lists_name_the_bad_element(llm):
     with pytest.raises(ValueError, match="prompt 0: prompt token ids must be ints: element 2 is float 3.5"):
         llm.generate([[1, 2, 3.5]], use_tqdm=False)

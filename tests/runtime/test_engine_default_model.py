@@ -55,4 +55,4 @@ def test_make_run_prints_the_answer_and_tokens_per_second(default_model_dir, cap
     out = capsys.readouterr().out
     answer = next(line for line in out.splitlines() if line.startswith("assistant:"))
     assert "Paris" in answer
-    assert re.search(r"^\d+ tokens in [\d.]+ s: [\d.]+ tokens/s$", out, re.MULTILINE), out
+    assert re.search(r"^\d+ tokens in [\d.]+ s, prefill included: [\d.]+ tokens/s$", out, re.MULTILINE), out

@@ -15,6 +15,24 @@ def test_models_health_version(server):
         assert http.get("/version").json()["version"]
 
 
+def test_health_is_503_once_the_model_cannot_run(server, monkeypatch):
+    """A dead tensor-parallel worker makes `check_health` raise: /health must say so (a supervisor
+    restarts the server), in OpenAI's error shape."""
+    from fxrewrite.runtime.executor import WorkerError
+
+    def dead():
+        raise WorkerError("the tensor-parallel workers are shut down (worker 1 killed)")
+
+    monkeypatch.setattr(server.engine.model_runner, "check_health", dead, raising=False)
+    with server.http() as http:
+        response = http.get("/health")
+    assert response.status_code == 503
+    assert "worker 1 killed" in response.json()["error"]["message"]
+    monkeypatch.undo()
+    with server.http() as http:
+        assert http.get("/health").status_code == 200
+
+
 def test_completion_stream_equals_non_stream(server):
     client = server.client()
     full = client.completions.create(model=server.model_name, prompt=PROMPT, **GREEDY)
