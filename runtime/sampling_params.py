@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 
@@ -71,6 +72,8 @@ class SamplingParams:
             value = getattr(self, name)
             kind = Real if name in _NUMBERS else Integral
             if isinstance(value, kind) and not isinstance(value, bool):
+                if kind is Real and not math.isfinite(value):
+                    raise ValueError(f"SamplingParams: {name}={value!r} must be a finite number")
                 continue
             if value is None and name in _OPTIONAL_INTEGERS:
                 continue

@@ -81,7 +81,9 @@ def test_wrong_types_name_the_field(kwargs, message):
         SamplingParams(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs, name", [({"seed": 2**64}, "seed"), ({"stop_token_ids": [-1]}, "stop_token_ids")])
+@pytest.mark.parametrize("kwargs, name", [({"seed": 2**64}, "seed"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
+                                          ({"temperature": float("nan")}, "temperature=nan must be a finite number"),
+                                          ({"top_p": float("inf")}, "top_p=inf must be a finite number")])
 def test_out_of_range_ids_and_seed_are_value_errors(kwargs, name):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kwargs)
