@@ -285,7 +285,8 @@ class MultiprocExecutor:
             self._procs.close(graceful)
 
     def _drain(self) -> bool:
-        """Receive the tokens of steps in flight (rank 0 sends them before it reads the next message)."""
+        """Receive the tokens of steps in flight: rank 0's sender thread must deliver them before that
+        worker can exit."""
         try:
             if self._outstanding:
                 self._receive(self._outstanding[-1])
