@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/python -m fxrewrite.runtime.demo run
+	$(BIN)/python -m fxrewrite.runtime.model_files.demo run
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not gpu" tests

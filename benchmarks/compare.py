@@ -14,16 +14,16 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks.common import RESULTS_DIR, bench_model_dir, environment, free_device_memory, load_bench_config, make_llm
+from fxrewrite.benchmarks.common import RESULTS_DIR, bench_model_dir, environment, free_device_memory, load_bench_config, make_llm
 
 WORKLOADS = ("throughput", "latency", "long")
 
 
 def make_workload(kind: str, num_prompts: int | None = None, **overrides):
     """The workload dataclass of `kind`; `overrides` set its fields (small sizes for smoke tests)."""
-    from benchmarks.latency import LatencyWorkload
-    from benchmarks.long import LongWorkload
-    from benchmarks.throughput import ThroughputWorkload
+    from fxrewrite.benchmarks.latency import LatencyWorkload
+    from fxrewrite.benchmarks.long import LongWorkload
+    from fxrewrite.benchmarks.throughput import ThroughputWorkload
 
     if kind == "throughput":
         return ThroughputWorkload(num_prompts=num_prompts or 256, **overrides)
@@ -37,9 +37,9 @@ def make_workload(kind: str, num_prompts: int | None = None, **overrides):
 def run_engine_arm(arm: str, model_dir: Path, spec: dict, workload, engine_kwargs: dict,
                    time_limit_s: float | None) -> dict:
     """Build the arm's engine, run the workload, return its figures (plus setup seconds)."""
-    from benchmarks.latency import run_latency
-    from benchmarks.long import run_long
-    from benchmarks.throughput import run_throughput
+    from fxrewrite.benchmarks.latency import run_latency
+    from fxrewrite.benchmarks.long import run_long
+    from fxrewrite.benchmarks.throughput import run_throughput
 
     kind = workload.describe()["kind"]
     kwargs = {"max_model_len": workload.max_model_len, **engine_kwargs}
@@ -68,7 +68,7 @@ def run_hf(model_dir: Path, workload, hf_num_prompts: int | None, device: str | 
     """transformers' `generate_batch` on `device` (default: cuda when available, else cpu)."""
     import torch
 
-    from benchmarks.hf_arm import run_hf_throughput
+    from fxrewrite.benchmarks.hf_arm import run_hf_throughput
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -89,7 +89,7 @@ def compare(config: str | Path, arms: list[str], workload_kind: str = "throughpu
     """Run `arms` on one workload; returns the result dict also written to `out_dir` (JSON + PNG).
 
     An arm that raises is recorded with its error and the next arm still runs."""
-    from benchmarks.plot import plot_result
+    from fxrewrite.benchmarks.plot import plot_result
 
     spec = load_bench_config(config)
     workload = make_workload(workload_kind, num_prompts, **(workload_overrides or {}))
@@ -129,7 +129,7 @@ def compare(config: str | Path, arms: list[str], workload_kind: str = "throughpu
 
 def ratios(result: dict) -> dict:
     """after/native, after/before and native/hf of the headline figure, where both arms have one."""
-    from benchmarks.plot import headline
+    from fxrewrite.benchmarks.plot import headline
 
     kind = result["workload"]["kind"]
     values = {arm: headline(r, kind) for arm, r in result["arms"].items()}
@@ -142,7 +142,7 @@ def ratios(result: dict) -> dict:
 
 def format_table(result: dict) -> str:
     """A plain-text table of the headline figure per arm (what gpu_check.sh prints last)."""
-    from benchmarks.plot import HEADLINES, headline
+    from fxrewrite.benchmarks.plot import HEADLINES, headline
 
     kind = result["workload"]["kind"]
     lines = [f"{result['config']} {kind} ({result['environment']['gpu']}, {result['date']})",

@@ -2,7 +2,7 @@
 with `torch.cuda.set_sync_debug_mode("warn")` and prints each distinct call stack that synchronised,
 with how often it did, plus the host time of each step's launch (graph-replayed decode vs eager).
 
-    python -m benchmarks.find_host_syncs --config qwen3-0.6b --arm after
+    python -m fxrewrite.benchmarks.find_host_syncs --config qwen3-0.6b --arm after
 
 Async scheduling only hides the host's work when a step's launch never waits for the device; the one
 wait that belongs there is `SampledTokens.results()` (an event), which this does not flag.
@@ -21,9 +21,9 @@ import torch
 
 def find_host_syncs(config: str, arm: str, num_prompts: int, tokenizer_dir=None, max_input_len: int = 512,
                     max_output_len: int = 128, sync_debug: bool = True) -> dict:
-    from benchmarks.common import bench_model_dir, load_bench_config, make_llm, run_requests
-    from benchmarks.throughput import ThroughputWorkload
-    from fxrewrite.runtime.sampling_params import SamplingParams
+    from fxrewrite.benchmarks.common import bench_model_dir, load_bench_config, make_llm, run_requests
+    from fxrewrite.benchmarks.throughput import ThroughputWorkload
+    from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
     spec = load_bench_config(config)
     workload = ThroughputWorkload(num_prompts=num_prompts, max_input_len=max_input_len, max_output_len=max_output_len)

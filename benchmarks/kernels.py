@@ -19,6 +19,8 @@ from typing import Callable
 
 import torch
 
+from fxrewrite.benchmarks.common import RESULTS_DIR
+
 BF16 = torch.bfloat16
 TOKENS, HIDDEN, INTERMEDIATE = 16384, 4096, 11008
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -257,7 +259,7 @@ def format_table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=str(RESULTS_DIR))
     args = parser.parse_args(argv)
     print(format_table(run_kernel_bench(args.out)))
     return 0

@@ -32,8 +32,8 @@ class LatencyWorkload:
 
 def run_latency(llm, workload: LatencyWorkload, time_limit_s: float | None = None) -> dict:
     """Per batch size: ttft_ms, decode_ms_per_step, decode_tokens_per_s (per sequence), roofline."""
-    from benchmarks.common import copy_bandwidth_bytes_per_s, engine_weight_bytes, run_requests
-    from fxrewrite.runtime.sampling_params import SamplingParams
+    from fxrewrite.benchmarks.common import copy_bandwidth_bytes_per_s, engine_weight_bytes, run_requests
+    from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=workload.output_len, ignore_eos=True)

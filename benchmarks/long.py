@@ -45,7 +45,7 @@ class LongWorkload:
 def _last_logits(runner, tokens: list[int], chunk: int, want: int) -> torch.Tensor:
     """Logits [V] at index `want` of `tokens`, prefilled in chunks of `chunk` tokens through the
     runner's model into KV blocks 0.. (the engine must be idle and run without prefix caching)."""
-    from fxrewrite.runtime.forward_context import AttentionMetadata, forward_context
+    from fxrewrite.runtime.worker.forward_context import AttentionMetadata, forward_context
 
     device, bs = runner.device, runner.block_size
     n = want + 1
@@ -66,8 +66,8 @@ def _last_logits(runner, tokens: list[int], chunk: int, want: int) -> torch.Tens
 
 
 def run_long(llm, workload: LongWorkload, time_limit_s: float | None = None) -> dict:
-    from benchmarks.common import run_requests
-    from fxrewrite.runtime.sampling_params import SamplingParams
+    from fxrewrite.benchmarks.common import run_requests
+    from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
     engine = llm.llm_engine
     result = {}
@@ -127,7 +127,7 @@ def prefix_check(llm, workload: LongWorkload) -> dict:
 @torch.inference_mode()
 def _prefix_logits_in_chunk(runner, tokens: list[int], chunk: int, want: int) -> torch.Tensor:
     """Logits at index `want` when the first `chunk` tokens of `tokens` run as one prefill chunk."""
-    from fxrewrite.runtime.forward_context import AttentionMetadata, forward_context
+    from fxrewrite.runtime.worker.forward_context import AttentionMetadata, forward_context
 
     device, bs = runner.device, runner.block_size
     n = min(chunk, len(tokens))

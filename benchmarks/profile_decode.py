@@ -1,7 +1,7 @@
 """Where a decode step's GPU time goes, kernel by kernel (torch.profiler over CUDA graph replays and
 eager forwards of one decode batch), plus the LM head + sampler that run after the graph.
 
-    python -m benchmarks.profile_decode --config qwen3-4b --arm native --batch 1 --out DIR
+    python -m fxrewrite.benchmarks.profile_decode --config qwen3-4b --arm native --batch 1 --out DIR
 
 Writes DIR/<date>-<config>-<arm>-decode-profile.json and prints the top kernels per step.
 """
@@ -61,8 +61,8 @@ def _timed_ms(fn, iters: int = 50) -> float:
 @torch.inference_mode()
 def profile_decode(config: str, arm: str, batch: int, context: int, engine_kwargs: dict,
                    tokenizer_dir=None) -> dict:
-    from benchmarks.common import bench_model_dir, environment, load_bench_config, make_llm
-    from fxrewrite.runtime.forward_context import forward_context
+    from fxrewrite.benchmarks.common import bench_model_dir, environment, load_bench_config, make_llm
+    from fxrewrite.runtime.worker.forward_context import forward_context
 
     spec = load_bench_config(config)
     llm = make_llm(arm, bench_model_dir(spec, tokenizer_dir), max_model_len=4096, max_num_seqs=max(8, batch),
@@ -84,8 +84,8 @@ def profile_decode(config: str, arm: str, batch: int, context: int, engine_kwarg
             runner.model(graphs.input_ids[:bs], graphs.positions[:bs])
 
     seqs = []
-    from fxrewrite.runtime.sampling_params import SamplingParams
-    from fxrewrite.runtime.sequence import Sequence
+    from fxrewrite.runtime.engine.sampling_params import SamplingParams
+    from fxrewrite.runtime.engine.sequence import Sequence
 
     seqs = [Sequence(f"p{i}", [1] * 8, SamplingParams(temperature=0)) for i in range(batch)]
     hidden = graphs.outputs[:batch]

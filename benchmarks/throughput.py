@@ -47,8 +47,8 @@ def run_throughput(llm, workload: ThroughputWorkload, time_limit_s: float | None
     prefix-cache hit for the timed run), 8 output tokens each: it runs full, chunked and mixed prefill
     steps, so the Triton kernels' specializations are compiled before the clock starts, not inside the
     first arm's timed run."""
-    from benchmarks.common import run_requests, step_profile
-    from fxrewrite.runtime.sampling_params import SamplingParams
+    from fxrewrite.benchmarks.common import run_requests, step_profile
+    from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
     engine = llm.llm_engine
     prompts, output_lens = workload.generate()

@@ -29,7 +29,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "SamplingParams":
-        from fxrewrite.runtime.sampling_params import SamplingParams
+        from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'fxrewrite' has no attribute {name!r}")

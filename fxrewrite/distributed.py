@@ -2,7 +2,7 @@
 
 Two layouts, both plain `torch.distributed` (its own TCPStore / env:// rendezvous, nothing else on
 the wire):
-- engine (`fxrewrite.runtime.executor`): world rank 0 is the driver (schedules, never computes),
+- engine (`fxrewrite.runtime.worker.executor`): world rank 0 is the driver (schedules, never computes),
   ranks 1..N are the N tensor-parallel workers; the default group (gloo) carries the step messages,
   the TP group (NCCL on CUDA, gloo on CPU) carries the model's all-reduce / all-gather.
 - SPMD (``torchrun``, or any launcher that sets MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE):

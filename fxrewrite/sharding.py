@@ -15,7 +15,7 @@ Attention modules need no edit: transformers infers heads from the projection wi
 (``view(*shape, -1, head_dim)``) and the paged attention reads Hq / Hkv from the tensors.
 
 `LazySlice` wraps a safetensors ``get_slice`` handle: the weight loaders `narrow` it to their
-rank's rows and only those bytes are read (`fxrewrite.runtime.loader.iterate_safetensors(sliced=True)`).
+rank's rows and only those bytes are read (`fxrewrite.runtime.model_files.loader.iterate_safetensors(sliced=True)`).
 """
 
 from __future__ import annotations

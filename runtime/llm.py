@@ -6,9 +6,9 @@ import itertools
 from typing import Any, Sequence
 
 from fxrewrite.runtime.engine_config import EngineConfig
-from fxrewrite.runtime.llm_engine import LLMEngine
-from fxrewrite.runtime.outputs import RequestOutput
-from fxrewrite.runtime.sampling_params import SamplingParams
+from fxrewrite.runtime.engine.llm_engine import LLMEngine
+from fxrewrite.runtime.engine.outputs import RequestOutput
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
 
 class LLM:

@@ -3,7 +3,7 @@
 Fixtures (all session-scoped; the folders are shared, so tests must not modify them: copy with
 `shutil.copytree` first when a test needs to edit files):
 - `tiny_model_dir(arch="qwen3", **kwargs) -> Path`: a factory; builds
-  `fxrewrite.runtime.demo.build_model_dir(dir, arch, **kwargs)` once per distinct (arch, kwargs)
+  `fxrewrite.runtime.model_files.demo.build_model_dir(dir, arch, **kwargs)` once per distinct (arch, kwargs)
   per session. Qwen archs carry Qwen3's real tokenizer (vocab 151,936), the others SmolLM2's (49,152).
 - `tiny_qwen3_dir`, `tiny_llama_dir`: `tiny_model_dir("qwen3")` / `tiny_model_dir("llama")`.
 - `default_model_dir -> Path`: the real SmolLM2-135M-Instruct folder (`default_model_path()`),
@@ -68,7 +68,7 @@ def fxrewrite_cache(tmp_path_factory):
 def tiny_model_dir(tmp_path_factory, fxrewrite_cache):
     """Factory: `tiny_model_dir(arch="qwen3", **build_model_dir_kwargs) -> Path`, built once per
     distinct arguments per session (hidden 64, 2 layers, 4 heads, 2 kv heads by default)."""
-    from fxrewrite.runtime.demo import build_model_dir
+    from fxrewrite.runtime.model_files.demo import build_model_dir
 
     built: dict[tuple, object] = {}
 
@@ -95,6 +95,6 @@ def tiny_llama_dir(tiny_model_dir):
 @pytest.fixture(scope="session")
 def default_model_dir(fxrewrite_cache):
     """The real default model's folder (SmolLM2-135M-Instruct, bf16), built once into the cache."""
-    from fxrewrite.runtime.default_model import default_model_path
+    from fxrewrite.runtime.model_files.default_model import default_model_path
 
     return default_model_path()

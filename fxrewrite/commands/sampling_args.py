@@ -23,7 +23,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 def sampling_params(args: argparse.Namespace, defaults: dict[str, Any]):
     """`SamplingParams` from the flags; flags left unset take `defaults` (generation_config.json)."""
-    from fxrewrite.runtime.sampling_params import SamplingParams
+    from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
     values: dict[str, Any] = {"max_tokens": 256}
     values.update(defaults)

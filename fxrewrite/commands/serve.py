@@ -24,8 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_server_app(args: argparse.Namespace):
     """(engine, FastAPI app) for parsed `serve` arguments; the app's lifespan runs the engine loop."""
-    from fxrewrite.runtime.default_model import DEFAULT_MODEL
-    from fxrewrite.runtime.llm_engine import LLMEngine
+    from fxrewrite.runtime.model_files.default_model import DEFAULT_MODEL
+    from fxrewrite.runtime.engine.llm_engine import LLMEngine
     from fxrewrite.runtime.server.api_server import build_app
     from fxrewrite.runtime.server.generation_defaults import load_generation_defaults
 

@@ -15,7 +15,7 @@ from fxrewrite.layers.layernorm import RMSNorm
 from fxrewrite.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from fxrewrite.layers.rotary import get_rope
 from fxrewrite.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from fxrewrite.runtime.attention import Attention
+from fxrewrite.runtime.worker.attention import Attention
 
 
 def layer_sliding_window(cfg, layer_idx: int) -> int | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fxrewrite.runtime.attention import register_paged_attention
+from fxrewrite.runtime.worker.attention import register_paged_attention
 
 
 class TransformersForCausalLM(nn.Module):

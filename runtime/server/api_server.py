@@ -25,7 +25,7 @@ from fxrewrite.runtime.server.serving_chat import OpenAIServingChat
 from fxrewrite.runtime.server.serving_completion import OpenAIServingCompletion
 
 if TYPE_CHECKING:
-    from fxrewrite.runtime.llm_engine import LLMEngine
+    from fxrewrite.runtime.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from fxrewrite.runtime.llm_engine import LLMEngine
-    from fxrewrite.runtime.outputs import RequestOutput
-    from fxrewrite.runtime.sampling_params import SamplingParams
+    from fxrewrite.runtime.engine.llm_engine import LLMEngine
+    from fxrewrite.runtime.engine.outputs import RequestOutput
+    from fxrewrite.runtime.engine.sampling_params import SamplingParams
     from fxrewrite.runtime.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)

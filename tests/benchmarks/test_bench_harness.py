@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.common import CONFIG_DIR, load_bench_config, parse_arms  # noqa: E402
+from fxrewrite.benchmarks.common import CONFIG_DIR, load_bench_config, parse_arms
 
 # Published parameter counts (embeddings included, tied counted once), to 2 significant digits.
 EXPECTED_PARAMS = {"qwen3-0.6b": 0.60e9, "qwen3-4b": 4.0e9, "llama-3.1-8b": 8.0e9, "qwen3-32b": 32.8e9}
@@ -47,7 +43,7 @@ def test_parse_arms():
 
 
 def test_throughput_workload_is_nano_vllms():
-    from benchmarks.throughput import ThroughputWorkload
+    from fxrewrite.benchmarks.throughput import ThroughputWorkload
 
     prompts, outs = ThroughputWorkload().generate()
     assert len(prompts) == 256 and len(outs) == 256
@@ -58,7 +54,7 @@ def test_throughput_workload_is_nano_vllms():
 def test_compare_on_tiny_writes_json_and_png(tmp_path):
     import torch
 
-    from benchmarks.compare import compare, format_table
+    from fxrewrite.benchmarks.compare import compare, format_table
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -85,8 +81,8 @@ def test_cli_rejects_unknown_arm(capsys):
 
 
 def test_failed_arms_have_no_headline_and_show_in_the_table():
-    from benchmarks.compare import format_table, ratios
-    from benchmarks.plot import arm_failed, headline
+    from fxrewrite.benchmarks.compare import format_table, ratios
+    from fxrewrite.benchmarks.plot import arm_failed, headline
 
     result = {
         "config": "tiny", "date": "d", "environment": {"gpu": "g"}, "workload": {"kind": "throughput"},

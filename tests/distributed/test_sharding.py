@@ -8,7 +8,7 @@ from torch import nn
 
 from fxrewrite.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from fxrewrite.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from fxrewrite.runtime.loader import iterate_safetensors
+from fxrewrite.runtime.model_files.loader import iterate_safetensors
 from fxrewrite.sharding import LazySlice, shard_model
 
 

@@ -5,11 +5,11 @@ preemption (a new block table, sent whole) and finished sequences; messages carr
 import pickle
 import random
 
-from fxrewrite.runtime.block_manager import BlockManager
-from fxrewrite.runtime.sampling_params import SamplingParams
-from fxrewrite.runtime.scheduler import ScheduledSeq, SchedulerOutput
-from fxrewrite.runtime.sequence import Sequence, SequenceStatus
-from fxrewrite.runtime.worker import SequenceMirror, StepEncoder
+from fxrewrite.runtime.engine.block_manager import BlockManager
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
+from fxrewrite.runtime.engine.scheduler import ScheduledSeq, SchedulerOutput
+from fxrewrite.runtime.engine.sequence import Sequence, SequenceStatus
+from fxrewrite.runtime.worker.worker import SequenceMirror, StepEncoder
 
 
 def _schedule(*chunks: tuple[Sequence, int]) -> SchedulerOutput:

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 from tests.distributed.tp_ranks import MAX_TOKENS, generate_tokens, greedy_tokens, make_llm, sampling_params, spmd_rank
 
-from fxrewrite.runtime.sampling_params import SamplingParams
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -93,7 +93,7 @@ def test_llm_tp2_workers_equal_tp1_transformers_fused(tp2_llm, qwen3_kv1):
 
 
 def test_killed_worker_ends_engine_with_clear_error(tp2_llm):
-    from fxrewrite.runtime.executor import WorkerError
+    from fxrewrite.runtime.worker.executor import WorkerError
 
     engine = tp2_llm.llm_engine
     pids = engine.model_runner.worker_pids()

@@ -23,7 +23,7 @@ def make_llm(path: str, impl: str, tensor_parallel_size: int = 1, **kwargs):
 
 def sampling_params():
     """Per prompt: greedy, seeded temperature sampling with 2 completions, seeded top-k with penalties."""
-    from fxrewrite.runtime.sampling_params import SamplingParams
+    from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
     return [
         SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
@@ -35,7 +35,7 @@ def sampling_params():
 
 def generate_tokens(llm, params=None) -> list[list[list[int]]]:
     """Token ids of every completion of every prompt of PROMPTS; checks no KV block is left in use."""
-    from fxrewrite.runtime.sampling_params import SamplingParams
+    from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
     params = params or SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)

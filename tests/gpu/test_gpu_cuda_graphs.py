@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fxrewrite.runtime.cuda_graphs import capture_sizes
+from fxrewrite.runtime.worker.cuda_graphs import capture_sizes
 
 
 def test_capture_sizes_are_nano_vllm_buckets():
@@ -19,8 +19,8 @@ def test_static_buffer_replay_logic_on_cpu(tiny_qwen3_dir):
     """run()'s copy-in, padding and bucket choice, with each 'graph' replaying the model eagerly
     over the static buffers (what a captured graph does), against the plain eager forward."""
     from tests.gpu.conftest import decode_batch
-    from fxrewrite.runtime.cuda_graphs import CUDAGraphRunner
-    from fxrewrite.runtime.forward_context import forward_context
+    from fxrewrite.runtime.worker.cuda_graphs import CUDAGraphRunner
+    from fxrewrite.runtime.worker.forward_context import forward_context
     from fxrewrite.runtime.llm import LLM
 
     llm = LLM(str(tiny_qwen3_dir), model_impl="native", kv_cache_memory_bytes=1 << 22, max_model_len=512)
@@ -58,7 +58,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("impl,fusion", [("native", True), ("transformers", True), ("transformers", False)])
 def test_every_bucket_replay_matches_eager(make_llm, impl, fusion):
     from tests.gpu.conftest import decode_batch
-    from fxrewrite.runtime.forward_context import forward_context
+    from fxrewrite.runtime.worker.forward_context import forward_context
 
     llm = make_llm(model_impl=impl, fusion=fusion, max_num_seqs=40, compilation_config=0)
     runner = llm.llm_engine.model_runner
@@ -85,7 +85,7 @@ def test_prefill_and_eager_fall_back(make_llm):
 
 @pytest.mark.gpu
 def test_generate_with_graphs_matches_eager(make_llm):
-    from fxrewrite.runtime.sampling_params import SamplingParams
+    from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
     prompts = [[int(t) for t in torch.randint(0, 10000, (n,), generator=torch.Generator().manual_seed(n))]
                for n in (5, 17, 40)]

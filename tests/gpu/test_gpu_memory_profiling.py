@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fxrewrite.runtime.memory_profiling import _dummy_metadata
+from fxrewrite.runtime.worker.memory_profiling import _dummy_metadata
 
 
 def test_dummy_prefill_splits_tokens_into_sequences_with_own_blocks():

@@ -26,7 +26,7 @@ TIE = 1e-3
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    from fxrewrite.runtime.demo import build_model_dir
+    from fxrewrite.runtime.model_files.demo import build_model_dir
 
     common = dict(hidden_size=512, num_attention_heads=8, head_dim=64, intermediate_size=1024, vocab="qwen3")
     return {
@@ -37,7 +37,7 @@ def model_dirs(tmp_path_factory):
 
 def _generate(path, impl: str, tp: int):
     from fxrewrite.runtime.llm import LLM
-    from fxrewrite.runtime.sampling_params import SamplingParams
+    from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
     llm = LLM(str(path), model_impl=impl, dtype="float32", tensor_parallel_size=tp, max_model_len=1024,
               kv_cache_memory_bytes=256 << 20, max_num_batched_tokens=256)  # 256: the long prompt is chunked

@@ -4,9 +4,9 @@ same tokens, texts, finish reasons and logprobs as the synchronous engine, no le
 import pytest
 import torch
 
-from fxrewrite.runtime.kv_cache import bytes_per_block
+from fxrewrite.runtime.worker.kv_cache import bytes_per_block
 from fxrewrite.runtime.llm import LLM
-from fxrewrite.runtime.sampling_params import SamplingParams
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
 PROMPTS = ["Hello, my name is", "The capital of France is a city where many people live and", "1 2 3", "a b"]
 
@@ -40,7 +40,7 @@ def _params(stop_token):
 def test_async_equals_sync(tiny_qwen3_dir, tight_cache):
     """Greedy, seeded sampling (n=2), stop ids and strings, min_tokens, penalties and logprobs in one
     batch; with a cache of 10 blocks of 4 tokens the batch is preempted and recomputed too."""
-    from fxrewrite.runtime.config import ModelConfig
+    from fxrewrite.runtime.model_files.config import ModelConfig
 
     path = str(tiny_qwen3_dir)
     kwargs = {"max_num_batched_tokens": 8}

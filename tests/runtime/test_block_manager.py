@@ -2,9 +2,9 @@
 
 import pytest
 
-from fxrewrite.runtime.block_manager import BlockManager
-from fxrewrite.runtime.sampling_params import SamplingParams
-from fxrewrite.runtime.sequence import Sequence
+from fxrewrite.runtime.engine.block_manager import BlockManager
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
+from fxrewrite.runtime.engine.sequence import Sequence
 
 
 def make_seq(tokens):

@@ -8,8 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM, Gemma3Config, LlamaConfig, Qwen3Config
 
 from fxrewrite.layers.rotary import get_rope
-from fxrewrite.runtime.config import ModelConfig
-from fxrewrite.runtime.hf_config import derive_max_model_len
+from fxrewrite.runtime.model_files.config import ModelConfig
+from fxrewrite.runtime.model_files.hf_config import derive_max_model_len
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=128)

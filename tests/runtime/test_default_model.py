@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from fxrewrite.runtime.default_model import (
+from fxrewrite.runtime.model_files.default_model import (
     DEFAULT_MODEL,
     default_model_path,
     smollm2_gguf_file,
     smollm2_tokenizer_path,
 )
-from fxrewrite.runtime.model_cache import cache_root, read_build_info
-from fxrewrite.runtime.model_files import resolve_model_path
+from fxrewrite.runtime.model_files.model_cache import cache_root, read_build_info
+from fxrewrite.runtime.model_files.folders import resolve_model_path
 
 
 def test_default_model_is_built_in_the_cache_once(default_model_dir):
@@ -126,7 +126,7 @@ def test_cached_build_runs_once_across_concurrent_callers(tmp_path):
     import threading
     import time
 
-    from fxrewrite.runtime.model_cache import cached_build
+    from fxrewrite.runtime.model_files.model_cache import cached_build
 
     calls = []
 
@@ -148,7 +148,7 @@ def test_cached_build_runs_once_across_concurrent_callers(tmp_path):
 
 
 def test_failed_build_leaves_nothing_behind(tmp_path):
-    from fxrewrite.runtime.model_cache import cached_build
+    from fxrewrite.runtime.model_files.model_cache import cached_build
 
     def build(out):
         (out / "config.json").write_text("{}")

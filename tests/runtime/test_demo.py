@@ -1,4 +1,4 @@
-"""Tiny local model folders (`fxrewrite.runtime.demo`): real configs, real tokenizers, random weights."""
+"""Tiny local model folders (`fxrewrite.runtime.model_files.demo`): real configs, real tokenizers, random weights."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from fxrewrite.runtime.demo import build_model_dir, main
-from fxrewrite.runtime.qwen_tokenizer import QWEN3_ADDED_TOKENS, QWEN_VOCAB_SIZE
+from fxrewrite.runtime.model_files.demo import build_model_dir, main
+from fxrewrite.runtime.model_files.qwen_tokenizer import QWEN3_ADDED_TOKENS, QWEN_VOCAB_SIZE
 
 ARCHS = {  # arch -> (architectures[0], vocab_size)
     "qwen3": ("Qwen3ForCausalLM", QWEN_VOCAB_SIZE),
@@ -46,7 +46,7 @@ def test_qwen3_tokenizer_is_qwens(tiny_qwen3_dir):
     from tiktoken.load import load_tiktoken_bpe
     from transformers import AutoTokenizer
 
-    from fxrewrite.runtime.qwen_tokenizer import QWEN_PATTERN, qwen_tiktoken_file
+    from fxrewrite.runtime.model_files.qwen_tokenizer import QWEN_PATTERN, qwen_tiktoken_file
 
     tok = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
     assert len(tok) == 151_669

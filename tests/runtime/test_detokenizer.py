@@ -2,9 +2,9 @@
 
 import pytest
 
-from fxrewrite.runtime.detokenizer import IncrementalDetokenizer, check_stop_strings
-from fxrewrite.runtime.sampling_params import SamplingParams
-from fxrewrite.runtime.sequence import Sequence
+from fxrewrite.runtime.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
+from fxrewrite.runtime.engine.sequence import Sequence
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from fxrewrite.runtime.kv_cache import bytes_per_block
+from fxrewrite.runtime.worker.kv_cache import bytes_per_block
 from fxrewrite.runtime.llm import LLM
-from fxrewrite.runtime.sampling_params import SamplingParams
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
 PROMPTS = ["Hello, my name is", "The capital of France is a city where many people live and", "1 2 3"]
 MAX_TOKENS = 10
@@ -52,7 +52,7 @@ def qwen3_llm(tiny_qwen3_dir):
 def test_greedy_equals_transformers_with_preemption_and_prefix_hits(tiny_model_dir, hf_greedy, arch, impl, fusion):
     """A KV cache of 8 blocks of 4 tokens cannot hold the batch: requests are preempted and
     recomputed; the second run of the same prompts hits the prefix cache. Tokens stay exact."""
-    from fxrewrite.runtime.config import ModelConfig
+    from fxrewrite.runtime.model_files.config import ModelConfig
 
     path = str(tiny_model_dir(arch))
     block_bytes = bytes_per_block(ModelConfig.from_pretrained(path, dtype="float32"), 4, torch.float32)
@@ -205,10 +205,10 @@ def test_too_many_logprobs_fails_alone(qwen3_llm):
 def test_kv_cache_shorter_than_max_model_len_is_reported(tiny_qwen3_dir, caplog):
     """vLLM refuses to start then; we start (tests use tiny caches on purpose) but say which request
     lengths will be refused, instead of leaving a server to answer 400 to every long default request."""
-    from fxrewrite.runtime.config import ModelConfig
+    from fxrewrite.runtime.model_files.config import ModelConfig
 
     block_bytes = bytes_per_block(ModelConfig.from_pretrained(str(tiny_qwen3_dir), dtype="float32"), 4, torch.float32)
-    with caplog.at_level("WARNING", logger="fxrewrite.runtime.llm_engine"):
+    with caplog.at_level("WARNING", logger="fxrewrite.runtime.engine.llm_engine"):
         llm = LLM(str(tiny_qwen3_dir), model_impl="native", dtype="float32", block_size=4,
                   kv_cache_memory_bytes=8 * block_bytes, max_model_len=100)
     assert "KV cache holds 32 tokens, less than max_model_len=100" in caplog.text

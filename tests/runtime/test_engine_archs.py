@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fxrewrite.runtime.llm import LLM
-from fxrewrite.runtime.sampling_params import SamplingParams
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
 # A prompt longer than the window, so the window really cuts keys off.
 PROMPTS = ["one two three four five six seven eight nine ten eleven twelve", "Hi"]
@@ -52,7 +52,7 @@ def test_arch_greedy_equals_transformers(tiny_model_dir, arch):
 def test_native_layers_share_one_rotary_cache(tiny_qwen3_dir):
     """One cos/sin cache per model, not one per layer: with Qwen3's yarn override (131072 positions x
     128 dims in float32 = 64 MiB) a per-layer copy costs 28 x 64 MiB. vLLM's get_rope shares it too."""
-    from fxrewrite.runtime.config import ModelConfig
+    from fxrewrite.runtime.model_files.config import ModelConfig
     from fxrewrite.runtime.models.qwen3 import Qwen3ForCausalLM
 
     model = Qwen3ForCausalLM(ModelConfig.from_pretrained(tiny_qwen3_dir), device="meta")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fxrewrite.runtime.llm import LLM
-from fxrewrite.runtime.sampling_params import SamplingParams
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -46,10 +46,10 @@ def test_default_model_greedy_equals_transformers(default_model_dir, hf_referenc
 
 
 def test_make_run_prints_the_answer_and_tokens_per_second(default_model_dir, capsys):
-    """`make run` = `python -m fxrewrite.runtime.demo run` with its defaults (issue 4's last must-show)."""
+    """`make run` = `python -m fxrewrite.runtime.model_files.demo run` with its defaults (issue 4's last must-show)."""
     import re
 
-    from fxrewrite.runtime.demo import main
+    from fxrewrite.runtime.model_files.demo import main
 
     assert main(["run", "--max-tokens", "16"]) == 0
     out = capsys.readouterr().out

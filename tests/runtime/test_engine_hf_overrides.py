@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fxrewrite.runtime.llm import LLM
-from fxrewrite.runtime.sampling_params import SamplingParams
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
 PROMPTS = ["Hello, my name is", "The capital of France is a city where many people live and"]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -24,7 +24,7 @@ def hf_greedy(path, overrides):
     """transformers' greedy tokens, its model built from ModelConfig's overridden hf_config."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fxrewrite.runtime.config import ModelConfig
+    from fxrewrite.runtime.model_files.config import ModelConfig
 
     config = ModelConfig.from_pretrained(path, hf_overrides=overrides).hf_config
     model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32)

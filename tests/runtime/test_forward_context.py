@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from fxrewrite.runtime.forward_context import forward_context, get_forward_context
-from fxrewrite.runtime.inputs import prepare_inputs
-from fxrewrite.runtime.sampling_params import SamplingParams
-from fxrewrite.runtime.scheduler import ScheduledSeq
-from fxrewrite.runtime.sequence import Sequence
+from fxrewrite.runtime.worker.forward_context import forward_context, get_forward_context
+from fxrewrite.runtime.engine.inputs import prepare_inputs
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
+from fxrewrite.runtime.engine.scheduler import ScheduledSeq
+from fxrewrite.runtime.engine.sequence import Sequence
 
 
 def test_context_is_reset_even_on_error():
@@ -40,7 +40,7 @@ def test_transformers_builds_no_dense_mask_for_paged_attention():
     from transformers import Qwen3Config
     from transformers.masking_utils import create_causal_mask
 
-    from fxrewrite.runtime.attention import register_paged_attention
+    from fxrewrite.runtime.worker.attention import register_paged_attention
 
     config = Qwen3Config(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1)
     config._attn_implementation = register_paged_attention()

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from fxrewrite.runtime.sampler import Sampler
-from fxrewrite.runtime.sampling_params import SamplingParams
-from fxrewrite.runtime.sequence import Sequence
+from fxrewrite.runtime.engine.sampler import Sampler
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
+from fxrewrite.runtime.engine.sequence import Sequence
 
 
 def seqs_for(*params, prompt=(1, 2, 3)):

@@ -1,9 +1,9 @@
 """Scheduler: chunked prefill under the token budget, mixed decode+prefill, preemption, waiting."""
 
-from fxrewrite.runtime.block_manager import BlockManager
-from fxrewrite.runtime.sampling_params import SamplingParams
-from fxrewrite.runtime.scheduler import Scheduler
-from fxrewrite.runtime.sequence import Sequence, SequenceStatus
+from fxrewrite.runtime.engine.block_manager import BlockManager
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
+from fxrewrite.runtime.engine.scheduler import Scheduler
+from fxrewrite.runtime.engine.sequence import Sequence, SequenceStatus
 
 
 def make_seq(n, start=0):

@@ -18,7 +18,7 @@ def test_models_health_version(server):
 def test_health_is_503_once_the_model_cannot_run(server, monkeypatch):
     """A dead tensor-parallel worker makes `check_health` raise: /health must say so (a supervisor
     restarts the server), in OpenAI's error shape."""
-    from fxrewrite.runtime.executor import WorkerError
+    from fxrewrite.runtime.worker.executor import WorkerError
 
     def dead():
         raise WorkerError("the tensor-parallel workers are shut down (worker 1 killed)")

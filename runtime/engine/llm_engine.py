@@ -6,14 +6,14 @@ import itertools
 import logging
 from typing import Any
 
-from fxrewrite.runtime.block_manager import BlockManager
-from fxrewrite.runtime.detokenizer import IncrementalDetokenizer, check_stop_strings
+from fxrewrite.runtime.engine.block_manager import BlockManager
+from fxrewrite.runtime.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
 from fxrewrite.runtime.engine_config import EngineConfig
-from fxrewrite.runtime.outputs import CompletionOutput, Logprob, RequestOutput
-from fxrewrite.runtime.sampler import SampleResult
-from fxrewrite.runtime.sampling_params import SamplingParams
-from fxrewrite.runtime.scheduler import Scheduler, SchedulerOutput
-from fxrewrite.runtime.sequence import Sequence
+from fxrewrite.runtime.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from fxrewrite.runtime.engine.sampler import SampleResult
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
+from fxrewrite.runtime.engine.scheduler import Scheduler, SchedulerOutput
+from fxrewrite.runtime.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +41,8 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig):
-        from fxrewrite.runtime.executor import create_model_runner
-        from fxrewrite.runtime.model_runner import load_model_config, load_tokenizer
+        from fxrewrite.runtime.worker.executor import create_model_runner
+        from fxrewrite.runtime.worker.model_runner import load_model_config, load_tokenizer
 
         self.config = config
         self.model_config = load_model_config(config)

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fxrewrite.runtime.forward_context import AttentionMetadata
-from fxrewrite.runtime.scheduler import ScheduledSeq
+from fxrewrite.runtime.worker.forward_context import AttentionMetadata
+from fxrewrite.runtime.engine.scheduler import ScheduledSeq
 
 
 @dataclass

@@ -15,8 +15,8 @@ import logging
 import torch
 from torch import nn
 
-from fxrewrite.runtime.compilation import forward_or_fallback
-from fxrewrite.runtime.forward_context import AttentionMetadata, forward_context
+from fxrewrite.runtime.worker.compilation import forward_or_fallback
+from fxrewrite.runtime.worker.forward_context import AttentionMetadata, forward_context
 
 logger = logging.getLogger(__name__)
 

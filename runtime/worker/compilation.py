@@ -1,11 +1,11 @@
 """torch.compile of the model forward, with paged attention as one opaque custom op.
 
 The attention of a step reads its metadata (slot mapping, block tables, lengths, KV caches) from
-`fxrewrite.runtime.forward_context`, a Python global that changes every step. Traced by dynamo it
+`fxrewrite.runtime.worker.forward_context`, a Python global that changes every step. Traced by dynamo it
 would become guards and graph inputs (and a recompile for every new `max_seq_len`), so attention is
 registered as the custom op `fxrewrite::paged_attend` (vLLM's `unified_attention` idea): dynamo sees
 q, k, v in and one tensor out, inductor fuses everything around it, and the op reads the context
-when it runs. `fxrewrite.runtime.attention.paged_attend` routes to the op only while compiling.
+when it runs. `fxrewrite.runtime.worker.attention.paged_attend` routes to the op only while compiling.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def paged_attend_op(
 ) -> torch.Tensor:
     """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D]; writes this step's K/V into the layer's
     paged cache (held by the forward context, not an argument, so not a declared mutation) first."""
-    from fxrewrite.runtime.attention import paged_attend
+    from fxrewrite.runtime.worker.attention import paged_attend
 
     return paged_attend(query, key, value, layer_idx, scale, sliding_window, soft_cap)
 

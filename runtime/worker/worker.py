@@ -1,7 +1,7 @@
 """A tensor-parallel worker process: one per rank; holds its model shard and its KV heads, runs steps.
 
 Protocol (all over `torch.distributed`, see `fxrewrite.distributed`): world rank 0 is the driver
-(`fxrewrite.runtime.executor`), ranks 1..N the workers. Each step the driver broadcasts a
+(`fxrewrite.runtime.worker.executor`), ranks 1..N the workers. Each step the driver broadcasts a
 `StepMessage` on the default (gloo) group; every worker applies it to its `SequenceMirror` and launches
 the step (`ModelRunner.execute_model_async`; the model's collectives run on the TP group), and TP rank 0
 sends that step's ``[(seq_id, SampleResult), ...]`` back on the (driver, rank 0) group as soon as they
@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from fxrewrite import distributed
-from fxrewrite.runtime.scheduler import ScheduledSeq, SchedulerOutput
-from fxrewrite.runtime.sequence import Sequence
+from fxrewrite.runtime.engine.scheduler import ScheduledSeq, SchedulerOutput
+from fxrewrite.runtime.engine.sequence import Sequence
 
 
 @dataclasses.dataclass
@@ -166,7 +166,7 @@ class Worker:
     """Builds the rank's `ModelRunner` (model shard, KV cache of its heads) and runs steps."""
 
     def __init__(self, config, model_config, eos_token_ids: set[int]):
-        from fxrewrite.runtime.model_runner import ModelRunner
+        from fxrewrite.runtime.worker.model_runner import ModelRunner
 
         tp_size = distributed.get_tp_size()
         self.runner = ModelRunner(config, rank_model_config(model_config, tp_size), eos_token_ids)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fxrewrite.runtime.sequence import Sequence
+from fxrewrite.runtime.engine.sequence import Sequence
 
 # Prompt tokens decoded along with the first output tokens, so that a leading space or a byte-level
 # character split across the prompt/output boundary comes out as it would in a full decode.

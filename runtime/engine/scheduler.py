@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from fxrewrite.runtime.block_manager import BlockManager
-from fxrewrite.runtime.sequence import Sequence, SequenceStatus
+from fxrewrite.runtime.engine.block_manager import BlockManager
+from fxrewrite.runtime.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fxrewrite.runtime.hf_config import (
+from fxrewrite.runtime.model_files.hf_config import (
     HfOverrides,
     check_rope_parameters,
     derive_max_model_len,
@@ -17,7 +17,7 @@ from fxrewrite.runtime.hf_config import (
     load_hf_config,
     verify_max_model_len,
 )
-from fxrewrite.runtime.model_files import resolve_model_path
+from fxrewrite.runtime.model_files.folders import resolve_model_path
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -175,6 +175,6 @@ def _head_dim(text_config: PretrainedConfig) -> int:
 
 
 def _default_model_id() -> str:
-    from fxrewrite.runtime.default_model import DEFAULT_MODEL
+    from fxrewrite.runtime.model_files.default_model import DEFAULT_MODEL
 
     return DEFAULT_MODEL

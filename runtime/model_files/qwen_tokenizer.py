@@ -15,7 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
-from fxrewrite.runtime.model_cache import cached_build, file_key
+from fxrewrite.runtime.model_files.model_cache import cached_build, file_key
 
 QWEN_VOCAB_SIZE = 151_936
 """Qwen3's embedding rows (ranks + added tokens, padded to a multiple of 128)."""

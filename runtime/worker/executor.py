@@ -10,7 +10,7 @@
 Steps are asynchronous like the single-process runner's: `execute_model_async` sends the step and
 returns a `RemoteStep`; its `result()` receives the tokens, which TP rank 0 sends in step order, so the
 engine schedules step n+1 while the workers run step n. A message carries only what changed (new
-tokens, new block ids; `fxrewrite.runtime.worker.StepEncoder`).
+tokens, new block ids; `fxrewrite.runtime.worker.worker.StepEncoder`).
 
 Failure handling: every wait on a worker polls the workers' process sentinels, so a worker that
 dies (or raises) ends the step with a RuntimeError carrying its exit status or traceback, and the
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from fxrewrite import distributed
-from fxrewrite.runtime.worker import StepEncoder, broadcast_object, worker_main
+from fxrewrite.runtime.worker.worker import StepEncoder, broadcast_object, worker_main
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +48,8 @@ SHUTDOWN_TIMEOUT_S = 10.0
 
 def create_model_runner(config, model_config, eos_token_ids: set[int]):
     """ModelRunner or MultiprocExecutor (see the module docstring); both have `execute_model`, `num_blocks`."""
-    from fxrewrite.runtime.model_runner import ModelRunner
-    from fxrewrite.runtime.worker import rank_model_config
+    from fxrewrite.runtime.worker.model_runner import ModelRunner
+    from fxrewrite.runtime.worker.worker import rank_model_config
 
     tp_size = config.tensor_parallel_size
     if tp_size == 1:

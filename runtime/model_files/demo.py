@@ -1,4 +1,4 @@
-"""Local model folders for tests, demos and benchmarks: `python -m fxrewrite.runtime.demo build DIR`.
+"""Local model folders for tests, demos and benchmarks: `python -m fxrewrite.runtime.model_files.demo build DIR`.
 
 These machines cannot download weights, so tests use folders made here: the real architecture's
 `config.json` (from transformers' config classes), random safetensors weights (seeded, small
@@ -66,14 +66,14 @@ def build_model_dir(path: str | os.PathLike, arch: str = "qwen3", *, hidden_size
 def write_tokenizer(out: Path, family: str) -> dict:
     """Copy the `family` tokenizer's files into `out`; returns its vocab_size/bos/eos/pad ids."""
     if family == "qwen3":
-        from fxrewrite.runtime.qwen_tokenizer import QWEN_VOCAB_SIZE, write_qwen3_tokenizer
+        from fxrewrite.runtime.model_files.qwen_tokenizer import QWEN_VOCAB_SIZE, write_qwen3_tokenizer
 
         write_qwen3_tokenizer(out)
         # Qwen3: no bos token; config bos/eos 151643/151645, pad <|endoftext|>.
         return {"vocab_size": QWEN_VOCAB_SIZE, "bos_token_id": 151643, "eos_token_id": 151645,
                 "pad_token_id": 151643}
     if family == "smollm2":
-        from fxrewrite.runtime.default_model import smollm2_tokenizer_path
+        from fxrewrite.runtime.model_files.default_model import smollm2_tokenizer_path
 
         src = smollm2_tokenizer_path()
         for name in TOKENIZER_FILES:
@@ -161,7 +161,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     import time
 
     from fxrewrite.runtime.llm import LLM
-    from fxrewrite.runtime.sampling_params import SamplingParams
+    from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
     start = time.perf_counter()
     llm = LLM(args.model, model_impl=args.model_impl, fusion=not args.no_fusion, dtype=args.dtype)
@@ -182,12 +182,12 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m fxrewrite.runtime.demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m fxrewrite.runtime.model_files.demo", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     build = sub.add_parser("build", help="write a tiny random model folder and print its path")
     _add_build_arguments(build)
     build.set_defaults(_run=_run_build)
-    # --- `run` subcommand (engine owner): `make run` calls `python -m fxrewrite.runtime.demo run`.
+    # --- `run` subcommand (engine owner): `make run` calls `python -m fxrewrite.runtime.model_files.demo run`.
     run = sub.add_parser("run", help="chat with a model through the engine; print the answer and tokens/s")
     _add_run_arguments(run)
     run.set_defaults(_run=_run_demo)

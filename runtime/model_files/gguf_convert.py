@@ -2,7 +2,7 @@
 
 transformers reads GGUF through `from_pretrained(dir, gguf_file=...)` (needs the `gguf` and
 `accelerate` packages) and dequantises every tensor, which takes tens of seconds on a CPU; so a
-file is converted once into the cache (`fxrewrite.runtime.model_cache`) and the folder is what
+file is converted once into the cache (`fxrewrite.runtime.model_files.model_cache`) and the folder is what
 the engine, the server and the tests load afterwards, the same as any downloaded checkpoint.
 """
 
@@ -13,7 +13,7 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
-from fxrewrite.runtime.model_cache import cached_build, file_key
+from fxrewrite.runtime.model_files.model_cache import cached_build, file_key
 
 # Bump when the conversion below changes, so that old cached folders are rebuilt.
 CONVERTER_VERSION = 2

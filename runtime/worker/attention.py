@@ -5,7 +5,7 @@ transformers models: `paged_attention_forward` is registered in transformers' `A
 mask for it: `masking_utils._preprocess_mask_arguments` exits early (mask None) for any implementation
 that is not in `AttentionMaskInterface`, so on purpose no mask function is registered under this name.
 Native models call the `Attention` layer. Both write this step's K/V into the layer's paged cache and
-attend over it with the step metadata from `fxrewrite.runtime.forward_context`.
+attend over it with the step metadata from `fxrewrite.runtime.worker.forward_context`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch import nn
 
 from fxrewrite.kernels.paged_attention import paged_attention
 from fxrewrite.kernels.reshape_and_cache import reshape_and_cache
-from fxrewrite.runtime.forward_context import get_forward_context
+from fxrewrite.runtime.worker.forward_context import get_forward_context
 
 ATTN_IMPLEMENTATION = "fxrewrite_paged"
 
@@ -31,7 +31,7 @@ def paged_attend(
 ) -> torch.Tensor:
     """query [T, Hq, D], key/value [T, Hkv, D] of this step -> [T, Hq, D]; caches the new K/V first."""
     if torch.compiler.is_compiling():
-        # Under torch.compile: one opaque op (fxrewrite.runtime.compilation), so the graph does not break.
+        # Under torch.compile: one opaque op (fxrewrite.runtime.worker.compilation), so the graph does not break.
         return torch.ops.fxrewrite.paged_attend(query, key, value, layer_idx, scale, sliding_window, soft_cap)
     ctx = get_forward_context()
     key_cache, value_cache = ctx.kv_caches[layer_idx]

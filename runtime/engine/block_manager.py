@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from fxrewrite.runtime.sequence import Sequence
+from fxrewrite.runtime.engine.sequence import Sequence
 
 
 class Block:

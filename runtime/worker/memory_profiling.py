@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fxrewrite.runtime.compilation import forward_or_fallback
-from fxrewrite.runtime.forward_context import AttentionMetadata, forward_context
-from fxrewrite.runtime.kv_cache import allocate_kv_caches, bytes_per_block
+from fxrewrite.runtime.worker.compilation import forward_or_fallback
+from fxrewrite.runtime.worker.forward_context import AttentionMetadata, forward_context
+from fxrewrite.runtime.worker.kv_cache import allocate_kv_caches, bytes_per_block
 
 
 def _dummy_metadata(num_tokens: int, seq_len: int, block_size: int, device: torch.device):

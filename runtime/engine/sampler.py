@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fxrewrite.runtime.sequence import Sequence
+from fxrewrite.runtime.engine.sequence import Sequence
 
 
 @dataclass
