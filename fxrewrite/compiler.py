@@ -116,7 +116,7 @@ def _optimize_class(cls, instances, traced, patterns, ctx, entry: ClassReport, m
     module_matches = [m for m in matches if m.pattern.scope == "module"]
     forward_matches = [m for m in matches if m.pattern.scope == "forward"]
     if module_matches:
-        _replace_modules(instances, module_matches[0], ctx, entry, model)
+        _replace_modules(instances, module_matches, ctx, entry, model)
     if forward_matches:
         _rewrite_forwards(cls, instances, forward_matches, ctx, entry)
 
@@ -127,25 +127,34 @@ def _applied(entry: ClassReport, m: Match) -> None:
     counts[desc] = counts.get(desc, 0) + 1
 
 
-def _replace_modules(instances, m: Match, ctx, entry: ClassReport, model) -> None:
+def _replace_modules(instances, matches: list[Match], ctx, entry: ClassReport, model) -> None:
+    """Each instance is replaced by the first module-scope match that validates and builds; the
+    others get a report line each (a module can be replaced only once)."""
     parents = _parents(model)
     for module in instances:
         slots = parents.get(id(module), [])
         if not slots:
-            entry.skip(m.pattern.name, "the module has no parent to be replaced in")
+            for m in matches:
+                entry.skip(m.pattern.name, "the module has no parent to be replaced in")
             continue
-        try:
-            m.pattern.validate(m, module, ctx)
-            new = m.pattern.build(m, module, ctx)
-        except Refusal as e:
-            entry.skip(m.pattern.name, str(e))
-            continue
-        except Exception as e:  # noqa: BLE001 - building the replacement failed: keep the original
-            entry.skip(m.pattern.name, f"build failed: {type(e).__name__}: {e}")
-            continue
-        for parent, name in slots:
-            setattr(parent, name, new)
-        _applied(entry, m)
+        winner = None
+        for m in matches:
+            if winner is not None:
+                entry.skip(m.pattern.name, f"the module is already replaced by {winner.pattern.name}")
+                continue
+            try:
+                m.pattern.validate(m, module, ctx)
+                new = m.pattern.build(m, module, ctx)
+            except Refusal as e:
+                entry.skip(m.pattern.name, str(e))
+                continue
+            except Exception as e:  # noqa: BLE001 - building the replacement failed: keep the original
+                entry.skip(m.pattern.name, f"build failed: {type(e).__name__}: {e}")
+                continue
+            for parent, name in slots:
+                setattr(parent, name, new)
+            _applied(entry, m)
+            winner = m
 
 
 def _parents(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
@@ -180,14 +189,36 @@ def _rewrite_forwards(cls, instances, matches: list[Match], ctx, entry: ClassRep
             compiled[key] = _compile(src, valid, entry)
         if compiled[key] is None:
             continue
+        if not _build_all(module, valid, ctx, entry):
+            continue
         for m in valid:
-            m.pattern.build(m, module, ctx)
             _applied(entry, m)
             module.__dict__.setdefault("_fxrewrite_shards", []).extend(m.pattern.shards(m))
         source.bind(module, compiled[key][0])
     if compiled:
         widest = max((k for k, v in compiled.items() if v is not None), key=len, default=None)
         entry.diff = src.diff(compiled[widest][1]) if widest is not None else ""
+
+
+def _build_all(module: nn.Module, matches: list[Match], ctx, entry: ClassReport) -> bool:
+    """Build every match's fused children on `module`, all or nothing: if one build raises, the
+    module's children, parameters, buffers and attributes are put back as they were (builds only
+    set and delete attributes of `module`), and the failure is reported. True if all were built."""
+    saved = {key: dict(module.__dict__[key]) for key in ("_modules", "_parameters", "_buffers")}
+    saved_attrs = {k: v for k, v in module.__dict__.items() if k not in saved}
+    for m in matches:
+        try:
+            m.pattern.build(m, module, ctx)
+        except Exception as e:  # noqa: BLE001 - a failed build must not leave the module half-rewritten
+            module.__dict__.clear()
+            module.__dict__.update(saved_attrs)
+            for key, value in saved.items():
+                module.__dict__[key] = value
+            others = [o.pattern.name for o in matches if o is not m]
+            entry.skip(m.pattern.name, f"build failed: {type(e).__name__}: {e}; the module is left as it was"
+                       + (f" (not applied with it: {', '.join(others)})" if others else ""))
+            return False
+    return True
 
 
 def _valid(m: Match, module: nn.Module, ctx, entry: ClassReport) -> bool:
