@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch._dynamo.exc
+import torch._inductor.exc
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -65,15 +67,45 @@ def compile_model(model: nn.Module) -> nn.Module:
     return model
 
 
+# Errors that mean "torch.compile could not compile this model" (dynamo could not trace it, the
+# backend or inductor failed); anything else a compiled forward raises (an OOM, a bug in the model
+# or in our kernels) is raised as is, never hidden by an eager rerun.
+COMPILE_FAILURES: tuple[type[BaseException], ...] = (
+    torch._dynamo.exc.BackendCompilerFailed,
+    torch._dynamo.exc.Unsupported,
+    torch._dynamo.exc.InternalTorchDynamoError,
+    torch._dynamo.exc.TorchRuntimeError,
+    torch._dynamo.exc.InvalidBackend,
+    torch._inductor.exc.InductorError,
+    torch._inductor.exc.LoweringException,
+)
+
+
+def is_compile_failure(error: BaseException) -> bool:
+    """True when `error` is one of `COMPILE_FAILURES` and no out-of-memory error is among its causes
+    (inductor wraps an OOM of its autotuning in BackendCompilerFailed: that is still an OOM)."""
+    if not isinstance(error, COMPILE_FAILURES):
+        return False
+    seen, cause = set(), error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, torch.OutOfMemoryError):
+            return False
+        seen.add(id(cause))
+        cause = getattr(cause, "inner_exception", None) or cause.__cause__ or cause.__context__
+    return True
+
+
 def forward_or_fallback(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """`model(input_ids, positions)`; when a compiled forward fails to compile or run, log a warning,
-    restore the eager forward and run that (a model torch.compile cannot handle still serves)."""
+    """`model(input_ids, positions)`. When the compiled forward fails to *compile* (`is_compile_failure`),
+    log an error once, restore the eager forward and run that (a model torch.compile cannot handle
+    still serves, and says so). Every other error, an OOM included, is raised unchanged."""
     try:
         return model(input_ids, positions)
     except Exception as e:
-        if not getattr(model, "_fxrewrite_compiled", False):
+        if not getattr(model, "_fxrewrite_compiled", False) or not is_compile_failure(e):
             raise
-        logger.warning("torch.compile of %s failed, running eagerly: %s", type(model).__name__, e)
+        logger.error("torch.compile of %s failed (%s: %s); this engine runs the model eagerly from now on",
+                     type(model).__name__, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         del model.forward
         model._fxrewrite_compiled = False
         return model(input_ids, positions)
