@@ -19,6 +19,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fxrewrite.errors import UserFileNotFoundError, UserInputError
+
+
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 # In a source checkout results land beside the harness (benchmarks/results, kept in git); from an
 # installed wheel, in ./benchmarks/results under the working directory.
@@ -41,11 +44,11 @@ def load_bench_config(path: str | Path) -> dict:
     if not path.is_file() and (CONFIG_DIR / f"{path}.json").is_file():
         path = CONFIG_DIR / f"{path}.json"
     if not path.is_file():
-        raise FileNotFoundError(f"bench config {str(path)!r} not found (see {CONFIG_DIR})")
+        raise UserFileNotFoundError(f"bench config {str(path)!r} not found (see {CONFIG_DIR})")
     spec = json.loads(path.read_text())
     for key in ("name", "config"):
         if key not in spec:
-            raise ValueError(f"bench config {str(path)!r} has no {key!r} entry")
+            raise UserInputError(f"bench config {str(path)!r} has no {key!r} entry")
     return spec
 
 
@@ -78,7 +81,7 @@ def parse_arms(text: str) -> list[str]:
     arms = [a.strip() for a in text.split(",") if a.strip()]
     unknown = [a for a in arms if a not in ARMS]
     if unknown or not arms:
-        raise ValueError(f"unknown arm(s) {unknown or text!r}; expected a comma list of {', '.join(ARMS)}")
+        raise UserInputError(f"unknown arm(s) {unknown or text!r}; expected a comma list of {', '.join(ARMS)}")
     return arms
 
 

@@ -15,6 +15,7 @@ import traceback
 from pathlib import Path
 
 from fxrewrite.benchmarks.common import RESULTS_DIR, bench_model_dir, environment, free_device_memory, load_bench_config, make_llm
+from fxrewrite.errors import UserInputError
 
 WORKLOADS = ("throughput", "latency", "long")
 
@@ -31,7 +32,7 @@ def make_workload(kind: str, num_prompts: int | None = None, **overrides):
         return LatencyWorkload(**overrides)
     if kind == "long":
         return LongWorkload(**overrides)
-    raise ValueError(f"unknown workload {kind!r}; expected one of {', '.join(WORKLOADS)}")
+    raise UserInputError(f"unknown workload {kind!r}; expected one of {', '.join(WORKLOADS)}")
 
 
 def run_engine_arm(arm: str, model_dir: Path, spec: dict, workload, engine_kwargs: dict,

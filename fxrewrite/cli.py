@@ -2,7 +2,10 @@
 
 Each subcommand lives in `fxrewrite/commands/<name>.py` with `add_arguments(parser)` and
 `run(args) -> int`; those modules import the heavy parts (torch, the engine) inside `run` only, so
-`fxrewrite --help` stays fast. Flag names are vLLM's, so a vLLM user changes only the command name.
+`fxrewrite --help` stays fast. A `fxrewrite.errors.UserInputError` (a bad flag value, config,
+prompt or model path) is printed as one line with exit status 2; every other exception keeps its
+traceback, so an internal bug never passes for bad input. Flag names are vLLM's, so a vLLM user
+changes only the command name.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from fxrewrite.errors import UserInputError
 
 # (name, module, one-line help); the order is the order of `fxrewrite --help`.
 COMMANDS = (
@@ -47,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, TypeError, FileNotFoundError) as e:
-        # Bad input from the user: one clear line, not a traceback.
+    except UserInputError as e:
+        # Bad input from the user: one clear line. Any other error is a bug and keeps its traceback.
         print(f"fxrewrite {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -6,6 +6,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
+from fxrewrite.errors import UserInputError, UserTypeError
+
+
 MODEL_IMPLS = ("auto", "native", "transformers")
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -65,18 +68,18 @@ class EngineConfig:
         }
         for name, value in positive.items():
             if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+                raise UserInputError(f"{name}={value!r} must be a positive integer")
         for name in ("fusion", "enable_prefix_caching", "enforce_eager", "async_scheduling", "trust_remote_code"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+                raise UserInputError(f"{name}={getattr(self, name)!r} must be True or False")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
+            raise UserInputError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be a positive integer")
+            raise UserInputError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be a positive integer")
         if self.hf_overrides is not None and not (
             isinstance(self.hf_overrides, (dict, str)) or callable(self.hf_overrides)
         ):  # the JSON text and the dict itself are checked when the config loads
-            raise TypeError(
+            raise UserTypeError(
                 "hf_overrides must be a dict, a JSON object string or a callable(config) -> config, "
                 f"got {type(self.hf_overrides).__name__}: {self.hf_overrides!r}"
             )
@@ -89,7 +92,7 @@ class EngineConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise TypeError(
+            raise UserTypeError(
                 f"LLM() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
                 f"accepted: {', '.join(sorted(known))}"
             )
@@ -98,4 +101,4 @@ class EngineConfig:
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, choices))}")
+        raise UserInputError(f"{name}={value!r} is not one of {', '.join(map(repr, choices))}")

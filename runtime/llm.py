@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Sequence
 
+from fxrewrite.errors import UserInputError, UserTypeError
 from fxrewrite.runtime.engine_config import EngineConfig
 from fxrewrite.runtime.engine.llm_engine import LLMEngine
 from fxrewrite.runtime.engine.outputs import RequestOutput
@@ -41,11 +42,11 @@ class LLM:
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
-            raise TypeError(f"prompts={prompts!r} must be a string, a list of token ids, or a list of those")
+            raise UserTypeError(f"prompts={prompts!r} must be a string, a list of token ids, or a list of those")
         # vLLM's TextPrompt / TokensPrompt dicts
         for i, p in enumerate(prompts):
             if isinstance(p, dict) and not {"prompt", "prompt_token_ids"} & p.keys():
-                raise ValueError(f"prompt {i}: {p!r} has neither 'prompt' nor 'prompt_token_ids'")
+                raise UserInputError(f"prompt {i}: {p!r} has neither 'prompt' nor 'prompt_token_ids'")
         prompts = [p.get("prompt_token_ids", p.get("prompt")) if isinstance(p, dict) else p for p in prompts]
         params = _per_prompt(sampling_params, len(prompts))
         ids = [str(next(self._request_counter)) for _ in prompts]
@@ -54,7 +55,7 @@ class LLM:
                 try:
                     self.llm_engine.add_request(request_id, prompt, p)
                 except ValueError as e:
-                    raise ValueError(f"prompt {i}: {e}") from None
+                    raise UserInputError(f"prompt {i}: {e}") from None
             return self._run(ids, use_tqdm)
         except BaseException:
             for request_id in ids:
@@ -86,20 +87,20 @@ class LLM:
         """Apply the tokenizer's chat template to one conversation (list of {"role", "content"}) or a
         list of them, then `generate`. ValueError when the tokenizer has no chat template."""
         if not isinstance(messages, (list, tuple)) or not messages:
-            raise TypeError(f"messages must be a non-empty list of {{'role', 'content'}} dicts (one conversation) "
+            raise UserTypeError(f"messages must be a non-empty list of {{'role', 'content'}} dicts (one conversation) "
                             f"or a list of such lists, got {type(messages).__name__} {messages!r}")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         tokenizer = self.llm_engine.tokenizer
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
-            raise ValueError(f"tokenizer of {self.llm_engine.model_config.model!r} has no chat template")
+            raise UserInputError(f"tokenizer of {self.llm_engine.model_config.model!r} has no chat template")
         prompts = []
         for n, conversation in enumerate(conversations):
             if not isinstance(conversation, (list, tuple)):
-                raise TypeError(f"conversation {n}: {conversation!r} must be a list of message dicts")
+                raise UserTypeError(f"conversation {n}: {conversation!r} must be a list of message dicts")
             for i, message in enumerate(conversation):
                 if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
                         or not ("content" in message or "tool_calls" in message):
-                    raise ValueError(f"conversation {n} message {i}: {message!r} must be a dict with a "
+                    raise UserInputError(f"conversation {n} message {i}: {message!r} must be a dict with a "
                                      f"string 'role' and a 'content' (or 'tool_calls')")
             ids = tokenizer.apply_chat_template(
                 conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
@@ -119,11 +120,11 @@ def _per_prompt(sampling_params, num: int) -> list[SamplingParams]:
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * num
     if not isinstance(sampling_params, (list, tuple)):
-        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got "
+        raise UserTypeError(f"sampling_params must be a SamplingParams or a list of them, got "
                         f"{type(sampling_params).__name__} {sampling_params!r}")
     for i, p in enumerate(sampling_params):
         if not isinstance(p, SamplingParams):
-            raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__} {p!r}")
+            raise UserTypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__} {p!r}")
     if len(sampling_params) != num:
-        raise ValueError(f"got {len(sampling_params)} sampling_params for {num} prompts; expected one or {num}")
+        raise UserInputError(f"got {len(sampling_params)} sampling_params for {num} prompts; expected one or {num}")
     return list(sampling_params)

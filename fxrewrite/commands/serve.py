@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from fxrewrite.commands.engine_args import add_engine_arguments, engine_kwargs
+from fxrewrite.errors import UserInputError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from fxrewrite.runtime.server.api_server import run_server
 
     if not 0 < args.port < 65536:
-        raise ValueError(f"--port {args.port} is not a TCP port (1..65535)")
+        raise UserInputError(f"--port {args.port} is not a TCP port (1..65535)")
     engine, app = build_server_app(args)
     name = app.state.served_model_names[0]
     print(f"fxrewrite serve: {name} ({engine.model_config.model_path}) on http://{args.host}:{args.port}/v1",

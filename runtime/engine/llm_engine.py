@@ -6,6 +6,7 @@ import itertools
 import logging
 from typing import Any
 
+from fxrewrite.errors import UserInputError
 from fxrewrite.runtime.engine.block_manager import BlockManager
 from fxrewrite.runtime.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
 from fxrewrite.runtime.engine_config import EngineConfig
@@ -73,7 +74,7 @@ class LLMEngine:
         """Queue a prompt (text, or token ids) for generation; ValueError for an invalid request."""
         params = sampling_params or SamplingParams()
         if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise UserInputError(f"request_id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         self._check_request(token_ids, params)
         request = Request(request_id, text, token_ids, params, next(self._arrivals))
@@ -91,28 +92,28 @@ class LLMEngine:
             vocab = self.model_config.vocab_size
             bad = [t for t in token_ids if not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
+                raise UserInputError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
         elif isinstance(prompt, (list, tuple)):
             i, bad = next((i, t) for i, t in enumerate(prompt) if not isinstance(t, int))
-            raise ValueError(f"prompt token ids must be ints: element {i} is {type(bad).__name__} {bad!r}")
+            raise UserInputError(f"prompt token ids must be ints: element {i} is {type(bad).__name__} {bad!r}")
         else:
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+            raise UserInputError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not token_ids:
-            raise ValueError("prompt is empty: at least 1 token is needed")
+            raise UserInputError("prompt is empty: at least 1 token is needed")
         return text, token_ids
 
     def _check_request(self, token_ids: list[int], params: SamplingParams) -> None:
         max_len, vocab = self.model_config.max_model_len, self.model_config.vocab_size
         if params.logprobs is not None and params.logprobs > vocab:  # topk over the vocabulary
-            raise ValueError(f"logprobs={params.logprobs} is more than the vocabulary size {vocab}")
+            raise UserInputError(f"logprobs={params.logprobs} is more than the vocabulary size {vocab}")
         if len(token_ids) > max_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len={max_len}")
+            raise UserInputError(f"prompt has {len(token_ids)} tokens, more than max_model_len={max_len}")
         # The last sampled token is never fed back, so it needs no KV slot.
         final = len(token_ids) + (params.max_tokens or max_len) - 1
         needed = min(final, max_len)
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
         if needed > capacity:
-            raise ValueError(
+            raise UserInputError(
                 f"request needs {needed} KV cache slots (prompt {len(token_ids)} + max_tokens "
                 f"{params.max_tokens}), more than the whole KV cache holds ({capacity}); "
                 "raise kv_cache_memory_bytes / gpu_memory_utilization or lower max_tokens"

@@ -6,6 +6,9 @@ import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 
+from fxrewrite.errors import UserInputError, UserTypeError
+
+
 _GREEDY_EPS = 1e-5
 _SEED_RANGE = (-(2**63), 2**63 - 1)  # what torch.Generator.manual_seed takes
 _NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -59,7 +62,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.stop is not None and not isinstance(self.stop, str) and not (
                 isinstance(self.stop, (list, tuple)) and all(isinstance(x, str) for x in self.stop)):
-            raise TypeError(f"SamplingParams: stop={self.stop!r} must be a string or a list of strings")
+            raise UserTypeError(f"SamplingParams: stop={self.stop!r} must be a string or a list of strings")
         self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
@@ -73,14 +76,14 @@ class SamplingParams:
             kind = Real if name in _NUMBERS else Integral
             if isinstance(value, kind) and not isinstance(value, bool):
                 if kind is Real and not math.isfinite(value):
-                    raise ValueError(f"SamplingParams: {name}={value!r} must be a finite number")
+                    raise UserInputError(f"SamplingParams: {name}={value!r} must be a finite number")
                 continue
             if value is None and name in _OPTIONAL_INTEGERS:
                 continue
             expected = "a number" if kind is Real else "an integer"
-            raise TypeError(f"SamplingParams: {name}={value!r} must be {expected}")
+            raise UserTypeError(f"SamplingParams: {name}={value!r} must be {expected}")
         if not all(isinstance(t, Integral) and not isinstance(t, bool) for t in self.stop_token_ids):
-            raise TypeError(f"SamplingParams: stop_token_ids={self.stop_token_ids!r} must be a list of integers")
+            raise UserTypeError(f"SamplingParams: stop_token_ids={self.stop_token_ids!r} must be a list of integers")
 
     def _check(self) -> None:
         checks = [
@@ -102,13 +105,13 @@ class SamplingParams:
         ]
         for ok, name, value, expected in checks:
             if not ok:
-                raise ValueError(f"SamplingParams: {name}={value!r} must be {expected}")
+                raise UserInputError(f"SamplingParams: {name}={value!r} must be {expected}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
+            raise UserInputError(
                 f"SamplingParams: min_tokens={self.min_tokens} must be at most max_tokens={self.max_tokens}"
             )
         if any(not s for s in self.stop_strings):
-            raise ValueError(f"SamplingParams: stop={self.stop!r} must not contain empty strings")
+            raise UserInputError(f"SamplingParams: stop={self.stop!r} must not contain empty strings")
 
     @property
     def is_greedy(self) -> bool:

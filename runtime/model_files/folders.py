@@ -13,6 +13,9 @@ import os
 import re
 from pathlib import Path
 
+from fxrewrite.errors import UserFileNotFoundError, UserInputError, UserTypeError
+
+
 # Files a causal LM needs: configs, tokenizers (fast, sentencepiece, BPE, tiktoken), templates,
 # safetensors weights and their index. No .bin/.pt/.msgpack/.h5/.onnx copies of the weights.
 ALLOW_PATTERNS = [
@@ -36,10 +39,10 @@ def resolve_model_path(model: str | os.PathLike | None, *, revision: str | None 
     if model is None:
         model = DEFAULT_MODEL
     if not isinstance(model, (str, os.PathLike)):
-        raise TypeError(f"model must be a path or a hub id string, got {type(model).__name__}: {model!r}")
+        raise UserTypeError(f"model must be a path or a hub id string, got {type(model).__name__}: {model!r}")
     text = os.fspath(model)
     if not text.strip():
-        raise ValueError(f"model must be a folder, a .gguf file or a hub id, got {text!r}")
+        raise UserInputError(f"model must be a folder, a .gguf file or a hub id, got {text!r}")
     path = Path(text).expanduser()
     if path.is_dir():
         return path
@@ -48,11 +51,11 @@ def resolve_model_path(model: str | os.PathLike | None, *, revision: str | None 
 
         return convert_gguf(path)  # FileNotFoundError naming the file when missing
     if path.exists():
-        raise ValueError(f"model {text!r} is a file; expected a model folder, a .gguf file or a hub id")
+        raise UserInputError(f"model {text!r} is a file; expected a model folder, a .gguf file or a hub id")
     if text == DEFAULT_MODEL:
         return _default_model_folder(revision)
     if not is_hub_id(text):
-        raise FileNotFoundError(f"model {text!r} is not an existing folder or .gguf file (nor a hub id 'org/name')")
+        raise UserFileNotFoundError(f"model {text!r} is not an existing folder or .gguf file (nor a hub id 'org/name')")
     return download_hub_model(text, revision=revision)
 
 
@@ -84,7 +87,7 @@ def download_hub_model(repo_id: str, *, revision: str | None = None) -> Path:
             return Path(folder)
         reason = FileNotFoundError(f"no config.json in {folder}")
     where = "in the HF cache (HF_HUB_OFFLINE is set)" if hub_offline() else "in the HF cache nor on the hub"
-    raise FileNotFoundError(
+    raise UserFileNotFoundError(
         f"model {repo_id!r} is not a local folder, and its files are not {where}: "
         f"{type(reason).__name__}: {str(reason).splitlines()[0] if str(reason) else ''}"
     ) from reason

@@ -13,6 +13,7 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
+from fxrewrite.errors import UserFileNotFoundError, UserInputError
 from fxrewrite.runtime.model_files.model_cache import cached_build, file_key
 
 # Bump when the conversion below changes, so that old cached folders are rebuilt.
@@ -36,9 +37,9 @@ def convert_gguf(gguf_file: str | os.PathLike, *, name: str | None = None,
     """
     path = Path(gguf_file).expanduser()
     if path.suffix != ".gguf":
-        raise ValueError(f"expected a .gguf file, got {str(gguf_file)!r}")
+        raise UserInputError(f"expected a .gguf file, got {str(gguf_file)!r}")
     if not path.is_file():
-        raise FileNotFoundError(f"GGUF file {str(gguf_file)!r} does not exist")
+        raise UserFileNotFoundError(f"GGUF file {str(gguf_file)!r} does not exist")
     path = path.resolve()
     key = file_key(path, CONVERTER_VERSION)
     info = {"source": str(path), "source_size": path.stat().st_size, "converter": CONVERTER_VERSION}

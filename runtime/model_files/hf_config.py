@@ -19,6 +19,7 @@ from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
 
+from fxrewrite.errors import UserInputError, UserTypeError
 from fxrewrite.layers.rope_init import normalize_rope_parameters, validate_rope_parameters
 
 logger = logging.getLogger(__name__)
@@ -54,11 +55,11 @@ def parse_hf_overrides(hf_overrides: HfOverrides) -> dict[str, Any] | Callable |
         try:
             hf_overrides = json.loads(hf_overrides)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"hf_overrides must be a JSON object, got {hf_overrides!r} ({exc})") from None
+            raise UserInputError(f"hf_overrides must be a JSON object, got {hf_overrides!r} ({exc})") from None
         if not isinstance(hf_overrides, dict):
-            raise ValueError(f"hf_overrides must be a JSON object, got {json.dumps(hf_overrides)!r}")
+            raise UserInputError(f"hf_overrides must be a JSON object, got {json.dumps(hf_overrides)!r}")
     if not isinstance(hf_overrides, dict):
-        raise TypeError(
+        raise UserTypeError(
             f"hf_overrides must be a dict, a JSON object string or a callable(config) -> config, "
             f"got {type(hf_overrides).__name__}"
         )
@@ -70,7 +71,7 @@ def split_hf_overrides(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[
     overrides = dict(overrides)
     max_model_len = overrides.pop("max_model_len", None)
     if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)):
-        raise ValueError(f"hf_overrides['max_model_len'] must be an int, got {max_model_len!r}")
+        raise UserInputError(f"hf_overrides['max_model_len'] must be an int, got {max_model_len!r}")
     nested = {k: v for k, v in overrides.items() if isinstance(v, dict)}
     flat = {k: v for k, v in overrides.items() if not isinstance(v, dict)}
     return flat, nested, max_model_len
@@ -96,7 +97,9 @@ def load_hf_config(
     except KeyError as exc:  # transformers' rope validation raises a bare KeyError
         if "rope" not in str(exc):
             raise
-        raise ValueError(f"invalid rope parameters in {model_path}: {exc.args[0]}") from None
+        raise UserInputError(f"invalid rope parameters in {model_path}: {exc.args[0]}") from None
+    except ValueError as exc:  # transformers' own config checks (an unknown model_type, a bad value)
+        raise UserInputError(f"cannot load the config of {model_path}: {exc}") from exc
     # transformers only setdefaults a flat rope_theta into rope_parameters: make the override win.
     forced = {k: v for k, v in flat.items() if k in _ROPE_FACTS}
     fallback = {**_rope_facts_from_json(Path(model_path) / "config.json"), **forced}
@@ -106,7 +109,7 @@ def load_hf_config(
     if callable(overrides):
         config = overrides(config)
         if not isinstance(config, PretrainedConfig):
-            raise TypeError(f"the hf_overrides callable must return a PretrainedConfig, got {type(config).__name__}")
+            raise UserTypeError(f"the hf_overrides callable must return a PretrainedConfig, got {type(config).__name__}")
     for sub_config in _config_and_text_config(config):
         _normalize_config_rope(sub_config, fallback, forced={})
     return config, max_model_len
@@ -242,7 +245,7 @@ def verify_max_model_len(max_model_len: int | None, derived: int, key: str) -> i
     if max_model_len is None:
         return derived
     if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len <= 0:
-        raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
+        raise UserInputError(f"max_model_len must be a positive int, got {max_model_len!r}")
     if max_model_len <= derived:
         return max_model_len
     msg = (
@@ -258,7 +261,7 @@ def verify_max_model_len(max_model_len: int | None, derived: int, key: str) -> i
         )
         logger.warning("%s Proceeding because of the escape variable.", msg)
         return max_model_len
-    raise ValueError(
+    raise UserInputError(
         f"{msg} Set {ALLOW_LONG_ENV_VARS[0]}=1 (or VLLM_ALLOW_LONG_MAX_MODEL_LEN=1) to allow it anyway, "
         "or scale RoPE (hf_overrides rope_parameters) to extend the context."
     )

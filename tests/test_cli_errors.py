@@ -1,0 +1,44 @@
+"""The CLI prints bad user input as one line, and keeps the traceback of everything else (issue 15 item 13)."""
+
+import pytest
+
+import fxrewrite.commands.generate as generate_command
+from fxrewrite.cli import main
+from fxrewrite.errors import UserFileNotFoundError, UserInputError, UserTypeError
+
+
+def test_user_input_errors_are_one_line(tmp_path, capsys):
+    missing = tmp_path / "no-such-model"
+    assert main(["generate", str(missing), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fxrewrite generate: error: ") and str(missing) in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_bad_bench_config_is_one_line(capsys):
+    assert main(["bench", "compare", "--config", "no-such-config"]) == 2
+    err = capsys.readouterr().err
+    assert "no-such-config" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("error", [ValueError("internal bug"), TypeError("unsupported operand"),
+                                   FileNotFoundError("a file the package should ship")])
+def test_other_errors_keep_their_traceback(monkeypatch, error):
+    def run(args):
+        raise error
+    monkeypatch.setattr(generate_command, "run", run)
+    with pytest.raises(type(error), match=str(error)):
+        main(["generate", "--prompt", "hi"])
+
+
+def test_user_errors_are_still_the_builtin_types():
+    assert issubclass(UserInputError, ValueError)
+    assert issubclass(UserTypeError, TypeError) and issubclass(UserTypeError, UserInputError)
+    assert issubclass(UserFileNotFoundError, FileNotFoundError) and issubclass(UserFileNotFoundError, UserInputError)
+
+
+def test_a_config_transformers_rejects_is_one_line(tmp_path, capsys):
+    (tmp_path / "config.json").write_text('{"model_type": "no_such_architecture"}')
+    assert main(["explain", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "no_such_architecture" in err and "Traceback" not in err
