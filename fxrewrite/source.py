@@ -56,6 +56,7 @@ class ForwardSource:
             tree = cst.parse_module(text)
         except cst.ParserSyntaxError as e:
             raise SourceError(f"cannot parse {module_cls.__name__}.forward: {e}") from e
+        _check_recompilable(module_cls, fn, tree)
         return cls(owner, filename, lineno, fn.__globals__, text, tree)
 
     @property
@@ -68,6 +69,38 @@ class ForwardSource:
         label = f"{self.filename}:{self.first_lineno} {self.cls.__qualname__}.forward"
         return "".join(difflib.unified_diff(self.original.splitlines(True), new.splitlines(True),
                                             fromfile=f"{label} (original)", tofile=f"{label} (fxrewrite)"))
+
+
+def _check_recompilable(module_cls: type, fn, tree: cst.Module) -> None:
+    """SourceError when the source, compiled again by `compile_forward`, would not mean the same.
+
+    * Free variables other than ``__class__`` (a forward defined inside a function, reading that
+      function's locals): the recompiled function would look those names up in the module's
+      globals instead, and silently read other values (or none).
+    * Private names (``self.__x``, ``__x``): Python mangles them to ``_Class__x`` only inside a
+      class body, so the recompiled function would read a different attribute.
+    """
+    free = [v for v in fn.__code__.co_freevars if v != "__class__"]
+    if free:
+        raise SourceError(f"{module_cls.__name__}.forward reads closure variable(s) {', '.join(free)}: "
+                          "recompiled source would resolve them as globals")
+    private = sorted(_private_names(tree))
+    if private:
+        raise SourceError(f"{module_cls.__name__}.forward uses name-mangled private name(s) "
+                          f"{', '.join(private)}: recompiled outside the class they would not be mangled")
+
+
+def _private_names(tree: cst.Module) -> set[str]:
+    """Identifiers Python would mangle in a class body: ``__x`` not ending in ``__``."""
+    found: set[str] = set()
+
+    class V(cst.CSTVisitor):
+        def visit_Name(self, node):
+            if node.value.startswith("__") and not node.value.endswith("__"):
+                found.add(node.value)
+
+    tree.visit(V())
+    return found
 
 
 def function_def(tree: cst.Module) -> cst.FunctionDef:
