@@ -87,7 +87,10 @@ def _reduce_kernel(qsl_ptr, out_ptr, part_ptr, ml_ptr, o_s0, o_s1, num_heads, nu
         m = tl.load(ml_ptr + row * 2, mask=s_mask, other=-1.0e30)
         l = tl.load(ml_ptr + row * 2 + 1, mask=s_mask, other=0.0)
         w = tl.exp2(m - tl.max(m, axis=0)) * l  # m is in the log2 domain
-        parts = tl.load(part_ptr + row[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+        # columns >= HEAD_DIM of the partials are never written: garbage there (inf * a zero weight is
+        # NaN) must not enter the sums, even in lanes the store drops
+        parts = tl.load(part_ptr + row[:, None] * BLOCK_D + offs_d[None, :],
+                        mask=s_mask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
         total = tl.sum(w, axis=0)
         out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
         tl.store(out_ptr + tok.to(tl.int64) * o_s0 + head * o_s1 + offs_d, out.to(out_ptr.dtype.element_ty),

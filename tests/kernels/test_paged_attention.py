@@ -135,3 +135,28 @@ def test_ref_batched_decode_matches_per_sequence_loop(paged_batch, monkeypatch, 
     looped = paged_attention_ref(*batch.args(), 0.5, window, cap)
     assert not batched.isnan().any()
     torch.testing.assert_close(batched, looped, rtol=1e-5, atol=1e-6)
+
+
+class _GarbageTorch:
+    """`torch` as paged_decode sees it, except that `empty` returns float buffers full of inf: the
+    never-written lanes of the split-K partials must not reach the result (issue 15 item 8)."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        t = torch.empty(*args, **kwargs)
+        return t.fill_(float("inf")) if t.is_floating_point() else t
+
+
+def test_decode_split_reduce_ignores_unwritten_lanes(interpret, paged_batch, monkeypatch):
+    import warnings
+
+    monkeypatch.setattr(paged_decode, "torch", _GarbageTorch())
+    batch = paged_batch(DECODE, 4, 1, 24, 8, seed=1)  # head_dim 24 < BLOCK_D 32; some splits empty
+    want = paged_attention_ref(*batch.args(), 0.3, 9, 3.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        got = paged_decode.paged_decode_triton(*batch.args(), 0.3, 9, 3.0, block_n=16, num_splits=3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
