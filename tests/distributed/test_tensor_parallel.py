@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.distributed.processes import hang, join_or_fail
 from tests.distributed.tp_ranks import MAX_TOKENS, generate_tokens, greedy_tokens, make_llm, sampling_params, spmd_rank
 
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
@@ -54,10 +55,16 @@ def test_tp2_equals_tp1_native_and_fused(qwen3_kv1, llama_kv2, tmp_path):
     ctx = mp.start_processes(spmd_rank, args=(_free_port(), cases, str(out)), nprocs=2, join=False,
                              start_method="spawn")
     expected = {f"{path}|{impl}": greedy_tokens(path, impl) for path, impl in cases}  # overlaps the ranks
-    while not ctx.join(timeout=300):
-        pass
+    join_or_fail(ctx, timeout_s=600, what="TP ranks")
     assert json.loads(out.read_text()) == expected
     assert all(len(c) == MAX_TOKENS for tokens in expected.values() for t in tokens for c in t)
+
+
+def test_a_hung_rank_fails_the_test_within_its_deadline():
+    ctx = mp.start_processes(hang, args=(600,), nprocs=2, join=False, start_method="spawn")
+    with pytest.raises(pytest.fail.Exception, match="did not finish within 2 s"):
+        join_or_fail(ctx, timeout_s=2)
+    assert not any(p.is_alive() for p in ctx.processes)
 
 
 def test_tp2_preemption_under_async_scheduling_equals_tp1(qwen3_kv1):

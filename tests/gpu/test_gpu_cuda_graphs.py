@@ -76,11 +76,81 @@ def test_every_bucket_replay_matches_eager(make_llm, impl, fusion):
         assert _close(replay, eager) < 1e-3, f"bucket for {n} sequences differs from eager"
 
 
+def _record_can_run(graphs) -> list[tuple[int, bool]]:
+    """Wrap graphs.can_run: the list gets (max_query_len, answer) for every step the engine runs."""
+    calls, real = [], graphs.can_run
+
+    def can_run(num_tokens, metadata):
+        ok = real(num_tokens, metadata)
+        calls.append((metadata.max_query_len, ok))
+        return ok
+
+    graphs.can_run = can_run
+    return calls
+
+
+def _prompts():
+    return [[int(t) for t in torch.randint(0, 10000, (n,), generator=torch.Generator().manual_seed(n))]
+            for n in (5, 17, 40)]
+
+
+def test_prefill_steps_run_eager_on_cpu(tiny_qwen3_dir):
+    """The dispatch of `execute_model` with a graph runner whose 'graphs' replay eagerly over the static
+    buffers: prefill steps never go to the graphs, decode steps do, and the tokens equal the plain engine's."""
+    from fxrewrite.runtime.engine.sampling_params import SamplingParams
+    from fxrewrite.runtime.llm import LLM
+    from fxrewrite.runtime.worker.cuda_graphs import CUDAGraphRunner
+    from fxrewrite.runtime.worker.forward_context import forward_context
+
+    def make():
+        return LLM(str(tiny_qwen3_dir), model_impl="native", kv_cache_memory_bytes=1 << 22, max_model_len=512)
+
+    llm = make()
+    runner, mc = llm.llm_engine.model_runner, llm.llm_engine.model_config
+    graphs = CUDAGraphRunner(runner.model, runner.kv_caches, max_num_seqs=4, max_model_len=512, block_size=16,
+                             hidden_size=mc.hidden_size, dtype=mc.dtype, device=runner.device)
+    replayed = []
+
+    class Replay:
+        def __init__(self, bs):
+            self.bs = bs
+
+        def replay(self):
+            replayed.append(self.bs)
+            with forward_context(graphs._metadata(self.bs)):
+                graphs.outputs[: self.bs] = runner.model(graphs.input_ids[: self.bs], graphs.positions[: self.bs])
+
+    graphs.graphs = {bs: Replay(bs) for bs in graphs.sizes}
+    runner.graph_runner = graphs
+    calls = _record_can_run(graphs)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)]
+    prefill, decode = [ok for q, ok in calls if q > 1], [ok for q, ok in calls if q == 1]
+    assert prefill and not any(prefill), calls
+    assert decode and all(decode) and len(replayed) == len(decode)
+    assert got == [o.outputs[0].token_ids for o in make().generate(_prompts(), params, use_tqdm=False)]
+
+
 @pytest.mark.gpu
 def test_prefill_and_eager_fall_back(make_llm):
-    llm = make_llm(model_impl="native", enforce_eager=True)
-    assert llm.llm_engine.model_runner.graph_runner is None
-    assert not getattr(llm.llm_engine.model_runner.model, "_fxrewrite_compiled", False)
+    """With CUDA graphs captured, steps holding prompt tokens run the eager forward and decode steps
+    replay graphs; greedy tokens equal enforce_eager's, which captures no graph and compiles nothing."""
+    from fxrewrite.runtime.engine.sampling_params import SamplingParams
+
+    llm = make_llm(model_impl="native", compilation_config=0)
+    graphs = llm.llm_engine.model_runner.graph_runner
+    assert graphs is not None, "CUDA graphs were not captured"
+    calls = _record_can_run(graphs)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    fast = llm.generate(_prompts(), params, use_tqdm=False)
+    prefill, decode = [ok for q, ok in calls if q > 1], [ok for q, ok in calls if q == 1]
+    assert prefill and not any(prefill), calls
+    assert decode and all(decode), calls
+    eager = make_llm(model_impl="native", enforce_eager=True)
+    assert eager.llm_engine.model_runner.graph_runner is None
+    assert not getattr(eager.llm_engine.model_runner.model, "_fxrewrite_compiled", False)
+    slow = eager.generate(_prompts(), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in slow]
 
 
 @pytest.mark.gpu
