@@ -12,6 +12,7 @@ import datetime
 import gc
 import hashlib
 import json
+import os
 import platform
 import shutil
 import time
@@ -96,7 +97,8 @@ def environment() -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU)",
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "cpu": cpu_name(),
     }
     try:
         import triton
@@ -107,6 +109,24 @@ def environment() -> dict:
     if torch.cuda.is_available():
         env["cuda"] = torch.version.cuda
     return env
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo, else platform) and its core count."""
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name} ({os.cpu_count()} cores)"
+
+
+def device_label(env: dict) -> str:
+    """What ran the numbers, for titles and tables: the GPU's name, else 'CPU <model name>'."""
+    return env.get("gpu") or f"CPU {env.get('cpu') or '(unknown)'}"
 
 
 def free_device_memory() -> None:
@@ -136,16 +156,23 @@ class RunStats:
     finish_s: dict = field(default_factory=dict)
 
 
-def run_requests(engine, prompts: list[list[int]], params: list, time_limit_s: float | None = None) -> RunStats:
+def run_requests(engine, prompts: list[list[int]], params: list, time_limit_s: float | None = None,
+                 desc: str = "requests") -> RunStats:
     """Add every prompt (token ids) to `engine` (an LLMEngine), step until all finish or the time limit
-    passes (then the rest are aborted and `truncated` is set). Token counts are of what was produced."""
+    passes (then the rest are aborted and `truncated` is set). Token counts are of what was produced.
+    A tqdm bar (stderr, labelled `desc`) counts output tokens against the requested total."""
+    from tqdm import tqdm
+
     stats = RunStats(num_requests=len(prompts), prompt_tokens=sum(map(len, prompts)))
     ids = [f"bench-{i}" for i in range(len(prompts))]
     counts = dict.fromkeys(ids, 0)
     for request_id, prompt, p in zip(ids, prompts, params):
         engine.add_request(request_id, prompt, p)
+    bar = tqdm(total=sum(p.max_tokens or 0 for p in params), desc=desc, unit="tok", leave=False,
+               dynamic_ncols=True, mininterval=0.5)
     start = time.perf_counter()
     while engine.has_unfinished_requests():
+        bar.update(sum(counts.values()) - bar.n)
         for out in engine.step():
             now = time.perf_counter() - start
             counts[out.request_id] = len(out.outputs[0].token_ids)
@@ -159,6 +186,7 @@ def run_requests(engine, prompts: list[list[int]], params: list, time_limit_s: f
                 engine.abort_request(request_id)
             break
     stats.elapsed_s = time.perf_counter() - start
+    bar.close()
     stats.output_tokens = sum(counts.values())
     stats.num_finished = len(stats.finish_s)
     return stats

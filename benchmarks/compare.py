@@ -1,4 +1,4 @@
-"""`fxrewrite bench compare`: one workload through several arms in one process run.
+"""`fxrewrite bench compare`: one workload through several arms, each in its own process by default.
 
 Arms: before (transformers modeling code, no rewrite), after (transformers code rewritten by
 fxrewrite), native (runtime/models), hf (stock transformers `generate_batch`, throughput only).
@@ -14,25 +14,67 @@ import time
 import traceback
 from pathlib import Path
 
-from fxrewrite.benchmarks.common import RESULTS_DIR, bench_model_dir, environment, free_device_memory, load_bench_config, make_llm
+from fxrewrite.benchmarks.common import (RESULTS_DIR, bench_model_dir, device_label, environment, free_device_memory,
+                                         load_bench_config, make_llm)
 from fxrewrite.errors import UserInputError
 
 WORKLOADS = ("throughput", "latency", "long")
 
 
-def make_workload(kind: str, num_prompts: int | None = None, **overrides):
-    """The workload dataclass of `kind`; `overrides` set its fields (small sizes for smoke tests)."""
+def make_workload(kind: str, num_prompts: int | None = None, defaults: dict | None = None,
+                  overrides: dict | None = None):
+    """The workload dataclass of `kind`: its own defaults, then the bench config's `workload_defaults`
+    for that kind (`defaults`: the tiny config keeps CPU runs short), then `overrides`, then `num_prompts`."""
     from fxrewrite.benchmarks.latency import LatencyWorkload
     from fxrewrite.benchmarks.long import LongWorkload
     from fxrewrite.benchmarks.throughput import ThroughputWorkload
 
-    if kind == "throughput":
-        return ThroughputWorkload(num_prompts=num_prompts or 256, **overrides)
-    if kind == "latency":
-        return LatencyWorkload(**overrides)
-    if kind == "long":
-        return LongWorkload(**overrides)
-    raise UserInputError(f"unknown workload {kind!r}; expected one of {', '.join(WORKLOADS)}")
+    classes = {"throughput": ThroughputWorkload, "latency": LatencyWorkload, "long": LongWorkload}
+    if kind not in classes:
+        raise UserInputError(f"unknown workload {kind!r}; expected one of {', '.join(WORKLOADS)}")
+    fields = {**(defaults or {}), **(overrides or {})}
+    if num_prompts and kind == "throughput":
+        fields["num_prompts"] = num_prompts
+    return classes[kind](**fields)
+
+
+def _arm_process(arm, model_dir, spec, workload, engine_kwargs, time_limit_s, hf_num_prompts, num_threads, out):
+    """Child process body: run one arm, write its figures (or its error) as JSON to `out`."""
+    import torch
+
+    torch.set_num_threads(num_threads)
+    try:
+        figures = run_arm(arm, model_dir, spec, workload, engine_kwargs, time_limit_s, hf_num_prompts)
+    except Exception as e:  # noqa: BLE001 - reported in the result, like an in-process arm
+        figures = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
+    Path(out).write_text(json.dumps(figures))
+
+
+def run_arm_isolated(arm, model_dir, spec, workload, engine_kwargs, time_limit_s, hf_num_prompts) -> dict:
+    """`run_arm` in a fresh process (spawned): whatever the arm allocates, on the GPU or in this
+    process's caches, goes when it exits, whether it succeeded, raised or crashed."""
+    import multiprocessing
+    import tempfile
+
+    import torch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "figures.json"
+        proc = multiprocessing.get_context("spawn").Process(
+            target=_arm_process, args=(arm, model_dir, spec, workload, engine_kwargs, time_limit_s,
+                                       hf_num_prompts, torch.get_num_threads(), str(out)))
+        proc.start()
+        proc.join()
+        if out.exists():
+            return json.loads(out.read_text())
+        return {"error": f"the arm's process exited with code {proc.exitcode} before writing its figures"}
+
+
+def run_arm(arm, model_dir, spec, workload, engine_kwargs, time_limit_s, hf_num_prompts) -> dict:
+    """One arm's figures: the hf arm or an engine arm."""
+    if arm == "hf":
+        return run_hf(model_dir, workload, hf_num_prompts, engine_kwargs.get("device"))
+    return run_engine_arm(arm, model_dir, spec, workload, dict(engine_kwargs), time_limit_s)
 
 
 def run_engine_arm(arm: str, model_dir: Path, spec: dict, workload, engine_kwargs: dict,
@@ -86,14 +128,17 @@ def run_hf(model_dir: Path, workload, hf_num_prompts: int | None, device: str | 
 def compare(config: str | Path, arms: list[str], workload_kind: str = "throughput", *,
             num_prompts: int | None = None, hf_num_prompts: int | None = 64, engine_kwargs: dict | None = None,
             time_limit_s: float | None = None, out_dir: Path = RESULTS_DIR, notes: list[str] | None = None,
-            workload_overrides: dict | None = None, tokenizer_dir: str | Path | None = None) -> dict:
+            workload_overrides: dict | None = None, tokenizer_dir: str | Path | None = None,
+            isolate: bool = True) -> dict:
     """Run `arms` on one workload; returns the result dict also written to `out_dir` (JSON + PNG).
 
-    An arm that raises is recorded with its error and the next arm still runs."""
+    An arm that raises is recorded with its error and the next arm still runs. With `isolate` (the
+    default) each arm runs in its own process, so nothing one arm allocated is left for the next."""
     from fxrewrite.benchmarks.plot import plot_result
 
     spec = load_bench_config(config)
-    workload = make_workload(workload_kind, num_prompts, **(workload_overrides or {}))
+    defaults = spec.get("workload_defaults", {}).get(workload_kind, {})
+    workload = make_workload(workload_kind, num_prompts, defaults, workload_overrides)
     model_dir = bench_model_dir(spec, tokenizer_dir)
     env = environment()
     out_dir = Path(out_dir)
@@ -108,16 +153,17 @@ def compare(config: str | Path, arms: list[str], workload_kind: str = "throughpu
     if "hf" in arms and workload_kind == "throughput":
         result["hf_num_prompts"] = hf_num_prompts
     json_path = out_dir / f"{stem}.json"
-    for arm in arms:
-        print(f"[bench] {spec['name']} {workload_kind}: arm {arm} ...", flush=True)
-        try:
-            if arm == "hf":
-                figures = run_hf(model_dir, workload, hf_num_prompts, (engine_kwargs or {}).get("device"))
-            else:
-                figures = run_engine_arm(arm, model_dir, spec, workload, dict(engine_kwargs or {}), time_limit_s)
-        except Exception as e:  # record and go on: one broken arm must not lose the others
-            figures = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
-            free_device_memory()
+    arm_args = (model_dir, spec, workload, dict(engine_kwargs or {}), time_limit_s, hf_num_prompts)
+    for i, arm in enumerate(arms, 1):
+        print(f"[bench] {spec['name']} {workload_kind}: arm {arm} ({i}/{len(arms)}) ...", flush=True)
+        if isolate:
+            figures = run_arm_isolated(arm, *arm_args)
+        else:
+            try:
+                figures = run_arm(arm, *arm_args)
+            except Exception as e:  # record and go on: one broken arm must not lose the others
+                figures = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
+                free_device_memory()
         result["arms"][arm] = figures
         print(f"[bench] {arm}: {json.dumps({k: v for k, v in figures.items() if k != 'traceback'})}", flush=True)
         json_path.write_text(json.dumps(result, indent=2) + "\n")
@@ -146,7 +192,7 @@ def format_table(result: dict) -> str:
     from fxrewrite.benchmarks.plot import HEADLINES, headline
 
     kind = result["workload"]["kind"]
-    lines = [f"{result['config']} {kind} ({result['environment']['gpu']}, {result['date']})",
+    lines = [f"{result['config']} {kind} ({device_label(result['environment'])}, {result['date']})",
              f"{'arm':<8} {HEADLINES[kind][1]:>36}  notes"]
     for arm, r in result["arms"].items():
         value = headline(r, kind)

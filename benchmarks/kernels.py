@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from fxrewrite.benchmarks.common import RESULTS_DIR
+from fxrewrite.errors import UserInputError
 
 BF16 = torch.bfloat16
 TOKENS, HIDDEN, INTERMEDIATE = 16384, 4096, 11008
@@ -35,6 +36,22 @@ DECODE_CONFIGS = [dict(block_n=n, num_warps=w, num_stages=s)
 PREFILL_CONFIGS = [dict(block_m=m, block_n=n, num_warps=w, num_stages=s)
                    for m, n, w, s in [(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 4, 3), (64, 32, 4, 3),
                                       (128, 128, 8, 2), (64, 64, 4, 3)]]
+
+
+MIN_SPLIT_TOKENS = 256  # the extra split counts tried keep partitions at least this long
+
+
+def use_cpu_smoke_sizes() -> None:
+    """Tiny shapes on the CPU (Triton interpreter; float16, as its bf16 dots are wrong): every code
+    path of the bench runs in seconds, so a changed kernel signature breaks a CPU test, not a GPU run."""
+    global BF16, TOKENS, HIDDEN, INTERMEDIATE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, DECODE_CASES, PREFILL_CASES
+    global SDPA_LEN, DEVICE, DECODE_CONFIGS, PREFILL_CONFIGS, MIN_SPLIT_TOKENS, BLOCK_SIZE
+    BF16, DEVICE = torch.float16, "cpu"
+    TOKENS, HIDDEN, INTERMEDIATE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 32, 32, 2, 1, 16
+    DECODE_CASES, PREFILL_CASES, SDPA_LEN = [(1, 64)], [("prefill 1x(8+8)", [(8, 8)])], 16
+    DECODE_CONFIGS, PREFILL_CONFIGS = [dict(block_n=32, num_warps=4, num_stages=2)], [
+        dict(block_m=16, block_n=16, num_warps=4, num_stages=2)]
+    MIN_SPLIT_TOKENS, BLOCK_SIZE = 16, 4
 
 
 def _time_ms(fn: Callable[[], object]) -> float:
@@ -177,8 +194,8 @@ def _attention_rows(bw: float, sweeps: dict) -> list[dict]:
         best, tried = _sweep(f"decode b{batch} ctx{ctx}", paged_decode_triton, args, ref_out, DECODE_CONFIGS, scale)
         if best:  # more splits than the heuristic's: more loads in flight, more reduce work
             base = {k: best[k] for k in DECODE_CONFIGS[0]}
-            splits, _ = _num_splits(batch, NUM_KV_HEADS, ctx, base["block_n"])
-            more = [dict(base, num_splits=f * splits) for f in (2, 4) if f * splits * 256 <= ctx]
+            splits = _num_splits(batch, NUM_KV_HEADS, ctx)
+            more = [dict(base, num_splits=f * splits) for f in (2, 4) if f * splits * MIN_SPLIT_TOKENS <= ctx]
             best2, tried2 = _sweep(f"decode b{batch} ctx{ctx} splits", paged_decode_triton, args, ref_out, more, scale)
             tried += tried2
             best = min([b for b in (best, best2) if b], key=lambda t: t["ms"])
@@ -216,15 +233,22 @@ def _sdpa_peer_row(bw: float) -> dict:
                 flops=flops, bandwidth=bw)
 
 
-def run_kernel_bench(out_dir: str | Path) -> dict:
-    """Benchmark every kernel on the current CUDA GPU; write ``<out_dir>/<date>-kernels.json``.
+def run_kernel_bench(out_dir: str | Path, cpu_smoke: bool = False) -> dict:
+    """Benchmark every kernel on the current CUDA GPU; write ``<out_dir>/<date>-kernels.json``
+    (``<date>-kernels-cpu-smoke.json`` with `cpu_smoke`: `use_cpu_smoke_sizes`, needs TRITON_INTERPRET=1).
 
     Returns ``{"meta": {...}, "copy_GBps": float, "kernels": [row, ...], "sweeps": {...}}`` where
     a row has name, shape, triton_ms, ref_ms, speedup, bytes, achieved_GBps, pct_of_copy, tflops.
-    Raises RuntimeError without a CUDA GPU.
+    Raises UserInputError without a CUDA GPU (or, for the smoke run, without the interpreter).
     """
+    import os
+
+    if cpu_smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise UserInputError("--cpu-smoke runs Triton's interpreter: start with TRITON_INTERPRET=1 set")
+        use_cpu_smoke_sizes()
     if DEVICE == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("fxrewrite bench kernels needs a CUDA GPU")
+        raise UserInputError("fxrewrite bench kernels needs a CUDA GPU (or --cpu-smoke for a CPU check of the harness)")
     import triton
 
     torch.manual_seed(0)
@@ -241,7 +265,7 @@ def run_kernel_bench(out_dir: str | Path) -> dict:
                   copy_GBps=bw / 1e9, kernels=rows, sweeps=sweeps)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{now:%Y-%m-%d}-kernels.json").write_text(json.dumps(result, indent=2))
+    (out / f"{now:%Y-%m-%d}-kernels{'-cpu-smoke' if cpu_smoke else ''}.json").write_text(json.dumps(result, indent=2))
     return result
 
 

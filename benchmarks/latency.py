@@ -37,13 +37,20 @@ def run_latency(llm, workload: LatencyWorkload, time_limit_s: float | None = Non
 
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=workload.output_len, ignore_eos=True)
-    for bs in workload.batch_sizes:  # warm-up at every batch size (Triton JIT of its prefill), other prompts
-        run_requests(engine, workload.prompts(bs, seed_offset=1000), [SamplingParams(max_tokens=8, ignore_eos=True)] * bs)
+    max_seqs = engine.scheduler.max_num_seqs
+    skipped = {f"batch_{bs}": {"skipped": f"batch size {bs} is more than max_num_seqs={max_seqs}"}
+               for bs in workload.batch_sizes if bs > max_seqs}
+    batch_sizes = [bs for bs in workload.batch_sizes if bs <= max_seqs]
+    if not batch_sizes:
+        raise ValueError(f"every latency batch size {workload.batch_sizes} is more than max_num_seqs={max_seqs}")
+    for bs in batch_sizes:  # warm-up at every batch size (Triton JIT of its prefill), other prompts
+        run_requests(engine, workload.prompts(bs, seed_offset=1000), [SamplingParams(max_tokens=8, ignore_eos=True)] * bs,
+                     desc=f"warm-up batch {bs}")
     bandwidth = copy_bandwidth_bytes_per_s()
     nbytes = engine_weight_bytes(engine)
-    result = {"weight_bytes": nbytes, "copy_bandwidth_GBps": bandwidth and round(bandwidth / 1e9, 1)}
-    for bs in workload.batch_sizes:
-        stats = run_requests(engine, workload.prompts(bs), [params] * bs, time_limit_s)
+    result = {"weight_bytes": nbytes, "copy_bandwidth_GBps": bandwidth and round(bandwidth / 1e9, 1), **skipped}
+    for bs in batch_sizes:
+        stats = run_requests(engine, workload.prompts(bs), [params] * bs, time_limit_s, desc=f"batch {bs}")
         ttft = max(stats.first_token_s.values())
         steps = workload.output_len - 1
         decode_s = (max(stats.finish_s.values(), default=stats.elapsed_s) - ttft) / max(1, steps)
@@ -59,7 +66,7 @@ def run_latency(llm, workload: LatencyWorkload, time_limit_s: float | None = Non
             row["roofline_ms_per_step"] = round(roofline_s * 1e3, 3)
             row["roofline_fraction"] = round(roofline_s / decode_s, 3)
         result[f"batch_{bs}"] = row
-    for bs in workload.batch_sizes:  # GPU time alone, to split a step into model time and engine overhead
+    for bs in batch_sizes:  # GPU time alone, to split a step into model time and engine overhead
         gpu_ms = graph_replay_ms(engine.model_runner, bs)
         row = result[f"batch_{bs}"]
         if gpu_ms is not None:
@@ -78,7 +85,9 @@ def graph_replay_ms(runner, batch_size: int, iters: int = 50) -> float | None:
     graphs = getattr(runner, "graph_runner", None)
     if graphs is None or not graphs.graphs:
         return None
-    bucket = min(s for s in graphs.sizes if s >= batch_size)
+    bucket = min((s for s in graphs.sizes if s >= batch_size), default=None)
+    if bucket is None:  # larger than every captured bucket: such a step runs eagerly
+        return None
     graphs.slot_mapping.fill_(-1)
     graph = graphs.graphs[bucket]
     for _ in range(3):

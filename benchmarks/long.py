@@ -84,7 +84,7 @@ def run_long(llm, workload: LongWorkload, time_limit_s: float | None = None) -> 
 
         engine.step = step
         try:
-            stats = run_requests(engine, [prompt], [params], time_limit_s)
+            stats = run_requests(engine, [prompt], [params], time_limit_s, desc=f"prompt {length}")
         finally:
             engine.step = engine_step
         final = [o for o in outputs if o.finished]

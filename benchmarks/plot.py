@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fxrewrite.benchmarks.common import device_label
+
 # workload kind -> (figure key inside an arm's result, axis label)
 HEADLINES = {
     "throughput": ("output_tokens_per_s", "output tokens/s"),
@@ -47,7 +49,7 @@ def plot_result(result: dict, path: Path) -> Path | None:
     ax.bar_label(bars, fmt="%.0f")
     ax.set_ylabel(HEADLINES[kind][1])
     env = result["environment"]
-    ax.set_title(f"{result['config']} {kind} - {env['gpu']}\n{env['date'][:10]}, torch {env['torch']}, "
+    ax.set_title(f"{result['config']} {kind} - {device_label(env)}\n{env['date'][:10]}, torch {env['torch']}, "
                  f"transformers {env['transformers']}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -54,11 +54,12 @@ def run_throughput(llm, workload: ThroughputWorkload, time_limit_s: float | None
     prompts, output_lens = workload.generate()
     warm = replace(workload, num_prompts=min(WARMUP_PROMPTS, workload.num_prompts), seed=workload.seed + 1)
     warm_prompts, _ = warm.generate()
-    run_requests(engine, warm_prompts, [SamplingParams(max_tokens=8, ignore_eos=True)] * len(warm_prompts))
+    run_requests(engine, warm_prompts, [SamplingParams(max_tokens=8, ignore_eos=True)] * len(warm_prompts),
+                 desc="warm-up")
     params = [SamplingParams(temperature=workload.temperature, max_tokens=n, ignore_eos=True, seed=None)
               for n in output_lens]
     with step_profile(engine.model_runner) as profile:
-        stats = run_requests(engine, prompts, params, time_limit_s)
+        stats = run_requests(engine, prompts, params, time_limit_s, desc="timed run")
     return {
         "step_profile_s": {**profile, "host_not_hidden": round(stats.elapsed_s - profile["launch"] - profile["wait"], 3)},
         "output_tokens": stats.output_tokens,

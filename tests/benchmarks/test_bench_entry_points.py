@@ -1,0 +1,94 @@
+"""Every bench entry point runs end to end on the CPU at tiny sizes, through the CLI (issue 14 item 4,
+issue 15 item 9): `bench kernels --cpu-smoke` (a renamed kernel helper breaks it here, not on the GPU),
+`bench compare` throughput (each arm in its own process, the tiny config small by default), latency with
+`--max-num-seqs 1`, long; a failing arm is recorded and the next arm still runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import fxrewrite.benchmarks.kernels as kernel_bench
+from fxrewrite.cli import main
+
+_KERNEL_GLOBALS = ("BF16", "TOKENS", "HIDDEN", "INTERMEDIATE", "NUM_HEADS", "NUM_KV_HEADS", "HEAD_DIM", "DECODE_CASES",
+                   "PREFILL_CASES", "SDPA_LEN", "DEVICE", "DECODE_CONFIGS", "PREFILL_CONFIGS", "MIN_SPLIT_TOKENS",
+                   "BLOCK_SIZE")
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _saved(tmp_path) -> dict:
+    (path,) = tmp_path.glob("*.json")
+    return json.loads(path.read_text())
+
+
+def test_bench_kernels_cpu_smoke(tmp_path, monkeypatch, capsys):
+    from fxrewrite.kernels.triton_utils import HAS_TRITON, interpreter_ready
+
+    if not HAS_TRITON or torch.cuda.is_available():
+        pytest.skip("needs triton, and runs the interpreter on a CPU-only machine")
+    assert interpreter_ready(), "triton was imported before TRITON_INTERPRET=1 was set (see tests/conftest.py)"
+    for name in _KERNEL_GLOBALS:  # the smoke run rebinds the module's sizes: put them back afterwards
+        monkeypatch.setattr(kernel_bench, name, getattr(kernel_bench, name))
+    assert main(["bench", "kernels", "--cpu-smoke", "--out", str(tmp_path)]) == 0, capsys.readouterr().err
+    result = _saved(tmp_path)
+    names = [row["name"] for row in result["kernels"]]
+    assert {"rms_norm", "silu_and_mul", "reshape_and_cache"} <= set(names)
+    decode = next(r for r in result["kernels"] if r["name"].startswith("paged_decode"))
+    assert decode["rel_err"] < 1e-3 and "num_splits" in json.dumps(result["sweeps"])  # the split sweep ran
+    assert "paged_decode" in capsys.readouterr().out
+
+
+def test_bench_kernels_without_a_gpu_is_one_line(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert main(["bench", "kernels"]) == 2
+    assert "--cpu-smoke" in capsys.readouterr().err
+
+
+def test_compare_latency_with_one_sequence(tmp_path, capsys, one_thread):
+    rc = main(["bench", "compare", "--config", "tiny", "--arms", "native", "--workload", "latency", "--max-num-seqs", "1",
+               "--kv-cache-memory-bytes", "4M", "--device", "cpu", "--in-process", "--out", str(tmp_path)])
+    assert rc == 0, capsys.readouterr().err
+    arm = _saved(tmp_path)["arms"]["native"]
+    assert "error" not in arm, arm.get("traceback")
+    assert arm["batch_1"]["decode_ms_per_step"] > 0
+    assert "max_num_seqs=1" in arm["batch_4"]["skipped"]
+
+
+def test_compare_long_tiny(tmp_path, capsys, one_thread):
+    rc = main(["bench", "compare", "--config", "tiny", "--arms", "native", "--workload", "long",
+               "--kv-cache-memory-bytes", "8M", "--device", "cpu", "--in-process", "--out", str(tmp_path)])
+    assert rc == 0, capsys.readouterr().err
+    arm = _saved(tmp_path)["arms"]["native"]
+    assert "error" not in arm, arm.get("traceback")
+    assert set(arm) >= {"prompt_512", "prompt_1024"}
+
+
+def test_compare_tiny_defaults_and_a_failing_arm_in_own_processes(tmp_path, capsys, one_thread):
+    """`compare` as `bench compare --config tiny` calls it: the tiny config's small throughput workload by
+    default; each arm in its own process. The first arm raises there (an arm name the harness does not
+    know): its error and traceback are recorded, and the next arm, in a fresh process, runs normally."""
+    from fxrewrite.benchmarks.compare import compare, format_table
+
+    result = compare("tiny", ["bogus", "native"], "throughput", out_dir=tmp_path,
+                     engine_kwargs={"kv_cache_memory_bytes": 1 << 22})
+    assert result["workload"]["num_prompts"] == 8 and result["workload"]["max_output_len"] == 16
+    assert "KeyError" in result["arms"]["bogus"]["error"] and "traceback" in result["arms"]["bogus"]
+    native = result["arms"]["native"]
+    assert "error" not in native, native.get("traceback")
+    assert native["num_finished"] == 8 and native["output_tokens_per_s"] > 0
+    env = result["environment"]
+    assert env["gpu"] or "cores" in env["cpu"]
+    table = format_table(result)
+    assert "none (CPU)" not in table and (env["gpu"] or env["cpu"]) in table
+    assert "arm native (2/2)" in capsys.readouterr().out
