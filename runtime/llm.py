@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 from fxrewrite.errors import UserInputError, UserTypeError
 from fxrewrite.runtime.engine_config import EngineConfig
+from fxrewrite.runtime.engine.chat import check_role
 from fxrewrite.runtime.engine.llm_engine import LLMEngine
 from fxrewrite.runtime.engine.outputs import RequestOutput
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
@@ -88,7 +89,7 @@ class LLM:
         list of them, then `generate`. ValueError when the tokenizer has no chat template."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise UserTypeError(f"messages must be a non-empty list of {{'role', 'content'}} dicts (one conversation) "
-                            f"or a list of such lists, got {type(messages).__name__} {messages!r}")
+                                f"or a list of such lists, got {type(messages).__name__} {messages!r}")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         tokenizer = self.llm_engine.tokenizer
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
@@ -101,7 +102,8 @@ class LLM:
                 if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
                         or not ("content" in message or "tool_calls" in message):
                     raise UserInputError(f"conversation {n} message {i}: {message!r} must be a dict with a "
-                                     f"string 'role' and a 'content' (or 'tool_calls')")
+                                         f"string 'role' and a 'content' (or 'tool_calls')")
+                check_role(message["role"], f"conversation {n} message {i}")
             ids = tokenizer.apply_chat_template(
                 conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                 tokenize=True, **(chat_template_kwargs or {}),

@@ -258,8 +258,7 @@ def verify_max_model_len(max_model_len: int | None, derived: int, key: str) -> i
             "garbage with RoPE and out-of-range indices with absolute position embeddings.",
             UserWarning,
             stacklevel=3,
-        )
-        logger.warning("%s Proceeding because of the escape variable.", msg)
+        )  # a warning only: a log line too would print the same news twice
         return max_model_len
     raise UserInputError(
         f"{msg} Set {ALLOW_LONG_ENV_VARS[0]}=1 (or VLLM_ALLOW_LONG_MAX_MODEL_LEN=1) to allow it anyway, "

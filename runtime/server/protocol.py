@@ -12,7 +12,9 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from fxrewrite.runtime.engine.chat import check_role
 
 # OpenAI caps top_logprobs at 20; vLLM's default max_logprobs is 20 too.
 MAX_LOGPROBS = 20
@@ -138,6 +140,11 @@ class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:  # OpenAI answers 400 for any other role
+        return check_role(role)
 
     def to_template_dict(self) -> dict[str, Any]:
         """The message as chat templates expect it; text parts are joined, other parts refused."""

@@ -35,11 +35,15 @@ def load_model_config(config: EngineConfig):
 
 
 def load_tokenizer(model_config, config: EngineConfig):
+    """The model's tokenizer. Its `model_max_length` is lifted: the engine checks every prompt against
+    max_model_len itself (with a clear error), so transformers' own "Token indices sequence length is
+    longer than the specified maximum" warning would only be noise (or wrong, under RoPE scaling)."""
     from transformers import AutoTokenizer
+    from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 
-    return AutoTokenizer.from_pretrained(
-        str(model_config.tokenizer), trust_remote_code=config.trust_remote_code
-    )
+    tokenizer = AutoTokenizer.from_pretrained(str(model_config.tokenizer), trust_remote_code=config.trust_remote_code)
+    tokenizer.model_max_length = VERY_LARGE_INTEGER
+    return tokenizer
 
 
 def resolve_model_impl(config: EngineConfig, model_config) -> str:

@@ -80,3 +80,41 @@ def test_boolean_engine_arguments_must_be_bools():
     for name in ("async_scheduling", "fusion", "enforce_eager"):
         with pytest.raises(ValueError, match=f"{name}='maybe' must be True or False"):
             EngineConfig(**{name: "maybe"})
+
+
+def test_chat_message_with_an_unknown_role_is_refused(llm):
+    with pytest.raises(ValueError, match="role 'wizard' is not one of"):
+        llm.chat([{"role": "wizard", "content": "hi"}], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_over_long_prompt_is_the_engines_error_only(tiny_qwen3_dir, tmp_path, capfd):
+    """transformers' tokenizer warns about any sequence longer than tokenizer_config's model_max_length
+    (which also caps the derived max_model_len); the engine checks max_model_len itself, so an over-long
+    prompt gets the engine's clear error and nothing else (issue 15 item 8)."""
+    import json
+    import logging
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_qwen3_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 64}))
+    short = LLM(str(folder), kv_cache_memory_bytes=1 << 22)
+    assert short.llm_engine.model_config.max_model_len == 64
+    heard = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            heard.append(record.getMessage())
+
+    handler = Collect(logging.DEBUG)
+    logging.getLogger("transformers").addHandler(handler)  # transformers' library logger (no propagation)
+    try:
+        capfd.readouterr()
+        with pytest.raises(ValueError, match="max_model_len=64"):
+            short.generate(" ".join(["word"] * 100), SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    said = capfd.readouterr().err + "\n".join(heard)
+    assert "Token indices sequence length" not in said

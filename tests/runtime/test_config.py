@@ -304,3 +304,14 @@ def test_separate_tokenizer_folder_bounds_length(qwen3_dir, tmp_path):
     mc = ModelConfig.from_pretrained(qwen3_dir, tokenizer=tok)
     assert mc.tokenizer == str(tok) and mc.max_model_len == 1024
     assert mc.model == str(qwen3_dir) and mc.model_path == qwen3_dir
+
+
+def test_escape_variable_is_reported_once(qwen3_dir, monkeypatch, caplog):
+    import logging
+
+    monkeypatch.setenv("FXREWRITE_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    with caplog.at_level(logging.DEBUG), pytest.warns(UserWarning) as record:
+        ModelConfig.from_pretrained(qwen3_dir, hf_overrides={**SEED_OVERRIDES, "max_model_len": 131073})
+    said = [str(w.message) for w in record if "131073" in str(w.message)]
+    said += [r.getMessage() for r in caplog.records if "131073" in r.getMessage()]
+    assert len(said) == 1, said

@@ -34,6 +34,7 @@ def _error(response, status):
         ("/v1/chat/completions", CHAT | {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
          "messages"),
         ("/v1/chat/completions", CHAT | {"messages": [{"role": "user"}]}, "messages"),
+        ("/v1/chat/completions", CHAT | {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     ],
 )
 def test_bad_parameters_are_400(server, path, body, param):
