@@ -123,7 +123,7 @@ def _per_prompt(sampling_params, num: int) -> list[SamplingParams]:
         return [sampling_params] * num
     if not isinstance(sampling_params, (list, tuple)):
         raise UserTypeError(f"sampling_params must be a SamplingParams or a list of them, got "
-                        f"{type(sampling_params).__name__} {sampling_params!r}")
+                            f"{type(sampling_params).__name__} {sampling_params!r}")
     for i, p in enumerate(sampling_params):
         if not isinstance(p, SamplingParams):
             raise UserTypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__} {p!r}")
