@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from fxrewrite import nodes
+from fxrewrite.tracer import preserved_state
 from fxrewrite.kernels import use_triton
 from fxrewrite.kernels.rotary import rotary_embedding_triton
 from fxrewrite.layers.rotary import get_rope
@@ -144,7 +145,7 @@ class RotaryPattern(Pattern):
         device = buffers[0].device
         positions = torch.tensor([[p for p in _PROBE_POSITIONS if p < max_pos] + [max_pos - 1]], device=device)
         x = torch.zeros(1, dtype=torch.float32, device=device)
-        with torch.no_grad():
+        with torch.no_grad(), preserved_state(module):  # transformers' longrope/dynamic update writes state
             ref_cos, ref_sin = module(x, positions)
         reasons = []
         for params, neox in [(p, n) for p in _rope_candidates(config) for n in (True, False)]:
