@@ -173,7 +173,8 @@ def _linear(params: dict, dim: int, max_position_embeddings: int, seq_len, devic
 def _dynamic(params: dict, dim: int, max_position_embeddings: int, seq_len, device) -> tuple[torch.Tensor, float]:
     """NTK-aware base: theta * (factor * L / L0 - (factor - 1)) ** (d / (d - 2)), L = max(seq_len, L0).
 
-    With a tensor `seq_len` the base is a float32 tensor, as in transformers' dynamic_rope_update.
+    With a tensor `seq_len` the base is a float32 tensor, as in transformers' dynamic_rope_update; one
+    of shape [..., 1] (a length per token) gives inv_freq [..., rotary_dim // 2].
     """
     factor = params["factor"]
     if seq_len is None:
