@@ -179,9 +179,8 @@ def _dynamic(params: dict, dim: int, max_position_embeddings: int, seq_len, devi
     factor = params["factor"]
     if seq_len is None:
         seq_len = max_position_embeddings
-    elif isinstance(seq_len, torch.Tensor):
-        reference = torch.tensor(max_position_embeddings, dtype=seq_len.dtype, device=seq_len.device)
-        seq_len = torch.maximum(seq_len, reference)
+    elif isinstance(seq_len, torch.Tensor):  # clamp, not maximum(tensor(L0)): no host copy (CUDA graphs)
+        seq_len = seq_len.clamp(min=max_position_embeddings)
     else:
         seq_len = max(seq_len, max_position_embeddings)
     base = params["rope_theta"] * ((factor * seq_len / max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
