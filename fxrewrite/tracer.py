@@ -32,6 +32,8 @@ from torch import nn
 from torch.func import functional_call
 from torch.fx.node import map_aggregate
 
+from fxrewrite.tensor_state import preserved_state
+
 _TENSOR_PROPERTIES = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "is_meta", "layout"})
 _STATIC_METHODS = frozenset({"size", "dim", "numel", "is_floating_point", "is_contiguous", "get_device"})
 _STATIC_TYPES = (int, float, bool, str, torch.dtype, torch.device, torch.Size, type(None))
@@ -138,47 +140,6 @@ def record_inputs(model: nn.Module, seq_len: int = 5, example_inputs: tuple | No
         for handle in handles:
             handle.remove()
     return records, error
-
-
-def _tensor_state(module: nn.Module) -> dict[str, dict[str, Any]]:
-    """A module's own tensors by kind: parameters, buffers, plain tensor attributes (in __dict__)."""
-    plain = {k: v for k, v in module.__dict__.items() if isinstance(v, torch.Tensor)}
-    return {"_parameters": dict(module._parameters), "_buffers": dict(module._buffers), "plain": plain}
-
-
-@contextlib.contextmanager
-def preserved_state(model: nn.Module) -> Iterator[None]:
-    """Leave every tensor that a module of `model` holds exactly as it was, whatever runs inside.
-
-    Running a model on meta executes its Python: transformers' dynamic / longrope rotary update
-    assigns `long_inv_freq` / `inv_freq` (meta tensors here) and copies into buffers in place, and
-    fx stores `_tensor_constantN` attributes on the traced root. On exit each module's parameters,
-    buffers and plain tensor attributes are the same objects as before (new ones removed), and
-    buffers and plain attributes hold their old values (restored in place where they changed).
-    """
-    modules = list(model.modules())
-    saved = [_tensor_state(m) for m in modules]
-    values = [{k: v.detach().clone() for kind in ("_buffers", "plain") for k, v in s[kind].items()
-               if v is not None and not v.is_meta} for s in saved]
-    try:
-        yield
-    finally:
-        for module, state, value in zip(modules, saved, values):
-            _restore(module, state, value)
-
-
-def _restore(module: nn.Module, state: dict[str, dict[str, Any]], values: dict[str, torch.Tensor]) -> None:
-    for kind in ("_parameters", "_buffers"):
-        getattr(module, kind).clear()
-        getattr(module, kind).update(state[kind])
-    for key in [k for k, v in module.__dict__.items() if isinstance(v, torch.Tensor) and k not in state["plain"]]:
-        del module.__dict__[key]
-    module.__dict__.update(state["plain"])
-    with torch.no_grad():
-        for key, old in values.items():
-            now = state["_buffers"].get(key, state["plain"].get(key))
-            if not torch.equal(now, old):
-                now.copy_(old)
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from fxrewrite import nodes
-from fxrewrite.tracer import preserved_state
+from fxrewrite.tensor_state import preserved_state
 from fxrewrite.kernels import use_triton
 from fxrewrite.kernels.rotary import rotary_embedding_triton
 from fxrewrite.layers.rotary import get_rope

@@ -49,15 +49,13 @@ def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch
     num_new = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_seqs)
     table_lens = np.fromiter(map(len, tables), dtype=np.int64, count=num_seqs)
     samples = np.fromiter((s.samples for s in scheduled), dtype=bool, count=num_seqs)
-    rope_prefill = np.fromiter((s.seq.rope_prefill_len for s in scheduled), dtype=np.int64, count=num_seqs)
     ends = starts + num_new
     cu_new = np.cumsum(num_new)
     num_tokens = int(cu_new[-1])
     max_blocks = int(table_lens.max())
 
     ids, gather = _token_ids(scheduled, cu_new, previous_rows)
-    # int64 buffer: input_ids [T] | positions [T] | slot_mapping [T] | rope_lengths [T] | logits_indices [S]
-    # | gather [2G]
+    # int64: input_ids [T] | positions [T] | slot_mapping [T] | rope_lengths [T] | logits_indices [S] | gather [2G]
     sample_idx = np.flatnonzero(samples)
     s_end = 4 * num_tokens + len(sample_idx)
     buf64 = np.empty(s_end + 2 * len(gather), dtype=np.int64)
@@ -69,7 +67,7 @@ def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch
     seq_of_token = np.repeat(np.arange(num_seqs), num_new)
     positions[:] = np.arange(num_tokens) + np.repeat(starts - (cu_new - num_new), num_new)
     logits_indices[:] = cu_new[sample_idx] - 1
-    np.maximum(np.repeat(rope_prefill, num_new), positions + 1, out=buf64[3 * num_tokens : 4 * num_tokens])
+    _rope_lengths(scheduled, num_new, positions, out=buf64[3 * num_tokens : 4 * num_tokens])
 
     buf32, block_tables = _int32_buffer(tables, table_lens, max_blocks, ends, cu_new)
     slot_mapping[:] = block_tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + (
@@ -96,6 +94,12 @@ def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch
         gather_dst=t64[s_end::2] if gather else None,
         gather_src=t64[s_end + 1 :: 2] if gather else None,
     )
+
+
+def _rope_lengths(scheduled: list[ScheduledSeq], num_new: np.ndarray, positions: np.ndarray, out: np.ndarray) -> None:
+    """Each token's RoPE length: max(its sequence's rope_prefill_len, position + 1) (Sequence)."""
+    prefill = np.fromiter((s.seq.rope_prefill_len for s in scheduled), dtype=np.int64, count=len(scheduled))
+    np.maximum(np.repeat(prefill, num_new), positions + 1, out=out)
 
 
 def _int32_buffer(tables: list[list[int]], table_lens: np.ndarray, max_blocks: int, ends: np.ndarray,

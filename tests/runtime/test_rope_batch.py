@@ -52,6 +52,8 @@ def test_longrope_neighbour_and_switch_equal_transformers(phi3_dir, fusion):
     assert engine_greedy(llm, [crossing], [60]) == [want_crossing]
     # Across the switch with a long neighbour, and again (the prefix cache must not serve short-factor KV).
     assert engine_greedy(llm, [crossing, long_], [60, 8]) == [want_crossing, want_long]
+    extended = crossing + _prompt(20, 6)  # long from the start: its cached 50-token prefix was short
+    assert engine_greedy(llm, [extended], [4]) == [hf_greedy(phi3_dir, extended, 4)]
 
 
 @pytest.mark.parametrize("impl", ["native", "transformers"])
@@ -62,3 +64,5 @@ def test_dynamic_ntk_equals_transformers_cached_generation(tiny_model_dir, impl)
     llm = LLM(path, model_impl=impl, dtype="float32", block_size=4)
     assert engine_greedy(llm, [short], [30]) == [want_short]
     assert engine_greedy(llm, [short, long_], [30, 6]) == [want_short, want_long]
+    extended = short + _prompt(20, 6)  # past 32 from the start: a new base for its cached 20-token prefix
+    assert engine_greedy(llm, [extended], [4]) == [hf_greedy(path, extended, 4)]
