@@ -49,8 +49,7 @@ def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch
     num_new = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_seqs)
     table_lens = np.fromiter(map(len, tables), dtype=np.int64, count=num_seqs)
     samples = np.fromiter((s.samples for s in scheduled), dtype=bool, count=num_seqs)
-    ends = starts + num_new
-    cu_new = np.cumsum(num_new)
+    ends, cu_new = starts + num_new, np.cumsum(num_new)
     num_tokens = int(cu_new[-1])
     max_blocks = int(table_lens.max())
 
@@ -59,8 +58,8 @@ def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch
     sample_idx = np.flatnonzero(samples)
     s_end = 4 * num_tokens + len(sample_idx)
     buf64 = np.empty(s_end + 2 * len(gather), dtype=np.int64)
-    input_ids, positions = buf64[:num_tokens], buf64[num_tokens : 2 * num_tokens]
-    slot_mapping, logits_indices = buf64[2 * num_tokens : 3 * num_tokens], buf64[4 * num_tokens : s_end]
+    input_ids, positions, slot_mapping = (buf64[i * num_tokens : (i + 1) * num_tokens] for i in range(3))
+    logits_indices = buf64[4 * num_tokens : s_end]
     input_ids[:] = np.fromiter(ids, dtype=np.int64, count=num_tokens)
     if gather:
         buf64[s_end:].reshape(len(gather), 2)[:] = gather
