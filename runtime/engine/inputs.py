@@ -50,8 +50,7 @@ def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch
     table_lens = np.fromiter(map(len, tables), dtype=np.int64, count=num_seqs)
     samples = np.fromiter((s.samples for s in scheduled), dtype=bool, count=num_seqs)
     ends, cu_new = starts + num_new, np.cumsum(num_new)
-    num_tokens = int(cu_new[-1])
-    max_blocks = int(table_lens.max())
+    num_tokens, max_blocks = int(cu_new[-1]), int(table_lens.max())
 
     ids, gather = _token_ids(scheduled, cu_new, previous_rows)
     # int64: input_ids [T] | positions [T] | slot_mapping [T] | rope_lengths [T] | logits_indices [S] | gather [2G]
