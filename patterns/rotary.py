@@ -21,32 +21,14 @@ import torch
 from torch import nn
 
 from fxrewrite import nodes
-from fxrewrite.kernels import use_triton
 from fxrewrite.kernels.rotary import rotary_embedding_triton
 from fxrewrite.layers.rotary import get_rope
 from fxrewrite.patterns.base import Context, Match, Pattern, free_attribute, require
+from fxrewrite.patterns.rotary_calls import (apply_calls, apply_rotary_qk, calls_of, fused_norms, kernel_applies,
+                                             same_outputs)
 
 NEW_APPLY = "apply_rotary_emb"
 _PROBE_POSITIONS = (0, 1, 2, 3, 7, 31, 100)
-
-
-def apply_rotary_qk(q, k, cos, sin, unsqueeze_dim: int = 1):
-    """Rotate q and k (neox "rotate half" form, partial rotary when cos is narrower than a head).
-
-    q [B, Hq, S, D], k [B, Hk, S, D], cos/sin [B, S, rotary_dim] (unsqueezed at `unsqueeze_dim`).
-    Formula: transformers `apply_rotary_pos_emb`: x * cos + rotate_half(x) * sin on the first
-    rotary_dim channels; the rest passes through.
-    """
-    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-    rotary_dim = cos.shape[-1]
-
-    def rotate(x):
-        x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
-        half = rotary_dim // 2
-        out = (x_rot * cos) + (torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1) * sin)
-        return out if x_pass.shape[-1] == 0 else torch.cat((out, x_pass), dim=-1)
-
-    return rotate(q), rotate(k)
 
 
 class ApplyRotaryEmb(nn.Module):
@@ -58,16 +40,9 @@ class ApplyRotaryEmb(nn.Module):
     """
 
     def forward(self, q, k, cos, sin, unsqueeze_dim: int = 1):
-        if _kernel_applies(q, k, cos, unsqueeze_dim):
+        if kernel_applies(q, k, cos, unsqueeze_dim):
             return _rotary_kernel_qk(q, k, cos, sin)
         return apply_rotary_qk(q, k, cos, sin, unsqueeze_dim)
-
-
-def _kernel_applies(q, k, cos, unsqueeze_dim: int) -> bool:
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or cos.requires_grad)
-    return (not grad and use_triton(q) and unsqueeze_dim == 1 and q.dim() == 4 and k.dim() == 4
-            and q.shape[0] == 1 and cos.dim() == 3 and cos.shape[:2] == (1, q.shape[2]) and q.stride(-1) == 1
-            and k.stride(-1) == 1 and cos.shape[-1] % 2 == 0 and cos.shape[-1] <= q.shape[-1])
 
 
 def _rotary_kernel_qk(q, k, cos, sin):
@@ -182,13 +157,11 @@ class RotaryApplyPattern(Pattern):
 
     @classmethod
     def match(cls, traced, ctx: Context) -> list[Match]:
-        from fxrewrite.patterns.qk_norm_rope import fused_norms  # that module builds on this one
-
         matches = []
         for n, metas in apply_calls(traced):
             if isinstance(fused_norms(n, traced), tuple):  # q/k per-head norms: qk_norm_rope fuses the call
                 continue
-            require(_same_outputs(n, metas), f"{n.target.__name__} does not compute neox rotary on q and k")
+            require(same_outputs(n, metas), f"{n.target.__name__} does not compute neox rotary on q and k")
             matches.append(Match(cls, frozenset({n.name}), (("fn", n.target.__name__),)))
         return matches
 
@@ -196,7 +169,7 @@ class RotaryApplyPattern(Pattern):
     def rewrite(cls, match: Match, src, tree: cst.Module) -> cst.Module:
         name = match.name("fn")
         require(callable(src.globals.get(name)), f"{name} is not a global function of the module")
-        calls = _calls_of(tree, name)
+        calls = calls_of(tree, name)
         require(len(calls) == 1, f"{name}(...) appears {len(calls)} times in forward, expected exactly once")
         return tree.deep_replace(calls[0].func, cst.parse_expression(f"self.{NEW_APPLY}"))
 
@@ -211,43 +184,3 @@ class RotaryApplyPattern(Pattern):
     @classmethod
     def describe(cls, match: Match) -> str:
         return f"{match.name('fn')} -> {NEW_APPLY}"
-
-
-def apply_calls(traced):
-    """(node, metas of q, k, cos, sin) for each leaf function call shaped like a rotary apply:
-    (q [B, H, S, D], k, cos [B, S, d], sin[, unsqueeze_dim]) -> exactly its two outputs used."""
-    for n in traced.graph.nodes:
-        if n.op != "call_function" or not callable(n.target) or not nodes.is_leaf_call(n):
-            continue
-        metas = [nodes.meta(a) for a in n.args[:4]]
-        if len(n.args) < 4 or any(m is None for m in metas) or set(n.kwargs) - {"unsqueeze_dim"}:
-            continue
-        if [m.dim() for m in metas] != [4, 4, 3, 3] or len(n.args) > 5:
-            continue
-        if set(nodes.getitem_users(n)) == {0, 1} and len(n.users) == 2:
-            yield n, metas
-
-
-def _same_outputs(node, metas) -> bool:
-    gen = torch.Generator().manual_seed(0)
-    args = [torch.randn(m.shape, generator=gen, dtype=torch.float32) for m in metas] + list(node.args[4:])
-    try:
-        with torch.no_grad():
-            want = node.target(*args, **node.kwargs)
-        got = apply_rotary_qk(*args, **node.kwargs)
-    except Exception:  # noqa: BLE001 - not a rotary function of this shape
-        return False
-    return len(want) == 2 and all(isinstance(w, torch.Tensor) and w.shape == g.shape and torch.equal(w, g)
-                                  for w, g in zip(want, got))
-
-
-def _calls_of(tree: cst.Module, name: str) -> list[cst.Call]:
-    found: list[cst.Call] = []
-
-    class V(cst.CSTVisitor):
-        def visit_Call(self, node):
-            if isinstance(node.func, cst.Name) and node.func.value == name:
-                found.append(node)
-
-    tree.visit(V())
-    return found
