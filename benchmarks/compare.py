@@ -15,16 +15,17 @@ import traceback
 from pathlib import Path
 
 from fxrewrite.benchmarks.common import RESULTS_DIR, bench_model_dir, environment, free_device_memory, load_bench_config, make_llm
+from fxrewrite.benchmarks.hf_arm import run_hf_throughput
+from fxrewrite.benchmarks.latency import LatencyWorkload, run_latency
+from fxrewrite.benchmarks.long import LongWorkload, run_long
+from fxrewrite.benchmarks.plot import HEADLINES, headline, plot_result
+from fxrewrite.benchmarks.throughput import ThroughputWorkload, run_throughput
 
 WORKLOADS = ("throughput", "latency", "long")
 
 
 def make_workload(kind: str, num_prompts: int | None = None, **overrides):
     """The workload dataclass of `kind`; `overrides` set its fields (small sizes for smoke tests)."""
-    from fxrewrite.benchmarks.latency import LatencyWorkload
-    from fxrewrite.benchmarks.long import LongWorkload
-    from fxrewrite.benchmarks.throughput import ThroughputWorkload
-
     if kind == "throughput":
         return ThroughputWorkload(num_prompts=num_prompts or 256, **overrides)
     if kind == "latency":
@@ -37,10 +38,6 @@ def make_workload(kind: str, num_prompts: int | None = None, **overrides):
 def run_engine_arm(arm: str, model_dir: Path, spec: dict, workload, engine_kwargs: dict,
                    time_limit_s: float | None) -> dict:
     """Build the arm's engine, run the workload, return its figures (plus setup seconds)."""
-    from fxrewrite.benchmarks.latency import run_latency
-    from fxrewrite.benchmarks.long import run_long
-    from fxrewrite.benchmarks.throughput import run_throughput
-
     kind = workload.describe()["kind"]
     kwargs = {"max_model_len": workload.max_model_len, **engine_kwargs}
     if kind == "long":
@@ -68,8 +65,6 @@ def run_hf(model_dir: Path, workload, hf_num_prompts: int | None, device: str | 
     """transformers' `generate_batch` on `device` (default: cuda when available, else cpu)."""
     import torch
 
-    from fxrewrite.benchmarks.hf_arm import run_hf_throughput
-
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
 
     if workload.describe()["kind"] != "throughput":
@@ -89,8 +84,6 @@ def compare(config: str | Path, arms: list[str], workload_kind: str = "throughpu
     """Run `arms` on one workload; returns the result dict also written to `out_dir` (JSON + PNG).
 
     An arm that raises is recorded with its error and the next arm still runs."""
-    from fxrewrite.benchmarks.plot import plot_result
-
     spec = load_bench_config(config)
     workload = make_workload(workload_kind, num_prompts, **(workload_overrides or {}))
     model_dir = bench_model_dir(spec, tokenizer_dir)
@@ -129,8 +122,6 @@ def compare(config: str | Path, arms: list[str], workload_kind: str = "throughpu
 
 def ratios(result: dict) -> dict:
     """after/native, after/before and native/hf of the headline figure, where both arms have one."""
-    from fxrewrite.benchmarks.plot import headline
-
     kind = result["workload"]["kind"]
     values = {arm: headline(r, kind) for arm, r in result["arms"].items()}
     out = {}
@@ -142,8 +133,6 @@ def ratios(result: dict) -> dict:
 
 def format_table(result: dict) -> str:
     """A plain-text table of the headline figure per arm (what gpu_check.sh prints last)."""
-    from fxrewrite.benchmarks.plot import HEADLINES, headline
-
     kind = result["workload"]["kind"]
     lines = [f"{result['config']} {kind} ({result['environment']['gpu']}, {result['date']})",
              f"{'arm':<8} {HEADLINES[kind][1]:>36}  notes"]

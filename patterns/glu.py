@@ -84,7 +84,9 @@ class GLUPattern(Pattern):
                 require((gm.bias is None) == (um.bias is None), "gate and up disagree on bias")
                 names = (("gate", gate.target), ("up", up.target), ("act", str(act.target)))
                 claimed = frozenset({mul.name, act.name, gate.name, up.name})
-                matches.append(Match(cls, claimed, names, (("act", kind), ("act_is_module", act.op == "call_module"))))
+                facts = (("act", kind), ("act_is_module", act.op == "call_module"),
+                         ("row_partner", nodes.row_partner([mul], root)))
+                matches.append(Match(cls, claimed, names, facts))
                 break
         return matches
 
@@ -131,6 +133,7 @@ class GLUPattern(Pattern):
             if lin.bias is not None:
                 fused.bias.weight_loader(fused.bias, lin.bias.detach(), shard)
         copy_requires_grad(fused, gate, up)
+        fused.row_partner = match.fact("row_partner")
         kind = match.fact("act")
         act = SiluAndMul() if kind == "silu" else GeluAndMul("tanh" if kind == "gelu_tanh" else "none")
         delattr(module, match.name("gate"))

@@ -82,7 +82,8 @@ class QKVPattern(Pattern):
             require(mq.out_features % head_size == 0 and mk.out_features % head_size == 0,
                     f"head size {head_size} does not divide q/k sizes")
             names = tuple(zip(_ROLES, (q.target, k.target, v.target)))
-            matches.append(Match(cls, frozenset(n.name for n in group), names, (("head_size", head_size),)))
+            facts = (("head_size", head_size), ("row_partner", nodes.row_partner(group, traced.module)))
+            matches.append(Match(cls, frozenset(n.name for n in group), names, facts))
         return matches
 
     @classmethod
@@ -127,6 +128,7 @@ class QKVPattern(Pattern):
             if lin.bias is not None:
                 fused.bias.weight_loader(fused.bias, lin.bias.detach(), role)
         copy_requires_grad(fused, q, k, v)
+        fused.row_partner = match.fact("row_partner")
         for role in _ROLES:
             delattr(module, match.name(role))
         setattr(module, NEW_NAME, fused)

@@ -14,6 +14,8 @@ from fxrewrite.runtime.engine.sampler import SampleResult
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 from fxrewrite.runtime.engine.scheduler import Scheduler, SchedulerOutput
 from fxrewrite.runtime.engine.sequence import Sequence
+from fxrewrite.runtime.worker.executor import create_model_runner
+from fxrewrite.runtime.worker.model_runner import load_model_config, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +43,6 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig):
-        from fxrewrite.runtime.worker.executor import create_model_runner
-        from fxrewrite.runtime.worker.model_runner import load_model_config, load_tokenizer
-
         self.config = config
         self.model_config = load_model_config(config)
         self.tokenizer = load_tokenizer(self.model_config, config)

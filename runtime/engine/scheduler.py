@@ -59,9 +59,6 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.max_num_batched_tokens)

@@ -21,6 +21,11 @@ from pathlib import Path
 
 import torch
 
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
+from fxrewrite.runtime.llm import LLM
+from fxrewrite.runtime.model_files.default_model import smollm2_tokenizer_path
+from fxrewrite.runtime.model_files.qwen_tokenizer import QWEN_VOCAB_SIZE, write_qwen3_tokenizer
+
 # model_type -> tokenizer family; any other model_type transformers knows gets "smollm2".
 ARCH_TOKENIZERS = {
     "qwen3": "qwen3", "qwen2": "qwen3", "qwen3_moe": "qwen3", "qwen2_moe": "qwen3",
@@ -66,15 +71,11 @@ def build_model_dir(path: str | os.PathLike, arch: str = "qwen3", *, hidden_size
 def write_tokenizer(out: Path, family: str) -> dict:
     """Copy the `family` tokenizer's files into `out`; returns its vocab_size/bos/eos/pad ids."""
     if family == "qwen3":
-        from fxrewrite.runtime.model_files.qwen_tokenizer import QWEN_VOCAB_SIZE, write_qwen3_tokenizer
-
         write_qwen3_tokenizer(out)
         # Qwen3: no bos token; config bos/eos 151643/151645, pad <|endoftext|>.
         return {"vocab_size": QWEN_VOCAB_SIZE, "bos_token_id": 151643, "eos_token_id": 151645,
                 "pad_token_id": 151643}
     if family == "smollm2":
-        from fxrewrite.runtime.model_files.default_model import smollm2_tokenizer_path
-
         src = smollm2_tokenizer_path()
         for name in TOKENIZER_FILES:
             if (src / name).is_file():
@@ -159,9 +160,6 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
 def _run_demo(args: argparse.Namespace) -> int:
     """LLM(...).chat(question) with greedy decoding; prints the answer and the tokens/s of that one call."""
     import time
-
-    from fxrewrite.runtime.llm import LLM
-    from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
     start = time.perf_counter()
     llm = LLM(args.model, model_impl=args.model_impl, fusion=not args.no_fusion, dtype=args.dtype)

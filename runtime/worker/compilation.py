@@ -15,6 +15,8 @@ import logging
 import torch
 from torch import nn
 
+from fxrewrite.runtime.worker.attention import paged_attend
+
 logger = logging.getLogger(__name__)
 
 OP_NAME = "fxrewrite::paged_attend"
@@ -32,8 +34,6 @@ def paged_attend_op(
 ) -> torch.Tensor:
     """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D]; writes this step's K/V into the layer's
     paged cache (held by the forward context, not an argument, so not a declared mutation) first."""
-    from fxrewrite.runtime.worker.attention import paged_attend
-
     return paged_attend(query, key, value, layer_idx, scale, sliding_window, soft_cap)
 
 
