@@ -78,22 +78,39 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
 
 
 @triton.jit
-def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cache_ptr, q_tok_stride, q_head_stride, k_tok_stride,
-                   k_head_stride, cache_stride, num_q_heads, num_k_heads,
-                   HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                   IS_NEOX: tl.constexpr, HAS_KEY: tl.constexpr):
+def token_cos_sin(pos_ptr, cache_ptr, cache_stride, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """The prologue every rotary kernel shares (one program per token): returns the token index, the
+    feature lanes i [BLOCK_HALF] with their mask i < HALF, and cos, sin [1, BLOCK_HALF] in float32 (0 past
+    HALF) read from the cache row of the token's position (cos in the row's first half, sin in the second)."""
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)
     imask = i < HALF
     cos = tl.load(cache_ptr + pos * cache_stride + i, mask=imask, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(cache_ptr + pos * cache_stride + HALF + i, mask=imask, other=0.0).to(tl.float32)[None, :]
+    return tok, i, imask, cos, sin
+
+
+@triton.jit
+def pair_offsets(i, HALF: tl.constexpr, IS_NEOX: tl.constexpr):
+    """Offsets in a head of the two features lane i rotates together: (i, i + HALF) for neox halves,
+    (2i, 2i + 1) for GPT-J pairs."""
     if IS_NEOX:
         off1 = i
         off2 = i + HALF
     else:
         off1 = 2 * i
         off2 = 2 * i + 1
+    return off1, off2
+
+
+@triton.jit
+def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cache_ptr, q_tok_stride, q_head_stride, k_tok_stride,
+                   k_head_stride, cache_stride, num_q_heads, num_k_heads,
+                   HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                   IS_NEOX: tl.constexpr, HAS_KEY: tl.constexpr):
+    tok, i, imask, cos, sin = token_cos_sin(pos_ptr, cache_ptr, cache_stride, HALF, BLOCK_HALF)
+    off1, off2 = pair_offsets(i, HALF, IS_NEOX)
     heads = tl.arange(0, BLOCK_H)
     # q heads are rows [0, num_q_heads), k heads follow; one tile covers both.
     is_q = heads < num_q_heads
@@ -120,12 +137,7 @@ def _rotary_gptj_kernel(pos_ptr, q_ptr, k_ptr, cache_ptr, q_tok_stride, q_head_s
                         IS_NEOX: tl.constexpr, HAS_KEY: tl.constexpr):
     # GPT-J pairs are interleaved: load the rotary features contiguously and split the pairs in
     # registers (stride-2 loads/stores ran at 6% of copy bandwidth on an H200).
-    tok = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
-    i = tl.arange(0, BLOCK_HALF)
-    imask = i < HALF
-    cos = tl.load(cache_ptr + pos * cache_stride + i, mask=imask, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(cache_ptr + pos * cache_stride + HALF + i, mask=imask, other=0.0).to(tl.float32)[None, :]
+    tok, i, imask, cos, sin = token_cos_sin(pos_ptr, cache_ptr, cache_stride, HALF, BLOCK_HALF)
     j = tl.arange(0, 2 * BLOCK_HALF)
     heads = tl.arange(0, BLOCK_H)
     is_q = heads < num_q_heads
