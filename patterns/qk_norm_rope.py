@@ -23,7 +23,8 @@ from fxrewrite import nodes, source
 from fxrewrite.kernels.qk_norm_rope import qk_norm_rope_triton
 from fxrewrite.layers.layernorm import RMSNorm
 from fxrewrite.patterns.base import Context, Match, Pattern, Refusal, free_attribute, require
-from fxrewrite.patterns.rotary_calls import apply_calls, apply_rotary_qk, calls_of, fused_norms, kernel_applies, norm_refusal
+from fxrewrite.patterns.rotary_calls import (apply_calls, apply_rotary_qk, fused_norms, kernel_applies, norm_refusal,
+                                             unique_call)
 
 NEW_NAME = "qk_norm_rope"
 _ROLES = ("q_norm", "k_norm")
@@ -115,10 +116,7 @@ class QKNormRopePattern(Pattern):
     @classmethod
     def rewrite(cls, match: Match, src, tree: cst.Module) -> cst.Module:
         fn = match.name("fn")
-        require(callable(src.globals.get(fn)), f"{fn} is not a global function of the module")
-        calls = calls_of(tree, fn)
-        require(len(calls) == 1, f"{fn}(...) appears {len(calls)} times in forward, expected exactly once")
-        apply = calls[0]
+        apply = unique_call(src, tree, fn)
         require(len(apply.args) >= 4 and all(not a.keyword and not a.star for a in apply.args[:4]),
                 f"{fn} does not take q, k, cos, sin positionally")
         info = source.collect(tree)

@@ -24,8 +24,8 @@ from fxrewrite import nodes
 from fxrewrite.kernels.rotary import rotary_embedding_triton
 from fxrewrite.layers.rotary import get_rope
 from fxrewrite.patterns.base import Context, Match, Pattern, free_attribute, require
-from fxrewrite.patterns.rotary_calls import (apply_calls, apply_rotary_qk, calls_of, fused_norms, kernel_applies,
-                                             same_outputs)
+from fxrewrite.patterns.rotary_calls import (apply_calls, apply_rotary_qk, fused_norms, kernel_applies, same_outputs,
+                                             unique_call)
 
 NEW_APPLY = "apply_rotary_emb"
 _PROBE_POSITIONS = (0, 1, 2, 3, 7, 31, 100)
@@ -167,11 +167,8 @@ class RotaryApplyPattern(Pattern):
 
     @classmethod
     def rewrite(cls, match: Match, src, tree: cst.Module) -> cst.Module:
-        name = match.name("fn")
-        require(callable(src.globals.get(name)), f"{name} is not a global function of the module")
-        calls = calls_of(tree, name)
-        require(len(calls) == 1, f"{name}(...) appears {len(calls)} times in forward, expected exactly once")
-        return tree.deep_replace(calls[0].func, cst.parse_expression(f"self.{NEW_APPLY}"))
+        call = unique_call(src, tree, match.name("fn"))
+        return tree.deep_replace(call.func, cst.parse_expression(f"self.{NEW_APPLY}"))
 
     @classmethod
     def validate(cls, match: Match, module: nn.Module, ctx: Context) -> None:

@@ -14,6 +14,7 @@ import torch.fx as fx
 from fxrewrite import nodes
 from fxrewrite.kernels import use_triton
 from fxrewrite.layers.layernorm import RMSNorm
+from fxrewrite.patterns.base import require
 
 
 def apply_rotary_qk(q, k, cos, sin, unsqueeze_dim: int = 1):
@@ -85,6 +86,15 @@ def calls_of(tree: cst.Module, name: str) -> list[cst.Call]:
 
     tree.visit(V())
     return found
+
+
+def unique_call(src, tree: cst.Module, name: str) -> cst.Call:
+    """The one call of the module-global function `name` in forward's source; `Refusal` when `name` is not
+    a global function of the module or is called other than exactly once."""
+    require(callable(src.globals.get(name)), f"{name} is not a global function of the module")
+    calls = calls_of(tree, name)
+    require(len(calls) == 1, f"{name}(...) appears {len(calls)} times in forward, expected exactly once")
+    return calls[0]
 
 
 def _norm_feeding(arg) -> fx.Node | None:
