@@ -1,7 +1,7 @@
-"""Imports go one way (README, Layout): kernels and the leaf helpers (fxrewrite.nodes, source, distributed)
-(and symm_all_reduce) <- fxrewrite.layers <- patterns <- the compiler (compiler, tracer, report, weights, sharding) <- runtime
-<- fxrewrite.benchmarks <- the CLI, with no cycle, counting imports inside functions too (so none can hide a
-cycle). Only the lazy facade, fxrewrite/__init__.py, reaches up (to runtime, on first use of LLM)."""
+"""Imports go one way (README, Layout): kernels and the leaf helpers (fxrewrite.nodes, source, distributed,
+symm_all_reduce) <- fxrewrite.layers <- patterns <- the compiler (compiler, tracer, report, weights, sharding)
+<- runtime <- fxrewrite.benchmarks <- the CLI, with no cycle, counting imports inside functions too (so none
+can hide a cycle). Only the lazy facade, fxrewrite/__init__.py, reaches up (to runtime, on first use of LLM)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ FOLDERS = {"fxrewrite": "fxrewrite", "patterns": "fxrewrite.patterns", "kernels"
            "runtime": "fxrewrite.runtime", "benchmarks": "fxrewrite.benchmarks"}
 FACADE = "fxrewrite"
 # Lowest first; a module may import its own layer and those below it.
-LAYERS = (("fxrewrite.kernels", "fxrewrite.nodes", "fxrewrite.source", "fxrewrite.distributed", "fxrewrite.symm_all_reduce"),
-          "fxrewrite.layers", "fxrewrite.patterns", "fxrewrite", "fxrewrite.runtime",
+_LEAVES = ("fxrewrite.kernels", "fxrewrite.nodes", "fxrewrite.source", "fxrewrite.distributed", "fxrewrite.symm_all_reduce")
+LAYERS = (_LEAVES, "fxrewrite.layers", "fxrewrite.patterns", "fxrewrite", "fxrewrite.runtime",
           "fxrewrite.benchmarks", "fxrewrite.cli")
 _CLI = ("fxrewrite.cli", "fxrewrite.commands", "fxrewrite.__main__")
 
