@@ -47,6 +47,7 @@ class QKNormRotaryEmb(nn.Module):
         self.inplace = inplace
 
     def forward(self, q, k, cos, sin, unsqueeze_dim: int = 1, *, q_norm: RMSNorm, k_norm: RMSNorm):
+        """q [B, Hq, S, D], k [B, Hk, S, D], cos/sin [B, S, rotary_dim] -> (q, k) normalised, rotated; q's dtype."""
         if self._kernel_applies(q, k, cos, unsqueeze_dim, q_norm, k_norm):
             return self._kernel(q, k, cos, sin, q_norm, k_norm)
         return apply_rotary_qk(q_norm(q), k_norm(k), cos, sin, unsqueeze_dim)
@@ -71,6 +72,7 @@ class QKNormRotaryEmb(nn.Module):
         return q, k
 
     def extra_repr(self) -> str:
+        """``inplace=...`` in the module's repr."""
         return f"inplace={self.inplace}"
 
 
@@ -94,12 +96,14 @@ def _fresh_input(norm: fx.Node, traced) -> bool:
 
 
 class QKNormRopePattern(Pattern):
-    """See module docstring."""
+    """A rotary-apply call whose q and k each come only from a per-head fused `RMSNorm` child (Qwen3's
+    q_norm / k_norm) -> one ``self.qk_norm_rope(q, k, cos, sin, q_norm=..., k_norm=...)``. Facts: head_size, inplace."""
 
     name = "qk_norm_rope"
 
     @classmethod
     def match(cls, traced, ctx: Context) -> list[Match]:
+        """Each such call; `Refusal` on a near miss (one shared norm, another norm form or width, not neox)."""
         matches = []
         for call, metas in apply_calls(traced):
             found = fused_norms(call, traced)
@@ -115,6 +119,7 @@ class QKNormRopePattern(Pattern):
 
     @classmethod
     def rewrite(cls, match: Match, src, tree: cst.Module) -> cst.Module:
+        """Drop both norm calls, call ``self.qk_norm_rope`` with the norms; `Refusal` if a norm result has other uses."""
         fn = match.name("fn")
         apply = unique_call(src, tree, fn)
         require(len(apply.args) >= 4 and all(not a.keyword and not a.star for a in apply.args[:4]),
@@ -135,6 +140,7 @@ class QKNormRopePattern(Pattern):
 
     @classmethod
     def validate(cls, match: Match, module: nn.Module, ctx: Context) -> None:
+        """Both norms are Llama-form `RMSNorm` of head_size features on this instance; the name is free."""
         free_attribute(module, NEW_NAME)
         for role in _ROLES:
             name = match.name(role)
@@ -144,10 +150,12 @@ class QKNormRopePattern(Pattern):
 
     @classmethod
     def build(cls, match: Match, module: nn.Module, ctx: Context) -> None:
+        """Set ``qk_norm_rope`` (`QKNormRotaryEmb`, in place when the match proved the inputs fresh)."""
         setattr(module, NEW_NAME, QKNormRotaryEmb(inplace=match.fact("inplace")))
 
     @classmethod
     def describe(cls, match: Match) -> str:
+        """``q_norm,k_norm + fn -> qk_norm_rope (in place | on a copy)``."""
         mode = "in place" if match.fact("inplace") else "on a copy"
         return f"{match.name('q_norm')},{match.name('k_norm')} + {match.name('fn')} -> {NEW_NAME} ({mode})"
 

@@ -40,6 +40,7 @@ class ApplyRotaryEmb(nn.Module):
     """
 
     def forward(self, q, k, cos, sin, unsqueeze_dim: int = 1):
+        """q [B, Hq, S, D], k [B, Hk, S, D], cos/sin [B, S, rotary_dim] -> rotated (q, k), same shapes and dtype."""
         if kernel_applies(q, k, cos, unsqueeze_dim):
             return _rotary_kernel_qk(q, k, cos, sin)
         return apply_rotary_qk(q, k, cos, sin, unsqueeze_dim)
@@ -67,6 +68,7 @@ class RotaryCosSin(nn.Module):
         self.arg_names = arg_names
 
     def forward(self, *args, **kwargs):
+        """(x, position_ids [B, S]), by position or keyword -> (cos, sin) [B, S, rotary_dim] in x's dtype."""
         bound = dict(zip(self.arg_names, args), **kwargs)
         x, positions = bound[self.arg_names[0]], bound[self.arg_names[1]]
         return self.rope.get_cos_sin(positions, dtype=x.dtype)
@@ -91,13 +93,15 @@ def _rope_candidates(config) -> list[dict]:
 
 
 class RotaryPattern(Pattern):
-    """See module docstring (the cos/sin module)."""
+    """A module returning ``(cos(e), sin(e))`` of one tensor -> `RotaryCosSin` over `get_rope` (RoFormer, Su et
+    al. 2021; the rope types of transformers' ROPE_INIT_FUNCTIONS)."""
 
     name = "rotary"
     scope = "module"
 
     @classmethod
     def match(cls, traced, ctx: Context) -> list[Match]:
+        """The whole forward when it returns (cos(e), sin(e)) (scales, casts aside); `Refusal` unless it takes 2 args."""
         out = nodes.output_value(traced.graph)
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             return []
@@ -138,25 +142,30 @@ class RotaryPattern(Pattern):
 
     @classmethod
     def validate(cls, match: Match, module: nn.Module, ctx: Context) -> None:
+        """Build the replacement; it must give this instance's cos/sin (1e-5) at probe positions, else `Refusal`."""
         require(ctx.config is not None, "no model config to read rope_parameters from")
         module.__dict__["_fxrewrite_rope"] = cls._build_checked(module, ctx, (match.name("x"), match.name("position_ids")))
 
     @classmethod
     def build(cls, match: Match, module: nn.Module, ctx: Context) -> nn.Module:
+        """The `RotaryCosSin` that `validate` proved."""
         return module.__dict__.pop("_fxrewrite_rope")
 
     @classmethod
     def describe(cls, match: Match) -> str:
+        """``cos/sin -> RotaryEmbedding (get_rope)``."""
         return "cos/sin -> RotaryEmbedding (get_rope)"
 
 
 class RotaryApplyPattern(Pattern):
-    """See module docstring (the apply call)."""
+    """A module-global function call (q, k, cos, sin) equal bit for bit to transformers' ``apply_rotary_pos_emb``
+    -> ``self.apply_rotary_emb(...)`` (`ApplyRotaryEmb`), except the calls `QKNormRopePattern` fuses."""
 
     name = "rotary_apply"
 
     @classmethod
     def match(cls, traced, ctx: Context) -> list[Match]:
+        """Each rotary-apply call not fed by per-head norms; `Refusal` when its function is not neox rotary."""
         matches = []
         for n, metas in apply_calls(traced):
             if isinstance(fused_norms(n, traced), tuple):  # q/k per-head norms: qk_norm_rope fuses the call
@@ -167,17 +176,21 @@ class RotaryApplyPattern(Pattern):
 
     @classmethod
     def rewrite(cls, match: Match, src, tree: cst.Module) -> cst.Module:
+        """Call ``self.apply_rotary_emb`` instead of the function; `Refusal` unless it is called exactly once."""
         call = unique_call(src, tree, match.name("fn"))
         return tree.deep_replace(call.func, cst.parse_expression(f"self.{NEW_APPLY}"))
 
     @classmethod
     def validate(cls, match: Match, module: nn.Module, ctx: Context) -> None:
+        """``apply_rotary_emb`` is free on this instance."""
         free_attribute(module, NEW_APPLY)
 
     @classmethod
     def build(cls, match: Match, module: nn.Module, ctx: Context) -> None:
+        """Set ``apply_rotary_emb`` (`ApplyRotaryEmb`, no parameters)."""
         setattr(module, NEW_APPLY, ApplyRotaryEmb())
 
     @classmethod
     def describe(cls, match: Match) -> str:
+        """``fn -> apply_rotary_emb``."""
         return f"{match.name('fn')} -> {NEW_APPLY}"

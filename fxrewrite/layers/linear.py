@@ -87,6 +87,7 @@ class LinearBase(nn.Module):
         _copy_checked(param, loaded_weight)
 
     def extra_repr(self) -> str:
+        """Per-rank sizes, bias and tp_size in the module's repr."""
         return (f"in_features={self.input_size_per_partition}, out_features={self.output_size_per_partition}, "
                 f"bias={self.bias is not None}, tp_size={self.tp_size}")
 
