@@ -181,7 +181,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m fxrewrite.runtime.model_files.demo", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)  # none: usage, exit 2
     build = sub.add_parser("build", help="write a tiny random model folder and print its path")
     _add_build_arguments(build)
     build.set_defaults(_run=_run_build)
@@ -193,11 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if getattr(args, "_run", None) is None:
-        parser.print_help()
-        return 2
+    args = build_parser().parse_args(argv)
     try:
         return int(args._run(args) or 0)
     except (ValueError, TypeError, FileNotFoundError) as e:
