@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+from pathlib import Path
 from typing import Any
 
 from fxrewrite.runtime.engine.block_manager import BlockManager
@@ -335,9 +337,6 @@ def _eos_token_ids(tokenizer, model_config) -> set[int]:
 
 
 def _read_generation_eos(model_config) -> list[int]:
-    import json
-    from pathlib import Path
-
     path = Path(model_config.model_path) / "generation_config.json"
     if not path.exists():
         eos = getattr(model_config.hf_text_config, "eos_token_id", None)

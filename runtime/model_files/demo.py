@@ -17,6 +17,7 @@ import argparse
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -159,8 +160,6 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 def _run_demo(args: argparse.Namespace) -> int:
     """LLM(...).chat(question) with greedy decoding; prints the answer and the tokens/s of that one call."""
-    import time
-
     start = time.perf_counter()
     llm = LLM(args.model, model_impl=args.model_impl, fusion=not args.no_fusion, dtype=args.dtype)
     loaded = time.perf_counter()
