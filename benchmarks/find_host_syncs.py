@@ -18,13 +18,13 @@ import warnings
 
 import torch
 
+from fxrewrite.benchmarks.common import bench_model_dir, load_bench_config, make_llm, run_requests
+from fxrewrite.benchmarks.throughput import ThroughputWorkload
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
+
 
 def find_host_syncs(config: str, arm: str, num_prompts: int, tokenizer_dir=None, max_input_len: int = 512,
                     max_output_len: int = 128, sync_debug: bool = True) -> dict:
-    from fxrewrite.benchmarks.common import bench_model_dir, load_bench_config, make_llm, run_requests
-    from fxrewrite.benchmarks.throughput import ThroughputWorkload
-    from fxrewrite.runtime.engine.sampling_params import SamplingParams
-
     spec = load_bench_config(config)
     workload = ThroughputWorkload(num_prompts=num_prompts, max_input_len=max_input_len, max_output_len=max_output_len)
     llm = make_llm(arm, bench_model_dir(spec, tokenizer_dir), max_model_len=workload.max_model_len)

@@ -61,7 +61,6 @@ stamp "done"
 $PY - "$OUT_DIR" <<'PYEOF'
 import json, sys
 from pathlib import Path
-sys.path.insert(0, ".")
 from fxrewrite.benchmarks.compare import format_table
 for path in sorted(Path(sys.argv[1]).glob("*.json")):
     result = json.loads(path.read_text())

@@ -21,6 +21,13 @@ import torch
 
 from fxrewrite.benchmarks.common import RESULTS_DIR
 from fxrewrite.errors import UserInputError
+from fxrewrite.kernels.activation import _act_and_mul_triton, gelu_and_mul_ref, silu_and_mul_ref
+from fxrewrite.kernels.paged_attention import paged_attention_ref
+from fxrewrite.kernels.paged_decode import _num_splits, paged_decode_triton
+from fxrewrite.kernels.paged_prefill import paged_prefill_triton
+from fxrewrite.kernels.reshape_and_cache import reshape_and_cache_ref, reshape_and_cache_triton
+from fxrewrite.kernels.rms_norm import rms_norm_ref, rms_norm_triton
+from fxrewrite.kernels.rotary import rotary_embedding_ref, rotary_embedding_triton
 
 BF16 = torch.bfloat16
 TOKENS, HIDDEN, INTERMEDIATE = 16384, 4096, 11008
@@ -93,11 +100,6 @@ def _variants(sweeps: dict, name: str, nbytes: int, bw: float, fns: dict) -> Non
 
 
 def _elementwise_rows(bw: float, sweeps: dict) -> list[dict]:
-    from fxrewrite.kernels.activation import gelu_and_mul_ref, silu_and_mul_ref, _act_and_mul_triton
-    from fxrewrite.kernels.reshape_and_cache import reshape_and_cache_ref, reshape_and_cache_triton
-    from fxrewrite.kernels.rms_norm import rms_norm_ref, rms_norm_triton
-    from fxrewrite.kernels.rotary import rotary_embedding_ref, rotary_embedding_triton
-
     e = 2  # bf16 bytes
     x = torch.randn(TOKENS, HIDDEN, device=DEVICE, dtype=BF16)
     res, w = torch.randn_like(x), torch.randn(HIDDEN, device=DEVICE, dtype=BF16)
@@ -183,10 +185,6 @@ def _sweep(name, fn, args, ref_out, configs, scale):
 
 
 def _attention_rows(bw: float, sweeps: dict) -> list[dict]:
-    from fxrewrite.kernels.paged_attention import paged_attention_ref
-    from fxrewrite.kernels.paged_decode import _num_splits, paged_decode_triton
-    from fxrewrite.kernels.paged_prefill import paged_prefill_triton
-
     scale, e, rows = HEAD_DIM ** -0.5, 2, []
     for batch, ctx in DECODE_CASES:
         args, seq_lens = _paged_batch([(ctx - 1, 1)] * batch)

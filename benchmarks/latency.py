@@ -10,6 +10,9 @@ from __future__ import annotations
 import random
 from dataclasses import asdict, dataclass, field
 
+from fxrewrite.benchmarks.common import copy_bandwidth_bytes_per_s, engine_weight_bytes, run_requests
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
+
 
 @dataclass
 class LatencyWorkload:
@@ -32,9 +35,6 @@ class LatencyWorkload:
 
 def run_latency(llm, workload: LatencyWorkload, time_limit_s: float | None = None) -> dict:
     """Per batch size: ttft_ms, decode_ms_per_step, decode_tokens_per_s (per sequence), roofline."""
-    from fxrewrite.benchmarks.common import copy_bandwidth_bytes_per_s, engine_weight_bytes, run_requests
-    from fxrewrite.runtime.engine.sampling_params import SamplingParams
-
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=workload.output_len, ignore_eos=True)
     max_seqs = engine.scheduler.max_num_seqs

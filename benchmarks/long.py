@@ -14,6 +14,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from fxrewrite.benchmarks.common import run_requests
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
+from fxrewrite.runtime.worker.forward_context import AttentionMetadata, forward_context
+
 
 @dataclass
 class LongWorkload:
@@ -45,8 +49,6 @@ class LongWorkload:
 def _last_logits(runner, tokens: list[int], chunk: int, want: int) -> torch.Tensor:
     """Logits [V] at index `want` of `tokens`, prefilled in chunks of `chunk` tokens through the
     runner's model into KV blocks 0.. (the engine must be idle and run without prefix caching)."""
-    from fxrewrite.runtime.worker.forward_context import AttentionMetadata, forward_context
-
     device, bs = runner.device, runner.block_size
     n = want + 1
     table = torch.arange(-(-n // bs), dtype=torch.int32, device=device)[None, :]
@@ -66,9 +68,6 @@ def _last_logits(runner, tokens: list[int], chunk: int, want: int) -> torch.Tens
 
 
 def run_long(llm, workload: LongWorkload, time_limit_s: float | None = None) -> dict:
-    from fxrewrite.benchmarks.common import run_requests
-    from fxrewrite.runtime.engine.sampling_params import SamplingParams
-
     engine = llm.llm_engine
     result = {}
     params = SamplingParams(temperature=0.0, max_tokens=workload.output_len, ignore_eos=True, logprobs=1)
@@ -127,8 +126,6 @@ def prefix_check(llm, workload: LongWorkload) -> dict:
 @torch.inference_mode()
 def _prefix_logits_in_chunk(runner, tokens: list[int], chunk: int, want: int) -> torch.Tensor:
     """Logits at index `want` when the first `chunk` tokens of `tokens` run as one prefill chunk."""
-    from fxrewrite.runtime.worker.forward_context import AttentionMetadata, forward_context
-
     device, bs = runner.device, runner.block_size
     n = min(chunk, len(tokens))
     meta = AttentionMetadata(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from fxrewrite.benchmarks.common import device_label
@@ -40,6 +41,7 @@ def plot_result(result: dict, path: Path) -> Path | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        print("[bench] no PNG: matplotlib is not installed (pip install 'fxrewrite[bench]')", file=sys.stderr)
         return None
     kind = result["workload"]["kind"]
     arms = [(arm, headline(r, kind)) for arm, r in result["arms"].items()]

@@ -15,6 +15,11 @@ from pathlib import Path
 
 import torch
 
+from fxrewrite.benchmarks.common import bench_model_dir, environment, load_bench_config, make_llm
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
+from fxrewrite.runtime.engine.sequence import Sequence
+from fxrewrite.runtime.worker.forward_context import forward_context
+
 STEPS = 20
 
 
@@ -61,9 +66,6 @@ def _timed_ms(fn, iters: int = 50) -> float:
 @torch.inference_mode()
 def profile_decode(config: str, arm: str, batch: int, context: int, engine_kwargs: dict,
                    tokenizer_dir=None) -> dict:
-    from fxrewrite.benchmarks.common import bench_model_dir, environment, load_bench_config, make_llm
-    from fxrewrite.runtime.worker.forward_context import forward_context
-
     spec = load_bench_config(config)
     llm = make_llm(arm, bench_model_dir(spec, tokenizer_dir), max_model_len=4096, max_num_seqs=max(8, batch),
                    **engine_kwargs)
@@ -82,10 +84,6 @@ def profile_decode(config: str, arm: str, batch: int, context: int, engine_kwarg
     def eager():
         with forward_context(metadata):
             runner.model(graphs.input_ids[:bs], graphs.positions[:bs])
-
-    seqs = []
-    from fxrewrite.runtime.engine.sampling_params import SamplingParams
-    from fxrewrite.runtime.engine.sequence import Sequence
 
     seqs = [Sequence(f"p{i}", [1] * 8, SamplingParams(temperature=0)) for i in range(batch)]
     hidden = graphs.outputs[:batch]

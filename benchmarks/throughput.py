@@ -9,6 +9,9 @@ from __future__ import annotations
 import random
 from dataclasses import asdict, dataclass, replace
 
+from fxrewrite.benchmarks.common import run_requests, step_profile
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
+
 WARMUP_PROMPTS = 32
 
 
@@ -47,9 +50,6 @@ def run_throughput(llm, workload: ThroughputWorkload, time_limit_s: float | None
     prefix-cache hit for the timed run), 8 output tokens each: it runs full, chunked and mixed prefill
     steps, so the Triton kernels' specializations are compiled before the clock starts, not inside the
     first arm's timed run."""
-    from fxrewrite.benchmarks.common import run_requests, step_profile
-    from fxrewrite.runtime.engine.sampling_params import SamplingParams
-
     engine = llm.llm_engine
     prompts, output_lens = workload.generate()
     warm = replace(workload, num_prompts=min(WARMUP_PROMPTS, workload.num_prompts), seed=workload.seed + 1)

@@ -57,7 +57,7 @@ def optimize(model: nn.Module, **opts) -> nn.Module:
             entry.skip("trace", "not called during the meta run")
             continue
         module, args, kwargs = records[cls]
-        _optimize_class(cls, instances, tracer.trace(module, args, kwargs, use_cache=False), patterns, ctx, entry, model)
+        _optimize_class(cls, instances, tracer.trace(module, args, kwargs), patterns, ctx, entry, model)
     model.__dict__[_REPORT_ATTR] = report
     weights.install_hf_name_hooks(model)
     return model

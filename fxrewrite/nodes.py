@@ -7,7 +7,6 @@ A node's module is looked up on the traced instance (`Traced.module`); meta valu
 from __future__ import annotations
 
 import operator
-from typing import Callable, Iterable
 
 import torch
 import torch.fx as fx
@@ -56,11 +55,6 @@ def peel(node, ops: frozenset = _CASTS):
     return node
 
 
-def find_node(graph: fx.Graph, pred: Callable[[fx.Node], bool]) -> list[fx.Node]:
-    """All nodes of `graph` for which `pred` holds, in program order."""
-    return [n for n in graph.nodes if pred(n)]
-
-
 def placeholders(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if n.op == "placeholder"]
 
@@ -76,20 +70,31 @@ def getitem_users(node: fx.Node) -> dict[int, fx.Node]:
     return {u.args[1]: u for u in node.users if is_op(u, operator.getitem) and isinstance(u.args[1], int)}
 
 
-def upstream_linear(node, root: nn.Module, through: frozenset = frozenset({"view", "reshape", "transpose"})):
-    """Walk back through casts and view-like methods to an `nn.Linear` call, or None."""
-    node = peel(node)
-    while isinstance(node, fx.Node) and node.op == "call_method" and node.target in through | _CASTS:
-        node = node.args[0]
-    return node if isinstance(node, fx.Node) and is_linear(node, root) else None
-
-
 def meta(node) -> torch.Tensor | None:
     """The meta tensor of `node`, or None when unknown / not a tensor."""
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     return val if isinstance(val, torch.Tensor) else None
 
 
-def all_inputs(nodes: Iterable[fx.Node]) -> set[fx.Node]:
-    """Every node any of `nodes` reads."""
-    return {a for n in nodes for a in n.all_input_nodes}
+def consuming_linears(starts: list[fx.Node], root: nn.Module) -> list[fx.Node]:
+    """The plain `nn.Linear` calls that the values `starts` reach first, walking forward through every
+    other node (views, norms, the attention call, ...), in program order: the projection reading what
+    a fused layer's outputs become (o_proj after q/k/v, down_proj after act(gate) * up)."""
+    found, seen, todo = set(), set(), [u for s in starts for u in s.users]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if is_linear(n, root):
+            found.add(n)
+        else:
+            todo.extend(n.users)
+    return [n for n in starts[0].graph.nodes if n in found]
+
+
+def row_partner(starts: list[fx.Node], root: nn.Module) -> str | None:
+    """The child attribute name of the one linear `consuming_linears` finds (None: none, several, or a
+    grandchild): the row-parallel half that a column-parallel fused layer pairs with (Megatron-LM)."""
+    found = consuming_linears(starts, root)
+    return found[0].target if len(found) == 1 and "." not in found[0].target else None

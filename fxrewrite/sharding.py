@@ -5,9 +5,10 @@
 one through its `weight_loader`). The plan, in order:
 1. fusion: every fused `QKVParallelLinear` becomes column-parallel by heads (kv heads replicated
    when fewer than ranks) and forces its output projection row-parallel; every fused gate/up
-   `MergedColumnParallelLinear` forces the down projection row-parallel. The partner is the one
-   other plain `nn.Linear` child of the rewritten module that reads the fused layer's width (the
-   attention output, the activation output); none or several: ValueError (fail closed).
+   `MergedColumnParallelLinear` forces the down projection row-parallel. The partner is read off the
+   match: the fused layer's `row_partner`, the one linear its outputs reach in the traced graph
+   (`fxrewrite.nodes.row_partner`); none, several, or one not reading the fused width: ValueError
+   (fail closed).
 2. the config's `base_model_tp_plan` ("colwise" / "rowwise") for plain linears the fusion left;
 3. the input embedding and LM head become `VocabParallelEmbedding` / `ParallelLMHead` (ties kept);
 4. anything else stays replicated.
@@ -89,7 +90,8 @@ def _shard_fused(module: nn.Module, prefix: str, name: str, tp_rank: int, tp_siz
         width, style = fused.output_sizes[0], "merged"
     else:
         return
-    partner = _row_partner(module, prefix, name, width)
+    partner = _row_partner(module, prefix, name, fused, width)
+    new.row_partner = partner
     _replace(module, name, new, fused)
     plan[_join(prefix, name)] = style
     old = getattr(module, partner)
@@ -98,14 +100,17 @@ def _shard_fused(module: nn.Module, prefix: str, name: str, tp_rank: int, tp_siz
     plan[_join(prefix, partner)] = "rowwise"
 
 
-def _row_partner(module: nn.Module, prefix: str, fused_name: str, width: int) -> str:
-    """The one plain nn.Linear child reading `width` features (what the fused layer's branch produces)."""
-    names = [n for n, c in module.named_children() if type(c) is nn.Linear and c.in_features == width]
-    if len(names) != 1:
+def _row_partner(module: nn.Module, prefix: str, fused_name: str, fused: nn.Module, width: int) -> str:
+    """The fused layer's `row_partner` (the linear its outputs reach), checked: a plain nn.Linear child
+    reading `width` features, what one branch of the fused layer produces."""
+    name = fused.row_partner
+    child = getattr(module, name, None) if name else None
+    if type(child) is not nn.Linear or child.in_features != width:
         where = prefix or type(module).__name__
-        raise ValueError(f"cannot shard {where}.{fused_name}: expected exactly one nn.Linear child reading "
-                         f"{width} features to make row-parallel, found {names or 'none'}")
-    return names[0]
+        found = f"{name!r} ({type(child).__name__})" if name else "no single linear"
+        raise ValueError(f"cannot shard {where}.{fused_name}: its outputs reach {found} in the traced graph; "
+                         f"expected exactly one nn.Linear child reading {width} features to make row-parallel")
+    return name
 
 
 def _apply_tp_plan(model: nn.Module, tp_rank: int, tp_size: int, plan: dict) -> None:

@@ -247,14 +247,6 @@ def bind(module: nn.Module, fn: types.FunctionType) -> None:
     module.forward = types.MethodType(fn, module)
 
 
-def prepend_statement(tree: cst.Module, line: cst.SimpleStatementLine, code: str) -> cst.Module:
-    """Put the small statement `code` first on `line` (`a = ...; <line>`), keeping line numbers."""
-    new_stmt = cst.parse_statement(code + "\n").body[0]
-    new_line = line.with_changes(body=[new_stmt.with_changes(semicolon=cst.Semicolon(
-        whitespace_after=cst.SimpleWhitespace(" ")))] + list(line.body))
-    return tree.deep_replace(line, new_line)
-
-
 def check_not_rebound(block: cst.CSTNode, first: cst.CSTNode, last: cst.CSTNode, name: str) -> None:
     """SourceError if a statement from `first` up to (not including) `last` binds `name`."""
     body = block_statements(block)

@@ -360,18 +360,13 @@ def _error_location(exc: BaseException, cls: type) -> str:
     return f"{where}{type(exc).__name__}: {exc}"
 
 
-_CACHE: dict[type, Traced] = {}
-
-
-def trace(module: nn.Module, args: tuple = (), kwargs: dict | None = None, *, use_cache: bool = True) -> Traced:
+def trace(module: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Traced:
     """Trace `type(module).forward` called with the recorded `args`/`kwargs` (tensors may be meta).
 
-    Cached per class. Never raises for an untraceable forward: the partial graph comes back with
+    Never raises for an untraceable forward: the partial graph comes back with
     `Traced.error` set.
     """
     cls = type(module)
-    if use_cache and cls in _CACHE:
-        return _CACHE[cls]
     tracer = AllLeafTracer()
     error = None
     with preserved_state(module), attention_as_leaf(), _local_functions_as_leaves(cls, tracer), torch.no_grad():
@@ -379,12 +374,4 @@ def trace(module: nn.Module, args: tuple = (), kwargs: dict | None = None, *, us
             tracer.trace(module, concrete_args=(tuple(args), dict(kwargs or {})))
         except Exception as e:  # noqa: BLE001 - keep the partial graph, say where it stopped
             error = _error_location(e, cls)
-    traced = Traced(module=module, graph=tracer.graph, error=error)
-    if use_cache:
-        _CACHE[cls] = traced
-    return traced
-
-
-def clear_cache() -> None:
-    """Forget traced graphs (tests; or after editing a class's source)."""
-    _CACHE.clear()
+    return Traced(module=module, graph=tracer.graph, error=error)

@@ -28,7 +28,7 @@ def use_triton(x: torch.Tensor) -> bool:
     with their neighbours (vLLM compiles its custom ops' native forms for the same reason). Attention
     is an opaque custom op, so its kernels still run.
     """
-    from fxrewrite.kernels.triton_utils import HAS_TRITON
+    from fxrewrite.kernels.triton_utils import HAS_TRITON  # here, not above: importing this package skips triton
 
     if not HAS_TRITON or torch.compiler.is_compiling():
         return False

@@ -1,5 +1,6 @@
-"""One key/value tile of paged attention with an online softmax: the loop body that the decode
-and prefill kernels share (``@triton.jit`` helper, inlined by triton).
+"""What the paged decode and prefill kernels share: the argument checks (also the reference's) and one
+key/value tile of paged attention with an online softmax, the loop body (``@triton.jit`` helper, inlined
+by triton).
 
 Scores live in the log2 domain (``exp2``): ``s = log2(e) * scale * q·k`` (or the soft-capped
 ``log2(e) * cap * tanh(scale * q·k / cap)``); ``m`` is the running row max and ``l`` the running
@@ -8,9 +9,36 @@ sum of ``exp2(s - m)``, both float32 (FlashAttention-2's recurrence).
 
 from __future__ import annotations
 
+import torch
+
 from fxrewrite.kernels.triton_utils import tl, triton
 
 LOG2E = 1.4426950408889634
+
+
+def check_paged_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc) -> None:
+    """Shape checks shared by the reference and the kernels; ValueError naming the bad shape."""
+    if query.dim() != 3:
+        raise ValueError(f"paged_attention: query shape {tuple(query.shape)}; expected [T, Hq, D]")
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(f"paged_attention: caches {tuple(key_cache.shape)} / {tuple(value_cache.shape)}; "
+                         "expected equal [num_blocks, block_size, Hkv, D]")
+    num_kv_heads, head_size = key_cache.shape[2], key_cache.shape[3]
+    if query.shape[2] != head_size or query.shape[1] % num_kv_heads:
+        raise ValueError(f"paged_attention: query {tuple(query.shape)} vs cache heads {num_kv_heads} x "
+                         f"{head_size}; expected the same head_size and Hq a multiple of Hkv")
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_seqs + 1 or block_tables.shape[0] < num_seqs:
+        raise ValueError(f"paged_attention: {num_seqs} seq_lens, {query_start_loc.shape[0]} query_start_loc "
+                         f"entries, {block_tables.shape[0]} block table rows; expected B, B+1, >= B")
+
+
+def check_last_dim_contiguous(*tensors: torch.Tensor) -> None:
+    """The kernels index the head dim with unit stride."""
+    for t in tensors:
+        if t.stride(-1) != 1:
+            raise ValueError(f"paged_attention: a tensor of shape {tuple(t.shape)} has stride {t.stride()}; "
+                             "expected a contiguous last (head) dim")
 
 
 @triton.jit

@@ -14,33 +14,11 @@ from __future__ import annotations
 import torch
 
 from fxrewrite.kernels import use_triton
+from fxrewrite.kernels.attention_tile import check_paged_args
+from fxrewrite.kernels.paged_decode import paged_decode_triton
+from fxrewrite.kernels.paged_prefill import paged_prefill_triton
 
 __all__ = ["paged_attention", "paged_attention_ref"]
-
-
-def check_paged_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc) -> None:
-    """Shape checks shared by the reference and the kernels; ValueError naming the bad shape."""
-    if query.dim() != 3:
-        raise ValueError(f"paged_attention: query shape {tuple(query.shape)}; expected [T, Hq, D]")
-    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
-        raise ValueError(f"paged_attention: caches {tuple(key_cache.shape)} / {tuple(value_cache.shape)}; "
-                         "expected equal [num_blocks, block_size, Hkv, D]")
-    num_kv_heads, head_size = key_cache.shape[2], key_cache.shape[3]
-    if query.shape[2] != head_size or query.shape[1] % num_kv_heads:
-        raise ValueError(f"paged_attention: query {tuple(query.shape)} vs cache heads {num_kv_heads} x "
-                         f"{head_size}; expected the same head_size and Hq a multiple of Hkv")
-    num_seqs = seq_lens.shape[0]
-    if query_start_loc.shape[0] != num_seqs + 1 or block_tables.shape[0] < num_seqs:
-        raise ValueError(f"paged_attention: {num_seqs} seq_lens, {query_start_loc.shape[0]} query_start_loc "
-                         f"entries, {block_tables.shape[0]} block table rows; expected B, B+1, >= B")
-
-
-def check_last_dim_contiguous(*tensors: torch.Tensor) -> None:
-    """The kernels index the head dim with unit stride."""
-    for t in tensors:
-        if t.stride(-1) != 1:
-            raise ValueError(f"paged_attention: a tensor of shape {tuple(t.shape)} has stride {t.stride()}; "
-                             "expected a contiguous last (head) dim")
 
 
 def _attend_one(q, k, v, q_pos, k_pos, scale, sliding_window, soft_cap):
@@ -143,9 +121,5 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if not use_triton(query):
         return paged_attention_ref(*args)
     if max_query_len == 1:
-        from fxrewrite.kernels.paged_decode import paged_decode_triton
-
         return paged_decode_triton(*args)
-    from fxrewrite.kernels.paged_prefill import paged_prefill_triton
-
     return paged_prefill_triton(*args)

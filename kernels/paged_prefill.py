@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from fxrewrite.kernels.attention_tile import attention_tile
-from fxrewrite.kernels.paged_attention import check_last_dim_contiguous, check_paged_args
+from fxrewrite.kernels.attention_tile import attention_tile, check_last_dim_contiguous, check_paged_args
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
 __all__ = ["paged_prefill_triton"]

@@ -13,7 +13,7 @@ import torch
 
 from fxrewrite.kernels import use_triton
 from fxrewrite.kernels.rms_norm import rms_norm_ref
-from fxrewrite.kernels.rotary import rotary_embedding_ref
+from fxrewrite.kernels.rotary import pair_offsets, rotary_embedding_ref, token_cos_sin
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
 __all__ = ["qk_norm_rope", "qk_norm_rope_ref", "qk_norm_rope_triton"]
@@ -76,18 +76,8 @@ def _qk_norm_rope_kernel(pos_ptr, q_ptr, k_ptr, qw_ptr, kw_ptr, cache_ptr, q_tok
                          HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                          PASS: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_HQ: tl.constexpr,
                          BLOCK_HK: tl.constexpr, IS_NEOX: tl.constexpr):
-    tok = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
-    i = tl.arange(0, BLOCK_HALF)
-    imask = i < HALF
-    cos = tl.load(cache_ptr + pos * cache_stride + i, mask=imask, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(cache_ptr + pos * cache_stride + HALF + i, mask=imask, other=0.0).to(tl.float32)[None, :]
-    if IS_NEOX:
-        off1 = i
-        off2 = i + HALF
-    else:
-        off1 = 2 * i
-        off2 = 2 * i + 1
+    tok, i, imask, cos, sin = token_cos_sin(pos_ptr, cache_ptr, cache_stride, HALF, BLOCK_HALF)
+    off1, off2 = pair_offsets(i, HALF, IS_NEOX)
     j = tl.arange(0, BLOCK_PASS)
     offp = 2 * HALF + j  # features past rotary_dim: normalised, not rotated
     pmask = j < PASS

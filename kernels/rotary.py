@@ -78,69 +78,75 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
 
 
 @triton.jit
-def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cache_ptr, q_tok_stride, q_head_stride, k_tok_stride,
-                   k_head_stride, cache_stride, num_q_heads, num_k_heads,
-                   HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                   IS_NEOX: tl.constexpr, HAS_KEY: tl.constexpr):
+def token_cos_sin(pos_ptr, cache_ptr, cache_stride, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """The prologue every rotary kernel shares (one program per token): returns the token index, the
+    feature lanes i [BLOCK_HALF] with their mask i < HALF, and cos, sin [1, BLOCK_HALF] in float32 (0 past
+    HALF) read from the cache row of the token's position (cos in the row's first half, sin in the second)."""
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)
     imask = i < HALF
     cos = tl.load(cache_ptr + pos * cache_stride + i, mask=imask, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(cache_ptr + pos * cache_stride + HALF + i, mask=imask, other=0.0).to(tl.float32)[None, :]
+    return tok, i, imask, cos, sin
+
+
+@triton.jit
+def pair_offsets(i, HALF: tl.constexpr, IS_NEOX: tl.constexpr):
+    """Offsets in a head of the two features lane i rotates together: (i, i + HALF) for neox halves,
+    (2i, 2i + 1) for GPT-J pairs."""
     if IS_NEOX:
         off1 = i
         off2 = i + HALF
     else:
         off1 = 2 * i
         off2 = 2 * i + 1
+    return off1, off2
+
+
+@triton.jit
+def _rotate_halves(ptr, row_off, rows, i, imask, cos, sin, HALF: tl.constexpr):
+    """neox, in place: features i and i + HALF of the selected `rows` (heads at ptr + row_off), float32 math."""
+    m = rows[:, None] & imask[None, :]
+    p1 = ptr + row_off[:, None] + i[None, :]
+    x1 = tl.load(p1, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(p1 + HALF, mask=m, other=0.0).to(tl.float32)
+    tl.store(p1, (x1 * cos - x2 * sin).to(ptr.dtype.element_ty), mask=m)
+    tl.store(p1 + HALF, (x2 * cos + x1 * sin).to(ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _rotate_pairs(ptr, row_off, rows, cos, sin, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """GPT-J, in place: features 2i and 2i + 1, loaded contiguously and split in registers (stride-2
+    loads/stores ran at 6% of copy bandwidth on an H200)."""
+    j = tl.arange(0, 2 * BLOCK_HALF)
+    m = rows[:, None] & (j < 2 * HALF)[None, :]
+    p = ptr + row_off[:, None] + j[None, :]
+    x1, x2 = tl.split(tl.reshape(tl.load(p, mask=m, other=0.0).to(tl.float32), [BLOCK_H, BLOCK_HALF, 2]))
+    out = tl.reshape(tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin), [BLOCK_H, 2 * BLOCK_HALF])
+    tl.store(p, out.to(ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cache_ptr, q_tok_stride, q_head_stride, k_tok_stride,
+                   k_head_stride, cache_stride, num_q_heads, num_k_heads,
+                   HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                   IS_NEOX: tl.constexpr, HAS_KEY: tl.constexpr):
+    tok, i, imask, cos, sin = token_cos_sin(pos_ptr, cache_ptr, cache_stride, HALF, BLOCK_HALF)
     heads = tl.arange(0, BLOCK_H)
     # q heads are rows [0, num_q_heads), k heads follow; one tile covers both.
     is_q = heads < num_q_heads
     is_k = (heads >= num_q_heads) & (heads < num_q_heads + num_k_heads)
-    q_base = q_ptr + tok * q_tok_stride + heads[:, None] * q_head_stride
-    qm = is_q[:, None] & imask[None, :]
-    q1 = tl.load(q_base + off1[None, :], mask=qm, other=0.0).to(tl.float32)
-    q2 = tl.load(q_base + off2[None, :], mask=qm, other=0.0).to(tl.float32)
-    tl.store(q_base + off1[None, :], (q1 * cos - q2 * sin).to(q_ptr.dtype.element_ty), mask=qm)
-    tl.store(q_base + off2[None, :], (q2 * cos + q1 * sin).to(q_ptr.dtype.element_ty), mask=qm)
-    if HAS_KEY:
-        k_base = k_ptr + tok * k_tok_stride + (heads - num_q_heads)[:, None] * k_head_stride
-        km = is_k[:, None] & imask[None, :]
-        k1 = tl.load(k_base + off1[None, :], mask=km, other=0.0).to(tl.float32)
-        k2 = tl.load(k_base + off2[None, :], mask=km, other=0.0).to(tl.float32)
-        tl.store(k_base + off1[None, :], (k1 * cos - k2 * sin).to(k_ptr.dtype.element_ty), mask=km)
-        tl.store(k_base + off2[None, :], (k2 * cos + k1 * sin).to(k_ptr.dtype.element_ty), mask=km)
-
-
-@triton.jit
-def _rotary_gptj_kernel(pos_ptr, q_ptr, k_ptr, cache_ptr, q_tok_stride, q_head_stride, k_tok_stride,
-                        k_head_stride, cache_stride, num_q_heads, num_k_heads,
-                        HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                        IS_NEOX: tl.constexpr, HAS_KEY: tl.constexpr):
-    # GPT-J pairs are interleaved: load the rotary features contiguously and split the pairs in
-    # registers (stride-2 loads/stores ran at 6% of copy bandwidth on an H200).
-    tok = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
-    i = tl.arange(0, BLOCK_HALF)
-    imask = i < HALF
-    cos = tl.load(cache_ptr + pos * cache_stride + i, mask=imask, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(cache_ptr + pos * cache_stride + HALF + i, mask=imask, other=0.0).to(tl.float32)[None, :]
-    j = tl.arange(0, 2 * BLOCK_HALF)
-    heads = tl.arange(0, BLOCK_H)
-    is_q = heads < num_q_heads
-    q_base = q_ptr + tok * q_tok_stride + heads[:, None] * q_head_stride + j[None, :]
-    qm = is_q[:, None] & (j < 2 * HALF)[None, :]
-    x1, x2 = tl.split(tl.reshape(tl.load(q_base, mask=qm, other=0.0).to(tl.float32), [BLOCK_H, BLOCK_HALF, 2]))
-    out = tl.reshape(tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin), [BLOCK_H, 2 * BLOCK_HALF])
-    tl.store(q_base, out.to(q_ptr.dtype.element_ty), mask=qm)
-    if HAS_KEY:
-        is_k = (heads >= num_q_heads) & (heads < num_q_heads + num_k_heads)
-        k_base = k_ptr + tok * k_tok_stride + (heads - num_q_heads)[:, None] * k_head_stride + j[None, :]
-        km = is_k[:, None] & (j < 2 * HALF)[None, :]
-        y1, y2 = tl.split(tl.reshape(tl.load(k_base, mask=km, other=0.0).to(tl.float32), [BLOCK_H, BLOCK_HALF, 2]))
-        out = tl.reshape(tl.join(y1 * cos - y2 * sin, y2 * cos + y1 * sin), [BLOCK_H, 2 * BLOCK_HALF])
-        tl.store(k_base, out.to(k_ptr.dtype.element_ty), mask=km)
+    q_row, k_row = heads * q_head_stride, (heads - num_q_heads) * k_head_stride
+    q_tok, k_tok = q_ptr + tok * q_tok_stride, k_ptr + tok * k_tok_stride
+    if IS_NEOX:
+        _rotate_halves(q_tok, q_row, is_q, i, imask, cos, sin, HALF)
+        if HAS_KEY:
+            _rotate_halves(k_tok, k_row, is_k, i, imask, cos, sin, HALF)
+    else:
+        _rotate_pairs(q_tok, q_row, is_q, cos, sin, HALF, BLOCK_HALF, BLOCK_H)
+        if HAS_KEY:
+            _rotate_pairs(k_tok, k_row, is_k, cos, sin, HALF, BLOCK_HALF, BLOCK_H)
 
 
 def rotary_embedding_triton(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None,
@@ -157,8 +163,7 @@ def rotary_embedding_triton(positions: torch.Tensor, query: torch.Tensor, key: t
     num_k_heads = k.shape[1] if key is not None else 0
     half = rotary_dim // 2
     if num_tokens:
-        kernel = _rotary_kernel if is_neox_style else _rotary_gptj_kernel
-        launch(kernel, (num_tokens,), query.device)(
+        launch(_rotary_kernel, (num_tokens,), query.device)(
             positions, q, k, cos_sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             cos_sin_cache.stride(0), q.shape[1], num_k_heads,
             HALF=half, BLOCK_HALF=next_power_of_2(half), BLOCK_H=next_power_of_2(q.shape[1] + num_k_heads),

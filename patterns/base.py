@@ -60,9 +60,11 @@ class Match:
     """True: the model already has this fusion; reported, not rewritten."""
 
     def name(self, role: str) -> str:
+        """The attribute or node name recorded for `role`; KeyError for a role the match lacks."""
         return dict(self.names)[role]
 
     def fact(self, key: str, default: Any = None) -> Any:
+        """The class-wide fact `key`, or `default` when the match did not record it."""
         return dict(self.facts).get(key, default)
 
 
@@ -82,26 +84,32 @@ class Pattern:
 
     @classmethod
     def match(cls, traced, ctx: Context) -> list[Match]:
+        """Every occurrence in `traced` (one class's `Traced`): [] for none, `Refusal` on a near miss."""
         raise NotImplementedError
 
     @classmethod
     def rewrite(cls, match: Match, src, tree: cst.Module) -> cst.Module:
+        """`tree` (the class's forward, libcst) with this match edited in; `Refusal`/`SourceError` when unsafe."""
         return tree
 
     @classmethod
     def validate(cls, match: Match, module: nn.Module, ctx: Context) -> None:
+        """Per-instance checks before anything changes; `Refusal` leaves this instance as it was."""
         return None
 
     @classmethod
     def build(cls, match: Match, module: nn.Module, ctx: Context):
+        """Set the fused children on `module` (scope "forward") or return its replacement (scope "module")."""
         raise NotImplementedError
 
     @classmethod
     def describe(cls, match: Match) -> str:
+        """One short phrase for the report, e.g. ``q_proj,k_proj,v_proj -> qkv_proj``."""
         return ", ".join(name for _, name in match.names)
 
     @classmethod
     def shards(cls, match: Match) -> list[tuple[str, list[tuple[str, Any]]]]:
+        """``[(new_child, [(old_child, shard_id), ...])]``: where each replaced parameter lives now."""
         return []
 
 

@@ -61,12 +61,16 @@ def _already_fused(traced) -> list[Match]:
 
 
 class GLUPattern(Pattern):
-    """See module docstring."""
+    """``act(gate(x)) * up(x)`` -> ``self.act_and_mul(self.gate_up_proj(x))`` (Shazeer 2020, "GLU Variants
+    Improve Transformer"; vLLM's `MergedColumnParallelLinear` + `SiluAndMul`).
+
+    Facts: act ("silu", "gelu", "gelu_tanh"), act_is_module, row_partner (the linear reading the product)."""
 
     name = "glu"
 
     @classmethod
     def match(cls, traced, ctx: Context) -> list[Match]:
+        """Products of two plain linears on one input, one through silu/gelu; `Refusal`: other act, gate != up."""
         matches, root = _already_fused(traced), traced.module
         for mul in traced.graph.nodes:
             if not nodes.is_op(mul, operator.mul, torch.mul) or len(mul.args) != 2:
@@ -84,12 +88,15 @@ class GLUPattern(Pattern):
                 require((gm.bias is None) == (um.bias is None), "gate and up disagree on bias")
                 names = (("gate", gate.target), ("up", up.target), ("act", str(act.target)))
                 claimed = frozenset({mul.name, act.name, gate.name, up.name})
-                matches.append(Match(cls, claimed, names, (("act", kind), ("act_is_module", act.op == "call_module"))))
+                facts = (("act", kind), ("act_is_module", act.op == "call_module"),
+                         ("row_partner", nodes.row_partner([mul], root)))
+                matches.append(Match(cls, claimed, names, facts))
                 break
         return matches
 
     @classmethod
     def rewrite(cls, match: Match, src, tree: cst.Module) -> cst.Module:
+        """``act(self.gate(x)) * self.up(x)`` -> the fused call; `Refusal` unless one expression over one variable."""
         info = source.collect(tree)
         gate = source.unique_self_call(tree, match.name("gate"), info)
         up = source.unique_self_call(tree, match.name("up"), info)
@@ -110,6 +117,7 @@ class GLUPattern(Pattern):
 
     @classmethod
     def validate(cls, match: Match, module: nn.Module, ctx: Context) -> None:
+        """gate/up are plain equal-shaped `nn.Linear` here, the activation probes the same, new names are free."""
         gate, up = getattr(module, match.name("gate"), None), getattr(module, match.name("up"), None)
         require(type(gate) is nn.Linear and type(up) is nn.Linear, "gate/up are not nn.Linear on this instance")
         require(gate.in_features == up.in_features and gate.out_features == up.out_features, "gate/up shapes differ")
@@ -122,6 +130,7 @@ class GLUPattern(Pattern):
 
     @classmethod
     def build(cls, match: Match, module: nn.Module, ctx: Context) -> None:
+        """Set ``gate_up_proj`` [2*I, H] (gate rows, then up; old dtype/device) and ``act_and_mul``; delete gate/up."""
         gate, up = getattr(module, match.name("gate")), getattr(module, match.name("up"))
         fused = MergedColumnParallelLinear(gate.in_features, [gate.out_features, up.out_features],
                                            bias=gate.bias is not None, params_dtype=gate.weight.dtype,
@@ -131,6 +140,7 @@ class GLUPattern(Pattern):
             if lin.bias is not None:
                 fused.bias.weight_loader(fused.bias, lin.bias.detach(), shard)
         copy_requires_grad(fused, gate, up)
+        fused.row_partner = match.fact("row_partner")
         kind = match.fact("act")
         act = SiluAndMul() if kind == "silu" else GeluAndMul("tanh" if kind == "gelu_tanh" else "none")
         delattr(module, match.name("gate"))
@@ -140,10 +150,12 @@ class GLUPattern(Pattern):
 
     @classmethod
     def describe(cls, match: Match) -> str:
+        """``gate_proj,up_proj -> gate_up_proj + silu_and_mul`` (or ``(already fused)``)."""
         if match.present:
             return f"{match.name('gate_up')} (already fused)"
         return f"{match.name('gate')},{match.name('up')} -> {NEW_LINEAR} + {match.fact('act')}_and_mul"
 
     @classmethod
     def shards(cls, match: Match):
+        """gate -> shard 0, up -> shard 1 of ``gate_up_proj``."""
         return [] if match.present else [(NEW_LINEAR, [(match.name("gate"), 0), (match.name("up"), 1)])]

@@ -23,7 +23,8 @@ from fxrewrite import nodes, source
 from fxrewrite.kernels.qk_norm_rope import qk_norm_rope_triton
 from fxrewrite.layers.layernorm import RMSNorm
 from fxrewrite.patterns.base import Context, Match, Pattern, Refusal, free_attribute, require
-from fxrewrite.patterns.rotary import _calls_of, _kernel_applies, _same_outputs, apply_calls, apply_rotary_qk
+from fxrewrite.patterns.rotary_calls import (apply_calls, apply_rotary_qk, fused_norms, kernel_applies, norm_refusal,
+                                             unique_call)
 
 NEW_NAME = "qk_norm_rope"
 _ROLES = ("q_norm", "k_norm")
@@ -46,6 +47,7 @@ class QKNormRotaryEmb(nn.Module):
         self.inplace = inplace
 
     def forward(self, q, k, cos, sin, unsqueeze_dim: int = 1, *, q_norm: RMSNorm, k_norm: RMSNorm):
+        """q [B, Hq, S, D], k [B, Hk, S, D], cos/sin [B, S, rotary_dim] -> (q, k) normalised, rotated; q's dtype."""
         if self._kernel_applies(q, k, cos, unsqueeze_dim, q_norm, k_norm):
             return self._kernel(q, k, cos, sin, q_norm, k_norm)
         return apply_rotary_qk(q_norm(q), k_norm(k), cos, sin, unsqueeze_dim)
@@ -54,7 +56,7 @@ class QKNormRotaryEmb(nn.Module):
     def _kernel_applies(q, k, cos, unsqueeze_dim, q_norm, k_norm) -> bool:
         weights = (q_norm.weight, k_norm.weight)
         # the kernel has no backward, takes one eps, and writes q's dtype (no promotion by the weight)
-        return (_kernel_applies(q, k, cos, unsqueeze_dim)
+        return (kernel_applies(q, k, cos, unsqueeze_dim)
                 and not (torch.is_grad_enabled() and any(w.requires_grad for w in weights))
                 and q_norm.variance_epsilon == k_norm.variance_epsilon and k.dtype == q.dtype
                 and all(w.dtype == q.dtype and w.shape == (q.shape[-1],) for w in weights))
@@ -70,48 +72,8 @@ class QKNormRotaryEmb(nn.Module):
         return q, k
 
     def extra_repr(self) -> str:
+        """``inplace=...`` in the module's repr."""
         return f"inplace={self.inplace}"
-
-
-def _norm_feeding(arg) -> fx.Node | None:
-    """The child-module call whose output, only, becomes `arg` (directly or transposed, last dim kept)."""
-    if nodes.is_op(arg, "transpose", torch.transpose):
-        val, dims = nodes.meta(arg), arg.args[1:]
-        if val is None or arg.kwargs or len(dims) != 2 or not all(isinstance(d, int) for d in dims) \
-                or len(arg.users) != 1 or any(d % val.dim() == val.dim() - 1 for d in dims):
-            return None
-        arg = arg.args[0]
-    ok = isinstance(arg, fx.Node) and arg.op == "call_module" and len(arg.args) == 1 and not arg.kwargs
-    return arg if ok and len(arg.users) == 1 and "." not in arg.target else None
-
-
-def _norm_refusal(name: str, norm, head: int) -> str | None:
-    """Why `norm` cannot be fused as a per-head Llama RMSNorm of `head` features (None: it can)."""
-    if not isinstance(norm, RMSNorm):
-        return f"{name} is {type(norm).__name__}, not a fused RMSNorm (rms_norm did not prove it)"
-    if norm.offset or not norm.upcast:
-        return f"{name} is not the Llama form (offset {norm.offset:g}, upcast {norm.upcast}) the kernel computes"
-    if tuple(norm.weight.shape) != (head,):
-        return f"{name} weight has {norm.weight.numel()} elements, expected head_dim {head}"
-    return None
-
-
-def fused_norms(call: fx.Node, traced) -> tuple[fx.Node, fx.Node] | str | None:
-    """For a rotary-apply candidate `call`: the (q_norm, k_norm) nodes this pattern fuses with it, a
-    near-miss reason, or None when q and k do not come from child modules at all."""
-    norms = [_norm_feeding(a) for a in call.args[:2]]
-    if None in norms:
-        return None
-    if norms[0].target == norms[1].target:
-        return f"q and k share one norm module {norms[0].target!r}"
-    head = int(nodes.meta(call.args[0]).shape[-1])
-    for n in norms:
-        reason = _norm_refusal(n.target, traced.module.get_submodule(n.target), head)
-        if reason:
-            return reason
-    if not _same_outputs(call, [nodes.meta(a) for a in call.args[:4]]):
-        return f"{call.target.__name__} does not compute neox rotary on q and k"
-    return norms[0], norms[1]
 
 
 def _fresh_input(norm: fx.Node, traced) -> bool:
@@ -134,12 +96,14 @@ def _fresh_input(norm: fx.Node, traced) -> bool:
 
 
 class QKNormRopePattern(Pattern):
-    """See module docstring."""
+    """A rotary-apply call whose q and k each come only from a per-head fused `RMSNorm` child (Qwen3's
+    q_norm / k_norm) -> one ``self.qk_norm_rope(q, k, cos, sin, q_norm=..., k_norm=...)``. Facts: head_size, inplace."""
 
     name = "qk_norm_rope"
 
     @classmethod
     def match(cls, traced, ctx: Context) -> list[Match]:
+        """Each such call; `Refusal` on a near miss (one shared norm, another norm form or width, not neox)."""
         matches = []
         for call, metas in apply_calls(traced):
             found = fused_norms(call, traced)
@@ -155,11 +119,9 @@ class QKNormRopePattern(Pattern):
 
     @classmethod
     def rewrite(cls, match: Match, src, tree: cst.Module) -> cst.Module:
+        """Drop both norm calls, call ``self.qk_norm_rope`` with the norms; `Refusal` if a norm result has other uses."""
         fn = match.name("fn")
-        require(callable(src.globals.get(fn)), f"{fn} is not a global function of the module")
-        calls = _calls_of(tree, fn)
-        require(len(calls) == 1, f"{fn}(...) appears {len(calls)} times in forward, expected exactly once")
-        apply = calls[0]
+        apply = unique_call(src, tree, fn)
         require(len(apply.args) >= 4 and all(not a.keyword and not a.star for a in apply.args[:4]),
                 f"{fn} does not take q, k, cos, sin positionally")
         info = source.collect(tree)
@@ -178,19 +140,22 @@ class QKNormRopePattern(Pattern):
 
     @classmethod
     def validate(cls, match: Match, module: nn.Module, ctx: Context) -> None:
+        """Both norms are Llama-form `RMSNorm` of head_size features on this instance; the name is free."""
         free_attribute(module, NEW_NAME)
         for role in _ROLES:
             name = match.name(role)
-            reason = _norm_refusal(name, getattr(module, name, None), match.fact("head_size"))
+            reason = norm_refusal(name, getattr(module, name, None), match.fact("head_size"))
             if reason:
                 raise Refusal(f"{reason} on this instance")
 
     @classmethod
     def build(cls, match: Match, module: nn.Module, ctx: Context) -> None:
+        """Set ``qk_norm_rope`` (`QKNormRotaryEmb`, in place when the match proved the inputs fresh)."""
         setattr(module, NEW_NAME, QKNormRotaryEmb(inplace=match.fact("inplace")))
 
     @classmethod
     def describe(cls, match: Match) -> str:
+        """``q_norm,k_norm + fn -> qk_norm_rope (in place | on a copy)``."""
         mode = "in place" if match.fact("inplace") else "on a copy"
         return f"{match.name('q_norm')},{match.name('k_norm')} + {match.name('fn')} -> {NEW_NAME} ({mode})"
 

@@ -61,12 +61,14 @@ def _already_fused(traced) -> list[Match]:
 
 
 class QKVPattern(Pattern):
-    """See module docstring."""
+    """Three plain linears reading one input -> one `QKVParallelLinear` whose output splits into q | k | v
+    (vLLM's fused QKV layout). Facts: head_size, row_partner (the linear the attention output reaches)."""
 
     name = "qkv"
 
     @classmethod
     def match(cls, traced, ctx: Context) -> list[Match]:
+        """Each group of three linears on one input; `Refusal`: k != v, mixed bias, grandchildren, no head size."""
         matches = _already_fused(traced)
         for group in linear_groups(traced, 3):
             mods = [traced.module.get_submodule(n.target) for n in group]
@@ -82,11 +84,13 @@ class QKVPattern(Pattern):
             require(mq.out_features % head_size == 0 and mk.out_features % head_size == 0,
                     f"head size {head_size} does not divide q/k sizes")
             names = tuple(zip(_ROLES, (q.target, k.target, v.target)))
-            matches.append(Match(cls, frozenset(n.name for n in group), names, (("head_size", head_size),)))
+            facts = (("head_size", head_size), ("row_partner", nodes.row_partner(group, traced.module)))
+            matches.append(Match(cls, frozenset(n.name for n in group), names, facts))
         return matches
 
     @classmethod
     def rewrite(cls, match: Match, src, tree: cst.Module) -> cst.Module:
+        """``_fx_q, _fx_k, _fx_v = self.qkv_proj(x).split(...)`` before the first call; the calls -> those names."""
         info = source.collect(tree)
         temps = [f"_fx_{role}" for role in _ROLES]
         require(not info.names & set(temps), "temporaries _fx_q/_fx_k/_fx_v would shadow names in forward")
@@ -105,6 +109,7 @@ class QKVPattern(Pattern):
 
     @classmethod
     def validate(cls, match: Match, module: nn.Module, ctx: Context) -> None:
+        """q/k/v are plain linears with one input size, bias, dtype and device, fitting head_size, on this instance."""
         mods = [getattr(module, match.name(r), None) for r in _ROLES]
         require(all(type(m) is nn.Linear for m in mods), "q/k/v are not all nn.Linear on this instance")
         free_attribute(module, NEW_NAME)
@@ -118,6 +123,7 @@ class QKVPattern(Pattern):
 
     @classmethod
     def build(cls, match: Match, module: nn.Module, ctx: Context) -> None:
+        """Set ``qkv_proj`` [(Hq + 2*Hkv) * D, H] (old dtype/device) filled from q, k, v; delete them."""
         q, k, v = (getattr(module, match.name(r)) for r in _ROLES)
         head = match.fact("head_size")
         fused = QKVParallelLinear(q.in_features, head, q.out_features // head, k.out_features // head,
@@ -127,18 +133,21 @@ class QKVPattern(Pattern):
             if lin.bias is not None:
                 fused.bias.weight_loader(fused.bias, lin.bias.detach(), role)
         copy_requires_grad(fused, q, k, v)
+        fused.row_partner = match.fact("row_partner")
         for role in _ROLES:
             delattr(module, match.name(role))
         setattr(module, NEW_NAME, fused)
 
     @classmethod
     def describe(cls, match: Match) -> str:
+        """``q_proj,k_proj,v_proj -> qkv_proj`` (or ``(already fused)``)."""
         if match.present:
             return f"{match.name('qkv')} (already fused)"
         return f"{','.join(match.name(r) for r in _ROLES)} -> {NEW_NAME}"
 
     @classmethod
     def shards(cls, match: Match):
+        """q, k, v -> shards "q", "k", "v" of ``qkv_proj``."""
         if match.present:
             return []
         return [(NEW_NAME, [(match.name(r), r) for r in _ROLES])]

@@ -73,13 +73,15 @@ def _eps_attribute(module: nn.Module, eps: float) -> str:
 
 
 class RMSNormPattern(Pattern):
-    """See module docstring."""
+    """A module computing ``x * rsqrt(mean(x², -1) + eps) * w`` (Zhang & Sennrich 2019; Gemma's ``(1 + w)``
+    as offset; float32 upcast optional) -> `fxrewrite.layers.layernorm.RMSNorm`. Facts: offset, upcast."""
 
     name = "rms_norm"
     scope = "module"
 
     @classmethod
     def match(cls, traced, ctx: Context) -> list[Match]:
+        """The whole forward as that dataflow on its one input, else []; `Refusal` unless one float attribute is eps."""
         out = nodes.output_value(traced.graph)
         if not hasattr(out, "op") or not nodes.is_op(nodes.peel(out), operator.mul, torch.mul):
             return []
@@ -100,12 +102,14 @@ class RMSNormPattern(Pattern):
 
     @classmethod
     def validate(cls, match: Match, module: nn.Module, ctx: Context) -> None:
+        """weight is a 1-D parameter and eps a float on this instance."""
         weight = getattr(module, match.name("weight"), None)
         require(isinstance(weight, nn.Parameter) and weight.dim() == 1, "weight is not a 1-D parameter")
         require(isinstance(getattr(module, match.name("eps"), None), float), "eps attribute is not a float")
 
     @classmethod
     def build(cls, match: Match, module: nn.Module, ctx: Context) -> nn.Module:
+        """The replacement `RMSNorm` [hidden]: this instance's weight (dtype, device, requires_grad), eps, mode."""
         weight = getattr(module, match.name("weight"))
         norm = RMSNorm(weight.shape[0], getattr(module, match.name("eps")), offset=match.fact("offset"),
                        upcast=match.fact("upcast"), dtype=weight.dtype, device=weight.device)
@@ -116,17 +120,20 @@ class RMSNormPattern(Pattern):
 
     @classmethod
     def describe(cls, match: Match) -> str:
+        """``RMSNorm`` (with its offset when nonzero)."""
         offset = match.fact("offset")
         return "RMSNorm" + (f" (offset {offset:g})" if offset else "")
 
 
 class ResidualRMSNormPattern(Pattern):
-    """See module docstring (the fused residual-add variant)."""
+    """In a parent, ``x = r + e; r = x; x = self.norm(x)`` with a fused `RMSNorm` norm ->
+    ``x, r = self.norm(e, r)`` (vLLM's fused residual add)."""
 
     name = "residual_rms_norm"
 
     @classmethod
     def match(cls, traced, ctx: Context) -> list[Match]:
+        """Each add whose result feeds a direct `RMSNorm` child and a later add."""
         matches = []
         for add in traced.graph.nodes:
             if not nodes.is_op(add, operator.add) or len(add.users) != 2:
@@ -141,6 +148,7 @@ class ResidualRMSNormPattern(Pattern):
 
     @classmethod
     def rewrite(cls, match: Match, src, tree: cst.Module) -> cst.Module:
+        """The three statements -> one fused call (line numbers, end-of-line comment kept); `Refusal` otherwise."""
         info = source.collect(tree)
         call = source.unique_self_call(tree, match.name("norm"), info)
         line, block = source.enclosing_statement(info, call)
@@ -162,14 +170,17 @@ class ResidualRMSNormPattern(Pattern):
 
     @classmethod
     def validate(cls, match: Match, module: nn.Module, ctx: Context) -> None:
+        """The norm child is a fused `RMSNorm` on this instance."""
         require(isinstance(getattr(module, match.name("norm"), None), RMSNorm), "norm child is not a fused RMSNorm")
 
     @classmethod
     def build(cls, match: Match, module: nn.Module, ctx: Context) -> None:
+        """Nothing to build: the fused `RMSNorm` takes the residual already; only the source changes."""
         return None  # the norm is already an RMSNorm; only the call changes
 
     @classmethod
     def describe(cls, match: Match) -> str:
+        """``residual add + <norm>``."""
         return f"residual add + {match.name('norm')}"
 
 

@@ -21,33 +21,15 @@ import torch
 from torch import nn
 
 from fxrewrite import nodes
-from fxrewrite.tensor_state import preserved_state
-from fxrewrite.kernels import use_triton
 from fxrewrite.kernels.rotary import rotary_embedding_triton
 from fxrewrite.layers.rotary import get_rope
 from fxrewrite.patterns.base import Context, Match, Pattern, Refusal, free_attribute, require
+from fxrewrite.patterns.rotary_calls import (apply_calls, apply_rotary_qk, fused_norms, kernel_applies, same_outputs,
+                                             unique_call)
+from fxrewrite.tensor_state import preserved_state
 
 NEW_APPLY = "apply_rotary_emb"
 _PROBE_POSITIONS = (0, 1, 2, 3, 7, 31, 100)
-
-
-def apply_rotary_qk(q, k, cos, sin, unsqueeze_dim: int = 1):
-    """Rotate q and k (neox "rotate half" form, partial rotary when cos is narrower than a head).
-
-    q [B, Hq, S, D], k [B, Hk, S, D], cos/sin [B, S, rotary_dim] (unsqueezed at `unsqueeze_dim`).
-    Formula: transformers `apply_rotary_pos_emb`: x * cos + rotate_half(x) * sin on the first
-    rotary_dim channels; the rest passes through.
-    """
-    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-    rotary_dim = cos.shape[-1]
-
-    def rotate(x):
-        x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
-        half = rotary_dim // 2
-        out = (x_rot * cos) + (torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1) * sin)
-        return out if x_pass.shape[-1] == 0 else torch.cat((out, x_pass), dim=-1)
-
-    return rotate(q), rotate(k)
 
 
 class ApplyRotaryEmb(nn.Module):
@@ -59,16 +41,10 @@ class ApplyRotaryEmb(nn.Module):
     """
 
     def forward(self, q, k, cos, sin, unsqueeze_dim: int = 1):
-        if _kernel_applies(q, k, cos, unsqueeze_dim):
+        """q [B, Hq, S, D], k [B, Hk, S, D], cos/sin [B, S, rotary_dim] -> rotated (q, k), same shapes and dtype."""
+        if kernel_applies(q, k, cos, unsqueeze_dim):
             return _rotary_kernel_qk(q, k, cos, sin)
         return apply_rotary_qk(q, k, cos, sin, unsqueeze_dim)
-
-
-def _kernel_applies(q, k, cos, unsqueeze_dim: int) -> bool:
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or cos.requires_grad)
-    return (not grad and use_triton(q) and unsqueeze_dim == 1 and q.dim() == 4 and k.dim() == 4
-            and q.shape[0] == 1 and cos.dim() == 3 and cos.shape[:2] == (1, q.shape[2]) and q.stride(-1) == 1
-            and k.stride(-1) == 1 and cos.shape[-1] % 2 == 0 and cos.shape[-1] <= q.shape[-1])
 
 
 def _rotary_kernel_qk(q, k, cos, sin):
@@ -93,6 +69,7 @@ class RotaryCosSin(nn.Module):
         self.arg_names = arg_names
 
     def forward(self, *args, **kwargs):
+        """(x, position_ids [B, S]), by position or keyword -> (cos, sin) [B, S, rotary_dim] in x's dtype."""
         bound = dict(zip(self.arg_names, args), **kwargs)
         x, positions = bound[self.arg_names[0]], bound[self.arg_names[1]]
         return self.rope.get_cos_sin(positions, dtype=x.dtype)
@@ -147,13 +124,15 @@ def _rope_candidates(config) -> list[dict]:
 
 
 class RotaryPattern(Pattern):
-    """See module docstring (the cos/sin module)."""
+    """A module returning ``(cos(e), sin(e))`` of one tensor -> `RotaryCosSin` over `get_rope` (RoFormer, Su et
+    al. 2021; the rope types of transformers' ROPE_INIT_FUNCTIONS)."""
 
     name = "rotary"
     scope = "module"
 
     @classmethod
     def match(cls, traced, ctx: Context) -> list[Match]:
+        """The whole forward when it returns (cos(e), sin(e)) (scales, casts aside); `Refusal` unless it takes 2 args."""
         out = nodes.output_value(traced.graph)
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             return []
@@ -194,91 +173,55 @@ class RotaryPattern(Pattern):
 
     @classmethod
     def validate(cls, match: Match, module: nn.Module, ctx: Context) -> None:
+        """Build the replacement; it must give this instance's cos/sin (1e-5) at probe positions, else `Refusal`."""
         require(ctx.config is not None, "no model config to read rope_parameters from")
         module.__dict__["_fxrewrite_rope"] = cls._build_checked(module, ctx, (match.name("x"), match.name("position_ids")))
 
     @classmethod
     def build(cls, match: Match, module: nn.Module, ctx: Context) -> nn.Module:
+        """The `RotaryCosSin` that `validate` proved."""
         return module.__dict__.pop("_fxrewrite_rope")
 
     @classmethod
     def describe(cls, match: Match) -> str:
+        """``cos/sin -> RotaryEmbedding (get_rope)``."""
         return "cos/sin -> RotaryEmbedding (get_rope)"
 
 
 class RotaryApplyPattern(Pattern):
-    """See module docstring (the apply call)."""
+    """A module-global function call (q, k, cos, sin) equal bit for bit to transformers' ``apply_rotary_pos_emb``
+    -> ``self.apply_rotary_emb(...)`` (`ApplyRotaryEmb`), except the calls `QKNormRopePattern` fuses."""
 
     name = "rotary_apply"
 
     @classmethod
     def match(cls, traced, ctx: Context) -> list[Match]:
-        from fxrewrite.patterns.qk_norm_rope import fused_norms  # that module builds on this one
-
+        """Each rotary-apply call not fed by per-head norms; `Refusal` when its function is not neox rotary."""
         matches = []
         for n, metas in apply_calls(traced):
             if isinstance(fused_norms(n, traced), tuple):  # q/k per-head norms: qk_norm_rope fuses the call
                 continue
-            require(_same_outputs(n, metas), f"{n.target.__name__} does not compute neox rotary on q and k")
+            require(same_outputs(n, metas), f"{n.target.__name__} does not compute neox rotary on q and k")
             matches.append(Match(cls, frozenset({n.name}), (("fn", n.target.__name__),)))
         return matches
 
     @classmethod
     def rewrite(cls, match: Match, src, tree: cst.Module) -> cst.Module:
-        name = match.name("fn")
-        require(callable(src.globals.get(name)), f"{name} is not a global function of the module")
-        calls = _calls_of(tree, name)
-        require(len(calls) == 1, f"{name}(...) appears {len(calls)} times in forward, expected exactly once")
-        return tree.deep_replace(calls[0].func, cst.parse_expression(f"self.{NEW_APPLY}"))
+        """Call ``self.apply_rotary_emb`` instead of the function; `Refusal` unless it is called exactly once."""
+        call = unique_call(src, tree, match.name("fn"))
+        return tree.deep_replace(call.func, cst.parse_expression(f"self.{NEW_APPLY}"))
 
     @classmethod
     def validate(cls, match: Match, module: nn.Module, ctx: Context) -> None:
+        """``apply_rotary_emb`` is free on this instance."""
         free_attribute(module, NEW_APPLY)
 
     @classmethod
     def build(cls, match: Match, module: nn.Module, ctx: Context) -> None:
+        """Set ``apply_rotary_emb`` (`ApplyRotaryEmb`, no parameters)."""
         setattr(module, NEW_APPLY, ApplyRotaryEmb())
 
     @classmethod
     def describe(cls, match: Match) -> str:
+        """``fn -> apply_rotary_emb``."""
         return f"{match.name('fn')} -> {NEW_APPLY}"
-
-
-def apply_calls(traced):
-    """(node, metas of q, k, cos, sin) for each leaf function call shaped like a rotary apply:
-    (q [B, H, S, D], k, cos [B, S, d], sin[, unsqueeze_dim]) -> exactly its two outputs used."""
-    for n in traced.graph.nodes:
-        if n.op != "call_function" or not callable(n.target) or not nodes.is_leaf_call(n):
-            continue
-        metas = [nodes.meta(a) for a in n.args[:4]]
-        if len(n.args) < 4 or any(m is None for m in metas) or set(n.kwargs) - {"unsqueeze_dim"}:
-            continue
-        if [m.dim() for m in metas] != [4, 4, 3, 3] or len(n.args) > 5:
-            continue
-        if set(nodes.getitem_users(n)) == {0, 1} and len(n.users) == 2:
-            yield n, metas
-
-
-def _same_outputs(node, metas) -> bool:
-    gen = torch.Generator().manual_seed(0)
-    args = [torch.randn(m.shape, generator=gen, dtype=torch.float32) for m in metas] + list(node.args[4:])
-    try:
-        with torch.no_grad():
-            want = node.target(*args, **node.kwargs)
-        got = apply_rotary_qk(*args, **node.kwargs)
-    except Exception:  # noqa: BLE001 - not a rotary function of this shape
-        return False
-    return len(want) == 2 and all(isinstance(w, torch.Tensor) and w.shape == g.shape and torch.equal(w, g)
-                                  for w, g in zip(want, got))
-
-
-def _calls_of(tree: cst.Module, name: str) -> list[cst.Call]:
-    found: list[cst.Call] = []
-
-    class V(cst.CSTVisitor):
-        def visit_Call(self, node):
-            if isinstance(node.func, cst.Name) and node.func.value == name:
-                found.append(node)
-
-    tree.visit(V())
-    return found

@@ -21,6 +21,7 @@ class SiluAndMul(nn.Module):
     """x [..., 2*d] -> silu(x[..., :d]) * x[..., d:]; ValueError on an odd last dim."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., 2*d] -> [..., d] in x's dtype; ValueError on an odd last dim."""
         return silu_and_mul_ref(x) if _needs_grad(x) else silu_and_mul(x)
 
 
@@ -34,9 +35,11 @@ class GeluAndMul(nn.Module):
         self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., 2*d] -> [..., d] in x's dtype; ValueError on an odd last dim."""
         if _needs_grad(x):
             return gelu_and_mul_ref(x, self.approximate)
         return gelu_and_mul(x, self.approximate)
 
     def extra_repr(self) -> str:
+        """``approximate=...`` in the module's repr."""
         return f"approximate={self.approximate!r}"

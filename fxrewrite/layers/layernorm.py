@@ -61,4 +61,5 @@ class RMSNorm(nn.Module):
                 param.copy_(loaded_weight)
 
     def extra_repr(self) -> str:
+        """Size, eps, offset and upcast in the module's repr."""
         return f"{self.hidden_size}, eps={self.variance_epsilon}, offset={self.offset}"

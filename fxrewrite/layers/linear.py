@@ -1,4 +1,4 @@
-"""Linear layers with vLLM's names and tensor-parallel shape: Replicated, Column, MergedColumn, QKV, Row.
+"""Linear layers with vLLM's names and tensor-parallel shape: Column, MergedColumn, QKV, Row.
 
 Every parameter carries ``param.weight_loader(param, loaded_weight, loaded_shard_id=None)``, which
 copies a full (unsharded) checkpoint tensor, or one shard of a fused tensor ("q"/"k"/"v" for
@@ -43,6 +43,10 @@ class LinearBase(nn.Module):
     `weight_loader`.
     """
 
+    row_partner: str | None = None
+    """On a fused column-parallel layer: the host module's attribute name of the linear that reads its
+    output (set by the pattern from the traced dataflow); `fxrewrite.sharding` makes that one row-parallel."""
+
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_size: int, tp_rank: int,
                  params_dtype: torch.dtype | None, device, in_per_part: int, out_per_part: int) -> None:
         super().__init__()
@@ -77,23 +81,15 @@ class LinearBase(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id=None) -> None:
-        """Copy a full tensor (replicated layers); subclasses shard it."""
+        """Copy a full tensor (the unsharded default); subclasses shard it."""
         if loaded_shard_id is not None:
             raise ValueError(f"{type(self).__name__} has no shards, got loaded_shard_id={loaded_shard_id!r}")
         _copy_checked(param, loaded_weight)
 
     def extra_repr(self) -> str:
+        """Per-rank sizes, bias and tp_size in the module's repr."""
         return (f"in_features={self.input_size_per_partition}, out_features={self.output_size_per_partition}, "
                 f"bias={self.bias is not None}, tp_size={self.tp_size}")
-
-
-class ReplicatedLinear(LinearBase):
-    """Same full weight on every rank. Shapes: weight [output_size, input_size]."""
-
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_size: int = 1, tp_rank: int = 0,
-                 params_dtype: torch.dtype | None = None, device=None) -> None:
-        super().__init__(input_size, output_size, bias, tp_size, tp_rank, params_dtype, device,
-                         input_size, output_size)
 
 
 class ColumnParallelLinear(LinearBase):

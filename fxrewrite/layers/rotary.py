@@ -182,6 +182,7 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((x_rot, x_pass), dim=-1).reshape(shape)
 
     def extra_repr(self) -> str:
+        """The rotary shape in the module's repr."""
         return (
             f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, rope_type={self.rope_type!r}, "
             f"max_position={self.max_position_embeddings}, is_neox_style={self.is_neox_style}, "

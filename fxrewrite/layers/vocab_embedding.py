@@ -55,6 +55,7 @@ class VocabParallelEmbedding(nn.Module):
                 param.data[:rows].copy_(loaded_weight.narrow(0, self.vocab_start_index, rows))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [...] int64 -> [..., embedding_dim], weight dtype (other ranks' ids: 0 before the all-reduce)."""
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start_index
@@ -64,6 +65,7 @@ class VocabParallelEmbedding(nn.Module):
         return tensor_model_parallel_all_reduce(out)
 
     def extra_repr(self) -> str:
+        """Vocabulary sizes, embedding_dim and tp_size in the module's repr."""
         return (f"num_embeddings={self.num_embeddings}, per_partition={self.num_embeddings_per_partition}, "
                 f"embedding_dim={self.embedding_dim}, tp_size={self.tp_size}")
 
@@ -95,6 +97,7 @@ class ParallelLMHead(VocabParallelEmbedding):
                 param.data[:rows].copy_(loaded_weight.narrow(0, self.vocab_start_index, rows))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states [..., H] -> logits [..., num_embeddings] in the weight's dtype (all ranks get all of them)."""
         logits = F.linear(hidden_states, self.weight, self.bias)
         if self.tp_size == 1:
             return logits

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+from pathlib import Path
 from typing import Any
 
 from fxrewrite.errors import UserInputError
@@ -16,6 +18,8 @@ from fxrewrite.runtime.engine.sampler import SampleResult
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 from fxrewrite.runtime.engine.scheduler import Scheduler, SchedulerOutput
 from fxrewrite.runtime.engine.sequence import Sequence
+from fxrewrite.runtime.worker.executor import create_model_runner
+from fxrewrite.runtime.worker.model_runner import load_model_config, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +47,6 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig):
-        from fxrewrite.runtime.worker.executor import create_model_runner
-        from fxrewrite.runtime.worker.model_runner import load_model_config, load_tokenizer
-
         self.config = config
         self.model_config = load_model_config(config)
         self.tokenizer = load_tokenizer(self.model_config, config)
@@ -339,9 +340,6 @@ def _eos_token_ids(tokenizer, model_config) -> set[int]:
 
 
 def _read_generation_eos(model_config) -> list[int]:
-    import json
-    from pathlib import Path
-
     path = Path(model_config.model_path) / "generation_config.json"
     if not path.exists():
         eos = getattr(model_config.hf_text_config, "eos_token_id", None)

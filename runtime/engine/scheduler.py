@@ -66,9 +66,6 @@ class Scheduler:
             seq.block_hash_salt = self.rope.hash_salt(seq.rope_prefill_len)
         self.waiting.append(seq)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.max_num_batched_tokens)

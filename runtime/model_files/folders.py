@@ -14,7 +14,8 @@ import re
 from pathlib import Path
 
 from fxrewrite.errors import UserFileNotFoundError, UserInputError, UserTypeError
-
+from fxrewrite.runtime.model_files.default_model import DEFAULT_MODEL, default_model_path
+from fxrewrite.runtime.model_files.gguf_convert import convert_gguf
 
 # Files a causal LM needs: configs, tokenizers (fast, sentencepiece, BPE, tiktoken), templates,
 # safetensors weights and their index. No .bin/.pt/.msgpack/.h5/.onnx copies of the weights.
@@ -34,8 +35,6 @@ def resolve_model_path(model: str | os.PathLike | None, *, revision: str | None 
     when it is an existing file that is not `.gguf`, or neither a path nor a hub id; TypeError
     for other types.
     """
-    from fxrewrite.runtime.model_files.default_model import DEFAULT_MODEL
-
     if model is None:
         model = DEFAULT_MODEL
     if not isinstance(model, (str, os.PathLike)):
@@ -47,8 +46,6 @@ def resolve_model_path(model: str | os.PathLike | None, *, revision: str | None 
     if path.is_dir():
         return path
     if path.suffix == ".gguf":
-        from fxrewrite.runtime.model_files.gguf_convert import convert_gguf
-
         return convert_gguf(path)  # FileNotFoundError naming the file when missing
     if path.exists():
         raise UserInputError(f"model {text!r} is a file; expected a model folder, a .gguf file or a hub id")
@@ -96,8 +93,6 @@ def download_hub_model(repo_id: str, *, revision: str | None = None) -> Path:
 def _default_model_folder(revision: str | None) -> Path:
     """The default model: the HF cache's real snapshot when present, else the local build."""
     from huggingface_hub import snapshot_download
-
-    from fxrewrite.runtime.model_files.default_model import DEFAULT_MODEL, default_model_path
 
     try:
         folder = Path(snapshot_download(DEFAULT_MODEL, revision=revision, allow_patterns=ALLOW_PATTERNS,

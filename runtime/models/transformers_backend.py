@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import torch
+from accelerate import init_empty_weights
 from torch import nn
+from transformers import AutoModelForCausalLM
 
+from fxrewrite.compiler import optimize
 from fxrewrite.patterns.rotary import replace_length_dependent_rotary
 from fxrewrite.runtime.worker.attention import register_paged_attention
 
@@ -26,9 +29,6 @@ class TransformersForCausalLM(nn.Module):
     @classmethod
     def from_config(cls, hf_config, dtype: torch.dtype, fusion: bool) -> TransformersForCausalLM:
         """Build with parameters on meta (computed buffers such as rotary inv_freq stay real)."""
-        from accelerate import init_empty_weights
-        from transformers import AutoModelForCausalLM
-
         attn = register_paged_attention()
         with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn)
@@ -36,9 +36,7 @@ class TransformersForCausalLM(nn.Module):
         model.tie_weights()
         model.eval()
         if fusion:
-            import fxrewrite
-
-            fxrewrite.optimize(model)
+            optimize(model)
         # Dynamic NTK / LongRoPE: transformers' module takes one length for the whole flattened step.
         replace_length_dependent_rotary(model, model.config.get_text_config())
         return cls(model)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from fxrewrite import __version__
 from fxrewrite.runtime.server.async_engine import AsyncLLMEngine
 from fxrewrite.runtime.server.errors import error_response, install_error_handlers
 from fxrewrite.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -64,8 +65,6 @@ def build_app(
 
     served_model_names: the names clients put in `model` (default: the model as given to the engine).
     """
-    from fxrewrite import __version__
-
     names = list(served_model_names or [str(engine.model_config.model)])
     metrics = ServerMetrics(names[0])
     async_engine = AsyncLLMEngine(engine, metrics)

@@ -11,12 +11,12 @@ from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
 from fxrewrite.runtime.server.async_engine import EngineDeadError, StepOutput
 from fxrewrite.runtime.server.errors import OpenAIError
 from fxrewrite.runtime.server.protocol import SamplingRequest
 
 if TYPE_CHECKING:
-    from fxrewrite.runtime.engine.sampling_params import SamplingParams
     from fxrewrite.runtime.server.async_engine import AsyncLLMEngine
 
 # Fallbacks when neither the request nor generation_config.json sets a value (OpenAI's defaults).
@@ -87,8 +87,6 @@ class OpenAIServing:
 
     def sampling_params(self, request: SamplingRequest, max_tokens: int, logprobs: int | None):
         """The engine's `SamplingParams` for a request (400 when the engine refuses a value)."""
-        from fxrewrite.runtime.engine.sampling_params import SamplingParams
-
         values = {}
         for name, fallback in _SAMPLING_FALLBACKS.items():
             given = getattr(request, name)

@@ -20,19 +20,20 @@ from fxrewrite.runtime.worker.forward_context import get_forward_context
 ATTN_IMPLEMENTATION = "fxrewrite_paged"
 
 
-def paged_attend(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    layer_idx: int,
-    scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-) -> torch.Tensor:
-    """query [T, Hq, D], key/value [T, Hkv, D] of this step -> [T, Hq, D]; caches the new K/V first."""
-    if torch.compiler.is_compiling():
-        # Under torch.compile: one opaque op (fxrewrite.runtime.worker.compilation), so the graph does not break.
-        return torch.ops.fxrewrite.paged_attend(query, key, value, layer_idx, scale, sliding_window, soft_cap)
+def paged_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float,
+                 sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+    """query [T, Hq, D], key/value [T, Hkv, D] of this step -> [T, Hq, D]; caches the new K/V first.
+
+    Under torch.compile this is one opaque op (`fxrewrite.runtime.worker.compilation`, whose op runs
+    `attend_now`), so the graph does not break on the forward context."""
+    attend = torch.ops.fxrewrite.paged_attend if torch.compiler.is_compiling() else attend_now
+    return attend(query, key, value, layer_idx, scale, sliding_window, soft_cap)
+
+
+def attend_now(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float,
+               sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+    """`paged_attend` run eagerly: write K/V into layer `layer_idx`'s paged cache (the forward context's,
+    not an argument, so not a declared mutation of the custom op), then attend over it."""
     ctx = get_forward_context()
     key_cache, value_cache = ctx.kv_caches[layer_idx]
     reshape_and_cache(key, value, key_cache, value_cache, ctx.slot_mapping)

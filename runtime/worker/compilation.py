@@ -21,27 +21,15 @@ import torch._inductor.exc
 from torch import nn
 
 from fxrewrite.runtime.model_files.model_cache import cache_root
+from fxrewrite.runtime.worker.attention import attend_now
 
 logger = logging.getLogger(__name__)
 
 OP_NAME = "fxrewrite::paged_attend"
 
 
-@torch.library.custom_op(OP_NAME, mutates_args=())
-def paged_attend_op(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    layer_idx: int,
-    scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-) -> torch.Tensor:
-    """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D]; writes this step's K/V into the layer's
-    paged cache (held by the forward context, not an argument, so not a declared mutation) first."""
-    from fxrewrite.runtime.worker.attention import paged_attend
-
-    return paged_attend(query, key, value, layer_idx, scale, sliding_window, soft_cap)
+# The op's schema comes from `attend_now`'s annotations; it reads the forward context when it runs.
+paged_attend_op = torch.library.custom_op(OP_NAME, attend_now, mutates_args=())
 
 
 @paged_attend_op.register_fake

@@ -19,16 +19,18 @@ from fxrewrite.runtime.worker.memory_profiling import profile_num_kv_blocks
 from fxrewrite.runtime.engine.sampler import SampledTokens, SampleResult, Sampler
 from fxrewrite.runtime.engine.scheduler import SchedulerOutput
 from fxrewrite.runtime.engine.sequence import Sequence
+from fxrewrite.runtime.model_files.config import ModelConfig
+from fxrewrite.runtime.model_files.default_model import default_model_path
+from fxrewrite.runtime.model_files.loader import load_weights, materialize
+from fxrewrite.runtime.models.registry import get_native_model_cls
+from fxrewrite.runtime.models.transformers_backend import TransformersForCausalLM
+from fxrewrite.sharding import shard_model
 
 
 def load_model_config(config: EngineConfig):
     """ModelConfig for config.model (None: the built-in default model)."""
-    from fxrewrite.runtime.model_files.config import ModelConfig
-
     model = config.model
     if model is None:
-        from fxrewrite.runtime.model_files.default_model import default_model_path
-
         model = str(default_model_path())
     return ModelConfig.from_pretrained(
         model, hf_overrides=config.hf_overrides, max_model_len=config.max_model_len, dtype=config.dtype,
@@ -50,8 +52,6 @@ def load_tokenizer(model_config, config: EngineConfig):
 
 def resolve_model_impl(config: EngineConfig, model_config) -> str:
     """"native" or "transformers"; auto picks native when the architecture has a native class."""
-    from fxrewrite.runtime.models.registry import get_native_model_cls
-
     native = get_native_model_cls(model_config.architectures)
     if config.model_impl == "native" and native is None:
         raise ValueError(
@@ -65,10 +65,6 @@ def resolve_model_impl(config: EngineConfig, model_config) -> str:
 
 def build_model(config: EngineConfig, model_config, device: torch.device) -> nn.Module:
     """The model on `device` with its weights (random ones with load_format='dummy')."""
-    from fxrewrite.runtime.model_files.loader import load_weights, materialize
-    from fxrewrite.runtime.models.registry import get_native_model_cls
-    from fxrewrite.runtime.models.transformers_backend import TransformersForCausalLM
-
     impl = resolve_model_impl(config, model_config)
     if impl == "native":
         cls = get_native_model_cls(model_config.architectures)
@@ -89,10 +85,7 @@ def build_model(config: EngineConfig, model_config, device: torch.device) -> nn.
 
 def _shard_for_tensor_parallel(model: nn.Module) -> None:
     """On a TP rank: shard the (optimized) HF model as its fusion says (fxrewrite.sharding); no-op at TP 1."""
-    from fxrewrite.distributed import get_tp_rank, get_tp_size
-    from fxrewrite.sharding import shard_model
-
-    shard_model(model.hf_model, get_tp_rank(), get_tp_size())
+    shard_model(model.hf_model, distributed.get_tp_rank(), distributed.get_tp_size())
 
 
 @contextmanager

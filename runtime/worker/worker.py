@@ -33,6 +33,7 @@ import torch.distributed as dist
 from fxrewrite import distributed
 from fxrewrite.runtime.engine.scheduler import ScheduledSeq, SchedulerOutput
 from fxrewrite.runtime.engine.sequence import Sequence
+from fxrewrite.runtime.worker.model_runner import ModelRunner
 
 
 @dataclasses.dataclass
@@ -168,8 +169,6 @@ class Worker:
     """Builds the rank's `ModelRunner` (model shard, KV cache of its heads) and runs steps."""
 
     def __init__(self, config, model_config, eos_token_ids: set[int]):
-        from fxrewrite.runtime.worker.model_runner import ModelRunner
-
         tp_size = distributed.get_tp_size()
         self.runner = ModelRunner(config, rank_model_config(model_config, tp_size), eos_token_ids)
         self.mirror = SequenceMirror()

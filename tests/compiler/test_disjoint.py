@@ -19,7 +19,7 @@ def test_no_node_claimed_twice(arch):
     ctx = Context(model, model.config)
     total = 0
     for cls, (module, args, kwargs) in records.items():
-        traced = tracer.trace(module, args, kwargs, use_cache=False)
+        traced = tracer.trace(module, args, kwargs)
         owner: dict[str, str] = {}
         for pattern in PATTERNS:
             try:

@@ -51,7 +51,7 @@ def test_untraceable_module_left_unchanged_and_reported():
 
 def test_shapes_len_unpacking_and_view_star():
     module = Shapes()
-    traced = tracer.trace(module, (torch.empty(2, 3, 8, device="meta"),), {}, use_cache=False)
+    traced = tracer.trace(module, (torch.empty(2, 3, 8, device="meta"),), {})
     assert traced.error is None
     ops = [n.target for n in traced.graph.nodes if n.op in ("call_module", "call_method")]
     assert ops == ["proj", "view", "reshape"]
@@ -61,18 +61,10 @@ def test_shapes_len_unpacking_and_view_star():
 
 def test_children_are_leaves_and_values_are_meta():
     module = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
-    traced = tracer.trace(module, (torch.randn(3, 4),), {}, use_cache=False)
+    traced = tracer.trace(module, (torch.randn(3, 4),), {})
     calls = [n for n in traced.graph.nodes if n.op == "call_module"]
     assert [n.target for n in calls] == ["0", "1"]
     assert all(n.meta["val"].is_meta for n in calls)
-
-
-def test_trace_is_cached_per_class():
-    tracer.clear_cache()
-    a, b = Shapes(), Shapes()
-    x = (torch.empty(1, 2, 8, device="meta"),)
-    assert tracer.trace(a, x, {}) is tracer.trace(b, x, {})
-    tracer.clear_cache()
 
 
 def test_attention_call_is_one_leaf():
@@ -85,7 +77,7 @@ def test_attention_call_is_one_leaf():
     assert error is None
     attn = model.model.layers[0].self_attn
     _, args, kwargs = records[type(attn)]
-    traced = tracer.trace(attn, args, kwargs, use_cache=False)
+    traced = tracer.trace(attn, args, kwargs)
     leaves = [n for n in traced.graph.nodes if n.target is tracer.attention]
     assert len(leaves) == 1
     assert {u.target for u in leaves[0].users} == {operator.getitem}

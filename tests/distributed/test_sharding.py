@@ -52,11 +52,38 @@ def test_fusion_drives_the_plan(num_kv_heads, kv_per_rank):
     assert torch.all(model.model.embed_tokens.weight[50] == 0)
 
 
-def test_unprovable_partner_is_refused():
+def test_partner_comes_from_dataflow_not_width():
+    """A second child reading the q width does not confuse the plan: the match recorded which linear the
+    attention output reaches (o_proj); the MLP's partner is the one reading act(gate) * up."""
     model = _optimized_qwen3(2)
-    attn = model.model.layers[0].self_attn
-    attn.extra = nn.Linear(32, 32)  # a second linear reading the q width: which one is o_proj?
-    with pytest.raises(ValueError, match="exactly one nn.Linear"):
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert (attn.qkv_proj.row_partner, mlp.gate_up_proj.row_partner) == ("o_proj", "down_proj")
+    attn.extra = nn.Linear(32, 32)
+    plan = shard_model(model, tp_rank=0, tp_size=2)
+    assert plan["model.layers.0.self_attn.o_proj"] == "rowwise" and "model.layers.0.self_attn.extra" not in plan
+    assert type(attn.extra) is nn.Linear
+
+
+class _TwoReaders(nn.Module):
+    """q/k/v whose result two linears read: no single row-parallel partner."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(16, 16), nn.Linear(16, 8), nn.Linear(16, 8)
+        self.o_proj, self.gate = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        q = self.q_proj(x).view(*x.shape[:-1], 4, 4).flatten(-2)
+        h = q + torch.cat([self.k_proj(x), self.v_proj(x)], dim=-1)
+        return self.o_proj(h) + self.gate(h)
+
+
+def test_unprovable_partner_is_refused():
+    import fxrewrite
+
+    model = fxrewrite.optimize(_TwoReaders(), example_inputs=((torch.randn(2, 16),), {}))
+    assert model.qkv_proj.row_partner is None
+    with pytest.raises(ValueError, match="no single linear"):
         shard_model(model, tp_rank=0, tp_size=2)
 
 

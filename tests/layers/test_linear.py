@@ -4,17 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from fxrewrite.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
-                                     ReplicatedLinear, RowParallelLinear)
-
-
-def test_replicated_matches_nn_linear():
-    ref = nn.Linear(8, 6)
-    layer = ReplicatedLinear(8, 6, bias=True)
-    layer.weight.weight_loader(layer.weight, ref.weight.data)
-    layer.bias.weight_loader(layer.bias, ref.bias.data)
-    x = torch.randn(3, 8)
-    torch.testing.assert_close(layer(x), ref(x), rtol=0, atol=0)
+from fxrewrite.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
 
 def test_qkv_shards_gqa():
@@ -62,13 +52,13 @@ def test_column_and_row_tp_slices():
 def test_errors_name_the_value():
     with pytest.raises(ValueError, match="output_size=5"):
         ColumnParallelLinear(4, 5, tp_size=2)
-    layer = ReplicatedLinear(4, 6)
+    layer = ColumnParallelLinear(4, 6)
     with pytest.raises(ValueError, match=r"\(6, 3\)"):
         layer.weight.weight_loader(layer.weight, torch.zeros(6, 3))
 
 
 def test_meta_construction_and_grad():
-    assert ReplicatedLinear(4, 6, device="meta").weight.is_meta
+    assert ColumnParallelLinear(4, 6, device="meta").weight.is_meta
     layer = MergedColumnParallelLinear(4, [3, 3], bias=True)
     layer(torch.randn(2, 4)).sum().backward()
     assert layer.weight.grad is not None and layer.bias.grad is not None

@@ -87,7 +87,8 @@ def test_apply_call_refused_when_function_differs():
 def test_apply_rotary_emb_kernel_path_matches_torch_form(interpret, monkeypatch, rotary_dim):
     """The engine's path (no grad, one batch row): the Triton kernel on copies of q and k gives
     `apply_rotary_qk`'s result (float32) and leaves the inputs untouched; with grad, the torch form runs."""
-    from fxrewrite.patterns.rotary import ApplyRotaryEmb, _kernel_applies, apply_rotary_qk
+    from fxrewrite.patterns.rotary import ApplyRotaryEmb, apply_rotary_qk
+    from fxrewrite.patterns.rotary_calls import kernel_applies as _kernel_applies
 
     monkeypatch.setenv("FXREWRITE_TRITON", "1")
     torch.manual_seed(0)
