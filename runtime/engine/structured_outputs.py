@@ -17,6 +17,7 @@ few weeks, installs from wheels on CPU and CUDA machines alike, and precomputes 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +68,12 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
 
 
+def _clean(message: str) -> str:
+    """xgrammar's message without its C++ log prefix ("[12:00:00] /project/cpp/x.cc:12: ")."""
+    message = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", message.strip())
+    return message.removeprefix("Check failed: (error.empty()) is false: ")
+
+
 class StructuredOutputManager:
     """Compiles constraints for one tokenizer and keeps one matcher per constrained sequence.
 
@@ -102,7 +109,7 @@ class StructuredOutputManager:
                 return self.compiler.compile_grammar(choice_grammar(params.choice))
             return self.compiler.compile_grammar(params.grammar)
         except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError with the parser's message
-            raise ValueError(f"invalid {kind} for structured outputs: {str(e).strip()}") from None
+            raise ValueError(f"invalid {kind} for structured outputs: {_clean(str(e))}") from None
 
     def add(self, seq_id: int, compiled) -> None:
         self.matchers[seq_id] = self._xgr.GrammarMatcher(compiled)
