@@ -91,3 +91,19 @@ def test_params_need_exactly_one_constraint():
         StructuredOutputsParams(choice=[])
     with pytest.raises(TypeError, match="structured_outputs"):
         SamplingParams(structured_outputs={"json": {}})
+
+
+def test_sampler_bitmask_equals_xgrammar_apply():
+    import torch
+    import xgrammar as xgr
+
+    from fxrewrite.runtime.engine.sampler import _apply_bitmask
+
+    vocab, rows = 1000, [0, 3, 5]
+    logits = torch.randn(8, vocab)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (len(rows), (vocab + 31) // 32), dtype=torch.int32)
+    full = torch.full((8, bitmask.shape[1]), -1, dtype=torch.int32)
+    full[rows] = bitmask
+    expected = logits.clone()
+    xgr.apply_token_bitmask_inplace(expected, full)
+    assert torch.equal(_apply_bitmask(logits, bitmask, torch.tensor(rows)), expected)
