@@ -101,8 +101,9 @@ class StructuredOutputManager:
             if kind == "json":
                 schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
                 return self.compiler.compile_json_schema(schema, any_whitespace=not params.disable_any_whitespace)
-            if kind == "json_object":
-                return self.compiler.compile_builtin_json_grammar()
+            if kind == "json_object":  # any object (as a schema, so disable_any_whitespace applies)
+                return self.compiler.compile_json_schema('{"type": "object"}',
+                                                         any_whitespace=not params.disable_any_whitespace)
             if kind == "regex":
                 return self.compiler.compile_regex(params.regex)
             if kind == "choice":

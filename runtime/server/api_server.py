@@ -34,14 +34,27 @@ logger = logging.getLogger(__name__)
 
 
 class RequestLogger:
-    """Logs each admitted request: id, prompt (cut to max_log_len characters or token ids) and params."""
+    """Logs each admitted request (vLLM's --enable-log-requests): id, prompt text and token ids (each cut
+    to max_log_len characters / ids; None: whole) and sampling params, at INFO on
+    `fxrewrite.requests` (printed to stderr when logging is not configured otherwise)."""
 
-    def __init__(self, max_log_len: int | None):
+    def __init__(self, max_log_len: int | None, tokenizer: Any = None):
         self.max_log_len = max_log_len
+        self.tokenizer = tokenizer
+        self.logger = logging.getLogger("fxrewrite.requests")
+        self.logger.setLevel(logging.INFO)
+        if not self.logger.handlers and not logging.getLogger().handlers:
+            self.logger.addHandler(logging.StreamHandler())
 
     def log(self, request_id: str, prompt: Any, params: Any) -> None:
-        shown = prompt if self.max_log_len is None else prompt[: self.max_log_len]
-        logger.info("Received request %s: prompt: %r, params: %s", request_id, shown, params)
+        cut = slice(None, self.max_log_len)
+        ids = None
+        if not isinstance(prompt, str):
+            ids = list(prompt)[cut]
+            prompt = self.tokenizer.decode(list(prompt)) if self.tokenizer is not None else None
+        text = prompt[cut] if prompt is not None else None
+        self.logger.info("Received request %s: prompt: %r, prompt_token_ids: %s, params: %s",
+                         request_id, text, ids, params)
 
 
 class APIKeyMiddleware:
@@ -111,7 +124,7 @@ def build_app(
     chat = OpenAIServingChat(async_engine, names, generation_defaults, chat_template=chat_template,
                              tool_parser=tool_parser)
     if log_requests:
-        async_engine.request_logger = RequestLogger(max_log_len)
+        async_engine.request_logger = RequestLogger(max_log_len, engine.tokenizer)
     _add_routes(app, engine, names, completion, chat, metrics, __version__)
     return app
 

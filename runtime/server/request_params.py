@@ -16,8 +16,13 @@ def _bad(message: str, param: str) -> OpenAIError:
     return OpenAIError(HTTPStatus.BAD_REQUEST, message, param=param, code="invalid_value")
 
 
+_OPTIONS = ("disable_any_whitespace",)
+
+
 def structured_outputs_of(request: SamplingRequest) -> StructuredOutputsParams | None:
-    """The one output constraint a request sets, or None; 400 when it sets several or a bad one."""
+    """The one output constraint a request sets, or None; 400 when it sets several or a bad one.
+    A `structured_outputs` holding only options ({"disable_any_whitespace": true}) applies them to the
+    constraint given by response_format or guided_*."""
     found: list[tuple[str, dict[str, Any]]] = []
     fmt = request.response_format
     if fmt is not None and fmt.type == "json_object":
@@ -28,14 +33,20 @@ def structured_outputs_of(request: SamplingRequest) -> StructuredOutputsParams |
                        ("guided_grammar", "grammar")):
         if getattr(request, field) is not None:
             found.append((field, {key: getattr(request, field)}))
+    options = {}
     if request.structured_outputs is not None:
-        found.append(("structured_outputs", dict(request.structured_outputs)))
+        given = dict(request.structured_outputs)
+        if set(given) <= set(_OPTIONS):  # only options: they apply to the constraint set elsewhere
+            options = given
+        else:
+            found.append(("structured_outputs", given))
     if not found:
         return None
     if len(found) > 1:
         names = ", ".join(name for name, _ in found)
         raise _bad(f"only one output constraint may be set, got {names}", found[1][0])
     field, kwargs = found[0]
+    kwargs = {**options, **kwargs}
     if (request.model_extra or {}).get("guided_whitespace_pattern") is not None:
         raise _bad("guided_whitespace_pattern is not supported (use structured_outputs' "
                    "disable_any_whitespace)", "guided_whitespace_pattern")

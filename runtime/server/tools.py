@@ -6,7 +6,8 @@ becomes OpenAI `tool_calls`.
   (and `--tool-call-parser`, "auto" by default here: picked by the chat template), as in vLLM.
 - `required` / a named function: the output is forced with structured outputs, as vLLM does: a JSON
   list of {"name", "parameters"} objects whose names are the tools' (required), or the named function's
-  arguments object (named). Such output is always a valid call.
+  arguments object (named), written compactly (no free whitespace: a model cannot wander into
+  whitespace until max_tokens). Such output is always a valid call.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def forced_tool_outputs(request: ChatCompletionRequest) -> StructuredOutputsPara
     if mode == "named":
         name = request.tool_choice.function.name
         tool = next(t for t in request.tools if t.function.name == name)
-        return StructuredOutputsParams(json=_parameters(tool))
+        return StructuredOutputsParams(json=_parameters(tool), disable_any_whitespace=True)
     if mode != "required":
         return None
     items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
@@ -54,7 +55,7 @@ def forced_tool_outputs(request: ChatCompletionRequest) -> StructuredOutputsPara
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
     if request.parallel_tool_calls is False:
         schema["maxItems"] = 1
-    return StructuredOutputsParams(json=schema)
+    return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
 
 
 def to_tool_calls(calls: list[ParsedToolCall]) -> list[ToolCall]:

@@ -127,7 +127,9 @@ def test_bad_input_is_a_400_naming_it(server):
 def test_request_logging_cuts_the_prompt(server, caplog):
     from fxrewrite.runtime.server.api_server import RequestLogger
 
-    with caplog.at_level("INFO", logger="fxrewrite.runtime.server.api_server"):
+    with caplog.at_level("INFO", logger="fxrewrite.requests"):
         RequestLogger(5).log("r1", "abcdefghij", "params")
+        RequestLogger(3, server.engine.tokenizer).log("r2", server.engine.tokenizer.encode("Hello world"), "p")
     assert "'abcde'" in caplog.text and "abcdef" not in caplog.text
+    assert "'Hel'" in caplog.text and "prompt_token_ids: [" in caplog.text
     assert httpx.get(f"{server.base_url}/health").status_code == 200
