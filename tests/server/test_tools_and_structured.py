@@ -147,7 +147,7 @@ def test_auto_tool_choice_parses_the_models_hermes_call(server, stream):
                     pieces[d.index] = (name + (d.function.name or ""), args + (d.function.arguments or ""))
                 finish = choice.finish_reason or finish
         calls = list(pieces.values())
-    assert content == "Sure."
+    assert content.strip() == "Sure."  # streamed content keeps the newline before <tool_call>
     assert len(calls) == 1 and calls[0][0] == "get_time" and json.loads(calls[0][1])["tz"] in ("UTC", "CET")
     assert finish == "tool_calls"
 
