@@ -180,7 +180,8 @@ class LLMEngine:
                 raise RuntimeError(f"no request can be scheduled: {self.get_stats()}")
             return []
         outputs = []
-        if previous is not None and any(s.seq.sampling_params.has_penalties for s in sched.scheduled):
+        if previous is not None and any(s.seq.sampling_params.has_penalties or s.seq.sampling_params.bad_words
+                                        for s in sched.scheduled):  # they read every earlier token
             outputs, previous = self._complete(previous), None
         self._early_outputs = None
         try:

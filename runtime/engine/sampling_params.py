@@ -146,7 +146,8 @@ class SamplingParams:
 
     @property
     def changes_logits(self) -> bool:
-        """Whether logit_bias, bad_words or a grammar edit this request's logits before sampling."""
+        """Whether logit_bias or bad_words edit this request's logits before sampling (the sampler's
+        per-row pass; a grammar's bitmask is applied separately, batched)."""
         return bool(self.logit_bias) or bool(self.bad_words)
 
     @property
