@@ -202,10 +202,10 @@ def step_profile(runner):
         return
     launch = runner.execute_model_async
 
-    def timed_launch(sched, previous=None):
+    def timed_launch(sched, previous=None, **kwargs):
         t0 = time.perf_counter()
         try:
-            pending = launch(sched, previous)
+            pending = launch(sched, previous, **kwargs)
         finally:
             totals["launch"] += time.perf_counter() - t0
             totals["steps"] += 1

@@ -5,7 +5,7 @@
 
 from typing import Any
 
-__all__ = ["optimize", "explain", "LLM", "SamplingParams"]
+__all__ = ["optimize", "explain", "LLM", "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"
 
 
@@ -32,4 +32,8 @@ def __getattr__(name: str) -> Any:
         from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from fxrewrite.runtime.engine.structured_outputs import StructuredOutputsParams
+
+        return StructuredOutputsParams
     raise AttributeError(f"module 'fxrewrite' has no attribute {name!r}")

@@ -54,6 +54,8 @@ class EngineConfig:
     trust_remote_code: bool = False
     device: str | None = None
     """torch device; None picks cuda when available, else cpu."""
+    max_logprobs: int = 20
+    """Most logprobs / prompt_logprobs a request may ask for (vLLM's default, 20)."""
 
     def __post_init__(self) -> None:
         _check_choice("model_impl", self.model_impl, MODEL_IMPLS)
@@ -65,6 +67,7 @@ class EngineConfig:
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_model_len": self.max_model_len,
             "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
+            "max_logprobs": self.max_logprobs,
         }
         for name, value in positive.items():
             if value is not None and (not isinstance(value, int) or value < 1):

@@ -12,6 +12,7 @@ from typing import Any
 
 # Flags whose value is an `LLM(...)` keyword argument of the same name (dest == kwarg).
 ENGINE_KWARG_NAMES = (
+    "max_logprobs",
     "tokenizer",
     "model_impl",
     "fusion",
@@ -161,6 +162,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--generation-config", default="auto",
                    help="'auto': default sampling values from the model's generation_config.json; "
                         "'vllm': none; or a folder holding a generation_config.json")
+    g.add_argument("--max-logprobs", type=_positive_int, default=20,
+                   help="most logprobs / prompt_logprobs a request may ask for (default 20, as vLLM)")
     g.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"),
                    help="weight format (dummy: random weights, for benchmarks)")
     for flag in ("--rope-scaling", "--rope-theta"):

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+from pathlib import Path
+
 from fxrewrite.commands.engine_args import add_engine_arguments, engine_kwargs
 from fxrewrite.errors import UserInputError
+from fxrewrite.runtime.server.tool_parsers import TOOL_PARSERS, get_tool_parser
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,6 +21,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="require 'Authorization: Bearer <key>' on /v1 routes")
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="name(s) clients use in 'model' (default: MODEL as given, or the default model's hub id)")
+    parser.add_argument("--chat-template", default=None,
+                        help="chat template replacing the tokenizer's: a file path, or the template text itself")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='allow tool_choice "auto": the model\'s tool calls are parsed from its text')
+    parser.add_argument("--tool-call-parser", default="auto", choices=("auto", *sorted(TOOL_PARSERS)),
+                        help="format of the model's tool calls (auto: chosen by the chat template)")
+    parser.add_argument("--enable-log-requests", action="store_true",
+                        help="log every request's prompt and sampling parameters")
+    parser.add_argument("--max-log-len", type=int, default=None,
+                        help="characters (or token ids) of a prompt to log with --enable-log-requests (default: all)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug", "trace"))
     add_engine_arguments(parser)
@@ -30,11 +43,33 @@ def build_server_app(args: argparse.Namespace):
     from fxrewrite.runtime.server.api_server import build_app
     from fxrewrite.runtime.server.generation_defaults import load_generation_defaults
 
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise ValueError(f"--max-log-len {args.max_log_len} must be at least 0")
+    chat_template = load_chat_template(args.chat_template)
     engine = LLMEngine.from_kwargs(**engine_kwargs(args))
     defaults = load_generation_defaults(engine.model_config.model_path, args.generation_config)
     names = args.served_model_name or [args.model or DEFAULT_MODEL]
-    app = build_app(engine, served_model_names=names, api_key=args.api_key, generation_defaults=defaults)
+    tool_parser = None
+    if args.enable_auto_tool_choice:
+        tool_parser = get_tool_parser(args.tool_call_parser,
+                                      chat_template or getattr(engine.tokenizer, "chat_template", None))
+    app = build_app(engine, served_model_names=names, api_key=args.api_key, generation_defaults=defaults,
+                    chat_template=chat_template, tool_parser=tool_parser,
+                    log_requests=args.enable_log_requests, max_log_len=args.max_log_len)
     return engine, app
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the value itself when it looks like a template (vLLM's rule);
+    ValueError for a path that does not exist."""
+    if value is None:
+        return None
+    if any(c in value for c in "{}\n"):
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ValueError(f"--chat-template {value!r}: no such file (give a file path or the template text)")
+    return path.read_text()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,6 +7,10 @@ from collections import OrderedDict
 from fxrewrite.runtime.engine.sequence import Sequence
 
 
+def _needs_prompt_logprobs(seq: Sequence) -> bool:
+    return seq.prompt_logprobs is not None and seq.num_prompt_tokens > 1 and seq.prompt_logprobs[-1] is None
+
+
 class Block:
     """One KV block: `block_size` token slots in every layer's cache."""
 
@@ -56,8 +60,9 @@ class BlockManager:
 
     # prefix cache lookup
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids holding the longest computed prefix of seq (never all its tokens: one must be run)."""
-        if not self.enable_prefix_caching:
+        """Block ids holding the longest computed prefix of seq (never all its tokens: one must be run).
+        None cached for a sequence whose prompt logprobs are still to come: every position must run."""
+        if not self.enable_prefix_caching or _needs_prompt_logprobs(seq):
             return []
         hits, bs = [], self.block_size
         hashes = self._token_block_hashes(seq, (seq.num_tokens - 1) // bs)

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import itertools
-import json
 import logging
-from pathlib import Path
 from typing import Any
 
 from fxrewrite.errors import UserInputError
@@ -15,6 +13,12 @@ from fxrewrite.runtime.engine_config import EngineConfig
 from fxrewrite.runtime.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from fxrewrite.runtime.engine.rope_lengths import length_dependent_rope
 from fxrewrite.runtime.engine.sampler import SampleResult
+from fxrewrite.runtime.engine.request_extras import (
+    bad_words_token_ids,
+    check_request_extras,
+    eos_token_ids,
+    store_prompt_logprobs,
+)
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 from fxrewrite.runtime.engine.scheduler import Scheduler, SchedulerOutput
 from fxrewrite.runtime.engine.sequence import Sequence
@@ -50,7 +54,7 @@ class LLMEngine:
         self.config = config
         self.model_config = load_model_config(config)
         self.tokenizer = load_tokenizer(self.model_config, config)
-        self.eos_token_ids = _eos_token_ids(self.tokenizer, self.model_config)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_config)
         # tensor_parallel_size > 1: worker processes behind the same interface (runtime/executor.py)
         self.model_runner = create_model_runner(config, self.model_config, self.eos_token_ids)
         self.block_manager = BlockManager(
@@ -65,6 +69,10 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
         self._arrivals = itertools.count()
+        self._structured = None
+        """StructuredOutputManager, made at the first constrained request (xgrammar is optional)."""
+        self._early_outputs = None
+        """Outputs of the previous step when the grammar masks needed its tokens before this step sampled."""
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> LLMEngine:
@@ -80,11 +88,29 @@ class LLMEngine:
             raise UserInputError(f"request_id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         self._check_request(token_ids, params)
+        compiled = self.compile_structured_outputs(params)
         request = Request(request_id, text, token_ids, params, next(self._arrivals))
+        bad_words = bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
         self.requests[request_id] = request
         for seq in request.seqs:
+            seq.bad_words_token_ids = bad_words
+            if compiled is not None:
+                self._structured.add(seq.seq_id, compiled)
             self._detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq)
             self.scheduler.add(seq)
+
+    def compile_structured_outputs(self, params: SamplingParams):
+        """The compiled grammar of params.structured_outputs (None without one); ValueError when the
+        schema, regex or grammar is invalid. Compiled grammars are cached, so the server checks a request
+        with this before queueing it at no extra cost."""
+        if params.structured_outputs is None:
+            return None
+        if self._structured is None:
+            from fxrewrite.runtime.engine.structured_outputs import StructuredOutputManager
+
+            self._structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                                       self.eos_token_ids)
+        return self._structured.compile(params.structured_outputs)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -107,6 +133,7 @@ class LLMEngine:
 
     def _check_request(self, token_ids: list[int], params: SamplingParams) -> None:
         max_len, vocab = self.model_config.max_model_len, self.model_config.vocab_size
+        check_request_extras(params, self.config.max_logprobs, vocab, self.config.tensor_parallel_size)
         if params.logprobs is not None and params.logprobs > vocab:  # topk over the vocabulary
             raise UserInputError(f"logprobs={params.logprobs} is more than the vocabulary size {vocab}")
         if len(token_ids) > max_len:
@@ -155,24 +182,33 @@ class LLMEngine:
                 raise RuntimeError(f"no request can be scheduled: {self.get_stats()}")
             return []
         outputs = []
-        if previous is not None and any(s.seq.sampling_params.has_penalties for s in sched.scheduled):
+        if previous is not None and any(s.seq.sampling_params.has_penalties or s.seq.sampling_params.bad_words
+                                        for s in sched.scheduled):  # they read every earlier token
             outputs, previous = self._complete(previous), None
+        self._early_outputs = None
         try:
             launched = self._launch(sched, previous)
         except BaseException:
             self._abort_all()
             raise
         if previous is not None:
-            outputs = self._complete(previous)
+            outputs = self._early_outputs if self._early_outputs is not None else self._complete(previous)
+            self._early_outputs = None
         if self.async_scheduling:
             self._inflight = launched
             return outputs
         return self._complete(launched)
 
     def _launch(self, sched: SchedulerOutput, previous):
-        runner = self.model_runner
+        runner, hook = self.model_runner, {}
+        if self._structured is not None and self._structured.matchers and any(
+                s.samples and s.seq.seq_id in self._structured.matchers for s in sched.scheduled):
+            hook = {"bitmask_hook": lambda seqs: self._grammar_bitmask(seqs, previous)}
         if self.async_scheduling:
-            launched = runner.execute_model_async(sched, previous)
+            launched = runner.execute_model_async(sched, previous, **hook)
+        elif getattr(runner, "supports_async", False):  # synchronous: wait, keep the prompt logprobs
+            launched = runner.execute_model_async(sched, None, **hook)
+            launched.result()
         else:
             launched = _CompletedStep(sched, runner.execute_model(sched))
         self.scheduler.advance(sched)
@@ -186,6 +222,13 @@ class LLMEngine:
                     seq.awaiting_final_token = True
         return launched
 
+    def _grammar_bitmask(self, seqs: list[Sequence], previous):
+        """Called by the model runner once this step's forward is launched: the grammar matchers need the
+        previous step's tokens, so that step is completed first (its outputs kept for `step`)."""
+        if previous is not None and self._early_outputs is None:
+            self._early_outputs = self._complete(previous)
+        return self._structured.fill_bitmask([s.seq_id for s in seqs], self.model_runner.device)
+
     def _complete(self, step) -> list[RequestOutput]:
         """Wait for a launched step's tokens, append them, check stops, return the outputs."""
         try:
@@ -193,6 +236,9 @@ class LLMEngine:
         except BaseException:
             self._abort_all()
             raise
+        if getattr(step, "prompt_logprobs", None):
+            by_id = {s.seq.seq_id: s.seq for s in step.sched.scheduled}
+            store_prompt_logprobs(by_id, step.prompt_logprobs, self._decode_token)
         for seq, result in zip(seqs, results):
             if not seq.is_finished:  # else it stopped (or was aborted) while this step ran
                 self._process_sample(seq, result)
@@ -205,16 +251,25 @@ class LLMEngine:
         for request_id in list(self.requests):
             self.abort_request(request_id)
 
+    def _decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
     def _process_sample(self, seq: Sequence, result: SampleResult) -> None:
         params = seq.sampling_params
         seq.append_token(result.token_id)
         seq.cumulative_logprob += result.logprob
         if result.top_logprobs is not None:
             seq.output_logprobs.append(
-                {t: Logprob(lp, rank, self.tokenizer.decode([t])) for t, (lp, rank) in result.top_logprobs.items()}
+                {t: Logprob(lp, rank, self._decode_token(t)) for t, (lp, rank) in result.top_logprobs.items()}
             )
-        new_text = self._detokenizers[seq.seq_id].step()
-        reason, stop = _check_stop(seq, result.token_id, self.eos_token_ids, len(new_text))
+        reason, stop = _check_stop_token(seq, result.token_id, self.eos_token_ids)
+        # vLLM leaves a stop token's text (EOS with skip_special_tokens=False, stop_token_ids) out.
+        new_text = "" if reason and not params.include_stop_str_in_output else self._detokenizers[seq.seq_id].step()
+        if reason is None:
+            stop = check_stop_strings(seq, len(new_text))
+            reason = "stop" if stop is not None else None
+        if self._structured is not None and self._structured.accept(seq.seq_id, result.token_id) and reason is None:
+            reason = "stop"  # the grammar is complete (it accepted a stop token)
         if reason is None and (
             seq.num_output_tokens >= (params.max_tokens or 1 << 62)
             or len(seq.token_ids) >= self.model_config.max_model_len
@@ -230,6 +285,8 @@ class LLMEngine:
         seq.finish_reason = reason
         self.scheduler.finish(seq)
         self._detokenizers.pop(seq.seq_id, None)
+        if self._structured is not None:
+            self._structured.remove(seq.seq_id)
 
     def _make_output(self, request: Request) -> RequestOutput:
         # Built for every request that progressed, every step (the streaming contract): one pass, no
@@ -252,7 +309,8 @@ class LLMEngine:
             del self.requests[request.request_id]
         return RequestOutput(
             request.request_id, request.prompt, request.prompt_token_ids, outputs, finished,
-            metrics={"num_cached_tokens": cached},
+            prompt_logprobs=list(request.seqs[0].prompt_logprobs) if request.seqs[0].prompt_logprobs is not None
+            else None, metrics={"num_cached_tokens": cached},
         )
 
     def check_health(self) -> None:
@@ -312,8 +370,9 @@ def _visible_text(seq: Sequence) -> str:
     return seq.text[: max(len(seq.text) - hold, 0)]
 
 
-def _check_stop(seq: Sequence, token_id: int, eos_token_ids: set[int], new_text_len: int):
-    """(finish_reason, stop_reason) from EOS, stop token ids and stop strings; (None, None) if none."""
+def _check_stop_token(seq: Sequence, token_id: int, eos_token_ids: set[int]):
+    """(finish_reason, stop_reason) from EOS and stop token ids; (None, None) if neither (stop strings
+    are checked after detokenizing). Nothing stops before min_tokens."""
     params = seq.sampling_params
     if seq.num_output_tokens < params.min_tokens:
         return None, None
@@ -321,30 +380,4 @@ def _check_stop(seq: Sequence, token_id: int, eos_token_ids: set[int], new_text_
         return "stop", None
     if token_id in params.stop_token_ids:
         return "stop", token_id
-    stop = check_stop_strings(seq, new_text_len)
-    if stop is not None:
-        return "stop", stop
     return None, None
-
-
-def _eos_token_ids(tokenizer, model_config) -> set[int]:
-    """EOS ids: the tokenizer's plus generation_config.json's (which may list several)."""
-    ids = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    gen_eos = getattr(model_config, "generation_eos_token_ids", None)
-    if gen_eos is None:
-        gen_eos = _read_generation_eos(model_config)
-    ids.update(gen_eos)
-    return ids
-
-
-def _read_generation_eos(model_config) -> list[int]:
-    path = Path(model_config.model_path) / "generation_config.json"
-    if not path.exists():
-        eos = getattr(model_config.hf_text_config, "eos_token_id", None)
-    else:
-        eos = json.loads(path.read_text()).get("eos_token_id")
-    if eos is None:
-        return []
-    return [eos] if isinstance(eos, int) else list(eos)

@@ -42,7 +42,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    prompt_logprobs: None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """With SamplingParams.prompt_logprobs: None for the first prompt token, then {token_id: Logprob}
+    (the prompt token itself and the top prompt_logprobs) per prompt token."""
     metrics: dict = field(default_factory=dict)
 
     @property

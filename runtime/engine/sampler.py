@@ -46,13 +46,19 @@ class Sampler:
         """logits [S, V] (any float dtype) for sequences `seqs` -> one SampleResult per sequence."""
         return self.sample(logits, seqs).results()
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], bitmask=None) -> SampledTokens:
         """Sample without waiting for the device: the tokens stay on it (for the next step's inputs) and
-        travel to the host in the background; `SampledTokens.results()` waits for them."""
+        travel to the host in the background; `SampledTokens.results()` waits for them.
+
+        bitmask: None, or (packed allowed-token bits [R, ceil(V/32)] int32, rows [R] int64), both on the
+        logits' device (structured outputs); tokens whose bit is 0 get -inf in those rows.
+        """
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         if any(self._changes_logits(s) for s in seqs):
             logits = self._apply_penalties(logits.clone(), seqs)
+        if bitmask is not None:
+            logits = _apply_bitmask(logits, *bitmask)
         # Decided from the params on the host: no device->host sync here at all.
         greedy_list = [s.sampling_params.is_greedy for s in seqs]
         tokens = logits.argmax(dim=-1)
@@ -67,7 +73,7 @@ class Sampler:
     def _changes_logits(seq: Sequence) -> bool:
         """Whether _apply_penalties would touch this sequence's row (penalties or an active min_tokens)."""
         p = seq.sampling_params
-        return p.has_penalties or _num_outputs(seq) < p.min_tokens
+        return p.has_penalties or _num_outputs(seq) < p.min_tokens or p.changes_logits
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         vocab = logits.shape[-1]
@@ -87,6 +93,8 @@ class Sampler:
                 banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
                 if banned:
                     logits[i, [t for t in banned if t < vocab]] = float("-inf")
+            if p.changes_logits:
+                _bias_and_ban(logits, i, seq)
         return logits
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -122,6 +130,32 @@ class Sampler:
                 q[i].exponential_(generator=generator)
         return q
 
+
+
+def _bias_and_ban(logits: torch.Tensor, row: int, seq: Sequence) -> None:
+    """logit_bias (added) and bad_words (a word's last token at -inf when its other tokens were just
+    generated; vLLM's rule) on one row, in place."""
+    p, vocab = seq.sampling_params, logits.shape[-1]
+    if p.logit_bias:
+        ids = [t for t in p.logit_bias if t < vocab]
+        bias = torch.tensor([p.logit_bias[t] for t in ids], dtype=logits.dtype)
+        logits[row, ids] += bias.to(logits.device, non_blocking=True)
+    if p.bad_words:
+        out = seq.output_token_ids
+        banned = [w[-1] for w in seq.bad_words_token_ids
+                  if w[-1] < vocab and (len(w) == 1 or out[len(out) - len(w) + 1 :] == w[:-1])]
+        if banned:
+            logits[row, banned] = float("-inf")
+
+
+def _apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """logits [S, V] with -inf where bit (token % 32) of bitmask[r, token // 32] is 0, for the rows
+    `rows` (xgrammar's packed layout); all on the device, no host sync."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]
+    masked = logits[rows].masked_fill(~allowed, float("-inf"))
+    return logits.index_copy(0, rows, masked)
 
 
 def _num_outputs(seq: Sequence) -> int:

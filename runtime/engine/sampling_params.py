@@ -8,12 +8,13 @@ from numbers import Integral, Real
 
 from fxrewrite.errors import UserInputError, UserTypeError
 
+from fxrewrite.runtime.engine.structured_outputs import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 _SEED_RANGE = (-(2**63), 2**63 - 1)  # what torch.Generator.manual_seed takes
 _NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _INTEGERS = ("n", "top_k", "min_tokens")
-_OPTIONAL_INTEGERS = ("max_tokens", "logprobs", "seed")  # None allowed
+_OPTIONAL_INTEGERS = ("max_tokens", "logprobs", "prompt_logprobs", "seed")  # None allowed
 
 
 @dataclass
@@ -55,6 +56,16 @@ class SamplingParams:
     """EOS and stop_token_ids are masked until this many tokens were generated."""
     logprobs: int | None = None
     """Number of top logprobs to return per generated token (the sampled one is always included)."""
+    prompt_logprobs: int | None = None
+    """Number of top logprobs to return per prompt token (the prompt's own token always included);
+    the first prompt token has none. A request asking for it skips the prefix cache."""
+    logit_bias: dict[int, float] | None = None
+    """{token_id: bias} added to the logits before sampling (OpenAI's logit_bias, in [-100, 100])."""
+    bad_words: list[str] | None = None
+    """Words never generated: a word's last token is banned whenever the tokens before it were just
+    generated (each word tokenized with and without a leading space, as vLLM does)."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """A JSON schema, regex, choice list or grammar every completion must follow (xgrammar)."""
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     stop_strings: list[str] = field(init=False, repr=False)
@@ -84,6 +95,22 @@ class SamplingParams:
             raise UserTypeError(f"SamplingParams: {name}={value!r} must be {expected}")
         if not all(isinstance(t, Integral) and not isinstance(t, bool) for t in self.stop_token_ids):
             raise UserTypeError(f"SamplingParams: stop_token_ids={self.stop_token_ids!r} must be a list of integers")
+        self._check_extras()
+
+    def _check_extras(self) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                    isinstance(t, Integral) and not isinstance(t, bool) and t >= 0
+                    and isinstance(b, Real) and math.isfinite(b) for t, b in self.logit_bias.items()):
+                raise UserTypeError(f"SamplingParams: logit_bias={self.logit_bias!r} must map token ids "
+                                "(integers >= 0) to finite numbers")
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+        if self.bad_words is not None and not (
+                isinstance(self.bad_words, (list, tuple)) and all(isinstance(w, str) and w for w in self.bad_words)):
+            raise UserTypeError(f"SamplingParams: bad_words={self.bad_words!r} must be a list of non-empty strings")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise UserTypeError(f"SamplingParams: structured_outputs={self.structured_outputs!r} must be a "
+                            "StructuredOutputsParams")
 
     def _check(self) -> None:
         checks = [
@@ -98,6 +125,8 @@ class SamplingParams:
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens, "at least 1"),
             (self.min_tokens >= 0, "min_tokens", self.min_tokens, "at least 0"),
             (self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs, "at least 0"),
+            (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs", self.prompt_logprobs,
+             "at least 0"),
             (self.seed is None or _SEED_RANGE[0] <= self.seed <= _SEED_RANGE[1], "seed", self.seed,
              f"in [{_SEED_RANGE[0]}, {_SEED_RANGE[1]}]"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
@@ -116,6 +145,12 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether logit_bias or bad_words edit this request's logits before sampling (the sampler's
+        per-row pass; a grammar's bitmask is applied separately, batched)."""
+        return bool(self.logit_bias) or bool(self.bad_words)
 
     @property
     def has_penalties(self) -> bool:

@@ -68,6 +68,12 @@ class Sequence:
         """Chained hashes of the full blocks of token_ids, filled lazily by the block manager; token_ids
         only grow, so these stay valid across preemption (unlike block_hashes, which follow the table)."""
         self.output_logprobs: list[dict[int, Logprob]] = []
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            [None] * self.num_prompt_tokens if sampling_params.prompt_logprobs is not None else None)
+        """With SamplingParams.prompt_logprobs: per prompt token (the first has none), filled by the steps
+        that run the prompt."""
+        self.bad_words_token_ids: list[list[int]] = []
+        """SamplingParams.bad_words as token ids (set by the engine, which owns the tokenizer)."""
         self.cumulative_logprob = 0.0
         self.text = ""
         self.finish_reason: str | None = None

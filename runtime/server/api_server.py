@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: FastAPI app over an `AsyncLLMEngine`, run by uvicorn.
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (SSE when
-`stream` is true, ending with `data: [DONE]`), GET /health, GET /metrics (Prometheus), GET /version.
+`stream` is true, ending with `data: [DONE]`), POST /v1/tokenize, POST /v1/detokenize, GET /health,
+GET /metrics (Prometheus), GET /version.
 With an API key, every /v1 route needs `Authorization: Bearer <key>` (compared in constant time);
 /health, /metrics and /version stay open, as in vLLM.
 """
@@ -24,11 +25,37 @@ from fxrewrite.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from fxrewrite.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from fxrewrite.runtime.server.serving_chat import OpenAIServingChat
 from fxrewrite.runtime.server.serving_completion import OpenAIServingCompletion
+from fxrewrite.runtime.server.serving_tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from fxrewrite.runtime.server.tool_parsers import ToolParser
 
 if TYPE_CHECKING:
     from fxrewrite.runtime.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
+
+
+class RequestLogger:
+    """Logs each admitted request (vLLM's --enable-log-requests): id, prompt text and token ids (each cut
+    to max_log_len characters / ids; None: whole) and sampling params, at INFO on
+    `fxrewrite.requests` (printed to stderr when logging is not configured otherwise)."""
+
+    def __init__(self, max_log_len: int | None, tokenizer: Any = None):
+        self.max_log_len = max_log_len
+        self.tokenizer = tokenizer
+        self.logger = logging.getLogger("fxrewrite.requests")
+        self.logger.setLevel(logging.INFO)
+        if not self.logger.handlers and not logging.getLogger().handlers:
+            self.logger.addHandler(logging.StreamHandler())
+
+    def log(self, request_id: str, prompt: Any, params: Any) -> None:
+        cut = slice(None, self.max_log_len)
+        ids = None
+        if not isinstance(prompt, str):
+            ids = list(prompt)[cut]
+            prompt = self.tokenizer.decode(list(prompt)) if self.tokenizer is not None else None
+        text = prompt[cut] if prompt is not None else None
+        self.logger.info("Received request %s: prompt: %r, prompt_token_ids: %s, params: %s",
+                         request_id, text, ids, params)
 
 
 class APIKeyMiddleware:
@@ -60,10 +87,17 @@ def build_app(
     served_model_names: list[str] | None = None,
     api_key: str | None = None,
     generation_defaults: dict[str, Any] | None = None,
+    chat_template: str | None = None,
+    tool_parser: ToolParser | None = None,
+    log_requests: bool = False,
+    max_log_len: int | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine`; its engine loop runs while the app's lifespan does.
 
     served_model_names: the names clients put in `model` (default: the model as given to the engine).
+    chat_template: template text replacing the tokenizer's. tool_parser: the parser of tool_choice
+    "auto" (None refuses "auto"). log_requests: log each request's prompt (its first max_log_len
+    characters or token ids; all when None) and sampling parameters, as vLLM's --enable-log-requests.
     """
     names = list(served_model_names or [str(engine.model_config.model)])
     metrics = ServerMetrics(names[0])
@@ -86,7 +120,10 @@ def build_app(
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     completion = OpenAIServingCompletion(async_engine, names, generation_defaults)
-    chat = OpenAIServingChat(async_engine, names, generation_defaults)
+    chat = OpenAIServingChat(async_engine, names, generation_defaults, chat_template=chat_template,
+                             tool_parser=tool_parser)
+    if log_requests:
+        async_engine.request_logger = RequestLogger(max_log_len, engine.tokenizer)
     _add_routes(app, engine, names, completion, chat, metrics, __version__)
     return app
 
@@ -126,6 +163,14 @@ def _add_routes(app: FastAPI, engine: LLMEngine, names: list[str], completion: O
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
         return await chat.create_chat_completion(request, raw_request)
+
+    @app.post("/v1/tokenize")
+    async def create_tokenize(request: TokenizeRequest):
+        return JSONResponse(tokenize(chat, request).model_dump())
+
+    @app.post("/v1/detokenize")
+    async def create_detokenize(request: DetokenizeRequest):
+        return JSONResponse(detokenize(chat, request).model_dump())
 
 
 def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:

@@ -44,6 +44,7 @@ class ChoiceSnapshot:
     logprobs: tuple[dict, ...] | None
     finish_reason: str | None
     stop_reason: int | str | None
+    cumulative_logprob: float | None = None
 
 
 @dataclass(frozen=True)
@@ -55,17 +56,21 @@ class StepOutput:
     choices: tuple[ChoiceSnapshot, ...]
     finished: bool
     num_cached_tokens: int = 0
+    prompt_token_ids: tuple[int, ...] = ()
+    prompt_logprobs: tuple | None = None
 
     @classmethod
     def of(cls, output: RequestOutput) -> StepOutput:
         choices = tuple(
             ChoiceSnapshot(c.index, c.text, tuple(c.token_ids),
                            tuple(c.logprobs) if c.logprobs is not None else None,
-                           c.finish_reason, c.stop_reason)
+                           c.finish_reason, c.stop_reason, c.cumulative_logprob)
             for c in output.outputs
         )
+        prompt_logprobs = getattr(output, "prompt_logprobs", None)
         return cls(output.request_id, len(output.prompt_token_ids), choices, bool(output.finished),
-                   int(getattr(output, "num_cached_tokens", 0) or 0))
+                   int(getattr(output, "num_cached_tokens", 0) or 0), tuple(output.prompt_token_ids),
+                   tuple(prompt_logprobs) if prompt_logprobs is not None else None)
 
     @property
     def num_generated_tokens(self) -> int:
@@ -114,6 +119,8 @@ class AsyncLLMEngine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.dead_error: BaseException | None = None
+        self.request_logger = None
+        """An object with log(request_id, prompt, params), called for each admitted request (or None)."""
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -177,6 +184,8 @@ class AsyncLLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         async with self._lock:
             self.engine.add_request(request_id, prompt, sampling_params)
+            if self.request_logger is not None:
+                self.request_logger.log(request_id, prompt, sampling_params)
             collector = _Collector()
             self._collectors[request_id] = collector
         self._wake.set()

@@ -58,3 +58,30 @@ def chat_logprobs(tokenizer: Any, choice: Any, tok_start: int, tok_end: int,
         content.append(TokenLogprob(token=text, logprob=float(entry.logprob) if entry is not None else -9999.0,
                                     bytes=list(text.encode("utf-8")), top_logprobs=top))
     return ChatLogProbs(content=content)
+
+
+def echo_logprobs(tokenizer: Any, prompt_token_ids: tuple[int, ...], prompt_logprobs: tuple | None,
+                  num_top: int) -> CompletionLogProbs:
+    """Legacy-completions logprobs of the prompt itself (echo): the first token has none (None), each
+    later one its logprob given the tokens before it, as lm-eval's loglikelihood requests read them."""
+    out = CompletionLogProbs()
+    offset = 0
+    for j, token_id in enumerate(prompt_token_ids):
+        step = prompt_logprobs[j] if prompt_logprobs is not None else None
+        entry = step.get(token_id) if step else None
+        text = _token_text(tokenizer, token_id, entry)
+        out.tokens.append(text)
+        out.token_logprobs.append(float(entry.logprob) if entry is not None else None)
+        out.top_logprobs.append(dict(_top(tokenizer, step, num_top)) if step and num_top > 0 else None)
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+def concat_logprobs(first: CompletionLogProbs, second: CompletionLogProbs | None) -> CompletionLogProbs:
+    """`first` then `second` (its offsets already counted from the end of `first`'s text)."""
+    if second is None:
+        return first
+    return CompletionLogProbs(text_offset=first.text_offset + second.text_offset,
+                              token_logprobs=first.token_logprobs + second.token_logprobs,
+                              tokens=first.tokens + second.tokens, top_logprobs=first.top_logprobs + second.top_logprobs)

@@ -8,6 +8,7 @@ A value out of range fails validation, which the server answers with a 400 in Op
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -23,11 +24,7 @@ _SEED_RANGE = {"ge": -(2**63), "le": 2**63 - 1}
 
 # OpenAI / vLLM fields this server does not implement: a request that sets them gets a 400
 # rather than an answer that silently ignores them. Value: the setting that means "off".
-UNSUPPORTED_FIELDS = {
-    "logit_bias": {}, "tools": [], "functions": [], "suffix": "", "prompt_logprobs": 0,
-    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
-    "structured_outputs": None, "logits_processors": [], "response_format": {"type": "text"}, "best_of": 1,
-}
+UNSUPPORTED_FIELDS = {"functions": [], "suffix": "", "logits_processors": []}
 
 
 def random_id(prefix: str) -> str:
@@ -55,6 +52,26 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI's response_format: text, any JSON object, or JSON following `json_schema.schema`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return self
+
+
 class SamplingRequest(OpenAIBaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -80,6 +97,17 @@ class SamplingRequest(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    best_of: int | None = Field(None, ge=1, le=128)
+    logit_bias: dict[str, float] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0)
+    # structured outputs: OpenAI's response_format, vLLM's guided_* fields and their new name
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_common(self):
@@ -94,6 +122,15 @@ class SamplingRequest(OpenAIBaseModel):
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({limit})")
         if (isinstance(self.stop, list) and any(not s for s in self.stop)) or self.stop == "":
             raise ValueError("stop strings must not be empty")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+        if self.best_of not in (None, 1) and self.stream:
+            raise ValueError("best_of cannot be used with stream")
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit() or int(key) < 0:
+                raise ValueError(f"logit_bias key {key!r} must be a token id (a non-negative integer)")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias value {bias} for token {key} must be in [-100, 100]")
         return self
 
     def output_limit(self) -> int | None:
@@ -108,7 +145,7 @@ class CompletionRequest(SamplingRequest):
     """POST /v1/completions. `prompt`: a string, a list of strings, token ids, or lists of token ids."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    max_tokens: int | None = Field(16, ge=0)  # OpenAI's default; 0 with echo returns the prompt alone
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
 
@@ -119,6 +156,8 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("prompt must not be empty")
         if isinstance(prompt, list) and any(isinstance(p, (str, list)) and len(p) == 0 for p in prompt):
             raise ValueError("prompt must not contain an empty prompt")
+        if self.max_tokens == 0 and (not self.echo or self.stream):
+            raise ValueError("max_tokens=0 needs echo=true and no stream (the prompt alone is returned)")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -136,10 +175,24 @@ class ContentPart(OpenAIBaseModel):
     text: str | None = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str
+    """The arguments as JSON text (OpenAI's shape)."""
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("call"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("role")
     @classmethod
@@ -147,8 +200,14 @@ class ChatMessage(OpenAIBaseModel):
         return check_role(role)
 
     def to_template_dict(self) -> dict[str, Any]:
-        """The message as chat templates expect it; text parts are joined, other parts refused."""
+        """The message as chat templates expect it; text parts are joined, other parts refused. Tool-call
+        arguments become dicts (transformers' chat templates expect them so, as vLLM passes them)."""
         message = self.model_dump(exclude_none=True)
+        if self.tool_calls:
+            message["tool_calls"] = [_template_tool_call(c) for c in self.tool_calls]
+            if self.content is None:
+                message["content"] = ""
+                return message
         if self.content is None:  # chat templates read message['content']: a jinja error otherwise
             raise ValueError(f"a {self.role!r} message needs a 'content' (a string or a list of text parts)")
         if isinstance(self.content, list):
@@ -159,8 +218,41 @@ class ChatMessage(OpenAIBaseModel):
         return message
 
 
+def _template_tool_call(call: ToolCall) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments) if call.function.arguments else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"tool call {call.function.name!r}: arguments are not valid JSON ({e})") from None
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class ChatCompletionNamedToolChoiceParam(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions."""
+
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = None
+    parallel_tool_calls: bool | None = True
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -173,6 +265,15 @@ class ChatCompletionRequest(SamplingRequest):
     def _check_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.tool_choice is None:  # OpenAI's default: auto with tools, none without
+            self.tool_choice = "auto" if self.tools else "none"
+        if self.tool_choice not in ("none", "auto") and not self.tools:
+            raise ValueError("tool_choice requires tools")
+        if isinstance(self.tool_choice, ChatCompletionNamedToolChoiceParam):
+            names = [t.function.name for t in self.tools]
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, "
+                                 f"which is not in tools ({names})")
         return self
 
     def output_limit(self) -> int | None:
@@ -198,6 +299,7 @@ class CompletionChoice(OpenAIBaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -226,6 +328,7 @@ class ChatLogProbs(OpenAIBaseModel):
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(OpenAIBaseModel):
@@ -245,9 +348,22 @@ class ChatCompletionResponse(OpenAIBaseModel):
     usage: UsageInfo | None = None
 
 
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(OpenAIBaseModel):

@@ -23,7 +23,17 @@ from fxrewrite.runtime.server.protocol import (
     UsageInfo,
     random_id,
 )
+from fxrewrite.runtime.server.request_params import best_of_choices, prompt_logprobs_json, structured_outputs_of
 from fxrewrite.runtime.server.serving_engine import OpenAIServing
+from fxrewrite.runtime.server.tool_parsers import ToolParser
+from fxrewrite.runtime.server.tool_stream import ToolStream
+from fxrewrite.runtime.server.tools import (
+    check_template_renders_tools,
+    finish_reason,
+    forced_tool_outputs,
+    parse_output,
+    tool_mode,
+)
 from fxrewrite.runtime.server.streaming import (
     DeltaTracker,
     EventStreamResponse,
@@ -36,15 +46,29 @@ from fxrewrite.runtime.server.streaming import (
 
 
 class OpenAIServingChat(OpenAIServing):
-    """Handles `ChatCompletionRequest`s."""
+    """Handles `ChatCompletionRequest`s.
+
+    chat_template: a template (text) used instead of the tokenizer's (`--chat-template`).
+    tool_parser: the parser of tool_choice "auto" (None: "auto" is refused, as vLLM does without
+    `--enable-auto-tool-choice`).
+    """
+
+    def __init__(self, *args, chat_template: str | None = None, tool_parser: ToolParser | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.chat_template = chat_template
+        self.tool_parser = tool_parser
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request):
         model = self.model_name(request.model)
+        structured = self._check_tools(request)
         token_ids = self.apply_chat_template(request)
         explicit = bool({"max_tokens", "max_completion_tokens"} & request.model_fields_set)
         max_tokens = self.max_tokens_for(request, len(token_ids), explicit)
         num_top = (request.top_logprobs or 0) if request.logprobs else None
-        params = self.sampling_params(request, max_tokens, num_top)
+        params = self.sampling_params(request, max_tokens, num_top, None, structured)
+        if tool_mode(request) == "auto" and self.tool_parser.needs_special_tokens:
+            params.skip_special_tokens = False
+        await self.check_structured_outputs(params)
         request_id = random_id("chatcmpl")
         ids, streams = await self.start_requests(request_id, [(token_ids, params)])
         if request.stream:
@@ -56,20 +80,43 @@ class OpenAIServingChat(OpenAIServing):
             self.abort_all(ids)
         return JSONResponse(self._response(request, model, request_id, final).model_dump())
 
+    def template(self) -> str | None:
+        return self.chat_template or getattr(self.tokenizer, "chat_template", None)
+
+    def _check_tools(self, request: ChatCompletionRequest):
+        """The request's output constraint (tool_choice required / named force one); 400 for what cannot
+        be served."""
+        structured = structured_outputs_of(request)
+        mode = tool_mode(request)
+        if not request.tools or mode == "none":
+            return structured
+        check_template_renders_tools(self.template())
+        if mode == "auto" and self.tool_parser is None:
+            raise OpenAIError(HTTPStatus.BAD_REQUEST, '"auto" tool choice requires --enable-auto-tool-choice '
+                              "(and --tool-call-parser) to be set", param="tool_choice", code="invalid_value")
+        forced = forced_tool_outputs(request)
+        if forced is not None and structured is not None:
+            raise OpenAIError(HTTPStatus.BAD_REQUEST, f"tool_choice {mode!r} cannot be combined with another "
+                              "output constraint (response_format / guided_*)", param="tool_choice",
+                              code="invalid_value")
+        return forced or structured
+
     def apply_chat_template(self, request: ChatCompletionRequest) -> list[int]:
-        """Prompt token ids of the messages, rendered by the tokenizer's chat template (400 if it fails)."""
-        if getattr(self.tokenizer, "chat_template", None) is None:
+        """Prompt token ids of the messages, rendered by the chat template (400 if it fails)."""
+        if self.template() is None:
             raise OpenAIError(HTTPStatus.BAD_REQUEST, "this model's tokenizer has no chat template; "
-                              "use /v1/completions", param="messages", code="no_chat_template")
+                              "use /v1/completions or start the server with --chat-template",
+                              param="messages", code="no_chat_template")
         try:
             messages = [m.to_template_dict() for m in request.messages]
         except ValueError as e:
             raise OpenAIError(HTTPStatus.BAD_REQUEST, f"messages: {e}", param="messages",
                               code="invalid_value") from None
+        tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=request.add_generation_prompt,
-                **(request.chat_template_kwargs or {}))
+                messages, tools=tools, tokenize=False, add_generation_prompt=request.add_generation_prompt,
+                chat_template=self.chat_template, **(request.chat_template_kwargs or {}))
         except Exception as e:  # jinja2 TemplateError, or a template's raise_exception(...)
             raise OpenAIError(HTTPStatus.BAD_REQUEST, f"chat template failed: {e}", param="messages",
                               code="invalid_value") from None
@@ -79,19 +126,28 @@ class OpenAIServingChat(OpenAIServing):
     def _response(self, request: ChatCompletionRequest, model: str, request_id: str,
                   final: StepOutput) -> ChatCompletionResponse:
         choices = []
-        for c in final.choices:
+        outs = final.choices
+        if request.best_of is not None and request.best_of > request.n:
+            outs = best_of_choices(list(outs), request.n)
+        for c in outs:
             logprobs = None
             if request.logprobs:
                 logprobs = chat_logprobs(self.tokenizer, c, 0, len(c.token_ids), request.top_logprobs or 0)
-            choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                                      logprobs=logprobs, finish_reason=c.finish_reason,
+            content, calls = parse_output(request, c.text, self.tool_parser)
+            message = ChatResponseMessage(content=content, tool_calls=calls)
+            choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs,
+                                      finish_reason=finish_reason(request, c.finish_reason, calls),
                                       stop_reason=c.stop_reason))
-        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=_usage(final))
+        response = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=_usage(final))
+        if request.prompt_logprobs is not None:
+            response.prompt_logprobs = prompt_logprobs_json(final.prompt_logprobs)
+        return response
 
     async def _stream(self, request: ChatCompletionRequest, model: str, request_id: str, ids: list[str],
                       stream: AsyncIterator[StepOutput]) -> AsyncIterator[str]:
         created = int(time.time())
         tracker = DeltaTracker(stop_holdback(request.stop))
+        tools = ToolStream(request, self.tool_parser)
         last = None
 
         def chunk(choice: ChatStreamChoice) -> str:
@@ -106,16 +162,20 @@ class OpenAIServingChat(OpenAIServing):
                 last = output
                 for d in tracker.deltas(0, output):
                     new_tokens = request.logprobs and d.tok_end > d.tok_start
-                    if not d.text and not d.finished and not new_tokens:
+                    deltas = tools.deltas(d)
+                    if not deltas and not d.finished and not new_tokens:
                         continue
                     logprobs = None
                     if request.logprobs:
                         logprobs = chat_logprobs(self.tokenizer, d.choice, d.tok_start, d.tok_end,
                                                  request.top_logprobs or 0)
-                    yield chunk(ChatStreamChoice(
-                        index=d.choice.index, delta=DeltaMessage(content=d.text or None), logprobs=logprobs,
-                        finish_reason=d.choice.finish_reason if d.finished else None,
-                        stop_reason=d.choice.stop_reason if d.finished else None))
+                    deltas = deltas or [DeltaMessage()]
+                    for j, delta in enumerate(deltas):
+                        end = d.finished and j == len(deltas) - 1
+                        yield chunk(ChatStreamChoice(
+                            index=d.choice.index, delta=delta, logprobs=logprobs if j == 0 else None,
+                            finish_reason=tools.finish_reason(d.choice) if end else None,
+                            stop_reason=d.choice.stop_reason if end else None))
             if request.include_usage() and last is not None:
                 body = ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
                                                     usage=_usage(last))

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 
 from fxrewrite.runtime.server.async_engine import StepOutput
 from fxrewrite.runtime.server.errors import OpenAIError
-from fxrewrite.runtime.server.logprobs import completion_logprobs
+from fxrewrite.runtime.server.logprobs import completion_logprobs, concat_logprobs, echo_logprobs
 from fxrewrite.runtime.server.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -20,6 +20,7 @@ from fxrewrite.runtime.server.protocol import (
     UsageInfo,
     random_id,
 )
+from fxrewrite.runtime.server.request_params import best_of_choices, prompt_logprobs_json, structured_outputs_of
 from fxrewrite.runtime.server.serving_engine import OpenAIServing
 from fxrewrite.runtime.server.streaming import (
     DeltaTracker,
@@ -38,15 +39,17 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, request: CompletionRequest, raw_request: Request):
         model = self.model_name(request.model)
-        if request.echo and request.logprobs is not None:
-            raise OpenAIError(HTTPStatus.BAD_REQUEST, "echo together with logprobs is not supported",
-                              param="echo", code="unsupported")
         prompts = [self._encode(p) for p in request.prompts()]
         explicit = "max_tokens" in request.model_fields_set
+        # echo + logprobs: the prompt's own logprobs come first (lm-eval's loglikelihood requests).
+        echo_lp = request.logprobs if request.echo and request.logprobs is not None else None
+        structured = structured_outputs_of(request)
         inputs = []
         for _, token_ids in prompts:
-            max_tokens = self.max_tokens_for(request, len(token_ids), explicit)
-            inputs.append((token_ids, self.sampling_params(request, max_tokens, request.logprobs)))
+            max_tokens = self.max_tokens_for(request, len(token_ids), explicit) if request.max_tokens != 0 else 1
+            params = self.sampling_params(request, max_tokens, request.logprobs, echo_lp, structured)
+            inputs.append((token_ids, params))
+        await self.check_structured_outputs(inputs[0][1])
         request_id = random_id("cmpl")
         ids, streams = await self.start_requests(request_id, inputs)
         echo_texts = [text if request.echo else "" for text, _ in prompts]
@@ -69,14 +72,25 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _choices(self, request: CompletionRequest, prompt_index: int, output: StepOutput,
                  echo_text: str) -> list[CompletionChoice]:
-        choices = []
-        for c in output.choices:
+        choices, prompt_only = [], request.max_tokens == 0
+        outs = output.choices
+        if request.best_of is not None and request.best_of > request.n:
+            outs = best_of_choices(list(outs), request.n)
+        for c in outs:
             logprobs = None
             if request.logprobs is not None:
-                logprobs = completion_logprobs(self.tokenizer, c, 0, len(c.token_ids), request.logprobs)
-            choices.append(CompletionChoice(index=prompt_index * request.n + c.index, text=echo_text + c.text,
-                                            logprobs=logprobs, finish_reason=c.finish_reason,
-                                            stop_reason=c.stop_reason))
+                logprobs = None if prompt_only else completion_logprobs(
+                    self.tokenizer, c, 0, len(c.token_ids), request.logprobs, len(echo_text))
+                if request.echo:
+                    prompt_part = echo_logprobs(self.tokenizer, output.prompt_token_ids, output.prompt_logprobs,
+                                                request.logprobs)
+                    logprobs = concat_logprobs(prompt_part, logprobs)
+            choices.append(CompletionChoice(
+                index=prompt_index * request.n + c.index, text=echo_text + ("" if prompt_only else c.text),
+                logprobs=logprobs, finish_reason="length" if prompt_only else c.finish_reason,
+                stop_reason=None if prompt_only else c.stop_reason,
+                prompt_logprobs=prompt_logprobs_json(output.prompt_logprobs) if request.prompt_logprobs is not None
+                else None))
         return choices
 
     def _response(self, request: CompletionRequest, model: str, request_id: str,
@@ -84,7 +98,10 @@ class OpenAIServingCompletion(OpenAIServing):
         choices = []
         for i, output in enumerate(finals):
             choices.extend(self._choices(request, i, output, echo_texts[i]))
-        return CompletionResponse(id=request_id, model=model, choices=choices, usage=_usage(finals))
+        usage = _usage(finals)
+        if request.max_tokens == 0:  # the one token generated for nothing is not reported
+            usage = UsageInfo(prompt_tokens=usage.prompt_tokens, completion_tokens=0, total_tokens=usage.prompt_tokens)
+        return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
     async def _stream(self, request: CompletionRequest, model: str, request_id: str, ids: list[str],
                       streams: list[AsyncIterator[StepOutput]], echo_texts: list[str]) -> AsyncIterator[str]:
@@ -95,11 +112,16 @@ class OpenAIServingCompletion(OpenAIServing):
             async for i, output in merge_async_iterators(*streams):
                 last[i] = output
                 for d in tracker.deltas(i, output):
-                    text = (echo_texts[i] if d.is_first else "") + d.text
+                    echo = echo_texts[i] if d.is_first else ""
+                    text = echo + d.text
                     logprobs = None
                     if request.logprobs is not None:
                         logprobs = completion_logprobs(self.tokenizer, d.choice, d.tok_start, d.tok_end,
-                                                       request.logprobs, d.text_start)
+                                                       request.logprobs, d.text_start + len(echo_texts[i]))
+                        if request.echo and d.is_first:
+                            logprobs = concat_logprobs(echo_logprobs(
+                                self.tokenizer, output.prompt_token_ids, output.prompt_logprobs, request.logprobs),
+                                logprobs)
                     choice = CompletionChoice(
                         index=i * request.n + d.choice.index, text=text, logprobs=logprobs,
                         finish_reason=d.choice.finish_reason if d.finished else None,

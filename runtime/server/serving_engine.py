@@ -7,6 +7,7 @@ allocated in the engine.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
@@ -15,6 +16,7 @@ from fxrewrite.runtime.engine.sampling_params import SamplingParams
 from fxrewrite.runtime.server.async_engine import EngineDeadError, StepOutput
 from fxrewrite.runtime.server.errors import OpenAIError
 from fxrewrite.runtime.server.protocol import SamplingRequest
+from fxrewrite.runtime.server.request_params import logit_bias_of
 
 if TYPE_CHECKING:
     from fxrewrite.runtime.server.async_engine import AsyncLLMEngine
@@ -85,15 +87,26 @@ class OpenAIServing:
                 param="max_tokens", code="context_length_exceeded")
         return min(limit, room)
 
-    def sampling_params(self, request: SamplingRequest, max_tokens: int, logprobs: int | None):
-        """The engine's `SamplingParams` for a request (400 when the engine refuses a value)."""
+    def sampling_params(self, request: SamplingRequest, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None, structured_outputs=None):
+        """The engine's `SamplingParams` for a request (400 when the engine refuses a value).
+
+        With best_of > n, best_of completions are generated (with their logprobs, to rank them)."""
+        n = request.n
+        if request.best_of is not None and request.best_of > request.n:
+            n = request.best_of
+            logprobs = 0 if logprobs is None else logprobs
+        if prompt_logprobs is None:
+            prompt_logprobs = request.prompt_logprobs
         values = {}
         for name, fallback in _SAMPLING_FALLBACKS.items():
             given = getattr(request, name)
             values[name] = given if given is not None else self.generation_defaults.get(name, fallback)
         try:
             return SamplingParams(
-                n=request.n, seed=request.seed, stop=request.stop,
+                n=n, seed=request.seed, stop=request.stop, prompt_logprobs=prompt_logprobs,
+                logit_bias=logit_bias_of(request, self.vocab_size), bad_words=request.bad_words,
+                structured_outputs=structured_outputs,
                 presence_penalty=request.presence_penalty or 0.0,
                 frequency_penalty=request.frequency_penalty or 0.0,
                 ignore_eos=request.ignore_eos, min_tokens=min(request.min_tokens, max_tokens),
@@ -104,6 +117,20 @@ class OpenAIServing:
                 max_tokens=max_tokens, logprobs=logprobs, **values)
         except (ValueError, TypeError) as e:
             raise OpenAIError(HTTPStatus.BAD_REQUEST, str(e), code="invalid_value") from None
+
+    async def check_structured_outputs(self, params) -> None:
+        """Compile a request's output constraint before it is queued (400 naming the problem); the
+        compiled grammar is cached, so admitting the request does not compile it again."""
+        if params.structured_outputs is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.engine.compile_structured_outputs, params)
+        except ImportError as e:
+            raise OpenAIError(HTTPStatus.BAD_REQUEST, f"structured outputs need xgrammar "
+                              f"(pip install 'fxrewrite[serve]'): {e}", code="unsupported") from None
+        except ValueError as e:
+            raise OpenAIError(HTTPStatus.BAD_REQUEST, str(e), param="structured_outputs",
+                              code="invalid_value") from None
 
     async def start_requests(
         self, request_id: str, prompts: list[tuple[list[int], SamplingParams]]

@@ -14,6 +14,7 @@ from fxrewrite.runtime.worker.cuda_graphs import build_graph_runner
 from fxrewrite.runtime.engine_config import EngineConfig
 from fxrewrite.runtime.worker.forward_context import forward_context
 from fxrewrite.runtime.engine.inputs import prepare_inputs
+from fxrewrite.runtime.engine.prompt_logprobs import compute_prompt_logprobs, wants_prompt_logprobs
 from fxrewrite.runtime.worker.kv_cache import allocate_kv_caches, num_kv_blocks
 from fxrewrite.runtime.worker.memory_profiling import profile_num_kv_blocks
 from fxrewrite.runtime.engine.sampler import SampledTokens, SampleResult, Sampler
@@ -124,14 +125,19 @@ class ModelRunner:
     supports_async = True
     """`execute_model_async` can take the previous step's tokens from the device (LLMEngine checks this)."""
 
-    def execute_model(self, sched: SchedulerOutput) -> tuple[list[Sequence], list[SampleResult]]:
+    def execute_model(self, sched: SchedulerOutput, bitmask_hook=None) -> tuple[list[Sequence], list[SampleResult]]:
         """Run the step's flattened tokens; returns the sequences that sampled and their samples."""
-        return self.execute_model_async(sched).result()
+        return self.execute_model_async(sched, None, bitmask_hook).result()
 
     @torch.inference_mode()
-    def execute_model_async(self, sched: SchedulerOutput, previous: PendingStep | None = None) -> PendingStep:
+    def execute_model_async(self, sched: SchedulerOutput, previous: PendingStep | None = None,
+                            bitmask_hook=None) -> PendingStep:
         """Launch the step and return without waiting for the device. Tokens of `previous` (the step still
-        in flight) that this step feeds back are read from its sampled tokens on the device."""
+        in flight) that this step feeds back are read from its sampled tokens on the device.
+
+        bitmask_hook: None, or a callable(sampling sequences) -> the sampler's `bitmask` argument, called
+        after the forward pass is launched (structured outputs: the host fills the grammar masks while
+        the device runs the model)."""
         rows = previous.rows if previous is not None else None
         inputs = prepare_inputs(sched.scheduled, self.block_size, self.device, rows)
         if inputs.gather_dst is not None:
@@ -143,18 +149,24 @@ class ModelRunner:
                 hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.attn_metadata, inputs.rope_lengths)
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions)
+        prompt_logprobs = None
+        if any(wants_prompt_logprobs(s) for s in sched.scheduled):
+            prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, sched.scheduled)
         if not inputs.sample_seqs:
-            return PendingStep(sched, None)
+            return PendingStep(sched, None, prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        return PendingStep(sched, self.sampler.sample(logits, inputs.sample_seqs))
+        bitmask = bitmask_hook(inputs.sample_seqs) if bitmask_hook is not None else None
+        return PendingStep(sched, self.sampler.sample(logits, inputs.sample_seqs, bitmask), prompt_logprobs)
 
 
 class PendingStep:
     """A launched step: its schedule and its sampled tokens (on the device until `result()`)."""
 
-    def __init__(self, sched: SchedulerOutput, samples: SampledTokens | None):
+    def __init__(self, sched: SchedulerOutput, samples: SampledTokens | None, prompt_logprobs=None):
         self.sched = sched
         self.samples = samples
+        self.prompt_logprobs = prompt_logprobs
+        """list[PromptLogprobsChunk] of this step, or None."""
         self.seqs: list[Sequence] = samples.seqs if samples is not None else []
         self.rows = {seq.seq_id: i for i, seq in enumerate(self.seqs)}
         """seq_id -> row of its sample in `samples.tokens`."""

@@ -88,7 +88,7 @@ def server(tiny_model_dir):
     args = build_parser().parse_args([
         "serve", str(tiny_model_dir("qwen3")), "--port", str(port), "--api-key", API_KEY,
         "--served-model-name", MODEL_NAME, "--model-impl", "native", "--max-model-len", str(MAX_MODEL_LEN),
-        "--kv-cache-memory-bytes", "4M", "--max-num-seqs", "64",
+        "--kv-cache-memory-bytes", "4M", "--max-num-seqs", "64", "--enable-auto-tool-choice",
     ])
     engine, app = build_server_app(args)
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=5)

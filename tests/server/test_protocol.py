@@ -73,10 +73,12 @@ def test_delta_tracker_holds_back_stop_prefixes():
 
 @pytest.mark.parametrize(
     "fields",
-    [{"logit_bias": {"1": 5}}, {"tools": [{"type": "function"}]}, {"response_format": {"type": "json_object"}},
-     {"best_of": 3}, {"seed": 2**64}],
+    [{"functions": [{"name": "f"}]}, {"suffix": "x"}, {"tools": [{"type": "function"}]},
+     {"response_format": {"type": "json_schema"}}, {"best_of": 1, "n": 2}, {"logit_bias": {"a": 5}},
+     {"logit_bias": {"1": 500}}, {"seed": 2**64}, {"tool_choice": "required"},
+     {"tools": [{"function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}],
 )
-def test_unsupported_fields_are_refused_not_ignored(fields):
+def test_unsupported_or_invalid_fields_are_refused_not_ignored(fields):
     with pytest.raises(ValidationError):
         ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **fields)
 

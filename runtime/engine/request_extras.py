@@ -1,0 +1,81 @@
+"""What the engine does for the optional parts of a request: logprob limits, bad words, prompt logprobs.
+
+Kept beside `llm_engine.py` so the engine's step loop stays readable.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fxrewrite.runtime.engine.outputs import Logprob
+from fxrewrite.runtime.engine.prompt_logprobs import PromptLogprobsChunk
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
+from fxrewrite.runtime.engine.sequence import Sequence
+
+
+def check_request_extras(params: SamplingParams, max_logprobs: int, vocab_size: int,
+                         tensor_parallel_size: int) -> None:
+    """ValueError for logprobs / prompt_logprobs above `max_logprobs` (vLLM's limit, default 20), a
+    logit_bias token outside the vocabulary, or a feature the tensor-parallel executor lacks."""
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > max_logprobs:
+            raise ValueError(f"{name}={value} is more than max_logprobs={max_logprobs}; ask for at most "
+                             f"{max_logprobs}, or start the engine with a larger max_logprobs")
+    bad = [t for t in (params.logit_bias or {}) if t >= vocab_size]
+    if bad:
+        raise ValueError(f"logit_bias token id {bad[0]} is out of range [0, {vocab_size})")
+    if tensor_parallel_size > 1:
+        for name in ("prompt_logprobs", "structured_outputs", "bad_words"):
+            if getattr(params, name) is not None:
+                raise ValueError(f"{name} is not supported with tensor_parallel_size > 1 yet")
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """Each bad word's token ids, tokenized alone and after a space (vLLM's two forms), deduplicated."""
+    out: list[list[int]] = []
+    for word in words:
+        for text in (word, " " + word.lstrip()):
+            ids = list(tokenizer.encode(text, add_special_tokens=False))
+            if ids and ids not in out:
+                out.append(ids)
+    return out
+
+
+def store_prompt_logprobs(seqs: dict[int, Sequence], chunks: list[PromptLogprobsChunk], decode) -> None:
+    """Write each chunk's {token_id: Logprob} dicts into its sequence's `prompt_logprobs` (position by
+    position, so a recomputed chunk after preemption just writes the same values again)."""
+    for chunk in chunks:
+        seq = seqs.get(chunk.seq_id)
+        if seq is None or seq.prompt_logprobs is None:
+            continue
+        for j, token_id in enumerate(chunk.token_ids):
+            entry = {token_id: Logprob(chunk.logprobs[j], chunk.ranks[j], decode(token_id))}
+            for r, (t, lp) in enumerate(zip(chunk.top_ids[j], chunk.top_logprobs[j]), start=1):
+                if t not in entry:
+                    entry[t] = Logprob(lp, r, decode(t))
+            seq.prompt_logprobs[chunk.first_pos + j] = entry
+
+
+def eos_token_ids(tokenizer, model_config) -> set[int]:
+    """EOS ids: the tokenizer's plus generation_config.json's (which may list several)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    gen_eos = getattr(model_config, "generation_eos_token_ids", None)
+    if gen_eos is None:
+        gen_eos = _read_generation_eos(model_config)
+    ids.update(gen_eos)
+    return ids
+
+
+def _read_generation_eos(model_config) -> list[int]:
+    path = Path(model_config.model_path) / "generation_config.json"
+    if not path.exists():
+        eos = getattr(model_config.hf_text_config, "eos_token_id", None)
+    else:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)

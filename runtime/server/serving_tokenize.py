@@ -1,0 +1,78 @@
+"""POST /v1/tokenize and /v1/detokenize (vLLM's endpoints and shapes).
+
+/v1/tokenize takes a `prompt` (text, tokenized as /v1/completions does) or chat `messages` (rendered
+by the chat template as /v1/chat/completions does, tools included) and answers
+{"count", "max_model_len", "tokens", "token_strs"}; /v1/detokenize takes {"tokens"} and answers {"prompt"}.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from fxrewrite.runtime.server.errors import OpenAIError
+from fxrewrite.runtime.server.protocol import ChatCompletionRequest, ChatMessage, OpenAIBaseModel
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    """Default True for a prompt; False for messages (the template writes them)."""
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int] = Field(min_length=0)
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str
+
+
+def tokenize(chat, request: TokenizeRequest) -> TokenizeResponse:
+    """`chat`: the OpenAIServingChat (its tokenizer, template and checks are reused)."""
+    chat.model_name(request.model)
+    tokenizer = chat.tokenizer
+    if request.prompt is not None:
+        add = True if request.add_special_tokens is None else request.add_special_tokens
+        ids = list(tokenizer.encode(request.prompt, add_special_tokens=add))
+    else:
+        chat_request = ChatCompletionRequest(
+            messages=request.messages, add_generation_prompt=request.add_generation_prompt,
+            chat_template_kwargs=request.chat_template_kwargs, tools=request.tools, tool_choice="none")
+        ids = chat.apply_chat_template(chat_request)
+        if request.add_special_tokens and tokenizer.bos_token_id is not None and ids[:1] != [tokenizer.bos_token_id]:
+            ids = [tokenizer.bos_token_id] + ids
+    strs = tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+    return TokenizeResponse(count=len(ids), max_model_len=chat.max_model_len, tokens=ids, token_strs=strs)
+
+
+def detokenize(chat, request: DetokenizeRequest) -> DetokenizeResponse:
+    chat.model_name(request.model)
+    chat.check_token_ids(request.tokens)
+    try:
+        return DetokenizeResponse(prompt=chat.tokenizer.decode(request.tokens))
+    except Exception as e:  # noqa: BLE001 - a tokenizer that cannot decode these ids
+        raise OpenAIError(HTTPStatus.BAD_REQUEST, f"tokens cannot be decoded: {e}", param="tokens",
+                          code="invalid_value") from None

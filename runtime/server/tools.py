@@ -1,0 +1,89 @@
+"""Tool calling on chat completions: what `tools` + `tool_choice` ask of the engine and how its text
+becomes OpenAI `tool_calls`.
+
+- `none`: the tools are still shown to the template (vLLM's default); the answer is plain content.
+- `auto`: the model decides; its own format is parsed (`tool_parsers`). Needs `--enable-auto-tool-choice`
+  (and `--tool-call-parser`, "auto" by default here: picked by the chat template), as in vLLM.
+- `required` / a named function: the output is forced with structured outputs, as vLLM does: a JSON
+  list of {"name", "parameters"} objects whose names are the tools' (required), or the named function's
+  arguments object (named), written compactly (no free whitespace: a model cannot wander into
+  whitespace until max_tokens). Such output is always a valid call.
+"""
+
+from __future__ import annotations
+
+import json
+from http import HTTPStatus
+from typing import Any
+
+from fxrewrite.runtime.engine.structured_outputs import StructuredOutputsParams
+from fxrewrite.runtime.server.errors import OpenAIError
+from fxrewrite.runtime.server.protocol import ChatCompletionRequest, FunctionCall, ToolCall
+from fxrewrite.runtime.server.tool_parsers import ParsedToolCall, ToolParser
+
+
+def tool_mode(request: ChatCompletionRequest) -> str:
+    """"none", "auto", "required" or "named"."""
+    choice = request.tool_choice
+    return choice if isinstance(choice, str) else "named"
+
+
+def check_template_renders_tools(chat_template: str | None) -> None:
+    """400 when the chat template never reads `tools` (transformers would silently drop them)."""
+    if not chat_template or "tools" not in chat_template:
+        raise OpenAIError(HTTPStatus.BAD_REQUEST, "this model's chat template cannot render tools (it never "
+                          "reads `tools`); start the server with --chat-template pointing to a template that "
+                          "does, or send the request without tools", param="tools", code="tools_unsupported")
+
+
+def _parameters(tool) -> dict[str, Any]:
+    return tool.function.parameters or {"type": "object", "properties": {}}
+
+
+def forced_tool_outputs(request: ChatCompletionRequest) -> StructuredOutputsParams | None:
+    """The constraint that forces a valid call for tool_choice required / named (None otherwise)."""
+    mode = tool_mode(request)
+    if mode == "named":
+        name = request.tool_choice.function.name
+        tool = next(t for t in request.tools if t.function.name == name)
+        return StructuredOutputsParams(json=_parameters(tool), disable_any_whitespace=True)
+    if mode != "required":
+        return None
+    items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
+                                               "parameters": _parameters(t)},
+              "required": ["name", "parameters"]} for t in request.tools]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    if request.parallel_tool_calls is False:
+        schema["maxItems"] = 1
+    return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+
+
+def to_tool_calls(calls: list[ParsedToolCall]) -> list[ToolCall]:
+    return [ToolCall(function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
+
+
+def parse_output(request: ChatCompletionRequest, text: str, parser: ToolParser | None
+                 ) -> tuple[str | None, list[ToolCall]]:
+    """(content, tool calls) of a finished choice's text under the request's tool_choice."""
+    mode = tool_mode(request)
+    if mode == "named":
+        return None, to_tool_calls([ParsedToolCall(request.tool_choice.function.name, text)])
+    if mode == "required":
+        try:
+            objs = json.loads(text)
+            calls = [ParsedToolCall(o["name"], json.dumps(o["parameters"])) for o in objs]
+        except (json.JSONDecodeError, KeyError, TypeError):  # cut short by max_tokens: keep the text
+            return text, []
+        return None, to_tool_calls(calls)
+    if mode == "auto" and parser is not None:
+        content, calls = parser.parse(text)
+        return content, to_tool_calls(calls)
+    return text, []
+
+
+def finish_reason(request: ChatCompletionRequest, reason: str | None, calls: list[ToolCall]) -> str | None:
+    """OpenAI reports "tool_calls" when the model chose to call (auto, required); a forced named call
+    ends with "stop"."""
+    if calls and reason == "stop" and tool_mode(request) in ("auto", "required"):
+        return "tool_calls"
+    return reason

@@ -1,0 +1,109 @@
+"""Structured outputs in the offline API (xgrammar): sampled outputs at temperature 1.0 on a tiny random
+llama all parse and validate; regex, choice and grammar constraints hold; bad constraints are a
+ValueError naming the problem before anything is queued."""
+
+import json
+import re
+
+import pytest
+
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
+from fxrewrite.runtime.engine.structured_outputs import StructuredOutputsParams
+from fxrewrite.runtime.llm import LLM
+
+pytest.importorskip("xgrammar", reason="structured outputs need the serve extra (xgrammar)")
+jsonschema = pytest.importorskip("jsonschema")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        # A pattern, not maxLength: xgrammar 0.2.9's bounded-length strings admit raw control characters.
+        "name": {"type": "string", "pattern": "^[A-Za-z][a-z]{0,7}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "tags", "ok"],
+    "additionalProperties": False,
+}
+NUM_SAMPLES = 48  # benchmarks/structured_outputs.py samples more (--num-samples)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir), model_impl="native", kv_cache_memory_bytes=16 << 20, max_model_len=256,
+               max_num_seqs=128)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_sampled_json_always_validates(tiny_llama_dir, llm, async_scheduling):
+    if not async_scheduling:
+        llm = LLM(str(tiny_llama_dir), model_impl="native", kv_cache_memory_bytes=4 << 20, max_model_len=256,
+                  async_scheduling=False)
+    n = NUM_SAMPLES if async_scheduling else 10
+    params = SamplingParams(n=n, temperature=1.0, max_tokens=120, seed=0,
+                            structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))
+    out = llm.generate(["Give me a person as JSON:"], params, use_tqdm=False)[0]
+    assert len(out.outputs) == n
+    for c in out.outputs:
+        assert c.finish_reason == "stop", c.text
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+    assert len({c.text for c in out.outputs}) > n // 2  # really sampled
+    bm = llm.llm_engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not llm.llm_engine._structured.matchers
+
+
+def test_regex_choice_and_grammar(llm):
+    prompts = ["a", "b", "c"]
+    params = [
+        SamplingParams(n=5, temperature=1.0, max_tokens=30, structured_outputs=StructuredOutputsParams(
+            regex=r"[0-9]{3}-[a-z]{2}")),
+        SamplingParams(n=5, temperature=1.0, max_tokens=30, structured_outputs=StructuredOutputsParams(
+            choice=["yes", "no", "maybe \"so\""])),
+        SamplingParams(n=5, temperature=1.0, max_tokens=30, structured_outputs=StructuredOutputsParams(
+            grammar='root ::= "(" [a-c]+ ")"')),
+        SamplingParams(n=3, temperature=1.0, max_tokens=30),  # unconstrained neighbours
+    ]
+    outs = llm.generate(prompts + ["d"], params, use_tqdm=False)
+    assert all(re.fullmatch(r"[0-9]{3}-[a-z]{2}", c.text) for c in outs[0].outputs)
+    assert all(c.text in ("yes", "no", 'maybe "so"') for c in outs[1].outputs)
+    assert all(re.fullmatch(r"\([a-c]+\)", c.text) for c in outs[2].outputs)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (StructuredOutputsParams(json={"type": "objec"}), "invalid json.*objec"),
+    (StructuredOutputsParams(json="{not json"), "invalid json"),
+    (StructuredOutputsParams(regex="(ab"), "invalid regex.*parenthesis"),
+    (StructuredOutputsParams(grammar="root ::= foo"), "invalid grammar.*foo"),
+])
+def test_bad_constraints_are_refused_before_queueing(llm, bad, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(["x"], SamplingParams(structured_outputs=bad), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_params_need_exactly_one_constraint():
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(json={}, regex="a")
+    with pytest.raises(ValueError, match="choice"):
+        StructuredOutputsParams(choice=[])
+    with pytest.raises(TypeError, match="structured_outputs"):
+        SamplingParams(structured_outputs={"json": {}})
+
+
+def test_sampler_bitmask_equals_xgrammar_apply():
+    import torch
+    import xgrammar as xgr
+
+    from fxrewrite.runtime.engine.sampler import _apply_bitmask
+
+    vocab, rows = 1000, [0, 3, 5]
+    logits = torch.randn(8, vocab)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (len(rows), (vocab + 31) // 32), dtype=torch.int32)
+    full = torch.full((8, bitmask.shape[1]), -1, dtype=torch.int32)
+    full[rows] = bitmask
+    expected = logits.clone()
+    xgr.apply_token_bitmask_inplace(expected, full)
+    assert torch.equal(_apply_bitmask(logits, bitmask, torch.tensor(rows)), expected)

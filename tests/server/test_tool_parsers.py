@@ -1,0 +1,59 @@
+"""Tool-call parsers on the formats the model families write (no model needed)."""
+
+import json
+
+import pytest
+
+from fxrewrite.runtime.server.tool_parsers import (
+    HermesToolParser,
+    Llama3JsonToolParser,
+    MistralToolParser,
+    get_tool_parser,
+    parser_for_template,
+)
+
+
+def _calls(parsed):
+    content, calls = parsed
+    return content, [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def test_hermes():
+    p = HermesToolParser()
+    text = ('Let me check.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>')
+    assert _calls(p.parse(text)) == ("Let me check.", [("f", {"x": 1}), ("g", {})])
+    assert _calls(p.parse("plain answer")) == ("plain answer", [])
+    assert _calls(p.parse("<tool_call>{broken")) == ("<tool_call>{broken", [])  # stays content
+    assert p.content_boundary("Hello <tool") == len("Hello ")
+    assert p.content_boundary("Hello <tool_call>{") == len("Hello ")
+    assert p.content_boundary("Hello world") == len("Hello world")
+
+
+def test_llama3_json():
+    p = Llama3JsonToolParser()
+    assert _calls(p.parse('{"name": "f", "parameters": {"a": "b"}}')) == (None, [("f", {"a": "b"})])
+    text = '<|python_tag|>{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"k": 2}}'
+    assert _calls(p.parse(text)) == (None, [("f", {}), ("g", {"k": 2})])
+    assert _calls(p.parse("The answer is 4.")) == ("The answer is 4.", [])
+    assert p.content_boundary('{"na') == 0 and p.content_boundary("The") == 3
+
+
+def test_mistral():
+    p = MistralToolParser()
+    assert p.needs_special_tokens
+    text = '[TOOL_CALLS][{"name": "f", "arguments": {"q": "x"}}, {"name": "g", "arguments": {}}]'
+    assert _calls(p.parse(text)) == (None, [("f", {"q": "x"}), ("g", {})])
+    assert _calls(p.parse("no calls")) == ("no calls", [])
+
+
+def test_parser_picked_by_template():
+    assert isinstance(parser_for_template("... <tool_call> ..."), HermesToolParser)
+    assert isinstance(parser_for_template("{{ '[TOOL_CALLS]' }}"), MistralToolParser)
+    assert isinstance(parser_for_template("<|python_tag|>"), Llama3JsonToolParser)
+    assert parser_for_template("{{ messages }}") is None
+    with pytest.raises(ValueError, match="writes no tool-call format"):
+        get_tool_parser("auto", "{{ messages }}")
+    with pytest.raises(ValueError, match="not one of"):
+        get_tool_parser("nope", None)
+    assert isinstance(get_tool_parser("mistral", None), MistralToolParser)

@@ -1,0 +1,193 @@
+"""Structured outputs and tool calling through the real `openai` client against the test server (tiny
+Qwen3 with Qwen3's real chat template, which renders tools and writes Hermes-style <tool_call> blocks;
+`--enable-auto-tool-choice`, so the parser is picked by the template)."""
+
+import json
+
+import openai
+import pytest
+
+pytest.importorskip("xgrammar", reason="structured outputs need the serve extra (xgrammar)")
+jsonschema = pytest.importorskip("jsonschema")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "pattern": "^[A-Z][a-z]{0,9}$"},
+        "days": {"type": "integer", "minimum": 1, "maximum": 14},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "days", "unit"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_forecast", "description": "Weather forecast",
+                                      "parameters": SCHEMA}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"],
+        "additionalProperties": False}}},
+]
+MESSAGES = [{"role": "user", "content": "What's the weather in Paris?"}]
+COMPACT = {"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _grammar_compiler(server):
+    """Build xgrammar's tokenizer info for the 151,936-token vocabulary once, outside any request timeout."""
+    from fxrewrite.runtime.engine.sampling_params import SamplingParams
+    from fxrewrite.runtime.engine.structured_outputs import StructuredOutputsParams
+
+    server.engine.compile_structured_outputs(SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")))
+
+
+def _client(server):
+    return server.client().with_options(timeout=600)  # a loaded 2-core CI machine is slow
+
+
+def _chat(server, **kwargs):
+    kwargs.setdefault("max_tokens", 100)
+    return _client(server).chat.completions.create(model=server.model_name, messages=MESSAGES, **kwargs)
+
+
+def test_json_schema_outputs_validate(server):
+    # Free whitespace off: a random model would otherwise emit whitespace until max_tokens.
+    out = _chat(server, n=6, temperature=1.0, seed=1, response_format={
+        "type": "json_schema", "json_schema": {"name": "forecast", "schema": SCHEMA}},
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+    for choice in out.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    out = _chat(server, n=3, temperature=1.0, extra_body=COMPACT)
+    for choice in out.choices:
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+        assert "\n" not in choice.message.content and "  " not in choice.message.content
+
+
+def test_json_object_regex_choice_and_grammar(server):
+    client = _client(server)
+    out = _chat(server, max_tokens=60, temperature=1.0, response_format={"type": "json_object"},
+                extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+    assert out.choices[0].message.content.startswith("{")
+    if out.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(out.choices[0].message.content), dict)
+    out = client.completions.create(model=server.model_name, prompt="Code:", max_tokens=20, n=4, temperature=1.0,
+                                    extra_body={"guided_regex": "[A-Z]{2}-[0-9]{3}"})
+    assert all(len(c.text) == 6 and c.text[2] == "-" for c in out.choices)
+    out = _chat(server, n=4, temperature=1.0, extra_body={"guided_choice": ["sunny", "rainy"]})
+    assert {c.message.content for c in out.choices} <= {"sunny", "rainy"}
+    out = _chat(server, temperature=1.0, extra_body={"guided_grammar": 'root ::= "a" [0-9] "z"'})
+    assert out.choices[0].message.content[0] == "a" and out.choices[0].message.content[-1] == "z"
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"guided_json": {"type": "objec"}}, "invalid json"),
+    ({"guided_regex": "(ab"}, "invalid regex"),
+    ({"guided_grammar": "root ::= nothing"}, "invalid grammar"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "only one output constraint"),
+    ({"structured_outputs": {"jsonn": {}}}, "structured_outputs"),
+])
+def test_bad_constraints_are_400_before_queueing(server, extra, message):
+    with pytest.raises(openai.BadRequestError, match=message):
+        _chat(server, extra_body=extra)
+    server.wait_until(server.all_blocks_free)
+
+
+def test_named_tool_choice_forces_a_valid_call(server):
+    out = _chat(server, tools=TOOLS, temperature=1.0, tool_choice={"type": "function", "function": {"name": "get_forecast"}})
+    message = out.choices[0].message
+    assert message.content is None and len(message.tool_calls) == 1
+    call = message.tool_calls[0]
+    assert call.function.name == "get_forecast" and call.id.startswith("call") and call.type == "function"
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
+
+
+def test_named_tool_choice_streams_argument_deltas(server):
+    stream = _chat(server, tools=TOOLS, temperature=1.0, stream=True,
+                   tool_choice={"type": "function", "function": {"name": "get_time"}})
+    names, args, ids, finish = [], "", set(), None
+    for chunk in stream:
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                assert delta.index == 0
+                ids.add(delta.id) if delta.id else None
+                names += [delta.function.name] if delta.function.name else []
+                args += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert names == ["get_time"] and len(ids) == 1 and json.loads(args)["tz"] in ("UTC", "CET")
+    assert finish == "stop"
+
+
+def test_required_tool_choice(server):
+    out = _chat(server, tools=TOOLS, temperature=1.0, n=2, tool_choice="required", max_tokens=160)
+    for choice in out.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            assert call.function.name in ("get_forecast", "get_time")
+            json.loads(call.function.arguments)
+
+
+FORCED_HERMES = r'Sure\.\n<tool_call>\n\{"name": "get_time", "arguments": \{"tz": "(UTC|CET)"\}\}\n</tool_call>'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_choice_parses_the_models_hermes_call(server, stream):
+    """The model's own format, parsed (its text is forced by a regex here: a random model never writes it)."""
+    out = _chat(server, tools=TOOLS, stream=stream, temperature=1.0, extra_body={"guided_regex": FORCED_HERMES})
+    if not stream:
+        choice = out.choices[0]
+        content, calls, finish = choice.message.content, choice.message.tool_calls, choice.finish_reason
+        calls = [(c.function.name, c.function.arguments) for c in calls]
+    else:
+        content, pieces, finish = "", {}, None
+        for chunk in out:
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                for d in choice.delta.tool_calls or []:
+                    name, args = pieces.get(d.index, ("", ""))
+                    pieces[d.index] = (name + (d.function.name or ""), args + (d.function.arguments or ""))
+                finish = choice.finish_reason or finish
+        calls = list(pieces.values())
+    assert content.strip() == "Sure."  # streamed content keeps the newline before <tool_call>
+    assert len(calls) == 1 and calls[0][0] == "get_time" and json.loads(calls[0][1])["tz"] in ("UTC", "CET")
+    assert finish == "tool_calls"
+
+
+def test_tool_messages_and_null_content_replay(server):
+    messages = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+    ]
+    out = _client(server).chat.completions.create(model=server.model_name, messages=messages, tools=TOOLS,
+                                                  tool_choice="none", max_tokens=3)
+    assert out.choices[0].message.tool_calls == [] and out.choices[0].finish_reason in ("length", "stop")
+    with server.http() as http:
+        ids = http.post("/v1/tokenize", json={"messages": messages, "tools": TOOLS}).json()["tokens"]
+    text = server.engine.tokenizer.decode(ids)
+    assert '"arguments": {"tz": "UTC"}' in text and "<tool_response>\n12:00\n</tool_response>" in text
+
+
+def test_tool_errors(server):
+    with pytest.raises(openai.BadRequestError, match="not in tools"):
+        _chat(server, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "absent"}})
+    with pytest.raises(openai.BadRequestError, match="arguments are not valid JSON"):
+        _client(server).chat.completions.create(model=server.model_name, max_tokens=2, messages=[
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{bad"}}]}])
+    with pytest.raises(openai.BadRequestError, match="cannot be combined"):
+        _chat(server, tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})
+
+
+def test_template_that_cannot_render_tools_is_a_400(server):
+    from fastapi.testclient import TestClient
+
+    from fxrewrite.runtime.server.api_server import build_app
+
+    app = build_app(server.engine, served_model_names=[server.model_name],
+                    chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    response = TestClient(app).post("/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS,
+                                                                  "tool_choice": "required"})
+    assert response.status_code == 400 and "cannot render tools" in response.json()["error"]["message"]
+    response = TestClient(build_app(server.engine)).post(
+        "/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS})
+    assert response.status_code == 400 and "--enable-auto-tool-choice" in response.json()["error"]["message"]
