@@ -21,6 +21,7 @@ from torch import nn
 
 from fxrewrite import nodes, source
 from fxrewrite.kernels.qk_norm_rope import qk_norm_rope_triton
+from fxrewrite.kernels.rotary_backward import rotary_apply_train
 from fxrewrite.layers.layernorm import RMSNorm
 from fxrewrite.patterns.base import Context, Match, Pattern, Refusal, free_attribute, require
 from fxrewrite.patterns.rotary import _calls_of, _kernel_applies, _same_outputs, apply_calls, apply_rotary_qk
@@ -48,7 +49,10 @@ class QKNormRotaryEmb(nn.Module):
     def forward(self, q, k, cos, sin, unsqueeze_dim: int = 1, *, q_norm: RMSNorm, k_norm: RMSNorm):
         if self._kernel_applies(q, k, cos, unsqueeze_dim, q_norm, k_norm):
             return self._kernel(q, k, cos, sin, q_norm, k_norm)
-        return apply_rotary_qk(q_norm(q), k_norm(k), cos, sin, unsqueeze_dim)
+        q, k = q_norm(q), k_norm(k)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):  # training: Triton fwd + bwd
+            return rotary_apply_train(q, k, cos, sin, unsqueeze_dim)
+        return apply_rotary_qk(q, k, cos, sin, unsqueeze_dim)
 
     @staticmethod
     def _kernel_applies(q, k, cos, unsqueeze_dim, q_norm, k_norm) -> bool:

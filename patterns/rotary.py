@@ -23,6 +23,7 @@ from torch import nn
 from fxrewrite import nodes
 from fxrewrite.kernels import use_triton
 from fxrewrite.kernels.rotary import rotary_embedding_triton
+from fxrewrite.kernels.rotary_backward import rotary_apply_train
 from fxrewrite.layers.rotary import get_rope
 from fxrewrite.patterns.base import Context, Match, Pattern, free_attribute, require
 
@@ -60,7 +61,13 @@ class ApplyRotaryEmb(nn.Module):
     def forward(self, q, k, cos, sin, unsqueeze_dim: int = 1):
         if _kernel_applies(q, k, cos, unsqueeze_dim):
             return _rotary_kernel_qk(q, k, cos, sin)
+        if _needs_grad(q, k):  # training: Triton forward + backward (autograd through torch off the GPU)
+            return rotary_apply_train(q, k, cos, sin, unsqueeze_dim)
         return apply_rotary_qk(q, k, cos, sin, unsqueeze_dim)
+
+
+def _needs_grad(q, k) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
 
 
 def _kernel_applies(q, k, cos, unsqueeze_dim: int) -> bool:
