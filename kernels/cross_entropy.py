@@ -59,8 +59,8 @@ def _ce_kernel(z_ptr, target_ptr, loss_ptr, stride, V, ignore_index, scale, soft
         y = _scaled(tl.load(base + cols, mask=mask, other=0.0).to(tl.float32), scale, softcap, SOFTCAP)
         y = tl.where(mask, y, float("-inf"))
         m_new = tl.maximum(m, y)
-        seen = m_new > float("-inf")  # lanes that have held no logit yet stay (-inf, 0), not NaN
-        d = tl.where(seen, d * tl.exp(m - m_new) + tl.exp(y - m_new), 0.0)
+        ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # lanes without a logit yet keep d = 0, not NaN
+        d = d * tl.exp(m - ref) + tl.exp(y - ref)
         m = m_new
     mx = tl.max(m, 0)
     lse = mx + tl.log(tl.sum(d * tl.exp(m - mx), 0))
