@@ -27,7 +27,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 
 from fxrewrite import source
 from fxrewrite.layers.lm_head_loss import LMHeadCrossEntropy
-from fxrewrite.patterns.base import Context, Match, Pattern, free_attribute, require
+from fxrewrite.patterns.base import Context, Match, Pattern, Refusal, free_attribute, require
 
 NEW_NAME = "lm_head_loss"
 _TRANSFORM = "__fxrewrite_logits_transform"
@@ -136,10 +136,13 @@ def probe_transform(fn, module: nn.Module, vocab: int) -> tuple[float, float | N
     """Refuse unless ``fn(module, logits)`` acts on each token's row alone; then (scale, softcap) when it is
     ``scale * z`` or ``softcap * tanh(z / softcap)`` (what the Triton kernel computes), else None."""
     x = torch.randn(2, 3, vocab, generator=torch.Generator().manual_seed(0)) * 8
-    with torch.no_grad():
-        full = fn(module, x.clone())
-        rows = torch.stack([torch.stack([fn(module, x[i, j][None, None].clone())[0, 0] for j in range(3)])
-                            for i in range(2)])
+    try:
+        with torch.no_grad():
+            full = fn(module, x.clone())
+            rows = torch.stack([torch.stack([fn(module, x[i, j][None, None].clone())[0, 0] for j in range(3)])
+                                for i in range(2)])
+    except Exception as e:  # noqa: BLE001 - e.g. a transform reading meta parameters: cannot prove it
+        raise Refusal(f"cannot probe the logits transform on CPU tensors: {type(e).__name__}: {e}") from e
     require(isinstance(full, torch.Tensor) and full.shape == x.shape and torch.equal(full, rows),
             "the logits transform does not act on each token's logits alone")
     if torch.equal(full, x):
@@ -195,7 +198,6 @@ class LMHeadLossPattern(Pattern):
         head = getattr(module, match.name("head"), None)
         require(type(head) is nn.Linear and head.out_features == match.fact("vocab"),
                 f"{match.name('head')} is not an nn.Linear with vocab_size outputs on this instance")
-        require(not head.weight.is_meta, "the LM head is on the meta device; cannot probe the logits transform")
         require(getattr(module, "loss_function", None) is ForCausalLMLoss,
                 "the loss function is not transformers' ForCausalLMLoss")
         params = (1.0, None)
