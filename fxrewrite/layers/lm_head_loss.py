@@ -54,6 +54,9 @@ class LMHeadCrossEntropy(nn.Module):
             ok = ok and isinstance(shift_labels, torch.Tensor) and tuple(shift_labels.shape) == tokens
         return ok
 
+    # torch.compile runs this eagerly (one graph break at the loss): the chunk loop computes gradients
+    # inside the forward, which dynamo cannot trace, and eager keeps the Triton cross-entropy kernel.
+    @torch.compiler.disable
     def forward(self, hidden_states, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100,
                 shift_labels=None, *, head: nn.Linear, transform: Callable | None = None, **kwargs):
         if head.out_features != vocab_size:
