@@ -104,9 +104,8 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias:
         raise ValueError(f"fused_linear_cross_entropy: hidden {tuple(hidden.shape)} must be [N, H], weight "
                          f"{tuple(weight.shape)} [V, H], target {tuple(target.shape)} [N]")
     chunk = chunk_size or default_chunk_size(hidden.shape[0], weight.shape[0])
-    if not torch.is_grad_enabled():
-        return fused_linear_cross_entropy_ref(hidden, weight, bias, target, ignore_index, transform) if \
-            hidden.shape[0] <= chunk else sum(
-                fused_linear_cross_entropy_ref(hidden[s:s + chunk], weight, bias, target[s:s + chunk], ignore_index,
-                                               transform) for s in range(0, hidden.shape[0], chunk))
+    if not torch.is_grad_enabled():  # no gradients to make: chunked reference, summed
+        return sum(fused_linear_cross_entropy_ref(hidden[s:s + chunk], weight, bias, target[s:s + chunk], ignore_index,
+                                                  transform) for s in range(0, hidden.shape[0], chunk)),
+                   torch.zeros((), dtype=torch.float32, device=hidden.device))
     return _FusedLinearCrossEntropy.apply(hidden, weight, bias, target, ignore_index, transform, kernel_params, chunk)

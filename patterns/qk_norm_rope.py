@@ -35,9 +35,9 @@ class QKNormRotaryEmb(nn.Module):
     """``forward(q, k, cos, sin, unsqueeze_dim=1, *, q_norm, k_norm) -> (q, k)``, rotated after the norms.
 
     q [B, Hq, S, D], k [B, Hk, S, D] (un-normalised), cos/sin [B, S, rotary_dim] (neox: halves repeated);
-    q_norm / k_norm are the attention's own `RMSNorm` children (weight [D]). The torch form (autograd,
-    CPU, batch > 1) is ``apply_rotary_qk(q_norm(q), k_norm(k), cos, sin)``, transformers' computation
-    op for op. Inference on a GPU with one batch row (the engine's flattened tokens) runs the Triton
+    q_norm / k_norm are the attention's own `RMSNorm` children (weight [D]). The torch form (CPU, batch > 1)
+    is ``apply_rotary_qk(q_norm(q), k_norm(k), cos, sin)``, transformers' computation op for op; while
+    autograd records, the norms' and the rotary's training kernels (Triton forward + backward on CUDA). Inference on a GPU with one batch row (the engine's flattened tokens) runs the Triton
     kernel `qk_norm_rope` (float32 math, Llama's roundings): on q and k themselves when ``inplace`` (set only
     when the pattern proved nothing else reads them), else on copies.
     """
