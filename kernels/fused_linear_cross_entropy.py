@@ -105,7 +105,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias:
                          f"{tuple(weight.shape)} [V, H], target {tuple(target.shape)} [N]")
     chunk = chunk_size or default_chunk_size(hidden.shape[0], weight.shape[0])
     if not torch.is_grad_enabled():  # no gradients to make: chunked reference, summed
-        return sum(fused_linear_cross_entropy_ref(hidden[s:s + chunk], weight, bias, target[s:s + chunk], ignore_index,
-                                                  transform) for s in range(0, hidden.shape[0], chunk)),
-                   torch.zeros((), dtype=torch.float32, device=hidden.device))
+        parts = [fused_linear_cross_entropy_ref(hidden[s:s + chunk], weight, bias, target[s:s + chunk], ignore_index,
+                                                transform) for s in range(0, hidden.shape[0], chunk)]
+        return sum(parts, torch.zeros((), dtype=torch.float32, device=hidden.device))
     return _FusedLinearCrossEntropy.apply(hidden, weight, bias, target, ignore_index, transform, kernel_params, chunk)
