@@ -19,10 +19,10 @@ def _load(name: str):
 
 
 def test_trainer_example_runs(tiny_model_dir, tmp_path):
-    out = _load("train_trainer").main(["--model", str(tiny_model_dir("llama")), "--max-steps", "3",
-                                       "--output-dir", str(tmp_path), "--gradient-checkpointing"])
-    assert out["global_step"] == 3
-    assert len(out["losses"]) == 3 and all(math.isfinite(x) for x in out["losses"])
+    out = _load("train_trainer").main(["--model", str(tiny_model_dir("llama")), "--max-steps", "2",
+                                       "--output-dir", str(tmp_path)])
+    assert out["global_step"] == 2
+    assert len(out["losses"]) == 2 and all(math.isfinite(x) for x in out["losses"])
 
 
 def test_sft_example_runs(tiny_model_dir, tmp_path):
