@@ -19,7 +19,8 @@ from collections import defaultdict
 
 from torch import nn
 
-from fxrewrite import source, tracer, weights
+from fxrewrite import foreign, source, tracer, weights
+from fxrewrite.optimizer_state import HF_NAMES_ATTR
 from fxrewrite.patterns import PATTERNS, Context, Match, Refusal
 from fxrewrite.report import ClassReport, FusionReport
 
@@ -35,7 +36,8 @@ def optimize(model: nn.Module, **opts) -> nn.Module:
     ``input_ids`` (only shapes/dtypes matter: they are turned into meta tensors).
     Works with parameters on any device, meta included (the serving engine builds on meta and
     loads weights afterwards with `fxrewrite.weights.load_hf_weights`). Raises TypeError for an
-    unknown option or a model that is not an `nn.Module`.
+    unknown option or a model that is not an `nn.Module`; `fxrewrite.foreign.ForeignPatchError` when
+    another library (e.g. Liger-Kernel) replaced transformers code the model uses.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize expects a torch.nn.Module, got {type(model).__name__}")
@@ -44,6 +46,8 @@ def optimize(model: nn.Module, **opts) -> nn.Module:
         raise TypeError(f"unknown optimize option(s) {sorted(unknown)}; expected one of {sorted(_OPTIONS)}")
     if getattr(model, _REPORT_ATTR, None) is not None:
         return model
+    foreign.check_no_foreign_patches(model)  # ForeignPatchError: e.g. Liger-Kernel patched transformers first
+    model.__dict__[HF_NAMES_ATTR] = [name for name, _ in model.named_parameters()]  # optimizer_state_dict's order
     patterns = tuple(opts.get("patterns", PATTERNS))
     report = FusionReport()
     ctx = Context(model, _text_config(model))
@@ -60,6 +64,7 @@ def optimize(model: nn.Module, **opts) -> nn.Module:
         _optimize_class(cls, instances, tracer.trace(module, args, kwargs), patterns, ctx, entry, model)
     model.__dict__[_REPORT_ATTR] = report
     weights.install_hf_name_hooks(model)
+    weights.mark_fused_away(model)
     return model
 
 

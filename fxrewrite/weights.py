@@ -131,3 +131,30 @@ def to_hf_names(model: nn.Module, named: dict[str, torch.Tensor]) -> dict[str, t
                     for (old, _), part in zip(olds, out.pop(key).split(sizes, dim=0)):
                         out[_join(prefix, old, pname)] = part
     return out
+
+
+class FusedAway(nn.Module):
+    """Placeholder left where `optimize` removed a child (``q_proj`` fused into ``qkv_proj``): no parameters,
+    never called. It exists so that a LoRA (PEFT) target naming the removed child fails with this
+    module's description (PEFT prints it in "Target module ... is not supported") instead of silently
+    adapting nothing."""
+
+    def __init__(self, name: str, fused: str) -> None:
+        super().__init__()
+        self.name, self.fused = name, fused
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"{self.name} was fused into {self.fused} by fxrewrite.optimize and is never called")
+
+    def extra_repr(self) -> str:
+        return (f"{self.name!r} was fused into {self.fused!r} by fxrewrite.optimize; to train LoRA adapters on it, "
+                f"apply peft.get_peft_model first and then fxrewrite.optimize (the LoRA-wrapped projections stay unfused)")
+
+
+def mark_fused_away(model: nn.Module) -> None:
+    """Put a `FusedAway` where each fused child was (see its docstring)."""
+    for module in model.modules():
+        for new, olds in module.__dict__.get(_SHARDS, ()):
+            for old, _ in olds:
+                if "." not in old and old not in module._modules and not hasattr(module, old):
+                    module.add_module(old, FusedAway(old, new))

@@ -9,12 +9,14 @@ compiler checks):
 3. `QKNormRopePattern`, `RotaryApplyPattern`: the rotary call in attention, after QKV (independent
    edits of one forward); a call whose q and k are per-head RMSNorms (Qwen3) is the first's, every
    other one the second's (`RotaryApplyPattern` leaves the first's calls alone).
-4. `ResidualRMSNormPattern`: the add + norm in a decoder layer, last.
+4. `ResidualRMSNormPattern`: the add + norm in a decoder layer.
+5. `LMHeadLossPattern`: the LM head + loss of a causal LM (fused linear cross-entropy while training).
 A new pattern is one file plus one line here.
 """
 
 from fxrewrite.patterns.base import Context, Match, Pattern, Refusal
 from fxrewrite.patterns.glu import GLUPattern
+from fxrewrite.patterns.lm_head_loss import LMHeadLossPattern
 from fxrewrite.patterns.qk_norm_rope import QKNormRopePattern
 from fxrewrite.patterns.qkv import QKVPattern
 from fxrewrite.patterns.rms_norm import ResidualRMSNormPattern, RMSNormPattern
@@ -28,6 +30,7 @@ PATTERNS: tuple[type[Pattern], ...] = (
     QKNormRopePattern,
     RotaryApplyPattern,
     ResidualRMSNormPattern,
+    LMHeadLossPattern,
 )
 
 __all__ = ["PATTERNS", "Context", "Match", "Pattern", "Refusal"]

@@ -77,7 +77,7 @@ class GLUPattern(Pattern):
                 continue
             for act, up in (mul.args, mul.args[::-1]):
                 gate = act.args[0] if getattr(act, "op", None) in ("call_module", "call_function") and act.args else None
-                if not (gate is not None and hasattr(gate, "op") and nodes.is_linear(gate, root)
+                if not (gate is not None and hasattr(gate, "op") and hasattr(up, "op") and nodes.is_linear(gate, root)
                         and nodes.is_linear(up, root) and gate.args == up.args and len(gate.users) == 1
                         and len(up.users) == 1 and len(act.users) == 1):
                     continue

@@ -21,6 +21,7 @@ from torch import nn
 
 from fxrewrite import nodes, source
 from fxrewrite.kernels.qk_norm_rope import qk_norm_rope_triton
+from fxrewrite.kernels.rotary_backward import rotary_apply_train
 from fxrewrite.layers.layernorm import RMSNorm
 from fxrewrite.patterns.base import Context, Match, Pattern, Refusal, free_attribute, require
 from fxrewrite.patterns.rotary_calls import (apply_calls, apply_rotary_qk, fused_norms, kernel_applies, norm_refusal,
@@ -35,9 +36,9 @@ class QKNormRotaryEmb(nn.Module):
     """``forward(q, k, cos, sin, unsqueeze_dim=1, *, q_norm, k_norm) -> (q, k)``, rotated after the norms.
 
     q [B, Hq, S, D], k [B, Hk, S, D] (un-normalised), cos/sin [B, S, rotary_dim] (neox: halves repeated);
-    q_norm / k_norm are the attention's own `RMSNorm` children (weight [D]). The torch form (autograd,
-    CPU, batch > 1) is ``apply_rotary_qk(q_norm(q), k_norm(k), cos, sin)``, transformers' computation
-    op for op. Inference on a GPU with one batch row (the engine's flattened tokens) runs the Triton
+    q_norm / k_norm are the attention's own `RMSNorm` children (weight [D]). The torch form (CPU, batch > 1)
+    is ``apply_rotary_qk(q_norm(q), k_norm(k), cos, sin)``, transformers' computation op for op; while
+    autograd records, the norms' and the rotary's training kernels (Triton forward + backward on CUDA). Inference on a GPU with one batch row (the engine's flattened tokens) runs the Triton
     kernel `qk_norm_rope` (float32 math, Llama's roundings): on q and k themselves when ``inplace`` (set only
     when the pattern proved nothing else reads them), else on copies.
     """
@@ -50,7 +51,10 @@ class QKNormRotaryEmb(nn.Module):
         """q [B, Hq, S, D], k [B, Hk, S, D], cos/sin [B, S, rotary_dim] -> (q, k) normalised, rotated; q's dtype."""
         if self._kernel_applies(q, k, cos, unsqueeze_dim, q_norm, k_norm):
             return self._kernel(q, k, cos, sin, q_norm, k_norm)
-        return apply_rotary_qk(q_norm(q), k_norm(k), cos, sin, unsqueeze_dim)
+        q, k = q_norm(q), k_norm(k)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):  # training: Triton fwd + bwd
+            return rotary_apply_train(q, k, cos, sin, unsqueeze_dim)
+        return apply_rotary_qk(q, k, cos, sin, unsqueeze_dim)
 
     @staticmethod
     def _kernel_applies(q, k, cos, unsqueeze_dim, q_norm, k_norm) -> bool:

@@ -22,6 +22,7 @@ from torch import nn
 
 from fxrewrite import nodes
 from fxrewrite.kernels.rotary import rotary_embedding_triton
+from fxrewrite.kernels.rotary_backward import rotary_apply_train
 from fxrewrite.layers.rotary import get_rope
 from fxrewrite.patterns.base import Context, Match, Pattern, Refusal, free_attribute, require
 from fxrewrite.patterns.rotary_calls import (apply_calls, apply_rotary_qk, fused_norms, kernel_applies, same_outputs,
@@ -44,7 +45,13 @@ class ApplyRotaryEmb(nn.Module):
         """q [B, Hq, S, D], k [B, Hk, S, D], cos/sin [B, S, rotary_dim] -> rotated (q, k), same shapes and dtype."""
         if kernel_applies(q, k, cos, unsqueeze_dim):
             return _rotary_kernel_qk(q, k, cos, sin)
+        if _needs_grad(q, k):  # training: Triton forward + backward (autograd through torch off the GPU)
+            return rotary_apply_train(q, k, cos, sin, unsqueeze_dim)
         return apply_rotary_qk(q, k, cos, sin, unsqueeze_dim)
+
+
+def _needs_grad(q, k) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
 
 
 def _rotary_kernel_qk(q, k, cos, sin):

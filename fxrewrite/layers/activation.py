@@ -1,7 +1,8 @@
 """Gated activations over the last dim: [..., 2*d] -> act(x[..., :d]) * x[..., d:], [..., d].
 
 `SiluAndMul` and `GeluAndMul` call `fxrewrite.kernels.activation` (Triton on CUDA, torch
-reference elsewhere; the reference while autograd records, since the kernel has no backward).
+reference elsewhere); while autograd records, `fxrewrite.kernels.activation_backward` (Triton
+forward + a backward that recomputes the activation; autograd through the reference off the GPU).
 Formula: transformers `LlamaMLP` (act(gate) * up), vLLM `layers/activation.py` layout.
 """
 
@@ -10,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fxrewrite.kernels.activation import gelu_and_mul, gelu_and_mul_ref, silu_and_mul, silu_and_mul_ref
+from fxrewrite.kernels.activation import gelu_and_mul, silu_and_mul
+from fxrewrite.kernels.activation_backward import act_and_mul_train
 
 
 def _needs_grad(x: torch.Tensor) -> bool:
@@ -22,7 +24,7 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., 2*d] -> [..., d] in x's dtype; ValueError on an odd last dim."""
-        return silu_and_mul_ref(x) if _needs_grad(x) else silu_and_mul(x)
+        return act_and_mul_train(x, "silu") if _needs_grad(x) else silu_and_mul(x)
 
 
 class GeluAndMul(nn.Module):
@@ -37,7 +39,7 @@ class GeluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., 2*d] -> [..., d] in x's dtype; ValueError on an odd last dim."""
         if _needs_grad(x):
-            return gelu_and_mul_ref(x, self.approximate)
+            return act_and_mul_train(x, "gelu_tanh" if self.approximate == "tanh" else "gelu")
         return gelu_and_mul(x, self.approximate)
 
     def extra_repr(self) -> str:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fxrewrite.kernels.rms_norm import rms_norm, rms_norm_ref
+from fxrewrite.kernels.rms_norm import rms_norm
+from fxrewrite.kernels.rms_norm_backward import rms_norm_train
 
 
 class RMSNorm(nn.Module):
@@ -36,9 +37,10 @@ class RMSNorm(nn.Module):
         """x [..., H]; residual None or like x. Returns out, or (out, x + residual)."""
         if not self.upcast:
             return self._forward_no_upcast(x, residual)
-        # The Triton kernel has no backward: use the torch reference while autograd records.
-        needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        fn = rms_norm_ref if needs_grad else rms_norm
+        # While autograd records: the Triton forward/backward pair (torch reference off the GPU).
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad
+                                                  or (residual is not None and residual.requires_grad))
+        fn = rms_norm_train if needs_grad else rms_norm
         return fn(x, self.weight, self.variance_epsilon, residual, self.offset)
 
     def _forward_no_upcast(self, x: torch.Tensor, residual: torch.Tensor | None):

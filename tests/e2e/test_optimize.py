@@ -9,11 +9,11 @@ from tests.e2e.tiny_models import ARCHS, tiny_model
 import fxrewrite
 from fxrewrite.weights import to_hf_names
 
-FULL = ["glu", "qkv", "residual_rms_norm", "rms_norm", "rotary", "rotary_apply"]
+FULL = ["glu", "lm_head_loss", "qkv", "residual_rms_norm", "rms_norm", "rotary", "rotary_apply"]
 EXPECTED_APPLIED = {arch: FULL for arch in ARCHS}
-EXPECTED_APPLIED["phi3"] = ["residual_rms_norm", "rms_norm", "rotary", "rotary_apply"]
+EXPECTED_APPLIED["phi3"] = ["lm_head_loss", "residual_rms_norm", "rms_norm", "rotary", "rotary_apply"]
 # Qwen3's per-head q/k norms: its rotary call is fused with them (qk_norm_rope), not alone (rotary_apply)
-EXPECTED_APPLIED["qwen3"] = ["glu", "qk_norm_rope", "qkv", "residual_rms_norm", "rms_norm", "rotary"]
+EXPECTED_APPLIED["qwen3"] = ["glu", "lm_head_loss", "qk_norm_rope", "qkv", "residual_rms_norm", "rms_norm", "rotary"]
 EXPECTED_PRESENT = {arch: [] for arch in ARCHS}
 EXPECTED_PRESENT["phi3"] = ["glu", "qkv"]  # Phi-3 ships qkv_proj / gate_up_proj already fused
 

@@ -12,10 +12,10 @@ BASE = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_laye
             num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 CASES = {
     # GPT-J style rotary: the cos/sin module is replaced, the interleaved apply call is refused
-    "cohere": (T.CohereConfig, {}, ["glu", "qkv", "rotary"], ["rotary_apply"]),
+    "cohere": (T.CohereConfig, {}, ["glu", "lm_head_loss", "qkv", "rotary"], ["rotary_apply"]),
     # dynamic NTK: the rotary module's data-dependent branch stops its trace; the rest is fused
     "llama-dynamic": (T.LlamaConfig, {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
-                      ["glu", "qkv", "residual_rms_norm", "rms_norm", "rotary_apply"], ["trace"]),
+                      ["glu", "lm_head_loss", "qkv", "residual_rms_norm", "rms_norm", "rotary_apply"], ["trace"]),
 }
 
 

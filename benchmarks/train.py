@@ -1,0 +1,207 @@
+"""Training benchmark: stock transformers vs torch.compile vs Liger-Kernel vs fxrewrite.optimize, one process per arm.
+
+    fxrewrite bench train --config qwen3-0.6b --arms stock,stock-compile,liger,optimize,optimize-compile \
+        --batch-size 8 --seq-len 2048 --steps 8
+
+Each arm runs in its own Python process (Liger's patches replace transformers functions module-wide and
+must not leak into other arms): the model is built from the config with the same seed on the device
+(same random weights in every arm), bf16, gradient checkpointing (``--no-gradient-checkpointing`` to
+turn off), AdamW (fused on CUDA), ``model(input_ids, labels=input_ids)`` on the same random token ids.
+Recorded per arm: tokens/s over the steps after ``--warmup`` (compile happens there), peak allocated
+memory (torch.cuda.max_memory_allocated over the whole run: weights, optimizer state, activations),
+the loss of every step; and per arm whether every step's loss is within ``--loss-rtol`` (1e-3) of
+stock's. JSON + PNG go to benchmarks/results/train-<config>-<time>.{json,png}. Liger-Kernel comes from
+the ``bench`` extra and is imported only inside its arm's process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ARMS = ("stock", "stock-compile", "liger", "optimize", "optimize-compile")
+
+
+def _liger_patch(model_type: str, model) -> None:
+    from liger_kernel.transformers import monkey_patch
+
+    apply = monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]
+    apply(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True, model=model)
+
+
+def _build(spec: dict, arm: str):
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**spec["config"])
+    dtype = getattr(torch, spec["dtype"])
+    torch.manual_seed(spec["seed"])
+    with torch.device(spec["device"]):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.train()
+    if spec["gradient_checkpointing"]:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if arm == "liger":
+        _liger_patch(config.model_type, model)
+    t0 = time.perf_counter()
+    if arm.startswith("optimize"):
+        import fxrewrite
+
+        fxrewrite.optimize(model)
+    optimize_s = time.perf_counter() - t0
+    runner = torch.compile(model) if arm.endswith("-compile") else model
+    return model, runner, optimize_s
+
+
+def worker(spec: dict, arm: str) -> dict:
+    """Run one arm in this process; returns its record (raises on failure)."""
+    import torch
+
+    cuda = spec["device"].startswith("cuda")
+    model, runner, optimize_s = _build(spec, arm)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"], fused=cuda)
+    gen = torch.Generator().manual_seed(spec["seed"] + 1)
+    vocab = model.config.vocab_size
+    losses, times = [], []
+    for step in range(spec["warmup"] + spec["steps"]):
+        ids = torch.randint(0, vocab, (spec["batch_size"], spec["seq_len"]), generator=gen).to(spec["device"])
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = runner(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+    timed = times[spec["warmup"]:]
+    tokens = spec["batch_size"] * spec["seq_len"] * len(timed)
+    return {"arm": arm, "tokens_per_s": tokens / sum(timed) if timed else None, "step_s": times,
+            "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None, "losses": losses,
+            "optimize_s": optimize_s}
+
+
+def _run_arm(spec: dict, arm: str, timeout_s: float) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path, out_path = Path(tmp, "spec.json"), Path(tmp, "out.json")
+        spec_path.write_text(json.dumps(spec))
+        cmd = [sys.executable, "-m", "fxrewrite.benchmarks.train", "--worker", arm, str(spec_path), str(out_path)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=dict(os.environ))
+        except subprocess.TimeoutExpired:
+            return {"arm": arm, "error": f"timed out after {timeout_s:.0f} s"}
+        if proc.returncode != 0 or not out_path.exists():
+            return {"arm": arm, "error": (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["failed"],
+                    "stderr_tail": proc.stderr[-3000:]}
+        return json.loads(out_path.read_text())
+
+
+def agreement(records: list[dict], rtol: float) -> None:
+    """Mark each record with max relative loss difference to stock and whether it is within rtol."""
+    stock = next((r for r in records if r["arm"] == "stock" and "losses" in r), None)
+    for r in records:
+        if stock is None or "losses" not in r:
+            continue
+        diffs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(r["losses"], stock["losses"])]
+        r["max_rel_loss_diff_vs_stock"] = max(diffs) if diffs else None
+        r["losses_agree"] = bool(diffs) and max(diffs) <= rtol
+
+
+def plot_train(result: dict, path: Path) -> Path | None:
+    """PNG: tokens/s and peak memory per arm, and every arm's loss per step. None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    ok = [r for r in result["arms"] if "losses" in r]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    names = [r["arm"] for r in ok]
+    axes[0].bar(names, [r["tokens_per_s"] or 0 for r in ok])
+    axes[0].set_ylabel("tokens/s")
+    axes[1].bar(names, [(r["peak_memory_bytes"] or 0) / 2**30 for r in ok])
+    axes[1].set_ylabel("peak memory (GiB)")
+    for r in ok:
+        axes[2].plot(r["losses"], label=r["arm"])
+    axes[2].set_xlabel("step")
+    axes[2].set_ylabel("loss")
+    axes[2].legend()
+    for ax in axes[:2]:
+        ax.tick_params(axis="x", rotation=30)
+    fig.suptitle(f"train {result['config']} batch {result['batch_size']}x{result['seq_len']}")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def run_train_bench(config: str, arms: list[str], *, steps: int = 8, warmup: int = 2, batch_size: int = 8,
+                    seq_len: int = 2048, gradient_checkpointing: bool = True, dtype: str = "bfloat16",
+                    device: str | None = None, lr: float = 1e-5, seed: int = 0, loss_rtol: float = 1e-3,
+                    arm_timeout_s: float = 900.0, out_dir: Path | None = None, notes=()) -> dict:
+    """Run every arm in its own process; write and return the result (JSON + PNG paths under "files")."""
+    import torch
+
+    from fxrewrite.benchmarks.common import RESULTS_DIR, environment, load_bench_config
+
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        raise ValueError(f"unknown train arm(s) {unknown}; expected some of {list(ARMS)}")
+    bench = load_bench_config(config)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    spec = {"config": bench["config"], "dtype": dtype, "device": device, "seed": seed, "lr": lr, "steps": steps,
+            "warmup": warmup, "batch_size": batch_size, "seq_len": seq_len,
+            "gradient_checkpointing": gradient_checkpointing}
+    records = [_run_arm(spec, arm, arm_timeout_s) for arm in arms]
+    agreement(records, loss_rtol)
+    stamp = time.strftime("%Y-%m-%d-%H%M%S")
+    result = {"kind": "train", "config": bench["name"], **{k: v for k, v in spec.items() if k != "config"},
+              "loss_rtol": loss_rtol, "arms": records, "environment": environment(), "notes": list(notes)}
+    out = Path(out_dir or RESULTS_DIR)
+    out.mkdir(parents=True, exist_ok=True)
+    base = out / f"train-{bench['name']}-{stamp}"
+    files = [str(base.with_suffix(".json"))]
+    png = plot_train(result, base.with_suffix(".png"))
+    if png is not None:
+        files.append(str(png))
+    result["files"] = files
+    base.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def format_train_table(result: dict) -> str:
+    lines = ["| arm | tokens/s | peak memory (GiB) | max rel. loss diff vs stock | agree |", "|---|---:|---:|---:|---|"]
+    for r in result["arms"]:
+        if "error" in r:
+            lines.append(f"| {r['arm']} | failed: {r['error']} | | | |")
+            continue
+        mem = f"{r['peak_memory_bytes'] / 2**30:.2f}" if r.get("peak_memory_bytes") else "-"
+        diff = r.get("max_rel_loss_diff_vs_stock")
+        lines.append(f"| {r['arm']} | {r['tokens_per_s']:,.0f} | {mem} | "
+                     f"{'-' if diff is None else f'{diff:.2e}'} | {r.get('losses_agree', '-')} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """Worker entry point: ``--worker ARM SPEC.json OUT.json`` (used by run_train_bench)."""
+    parser = argparse.ArgumentParser(prog="python -m fxrewrite.benchmarks.train")
+    parser.add_argument("--worker", nargs=3, metavar=("ARM", "SPEC", "OUT"), required=True)
+    args = parser.parse_args(argv)
+    arm, spec_path, out_path = args.worker
+    record = worker(json.loads(Path(spec_path).read_text()), arm)
+    Path(out_path).write_text(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,77 @@
+"""LM head + causal-LM loss without logits: what the `lm_head_loss` pattern calls in a rewritten ``*ForCausalLM``.
+
+Semantics are transformers' ``ForCausalLMLoss`` (``transformers/loss/loss_utils.py``): labels are shifted
+left by one (padded with ``ignore_index``) unless ``shift_labels`` is given; the loss is the mean of
+the token cross-entropies over targets other than ``ignore_index`` (-100), or their sum divided by
+``num_items_in_batch`` when that is given (gradient accumulation). The logits' transform (Gemma 2's
+soft-capping, Granite's / Cohere's scaling) is the model's own code, applied per chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.loss.loss_utils import ForCausalLMLoss
+
+from fxrewrite.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+
+__all__ = ["LMHeadCrossEntropy"]
+
+
+class LMHeadCrossEntropy(nn.Module):
+    """``forward(hidden_states, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
+    shift_labels=None, *, head, transform=None) -> loss`` (float32 scalar).
+
+    hidden_states [B, S, H] (the tensor the LM head would read), labels int64 [B, S]; ``head`` is the
+    model's ``nn.Linear`` LM head (its weight may be tied to the embedding), ``transform`` maps logits
+    to the logits the loss reads (None: identity). ``kernel_params`` = (scale, softcap or None) when the
+    transform was proved to be that (enables the Triton cross-entropy on CUDA). ``chunk_size``: rows per
+    chunk (None: ``default_chunk_size``).
+    """
+
+    def __init__(self, kernel_params: tuple[float, float | None] | None = None, chunk_size: int | None = None):
+        super().__init__()
+        self.kernel_params = kernel_params
+        self.chunk_size = chunk_size
+
+    def fuses(self, model: nn.Module, labels, hidden_states, head, shift_labels=None) -> bool:
+        """Whether this call takes the fused path: labels given, the model training with autograd on, the
+        loss still transformers' ``ForCausalLMLoss``, a plain ``nn.Linear`` head (PEFT / tensor-parallel
+        wrappers keep the stock path), and labels shaped like the tokens (else the stock path raises
+        the stock error)."""
+        if labels is None or not (model.training and torch.is_grad_enabled()):
+            return False
+        if type(head) is not nn.Linear or type(head.weight) is not nn.Parameter:
+            return False
+        if model.loss_function is not ForCausalLMLoss:
+            return False
+        tokens = tuple(hidden_states.shape[:-1])
+        ok = isinstance(labels, torch.Tensor) and not labels.is_floating_point() and tuple(labels.shape) == tokens
+        if shift_labels is not None:
+            ok = ok and isinstance(shift_labels, torch.Tensor) and tuple(shift_labels.shape) == tokens
+        return ok
+
+    # torch.compile runs this eagerly (one graph break at the loss): the chunk loop computes gradients
+    # inside the forward, which dynamo cannot trace, and eager keeps the Triton cross-entropy kernel.
+    @torch.compiler.disable
+    def forward(self, hidden_states, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100,
+                shift_labels=None, *, head: nn.Linear, transform: Callable | None = None, **kwargs):
+        if head.out_features != vocab_size:
+            raise ValueError(f"LM head has {head.out_features} outputs, expected vocab_size {vocab_size}")
+        if shift_labels is None:
+            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+        target = shift_labels.reshape(-1).to(hidden.device)
+        total = fused_linear_cross_entropy(hidden, head.weight, head.bias, target, ignore_index, transform,
+                                           self.kernel_params, self.chunk_size)
+        if num_items_in_batch is None:
+            return total / (target != ignore_index).sum()
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(total.device)
+        return total / num_items_in_batch
+
+    def extra_repr(self) -> str:
+        return f"kernel_params={self.kernel_params}, chunk_size={self.chunk_size}"

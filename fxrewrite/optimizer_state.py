@@ -1,0 +1,138 @@
+"""Optimizer state between a model's Hugging Face parameters and its optimized (fused) parameters.
+
+`optimize` fuses q/k/v and gate/up into one parameter each, so ``model.parameters()`` of the optimized
+model is shorter and in another order than the stock model's, and a ``torch.optim`` state dict saved
+from one does not load into the other. `optimizer_state_dict(model, state, to="fused" | "hf")` converts:
+per-parameter state tensors shaped like the parameter (AdamW's ``exp_avg`` / ``exp_avg_sq``, SGD's
+``momentum_buffer``) are concatenated (to "fused") or split (to "hf") along dim 0 in the fused layer's
+shard order; other entries (``step``) are copied (the parts of one fused parameter share one value;
+to "fused" takes the first part's). Parameter indices follow, per param group, the target model's
+``named_parameters()`` order: an optimizer built as ``AdamW(model.parameters())`` (one group) or from
+groups listed in that order loads the result. The HF order is the stock model's, recorded by `optimize`.
+When the state dict carries ``param_names`` (optimizers built from ``named_parameters()``), those are used
+and converted too.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from fxrewrite.weights import _sizes, shard_map
+
+__all__ = ["optimizer_state_dict", "HF_NAMES_ATTR"]
+
+HF_NAMES_ATTR = "_fxrewrite_hf_param_names"
+
+
+def _fused_parts(model: nn.Module) -> dict[str, list[str]]:
+    """{fused parameter name: [HF names in shard order]}."""
+    parts: dict[str, list[tuple[Any, str]]] = {}
+    for hf, (fused, sid) in shard_map(model).items():
+        parts.setdefault(fused, []).append((sid, hf))
+    out = {}
+    for fused, items in parts.items():
+        order = {"q": 0, "k": 1, "v": 2}
+        out[fused] = [hf for _, hf in sorted(items, key=lambda x: order.get(x[0], x[0]))]
+    return out
+
+
+def _names(model: nn.Module, side: str) -> list[str]:
+    if side == "fused":
+        return [n for n, _ in model.named_parameters()]
+    names = model.__dict__.get(HF_NAMES_ATTR)
+    if names is None:
+        raise ValueError(f"{type(model).__name__} has not been passed through fxrewrite.optimize: no HF parameter order")
+    return list(names)
+
+
+def _group_names(state: dict, names: list[str]) -> list[list[str]]:
+    groups, flat = state["param_groups"], iter(names)
+    out = []
+    for g in groups:
+        if g.get("param_names") is not None:
+            out.append(list(g["param_names"]))
+        else:
+            try:
+                out.append([next(flat) for _ in g["params"]])
+            except StopIteration:
+                raise ValueError(f"the state dict lists more parameters than the model has ({len(names)})") from None
+    return out
+
+
+def optimizer_state_dict(model: nn.Module, state_dict: dict, *, to: str) -> dict:
+    """Convert ``optimizer.state_dict()`` between the HF view (``to="fused"`` reads an HF-order state) and
+    the optimized model's view (``to="hf"`` reads a fused-order state). Returns a new dict; the input
+    is not modified. ValueError for an unknown ``to``, a model not passed through `optimize`, or a state
+    dict listing parameters the model does not have.
+    """
+    if to not in ("fused", "hf"):
+        raise ValueError(f"to={to!r}; expected 'fused' or 'hf'")
+    src_side = "hf" if to == "fused" else "fused"
+    parts = _fused_parts(model)
+    owner = {hf: fused for fused, hfs in parts.items() for hf in hfs}
+    sizes = {name: _sizes(model.get_submodule(name.rpartition(".")[0])) for name in parts}
+    target_order = _names(model, to)
+    src_groups = _group_names(state_dict, _names(model, src_side))
+    by_name = {}
+    index = 0
+    for names in src_groups:
+        for name in names:
+            if index in state_dict["state"]:
+                by_name[name] = state_dict["state"][index]
+            index += 1
+    out = {"state": {}, "param_groups": []}
+    new_index = 0
+    for group, names in zip(state_dict["param_groups"], src_groups):
+        if to == "fused":
+            wanted = {owner.get(n, n) for n in names}
+        else:
+            wanted = {h for n in names for h in parts.get(n, [n])}
+        missing = wanted - set(target_order)
+        if missing:
+            raise ValueError(f"state dict names parameters the model does not have: {sorted(missing)[:5]}")
+        ordered = [n for n in target_order if n in wanted]
+        new_group = {k: copy.deepcopy(v) for k, v in group.items() if k not in ("params", "param_names")}
+        new_group["params"] = list(range(new_index, new_index + len(ordered)))
+        if group.get("param_names") is not None:
+            new_group["param_names"] = ordered
+        for name in ordered:
+            entry = _convert_entry(name, to, by_name, parts, owner, sizes)
+            if entry is not None:
+                out["state"][new_index] = entry
+            new_index += 1
+        out["param_groups"].append(new_group)
+    return out
+
+
+def _cloned(entry):
+    """A copy of one parameter's state whose tensors share nothing with the input (no aliasing)."""
+    return None if entry is None else {k: (v.clone() if torch.is_tensor(v) else copy.deepcopy(v)) for k, v in entry.items()}
+
+
+def _convert_entry(name, to, by_name, parts, owner, sizes):
+    if to == "fused":
+        if name not in parts:
+            return _cloned(by_name.get(name))
+        pieces = [by_name.get(h) for h in parts[name]]
+        if any(p is None for p in pieces):
+            return None
+        merged = {}
+        for key, value in pieces[0].items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                merged[key] = torch.cat([p[key] for p in pieces], dim=0)
+            else:
+                merged[key] = value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
+        return merged
+    fused = owner.get(name)
+    if fused is None:
+        return _cloned(by_name.get(name))
+    entry = by_name.get(fused)
+    if entry is None:
+        return None
+    i = parts[fused].index(name)
+    return {k: (v.split(sizes[fused], dim=0)[i].clone() if torch.is_tensor(v) and v.dim() > 0 else _cloned({k: v})[k])
+            for k, v in entry.items()}

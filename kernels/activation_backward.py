@@ -1,0 +1,89 @@
+"""Gated activations for training: ``act(x[..., :d]) * x[..., d:]`` with a Triton backward that recomputes.
+
+Forward: the kernel of :mod:`fxrewrite.kernels.activation` (float32 math, one rounding). Only the input
+``x = [gate | up]`` is saved (as Liger-Kernel's SwiGLU saves its two inputs); the backward recomputes the
+activation. Derivatives (a = act(gate)): d_gate = dy * up * act'(gate), d_up = dy * a, with
+silu' = s * (1 + g * (1 - s)), s = sigmoid(g); exact gelu' = Phi(g) + g * phi(g);
+tanh gelu (u = k * (g + 0.044715 g³), t = tanh(u)) gelu' = 0.5 * (1 + t) + 0.5 * g * (1 - t²) * k * (1 + 3 * 0.044715 g²),
+k = sqrt(2 / pi) (Hendrycks & Gimpel, "Gaussian Error Linear Units", 2016). The reference is autograd through
+:func:`silu_and_mul_ref` / :func:`gelu_and_mul_ref`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fxrewrite.kernels import use_triton
+from fxrewrite.kernels.activation import _APPROXIMATE, _act_and_mul_triton, _half, gelu_and_mul_ref, silu_and_mul_ref
+from fxrewrite.kernels.triton_utils import launch, tl, triton
+
+__all__ = ["act_and_mul_train", "ActAndMulFunction"]
+
+_ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+
+
+@triton.jit
+def _bwd_kernel(x_ptr, dy_ptr, dx_ptr, d, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    g = tl.load(x_ptr + row * 2 * d + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * 2 * d + d + cols, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + row * d + cols, mask=mask, other=0.0).to(tl.float32)
+    if ACT == 0:
+        s = tl.sigmoid(g)
+        act = g * s
+        dact = s * (1.0 + g * (1.0 - s))
+    elif ACT == 1:
+        cdf = 0.5 * (1.0 + tl.math.erf(g * 0.7071067811865476))
+        act = g * cdf
+        dact = cdf + g * 0.3989422804014327 * tl.exp(-0.5 * g * g)
+    else:
+        k = 0.7978845608028654
+        t = 2.0 * tl.sigmoid(2.0 * k * (g + 0.044715 * g * g * g)) - 1.0
+        act = 0.5 * g * (1.0 + t)
+        dact = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * g * g)
+    tl.store(dx_ptr + row * 2 * d + cols, (dy * up * dact).to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dx_ptr + row * 2 * d + d + cols, (dy * act).to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+class ActAndMulFunction(torch.autograd.Function):
+    """``apply(x [..., 2*d], act) -> [..., d]``; act is "silu", "gelu" or "gelu_tanh"."""
+
+    @staticmethod
+    def forward(ctx, x, act):
+        code = _ACT_CODES[act]
+        out = _act_and_mul_triton(x, code)
+        ctx.save_for_backward(x)
+        ctx.code = code
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        d = _half(x)
+        x2 = x.reshape(-1, 2 * d).contiguous()
+        dy2 = dy.reshape(-1, d).contiguous()
+        dx = torch.empty_like(x2)
+        if x2.shape[0] and d:
+            block = min(1024, triton.next_power_of_2(d))
+            launch(_bwd_kernel, (x2.shape[0], triton.cdiv(d, block)), x.device)(
+                x2, dy2, dx, d, ACT=ctx.code, BLOCK=block, num_warps=4)
+        return dx.view(x.shape), None
+
+
+def act_and_mul_train(x: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """Differentiable ``act(x[..., :d]) * x[..., d:]``: x [..., 2*d] -> [..., d] in x's dtype.
+
+    act: "silu", "gelu" (exact) or "gelu_tanh". Triton forward/backward where
+    :func:`fxrewrite.kernels.use_triton` says so, else autograd through the reference.
+    ValueError on an unknown act or an odd last dim.
+    """
+    if act not in _ACT_CODES:
+        raise ValueError(f"act_and_mul_train: act={act!r}, expected one of {sorted(_ACT_CODES)}")
+    _half(x)
+    if not use_triton(x):
+        if act == "silu":
+            return silu_and_mul_ref(x)
+        return gelu_and_mul_ref(x, _APPROXIMATE[1] if act == "gelu_tanh" else _APPROXIMATE[0])
+    return ActAndMulFunction.apply(x, act)

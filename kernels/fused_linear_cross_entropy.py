@@ -1,0 +1,111 @@
+"""Linear projection + cross-entropy without the [tokens, vocab] logits: chunked over tokens, gradients in the forward.
+
+Semantics (transformers ``ForCausalLMLoss`` after the LM head): ``logits = transform(hidden @ W.T + b)``,
+``loss = sum over rows with target != ignore_index of CE(logits.float(), target)``; the caller divides by
+the number of such rows (mean) or by ``num_items_in_batch``. Each chunk of rows computes its logits,
+the loss and d(loss)/d(logits) (the Triton kernel :mod:`fxrewrite.kernels.cross_entropy` in place when the
+transform is known to be ``scale`` / ``softcap``; otherwise autograd through ``transform`` and
+``F.cross_entropy``, exactly transformers' computation), then ``dhidden = g @ W`` and ``dW += g.T @ hidden``;
+the chunk's logits are freed. The backward only scales the stored gradients by the incoming one.
+Peak extra memory: one chunk of logits plus dhidden [N, H] and dW [V, H]. This is the approach of
+Liger-Kernel's fused linear cross-entropy (Hsu et al., 2024, arXiv:2410.10989).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from fxrewrite.kernels import use_triton
+from fxrewrite.kernels.cross_entropy import cross_entropy_grad_
+
+__all__ = ["fused_linear_cross_entropy", "fused_linear_cross_entropy_ref", "default_chunk_size"]
+
+
+def default_chunk_size(num_rows: int, vocab: int, budget: int = 1 << 27) -> int:
+    """Rows per chunk: the largest power of two with rows * vocab <= budget elements, at least 64."""
+    rows = max(64, 1 << max(0, (budget // max(vocab, 1)).bit_length() - 1))
+    return max(1, min(rows, num_rows))
+
+
+def fused_linear_cross_entropy_ref(hidden, weight, bias, target, ignore_index: int = -100,
+                                   transform: Callable | None = None) -> torch.Tensor:
+    """Reference: the summed loss through full logits (autograd end to end)."""
+    logits = F.linear(hidden, weight, bias)
+    logits = transform(logits) if transform is not None else logits
+    return F.cross_entropy(logits.float(), target, ignore_index=ignore_index, reduction="sum")
+
+
+def _chunk_grad(z, t, ignore_index, transform, kernel_params):
+    """(summed loss, d loss / d z) for one chunk of logits z [C, V]; the kernel overwrites z."""
+    if kernel_params is not None and use_triton(z):
+        scale, softcap = kernel_params
+        z = z.contiguous()
+        return cross_entropy_grad_(z, t, ignore_index, scale, softcap), z
+    with torch.enable_grad():
+        z = z.detach().requires_grad_()
+        y = transform(z) if transform is not None else z
+        loss = F.cross_entropy(y.float(), t, ignore_index=ignore_index, reduction="sum")
+        (g,) = torch.autograd.grad(loss, z)
+    return loss.detach(), g
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, ignore_index, transform, kernel_params, chunk):
+        want_h, want_w, want_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_w = torch.zeros_like(weight) if want_w else None
+        grad_b = torch.zeros_like(bias, dtype=torch.float32) if want_b else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        w_g = None  # the weight in the logits' dtype (they differ under autocast), cast once
+        for s in range(0, hidden.shape[0], chunk):
+            h, t = hidden[s:s + chunk], target[s:s + chunk]
+            loss, g = _chunk_grad(F.linear(h, weight, bias), t, ignore_index, transform, kernel_params)
+            total += loss
+            if want_h:
+                w_g = weight.to(g.dtype) if w_g is None else w_g
+                grad_h[s:s + chunk] = g @ w_g
+            if want_w:
+                if g.dtype == h.dtype == grad_w.dtype:
+                    grad_w.addmm_(g.t(), h)
+                else:
+                    grad_w += (g.t().float() @ h.float()).to(grad_w.dtype)
+            if want_b:
+                grad_b += g.float().sum(0)
+        grad_b = grad_b.to(bias.dtype) if want_b else None
+        ctx.save_for_backward(*(x for x in (grad_h, grad_w, grad_b) if x is not None))
+        ctx.which = (want_h, want_w, want_b)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        saved = iter(ctx.saved_tensors)
+        # in place, float32 scalar times the stored gradient (as Liger-Kernel does: no second copy)
+        grads = [next(saved).mul_(grad_out) if want else None for want in ctx.which]
+        return (*grads, None, None, None, None, None)
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                               target: torch.Tensor, ignore_index: int = -100, transform: Callable | None = None,
+                               kernel_params: tuple[float, float | None] | None = None,
+                               chunk_size: int | None = None) -> torch.Tensor:
+    """Summed cross-entropy of ``transform(hidden @ weight.T + bias)`` against ``target``, differentiable.
+
+    hidden [N, H] (float), weight [V, H], bias [V] or None, target int64 [N]. ``transform`` maps a chunk
+    of logits [C, V] to transformed logits row by row (soft-capping, scaling; None: identity);
+    ``kernel_params = (scale, softcap or None)`` says the same transform in numbers, letting the Triton
+    kernel run on CUDA. Returns float32 []: the sum over rows whose target is not ``ignore_index``.
+    Gradients flow to hidden, weight and bias. ValueError on mismatched shapes.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or target.shape != hidden.shape[:1]:
+        raise ValueError(f"fused_linear_cross_entropy: hidden {tuple(hidden.shape)} must be [N, H], weight "
+                         f"{tuple(weight.shape)} [V, H], target {tuple(target.shape)} [N]")
+    chunk = chunk_size or default_chunk_size(hidden.shape[0], weight.shape[0])
+    if not torch.is_grad_enabled():  # no gradients to make: chunked reference, summed
+        parts = [fused_linear_cross_entropy_ref(hidden[s:s + chunk], weight, bias, target[s:s + chunk], ignore_index,
+                                                transform) for s in range(0, hidden.shape[0], chunk)]
+        return sum(parts, torch.zeros((), dtype=torch.float32, device=hidden.device))
+    return _FusedLinearCrossEntropy.apply(hidden, weight, bias, target, ignore_index, transform, kernel_params, chunk)

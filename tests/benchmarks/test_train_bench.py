@@ -1,0 +1,41 @@
+"""`fxrewrite bench train` on a CPU: two arms in their own processes, 2 steps of a tiny Qwen3."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fxrewrite.benchmarks.train import agreement, format_train_table, run_train_bench
+
+TINY = {"name": "tiny-train", "tokenizer": "qwen3", "config": {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+    "max_position_embeddings": 256, "vocab_size": 128, "tie_word_embeddings": True, "rms_norm_eps": 1e-6}}
+
+
+def test_train_bench_smoke(tmp_path):
+    config = tmp_path / "tiny-train.json"
+    config.write_text(json.dumps(TINY))
+    result = run_train_bench(str(config), ["stock", "optimize"], steps=2, warmup=0, batch_size=2, seq_len=16,
+                             dtype="float32", device="cpu", out_dir=tmp_path)
+    arms = {r["arm"]: r for r in result["arms"]}
+    assert set(arms) == {"stock", "optimize"}, result["arms"]
+    for r in arms.values():
+        assert "error" not in r, r
+        assert len(r["losses"]) == 2 and r["tokens_per_s"] > 0
+    assert arms["optimize"]["losses_agree"] and arms["optimize"]["max_rel_loss_diff_vs_stock"] < 1e-5
+    saved = json.loads((tmp_path / result["files"][0].rsplit("/", 1)[-1]).read_text())
+    assert saved["kind"] == "train" and saved["batch_size"] == 2
+    assert "| optimize |" in format_train_table(result)
+
+
+def test_agreement_and_bad_arm():
+    records = [{"arm": "stock", "losses": [2.0, 1.0]}, {"arm": "optimize", "losses": [2.001, 1.0]},
+               {"arm": "liger", "error": "missing"}]
+    agreement(records, 1e-3)
+    assert records[1]["losses_agree"] and "losses_agree" not in records[2]
+    agreement(records, 1e-4)
+    assert not records[1]["losses_agree"]
+    with pytest.raises(ValueError, match="unknown train arm"):
+        run_train_bench("tiny", ["fast"])

@@ -1,0 +1,176 @@
+"""Training with optimize(): loss and every parameter gradient equal to stock transformers (float32, CPU),
+through the Triton training kernels (interpreter) and the fused linear cross-entropy."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tests.e2e.tiny_models import tiny_model
+
+import fxrewrite
+from fxrewrite.kernels.triton_utils import interpreter_ready
+from fxrewrite.weights import to_hf_names
+
+ARCHS = ["llama", "qwen2", "qwen3", "gemma2", "phi3"]
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def _step(model, ids, labels, **kwargs):
+    model.zero_grad()
+    out = model(ids, labels=labels, **kwargs)
+    out.loss.backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _batch(seed=4):
+    ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(seed))
+    labels = ids.clone()
+    labels[0, :3] = -100  # prompt tokens masked out
+    return ids, labels
+
+
+def assert_same_training_step(stock, fused, ids, labels, **kwargs):
+    want, want_grads = _step(stock, ids, labels, **kwargs)
+    got, got_grads = _step(fused, ids, labels, **kwargs)
+    got_loss, want_loss = float(got.loss.detach()), float(want.loss.detach())
+    assert abs(got_loss - want_loss) <= 1e-6 * abs(want_loss)
+    hf = to_hf_names(fused, got_grads)
+    assert set(hf) == set(want_grads)
+    for name, g in want_grads.items():
+        assert _rel(hf[name], g) < 1e-5, name
+    return got
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_loss_and_grads_match_stock(arch, monkeypatch):
+    assert interpreter_ready(), "tests/conftest.py sets TRITON_INTERPRET=1 before triton is imported"
+    monkeypatch.setenv("FXREWRITE_TRITON", "1")  # the Triton training kernels, in the interpreter
+    stock = tiny_model(arch).train()
+    fused = fxrewrite.optimize(copy.deepcopy(stock)).train()
+    assert "lm_head_loss" in fxrewrite.explain(fused).applied_patterns()
+    out = assert_same_training_step(stock, fused, *_batch())
+    assert out.logits is None  # the fused loss path never builds the logits
+
+
+def test_default_model_tiny_config_matches_stock(tiny_model_dir):
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(tiny_model_dir("llama"))
+    torch.manual_seed(0)
+    stock = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
+    fused = fxrewrite.optimize(copy.deepcopy(stock)).train()
+    ids = torch.randint(3, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
+    assert_same_training_step(stock, fused, ids, ids.clone())
+
+
+def test_num_items_in_batch_and_shift_labels():
+    stock = tiny_model("qwen3").train()
+    fused = fxrewrite.optimize(copy.deepcopy(stock)).train()
+    ids, labels = _batch()
+    assert_same_training_step(stock, fused, ids, labels, num_items_in_batch=torch.tensor(23))
+    shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+    assert_same_training_step(stock, fused, ids, labels, shift_labels=shift)
+
+
+@pytest.mark.parametrize("arch,overrides", [("llama", {"tie_word_embeddings": True}),
+                                            ("gemma2", {"final_logit_softcapping": 2.0})])
+def test_tied_embeddings_and_softcapping(arch, overrides):
+    stock = tiny_model(arch, **overrides).train()
+    fused = fxrewrite.optimize(copy.deepcopy(stock)).train()
+    assert_same_training_step(stock, fused, *_batch())
+
+
+def test_logits_returned_without_labels_or_in_eval():
+    stock = tiny_model("llama")
+    fused = fxrewrite.optimize(copy.deepcopy(stock))
+    ids, labels = _batch()
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids).logits, stock(ids).logits, rtol=1e-5, atol=1e-5)
+        out = fused.eval()(ids, labels=labels)  # eval: the stock path, logits and loss both
+        torch.testing.assert_close(out.logits, stock.eval()(ids).logits, rtol=1e-5, atol=1e-5)
+        assert abs(float(out.loss) - float(stock(ids, labels=labels).loss)) < 1e-6
+    fused.train()
+    assert fused(ids, labels=labels).logits is None
+
+
+def test_bad_labels_raise_the_stock_error():
+    stock = tiny_model("llama").train()
+    fused = fxrewrite.optimize(copy.deepcopy(stock)).train()
+    ids, _ = _batch()
+    for labels in (ids[:, :5], ids.float()):
+        with pytest.raises(Exception) as want:
+            stock(ids, labels=labels)
+        with pytest.raises(type(want.value)) as got:
+            fused(ids, labels=labels)
+        assert str(got.value) == str(want.value)
+
+
+def test_custom_loss_function_is_respected():
+    fused = fxrewrite.optimize(tiny_model("llama")).train()
+    fused.loss_function = lambda logits, labels, vocab_size, **kw: logits.float().mean() * 0 + 42.0
+    ids, labels = _batch()
+    out = fused(ids, labels=labels)
+    assert float(out.loss) == 42.0 and out.logits is not None
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_gradient_checkpointing(when):
+    stock = tiny_model("qwen3").train()
+    stock.gradient_checkpointing_enable()
+    fused = copy.deepcopy(tiny_model("qwen3")).train()
+    if when == "before":
+        fused.gradient_checkpointing_enable()
+    fused = fxrewrite.optimize(fused)
+    if when == "after":
+        fused.gradient_checkpointing_enable()
+    assert fused.model.gradient_checkpointing
+    assert_same_training_step(stock, fused, *_batch())
+
+
+def test_bf16_autocast_close_to_stock():
+    stock = tiny_model("llama").train()
+    fused = fxrewrite.optimize(copy.deepcopy(stock)).train()
+    ids, labels = _batch()
+    losses = []
+    for model in (stock, fused):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(ids, labels=labels).loss
+        loss.backward()
+        losses.append(float(loss))
+    assert abs(losses[0] - losses[1]) < 2e-2 * abs(losses[0])
+
+
+@pytest.mark.parametrize("name", ["cohere", "granite"])
+def test_logit_scaling_models(name):
+    import transformers as T
+
+    config = {"cohere": lambda: T.CohereConfig(logit_scale=0.3), "granite": lambda: T.GraniteConfig(logits_scaling=4.0)}
+    cfg = config[name]()
+    for k, v in dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0).items():
+        setattr(cfg, k, v)
+    torch.manual_seed(0)
+    stock = T.AutoModelForCausalLM.from_config(cfg).train()
+    fused = fxrewrite.optimize(copy.deepcopy(stock)).train()
+    assert fused.lm_head_loss.kernel_params[1] is None  # a pure scale: the Triton kernel's form
+    assert_same_training_step(stock, fused, *_batch())
+
+
+def test_torch_compile_training_step_matches_eager():
+    stock = tiny_model("qwen3").train()
+    fused = fxrewrite.optimize(copy.deepcopy(stock)).train()
+    compiled = torch.compile(fused, backend="aot_eager")
+    ids, labels = _batch()
+    want, want_grads = _step(stock, ids, labels)
+    got = compiled(ids, labels=labels)
+    got.loss.backward()
+    assert got.logits is None
+    assert abs(float(got.loss.detach()) - float(want.loss.detach())) <= 1e-6 * float(want.loss.detach())
+    hf = to_hf_names(fused, {n: p.grad for n, p in fused.named_parameters()})
+    for name, g in want_grads.items():
+        assert _rel(hf[name], g) < 1e-5, name

@@ -1,0 +1,129 @@
+"""optimize() with what training code already has: optimizer state in HF order, foreign patches, PEFT LoRA."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tests.e2e.tiny_models import tiny_model
+
+import fxrewrite
+from fxrewrite.foreign import ForeignPatchError
+from fxrewrite.optimizer_state import optimizer_state_dict
+
+
+def _train_steps(model, opt, steps=2, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        ids = torch.randint(3, 96, (2, 8), generator=gen)
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_optimizer_state_round_trip_continues_like_stock(named):
+    stock = tiny_model("qwen2").train()
+    fused = fxrewrite.optimize(copy.deepcopy(stock)).train()
+    params = (lambda m: list(m.named_parameters())) if named else (lambda m: list(m.parameters()))
+    opt_stock = torch.optim.AdamW(params(stock), lr=1e-2)
+    _train_steps(stock, opt_stock)
+    fused.load_state_dict(stock.state_dict())  # HF names merge into the fused parameters
+    opt_fused = torch.optim.AdamW(params(fused), lr=1e-2)
+    opt_fused.load_state_dict(optimizer_state_dict(fused, opt_stock.state_dict(), to="fused"))
+    _train_steps(stock, opt_stock, seed=1)
+    _train_steps(fused, opt_fused, seed=1)
+    for name, p in fused.state_dict().items():
+        torch.testing.assert_close(p, stock.state_dict()[name], rtol=1e-4, atol=1e-5)
+    back = optimizer_state_dict(fused, opt_fused.state_dict(), to="hf")
+    want = opt_stock.state_dict()
+    assert len(back["state"]) == len(want["state"])
+    for i, entry in want["state"].items():
+        for key, value in entry.items():
+            torch.testing.assert_close(back["state"][i][key], value, rtol=1e-4, atol=1e-6)
+    if named:
+        assert back["param_groups"][0]["param_names"] == want["param_groups"][0]["param_names"]
+
+
+def test_optimizer_state_bad_arguments():
+    fused = fxrewrite.optimize(tiny_model("llama"))
+    with pytest.raises(ValueError, match="'fused' or 'hf'"):
+        optimizer_state_dict(fused, {}, to="stock")
+    with pytest.raises(ValueError, match="not been passed through"):
+        optimizer_state_dict(tiny_model("llama"), {"state": {}, "param_groups": []}, to="hf")
+
+
+def test_foreign_patch_of_a_module_function_is_refused(monkeypatch):
+    from transformers.models.llama import modeling_llama
+
+    def liger_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+        return q, k
+
+    liger_rotary_pos_emb.__module__ = "liger_kernel.transformers.rope"
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", liger_rotary_pos_emb)
+    with pytest.raises(ForeignPatchError, match=r"modeling_llama\.apply_rotary_pos_emb is liger_kernel"):
+        fxrewrite.optimize(tiny_model("llama"))
+
+
+def test_foreign_patch_of_a_class_forward_is_refused(monkeypatch):
+    from transformers.models.qwen3 import modeling_qwen3
+
+    def lce_forward(self, *args, **kwargs):
+        raise AssertionError("not called")
+
+    lce_forward.__module__ = "liger_kernel.transformers.model.qwen3"
+    monkeypatch.setattr(modeling_qwen3.Qwen3ForCausalLM, "forward", lce_forward)
+    with pytest.raises(ForeignPatchError, match="Qwen3ForCausalLM.forward is liger_kernel"):
+        fxrewrite.optimize(tiny_model("qwen3"))
+
+
+def test_foreign_instance_forward_is_refused():
+    model = tiny_model("llama")
+
+    class LigerRMSNorm(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    LigerRMSNorm.__module__ = "liger_kernel.transformers.rms_norm"
+    norm = model.model.norm
+    norm.forward = LigerRMSNorm.forward.__get__(norm)
+    with pytest.raises(ForeignPatchError, match="LlamaRMSNorm.forward of this instance"):
+        fxrewrite.optimize(model)
+
+
+def test_fused_away_children_name_the_fix():
+    fused = fxrewrite.optimize(tiny_model("llama"))
+    attn = fused.model.layers[0].self_attn
+    assert "was fused into 'qkv_proj'" in repr(attn.q_proj) and "get_peft_model first" in repr(attn.q_proj)
+    assert not list(attn.q_proj.parameters())
+    assert "model.layers.0.self_attn.q_proj.weight" in fused.state_dict()  # HF names unchanged
+
+
+LORA_TARGETS = ["q_proj", "v_proj"]
+
+
+def test_optimize_of_a_peft_model_trains_like_it():
+    peft = pytest.importorskip("peft")  # the `train` / `dev` extras install it
+    config = peft.LoraConfig(r=4, target_modules=LORA_TARGETS, lora_dropout=0.0, init_lora_weights=False)
+    stock = peft.get_peft_model(tiny_model("llama"), config).train()
+    fused = fxrewrite.optimize(copy.deepcopy(stock)).train()
+    attn = fused.base_model.model.model.layers[0].self_attn
+    assert type(attn.q_proj).__module__.startswith("peft.")  # the adapters are kept: q/k/v stay unfused
+    assert "lm_head_loss" in fxrewrite.explain(fused).applied_patterns()
+    ids = torch.randint(3, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for model in (stock, fused):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    assert set(grads[0]) == set(grads[1]) and any("lora_A" in n for n in grads[0])
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-7)
+
+
+def test_peft_on_an_optimized_model_names_the_module_and_the_fix():
+    peft = pytest.importorskip("peft")
+    fused = fxrewrite.optimize(tiny_model("llama"))
+    with pytest.raises(ValueError, match=r"'q_proj' was fused into 'qkv_proj'.*get_peft_model first"):
+        peft.get_peft_model(fused, peft.LoraConfig(r=4, target_modules=LORA_TARGETS))

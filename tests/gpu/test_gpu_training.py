@@ -1,0 +1,120 @@
+"""Training on the GPU: bf16 kernels' gradients, fused linear cross-entropy, a Qwen3 training step vs stock,
+no graph break on the training kernels under torch.compile, optimize() time on Qwen3-4B shapes."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+from fxrewrite.benchmarks.common import load_bench_config  # noqa: E402
+from fxrewrite.kernels.activation import silu_and_mul_ref  # noqa: E402
+from fxrewrite.kernels.activation_backward import act_and_mul_train  # noqa: E402
+from fxrewrite.kernels.fused_linear_cross_entropy import (fused_linear_cross_entropy,  # noqa: E402
+                                                          fused_linear_cross_entropy_ref)
+from fxrewrite.kernels.rms_norm import rms_norm_ref  # noqa: E402
+from fxrewrite.kernels.rms_norm_backward import rms_norm_train  # noqa: E402
+from fxrewrite.kernels.rotary_backward import rotary_apply_ref, rotary_apply_train  # noqa: E402
+
+
+def _grad_pair(fn, ref, *inputs):
+    outs = []
+    for f in (fn, ref):
+        leaves = [x.detach().clone().requires_grad_() for x in inputs]
+        y = f(*leaves)
+        y = y if isinstance(y, tuple) else (y,)
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        sum((o.float() * torch.randn(o.shape, device="cuda", generator=gen)).sum() for o in y).backward()
+        outs.append(([o.detach() for o in y], [x.grad for x in leaves]))
+    return outs
+
+
+def _close(a, b, tol=2e-2):
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x.float(), y.float(), rtol=tol, atol=tol)
+
+
+def test_bf16_kernels_match_references():
+    x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn_like(x)
+    w = torch.randn(1024, device="cuda", dtype=torch.bfloat16)
+    got, want = _grad_pair(lambda x, r, w: rms_norm_train(x, w, 1e-6, r), lambda x, r, w: rms_norm_ref(x, w, 1e-6, r),
+                           x, r, w)
+    _close(got[0], want[0])
+    _close(got[1][:2], want[1][:2])
+    torch.testing.assert_close(got[1][2].float(), want[1][2].float(), rtol=2e-2, atol=2.0)  # sum over 4096 rows
+    g = torch.randn(4096, 2 * 3072, device="cuda", dtype=torch.bfloat16)
+    got, want = _grad_pair(lambda t: act_and_mul_train(t, "silu"), silu_and_mul_ref, g)
+    _close(got[0], want[0])
+    _close(got[1], want[1])
+    q = torch.randn(8, 2048, 16, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    k = torch.randn(8, 8, 2048, 128, device="cuda", dtype=torch.bfloat16)
+    ang = torch.randn(1, 2048, 64, device="cuda")
+    cos, sin = torch.cat((ang, ang), -1).cos().bfloat16(), torch.cat((ang, ang), -1).sin().bfloat16()
+    got, want = _grad_pair(lambda q, k: rotary_apply_train(q, k, cos, sin), lambda q, k: rotary_apply_ref(q, k, cos, sin),
+                           q, k)
+    _close(got[0], want[0])
+    _close(got[1], want[1])
+
+
+def test_bf16_fused_linear_cross_entropy():
+    h = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(151936, 1024, device="cuda", dtype=torch.bfloat16) * 0.02
+    t = torch.randint(0, 151936, (4096,), device="cuda")
+    t[::7] = -100
+    got, want = _grad_pair(lambda h, w: fused_linear_cross_entropy(h, w, None, t, kernel_params=(1.0, None)),
+                           lambda h, w: fused_linear_cross_entropy_ref(h, w, None, t), h, w)
+    torch.testing.assert_close(got[0][0], want[0][0], rtol=1e-3, atol=1e-3)
+    _close(got[1], want[1], tol=5e-2)
+
+
+def test_training_kernels_compile_without_graph_breaks():
+    x = torch.randn(2, 64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def step(x, w):
+        h, res = rms_norm_train(x, w, 1e-6, x * 2)
+        return act_and_mul_train(h, "silu").float().sum() + res.float().sum()
+
+    explanation = torch._dynamo.explain(step)(x, w)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    torch.compile(step, fullgraph=True)(x, w).backward()
+
+
+def _qwen3(name: str, **overrides):
+    import transformers
+
+    cfg = dict(load_bench_config(name)["config"], **overrides)
+    config = transformers.AutoConfig.for_model(**cfg)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+
+
+def test_bf16_training_step_matches_stock():
+    import fxrewrite
+
+    stock = _qwen3("qwen3-0.6b", num_hidden_layers=4).train()
+    fused = fxrewrite.optimize(copy.deepcopy(stock)).train()
+    ids = torch.randint(0, 151936, (2, 512), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    losses = []
+    for model in (stock, fused):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        losses.append(float(loss))
+    assert abs(losses[1] - losses[0]) <= 1e-3 * losses[0]
+
+
+def test_optimize_qwen3_4b_under_5_s():
+    import fxrewrite
+
+    model = _qwen3("qwen3-4b")
+    t0 = time.perf_counter()
+    fxrewrite.optimize(model)
+    elapsed = time.perf_counter() - t0
+    assert "qk_norm_rope" in fxrewrite.explain(model).applied_patterns()
+    assert elapsed < 5.0, f"optimize took {elapsed:.1f} s"

@@ -1,0 +1,105 @@
+"""Training kernels (Triton forward + backward, in the interpreter) vs autograd through their torch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fxrewrite.kernels.activation import gelu_and_mul_ref, silu_and_mul_ref
+from fxrewrite.kernels.activation_backward import act_and_mul_train
+from fxrewrite.kernels.rms_norm import rms_norm_ref
+from fxrewrite.kernels.rms_norm_backward import RMSNormFunction, rms_norm_train
+from fxrewrite.kernels.rotary_backward import RotaryApplyFunction, rotary_apply_ref, rotary_apply_train
+
+
+def _grads(fn, *inputs):
+    inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+    outs = fn(*inputs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    gen = torch.Generator().manual_seed(7)
+    loss = sum((o * torch.randn(o.shape, generator=gen)).sum() for o in outs)
+    loss.backward()
+    return [o.detach() for o in outs], [t.grad for t in inputs if t.requires_grad]
+
+
+def _close(got, want, tol=1e-5):
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol)
+
+
+@pytest.fixture
+def forced(interpret, monkeypatch):
+    monkeypatch.setenv("FXREWRITE_TRITON", "1")
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_grads(forced, offset, with_residual):
+    x, w = torch.randn(3, 5, 40, requires_grad=True), torch.randn(40, requires_grad=True)
+    res = torch.randn(3, 5, 40, requires_grad=True) if with_residual else None
+    args = (x, w) + ((res,) if with_residual else ())
+
+    def make(fn):
+        return lambda x, w, *r: fn(x, w, 1e-6, r[0] if r else None, offset)
+
+    got = _grads(make(rms_norm_train), *args)
+    want = _grads(make(rms_norm_ref), *args)
+    _close(got[0], want[0])
+    _close(got[1], want[1])
+
+
+def test_rms_norm_train_uses_the_function(forced, monkeypatch):
+    calls = []
+    original = RMSNormFunction.apply
+    monkeypatch.setattr(RMSNormFunction, "apply", lambda *a: calls.append(1) or original(*a))
+    rms_norm_train(torch.randn(2, 8, requires_grad=True), torch.randn(8), 1e-6)
+    assert calls
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh"])
+def test_act_and_mul_grads(forced, act):
+    x = torch.randn(4, 3, 2 * 24, requires_grad=True) * 3
+    ref = {"silu": silu_and_mul_ref, "gelu": gelu_and_mul_ref,
+           "gelu_tanh": lambda t: gelu_and_mul_ref(t, "tanh")}[act]
+    got = _grads(lambda t: act_and_mul_train(t, act), x.detach().requires_grad_())
+    want = _grads(ref, x.detach().requires_grad_())
+    _close(got[0], want[0])
+    _close(got[1], want[1])
+
+
+def test_act_and_mul_rejects_odd_and_unknown():
+    with pytest.raises(ValueError, match="even"):
+        act_and_mul_train(torch.randn(2, 5))
+    with pytest.raises(ValueError, match="relu"):
+        act_and_mul_train(torch.randn(2, 4), "relu")
+
+
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("rotary_dim", [8, 4])
+@pytest.mark.parametrize("cos_batch", [1, 2])
+def test_rotary_grads(forced, neox, rotary_dim, cos_batch):
+    B, S, D = 2, 5, 8
+    q = torch.randn(B, S, 4, D).transpose(1, 2).requires_grad_()  # transformers' strided view
+    k = torch.randn(B, 2, S, D, requires_grad=True)
+    ang = torch.randn(cos_batch, S, rotary_dim)
+    cos, sin = ang.cos(), ang.sin()  # halves differ: the kernel must not assume duplicated halves
+    got = _grads(lambda q, k: rotary_apply_train(q, k, cos, sin, 1, neox), q, k)
+    want = _grads(lambda q, k: rotary_apply_ref(q, k, cos, sin, neox), q, k)
+    _close(got[0], want[0])
+    _close(got[1], want[1])
+
+
+def test_rotary_ref_is_transformers_apply():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    q, k = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8)
+    ang = torch.randn(2, 5, 4)
+    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+    for got, want in zip(rotary_apply_ref(q, k, cos, sin), apply_rotary_pos_emb(q, k, cos, sin)):
+        assert torch.equal(got, want)
+
+
+def test_rotary_falls_back_when_cos_needs_grad(forced, monkeypatch):
+    monkeypatch.setattr(RotaryApplyFunction, "apply", lambda *a: pytest.fail("kernel used"))
+    cos = torch.randn(1, 3, 8, requires_grad=True)
+    rotary_apply_train(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), cos, cos.detach())
