@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from fxrewrite import distributed
+from fxrewrite.runtime.worker.moe_checks import check_moe_parallel
 from fxrewrite.runtime.worker.worker import StepEncoder, broadcast_object, worker_main
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ def create_model_runner(config, model_config, eos_token_ids: set[int]):
     from fxrewrite.runtime.worker.worker import rank_model_config
 
     tp_size = config.tensor_parallel_size
+    check_moe_parallel(model_config, config)
     if tp_size == 1:
         return ModelRunner(config, model_config, eos_token_ids)
     _check_tp_divisible(model_config, tp_size, config)
