@@ -93,7 +93,9 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     flat = topk_ids.reshape(-1) - expert_start
     numel = flat.numel()
     flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
-    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
+    # scatter_add, not bincount: bincount reads the max on the host (a sync, no CUDA graph capture)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    counts = counts.scatter_add_(0, flat, torch.ones_like(flat))[:num_experts]
     padded = (counts + block_size - 1) // block_size * block_size
     padded_end = torch.cumsum(padded, 0)
     count_start, padded_start = torch.cumsum(counts, 0) - counts, padded_end - padded
@@ -120,11 +122,26 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     _check(x, w13, w2, topk_weights, topk_ids)
     if not use_triton(x) or x.shape[0] == 0:
         return fused_experts_ref(x, w13, w2, topk_weights, topk_ids, expert_start)
-    return _FusedExperts.apply(x, w13, w2, topk_weights, topk_ids, expert_start)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w13, w2, topk_weights)):
+        return _FusedExperts.apply(x, w13, w2, topk_weights, topk_ids, expert_start)
+    return _forward(x, w13, w2, topk_weights, topk_ids, expert_start, save=False)[0]
 
 
 def _block_m(num_slots: int, num_experts: int) -> int:
     return 16 if num_slots <= 4 * num_experts else 64  # few slots per expert: less padding
+
+
+def _forward(x, w13, w2, topk_weights, topk_ids, expert_start: int, save: bool):
+    """Triton forward: align, grouped GEMM (SiLU-and-mul epilogue), grouped GEMM, weighted sum over k."""
+    t, k = topk_ids.shape
+    num_experts = w13.shape[0]
+    block_m = _block_m(t * k, num_experts)
+    sorted_ids, expert_ids = moe_align_block_size(topk_ids, block_m, num_experts, expert_start)
+    act, h13 = grouped_gemm(x, w13, sorted_ids, expert_ids, t * k, a_div=k, block_m=block_m, silu_mul=True,
+                            save_pre=save)
+    y = grouped_gemm(act, w2, sorted_ids, expert_ids, t * k, a_div=1, block_m=block_m)[0]
+    out = (y.float().view(t, k, -1) * topk_weights.float().view(t, k, 1)).sum(1).to(x.dtype)
+    return out, ((sorted_ids, expert_ids, act, h13, y, k, block_m, expert_start) if save else None)
 
 
 class _FusedExperts(torch.autograd.Function):
@@ -132,18 +149,9 @@ class _FusedExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w13, w2, topk_weights, topk_ids, expert_start):
-        t, k = topk_ids.shape
-        num_experts = w13.shape[0]
-        block_m = _block_m(t * k, num_experts)
-        sorted_ids, expert_ids = moe_align_block_size(topk_ids, block_m, num_experts, expert_start)
-        weights = topk_weights.reshape(-1).float()
-        keep = ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
-        act, h13 = grouped_gemm(x, w13, sorted_ids, expert_ids, t * k, a_div=k, block_m=block_m, silu_mul=True,
-                                save_pre=keep)
-        y = grouped_gemm(act, w2, sorted_ids, expert_ids, t * k, a_div=1, block_m=block_m)[0]
-        out = (y.float().view(t, k, -1) * weights.view(t, k, 1)).sum(1).to(x.dtype)
-        ctx.save_for_backward(x, w13, w2, topk_weights, sorted_ids, expert_ids, act, h13, y)
-        ctx.meta = (k, block_m, expert_start)
+        out, saved = _forward(x, w13, w2, topk_weights, topk_ids, expert_start, save=True)
+        ctx.save_for_backward(x, w13, w2, topk_weights, *saved[:5])
+        ctx.meta = saved[5:]
         return out
 
     @staticmethod

@@ -78,6 +78,8 @@ def test_triton_forward_backward_match_reference(interpret, monkeypatch, start):
     want_grads = torch.autograd.grad(want, ref_leaves, grad)
     for g, w in zip(got_grads, want_grads):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # the inference path (no autograd Function, nothing saved)
+        torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids, start), want.detach(), rtol=1e-5, atol=1e-5)
 
 
 def test_shape_errors_name_the_shapes():
@@ -100,3 +102,32 @@ def test_triton_bf16_on_gpu(t):
     got = fused_experts(x, w13, w2, weights, ids)
     want = fused_experts_ref(x.float(), w13.float(), w2.float(), weights, ids)
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_triton_backward_and_cuda_graph_on_gpu():
+    torch.manual_seed(0)
+    e, h, i, k, t = 16, 256, 128, 4, 96
+    x = (torch.randn(t, h, device="cuda") * 0.5).requires_grad_()
+    w13 = (torch.randn(e, 2 * i, h, device="cuda") * 0.05).requires_grad_()
+    w2 = (torch.randn(e, h, i, device="cuda") * 0.05).requires_grad_()
+    weights, ids = select_experts(torch.randn(t, e, device="cuda"), k, True)
+    weights.requires_grad_()
+    got = fused_experts(x, w13, w2, weights, ids)
+    want = fused_experts_ref(x, w13, w2, weights, ids)
+    grad = torch.randn_like(got)
+    for g, w in zip(torch.autograd.grad(got, (x, w13, w2, weights), grad),
+                    torch.autograd.grad(want, (x, w13, w2, weights), grad)):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    # No host sync: the inference path can be captured in a CUDA graph (the engine's decode graphs).
+    xs, ws, ids_s = x.detach().bfloat16(), weights.detach(), ids.clone()
+    w13b, w2b = w13.detach().bfloat16(), w2.detach().bfloat16()
+    with torch.no_grad():
+        fused_experts(xs, w13b, w2b, ws, ids_s)  # warm-up compiles the kernels
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fused_experts(xs, w13b, w2b, ws, ids_s)
+        ids_s.copy_(torch.randint(0, e, ids_s.shape, device="cuda"))
+        graph.replay()
+        torch.testing.assert_close(out.float(), fused_experts_ref(xs.float(), w13b.float(), w2b.float(), ws, ids_s),
+                                   rtol=2e-2, atol=2e-2)
