@@ -113,6 +113,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     return sorted_ids[:total], expert_ids
 
 
+@torch.compiler.disable  # data-dependent routing: torch.compile leaves it to the Triton path (a graph break)
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, expert_start: int = 0) -> torch.Tensor:
     """Same contract as `fused_experts_ref`; Triton grouped GEMMs when `use_triton(x)`, else the reference.

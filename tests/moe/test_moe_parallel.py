@@ -9,6 +9,7 @@ Bad settings are refused before any worker starts.
 from __future__ import annotations
 
 import json
+import os
 import socket
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.distributed.tp_ranks import generate_tokens, make_llm
-from tests.moe.moe_ranks import spmd_rank
+from tests.moe.moe_ranks import short_tokens, spmd_rank
 
 MOE = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
@@ -52,7 +53,8 @@ def _run_ranks(world_size: int, cases, tmp_path) -> list:
     out = tmp_path / f"ranks{world_size}.json"
     ctx = mp.start_processes(spmd_rank, args=(world_size, _free_port(), cases, str(out)), nprocs=world_size,
                              join=False, start_method="spawn")
-    expected = [generate_tokens(make_llm(path, impl)) for path, impl, _ in cases]  # overlaps the ranks
+    run = generate_tokens if world_size == 2 else short_tokens
+    expected = [run(make_llm(path, impl)) for path, impl, _ in cases]  # overlaps the ranks
     while not ctx.join(timeout=600):
         pass
     got = json.loads(out.read_text())
@@ -70,7 +72,8 @@ def test_tp2_and_ep2_equal_tp1(moe_dir, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world_size", "impl"), [(4, "transformers"), (8, "native")])
+@pytest.mark.parametrize(("world_size", "impl"), [(4, "transformers"), pytest.param(8, "native", marks=pytest.mark.skipif(
+    os.environ.get("FXREWRITE_TEST_8_RANKS") != "1", reason="8 processes: ~3-5 min on 2 cores; FXREWRITE_TEST_8_RANKS=1"))])
 def test_ep_at_4_and_8_ranks_equals_tp1(moe_dir, tmp_path, world_size, impl):
     """Issue #18's layout in miniature: 8 experts over 4 or 8 ranks (one or two whole experts each)."""
     path = moe_dir("qwen3_moe", num_attention_heads=8, num_key_value_heads=2)
