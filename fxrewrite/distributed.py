@@ -161,3 +161,17 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
     parts = [torch.empty_like(x) for _ in range(tp_size)]
     dist.all_gather(parts, x, group=_state.tp_group)
     return torch.cat(parts, dim=dim)
+
+
+_expert_parallel = False
+
+
+def set_expert_parallel(enabled: bool) -> None:
+    """vLLM's ``enable_expert_parallel``: MoE layers built or sharded afterwards split their experts
+    across the TP ranks (whole experts per rank) instead of each expert's columns."""
+    global _expert_parallel
+    _expert_parallel = bool(enabled)
+
+
+def expert_parallel_enabled() -> bool:
+    return _expert_parallel

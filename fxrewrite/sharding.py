@@ -34,6 +34,7 @@ from fxrewrite.layers.linear import (
     RowParallelLinear,
 )
 from fxrewrite.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from fxrewrite.sharding_moe import shard_experts, shard_full_width_norms
 
 _COLWISE = ("colwise", "local_colwise")
 _ROWWISE = ("rowwise", "local_rowwise")
@@ -52,6 +53,7 @@ def shard_model(model: nn.Module, tp_rank: int, tp_size: int) -> dict[str, str]:
     for prefix, module in list(modules.items()):
         for new, _ in module.__dict__.get("_fxrewrite_shards", ()):
             _shard_fused(module, prefix, new, tp_rank, tp_size, plan)
+    shard_experts(model, tp_rank, tp_size, plan)  # MoE: experts' columns, or whole experts (EP)
     _apply_tp_plan(model, tp_rank, tp_size, plan)
     _shard_vocab(model, tp_rank, tp_size, plan)
     return plan
@@ -93,6 +95,8 @@ def _shard_fused(module: nn.Module, prefix: str, name: str, tp_rank: int, tp_siz
     partner = _row_partner(module, prefix, name, fused, width)
     new.row_partner = partner
     _replace(module, name, new, fused)
+    if style == "qkv":
+        shard_full_width_norms(module, prefix, new, plan)  # OLMoE: one norm over all heads of q / of k
     plan[_join(prefix, name)] = style
     old = getattr(module, partner)
     row = RowParallelLinear(old.in_features, old.out_features, bias=old.bias is not None, **tp, **_factory(old))

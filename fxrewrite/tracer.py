@@ -178,17 +178,22 @@ def _buffer_modules_run_real(model: nn.Module) -> Iterator[frozenset]:
 
 @contextlib.contextmanager
 def _eager_masks(model: nn.Module) -> Iterator[None]:
-    """Build masks the eager way during recording (a serving backend's mask hook needs its context)."""
+    """Build masks the eager way during recording (a serving backend's mask hook needs its context);
+    run transformers' experts as "batched_mm", whose shapes do not depend on the routing (the eager
+    loop and grouped_mm cannot run on meta tensors)."""
+    keys = {"_attn_implementation_internal": "eager", "_experts_implementation_internal": "batched_mm"}
     configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
                and hasattr(c, "_attn_implementation_internal")}
-    saved = {key: c.__dict__.get("_attn_implementation_internal") for key, c in configs.items()}
+    saved = {(key, k): c.__dict__.get(k) for key, c in configs.items() for k in keys if k in c.__dict__}
     for c in configs.values():
-        c.__dict__["_attn_implementation_internal"] = "eager"
+        for k, v in keys.items():
+            if k != "_experts_implementation_internal" or k in c.__dict__:
+                c.__dict__[k] = v
     try:
         yield
     finally:
-        for key, c in configs.items():
-            c.__dict__["_attn_implementation_internal"] = saved[key]
+        for (key, k), v in saved.items():
+            configs[key].__dict__[k] = v
 
 
 class MetaProxy(fx.Proxy):

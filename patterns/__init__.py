@@ -10,13 +10,16 @@ compiler checks):
    edits of one forward); a call whose q and k are per-head RMSNorms (Qwen3) is the first's, every
    other one the second's (`RotaryApplyPattern` leaves the first's calls alone).
 4. `ResidualRMSNormPattern`: the add + norm in a decoder layer.
-5. `LMHeadLossPattern`: the LM head + loss of a causal LM (fused linear cross-entropy while training).
+5. `MoEPattern` (scope "module"): a sparse MoE block (router, experts, shared expert) -> `FusedMoE`;
+   its children (the shared expert's gated MLP) are fused first, as classes go children first.
+6. `LMHeadLossPattern`: the LM head + loss of a causal LM (fused linear cross-entropy while training).
 A new pattern is one file plus one line here.
 """
 
 from fxrewrite.patterns.base import Context, Match, Pattern, Refusal
 from fxrewrite.patterns.glu import GLUPattern
 from fxrewrite.patterns.lm_head_loss import LMHeadLossPattern
+from fxrewrite.patterns.moe import MoEPattern
 from fxrewrite.patterns.qk_norm_rope import QKNormRopePattern
 from fxrewrite.patterns.qkv import QKVPattern
 from fxrewrite.patterns.rms_norm import ResidualRMSNormPattern, RMSNormPattern
@@ -30,6 +33,7 @@ PATTERNS: tuple[type[Pattern], ...] = (
     QKNormRopePattern,
     RotaryApplyPattern,
     ResidualRMSNormPattern,
+    MoEPattern,
     LMHeadLossPattern,
 )
 

@@ -48,6 +48,8 @@ class EngineConfig:
     """Schedule and launch step n+1 while step n runs (its tokens feed n+1 on the device). Applies to
     the single-process engine; the tensor-parallel executor steps synchronously."""
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    """MoE models: whole experts split across the tensor-parallel ranks instead of each expert's columns."""
     load_format: str = "auto"
     """"auto"/"safetensors" load the checkpoint; "dummy" keeps random weights (benchmarks)."""
     revision: str | None = None
@@ -72,7 +74,8 @@ class EngineConfig:
         for name, value in positive.items():
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise UserInputError(f"{name}={value!r} must be a positive integer")
-        for name in ("fusion", "enable_prefix_caching", "enforce_eager", "async_scheduling", "trust_remote_code"):
+        for name in ("fusion", "enable_prefix_caching", "enforce_eager", "async_scheduling", "trust_remote_code",
+                     "enable_expert_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise UserInputError(f"{name}={getattr(self, name)!r} must be True or False")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", metavar="{compare,kernels,train}", required=True)
     c = sub.add_parser("compare", help="one workload through several arms, JSON + PNG in benchmarks/results")
     c.add_argument("--config", required=True,
-                   help="bench config: a path or a name in benchmarks/configs (qwen3-0.6b, qwen3-4b, qwen3-32b, llama-3.1-8b, tiny)")
+                   help="bench config: a path or a name in benchmarks/configs (qwen3-0.6b, qwen3-4b, qwen3-32b, llama-3.1-8b, qwen3-30b-a3b, qwen3-235b-a22b, tiny)")
     c.add_argument("--arms", default="before,after,native",
                    help="comma list of before, after, native, hf (default: before,after,native)")
     c.add_argument("--workload", default="throughput", choices=("throughput", "latency", "long"))
@@ -50,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="schedule step n+1 while step n runs (default on)")
     g.add_argument("--tensor-parallel-size", "-tp", type=human_readable_int, default=1,
                    help="GPUs per engine arm (worker processes over torch.distributed)")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE configs: whole experts split across the tensor-parallel GPUs")
     g.add_argument("--device", default=None, help="torch device (default: cuda when available)")
     k = sub.add_parser("kernels", help="each Triton kernel vs its torch reference and the copy bandwidth")
     k.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
@@ -104,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         "gpu_memory_utilization": args.gpu_memory_utilization, "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
         "compilation_config": args.compilation_config, "enforce_eager": args.enforce_eager, "device": args.device,
         "async_scheduling": args.async_scheduling, "tensor_parallel_size": args.tensor_parallel_size,
+        **({"enable_expert_parallel": True} if args.enable_expert_parallel else {}),
     }
     result = compare(
         args.config, parse_arms(args.arms), args.workload, num_prompts=args.num_prompts,

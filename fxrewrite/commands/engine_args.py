@@ -29,6 +29,7 @@ ENGINE_KWARG_NAMES = (
     "enforce_eager",
     "async_scheduling",
     "tensor_parallel_size",
+    "enable_expert_parallel",
     "load_format",
 )
 
@@ -159,6 +160,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help="schedule step n+1 while step n runs on the device")
     g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
                    help="number of GPUs to split the model over")
+    g.add_argument("--enable-expert-parallel", action="store_true", default=False,
+                   help="MoE models: split whole experts across the tensor-parallel ranks (not each expert's columns)")
     g.add_argument("--generation-config", default="auto",
                    help="'auto': default sampling values from the model's generation_config.json; "
                         "'vllm': none; or a folder holding a generation_config.json")

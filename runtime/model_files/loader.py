@@ -112,8 +112,12 @@ def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:
 
 def load_weights(model: nn.Module, model_path: str | Path, native: bool) -> None:
     """Load the folder's safetensors into the model (native or HF) and check nothing is missing."""
+    from fxrewrite.distributed import get_tp_size
+    from fxrewrite.runtime.model_files.checkpoint_conversion import convert_for_model
     # On a TP rank, read only this rank's slice of each sharded tensor.
     weights = iterate_safetensors(model_path, sliced=get_tp_size() > 1)
+    # Per-expert checkpoints -> transformers 5's fused 3-D experts (transformers' own rules).
+    weights = convert_for_model(model, weights, native)
     if native:
         loaded = load_native_weights(model, weights)
     else:

@@ -9,6 +9,7 @@ NATIVE_MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("fxrewrite.runtime.models.llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("fxrewrite.runtime.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("fxrewrite.runtime.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("fxrewrite.runtime.models.qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 

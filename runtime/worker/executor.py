@@ -38,6 +38,8 @@ import torch.distributed as dist
 from fxrewrite import distributed
 from fxrewrite.runtime.worker.model_runner import ModelRunner
 from fxrewrite.runtime.worker.worker import StepEncoder, broadcast_object, rank_model_config, worker_main
+from fxrewrite.runtime.worker.moe_checks import check_moe_parallel
+from fxrewrite.runtime.worker.worker import StepEncoder, broadcast_object, worker_main
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,7 @@ SHUTDOWN_TIMEOUT_S = 10.0
 def create_model_runner(config, model_config, eos_token_ids: set[int]):
     """ModelRunner or MultiprocExecutor (see the module docstring); both have `execute_model`, `num_blocks`."""
     tp_size = config.tensor_parallel_size
+    check_moe_parallel(model_config, config)
     if tp_size == 1:
         return ModelRunner(config, model_config, eos_token_ids)
     _check_tp_divisible(model_config, tp_size, config)

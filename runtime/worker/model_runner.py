@@ -66,7 +66,12 @@ def resolve_model_impl(config: EngineConfig, model_config) -> str:
 
 def build_model(config: EngineConfig, model_config, device: torch.device) -> nn.Module:
     """The model on `device` with its weights (random ones with load_format='dummy')."""
+    from fxrewrite.distributed import set_expert_parallel
+    from fxrewrite.runtime.model_files.loader import load_weights, materialize
+    from fxrewrite.runtime.models.registry import get_native_model_cls
+    from fxrewrite.runtime.models.transformers_backend import TransformersForCausalLM
     impl = resolve_model_impl(config, model_config)
+    set_expert_parallel(config.enable_expert_parallel and config.tensor_parallel_size > 1)
     if impl == "native":
         cls = get_native_model_cls(model_config.architectures)
         with _default_dtype(model_config.dtype):

@@ -1,0 +1,142 @@
+"""Fused mixture-of-experts layers: `FusedExperts` (the expert weights) and `FusedMoE` (the whole block).
+
+`FusedExperts` holds w13 ``gate_up_proj`` [E, 2I, H] ([gate | up] per expert) and w2 ``down_proj``
+[E, H, I], named and laid out as transformers 5's experts modules name them, so checkpoints (after
+transformers' own conversion of per-expert tensors) and ``state_dict()`` need no name map.
+Parallelism (vLLM's two modes):
+- tensor parallel (default): every rank holds all experts and 1/tp of each expert's intermediate
+  columns (w13 rows of gate and of up, w2 columns); outputs are partial sums, all-reduced.
+- expert parallel (``enable_expert_parallel``): rank r holds experts [r*E/tp, (r+1)*E/tp) whole;
+  slots routed elsewhere contribute zero here; outputs are partial sums, all-reduced.
+`FusedMoE` routes (router linear -> softmax/sigmoid -> top-k -> optional renormalisation, as in
+transformers' ``*TopKRouter``), runs the experts, adds an optional shared expert scaled by
+``sigmoid(shared_expert_gate(x))`` (Qwen2-MoE) and reduces over the tensor-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fxrewrite.distributed import tensor_model_parallel_all_reduce
+from fxrewrite.kernels.fused_moe import SCORING, fused_experts, select_experts
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what}={n} is not divisible by the parallel size {d}")
+    return n // d
+
+
+class FusedExperts(nn.Module):
+    """E experts of a SiLU-gated MLP; x [T, H] with routing [T, K] -> partial output [T, H].
+
+    Raises ValueError when the expert count (expert parallel) or the intermediate size (tensor
+    parallel) does not divide by tp_size.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, tp_size: int = 1,
+                 tp_rank: int = 0, expert_parallel: bool = False, params_dtype: torch.dtype | None = None,
+                 device=None, param_names: tuple[str, str] = ("gate_up_proj", "down_proj")) -> None:
+        super().__init__()
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.tp_size, self.tp_rank, self.expert_parallel = tp_size, tp_rank, expert_parallel
+        if expert_parallel:
+            self.num_local_experts = _divide(num_experts, tp_size, "num_experts")
+            self.intermediate_size_per_partition = intermediate_size
+        else:
+            self.num_local_experts = num_experts
+            self.intermediate_size_per_partition = _divide(intermediate_size, tp_size, "moe intermediate_size")
+        self.expert_start = tp_rank * self.num_local_experts if expert_parallel else 0
+        e, i = self.num_local_experts, self.intermediate_size_per_partition
+        factory = {"dtype": params_dtype or torch.get_default_dtype(), "device": device}
+        self.param_names = tuple(param_names)  # the replaced module's names: state_dict keys stay the same
+        self.register_parameter(param_names[0], nn.Parameter(torch.empty(e, 2 * i, hidden_size, **factory)))
+        self.register_parameter(param_names[1], nn.Parameter(torch.empty(e, hidden_size, i, **factory)))
+        self.w13.weight_loader = self.weight_loader
+        self.w2.weight_loader = self.weight_loader
+
+    @property
+    def w13(self) -> nn.Parameter:
+        """[E_local, 2 * I_local, H]: [gate | up] rows per expert."""
+        return getattr(self, self.param_names[0])
+
+    @property
+    def w2(self) -> nn.Parameter:
+        """[E_local, H, I_local]."""
+        return getattr(self, self.param_names[1])
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id=None) -> None:
+        """Copy this rank's part of a full checkpoint tensor ([E, 2I, H] or [E, H, I]; a LazySlice reads only it)."""
+        e, i = self.num_local_experts, self.intermediate_size_per_partition
+        full_i = self.intermediate_size
+        if param is self.w13:
+            expected = (self.num_experts, 2 * full_i, self.hidden_size)
+        else:
+            expected = (self.num_experts, self.hidden_size, full_i)
+        if tuple(loaded_weight.shape) != expected:
+            raise ValueError(f"expert weight shape {tuple(loaded_weight.shape)} != expected {expected}")
+        w = loaded_weight.narrow(0, self.expert_start, e)
+        if not self.expert_parallel and self.tp_size > 1:
+            start = self.tp_rank * i
+            if param is self.w13:
+                w = torch.cat([w.narrow(1, start, i), w.narrow(1, full_i + start, i)], dim=1)
+            else:
+                w = w.narrow(2, start, i)
+        if param.device.type != "meta":
+            with torch.no_grad():
+                param.copy_(w)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_start)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, local={self.num_local_experts}, hidden={self.hidden_size}, "
+                f"intermediate={self.intermediate_size_per_partition}, expert_parallel={self.expert_parallel}")
+
+
+class FusedMoE(nn.Module):
+    """A sparse MoE block: hidden_states [..., H] -> [..., H], same dtype.
+
+    Children keep the names of the block they replace (``names``: role -> attribute, roles
+    "router" (any module with ``weight`` [E, H] and optional ``bias``), "experts" (`FusedExperts`),
+    optional "shared" (a module x -> [T, H]) and "shared_gate" (x -> [T, 1])), so parameter names
+    are unchanged. ValueError for an unknown scoring function or top_k outside [1, E].
+    """
+
+    def __init__(self, names: dict[str, str], modules: dict[str, nn.Module], *, top_k: int, renormalize: bool,
+                 scoring_func: str = "softmax") -> None:
+        super().__init__()
+        if scoring_func not in SCORING:
+            raise ValueError(f"scoring_func={scoring_func!r}, expected one of {SCORING}")
+        experts = modules["experts"]
+        if not 1 <= top_k <= experts.num_experts:
+            raise ValueError(f"top_k={top_k} must be between 1 and num_experts={experts.num_experts}")
+        self.names = dict(names)
+        self.top_k, self.renormalize, self.scoring_func = top_k, renormalize, scoring_func
+        for role, name in self.names.items():
+            setattr(self, name, modules[role])
+
+    def _child(self, role: str) -> nn.Module | None:
+        name = self.names.get(role)
+        return getattr(self, name) if name else None
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        router, experts = self._child("router"), self._child("experts")
+        logits = F.linear(x, router.weight, getattr(router, "bias", None))
+        weights, ids = select_experts(logits, self.top_k, self.renormalize, self.scoring_func)
+        out = experts(x, weights, ids)
+        if experts.tp_size > 1:
+            out = tensor_model_parallel_all_reduce(out)
+        shared = self._child("shared")
+        if shared is not None:
+            s = shared(x)
+            gate = self._child("shared_gate")
+            out = out + (torch.sigmoid(gate(x)) * s if gate is not None else s)
+        return out.reshape(shape)
+
+    def extra_repr(self) -> str:
+        return f"top_k={self.top_k}, renormalize={self.renormalize}, scoring_func={self.scoring_func!r}"

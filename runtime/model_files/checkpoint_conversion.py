@@ -1,0 +1,101 @@
+"""Checkpoint layouts -> the model's names, through transformers' own conversion rules.
+
+transformers 5 stores each MoE layer's experts as two 3-D tensors (``experts.gate_up_proj``
+[E, 2I, H], ``experts.down_proj`` [E, H, I]) while hub checkpoints, and ``save_pretrained``,
+hold one tensor per expert (``experts.N.gate_proj.weight``..., Mixtral's ``w1/w2/w3`` under
+``block_sparse_moe``). `from_pretrained` converts with the rules in
+``transformers.conversion_mapping`` (``WeightRenaming`` / ``WeightConverter``); `convert_checkpoint`
+applies the same rules to a stream of (name, tensor) pairs, so the engine's loader needs no second
+copy of them. A converter's group (all experts of one layer) is emitted as soon as it is complete
+(one tensor per expert for each of its source patterns), so at most a layer's experts are held.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping, get_model_conversion_mapping
+from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key
+
+
+def transforms_for(model=None, model_type: str | None = None) -> list:
+    """transformers' transforms for a `PreTrainedModel` (scoped to its sub-models), else for `model_type`."""
+    if model is not None and hasattr(model, "config") and hasattr(model, "base_model_prefix"):
+        return get_model_conversion_mapping(model)
+    return (get_checkpoint_conversion_mapping(model_type) or []) if model_type else []
+
+
+class _Group:
+    """The source tensors of one converter target (e.g. one layer's gate and up projections)."""
+
+    def __init__(self, converter: WeightConverter) -> None:
+        self.converter = copy.deepcopy(converter)
+        self.sources: dict[str, list[tuple[str, torch.Tensor]]] = {p: [] for p in converter.source_patterns}
+
+    def add(self, pattern: str, name: str, tensor) -> None:
+        self.sources[pattern].append((name, tensor))
+
+    def complete(self, expected: int | None) -> bool:
+        return expected is not None and all(len(v) == expected for v in self.sources.values())
+
+    def convert(self, target: str) -> dict[str, torch.Tensor]:
+        for pattern, items in self.sources.items():
+            for name, tensor in sorted(items, key=lambda kv: dot_natural_key(kv[0])):  # experts in index order
+                self.converter.add_tensor(target, name, pattern, tensor)
+        out = self.converter.convert(target)
+        return {k: (v[0] if isinstance(v, list) else v) for k, v in out.items()}
+
+
+def convert_checkpoint(weights: Iterable[tuple[str, torch.Tensor]], transforms: list,
+                       expected_count: Callable[[str], int | None] = lambda target: None
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) -> (model name, tensor), applying transformers' `transforms`.
+
+    Renamings apply to every name in order, then at most one converter, as in transformers'
+    loading. Names no converter claims pass straight through (renamed). A converter target is
+    emitted once each of its source patterns has `expected_count(target)` tensors (the expert
+    count; None: at the end). Already-converted checkpoints (fused 3-D tensors) pass unchanged.
+    """
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    pending: dict[str, _Group] = {}
+    for name, tensor in weights:
+        new = name
+        for renaming in renamings:
+            new, _ = renaming.rename_source_key(new)
+        for converter in converters:
+            target, pattern = converter.rename_source_key(new)
+            if pattern is not None:
+                group = pending.setdefault(target, _Group(converter))
+                group.add(pattern, name, tensor)
+                if group.complete(expected_count(target)):
+                    yield from pending.pop(target).convert(target).items()
+                break
+        else:
+            yield new, tensor
+    for target, group in pending.items():
+        yield from group.convert(target).items()
+
+
+def convert_for_model(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], native: bool
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """`convert_checkpoint` for an engine model: the wrapped HF model's transforms (names relative to
+    it), or a native model's ``model_type``'s; a converter target is complete at its module's
+    ``num_experts`` (else the target parameter's leading dim)."""
+    root = model if native else model.hf_model
+    transforms = transforms_for(model_type=getattr(model, "model_type", None)) if native else transforms_for(root)
+    if not transforms:
+        return iter(weights)
+    params = dict(root.named_parameters())
+
+    def expected(target: str) -> int | None:
+        owner, _, _ = target.rpartition(".")
+        try:
+            count = getattr(root.get_submodule(owner), "num_experts", None)
+        except AttributeError:
+            count = None
+        return count if isinstance(count, int) else (params[target].shape[0] if target in params else None)
+
+    return convert_checkpoint(weights, transforms, expected)

@@ -1,0 +1,40 @@
+"""MoE test fixtures: tiny transformers MoE models of the four families, and the interpreter fixture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as T
+
+from tests.kernels.conftest import interpret  # noqa: F401  (re-exported fixture)
+
+COMMON = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              num_experts_per_tok=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2)
+FAMILIES = {
+    "qwen3_moe": (T.Qwen3MoeConfig, dict(intermediate_size=48, moe_intermediate_size=16, head_dim=8, num_experts=8,
+                                         norm_topk_prob=True)),
+    "qwen2_moe": (T.Qwen2MoeConfig, dict(intermediate_size=48, moe_intermediate_size=16, num_experts=8,
+                                         shared_expert_intermediate_size=24)),
+    "mixtral": (T.MixtralConfig, dict(intermediate_size=16, num_local_experts=4)),
+    "olmoe": (T.OlmoeConfig, dict(intermediate_size=16, num_experts=8)),
+}
+
+
+def tiny_moe(family: str, seed: int = 0, **overrides):
+    """A float32 eval-mode MoE model with random weights (std 0.2 so routing depends on the input)."""
+    cls, extra = FAMILIES[family]
+    config = cls(**{**COMMON, **extra, "initializer_range": 0.2, **overrides})
+    torch.manual_seed(seed)
+    model = T.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.eval()
+
+
+def stock_eager(model):
+    """transformers' experts loop (the reference), whatever the default experts implementation is."""
+    model.config._experts_implementation = "eager"
+    return model
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family(request) -> str:
+    return request.param

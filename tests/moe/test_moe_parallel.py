@@ -1,0 +1,93 @@
+"""MoE under tensor / expert parallelism on a CPU (gloo): greedy tokens equal TP=1's.
+
+2 ranks: Qwen3-MoE (native; transformers+fusion with expert parallelism), Qwen2-MoE (shared
+expert), Mixtral (expert parallel), OLMoE (q/k norm over all heads: statistics all-reduced).
+4 and 8 ranks (issue #18's configuration, tiny): Qwen3-MoE with expert parallelism.
+Bad settings are refused before any worker starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.distributed.tp_ranks import generate_tokens, make_llm
+from tests.moe.moe_ranks import short_tokens, spmd_rank
+
+MOE = {
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
+    "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tiny_model_dir):
+    def make(arch: str, **kwargs):
+        return str(tiny_model_dir(arch, vocab="smollm2", **{**MOE[arch], **kwargs}))
+    return make
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_ranks(world_size: int, cases, tmp_path) -> list:
+    out = tmp_path / f"ranks{world_size}.json"
+    ctx = mp.start_processes(spmd_rank, args=(world_size, _free_port(), cases, str(out)), nprocs=world_size,
+                             join=False, start_method="spawn")
+    run = generate_tokens if world_size == 2 else short_tokens
+    expected = [run(make_llm(path, impl)) for path, impl, _ in cases]  # overlaps the ranks
+    while not ctx.join(timeout=600):
+        pass
+    got = json.loads(out.read_text())
+    return [(got[str(i)], want) for i, want in enumerate(expected)]
+
+
+def test_tp2_and_ep2_equal_tp1(moe_dir, tmp_path):
+    qwen3 = moe_dir("qwen3_moe")
+    cases = [(qwen3, "native", {}), (qwen3, "transformers", {"enable_expert_parallel": True}),
+             (moe_dir("qwen2_moe"), "transformers", {}),
+             (moe_dir("mixtral"), "transformers", {"enable_expert_parallel": True}),
+             (moe_dir("olmoe"), "transformers", {})]
+    for i, (got, want) in enumerate(_run_ranks(2, cases, tmp_path)):
+        assert got == want, cases[i]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world_size", "impl"), [(4, "transformers"), pytest.param(8, "native", marks=pytest.mark.skipif(
+    os.environ.get("FXREWRITE_TEST_8_RANKS") != "1", reason="8 processes: ~3-5 min on 2 cores; FXREWRITE_TEST_8_RANKS=1"))])
+def test_ep_at_4_and_8_ranks_equals_tp1(moe_dir, tmp_path, world_size, impl):
+    """Issue #18's layout in miniature: 8 experts over 4 or 8 ranks (one or two whole experts each)."""
+    path = moe_dir("qwen3_moe", num_attention_heads=8, num_key_value_heads=2)
+    cases = [(path, impl, {"enable_expert_parallel": True})]
+    (got, want), = _run_ranks(world_size, cases, tmp_path)
+    assert got == want
+
+
+def test_bad_moe_settings_fail_before_workers_start(moe_dir, tiny_llama_dir):
+    path = moe_dir("qwen3_moe")
+    with pytest.raises(ValueError, match="expert count 8 is not divisible by the expert-parallel size"):
+        make_llm(path, "native", tensor_parallel_size=3, enable_expert_parallel=True)
+    with pytest.raises(ValueError, match="num_experts_per_tok=9 \\(top-k\\) must be between 1 and the number of "
+                                         "experts \\(8\\)"):
+        make_llm(path, "native", hf_overrides={"num_experts_per_tok": 9})
+    with pytest.raises(ValueError, match="enable_expert_parallel=True but the model has no experts"):
+        make_llm(str(tiny_llama_dir), "native", enable_expert_parallel=True)

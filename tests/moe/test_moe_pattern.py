@@ -1,0 +1,108 @@
+"""Pattern `moe`: the four families' blocks become FusedMoE, logits/gradients match stock, near misses refused."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers as T
+from torch import nn
+
+import fxrewrite
+from fxrewrite.layers.fused_moe import FusedMoE
+from tests.moe.conftest import stock_eager, tiny_moe
+
+
+def _moe_lines(model) -> list[str]:
+    return [line for line in str(fxrewrite.explain(model)).splitlines() if "moe:" in line or "moe " in line]
+
+
+def test_blocks_become_fused_moe_and_logits_match(family):
+    model = tiny_moe(family)
+    ref = stock_eager(copy.deepcopy(model))
+    fxrewrite.optimize(model)
+    fused = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert len(fused) == model.config.num_hidden_layers, fxrewrite.explain(model)
+    if family == "qwen2_moe":
+        assert fused[0].names.keys() == {"router", "experts", "shared", "shared_gate"}
+    ids = torch.randint(0, 96, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_training_gradients_match_stock(family):
+    model = tiny_moe(family).train()
+    ref = stock_eager(copy.deepcopy(model))
+    fxrewrite.optimize(model)
+    ids = torch.randint(0, 96, (2, 6))
+    model(ids, labels=ids).loss.backward()
+    ref(ids, labels=ids).loss.backward()
+    got = dict(model.named_parameters())
+    for name, p in ref.named_parameters():
+        if name in got and p.grad is not None:
+            torch.testing.assert_close(got[name].grad, p.grad, rtol=1e-5, atol=1e-5, msg=name)
+    assert any("experts" in n for n in got)
+
+
+def test_state_dict_round_trips_through_save_pretrained(tmp_path):
+    model = tiny_moe("qwen2_moe")
+    stock_keys = set(model.state_dict())
+    fxrewrite.optimize(model)
+    assert set(model.state_dict()) == stock_keys
+    model.save_pretrained(tmp_path)
+    loaded = stock_eager(T.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval())
+    ids = torch.randint(0, 96, (1, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def _near_miss(monkeypatch, cls, forward):
+    monkeypatch.setattr(cls, "forward", forward)
+    model = tiny_moe("olmoe")
+    fxrewrite.optimize(model)
+    assert not any(isinstance(m, FusedMoE) for m in model.modules())
+    return str(fxrewrite.explain(model))
+
+
+def test_router_with_relu_scores_is_refused(monkeypatch):
+    from transformers.models.olmoe import modeling_olmoe as mod
+
+    def forward(self, hidden_states):
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        logits = torch.nn.functional.linear(hidden_states, self.weight)
+        value, index = torch.topk(torch.relu(logits), self.top_k, dim=-1)
+        return logits, value, index
+
+    report = _near_miss(monkeypatch, mod.OlmoeTopKRouter, forward)
+    assert "router scores are neither softmax nor sigmoid" in report
+
+
+def test_block_returning_router_logits_is_refused(monkeypatch):
+    from transformers.models.olmoe import modeling_olmoe as mod
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        x = hidden_states.view(-1, h)
+        logits, w, ids = self.gate(x)
+        return self.experts(x, ids, w).reshape(b, s, h) + logits.sum()
+
+    report = _near_miss(monkeypatch, mod.OlmoeSparseMoeBlock, forward)
+    assert "block output is not reshaped" in report or "computes more than" in report
+
+
+def test_experts_with_gelu_are_refused(monkeypatch):
+    model = tiny_moe("olmoe")
+    for layer in model.model.layers:
+        layer.mlp.experts.act_fn = nn.GELU()
+    fxrewrite.optimize(model)
+    assert not any(isinstance(m, FusedMoE) for m in model.modules())
+    assert "experts do not compute" in str(fxrewrite.explain(model))
+
+
+def test_block_with_jitter_is_refused():
+    model = tiny_moe("mixtral", router_jitter_noise=0.1).train()
+    fxrewrite.optimize(model)
+    assert not any(isinstance(m, FusedMoE) for m in model.modules())
+    report = str(fxrewrite.explain(model))
+    assert "moe: experts input is not the block input" in report  # x is scaled by the jitter first
