@@ -10,6 +10,7 @@ from fxrewrite.runtime.engine.block_manager import BlockManager
 from fxrewrite.runtime.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
 from fxrewrite.runtime.engine_config import EngineConfig
 from fxrewrite.runtime.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from fxrewrite.runtime.engine.rl import EngineRLMixin
 from fxrewrite.runtime.engine.sampler import SampleResult
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 from fxrewrite.runtime.engine.scheduler import Scheduler, SchedulerOutput
@@ -33,7 +34,7 @@ class Request:
         return all(seq.is_finished for seq in self.seqs)
 
 
-class LLMEngine:
+class LLMEngine(EngineRLMixin):
     """Owns the tokenizer, model runner, block manager and scheduler.
 
     `add_request` validates (ValueError, nothing allocated), `step` runs one batch and returns a
@@ -72,6 +73,7 @@ class LLMEngine:
     ) -> None:
         """Queue a prompt (text, or token ids) for generation; ValueError for an invalid request."""
         params = sampling_params or SamplingParams()
+        self._check_awake()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)

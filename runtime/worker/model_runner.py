@@ -14,6 +14,7 @@ from fxrewrite.runtime.worker.forward_context import forward_context
 from fxrewrite.runtime.engine.inputs import prepare_inputs
 from fxrewrite.runtime.worker.kv_cache import allocate_kv_caches, num_kv_blocks
 from fxrewrite.runtime.worker.memory_profiling import profile_num_kv_blocks
+from fxrewrite.runtime.worker import sleep_mode, weight_sync
 from fxrewrite.runtime.engine.sampler import SampledTokens, SampleResult, Sampler
 from fxrewrite.runtime.engine.scheduler import SchedulerOutput
 from fxrewrite.runtime.engine.sequence import Sequence
@@ -105,6 +106,8 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, model_config, eos_token_ids: set[int]):
         self.config = config
+        self.model_config = model_config
+        self.sleep_state: sleep_mode.SleepState | None = None
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
@@ -119,6 +122,33 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(model_config, self.num_blocks, self.block_size, self.kv_dtype, self.device)
         self.graph_runner = build_graph_runner(self.model, self.kv_caches, config, model_config, self.device)
         self.sampler = Sampler(eos_token_ids, seed=config.seed)
+
+    # RL: in-place weight updates and sleep mode (runtime/worker/weight_sync.py, sleep_mode.py)
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]], strict: bool = True) -> set[str]:
+        """Check every tensor, then copy them into the model in place; see `weight_sync.update_weights`."""
+        state = self.sleep_state
+        if state is not None and "weights" in state.asleep:
+            raise RuntimeError("load_weights: the weights are asleep; call wake_up() (or wake_up(['weights'])) first")
+        names = weight_sync.update_weights(self.model, weights, strict)
+        if state is not None and strict:  # every parameter was written: level 2's garbage is gone
+            self.sleep_state = None
+        return names
+
+    def sleep(self, level: int = 1) -> None:
+        if self.sleep_state is None:
+            self.sleep_state = sleep_mode.sleep(self, level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        state = self.sleep_state
+        if state is not None:
+            sleep_mode.wake_up(self, state, tags)
+            if not state.asleep and not state.weights_discarded:
+                self.sleep_state = None
+
+    def sleep_status(self) -> tuple[tuple[str, ...], bool] | None:
+        """None when awake, else (parts still asleep, whether the weights await load_weights)."""
+        state = self.sleep_state
+        return None if state is None else (tuple(state.asleep), state.weights_discarded)
 
     supports_async = True
     """`execute_model_async` can take the previous step's tokens from the device (LLMEngine checks this)."""
