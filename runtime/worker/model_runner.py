@@ -126,13 +126,24 @@ class ModelRunner:
     # RL: in-place weight updates and sleep mode (runtime/worker/weight_sync.py, sleep_mode.py)
     def load_weights(self, weights: list[tuple[str, torch.Tensor]], strict: bool = True) -> set[str]:
         """Check every tensor, then copy them into the model in place; see `weight_sync.update_weights`."""
+        plan = self.plan_weights([(name, tuple(t.shape)) for name, t in weights], strict)
+        return self.apply_weights(plan, [t for _, t in weights], strict)
+
+    def plan_weights(self, metas: list[tuple[str, tuple[int, ...]]], strict: bool) -> list:
+        """`weight_sync.plan_update` (ValueError for bad input); RuntimeError while the weights are asleep."""
         state = self.sleep_state
         if state is not None and "weights" in state.asleep:
             raise RuntimeError("load_weights: the weights are asleep; call wake_up() (or wake_up(['weights'])) first")
-        names = weight_sync.update_weights(self.model, weights, strict)
+        return weight_sync.plan_update(self.model, metas, strict)
+
+    def apply_weights(self, plan: list, tensors: list[torch.Tensor], strict: bool) -> set[str]:
+        weight_sync.apply_update(plan, tensors)
+        state = self.sleep_state
         if state is not None and strict:  # every parameter was written: level 2's garbage is gone
-            self.sleep_state = None
-        return names
+            state.weights_discarded = False
+            if not state.asleep:
+                self.sleep_state = None
+        return {t.name for t in plan if t is not None}
 
     def sleep(self, level: int = 1) -> None:
         if self.sleep_state is None:
