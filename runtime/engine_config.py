@@ -45,6 +45,9 @@ class EngineConfig:
     """Schedule and launch step n+1 while step n runs (its tokens feed n+1 on the device). Applies to
     the single-process engine; the tensor-parallel executor steps synchronously."""
     tensor_parallel_size: int = 1
+    batch_invariant: bool = False
+    """Run every step with batch-invariant kernels (`fxrewrite.kernels.batch_invariant`): a sequence's
+    logits, hence its sampled tokens' logprobs, do not depend on what else is in the batch. Slower."""
     load_format: str = "auto"
     """"auto"/"safetensors" load the checkpoint; "dummy" keeps random weights (benchmarks)."""
     revision: str | None = None
@@ -66,7 +69,8 @@ class EngineConfig:
         for name, value in positive.items():
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r} must be a positive integer")
-        for name in ("fusion", "enable_prefix_caching", "enforce_eager", "async_scheduling", "trust_remote_code"):
+        for name in ("fusion", "enable_prefix_caching", "enforce_eager", "async_scheduling", "trust_remote_code",
+                     "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if not 0 < self.gpu_memory_utilization <= 1:

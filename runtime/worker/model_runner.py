@@ -7,6 +7,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from fxrewrite.kernels.batch_invariant import batch_invariant_mode
 from fxrewrite.runtime.worker.compilation import compile_model, should_compile
 from fxrewrite.runtime.worker.cuda_graphs import build_graph_runner
 from fxrewrite.runtime.engine_config import EngineConfig
@@ -120,7 +121,8 @@ class ModelRunner:
         else:
             self.num_blocks = num_kv_blocks(config, model_config, self.device, self.kv_dtype)
         self.kv_caches = allocate_kv_caches(model_config, self.num_blocks, self.block_size, self.kv_dtype, self.device)
-        self.graph_runner = build_graph_runner(self.model, self.kv_caches, config, model_config, self.device)
+        with batch_invariant_mode(config.batch_invariant):  # the graphs capture the invariant kernels
+            self.graph_runner = build_graph_runner(self.model, self.kv_caches, config, model_config, self.device)
         self.sampler = Sampler(eos_token_ids, seed=config.seed)
 
     # RL: in-place weight updates and sleep mode (runtime/worker/weight_sync.py, sleep_mode.py)
@@ -172,6 +174,10 @@ class ModelRunner:
     def execute_model_async(self, sched: SchedulerOutput, previous: PendingStep | None = None) -> PendingStep:
         """Launch the step and return without waiting for the device. Tokens of `previous` (the step still
         in flight) that this step feeds back are read from its sampled tokens on the device."""
+        with batch_invariant_mode(self.config.batch_invariant):
+            return self._execute(sched, previous)
+
+    def _execute(self, sched: SchedulerOutput, previous: PendingStep | None) -> PendingStep:
         rows = previous.rows if previous is not None else None
         inputs = prepare_inputs(sched.scheduled, self.block_size, self.device, rows)
         if inputs.gather_dst is not None:

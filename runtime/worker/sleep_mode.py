@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fxrewrite.kernels.batch_invariant import batch_invariant_mode
 from fxrewrite.runtime.worker.cuda_graphs import build_graph_runner
 
 TAGS = ("weights", "kv_cache")
@@ -111,8 +112,9 @@ def wake_up(runner, state: SleepState, tags: list[str] | None) -> None:
             if tag == "weights" and state.level == 2:
                 state.weights_discarded = True
     if not state.asleep and runner.graph_runner is None:
-        runner.graph_runner = build_graph_runner(runner.model, runner.kv_caches, runner.config,
-                                                 runner.model_config, runner.device)
+        with batch_invariant_mode(runner.config.batch_invariant):
+            runner.graph_runner = build_graph_runner(runner.model, runner.kv_caches, runner.config,
+                                                     runner.model_config, runner.device)
 
 
 def storage_bytes(tensors) -> int:
