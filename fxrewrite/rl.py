@@ -63,3 +63,28 @@ def _batch_logprobs(model, batch, device, temperature: float) -> list[torch.Tens
         target = torch.tensor(c, device=device)
         out.append(torch.log_softmax(rows, dim=-1).gather(1, target[:, None]).squeeze(1))
     return out
+
+
+def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
+    """GRPO's group-relative advantages (Shao et al., DeepSeekMath, 2024): rewards [N * group_size], the
+    `group_size` completions of one prompt adjacent, -> (r - mean of its group) / (std of its group + eps).
+    ValueError when the length is not a multiple of group_size."""
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards are not a multiple of group_size={group_size}")
+    groups = rewards.float().view(-1, group_size)
+    std = groups.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(groups[:, :1])
+    return ((groups - groups.mean(dim=1, keepdim=True)) / (std + eps)).view(-1)
+
+
+def grpo_loss(new_logprobs: list[torch.Tensor], old_logprobs: list[torch.Tensor], advantages: torch.Tensor,
+              clip_eps: float = 0.2) -> torch.Tensor:
+    """The clipped surrogate of PPO/GRPO without a KL term (TRL's default beta=0): per token
+    ratio = exp(new - old), loss = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A), averaged over
+    every completion token of the batch (DAPO's token-level mean). `old_logprobs`: the engine's
+    sampled-token logprobs (no gradient); one tensor [len(completion)] per completion."""
+    per_token = []
+    for new, old, adv in zip(new_logprobs, old_logprobs, advantages):
+        ratio = torch.exp(new - old.to(new.device))
+        clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps)
+        per_token.append(-torch.minimum(ratio * adv, clipped * adv))
+    return torch.cat(per_token).mean()
