@@ -20,7 +20,11 @@ class EngineRLMixin:
     """`load_weights`, `sleep`, `wake_up`, `is_sleeping`, `reset_prefix_cache` for `LLMEngine`."""
 
     def _check_idle(self, what: str) -> None:
-        if self.has_unfinished_requests() or self._inflight is not None:
+        if not self.requests and self._inflight is not None:
+            # async scheduling: a step launched for sequences that stopped meanwhile; its tokens are dropped
+            step, self._inflight = self._inflight, None
+            self._complete(step)
+        if self.has_unfinished_requests():
             raise RuntimeError(f"{what} needs an idle engine: {len(self.requests)} request(s) unfinished "
                                "(finish or abort them first)")
 

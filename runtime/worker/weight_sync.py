@@ -70,9 +70,9 @@ def named_weights(source) -> list[tuple[str, torch.Tensor]]:
 
 def _normalize(name: str, wrapper_prefix: str) -> str:
     name = name.replace("_orig_mod.", "")
-    if wrapper_prefix and not name.startswith(wrapper_prefix):
-        name = wrapper_prefix + name
-    return name
+    if not wrapper_prefix:  # a native engine model, fed from an engine's transformers wrapper
+        return name.removeprefix("hf_model.")
+    return name if name.startswith(wrapper_prefix) else wrapper_prefix + name
 
 
 def target_table(model: nn.Module) -> tuple[dict[str, Target], str]:
