@@ -147,7 +147,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if max_query_len == 1:
         from fxrewrite.kernels.paged_decode import paged_decode_triton
 
-        return paged_decode_triton(*args, num_splits=1 if is_batch_invariant() else None)
+        if is_batch_invariant():  # one split: the reduction order depends on the sequence alone
+            return paged_decode_triton(*args, num_splits=1)
+        return paged_decode_triton(*args)
     from fxrewrite.kernels.paged_prefill import paged_prefill_triton
 
     return paged_prefill_triton(*args)
