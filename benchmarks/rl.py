@@ -77,8 +77,9 @@ def train_step(model, optimizer, prompts, completions, old, rewards, samples: in
             "logprob_bitwise_equal_fraction": float((gaps == 0).float().mean())}
 
 
-def engine_rollouts(llm, prompts, samples: int, max_tokens: int, seed: int):
-    params = SamplingParams(n=samples, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0, seed=seed)
+def engine_rollouts(llm, prompts, samples: int, max_tokens: int):
+    # Unseeded: a seeded request draws its noise row by row from its own generator.
+    params = SamplingParams(n=samples, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
     outs = llm.generate(prompts, params, use_tqdm=False)
     ps, cs, lps = [], [], []
     for o in outs:
@@ -128,7 +129,7 @@ def run_iterations(arm: str, model_dir: Path, args: dict, device: str, dtype: to
     for it in range(args["iterations"]):
         t0 = time.perf_counter()
         if llm is not None:
-            ps, cs, old = engine_rollouts(llm, prompts, args["samples"], args["max_tokens"], seed=it)
+            ps, cs, old = engine_rollouts(llm, prompts, args["samples"], args["max_tokens"])
         else:
             ps, cs, old = hf_rollouts(model, prompts, args["samples"], args["max_tokens"], args["hf_batch"],
                                       tokenizer.pad_token_id or 0)

@@ -75,8 +75,19 @@ def _normalize(name: str, wrapper_prefix: str) -> str:
     return name if name.startswith(wrapper_prefix) else wrapper_prefix + name
 
 
+_TABLE = "_fxrewrite_sync_table"
+
+
 def target_table(model: nn.Module) -> tuple[dict[str, Target], str]:
-    """{accepted name: Target} over the engine model, and the wrapper prefix ("hf_model." or "")."""
+    """{accepted name: Target} over the engine model, and the wrapper prefix ("hf_model." or ""). Built
+    once per model and kept on it: the engine never reallocates or replaces a parameter."""
+    cached = model.__dict__.get(_TABLE)
+    if cached is None:
+        cached = model.__dict__[_TABLE] = _build_table(model)
+    return cached
+
+
+def _build_table(model: nn.Module) -> tuple[dict[str, Target], str]:
     hf = getattr(model, "hf_model", None)
     prefix = "hf_model." if isinstance(hf, nn.Module) else ""
     owners = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
