@@ -15,6 +15,7 @@ import torch
 
 from fxrewrite.kernels import use_triton
 from fxrewrite.kernels.attention_tile import check_paged_args
+from fxrewrite.kernels.batch_invariant import is_batch_invariant
 from fxrewrite.kernels.paged_decode import paged_decode_triton
 from fxrewrite.kernels.paged_prefill import paged_prefill_triton
 
@@ -87,7 +88,8 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     """
     check_paged_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
     num_seqs, (_, block_size, num_kv_heads, head_dim) = seq_lens.shape[0], key_cache.shape
-    if max_query_len == 1 and num_seqs * max_seq_len * num_kv_heads * head_dim <= _BATCHED_DECODE_ELEMENTS:
+    # Batch-invariant mode: one sequence at a time (the batched decode pads to the longest context).
+    if max_query_len == 1 and not is_batch_invariant() and num_seqs * max_seq_len * num_kv_heads * head_dim <= _BATCHED_DECODE_ELEMENTS:
         return _decode_ref_batched(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                                    scale, sliding_window, soft_cap)
     out = torch.zeros_like(query)
@@ -121,5 +123,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if not use_triton(query):
         return paged_attention_ref(*args)
     if max_query_len == 1:
+        if is_batch_invariant():  # one split: the reduction order depends on the sequence alone
+            return paged_decode_triton(*args, num_splits=1)
         return paged_decode_triton(*args)
     return paged_prefill_triton(*args)

@@ -50,6 +50,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
     """MoE models: whole experts split across the tensor-parallel ranks instead of each expert's columns."""
+    batch_invariant: bool = False
+    """Run every step with batch-invariant kernels (`fxrewrite.kernels.batch_invariant`): a sequence's
+    logits, hence its sampled tokens' logprobs, do not depend on what else is in the batch. Slower."""
     load_format: str = "auto"
     """"auto"/"safetensors" load the checkpoint; "dummy" keeps random weights (benchmarks)."""
     revision: str | None = None
@@ -75,7 +78,7 @@ class EngineConfig:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise UserInputError(f"{name}={value!r} must be a positive integer")
         for name in ("fusion", "enable_prefix_caching", "enforce_eager", "async_scheduling", "trust_remote_code",
-                     "enable_expert_parallel"):
+                     "enable_expert_parallel", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise UserInputError(f"{name}={getattr(self, name)!r} must be True or False")
         if not 0 < self.gpu_memory_utilization <= 1:

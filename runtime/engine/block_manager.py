@@ -147,6 +147,13 @@ class BlockManager:
                 block.token_ids = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
                 self.hash_to_block_id[h] = block.block_id
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (vLLM's `reset_prefix_cache`): after a weight update or a sleep the
+        cached K/V are stale or gone. Blocks keep their owners; only the hashes go."""
+        for block in self.blocks:
+            block.hash, block.token_ids = None, ()
+        self.hash_to_block_id.clear()
+
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:

@@ -11,6 +11,7 @@ from fxrewrite.runtime.engine.block_manager import BlockManager
 from fxrewrite.runtime.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
 from fxrewrite.runtime.engine_config import EngineConfig
 from fxrewrite.runtime.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from fxrewrite.runtime.engine.rl import EngineRLMixin
 from fxrewrite.runtime.engine.rope_lengths import length_dependent_rope
 from fxrewrite.runtime.engine.sampler import SampleResult
 from fxrewrite.runtime.engine.request_extras import (
@@ -43,7 +44,7 @@ class Request:
         return all(seq.is_finished for seq in self.seqs)
 
 
-class LLMEngine:
+class LLMEngine(EngineRLMixin):
     """Owns the tokenizer, model runner, block manager and scheduler.
 
     `add_request` validates (ValueError, nothing allocated), `step` runs one batch and returns a
@@ -84,6 +85,7 @@ class LLMEngine:
     ) -> None:
         """Queue a prompt (text, or token ids) for generation; ValueError for an invalid request."""
         params = sampling_params or SamplingParams()
+        self._check_awake()
         if request_id in self.requests:
             raise UserInputError(f"request_id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)

@@ -204,12 +204,14 @@ class SampledTokens:
 
     def _build(self, token_list: list[int], chosen_list: list[float]) -> list[SampleResult]:
         raw_logprobs, results = self._raw_logprobs, []
+        ranks = None
+        if raw_logprobs is not None:  # every row's rank in one reduction (one host sync, not one per row)
+            ranks = ((raw_logprobs > self._chosen[:, None]).sum(dim=1) + 1).tolist()
         for i, seq in enumerate(self.seqs):
             num = seq.sampling_params.logprobs
             top = None
             if num is not None:
-                rank = int((raw_logprobs[i] > self._chosen[i]).sum()) + 1
-                top = {token_list[i]: (chosen_list[i], rank)}
+                top = {token_list[i]: (chosen_list[i], ranks[i])}
                 if num > 0:
                     values, ids = raw_logprobs[i].topk(num)
                     for r, (v, t) in enumerate(zip(values.tolist(), ids.tolist()), start=1):

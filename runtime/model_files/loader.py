@@ -11,6 +11,7 @@ from torch import nn
 from fxrewrite.distributed import get_tp_size
 from fxrewrite.sharding import LazySlice
 from fxrewrite.weights import load_hf_weights
+from fxrewrite.runtime.model_files.checkpoint_conversion import convert_for_model
 
 
 def iterate_safetensors(model_path: str | Path, sliced: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -112,8 +113,6 @@ def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:
 
 def load_weights(model: nn.Module, model_path: str | Path, native: bool) -> None:
     """Load the folder's safetensors into the model (native or HF) and check nothing is missing."""
-    from fxrewrite.distributed import get_tp_size
-    from fxrewrite.runtime.model_files.checkpoint_conversion import convert_for_model
     # On a TP rank, read only this rank's slice of each sharded tensor.
     weights = iterate_safetensors(model_path, sliced=get_tp_size() > 1)
     # Per-expert checkpoints -> transformers 5's fused 3-D experts (transformers' own rules).

@@ -37,9 +37,8 @@ import torch.distributed as dist
 
 from fxrewrite import distributed
 from fxrewrite.runtime.worker.model_runner import ModelRunner
-from fxrewrite.runtime.worker.worker import StepEncoder, broadcast_object, rank_model_config, worker_main
 from fxrewrite.runtime.worker.moe_checks import check_moe_parallel
-from fxrewrite.runtime.worker.worker import StepEncoder, broadcast_object, worker_main
+from fxrewrite.runtime.worker.worker import ControlMessage, StepEncoder, broadcast_object, rank_model_config, worker_main
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +190,7 @@ class MultiprocExecutor:
         self._dead: str | None = None
         self._encoder = StepEncoder()
         self._outstanding: collections.deque[RemoteStep] = collections.deque()
+        self._sleep_status = None
         try:
             self._start(config, model_config, eos_token_ids, backend)
         except BaseException:
@@ -295,6 +295,50 @@ class MultiprocExecutor:
         except Exception as e:  # noqa: BLE001 - shutting down anyway (_guard has closed the workers)
             logger.debug("tokens of the steps in flight not received: %s", e)
             return False
+
+    # RL: weight sync and sleep mode on every worker (`fxrewrite.runtime.worker.worker.Worker.control`)
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]], strict: bool = True) -> set[str]:
+        """Every worker checks the names and full shapes (ValueError, nothing copied), then takes its slice
+        of the tensors, sent once over the driver's group as one byte buffer."""
+        metas = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in weights]
+        self._control("plan_weights", [(name, shape) for name, shape, _ in metas], strict)
+        parts, sizes = [], []
+        for _, t in weights:
+            data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+            pad = -data.numel() % 16  # each tensor starts aligned for its dtype
+            parts += [data, torch.zeros(pad, dtype=torch.uint8)]
+            sizes.append(data.numel() + pad)
+        payload = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
+        return self._control("apply_weights", sizes, metas, strict, payload=payload)
+
+    def sleep(self, level: int = 1) -> None:
+        self._control("sleep", level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._control("wake_up", tags)
+
+    def sleep_status(self):
+        """As `ModelRunner.sleep_status`, from TP rank 0's last reply."""
+        return self._sleep_status
+
+    def _control(self, method: str, *args, payload: torch.Tensor | None = None):
+        """Send a ControlMessage (after the steps in flight are received), then `payload`; return rank 0's
+        result or raise its error (ValueError / TypeError as such, else RuntimeError)."""
+        self._check_alive()
+        with self._procs.lock:
+            if self._outstanding:
+                self._receive(self._outstanding[-1])
+            wait = self._wait(method)
+            self._guard(lambda: broadcast_object(ControlMessage(method, args), 0, wait=wait))
+            if payload is not None:
+                self._guard(lambda: wait(dist.broadcast(payload, 0, async_op=True)))
+            group = distributed.get_state().driver_group
+            reply = self._guard(lambda: broadcast_object(None, 1, group, wait=wait))
+        self._sleep_status = reply["sleep"]
+        if reply["error"] is not None:
+            kind, text = reply["error"]
+            raise {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RuntimeError)(text)
+        return reply["result"]
 
     def check_health(self) -> None:
         """WorkerError once a worker has failed or the workers were shut down."""

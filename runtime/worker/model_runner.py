@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from fxrewrite import distributed
+from fxrewrite.kernels.batch_invariant import batch_invariant_mode
 from fxrewrite.layers.rope_context import rope_lengths
 from fxrewrite.runtime.worker.compilation import compile_model, should_compile
 from fxrewrite.runtime.worker.cuda_graphs import build_graph_runner
@@ -17,6 +18,7 @@ from fxrewrite.runtime.engine.inputs import prepare_inputs
 from fxrewrite.runtime.engine.prompt_logprobs import compute_prompt_logprobs, wants_prompt_logprobs
 from fxrewrite.runtime.worker.kv_cache import allocate_kv_caches, num_kv_blocks
 from fxrewrite.runtime.worker.memory_profiling import profile_num_kv_blocks
+from fxrewrite.runtime.worker import sleep_mode, weight_sync
 from fxrewrite.runtime.engine.sampler import SampledTokens, SampleResult, Sampler
 from fxrewrite.runtime.engine.scheduler import SchedulerOutput
 from fxrewrite.runtime.engine.sequence import Sequence
@@ -66,12 +68,8 @@ def resolve_model_impl(config: EngineConfig, model_config) -> str:
 
 def build_model(config: EngineConfig, model_config, device: torch.device) -> nn.Module:
     """The model on `device` with its weights (random ones with load_format='dummy')."""
-    from fxrewrite.distributed import set_expert_parallel
-    from fxrewrite.runtime.model_files.loader import load_weights, materialize
-    from fxrewrite.runtime.models.registry import get_native_model_cls
-    from fxrewrite.runtime.models.transformers_backend import TransformersForCausalLM
     impl = resolve_model_impl(config, model_config)
-    set_expert_parallel(config.enable_expert_parallel and config.tensor_parallel_size > 1)
+    distributed.set_expert_parallel(config.enable_expert_parallel and config.tensor_parallel_size > 1)
     if impl == "native":
         cls = get_native_model_cls(model_config.architectures)
         with _default_dtype(model_config.dtype):
@@ -110,6 +108,8 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, model_config, eos_token_ids: set[int]):
         self.config = config
+        self.model_config = model_config
+        self.sleep_state: sleep_mode.SleepState | None = None
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
@@ -124,8 +124,47 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(model_config, self.num_blocks, self.block_size, self.kv_dtype, self.device)
         if self.device.type == "cuda":  # small TP all-reduces over NVLink peer memory (no-op at TP=1)
             distributed.enable_symm_mem_all_reduce(self.device, model_config.dtype)
-        self.graph_runner = build_graph_runner(self.model, self.kv_caches, config, model_config, self.device)
+        with batch_invariant_mode(config.batch_invariant):  # the graphs capture the invariant kernels
+            self.graph_runner = build_graph_runner(self.model, self.kv_caches, config, model_config, self.device)
         self.sampler = Sampler(eos_token_ids, seed=config.seed)
+
+    # RL: in-place weight updates and sleep mode (runtime/worker/weight_sync.py, sleep_mode.py)
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]], strict: bool = True) -> set[str]:
+        """Check every tensor, then copy them into the model in place; see `weight_sync.update_weights`."""
+        plan = self.plan_weights([(name, tuple(t.shape)) for name, t in weights], strict)
+        return self.apply_weights(plan, [t for _, t in weights], strict)
+
+    def plan_weights(self, metas: list[tuple[str, tuple[int, ...]]], strict: bool) -> list:
+        """`weight_sync.plan_update` (ValueError for bad input); RuntimeError while the weights are asleep."""
+        state = self.sleep_state
+        if state is not None and "weights" in state.asleep:
+            raise RuntimeError("load_weights: the weights are asleep; call wake_up() (or wake_up(['weights'])) first")
+        return weight_sync.plan_update(self.model, metas, strict)
+
+    def apply_weights(self, plan: list, tensors: list[torch.Tensor], strict: bool) -> set[str]:
+        weight_sync.apply_update(plan, tensors)
+        state = self.sleep_state
+        if state is not None and strict:  # every parameter was written: level 2's garbage is gone
+            state.weights_discarded = False
+            if not state.asleep:
+                self.sleep_state = None
+        return {t.name for t in plan if t is not None}
+
+    def sleep(self, level: int = 1) -> None:
+        if self.sleep_state is None:
+            self.sleep_state = sleep_mode.sleep(self, level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        state = self.sleep_state
+        if state is not None:
+            sleep_mode.wake_up(self, state, tags)
+            if not state.asleep and not state.weights_discarded:
+                self.sleep_state = None
+
+    def sleep_status(self) -> tuple[tuple[str, ...], bool] | None:
+        """None when awake, else (parts still asleep, whether the weights await load_weights)."""
+        state = self.sleep_state
+        return None if state is None else (tuple(state.asleep), state.weights_discarded)
 
     supports_async = True
     """`execute_model_async` can take the previous step's tokens from the device (LLMEngine checks this)."""
@@ -143,6 +182,10 @@ class ModelRunner:
         bitmask_hook: None, or a callable(sampling sequences) -> the sampler's `bitmask` argument, called
         after the forward pass is launched (structured outputs: the host fills the grammar masks while
         the device runs the model)."""
+        with batch_invariant_mode(self.config.batch_invariant):
+            return self._execute(sched, previous, bitmask_hook)
+
+    def _execute(self, sched: SchedulerOutput, previous: PendingStep | None, bitmask_hook) -> PendingStep:
         rows = previous.rows if previous is not None else None
         inputs = prepare_inputs(sched.scheduled, self.block_size, self.device, rows)
         if inputs.gather_dst is not None:

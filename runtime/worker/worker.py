@@ -136,6 +136,16 @@ class StepEncoder:
                            np.array(tokens, dtype=np.int64), np.array(blocks, dtype=np.int64))
 
 
+@dataclasses.dataclass
+class ControlMessage:
+    """A call on every worker between steps (weight sync, sleep mode: `Worker.control`); TP rank 0 replies
+    {"result", "error": (exception type name, text) or None, "sleep": the runner's sleep_status()}.
+    "apply_weights" is followed by one uint8 broadcast of every tensor's bytes (16-byte aligned)."""
+
+    method: str
+    args: tuple
+
+
 def rank_model_config(model_config, tp_size: int):
     """A copy whose num_key_value_heads is the per-rank count (what the KV cache holds): total / tp,
     or 1 when kv heads are replicated (fewer kv heads than ranks)."""
@@ -172,6 +182,8 @@ class Worker:
         tp_size = distributed.get_tp_size()
         self.runner = ModelRunner(config, rank_model_config(model_config, tp_size), eos_token_ids)
         self.mirror = SequenceMirror()
+        self._plan = None
+        """The weight update checked by "plan_weights", copied by the "apply_weights" that follows."""
 
     def num_blocks(self) -> int:
         """The smallest KV block count over the TP ranks (what the driver's block manager may use)."""
@@ -179,6 +191,33 @@ class Worker:
         n = torch.tensor([self.runner.num_blocks], dtype=torch.int64, device=self.runner.device)
         dist.all_reduce(n, op=dist.ReduceOp.MIN, group=distributed.get_tp_group())
         return int(n)
+
+    def control(self, msg: ControlMessage) -> dict:
+        """Run a ControlMessage on this rank's runner; errors are returned, not raised (the driver raises)."""
+        try:
+            if msg.method == "plan_weights":
+                self._plan, result = self.runner.plan_weights(*msg.args), None
+            elif msg.method == "apply_weights":
+                result = self._apply_weights(*msg.args)
+            elif msg.method in ("sleep", "wake_up"):
+                result = getattr(self.runner, msg.method)(*msg.args)
+            else:
+                raise ValueError(f"unknown control message {msg.method!r}")
+            error = None
+        except Exception as e:  # noqa: BLE001 - reported to the driver, which raises it
+            result, error = None, (type(e).__name__, str(e))
+        return {"result": result, "error": error, "sleep": self.runner.sleep_status()}
+
+    def _apply_weights(self, sizes: list[int], metas: list[tuple[str, tuple, str]], strict: bool) -> set[str]:
+        buf = torch.empty(sum(sizes), dtype=torch.uint8)
+        dist.broadcast(buf, 0)  # received before anything can fail: the driver sends it regardless
+        plan, self._plan = self._plan, None
+        tensors = []
+        for part, (_, shape, dtype) in zip(buf.split(sizes), metas):
+            dtype = getattr(torch, dtype)
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            tensors.append(part[:nbytes].view(dtype).view(shape))
+        return self.runner.apply_weights(plan, tensors, strict)
 
     def launch(self, msg: StepMessage, previous):
         """Apply the message and launch its step (`previous`: this worker's last step, whose sampled
@@ -204,6 +243,10 @@ class ResultSender:
         """Queue a launched step (`PendingStep`, or None for an empty one: an empty list is sent)."""
         self._queue.put(step)
 
+    def reply(self, payload) -> None:
+        """Queue a control message's reply (sent after the tokens of every step queued before it)."""
+        self._queue.put(_Reply(payload))
+
     def close(self) -> None:
         self._queue.put(_STOP)
         self._thread.join()
@@ -213,6 +256,9 @@ class ResultSender:
             if self._device.type == "cuda":
                 torch.cuda.set_device(self._device)  # the current device is per thread
             while (step := self._queue.get()) is not _STOP:
+                if isinstance(step, _Reply):
+                    broadcast_object(step.payload, 1, self._group)
+                    continue
                 seqs, results = step.result() if step is not None else ([], [])
                 broadcast_object([(seq.seq_id, r) for seq, r in zip(seqs, results)], 1, self._group)
         except BaseException:  # noqa: BLE001 - the process must die, so the driver sees it
@@ -222,6 +268,11 @@ class ResultSender:
 
 
 _STOP = object()
+
+
+@dataclasses.dataclass
+class _Reply:
+    payload: object
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -261,6 +312,11 @@ def worker_main(local_rank: int, config, model_config, eos_token_ids: set[int], 
     sender = ResultSender(state.driver_group, config.device) if state.tp_rank == 0 else None
     step = None
     while (msg := broadcast_object(None, 0)) is not None:
+        if isinstance(msg, ControlMessage):
+            reply = worker.control(msg)
+            if sender is not None:
+                sender.reply(reply)
+            continue
         launched = worker.launch(msg, step)
         step = launched or step
         if sender is not None:

@@ -1,0 +1,237 @@
+"""`fxrewrite bench rl`: GRPO iterations with engine rollouts against stock `generate` rollouts, weight-sync
+timings, and the engine-vs-trainer logprob gap.
+
+One iteration = rollouts of `num_prompts` x `samples` completions (`max_tokens` each, EOS ignored, so both
+arms produce the same number of tokens), a reward per completion, GRPO advantages, the clipped loss over
+every completion token in micro-batches, one AdamW step, and (engine arm) `llm.load_weights(model)`.
+Arms:
+- "engine": rollouts with `fxrewrite.LLM` (the transformers model rewritten by fxrewrite, paged KV, CUDA
+  graphs), the engine's sampled-token logprobs as the old policy; time = generate + train + sync.
+- "hf": rollouts with the trainer's own model through transformers' `generate` (batches of `hf_batch`
+  rows, KV cache, sampling), no second copy and no sync; the old logprobs are the new ones detached
+  (TRL's single-step GRPO does the same); time = generate + train.
+Both train the same `fxrewrite.optimize`d model from the same random init (no weights exist here).
+Weights: random (`transformers`' init) in the bench config's shapes, bf16 on a GPU, float32 on a CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import fxrewrite
+from fxrewrite.benchmarks.common import bench_model_dir, environment, free_device_memory, load_bench_config
+from fxrewrite.kernels.batch_invariant import batch_invariant_mode
+from fxrewrite.rl import completion_logprobs, grpo_advantages, grpo_loss
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
+from fxrewrite.runtime.llm import LLM
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def build_trainer(model_dir: Path, device: str, dtype: torch.dtype, seed: int = 0):
+    """The trainable model: transformers' random init from the folder's config, optimized, in train mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
+    return fxrewrite.optimize(model).train()
+
+
+def make_prompts(tokenizer, num: int) -> list[list[int]]:
+    """`num` short arithmetic questions as token ids (about 15-20 tokens each)."""
+    return [tokenizer.encode(f"Question {i}: what is {i % 97} plus {(7 * i) % 89}? Answer:") for i in range(num)]
+
+
+def reward(completion: list[int], max_tokens: int) -> float:
+    """Distinct tokens over max_tokens: varies within a group, which is all the timing needs."""
+    return len(set(completion)) / max_tokens
+
+
+def train_step(model, optimizer, prompts, completions, old, rewards, samples: int, micro_batch: int,
+               invariant: bool = False) -> dict:
+    """One GRPO optimizer step over the rollouts (gradients accumulated per micro-batch, weighted by tokens)."""
+    adv = grpo_advantages(torch.tensor(rewards), samples)
+    total = sum(map(len, completions))
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum, gap = 0.0, []
+    for s in range(0, len(prompts), micro_batch):
+        sl = slice(s, s + micro_batch)
+        with batch_invariant_mode(invariant):
+            new = completion_logprobs(model, prompts[sl], completions[sl], micro_batch_size=micro_batch)
+        olds = old[sl] if old is not None else [n.detach() for n in new]
+        gap += [(n.detach().float().cpu() - o.float().cpu()).abs() for n, o in zip(new, olds)]
+        loss = grpo_loss(new, olds, adv[sl]) * (sum(map(len, completions[sl])) / total)
+        loss.backward()
+        loss_sum += float(loss.detach())
+    optimizer.step()
+    gaps = torch.cat(gap)
+    return {"loss": loss_sum, "logprob_abs_diff_mean": float(gaps.mean()), "logprob_abs_diff_max": float(gaps.max()),
+            "logprob_bitwise_equal_fraction": float((gaps == 0).float().mean())}
+
+
+def engine_rollouts(llm, prompts, samples: int, max_tokens: int):
+    # Unseeded: a seeded request draws its noise row by row from its own generator.
+    params = SamplingParams(n=samples, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    ps, cs, lps = [], [], []
+    for o in outs:
+        for c in o.outputs:
+            ps.append(list(o.prompt_token_ids))
+            cs.append(list(c.token_ids))
+            lps.append(torch.tensor([step[t].logprob for t, step in zip(c.token_ids, c.logprobs)]))
+    return ps, cs, lps
+
+
+@torch.no_grad()
+def hf_rollouts(model, prompts, samples: int, max_tokens: int, batch_rows: int, pad_id: int):
+    """`generate` with sampling over left-padded batches of `batch_rows` completions."""
+    model.eval()
+    ps, cs = [], []
+    rows = [p for p in prompts for _ in range(samples)]
+    device = next(model.parameters()).device
+    for s in range(0, len(rows), batch_rows):
+        chunk = rows[s:s + batch_rows]
+        width = max(map(len, chunk))
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(chunk):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        out = model.generate(ids.to(device), attention_mask=mask.to(device), do_sample=True, temperature=1.0,
+                             top_k=0, max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=pad_id)
+        ps += chunk
+        cs += out[:, width:].tolist()
+    model.train()
+    return ps, cs, None
+
+
+def run_iterations(arm: str, model_dir: Path, args: dict, device: str, dtype: torch.dtype) -> dict:
+    """`iterations` GRPO iterations of one arm; per-iteration seconds of generate / train / sync."""
+    model = build_trainer(model_dir, device, dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    llm = None
+    if arm == "engine":
+        llm = LLM(str(model_dir), model_impl="transformers", load_format="dummy", device=device,
+                  dtype=str(dtype).removeprefix("torch."), gpu_memory_utilization=args["gpu_memory_utilization"],
+                  max_model_len=args["max_model_len"], seed=0, batch_invariant=args["batch_invariant"])
+        llm.load_weights(model)
+    tokenizer = llm.get_tokenizer() if llm else _tokenizer(model_dir)
+    prompts = make_prompts(tokenizer, args["num_prompts"])
+    iterations = []
+    for it in range(args["iterations"]):
+        t0 = time.perf_counter()
+        if llm is not None:
+            ps, cs, old = engine_rollouts(llm, prompts, args["samples"], args["max_tokens"])
+        else:
+            ps, cs, old = hf_rollouts(model, prompts, args["samples"], args["max_tokens"], args["hf_batch"],
+                                      tokenizer.pad_token_id or 0)
+        _sync(device)
+        t1 = time.perf_counter()
+        rewards = [reward(c, args["max_tokens"]) for c in cs]
+        stats = train_step(model, optimizer, ps, cs, old, rewards, args["samples"], args["micro_batch"],
+                           args["batch_invariant"])
+        _sync(device)
+        t2 = time.perf_counter()
+        if llm is not None:
+            llm.load_weights(model)
+            _sync(device)
+        t3 = time.perf_counter()
+        iterations.append({"generate_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2, "total_s": t3 - t0,
+                           "completion_tokens": sum(map(len, cs)), "mean_reward": sum(rewards) / len(rewards),
+                           **(stats if old is not None else {"loss": stats["loss"]})})
+    del llm, model, optimizer
+    free_device_memory()
+    return {"iterations": iterations}
+
+
+def _tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def time_weight_sync(model_dir: Path, device: str, dtype: torch.dtype, reps: int = 5) -> dict:
+    """Seconds of `llm.load_weights` from an optimized model (fused names: one copy per fused tensor) and from
+    Hugging Face names (copied into their shards), beside one device copy of the same bytes."""
+    model = build_trainer(model_dir, device, dtype).eval()
+    llm = LLM(str(model_dir), model_impl="transformers", load_format="dummy", device=device,
+              dtype=str(dtype).removeprefix("torch."), kv_cache_memory_bytes=256 << 20, max_model_len=1024,
+              enforce_eager=True)
+    fused = [(n, p.detach()) for n, p in model.named_parameters()]
+    hf_names = list(model.state_dict().items())  # the split hooks give transformers' names
+    nbytes = sum(t.numel() * t.element_size() for _, t in fused)
+    out = {"num_fused_tensors": len(fused), "num_hf_tensors": len(hf_names), "bytes": nbytes}
+    for key, weights in (("fused", fused), ("hf_names", hf_names)):
+        llm.load_weights(weights)  # warm-up
+        times = []
+        for _ in range(reps):
+            _sync(device)
+            t0 = time.perf_counter()
+            llm.load_weights(weights)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        out[f"{key}_s"] = {"min": min(times), "median": sorted(times)[len(times) // 2]}
+    flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    copy = torch.empty_like(flat)
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        copy.copy_(flat)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    out["one_device_copy_s"] = min(times)
+    del llm, model, fused, hf_names, flat, copy
+    free_device_memory()
+    return out
+
+
+def run_rl_bench(config: str, arms: list[str], sync_configs: list[str], out_dir: Path, device: str | None = None,
+                 tokenizer_dir: Path | None = None, notes: list[str] | None = None, **args) -> dict:
+    """Every arm's GRPO iterations, the weight-sync timings of `sync_configs`, one JSON in `out_dir`
+    (`<date>-<config>-rl.json`). `args`: num_prompts, samples, max_tokens, iterations, micro_batch,
+    hf_batch, max_model_len, gpu_memory_utilization, batch_invariant."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    spec = load_bench_config(config)
+    model_dir = bench_model_dir(spec, tokenizer_dir)
+    result = {"config": spec["name"], "device": device, "dtype": str(dtype), "settings": args, "notes": notes or [],
+              "environment": environment(), "arms": {}, "weight_sync": {}}
+    for arm in arms:
+        result["arms"][arm] = run_iterations(arm, model_dir, args, device, dtype)
+    for name in sync_configs:
+        sync_spec = load_bench_config(name)
+        result["weight_sync"][sync_spec["name"]] = time_weight_sync(bench_model_dir(sync_spec, tokenizer_dir), device, dtype)
+    if {"engine", "hf"} <= set(arms):
+        last = {arm: result["arms"][arm]["iterations"][-1]["total_s"] for arm in ("engine", "hf")}
+        result["speedup_last_iteration"] = last["hf"] / last["engine"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    suffix = "-bi" if args.get("batch_invariant") else ""
+    path = out_dir / f"{result['environment']['date'][:10]}-{spec['name']}-rl{suffix}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    result["files"] = [str(path)]
+    return result
+
+
+def format_rl_table(result: dict) -> str:
+    """Per arm and iteration: generate / train / sync / total seconds; then the sync timings."""
+    lines = [f"{'arm':8} {'it':>3} {'generate s':>11} {'train s':>9} {'sync s':>8} {'total s':>9} {'lp |diff|':>10}"]
+    for arm, data in result["arms"].items():
+        for i, it in enumerate(data["iterations"]):
+            diff = it.get("logprob_abs_diff_mean")
+            lines.append(f"{arm:8} {i:>3} {it['generate_s']:>11.3f} {it['train_s']:>9.3f} {it['sync_s']:>8.4f} "
+                         f"{it['total_s']:>9.3f} {'' if diff is None else f'{diff:.2e}':>10}")
+    for name, s in result["weight_sync"].items():
+        lines.append(f"sync {name}: fused {s['fused_s']['min'] * 1e3:.2f} ms, HF names {s['hf_names_s']['min'] * 1e3:.2f} ms, "
+                     f"one device copy {s['one_device_copy_s'] * 1e3:.2f} ms ({s['bytes'] / 2**20:.0f} MiB)")
+    if "speedup_last_iteration" in result:
+        lines.append(f"whole iteration, hf / engine: {result['speedup_last_iteration']:.2f}x")
+    return "\n".join(lines)

@@ -1,0 +1,77 @@
+"""The engine's RL operations: in-place weight sync and sleep mode (mixed into `LLMEngine`).
+
+A GRPO/PPO loop trains with `fxrewrite.optimize(model)` and samples with the engine in one process:
+``llm.load_weights(model)`` after each optimizer step, ``llm.sleep()`` while training needs the memory,
+``llm.wake_up()`` before the next rollouts. Each needs an idle engine (no unfinished request), and both
+drop the prefix cache, whose K/V would be stale (new weights) or gone (slept).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from fxrewrite.runtime.worker.weight_sync import named_weights
+
+
+class EngineRLMixin:
+    """`load_weights`, `sleep`, `wake_up`, `is_sleeping`, `reset_prefix_cache` for `LLMEngine`."""
+
+    def _check_idle(self, what: str) -> None:
+        if not self.requests and self._inflight is not None:
+            # async scheduling: a step launched for sequences that stopped meanwhile; its tokens are dropped
+            step, self._inflight = self._inflight, None
+            self._complete(step)
+        if self.has_unfinished_requests():
+            raise RuntimeError(f"{what} needs an idle engine: {len(self.requests)} request(s) unfinished "
+                               "(finish or abort them first)")
+
+    def load_weights(self, weights: nn.Module | Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> set[str]:
+        """Copy new weights into the engine's model in place (no reallocation: CUDA graphs stay valid).
+
+        `weights`: a model (its `named_parameters()`: an optimized one copies per fused tensor, a stock
+        one per Hugging Face tensor into its shard) or (name, tensor) pairs in either naming. Tensors may
+        be on any device and of any float dtype (cast to the engine's). With tensor parallelism every
+        rank takes its slice. Everything is checked before anything is copied: ValueError naming the
+        tensor and both shapes for a wrong shape, an unknown name, or (strict) an engine parameter no
+        tensor covers; the engine then keeps its old weights. TypeError for another kind of `weights`;
+        RuntimeError while requests are unfinished or the weights are asleep.
+        Returns the engine parameter names written.
+        """
+        self._check_idle("load_weights")
+        names = self.model_runner.load_weights(named_weights(weights), strict)
+        self.reset_prefix_cache()
+        return names
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached prefixes (their K/V were computed with other weights)."""
+        self.block_manager.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1 also moves the weights to host memory; level 2 discards them, to be
+        refilled by `load_weights` after `wake_up`); see `fxrewrite.runtime.worker.sleep_mode`. A second
+        call while asleep does nothing. RuntimeError while requests are unfinished."""
+        self._check_idle("sleep")
+        self.reset_prefix_cache()
+        self.model_runner.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what `sleep` freed: `tags` among "weights", "kv_cache" (None: both), so the weights can
+        come back and be updated before the KV cache is reallocated. Without a sleep: a no-op."""
+        self.model_runner.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """True while any part is asleep, or the weights of a level-2 sleep await `load_weights`."""
+        return self.model_runner.sleep_status() is not None
+
+    def _check_awake(self) -> None:
+        status = self.model_runner.sleep_status()
+        if status is None:
+            return
+        asleep, discarded = status
+        if asleep:
+            raise RuntimeError(f"the engine is asleep ({', '.join(asleep)} freed): call wake_up() first")
+        if discarded:
+            raise RuntimeError("the weights were discarded by sleep(level=2): call load_weights() first")

@@ -1,0 +1,202 @@
+"""In-place weight updates of a running engine's model (RL: the trainer's weights into the sampler).
+
+`plan_update(model, metas)` resolves every incoming (name, shape) to an engine parameter and checks it
+before anything is copied: an unknown name, a wrong shape or (strict) a parameter left without a tensor
+is a ValueError naming the tensor and both shapes. `apply_update(plan, tensors)` then copies each tensor
+into the existing storage (`param.copy_` / the parameter's `weight_loader`, which narrows to this
+tensor-parallel rank's rows), so no parameter is reallocated and captured CUDA graphs stay valid.
+
+Accepted names (the source's own layout decides, nothing is re-fused):
+- the engine's fused names (``model.layers.0.self_attn.qkv_proj.weight``), as an optimized training
+  model (`fxrewrite.optimize`) or a native model names them: one copy per fused tensor;
+- Hugging Face names (``...q_proj.weight``): copied into their shard of the fused tensor (the fusion's
+  shard table, `fxrewrite.weights.shard_map`, or a native model's ``packed_modules_mapping``);
+- either with the engine wrapper's ``hf_model.`` prefix or torch.compile's ``_orig_mod.`` segments.
+Shapes are always the full (unsharded) ones; each rank takes its slice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from fxrewrite.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from fxrewrite.layers.vocab_embedding import VocabParallelEmbedding
+from fxrewrite.weights import default_weight_loader, shard_map
+
+_SKIPPED = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")
+"""Computed buffers some checkpoints carry; never part of an update."""
+
+
+@dataclass
+class Target:
+    """Where one incoming tensor goes: `param` (the engine's, named `name`), whole or shard `shard_id`."""
+
+    name: str
+    param: nn.Parameter
+    owner: nn.Module
+    shard_id: Any
+    shape: tuple[int, ...]
+    """The full (unsharded) shape the incoming tensor must have."""
+
+    @property
+    def direct(self) -> bool:
+        """A plain copy into the whole parameter (same shape on this rank, no loader logic)."""
+        return self.shard_id is None and self.shape == tuple(self.param.shape) \
+            and not isinstance(self.owner, VocabParallelEmbedding)
+
+
+def named_weights(source) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of an nn.Module (its parameters, tied ones once) or of an iterable of pairs.
+    TypeError for anything else."""
+    if isinstance(source, nn.Module):
+        return [(name, p.detach()) for name, p in source.named_parameters()]
+    if isinstance(source, dict):
+        source = source.items()
+    try:
+        pairs = list(source)
+    except TypeError:
+        raise TypeError(f"load_weights expects an nn.Module or an iterable of (name, tensor) pairs, "
+                        f"got {type(source).__name__}") from None
+    for i, pair in enumerate(pairs):
+        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
+                and isinstance(pair[1], torch.Tensor)):
+            raise TypeError(f"load_weights: item {i} must be a (name, torch.Tensor) pair, got {pair!r:.80}")
+    return [(name, t.detach()) for name, t in pairs]
+
+
+def _normalize(name: str, wrapper_prefix: str) -> str:
+    name = name.replace("_orig_mod.", "")
+    if not wrapper_prefix:  # a native engine model, fed from an engine's transformers wrapper
+        return name.removeprefix("hf_model.")
+    return name if name.startswith(wrapper_prefix) else wrapper_prefix + name
+
+
+_TABLE = "_fxrewrite_sync_table"
+
+
+def target_table(model: nn.Module) -> tuple[dict[str, Target], str]:
+    """{accepted name: Target} over the engine model, and the wrapper prefix ("hf_model." or ""). Built
+    once per model and kept on it: the engine never reallocates or replaces a parameter."""
+    cached = model.__dict__.get(_TABLE)
+    if cached is None:
+        cached = model.__dict__[_TABLE] = _build_table(model)
+    return cached
+
+
+def _build_table(model: nn.Module) -> tuple[dict[str, Target], str]:
+    hf = getattr(model, "hf_model", None)
+    prefix = "hf_model." if isinstance(hf, nn.Module) else ""
+    owners = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
+    table: dict[str, Target] = {}
+
+    def add(name: str, pname: str, shard_id) -> None:
+        param = params[pname]
+        owner = owners[id(param)]
+        table[name] = Target(pname, param, owner, shard_id, full_shape(owner, param, shard_id))
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name in params:
+        add(name, name, None)
+    if prefix:
+        for hf_name, (fused, shard_id) in shard_map(hf).items():
+            add(prefix + hf_name, prefix + fused, shard_id)
+    for part, (fused, shard_id) in getattr(model, "packed_modules_mapping", {}).items():
+        for name in list(params):
+            if f".{fused}." in name:
+                add(name.replace(f".{fused}.", f".{part}."), name, shard_id)
+    return table, prefix
+
+
+def full_shape(owner: nn.Module, param: nn.Parameter, shard_id) -> tuple[int, ...]:
+    """The unsharded shape of `param` (or of its shard `shard_id`) in a checkpoint, from its layer."""
+    is_weight = param is getattr(owner, "weight", None)
+    if isinstance(owner, QKVParallelLinear):
+        q, kv = owner.total_num_heads * owner.head_size, owner.total_num_kv_heads * owner.head_size
+        rows = {None: q + 2 * kv, "q": q, "k": kv, "v": kv}[shard_id]
+    elif isinstance(owner, MergedColumnParallelLinear):
+        rows = sum(owner.output_sizes) if shard_id is None else owner.output_sizes[shard_id]
+    elif isinstance(owner, (ColumnParallelLinear, RowParallelLinear)):
+        rows = owner.output_size
+    elif isinstance(owner, VocabParallelEmbedding):
+        rows = owner.num_embeddings
+    else:
+        return tuple(param.shape)
+    if not is_weight:
+        return (rows,)
+    cols = owner.input_size if isinstance(owner, (ColumnParallelLinear, RowParallelLinear)) else param.shape[1]
+    return (rows, cols)
+
+
+def plan_update(model: nn.Module, metas: list[tuple[str, tuple[int, ...]]], strict: bool = True) -> list[Target | None]:
+    """One Target per incoming (name, shape) (None: a computed buffer, skipped); ValueError listing every
+    unknown name, wrong shape and (strict) parameter no tensor covers, before anything is copied."""
+    table, prefix = target_table(model)
+    plan, errors, covered = [], [], {}
+    for name, shape in metas:
+        if any(s in name for s in _SKIPPED):
+            plan.append(None)
+            continue
+        target = table.get(_normalize(name, prefix))
+        if target is None:
+            errors.append(f"tensor {name!r} of shape {tuple(shape)} matches no parameter of the engine's model")
+        elif tuple(shape) != target.shape:
+            part = f" (shard {target.shard_id!r})" if target.shard_id is not None else ""
+            errors.append(f"tensor {name!r} has shape {tuple(shape)}, but the engine's parameter "
+                          f"{target.name!r}{part} needs {target.shape}")
+        else:
+            covered.setdefault(id(target.param), set()).add(target.shard_id)
+        plan.append(target)
+    if strict:
+        errors += _missing(table, covered)
+    if errors:
+        shown = "; ".join(errors[:8]) + (f"; and {len(errors) - 8} more" if len(errors) > 8 else "")
+        raise ValueError(f"load_weights: nothing was updated: {shown}")
+    return plan
+
+
+def _missing(table: dict[str, Target], covered: dict[int, set]) -> list[str]:
+    """Parameters with neither a whole tensor nor every shard among the incoming ones."""
+    shards: dict[int, dict] = {}
+    for t in table.values():
+        entry = shards.setdefault(id(t.param), {"name": t.name, "shape": None, "ids": set()})
+        if t.shard_id is None:
+            entry["name"], entry["shape"] = t.name, t.shape
+        else:
+            entry["ids"].add(t.shard_id)
+    out = []
+    for pid, entry in shards.items():
+        got = covered.get(pid, set())
+        if None in got or (entry["ids"] and entry["ids"] <= got):
+            continue
+        need = f" (or its shards {sorted(map(str, entry['ids'] - got))})" if entry["ids"] else ""
+        out.append(f"no tensor for the engine's parameter {entry['name']!r} of shape {entry['shape']}{need}")
+    return out
+
+
+@torch.no_grad()
+def apply_update(plan: list[Target | None], tensors: Iterable[torch.Tensor]) -> None:
+    """Copy each tensor into its planned target, in place (plain copies batched in one foreach call)."""
+    dst, src = [], []
+    for target, tensor in zip(plan, tensors):
+        if target is None:
+            continue
+        if target.direct:
+            dst.append(target.param.data)
+            src.append(tensor.to(target.param.device, target.param.dtype, non_blocking=True))
+            continue
+        loader = getattr(target.param, "weight_loader", None) or getattr(target.owner, "weight_loader", None)
+        loader = loader if callable(loader) else default_weight_loader
+        loader(target.param, tensor, target.shard_id) if target.shard_id is not None else loader(target.param, tensor)
+    if dst:
+        torch._foreach_copy_(dst, src)
+
+
+def update_weights(model: nn.Module, weights: list[tuple[str, torch.Tensor]], strict: bool = True) -> set[str]:
+    """Validate everything, then copy (see the module docstring); returns the engine parameter names updated."""
+    plan = plan_update(model, [(name, tuple(t.shape)) for name, t in weights], strict)
+    apply_update(plan, [t for _, t in weights])
+    return {t.name for t in plan if t is not None}

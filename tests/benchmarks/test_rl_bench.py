@@ -1,0 +1,37 @@
+"""CPU smoke test of `fxrewrite bench rl` with tiny sizes: both arms run, times split, the JSON is written."""
+
+from __future__ import annotations
+
+import json
+
+from fxrewrite.benchmarks.common import load_bench_config
+
+
+def test_cli_bench_rl_tiny(tmp_path, capsys):
+    from fxrewrite.cli import main
+
+    spec = load_bench_config("tiny")
+    spec["name"], spec["tokenizer"] = "tiny-smollm2", "smollm2"  # a 49k vocabulary keeps it quick
+    spec["config"].update(vocab_size=49152, bos_token_id=1, eos_token_id=2)
+    config = tmp_path / "tiny-smollm2.json"
+    config.write_text(json.dumps(spec))
+    rc = main(["bench", "rl", "--config", str(config), "--num-prompts", "2", "--samples", "2", "--max-tokens", "3",
+               "--iterations", "1", "--micro-batch", "3", "--hf-batch", "4", "--sync-configs", str(config),
+               "--device", "cpu", "--out", str(tmp_path / "out")])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    saved = json.loads(next((tmp_path / "out").glob("*-rl.json")).read_text())
+    engine, hf = saved["arms"]["engine"]["iterations"][0], saved["arms"]["hf"]["iterations"][0]
+    assert engine["completion_tokens"] == hf["completion_tokens"] == 2 * 2 * 3
+    assert engine["sync_s"] > 0 and hf["sync_s"] < engine["sync_s"]
+    assert engine["logprob_abs_diff_max"] < 1e-4  # float32: the engine's logprobs are the trainer's
+    sync = saved["weight_sync"]["tiny-smollm2"]
+    assert sync["fused_s"]["min"] > 0 and sync["num_fused_tensors"] < sync["num_hf_tensors"]
+    assert "whole iteration" in captured.out
+
+
+def test_cli_bench_rl_rejects_unknown_arm(capsys):
+    from fxrewrite.cli import main
+
+    assert main(["bench", "rl", "--config", "tiny", "--arms", "vllm"]) == 2
+    assert "engine, hf" in capsys.readouterr().err

@@ -1,0 +1,49 @@
+"""Weight sync and sleep mode through `LLM(tensor_parallel_size=2)`'s driver + 2 CPU worker processes:
+each rank takes its slice of the synced tensors; a bad update changes nothing; sleep/wake keeps tokens."""
+
+import pytest
+import torch
+
+from tests.distributed.tp_ranks import generate_tokens, make_llm
+
+import fxrewrite
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def test_tp2_load_weights_sleep_and_wake_up(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    old = str(tiny_model_dir("qwen3", num_key_value_heads=1, vocab="smollm2"))
+    new = str(tiny_model_dir("qwen3", num_key_value_heads=1, vocab="smollm2", seed=1))
+    source = fxrewrite.optimize(AutoModelForCausalLM.from_pretrained(new, dtype=torch.float32))
+    reference = generate_tokens(make_llm(new, "transformers"))
+    llm = make_llm(old, "transformers", tensor_parallel_size=2)
+    try:
+        before = generate_tokens(llm)
+        pairs = list(source.named_parameters())
+        i = next(i for i, (n, _) in enumerate(pairs) if n.endswith("mlp.gate_up_proj.weight"))
+        bad = pairs[:i] + [(pairs[i][0], pairs[i][1][:, :-1])] + pairs[i + 1:]
+        with pytest.raises(ValueError, match="gate_up_proj.weight.*has shape"):
+            llm.load_weights(bad)
+        assert generate_tokens(llm) == before
+        llm.load_weights(source)
+        assert generate_tokens(llm) == reference != before
+        llm.sleep(level=1)
+        assert llm.llm_engine.is_sleeping()
+        llm.wake_up()
+        assert generate_tokens(llm) == reference
+        llm.sleep(level=2)
+        llm.wake_up()
+        with pytest.raises(RuntimeError, match="load_weights"):
+            generate_tokens(llm)
+        llm.load_weights(AutoModelForCausalLM.from_pretrained(old, dtype=torch.float32))  # HF names
+        assert generate_tokens(llm) == before
+    finally:
+        llm.llm_engine.model_runner.shutdown()

@@ -1,0 +1,115 @@
+"""`LLM.load_weights`: in-place updates from an optimized model (fused names), a stock model (Hugging Face
+names) or pairs; bad input leaves the old weights; the prefix cache is dropped."""
+
+import pytest
+import torch
+
+import fxrewrite
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
+from fxrewrite.runtime.llm import LLM
+
+PROMPTS = ["Hello, my name is", "1 2 3 4 5 6 7 8 9 10 11 12"]
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def _tokens(llm):
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def _hf(path, optimize):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return fxrewrite.optimize(model) if optimize else model
+
+
+@pytest.fixture(scope="module")
+def dirs(tiny_model_dir):
+    return tiny_model_dir("qwen3", vocab="smollm2"), tiny_model_dir("qwen3", vocab="smollm2", seed=1)
+
+
+@pytest.fixture(scope="module")
+def reference(dirs):
+    """Greedy tokens of an engine started on the second folder's weights."""
+    return _tokens(LLM(str(dirs[1]), model_impl="native", dtype="float32", block_size=4))
+
+
+def _snapshot(llm):
+    return {n: (p.data_ptr(), p.detach().clone()) for n, p in llm.llm_engine.model_runner.model.named_parameters()}
+
+
+@pytest.mark.parametrize("impl, optimized", [("transformers", True), ("transformers", False), ("native", True),
+                                             ("native", False)])
+def test_sync_from_model_equals_engine_started_on_it(dirs, reference, impl, optimized):
+    llm = LLM(str(dirs[0]), model_impl=impl, dtype="float32", block_size=4)
+    before_tokens = _tokens(llm)  # fills the prefix cache with the old weights' K/V
+    assert llm.llm_engine.block_manager.hash_to_block_id
+    before = _snapshot(llm)
+    names = llm.load_weights(_hf(dirs[1], optimized))
+    assert names == set(before)
+    assert not llm.llm_engine.block_manager.hash_to_block_id
+    after = _snapshot(llm)
+    assert all(after[n][0] == before[n][0] for n in before), "a parameter was reallocated"
+    assert any(not torch.equal(after[n][1], before[n][1]) for n in before)
+    assert _tokens(llm) == reference != before_tokens
+
+
+def test_pairs_with_hf_names_and_fused_names_mixed(dirs, reference):
+    llm = LLM(str(dirs[0]), model_impl="transformers", dtype="float32", block_size=4)
+    hf_names = list(_hf(dirs[1], False).state_dict().items())  # tied lm_head.weight included
+    fused = dict(_hf(dirs[1], True).named_parameters())
+    q = [(n, t) for n, t in hf_names if ".q_proj." in n or ".k_proj." in n or ".v_proj." in n]
+    others = [(n, t) for n, t in fused.items() if "qkv_proj" not in n]
+    llm.load_weights(q + others)
+    assert _tokens(llm) == reference
+
+
+@pytest.fixture(scope="module")
+def fused_llm(dirs):
+    return LLM(str(dirs[0]), model_impl="transformers", dtype="float32", block_size=4)
+
+
+def _bad(fused_llm, pairs, *needles):
+    before = _snapshot(fused_llm)
+    with pytest.raises(ValueError) as e:
+        fused_llm.load_weights(pairs)
+    for needle in needles:
+        assert needle in str(e.value)
+    after = _snapshot(fused_llm)
+    assert all(torch.equal(after[n][1], before[n][1]) for n in before), "a bad update changed weights"
+
+
+def test_wrong_shape_names_tensor_and_both_shapes(fused_llm, dirs):
+    pairs = list(_hf(dirs[1], True).named_parameters())
+    name = "model.layers.1.self_attn.qkv_proj.weight"
+    i = next(i for i, (n, _) in enumerate(pairs) if n == name)
+    good = pairs[i][1]
+    pairs[i] = (name, good[:-1])
+    _bad(fused_llm, pairs, name, str(tuple(good[:-1].shape)), str(tuple(good.shape)))
+
+
+def test_missing_and_extra_tensors_are_named(fused_llm, dirs):
+    pairs = [(n, t) for n, t in _hf(dirs[1], False).named_parameters() if n != "model.layers.0.self_attn.k_proj.weight"]
+    _bad(fused_llm, pairs, "hf_model.model.layers.0.self_attn.qkv_proj.weight", "'k'")
+    extra = [*_hf(dirs[1], True).named_parameters(), ("model.layers.9.mlp.up_proj.weight", torch.zeros(2, 2))]
+    _bad(fused_llm, extra, "model.layers.9.mlp.up_proj.weight", "(2, 2)", "matches no parameter")
+
+
+def test_partial_update_with_strict_false_and_type_errors(fused_llm, dirs):
+    norm = "model.norm.weight"
+    new = torch.full_like(dict(_hf(dirs[1], False).named_parameters())[norm], 0.5)
+    assert fused_llm.load_weights([(norm, new)], strict=False) == {"hf_model." + norm}
+    assert torch.equal(fused_llm.llm_engine.model_runner.model.hf_model.model.norm.weight, new)
+    with pytest.raises(TypeError, match="pair"):
+        fused_llm.load_weights([("x", 1.0)])
+    with pytest.raises(TypeError, match="iterable"):
+        fused_llm.load_weights(3)
+
+
+def test_busy_engine_refuses_sync(fused_llm, dirs):
+    fused_llm.llm_engine.add_request("busy", "Hello", GREEDY)
+    try:
+        with pytest.raises(RuntimeError, match="idle"):
+            fused_llm.load_weights(_hf(dirs[1], True))
+    finally:
+        fused_llm.llm_engine.abort_request("busy")
