@@ -9,6 +9,7 @@ from typing import Any
 MODEL_IMPLS = ("auto", "native", "transformers")
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+QUANTIZATIONS = ("fp8",)
 
 
 @dataclass
@@ -45,6 +46,9 @@ class EngineConfig:
     """Schedule and launch step n+1 while step n runs (its tokens feed n+1 on the device). Applies to
     the single-process engine; the tensor-parallel executor steps synchronously."""
     tensor_parallel_size: int = 1
+    quantization: str | None = None
+    """"fp8": quantize a bf16/fp16/fp32 checkpoint's linear layers to FP8 (128 x 128 blocks) at load.
+    FP8 checkpoints (quantization_config in config.json) need nothing (runtime/model_files/quantization.py)."""
     load_format: str = "auto"
     """"auto"/"safetensors" load the checkpoint; "dummy" keeps random weights (benchmarks)."""
     revision: str | None = None
@@ -73,6 +77,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be a positive integer")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization={self.quantization!r} is not supported; supported: {list(QUANTIZATIONS)}")
         if self.hf_overrides is not None and not (
             isinstance(self.hf_overrides, (dict, str)) or callable(self.hf_overrides)
         ):  # the JSON text and the dict itself are checked when the config loads

@@ -28,6 +28,7 @@ ENGINE_KWARG_NAMES = (
     "enforce_eager",
     "async_scheduling",
     "tensor_parallel_size",
+    "quantization",
     "load_format",
 )
 
@@ -158,6 +159,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help="schedule step n+1 while step n runs on the device")
     g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
                    help="number of GPUs to split the model over")
+    g.add_argument("--quantization", "-q", choices=("fp8",), default=None,
+                   help="fp8: quantize the linear layers of a bf16 checkpoint to FP8 at load (FP8 checkpoints "
+                        "are detected from config.json)")
     g.add_argument("--generation-config", default="auto",
                    help="'auto': default sampling values from the model's generation_config.json; "
                         "'vllm': none; or a folder holding a generation_config.json")

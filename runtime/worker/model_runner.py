@@ -7,6 +7,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from fxrewrite.runtime.model_files.quantization import finish_fp8_model, prepare_fp8_model, resolve_quantization
 from fxrewrite.runtime.worker.compilation import compile_model, should_compile
 from fxrewrite.runtime.worker.cuda_graphs import build_graph_runner
 from fxrewrite.runtime.engine_config import EngineConfig
@@ -28,10 +29,12 @@ def load_model_config(config: EngineConfig):
         from fxrewrite.runtime.model_files.default_model import default_model_path
 
         model = str(default_model_path())
-    return ModelConfig.from_pretrained(
+    model_config = ModelConfig.from_pretrained(
         model, hf_overrides=config.hf_overrides, max_model_len=config.max_model_len, dtype=config.dtype,
         tokenizer=config.tokenizer, revision=config.revision, trust_remote_code=config.trust_remote_code,
     )
+    resolve_quantization(config.quantization, model_config.hf_config)  # unsupported methods fail here
+    return model_config
 
 
 def load_tokenizer(model_config, config: EngineConfig):
@@ -71,12 +74,15 @@ def build_model(config: EngineConfig, model_config, device: torch.device) -> nn.
     else:
         model = TransformersForCausalLM.from_config(model_config.hf_config, model_config.dtype, config.fusion)
         _shard_for_tensor_parallel(model)
+    quant = resolve_quantization(config.quantization, model_config.hf_config)
+    prepare_fp8_model(model, quant, will_load_checkpoint=config.load_format != "dummy")
     model = materialize(model, device)
     if config.load_format == "dummy":
         for param in model.parameters():
             param.data.normal_(0.0, 0.02)
     else:
         load_weights(model, model_config.model_path, native=impl == "native")
+    finish_fp8_model(model, quant, model_config.dtype, device)
     model.impl = impl
     return model.eval()
 
