@@ -90,33 +90,51 @@ def _tiles(m: int) -> tuple[int, int]:
     return 128, 128
 
 
+_TARGET_PROGRAMS = 264  # 2 per SM on an H100/H200 (132 SMs): enough tiles to keep every SM streaming
+
+
+def _split_k(num_tiles: int, groups: int, m: int) -> int:
+    """K splits for small-M GEMMs whose output tiles cannot fill the GPU (decode of o_proj / down_proj)."""
+    if m > 64 or num_tiles >= _TARGET_PROGRAMS:
+        return 1
+    return max(1, min(groups, _TARGET_PROGRAMS // num_tiles))
+
+
 def fp8_block_gemm_triton(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor,
                           group_size: int = 128, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Triton kernel, same contract as :func:`fp8_block_gemm_ref` (one K-step per scale group)."""
+    """Triton kernel, same contract as :func:`fp8_block_gemm_ref` (one K-step per scale group).
+
+    Small M with few output tiles splits K over programs into float32 partials summed afterwards.
+    """
     m, k = a.shape
-    n = w.shape[0]
-    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    n, groups = w.shape[0], a_s.shape[1]
     block_m, block_n = _tiles(m)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    split = _split_k(tiles, groups, m)
+    out = torch.empty((split, m, n), dtype=torch.float32 if split > 1 else out_dtype, device=a.device)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
     launch(_gemm_kernel, grid, a.device)(
-        a, a_s, w, w_s, out, m, n, k, a_s.shape[1],
+        a, a_s, w, w_s, out, m, n, k, groups, triton.cdiv(groups, split),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=group_size, num_warps=4 if block_m < 128 else 8,
     )
-    return out
+    return out[0] if split == 1 else out.sum(0).to(out_dtype)
 
 
 @triton.jit
-def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, G,
+def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, G, GROUPS_PER_SPLIT,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     m_mask = rm < M
     n_mask = rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for g in range(0, G):
+    g_start = pid_k * GROUPS_PER_SPLIT
+    g_end = tl.minimum(g_start + GROUPS_PER_SPLIT, G)
+    for g in range(g_start, g_end):
         k = g * BLOCK_K + rk
         k_mask = k < K
         a = tl.load(a_ptr + rm[:, None] * K + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
@@ -124,8 +142,8 @@ def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, G,
         a_s = tl.load(as_ptr + rm * G + g, mask=m_mask, other=0.0)
         w_s = tl.load(ws_ptr + rn * G + g, mask=n_mask, other=0.0)
         acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
-    tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+    out = out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 def fp8_block_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor,

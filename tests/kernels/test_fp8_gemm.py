@@ -55,13 +55,20 @@ def test_gemm_ref_is_dequantized_matmul():
     assert rel < 0.05
 
 
-@pytest.mark.parametrize("m, n, k", [(1, 64, 128), (5, 70, 200), (20, 130, 384)])
+@pytest.mark.parametrize("m, n, k", [(1, 64, 128), (5, 70, 200), (20, 130, 384), (100, 130, 256)])
 def test_gemm_kernel_matches_ref(interpret, m, n, k):
     aq, a_s = per_token_group_quant_fp8_ref(torch.randn(m, k))
     wq, w_s = per_token_group_quant_fp8_ref(torch.randn(n, k))  # per-row scales are valid w_s too
     want = fp8_block_gemm_ref(aq, a_s, wq, w_s, out_dtype=torch.float32)
     got = mod.fp8_block_gemm_triton(aq, a_s, wq, w_s, out_dtype=torch.float32)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_split_k_only_for_small_m_with_few_tiles():
+    assert mod._split_k(num_tiles=80, groups=200, m=1) == 3  # Qwen3-32B down_proj at decode
+    assert mod._split_k(num_tiles=80, groups=2, m=1) == 2  # never more splits than groups
+    assert mod._split_k(num_tiles=800, groups=40, m=1) == 1
+    assert mod._split_k(num_tiles=4, groups=40, m=512) == 1
 
 
 def test_gemm_rejects_mismatched_scales():

@@ -140,3 +140,24 @@ def test_unknown_quantization_argument():
 
     with pytest.raises(ValueError, match=r"quantization='awq' is not supported; supported: \['fp8'\]"):
         EngineConfig(quantization="awq")
+
+
+def test_fp8_checkpoint_tp2_equals_tp1(fp8_dir, tmp_path):
+    """Two gloo ranks: q heads split (128 rows each), the 64-row kv head replicated, gate/up, o and down
+    sharded with their scales; greedy tokens equal TP=1."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from tests.distributed.tp_ranks import greedy_tokens, spmd_rank
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cases = [(str(fp8_dir), "transformers")]  # HF + fusion + sharding: the longer path (native shards alike)
+    out = tmp_path / "tp2.json"
+    ctx = mp.start_processes(spmd_rank, args=(port, cases, str(out)), nprocs=2, join=False, start_method="spawn")
+    expected = {f"{path}|{impl}": greedy_tokens(path, impl) for path, impl in cases}
+    while not ctx.join(timeout=300):
+        pass
+    assert json.loads(out.read_text()) == expected
