@@ -46,6 +46,9 @@ class EngineConfig:
     """Schedule and launch step n+1 while step n runs (its tokens feed n+1 on the device). Applies to
     the single-process engine; the tensor-parallel executor steps synchronously."""
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    """Pipeline stages, each holding a contiguous share of the decoder layers (runtime/worker/pipeline.py);
+    tensor_parallel_size x pipeline_parallel_size worker processes."""
     quantization: str | None = None
     """"fp8": quantize a bf16/fp16/fp32 checkpoint's linear layers to FP8 (128 x 128 blocks) at load.
     FP8 checkpoints (quantization_config in config.json) need nothing (runtime/model_files/quantization.py)."""
@@ -77,6 +80,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be a positive integer")
+        if not isinstance(self.pipeline_parallel_size, int) or self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size!r} must be a positive integer")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization={self.quantization!r} is not supported; supported: {list(QUANTIZATIONS)}")
         if self.hf_overrides is not None and not (

@@ -46,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="schedule step n+1 while step n runs (default on)")
     g.add_argument("--tensor-parallel-size", "-tp", type=human_readable_int, default=1,
                    help="GPUs per engine arm (worker processes over torch.distributed)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=human_readable_int, default=1,
+                   help="pipeline stages per engine arm (x tensor-parallel-size worker processes)")
     g.add_argument("--quantization", "-q", choices=("fp8",), default=None,
                    help="fp8: every engine arm quantizes its linear layers to FP8 (128 x 128 blocks) at load")
     g.add_argument("--device", default=None, help="torch device (default: cuda when available)")
@@ -69,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
         "compilation_config": args.compilation_config, "enforce_eager": args.enforce_eager, "device": args.device,
         "async_scheduling": args.async_scheduling, "tensor_parallel_size": args.tensor_parallel_size,
     }
+    if args.pipeline_parallel_size > 1:
+        engine_kwargs["pipeline_parallel_size"] = args.pipeline_parallel_size
     if args.quantization is not None:  # only when asked, so result names and JSON stay as before
         engine_kwargs["quantization"] = args.quantization
     result = compare(

@@ -28,6 +28,7 @@ ENGINE_KWARG_NAMES = (
     "enforce_eager",
     "async_scheduling",
     "tensor_parallel_size",
+    "pipeline_parallel_size",
     "quantization",
     "load_format",
 )
@@ -159,6 +160,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help="schedule step n+1 while step n runs on the device")
     g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
                    help="number of GPUs to split the model over")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int, default=1,
+                   help="pipeline stages (the decoder layers split between them); x tensor-parallel-size processes")
     g.add_argument("--quantization", "-q", choices=("fp8",), default=None,
                    help="fp8: quantize the linear layers of a bf16 checkpoint to FP8 at load (FP8 checkpoints "
                         "are detected from config.json)")

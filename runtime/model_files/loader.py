@@ -113,6 +113,9 @@ def load_weights(model: nn.Module, model_path: str | Path, native: bool) -> None
     from fxrewrite.distributed import get_tp_size
     # On a TP rank, read only this rank's slice of each sharded tensor.
     weights = iterate_safetensors(model_path, sliced=get_tp_size() > 1)
+    dropped = tuple(getattr(model, "pp_dropped_prefixes", ()))  # layers of other pipeline stages
+    if dropped:
+        weights = ((name, t) for name, t in weights if not name.startswith(dropped))
     if native:
         loaded = load_native_weights(model, weights)
     else:
