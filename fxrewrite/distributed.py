@@ -21,6 +21,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from fxrewrite.symm_all_reduce import SymmMemAllReduce
+
 # Collectives inside a model step: a peer that stops answering for this long is an error.
 TP_TIMEOUT = datetime.timedelta(minutes=10)
 # The driver/worker control group may sit idle for as long as the server has no requests.
@@ -64,6 +66,7 @@ class ParallelState:
 
 
 _state: ParallelState | None = None
+_symm_all_reduce: SymmMemAllReduce | None = None
 
 
 def default_backend(device: torch.device | str | None = None) -> str:
@@ -169,8 +172,9 @@ def get_tp_group():
 
 def destroy() -> None:
     """Tear the groups down (idempotent)."""
-    global _state
+    global _state, _symm_all_reduce
     _state = None
+    _symm_all_reduce = None
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -179,8 +183,21 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum of `x` over the TP ranks (in place, returned); `x` itself at tp_size 1."""
     if get_tp_size() == 1:
         return x
+    if _symm_all_reduce is not None and _symm_all_reduce.can_run(x):
+        return _symm_all_reduce(x)
     dist.all_reduce(x, group=_state.tp_group)
     return x
+
+
+def enable_symm_mem_all_reduce(device: torch.device, dtype: torch.dtype) -> bool:
+    """Send small all-reduces of `dtype` on `device` through symmetric memory (`fxrewrite.symm_all_reduce`)
+    from now on; True when enabled. Collective over the TP group: every TP rank calls it (the model
+    runner does, on CUDA, before capturing CUDA graphs). A no-op returning False at tp_size 1."""
+    global _symm_all_reduce
+    if get_tp_size() == 1 or _symm_all_reduce is not None:
+        return _symm_all_reduce is not None
+    _symm_all_reduce = SymmMemAllReduce.create(_state.tp_group, device, dtype)
+    return _symm_all_reduce is not None
 
 
 def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

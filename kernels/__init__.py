@@ -22,10 +22,15 @@ def use_triton(x: torch.Tensor) -> bool:
     with ``FXREWRITE_TRITON=1`` together with ``TRITON_INTERPRET=1`` (the kernels then run in
     triton's interpreter, which is how the CPU tests compare them with the references).
     Otherwise the torch reference runs.
+
+    While torch.compile traces (``torch.compiler.is_compiling()``) the reference runs too: Inductor
+    then sees plain torch ops and fuses the norms, activations and rotary into its own kernels along
+    with their neighbours (vLLM compiles its custom ops' native forms for the same reason). Attention
+    is an opaque custom op, so its kernels still run.
     """
     from fxrewrite.kernels.triton_utils import HAS_TRITON
 
-    if not HAS_TRITON:
+    if not HAS_TRITON or torch.compiler.is_compiling():
         return False
     if x.is_cuda:
         return True

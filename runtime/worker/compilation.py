@@ -11,9 +11,14 @@ when it runs. `fxrewrite.runtime.worker.attention.paged_attend` routes to the op
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 
 import torch
+import torch._inductor.config
 from torch import nn
+
+from fxrewrite.runtime.model_files.model_cache import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +65,21 @@ def compile_model(model: nn.Module) -> nn.Module:
     """
     if getattr(model, "_fxrewrite_compiled", False):
         return model
+    use_compile_cache()
     model.forward = torch.compile(model.forward, dynamic=True, fullgraph=False)
     model._fxrewrite_compiled = True
     return model
+
+
+def use_compile_cache() -> Path:
+    """Point Inductor's and Triton's on-disk caches at `$FXREWRITE_CACHE/torch_compile` (unless the user
+    set TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR), so a second start reuses compiled graphs and kernels.
+    Returns the folder. Both libraries read these variables when they first look for a cache entry."""
+    root = cache_root() / "torch_compile"
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
+    torch._inductor.config.fx_graph_cache = True
+    return root
 
 
 def forward_or_fallback(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from fxrewrite import distributed
 from fxrewrite.runtime.model_files.quantization import finish_fp8_model, prepare_fp8_model, resolve_quantization
 from fxrewrite.runtime.worker.pipeline import PipelineStage, pipeline_stage_of_this_rank
 from fxrewrite.runtime.worker.compilation import compile_model, should_compile
@@ -131,6 +132,8 @@ class ModelRunner:
         else:
             self.num_blocks = num_kv_blocks(config, model_config, self.device, self.kv_dtype)
         self.kv_caches = allocate_kv_caches(model_config, self.num_blocks, self.block_size, self.kv_dtype, self.device)
+        if self.device.type == "cuda":  # small TP all-reduces over NVLink peer memory (no-op at TP=1)
+            distributed.enable_symm_mem_all_reduce(self.device, model_config.dtype)
         self.graph_runner = build_graph_runner(self.model, self.kv_caches, config, model_config, self.device)
         self.sampler = Sampler(eos_token_ids, seed=config.seed)
 

@@ -1,0 +1,20 @@
+"""The on-disk compile caches (torch.compile itself runs only on CUDA: tests/gpu/test_gpu_compile.py)."""
+
+from __future__ import annotations
+
+import os
+
+from fxrewrite.runtime.worker.compilation import use_compile_cache
+
+
+def test_compile_cache_under_fxrewrite_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("FXREWRITE_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    root = use_compile_cache()
+    assert root == tmp_path / "torch_compile"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(root / "inductor")
+    assert os.environ["TRITON_CACHE_DIR"] == str(root / "triton")
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere")  # a user's own choice is kept
+    use_compile_cache()
+    assert os.environ["TRITON_CACHE_DIR"] == "/elsewhere"
