@@ -1,7 +1,7 @@
 """FP8 block-scaled GEMM on the GPU: the Triton kernel vs torch's scaled_mm (cuBLAS 1x128 / 128x128
 block scaling) vs the bf16 GEMM, at the linear shapes of Qwen3-4B and Qwen3-32B.
 
-    python -m fxrewrite.benchmarks.fp8_gemm            # writes benchmarks/results/<date>-fp8-gemm.json
+    python -m fxrewrite.benchmarks.fp8_gemm [--out DIR]   # writes <DIR>/<date>-fp8-gemm.json
 
 Per shape (N, K) and token count M: microseconds of the bf16 `F.linear`, of the FP8 GEMM alone and with
 the activation quantization (what a layer's forward costs), the weight bandwidth that implies (GB/s, the
@@ -93,4 +93,8 @@ def main(out_dir: Path | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    main(parser.parse_args().out)
