@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from fxrewrite import distributed
+from fxrewrite.layers.rope_context import rope_lengths
 from fxrewrite.runtime.model_files.quantization import finish_fp8_model, prepare_fp8_model, resolve_quantization
 from fxrewrite.runtime.worker.pipeline import PipelineStage, pipeline_stage_of_this_rank
 from fxrewrite.runtime.worker.compilation import compile_model, should_compile
@@ -156,9 +157,9 @@ class ModelRunner:
         graphs = self.graph_runner
         if self.pipeline is not None:
             self.pipeline.receive(inputs.input_ids.shape[0])
-        with forward_context(inputs.attn_metadata):
+        with forward_context(inputs.attn_metadata), rope_lengths(inputs.rope_lengths):
             if graphs is not None and graphs.can_run(inputs.input_ids.shape[0], inputs.attn_metadata):
-                hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+                hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.attn_metadata, inputs.rope_lengths)
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions)
         if self.pipeline is not None and not self.pipeline.is_last:
