@@ -250,7 +250,7 @@ def engine_weight_bytes(engine) -> int:
     config = engine.model_config.hf_config
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config, dtype=engine.model_config.dtype)
-    return weight_bytes(meta) // engine.config.tensor_parallel_size
+    return weight_bytes(meta) // (engine.config.tensor_parallel_size * engine.config.pipeline_parallel_size)
 
 
 def weight_bytes(model) -> int:

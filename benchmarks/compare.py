@@ -138,6 +138,10 @@ def compare(config: str | Path, arms: list[str], workload_kind: str = "throughpu
     out_dir.mkdir(parents=True, exist_ok=True)
     tp = (engine_kwargs or {}).get("tensor_parallel_size") or 1
     stem = f"{datetime.date.today().isoformat()}-{spec['name']}-{workload_kind}" + (f"-tp{tp}" if tp > 1 else "")
+    pp = (engine_kwargs or {}).get("pipeline_parallel_size") or 1
+    stem += f"-pp{pp}" if pp > 1 else ""
+    quant = (engine_kwargs or {}).get("quantization")
+    stem += f"-{quant}" if quant else ""
     result = {
         "name": stem, "date": env["date"], "config": spec["name"], "environment": env,
         "workload": workload.describe(), "engine_kwargs": {"load_format": "dummy", **(engine_kwargs or {})},

@@ -40,7 +40,21 @@ class ParallelState:
     """Global ranks of the TP group, in TP-rank order."""
     tp_group: object | None
     driver_group: object | None = None
-    """Group of (driver, TP rank 0): how sampled tokens go back; None in SPMD."""
+    """Group of (driver, TP rank 0 of the last pipeline stage): how sampled tokens go back; None in SPMD."""
+    pp_ranks: tuple[int, ...] = ()
+    """Global ranks of this rank's pipeline column (same TP rank in every stage), in stage order."""
+    pp_group: object | None = None
+
+    @property
+    def pp_size(self) -> int:
+        return max(1, len(self.pp_ranks))
+
+    @property
+    def pp_rank(self) -> int:
+        return self.pp_ranks.index(self.rank) if self.rank in self.pp_ranks else 0
+
+    results_rank: int = 1
+    """Global rank that sends sampled tokens to the driver: TP rank 0 of the last pipeline stage."""
 
     @property
     def tp_size(self) -> int:
@@ -62,13 +76,15 @@ def default_backend(device: torch.device | str | None = None) -> str:
 
 
 def initialize(rank: int, world_size: int, *, store=None, tp_ranks: list[int] | None = None,
-               with_driver: bool = False, tp_backend: str = "gloo") -> ParallelState:
+               with_driver: bool = False, tp_backend: str = "gloo", pp_size: int = 1) -> ParallelState:
     """Join the default group (gloo) and build the TP group.
 
     `store`: a `torch.distributed.Store` (the executor's TCPStore); None means env:// (MASTER_ADDR,
     MASTER_PORT). `tp_ranks`: global ranks of the TP group (default: all). `with_driver`: rank 0 is
     the driver, and a (0, tp_ranks[0]) group is made for the results. Every rank of the world must
     call this with the same arguments except `rank` (group creation is collective).
+    `pp_size` > 1 (pipeline parallelism, with the driver): `tp_ranks` holds every worker, stage by
+    stage; each stage gets its own TP group and each TP rank a pipeline group across the stages.
     Raises RuntimeError if already initialized.
     """
     global _state
@@ -78,13 +94,45 @@ def initialize(rank: int, world_size: int, *, store=None, tp_ranks: list[int] | 
     kwargs = {"store": store} if store is not None else {"init_method": "env://"}
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=CONTROL_TIMEOUT if with_driver else TP_TIMEOUT, **kwargs)
+    if pp_size > 1:
+        _state = _initialize_pipeline(rank, world_size, tp_ranks, pp_size, tp_backend)
+        return _state
     if tp_backend == "gloo" and len(tp_ranks) == world_size and not with_driver:
         tp_group = dist.group.WORLD
     else:
         tp_group = dist.new_group(tp_ranks, backend=tp_backend, timeout=TP_TIMEOUT)
     driver_group = dist.new_group([0, tp_ranks[0]], backend="gloo", timeout=CONTROL_TIMEOUT) if with_driver else None
-    _state = ParallelState(rank, world_size, tuple(tp_ranks), tp_group if rank in tp_ranks else None, driver_group)
+    _state = ParallelState(rank, world_size, tuple(tp_ranks), tp_group if rank in tp_ranks else None, driver_group,
+                           results_rank=tp_ranks[0])
     return _state
+
+
+def _initialize_pipeline(rank: int, world_size: int, workers: list[int], pp_size: int, backend: str) -> ParallelState:
+    """Groups of a driver + `pp_size` stages of len(workers) / pp_size TP ranks (every rank creates
+    every group, in the same order: group creation is collective)."""
+    tp_size = len(workers) // pp_size
+    stages = [workers[s * tp_size:(s + 1) * tp_size] for s in range(pp_size)]
+    columns = [[stage[t] for stage in stages] for t in range(tp_size)]
+    mine = {"tp": None, "pp": None}
+    for key, ranks_list in (("tp", stages), ("pp", columns)):
+        for ranks in ranks_list:
+            group = dist.new_group(ranks, backend=backend, timeout=TP_TIMEOUT)
+            if rank in ranks:
+                mine[key] = (tuple(ranks), group)
+    driver_group = dist.new_group([0, stages[-1][0]], backend="gloo", timeout=CONTROL_TIMEOUT)
+    tp_ranks, tp_group = mine["tp"] or (tuple(stages[0]), None)
+    pp_ranks, pp_group = mine["pp"] or ((), None)
+    return ParallelState(rank, world_size, tp_ranks, tp_group, driver_group, pp_ranks, pp_group, stages[-1][0])
+
+
+def get_pp_size() -> int:
+    """Number of pipeline stages (1 without pipeline parallelism)."""
+    return _state.pp_size if _state is not None else 1
+
+
+def get_pp_rank() -> int:
+    """This process's pipeline stage (0 without pipeline parallelism)."""
+    return _state.pp_rank if _state is not None else 0
 
 
 def init_from_env(device: torch.device | str | None = None) -> ParallelState:

@@ -12,6 +12,7 @@ from fxrewrite.errors import UserInputError, UserTypeError
 MODEL_IMPLS = ("auto", "native", "transformers")
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+QUANTIZATIONS = ("fp8",)
 
 
 @dataclass
@@ -53,6 +54,12 @@ class EngineConfig:
     batch_invariant: bool = False
     """Run every step with batch-invariant kernels (`fxrewrite.kernels.batch_invariant`): a sequence's
     logits, hence its sampled tokens' logprobs, do not depend on what else is in the batch. Slower."""
+    pipeline_parallel_size: int = 1
+    """Pipeline stages, each holding a contiguous share of the decoder layers (runtime/worker/pipeline.py);
+    tensor_parallel_size x pipeline_parallel_size worker processes."""
+    quantization: str | None = None
+    """"fp8": quantize a bf16/fp16/fp32 checkpoint's linear layers to FP8 (128 x 128 blocks) at load.
+    FP8 checkpoints (quantization_config in config.json) need nothing (runtime/model_files/quantization.py)."""
     load_format: str = "auto"
     """"auto"/"safetensors" load the checkpoint; "dummy" keeps random weights (benchmarks)."""
     revision: str | None = None
@@ -85,6 +92,10 @@ class EngineConfig:
             raise UserInputError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise UserInputError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be a positive integer")
+        if not isinstance(self.pipeline_parallel_size, int) or self.pipeline_parallel_size < 1:
+            raise UserInputError(f"pipeline_parallel_size={self.pipeline_parallel_size!r} must be a positive integer")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise UserInputError(f"quantization={self.quantization!r} is not supported; supported: {list(QUANTIZATIONS)}")
         if self.hf_overrides is not None and not (
             isinstance(self.hf_overrides, (dict, str)) or callable(self.hf_overrides)
         ):  # the JSON text and the dict itself are checked when the config loads

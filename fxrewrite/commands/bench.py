@@ -53,6 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="GPUs per engine arm (worker processes over torch.distributed)")
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE configs: whole experts split across the tensor-parallel GPUs")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=human_readable_int, default=1,
+                   help="pipeline stages per engine arm (x tensor-parallel-size worker processes)")
+    g.add_argument("--quantization", "-q", choices=("fp8",), default=None,
+                   help="fp8: every engine arm quantizes its linear layers to FP8 (128 x 128 blocks) at load")
     g.add_argument("--device", default=None, help="torch device (default: cuda when available)")
     k = sub.add_parser("kernels", help="each Triton kernel vs its torch reference and the copy bandwidth")
     k.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
@@ -153,6 +157,10 @@ def run(args: argparse.Namespace) -> int:
         "async_scheduling": args.async_scheduling, "tensor_parallel_size": args.tensor_parallel_size,
         **({"enable_expert_parallel": True} if args.enable_expert_parallel else {}),
     }
+    if args.pipeline_parallel_size > 1:
+        engine_kwargs["pipeline_parallel_size"] = args.pipeline_parallel_size
+    if args.quantization is not None:  # only when asked, so result names and JSON stay as before
+        engine_kwargs["quantization"] = args.quantization
     result = compare(
         args.config, parse_arms(args.arms), args.workload, num_prompts=args.num_prompts,
         hf_num_prompts=args.hf_num_prompts, engine_kwargs=engine_kwargs, time_limit_s=args.time_limit,

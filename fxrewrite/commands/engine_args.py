@@ -30,6 +30,8 @@ ENGINE_KWARG_NAMES = (
     "async_scheduling",
     "tensor_parallel_size",
     "enable_expert_parallel",
+    "pipeline_parallel_size",
+    "quantization",
     "load_format",
 )
 
@@ -162,6 +164,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help="number of GPUs to split the model over")
     g.add_argument("--enable-expert-parallel", action="store_true", default=False,
                    help="MoE models: split whole experts across the tensor-parallel ranks (not each expert's columns)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int, default=1,
+                   help="pipeline stages (the decoder layers split between them); x tensor-parallel-size processes")
+    g.add_argument("--quantization", "-q", choices=("fp8",), default=None,
+                   help="fp8: quantize the linear layers of a bf16 checkpoint to FP8 at load (FP8 checkpoints "
+                        "are detected from config.json)")
     g.add_argument("--generation-config", default="auto",
                    help="'auto': default sampling values from the model's generation_config.json; "
                         "'vllm': none; or a folder holding a generation_config.json")

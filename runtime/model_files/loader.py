@@ -115,6 +115,9 @@ def load_weights(model: nn.Module, model_path: str | Path, native: bool) -> None
     """Load the folder's safetensors into the model (native or HF) and check nothing is missing."""
     # On a TP rank, read only this rank's slice of each sharded tensor.
     weights = iterate_safetensors(model_path, sliced=get_tp_size() > 1)
+    dropped = tuple(getattr(model, "pp_dropped_prefixes", ()))  # layers of other pipeline stages
+    if dropped:
+        weights = ((name, t) for name, t in weights if not name.startswith(dropped))
     # Per-expert checkpoints -> transformers 5's fused 3-D experts (transformers' own rules).
     weights = convert_for_model(model, weights, native)
     if native:

@@ -39,6 +39,7 @@ from fxrewrite import distributed
 from fxrewrite.runtime.worker.model_runner import ModelRunner
 from fxrewrite.runtime.worker.moe_checks import check_moe_parallel
 from fxrewrite.runtime.worker.worker import ControlMessage, StepEncoder, broadcast_object, rank_model_config, worker_main
+from fxrewrite.runtime.worker.pipeline import check_pipeline_size
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +51,15 @@ SHUTDOWN_TIMEOUT_S = 10.0
 
 def create_model_runner(config, model_config, eos_token_ids: set[int]):
     """ModelRunner or MultiprocExecutor (see the module docstring); both have `execute_model`, `num_blocks`."""
-    tp_size = config.tensor_parallel_size
+    tp_size, pp_size = config.tensor_parallel_size, getattr(config, "pipeline_parallel_size", 1)
     check_moe_parallel(model_config, config)
-    if tp_size == 1:
+    if pp_size > 1:  # before any worker starts
+        check_pipeline_size(model_config.num_hidden_layers, pp_size)
+    if tp_size == 1 and pp_size == 1:
         return ModelRunner(config, model_config, eos_token_ids)
     _check_tp_divisible(model_config, tp_size, config)
+    if pp_size > 1:
+        return MultiprocExecutor(config, model_config, eos_token_ids)
     state = distributed.get_state()
     if state is not None and state.tp_group is not None and state.tp_size == tp_size:
         runner = ModelRunner(config, rank_model_config(model_config, tp_size), eos_token_ids)
@@ -177,14 +182,18 @@ class MultiprocExecutor:
     """
 
     def __init__(self, config, model_config, eos_token_ids: set[int]):
-        tp_size = config.tensor_parallel_size
+        tp_size, pp_size = config.tensor_parallel_size, getattr(config, "pipeline_parallel_size", 1)
         backend = distributed.default_backend(config.device)
-        if backend == "nccl" and torch.cuda.device_count() < tp_size:
-            raise ValueError(f"tensor_parallel_size={tp_size} needs {tp_size} GPUs, found {torch.cuda.device_count()}")
+        if backend == "nccl" and torch.cuda.device_count() < tp_size * pp_size:
+            raise ValueError(f"tensor_parallel_size={tp_size} x pipeline_parallel_size={pp_size} needs "
+                             f"{tp_size * pp_size} GPUs, found {torch.cuda.device_count()}")
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialized in this process: one "
                                "tensor-parallel engine per process (shut the other one down first)")
-        self.tp_size = tp_size
+        self.tp_size, self.num_workers = tp_size, tp_size * pp_size
+        if pp_size > 1:
+            # Synchronous steps: the first stage would need the tokens the last stage is still sampling.
+            self.supports_async = False
         self._procs = _Processes()
         self._finalizer = weakref.finalize(self, self._procs.close, True)
         self._dead: str | None = None
@@ -202,7 +211,7 @@ class MultiprocExecutor:
 
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = int(os.environ.get("MASTER_PORT", 0))
-        store = dist.TCPStore(host, port, self.tp_size + 1, is_master=True, wait_for_workers=False,
+        store = dist.TCPStore(host, port, self.num_workers + 1, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
         self._procs.store = store
         # The workers get the resolved model_config; a callable hf_overrides would not pickle.
@@ -210,20 +219,21 @@ class MultiprocExecutor:
         config.hf_overrides = None
         self._procs.context = mp.start_processes(
             worker_main, args=(config, model_config, eos_token_ids, host, store.port, self.tp_size, os.getpid()),
-            nprocs=self.tp_size, join=False, start_method="spawn",
+            nprocs=self.num_workers, join=False, start_method="spawn",
         )
         self._wait_ready(store)
-        distributed.initialize(0, self.tp_size + 1, store=store, tp_ranks=list(range(1, self.tp_size + 1)),
-                               with_driver=True, tp_backend=backend)
+        distributed.initialize(0, self.num_workers + 1, store=store, tp_ranks=list(range(1, self.num_workers + 1)),
+                               with_driver=True, tp_backend=backend, pp_size=self.num_workers // self.tp_size)
         self._procs.joined_group = True
-        info = broadcast_object(None, 1, distributed.get_state().driver_group,
+        state = distributed.get_state()
+        info = broadcast_object(None, state.results_rank, state.driver_group,
                                 wait=lambda w: _poll(w, self._procs, STARTUP_TIMEOUT_S, "model loading"))
         self.num_blocks = info["num_blocks"]
         self.model = RemoteModel(info["impl"], info["cuda_graph_buckets"], info["compiled"])
 
     def _wait_ready(self, store) -> None:
         """Poll the store until every worker is about to join the group, watching their processes."""
-        keys = [f"fxrewrite/worker_ready/{r}" for r in range(1, self.tp_size + 1)]
+        keys = [f"fxrewrite/worker_ready/{r}" for r in range(1, self.num_workers + 1)]
         sentinels = list(self._procs.context.sentinels)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while not store.check(keys):
@@ -256,8 +266,9 @@ class MultiprocExecutor:
             while step._out is None:
                 self._check_alive()
                 head = self._outstanding.popleft()
-                group = distributed.get_state().driver_group
-                head._out = self._guard(lambda: broadcast_object(None, 1, group, wait=self._wait("a model step")))
+                state = distributed.get_state()
+                head._out = self._guard(lambda: broadcast_object(None, state.results_rank, state.driver_group,
+                                                                 wait=self._wait("a model step")))
 
     def _wait(self, what: str):
         return lambda work: _poll(work, self._procs, STEP_TIMEOUT_S, what)

@@ -10,6 +10,8 @@ from torch import nn
 from fxrewrite import distributed
 from fxrewrite.kernels.batch_invariant import batch_invariant_mode
 from fxrewrite.layers.rope_context import rope_lengths
+from fxrewrite.runtime.model_files.quantization import finish_fp8_model, prepare_fp8_model, resolve_quantization
+from fxrewrite.runtime.worker.pipeline import PipelineStage, pipeline_stage_of_this_rank
 from fxrewrite.runtime.worker.compilation import compile_model, should_compile
 from fxrewrite.runtime.worker.cuda_graphs import build_graph_runner
 from fxrewrite.runtime.engine_config import EngineConfig
@@ -35,10 +37,12 @@ def load_model_config(config: EngineConfig):
     model = config.model
     if model is None:
         model = str(default_model_path())
-    return ModelConfig.from_pretrained(
+    model_config = ModelConfig.from_pretrained(
         model, hf_overrides=config.hf_overrides, max_model_len=config.max_model_len, dtype=config.dtype,
         tokenizer=config.tokenizer, revision=config.revision, trust_remote_code=config.trust_remote_code,
     )
+    resolve_quantization(config.quantization, model_config.hf_config)  # unsupported methods fail here
+    return model_config
 
 
 def load_tokenizer(model_config, config: EngineConfig):
@@ -66,8 +70,9 @@ def resolve_model_impl(config: EngineConfig, model_config) -> str:
     return config.model_impl
 
 
-def build_model(config: EngineConfig, model_config, device: torch.device) -> nn.Module:
-    """The model on `device` with its weights (random ones with load_format='dummy')."""
+def build_model(config: EngineConfig, model_config, device: torch.device, stage: PipelineStage | None = None) -> nn.Module:
+    """The model on `device` with its weights (random ones with load_format='dummy'); with a pipeline
+    `stage`, only that stage's decoder layers."""
     impl = resolve_model_impl(config, model_config)
     distributed.set_expert_parallel(config.enable_expert_parallel and config.tensor_parallel_size > 1)
     if impl == "native":
@@ -77,12 +82,17 @@ def build_model(config: EngineConfig, model_config, device: torch.device) -> nn.
     else:
         model = TransformersForCausalLM.from_config(model_config.hf_config, model_config.dtype, config.fusion)
         _shard_for_tensor_parallel(model)
+    if stage is not None:
+        model.pp_dropped_prefixes = stage.apply(model, model_config.num_hidden_layers)
+    quant = resolve_quantization(config.quantization, model_config.hf_config)
+    prepare_fp8_model(model, quant, will_load_checkpoint=config.load_format != "dummy")
     model = materialize(model, device)
     if config.load_format == "dummy":
         for param in model.parameters():
             param.data.normal_(0.0, 0.02)
     else:
         load_weights(model, model_config.model_path, native=impl == "native")
+    finish_fp8_model(model, quant, model_config.dtype, device)
     model.impl = impl
     return model.eval()
 
@@ -113,7 +123,11 @@ class ModelRunner:
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
-        self.model = build_model(config, model_config, self.device)
+        self.pipeline = pipeline_stage_of_this_rank()
+        self.model = build_model(config, model_config, self.device, self.pipeline)
+        if self.pipeline is not None:
+            self.pipeline.allocate(max(config.max_num_batched_tokens, config.max_num_seqs), model_config.hidden_size,
+                                   model_config.dtype, self.device)
         self.kv_dtype = model_config.dtype
         if should_compile(config, self.device):
             compile_model(self.model)
@@ -192,11 +206,16 @@ class ModelRunner:
             inputs.input_ids[inputs.gather_dst] = previous.samples.tokens[inputs.gather_src]
         inputs.attn_metadata.kv_caches = self.kv_caches
         graphs = self.graph_runner
+        if self.pipeline is not None:
+            self.pipeline.receive(inputs.input_ids.shape[0])
         with forward_context(inputs.attn_metadata), rope_lengths(inputs.rope_lengths):
             if graphs is not None and graphs.can_run(inputs.input_ids.shape[0], inputs.attn_metadata):
                 hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.attn_metadata, inputs.rope_lengths)
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions)
+        if self.pipeline is not None and not self.pipeline.is_last:
+            self.pipeline.send(hidden[: inputs.input_ids.shape[0]])
+            return PendingStep(sched, None)
         prompt_logprobs = None
         if any(wants_prompt_logprobs(s) for s in sched.scheduled):
             prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, sched.scheduled)

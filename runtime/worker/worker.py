@@ -190,6 +190,9 @@ class Worker:
         # On the runner's device: the TP group is NCCL on GPUs, and NCCL has no CPU tensors.
         n = torch.tensor([self.runner.num_blocks], dtype=torch.int64, device=self.runner.device)
         dist.all_reduce(n, op=dist.ReduceOp.MIN, group=distributed.get_tp_group())
+        state = distributed.get_state()
+        if state.pp_size > 1:  # and over the pipeline stages
+            dist.all_reduce(n, op=dist.ReduceOp.MIN, group=state.pp_group)
         return int(n)
 
     def control(self, msg: ControlMessage) -> dict:
@@ -233,8 +236,8 @@ class ResultSender:
     order. A thread, so that the main thread can take the next message meanwhile: the driver sends step
     n+1 before it receives step n's tokens (async scheduling), and a gloo send waits for its receiver."""
 
-    def __init__(self, group, device) -> None:
-        self._group, self._device = group, torch.device(device)
+    def __init__(self, group, device, src: int = 1) -> None:
+        self._group, self._device, self._src = group, torch.device(device), src
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="fxrewrite-results", daemon=True)
         self._thread.start()
@@ -260,7 +263,7 @@ class ResultSender:
                     broadcast_object(step.payload, 1, self._group)
                     continue
                 seqs, results = step.result() if step is not None else ([], [])
-                broadcast_object([(seq.seq_id, r) for seq, r in zip(seqs, results)], 1, self._group)
+                broadcast_object([(seq.seq_id, r) for seq, r in zip(seqs, results)], self._src, self._group)
         except BaseException:  # noqa: BLE001 - the process must die, so the driver sees it
             traceback.print_exc()
             sys.stderr.flush()
@@ -285,7 +288,8 @@ def _watch_parent(parent_pid: int) -> None:
 
 def worker_main(local_rank: int, config, model_config, eos_token_ids: set[int], host: str, port: int,
                 tp_size: int, parent_pid: int) -> None:
-    """torch.multiprocessing entry point of TP rank `local_rank` (global rank local_rank + 1)."""
+    """torch.multiprocessing entry point of worker `local_rank` (global rank local_rank + 1): pipeline stage
+    local_rank // tp_size, TP rank local_rank % tp_size of it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's: it shuts us down
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     backend = distributed.default_backend(config.device)
@@ -293,23 +297,25 @@ def worker_main(local_rank: int, config, model_config, eos_token_ids: set[int], 
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
         config.device = f"cuda:{local_rank}"
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp_size))
+    num_workers = tp_size * getattr(config, "pipeline_parallel_size", 1)
+    if backend != "nccl":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_workers))
         config.device = config.device or "cpu"
     rank = local_rank + 1
-    store = dist.TCPStore(host, port, tp_size + 1, is_master=False, timeout=distributed.TP_TIMEOUT)
+    store = dist.TCPStore(host, port, num_workers + 1, is_master=False, timeout=distributed.TP_TIMEOUT)
     store.set(f"fxrewrite/worker_ready/{rank}", "1")
-    state = distributed.initialize(rank, tp_size + 1, store=store, tp_ranks=list(range(1, tp_size + 1)),
-                                   with_driver=True, tp_backend=backend)
+    state = distributed.initialize(rank, num_workers + 1, store=store, tp_ranks=list(range(1, num_workers + 1)),
+                                   with_driver=True, tp_backend=backend, pp_size=num_workers // tp_size)
     worker = Worker(config, model_config, eos_token_ids)
     num_blocks = worker.num_blocks()
-    if state.tp_rank == 0:
+    sends_results = rank == state.results_rank
+    if sends_results:
         runner = worker.runner
         info = {"num_blocks": num_blocks, "impl": getattr(runner.model, "impl", None),
                 "cuda_graph_buckets": len(runner.graph_runner.graphs) if runner.graph_runner is not None else 0,
                 "compiled": bool(getattr(runner.model, "_fxrewrite_compiled", False))}
-        broadcast_object(info, 1, state.driver_group)
-    sender = ResultSender(state.driver_group, config.device) if state.tp_rank == 0 else None
+        broadcast_object(info, rank, state.driver_group)
+    sender = ResultSender(state.driver_group, config.device, rank) if sends_results else None
     step = None
     while (msg := broadcast_object(None, 0)) is not None:
         if isinstance(msg, ControlMessage):

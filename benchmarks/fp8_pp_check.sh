@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Issue 19 on the GPU machine, in one call (after gpu_check.sh's install step, which this repeats):
+#   MODE=fp8     (nvidia-h200):    FP8 GPU tests; GEMM benchmark (Triton vs torch scaled_mm vs bf16);
+#                                  Qwen3-4B throughput, FP8 and bf16 (native arm).       ~8 min
+#   MODE=fp8-32b (nvidia-h200):    Qwen3-32B batch-1/8 decode, FP8 and bf16 (native arm). ~5 min
+#   MODE=pp      (nvidia-h200-x2): PP=2 GPU test; Qwen3-32B throughput at PP=2 and TP=2.  ~8 min
+# Results (JSON, logs) go to $OUT when set, else benchmarks/results. Each step has its own time limit.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR=${OUT:-benchmarks/results}
+mkdir -p "$OUT_DIR"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export FXREWRITE_CACHE=${FXREWRITE_CACHE:-/tmp/fxrewrite-cache}
+PY=${PY:-python3}
+TOK=()
+[ -d .bench_tokenizer/qwen3 ] && TOK=(--tokenizer-dir .bench_tokenizer/qwen3)
+if [ -d .whl ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site \
+    && $PY -m pip install -q --no-index --no-deps --no-build-isolation -e . || { echo "install failed"; exit 1; }
+fi
+bench() { timeout -k 5 "$1" $PY -m fxrewrite bench compare "${@:2}" "${TOK[@]}" --out "$OUT_DIR" 2>&1 | grep -v "it/s\]$" | tail -8; }
+if [ "${MODE:-fp8}" = fp8 ]; then
+  timeout -k 5 150 $PY -m pytest -q -m gpu tests/gpu/test_gpu_fp8.py -p no:cacheprovider -rfE -s 2>&1 \
+    | tee "$OUT_DIR/fp8-tests.log" | grep -E "passed|failed|FAIL|Error|logprob|fp8 |None " | tail -20
+  timeout -k 5 120 $PY -m fxrewrite.benchmarks.fp8_gemm --out "$OUT_DIR" 2>&1 | tail -3
+  bench 100 --config qwen3-4b --arms native --num-prompts 256 --time-limit 30 --quantization fp8
+  bench 100 --config qwen3-4b --arms native --num-prompts 256 --time-limit 30
+elif [ "${MODE}" = fp8-32b ]; then
+  bench 140 --config qwen3-32b --arms native --workload latency --max-num-seqs 8 --time-limit 30 --quantization fp8
+  bench 140 --config qwen3-32b --arms native --workload latency --max-num-seqs 8 --time-limit 30
+else
+  timeout -k 5 150 $PY -m pytest -q -m gpu tests/gpu/test_gpu_pipeline_parallel.py -p no:cacheprovider -rfE 2>&1 \
+    | tee "$OUT_DIR/pp-tests.log" | tail -5
+  bench 200 --config qwen3-32b --arms native --num-prompts 256 --time-limit 40 -pp 2
+  bench 200 --config qwen3-32b --arms native --num-prompts 256 --time-limit 40 -tp 2
+fi

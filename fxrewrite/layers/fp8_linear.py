@@ -1,0 +1,176 @@
+"""FP8 linear layers: block-quantized float8_e4m3fn weights, dynamic per-token-group activation scales.
+
+A post-hoc transform of a built model (gpt-fast's ``quantize.py`` shape): `convert_linear_to_fp8`
+turns one of our linear layers (`fxrewrite.layers.linear`, fused or tensor-parallel) into its FP8
+twin in place: ``weight`` becomes float8_e4m3fn and a float32 ``weight_scale_inv`` parameter appears,
+both with a ``weight_loader`` that takes the checkpoint's tensors (``weight_scale_inv`` is
+``[ceil(N / 128), ceil(K / 128)]``, dequantized = fp8 * scale, the DeepSeek-V3 / Qwen3-FP8 layout).
+
+In memory the scale is kept expanded along the output dimension, one row per weight row
+(``[N_per_partition, ceil(K_per_partition / 128)]``): the layer's own weight loader then shards and
+fuses the scales exactly as it does the weight (q/k/v heads, gate/up parts, TP rows), and a part or
+shard that does not start on a 128-row boundary keeps the right scale for every row. The input
+dimension is the accumulation dimension of the GEMM, so a row-parallel shard of K must be a whole
+number of blocks: a ValueError names the tensor and the sizes otherwise.
+
+`dequantize_fp8_layer` turns the layer back into a plain one in the compute dtype (CPUs and GPUs
+without FP8 tensor cores); `quantize_fp8_layer` quantizes a loaded high-precision weight (vLLM's
+``quantization="fp8"`` on a bf16 checkpoint).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fxrewrite.distributed import get_tp_group
+from fxrewrite.kernels.fp8_gemm import FP8_DTYPE, FP8_MAX, fp8_linear
+from fxrewrite.layers.linear import (
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+
+SCALE_NAME = "weight_scale_inv"
+
+
+class Fp8LinearMixin:
+    """Forward of an FP8 layer: x [..., K_part] -> [..., N_part] in x's dtype (row-parallel: all-reduced)."""
+
+    weight_block_size: tuple[int, int]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype != FP8_DTYPE:  # dequantized (CPU): the plain layer's forward
+            return super().forward(x)
+        out = fp8_linear(x, self.weight, self.weight_scale_inv, self.weight_block_size[1])
+        if isinstance(self, RowParallelLinear) and self.tp_size > 1 and self.reduce_results:
+            torch.distributed.all_reduce(out, group=get_tp_group())
+        return out if self.bias is None else out + self.bias
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _fp8_class(cls: type) -> type:
+    if issubclass(cls, Fp8LinearMixin):
+        return cls
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Fp8{cls.__name__}", (Fp8LinearMixin, cls), {"__module__": __name__})
+    return _CLASSES[cls]
+
+
+def as_linear_base(module: nn.Module) -> LinearBase:
+    """A plain `nn.Linear` as a `ReplicatedLinear` with the same parameters (meta stays meta)."""
+    if isinstance(module, LinearBase):
+        return module
+    w = module.weight
+    new = ReplicatedLinear(module.in_features, module.out_features, bias=module.bias is not None,
+                           params_dtype=w.dtype, device=w.device)
+    if w.device.type != "meta":
+        with torch.no_grad():
+            new.weight.copy_(w)
+            if module.bias is not None:
+                new.bias.copy_(module.bias)
+    return new
+
+
+def _full_rows(layer: LinearBase, shard_id) -> int:
+    """Rows of the checkpoint tensor that `shard_id` of this layer loads (the unsharded part)."""
+    if isinstance(layer, QKVParallelLinear) and shard_id is not None:
+        heads = layer.total_num_heads if shard_id == "q" else layer.total_num_kv_heads
+        return heads * layer.head_size
+    if isinstance(layer, MergedColumnParallelLinear) and shard_id is not None:
+        return layer.output_sizes[shard_id]
+    return layer.output_size
+
+
+def check_fp8_shapes(layer: LinearBase, name: str, block: tuple[int, int]) -> None:
+    """ValueError when this rank's share of the input dim is not a whole number of `block[1]` groups."""
+    k_part, k = layer.input_size_per_partition, layer.input_size
+    if layer.tp_size > 1 and k_part != k and k_part % block[1] != 0:
+        raise ValueError(f"{name}.weight: input size {k} split over tensor_parallel_size={layer.tp_size} gives "
+                         f"{k_part} columns per rank, not a multiple of the FP8 block size {block[1]} "
+                         f"(weight_block_size={list(block)}); use a tensor_parallel_size that keeps whole blocks")
+
+
+def _scale_loader(layer: LinearBase, name: str):
+    """weight_loader of the expanded scale: checkpoint [ceil(N/bn), ceil(K/bk)] -> rows repeated bn times."""
+    bn, bk = layer.weight_block_size
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, loaded_shard_id=None) -> None:
+        loaded = loaded.materialize() if hasattr(loaded, "materialize") else loaded
+        rows = _full_rows(layer, loaded_shard_id)
+        want = (-(-rows // bn), -(-layer.input_size // bk))
+        if tuple(loaded.shape) != want:
+            raise ValueError(f"{name}.{SCALE_NAME} (shard {loaded_shard_id!r}) has shape {tuple(loaded.shape)}; "
+                             f"a [{rows}, {layer.input_size}] weight with weight_block_size [{bn}, {bk}] "
+                             f"needs {list(want)}")
+        expanded = loaded.float().repeat_interleave(bn, dim=0)[:rows]
+        type(layer).weight_loader(layer, param, expanded, loaded_shard_id)
+
+    return load
+
+
+def convert_linear_to_fp8(layer: LinearBase, name: str, block: tuple[int, int]) -> LinearBase:
+    """Make `layer` (on meta or a device) an FP8 layer awaiting checkpoint tensors; returns it.
+
+    weight -> empty float8_e4m3fn [N_part, K_part]; new ``weight_scale_inv`` float32 [N_part, ceil(K_part/bk)].
+    `name` (the module's qualified name) only labels errors. Raises ValueError (check_fp8_shapes).
+    """
+    check_fp8_shapes(layer, name, block)
+    layer.__class__ = _fp8_class(type(layer))
+    layer.weight_block_size = tuple(block)
+    w = layer.weight
+    weight = nn.Parameter(torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device), requires_grad=False)
+    weight.weight_loader = layer.weight_loader
+    layer.weight = weight
+    groups = -(-layer.input_size_per_partition // block[1])
+    scale = nn.Parameter(torch.empty(w.shape[0], groups, dtype=torch.float32, device=w.device), requires_grad=False)
+    scale.weight_loader = _scale_loader(layer, name)
+    layer.register_parameter(SCALE_NAME, scale)
+    return layer
+
+
+def quantize_weight_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (fp8 [N, K], checkpoint-layout scales float32 [ceil(N/bn), ceil(K/bk)]).
+
+    scale = amax of the block / 448 (1 for an all-zero block), as transformers' ``Fp8Quantize``.
+    """
+    bn, bk = block
+    n, k = w.shape
+    nb, kb = -(-n // bn), -(-k // bk)
+    wf = torch.nn.functional.pad(w.float(), (0, kb * bk - k, 0, nb * bn - n)).view(nb, bn, kb, bk)
+    amax = wf.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (wf / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(nb * bn, kb * bk)[:n, :k]
+    return q.to(FP8_DTYPE).contiguous(), scale
+
+
+def quantize_fp8_layer(layer: LinearBase, name: str, block: tuple[int, int]) -> LinearBase:
+    """Quantize a loaded layer's weight in place (blocks over this rank's shard); returns the FP8 layer."""
+    w = layer.weight.detach()
+    convert_linear_to_fp8(layer, name, block)
+    q, scale = quantize_weight_fp8(w, block)
+    with torch.no_grad():
+        layer.weight.copy_(q)
+        layer.weight_scale_inv.copy_(scale.repeat_interleave(block[0], dim=0)[: w.shape[0]])
+    return layer
+
+
+def dequantize_fp8_layer(layer: LinearBase, dtype: torch.dtype) -> None:
+    """Replace the FP8 weight by weight * scale in `dtype` and drop the scale (forward becomes F.linear)."""
+    if layer.weight.dtype != FP8_DTYPE:
+        return
+    k = layer.weight.shape[1]
+    scale = layer.weight_scale_inv.repeat_interleave(layer.weight_block_size[1], dim=1)[:, :k]
+    weight = nn.Parameter((layer.weight.float() * scale).to(dtype), requires_grad=False)
+    weight.weight_loader = layer.weight_loader
+    layer.weight = weight
+    del layer.weight_scale_inv
+
+
+def fp8_gemm_supported(device: torch.device) -> bool:
+    """FP8 tensor cores: CUDA compute capability 8.9 (Ada) or newer (Hopper: 9.0)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)

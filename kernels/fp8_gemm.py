@@ -1,0 +1,172 @@
+"""Block-scaled FP8 GEMM (W8A8, DeepSeek-V3 / Qwen3-FP8 layout) and per-token-group activation quantization.
+
+Weights are float8_e4m3fn with one float32 scale per 128 x 128 block (the checkpoint's
+``weight_scale_inv``: dequantized weight = fp8 value * scale). Here the weight scales are kept
+expanded along the output dimension, one row of scales per output row: ``w_s [N, ceil(K / G)]``.
+That way a fused QKV / gate_up weight whose parts (or tensor-parallel shards) do not start on a
+128-row boundary still has the exact scale for every row, and the kernel reads a vector of scales
+per output tile. Activations are quantized on the fly, one scale per token per group of G = 128
+input features (``a_s [M, ceil(K / G)]``, scale = amax / 448), as DeepSeek-V3's "fine-grained
+quantization" (arXiv:2412.19437, section 3.3) and vLLM's ``per_token_group_quant_fp8`` do.
+
+out[m, n] = sum_g a_s[m, g] * w_s[n, g] * sum_{k in group g} a[m, k] * w[n, k]   (float32 accumulate)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fxrewrite.kernels import use_triton
+from fxrewrite.kernels.triton_utils import launch, tl, triton
+
+__all__ = ["FP8_DTYPE", "FP8_MAX", "per_token_group_quant_fp8", "per_token_group_quant_fp8_ref",
+           "fp8_block_gemm", "fp8_block_gemm_ref", "fp8_block_gemm_triton", "fp8_linear"]
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+_EPS = 1e-10  # floor on a group's amax so an all-zero group gets a finite scale
+
+
+def per_token_group_quant_fp8_ref(x: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (any float dtype) -> (x_q [M, K] float8_e4m3fn, scales [M, ceil(K / group_size)] float32).
+
+    scale = max(amax of the group, 1e-10) / 448; x_q = clamp(x / scale, -448, 448) in float32.
+    The last group may be partial (K not a multiple of group_size).
+    """
+    m, k = x.shape
+    groups = -(-k // group_size)
+    pad = groups * group_size - k
+    xf = torch.nn.functional.pad(x.float(), (0, pad)).view(m, groups, group_size)
+    scale = xf.abs().amax(dim=-1).clamp_min(_EPS) / FP8_MAX
+    q = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).view(m, groups * group_size)[:, :k]
+    return q.to(FP8_DTYPE).contiguous(), scale
+
+
+def fp8_block_gemm_ref(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor,
+                       group_size: int = 128, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Torch reference: dequantize both sides to float32 and matmul.
+
+    a [M, K] fp8, a_s [M, G'] float32, w [N, K] fp8, w_s [N, G'] float32 with G' = ceil(K / group_size)
+    -> [M, N] out_dtype.
+    """
+    k = a.shape[1]
+    af = a.float() * a_s.repeat_interleave(group_size, dim=1)[:, :k]
+    wf = w.float() * w_s.repeat_interleave(group_size, dim=1)[:, :k]
+    return (af @ wf.t()).to(out_dtype)
+
+
+def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as :func:`per_token_group_quant_fp8_ref`; Triton on CUDA."""
+    if not use_triton(x):
+        return per_token_group_quant_fp8_ref(x, group_size)
+    x = x.contiguous()
+    m, k = x.shape
+    groups = -(-k // group_size)
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    launch(_quant_kernel, (m, groups), x.device)(x, q, s, k, groups, _EPS, FP8_MAX, GROUP=group_size)
+    return q, s
+
+
+@triton.jit
+def _quant_kernel(x_ptr, q_ptr, s_ptr, K, G, eps, fp8_max, GROUP: tl.constexpr):
+    row = tl.program_id(0)
+    g = tl.program_id(1)
+    offs = g * GROUP + tl.arange(0, GROUP)
+    mask = offs < K
+    x = tl.load(x_ptr + row * K + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), eps) / fp8_max
+    q = tl.clamp(x / scale, -fp8_max, fp8_max)
+    tl.store(q_ptr + row * K + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * G + g, scale)
+
+
+def _tiles(m: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N): thin tiles for decode (weight-bandwidth bound), square ones for prefill."""
+    if m <= 16:
+        return 16, 64
+    if m <= 64:
+        return 64, 64
+    return 128, 128
+
+
+_TARGET_PROGRAMS = 264  # 2 per SM on an H100/H200 (132 SMs): enough tiles to keep every SM streaming
+
+
+def _split_k(num_tiles: int, groups: int, m: int) -> int:
+    """K splits for small-M GEMMs whose output tiles cannot fill the GPU (decode of o_proj / down_proj)."""
+    if m > 64 or num_tiles >= _TARGET_PROGRAMS:
+        return 1
+    return max(1, min(groups, _TARGET_PROGRAMS // num_tiles))
+
+
+def fp8_block_gemm_triton(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor,
+                          group_size: int = 128, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Triton kernel, same contract as :func:`fp8_block_gemm_ref` (one K-step per scale group).
+
+    Small M with few output tiles splits K over programs into float32 partials summed afterwards.
+    """
+    m, k = a.shape
+    n, groups = w.shape[0], a_s.shape[1]
+    block_m, block_n = _tiles(m)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    split = _split_k(tiles, groups, m)
+    out = torch.empty((split, m, n), dtype=torch.float32 if split > 1 else out_dtype, device=a.device)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
+    launch(_gemm_kernel, grid, a.device)(
+        a, a_s, w, w_s, out, m, n, k, groups, triton.cdiv(groups, split),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=group_size, num_warps=4 if block_m < 128 else 8,
+    )
+    return out[0] if split == 1 else out.sum(0).to(out_dtype)
+
+
+@triton.jit
+def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, G, GROUPS_PER_SPLIT,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_mask = rm < M
+    n_mask = rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    g_start = pid_k * GROUPS_PER_SPLIT
+    g_end = tl.minimum(g_start + GROUPS_PER_SPLIT, G)
+    for g in range(g_start, g_end):
+        k = g * BLOCK_K + rk
+        k_mask = k < K
+        a = tl.load(a_ptr + rm[:, None] * K + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptr + rn[None, :] * K + k[:, None], mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+        a_s = tl.load(as_ptr + rm * G + g, mask=m_mask, other=0.0)
+        w_s = tl.load(ws_ptr + rn * G + g, mask=n_mask, other=0.0)
+        acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+    out = out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def fp8_block_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor,
+                   group_size: int = 128, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Block-scaled FP8 GEMM (contract of :func:`fp8_block_gemm_ref`); Triton on CUDA.
+
+    Raises ValueError when shapes disagree.
+    """
+    m, k = a.shape
+    groups = -(-k // group_size)
+    if w.shape[1] != k or a_s.shape != (m, groups) or w_s.shape != (w.shape[0], groups):
+        raise ValueError(f"fp8_block_gemm: a {tuple(a.shape)}, a_s {tuple(a_s.shape)}, w {tuple(w.shape)}, "
+                         f"w_s {tuple(w_s.shape)} do not fit group_size={group_size} "
+                         f"(expected a_s [{m}, {groups}], w_s [N, {groups}])")
+    if use_triton(a):
+        return fp8_block_gemm_triton(a, a_s.contiguous(), w, w_s.contiguous(), group_size, out_dtype)
+    return fp8_block_gemm_ref(a, a_s, w, w_s, group_size, out_dtype)
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, group_size: int = 128) -> torch.Tensor:
+    """x [..., K] (bf16/fp16/fp32) -> [..., N] in x's dtype: dynamic per-token-group quantization of x,
+    then :func:`fp8_block_gemm` with the FP8 weight w [N, K] and its row-expanded scales w_s [N, G']."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    q, s = per_token_group_quant_fp8(x2, group_size)
+    return fp8_block_gemm(q, s, w, w_s, group_size, x.dtype).reshape(*lead, w.shape[0])

@@ -1,0 +1,63 @@
+"""Write an FP8 block-quantized copy of a model folder, in the layout Qwen3-*-FP8 / DeepSeek-V3 ship.
+
+Every 2-D ``*proj.weight`` of a decoder layer becomes float8_e4m3fn with a float32
+``<name>_scale_inv`` of shape [ceil(N / 128), ceil(K / 128)] (dequantized = fp8 * scale, scale =
+block amax / 448, as transformers' ``Fp8Quantize``); embeddings, norms and the LM head stay as they
+were; ``config.json`` gains ``quantization_config = {"quant_method": "fp8", "activation_scheme":
+"dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}``. Used by the tests and the FP8 demo (no
+FP8 checkpoint can be downloaded here); ``python -m fxrewrite.runtime.model_files.fp8_checkpoint SRC DST``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+from fxrewrite.layers.fp8_linear import quantize_weight_fp8
+from fxrewrite.runtime.model_files.loader import iterate_safetensors
+
+
+def is_quantized_name(name: str, tensor) -> bool:
+    """Decoder-layer projection weights (attention q/k/v/o, MLP gate/up/down) are quantized."""
+    return ".layers." in name and name.endswith("proj.weight") and tensor.dim() == 2
+
+
+def write_fp8_checkpoint(src: str | Path, dst: str | Path, block: tuple[int, int] = (128, 128)) -> Path:
+    """Copy folder `src` to `dst` with its decoder projections quantized; returns `dst`.
+
+    Non-safetensors files (tokenizer, generation config) are copied as they are.
+    """
+    from safetensors.torch import save_file
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy2(f, dst / f.name)
+    tensors = {}
+    for name, t in iterate_safetensors(src):
+        if is_quantized_name(name, t):
+            tensors[name], tensors[name + "_scale_inv"] = quantize_weight_fp8(t, block)
+        else:
+            tensors[name] = t.contiguous()
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                     "weight_block_size": list(block)}
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return dst
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("src", type=Path, help="model folder with safetensors weights")
+    p.add_argument("dst", type=Path, help="output folder")
+    args = p.parse_args(argv)
+    print(write_fp8_checkpoint(args.src, args.dst))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,123 @@
+"""Quantized checkpoints and load-time quantization: which method, which layers, when to convert.
+
+Two ways in, as in vLLM:
+- an FP8 checkpoint: ``config.json`` has ``quantization_config`` with ``quant_method: "fp8"``,
+  ``weight_block_size: [128, 128]`` and ``activation_scheme: "dynamic"`` (Qwen3-*-FP8, DeepSeek-V3):
+  the linear layers become FP8 layers before the weights are read, and load the ``weight`` (e4m3)
+  and ``weight_scale_inv`` tensors;
+- ``quantization="fp8"`` (``--quantization fp8``) on a bf16/fp16/fp32 checkpoint: the weights load as
+  usual and are then quantized in 128 x 128 blocks (the same layout, so the same kernels run).
+Any other ``quant_method`` (awq, gptq, bitsandbytes...) is a ValueError before a weight is read.
+
+After loading, on a device without FP8 tensor cores (a CPU, a GPU older than sm_89) the FP8 weights
+are dequantized to the compute dtype, so the model computes with exactly the values the checkpoint
+encodes. Which linears: every `fxrewrite.layers.linear` layer and plain `nn.Linear` except the LM head
+and the ``modules_to_not_convert`` / ``ignored_layers`` patterns of the quantization config.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fxrewrite.layers.fp8_linear import (
+    as_linear_base,
+    convert_linear_to_fp8,
+    dequantize_fp8_layer,
+    fp8_gemm_supported,
+    quantize_fp8_layer,
+)
+from fxrewrite.layers.linear import LinearBase
+
+QUANTIZATION_METHODS = ("fp8",)
+"""Values `quantization=` accepts (and checkpoint quant_methods the loader reads)."""
+DEFAULT_BLOCK = (128, 128)
+
+
+@dataclass
+class Fp8Config:
+    """What the loader needs: block shape [rows, cols], whether the checkpoint itself holds FP8 tensors,
+    and module-name patterns that stay in high precision."""
+
+    weight_block_size: tuple[int, int] = DEFAULT_BLOCK
+    is_checkpoint_fp8: bool = False
+    modules_to_not_convert: tuple[str, ...] = ()
+
+
+def _as_dict(qc) -> dict:
+    return qc if isinstance(qc, dict) else (qc.to_dict() if hasattr(qc, "to_dict") else vars(qc))
+
+
+def resolve_quantization(quantization: str | None, hf_config) -> Fp8Config | None:
+    """The quantization to apply, from `quantization=` and the config's ``quantization_config``.
+
+    Raises ValueError naming an unsupported `quant_method` / `quantization` value and the supported
+    ones, a non-dynamic activation scheme, or a malformed ``weight_block_size``. Reads no weights.
+    """
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization={quantization!r} is not supported; supported: {list(QUANTIZATION_METHODS)}")
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        return Fp8Config() if quantization == "fp8" else None
+    qc = _as_dict(qc)
+    method = qc.get("quant_method")
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"the checkpoint's quantization_config has quant_method={method!r}, which this engine "
+                         f"cannot load; supported: {list(QUANTIZATION_METHODS)} (block-scaled FP8 checkpoints)")
+    if qc.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(f"FP8 activation_scheme={qc.get('activation_scheme')!r} is not supported; "
+                         "only 'dynamic' (per-token-group scales computed at run time)")
+    block = qc.get("weight_block_size")
+    if block is None:
+        raise ValueError("FP8 checkpoints without weight_block_size (per-tensor scales) are not supported; "
+                         "expected weight_block_size [128, 128]")
+    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+        raise ValueError(f"weight_block_size={block!r} must be two positive integers, e.g. [128, 128]")
+    skip = tuple(qc.get("modules_to_not_convert") or ()) + tuple(qc.get("ignored_layers") or ())
+    return Fp8Config(tuple(block), True, skip)
+
+
+def _targets(model: nn.Module, quant: Fp8Config):
+    """(parent, child name, qualified name, module) for every linear to quantize."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for prefix, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            name = f"{prefix}.{child_name}" if prefix else child_name
+            if child is head or child_name == "lm_head" or not isinstance(child, (nn.Linear, LinearBase)):
+                continue
+            if any(fnmatch.fnmatch(name, f"*{p}*") for p in quant.modules_to_not_convert):
+                continue
+            yield parent, child_name, name, child
+
+
+def prepare_fp8_model(model: nn.Module, quant: Fp8Config | None, will_load_checkpoint: bool) -> None:
+    """Before loading an FP8 checkpoint: turn the target linears into FP8 layers (parameters stay where
+    they are, e.g. meta). No-op unless the checkpoint holds FP8 tensors and will be read."""
+    if quant is None or not quant.is_checkpoint_fp8 or not will_load_checkpoint:
+        return
+    for parent, child_name, name, child in _targets(_inner(model), quant):
+        setattr(parent, child_name, convert_linear_to_fp8(as_linear_base(child), name, quant.weight_block_size))
+
+
+def finish_fp8_model(model: nn.Module, quant: Fp8Config | None, dtype: torch.dtype, device: torch.device) -> None:
+    """After loading: quantize still high-precision target linears (``quantization="fp8"``, dummy
+    weights), then dequantize everything to `dtype` when `device` has no FP8 GEMM."""
+    if quant is None:
+        return
+    inner = _inner(model)
+    for parent, child_name, name, child in _targets(inner, quant):
+        if child.weight.dtype != torch.float8_e4m3fn:
+            setattr(parent, child_name, quantize_fp8_layer(as_linear_base(child), name, quant.weight_block_size))
+    if fp8_gemm_supported(device):
+        return
+    for module in inner.modules():
+        if isinstance(module, LinearBase):
+            dequantize_fp8_layer(module, dtype)
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    """The HF model inside the engine's transformers wrapper (names as in the checkpoint), else the model."""
+    return getattr(model, "hf_model", model)

@@ -1,0 +1,76 @@
+"""Pipeline parallelism on a CPU (gloo): the decoder layers split into stages, greedy and seeded-sampled
+tokens equal to one process at PP=2 (native) and TP=2 x PP=2 (transformers + fusion); a pipeline larger
+than the layer count is refused before any worker starts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.tp_ranks import generate_tokens, make_llm, sampling_params
+
+from fxrewrite.runtime.worker.pipeline import PipelineStage, PPMissingLayer, stage_layers
+
+
+@pytest.fixture(scope="module")
+def qwen3_3layers(tiny_model_dir):
+    # 3 layers: stage 0 holds two, stage 1 one (an uneven split); one kv head (replicated at TP=2).
+    return str(tiny_model_dir("qwen3", num_hidden_layers=3, num_key_value_heads=1, vocab="smollm2"))
+
+
+def test_stage_layers_split_evenly_earlier_stages_take_the_rest():
+    assert [stage_layers(3, 2, r) for r in range(2)] == [(0, 2), (2, 3)]
+    assert [stage_layers(8, 4, r) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert [stage_layers(5, 5, r) for r in range(5)] == [(i, i + 1) for i in range(5)]
+
+
+def test_pipeline_larger_than_the_layer_count_is_refused(qwen3_3layers):
+    with pytest.raises(ValueError, match="pipeline_parallel_size=4 is larger than the model's num_hidden_layers=3"):
+        make_llm(qwen3_3layers, "native", pipeline_parallel_size=4)
+
+
+def test_bad_pipeline_size_argument():
+    from fxrewrite.runtime.engine_config import EngineConfig
+
+    with pytest.raises(ValueError, match="pipeline_parallel_size=0 must be a positive integer"):
+        EngineConfig(pipeline_parallel_size=0)
+
+
+@pytest.mark.parametrize("pp_rank", [0, 1])
+def test_stage_split_of_a_transformers_model(qwen3_3layers, pp_rank):
+    from transformers import AutoConfig
+
+    from fxrewrite.runtime.models.transformers_backend import TransformersForCausalLM
+
+    model = TransformersForCausalLM.from_config(AutoConfig.from_pretrained(qwen3_3layers), torch.float32, True)
+    stage = PipelineStage(pp_rank, 2, (1, 2), None)
+    dropped = stage.apply(model, 3)
+    stage.allocate(8, 64, torch.float32, torch.device("cpu"))
+    base = model.hf_model.base_model
+    kept = [type(m) is not PPMissingLayer for m in base.layers]
+    x = torch.randn(1, 4, 64)
+    if pp_rank == 0:
+        assert dropped == ["model.layers.2."] and kept == [True, True, False]
+        assert base.norm(x) is x  # the final norm belongs to the last stage
+    else:
+        assert dropped == ["model.layers.0.", "model.layers.1."] and kept == [False, False, True]
+        stage.buffer.normal_()
+        assert torch.equal(base.embed_tokens(torch.zeros(1, 3, dtype=torch.long)), stage.buffer[:3].view(1, 3, 64))
+
+
+def test_pp2_native_equals_one_process(qwen3_3layers):
+    want = generate_tokens(make_llm(qwen3_3layers, "native"), sampling_params())
+    llm = make_llm(qwen3_3layers, "native", pipeline_parallel_size=2)
+    try:
+        assert generate_tokens(llm, sampling_params()) == want
+    finally:
+        llm.llm_engine.model_runner.shutdown()
+
+
+def test_tp2_pp2_transformers_fused_equals_one_process(qwen3_3layers):
+    want = generate_tokens(make_llm(qwen3_3layers, "transformers"))
+    llm = make_llm(qwen3_3layers, "transformers", tensor_parallel_size=2, pipeline_parallel_size=2)
+    try:
+        assert generate_tokens(llm) == want
+    finally:
+        llm.llm_engine.model_runner.shutdown()

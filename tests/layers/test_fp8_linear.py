@@ -1,0 +1,98 @@
+"""FP8 linear layers: checkpoint weights + block scales load through the layer's own (fused, sharded)
+weight loader; dequantized they equal the dequantized checkpoint tensors, sliced as the layer slices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fxrewrite.kernels.fp8_gemm import fp8_block_gemm_ref, per_token_group_quant_fp8_ref
+from fxrewrite.layers.fp8_linear import (
+    SCALE_NAME,
+    as_linear_base,
+    convert_linear_to_fp8,
+    dequantize_fp8_layer,
+    quantize_fp8_layer,
+    quantize_weight_fp8,
+)
+from fxrewrite.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+BLOCK = (128, 128)
+
+
+def _checkpoint(rows: int, cols: int):
+    """(fp8 weight, checkpoint scale [ceil(rows/128), ceil(cols/128)], its dequantized float32 value)."""
+    q, s = quantize_weight_fp8(torch.randn(rows, cols), BLOCK)
+    deq = q.float() * s.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
+    return q, s, deq
+
+
+def _load(layer, shards):
+    for sid, (q, s, _) in shards.items():
+        layer.weight.weight_loader(layer.weight, q, sid)
+        getattr(layer, SCALE_NAME).weight_loader(getattr(layer, SCALE_NAME), s, sid)
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_qkv_with_partial_blocks_equals_dequantized_shards(tp_rank):
+    # head_dim 64, 4 q heads, 1 kv head: k/v are 64 rows (half a block), replicated over 2 ranks;
+    # each rank's q shard (128 rows) starts at row 128 * rank.
+    layer = QKVParallelLinear(256, 64, 4, 1, tp_size=2, tp_rank=tp_rank, device="cpu")
+    layer = convert_linear_to_fp8(layer, "layers.0.self_attn.qkv_proj", BLOCK)
+    shards = {"q": _checkpoint(256, 256), "k": _checkpoint(64, 256), "v": _checkpoint(64, 256)}
+    _load(layer, shards)
+    assert layer.weight.dtype == torch.float8_e4m3fn and getattr(layer, SCALE_NAME).shape == (256, 2)
+    dequantize_fp8_layer(layer, torch.float32)
+    want = torch.cat([shards["q"][2][128 * tp_rank: 128 * (tp_rank + 1)], shards["k"][2], shards["v"][2]])
+    assert torch.equal(layer.weight, want)
+    assert not hasattr(layer, SCALE_NAME)
+
+
+def test_merged_gate_up_unaligned_shard_keeps_each_rows_scale():
+    # 192 rows per part split over 2 ranks: rank 1 starts mid-block (row 96).
+    layer = MergedColumnParallelLinear(128, [192, 192], tp_size=2, tp_rank=1, device="cpu")
+    layer = convert_linear_to_fp8(layer, "mlp.gate_up_proj", BLOCK)
+    shards = {0: _checkpoint(192, 128), 1: _checkpoint(192, 128)}
+    _load(layer, shards)
+    dequantize_fp8_layer(layer, torch.float32)
+    assert torch.equal(layer.weight, torch.cat([shards[0][2][96:], shards[1][2][96:]]))
+
+
+def test_fp8_forward_matches_dequantized_forward():
+    layer = convert_linear_to_fp8(RowParallelLinear(256, 64, bias=True, device="cpu"), "o_proj", BLOCK)
+    layer = layer
+    q, s, deq = _checkpoint(64, 256)
+    _load(layer, {None: (q, s, deq)})
+    nn.init.normal_(layer.bias)
+    x = torch.randn(3, 256)
+    fp8_out = layer(x)  # the FP8 path (torch reference of the block GEMM on a CPU)
+    xq, xs = per_token_group_quant_fp8_ref(x)
+    w_s = s.repeat_interleave(128, 0)[:64]
+    assert torch.equal(fp8_out, fp8_block_gemm_ref(xq, xs, q, w_s, out_dtype=torch.float32) + layer.bias)
+    exact = x @ deq.t() + layer.bias
+    assert (fp8_out - exact).norm() / exact.norm() < 0.05  # activation rounding only
+    dequantize_fp8_layer(layer, torch.float32)
+    torch.testing.assert_close(layer(x), x @ deq.t() + layer.bias)
+
+
+def test_row_parallel_shard_that_splits_a_block_is_refused():
+    layer = RowParallelLinear(384, 64, tp_size=2, tp_rank=0, device="cpu")
+    with pytest.raises(ValueError, match=r"model.layers.3.mlp.down_proj.weight: input size 384 .* 192 columns per "
+                                         r"rank, not a multiple of the FP8 block size 128"):
+        convert_linear_to_fp8(layer, "model.layers.3.mlp.down_proj", BLOCK)
+
+
+def test_scale_of_the_wrong_shape_names_the_tensor():
+    layer = convert_linear_to_fp8(RowParallelLinear(256, 64, device="cpu"), "x.o_proj", BLOCK)
+    with pytest.raises(ValueError, match=r"x.o_proj.weight_scale_inv .* needs \[1, 2\]"):
+        getattr(layer, SCALE_NAME).weight_loader(getattr(layer, SCALE_NAME), torch.ones(2, 2))
+
+
+def test_dynamic_quantization_of_a_plain_linear():
+    lin = nn.Linear(200, 130, bias=False)
+    layer = quantize_fp8_layer(as_linear_base(lin), "proj", BLOCK)
+    assert layer.weight.dtype == torch.float8_e4m3fn
+    x = torch.randn(4, 200)
+    rel = (layer(x) - lin(x)).norm() / lin(x).norm()
+    assert rel < 0.05

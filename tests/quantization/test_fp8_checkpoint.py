@@ -1,0 +1,163 @@
+"""FP8 checkpoints end to end on a CPU: a tiny Qwen3 quantized in 128 x 128 blocks (the Qwen3-*-FP8
+layout) served natively and through transformers + fusion gives transformers' own FP8 result
+(transformers dequantizes FP8 checkpoints on a CPU; both compute in float32): same greedy tokens, same
+log-probabilities. Unsupported quantizations are refused before any weight is read."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
+from fxrewrite.runtime.model_files.fp8_checkpoint import write_fp8_checkpoint
+
+PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 40))]
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(tiny_model_dir):
+    # head_dim 64 and one kv head: k/v are 64-row partial blocks (fused after q's 256 rows).
+    return tiny_model_dir("qwen3", hidden_size=256, num_attention_heads=4, num_key_value_heads=1,
+                          intermediate_size=512, vocab="smollm2")
+
+
+@pytest.fixture(scope="module")
+def fp8_dir(bf16_dir, tmp_path_factory):
+    return write_fp8_checkpoint(bf16_dir, tmp_path_factory.mktemp("qwen3-fp8"))
+
+
+def _llm(path, impl, **kwargs):
+    from fxrewrite.runtime.llm import LLM
+
+    return LLM(str(path), model_impl=impl, dtype="float32", device="cpu", kv_cache_memory_bytes=1 << 22, **kwargs)
+
+
+def _run(llm):
+    """[(tokens, logprob of each token)] per prompt, greedy."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
+                                                                           o.outputs[0].logprobs)]) for o in outs]
+
+
+def _greedy(model):
+    """[(tokens, logprob of each)] per prompt: greedy decoding with a transformers model (no cache)."""
+    out = []
+    for prompt in PROMPTS:
+        ids, logprobs = torch.tensor([prompt]), []
+        with torch.no_grad():
+            for _ in range(MAX_TOKENS):
+                lp = model(ids).logits[0, -1].log_softmax(-1)
+                nxt = int(lp.argmax())
+                logprobs.append(float(lp[nxt]))
+                ids = torch.cat([ids, torch.tensor([[nxt]])], 1)
+        out.append((ids[0, len(prompt):].tolist(), logprobs))
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_fp8_reference(fp8_dir):
+    """transformers' FP8 handling: from_pretrained of the FP8 folder (dequantized on a CPU), greedy."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(fp8_dir), dtype=torch.float32).eval()
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.float32  # dequantized
+    return _greedy(model)
+
+
+@pytest.mark.parametrize("impl", ["native", "transformers"])
+def test_fp8_checkpoint_matches_transformers_fp8(fp8_dir, hf_fp8_reference, impl):
+    llm = _llm(fp8_dir, impl)
+    got, want = _run(llm), hf_fp8_reference
+    for (tokens, lps), (want_tokens, want_lps) in zip(got, want):
+        assert tokens == want_tokens
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(want_lps), rtol=1e-4, atol=1e-4)
+    linears = [m for m in llm.llm_engine.model_runner.model.modules() if type(m).__name__.startswith("Fp8")]
+    assert len(linears) == 2 * 4  # qkv, o, gate_up, down in each of 2 layers
+
+
+def _dynamic_fp8_reference(path):
+    """The float model with what quantization='fp8' does at TP=1: each fused weight ([q; k; v],
+    [gate; up]) and each other projection quantized in 128 x 128 blocks, then dequantized."""
+    from transformers import AutoModelForCausalLM
+
+    from fxrewrite.layers.fp8_linear import quantize_weight_fp8
+
+    def round_trip(weights):
+        fused = torch.cat([w.weight for w in weights])
+        q, s = quantize_weight_fp8(fused, (128, 128))
+        rows, cols = fused.shape
+        deq = q.float() * s.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
+        for w, part in zip(weights, deq.split([w.weight.shape[0] for w in weights])):
+            w.weight.copy_(part)
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            for group in ([a.q_proj, a.k_proj, a.v_proj], [a.o_proj], [m.gate_proj, m.up_proj], [m.down_proj]):
+                round_trip(group)
+    return model
+
+
+def test_quantization_fp8_on_a_float_checkpoint(bf16_dir):
+    got, want = _run(_llm(bf16_dir, "native", quantization="fp8")), _greedy(_dynamic_fp8_reference(bf16_dir))
+    for (tokens, lps), (want_tokens, want_lps) in zip(got, want):
+        assert tokens == want_tokens
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(want_lps), rtol=1e-4, atol=1e-4)
+
+
+def _with_quant_config(src, dst, qc):
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        f.unlink()  # a refusal that read weights would fail on the missing file instead
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = qc
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq", "bitsandbytes"])
+def test_unsupported_quant_method_is_refused_before_weights(bf16_dir, tmp_path, method):
+    path = _with_quant_config(bf16_dir, tmp_path / "m", {"quant_method": method, "bits": 4})
+    with pytest.raises(ValueError, match=rf"quant_method='{method}'.*supported: \['fp8'\]"):
+        _llm(path, "native")
+
+
+def test_static_activation_scheme_is_refused(bf16_dir, tmp_path):
+    path = _with_quant_config(bf16_dir, tmp_path / "m", {"quant_method": "fp8", "activation_scheme": "static",
+                                                          "weight_block_size": [128, 128]})
+    with pytest.raises(ValueError, match="activation_scheme='static' is not supported"):
+        _llm(path, "native")
+
+
+def test_unknown_quantization_argument():
+    from fxrewrite.runtime.engine_config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"quantization='awq' is not supported; supported: \['fp8'\]"):
+        EngineConfig(quantization="awq")
+
+
+def test_fp8_checkpoint_tp2_equals_tp1(fp8_dir, tmp_path):
+    """Two gloo ranks: q heads split (128 rows each), the 64-row kv head replicated, gate/up, o and down
+    sharded with their scales; greedy tokens equal TP=1."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from tests.distributed.tp_ranks import greedy_tokens, spmd_rank
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cases = [(str(fp8_dir), "transformers")]  # HF + fusion + sharding: the longer path (native shards alike)
+    out = tmp_path / "tp2.json"
+    ctx = mp.start_processes(spmd_rank, args=(port, cases, str(out)), nprocs=2, join=False, start_method="spawn")
+    expected = {f"{path}|{impl}": greedy_tokens(path, impl) for path, impl in cases}
+    while not ctx.join(timeout=300):
+        pass
+    assert json.loads(out.read_text()) == expected
