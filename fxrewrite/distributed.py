@@ -183,9 +183,16 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum of `x` over the TP ranks (in place, returned); `x` itself at tp_size 1."""
     if get_tp_size() == 1:
         return x
+    return all_reduce_tp_shards(x)
+
+
+def all_reduce_tp_shards(x: torch.Tensor) -> torch.Tensor:
+    """Sum of a row-parallel layer's partial outputs over the TP group (in place, returned): through
+    symmetric memory when enabled and `x` is small enough, else `torch.distributed.all_reduce` on the
+    TP group (the default group when none is set up, as for layers built with an explicit tp_size)."""
     if _symm_all_reduce is not None and _symm_all_reduce.can_run(x):
         return _symm_all_reduce(x)
-    dist.all_reduce(x, group=_state.tp_group)
+    dist.all_reduce(x, group=get_tp_group())
     return x
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fxrewrite.distributed import get_tp_group
+from fxrewrite.distributed import all_reduce_tp_shards
 from fxrewrite.kernels.fp8_gemm import FP8_DTYPE, FP8_MAX, fp8_linear
 from fxrewrite.layers.linear import (
     LinearBase,
@@ -46,7 +46,7 @@ class Fp8LinearMixin:
             return super().forward(x)
         out = fp8_linear(x, self.weight, self.weight_scale_inv, self.weight_block_size[1])
         if isinstance(self, RowParallelLinear) and self.tp_size > 1 and self.reduce_results:
-            torch.distributed.all_reduce(out, group=get_tp_group())
+            all_reduce_tp_shards(out)
         return out if self.bias is None else out + self.bias
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fxrewrite.distributed import get_tp_group
+from fxrewrite.distributed import all_reduce_tp_shards
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -198,7 +198,7 @@ class RowParallelLinear(LinearBase):
             return F.linear(x, self.weight, self.bias)
         out = F.linear(x, self.weight)
         if self.reduce_results:
-            torch.distributed.all_reduce(out, group=get_tp_group())  # None: the default group
+            all_reduce_tp_shards(out)
         return out if self.bias is None else out + self.bias
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id=None) -> None:
