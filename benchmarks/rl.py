@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-import fxrewrite
 from fxrewrite.benchmarks.common import bench_model_dir, environment, free_device_memory, load_bench_config
+from fxrewrite.compiler import optimize
 from fxrewrite.kernels.batch_invariant import batch_invariant_mode
 from fxrewrite.rl import completion_logprobs, grpo_advantages, grpo_loss
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
@@ -42,7 +42,7 @@ def build_trainer(model_dir: Path, device: str, dtype: torch.dtype, seed: int = 
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
-    return fxrewrite.optimize(model).train()
+    return optimize(model).train()
 
 
 def make_prompts(tokenizer, num: int) -> list[list[int]]:

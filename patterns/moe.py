@@ -49,7 +49,7 @@ def _router_facts(router_node, block_root: nn.Module, ids_idx: int, w_idx: int) 
     """Trace the router class and read (scoring, renormalize, top_k, bias) off its graph; Refusal if not."""
     module = block_root.get_submodule(router_node.target)
     args = tuple(tracer.to_meta(nodes.meta(a)) if isinstance(a, torch.fx.Node) else a for a in router_node.args)
-    traced = tracer.trace(module, args, {}, use_cache=False)
+    traced = tracer.trace(module, args, {})
     require(not traced.partial, f"router {router_node.target} could not be traced: {traced.error}")
     outs = nodes.output_value(traced.graph)
     require(isinstance(outs, tuple) and len(outs) > max(ids_idx, w_idx), "router output is not a tuple")
