@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fxrewrite.kernels import paged_attention as paged_attention_module
 from fxrewrite.kernels import paged_decode, paged_prefill
 from fxrewrite.kernels.paged_attention import paged_attention, paged_attention_ref
 
@@ -115,8 +116,8 @@ def test_kernels_in_half_precision(interpret, paged_batch):
 
 def test_dispatch_picks_decode_or_prefill(interpret, paged_batch, monkeypatch):
     calls = []
-    monkeypatch.setattr(paged_decode, "paged_decode_triton", lambda *a: calls.append("decode"))
-    monkeypatch.setattr(paged_prefill, "paged_prefill_triton", lambda *a: calls.append("prefill"))
+    monkeypatch.setattr(paged_attention_module, "paged_decode_triton", lambda *a: calls.append("decode"))
+    monkeypatch.setattr(paged_attention_module, "paged_prefill_triton", lambda *a: calls.append("prefill"))
     monkeypatch.setenv("FXREWRITE_TRITON", "1")
     paged_attention(*paged_batch(DECODE, 2, 1, 16, 4).args(), 1.0)
     paged_attention(*paged_batch(MIXED, 2, 1, 16, 4).args(), 1.0)
