@@ -92,6 +92,18 @@ class LinearBase(nn.Module):
                 f"bias={self.bias is not None}, tp_size={self.tp_size}")
 
 
+class ReplicatedLinear(LinearBase):
+    """The same full weight on every rank (MoE routers, FP8 layers of modules no pattern fused).
+
+    Shapes: weight [output_size, input_size], bias [output_size]; forward x [..., input_size] ->
+    [..., output_size]."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_size: int = 1, tp_rank: int = 0,
+                 params_dtype: torch.dtype | None = None, device=None) -> None:
+        super().__init__(input_size, output_size, bias, tp_size, tp_rank, params_dtype, device,
+                         input_size, output_size)
+
+
 class ColumnParallelLinear(LinearBase):
     """Output dim split across ranks: weight [output_size / tp_size, input_size]; no gather here."""
 

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The second wave's GPU runs, in few calls of the device tool (each fits its 10-minute limit):
+#   STEP=train (nvidia-h200):    training GPU tests; `bench train` on Qwen3-0.6B shapes, five arms
+#   STEP=serve (nvidia-h200):    MoE throughput (Qwen3-30B-A3B shapes), -O 3 cold and warm start, FP8 GEMM,
+#                                structured-output overhead
+#   STEP=multi (nvidia-h200-x2): symmetric-memory all-reduce, TP=2 vs TP=1 batch-1 decode (Qwen3-4B),
+#                                TP=2 and PP=2 greedy tests, MoE expert parallel
+# Results (JSON, PNG, logs) go to $OUT when set, else benchmarks/results. Each step has a hard time limit.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR=${OUT:-benchmarks/results}
+mkdir -p "$OUT_DIR"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export FXREWRITE_CACHE=${FXREWRITE_CACHE:-/tmp/fxrewrite-cache}
+PY=${PY:-python3}
+start=$(date +%s)
+stamp() { echo "[gpu-wave +$(( $(date +%s) - start ))s] $*"; }
+if [ -d .whl ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site \
+    && $PY -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1 || { echo "install failed"; exit 1; }
+fi
+gpu_tests() {  # LIMIT LOG PATHS...
+  timeout -k 5 "$1" $PY -m pytest -q -m gpu "${@:3}" -p no:cacheprovider -rfE -s 2>&1 | tee "$OUT_DIR/$2" \
+    | grep -E "passed|failed|FAILED|Error|error" | tail -15
+}
+compare() {  # LIMIT ARGS...
+  timeout -k 5 "$1" $PY -m fxrewrite bench compare "${@:2}" --out "$OUT_DIR" 2>&1 | grep -v "it/s\]$" | tail -6
+}
+case "${STEP:-train}" in
+train)
+  stamp "training GPU tests"
+  gpu_tests 150 gpu-tests-training.log tests/gpu/test_gpu_training.py
+  stamp "bench train (Qwen3-0.6B shapes, batch 8 x 2048, gradient checkpointing)"
+  timeout -k 5 380 $PY -m fxrewrite bench train --config qwen3-0.6b --arms stock,stock-compile,liger,optimize,optimize-compile \
+    --batch-size 8 --seq-len 2048 --steps ${TRAIN_STEPS:-5} --warmup 2 --arm-timeout 150 --out "$OUT_DIR" 2>&1 | tail -14 ;;
+serve)
+  stamp "MoE throughput (Qwen3-30B-A3B shapes)"
+  compare 210 --config qwen3-30b-a3b --arms after,native,before --num-prompts 256 --time-limit 30
+  stamp "-O 3, cold then warm (Qwen3-0.6B shapes, after)"
+  compare 170 --config qwen3-0.6b --arms after --num-prompts 256 --time-limit 20 -O 3 --note cold
+  compare 90 --config qwen3-0.6b --arms after --num-prompts 256 --time-limit 20 -O 3 --note warm
+  stamp "FP8 GEMM"
+  timeout -k 5 60 $PY -m fxrewrite.benchmarks.fp8_gemm --out "$OUT_DIR" 2>&1 | tail -8
+  stamp "structured outputs"
+  timeout -k 5 80 $PY -m fxrewrite.benchmarks.structured_outputs --out "$OUT_DIR" 2>&1 | tail -5 ;;
+multi)
+  stamp "all-reduce"
+  timeout -k 5 60 $PY -m fxrewrite.benchmarks.all_reduce --out "$OUT_DIR" 2>&1 | tail -8
+  stamp "TP=2 batch-1 decode (Qwen3-4B shapes)"
+  compare 120 --config qwen3-4b --arms native --workload latency --max-num-seqs 8 -tp 2 --time-limit 30
+  stamp "TP=2 / PP=2 / MoE EP greedy tests"
+  gpu_tests 200 gpu-tests-multi.log tests/gpu/test_gpu_tensor_parallel.py tests/gpu/test_gpu_pipeline_parallel.py ;;
+esac
+stamp done
