@@ -32,6 +32,8 @@ from torch import nn
 from torch.func import functional_call
 from torch.fx.node import map_aggregate
 
+from fxrewrite.tensor_state import preserved_state
+
 _TENSOR_PROPERTIES = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "is_meta", "layout"})
 _STATIC_METHODS = frozenset({"size", "dim", "numel", "is_floating_point", "is_contiguous", "get_device"})
 _STATIC_TYPES = (int, float, bool, str, torch.dtype, torch.device, torch.Size, type(None))
@@ -129,7 +131,8 @@ def record_inputs(model: nn.Module, seq_len: int = 5, example_inputs: tuple | No
                                            "use_cache": False})
     error = None
     try:
-        with attention_as_leaf(), _eager_masks(model), _buffer_modules_run_real(model) as keep, torch.no_grad():
+        with preserved_state(model), attention_as_leaf(), _eager_masks(model), \
+                _buffer_modules_run_real(model) as keep, torch.no_grad():
             run_on_meta(model, to_meta(tuple(args)), to_meta(dict(kwargs)), keep)
     except Exception as e:  # noqa: BLE001 - any failure just ends the recording
         error = f"{type(e).__name__}: {e}"
@@ -371,7 +374,7 @@ def trace(module: nn.Module, args: tuple = (), kwargs: dict | None = None, *, us
         return _CACHE[cls]
     tracer = AllLeafTracer()
     error = None
-    with attention_as_leaf(), _local_functions_as_leaves(cls, tracer), torch.no_grad():
+    with preserved_state(module), attention_as_leaf(), _local_functions_as_leaves(cls, tracer), torch.no_grad():
         try:
             tracer.trace(module, concrete_args=(tuple(args), dict(kwargs or {})))
         except Exception as e:  # noqa: BLE001 - keep the partial graph, say where it stopped

@@ -21,10 +21,11 @@ import torch
 from torch import nn
 
 from fxrewrite import nodes
+from fxrewrite.tensor_state import preserved_state
 from fxrewrite.kernels import use_triton
 from fxrewrite.kernels.rotary import rotary_embedding_triton
 from fxrewrite.layers.rotary import get_rope
-from fxrewrite.patterns.base import Context, Match, Pattern, free_attribute, require
+from fxrewrite.patterns.base import Context, Match, Pattern, Refusal, free_attribute, require
 
 NEW_APPLY = "apply_rotary_emb"
 _PROBE_POSITIONS = (0, 1, 2, 3, 7, 31, 100)
@@ -97,6 +98,36 @@ class RotaryCosSin(nn.Module):
         return self.rope.get_cos_sin(positions, dtype=x.dtype)
 
 
+LENGTH_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
+
+
+def replace_length_dependent_rotary(model: nn.Module, config) -> list[str]:
+    """Swap every transformers rotary module of a length-dependent type still in `model` for a checked
+    `RotaryCosSin`, which reads per-token lengths (fxrewrite.layers.rope_context) where transformers'
+    picks one length for the whole call. Returns the replaced modules' names.
+
+    For serving without fusion: the engine flattens a step's sequences into one row, so transformers'
+    module would let a sequence's neighbours choose its frequencies. Raises ValueError naming the
+    module when no RotaryEmbedding reproduces it.
+    """
+    replaced = []
+    for name, module in list(model.named_modules()):
+        if getattr(module, "rope_type", None) not in LENGTH_DEPENDENT_ROPE_TYPES or not name:
+            continue
+        if not hasattr(module, "original_inv_freq"):  # not transformers' rotary module
+            continue
+        params = [p for p in inspect.signature(type(module).forward).parameters][1:3]
+        try:
+            new = RotaryPattern._build_checked(module, Context(model, config), tuple(params))
+        except Refusal as e:
+            raise ValueError(f"{name} ({type(module).__name__}): cannot serve its {module.rope_type} rope "
+                             f"per sequence: {e}") from None
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, new)
+        replaced.append(name)
+    return replaced
+
+
 def _cos_sin_source(node):
     """The tensor e when `node` is cos(e)/sin(e) times constants and casts, with the op name."""
     node = nodes.peel(node)
@@ -144,7 +175,7 @@ class RotaryPattern(Pattern):
         device = buffers[0].device
         positions = torch.tensor([[p for p in _PROBE_POSITIONS if p < max_pos] + [max_pos - 1]], device=device)
         x = torch.zeros(1, dtype=torch.float32, device=device)
-        with torch.no_grad():
+        with torch.no_grad(), preserved_state(module):  # transformers' longrope/dynamic update writes state
             ref_cos, ref_sin = module(x, positions)
         reasons = []
         for params, neox in [(p, n) for p in _rope_candidates(config) for n in (True, False)]:

@@ -87,8 +87,8 @@ def validate_rope_parameters(
     message lists SUPPORTED_ROPE_TYPES), `factor` < 1, yarn without factor or
     original_max_position_embeddings, llama3 without factor / low_freq_factor / high_freq_factor /
     original_max_position_embeddings, longrope short/long_factor not of length rotary_dim // 2.
-    Warns (RopeConfigWarning) when a yarn `original_max_position_embeddings` differs from the model's
-    `max_position_embeddings` and is not its pre-scaling length either (max_position_embeddings / factor).
+    Warns (RopeConfigWarning) when a yarn `original_max_position_embeddings` is larger than the model's
+    `max_position_embeddings` (likely a typo; smaller is normal, e.g. Qwen3's YaRN recipe).
     """
     rope_type = rope_parameters.get("rope_type")
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -134,20 +134,22 @@ def _check_longrope_factors(rope_parameters: dict[str, Any], rotary_dim: int) ->
 
 
 def _warn_original_max_position(rope_parameters: dict[str, Any], max_position_embeddings: int | None) -> None:
+    """Warn when a yarn original_max_position_embeddings is longer than the model's own context.
+
+    A shorter one is normal: Qwen3's documented YaRN recipe uses 32768 on a config whose
+    max_position_embeddings is 40960, and llama3 / longrope / DeepSeek configs store the scaled
+    length there. A longer one claims pretraining on positions the model does not have: likely a typo.
+    """
     original = rope_parameters.get("original_max_position_embeddings")
-    if original is None or max_position_embeddings is None or original == max_position_embeddings:
+    if rope_parameters["rope_type"] != "yarn" or original is None or max_position_embeddings is None:
         return
-    # llama3 / longrope configs (Llama 3.1, Phi-3) always store the scaled length in
-    # max_position_embeddings; so do yarn configs that ship scaled (DeepSeek: original * factor).
-    if rope_parameters["rope_type"] != "yarn":
-        return
-    factor = rope_parameters.get("factor")
-    if factor is None or math.isclose(original * factor, max_position_embeddings):
+    if original <= max_position_embeddings:
         return
     warnings.warn(
-        f"rope_parameters['original_max_position_embeddings']={original} differs from the model's "
-        f"max_position_embeddings={max_position_embeddings} (rope_type={rope_parameters['rope_type']!r}); "
-        "it must be the context length the model was pretrained with, or the scaled frequencies are wrong",
+        f"rope_parameters['original_max_position_embeddings']={original} is larger than the model's "
+        f"max_position_embeddings={max_position_embeddings} (rope_type='yarn'); YaRN scales from the "
+        "context length the model was pretrained with, which is usually at most max_position_embeddings: "
+        "check the value",
         RopeConfigWarning,
         stacklevel=3,
     )
@@ -171,14 +173,14 @@ def _linear(params: dict, dim: int, max_position_embeddings: int, seq_len, devic
 def _dynamic(params: dict, dim: int, max_position_embeddings: int, seq_len, device) -> tuple[torch.Tensor, float]:
     """NTK-aware base: theta * (factor * L / L0 - (factor - 1)) ** (d / (d - 2)), L = max(seq_len, L0).
 
-    With a tensor `seq_len` the base is a float32 tensor, as in transformers' dynamic_rope_update.
+    With a tensor `seq_len` the base is a float32 tensor, as in transformers' dynamic_rope_update; one
+    of shape [..., 1] (a length per token) gives inv_freq [..., rotary_dim // 2].
     """
     factor = params["factor"]
     if seq_len is None:
         seq_len = max_position_embeddings
-    elif isinstance(seq_len, torch.Tensor):
-        reference = torch.tensor(max_position_embeddings, dtype=seq_len.dtype, device=seq_len.device)
-        seq_len = torch.maximum(seq_len, reference)
+    elif isinstance(seq_len, torch.Tensor):  # clamp, not maximum(tensor(L0)): no host copy (CUDA graphs)
+        seq_len = seq_len.clamp(min=max_position_embeddings)
     else:
         seq_len = max(seq_len, max_position_embeddings)
     base = params["rope_theta"] * ((factor * seq_len / max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))

@@ -3,11 +3,13 @@
 The cache holds float32 `cos(p * inv_freq) * attention_scaling` then `sin(...)` for every position,
 built with the same float32 ops as transformers' rotary modules (`freqs = positions.float() *
 inv_freq; emb.cos() * attention_scaling`), so a cast to the input dtype reproduces them exactly.
-Two types depend on the batch, as transformers' `dynamic_rope_update` does: dynamic NTK (the base
-grows with max(positions) + 1) and longrope (long_factor once max(positions) + 1 exceeds
-original_max_position_embeddings). Both are chosen with `torch.where`, never a host sync.
+Two types depend on a sequence length L, as in transformers' `dynamic_rope_update`: dynamic NTK (the
+base grows with L past max_position_embeddings) and longrope (long_factor once L exceeds
+original_max_position_embeddings). L is per token when the serving engine sets it
+(`fxrewrite.layers.rope_context`: each token's own sequence, never its batch neighbours), else
+transformers' max(positions) + 1 of the call. Both are chosen with `torch.where`, never a host sync.
 Unlike transformers' stateful module (which keeps a grown dynamic base until a batch falls back
-below max_position_embeddings), the result depends on this batch's positions only.
+below max_position_embeddings), the result depends on these positions (and lengths) only.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 
 from fxrewrite.kernels.rotary import rotary_embedding
+from fxrewrite.layers.rope_context import get_rope_lengths
 from fxrewrite.layers.rope_init import (
     compute_inv_freq,
     get_rotary_dim,
@@ -101,18 +104,18 @@ class RotaryEmbedding(nn.Module):
         """float32 [*positions.shape, rotary_dim] (cos half, sin half) for this batch of positions."""
         if positions.numel() == 0:
             return self.cos_sin_cache.new_empty(*positions.shape, self.rotary_dim)
+        if self.rope_type not in ("dynamic", "longrope"):
+            return self.cos_sin_cache[positions]
+        seq_len = get_rope_lengths(positions)  # per token; else transformers' one length for the call
+        seq_len = positions.max() + 1 if seq_len is None else seq_len[..., None]
         if self.rope_type == "dynamic":
-            return self._dynamic_cos_sin(positions)
-        cached = self.cos_sin_cache[positions]
-        if self.rope_type == "longrope":
-            original = self.rope_parameters["original_max_position_embeddings"]
-            is_long = positions.max() + 1 > original
-            cached = torch.where(is_long, self.long_cos_sin_cache[positions], cached)
-        return cached
+            return self._dynamic_cos_sin(positions, seq_len)
+        original = self.rope_parameters["original_max_position_embeddings"]
+        return torch.where(seq_len > original, self.long_cos_sin_cache[positions], self.cos_sin_cache[positions])
 
-    def _dynamic_cos_sin(self, positions: torch.Tensor) -> torch.Tensor:
-        """Dynamic NTK: the base follows seq_len = max(positions) + 1 once it passes max_position_embeddings."""
-        seq_len = positions.max() + 1
+    def _dynamic_cos_sin(self, positions: torch.Tensor, seq_len: torch.Tensor) -> torch.Tensor:
+        """Dynamic NTK: the base follows seq_len (a scalar, or [*positions.shape, 1]) once it passes
+        max_position_embeddings."""
         cached = self.cos_sin_cache[positions.clamp(max=self.max_cache_len - 1)]
         inv_freq, _ = self._inv_freq(seq_len, positions.device)
         scaled = _cos_sin_at(positions, inv_freq, self.attention_scaling)

@@ -78,7 +78,7 @@ class BlockManager:
         waiting sequence is looked up every step until admitted, and commit needs the same hashes)."""
         cached, bs = seq.token_block_hashes, self.block_size
         for i in range(len(cached), num_blocks):
-            prev = cached[-1] if cached else None
+            prev = cached[-1] if cached else seq.block_hash_salt
             cached.append(compute_block_hash(prev, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
         return cached[:num_blocks]
 

@@ -16,12 +16,15 @@ from fxrewrite.runtime.engine.scheduler import ScheduledSeq
 class StepInputs:
     """Model inputs of one step.
 
-    input_ids, positions [T] int64; logits_indices [S] int64: index in the flattened batch of the last
-    token of each sequence that samples this step; sample_seqs: those S sequences, in the same order.
+    input_ids, positions [T] int64; rope_lengths [T] int64: each token's RoPE length, max(its
+    sequence's rope_prefill_len, position + 1) (fxrewrite.layers.rope_context); logits_indices [S]
+    int64: index in the flattened batch of the last token of each sequence that samples this step;
+    sample_seqs: those S sequences, in the same order.
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
+    rope_lengths: torch.Tensor
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor
     sample_seqs: list
@@ -46,24 +49,23 @@ def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch
     num_new = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_seqs)
     table_lens = np.fromiter(map(len, tables), dtype=np.int64, count=num_seqs)
     samples = np.fromiter((s.samples for s in scheduled), dtype=bool, count=num_seqs)
-    ends = starts + num_new
-    cu_new = np.cumsum(num_new)
-    num_tokens = int(cu_new[-1])
-    max_blocks = int(table_lens.max())
+    ends, cu_new = starts + num_new, np.cumsum(num_new)
+    num_tokens, max_blocks = int(cu_new[-1]), int(table_lens.max())
 
     ids, gather = _token_ids(scheduled, cu_new, previous_rows)
-    # int64 buffer: input_ids [T] | positions [T] | slot_mapping [T] | logits_indices [S] | gather [2G]
+    # int64: input_ids [T] | positions [T] | slot_mapping [T] | rope_lengths [T] | logits_indices [S] | gather [2G]
     sample_idx = np.flatnonzero(samples)
-    s_end = 3 * num_tokens + len(sample_idx)
+    s_end = 4 * num_tokens + len(sample_idx)
     buf64 = np.empty(s_end + 2 * len(gather), dtype=np.int64)
-    input_ids, positions = buf64[:num_tokens], buf64[num_tokens : 2 * num_tokens]
-    slot_mapping, logits_indices = buf64[2 * num_tokens : 3 * num_tokens], buf64[3 * num_tokens : s_end]
+    input_ids, positions, slot_mapping = (buf64[i * num_tokens : (i + 1) * num_tokens] for i in range(3))
+    logits_indices = buf64[4 * num_tokens : s_end]
     input_ids[:] = np.fromiter(ids, dtype=np.int64, count=num_tokens)
     if gather:
         buf64[s_end:].reshape(len(gather), 2)[:] = gather
     seq_of_token = np.repeat(np.arange(num_seqs), num_new)
     positions[:] = np.arange(num_tokens) + np.repeat(starts - (cu_new - num_new), num_new)
     logits_indices[:] = cu_new[sample_idx] - 1
+    _rope_lengths(scheduled, num_new, positions, out=buf64[3 * num_tokens : 4 * num_tokens])
 
     buf32, block_tables = _int32_buffer(tables, table_lens, max_blocks, ends, cu_new)
     slot_mapping[:] = block_tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + (
@@ -83,12 +85,19 @@ def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch
     return StepInputs(
         input_ids=t64[:num_tokens],
         positions=t64[num_tokens : 2 * num_tokens],
+        rope_lengths=t64[3 * num_tokens : 4 * num_tokens],
         attn_metadata=metadata,
-        logits_indices=t64[3 * num_tokens : s_end],
+        logits_indices=t64[4 * num_tokens : s_end],
         sample_seqs=[scheduled[i].seq for i in sample_idx.tolist()],
         gather_dst=t64[s_end::2] if gather else None,
         gather_src=t64[s_end + 1 :: 2] if gather else None,
     )
+
+
+def _rope_lengths(scheduled: list[ScheduledSeq], num_new: np.ndarray, positions: np.ndarray, out: np.ndarray) -> None:
+    """Each token's RoPE length: max(its sequence's rope_prefill_len, position + 1) (Sequence)."""
+    prefill = np.fromiter((s.seq.rope_prefill_len for s in scheduled), dtype=np.int64, count=len(scheduled))
+    np.maximum(np.repeat(prefill, num_new), positions + 1, out=out)
 
 
 def _int32_buffer(tables: list[list[int]], table_lens: np.ndarray, max_blocks: int, ends: np.ndarray,

@@ -10,6 +10,7 @@ from fxrewrite.runtime.engine.block_manager import BlockManager
 from fxrewrite.runtime.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
 from fxrewrite.runtime.engine_config import EngineConfig
 from fxrewrite.runtime.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from fxrewrite.runtime.engine.rope_lengths import length_dependent_rope
 from fxrewrite.runtime.engine.sampler import SampleResult
 from fxrewrite.runtime.engine.request_extras import (
     bad_words_token_ids,
@@ -59,7 +60,8 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.model_runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   length_dependent_rope(self.model_config))
         _warn_if_cache_is_short(self.block_manager, self.model_config.max_model_len)
         self.async_scheduling = config.async_scheduling and getattr(self.model_runner, "supports_async", False)
         self._inflight = None

@@ -6,6 +6,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from fxrewrite.runtime.engine.block_manager import BlockManager
+from fxrewrite.runtime.engine.rope_lengths import LengthDependentRope
 from fxrewrite.runtime.engine.sequence import Sequence, SequenceStatus
 
 
@@ -46,10 +47,14 @@ class Scheduler:
     to the front of the waiting queue, to be recomputed later (prompt + output so far). Waiting sequences
     are admitted while the token budget (max_num_batched_tokens), max_num_seqs and free blocks allow; a
     long prompt is split into chunks across steps. A waiting sequence that cannot get blocks waits.
+    With a LongRoPE model (`rope`), a sequence that first grows past original_max_position_embeddings
+    is recomputed the same way, with the long factors, as transformers' Phi-3 does (rope_lengths.py).
     """
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 rope: LengthDependentRope | None = None):
         self.block_manager = block_manager
+        self.rope = rope
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -57,6 +62,8 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        if self.rope is not None:
+            seq.block_hash_salt = self.rope.hash_salt(seq.rope_prefill_len)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -75,6 +82,9 @@ class Scheduler:
             seq = self.running.popleft()
             if seq.awaiting_final_token:  # its last token is in flight; nothing more to run
                 kept.append(seq)
+                continue
+            if self.rope is not None and self.rope.switches(seq):
+                self._recompute_long(seq)
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not bm.can_append(seq, n):
@@ -105,6 +115,15 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+
+    def _recompute_long(self, seq: Sequence) -> None:
+        """Drop seq's short-factor KV; it is prefilled again (front of the queue) with the long factors."""
+        seq.rope_prefill_len = seq.num_tokens
+        seq.block_hash_salt = self.rope.hash_salt(seq.rope_prefill_len)
+        seq.token_block_hashes.clear()  # its blocks' hashes now start from the new salt
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

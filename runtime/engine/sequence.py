@@ -55,6 +55,13 @@ class Sequence:
         self.awaiting_final_token = False
         """True once the token in flight is sure to be the last (max_tokens / max_model_len): the
         scheduler stops scheduling the sequence while that token comes back."""
+        self.rope_prefill_len = self.num_prompt_tokens
+        """Length of the sequence when its KV was last computed from scratch: the prompt, or the whole
+        sequence after a LongRoPE switch (`Scheduler`). Token p's RoPE length is max(this, p + 1): what
+        transformers' rotary saw when it computed that token in cached generation (its `max(position_ids)
+        + 1` for a batch of one), read by length-dependent rope types (fxrewrite.layers.rope_context)."""
+        self.block_hash_salt: int | None = None
+        """Starts the chain of block hashes: set when the KV depends on rope_prefill_len (see Scheduler)."""
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []
         self.token_block_hashes: list[int] = []

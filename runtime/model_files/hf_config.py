@@ -2,7 +2,9 @@
 
 hf_overrides (DESIGN.md): a dict, its JSON text (CLI), or a callable(config) -> config. In a dict,
 keys whose value is a dict are applied after the config loads (merged into a nested sub-config such
-as `text_config`, otherwise set whole: a `rope_parameters` dict replaces the old one); the other
+as `text_config`, otherwise set whole: a `rope_parameters` / `rope_scaling` dict replaces the old one
+in the config the language model reads, keeping its theta and mrope keys, and needs a `rope_type`
+when it sets anything else); the other
 keys are passed to `AutoConfig.from_pretrained` at load. A top-level `max_model_len` key is taken
 out and returned as the offline API's way to set it.
 """
@@ -129,25 +131,60 @@ def _rope_facts_from_json(path: Path) -> dict[str, Any]:
     return {k: v for k, v in facts.items() if v is not None}
 
 
+_ROPE_KEYS = ("rope_parameters", "rope_scaling")
+_CARRIED_ROPE_KEYS = (*_ROPE_FACTS, "mrope_section", "mrope_interleaved")  # the checkpoint's, kept on replace
+
+
 def _apply_nested_overrides(config: PretrainedConfig, nested: dict[str, dict]) -> None:
+    """Dict-valued overrides. A rope dict goes to the config the language model reads
+    (`get_text_config()`, the config itself for a plain LM); a sub-config is merged key by key."""
     for key, value in nested.items():
-        key = "rope_parameters" if key == "rope_scaling" else key
+        if key in _ROPE_KEYS:
+            _override_rope(config.get_text_config(), value, key)
+            continue
         current = getattr(config, key, None)
         if isinstance(current, PretrainedConfig):
             for sub_key, sub_value in value.items():
-                setattr(current, sub_key, sub_value)
+                if sub_key in _ROPE_KEYS and isinstance(sub_value, dict):
+                    _override_rope(current, sub_value, f"{key}.{sub_key}")
+                else:
+                    setattr(current, sub_key, sub_value)
             continue
-        if key == "rope_parameters" and isinstance(current, dict):
-            value = _carry_rope_facts(current, value)
         setattr(config, key, dict(value))
 
 
+def _override_rope(config: PretrainedConfig, value: dict[str, Any], where: str) -> None:
+    """Replace `config.rope_parameters` by `value`, keeping the checkpoint's model facts (theta,
+    partial rotary factor, mrope sections) unless `value` sets them. ValueError: no rope_type."""
+    _require_rope_type(value, where)
+    current = getattr(config, "rope_parameters", None)
+    config.rope_parameters = _carry_rope_facts(current, value) if isinstance(current, dict) else dict(value)
+
+
+def _require_rope_type(value: dict[str, Any], where: str) -> None:
+    """transformers reads a rope dict without rope_type as 'default' and ignores its scaling keys:
+    an override that sets scaling keys without a type would do nothing, so it is an error."""
+    if is_nested_rope_parameters(value):
+        for layer_type, params in value.items():
+            if isinstance(params, dict):
+                _require_rope_type(params, f"{where}[{layer_type!r}]")
+        return
+    scaling = sorted(set(value) - set(_CARRIED_ROPE_KEYS))
+    if value.get("rope_type") is None and value.get("type") is None and scaling:
+        raise ValueError(
+            f"hf_overrides {where}={value!r} sets {scaling} but 'rope_type' is missing; without it "
+            "transformers reads the dict as rope_type='default' and ignores them. Add 'rope_type' "
+            "(default, linear, dynamic, yarn, llama3 or longrope)"
+        )
+
+
 def _carry_rope_facts(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-    """A replacing rope_parameters dict keeps the model's rope_theta / partial_rotary_factor unless it sets them."""
+    """A replacing rope_parameters dict keeps the model's rope_theta / partial_rotary_factor and
+    mrope_section / mrope_interleaved unless it sets them."""
     new = dict(new)
     if old and "rope_type" not in old and all(isinstance(v, dict) for v in old.values()):
         return new  # per-layer-type form: replaced as given
-    for key in _ROPE_FACTS:
+    for key in _CARRIED_ROPE_KEYS:
         if key not in new and old.get(key) is not None:
             new[key] = old[key]
     return new

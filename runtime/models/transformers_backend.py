@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fxrewrite.patterns.rotary import replace_length_dependent_rotary
 from fxrewrite.runtime.worker.attention import register_paged_attention
 
 
@@ -38,6 +39,8 @@ class TransformersForCausalLM(nn.Module):
             import fxrewrite
 
             fxrewrite.optimize(model)
+        # Dynamic NTK / LongRoPE: transformers' module takes one length for the whole flattened step.
+        replace_length_dependent_rotary(model, model.config.get_text_config())
         return cls(model)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ import logging
 import torch
 from torch import nn
 
+from fxrewrite.layers.rope_context import rope_lengths
 from fxrewrite.runtime.worker.compilation import forward_or_fallback
 from fxrewrite.runtime.worker.forward_context import AttentionMetadata, forward_context
 
@@ -53,6 +54,7 @@ class CUDAGraphRunner:
         rows, max_blocks = self.sizes[-1], -(-max_model_len // block_size)
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.rope_lengths = torch.ones(rows, dtype=torch.int64, device=device)  # per-token RoPE lengths
         self.slot_mapping = torch.full((rows,), -1, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(rows, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)
@@ -79,7 +81,7 @@ class CUDAGraphRunner:
         During capture every row is a 1-token sequence at position 0 that writes nothing (slot -1)."""
         for bs in reversed(self.sizes):
             graph = torch.cuda.CUDAGraph()
-            with forward_context(self._metadata(bs)):
+            with forward_context(self._metadata(bs)), rope_lengths(self.rope_lengths[:bs]):
                 # Warm-up outside the graph: Triton JIT and torch.compile run here, not while capturing.
                 self.outputs[:bs] = forward_or_fallback(self.model, self.input_ids[:bs], self.positions[:bs])
                 with torch.cuda.graph(graph, self.pool):
@@ -99,13 +101,17 @@ class CUDAGraphRunner:
             and metadata.max_seq_len <= self.max_model_len
         )
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """input_ids/positions [n] of n decoding sequences -> hidden [n, hidden] (a view of the static
-        output buffer, valid until the next replay). Call only when `can_run` is True."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+            lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids/positions/lengths (per-token RoPE lengths, default position + 1) [n] of n decoding
+        sequences -> hidden [n, hidden] (a view of the static output buffer, valid until the next
+        replay). Call only when `can_run` is True."""
         n = input_ids.shape[0]
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
+        self.rope_lengths[:n].copy_(lengths if lengths is not None else positions + 1, non_blocking=True)
+        self.rope_lengths[n:bs].fill_(1)
         self.slot_mapping[:n].copy_(metadata.slot_mapping, non_blocking=True)
         self.slot_mapping[n:bs].fill_(-1)
         self.seq_lens[:n].copy_(metadata.seq_lens, non_blocking=True)

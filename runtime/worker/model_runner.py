@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from fxrewrite import distributed
+from fxrewrite.layers.rope_context import rope_lengths
 from fxrewrite.runtime.worker.compilation import compile_model, should_compile
 from fxrewrite.runtime.worker.cuda_graphs import build_graph_runner
 from fxrewrite.runtime.engine_config import EngineConfig
@@ -146,9 +147,9 @@ class ModelRunner:
             inputs.input_ids[inputs.gather_dst] = previous.samples.tokens[inputs.gather_src]
         inputs.attn_metadata.kv_caches = self.kv_caches
         graphs = self.graph_runner
-        with forward_context(inputs.attn_metadata):
+        with forward_context(inputs.attn_metadata), rope_lengths(inputs.rope_lengths):
             if graphs is not None and graphs.can_run(inputs.input_ids.shape[0], inputs.attn_metadata):
-                hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+                hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.attn_metadata, inputs.rope_lengths)
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions)
         prompt_logprobs = None

@@ -47,7 +47,7 @@ class NewSeq:
 
 
 STEP_FIELDS = ("seq_id", "start", "num_new_tokens", "num_pending_tokens", "num_tokens_sent", "table_start",
-               "num_blocks_sent")
+               "num_blocks_sent", "rope_prefill_len")
 
 
 @dataclasses.dataclass
@@ -56,7 +56,8 @@ class StepMessage:
     sequences). `steps` [n, len(STEP_FIELDS)], a row per scheduled sequence: its id, `start` (its
     num_computed_tokens), the chunk length, its tokens in flight, how many host tokens were appended
     since the last message (they follow in `tokens`), and the block-table delta: `blocks` holds
-    `num_blocks_sent` ids that replace the table from index `table_start` (0: a whole new table)."""
+    `num_blocks_sent` ids that replace the table from index `table_start` (0: a whole new table), and
+    its `rope_prefill_len`."""
 
     new: list[NewSeq]
     finished: list[int]
@@ -82,7 +83,7 @@ class SequenceMirror:
         out = SchedulerOutput()
         tokens, blocks = msg.tokens.tolist(), msg.blocks.tolist()
         t = b = 0
-        for seq_id, start, num_new, pending, num_tokens, table_start, num_blocks in msg.steps.tolist():
+        for seq_id, start, num_new, pending, num_tokens, table_start, num_blocks, rope_len in msg.steps.tolist():
             seq = self.seqs[seq_id]
             if num_tokens:
                 seq.token_ids += tokens[t : t + num_tokens]
@@ -95,6 +96,7 @@ class SequenceMirror:
             b += num_blocks
             seq.num_computed_tokens = start
             seq.num_pending_tokens = pending
+            seq.rope_prefill_len = rope_len
             out.scheduled.append(ScheduledSeq(seq, num_new))
         return out
 
@@ -127,7 +129,7 @@ class StepEncoder:
             tokens += seq.token_ids[num_sent:]
             blocks += table[table_start:]
             rows.append((sid, s.start, s.num_new_tokens, seq.num_pending_tokens, num_tokens - num_sent,
-                         table_start, len(table) - table_start))
+                         table_start, len(table) - table_start, seq.rope_prefill_len))
             self._sent[sid] = (num_tokens, table, len(table))
         return StepMessage(new, finished, np.array(rows, dtype=np.int64).reshape(-1, len(STEP_FIELDS)),
                            np.array(tokens, dtype=np.int64), np.array(blocks, dtype=np.int64))

@@ -202,8 +202,8 @@ def test_rope_validation_errors_through_overrides(qwen3_dir, rope, match):
 
 
 def test_original_max_position_mismatch_warns(qwen3_dir):
-    rope = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8192}
-    with pytest.warns(UserWarning, match="original_max_position_embeddings.*32768"):
+    rope = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 65536}
+    with pytest.warns(UserWarning, match="original_max_position_embeddings.*65536.*32768"):
         ModelConfig.from_pretrained(qwen3_dir, hf_overrides={"rope_parameters": rope})
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the seed's advice followed: no warning

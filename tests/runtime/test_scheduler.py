@@ -61,3 +61,38 @@ def test_waiting_request_waits_for_blocks_and_max_num_seqs():
     assert bm.num_free_blocks == 3
     out = step(sched)
     assert [s.seq for s in out.scheduled] == [b]
+
+
+def test_longrope_switch_recomputes_the_sequence_with_long_factors():
+    """Past original_max_position_embeddings (8 here) a short-factor sequence is prefilled again whole,
+    as transformers' Phi-3 drops its cache there; its blocks then hash apart from short-factor ones."""
+    from fxrewrite.runtime.engine.rope_lengths import LengthDependentRope
+
+    bm = BlockManager(16, 4, True)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, rope=LengthDependentRope("longrope", 8))
+    a, long_ = make_seq(6), make_seq(10)  # the same first 6 tokens; long_ is past 8 from the start
+    sched.add(a)
+    assert [s.num_new_tokens for s in step(sched).scheduled] == [6]
+    step(sched), step(sched)  # positions 6, 7: 8 tokens computed, a 9th sampled
+    assert a.num_computed_tokens == 8 and a.num_tokens == 9 and a.rope_prefill_len == 6
+    out = step(sched)
+    assert [(s.seq, s.start, s.num_new_tokens) for s in out.scheduled] == [(a, 0, 9)]  # recomputed whole
+    assert a.rope_prefill_len == 9 and sched.num_preemptions == 0
+    assert [(s.start, s.num_new_tokens) for s in step(sched).scheduled] == [(9, 1)]  # then decodes on
+    sched.add(long_)
+    out = step(sched)  # a's recomputed (long-factor) first block is shared
+    assert [(s.seq, s.start) for s in out.scheduled][-1] == (long_, 4)
+    assert long_.block_hash_salt == a.block_hash_salt == -1
+
+
+def test_prefix_cache_keeps_longrope_regimes_apart():
+    from fxrewrite.runtime.engine.rope_lengths import LengthDependentRope
+
+    sched = Scheduler(BlockManager(16, 4, True), 8, 64, rope=LengthDependentRope("longrope", 8))
+    short, long_, short2 = make_seq(6), make_seq(10), make_seq(7)
+    sched.add(short)
+    step(sched)  # short-factor blocks of tokens 0..3 committed
+    sched.add(long_)
+    assert [(s.seq, s.start) for s in step(sched).scheduled][-1] == (long_, 0)  # not reused
+    sched.add(short2)
+    assert [(s.seq, s.start) for s in step(sched).scheduled][-1] == (short2, 4)  # same regime: reused
