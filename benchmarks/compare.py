@@ -128,7 +128,9 @@ def compare(config: str | Path, arms: list[str], workload_kind: str = "throughpu
     """Run `arms` on one workload; returns the result dict also written to `out_dir` (JSON + PNG).
 
     An arm that raises is recorded with its error and the next arm still runs. With `isolate` (the
-    default) each arm runs in its own process, so nothing one arm allocated is left for the next."""
+    default) each arm runs in its own process, so nothing one arm allocated is left for the next; arms with
+    tensor or pipeline parallelism run here (they start and stop worker processes of their own, and from
+    a spawned arm process they did not come up on the H200 pair, 2026-11-30)."""
     spec = load_bench_config(config)
     defaults = spec.get("workload_defaults", {}).get(workload_kind, {})
     workload = make_workload(workload_kind, num_prompts, defaults, workload_overrides)
@@ -151,6 +153,7 @@ def compare(config: str | Path, arms: list[str], workload_kind: str = "throughpu
         result["hf_num_prompts"] = hf_num_prompts
     json_path = out_dir / f"{stem}.json"
     arm_args = (model_dir, spec, workload, dict(engine_kwargs or {}), time_limit_s, hf_num_prompts)
+    isolate = isolate and tp == 1 and pp == 1
     for i, arm in enumerate(arms, 1):
         print(f"[bench] {spec['name']} {workload_kind}: arm {arm} ({i}/{len(arms)}) ...", flush=True)
         if isolate:

@@ -16,6 +16,7 @@ import argparse
 from pathlib import Path
 
 from fxrewrite.commands.engine_args import human_readable_int
+from fxrewrite.errors import UserInputError
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", metavar="{compare,kernels,train,rl}", required=True)
@@ -112,7 +113,7 @@ def _run_rl(args: argparse.Namespace) -> int:
 
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     if not arms or set(arms) - {"engine", "hf"}:
-        raise ValueError(f"--arms {args.arms!r}: expected a comma list of engine, hf")
+        raise UserInputError(f"--arms {args.arms!r}: expected a comma list of engine, hf")
     result = run_rl_bench(
         args.config, arms, [c for c in args.sync_configs.split(",") if c.strip()], args.out or RESULTS_DIR,
         device=args.device, tokenizer_dir=args.tokenizer_dir, notes=args.note, num_prompts=args.num_prompts,

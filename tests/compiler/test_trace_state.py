@@ -46,7 +46,7 @@ def test_tracing_keeps_every_tensor(name):
     records, error = tracer.record_inputs(model)
     assert error is None
     for module, args, kwargs in records.values():
-        tracer.trace(module, args, kwargs, use_cache=False)
+        tracer.trace(module, args, kwargs)
     after = _all_tensors(model)
     assert after.keys() == before.keys()
     for key, tensor in before.items():

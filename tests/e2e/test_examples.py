@@ -6,7 +6,6 @@ import importlib.util
 import math
 from pathlib import Path
 
-import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -26,7 +25,6 @@ def test_trainer_example_runs(tiny_model_dir, tmp_path):
 
 
 def test_sft_example_runs(tiny_model_dir, tmp_path):
-    pytest.importorskip("trl")  # the `train` extra
     out = _load("train_sft_trl").main(["--model", str(tiny_model_dir("llama")), "--max-steps", "2",
                                        "--output-dir", str(tmp_path)])
     assert out["global_step"] == 2 and all(math.isfinite(x) for x in out["losses"])
