@@ -164,18 +164,20 @@ def run_train_bench(config: str, arms: list[str], *, steps: int = 8, warmup: int
             "gradient_checkpointing": gradient_checkpointing}
     records = [_run_arm(spec, arm, arm_timeout_s) for arm in arms]
     agreement(records, loss_rtol)
-    stamp = time.strftime("%Y-%m-%d-%H%M%S")
+    stamp = time.strftime("%Y-%m-%d")
     result = {"kind": "train", "config": bench["name"], **{k: v for k, v in spec.items() if k != "config"},
               "loss_rtol": loss_rtol, "arms": records, "environment": environment(), "notes": list(notes)}
     out = Path(out_dir or RESULTS_DIR)
     out.mkdir(parents=True, exist_ok=True)
-    base = out / f"train-{bench['name']}-{stamp}"
-    files = [str(base.with_suffix(".json"))]
-    png = plot_train(result, base.with_suffix(".png"))
+    # "<date>-<config>-train[-no-gc]": with_suffix would cut config names such as "qwen3-0.6b" at the dot.
+    base = f"{stamp}-{bench['name']}-train" + ("" if spec["gradient_checkpointing"] else "-no-gc")
+    json_path, png_path = out / f"{base}.json", out / f"{base}.png"
+    files = [str(json_path)]
+    png = plot_train(result, png_path)
     if png is not None:
         files.append(str(png))
     result["files"] = files
-    base.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    json_path.write_text(json.dumps(result, indent=1))
     return result
 
 
