@@ -36,15 +36,17 @@ train)
   timeout -k 5 380 $PY -m fxrewrite bench train --config qwen3-0.6b --arms stock,stock-compile,liger,optimize,optimize-compile \
     --batch-size 8 --seq-len 2048 --steps ${TRAIN_STEPS:-5} --warmup 2 --arm-timeout 150 --out "$OUT_DIR" 2>&1 | tail -14 ;;
 serve)
+  stamp "MoE GPU tests"
+  gpu_tests 70 gpu-tests-moe.log tests/moe
   stamp "MoE throughput (Qwen3-30B-A3B shapes)"
-  compare 210 --config qwen3-30b-a3b --arms after,native,before --num-prompts 256 --time-limit 30
+  compare 200 --config qwen3-30b-a3b --arms after,native,before --num-prompts 256 --time-limit 25
   stamp "-O 3, cold then warm (Qwen3-0.6B shapes, after)"
-  compare 170 --config qwen3-0.6b --arms after --num-prompts 256 --time-limit 20 -O 3 --note cold
+  compare 150 --config qwen3-0.6b --arms after --num-prompts 256 --time-limit 20 -O 3 --note cold
   compare 90 --config qwen3-0.6b --arms after --num-prompts 256 --time-limit 20 -O 3 --note warm
   stamp "FP8 GEMM"
   timeout -k 5 60 $PY -m fxrewrite.benchmarks.fp8_gemm --out "$OUT_DIR" 2>&1 | tail -8
   stamp "structured outputs"
-  timeout -k 5 80 $PY -m fxrewrite.benchmarks.structured_outputs --out "$OUT_DIR" 2>&1 | tail -5 ;;
+  timeout -k 5 70 $PY -m fxrewrite.benchmarks.structured_outputs --out "$OUT_DIR" 2>&1 | tail -5 ;;
 multi)
   stamp "all-reduce"
   timeout -k 5 60 $PY -m fxrewrite.benchmarks.all_reduce --out "$OUT_DIR" 2>&1 | tail -8
