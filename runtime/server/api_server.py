@@ -22,7 +22,8 @@ from fxrewrite import __version__
 from fxrewrite.runtime.server.async_engine import AsyncLLMEngine
 from fxrewrite.runtime.server.errors import error_response, install_error_handlers
 from fxrewrite.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
-from fxrewrite.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from fxrewrite.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from fxrewrite.runtime.server.protocol_responses import ModelCard, ModelList
 from fxrewrite.runtime.server.serving_chat import OpenAIServingChat
 from fxrewrite.runtime.server.serving_completion import OpenAIServingCompletion
 from fxrewrite.runtime.server.serving_tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize

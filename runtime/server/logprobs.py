@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fxrewrite.runtime.server.protocol import ChatLogProbs, CompletionLogProbs, TokenLogprob, TopLogprob
+from fxrewrite.runtime.server.protocol_responses import ChatLogProbs, CompletionLogProbs, TokenLogprob, TopLogprob
 
 
 def _token_text(tokenizer: Any, token_id: int, entry: Any) -> str:

@@ -12,16 +12,15 @@ from fastapi.responses import JSONResponse
 from fxrewrite.runtime.server.async_engine import StepOutput
 from fxrewrite.runtime.server.errors import OpenAIError
 from fxrewrite.runtime.server.logprobs import chat_logprobs
-from fxrewrite.runtime.server.protocol import (
+from fxrewrite.runtime.server.protocol import ChatCompletionRequest, random_id
+from fxrewrite.runtime.server.protocol_responses import (
     ChatChoice,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
     ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,
     UsageInfo,
-    random_id,
 )
 from fxrewrite.runtime.server.request_params import best_of_choices, prompt_logprobs_json, structured_outputs_of
 from fxrewrite.runtime.server.serving_engine import OpenAIServing

@@ -4,21 +4,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from http import HTTPStatus
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from fxrewrite.runtime.server.async_engine import StepOutput
-from fxrewrite.runtime.server.errors import OpenAIError
 from fxrewrite.runtime.server.logprobs import completion_logprobs, concat_logprobs, echo_logprobs
-from fxrewrite.runtime.server.protocol import (
+from fxrewrite.runtime.server.protocol import CompletionRequest, random_id
+from fxrewrite.runtime.server.protocol_responses import (
     CompletionChoice,
-    CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
     UsageInfo,
-    random_id,
 )
 from fxrewrite.runtime.server.request_params import best_of_choices, prompt_logprobs_json, structured_outputs_of
 from fxrewrite.runtime.server.serving_engine import OpenAIServing

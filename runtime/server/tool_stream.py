@@ -9,13 +9,8 @@ and the whole arguments. "required" sends the calls at the end too (the output i
 
 from __future__ import annotations
 
-from fxrewrite.runtime.server.protocol import (
-    ChatCompletionRequest,
-    DeltaFunctionCall,
-    DeltaMessage,
-    DeltaToolCall,
-    random_id,
-)
+from fxrewrite.runtime.server.protocol import ChatCompletionRequest, random_id
+from fxrewrite.runtime.server.protocol_responses import DeltaFunctionCall, DeltaMessage, DeltaToolCall
 from fxrewrite.runtime.server.streaming import ChoiceDelta
 from fxrewrite.runtime.server.tool_parsers import ToolParser
 from fxrewrite.runtime.server.tools import finish_reason, parse_output, tool_mode
