@@ -58,8 +58,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps, offset,
-                     HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, BLOCK: tl.constexpr):
+def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rstd_ptr, n_cols, eps, offset,
+                    HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, SAVE_RSTD: tl.constexpr, BLOCK: tl.constexpr):
+    """One row per program: out = norm(x [+ residual]) * weight; with SAVE_RSTD, 1/rms (float32) goes to
+    rstd_ptr[row] for the backward (`fxrewrite.kernels.rms_norm_backward`)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -69,8 +71,10 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps, o
         x = x + tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
         tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
     h = x.to(tl.float32)
-    variance = tl.sum(h * h, axis=0) / n_cols
-    h = h * tl.rsqrt(variance + eps)
+    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
+    if SAVE_RSTD:
+        tl.store(rstd_ptr + row, rstd)
+    h = h * rstd
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     if GEMMA:
         out = h * (offset + w.to(tl.float32))
@@ -92,9 +96,9 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     block = next_power_of_2(n_cols)
     if x2.shape[0] == 0:
         return (out.view(x.shape), res_out.view(x.shape)) if residual is not None else out.view(x.shape)
-    launch(_rms_norm_kernel, (x2.shape[0],), x.device)(
-        x2, res_in, weight, out, res_out, n_cols, eps, float(offset),
-        HAS_RESIDUAL=residual is not None, GEMMA=offset != 0.0, BLOCK=block,
+    launch(rms_norm_kernel, (x2.shape[0],), x.device)(
+        x2, res_in, weight, out, res_out, out, n_cols, eps, float(offset),
+        HAS_RESIDUAL=residual is not None, GEMMA=offset != 0.0, SAVE_RSTD=False, BLOCK=block,
         num_warps=num_warps or min(16, max(1, block // 256)))
     out = out.view(*x.shape[:-1], n_cols)
     return out if residual is None else (out, res_out.view(x.shape))

@@ -14,32 +14,10 @@ from __future__ import annotations
 import torch
 
 from fxrewrite.kernels import use_triton
-from fxrewrite.kernels.rms_norm import _check, rms_norm_ref
+from fxrewrite.kernels.rms_norm import _check, rms_norm_kernel, rms_norm_ref
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
 __all__ = ["rms_norm_train", "RMSNormFunction"]
-
-
-@triton.jit
-def _fwd_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rstd_ptr, n_cols, eps, offset,
-                HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        x = x + tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
-        tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
-    h = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
-    tl.store(rstd_ptr + row, rstd)
-    h = h * rstd
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if GEMMA:
-        out = h * (offset + w)
-    else:
-        out = h.to(x.dtype).to(tl.float32) * w
-    tl.store(out_ptr + row * n_cols + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -99,9 +77,9 @@ class RMSNormFunction(torch.autograd.Function):
         rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
         block = next_power_of_2(n)
         if rows:
-            launch(_fwd_kernel, (rows,), x.device)(
+            launch(rms_norm_kernel, (rows,), x.device)(
                 x2, res_in, weight, out, res_out, rstd, n, eps, float(offset), HAS_RESIDUAL=residual is not None,
-                GEMMA=offset != 0.0, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+                GEMMA=offset != 0.0, SAVE_RSTD=True, BLOCK=block, num_warps=min(16, max(1, block // 256)))
         ctx.save_for_backward(res_out, weight, rstd)
         ctx.offset, ctx.has_residual, ctx.shape = float(offset), residual is not None, x.shape
         out = out.view(x.shape[:-1] + (n,))

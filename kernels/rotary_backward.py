@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from fxrewrite.kernels import use_triton
+from fxrewrite.kernels.rotary import pair_offsets
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
 __all__ = ["rotary_apply_ref", "rotary_apply_train", "RotaryApplyFunction"]
@@ -46,12 +47,7 @@ def _rotary_bhsd_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, S, xs_b, xs_h, xs_s, o
     s = pid % S
     i = tl.arange(0, BLOCK_HALF)
     im = i < HALF
-    if IS_NEOX:
-        o1 = i
-        o2 = i + HALF
-    else:
-        o1 = 2 * i
-        o2 = 2 * i + 1
+    o1, o2 = pair_offsets(i, HALF, IS_NEOX)
     cb = b * cs_b + s * cs_s
     c1 = tl.load(cos_ptr + cb + o1, mask=im, other=0.0).to(tl.float32)[None, :]
     c2 = tl.load(cos_ptr + cb + o2, mask=im, other=0.0).to(tl.float32)[None, :]
