@@ -16,6 +16,22 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
 
 
+class ChoiceEnd(OpenAIBaseModel):
+    """Why a choice stopped: OpenAI's finish_reason, and vLLM's stop_reason (the stop string or token id)."""
+
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ResponseEnvelope(OpenAIBaseModel):
+    """What every response and stream chunk carries around its choices."""
+
+    id: str
+    created: int
+    model: str
+    usage: UsageInfo | None = None
+
+
 class CompletionLogProbs(OpenAIBaseModel):
     text_offset: list[int] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -23,22 +39,18 @@ class CompletionLogProbs(OpenAIBaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionChoice(OpenAIBaseModel):
+class CompletionChoice(ChoiceEnd):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
-class CompletionResponse(OpenAIBaseModel):
+class CompletionResponse(ResponseEnvelope):
     id: str = Field(default_factory=lambda: random_id("cmpl"))
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
 
 
 class TopLogprob(OpenAIBaseModel):
@@ -61,21 +73,17 @@ class ChatResponseMessage(OpenAIBaseModel):
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
-class ChatChoice(OpenAIBaseModel):
+class ChatChoice(ChoiceEnd):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(OpenAIBaseModel):
+class ChatCompletionResponse(ResponseEnvelope):
     id: str = Field(default_factory=lambda: random_id("chatcmpl"))
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatChoice]
-    usage: UsageInfo | None = None
 
 
 class DeltaFunctionCall(OpenAIBaseModel):
@@ -96,30 +104,20 @@ class DeltaMessage(OpenAIBaseModel):
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChatStreamChoice(OpenAIBaseModel):
+class ChatStreamChoice(ChoiceEnd):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
-class ChatCompletionStreamResponse(OpenAIBaseModel):
-    id: str
+class ChatCompletionStreamResponse(ResponseEnvelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
 
 
-class CompletionStreamResponse(OpenAIBaseModel):
-    id: str
+class CompletionStreamResponse(ResponseEnvelope):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
 
 
 class ModelCard(OpenAIBaseModel):
