@@ -18,6 +18,14 @@ from pathlib import Path
 from fxrewrite.commands.engine_args import human_readable_int
 from fxrewrite.errors import UserInputError
 
+
+def positive_int(value: str) -> int:
+    """A request count: human_readable_int, at least 1 (argparse answers with exit status 2 otherwise)."""
+    number = human_readable_int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return number
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", metavar="{compare,kernels,train,rl}", required=True)
     c = sub.add_parser("compare", help="one workload through several arms, JSON + PNG in benchmarks/results")
@@ -26,9 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--arms", default="before,after,native",
                    help="comma list of before, after, native, hf (default: before,after,native)")
     c.add_argument("--workload", default="throughput", choices=("throughput", "latency", "long"))
-    c.add_argument("--num-prompts", type=human_readable_int, default=None,
+    c.add_argument("--num-prompts", type=positive_int, default=None,
                    help="throughput: number of requests (default 256, nano-vllm's)")
-    c.add_argument("--hf-num-prompts", type=human_readable_int, default=64,
+    c.add_argument("--hf-num-prompts", type=positive_int, default=64,
                    help="throughput: requests given to the hf arm (its speed is ~1k tokens/s; default 64)")
     c.add_argument("--time-limit", type=float, default=None,
                    help="seconds per arm for the timed run; past it the rest is aborted and marked truncated")
@@ -89,7 +97,7 @@ def _add_rl_arguments(sub) -> None:
     r = sub.add_parser("rl", help="GRPO iterations: engine rollouts + weight sync vs transformers generate rollouts")
     r.add_argument("--config", default="qwen3-0.6b", help="bench config of the trained model (default qwen3-0.6b)")
     r.add_argument("--arms", default="engine,hf", help="comma list of engine, hf (default both)")
-    r.add_argument("--num-prompts", type=human_readable_int, default=256)
+    r.add_argument("--num-prompts", type=positive_int, default=256)
     r.add_argument("--samples", type=human_readable_int, default=8, help="completions per prompt (GRPO group)")
     r.add_argument("--max-tokens", type=human_readable_int, default=128, help="tokens per completion (EOS ignored)")
     r.add_argument("--iterations", type=human_readable_int, default=2)

@@ -44,7 +44,7 @@ def build_server_app(args: argparse.Namespace):
     from fxrewrite.runtime.server.generation_defaults import load_generation_defaults
 
     if args.max_log_len is not None and args.max_log_len < 0:
-        raise ValueError(f"--max-log-len {args.max_log_len} must be at least 0")
+        raise UserInputError(f"--max-log-len {args.max_log_len} must be at least 0")
     chat_template = load_chat_template(args.chat_template)
     engine = LLMEngine.from_kwargs(**engine_kwargs(args))
     defaults = load_generation_defaults(engine.model_config.model_path, args.generation_config)
@@ -68,7 +68,7 @@ def load_chat_template(value: str | None) -> str | None:
         return value
     path = Path(value).expanduser()
     if not path.is_file():
-        raise ValueError(f"--chat-template {value!r}: no such file (give a file path or the template text)")
+        raise UserInputError(f"--chat-template {value!r}: no such file (give a file path or the template text)")
     return path.read_text()
 
 

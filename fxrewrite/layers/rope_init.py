@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from fxrewrite.errors import UserInputError
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 """Every rope_type that `compute_inv_freq` and `get_rope` implement."""
 
@@ -61,7 +63,7 @@ def _require(rope_parameters: dict[str, Any], *keys: str) -> None:
     rope_type = rope_parameters["rope_type"]
     for key in keys:
         if rope_parameters.get(key) is None:
-            raise ValueError(
+            raise UserInputError(
                 f"rope_parameters for rope_type={rope_type!r} need {key!r}, which is missing "
                 f"(got keys {sorted(rope_parameters)})"
             )
@@ -72,7 +74,7 @@ def _check_positive_number(rope_parameters: dict[str, Any], key: str, minimum: f
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
-        raise ValueError(
+        raise UserInputError(
             f"rope_parameters[{key!r}] for rope_type={rope_parameters['rope_type']!r} must be a number "
             f">= {minimum}, got {value!r}"
         )
@@ -92,7 +94,7 @@ def validate_rope_parameters(
     """
     rope_type = rope_parameters.get("rope_type")
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
+        raise UserInputError(
             f"unknown rope_type {rope_type!r}; supported rope types are {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     _require(rope_parameters, "rope_theta")
@@ -101,7 +103,7 @@ def validate_rope_parameters(
     _check_positive_number(rope_parameters, "attention_factor")
     partial = rope_parameters.get("partial_rotary_factor", 1.0)
     if not isinstance(partial, (int, float)) or not 0.0 < partial <= 1.0:
-        raise ValueError(f"rope_parameters['partial_rotary_factor'] must be in (0, 1], got {partial!r}")
+        raise UserInputError(f"rope_parameters['partial_rotary_factor'] must be in (0, 1], got {partial!r}")
     if rope_type in ("linear", "dynamic"):
         _require(rope_parameters, "factor")
     elif rope_type == "yarn":
@@ -111,7 +113,7 @@ def validate_rope_parameters(
     elif rope_type == "llama3":
         _require(rope_parameters, "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
         if rope_parameters["high_freq_factor"] <= rope_parameters["low_freq_factor"]:
-            raise ValueError(
+            raise UserInputError(
                 "rope_parameters for rope_type='llama3' need high_freq_factor > low_freq_factor, got "
                 f"high_freq_factor={rope_parameters['high_freq_factor']!r}, "
                 f"low_freq_factor={rope_parameters['low_freq_factor']!r}"
@@ -127,7 +129,7 @@ def _check_longrope_factors(rope_parameters: dict[str, Any], rotary_dim: int) ->
         value = rope_parameters[key]
         if not isinstance(value, (list, tuple)) or len(value) != rotary_dim // 2:
             length = len(value) if isinstance(value, (list, tuple)) else type(value).__name__
-            raise ValueError(
+            raise UserInputError(
                 f"rope_parameters[{key!r}] for rope_type='longrope' must be a list of rotary_dim // 2 = "
                 f"{rotary_dim // 2} numbers (head_dim * partial_rotary_factor / 2), got {length}"
             )
@@ -302,7 +304,7 @@ def compute_inv_freq(
     """
     rope_type = rope_parameters.get("rope_type", "default")
     if rope_type not in _INIT_FUNCTIONS:
-        raise ValueError(
+        raise UserInputError(
             f"unknown rope_type {rope_type!r}; supported rope types are {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     return _INIT_FUNCTIONS[rope_type](rope_parameters, rotary_dim, max_position_embeddings, seq_len, device)

@@ -174,7 +174,7 @@ def _require_rope_type(value: dict[str, Any], where: str) -> None:
         return
     scaling = sorted(set(value) - set(_CARRIED_ROPE_KEYS))
     if value.get("rope_type") is None and value.get("type") is None and scaling:
-        raise ValueError(
+        raise UserInputError(
             f"hf_overrides {where}={value!r} sets {scaling} but 'rope_type' is missing; without it "
             "transformers reads the dict as rope_type='default' and ignores them. Add 'rope_type' "
             "(default, linear, dynamic, yarn, llama3 or longrope)"

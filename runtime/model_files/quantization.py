@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fxrewrite.errors import UserInputError
 from fxrewrite.layers.fp8_linear import (
     as_linear_base,
     convert_linear_to_fp8,
@@ -58,24 +59,24 @@ def resolve_quantization(quantization: str | None, hf_config) -> Fp8Config | Non
     ones, a non-dynamic activation scheme, or a malformed ``weight_block_size``. Reads no weights.
     """
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization={quantization!r} is not supported; supported: {list(QUANTIZATION_METHODS)}")
+        raise UserInputError(f"quantization={quantization!r} is not supported; supported: {list(QUANTIZATION_METHODS)}")
     qc = getattr(hf_config, "quantization_config", None)
     if qc is None:
         return Fp8Config() if quantization == "fp8" else None
     qc = _as_dict(qc)
     method = qc.get("quant_method")
     if method not in QUANTIZATION_METHODS:
-        raise ValueError(f"the checkpoint's quantization_config has quant_method={method!r}, which this engine "
+        raise UserInputError(f"the checkpoint's quantization_config has quant_method={method!r}, which this engine "
                          f"cannot load; supported: {list(QUANTIZATION_METHODS)} (block-scaled FP8 checkpoints)")
     if qc.get("activation_scheme", "dynamic") != "dynamic":
-        raise ValueError(f"FP8 activation_scheme={qc.get('activation_scheme')!r} is not supported; "
+        raise UserInputError(f"FP8 activation_scheme={qc.get('activation_scheme')!r} is not supported; "
                          "only 'dynamic' (per-token-group scales computed at run time)")
     block = qc.get("weight_block_size")
     if block is None:
-        raise ValueError("FP8 checkpoints without weight_block_size (per-tensor scales) are not supported; "
+        raise UserInputError("FP8 checkpoints without weight_block_size (per-tensor scales) are not supported; "
                          "expected weight_block_size [128, 128]")
     if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
-        raise ValueError(f"weight_block_size={block!r} must be two positive integers, e.g. [128, 128]")
+        raise UserInputError(f"weight_block_size={block!r} must be two positive integers, e.g. [128, 128]")
     skip = tuple(qc.get("modules_to_not_convert") or ()) + tuple(qc.get("ignored_layers") or ())
     return Fp8Config(tuple(block), True, skip)
 

@@ -35,6 +35,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from fxrewrite.errors import UserInputError
 from fxrewrite import distributed
 from fxrewrite.runtime.worker.model_runner import ModelRunner
 from fxrewrite.runtime.worker.moe_checks import check_moe_parallel
@@ -80,7 +81,7 @@ def _check_tp_divisible(model_config, tp_size: int, config) -> None:
         checks.append(("num_key_value_heads", model_config.num_key_value_heads))
     for name, value in checks:
         if isinstance(value, int) and value % tp_size:
-            raise ValueError(f"tensor_parallel_size={tp_size} must divide the model's {name}={value}")
+            raise UserInputError(f"tensor_parallel_size={tp_size} must divide the model's {name}={value}")
 
 
 @dataclasses.dataclass
@@ -185,7 +186,7 @@ class MultiprocExecutor:
         tp_size, pp_size = config.tensor_parallel_size, getattr(config, "pipeline_parallel_size", 1)
         backend = distributed.default_backend(config.device)
         if backend == "nccl" and torch.cuda.device_count() < tp_size * pp_size:
-            raise ValueError(f"tensor_parallel_size={tp_size} x pipeline_parallel_size={pp_size} needs "
+            raise UserInputError(f"tensor_parallel_size={tp_size} x pipeline_parallel_size={pp_size} needs "
                              f"{tp_size * pp_size} GPUs, found {torch.cuda.device_count()}")
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialized in this process: one "

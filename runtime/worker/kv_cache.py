@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from fxrewrite.errors import UserInputError
+
 # On a CPU without kv_cache_memory_bytes: at most this much, and no more than max_num_seqs full-length
 # sequences need.
 _CPU_DEFAULT_BYTES = 256 * 2**20
@@ -47,7 +49,7 @@ def num_kv_blocks(config, model_config, device: torch.device, dtype: torch.dtype
     budget = kv_cache_budget_bytes(config, model_config, device, block_bytes)
     num_blocks = budget // block_bytes
     if num_blocks < 1:
-        raise ValueError(
+        raise UserInputError(
             f"KV cache budget of {budget} bytes holds no block of {block_bytes} bytes "
             f"(block_size={config.block_size}); raise kv_cache_memory_bytes or gpu_memory_utilization"
         )

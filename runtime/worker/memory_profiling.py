@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fxrewrite.errors import UserInputError
 from fxrewrite.runtime.worker.compilation import forward_or_fallback
 from fxrewrite.runtime.worker.forward_context import AttentionMetadata, forward_context
 from fxrewrite.runtime.worker.kv_cache import allocate_kv_caches, bytes_per_block
@@ -71,7 +72,7 @@ def profile_num_kv_blocks(model: nn.Module, config, model_config, device: torch.
     budget = int(total * config.gpu_memory_utilization) - (total - free) - activation
     block_bytes = bytes_per_block(model_config, config.block_size, model_config.dtype)
     if budget < block_bytes:
-        raise ValueError(
+        raise UserInputError(
             f"KV cache budget of {budget} bytes (gpu_memory_utilization={config.gpu_memory_utilization} of "
             f"{total} bytes, {total - free} in use, activation peak {activation}) holds no block of "
             f"{block_bytes} bytes; raise gpu_memory_utilization or lower max_num_batched_tokens"

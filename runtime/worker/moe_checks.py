@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fxrewrite.errors import UserInputError
+
 
 def moe_sizes(text_config) -> tuple[int | None, int | None, int | None]:
     """(num_experts, num_experts_per_tok, moe intermediate size) of a transformers config, None when absent.
@@ -26,15 +28,15 @@ def check_moe_parallel(model_config, config) -> None:
     tp = config.tensor_parallel_size
     if experts is None:
         if config.enable_expert_parallel:
-            raise ValueError("enable_expert_parallel=True but the model has no experts "
+            raise UserInputError("enable_expert_parallel=True but the model has no experts "
                              f"(architectures {model_config.architectures})")
         return
     if isinstance(top_k, int) and not 1 <= top_k <= experts:
-        raise ValueError(f"num_experts_per_tok={top_k} (top-k) must be between 1 and the number of experts "
+        raise UserInputError(f"num_experts_per_tok={top_k} (top-k) must be between 1 and the number of experts "
                          f"({experts})")
     if config.enable_expert_parallel and experts % tp:
-        raise ValueError(f"enable_expert_parallel: the expert count {experts} is not divisible by the expert-"
+        raise UserInputError(f"enable_expert_parallel: the expert count {experts} is not divisible by the expert-"
                          f"parallel size (tensor_parallel_size={tp})")
     if not config.enable_expert_parallel and isinstance(width, int) and width % tp:
-        raise ValueError(f"tensor_parallel_size={tp} must divide the experts' intermediate size {width} "
+        raise UserInputError(f"tensor_parallel_size={tp} must divide the experts' intermediate size {width} "
                          "(or pass enable_expert_parallel=True)")

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fxrewrite.errors import UserInputError
 from fxrewrite import distributed
 
 
@@ -39,9 +40,9 @@ def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]
 
 def check_pipeline_size(num_layers: int, pp_size: int) -> None:
     if not isinstance(pp_size, int) or pp_size < 1:
-        raise ValueError(f"pipeline_parallel_size={pp_size!r} must be a positive integer")
+        raise UserInputError(f"pipeline_parallel_size={pp_size!r} must be a positive integer")
     if pp_size > num_layers:
-        raise ValueError(f"pipeline_parallel_size={pp_size} is larger than the model's num_hidden_layers="
+        raise UserInputError(f"pipeline_parallel_size={pp_size} is larger than the model's num_hidden_layers="
                          f"{num_layers}: every pipeline stage needs at least one decoder layer")
 
 
@@ -64,7 +65,7 @@ def _decoder(model: nn.Module) -> tuple[nn.Module, bool]:
     hf = getattr(model, "hf_model", None)
     inner = hf.base_model if hf is not None else getattr(model, "model", None)
     if inner is None or not isinstance(getattr(inner, "layers", None), nn.ModuleList):
-        raise ValueError(f"pipeline parallelism needs the decoder-layer list (model.layers); "
+        raise UserInputError(f"pipeline parallelism needs the decoder-layer list (model.layers); "
                          f"{type(model).__name__} has none")
     return inner, hf is None
 

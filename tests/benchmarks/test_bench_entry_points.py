@@ -92,3 +92,11 @@ def test_compare_tiny_defaults_and_a_failing_arm_in_own_processes(tmp_path, caps
     table = format_table(result)
     assert "none (CPU)" not in table and (env["gpu"] or env["cpu"]) in table
     assert "arm native (2/2)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("count", ["0", "-3"])
+def test_compare_rejects_a_request_count_below_one(count, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "compare", "--config", "tiny", "--num-prompts", count])
+    assert exc.value.code == 2
+    assert "expected a positive integer" in capsys.readouterr().err
