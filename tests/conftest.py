@@ -98,3 +98,13 @@ def default_model_dir(fxrewrite_cache):
     from fxrewrite.runtime.model_files.default_model import default_model_path
 
     return default_model_path()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for the module: its tests run worker processes beside the in-process reference
+    on a 2-core machine (use with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -14,7 +14,6 @@ import socket
 
 import psutil
 import pytest
-import torch
 import torch.multiprocessing as mp
 
 from tests.distributed.processes import hang, join_or_fail
@@ -23,13 +22,7 @@ from tests.distributed.tp_ranks import MAX_TOKENS, generate_tokens, greedy_token
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """The TP=1 references run while the ranks compute: one thread each on a 2-core machine."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

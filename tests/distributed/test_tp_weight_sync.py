@@ -9,12 +9,7 @@ from tests.distributed.tp_ranks import generate_tokens, make_llm
 import fxrewrite
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_tp2_load_weights_sleep_and_wake_up(tiny_model_dir):

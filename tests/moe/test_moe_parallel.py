@@ -13,7 +13,6 @@ import os
 import socket
 
 import pytest
-import torch
 import torch.multiprocessing as mp
 
 from tests.distributed.tp_ranks import generate_tokens, make_llm
@@ -28,12 +27,7 @@ MOE = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
