@@ -20,7 +20,9 @@ What this mode does (`batch_invariant_mode()`, entered by the engine for every s
   attends one sequence at a time;
 - log_softmax over the last dim (the sampler's logprobs and a trainer's recomputation) runs one
   Triton program per row with fixed chunks (`log_softmax_batch_invariant`) on CUDA;
-- RMSNorm (one row per Triton program, or a per-row torch reduction) is batch invariant already.
+- RMSNorm (one row per Triton program, or a per-row torch reduction) is batch invariant already; the
+  rotary (and q/k-norm + rotary) modules of the rewrite take the training kernels' forward inside the mode,
+  so the engine rounds exactly as a trainer's autograd forward does (`fxrewrite.patterns.rotary`).
 Cost: several GEMM launches per projection (a decode batch of 256 rows = 4 launches on a GPU), no
 split-K parallelism in decode attention, and 16-row query tiles of which a decode step uses one.
 """
