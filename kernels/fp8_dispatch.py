@@ -95,8 +95,8 @@ def _time_ms(fn, reps: int = 10) -> float:
 
 
 def tune(shapes: set[tuple[int, int]], device: torch.device, out_dtype: torch.dtype = torch.bfloat16,
-         max_tokens: int = BUCKETS[-1]) -> dict[tuple[int, int, int], dict[str, float]]:
-    """Time every candidate for each (N, K) in `shapes` at each bucket <= max_tokens; keep the fastest.
+         buckets: tuple[int, ...] = BUCKETS) -> dict[tuple[int, int, int], dict[str, float]]:
+    """Time every candidate for each (N, K) in `shapes` at each of `buckets`; keep the fastest.
 
     Returns {(N, K, bucket): {backend: ms}}; a backend that raises (e.g. scaled_mm on a GPU or torch
     without block scaling) is left out. No-op (returns {}) unless FXREWRITE_FP8_GEMM is auto.
@@ -108,7 +108,7 @@ def tune(shapes: set[tuple[int, int]], device: torch.device, out_dtype: torch.dt
         w = torch.randn(n, k, device=device).div_(8).to(torch.float8_e4m3fn)
         g = -(-k // 128)
         w_s = torch.rand(g, n, device=device).add_(0.5).div_(448).t()  # strides (1, N)
-        for b in (b for b in BUCKETS if b <= max(max_tokens, 1)):
+        for b in buckets:
             a, a_s = per_token_group_quant_fp8(torch.randn(b, k, device=device, dtype=out_dtype),
                                                column_major_scales=True)
             times = {}
@@ -119,6 +119,8 @@ def tune(shapes: set[tuple[int, int]], device: torch.device, out_dtype: torch.dt
                     continue
             _choices[(n, k, b)] = min(times, key=times.get)
             timings[(n, k, b)] = times
+        del w, w_s
+    torch.cuda.empty_cache()  # the scratch tensors must not count as used when the KV cache is sized
     return timings
 
 
