@@ -5,7 +5,8 @@ block scaling) vs the bf16 GEMM, at the linear shapes of Qwen3-4B and Qwen3-32B.
 
 Per shape (N, K) and token count M: microseconds of the bf16 `F.linear` (cuBLAS), of the activation
 quantization, and of each FP8 GEMM: the Triton kernel with the first tile table (``triton_old``), the
-retuned table (``triton_new``) and the tuner's alternative configs (``triton_alt<i>``), torch's
+retuned table (``triton_new``) and the tuner's alternative configs (``triton_alt<i>``), the
+matrix-vector kernel at M <= 16 (``gemv<i>``), torch's
 scaled_mm with 128 x 128 weight blocks (``scaled_mm_block``) and with per-row weight scales
 (``scaled_mm_rows``, what the engine's layers use); the weight bandwidth each implies (GB/s, the decode
 roofline: the H200's HBM3e is 4.8 TB/s), its max relative error against the dequantized float32
@@ -32,6 +33,7 @@ from fxrewrite.kernels.fp8_gemm import (
     fp8_block_gemm_triton,
     per_token_group_quant_fp8,
 )
+from fxrewrite.kernels.fp8_gemv import GEMV_CONFIGS, GEMV_MAX_M, fp8_block_gemv_triton
 from fxrewrite.kernels.fp8_scaled_mm import fp8_scaled_mm, row_scales_for_scaled_mm, weight_block_scales_for_scaled_mm
 
 SHAPES = {  # name: (N, K) of the fused projections, TP=1
@@ -62,6 +64,10 @@ def _gemms(q, s_col, wq, w_rows, w_blocks_mm, w_rows_mm, m: int) -> dict:
     }
     for i, cfg in enumerate(ALT_CONFIGS):
         gemms[f"triton_alt{i}"] = lambda cfg=cfg: fp8_block_gemm_triton(q, s_col, wq, w_rows, config=cfg)
+    if m <= GEMV_MAX_M:
+        for i, (block_n, target) in enumerate(GEMV_CONFIGS):
+            gemms[f"gemv{i}"] = lambda b=block_n, t=target: fp8_block_gemv_triton(q, s_col, wq, w_rows,
+                                                                                   block_n=b, target_programs=t)
     return gemms
 
 

@@ -4,7 +4,8 @@ default tile table or an alternative config) or torch's scaled_mm (cuBLASLt), me
 
 Why measure: on the H200 the first Triton tiling beat bf16 only at M <= 16 and lost 2-4x from M = 128
 (benchmarks/results/2026-11-30-fp8-gemm.json), and which of cuBLASLt / Triton wins depends on M and
-the shape. A bucket never tuned (a token count above the largest bucket tuned, or any call during a
+the shape; at decode sizes a tensor-core-free matrix-vector kernel (fp8_gemv.py) competes too. A
+bucket never tuned (a token count above the largest bucket tuned, or any call during a
 CUDA graph capture before tuning) uses the Triton default table. ``FXREWRITE_FP8_GEMM=triton`` or
 ``=scaled_mm`` forces one backend (``auto``, the default, measures).
 
@@ -26,13 +27,15 @@ from fxrewrite.kernels.fp8_gemm import (
     fp8_linear,
     per_token_group_quant_fp8,
 )
+from fxrewrite.kernels.fp8_gemv import GEMV_CONFIGS, GEMV_MAX_M, fp8_block_gemv_triton
 from fxrewrite.kernels.fp8_scaled_mm import fp8_scaled_mm, scaled_mm_supported_shape
 
 __all__ = ["BUCKETS", "bucket_of", "choose", "tune", "fp8_gemm_dispatch", "fp8_linear_dispatch", "clear"]
 
 BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _choices: dict[tuple[int, int, int], str] = {}
-"""(N, K, bucket) -> "triton" | "triton:<index into ALT_CONFIGS>" | "scaled_mm"."""
+"""(N, K, bucket) -> "triton" | "triton:<index into ALT_CONFIGS>" | "gemv:<index into GEMV_CONFIGS>" |
+"scaled_mm"."""
 
 
 def bucket_of(m: int) -> int:
@@ -60,6 +63,9 @@ def fp8_gemm_dispatch(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: 
     backend = backend or choose(w.shape[0], w.shape[1], a.shape[0])
     if backend == "scaled_mm":
         return fp8_scaled_mm(a, a_s, w, w_s, out_dtype, per_row=True)
+    if backend.startswith("gemv:"):
+        block_n, target = GEMV_CONFIGS[int(backend.split(":")[1])]
+        return fp8_block_gemv_triton(a, a_s, w, w_s, out_dtype, block_n, target)
     config = ALT_CONFIGS[int(backend.split(":")[1])] if ":" in backend else None
     return fp8_block_gemm_triton(a, a_s, w, w_s, 128, out_dtype, config)
 
@@ -76,6 +82,8 @@ def fp8_linear_dispatch(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, gro
 
 def _candidates(n: int, k: int, m: int) -> list[str]:
     names = ["triton"]
+    if m <= GEMV_MAX_M:
+        names += [f"gemv:{i}" for i in range(len(GEMV_CONFIGS))]
     if m > 64:
         names += [f"triton:{i}" for i, cfg in enumerate(ALT_CONFIGS) if cfg != config_for(m)]
     if scaled_mm_supported_shape(n, k):

@@ -145,7 +145,7 @@ def fp8_block_gemm_triton(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w
     launch(_gemm_kernel, (tiles_m * tiles_n, split), a.device)(
         a, a_s, w, w_s, out, m, n, k, groups, triton.cdiv(groups, split), a_s.stride(0), a_s.stride(1),
         w_s.stride(0), w_s.stride(1),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=group_size, GROUP_M=cfg.group_m,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=group_size, GROUP_M=cfg.group_m, EVEN_K=k % group_size == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out[0] if split == 1 else out.sum(0).to(out_dtype)
@@ -153,7 +153,8 @@ def fp8_block_gemm_triton(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w
 
 @triton.jit
 def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, G, GROUPS_PER_SPLIT, stride_as_m, stride_as_g,
-                 stride_ws_n, stride_ws_g, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                 stride_ws_n, stride_ws_g, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
     # Group-M swizzle (Triton's matmul tutorial): GROUP_M row tiles sweep the N tiles together.
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -174,9 +175,15 @@ def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, G, GROUPS_PER_S
     g_end = tl.minimum(g_start + GROUPS_PER_SPLIT, G)
     for g in range(g_start, g_end):
         k = g * BLOCK_K + rk
-        k_mask = k < K
-        a = tl.load(a_ptr + rm[:, None] * K + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptr + rn[None, :] * K + k[:, None], mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+        a_ptrs = a_ptr + rm[:, None] * K + k[None, :]
+        w_ptrs = w_ptr + rn[None, :] * K + k[:, None]
+        if EVEN_K:  # whole groups (every Qwen3 / DeepSeek shape): no mask along contiguous K, loads vectorize
+            a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
+        else:
+            k_mask = k < K
+            a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
         a_s = tl.load(as_ptr + rm * stride_as_m + g * stride_as_g, mask=m_mask, other=0.0)
         w_s = tl.load(ws_ptr + rn * stride_ws_n + g * stride_ws_g, mask=n_mask, other=0.0)
         acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]

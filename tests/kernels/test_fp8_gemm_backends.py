@@ -11,6 +11,7 @@ import torch
 from fxrewrite.kernels import fp8_dispatch
 from fxrewrite.kernels import fp8_gemm as mod
 from fxrewrite.kernels.fp8_gemm import fp8_block_gemm_ref, fp8_linear, per_token_group_quant_fp8_ref
+from fxrewrite.kernels.fp8_gemv import fp8_block_gemv_triton
 from fxrewrite.kernels.fp8_scaled_mm import (
     activation_scales_outer_major,
     fp8_scaled_mm,
@@ -29,6 +30,16 @@ def test_every_triton_config_matches_ref_with_outer_major_scales(interpret, conf
     want = fp8_block_gemm_ref(aq, a_s, wq, w_s, out_dtype=torch.float32)
     got = mod.fp8_block_gemm_triton(aq, activation_scales_outer_major(a_s), wq, row_scales_for_scaled_mm(w_s),
                                     out_dtype=torch.float32, config=config)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 100, 256), (3, 64, 200)])  # partial N tile; partial last group
+@pytest.mark.parametrize("block_n, target", [(32, 1024), (64, 2)])  # split K over all groups / over 2
+def test_gemv_kernel_matches_ref(interpret, m, n, k, block_n, target):
+    aq, a_s = per_token_group_quant_fp8_ref(torch.randn(m, k))
+    wq, w_s = per_token_group_quant_fp8_ref(torch.randn(n, k))
+    want = fp8_block_gemm_ref(aq, a_s, wq, w_s, out_dtype=torch.float32)
+    got = fp8_block_gemv_triton(aq, a_s, wq, row_scales_for_scaled_mm(w_s), torch.float32, block_n, target)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
