@@ -113,9 +113,9 @@ def tune(shapes: set[tuple[int, int]], device: torch.device, out_dtype: torch.dt
         return {}
     timings = {}
     for n, k in sorted(shapes):
-        w = torch.randn(n, k, device=device).div_(8).to(torch.float8_e4m3fn)
+        w = torch.randn(n, k, device=device, dtype=torch.float32).div_(8).to(torch.float8_e4m3fn)
         g = -(-k // 128)
-        w_s = torch.rand(g, n, device=device).add_(0.5).div_(448).t()  # strides (1, N)
+        w_s = torch.rand(g, n, device=device, dtype=torch.float32).add_(0.5).div_(448).t()  # strides (1, N)
         for b in buckets:
             a, a_s = per_token_group_quant_fp8(torch.randn(b, k, device=device, dtype=out_dtype),
                                                column_major_scales=True)

@@ -104,3 +104,26 @@ def test_linear_dispatch_on_cpu_is_the_reference():
     x = torch.randn(2, 3, 256, dtype=torch.bfloat16)
     wq, w_s = per_token_group_quant_fp8_ref(torch.randn(16, 256))
     assert torch.equal(fp8_dispatch.fp8_linear_dispatch(x, wq, w_s), fp8_linear(x, wq, w_s))
+
+
+def test_prepared_layer_keeps_scales_outer_major_and_its_forward_matches(interpret, monkeypatch):
+    """What finish_fp8_model does on an FP8 GPU, on a CPU through the Triton interpreter: the scales move
+    to strides (1, N) in place (the weight loader still writes into them) and the forward, now the
+    dispatched Triton kernel, equals the dequantized layer's."""
+    from fxrewrite.layers.fp8_linear import SCALE_NAME, convert_linear_to_fp8, prepare_fp8_layers_for_gpu
+    from fxrewrite.layers.fp8_linear import quantize_weight_fp8
+    from fxrewrite.layers.linear import ReplicatedLinear
+
+    monkeypatch.setenv("FXREWRITE_TRITON", "1")
+    monkeypatch.setenv("FXREWRITE_FP8_GEMM", "triton")  # no timing on a CPU
+    layer = convert_linear_to_fp8(ReplicatedLinear(256, 80, bias=False, device="cpu"), "proj", (128, 128))
+    q, blocks = quantize_weight_fp8(torch.randn(80, 256), (128, 128))
+    layer.weight.weight_loader(layer.weight, q)
+    scale = getattr(layer, SCALE_NAME)
+    scale.weight_loader(scale, blocks)
+    assert prepare_fp8_layers_for_gpu(torch.nn.Sequential(layer), torch.device("cpu"), torch.float32) == 1
+    assert scale.stride() == (1, 80) and getattr(layer, SCALE_NAME) is scale
+    scale.weight_loader(scale, blocks)  # weight sync writes into the new layout
+    x = mod.per_token_group_quant_fp8_ref(torch.randn(3, 256))[0].float()  # on the FP8 grid: exact
+    want = x @ (q.float() * blocks.repeat_interleave(128, 0)[:80].repeat_interleave(128, 1)).t()
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-4)
