@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import torch
 
+from fxrewrite.kernels.fp8_gemm import fp8_block_gemm_ref as fp8_block_gemv_ref
 from fxrewrite.kernels.triton_utils import launch, tl, triton
 
-__all__ = ["fp8_block_gemv_triton", "GEMV_MAX_M", "GEMV_CONFIGS"]
+__all__ = ["fp8_block_gemv_triton", "fp8_block_gemv_ref", "GEMV_MAX_M", "GEMV_CONFIGS"]
 
 GEMV_MAX_M = 16
 """Largest token count the tuner tries this kernel at (the weight is re-read once per token)."""
