@@ -65,9 +65,10 @@ def gemm_config(num_tokens: int) -> dict:
 
     Few tokens: each expert gets a row or two, so the row block is small and the work is a GEMV
     over the expert's weights (long K tiles, several stages in flight to cover HBM latency); many
-    tokens: large tiles, more reuse per loaded weight tile. Starting points from the shape of vLLM's
-    tuned H200 table for E=128, N=768 (``fused_moe/configs``); ``block_n`` counts output columns, and
-    the SiLU GEMM loads two weight tiles (gate and up) per column block.
+    tokens: large tiles, more reuse per loaded weight tile. Candidates from the shape of vLLM's tuned
+    H200 table for E=128, N=768 (``fused_moe/configs``), picked by `fxrewrite.benchmarks.moe_kernels
+    --sweep` on an H200 (benchmarks/results/2026-11-30-moe-kernels-qwen3-30b-a3b-sweep.json);
+    ``block_n`` counts output columns, and the SiLU GEMM loads two weight tiles (gate, up) per block.
     """
     if num_tokens <= 32:
         return dict(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4)
@@ -77,7 +78,7 @@ def gemm_config(num_tokens: int) -> dict:
         return dict(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=3)
     if num_tokens <= 768:
         return dict(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3)
-    return dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    return dict(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=4)
 
 
 def grouped_gemm(a: torch.Tensor, b: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
