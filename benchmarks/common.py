@@ -279,7 +279,7 @@ def weight_bytes(model) -> int:
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if embed is None:
-        embed = next((m for m in model.modules() if type(m).__name__ == "Embedding"), None)
+        embed = next((m for m in model.modules() if type(m).__name__ in ("Embedding", "VocabParallelEmbedding")), None)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head = head if head is not None else getattr(model, "lm_head", None)
     tied = embed is not None and head is not None and embed.weight is head.weight

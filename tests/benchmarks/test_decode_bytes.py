@@ -38,3 +38,17 @@ def test_dense_model_counts_every_weight_at_any_batch():
     engine = _engine(model)
     assert expert_bytes(model) == 0
     assert engine_weight_bytes(engine, batch_size=1) == engine_weight_bytes(engine) == weight_bytes(model)
+
+
+def test_native_model_leaves_out_its_untied_input_embedding():
+    """The native models' VocabParallelEmbedding counts like transformers' Embedding (a few rows read)."""
+    from fxrewrite.layers.vocab_embedding import VocabParallelEmbedding
+
+    class Native(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = VocabParallelEmbedding(64, 16)
+            self.lm_head = torch.nn.Linear(16, 64, bias=False)
+
+    model = Native()
+    assert weight_bytes(model) == 64 * 16 * 4
