@@ -4,9 +4,9 @@ default tile table or an alternative config) or torch's scaled_mm (cuBLASLt), me
 
 Why measure: on the H200 the first Triton tiling beat bf16 only at M <= 16 and lost 2-4x from M = 128
 (benchmarks/results/2026-11-30-fp8-gemm.json), and which of cuBLASLt / Triton wins depends on M and
-the shape; at decode sizes a tensor-core-free matrix-vector kernel (fp8_gemv.py) competes too. A
-bucket never tuned (a token count above the largest bucket tuned, or any call during a
-CUDA graph capture before tuning) uses the Triton default table. ``FXREWRITE_FP8_GEMM=triton`` or
+the shape; at decode sizes a tensor-core-free matrix-vector kernel (fp8_gemv.py) competes too. A token
+count maps to the smallest bucket holding it (above 8192: the 8192 bucket); a bucket never tuned
+(FP8 layers used before `tune`, or without it) runs the Triton default table. ``FXREWRITE_FP8_GEMM=triton`` or
 ``=scaled_mm`` forces one backend (``auto``, the default, measures).
 
 The weight scales are per row, [N, ceil(K/128)], stored outer-dim major (strides (1, N)): the layout
