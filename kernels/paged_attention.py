@@ -12,6 +12,7 @@ and sees keys at positions p <= its own, and p > pos - sliding_window when a win
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from fxrewrite.kernels import use_triton
 from fxrewrite.kernels.attention_tile import check_paged_args
@@ -149,6 +150,9 @@ def _dense_causal_ref(q, k, v, scale, sliding_window, soft_cap):
     return torch.matmul(probs, v).transpose(1, 2).to(q.dtype)
 
 
+_TRAINER_PAGE = 16
+
+
 class _CausalAttention(torch.autograd.Function):
     """Forward: `paged_attention` over the batch laid out as a paged cache (one block per row); backward:
     autograd through `_dense_causal_ref` (the same function, recomputed)."""
@@ -159,9 +163,14 @@ class _CausalAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v)
         ctx.args = (scale, sliding_window, soft_cap)
         query = q.transpose(1, 2).reshape(batch * length, num_heads, head_dim)
-        key_cache, value_cache = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+        # Pages of the engine's default 16 slots: the kernel's integer arguments (block size, strides) fall
+        # in the same Triton specialisation classes as the engine's launches.
+        pages = -(-length // _TRAINER_PAGE)
+        pad = pages * _TRAINER_PAGE - length
+        key_cache, value_cache = (F.pad(t.transpose(1, 2), (0, 0, 0, 0, 0, pad)).reshape(
+            batch * pages, _TRAINER_PAGE, t.shape[1], head_dim) for t in (k, v))
         idx = dict(dtype=torch.int32, device=q.device)
-        block_tables = torch.arange(batch, **idx)[:, None]
+        block_tables = torch.arange(batch * pages, **idx).view(batch, pages)
         seq_lens = torch.full((batch,), length, **idx)
         query_start_loc = torch.arange(0, batch * length + 1, length, **idx)
         out = paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
