@@ -11,6 +11,10 @@ Arms:
   rows, KV cache, sampling), no second copy and no sync; the old logprobs are the new ones detached
   (TRL's single-step GRPO does the same); time = generate + train.
 Both train the same `fxrewrite.optimize`d model from the same random init (no weights exist here).
+Also recorded: after the engine arm, `sleep(level=1)` / `wake_up()` seconds and the CUDA-graph capture
+inside wake_up; `logprob_agreement`, the engine's old logprobs against the trainer's recomputation on the
+same weights (mean / max absolute difference, bitwise-equal fraction; `batch_invariant`: both sides in
+batch-invariant mode, where the fraction should be 1).
 Weights: random (`transformers`' init) in the bench config's shapes, bf16 on a GPU, float32 on a CPU.
 """
 
