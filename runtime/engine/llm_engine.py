@@ -241,9 +241,12 @@ class LLMEngine(EngineRLMixin):
         if getattr(step, "prompt_logprobs", None):
             by_id = {s.seq.seq_id: s.seq for s in step.sched.scheduled}
             store_prompt_logprobs(by_id, step.prompt_logprobs, self._decode_token)
-        for seq, result in zip(seqs, results):
-            if not seq.is_finished:  # else it stopped (or was aborted) while this step ran
-                self._process_sample(seq, result)
+        live = [(seq, result) for seq, result in zip(seqs, results) if not seq.is_finished]
+        # else it stopped (or was aborted) while this step ran
+        grammar_done = self._structured.accept_tokens([s.seq_id for s, _ in live], [r.token_id for _, r in live]) \
+            if self._structured is not None and self._structured.matchers else ()
+        for seq, result in live:
+            self._process_sample(seq, result, seq.seq_id in grammar_done)
         self.scheduler.commit(step.sched)
         touched = dict.fromkeys(s.seq.request_id for s in step.sched.scheduled)
         return [self._make_output(self.requests[r]) for r in touched if r in self.requests]
@@ -256,7 +259,8 @@ class LLMEngine(EngineRLMixin):
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def _process_sample(self, seq: Sequence, result: SampleResult) -> None:
+    def _process_sample(self, seq: Sequence, result: SampleResult, grammar_done: bool = False) -> None:
+        """Append one sampled token and check every stop; grammar_done: its grammar just completed."""
         params = seq.sampling_params
         seq.append_token(result.token_id)
         seq.cumulative_logprob += result.logprob
@@ -270,7 +274,7 @@ class LLMEngine(EngineRLMixin):
         if reason is None:
             stop = check_stop_strings(seq, len(new_text))
             reason = "stop" if stop is not None else None
-        if self._structured is not None and self._structured.accept(seq.seq_id, result.token_id) and reason is None:
+        if grammar_done and reason is None:
             reason = "stop"  # the grammar is complete (it accepted a stop token)
         if reason is None and (
             seq.num_output_tokens >= (params.max_tokens or 1 << 62)
