@@ -11,6 +11,7 @@ from fxrewrite.runtime.engine.block_manager import BlockManager
 from fxrewrite.runtime.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
 from fxrewrite.runtime.engine_config import EngineConfig
 from fxrewrite.runtime.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from fxrewrite.runtime.engine.pooling import split_params, pooling_output
 from fxrewrite.runtime.engine.rl import EngineRLMixin
 from fxrewrite.runtime.engine.rope_lengths import length_dependent_rope
 from fxrewrite.runtime.engine.sampler import SampleResult
@@ -38,6 +39,8 @@ class Request:
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = params
         self.seqs = [Sequence(request_id, prompt_token_ids, params, i, arrival) for i in range(params.n)]
+        self.pooling_params = None
+        """PoolingParams of an embedding request (runner='pooling'), else None."""
 
     @property
     def finished(self) -> bool:
@@ -72,6 +75,8 @@ class LLMEngine(EngineRLMixin):
         self._arrivals = itertools.count()
         self._structured = None
         """StructuredOutputManager, made at the first constrained request (xgrammar is optional)."""
+        self._embeddings: dict = {}
+        """Pooling runner: seq_id -> last-token final hidden state [H] (host) until its output is made."""
         self._early_outputs = None
         """Outputs of the previous step when the grammar masks needed its tokens before this step sampled."""
 
@@ -84,7 +89,7 @@ class LLMEngine(EngineRLMixin):
         self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None
     ) -> None:
         """Queue a prompt (text, or token ids) for generation; ValueError for an invalid request."""
-        params = sampling_params or SamplingParams()
+        pooling, params = split_params(sampling_params, self.config.is_pooling)
         self._check_awake()
         if request_id in self.requests:
             raise UserInputError(f"request_id {request_id!r} is already in use")
@@ -92,6 +97,7 @@ class LLMEngine(EngineRLMixin):
         self._check_request(token_ids, params)
         compiled = self.compile_structured_outputs(params)
         request = Request(request_id, text, token_ids, params, next(self._arrivals))
+        request.pooling_params = pooling
         bad_words = bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
         self.requests[request_id] = request
         for seq in request.seqs:
@@ -158,6 +164,7 @@ class LLMEngine(EngineRLMixin):
             return
         for seq in request.seqs:
             self._finish(seq, "abort")
+            self._embeddings.pop(seq.seq_id, None)
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is queued, running, or finished but not yet returned by `step`."""
@@ -238,6 +245,8 @@ class LLMEngine(EngineRLMixin):
         except BaseException:
             self._abort_all()
             raise
+        if getattr(step, "pooled", None) is not None:
+            self._embeddings.update(zip((seq.seq_id for seq in seqs), step.pooled.cpu()))
         if getattr(step, "prompt_logprobs", None):
             by_id = {s.seq.seq_id: s.seq for s in step.sched.scheduled}
             store_prompt_logprobs(by_id, step.prompt_logprobs, self._decode_token)
@@ -297,6 +306,11 @@ class LLMEngine(EngineRLMixin):
     def _make_output(self, request: Request) -> RequestOutput:
         # Built for every request that progressed, every step (the streaming contract): one pass, no
         # generator expressions or properties in the per-sequence loop.
+        finished = request.finished
+        if finished:
+            del self.requests[request.request_id]
+        if request.pooling_params is not None:
+            return pooling_output(request, self._embeddings)
         want_logprobs = request.sampling_params.logprobs is not None
         outputs, cached = [], 0
         for seq in request.seqs:
@@ -310,9 +324,6 @@ class LLMEngine(EngineRLMixin):
                 seq.stop_reason,
             ))
             cached = max(cached, seq.num_cached_tokens)
-        finished = request.finished
-        if finished:
-            del self.requests[request.request_id]
         return RequestOutput(
             request.request_id, request.prompt, request.prompt_token_ids, outputs, finished,
             prompt_logprobs=list(request.seqs[0].prompt_logprobs) if request.seqs[0].prompt_logprobs is not None
