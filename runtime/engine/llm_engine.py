@@ -75,8 +75,7 @@ class LLMEngine(EngineRLMixin):
         self._arrivals = itertools.count()
         self._structured = None
         """StructuredOutputManager, made at the first constrained request (xgrammar is optional)."""
-        self._embeddings: dict = {}
-        """Pooling runner: seq_id -> last-token final hidden state [H] (host) until its output is made."""
+        self._embeddings: dict = {}  # pooling runner: seq_id -> last-token final hidden state [H], host
         self._early_outputs = None
         """Outputs of the previous step when the grammar masks needed its tokens before this step sampled."""
 
@@ -250,8 +249,8 @@ class LLMEngine(EngineRLMixin):
         if getattr(step, "prompt_logprobs", None):
             by_id = {s.seq.seq_id: s.seq for s in step.sched.scheduled}
             store_prompt_logprobs(by_id, step.prompt_logprobs, self._decode_token)
+        # A sequence already finished stopped (or was aborted) while this step ran.
         live = [(seq, result) for seq, result in zip(seqs, results) if not seq.is_finished]
-        # else it stopped (or was aborted) while this step ran
         grammar_done = self._structured.accept_tokens([s.seq_id for s, _ in live], [r.token_id for _, r in live]) \
             if self._structured is not None and self._structured.matchers else ()
         for seq, result in live:
