@@ -11,8 +11,9 @@ from fxrewrite.runtime.engine.block_manager import BlockManager
 from fxrewrite.runtime.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
 from fxrewrite.runtime.engine_config import EngineConfig
 from fxrewrite.runtime.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from fxrewrite.runtime.engine.pooling import split_params, pooling_output
+from fxrewrite.runtime.engine.pooling import pooled_rows, pooling_output, split_params
 from fxrewrite.runtime.engine.rl import EngineRLMixin
+from fxrewrite.runtime.engine.micro_batches import MicroBatchQueue
 from fxrewrite.runtime.engine.rope_lengths import length_dependent_rope
 from fxrewrite.runtime.engine.sampler import SampleResult
 from fxrewrite.runtime.engine.request_extras import (
@@ -33,14 +34,13 @@ logger = logging.getLogger(__name__)
 class Request:
     """A prompt and its n sequences (one per completion)."""
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params, arrival):
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params, arrival, pooling=None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = params
         self.seqs = [Sequence(request_id, prompt_token_ids, params, i, arrival) for i in range(params.n)]
-        self.pooling_params = None
-        """PoolingParams of an embedding request (runner='pooling'), else None."""
+        self.pooling_params = pooling  # PoolingParams of an embedding request (runner='pooling')
 
     @property
     def finished(self) -> bool:
@@ -70,6 +70,9 @@ class LLMEngine(EngineRLMixin):
         self.async_scheduling = config.async_scheduling and getattr(self.model_runner, "supports_async", False)
         self._inflight = None
         """The launched step whose tokens are not read back yet (async scheduling)."""
+        depth = getattr(self.model_runner, "pipeline_depth", 1)
+        self.micro_batches = MicroBatchQueue(depth) if depth > 1 else None
+        """Pipeline parallelism: the batches in flight through the stages (micro_batches.py)."""
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
         self._arrivals = itertools.count()
@@ -95,8 +98,7 @@ class LLMEngine(EngineRLMixin):
         text, token_ids = self._tokenize(prompt)
         self._check_request(token_ids, params)
         compiled = self.compile_structured_outputs(params)
-        request = Request(request_id, text, token_ids, params, next(self._arrivals))
-        request.pooling_params = pooling
+        request = Request(request_id, text, token_ids, params, next(self._arrivals), pooling)
         bad_words = bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
         self.requests[request_id] = request
         for seq in request.seqs:
@@ -163,7 +165,6 @@ class LLMEngine(EngineRLMixin):
             return
         for seq in request.seqs:
             self._finish(seq, "abort")
-            self._embeddings.pop(seq.seq_id, None)
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is queued, running, or finished but not yet returned by `step`."""
@@ -180,6 +181,8 @@ class LLMEngine(EngineRLMixin):
         had a token computed for nothing, which is dropped. Steps with repetition/frequency/presence
         penalties (which need every earlier token on the host) wait for the previous step first.
         """
+        if self.micro_batches is not None:
+            return self.micro_batches.step(self)
         previous, self._inflight = self._inflight, None
         sched = self.scheduler.schedule()
         if sched.is_empty():
@@ -207,12 +210,13 @@ class LLMEngine(EngineRLMixin):
             return outputs
         return self._complete(launched)
 
-    def _launch(self, sched: SchedulerOutput, previous):
+    def _launch(self, sched: SchedulerOutput, previous, wait: bool | None = None):
+        """Launch `sched` (wait=False: never wait for its tokens, whatever async_scheduling says)."""
         runner, hook = self.model_runner, {}
         if self._structured is not None and self._structured.matchers and any(
                 s.samples and s.seq.seq_id in self._structured.matchers for s in sched.scheduled):
             hook = {"bitmask_hook": lambda seqs: self._grammar_bitmask(seqs, previous)}
-        if self.async_scheduling:
+        if self.async_scheduling or wait is False:
             launched = runner.execute_model_async(sched, previous, **hook)
         elif getattr(runner, "supports_async", False):  # synchronous: wait, keep the prompt logprobs
             launched = runner.execute_model_async(sched, None, **hook)
@@ -238,21 +242,18 @@ class LLMEngine(EngineRLMixin):
         return self._structured.fill_bitmask([s.seq_id for s in seqs], self.model_runner.device)
 
     def _complete(self, step) -> list[RequestOutput]:
-        """Wait for a launched step's tokens, append them, check stops, return the outputs."""
+        """Wait for a launched step's tokens, append them to the live sequences, check stops, return outputs."""
         try:
             seqs, results = step.result()
         except BaseException:
             self._abort_all()
             raise
-        if getattr(step, "pooled", None) is not None:
-            self._embeddings.update(zip((seq.seq_id for seq in seqs), step.pooled.cpu()))
+        self._embeddings.update(pooled_rows(step, seqs))
         if getattr(step, "prompt_logprobs", None):
             by_id = {s.seq.seq_id: s.seq for s in step.sched.scheduled}
             store_prompt_logprobs(by_id, step.prompt_logprobs, self._decode_token)
-        # A sequence already finished stopped (or was aborted) while this step ran.
         live = [(seq, result) for seq, result in zip(seqs, results) if not seq.is_finished]
-        grammar_done = self._structured.accept_tokens([s.seq_id for s, _ in live], [r.token_id for _, r in live]) \
-            if self._structured is not None and self._structured.matchers else ()
+        grammar_done = self._structured.accept_tokens(live) if self._structured is not None else ()
         for seq, result in live:
             self._process_sample(seq, result, seq.seq_id in grammar_done)
         self.scheduler.commit(step.sched)
@@ -268,7 +269,6 @@ class LLMEngine(EngineRLMixin):
         return self.tokenizer.decode([token_id])
 
     def _process_sample(self, seq: Sequence, result: SampleResult, grammar_done: bool = False) -> None:
-        """Append one sampled token and check every stop; grammar_done: its grammar just completed."""
         params = seq.sampling_params
         seq.append_token(result.token_id)
         seq.cumulative_logprob += result.logprob
@@ -305,11 +305,8 @@ class LLMEngine(EngineRLMixin):
     def _make_output(self, request: Request) -> RequestOutput:
         # Built for every request that progressed, every step (the streaming contract): one pass, no
         # generator expressions or properties in the per-sequence loop.
-        finished = request.finished
-        if finished:
-            del self.requests[request.request_id]
         if request.pooling_params is not None:
-            return pooling_output(request, self._embeddings)
+            return pooling_output(request, self._embeddings, self.requests)
         want_logprobs = request.sampling_params.logprobs is not None
         outputs, cached = [], 0
         for seq in request.seqs:
@@ -323,6 +320,9 @@ class LLMEngine(EngineRLMixin):
                 seq.stop_reason,
             ))
             cached = max(cached, seq.num_cached_tokens)
+        finished = request.finished
+        if finished:
+            del self.requests[request.request_id]
         return RequestOutput(
             request.request_id, request.prompt, request.prompt_token_ids, outputs, finished,
             prompt_logprobs=list(request.seqs[0].prompt_logprobs) if request.seqs[0].prompt_logprobs is not None

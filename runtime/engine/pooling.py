@@ -85,11 +85,23 @@ def split_params(params, is_pooling: bool):
     return params or PoolingParams(), SamplingParams(max_tokens=1, temperature=0.0)
 
 
-def pooling_output(request, embeddings: dict[int, torch.Tensor]) -> EmbeddingRequestOutput:
+def pooling_output(request, embeddings: dict[int, torch.Tensor], requests: dict) -> EmbeddingRequestOutput:
     """The EmbeddingRequestOutput of an engine request (its one sequence's row popped from `embeddings`,
-    seq_id -> last-token final hidden state [H] on the host, once it finished)."""
+    seq_id -> last-token final hidden state [H] on the host, once it finished; a finished request is
+    also dropped from the engine's `requests`)."""
     seq = request.seqs[0]
     finished = request.finished
+    if finished:
+        del requests[request.request_id]
     row = embeddings.pop(seq.seq_id, None) if finished else None
     outputs = None if row is None else EmbeddingOutput(last_token_embedding(row, request.pooling_params.normalize))
     return EmbeddingRequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, finished)
+
+
+def pooled_rows(step, seqs: list) -> dict[int, torch.Tensor]:
+    """{seq_id: last-token final hidden state [H] on the host} of a pooling step's live sequences (those
+    not aborted while it ran; each is finished and its output made in the same engine step), else {}."""
+    pooled = getattr(step, "pooled", None)
+    if pooled is None:
+        return {}
+    return {seq.seq_id: row for seq, row in zip(seqs, pooled.cpu()) if not seq.is_finished}

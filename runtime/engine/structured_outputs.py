@@ -131,13 +131,15 @@ class StructuredOutputManager:
     def remove(self, seq_id: int) -> None:
         self.matchers.pop(seq_id, None)
 
-    def accept_tokens(self, seq_ids: list[int], token_ids: list[int]) -> set[int]:
-        """Advance the matchers of the constrained sequences among `seq_ids` by their `token_ids` (one
-        batched call); returns the seq_ids whose grammar is now complete (it accepted a stop token, which
-        is what xgrammar's `is_terminated` means). RuntimeError if a token violates its grammar (a bug)."""
+    def accept_tokens(self, samples: list[tuple[Any, Any]]) -> set[int]:
+        """Advance the matchers of the constrained sequences among `samples` ((Sequence, SampleResult)
+        pairs of one step) by their tokens, in one batched call; returns the seq_ids whose grammar is now
+        complete (it accepted a stop token, which is what xgrammar's `is_terminated` means).
+        RuntimeError if a token violates its grammar (a sampler bug)."""
         start = time.perf_counter()
         get, matchers, picked = self.matchers.get, [], []
-        for seq_id, token_id in zip(seq_ids, token_ids):
+        for seq, result in samples:
+            seq_id, token_id = seq.seq_id, result.token_id
             matcher = get(seq_id)
             if matcher is not None:
                 matchers.append(matcher)

@@ -4,6 +4,7 @@ ValueError naming the problem before anything is queued."""
 
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 
@@ -126,8 +127,12 @@ def test_manager_batches_accept_and_fill(llm):
     eos = min(engine.eos_token_ids)
     manager.add(-1, compiled)
     manager.add(-2, compiled)
+
+    def step(seq_ids, tokens):
+        return [(SimpleNamespace(seq_id=s), SimpleNamespace(token_id=t)) for s, t in zip(seq_ids, tokens)]
+
     try:
-        assert manager.accept_tokens([-1, -3, -2], yes[:1] + [5] + yes[:1]) == set()
+        assert manager.accept_tokens(step([-1, -3, -2], yes[:1] + [5] + yes[:1])) == set()
         masks = [manager.fill_bitmask([-3, -1, -2], torch.device("cpu")).clone() for _ in range(3)]
         assert all(torch.equal(m, masks[0]) for m in masks)
         assert (masks[0][0] == -1).all()
@@ -136,13 +141,13 @@ def test_manager_batches_accept_and_fill(llm):
         assert torch.equal(masks[0][1], expected[0]) and torch.equal(masks[0][2], expected[0])
         rest = yes[1:]
         for token in rest:
-            assert manager.accept_tokens([-1], [token]) == set()
-        assert manager.accept_tokens([-1], [eos]) == {-1} and manager.matchers[-1].is_terminated()
+            assert manager.accept_tokens(step([-1], [token])) == set()
+        assert manager.accept_tokens(step([-1], [eos])) == {-1} and manager.matchers[-1].is_terminated()
         assert not manager.matchers[-2].is_terminated()
         bits = ((masks[0][2][:, None] >> torch.arange(32, dtype=torch.int32)) & 1).flatten()
         banned = int((bits[: manager.vocab_size] == 0).nonzero()[0])
         with pytest.raises(RuntimeError, match="violates its grammar"):
-            manager.accept_tokens([-2], [banned])
+            manager.accept_tokens(step([-2], [banned]))
     finally:
         manager.remove(-1)
         manager.remove(-2)
