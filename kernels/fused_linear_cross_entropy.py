@@ -7,7 +7,8 @@ the loss and d(loss)/d(logits) (the Triton kernel :mod:`fxrewrite.kernels.cross_
 transform is known to be ``scale`` / ``softcap``; otherwise autograd through ``transform`` and
 ``F.cross_entropy``, exactly transformers' computation), then ``dhidden = g @ W`` and ``dW += g.T @ hidden``;
 the chunk's logits are freed. The backward only scales the stored gradients by the incoming one.
-Peak extra memory: one chunk of logits plus dhidden [N, H] and dW [V, H]. This is the approach of
+Peak extra memory: one chunk of logits (by default about the size of the hidden states, as Liger-Kernel
+chooses) plus dhidden [N, H] and dW [V, H]. This is the approach of
 Liger-Kernel's fused linear cross-entropy (Hsu et al., 2024, arXiv:2410.10989).
 """
 
@@ -24,9 +25,16 @@ from fxrewrite.kernels.cross_entropy import cross_entropy_grad_
 __all__ = ["fused_linear_cross_entropy", "fused_linear_cross_entropy_ref", "default_chunk_size"]
 
 
-def default_chunk_size(num_rows: int, vocab: int, budget: int = 1 << 27) -> int:
-    """Rows per chunk: the largest power of two with rows * vocab <= budget elements, at least 64."""
-    rows = max(64, 1 << max(0, (budget // max(vocab, 1)).bit_length() - 1))
+def default_chunk_size(num_rows: int, vocab: int, hidden: int | None = None, budget: int = 1 << 27) -> int:
+    """Rows per chunk. With ``hidden``: the power of two nearest above ``num_rows / ceil(vocab / hidden)``, so
+    one chunk of logits is about as large as the hidden states [num_rows, hidden] (Liger-Kernel's rule),
+    at least 64 rows and at most ``budget`` logits; without: the largest power of two with
+    rows * vocab <= budget, at least 64. Never more than num_rows (and at least 1)."""
+    cap = max(64, 1 << max(0, (budget // max(vocab, 1)).bit_length() - 1))
+    rows = cap
+    if hidden:
+        per = -(-num_rows // -(-vocab // hidden))
+        rows = min(cap, max(64, 1 << max(0, per - 1).bit_length()))
     return max(1, min(rows, num_rows))
 
 
@@ -103,7 +111,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias:
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or target.shape != hidden.shape[:1]:
         raise ValueError(f"fused_linear_cross_entropy: hidden {tuple(hidden.shape)} must be [N, H], weight "
                          f"{tuple(weight.shape)} [V, H], target {tuple(target.shape)} [N]")
-    chunk = chunk_size or default_chunk_size(hidden.shape[0], weight.shape[0])
+    chunk = chunk_size or default_chunk_size(hidden.shape[0], weight.shape[0], hidden.shape[1])
     if not torch.is_grad_enabled():  # no gradients to make: chunked reference, summed
         parts = [fused_linear_cross_entropy_ref(hidden[s:s + chunk], weight, bias, target[s:s + chunk], ignore_index,
                                                 transform) for s in range(0, hidden.shape[0], chunk)]

@@ -2,8 +2,9 @@
 
 Forward as :mod:`fxrewrite.kernels.rms_norm` (Llama ``w * x̂.to(dtype)``, Gemma ``(x̂ * (offset + w)).to(dtype)``,
 float32 statistics). Saved for the backward, as Liger-Kernel's RMSNorm does: the normalised input
-(``x + residual`` when fused, which is also the residual output, so it costs nothing extra) and
-``rstd`` float32 [rows]; x̂ is recomputed. Backward (g = dy * w_eff, w_eff = w or offset + w; N = hidden):
+(``x + residual`` when fused, which is also the residual output, so it costs nothing extra; a strided
+input such as a q/k head slice of a fused QKV output as the view itself, made contiguous again in the
+backward) and ``rstd`` float32 [rows]; x̂ is recomputed. Backward (g = dy * w_eff, w_eff = w or offset + w; N = hidden):
 ``dx = rstd * (g - x̂ * mean(g * x̂))``, ``dw = sum_rows(dy * x̂)`` (float32 partial sums per program);
 with a residual, the residual output's gradient is added to dx, which is the gradient of both inputs.
 The reference is autograd through :func:`fxrewrite.kernels.rms_norm.rms_norm_ref`.
@@ -80,15 +81,19 @@ class RMSNormFunction(torch.autograd.Function):
             launch(rms_norm_kernel, (rows,), x.device)(
                 x2, res_in, weight, out, res_out, rstd, n, eps, float(offset), HAS_RESIDUAL=residual is not None,
                 GEMMA=offset != 0.0, SAVE_RSTD=True, BLOCK=block, num_warps=min(16, max(1, block // 256)))
-        ctx.save_for_backward(res_out, weight, rstd)
+        # A strided x (a head slice of a fused QKV output) is saved as the view, not as the contiguous copy:
+        # the fused output stays alive anyway (attention saves v, another view of it), the copy would not.
+        ctx.save_for_backward(x if residual is None else res_out, weight, rstd)
         ctx.offset, ctx.has_residual, ctx.shape = float(offset), residual is not None, x.shape
         out = out.view(x.shape[:-1] + (n,))
         return out, (res_out.view(x.shape) if residual is not None else None)
 
     @staticmethod
     def backward(ctx, dy, dres):
-        x2, weight, rstd = ctx.saved_tensors
-        rows, n = x2.shape
+        x, weight, rstd = ctx.saved_tensors
+        n = x.shape[-1]
+        x2 = x.reshape(-1, n).contiguous()
+        rows = x2.shape[0]
         dy2 = dy.reshape(-1, n).contiguous()
         dres2 = dres.reshape(-1, n).contiguous() if (ctx.has_residual and dres is not None) else dy2
         dx = torch.empty_like(x2)
