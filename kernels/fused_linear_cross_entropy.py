@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from fxrewrite.kernels import use_triton
-from fxrewrite.kernels.cross_entropy import cross_entropy_grad_
+from fxrewrite.kernels.cross_entropy import cross_entropy_grad_, cross_entropy_grad_torch
 
-__all__ = ["fused_linear_cross_entropy", "fused_linear_cross_entropy_ref", "default_chunk_size"]
+__all__ = ["fused_linear_cross_entropy", "fused_linear_cross_entropy_ref", "default_chunk_size", "forward_with_grads"]
 
 
 def default_chunk_size(num_rows: int, vocab: int, hidden: int | None = None, budget: int = 1 << 27) -> int:
@@ -52,6 +52,8 @@ def _chunk_grad(z, t, ignore_index, transform, kernel_params):
         scale, softcap = kernel_params
         z = z.contiguous()
         return cross_entropy_grad_(z, t, ignore_index, scale, softcap), z
+    if kernel_params is not None and transform is None:  # the transform in numbers only (the custom op)
+        return cross_entropy_grad_torch(z, t, ignore_index, *kernel_params)
     with torch.enable_grad():
         z = z.detach().requires_grad_()
         y = transform(z) if transform is not None else z
@@ -60,32 +62,40 @@ def _chunk_grad(z, t, ignore_index, transform, kernel_params):
     return loss.detach(), g
 
 
+def forward_with_grads(hidden, weight, bias, target, ignore_index, transform, kernel_params, chunk,
+                       want_h: bool, want_w: bool, want_b: bool):
+    """(summed loss float32 [], d/dhidden, d/dweight, d/dbias), each gradient None unless wanted: the chunk
+    loop that the autograd function and the custom op of :mod:`.fused_linear_cross_entropy_op` share."""
+    grad_h = torch.empty_like(hidden) if want_h else None
+    grad_w = torch.zeros_like(weight) if want_w else None
+    grad_b = torch.zeros_like(bias, dtype=torch.float32) if want_b else None
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    w_g = None  # the weight in the logits' dtype (they differ under autocast), cast once
+    for s in range(0, hidden.shape[0], chunk):
+        h, t = hidden[s:s + chunk], target[s:s + chunk]
+        loss, g = _chunk_grad(F.linear(h, weight, bias), t, ignore_index, transform, kernel_params)
+        total += loss
+        if want_h:
+            w_g = weight.to(g.dtype) if w_g is None else w_g
+            grad_h[s:s + chunk] = g @ w_g
+        if want_w:
+            if g.dtype == h.dtype == grad_w.dtype:
+                grad_w.addmm_(g.t(), h)
+            else:
+                grad_w += (g.t().float() @ h.float()).to(grad_w.dtype)
+        if want_b:
+            grad_b += g.float().sum(0)
+    return total, grad_h, grad_w, (grad_b.to(bias.dtype) if want_b else None)
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, ignore_index, transform, kernel_params, chunk):
-        want_h, want_w, want_b = ctx.needs_input_grad[:3]
-        grad_h = torch.empty_like(hidden) if want_h else None
-        grad_w = torch.zeros_like(weight) if want_w else None
-        grad_b = torch.zeros_like(bias, dtype=torch.float32) if want_b else None
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        w_g = None  # the weight in the logits' dtype (they differ under autocast), cast once
-        for s in range(0, hidden.shape[0], chunk):
-            h, t = hidden[s:s + chunk], target[s:s + chunk]
-            loss, g = _chunk_grad(F.linear(h, weight, bias), t, ignore_index, transform, kernel_params)
-            total += loss
-            if want_h:
-                w_g = weight.to(g.dtype) if w_g is None else w_g
-                grad_h[s:s + chunk] = g @ w_g
-            if want_w:
-                if g.dtype == h.dtype == grad_w.dtype:
-                    grad_w.addmm_(g.t(), h)
-                else:
-                    grad_w += (g.t().float() @ h.float()).to(grad_w.dtype)
-            if want_b:
-                grad_b += g.float().sum(0)
-        grad_b = grad_b.to(bias.dtype) if want_b else None
-        ctx.save_for_backward(*(x for x in (grad_h, grad_w, grad_b) if x is not None))
-        ctx.which = (want_h, want_w, want_b)
+        want = ctx.needs_input_grad[:3]
+        total, *grads = forward_with_grads(hidden, weight, bias, target, ignore_index, transform, kernel_params,
+                                           chunk, *want)
+        ctx.save_for_backward(*(x for x in grads if x is not None))
+        ctx.which = want
         return total
 
     @staticmethod
