@@ -35,6 +35,17 @@ def _liger_patch(model_type: str, model) -> None:
     apply(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True, model=model)
 
 
+def enable_checkpointing(model) -> None:
+    """Non-reentrant activation checkpointing of every decoder layer, spelled for the installed transformers:
+    ``activation_checkpointing_enable`` where it exists (``gradient_checkpointing_enable`` is its deprecated
+    alias in newer 5.x), else ``gradient_checkpointing_enable`` (5.17)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def _build(spec: dict, arm: str):
     import torch
     import transformers
@@ -46,7 +57,7 @@ def _build(spec: dict, arm: str):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.train()
     if spec["gradient_checkpointing"]:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     if arm == "liger":
         _liger_patch(config.model_type, model)
     t0 = time.perf_counter()

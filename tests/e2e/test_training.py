@@ -10,6 +10,7 @@ import torch
 from tests.e2e.tiny_models import tiny_model
 
 import fxrewrite
+from fxrewrite.benchmarks.train import enable_checkpointing
 from fxrewrite.kernels.triton_utils import interpreter_ready
 from fxrewrite.weights import to_hf_names
 
@@ -121,13 +122,13 @@ def test_custom_loss_function_is_respected():
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_gradient_checkpointing(when):
     stock = tiny_model("qwen3").train()
-    stock.gradient_checkpointing_enable()
+    enable_checkpointing(stock)
     fused = copy.deepcopy(tiny_model("qwen3")).train()
     if when == "before":
-        fused.gradient_checkpointing_enable()
+        enable_checkpointing(fused)
     fused = fxrewrite.optimize(fused)
     if when == "after":
-        fused.gradient_checkpointing_enable()
+        enable_checkpointing(fused)
     assert fused.model.gradient_checkpointing
     assert_same_training_step(stock, fused, *_batch())
 
