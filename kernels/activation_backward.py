@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from fxrewrite.kernels import use_triton
+from fxrewrite.kernels import compiled_training_kernels, use_triton
 from fxrewrite.kernels.activation import _APPROXIMATE, _act_and_mul_triton, _half, gelu_and_mul_ref, silu_and_mul_ref
 from fxrewrite.kernels.triton_utils import launch, tl, triton
 
@@ -70,12 +70,51 @@ class ActAndMulFunction(torch.autograd.Function):
         # dx overwrites x2 (each program reads its elements before writing them) when x2 is our own copy,
         # or when allowed and no later backward of a kept graph reads the saved input again
         inplace = x2.data_ptr() != x.data_ptr() or (ctx.inplace and not _keep_graph())
-        dx = x2 if inplace else torch.empty_like(x2)
-        if x2.shape[0] and d:
-            block = min(1024, triton.next_power_of_2(d))
-            launch(_bwd_kernel, (x2.shape[0], triton.cdiv(d, block)), x.device)(
-                x2, dy2, dx, d, ACT=ctx.code, BLOCK=block, num_warps=4)
-        return dx.view(x.shape), None, None
+        return _backward(x2, dy2, x2 if inplace else torch.empty_like(x2), ctx.code).view(x.shape), None, None
+
+
+def _backward(x2, dy2, dx, code: int) -> torch.Tensor:
+    d = x2.shape[-1] // 2
+    if x2.shape[0] and d:
+        block = min(1024, triton.next_power_of_2(d))
+        launch(_bwd_kernel, (x2.shape[0], triton.cdiv(d, block)), x2.device)(
+            x2, dy2, dx, d, ACT=code, BLOCK=block, num_warps=4)
+    return dx
+
+
+@torch.library.custom_op("fxrewrite::act_and_mul_train", mutates_args=())
+def _act_op(x: torch.Tensor, code: int) -> torch.Tensor:
+    return _act_and_mul_triton(x, code)
+
+
+@_act_op.register_fake
+def _(x, code):
+    return x.new_empty(x.shape[:-1] + (x.shape[-1] // 2,))
+
+
+@torch.library.custom_op("fxrewrite::act_and_mul_train_backward", mutates_args=())
+def _act_backward_op(x: torch.Tensor, dy: torch.Tensor, code: int) -> torch.Tensor:
+    """Out of place: a compiled backward may not write over its saved input."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    dx = _backward(x2, dy.reshape(-1, x.shape[-1] // 2).contiguous(), torch.empty_like(x2), code)
+    return dx.view(x.shape)
+
+
+@_act_backward_op.register_fake
+def _(x, dy, code):
+    return x.new_empty(x.shape)
+
+
+def _act_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+    ctx.code = inputs[1]
+
+
+def _act_backward(ctx, dy):
+    return torch.ops.fxrewrite.act_and_mul_train_backward(ctx.saved_tensors[0], dy, ctx.code), None
+
+
+_act_op.register_autograd(_act_backward, setup_context=_act_setup)
 
 
 def _keep_graph() -> bool:
@@ -95,6 +134,8 @@ def act_and_mul_train(x: torch.Tensor, act: str = "silu", inplace_backward: bool
     if act not in _ACT_CODES:
         raise ValueError(f"act_and_mul_train: act={act!r}, expected one of {sorted(_ACT_CODES)}")
     _half(x)
+    if compiled_training_kernels(x):  # opt-in: the Triton pair as one opaque op in the compiled graph
+        return torch.ops.fxrewrite.act_and_mul_train(x, _ACT_CODES[act])
     if not use_triton(x):
         if act == "silu":
             return silu_and_mul_ref(x)
