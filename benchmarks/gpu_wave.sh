@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The second wave's GPU runs, in few calls of the device tool (each fits its 10-minute limit):
 #   STEP=train (nvidia-h200):    training GPU tests; `bench train` on Qwen3-0.6B shapes, five arms
+#   STEP=train-nogc (nvidia-h200): the same five arms without gradient checkpointing (...-train-no-gc.json)
+#   STEP=train-kernels (nvidia-h200): saved-tensor reports (stock, liger, optimize; one layer) and the arms
+#                                liger, optimize-compile, optimize-compile-kernels into $OUT_DIR/kernels/
 #   STEP=serve (nvidia-h200):    MoE throughput (Qwen3-30B-A3B shapes), -O 3 cold and warm start, FP8 GEMM,
 #                                structured-output overhead
 #   STEP=moe-profile (nvidia-h200): MoE kernel timings, decode profiles (after/native, batch 1/256), MoE latency
@@ -25,6 +28,22 @@ train)
   stamp "bench train (Qwen3-0.6B shapes, batch 8 x 2048, gradient checkpointing)"
   timeout -k 5 380 $PY -m fxrewrite bench train --config qwen3-0.6b --arms stock,stock-compile,liger,optimize,optimize-compile \
     --batch-size 8 --seq-len 2048 --steps ${TRAIN_STEPS:-5} --warmup 2 --arm-timeout 150 --out "$OUT_DIR" 2>&1 | tail -14 ;;
+train-nogc)
+  stamp "bench train (Qwen3-0.6B shapes, batch 8 x 2048, no gradient checkpointing)"
+  timeout -k 5 560 $PY -m fxrewrite bench train --config qwen3-0.6b --arms stock,stock-compile,liger,optimize,optimize-compile \
+    --batch-size 8 --seq-len 2048 --steps ${TRAIN_STEPS:-5} --warmup 2 --arm-timeout 150 --no-gradient-checkpointing \
+    --out "$OUT_DIR" 2>&1 | tail -14 ;;
+train-kernels)
+  for arm in stock liger optimize; do
+    stamp "saved tensors: $arm"
+    timeout -k 5 60 $PY -m fxrewrite.benchmarks.saved_tensors --arm $arm --layers 1 --batch-size 8 --seq-len 2048 \
+      --out "$OUT_DIR/$(date +%F)-qwen3-0.6b-saved-$arm.json" 2>&1 | tail -12
+  done
+  stamp "bench train: compiled arms, kernels as custom ops or Inductor's"
+  mkdir -p "$OUT_DIR/kernels"
+  timeout -k 5 400 $PY -m fxrewrite bench train --config qwen3-0.6b --arms liger,optimize-compile,optimize-compile-kernels \
+    --batch-size 8 --seq-len 2048 --steps ${TRAIN_STEPS:-5} --warmup 2 --arm-timeout 150 --out "$OUT_DIR/kernels" \
+    2>&1 | tail -8 ;;
 serve)
   stamp "MoE GPU tests"
   gpu_tests 70 gpu-tests-moe.log tests/moe
