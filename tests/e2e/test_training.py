@@ -119,15 +119,17 @@ def test_custom_loss_function_is_respected():
     assert float(out.loss) == 42.0 and out.logits is not None
 
 
-@pytest.mark.parametrize("when", ["before", "after"])
-def test_gradient_checkpointing(when):
+@pytest.mark.parametrize("when", ["before", "after", "triton"])
+def test_gradient_checkpointing(when, monkeypatch):
+    if when == "triton":  # the Triton training kernels (interpreter): in-place activation backward on recompute
+        monkeypatch.setenv("FXREWRITE_TRITON", "1")
     stock = tiny_model("qwen3").train()
     enable_checkpointing(stock)
     fused = copy.deepcopy(tiny_model("qwen3")).train()
     if when == "before":
         enable_checkpointing(fused)
     fused = fxrewrite.optimize(fused)
-    if when == "after":
+    if when in ("after", "triton"):
         enable_checkpointing(fused)
     assert fused.model.gradient_checkpointing
     assert_same_training_step(stock, fused, *_batch())
