@@ -30,7 +30,9 @@ class LMHeadCrossEntropy(nn.Module):
     model's ``nn.Linear`` LM head (its weight may be tied to the embedding), ``transform`` maps logits
     to the logits the loss reads (None: identity). ``kernel_params`` = (scale, softcap or None) when the
     transform was proved to be that (enables the Triton cross-entropy on CUDA). ``chunk_size``: rows per
-    chunk (None: ``default_chunk_size``).
+    chunk (None: ``default_chunk_size``). Under ``torch.compile`` the loss is the custom op
+    ``fxrewrite::fused_linear_cross_entropy`` (no graph break) when there is no transform or it was proved
+    to be ``kernel_params``; any other transform runs eagerly (one graph break).
     """
 
     def __init__(self, kernel_params: tuple[float, float | None] | None = None, chunk_size: int | None = None):

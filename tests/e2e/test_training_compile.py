@@ -1,5 +1,6 @@
 """torch.compile of an optimized model in training: the fused linear cross-entropy is the custom op
-``fxrewrite::fused_linear_cross_entropy`` (no graph break), loss and gradients equal to eager (float32, CPU)."""
+``fxrewrite::fused_linear_cross_entropy`` (no graph break), loss and gradients equal to eager (float32, CPU);
+the opt-in training-kernel custom ops (FXREWRITE_COMPILE_TRAIN_KERNELS=1) likewise."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from tests.e2e.tiny_models import tiny_model
 
 import fxrewrite
+from fxrewrite.kernels import activation_backward, rms_norm_backward  # noqa: F401 - registers their custom ops
 from fxrewrite.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy_ref
 from fxrewrite.kernels.fused_linear_cross_entropy_op import fused_linear_cross_entropy_op
 
@@ -96,3 +98,22 @@ def test_compiled_training_kernels_opt_in(monkeypatch):
     assert abs(got_loss - want_loss) <= 1e-6 * abs(want_loss)
     for name, g in want_grads.items():
         assert float((got_grads[name] - g).abs().max() / g.abs().max().clamp_min(1e-12)) < 1e-5, name
+
+
+def test_training_kernel_ops_pass_opcheck():
+    from fxrewrite.kernels.triton_utils import interpreter_ready
+
+    assert interpreter_ready()
+    gen = torch.Generator().manual_seed(2)
+    qkv = torch.randn(2, 3, 3 * 2 * 8, generator=gen)
+    q = qkv[..., :16].view(2, 3, 2, 8).transpose(1, 2).requires_grad_()  # a strided head slice
+    w = torch.randn(8, generator=gen, requires_grad=True)
+    x = torch.randn(4, 16, generator=gen, requires_grad=True)
+    res = torch.randn(4, 16, generator=gen, requires_grad=True)
+    checks = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+    ops = torch.ops.fxrewrite
+    torch.library.opcheck(ops.rms_norm_train.default, (q, w, None, 1e-6, 0.0), test_utils=checks)
+    torch.library.opcheck(ops.rms_norm_train.default, (x, torch.randn(16, requires_grad=True), res, 1e-6, 1.0),
+                          test_utils=checks)
+    torch.library.opcheck(ops.act_and_mul_train.default, (torch.randn(3, 2, 16, generator=gen, requires_grad=True), 0),
+                          test_utils=checks)
