@@ -7,8 +7,9 @@
    worker processes, and TP rank 0 answers B `(seq_id, SampleResult)`; median / p90 microseconds over
    ITERS round trips, for each transport (`fxrewrite.runtime.worker.step_channel`).
 2. End to end: `LLM(tensor_parallel_size=world)` batch-1 decode tokens/s (`run_latency`) with
-   ``FXREWRITE_STEP_TRANSPORT`` = gloo, then shm. Without --config (CPU): a tiny random Qwen3 folder;
-   with --config (GPU): that bench config's shapes, dummy weights, arm --arm.
+   ``FXREWRITE_STEP_TRANSPORT`` = gloo and shm, alternating, --repeats engines each (the median is
+   reported beside every run). Without --config (CPU): a tiny random Qwen3 folder; with --config
+   (GPU): that bench config's shapes, dummy weights, arm --arm.
 
 Writes `<date>-step-exchange-tp<world>-<device>.json` to the results folder.
 """
@@ -128,8 +129,26 @@ def _model_dir(config: str | None, tmp: str) -> Path:
         return bench_model_dir(load_bench_config(config))
     from fxrewrite.runtime.model_files.demo import build_model_dir
 
-    return build_model_dir(Path(tmp) / "tiny-qwen3", "qwen3", hidden_size=256, num_hidden_layers=4,
-                           num_attention_heads=8, num_key_value_heads=2, intermediate_size=768, vocab="smollm2")
+    return build_model_dir(Path(tmp) / "tiny-qwen3", "qwen3", hidden_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab="smollm2")
+
+
+def end_to_end(args, transports: list[str]) -> dict:
+    """Batch-1 decode, gloo and shm alternating, `args.repeats` engines each (see the module docstring)."""
+    runs = {t: [] for t in transports}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = _model_dir(args.config, tmp)
+        output_len = args.output_len or (128 if args.config else 48)
+        arm = args.arm if args.config else None
+        for _ in range(args.repeats):
+            for t in transports:
+                runs[t].append(decode_tokens_per_s(t, args.world_size, model_dir, arm, output_len))
+    out = {"model": args.config or "tiny qwen3 (hidden 64, 2 layers, CPU)", "arm": arm or "native",
+           "output_len": output_len}
+    for t, rows in runs.items():
+        rates = [row["decode_tokens_per_s"] for row in rows]
+        out[t] = {"decode_tokens_per_s_median": statistics.median(rates), "runs": rows}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,29 +158,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=None, help="bench config for the end-to-end part (GPU); "
                         "default: a tiny random model on the CPU")
     parser.add_argument("--arm", default="after", choices=("before", "after", "native"))
-    parser.add_argument("--iters", type=int, default=ITERS)
+    parser.add_argument("--iters", type=int, default=ITERS, help=f"round trips per batch size (default {ITERS})")
+    parser.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)), help="round-trip batch sizes")
     parser.add_argument("--output-len", type=int, default=None, help="decode tokens (default 128 GPU, 48 CPU)")
+    parser.add_argument("--transports", default=",".join(TRANSPORTS), help="gloo,shm (default both)")
+    parser.add_argument("--repeats", type=int, default=3, help="engines per transport (default 3)")
     parser.add_argument("--skip-e2e", action="store_true", help="the round trip only")
     args = parser.parse_args(argv)
-    if args.world_size < 1 or args.iters < 1:
-        parser.error(f"--world-size {args.world_size} and --iters {args.iters} must be positive")
+    for name in ("world_size", "iters", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be a positive integer")
+    try:
+        batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+    except ValueError:
+        parser.error(f"--batch-sizes {args.batch_sizes!r}: expected comma-separated positive integers")
+    if not batch_sizes or min(batch_sizes) < 1:
+        parser.error(f"--batch-sizes {args.batch_sizes!r}: expected comma-separated positive integers")
+    transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    if not transports or set(transports) - set(TRANSPORTS):
+        parser.error(f"--transports {args.transports!r}: expected a comma-separated subset of gloo,shm")
     env = environment()
     result = {"name": "step-exchange", "date": env["date"], "environment": env, "world_size": args.world_size,
-              "round_trip": {t: round_trips(args.world_size, t, BATCH_SIZES, args.iters) for t in TRANSPORTS}}
-    for batch in BATCH_SIZES:
-        gloo, shm = (result["round_trip"][t][str(batch)]["median_us"] for t in TRANSPORTS)
-        print(f"batch {batch:4d}: round trip gloo {gloo:8.1f} us  shm {shm:8.1f} us")
+              "round_trip": {t: round_trips(args.world_size, t, batch_sizes, args.iters) for t in transports}}
+    for batch in batch_sizes:
+        print(f"batch {batch:4d} round trip: " + "  ".join(
+            f"{t} {result['round_trip'][t][str(batch)]['median_us']:8.1f} us" for t in transports))
     if not args.skip_e2e:
-        with tempfile.TemporaryDirectory() as tmp:
-            model_dir = _model_dir(args.config, tmp)
-            output_len = args.output_len or (128 if args.config else 48)
-            arm = args.arm if args.config else None
-            result["decode_batch_1"] = {"model": args.config or "tiny qwen3 (hidden 256, 4 layers, CPU)",
-                                        "arm": arm or "native",
-                                        **{t: decode_tokens_per_s(t, args.world_size, model_dir, arm, output_len)
-                                           for t in TRANSPORTS}}
-        e2e = result["decode_batch_1"]
-        print(f"batch-1 decode tokens/s: gloo {e2e['gloo']['decode_tokens_per_s']}  shm {e2e['shm']['decode_tokens_per_s']}")
+        e2e = result["decode_batch_1"] = end_to_end(args, transports)
+        print("batch-1 decode tokens/s (median): " + "  ".join(
+            f"{t} {e2e[t]['decode_tokens_per_s_median']}" for t in transports))
     device = "gpu" if args.config else "cpu"
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{env['date'][:10]}-step-exchange-tp{args.world_size}-{device}.json"

@@ -37,7 +37,7 @@ _CHUNK_HEADER = struct.Struct("<IB")
 SPIN_S = 0.05
 """Spin (yielding) this long before napping: a decode step is a few milliseconds."""
 NAP_S = (5e-5, 1e-3)
-"""Nap length while waiting: until a second has passed, and after."""
+"""Naps while waiting double from the first to the longest (few wake-ups when idle or oversubscribed)."""
 CHECK_EVERY_S = 1e-3
 _fence_lock = threading.Lock()
 
@@ -135,6 +135,7 @@ class ShmQueue:
         if ready():
             return
         start = last_check = time.monotonic()
+        nap = NAP_S[0]
         while not ready():
             now = time.monotonic()
             if now - last_check > CHECK_EVERY_S:
@@ -146,7 +147,8 @@ class ShmQueue:
             if idle < self.spin_s:
                 os.sched_yield()  # releases the GIL, so the process's other threads run
             else:
-                time.sleep(NAP_S[0] if idle < 1.0 else NAP_S[1])
+                time.sleep(nap)
+                nap = min(2 * nap, NAP_S[1])
 
     def _check_peer(self, what: str) -> None:
         if self.is_alive is not None:
