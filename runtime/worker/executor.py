@@ -101,8 +101,7 @@ class _Processes:
 
     def __init__(self) -> None:
         self.context = None
-        self.store = None
-        self.channel = None  # ShmChannel or GlooChannel (`step_channel`); an offered ShmChannel at startup
+        self.store = self.channel = None  # channel: ShmChannel or GlooChannel (`step_channel`)
         self.joined_group = False
         # The server steps in a worker thread; the exit-time shutdown must not interleave with a step.
         self.lock = threading.RLock()
@@ -234,8 +233,8 @@ class MultiprocExecutor:
         # The workers get the resolved model_config; a callable hf_overrides would not pickle.
         config = copy.copy(config)
         config.hf_overrides = None
-        shm = self._procs.channel = driver_shm_channel(self.num_workers, lambda: _check_workers(self._procs),
-                                                       STEP_TIMEOUT_S)
+        alive = lambda: _check_workers(self._procs)  # noqa: E731
+        shm = self._procs.channel = driver_shm_channel(self.num_workers, alive, STEP_TIMEOUT_S)
         self._procs.context = mp.start_processes(
             worker_main, args=(config, model_config, eos_token_ids, host, store.port, self.tp_size, os.getpid(),
                                shm.handles() if shm is not None else None),
@@ -255,8 +254,7 @@ class MultiprocExecutor:
         self.model = RemoteModel(info["impl"], info["cuda_graph_buckets"], info["compiled"])
 
     @property
-    def step_transport(self) -> str:
-        """"shm" or "gloo": how steps and tokens travel (`fxrewrite.runtime.worker.step_channel`)."""
+    def step_transport(self) -> str:  # "shm" or "gloo" (`fxrewrite.runtime.worker.step_channel`)
         return self._procs.channel.kind
 
     def _wait_ready(self, store) -> None:
