@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     if not transports or set(transports) - set(TRANSPORTS):
         parser.error(f"--transports {args.transports!r}: expected a comma-separated subset of gloo,shm")
     env = environment()
+    env["load_average_1min"] = os.getloadavg()[0]  # CPU runs share the machine: read numbers against it
     result = {"name": "step-exchange", "date": env["date"], "environment": env, "world_size": args.world_size,
               "round_trip": {t: round_trips(args.world_size, t, batch_sizes, args.iters) for t in transports}}
     for batch in batch_sizes:
