@@ -53,7 +53,8 @@ class EngineConfig:
     """MoE models: whole experts split across the tensor-parallel ranks instead of each expert's columns."""
     batch_invariant: bool = False
     """Run every step with batch-invariant kernels (`fxrewrite.kernels.batch_invariant`): a sequence's
-    logits, hence its sampled tokens' logprobs, do not depend on what else is in the batch. Slower."""
+    logits, hence its sampled tokens' logprobs, do not depend on what else is in the batch, and equal a
+    trainer's `fxrewrite.rl.completion_logprobs` inside `batch_invariant_mode()`. No torch.compile. Slower."""
     pipeline_parallel_size: int = 1
     """Pipeline stages, each holding a contiguous share of the decoder layers (runtime/worker/pipeline.py);
     tensor_parallel_size x pipeline_parallel_size worker processes."""
