@@ -10,7 +10,8 @@
 Steps are asynchronous like the single-process runner's: `execute_model_async` sends the step and
 returns a `RemoteStep`; its `result()` receives the tokens, which TP rank 0 sends in step order, so the
 engine schedules step n+1 while the workers run step n. A message carries only what changed (new
-tokens, new block ids; `fxrewrite.runtime.worker.worker.StepEncoder`).
+tokens, new block ids; `fxrewrite.runtime.worker.worker.StepEncoder`). Steps and tokens go through
+shared memory when every worker can attach to it, else gloo (`fxrewrite.runtime.worker.step_channel`).
 
 Failure handling: every wait on a worker polls the workers' process sentinels, so a worker that
 dies (or raises) ends the step with a RuntimeError carrying its exit status or traceback, and the
@@ -39,6 +40,7 @@ from fxrewrite.errors import UserInputError
 from fxrewrite import distributed
 from fxrewrite.runtime.worker.model_runner import ModelRunner
 from fxrewrite.runtime.worker.moe_checks import check_moe_parallel
+from fxrewrite.runtime.worker.step_channel import GlooChannel, driver_shm_channel, settle_driver_channel
 from fxrewrite.runtime.worker.worker import ControlMessage, StepEncoder, broadcast_object, rank_model_config, worker_main
 from fxrewrite.runtime.worker.pipeline import check_pipeline_size
 
@@ -99,7 +101,7 @@ class _Processes:
 
     def __init__(self) -> None:
         self.context = None
-        self.store = None
+        self.store = self.channel = None  # channel: ShmChannel or GlooChannel (`step_channel`)
         self.joined_group = False
         # The server steps in a worker thread; the exit-time shutdown must not interleave with a step.
         self.lock = threading.RLock()
@@ -111,12 +113,15 @@ class _Processes:
     def _close(self, graceful: bool) -> None:
         if graceful and self.joined_group and self.context is not None and self.context.sentinels:
             try:
-                broadcast_object(None, 0, wait=lambda w: _poll(w, self, SHUTDOWN_TIMEOUT_S, "shutdown"))
+                self.channel.send(None, wait=lambda w: _poll(w, self, SHUTDOWN_TIMEOUT_S, "shutdown"))
             except Exception as e:  # noqa: BLE001 - a dead worker must not stop the shutdown
                 logger.debug("shutdown message not delivered: %s", e)
         if self.context is not None:
             _stop_processes(self.context.processes, SHUTDOWN_TIMEOUT_S if graceful else 0.0)
             self.context = None
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
         if self.joined_group:
             distributed.destroy()
             self.joined_group = False
@@ -156,6 +161,14 @@ def _poll(work, procs: _Processes, timeout: float, what: str) -> None:
         work.wait()
     except RuntimeError as e:  # gloo reports a dead peer as a closed connection
         raise _failure(procs, what, e) from e
+
+
+def _check_workers(procs: _Processes) -> bool:
+    """True while every worker runs, else raises `_failure` (polled by the shared-memory queues' waits)."""
+    sentinels = list(procs.context.sentinels) if procs.context is not None else []
+    if sentinels and multiprocessing.connection.wait(sentinels, timeout=0):
+        raise _failure(procs, "a step exchange")
+    return True
 
 
 def _failure(procs: _Processes, what: str, cause: BaseException | None = None) -> WorkerError:
@@ -220,19 +233,29 @@ class MultiprocExecutor:
         # The workers get the resolved model_config; a callable hf_overrides would not pickle.
         config = copy.copy(config)
         config.hf_overrides = None
+        alive = lambda: _check_workers(self._procs)  # noqa: E731
+        shm = self._procs.channel = driver_shm_channel(self.num_workers, alive, STEP_TIMEOUT_S)
         self._procs.context = mp.start_processes(
-            worker_main, args=(config, model_config, eos_token_ids, host, store.port, self.tp_size, os.getpid()),
+            worker_main, args=(config, model_config, eos_token_ids, host, store.port, self.tp_size, os.getpid(),
+                               shm.handles() if shm is not None else None),
             nprocs=self.num_workers, join=False, start_method="spawn",
         )
         self._wait_ready(store)
+        self._procs.channel = settle_driver_channel(store, shm, self.num_workers)
         distributed.initialize(0, self.num_workers + 1, store=store, tp_ranks=list(range(1, self.num_workers + 1)),
                                with_driver=True, tp_backend=backend, pp_size=self.num_workers // self.tp_size)
         self._procs.joined_group = True
         state = distributed.get_state()
+        if self._procs.channel is None:
+            self._procs.channel = GlooChannel(state.results_rank, state.driver_group)
         info = broadcast_object(None, state.results_rank, state.driver_group,
                                 wait=lambda w: _poll(w, self._procs, STARTUP_TIMEOUT_S, "model loading"))
         self.num_blocks = info["num_blocks"]
         self.model = RemoteModel(info["impl"], info["cuda_graph_buckets"], info["compiled"])
+
+    @property
+    def step_transport(self) -> str:  # "shm" or "gloo" (`fxrewrite.runtime.worker.step_channel`)
+        return self._procs.channel.kind
 
     def _wait_ready(self, store) -> None:
         """Poll the store until every worker is about to join the group, watching their processes."""
@@ -259,7 +282,7 @@ class MultiprocExecutor:
         msg = self._encoder.encode(sched)
         step = RemoteStep(self, sched)
         with self._procs.lock:
-            self._guard(lambda: broadcast_object(msg, 0, wait=self._wait("the step broadcast")))
+            self._guard(lambda: self._procs.channel.send(msg, wait=self._wait("the step broadcast")))
             self._outstanding.append(step)
         return step
 
@@ -269,9 +292,7 @@ class MultiprocExecutor:
             while step._out is None:
                 self._check_alive()
                 head = self._outstanding.popleft()
-                state = distributed.get_state()
-                head._out = self._guard(lambda: broadcast_object(None, state.results_rank, state.driver_group,
-                                                                 wait=self._wait("a model step")))
+                head._out = self._guard(lambda: self._procs.channel.recv_result(wait=self._wait("a model step")))
 
     def _wait(self, what: str):
         return lambda work: _poll(work, self._procs, STEP_TIMEOUT_S, what)
@@ -343,11 +364,10 @@ class MultiprocExecutor:
             if self._outstanding:
                 self._receive(self._outstanding[-1])
             wait = self._wait(method)
-            self._guard(lambda: broadcast_object(ControlMessage(method, args), 0, wait=wait))
-            if payload is not None:
+            self._guard(lambda: self._procs.channel.send(ControlMessage(method, args), wait=wait))
+            if payload is not None:  # big: on gloo, whatever the channel
                 self._guard(lambda: wait(dist.broadcast(payload, 0, async_op=True)))
-            group = distributed.get_state().driver_group
-            reply = self._guard(lambda: broadcast_object(None, 1, group, wait=wait))
+            reply = self._guard(lambda: self._procs.channel.recv_result(wait=wait))
         self._sleep_status = reply["sleep"]
         if reply["error"] is not None:
             kind, text = reply["error"]

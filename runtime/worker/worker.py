@@ -1,11 +1,12 @@
 """A tensor-parallel worker process: one per rank; holds its model shard and its KV heads, runs steps.
 
-Protocol (all over `torch.distributed`, see `fxrewrite.distributed`): world rank 0 is the driver
-(`fxrewrite.runtime.worker.executor`), ranks 1..N the workers. Each step the driver broadcasts a
-`StepMessage` on the default (gloo) group; every worker applies it to its `SequenceMirror` and launches
-the step (`ModelRunner.execute_model_async`; the model's collectives run on the TP group), and TP rank 0
-sends that step's ``[(seq_id, SampleResult), ...]`` back on the (driver, rank 0) group as soon as they
-reach the host. ``None`` means shut down.
+Protocol (groups: see `fxrewrite.distributed`): world rank 0 is the driver
+(`fxrewrite.runtime.worker.executor`), ranks 1..N the workers. Each step the driver sends every worker a
+`StepMessage` through the step channel (`fxrewrite.runtime.worker.step_channel`: shared memory on one
+host, else gloo); every worker applies it to its `SequenceMirror` and launches the step
+(`ModelRunner.execute_model_async`; the model's collectives run on the TP group), and TP rank 0 sends
+that step's ``[(seq_id, SampleResult), ...]`` back through the channel as soon as they reach the host.
+``None`` means shut down.
 
 Async scheduling: the driver may send step n+1 before it has step n's tokens; such a token is "pending"
 in the message, and each worker feeds it from its own step n's sampled tokens on the device, exactly as
@@ -18,7 +19,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import pickle
 import queue
 import signal
 import sys
@@ -34,6 +34,7 @@ from fxrewrite import distributed
 from fxrewrite.runtime.engine.scheduler import ScheduledSeq, SchedulerOutput
 from fxrewrite.runtime.engine.sequence import Sequence
 from fxrewrite.runtime.worker.model_runner import ModelRunner
+from fxrewrite.runtime.worker.step_channel import broadcast_object, settle_worker_channel, worker_shm_channel
 
 
 @dataclasses.dataclass
@@ -153,28 +154,6 @@ def rank_model_config(model_config, tp_size: int):
     return dataclasses.replace(model_config, num_key_value_heads=max(1, kv // tp_size))
 
 
-def broadcast_object(obj, src: int, group=None, wait=None):
-    """Pickled `obj` from global rank `src` to the group; returns it on every rank.
-
-    Two broadcasts (size, bytes). `wait(work)` (the driver's, which watches the worker processes)
-    replaces the blocking `work.wait()` when given.
-    """
-    is_src = dist.get_rank() == src
-    payload = pickle.dumps(obj) if is_src else b""
-    size = torch.tensor([len(payload)], dtype=torch.int64)
-    _run(dist.broadcast(size, src, group=group, async_op=True), wait)
-    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if is_src else torch.empty(int(size), dtype=torch.uint8)
-    _run(dist.broadcast(data, src, group=group, async_op=True), wait)
-    return obj if is_src else pickle.loads(data.numpy().tobytes())
-
-
-def _run(work, wait) -> None:
-    if wait is None:
-        work.wait()
-    else:
-        wait(work)
-
-
 class Worker:
     """Builds the rank's `ModelRunner` (model shard, KV cache of its heads) and runs steps."""
 
@@ -236,8 +215,8 @@ class ResultSender:
     order. A thread, so that the main thread can take the next message meanwhile: the driver sends step
     n+1 before it receives step n's tokens (async scheduling), and a gloo send waits for its receiver."""
 
-    def __init__(self, group, device, src: int = 1) -> None:
-        self._group, self._device, self._src = group, torch.device(device), src
+    def __init__(self, channel, device) -> None:
+        self._channel, self._device = channel, torch.device(device)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="fxrewrite-results", daemon=True)
         self._thread.start()
@@ -260,10 +239,10 @@ class ResultSender:
                 torch.cuda.set_device(self._device)  # the current device is per thread
             while (step := self._queue.get()) is not _STOP:
                 if isinstance(step, _Reply):
-                    broadcast_object(step.payload, 1, self._group)
+                    self._channel.send_result(step.payload)
                     continue
                 seqs, results = step.result() if step is not None else ([], [])
-                broadcast_object([(seq.seq_id, r) for seq, r in zip(seqs, results)], self._src, self._group)
+                self._channel.send_result([(seq.seq_id, r) for seq, r in zip(seqs, results)])
         except BaseException:  # noqa: BLE001 - the process must die, so the driver sees it
             traceback.print_exc()
             sys.stderr.flush()
@@ -286,10 +265,16 @@ def _watch_parent(parent_pid: int) -> None:
             os._exit(1)
 
 
+def rank_of_results(tp_size: int, num_workers: int) -> int:
+    """Global rank of TP rank 0 of the last pipeline stage (`ParallelState.results_rank`)."""
+    return num_workers - tp_size + 1
+
+
 def worker_main(local_rank: int, config, model_config, eos_token_ids: set[int], host: str, port: int,
-                tp_size: int, parent_pid: int) -> None:
+                tp_size: int, parent_pid: int, shm_handles=None) -> None:
     """torch.multiprocessing entry point of worker `local_rank` (global rank local_rank + 1): pipeline stage
-    local_rank // tp_size, TP rank local_rank % tp_size of it."""
+    local_rank // tp_size, TP rank local_rank % tp_size of it. `shm_handles`: `ShmChannel.handles()`,
+    or None for gloo."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's: it shuts us down
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     backend = distributed.default_backend(config.device)
@@ -303,6 +288,7 @@ def worker_main(local_rank: int, config, model_config, eos_token_ids: set[int], 
         config.device = config.device or "cpu"
     rank = local_rank + 1
     store = dist.TCPStore(host, port, num_workers + 1, is_master=False, timeout=distributed.TP_TIMEOUT)
+    shm = worker_shm_channel(store, shm_handles, local_rank, rank == rank_of_results(tp_size, num_workers))
     store.set(f"fxrewrite/worker_ready/{rank}", "1")
     state = distributed.initialize(rank, num_workers + 1, store=store, tp_ranks=list(range(1, num_workers + 1)),
                                    with_driver=True, tp_backend=backend, pp_size=num_workers // tp_size)
@@ -315,9 +301,10 @@ def worker_main(local_rank: int, config, model_config, eos_token_ids: set[int], 
                 "cuda_graph_buckets": len(runner.graph_runner.graphs) if runner.graph_runner is not None else 0,
                 "compiled": bool(getattr(runner.model, "_fxrewrite_compiled", False))}
         broadcast_object(info, rank, state.driver_group)
-    sender = ResultSender(state.driver_group, config.device, rank) if sends_results else None
+    channel = settle_worker_channel(store, shm, state.results_rank, state.driver_group)
+    sender = ResultSender(channel, config.device) if sends_results else None
     step = None
-    while (msg := broadcast_object(None, 0)) is not None:
+    while (msg := channel.recv()) is not None:
         if isinstance(msg, ControlMessage):
             reply = worker.control(msg)
             if sender is not None:

@@ -60,12 +60,15 @@ def test_a_hung_rank_fails_the_test_within_its_deadline():
     assert not any(p.is_alive() for p in ctx.processes)
 
 
-def test_tp2_preemption_under_async_scheduling_equals_tp1(qwen3_kv1):
+def test_tp2_preemption_under_async_scheduling_equals_tp1(qwen3_kv1, monkeypatch):
     """12 KV blocks of 4 tokens for ~17 blocks of work: sequences are preempted and recomputed under new
-    block tables while steps are in flight (the driver sends only table deltas, a new table whole)."""
+    block tables while steps are in flight (the driver sends only table deltas, a new table whole).
+    Steps go over gloo here (the fallback); the other driver tests use shared memory."""
     small = {"kv_cache_memory_bytes": 12 << 10}  # 1 KiB a block: 2 layers x (K, V) x 4 tokens x 1 head x 16 x 4 B
+    monkeypatch.setenv("FXREWRITE_STEP_TRANSPORT", "gloo")
     tp2 = make_llm(qwen3_kv1, "native", tensor_parallel_size=2, **small)
     try:
+        assert tp2.llm_engine.model_runner.step_transport == "gloo"
         assert tp2.llm_engine.async_scheduling and tp2.llm_engine.block_manager.num_blocks == 12
         tokens = generate_tokens(tp2)
         assert tp2.llm_engine.get_stats()["num_preemptions"] > 0
@@ -86,6 +89,7 @@ def test_llm_tp2_workers_equal_tp1_transformers_fused(tp2_llm, qwen3_kv1):
     in rank 0's sequence mirrors) repeats itself. Seeded tokens are not compared with TP=1: this
     random model's distributions are flat, and a near-tie (log-probs equal to 1e-5) flips on the
     all-reduce's rounding."""
+    assert tp2_llm.llm_engine.model_runner.step_transport == "shm"
     assert generate_tokens(tp2_llm) == generate_tokens(make_llm(qwen3_kv1, "transformers"))
     seeded = generate_tokens(tp2_llm, sampling_params())
     assert seeded == generate_tokens(tp2_llm, sampling_params())

@@ -42,6 +42,8 @@ def _generate(path, impl: str, tp: int):
     llm = LLM(str(path), model_impl=impl, dtype="float32", tensor_parallel_size=tp, max_model_len=1024,
               kv_cache_memory_bytes=256 << 20, max_num_batched_tokens=256)  # 256: the long prompt is chunked
     try:
+        if tp > 1:  # one host: steps and tokens go through the shared-memory ring
+            assert llm.llm_engine.model_runner.step_transport == "shm"
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
         bm = llm.llm_engine.block_manager
