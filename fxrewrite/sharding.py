@@ -130,12 +130,12 @@ def _apply_tp_plan(model: nn.Module, tp_rank: int, tp_size: int, plan: dict) -> 
     for name, module in list(base.named_modules()):
         full = _join(base_prefix, name)
         style = next((s for pat, s in tp_plan.items() if fnmatch.fnmatchcase(name, pat)), None)
-        if full in plan or type(module) is not nn.Linear or style not in _COLWISE + _ROWWISE:
-            continue
         parent_name, _, child = name.rpartition(".")
         parent = base.get_submodule(parent_name)
-        tp = {"tp_size": tp_size, "tp_rank": tp_rank, **_factory(module)}
         style = _head_sharded_style(style, child, parent)
+        if full in plan or type(module) is not nn.Linear or style not in _COLWISE + _ROWWISE:
+            continue
+        tp = {"tp_size": tp_size, "tp_rank": tp_rank, **_factory(module)}
         if style in _COLWISE:
             if head_dim and module.out_features % head_dim == 0 and (module.out_features // head_dim) % tp_size:
                 raise ValueError(f"cannot shard {full} column-wise: {module.out_features // head_dim} heads "

@@ -13,6 +13,7 @@ import torch
 
 from fxrewrite.runtime.engine.data_parallel import DPLLMEngine
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
+from fxrewrite.runtime.llm import LLM
 from tests.distributed.tp_ranks import make_llm
 from tests.moe.test_moe_parallel import MOE
 
@@ -75,10 +76,10 @@ def test_bad_data_parallel_settings_fail_before_workers_start(qwen3_moe_dir, tin
     with pytest.raises(ValueError, match=r"num_experts_per_tok=9 \(top-k\) must be between 1 and the number of "
                                          r"experts \(8\)"):
         make_llm(qwen3_moe_dir, "native", data_parallel_size=2, hf_overrides={"num_experts_per_tok": 9})
-    gpus = torch.cuda.device_count()
-    with pytest.raises(ValueError, match=rf"data_parallel_size={gpus + 1} x tensor_parallel_size=1 x "
-                                         rf"pipeline_parallel_size=1 needs {gpus + 1} GPUs, found {gpus}"):
-        make_llm(str(tiny_qwen3_dir), "native", data_parallel_size=gpus + 1, device="cuda")
+    dp = torch.cuda.device_count() + 2
+    with pytest.raises(ValueError, match=rf"data_parallel_size={dp} x tensor_parallel_size=1 x "
+                                         rf"pipeline_parallel_size=1 needs {dp} GPUs, found {dp - 2}"):
+        LLM(str(tiny_qwen3_dir), data_parallel_size=dp, device="cuda")
     with pytest.raises(ValueError, match="with pipeline_parallel_size=2 is not supported"):
         make_llm(str(tiny_qwen3_dir), "native", data_parallel_size=2, pipeline_parallel_size=2)
     with pytest.raises(ValueError, match="needs fused MoE layers: fusion=False"):
