@@ -123,7 +123,7 @@ def test_cli_moe_data_parallel_expert_parallel_arms(tmp_path, capsys):
     spec["name"] = "tiny-moe"
     spec["config"].update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=4,
                           num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
-    spec["workload_defaults"]["throughput"].update(num_prompts=4, max_output_len=6)
+    spec["workload_defaults"]["throughput"].update(num_prompts=4, max_output_len=10)
     config = tmp_path / "tiny-moe.json"
     config.write_text(json.dumps(spec))
     rc = main(["bench", "compare", "--config", str(config), "--arms", "before,after", "--data-parallel-size", "2",
