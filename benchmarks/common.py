@@ -267,21 +267,40 @@ def experts_implementation(llm) -> str | None:
     return "fxrewrite FusedMoE"
 
 
-def engine_weight_bytes(engine) -> int:
+def engine_weight_bytes(engine, batch_size: int | None = None) -> int:
     """Weight bytes one decode step reads on one GPU: `weight_bytes` of the model in this process, or,
     with tensor-parallel workers (the weights live in them), the model built on the meta device from
-    its config, divided by the number of ranks (the few replicated norm weights are not counted twice)."""
+    its config, divided by the number of ranks (the few replicated norm weights are not counted twice).
+
+    With `batch_size` and a mixture of experts, only the experts a step is expected to touch count:
+    with E experts and top-k routing, a batch of b tokens routed uniformly reads
+    E * (1 - (1 - k/E)^b) distinct experts per layer (exactly k at b = 1)."""
     import torch
 
     model = engine.model_runner.model
-    if any(True for _ in getattr(model, "parameters", lambda: iter(()))()):
-        return weight_bytes(model)
-    from transformers import AutoModelForCausalLM
+    ranks = 1
+    if not any(True for _ in getattr(model, "parameters", lambda: iter(()))()):
+        from transformers import AutoModelForCausalLM
 
-    config = engine.model_config.hf_config
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config, dtype=engine.model_config.dtype)
-    return weight_bytes(meta) // (engine.config.tensor_parallel_size * engine.config.pipeline_parallel_size)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(engine.model_config.hf_config, dtype=engine.model_config.dtype)
+        ranks = engine.config.tensor_parallel_size * engine.config.pipeline_parallel_size
+    total, experts = weight_bytes(model), expert_bytes(model)
+    text = engine.model_config.hf_text_config
+    num_experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    top_k = getattr(text, "num_experts_per_tok", None)
+    if batch_size is not None and experts and num_experts and top_k:
+        touched = num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch_size)
+        total -= experts - int(experts * touched / num_experts)
+    return total // ranks
+
+
+def expert_bytes(model) -> int:
+    """Bytes of the routed experts' weights (parameter names under an ``experts`` module, as
+    transformers and the fused MoE layer both name them; a shared expert is not among them)."""
+    model = getattr(model, "hf_model", model)
+    return int(sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                   if "experts." in name or name.startswith("experts")))
 
 
 def weight_bytes(model) -> int:
@@ -291,7 +310,7 @@ def weight_bytes(model) -> int:
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if embed is None:
-        embed = next((m for m in model.modules() if type(m).__name__ == "Embedding"), None)
+        embed = next((m for m in model.modules() if type(m).__name__ in ("Embedding", "VocabParallelEmbedding")), None)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head = head if head is not None else getattr(model, "lm_head", None)
     tied = embed is not None and head is not None and embed.weight is head.weight

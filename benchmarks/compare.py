@@ -127,7 +127,7 @@ def compare(config: str | Path, arms: list[str], workload_kind: str = "throughpu
             num_prompts: int | None = None, hf_num_prompts: int | None = 64, engine_kwargs: dict | None = None,
             time_limit_s: float | None = None, out_dir: Path = RESULTS_DIR, notes: list[str] | None = None,
             workload_overrides: dict | None = None, tokenizer_dir: str | Path | None = None,
-            isolate: bool = True) -> dict:
+            isolate: bool = True, config_overrides: dict | None = None) -> dict:
     """Run `arms` on one workload; returns the result dict also written to `out_dir` (JSON + PNG).
 
     An arm that raises is recorded with its error and the next arm still runs. With `isolate` (the
@@ -135,6 +135,10 @@ def compare(config: str | Path, arms: list[str], workload_kind: str = "throughpu
     tensor, pipeline or data parallelism run here (they start and stop worker processes of their own, and from
     a spawned arm process they did not come up on the H200 pair, 2026-11-30)."""
     spec = load_bench_config(config)
+    if config_overrides:  # a variant of the config (e.g. fewer layers), with a folder and result name of its own
+        spec = {**spec, "config": {**spec["config"], **config_overrides},
+                "name": spec["name"] + "".join(f"-{k}{v}" if k != "num_hidden_layers" else f"-{v}layers"
+                                               for k, v in sorted(config_overrides.items()) if not isinstance(v, dict))}
     defaults = spec.get("workload_defaults", {}).get(workload_kind, {})
     workload = make_workload(workload_kind, num_prompts, defaults, workload_overrides)
     model_dir = bench_model_dir(spec, tokenizer_dir)
@@ -153,7 +157,7 @@ def compare(config: str | Path, arms: list[str], workload_kind: str = "throughpu
     result = {
         "name": stem, "date": env["date"], "config": spec["name"], "environment": env,
         "workload": workload.describe(), "engine_kwargs": {"load_format": "dummy", **(engine_kwargs or {})},
-        "time_limit_s_per_arm": time_limit_s, "notes": list(notes or []), "arms": {},
+        "config_overrides": dict(config_overrides or {}), "time_limit_s_per_arm": time_limit_s, "notes": list(notes or []), "arms": {},
     }
     if "hf" in arms and workload_kind == "throughput":
         result["hf_num_prompts"] = hf_num_prompts

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 19 on the GPU machine, in one call (after gpu_check.sh's install step, which this repeats):
-#   MODE=fp8     (nvidia-h200):    FP8 GPU tests; GEMM benchmark (Triton vs torch scaled_mm vs bf16);
-#                                  Qwen3-4B throughput, FP8 and bf16 (native arm).       ~8 min
+#   MODE=fp8     (nvidia-h200):    FP8 GPU tests; GEMM benchmark (bf16 cuBLAS vs Triton old/new/alt
+#                                  tiles vs torch scaled_mm block/per-row; -fp8-gemm.json). ~8 min
+#   MODE=fp8-4b  (nvidia-h200):    Qwen3-4B throughput and batch-8 latency, FP8 and bf16.  ~7 min
 #   MODE=fp8-32b (nvidia-h200):    Qwen3-32B batch-1/8 decode, FP8 and bf16 (native arm). ~5 min
 #   MODE=pp      (nvidia-h200-x2): PP=2 GPU test; Qwen3-32B throughput at PP=2 and TP=2.  ~8 min
 # Results (JSON, logs) go to $OUT when set, else benchmarks/results. Each step has its own time limit.
@@ -10,11 +11,14 @@ cd "$(dirname "$0")/.."
 source benchmarks/gpu_env.sh
 bench() { timeout -k 5 "$1" $PY -m fxrewrite bench compare "${@:2}" "${TOK[@]}" --out "$OUT_DIR" 2>&1 | grep -v "it/s\]$" | tail -8; }
 if [ "${MODE:-fp8}" = fp8 ]; then
-  timeout -k 5 150 $PY -m pytest -q -m gpu tests/gpu/test_gpu_fp8.py -p no:cacheprovider -rfE -s 2>&1 \
+  timeout -k 5 240 $PY -m pytest -q -m gpu tests/gpu/test_gpu_fp8.py -p no:cacheprovider -rfE -s 2>&1 \
     | tee "$OUT_DIR/fp8-tests.log" | grep -E "passed|failed|FAIL|Error|logprob|fp8 |None " | tail -20
-  timeout -k 5 120 $PY -m fxrewrite.benchmarks.fp8_gemm --out "$OUT_DIR" 2>&1 | tail -3
+  timeout -k 5 300 $PY -m fxrewrite.benchmarks.fp8_gemm --out "$OUT_DIR" 2>&1 | tail -3
+elif [ "${MODE}" = fp8-4b ]; then
   bench 100 --config qwen3-4b --arms native --num-prompts 256 --time-limit 30 --quantization fp8
   bench 100 --config qwen3-4b --arms native --num-prompts 256 --time-limit 30
+  bench 100 --config qwen3-4b --arms native --workload latency --max-num-seqs 8 --time-limit 30 --quantization fp8
+  bench 100 --config qwen3-4b --arms native --workload latency --max-num-seqs 8 --time-limit 30
 elif [ "${MODE}" = fp8-32b ]; then
   bench 140 --config qwen3-32b --arms native --workload latency --max-num-seqs 8 --time-limit 30 --quantization fp8
   bench 140 --config qwen3-32b --arms native --workload latency --max-num-seqs 8 --time-limit 30

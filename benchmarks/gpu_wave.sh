@@ -3,6 +3,7 @@
 #   STEP=train (nvidia-h200):    training GPU tests; `bench train` on Qwen3-0.6B shapes, five arms
 #   STEP=serve (nvidia-h200):    MoE throughput (Qwen3-30B-A3B shapes), -O 3 cold and warm start, FP8 GEMM,
 #                                structured-output overhead
+#   STEP=moe-profile (nvidia-h200): MoE kernel timings, decode profiles (after/native, batch 1/256), MoE latency
 #   STEP=multi (nvidia-h200-x2): symmetric-memory all-reduce, TP=2 vs TP=1 batch-1 decode (Qwen3-4B),
 #                                TP=2 and PP=2 greedy tests, MoE expert parallel
 # Results (JSON, PNG, logs) go to $OUT when set, else benchmarks/results. Each step has a hard time limit.
@@ -43,5 +44,15 @@ multi)
   compare 120 --config qwen3-4b --arms native --workload latency --max-num-seqs 8 -tp 2 --time-limit 30
   stamp "TP=2 / PP=2 / MoE EP greedy tests"
   gpu_tests 200 gpu-tests-multi.log tests/gpu/test_gpu_tensor_parallel.py tests/gpu/test_gpu_pipeline_parallel.py ;;
+moe-profile)
+  stamp "MoE kernels (Qwen3-30B-A3B expert shapes)"
+  timeout -k 5 90 $PY -m fxrewrite.benchmarks.moe_kernels --config qwen3-30b-a3b --out "$OUT_DIR" 2>&1 | tail -12
+  for arm in after native; do for b in 1 256; do
+    stamp "decode profile $arm batch $b"
+    timeout -k 5 100 $PY -m fxrewrite.benchmarks.profile_decode --config qwen3-30b-a3b --arm $arm --batch $b \
+      "${TOK[@]}" --out "$OUT_DIR" 2>&1 | tail -14
+  done; done
+  stamp "MoE batch-1/8 decode latency"
+  compare 160 --config qwen3-30b-a3b --arms after,native --workload latency --max-num-seqs 8 --time-limit 30 ;;
 esac
 stamp done

@@ -61,8 +61,11 @@ def run_latency(llm, workload: LatencyWorkload, time_limit_s: float | None = Non
             "decode_tokens_per_s": round(bs / decode_s, 1),
             "truncated": stats.truncated,
         }
+        step_bytes = engine_weight_bytes(engine, batch_size=bs)  # a MoE step reads only the routed experts
+        if step_bytes != nbytes:
+            row["step_weight_bytes"] = step_bytes
         if bandwidth:
-            roofline_s = nbytes / bandwidth
+            roofline_s = step_bytes / bandwidth
             row["roofline_ms_per_step"] = round(roofline_s * 1e3, 3)
             row["roofline_fraction"] = round(roofline_s / decode_s, 3)
         result[f"batch_{bs}"] = row

@@ -19,9 +19,20 @@ import torch
 
 from fxrewrite.benchmarks.common import RESULTS_DIR, load_bench_config
 from fxrewrite.benchmarks.kernels import _time_ms, copy_bandwidth
+from fxrewrite.kernels import fused_moe
 from fxrewrite.kernels.fused_moe import fused_experts, fused_experts_ref, select_experts
+from fxrewrite.kernels.fused_moe_triton import gemm_config
+from fxrewrite.kernels.moe_routing import moe_align_block_size, moe_align_block_size_ref, select_experts_ref
 
 TOKENS = (1, 8, 64, 256, 1024, 4096)
+# --sweep candidates (block_m, block_n, block_k, num_warps, num_stages), by token-count range
+SWEEP = {
+    (1, 32): [(16, 32, 128, 4, 4), (16, 64, 64, 4, 5), (16, 64, 128, 4, 3), (16, 32, 256, 4, 2), (16, 128, 128, 4, 2)],
+    (33, 256): [(16, 64, 128, 4, 3), (32, 64, 128, 4, 3), (32, 128, 128, 4, 2), (16, 128, 128, 4, 2),
+                (64, 64, 64, 4, 3)],
+    (257, 1 << 20): [(64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 3),
+                     (64, 128, 64, 8, 4)],
+}
 
 
 def _hf_forwards():
@@ -50,7 +61,35 @@ class _Experts(torch.nn.Module):
         return self.act_fn(gate) * up
 
 
-def run(config: str, out_dir: Path) -> dict:
+def _routing_arms(logits, k, e) -> dict:
+    """select_experts + moe_align_block_size: the Triton kernels and the torch references."""
+    block = gemm_config(logits.shape[0])["block_m"]
+    return {"routing_triton": lambda: moe_align_block_size(select_experts(logits, k, True)[1], block, e),
+            "routing_torch": lambda: moe_align_block_size_ref(select_experts_ref(logits, k, True)[1], block, e)}
+
+
+def sweep(x, w13, w2, weights, ids) -> list[dict]:
+    """Time fused_experts under each candidate tile config for this token count; fastest first."""
+    t = x.shape[0]
+    cands = next(c for (lo, hi), c in SWEEP.items() if lo <= t <= hi)
+    rows = []
+    for bm, bn, bk, nw, ns in cands:
+        cfg = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+        original = fused_moe.gemm_config
+        fused_moe.gemm_config = lambda _t, cfg=cfg: cfg
+        try:
+            rows.append(dict(tokens=t, arm="sweep", config=cfg, ms=_time_ms(lambda: fused_experts(x, w13, w2, weights, ids))))
+        except Exception as exc:  # noqa: BLE001 - a config that does not fit shared memory
+            rows.append(dict(tokens=t, arm="sweep", config=cfg, error=f"{type(exc).__name__}: {str(exc)[:200]}"))
+        finally:
+            fused_moe.gemm_config = original
+    rows.sort(key=lambda r: r.get("ms", float("inf")))
+    for r in rows:
+        print(f"T={t:5d} sweep {r['config']} {r.get('ms', r.get('error'))}", flush=True)
+    return rows
+
+
+def run(config: str, out_dir: Path, do_sweep: bool = False) -> dict:
     cfg = load_bench_config(config)["config"]
     e, k, h, i = cfg["num_experts"], cfg["num_experts_per_tok"], cfg["hidden_size"], cfg["moe_intermediate_size"]
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -66,12 +105,19 @@ def run(config: str, out_dir: Path) -> dict:
         arms = {"triton": lambda: fused_experts(x, w13, w2, weights, ids),
                 "torch_ref": lambda: fused_experts_ref(x, w13, w2, weights, ids)}
         arms |= {f"hf_{n}": (lambda f=f: f(module, x, ids, weights.to(dt))) for n, f in _hf_forwards().items()}
+        arms |= _routing_arms(torch.randn(t, e, device=dev, dtype=dt), k, e)
         with torch.no_grad():
+            if do_sweep:
+                rows += sweep(x, w13, w2, weights, ids)
             for name, fn in arms.items():
                 try:
                     ms = _time_ms(fn)
                 except Exception as exc:  # noqa: BLE001 - an arm transformers lacks on this version
                     rows.append(dict(tokens=t, arm=name, error=f"{type(exc).__name__}: {exc}"))
+                    continue
+                if name.startswith("routing"):
+                    rows.append(dict(tokens=t, arm=name, ms=ms))
+                    print(f"T={t:5d} {name:14s} {ms:8.3f} ms", flush=True)
                     continue
                 rows.append(dict(tokens=t, arm=name, ms=ms, experts_hit=hit, GBps=nbytes / ms / 1e6,
                                  pct_of_copy=100 * nbytes / (ms * 1e-3) / bw, tflops=flops / ms / 1e9))
@@ -79,7 +125,8 @@ def run(config: str, out_dir: Path) -> dict:
                       f"{rows[-1]['tflops']:6.1f} TFLOP/s", flush=True)
     now = datetime.datetime.now(datetime.timezone.utc)
     result = dict(meta=dict(date=now.isoformat(timespec="seconds"), gpu=torch.cuda.get_device_name(),
-                            config=config, torch=torch.__version__, copy_GBps=bw / 1e9), rows=rows)
+                            config=config, torch=torch.__version__, copy_GBps=bw / 1e9),
+                  gemm_configs={t: gemm_config(t) for t in TOKENS}, rows=rows)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{now:%Y-%m-%d}-moe-kernels-{Path(config).stem}.json").write_text(json.dumps(result, indent=2))
     return result
@@ -89,10 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="qwen3-30b-a3b")
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    p.add_argument("--sweep", action="store_true", help="also time candidate GEMM tile configs per token count")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("moe_kernels needs a CUDA GPU")
-    run(args.config, args.out)
+    run(args.config, args.out, args.sweep)
     return 0
 
 

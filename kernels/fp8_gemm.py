@@ -14,6 +14,8 @@ out[m, n] = sum_g a_s[m, g] * w_s[n, g] * sum_{k in group g} a[m, k] * w[n, k]  
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from fxrewrite.kernels import use_triton
@@ -55,21 +57,25 @@ def fp8_block_gemm_ref(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s:
     return (af @ wf.t()).to(out_dtype)
 
 
-def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as :func:`per_token_group_quant_fp8_ref`; Triton on CUDA."""
+def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = 128,
+                              column_major_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as :func:`per_token_group_quant_fp8_ref`; Triton on CUDA. With column_major_scales
+    the scales come with strides (1, M) (what torch's block-scaled matmul takes), same values."""
     if not use_triton(x):
-        return per_token_group_quant_fp8_ref(x, group_size)
+        q, s = per_token_group_quant_fp8_ref(x, group_size)
+        return (q, s.t().contiguous().as_strided(s.shape, (1, max(s.shape[0], 1)))) if column_major_scales else (q, s)
     x = x.contiguous()
     m, k = x.shape
     groups = -(-k // group_size)
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
-    launch(_quant_kernel, (m, groups), x.device)(x, q, s, k, groups, _EPS, FP8_MAX, GROUP=group_size)
+    stride = (1, max(m, 1)) if column_major_scales else (groups, 1)
+    s = torch.empty_strided((m, groups), stride, dtype=torch.float32, device=x.device)
+    launch(_quant_kernel, (m, groups), x.device)(x, q, s, k, stride[0], stride[1], _EPS, FP8_MAX, GROUP=group_size)
     return q, s
 
 
 @triton.jit
-def _quant_kernel(x_ptr, q_ptr, s_ptr, K, G, eps, fp8_max, GROUP: tl.constexpr):
+def _quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_s_m, stride_s_g, eps, fp8_max, GROUP: tl.constexpr):
     row = tl.program_id(0)
     g = tl.program_id(1)
     offs = g * GROUP + tl.arange(0, GROUP)
@@ -78,16 +84,38 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, K, G, eps, fp8_max, GROUP: tl.constexpr):
     scale = tl.maximum(tl.max(tl.abs(x), axis=0), eps) / fp8_max
     q = tl.clamp(x / scale, -fp8_max, fp8_max)
     tl.store(q_ptr + row * K + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * G + g, scale)
+    tl.store(s_ptr + row * stride_s_m + g * stride_s_g, scale)
 
 
-def _tiles(m: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N): thin tiles for decode (weight-bandwidth bound), square ones for prefill."""
-    if m <= 16:
-        return 16, 64
-    if m <= 64:
-        return 64, 64
-    return 128, 128
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """Tile shape and launch parameters of the Triton GEMM (BLOCK_K is the scale group, 128)."""
+
+    block_m: int
+    block_n: int
+    group_m: int = 1
+    """Output-tile rows swizzled together so consecutive programs share weight tiles in L2."""
+    num_warps: int = 4
+    num_stages: int = 3
+    split_k: bool = False
+    """Split K over programs when the output tiles cannot fill the GPU (decode)."""
+
+
+OLD_CONFIGS = ((16, GemmConfig(16, 64, split_k=True)), (64, GemmConfig(64, 64, split_k=True)),
+               (None, GemmConfig(128, 128, num_warps=8)))
+"""The first tuning (2026-11-30 benchmark: 2-4x slower than bf16 from M = 128): (max M, config)."""
+CONFIGS = ((16, GemmConfig(16, 64, num_stages=4, split_k=True)), (64, GemmConfig(64, 64, num_stages=4, split_k=True)),
+           (None, GemmConfig(64, 128, group_m=8, num_warps=4, num_stages=4)))
+"""Default (max M, config) table: for M > 64 the w8a8 block-FP8 shape of vLLM's tuned tables and
+DeepGEMM (BLOCK_M 64, BLOCK_N = BLOCK_K = 128, group-M swizzle, 4-stage software pipeline)."""
+ALT_CONFIGS = (GemmConfig(128, 128, group_m=8, num_warps=8, num_stages=3),
+               GemmConfig(64, 128, group_m=8, num_warps=4, num_stages=3),
+               GemmConfig(128, 128, group_m=8, num_warps=4, num_stages=4))
+"""Other candidates the load-time tuner (fp8_dispatch.py) and the benchmark also time for M > 64."""
+
+
+def config_for(m: int, table=CONFIGS) -> GemmConfig:
+    return next(cfg for max_m, cfg in table if max_m is None or m <= max_m)
 
 
 _TARGET_PROGRAMS = 264  # 2 per SM on an H100/H200 (132 SMs): enough tiles to keep every SM streaming
@@ -101,31 +129,42 @@ def _split_k(num_tiles: int, groups: int, m: int) -> int:
 
 
 def fp8_block_gemm_triton(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor,
-                          group_size: int = 128, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                          group_size: int = 128, out_dtype: torch.dtype = torch.bfloat16,
+                          config: GemmConfig | None = None) -> torch.Tensor:
     """Triton kernel, same contract as :func:`fp8_block_gemm_ref` (one K-step per scale group).
 
-    Small M with few output tiles splits K over programs into float32 partials summed afterwards.
+    a_s and w_s may be row-major or outer-dim major (what torch's scaled_mm takes); `config` defaults to
+    `config_for(M)`. Small M with few output tiles splits K over programs into float32 partials.
     """
     m, k = a.shape
     n, groups = w.shape[0], a_s.shape[1]
-    block_m, block_n = _tiles(m)
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split = _split_k(tiles, groups, m)
+    cfg = config or config_for(m)
+    tiles_m, tiles_n = triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n)
+    split = _split_k(tiles_m * tiles_n, groups, m) if cfg.split_k else 1
     out = torch.empty((split, m, n), dtype=torch.float32 if split > 1 else out_dtype, device=a.device)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
-    launch(_gemm_kernel, grid, a.device)(
-        a, a_s, w, w_s, out, m, n, k, groups, triton.cdiv(groups, split),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=group_size, num_warps=4 if block_m < 128 else 8,
+    launch(_gemm_kernel, (tiles_m * tiles_n, split), a.device)(
+        a, a_s, w, w_s, out, m, n, k, groups, triton.cdiv(groups, split), a_s.stride(0), a_s.stride(1),
+        w_s.stride(0), w_s.stride(1),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=group_size, GROUP_M=cfg.group_m, EVEN_K=k % group_size == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out[0] if split == 1 else out.sum(0).to(out_dtype)
 
 
 @triton.jit
-def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, G, GROUPS_PER_SPLIT,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
+def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, G, GROUPS_PER_SPLIT, stride_as_m, stride_as_g,
+                 stride_ws_n, stride_ws_g, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+    # Group-M swizzle (Triton's matmul tutorial): GROUP_M row tiles sweep the N tiles together.
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % rows
+    pid_n = (pid % per_group) // rows
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -136,11 +175,17 @@ def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, G, GROUPS_PER_S
     g_end = tl.minimum(g_start + GROUPS_PER_SPLIT, G)
     for g in range(g_start, g_end):
         k = g * BLOCK_K + rk
-        k_mask = k < K
-        a = tl.load(a_ptr + rm[:, None] * K + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptr + rn[None, :] * K + k[:, None], mask=n_mask[None, :] & k_mask[:, None], other=0.0)
-        a_s = tl.load(as_ptr + rm * G + g, mask=m_mask, other=0.0)
-        w_s = tl.load(ws_ptr + rn * G + g, mask=n_mask, other=0.0)
+        a_ptrs = a_ptr + rm[:, None] * K + k[None, :]
+        w_ptrs = w_ptr + rn[None, :] * K + k[:, None]
+        if EVEN_K:  # whole groups (every Qwen3 / DeepSeek shape): no mask along contiguous K, loads vectorize
+            a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
+        else:
+            k_mask = k < K
+            a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+        a_s = tl.load(as_ptr + rm * stride_as_m + g * stride_as_g, mask=m_mask, other=0.0)
+        w_s = tl.load(ws_ptr + rn * stride_ws_n + g * stride_ws_g, mask=n_mask, other=0.0)
         acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
     out = out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
@@ -159,7 +204,7 @@ def fp8_block_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: tor
                          f"w_s {tuple(w_s.shape)} do not fit group_size={group_size} "
                          f"(expected a_s [{m}, {groups}], w_s [N, {groups}])")
     if use_triton(a):
-        return fp8_block_gemm_triton(a, a_s.contiguous(), w, w_s.contiguous(), group_size, out_dtype)
+        return fp8_block_gemm_triton(a, a_s, w, w_s, group_size, out_dtype)
     return fp8_block_gemm_ref(a, a_s, w, w_s, group_size, out_dtype)
 
 

@@ -23,33 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from fxrewrite.kernels import use_triton
-from fxrewrite.kernels.fused_moe_triton import grouped_gemm
+from fxrewrite.kernels.fused_moe_triton import gemm_config, grouped_gemm
+from fxrewrite.kernels.moe_routing import SCORING, moe_align_block_size, select_experts
 
-__all__ = ["select_experts", "moe_align_block_size", "fused_experts", "fused_experts_ref"]
-
-SCORING = ("softmax", "sigmoid")
-
-
-def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring_func: str = "softmax",
-                   out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] -> (topk_weights [T, top_k] float32 or `out_dtype`, topk_ids [T, top_k] int64).
-
-    Scores are softmax (or sigmoid) over experts in float32, the top_k largest are kept, and with
-    `renormalize` divided by their sum (transformers' ``norm_topk_prob``). ValueError when top_k
-    is not in [1, E] or scoring_func is unknown.
-    """
-    num_experts = router_logits.shape[-1]
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k={top_k} must be between 1 and the number of experts ({num_experts})")
-    if scoring_func not in SCORING:
-        raise ValueError(f"scoring_func={scoring_func!r}, expected one of {SCORING}")
-    logits = router_logits.float()
-    scores = logits.softmax(dim=-1) if scoring_func == "softmax" else logits.sigmoid()
-    weights, ids = torch.topk(scores, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return (weights if out_dtype is None else weights.to(out_dtype)), ids
-
+__all__ = ["SCORING", "select_experts", "moe_align_block_size", "fused_experts", "fused_experts_ref"]
 
 def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor, expert_start: int = 0) -> torch.Tensor:
@@ -81,38 +58,6 @@ def _check(x, w13, w2, topk_weights, topk_ids) -> None:
                          f"{tuple(topk_weights.shape)} must both be [T={x.shape[0]}, K]")
 
 
-def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: int, expert_start: int = 0
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sort the T*K slots by expert, each expert's run padded to a multiple of `block_size`.
-
-    Returns (sorted_ids [P] int64: slot index t*K+k, or T*K for padding; expert_ids [P / block_size]
-    int64: the local expert of each block, -1 for blocks past the end). P = T*K + E*(block_size-1)
-    rounded up to block_size: an upper bound, so shapes depend only on T (no host sync). Slots routed
-    to experts outside [expert_start, expert_start + num_experts) are dropped (expert parallelism).
-    """
-    flat = topk_ids.reshape(-1) - expert_start
-    numel = flat.numel()
-    flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
-    # scatter_add, not bincount: bincount reads the max on the host (a sync, no CUDA graph capture)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
-    counts = counts.scatter_add_(0, flat, torch.ones_like(flat))[:num_experts]
-    padded = (counts + block_size - 1) // block_size * block_size
-    padded_end = torch.cumsum(padded, 0)
-    count_start, padded_start = torch.cumsum(counts, 0) - counts, padded_end - padded
-    order = torch.argsort(flat, stable=True)
-    expert = flat[order]
-    valid = expert < num_experts
-    safe = torch.where(valid, expert, 0)
-    dest = padded_start[safe] + torch.arange(numel, device=flat.device) - count_start[safe]
-    total = -(-(numel + num_experts * (block_size - 1)) // block_size) * block_size
-    sorted_ids = torch.full((total + 1,), numel, dtype=torch.int64, device=flat.device)
-    sorted_ids[torch.where(valid, dest, total)] = order  # invalid slots land in the spare last entry
-    starts = torch.arange(0, total, block_size, device=flat.device)
-    expert_ids = torch.searchsorted(padded_end, starts, right=True)
-    expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1)
-    return sorted_ids[:total], expert_ids
-
-
 @torch.compiler.disable  # data-dependent routing: torch.compile leaves it to the Triton path (a graph break)
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, expert_start: int = 0) -> torch.Tensor:
@@ -128,21 +73,26 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     return _forward(x, w13, w2, topk_weights, topk_ids, expert_start, save=False)[0]
 
 
-def _block_m(num_slots: int, num_experts: int) -> int:
-    return 16 if num_slots <= 4 * num_experts else 64  # few slots per expert: less padding
-
-
 def _forward(x, w13, w2, topk_weights, topk_ids, expert_start: int, save: bool):
-    """Triton forward: align, grouped GEMM (SiLU-and-mul epilogue), grouped GEMM, weighted sum over k."""
+    """Triton forward: align, grouped GEMM (SiLU-and-mul epilogue), grouped GEMM, weighted sum over k.
+
+    Inference (`save` False): the routed weight is applied in the second GEMM's epilogue, which
+    writes float32, and the first GEMM's output is not zero-filled (only its sorted slots are read).
+    Training keeps the unweighted expert outputs for the routing weights' gradient."""
     t, k = topk_ids.shape
     num_experts = w13.shape[0]
-    block_m = _block_m(t * k, num_experts)
+    cfg = gemm_config(t)
+    block_m, tiles = cfg["block_m"], {key: v for key, v in cfg.items() if key != "block_m"}
     sorted_ids, expert_ids = moe_align_block_size(topk_ids, block_m, num_experts, expert_start)
     act, h13 = grouped_gemm(x, w13, sorted_ids, expert_ids, t * k, a_div=k, block_m=block_m, silu_mul=True,
-                            save_pre=save)
-    y = grouped_gemm(act, w2, sorted_ids, expert_ids, t * k, a_div=1, block_m=block_m)[0]
+                            save_pre=save, zero_fill=save, **tiles)
+    if not save:
+        y = grouped_gemm(act, w2, sorted_ids, expert_ids, t * k, a_div=1, block_m=block_m, out_dtype=torch.float32,
+                         scale=topk_weights.reshape(-1).float(), **tiles)[0]
+        return y.view(t, k, -1).sum(1).to(x.dtype), None
+    y = grouped_gemm(act, w2, sorted_ids, expert_ids, t * k, a_div=1, block_m=block_m, **tiles)[0]
     out = (y.float().view(t, k, -1) * topk_weights.float().view(t, k, 1)).sum(1).to(x.dtype)
-    return out, ((sorted_ids, expert_ids, act, h13, y, k, block_m, expert_start) if save else None)
+    return out, (sorted_ids, expert_ids, act, h13, y, k, block_m, expert_start)
 
 
 class _FusedExperts(torch.autograd.Function):

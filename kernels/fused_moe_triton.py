@@ -15,13 +15,13 @@ import torch
 
 from fxrewrite.kernels.triton_utils import launch, tl, triton
 
-__all__ = ["grouped_gemm"]
+__all__ = ["gemm_config", "grouped_gemm"]
 
 
 @triton.jit
-def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, pre_ptr, sorted_ptr, expert_ptr, num_slots, n_out, k_dim, a_div,
-                         stride_am, stride_be, stride_bn, stride_bk, half,
-                         SILU: tl.constexpr, SAVE_PRE: tl.constexpr, PRECISION: tl.constexpr,
+def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, pre_ptr, scale_ptr, sorted_ptr, expert_ptr, num_slots, n_out, k_dim,
+                         a_div, stride_am, stride_be, stride_bn, stride_bk, half,
+                         SILU: tl.constexpr, SAVE_PRE: tl.constexpr, SCALE: tl.constexpr, PRECISION: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     expert = tl.load(expert_ptr + pid_m)
@@ -55,25 +55,51 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, pre_ptr, sorted_ptr, expert_ptr, n
             tl.store(pre, acc.to(pre_ptr.dtype.element_ty), mask=out_mask)
             tl.store(pre + half, acc_up.to(pre_ptr.dtype.element_ty), mask=out_mask)
         acc = acc * tl.sigmoid(acc) * acc_up
+    if SCALE:  # the routed weight of each slot, applied in float32 before the store
+        acc = acc * tl.load(scale_ptr + slot, mask=m_mask, other=0.0)[:, None]
     tl.store(c_ptr + slot64[:, None] * n_out + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=out_mask)
+
+
+def gemm_config(num_tokens: int) -> dict:
+    """Tile sizes for `grouped_gemm` by the number of tokens T in the batch (T*K slots).
+
+    Few tokens: each expert gets a row or two, so the row block is small and the work is a GEMV
+    over the expert's weights (long K tiles, several stages in flight to cover HBM latency); many
+    tokens: large tiles, more reuse per loaded weight tile. Candidates from the shape of vLLM's tuned
+    H200 table for E=128, N=768 (``fused_moe/configs``), picked by `fxrewrite.benchmarks.moe_kernels
+    --sweep` on an H200 (benchmarks/results/2026-11-30-moe-kernels-qwen3-30b-a3b-sweep.json);
+    ``block_n`` counts output columns, and the SiLU GEMM loads two weight tiles (gate, up) per block.
+    """
+    if num_tokens <= 32:
+        return dict(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4)
+    if num_tokens <= 96:
+        return dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
+    if num_tokens <= 256:
+        return dict(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=3)
+    if num_tokens <= 768:
+        return dict(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3)
+    return dict(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=4)
 
 
 def grouped_gemm(a: torch.Tensor, b: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
                  num_slots: int, *, a_div: int, block_m: int, silu_mul: bool = False, save_pre: bool = False,
-                 block_n: int = 64, block_k: int = 32, num_warps: int = 4, num_stages: int = 3
+                 block_n: int = 64, block_k: int = 32, num_warps: int = 4, num_stages: int = 3,
+                 scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, zero_fill: bool = True,
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """a [M, K] (row-contiguous), b [E, N, K] (any strides) -> (c [num_slots, N or N/2], pre or None).
 
     Row ``s`` of c (s < num_slots, a (token, expert) slot) is ``a[s // a_div] @ b[e]^T`` where e is
-    the expert of the block holding s in `sorted_ids`; slots in no block stay zero. With
-    `silu_mul`, c holds silu(gate) * up over the two halves of N, and `save_pre` also returns the
-    pre-activation [num_slots, N]. Output dtype: a's.
+    the expert of the block holding s in `sorted_ids`, times ``scale[s]`` when `scale` (float32
+    [num_slots]) is given. With `silu_mul`, c holds silu(gate) * up over the two halves of N, and
+    `save_pre` also returns the pre-activation [num_slots, N]. Output dtype: `out_dtype` or a's.
+    Slots in no block (routed to another rank's experts) are zero, or undefined without `zero_fill`.
     """
     a = a.contiguous()
     n = b.shape[1]
     n_out = n // 2 if silu_mul else n
-    c = torch.zeros((num_slots, n_out), dtype=a.dtype, device=a.device)
-    pre = torch.zeros((num_slots, n), dtype=a.dtype, device=a.device) if silu_mul and save_pre else None
+    alloc = torch.zeros if zero_fill else torch.empty
+    c = alloc((num_slots, n_out), dtype=out_dtype or a.dtype, device=a.device)
+    pre = alloc((num_slots, n), dtype=a.dtype, device=a.device) if silu_mul and save_pre else None
     if num_slots == 0:
         return c, pre
     block_n = min(block_n, max(16, triton.next_power_of_2(n_out)))
@@ -81,8 +107,8 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, sorted_ids: torch.Tensor, exp
     grid = (expert_ids.numel(), triton.cdiv(n_out, block_n))
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
     launch(_grouped_gemm_kernel, grid, a.device)(
-        a, b, c, pre if pre is not None else c, sorted_ids, expert_ids, num_slots, n_out, a.shape[1], a_div,
-        a.stride(0), b.stride(0), b.stride(1), b.stride(2), n_out,
-        SILU=silu_mul, SAVE_PRE=pre is not None, PRECISION=precision,
+        a, b, c, pre if pre is not None else c, scale if scale is not None else c, sorted_ids, expert_ids,
+        num_slots, n_out, a.shape[1], a_div, a.stride(0), b.stride(0), b.stride(1), b.stride(2), n_out,
+        SILU=silu_mul, SAVE_PRE=pre is not None, SCALE=scale is not None, PRECISION=precision,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     return c, pre

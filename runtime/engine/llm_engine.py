@@ -12,6 +12,7 @@ from fxrewrite.runtime.engine.detokenizer import IncrementalDetokenizer, check_s
 from fxrewrite.runtime.engine_config import EngineConfig
 from fxrewrite.runtime.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from fxrewrite.runtime.engine.rl import EngineRLMixin
+from fxrewrite.runtime.engine.micro_batches import MicroBatchQueue
 from fxrewrite.runtime.engine.rope_lengths import length_dependent_rope
 from fxrewrite.runtime.engine.sampler import SampleResult
 from fxrewrite.runtime.engine.request_extras import (
@@ -69,6 +70,9 @@ class LLMEngine(EngineRLMixin):
         self.async_scheduling = config.async_scheduling and getattr(self.model_runner, "supports_async", False)
         self._inflight = None
         """The launched step whose tokens are not read back yet (async scheduling)."""
+        depth = getattr(self.model_runner, "pipeline_depth", 1)
+        self.micro_batches = MicroBatchQueue(depth) if depth > 1 else None
+        """Pipeline parallelism: the batches in flight through the stages (micro_batches.py)."""
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
         self._arrivals = itertools.count()
@@ -176,6 +180,8 @@ class LLMEngine(EngineRLMixin):
         had a token computed for nothing, which is dropped. Steps with repetition/frequency/presence
         penalties (which need every earlier token on the host) wait for the previous step first.
         """
+        if self.micro_batches is not None:
+            return self.micro_batches.step(self)
         previous, self._inflight = self._inflight, None
         sched = self.scheduler.schedule()
         if sched.is_empty():
@@ -203,12 +209,13 @@ class LLMEngine(EngineRLMixin):
             return outputs
         return self._complete(launched)
 
-    def _launch(self, sched: SchedulerOutput, previous):
+    def _launch(self, sched: SchedulerOutput, previous, wait: bool | None = None):
+        """Launch `sched` (wait=False: never wait for its tokens, whatever async_scheduling says)."""
         runner, hook = self.model_runner, {}
         if self._structured is not None and self._structured.matchers and any(
                 s.samples and s.seq.seq_id in self._structured.matchers for s in sched.scheduled):
             hook = {"bitmask_hook": lambda seqs: self._grammar_bitmask(seqs, previous)}
-        if self.async_scheduling:
+        if self.async_scheduling or wait is False:
             launched = runner.execute_model_async(sched, previous, **hook)
         elif getattr(runner, "supports_async", False):  # synchronous: wait, keep the prompt logprobs
             launched = runner.execute_model_async(sched, None, **hook)

@@ -60,6 +60,11 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.in_flight: set[int] = set()
+        """seq ids in a batch still in the pipeline (pipeline parallelism, runtime/engine/micro_batches.py):
+        not scheduled again, nor preempted, until that batch's tokens are back."""
+        self.batch_seq_limit: int | None = None
+        """At most this many sequences per batch (None: max_num_seqs), so in-flight batches share the work."""
 
     def add(self, seq: Sequence) -> None:
         if self.rope is not None:
@@ -75,9 +80,10 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         bm, kept = self.block_manager, []
-        while self.running and budget > 0:
+        limit = self.batch_seq_limit or self.max_num_seqs
+        while self.running and budget > 0 and len(out.scheduled) < limit:
             seq = self.running.popleft()
-            if seq.awaiting_final_token:  # its last token is in flight; nothing more to run
+            if seq.awaiting_final_token or seq.seq_id in self.in_flight:  # nothing to run until its tokens are back
                 kept.append(seq)
                 continue
             if self.rope is not None and self.rope.switches(seq):
@@ -85,7 +91,9 @@ class Scheduler:
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not bm.can_append(seq, n):
-                victim = self.running.pop() if self.running else seq
+                victim = self._victim(seq)
+                if victim is None:  # only batches in flight hold blocks: wait for them
+                    break
                 self._preempt(victim)
                 out.num_preempted += 1
                 if victim is seq:
@@ -95,12 +103,28 @@ class Scheduler:
                 out.scheduled.append(ScheduledSeq(seq, n))
                 kept.append(seq)
                 budget -= n
+                continue
+            if victim is None:
+                kept.append(seq)
+                break
         self.running.extendleft(reversed(kept))
         return budget
 
+    def _victim(self, seq: Sequence) -> Sequence | None:
+        """The most recently admitted running sequence not in flight (taken out of `running`), else `seq`
+        itself; None when `seq` would be preempted only because in-flight batches hold the blocks."""
+        for i in range(len(self.running) - 1, -1, -1):
+            if self.running[i].seq_id not in self.in_flight:
+                victim = self.running[i]
+                del self.running[i]
+                return victim
+        return None if self.in_flight else seq
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        limit = self.batch_seq_limit or self.max_num_seqs
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and len(out.scheduled) < limit):
             seq = self.waiting[0]
             cached = bm.find_cached_prefix(seq)
             n = min(seq.num_tokens - len(cached) * bm.block_size, budget)

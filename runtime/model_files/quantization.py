@@ -29,6 +29,7 @@ from fxrewrite.layers.fp8_linear import (
     convert_linear_to_fp8,
     dequantize_fp8_layer,
     fp8_gemm_supported,
+    prepare_fp8_layers_for_gpu,
     quantize_fp8_layer,
 )
 from fxrewrite.layers.linear import LinearBase
@@ -105,7 +106,7 @@ def prepare_fp8_model(model: nn.Module, quant: Fp8Config | None, will_load_check
 
 def finish_fp8_model(model: nn.Module, quant: Fp8Config | None, dtype: torch.dtype, device: torch.device) -> None:
     """After loading: quantize still high-precision target linears (``quantization="fp8"``, dummy
-    weights), then dequantize everything to `dtype` when `device` has no FP8 GEMM."""
+    weights), then on an FP8 GPU pick the GEMM backends, else dequantize everything to `dtype`."""
     if quant is None:
         return
     inner = _inner(model)
@@ -113,6 +114,7 @@ def finish_fp8_model(model: nn.Module, quant: Fp8Config | None, dtype: torch.dty
         if child.weight.dtype != torch.float8_e4m3fn:
             setattr(parent, child_name, quantize_fp8_layer(as_linear_base(child), name, quant.weight_block_size))
     if fp8_gemm_supported(device):
+        prepare_fp8_layers_for_gpu(inner, device, dtype)  # scale layout + per-M backend choice
         return
     for module in inner.modules():
         if isinstance(module, LinearBase):

@@ -193,8 +193,10 @@ class MultiprocExecutor:
                                "tensor-parallel engine per process (shut the other one down first)")
         self.tp_size, self.num_workers = tp_size, tp_size * pp_size
         if pp_size > 1:
-            # Synchronous steps: the first stage would need the tokens the last stage is still sampling.
+            # No async scheduling (the first stage would need the tokens the last stage is still sampling);
+            # instead up to pp_size batches of other sequences are in flight (engine/micro_batches.py).
             self.supports_async = False
+            self.pipeline_depth = pp_size
         self._procs = _Processes()
         self._finalizer = weakref.finalize(self, self._procs.close, True)
         self._dead: str | None = None

@@ -11,14 +11,16 @@ from fxrewrite.errors import UserInputError
 _CPU_DEFAULT_BYTES = 256 * 2**20
 
 
-def kv_shape(model_config) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim) of the model's attention layers."""
-    return model_config.num_hidden_layers, model_config.num_key_value_heads, model_config.head_dim
+def kv_shape(model_config, layers: tuple[int, int] | None = None) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of the attention layers this rank caches: all of them, or
+    the [start, end) `layers` of its pipeline stage."""
+    start, end = layers if layers is not None else (0, model_config.num_hidden_layers)
+    return end - start, model_config.num_key_value_heads, model_config.head_dim
 
 
-def bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
-    """K and V of `block_size` tokens in every layer, in bytes."""
-    num_layers, num_kv_heads, head_dim = kv_shape(model_config)
+def bytes_per_block(model_config, block_size: int, dtype: torch.dtype, layers: tuple[int, int] | None = None) -> int:
+    """K and V of `block_size` tokens in every layer (of the stage's `layers`), in bytes."""
+    num_layers, num_kv_heads, head_dim = kv_shape(model_config, layers)
     itemsize = torch.tensor([], dtype=dtype).element_size()
     return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
 
@@ -43,9 +45,11 @@ def _activation_estimate(config, model_config) -> int:
     return tokens * hidden + config.max_num_seqs * model_config.vocab_size * 4 * 2
 
 
-def num_kv_blocks(config, model_config, device: torch.device, dtype: torch.dtype) -> int:
-    """How many blocks fit in the budget; ValueError naming the budget when not even one does."""
-    block_bytes = bytes_per_block(model_config, config.block_size, dtype)
+def num_kv_blocks(config, model_config, device: torch.device, dtype: torch.dtype,
+                  layers: tuple[int, int] | None = None) -> int:
+    """How many blocks (of the stage's `layers`) fit in the budget; ValueError naming the budget when
+    not even one does."""
+    block_bytes = bytes_per_block(model_config, config.block_size, dtype, layers)
     budget = kv_cache_budget_bytes(config, model_config, device, block_bytes)
     num_blocks = budget // block_bytes
     if num_blocks < 1:
@@ -57,10 +61,15 @@ def num_kv_blocks(config, model_config, device: torch.device, dtype: torch.dtype
 
 
 def allocate_kv_caches(
-    model_config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    model_config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+    layers: tuple[int, int] | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim],
-    views of one zeroed tensor."""
-    num_layers, num_kv_heads, head_dim = kv_shape(model_config)
+    views of one zeroed tensor; indexed by the model's layer index. With a pipeline stage's [start, end)
+    `layers` only those are allocated (the other stages' layers get empty [0, ...] tensors)."""
+    num_layers, num_kv_heads, head_dim = kv_shape(model_config, layers)
+    start = layers[0] if layers is not None else 0
     cache = torch.zeros(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
-    return [(cache[0, i], cache[1, i]) for i in range(num_layers)]
+    empty = cache.new_zeros(0, block_size, num_kv_heads, head_dim)
+    return [(cache[0, i - start], cache[1, i - start]) if start <= i < start + num_layers else (empty, empty)
+            for i in range(model_config.num_hidden_layers)]

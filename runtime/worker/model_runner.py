@@ -131,11 +131,13 @@ class ModelRunner:
         self.kv_dtype = model_config.dtype
         if should_compile(config, self.device):
             compile_model(self.model)
+        layers = self.pipeline.layers if self.pipeline is not None else None  # a stage caches its layers only
         if self.device.type == "cuda" and config.kv_cache_memory_bytes is None:
-            self.num_blocks = profile_num_kv_blocks(self.model, config, model_config, self.device)
+            self.num_blocks = profile_num_kv_blocks(self.model, config, model_config, self.device, layers)
         else:
-            self.num_blocks = num_kv_blocks(config, model_config, self.device, self.kv_dtype)
-        self.kv_caches = allocate_kv_caches(model_config, self.num_blocks, self.block_size, self.kv_dtype, self.device)
+            self.num_blocks = num_kv_blocks(config, model_config, self.device, self.kv_dtype, layers)
+        self.kv_caches = allocate_kv_caches(model_config, self.num_blocks, self.block_size, self.kv_dtype,
+                                            self.device, layers)
         if self.device.type == "cuda":  # small TP all-reduces over NVLink peer memory (no-op at TP=1)
             distributed.enable_symm_mem_all_reduce(self.device, model_config.dtype)
         with batch_invariant_mode(config.batch_invariant):  # the graphs capture the invariant kernels

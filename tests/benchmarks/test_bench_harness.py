@@ -61,7 +61,8 @@ def test_compare_on_tiny_writes_json_and_png(tmp_path):
     try:
         result = compare("tiny", ["native"], "throughput", num_prompts=2, out_dir=tmp_path,
                          workload_overrides=dict(min_len=4, max_input_len=12, max_output_len=6),
-                         engine_kwargs={"max_num_seqs": 4, "kv_cache_memory_bytes": 1 << 22})
+                         engine_kwargs={"max_num_seqs": 4, "kv_cache_memory_bytes": 1 << 22},
+                         config_overrides={"num_hidden_layers": 1})
     finally:
         torch.set_num_threads(threads)
     arm = result["arms"]["native"]
@@ -69,6 +70,7 @@ def test_compare_on_tiny_writes_json_and_png(tmp_path):
     assert arm["output_tokens"] >= 2 * 4 and arm["output_tokens_per_s"] > 0 and not arm["truncated"]
     saved = json.loads((tmp_path / f"{result['name']}.json").read_text())
     assert saved["workload"]["kind"] == "throughput" and saved["environment"]["torch"]
+    assert result["name"].endswith("tiny-1layers-throughput") and saved["config_overrides"] == {"num_hidden_layers": 1}
     assert (tmp_path / f"{result['name']}.png").stat().st_size > 0
     assert "native" in format_table(result)
 

@@ -1,6 +1,7 @@
 """Pipeline parallelism on a CPU (gloo): the decoder layers split into stages, greedy and seeded-sampled
-tokens equal to one process at PP=2 (native) and TP=2 x PP=2 (transformers + fusion); a pipeline larger
-than the layer count is refused before any worker starts."""
+tokens equal to one process at PP=2 (native) and TP=2 x PP=2 (transformers + fusion) with several
+requests at once and two micro-batches in flight; each stage's KV cache holds only its layers; a
+pipeline larger than the layer count is refused before any worker starts."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from tests.distributed.tp_ranks import generate_tokens, make_llm, sampling_params
 
+from fxrewrite.runtime.worker.kv_cache import bytes_per_block
 from fxrewrite.runtime.worker.pipeline import PipelineStage, PPMissingLayer, stage_layers
 
 
@@ -59,10 +61,18 @@ def test_stage_split_of_a_transformers_model(qwen3_3layers, pp_rank):
 
 
 def test_pp2_native_equals_one_process(qwen3_3layers):
-    want = generate_tokens(make_llm(qwen3_3layers, "native"), sampling_params())
+    one = make_llm(qwen3_3layers, "native")
+    want = generate_tokens(one, sampling_params())
     llm = make_llm(qwen3_3layers, "native", pipeline_parallel_size=2)
     try:
         assert generate_tokens(llm, sampling_params()) == want
+        queue = llm.llm_engine.micro_batches
+        assert queue.depth == 2 and queue.max_in_flight == 2  # stage 0 got batch i + 1 before i returned
+        # Each stage caches only its layers: stage 0's two of three bound the shared block count.
+        mc = one.llm_engine.model_config
+        per_layer = bytes_per_block(mc, 4, torch.float32, (0, 1))
+        assert one.llm_engine.block_manager.num_blocks == (1 << 22) // (3 * per_layer)
+        assert llm.llm_engine.block_manager.num_blocks == (1 << 22) // (2 * per_layer)
     finally:
         llm.llm_engine.model_runner.shutdown()
 
@@ -72,5 +82,6 @@ def test_tp2_pp2_transformers_fused_equals_one_process(qwen3_3layers):
     llm = make_llm(qwen3_3layers, "transformers", tensor_parallel_size=2, pipeline_parallel_size=2)
     try:
         assert generate_tokens(llm) == want
+        assert llm.llm_engine.micro_batches.max_in_flight == 2
     finally:
         llm.llm_engine.model_runner.shutdown()

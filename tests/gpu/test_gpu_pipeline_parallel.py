@@ -37,6 +37,8 @@ def _generate(path, impl: str, pp: int):
     try:
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
                             use_tqdm=False)
+        if pp > 1:  # the stages overlapped: a second micro-batch was sent before the first returned
+            assert llm.llm_engine.micro_batches.max_in_flight == pp
         return [list(o.outputs[0].token_ids) for o in outs]
     finally:
         if pp > 1:

@@ -85,3 +85,17 @@ def test_bad_data_parallel_settings_fail_before_workers_start(qwen3_moe_dir, tin
     with pytest.raises(ValueError, match="needs fused MoE layers: fusion=False"):
         make_llm(qwen3_moe_dir, "transformers", data_parallel_size=2, enable_expert_parallel=True, fusion=False)
 
+
+
+@pytest.mark.slow
+def test_dp2_tp2_ep_moe_equals_one_engine(tiny_model_dir):
+    """4 workers: two replicas of TP=2 (attention heads split inside each), 8 experts over all 4 ranks."""
+    path = str(tiny_model_dir("qwen3_moe", vocab="smollm2", num_attention_heads=8, num_key_value_heads=2,
+                              **MOE["qwen3_moe"]))
+    want = _greedy(make_llm(path, "native"))
+    llm = make_llm(path, "native", tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True)
+    try:
+        assert _greedy(llm) == want
+        _check_replicas_used_and_freed(llm)
+    finally:
+        llm.llm_engine.shutdown()
