@@ -270,7 +270,8 @@ def experts_implementation(llm) -> str | None:
 def engine_weight_bytes(engine, batch_size: int | None = None) -> int:
     """Weight bytes one decode step reads on one GPU: `weight_bytes` of the model in this process, or,
     with tensor-parallel workers (the weights live in them), the model built on the meta device from
-    its config, divided by the number of ranks (the few replicated norm weights are not counted twice).
+    its config, divided by the number of ranks (the few replicated norm weights are not counted twice);
+    under DP x EP the experts are divided by every replica's ranks too.
 
     With `batch_size` and a mixture of experts, only the experts a step is expected to touch count:
     with E experts and top-k routing, a batch of b tokens routed uniformly reads
@@ -292,6 +293,10 @@ def engine_weight_bytes(engine, batch_size: int | None = None) -> int:
     if batch_size is not None and experts and num_experts and top_k:
         touched = num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch_size)
         total -= experts - int(experts * touched / num_experts)
+        experts = int(experts * touched / num_experts)
+    dp = getattr(engine.config, "data_parallel_size", 1)
+    if hasattr(engine, "engines") and dp > 1 and engine.config.enable_expert_parallel:  # DP x EP: experts over dp x tp GPUs
+        return (total - experts) // ranks + experts // (ranks * dp)
     return total // ranks
 
 
