@@ -21,10 +21,10 @@ pytestmark = [
 PROMPTS = [list(range(100, 140)), [7, 8, 9], list(range(1000, 1300)), [5] * 17]
 MAX_TOKENS = [24, 8, 16, 24]
 TIE = 1e-3
-# Qwen3-30B-A3B's layer (benchmarks/configs/qwen3-30b-a3b.json), 2 layers, SmolLM2's vocabulary.
+# Qwen3-30B-A3B's layer (benchmarks/configs/qwen3-30b-a3b.json), 2 layers (as test_gpu_tensor_parallel.py: qwen3 vocab).
 SHAPES = dict(hidden_size=2048, num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
               intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-              norm_topk_prob=True, vocab="smollm2")
+              norm_topk_prob=True, vocab="qwen3")
 
 
 @pytest.fixture(scope="module")
