@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # The second wave's GPU runs, in few calls of the device tool (each fits its 10-minute limit):
 #   STEP=train (nvidia-h200):    training GPU tests; `bench train` on Qwen3-0.6B shapes, five arms
+#   STEP=train-nogc (nvidia-h200): saved-tensor reports (stock, liger, optimize; one layer), then the five
+#                                arms without gradient checkpointing (<date>-qwen3-0.6b-train-no-gc.json)
+#   STEP=train-kernels (nvidia-h200): compiled-training-step GPU tests; the arms liger, optimize-compile,
+#                                optimize-compile-kernels (gradient checkpointing) into $OUT_DIR/kernels/
 #   STEP=serve (nvidia-h200):    MoE throughput (Qwen3-30B-A3B shapes), -O 3 cold and warm start, FP8 GEMM,
 #                                structured-output overhead
+#   STEP=structured (nvidia-h200): structured-output and embedding GPU tests, structured-output overhead
 #   STEP=moe-profile (nvidia-h200): MoE kernel timings, decode profiles (after/native, batch 1/256), MoE latency
 #   STEP=multi (nvidia-h200-x2): symmetric-memory all-reduce, TP=2 vs TP=1 batch-1 decode (Qwen3-4B),
 #                                TP=2 and PP=2 greedy tests, MoE expert parallel
@@ -21,10 +26,28 @@ compare() {  # LIMIT ARGS...
 case "${STEP:-train}" in
 train)
   stamp "training GPU tests"
-  gpu_tests 150 gpu-tests-training.log tests/gpu/test_gpu_training.py
+  gpu_tests 150 gpu-tests-training.log tests/gpu/test_gpu_training.py -k "not compiled_training_step"
   stamp "bench train (Qwen3-0.6B shapes, batch 8 x 2048, gradient checkpointing)"
   timeout -k 5 380 $PY -m fxrewrite bench train --config qwen3-0.6b --arms stock,stock-compile,liger,optimize,optimize-compile \
     --batch-size 8 --seq-len 2048 --steps ${TRAIN_STEPS:-5} --warmup 2 --arm-timeout 150 --out "$OUT_DIR" 2>&1 | tail -14 ;;
+train-nogc)
+  for arm in stock liger optimize; do
+    stamp "saved tensors: $arm"
+    timeout -k 5 40 $PY -m fxrewrite.benchmarks.saved_tensors --arm $arm --layers 1 --batch-size 8 --seq-len 2048 \
+      --out "$OUT_DIR/$(date +%F)-qwen3-0.6b-saved-$arm.json" 2>&1 | tail -12
+  done
+  stamp "bench train (Qwen3-0.6B shapes, batch 8 x 2048, no gradient checkpointing)"
+  timeout -k 5 450 $PY -m fxrewrite bench train --config qwen3-0.6b --arms stock,stock-compile,liger,optimize,optimize-compile \
+    --batch-size 8 --seq-len 2048 --steps ${TRAIN_STEPS:-5} --warmup 2 --arm-timeout 150 --no-gradient-checkpointing \
+    --out "$OUT_DIR" 2>&1 | tail -14 ;;
+train-kernels)
+  stamp "compiled training step GPU tests"
+  gpu_tests 230 gpu-tests-training-compile.log tests/gpu/test_gpu_training.py -k compiled_training_step
+  stamp "bench train: compiled arms, kernels as custom ops or Inductor's"
+  mkdir -p "$OUT_DIR/kernels"
+  timeout -k 5 340 $PY -m fxrewrite bench train --config qwen3-0.6b --arms liger,optimize-compile,optimize-compile-kernels \
+    --batch-size 8 --seq-len 2048 --steps ${TRAIN_STEPS:-5} --warmup 2 --arm-timeout 150 --out "$OUT_DIR/kernels" \
+    2>&1 | tail -8 ;;
 serve)
   stamp "MoE GPU tests"
   gpu_tests 70 gpu-tests-moe.log tests/moe
@@ -37,6 +60,11 @@ serve)
   timeout -k 5 60 $PY -m fxrewrite.benchmarks.fp8_gemm --out "$OUT_DIR" 2>&1 | tail -8
   stamp "structured outputs"
   timeout -k 5 70 $PY -m fxrewrite.benchmarks.structured_outputs --out "$OUT_DIR" 2>&1 | tail -5 ;;
+structured)  # issue 20: structured-output overhead and embeddings (nvidia-h200)
+  stamp "structured-output and embedding GPU tests"
+  gpu_tests 200 gpu-tests-structured.log tests/gpu/test_gpu_structured_outputs.py tests/gpu/test_gpu_embeddings.py
+  stamp "structured outputs: overhead at batch 64 (both arms, 3 repeats) and validity"
+  timeout -k 5 240 $PY -m fxrewrite.benchmarks.structured_outputs "${TOK[@]}" --out "$OUT_DIR" 2>&1 | grep -v "tok/s\]" | tail -40 ;;
 multi)
   stamp "all-reduce"
   timeout -k 5 60 $PY -m fxrewrite.benchmarks.all_reduce --out "$OUT_DIR" 2>&1 | tail -8

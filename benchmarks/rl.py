@@ -11,6 +11,10 @@ Arms:
   rows, KV cache, sampling), no second copy and no sync; the old logprobs are the new ones detached
   (TRL's single-step GRPO does the same); time = generate + train.
 Both train the same `fxrewrite.optimize`d model from the same random init (no weights exist here).
+Also recorded: after the engine arm, `sleep(level=1)` / `wake_up()` seconds and the CUDA-graph capture
+inside wake_up; `logprob_agreement`, the engine's old logprobs against the trainer's recomputation on the
+same weights (mean / max absolute difference, bitwise-equal fraction; `batch_invariant`: both sides in
+batch-invariant mode, where the fraction should be 1).
 Weights: random (`transformers`' init) in the bench config's shapes, bf16 on a GPU, float32 on a CPU.
 """
 
@@ -28,6 +32,7 @@ from fxrewrite.kernels.batch_invariant import batch_invariant_mode
 from fxrewrite.rl import completion_logprobs, grpo_advantages, grpo_loss
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 from fxrewrite.runtime.llm import LLM
+from fxrewrite.runtime.worker import sleep_mode
 
 
 def _timed(fn, reps: int, device) -> list[float]:
@@ -159,9 +164,36 @@ def run_iterations(arm: str, model_dir: Path, args: dict, device: str, dtype: to
         iterations.append({"generate_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2, "total_s": t3 - t0,
                            "completion_tokens": sum(map(len, cs)), "mean_reward": sum(rewards) / len(rewards),
                            **(stats if old is not None else {"loss": stats["loss"]})})
+    out = {"iterations": iterations}
+    if llm is not None:
+        out["sleep_wake_up"] = time_sleep_wake_up(llm, device)
     del llm, model, optimizer
     free_device_memory()
-    return {"iterations": iterations}
+    return out
+
+
+def time_sleep_wake_up(llm, device: str) -> dict:
+    """Seconds of `llm.sleep(level=1)` and `llm.wake_up()`, and of the decode CUDA-graph capture inside
+    wake_up (the restored memory has new addresses, so the graphs are captured again)."""
+    capture: list[float] = []
+    original = sleep_mode.build_graph_runner
+
+    def timed_capture(*args, **kwargs):
+        t0 = time.perf_counter()
+        runner = original(*args, **kwargs)
+        _sync(device)
+        capture.append(time.perf_counter() - t0)
+        return runner
+
+    sleep_mode.build_graph_runner = timed_capture
+    try:
+        sleep_s = _timed(lambda: llm.sleep(level=1), 1, device)[0]
+        wake_s = _timed(llm.wake_up, 1, device)[0]
+    finally:
+        sleep_mode.build_graph_runner = original
+    graphs = llm.llm_engine.model_runner.graph_runner
+    return {"sleep_s": sleep_s, "wake_up_s": wake_s, "graph_capture_s": capture[0] if capture else None,
+            "num_graphs": len(graphs.graphs) if graphs is not None else 0}
 
 
 def _tokenizer(model_dir: Path):
@@ -209,6 +241,14 @@ def run_rl_bench(config: str, arms: list[str], sync_configs: list[str], out_dir:
     for name in sync_configs:
         sync_spec = load_bench_config(name)
         result["weight_sync"][sync_spec["name"]] = time_weight_sync(bench_model_dir(sync_spec, tokenizer_dir), device, dtype)
+    if "engine" in arms:
+        its = result["arms"]["engine"]["iterations"]
+        result["logprob_agreement"] = {
+            "batch_invariant": bool(args.get("batch_invariant")), "dtype": str(dtype),
+            "what": "engine's sampled-token logprobs vs the trainer's recomputation, same weights, before the step",
+            "abs_diff_mean": sum(it["logprob_abs_diff_mean"] for it in its) / len(its),
+            "abs_diff_max": max(it["logprob_abs_diff_max"] for it in its),
+            "bitwise_equal_fraction": min(it["logprob_bitwise_equal_fraction"] for it in its)}
     if {"engine", "hf"} <= set(arms):
         last = {arm: result["arms"][arm]["iterations"][-1]["total_s"] for arm in ("engine", "hf")}
         result["speedup_last_iteration"] = last["hf"] / last["engine"]
@@ -231,6 +271,16 @@ def format_rl_table(result: dict) -> str:
     for name, s in result["weight_sync"].items():
         lines.append(f"sync {name}: fused {s['fused_s']['min'] * 1e3:.2f} ms, HF names {s['hf_names_s']['min'] * 1e3:.2f} ms, "
                      f"one device copy {s['one_device_copy_s'] * 1e3:.2f} ms ({s['bytes'] / 2**20:.0f} MiB)")
+    for arm, data in result["arms"].items():
+        if "sleep_wake_up" in data:
+            sw = data["sleep_wake_up"]
+            capture = sw["graph_capture_s"]
+            lines.append(f"{arm}: sleep {sw['sleep_s']:.3f} s, wake_up {sw['wake_up_s']:.3f} s (CUDA graph capture "
+                         f"{'-' if capture is None else f'{capture:.3f} s'}, {sw['num_graphs']} graphs)")
+    if "logprob_agreement" in result:
+        la = result["logprob_agreement"]
+        lines.append(f"logprobs engine vs trainer (batch_invariant={la['batch_invariant']}): mean |diff| "
+                     f"{la['abs_diff_mean']:.3e}, max {la['abs_diff_max']:.3e}, bitwise equal {la['bitwise_equal_fraction']:.4f}")
     if "speedup_last_iteration" in result:
         lines.append(f"whole iteration, hf / engine: {result['speedup_last_iteration']:.2f}x")
     return "\n".join(lines)

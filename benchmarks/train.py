@@ -25,7 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ARMS = ("stock", "stock-compile", "liger", "optimize", "optimize-compile")
+ARMS = ("stock", "stock-compile", "liger", "optimize", "optimize-compile", "optimize-compile-kernels")
+# optimize-compile-kernels: FXREWRITE_COMPILE_TRAIN_KERNELS=1, our RMSNorm / gated-activation Triton kernels stay
+# opaque custom ops in the compiled graph instead of Inductor's fusion of their torch references
 
 
 def _liger_patch(model_type: str, model) -> None:
@@ -33,6 +35,17 @@ def _liger_patch(model_type: str, model) -> None:
 
     apply = monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]
     apply(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True, model=model)
+
+
+def enable_checkpointing(model) -> None:
+    """Non-reentrant activation checkpointing of every decoder layer, spelled for the installed transformers:
+    ``activation_checkpointing_enable`` where it exists (``gradient_checkpointing_enable`` is its deprecated
+    alias in newer 5.x), else ``gradient_checkpointing_enable`` (5.17)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _build(spec: dict, arm: str):
@@ -46,7 +59,7 @@ def _build(spec: dict, arm: str):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.train()
     if spec["gradient_checkpointing"]:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     if arm == "liger":
         _liger_patch(config.model_type, model)
     t0 = time.perf_counter()
@@ -55,7 +68,7 @@ def _build(spec: dict, arm: str):
 
         optimize(model)
     optimize_s = time.perf_counter() - t0
-    runner = torch.compile(model) if arm.endswith("-compile") else model
+    runner = torch.compile(model) if "-compile" in arm else model
     return model, runner, optimize_s
 
 
@@ -63,6 +76,8 @@ def worker(spec: dict, arm: str) -> dict:
     """Run one arm in this process; returns its record (raises on failure)."""
     import torch
 
+    if arm == "optimize-compile-kernels":
+        os.environ["FXREWRITE_COMPILE_TRAIN_KERNELS"] = "1"  # read at trace time, in this arm's process only
     cuda = spec["device"].startswith("cuda")
     model, runner, optimize_s = _build(spec, arm)
     opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"], fused=cuda)

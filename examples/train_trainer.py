@@ -59,10 +59,13 @@ def main(argv=None) -> dict:
         tokenizer.pad_token = tokenizer.eos_token
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     model = fxrewrite.optimize(model)
+    # transformers 5.17 spells it gradient_checkpointing; newer 5.x activation_checkpointing (the old name warns)
+    fields = transformers.TrainingArguments.__dataclass_fields__
+    checkpointing = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
     training_args = transformers.TrainingArguments(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=4, learning_rate=1e-4,
         logging_steps=1, save_strategy="no", report_to=[], bf16=args.bf16, use_cpu=not torch.cuda.is_available(),
-        gradient_checkpointing=args.gradient_checkpointing, dataloader_num_workers=0)
+        dataloader_num_workers=0, **{checkpointing: args.gradient_checkpointing})
     trainer = transformers.Trainer(model=model, args=training_args, train_dataset=TextDataset(tokenizer, TEXTS))
     out = trainer.train()
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]

@@ -5,7 +5,7 @@
 
 from typing import Any
 
-__all__ = ["optimize", "explain", "LLM", "SamplingParams", "StructuredOutputsParams"]
+__all__ = ["optimize", "explain", "LLM", "SamplingParams", "StructuredOutputsParams", "PoolingParams"]
 __version__ = "0.1.0"
 
 
@@ -36,4 +36,8 @@ def __getattr__(name: str) -> Any:
         from fxrewrite.runtime.engine.structured_outputs import StructuredOutputsParams
 
         return StructuredOutputsParams
+    if name == "PoolingParams":
+        from fxrewrite.runtime.engine.pooling import PoolingParams
+
+        return PoolingParams
     raise AttributeError(f"module 'fxrewrite' has no attribute {name!r}")

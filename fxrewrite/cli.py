@@ -38,13 +38,15 @@ def build_parser() -> argparse.ArgumentParser:
             continue  # a subcommand not built yet is simply not offered
         p = sub.add_parser(name, help=help_text, description=help_text)
         module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+        p.set_defaults(_run=module.run, _parser=p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's usage, not the top level's (argparse's parse_args reports at the top)
+        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 
 
 @dataclasses.dataclass
@@ -57,13 +58,31 @@ class FusionReport:
             applied = "; ".join(x for x in (applied, "; ".join(c.present)) if x) or "-"
             skipped = "; ".join(f"{p}: {r}" for p, r in c.skipped) or "-"
             rows.append((c.name, str(c.instances), applied, skipped))
-        widths = [max(len(r[i]) for r in rows[:]) if i < 3 else 0 for i in range(4)]
-        widths = [min(w, 60) for w in widths]
-        lines = ["  ".join(cell.ljust(w) if i < 3 else cell for i, (cell, w) in enumerate(zip(r, widths)))
-                 for r in rows]
+        lines = format_table(rows, max_widths=(48, 9, 60))
         lines.insert(1, "-" * min(max(len(line) for line in lines), 140))
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
     def diff(self) -> str:
         """Unified diffs of every rewritten forward, original vs new."""
         return "".join(c.diff for c in self.classes.values() if c.diff)
+
+
+def format_table(rows: list[tuple[str, ...]], max_widths: tuple[int, ...]) -> list[str]:
+    """Text lines of a table whose columns stay aligned: column i is as wide as its longest cell, at most
+    max_widths[i]; a longer cell wraps onto continuation lines of its own column (at spaces; a long name
+    is cut). The last column is not padded or wrapped."""
+    last = len(rows[0]) - 1
+    widths = [min(max(len(r[i]) for r in rows), max_widths[i]) for i in range(last)]
+    lines = []
+    for row in rows:
+        cells = [_wrap(cell, widths[i]) for i, cell in enumerate(row[:last])] + [[row[last]]]
+        for k in range(max(len(c) for c in cells)):
+            parts = [(c[k] if k < len(c) else "").ljust(widths[i]) for i, c in enumerate(cells[:last])]
+            lines.append("  ".join(parts + [cells[last][k] if k < len(cells[last]) else ""]).rstrip())
+    return lines
+
+
+def _wrap(cell: str, width: int) -> list[str]:
+    if len(cell) <= width:
+        return [cell]
+    return textwrap.wrap(cell, width, break_on_hyphens=False) or [cell]

@@ -3,16 +3,62 @@
 `completion_logprobs(model, prompts, completions)` recomputes, with gradients, the log-probabilities
 of sampled tokens under a causal LM (stock or `fxrewrite.optimize`d): the numbers the engine reports
 with `SamplingParams(logprobs=0)` (log-softmax of the raw logits, float32), so that a GRPO/PPO ratio
-exp(new - old) starts at 1. Under `fxrewrite.kernels.batch_invariant.batch_invariant_mode()` the
-projections run the engine's batch-invariant matmul.
+exp(new - old) starts at 1. Under `fxrewrite.kernels.batch_invariant.batch_invariant_mode()` every op
+runs what the engine's `batch_invariant=True` steps run: the projections its fixed-tile matmul, the
+log_softmax its per-row kernel, and the attention (switched for the call to the "fxrewrite_batch_invariant"
+implementation registered here in transformers' `AttentionInterface`) its one paged kernel, so on a GPU
+the recomputed logprobs of an optimized model equal the engine's (`model_impl="transformers"`) bitwise.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from typing import Sequence
 
 import torch
 from torch import nn
+
+from fxrewrite.kernels.batch_invariant import is_batch_invariant
+from fxrewrite.kernels.paged_attention import causal_attention_batch_invariant
+
+BATCH_INVARIANT_ATTENTION = "fxrewrite_batch_invariant"
+
+
+def batch_invariant_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                      attention_mask: torch.Tensor | None, scaling: float | None = None,
+                                      dropout: float = 0.0, sliding_window: int | None = None,
+                                      softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: query [B, Hq, L, D], key/value [B, Hkv, L, D] ->
+    ([B, L, Hq, D], None), causal, rows right-padded (transformers passes no mask for this name:
+    `causal_attention_batch_invariant`). ValueError for dropout (the engine has none)."""
+    if dropout:
+        raise ValueError(f"{BATCH_INVARIANT_ATTENTION} attention has no dropout, got dropout={dropout}")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
+    return causal_attention_batch_invariant(query, key, value, scale, window, softcap), None
+
+
+def register_batch_invariant_attention() -> str:
+    """Register "fxrewrite_batch_invariant" in transformers' attention registry (idempotent); returns it."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(BATCH_INVARIANT_ATTENTION, batch_invariant_attention_forward)
+    return BATCH_INVARIANT_ATTENTION
+
+
+@contextmanager
+def attention_implementation(model: nn.Module, name: str):
+    """Run the block with `model` (a transformers PreTrainedModel) attending through `name`, then restore."""
+    config = model.config
+    previous = config._attn_implementation
+    if previous == name:
+        yield
+        return
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
 
 
 def completion_logprobs(
@@ -27,7 +73,8 @@ def completion_logprobs(
     Sequences run in right-padded micro-batches of `micro_batch_size` (attention mask and position ids
     from the padding, so padding changes nothing). Logits are divided by `temperature` first (1.0: the
     engine's raw logprobs). Gradients flow unless called under `torch.no_grad()`. ValueError when the
-    two lists differ in length or a prompt is empty.
+    two lists differ in length or a prompt is empty. Inside `batch_invariant_mode()` the model (a
+    transformers one) attends through "fxrewrite_batch_invariant" for the call (see the module docstring).
     """
     if len(prompts) != len(completions):
         raise ValueError(f"got {len(prompts)} prompts and {len(completions)} completions; expected as many")
@@ -35,10 +82,12 @@ def completion_logprobs(
         raise ValueError("every prompt needs at least one token")
     device = next(model.parameters()).device
     out: list[torch.Tensor] = []
-    for start in range(0, len(prompts), micro_batch_size):
-        batch = [(list(p), list(c)) for p, c in zip(prompts[start:start + micro_batch_size],
-                                                   completions[start:start + micro_batch_size])]
-        out += _batch_logprobs(model, batch, device, temperature)
+    invariant = is_batch_invariant() and hasattr(getattr(model, "config", None), "_attn_implementation")
+    with attention_implementation(model, register_batch_invariant_attention()) if invariant else nullcontext():
+        for start in range(0, len(prompts), micro_batch_size):
+            batch = [(list(p), list(c)) for p, c in zip(prompts[start:start + micro_batch_size],
+                                                       completions[start:start + micro_batch_size])]
+            out += _batch_logprobs(model, batch, device, temperature)
     return out
 
 

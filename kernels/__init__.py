@@ -12,7 +12,7 @@ import os
 
 import torch
 
-__all__ = ["use_triton"]
+__all__ = ["use_triton", "compiled_training_kernels"]
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -36,3 +36,16 @@ def use_triton(x: torch.Tensor) -> bool:
         return True
     env = os.environ
     return env.get("FXREWRITE_TRITON") == "1" and env.get("TRITON_INTERPRET") == "1"
+
+
+def compiled_training_kernels(x: torch.Tensor) -> bool:
+    """Whether, while torch.compile traces a training step, the Triton training kernels enter the graph as
+    opaque custom ops (``fxrewrite::rms_norm_train``, ``fxrewrite::act_and_mul_train``) instead of their
+    torch references: opt-in with ``FXREWRITE_COMPILE_TRAIN_KERNELS=1`` (the training benchmark's
+    ``optimize-compile-kernels`` arm), and only where the kernels would run outside tracing."""
+    from fxrewrite.kernels.triton_utils import HAS_TRITON
+
+    env = os.environ
+    if env.get("FXREWRITE_COMPILE_TRAIN_KERNELS") != "1" or not HAS_TRITON or not torch.compiler.is_compiling():
+        return False
+    return x.is_cuda or (env.get("FXREWRITE_TRITON") == "1" and env.get("TRITON_INTERPRET") == "1")

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
-__all__ = ["cross_entropy_grad_", "cross_entropy_grad_ref"]
+__all__ = ["cross_entropy_grad_", "cross_entropy_grad_ref", "cross_entropy_grad_torch"]
 
 
 def _transform(z: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
@@ -34,6 +34,21 @@ def cross_entropy_grad_ref(logits: torch.Tensor, target: torch.Tensor, ignore_in
     loss = F.cross_entropy(_transform(z, scale, softcap), target, ignore_index=ignore_index, reduction="sum")
     (grad,) = torch.autograd.grad(loss, z)
     return loss.detach(), grad.to(logits.dtype)
+
+
+def cross_entropy_grad_torch(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
+                             scale: float = 1.0, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's closed form in torch, without autograd (usable inside a custom op, where autograd is
+    off): same contract and values as :func:`cross_entropy_grad_ref`, float32 math."""
+    y = _transform(logits, scale, softcap)
+    keep = target != ignore_index
+    t = torch.where(keep, target, 0)
+    lse = torch.logsumexp(y, dim=-1)
+    loss = ((lse - y.gather(-1, t[:, None])[:, 0]) * keep).sum()
+    grad = torch.softmax(y, dim=-1)
+    grad[torch.arange(grad.shape[0], device=grad.device), t] -= 1.0
+    dydz = scale * (1.0 - (y / softcap) ** 2) if softcap else scale
+    return loss, (grad * dydz * keep[:, None]).to(logits.dtype)
 
 
 @triton.jit

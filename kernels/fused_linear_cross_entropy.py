@@ -7,7 +7,8 @@ the loss and d(loss)/d(logits) (the Triton kernel :mod:`fxrewrite.kernels.cross_
 transform is known to be ``scale`` / ``softcap``; otherwise autograd through ``transform`` and
 ``F.cross_entropy``, exactly transformers' computation), then ``dhidden = g @ W`` and ``dW += g.T @ hidden``;
 the chunk's logits are freed. The backward only scales the stored gradients by the incoming one.
-Peak extra memory: one chunk of logits plus dhidden [N, H] and dW [V, H]. This is the approach of
+Peak extra memory: one chunk of logits (by default about the size of the hidden states, as Liger-Kernel
+chooses) plus dhidden [N, H] and dW [V, H]. This is the approach of
 Liger-Kernel's fused linear cross-entropy (Hsu et al., 2024, arXiv:2410.10989).
 """
 
@@ -19,14 +20,21 @@ import torch
 import torch.nn.functional as F
 
 from fxrewrite.kernels import use_triton
-from fxrewrite.kernels.cross_entropy import cross_entropy_grad_
+from fxrewrite.kernels.cross_entropy import cross_entropy_grad_, cross_entropy_grad_torch
 
-__all__ = ["fused_linear_cross_entropy", "fused_linear_cross_entropy_ref", "default_chunk_size"]
+__all__ = ["fused_linear_cross_entropy", "fused_linear_cross_entropy_ref", "default_chunk_size", "forward_with_grads"]
 
 
-def default_chunk_size(num_rows: int, vocab: int, budget: int = 1 << 27) -> int:
-    """Rows per chunk: the largest power of two with rows * vocab <= budget elements, at least 64."""
-    rows = max(64, 1 << max(0, (budget // max(vocab, 1)).bit_length() - 1))
+def default_chunk_size(num_rows: int, vocab: int, hidden: int | None = None, budget: int = 1 << 27) -> int:
+    """Rows per chunk. With ``hidden``: the power of two nearest above ``num_rows / ceil(vocab / hidden)``, so
+    one chunk of logits is about as large as the hidden states [num_rows, hidden] (Liger-Kernel's rule),
+    at least 64 rows and at most ``budget`` logits; without: the largest power of two with
+    rows * vocab <= budget, at least 64. Never more than num_rows (and at least 1)."""
+    cap = max(64, 1 << max(0, (budget // max(vocab, 1)).bit_length() - 1))
+    rows = cap
+    if hidden:
+        per = -(-num_rows // -(-vocab // hidden))
+        rows = min(cap, max(64, 1 << max(0, per - 1).bit_length()))
     return max(1, min(rows, num_rows))
 
 
@@ -44,6 +52,8 @@ def _chunk_grad(z, t, ignore_index, transform, kernel_params):
         scale, softcap = kernel_params
         z = z.contiguous()
         return cross_entropy_grad_(z, t, ignore_index, scale, softcap), z
+    if kernel_params is not None and transform is None:  # the transform in numbers only (the custom op)
+        return cross_entropy_grad_torch(z, t, ignore_index, *kernel_params)
     with torch.enable_grad():
         z = z.detach().requires_grad_()
         y = transform(z) if transform is not None else z
@@ -52,32 +62,40 @@ def _chunk_grad(z, t, ignore_index, transform, kernel_params):
     return loss.detach(), g
 
 
+def forward_with_grads(hidden, weight, bias, target, ignore_index, transform, kernel_params, chunk,
+                       want_h: bool, want_w: bool, want_b: bool):
+    """(summed loss float32 [], d/dhidden, d/dweight, d/dbias), each gradient None unless wanted: the chunk
+    loop that the autograd function and the custom op of :mod:`.fused_linear_cross_entropy_op` share."""
+    grad_h = torch.empty_like(hidden) if want_h else None
+    grad_w = torch.zeros_like(weight) if want_w else None
+    grad_b = torch.zeros_like(bias, dtype=torch.float32) if want_b else None
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    w_g = None  # the weight in the logits' dtype (they differ under autocast), cast once
+    for s in range(0, hidden.shape[0], chunk):
+        h, t = hidden[s:s + chunk], target[s:s + chunk]
+        loss, g = _chunk_grad(F.linear(h, weight, bias), t, ignore_index, transform, kernel_params)
+        total += loss
+        if want_h:
+            w_g = weight.to(g.dtype) if w_g is None else w_g
+            grad_h[s:s + chunk] = g @ w_g
+        if want_w:
+            if g.dtype == h.dtype == grad_w.dtype:
+                grad_w.addmm_(g.t(), h)
+            else:
+                grad_w += (g.t().float() @ h.float()).to(grad_w.dtype)
+        if want_b:
+            grad_b += g.float().sum(0)
+    return total, grad_h, grad_w, (grad_b.to(bias.dtype) if want_b else None)
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, ignore_index, transform, kernel_params, chunk):
-        want_h, want_w, want_b = ctx.needs_input_grad[:3]
-        grad_h = torch.empty_like(hidden) if want_h else None
-        grad_w = torch.zeros_like(weight) if want_w else None
-        grad_b = torch.zeros_like(bias, dtype=torch.float32) if want_b else None
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        w_g = None  # the weight in the logits' dtype (they differ under autocast), cast once
-        for s in range(0, hidden.shape[0], chunk):
-            h, t = hidden[s:s + chunk], target[s:s + chunk]
-            loss, g = _chunk_grad(F.linear(h, weight, bias), t, ignore_index, transform, kernel_params)
-            total += loss
-            if want_h:
-                w_g = weight.to(g.dtype) if w_g is None else w_g
-                grad_h[s:s + chunk] = g @ w_g
-            if want_w:
-                if g.dtype == h.dtype == grad_w.dtype:
-                    grad_w.addmm_(g.t(), h)
-                else:
-                    grad_w += (g.t().float() @ h.float()).to(grad_w.dtype)
-            if want_b:
-                grad_b += g.float().sum(0)
-        grad_b = grad_b.to(bias.dtype) if want_b else None
-        ctx.save_for_backward(*(x for x in (grad_h, grad_w, grad_b) if x is not None))
-        ctx.which = (want_h, want_w, want_b)
+        want = ctx.needs_input_grad[:3]
+        total, *grads = forward_with_grads(hidden, weight, bias, target, ignore_index, transform, kernel_params,
+                                           chunk, *want)
+        ctx.save_for_backward(*(x for x in grads if x is not None))
+        ctx.which = want
         return total
 
     @staticmethod
@@ -103,7 +121,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias:
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or target.shape != hidden.shape[:1]:
         raise ValueError(f"fused_linear_cross_entropy: hidden {tuple(hidden.shape)} must be [N, H], weight "
                          f"{tuple(weight.shape)} [V, H], target {tuple(target.shape)} [N]")
-    chunk = chunk_size or default_chunk_size(hidden.shape[0], weight.shape[0])
+    chunk = chunk_size or default_chunk_size(hidden.shape[0], weight.shape[0], hidden.shape[1])
     if not torch.is_grad_enabled():  # no gradients to make: chunked reference, summed
         parts = [fused_linear_cross_entropy_ref(hidden[s:s + chunk], weight, bias, target[s:s + chunk], ignore_index,
                                                 transform) for s in range(0, hidden.shape[0], chunk)]

@@ -12,6 +12,7 @@ and sees keys at positions p <= its own, and p > pos - sliding_window when a win
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from fxrewrite.kernels import use_triton
 from fxrewrite.kernels.attention_tile import check_paged_args
@@ -19,7 +20,12 @@ from fxrewrite.kernels.batch_invariant import is_batch_invariant
 from fxrewrite.kernels.paged_decode import paged_decode_triton
 from fxrewrite.kernels.paged_prefill import paged_prefill_triton
 
-__all__ = ["paged_attention", "paged_attention_ref"]
+__all__ = ["paged_attention", "paged_attention_ref", "causal_attention_batch_invariant", "BI_TILES"]
+
+BI_TILES = {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 2}
+"""Batch-invariant mode: the one attention kernel's launch (prefill and decode alike). Fixed tiles: a
+query row's reduction walks keys in BLOCK_N tiles from position 0 and its dot products have one
+instruction shape, whatever the batch, chunk or padding around it."""
 
 
 def _attend_one(q, k, v, q_pos, k_pos, scale, sliding_window, soft_cap):
@@ -122,8 +128,74 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             max_query_len, max_seq_len, scale, sliding_window, soft_cap)
     if not use_triton(query):
         return paged_attention_ref(*args)
+    if is_batch_invariant():  # one kernel, fixed tiles, no split-K (see BI_TILES)
+        return paged_prefill_triton(*args, **BI_TILES)
     if max_query_len == 1:
-        if is_batch_invariant():  # one split: the reduction order depends on the sequence alone
-            return paged_decode_triton(*args, num_splits=1)
         return paged_decode_triton(*args)
     return paged_prefill_triton(*args)
+
+
+def _dense_causal_ref(q, k, v, scale, sliding_window, soft_cap):
+    """q [B, Hq, L, D], k/v [B, Hkv, L, D] -> [B, L, Hq, D]: masked float32 attention (differentiable)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.float().repeat_interleave(group, dim=1), v.float().repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), k.transpose(-1, -2)) * scale
+    if soft_cap is not None:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
+    pos = torch.arange(q.shape[2], device=q.device)
+    visible = pos[None, :] <= pos[:, None]
+    if sliding_window is not None:
+        visible &= pos[None, :] > pos[:, None] - sliding_window
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.matmul(probs, v).transpose(1, 2).to(q.dtype)
+
+
+_TRAINER_PAGE = 16
+
+
+class _CausalAttention(torch.autograd.Function):
+    """Forward: `paged_attention` over the batch laid out as a paged cache (one block per row); backward:
+    autograd through `_dense_causal_ref` (the same function, recomputed)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, sliding_window, soft_cap):
+        batch, num_heads, length, head_dim = q.shape
+        ctx.save_for_backward(q, k, v)
+        ctx.args = (scale, sliding_window, soft_cap)
+        query = q.transpose(1, 2).reshape(batch * length, num_heads, head_dim)
+        # Pages of the engine's default 16 slots: the kernel's integer arguments (block size, strides) fall
+        # in the same Triton specialisation classes as the engine's launches.
+        pages = -(-length // _TRAINER_PAGE)
+        pad = pages * _TRAINER_PAGE - length
+        key_cache, value_cache = (F.pad(t.transpose(1, 2), (0, 0, 0, 0, 0, pad)).reshape(
+            batch * pages, _TRAINER_PAGE, t.shape[1], head_dim) for t in (k, v))
+        idx = dict(dtype=torch.int32, device=q.device)
+        block_tables = torch.arange(batch * pages, **idx).view(batch, pages)
+        seq_lens = torch.full((batch,), length, **idx)
+        query_start_loc = torch.arange(0, batch * length + 1, length, **idx)
+        out = paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                              length, length, scale, sliding_window, soft_cap)
+        return out.view(batch, length, num_heads, head_dim)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v = (t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors)
+        with torch.enable_grad():
+            out = _dense_causal_ref(q, k, v, *ctx.args)
+            wanted = [t for t in (q, k, v) if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad_out) if wanted else ())
+        return tuple(next(grads) if t.requires_grad else None for t in (q, k, v)) + (None, None, None)
+
+
+def causal_attention_batch_invariant(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                                     sliding_window: int | None = None,
+                                     soft_cap: float | None = None) -> torch.Tensor:
+    """Causal attention of whole right-padded rows through the engine's own paged kernel, for a trainer's
+    recomputation: query [B, Hq, L, D], key/value [B, Hkv, L, D] (transformers' layout) -> [B, L, Hq, D].
+
+    Each row is one sequence of L tokens (padding sits after the real tokens, so causality alone keeps
+    it out of their attention). Inside `batch_invariant_mode()` this is the kernel and launch
+    (`BI_TILES`) the engine's prefill and decode steps run, so a query's output is bitwise the engine's.
+    Differentiable: the backward recomputes `_dense_causal_ref` (float32 math attention) under autograd.
+    """
+    return _CausalAttention.apply(query, key, value, float(scale), sliding_window, soft_cap)

@@ -142,7 +142,9 @@ class GLUPattern(Pattern):
         copy_requires_grad(fused, gate, up)
         fused.row_partner = match.fact("row_partner")
         kind = match.fact("act")
-        act = SiluAndMul() if kind == "silu" else GeluAndMul("tanh" if kind == "gelu_tanh" else "none")
+        # the fused gate_up output is new and read only by the activation: its backward may overwrite it
+        act = (SiluAndMul(inplace_backward=True) if kind == "silu"
+               else GeluAndMul("tanh" if kind == "gelu_tanh" else "none", inplace_backward=True))
         delattr(module, match.name("gate"))
         delattr(module, match.name("up"))
         setattr(module, NEW_LINEAR, fused)

@@ -20,6 +20,7 @@ import torch.fx as fx
 from torch import nn
 
 from fxrewrite import nodes, source
+from fxrewrite.kernels.batch_invariant import is_batch_invariant
 from fxrewrite.kernels.qk_norm_rope import qk_norm_rope_triton
 from fxrewrite.kernels.rotary_backward import rotary_apply_train
 from fxrewrite.layers.layernorm import RMSNorm
@@ -49,10 +50,11 @@ class QKNormRotaryEmb(nn.Module):
 
     def forward(self, q, k, cos, sin, unsqueeze_dim: int = 1, *, q_norm: RMSNorm, k_norm: RMSNorm):
         """q [B, Hq, S, D], k [B, Hk, S, D], cos/sin [B, S, rotary_dim] -> (q, k) normalised, rotated; q's dtype."""
-        if self._kernel_applies(q, k, cos, unsqueeze_dim, q_norm, k_norm):
+        invariant = is_batch_invariant()  # the engine normalises and rotates as the trainer does
+        if self._kernel_applies(q, k, cos, unsqueeze_dim, q_norm, k_norm) and not invariant:
             return self._kernel(q, k, cos, sin, q_norm, k_norm)
         q, k = q_norm(q), k_norm(k)
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):  # training: Triton fwd + bwd
+        if invariant or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):  # training: Triton fwd + bwd
             return rotary_apply_train(q, k, cos, sin, unsqueeze_dim)
         return apply_rotary_qk(q, k, cos, sin, unsqueeze_dim)
 

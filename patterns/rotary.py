@@ -22,6 +22,7 @@ from torch import nn
 
 from fxrewrite import nodes
 from fxrewrite.kernels.rotary import rotary_embedding_triton
+from fxrewrite.kernels.batch_invariant import is_batch_invariant
 from fxrewrite.kernels.rotary_backward import rotary_apply_train
 from fxrewrite.layers.rotary import get_rope
 from fxrewrite.patterns.base import Context, Match, Pattern, Refusal, free_attribute, require
@@ -43,9 +44,11 @@ class ApplyRotaryEmb(nn.Module):
 
     def forward(self, q, k, cos, sin, unsqueeze_dim: int = 1):
         """q [B, Hq, S, D], k [B, Hk, S, D], cos/sin [B, S, rotary_dim] -> rotated (q, k), same shapes and dtype."""
-        if kernel_applies(q, k, cos, unsqueeze_dim):
+        if kernel_applies(q, k, cos, unsqueeze_dim) and not is_batch_invariant():
             return _rotary_kernel_qk(q, k, cos, sin)
-        if _needs_grad(q, k):  # training: Triton forward + backward (autograd through torch off the GPU)
+        # training: Triton forward + backward (autograd through torch off the GPU); batch-invariant: the
+        # engine rotates exactly as the trainer does
+        if _needs_grad(q, k) or is_batch_invariant():
             return rotary_apply_train(q, k, cos, sin, unsqueeze_dim)
         return apply_rotary_qk(q, k, cos, sin, unsqueeze_dim)
 

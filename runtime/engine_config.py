@@ -13,6 +13,7 @@ MODEL_IMPLS = ("auto", "native", "transformers")
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 QUANTIZATIONS = ("fp8",)
+RUNNERS = ("auto", "generate", "pooling")
 
 
 @dataclass
@@ -53,7 +54,8 @@ class EngineConfig:
     """MoE models: whole experts split across the tensor-parallel ranks instead of each expert's columns."""
     batch_invariant: bool = False
     """Run every step with batch-invariant kernels (`fxrewrite.kernels.batch_invariant`): a sequence's
-    logits, hence its sampled tokens' logprobs, do not depend on what else is in the batch. Slower."""
+    logits, hence its sampled tokens' logprobs, do not depend on what else is in the batch, and equal a
+    trainer's `fxrewrite.rl.completion_logprobs` inside `batch_invariant_mode()`. No torch.compile. Slower."""
     data_parallel_size: int = 1
     """Engine replicas, each tensor_parallel_size workers with its own KV cache, behind one front that
     balances requests by load (runtime/engine/data_parallel.py). With enable_expert_parallel, MoE
@@ -72,11 +74,15 @@ class EngineConfig:
     """torch device; None picks cuda when available, else cpu."""
     max_logprobs: int = 20
     """Most logprobs / prompt_logprobs a request may ask for (vLLM's default, 20)."""
+    runner: str = "auto"
+    """"generate" (auto) samples tokens; "pooling" returns embeddings (`LLM.embed`, /v1/embeddings): the
+    last token's final hidden state, L2-normalised (runtime/engine/pooling.py). Single process only."""
 
     def __post_init__(self) -> None:
         _check_choice("model_impl", self.model_impl, MODEL_IMPLS)
         _check_choice("dtype", str(self.dtype).removeprefix("torch."), DTYPES)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
+        _check_choice("runner", self.runner, RUNNERS)
         positive = {
             "max_num_seqs": self.max_num_seqs,
             "block_size": self.block_size,
@@ -109,8 +115,15 @@ class EngineConfig:
                 "hf_overrides must be a dict, a JSON object string or a callable(config) -> config, "
                 f"got {type(self.hf_overrides).__name__}: {self.hf_overrides!r}"
             )
+        if self.runner == "pooling" and (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1):
+            raise UserInputError("runner='pooling' runs in one process: tensor_parallel_size and "
+                                 "pipeline_parallel_size must be 1")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_num_seqs)
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.runner == "pooling"
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

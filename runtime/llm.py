@@ -1,4 +1,4 @@
-"""Offline API: `LLM(...)`, `generate()` and `chat()`, as in vLLM."""
+"""Offline API: `LLM(...)`, `generate()`, `chat()` and `embed()` (runner="pooling"), as in vLLM."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from fxrewrite.runtime.engine_config import EngineConfig
 from fxrewrite.runtime.engine.chat import check_role
 from fxrewrite.runtime.engine.data_parallel import make_engine
 from fxrewrite.runtime.engine.outputs import RequestOutput
+from fxrewrite.runtime.engine.pooling import EmbeddingRequestOutput, PoolingParams
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
 
@@ -65,7 +66,29 @@ class LLM:
             if isinstance(p, dict) and not {"prompt", "prompt_token_ids"} & p.keys():
                 raise UserInputError(f"prompt {i}: {p!r} has neither 'prompt' nor 'prompt_token_ids'")
         prompts = [p.get("prompt_token_ids", p.get("prompt")) if isinstance(p, dict) else p for p in prompts]
-        params = _per_prompt(sampling_params, len(prompts))
+        if self.llm_engine.config.is_pooling:
+            raise UserInputError("LLM.generate: this LLM was made with runner='pooling'; it embeds: call "
+                                 "LLM.embed(prompts), or make the LLM without runner='pooling' to generate")
+        return self._submit(prompts, _per_prompt(sampling_params, len(prompts)), use_tqdm)
+
+    def embed(self, prompts: str | list[int] | Sequence[str | list[int]], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (text or token ids), in order: `output.outputs.embedding` is a list of
+        hidden_size floats, the last token's final hidden state L2-normalised (vLLM's default pooler for
+        a decoder LM). Needs LLM(..., runner="pooling"); ValueError otherwise, or for a bad prompt."""
+        if not self.llm_engine.config.is_pooling:
+            raise UserInputError("LLM.embed needs LLM(model, runner='pooling') (vLLM's pooling runner); this LLM "
+                                 "generates")
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise UserTypeError(f"prompts={prompts!r} must be a string, a list of token ids, or a non-empty list of those")
+        if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
+            raise UserTypeError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}")
+        return self._submit(list(prompts), [pooling_params or PoolingParams()] * len(prompts), use_tqdm)
+
+    def _submit(self, prompts: list, params: list, use_tqdm: bool) -> list:
+        """Add every prompt with its params and run them all; nothing stays queued on an error."""
         ids = [str(next(self._request_counter)) for _ in prompts]
         try:
             for i, (request_id, prompt, p) in enumerate(zip(ids, prompts, params)):

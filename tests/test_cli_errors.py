@@ -42,3 +42,11 @@ def test_a_config_transformers_rejects_is_one_line(tmp_path, capsys):
     assert main(["explain", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "no_such_architecture" in err and "Traceback" not in err
+
+
+def test_unknown_flag_after_a_subcommand_shows_that_subcommands_usage(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "MODEL", "--bogus"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "usage: fxrewrite serve" in err
+    assert "fxrewrite serve: error: unrecognized arguments: --bogus" in err

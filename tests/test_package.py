@@ -16,7 +16,8 @@ def test_import_is_light():
 def test_public_surface_is_small():
     import fxrewrite
 
-    assert set(fxrewrite.__all__) == {"optimize", "explain", "LLM", "SamplingParams", "StructuredOutputsParams"}
+    assert set(fxrewrite.__all__) == {"optimize", "explain", "LLM", "SamplingParams", "StructuredOutputsParams",
+                                       "PoolingParams"}
     try:
         fxrewrite.no_such_name
     except AttributeError as e:

@@ -132,6 +132,11 @@ def _rope_suggestion(flag: str, value: str | None) -> str | None:
 def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the engine flags (vLLM names and defaults) to `parser`; returns it."""
     g = parser.add_argument_group("engine")
+    g.add_argument("--runner", choices=("auto", "generate", "pooling"), default="auto",
+                   help="pooling: serve embeddings of the model's last-token hidden state (POST /v1/embeddings) "
+                        "instead of generating; auto = generate")
+    g.add_argument("--task", choices=("auto", "generate", "embed"), default=None,
+                   help="older vLLM spelling: --task embed is --runner pooling")
     g.add_argument("--model-impl", choices=("auto", "native", "transformers"), default="auto",
                    help="native: hand-written model in runtime/models; transformers: the HF modeling "
                         "code rewritten by fxrewrite; auto: native when one exists (default)")
@@ -193,4 +198,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """
     kwargs = {name: getattr(args, name) for name in ENGINE_KWARG_NAMES}
     kwargs["model"] = getattr(args, "model", None)
+    task = getattr(args, "task", None)
+    kwargs["runner"] = "pooling" if task == "embed" else "generate" if task == "generate" else getattr(args, "runner", "auto")
     return kwargs

@@ -20,28 +20,38 @@ def _needs_grad(x: torch.Tensor) -> bool:
 
 
 class SiluAndMul(nn.Module):
-    """x [..., 2*d] -> silu(x[..., :d]) * x[..., d:]; ValueError on an odd last dim."""
+    """x [..., 2*d] -> silu(x[..., :d]) * x[..., d:]; ValueError on an odd last dim.
+
+    ``inplace_backward=True`` (set by the gated-MLP rewrite, whose fused gate_up output only this layer
+    reads): the training backward writes x's gradient over x, as Liger-Kernel's SwiGLU does; a forward hook
+    that keeps gate_up_proj's output would see it overwritten after the backward.
+    """
+
+    def __init__(self, inplace_backward: bool = False) -> None:
+        super().__init__()
+        self.inplace_backward = inplace_backward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., 2*d] -> [..., d] in x's dtype; ValueError on an odd last dim."""
-        return act_and_mul_train(x, "silu") if _needs_grad(x) else silu_and_mul(x)
+        return act_and_mul_train(x, "silu", self.inplace_backward) if _needs_grad(x) else silu_and_mul(x)
 
 
 class GeluAndMul(nn.Module):
-    """x [..., 2*d] -> gelu(x[..., :d], approximate) * x[..., d:]; approximate "none" or "tanh"."""
+    """x [..., 2*d] -> gelu(x[..., :d], approximate) * x[..., d:]; approximate "none" or "tanh";
+    ``inplace_backward`` as in `SiluAndMul`."""
 
-    def __init__(self, approximate: str = "none") -> None:
+    def __init__(self, approximate: str = "none", inplace_backward: bool = False) -> None:
         super().__init__()
         if approximate not in ("none", "tanh"):
             raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
-        self.approximate = approximate
+        self.approximate, self.inplace_backward = approximate, inplace_backward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., 2*d] -> [..., d] in x's dtype; ValueError on an odd last dim."""
         if _needs_grad(x):
-            return act_and_mul_train(x, "gelu_tanh" if self.approximate == "tanh" else "gelu")
+            return act_and_mul_train(x, "gelu_tanh" if self.approximate == "tanh" else "gelu", self.inplace_backward)
         return gelu_and_mul(x, self.approximate)
 
     def extra_repr(self) -> str:
         """``approximate=...`` in the module's repr."""
-        return f"approximate={self.approximate!r}"
+        return f"approximate={self.approximate!r}, inplace_backward={self.inplace_backward}"

@@ -17,6 +17,7 @@ from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from fxrewrite.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+from fxrewrite.kernels.fused_linear_cross_entropy_op import fused_linear_cross_entropy_op
 
 __all__ = ["LMHeadCrossEntropy"]
 
@@ -29,7 +30,9 @@ class LMHeadCrossEntropy(nn.Module):
     model's ``nn.Linear`` LM head (its weight may be tied to the embedding), ``transform`` maps logits
     to the logits the loss reads (None: identity). ``kernel_params`` = (scale, softcap or None) when the
     transform was proved to be that (enables the Triton cross-entropy on CUDA). ``chunk_size``: rows per
-    chunk (None: ``default_chunk_size``).
+    chunk (None: ``default_chunk_size``). Under ``torch.compile`` the loss is the custom op
+    ``fxrewrite::fused_linear_cross_entropy`` (no graph break) when there is no transform or it was proved
+    to be ``kernel_params``; any other transform runs eagerly (one graph break).
     """
 
     def __init__(self, kernel_params: tuple[float, float | None] | None = None, chunk_size: int | None = None):
@@ -54,9 +57,6 @@ class LMHeadCrossEntropy(nn.Module):
             ok = ok and isinstance(shift_labels, torch.Tensor) and tuple(shift_labels.shape) == tokens
         return ok
 
-    # torch.compile runs this eagerly (one graph break at the loss): the chunk loop computes gradients
-    # inside the forward, which dynamo cannot trace, and eager keeps the Triton cross-entropy kernel.
-    @torch.compiler.disable
     def forward(self, hidden_states, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100,
                 shift_labels=None, *, head: nn.Linear, transform: Callable | None = None, **kwargs):
         if head.out_features != vocab_size:
@@ -65,8 +65,13 @@ class LMHeadCrossEntropy(nn.Module):
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
         target = shift_labels.reshape(-1).to(hidden.device)
-        total = fused_linear_cross_entropy(hidden, head.weight, head.bias, target, ignore_index, transform,
-                                           self.kernel_params, self.chunk_size)
+        if torch.compiler.is_compiling() and (transform is None or self.kernel_params is not None):
+            # the custom op: one opaque node in the compiled graph (no graph break, no logits)
+            scale, softcap = self.kernel_params or (1.0, None)
+            total = fused_linear_cross_entropy_op(hidden, head.weight, head.bias, target, ignore_index, scale,
+                                                  softcap, self.chunk_size)
+        else:
+            total = _eager_loss(hidden, head, target, ignore_index, transform, self.kernel_params, self.chunk_size)
         if num_items_in_batch is None:
             return total / (target != ignore_index).sum()
         if torch.is_tensor(num_items_in_batch):
@@ -74,4 +79,13 @@ class LMHeadCrossEntropy(nn.Module):
         return total / num_items_in_batch
 
     def extra_repr(self) -> str:
+        """Kernel parameters and chunk size in the module's repr."""
         return f"kernel_params={self.kernel_params}, chunk_size={self.chunk_size}"
+
+
+# torch.compile runs this eagerly (one graph break at the loss): a transform other than scaling / soft-capping
+# does not fit the custom op's schema, and dynamo cannot trace the chunk loop.
+@torch.compiler.disable
+def _eager_loss(hidden, head, target, ignore_index, transform, kernel_params, chunk_size):
+    return fused_linear_cross_entropy(hidden, head.weight, head.bias, target, ignore_index, transform, kernel_params,
+                                      chunk_size)

@@ -11,6 +11,7 @@ from fxrewrite.runtime.engine.block_manager import BlockManager
 from fxrewrite.runtime.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
 from fxrewrite.runtime.engine_config import EngineConfig
 from fxrewrite.runtime.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from fxrewrite.runtime.engine.pooling import pooled_rows, pooling_output, split_params
 from fxrewrite.runtime.engine.rl import EngineRLMixin
 from fxrewrite.runtime.engine.micro_batches import MicroBatchQueue
 from fxrewrite.runtime.engine.rope_lengths import length_dependent_rope
@@ -33,12 +34,13 @@ logger = logging.getLogger(__name__)
 class Request:
     """A prompt and its n sequences (one per completion)."""
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params, arrival):
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params, arrival, pooling=None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = params
         self.seqs = [Sequence(request_id, prompt_token_ids, params, i, arrival) for i in range(params.n)]
+        self.pooling_params = pooling  # PoolingParams of an embedding request (runner='pooling')
 
     @property
     def finished(self) -> bool:
@@ -78,6 +80,7 @@ class LLMEngine(EngineRLMixin):
         self._arrivals = itertools.count()
         self._structured = None
         """StructuredOutputManager, made at the first constrained request (xgrammar is optional)."""
+        self._embeddings: dict = {}  # pooling runner: seq_id -> last-token final hidden state [H], host
         self._early_outputs = None
         """Outputs of the previous step when the grammar masks needed its tokens before this step sampled."""
 
@@ -90,14 +93,14 @@ class LLMEngine(EngineRLMixin):
         self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None
     ) -> None:
         """Queue a prompt (text, or token ids) for generation; ValueError for an invalid request."""
-        params = sampling_params or SamplingParams()
+        pooling, params = split_params(sampling_params, self.config.is_pooling)
         self._check_awake()
         if request_id in self.requests:
             raise UserInputError(f"request_id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         self._check_request(token_ids, params)
         compiled = self.compile_structured_outputs(params)
-        request = Request(request_id, text, token_ids, params, next(self._arrivals))
+        request = Request(request_id, text, token_ids, params, next(self._arrivals), pooling)
         bad_words = bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
         self.requests[request_id] = request
         for seq in request.seqs:
@@ -241,18 +244,20 @@ class LLMEngine(EngineRLMixin):
         return self._structured.fill_bitmask([s.seq_id for s in seqs], self.model_runner.device)
 
     def _complete(self, step) -> list[RequestOutput]:
-        """Wait for a launched step's tokens, append them, check stops, return the outputs."""
+        """Wait for a launched step's tokens, append them to the live sequences, check stops, return outputs."""
         try:
             seqs, results = step.result()
         except BaseException:
             self._abort_all()
             raise
+        self._embeddings.update(pooled_rows(step, seqs))
         if getattr(step, "prompt_logprobs", None):
             by_id = {s.seq.seq_id: s.seq for s in step.sched.scheduled}
             store_prompt_logprobs(by_id, step.prompt_logprobs, self._decode_token)
-        for seq, result in zip(seqs, results):
-            if not seq.is_finished:  # else it stopped (or was aborted) while this step ran
-                self._process_sample(seq, result)
+        live = [(seq, result) for seq, result in zip(seqs, results) if not seq.is_finished]
+        grammar_done = self._structured.accept_tokens(live) if self._structured is not None else ()
+        for seq, result in live:
+            self._process_sample(seq, result, seq.seq_id in grammar_done)
         self.scheduler.commit(step.sched)
         touched = dict.fromkeys(s.seq.request_id for s in step.sched.scheduled)
         return [self._make_output(self.requests[r]) for r in touched if r in self.requests]
@@ -265,7 +270,7 @@ class LLMEngine(EngineRLMixin):
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def _process_sample(self, seq: Sequence, result: SampleResult) -> None:
+    def _process_sample(self, seq: Sequence, result: SampleResult, grammar_done: bool = False) -> None:
         params = seq.sampling_params
         seq.append_token(result.token_id)
         seq.cumulative_logprob += result.logprob
@@ -279,7 +284,7 @@ class LLMEngine(EngineRLMixin):
         if reason is None:
             stop = check_stop_strings(seq, len(new_text))
             reason = "stop" if stop is not None else None
-        if self._structured is not None and self._structured.accept(seq.seq_id, result.token_id) and reason is None:
+        if grammar_done and reason is None:
             reason = "stop"  # the grammar is complete (it accepted a stop token)
         if reason is None and (
             seq.num_output_tokens >= (params.max_tokens or 1 << 62)
@@ -302,6 +307,8 @@ class LLMEngine(EngineRLMixin):
     def _make_output(self, request: Request) -> RequestOutput:
         # Built for every request that progressed, every step (the streaming contract): one pass, no
         # generator expressions or properties in the per-sequence loop.
+        if request.pooling_params is not None:
+            return pooling_output(request, self._embeddings, self.requests)
         want_logprobs = request.sampling_params.logprobs is not None
         outputs, cached = [], 0
         for seq in request.seqs:

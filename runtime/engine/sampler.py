@@ -50,15 +50,15 @@ class Sampler:
         """Sample without waiting for the device: the tokens stay on it (for the next step's inputs) and
         travel to the host in the background; `SampledTokens.results()` waits for them.
 
-        bitmask: None, or (packed allowed-token bits [R, ceil(V/32)] int32, rows [R] int64), both on the
-        logits' device (structured outputs); tokens whose bit is 0 get -inf in those rows.
+        bitmask: None, or packed allowed-token bits [S, ceil(V/32)] int32 on the logits' device, one row
+        per sequence (structured outputs); tokens whose bit is 0 get -inf.
         """
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         if any(self._changes_logits(s) for s in seqs):
             logits = self._apply_penalties(logits.clone(), seqs)
         if bitmask is not None:
-            logits = _apply_bitmask(logits, *bitmask)
+            apply_token_bitmask(logits, bitmask)
         # Decided from the params on the host: no device->host sync here at all.
         greedy_list = [s.sampling_params.is_greedy for s in seqs]
         tokens = logits.argmax(dim=-1)
@@ -148,14 +148,24 @@ def _bias_and_ban(logits: torch.Tensor, row: int, seq: Sequence) -> None:
             logits[row, banned] = float("-inf")
 
 
-def _apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """logits [S, V] with -inf where bit (token % 32) of bitmask[r, token // 32] is 0, for the rows
-    `rows` (xgrammar's packed layout); all on the device, no host sync."""
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set logits [S, V] float to -inf in place where bit (token % 32) of bitmask[s, token // 32] is 0
+    (xgrammar's packed layout; bitmask [S, ceil(V/32)] int32 on the logits' device). On CUDA: xgrammar's
+    one-launch Triton kernel (no host sync); elsewhere `apply_token_bitmask_reference`."""
+    if logits.is_cuda:
+        import xgrammar  # optional (serve extra); a bitmask only exists when it is installed
+
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1])
+    else:
+        apply_token_bitmask_reference(logits, bitmask)
+
+
+def apply_token_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """The torch reference of `apply_token_bitmask` (same contract, in place)."""
     vocab = logits.shape[-1]
     shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
     allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]
-    masked = logits[rows].masked_fill(~allowed, float("-inf"))
-    return logits.index_copy(0, rows, masked)
+    logits.masked_fill_(~allowed, float("-inf"))
 
 
 def _num_outputs(seq: Sequence) -> int:

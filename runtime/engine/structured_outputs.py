@@ -3,10 +3,14 @@
 A request names one constraint (a JSON schema, any JSON object, a regex, a list of choices or an EBNF
 grammar). `StructuredOutputManager.compile` turns it into an xgrammar `CompiledGrammar` (cached by
 xgrammar's compiler, so checking a request in the server and admitting it in the engine compile once);
-each sequence then gets its own `GrammarMatcher`. Before a step samples, `fill_bitmask` writes one row of
-allowed tokens per constrained sequence (a packed int32 bitmask, 32 tokens per word, as xgrammar lays it
-out) into pinned host memory and sends it to the device without waiting; the sampler masks the logits
-there (`Sampler` `_apply_bitmask`). After the token comes back, `accept` advances the matcher.
+each sequence then gets its own `GrammarMatcher`. Per step the host work is two batched xgrammar calls,
+no Python loop over matchers: after a step's tokens come back, `accept_tokens` advances every constrained
+matcher at once (`BatchGrammarMatcher.batch_accept_token`); once the next step's forward is launched,
+`fill_bitmask` writes one row of allowed tokens per sampling sequence (a packed int32 bitmask, 32 tokens
+per word, xgrammar's layout; all ones for unconstrained rows) into a reused pinned host buffer with
+xgrammar's thread pool (`batch_fill_next_token_bitmask`) and copies it to the device without waiting,
+so the fill overlaps the forward pass; the sampler masks the logits in place there with one kernel
+(`Sampler`, `apply_token_bitmask`). Sequences without a grammar cost one dict lookup per step.
 
 Why xgrammar: it is what vLLM uses by default, it is maintained by the MLC team with releases every
 few weeks, installs from wheels on CPU and CUDA machines alike, and precomputes per-state token masks
@@ -17,7 +21,9 @@ few weeks, installs from wheels on CPU and CUDA machines alike, and precomputes 
 from __future__ import annotations
 
 import json
+import os
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,9 +87,10 @@ class StructuredOutputManager:
         tokenizer: the Hugging Face tokenizer of the model.
         vocab_size: the number of logits (rows of the LM head; may exceed len(tokenizer)).
         eos_token_ids: tokens that end a completion (the grammar's stop tokens).
+        max_threads: threads of xgrammar's batched fill (default: half the cores, at most 8).
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: set[int]):
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: set[int], max_threads: int | None = None):
         import xgrammar as xgr  # optional dependency (the serve extra): only constrained requests need it
 
         self._xgr = xgr
@@ -91,8 +98,14 @@ class StructuredOutputManager:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=sorted(eos_token_ids))
         self.compiler = xgr.GrammarCompiler(info, max_threads=4, cache_enabled=True)
+        self._stop_ids = frozenset(eos_token_ids)
+        threads = max_threads or min(8, max(1, (os.cpu_count() or 2) // 2))
+        self._batch = xgr.BatchGrammarMatcher(threads)
+        self._buffers = _PinnedBuffers(xgr.get_bitmask_shape(1, vocab_size)[1])
         self.matchers: dict[int, Any] = {}
         """seq_id -> xgrammar GrammarMatcher."""
+        self.stats = {"accept_s": 0.0, "fill_s": 0.0, "steps": 0}
+        """Host seconds spent in accept_tokens / fill_bitmask, and the number of fills (benchmarks)."""
 
     def compile(self, params: StructuredOutputsParams):
         """The CompiledGrammar of `params`; ValueError naming the constraint and xgrammar's complaint."""
@@ -118,29 +131,74 @@ class StructuredOutputManager:
     def remove(self, seq_id: int) -> None:
         self.matchers.pop(seq_id, None)
 
-    def accept(self, seq_id: int, token_id: int) -> bool:
-        """Advance the sequence's matcher by `token_id`; True once its grammar is complete (terminated)."""
-        matcher = self.matchers.get(seq_id)
-        if matcher is None:
-            return False
-        if not matcher.accept_token(token_id):
-            raise RuntimeError(f"sequence {seq_id}: token {token_id} violates its grammar (a sampler bug)")
-        return matcher.is_terminated()
+    def accept_tokens(self, samples: list[tuple[Any, Any]]) -> set[int]:
+        """Advance the matchers of the constrained sequences among `samples` ((Sequence, SampleResult)
+        pairs of one step) by their tokens, in one batched call; returns the seq_ids whose grammar is now
+        complete (it accepted a stop token, which is what xgrammar's `is_terminated` means).
+        RuntimeError if a token violates its grammar (a sampler bug)."""
+        start = time.perf_counter()
+        get, matchers, picked = self.matchers.get, [], []
+        for seq, result in samples:
+            seq_id, token_id = seq.seq_id, result.token_id
+            matcher = get(seq_id)
+            if matcher is not None:
+                matchers.append(matcher)
+                picked.append((seq_id, token_id))
+        done = set()
+        if matchers:
+            accepted = self._xgr.BatchGrammarMatcher.batch_accept_token(matchers, [t for _, t in picked])
+            for ok, (seq_id, token_id) in zip(accepted, picked):
+                if not ok:
+                    raise RuntimeError(f"sequence {seq_id}: token {token_id} violates its grammar (a sampler bug)")
+                if token_id in self._stop_ids:
+                    done.add(seq_id)
+        self.stats["accept_s"] += time.perf_counter() - start
+        return done
 
-    def fill_bitmask(self, seq_ids: list[int], device: torch.device):
-        """(bitmask [R, ceil(V/32)] int32 on `device`, rows [R] int64 on `device`) for the constrained
-        sequences among `seq_ids` (rows index `seq_ids`), or None when none is constrained. The device
-        copies do not wait for the device."""
-        rows = [i for i, sid in enumerate(seq_ids) if sid in self.matchers]
-        if not rows:
+    def fill_bitmask(self, seq_ids: list[int], device: torch.device) -> torch.Tensor | None:
+        """The allowed tokens of the sequences `seq_ids` (row i for seq_ids[i]) as a packed bitmask
+        [len(seq_ids), ceil(V/32)] int32 on `device`, all ones in the rows of unconstrained sequences;
+        None when none is constrained. The copy to the device does not wait for it."""
+        start = time.perf_counter()
+        get, matchers, rows = self.matchers.get, [], []
+        for i, seq_id in enumerate(seq_ids):
+            matcher = get(seq_id)
+            if matcher is not None:
+                matchers.append(matcher)
+                rows.append(i)
+        if not matchers:
             return None
-        xgr = self._xgr
-        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
-        for r, i in enumerate(rows):
-            matcher = self.matchers[seq_ids[i]]
-            if not matcher.is_terminated():
-                matcher.fill_next_token_bitmask(bitmask, r)
-        rows_t = torch.tensor(rows, dtype=torch.int64)
+        host, event = self._buffers.next(len(seq_ids), device)
+        if len(rows) < len(seq_ids):
+            host.fill_(-1)  # every token allowed
+        self._batch.batch_fill_next_token_bitmask(matchers, host, rows)
+        out = host
         if device.type == "cuda":
-            return bitmask.pin_memory().to(device, non_blocking=True), rows_t.pin_memory().to(device, non_blocking=True)
-        return bitmask, rows_t
+            out = host.to(device, non_blocking=True)
+            event.record()
+        self.stats["fill_s"] += time.perf_counter() - start
+        self.stats["steps"] += 1
+        return out
+
+
+class _PinnedBuffers:
+    """Two host bitmask buffers used in turn (pinned when CUDA is there), each with the CUDA event of its
+    last copy to the device: a buffer is refilled only after that copy ran, without a device sync."""
+
+    def __init__(self, width: int):
+        self.width = width
+        self._slots: list[list] = [[None, None], [None, None]]
+        self._turn = 0
+
+    def next(self, rows: int, device: torch.device):
+        slot = self._slots[self._turn]
+        self._turn ^= 1
+        if slot[0] is None or slot[0].shape[0] < rows:
+            capacity = max(rows, 64)
+            with torch.inference_mode(False):  # a normal tensor: refilled in place in and out of inference mode
+                slot[0] = torch.empty((capacity, self.width), dtype=torch.int32,
+                                      pin_memory=device.type == "cuda")
+            slot[1] = torch.cuda.Event() if device.type == "cuda" else None
+        elif slot[1] is not None:
+            slot[1].synchronize()  # its previous copy was queued a step ago: done in practice
+        return slot[0][:rows], slot[1]

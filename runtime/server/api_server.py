@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: FastAPI app over an `AsyncLLMEngine`, run by uvicorn.
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (SSE when
-`stream` is true, ending with `data: [DONE]`), POST /v1/tokenize, POST /v1/detokenize, GET /health,
+`stream` is true, ending with `data: [DONE]`), POST /v1/embeddings (runner "pooling" only; the others
+then answer 400), POST /v1/tokenize, POST /v1/detokenize, GET /health,
 GET /metrics (Prometheus), GET /version.
 With an API key, every /v1 route needs `Authorization: Bearer <key>` (compared in constant time);
 /health, /metrics and /version stay open, as in vLLM.
@@ -20,12 +21,13 @@ from fastapi.responses import JSONResponse, Response
 
 from fxrewrite import __version__
 from fxrewrite.runtime.server.async_engine import AsyncLLMEngine
-from fxrewrite.runtime.server.errors import error_response, install_error_handlers
+from fxrewrite.runtime.server.errors import OpenAIError, error_response, install_error_handlers
 from fxrewrite.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from fxrewrite.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 from fxrewrite.runtime.server.protocol_responses import ModelCard, ModelList
 from fxrewrite.runtime.server.serving_chat import OpenAIServingChat
 from fxrewrite.runtime.server.serving_completion import OpenAIServingCompletion
+from fxrewrite.runtime.server.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
 from fxrewrite.runtime.server.serving_tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from fxrewrite.runtime.server.tool_parsers import ToolParser
 
@@ -126,7 +128,20 @@ def build_app(
     if log_requests:
         async_engine.request_logger = RequestLogger(max_log_len, engine.tokenizer)
     _add_routes(app, engine, names, completion, chat, metrics, __version__)
+    embedding = OpenAIServingEmbedding(async_engine, names, generation_defaults)
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(request: EmbeddingRequest, raw_request: Request):
+        return JSONResponse((await embedding.create_embedding(request, raw_request)).model_dump())
+
     return app
+
+
+def _check_generates(engine: LLMEngine, api: str) -> None:
+    """A pooling server answers completions and chat with vLLM's 400."""
+    if engine.config.is_pooling:
+        raise OpenAIError(HTTPStatus.BAD_REQUEST, f"The model does not support the {api} API: this server runs "
+                          "--runner pooling (embeddings: POST /v1/embeddings)", code="model_not_supported")
 
 
 def _add_routes(app: FastAPI, engine: LLMEngine, names: list[str], completion: OpenAIServingCompletion,
@@ -159,10 +174,12 @@ def _add_routes(app: FastAPI, engine: LLMEngine, names: list[str], completion: O
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request):
+        _check_generates(engine, "Completions")
         return await completion.create_completion(request, raw_request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
+        _check_generates(engine, "Chat Completions")
         return await chat.create_chat_completion(request, raw_request)
 
     @app.post("/v1/tokenize")

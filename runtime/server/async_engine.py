@@ -58,9 +58,15 @@ class StepOutput:
     num_cached_tokens: int = 0
     prompt_token_ids: tuple[int, ...] = ()
     prompt_logprobs: tuple | None = None
+    embedding: tuple[float, ...] | None = None
+    """A pooling request's embedding, once finished (runner='pooling')."""
 
     @classmethod
     def of(cls, output: RequestOutput) -> StepOutput:
+        if not isinstance(output.outputs, list):  # an EmbeddingRequestOutput (runtime/engine/pooling.py)
+            embedding = tuple(output.outputs.embedding) if output.outputs is not None else None
+            return cls(output.request_id, len(output.prompt_token_ids), (), bool(output.finished),
+                       prompt_token_ids=tuple(output.prompt_token_ids), embedding=embedding)
         choices = tuple(
             ChoiceSnapshot(c.index, c.text, tuple(c.token_ids),
                            tuple(c.logprobs) if c.logprobs is not None else None,

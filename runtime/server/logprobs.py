@@ -19,6 +19,16 @@ def _top(tokenizer: Any, step: dict, num_top: int) -> list[tuple[str, float]]:
     return [(_token_text(tokenizer, tid, lp), float(lp.logprob)) for tid, lp in ranked]
 
 
+def _top_with_token(tokenizer: Any, step: dict, num_top: int, token_id: int) -> dict[str, float]:
+    """Completions' top_logprobs of one position: the `num_top` most likely tokens plus the position's
+    actual token (sampled or prompt) when it is not among them, as OpenAI and vLLM return them."""
+    top = dict(_top(tokenizer, step, num_top))
+    entry = step.get(token_id)
+    if entry is not None:
+        top.setdefault(_token_text(tokenizer, token_id, entry), float(entry.logprob))
+    return top
+
+
 def _steps(choice: Any, tok_start: int, tok_end: int):
     """(token_id, {token_id: Logprob}) for the generated tokens in [tok_start, tok_end)."""
     logprobs = choice.logprobs or ()
@@ -38,7 +48,7 @@ def completion_logprobs(tokenizer: Any, choice: Any, tok_start: int, tok_end: in
         text = _token_text(tokenizer, token_id, entry)
         out.tokens.append(text)
         out.token_logprobs.append(float(entry.logprob) if entry is not None else None)
-        out.top_logprobs.append(dict(_top(tokenizer, step, num_top)) if num_top > 0 else None)
+        out.top_logprobs.append(_top_with_token(tokenizer, step, num_top, token_id) if num_top > 0 else None)
         out.text_offset.append(offset)
         offset += len(text)
     return out
@@ -72,7 +82,7 @@ def echo_logprobs(tokenizer: Any, prompt_token_ids: tuple[int, ...], prompt_logp
         text = _token_text(tokenizer, token_id, entry)
         out.tokens.append(text)
         out.token_logprobs.append(float(entry.logprob) if entry is not None else None)
-        out.top_logprobs.append(dict(_top(tokenizer, step, num_top)) if step and num_top > 0 else None)
+        out.top_logprobs.append(_top_with_token(tokenizer, step, num_top, token_id) if step and num_top > 0 else None)
         out.text_offset.append(offset)
         offset += len(text)
     return out

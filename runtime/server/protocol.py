@@ -196,7 +196,7 @@ class ChatMessage(OpenAIBaseModel):
     @field_validator("role")
     @classmethod
     def _known_role(cls, role: str) -> str:  # OpenAI answers 400 for any other role
-        return check_role(role)
+        return check_role(role, None)  # the 400 names messages.<i>.role already
 
     def to_template_dict(self) -> dict[str, Any]:
         """The message as chat templates expect it; text parts are joined, other parts refused. Tool-call

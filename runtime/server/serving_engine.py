@@ -52,11 +52,12 @@ class OpenAIServing:
                               f"serves {self.served_model_names}.", param="model", code="model_not_found")
         return requested
 
-    def check_token_ids(self, token_ids: list[int]) -> list[int]:
+    def check_token_ids(self, token_ids: list[int], param: str = "prompt") -> list[int]:
+        """`token_ids` when each is in [0, vocab); else a 400 naming `param` (the request field)."""
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise OpenAIError(HTTPStatus.BAD_REQUEST, f"prompt token id {bad[0]} is out of range "
-                              f"[0, {self.vocab_size})", param="prompt", code="invalid_value")
+            raise OpenAIError(HTTPStatus.BAD_REQUEST, f"{param} token id {bad[0]} is out of range "
+                              f"[0, {self.vocab_size})", param=param.split("[")[0], code="invalid_value")
         return token_ids
 
     def max_tokens_for(self, request: SamplingRequest, num_prompt_tokens: int, explicit: bool) -> int:

@@ -70,7 +70,7 @@ def tokenize(chat, request: TokenizeRequest) -> TokenizeResponse:
 
 def detokenize(chat, request: DetokenizeRequest) -> DetokenizeResponse:
     chat.model_name(request.model)
-    chat.check_token_ids(request.tokens)
+    chat.check_token_ids(request.tokens, "tokens")
     try:
         return DetokenizeResponse(prompt=chat.tokenizer.decode(request.tokens))
     except Exception as e:  # noqa: BLE001 - a tokenizer that cannot decode these ids

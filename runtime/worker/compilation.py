@@ -44,7 +44,8 @@ def should_compile(config, device: torch.device) -> bool:
     level = getattr(config, "compilation_config", 0)
     if not isinstance(level, int) or isinstance(level, bool) or not 0 <= level <= 3:
         raise ValueError(f"compilation_config={level!r}: expected an optimisation level 0, 1, 2 or 3")
-    return device.type == "cuda" and not config.enforce_eager and level > 0
+    # batch_invariant: Inductor would fuse the norms and rotary with other roundings than the trainer's eager ops
+    return device.type == "cuda" and not config.enforce_eager and level > 0 and not getattr(config, "batch_invariant", False)
 
 
 def compile_model(model: nn.Module) -> nn.Module:

@@ -223,9 +223,13 @@ class ModelRunner:
             prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, sched.scheduled)
         if not inputs.sample_seqs:
             return PendingStep(sched, None, prompt_logprobs)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        last_hidden = hidden[inputs.logits_indices]
+        logits = self.model.compute_logits(last_hidden)
         bitmask = bitmask_hook(inputs.sample_seqs) if bitmask_hook is not None else None
-        return PendingStep(sched, self.sampler.sample(logits, inputs.sample_seqs, bitmask), prompt_logprobs)
+        step = PendingStep(sched, self.sampler.sample(logits, inputs.sample_seqs, bitmask), prompt_logprobs)
+        if self.config.is_pooling:  # embeddings: the last-token final hidden states [S, H] (engine/pooling.py)
+            step.pooled = last_hidden.float()
+        return step
 
 
 class PendingStep:
@@ -236,6 +240,8 @@ class PendingStep:
         self.samples = samples
         self.prompt_logprobs = prompt_logprobs
         """list[PromptLogprobsChunk] of this step, or None."""
+        self.pooled: torch.Tensor | None = None
+        """Pooling runner: final hidden states [S, H] float32 of the sampling rows, on the device."""
         self.seqs: list[Sequence] = samples.seqs if samples is not None else []
         self.rows = {seq.seq_id: i for i, seq in enumerate(self.seqs)}
         """seq_id -> row of its sample in `samples.tokens`."""

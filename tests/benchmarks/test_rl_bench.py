@@ -27,7 +27,10 @@ def test_cli_bench_rl_tiny(tmp_path, capsys):
     assert engine["logprob_abs_diff_max"] < 1e-4  # float32: the engine's logprobs are the trainer's
     sync = saved["weight_sync"]["tiny-smollm2"]
     assert sync["fused_s"]["min"] > 0 and sync["num_fused_tensors"] < sync["num_hf_tensors"]
-    assert "whole iteration" in captured.out
+    assert saved["logprob_agreement"]["abs_diff_mean"] < 1e-5 and not saved["logprob_agreement"]["batch_invariant"]
+    wake = saved["arms"]["engine"]["sleep_wake_up"]
+    assert wake["sleep_s"] > 0 and wake["wake_up_s"] > 0 and wake["num_graphs"] == 0  # no CUDA graphs on a CPU
+    assert "whole iteration" in captured.out and "wake_up" in captured.out
 
 
 def test_cli_bench_rl_rejects_unknown_arm(capsys):

@@ -23,3 +23,24 @@ def test_explain_prints_report_and_diff(tmp_path, capsys):
 def test_explain_missing_folder_is_clean_error(tmp_path, capsys):
     assert main(["explain", str(tmp_path / "nope")]) == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_report_table_keeps_columns_aligned_for_long_module_names():
+    from fxrewrite.report import FusionReport
+
+    report = FusionReport()
+    long = report.entry("Qwen3MoeSparseMoeBlockWithAVeryLongQualifiedNameFromSomeRemoteCodeModule")
+    long.instances = 3
+    long.applied = {"qkv": {"fused q/k/v projections into one GEMM": 3}}
+    long.skip("rms_norm", "not proven")
+    short = report.entry("Short")
+    short.instances = 12
+    lines = str(report).splitlines()
+    header = lines[0]
+    starts = [header.index(title) for title in ("instances", "applied", "skipped (reason)")]
+    for line in lines[2:]:
+        assert len(line) <= starts[2] or line[starts[2] - 2 : starts[2]] == "  ", line
+        for start in starts:  # every cell starts at its column (or the line is a continuation)
+            assert line[start - 2 : start] in ("  ", ""), line
+    assert lines[2].split()[1] == "3" and any(line.startswith("Short ") and " 12 " in line for line in lines)
+    assert "".join(line[: starts[0]].strip() for line in lines[2:4]) == long.name

@@ -10,6 +10,7 @@ import torch
 from tests.e2e.tiny_models import tiny_model
 
 import fxrewrite
+from fxrewrite.benchmarks.train import enable_checkpointing
 from fxrewrite.kernels.triton_utils import interpreter_ready
 from fxrewrite.weights import to_hf_names
 
@@ -118,16 +119,18 @@ def test_custom_loss_function_is_respected():
     assert float(out.loss) == 42.0 and out.logits is not None
 
 
-@pytest.mark.parametrize("when", ["before", "after"])
-def test_gradient_checkpointing(when):
+@pytest.mark.parametrize("when", ["before", "after", "triton"])
+def test_gradient_checkpointing(when, monkeypatch):
+    if when == "triton":  # the Triton training kernels (interpreter): in-place activation backward on recompute
+        monkeypatch.setenv("FXREWRITE_TRITON", "1")
     stock = tiny_model("qwen3").train()
-    stock.gradient_checkpointing_enable()
+    enable_checkpointing(stock)
     fused = copy.deepcopy(tiny_model("qwen3")).train()
     if when == "before":
-        fused.gradient_checkpointing_enable()
+        enable_checkpointing(fused)
     fused = fxrewrite.optimize(fused)
-    if when == "after":
-        fused.gradient_checkpointing_enable()
+    if when in ("after", "triton"):
+        enable_checkpointing(fused)
     assert fused.model.gradient_checkpointing
     assert_same_training_step(stock, fused, *_batch())
 

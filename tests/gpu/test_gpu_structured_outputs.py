@@ -1,4 +1,4 @@
-"""Structured outputs and prompt logprobs on the GPU: the sampler's bitmask equals xgrammar's own kernel,
+"""Structured outputs and prompt logprobs on the GPU: the sampler's bitmask kernel equals its torch reference,
 sampled JSON validates with async scheduling and CUDA graphs, prompt logprobs are finite and ranked."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from fxrewrite.runtime.engine.sampler import _apply_bitmask
+from fxrewrite.runtime.engine.sampler import apply_token_bitmask, apply_token_bitmask_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -21,17 +21,17 @@ SCHEMA = {
 }
 
 
-def test_bitmask_matches_xgrammar_kernel():
-    xgr = pytest.importorskip("xgrammar")
-    vocab, rows = 151936, [0, 3, 5]
-    logits = torch.randn(8, vocab, device="cuda")
-    bitmask = torch.randint(-(2**31), 2**31 - 1, (len(rows), (vocab + 31) // 32), dtype=torch.int32)
-    ours = _apply_bitmask(logits, bitmask.cuda(), torch.tensor(rows, device="cuda"))
-    full = torch.full((8, bitmask.shape[1]), -1, dtype=torch.int32)
-    full[rows] = bitmask
-    theirs = logits.clone()
-    xgr.apply_token_bitmask_inplace(theirs, full.cuda())
-    assert torch.equal(ours, theirs)
+def test_bitmask_kernel_matches_reference():
+    """The sampler's CUDA path (xgrammar's Triton kernel) equals the torch reference, bf16 and float32."""
+    vocab = 151936
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(8, vocab, device="cuda", dtype=dtype)
+        bitmask = torch.randint(-(2**31), 2**31 - 1, (8, (vocab + 31) // 32), dtype=torch.int32, device="cuda")
+        bitmask[3] = -1
+        ours, reference = logits.clone(), logits.clone()
+        apply_token_bitmask(ours, bitmask)
+        apply_token_bitmask_reference(reference, bitmask)
+        assert torch.equal(ours, reference) and torch.equal(ours[3], logits[3])
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])

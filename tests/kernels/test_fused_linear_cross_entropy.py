@@ -72,3 +72,7 @@ def test_default_chunk_size():
     assert default_chunk_size(16384, 151936) == 512
     assert default_chunk_size(10, 151936) == 10
     assert default_chunk_size(1 << 20, 1 << 26) == 64  # at least 64 rows
+    # with the hidden size: logits chunk ~ hidden states (Qwen3-0.6B, 8 x 2048 tokens: 128 rows, as Liger)
+    assert default_chunk_size(16384, 151936, 1024) == 128
+    assert default_chunk_size(10, 151936, 1024) == 10
+    assert default_chunk_size(1 << 20, 32000, 4096) == 4096  # capped at 2**27 logits

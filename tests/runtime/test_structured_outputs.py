@@ -4,6 +4,7 @@ ValueError naming the problem before anything is queued."""
 
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 
@@ -97,13 +98,56 @@ def test_sampler_bitmask_equals_xgrammar_apply():
     import torch
     import xgrammar as xgr
 
-    from fxrewrite.runtime.engine.sampler import _apply_bitmask
+    from fxrewrite.runtime.engine.sampler import apply_token_bitmask, apply_token_bitmask_reference
 
-    vocab, rows = 1000, [0, 3, 5]
+    vocab = 1000
     logits = torch.randn(8, vocab)
-    bitmask = torch.randint(-(2**31), 2**31 - 1, (len(rows), (vocab + 31) // 32), dtype=torch.int32)
-    full = torch.full((8, bitmask.shape[1]), -1, dtype=torch.int32)
-    full[rows] = bitmask
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (8, (vocab + 31) // 32), dtype=torch.int32)
+    bitmask[2] = -1  # an unconstrained row
     expected = logits.clone()
-    xgr.apply_token_bitmask_inplace(expected, full)
-    assert torch.equal(_apply_bitmask(logits, bitmask, torch.tensor(rows)), expected)
+    xgr.apply_token_bitmask_inplace(expected, bitmask)
+    ours, reference = logits.clone(), logits.clone()
+    apply_token_bitmask(ours, bitmask)
+    apply_token_bitmask_reference(reference, bitmask)
+    assert torch.equal(ours, expected) and torch.equal(reference, expected)
+    assert torch.equal(ours[2], logits[2])
+
+
+def test_manager_batches_accept_and_fill(llm):
+    """accept_tokens' completed set is xgrammar's is_terminated; fill_bitmask gives all-ones rows to
+    unconstrained sequences and the matcher's own mask to constrained ones, reusing its two buffers."""
+    import torch
+    import xgrammar as xgr
+
+    engine = llm.llm_engine
+    manager = engine._structured or engine.compile_structured_outputs(
+        SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a"]))) and engine._structured
+    compiled = manager.compile(StructuredOutputsParams(choice=["yes", "no"]))
+    yes = llm.get_tokenizer().encode("yes", add_special_tokens=False)
+    eos = min(engine.eos_token_ids)
+    manager.add(-1, compiled)
+    manager.add(-2, compiled)
+
+    def step(seq_ids, tokens):
+        return [(SimpleNamespace(seq_id=s), SimpleNamespace(token_id=t)) for s, t in zip(seq_ids, tokens)]
+
+    try:
+        assert manager.accept_tokens(step([-1, -3, -2], yes[:1] + [5] + yes[:1])) == set()
+        masks = [manager.fill_bitmask([-3, -1, -2], torch.device("cpu")).clone() for _ in range(3)]
+        assert all(torch.equal(m, masks[0]) for m in masks)
+        assert (masks[0][0] == -1).all()
+        expected = xgr.allocate_token_bitmask(1, manager.vocab_size)
+        manager.matchers[-1].fill_next_token_bitmask(expected, 0)
+        assert torch.equal(masks[0][1], expected[0]) and torch.equal(masks[0][2], expected[0])
+        rest = yes[1:]
+        for token in rest:
+            assert manager.accept_tokens(step([-1], [token])) == set()
+        assert manager.accept_tokens(step([-1], [eos])) == {-1} and manager.matchers[-1].is_terminated()
+        assert not manager.matchers[-2].is_terminated()
+        bits = ((masks[0][2][:, None] >> torch.arange(32, dtype=torch.int32)) & 1).flatten()
+        banned = int((bits[: manager.vocab_size] == 0).nonzero()[0])
+        with pytest.raises(RuntimeError, match="violates its grammar"):
+            manager.accept_tokens(step([-2], [banned]))
+    finally:
+        manager.remove(-1)
+        manager.remove(-2)

@@ -41,6 +41,25 @@ def test_lm_eval_loglikelihood_request_shape(server, hf_model):
         assert lp.text_offset[: len(prompt)] == sorted(lp.text_offset[: len(prompt)])
 
 
+def test_echo_top_logprobs_include_the_prompt_token(server):
+    """OpenAI and vLLM put each position's actual token in its top_logprobs, even when it is not in the
+    top k (a random tiny model ranks most prompt tokens low)."""
+    tok = server.engine.tokenizer
+    prompt = tok.encode("zebra quantum marmalade xylophone")
+    out = server.client().completions.create(model=server.model_name, prompt=prompt, max_tokens=1, logprobs=1,
+                                             echo=True, temperature=0)
+    lp = out.choices[0].logprobs
+    for text, token_lp, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert top[text] == pytest.approx(token_lp) and 1 <= len(top) <= 2
+
+
+def test_unknown_role_message_has_no_stray_prefix(server):
+    with server.http() as http:
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "hi"}]})
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and message.startswith("messages.0.role: role 'wizard' is not one of"), message
+
+
 def test_echo_with_max_tokens_0_returns_the_prompt_alone(server):
     out = server.client().completions.create(model=server.model_name, prompt="Hello there", max_tokens=0,
                                              echo=True, logprobs=0)
@@ -107,6 +126,7 @@ def test_tokenize_and_detokenize(server):
         assert server.engine.tokenizer.decode(chat["tokens"]).startswith("<|im_start|>user\nhi")
         bad = http.post("/v1/detokenize", json={"tokens": [10**9]})
         assert bad.status_code == 400 and "out of range" in bad.json()["error"]["message"]
+        assert bad.json()["error"]["param"] == "tokens" and "tokens token id" in bad.json()["error"]["message"]
         both = http.post("/v1/tokenize", json={"prompt": "x", "messages": [{"role": "user", "content": "x"}]})
         assert both.status_code == 400
 

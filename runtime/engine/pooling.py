@@ -1,0 +1,107 @@
+"""Embeddings from a causal LM run as a pooling model (vLLM's `--runner pooling`, older `--task embed`).
+
+vLLM's default pooler for an embedding task on a decoder-only model is LAST pooling with L2
+normalisation (docs.vllm.ai, "Pooling Models"): the embedding of a prompt is the final hidden state
+(after the model's last norm, i.e. what the LM head would read) at its last token, divided by its
+Euclidean norm. Here a pooling request is a one-step prefill through the usual scheduler (chunked
+prefill and prefix caching apply); the model runner hands back that row, in float32, instead of only
+a sampled token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fxrewrite.errors import UserInputError
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class PoolingParams:
+    """Per-request pooling settings (vLLM's `PoolingParams`, embed task).
+
+    normalize: divide the last-token hidden state by its L2 norm (vLLM's default for embed).
+    dimensions: a shorter (Matryoshka) embedding; only None is supported (the model's hidden size),
+    anything else is a ValueError naming the value, as vLLM refuses it for non-Matryoshka models.
+    """
+
+    normalize: bool = True
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.normalize, bool):
+            raise UserInputError(f"PoolingParams: normalize={self.normalize!r} must be True or False")
+        if self.dimensions is not None:
+            raise UserInputError(f"PoolingParams: dimensions={self.dimensions!r} is not supported: this model "
+                                 "has no Matryoshka (truncatable) embeddings; leave dimensions unset")
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding: hidden_size floats (vLLM's `EmbeddingOutput`)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt (vLLM's `EmbeddingRequestOutput`); `outputs` is None until
+    the request finished."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput | None
+    finished: bool
+
+
+def last_token_embedding(hidden: torch.Tensor, normalize: bool) -> list[float]:
+    """The embedding of one prompt from its last-token final hidden state `hidden` [H] (any float dtype,
+    any device): float32, L2-normalised when `normalize` (torch.nn.functional.normalize, eps 1e-12)."""
+    vector = hidden.float()
+    if normalize:
+        vector = torch.nn.functional.normalize(vector, dim=-1)
+    return vector.tolist()
+
+
+def split_params(params, is_pooling: bool):
+    """(PoolingParams or None, the SamplingParams the engine runs) for a request's params on a runner.
+    A pooling request is a one-token greedy step (its token is dropped). ValueError for params that do
+    not fit the runner (vLLM refuses generation on a pooling model and the reverse)."""
+    if not is_pooling:
+        if isinstance(params, PoolingParams):
+            raise UserInputError("PoolingParams need an engine made with runner='pooling' (embeddings); this "
+                                 "one generates: pass SamplingParams, or start it with runner='pooling'")
+        return None, params or SamplingParams()
+    if params is not None and not isinstance(params, PoolingParams):
+        raise UserInputError(f"this engine runs runner='pooling': it returns embeddings (LLM.embed, /v1/embeddings) "
+                             f"and does not generate; got {type(params).__name__}, expected PoolingParams")
+    return params or PoolingParams(), SamplingParams(max_tokens=1, temperature=0.0)
+
+
+def pooling_output(request, embeddings: dict[int, torch.Tensor], requests: dict) -> EmbeddingRequestOutput:
+    """The EmbeddingRequestOutput of an engine request (its one sequence's row popped from `embeddings`,
+    seq_id -> last-token final hidden state [H] on the host, once it finished; a finished request is
+    also dropped from the engine's `requests`)."""
+    seq = request.seqs[0]
+    finished = request.finished
+    if finished:
+        del requests[request.request_id]
+    row = embeddings.pop(seq.seq_id, None) if finished else None
+    outputs = None if row is None else EmbeddingOutput(last_token_embedding(row, request.pooling_params.normalize))
+    return EmbeddingRequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, finished)
+
+
+def pooled_rows(step, seqs: list) -> dict[int, torch.Tensor]:
+    """{seq_id: last-token final hidden state [H] on the host} of a pooling step's live sequences (those
+    not aborted while it ran; each is finished and its output made in the same engine step), else {}."""
+    pooled = getattr(step, "pooled", None)
+    if pooled is None:
+        return {}
+    return {seq.seq_id: row for seq, row in zip(seqs, pooled.cpu()) if not seq.is_finished}

@@ -1,0 +1,113 @@
+"""POST /v1/embeddings (OpenAI's shape) for a server started with `--runner pooling`.
+
+Request: `input` is a string, a list of strings, a list of token ids or a list of such lists;
+`encoding_format` "float" (lists of floats) or "base64" (the little-endian float32 bytes, base64, as
+OpenAI sends them); `dimensions` is refused with a 400 (no Matryoshka embeddings). Response:
+{"object": "list", "data": [{"object": "embedding", "index", "embedding"}], "model", "usage":
+{"prompt_tokens", "total_tokens"}}. Every input is checked (empty, longer than max_model_len, token
+ids out of range) before any is queued. A server that generates answers 400, as vLLM does for a
+model without the embedding task.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from http import HTTPStatus
+from typing import Literal
+
+import numpy as np
+from fastapi import Request
+
+from fxrewrite.runtime.engine.pooling import PoolingParams
+from fxrewrite.runtime.server.errors import OpenAIError
+from fxrewrite.runtime.server.protocol import OpenAIBaseModel, random_id
+from fxrewrite.runtime.server.serving_engine import OpenAIServing
+
+
+class EmbeddingRequest(OpenAIBaseModel):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
+class EmbeddingData(OpenAIBaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(OpenAIBaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
+
+
+def encode_embedding(values: list[float], encoding_format: str) -> list[float] | str:
+    """floats as they are, or base64 of their little-endian float32 bytes (OpenAI's base64 format)."""
+    if encoding_format == "float":
+        return values
+    return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode("ascii")
+
+
+class OpenAIServingEmbedding(OpenAIServing):
+    """Embeddings over the async engine of a pooling runner."""
+
+    async def create_embedding(self, request: EmbeddingRequest, raw_request: Request) -> EmbeddingResponse:
+        model = self.model_name(request.model)
+        if not self.engine.engine.config.is_pooling:
+            raise OpenAIError(HTTPStatus.BAD_REQUEST, "The model does not support the Embeddings API: this server "
+                              "generates; start it with `fxrewrite serve MODEL --runner pooling` for embeddings",
+                              param="model", code="model_not_supported")
+        if request.dimensions is not None:
+            raise OpenAIError(HTTPStatus.BAD_REQUEST, f"dimensions={request.dimensions} is not supported: the "
+                              "model has no Matryoshka (truncatable) embeddings; leave dimensions unset",
+                              param="dimensions", code="invalid_value")
+        prompts = self._prompts(request.input)
+        request_id = random_id("embd")
+        params = PoolingParams()
+        ids, streams = await self.start_requests(request_id, [(p, params) for p in prompts])
+        try:
+            data = []
+            for index, stream in enumerate(streams):
+                last = None
+                async for output in stream:
+                    last = output
+                data.append(EmbeddingData(index=index, embedding=encode_embedding(list(last.embedding),
+                                                                                  request.encoding_format)))
+        finally:
+            self.abort_all(ids)
+        tokens = sum(len(p) for p in prompts)
+        return EmbeddingResponse(id=request_id, created=int(time.time()), model=model, data=data,
+                                 usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+
+    def _prompts(self, given) -> list[list[int]]:
+        """Token ids per input; 400 naming the input for an empty one or one over max_model_len."""
+        if isinstance(given, str) or (isinstance(given, list) and given and isinstance(given[0], int)):
+            given = [given]
+        if not given:
+            raise OpenAIError(HTTPStatus.BAD_REQUEST, "input is empty: give a string, a list of strings, a "
+                              "list of token ids or a list of such lists", param="input", code="invalid_value")
+        prompts = []
+        for i, item in enumerate(given):
+            where = "input" if len(given) == 1 else f"input[{i}]"
+            ids = list(self.tokenizer.encode(item)) if isinstance(item, str) else self.check_token_ids(item, where)
+            if not ids:
+                raise OpenAIError(HTTPStatus.BAD_REQUEST, f"{where} is empty: at least 1 token is needed",
+                                  param="input", code="invalid_value")
+            if len(ids) > self.max_model_len:
+                raise OpenAIError(HTTPStatus.BAD_REQUEST, f"{where} has {len(ids)} tokens, more than this "
+                                  f"model's maximum context length {self.max_model_len}; shorten it",
+                                  param="input", code="context_length_exceeded")
+            prompts.append(ids)
+        return prompts

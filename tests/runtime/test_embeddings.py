@@ -1,0 +1,78 @@
+"""Embeddings from a causal LM (runner="pooling", vLLM's LAST pooling + L2 norm): `LLM.embed` equals
+transformers' own final hidden state of the last prompt token, normalised (float32, 1e-5), for native
+and transformers-backed models, one prompt alone or batched with others; bad input is refused."""
+
+import pytest
+import torch
+
+from fxrewrite.runtime.engine.pooling import PoolingParams
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
+from fxrewrite.runtime.llm import LLM
+
+PROMPTS = ["The capital of France is", "Hello", "a b c d e f g h i j k l m n o p q r s t u v w x y z " * 3]
+
+
+def _oracle(model_dir, token_ids: list[int], normalize: bool = True) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        hidden = model.model(input_ids=torch.tensor([token_ids])).last_hidden_state[0, -1]
+    return torch.nn.functional.normalize(hidden, dim=-1) if normalize else hidden
+
+
+@pytest.fixture(scope="module")
+def pooling_llm(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir), model_impl="native", runner="pooling", dtype="float32",
+               kv_cache_memory_bytes=4 << 20, max_model_len=128, max_num_batched_tokens=32)
+
+
+def test_embed_equals_transformers_last_hidden_state(tiny_llama_dir, pooling_llm):
+    outs = pooling_llm.embed(PROMPTS, use_tqdm=False)  # the long prompt is prefilled in chunks of 32
+    tokenizer = pooling_llm.get_tokenizer()
+    for prompt, out in zip(PROMPTS, outs):
+        ids = tokenizer.encode(prompt)
+        assert out.finished and out.prompt_token_ids == ids
+        got = torch.tensor(out.outputs.embedding)
+        assert got.shape == (pooling_llm.llm_engine.model_config.hidden_size,)
+        torch.testing.assert_close(got, _oracle(tiny_llama_dir, ids), rtol=1e-5, atol=1e-5)
+        assert abs(got.norm().item() - 1.0) < 1e-5
+    again = pooling_llm.embed(PROMPTS[0], use_tqdm=False)[0]  # prefix-cached prompt: same embedding
+    torch.testing.assert_close(torch.tensor(again.outputs.embedding), torch.tensor(outs[0].outputs.embedding))
+    raw = pooling_llm.embed([ids], PoolingParams(normalize=False), use_tqdm=False)[0]
+    torch.testing.assert_close(torch.tensor(raw.outputs.embedding), _oracle(tiny_llama_dir, ids, False),
+                               rtol=1e-5, atol=1e-5)
+    bm = pooling_llm.llm_engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not pooling_llm.llm_engine._embeddings
+
+
+def test_transformers_backend_embeds_too(tiny_qwen3_dir):
+    llm = LLM(str(tiny_qwen3_dir), model_impl="transformers", runner="pooling", dtype="float32",
+              kv_cache_memory_bytes=4 << 20, max_model_len=64)
+    ids = llm.get_tokenizer().encode(PROMPTS[0])
+    got = torch.tensor(llm.embed([ids], use_tqdm=False)[0].outputs.embedding)
+    torch.testing.assert_close(got, _oracle(tiny_qwen3_dir, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_input_and_wrong_runner(tiny_llama_dir, pooling_llm):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        pooling_llm.embed([[]], use_tqdm=False)
+    with pytest.raises(ValueError, match="200 tokens, more than max_model_len=128"):
+        pooling_llm.embed([[5] * 200], use_tqdm=False)
+    with pytest.raises(ValueError, match="dimensions=8 is not supported"):
+        PoolingParams(dimensions=8)
+    with pytest.raises(ValueError, match="call LLM.embed"):
+        pooling_llm.generate(["x"], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ValueError, match="expected PoolingParams"):
+        pooling_llm.llm_engine.add_request("r", "x", SamplingParams())
+    with pytest.raises(ValueError, match="runner.*is not one of"):
+        LLM(str(tiny_llama_dir), runner="embed")
+    assert not pooling_llm.llm_engine.has_unfinished_requests()
+
+
+def test_generate_llm_refuses_embed(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), model_impl="native", kv_cache_memory_bytes=1 << 20, max_model_len=64)
+    with pytest.raises(ValueError, match="runner='pooling'"):
+        llm.embed(["x"], use_tqdm=False)
+    with pytest.raises(ValueError, match="PoolingParams need an engine made with runner='pooling'"):
+        llm.llm_engine.add_request("r", "x", PoolingParams())

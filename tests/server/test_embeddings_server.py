@@ -1,0 +1,106 @@
+"""POST /v1/embeddings on `fxrewrite serve MODEL --runner pooling` through the `openai` client: float and
+base64 encodings agree with `LLM.embed`-style last-token pooling (normalised), usage counts prompt
+tokens, every OpenAI input shape works; bad input and a generate-only server answer 400."""
+
+from __future__ import annotations
+
+import base64
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tests.server.conftest import API_KEY, MODEL_NAME, STARTUP_TIMEOUT_S, ServerHandle, _free_port
+
+MAX_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def pooling_server(tiny_model_dir):
+    import uvicorn
+
+    from fxrewrite.cli import build_parser
+    from fxrewrite.commands.serve import build_server_app
+
+    port = _free_port()
+    args = build_parser().parse_args([
+        "serve", str(tiny_model_dir("qwen3")), "--port", str(port), "--api-key", API_KEY, "--runner", "pooling",
+        "--served-model-name", MODEL_NAME, "--model-impl", "native", "--max-model-len", str(MAX_LEN),
+        "--kv-cache-memory-bytes", "1M", "--dtype", "float32",
+    ])
+    engine, app = build_server_app(args)
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not uv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "pooling server did not start"
+        time.sleep(0.05)
+    yield ServerHandle(f"http://127.0.0.1:{port}", engine, app, max_model_len=MAX_LEN)
+    uv.should_exit = True
+    thread.join(timeout=15)
+
+
+def _direct(engine, token_ids: list[int]) -> np.ndarray:
+    """The engine's own embedding of `token_ids` (the offline path the server must match)."""
+    from fxrewrite.runtime.engine.pooling import PoolingParams
+
+    engine.add_request("direct", token_ids, PoolingParams())
+    out = None
+    while engine.has_unfinished_requests():
+        out = next((o for o in engine.step() if o.finished), out)
+    return np.asarray(out.outputs.embedding, dtype=np.float32)
+
+
+def test_embeddings_float_and_base64(pooling_server):
+    client = pooling_server.client()
+    texts = ["hello world", "a longer sentence about embeddings"]
+    floats = client.embeddings.create(model=MODEL_NAME, input=texts, encoding_format="float")
+    assert [d.index for d in floats.data] == [0, 1] and floats.object == "list"
+    tokenizer = pooling_server.engine.tokenizer
+    ids = [tokenizer.encode(t) for t in texts]
+    assert floats.usage.prompt_tokens == floats.usage.total_tokens == sum(map(len, ids))
+    with pooling_server.http() as http:  # raw base64, as OpenAI encodes it (little-endian float32)
+        raw = http.post("/v1/embeddings", json={"input": texts, "encoding_format": "base64"}).json()
+    for d, b, prompt_ids in zip(floats.data, raw["data"], ids):
+        vector = np.asarray(d.embedding, dtype=np.float32)
+        assert vector.shape == (pooling_server.engine.model_config.hidden_size,)
+        assert abs(np.linalg.norm(vector) - 1.0) < 1e-5
+        np.testing.assert_allclose(vector, _direct(pooling_server.engine, prompt_ids), rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(np.frombuffer(base64.b64decode(b["embedding"]), dtype="<f4"), vector)
+    one = client.embeddings.create(model=MODEL_NAME, input=ids[0])  # token ids, and list of token ids
+    many = client.embeddings.create(model=MODEL_NAME, input=ids)
+    np.testing.assert_allclose(one.data[0].embedding, floats.data[0].embedding, rtol=1e-5, atol=1e-6)
+    assert len(many.data) == 2 and one.usage.prompt_tokens == len(ids[0])
+
+
+@pytest.mark.parametrize("body, status, words", [
+    ({"input": []}, 400, "input is empty"),
+    ({"input": [[]]}, 400, "input is empty"),
+    ({"input": ["ok", ""]}, 400, "input[1] is empty"),
+    ({"input": list(range(1, MAX_LEN + 6))}, 400, f"has {MAX_LEN + 5} tokens"),
+    ({"input": [10**9]}, 400, "input token id 1000000000 is out of range"),
+    ({"input": "x", "dimensions": 8}, 400, "dimensions=8 is not supported"),
+    ({"input": "x", "encoding_format": "int8"}, 400, "encoding_format"),
+    ({"input": "x", "model": "nope"}, 404, "nope"),
+])
+def test_bad_embedding_requests(pooling_server, body, status, words):
+    with pooling_server.http() as http:
+        r = http.post("/v1/embeddings", json=body)
+    assert r.status_code == status, r.text
+    assert words in r.json()["error"]["message"]
+    assert pooling_server.all_blocks_free()
+
+
+def test_pooling_server_refuses_generation(pooling_server):
+    with pooling_server.http() as http:
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 400 and "does not support the Completions API" in r.json()["error"]["message"]
+
+
+def test_generate_server_refuses_embeddings(server):
+    with server.http() as http:
+        r = http.post("/v1/embeddings", json={"input": "hi"})
+    assert r.status_code == 400, r.text
+    assert "--runner pooling" in r.json()["error"]["message"]
