@@ -55,9 +55,7 @@ class LLMEngine(EngineRLMixin):
     """
 
     def __init__(self, config: EngineConfig, *, model_config=None, tokenizer=None, model_runner=None):
-        """`model_config`, `tokenizer`, `model_runner`: given by the data-parallel front
-        (runtime/engine/data_parallel.py), whose replicas share the first two; else loaded / built here."""
-        self.config = config
+        self.config = config  # the keyword arguments: a data-parallel replica's (runtime/engine/data_parallel.py)
         self.model_config = model_config or load_model_config(config)
         self.tokenizer = tokenizer or load_tokenizer(self.model_config, config)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_config)
