@@ -230,16 +230,48 @@ def step_profile(runner):
             totals[key] = round(totals[key], 3)
 
 
+BEFORE_EXPERTS_IMPLEMENTATION = "eager"
+"""The before arm of an MoE config runs transformers' per-expert loop (issue #13: "the unfused transformers
+experts loop is the before"), not the default ``grouped_mm`` that transformers 5 picks when it can."""
+
+
 def make_llm(arm: str, model_dir: Path, **engine_kwargs):
-    """An `LLM` for an engine arm over a weightless folder (random weights: load_format='dummy')."""
+    """An `LLM` for an engine arm over a weightless folder (random weights: load_format='dummy').
+    The before arm of an MoE model gets ``experts_implementation`` `BEFORE_EXPERTS_IMPLEMENTATION`."""
     kwargs = {"load_format": "dummy", **engine_kwargs, **ENGINE_ARMS[arm]}
+    if arm == "before" and is_moe_folder(model_dir):
+        overrides = kwargs.get("hf_overrides") or {}
+        kwargs["hf_overrides"] = {**overrides, "experts_implementation": BEFORE_EXPERTS_IMPLEMENTATION}
     return LLM(str(model_dir), **kwargs)
+
+
+def is_moe_folder(model_dir: Path) -> bool:
+    """True when the folder's config.json (or its text_config) names an expert count."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = {**config, **(config.get("text_config") or {})}
+    return bool(config.get("num_experts") or config.get("num_local_experts"))
+
+
+def experts_implementation(llm) -> str | None:
+    """What ran the experts of an MoE engine arm: transformers' ``_experts_implementation`` of an unfused
+    model ("eager", "grouped_mm", ...), "fxrewrite FusedMoE" for a rewritten or native model; None for a
+    dense model. Read from the model in this process, else (workers) from the config it was given."""
+    engine = llm.llm_engine
+    if not is_moe_folder(engine.model_config.model_path):
+        return None
+    config = engine.config
+    if config.model_impl == "transformers" and not config.fusion:
+        hf_model = getattr(engine.model_runner.model, "hf_model", None)
+        hf_config = hf_model.config if hf_model is not None else engine.model_config.hf_config
+        return getattr(hf_config, "_experts_implementation", None)
+    return "fxrewrite FusedMoE"
 
 
 def engine_weight_bytes(engine, batch_size: int | None = None) -> int:
     """Weight bytes one decode step reads on one GPU: `weight_bytes` of the model in this process, or,
     with tensor-parallel workers (the weights live in them), the model built on the meta device from
-    its config, divided by the number of ranks (the few replicated norm weights are not counted twice).
+    its config, divided by the number of ranks (the few replicated norm weights are not counted twice);
+    under DP x EP the experts are divided by every replica's ranks too.
 
     With `batch_size` and a mixture of experts, only the experts a step is expected to touch count:
     with E experts and top-k routing, a batch of b tokens routed uniformly reads
@@ -261,6 +293,10 @@ def engine_weight_bytes(engine, batch_size: int | None = None) -> int:
     if batch_size is not None and experts and num_experts and top_k:
         touched = num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch_size)
         total -= experts - int(experts * touched / num_experts)
+        experts = int(experts * touched / num_experts)
+    dp = getattr(engine.config, "data_parallel_size", 1)
+    if hasattr(engine, "engines") and dp > 1 and engine.config.enable_expert_parallel:  # DP x EP: experts over dp x tp GPUs
+        return (total - experts) // ranks + experts // (ranks * dp)
     return total // ranks
 
 

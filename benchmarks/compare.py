@@ -14,8 +14,8 @@ import time
 import traceback
 from pathlib import Path
 
-from fxrewrite.benchmarks.common import (RESULTS_DIR, bench_model_dir, device_label, environment, free_device_memory,
-                                         load_bench_config, make_llm)
+from fxrewrite.benchmarks.common import (RESULTS_DIR, bench_model_dir, device_label, environment,
+                                         experts_implementation, free_device_memory, load_bench_config, make_llm)
 from fxrewrite.benchmarks.hf_arm import run_hf_throughput
 from fxrewrite.benchmarks.latency import LatencyWorkload, run_latency
 from fxrewrite.benchmarks.long import LongWorkload, run_long
@@ -94,6 +94,9 @@ def run_engine_arm(arm: str, model_dir: Path, spec: dict, workload, engine_kwarg
     buckets = len(graphs.graphs) if graphs else getattr(runner.model, "cuda_graph_buckets", 0)  # TP: the workers'
     setup = {"setup_s": round(setup_s, 1), "cuda_graph_buckets": buckets,
              "compiled": bool(getattr(runner.model, "_fxrewrite_compiled", False))}
+    experts = experts_implementation(llm)
+    if experts is not None:  # MoE configs: what ran the experts (the before arm: transformers' eager loop)
+        setup["experts_implementation"] = experts
     run = {"throughput": run_throughput, "latency": run_latency, "long": run_long}[kind]
     try:
         figures = run(llm, workload, time_limit_s)
@@ -129,7 +132,7 @@ def compare(config: str | Path, arms: list[str], workload_kind: str = "throughpu
 
     An arm that raises is recorded with its error and the next arm still runs. With `isolate` (the
     default) each arm runs in its own process, so nothing one arm allocated is left for the next; arms with
-    tensor or pipeline parallelism run here (they start and stop worker processes of their own, and from
+    tensor, pipeline or data parallelism run here (they start and stop worker processes of their own, and from
     a spawned arm process they did not come up on the H200 pair, 2026-11-30)."""
     spec = load_bench_config(config)
     if config_overrides:  # a variant of the config (e.g. fewer layers), with a folder and result name of its own
@@ -146,6 +149,9 @@ def compare(config: str | Path, arms: list[str], workload_kind: str = "throughpu
     stem = f"{datetime.date.today().isoformat()}-{spec['name']}-{workload_kind}" + (f"-tp{tp}" if tp > 1 else "")
     pp = (engine_kwargs or {}).get("pipeline_parallel_size") or 1
     stem += f"-pp{pp}" if pp > 1 else ""
+    dp = (engine_kwargs or {}).get("data_parallel_size") or 1
+    stem += f"-dp{dp}" if dp > 1 else ""
+    stem += "-ep" if (engine_kwargs or {}).get("enable_expert_parallel") else ""
     quant = (engine_kwargs or {}).get("quantization")
     stem += f"-{quant}" if quant else ""
     result = {
@@ -157,7 +163,7 @@ def compare(config: str | Path, arms: list[str], workload_kind: str = "throughpu
         result["hf_num_prompts"] = hf_num_prompts
     json_path = out_dir / f"{stem}.json"
     arm_args = (model_dir, spec, workload, dict(engine_kwargs or {}), time_limit_s, hf_num_prompts)
-    isolate = isolate and tp == 1 and pp == 1
+    isolate = isolate and tp == 1 and pp == 1 and dp == 1
     for i, arm in enumerate(arms, 1):
         print(f"[bench] {spec['name']} {workload_kind}: arm {arm} ({i}/{len(arms)}) ...", flush=True)
         if isolate:

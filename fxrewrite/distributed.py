@@ -152,6 +152,12 @@ def get_state() -> ParallelState | None:
     return _state
 
 
+def set_state(state: ParallelState) -> None:
+    """Install groups built elsewhere (`fxrewrite.data_parallel.initialize`)."""
+    global _state
+    _state = state
+
+
 def _is_tp_rank() -> bool:
     return _state is not None and _state.tp_group is not None
 

@@ -21,6 +21,8 @@ rank's rows and only those bytes are read (`fxrewrite.runtime.model_files.loader
 
 from __future__ import annotations
 
+import dataclasses
+
 import fnmatch
 
 import torch
@@ -46,14 +48,14 @@ def shard_model(model: nn.Module, tp_rank: int, tp_size: int) -> dict[str, str]:
     Styles: "qkv" / "merged" (fused, column), "colwise", "rowwise", "vocab". Raises ValueError when
     a fused layer's partner cannot be found or a size does not divide by tp_size.
     """
-    if tp_size == 1:
-        return {}
     plan: dict[str, str] = {}
+    shard_experts(model, tp_rank, tp_size, plan)  # MoE: experts' columns, or whole experts (EP; also at tp 1 under DP x EP)
+    if tp_size == 1:
+        return plan
     modules = dict(model.named_modules())
     for prefix, module in list(modules.items()):
         for new, _ in module.__dict__.get("_fxrewrite_shards", ()):
             _shard_fused(module, prefix, new, tp_rank, tp_size, plan)
-    shard_experts(model, tp_rank, tp_size, plan)  # MoE: experts' columns, or whole experts (EP)
     _apply_tp_plan(model, tp_rank, tp_size, plan)
     _shard_vocab(model, tp_rank, tp_size, plan)
     return plan
@@ -124,13 +126,15 @@ def _apply_tp_plan(model: nn.Module, tp_rank: int, tp_size: int, plan: dict) -> 
     tp_plan = getattr(config, "base_model_tp_plan", None) or {}
     base_prefix = next((n for n, m in model.named_modules() if m is base), "")
     head_dim = getattr(config, "head_dim", None)
+    attention: list[tuple[nn.Module, str]] = []
     for name, module in list(base.named_modules()):
         full = _join(base_prefix, name)
         style = next((s for pat, s in tp_plan.items() if fnmatch.fnmatchcase(name, pat)), None)
-        if full in plan or type(module) is not nn.Linear or style not in _COLWISE + _ROWWISE:
-            continue
         parent_name, _, child = name.rpartition(".")
         parent = base.get_submodule(parent_name)
+        style = _head_sharded_style(style, child, parent)
+        if full in plan or type(module) is not nn.Linear or style not in _COLWISE + _ROWWISE:
+            continue
         tp = {"tp_size": tp_size, "tp_rank": tp_rank, **_factory(module)}
         if style in _COLWISE:
             if head_dim and module.out_features % head_dim == 0 and (module.out_features // head_dim) % tp_size:
@@ -141,6 +145,49 @@ def _apply_tp_plan(model: nn.Module, tp_rank: int, tp_size: int, plan: dict) -> 
             new = RowParallelLinear(module.in_features, module.out_features, module.bias is not None, **tp)
         _replace(parent, child, new, module)
         plan[full] = "colwise" if style in _COLWISE else "rowwise"
+        if child == "q_proj" and style in _COLWISE:
+            attention.append((parent, _join(base_prefix, parent_name)))
+    for parent, prefix in attention:  # OLMoE-style norms over all heads: statistics over every rank
+        shard_full_width_norms(parent, prefix, _HeadLayout.of(parent, config, tp_rank, tp_size), plan)
+
+
+def _head_sharded_style(style: str | None, child: str, parent: nn.Module) -> str | None:
+    """transformers' "colwise_gather_output" q/k/v and "rowwise_split_input" o_proj (OLMoE, Olmo2...: a norm
+    over all heads sits between) as plain head sharding: attention is per head, and the full-width norms
+    become `ShardedRMSNorm`s. Only for separate q/k/v/o projections; anything else stays unsharded."""
+    separate = all(type(getattr(parent, n, None)) in (nn.Linear, ColumnParallelLinear, RowParallelLinear)
+                   for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    if style == "colwise_gather_output" and separate and child in ("q_proj", "k_proj", "v_proj"):
+        return "colwise"
+    if style == "rowwise_split_input" and separate and child == "o_proj":
+        return "rowwise"
+    return style
+
+
+@dataclasses.dataclass
+class _HeadLayout:
+    """What `shard_full_width_norms` reads of a fused QKV layer, for separate q/k/v projections."""
+
+    head_size: int
+    total_num_heads: int
+    total_num_kv_heads: int
+    tp_rank: int
+    tp_size: int
+    num_kv_head_replicas: int = 1
+
+    @classmethod
+    def of(cls, attn: nn.Module, config, tp_rank: int, tp_size: int) -> _HeadLayout:
+        heads = config.num_attention_heads
+        d = getattr(attn, "head_dim", None) or getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(d, heads, getattr(config, "num_key_value_heads", None) or heads, tp_rank, tp_size)
+
+    @property
+    def q_size(self) -> int:
+        return self.total_num_heads * self.head_size // self.tp_size
+
+    @property
+    def kv_size(self) -> int:
+        return self.total_num_kv_heads * self.head_size // self.tp_size
 
 
 def _shard_vocab(model: nn.Module, tp_rank: int, tp_size: int, plan: dict) -> None:

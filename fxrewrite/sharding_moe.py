@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from fxrewrite.distributed import expert_parallel_enabled
+from fxrewrite.data_parallel import moe_parallel
 from fxrewrite.layers.fused_moe import FusedExperts
 from fxrewrite.layers.layernorm import RMSNorm
 from fxrewrite.layers.sharded_norm import ShardedRMSNorm
@@ -23,11 +23,14 @@ def _join(prefix: str, name: str) -> str:
 
 
 def shard_experts(model: nn.Module, tp_rank: int, tp_size: int, plan: dict) -> None:
-    """Replace each unsharded `FusedExperts` by this rank's part (filled from the old one unless on meta).
+    """Replace each unsharded `FusedExperts` by this rank's part (filled from the old one unless on meta),
+    over `fxrewrite.data_parallel.moe_parallel()`: the TP group, or every worker under DP x EP.
 
-    Raises ValueError when the expert count (EP) or the expert width (TP) does not divide by tp_size.
+    Raises ValueError when the expert count (EP) or the expert width (TP) does not divide by that size.
     """
-    ep = expert_parallel_enabled()
+    tp_size, tp_rank, ep = moe_parallel(tp_size, tp_rank)
+    if tp_size == 1:
+        return
     for name, module in list(model.named_modules()):
         if not isinstance(module, FusedExperts) or module.tp_size != 1:
             continue
@@ -51,14 +54,25 @@ def shard_full_width_norms(attn: nn.Module, prefix: str, qkv, plan: dict) -> Non
     kv_rank = qkv.tp_rank // qkv.num_kv_head_replicas
     widths.setdefault(qkv.total_num_kv_heads * d, (qkv.kv_size, kv_rank * qkv.kv_size, qkv.num_kv_head_replicas))
     for name, child in list(attn.named_children()):
-        if type(child) is not RMSNorm or child.offset or not child.upcast or child.hidden_size not in widths:
+        width = _plain_rms_norm_width(child)
+        if width not in widths or width == d:  # not a plain RMSNorm; or per head (Qwen3): no change
             continue
-        if child.hidden_size == d:  # a per-head norm (Qwen3) needs no change
-            continue
-        local, offset, replicas = widths[child.hidden_size]
-        new = ShardedRMSNorm(child.hidden_size, local, offset, replicas, child.variance_epsilon,
+        local, offset, replicas = widths[width]
+        new = ShardedRMSNorm(width, local, offset, replicas, child.variance_epsilon,
                              dtype=child.weight.dtype, device=child.weight.device)
         if child.weight.device.type != "meta":
             new.weight_loader(new.weight, child.weight.detach())
         setattr(attn, name, new)
         plan[_join(prefix, name)] = "norm_sharded"
+
+
+def _plain_rms_norm_width(module: nn.Module) -> int | None:
+    """The width of an RMSNorm computing ``w * (x * rsqrt(mean(x²) + eps))`` in float32 (fxrewrite's with
+    upcast and no offset, or transformers' OLMoE-style ``*RMSNorm`` left by fusion=False); else None."""
+    if type(module) is RMSNorm:
+        return module.hidden_size if module.upcast and not module.offset else None
+    name, weight = type(module).__name__, getattr(module, "weight", None)
+    if (name.endswith("RMSNorm") and "Gemma" not in name and type(module).__module__.startswith("transformers.")
+            and hasattr(module, "variance_epsilon") and isinstance(weight, nn.Parameter) and weight.dim() == 1):
+        return weight.shape[0]
+    return None

@@ -56,6 +56,10 @@ class EngineConfig:
     """Run every step with batch-invariant kernels (`fxrewrite.kernels.batch_invariant`): a sequence's
     logits, hence its sampled tokens' logprobs, do not depend on what else is in the batch, and equal a
     trainer's `fxrewrite.rl.completion_logprobs` inside `batch_invariant_mode()`. No torch.compile. Slower."""
+    data_parallel_size: int = 1
+    """Engine replicas, each tensor_parallel_size workers with its own KV cache, behind one front that
+    balances requests by load (runtime/engine/data_parallel.py). With enable_expert_parallel, MoE
+    experts are split over all data_parallel_size x tensor_parallel_size workers (DP attention + EP)."""
     pipeline_parallel_size: int = 1
     """Pipeline stages, each holding a contiguous share of the decoder layers (runtime/worker/pipeline.py);
     tensor_parallel_size x pipeline_parallel_size worker processes."""
@@ -98,6 +102,8 @@ class EngineConfig:
             raise UserInputError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise UserInputError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be a positive integer")
+        if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
+            raise UserInputError(f"data_parallel_size={self.data_parallel_size!r} must be a positive integer")
         if not isinstance(self.pipeline_parallel_size, int) or self.pipeline_parallel_size < 1:
             raise UserInputError(f"pipeline_parallel_size={self.pipeline_parallel_size!r} must be a positive integer")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:

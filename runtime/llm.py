@@ -8,7 +8,7 @@ from typing import Any, Sequence
 from fxrewrite.errors import UserInputError, UserTypeError
 from fxrewrite.runtime.engine_config import EngineConfig
 from fxrewrite.runtime.engine.chat import check_role
-from fxrewrite.runtime.engine.llm_engine import LLMEngine
+from fxrewrite.runtime.engine.data_parallel import make_engine
 from fxrewrite.runtime.engine.outputs import RequestOutput
 from fxrewrite.runtime.engine.pooling import EmbeddingRequestOutput, PoolingParams
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
@@ -24,7 +24,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any):
-        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+        self.llm_engine = make_engine(EngineConfig.from_kwargs(model=model, **kwargs))  # DP: a DPLLMEngine
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):

@@ -63,8 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="schedule step n+1 while step n runs (default on)")
     g.add_argument("--tensor-parallel-size", "-tp", type=human_readable_int, default=1,
                    help="GPUs per engine arm (worker processes over torch.distributed)")
+    g.add_argument("--data-parallel-size", "-dp", type=human_readable_int, default=1,
+                   help="engine replicas per arm (x tensor-parallel-size GPUs); with --enable-expert-parallel "
+                        "the experts are split over all of them")
     g.add_argument("--enable-expert-parallel", action="store_true",
-                   help="MoE configs: whole experts split across the tensor-parallel GPUs")
+                   help="MoE configs: whole experts split across the tensor-parallel (x data-parallel) GPUs")
     g.add_argument("--pipeline-parallel-size", "-pp", type=human_readable_int, default=1,
                    help="pipeline stages per engine arm (x tensor-parallel-size worker processes)")
     g.add_argument("--quantization", "-q", choices=("fp8",), default=None,
@@ -171,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
     }
     if args.pipeline_parallel_size > 1:
         engine_kwargs["pipeline_parallel_size"] = args.pipeline_parallel_size
+    if args.data_parallel_size != 1:  # only when asked, so result names and JSON stay as before
+        engine_kwargs["data_parallel_size"] = args.data_parallel_size
     if args.quantization is not None:  # only when asked, so result names and JSON stay as before
         engine_kwargs["quantization"] = args.quantization
     result = compare(

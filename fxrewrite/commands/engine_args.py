@@ -29,6 +29,7 @@ ENGINE_KWARG_NAMES = (
     "enforce_eager",
     "async_scheduling",
     "tensor_parallel_size",
+    "data_parallel_size",
     "enable_expert_parallel",
     "pipeline_parallel_size",
     "quantization",
@@ -167,8 +168,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help="schedule step n+1 while step n runs on the device")
     g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
                    help="number of GPUs to split the model over")
+    g.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
+                   help="engine replicas (each tensor-parallel-size GPUs), one API server balancing requests by load")
     g.add_argument("--enable-expert-parallel", action="store_true", default=False,
-                   help="MoE models: split whole experts across the tensor-parallel ranks (not each expert's columns)")
+                   help="MoE models: split whole experts across the tensor-parallel ranks (not each expert's "
+                        "columns); with --data-parallel-size, across every replica's ranks (DP attention + EP)")
     g.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int, default=1,
                    help="pipeline stages (the decoder layers split between them); x tensor-parallel-size processes")
     g.add_argument("--quantization", "-q", choices=("fp8",), default=None,

@@ -39,14 +39,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build_server_app(args: argparse.Namespace):
     """(engine, FastAPI app) for parsed `serve` arguments; the app's lifespan runs the engine loop."""
     from fxrewrite.runtime.model_files.default_model import DEFAULT_MODEL
-    from fxrewrite.runtime.engine.llm_engine import LLMEngine
+    from fxrewrite.runtime.engine.data_parallel import make_engine
+    from fxrewrite.runtime.engine_config import EngineConfig
     from fxrewrite.runtime.server.api_server import build_app
     from fxrewrite.runtime.server.generation_defaults import load_generation_defaults
 
     if args.max_log_len is not None and args.max_log_len < 0:
         raise UserInputError(f"--max-log-len {args.max_log_len} must be at least 0")
     chat_template = load_chat_template(args.chat_template)
-    engine = LLMEngine.from_kwargs(**engine_kwargs(args))
+    engine = make_engine(EngineConfig.from_kwargs(**engine_kwargs(args)))  # DPLLMEngine with -dp > 1
     defaults = load_generation_defaults(engine.model_config.model_path, args.generation_config)
     names = args.served_model_name or [args.model or DEFAULT_MODEL]
     tool_parser = None

@@ -19,8 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fxrewrite.data_parallel import dp_ep_active
 from fxrewrite.distributed import tensor_model_parallel_all_reduce
 from fxrewrite.kernels.fused_moe import SCORING, fused_experts, select_experts
+from fxrewrite.layers.moe_dp import experts_across_dp
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -125,18 +127,25 @@ class FusedMoE(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        router, experts = self._child("router"), self._child("experts")
-        logits = F.linear(x, router.weight, getattr(router, "bias", None))
-        weights, ids = select_experts(logits, self.top_k, self.renormalize, self.scoring_func)
-        out = experts(x, weights, ids)
-        if experts.tp_size > 1:
-            out = tensor_model_parallel_all_reduce(out)
+        if dp_ep_active():  # data-parallel replicas share the experts (fxrewrite.layers.moe_dp)
+            out = experts_across_dp(self, x)
+        else:
+            out = self._experts(x)
         shared = self._child("shared")
         if shared is not None:
             s = shared(x)
             gate = self._child("shared_gate")
             out = out + (torch.sigmoid(gate(x)) * s if gate is not None else s)
         return out.reshape(shape)
+
+    def _experts(self, x: torch.Tensor) -> torch.Tensor:
+        router, experts = self._child("router"), self._child("experts")
+        logits = F.linear(x, router.weight, getattr(router, "bias", None))
+        weights, ids = select_experts(logits, self.top_k, self.renormalize, self.scoring_func)
+        out = experts(x, weights, ids)
+        if experts.tp_size > 1:
+            out = tensor_model_parallel_all_reduce(out)
+        return out
 
     def extra_repr(self) -> str:
         return f"top_k={self.top_k}, renormalize={self.renormalize}, scoring_func={self.scoring_func!r}"

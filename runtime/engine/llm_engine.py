@@ -54,13 +54,13 @@ class LLMEngine(EngineRLMixin):
     RequestOutput for every request that progressed; a finished request is forgotten after it is returned.
     """
 
-    def __init__(self, config: EngineConfig):
-        self.config = config
-        self.model_config = load_model_config(config)
-        self.tokenizer = load_tokenizer(self.model_config, config)
+    def __init__(self, config: EngineConfig, *, model_config=None, tokenizer=None, model_runner=None):
+        self.config = config  # the keyword arguments: a data-parallel replica's (runtime/engine/data_parallel.py)
+        self.model_config = model_config or load_model_config(config)
+        self.tokenizer = tokenizer or load_tokenizer(self.model_config, config)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_config)
         # tensor_parallel_size > 1: worker processes behind the same interface (runtime/executor.py)
-        self.model_runner = create_model_runner(config, self.model_config, self.eos_token_ids)
+        self.model_runner = model_runner or create_model_runner(config, self.model_config, self.eos_token_ids)
         self.block_manager = BlockManager(
             self.model_runner.num_blocks, config.block_size, config.enable_prefix_caching
         )

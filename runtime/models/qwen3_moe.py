@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from fxrewrite.distributed import expert_parallel_enabled, get_tp_rank, get_tp_size
+from fxrewrite.data_parallel import moe_parallel
 from fxrewrite.layers.fused_moe import FusedExperts, FusedMoE
 from fxrewrite.layers.linear import ReplicatedLinear
 from fxrewrite.runtime.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
@@ -32,8 +32,9 @@ def moe_block(cfg, device) -> FusedMoE:
     if cfg.hidden_act != "silu":
         raise ValueError(f"hidden_act={cfg.hidden_act!r}: the native Qwen3-MoE supports only 'silu'")
     router = ReplicatedLinear(cfg.hidden_size, cfg.num_experts, bias=False, device=device)
-    experts = FusedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, tp_size=get_tp_size(),
-                           tp_rank=get_tp_rank(), expert_parallel=expert_parallel_enabled(), device=device)
+    size, rank, expert_parallel = moe_parallel()  # the TP group, or every DP x TP worker under DP + EP
+    experts = FusedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, tp_size=size,
+                           tp_rank=rank, expert_parallel=expert_parallel, device=device)
     return FusedMoE({"router": "gate", "experts": "experts"}, {"router": router, "experts": experts},
                     top_k=cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob)
 

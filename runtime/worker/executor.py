@@ -60,7 +60,7 @@ def create_model_runner(config, model_config, eos_token_ids: set[int]):
         check_pipeline_size(model_config.num_hidden_layers, pp_size)
     if tp_size == 1 and pp_size == 1:
         return ModelRunner(config, model_config, eos_token_ids)
-    _check_tp_divisible(model_config, tp_size, config)
+    check_tp_divisible(model_config, tp_size, config)
     if pp_size > 1:
         return MultiprocExecutor(config, model_config, eos_token_ids)
     state = distributed.get_state()
@@ -74,7 +74,7 @@ def create_model_runner(config, model_config, eos_token_ids: set[int]):
     return MultiprocExecutor(config, model_config, eos_token_ids)
 
 
-def _check_tp_divisible(model_config, tp_size: int, config) -> None:
+def check_tp_divisible(model_config, tp_size: int, config) -> None:
     """Refuse a tensor_parallel_size that does not divide the heads / MLP width, before any worker starts."""
     text = model_config.hf_text_config
     checks = [("num_attention_heads", model_config.num_attention_heads),
@@ -200,7 +200,7 @@ class MultiprocExecutor:
         backend = distributed.default_backend(config.device)
         if backend == "nccl" and torch.cuda.device_count() < tp_size * pp_size:
             raise UserInputError(f"tensor_parallel_size={tp_size} x pipeline_parallel_size={pp_size} needs "
-                             f"{tp_size * pp_size} GPUs, found {torch.cuda.device_count()}")
+                                 f"{tp_size * pp_size} GPUs, found {torch.cuda.device_count()}")
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialized in this process: one "
                                "tensor-parallel engine per process (shut the other one down first)")

@@ -26,6 +26,8 @@ def check_moe_parallel(model_config, config) -> None:
     ``enable_expert_parallel`` on a model without experts is an error too."""
     experts, top_k, width = moe_sizes(model_config.hf_text_config)
     tp = config.tensor_parallel_size
+    dp = getattr(config, "data_parallel_size", 1)
+    ep = tp * dp  # under DP x EP the experts are split over every replica's ranks
     if experts is None:
         if config.enable_expert_parallel:
             raise UserInputError("enable_expert_parallel=True but the model has no experts "
@@ -34,9 +36,10 @@ def check_moe_parallel(model_config, config) -> None:
     if isinstance(top_k, int) and not 1 <= top_k <= experts:
         raise UserInputError(f"num_experts_per_tok={top_k} (top-k) must be between 1 and the number of experts "
                          f"({experts})")
-    if config.enable_expert_parallel and experts % tp:
+    if config.enable_expert_parallel and experts % ep:
+        sizes = f"tensor_parallel_size={tp}" if dp == 1 else f"data_parallel_size={dp} x tensor_parallel_size={tp}"
         raise UserInputError(f"enable_expert_parallel: the expert count {experts} is not divisible by the expert-"
-                         f"parallel size (tensor_parallel_size={tp})")
+                             f"parallel size {ep} ({sizes})")
     if not config.enable_expert_parallel and isinstance(width, int) and width % tp:
         raise UserInputError(f"tensor_parallel_size={tp} must divide the experts' intermediate size {width} "
                          "(or pass enable_expert_parallel=True)")

@@ -113,3 +113,42 @@ def test_cli_latency_with_tensor_parallel_workers(tmp_path, capsys):
     assert "error" not in arm, arm.get("traceback")
     assert saved["engine_kwargs"]["tensor_parallel_size"] == 2
     assert arm["batch_1"]["decode_ms_per_step"] > 0 and arm["weight_bytes"] > 0
+
+
+def test_cli_moe_data_parallel_expert_parallel_arms(tmp_path, capsys):
+    """`bench compare -dp 2 --enable-expert-parallel` on the CPU (4 gloo workers over the two arms, run in
+    the harness's process); the before arm of an MoE config runs transformers' eager experts loop and
+    says so in the JSON."""
+    from fxrewrite.cli import main
+
+    spec = load_bench_config("tiny")
+    spec["name"] = "tiny-moe"
+    spec["config"].update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=4,
+                          num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+    spec["workload_defaults"]["throughput"].update(num_prompts=4, max_output_len=10)
+    config = tmp_path / "tiny-moe.json"
+    config.write_text(json.dumps(spec))
+    rc = main(["bench", "compare", "--config", str(config), "--arms", "before,after", "--data-parallel-size", "2",
+               "--enable-expert-parallel", "--kv-cache-memory-bytes", "4M", "--device", "cpu", "--out", str(tmp_path)])
+    assert rc == 0, capsys.readouterr().err
+    saved = json.loads(next(tmp_path.glob("*-dp2-ep.json")).read_text())
+    assert saved["engine_kwargs"]["data_parallel_size"] == 2
+    before, after = saved["arms"]["before"], saved["arms"]["after"]
+    # The unfused transformers model cannot share experts across replicas: refused before workers start.
+    assert "needs fused MoE layers" in before["error"]
+    assert "error" not in after, after.get("traceback")
+    assert after["experts_implementation"] == "fxrewrite FusedMoE" and after["output_tokens_per_s"] > 0
+
+
+def test_before_arm_of_an_moe_config_runs_the_eager_experts_loop(tmp_path):
+    from fxrewrite.benchmarks.common import bench_model_dir, experts_implementation, make_llm
+
+    spec = load_bench_config("tiny")
+    spec["name"] = "tiny-moe"
+    spec["config"].update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=4,
+                          num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+    llm = make_llm("before", bench_model_dir(spec), device="cpu", kv_cache_memory_bytes=1 << 22)
+    assert experts_implementation(llm) == "eager"
+    assert llm.llm_engine.model_runner.model.hf_model.config._experts_implementation == "eager"
+    dense = make_llm("before", bench_model_dir(load_bench_config("tiny")), device="cpu", kv_cache_memory_bytes=1 << 22)
+    assert experts_implementation(dense) is None

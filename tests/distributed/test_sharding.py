@@ -120,3 +120,20 @@ def test_unfused_model_follows_base_model_tp_plan():
     config.num_key_value_heads = 1  # one kv head cannot be split column-wise without the fusion
     with pytest.raises(ValueError, match="1 heads over tp_size=2"):
         shard_model(Qwen3ForCausalLM(config), tp_rank=0, tp_size=2)
+
+
+def test_unfused_olmoe_attention_is_head_sharded():
+    """fusion=False: transformers' OLMoE plan gathers q/k/v for its full-width norms; fxrewrite shards heads
+    instead (the KV cache holds this rank's kv heads) and the norms become ShardedRMSNorm slices."""
+    from fxrewrite.layers.sharded_norm import ShardedRMSNorm
+    from tests.moe.conftest import tiny_moe
+
+    model = tiny_moe("olmoe")
+    full = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = shard_model(model, tp_rank=1, tp_size=2)
+    attn = model.model.layers[0].self_attn
+    assert plan["model.layers.0.self_attn.k_proj"] == "colwise" and plan["model.layers.0.self_attn.o_proj"] == "rowwise"
+    assert attn.k_proj.weight.shape[0] == full["model.layers.0.self_attn.k_proj.weight"].shape[0] // 2
+    assert isinstance(attn.q_norm, ShardedRMSNorm) and plan["model.layers.0.self_attn.q_norm"] == "norm_sharded"
+    width = attn.k_norm.local_size
+    assert torch.equal(attn.k_norm.weight, full["model.layers.0.self_attn.k_norm.weight"][width:])

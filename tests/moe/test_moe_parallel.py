@@ -1,7 +1,8 @@
 """MoE under tensor / expert parallelism on a CPU (gloo): greedy tokens equal TP=1's.
 
 2 ranks: Qwen3-MoE (native; transformers+fusion with expert parallelism), Qwen2-MoE (shared
-expert), Mixtral (expert parallel), OLMoE (q/k norm over all heads: statistics all-reduced).
+expert), Mixtral (expert parallel), OLMoE (q/k norm over all heads: statistics all-reduced; with fusion
+and without, whose unfused attention is head-sharded too so the KV cache holds this rank's heads).
 4 and 8 ranks (issue #18's configuration, tiny): Qwen3-MoE with expert parallelism.
 Bad settings are refused before any worker starts.
 """
@@ -60,7 +61,9 @@ def test_tp2_and_ep2_equal_tp1(moe_dir, tmp_path):
     cases = [(qwen3, "native", {}), (qwen3, "transformers", {"enable_expert_parallel": True}),
              (moe_dir("qwen2_moe"), "transformers", {}),
              (moe_dir("mixtral"), "transformers", {"enable_expert_parallel": True}),
-             (moe_dir("olmoe"), "transformers", {})]
+             (moe_dir("olmoe"), "transformers", {}),
+             # fusion=False: q/k/v head-sharded, transformers' full-width q/k RMSNorms -> ShardedRMSNorm
+             (moe_dir("olmoe"), "transformers", {"fusion": False})]
     for i, (got, want) in enumerate(_run_ranks(2, cases, tmp_path)):
         assert got == want, cases[i]
 

@@ -31,7 +31,7 @@ def test_all_flags_reach_kwargs():
         "--dtype", "bfloat16", "--seed", "7", "--max-num-seqs", "8", "--max-num-batched-tokens", "4K",
         "--block-size", "32", "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5",
         "--kv-cache-memory-bytes", "1G", "--enforce-eager", "--tensor-parallel-size", "1",
-        "--tokenizer", "tok", "--load-format", "dummy", "--no-fusion", "--generation-config", "vllm",
+        "--data-parallel-size", "2", "--enable-expert-parallel", "--tokenizer", "tok", "--load-format", "dummy", "--no-fusion", "--generation-config", "vllm",
         "--port", "1234", "--api-key", "k", "--served-model-name", "a", "b",
     ])
     kw = engine_kwargs(args)
@@ -40,6 +40,7 @@ def test_all_flags_reach_kwargs():
     assert kw["hf_overrides"] == {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}
     assert kw["max_model_len"] == 32000 and kw["max_num_batched_tokens"] == 4096
     assert kw["kv_cache_memory_bytes"] == 2**30
+    assert kw["data_parallel_size"] == 2 and kw["enable_expert_parallel"] is True
     assert (kw["dtype"], kw["seed"], kw["max_num_seqs"], kw["block_size"]) == ("bfloat16", 7, 8, 32)
     assert kw["enable_prefix_caching"] is False and kw["enforce_eager"] is True and kw["fusion"] is False
     assert kw["gpu_memory_utilization"] == 0.5 and kw["tokenizer"] == "tok" and kw["load_format"] == "dummy"
@@ -72,7 +73,8 @@ def test_model_is_optional_and_generate_chat_take_it():
     assert parse(["chat", "m", "--temperature", "0"]).model == "m"
 
 
-@pytest.mark.parametrize("bad", ["--gpu-memory-utilization=1.5", "--max-model-len=0", "--block-size=x"])
+@pytest.mark.parametrize("bad", ["--gpu-memory-utilization=1.5", "--max-model-len=0", "--block-size=x",
+                                 "--data-parallel-size=0"])
 def test_bad_values_exit_2(bad):
     with pytest.raises(SystemExit) as e:
         parse(["serve", bad])

@@ -1,0 +1,40 @@
+"""Data-parallel settings checked before any worker starts (clear errors naming the values)."""
+
+from __future__ import annotations
+
+import torch
+
+from fxrewrite import distributed
+from fxrewrite.errors import UserInputError
+from fxrewrite.runtime.worker.executor import check_tp_divisible
+from fxrewrite.runtime.worker.moe_checks import check_moe_parallel
+
+
+def check_gpu_count(config) -> None:
+    """UserInputError when data_parallel_size x tensor_parallel_size x pipeline_parallel_size workers
+    need more GPUs than are visible (CUDA only: CPU workers share the host)."""
+    if distributed.default_backend(config.device) != "nccl":
+        return
+    dp, tp, pp = config.data_parallel_size, config.tensor_parallel_size, config.pipeline_parallel_size
+    found = torch.cuda.device_count()
+    if dp * tp * pp > found:
+        raise UserInputError(f"data_parallel_size={dp} x tensor_parallel_size={tp} x pipeline_parallel_size={pp} "
+                             f"needs {dp * tp * pp} GPUs, found {found}")
+
+
+def check_data_parallel(config, model_config) -> None:
+    """Everything a data_parallel_size > 1 engine needs, checked on the driver: UserInputError for
+    pipeline parallelism (not combined with DP), GPUs too few, a TP size the model does not divide,
+    MoE settings (`check_moe_parallel`: top-k, experts over dp x tp ranks with expert parallelism),
+    and DP x EP on an unfused transformers model (its MoE blocks cannot share experts across replicas)."""
+    if config.pipeline_parallel_size > 1:
+        raise UserInputError(f"data_parallel_size={config.data_parallel_size} with pipeline_parallel_size="
+                             f"{config.pipeline_parallel_size} is not supported; use one of them")
+    check_gpu_count(config)
+    check_moe_parallel(model_config, config)
+    if config.tensor_parallel_size > 1:
+        check_tp_divisible(model_config, config.tensor_parallel_size, config)
+    if config.enable_expert_parallel and config.model_impl == "transformers" and not config.fusion:
+        raise UserInputError("data_parallel_size > 1 with enable_expert_parallel needs fused MoE layers: "
+                             "fusion=False (--no-fusion) keeps transformers' MoE blocks, which cannot share "
+                             "experts across replicas; drop one of the two")

@@ -1,0 +1,212 @@
+"""Driver side of data parallelism: dp_size x tp_size worker processes, one model runner view per replica.
+
+`DPExecutor` starts the workers (`fxrewrite.runtime.worker.dp_worker`), each replica d a tensor-parallel
+group of its own with its own KV cache. `replica(d)` is what replica d's `LLMEngine` uses as its model
+runner: its `execute_model_async` adds the step to the current *wave* and returns a `DPStep`. `flush()`
+broadcasts the wave (every replica's step, None where it scheduled nothing) to every worker; the data-
+parallel front (`fxrewrite.runtime.engine.data_parallel.DPLLMEngine`) flushes once per engine step,
+after every replica has scheduled, so the replicas (and, under DP x EP, their shared MoE layers) run
+their steps together. A step's `result()` flushes its wave first if it is still open (synchronous
+use), then receives every replica's tokens of the waves up to it, in wave order.
+
+Failures are handled as in `fxrewrite.runtime.worker.executor.MultiprocExecutor`: every wait polls the
+worker processes; a dead worker ends the call with WorkerError and the others are stopped.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import datetime
+import logging
+import multiprocessing.connection
+import os
+import time
+import weakref
+
+import torch.distributed as dist
+
+from fxrewrite import data_parallel, distributed
+from fxrewrite.runtime.worker.dp_worker import dp_worker_main
+from fxrewrite.runtime.worker.executor import (
+    STARTUP_TIMEOUT_S, STEP_TIMEOUT_S, RemoteModel, WorkerError, _failure, _poll, _Processes)
+from fxrewrite.runtime.worker.worker import StepEncoder, broadcast_object
+
+logger = logging.getLogger(__name__)
+
+
+class DPExecutor:
+    """dp_size replicas of tensor_parallel_size workers. Attributes: num_blocks (per replica), model."""
+
+    def __init__(self, config, model_config, eos_token_ids: set[int]):
+        if dist.is_initialized():
+            raise RuntimeError("torch.distributed is already initialized in this process: one "
+                               "multi-process engine per process (shut the other one down first)")
+        self.dp_size, self.tp_size = config.data_parallel_size, config.tensor_parallel_size
+        self.num_workers = self.dp_size * self.tp_size
+        self._procs = _Processes()
+        self._finalizer = weakref.finalize(self, self._procs.close, True)
+        self._dead: str | None = None
+        self._encoders = [StepEncoder() for _ in range(self.dp_size)]
+        self._wave: list = [None] * self.dp_size
+        self._wave_steps: list[DPStep | None] = [None] * self.dp_size
+        self._outstanding: collections.deque[list] = collections.deque()
+        try:
+            self._start(config, model_config, eos_token_ids, distributed.default_backend(config.device))
+        except BaseException:
+            self._procs.close(graceful=False)
+            raise
+
+    def _start(self, config, model_config, eos_token_ids, backend: str) -> None:
+        import torch.multiprocessing as mp
+
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        store = dist.TCPStore(host, int(os.environ.get("MASTER_PORT", 0)), self.num_workers + 1, is_master=True,
+                              wait_for_workers=False, timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
+        self._procs.store = store
+        config = copy.copy(config)
+        config.hf_overrides = None  # resolved into model_config; a callable would not pickle
+        if config.enable_expert_parallel:
+            # MoE collectives carry every replica's token count, which changes per step: no CUDA graphs.
+            config.enforce_eager, config.compilation_config = True, 0
+        self._procs.context = mp.start_processes(
+            dp_worker_main, args=(config, model_config, eos_token_ids, host, store.port, self.dp_size,
+                                  self.tp_size, os.getpid()),
+            nprocs=self.num_workers, join=False, start_method="spawn")
+        self._wait_ready(store)
+        _, self._results = data_parallel.initialize(0, store, self.dp_size, self.tp_size, backend,
+                                                    config.enable_expert_parallel)
+        self._procs.joined_group = True
+        wait = self._wait("model loading", STARTUP_TIMEOUT_S)
+        infos = [broadcast_object(None, leader, group, wait=wait) for leader, group in self._results]
+        self.num_blocks = [info["num_blocks"] for info in infos]
+        self.model = RemoteModel(infos[0]["impl"], infos[0]["cuda_graph_buckets"], infos[0]["compiled"])
+
+    def _wait_ready(self, store) -> None:
+        keys = [f"fxrewrite/worker_ready/{r}" for r in range(1, self.num_workers + 1)]
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not store.check(keys):
+            if multiprocessing.connection.wait(list(self._procs.context.sentinels), timeout=0.05):
+                raise _failure(self._procs, "startup")
+            if time.monotonic() > deadline:
+                raise WorkerError(f"data-parallel workers did not start within {STARTUP_TIMEOUT_S:.0f} s")
+
+    def replica(self, dp_rank: int) -> DPReplicaRunner:
+        return DPReplicaRunner(self, dp_rank)
+
+    def submit(self, dp_rank: int, sched) -> DPStep:
+        """Add replica `dp_rank`'s step to the open wave (flushing the wave first if it already has one)."""
+        self.check_health()
+        if self._wave_steps[dp_rank] is not None:
+            self.flush()
+        step = DPStep(self, sched)
+        self._wave[dp_rank] = self._encoders[dp_rank].encode(sched)
+        self._wave_steps[dp_rank] = step
+        return step
+
+    def flush(self) -> None:
+        """Send the open wave to every worker (nothing when no replica has a step in it)."""
+        if all(s is None for s in self._wave_steps):
+            return
+        wave, steps = self._wave, self._wave_steps
+        self._wave, self._wave_steps = [None] * self.dp_size, [None] * self.dp_size
+        with self._procs.lock:
+            self._guard(lambda: broadcast_object(wave, 0, wait=self._wait("the step broadcast")))
+            self._outstanding.append(steps)
+        for step in steps:
+            if step is not None:
+                step._sent = True
+
+    def receive(self, step: DPStep) -> None:
+        """Receive every replica's tokens of the waves sent, in order, until `step`'s are in."""
+        if not step._sent:
+            self.flush()
+        with self._procs.lock:
+            while step._out is None:
+                self.check_health()
+                steps = self._outstanding.popleft()
+                wait = self._wait("a model step")
+                for (leader, group), s in zip(self._results, steps):
+                    out = self._guard(lambda: broadcast_object(None, leader, group, wait=wait))
+                    if s is not None:
+                        s._out = out
+
+    def _wait(self, what: str, timeout: float = STEP_TIMEOUT_S):
+        return lambda work: _poll(work, self._procs, timeout, what)
+
+    def _guard(self, fn):
+        try:
+            return fn()
+        except BaseException as e:
+            self._dead = f"{type(e).__name__}: {e}"
+            self.shutdown(graceful=False)
+            raise
+
+    def check_health(self) -> None:
+        """WorkerError once a worker has failed or the workers were shut down."""
+        if self._dead is not None:
+            raise WorkerError(f"the data-parallel workers are shut down ({self._dead})")
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the workers (idempotent); graceful receives the steps in flight first."""
+        if self._dead is None and graceful and self._outstanding:
+            try:
+                last = next(s for s in reversed(self._outstanding[-1]) if s is not None)
+                self.receive(last)
+            except Exception as e:  # noqa: BLE001 - shutting down anyway
+                logger.debug("tokens of the steps in flight not received: %s", e)
+                graceful = False
+        if self._dead is None:
+            self._dead = "shut down by the driver"
+        if self._finalizer.detach() is not None:
+            self._procs.close(graceful)
+            data_parallel.reset()
+
+    def worker_pids(self) -> list[int]:
+        ctx = self._procs.context
+        return [p.pid for p in ctx.processes] if ctx is not None else []
+
+
+class DPStep:
+    """A replica's step in a wave; `result()` -> (driver Sequences that sampled, their SampleResults)."""
+
+    def __init__(self, executor: DPExecutor, sched):
+        self.sched = sched
+        self._executor = executor
+        self._seqs = {s.seq.seq_id: s.seq for s in sched.scheduled}
+        self._sent = False
+        self._out: list | None = None
+
+    def result(self):
+        if self._out is None:
+            self._executor.receive(self)
+        return [self._seqs[seq_id] for seq_id, _ in self._out], [r for _, r in self._out]
+
+
+class DPReplicaRunner:
+    """Replica d's model runner as its `LLMEngine` sees it (the weights live in the workers)."""
+
+    supports_async = True
+
+    def __init__(self, executor: DPExecutor, dp_rank: int):
+        self.executor, self.dp_rank = executor, dp_rank
+        self.num_blocks = executor.num_blocks[dp_rank]
+        self.model = executor.model
+
+    def execute_model_async(self, sched, previous=None) -> DPStep:
+        """`previous` is not needed: each worker feeds tokens still in flight from its own last step."""
+        return self.executor.submit(self.dp_rank, sched)
+
+    def execute_model(self, sched):
+        return self.execute_model_async(sched).result()
+
+    def check_health(self) -> None:
+        self.executor.check_health()
+
+    def sleep_status(self):
+        return None
+
+    def _unsupported(self, *args, **kwargs):
+        raise NotImplementedError("weight sync and sleep mode are not supported with data_parallel_size > 1")
+
+    load_weights = sleep = wake_up = _unsupported

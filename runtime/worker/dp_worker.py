@@ -1,0 +1,99 @@
+"""A data-parallel worker process: TP rank t of replica d (`fxrewrite.data_parallel` has the layout).
+
+Each step the driver (`fxrewrite.runtime.worker.dp_executor`) broadcasts a *wave*: one `StepMessage`
+(or None) per replica. A worker applies its replica's message to its `SequenceMirror` and launches the
+step as a tensor-parallel worker does (`fxrewrite.runtime.worker.worker.Worker`); its replica's TP rank 0
+sends the sampled tokens back on that replica's results group, one reply per wave (empty when the
+replica had no work). Under DP x EP every replica's token count is noted before the step, and a replica
+with no work still runs every MoE layer's collectives (`run_idle`), so all workers' collectives line up.
+``None`` means shut down.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import sys
+import threading
+
+import torch
+import torch.distributed as dist
+
+from fxrewrite import data_parallel, distributed
+from fxrewrite.layers.fused_moe import FusedMoE
+from fxrewrite.layers.moe_dp import experts_across_dp
+from fxrewrite.runtime.worker.worker import STEP_FIELDS, ControlMessage, ResultSender, Worker, _watch_parent, broadcast_object
+
+_NUM_NEW = STEP_FIELDS.index("num_new_tokens")
+
+
+def wave_token_counts(wave: list) -> list[int]:
+    """Tokens each replica computes in a wave (0 for a replica without a message or scheduled rows)."""
+    return [0 if m is None else int(m.steps[:, _NUM_NEW].sum()) for m in wave]
+
+
+@torch.inference_mode()
+def run_idle(model: torch.nn.Module) -> None:
+    """A replica with no tokens this step: take part in every MoE layer's collectives, in forward order
+    (the modules' registration order is the decoder layers' order)."""
+    for module in model.modules():
+        if isinstance(module, FusedMoE):
+            router = module._child("router")
+            experts_across_dp(module, router.weight.new_empty(0, router.weight.shape[1]))
+
+
+def check_model_shares_experts(model: torch.nn.Module) -> None:
+    """DP x EP needs fused MoE layers (they carry the cross-replica collectives); RuntimeError otherwise."""
+    if not any(isinstance(m, FusedMoE) for m in model.modules()):
+        raise RuntimeError("data_parallel_size > 1 with enable_expert_parallel needs the fused MoE layers "
+                           "(model_impl 'native', or 'transformers' with fusion on); this model has none")
+
+
+def dp_worker_main(local_rank: int, config, model_config, eos_token_ids: set[int], host: str, port: int,
+                   dp_size: int, tp_size: int, parent_pid: int) -> None:
+    """torch.multiprocessing entry point of worker `local_rank` (global rank local_rank + 1)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's: it shuts us down
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    backend = distributed.default_backend(config.device)
+    config = copy.copy(config)
+    num_workers = dp_size * tp_size
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        config.device = f"cuda:{local_rank}"
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_workers))
+        config.device = config.device or "cpu"
+    rank = local_rank + 1
+    store = dist.TCPStore(host, port, num_workers + 1, is_master=False, timeout=distributed.TP_TIMEOUT)
+    store.set(f"fxrewrite/worker_ready/{rank}", "1")
+    state, _ = data_parallel.initialize(rank, store, dp_size, tp_size, backend, config.enable_expert_parallel)
+    worker = Worker(config, model_config, eos_token_ids)
+    shares_experts = data_parallel.dp_ep_active()
+    if shares_experts:
+        check_model_shares_experts(worker.runner.model)
+    info = {"num_blocks": worker.num_blocks(), "impl": getattr(worker.runner.model, "impl", None),
+            "compiled": bool(getattr(worker.runner.model, "_fxrewrite_compiled", False)),
+            "cuda_graph_buckets": len(worker.runner.graph_runner.graphs) if worker.runner.graph_runner else 0}
+    leader = rank == state.results_rank
+    if leader:
+        broadcast_object(info, rank, state.driver_group)
+    sender = ResultSender(state.driver_group, config.device, rank) if leader else None
+    dp_rank, step = data_parallel.get_state().dp_rank, None
+    while (wave := broadcast_object(None, 0)) is not None:
+        if isinstance(wave, ControlMessage):  # the driver refuses these under data parallelism
+            continue
+        counts = wave_token_counts(wave)
+        data_parallel.set_step_token_counts(counts)
+        msg = wave[dp_rank]
+        launched = worker.launch(msg, step) if msg is not None else None
+        if launched is None and shares_experts and max(counts) > 0:
+            run_idle(worker.runner.model)
+        step = launched or step
+        if sender is not None:
+            sender.send(launched)
+    if sender is not None:
+        sender.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as worker_main: no process-group teardown

@@ -1,0 +1,101 @@
+"""Data parallelism on a CPU (gloo): replicas behind one front, and DP attention + expert-parallel MoE.
+
+Greedy tokens (float32) with data_parallel_size 2 equal one engine's: pure replicas (a dense model),
+and a Qwen3-MoE whose experts are split over both replicas (native and transformers + fusion), which
+exercises the cross-replica MoE collectives and the idle replica's dummy participation (the prompts
+are uneven, so one replica runs out of work first).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fxrewrite.runtime.engine.data_parallel import DPLLMEngine
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
+from fxrewrite.runtime.llm import LLM
+from tests.distributed.tp_ranks import make_llm
+from tests.moe.test_moe_parallel import MOE
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# Uneven lengths: the replica with the short requests goes idle while the other still decodes.
+PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 40)), [7] * 3]
+MAX_TOKENS = [8, 12, 3]
+
+
+def _greedy(llm) -> list[list[int]]:
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _check_replicas_used_and_freed(llm) -> None:
+    engine = llm.llm_engine
+    assert isinstance(engine, DPLLMEngine) and len(engine.engines) == 2
+    for replica in engine.engines:
+        bm = replica.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+    assert engine.num_requests_routed == [2, 1]  # loads 0/0 -> r0, 4/0 -> r1, 4/4 -> r0
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_dir(tiny_model_dir):
+    return str(tiny_model_dir("qwen3_moe", vocab="smollm2", **MOE["qwen3_moe"]))
+
+
+def test_dp2_dense_replicas_equal_one_engine(tiny_qwen3_dir):
+    want = _greedy(make_llm(str(tiny_qwen3_dir), "native"))
+    llm = make_llm(str(tiny_qwen3_dir), "native", data_parallel_size=2)
+    try:
+        assert _greedy(llm) == want
+        _check_replicas_used_and_freed(llm)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("impl", ["native", "transformers"])
+def test_dp2_ep_moe_equals_one_engine(qwen3_moe_dir, impl):
+    want = _greedy(make_llm(qwen3_moe_dir, impl))
+    llm = make_llm(qwen3_moe_dir, impl, data_parallel_size=2, enable_expert_parallel=True)
+    try:
+        assert _greedy(llm) == want
+        _check_replicas_used_and_freed(llm)
+        stats = llm.llm_engine.get_stats()
+        assert len(stats["data_parallel"]) == 2 and stats["num_running"] == 0
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_bad_data_parallel_settings_fail_before_workers_start(qwen3_moe_dir, tiny_qwen3_dir):
+    with pytest.raises(ValueError, match="data_parallel_size=0 must be a positive integer"):
+        make_llm(qwen3_moe_dir, "native", data_parallel_size=0)
+    with pytest.raises(ValueError, match=r"expert count 8 is not divisible by the expert-parallel size 6 "
+                                         r"\(data_parallel_size=2 x tensor_parallel_size=3\)"):
+        make_llm(qwen3_moe_dir, "native", data_parallel_size=2, tensor_parallel_size=3, enable_expert_parallel=True)
+    with pytest.raises(ValueError, match=r"num_experts_per_tok=9 \(top-k\) must be between 1 and the number of "
+                                         r"experts \(8\)"):
+        make_llm(qwen3_moe_dir, "native", data_parallel_size=2, hf_overrides={"num_experts_per_tok": 9})
+    dp = torch.cuda.device_count() + 2
+    with pytest.raises(ValueError, match=rf"data_parallel_size={dp} x tensor_parallel_size=1 x "
+                                         rf"pipeline_parallel_size=1 needs {dp} GPUs, found {dp - 2}"):
+        LLM(str(tiny_qwen3_dir), data_parallel_size=dp, device="cuda")
+    with pytest.raises(ValueError, match="with pipeline_parallel_size=2 is not supported"):
+        make_llm(str(tiny_qwen3_dir), "native", data_parallel_size=2, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="needs fused MoE layers: fusion=False"):
+        make_llm(qwen3_moe_dir, "transformers", data_parallel_size=2, enable_expert_parallel=True, fusion=False)
+
+
+
+@pytest.mark.slow
+def test_dp2_tp2_ep_moe_equals_one_engine(tiny_model_dir):
+    """4 workers: two replicas of TP=2 (attention heads split inside each), 8 experts over all 4 ranks."""
+    path = str(tiny_model_dir("qwen3_moe", vocab="smollm2", num_attention_heads=8, num_key_value_heads=2,
+                              **MOE["qwen3_moe"]))
+    want = _greedy(make_llm(path, "native"))
+    llm = make_llm(path, "native", tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True)
+    try:
+        assert _greedy(llm) == want
+        _check_replicas_used_and_freed(llm)
+    finally:
+        llm.llm_engine.shutdown()
