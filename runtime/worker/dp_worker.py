@@ -24,6 +24,7 @@ from fxrewrite import data_parallel, distributed
 from fxrewrite.layers.fused_moe import FusedMoE
 from fxrewrite.layers.moe_dp import experts_across_dp
 from fxrewrite.runtime.worker.worker import STEP_FIELDS, ControlMessage, ResultSender, Worker, _watch_parent, broadcast_object
+from fxrewrite.runtime.worker.step_channel import GlooChannel
 
 _NUM_NEW = STEP_FIELDS.index("num_new_tokens")
 
@@ -78,7 +79,8 @@ def dp_worker_main(local_rank: int, config, model_config, eos_token_ids: set[int
     leader = rank == state.results_rank
     if leader:
         broadcast_object(info, rank, state.driver_group)
-    sender = ResultSender(state.driver_group, config.device, rank) if leader else None
+    # DP steps travel over gloo (one wave per engine step for every replica; no shared-memory ring yet)
+    sender = ResultSender(GlooChannel(rank, state.driver_group), config.device) if leader else None
     dp_rank, step = data_parallel.get_state().dp_rank, None
     while (wave := broadcast_object(None, 0)) is not None:
         if isinstance(wave, ControlMessage):  # the driver refuses these under data parallelism
