@@ -233,7 +233,8 @@ class MultiprocExecutor:
         # The workers get the resolved model_config; a callable hf_overrides would not pickle.
         config = copy.copy(config)
         config.hf_overrides = None
-        alive = lambda: _check_workers(self._procs)  # noqa: E731
+        procs = self._procs  # not self: the finalizer holds `procs`, which must not reach the executor
+        alive = lambda: _check_workers(procs)  # noqa: E731
         shm = self._procs.channel = driver_shm_channel(self.num_workers, alive, STEP_TIMEOUT_S)
         self._procs.context = mp.start_processes(
             worker_main, args=(config, model_config, eos_token_ids, host, store.port, self.tp_size, os.getpid(),

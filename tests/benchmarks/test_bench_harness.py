@@ -113,6 +113,12 @@ def test_cli_latency_with_tensor_parallel_workers(tmp_path, capsys):
     assert "error" not in arm, arm.get("traceback")
     assert saved["engine_kwargs"]["tensor_parallel_size"] == 2
     assert arm["batch_1"]["decode_ms_per_step"] > 0 and arm["weight_bytes"] > 0
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()  # the engine is gone: its workers and process group with it (the next engine can start)
+    assert not dist.is_initialized()
 
 
 def test_cli_moe_data_parallel_expert_parallel_arms(tmp_path, capsys):
