@@ -142,7 +142,7 @@ class LLMEngine(EngineRLMixin):
 
     def _check_request(self, token_ids: list[int], params: SamplingParams) -> None:
         max_len, vocab = self.model_config.max_model_len, self.model_config.vocab_size
-        check_request_extras(params, self.config.max_logprobs, vocab, self.config.tensor_parallel_size)
+        check_request_extras(params, self.config, vocab)
         if params.logprobs is not None and params.logprobs > vocab:  # topk over the vocabulary
             raise UserInputError(f"logprobs={params.logprobs} is more than the vocabulary size {vocab}")
         if len(token_ids) > max_len:

@@ -14,10 +14,13 @@ from fxrewrite.runtime.engine.sampling_params import SamplingParams
 from fxrewrite.runtime.engine.sequence import Sequence
 
 
-def check_request_extras(params: SamplingParams, max_logprobs: int, vocab_size: int,
-                         tensor_parallel_size: int) -> None:
-    """ValueError for logprobs / prompt_logprobs above `max_logprobs` (vLLM's limit, default 20), a
-    logit_bias token outside the vocabulary, or a feature the tensor-parallel executor lacks."""
+def check_request_extras(params: SamplingParams, config, vocab_size: int) -> None:
+    """ValueError for logprobs / prompt_logprobs above `config.max_logprobs` (vLLM's limit, default 20), a
+    logit_bias token outside the vocabulary, or a feature the multi-process executors lack (tensor x
+    pipeline x data parallel size above 1)."""
+    max_logprobs = config.max_logprobs
+    parallel_size = (config.tensor_parallel_size * getattr(config, "pipeline_parallel_size", 1)
+                     * getattr(config, "data_parallel_size", 1))
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if value is not None and value > max_logprobs:
@@ -26,10 +29,11 @@ def check_request_extras(params: SamplingParams, max_logprobs: int, vocab_size: 
     bad = [t for t in (params.logit_bias or {}) if t >= vocab_size]
     if bad:
         raise ValueError(f"logit_bias token id {bad[0]} is out of range [0, {vocab_size})")
-    if tensor_parallel_size > 1:
+    if parallel_size > 1:
         for name in ("prompt_logprobs", "structured_outputs", "bad_words"):
             if getattr(params, name) is not None:
-                raise ValueError(f"{name} is not supported with tensor_parallel_size > 1 yet")
+                raise ValueError(f"{name} is not supported with tensor, pipeline or data parallelism "
+                                 f"(tensor_parallel_size x pipeline_parallel_size x data_parallel_size > 1) yet")
 
 
 def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
