@@ -28,14 +28,14 @@ import torch.distributed as dist
 
 from fxrewrite import data_parallel, distributed
 from fxrewrite.runtime.worker.dp_worker import dp_worker_main
-from fxrewrite.runtime.worker.executor import (
-    STARTUP_TIMEOUT_S, STEP_TIMEOUT_S, RemoteModel, WorkerError, _failure, _poll, _Processes)
+from fxrewrite.runtime.worker.executor import RemoteModel
+from fxrewrite.runtime.worker.worker_processes import STARTUP_TIMEOUT_S, WorkerError, WorkerGuard, _failure, _Processes
 from fxrewrite.runtime.worker.worker import StepEncoder, broadcast_object
 
 logger = logging.getLogger(__name__)
 
 
-class DPExecutor:
+class DPExecutor(WorkerGuard):
     """dp_size replicas of tensor_parallel_size workers. Attributes: num_blocks (per replica), model."""
 
     def __init__(self, config, model_config, eos_token_ids: set[int]):
@@ -130,17 +130,6 @@ class DPExecutor:
                     out = self._guard(lambda: broadcast_object(None, leader, group, wait=wait))
                     if s is not None:
                         s._out = out
-
-    def _wait(self, what: str, timeout: float = STEP_TIMEOUT_S):
-        return lambda work: _poll(work, self._procs, timeout, what)
-
-    def _guard(self, fn):
-        try:
-            return fn()
-        except BaseException as e:
-            self._dead = f"{type(e).__name__}: {e}"
-            self.shutdown(graceful=False)
-            raise
 
     def check_health(self) -> None:
         """WorkerError once a worker has failed or the workers were shut down."""

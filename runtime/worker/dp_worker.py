@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import os
 import signal
-import sys
 import threading
 
 import torch
@@ -23,7 +22,8 @@ import torch.distributed as dist
 from fxrewrite import data_parallel, distributed
 from fxrewrite.layers.fused_moe import FusedMoE
 from fxrewrite.layers.moe_dp import experts_across_dp
-from fxrewrite.runtime.worker.worker import STEP_FIELDS, ControlMessage, ResultSender, Worker, _watch_parent, broadcast_object
+from fxrewrite.runtime.worker.worker import (
+    STEP_FIELDS, ControlMessage, ResultSender, Worker, _watch_parent, broadcast_object, exit_worker)
 from fxrewrite.runtime.worker.step_channel import GlooChannel
 
 _NUM_NEW = STEP_FIELDS.index("num_new_tokens")
@@ -94,8 +94,4 @@ def dp_worker_main(local_rank: int, config, model_config, eos_token_ids: set[int
         step = launched or step
         if sender is not None:
             sender.send(launched)
-    if sender is not None:
-        sender.close()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # as worker_main: no process-group teardown
+    exit_worker(sender)

@@ -13,12 +13,9 @@ engine schedules step n+1 while the workers run step n. A message carries only w
 tokens, new block ids; `fxrewrite.runtime.worker.worker.StepEncoder`). Steps and tokens go through
 shared memory when every worker can attach to it, else gloo (`fxrewrite.runtime.worker.step_channel`).
 
-Failure handling: every wait on a worker polls the workers' process sentinels, so a worker that
-dies (or raises) ends the step with a RuntimeError carrying its exit status or traceback, and the
-others are terminated (then killed); Ctrl-C in the driver shuts the workers down the same way
-(they ignore SIGINT themselves). Workers exit on their own when the driver disappears. A normal
-exit (`shutdown`, garbage collection or interpreter exit) sends them ``None`` and joins them.
-"""
+Failures: every wait polls the workers' sentinels; a worker that dies (or raises) ends the step with a
+WorkerError carrying its exit status or traceback and the others are stopped, as on Ctrl-C (workers
+ignore SIGINT, and exit when the driver disappears). `shutdown`, GC or exit sends ``None`` and joins."""
 
 from __future__ import annotations
 
@@ -29,7 +26,6 @@ import datetime
 import logging
 import multiprocessing.connection
 import os
-import threading
 import time
 import weakref
 
@@ -43,14 +39,10 @@ from fxrewrite.runtime.worker.moe_checks import check_moe_parallel
 from fxrewrite.runtime.worker.step_channel import GlooChannel, driver_shm_channel, settle_driver_channel
 from fxrewrite.runtime.worker.worker import ControlMessage, StepEncoder, broadcast_object, rank_model_config, worker_main
 from fxrewrite.runtime.worker.pipeline import check_pipeline_size
+from fxrewrite.runtime.worker.worker_processes import (  # noqa: F401  (WorkerError: re-exported)
+    STARTUP_TIMEOUT_S, STEP_TIMEOUT_S, WorkerError, WorkerGuard, _check_workers, _failure, _poll, _Processes)
 
 logger = logging.getLogger(__name__)
-
-STARTUP_TIMEOUT_S = 1800.0
-"""Workers must have built their model shards within this (large checkpoints load slowly)."""
-STEP_TIMEOUT_S = 600.0
-SHUTDOWN_TIMEOUT_S = 10.0
-
 
 def create_model_runner(config, model_config, eos_token_ids: set[int]):
     """ModelRunner or MultiprocExecutor (see the module docstring); both have `execute_model`, `num_blocks`."""
@@ -96,99 +88,7 @@ class RemoteModel:
     _fxrewrite_compiled: bool = False
 
 
-class _Processes:
-    """The spawn context and store; `close` is the finalizer (no reference to the executor)."""
-
-    def __init__(self) -> None:
-        self.context = None
-        self.store = self.channel = None  # channel: ShmChannel or GlooChannel (`step_channel`)
-        self.joined_group = False
-        # The server steps in a worker thread; the exit-time shutdown must not interleave with a step.
-        self.lock = threading.RLock()
-
-    def close(self, graceful: bool) -> None:
-        with self.lock:
-            self._close(graceful)
-
-    def _close(self, graceful: bool) -> None:
-        if graceful and self.joined_group and self.context is not None and self.context.sentinels:
-            try:
-                self.channel.send(None, wait=lambda w: _poll(w, self, SHUTDOWN_TIMEOUT_S, "shutdown"))
-            except Exception as e:  # noqa: BLE001 - a dead worker must not stop the shutdown
-                logger.debug("shutdown message not delivered: %s", e)
-        if self.context is not None:
-            _stop_processes(self.context.processes, SHUTDOWN_TIMEOUT_S if graceful else 0.0)
-            self.context = None
-        if self.channel is not None:
-            self.channel.close()
-            self.channel = None
-        if self.joined_group:
-            distributed.destroy()
-            self.joined_group = False
-        self.store = None
-
-
-def _stop_processes(processes, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    for p in processes:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in processes:
-        if p.is_alive():
-            p.terminate()
-    for p in processes:
-        p.join(2.0)
-        if p.is_alive():
-            p.kill()
-            p.join()
-
-
-class WorkerError(RuntimeError):
-    """A tensor-parallel worker died or failed; the engine is shut down."""
-
-
-def _poll(work, procs: _Processes, timeout: float, what: str) -> None:
-    """Wait for a torch.distributed work item while watching the worker processes."""
-    start = time.monotonic()
-    sentinels = list(procs.context.sentinels) if procs.context is not None else []
-    while not work.is_completed():
-        elapsed = time.monotonic() - start
-        if elapsed > timeout:
-            raise WorkerError(f"tensor-parallel workers did not answer within {timeout:.0f} s ({what})")
-        # 50 us late at most while steps flow (a decode step is a few ms), 1 ms once idle for a second.
-        if sentinels and multiprocessing.connection.wait(sentinels, timeout=5e-5 if elapsed < 1.0 else 1e-3):
-            raise _failure(procs, what)
-    try:
-        work.wait()
-    except RuntimeError as e:  # gloo reports a dead peer as a closed connection
-        raise _failure(procs, what, e) from e
-
-
-def _check_workers(procs: _Processes) -> bool:
-    """True while every worker runs, else raises `_failure` (polled by the shared-memory queues' waits)."""
-    sentinels = list(procs.context.sentinels) if procs.context is not None else []
-    if sentinels and multiprocessing.connection.wait(sentinels, timeout=0):
-        raise _failure(procs, "a step exchange")
-    return True
-
-
-def _failure(procs: _Processes, what: str, cause: BaseException | None = None) -> WorkerError:
-    """The first failed worker's story (exit code / signal / traceback, from torch's spawn context)."""
-    from torch.multiprocessing.spawn import ProcessException
-
-    detail = str(cause) if cause is not None else "a worker process exited"
-    if procs.context is None:
-        return WorkerError(f"tensor-parallel worker failed during {what}: {detail}")
-    pids = [p.pid for p in procs.context.processes]
-    try:
-        procs.context.join(timeout=5.0, grace_period=1.0)
-    except ProcessException as e:
-        detail = str(e).strip()
-    except Exception as e:  # noqa: BLE001
-        detail = f"{detail}; {e}"
-    return WorkerError(f"tensor-parallel worker failed during {what} (process i is TP rank i; pids {pids}): {detail}")
-
-
-class MultiprocExecutor:
+class MultiprocExecutor(WorkerGuard):
     """Driver side of tensor parallelism: `execute_model(sched) -> (seqs, results)` like `ModelRunner`.
 
     Attributes: num_blocks (the smallest KV block count over the ranks), model (`RemoteModel`).
@@ -294,17 +194,6 @@ class MultiprocExecutor:
                 self._check_alive()
                 head = self._outstanding.popleft()
                 head._out = self._guard(lambda: self._procs.channel.recv_result(wait=self._wait("a model step")))
-
-    def _wait(self, what: str):
-        return lambda work: _poll(work, self._procs, STEP_TIMEOUT_S, what)
-
-    def _guard(self, fn):
-        try:
-            return fn()
-        except BaseException as e:
-            self._dead = f"{type(e).__name__}: {e}"
-            self.shutdown(graceful=False)
-            raise
 
     def _check_alive(self) -> None:
         if self._dead is not None:

@@ -314,11 +314,15 @@ def worker_main(local_rank: int, config, model_config, eos_token_ids: set[int], 
         step = launched or step
         if sender is not None:
             sender.send(launched)
+    exit_worker(sender)
+
+
+def exit_worker(sender: "ResultSender | None") -> None:
+    """Normal shutdown of a worker process: drain its result thread, then exit without destroying the
+    process groups (NCCL's destroy_process_group blocks on an H200 pair until the driver kills us; the
+    exit frees everything) or the interpreter's slow teardown (nothing is left to flush but stdio)."""
     if sender is not None:
         sender.close()
-    # Normal shutdown: exit without destroying the process groups (NCCL's destroy_process_group blocks
-    # on an H200 pair until the driver kills us; the exit frees everything) or the interpreter's slow
-    # teardown (nothing is left to flush but stdio).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

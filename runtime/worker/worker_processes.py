@@ -1,0 +1,131 @@
+"""The worker processes a multi-process executor holds, and how it waits on them.
+
+`_Processes` holds the spawn context, store and step channel (it is the executor's finalizer, so it
+never refers to the executor); `_poll` waits for a torch.distributed work item while watching the
+workers' sentinels; `_failure` tells the first failed worker's story; `WorkerGuard` gives the
+executors (`MultiprocExecutor`, `DPExecutor`) their `_wait` / `_guard`.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing.connection
+import threading
+import time
+
+from fxrewrite import distributed
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 1800.0
+"""Workers must have built their model shards within this (large checkpoints load slowly)."""
+STEP_TIMEOUT_S = 600.0
+SHUTDOWN_TIMEOUT_S = 10.0
+
+
+class _Processes:
+    """The spawn context and store; `close` is the finalizer (no reference to the executor)."""
+
+    def __init__(self) -> None:
+        self.context = None
+        self.store = self.channel = None  # channel: ShmChannel or GlooChannel (`step_channel`)
+        self.joined_group = False
+        # The server steps in a worker thread; the exit-time shutdown must not interleave with a step.
+        self.lock = threading.RLock()
+
+    def close(self, graceful: bool) -> None:
+        with self.lock:
+            self._close(graceful)
+
+    def _close(self, graceful: bool) -> None:
+        if graceful and self.joined_group and self.context is not None and self.context.sentinels:
+            try:
+                self.channel.send(None, wait=lambda w: _poll(w, self, SHUTDOWN_TIMEOUT_S, "shutdown"))
+            except Exception as e:  # noqa: BLE001 - a dead worker must not stop the shutdown
+                logger.debug("shutdown message not delivered: %s", e)
+        if self.context is not None:
+            _stop_processes(self.context.processes, SHUTDOWN_TIMEOUT_S if graceful else 0.0)
+            self.context = None
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        if self.joined_group:
+            distributed.destroy()
+            self.joined_group = False
+        self.store = None
+
+
+def _stop_processes(processes, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    for p in processes:
+        p.join(2.0)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel worker died or failed; the engine is shut down."""
+
+
+def _poll(work, procs: _Processes, timeout: float, what: str) -> None:
+    """Wait for a torch.distributed work item while watching the worker processes."""
+    start = time.monotonic()
+    sentinels = list(procs.context.sentinels) if procs.context is not None else []
+    while not work.is_completed():
+        elapsed = time.monotonic() - start
+        if elapsed > timeout:
+            raise WorkerError(f"tensor-parallel workers did not answer within {timeout:.0f} s ({what})")
+        # 50 us late at most while steps flow (a decode step is a few ms), 1 ms once idle for a second.
+        if sentinels and multiprocessing.connection.wait(sentinels, timeout=5e-5 if elapsed < 1.0 else 1e-3):
+            raise _failure(procs, what)
+    try:
+        work.wait()
+    except RuntimeError as e:  # gloo reports a dead peer as a closed connection
+        raise _failure(procs, what, e) from e
+
+
+def _check_workers(procs: _Processes) -> bool:
+    """True while every worker runs, else raises `_failure` (polled by the shared-memory queues' waits)."""
+    sentinels = list(procs.context.sentinels) if procs.context is not None else []
+    if sentinels and multiprocessing.connection.wait(sentinels, timeout=0):
+        raise _failure(procs, "a step exchange")
+    return True
+
+
+def _failure(procs: _Processes, what: str, cause: BaseException | None = None) -> WorkerError:
+    """The first failed worker's story (exit code / signal / traceback, from torch's spawn context)."""
+    from torch.multiprocessing.spawn import ProcessException
+
+    detail = str(cause) if cause is not None else "a worker process exited"
+    if procs.context is None:
+        return WorkerError(f"tensor-parallel worker failed during {what}: {detail}")
+    pids = [p.pid for p in procs.context.processes]
+    try:
+        procs.context.join(timeout=5.0, grace_period=1.0)
+    except ProcessException as e:
+        detail = str(e).strip()
+    except Exception as e:  # noqa: BLE001
+        detail = f"{detail}; {e}"
+    return WorkerError(f"tensor-parallel worker failed during {what} (process i is TP rank i; pids {pids}): {detail}")
+
+
+class WorkerGuard:
+    """Waits on workers for the multi-process executors (uses `_procs`, `_dead`, `shutdown`): `_wait` polls
+    the workers' sentinels while `work` runs; `_guard(fn)` shuts every worker down when fn fails."""
+
+    def _wait(self, what: str, timeout: float = STEP_TIMEOUT_S):
+        return lambda work: _poll(work, self._procs, timeout, what)
+
+    def _guard(self, fn):
+        try:
+            return fn()
+        except BaseException as e:
+            self._dead = f"{type(e).__name__}: {e}"
+            self.shutdown(graceful=False)
+            raise
