@@ -13,7 +13,9 @@ from tests.moe.conftest import tiny_moe
 
 def _engine(model):
     text = model.config
-    return types.SimpleNamespace(model_runner=types.SimpleNamespace(model=model),
+    config = types.SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1,
+                                   enable_expert_parallel=False)
+    return types.SimpleNamespace(model_runner=types.SimpleNamespace(model=model), config=config,
                                  model_config=types.SimpleNamespace(hf_text_config=text))
 
 
