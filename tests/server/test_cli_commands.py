@@ -20,7 +20,7 @@ def shared_engine(server, monkeypatch):
     """`LLM(...)` inside the commands gets the server's engine instead of loading the model again."""
     import fxrewrite.runtime.llm as llm_module
 
-    monkeypatch.setattr(llm_module, "LLMEngine", lambda config: server.engine)
+    monkeypatch.setattr(llm_module, "make_engine", lambda config: server.engine)
     return server.engine
 
 
