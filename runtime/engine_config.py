@@ -115,9 +115,10 @@ class EngineConfig:
                 "hf_overrides must be a dict, a JSON object string or a callable(config) -> config, "
                 f"got {type(self.hf_overrides).__name__}: {self.hf_overrides!r}"
             )
-        if self.runner == "pooling" and (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1):
-            raise UserInputError("runner='pooling' runs in one process: tensor_parallel_size and "
-                                 "pipeline_parallel_size must be 1")
+        if self.runner == "pooling" and max(self.tensor_parallel_size, self.pipeline_parallel_size,
+                                            getattr(self, "data_parallel_size", 1)) > 1:
+            raise UserInputError("runner='pooling' runs in one process: tensor_parallel_size, "
+                                 "pipeline_parallel_size and data_parallel_size must be 1")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_num_seqs)
 

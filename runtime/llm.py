@@ -56,16 +56,7 @@ class LLM:
 
         ValueError (naming the prompt's index and the limit) when a prompt is invalid; then nothing runs.
         """
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
-                                                and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise UserTypeError(f"prompts={prompts!r} must be a string, a list of token ids, or a list of those")
-        # vLLM's TextPrompt / TokensPrompt dicts
-        for i, p in enumerate(prompts):
-            if isinstance(p, dict) and not {"prompt", "prompt_token_ids"} & p.keys():
-                raise UserInputError(f"prompt {i}: {p!r} has neither 'prompt' nor 'prompt_token_ids'")
-        prompts = [p.get("prompt_token_ids", p.get("prompt")) if isinstance(p, dict) else p for p in prompts]
+        prompts = _prompt_list(prompts)
         if self.llm_engine.config.is_pooling:
             raise UserInputError("LLM.generate: this LLM was made with runner='pooling'; it embeds: call "
                                  "LLM.embed(prompts), or make the LLM without runner='pooling' to generate")
@@ -79,10 +70,9 @@ class LLM:
         if not self.llm_engine.config.is_pooling:
             raise UserInputError("LLM.embed needs LLM(model, runner='pooling') (vLLM's pooling runner); this LLM "
                                  "generates")
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise UserTypeError(f"prompts={prompts!r} must be a string, a list of token ids, or a non-empty list of those")
+        prompts = _prompt_list(prompts)
+        if not prompts:
+            raise UserTypeError("prompts must be a string, a list of token ids, or a non-empty list of those")
         if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
             raise UserTypeError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}")
         return self._submit(list(prompts), [pooling_params or PoolingParams()] * len(prompts), use_tqdm)
@@ -169,3 +159,17 @@ def _per_prompt(sampling_params, num: int) -> list[SamplingParams]:
     if len(sampling_params) != num:
         raise UserInputError(f"got {len(sampling_params)} sampling_params for {num} prompts; expected one or {num}")
     return list(sampling_params)
+
+
+def _prompt_list(prompts) -> list:
+    """One prompt (text, token ids, or vLLM's TextPrompt / TokensPrompt dict) or a list of them -> a list of
+    texts / token-id lists. UserTypeError for another type, UserInputError for a dict with neither key."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                            and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise UserTypeError(f"prompts={prompts!r} must be a string, a list of token ids, or a list of those")
+    for i, p in enumerate(prompts):
+        if isinstance(p, dict) and not {"prompt", "prompt_token_ids"} & p.keys():
+            raise UserInputError(f"prompt {i}: {p!r} has neither 'prompt' nor 'prompt_token_ids'")
+    return [p.get("prompt_token_ids", p.get("prompt")) if isinstance(p, dict) else p for p in prompts]

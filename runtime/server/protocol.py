@@ -16,8 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from fxrewrite.runtime.engine.chat import check_role
 
-# OpenAI caps top_logprobs at 20; vLLM's default max_logprobs is 20 too.
-MAX_LOGPROBS = 20
 # torch.Generator.manual_seed takes a 64-bit integer.
 _SEED_RANGE = {"ge": -(2**63), "le": 2**63 - 1}
 
@@ -145,7 +143,7 @@ class CompletionRequest(SamplingRequest):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=0)  # OpenAI's default; 0 with echo returns the prompt alone
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0)  # the engine's max_logprobs (--max-logprobs) is the limit
     echo: bool = False
 
     @model_validator(mode="after")
@@ -256,7 +254,7 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0)  # as logprobs
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 

@@ -67,7 +67,19 @@ def test_bad_input_and_wrong_runner(tiny_llama_dir, pooling_llm):
         pooling_llm.llm_engine.add_request("r", "x", SamplingParams())
     with pytest.raises(ValueError, match="runner.*is not one of"):
         LLM(str(tiny_llama_dir), runner="embed")
+    with pytest.raises(ValueError, match="data_parallel_size must be 1"):
+        LLM(str(tiny_llama_dir), runner="pooling", data_parallel_size=2)
     assert not pooling_llm.llm_engine.has_unfinished_requests()
+
+
+def test_embed_takes_vllm_dict_prompts(pooling_llm):
+    """TokensPrompt / TextPrompt dicts, as LLM.generate takes them."""
+    ids = [5, 9, 3]
+    want = pooling_llm.embed([ids], use_tqdm=False)[0].outputs.embedding
+    got = pooling_llm.embed([{"prompt_token_ids": ids}], use_tqdm=False)[0].outputs.embedding
+    assert got == want
+    with pytest.raises(ValueError, match="has neither 'prompt' nor 'prompt_token_ids'"):
+        pooling_llm.embed([{"text": "x"}], use_tqdm=False)
 
 
 def test_generate_llm_refuses_embed(tiny_llama_dir):

@@ -137,6 +137,12 @@ def test_bad_input_is_a_400_naming_it(server):
         client.completions.create(model=server.model_name, prompt="x", stream=True, extra_body={"best_of": 2})
     with pytest.raises(openai.BadRequestError, match="max_logprobs=20"):
         client.completions.create(model=server.model_name, prompt="x", extra_body={"prompt_logprobs": 50})
+    # logprobs / top_logprobs follow the engine's max_logprobs (--max-logprobs), not a fixed cap
+    with pytest.raises(openai.BadRequestError, match="logprobs=21 is more than max_logprobs=20"):
+        client.completions.create(model=server.model_name, prompt="x", logprobs=21)
+    with pytest.raises(openai.BadRequestError, match="logprobs=21 is more than max_logprobs=20"):
+        client.chat.completions.create(model=server.model_name, messages=[{"role": "user", "content": "x"}],
+                                       logprobs=True, top_logprobs=21)
     with pytest.raises(openai.BadRequestError, match="logit_bias token id"):
         client.completions.create(model=server.model_name, prompt="x", logit_bias={"999999999": 1})
     with pytest.raises(openai.BadRequestError, match="max_tokens=0 needs echo"):
