@@ -8,6 +8,7 @@ allocated in the engine.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
@@ -148,7 +149,10 @@ class OpenAIServing:
                 ids.append(rid)
         except ValueError as e:
             self.abort_all(ids)
-            raise OpenAIError(HTTPStatus.BAD_REQUEST, str(e), code="invalid_value") from None
+            # the engine's limit messages start with the field: "logprobs=21 is more than max_logprobs=20"
+            field = re.match(r"(logprobs|prompt_logprobs)=", str(e))
+            raise OpenAIError(HTTPStatus.BAD_REQUEST, str(e), param=field and field.group(1),
+                              code="invalid_value") from None
         except EngineDeadError as e:
             self.abort_all(ids)
             raise OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, str(e), code="engine_dead") from None
