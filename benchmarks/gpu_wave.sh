@@ -7,7 +7,7 @@
 #                                optimize-compile-kernels (gradient checkpointing) into $OUT_DIR/kernels/
 #   STEP=serve (nvidia-h200):    MoE throughput (Qwen3-30B-A3B shapes), -O 3 cold and warm start, FP8 GEMM,
 #                                structured-output overhead
-#   STEP=structured (nvidia-h200): structured-output and embedding GPU tests, structured-output overhead
+#   STEP=structured (nvidia-h200): structured-output overhead (JSON), then structured-output and embedding GPU tests
 #   STEP=moe-profile (nvidia-h200): MoE kernel timings, decode profiles (after/native, batch 1/256), MoE latency
 #   STEP=multi (nvidia-h200-x2): symmetric-memory all-reduce, TP=2 vs TP=1 batch-1 decode (Qwen3-4B),
 #                                TP=2 and PP=2 greedy tests, MoE expert parallel
@@ -60,11 +60,11 @@ serve)
   timeout -k 5 60 $PY -m fxrewrite.benchmarks.fp8_gemm --out "$OUT_DIR" 2>&1 | tail -8
   stamp "structured outputs"
   timeout -k 5 70 $PY -m fxrewrite.benchmarks.structured_outputs --out "$OUT_DIR" 2>&1 | tail -5 ;;
-structured)  # issue 20: structured-output overhead and embeddings (nvidia-h200)
+structured)  # issue 20: structured-output overhead and embeddings (nvidia-h200), about 4 minutes
+  stamp "structured outputs: overhead at batch 64 (none / worker-thread grammar / main-thread grammar, 3 repeats), validity"
+  timeout -k 5 210 $PY -m fxrewrite.benchmarks.structured_outputs "${TOK[@]}" --out "$OUT_DIR" 2>&1 | grep -v "tok/s\]" | tail -60
   stamp "structured-output and embedding GPU tests"
-  gpu_tests 200 gpu-tests-structured.log tests/gpu/test_gpu_structured_outputs.py tests/gpu/test_gpu_embeddings.py
-  stamp "structured outputs: overhead at batch 64 (both arms, 3 repeats) and validity"
-  timeout -k 5 240 $PY -m fxrewrite.benchmarks.structured_outputs "${TOK[@]}" --out "$OUT_DIR" 2>&1 | grep -v "tok/s\]" | tail -40 ;;
+  gpu_tests 150 gpu-tests-structured.log tests/gpu/test_gpu_structured_outputs.py tests/gpu/test_gpu_embeddings.py ;;
 multi)
   stamp "all-reduce"
   timeout -k 5 60 $PY -m fxrewrite.benchmarks.all_reduce --out "$OUT_DIR" 2>&1 | tail -8
