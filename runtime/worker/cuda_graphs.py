@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 
 import torch
 from torch import nn
@@ -149,6 +150,12 @@ def build_graph_runner(model: nn.Module, kv_caches, config, model_config,
                        device: torch.device) -> CUDAGraphRunner | None:
     """A captured CUDAGraphRunner on CUDA unless `config.enforce_eager`; None otherwise, or (logged as a
     warning, steps then run eagerly) when the model cannot be captured."""
+    if device.type == "cpu" and not config.enforce_eager and os.environ.get(EMULATE_ENV) == "1":
+        runner = EmulatedGraphRunner(model, kv_caches, max_num_seqs=config.max_num_seqs,
+                                     max_model_len=model_config.max_model_len, block_size=config.block_size,
+                                     hidden_size=model_config.hidden_size, dtype=model_config.dtype, device=device)
+        runner.capture()
+        return runner
     if device.type != "cuda" or config.enforce_eager:
         return None
     runner = CUDAGraphRunner(
@@ -162,3 +169,27 @@ def build_graph_runner(model: nn.Module, kv_caches, config, model_config,
         logger.warning("CUDA graph capture failed, decode runs eagerly: %s", e)
         return None
     return runner
+
+
+EMULATE_ENV = "FXREWRITE_EMULATE_CUDA_GRAPHS"
+"""Set to 1 (CPU tests): a CPU engine gets an `EmulatedGraphRunner`, so the bucket protocol (padding,
+DP x EP waves at one bucket, idle replicas replaying padding rows) runs without a GPU."""
+
+
+class _EagerReplay:
+    """One bucket's stand-in for a captured graph: `replay()` runs the forward the graph would replay."""
+
+    def __init__(self, runner: CUDAGraphRunner, bs: int):
+        self.runner, self.bs = runner, bs
+
+    def replay(self) -> None:
+        r, bs = self.runner, self.bs
+        with (forward_context(r._metadata(bs)), rope_lengths(r.rope_lengths[:bs]), data_parallel.uniform_tokens()):
+            r.outputs[:bs] = r.model(r.input_ids[:bs], r.positions[:bs])
+
+
+class EmulatedGraphRunner(CUDAGraphRunner):
+    """`CUDAGraphRunner` whose buckets run eagerly over the same static buffers (CPU tests: `EMULATE_ENV`)."""
+
+    def capture(self) -> None:
+        self.graphs = {bs: _EagerReplay(self, bs) for bs in self.sizes}

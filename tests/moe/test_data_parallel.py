@@ -14,6 +14,7 @@ import torch
 from fxrewrite.runtime.engine.data_parallel import DPLLMEngine
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 from fxrewrite.runtime.llm import LLM
+from fxrewrite.runtime.worker.cuda_graphs import EMULATE_ENV
 from tests.distributed.tp_ranks import make_llm
 from tests.moe.test_moe_parallel import MOE
 
@@ -55,10 +56,16 @@ def test_dp2_dense_replicas_equal_one_engine(tiny_qwen3_dir):
 
 
 @pytest.mark.parametrize("impl", ["native", "transformers"])
-def test_dp2_ep_moe_equals_one_engine(qwen3_moe_dir, impl):
+def test_dp2_ep_moe_equals_one_engine(qwen3_moe_dir, impl, monkeypatch):
+    """native: decode waves through the CUDA-graph bucket protocol (buckets emulated eagerly on the CPU:
+    replicas padded to one bucket, MoE collectives of uniform size, the idle replica replaying padding
+    rows); transformers: every wave eager, the idle replica calling the MoE layers with zero tokens."""
     want = _greedy(make_llm(qwen3_moe_dir, impl))
+    if impl == "native":
+        monkeypatch.setenv(EMULATE_ENV, "1")  # the spawned workers inherit it
     llm = make_llm(qwen3_moe_dir, impl, data_parallel_size=2, enable_expert_parallel=True)
     try:
+        assert (llm.llm_engine.model_runner.model.cuda_graph_buckets > 0) == (impl == "native")
         assert _greedy(llm) == want
         _check_replicas_used_and_freed(llm)
         stats = llm.llm_engine.get_stats()
