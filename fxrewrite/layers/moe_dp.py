@@ -73,19 +73,23 @@ def experts_across_dp(moe: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return tensor_model_parallel_all_reduce(_sum_my_rows(out, longest, state))[: x.shape[0]]
 
 
-_reduce_scatter_ok = True
+_gloo_reduce_scatter = True
+"""Whether gloo's reduce-scatter works here (some torch versions lack it for CPU tensors)."""
 
 
 def _sum_my_rows(out: torch.Tensor, longest: int, state) -> torch.Tensor:
     """Rows [dp_rank*L, (dp_rank+1)*L) of `out` [dp*L, H] summed over the DP group: a reduce-scatter,
-    or where the backend lacks one (gloo before some torch versions) an all-reduce and a slice."""
-    global _reduce_scatter_ok
+    or where gloo lacks one an all-reduce and a slice."""
+    global _gloo_reduce_scatter
     mine = out.new_empty(longest, out.shape[1])
-    if _reduce_scatter_ok:
+    gloo = dist.get_backend(state.dp_group) == "gloo"
+    if not gloo or _gloo_reduce_scatter:
         try:
             _reduce_scatter(mine, out, group=state.dp_group)
             return mine
-        except RuntimeError:  # raised locally before any traffic, the same on every rank
-            _reduce_scatter_ok = False
+        except RuntimeError:  # gloo without the op: raised before any traffic, the same on every rank
+            if not gloo:
+                raise
+            _gloo_reduce_scatter = False
     dist.all_reduce(out, group=state.dp_group)
     return out[state.dp_rank * longest: (state.dp_rank + 1) * longest]
