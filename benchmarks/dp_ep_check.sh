@@ -15,9 +15,9 @@ case "${MODE:-test}" in
   test) timeout -k 5 500 $PY -m pytest -q -m gpu tests/gpu/test_gpu_data_parallel.py -p no:cacheprovider -rfE 2>&1 \
           | tee "$OUT_DIR/dp-ep-tests.log" | tail -6 ;;
   dp) bench 540 --config qwen3-30b-a3b --arms after,native --num-prompts 256 --time-limit 60 -dp 2 --enable-expert-parallel ;;
-  graphs) timeout -k 5 240 $PY -m pytest -q -m gpu tests/gpu/test_gpu_data_parallel.py -p no:cacheprovider -rfE 2>&1 \
+  graphs) timeout -k 5 220 $PY -m pytest -q -m gpu tests/gpu/test_gpu_data_parallel.py -p no:cacheprovider -rfE 2>&1 \
           | tee "$OUT_DIR/dp-ep-tests.log" | tail -6
-        bench 320 --config qwen3-30b-a3b --arms after,native --num-prompts 256 --time-limit 40 -dp 2 --enable-expert-parallel ;;
+        bench 300 --config qwen3-30b-a3b --arms after,native --num-prompts 256 --time-limit 35 -dp 2 --enable-expert-parallel ;;
   tp) bench 540 --config qwen3-30b-a3b --arms after,native --num-prompts 256 --time-limit 60 -tp 2 ;;
   *) echo "MODE must be test, dp, tp or graphs"; exit 2 ;;
 esac
