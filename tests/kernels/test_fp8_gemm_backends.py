@@ -1,17 +1,18 @@
 """FP8 GEMM backends: every Triton tile config (old table, new table, tuner alternatives) against the
 reference with outer-dim-major scales (Triton interpreter); the scale layouts built for torch's
 block-scaled matmul pass torch's own shape/stride checks (its meta kernels mirror ScaledBlas.cpp);
-the per-M backend choice and its override (the GPU runs are in tests/gpu/test_gpu_fp8.py)."""
+the per-M backend choice, its override and its demotion after a failure (the GPU runs, tuner and
+CUDA-graph capture included, are in tests/gpu/test_gpu_fp8.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fxrewrite.kernels import fp8_dispatch
+from fxrewrite.kernels import fp8_dispatch, fp8_tune
 from fxrewrite.kernels import fp8_gemm as mod
 from fxrewrite.kernels.fp8_gemm import fp8_block_gemm_ref, fp8_linear, per_token_group_quant_fp8_ref
-from fxrewrite.kernels.fp8_gemv import fp8_block_gemv_triton
+from fxrewrite.kernels.fp8_gemv import fp8_block_gemv_triton, fp8_weight_only_gemv_ref
 from fxrewrite.kernels.fp8_scaled_mm import (
     activation_scales_outer_major,
     fp8_scaled_mm,
@@ -33,14 +34,26 @@ def test_every_triton_config_matches_ref_with_outer_major_scales(interpret, conf
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("m, n, k", [(1, 100, 256), (3, 64, 200)])  # partial N tile; partial last group
-@pytest.mark.parametrize("block_n, target", [(32, 1024), (64, 2)])  # split K over all groups / over 2
-def test_gemv_kernel_matches_ref(interpret, m, n, k, block_n, target):
-    aq, a_s = per_token_group_quant_fp8_ref(torch.randn(m, k))
+@pytest.mark.parametrize("m, n, k", [(1, 100, 256), (3, 64, 200), (4, 40, 640)])  # partial N tile / last group
+@pytest.mark.parametrize("block_n, target, step", [(16, 1024, 4), (32, 2, 2)])  # split K over all steps / over 2
+def test_gemv_kernel_matches_ref(interpret, m, n, k, block_n, target, step):
+    x = torch.randn(m, k)
+    aq, a_s = per_token_group_quant_fp8_ref(x)
     wq, w_s = per_token_group_quant_fp8_ref(torch.randn(n, k))
-    want = fp8_block_gemm_ref(aq, a_s, wq, w_s, out_dtype=torch.float32)
-    got = fp8_block_gemv_triton(aq, a_s, wq, row_scales_for_scaled_mm(w_s), torch.float32, block_n, target)
+    want = fp8_block_gemm_ref(aq, a_s, wq, w_s, out_dtype=torch.float32)  # W8A8 form
+    got = fp8_block_gemv_triton(aq, a_s, wq, row_scales_for_scaled_mm(w_s), torch.float32, block_n, target, step)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    want = fp8_weight_only_gemv_ref(x, wq, w_s, out_dtype=torch.float32)  # weight-only form: x as it is
+    got = fp8_block_gemv_triton(x, None, wq, row_scales_for_scaled_mm(w_s), torch.float32, block_n, target, step)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_gemv_refuses_more_rows_than_it_unrolls():
+    from fxrewrite.kernels.fp8_gemv import GEMV_MAX_M
+
+    w = torch.zeros(8, 128, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=f"at most {GEMV_MAX_M} rows"):
+        fp8_block_gemv_triton(torch.zeros(GEMV_MAX_M + 1, 128), None, w, torch.ones(8, 1))
 
 
 def test_quant_writes_outer_major_scales(interpret, monkeypatch):
@@ -86,18 +99,55 @@ def test_block_scales_are_padded_to_a_multiple_of_4_groups():
     assert torch.equal(out[:3], blocks.t())
 
 
-def test_backend_choice_defaults_to_triton_and_can_be_forced(monkeypatch):
+def test_backend_choice_defaults_and_can_be_forced(monkeypatch):
     fp8_dispatch.clear()
-    assert fp8_dispatch.choose(6144, 2560, 300) == "triton"
-    fp8_dispatch._choices[(6144, 2560, fp8_dispatch.bucket_of(300))] = "scaled_mm"
+    assert fp8_dispatch.choose(6144, 2560, 300) == "triton" and fp8_dispatch.choose(6144, 2560, 1) == "gemv:0"
+    fp8_dispatch.record(6144, 2560, fp8_dispatch.bucket_of(300), ["scaled_mm", "triton:1"])
     assert fp8_dispatch.bucket_of(300) == 512 and fp8_dispatch.choose(6144, 2560, 300) == "scaled_mm"
     assert fp8_dispatch.choose(6144, 2560, 100) == "triton"
+    assert fp8_dispatch.choices() == {"6144x2560@512": "scaled_mm"}
     monkeypatch.setenv("FXREWRITE_FP8_GEMM", "triton")
-    assert fp8_dispatch.choose(6144, 2560, 300) == "triton" and fp8_dispatch.tune({(64, 128)}, "cpu") == {}
+    assert fp8_dispatch.choose(6144, 2560, 300) == "triton" and fp8_tune.tune({(64, 128)}, "cpu") == {}
     monkeypatch.setenv("FXREWRITE_FP8_GEMM", "cublas")
     with pytest.raises(ValueError, match="FXREWRITE_FP8_GEMM='cublas'"):
         fp8_dispatch.choose(1, 1, 1)
     fp8_dispatch.clear()
+
+
+def test_failing_scaled_mm_demotes_its_bucket_and_reruns(interpret, monkeypatch, caplog):
+    """What a cuBLASLt refusal at an unseen token count does: the call reruns on the bucket's next
+    validated backend (same result as that backend), the choice sticks, and a warning names it."""
+    monkeypatch.setenv("FXREWRITE_TRITON", "1")
+    fp8_dispatch.clear()
+    x = torch.randn(3, 256)
+    wq, w_s = per_token_group_quant_fp8_ref(torch.randn(64, 256))
+    rows = row_scales_for_scaled_mm(w_s)
+    fp8_dispatch.record(64, 256, fp8_dispatch.bucket_of(3), ["scaled_mm", "triton"])
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmulAlgoGetHeuristic")
+
+    monkeypatch.setattr(fp8_dispatch, "fp8_scaled_mm", refuse)
+    with caplog.at_level("WARNING"):
+        got = fp8_dispatch.fp8_linear_dispatch(x, wq, rows)
+    torch.testing.assert_close(got, fp8_dispatch.fp8_linear_dispatch(x, wq, rows, backend="triton"))
+    assert fp8_dispatch.choose(64, 256, 3) == "triton" and "now runs triton" in caplog.text
+    with pytest.raises(RuntimeError, match="CUBLAS"):  # an explicit backend is never replaced
+        fp8_dispatch.fp8_linear_dispatch(x, wq, rows, backend="scaled_mm")
+    fp8_dispatch.clear()
+
+
+def test_tuner_proves_every_decode_graph_size():
+    from fxrewrite.runtime.worker.cuda_graphs import capture_sizes
+
+    assert list(fp8_tune.GRAPH_SIZES) == capture_sizes(512)
+    proven = {m for b in fp8_dispatch.BUCKETS for m in fp8_tune.sizes_to_prove(b)}
+    assert set(fp8_tune.GRAPH_SIZES) <= proven
+    assert all(fp8_dispatch.bucket_of(m) == b for b in fp8_dispatch.BUCKETS for m in fp8_tune.sizes_to_prove(b))
+    assert fp8_tune.sizes_to_prove(8) == [5, 8] and fp8_tune.sizes_to_prove(4) == [3, 4]
+    assert fp8_tune.sizes_to_prove(64) == [33, 48, 64]
+    assert "scaled_mm" in fp8_tune.candidates(5120, 25600, 8) and "gemv:0" in fp8_tune.candidates(5120, 25600, 4)
+    assert not any(c.startswith("gemv") for c in fp8_tune.candidates(5120, 25600, 8))
 
 
 def test_linear_dispatch_on_cpu_is_the_reference():
