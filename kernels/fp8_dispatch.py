@@ -15,9 +15,10 @@ the engine's decode graphs use, and timed by graph replay; the fastest that pass
 GEMV_MAX_M runs ``gemv:0`` and larger M ``triton``. ``FXREWRITE_FP8_GEMM=triton`` or ``=scaled_mm``
 forces one GEMM backend (``auto``, the default, chooses).
 
-Safety net: should the chosen cuBLASLt call still raise (a token count the tuner did not see), the
-bucket is demoted to its next validated backend (a warning names it) and, outside a CUDA-graph capture,
-the call is rerun there; inside a capture the error propagates, so only that graph's capture is retried.
+Safety net: should the chosen backend still raise (say cuBLASLt at a token count the tuner did not
+see), the bucket is demoted to its next validated backend, finally the Triton GEMM (a warning names
+it), and outside a CUDA-graph capture the call is rerun there; inside a capture the error propagates,
+so the engine retries that one graph's capture after a fresh eager warm-up (which takes the fallback).
 
 The weight scales are per row, [N, ceil(K/128)], stored outer-dim major (strides (1, N)): the layout
 scaled_mm's ``BlockWise1x128`` takes for the weight, which the Triton kernels read as well.
@@ -83,7 +84,7 @@ def choices() -> dict[str, str]:
 
 def _demote(n: int, k: int, m: int, backend: str, error: Exception) -> None:
     key = (n, k, bucket_of(m))
-    ranked = [name for name in _ranked.get(key, [backend]) if name != backend] or [default_backend(m)]
+    ranked = [name for name in _ranked.get(key, [backend]) if name != backend] or ["triton"]
     _ranked[key], _choices[key] = ranked, ranked[0]
     logger.warning("FP8 GEMM %s failed for N=%d K=%d M=%d (%s: %s); bucket %d now runs %s",
                    backend, n, k, m, type(error).__name__, str(error)[:200], key[2], ranked[0])
@@ -127,8 +128,8 @@ def fp8_linear_dispatch(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, gro
         name = "triton"
     try:
         out = _run(x2, w, w_s, name)
-    except (RuntimeError, ValueError, NotImplementedError) as e:
-        if backend is not None or name != "scaled_mm" or _forced() != "auto":
+    except Exception as e:  # noqa: BLE001 - any backend but the plain Triton GEMM falls back
+        if backend is not None or name == "triton" or _forced() != "auto":
             raise
         _demote(n, k, x2.shape[0], name, e)
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():

@@ -89,7 +89,10 @@ def _gemv_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, G, GROUPS_PER_S
         gs = g0 + rs
         g_mask = gs < g_end
         k = gs[:, None] * GROUP_K + rk[None, :]  # [STEP, 128]
-        k_mask = g_mask[:, None] if EVEN_K else g_mask[:, None] & (k < K)
+        if EVEN_K:
+            k_mask = g_mask[:, None]  # [STEP, 1]: broadcast along K, so the loads stay 16-byte vectors
+        else:
+            k_mask = g_mask[:, None] & (k < K)
         w = tl.load(w_ptr + rn[:, None, None] * K + k[None, :, :], mask=n_mask[:, None, None] & k_mask[None, :, :],
                     other=0.0).to(tl.float32)  # [BLOCK_N, STEP, 128], one pass over the weight
         w_s = tl.load(ws_ptr + rn[:, None] * stride_ws_n + gs[None, :] * stride_ws_g,

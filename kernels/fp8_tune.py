@@ -59,11 +59,23 @@ def sizes_to_prove(bucket: int) -> list[int]:
     return sorted({s for s in GRAPH_SIZES if low <= s <= bucket} | {low, min(odd, bucket), bucket})
 
 
+_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _capture_stream() -> torch.cuda.Stream:
+    """One side stream per device for every capture (as torch.cuda.graph keeps one): each new stream
+    would get its own cuBLAS workspace."""
+    device = torch.cuda.current_device()
+    if device not in _streams:
+        _streams[device] = torch.cuda.Stream()
+    return _streams[device]
+
+
 def capture(fn) -> tuple[torch.cuda.CUDAGraph, object]:
     """(graph, fn's result) of `fn()` captured on a side stream. Unlike ``torch.cuda.graph`` this runs no
     ``gc.collect()`` per capture (tens of milliseconds with a large model loaded; the tuner captures
     hundreds of graphs); the caller warms `fn` up first."""
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    graph, stream = torch.cuda.CUDAGraph(), _capture_stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         graph.capture_begin()
