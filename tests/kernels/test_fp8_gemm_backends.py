@@ -179,3 +179,35 @@ def test_prepared_layer_keeps_scales_outer_major_and_its_forward_matches(interpr
     x = x / 8  # on the FP8 grid with every group's amax 448 / 8: quantizing it rounds nothing
     want = x @ (q.float() * blocks.repeat_interleave(128, 0)[:80].repeat_interleave(128, 1)).t()
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-4)
+
+
+def test_tuner_keeps_only_proven_backends_fastest_first(interpret, monkeypatch):
+    """The tuner's ranking and proofs on a CPU (Triton interpreter; graph capture and timing faked): a
+    backend that raises (torch's block-scaled matmul has no CPU kernel) or is wrong is never chosen; the
+    rest are kept fastest first for demotion."""
+    monkeypatch.setenv("FXREWRITE_TRITON", "1")
+    monkeypatch.setattr(fp8_tune.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(fp8_tune, "capture", lambda fn: (type("G", (), {"replay": lambda self: None})(), fn()))
+    fake_us = {"scaled_mm": 1.0, "gemv:1": 2.0, "triton": 3.0, "gemv:0": 4.0, "gemv:2": 5.0}
+    # the timed lambdas carry their backend as the default of `name`
+    monkeypatch.setattr(fp8_tune, "graph_time_us", lambda fn, reps, copies: (fn(0), fake_us[fn.__defaults__[0]])[1])
+    real = fp8_dispatch.fp8_linear_dispatch
+
+    def dispatch(x, w, w_s, group_size=128, backend=None):
+        out = real(x, w, w_s, group_size, backend)
+        return out * 2 if backend == "gemv:1" else out  # a wrong kernel: twice the right answer
+
+    monkeypatch.setattr(fp8_tune, "fp8_linear_dispatch", dispatch)
+    fp8_dispatch.clear()
+    torch.manual_seed(0)
+    wq = torch.randn(32, 128).div(8).to(torch.float8_e4m3fn)
+    w_s = torch.rand(32, 1).add(0.5).div(448)
+    wf = wq.float() * w_s
+    results = fp8_tune._tune_bucket([wq], w_s, wf, 4, torch.float32)
+    print(results)
+    assert results["scaled_mm"].startswith("error: ")  # raised when timed (no CPU kernel for block scales)
+    assert results["gemv:1"].startswith("error at M=3: ValueError: max relative error")  # wrong: refused
+    assert fp8_dispatch._ranked[(32, 128, 4)] == ["triton", "gemv:0", "gemv:2"]
+    assert fp8_dispatch.choose(32, 128, 3) == "triton"
+    fp8_dispatch.clear()
+
