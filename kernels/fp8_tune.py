@@ -16,12 +16,14 @@ For every candidate backend of a bucket (fp8_dispatch's names), fastest first by
 
 A candidate that raises anywhere (cuBLASLt's CUBLAS_STATUS_NOT_SUPPORTED at some M, a scale layout
 torch refuses) or misses the tolerance is dropped; the bucket keeps its passing candidates, fastest
-first, for `fp8_dispatch`'s demotion. The Triton GEMM with its default table is always tried last.
+first, for `fp8_dispatch`'s demotion (whose last resort is the Triton GEMM).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 
 import torch
 
@@ -191,4 +193,8 @@ def tune(shapes: set[tuple[int, int]], device: torch.device, out_dtype: torch.dt
         del ws, w_s, wf
     torch.cuda.empty_cache()  # the scratch tensors must not count as used when the KV cache is sized
     logger.info("FP8 GEMM backends: %s", fp8_dispatch.choices())
+    if os.environ.get("FXREWRITE_FP8_TUNE_LOG"):  # one JSON line per tuning: GPU scripts keep it
+        with open(os.environ["FXREWRITE_FP8_TUNE_LOG"], "a") as f:
+            f.write(json.dumps({"choices": fp8_dispatch.choices(),
+                                "timings_us": {f"{n}x{k}@{b}": t for (n, k, b), t in timings.items()}}) + "\n")
     return timings

@@ -160,6 +160,6 @@ def test_fp8_engine_captures_every_decode_graph(make_llm):
     (the 2026-11-30 H200 run lost all of them to one cuBLASLt refusal and decoded eagerly)."""
     from fxrewrite.runtime.worker.cuda_graphs import capture_sizes
 
-    llm = make_llm(quantization="fp8", dtype="bfloat16", max_num_seqs=64)
+    llm = make_llm(model_impl="native", quantization="fp8", dtype="bfloat16", max_num_seqs=64)
     graphs = llm.llm_engine.model_runner.graph_runner
     assert graphs is not None and graphs.sizes == capture_sizes(64), getattr(graphs, "sizes", None)
