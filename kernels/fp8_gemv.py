@@ -31,8 +31,9 @@ __all__ = ["fp8_block_gemv_triton", "fp8_block_gemv_ref", "fp8_weight_only_gemv_
 GEMV_MAX_M = 4
 """Largest token count the kernel takes: every token adds float32 multiply-adds per weight byte, and
 from about 4 tokens the FP8 tensor-core kernels win (they do the math for free while the weight streams)."""
-GEMV_CONFIGS = ((16, 1024, 4), (32, 1024, 2), (8, 2048, 4))
-"""(block_n, target_programs, groups_per_step) candidates the tuner times."""
+GEMV_CONFIGS = ((16, 1024, 4), (32, 1024, 2), (8, 2048, 4), (8, 2048, 8))
+"""(block_n, target_programs, groups_per_step) candidates the tuner times: 4-8 KB of weight per program
+and loop step; the smaller the slab, the more programs fit an SM (more loads in flight in all)."""
 
 
 def fp8_weight_only_gemv_ref(a: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, group_size: int = 128,

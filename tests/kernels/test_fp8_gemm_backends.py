@@ -188,7 +188,7 @@ def test_tuner_keeps_only_proven_backends_fastest_first(interpret, monkeypatch):
     monkeypatch.setenv("FXREWRITE_TRITON", "1")
     monkeypatch.setattr(fp8_tune.torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(fp8_tune, "capture", lambda fn: (type("G", (), {"replay": lambda self: None})(), fn()))
-    fake_us = {"scaled_mm": 1.0, "gemv:1": 2.0, "triton": 3.0, "gemv:0": 4.0, "gemv:2": 5.0}
+    fake_us = {"scaled_mm": 1.0, "gemv:1": 2.0, "triton": 3.0, "gemv:0": 4.0, "gemv:2": 5.0, "gemv:3": 6.0}
     # the timed lambdas carry their backend as the default of `name`
     monkeypatch.setattr(fp8_tune, "graph_time_us", lambda fn, reps, copies: (fn(0), fake_us[fn.__defaults__[0]])[1])
     real = fp8_dispatch.fp8_linear_dispatch
@@ -207,7 +207,7 @@ def test_tuner_keeps_only_proven_backends_fastest_first(interpret, monkeypatch):
     print(results)
     assert results["scaled_mm"].startswith("error: ")  # raised when timed (no CPU kernel for block scales)
     assert results["gemv:1"].startswith("error at M=3: ValueError: max relative error")  # wrong: refused
-    assert fp8_dispatch._ranked[(32, 128, 4)] == ["triton", "gemv:0", "gemv:2"]
+    assert fp8_dispatch._ranked[(32, 128, 4)] == ["triton", "gemv:0", "gemv:2", "gemv:3"]
     assert fp8_dispatch.choose(32, 128, 3) == "triton"
     fp8_dispatch.clear()
 
