@@ -86,19 +86,40 @@ class CUDAGraphRunner:
     def capture(self) -> None:
         """Capture every bucket, largest first (smaller graphs reuse the first one's pool).
 
-        During capture every row is a 1-token sequence at position 0 that writes nothing (slot -1)."""
+        During capture every row is a 1-token sequence at position 0 that writes nothing (slot -1).
+        A bucket whose capture fails twice (the second after a fresh warm-up, which lets a layer switch
+        to a fallback kernel eagerly) is left out with a warning: its batches then use the next larger
+        bucket, or run eagerly above the largest captured one. Raises only when no bucket captures."""
+        errors = {}
         for bs in reversed(self.sizes):
-            graph = torch.cuda.CUDAGraph()
-            with (forward_context(self._metadata(bs)), rope_lengths(self.rope_lengths[:bs]),
-                  data_parallel.uniform_tokens()):
-                # Warm-up outside the graph: Triton JIT and torch.compile run here, not while capturing.
-                self.outputs[:bs] = forward_or_fallback(self.model, self.input_ids[:bs], self.positions[:bs])
-                with torch.cuda.graph(graph, self.pool):
-                    self.outputs[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[bs] = graph
-            torch.cuda.synchronize()
+            for attempt in range(2):
+                try:
+                    self._capture_one(bs)
+                    break
+                except Exception as e:  # noqa: BLE001 - one bucket's failure must not drop every graph
+                    if data_parallel.dp_ep_active():
+                        raise  # the replicas capture in lockstep: one rank retrying alone would hang the others
+                    errors[bs] = e
+                    torch.cuda.synchronize()
+            else:
+                logger.warning("CUDA graph for batch size %d not captured (those batches use a larger bucket "
+                               "or run eagerly): %s", bs, errors[bs])
+        if not self.graphs:
+            raise errors[max(errors)]
+        self.sizes = sorted(self.graphs)
+
+    def _capture_one(self, bs: int) -> None:
+        graph = torch.cuda.CUDAGraph()
+        with (forward_context(self._metadata(bs)), rope_lengths(self.rope_lengths[:bs]),
+              data_parallel.uniform_tokens()):
+            # Warm-up outside the graph: Triton JIT and torch.compile run here, not while capturing.
+            self.outputs[:bs] = forward_or_fallback(self.model, self.input_ids[:bs], self.positions[:bs])
+            with torch.cuda.graph(graph, self.pool):
+                self.outputs[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[bs] = graph
+        torch.cuda.synchronize()
 
     def can_run(self, num_tokens: int, metadata: AttentionMetadata) -> bool:
         """A pure decode step (one token per sequence) no larger than the largest bucket."""
