@@ -108,9 +108,8 @@ class BitmaskFiller:
         start = time.perf_counter()
         matchers, tokens, seq_ids = accept
         if matchers:
-            accepted = self._xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
-            if not all(accepted):
-                i = accepted.index(False)
+            i = _accept(self._xgr, matchers, tokens)
+            if i >= 0:
                 raise RuntimeError(f"sequence {seq_ids[i]}: token {tokens[i]} violates its grammar (a sampler bug)")
         filled = time.perf_counter()
         self.stats["accept_s"] += filled - start
@@ -134,6 +133,20 @@ class BitmaskFiller:
         out.copy_(host, non_blocking=True)  # stream-ordered after the previous step's use of the buffer
         event.record()
         return out
+
+
+def _accept(xgr: Any, matchers: list, tokens: list[int]) -> int:
+    """Advance each matcher by its token (one batched call); the index of the first token refused, or -1.
+
+    xgrammar's public `batch_accept_token` turns the binding's result array into Python bools one FFI
+    call per element (about 2 us each, holding the GIL: 0.1-0.2 ms at batch 64), so the binding is called
+    directly when this xgrammar has it, and its array answers `0 in result` at C speed."""
+    core = getattr(getattr(xgr, "base", None), "_core", None)
+    if core is None:
+        accepted = xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+        return -1 if all(accepted) else accepted.index(False)
+    result = core.BatchGrammarMatcher.batch_accept_token([m._handle for m in matchers], tokens, False)
+    return -1 if 0 not in result else [bool(ok) for ok in result].index(False)
 
 
 class _PinnedBuffers:
