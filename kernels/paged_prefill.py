@@ -17,7 +17,7 @@ from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 __all__ = ["paged_prefill_triton"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bt_s0"])  # block-table width changes every step
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
                     scale, soft_cap, sliding_window, block_size,
                     q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0, o_s0, o_s1,
