@@ -21,6 +21,7 @@ from torch import nn
 
 from fxrewrite.kernels.paged_decode import decode_warmup_cases
 from fxrewrite.kernels.triton_utils import watch_jit_compiles
+from fxrewrite.layers.rope_context import rope_lengths
 from fxrewrite.runtime.worker.compilation import forward_or_fallback
 from fxrewrite.runtime.worker.forward_context import AttentionMetadata, forward_context
 
@@ -71,7 +72,7 @@ def warm_up_kernels(model: nn.Module, kv_caches, config, model_config, device: t
         for seqs in warmup_steps(model_config, model_config.max_model_len):
             positions, metadata = dummy_metadata(seqs, config.block_size, device, kv_caches)
             input_ids = torch.zeros_like(positions)
-            with forward_context(metadata):
+            with forward_context(metadata), rope_lengths(positions + 1):  # as the engine's steps
                 hidden = forward_or_fallback(model, input_ids, positions)
             model.compute_logits(hidden[metadata.query_start_loc[1:].long() - 1])
     if device.type == "cuda":
