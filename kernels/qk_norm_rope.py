@@ -87,7 +87,9 @@ def _norm_rope_heads(base, head_stride, num_heads, w_ptr, cos, sin, eps, off1, o
     store_heads(rows, off1, off2, offp, o1, o2, op, m1, mp)
 
 
-@triton.jit
+# positions / slot_mapping are slices of the engine's packed step buffers, whose 16-byte alignment
+# changes from step to step: not specialised on (one binary for every step)
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr"])
 def _qk_norm_rope_kernel(pos_ptr, q_ptr, k_ptr, qw_ptr, kw_ptr, cache_ptr, q_tok_stride, q_head_stride,
                          k_tok_stride, k_head_stride, cache_stride, num_q_heads, num_k_heads, eps,
                          HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,

@@ -49,7 +49,9 @@ def qk_norm_rope_cache(positions: torch.Tensor, query: torch.Tensor, key: torch.
               key_cache, value_cache, slot_mapping)
 
 
-@triton.jit
+# positions / slot_mapping are slices of the engine's packed step buffers, whose 16-byte alignment
+# changes from step to step: not specialised on (one binary for every step)
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])
 def _qk_norm_rope_cache_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cache_ptr, kc_ptr, vc_ptr, slot_ptr,
                                q_tok_stride, q_head_stride, k_tok_stride, k_head_stride, v_tok_stride,
                                v_head_stride, cache_stride, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, block_size,

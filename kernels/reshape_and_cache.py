@@ -61,7 +61,9 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     return reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping)
 
 
-@triton.jit
+# positions / slot_mapping are slices of the engine's packed step buffers, whose 16-byte alignment
+# changes from step to step: not specialised on (one binary for every step)
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
 def _reshape_and_cache_kernel(key_ptr, value_ptr, kc_ptr, vc_ptr, slot_ptr, k_s0, k_s1, v_s0, v_s1,
                               kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, block_size, num_heads,
                               HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):

@@ -4,7 +4,10 @@ specialisation a serving step can reach (vLLM warms up with dummy runs at start-
 Triton compiles one binary per combination of constexprs and of "specialisations" of the other
 arguments (an int equal to 1 or divisible by 16, a pointer aligned to 16 bytes). Arguments that change
 with the batch (block-table width, split count, token counts) are marked ``do_not_specialize`` in the
-kernels, so what is left to warm up is a handful of launch classes: a prefill step (single sequence,
+kernels, and the pointers into the engine's packed step buffers (positions, slot_mapping, seq_lens,
+query_start_loc: their alignment follows the token and sequence counts) ``do_not_specialize_on_alignment``
+(without them one kernel had up to 12 variants and the benchmark's first arm compiled some inside its
+timed run). What is left to warm up is a handful of launch classes: a prefill step (single sequence,
 token counts not divisible by 16, a mixed batch of a one-token sequence and a longer one) and eager
 decode steps at each split-count class of the decode kernel (`decode_warmup_cases`). Decode buckets
 are compiled by the CUDA graph capture that follows. Dummy steps write no KV (every slot is -1) and

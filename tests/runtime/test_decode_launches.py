@@ -81,3 +81,29 @@ def test_warm_up_runs_the_model_and_leaves_the_cache(llm):
     assert len(warmup_steps(llm.llm_engine.model_config, 256)) == 5  # 4 prefill steps, one decode class
     for (k0, v0), (k1, v1) in zip(before, runner.kv_caches):
         assert torch.equal(k0.nan_to_num(3.0), k1.nan_to_num(3.0)) and torch.equal(v0.nan_to_num(3.0), v1.nan_to_num(3.0))
+
+
+def _unspecialised(kernel) -> tuple[set, set]:
+    """(do_not_specialize, do_not_specialize_on_alignment) names of a jit kernel (compiled or interpreted)."""
+    found = getattr(kernel, "kwargs", None) or {a: getattr(kernel, a, None) for a in
+                                                 ("do_not_specialize", "do_not_specialize_on_alignment")}
+    return set(found.get("do_not_specialize") or ()), set(found.get("do_not_specialize_on_alignment") or ())
+
+
+def test_serving_kernels_do_not_specialise_on_what_changes_every_step():
+    """Each of these arguments changes with the step (block-table width, split count) or points into the
+    engine's packed step buffer (prepare_inputs), whose alignment follows the token / sequence counts."""
+    from fxrewrite.kernels import paged_decode, paged_prefill, qk_norm_rope, qk_norm_rope_cache, reshape_and_cache, rotary
+
+    wanted = {
+        paged_prefill._prefill_kernel: ({"bt_s0"}, {"seq_lens_ptr", "qsl_ptr"}),
+        paged_decode._decode_kernel: ({"bt_s0", "num_splits"}, {"seq_lens_ptr", "qsl_ptr"}),
+        paged_decode._reduce_kernel: ({"num_splits"}, {"qsl_ptr"}),
+        qk_norm_rope._qk_norm_rope_kernel: (set(), {"pos_ptr"}),
+        qk_norm_rope_cache._qk_norm_rope_cache_kernel: (set(), {"pos_ptr", "slot_ptr"}),
+        reshape_and_cache._reshape_and_cache_kernel: (set(), {"slot_ptr"}),
+        rotary._rotary_kernel: (set(), {"pos_ptr"}),
+    }
+    for kernel, (ints, pointers) in wanted.items():
+        got_ints, got_pointers = _unspecialised(kernel)
+        assert ints <= got_ints and pointers <= got_pointers, kernel
