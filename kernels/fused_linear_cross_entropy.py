@@ -66,26 +66,66 @@ def forward_with_grads(hidden, weight, bias, target, ignore_index, transform, ke
                        want_h: bool, want_w: bool, want_b: bool):
     """(summed loss float32 [], d/dhidden, d/dweight, d/dbias), each gradient None unless wanted: the chunk
     loop that the autograd function and the custom op of :mod:`.fused_linear_cross_entropy_op` share."""
-    grad_h = torch.empty_like(hidden) if want_h else None
-    grad_w = torch.zeros_like(weight) if want_w else None
+    grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if want_h else None
+    grad_w = torch.zeros_like(weight, memory_format=torch.contiguous_format) if want_w else None
     grad_b = torch.zeros_like(bias, dtype=torch.float32) if want_b else None
+    same_dtype = hidden.dtype == weight.dtype and (bias is None or bias.dtype == hidden.dtype)
+    if kernel_params is not None and same_dtype and use_triton(hidden):
+        total = _kernel_loop(hidden, weight, bias, target, ignore_index, kernel_params, chunk, grad_h, grad_w, grad_b)
+    else:
+        total = _autograd_loop(hidden, weight, bias, target, ignore_index, transform, kernel_params, chunk,
+                               grad_h, grad_w, grad_b)
+    return total, grad_h, grad_w, (grad_b.to(bias.dtype) if want_b else None)
+
+
+def _kernel_loop(hidden, weight, bias, target, ignore_index, kernel_params, chunk, grad_h, grad_w, grad_b):
+    """Per chunk exactly three GEMMs and one cross-entropy kernel, nothing allocated and no host sync: the
+    logits go into one preallocated [chunk, V] buffer, the kernel overwrites them with their gradient and
+    writes the rows' losses into one [N] buffer (summed once at the end), d/dhidden is written in place
+    (``mm(out=)``) and d/dweight accumulated in place (``addmm_``, in the weight's dtype, as Liger-Kernel)."""
+    n = hidden.shape[0]
+    scale, softcap = kernel_params
+    logits = torch.empty((min(chunk, n), weight.shape[0]), dtype=hidden.dtype, device=hidden.device)
+    losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    w_t = weight.t()
+    for s in range(0, n, chunk):
+        e = min(s + chunk, n)
+        h, z = hidden[s:e], logits[:e - s]
+        if bias is None:
+            torch.mm(h, w_t, out=z)
+        else:
+            torch.addmm(bias, h, w_t, out=z)
+        cross_entropy_grad_(z, target[s:e], ignore_index, scale, softcap, losses=losses[s:e])
+        if grad_h is not None:
+            torch.mm(z, weight, out=grad_h[s:e])
+        if grad_w is not None:
+            grad_w.addmm_(z.t(), h)
+        if grad_b is not None:
+            grad_b.add_(z.sum(0, dtype=torch.float32))
+    return losses.sum()
+
+
+def _autograd_loop(hidden, weight, bias, target, ignore_index, transform, kernel_params, chunk,
+                   grad_h, grad_w, grad_b):
+    """The general loop: any ``transform`` (autograd through the model's own code per chunk), autocast's
+    mixed dtypes, and CPUs without the interpreter (the kernel's closed form in torch)."""
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     w_g = None  # the weight in the logits' dtype (they differ under autocast), cast once
     for s in range(0, hidden.shape[0], chunk):
         h, t = hidden[s:s + chunk], target[s:s + chunk]
         loss, g = _chunk_grad(F.linear(h, weight, bias), t, ignore_index, transform, kernel_params)
         total += loss
-        if want_h:
+        if grad_h is not None:
             w_g = weight.to(g.dtype) if w_g is None else w_g
             grad_h[s:s + chunk] = g @ w_g
-        if want_w:
+        if grad_w is not None:
             if g.dtype == h.dtype == grad_w.dtype:
                 grad_w.addmm_(g.t(), h)
             else:
                 grad_w += (g.t().float() @ h.float()).to(grad_w.dtype)
-        if want_b:
+        if grad_b is not None:
             grad_b += g.float().sum(0)
-    return total, grad_h, grad_w, (grad_b.to(bias.dtype) if want_b else None)
+    return total
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
