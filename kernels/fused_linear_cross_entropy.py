@@ -7,8 +7,8 @@ the loss and d(loss)/d(logits) (the Triton kernel :mod:`fxrewrite.kernels.cross_
 transform is known to be ``scale`` / ``softcap``; otherwise autograd through ``transform`` and
 ``F.cross_entropy``, exactly transformers' computation), then ``dhidden = g @ W`` and ``dW += g.T @ hidden``;
 the chunk's logits are freed. The backward only scales the stored gradients by the incoming one.
-Peak extra memory: one chunk of logits (by default about the size of the hidden states, as Liger-Kernel
-chooses) plus dhidden [N, H] and dW [V, H]. This is the approach of
+Peak extra memory: one chunk of logits (sized by :func:`default_chunk_size`'s memory rule) plus dhidden
+[N, H] and dW [V, H]; on the Triton path nothing else is allocated per chunk. This is the approach of
 Liger-Kernel's fused linear cross-entropy (Hsu et al., 2024, arXiv:2410.10989).
 """
 
@@ -25,16 +25,31 @@ from fxrewrite.kernels.cross_entropy import cross_entropy_grad_, cross_entropy_g
 __all__ = ["fused_linear_cross_entropy", "fused_linear_cross_entropy_ref", "default_chunk_size", "forward_with_grads"]
 
 
-def default_chunk_size(num_rows: int, vocab: int, hidden: int | None = None, budget: int = 1 << 27) -> int:
-    """Rows per chunk. With ``hidden``: the power of two nearest above ``num_rows / ceil(vocab / hidden)``, so
-    one chunk of logits is about as large as the hidden states [num_rows, hidden] (Liger-Kernel's rule),
-    at least 64 rows and at most ``budget`` logits; without: the largest power of two with
-    rows * vocab <= budget, at least 64. Never more than num_rows (and at least 1)."""
+def default_chunk_size(num_rows: int, vocab: int, hidden: int | None = None, budget: int = 1 << 27,
+                       intermediate: int | None = None) -> int:
+    """Rows per chunk, chosen by memory. A chunk's only transient is its logits, rows * vocab elements in
+    the activation dtype (the kernel writes their gradient in place).
+
+    - ``intermediate`` given (the model's MLP ``intermediate_size``, passed when activation checkpointing is
+      on): the largest power of two with rows * vocab <= num_rows * 2 * intermediate, i.e. logits no larger
+      than one layer's gate/up projection output [num_rows, 2 * intermediate]. Every layer's backward
+      recomputes that tensor (and more) after the loss is done, so such a chunk never sets the step's peak
+      (Qwen3-0.6B, 8 x 2048 tokens: 512 rows, 148 MiB, where the backward's peak is ~750 MiB above the
+      loss's; ``python -m fxrewrite.benchmarks.train_memory``). Never fewer rows than the next rule.
+    - with ``hidden``: the power of two nearest above ``num_rows / ceil(vocab / hidden)``, so one chunk of
+      logits is about as large as the hidden states [num_rows, hidden] (Liger-Kernel's rule; without
+      checkpointing all saved activations are live at the loss and only this much fits under the
+      backward's own transients), at least 64 rows and at most ``budget`` logits;
+    - neither: the largest power of two with rows * vocab <= budget, at least 64.
+    Never more than num_rows (and at least 1)."""
     cap = max(64, 1 << max(0, (budget // max(vocab, 1)).bit_length() - 1))
     rows = cap
     if hidden:
         per = -(-num_rows // -(-vocab // hidden))
         rows = min(cap, max(64, 1 << max(0, per - 1).bit_length()))
+    if intermediate:
+        fit = num_rows * 2 * intermediate // max(vocab, 1)
+        rows = max(rows, 1 << max(0, fit.bit_length() - 1))
     return max(1, min(rows, num_rows))
 
 
@@ -87,6 +102,7 @@ def _kernel_loop(hidden, weight, bias, target, ignore_index, kernel_params, chun
     scale, softcap = kernel_params
     logits = torch.empty((min(chunk, n), weight.shape[0]), dtype=hidden.dtype, device=hidden.device)
     losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    col_sum = torch.empty_like(grad_b) if grad_b is not None else None  # one chunk's d/dbias
     w_t = weight.t()
     for s in range(0, n, chunk):
         e = min(s + chunk, n)
@@ -101,7 +117,7 @@ def _kernel_loop(hidden, weight, bias, target, ignore_index, kernel_params, chun
         if grad_w is not None:
             grad_w.addmm_(z.t(), h)
         if grad_b is not None:
-            grad_b.add_(z.sum(0, dtype=torch.float32))
+            grad_b.add_(torch.sum(z, 0, dtype=torch.float32, out=col_sum))
     return losses.sum()
 
 
@@ -149,19 +165,22 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                target: torch.Tensor, ignore_index: int = -100, transform: Callable | None = None,
                                kernel_params: tuple[float, float | None] | None = None,
-                               chunk_size: int | None = None) -> torch.Tensor:
+                               chunk_size: int | None = None, intermediate_size: int | None = None) -> torch.Tensor:
     """Summed cross-entropy of ``transform(hidden @ weight.T + bias)`` against ``target``, differentiable.
 
     hidden [N, H] (float), weight [V, H], bias [V] or None, target int64 [N]. ``transform`` maps a chunk
     of logits [C, V] to transformed logits row by row (soft-capping, scaling; None: identity);
     ``kernel_params = (scale, softcap or None)`` says the same transform in numbers, letting the Triton
     kernel run on CUDA. Returns float32 []: the sum over rows whose target is not ``ignore_index``.
-    Gradients flow to hidden, weight and bias. ValueError on mismatched shapes.
+    Gradients flow to hidden, weight and bias. ``chunk_size`` rows per chunk (None: :func:`default_chunk_size`,
+    given ``intermediate_size`` when the caller knows the layers' backward outlives the loss). ValueError on
+    mismatched shapes.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or target.shape != hidden.shape[:1]:
         raise ValueError(f"fused_linear_cross_entropy: hidden {tuple(hidden.shape)} must be [N, H], weight "
                          f"{tuple(weight.shape)} [V, H], target {tuple(target.shape)} [N]")
-    chunk = chunk_size or default_chunk_size(hidden.shape[0], weight.shape[0], hidden.shape[1])
+    chunk = chunk_size or default_chunk_size(hidden.shape[0], weight.shape[0], hidden.shape[1],
+                                             intermediate=intermediate_size)
     if not torch.is_grad_enabled():  # no gradients to make: chunked reference, summed
         parts = [fused_linear_cross_entropy_ref(hidden[s:s + chunk], weight, bias, target[s:s + chunk], ignore_index,
                                                 transform) for s in range(0, hidden.shape[0], chunk)]
