@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from fxrewrite.distributed import all_reduce_tp_shards
-from fxrewrite.kernels import fp8_dispatch
+from fxrewrite.kernels import fp8_dispatch, fp8_tune
 from fxrewrite.kernels.fp8_gemm import FP8_DTYPE, FP8_MAX
 from fxrewrite.layers.linear import (
     LinearBase,
@@ -175,7 +175,8 @@ def dequantize_fp8_layer(layer: LinearBase, dtype: torch.dtype) -> None:
 def prepare_fp8_layers_for_gpu(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
     """After loading on an FP8 GPU: store every FP8 layer's scales outer-dim major (strides (1, N), in
     place: weight loaders and weight sync keep writing into them) and measure which GEMM backend is
-    fastest per shape and token count (`fxrewrite.kernels.fp8_dispatch.tune`). Returns the layer count."""
+    fastest per shape and token bucket, proven at the decode-graph batch sizes (`fxrewrite.kernels.fp8_tune.tune`).
+    Returns the layer count."""
     shapes, count = set(), 0
     for module in model.modules():
         if isinstance(module, Fp8LinearMixin) and module.weight.dtype == FP8_DTYPE:
@@ -184,7 +185,7 @@ def prepare_fp8_layers_for_gpu(model: nn.Module, device: torch.device, dtype: to
             shapes.add(tuple(module.weight.shape))
             count += 1
     if shapes:
-        fp8_dispatch.tune(shapes, device, dtype)
+        fp8_tune.tune(shapes, device, dtype)
     return count
 
 
