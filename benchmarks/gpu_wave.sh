@@ -3,6 +3,8 @@
 #   STEP=train (nvidia-h200):    training GPU tests; `bench train` on Qwen3-0.6B shapes, five arms
 #   STEP=train-nogc (nvidia-h200): saved-tensor reports (stock, liger, optimize; one layer), then the five
 #                                arms without gradient checkpointing (<date>-qwen3-0.6b-train-no-gc.json)
+#   STEP=train-chunks (nvidia-h200): fused linear cross-entropy time/memory per chunk size (<date>-flce-chunks.json),
+#                                then the five arms with gradient checkpointing, compiled arms allowed 200 s each
 #   STEP=train-kernels (nvidia-h200): compiled-training-step GPU tests; the arms liger, optimize-compile,
 #                                optimize-compile-kernels (gradient checkpointing) into $OUT_DIR/kernels/
 #   STEP=serve (nvidia-h200):    MoE throughput (Qwen3-30B-A3B shapes), -O 3 cold and warm start, FP8 GEMM,
@@ -36,6 +38,12 @@ train)
   stamp "bench train (Qwen3-0.6B shapes, batch 8 x 2048, gradient checkpointing)"
   timeout -k 5 380 $PY -m fxrewrite bench train --config qwen3-0.6b --arms stock,stock-compile,liger,optimize,optimize-compile \
     --batch-size 8 --seq-len 2048 --steps ${TRAIN_STEPS:-5} --warmup 2 --arm-timeout 150 --out "$OUT_DIR" 2>&1 | tail -14 ;;
+train-chunks)
+  stamp "fused linear cross-entropy per chunk size (Qwen3-0.6B shapes, 8 x 2048 tokens)"
+  timeout -k 5 60 $PY -m fxrewrite.benchmarks.flce_chunks --out "$OUT_DIR/$(date +%F)-flce-chunks.json" 2>&1 | tail -7
+  stamp "bench train (Qwen3-0.6B shapes, batch 8 x 2048, gradient checkpointing)"
+  timeout -k 5 460 $PY -m fxrewrite bench train --config qwen3-0.6b --arms stock,stock-compile,liger,optimize,optimize-compile \
+    --batch-size 8 --seq-len 2048 --steps ${TRAIN_STEPS:-5} --warmup 2 --arm-timeout 200 --out "$OUT_DIR" 2>&1 | tail -14 ;;
 train-nogc)
   for arm in stock liger optimize; do
     stamp "saved tensors: $arm"
