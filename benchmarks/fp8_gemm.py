@@ -6,7 +6,10 @@
 Per layer shape (N, K) and token count M: microseconds per call of the bf16 `F.linear` (cuBLAS) and of
 each FP8 backend of `fxrewrite.kernels.fp8_dispatch` as the layer runs it (activation quantization
 included; the weight-only ``gemv:<i>`` kernels quantize nothing), plus torch's scaled_mm with 128 x 128
-weight block scales (``scaled_mm_block``, not used by the layers); the weight bandwidth each implies
+weight block scales (``scaled_mm_block``, not used by the layers) and, on the per-channel quantization
+of the same weight (what ``quantization="fp8"`` on a bf16 checkpoint stores), ``scaled_mm_rowwise``
+(per-token activation scales, torch._scaled_mm row-wise; its error is against its own dequantized
+weight) and the per-channel layers' tuner pick (``channel_pick``); the weight bandwidth each implies
 (GB/s over the weight bytes: the decode roofline; the H200's HBM3e peaks at 4.8 TB/s), its max error
 relative to the largest output of the float32 product of the unquantized activations and the
 dequantized weight, and the backend the engine's load-time tuner (fp8_tune.py) picks for that M. Times
@@ -27,6 +30,7 @@ import torch.nn.functional as F
 from fxrewrite.kernels import fp8_dispatch, fp8_tune
 from fxrewrite.kernels.fp8_gemm import per_token_group_quant_fp8
 from fxrewrite.kernels.fp8_scaled_mm import fp8_scaled_mm, weight_block_scales_for_scaled_mm
+from fxrewrite.layers.fp8_linear import quantize_weight_fp8, quantize_weight_fp8_per_channel
 
 SHAPES = {  # name: (N, K) of the fused projections, TP=1
     "qwen3-4b": {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)},
@@ -38,21 +42,23 @@ _L2 = 128 << 20
 
 def _weights(n: int, k: int):
     """bf16 copies, FP8 copies (enough of each to overflow L2), per-row scales (strides (1, N)), the
-    checkpoint-layout block scales and the float32 dequantized weight of copy 0."""
-    from fxrewrite.layers.fp8_linear import quantize_weight_fp8
-
+    checkpoint-layout block scales, the float32 dequantized weight of copy 0, and the per-channel
+    quantization of copy 0: (FP8 copies, [N, G] scales with equal columns, float32 dequantized)."""
     bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
             for _ in range(max(1, min(8, -(-_L2 // (2 * n * k)))))]
     wq, blocks = quantize_weight_fp8(bf16[0], (128, 128))
     fp8 = [wq] + [wq.clone() for _ in range(max(1, min(8, -(-_L2 // (n * k)))) - 1)]
     rows = blocks.repeat_interleave(128, 0)[:n].t().contiguous().t()
     wf = wq.float() * rows.repeat_interleave(128, 1)[:, :k]
-    return bf16, fp8, rows, blocks, wf
+    cq, cs = quantize_weight_fp8_per_channel(bf16[0])
+    channel = ([cq] + [cq.clone() for _ in fp8[1:]], cs[:, None].expand(n, rows.shape[1]).t().contiguous().t(),
+               cq.float() * cs[:, None])
+    return bf16, fp8, rows, blocks, wf, channel
 
 
 def bench_shape(n: int, k: int, m: int, weights) -> list[dict]:
     """One row per backend: us, weight GB/s and max relative error at [m, k] x [n, k]^T."""
-    bf16, fp8, rows, blocks, wf = weights
+    bf16, fp8, rows, blocks, wf, (cfp8, cscales, cwf) = weights
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     ref = x.float() @ wf.t()
     block_scales = weight_block_scales_for_scaled_mm(blocks)
@@ -65,11 +71,15 @@ def bench_shape(n: int, k: int, m: int, weights) -> list[dict]:
     for name in fp8_tune.candidates(n, k, m):
         fns[name] = (lambda i, name=name: fp8_dispatch.fp8_linear_dispatch(x, fp8[i], rows, backend=name), len(fp8), 1)
     fns["scaled_mm_block"] = (scaled_mm_block, len(fp8), 1)
+    fns[fp8_dispatch.ROWWISE] = (lambda i: fp8_dispatch.fp8_linear_dispatch(
+        x, cfp8[i], cscales, backend=fp8_dispatch.ROWWISE, per_channel=True), len(cfp8), 1)
+    refs = {fp8_dispatch.ROWWISE: x.float() @ cwf.t()}
     out = []
     for name, (fn, copies, elem) in fns.items():
         row = {"m": m, "n": n, "k": k, "backend": name}
         try:
-            row["max_rel_err"] = float((fn(0).float() - ref).abs().max() / ref.abs().max())
+            want = refs.get(name, ref)
+            row["max_rel_err"] = float((fn(0).float() - want).abs().max() / want.abs().max())
             row["us"] = round(fp8_tune.graph_time_us(fn, 20, copies), 2)
             row["weight_gbps"] = round(n * k * elem / row["us"] / 1e3, 1)
         except Exception as e:  # noqa: BLE001 - recorded: not every torch/cuBLAS build runs every backend
@@ -86,11 +96,14 @@ def main(models=("qwen3-32b",), tokens=TOKENS, out_dir: Path | None = None) -> P
         for layer, (n, k) in SHAPES[model].items():
             weights = _weights(n, k)
             fp8_dispatch.clear()
-            tuned = fp8_tune.tune({(n, k)}, torch.device("cuda"),
+            tuned = fp8_tune.tune({(n, k), (n, k, True)}, torch.device("cuda"),
                                   buckets=tuple(sorted({fp8_dispatch.bucket_of(m) for m in tokens})))
             for m in tokens:
                 pick = fp8_dispatch.choose(n, k, m)
-                picks[f"{model}/{layer}/M={m}"] = {"pick": pick, "tuner": tuned.get((n, k, fp8_dispatch.bucket_of(m)))}
+                b = fp8_dispatch.bucket_of(m)
+                picks[f"{model}/{layer}/M={m}"] = {"pick": pick, "tuner": tuned.get((n, k, b)),
+                                                   "channel_pick": fp8_dispatch.choose(n, k, m, per_channel=True),
+                                                   "channel_tuner": tuned.get((n, k, b, True))}
                 for row in bench_shape(n, k, m, weights):
                     row.update(model=model, layer=layer, tuner_pick=row["backend"] == pick)
                     print(f"{model:10s} {layer:8s} M={m:<5d} {row['backend']:16s} "

@@ -10,6 +10,9 @@
 #                                  (us, GB/s; -fp8-gemm.json); Qwen3-32B latency FP8 then bf16; Qwen3-4B
 #                                  throughput FP8 then bf16 (bench JSONs). Each step is capped by its own
 #                                  limit and by what is left of 540 s, so a slow step shortens the later ones.
+#   MODE=fp8-rowwise (nvidia-h200): <= 3 min: the scaled_mm_rowwise GPU tests (fp8-rowwise-tests.log);
+#                                  Qwen3-4B throughput FP8 (per-channel online quantization, tuner log in
+#                                  fp8-tune.jsonl) then bf16 (bench JSONs).
 # Results (JSON, logs) go to $OUT when set, else benchmarks/results. Each step has its own time limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +32,12 @@ if [ "${MODE:-fp8}" = fp8-fix ]; then
   bench "$(left 60)" --config qwen3-4b --arms native --num-prompts 200 --time-limit 15 --quantization fp8
   bench "$(left 50)" --config qwen3-4b --arms native --num-prompts 200 --time-limit 15
   echo "fp8-fix done in $(($(date +%s) - start)) s"
+elif [ "${MODE:-fp8}" = fp8-rowwise ]; then
+  export FXREWRITE_FP8_TUNE_LOG="$OUT_DIR/fp8-tune.jsonl"
+  timeout -k 5 50 $PY -m pytest -q -m gpu tests/gpu/test_gpu_fp8.py -p no:cacheprovider -rfE -s -k rowwise 2>&1 \
+    | tee "$OUT_DIR/fp8-rowwise-tests.log" | grep -E "passed|failed|FAIL|Error|assert|rowwise graph" | tail -12
+  bench 70 --config qwen3-4b --arms native --num-prompts 200 --time-limit 15 --quantization fp8
+  bench 50 --config qwen3-4b --arms native --num-prompts 200 --time-limit 15
 elif [ "${MODE:-fp8}" = fp8 ]; then
   timeout -k 5 240 $PY -m pytest -q -m gpu tests/gpu/test_gpu_fp8.py -p no:cacheprovider -rfE -s 2>&1 \
     | tee "$OUT_DIR/fp8-tests.log" | grep -E "passed|failed|FAIL|Error|logprob|fp8 |None " | tail -20

@@ -6,10 +6,12 @@ Backends (names are what `choose` returns and `fxrewrite.kernels.fp8_tune` measu
   unquantized activations (no quantization kernel runs), M <= GEMV_MAX_M;
 - ``"triton"`` / ``"triton:<i>"``: per-token-group activation quantization, then the tiled Triton GEMM
   with its default tile table / `ALT_CONFIGS[i]`;
-- ``"scaled_mm"``: the same quantization, then torch's block-scaled matmul (cuBLASLt, fp8_scaled_mm.py).
+- ``"scaled_mm"``: the same quantization, then torch's block-scaled matmul (cuBLASLt, fp8_scaled_mm.py);
+- ``"scaled_mm_rowwise"``: per-channel weights only (``quantization="fp8"`` on a bf16 checkpoint):
+  per-token activation quantization, then torch's row-wise scaled matmul (fp8_rowwise.py).
 
 A token count maps to the smallest bucket holding it (above 8192: the 8192 bucket). The choice per
-(N, K, bucket) is made on the device when an FP8 model is loaded (`fp8_tune.tune`): every candidate is
+(N, K, bucket, per-channel or not) is made on the device when an FP8 model is loaded (`fp8_tune.tune`): every candidate is
 run, checked against the reference and captured in a CUDA graph at each token count of the bucket that
 the engine's decode graphs use, and timed by graph replay; the fastest that passed wins. Untuned, M <=
 GEMV_MAX_M runs ``gemv:0`` and larger M ``triton``. ``FXREWRITE_FP8_GEMM=triton`` or ``=scaled_mm``
@@ -34,16 +36,19 @@ import torch
 from fxrewrite.kernels import use_triton
 from fxrewrite.kernels.fp8_gemm import ALT_CONFIGS, fp8_block_gemm_triton, fp8_linear, per_token_group_quant_fp8
 from fxrewrite.kernels.fp8_gemv import GEMV_CONFIGS, GEMV_MAX_M, fp8_block_gemv_triton
+from fxrewrite.kernels.fp8_rowwise import channel_scales, fp8_scaled_mm_rowwise, per_token_quant_fp8
 from fxrewrite.kernels.fp8_scaled_mm import fp8_scaled_mm
 
-__all__ = ["BUCKETS", "bucket_of", "choose", "fp8_gemm_dispatch", "fp8_linear_dispatch", "record", "choices", "clear"]
+__all__ = ["BUCKETS", "bucket_of", "choose", "fp8_gemm_dispatch", "fp8_linear_dispatch", "record", "choices", "clear",
+           "ROWWISE"]
 
 logger = logging.getLogger(__name__)
 
+ROWWISE = "scaled_mm_rowwise"
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-_choices: dict[tuple[int, int, int], str] = {}
-_ranked: dict[tuple[int, int, int], list[str]] = {}
-"""(N, K, bucket) -> the validated backends, fastest first (the demotion order)."""
+_choices: dict[tuple[int, int, int, bool], str] = {}
+_ranked: dict[tuple[int, int, int, bool], list[str]] = {}
+"""(N, K, bucket, per_channel) -> the validated backends, fastest first (the demotion order)."""
 
 
 def bucket_of(m: int) -> int:
@@ -62,28 +67,33 @@ def default_backend(m: int) -> str:
     return "gemv:0" if m <= GEMV_MAX_M else "triton"
 
 
-def choose(n: int, k: int, m: int) -> str:
-    """The backend for an [m, k] x [n, k]^T product (see the module docstring)."""
+def choose(n: int, k: int, m: int, per_channel: bool = False) -> str:
+    """The backend for an [m, k] x [n, k]^T product (see the module docstring); per_channel: the
+    weight scales are one per output row (then ``scaled_mm_rowwise`` may have been chosen)."""
     forced = _forced()
     if forced != "auto":
         return forced
-    return _choices.get((n, k, bucket_of(m)), default_backend(m))
+    return _choices.get((n, k, bucket_of(m), per_channel), default_backend(m))
 
 
-def record(n: int, k: int, bucket: int, ranked: list[str]) -> None:
-    """Store the tuner's validated backends for (n, k, bucket), fastest first (an empty list: untuned)."""
+def record(n: int, k: int, bucket: int, ranked: list[str], per_channel: bool = False) -> None:
+    """Store the tuner's validated backends for (n, k, bucket), fastest first (an empty list: untuned).
+    ValueError for ``scaled_mm_rowwise`` on weights that are not per-channel."""
+    if not per_channel and ROWWISE in ranked:
+        raise ValueError(f"{ROWWISE} needs per-channel weight scales; got it for block-scaled N={n} K={k}")
     if ranked:
-        _ranked[(n, k, bucket)] = list(ranked)
-        _choices[(n, k, bucket)] = ranked[0]
+        _ranked[(n, k, bucket, per_channel)] = list(ranked)
+        _choices[(n, k, bucket, per_channel)] = ranked[0]
 
 
 def choices() -> dict[str, str]:
-    """{"N x K @ bucket": backend} of every tuned bucket (what benchmarks and logs report)."""
-    return {f"{n}x{k}@{b}": name for (n, k, b), name in sorted(_choices.items())}
+    """{"N x K @ bucket": backend} of every tuned bucket (what benchmarks and logs report; a
+    "/channel" suffix marks per-channel weights)."""
+    return {f"{n}x{k}@{b}" + ("/channel" if pc else ""): name for (n, k, b, pc), name in sorted(_choices.items())}
 
 
-def _demote(n: int, k: int, m: int, backend: str, error: Exception) -> None:
-    key = (n, k, bucket_of(m))
+def _demote(n: int, k: int, m: int, backend: str, error: Exception, per_channel: bool = False) -> None:
+    key = (n, k, bucket_of(m), per_channel)
     ranked = [name for name in _ranked.get(key, [backend]) if name != backend] or ["triton"]
     _ranked[key], _choices[key] = ranked, ranked[0]
     logger.warning("FP8 GEMM %s failed for N=%d K=%d M=%d (%s: %s); bucket %d now runs %s",
@@ -105,6 +115,9 @@ def fp8_gemm_dispatch(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: 
 
 
 def _run(x2: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, backend: str) -> torch.Tensor:
+    if backend == ROWWISE:
+        q, s = per_token_quant_fp8(x2)
+        return fp8_scaled_mm_rowwise(q, s, w, channel_scales(w_s), x2.dtype)
     if backend.startswith("gemv:"):
         block_n, target, step = GEMV_CONFIGS[int(backend.split(":")[1])]
         return fp8_block_gemv_triton(x2, None, w, w_s, x2.dtype, block_n, target, step)
@@ -113,17 +126,20 @@ def _run(x2: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, backend: str) -> 
 
 
 def fp8_linear_dispatch(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, group_size: int = 128,
-                        backend: str | None = None) -> torch.Tensor:
+                        backend: str | None = None, per_channel: bool = False) -> torch.Tensor:
     """x [..., K] -> [..., N] in x's dtype through `backend` (default: `choose`); the torch reference
     (`fxrewrite.kernels.fp8_gemm.fp8_linear`) on a CPU without the Triton interpreter and for scale
-    groups other than 128."""
+    groups other than 128. per_channel: every column of w_s is the same per-row scale (required by
+    ``scaled_mm_rowwise``; ValueError otherwise)."""
+    if backend == ROWWISE and not per_channel:
+        raise ValueError(f"backend {ROWWISE!r} needs per-channel weight scales (per_channel=True)")
     if group_size != 128 or not use_triton(x):
         return fp8_linear(x, w, w_s, group_size)
     lead, (n, k) = x.shape[:-1], w.shape
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    name = backend or choose(n, k, x2.shape[0])
+    name = backend or choose(n, k, x2.shape[0], per_channel)
     if name.startswith("gemv:") and x2.shape[0] > GEMV_MAX_M:
         name = "triton"
     try:
@@ -131,10 +147,10 @@ def fp8_linear_dispatch(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, gro
     except Exception as e:  # noqa: BLE001 - any backend but the plain Triton GEMM falls back
         if backend is not None or name == "triton" or _forced() != "auto":
             raise
-        _demote(n, k, x2.shape[0], name, e)
+        _demote(n, k, x2.shape[0], name, e, per_channel)
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise
-        out = _run(x2, w, w_s, choose(n, k, x2.shape[0]))
+        out = _run(x2, w, w_s, choose(n, k, x2.shape[0], per_channel))
     return out.reshape(*lead, n)
 
 

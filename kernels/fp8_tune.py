@@ -17,6 +17,9 @@ For every candidate backend of a bucket (fp8_dispatch's names), fastest first by
 A candidate that raises anywhere (cuBLASLt's CUBLAS_STATUS_NOT_SUPPORTED at some M, a scale layout
 torch refuses) or misses the tolerance is dropped; the bucket keeps its passing candidates, fastest
 first, for `fp8_dispatch`'s demotion (whose last resort is the Triton GEMM).
+
+Shapes whose layers have per-channel weight scales (``quantization="fp8"`` on a bf16 checkpoint) are
+tuned apart, with per-channel scratch scales, and only they get the ``scaled_mm_rowwise`` candidate.
 """
 
 from __future__ import annotations
@@ -42,14 +45,17 @@ TOLERANCE = 0.1
 _L2_BYTES = 128 << 20  # weight copies per timing graph: > 2x the H200's 50 MB L2
 
 
-def candidates(n: int, k: int, m: int) -> list[str]:
-    """Backend names worth timing for an [m, k] x [n, k]^T product."""
+def candidates(n: int, k: int, m: int, per_channel: bool = False) -> list[str]:
+    """Backend names worth timing for an [m, k] x [n, k]^T product (per_channel: the weight has one
+    scale per output row, which ``scaled_mm_rowwise`` needs)."""
     names = [f"gemv:{i}" for i in range(len(GEMV_CONFIGS))] if m <= GEMV_MAX_M else []
     names.append("triton")
     if m > 64:
         names += [f"triton:{i}" for i, cfg in enumerate(ALT_CONFIGS) if cfg != config_for(m)]
     if scaled_mm_supported_shape(n, k):
         names.append("scaled_mm")
+        if per_channel:
+            names.append(fp8_dispatch.ROWWISE)
     return names
 
 
@@ -122,18 +128,19 @@ def _max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-30))
 
 
-def _prove(name: str, w: torch.Tensor, w_s: torch.Tensor, wf: torch.Tensor, m: int, dtype: torch.dtype) -> None:
+def _prove(name: str, w: torch.Tensor, w_s: torch.Tensor, wf: torch.Tensor, m: int, dtype: torch.dtype,
+           per_channel: bool = False) -> None:
     """Raise unless `name` is right at m tokens, eagerly and (m <= 512) replayed from a CUDA graph."""
     x = torch.randn(m, w.shape[1], device=w.device, dtype=dtype)
     rows = min(m, 64)  # rows are independent: check a slice against the reference
-    eager = fp8_linear_dispatch(x, w, w_s, backend=name)
+    eager = fp8_linear_dispatch(x, w, w_s, backend=name, per_channel=per_channel)
     err = _max_rel(eager[:rows], x[:rows].float() @ wf.t())
     if not err < TOLERANCE:
         raise ValueError(f"max relative error {err:.3g} >= {TOLERANCE}")
     if m > GRAPH_SIZES[-1]:
         return
     torch.cuda.synchronize()
-    graph, out = capture(lambda: fp8_linear_dispatch(x, w, w_s, backend=name))
+    graph, out = capture(lambda: fp8_linear_dispatch(x, w, w_s, backend=name, per_channel=per_channel))
     graph.replay()
     torch.cuda.synchronize()
     err = _max_rel(out, eager.float())
@@ -142,26 +149,29 @@ def _prove(name: str, w: torch.Tensor, w_s: torch.Tensor, wf: torch.Tensor, m: i
         raise ValueError(f"graph replay differs from the eager call (max relative error {err:.3g})")
 
 
-def _scratch(n: int, k: int, device) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """Random FP8 weight copies [N, K] (enough to overflow L2), per-row scales with strides (1, N), and
-    the dequantized float32 weight of copy 0 (the reference)."""
+def _scratch(n: int, k: int, device, per_channel: bool = False) -> tuple[list[torch.Tensor], torch.Tensor,
+                                                                         torch.Tensor]:
+    """Random FP8 weight copies [N, K] (enough to overflow L2), per-row scales with strides (1, N) (with
+    per_channel: every group of a row the same), and the dequantized float32 weight of copy 0."""
     copies = max(1, min(8, -(-_L2_BYTES // (n * k))))
     ws = [torch.randn(n, k, device=device).div_(8).to(torch.float8_e4m3fn) for _ in range(copies)]
-    w_s = torch.rand(-(-k // 128), n, device=device, dtype=torch.float32).add_(0.5).div_(448).t()
+    groups = -(-k // 128)
+    w_s = torch.rand(1 if per_channel else groups, n, device=device, dtype=torch.float32).add_(0.5).div_(448)
+    w_s = w_s.expand(groups, n).contiguous().t()
     wf = ws[0].float().mul_(w_s.repeat_interleave(128, dim=1)[:, :k])
     return ws, w_s, wf
 
 
-def _tune_bucket(ws, w_s, wf, bucket: int, dtype: torch.dtype) -> dict[str, float | str]:
+def _tune_bucket(ws, w_s, wf, bucket: int, dtype: torch.dtype, per_channel: bool = False) -> dict[str, float | str]:
     """{backend: us per call, or "error: ..."} for one bucket; records the passing ones in fp8_dispatch."""
     n, k = ws[0].shape
     x = torch.randn(bucket, k, device=ws[0].device, dtype=dtype)
     reps = 20 if bucket <= 256 else 5
     results: dict[str, float | str] = {}
-    for name in candidates(n, k, bucket):
+    for name in candidates(n, k, bucket, per_channel):
         try:
-            results[name] = graph_time_us(lambda i, name=name: fp8_linear_dispatch(x, ws[i], w_s, backend=name),
-                                          reps, len(ws))
+            results[name] = graph_time_us(lambda i, name=name: fp8_linear_dispatch(
+                x, ws[i], w_s, backend=name, per_channel=per_channel), reps, len(ws))
         except Exception as e:  # noqa: BLE001 - a backend this GPU / torch / M cannot run is no candidate
             results[name] = f"error: {type(e).__name__}: {str(e)[:200]}"
     timed = sorted((t, name) for name, t in results.items() if isinstance(t, float))
@@ -169,32 +179,36 @@ def _tune_bucket(ws, w_s, wf, bucket: int, dtype: torch.dtype) -> dict[str, floa
     for _, name in timed:
         try:
             for m in sizes_to_prove(bucket):
-                _prove(name, ws[0], w_s, wf, m, dtype)
+                _prove(name, ws[0], w_s, wf, m, dtype, per_channel)
             passed.append(name)
         except Exception as e:  # noqa: BLE001 - failed proof: never chosen
             results[name] = f"error at M={m}: {type(e).__name__}: {str(e)[:200]}"
             logger.info("FP8 backend %s refused for N=%d K=%d bucket %d: %s", name, n, k, bucket, results[name])
-    fp8_dispatch.record(n, k, bucket, passed)
+    fp8_dispatch.record(n, k, bucket, passed, per_channel)
     return results
 
 
-def tune(shapes: set[tuple[int, int]], device: torch.device, out_dtype: torch.dtype = torch.bfloat16,
+def tune(shapes: set[tuple], device: torch.device, out_dtype: torch.dtype = torch.bfloat16,
          buckets: tuple[int, ...] = BUCKETS) -> dict[tuple[int, int, int], dict[str, float | str]]:
-    """Measure and prove every candidate for each (N, K) in `shapes` at each of `buckets` (see the module
-    docstring); record the choices in fp8_dispatch. Returns {(N, K, bucket): {backend: us or error}}.
+    """Measure and prove every candidate for each (N, K) or (N, K, per_channel) in `shapes` at each of
+    `buckets` (see the module docstring); record the choices in fp8_dispatch. Returns
+    {(N, K, bucket): {backend: us or error}} (per-channel shapes: (N, K, bucket, True)).
     No-op (returns {}) unless FXREWRITE_FP8_GEMM is auto and `device` is CUDA."""
     if fp8_dispatch._forced() != "auto" or torch.device(device).type != "cuda":
         return {}
     timings = {}
-    for n, k in sorted(shapes):
-        ws, w_s, wf = _scratch(n, k, device)
+    for shape in sorted(shapes):
+        n, k, per_channel = shape[0], shape[1], bool(shape[2:] and shape[2])
+        ws, w_s, wf = _scratch(n, k, device, per_channel)
         for b in buckets:
-            timings[(n, k, b)] = _tune_bucket(ws, w_s, wf, b, out_dtype)
+            key = (n, k, b, True) if per_channel else (n, k, b)
+            timings[key] = _tune_bucket(ws, w_s, wf, b, out_dtype, per_channel)
         del ws, w_s, wf
     torch.cuda.empty_cache()  # the scratch tensors must not count as used when the KV cache is sized
     logger.info("FP8 GEMM backends: %s", fp8_dispatch.choices())
     if os.environ.get("FXREWRITE_FP8_TUNE_LOG"):  # one JSON line per tuning: GPU scripts keep it
         with open(os.environ["FXREWRITE_FP8_TUNE_LOG"], "a") as f:
             f.write(json.dumps({"choices": fp8_dispatch.choices(),
-                                "timings_us": {f"{n}x{k}@{b}": t for (n, k, b), t in timings.items()}}) + "\n")
+                                "timings_us": {f"{key[0]}x{key[1]}@{key[2]}" + ("/channel" if key[3:] else ""): t
+                                               for key, t in timings.items()}}) + "\n")
     return timings

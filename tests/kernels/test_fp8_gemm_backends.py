@@ -193,8 +193,8 @@ def test_tuner_keeps_only_proven_backends_fastest_first(interpret, monkeypatch):
     monkeypatch.setattr(fp8_tune, "graph_time_us", lambda fn, reps, copies: (fn(0), fake_us[fn.__defaults__[0]])[1])
     real = fp8_dispatch.fp8_linear_dispatch
 
-    def dispatch(x, w, w_s, group_size=128, backend=None):
-        out = real(x, w, w_s, group_size, backend)
+    def dispatch(x, w, w_s, group_size=128, backend=None, per_channel=False):
+        out = real(x, w, w_s, group_size, backend, per_channel)
         return out * 2 if backend == "gemv:1" else out  # a wrong kernel: twice the right answer
 
     monkeypatch.setattr(fp8_tune, "fp8_linear_dispatch", dispatch)
@@ -207,7 +207,7 @@ def test_tuner_keeps_only_proven_backends_fastest_first(interpret, monkeypatch):
     print(results)
     assert results["scaled_mm"].startswith("error: ")  # raised when timed (no CPU kernel for block scales)
     assert results["gemv:1"].startswith("error at M=3: ValueError: max relative error")  # wrong: refused
-    assert fp8_dispatch._ranked[(32, 128, 4)] == ["triton", "gemv:0", "gemv:2", "gemv:3"]
+    assert fp8_dispatch._ranked[(32, 128, 4, False)] == ["triton", "gemv:0", "gemv:2", "gemv:3"]
     assert fp8_dispatch.choose(32, 128, 3) == "triton"
     fp8_dispatch.clear()
 
