@@ -5,8 +5,8 @@ and the validity of sampled outputs under a bounded schema.
 
 The arms run in one process, alternating, --repeats times each (medians): no constraint; a JSON schema on
 every request (the grammar work on a worker thread, beside the main thread's completion of the previous
-step); the same schema with the grammar work on the main thread after that completion (the path before
-the worker thread). Per grammar arm the JSON gives the milliseconds per step spent accepting tokens and
+step); the same schema with the grammar work on the main thread after that completion (the order before
+the worker thread, with today's cheaper accept call). Per grammar arm the JSON gives the milliseconds per step spent accepting tokens and
 filling the bitmask (on whichever thread ran them), the main thread's milliseconds in the grammar calls
 and, of those, blocked waiting for the worker; `overhead_fraction` is the worker-thread arm's.
 Throughput runs use a schema whose array has no upper bound (every request decodes exactly
