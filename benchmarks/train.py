@@ -53,6 +53,7 @@ def _build(spec: dict, arm: str):
     import transformers
 
     config = transformers.AutoConfig.for_model(**spec["config"])
+    config.use_cache = False  # as Trainer / TRL train: no KV cache built (and kept alive) in the forward
     dtype = getattr(torch, spec["dtype"])
     torch.manual_seed(spec["seed"])
     with torch.device(spec["device"]):

@@ -169,6 +169,7 @@ def _build_meta(config: dict, arm: str, gradient_checkpointing: bool, chunk_size
     from fxrewrite.benchmarks.train import _liger_patch, enable_checkpointing
 
     cfg = transformers.AutoConfig.for_model(**config)
+    cfg.use_cache = False  # as the train benchmark (and Trainer / TRL) run
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.train()
