@@ -83,7 +83,7 @@ class LLM:
         try:
             for i, (request_id, prompt, p) in enumerate(zip(ids, prompts, params)):
                 try:
-                    self.llm_engine.add_request(request_id, prompt, p)
+                    self.llm_engine.add_request(request_id, prompt, p, final_only=True)
                 except ValueError as e:
                     raise UserInputError(f"prompt {i}: {e}") from None
             return self._run(ids, use_tqdm)

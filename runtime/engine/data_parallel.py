@@ -68,13 +68,14 @@ class DPLLMEngine:
         """Per replica: 4 x waiting + running sequences (what `add_request` balances)."""
         return [4 * len(e.scheduler.waiting) + len(e.scheduler.running) for e in self.engines]
 
-    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None):
+    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                    *, final_only: bool = False):
         """Queue the request on the least loaded replica; ValueError as `LLMEngine.add_request`."""
         if request_id in self._owner:
             raise UserInputError(f"request_id {request_id!r} is already in use")
         loads = self.replica_loads()
         d = loads.index(min(loads))
-        self.engines[d].add_request(request_id, prompt, sampling_params)
+        self.engines[d].add_request(request_id, prompt, sampling_params, final_only=final_only)
         self._owner[request_id] = d
         self.num_requests_routed[d] += 1
 

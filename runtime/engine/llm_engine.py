@@ -35,8 +35,10 @@ logger = logging.getLogger(__name__)
 class Request:
     """A prompt and its n sequences (one per completion)."""
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params, arrival, pooling=None):
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params, arrival, pooling=None,
+                 final_only: bool = False):
         self.request_id = request_id
+        self.final_only = final_only  # a RequestOutput only once finished (vLLM's RequestOutputKind.FINAL_ONLY)
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = params
@@ -89,9 +91,14 @@ class LLMEngine(EngineRLMixin):
 
     # requests
     def add_request(
-        self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None
+        self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+        *, final_only: bool = False,
     ) -> None:
-        """Queue a prompt (text, or token ids) for generation; ValueError for an invalid request."""
+        """Queue a prompt (text, or token ids) for generation; ValueError for an invalid request.
+
+        final_only: `step` returns this request's RequestOutput once, when it finishes (vLLM's
+        `RequestOutputKind.FINAL_ONLY`, what offline `LLM.generate` uses), instead of a cumulative output
+        every step, which copies every token and logprob so far (quadratic in the output length)."""
         pooling, params = split_params(sampling_params, self.config.is_pooling)
         self._check_awake()
         if request_id in self.requests:
@@ -99,7 +106,7 @@ class LLMEngine(EngineRLMixin):
         text, token_ids = self._tokenize(prompt)
         self._check_request(token_ids, params)
         compiled = self.compile_structured_outputs(params)
-        request = Request(request_id, text, token_ids, params, next(self._arrivals), pooling)
+        request = Request(request_id, text, token_ids, params, next(self._arrivals), pooling, final_only)
         bad_words = bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
         self.requests[request_id] = request
         for seq in request.seqs:
@@ -258,7 +265,8 @@ class LLMEngine(EngineRLMixin):
             self._process_sample(seq, result, seq.seq_id in grammar_done)
         self.scheduler.commit(step.sched)
         touched = dict.fromkeys(s.seq.request_id for s in step.sched.scheduled)
-        return [self._make_output(self.requests[r]) for r in touched if r in self.requests]
+        requests = [self.requests[r] for r in touched if r in self.requests]
+        return [self._make_output(r) for r in requests if not r.final_only or r.finished]
 
     def _abort_all(self) -> None:
         self._inflight = None

@@ -215,3 +215,19 @@ def test_kv_cache_shorter_than_max_model_len_is_reported(tiny_qwen3_dir, caplog)
     assert "KV cache holds 32 tokens, less than max_model_len=100" in caplog.text
     with pytest.raises(ValueError, match="more than the whole KV cache holds"):
         llm.generate([[1] * 20], SamplingParams(max_tokens=20), use_tqdm=False)
+
+
+def test_final_only_requests_return_one_output_when_finished(qwen3_llm):
+    """LLM.generate queues final_only requests (vLLM's FINAL_ONLY): no cumulative copy every step."""
+    engine, params = qwen3_llm.llm_engine, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+    engine.add_request("final", PROMPTS[0], params, final_only=True)
+    engine.add_request("cumulative", PROMPTS[0], params)
+    seen = {"final": [], "cumulative": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert [o.finished for o in seen["final"]] == [True]
+    assert len(seen["cumulative"]) == 4 and seen["cumulative"][-1].finished
+    final, last = seen["final"][0].outputs[0], seen["cumulative"][-1].outputs[0]
+    assert final.token_ids == last.token_ids and final.text == last.text and len(final.logprobs) == 4
+    assert_no_leak(qwen3_llm)
