@@ -35,8 +35,8 @@ logger = logging.getLogger(__name__)
 class Request:
     """A prompt and its n sequences (one per completion)."""
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params, arrival, pooling=None,
-                 final_only: bool = False):
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params, arrival,
+                 pooling=None, final_only: bool = False):
         self.request_id = request_id
         self.final_only = final_only  # a RequestOutput only once finished (vLLM's RequestOutputKind.FINAL_ONLY)
         self.prompt = prompt
@@ -64,26 +64,21 @@ class LLMEngine(EngineRLMixin):
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_config)
         # tensor_parallel_size > 1: worker processes behind the same interface (runtime/executor.py)
         self.model_runner = model_runner or create_model_runner(config, self.model_config, self.eos_token_ids)
-        self.block_manager = BlockManager(
-            self.model_runner.num_blocks, config.block_size, config.enable_prefix_caching
-        )
+        self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    length_dependent_rope(self.model_config))
         _warn_if_cache_is_short(self.block_manager, self.model_config.max_model_len)
         self.async_scheduling = config.async_scheduling and getattr(self.model_runner, "supports_async", False)
-        self._inflight = None
-        """The launched step whose tokens are not read back yet (async scheduling)."""
+        self._inflight = None  # the launched step whose tokens are not read back yet (async scheduling)
         depth = getattr(self.model_runner, "pipeline_depth", 1)
         self.micro_batches = MicroBatchQueue(depth) if depth > 1 else None
         """Pipeline parallelism: the batches in flight through the stages (micro_batches.py)."""
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
         self._arrivals = itertools.count()
-        self._structured = None
-        """StructuredOutputManager, made at the first constrained request (xgrammar is optional)."""
+        self._structured = None  # StructuredOutputManager, made at the first constrained request (xgrammar)
         self._embeddings: dict = {}  # pooling runner: seq_id -> last-token final hidden state [H], host
-        self._early_outputs = None
-        """Outputs of the previous step when the grammar masks needed its tokens before this step sampled."""
+        self._early_outputs = None  # the previous step's outputs, when grammar masks needed its tokens early
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> LLMEngine:
@@ -94,11 +89,8 @@ class LLMEngine(EngineRLMixin):
         self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
         *, final_only: bool = False,
     ) -> None:
-        """Queue a prompt (text, or token ids) for generation; ValueError for an invalid request.
-
-        final_only: `step` returns this request's RequestOutput once, when it finishes (vLLM's
-        `RequestOutputKind.FINAL_ONLY`, what offline `LLM.generate` uses), instead of a cumulative output
-        every step, which copies every token and logprob so far (quadratic in the output length)."""
+        """Queue a prompt (text, or token ids) for generation; ValueError for an invalid request. final_only:
+        one RequestOutput, when it finishes (vLLM's FINAL_ONLY; offline `LLM.generate`), not one every step."""
         pooling, params = split_params(sampling_params, self.config.is_pooling)
         self._check_awake()
         if request_id in self.requests:
