@@ -5,12 +5,40 @@
 #   MODE=fp8-4b  (nvidia-h200):    Qwen3-4B throughput and batch-8 latency, FP8 and bf16.  ~7 min
 #   MODE=fp8-32b (nvidia-h200):    Qwen3-32B batch-1/8 decode, FP8 and bf16 (native arm). ~5 min
 #   MODE=pp      (nvidia-h200-x2): PP=2 GPU test; Qwen3-32B throughput at PP=2 and TP=2.  ~8 min
+#   MODE=fp8-fix (nvidia-h200):    <= 9 min in all: the tuner / CUDA-graph GPU tests (fp8-fix-tests.log);
+#                                  every backend at M = 1, 8, 64, 256 on the Qwen3-32B shapes, graph-timed
+#                                  (us, GB/s; -fp8-gemm.json); Qwen3-32B latency FP8 then bf16; Qwen3-4B
+#                                  throughput FP8 then bf16 (bench JSONs). Each step is capped by its own
+#                                  limit and by what is left of 540 s, so a slow step shortens the later ones.
+#   MODE=fp8-rowwise (nvidia-h200): <= 3 min: the scaled_mm_rowwise GPU tests (fp8-rowwise-tests.log);
+#                                  Qwen3-4B throughput FP8 (per-channel online quantization, tuner log in
+#                                  fp8-tune.jsonl) then bf16 (bench JSONs).
 # Results (JSON, logs) go to $OUT when set, else benchmarks/results. Each step has its own time limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source benchmarks/gpu_env.sh
-bench() { timeout -k 5 "$1" $PY -m fxrewrite bench compare "${@:2}" "${TOK[@]}" --out "$OUT_DIR" 2>&1 | grep -v "it/s\]$" | tail -8; }
-if [ "${MODE:-fp8}" = fp8 ]; then
+bench() { timeout -k 5 "$1" $PY -m fxrewrite bench compare "${@:2}" "${TOK[@]}" --out "$OUT_DIR" 2>&1 \
+  | tee -a "$OUT_DIR/bench.log" | grep -v "it/s\]$" | grep -Ev "^(INFO|DEBUG)" | tail -8; }
+left() { local c=$1 l=$((540 - $(date +%s) + start)); [ "$l" -lt "$c" ] && c=$l; [ "$c" -lt 10 ] && c=10; echo "$c"; }
+if [ "${MODE:-fp8}" = fp8-fix ]; then
+  export FXREWRITE_FP8_TUNE_LOG="$OUT_DIR/fp8-tune.jsonl"  # every load-time tuning: choices, us per backend
+  timeout -k 5 "$(left 110)" $PY -m pytest -q -m gpu tests/gpu/test_gpu_fp8.py -p no:cacheprovider -rfE -s \
+    -k "tuned or captures or every_triton" 2>&1 | tee "$OUT_DIR/fp8-fix-tests.log" \
+    | grep -E "passed|failed|FAIL|Error|assert" | tail -15
+  timeout -k 5 "$(left 80)" $PY -m fxrewrite.benchmarks.fp8_gemm --models qwen3-32b --tokens 1,8,64,256 \
+    --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/fp8-fix-gemm.log" | grep -v "it/s\]$" | tail -45
+  bench "$(left 140)" --config qwen3-32b --arms native --workload latency --max-num-seqs 8 --time-limit 15 --quantization fp8
+  bench "$(left 90)" --config qwen3-32b --arms native --workload latency --max-num-seqs 8 --time-limit 15
+  bench "$(left 60)" --config qwen3-4b --arms native --num-prompts 200 --time-limit 15 --quantization fp8
+  bench "$(left 50)" --config qwen3-4b --arms native --num-prompts 200 --time-limit 15
+  echo "fp8-fix done in $(($(date +%s) - start)) s"
+elif [ "${MODE:-fp8}" = fp8-rowwise ]; then
+  export FXREWRITE_FP8_TUNE_LOG="$OUT_DIR/fp8-tune.jsonl"
+  timeout -k 5 50 $PY -m pytest -q -m gpu tests/gpu/test_gpu_fp8.py -p no:cacheprovider -rfE -s -k rowwise 2>&1 \
+    | tee "$OUT_DIR/fp8-rowwise-tests.log" | grep -E "passed|failed|FAIL|Error|assert|rowwise graph" | tail -12
+  bench 70 --config qwen3-4b --arms native --num-prompts 200 --time-limit 15 --quantization fp8
+  bench 50 --config qwen3-4b --arms native --num-prompts 200 --time-limit 15
+elif [ "${MODE:-fp8}" = fp8 ]; then
   timeout -k 5 240 $PY -m pytest -q -m gpu tests/gpu/test_gpu_fp8.py -p no:cacheprovider -rfE -s 2>&1 \
     | tee "$OUT_DIR/fp8-tests.log" | grep -E "passed|failed|FAIL|Error|logprob|fp8 |None " | tail -20
   timeout -k 5 300 $PY -m fxrewrite.benchmarks.fp8_gemm --out "$OUT_DIR" 2>&1 | tail -3

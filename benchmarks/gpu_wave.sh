@@ -3,12 +3,20 @@
 #   STEP=train (nvidia-h200):    training GPU tests; `bench train` on Qwen3-0.6B shapes, five arms
 #   STEP=train-nogc (nvidia-h200): saved-tensor reports (stock, liger, optimize; one layer), then the five
 #                                arms without gradient checkpointing (<date>-qwen3-0.6b-train-no-gc.json)
+#   STEP=train-chunks (nvidia-h200): fused linear cross-entropy time/memory per chunk size (<date>-flce-chunks.json),
+#                                then the five arms with gradient checkpointing, compiled arms allowed 200 s each
 #   STEP=train-kernels (nvidia-h200): compiled-training-step GPU tests; the arms liger, optimize-compile,
 #                                optimize-compile-kernels (gradient checkpointing) into $OUT_DIR/kernels/
 #   STEP=serve (nvidia-h200):    MoE throughput (Qwen3-30B-A3B shapes), -O 3 cold and warm start, FP8 GEMM,
 #                                structured-output overhead
-#   STEP=structured (nvidia-h200): structured-output and embedding GPU tests, structured-output overhead
+#   STEP=structured (nvidia-h200): structured-output overhead (JSON), then structured-output and embedding GPU tests
 #   STEP=moe-profile (nvidia-h200): MoE kernel timings, decode profiles (after/native, batch 1/256), MoE latency
+#   STEP=decode (nvidia-h200):   issue 14: Triton JIT warm-up and fused norm-rope + KV write GPU tests;
+#                                Qwen3-0.6B throughput after,native and native,after (cold Triton cache);
+#                                Qwen3-4B / Qwen3-32B batch-1 decode (native, after); Qwen3-4B decode profile
+#   STEP=moe-decode (nvidia-h200): MoE GPU tests, MoE kernels at T=1..16 (direct vs grouped, tile sweep, in
+#                                CUDA graphs), Qwen3-30B-A3B batch-1/8 latency (after, native) and throughput
+#                                (after, native, before = transformers' eager experts loop)
 #   STEP=multi (nvidia-h200-x2): symmetric-memory all-reduce, TP=2 vs TP=1 batch-1 decode (Qwen3-4B),
 #                                TP=2 and PP=2 greedy tests, MoE expert parallel
 # Results (JSON, PNG, logs) go to $OUT when set, else benchmarks/results. Each step has a hard time limit.
@@ -30,6 +38,12 @@ train)
   stamp "bench train (Qwen3-0.6B shapes, batch 8 x 2048, gradient checkpointing)"
   timeout -k 5 380 $PY -m fxrewrite bench train --config qwen3-0.6b --arms stock,stock-compile,liger,optimize,optimize-compile \
     --batch-size 8 --seq-len 2048 --steps ${TRAIN_STEPS:-5} --warmup 2 --arm-timeout 150 --out "$OUT_DIR" 2>&1 | tail -14 ;;
+train-chunks)
+  stamp "fused linear cross-entropy per chunk size (Qwen3-0.6B shapes, 8 x 2048 tokens)"
+  timeout -k 5 60 $PY -m fxrewrite.benchmarks.flce_chunks --out "$OUT_DIR/$(date +%F)-flce-chunks.json" 2>&1 | tail -7
+  stamp "bench train (Qwen3-0.6B shapes, batch 8 x 2048, gradient checkpointing)"
+  timeout -k 5 460 $PY -m fxrewrite bench train --config qwen3-0.6b --arms stock,stock-compile,liger,optimize,optimize-compile \
+    --batch-size 8 --seq-len 2048 --steps ${TRAIN_STEPS:-5} --warmup 2 --arm-timeout 200 --out "$OUT_DIR" 2>&1 | tail -14 ;;
 train-nogc)
   for arm in stock liger optimize; do
     stamp "saved tensors: $arm"
@@ -60,11 +74,28 @@ serve)
   timeout -k 5 60 $PY -m fxrewrite.benchmarks.fp8_gemm --out "$OUT_DIR" 2>&1 | tail -8
   stamp "structured outputs"
   timeout -k 5 70 $PY -m fxrewrite.benchmarks.structured_outputs --out "$OUT_DIR" 2>&1 | tail -5 ;;
-structured)  # issue 20: structured-output overhead and embeddings (nvidia-h200)
+structured)  # issue 20: structured-output overhead and embeddings (nvidia-h200), about 4 minutes
+  stamp "structured outputs: overhead at batch 64 (none / worker-thread grammar / main-thread grammar, 3 repeats), validity"
+  timeout -k 5 210 $PY -m fxrewrite.benchmarks.structured_outputs "${TOK[@]}" --out "$OUT_DIR" 2>&1 | grep -v "tok/s\]" | tail -60
   stamp "structured-output and embedding GPU tests"
-  gpu_tests 200 gpu-tests-structured.log tests/gpu/test_gpu_structured_outputs.py tests/gpu/test_gpu_embeddings.py
-  stamp "structured outputs: overhead at batch 64 (both arms, 3 repeats) and validity"
-  timeout -k 5 240 $PY -m fxrewrite.benchmarks.structured_outputs "${TOK[@]}" --out "$OUT_DIR" 2>&1 | grep -v "tok/s\]" | tail -40 ;;
+  gpu_tests 150 gpu-tests-structured.log tests/gpu/test_gpu_structured_outputs.py tests/gpu/test_gpu_embeddings.py ;;
+decode)  # issue 14 (nvidia-h200): at most 590 s of step limits, about 8 minutes
+  stamp "GPU tests: no Triton JIT after load, fused norm-rope + KV write, paged attention, CUDA graphs"
+  gpu_tests 150 gpu-tests-decode.log tests/gpu/test_gpu_jit_warmup.py tests/kernels/test_qk_norm_rope_cache.py \
+    tests/kernels/test_qk_norm_rope.py tests/kernels/test_paged_attention.py tests/gpu/test_gpu_cuda_graphs.py
+  export TRITON_CACHE_DIR=$(mktemp -d)  # cold: the first arm compiles, as on a fresh machine
+  for order in after,native native,after; do
+    stamp "throughput (Qwen3-0.6B shapes), arms $order"
+    mkdir -p "$OUT_DIR/order-${order/,/-}"
+    timeout -k 5 100 $PY -m fxrewrite bench compare --config qwen3-0.6b --arms $order --note "arm order $order" \
+      --out "$OUT_DIR/order-${order/,/-}" 2>&1 | grep -v "it/s\]$" | tail -5
+  done
+  stamp "batch-1 decode (Qwen3-4B, Qwen3-32B shapes)"
+  compare 70 --config qwen3-4b --arms native,after --workload latency --max-num-seqs 1
+  compare 120 --config qwen3-32b --arms native,after --workload latency --max-num-seqs 1
+  stamp "decode profile, Qwen3-4B native batch 1"
+  timeout -k 5 50 $PY -m fxrewrite.benchmarks.profile_decode --config qwen3-4b --arm native --batch 1 \
+    "${TOK[@]}" --out "$OUT_DIR" 2>&1 | tail -14 ;;
 multi)
   stamp "all-reduce"
   timeout -k 5 60 $PY -m fxrewrite.benchmarks.all_reduce --out "$OUT_DIR" 2>&1 | tail -8
@@ -82,5 +113,15 @@ moe-profile)
   done; done
   stamp "MoE batch-1/8 decode latency"
   compare 160 --config qwen3-30b-a3b --arms after,native --workload latency --max-num-seqs 8 --time-limit 30 ;;
+moe-decode)  # issue 13: the few-token MoE path
+  stamp "MoE GPU tests"
+  gpu_tests 60 gpu-tests-moe.log tests/moe
+  stamp "MoE kernels T=1..16 (Qwen3-30B-A3B expert shapes; --sweep: tile candidates)"
+  timeout -k 5 90 $PY -m fxrewrite.benchmarks.moe_kernels --config qwen3-30b-a3b --tokens 1,2,4,8,16 --sweep \
+    --out "$OUT_DIR" 2>&1 | grep -v "sweep" | tail -40
+  stamp "MoE batch-1/8 decode latency"
+  compare 150 --config qwen3-30b-a3b --arms after,native --workload latency --max-num-seqs 8 --time-limit 25
+  stamp "MoE throughput (Qwen3-30B-A3B shapes)"
+  compare 170 --config qwen3-30b-a3b --arms after,native,before --num-prompts 256 --time-limit 20 ;;
 esac
 stamp done

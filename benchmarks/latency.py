@@ -11,6 +11,7 @@ import random
 from dataclasses import asdict, dataclass, field
 
 from fxrewrite.benchmarks.common import copy_bandwidth_bytes_per_s, engine_weight_bytes, run_requests
+from fxrewrite.kernels.triton_utils import watch_jit_compiles
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
 
@@ -50,7 +51,8 @@ def run_latency(llm, workload: LatencyWorkload, time_limit_s: float | None = Non
     nbytes = engine_weight_bytes(engine)
     result = {"weight_bytes": nbytes, "copy_bandwidth_GBps": bandwidth and round(bandwidth / 1e9, 1), **skipped}
     for bs in batch_sizes:
-        stats = run_requests(engine, workload.prompts(bs), [params] * bs, time_limit_s, desc=f"batch {bs}")
+        with watch_jit_compiles() as compiled:
+            stats = run_requests(engine, workload.prompts(bs), [params] * bs, time_limit_s, desc=f"batch {bs}")
         ttft = max(stats.first_token_s.values())
         steps = workload.output_len - 1
         decode_s = (max(stats.finish_s.values(), default=stats.elapsed_s) - ttft) / max(1, steps)
@@ -60,6 +62,7 @@ def run_latency(llm, workload: LatencyWorkload, time_limit_s: float | None = Non
             "decode_tokens_per_s_per_seq": round(1.0 / decode_s, 1),
             "decode_tokens_per_s": round(bs / decode_s, 1),
             "truncated": stats.truncated,
+            "triton_jit_in_timed_run": compiled,  # should be empty: each entry is a JIT stall inside the timing
         }
         step_bytes = engine_weight_bytes(engine, batch_size=bs)  # a MoE step reads only the routed experts
         if step_bytes != nbytes:

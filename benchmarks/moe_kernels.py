@@ -1,6 +1,7 @@
 """Fused MoE kernel timings at a bench config's expert shapes (GPU): `python -m fxrewrite.benchmarks.moe_kernels`.
 
-For each token count T: the Triton `fused_experts` (align + two grouped GEMMs), the torch reference
+For each token count T: the Triton `fused_experts` (the path it picks), its two paths forced
+(``grouped``: align + two grouped GEMMs; ``direct``: the few-token GEMV kernels, T <= 16), the torch reference
 (one matmul pair per hit expert) and, when transformers has them, its ``grouped_mm`` / ``batched_mm``
 experts forwards on the same weights. Reported per row: milliseconds, the bytes of the experts
 actually read (distinct experts hit x 3 * H * I * 2 bytes, bf16) over the time as GB/s and as a
@@ -21,10 +22,15 @@ from fxrewrite.benchmarks.common import RESULTS_DIR, load_bench_config
 from fxrewrite.benchmarks.kernels import _time_ms, copy_bandwidth
 from fxrewrite.kernels import fused_moe
 from fxrewrite.kernels.fused_moe import fused_experts, fused_experts_ref, select_experts
+from fxrewrite.kernels.fused_moe_direct import direct_experts
 from fxrewrite.kernels.fused_moe_triton import gemm_config
 from fxrewrite.kernels.moe_routing import moe_align_block_size, moe_align_block_size_ref, select_experts_ref
 
-TOKENS = (1, 8, 64, 256, 1024, 4096)
+TOKENS = (1, 2, 4, 8, 16, 64, 256, 1024, 4096)
+GRAPH_ARMS = {"triton": fused_experts, "direct": direct_experts,
+              "grouped": lambda *a: fused_moe._forward(*a, 0, save=False)[0]}
+DIRECT_SWEEP = [((16, 256, 4), (8, 256, 4)), ((8, 256, 4), (8, 256, 4)), ((32, 128, 4), (16, 128, 4)),
+                ((16, 512, 8), (4, 256, 4)), ((16, 128, 4), (8, 128, 2)), ((8, 512, 4), (16, 256, 8))]
 # --sweep candidates (block_m, block_n, block_k, num_warps, num_stages), by token-count range
 SWEEP = {
     (1, 32): [(16, 32, 128, 4, 4), (16, 64, 64, 4, 5), (16, 64, 128, 4, 3), (16, 32, 256, 4, 2), (16, 128, 128, 4, 2)],
@@ -68,6 +74,37 @@ def _routing_arms(logits, k, e) -> dict:
             "routing_torch": lambda: moe_align_block_size_ref(select_experts_ref(logits, k, True)[1], block, e)}
 
 
+def _graph_ms(fn, layers, reps: int = 20) -> float:
+    """GPU time of ``fn(w13, w2)`` per call, as a decode step's CUDA graph runs it: one graph calls it on
+    each of several layers' weights in turn (more bytes than L2 holds, so no call reads cached weights);
+    replayed `reps` times after a warm-up, timed with CUDA events."""
+    for w13, w2 in layers:
+        fn(w13, w2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w13, w2 in layers:
+            fn(w13, w2)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps / len(layers)
+
+
+def direct_sweep(x, layers, weights, ids) -> list[dict]:
+    """Time the direct path's tile candidates ((block_n, block_k, warps) for gate_up and down), in graphs."""
+    rows = []
+    for gu, dn in DIRECT_SWEEP:
+        cfg = {name: dict(block_n=c[0], block_k=c[1], num_warps=c[2]) for name, c in (("gate_up", gu), ("down", dn))}
+        ms = _graph_ms(lambda a, b: direct_experts(x, a, b, weights, ids, 0, cfg), layers)
+        rows.append(dict(tokens=x.shape[0], arm="direct_sweep", config=cfg, ms=ms))
+        print(f"T={x.shape[0]:5d} direct_sweep {gu} {dn} {ms:.4f}", flush=True)
+    return rows
+
+
 def sweep(x, w13, w2, weights, ids) -> list[dict]:
     """Time fused_experts under each candidate tile config for this token count; fastest first."""
     t = x.shape[0]
@@ -78,7 +115,8 @@ def sweep(x, w13, w2, weights, ids) -> list[dict]:
         original = fused_moe.gemm_config
         fused_moe.gemm_config = lambda _t, cfg=cfg: cfg
         try:
-            rows.append(dict(tokens=t, arm="sweep", config=cfg, ms=_time_ms(lambda: fused_experts(x, w13, w2, weights, ids))))
+            grouped = GRAPH_ARMS["grouped"]  # the grouped GEMMs even where fused_experts would go direct
+            rows.append(dict(tokens=t, arm="sweep", config=cfg, ms=_time_ms(lambda: grouped(x, w13, w2, weights, ids))))
         except Exception as exc:  # noqa: BLE001 - a config that does not fit shared memory
             rows.append(dict(tokens=t, arm="sweep", config=cfg, error=f"{type(exc).__name__}: {str(exc)[:200]}"))
         finally:
@@ -89,7 +127,7 @@ def sweep(x, w13, w2, weights, ids) -> list[dict]:
     return rows
 
 
-def run(config: str, out_dir: Path, do_sweep: bool = False) -> dict:
+def run(config: str, out_dir: Path, do_sweep: bool = False, tokens: tuple[int, ...] = TOKENS) -> dict:
     cfg = load_bench_config(config)["config"]
     e, k, h, i = cfg["num_experts"], cfg["num_experts_per_tok"], cfg["hidden_size"], cfg["moe_intermediate_size"]
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -97,18 +135,23 @@ def run(config: str, out_dir: Path, do_sweep: bool = False) -> dict:
     w13 = torch.randn(e, 2 * i, h, device=dev, dtype=dt) * 0.02
     w2 = torch.randn(e, h, i, device=dev, dtype=dt) * 0.02
     module, bw, rows = _Experts(w13, w2), copy_bandwidth(), []
-    for t in TOKENS:
+    layers = [(w13, w2)] + [(torch.randn_like(w13) * 0.02, torch.randn_like(w2) * 0.02) for _ in range(3)]
+    for t in tokens:
         x = torch.randn(t, h, device=dev, dtype=dt)
         weights, ids = select_experts(torch.randn(t, e, device=dev), k, True)
         hit = int(ids.unique().numel())
         nbytes, flops = hit * 3 * h * i * 2 + 2 * x.numel() * 2, 2 * t * k * 3 * h * i
         arms = {"triton": lambda: fused_experts(x, w13, w2, weights, ids),
+                "grouped": lambda: fused_moe._forward(x, w13, w2, weights, ids, 0, save=False)[0],
                 "torch_ref": lambda: fused_experts_ref(x, w13, w2, weights, ids)}
+        if t <= 16:
+            arms["direct"] = lambda: direct_experts(x, w13, w2, weights, ids)
         arms |= {f"hf_{n}": (lambda f=f: f(module, x, ids, weights.to(dt))) for n, f in _hf_forwards().items()}
         arms |= _routing_arms(torch.randn(t, e, device=dev, dtype=dt), k, e)
         with torch.no_grad():
             if do_sweep:
                 rows += sweep(x, w13, w2, weights, ids)
+                rows += direct_sweep(x, layers, weights, ids) if t <= 16 else []
             for name, fn in arms.items():
                 try:
                     ms = _time_ms(fn)
@@ -121,12 +164,17 @@ def run(config: str, out_dir: Path, do_sweep: bool = False) -> dict:
                     continue
                 rows.append(dict(tokens=t, arm=name, ms=ms, experts_hit=hit, GBps=nbytes / ms / 1e6,
                                  pct_of_copy=100 * nbytes / (ms * 1e-3) / bw, tflops=flops / ms / 1e9))
+                if t <= 16 and name in GRAPH_ARMS:  # launch-bound sizes: the GPU time in a graph
+                    g = _graph_ms(lambda a, b, name=name: GRAPH_ARMS[name](x, a, b, weights, ids), layers)
+                    rows[-1].update(graph_ms=g, graph_pct_of_copy=100 * nbytes / (g * 1e-3) / bw)
+                    print(f"T={t:5d} {name:14s} graph {g * 1e3:8.1f} us  {rows[-1]['graph_pct_of_copy']:5.1f}% of copy",
+                          flush=True)
                 print(f"T={t:5d} {name:14s} {ms:8.3f} ms  {rows[-1]['pct_of_copy']:5.1f}% of copy  "
                       f"{rows[-1]['tflops']:6.1f} TFLOP/s", flush=True)
     now = datetime.datetime.now(datetime.timezone.utc)
     result = dict(meta=dict(date=now.isoformat(timespec="seconds"), gpu=torch.cuda.get_device_name(),
                             config=config, torch=torch.__version__, copy_GBps=bw / 1e9),
-                  gemm_configs={t: gemm_config(t) for t in TOKENS}, rows=rows)
+                  gemm_configs={t: gemm_config(t) for t in tokens}, rows=rows)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{now:%Y-%m-%d}-moe-kernels-{Path(config).stem}.json").write_text(json.dumps(result, indent=2))
     return result
@@ -136,11 +184,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="qwen3-30b-a3b")
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    p.add_argument("--tokens", type=lambda v: tuple(int(t) for t in v.split(",")), default=TOKENS,
+                   help="comma-separated token counts (default %(default)s)")
     p.add_argument("--sweep", action="store_true", help="also time candidate GEMM tile configs per token count")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("moe_kernels needs a CUDA GPU")
-    run(args.config, args.out, args.sweep)
+    run(args.config, args.out, args.sweep, args.tokens)
     return 0
 
 

@@ -138,7 +138,8 @@ def run_iterations(arm: str, model_dir: Path, args: dict, device: str, dtype: to
     if arm == "engine":
         llm = LLM(str(model_dir), model_impl="transformers", load_format="dummy", device=device,
                   dtype=str(dtype).removeprefix("torch."), gpu_memory_utilization=args["gpu_memory_utilization"],
-                  max_model_len=args["max_model_len"], seed=0, batch_invariant=args["batch_invariant"])
+                  max_model_len=args["max_model_len"], max_num_seqs=args.get("max_num_seqs", 256), seed=0,
+                  batch_invariant=args["batch_invariant"])
         llm.load_weights(model)
     tokenizer = llm.get_tokenizer() if llm else _tokenizer(model_dir)
     prompts = make_prompts(tokenizer, args["num_prompts"])
@@ -229,7 +230,7 @@ def run_rl_bench(config: str, arms: list[str], sync_configs: list[str], out_dir:
                  tokenizer_dir: Path | None = None, notes: list[str] | None = None, **args) -> dict:
     """Every arm's GRPO iterations, the weight-sync timings of `sync_configs`, one JSON in `out_dir`
     (`<date>-<config>-rl.json`). `args`: num_prompts, samples, max_tokens, iterations, micro_batch,
-    hf_batch, max_model_len, gpu_memory_utilization, batch_invariant."""
+    hf_batch, max_model_len, max_num_seqs, gpu_memory_utilization, batch_invariant."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     spec = load_bench_config(config)

@@ -10,6 +10,7 @@ import random
 from dataclasses import asdict, dataclass, replace
 
 from fxrewrite.benchmarks.common import run_requests, step_profile
+from fxrewrite.kernels.triton_utils import watch_jit_compiles
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
 WARMUP_PROMPTS = 32
@@ -58,9 +59,10 @@ def run_throughput(llm, workload: ThroughputWorkload, time_limit_s: float | None
                  desc="warm-up")
     params = [SamplingParams(temperature=workload.temperature, max_tokens=n, ignore_eos=True, seed=None)
               for n in output_lens]
-    with step_profile(engine.model_runner) as profile:
+    with step_profile(engine.model_runner) as profile, watch_jit_compiles() as compiled:
         stats = run_requests(engine, prompts, params, time_limit_s, desc="timed run")
     return {
+        "triton_jit_in_timed_run": compiled,  # should be empty: each entry is a JIT stall inside the timing
         "step_profile_s": {**profile, "host_not_hidden": round(stats.elapsed_s - profile["launch"] - profile["wait"], 3)},
         "output_tokens": stats.output_tokens,
         "prompt_tokens": stats.prompt_tokens,

@@ -53,6 +53,7 @@ def _build(spec: dict, arm: str):
     import transformers
 
     config = transformers.AutoConfig.for_model(**spec["config"])
+    config.use_cache = False  # as Trainer / TRL train: no KV cache built (and kept alive) in the forward
     dtype = getattr(torch, spec["dtype"])
     torch.manual_seed(spec["seed"])
     with torch.device(spec["device"]):
@@ -72,8 +73,20 @@ def _build(spec: dict, arm: str):
     return model, runner, optimize_s
 
 
-def worker(spec: dict, arm: str) -> dict:
-    """Run one arm in this process; returns its record (raises on failure)."""
+def _compile_stats() -> dict:
+    """What torch.compile did in this process: graph breaks, distinct graphs, frames, seconds in dynamo's
+    compile (tracing + AOT + Inductor); the diagnosis behind a slow or failed compiled arm."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    return {"graph_breaks": sum(counters["graph_break"].values()),
+            "graph_break_reasons": list(counters["graph_break"])[:5],
+            "unique_graphs": counters["stats"].get("unique_graphs", 0), "frames": dict(counters["frames"]),
+            "compile_s": round(sum(compilation_time_metrics.get("_compile.compile_inner", [])), 2)}
+
+
+def worker(spec: dict, arm: str, progress: Path | None = None) -> dict:
+    """Run one arm in this process; returns its record (raises on failure). With ``progress``, the record so
+    far is written there after every step (a timed-out arm still shows how far it got)."""
     import torch
 
     if arm == "optimize-compile-kernels":
@@ -97,22 +110,30 @@ def worker(spec: dict, arm: str) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
+        if progress is not None:
+            partial = {"arm": arm, "step_s": times, "losses": losses, "optimize_s": optimize_s}
+            if "-compile" in arm:
+                partial["compile"] = _compile_stats()
+            progress.write_text(json.dumps(partial))
     timed = times[spec["warmup"]:]
     tokens = spec["batch_size"] * spec["seq_len"] * len(timed)
     return {"arm": arm, "tokens_per_s": tokens / sum(timed) if timed else None, "step_s": times,
             "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None, "losses": losses,
-            "optimize_s": optimize_s}
+            "optimize_s": optimize_s, **({"compile": _compile_stats()} if "-compile" in arm else {})}
 
 
 def _run_arm(spec: dict, arm: str, timeout_s: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = Path(tmp, "spec.json"), Path(tmp, "out.json")
         spec_path.write_text(json.dumps(spec))
-        cmd = [sys.executable, "-m", "fxrewrite.benchmarks.train", "--worker", arm, str(spec_path), str(out_path)]
+        progress = Path(tmp, "progress.json")
+        cmd = [sys.executable, "-m", "fxrewrite.benchmarks.train", "--worker", arm, str(spec_path), str(out_path),
+               "--progress", str(progress)]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=dict(os.environ))
         except subprocess.TimeoutExpired:
-            return {"arm": arm, "error": f"timed out after {timeout_s:.0f} s"}
+            done = json.loads(progress.read_text()) if progress.exists() else None
+            return {"arm": arm, "error": f"timed out after {timeout_s:.0f} s", "progress": done}
         if proc.returncode != 0 or not out_path.exists():
             return {"arm": arm, "error": (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["failed"],
                     "stderr_tail": proc.stderr[-3000:]}
@@ -213,9 +234,10 @@ def main(argv=None) -> int:
     """Worker entry point: ``--worker ARM SPEC.json OUT.json`` (used by run_train_bench)."""
     parser = argparse.ArgumentParser(prog="python -m fxrewrite.benchmarks.train")
     parser.add_argument("--worker", nargs=3, metavar=("ARM", "SPEC", "OUT"), required=True)
+    parser.add_argument("--progress", type=Path, default=None, help="write the record so far here after each step")
     args = parser.parse_args(argv)
     arm, spec_path, out_path = args.worker
-    record = worker(json.loads(Path(spec_path).read_text()), arm)
+    record = worker(json.loads(Path(spec_path).read_text()), arm, args.progress)
     Path(out_path).write_text(json.dumps(record))
     return 0
 

@@ -13,6 +13,7 @@ Outside a DP x EP engine (the default) `dp_ep_active()` is False and MoE layers 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch.distributed as dist
@@ -31,6 +32,8 @@ class DataParallelState:
     expert_parallel: bool
     step_token_counts: list[int] | None = None
     """Tokens of this step on each replica, set by the worker per step (None: all-gathered by the layer)."""
+    uniform_tokens: bool = False
+    """Every replica calls the MoE layers with the same row count (CUDA graph capture of a bucket)."""
 
 
 _dp: DataParallelState | None = None
@@ -104,3 +107,18 @@ def set_step_token_counts(counts: list[int] | None) -> None:
     """The worker's per-step note of every replica's token count (None clears it)."""
     if _dp is not None:
         _dp.step_token_counts = None if counts is None else [int(c) for c in counts]
+
+
+@contextlib.contextmanager
+def uniform_tokens():
+    """While active, MoE layers take every replica's row count to be their own (no step note, no
+    host-read counts: capturable in a CUDA graph); the callers on every replica must use equal sizes.
+    A no-op outside a DP x EP worker."""
+    if _dp is None:
+        yield
+        return
+    before, _dp.uniform_tokens = _dp.uniform_tokens, True
+    try:
+        yield
+    finally:
+        _dp.uniform_tokens = before

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import inspect
 import textwrap
 import types
@@ -243,8 +244,26 @@ def compile_forward(src: ForwardSource, tree: cst.Module) -> types.FunctionType:
 
 
 def bind(module: nn.Module, fn: types.FunctionType) -> None:
-    """Make `fn` the forward of this instance only (the class keeps its own)."""
-    module.forward = types.MethodType(fn, module)
+    """Make `fn` the forward of this instance only (the class keeps its own), inside the class's activation
+    checkpointing wrapper when it has one (see :func:`keep_checkpointing`)."""
+    module.forward = types.MethodType(keep_checkpointing(type(module).forward, fn), module)
+
+
+def keep_checkpointing(class_forward, fn: types.FunctionType) -> types.FunctionType:
+    """``fn`` wrapped as ``class_forward`` wraps the class's own forward, when that is transformers'
+    activation-checkpointing wrapper; else ``fn``. Newer transformers 5.x wrap ``forward`` of every
+    ``GradientCheckpointingLayer`` subclass at class creation (``forward_with_checkpointing``, closing over
+    ``forward``) instead of checkpointing in ``__call__``, so a bare instance forward would silently turn
+    activation checkpointing off. The wrapper's own code is reused with ``forward`` rebound to ``fn`` (its
+    "outermost" test still sees the class's wrapper): the same checkpointing, cache handling and warnings."""
+    code = getattr(class_forward, "__code__", None)
+    if code is None or code.co_name != "forward_with_checkpointing" or \
+            set(code.co_freevars) != {"forward", "forward_with_checkpointing"}:
+        return fn
+    cells = {"forward": types.CellType(fn), "forward_with_checkpointing": types.CellType(class_forward)}
+    wrapped = types.FunctionType(code, class_forward.__globals__, code.co_name, class_forward.__defaults__,
+                                 tuple(cells[name] for name in code.co_freevars))
+    return functools.update_wrapper(wrapped, fn)
 
 
 def check_not_rebound(block: cst.CSTNode, first: cst.CSTNode, last: cst.CSTNode, name: str) -> None:

@@ -97,18 +97,25 @@ def _ce_kernel(z_ptr, target_ptr, loss_ptr, stride, V, ignore_index, scale, soft
 
 
 def cross_entropy_grad_(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
-                        scale: float = 1.0, softcap: float | None = None) -> torch.Tensor:
+                        scale: float = 1.0, softcap: float | None = None, losses: torch.Tensor | None = None
+                        ) -> torch.Tensor | None:
     """Triton, in place: logits [R, V] (row-contiguous) become d(sum of losses)/d(logits); returns the
     summed loss (float32 []) over rows whose target is not ``ignore_index``. Same values as
-    :func:`cross_entropy_grad_ref`. ValueError on mismatched shapes or a non-contiguous row."""
+    :func:`cross_entropy_grad_ref`. With ``losses`` (float32 [R], contiguous) the per-row losses are written
+    there instead and None is returned (the fused linear cross-entropy sums all chunks' rows once, at the
+    end: no allocation and no reduction per chunk). ValueError on mismatched shapes or a non-contiguous row."""
     if logits.dim() != 2 or target.shape != logits.shape[:1] or logits.stride(1) != 1:
         raise ValueError(f"cross_entropy_grad_: logits {tuple(logits.shape)} must be [R, V] with contiguous rows "
                          f"and target {tuple(target.shape)} [R]")
     rows, vocab = logits.shape
-    losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    out = losses
+    if out is None:
+        out = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    elif out.shape != (rows,) or out.dtype != torch.float32 or out.stride(0) != 1:
+        raise ValueError(f"cross_entropy_grad_: losses {tuple(out.shape)} {out.dtype} must be float32 [{rows}]")
     if rows:
         block = min(8192 if logits.is_cuda else 64, next_power_of_2(vocab))
         launch(_ce_kernel, (rows,), logits.device)(
-            logits, target, losses, logits.stride(0), vocab, ignore_index, float(scale), float(softcap or 1.0),
+            logits, target, out, logits.stride(0), vocab, ignore_index, float(scale), float(softcap or 1.0),
             SOFTCAP=bool(softcap), BLOCK=block, num_warps=16 if block >= 4096 else 4)
-    return losses.sum()
+    return None if losses is not None else out.sum()

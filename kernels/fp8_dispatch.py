@@ -1,41 +1,54 @@
-"""Which block-scaled FP8 GEMM runs for a layer's (N, K) at a token count M: the Triton kernel (its
-default tile table or an alternative config) or torch's scaled_mm (cuBLASLt), measured once per
-(N, K, M bucket) on the device when an FP8 model is loaded (`tune`), before CUDA graphs are captured.
+"""Which block-scaled FP8 product runs for a layer's (N, K) at a token count M, and running it.
 
-Why measure: on the H200 the first Triton tiling beat bf16 only at M <= 16 and lost 2-4x from M = 128
-(benchmarks/results/2026-11-30-fp8-gemm.json), and which of cuBLASLt / Triton wins depends on M and
-the shape; at decode sizes a tensor-core-free matrix-vector kernel (fp8_gemv.py) competes too. A token
-count maps to the smallest bucket holding it (above 8192: the 8192 bucket); a bucket never tuned
-(FP8 layers used before `tune`, or without it) runs the Triton default table. ``FXREWRITE_FP8_GEMM=triton`` or
-``=scaled_mm`` forces one backend (``auto``, the default, measures).
+Backends (names are what `choose` returns and `fxrewrite.kernels.fp8_tune` measures):
+
+- ``"gemv:<i>"``: the weight-only matrix-vector kernel (fp8_gemv.py) with `GEMV_CONFIGS[i]`, on the
+  unquantized activations (no quantization kernel runs), M <= GEMV_MAX_M;
+- ``"triton"`` / ``"triton:<i>"``: per-token-group activation quantization, then the tiled Triton GEMM
+  with its default tile table / `ALT_CONFIGS[i]`;
+- ``"scaled_mm"``: the same quantization, then torch's block-scaled matmul (cuBLASLt, fp8_scaled_mm.py);
+- ``"scaled_mm_rowwise"``: per-channel weights only (``quantization="fp8"`` on a bf16 checkpoint):
+  per-token activation quantization, then torch's row-wise scaled matmul (fp8_rowwise.py).
+
+A token count maps to the smallest bucket holding it (above 8192: the 8192 bucket). The choice per
+(N, K, bucket, per-channel or not) is made on the device when an FP8 model is loaded (`fp8_tune.tune`): every candidate is
+run, checked against the reference and captured in a CUDA graph at each token count of the bucket that
+the engine's decode graphs use, and timed by graph replay; the fastest that passed wins. Untuned, M <=
+GEMV_MAX_M runs ``gemv:0`` and larger M ``triton``. ``FXREWRITE_FP8_GEMM=triton`` or ``=scaled_mm``
+forces one GEMM backend (``auto``, the default, chooses).
+
+Safety net: should the chosen backend still raise (say cuBLASLt at a token count the tuner did not
+see), the bucket is demoted to its next validated backend, finally the Triton GEMM (a warning names
+it), and outside a CUDA-graph capture the call is rerun there; inside a capture the error propagates,
+so the engine retries that one graph's capture after a fresh eager warm-up (which takes the fallback).
 
 The weight scales are per row, [N, ceil(K/128)], stored outer-dim major (strides (1, N)): the layout
-scaled_mm's ``BlockWise1x128`` takes for the weight, which the Triton kernel reads as well.
+scaled_mm's ``BlockWise1x128`` takes for the weight, which the Triton kernels read as well.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
 from fxrewrite.kernels import use_triton
-from fxrewrite.kernels.fp8_gemm import (
-    ALT_CONFIGS,
-    config_for,
-    fp8_block_gemm_triton,
-    fp8_linear,
-    per_token_group_quant_fp8,
-)
+from fxrewrite.kernels.fp8_gemm import ALT_CONFIGS, fp8_block_gemm_triton, fp8_linear, per_token_group_quant_fp8
 from fxrewrite.kernels.fp8_gemv import GEMV_CONFIGS, GEMV_MAX_M, fp8_block_gemv_triton
-from fxrewrite.kernels.fp8_scaled_mm import fp8_scaled_mm, scaled_mm_supported_shape
+from fxrewrite.kernels.fp8_rowwise import channel_scales, fp8_scaled_mm_rowwise, per_token_quant_fp8
+from fxrewrite.kernels.fp8_scaled_mm import fp8_scaled_mm
 
-__all__ = ["BUCKETS", "bucket_of", "choose", "tune", "fp8_gemm_dispatch", "fp8_linear_dispatch", "clear"]
+__all__ = ["BUCKETS", "bucket_of", "choose", "fp8_gemm_dispatch", "fp8_linear_dispatch", "record", "choices", "clear",
+           "ROWWISE"]
 
-BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-_choices: dict[tuple[int, int, int], str] = {}
-"""(N, K, bucket) -> "triton" | "triton:<index into ALT_CONFIGS>" | "gemv:<index into GEMV_CONFIGS>" |
-"scaled_mm"."""
+logger = logging.getLogger(__name__)
+
+ROWWISE = "scaled_mm_rowwise"
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+_choices: dict[tuple[int, int, int, bool], str] = {}
+_ranked: dict[tuple[int, int, int, bool], list[str]] = {}
+"""(N, K, bucket, per_channel) -> the validated backends, fastest first (the demotion order)."""
 
 
 def bucket_of(m: int) -> int:
@@ -49,89 +62,99 @@ def _forced() -> str:
     return value
 
 
-def choose(n: int, k: int, m: int) -> str:
-    """The backend for an [m, k] x [n, k]^T product (see the module docstring)."""
+def default_backend(m: int) -> str:
+    """The backend of an untuned bucket."""
+    return "gemv:0" if m <= GEMV_MAX_M else "triton"
+
+
+def choose(n: int, k: int, m: int, per_channel: bool = False) -> str:
+    """The backend for an [m, k] x [n, k]^T product (see the module docstring); per_channel: the
+    weight scales are one per output row (then ``scaled_mm_rowwise`` may have been chosen)."""
     forced = _forced()
     if forced != "auto":
         return forced
-    return _choices.get((n, k, bucket_of(m)), "triton")
+    return _choices.get((n, k, bucket_of(m), per_channel), default_backend(m))
+
+
+def record(n: int, k: int, bucket: int, ranked: list[str], per_channel: bool = False) -> None:
+    """Store the tuner's validated backends for (n, k, bucket), fastest first (an empty list: untuned).
+    ValueError for ``scaled_mm_rowwise`` on weights that are not per-channel."""
+    if not per_channel and ROWWISE in ranked:
+        raise ValueError(f"{ROWWISE} needs per-channel weight scales; got it for block-scaled N={n} K={k}")
+    if ranked:
+        _ranked[(n, k, bucket, per_channel)] = list(ranked)
+        _choices[(n, k, bucket, per_channel)] = ranked[0]
+
+
+def choices() -> dict[str, str]:
+    """{"N x K @ bucket": backend} of every tuned bucket (what benchmarks and logs report; a
+    "/channel" suffix marks per-channel weights)."""
+    return {f"{n}x{k}@{b}" + ("/channel" if pc else ""): name for (n, k, b, pc), name in sorted(_choices.items())}
+
+
+def _demote(n: int, k: int, m: int, backend: str, error: Exception, per_channel: bool = False) -> None:
+    key = (n, k, bucket_of(m), per_channel)
+    ranked = [name for name in _ranked.get(key, [backend]) if name != backend] or ["triton"]
+    _ranked[key], _choices[key] = ranked, ranked[0]
+    logger.warning("FP8 GEMM %s failed for N=%d K=%d M=%d (%s: %s); bucket %d now runs %s",
+                   backend, n, k, m, type(error).__name__, str(error)[:200], key[2], ranked[0])
 
 
 def fp8_gemm_dispatch(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor,
                       out_dtype: torch.dtype, backend: str | None = None) -> torch.Tensor:
-    """a [M, K] fp8, a_s [M, G] float32 (outer-dim major), w [N, K] fp8, w_s [N, G] float32 -> [M, N]."""
+    """a [M, K] fp8, a_s [M, G] float32 (outer-dim major), w [N, K] fp8, w_s [N, G] float32 -> [M, N]
+    (a "gemv:<i>" backend runs its W8A8 form here)."""
     backend = backend or choose(w.shape[0], w.shape[1], a.shape[0])
     if backend == "scaled_mm":
         return fp8_scaled_mm(a, a_s, w, w_s, out_dtype, per_row=True)
     if backend.startswith("gemv:"):
-        block_n, target = GEMV_CONFIGS[int(backend.split(":")[1])]
-        return fp8_block_gemv_triton(a, a_s, w, w_s, out_dtype, block_n, target)
+        block_n, target, step = GEMV_CONFIGS[int(backend.split(":")[1])]
+        return fp8_block_gemv_triton(a, a_s, w, w_s, out_dtype, block_n, target, step)
     config = ALT_CONFIGS[int(backend.split(":")[1])] if ":" in backend else None
     return fp8_block_gemm_triton(a, a_s, w, w_s, 128, out_dtype, config)
 
 
-def fp8_linear_dispatch(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, group_size: int = 128) -> torch.Tensor:
-    """`fxrewrite.kernels.fp8_gemm.fp8_linear` with the backend `choose` picks (the torch reference on a
-    CPU without the Triton interpreter, and for scale groups other than 128)."""
+def _run(x2: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, backend: str) -> torch.Tensor:
+    if backend == ROWWISE:
+        q, s = per_token_quant_fp8(x2)
+        return fp8_scaled_mm_rowwise(q, s, w, channel_scales(w_s), x2.dtype)
+    if backend.startswith("gemv:"):
+        block_n, target, step = GEMV_CONFIGS[int(backend.split(":")[1])]
+        return fp8_block_gemv_triton(x2, None, w, w_s, x2.dtype, block_n, target, step)
+    q, s = per_token_group_quant_fp8(x2, 128, column_major_scales=True)
+    return fp8_gemm_dispatch(q, s, w, w_s, x2.dtype, backend)
+
+
+def fp8_linear_dispatch(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, group_size: int = 128,
+                        backend: str | None = None, per_channel: bool = False) -> torch.Tensor:
+    """x [..., K] -> [..., N] in x's dtype through `backend` (default: `choose`); the torch reference
+    (`fxrewrite.kernels.fp8_gemm.fp8_linear`) on a CPU without the Triton interpreter and for scale
+    groups other than 128. per_channel: every column of w_s is the same per-row scale (required by
+    ``scaled_mm_rowwise``; ValueError otherwise)."""
+    if backend == ROWWISE and not per_channel:
+        raise ValueError(f"backend {ROWWISE!r} needs per-channel weight scales (per_channel=True)")
     if group_size != 128 or not use_triton(x):
         return fp8_linear(x, w, w_s, group_size)
-    lead = x.shape[:-1]
-    q, s = per_token_group_quant_fp8(x.reshape(-1, x.shape[-1]), group_size, column_major_scales=True)
-    return fp8_gemm_dispatch(q, s, w, w_s, x.dtype).reshape(*lead, w.shape[0])
-
-
-def _candidates(n: int, k: int, m: int) -> list[str]:
-    names = ["triton"]
-    if m <= GEMV_MAX_M:
-        names += [f"gemv:{i}" for i in range(len(GEMV_CONFIGS))]
-    if m > 64:
-        names += [f"triton:{i}" for i, cfg in enumerate(ALT_CONFIGS) if cfg != config_for(m)]
-    if scaled_mm_supported_shape(n, k):
-        names.append("scaled_mm")
-    return names
-
-
-def _time_ms(fn, reps: int = 10) -> float:
-    fn()  # compile / warm up
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
-
-
-def tune(shapes: set[tuple[int, int]], device: torch.device, out_dtype: torch.dtype = torch.bfloat16,
-         buckets: tuple[int, ...] = BUCKETS) -> dict[tuple[int, int, int], dict[str, float]]:
-    """Time every candidate for each (N, K) in `shapes` at each of `buckets`; keep the fastest.
-
-    Returns {(N, K, bucket): {backend: ms}}; a backend that raises (e.g. scaled_mm on a GPU or torch
-    without block scaling) is left out. No-op (returns {}) unless FXREWRITE_FP8_GEMM is auto.
-    """
-    if _forced() != "auto":
-        return {}
-    timings = {}
-    for n, k in sorted(shapes):
-        w = torch.randn(n, k, device=device, dtype=torch.float32).div_(8).to(torch.float8_e4m3fn)
-        g = -(-k // 128)
-        w_s = torch.rand(g, n, device=device, dtype=torch.float32).add_(0.5).div_(448).t()  # strides (1, N)
-        for b in buckets:
-            a, a_s = per_token_group_quant_fp8(torch.randn(b, k, device=device, dtype=out_dtype),
-                                               column_major_scales=True)
-            times = {}
-            for name in _candidates(n, k, b):
-                try:
-                    times[name] = _time_ms(lambda: fp8_gemm_dispatch(a, a_s, w, w_s, out_dtype, name))
-                except Exception:  # noqa: BLE001 - an unsupported backend is simply not a candidate
-                    continue
-            _choices[(n, k, b)] = min(times, key=times.get)
-            timings[(n, k, b)] = times
-        del w, w_s
-    torch.cuda.empty_cache()  # the scratch tensors must not count as used when the KV cache is sized
-    return timings
+    lead, (n, k) = x.shape[:-1], w.shape
+    x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    name = backend or choose(n, k, x2.shape[0], per_channel)
+    if name.startswith("gemv:") and x2.shape[0] > GEMV_MAX_M:
+        name = "triton"
+    try:
+        out = _run(x2, w, w_s, name)
+    except Exception as e:  # noqa: BLE001 - any backend but the plain Triton GEMM falls back
+        if backend is not None or name == "triton" or _forced() != "auto":
+            raise
+        _demote(n, k, x2.shape[0], name, e, per_channel)
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise
+        out = _run(x2, w, w_s, choose(n, k, x2.shape[0], per_channel))
+    return out.reshape(*lead, n)
 
 
 def clear() -> None:
     """Forget every measured choice (tests)."""
     _choices.clear()
+    _ranked.clear()

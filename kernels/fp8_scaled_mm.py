@@ -16,6 +16,14 @@ mirrored by ``torch/_meta_registrations.py``) accept, for out [M, N] = a [M, K] 
 `F.scaled_mm` (torch >= 2.10's public wrapper of ``_scaled_mm_v2``) is used when present, else
 ``torch._scaled_mm``, which picks the same kernel from the scale shapes. K and N must be multiples of
 16 (cuBLASLt FP8).
+
+Token counts: the activation scales' leading dimension is M, and on the H200 (torch 2.11 + cu130) a
+CUDA-graph capture of the engine failed with CUBLAS_STATUS_NOT_SUPPORTED from
+``cublasLtMatmulAlgoGetHeuristic`` at a small batch while M = 8 had worked, consistent with cuBLASLt
+wanting 16-byte-aligned scale columns (M a multiple of 4, as it wants L4 for the 128 x 128 weight
+scales). So `fp8_scaled_mm` pads a and a_s to a multiple of `PAD_M` rows (the padding rows' outputs
+are dropped). That is a reading of the failure, not a documented rule: the load-time tuner
+(fp8_tune.py) still runs and captures this backend at every token count it may get before choosing it.
 """
 
 from __future__ import annotations
@@ -24,7 +32,9 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["activation_scales_outer_major", "weight_block_scales_for_scaled_mm", "row_scales_for_scaled_mm",
-           "scaled_mm_supported_shape", "fp8_scaled_mm"]
+           "scaled_mm_supported_shape", "fp8_scaled_mm", "PAD_M"]
+
+PAD_M = 4
 
 
 def activation_scales_outer_major(a_s: torch.Tensor) -> torch.Tensor:
@@ -63,12 +73,22 @@ def fp8_scaled_mm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_scales:
     `row_scales_for_scaled_mm` output. Raises what torch raises (RuntimeError / ValueError /
     NotImplementedError) where the GPU, cuBLASLt or the shapes do not support it.
     """
+    m = a.shape[0]
+    if m % PAD_M:
+        pad = PAD_M - m % PAD_M
+        padded = torch.zeros(m + pad, a.shape[1], dtype=torch.uint8, device=a.device).view(a.dtype)
+        padded[:m].copy_(a)  # a byte copy (no FP8 arithmetic kernels needed)
+        scales = torch.ones(m + pad, a_s.shape[1], dtype=a_s.dtype, device=a_s.device)
+        scales[:m].copy_(a_s)
+        a, a_s = padded, scales
     if a_s.stride(0) != 1 or (a_s.shape[0] > 1 and a_s.stride(1) != a_s.shape[0]):
         a_s = activation_scales_outer_major(a_s)
     if hasattr(F, "scaled_mm"):
         st = F.ScalingType
         recipe_b = st.BlockWise1x128 if per_row else st.BlockWise128x128
-        return F.scaled_mm(a, w.t(), a_s, st.BlockWise1x128, w_scales, recipe_b, output_dtype=out_dtype)
-    if per_row:
+        out = F.scaled_mm(a, w.t(), a_s, st.BlockWise1x128, w_scales, recipe_b, output_dtype=out_dtype)
+    elif per_row:
         raise NotImplementedError("per-row FP8 weight scales need torch.nn.functional.scaled_mm (torch >= 2.10)")
-    return torch._scaled_mm(a, w.t(), scale_a=a_s, scale_b=w_scales, out_dtype=out_dtype)
+    else:
+        out = torch._scaled_mm(a, w.t(), scale_a=a_s, scale_b=w_scales, out_dtype=out_dtype)
+    return out[:m]

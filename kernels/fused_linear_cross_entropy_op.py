@@ -23,10 +23,11 @@ __all__ = ["fused_linear_cross_entropy_op"]
 
 @torch.library.custom_op("fxrewrite::fused_linear_cross_entropy", mutates_args=())
 def _flce(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
-          ignore_index: int, scale: float, softcap: float, chunk: int, want_h: bool, want_w: bool,
-          want_b: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+          ignore_index: int, scale: float, softcap: float, chunk: int, intermediate: int, want_h: bool,
+          want_w: bool, want_b: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     cap = softcap or None
-    chunk = chunk or default_chunk_size(hidden.shape[0], weight.shape[0], hidden.shape[1])  # real sizes here
+    chunk = chunk or default_chunk_size(hidden.shape[0], weight.shape[0], hidden.shape[1],  # real sizes here
+                                        intermediate=intermediate or None)
     # transform None: the chunks take the Triton kernel or its closed form in torch (autograd is off in an op)
     total, gh, gw, gb = forward_with_grads(hidden, weight, bias, target, ignore_index, None, (scale, cap),
                                            chunk, want_h, want_w, want_b)
@@ -35,7 +36,7 @@ def _flce(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 @_flce.register_fake
-def _(hidden, weight, bias, target, ignore_index, scale, softcap, chunk, want_h, want_w, want_b):
+def _(hidden, weight, bias, target, ignore_index, scale, softcap, chunk, intermediate, want_h, want_w, want_b):
     empty = hidden.new_empty(0)
     return (hidden.new_empty((), dtype=torch.float32), torch.empty_like(hidden) if want_h else empty,
             torch.empty_like(weight) if want_w else empty, torch.empty_like(bias) if want_b else empty)
@@ -48,7 +49,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_loss, *_unused):
     grads = [g * grad_loss if want else None for g, want in zip(ctx.saved_tensors, ctx.which)]
-    return (*grads, None, None, None, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None, None, None, None)
 
 
 _flce.register_autograd(_backward, setup_context=_setup_context)
@@ -56,7 +57,8 @@ _flce.register_autograd(_backward, setup_context=_setup_context)
 
 def fused_linear_cross_entropy_op(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                   target: torch.Tensor, ignore_index: int = -100, scale: float = 1.0,
-                                  softcap: float | None = None, chunk_size: int | None = None) -> torch.Tensor:
+                                  softcap: float | None = None, chunk_size: int | None = None,
+                                  intermediate_size: int | None = None) -> torch.Tensor:
     """Summed cross-entropy of ``y(hidden @ weight.T + bias)`` against ``target`` (float32 []), where
     ``y = softcap * tanh(scale * z / softcap)``, or ``scale * z`` without ``softcap``; differentiable in
     hidden [N, H], weight [V, H] and bias [V] (or None); target int64 [N]. Same values and gradients as
@@ -70,5 +72,6 @@ def fused_linear_cross_entropy_op(hidden: torch.Tensor, weight: torch.Tensor, bi
             grad and bias is not None and bias.requires_grad)
     total, *_ = torch.ops.fxrewrite.fused_linear_cross_entropy(hidden, weight, bias, target, ignore_index,
                                                                float(scale), float(softcap or 0.0), chunk_size or 0,
+                                                               intermediate_size or 0,
                                                                *want)
     return total

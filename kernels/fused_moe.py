@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from fxrewrite.kernels import use_triton
+from fxrewrite.kernels.fused_moe_direct import DIRECT_MAX_TOKENS, direct_experts
 from fxrewrite.kernels.fused_moe_triton import gemm_config, grouped_gemm
 from fxrewrite.kernels.moe_routing import SCORING, moe_align_block_size, select_experts
 
@@ -61,15 +62,19 @@ def _check(x, w13, w2, topk_weights, topk_ids) -> None:
 @torch.compiler.disable  # data-dependent routing: torch.compile leaves it to the Triton path (a graph break)
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, expert_start: int = 0) -> torch.Tensor:
-    """Same contract as `fused_experts_ref`; Triton grouped GEMMs when `use_triton(x)`, else the reference.
+    """Same contract as `fused_experts_ref`; Triton kernels when `use_triton(x)`, else the reference.
 
-    Differentiable (an autograd Function) in x, w13, w2 and topk_weights on both paths.
+    At inference, up to `DIRECT_MAX_TOKENS` tokens take the direct path (`fused_moe_direct`: two
+    GEMV launches indexed by the top-k ids, combine fused); more tokens, or autograd, the grouped
+    GEMMs. Differentiable (an autograd Function) in x, w13, w2 and topk_weights on both paths.
     """
     _check(x, w13, w2, topk_weights, topk_ids)
     if not use_triton(x) or x.shape[0] == 0:
         return fused_experts_ref(x, w13, w2, topk_weights, topk_ids, expert_start)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w13, w2, topk_weights)):
         return _FusedExperts.apply(x, w13, w2, topk_weights, topk_ids, expert_start)
+    if x.shape[0] <= DIRECT_MAX_TOKENS:
+        return direct_experts(x, w13, w2, topk_weights, topk_ids, expert_start)
     return _forward(x, w13, w2, topk_weights, topk_ids, expert_start, save=False)[0]
 
 

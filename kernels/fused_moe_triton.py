@@ -18,7 +18,7 @@ from fxrewrite.kernels.triton_utils import launch, tl, triton
 __all__ = ["gemm_config", "grouped_gemm"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])  # grows with the token count
 def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, pre_ptr, scale_ptr, sorted_ptr, expert_ptr, num_slots, n_out, k_dim,
                          a_div, stride_am, stride_be, stride_bn, stride_bk, half,
                          SILU: tl.constexpr, SAVE_PRE: tl.constexpr, SCALE: tl.constexpr, PRECISION: tl.constexpr,

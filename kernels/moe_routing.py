@@ -147,7 +147,7 @@ def _local_expert(ids_ptr, chunk, numel, expert_start, num_experts, CHUNK: tl.co
     return offs, tl.where(valid, e, num_experts), valid
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel"])  # token counts: no new specialisation per step
 def _align_count_kernel(ids_ptr, counts_ptr, numel, expert_start, num_experts,
                         CHUNK: tl.constexpr, NUM_BINS: tl.constexpr):
     chunk = tl.program_id(0)
@@ -157,7 +157,7 @@ def _align_count_kernel(ids_ptr, counts_ptr, numel, expert_start, num_experts,
     tl.store(counts_ptr + chunk * num_experts + bins, hist, mask=bins < num_experts)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks", "num_blocks"])
 def _align_scan_kernel(counts_ptr, offsets_ptr, start_ptr, expert_ids_ptr, num_chunks, num_experts, num_blocks,
                        block_size, BLOCK_E: tl.constexpr, CHUNK_TILE: tl.constexpr, BLOCK_TILE: tl.constexpr):
     experts = tl.arange(0, BLOCK_E)
@@ -181,7 +181,7 @@ def _align_scan_kernel(counts_ptr, offsets_ptr, start_ptr, expert_ids_ptr, num_c
                  mask=blocks < num_blocks)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel"])
 def _align_scatter_kernel(ids_ptr, offsets_ptr, start_ptr, sorted_ptr, numel, expert_start, num_experts,
                           CHUNK: tl.constexpr):
     chunk = tl.program_id(0)

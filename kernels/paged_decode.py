@@ -24,7 +24,10 @@ _TARGET_PROGRAMS = 264
 _MIN_PARTITION = 256
 
 
-@triton.jit
+# As in paged_prefill: no specialisation on what changes with the batch (split count, block-table width,
+# the alignment of the packed seq_lens / query_start_loc slices).
+@triton.jit(do_not_specialize=["num_splits", "bt_s0"],
+            do_not_specialize_on_alignment=["seq_lens_ptr", "qsl_ptr"])
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, part_ptr, ml_ptr,
                    scale, soft_cap, sliding_window, block_size, num_splits,
                    q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0, o_s0, o_s1,
@@ -71,7 +74,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr
             tl.store(ml_ptr + row * 2 + 1, l_i, mask=offs_g < G)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["qsl_ptr"])
 def _reduce_kernel(qsl_ptr, out_ptr, part_ptr, ml_ptr, o_s0, o_s1, num_heads, num_splits,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_S: tl.constexpr):
@@ -140,3 +143,17 @@ def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, q
             query_start_loc, out, part, ml, out.stride(0), out.stride(1), num_heads, splits,
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=next_power_of_2(splits), num_warps=4)
     return out
+
+
+def decode_warmup_cases(num_kv_heads: int, max_model_len: int) -> list[tuple[int, int]]:
+    """(num_seqs, max_seq_len) pairs whose eager decode launches build every specialisation of these
+    kernels a serving engine can reach: one split, and several with the reduce's BLOCK_S at each power
+    of two of the split count. num_splits, the block-table stride and the alignment of the length
+    pointers are not specialised (the kernels' do_not_specialize...), so nothing else varies. One sequence reaches every split count a larger batch
+    can (`_num_splits` only lowers the cap as num_seqs grows); a context of (s-1)*_MIN_PARTITION+1
+    tokens gives s splits up to that cap."""
+    limit = _num_splits(1, num_kv_heads, max_model_len)
+    cases = {}
+    for splits in range(1, limit + 1):
+        cases.setdefault(next_power_of_2(splits), (1, min(max_model_len, (splits - 1) * _MIN_PARTITION + 1)))
+    return sorted(cases.values())

@@ -17,7 +17,9 @@ from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 __all__ = ["paged_prefill_triton"]
 
 
-@triton.jit
+# The block-table width changes every step, and seq_lens / query_start_loc are slices of the engine's packed
+# step buffer whose 16-byte alignment does too: no specialisation on either (one binary for every step).
+@triton.jit(do_not_specialize=["bt_s0"], do_not_specialize_on_alignment=["seq_lens_ptr", "qsl_ptr"])
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
                     scale, soft_cap, sliding_window, block_size,
                     q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0, o_s0, o_s1,

@@ -12,7 +12,7 @@ import torch
 from fxrewrite.kernels import use_triton
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
-__all__ = ["reshape_and_cache", "reshape_and_cache_ref"]
+__all__ = ["reshape_and_cache", "reshape_and_cache_ref", "check_cache_args"]
 
 
 def _check(key, value, key_cache, value_cache, slot_mapping) -> None:
@@ -25,6 +25,16 @@ def _check(key, value, key_cache, value_cache, slot_mapping) -> None:
     if slot_mapping.shape[0] < key.shape[0]:
         raise ValueError(f"reshape_and_cache: slot_mapping has {slot_mapping.shape[0]} entries for "
                          f"{key.shape[0]} tokens; expected one per token")
+
+
+def check_cache_args(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> None:
+    """The kernels' checks: the reference's shapes, and a contiguous last (head) dim everywhere (ValueError)."""
+    _check(key, value, key_cache, value_cache, slot_mapping)
+    for t in (key, value, key_cache, value_cache):
+        if t.stride(-1) != 1:
+            raise ValueError(f"reshape_and_cache: a tensor of shape {tuple(t.shape)} has strides {t.stride()}; "
+                             "expected a contiguous last (head) dim")
 
 
 def reshape_and_cache_ref(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -51,7 +61,9 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     return reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping)
 
 
-@triton.jit
+# positions / slot_mapping are slices of the engine's packed step buffers, whose 16-byte alignment
+# changes from step to step: not specialised on (one binary for every step)
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
 def _reshape_and_cache_kernel(key_ptr, value_ptr, kc_ptr, vc_ptr, slot_ptr, k_s0, k_s1, v_s0, v_s1,
                               kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, block_size, num_heads,
                               HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -73,11 +85,7 @@ def reshape_and_cache_triton(key: torch.Tensor, value: torch.Tensor, key_cache: 
                              value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Triton kernel, one program per token; same contract as :func:`reshape_and_cache_ref`.
     Any strides (e.g. transposed HF [Hkv, T, D] views) except a non-unit head-dim stride."""
-    _check(key, value, key_cache, value_cache, slot_mapping)
-    for t in (key, value, key_cache, value_cache):
-        if t.stride(-1) != 1:
-            raise ValueError(f"reshape_and_cache: a tensor of shape {tuple(t.shape)} has strides {t.stride()}; "
-                             "expected a contiguous last (head) dim")
+    check_cache_args(key, value, key_cache, value_cache, slot_mapping)
     num_heads, head_dim = key.shape[1], key.shape[2]
     if key.shape[0]:
         launch(_reshape_and_cache_kernel, (key.shape[0],), key.device)(

@@ -127,7 +127,9 @@ def _rotate_pairs(ptr, row_off, rows, cos, sin, HALF: tl.constexpr, BLOCK_HALF: 
     tl.store(p, out.to(ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit
+# positions / slot_mapping are slices of the engine's packed step buffers, whose 16-byte alignment
+# changes from step to step: not specialised on (one binary for every step)
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr"])
 def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cache_ptr, q_tok_stride, q_head_stride, k_tok_stride,
                    k_head_stride, cache_stride, num_q_heads, num_k_heads,
                    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,

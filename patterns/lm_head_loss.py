@@ -209,7 +209,11 @@ class LMHeadLossPattern(Pattern):
 
     @classmethod
     def build(cls, match: Match, module: nn.Module, ctx: Context) -> None:
-        setattr(module, NEW_NAME, LMHeadCrossEntropy(module.__dict__.pop("_fxrewrite_lm_loss_params", None)))
+        config = getattr(module, "config", None)
+        inter = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
+                        "intermediate_size", None)
+        setattr(module, NEW_NAME, LMHeadCrossEntropy(module.__dict__.pop("_fxrewrite_lm_loss_params", None),
+                                                     intermediate_size=inter if isinstance(inter, int) else None))
 
     @classmethod
     def describe(cls, match: Match) -> str:

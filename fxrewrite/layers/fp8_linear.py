@@ -15,7 +15,9 @@ number of blocks: a ValueError names the tensor and the sizes otherwise.
 
 `dequantize_fp8_layer` turns the layer back into a plain one in the compute dtype (CPUs and GPUs
 without FP8 tensor cores); `quantize_fp8_layer` quantizes a loaded high-precision weight (vLLM's
-``quantization="fp8"`` on a bf16 checkpoint).
+``quantization="fp8"`` on a bf16 checkpoint): per output channel (one scale per row, stored in the
+same [N, G] layout with equal columns, so the group kernels run unchanged and the row-wise scaled
+matmul reads column 0; ``weight_per_channel`` marks such a layer), or in blocks when asked.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from torch import nn
 
 from fxrewrite.distributed import all_reduce_tp_shards
-from fxrewrite.kernels import fp8_dispatch
+from fxrewrite.kernels import fp8_dispatch, fp8_tune
 from fxrewrite.kernels.fp8_gemm import FP8_DTYPE, FP8_MAX
 from fxrewrite.layers.linear import (
     LinearBase,
@@ -41,11 +43,13 @@ class Fp8LinearMixin:
     """Forward of an FP8 layer: x [..., K_part] -> [..., N_part] in x's dtype (row-parallel: all-reduced)."""
 
     weight_block_size: tuple[int, int]
+    weight_per_channel: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype != FP8_DTYPE:  # dequantized (CPU): the plain layer's forward
             return super().forward(x)
-        out = fp8_dispatch.fp8_linear_dispatch(x, self.weight, self.weight_scale_inv, self.weight_block_size[1])
+        out = fp8_dispatch.fp8_linear_dispatch(x, self.weight, self.weight_scale_inv, self.weight_block_size[1],
+                                               per_channel=self.weight_per_channel)
         if isinstance(self, RowParallelLinear) and self.tp_size > 1 and self.reduce_results:
             all_reduce_tp_shards(out)
         return out if self.bias is None else out + self.bias
@@ -149,14 +153,31 @@ def quantize_weight_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.
     return q.to(FP8_DTYPE).contiguous(), scale
 
 
-def quantize_fp8_layer(layer: LinearBase, name: str, block: tuple[int, int]) -> LinearBase:
-    """Quantize a loaded layer's weight in place (blocks over this rank's shard); returns the FP8 layer."""
+def quantize_weight_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (fp8 [N, K], scales float32 [N]): scale = amax of the row / 448 (1 for an
+    all-zero row), dequantized = fp8 * scale (the per-channel scheme of vLLM's ``channel`` strategy)."""
+    amax = w.float().abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX)
+    return q.to(FP8_DTYPE).contiguous(), scale
+
+
+def quantize_fp8_layer(layer: LinearBase, name: str, block: tuple[int, int], per_channel: bool = False) -> LinearBase:
+    """Quantize a loaded layer's weight in place, over this rank's (fused, sharded) weight, so the
+    scales line up with its rows; returns the FP8 layer. per_channel: one scale per output row (the
+    stored [N, ceil(K/block[1])] scales repeat it along the groups), else `block` blocks."""
     w = layer.weight.detach()
     convert_linear_to_fp8(layer, name, block)
-    q, scale = quantize_weight_fp8(w, block)
+    if per_channel:
+        q, rows = quantize_weight_fp8_per_channel(w)
+        expanded = rows[:, None].expand_as(layer.weight_scale_inv)
+        layer.weight_per_channel = True
+    else:
+        q, scale = quantize_weight_fp8(w, block)
+        expanded = scale.repeat_interleave(block[0], dim=0)[: w.shape[0]]
     with torch.no_grad():
         layer.weight.copy_(q)
-        layer.weight_scale_inv.copy_(scale.repeat_interleave(block[0], dim=0)[: w.shape[0]])
+        layer.weight_scale_inv.copy_(expanded)
     return layer
 
 
@@ -175,16 +196,17 @@ def dequantize_fp8_layer(layer: LinearBase, dtype: torch.dtype) -> None:
 def prepare_fp8_layers_for_gpu(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
     """After loading on an FP8 GPU: store every FP8 layer's scales outer-dim major (strides (1, N), in
     place: weight loaders and weight sync keep writing into them) and measure which GEMM backend is
-    fastest per shape and token count (`fxrewrite.kernels.fp8_dispatch.tune`). Returns the layer count."""
+    fastest per shape and token bucket, proven at the decode-graph batch sizes (`fxrewrite.kernels.fp8_tune.tune`).
+    Returns the layer count."""
     shapes, count = set(), 0
     for module in model.modules():
         if isinstance(module, Fp8LinearMixin) and module.weight.dtype == FP8_DTYPE:
             scale = module.weight_scale_inv
             scale.data = scale.data.t().contiguous().t()
-            shapes.add(tuple(module.weight.shape))
+            shapes.add((*module.weight.shape, module.weight_per_channel))
             count += 1
     if shapes:
-        fp8_dispatch.tune(shapes, device, dtype)
+        fp8_tune.tune(shapes, device, dtype)
     return count
 
 

@@ -30,27 +30,33 @@ class LMHeadCrossEntropy(nn.Module):
     model's ``nn.Linear`` LM head (its weight may be tied to the embedding), ``transform`` maps logits
     to the logits the loss reads (None: identity). ``kernel_params`` = (scale, softcap or None) when the
     transform was proved to be that (enables the Triton cross-entropy on CUDA). ``chunk_size``: rows per
-    chunk (None: ``default_chunk_size``). Under ``torch.compile`` the loss is the custom op
+    chunk (None: ``default_chunk_size``, given ``intermediate_size`` when the model checkpoints its
+    layers). Under ``torch.compile`` the loss is the custom op
     ``fxrewrite::fused_linear_cross_entropy`` (no graph break) when there is no transform or it was proved
     to be ``kernel_params``; any other transform runs eagerly (one graph break).
     """
 
-    def __init__(self, kernel_params: tuple[float, float | None] | None = None, chunk_size: int | None = None):
+    def __init__(self, kernel_params: tuple[float, float | None] | None = None, chunk_size: int | None = None,
+                 intermediate_size: int | None = None):
         super().__init__()
         self.kernel_params = kernel_params
         self.chunk_size = chunk_size
+        self.intermediate_size = intermediate_size  # the MLP's, for the chunk rule under checkpointing
+        self.checkpointing = False  # whether the model checkpoints its layers (read by ``fuses`` each call)
 
     def fuses(self, model: nn.Module, labels, hidden_states, head, shift_labels=None) -> bool:
         """Whether this call takes the fused path: labels given, the model training with autograd on, the
         loss still transformers' ``ForCausalLMLoss``, a plain ``nn.Linear`` head (PEFT / tensor-parallel
         wrappers keep the stock path), and labels shaped like the tokens (else the stock path raises
-        the stock error)."""
+        the stock error). Notes whether the base model checkpoints its layers (the chunk size follows)."""
         if labels is None or not (model.training and torch.is_grad_enabled()):
             return False
         if type(head) is not nn.Linear or type(head.weight) is not nn.Parameter:
             return False
         if model.loss_function is not ForCausalLMLoss:
             return False
+        base = getattr(model, getattr(model, "base_model_prefix", ""), model)
+        self.checkpointing = bool(getattr(base, "gradient_checkpointing", False))
         tokens = tuple(hidden_states.shape[:-1])
         ok = isinstance(labels, torch.Tensor) and not labels.is_floating_point() and tuple(labels.shape) == tokens
         if shift_labels is not None:
@@ -65,13 +71,16 @@ class LMHeadCrossEntropy(nn.Module):
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
         target = shift_labels.reshape(-1).to(hidden.device)
+        # under checkpointing the layers' recomputed backward outlives the loss: larger chunks, same peak
+        inter = self.intermediate_size if self.checkpointing else None
         if torch.compiler.is_compiling() and (transform is None or self.kernel_params is not None):
             # the custom op: one opaque node in the compiled graph (no graph break, no logits)
             scale, softcap = self.kernel_params or (1.0, None)
             total = fused_linear_cross_entropy_op(hidden, head.weight, head.bias, target, ignore_index, scale,
-                                                  softcap, self.chunk_size)
+                                                  softcap, self.chunk_size, inter)
         else:
-            total = _eager_loss(hidden, head, target, ignore_index, transform, self.kernel_params, self.chunk_size)
+            total = _eager_loss(hidden, head, target, ignore_index, transform, self.kernel_params, self.chunk_size,
+                                inter)
         if num_items_in_batch is None:
             return total / (target != ignore_index).sum()
         if torch.is_tensor(num_items_in_batch):
@@ -80,12 +89,13 @@ class LMHeadCrossEntropy(nn.Module):
 
     def extra_repr(self) -> str:
         """Kernel parameters and chunk size in the module's repr."""
-        return f"kernel_params={self.kernel_params}, chunk_size={self.chunk_size}"
+        return (f"kernel_params={self.kernel_params}, chunk_size={self.chunk_size}, "
+                f"intermediate_size={self.intermediate_size}")
 
 
 # torch.compile runs this eagerly (one graph break at the loss): a transform other than scaling / soft-capping
 # does not fit the custom op's schema, and dynamo cannot trace the chunk loop.
 @torch.compiler.disable
-def _eager_loss(hidden, head, target, ignore_index, transform, kernel_params, chunk_size):
+def _eager_loss(hidden, head, target, ignore_index, transform, kernel_params, chunk_size, intermediate):
     return fused_linear_cross_entropy(hidden, head.weight, head.bias, target, ignore_index, transform, kernel_params,
-                                      chunk_size)
+                                      chunk_size, intermediate)

@@ -25,6 +25,7 @@ from fxrewrite.runtime.engine.request_extras import (
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 from fxrewrite.runtime.engine.scheduler import Scheduler, SchedulerOutput
 from fxrewrite.runtime.engine.sequence import Sequence
+from fxrewrite.runtime.engine.structured_outputs import StructuredOutputManager
 from fxrewrite.runtime.worker.executor import create_model_runner
 from fxrewrite.runtime.worker.model_runner import load_model_config, load_tokenizer
 
@@ -115,10 +116,7 @@ class LLMEngine(EngineRLMixin):
         if params.structured_outputs is None:
             return None
         if self._structured is None:
-            from fxrewrite.runtime.engine.structured_outputs import StructuredOutputManager
-
-            self._structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
-                                                       self.eos_token_ids)
+            self._structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         return self._structured.compile(params.structured_outputs)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -235,14 +233,15 @@ class LLMEngine(EngineRLMixin):
         return launched
 
     def _grammar_bitmask(self, seqs: list[Sequence], previous):
-        """Called by the model runner once this step's forward is launched: the grammar matchers need the
-        previous step's tokens, so that step is completed first (its outputs kept for `step`)."""
-        if previous is not None and self._early_outputs is None:
-            self._early_outputs = self._complete(previous)
-        return self._structured.fill_bitmask([s.seq_id for s in seqs], self.model_runner.device)
+        """Called by the model runner once this step's forward is launched: the mask needs the previous step's
+        tokens; that step is completed meanwhile, its outputs kept for `step` (see `step_bitmask`)."""
+        bitmask, self._early_outputs = self._structured.step_bitmask(seqs, previous, self._complete,
+                                                                     self.model_runner.device)
+        return bitmask
 
-    def _complete(self, step) -> list[RequestOutput]:
-        """Wait for a launched step's tokens, append them to the live sequences, check stops, return outputs."""
+    def _complete(self, step, grammar_done: set[int] | None = None) -> list[RequestOutput]:
+        """Wait for a launched step's tokens, append them to the live sequences, check stops, return outputs
+        (grammar_done: the seq_ids whose grammar the tokens complete, given when a grammar job accepts them)."""
         try:
             seqs, results = step.result()
         except BaseException:
@@ -253,7 +252,8 @@ class LLMEngine(EngineRLMixin):
             by_id = {s.seq.seq_id: s.seq for s in step.sched.scheduled}
             store_prompt_logprobs(by_id, step.prompt_logprobs, self._decode_token)
         live = [(seq, result) for seq, result in zip(seqs, results) if not seq.is_finished]
-        grammar_done = self._structured.accept_tokens(live) if self._structured is not None else ()
+        if grammar_done is None:
+            grammar_done = self._structured.accept_tokens(live) if self._structured is not None else ()
         for seq, result in live:
             self._process_sample(seq, result, seq.seq_id in grammar_done)
         self.scheduler.commit(step.sched)

@@ -99,26 +99,32 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.sampling_params for s in seqs]
-        dev = logits.device
+        dev, vocab = logits.device, logits.shape[-1]
         temps = _to_device([p.temperature if not p.is_greedy else 1.0 for p in params], torch.float32, dev)
         logits = logits / temps[:, None]
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        vocab = logits.shape[-1]
-        ranks = torch.arange(vocab, device=dev)[None, :]
-        top_k = _to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64, dev)
-        sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
-        probs = torch.softmax(sorted_logits, dim=-1)
-        top_p = _to_device([p.top_p for p in params], torch.float32, dev)
-        # Drop a token when the tokens before it already reach top_p; the top token always stays.
-        drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
-        min_p = _to_device([p.min_p for p in params], torch.float32, dev)
-        drop |= probs < (min_p[:, None] * probs[:, :1])
-        drop[:, 0] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        probs = torch.softmax(sorted_logits, dim=-1)
-        q = self._exponential(probs.shape, seqs, dev)
-        choice = (probs / q).argmax(dim=-1)
-        return order.gather(1, choice[:, None]).squeeze(1)
+        k_list = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        if any(p.top_p < 1.0 for p in params):
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            sorted_logits = _filter_sorted(sorted_logits, params, k_list)
+            return order.gather(1, self._draw(sorted_logits, seqs)[:, None]).squeeze(1)
+        # No top-p: no sort (a full-vocabulary sort dominates a small model's decode step). Top-k keeps
+        # the logits at or above each row's k-th largest; min-p compares with the top probability.
+        if min(k_list) < vocab:
+            k_max = max(k for k in k_list if k < vocab)
+            kth = logits.topk(k_max, dim=-1).values.gather(
+                1, _to_device([min(k, k_max) - 1 for k in k_list], torch.int64, dev)[:, None])
+            keep_all = _to_device([k >= vocab for k in k_list], torch.bool, dev)
+            logits = logits.masked_fill((logits < kth) & ~keep_all[:, None], float("-inf"))
+        if any(p.min_p > 0.0 for p in params):
+            probs = torch.softmax(logits, dim=-1)
+            min_p = _to_device([p.min_p for p in params], torch.float32, dev)
+            logits = logits.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
+        return self._draw(logits, seqs)
+
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """One categorical sample per row of (filtered) logits [S, V]: argmax(softmax / q), q ~ Exp(1)."""
+        probs = torch.softmax(logits, dim=-1)
+        return (probs / self._exponential(probs.shape, seqs, logits.device)).argmax(dim=-1)
 
     def _exponential(self, shape: torch.Size, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
         """q ~ Exp(1) [S, V] on `device`: every row from the shared generator, then seeded rows redrawn
@@ -130,6 +136,22 @@ class Sampler:
                 q[i].exponential_(generator=generator)
         return q
 
+
+
+def _filter_sorted(sorted_logits: torch.Tensor, params: list, k_list: list[int]) -> torch.Tensor:
+    """Top-k, top-p and min-p on logits sorted in descending order [S, V] (the filtered entries -> -inf)."""
+    dev, vocab = sorted_logits.device, sorted_logits.shape[-1]
+    ranks = torch.arange(vocab, device=dev)[None, :]
+    top_k = _to_device(k_list, torch.int64, dev)
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    top_p = _to_device([p.top_p for p in params], torch.float32, dev)
+    # Drop a token when the tokens before it already reach top_p; the top token always stays.
+    drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    min_p = _to_device([p.min_p for p in params], torch.float32, dev)
+    drop |= probs < (min_p[:, None] * probs[:, :1])
+    drop[:, 0] = False
+    return sorted_logits.masked_fill(drop, float("-inf"))
 
 
 def _bias_and_ban(logits: torch.Tensor, row: int, seq: Sequence) -> None:
@@ -181,18 +203,26 @@ def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.
 
 class SampledTokens:
     """One step's sampled tokens: `tokens` [S] int64 stay on the device (the next step's inputs are
-    gathered from them); the token ids and their logprobs are copied to pinned host memory in the
-    background, and `results()` waits for that copy (a CUDA event), not for the whole stream.
+    gathered from them); the token ids, their logprobs and, when a request asked for logprobs, their ranks
+    and the top `logprobs` entries are computed on the device and copied to pinned host memory in one
+    background copy; `results()` waits for that copy (a CUDA event), not for the whole stream, so reading
+    a step's logprobs never waits for the step launched after it.
     """
 
     def __init__(self, seqs: list[Sequence], tokens: torch.Tensor, raw_logprobs: torch.Tensor, keep_logprobs: bool):
         self.seqs = seqs
         self.tokens = tokens
         chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
-        # Token ids < 2**24 are exact in float64, float32 logprobs too: one copy for both.
-        packed = torch.stack([tokens.double(), chosen.double()])
-        self._chosen = chosen
-        self._raw_logprobs = raw_logprobs if keep_logprobs else None
+        # Token ids < 2**24 are exact in float64, float32 logprobs and ranks too: one copy for all.
+        columns = [tokens.double(), chosen.double()]
+        self._num_top = 0
+        if keep_logprobs:
+            columns.append(((raw_logprobs > chosen[:, None]).sum(dim=1) + 1).double())
+            self._num_top = max((s.sampling_params.logprobs or 0) for s in seqs)
+        packed = torch.stack(columns, dim=1)
+        if self._num_top:
+            values, ids = raw_logprobs.topk(self._num_top, dim=-1)
+            packed = torch.cat([packed, values.double(), ids.double()], dim=1)
         self._event = None
         if tokens.is_cuda:
             self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -201,6 +231,7 @@ class SampledTokens:
             self._event.record()
         else:
             self._host = packed
+        self._keep_logprobs = keep_logprobs
         self._results: list[SampleResult] | None = None
 
     def results(self) -> list[SampleResult]:
@@ -208,23 +239,16 @@ class SampledTokens:
         if self._results is None:
             if self._event is not None:
                 self._event.synchronize()
-            token_floats, chosen_list = self._host.tolist()
-            self._results = self._build([int(t) for t in token_floats], chosen_list)
+            self._results = [self._build(seq, row) for seq, row in zip(self.seqs, self._host.tolist())]
         return self._results
 
-    def _build(self, token_list: list[int], chosen_list: list[float]) -> list[SampleResult]:
-        raw_logprobs, results = self._raw_logprobs, []
-        ranks = None
-        if raw_logprobs is not None:  # every row's rank in one reduction (one host sync, not one per row)
-            ranks = ((raw_logprobs > self._chosen[:, None]).sum(dim=1) + 1).tolist()
-        for i, seq in enumerate(self.seqs):
-            num = seq.sampling_params.logprobs
-            top = None
-            if num is not None:
-                top = {token_list[i]: (chosen_list[i], ranks[i])}
-                if num > 0:
-                    values, ids = raw_logprobs[i].topk(num)
-                    for r, (v, t) in enumerate(zip(values.tolist(), ids.tolist()), start=1):
-                        top.setdefault(t, (v, r))
-            results.append(SampleResult(token_list[i], chosen_list[i], top))
-        return results
+    def _build(self, seq: Sequence, row: list[float]) -> SampleResult:
+        token, chosen = int(row[0]), row[1]
+        num = seq.sampling_params.logprobs
+        top = None
+        if num is not None and self._keep_logprobs:
+            top = {token: (chosen, int(row[2]))}
+            k = self._num_top
+            for r, (v, t) in enumerate(zip(row[3:3 + num], row[3 + k:3 + k + num]), start=1):
+                top.setdefault(int(t), (v, r))
+        return SampleResult(token, chosen, top)

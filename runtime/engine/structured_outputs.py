@@ -4,13 +4,15 @@ A request names one constraint (a JSON schema, any JSON object, a regex, a list 
 grammar). `StructuredOutputManager.compile` turns it into an xgrammar `CompiledGrammar` (cached by
 xgrammar's compiler, so checking a request in the server and admitting it in the engine compile once);
 each sequence then gets its own `GrammarMatcher`. Per step the host work is two batched xgrammar calls,
-no Python loop over matchers: after a step's tokens come back, `accept_tokens` advances every constrained
-matcher at once (`BatchGrammarMatcher.batch_accept_token`); once the next step's forward is launched,
-`fill_bitmask` writes one row of allowed tokens per sampling sequence (a packed int32 bitmask, 32 tokens
-per word, xgrammar's layout; all ones for unconstrained rows) into a reused pinned host buffer with
-xgrammar's thread pool (`batch_fill_next_token_bitmask`) and copies it to the device without waiting,
-so the fill overlaps the forward pass; the sampler masks the logits in place there with one kernel
-(`Sampler`, `apply_token_bitmask`). Sequences without a grammar cost one dict lookup per step.
+no Python loop over matchers: `batch_accept_token` advances every constrained matcher by the previous
+step's token, then `batch_fill_next_token_bitmask` (xgrammar's thread pool) writes one row of allowed
+tokens per sampling sequence (a packed int32 bitmask, 32 tokens per word, xgrammar's layout; all ones for
+unconstrained rows and for grammars that just completed) into a reused pinned host buffer, copied to a
+reused device buffer without waiting; the sampler masks the logits in place there with one kernel
+(`Sampler`, `apply_token_bitmask`). With async scheduling the engine starts both calls on a worker thread
+once the step's forward pass is launched (`start_step`) and completes the previous step on its main
+thread meanwhile (grammar_bitmask.py says why a thread). Sequences without a grammar cost one dict
+lookup per step.
 
 Why xgrammar: it is what vLLM uses by default, it is maintained by the MLC team with releases every
 few weeks, installs from wheels on CPU and CUDA machines alike, and precomputes per-state token masks
@@ -23,11 +25,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from fxrewrite.runtime.engine.grammar_bitmask import BitmaskFiller, GrammarJob
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -100,12 +103,12 @@ class StructuredOutputManager:
         self.compiler = xgr.GrammarCompiler(info, max_threads=4, cache_enabled=True)
         self._stop_ids = frozenset(eos_token_ids)
         threads = max_threads or min(8, max(1, (os.cpu_count() or 2) // 2))
-        self._batch = xgr.BatchGrammarMatcher(threads)
-        self._buffers = _PinnedBuffers(xgr.get_bitmask_shape(1, vocab_size)[1])
+        self._filler = BitmaskFiller(xgr, xgr.get_bitmask_shape(1, vocab_size)[1], threads)
         self.matchers: dict[int, Any] = {}
         """seq_id -> xgrammar GrammarMatcher."""
-        self.stats = {"accept_s": 0.0, "fill_s": 0.0, "steps": 0}
-        """Host seconds spent in accept_tokens / fill_bitmask, and the number of fills (benchmarks)."""
+        self.overlap = True
+        """Whether the engine runs a step's grammar work on the worker thread (`start_step`); False: on the
+        main thread after completing the previous step (the sequential path, for comparisons)."""
 
     def compile(self, params: StructuredOutputsParams):
         """The CompiledGrammar of `params`; ValueError naming the constraint and xgrammar's complaint."""
@@ -136,69 +139,74 @@ class StructuredOutputManager:
         pairs of one step) by their tokens, in one batched call; returns the seq_ids whose grammar is now
         complete (it accepted a stop token, which is what xgrammar's `is_terminated` means).
         RuntimeError if a token violates its grammar (a sampler bug)."""
-        start = time.perf_counter()
-        get, matchers, picked = self.matchers.get, [], []
-        for seq, result in samples:
-            seq_id, token_id = seq.seq_id, result.token_id
-            matcher = get(seq_id)
-            if matcher is not None:
-                matchers.append(matcher)
-                picked.append((seq_id, token_id))
-        done = set()
-        if matchers:
-            accepted = self._xgr.BatchGrammarMatcher.batch_accept_token(matchers, [t for _, t in picked])
-            for ok, (seq_id, token_id) in zip(accepted, picked):
-                if not ok:
-                    raise RuntimeError(f"sequence {seq_id}: token {token_id} violates its grammar (a sampler bug)")
-                if token_id in self._stop_ids:
-                    done.add(seq_id)
-        self.stats["accept_s"] += time.perf_counter() - start
+        accept, done = self._accept_plan(samples)
+        self._filler.run(accept, ([], []), 0, torch.device("cpu"))
         return done
 
     def fill_bitmask(self, seq_ids: list[int], device: torch.device) -> torch.Tensor | None:
         """The allowed tokens of the sequences `seq_ids` (row i for seq_ids[i]) as a packed bitmask
         [len(seq_ids), ceil(V/32)] int32 on `device`, all ones in the rows of unconstrained sequences;
         None when none is constrained. The copy to the device does not wait for it."""
-        start = time.perf_counter()
+        return self._filler.run(([], [], []), self._fill_plan(seq_ids, ()), len(seq_ids), device)
+
+    def step_bitmask(self, seqs: list, previous, complete, device: torch.device):
+        """(this step's bitmask, `complete`'s outputs): the previous step's tokens are accepted and the rows of
+        `seqs` (this step's sampling sequences) filled on the worker thread while this thread runs
+        `complete(previous, grammar_done)` (the engine's step completion); `overlap` False: `complete`,
+        then the fill, in turn. `previous`: the launched step still in flight (its `result()`), or None
+        (its tokens were accepted already): then only the fill runs, here, and the outputs are None."""
+        seq_ids = [s.seq_id for s in seqs]
+        if previous is None:
+            return self.fill_bitmask(seq_ids, device), None
+        if not self.overlap:
+            outputs = complete(previous)
+            return self.fill_bitmask(seq_ids, device), outputs
+        done_seqs, results = previous.result()
+        job = self.start_step([p for p in zip(done_seqs, results) if not p[0].is_finished], seq_ids, device)
+        try:
+            outputs = complete(previous, job.grammar_done)
+        finally:
+            bitmask = self.finish_step(job, device)
+        return bitmask, outputs
+
+    def start_step(self, samples: list[tuple[Any, Any]], seq_ids: list[int], device: torch.device) -> GrammarJob:
+        """`accept_tokens(samples)` then `fill_bitmask(seq_ids)`, started on the worker thread; returns at
+        once (join with `finish_step`). The job's `grammar_done` is what `accept_tokens` would return; the
+        rows of those sequences are all ones (their tokens of this step are dropped, like before)."""
+        accept, done = self._accept_plan(samples)
+        return self._filler.start(accept, self._fill_plan(seq_ids, done), len(seq_ids), device, done)
+
+    def finish_step(self, job: GrammarJob, device: torch.device) -> torch.Tensor | None:
+        """Wait for `start_step`'s job (its RuntimeError re-raised); its bitmask on `device`, or None."""
+        return self._filler.finish(job, device)
+
+    def _accept_plan(self, samples: list[tuple[Any, Any]]) -> tuple[tuple[list, list, list], set[int]]:
+        """((matchers, token ids, seq_ids) of the constrained samples, the seq_ids whose token is a stop token)."""
+        get, stops = self.matchers.get, self._stop_ids
+        matchers, tokens, seq_ids, done = [], [], [], set()
+        for seq, result in samples:
+            seq_id = seq.seq_id
+            matcher = get(seq_id)
+            if matcher is not None:
+                token_id = result.token_id
+                matchers.append(matcher)
+                tokens.append(token_id)
+                seq_ids.append(seq_id)
+                if token_id in stops:
+                    done.add(seq_id)
+        return (matchers, tokens, seq_ids), done
+
+    def _fill_plan(self, seq_ids: list[int], skip) -> tuple[list, list]:
+        """(matchers, rows) of the constrained `seq_ids` not in `skip` (finished grammars)."""
         get, matchers, rows = self.matchers.get, [], []
         for i, seq_id in enumerate(seq_ids):
             matcher = get(seq_id)
-            if matcher is not None:
+            if matcher is not None and seq_id not in skip:
                 matchers.append(matcher)
                 rows.append(i)
-        if not matchers:
-            return None
-        host, event = self._buffers.next(len(seq_ids), device)
-        if len(rows) < len(seq_ids):
-            host.fill_(-1)  # every token allowed
-        self._batch.batch_fill_next_token_bitmask(matchers, host, rows)
-        out = host
-        if device.type == "cuda":
-            out = host.to(device, non_blocking=True)
-            event.record()
-        self.stats["fill_s"] += time.perf_counter() - start
-        self.stats["steps"] += 1
-        return out
+        return matchers, rows
 
-
-class _PinnedBuffers:
-    """Two host bitmask buffers used in turn (pinned when CUDA is there), each with the CUDA event of its
-    last copy to the device: a buffer is refilled only after that copy ran, without a device sync."""
-
-    def __init__(self, width: int):
-        self.width = width
-        self._slots: list[list] = [[None, None], [None, None]]
-        self._turn = 0
-
-    def next(self, rows: int, device: torch.device):
-        slot = self._slots[self._turn]
-        self._turn ^= 1
-        if slot[0] is None or slot[0].shape[0] < rows:
-            capacity = max(rows, 64)
-            with torch.inference_mode(False):  # a normal tensor: refilled in place in and out of inference mode
-                slot[0] = torch.empty((capacity, self.width), dtype=torch.int32,
-                                      pin_memory=device.type == "cuda")
-            slot[1] = torch.cuda.Event() if device.type == "cuda" else None
-        elif slot[1] is not None:
-            slot[1].synchronize()  # its previous copy was queued a step ago: done in practice
-        return slot[0][:rows], slot[1]
+    @property
+    def stats(self) -> dict:
+        """Host seconds spent accepting / filling and the number of fills (`BitmaskFiller.stats`)."""
+        return self._filler.stats

@@ -6,7 +6,9 @@ Two ways in, as in vLLM:
   the linear layers become FP8 layers before the weights are read, and load the ``weight`` (e4m3)
   and ``weight_scale_inv`` tensors;
 - ``quantization="fp8"`` (``--quantization fp8``) on a bf16/fp16/fp32 checkpoint: the weights load as
-  usual and are then quantized in 128 x 128 blocks (the same layout, so the same kernels run).
+  usual and are then quantized per output channel (one scale per row, in the same [N, G] scale layout,
+  so the same kernels run, plus torch's row-wise scaled matmul, which the load-time tuner may choose).
+  A model built from an FP8 checkpoint's config without reading it (dummy weights) keeps its blocks.
 Any other ``quant_method`` (awq, gptq, bitsandbytes...) is a ValueError before a weight is read.
 
 After loading, on a device without FP8 tensor cores (a CPU, a GPU older than sm_89) the FP8 weights
@@ -112,7 +114,8 @@ def finish_fp8_model(model: nn.Module, quant: Fp8Config | None, dtype: torch.dty
     inner = _inner(model)
     for parent, child_name, name, child in _targets(inner, quant):
         if child.weight.dtype != torch.float8_e4m3fn:
-            setattr(parent, child_name, quantize_fp8_layer(as_linear_base(child), name, quant.weight_block_size))
+            setattr(parent, child_name, quantize_fp8_layer(as_linear_base(child), name, quant.weight_block_size,
+                                                           per_channel=not quant.is_checkpoint_fp8))
     if fp8_gemm_supported(device):
         prepare_fp8_layers_for_gpu(inner, device, dtype)  # scale layout + per-M backend choice
         return

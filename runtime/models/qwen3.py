@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 
 from fxrewrite.kernels.qk_norm_rope import qk_norm_rope
+from fxrewrite.kernels.qk_norm_rope_cache import qk_norm_rope_cache
 from fxrewrite.layers.layernorm import RMSNorm
 from fxrewrite.runtime.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from fxrewrite.runtime.worker.attention import layer_kv_cache
 
 
 class Qwen3Attention(LlamaAttention):
@@ -15,6 +17,21 @@ class Qwen3Attention(LlamaAttention):
         eps = model_config.hf_text_config.rms_norm_eps
         self.q_norm = RMSNorm(self.head_dim, eps)
         self.k_norm = RMSNorm(self.head_dim, eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Eagerly (CUDA graphs included), one kernel normalises and rotates q and k and writes k and v into
+        this layer's paged cache (`qk_norm_rope_cache`: a launch per layer fewer than norm-rope + cache
+        write). Under torch.compile, and for batch-dependent rotary, the unfused path: compile cannot trace
+        the forward context (the cache write stays inside the attention custom op)."""
+        if torch.compiler.is_compiling() or self.rotary_emb.rope_type in ("dynamic", "longrope"):
+            return super().forward(positions, hidden_states)
+        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        rope = self.rotary_emb
+        key_cache, value_cache, slot_mapping = layer_kv_cache(self.attn.layer_idx)
+        q, k = qk_norm_rope_cache(positions, q, k, v, self.q_norm.weight, self.k_norm.weight,
+                                  self.q_norm.variance_epsilon, self.head_dim, rope.cos_sin_cache, rope.is_neox_style,
+                                  key_cache, value_cache, slot_mapping)
+        return self.o_proj(self.attn(q, k, v, kv_cached=True))
 
     def position_qk(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q [T, Hq*D], k [T, Hkv*D]: normalise each head's D values (transformers' Qwen3 q_norm/k_norm),

@@ -21,22 +21,35 @@ ATTN_IMPLEMENTATION = "fxrewrite_paged"
 
 
 def paged_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float,
-                 sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
-    """query [T, Hq, D], key/value [T, Hkv, D] of this step -> [T, Hq, D]; caches the new K/V first.
+                 sliding_window: int | None = None, soft_cap: float | None = None,
+                 kv_cached: bool = False) -> torch.Tensor:
+    """query [T, Hq, D], key/value [T, Hkv, D] of this step -> [T, Hq, D]; caches the new K/V first, unless
+    `kv_cached` says the caller already wrote them (`layer_kv_cache`, e.g. a fused rotary + cache kernel).
 
     Under torch.compile this is one opaque op (`fxrewrite.runtime.worker.compilation`, whose op runs
     `attend_now`), so the graph does not break on the forward context."""
     attend = torch.ops.fxrewrite.paged_attend if torch.compiler.is_compiling() else attend_now
-    return attend(query, key, value, layer_idx, scale, sliding_window, soft_cap)
+    return attend(query, key, value, layer_idx, scale, sliding_window, soft_cap, kv_cached)
+
+
+def layer_kv_cache(layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(key_cache, value_cache, slot_mapping) of layer `layer_idx` in this step (caches [num_blocks,
+    block_size, Hkv, D], slot_mapping int64 [>= T]), for a kernel that writes the step's K/V itself.
+    RuntimeError outside a model runner step."""
+    ctx = get_forward_context()
+    key_cache, value_cache = ctx.kv_caches[layer_idx]
+    return key_cache, value_cache, ctx.slot_mapping
 
 
 def attend_now(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float,
-               sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+               sliding_window: int | None = None, soft_cap: float | None = None,
+               kv_cached: bool = False) -> torch.Tensor:
     """`paged_attend` run eagerly: write K/V into layer `layer_idx`'s paged cache (the forward context's,
-    not an argument, so not a declared mutation of the custom op), then attend over it."""
+    not an argument, so not a declared mutation of the custom op) unless `kv_cached`, then attend over it."""
     ctx = get_forward_context()
     key_cache, value_cache = ctx.kv_caches[layer_idx]
-    reshape_and_cache(key, value, key_cache, value_cache, ctx.slot_mapping)
+    if not kv_cached:
+        reshape_and_cache(key, value, key_cache, value_cache, ctx.slot_mapping)
     return paged_attention(
         query, key_cache, value_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
         ctx.max_query_len, ctx.max_seq_len, scale, sliding_window=sliding_window, soft_cap=soft_cap,
@@ -101,11 +114,12 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.soft_cap = soft_cap
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cached: bool = False) -> torch.Tensor:
+        """kv_cached: k and v are already in this layer's cache (see `paged_attend`)."""
         out = paged_attend(
             q.view(-1, self.num_heads, self.head_dim),
             k.view(-1, self.num_kv_heads, self.head_dim),
             v.view(-1, self.num_kv_heads, self.head_dim),
-            self.layer_idx, self.scale, self.sliding_window, self.soft_cap,
+            self.layer_idx, self.scale, self.sliding_window, self.soft_cap, kv_cached,
         )
         return out.reshape(-1, self.num_heads * self.head_dim)

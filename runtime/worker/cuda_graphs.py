@@ -4,17 +4,22 @@ nano-vllm's scheme (`ModelRunner.capture_cudagraph` / `run_model`): buckets 1, 2
 up to max_num_seqs (at most 512), captured largest first into one shared memory pool. A decode step of
 n sequences copies its inputs into the first n rows of the static buffers, pads up to the next bucket
 (padding rows write no KV: slot -1) and replays that bucket's graph. Prefill and mixed steps, larger
-batches and `enforce_eager` run eagerly.
+batches and `enforce_eager` run eagerly. Under DP x EP (`fxrewrite.layers.moe_dp`) the graphs are
+captured with every replica at the same bucket (`data_parallel.uniform_tokens`), and each decode wave
+the worker sets `step_bucket`, one bucket for all replicas (0: this wave runs eagerly everywhere); a
+replica without work replays that bucket's graph on padding rows (`run_idle`) so the collectives meet.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import os
 
 import torch
 from torch import nn
 
+from fxrewrite import data_parallel
 from fxrewrite.layers.rope_context import rope_lengths
 from fxrewrite.runtime.worker.compilation import forward_or_fallback
 from fxrewrite.runtime.worker.forward_context import AttentionMetadata, forward_context
@@ -62,6 +67,9 @@ class CUDAGraphRunner:
         self.outputs = torch.zeros(rows, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
+        self.step_bucket: int | None = None
+        """None: each step picks its own bucket. Under DP x EP, set per wave by the worker: the bucket every
+        replica replays (at least this step's size), or 0 when the wave runs eagerly on every replica."""
 
     @property
     def max_batch_size(self) -> int:
@@ -78,23 +86,46 @@ class CUDAGraphRunner:
     def capture(self) -> None:
         """Capture every bucket, largest first (smaller graphs reuse the first one's pool).
 
-        During capture every row is a 1-token sequence at position 0 that writes nothing (slot -1)."""
+        During capture every row is a 1-token sequence at position 0 that writes nothing (slot -1).
+        A bucket whose capture fails twice (the second after a fresh warm-up, which lets a layer switch
+        to a fallback kernel eagerly) is left out with a warning: its batches then use the next larger
+        bucket, or run eagerly above the largest captured one. Raises only when no bucket captures."""
+        errors = {}
         for bs in reversed(self.sizes):
-            graph = torch.cuda.CUDAGraph()
-            with forward_context(self._metadata(bs)), rope_lengths(self.rope_lengths[:bs]):
-                # Warm-up outside the graph: Triton JIT and torch.compile run here, not while capturing.
-                self.outputs[:bs] = forward_or_fallback(self.model, self.input_ids[:bs], self.positions[:bs])
-                with torch.cuda.graph(graph, self.pool):
-                    self.outputs[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[bs] = graph
-            torch.cuda.synchronize()
+            for attempt in range(2):
+                try:
+                    self._capture_one(bs)
+                    break
+                except Exception as e:  # noqa: BLE001 - one bucket's failure must not drop every graph
+                    if data_parallel.dp_ep_active():
+                        raise  # the replicas capture in lockstep: one rank retrying alone would hang the others
+                    errors[bs] = e
+                    torch.cuda.synchronize()
+            else:
+                logger.warning("CUDA graph for batch size %d not captured (those batches use a larger bucket "
+                               "or run eagerly): %s", bs, errors[bs])
+        if not self.graphs:
+            raise errors[max(errors)]
+        self.sizes = sorted(self.graphs)
+
+    def _capture_one(self, bs: int) -> None:
+        graph = torch.cuda.CUDAGraph()
+        with (forward_context(self._metadata(bs)), rope_lengths(self.rope_lengths[:bs]),
+              data_parallel.uniform_tokens()):
+            # Warm-up outside the graph: Triton JIT and torch.compile run here, not while capturing.
+            self.outputs[:bs] = forward_or_fallback(self.model, self.input_ids[:bs], self.positions[:bs])
+            with torch.cuda.graph(graph, self.pool):
+                self.outputs[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[bs] = graph
+        torch.cuda.synchronize()
 
     def can_run(self, num_tokens: int, metadata: AttentionMetadata) -> bool:
         """A pure decode step (one token per sequence) no larger than the largest bucket."""
         return (
             bool(self.graphs)
+            and self.step_bucket != 0
             and metadata.max_query_len == 1
             and num_tokens == metadata.seq_lens.shape[0]
             and num_tokens <= self.max_batch_size
@@ -107,7 +138,7 @@ class CUDAGraphRunner:
         sequences -> hidden [n, hidden] (a view of the static output buffer, valid until the next
         replay). Call only when `can_run` is True."""
         n = input_ids.shape[0]
-        bs = self.sizes[bisect.bisect_left(self.sizes, n)]
+        bs = self.bucket(max(n, self.step_bucket or 0))
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
         self.rope_lengths[:n].copy_(lengths if lengths is not None else positions + 1, non_blocking=True)
@@ -121,11 +152,31 @@ class CUDAGraphRunner:
         self.graphs[bs].replay()
         return self.outputs[:n]
 
+    def bucket(self, n: int) -> int:
+        """The smallest captured size >= n (n <= max_batch_size)."""
+        return self.sizes[bisect.bisect_left(self.sizes, n)]
+
+    def run_idle(self, bs: int) -> None:
+        """Replay bucket `bs` on padding rows only (slot -1: no KV written, outputs unused): a DP x EP
+        replica without work in a decode wave joins the other replicas' MoE collectives."""
+        self.input_ids[:bs].zero_()
+        self.positions[:bs].zero_()
+        self.rope_lengths[:bs].fill_(1)
+        self.slot_mapping[:bs].fill_(-1)
+        self.seq_lens[:bs].fill_(1)
+        self.graphs[bs].replay()
+
 
 def build_graph_runner(model: nn.Module, kv_caches, config, model_config,
                        device: torch.device) -> CUDAGraphRunner | None:
     """A captured CUDAGraphRunner on CUDA unless `config.enforce_eager`; None otherwise, or (logged as a
     warning, steps then run eagerly) when the model cannot be captured."""
+    if device.type == "cpu" and not config.enforce_eager and os.environ.get(EMULATE_ENV) == "1":
+        runner = EmulatedGraphRunner(model, kv_caches, max_num_seqs=config.max_num_seqs,
+                                     max_model_len=model_config.max_model_len, block_size=config.block_size,
+                                     hidden_size=model_config.hidden_size, dtype=model_config.dtype, device=device)
+        runner.capture()
+        return runner
     if device.type != "cuda" or config.enforce_eager:
         return None
     runner = CUDAGraphRunner(
@@ -139,3 +190,27 @@ def build_graph_runner(model: nn.Module, kv_caches, config, model_config,
         logger.warning("CUDA graph capture failed, decode runs eagerly: %s", e)
         return None
     return runner
+
+
+EMULATE_ENV = "FXREWRITE_EMULATE_CUDA_GRAPHS"
+"""Set to 1 (CPU tests): a CPU engine gets an `EmulatedGraphRunner`, so the bucket protocol (padding,
+DP x EP waves at one bucket, idle replicas replaying padding rows) runs without a GPU."""
+
+
+class _EagerReplay:
+    """One bucket's stand-in for a captured graph: `replay()` runs the forward the graph would replay."""
+
+    def __init__(self, runner: CUDAGraphRunner, bs: int):
+        self.runner, self.bs = runner, bs
+
+    def replay(self) -> None:
+        r, bs = self.runner, self.bs
+        with (forward_context(r._metadata(bs)), rope_lengths(r.rope_lengths[:bs]), data_parallel.uniform_tokens()):
+            r.outputs[:bs] = r.model(r.input_ids[:bs], r.positions[:bs])
+
+
+class EmulatedGraphRunner(CUDAGraphRunner):
+    """`CUDAGraphRunner` whose buckets run eagerly over the same static buffers (CPU tests: `EMULATE_ENV`)."""
+
+    def capture(self) -> None:
+        self.graphs = {bs: _EagerReplay(self, bs) for bs in self.sizes}

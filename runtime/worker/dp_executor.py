@@ -69,8 +69,9 @@ class DPExecutor(WorkerGuard):
         config = copy.copy(config)
         config.hf_overrides = None  # resolved into model_config; a callable would not pickle
         if config.enable_expert_parallel:
-            # MoE collectives carry every replica's token count, which changes per step: no CUDA graphs.
-            config.enforce_eager, config.compilation_config = True, 0
+            # The MoE layers' cross-replica collectives are not traced by torch.compile. Decode waves
+            # still run in CUDA graphs, every replica at one bucket (dp_worker.wave_bucket).
+            config.compilation_config = 0
         self._procs.context = mp.start_processes(
             dp_worker_main, args=(config, model_config, eos_token_ids, host, store.port, self.dp_size,
                                   self.tp_size, os.getpid()),

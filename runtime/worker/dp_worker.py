@@ -5,7 +5,10 @@ Each step the driver (`fxrewrite.runtime.worker.dp_executor`) broadcasts a *wave
 step as a tensor-parallel worker does (`fxrewrite.runtime.worker.worker.Worker`); its replica's TP rank 0
 sends the sampled tokens back on that replica's results group, one reply per wave (empty when the
 replica had no work). Under DP x EP every replica's token count is noted before the step, and a replica
-with no work still runs every MoE layer's collectives (`run_idle`), so all workers' collectives line up.
+with no work still runs every MoE layer's collectives, so all workers' collectives line up: a wave of
+decode steps only (one token per sequence, every replica) runs in CUDA graphs, every replica padded to
+one bucket (`wave_bucket`; an idle replica replays that bucket on padding rows); any other wave runs
+eagerly with the noted counts (an idle replica calls the MoE layers with zero tokens, `run_idle`).
 ``None`` means shut down.
 """
 
@@ -32,6 +35,18 @@ _NUM_NEW = STEP_FIELDS.index("num_new_tokens")
 def wave_token_counts(wave: list) -> list[int]:
     """Tokens each replica computes in a wave (0 for a replica without a message or scheduled rows)."""
     return [0 if m is None else int(m.steps[:, _NUM_NEW].sum()) for m in wave]
+
+
+def wave_bucket(wave: list, counts: list[int], graphs) -> int:
+    """The decode graph bucket every replica replays in this wave (same on every worker: it depends
+    on the wave only), or 0 when the wave runs eagerly: a replica has a step with more than one token
+    for a sequence (prefill), or more sequences than the largest bucket, or no replica has tokens."""
+    longest = max(counts)
+    if not graphs.graphs or longest == 0 or longest > graphs.max_batch_size:
+        return 0
+    if any(m is not None and bool((m.steps[:, _NUM_NEW] != 1).any()) for m in wave):
+        return 0
+    return graphs.bucket(longest)
 
 
 @torch.inference_mode()
@@ -82,15 +97,22 @@ def dp_worker_main(local_rank: int, config, model_config, eos_token_ids: set[int
     # DP steps travel over gloo (one wave per engine step for every replica; no shared-memory ring yet)
     sender = ResultSender(GlooChannel(rank, state.driver_group), config.device) if leader else None
     dp_rank, step = data_parallel.get_state().dp_rank, None
+    graphs = worker.runner.graph_runner if shares_experts else None
     while (wave := broadcast_object(None, 0)) is not None:
         if isinstance(wave, ControlMessage):  # the driver refuses these under data parallelism
             continue
         counts = wave_token_counts(wave)
         data_parallel.set_step_token_counts(counts)
+        if graphs is not None:
+            graphs.step_bucket = wave_bucket(wave, counts, graphs)
         msg = wave[dp_rank]
         launched = worker.launch(msg, step) if msg is not None else None
         if launched is None and shares_experts and max(counts) > 0:
-            run_idle(worker.runner.model)
+            if graphs is not None and graphs.step_bucket:
+                with torch.inference_mode():
+                    graphs.run_idle(graphs.step_bucket)
+            else:
+                run_idle(worker.runner.model)
         step = launched or step
         if sender is not None:
             sender.send(launched)

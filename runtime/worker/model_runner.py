@@ -20,6 +20,7 @@ from fxrewrite.runtime.engine.inputs import prepare_inputs
 from fxrewrite.runtime.engine.prompt_logprobs import compute_prompt_logprobs, wants_prompt_logprobs
 from fxrewrite.runtime.worker.kv_cache import allocate_kv_caches, num_kv_blocks
 from fxrewrite.runtime.worker.memory_profiling import profile_num_kv_blocks
+from fxrewrite.runtime.worker.warmup import warm_up_kernels
 from fxrewrite.runtime.worker import sleep_mode, weight_sync
 from fxrewrite.runtime.engine.sampler import SampledTokens, SampleResult, Sampler
 from fxrewrite.runtime.engine.scheduler import SchedulerOutput
@@ -141,6 +142,9 @@ class ModelRunner:
         if self.device.type == "cuda":  # small TP all-reduces over NVLink peer memory (no-op at TP=1)
             distributed.enable_symm_mem_all_reduce(self.device, model_config.dtype)
         with batch_invariant_mode(config.batch_invariant):  # the graphs capture the invariant kernels
+            # Triton's JIT at load, not in the first requests (a pipeline stage's forward needs its peers)
+            if self.device.type == "cuda" and self.pipeline is None:
+                self.warmup_compiles = warm_up_kernels(self.model, self.kv_caches, config, model_config, self.device)
             self.graph_runner = build_graph_runner(self.model, self.kv_caches, config, model_config, self.device)
         self.sampler = Sampler(eos_token_ids, seed=config.seed)
 

@@ -132,7 +132,12 @@ def test_gradient_checkpointing(when, monkeypatch):
     if when in ("after", "triton"):
         enable_checkpointing(fused)
     assert fused.model.gradient_checkpointing
+    calls = []  # attention runs twice per step when its layer is checkpointed (the recompute)
+    hooks = [layer.self_attn.register_forward_hook(lambda *a: calls.append(1)) for layer in fused.model.layers]
     assert_same_training_step(stock, fused, *_batch())
+    for h in hooks:
+        h.remove()
+    assert len(calls) == 2 * len(fused.model.layers), "activation checkpointing is off in the optimized model"
 
 
 def test_bf16_autocast_close_to_stock():

@@ -43,7 +43,7 @@ def test_op_passes_opcheck():
     h = torch.randn(5, 4, generator=gen, requires_grad=True)
     w = torch.randn(7, 4, generator=gen, requires_grad=True)
     t = torch.randint(0, 7, (5,), generator=gen)
-    args = (h, w, None, t, -100, 1.0, 0.0, 2, True, True, False)
+    args = (h, w, None, t, -100, 1.0, 0.0, 2, 0, True, True, False)
     torch.library.opcheck(torch.ops.fxrewrite.fused_linear_cross_entropy.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 

@@ -179,3 +179,35 @@ def test_kv_cache_sized_by_memory_profiling(small_model_dir):
     del llm, runner
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def test_a_failing_bucket_is_skipped_not_all_graphs(monkeypatch, caplog):
+    """One bucket that cannot be captured (twice) is left out with a warning naming it; its batches go
+    to the next larger bucket; only when no bucket captures does capture() raise (then decode is eager)."""
+    from fxrewrite.runtime.worker import cuda_graphs
+    from fxrewrite.runtime.worker.cuda_graphs import CUDAGraphRunner
+
+    runner = CUDAGraphRunner.__new__(CUDAGraphRunner)
+    runner.sizes, runner.graphs, runner.pool = [1, 2, 4, 8], {}, None
+    tries = []
+
+    def capture_one(bs):
+        tries.append(bs)
+        if bs == 2:
+            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+        runner.graphs[bs] = f"graph{bs}"
+
+    monkeypatch.setattr(runner, "_capture_one", capture_one)
+    monkeypatch.setattr(cuda_graphs.torch.cuda, "synchronize", lambda: None)
+    with caplog.at_level("WARNING"):
+        runner.capture()
+    assert tries == [8, 4, 2, 2, 1] and runner.sizes == [1, 4, 8] and runner.max_batch_size == 8
+    assert "batch size 2 not captured" in caplog.text and "CUBLAS_STATUS_NOT_SUPPORTED" in caplog.text
+
+    def never(bs):
+        raise RuntimeError(f"no graph at {bs}")
+
+    runner.sizes, runner.graphs = [1, 2], {}
+    monkeypatch.setattr(runner, "_capture_one", never)
+    with pytest.raises(RuntimeError, match="no graph at 2"):
+        runner.capture()

@@ -1,4 +1,5 @@
-"""FP8 on the GPU: the Triton block-scaled GEMM against its reference at Qwen3 sizes; an FP8 checkpoint
+"""FP8 on the GPU: the Triton block-scaled GEMM against its reference at Qwen3 sizes; the load-time
+tuner's choice captured in a CUDA graph at every decode batch size; an FP8 checkpoint
 served with FP8 weights (not dequantized) close to transformers' own FP8 path; the default model's
 greedy answer unchanged by quantization='fp8' for its first 16 tokens."""
 
@@ -91,7 +92,7 @@ def test_scaled_mm_and_every_triton_config_match_reference(m, n, k):
     from fxrewrite.kernels import fp8_dispatch
     from fxrewrite.kernels.fp8_gemm import ALT_CONFIGS, CONFIGS, OLD_CONFIGS, fp8_block_gemm_ref, fp8_block_gemm_triton
     from fxrewrite.kernels.fp8_gemm import per_token_group_quant_fp8
-    from fxrewrite.kernels.fp8_gemv import GEMV_CONFIGS, GEMV_MAX_M, fp8_block_gemv_triton
+    from fxrewrite.kernels.fp8_gemv import GEMV_CONFIGS, GEMV_MAX_M, fp8_block_gemv_triton, fp8_weight_only_gemv_ref
     from fxrewrite.kernels.fp8_scaled_mm import fp8_scaled_mm, row_scales_for_scaled_mm, weight_block_scales_for_scaled_mm
     from fxrewrite.layers.fp8_linear import quantize_weight_fp8
 
@@ -110,8 +111,89 @@ def test_scaled_mm_and_every_triton_config_match_reference(m, n, k):
     for cfg in {c for _, c in OLD_CONFIGS + CONFIGS} | set(ALT_CONFIGS):
         outs[repr(cfg)] = fp8_block_gemm_triton(q, s, wq, rows, config=cfg)
     if m <= GEMV_MAX_M:
-        for block_n, target in GEMV_CONFIGS:
-            outs[f"gemv{block_n}"] = fp8_block_gemv_triton(q, s, wq, rows, block_n=block_n, target_programs=target)
+        for i, cfg in enumerate(GEMV_CONFIGS):
+            outs[f"gemv{i}"] = fp8_block_gemv_triton(q, s, wq, rows, torch.bfloat16, *cfg)
+            weight_only = fp8_block_gemv_triton(x, None, wq, rows, torch.bfloat16, *cfg)  # x unquantized
+            want = fp8_weight_only_gemv_ref(x, wq, rows, out_dtype=torch.float32)
+            outs[f"gemv{i}_weight_only"] = weight_only.float() - want + ref  # its error against its own reference
     errors = {name: rel(out) for name, out in outs.items()}
     print(m, n, k, errors)
     assert max(errors.values()) < 1e-2, errors
+
+
+@pytest.mark.parametrize("n, k", [(10240, 5120), (5120, 25600)])  # Qwen3-32B qkv; down (long K, split-K)
+def test_tuned_linear_captures_at_every_graph_size(n, k):
+    """After the load-time tuner ran for a Qwen3-32B shape, the FP8 linear as the layers run it (their
+    dispatcher, the tuned backend per bucket) is captured in a CUDA graph at every decode batch size the
+    engine uses (and at odd sizes), and the replay on fresh inputs matches the float32 reference."""
+    from fxrewrite.kernels import fp8_dispatch, fp8_tune
+    from fxrewrite.layers.fp8_linear import quantize_weight_fp8
+
+    fp8_dispatch.clear()
+    timings = fp8_tune.tune({(n, k)}, torch.device("cuda"))
+    print({f"{key[2]}": {b: (round(t, 1) if isinstance(t, float) else t[:60]) for b, t in v.items()}
+           for key, v in timings.items()})
+    print(fp8_dispatch.choices())
+    assert len(fp8_dispatch.choices()) == len(fp8_dispatch.BUCKETS)  # every bucket proved a backend
+    wq, blocks = quantize_weight_fp8(torch.randn(n, k, device="cuda") * 0.02, (128, 128))
+    rows = blocks.repeat_interleave(128, 0)[:n].t().contiguous().t()  # the layers' layout, strides (1, N)
+    wf = wq.float() * rows.repeat_interleave(128, 1)[:, :k]
+    errors = {}
+    for m in sorted(set(fp8_tune.GRAPH_SIZES) | {3, 5, 7, 13, 100}):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        fp8_dispatch.fp8_linear_dispatch(x, wq, rows)  # warm-up (Triton compiles outside the capture)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fp8_dispatch.fp8_linear_dispatch(x, wq, rows)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        ref = x.float() @ wf.t()
+        errors[m] = (fp8_dispatch.choose(n, k, m), float((out.float() - ref).abs().max() / ref.abs().max()))
+        del graph
+    print(errors)
+    assert all(err < 5e-2 for _, err in errors.values()), errors
+    fp8_dispatch.clear()
+
+
+def test_fp8_engine_captures_every_decode_graph(make_llm):
+    """quantization='fp8' on the small Qwen3: the engine's decode CUDA graphs exist for every bucket
+    (the 2026-11-30 H200 run lost all of them to one cuBLASLt refusal and decoded eagerly)."""
+    from fxrewrite.runtime.worker.cuda_graphs import capture_sizes
+
+    llm = make_llm(model_impl="native", quantization="fp8", dtype="bfloat16", max_num_seqs=64)
+    graphs = llm.llm_engine.model_runner.graph_runner
+    assert graphs is not None and graphs.sizes == capture_sizes(64), getattr(graphs, "sizes", None)
+
+
+@pytest.mark.parametrize("m", [1, 7, 64, 256])
+@pytest.mark.parametrize("n, k", [(6144, 2560), (2560, 9728)])  # Qwen3-4B qkv, down
+def test_rowwise_scaled_mm_matches_reference_and_captures(m, n, k):
+    """scaled_mm_rowwise (per-token activation scales x per-channel weight scales, torch._scaled_mm):
+    the quantization kernel equals its reference; the product of the quantized operands is within 1e-2
+    of the float32 product (max error / largest output); the layer call (quantization included) captured
+    in a CUDA graph and replayed on fresh input is within 5e-2 of x @ dequantized weight in float32."""
+    from fxrewrite.kernels import fp8_dispatch
+    from fxrewrite.kernels.fp8_rowwise import (channel_scales, fp8_rowwise_gemm_ref, fp8_scaled_mm_rowwise,
+                                                per_token_quant_fp8, per_token_quant_fp8_ref)
+    from fxrewrite.layers.fp8_linear import quantize_weight_fp8_per_channel
+
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    q, s = per_token_quant_fp8(x)
+    q_ref, s_ref = per_token_quant_fp8_ref(x)
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    assert (q.float() != q_ref.float()).float().mean() < 1e-3
+    wq, scale = quantize_weight_fp8_per_channel(torch.randn(n, k, device="cuda") * 0.02)
+    w_s = scale[:, None].expand(n, -(-k // 128)).t().contiguous().t()  # the layers' [N, G] layout, strides (1, N)
+    ref = fp8_rowwise_gemm_ref(q, s, wq, channel_scales(w_s), torch.float32)
+    out = fp8_scaled_mm_rowwise(q, s, wq, channel_scales(w_s))
+    assert float((out.float() - ref).abs().max() / ref.abs().max()) < 1e-2
+    fp8_dispatch.fp8_linear_dispatch(x, wq, w_s, backend=fp8_dispatch.ROWWISE, per_channel=True)  # warm-up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = fp8_dispatch.fp8_linear_dispatch(x, wq, w_s, backend=fp8_dispatch.ROWWISE, per_channel=True)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    want = x.float() @ (wq.float() * scale[:, None]).t()
+    err = float((got.float() - want).abs().max() / want.abs().max())
+    print(m, n, k, "rowwise graph replay error", err)
+    assert err < 5e-2

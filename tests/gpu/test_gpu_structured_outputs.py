@@ -59,3 +59,27 @@ def test_prompt_logprobs_on_gpu(make_llm):
     for p, step in enumerate(out.prompt_logprobs[1:], start=1):
         assert prompt[p] in step and len(step) in (5, 6)
         assert all(lp.logprob <= 0 and lp.rank >= 1 for lp in step.values())
+
+
+def test_overlapped_grammar_work_keeps_seeded_outputs_on_gpu(make_llm):
+    """The worker-thread grammar path (pinned host buffers, the reused device bitmask, CUDA events) gives
+    the seeded tokens of the sequential path, with CUDA graphs and async scheduling, at batch 64."""
+    from fxrewrite.runtime.engine.sampling_params import SamplingParams
+    from fxrewrite.runtime.engine.structured_outputs import StructuredOutputsParams
+
+    llm = make_llm(model_impl="native")
+    constraint = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    params = [SamplingParams(temperature=1.0, max_tokens=64, seed=i, structured_outputs=constraint if i % 4 else None)
+              for i in range(64)]
+    prompts = [f"item {i} as JSON:" for i in range(64)]
+
+    def tokens():
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    overlapped = tokens()
+    structured = llm.llm_engine._structured
+    joined = structured.stats["wait_s"]
+    assert joined > 0  # finish_step joined worker jobs
+    structured.overlap = False
+    assert tokens() == overlapped
+    assert structured.stats["wait_s"] == joined and not structured.matchers  # no job: the sequential path

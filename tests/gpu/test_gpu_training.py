@@ -72,6 +72,25 @@ def test_bf16_fused_linear_cross_entropy():
     _close(got[1], want[1], tol=5e-2)
 
 
+def test_fused_linear_cross_entropy_allocates_its_buffers_and_one_chunk():
+    """The kernel path's peak: d/dhidden [N, H], d/dweight [V, H], the losses [N] and one [chunk, V] logits
+    buffer, nothing per chunk (Qwen3-0.6B shapes, 512-row chunks)."""
+    n, hdim, vocab, chunk = 16384, 1024, 151936, 512
+    h = torch.randn(n, hdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(vocab, hdim, device="cuda", dtype=torch.bfloat16) * 0.02).requires_grad_()
+    t = torch.randint(0, vocab, (n,), device="cuda")
+    fused_linear_cross_entropy(h, w, None, t, kernel_params=(1.0, None), chunk_size=chunk)  # warm up (Triton)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss = fused_linear_cross_entropy(h, w, None, t, kernel_params=(1.0, None), chunk_size=chunk)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    expected = n * hdim * 2 + vocab * hdim * 2 + n * 4 + chunk * vocab * 2
+    assert expected <= extra <= expected + (2 << 20), (extra, expected)
+    assert torch.isfinite(loss)
+
+
 def test_training_kernels_compile_without_graph_breaks():
     x = torch.randn(2, 64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(256, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -1,17 +1,18 @@
 """FP8 GEMM backends: every Triton tile config (old table, new table, tuner alternatives) against the
 reference with outer-dim-major scales (Triton interpreter); the scale layouts built for torch's
 block-scaled matmul pass torch's own shape/stride checks (its meta kernels mirror ScaledBlas.cpp);
-the per-M backend choice and its override (the GPU runs are in tests/gpu/test_gpu_fp8.py)."""
+the per-M backend choice, its override and its demotion after a failure (the GPU runs, tuner and
+CUDA-graph capture included, are in tests/gpu/test_gpu_fp8.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fxrewrite.kernels import fp8_dispatch
+from fxrewrite.kernels import fp8_dispatch, fp8_tune
 from fxrewrite.kernels import fp8_gemm as mod
 from fxrewrite.kernels.fp8_gemm import fp8_block_gemm_ref, fp8_linear, per_token_group_quant_fp8_ref
-from fxrewrite.kernels.fp8_gemv import fp8_block_gemv_triton
+from fxrewrite.kernels.fp8_gemv import fp8_block_gemv_triton, fp8_weight_only_gemv_ref
 from fxrewrite.kernels.fp8_scaled_mm import (
     activation_scales_outer_major,
     fp8_scaled_mm,
@@ -33,14 +34,26 @@ def test_every_triton_config_matches_ref_with_outer_major_scales(interpret, conf
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("m, n, k", [(1, 100, 256), (3, 64, 200)])  # partial N tile; partial last group
-@pytest.mark.parametrize("block_n, target", [(32, 1024), (64, 2)])  # split K over all groups / over 2
-def test_gemv_kernel_matches_ref(interpret, m, n, k, block_n, target):
-    aq, a_s = per_token_group_quant_fp8_ref(torch.randn(m, k))
+@pytest.mark.parametrize("m, n, k", [(1, 100, 256), (3, 64, 200), (4, 40, 640)])  # partial N tile / last group
+@pytest.mark.parametrize("block_n, target, step", [(16, 1024, 4), (32, 2, 2)])  # split K over all steps / over 2
+def test_gemv_kernel_matches_ref(interpret, m, n, k, block_n, target, step):
+    x = torch.randn(m, k)
+    aq, a_s = per_token_group_quant_fp8_ref(x)
     wq, w_s = per_token_group_quant_fp8_ref(torch.randn(n, k))
-    want = fp8_block_gemm_ref(aq, a_s, wq, w_s, out_dtype=torch.float32)
-    got = fp8_block_gemv_triton(aq, a_s, wq, row_scales_for_scaled_mm(w_s), torch.float32, block_n, target)
+    want = fp8_block_gemm_ref(aq, a_s, wq, w_s, out_dtype=torch.float32)  # W8A8 form
+    got = fp8_block_gemv_triton(aq, a_s, wq, row_scales_for_scaled_mm(w_s), torch.float32, block_n, target, step)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    want = fp8_weight_only_gemv_ref(x, wq, w_s, out_dtype=torch.float32)  # weight-only form: x as it is
+    got = fp8_block_gemv_triton(x, None, wq, row_scales_for_scaled_mm(w_s), torch.float32, block_n, target, step)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_gemv_refuses_more_rows_than_it_unrolls():
+    from fxrewrite.kernels.fp8_gemv import GEMV_MAX_M
+
+    w = torch.zeros(8, 128, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=f"at most {GEMV_MAX_M} rows"):
+        fp8_block_gemv_triton(torch.zeros(GEMV_MAX_M + 1, 128), None, w, torch.ones(8, 1))
 
 
 def test_quant_writes_outer_major_scales(interpret, monkeypatch):
@@ -86,18 +99,55 @@ def test_block_scales_are_padded_to_a_multiple_of_4_groups():
     assert torch.equal(out[:3], blocks.t())
 
 
-def test_backend_choice_defaults_to_triton_and_can_be_forced(monkeypatch):
+def test_backend_choice_defaults_and_can_be_forced(monkeypatch):
     fp8_dispatch.clear()
-    assert fp8_dispatch.choose(6144, 2560, 300) == "triton"
-    fp8_dispatch._choices[(6144, 2560, fp8_dispatch.bucket_of(300))] = "scaled_mm"
+    assert fp8_dispatch.choose(6144, 2560, 300) == "triton" and fp8_dispatch.choose(6144, 2560, 1) == "gemv:0"
+    fp8_dispatch.record(6144, 2560, fp8_dispatch.bucket_of(300), ["scaled_mm", "triton:1"])
     assert fp8_dispatch.bucket_of(300) == 512 and fp8_dispatch.choose(6144, 2560, 300) == "scaled_mm"
     assert fp8_dispatch.choose(6144, 2560, 100) == "triton"
+    assert fp8_dispatch.choices() == {"6144x2560@512": "scaled_mm"}
     monkeypatch.setenv("FXREWRITE_FP8_GEMM", "triton")
-    assert fp8_dispatch.choose(6144, 2560, 300) == "triton" and fp8_dispatch.tune({(64, 128)}, "cpu") == {}
+    assert fp8_dispatch.choose(6144, 2560, 300) == "triton" and fp8_tune.tune({(64, 128)}, "cpu") == {}
     monkeypatch.setenv("FXREWRITE_FP8_GEMM", "cublas")
     with pytest.raises(ValueError, match="FXREWRITE_FP8_GEMM='cublas'"):
         fp8_dispatch.choose(1, 1, 1)
     fp8_dispatch.clear()
+
+
+def test_failing_scaled_mm_demotes_its_bucket_and_reruns(interpret, monkeypatch, caplog):
+    """What a cuBLASLt refusal at an unseen token count does: the call reruns on the bucket's next
+    validated backend (same result as that backend), the choice sticks, and a warning names it."""
+    monkeypatch.setenv("FXREWRITE_TRITON", "1")
+    fp8_dispatch.clear()
+    x = torch.randn(3, 256)
+    wq, w_s = per_token_group_quant_fp8_ref(torch.randn(64, 256))
+    rows = row_scales_for_scaled_mm(w_s)
+    fp8_dispatch.record(64, 256, fp8_dispatch.bucket_of(3), ["scaled_mm", "triton"])
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmulAlgoGetHeuristic")
+
+    monkeypatch.setattr(fp8_dispatch, "fp8_scaled_mm", refuse)
+    with caplog.at_level("WARNING"):
+        got = fp8_dispatch.fp8_linear_dispatch(x, wq, rows)
+    torch.testing.assert_close(got, fp8_dispatch.fp8_linear_dispatch(x, wq, rows, backend="triton"))
+    assert fp8_dispatch.choose(64, 256, 3) == "triton" and "now runs triton" in caplog.text
+    with pytest.raises(RuntimeError, match="CUBLAS"):  # an explicit backend is never replaced
+        fp8_dispatch.fp8_linear_dispatch(x, wq, rows, backend="scaled_mm")
+    fp8_dispatch.clear()
+
+
+def test_tuner_proves_every_decode_graph_size():
+    from fxrewrite.runtime.worker.cuda_graphs import capture_sizes
+
+    assert list(fp8_tune.GRAPH_SIZES) == capture_sizes(512)
+    proven = {m for b in fp8_dispatch.BUCKETS for m in fp8_tune.sizes_to_prove(b)}
+    assert set(fp8_tune.GRAPH_SIZES) <= proven
+    assert all(fp8_dispatch.bucket_of(m) == b for b in fp8_dispatch.BUCKETS for m in fp8_tune.sizes_to_prove(b))
+    assert fp8_tune.sizes_to_prove(8) == [5, 8] and fp8_tune.sizes_to_prove(4) == [3, 4]
+    assert fp8_tune.sizes_to_prove(64) == [33, 48, 64]
+    assert "scaled_mm" in fp8_tune.candidates(5120, 25600, 8) and "gemv:0" in fp8_tune.candidates(5120, 25600, 4)
+    assert not any(c.startswith("gemv") for c in fp8_tune.candidates(5120, 25600, 8))
 
 
 def test_linear_dispatch_on_cpu_is_the_reference():
@@ -129,3 +179,35 @@ def test_prepared_layer_keeps_scales_outer_major_and_its_forward_matches(interpr
     x = x / 8  # on the FP8 grid with every group's amax 448 / 8: quantizing it rounds nothing
     want = x @ (q.float() * blocks.repeat_interleave(128, 0)[:80].repeat_interleave(128, 1)).t()
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-4)
+
+
+def test_tuner_keeps_only_proven_backends_fastest_first(interpret, monkeypatch):
+    """The tuner's ranking and proofs on a CPU (Triton interpreter; graph capture and timing faked): a
+    backend that raises (torch's block-scaled matmul has no CPU kernel) or is wrong is never chosen; the
+    rest are kept fastest first for demotion."""
+    monkeypatch.setenv("FXREWRITE_TRITON", "1")
+    monkeypatch.setattr(fp8_tune.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(fp8_tune, "capture", lambda fn: (type("G", (), {"replay": lambda self: None})(), fn()))
+    fake_us = {"scaled_mm": 1.0, "gemv:1": 2.0, "triton": 3.0, "gemv:0": 4.0, "gemv:2": 5.0, "gemv:3": 6.0}
+    # the timed lambdas carry their backend as the default of `name`
+    monkeypatch.setattr(fp8_tune, "graph_time_us", lambda fn, reps, copies: (fn(0), fake_us[fn.__defaults__[0]])[1])
+    real = fp8_dispatch.fp8_linear_dispatch
+
+    def dispatch(x, w, w_s, group_size=128, backend=None, per_channel=False):
+        out = real(x, w, w_s, group_size, backend, per_channel)
+        return out * 2 if backend == "gemv:1" else out  # a wrong kernel: twice the right answer
+
+    monkeypatch.setattr(fp8_tune, "fp8_linear_dispatch", dispatch)
+    fp8_dispatch.clear()
+    torch.manual_seed(0)
+    wq = torch.randn(32, 128).div(8).to(torch.float8_e4m3fn)
+    w_s = torch.rand(32, 1).add(0.5).div(448)
+    wf = wq.float() * w_s
+    results = fp8_tune._tune_bucket([wq], w_s, wf, 4, torch.float32)
+    print(results)
+    assert results["scaled_mm"].startswith("error: ")  # raised when timed (no CPU kernel for block scales)
+    assert results["gemv:1"].startswith("error at M=3: ValueError: max relative error")  # wrong: refused
+    assert fp8_dispatch._ranked[(32, 128, 4, False)] == ["triton", "gemv:0", "gemv:2", "gemv:3"]
+    assert fp8_dispatch.choose(32, 128, 3) == "triton"
+    fp8_dispatch.clear()
+

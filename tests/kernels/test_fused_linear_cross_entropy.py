@@ -76,3 +76,58 @@ def test_default_chunk_size():
     assert default_chunk_size(16384, 151936, 1024) == 128
     assert default_chunk_size(10, 151936, 1024) == 10
     assert default_chunk_size(1 << 20, 32000, 4096) == 4096  # capped at 2**27 logits
+    # under checkpointing: logits no larger than one layer's gate/up output [N, 2I] (Qwen3-0.6B: 512 rows)
+    assert default_chunk_size(16384, 151936, 1024, intermediate=3072) == 512
+    assert 512 * 151936 <= 16384 * 2 * 3072 < 1024 * 151936
+    assert default_chunk_size(16384, 151936, 2560, intermediate=9728) == 2048  # Qwen3-4B
+    assert default_chunk_size(10, 151936, 1024, intermediate=3072) == 10
+    assert default_chunk_size(16384, 151936, 1024, intermediate=8) == 128  # never below Liger's rule
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_flce_kernel_path_reuses_its_buffers(interpret, monkeypatch, bias):
+    """The Triton path allocates its buffers once: per chunk only GEMMs into them and the kernel run (the
+    number of allocations outside the kernel does not grow with the number of chunks; the interpreter's own
+    copies are not counted), with the reference's values."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import fxrewrite.kernels.fused_linear_cross_entropy as flce
+
+    monkeypatch.setenv("FXREWRITE_TRITON", "1")
+
+    class CountAllocs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count, self.paused = 0, False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            fresh = all(r.alias_info is None for r in func._schema.returns)  # not a view, not an out= write
+            self.count += not self.paused and fresh and isinstance(out, torch.Tensor)
+            return out
+
+    kernel = flce.cross_entropy_grad_
+
+    def uncounted_kernel(*args, **kwargs):
+        mode.paused = True
+        try:
+            return kernel(*args, **kwargs)
+        finally:
+            mode.paused = False
+
+    monkeypatch.setattr(flce, "cross_entropy_grad_", uncounted_kernel)
+
+    gen = torch.Generator().manual_seed(3)
+    h, w = torch.randn(32, 8, generator=gen), torch.randn(40, 8, generator=gen) * 0.3
+    b = torch.randn(40, generator=gen) if bias else None
+    t = torch.randint(0, 40, (32,), generator=gen)
+    counts = []
+    for chunk in (16, 4):
+        leaves = [x.clone().requires_grad_() for x in (h, w) + ((b,) if bias else ())]
+        with CountAllocs() as mode:
+            got = fused_linear_cross_entropy(leaves[0], leaves[1], leaves[2] if bias else None, t, -100, None,
+                                             (1.0, None), chunk_size=chunk)
+        counts.append(mode.count)
+        want = fused_linear_cross_entropy_ref(h, w, b, t)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+    assert counts[0] == counts[1], counts

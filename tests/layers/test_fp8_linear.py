@@ -96,3 +96,37 @@ def test_dynamic_quantization_of_a_plain_linear():
     x = torch.randn(4, 200)
     rel = (layer(x) - lin(x)).norm() / lin(x).norm()
     assert rel < 0.05
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_per_channel_quantization_of_a_fused_shard_keeps_each_rows_scale(tp_rank):
+    """quantization='fp8' on a float checkpoint quantizes the loaded (fused, sharded) weight per row:
+    rank r's gate_up rows get exactly the per-channel scales and FP8 values that quantizing the whole
+    [gate; up] weight gives those rows (192-row parts: rank 1 starts mid-block), every group of a row
+    holds the row's scale, and the dequantized layer is that round trip."""
+    from fxrewrite.layers.fp8_linear import quantize_weight_fp8_per_channel
+
+    gate, up = torch.randn(192, 256), torch.randn(192, 256) * 3
+    layer = MergedColumnParallelLinear(256, [192, 192], tp_size=2, tp_rank=tp_rank, bias=False, device="cpu")
+    layer.weight_loader(layer.weight, gate, 0)
+    layer.weight_loader(layer.weight, up, 1)
+    layer = quantize_fp8_layer(layer, "mlp.gate_up_proj", BLOCK, per_channel=True)
+    q, scale = quantize_weight_fp8_per_channel(torch.cat([gate, up]))
+    rows = torch.cat([torch.arange(96) + 96 * tp_rank, torch.arange(96) + 192 + 96 * tp_rank])
+    s = getattr(layer, SCALE_NAME)
+    assert layer.weight_per_channel and torch.equal(s, scale[rows, None].expand(192, 2))
+    assert torch.equal(layer.weight.view(torch.uint8), q[rows].view(torch.uint8))
+    dequantize_fp8_layer(layer, torch.float32)
+    assert torch.equal(layer.weight, q[rows].float() * scale[rows, None])
+
+
+def test_per_channel_row_parallel_shard_round_trip():
+    """A row-parallel shard (K split over ranks) gets one scale per row of its own columns."""
+    w = torch.randn(64, 512)
+    layer = RowParallelLinear(512, 64, tp_size=2, tp_rank=1, bias=False, device="cpu")
+    layer.weight_loader(layer.weight, w)
+    layer = quantize_fp8_layer(layer, "o_proj", BLOCK, per_channel=True)
+    part = w[:, 256:]
+    torch.testing.assert_close(getattr(layer, SCALE_NAME)[:, 0], part.abs().amax(1) / 448)
+    dequantize_fp8_layer(layer, torch.float32)
+    assert ((layer.weight - part).abs() / part.abs().amax(1, keepdim=True)).max() < 2 ** -4

@@ -14,6 +14,7 @@ import torch
 from fxrewrite.runtime.engine.data_parallel import DPLLMEngine
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 from fxrewrite.runtime.llm import LLM
+from fxrewrite.runtime.worker.cuda_graphs import EMULATE_ENV
 from tests.distributed.tp_ranks import make_llm
 from tests.moe.test_moe_parallel import MOE
 
@@ -58,10 +59,16 @@ def test_dp2_dense_replicas_equal_one_engine(tiny_qwen3_dir):
 
 
 @pytest.mark.parametrize("impl", ["native", "transformers"])
-def test_dp2_ep_moe_equals_one_engine(qwen3_moe_dir, impl):
+def test_dp2_ep_moe_equals_one_engine(qwen3_moe_dir, impl, monkeypatch):
+    """native: decode waves through the CUDA-graph bucket protocol (buckets emulated eagerly on the CPU:
+    replicas padded to one bucket, MoE collectives of uniform size, the idle replica replaying padding
+    rows); transformers: every wave eager, the idle replica calling the MoE layers with zero tokens."""
     want = _greedy(make_llm(qwen3_moe_dir, impl))
+    if impl == "native":
+        monkeypatch.setenv(EMULATE_ENV, "1")  # the spawned workers inherit it
     llm = make_llm(qwen3_moe_dir, impl, data_parallel_size=2, enable_expert_parallel=True)
     try:
+        assert (llm.llm_engine.model_runner.model.cuda_graph_buckets > 0) == (impl == "native")
         assert _greedy(llm) == want
         _check_replicas_used_and_freed(llm)
         stats = llm.llm_engine.get_stats()
@@ -102,3 +109,39 @@ def test_dp2_tp2_ep_moe_equals_one_engine(tiny_model_dir):
         _check_replicas_used_and_freed(llm)
     finally:
         llm.llm_engine.shutdown()
+
+
+def _wave_msg(num_new: list[int]):
+    import numpy as np
+
+    from fxrewrite.runtime.worker.worker import STEP_FIELDS, StepMessage
+
+    steps = np.zeros((len(num_new), len(STEP_FIELDS)), dtype=np.int64)
+    steps[:, STEP_FIELDS.index("num_new_tokens")] = num_new
+    return StepMessage([], [], steps, np.zeros(0, np.int64), np.zeros(0, np.int64))
+
+
+def test_wave_bucket_pads_every_replica_to_one_decode_graph():
+    """DP x EP decode waves replay one CUDA graph bucket on every replica (idle ones too); a prefill
+    anywhere, or more sequences than the largest bucket, runs the whole wave eagerly (0)."""
+    from fxrewrite.runtime.worker.cuda_graphs import CUDAGraphRunner
+    from fxrewrite.runtime.worker.dp_worker import wave_bucket, wave_token_counts
+
+    graphs = CUDAGraphRunner(None, None, max_num_seqs=40, max_model_len=64, block_size=16, hidden_size=4,
+                             dtype=torch.float32, device=torch.device("cpu"))
+    graphs.graphs = dict.fromkeys(graphs.sizes)  # sizes 1, 2, 4, 8, 16, 32, 40 (capture needs a GPU)
+
+    def bucket(*wave):
+        return wave_bucket(list(wave), wave_token_counts(list(wave)), graphs)
+
+    assert bucket(_wave_msg([1] * 3), None) == 4  # replica 1 idle: it replays bucket 4 on padding rows
+    assert bucket(_wave_msg([1] * 3), _wave_msg([1] * 9)) == 16
+    assert bucket(_wave_msg([1] * 40), _wave_msg([1])) == 40
+    assert bucket(_wave_msg([1] * 41), None) == 0
+    assert bucket(_wave_msg([1, 5]), _wave_msg([1])) == 0  # a prefill chunk: eager everywhere
+    assert bucket(None, None) == 0
+    graphs.step_bucket = 0
+    meta = type("M", (), {"max_query_len": 1, "seq_lens": torch.ones(2), "max_seq_len": 8})()
+    assert not graphs.can_run(2, meta)
+    graphs.step_bucket = 16
+    assert graphs.can_run(2, meta) and graphs.bucket(max(2, graphs.step_bucket)) == 16

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fxrewrite.kernels import fused_moe
 from fxrewrite.kernels.fused_moe import fused_experts, fused_experts_ref, moe_align_block_size, select_experts
+from fxrewrite.kernels.fused_moe_direct import DIRECT_MAX_TOKENS, direct_experts
 
 
 def _inputs(t=7, h=24, i=20, e=6, k=2, seed=0):
@@ -82,6 +84,28 @@ def test_triton_forward_backward_match_reference(interpret, monkeypatch, start):
         torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids, start), want.detach(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("t,start", [(1, 0), (3, 2), (DIRECT_MAX_TOKENS + 1, 0)])
+def test_inference_paths_match_reference(interpret, monkeypatch, t, start):
+    """No autograd: up to DIRECT_MAX_TOKENS the direct GEMV kernels, above them the grouped GEMMs;
+    odd sizes (H=24, I=20: masked tiles) and expert parallelism (slots of other ranks' experts)."""
+    monkeypatch.setenv("FXREWRITE_TRITON", "1")
+    x, w13, w2, weights, ids = _inputs(t=t)
+    calls = []
+    monkeypatch.setattr(fused_moe, "direct_experts", lambda *a: calls.append(1) or direct_experts(*a))
+    with torch.no_grad():
+        got = fused_experts(x, w13, w2, weights, ids, start)
+    assert bool(calls) == (t <= DIRECT_MAX_TOKENS)
+    torch.testing.assert_close(got, fused_experts_ref(x, w13, w2, weights, ids, start), rtol=1e-5, atol=1e-5)
+
+
+def test_direct_kernels_multi_tile(interpret):
+    """Several N tiles and reduction chunks per program (tiles smaller than H and I)."""
+    x, w13, w2, weights, ids = _inputs(t=2, h=40, i=36, e=5, k=3)
+    cfg = dict(gate_up=dict(block_n=8, block_k=16, num_warps=1), down=dict(block_n=16, block_k=16, num_warps=1))
+    torch.testing.assert_close(direct_experts(x, w13, w2, weights, ids, 1, cfg),
+                               fused_experts_ref(x, w13, w2, weights, ids, 1), rtol=1e-5, atol=1e-5)
+
+
 def test_shape_errors_name_the_shapes():
     x, w13, w2, weights, ids = _inputs()
     with pytest.raises(ValueError, match="expected x \\[T, H\\]"):
@@ -91,7 +115,7 @@ def test_shape_errors_name_the_shapes():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 64, 1024])
+@pytest.mark.parametrize("t", [1, 3, 8, 9, 64, 1024])
 def test_triton_bf16_on_gpu(t):
     torch.manual_seed(0)
     e, h, i, k = 128, 2048, 768, 8
@@ -131,3 +155,26 @@ def test_triton_backward_and_cuda_graph_on_gpu():
         graph.replay()
         torch.testing.assert_close(out.float(), fused_experts_ref(xs.float(), w13b.float(), w2b.float(), ws, ids_s),
                                    rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("start", [0, 64])
+def test_direct_path_cuda_graph_on_gpu(start):
+    """The decode path (T <= DIRECT_MAX_TOKENS) replays in a CUDA graph with new routing; with
+    expert parallelism (start 64: half the experts held) remote slots add zero."""
+    torch.manual_seed(0)
+    e, h, i, k, t = 128, 2048, 768, 8, 2
+    held = slice(start, start + 64) if start else slice(0, e)
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    w13 = (torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16) * 0.02)[held].contiguous()
+    w2 = (torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16) * 0.02)[held].contiguous()
+    weights, ids = select_experts(torch.randn(t, e, device="cuda"), k, True)
+    with torch.no_grad():
+        fused_experts(x, w13, w2, weights, ids, start)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fused_experts(x, w13, w2, weights, ids, start)
+        ids.copy_(torch.randperm(e, device="cuda")[: t * k].view(t, k))
+        graph.replay()
+    want = fused_experts_ref(x.float(), w13.float(), w2.float(), weights, ids, start)
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)

@@ -82,16 +82,16 @@ def test_fp8_checkpoint_matches_transformers_fp8(fp8_dir, hf_fp8_reference, impl
 
 def _dynamic_fp8_reference(path):
     """The float model with what quantization='fp8' does at TP=1: each fused weight ([q; k; v],
-    [gate; up]) and each other projection quantized in 128 x 128 blocks, then dequantized."""
+    [gate; up]) and each other projection quantized per output channel (one scale per row), then
+    dequantized."""
     from transformers import AutoModelForCausalLM
 
-    from fxrewrite.layers.fp8_linear import quantize_weight_fp8
+    from fxrewrite.layers.fp8_linear import quantize_weight_fp8_per_channel
 
     def round_trip(weights):
         fused = torch.cat([w.weight for w in weights])
-        q, s = quantize_weight_fp8(fused, (128, 128))
-        rows, cols = fused.shape
-        deq = q.float() * s.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
+        q, s = quantize_weight_fp8_per_channel(fused)
+        deq = q.float() * s[:, None]
         for w, part in zip(weights, deq.split([w.weight.shape[0] for w in weights])):
             w.weight.copy_(part)
 

@@ -47,6 +47,39 @@ def test_sampling_follows_the_distribution():
     assert torch.allclose(counts / 600, torch.tensor([0.7, 0.2, 0.1]), atol=0.06)
 
 
+@pytest.mark.parametrize("kwargs, allowed", [
+    ({"top_k": 2}, {0, 1}),                 # no top-p: the no-sort path (top-k by threshold)
+    ({"min_p": 0.2}, {0, 1, 2}),            # no top-p: min-p against the top probability
+    ({"top_k": 3, "top_p": 0.85}, {0, 1}),  # top-p: the sorted path
+])
+def test_filters_keep_only_allowed_tokens_in_their_proportions(kwargs, allowed):
+    probs = torch.tensor([0.5, 0.3, 0.12, 0.05, 0.03])
+    sampler, seq = Sampler(set()), seqs_for(SamplingParams(seed=0, **kwargs))
+    logits = torch.log(probs)[None].repeat(400, 1)
+    tokens = [r.token_id for r in sampler(logits, seq * 400)]
+    assert set(tokens) <= allowed and len(set(tokens)) == len(allowed)
+    kept = probs[sorted(allowed)] / probs[sorted(allowed)].sum()
+    counts = torch.bincount(torch.tensor(tokens), minlength=5)[sorted(allowed)] / 400
+    assert torch.allclose(counts, kept, atol=0.07)
+
+
+def test_logprob_ranks_and_top_entries_per_row():
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0),
+              SamplingParams(temperature=1.0, seed=3, logprobs=0), SamplingParams(temperature=0, logprobs=1)]
+    results = Sampler(set())(logits, seqs_for(*params))
+    ref = torch.log_softmax(logits, -1)
+    assert results[1].top_logprobs is None
+    for i in (0, 2, 3):
+        r = results[i]
+        rank = int((ref[i] > ref[i, r.token_id]).sum()) + 1
+        assert r.top_logprobs[r.token_id] == (pytest.approx(r.logprob), rank)
+        values, ids = ref[i].topk(params[i].logprobs or 1)
+        for t, v in zip(ids.tolist()[:params[i].logprobs], values.tolist()):
+            assert r.top_logprobs[t][0] == pytest.approx(v)
+        assert len(r.top_logprobs) == len({r.token_id, *ids.tolist()[:params[i].logprobs]})
+
+
 def test_penalties_and_min_tokens():
     logits = torch.tensor([[2.0, 1.9, 0.0, 0.0]])
     (seq,) = seqs_for(SamplingParams(temperature=0, presence_penalty=1.0), prompt=(3,))

@@ -68,7 +68,8 @@ def test_regex_choice_and_grammar(llm):
     outs = llm.generate(prompts + ["d"], params, use_tqdm=False)
     assert all(re.fullmatch(r"[0-9]{3}-[a-z]{2}", c.text) for c in outs[0].outputs)
     assert all(c.text in ("yes", "no", 'maybe "so"') for c in outs[1].outputs)
-    assert all(re.fullmatch(r"\([a-c]+\)", c.text) for c in outs[2].outputs)
+    for c in outs[2].outputs:  # [a-c]+ may outlast max_tokens at random: then a valid prefix
+        assert re.fullmatch(r"\([a-c]+\)" if c.finish_reason == "stop" else r"\([a-c]*", c.text), c
 
 
 @pytest.mark.parametrize("bad, message", [

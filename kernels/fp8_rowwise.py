@@ -1,0 +1,86 @@
+"""Row-wise scaled FP8 GEMM for per-output-channel weights (``quantization="fp8"`` on a bf16 checkpoint).
+
+Weights carry one float32 scale per output row (dequantized w[n, :] = fp8 w[n, :] * w_scale[n]) and
+activations one scale per token, computed on the fly (scale = max(amax of the row, 1e-10) / 448):
+
+    out[m, n] = a_scale[m] * w_scale[n] * sum_k a[m, k] * w[n, k]   (float32 accumulate)
+
+That is the "row-wise" scaling of ``torch._scaled_mm`` (scale_a [M, 1], scale_b [1, N], float32),
+which torch runs through its CUTLASS sm90 kernel (``f8f8bf16_rowwise`` in
+``aten/src/ATen/native/cuda/RowwiseScaledMM.cu``); vLLM's online FP8 uses per-tensor weight scales,
+per-channel is at least as accurate. References: `per_token_quant_fp8_ref`, `fp8_rowwise_gemm_ref`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fxrewrite.kernels import use_triton
+from fxrewrite.kernels.fp8_gemm import _EPS, FP8_DTYPE, FP8_MAX
+from fxrewrite.kernels.triton_utils import launch, tl, triton
+
+__all__ = ["per_token_quant_fp8", "per_token_quant_fp8_ref", "fp8_rowwise_gemm_ref", "fp8_scaled_mm_rowwise",
+           "channel_scales"]
+
+_BLOCK = 1024
+
+
+def per_token_quant_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (any float dtype) -> (x_q [M, K] float8_e4m3fn, scales [M, 1] float32).
+
+    scale = max(amax of the row, 1e-10) / 448; x_q = clamp(x / scale, -448, 448) in float32.
+    """
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(_EPS) / FP8_MAX
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `per_token_quant_fp8_ref`; one Triton program per token (amax pass, then
+    quantize pass over K in chunks of 1024) on CUDA or under the interpreter."""
+    if not use_triton(x):
+        return per_token_quant_fp8_ref(x)
+    x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        launch(_per_token_quant_kernel, (m,), x.device)(x, q, s, k, _EPS, FP8_MAX, BLOCK=_BLOCK)
+    return q, s
+
+
+@triton.jit
+def _per_token_quant_kernel(x_ptr, q_ptr, s_ptr, K, eps, fp8_max, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, K, BLOCK):
+        x = tl.load(x_ptr + row * K + start + offs, mask=start + offs < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, axis=0), eps) / fp8_max
+    for start in range(0, K, BLOCK):
+        mask = start + offs < K
+        x = tl.load(x_ptr + row * K + start + offs, mask=mask, other=0.0).to(tl.float32)
+        q = tl.clamp(x / scale, -fp8_max, fp8_max)
+        tl.store(q_ptr + row * K + start + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+def channel_scales(w_s: torch.Tensor) -> torch.Tensor:
+    """A per-channel layer's scales as stored for the group kernels ([N, G] float32, every column equal,
+    strides (1, N) on the GPU) -> [1, N] float32 for scale_b: column 0 (a view when it is contiguous)."""
+    return w_s[:, 0].contiguous().view(1, -1)
+
+
+def fp8_rowwise_gemm_ref(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor,
+                         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Torch reference: a [M, K] fp8, a_s [M, 1], w [N, K] fp8, w_s [1, N] -> [M, N] out_dtype."""
+    return ((a.float() @ w.float().t()) * a_s * w_s).to(out_dtype)
+
+
+def fp8_scaled_mm_rowwise(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor,
+                          out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """a [M, K] fp8, a_s [M, 1] float32, w [N, K] fp8, w_s [1, N] float32 -> [M, N] out_dtype through
+    ``torch._scaled_mm`` with row-wise scales (CUDA sm89+; K and N multiples of 16; torch supports
+    bf16 output for this scaling). Raises what torch raises where it is not supported."""
+    return torch._scaled_mm(a, w.t(), scale_a=a_s, scale_b=w_s, out_dtype=out_dtype)

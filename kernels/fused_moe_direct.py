@@ -1,0 +1,122 @@
+"""Few-token MoE experts: GEMV kernels indexed directly by the top-k ids (no sort, no alignment).
+
+For decode at small batch the grouped GEMM path (`fxrewrite.kernels.fused_moe`) spends most of its
+time outside the weight reads: the slot alignment (a fill and three launches), padded row blocks
+of which one row in sixteen is real, a float32 output fill and the weighted sum over k. Here two
+launches do the whole experts computation of ``fused_experts_ref`` for T tokens and K slots each:
+
+1. ``_direct_gate_up_kernel``, one program per (slot, N-tile): reads x[t] and the tile's rows of
+   gate and up of expert ``ids[slot]`` only, and stores ``silu(gate) * up`` (float32 accumulation,
+   stored in x's dtype as the grouped path does);
+2. ``_direct_down_kernel``, one program per (token, H-tile): for each of the token's K slots reads
+   the tile's rows of w2 of that expert and accumulates ``w[t, k] * (w2_e @ act[slot])`` in float32,
+   so the combine over k is fused (a fixed order: no atomics, deterministic).
+
+Only the active experts' weights are read: the bytes of a decode step's experts are K rows of
+experts per token, which is the roofline the latency benchmark measures against. Slots routed to
+experts outside ``[expert_start, expert_start + E_local)`` (expert parallelism) read nothing and
+contribute zero. The specification is `fxrewrite.kernels.fused_moe.fused_experts_ref`. Design fact
+from vLLM/SGLang's small-batch MoE paths (skip the alignment when T*K is small, index experts by
+the top-k ids); the code is our own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fxrewrite.kernels.triton_utils import launch, tl, triton
+
+__all__ = ["DIRECT_MAX_TOKENS", "direct_config", "direct_experts"]
+
+DIRECT_MAX_TOKENS = 8
+"""Largest token count sent to the direct path by `fused_experts` at inference. Above it, tokens
+share experts often enough that the grouped GEMM (each expert's weights read once) wins."""
+
+
+@triton.jit
+def _direct_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, expert_start, num_local, stride_xt,
+                           stride_we, stride_wn, stride_wk, inter,
+                           TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    slot = tl.program_id(0)
+    expert = tl.load(ids_ptr + slot).to(tl.int32) - expert_start
+    if (expert < 0) | (expert >= num_local):  # another rank's expert: its act row is never read
+        return
+    token = (slot // TOP_K).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < inter
+    base = w13_ptr + expert.to(tl.int64) * stride_we
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.static_range(0, HIDDEN, BLOCK_K):  # unrolled: the loads can all be issued early
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < HIDDEN
+        xv = tl.load(x_ptr + token * stride_xt + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        mask = n_mask[:, None] & k_mask[None, :]
+        ptrs = base + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
+        gate = tl.load(ptrs, mask=mask, other=0.0)
+        up = tl.load(ptrs + inter * stride_wn, mask=mask, other=0.0)
+        acc_gate += gate.to(tl.float32) * xv[None, :]
+        acc_up += up.to(tl.float32) * xv[None, :]
+    g = tl.sum(acc_gate, axis=1)
+    act = g * tl.sigmoid(g) * tl.sum(acc_up, axis=1)
+    tl.store(act_ptr + slot.to(tl.int64) * inter + offs_n, act.to(act_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _direct_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, expert_start, num_local, hidden,
+                        stride_we, stride_wn, stride_wk,
+                        TOP_K: tl.constexpr, INTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < hidden
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        slot = token * TOP_K + k
+        expert = tl.load(ids_ptr + slot).to(tl.int32) - expert_start
+        local = (expert >= 0) & (expert < num_local)
+        scale = tl.load(weights_ptr + slot).to(tl.float32)
+        base = w2_ptr + tl.where(local, expert, 0).to(tl.int64) * stride_we
+        limit = tl.where(local, INTER, 0)  # a remote slot loads nothing and adds zero
+        for i0 in tl.static_range(0, INTER, BLOCK_K):
+            offs_k = i0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < limit
+            a = tl.load(act_ptr + slot * INTER + offs_k, mask=k_mask, other=0.0).to(tl.float32) * scale
+            w = tl.load(base + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk,
+                        mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            acc += w.to(tl.float32) * a[None, :]
+    tl.store(out_ptr + token * hidden + offs_n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def direct_config(num_tokens: int) -> dict:
+    """Tile sizes (output rows per program, reduction chunk, warps) of the two kernels.
+
+    Row tiles are small so that even one token spreads over more programs than the H200 has SMs
+    (gate_up: K * I / 16 programs; down: H / 8), and each program keeps several 256-wide weight
+    chunks in flight (the reduction loops are unrolled)."""
+    del num_tokens  # one config for now; `fxrewrite.benchmarks.moe_kernels --sweep` times others
+    return dict(gate_up=dict(block_n=16, block_k=256, num_warps=4), down=dict(block_n=8, block_k=256, num_warps=4))
+
+
+def direct_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor, expert_start: int = 0, config: dict | None = None) -> torch.Tensor:
+    """Same contract as `fused_experts_ref` (x [T, H], w13 [E, 2I, H], w2 [E, H, I], routing [T, K]
+    -> [T, H] in x's dtype), inference only (no autograd); shapes are checked by the caller."""
+    t, k = topk_ids.shape
+    num_local, two_i, hidden = w13.shape
+    inter = two_i // 2
+    cfg = config or direct_config(t)
+    gu, dn = cfg["gate_up"], cfg["down"]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    ids = topk_ids.reshape(-1).contiguous()
+    weights = topk_weights.reshape(-1).contiguous()
+    act = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    launch(_direct_gate_up_kernel, (t * k, triton.cdiv(inter, gu["block_n"])), x.device)(
+        x, w13, ids, act, expert_start, num_local, x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), inter,
+        TOP_K=k, HIDDEN=hidden, BLOCK_N=gu["block_n"], BLOCK_K=min(gu["block_k"], triton.next_power_of_2(hidden)),
+        num_warps=gu["num_warps"])
+    launch(_direct_down_kernel, (t, triton.cdiv(hidden, dn["block_n"])), x.device)(
+        act, w2, ids, weights, out, expert_start, num_local, hidden, w2.stride(0), w2.stride(1), w2.stride(2),
+        TOP_K=k, INTER=inter, BLOCK_N=dn["block_n"], BLOCK_K=min(dn["block_k"], triton.next_power_of_2(inter)),
+        num_warps=dn["num_warps"])
+    return out

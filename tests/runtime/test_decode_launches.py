@@ -1,0 +1,109 @@
+"""Batch-1 decode launches (Triton kernels in the interpreter) and the load-time kernel warm-up.
+
+The native Qwen3 writes K/V from its fused norm-rope kernel: one launch per layer fewer than the unfused
+path, no reshape_and_cache launch, no split-KV reduce at one split, and the same greedy tokens as the
+torch references. The warm-up's dummy steps run through the engine's model and write nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fxrewrite.benchmarks.count_launches import decode_step_launches
+from fxrewrite.kernels.paged_decode import _num_splits, decode_warmup_cases
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
+from fxrewrite.runtime.llm import LLM
+from fxrewrite.runtime.models.llama import LlamaAttention
+from fxrewrite.runtime.models.qwen3 import Qwen3Attention
+from fxrewrite.runtime.worker.warmup import dummy_metadata, warm_up_kernels, warmup_steps
+
+
+@pytest.fixture
+def interpret():
+    from fxrewrite.kernels.triton_utils import HAS_TRITON, interpreter_ready
+
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    if not interpreter_ready():
+        pytest.skip("triton runs compiled kernels here (a GPU machine): the CPU interpreter is not in use")
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    """One engine for the file (a tiny 1-layer Qwen3, float32, max_model_len 256)."""
+    path = tiny_model_dir("qwen3", num_hidden_layers=1)
+    return LLM(str(path), model_impl="native", dtype="float32", kv_cache_memory_bytes=1 << 21, max_model_len=256,
+               enable_prefix_caching=False)  # each run computes its own K/V
+
+
+def test_fused_kv_write_saves_a_launch_per_layer(llm, interpret, monkeypatch):
+    monkeypatch.setenv("FXREWRITE_TRITON", "1")
+    fused = decode_step_launches(llm)
+    monkeypatch.setattr(Qwen3Attention, "forward", LlamaAttention.forward)  # norm-rope, then the cache write
+    unfused = decode_step_launches(llm)
+    assert fused["triton:_qk_norm_rope_cache_kernel"] == 1 and not fused["triton:_reshape_and_cache_kernel"]
+    assert unfused["triton:_qk_norm_rope_kernel"] == 1 and unfused["triton:_reshape_and_cache_kernel"] == 1
+    assert sum(fused.values()) == sum(unfused.values()) - 1
+    assert fused["triton:_decode_kernel"] == 1 and not fused["triton:_reduce_kernel"]  # one split at 256 tokens
+
+
+def test_interpreted_kernels_give_the_reference_tokens(llm, interpret, monkeypatch):
+    prompts = [list(range(5, 40)), [7, 8, 9]]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setenv("FXREWRITE_TRITON", "1")
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+
+
+def test_decode_warmup_cases_reach_every_split_class():
+    for heads, max_len in ((8, 2048), (8, 40960), (2, 300), (4, 100)):
+        cases = decode_warmup_cases(heads, max_len)
+        classes = {max(1, 1 << (_num_splits(n, heads, length) - 1).bit_length()) for n, length in cases}
+        wanted = {max(1, 1 << (_num_splits(n, heads, length) - 1).bit_length())
+                  for n in (1, 3, 64, 256) for length in range(1, max_len + 1, 97)}
+        assert wanted <= classes
+
+
+def test_dummy_metadata_writes_nothing():
+    positions, meta = dummy_metadata(((1, 40), (23, 23)), 16, torch.device("cpu"), [])
+    assert positions.tolist() == [39] + list(range(23))
+    assert meta.query_start_loc.tolist() == [0, 1, 24] and meta.seq_lens.tolist() == [40, 23]
+    assert (meta.slot_mapping == -1).all() and meta.block_tables.shape == (2, 3) and meta.max_query_len == 23
+
+
+def test_warm_up_runs_the_model_and_leaves_the_cache(llm):
+    runner = llm.llm_engine.model_runner
+    before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    built = warm_up_kernels(runner.model, runner.kv_caches, llm.llm_engine.config, llm.llm_engine.model_config,
+                            runner.device)
+    assert built == []  # nothing compiles on a CPU
+    assert len(warmup_steps(llm.llm_engine.model_config, 256)) == 5  # 4 prefill steps, one decode class
+    for (k0, v0), (k1, v1) in zip(before, runner.kv_caches):
+        assert torch.equal(k0.nan_to_num(3.0), k1.nan_to_num(3.0)) and torch.equal(v0.nan_to_num(3.0), v1.nan_to_num(3.0))
+
+
+def _unspecialised(kernel) -> tuple[set, set]:
+    """(do_not_specialize, do_not_specialize_on_alignment) names of a jit kernel (compiled or interpreted)."""
+    found = getattr(kernel, "kwargs", None) or {a: getattr(kernel, a, None) for a in
+                                                 ("do_not_specialize", "do_not_specialize_on_alignment")}
+    return set(found.get("do_not_specialize") or ()), set(found.get("do_not_specialize_on_alignment") or ())
+
+
+def test_serving_kernels_do_not_specialise_on_what_changes_every_step():
+    """Each of these arguments changes with the step (block-table width, split count) or points into the
+    engine's packed step buffer (prepare_inputs), whose alignment follows the token / sequence counts."""
+    from fxrewrite.kernels import paged_decode, paged_prefill, qk_norm_rope, qk_norm_rope_cache, reshape_and_cache, rotary
+
+    wanted = {
+        paged_prefill._prefill_kernel: ({"bt_s0"}, {"seq_lens_ptr", "qsl_ptr"}),
+        paged_decode._decode_kernel: ({"bt_s0", "num_splits"}, {"seq_lens_ptr", "qsl_ptr"}),
+        paged_decode._reduce_kernel: ({"num_splits"}, {"qsl_ptr"}),
+        qk_norm_rope._qk_norm_rope_kernel: (set(), {"pos_ptr"}),
+        qk_norm_rope_cache._qk_norm_rope_cache_kernel: (set(), {"pos_ptr", "slot_ptr"}),
+        reshape_and_cache._reshape_and_cache_kernel: (set(), {"slot_ptr"}),
+        rotary._rotary_kernel: (set(), {"pos_ptr"}),
+    }
+    for kernel, (ints, pointers) in wanted.items():
+        got_ints, got_pointers = _unspecialised(kernel)
+        assert ints <= got_ints and pointers <= got_pointers, kernel
