@@ -102,9 +102,8 @@ def describe_errors(errors: list[dict]) -> tuple[str, str | None]:
     if tag is None:
         where = ".".join(path)
         message = _message(first) + _got(first)
-        message = message if not where or message.startswith(where) else f"{where}: {message}"
-        others = [e for e in errors[1:] if _split(e.get("loc", ()))[0] != path]
-        return message + (f" (and {len(others)} more problem(s))" if others else ""), param
+        named = not where or message.startswith((f"{where}:", f"{where} "))  # a validator may name it
+        return (message if named else f"{where}: {message}") + _more(errors, path), param
     members = [(e, *_split(e.get("loc", ()))) for e in errors]
     members = [(e, t, rest) for e, p, t, rest in members if p == path and t is not None]
     deepest = max(len(rest) for _, _, rest in members)
@@ -112,7 +111,13 @@ def describe_errors(errors: list[dict]) -> tuple[str, str | None]:
     if deepest and len({t for _, t, _ in deep}) == 1:  # the input had that member's shape
         error, _, rest = deep[0]
         where = ".".join(path + rest)
-        return f"{where}: {_message(error)}{_got(error)}", param
+        return f"{where}: {_message(error)}{_got(error)}{_more(errors, path)}", param
     expected = list(dict.fromkeys(_describe_tag(t) for _, t, _ in members))
     wanted = expected[0] if len(expected) == 1 else ", ".join(expected[:-1]) + " or " + expected[-1]
-    return f"{'.'.join(path)}: expected {wanted}, got {_shown(first.get('input'))}", param
+    return f"{'.'.join(path)}: expected {wanted}, got {_shown(first.get('input'))}{_more(errors, path)}", param
+
+
+def _more(errors: list[dict], path: list[str]) -> str:
+    """" (and 2 more problem(s))" for the errors about other fields than `path`."""
+    others = {tuple(_split(e.get("loc", ()))[0]) for e in errors} - {tuple(path)}
+    return f" (and {len(others)} more problem(s))" if others else ""

@@ -29,6 +29,8 @@ COMPLETION = {"model": "m", "prompt": "hi"}
     (CompletionRequest, COMPLETION | {"prompt": [[1, "a"]]}, "prompt", 'prompt.0.1: expected an integer, got "a" (a string)'),
     (CompletionRequest, COMPLETION | {"seed": "s", "n": 1.5}, "n",
      "n: expected an integer, got 1.5 (a number) (and 1 more problem(s))"),
+    (CompletionRequest, COMPLETION | {"stop": 5, "seed": "s", "n": [1]}, "n",
+     "n: expected an integer, got [1] (a list) (and 2 more problem(s))"),
 ])
 def test_message_names_field_expectation_and_value(request_type, body, param, message):
     with pytest.raises(ValidationError) as caught:
