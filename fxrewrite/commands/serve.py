@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-
+import errno
+import socket
 from pathlib import Path
 
 from fxrewrite.commands.engine_args import add_engine_arguments, engine_kwargs
@@ -73,11 +74,32 @@ def load_chat_template(value: str | None) -> str | None:
     return path.read_text()
 
 
+def check_port_free(host: str, port: int) -> None:
+    """UserInputError naming host:port when uvicorn could not listen there (in use, no such address),
+    found by binding it as uvicorn will (SO_REUSEADDR: a port in TIME_WAIT is free)."""
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise UserInputError(f"--host {host!r}: cannot resolve it to an address to listen on ({e.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise UserInputError(f"cannot listen on {where}: the address is already in use (another server "
+                                     "running?); stop it or choose another --port") from None
+            raise UserInputError(f"cannot listen on {where}: {e.strerror} (check --host and --port)") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from fxrewrite.runtime.server.api_server import run_server
 
     if not 0 < args.port < 65536:
         raise UserInputError(f"--port {args.port} is not a TCP port (1..65535)")
+    check_port_free(args.host, args.port)  # before the model loads, which can take minutes
     engine, app = build_server_app(args)
     name = app.state.served_model_names[0]
     print(f"fxrewrite serve: {name} ({engine.model_config.model_path}) on http://{args.host}:{args.port}/v1",

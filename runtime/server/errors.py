@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fxrewrite.runtime.server.protocol import ErrorInfo, ErrorResponse
+from fxrewrite.runtime.server.validation_errors import describe_errors
 
 logger = logging.getLogger(__name__)
 
@@ -62,18 +63,11 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None, 
     if first.get("type") == "json_invalid":
         detail = first.get("ctx", {}).get("error", "")
         return f"request body is not valid JSON: {detail}".rstrip(": "), None, "json_invalid"
-    # loc looks like ("body", "temperature") or ("body",) or ("body", "messages", 0, "role").
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    if not loc and first.get("type") in ("missing", "model_attributes_type", "dict_type"):
+    if not [part for part in first.get("loc", ()) if part != "body"] and first.get("type") in (
+            "missing", "model_attributes_type", "dict_type"):
         return ("request body must be a JSON object (send it with Content-Type: application/json)",
                 None, "invalid_body")
-    param = loc[0] if loc else None
-    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
-    where = ".".join(loc)
-    if where and not message.startswith(where):
-        message = f"{where}: {message}"
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more problem(s))"
+    message, param = describe_errors(errors)
     return message, param, "invalid_value"
 
 

@@ -45,6 +45,8 @@ class DPExecutor(WorkerGuard):
         self.dp_size, self.tp_size = config.data_parallel_size, config.tensor_parallel_size
         self.num_workers = self.dp_size * self.tp_size
         self._procs = _Processes()
+        # The stop wave: workers leave their loop at a None wave (else they wait until killed at the timeout)
+        self._procs.send_stop = lambda wait: broadcast_object(None, 0, wait=wait)
         self._finalizer = weakref.finalize(self, self._procs.close, True)
         self._dead: str | None = None
         self._encoders = [StepEncoder() for _ in range(self.dp_size)]

@@ -15,7 +15,6 @@ eagerly with the noted counts (an idle replica calls the MoE layers with zero to
 from __future__ import annotations
 
 import copy
-import os
 import signal
 import threading
 
@@ -27,6 +26,7 @@ from fxrewrite.layers.fused_moe import FusedMoE
 from fxrewrite.layers.moe_dp import experts_across_dp
 from fxrewrite.runtime.worker.worker import (
     STEP_FIELDS, ControlMessage, ResultSender, Worker, _watch_parent, broadcast_object, exit_worker)
+from fxrewrite.runtime.worker.cpu_threads import size_cpu_threads
 from fxrewrite.runtime.worker.step_channel import GlooChannel
 
 _NUM_NEW = STEP_FIELDS.index("num_new_tokens")
@@ -78,7 +78,7 @@ def dp_worker_main(local_rank: int, config, model_config, eos_token_ids: set[int
         torch.cuda.set_device(local_rank)
         config.device = f"cuda:{local_rank}"
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_workers))
+        size_cpu_threads(num_workers)
         config.device = config.device or "cpu"
     rank = local_rank + 1
     store = dist.TCPStore(host, port, num_workers + 1, is_master=False, timeout=distributed.TP_TIMEOUT)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from fxrewrite.errors import UserInputError
 from fxrewrite import distributed
+from fxrewrite.runtime.worker.cpu_threads import size_cpu_threads
 from fxrewrite.runtime.worker.model_runner import ModelRunner
 from fxrewrite.runtime.worker.moe_checks import check_moe_parallel
 from fxrewrite.runtime.worker.step_channel import GlooChannel, driver_shm_channel, settle_driver_channel
@@ -51,6 +52,8 @@ def create_model_runner(config, model_config, eos_token_ids: set[int]):
     if pp_size > 1:  # before any worker starts
         check_pipeline_size(model_config.num_hidden_layers, pp_size)
     if tp_size == 1 and pp_size == 1:
+        if torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu")).type == "cpu":
+            size_cpu_threads(1)  # the workers' rule, for the model in this process
         return ModelRunner(config, model_config, eos_token_ids)
     check_tp_divisible(model_config, tp_size, config)
     if pp_size > 1:

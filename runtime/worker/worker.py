@@ -33,6 +33,7 @@ import torch.distributed as dist
 from fxrewrite import distributed
 from fxrewrite.runtime.engine.scheduler import ScheduledSeq, SchedulerOutput
 from fxrewrite.runtime.engine.sequence import Sequence
+from fxrewrite.runtime.worker.cpu_threads import size_cpu_threads
 from fxrewrite.runtime.worker.model_runner import ModelRunner
 from fxrewrite.runtime.worker.step_channel import broadcast_object, settle_worker_channel, worker_shm_channel
 
@@ -284,7 +285,7 @@ def worker_main(local_rank: int, config, model_config, eos_token_ids: set[int], 
         config.device = f"cuda:{local_rank}"
     num_workers = tp_size * getattr(config, "pipeline_parallel_size", 1)
     if backend != "nccl":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_workers))
+        size_cpu_threads(num_workers)
         config.device = config.device or "cpu"
     rank = local_rank + 1
     store = dist.TCPStore(host, port, num_workers + 1, is_master=False, timeout=distributed.TP_TIMEOUT)

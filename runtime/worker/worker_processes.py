@@ -30,6 +30,8 @@ class _Processes:
         self.context = None
         self.store = self.channel = None  # channel: ShmChannel or GlooChannel (`step_channel`)
         self.joined_group = False
+        self.send_stop = None
+        """`send_stop(wait)`: tells every worker to exit; None: send None on `channel`."""
         # The server steps in a worker thread; the exit-time shutdown must not interleave with a step.
         self.lock = threading.RLock()
 
@@ -40,7 +42,8 @@ class _Processes:
     def _close(self, graceful: bool) -> None:
         if graceful and self.joined_group and self.context is not None and self.context.sentinels:
             try:
-                self.channel.send(None, wait=lambda w: _poll(w, self, SHUTDOWN_TIMEOUT_S, "shutdown"))
+                wait = lambda w: _poll(w, self, SHUTDOWN_TIMEOUT_S, "shutdown")  # noqa: E731
+                self.send_stop(wait) if self.send_stop is not None else self.channel.send(None, wait=wait)
             except Exception as e:  # noqa: BLE001 - a dead worker must not stop the shutdown
                 logger.debug("shutdown message not delivered: %s", e)
         if self.context is not None:

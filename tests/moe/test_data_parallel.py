@@ -51,8 +51,11 @@ def test_dp2_dense_replicas_equal_one_engine(tiny_qwen3_dir):
     try:
         assert _greedy(llm) == want
         _check_replicas_used_and_freed(llm)
+        workers = list(llm.llm_engine.executor._procs.context.processes)
     finally:
         llm.llm_engine.shutdown()
+    # The stop wave reached them: they left their loop and exited, not killed at the shutdown timeout.
+    assert [p.exitcode for p in workers] == [0, 0]
 
 
 @pytest.mark.parametrize("impl", ["native", "transformers"])

@@ -55,3 +55,23 @@ def test_bad_hf_overrides_is_one_clean_line():
     assert out.returncode == 2
     assert "--hf-overrides" in out.stderr and "not valid JSON" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_serve_on_a_busy_port_fails_before_the_model_loads(monkeypatch, capsys):
+    import socket
+
+    import fxrewrite.runtime.engine.data_parallel as data_parallel
+
+    def load_model(config):
+        raise AssertionError("the model loaded before the port was checked")
+
+    monkeypatch.setattr(data_parallel, "make_engine", load_model)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}: the address is already in use" in err and "--port" in err
+    assert main(["serve", "--host", "no-such-host.invalid", "--port", str(port)]) == 2
+    assert "--host 'no-such-host.invalid': cannot resolve it" in capsys.readouterr().err

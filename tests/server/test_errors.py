@@ -46,6 +46,13 @@ def test_bad_parameters_are_400(server, path, body, param):
         assert param in error["message"]
 
 
+def test_type_error_names_the_field_what_it_expects_and_what_it_got(server):
+    with server.http() as http:
+        error = _error(http.post("/v1/chat/completions", json=CHAT | {"stop": 5}), 400)
+    assert error["param"] == "stop" and error["code"] == "invalid_value"
+    assert error["message"] == "stop: expected a string or a list of strings, got 5 (a number)"
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b""])
 def test_malformed_json_is_400(server, path, raw):
