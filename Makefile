@@ -25,8 +25,10 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/python -m fxrewrite.runtime.model_files.demo run
 
+# Two pytest workers (CI has 2 cores; most tests are single-threaded Python), a test file per worker so
+# module fixtures (engines, spawned ranks) are built once. FXREWRITE_TEST_WORKERS=0 runs in one process.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not gpu" tests
+	$(BIN)/python -m pytest -q -m "not gpu" -n $${FXREWRITE_TEST_WORKERS:-2} --dist loadfile tests
 
 # On a GPU machine (the device tool): GPU-only tests plus a short benchmark, in one call.
 gpu-check:
