@@ -28,7 +28,7 @@ def test_every_results_file_the_docs_name_exists():
     results = {p.name for p in (root / "benchmarks" / "results").iterdir()}
     named = set()
     for doc in (README, root / "BENCHMARKS.md"):
-        named |= set(re.findall(r"\b(20\d\d-\d\d-\d\d-[\w.-]+?\.(?:json|log|png))", doc.read_text()))
+        named |= set(re.findall(r"\b(20\d\d-\d\d-\d\d-[\w.-]+?\.(?:jsonl|json|log|png))\b", doc.read_text()))
     assert named, "no results file named in the docs"
     missing = sorted(n for n in named if n not in results)
     assert not missing, f"named in the docs but not in benchmarks/results/: {missing}"
