@@ -129,9 +129,9 @@ class LLM:
                 raise UserTypeError(f"conversation {n}: {conversation!r} must be a list of message dicts")
             for i, message in enumerate(conversation):
                 if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
-                        or not ("content" in message or "tool_calls" in message):
+                        or not (message.get("content") is not None or message.get("tool_calls")):
                     raise UserInputError(f"conversation {n} message {i}: {message!r} must be a dict with a "
-                                         f"string 'role' and a 'content' (or 'tool_calls')")
+                                         f"string 'role' and a 'content' that is not None (or 'tool_calls')")
                 check_role(message["role"], f"conversation {n} message {i}")
             ids = tokenizer.apply_chat_template(
                 conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,

@@ -40,7 +40,6 @@ from fxrewrite.runtime.server.streaming import (
     final_outputs,
     sse,
     sse_error,
-    stop_holdback,
 )
 
 
@@ -145,7 +144,7 @@ class OpenAIServingChat(OpenAIServing):
     async def _stream(self, request: ChatCompletionRequest, model: str, request_id: str, ids: list[str],
                       stream: AsyncIterator[StepOutput]) -> AsyncIterator[str]:
         created = int(time.time())
-        tracker = DeltaTracker(stop_holdback(request.stop))
+        tracker = DeltaTracker()  # the engine already holds back a possible stop string's prefix
         tools = ToolStream(request, self.tool_parser)
         last = None
 

@@ -27,7 +27,6 @@ from fxrewrite.runtime.server.streaming import (
     merge_async_iterators,
     sse,
     sse_error,
-    stop_holdback,
 )
 
 
@@ -103,7 +102,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _stream(self, request: CompletionRequest, model: str, request_id: str, ids: list[str],
                       streams: list[AsyncIterator[StepOutput]], echo_texts: list[str]) -> AsyncIterator[str]:
         created = int(time.time())
-        tracker = DeltaTracker(stop_holdback(request.stop))
+        tracker = DeltaTracker()  # the engine already holds back a possible stop string's prefix
         last: dict[int, StepOutput] = {}
         try:
             async for i, output in merge_async_iterators(*streams):

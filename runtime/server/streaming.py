@@ -51,12 +51,6 @@ class EventStreamResponse(StreamingResponse):
             self._on_close()
 
 
-def stop_holdback(stop: str | list[str] | None) -> int:
-    """Characters to hold back while streaming, so a stop string that later cuts the text never leaks."""
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    return max((len(s) for s in stops), default=1) - 1
-
-
 @dataclass
 class ChoiceDelta:
     """What is new in one choice since the last event: text[start:end] and tokens[tok_start:tok_end]."""
@@ -72,7 +66,8 @@ class ChoiceDelta:
 
 
 class DeltaTracker:
-    """Turns cumulative outputs into per-choice deltas, holding back `holdback` characters until done."""
+    """Turns cumulative outputs into per-choice deltas, holding back `holdback` characters until done (0 for
+    engine outputs: `LLMEngine` already holds back what could still become a stop string)."""
 
     def __init__(self, holdback: int = 0):
         self.holdback = holdback

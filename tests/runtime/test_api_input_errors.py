@@ -43,6 +43,8 @@ def test_chat_input_shapes_are_checked(llm):
         llm.chat("hello", use_tqdm=False)
     with pytest.raises(ValueError, match="message 0: .* 'content'"):
         llm.chat([{"role": "user"}], use_tqdm=False)
+    with pytest.raises(ValueError, match="message 0: .* 'content' that is not None"):
+        llm.chat([{"role": "user", "content": None}], use_tqdm=False)
     with pytest.raises(TypeError, match="conversation 1: 'hi' must be a list"):
         llm.chat([[{"role": "user", "content": "a"}], "hi"], use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()

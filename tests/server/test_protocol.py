@@ -4,7 +4,7 @@ import pytest
 from pydantic import ValidationError
 
 from fxrewrite.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
-from fxrewrite.runtime.server.streaming import DeltaTracker, stop_holdback
+from fxrewrite.runtime.server.streaming import DeltaTracker
 
 
 @pytest.mark.parametrize(
@@ -64,7 +64,7 @@ def test_delta_tracker_holds_back_stop_prefixes():
         choice = ChoiceSnapshot(0, text, tuple(range(len(text))), None, finish, None)
         return StepOutput("r", 3, (choice,), finish is not None)
 
-    tracker = DeltaTracker(stop_holdback(["END"]))
+    tracker = DeltaTracker(2)
     texts = [d.text for o in (out("abcE"), out("abcEN"), out("abcdefg"), out("abcdefg", "stop"))
              for d in tracker.deltas(0, o)]
     assert "".join(texts) == "abcdefg"
