@@ -9,6 +9,7 @@ A value out of range fails validation, which the server answers with a 400 in Op
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from typing import Any, Literal
 
@@ -29,9 +30,21 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+logger = logging.getLogger(__name__)
+HANDLED_EXTRAS = {"guided_whitespace_pattern"}  # read from model_extra (request_params.py)
+
+
 class OpenAIBaseModel(BaseModel):
-    # Unknown fields are accepted and ignored, as OpenAI and vLLM do (clients send extras).
+    # Unknown fields are accepted and ignored, as OpenAI and vLLM do (clients send extras); like vLLM, the
+    # server log names them, so a misspelt field ("max_token") is not silently without effect.
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _log_ignored_fields(self):
+        ignored = sorted(set(self.model_extra or ()) - HANDLED_EXTRAS - set(UNSUPPORTED_FIELDS))
+        if ignored:
+            logger.warning("%s: fields %s are not supported and were ignored", type(self).__name__, ignored)
+        return self
 
 
 class ErrorInfo(OpenAIBaseModel):

@@ -87,3 +87,9 @@ def test_off_values_of_unsupported_fields_and_unknown_extras_pass():
     r = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], logit_bias={}, best_of=1,
                               response_format={"type": "text"}, some_client_extra=1)
     assert r.model_extra["some_client_extra"] == 1
+
+
+def test_unknown_fields_are_ignored_but_logged(caplog):
+    with caplog.at_level("WARNING", logger="fxrewrite.runtime.server.protocol"):
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], max_token=5)
+    assert "['max_token'] are not supported and were ignored" in caplog.text
