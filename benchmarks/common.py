@@ -344,3 +344,19 @@ def copy_bandwidth_bytes_per_s(nbytes: int = 1 << 30) -> float | None:
     del src, dst
     torch.cuda.empty_cache()
     return 2 * nbytes / seconds
+
+
+def replay_ms(graph, iters: int, warmup: int = 1) -> float:
+    """Milliseconds per replay of a captured `torch.cuda.CUDAGraph`: `warmup` replays, then `iters` timed
+    with CUDA events (GPU time only, no launch overhead)."""
+    import torch
+
+    for _ in range(warmup):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import asdict, dataclass, field
 
-from fxrewrite.benchmarks.common import copy_bandwidth_bytes_per_s, engine_weight_bytes, run_requests
+from fxrewrite.benchmarks.common import copy_bandwidth_bytes_per_s, engine_weight_bytes, replay_ms, run_requests
 from fxrewrite.kernels.triton_utils import watch_jit_compiles
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
@@ -86,8 +86,6 @@ def run_latency(llm, workload: LatencyWorkload, time_limit_s: float | None = Non
 def graph_replay_ms(runner, batch_size: int, iters: int = 50) -> float | None:
     """Mean GPU time of one replay of the decode graph for `batch_size` (CUDA events); None without
     graphs. Every row's KV write is disabled first (slot -1), so replaying touches no cache block."""
-    import torch
-
     graphs = getattr(runner, "graph_runner", None)
     if graphs is None or not graphs.graphs:
         return None
@@ -95,13 +93,4 @@ def graph_replay_ms(runner, batch_size: int, iters: int = 50) -> float | None:
     if bucket is None:  # larger than every captured bucket: such a step runs eagerly
         return None
     graphs.slot_mapping.fill_(-1)
-    graph = graphs.graphs[bucket]
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+    return replay_ms(graphs.graphs[bucket], iters, warmup=3)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from fxrewrite.benchmarks.common import RESULTS_DIR, load_bench_config
+from fxrewrite.benchmarks.common import RESULTS_DIR, load_bench_config, replay_ms
 from fxrewrite.benchmarks.kernels import _time_ms, copy_bandwidth
 from fxrewrite.kernels import fused_moe
 from fxrewrite.kernels.fused_moe import fused_experts, fused_experts_ref, select_experts
@@ -84,14 +84,7 @@ def _graph_ms(fn, layers, reps: int = 20) -> float:
     with torch.cuda.graph(graph):
         for w13, w2 in layers:
             fn(w13, w2)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps / len(layers)
+    return replay_ms(graph, reps) / len(layers)
 
 
 def direct_sweep(x, layers, weights, ids) -> list[dict]:
