@@ -39,12 +39,10 @@ class OpenAIBaseModel(BaseModel):
     # server log names them, so a misspelt field ("max_token") is not silently without effect.
     model_config = ConfigDict(extra="allow")
 
-    @model_validator(mode="after")
-    def _log_ignored_fields(self):
+    def model_post_init(self, context: Any, /) -> None:  # after validation; no validator in error texts
         ignored = sorted(set(self.model_extra or ()) - HANDLED_EXTRAS - set(UNSUPPORTED_FIELDS))
         if ignored:
             logger.warning("%s: fields %s are not supported and were ignored", type(self).__name__, ignored)
-        return self
 
 
 class ErrorInfo(OpenAIBaseModel):
