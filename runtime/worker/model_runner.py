@@ -10,6 +10,7 @@ from torch import nn
 from fxrewrite import distributed
 from fxrewrite.kernels.batch_invariant import batch_invariant_mode
 from fxrewrite.layers.rope_context import rope_lengths
+from fxrewrite.layers.skinny import prepare_skinny_gemv
 from fxrewrite.runtime.model_files.quantization import finish_fp8_model, prepare_fp8_model, resolve_quantization
 from fxrewrite.runtime.worker.pipeline import PipelineStage, pipeline_stage_of_this_rank
 from fxrewrite.runtime.worker.compilation import compile_model, should_compile
@@ -132,6 +133,8 @@ class ModelRunner:
         self.kv_dtype = model_config.dtype
         if should_compile(config, self.device):
             compile_model(self.model)
+        elif self.device.type == "cuda":  # skinny GEMV vs cuBLAS per layer shape, before any graph is captured
+            prepare_skinny_gemv(self.model, self.device, model_config.dtype, config.max_num_seqs)
         layers = self.pipeline.layers if self.pipeline is not None else None  # a stage caches its layers only
         if self.device.type == "cuda" and config.kv_cache_memory_bytes is None:
             self.num_blocks = profile_num_kv_blocks(self.model, config, model_config, self.device, layers)
