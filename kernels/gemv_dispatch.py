@@ -8,7 +8,8 @@ gate_up output fused as the prologue), its weight's (N, K), and its token bucket
 - ``auto`` (default): the GEMV runs only for the (kind, N, K, bucket) where the load-time timing
   (`fxrewrite.kernels.gemv_tune.tune`, called when a model is loaded on a GPU) measured it faster than
   the unfused kernels plus cuBLAS, with the config it measured fastest; untuned shapes keep cuBLAS;
-- ``on``: every eligible call runs it (the tuned config, else the first candidate; tests compare this);
+- ``on``: every eligible call runs it, with the first candidate config, except where a choice was recorded
+  (tests compare this; the load-time timing does not run);
 - ``off``: never.
 
 Eligible: a Triton-capable input (CUDA, or the CPU interpreter when forced, see `use_triton`), not
@@ -48,10 +49,10 @@ def choose(kind: str, n: int, k: int, m: int) -> tuple[int, int, int] | None:
     current = mode()
     if current == "off" or not 1 <= m <= GEMV_MAX_M:
         return None
-    chosen = _choices.get((kind, n, k, next_power_of_2(m)))
-    if current == "on":
-        return chosen or configs_for(m)[0]
-    return chosen
+    key = (kind, n, k, next_power_of_2(m))
+    if current == "on" and key not in _choices:
+        return configs_for(m)[0]
+    return _choices.get(key)
 
 
 def config_for_call(kind: str, x: torch.Tensor, w: torch.Tensor, *tensors: torch.Tensor | None):

@@ -27,7 +27,8 @@ from fxrewrite.kernels.fp8_tune import graph_time_us
 from fxrewrite.kernels.rms_norm import rms_norm
 from fxrewrite.kernels.skinny_gemv import GEMV_MAX_M, configs_for, skinny_gemv_triton
 
-__all__ = ["TOLERANCE", "BUCKETS", "baseline", "candidate", "tune_shape", "tune"]
+__all__ = ["TOLERANCE", "BUCKETS", "make_inputs", "scratch_weights", "max_rel_error", "baseline", "candidate",
+           "tune_shape", "tune"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,8 @@ BUCKETS = (1, 2, 4, 8)
 _L2_BYTES = 128 << 20  # weight copies per timing graph: > 2x the H200's 50 MB L2
 
 
-def _inputs(kind: str, m: int, k: int, device, dtype, seed: int = 0) -> dict:
+def make_inputs(kind: str, m: int, k: int, device, dtype, seed: int = 0) -> dict:
+    """Random keyword arguments x (and residual, norm_weight) of one `kind` call with m tokens."""
     gen = torch.Generator(device=device).manual_seed(seed)
     width = 2 * k if kind == "silu" else k
     args = {"x": torch.randn(m, width, device=device, dtype=dtype, generator=gen)}
@@ -62,15 +64,16 @@ def candidate(kind: str, w: torch.Tensor, x: torch.Tensor, config, residual=None
     return out[0] if kind == "norm" else out
 
 
-def _max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
+def max_rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want|."""
     return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
 
 
 def _proven(kind: str, w: torch.Tensor, bucket: int, config) -> None:
     """Raise unless `config` matches the baseline at the bucket's smallest and largest token count."""
     for m in sorted({bucket // 2 + 1, bucket}):
-        args = _inputs(kind, m, w.shape[1], w.device, w.dtype, seed=m)
-        err = _max_rel(candidate(kind, w, config=config, **args), baseline(kind, w, **args))
+        args = make_inputs(kind, m, w.shape[1], w.device, w.dtype, seed=m)
+        err = max_rel_error(candidate(kind, w, config=config, **args), baseline(kind, w, **args))
         if not err < TOLERANCE:
             raise ValueError(f"M={m}: max relative error {err:.3g} >= {TOLERANCE}")
 
@@ -79,7 +82,7 @@ def tune_shape(kind: str, ws: list[torch.Tensor], bucket: int) -> dict[str, floa
     """{"cublas" | "block_n/block_k/warps": us per call, or "error: ..."} for one bucket; records the
     choice in gemv_dispatch."""
     n, k = ws[0].shape
-    args = _inputs(kind, bucket, k, ws[0].device, ws[0].dtype)
+    args = make_inputs(kind, bucket, k, ws[0].device, ws[0].dtype)
     results: dict[str, float | str] = {"cublas": graph_time_us(lambda i: baseline(kind, ws[i], **args), 20, len(ws))}
     best = None
     for config in configs_for(bucket):
@@ -96,7 +99,8 @@ def tune_shape(kind: str, ws: list[torch.Tensor], bucket: int) -> dict[str, floa
     return results
 
 
-def _weights(n: int, k: int, device, dtype) -> list[torch.Tensor]:
+def scratch_weights(n: int, k: int, device, dtype) -> list[torch.Tensor]:
+    """Random [n, k] weight copies, as many as overflow the L2 twice (at most 8)."""
     copies = max(1, min(8, -(-_L2_BYTES // (n * k * torch.tensor([], dtype=dtype).element_size()))))
     return [torch.randn(n, k, device=device, dtype=dtype).div_(k ** 0.5) for _ in range(copies)]
 
@@ -111,7 +115,7 @@ def tune(shapes: set[tuple[str, int, int]], device, dtype: torch.dtype, max_m: i
     buckets = [b for b in BUCKETS if b <= max(1, max_m)]
     timings = {}
     for kind, n, k in sorted(shapes):
-        ws = _weights(n, k, device, dtype)
+        ws = scratch_weights(n, k, device, dtype)
         for b in buckets:
             timings[f"{kind} {n}x{k}@{b}"] = tune_shape(kind, ws, b)
         del ws

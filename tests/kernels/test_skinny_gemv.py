@@ -84,7 +84,8 @@ def test_dispatch_modes(monkeypatch):
     assert gemv_dispatch.choose("linear", 64, 32, 3) == (2, 512, 4) and gemv_dispatch.choose("norm", 64, 32, 3) is None
     assert gemv_dispatch.choices() == {"linear 64x32@4": "2/512/4", "norm 64x32@4": "cublas"}
     monkeypatch.setenv("FXREWRITE_GEMV", "on")
-    assert gemv_dispatch.choose("norm", 64, 32, 3) == configs_for(3)[0] and gemv_dispatch.choose("norm", 64, 32, 9) is None
+    assert gemv_dispatch.choose("linear", 64, 32, 1) == configs_for(1)[0]  # untuned: the first candidate
+    assert gemv_dispatch.choose("norm", 64, 32, 3) is None and gemv_dispatch.choose("linear", 64, 32, 9) is None
     monkeypatch.setenv("FXREWRITE_GEMV", "off")
     assert gemv_dispatch.choose("linear", 64, 32, 3) is None
     monkeypatch.setenv("FXREWRITE_GEMV", "yes")
@@ -156,3 +157,31 @@ def test_adopted_linear_keeps_parameters():
     assert dict(model.named_parameters()) == params
     assert torch.equal(model(x), want)
     assert gemv_shapes(model) == {("linear", 4, 8), ("linear", 2, 4)}
+
+
+def test_tuner_records_the_fastest_proven_config(interpret, monkeypatch):
+    from fxrewrite.kernels import gemv_tune
+
+    monkeypatch.setenv("FXREWRITE_TRITON", "1")
+    configs = configs_for(2)
+    fake_us = {"unfused": 10.0, configs[0]: 12.0, configs[1]: 7.0, configs[2]: 5.0}
+    monkeypatch.setattr(gemv_tune, "graph_time_us", lambda fn, reps, copies: fake_us[fn.__defaults__[0]]
+                        if fn.__defaults__ else fake_us["unfused"])
+    real = gemv_tune.candidate
+
+    def wrong_for_the_fastest(kind, w, x, config, **kw):  # the fastest config computes garbage: never chosen
+        out = real(kind, w, x, config, **kw)
+        return out * 2 if config == configs[2] else out
+
+    monkeypatch.setattr(gemv_tune, "candidate", wrong_for_the_fastest)
+    gemv_dispatch.clear()
+    ws = [torch.randn(4, 256)]
+    results = gemv_tune.tune_shape("norm", ws, 2)
+    assert results["cublas"] == 10.0 and results["/".join(map(str, configs[1]))] == 7.0
+    assert results["/".join(map(str, configs[2]))].startswith("error: ValueError: M=")
+    monkeypatch.setenv("FXREWRITE_GEMV", "auto")
+    assert gemv_dispatch.choose("norm", 4, 256, 2) == configs[1]
+    fake_us["unfused"] = 1.0  # cuBLAS faster than every config: the bucket records None
+    gemv_tune.tune_shape("norm", ws, 2)
+    assert gemv_dispatch.choose("norm", 4, 256, 2) is None
+    gemv_dispatch.clear()
