@@ -35,13 +35,16 @@ __all__ = ["GEMV_MAX_M", "CONFIGS", "skinny_gemv_ref", "skinny_gemv_triton", "co
 GEMV_MAX_M = 8
 """Largest token count: each token adds M float32 accumulators per weight element a thread holds."""
 CONFIGS = {
-    1: ((4, 512, 4), (8, 512, 4), (2, 1024, 4), (8, 1024, 8)),
-    2: ((4, 512, 4), (2, 512, 4), (8, 512, 8)),
-    4: ((2, 512, 4), (4, 256, 4), (4, 512, 8)),
-    8: ((2, 256, 4), (1, 512, 4), (2, 512, 8)),
+    1: ((4, 512, 2), (8, 512, 2), (2, 1024, 2), (4, 1024, 2)),
+    2: ((4, 512, 2), (2, 512, 2), (2, 1024, 2)),
+    4: ((2, 512, 2), (4, 512, 2), (1, 1024, 2)),
+    8: ((1, 512, 2), (2, 512, 2), (1, 1024, 2)),
 }
-"""(block_n, block_k, num_warps) candidates by padded token count BLOCK_M: 8-32 float32 accumulators
-per thread and token block, 16-64 bytes of weight in flight per thread and loop step."""
+"""(block_n, block_k, num_warps) candidates by padded token count BLOCK_M. block_k is a multiple of 256 *
+num_warps: every thread owns whole 8-column groups (16-byte bf16 loads, block_k / 256 / num_warps per row)
+of each of the block_n rows, so an input slice [block_k] is laid out as the weight tile's columns already
+(no shared-memory shuffle, no barrier in the loop); block_n * block_k / (32 * num_warps) * BLOCK_M float32
+accumulators per thread (32-64)."""
 
 
 def configs_for(m: int) -> tuple[tuple[int, int, int], ...]:
@@ -120,44 +123,101 @@ def _load(ptrs, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _token(x_ptr, res_ptr, g_ptr, res_out_ptr, i, rk, M, K, stride_xm, stride_rm, write_res,
+           NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr):
+    """Token i's input slice [BLOCK_K] as float32, prologue applied (without the norm's 1/rms), and its
+    squares for the norm. Token rows past M re-read row M - 1 (their outputs are not stored)."""
+    row = tl.minimum(i, M - 1)
+    k_ok = rk < K
+    if SILU_MUL:
+        gate = _load(x_ptr + row * stride_xm + rk, k_ok, EVEN_K).to(tl.float32)
+        up = _load(x_ptr + row * stride_xm + K + rk, k_ok, EVEN_K).to(tl.float32)
+        # rounded as the separate activation kernel stores it
+        x = (gate * tl.sigmoid(gate) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+        sq = x
+    else:
+        xv = _load(x_ptr + row * stride_xm + rk, k_ok, EVEN_K)
+        if HAS_RES:
+            r = _load(res_ptr + row * stride_rm + rk, k_ok, EVEN_K)
+            xv = (xv.to(tl.float32) + r.to(tl.float32)).to(xv.dtype)  # one rounding, as a bf16 add
+            if write_res:
+                row_ok = tl.full((1,), i, tl.int32) < M  # a tensor: the interpreter masks with no Python bool
+                tl.store(res_out_ptr + i * K + rk, xv, mask=k_ok & row_ok)
+        x = xv.to(tl.float32)
+        sq = x * x
+        if NORM:
+            x = x * _load(g_ptr + rk, k_ok, EVEN_K).to(tl.float32)
+    return x, sq
+
+
+@triton.jit
+def _store_row(out_ptr, b_ptr, acc, ss, i, rn, M, N, K, eps, NORM: tl.constexpr, HAS_BIAS: tl.constexpr):
+    out = tl.sum(acc, axis=1)  # [BLOCK_N]: the one reduction over K
+    if NORM:
+        out = out * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+    if HAS_BIAS:
+        out += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+    row_ok = tl.full((1,), i, tl.int32) < M
+    tl.store(out_ptr + i * N + rn, out.to(out_ptr.dtype.element_ty), mask=(rn < N) & row_ok)
+
+
+@triton.jit
+def _fma(acc, ss, w, i, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, write_res,
+         NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr):
+    """Token i's accumulator += w * x_i (elementwise over the [BLOCK_N, BLOCK_K] tile); ss += x_i^2 (norm)."""
+    x, sq = _token(x_ptr, res_ptr, g_ptr, res_out_ptr, i, rk, M, K, stride_xm, stride_rm, write_res,
+                   NORM, HAS_RES, SILU_MUL, EVEN_K)
+    if NORM:
+        ss = ss + sq
+    return acc + w * x[None, :], ss
+
+
+@triton.jit
 def _skinny_gemv_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, M, N, K, stride_xm, stride_rm,
                         eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr,
                         EVEN_K: tl.constexpr):
+    # One [BLOCK_N, BLOCK_K] float32 accumulator per token, in the weight tile's own layout (elementwise
+    # FMAs, no per-step reduction); tokens past BLOCK_M are pruned at compile time.
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
-    rows = tl.minimum(rm, M - 1)  # padded token rows re-read the last one: loads stay unmasked along M
-    w_rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * K  # same for a partial last N tile
+    w_rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * K  # a partial last tile re-reads row N - 1
     rk0 = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    ss = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    first = pid == 0  # the programs of the first tile write the new residual
+    a0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    a1, a2, a3, a4, a5, a6, a7 = a0, a0, a0, a0, a0, a0, a0
+    s0 = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    s1, s2, s3, s4, s5, s6, s7 = s0, s0, s0, s0, s0, s0, s0
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + rk0
-        k_ok = rk[None, :] < K
-        x_offs = rows[:, None] * stride_xm + rk[None, :]
-        if SILU_MUL:
-            gate = _load(x_ptr + x_offs, k_ok, EVEN_K).to(tl.float32)
-            up = _load(x_ptr + x_offs + K, k_ok, EVEN_K).to(tl.float32)
-            # rounded as the separate activation kernel stores it
-            x = (gate * tl.sigmoid(gate) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
-        else:
-            xv = _load(x_ptr + x_offs, k_ok, EVEN_K)
-            if HAS_RES:
-                r = _load(res_ptr + rows[:, None] * stride_rm + rk[None, :], k_ok, EVEN_K)
-                xv = (xv.to(tl.float32) + r.to(tl.float32)).to(xv.dtype)  # one rounding, as a bf16 add
-                if pid == 0:
-                    tl.store(res_out_ptr + rm[:, None] * K + rk[None, :], xv, mask=(rm[:, None] < M) & k_ok)
-            x = xv.to(tl.float32)
-            if NORM:
-                ss += x * x
-                x = x * _load(g_ptr + rk, rk < K, EVEN_K).to(tl.float32)[None, :]
-        w = _load(w_rows + rk[None, :], k_ok, EVEN_K).to(tl.float32)
-        acc += w[None, :, :] * x[:, None, :]
-    out = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
-    if NORM:
-        out = out * tl.rsqrt(tl.sum(ss, axis=1) / K + eps)[:, None]
-    if HAS_BIAS:
-        out += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rm[:, None] * N + rn[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+        w = _load(w_rows + rk[None, :], (rk < K)[None, :], EVEN_K).to(tl.float32)
+        a0, s0 = _fma(a0, s0, w, 0, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, first,
+                      NORM, HAS_RES, SILU_MUL, EVEN_K)
+        if BLOCK_M > 1:
+            a1, s1 = _fma(a1, s1, w, 1, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, first,
+                          NORM, HAS_RES, SILU_MUL, EVEN_K)
+        if BLOCK_M > 2:
+            a2, s2 = _fma(a2, s2, w, 2, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, first,
+                          NORM, HAS_RES, SILU_MUL, EVEN_K)
+            a3, s3 = _fma(a3, s3, w, 3, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, first,
+                          NORM, HAS_RES, SILU_MUL, EVEN_K)
+        if BLOCK_M > 4:
+            a4, s4 = _fma(a4, s4, w, 4, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, first,
+                          NORM, HAS_RES, SILU_MUL, EVEN_K)
+            a5, s5 = _fma(a5, s5, w, 5, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, first,
+                          NORM, HAS_RES, SILU_MUL, EVEN_K)
+            a6, s6 = _fma(a6, s6, w, 6, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, first,
+                          NORM, HAS_RES, SILU_MUL, EVEN_K)
+            a7, s7 = _fma(a7, s7, w, 7, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, first,
+                          NORM, HAS_RES, SILU_MUL, EVEN_K)
+    _store_row(out_ptr, b_ptr, a0, s0, 0, rn, M, N, K, eps, NORM, HAS_BIAS)
+    if BLOCK_M > 1:
+        _store_row(out_ptr, b_ptr, a1, s1, 1, rn, M, N, K, eps, NORM, HAS_BIAS)
+    if BLOCK_M > 2:
+        _store_row(out_ptr, b_ptr, a2, s2, 2, rn, M, N, K, eps, NORM, HAS_BIAS)
+        _store_row(out_ptr, b_ptr, a3, s3, 3, rn, M, N, K, eps, NORM, HAS_BIAS)
+    if BLOCK_M > 4:
+        _store_row(out_ptr, b_ptr, a4, s4, 4, rn, M, N, K, eps, NORM, HAS_BIAS)
+        _store_row(out_ptr, b_ptr, a5, s5, 5, rn, M, N, K, eps, NORM, HAS_BIAS)
+        _store_row(out_ptr, b_ptr, a6, s6, 6, rn, M, N, K, eps, NORM, HAS_BIAS)
+        _store_row(out_ptr, b_ptr, a7, s7, 7, rn, M, N, K, eps, NORM, HAS_BIAS)
