@@ -22,14 +22,17 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import multiprocessing
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from fxrewrite.benchmarks.common import RESULTS_DIR, environment, load_bench_config, replay_ms
-from fxrewrite.kernels.gemv_tune import TOLERANCE, make_inputs, max_rel_error, scratch_weights, baseline, candidate
+from fxrewrite.kernels.gemv_tune import TOLERANCE, baseline, candidate, make_inputs, max_rel_error, scratch_weights
 from fxrewrite.kernels.skinny_gemv import configs_for
 
 TOKENS = (1, 2, 4, 8)
@@ -114,6 +117,30 @@ def run_config(name: str) -> dict:
     return out
 
 
+def _compile(jobs: list[tuple[str, int, int, tuple[int, int, int]]]) -> int:
+    """Build the Triton kernels of `jobs` ((kind, K, M, config)) into Triton's disk cache: a small N (a
+    multiple of 16, like every real N) specialises the kernel as the real shapes do."""
+    torch.cuda.init()
+    for kind, k, m, config in jobs:
+        w = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
+        candidate(kind, w, config=config, **make_inputs(kind, m, k, "cuda", torch.bfloat16))
+    torch.cuda.synchronize()
+    return len(jobs)
+
+
+def precompile(names: list[str], workers: int) -> float:
+    """Compile every (kind, K, M, config) the sweep will run in `workers` processes (Triton compiles one
+    kernel at a time per process; the sweep then loads them from the disk cache). Returns seconds."""
+    start = time.perf_counter()
+    jobs = sorted({(kind, k, m, config) for name in names
+                   for kind, _, k in projections(load_bench_config(name)["config"]).values()
+                   for m in TOKENS for config in configs_for(m)})
+    if workers > 1:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            list(pool.map(_compile, [jobs[i::workers] for i in range(workers)]))
+    return time.perf_counter() - start
+
+
 def copy_tbps() -> float:
     """Device-to-device copy bandwidth (bytes read + written per second) / 1e12, graph-timed."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
@@ -125,12 +152,16 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for <date>-gemv-<configs>.json")
     p.add_argument("--configs", default="qwen3-4b,qwen3-32b", help="comma list of bench configs")
+    p.add_argument("--compile-workers", type=int, default=min(16, os.cpu_count() or 1),
+                   help="processes that build the Triton kernels first (1: build them as the sweep runs)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("fxrewrite.benchmarks.gemv needs a CUDA GPU")
     start = time.perf_counter()
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
-    result = {"environment": environment(), "copy_TBps": copy_tbps(), "reps_per_graph": REPS,
+    compile_s = precompile(names, args.compile_workers)
+    print(f"kernels built in {compile_s:.0f} s", flush=True)
+    result = {"environment": environment(), "copy_TBps": copy_tbps(), "reps_per_graph": REPS, "compile_s": compile_s,
               "configs": {name: run_config(name) for name in names}}
     result["elapsed_s"] = time.perf_counter() - start
     args.out.mkdir(parents=True, exist_ok=True)
