@@ -115,7 +115,11 @@ def tune(shapes: set[tuple[str, int, int]], device, dtype: torch.dtype, max_m: i
     buckets = [b for b in BUCKETS if b <= max(1, max_m)]
     timings = {}
     for kind, n, k in sorted(shapes):
-        ws = scratch_weights(n, k, device, dtype)
+        try:
+            ws = scratch_weights(n, k, device, dtype)
+        except torch.cuda.OutOfMemoryError:  # no room for a scratch copy: this shape keeps cuBLAS
+            logger.warning("skinny GEMV: no memory to time %s %dx%d; it keeps cuBLAS", kind, n, k)
+            continue
         for b in buckets:
             timings[f"{kind} {n}x{k}@{b}"] = tune_shape(kind, ws, b)
         del ws
