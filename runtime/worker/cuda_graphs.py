@@ -23,6 +23,7 @@ from fxrewrite import data_parallel
 from fxrewrite.layers.rope_context import rope_lengths
 from fxrewrite.runtime.worker.compilation import forward_or_fallback
 from fxrewrite.runtime.worker.forward_context import AttentionMetadata, forward_context
+from fxrewrite.runtime.worker import watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +114,9 @@ class CUDAGraphRunner:
         with (forward_context(self._metadata(bs)), rope_lengths(self.rope_lengths[:bs]),
               data_parallel.uniform_tokens()):
             # Warm-up outside the graph: Triton JIT and torch.compile run here, not while capturing.
+            watchdog.phase(f"CUDA graph bucket {bs}: eager warm-up forward")
             self.outputs[:bs] = forward_or_fallback(self.model, self.input_ids[:bs], self.positions[:bs])
+            watchdog.phase(f"CUDA graph bucket {bs}: capture")
             with torch.cuda.graph(graph, self.pool):
                 self.outputs[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
         if self.pool is None:
@@ -213,4 +216,11 @@ class EmulatedGraphRunner(CUDAGraphRunner):
     """`CUDAGraphRunner` whose buckets run eagerly over the same static buffers (CPU tests: `EMULATE_ENV`)."""
 
     def capture(self) -> None:
-        self.graphs = {bs: _EagerReplay(self, bs) for bs in self.sizes}
+        """As `CUDAGraphRunner.capture` does before each capture, one forward per bucket (largest first)
+        with uniform row counts, so the CPU tests see the load-time collectives the GPU runs."""
+        for bs in reversed(self.sizes):
+            watchdog.phase(f"emulated CUDA graph bucket {bs}: warm-up forward")
+            self.graphs[bs] = _EagerReplay(self, bs)
+            with torch.inference_mode():
+                self.graphs[bs].replay()
+        self.sizes = sorted(self.graphs)
