@@ -135,6 +135,7 @@ class ModelRunner:
         if should_compile(config, self.device):
             compile_model(self.model)
         elif self.device.type == "cuda":  # skinny GEMV vs cuBLAS per layer shape, before any graph is captured
+            watchdog.phase("timing the skinny GEMV against cuBLAS")
             prepare_skinny_gemv(self.model, self.device, model_config.dtype, config.max_num_seqs)
         layers = self.pipeline.layers if self.pipeline is not None else None  # a stage caches its layers only
         watchdog.phase("sizing and allocating the KV cache")
