@@ -8,9 +8,11 @@ launches do the whole experts computation of ``fused_experts_ref`` for T tokens 
 1. ``_direct_gate_up_kernel``, one program per (slot, N-tile): reads x[t] and the tile's rows of
    gate and up of expert ``ids[slot]`` only, and stores ``silu(gate) * up`` (float32 accumulation,
    stored in x's dtype as the grouped path does);
-2. ``_direct_down_kernel``, one program per (token, H-tile): for each of the token's K slots reads
-   the tile's rows of w2 of that expert and accumulates ``w[t, k] * (w2_e @ act[slot])`` in float32,
-   so the combine over k is fused (a fixed order: no atomics, deterministic).
+2. ``_direct_down_kernel``, one program per (token, H-tile): reads the tile's rows of w2 of all the
+   token's K experts as one [K, rows, chunk] tile per step and accumulates ``w[t, k] * (w2_e @ act[slot])``
+   in float32, so the combine over k is fused (a fixed-order in-program sum: no atomics, deterministic).
+   The earlier form looped over the K slots with 8-row tiles and read at ~1.1 TB/s on an H200
+   (benchmarks/results/2026-12-01-qwen3-30b-a3b-native-b1-decode-profile.json): too few bytes in flight.
 
 Only the active experts' weights are read: the bytes of a decode step's experts are K rows of
 experts per token, which is the roofline the latency benchmark measures against. Slots routed to
@@ -64,37 +66,43 @@ def _direct_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, expert_start, num_l
 
 @triton.jit
 def _direct_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, expert_start, num_local, hidden,
-                        stride_we, stride_wn, stride_wk,
-                        TOP_K: tl.constexpr, INTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        stride_we, stride_wn, stride_wk, TOP_K: tl.constexpr, INTER: tl.constexpr,
+                        BLOCK_TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One [top-k slots, BLOCK_N rows, BLOCK_K] tile per step: the token's K experts' rows are read
+    # together (K times more bytes in flight per load than a loop over slots), and the sum over
+    # the slots is a fixed-order reduction inside the program (deterministic, no atomics).
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in tl.static_range(TOP_K):
-        slot = token * TOP_K + k
-        expert = tl.load(ids_ptr + slot).to(tl.int32) - expert_start
-        local = (expert >= 0) & (expert < num_local)
-        scale = tl.load(weights_ptr + slot).to(tl.float32)
-        base = w2_ptr + tl.where(local, expert, 0).to(tl.int64) * stride_we
-        limit = tl.where(local, INTER, 0)  # a remote slot loads nothing and adds zero
-        for i0 in tl.static_range(0, INTER, BLOCK_K):
-            offs_k = i0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < limit
-            a = tl.load(act_ptr + slot * INTER + offs_k, mask=k_mask, other=0.0).to(tl.float32) * scale
-            w = tl.load(base + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk,
-                        mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            acc += w.to(tl.float32) * a[None, :]
-    tl.store(out_ptr + token * hidden + offs_n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n_mask)
+    slot = token * TOP_K + tl.arange(0, BLOCK_TOPK)
+    in_topk = tl.arange(0, BLOCK_TOPK) < TOP_K
+    expert = tl.load(ids_ptr + slot, mask=in_topk, other=-1).to(tl.int32) - expert_start
+    local = in_topk & (expert >= 0) & (expert < num_local)  # a remote slot loads nothing and adds zero
+    scale = tl.load(weights_ptr + slot, mask=local, other=0.0).to(tl.float32)
+    rows = (tl.where(local, expert, 0).to(tl.int64) * stride_we)[:, None] + offs_n[None, :].to(tl.int64) * stride_wn
+    row_mask = local[:, None] & n_mask[None, :]
+    acc = tl.zeros((BLOCK_TOPK, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for i0 in tl.static_range(0, INTER, BLOCK_K):  # unrolled: K=I is small, every load issues early
+        offs_i = i0 + tl.arange(0, BLOCK_K)
+        i_mask = offs_i < INTER
+        a = tl.load(act_ptr + slot[:, None] * INTER + offs_i[None, :], mask=local[:, None] & i_mask[None, :],
+                    other=0.0).to(tl.float32) * scale[:, None]
+        w = tl.load(w2_ptr + rows[:, :, None] + offs_i[None, None, :] * stride_wk,
+                    mask=row_mask[:, :, None] & i_mask[None, None, :], other=0.0)
+        acc += w.to(tl.float32) * a[:, None, :]
+    out = tl.sum(tl.sum(acc, axis=2), axis=0)
+    tl.store(out_ptr + token * hidden + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 def direct_config(num_tokens: int) -> dict:
     """Tile sizes (output rows per program, reduction chunk, warps) of the two kernels.
 
-    Row tiles are small so that even one token spreads over more programs than the H200 has SMs
-    (gate_up: K * I / 16 programs; down: H / 8), and each program keeps several 256-wide weight
-    chunks in flight (the reduction loops are unrolled)."""
-    del num_tokens  # one config for now; `fxrewrite.benchmarks.moe_kernels --sweep` times others
-    return dict(gate_up=dict(block_n=16, block_k=256, num_warps=4), down=dict(block_n=8, block_k=256, num_warps=4))
+    Row tiles are small so that even one token spreads over several programs per SM (gate_up:
+    K * I / block_n programs; down: H / block_n, each reading its rows of all K experts), and the
+    reduction loops are unrolled so each program keeps its weight loads in flight together.
+    `fxrewrite.benchmarks.moe_kernels --sweep` times the candidates in CUDA graphs (TB/s of routed bytes)."""
+    del num_tokens  # one config for T <= DIRECT_MAX_TOKENS until the sweep says otherwise
+    return dict(gate_up=dict(block_n=16, block_k=256, num_warps=4), down=dict(block_n=2, block_k=256, num_warps=4))
 
 
 def direct_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -117,6 +125,6 @@ def direct_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         num_warps=gu["num_warps"])
     launch(_direct_down_kernel, (t, triton.cdiv(hidden, dn["block_n"])), x.device)(
         act, w2, ids, weights, out, expert_start, num_local, hidden, w2.stride(0), w2.stride(1), w2.stride(2),
-        TOP_K=k, INTER=inter, BLOCK_N=dn["block_n"], BLOCK_K=min(dn["block_k"], triton.next_power_of_2(inter)),
-        num_warps=dn["num_warps"])
+        TOP_K=k, INTER=inter, BLOCK_TOPK=triton.next_power_of_2(k), BLOCK_N=dn["block_n"],
+        BLOCK_K=min(dn["block_k"], triton.next_power_of_2(inter)), num_warps=dn["num_warps"])
     return out
