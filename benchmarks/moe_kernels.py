@@ -18,19 +18,18 @@ from pathlib import Path
 
 import torch
 
-from fxrewrite.benchmarks.common import RESULTS_DIR, load_bench_config, replay_ms
+from fxrewrite.benchmarks.common import RESULTS_DIR, load_bench_config
 from fxrewrite.benchmarks.kernels import _time_ms, copy_bandwidth
+from fxrewrite.benchmarks.moe_direct_sweep import direct_sweep, graph_ms
 from fxrewrite.kernels import fused_moe
 from fxrewrite.kernels.fused_moe import fused_experts, fused_experts_ref, select_experts
-from fxrewrite.kernels.fused_moe_direct import direct_experts
+from fxrewrite.kernels.fused_moe_direct import DIRECT_MAX_TOKENS, direct_experts
 from fxrewrite.kernels.fused_moe_triton import gemm_config
 from fxrewrite.kernels.moe_routing import moe_align_block_size, moe_align_block_size_ref, select_experts_ref
 
 TOKENS = (1, 2, 4, 8, 16, 64, 256, 1024, 4096)
 GRAPH_ARMS = {"triton": fused_experts, "direct": direct_experts,
               "grouped": lambda *a: fused_moe._forward(*a, 0, save=False)[0]}
-DIRECT_SWEEP = [((16, 256, 4), (8, 256, 4)), ((8, 256, 4), (8, 256, 4)), ((32, 128, 4), (16, 128, 4)),
-                ((16, 512, 8), (4, 256, 4)), ((16, 128, 4), (8, 128, 2)), ((8, 512, 4), (16, 256, 8))]
 # --sweep candidates (block_m, block_n, block_k, num_warps, num_stages), by token-count range
 SWEEP = {
     (1, 32): [(16, 32, 128, 4, 4), (16, 64, 64, 4, 5), (16, 64, 128, 4, 3), (16, 32, 256, 4, 2), (16, 128, 128, 4, 2)],
@@ -72,30 +71,6 @@ def _routing_arms(logits, k, e) -> dict:
     block = gemm_config(logits.shape[0])["block_m"]
     return {"routing_triton": lambda: moe_align_block_size(select_experts(logits, k, True)[1], block, e),
             "routing_torch": lambda: moe_align_block_size_ref(select_experts_ref(logits, k, True)[1], block, e)}
-
-
-def _graph_ms(fn, layers, reps: int = 20) -> float:
-    """GPU time of ``fn(w13, w2)`` per call, as a decode step's CUDA graph runs it: one graph calls it on
-    each of several layers' weights in turn (more bytes than L2 holds, so no call reads cached weights);
-    replayed `reps` times after a warm-up, timed with CUDA events."""
-    for w13, w2 in layers:
-        fn(w13, w2)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w13, w2 in layers:
-            fn(w13, w2)
-    return replay_ms(graph, reps) / len(layers)
-
-
-def direct_sweep(x, layers, weights, ids) -> list[dict]:
-    """Time the direct path's tile candidates ((block_n, block_k, warps) for gate_up and down), in graphs."""
-    rows = []
-    for gu, dn in DIRECT_SWEEP:
-        cfg = {name: dict(block_n=c[0], block_k=c[1], num_warps=c[2]) for name, c in (("gate_up", gu), ("down", dn))}
-        ms = _graph_ms(lambda a, b: direct_experts(x, a, b, weights, ids, 0, cfg), layers)
-        rows.append(dict(tokens=x.shape[0], arm="direct_sweep", config=cfg, ms=ms))
-        print(f"T={x.shape[0]:5d} direct_sweep {gu} {dn} {ms:.4f}", flush=True)
-    return rows
 
 
 def sweep(x, w13, w2, weights, ids) -> list[dict]:
@@ -144,7 +119,7 @@ def run(config: str, out_dir: Path, do_sweep: bool = False, tokens: tuple[int, .
         with torch.no_grad():
             if do_sweep:
                 rows += sweep(x, w13, w2, weights, ids)
-                rows += direct_sweep(x, layers, weights, ids) if t <= 16 else []
+                rows += direct_sweep(x, layers, weights, ids) if t <= DIRECT_MAX_TOKENS else []
             for name, fn in arms.items():
                 try:
                     ms = _time_ms(fn)
@@ -158,7 +133,7 @@ def run(config: str, out_dir: Path, do_sweep: bool = False, tokens: tuple[int, .
                 rows.append(dict(tokens=t, arm=name, ms=ms, experts_hit=hit, GBps=nbytes / ms / 1e6,
                                  pct_of_copy=100 * nbytes / (ms * 1e-3) / bw, tflops=flops / ms / 1e9))
                 if t <= 16 and name in GRAPH_ARMS:  # launch-bound sizes: the GPU time in a graph
-                    g = _graph_ms(lambda a, b, name=name: GRAPH_ARMS[name](x, a, b, weights, ids), layers)
+                    g = graph_ms(lambda a, b, name=name: GRAPH_ARMS[name](x, a, b, weights, ids), layers)
                     rows[-1].update(graph_ms=g, graph_pct_of_copy=100 * nbytes / (g * 1e-3) / bw)
                     print(f"T={t:5d} {name:14s} graph {g * 1e3:8.1f} us  {rows[-1]['graph_pct_of_copy']:5.1f}% of copy",
                           flush=True)

@@ -28,7 +28,7 @@ import torch
 
 from fxrewrite.kernels.triton_utils import launch, tl, triton
 
-__all__ = ["DIRECT_MAX_TOKENS", "direct_config", "direct_experts"]
+__all__ = ["DIRECT_MAX_TOKENS", "direct_config", "direct_down", "direct_experts", "direct_gate_up"]
 
 DIRECT_MAX_TOKENS = 8
 """Largest token count sent to the direct path by `fused_experts` at inference. Above it, tokens
@@ -105,26 +105,42 @@ def direct_config(num_tokens: int) -> dict:
     return dict(gate_up=dict(block_n=16, block_k=256, num_warps=4), down=dict(block_n=2, block_k=256, num_warps=4))
 
 
+def direct_gate_up(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor, top_k: int, expert_start: int,
+                   config: dict) -> torch.Tensor:
+    """x [T, H] (unit last stride), w13 [E_local, 2I, H], flat ids [T*K] -> act [T*K, I] in x's dtype
+    (``silu(gate) * up`` per slot; rows of remote slots are left unwritten). `config`: one entry of
+    `direct_config` (block_n, block_k, num_warps)."""
+    num_local, two_i, hidden = w13.shape
+    inter = two_i // 2
+    act = torch.empty(ids.numel(), inter, dtype=x.dtype, device=x.device)
+    launch(_direct_gate_up_kernel, (ids.numel(), triton.cdiv(inter, config["block_n"])), x.device)(
+        x, w13, ids, act, expert_start, num_local, x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), inter,
+        TOP_K=top_k, HIDDEN=hidden, BLOCK_N=config["block_n"],
+        BLOCK_K=min(config["block_k"], triton.next_power_of_2(hidden)), num_warps=config["num_warps"])
+    return act
+
+
+def direct_down(act: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
+                top_k: int, expert_start: int, config: dict) -> torch.Tensor:
+    """act [T*K, I], w2 [E_local, H, I], flat ids and weights [T*K] -> out [T, H] (contiguous, written
+    in place and returned): ``sum_k weights[t, k] * w2[ids[t, k]] @ act[t*K + k]`` over local slots."""
+    num_local, hidden, inter = w2.shape
+    launch(_direct_down_kernel, (out.shape[0], triton.cdiv(hidden, config["block_n"])), out.device)(
+        act, w2, ids, weights, out, expert_start, num_local, hidden, w2.stride(0), w2.stride(1), w2.stride(2),
+        TOP_K=top_k, INTER=inter, BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=config["block_n"],
+        BLOCK_K=min(config["block_k"], triton.next_power_of_2(inter)), num_warps=config["num_warps"])
+    return out
+
+
 def direct_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor, expert_start: int = 0, config: dict | None = None) -> torch.Tensor:
     """Same contract as `fused_experts_ref` (x [T, H], w13 [E, 2I, H], w2 [E, H, I], routing [T, K]
     -> [T, H] in x's dtype), inference only (no autograd); shapes are checked by the caller."""
     t, k = topk_ids.shape
-    num_local, two_i, hidden = w13.shape
-    inter = two_i // 2
     cfg = config or direct_config(t)
-    gu, dn = cfg["gate_up"], cfg["down"]
     x = x if x.stride(-1) == 1 else x.contiguous()
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).contiguous()
-    act = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
+    act = direct_gate_up(x, w13, ids, k, expert_start, cfg["gate_up"])
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    launch(_direct_gate_up_kernel, (t * k, triton.cdiv(inter, gu["block_n"])), x.device)(
-        x, w13, ids, act, expert_start, num_local, x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), inter,
-        TOP_K=k, HIDDEN=hidden, BLOCK_N=gu["block_n"], BLOCK_K=min(gu["block_k"], triton.next_power_of_2(hidden)),
-        num_warps=gu["num_warps"])
-    launch(_direct_down_kernel, (t, triton.cdiv(hidden, dn["block_n"])), x.device)(
-        act, w2, ids, weights, out, expert_start, num_local, hidden, w2.stride(0), w2.stride(1), w2.stride(2),
-        TOP_K=k, INTER=inter, BLOCK_TOPK=triton.next_power_of_2(k), BLOCK_N=dn["block_n"],
-        BLOCK_K=min(dn["block_k"], triton.next_power_of_2(inter)), num_warps=dn["num_warps"])
-    return out
+    return direct_down(act, w2, ids, weights, out, k, expert_start, cfg["down"])
