@@ -65,14 +65,24 @@ def select_top_k(x, valid, offs, weights_ptr, ids_ptr, row, TOP_K: tl.constexpr,
         scores = tl.sigmoid(x)
     scores = tl.where(valid, scores, float("-inf"))
     slots = tl.arange(0, BLOCK_K)
-    top_w = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    top_i = tl.zeros((BLOCK_K,), dtype=tl.int32)
-    for k in tl.static_range(TOP_K):  # k rounds of argmax (the first index among equal scores)
-        best = tl.max(scores, axis=0)
-        idx = tl.min(tl.where(scores == best, offs, BLOCK_E), axis=0)
-        top_w = tl.where(slots == k, best, top_w)
-        top_i = tl.where(slots == k, idx, top_i)
-        scores = tl.where(offs == idx, float("-inf"), scores)
+    if BLOCK_E <= 128:  # up to 128 experts the E x E compare below fits in registers
+        # each expert's rank among the scores (ties: the lower index first), in one pass: a few parallel
+        # reductions instead of 2 * top_k dependent cross-warp ones (the latency of this kernel)
+        s_i, s_j = scores[:, None], scores[None, :]
+        beats = (s_j > s_i) | ((s_j == s_i) & (offs[None, :] < offs[:, None]))
+        rank = tl.sum(beats.to(tl.int32), axis=1)
+        hit = (rank[None, :] == slots[:, None]) & (slots < TOP_K)[:, None]  # one expert per kept slot
+        top_i = tl.sum(tl.where(hit, offs[None, :], 0), axis=1)
+        top_w = tl.sum(tl.where(hit, scores[None, :], 0.0), axis=1)
+    else:
+        top_w = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        top_i = tl.zeros((BLOCK_K,), dtype=tl.int32)
+        for k in tl.static_range(TOP_K):  # k rounds of argmax (the first index among equal scores)
+            best = tl.max(scores, axis=0)
+            idx = tl.min(tl.where(scores == best, offs, BLOCK_E), axis=0)
+            top_w = tl.where(slots == k, best, top_w)
+            top_i = tl.where(slots == k, idx, top_i)
+            scores = tl.where(offs == idx, float("-inf"), scores)
     if RENORMALIZE:
         top_w = top_w / tl.sum(top_w, axis=0)
     out = slots < TOP_K
