@@ -95,7 +95,21 @@ def sweep(x, w13, w2, weights, ids) -> list[dict]:
     return rows
 
 
-def run(config: str, out_dir: Path, do_sweep: bool = False, tokens: tuple[int, ...] = TOKENS) -> dict:
+def _arms(x, w13, w2, weights, ids, module, direct_only: bool) -> dict:
+    """The timed forms for this token count (`direct_only`: the direct path and the routing kernels)."""
+    t, (e, k) = x.shape[0], (w13.shape[0], ids.shape[1])
+    arms = {} if direct_only else {"triton": lambda: fused_experts(x, w13, w2, weights, ids),
+                                   "grouped": lambda: fused_moe._forward(x, w13, w2, weights, ids, 0, save=False)[0],
+                                   "torch_ref": lambda: fused_experts_ref(x, w13, w2, weights, ids)}
+    if t <= DIRECT_MAX_TOKENS:
+        arms["direct"] = lambda: direct_experts(x, w13, w2, weights, ids)
+    if not direct_only:
+        arms |= {f"hf_{n}": (lambda f=f: f(module, x, ids, weights.to(x.dtype))) for n, f in _hf_forwards().items()}
+    return arms | _routing_arms(torch.randn(t, e, device=x.device, dtype=x.dtype), k, e)
+
+
+def run(config: str, out_dir: Path, do_sweep: bool = False, tokens: tuple[int, ...] = TOKENS,
+        direct_only: bool = False) -> dict:
     cfg = load_bench_config(config)["config"]
     e, k, h, i = cfg["num_experts"], cfg["num_experts_per_tok"], cfg["hidden_size"], cfg["moe_intermediate_size"]
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -109,16 +123,10 @@ def run(config: str, out_dir: Path, do_sweep: bool = False, tokens: tuple[int, .
         weights, ids = select_experts(torch.randn(t, e, device=dev), k, True)
         hit = int(ids.unique().numel())
         nbytes, flops = hit * 3 * h * i * 2 + 2 * x.numel() * 2, 2 * t * k * 3 * h * i
-        arms = {"triton": lambda: fused_experts(x, w13, w2, weights, ids),
-                "grouped": lambda: fused_moe._forward(x, w13, w2, weights, ids, 0, save=False)[0],
-                "torch_ref": lambda: fused_experts_ref(x, w13, w2, weights, ids)}
-        if t <= 16:
-            arms["direct"] = lambda: direct_experts(x, w13, w2, weights, ids)
-        arms |= {f"hf_{n}": (lambda f=f: f(module, x, ids, weights.to(dt))) for n, f in _hf_forwards().items()}
-        arms |= _routing_arms(torch.randn(t, e, device=dev, dtype=dt), k, e)
+        arms = _arms(x, w13, w2, weights, ids, module, direct_only)
         with torch.no_grad():
             if do_sweep:
-                rows += sweep(x, w13, w2, weights, ids)
+                rows += [] if direct_only else sweep(x, w13, w2, weights, ids)
                 rows += direct_sweep(x, layers, weights, ids) if t <= DIRECT_MAX_TOKENS else []
             for name, fn in arms.items():
                 try:
@@ -144,7 +152,8 @@ def run(config: str, out_dir: Path, do_sweep: bool = False, tokens: tuple[int, .
                             config=config, torch=torch.__version__, copy_GBps=bw / 1e9),
                   gemm_configs={t: gemm_config(t) for t in tokens}, rows=rows)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{now:%Y-%m-%d}-moe-kernels-{Path(config).stem}.json").write_text(json.dumps(result, indent=2))
+    suffix = "-direct" if direct_only else ""
+    (out_dir / f"{now:%Y-%m-%d}-moe-kernels-{Path(config).stem}{suffix}.json").write_text(json.dumps(result, indent=2))
     return result
 
 
@@ -154,11 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     p.add_argument("--tokens", type=lambda v: tuple(int(t) for t in v.split(",")), default=TOKENS,
                    help="comma-separated token counts (default %(default)s)")
-    p.add_argument("--sweep", action="store_true", help="also time candidate GEMM tile configs per token count")
+    p.add_argument("--sweep", action="store_true", help="also time candidate tile configs per token count (grouped "
+                   "GEMM; direct kernels and router alone in CUDA graphs)")
+    p.add_argument("--direct-only", action="store_true", help="only the few-token path: the direct kernels and "
+                   "routing (with --sweep: their tile sweep, < 60 s; writes ...-moe-kernels-<config>-direct.json)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("moe_kernels needs a CUDA GPU")
-    run(args.config, args.out, args.sweep, args.tokens)
+    run(args.config, args.out, args.sweep, args.tokens, args.direct_only)
     return 0
 
 

@@ -31,8 +31,9 @@ def _inputs(t, h, e, dtype=torch.float32, seed=0):
     return (torch.randn(t, h, generator=gen) * 0.2).to(dtype), torch.randn(e, h, generator=gen).to(dtype)
 
 
-@pytest.mark.parametrize("t,h,e,k,scoring,renormalize", [(1, 40, 8, 2, "softmax", True), (3, 300, 12, 4, "sigmoid", True),
-                                                         (8, 64, 6, 3, "softmax", False), (2, 32, 128, 8, "softmax", True)])
+@pytest.mark.parametrize("t,h,e,k,scoring,renormalize", [
+    (1, 40, 8, 2, "softmax", True), (3, 300, 12, 4, "sigmoid", True), (8, 64, 6, 3, "softmax", False),
+    (2, 32, 128, 8, "softmax", True)])
 def test_fused_router_matches_reference(triton_on, t, h, e, k, scoring, renormalize):
     """Several expert blocks per token (e > 4), hidden not a power of two (masked chunks); the arrival
     counters are back at zero afterwards (the next launch, or a CUDA-graph replay, starts clean)."""
@@ -94,3 +95,24 @@ def test_fused_router_cuda_graph_on_gpu(t):
         want_w, want_ids = route_experts_ref(x, w, 8, True)
         assert torch.equal(ids, want_ids)
         torch.testing.assert_close(weights, want_w, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_moe_layer_routes_decode_tokens_in_one_launch(interpret, monkeypatch):
+    """`FusedMoE` at decode (2 tokens, Triton on): the fused router and the two direct expert kernels,
+    no GEMM + select pair; the output equals the torch path's (Triton off)."""
+    from fxrewrite.layers.fused_moe import FusedExperts, FusedMoE
+
+    torch.manual_seed(0)
+    router, experts = torch.nn.Linear(32, 8, bias=False), FusedExperts(8, 32, 16)
+    torch.nn.init.normal_(experts.w13, std=0.2), torch.nn.init.normal_(experts.w2, std=0.2)
+    moe = FusedMoE({"router": "gate", "experts": "experts"}, {"router": router, "experts": experts},
+                   top_k=2, renormalize=True)
+    x = torch.randn(2, 32)
+    with torch.no_grad():
+        want = moe(x)
+        monkeypatch.setenv("FXREWRITE_TRITON", "1")
+        launches = _Launches()
+        with listen_launches(launches):
+            got = moe(x)
+    assert launches.names == ["_router_kernel", "_direct_gate_up_kernel", "_direct_down_kernel"]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
