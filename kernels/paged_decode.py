@@ -3,18 +3,18 @@
 Grid (sequence, kv head, split): each program loads the G = Hq/Hkv query heads that share its
 kv head as one [G, D] tile (GQA: every cached key/value is read once per kv head), walks its
 partition of the context through the block table (the split count is fixed on the host, so a CUDA
-graph stays valid; each sequence's partition length is its own context over that count, so a short
-sequence still spreads over several programs instead of leaving one program to walk it alone), and
+graph stays valid; each sequence's partition length is its own context over that count), and
 keeps an online softmax (running max m, sum l). With one split it writes the output directly;
 otherwise it writes normalised partial outputs with (m, l) and :func:`_reduce_kernel` merges them
 (the flash-decoding scheme).
 
-A CUDA graph fixes the split count from the longest context it was captured for, so a short
-sequence replayed in it would pay for the partials and the merge (an H200 profile at ~256 tokens:
-the reduce was a third of the attention time). So a sequence whose window-limited context is at most
-``single_split_len`` tokens (default `_MIN_PARTITION`, the host's own one-split length) is computed
-by its split 0 alone, exactly as a one-split launch computes it (bitwise), written directly, and
-skipped by the merge; longer sequences take the split path unchanged.
+A CUDA graph fixes the split count from the longest context it was captured for (at batch 1 and
+max_model_len 4096: 16), so a short sequence replayed in it paid for partials and the merge (an H200
+profile at ~256-token contexts: the reduce was a third of the attention time). Now a sequence whose
+window-limited context is at most ``single_split_len`` keys (default `_SINGLE_SPLIT_LEN`, 512) is
+walked by its split 0 alone, exactly as a one-split launch walks it (bitwise), written directly, and
+skipped by the merge (the merge launch stays in the graph, each of its programs returns at once);
+longer sequences take the split path unchanged.
 Semantics and arguments: :mod:`fxrewrite.kernels.paged_attention`.
 """
 
@@ -30,6 +30,10 @@ __all__ = ["paged_decode_triton"]
 # Programs wanted in flight (about 2 per SM on an H100/H200); splits only fill the GPU.
 _TARGET_PROGRAMS = 264
 _MIN_PARTITION = 256
+# Contexts up to this many keys are walked by one program even in a launch with several splits: at
+# batch 1 a graph captured for max_model_len has 16 splits, and at 257..512 keys the walk of a whole
+# context costs about what the partials plus the merge launch do (the merge costs ~2 us alone).
+_SINGLE_SPLIT_LEN = 2 * _MIN_PARTITION
 
 
 # As in paged_prefill: no specialisation on what changes with the batch (split count, block-table width,
@@ -127,7 +131,7 @@ def _num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int:
 def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                         max_query_len, max_seq_len, scale, sliding_window=None, soft_cap=None,
                         *, block_n: int = 64, num_splits: int | None = None, num_warps: int = 4,
-                        num_stages: int = 2, single_split_len: int = _MIN_PARTITION):
+                        num_stages: int = 2, single_split_len: int = _SINGLE_SPLIT_LEN):
     """Decode launch (every sequence has at most one query token). ``max_seq_len`` must bound every
     seq_len (it sizes the split-K grid). Keyword-only knobs are for tests and the benchmark
     (``single_split_len``: contexts up to this many tokens skip the split and the merge; 0: never)."""
