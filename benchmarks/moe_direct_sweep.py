@@ -7,7 +7,9 @@ under each tile candidate, and the router as one fused launch (`route_experts`) 
 `select_experts` pair. A graph calls the kernel on several layers' weights in turn, so no call
 finds its weights in L2 (as in a decode step). Reported: GPU microseconds per call and the TB/s of
 routed bytes (the distinct experts hit x that kernel's weight bytes; the router: its whole weight),
-the quantity the batch-1 decode roofline counts.
+the quantity the batch-1 decode roofline counts. `short_context_decode_rows` times batch-1 decode
+attention as a graph captured for a long context replays it (16 splits), with and without the
+one-program walk of short contexts (`paged_decode`'s ``single_split_len``).
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ import torch
 import torch.nn.functional as F
 
 from fxrewrite.benchmarks.common import replay_ms
+from fxrewrite.benchmarks.kernels import _paged_batch
 from fxrewrite.kernels.fused_moe_direct import direct_config, direct_down, direct_gate_up
 from fxrewrite.kernels.moe_router import route_experts
 from fxrewrite.kernels.moe_routing import select_experts
+from fxrewrite.kernels.paged_decode import _num_splits, paged_decode_triton
 
-__all__ = ["GATE_UP_TILES", "DOWN_TILES", "graph_ms", "direct_sweep"]
+__all__ = ["GATE_UP_TILES", "DOWN_TILES", "graph_ms", "direct_sweep", "short_context_decode_rows"]
 
 # (block_n, block_k, num_warps) candidates; the first of each is `direct_config`'s choice
 GATE_UP_TILES = [(16, 256, 4), (8, 256, 4), (8, 512, 4), (4, 256, 4), (4, 512, 8), (16, 128, 4), (32, 128, 8),
@@ -87,4 +91,24 @@ def direct_sweep(x, layers, weights, ids) -> list[dict]:
               f"(default {default['us']:6.1f} us {default['TBps']:5.2f} TB/s)", flush=True)
     for r in rows[-2:]:
         print(f"T={x.shape[0]:3d} {r['arm']:18s} {r['us']:6.1f} us", flush=True)
+    return rows
+
+
+def short_context_decode_rows(heads: tuple[int, int, int], max_model_len: int = 4096,
+                              contexts: tuple[int, ...] = (128, 256, 384, 512, 768)) -> list[dict]:
+    """Batch-1 decode attention (heads: Hq, Hkv, D) in graphs whose split count is max_model_len's:
+    microseconds per layer with ``single_split_len`` 0 (always split, then merge) and the default."""
+    num_heads, num_kv_heads, head_dim = heads
+    splits, rows = _num_splits(1, num_kv_heads, max_model_len), []
+    for ctx in contexts:
+        layers = [_paged_batch([(ctx - 1, 1)], num_heads, num_kv_heads, head_dim)[0] for _ in range(8)]
+        timed = {}
+        for name, single in (("split_merge", 0), ("short_single", None)):
+            kw = {} if single is None else {"single_split_len": single}
+            timed[name] = graph_ms(lambda *a, kw=kw: paged_decode_triton(*a[:7], max_model_len, head_dim ** -0.5,
+                                                                          num_splits=splits, **kw), layers) * 1e3
+        rows.append(dict(tokens=1, arm="decode_attention", context=ctx, splits=splits, **{f"{k}_us": v
+                                                                                         for k, v in timed.items()}))
+        print(f"decode attention b1 ctx {ctx:4d} ({splits} splits): split+merge {timed['split_merge']:5.1f} us, "
+              f"short path {timed['short_single']:5.1f} us", flush=True)
     return rows

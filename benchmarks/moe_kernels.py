@@ -20,7 +20,7 @@ import torch
 
 from fxrewrite.benchmarks.common import RESULTS_DIR, load_bench_config
 from fxrewrite.benchmarks.kernels import _time_ms, copy_bandwidth
-from fxrewrite.benchmarks.moe_direct_sweep import direct_sweep, graph_ms
+from fxrewrite.benchmarks.moe_direct_sweep import direct_sweep, graph_ms, short_context_decode_rows
 from fxrewrite.kernels import fused_moe
 from fxrewrite.kernels.fused_moe import fused_experts, fused_experts_ref, select_experts
 from fxrewrite.kernels.fused_moe_direct import DIRECT_MAX_TOKENS, direct_experts
@@ -147,6 +147,10 @@ def run(config: str, out_dir: Path, do_sweep: bool = False, tokens: tuple[int, .
                           flush=True)
                 print(f"T={t:5d} {name:14s} {ms:8.3f} ms  {rows[-1]['pct_of_copy']:5.1f}% of copy  "
                       f"{rows[-1]['tflops']:6.1f} TFLOP/s", flush=True)
+    if do_sweep and direct_only:  # the rest of a few-token step's attention: short contexts in long graphs
+        q_heads = cfg["num_attention_heads"]
+        heads = (q_heads, cfg["num_key_value_heads"], cfg.get("head_dim") or h // q_heads)
+        rows += short_context_decode_rows(heads)
     now = datetime.datetime.now(datetime.timezone.utc)
     result = dict(meta=dict(date=now.isoformat(timespec="seconds"), gpu=torch.cuda.get_device_name(),
                             config=config, torch=torch.__version__, copy_GBps=bw / 1e9),
