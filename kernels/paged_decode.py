@@ -55,9 +55,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr
     if HAS_WINDOW:
         lo = tl.maximum(seq_len - sliding_window, 0)
     splits = num_splits
-    if IS_SPLIT:
-        if seq_len - lo <= single_len:  # short: split 0 alone, as a one-split launch
-            splits = 1
+    if IS_SPLIT:  # a short context: split 0 alone, as a one-split launch
+        splits = tl.where(seq_len - lo <= single_len, 1, num_splits)
     if (tl.load(qsl_ptr + seq + 1) > tok) & (split < splits):
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
