@@ -14,8 +14,8 @@
 #   STEP=decode (nvidia-h200):   issue 14: Triton JIT warm-up and fused norm-rope + KV write GPU tests;
 #                                Qwen3-0.6B throughput after,native and native,after (cold Triton cache);
 #                                Qwen3-4B / Qwen3-32B batch-1 decode (native, after); Qwen3-4B decode profile
-#   STEP=moe-decode (nvidia-h200): MoE GPU tests, MoE kernels at T=1..16 (direct vs grouped, tile sweep, in
-#                                CUDA graphs), Qwen3-30B-A3B batch-1/8 latency (after, native) and throughput
+#   STEP=moe-decode (nvidia-h200): MoE GPU tests, the direct MoE kernels at T=1..8 (tile sweep of each kernel
+#                                and the fused router, in CUDA graphs), Qwen3-30B-A3B batch-1/8 latency (after, native) and throughput
 #                                (after, native, before = transformers' eager experts loop)
 #   STEP=multi (nvidia-h200-x2): symmetric-memory all-reduce, TP=2 vs TP=1 batch-1 decode (Qwen3-4B),
 #                                TP=2 and PP=2 greedy tests, MoE expert parallel
@@ -114,11 +114,11 @@ moe-profile)
   stamp "MoE batch-1/8 decode latency"
   compare 160 --config qwen3-30b-a3b --arms after,native --workload latency --max-num-seqs 8 --time-limit 30 ;;
 moe-decode)  # issue 13: the few-token MoE path
-  stamp "MoE GPU tests"
-  gpu_tests 60 gpu-tests-moe.log tests/moe
-  stamp "MoE kernels T=1..16 (Qwen3-30B-A3B expert shapes; --sweep: tile candidates)"
-  timeout -k 5 90 $PY -m fxrewrite.benchmarks.moe_kernels --config qwen3-30b-a3b --tokens 1,2,4,8,16 --sweep \
-    --out "$OUT_DIR" 2>&1 | grep -v "sweep" | tail -40
+  stamp "MoE GPU tests (direct kernels, every sweep tile, fused router), short-context decode attention"
+  gpu_tests 110 gpu-tests-moe.log tests/moe tests/kernels/test_paged_attention.py
+  stamp "MoE direct kernels T=1..8 (Qwen3-30B-A3B expert shapes; tile sweep, per-kernel TB/s in graphs, router)"
+  timeout -k 5 100 $PY -m fxrewrite.benchmarks.moe_kernels --config qwen3-30b-a3b --tokens 1,2,4,8 --sweep \
+    --direct-only --out "$OUT_DIR" 2>&1 | grep -v "sweep" | tail -40
   stamp "MoE batch-1/8 decode latency"
   compare 150 --config qwen3-30b-a3b --arms after,native --workload latency --max-num-seqs 8 --time-limit 25
   stamp "MoE throughput (Qwen3-30B-A3B shapes)"
