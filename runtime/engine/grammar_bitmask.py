@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+STAT_KEYS = ("accept_s", "fill_s", "job_s", "main_s", "wait_s", "tokens_wait_s", "complete_s", "steps")
+
 SWITCH_INTERVAL_S = 5e-5
 """GIL switch interval (seconds) while a grammar job is in flight: bounds the worker's wait for the GIL."""
 
@@ -34,92 +36,142 @@ SWITCH_INTERVAL_S = 5e-5
 class GrammarJob:
     """One step's grammar work, started by `BitmaskFiller.start` and joined by `BitmaskFiller.finish`."""
 
-    future: Future
+    futures: list[Future]
     host: torch.Tensor | None
     """The host bitmask rows being filled; None when no row of the step is constrained."""
     event: Any = None
     """CUDA event recorded after `host` is copied to the device (the buffer's reuse waits for it)."""
     grammar_done: set[int] = field(default_factory=set)
     """seq_ids whose accepted token completes their grammar (a stop token)."""
+    started: float = 0.0
+    """perf_counter() when the job was submitted."""
+    finished: list[float] = field(default_factory=list)
+    """perf_counter() when each chunk ended (the job's wall time is the last minus `started`)."""
 
 
 class BitmaskFiller:
-    """Runs xgrammar's batched accept and fill, now or on one worker thread; reuses its buffers.
+    """Runs xgrammar's batched accept and fill, now or on `num_threads` persistent worker threads (the
+    matchers split in interleaved chunks, each chunk accepted then filled by one thread); reuses buffers.
+
+    Why not xgrammar's own `max_threads`: its batched fill builds a fresh C++ thread pool on every call
+    (and joins it), which at batch 64 costs more than it saves; persistent Python threads around GIL-free
+    single-threaded calls pay two GIL hand-offs per chunk instead.
 
     Args:
         xgr: the xgrammar module.
         width: words per bitmask row (ceil(vocab_size / 32)).
-        max_threads: threads of xgrammar's batched fill.
+        num_threads: worker threads of a started job (chunks per step).
     """
 
-    def __init__(self, xgr: Any, width: int, max_threads: int):
+    def __init__(self, xgr: Any, width: int, num_threads: int):
         self._xgr = xgr
-        self._batch = xgr.BatchGrammarMatcher(max_threads)
+        self._core = getattr(getattr(xgr, "base", None), "_core", None)
+        self._batch = xgr.BatchGrammarMatcher(1)
+        self.num_threads = max(1, num_threads)
         self._buffers = _PinnedBuffers(width)
         self._device_rows: torch.Tensor | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self.stats = {"accept_s": 0.0, "fill_s": 0.0, "steps": 0, "main_s": 0.0, "wait_s": 0.0}
-        """Seconds spent accepting / filling (on whichever thread ran them), the number of fills, and the
-        calling (main) thread's seconds in run, start and finish (`main_s`), of which blocked joining the
-        worker (`wait_s`)."""
+        self.stats = dict.fromkeys(STAT_KEYS, 0.0)
+        """Seconds: accepting / filling (summed over the threads that ran them), a started job's wall time
+        (`job_s`), the calling (main) thread's time in run, start and finish (`main_s`), of which blocked
+        joining the worker (`wait_s`); `steps`: the number of fills. `StructuredOutputManager` adds the
+        main thread's wait for the previous step's tokens (`tokens_wait_s`) and its completion of that step
+        while the job ran (`complete_s`)."""
 
     def run(self, accept: tuple[list, list, list], fill: tuple[list, list], num_rows: int,
             device: torch.device) -> torch.Tensor | None:
         """Accept, then fill, on this thread; the mask on `device` (None when `fill` has no matcher)."""
         start = time.perf_counter()
         host, event = self._buffers.next(num_rows, device) if fill[0] else (None, None)
-        self._work(accept, fill, host)
+        self.stats["steps"] += host is not None
+        self._work(accept, fill, host, _missing_rows(fill[1], num_rows, host))
         out = self._to_device(host, event, device)
         self.stats["main_s"] += time.perf_counter() - start
         return out
 
     def start(self, accept: tuple[list, list, list], fill: tuple[list, list], num_rows: int,
               device: torch.device, grammar_done: set[int]) -> GrammarJob:
-        """Start `run`'s work on the worker thread and return at once; join with `finish`.
+        """Start `run`'s work on the worker threads and return at once; join with `finish`.
 
         accept: (matchers, token ids, seq_ids) to advance first; fill: (matchers, row indices) whose rows of
         a [num_rows, width] mask are filled, every other row all ones (every token allowed)."""
         start = time.perf_counter()
         host, event = self._buffers.next(num_rows, device) if fill[0] else (None, None)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="fxrewrite-grammar")
+        self.stats["steps"] += host is not None
+        k = self.num_threads
+        if self._pool is None or self._pool._max_workers != k:  # a changed num_threads: a new pool
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+            self._pool = ThreadPoolExecutor(k, thread_name_prefix="fxrewrite-grammar")
+        missing = _missing_rows(fill[1], num_rows, host)
+        job = GrammarJob([], host, event, grammar_done, start)
         _switch_interval.enter()
         try:
-            future = self._pool.submit(self._work, accept, fill, host)
-        except BaseException:
-            _switch_interval.exit()
-            raise
+            for c in range(min(k, max(len(accept[0]), len(fill[0]), 1))):
+                chunk_accept = tuple(part[c::k] for part in accept)
+                chunk_fill = tuple(part[c::k] for part in fill)
+                job.futures.append(self._pool.submit(self._chunk, job, chunk_accept, chunk_fill,
+                                                     missing if c == 0 else None))
+        finally:  # restored when the last chunk ends (also when a submit failed, or a job is never joined)
+            _switch_interval.exit_when_done(job.futures)
         self.stats["main_s"] += time.perf_counter() - start
-        return GrammarJob(future, host, event, grammar_done)
+        return job
 
     def finish(self, job: GrammarJob, device: torch.device) -> torch.Tensor | None:
         """Wait for `job` (re-raising its error), then its mask on `device` (the copy does not wait)."""
         start = time.perf_counter()
         try:
-            job.future.result()
+            for future in job.futures:
+                future.result()
         finally:
-            _switch_interval.exit()
             self.stats["wait_s"] += time.perf_counter() - start
+        if job.finished:
+            self.stats["job_s"] += max(job.finished) - job.started
         out = self._to_device(job.host, job.event, device)
         self.stats["main_s"] += time.perf_counter() - start
         return out
 
-    def _work(self, accept: tuple[list, list, list], fill: tuple[list, list], host: torch.Tensor | None) -> None:
+    def _chunk(self, job: GrammarJob, accept, fill, missing) -> None:
+        try:
+            self._work(accept, fill, job.host, missing)
+        finally:
+            job.finished.append(time.perf_counter())
+
+    def _work(self, accept: tuple[list, list, list], fill: tuple[list, list], host: torch.Tensor | None,
+              missing: torch.Tensor | None) -> None:
         start = time.perf_counter()
         matchers, tokens, seq_ids = accept
         if matchers:
-            i = _accept(self._xgr, matchers, tokens)
+            i = self._accept(matchers, tokens)
             if i >= 0:
                 raise RuntimeError(f"sequence {seq_ids[i]}: token {tokens[i]} violates its grammar (a sampler bug)")
         filled = time.perf_counter()
-        self.stats["accept_s"] += filled - start
+        self.stats["accept_s"] += filled - start  # += from several threads: a float add under the GIL
         if host is not None:
-            matchers, rows = fill
-            if len(rows) < host.shape[0]:
-                host.fill_(-1)  # unconstrained or finished rows: every token allowed
-            self._batch.batch_fill_next_token_bitmask(matchers, host, rows)
+            if missing is not None:
+                host.index_fill_(0, missing, -1)  # unconstrained or finished rows: every token allowed
+            if fill[0]:
+                self._fill(fill[0], host, fill[1])
             self.stats["fill_s"] += time.perf_counter() - filled
-            self.stats["steps"] += 1
+
+    def _fill(self, matchers: list, host: torch.Tensor, rows: list[int]) -> None:
+        """Fill `rows` of `host` (one GIL-free call, on this thread)."""
+        if self._core is None:
+            self._batch.batch_fill_next_token_bitmask(matchers, host, rows)
+        else:
+            self._batch._handle.batch_fill_next_token_bitmask([m._handle for m in matchers], host, rows, False)
+
+    def _accept(self, matchers: list, tokens: list[int]) -> int:
+        """Advance each matcher by its token (one batched call); the index of the first token refused, or -1.
+
+        xgrammar's public `batch_accept_token` turns the binding's result array into Python bools one FFI
+        call per element (about 2 us each, holding the GIL: 0.1-0.2 ms at batch 64), so the binding is
+        called directly when this xgrammar has it, and its array answers `0 in result` at C speed."""
+        if self._core is None:
+            accepted = self._xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+            return -1 if all(accepted) else accepted.index(False)
+        result = self._core.BatchGrammarMatcher.batch_accept_token([m._handle for m in matchers], tokens, False)
+        return -1 if 0 not in result else [bool(ok) for ok in result].index(False)
 
     def _to_device(self, host: torch.Tensor | None, event, device: torch.device) -> torch.Tensor | None:
         """`host` copied into the reused device buffer, without waiting (CPU: `host` itself)."""
@@ -135,18 +187,13 @@ class BitmaskFiller:
         return out
 
 
-def _accept(xgr: Any, matchers: list, tokens: list[int]) -> int:
-    """Advance each matcher by its token (one batched call); the index of the first token refused, or -1.
-
-    xgrammar's public `batch_accept_token` turns the binding's result array into Python bools one FFI
-    call per element (about 2 us each, holding the GIL: 0.1-0.2 ms at batch 64), so the binding is called
-    directly when this xgrammar has it, and its array answers `0 in result` at C speed."""
-    core = getattr(getattr(xgr, "base", None), "_core", None)
-    if core is None:
-        accepted = xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
-        return -1 if all(accepted) else accepted.index(False)
-    result = core.BatchGrammarMatcher.batch_accept_token([m._handle for m in matchers], tokens, False)
-    return -1 if 0 not in result else [bool(ok) for ok in result].index(False)
+def _missing_rows(rows: list[int], num_rows: int, host: torch.Tensor | None) -> torch.Tensor | None:
+    """The row indices of `host` that no matcher fills (they are set to all ones), or None."""
+    if host is None or len(rows) == num_rows:
+        return None
+    keep = torch.ones(num_rows, dtype=torch.bool)
+    keep[rows] = False
+    return keep.nonzero().flatten()
 
 
 class _PinnedBuffers:
@@ -193,6 +240,24 @@ class _SwitchInterval:
             self._depth -= 1
             if self._depth == 0:
                 sys.setswitchinterval(self._saved)
+
+    def exit_when_done(self, futures: list[Future]) -> None:
+        """`exit` once every one of `futures` is done (now, when there is none)."""
+        if not futures:
+            self.exit()
+            return
+        pending = [len(futures)]
+        lock = threading.Lock()
+
+        def done(_future: Future) -> None:
+            with lock:
+                pending[0] -= 1
+                last = pending[0] == 0
+            if last:
+                self.exit()
+
+        for future in futures:
+            future.add_done_callback(done)
 
 
 _switch_interval = _SwitchInterval()

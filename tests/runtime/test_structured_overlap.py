@@ -82,7 +82,8 @@ def test_fill_runs_after_the_forward_launch_beside_the_previous_steps_completion
         job_fills[0] = job.host is not None
         return job
 
-    batch, original_start = structured._filler._batch, structured.start_step
+    filler, original_start = structured._filler, structured.start_step
+    filler.num_threads = 1  # one fill call per step (several threads split the rows)
     patches = [
         (runner.model, "compute_logits", record(runner.model, "compute_logits", lambda *a, **k: events.append(
             ("forward", None)))),
@@ -91,8 +92,7 @@ def test_fill_runs_after_the_forward_launch_beside_the_previous_steps_completion
         (engine, "_process_sample", record(engine, "_process_sample", on_process)),
         (structured, "start_step", start),
     ]
-    structured._filler._batch = SimpleNamespace(
-        batch_fill_next_token_bitmask=record(batch, "batch_fill_next_token_bitmask", on_fill))
+    filler._fill = record(filler, "_fill", on_fill)
     for obj, name, value in patches:
         setattr(obj, name, value)
     try:
@@ -100,7 +100,7 @@ def test_fill_runs_after_the_forward_launch_beside_the_previous_steps_completion
                                 structured_outputs=_constraint(json=ENDLESS))
         out = llm.generate(["numbers:"], params, use_tqdm=False)[0]
     finally:
-        structured._filler._batch = batch
+        del filler._fill
         for obj, name, _ in patches:
             delattr(obj, name)
     assert all(len(c.token_ids) == 6 and c.text.startswith("[") for c in out.outputs)
@@ -155,9 +155,9 @@ def test_worker_grammar_violation_is_raised_on_the_main_thread(llm):
     mask = structured.fill_bitmask([-1], torch.device("cpu"))
     bits = ((mask[0][:, None] >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[: structured.vocab_size]
     banned = int((bits == 0).nonzero()[0])
-    sample = (SimpleNamespace(seq_id=-1), SimpleNamespace(token_id=banned))
     try:
-        job = structured.start_step([sample], [-1], torch.device("cpu"))
+        job = structured.start_step([SimpleNamespace(seq_id=-1, is_finished=False)], [banned], [-1],
+                                    torch.device("cpu"))
         with pytest.raises(RuntimeError, match="violates its grammar"):
             structured.finish_step(job, torch.device("cpu"))
         assert sys.getswitchinterval() == interval
