@@ -45,8 +45,8 @@ class GrammarJob:
     """seq_ids whose accepted token completes their grammar (a stop token)."""
     started: float = 0.0
     """perf_counter() when the job was submitted."""
-    finished: list[float] = field(default_factory=list)
-    """perf_counter() when each chunk ended (the job's wall time is the last minus `started`)."""
+    finished: list[tuple[float, float, float]] = field(default_factory=list)
+    """Per chunk: (perf_counter() when it ended, its seconds accepting, filling); list.append is atomic."""
 
 
 class BitmaskFiller:
@@ -66,7 +66,7 @@ class BitmaskFiller:
     def __init__(self, xgr: Any, width: int, num_threads: int):
         self._xgr = xgr
         self._core = getattr(getattr(xgr, "base", None), "_core", None)
-        self._batch = xgr.BatchGrammarMatcher(1)
+        self._batches = [xgr.BatchGrammarMatcher(1)]  # max_threads 1: the calling thread fills
         self.num_threads = max(1, num_threads)
         self._buffers = _PinnedBuffers(width)
         self._device_rows: torch.Tensor | None = None
@@ -84,38 +84,43 @@ class BitmaskFiller:
         start = time.perf_counter()
         host, event = self._buffers.next(num_rows, device) if fill[0] else (None, None)
         self.stats["steps"] += host is not None
-        self._work(accept, fill, host, _missing_rows(fill[1], num_rows, host))
+        self._add_times(*self._work(accept, fill, host, _missing_rows(fill[1], num_rows, host)))
         out = self._to_device(host, event, device)
         self.stats["main_s"] += time.perf_counter() - start
         return out
 
-    def start(self, accept: tuple[list, list, list], fill: tuple[list, list], num_rows: int,
+    def start(self, accepts: list[tuple[list, list, list]], fills: list[tuple[list, list]], num_rows: int,
               device: torch.device, grammar_done: set[int]) -> GrammarJob:
-        """Start `run`'s work on the worker threads and return at once; join with `finish`.
+        """Start `run`'s work on the worker threads, chunk i of `accepts` and of `fills` on one thread (a
+        matcher must be in the same chunk of both), and return at once; join with `finish`.
 
-        accept: (matchers, token ids, seq_ids) to advance first; fill: (matchers, row indices) whose rows of
-        a [num_rows, width] mask are filled, every other row all ones (every token allowed)."""
+        accepts: chunks of (matchers, token ids, seq_ids) to advance first; fills: chunks of (matchers, row
+        indices) whose rows of a [num_rows, width] mask are filled, every other row all ones."""
         start = time.perf_counter()
-        host, event = self._buffers.next(num_rows, device) if fill[0] else (None, None)
+        rows = [r for _, chunk_rows in fills for r in chunk_rows]
+        host, event = self._buffers.next(num_rows, device) if rows else (None, None)
         self.stats["steps"] += host is not None
-        k = self.num_threads
-        if self._pool is None or self._pool._max_workers != k:  # a changed num_threads: a new pool
-            if self._pool is not None:
-                self._pool.shutdown(wait=False)
-            self._pool = ThreadPoolExecutor(k, thread_name_prefix="fxrewrite-grammar")
-        missing = _missing_rows(fill[1], num_rows, host)
+        pool = self._worker_pool(len(fills))
+        missing = _missing_rows(rows, num_rows, host)
         job = GrammarJob([], host, event, grammar_done, start)
         _switch_interval.enter()
         try:
-            for c in range(min(k, max(len(accept[0]), len(fill[0]), 1))):
-                chunk_accept = tuple(part[c::k] for part in accept)
-                chunk_fill = tuple(part[c::k] for part in fill)
-                job.futures.append(self._pool.submit(self._chunk, job, chunk_accept, chunk_fill,
-                                                     missing if c == 0 else None))
+            for c, (accept, fill) in enumerate(zip(accepts, fills)):
+                if accept[0] or fill[0] or (c == 0 and missing is not None):
+                    job.futures.append(pool.submit(self._chunk, job, accept, fill, missing if c == 0 else None, c))
         finally:  # restored when the last chunk ends (also when a submit failed, or a job is never joined)
             _switch_interval.exit_when_done(job.futures)
         self.stats["main_s"] += time.perf_counter() - start
         return job
+
+    def _worker_pool(self, k: int) -> ThreadPoolExecutor:
+        if self._pool is None or self._pool._max_workers != k:  # a changed num_threads: a new pool
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+            self._pool = ThreadPoolExecutor(k, thread_name_prefix="fxrewrite-grammar")
+        while len(self._batches) < k:
+            self._batches.append(self._xgr.BatchGrammarMatcher(1))
+        return self._pool
 
     def finish(self, job: GrammarJob, device: torch.device) -> torch.Tensor | None:
         """Wait for `job` (re-raising its error), then its mask on `device` (the copy does not wait)."""
@@ -126,19 +131,24 @@ class BitmaskFiller:
         finally:
             self.stats["wait_s"] += time.perf_counter() - start
         if job.finished:
-            self.stats["job_s"] += max(job.finished) - job.started
+            self.stats["job_s"] += max(end for end, _, _ in job.finished) - job.started
+            for _, accept_s, fill_s in job.finished:
+                self._add_times(accept_s, fill_s)
         out = self._to_device(job.host, job.event, device)
         self.stats["main_s"] += time.perf_counter() - start
         return out
 
-    def _chunk(self, job: GrammarJob, accept, fill, missing) -> None:
-        try:
-            self._work(accept, fill, job.host, missing)
-        finally:
-            job.finished.append(time.perf_counter())
+    def _chunk(self, job: GrammarJob, accept, fill, missing, chunk: int) -> None:
+        times = self._work(accept, fill, job.host, missing, chunk)
+        job.finished.append((time.perf_counter(), *times))
+
+    def _add_times(self, accept_s: float, fill_s: float) -> None:
+        self.stats["accept_s"] += accept_s
+        self.stats["fill_s"] += fill_s
 
     def _work(self, accept: tuple[list, list, list], fill: tuple[list, list], host: torch.Tensor | None,
-              missing: torch.Tensor | None) -> None:
+              missing: torch.Tensor | None, chunk: int = 0) -> tuple[float, float]:
+        """Accept, then fill (`chunk`: which thread's xgrammar batch object); (seconds accepting, filling)."""
         start = time.perf_counter()
         matchers, tokens, seq_ids = accept
         if matchers:
@@ -146,20 +156,20 @@ class BitmaskFiller:
             if i >= 0:
                 raise RuntimeError(f"sequence {seq_ids[i]}: token {tokens[i]} violates its grammar (a sampler bug)")
         filled = time.perf_counter()
-        self.stats["accept_s"] += filled - start  # += from several threads: a float add under the GIL
         if host is not None:
             if missing is not None:
                 host.index_fill_(0, missing, -1)  # unconstrained or finished rows: every token allowed
             if fill[0]:
-                self._fill(fill[0], host, fill[1])
-            self.stats["fill_s"] += time.perf_counter() - filled
+                self._fill(fill[0], host, fill[1], chunk)
+        return filled - start, time.perf_counter() - filled
 
-    def _fill(self, matchers: list, host: torch.Tensor, rows: list[int]) -> None:
-        """Fill `rows` of `host` (one GIL-free call, on this thread)."""
+    def _fill(self, matchers: list, host: torch.Tensor, rows: list[int], chunk: int) -> None:
+        """Fill `rows` of `host` (one GIL-free call, on this thread; each chunk has its own batch object)."""
+        batch = self._batches[chunk]
         if self._core is None:
-            self._batch.batch_fill_next_token_bitmask(matchers, host, rows)
+            batch.batch_fill_next_token_bitmask(matchers, host, rows)
         else:
-            self._batch._handle.batch_fill_next_token_bitmask([m._handle for m in matchers], host, rows, False)
+            batch._handle.batch_fill_next_token_bitmask([m._handle for m in matchers], host, rows, False)
 
     def _accept(self, matchers: list, tokens: list[int]) -> int:
         """Advance each matcher by its token (one batched call); the index of the first token refused, or -1.

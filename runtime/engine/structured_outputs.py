@@ -152,15 +152,15 @@ class StructuredOutputManager:
         pairs of one step) by their tokens, in one batched call; returns the seq_ids whose grammar is now
         complete (it accepted a stop token, which is what xgrammar's `is_terminated` means).
         RuntimeError if a token violates its grammar (a sampler bug)."""
-        accept, done = self._accept_plan([seq for seq, _ in samples], [r.token_id for _, r in samples])
-        self._filler.run(accept, ([], []), 0, torch.device("cpu"))
+        accept, done = self._accept_plan([seq for seq, _ in samples], [r.token_id for _, r in samples], 1)
+        self._filler.run(accept[0], ([], []), 0, torch.device("cpu"))
         return done
 
     def fill_bitmask(self, seq_ids: list[int], device: torch.device) -> torch.Tensor | None:
         """The allowed tokens of the sequences `seq_ids` (row i for seq_ids[i]) as a packed bitmask
         [len(seq_ids), ceil(V/32)] int32 on `device`, all ones in the rows of unconstrained sequences;
         None when none is constrained. The copy to the device does not wait for it."""
-        return self._filler.run(([], [], []), self._fill_plan(seq_ids, ()), len(seq_ids), device)
+        return self._filler.run(([], [], []), self._fill_plan(seq_ids, (), 1)[0], len(seq_ids), device)
 
     def step_bitmask(self, seqs: list, previous, complete, device: torch.device):
         """(this step's bitmask, `complete`'s outputs): the previous step's tokens are accepted and the rows of
@@ -191,38 +191,45 @@ class StructuredOutputManager:
         samples), then `fill_bitmask(seq_ids)`, started on the worker threads; returns at once (join with
         `finish_step`). The job's `grammar_done` is what `accept_tokens` would return; the rows of those
         sequences are all ones (their tokens of this step are dropped, like before)."""
-        accept, done = self._accept_plan(seqs, token_ids)
-        return self._filler.start(accept, self._fill_plan(seq_ids, done), len(seq_ids), device, done)
+        k = self._filler.num_threads
+        accepts, done = self._accept_plan(seqs, token_ids, k)
+        return self._filler.start(accepts, self._fill_plan(seq_ids, done, k), len(seq_ids), device, done)
 
     def finish_step(self, job: GrammarJob, device: torch.device) -> torch.Tensor | None:
         """Wait for `start_step`'s job (its RuntimeError re-raised); its bitmask on `device`, or None."""
         return self._filler.finish(job, device)
 
-    def _accept_plan(self, seqs: list, token_ids: list[int]) -> tuple[tuple[list, list, list], set[int]]:
-        """((matchers, token ids, seq_ids) of the unfinished constrained `seqs`, the seq_ids whose token is a
-        stop token)."""
+    def _accept_plan(self, seqs: list, token_ids: list[int], k: int) -> tuple[list[tuple[list, list, list]], set[int]]:
+        """(k chunks of (matchers, token ids, seq_ids) of the unfinished constrained `seqs`, the seq_ids whose
+        token is a stop token). Chunk = seq_id % k, as in `_fill_plan`: one thread accepts a matcher's token
+        and then fills its row (a matcher is never used by two threads at once)."""
         get, stops = self.matchers.get, self._stop_ids
-        matchers, tokens, seq_ids, done = [], [], [], set()
+        chunks: list[tuple[list, list, list]] = [([], [], []) for _ in range(k)]
+        done = set()
         for seq, token_id in zip(seqs, token_ids):
             seq_id = seq.seq_id
             matcher = get(seq_id)
             if matcher is not None and not seq.is_finished:
+                matchers, tokens, seq_ids = chunks[seq_id % k]
                 matchers.append(matcher)
                 tokens.append(token_id)
                 seq_ids.append(seq_id)
                 if token_id in stops:
                     done.add(seq_id)
-        return (matchers, tokens, seq_ids), done
+        return chunks, done
 
-    def _fill_plan(self, seq_ids: list[int], skip) -> tuple[list, list]:
-        """(matchers, rows) of the constrained `seq_ids` not in `skip` (finished grammars)."""
-        get, matchers, rows = self.matchers.get, [], []
+    def _fill_plan(self, seq_ids: list[int], skip, k: int) -> list[tuple[list, list]]:
+        """k chunks (seq_id % k) of (matchers, rows) of the constrained `seq_ids` not in `skip` (finished
+        grammars)."""
+        get = self.matchers.get
+        chunks: list[tuple[list, list]] = [([], []) for _ in range(k)]
         for i, seq_id in enumerate(seq_ids):
             matcher = get(seq_id)
             if matcher is not None and seq_id not in skip:
+                matchers, rows = chunks[seq_id % k]
                 matchers.append(matcher)
                 rows.append(i)
-        return matchers, rows
+        return chunks
 
     @property
     def stats(self) -> dict:

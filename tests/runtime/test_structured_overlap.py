@@ -46,7 +46,8 @@ def _constraint(**kwargs):
 
 
 def test_fill_runs_after_the_forward_launch_beside_the_previous_steps_completion(llm):
-    """Order per step: forward launched < grammar fill < sample. The fill runs on a worker thread, and it
+    """Order per step: forward launched < grammar fill < sample (in the next launch). The fill runs on a
+    worker thread, and it
     and the main thread's completion of the previous step are in progress at the same time: each waits
     for the other to have started (a sequential implementation would time out here)."""
     engine = llm.llm_engine
@@ -85,6 +86,8 @@ def test_fill_runs_after_the_forward_launch_beside_the_previous_steps_completion
     filler, original_start = structured._filler, structured.start_step
     filler.num_threads = 1  # one fill call per step (several threads split the rows)
     patches = [
+        (runner, "execute_model_async", record(runner, "execute_model_async", lambda *a, **k: events.append(
+            ("launch", None)))),
         (runner.model, "compute_logits", record(runner.model, "compute_logits", lambda *a, **k: events.append(
             ("forward", None)))),
         (runner.sampler, "sample", record(runner.sampler, "sample", lambda *a, **k: events.append(
@@ -105,7 +108,13 @@ def test_fill_runs_after_the_forward_launch_beside_the_previous_steps_completion
             delattr(obj, name)
     assert all(len(c.token_ids) == 6 and c.text.startswith("[") for c in out.outputs)
     kinds = [kind for kind, _ in events]
-    assert kinds == ["forward", "fill", "sample"] * 6, kinds  # one prefill + five decode steps
+    # One prefill (its mask filled at once: no previous step) and five decode steps; a decode step samples
+    # when its tokens are first needed, in the next launch (before that step's forward) or in the last
+    # step's completion, so the main thread never waits for the mask inside the step's own launch.
+    decode = ["launch", "forward", "fill"] + ["launch", "sample", "forward", "fill"] * 4 + ["sample"]
+    assert kinds == ["launch", "forward", "fill", "sample"] + decode, kinds
+    kinds = [kind for kind in kinds if kind != "launch"]
+    assert kinds == ["forward", "fill", "sample"] * 6, kinds
     assert [on_main for kind, on_main in events if kind == "fill"] == [True] + [False] * 5  # prefill: no previous
     assert all(masked for kind, masked in events if kind == "sample")
     assert overlapped == [True] * 10  # five worker fills x (fill saw processing, processing saw the fill)
@@ -131,7 +140,7 @@ def _tokens(llm) -> list:
     return [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs]
 
 
-def test_seeded_outputs_equal_the_sequential_path_and_sync_scheduling(llm, tiny_llama_dir):
+def test_seeded_outputs_equal_the_sequential_path_threads_and_sync_scheduling(llm, tiny_llama_dir):
     overlapped = _tokens(llm)
     llm.llm_engine._structured.overlap = False  # the path before the worker thread
     try:
@@ -139,6 +148,12 @@ def test_seeded_outputs_equal_the_sequential_path_and_sync_scheduling(llm, tiny_
     finally:
         llm.llm_engine._structured.overlap = True
     assert overlapped == sequential
+    filler = llm.llm_engine._structured._filler
+    threads, filler.num_threads = filler.num_threads, 3  # rows split over three worker threads
+    try:
+        assert _tokens(llm) == overlapped
+    finally:
+        filler.num_threads = threads
     assert _tokens(_llm(tiny_llama_dir, async_scheduling=False)) == overlapped
     assert not llm.llm_engine._structured.matchers
 
