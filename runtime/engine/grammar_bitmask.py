@@ -1,18 +1,20 @@
 """A decode step's grammar work (accepting the previous step's tokens, filling this step's token bitmask)
-on a worker thread, beside the engine's main thread (structured outputs).
+on worker threads, beside the engine's main thread (structured outputs).
 
-Why a thread, not only "after the forward launch": at decode batch 64 on small models the engine is
-host-bound (the main thread's scheduling, input building, detokenizing and stop checks take longer
-than the GPU's step), so grammar work that merely follows the forward launch on the main thread still
-lengthens every step by its full cost. xgrammar's batched calls release the GIL, so on a worker thread
-they run while the main thread completes the previous step; the main thread then only joins, copies the
-mask (pinned host -> device, without waiting) and samples. vLLM overlaps the same work with the forward
-pass and keeps detokenizing in another process, which this single-process engine does not have.
+Why threads, not only "after the forward launch": at decode batch 64 on small models the engine is about
+host-bound (the main thread's scheduling, input building, detokenizing and stop checks take about as long
+as the GPU's step), so grammar work that merely follows the forward launch on the main thread still
+lengthens every step by its full cost. xgrammar's calls release the GIL, so on worker threads they run
+while the main thread completes the previous step and schedules the next; the step samples when its
+tokens are first needed (`ModelRunner`'s deferred sample), and only then does the main thread join the
+job, copy the mask (pinned host -> device, without waiting) and launch the sampler. vLLM overlaps the
+same work with the forward pass and keeps detokenizing in another process, which this single-process
+engine does not have.
 
 GIL hand-off: a thread that wants the GIL while another runs Python waits up to the interpreter's
-switch interval (5 ms by default) before the holder is asked to drop it; the worker needs the GIL for a
-few microseconds at each of its calls, so the interval is shortened to SWITCH_INTERVAL_S while a job is
-in flight (restored when the last job in flight is joined).
+switch interval (5 ms by default) before the holder is asked to drop it; a worker needs the GIL for a
+few microseconds around each of its calls, so the interval is shortened to SWITCH_INTERVAL_S while a job
+is in flight (restored when the last job in flight ends).
 """
 
 from __future__ import annotations

@@ -3,16 +3,17 @@
 A request names one constraint (a JSON schema, any JSON object, a regex, a list of choices or an EBNF
 grammar). `StructuredOutputManager.compile` turns it into an xgrammar `CompiledGrammar` (cached by
 xgrammar's compiler, so checking a request in the server and admitting it in the engine compile once);
-each sequence then gets its own `GrammarMatcher`. Per step the host work is two batched xgrammar calls,
-no Python loop over matchers: `batch_accept_token` advances every constrained matcher by the previous
-step's token, then `batch_fill_next_token_bitmask` (xgrammar's thread pool) writes one row of allowed
-tokens per sampling sequence (a packed int32 bitmask, 32 tokens per word, xgrammar's layout; all ones for
+each sequence then gets its own `GrammarMatcher`. Per step the host work is two batched xgrammar calls per
+worker thread, no Python loop over matchers: `batch_accept_token` advances every constrained matcher by
+the previous step's token, then `batch_fill_next_token_bitmask` writes one row of allowed tokens per
+sampling sequence (a packed int32 bitmask, 32 tokens per word, xgrammar's layout; all ones for
 unconstrained rows and for grammars that just completed) into a reused pinned host buffer, copied to a
 reused device buffer without waiting; the sampler masks the logits in place there with one kernel
-(`Sampler`, `apply_token_bitmask`). With async scheduling the engine starts both calls on a worker thread
-once the step's forward pass is launched (`start_step`) and completes the previous step on its main
-thread meanwhile (grammar_bitmask.py says why a thread). Sequences without a grammar cost one dict
-lookup per step.
+(`Sampler`, `apply_token_bitmask`). With async scheduling the engine starts both calls on worker threads
+(the sequences split by seq_id) once the step's forward pass is launched and the previous step's token ids
+are read (`step_bitmask`), completes the previous step on its main thread meanwhile, and joins when the
+step samples, at the next launch (grammar_bitmask.py says why threads). Sequences without a grammar cost
+one dict lookup per step.
 
 Why xgrammar: it is what vLLM uses by default, it is maintained by the MLC team with releases every
 few weeks, installs from wheels on CPU and CUDA machines alike, and precomputes per-state token masks

@@ -62,8 +62,9 @@ def test_prompt_logprobs_on_gpu(make_llm):
 
 
 def test_overlapped_grammar_work_keeps_seeded_outputs_on_gpu(make_llm):
-    """The worker-thread grammar path (pinned host buffers, the reused device bitmask, CUDA events) gives
-    the seeded tokens of the sequential path, with CUDA graphs and async scheduling, at batch 64."""
+    """The worker-thread grammar path (pinned host buffers, the reused device bitmask, CUDA events, the
+    sample launched at the next step's launch) gives the seeded tokens of the sequential path, with CUDA
+    graphs and async scheduling, at batch 64, with the default and with four grammar threads."""
     from fxrewrite.runtime.engine.sampling_params import SamplingParams
     from fxrewrite.runtime.engine.structured_outputs import StructuredOutputsParams
 
@@ -83,3 +84,5 @@ def test_overlapped_grammar_work_keeps_seeded_outputs_on_gpu(make_llm):
     structured.overlap = False
     assert tokens() == overlapped
     assert structured.stats["wait_s"] == joined and not structured.matchers  # no job: the sequential path
+    structured.overlap, structured._filler.num_threads = True, 4  # rows split over four worker threads
+    assert tokens() == overlapped
