@@ -71,7 +71,11 @@ class BitmaskFiller:
         self._batches = [xgr.BatchGrammarMatcher(1)]  # max_threads 1: the calling thread fills
         self.num_threads = max(1, num_threads)
         self._buffers = _PinnedBuffers(width)
-        self._device_rows: torch.Tensor | None = None
+        self._copy_stream = None  # CUDA: the side stream of the mask copies, and its two device buffers
+        self._device_slots: list = [None, None]
+        self._device_turn = 0
+        self._used = None
+        self._retired: list[torch.Tensor] = []
         self._pool: ThreadPoolExecutor | None = None
         self.stats = dict.fromkeys(STAT_KEYS, 0.0)
         """Seconds: accepting / filling (summed over the threads that ran them), a started job's wall time
@@ -186,16 +190,35 @@ class BitmaskFiller:
         return -1 if 0 not in result else [bool(ok) for ok in result].index(False)
 
     def _to_device(self, host: torch.Tensor | None, event, device: torch.device) -> torch.Tensor | None:
-        """`host` copied into the reused device buffer, without waiting (CPU: `host` itself)."""
+        """`host` copied into one of two reused device buffers on a side stream, without waiting (CPU:
+        `host` itself). The copy overlaps the forward pass still running on the compute stream, which only
+        waits for it before the sampler that reads the mask (stream-ordered, no host sync)."""
         if host is None or device.type != "cuda":
             return host
-        rows = host.shape[0]
-        if self._device_rows is None or self._device_rows.shape[0] < rows:
+        compute = torch.cuda.current_stream(device)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device)
+            self._device_slots = [None, None]
+            self._used = torch.cuda.Event()
+            self._used.record(compute)
+        slot = self._device_turn
+        self._device_turn ^= 1
+        rows, buffer = host.shape[0], self._device_slots[slot]
+        if buffer is None or buffer.shape[0] < rows:
+            if buffer is not None:
+                self._retired.append(buffer)  # a pending kernel may still read it: never freed
             with torch.inference_mode(False):
-                self._device_rows = torch.empty((max(rows, 64), host.shape[1]), dtype=torch.int32, device=device)
-        out = self._device_rows[:rows]
-        out.copy_(host, non_blocking=True)  # stream-ordered after the previous step's use of the buffer
-        event.record()
+                buffer = torch.empty((max(rows, 64, 2 * (0 if buffer is None else buffer.shape[0])), host.shape[1]),
+                                     dtype=torch.int32, device=device)
+            self._device_slots[slot] = buffer
+        # This slot's last reader is the sampler launched two masks ago, before `_used` was recorded.
+        self._copy_stream.wait_event(self._used)
+        out = buffer[:rows]
+        with torch.cuda.stream(self._copy_stream):
+            out.copy_(host, non_blocking=True)
+            event.record(self._copy_stream)  # the pinned host buffer's reuse waits for this
+        self._used.record(compute)  # every sampler launched so far (the other slot's reader included)
+        compute.wait_event(event)
         return out
 
 
