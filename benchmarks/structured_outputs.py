@@ -170,8 +170,13 @@ def main(argv: list[str] | None = None) -> Path:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{date}-structured-outputs-{spec['name']}-{args.arm}-b{args.batch}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k.startswith(("none", "json_schema", "overhead", "valid"))},
-                     indent=2))
+    for name, arm in result.items():
+        if name == "none" or name.startswith("json_schema"):
+            ms = " ".join(f"{k}={v}" for k, v in arm.get("grammar_ms_per_step", {}).items())
+            print(f"{name}: {arm['output_tokens_per_s']} tok/s (median; min {arm['min']}, max {arm['max']}) "
+                  f"overhead={arm.get('overhead_fraction', 0.0)} threads={arm.get('grammar_threads', '-')} "
+                  f"ms/step: {ms}")
+    print(f"overhead_fraction={result['overhead_fraction']} validity={json.dumps(result['validity'])}")
     print(f"wrote {path}")
     return path
 
