@@ -37,9 +37,14 @@ class IncrementalDetokenizer:
         except TypeError:  # tokenizers without spaces_between_special_tokens
             return self.tokenizer.decode(token_ids, skip_special_tokens=self.decode_kwargs["skip_special_tokens"])
 
-    def step(self) -> str:
-        """Decode what was appended since the last call; returns the new text (may be empty)."""
-        tokens = self.seq.token_ids
+    deferred = False
+    """True: the engine calls `step` once when the sequence finishes, not per token (a request that only
+    wants its final output and has no stop strings: the same text, without two decodes per token)."""
+
+    def step(self, end: int | None = None) -> str:
+        """Decode what was appended since the last call, up to token index `end` (all when None); returns
+        the new text (may be empty)."""
+        tokens = self.seq.token_ids if end is None else self.seq.token_ids[:end]
         prefix_text = self._decode(tokens[self.prefix_offset : self.read_offset])
         full_text = self._decode(tokens[self.prefix_offset :])
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):

@@ -75,6 +75,7 @@ class LLMEngine(EngineRLMixin):
         """Pipeline parallelism: the batches in flight through the stages (micro_batches.py)."""
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
+        self._token_texts: dict[int, str] = {}  # _decode_token's cache
         self._arrivals = itertools.count()
         self._structured = None  # StructuredOutputManager, made at the first constrained request (xgrammar)
         self._embeddings: dict = {}  # pooling runner: seq_id -> last-token final hidden state [H], host
@@ -105,7 +106,9 @@ class LLMEngine(EngineRLMixin):
             seq.bad_words_token_ids = bad_words
             if compiled is not None:
                 self._structured.add(seq.seq_id, compiled)
-            self._detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq)
+            if params.detokenize:
+                detokenizer = self._detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq)
+                detokenizer.deferred = final_only and not params.stop_strings
             self.scheduler.add(seq)
 
     def compile_structured_outputs(self, params: SamplingParams):
@@ -266,19 +269,27 @@ class LLMEngine(EngineRLMixin):
             self.abort_request(request_id)
 
     def _decode_token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        """The text of one token alone (a logprob entry's decoded_token), cached: a vocabulary's worth of
+        short strings at most, and a tokenizer call per logprob entry costs more than the step's sampling."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def _process_sample(self, seq: Sequence, result: SampleResult, grammar_done: bool = False) -> None:
         params = seq.sampling_params
         seq.append_token(result.token_id)
         seq.cumulative_logprob += result.logprob
         if result.top_logprobs is not None:
+            decode = self._decode_token if params.detokenize else _no_text
             seq.output_logprobs.append(
-                {t: Logprob(lp, rank, self._decode_token(t)) for t, (lp, rank) in result.top_logprobs.items()}
+                {t: Logprob(lp, rank, decode(t)) for t, (lp, rank) in result.top_logprobs.items()}
             )
         reason, stop = _check_stop_token(seq, result.token_id, self.eos_token_ids)
         # vLLM leaves a stop token's text (EOS with skip_special_tokens=False, stop_token_ids) out.
-        new_text = "" if reason and not params.include_stop_str_in_output else self._detokenizers[seq.seq_id].step()
+        drop_stop_token = reason is not None and not params.include_stop_str_in_output
+        detokenizer = self._detokenizers.get(seq.seq_id)
+        new_text = "" if drop_stop_token or detokenizer is None or detokenizer.deferred else detokenizer.step()
         if reason is None:
             stop = check_stop_strings(seq, len(new_text))
             reason = "stop" if stop is not None else None
@@ -291,14 +302,16 @@ class LLMEngine(EngineRLMixin):
             reason = "length"
         if reason is not None:
             seq.stop_reason = stop
-            self._finish(seq, reason)
+            self._finish(seq, reason, drop_stop_token)
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: Sequence, reason: str, drop_stop_token: bool = False) -> None:
         if seq.is_finished:
             return
         seq.finish_reason = reason
         self.scheduler.finish(seq)
-        self._detokenizers.pop(seq.seq_id, None)
+        detokenizer = self._detokenizers.pop(seq.seq_id, None)
+        if detokenizer is not None and detokenizer.deferred:
+            detokenizer.step(len(seq.token_ids) - drop_stop_token)
         if self._structured is not None:
             self._structured.remove(seq.seq_id)
 
@@ -374,6 +387,10 @@ def _warn_if_cache_is_short(block_manager: BlockManager, max_model_len: int) -> 
             "raise kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len",
             capacity, max_model_len,
         )
+
+
+def _no_text(token_id: int) -> None:
+    return None  # SamplingParams(detokenize=False): logprob entries without decoded_token
 
 
 def _visible_text(seq: Sequence) -> str:
