@@ -77,6 +77,7 @@ class BitmaskFiller:
         self._used = None
         self._retired: list[torch.Tensor] = []
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
         self.stats = dict.fromkeys(STAT_KEYS, 0.0)
         """Seconds: accepting / filling (summed over the threads that ran them), a started job's wall time
         (`job_s`), the calling (main) thread's time in run, start and finish (`main_s`), of which blocked
@@ -103,11 +104,11 @@ class BitmaskFiller:
         accepts: chunks of (matchers, token ids, seq_ids) to advance first; fills: chunks of (matchers, row
         indices) whose rows of a [num_rows, width] mask are filled, every other row all ones."""
         start = time.perf_counter()
-        rows = [r for _, chunk_rows in fills for r in chunk_rows]
-        host, event = self._buffers.next(num_rows, device) if rows else (None, None)
+        filled = sum(len(chunk_rows) for _, chunk_rows in fills)
+        host, event = self._buffers.next(num_rows, device) if filled else (None, None)
         self.stats["steps"] += host is not None
         pool = self._worker_pool(len(fills))
-        missing = _missing_rows(rows, num_rows, host)
+        missing = None if filled == num_rows else _missing_rows([r for _, rs in fills for r in rs], num_rows, host)
         job = GrammarJob([], host, event, grammar_done, start)
         _switch_interval.enter()
         try:
@@ -120,10 +121,10 @@ class BitmaskFiller:
         return job
 
     def _worker_pool(self, k: int) -> ThreadPoolExecutor:
-        if self._pool is None or self._pool._max_workers != k:  # a changed num_threads: a new pool
+        if self._pool is None or self._pool_size != k:  # a changed num_threads: a new pool
             if self._pool is not None:
                 self._pool.shutdown(wait=False)
-            self._pool = ThreadPoolExecutor(k, thread_name_prefix="fxrewrite-grammar")
+            self._pool, self._pool_size = ThreadPoolExecutor(k, thread_name_prefix="fxrewrite-grammar"), k
         while len(self._batches) < k:
             self._batches.append(self._xgr.BatchGrammarMatcher(1))
         return self._pool
