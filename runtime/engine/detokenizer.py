@@ -94,3 +94,30 @@ def check_stop_strings(seq: Sequence, new_text_len: int) -> str | None:
     idx, stop = best
     seq.text = seq.text[: idx + len(stop)] if params.include_stop_str_in_output else seq.text[:idx]
     return stop
+
+
+def no_text(token_id: int) -> None:
+    return None  # SamplingParams(detokenize=False): logprob entries without decoded_token
+
+
+def visible_text(seq: Sequence) -> str:
+    """The text to report: while running, hold back the tail that could still become a stop string
+    (vLLM's buffer), so streamed text never has to be taken back."""
+    params = seq.sampling_params
+    if seq.is_finished or not params.stop_strings or params.include_stop_str_in_output:
+        return seq.text
+    hold = max(len(s) for s in params.stop_strings) - 1
+    return seq.text[: max(len(seq.text) - hold, 0)]
+
+
+def check_stop_token(seq: Sequence, token_id: int, eos_token_ids: set[int]):
+    """(finish_reason, stop_reason) from EOS and stop token ids; (None, None) if neither (stop strings
+    are checked after detokenizing). Nothing stops before min_tokens."""
+    params = seq.sampling_params
+    if seq.num_output_tokens < params.min_tokens:
+        return None, None
+    if not params.ignore_eos and token_id in eos_token_ids:
+        return "stop", None
+    if token_id in params.stop_token_ids:
+        return "stop", token_id
+    return None, None

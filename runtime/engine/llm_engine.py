@@ -8,7 +8,13 @@ from typing import Any
 
 from fxrewrite.errors import UserInputError
 from fxrewrite.runtime.engine.block_manager import BlockManager
-from fxrewrite.runtime.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
+from fxrewrite.runtime.engine.detokenizer import (
+    IncrementalDetokenizer,
+    check_stop_strings,
+    check_stop_token,
+    no_text,
+    visible_text,
+)
 from fxrewrite.runtime.engine_config import EngineConfig
 from fxrewrite.runtime.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from fxrewrite.runtime.engine.pooling import pooled_rows, pooling_output, split_params
@@ -281,11 +287,11 @@ class LLMEngine(EngineRLMixin):
         seq.append_token(result.token_id)
         seq.cumulative_logprob += result.logprob
         if result.top_logprobs is not None:
-            decode = self._decode_token if params.detokenize else _no_text
+            decode = self._decode_token if params.detokenize else no_text
             seq.output_logprobs.append(
                 {t: Logprob(lp, rank, decode(t)) for t, (lp, rank) in result.top_logprobs.items()}
             )
-        reason, stop = _check_stop_token(seq, result.token_id, self.eos_token_ids)
+        reason, stop = check_stop_token(seq, result.token_id, self.eos_token_ids)
         # vLLM leaves a stop token's text (EOS with skip_special_tokens=False, stop_token_ids) out.
         drop_stop_token = reason is not None and not params.include_stop_str_in_output
         detokenizer = self._detokenizers.get(seq.seq_id)
@@ -325,7 +331,7 @@ class LLMEngine(EngineRLMixin):
         for seq in request.seqs:
             outputs.append(CompletionOutput(
                 seq.index,
-                _visible_text(seq),
+                visible_text(seq),
                 seq.token_ids[seq.num_prompt_tokens :],
                 seq.cumulative_logprob if want_logprobs else None,
                 list(seq.output_logprobs) if want_logprobs else None,
@@ -387,30 +393,3 @@ def _warn_if_cache_is_short(block_manager: BlockManager, max_model_len: int) -> 
             "raise kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len",
             capacity, max_model_len,
         )
-
-
-def _no_text(token_id: int) -> None:
-    return None  # SamplingParams(detokenize=False): logprob entries without decoded_token
-
-
-def _visible_text(seq: Sequence) -> str:
-    """The text to report: while running, hold back the tail that could still become a stop string
-    (vLLM's buffer), so streamed text never has to be taken back."""
-    params = seq.sampling_params
-    if seq.is_finished or not params.stop_strings or params.include_stop_str_in_output:
-        return seq.text
-    hold = max(len(s) for s in params.stop_strings) - 1
-    return seq.text[: max(len(seq.text) - hold, 0)]
-
-
-def _check_stop_token(seq: Sequence, token_id: int, eos_token_ids: set[int]):
-    """(finish_reason, stop_reason) from EOS and stop token ids; (None, None) if neither (stop strings
-    are checked after detokenizing). Nothing stops before min_tokens."""
-    params = seq.sampling_params
-    if seq.num_output_tokens < params.min_tokens:
-        return None, None
-    if not params.ignore_eos and token_id in eos_token_ids:
-        return "stop", None
-    if token_id in params.stop_token_ids:
-        return "stop", token_id
-    return None, None
