@@ -11,7 +11,7 @@ otherwise it writes normalised partial outputs with (m, l) and :func:`_reduce_ke
 A CUDA graph fixes the split count from the longest context it was captured for (at batch 1 and
 max_model_len 4096: 16), so a short sequence replayed in it paid for partials and the merge (an H200
 profile at ~256-token contexts: the reduce was a third of the attention time). Now a sequence whose
-window-limited context is at most ``single_split_len`` keys (default `_SINGLE_SPLIT_LEN`, 512) is
+window-limited context is at most ``single_split_len`` keys (default `_SINGLE_SPLIT_LEN`, 128) is
 walked by its split 0 alone, exactly as a one-split launch walks it (bitwise), written directly, and
 skipped by the merge (the merge launch stays in the graph, each of its programs returns at once);
 longer sequences take the split path unchanged.
@@ -30,10 +30,11 @@ __all__ = ["paged_decode_triton"]
 # Programs wanted in flight (about 2 per SM on an H100/H200); splits only fill the GPU.
 _TARGET_PROGRAMS = 264
 _MIN_PARTITION = 256
-# Contexts up to this many keys are walked by one program even in a launch with several splits: at
-# batch 1 a graph captured for max_model_len has 16 splits, and at 257..512 keys the walk of a whole
-# context costs about what the partials plus the merge launch do (the merge costs ~2 us alone).
-_SINGLE_SPLIT_LEN = 2 * _MIN_PARTITION
+# Contexts up to this many keys are walked by one program even in a launch with several splits. H200,
+# batch 1, 16 splits (2026-12-01-moe-kernels-qwen3-30b-a3b-direct.json): one program over 256 / 384 /
+# 512 keys took 9.3 / 12.3 / 15.3 us against 6.4 us for the partials + merge, and 6.3 vs 6.4 at 128:
+# one program walking a context only pays off for the shortest ones.
+_SINGLE_SPLIT_LEN = 128
 
 
 # As in paged_prefill: no specialisation on what changes with the batch (split count, block-table width,
