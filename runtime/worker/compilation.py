@@ -12,6 +12,7 @@ unrolled, and took minutes to compile.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -21,6 +22,7 @@ import torch
 import torch._dynamo.exc
 import torch._inductor.config
 import torch._inductor.exc
+import torch.fx.experimental._config
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from torch import nn
 
@@ -59,13 +61,14 @@ def compile_model(model: nn.Module, backend: str | Callable = "inductor") -> nn.
     Regional compilation (PyTorch's recipe for repeated blocks): each decoder layer's `forward` is wrapped
     in `torch.compile`, not the whole model. Every layer runs the same code object and, with
     `inline_inbuilt_nn_modules` (torch's default), its parameters are graph inputs, so one compiled graph
-    serves all layers (two for native models: the first layer, whose residual is None, has its own).
+    serves all layers (native models: the first layer, whose residual is None, has its own).
     Compile time therefore does not grow with the layer count, and an unrolled 28-layer graph is never
     built. The layer index, an int attribute, would be a guard (one graph per layer); it stays out of the
     graph: the attention op reads the running layer's index, set around each layer call.
 
     dynamic=True: the token count T is symbolic from the first call (no "automatic dynamic" recompile);
-    the hidden size is fixed by the weights it meets. Inductor specialises T = 1 once. Default Inductor
+    the hidden size is fixed by the weights it meets. Dynamo specialises T = 1 (a second graph per layer
+    kind: 2 graphs for transformers models, 4 for native ones, whatever the layer count). Default Inductor
     mode: no max-autotune, no coordinate-descent tuning (minutes of benchmarking at startup).
     The embedding, the final norm and `compute_logits` stay eager. A model without a decoder-layer list
     (`decoder_layers` is None) has its whole forward compiled instead.
@@ -85,6 +88,7 @@ def compile_model(model: nn.Module, backend: str | Callable = "inductor") -> nn.
             if not isinstance(layer, PPMissingLayer):  # another pipeline stage's layer: never called here
                 compiled = torch.compile(layer.forward, dynamic=True, fullgraph=False, backend=backend)
                 layer.forward = _as_running_layer(index, compiled)
+        model.forward = _regional_forward(eager_forward)
     model._fxrewrite_compiled = True
     return model
 
@@ -96,6 +100,21 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
     inner = getattr(hf, "base_model", None) if hf is not None else getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     return layers if isinstance(layers, nn.ModuleList) and len(layers) > 0 else None
+
+
+def _regional_forward(forward: Callable) -> Callable:
+    """The model's `forward(input_ids, positions)` around compiled layers: `positions` at storage offset 0 (the
+    engine may pass a slice of a packed buffer; dynamo makes a nonzero offset a symbol with guards, so slices
+    and whole tensors would each get their graphs: one small copy of T int64s on the eager steps instead), and
+    dynamo's duck sizing off while it traces (else two sizes equal by chance at the first compile become one
+    symbol and a guard, and a later step recompiles)."""
+    @functools.wraps(forward)
+    def run(input_ids: torch.Tensor, positions: torch.Tensor, *args, **kwargs):
+        if positions.storage_offset():
+            positions = positions.clone()
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return forward(input_ids, positions, *args, **kwargs)
+    return run
 
 
 def _as_running_layer(index: int, compiled: Callable) -> Callable:
