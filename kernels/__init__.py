@@ -58,4 +58,6 @@ def compiled_serving_kernels(x: torch.Tensor) -> bool:
     graph as the opaque Triton ops (``fxrewrite::rms_norm_train``, ``fxrewrite::act_and_mul_train``, their
     forwards) instead of their torch references, which Inductor fuses with the neighbours (the default,
     vLLM's choice too). Opt-in with ``FXREWRITE_COMPILE_KERNELS=1``, to measure one against the other."""
+    if not torch.compiler.is_compiling():  # first: this runs in every eager norm and activation call
+        return False
     return os.environ.get("FXREWRITE_COMPILE_KERNELS") == "1" and compiled_training_kernels(x)

