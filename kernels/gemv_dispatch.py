@@ -58,9 +58,11 @@ def choose(kind: str, n: int, k: int, m: int) -> tuple[int, int, int] | None:
 def config_for_call(kind: str, x: torch.Tensor, w: torch.Tensor, *tensors: torch.Tensor | None):
     """`choose` for a call on x [..., K] (or [..., 2K] for "silu") and w [N, K]: None when the call is not
     eligible (module docstring); `tensors` (bias, norm weight, residual) must then also need no gradient."""
+    if torch.compiler.is_compiling():
+        return None  # first: a token-count test below would be a shape guard (a second compiled graph)
     k = x.shape[-1]
     if k == 0 or x.numel() > GEMV_MAX_M * k or not _choices and mode() != "on":
-        return None  # the common exits first: prefill-sized calls, and nothing tuned (every eager step calls this)
+        return None  # the common exits next: prefill-sized calls, and nothing tuned (every eager step calls this)
     if not use_triton(x) or w.dim() != 2 or w.dtype != x.dtype or x.dtype not in _FLOATS:
         return None
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, *tensors)):
