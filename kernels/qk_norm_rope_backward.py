@@ -21,12 +21,13 @@ import torch
 
 from fxrewrite.kernels import use_triton
 from fxrewrite.kernels.rms_norm import rms_norm_ref
-from fxrewrite.kernels.rms_norm_backward import _num_programs
 from fxrewrite.kernels.rotary import pair_offsets
 from fxrewrite.kernels.rotary_backward import _rotate_ref, rotary_apply_ref
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
 __all__ = ["qk_norm_rope_train", "qk_norm_rope_train_ref", "QKNormRopeFunction"]
+
+_TOKENS_PER_PROGRAM = 8  # backward, CUDA: 2048 programs at 8 x 2048 tokens, dw partials 1 MiB float32
 
 
 def qk_norm_rope_train_ref(q, k, cos, sin, q_weight, k_weight, q_eps: float, k_eps: float, is_neox_style: bool = True):
@@ -217,8 +218,10 @@ class QKNormRopeFunction(torch.autograd.Function):
         gq, gk = _bshd(q), _bshd(k)
         B, _, S, D = q.shape
         n_tok = B * S
-        programs = max(1, _num_programs(n_tok, q.device))
-        per = -(-n_tok // programs) if n_tok else 1
+        # dw's partial sums are only [programs, D]: many short programs hide the loads' latency (the interpreter:
+        # few long ones, fast tests)
+        per = _TOKENS_PER_PROGRAM if q.is_cuda else max(1, -(-n_tok // max(1, min(n_tok, 4))))
+        programs = max(1, -(-n_tok // per))
         dwq = torch.zeros(programs, D, dtype=torch.float32, device=q.device)
         dwk = torch.zeros(programs, D, dtype=torch.float32, device=q.device)
         cs_b = cos.stride(0) if cos.shape[0] > 1 else 0

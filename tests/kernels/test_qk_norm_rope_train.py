@@ -11,7 +11,7 @@ from fxrewrite.kernels.qk_norm_rope_backward import (QKNormRopeFunction, fits, q
 from fxrewrite.kernels.rms_norm_backward import rms_norm_train
 from fxrewrite.kernels.rotary_backward import rotary_apply_train
 
-B, S, HQ, HK, D = 2, 3, 4, 2, 8
+B, S, HQ, HK, D = 2, 5, 4, 2, 8  # 10 tokens: the last backward program runs past the end
 
 
 @pytest.fixture
