@@ -197,7 +197,8 @@ def step_profile(runner):
     tokens ("wait": the device is behind the host). Whatever else the run took is host work
     (scheduling, output processing) that the device did not hide. Yields the dict, filled on exit."""
     totals = {"launch": 0.0, "wait": 0.0, "steps": 0}
-    if not getattr(runner, "supports_async", False):  # the tensor-parallel executor: steps are synchronous
+    # A pipelined executor is not async-scheduled but its micro-batches go through execute_model_async too
+    if not (getattr(runner, "supports_async", False) or getattr(runner, "pipeline_depth", 1) > 1):
         yield totals
         return
     launch = runner.execute_model_async

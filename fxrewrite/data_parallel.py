@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
+import torch
 import torch.distributed as dist
 
 from fxrewrite import distributed
@@ -122,3 +123,11 @@ def uniform_tokens():
         yield
     finally:
         _dp.uniform_tokens = before
+
+
+def all_workers_ok(ok: bool, device) -> bool:
+    """True when `ok` is True on every DP x EP worker (a MIN all-reduce over the EP group, a host sync):
+    a step that may fail on one replica (a CUDA graph capture) must fail on all, or they part ways."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=_dp.ep_group)
+    return bool(flag.item())

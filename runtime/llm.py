@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 from fxrewrite.errors import UserInputError, UserTypeError
 from fxrewrite.runtime.engine_config import EngineConfig
-from fxrewrite.runtime.engine.chat import check_role
+from fxrewrite.runtime.engine.chat import check_role, render_chat
 from fxrewrite.runtime.engine.data_parallel import make_engine
 from fxrewrite.runtime.engine.outputs import RequestOutput
 from fxrewrite.runtime.engine.pooling import EmbeddingRequestOutput, PoolingParams
@@ -96,7 +96,9 @@ class LLM:
         from tqdm.auto import tqdm
 
         engine, results = self.llm_engine, {}
-        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        # `disable` only when use_tqdm is False: an explicit value would override tqdm's TQDM_DISABLE=1
+        off = {} if use_tqdm else {"disable": True}
+        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, **off)
         with bar:
             while engine.has_unfinished_requests():
                 for output in engine.step():
@@ -112,35 +114,51 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation (list of {"role", "content"}) or a
-        list of them, then `generate`. ValueError when the tokenizer has no chat template."""
+        """Apply the chat template to one conversation (list of {"role", "content"}) or a list of them,
+        then `generate`, as vLLM's LLM.chat does.
+
+        tools: OpenAI tool dicts ({"type": "function", "function": {...}}) given to the template (the
+        model's tool calls come back as its text, as in vLLM's LLM.chat). continue_final_message: leave
+        the last message (the assistant's) open so the model continues it; needs
+        add_generation_prompt=False. ValueError when the tokenizer has no chat template, for a bad
+        message, or for a template that cannot render `tools`."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise UserTypeError(f"messages must be a non-empty list of {{'role', 'content'}} dicts (one conversation) "
                                 f"or a list of such lists, got {type(messages).__name__} {messages!r}")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise UserTypeError(f"tools must be a list of OpenAI tool dicts, got {tools!r}")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         tokenizer = self.llm_engine.tokenizer
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise UserInputError(f"tokenizer of {self.llm_engine.model_config.model!r} has no chat template")
         prompts = []
         for n, conversation in enumerate(conversations):
-            if not isinstance(conversation, (list, tuple)):
-                raise UserTypeError(f"conversation {n}: {conversation!r} must be a list of message dicts")
-            for i, message in enumerate(conversation):
-                if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
-                        or not (message.get("content") is not None or message.get("tool_calls")):
-                    raise UserInputError(f"conversation {n} message {i}: {message!r} must be a dict with a "
-                                         f"string 'role' and a 'content' that is not None (or 'tool_calls')")
-                check_role(message["role"], f"conversation {n} message {i}")
-            ids = tokenizer.apply_chat_template(
-                conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                tokenize=True, **(chat_template_kwargs or {}),
-            )
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            prompts.append(list(ids))
+            _check_conversation(n, conversation)
+            try:
+                text = render_chat(tokenizer, list(conversation), chat_template=chat_template, tools=tools,
+                                   add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message,
+                                   chat_template_kwargs=chat_template_kwargs)
+            except UserInputError as e:
+                raise UserInputError(f"conversation {n}: {e}") from None
+            # The template already wrote the special tokens (BOS etc.); do not add them twice.
+            prompts.append(list(tokenizer.encode(text, add_special_tokens=False)))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _check_conversation(n: int, conversation) -> None:
+    if not isinstance(conversation, (list, tuple)):
+        raise UserTypeError(f"conversation {n}: {conversation!r} must be a list of message dicts")
+    for i, message in enumerate(conversation):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                or not (message.get("content") is not None or message.get("tool_calls")):
+            raise UserInputError(f"conversation {n} message {i}: {message!r} must be a dict with a "
+                                 f"string 'role' and a 'content' that is not None (or 'tool_calls')")
+        check_role(message["role"], f"conversation {n} message {i}")
 
 
 def _per_prompt(sampling_params, num: int) -> list[SamplingParams]:

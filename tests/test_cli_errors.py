@@ -50,3 +50,24 @@ def test_unknown_flag_after_a_subcommand_shows_that_subcommands_usage(capsys):
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "usage: fxrewrite serve" in err
     assert "fxrewrite serve: error: unrecognized arguments: --bogus" in err
+
+
+def test_version_prints_the_installed_package_version(capsys):
+    import importlib.metadata
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"fxrewrite {importlib.metadata.version('fxrewrite')}\n"
+
+
+def test_generate_chat_template_takes_a_value_as_serve_does(tmp_path, capsys):
+    """`--chat-template` is a file path or the template text (vLLM's serve flag); `--chat` uses the model's."""
+    from fxrewrite.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "--prompt", "hi", "--chat-template", "t.jinja"])
+    assert args.chat_template == "t.jinja" and not args.chat
+    assert build_parser().parse_args(["generate", "--prompt", "hi", "--chat"]).chat
+    assert main(["generate", "--prompt", "hi", "--chat-template", str(tmp_path / "missing.jinja")]) == 2
+    err = capsys.readouterr().err
+    assert "--chat-template" in err and "missing.jinja: no such file" in err.replace("'", "")

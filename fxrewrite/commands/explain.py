@@ -1,4 +1,4 @@
-"""`fxrewrite explain MODEL`: what `optimize` fuses in a model, what it refuses and why, and the diffs.
+"""`fxrewrite explain [MODEL]`: what `optimize` fuses in a model, what it refuses and why, and the diffs.
 
 The model is built from its config with parameters on the meta device (no weights are read), so
 this is fast even for large models; rotary buffers are real, as in the serving engine.
@@ -11,7 +11,8 @@ import json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="model folder, hub id or .gguf file")
+    parser.add_argument("model", nargs="?", default=None,
+                        help="model folder, hub id or .gguf file (default: the built-in default model)")
     parser.add_argument("--hf-overrides", type=json.loads, default=None,
                         help='JSON dict applied to the config, e.g. \'{"rope_parameters": {...}}\'')
     parser.add_argument("--no-diff", action="store_true", help="print the report table only")

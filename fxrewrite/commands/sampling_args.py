@@ -1,12 +1,15 @@
 """Sampling flags of the terminal commands (`generate`, `chat`), named as the OpenAI request fields;
-`load_llm(args)` builds both commands' LLM and SamplingParams from the parsed flags."""
+`load_llm(args)` builds both commands' LLM and SamplingParams from the parsed flags; `load_chat_template`
+reads `--chat-template` (generate and serve)."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from fxrewrite.commands.engine_args import engine_kwargs
+from fxrewrite.errors import UserInputError
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,3 +46,16 @@ def load_llm(args: argparse.Namespace):
     llm = LLM(**engine_kwargs(args))
     defaults = load_generation_defaults(llm.llm_engine.model_config.model_path, args.generation_config)
     return llm, sampling_params(args, defaults)
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the value itself when it looks like a template (vLLM's rule:
+    it holds "{", "}" or a newline); UserInputError for a path that does not exist."""
+    if value is None:
+        return None
+    if any(c in value for c in "{}\n"):
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise UserInputError(f"--chat-template {value!r}: no such file (give a file path or the template text)")
+    return path.read_text()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import errno
 import socket
-from pathlib import Path
 
 from fxrewrite.commands.engine_args import add_engine_arguments, engine_kwargs
+from fxrewrite.commands.sampling_args import load_chat_template
 from fxrewrite.errors import UserInputError
 from fxrewrite.runtime.server.tool_parsers import TOOL_PARSERS, get_tool_parser
 
@@ -59,19 +59,6 @@ def build_server_app(args: argparse.Namespace):
                     chat_template=chat_template, tool_parser=tool_parser,
                     log_requests=args.enable_log_requests, max_log_len=args.max_log_len)
     return engine, app
-
-
-def load_chat_template(value: str | None) -> str | None:
-    """--chat-template: a file's text, or the value itself when it looks like a template (vLLM's rule);
-    ValueError for a path that does not exist."""
-    if value is None:
-        return None
-    if any(c in value for c in "{}\n"):
-        return value
-    path = Path(value).expanduser()
-    if not path.is_file():
-        raise UserInputError(f"--chat-template {value!r}: no such file (give a file path or the template text)")
-    return path.read_text()
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -1,4 +1,5 @@
-"""Checks on chat messages shared by `LLM.chat` and the server's /v1/chat/completions."""
+"""Chat messages to a prompt: the checks and the template rendering that `LLM.chat` and the server's
+/v1/chat/completions share."""
 
 from __future__ import annotations
 
@@ -15,3 +16,44 @@ def check_role(role: object, where: str | None = "message") -> str:
         prefix = f"{where}: " if where else ""
         raise UserInputError(f"{prefix}role {role!r} is not one of {', '.join(map(repr, CHAT_ROLES))}")
     return role
+
+
+def check_generation_mode(messages: list, add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """vLLM's rule for `continue_final_message` (the last message is left open for the model to continue,
+    e.g. a prefilled answer): it excludes `add_generation_prompt` (transformers refuses both) and the
+    last message must be the assistant's. UserInputError naming the fields otherwise."""
+    if not continue_final_message:
+        return
+    if add_generation_prompt:
+        raise UserInputError("continue_final_message and add_generation_prompt cannot both be true; set "
+                             "add_generation_prompt to false to continue the last (assistant) message")
+    role = messages[-1].get("role") if messages and isinstance(messages[-1], dict) else None
+    if role != "assistant":
+        raise UserInputError(f"continue_final_message needs the last message to be the assistant's, got role "
+                             f"{role!r}")
+
+
+def template_renders_tools(chat_template: str | None) -> bool:
+    """Whether a chat template reads `tools` at all (transformers would silently drop them otherwise)."""
+    return bool(chat_template) and "tools" in chat_template
+
+
+def render_chat(tokenizer, messages: list[dict], *, chat_template: str | None = None, tools: list | None = None,
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                chat_template_kwargs: dict | None = None) -> str:
+    """The prompt text of one conversation through the chat template (`chat_template`, else the
+    tokenizer's), as vLLM renders it for LLM.chat and /v1/chat/completions: `tools` (OpenAI tool dicts)
+    are given to the template; `continue_final_message` leaves the last message open (no end-of-turn
+    token, no generation prompt). UserInputError for a bad combination or a template that cannot render
+    the tools; a template's own failure (jinja2 error, its raise_exception) propagates."""
+    check_generation_mode(messages, add_generation_prompt, continue_final_message)
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if template is None:
+        raise UserInputError("the tokenizer has no chat template; pass chat_template (a Jinja template)")
+    if tools and not template_renders_tools(template):
+        raise UserInputError("this model's chat template cannot render tools (it never reads `tools`); pass "
+                             "a chat_template that does, or leave tools out")
+    return tokenizer.apply_chat_template(
+        messages, tools=tools or None, tokenize=False, chat_template=chat_template,
+        add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+        **(chat_template_kwargs or {}))

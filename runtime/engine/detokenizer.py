@@ -37,9 +37,14 @@ class IncrementalDetokenizer:
         except TypeError:  # tokenizers without spaces_between_special_tokens
             return self.tokenizer.decode(token_ids, skip_special_tokens=self.decode_kwargs["skip_special_tokens"])
 
-    def step(self) -> str:
-        """Decode what was appended since the last call; returns the new text (may be empty)."""
-        tokens = self.seq.token_ids
+    deferred = False
+    """True: the engine calls `step` once when the sequence finishes, not per token (a request that only
+    wants its final output and has no stop strings: the same text, without two decodes per token)."""
+
+    def step(self, end: int | None = None) -> str:
+        """Decode what was appended since the last call, up to token index `end` (all when None); returns
+        the new text (may be empty)."""
+        tokens = self.seq.token_ids if end is None else self.seq.token_ids[:end]
         prefix_text = self._decode(tokens[self.prefix_offset : self.read_offset])
         full_text = self._decode(tokens[self.prefix_offset :])
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
@@ -89,3 +94,30 @@ def check_stop_strings(seq: Sequence, new_text_len: int) -> str | None:
     idx, stop = best
     seq.text = seq.text[: idx + len(stop)] if params.include_stop_str_in_output else seq.text[:idx]
     return stop
+
+
+def no_text(token_id: int) -> None:
+    return None  # SamplingParams(detokenize=False): logprob entries without decoded_token
+
+
+def visible_text(seq: Sequence) -> str:
+    """The text to report: while running, hold back the tail that could still become a stop string
+    (vLLM's buffer), so streamed text never has to be taken back."""
+    params = seq.sampling_params
+    if seq.is_finished or not params.stop_strings or params.include_stop_str_in_output:
+        return seq.text
+    hold = max(len(s) for s in params.stop_strings) - 1
+    return seq.text[: max(len(seq.text) - hold, 0)]
+
+
+def check_stop_token(seq: Sequence, token_id: int, eos_token_ids: set[int]):
+    """(finish_reason, stop_reason) from EOS and stop token ids; (None, None) if neither (stop strings
+    are checked after detokenizing). Nothing stops before min_tokens."""
+    params = seq.sampling_params
+    if seq.num_output_tokens < params.min_tokens:
+        return None, None
+    if not params.ignore_eos and token_id in eos_token_ids:
+        return "stop", None
+    if token_id in params.stop_token_ids:
+        return "stop", token_id
+    return None, None

@@ -8,7 +8,13 @@ from typing import Any
 
 from fxrewrite.errors import UserInputError
 from fxrewrite.runtime.engine.block_manager import BlockManager
-from fxrewrite.runtime.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
+from fxrewrite.runtime.engine.detokenizer import (
+    IncrementalDetokenizer,
+    check_stop_strings,
+    check_stop_token,
+    no_text,
+    visible_text,
+)
 from fxrewrite.runtime.engine_config import EngineConfig
 from fxrewrite.runtime.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from fxrewrite.runtime.engine.pooling import pooled_rows, pooling_output, split_params
@@ -75,6 +81,7 @@ class LLMEngine(EngineRLMixin):
         """Pipeline parallelism: the batches in flight through the stages (micro_batches.py)."""
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
+        self._token_texts: dict[int, str] = {}  # _decode_token's cache
         self._arrivals = itertools.count()
         self._structured = None  # StructuredOutputManager, made at the first constrained request (xgrammar)
         self._embeddings: dict = {}  # pooling runner: seq_id -> last-token final hidden state [H], host
@@ -105,7 +112,9 @@ class LLMEngine(EngineRLMixin):
             seq.bad_words_token_ids = bad_words
             if compiled is not None:
                 self._structured.add(seq.seq_id, compiled)
-            self._detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq)
+            if params.detokenize:
+                detokenizer = self._detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq)
+                detokenizer.deferred = final_only and not params.stop_strings
             self.scheduler.add(seq)
 
     def compile_structured_outputs(self, params: SamplingParams):
@@ -266,19 +275,27 @@ class LLMEngine(EngineRLMixin):
             self.abort_request(request_id)
 
     def _decode_token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        """The text of one token alone (a logprob entry's decoded_token), cached: a vocabulary's worth of
+        short strings at most, and a tokenizer call per logprob entry costs more than the step's sampling."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def _process_sample(self, seq: Sequence, result: SampleResult, grammar_done: bool = False) -> None:
         params = seq.sampling_params
         seq.append_token(result.token_id)
         seq.cumulative_logprob += result.logprob
         if result.top_logprobs is not None:
+            decode = self._decode_token if params.detokenize else no_text
             seq.output_logprobs.append(
-                {t: Logprob(lp, rank, self._decode_token(t)) for t, (lp, rank) in result.top_logprobs.items()}
+                {t: Logprob(lp, rank, decode(t)) for t, (lp, rank) in result.top_logprobs.items()}
             )
-        reason, stop = _check_stop_token(seq, result.token_id, self.eos_token_ids)
+        reason, stop = check_stop_token(seq, result.token_id, self.eos_token_ids)
         # vLLM leaves a stop token's text (EOS with skip_special_tokens=False, stop_token_ids) out.
-        new_text = "" if reason and not params.include_stop_str_in_output else self._detokenizers[seq.seq_id].step()
+        drop_stop_token = reason is not None and not params.include_stop_str_in_output
+        detokenizer = self._detokenizers.get(seq.seq_id)
+        new_text = "" if drop_stop_token or detokenizer is None or detokenizer.deferred else detokenizer.step()
         if reason is None:
             stop = check_stop_strings(seq, len(new_text))
             reason = "stop" if stop is not None else None
@@ -291,14 +308,16 @@ class LLMEngine(EngineRLMixin):
             reason = "length"
         if reason is not None:
             seq.stop_reason = stop
-            self._finish(seq, reason)
+            self._finish(seq, reason, drop_stop_token)
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: Sequence, reason: str, drop_stop_token: bool = False) -> None:
         if seq.is_finished:
             return
         seq.finish_reason = reason
         self.scheduler.finish(seq)
-        self._detokenizers.pop(seq.seq_id, None)
+        detokenizer = self._detokenizers.pop(seq.seq_id, None)
+        if detokenizer is not None and detokenizer.deferred:
+            detokenizer.step(len(seq.token_ids) - drop_stop_token)
         if self._structured is not None:
             self._structured.remove(seq.seq_id)
 
@@ -312,7 +331,7 @@ class LLMEngine(EngineRLMixin):
         for seq in request.seqs:
             outputs.append(CompletionOutput(
                 seq.index,
-                _visible_text(seq),
+                visible_text(seq),
                 seq.token_ids[seq.num_prompt_tokens :],
                 seq.cumulative_logprob if want_logprobs else None,
                 list(seq.output_logprobs) if want_logprobs else None,
@@ -374,26 +393,3 @@ def _warn_if_cache_is_short(block_manager: BlockManager, max_model_len: int) -> 
             "raise kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len",
             capacity, max_model_len,
         )
-
-
-def _visible_text(seq: Sequence) -> str:
-    """The text to report: while running, hold back the tail that could still become a stop string
-    (vLLM's buffer), so streamed text never has to be taken back."""
-    params = seq.sampling_params
-    if seq.is_finished or not params.stop_strings or params.include_stop_str_in_output:
-        return seq.text
-    hold = max(len(s) for s in params.stop_strings) - 1
-    return seq.text[: max(len(seq.text) - hold, 0)]
-
-
-def _check_stop_token(seq: Sequence, token_id: int, eos_token_ids: set[int]):
-    """(finish_reason, stop_reason) from EOS and stop token ids; (None, None) if neither (stop strings
-    are checked after detokenizing). Nothing stops before min_tokens."""
-    params = seq.sampling_params
-    if seq.num_output_tokens < params.min_tokens:
-        return None, None
-    if not params.ignore_eos and token_id in eos_token_ids:
-        return "stop", None
-    if token_id in params.stop_token_ids:
-        return "stop", token_id
-    return None, None

@@ -40,12 +40,33 @@ class MicroBatchQueue:
         return max(1, -(-active // self.depth))
 
     def step(self, engine) -> list:
-        """Fill the pipeline with new batches, then complete the oldest; its RequestOutputs.
+        """Fill the pipeline with new batches, complete the oldest, refill; the oldest's RequestOutputs.
 
         `engine` is the `LLMEngine` (its scheduler, `_launch` without waiting, `_complete`). Returns []
         when nothing is in flight and nothing can be scheduled; RuntimeError when requests wait that no
         schedule can ever admit (a bug: add_request checks each fits the cache alone).
         """
+        scheduler = engine.scheduler
+        self._fill(engine)
+        if not self.in_flight:
+            if scheduler.waiting and not scheduler.running:
+                raise RuntimeError(f"no request can be scheduled: {engine.get_stats()}")
+            return []
+        oldest = self.in_flight.popleft()
+        for s in oldest.sched.scheduled:
+            scheduler.in_flight.discard(s.seq.seq_id)
+        try:
+            outputs = engine._complete(oldest)
+        except BaseException:
+            self._fail(engine)
+            raise
+        # Relaunch at once: the stages idle from the moment a batch's tokens land until its sequences are
+        # in flight again, so the caller's handling of the outputs must not sit inside that gap.
+        self._fill(engine)
+        return outputs
+
+    def _fill(self, engine) -> None:
+        """Schedule and launch batches until `depth` are in flight or nothing more can be scheduled."""
         scheduler = engine.scheduler
         while len(self.in_flight) < self.depth:
             scheduler.batch_seq_limit = self.batch_seq_limit(scheduler)
@@ -61,18 +82,6 @@ class MicroBatchQueue:
             self.in_flight.append(launched)
             self.num_launched += 1
             self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
-        if not self.in_flight:
-            if scheduler.waiting and not scheduler.running:
-                raise RuntimeError(f"no request can be scheduled: {engine.get_stats()}")
-            return []
-        oldest = self.in_flight.popleft()
-        for s in oldest.sched.scheduled:
-            scheduler.in_flight.discard(s.seq.seq_id)
-        try:
-            return engine._complete(oldest)
-        except BaseException:
-            self._fail(engine)
-            raise
 
     def _fail(self, engine) -> None:
         """A launch or a result failed (the workers are gone): forget the batches in flight."""

@@ -68,6 +68,9 @@ class SamplingParams:
     """A JSON schema, regex, choice list or grammar every completion must follow (xgrammar)."""
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+    """False: outputs carry token ids only (text "", logprob entries without decoded_token), as vLLM's
+    field; RL rollouts and token-level evaluation skip the per-token decoding. Stop strings need it."""
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -141,6 +144,11 @@ class SamplingParams:
             )
         if any(not s for s in self.stop_strings):
             raise UserInputError(f"SamplingParams: stop={self.stop!r} must not contain empty strings")
+        if not isinstance(self.detokenize, bool):
+            raise UserTypeError(f"SamplingParams: detokenize={self.detokenize!r} must be a bool")
+        if self.stop_strings and not self.detokenize:
+            raise UserInputError(f"SamplingParams: stop={self.stop!r} needs detokenize=True (stop strings are "
+                                 "found in the decoded text)")
 
     @property
     def is_greedy(self) -> bool:

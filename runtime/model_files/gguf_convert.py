@@ -49,8 +49,8 @@ def convert_gguf(gguf_file: str | os.PathLike, *, name: str | None = None,
 
 
 def gguf_cache_key(gguf_file: str | os.PathLike) -> str:
-    """The cache key `convert_gguf` uses for `gguf_file` (changes with its size, mtime and
-    the converter version)."""
+    """The cache key `convert_gguf` uses for `gguf_file`: its content (`model_cache.file_key`) and the
+    converter version, not its path (a copy in another virtual environment reuses the conversion)."""
     return file_key(Path(gguf_file).expanduser().resolve(), CONVERTER_VERSION)
 
 

@@ -37,13 +37,28 @@ def cache_root() -> Path:
     return base / "fxrewrite"
 
 
+_SAMPLE_BYTES = 1 << 20  # the head (GGUF: its metadata, the tokenizer included) and tail read in full
+_SAMPLES = 32  # evenly spaced blocks of the middle (the tensor data: a fine-tune changes every tensor)
+_BLOCK_BYTES = 1 << 16
+
+
 def file_key(path: str | os.PathLike, *extra: object) -> str:
-    """A short hex key for a source file: its resolved path, size and mtime (no hashing of the
-    content, which would cost seconds for a 100 MB GGUF), plus any `extra` values."""
+    """A short hex key for a source file's content, plus any `extra` values: its size, its first and last
+    MiB and 32 evenly spaced 64 KiB blocks of the rest (about 4 MiB read; hashing all of a 100 MB GGUF
+    would cost a second per start). Not its path nor its mtime: the same file installed in another
+    virtual environment maps to the same cached build instead of a new conversion."""
     p = Path(path).resolve()
-    st = p.stat()
-    text = "|".join(str(v) for v in (p, st.st_size, st.st_mtime_ns, *extra))
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
+    size = p.stat().st_size
+    digest = hashlib.sha256(f"{size}|{'|'.join(map(str, extra))}|".encode())
+    with open(p, "rb") as fh:
+        digest.update(fh.read(_SAMPLE_BYTES))
+        middle = max(size - 2 * _SAMPLE_BYTES, 0)
+        for i in range(_SAMPLES if middle > 0 else 0):
+            fh.seek(_SAMPLE_BYTES + middle * i // _SAMPLES)
+            digest.update(fh.read(_BLOCK_BYTES))
+        fh.seek(max(size - _SAMPLE_BYTES, 0))
+        digest.update(fh.read(_SAMPLE_BYTES))
+    return digest.hexdigest()[:12]
 
 
 def read_build_info(folder: str | os.PathLike) -> dict:

@@ -13,7 +13,7 @@ import logging
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, field_validator, model_validator
 
 from fxrewrite.runtime.engine.chat import check_role
 
@@ -84,31 +84,31 @@ class SamplingRequest(OpenAIBaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=128)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: StrictFloat | None = Field(None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
+    n: StrictInt = Field(1, ge=1, le=128)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, **_SEED_RANGE)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    seed: StrictInt | None = Field(None, **_SEED_RANGE)
+    presence_penalty: StrictFloat | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat | None = Field(None, ge=-2.0, le=2.0)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM extras
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    top_k: StrictInt | None = Field(None, ge=-1)
+    min_p: StrictFloat | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: StrictFloat | None = Field(None, gt=0.0)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[int] | None = None
+    min_tokens: StrictInt = Field(0, ge=0)
+    stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    best_of: int | None = Field(None, ge=1, le=128)
-    logit_bias: dict[str, float] | None = None
+    best_of: StrictInt | None = Field(None, ge=1, le=128)
+    logit_bias: dict[str, StrictFloat] | None = None
     bad_words: list[str] | None = None
-    prompt_logprobs: int | None = Field(None, ge=0)
+    prompt_logprobs: StrictInt | None = Field(None, ge=0)
     # structured outputs: OpenAI's response_format, vLLM's guided_* fields and their new name
     response_format: ResponseFormat | None = None
     guided_json: str | dict | None = None
@@ -152,9 +152,9 @@ class SamplingRequest(OpenAIBaseModel):
 class CompletionRequest(SamplingRequest):
     """POST /v1/completions. `prompt`: a string, a list of strings, token ids, or lists of token ids."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=0)  # OpenAI's default; 0 with echo returns the prompt alone
-    logprobs: int | None = Field(None, ge=0)  # the engine's max_logprobs (--max-logprobs) is the limit
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = Field(16, ge=0)  # OpenAI's default; 0 with echo returns the prompt alone
+    logprobs: StrictInt | None = Field(None, ge=0)  # the engine's max_logprobs (--max-logprobs) is the limit
     echo: bool = False
 
     @model_validator(mode="after")
@@ -263,10 +263,11 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool | None = True
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)  # as logprobs
+    top_logprobs: StrictInt | None = Field(None, ge=0)  # as logprobs
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: leave the last (assistant) message open to continue it
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")

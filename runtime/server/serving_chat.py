@@ -9,6 +9,8 @@ from http import HTTPStatus
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from fxrewrite.errors import UserInputError
+from fxrewrite.runtime.engine.chat import check_generation_mode, render_chat
 from fxrewrite.runtime.server.async_engine import StepOutput
 from fxrewrite.runtime.server.errors import OpenAIError
 from fxrewrite.runtime.server.logprobs import chat_logprobs
@@ -111,10 +113,21 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError(HTTPStatus.BAD_REQUEST, f"messages: {e}", param="messages",
                               code="invalid_value") from None
         tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
+        if tools:
+            check_template_renders_tools(self.template())  # the 400 that names --chat-template
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=request.add_generation_prompt,
-                chat_template=self.chat_template, **(request.chat_template_kwargs or {}))
+            check_generation_mode(messages, request.add_generation_prompt, request.continue_final_message)
+        except UserInputError as e:
+            raise OpenAIError(HTTPStatus.BAD_REQUEST, str(e), param="continue_final_message",
+                              code="invalid_value") from None
+        try:
+            text = render_chat(self.tokenizer, messages, chat_template=self.chat_template, tools=tools,
+                               add_generation_prompt=request.add_generation_prompt,
+                               continue_final_message=request.continue_final_message,
+                               chat_template_kwargs=request.chat_template_kwargs)
+        except UserInputError as e:
+            raise OpenAIError(HTTPStatus.BAD_REQUEST, str(e), param="tools" if tools else "messages",
+                              code="invalid_value") from None
         except Exception as e:  # jinja2 TemplateError, or a template's raise_exception(...)
             raise OpenAIError(HTTPStatus.BAD_REQUEST, f"chat template failed: {e}", param="messages",
                               code="invalid_value") from None

@@ -18,6 +18,7 @@ from typing import Literal
 
 import numpy as np
 from fastapi import Request
+from pydantic import StrictInt
 
 from fxrewrite.runtime.engine.pooling import PoolingParams
 from fxrewrite.runtime.server.errors import OpenAIError
@@ -27,9 +28,9 @@ from fxrewrite.runtime.server.serving_engine import OpenAIServing
 
 class EmbeddingRequest(OpenAIBaseModel):
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
+    dimensions: StrictInt | None = None
     user: str | None = None
 
 

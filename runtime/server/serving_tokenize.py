@@ -10,7 +10,7 @@ from __future__ import annotations
 from http import HTTPStatus
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, StrictInt, model_validator
 
 from fxrewrite.runtime.server.errors import OpenAIError
 from fxrewrite.runtime.server.protocol import ChatCompletionRequest, ChatMessage, OpenAIBaseModel
@@ -23,6 +23,7 @@ class TokenizeRequest(OpenAIBaseModel):
     add_special_tokens: bool | None = None
     """Default True for a prompt; False for messages (the template writes them)."""
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
@@ -43,7 +44,7 @@ class TokenizeResponse(OpenAIBaseModel):
 
 class DetokenizeRequest(OpenAIBaseModel):
     model: str | None = None
-    tokens: list[int] = Field(min_length=0)
+    tokens: list[StrictInt] = Field(min_length=0)
 
 
 class DetokenizeResponse(OpenAIBaseModel):
@@ -60,6 +61,7 @@ def tokenize(chat, request: TokenizeRequest) -> TokenizeResponse:
     else:
         chat_request = ChatCompletionRequest(
             messages=request.messages, add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
             chat_template_kwargs=request.chat_template_kwargs, tools=request.tools, tool_choice="none")
         ids = chat.apply_chat_template(chat_request)
         if request.add_special_tokens and tokenizer.bos_token_id is not None and ids[:1] != [tokenizer.bos_token_id]:

@@ -76,7 +76,7 @@ class DeltaTracker:
         self._done: set[tuple[int, int]] = set()
 
     def deltas(self, prompt_index: int, output: StepOutput) -> Iterator[ChoiceDelta]:
-        """The non-empty deltas of `output` (each choice at most once after it finished)."""
+        """The deltas of `output` with new text, and each choice's last (finished) one, once."""
         for choice in output.choices:
             key = (prompt_index, choice.index)
             if key in self._done:
@@ -87,7 +87,9 @@ class DeltaTracker:
             end = len(choice.text) if finished else max(start, len(choice.text) - self.holdback)
             tok_start = self._sent_tokens.get(key, 0)
             tok_end = len(choice.token_ids)
-            if end == start and tok_end == tok_start and not finished and not is_first:
+            if end == start and not finished:
+                # No new text (the detokenizer holds a multi-byte character's first bytes, or a possible
+                # stop string): send nothing; the tokens (and their logprobs) go out with the text they make.
                 continue
             self._sent_chars[key] = end
             self._sent_tokens[key] = tok_end

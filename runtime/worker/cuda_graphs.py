@@ -23,6 +23,7 @@ from fxrewrite import data_parallel
 from fxrewrite.layers.rope_context import rope_lengths
 from fxrewrite.runtime.worker.compilation import forward_or_fallback
 from fxrewrite.runtime.worker.forward_context import AttentionMetadata, forward_context
+from fxrewrite.runtime.worker import watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -92,13 +93,14 @@ class CUDAGraphRunner:
         bucket, or run eagerly above the largest captured one. Raises only when no bucket captures."""
         errors = {}
         for bs in reversed(self.sizes):
+            if data_parallel.dp_ep_active():
+                self._capture_in_lockstep(bs)
+                continue
             for attempt in range(2):
                 try:
                     self._capture_one(bs)
                     break
                 except Exception as e:  # noqa: BLE001 - one bucket's failure must not drop every graph
-                    if data_parallel.dp_ep_active():
-                        raise  # the replicas capture in lockstep: one rank retrying alone would hang the others
                     errors[bs] = e
                     torch.cuda.synchronize()
             else:
@@ -108,12 +110,27 @@ class CUDAGraphRunner:
             raise errors[max(errors)]
         self.sizes = sorted(self.graphs)
 
+    def _capture_in_lockstep(self, bs: int) -> None:
+        """DP x EP: the replicas capture in lockstep (their MoE collectives meet), so a bucket that fails on
+        one replica must stop the capture on all (one rank retrying or going on alone would hang the
+        others): RuntimeError everywhere, and `build_graph_runner` leaves every replica eager."""
+        error = None
+        try:
+            self._capture_one(bs)
+        except Exception as e:  # noqa: BLE001 - decided together below
+            error = e
+        if not data_parallel.all_workers_ok(error is None, self.outputs.device):
+            raise RuntimeError(f"CUDA graph capture of bucket {bs} failed on a data-parallel replica "
+                               f"({'here' if error is not None else 'another one'})") from error
+
     def _capture_one(self, bs: int) -> None:
         graph = torch.cuda.CUDAGraph()
         with (forward_context(self._metadata(bs)), rope_lengths(self.rope_lengths[:bs]),
               data_parallel.uniform_tokens()):
             # Warm-up outside the graph: Triton JIT and torch.compile run here, not while capturing.
+            watchdog.phase(f"CUDA graph bucket {bs}: eager warm-up forward")
             self.outputs[:bs] = forward_or_fallback(self.model, self.input_ids[:bs], self.positions[:bs])
+            watchdog.phase(f"CUDA graph bucket {bs}: capture")
             with torch.cuda.graph(graph, self.pool):
                 self.outputs[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
         if self.pool is None:
@@ -212,5 +229,9 @@ class _EagerReplay:
 class EmulatedGraphRunner(CUDAGraphRunner):
     """`CUDAGraphRunner` whose buckets run eagerly over the same static buffers (CPU tests: `EMULATE_ENV`)."""
 
-    def capture(self) -> None:
-        self.graphs = {bs: _EagerReplay(self, bs) for bs in self.sizes}
+    def _capture_one(self, bs: int) -> None:
+        """As the capture's warm-up: one forward with uniform row counts (`capture` calls this largest
+        bucket first, in lockstep under DP x EP), so the CPU tests run the load-time collectives the GPU does."""
+        watchdog.phase(f"emulated CUDA graph bucket {bs}: warm-up forward")
+        self.graphs[bs] = _EagerReplay(self, bs)
+        self.graphs[bs].replay()

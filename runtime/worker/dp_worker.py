@@ -15,6 +15,8 @@ eagerly with the noted counts (an idle replica calls the MoE layers with zero to
 from __future__ import annotations
 
 import copy
+import logging
+import os
 import signal
 import threading
 
@@ -28,8 +30,16 @@ from fxrewrite.runtime.worker.worker import (
     STEP_FIELDS, ControlMessage, ResultSender, Worker, _watch_parent, broadcast_object, exit_worker)
 from fxrewrite.runtime.worker.cpu_threads import size_cpu_threads
 from fxrewrite.runtime.worker.step_channel import GlooChannel
+from fxrewrite.runtime.worker import watchdog
+
+logger = logging.getLogger(__name__)
 
 _NUM_NEW = STEP_FIELDS.index("num_new_tokens")
+
+DP_EP_GRAPHS_ENV = "FXREWRITE_DP_EP_CUDA_GRAPHS"
+"""0: DP x EP decode waves run eagerly (no CUDA graphs on any replica), as before graphs were added."""
+
+_MAX_BUCKETS = 64
 
 
 def wave_token_counts(wave: list) -> list[int]:
@@ -59,6 +69,26 @@ def run_idle(model: torch.nn.Module) -> None:
             experts_across_dp(module, router.weight.new_empty(0, router.weight.shape[1]))
 
 
+def agree_on_graphs(graphs, group, device) -> object | None:
+    """The graph runner when every worker of `group` (all DP x EP workers) captured the same buckets,
+    else None on every worker, with a warning: replicas replaying different buckets would issue MoE
+    collectives of different sizes and hang. One collective (a MIN and a MAX all-reduce) over `group`."""
+    sizes = sorted(graphs.graphs) if graphs is not None else []
+    if os.environ.get(DP_EP_GRAPHS_ENV) == "0":
+        sizes = []
+    row = torch.zeros(2, _MAX_BUCKETS, dtype=torch.int64, device=device)
+    row[0, : len(sizes)] = torch.tensor(sizes[:_MAX_BUCKETS], dtype=torch.int64)
+    row[1] = -row[0]  # the MAX of -sizes is -MIN: one all-reduce gives both
+    dist.all_reduce(row, op=dist.ReduceOp.MAX, group=group)
+    agreed = bool(torch.equal(row[0], -row[1])) and len(sizes) <= _MAX_BUCKETS
+    if agreed and sizes:
+        return graphs
+    if not agreed:
+        logger.warning("data-parallel replicas captured different CUDA graph buckets (here %s); decode "
+                       "waves run eagerly on every replica", sizes)
+    return None
+
+
 def check_model_shares_experts(model: torch.nn.Module) -> None:
     """DP x EP needs fused MoE layers (they carry the cross-replica collectives); RuntimeError otherwise."""
     if not any(isinstance(m, FusedMoE) for m in model.modules()):
@@ -71,6 +101,8 @@ def dp_worker_main(local_rank: int, config, model_config, eos_token_ids: set[int
     """torch.multiprocessing entry point of worker `local_rank` (global rank local_rank + 1)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's: it shuts us down
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    watchdog.install(f"DP rank {local_rank // tp_size} TP rank {local_rank % tp_size} (pid {os.getpid()})")
+    watchdog.phase("joining the process groups")
     backend = distributed.default_backend(config.device)
     config = copy.copy(config)
     num_workers = dp_size * tp_size
@@ -86,34 +118,51 @@ def dp_worker_main(local_rank: int, config, model_config, eos_token_ids: set[int
     state, _ = data_parallel.initialize(rank, store, dp_size, tp_size, backend, config.enable_expert_parallel)
     worker = Worker(config, model_config, eos_token_ids)
     shares_experts = data_parallel.dp_ep_active()
+    graphs = None
     if shares_experts:
         check_model_shares_experts(worker.runner.model)
+        watchdog.phase("agreeing on the CUDA graph buckets across replicas")
+        graphs = agree_on_graphs(worker.runner.graph_runner, data_parallel.get_state().ep_group, worker.runner.device)
+        worker.runner.graph_runner = graphs  # None: the runner must not replay a graph on its own either
+    watchdog.phase("sending the load report to the driver")
     info = {"num_blocks": worker.num_blocks(), "impl": getattr(worker.runner.model, "impl", None),
             "compiled": bool(getattr(worker.runner.model, "_fxrewrite_compiled", False)),
             "cuda_graph_buckets": len(worker.runner.graph_runner.graphs) if worker.runner.graph_runner else 0}
     leader = rank == state.results_rank
     if leader:
         broadcast_object(info, rank, state.driver_group)
+    watchdog.phase(f"loaded ({info['cuda_graph_buckets']} CUDA graph buckets)")
     # DP steps travel over gloo (one wave per engine step for every replica; no shared-memory ring yet)
     sender = ResultSender(GlooChannel(rank, state.driver_group), config.device) if leader else None
-    dp_rank, step = data_parallel.get_state().dp_rank, None
-    graphs = worker.runner.graph_runner if shares_experts else None
-    while (wave := broadcast_object(None, 0)) is not None:
+    serve_waves(worker, graphs, shares_experts, sender)
+    exit_worker(sender)
+
+
+def serve_waves(worker: Worker, graphs, shares_experts: bool, sender: ResultSender | None) -> None:
+    """The worker's loop: one wave per engine step until the driver's None (see the module docstring)."""
+    dp_rank, step, num_waves = data_parallel.get_state().dp_rank, None, 0
+    while True:
+        watchdog.phase("waiting for the driver's next wave", watched=False)
+        if (wave := broadcast_object(None, 0)) is None:
+            return
         if isinstance(wave, ControlMessage):  # the driver refuses these under data parallelism
             continue
         counts = wave_token_counts(wave)
         data_parallel.set_step_token_counts(counts)
         if graphs is not None:
             graphs.step_bucket = wave_bucket(wave, counts, graphs)
+        num_waves += 1
+        bucket = graphs.step_bucket if graphs is not None else 0
+        kind = f"graph bucket {bucket}" if bucket else "eager"
+        watchdog.phase(f"wave {num_waves}: tokens per replica {counts}, {kind}", log=False)
         msg = wave[dp_rank]
         launched = worker.launch(msg, step) if msg is not None else None
         if launched is None and shares_experts and max(counts) > 0:
-            if graphs is not None and graphs.step_bucket:
+            if bucket:
                 with torch.inference_mode():
-                    graphs.run_idle(graphs.step_bucket)
+                    graphs.run_idle(bucket)
             else:
                 run_idle(worker.runner.model)
         step = launched or step
         if sender is not None:
             sender.send(launched)
-    exit_worker(sender)

@@ -39,7 +39,7 @@ from fxrewrite.runtime.worker.model_runner import ModelRunner
 from fxrewrite.runtime.worker.moe_checks import check_moe_parallel
 from fxrewrite.runtime.worker.step_channel import GlooChannel, driver_shm_channel, settle_driver_channel
 from fxrewrite.runtime.worker.worker import ControlMessage, StepEncoder, broadcast_object, rank_model_config, worker_main
-from fxrewrite.runtime.worker.pipeline import check_pipeline_size
+from fxrewrite.runtime.worker.pipeline import check_pipeline_size, layer_partition
 from fxrewrite.runtime.worker.worker_processes import (  # noqa: F401  (WorkerError: re-exported)
     STARTUP_TIMEOUT_S, STEP_TIMEOUT_S, WorkerError, WorkerGuard, _check_workers, _failure, _poll, _Processes)
 
@@ -51,6 +51,7 @@ def create_model_runner(config, model_config, eos_token_ids: set[int]):
     check_moe_parallel(model_config, config)
     if pp_size > 1:  # before any worker starts
         check_pipeline_size(model_config.num_hidden_layers, pp_size)
+        layer_partition(model_config.num_hidden_layers, pp_size)  # a bad VLLM_PP_LAYER_PARTITION fails here
     if tp_size == 1 and pp_size == 1:
         if torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu")).type == "cpu":
             size_cpu_threads(1)  # the workers' rule, for the model in this process

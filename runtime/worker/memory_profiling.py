@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fxrewrite import data_parallel
 from fxrewrite.errors import UserInputError
 from fxrewrite.runtime.worker.compilation import forward_or_fallback
 from fxrewrite.runtime.worker.forward_context import AttentionMetadata, forward_context
@@ -52,7 +53,8 @@ def profile_activation_bytes(model: nn.Module, config, model_config, device: tor
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    with forward_context(metadata):
+    # Every DP x EP replica profiles the same batch: uniform row counts, no token-count exchange.
+    with forward_context(metadata), data_parallel.uniform_tokens():
         hidden = forward_or_fallback(model, input_ids, positions)  # also the first (compiling) call
     rows = min(config.max_num_seqs, num_tokens)
     logits = model.compute_logits(hidden[:rows]).float()

@@ -20,8 +20,8 @@ from fxrewrite.runtime.engine.inputs import prepare_inputs
 from fxrewrite.runtime.engine.prompt_logprobs import compute_prompt_logprobs, wants_prompt_logprobs
 from fxrewrite.runtime.worker.kv_cache import allocate_kv_caches, num_kv_blocks
 from fxrewrite.runtime.worker.memory_profiling import profile_num_kv_blocks
-from fxrewrite.runtime.worker.warmup import warm_up_kernels
-from fxrewrite.runtime.worker import sleep_mode, weight_sync
+from fxrewrite.runtime.worker.warmup import should_warm_up, warm_up_kernels
+from fxrewrite.runtime.worker import sleep_mode, watchdog, weight_sync
 from fxrewrite.runtime.engine.sampler import SampledTokens, SampleResult, Sampler
 from fxrewrite.runtime.engine.scheduler import SchedulerOutput
 from fxrewrite.runtime.engine.sequence import Sequence
@@ -125,6 +125,7 @@ class ModelRunner:
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
         self.pipeline = pipeline_stage_of_this_rank()
+        watchdog.phase("building the model")
         self.model = build_model(config, model_config, self.device, self.pipeline)
         if self.pipeline is not None:
             self.pipeline.allocate(max(config.max_num_batched_tokens, config.max_num_seqs), model_config.hidden_size,
@@ -133,6 +134,7 @@ class ModelRunner:
         if should_compile(config, self.device):
             compile_model(self.model)
         layers = self.pipeline.layers if self.pipeline is not None else None  # a stage caches its layers only
+        watchdog.phase("sizing and allocating the KV cache")
         if self.device.type == "cuda" and config.kv_cache_memory_bytes is None:
             self.num_blocks = profile_num_kv_blocks(self.model, config, model_config, self.device, layers)
         else:
@@ -143,7 +145,7 @@ class ModelRunner:
             distributed.enable_symm_mem_all_reduce(self.device, model_config.dtype)
         with batch_invariant_mode(config.batch_invariant):  # the graphs capture the invariant kernels
             # Triton's JIT at load, not in the first requests (a pipeline stage's forward needs its peers)
-            if self.device.type == "cuda" and self.pipeline is None:
+            if should_warm_up(self.device, self.pipeline):
                 self.warmup_compiles = warm_up_kernels(self.model, self.kv_caches, config, model_config, self.device)
             self.graph_runner = build_graph_runner(self.model, self.kv_caches, config, model_config, self.device)
         self.sampler = Sampler(eos_token_ids, seed=config.seed)

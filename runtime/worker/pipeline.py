@@ -17,6 +17,7 @@ the CPU tests check), with half the traffic of sending both (vLLM sends both). T
 
 from __future__ import annotations
 
+import os
 import types
 
 import torch
@@ -27,12 +28,39 @@ from fxrewrite.errors import UserInputError
 from fxrewrite import distributed
 
 
-def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
-    """[start, end) of the decoder layers of stage `pp_rank` of `pp_size`.
+LAYER_PARTITION_ENV = "VLLM_PP_LAYER_PARTITION"
+"""vLLM's variable: the decoder layers of each stage, comma-separated (e.g. "33,31"), summing to the
+model's layer count. The default split is even; the last stage also runs the final norm, lm_head and
+sampler, so giving it a layer less can balance the stages (the pipeline runs at its slowest stage)."""
 
-    Raises ValueError when pp_size exceeds num_layers (a stage would hold no layer).
+
+def layer_partition(num_layers: int, pp_size: int) -> list[int] | None:
+    """The layer counts of `LAYER_PARTITION_ENV`, or None when unset. UserInputError when they are not
+    pp_size positive integers summing to num_layers."""
+    text = os.environ.get(LAYER_PARTITION_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        counts = [int(c) for c in text.split(",")]
+    except ValueError:
+        counts = []
+    if len(counts) != pp_size or sum(counts) != num_layers or min(counts) < 1:
+        raise UserInputError(f"{LAYER_PARTITION_ENV}={text!r}: expected {pp_size} positive layer counts "
+                             f"(one per pipeline stage) summing to num_hidden_layers={num_layers}")
+    return counts
+
+
+def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
+    """[start, end) of the decoder layers of stage `pp_rank` of `pp_size`: `layer_partition` when set, else
+    an even split (earlier stages take one more when the count does not divide).
+
+    Raises ValueError when pp_size exceeds num_layers (a stage would hold no layer) or the partition is bad.
     """
     check_pipeline_size(num_layers, pp_size)
+    counts = layer_partition(num_layers, pp_size)
+    if counts is not None:
+        start = sum(counts[:pp_rank])
+        return start, start + counts[pp_rank]
     base, extra = divmod(num_layers, pp_size)
     start = pp_rank * base + min(pp_rank, extra)
     return start, start + base + (1 if pp_rank < extra else 0)

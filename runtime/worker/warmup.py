@@ -17,16 +17,19 @@ read block 0, so they leave the cache as they found it.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
 from torch import nn
 
+from fxrewrite import data_parallel
 from fxrewrite.kernels.paged_decode import decode_warmup_cases
 from fxrewrite.kernels.triton_utils import watch_jit_compiles
 from fxrewrite.layers.rope_context import rope_lengths
 from fxrewrite.runtime.worker.compilation import forward_or_fallback
 from fxrewrite.runtime.worker.forward_context import AttentionMetadata, forward_context
+from fxrewrite.runtime.worker import watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +40,20 @@ PREFILL_CASES: tuple[tuple[tuple[int, int], ...], ...] = (
     ((5, 200),),  # a chunk after a cached prefix of 195 tokens
 )
 """Per dummy prefill step: (query tokens, seq_len) of each sequence."""
+
+
+WARMUP_ENV = "FXREWRITE_KERNEL_WARMUP"
+"""1: run the warm-up on any device (CPU tests of the load sequence: its MoE collectives under DP x EP);
+0: never; unset: on CUDA only (Triton compiles there)."""
+
+
+def should_warm_up(device: torch.device, pipeline) -> bool:
+    """Whether the model runner runs `warm_up_kernels` at load: on CUDA (or as `WARMUP_ENV` says), and not
+    on a pipeline stage (its forward needs its peers' hidden states)."""
+    if pipeline is not None:
+        return False
+    switch = os.environ.get(WARMUP_ENV)
+    return switch == "1" if switch in ("0", "1") else device.type == "cuda"
 
 
 def dummy_metadata(seqs: tuple[tuple[int, int], ...], block_size: int, device: torch.device,
@@ -71,11 +88,15 @@ def warm_up_kernels(model: nn.Module, kv_caches, config, model_config, device: t
     """Run the dummy steps eagerly (logits of each step's last rows included); returns the Triton
     specialisations built meanwhile (empty when triton was not compiling, e.g. on a CPU)."""
     start = time.perf_counter()
+    steps = warmup_steps(model_config, model_config.max_model_len)
     with watch_jit_compiles() as built:
-        for seqs in warmup_steps(model_config, model_config.max_model_len):
+        for i, seqs in enumerate(steps):
+            watchdog.phase(f"kernel warm-up step {i + 1}/{len(steps)} ({len(seqs)} sequences, "
+                           f"{sum(q for q, _ in seqs)} tokens)")
             positions, metadata = dummy_metadata(seqs, config.block_size, device, kv_caches)
             input_ids = torch.zeros_like(positions)
-            with forward_context(metadata), rope_lengths(positions + 1):  # as the engine's steps
+            # Every DP x EP replica runs these same steps: their MoE collectives need no token-count exchange.
+            with forward_context(metadata), rope_lengths(positions + 1), data_parallel.uniform_tokens():
                 hidden = forward_or_fallback(model, input_ids, positions)
             model.compute_logits(hidden[metadata.query_start_loc[1:].long() - 1])
     if device.type == "cuda":

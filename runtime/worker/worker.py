@@ -36,6 +36,7 @@ from fxrewrite.runtime.engine.sequence import Sequence
 from fxrewrite.runtime.worker.cpu_threads import size_cpu_threads
 from fxrewrite.runtime.worker.model_runner import ModelRunner
 from fxrewrite.runtime.worker.step_channel import broadcast_object, settle_worker_channel, worker_shm_channel
+from fxrewrite.runtime.worker import watchdog
 
 
 @dataclasses.dataclass
@@ -238,12 +239,17 @@ class ResultSender:
         try:
             if self._device.type == "cuda":
                 torch.cuda.set_device(self._device)  # the current device is per thread
+            sent = 0
             while (step := self._queue.get()) is not _STOP:
                 if isinstance(step, _Reply):
                     self._channel.send_result(step.payload)
                     continue
+                watchdog.phase(f"waiting for step {sent + 1}'s sampled tokens (the device runs it)", slot="results")
                 seqs, results = step.result() if step is not None else ([], [])
+                watchdog.phase(f"sending step {sent + 1}'s tokens to the driver", slot="results")
                 self._channel.send_result([(seq.seq_id, r) for seq, r in zip(seqs, results)])
+                sent += 1
+                watchdog.phase("idle", watched=False, slot="results")
         except BaseException:  # noqa: BLE001 - the process must die, so the driver sees it
             traceback.print_exc()
             sys.stderr.flush()
@@ -278,6 +284,8 @@ def worker_main(local_rank: int, config, model_config, eos_token_ids: set[int], 
     or None for gloo."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's: it shuts us down
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    watchdog.install(f"worker {local_rank} (pid {os.getpid()})")
+    watchdog.phase("joining the process groups")
     backend = distributed.default_backend(config.device)
     config = copy.copy(config)
     if backend == "nccl":
@@ -294,6 +302,7 @@ def worker_main(local_rank: int, config, model_config, eos_token_ids: set[int], 
     state = distributed.initialize(rank, num_workers + 1, store=store, tp_ranks=list(range(1, num_workers + 1)),
                                    with_driver=True, tp_backend=backend, pp_size=num_workers // tp_size)
     worker = Worker(config, model_config, eos_token_ids)
+    watchdog.phase("agreeing on the KV cache size")
     num_blocks = worker.num_blocks()
     sends_results = rank == state.results_rank
     if sends_results:
@@ -305,7 +314,7 @@ def worker_main(local_rank: int, config, model_config, eos_token_ids: set[int], 
     channel = settle_worker_channel(store, shm, state.results_rank, state.driver_group)
     sender = ResultSender(channel, config.device) if sends_results else None
     step = None
-    while (msg := channel.recv()) is not None:
+    while watchdog.phase("waiting for the driver's next step", watched=False) or (msg := channel.recv()) is not None:
         if isinstance(msg, ControlMessage):
             reply = worker.control(msg)
             if sender is not None:

@@ -44,3 +44,14 @@ def test_report_table_keeps_columns_aligned_for_long_module_names():
             assert line[start - 2 : start] in ("  ", ""), line
     assert lines[2].split()[1] == "3" and any(line.startswith("Short ") and " 12 " in line for line in lines)
     assert "".join(line[: starts[0]].strip() for line in lines[2:4]) == long.name
+
+
+def test_explain_defaults_to_the_built_in_model(default_model_dir, capsys):
+    """As `generate` and `serve`: no MODEL means the default model (SmolLM2, a Llama)."""
+    from fxrewrite.cli import build_parser
+
+    assert build_parser().parse_args(["explain"]).model is None
+    help_text = build_parser()._subparsers._group_actions[0].choices["explain"].format_help()
+    assert "default: the built-in default model" in " ".join(help_text.split())
+    assert main(["explain", "--no-diff"]) == 0
+    assert "LlamaAttention" in capsys.readouterr().out

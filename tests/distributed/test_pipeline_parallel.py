@@ -26,6 +26,15 @@ def test_stage_layers_split_evenly_earlier_stages_take_the_rest():
     assert [stage_layers(5, 5, r) for r in range(5)] == [(i, i + 1) for i in range(5)]
 
 
+def test_layer_partition_env_sets_the_stage_boundaries(monkeypatch):
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "33,31")
+    assert [stage_layers(64, 2, r) for r in range(2)] == [(0, 33), (33, 64)]
+    for bad in ("32,31", "64,0", "a,b", "20,20,24"):
+        monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", bad)
+        with pytest.raises(ValueError, match=f"VLLM_PP_LAYER_PARTITION='{bad}': expected 2 positive layer counts"):
+            stage_layers(64, 2, 0)
+
+
 def test_pipeline_larger_than_the_layer_count_is_refused(qwen3_3layers):
     with pytest.raises(ValueError, match="pipeline_parallel_size=4 is larger than the model's num_hidden_layers=3"):
         make_llm(qwen3_3layers, "native", pipeline_parallel_size=4)
@@ -60,9 +69,10 @@ def test_stage_split_of_a_transformers_model(qwen3_3layers, pp_rank):
         assert torch.equal(base.embed_tokens(torch.zeros(1, 3, dtype=torch.long)), stage.buffer[:3].view(1, 3, 64))
 
 
-def test_pp2_native_equals_one_process(qwen3_3layers):
+def test_pp2_native_equals_one_process(qwen3_3layers, monkeypatch):
     one = make_llm(qwen3_3layers, "native")
     want = generate_tokens(one, sampling_params())
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "1,2")  # not the default split (workers inherit it)
     llm = make_llm(qwen3_3layers, "native", pipeline_parallel_size=2)
     try:
         assert generate_tokens(llm, sampling_params()) == want

@@ -8,6 +8,12 @@ are uneven, so one replica runs out of work first).
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -15,6 +21,8 @@ from fxrewrite.runtime.engine.data_parallel import DPLLMEngine
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 from fxrewrite.runtime.llm import LLM
 from fxrewrite.runtime.worker.cuda_graphs import EMULATE_ENV
+from fxrewrite.runtime.worker.warmup import WARMUP_ENV
+from fxrewrite.runtime.worker.watchdog import LOAD_LOG_ENV, WATCHDOG_ENV
 from tests.distributed.tp_ranks import make_llm
 from tests.moe.test_moe_parallel import MOE
 
@@ -25,7 +33,7 @@ PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 40)), [7] * 3]
 MAX_TOKENS = [8, 12, 3]
 
 
-def _greedy(llm) -> list[list[int]]:
+def greedy(llm) -> list[list[int]]:
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
@@ -46,10 +54,10 @@ def qwen3_moe_dir(tiny_model_dir):
 
 
 def test_dp2_dense_replicas_equal_one_engine(tiny_qwen3_dir):
-    want = _greedy(make_llm(str(tiny_qwen3_dir), "native"))
+    want = greedy(make_llm(str(tiny_qwen3_dir), "native"))
     llm = make_llm(str(tiny_qwen3_dir), "native", data_parallel_size=2)
     try:
-        assert _greedy(llm) == want
+        assert greedy(llm) == want
         _check_replicas_used_and_freed(llm)
         workers = list(llm.llm_engine.executor._procs.context.processes)
     finally:
@@ -58,18 +66,44 @@ def test_dp2_dense_replicas_equal_one_engine(tiny_qwen3_dir):
     assert [p.exitcode for p in workers] == [0, 0]
 
 
-@pytest.mark.parametrize("impl", ["native", "transformers"])
-def test_dp2_ep_moe_equals_one_engine(qwen3_moe_dir, impl, monkeypatch):
-    """native: decode waves through the CUDA-graph bucket protocol (buckets emulated eagerly on the CPU:
-    replicas padded to one bucket, MoE collectives of uniform size, the idle replica replaying padding
-    rows); transformers: every wave eager, the idle replica calling the MoE layers with zero tokens."""
-    want = _greedy(make_llm(qwen3_moe_dir, impl))
-    if impl == "native":
-        monkeypatch.setenv(EMULATE_ENV, "1")  # the spawned workers inherit it
-    llm = make_llm(qwen3_moe_dir, impl, data_parallel_size=2, enable_expert_parallel=True)
+LOAD_TIMEOUT_S = 400
+"""The whole DP2 + EP run of the load test (two workers load, warm up, capture, generate): about 80 s on
+a loaded 2-core machine; a hang of the replicas' collectives ends here instead of stalling the suite."""
+
+
+def test_dp2_ep_native_with_warmup_and_graphs_equals_one_engine(qwen3_moe_dir):
+    """The load sequence the GPU runs, on gloo: kernel warm-up forced on, CUDA graph buckets emulated (one
+    forward per bucket at load, as the capture does; decode waves replicas padded to one bucket, the idle
+    replica replaying padding rows). Every collective of one replica must meet the other's: a subprocess
+    with a timeout, so a deadlock fails with the workers' watchdog lines (their phase and stacks)."""
+    want = greedy(make_llm(qwen3_moe_dir, "native"))
+    env = {**os.environ, EMULATE_ENV: "1", WARMUP_ENV: "1", WATCHDOG_ENV: "60", LOAD_LOG_ENV: "1"}
+    root = Path(__file__).resolve().parents[2]
     try:
-        assert (llm.llm_engine.model_runner.model.cuda_graph_buckets > 0) == (impl == "native")
-        assert _greedy(llm) == want
+        run = subprocess.run([sys.executable, "-m", "tests.moe.dp_ep_run", qwen3_moe_dir], cwd=root, env=env,
+                             capture_output=True, text=True, timeout=LOAD_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        pytest.fail(f"DP2 + EP run hung for {LOAD_TIMEOUT_S} s; the workers' last lines:\n{err[-6000:]}")
+    assert run.returncode == 0, run.stderr[-6000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["tokens"] == want
+    assert out["buckets"] == 5 and out["routed"] == [2, 1] and out["free"] == [True, True]  # buckets 1..16
+    for rank in (0, 1):  # every worker went through the warm-up and the bucket forwards, and finished loading
+        log = [line for line in run.stderr.splitlines() if f"DP rank {rank} TP rank 0" in line]
+        assert any("kernel warm-up step" in line for line in log), run.stderr[-3000:]
+        assert any("bucket 16: warm-up forward" in line for line in log)
+        assert any("loaded (5 CUDA graph buckets)" in line for line in log)
+    assert "still in" not in run.stderr  # no phase lasted a watchdog period
+
+
+def test_dp2_ep_transformers_moe_equals_one_engine(qwen3_moe_dir):
+    """Every wave eager (transformers + fusion), the idle replica calling the MoE layers with zero tokens."""
+    want = greedy(make_llm(qwen3_moe_dir, "transformers"))
+    llm = make_llm(qwen3_moe_dir, "transformers", data_parallel_size=2, enable_expert_parallel=True)
+    try:
+        assert llm.llm_engine.model_runner.model.cuda_graph_buckets == 0
+        assert greedy(llm) == want
         _check_replicas_used_and_freed(llm)
         stats = llm.llm_engine.get_stats()
         assert len(stats["data_parallel"]) == 2 and stats["num_running"] == 0
@@ -102,10 +136,10 @@ def test_dp2_tp2_ep_moe_equals_one_engine(tiny_model_dir):
     """4 workers: two replicas of TP=2 (attention heads split inside each), 8 experts over all 4 ranks."""
     path = str(tiny_model_dir("qwen3_moe", vocab="smollm2", num_attention_heads=8, num_key_value_heads=2,
                               **MOE["qwen3_moe"]))
-    want = _greedy(make_llm(path, "native"))
+    want = greedy(make_llm(path, "native"))
     llm = make_llm(path, "native", tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True)
     try:
-        assert _greedy(llm) == want
+        assert greedy(llm) == want
         _check_replicas_used_and_freed(llm)
     finally:
         llm.llm_engine.shutdown()

@@ -158,3 +158,36 @@ def test_failed_build_leaves_nothing_behind(tmp_path):
         cached_build("m", "k", build, root=tmp_path)
     assert not (tmp_path / "m-k").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_a_copy_of_the_gguf_elsewhere_reuses_the_conversion(default_model_dir, tmp_path):
+    """Another virtual environment installs the same GGUF at another path (and mtime): the cache key is
+    the content's, so the converted folder is found, not built again (about 260 MB each time)."""
+    import shutil
+
+    from fxrewrite.runtime.model_files.gguf_convert import convert_gguf
+
+    copy = tmp_path / "other-venv" / smollm2_gguf_file().name
+    copy.parent.mkdir()
+    shutil.copy(smollm2_gguf_file(), copy)  # a new path and a new mtime
+    built_at = read_build_info(default_model_dir)["built_at"]
+    assert convert_gguf(copy, chat_template="unused: the folder exists") == default_model_dir
+    assert read_build_info(default_model_dir)["built_at"] == built_at
+
+
+def test_file_key_follows_the_content_not_the_path(tmp_path):
+    from fxrewrite.runtime.model_files.model_cache import file_key
+
+    data = bytearray(os.urandom(5 << 20))  # 5 MiB: head, sampled middle and tail are distinct parts
+    a, b = tmp_path / "a.gguf", tmp_path / "sub" / "a.gguf"
+    b.parent.mkdir()
+    a.write_bytes(data)
+    b.write_bytes(data)
+    assert file_key(a, "v1") == file_key(b, "v1") != file_key(b, "v2")
+    for offset in (10, (1 << 20) + (3 << 20) * 16 // 32 + 100, len(data) - 10):  # 16th of 32 middle blocks
+        changed = bytearray(data)
+        changed[offset] ^= 0xFF  # a byte of the head, of a sampled middle block, of the tail
+        b.write_bytes(changed)
+        assert file_key(b, "v1") != file_key(a, "v1"), offset
+    b.write_bytes(data + b"x")
+    assert file_key(b, "v1") != file_key(a, "v1")

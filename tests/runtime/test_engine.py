@@ -231,3 +231,38 @@ def test_final_only_requests_return_one_output_when_finished(qwen3_llm):
     final, last = seen["final"][0].outputs[0], seen["cumulative"][-1].outputs[0]
     assert final.token_ids == last.token_ids and final.text == last.text and len(final.logprobs) == 4
     assert_no_leak(qwen3_llm)
+
+
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_final_only_text_decoded_once_equals_incremental(qwen3_llm, include_stop):
+    """A final_only request without stop strings decodes its text once, at the end: the same text as the
+    per-token incremental decode, the stop token's text left out unless include_stop_str_in_output."""
+    engine = qwen3_llm.llm_engine
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    probe = qwen3_llm.generate([PROMPTS[1]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop_token_ids=[probe[3]],
+                            include_stop_str_in_output=include_stop)
+    engine.add_request("final", PROMPTS[1], params, final_only=True)
+    engine.add_request("cumulative", PROMPTS[1], params)
+    last = {}
+    while engine.has_unfinished_requests():
+        last.update({o.request_id: o.outputs[0] for o in engine.step()})
+    final, cumulative = last["final"], last["cumulative"]
+    assert final.token_ids == cumulative.token_ids == probe[:4] and final.finish_reason == "stop"
+    assert final.text == cumulative.text != ""
+    assert_no_leak(qwen3_llm)
+
+
+def test_detokenize_false_returns_token_ids_and_logprobs_without_text(qwen3_llm):
+    """vLLM's detokenize=False: no text, logprob entries without decoded_token, same tokens; stop strings refused."""
+    out = qwen3_llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1,
+                                                          detokenize=False), use_tqdm=False)[0].outputs[0]
+    ref = qwen3_llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1),
+                             use_tqdm=False)[0].outputs[0]
+    assert out.text == "" and out.token_ids == ref.token_ids and ref.text
+    assert all(lp.decoded_token is None for step in out.logprobs for lp in step.values())
+    assert [{t: lp.logprob for t, lp in s.items()} for s in out.logprobs] == \
+        [{t: lp.logprob for t, lp in s.items()} for s in ref.logprobs]
+    with pytest.raises(ValueError, match="detokenize=True"):
+        SamplingParams(stop=["x"], detokenize=False)
+    assert_no_leak(qwen3_llm)

@@ -87,10 +87,11 @@ def test_queue_keeps_depth_batches_in_flight_and_completes_oldest_first():
     sched = Scheduler(BlockManager(64, 4, False), max_num_seqs=8, max_num_batched_tokens=64)
     _seqs(sched, 4)
     engine, queue = _FakeEngine(sched), MicroBatchQueue(2)
-    assert queue.step(engine) == ["r0", "r1"]  # launched [r0, r1] and [r2, r3], completed the first
-    assert engine.launched == [["r0", "r1"], ["r2", "r3"]] and len(queue.in_flight) == 1
-    assert queue.step(engine) == ["r2", "r3"]  # r0, r1 relaunched first, then r2, r3 completed
-    assert engine.launched[2] == ["r0", "r1"]
+    # launched [r0, r1] and [r2, r3], completed the first, relaunched its sequences before returning
+    assert queue.step(engine) == ["r0", "r1"]
+    assert engine.launched == [["r0", "r1"], ["r2", "r3"], ["r0", "r1"]] and len(queue.in_flight) == 2
+    assert queue.step(engine) == ["r2", "r3"]  # r2, r3 completed, then relaunched
+    assert engine.launched[3] == ["r2", "r3"]
     while queue.step(engine):
         pass
     assert queue.max_in_flight == 2 and not sched.running and not queue.in_flight and not sched.in_flight

@@ -35,6 +35,21 @@ def test_generate_prints_the_completion(server, shared_engine, tiny_qwen3_dir, c
     assert printed == expected.choices[0].text + "\n"
 
 
+def test_generate_chat_template_is_a_file_or_the_text(server, shared_engine, tiny_qwen3_dir, capsys, tmp_path):
+    """A template that writes the user's text alone gives the plain completion; `--chat` uses the model's own
+    template, as the server's chat completions do."""
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (tmp_path / "plain.jinja").write_text(template)
+    outputs = []
+    for flags in ([], ["--chat-template", template], ["--chat-template", str(tmp_path / "plain.jinja")], ["--chat"]):
+        assert main(_argv("generate", tiny_qwen3_dir, "--prompt", PROMPT, *flags)) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] == outputs[2]
+    expected = server.client().chat.completions.create(model=server.model_name, temperature=0, max_tokens=6,
+                                                       messages=[{"role": "user", "content": PROMPT}])
+    assert outputs[3] == expected.choices[0].message.content + "\n"
+
+
 @pytest.mark.parametrize("ending", ["exit\nnever read\n", ""])  # "exit", or EOF
 def test_chat_answers_each_line_and_quits(server, shared_engine, tiny_qwen3_dir, capsys, monkeypatch, ending):
     monkeypatch.setattr(sys, "stdin", io.StringIO("Say hello.\n\nAnd again.\n" + ending))

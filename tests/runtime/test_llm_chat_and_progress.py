@@ -1,0 +1,79 @@
+"""LLM.chat's vLLM options: continue_final_message (the last assistant message is left open to be
+continued) and tools (given to the model's chat template), on the tiny Qwen3 with Qwen3's real template;
+and the progress bar honouring tqdm's TQDM_DISABLE."""
+
+import pytest
+
+from fxrewrite import LLM, SamplingParams
+
+PREFILL = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My answer is"}]
+TOOLS = [{"type": "function", "function": {"name": "get_forecast", "description": "Weather forecast",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+GREEDY = SamplingParams(max_tokens=3, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen3_dir):
+    return LLM(str(tiny_qwen3_dir), kv_cache_memory_bytes=1 << 22, max_model_len=512)
+
+
+def _prompt_text(llm, out):
+    return llm.get_tokenizer().decode(out[0].prompt_token_ids)
+
+
+def test_continue_final_message_leaves_the_assistant_message_open(llm):
+    out = llm.chat(PREFILL, GREEDY, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
+    text = _prompt_text(llm, out)
+    assert text.endswith("My answer is"), text  # no <|im_end|>, no new assistant header
+    closed = _prompt_text(llm, llm.chat(PREFILL, GREEDY, use_tqdm=False, add_generation_prompt=False))
+    assert closed.rstrip().endswith("<|im_end|>") and closed.startswith(text)
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_continue_final_message_refuses_a_generation_prompt_or_a_user_turn(llm):
+    with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt"):
+        llm.chat(PREFILL, GREEDY, use_tqdm=False, continue_final_message=True)
+    with pytest.raises(ValueError, match="last message to be the assistant's, got role 'user'"):
+        llm.chat(PREFILL[:1], GREEDY, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_tools_reach_the_chat_template(llm):
+    with_tools = _prompt_text(llm, llm.chat(PREFILL[:1], GREEDY, use_tqdm=False, tools=TOOLS))
+    plain = _prompt_text(llm, llm.chat(PREFILL[:1], GREEDY, use_tqdm=False))
+    assert "get_forecast" in with_tools and "<tools>" in with_tools and "get_forecast" not in plain
+    expected = llm.get_tokenizer().apply_chat_template(PREFILL[:1], tools=TOOLS, tokenize=False,
+                                                       add_generation_prompt=True)
+    assert with_tools == expected
+
+
+def test_tools_with_a_template_that_ignores_them_are_refused(llm):
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    with pytest.raises(ValueError, match="cannot render tools"):
+        llm.chat(PREFILL[:1], GREEDY, use_tqdm=False, tools=TOOLS, chat_template=template)
+    with pytest.raises(TypeError, match="tools must be a list"):
+        llm.chat(PREFILL[:1], GREEDY, use_tqdm=False, tools={"name": "x"})
+
+
+def test_progress_bar_is_shown_unless_use_tqdm_is_false(llm, capsys):
+    llm.generate(["hi"], GREEDY)
+    assert "Processed prompts" in capsys.readouterr().err
+    llm.generate(["hi"], GREEDY, use_tqdm=False)
+    assert "Processed prompts" not in capsys.readouterr().err
+
+
+def test_progress_bar_honours_tqdm_disable(llm, monkeypatch, capsys):
+    """tqdm applies TQDM_* as defaults of its keyword arguments when it is imported (tqdm.utils.envwrap), so
+    the bar class is rebuilt here as tqdm builds it in a process started with TQDM_DISABLE=1: the bar is off
+    although use_tqdm=True (an explicit disable=False would override the variable)."""
+    import tqdm.auto
+    import tqdm.std
+    from tqdm.utils import envwrap
+
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    original_init = tqdm.std.tqdm.__dict__["__init__"].func  # tqdm's __init__ before the env wrap
+    env_tqdm = type("EnvTqdm", (tqdm.auto.tqdm,), {"__init__": envwrap("TQDM", is_method=True)(original_init)})
+    assert env_tqdm(total=1).disable  # tqdm's own handling of the variable
+    monkeypatch.setattr(tqdm.auto, "tqdm", env_tqdm)
+    llm.generate(["hi"], GREEDY)
+    assert "Processed prompts" not in capsys.readouterr().err

@@ -1,0 +1,100 @@
+"""Chat options and request checks a fresh-user run found missing, against the real test server (tiny
+Qwen3, its real tokenizer and chat template): vLLM's continue_final_message, JSON booleans refused where
+a number is expected, and no empty-content chunks while a multi-byte character is incomplete."""
+
+import json
+
+import pytest
+
+PREFILL = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My answer is"}]
+CHAT = {"messages": PREFILL[:1], "max_tokens": 2}
+COMPLETION = {"prompt": "hi", "max_tokens": 2}
+LEAD_BYTE, CONTINUATION_BYTE = 127, 97  # Qwen's byte-level tokens for 0xC3 and 0xA4: "ä" in UTF-8
+
+
+def _error(response, status, param):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    return error["message"]
+
+
+def test_continue_final_message_continues_the_assistant_message(server):
+    tok = server.engine.tokenizer
+    with server.http() as http:
+        r = http.post("/v1/tokenize", json={"messages": PREFILL, "add_generation_prompt": False,
+                                            "continue_final_message": True})
+        ids = r.json()["tokens"]
+        assert tok.decode(ids).endswith("My answer is"), tok.decode(ids)
+        assert ids == tok.encode(tok.apply_chat_template(PREFILL, tokenize=False, continue_final_message=True),
+                                 add_special_tokens=False)
+        r = http.post("/v1/chat/completions", json={"messages": PREFILL, "max_tokens": 3, "temperature": 0,
+                                                    "add_generation_prompt": False, "continue_final_message": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({"messages": PREFILL, "continue_final_message": True}, "cannot both be true"),
+    ({"messages": PREFILL[:1], "continue_final_message": True, "add_generation_prompt": False},
+     "last message to be the assistant's, got role 'user'"),
+])
+def test_continue_final_message_misuse_is_400(server, body, needle):
+    with server.http() as http:
+        r = http.post("/v1/chat/completions", json=body | {"max_tokens": 2})
+    assert needle in _error(r, 400, "continue_final_message")
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/chat/completions", CHAT | {"max_tokens": True}, "max_tokens"),
+    ("/v1/chat/completions", CHAT | {"max_completion_tokens": True}, "max_completion_tokens"),
+    ("/v1/chat/completions", CHAT | {"n": True}, "n"),
+    ("/v1/chat/completions", CHAT | {"top_k": False}, "top_k"),
+    ("/v1/chat/completions", CHAT | {"seed": True}, "seed"),
+    ("/v1/chat/completions", CHAT | {"min_tokens": True}, "min_tokens"),
+    ("/v1/chat/completions", CHAT | {"logprobs": True, "top_logprobs": True}, "top_logprobs"),
+    ("/v1/chat/completions", CHAT | {"temperature": True}, "temperature"),
+    ("/v1/chat/completions", CHAT | {"stop_token_ids": [True]}, "stop_token_ids"),
+    ("/v1/completions", COMPLETION | {"logprobs": True}, "logprobs"),
+    ("/v1/completions", COMPLETION | {"max_tokens": "5"}, "max_tokens"),
+    ("/v1/completions", COMPLETION | {"prompt": [True, False]}, "prompt"),
+    ("/v1/detokenize", {"tokens": [True]}, "tokens"),
+])
+def test_booleans_are_not_integers(server, path, body, field):
+    with server.http() as http:
+        r = http.post(path, json=body)
+    message = _error(r, 400, field)
+    assert message.startswith(field) and ("true" in message or "false" in message or '"5"' in message), message
+
+
+def test_integral_values_still_work(server):
+    with server.http() as http:
+        r = http.post("/v1/completions", json=COMPLETION | {"temperature": 0, "top_p": 1, "seed": 3})
+    assert r.status_code == 200, r.text
+
+
+def _events(response) -> list[dict]:
+    lines = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_stream_sends_no_empty_chunks_while_a_character_is_incomplete(server):
+    """Only 0xC3 (the lead byte of "ä") and 0xA4 (its continuation) can be sampled (logit_bias), so the text
+    is held while a character is incomplete: no chunk then, and the held tokens' logprobs come with the
+    text they complete. OpenAI's stream: the role chunk, chunks with text, the finish_reason chunk."""
+    bias = {"logit_bias": {str(LEAD_BYTE): 100, str(CONTINUATION_BYTE): 100}, "max_tokens": 12, "temperature": 1.0,
+            "seed": 7}  # sampled: both bytes occur
+    with server.http() as http:
+        whole = http.post("/v1/completions", json=COMPLETION | bias | {"logprobs": 0}).json()["choices"][0]
+        tokens = whole["logprobs"]["tokens"]
+        assert "ä" in whole["text"] and len(tokens) == 12
+        with http.stream("POST", "/v1/completions", json=COMPLETION | bias | {"stream": True}) as r:
+            chunks = [c["choices"][0] for c in _events(r)]
+        assert all(c["text"] for c in chunks[:-1]) and chunks[-1]["finish_reason"] == "length", chunks
+        assert "".join(c["text"] for c in chunks) == whole["text"] and len(chunks) < len(tokens)
+        with http.stream("POST", "/v1/chat/completions", json=CHAT | bias | {"logprobs": True, "stream": True}) as r:
+            chunks = [c["choices"][0] for c in _events(r)]
+    assert chunks[0]["delta"]["role"] == "assistant" and chunks[0]["delta"]["content"] == ""
+    assert all(c["delta"].get("content") for c in chunks[1:-1]) and chunks[-1]["finish_reason"] == "length"
+    assert sum(len(c["logprobs"]["content"]) for c in chunks[1:]) == 12
