@@ -222,8 +222,9 @@ class QKNormRopeFunction(torch.autograd.Function):
         # few long ones, fast tests)
         per = _TOKENS_PER_PROGRAM if q.is_cuda else max(1, -(-n_tok // max(1, min(n_tok, 4))))
         programs = max(1, -(-n_tok // per))
-        dwq = torch.zeros(programs, D, dtype=torch.float32, device=q.device)
-        dwk = torch.zeros(programs, D, dtype=torch.float32, device=q.device)
+        new = torch.empty if n_tok else torch.zeros  # every program writes its whole dw rows: no zero fill
+        dwq = new(programs, D, dtype=torch.float32, device=q.device)
+        dwk = new(programs, D, dtype=torch.float32, device=q.device)
         cs_b = cos.stride(0) if cos.shape[0] > 1 else 0
         if n_tok:
             launch(_bwd_kernel, (programs,), q.device)(
