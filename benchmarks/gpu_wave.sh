@@ -58,7 +58,7 @@ train-nogc)
     --out "$OUT_DIR" 2>&1 | tail -14 ;;
 train-eager)
   stamp "fused q/k-norm + rotary GPU test"
-  gpu_tests 60 gpu-tests-training-qk.log tests/gpu/test_gpu_training.py -k "qk_norm_rope or bf16_training_step"
+  gpu_tests 120 gpu-tests-training-qk.log tests/gpu/test_gpu_training.py -k "qk_norm_rope or bf16_training_step"
   mkdir -p "$OUT_DIR/eager"
   for gc in "" --no-gradient-checkpointing; do
     stamp "bench train liger,optimize ${gc:-with gradient checkpointing}"
