@@ -35,9 +35,9 @@ case "${MODE:-test}" in
     grep -m2 -A40 "^\[fxrewrite watchdog\]" "$log" | cut -c1-240 | head -90
     grep -E "^\[bench\]|Error|Traceback" "$log" | cut -c1-400 | tail -8
     timeout -k 5 "$(left 85)" $PY -m fxrewrite bench compare --config qwen3-32b --arms native --num-prompts 256 \
-      --time-limit 20 -pp 2 --note "PP=2 even split" "${TOK[@]}" --out "$OUT_DIR/pp-even" 2>&1 | grep "^\[bench\] native"
+      --time-limit 25 -pp 2 --note "PP=2 even split" "${TOK[@]}" --out "$OUT_DIR/pp-even" 2>&1 | grep "^\[bench\] native"
     VLLM_PP_LAYER_PARTITION=33,31 timeout -k 5 "$(left 85)" $PY -m fxrewrite bench compare --config qwen3-32b \
-      --arms native --num-prompts 256 --time-limit 20 -pp 2 --note "PP=2 layers 33,31" "${TOK[@]}" \
+      --arms native --num-prompts 256 --time-limit 25 -pp 2 --note "PP=2 layers 33,31" "${TOK[@]}" \
       --out "$OUT_DIR/pp-33-31" 2>&1 | grep "^\[bench\] native"
     echo "dp-pp done in $(($(date +%s) - start)) s" ;;
   tp) bench 540 --config qwen3-30b-a3b --arms after,native --num-prompts 256 --time-limit 60 -tp 2 ;;

@@ -16,9 +16,14 @@
 #   STEP=decode (nvidia-h200):   issue 14: Triton JIT warm-up and fused norm-rope + KV write GPU tests;
 #                                Qwen3-0.6B throughput after,native and native,after (cold Triton cache);
 #                                Qwen3-4B / Qwen3-32B batch-1 decode (native, after); Qwen3-4B decode profile
-#   STEP=moe-decode (nvidia-h200): MoE GPU tests, MoE kernels at T=1..16 (direct vs grouped, tile sweep, in
-#                                CUDA graphs), Qwen3-30B-A3B batch-1/8 latency (after, native) and throughput
+#   STEP=moe-decode (nvidia-h200): MoE GPU tests, the direct MoE kernels at T=1..8 (tile sweep of each kernel
+#                                and the fused router, in CUDA graphs), Qwen3-30B-A3B batch-1/8 latency (after, native) and throughput
 #                                (after, native, before = transformers' eager experts loop)
+#   STEP=compile (nvidia-h200): issue 14 item 1, at most 510 s of step limits: -O 3 vs -O 0 GPU tests (float32 greedy
+#                                tokens); Qwen3-0.6B throughput, arms after,native: -O 3 cold (fresh Inductor and
+#                                Triton caches), -O 3 warm (same caches, new processes), -O 0
+#   STEP=compile-more (nvidia-h200): at most 430 s: Qwen3-4B -O 0 and -O 3 (after, native); COMPILE_OPS=1 adds (150 s)
+#                                Qwen3-0.6B -O 3 with the Triton norm/activation ops (FXREWRITE_COMPILE_KERNELS=1)
 #   STEP=multi (nvidia-h200-x2): symmetric-memory all-reduce, TP=2 vs TP=1 batch-1 decode (Qwen3-4B),
 #                                TP=2 and PP=2 greedy tests, MoE expert parallel
 # Results (JSON, PNG, logs) go to $OUT when set, else benchmarks/results. Each step has a hard time limit.
@@ -84,10 +89,10 @@ serve)
   stamp "FP8 GEMM"
   timeout -k 5 60 $PY -m fxrewrite.benchmarks.fp8_gemm --out "$OUT_DIR" 2>&1 | tail -8
   stamp "structured outputs"
-  timeout -k 5 70 $PY -m fxrewrite.benchmarks.structured_outputs --out "$OUT_DIR" 2>&1 | tail -5 ;;
-structured)  # issue 20: structured-output overhead and embeddings (nvidia-h200), about 4 minutes
-  stamp "structured outputs: overhead at batch 64 (none / worker-thread grammar / main-thread grammar, 3 repeats), validity"
-  timeout -k 5 210 $PY -m fxrewrite.benchmarks.structured_outputs "${TOK[@]}" --out "$OUT_DIR" 2>&1 | grep -v "tok/s\]" | tail -60
+  timeout -k 5 70 $PY -m fxrewrite.benchmarks.structured_outputs --repeats 2 --grammar-threads "" --out "$OUT_DIR" 2>&1 | tail -6 ;;
+structured)  # issue 20: structured-output overhead and embeddings (nvidia-h200), at most 390 s of step limits
+  stamp "structured outputs: overhead at batch 64 (none / schema on worker threads (default, 1, 4) / main thread, 5 repeats interleaved), validity"
+  timeout -k 5 240 $PY -m fxrewrite.benchmarks.structured_outputs "${TOK[@]}" --out "$OUT_DIR" 2>&1 | grep -v "tok/s\]" | tail -12
   stamp "structured-output and embedding GPU tests"
   gpu_tests 150 gpu-tests-structured.log tests/gpu/test_gpu_structured_outputs.py tests/gpu/test_gpu_embeddings.py ;;
 decode)  # issue 14 (nvidia-h200): at most 590 s of step limits, about 8 minutes
@@ -107,6 +112,34 @@ decode)  # issue 14 (nvidia-h200): at most 590 s of step limits, about 8 minutes
   stamp "decode profile, Qwen3-4B native batch 1"
   timeout -k 5 50 $PY -m fxrewrite.benchmarks.profile_decode --config qwen3-4b --arm native --batch 1 \
     "${TOK[@]}" --out "$OUT_DIR" 2>&1 | tail -14 ;;
+compile|compile-more)  # issue 14 item 1: regional torch.compile (runtime/worker/compilation.py); one folder per run
+  compare_in() {  # NAME LIMIT ARGS...: results in $OUT_DIR/compile-NAME/ (the JSON name carries no -O level)
+    mkdir -p "$OUT_DIR/compile-$1"
+    timeout -k 5 "$2" $PY -m fxrewrite bench compare "${@:3}" --note "$1" --out "$OUT_DIR/compile-$1" 2>&1 \
+      | grep -v "it/s\]$" | tail -4
+  }
+  Q06=(--config qwen3-0.6b --arms after,native --num-prompts 256 --time-limit 12)
+  if [ "$STEP" = compile ]; then
+    stamp "GPU tests: compiled forward vs eager, -O 3 greedy tokens == -O 0 (float32)"
+    gpu_tests 140 gpu-tests-compile.log tests/gpu/test_gpu_compile.py
+    export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d)  # cold: nothing compiled yet
+    for note in cold warm; do  # warm: a new process per arm over the caches the cold run filled
+      stamp "-O 3 $note start (Qwen3-0.6B shapes; setup_s = load + compile + CUDA graph capture)"
+      compare_in "O3-$note" $([ $note = cold ] && echo 170 || echo 110) "${Q06[@]}" -O 3
+    done
+    stamp "-O 0 (CUDA graphs over the eager forward), the baseline"
+    compare_in O0 90 "${Q06[@]}"
+  else
+    for level in 0 3; do
+      stamp "Qwen3-4B shapes -O $level"
+      compare_in "4b-O$level" $((150 + 130 * level / 3)) --config qwen3-4b --arms after,native --num-prompts 256 \
+        --time-limit 15 -O $level
+    done
+    if [ "${COMPILE_OPS:-0}" = 1 ]; then
+      stamp "-O 3 with RMSNorm / SiLU-and-mul as opaque Triton ops (FXREWRITE_COMPILE_KERNELS=1), Qwen3-0.6B"
+      FXREWRITE_COMPILE_KERNELS=1 compare_in O3-triton-ops 150 "${Q06[@]}" -O 3
+    fi
+  fi ;;
 multi)
   stamp "all-reduce"
   timeout -k 5 60 $PY -m fxrewrite.benchmarks.all_reduce --out "$OUT_DIR" 2>&1 | tail -8
@@ -125,11 +158,11 @@ moe-profile)
   stamp "MoE batch-1/8 decode latency"
   compare 160 --config qwen3-30b-a3b --arms after,native --workload latency --max-num-seqs 8 --time-limit 30 ;;
 moe-decode)  # issue 13: the few-token MoE path
-  stamp "MoE GPU tests"
-  gpu_tests 60 gpu-tests-moe.log tests/moe
-  stamp "MoE kernels T=1..16 (Qwen3-30B-A3B expert shapes; --sweep: tile candidates)"
-  timeout -k 5 90 $PY -m fxrewrite.benchmarks.moe_kernels --config qwen3-30b-a3b --tokens 1,2,4,8,16 --sweep \
-    --out "$OUT_DIR" 2>&1 | grep -v "sweep" | tail -40
+  stamp "MoE GPU tests (direct kernels, every sweep tile, fused router), short-context decode attention"
+  gpu_tests 110 gpu-tests-moe.log tests/moe tests/kernels/test_paged_attention.py
+  stamp "MoE direct kernels T=1..8 (Qwen3-30B-A3B expert shapes; tile sweep, per-kernel TB/s in graphs, router)"
+  timeout -k 5 100 $PY -m fxrewrite.benchmarks.moe_kernels --config qwen3-30b-a3b --tokens 1,2,4,8 --sweep \
+    --direct-only --out "$OUT_DIR" 2>&1 | grep -v "sweep" | tail -40
   stamp "MoE batch-1/8 decode latency"
   compare 150 --config qwen3-30b-a3b --arms after,native --workload latency --max-num-seqs 8 --time-limit 25
   stamp "MoE throughput (Qwen3-30B-A3B shapes)"

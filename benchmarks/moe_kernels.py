@@ -18,19 +18,18 @@ from pathlib import Path
 
 import torch
 
-from fxrewrite.benchmarks.common import RESULTS_DIR, load_bench_config, replay_ms
+from fxrewrite.benchmarks.common import RESULTS_DIR, load_bench_config
 from fxrewrite.benchmarks.kernels import _time_ms, copy_bandwidth
+from fxrewrite.benchmarks.moe_direct_sweep import direct_sweep, graph_ms, short_context_decode_rows
 from fxrewrite.kernels import fused_moe
 from fxrewrite.kernels.fused_moe import fused_experts, fused_experts_ref, select_experts
-from fxrewrite.kernels.fused_moe_direct import direct_experts
+from fxrewrite.kernels.fused_moe_direct import DIRECT_MAX_TOKENS, direct_experts
 from fxrewrite.kernels.fused_moe_triton import gemm_config
 from fxrewrite.kernels.moe_routing import moe_align_block_size, moe_align_block_size_ref, select_experts_ref
 
 TOKENS = (1, 2, 4, 8, 16, 64, 256, 1024, 4096)
 GRAPH_ARMS = {"triton": fused_experts, "direct": direct_experts,
               "grouped": lambda *a: fused_moe._forward(*a, 0, save=False)[0]}
-DIRECT_SWEEP = [((16, 256, 4), (8, 256, 4)), ((8, 256, 4), (8, 256, 4)), ((32, 128, 4), (16, 128, 4)),
-                ((16, 512, 8), (4, 256, 4)), ((16, 128, 4), (8, 128, 2)), ((8, 512, 4), (16, 256, 8))]
 # --sweep candidates (block_m, block_n, block_k, num_warps, num_stages), by token-count range
 SWEEP = {
     (1, 32): [(16, 32, 128, 4, 4), (16, 64, 64, 4, 5), (16, 64, 128, 4, 3), (16, 32, 256, 4, 2), (16, 128, 128, 4, 2)],
@@ -74,30 +73,6 @@ def _routing_arms(logits, k, e) -> dict:
             "routing_torch": lambda: moe_align_block_size_ref(select_experts_ref(logits, k, True)[1], block, e)}
 
 
-def _graph_ms(fn, layers, reps: int = 20) -> float:
-    """GPU time of ``fn(w13, w2)`` per call, as a decode step's CUDA graph runs it: one graph calls it on
-    each of several layers' weights in turn (more bytes than L2 holds, so no call reads cached weights);
-    replayed `reps` times after a warm-up, timed with CUDA events."""
-    for w13, w2 in layers:
-        fn(w13, w2)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w13, w2 in layers:
-            fn(w13, w2)
-    return replay_ms(graph, reps) / len(layers)
-
-
-def direct_sweep(x, layers, weights, ids) -> list[dict]:
-    """Time the direct path's tile candidates ((block_n, block_k, warps) for gate_up and down), in graphs."""
-    rows = []
-    for gu, dn in DIRECT_SWEEP:
-        cfg = {name: dict(block_n=c[0], block_k=c[1], num_warps=c[2]) for name, c in (("gate_up", gu), ("down", dn))}
-        ms = _graph_ms(lambda a, b: direct_experts(x, a, b, weights, ids, 0, cfg), layers)
-        rows.append(dict(tokens=x.shape[0], arm="direct_sweep", config=cfg, ms=ms))
-        print(f"T={x.shape[0]:5d} direct_sweep {gu} {dn} {ms:.4f}", flush=True)
-    return rows
-
-
 def sweep(x, w13, w2, weights, ids) -> list[dict]:
     """Time fused_experts under each candidate tile config for this token count; fastest first."""
     t = x.shape[0]
@@ -120,7 +95,21 @@ def sweep(x, w13, w2, weights, ids) -> list[dict]:
     return rows
 
 
-def run(config: str, out_dir: Path, do_sweep: bool = False, tokens: tuple[int, ...] = TOKENS) -> dict:
+def _arms(x, w13, w2, weights, ids, module, direct_only: bool) -> dict:
+    """The timed forms for this token count (`direct_only`: the direct path and the routing kernels)."""
+    t, (e, k) = x.shape[0], (w13.shape[0], ids.shape[1])
+    arms = {} if direct_only else {"triton": lambda: fused_experts(x, w13, w2, weights, ids),
+                                   "grouped": lambda: fused_moe._forward(x, w13, w2, weights, ids, 0, save=False)[0],
+                                   "torch_ref": lambda: fused_experts_ref(x, w13, w2, weights, ids)}
+    if t <= DIRECT_MAX_TOKENS:
+        arms["direct"] = lambda: direct_experts(x, w13, w2, weights, ids)
+    if not direct_only:
+        arms |= {f"hf_{n}": (lambda f=f: f(module, x, ids, weights.to(x.dtype))) for n, f in _hf_forwards().items()}
+    return arms | _routing_arms(torch.randn(t, e, device=x.device, dtype=x.dtype), k, e)
+
+
+def run(config: str, out_dir: Path, do_sweep: bool = False, tokens: tuple[int, ...] = TOKENS,
+        direct_only: bool = False) -> dict:
     cfg = load_bench_config(config)["config"]
     e, k, h, i = cfg["num_experts"], cfg["num_experts_per_tok"], cfg["hidden_size"], cfg["moe_intermediate_size"]
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -134,17 +123,11 @@ def run(config: str, out_dir: Path, do_sweep: bool = False, tokens: tuple[int, .
         weights, ids = select_experts(torch.randn(t, e, device=dev), k, True)
         hit = int(ids.unique().numel())
         nbytes, flops = hit * 3 * h * i * 2 + 2 * x.numel() * 2, 2 * t * k * 3 * h * i
-        arms = {"triton": lambda: fused_experts(x, w13, w2, weights, ids),
-                "grouped": lambda: fused_moe._forward(x, w13, w2, weights, ids, 0, save=False)[0],
-                "torch_ref": lambda: fused_experts_ref(x, w13, w2, weights, ids)}
-        if t <= 16:
-            arms["direct"] = lambda: direct_experts(x, w13, w2, weights, ids)
-        arms |= {f"hf_{n}": (lambda f=f: f(module, x, ids, weights.to(dt))) for n, f in _hf_forwards().items()}
-        arms |= _routing_arms(torch.randn(t, e, device=dev, dtype=dt), k, e)
+        arms = _arms(x, w13, w2, weights, ids, module, direct_only)
         with torch.no_grad():
             if do_sweep:
-                rows += sweep(x, w13, w2, weights, ids)
-                rows += direct_sweep(x, layers, weights, ids) if t <= 16 else []
+                rows += [] if direct_only else sweep(x, w13, w2, weights, ids)
+                rows += direct_sweep(x, layers, weights, ids) if t <= DIRECT_MAX_TOKENS else []
             for name, fn in arms.items():
                 try:
                     ms = _time_ms(fn)
@@ -158,18 +141,23 @@ def run(config: str, out_dir: Path, do_sweep: bool = False, tokens: tuple[int, .
                 rows.append(dict(tokens=t, arm=name, ms=ms, experts_hit=hit, GBps=nbytes / ms / 1e6,
                                  pct_of_copy=100 * nbytes / (ms * 1e-3) / bw, tflops=flops / ms / 1e9))
                 if t <= 16 and name in GRAPH_ARMS:  # launch-bound sizes: the GPU time in a graph
-                    g = _graph_ms(lambda a, b, name=name: GRAPH_ARMS[name](x, a, b, weights, ids), layers)
+                    g = graph_ms(lambda a, b, name=name: GRAPH_ARMS[name](x, a, b, weights, ids), layers)
                     rows[-1].update(graph_ms=g, graph_pct_of_copy=100 * nbytes / (g * 1e-3) / bw)
                     print(f"T={t:5d} {name:14s} graph {g * 1e3:8.1f} us  {rows[-1]['graph_pct_of_copy']:5.1f}% of copy",
                           flush=True)
                 print(f"T={t:5d} {name:14s} {ms:8.3f} ms  {rows[-1]['pct_of_copy']:5.1f}% of copy  "
                       f"{rows[-1]['tflops']:6.1f} TFLOP/s", flush=True)
+    if do_sweep and direct_only:  # the rest of a few-token step's attention: short contexts in long graphs
+        q_heads = cfg["num_attention_heads"]
+        heads = (q_heads, cfg["num_key_value_heads"], cfg.get("head_dim") or h // q_heads)
+        rows += short_context_decode_rows(heads)
     now = datetime.datetime.now(datetime.timezone.utc)
     result = dict(meta=dict(date=now.isoformat(timespec="seconds"), gpu=torch.cuda.get_device_name(),
                             config=config, torch=torch.__version__, copy_GBps=bw / 1e9),
                   gemm_configs={t: gemm_config(t) for t in tokens}, rows=rows)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{now:%Y-%m-%d}-moe-kernels-{Path(config).stem}.json").write_text(json.dumps(result, indent=2))
+    suffix = "-direct" if direct_only else ""
+    (out_dir / f"{now:%Y-%m-%d}-moe-kernels-{Path(config).stem}{suffix}.json").write_text(json.dumps(result, indent=2))
     return result
 
 
@@ -179,11 +167,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     p.add_argument("--tokens", type=lambda v: tuple(int(t) for t in v.split(",")), default=TOKENS,
                    help="comma-separated token counts (default %(default)s)")
-    p.add_argument("--sweep", action="store_true", help="also time candidate GEMM tile configs per token count")
+    p.add_argument("--sweep", action="store_true", help="also time candidate tile configs per token count (grouped "
+                   "GEMM; direct kernels and router alone in CUDA graphs)")
+    p.add_argument("--direct-only", action="store_true", help="only the few-token path: the direct kernels and "
+                   "routing (with --sweep: their tile sweep, < 60 s; writes ...-moe-kernels-<config>-direct.json)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("moe_kernels needs a CUDA GPU")
-    run(args.config, args.out, args.sweep, args.tokens)
+    run(args.config, args.out, args.sweep, args.tokens, args.direct_only)
     return 0
 
 

@@ -3,12 +3,15 @@ and the validity of sampled outputs under a bounded schema.
 
     python -m fxrewrite.benchmarks.structured_outputs --config qwen3-0.6b --batch 64 --output-len 256
 
-The arms run in one process, alternating, --repeats times each (medians): no constraint; a JSON schema on
-every request (the grammar work on a worker thread, beside the main thread's completion of the previous
-step); the same schema with the grammar work on the main thread after that completion (the order before
-the worker thread, with today's cheaper accept call). Per grammar arm the JSON gives the milliseconds per step spent accepting tokens and
-filling the bitmask (on whichever thread ran them), the main thread's milliseconds in the grammar calls
-and, of those, blocked waiting for the worker; `overhead_fraction` is the worker-thread arm's.
+The arms run in one process, interleaved, --repeats times each (medians, min, max, spread): no
+constraint; a JSON schema on every request (the default path: the grammar work on worker threads beside
+the main thread's completion of the previous step, the step sampling at the next launch); the same schema
+with the grammar work on the main thread after that completion (the sequential path); the schema with K
+grammar worker threads for each K of --grammar-threads. Per grammar arm the JSON gives host milliseconds
+per step: accept / fill (summed over the threads that ran them), job (the worker job's wall time), main
+(the main thread's time in the grammar calls) and wait (of those, blocked joining the job), tokens_wait
+(the main thread reading the previous step's token ids before starting the job) and complete (its
+completion of the previous step while the job runs); `overhead_fraction` is the default arm's.
 Throughput runs use a schema whose array has no upper bound (every request decodes exactly
 --output-len tokens inside the grammar, like the unconstrained run with ignore_eos), random weights
 (load_format "dummy") and temperature 1.0. The validity run samples --num-samples outputs at temperature
@@ -32,6 +35,7 @@ from fxrewrite.benchmarks.common import (
     make_llm,
     run_requests,
 )
+from fxrewrite.runtime.engine.grammar_bitmask import STAT_KEYS
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 from fxrewrite.runtime.engine.structured_outputs import StructuredOutputsParams
 
@@ -64,43 +68,58 @@ def _params(batch: int, output_len: int, schema: dict | None) -> list[SamplingPa
                            structured_outputs=constraint) for i in range(batch)]
 
 
-def _throughput(llm, batch: int, output_len: int, repeats: int) -> dict:
-    """The arms in one process, alternating (none, json_schema, json_schema_sequential) `repeats` times after
-    one warm-up each, so drift (clocks, other load) hits all alike; medians decide the overhead.
-    json_schema_sequential runs the grammar work on the main thread after completing the previous step
-    (`StructuredOutputManager.overlap = False`, the path before the worker thread)."""
-    engine, prompts = llm.llm_engine, _prompts(llm.get_tokenizer(), batch)
+def _arms(batch: int, output_len: int, threads: list[int]) -> dict:
+    """name -> (params, overlap, grammar worker threads or None for the default)."""
     schema = _params(batch, output_len, LONG_SCHEMA)
-    arms = {"none": (_params(batch, output_len, None), True), "json_schema": (schema, True),
-            "json_schema_sequential": (schema, False)}
+    arms = {"none": (_params(batch, output_len, None), True, None), "json_schema": (schema, True, None),
+            "json_schema_sequential": (schema, False, None)}
+    arms.update({f"json_schema_threads{k}": (schema, True, k) for k in threads})
+    return arms
+
+
+def _throughput(llm, batch: int, output_len: int, repeats: int, threads: list[int]) -> dict:
+    """The arms in one process, interleaved (none, json_schema, json_schema_sequential, json_schema_threadsK..)
+    `repeats` times after one warm-up round, so drift (clocks, other load) hits all alike; medians decide
+    the overhead, min/max show the spread. json_schema_sequential runs the grammar work on the main thread
+    after completing the previous step, then samples (`StructuredOutputManager.overlap = False`, the path
+    before the worker threads); json_schema_threadsK uses K grammar worker threads instead of the default."""
+    engine, prompts = llm.llm_engine, _prompts(llm.get_tokenizer(), batch)
+    arms = _arms(batch, output_len, threads)
     runs: dict[str, list[float]] = {name: [] for name in arms}
-    grammar = {name: dict.fromkeys(("accept_s", "fill_s", "main_s", "wait_s", "steps"), 0.0) for name in arms}
+    grammar = {name: dict.fromkeys(STAT_KEYS, 0.0) for name in arms}
+    engine.compile_structured_outputs(arms["json_schema"][0][0])  # makes the manager (its default threads)
+    structured = engine._structured
+    default_threads = structured._filler.num_threads
     for warm_up in [True] + [False] * repeats:  # warm-up: JIT, graphs, grammar compile, bitmask kernel
-        for name, (params, overlap) in arms.items():
-            structured = engine._structured
-            if structured is not None:
-                structured.overlap = overlap
-            before = dict(structured.stats) if structured is not None else None
+        for name, (params, overlap, k) in arms.items():
+            structured.overlap, structured._filler.num_threads = overlap, k or default_threads
+            before = dict(structured.stats)
             stats = run_requests(engine, prompts, params, desc=name)
             if warm_up:
                 continue
             runs[name].append(stats.output_tokens / stats.elapsed_s)
-            if before is not None:
-                for key in grammar[name]:
-                    grammar[name][key] += structured.stats[key] - before[key]
-    engine._structured.overlap = True  # the validity run uses the default path
-    result = {name: {"output_tokens_per_s": round(statistics.median(v), 1), "runs": [round(x, 1) for x in v]}
-              for name, v in runs.items()}
-    for name in ("json_schema", "json_schema_sequential"):
+            for key in STAT_KEYS:
+                grammar[name][key] += structured.stats[key] - before[key]
+    structured.overlap, structured._filler.num_threads = True, default_threads  # the validity run: defaults
+    result = {name: _summary(v) for name, v in runs.items()}
+    for name in arms:
+        if name == "none":
+            continue
         g, steps = grammar[name], max(grammar[name]["steps"], 1)
-        result[name]["grammar_ms_per_step"] = {
-            "accept": round(g["accept_s"] / steps * 1e3, 4), "fill": round(g["fill_s"] / steps * 1e3, 4),
-            "main_thread": round(g["main_s"] / steps * 1e3, 4),
-            "main_thread_waiting": round(g["wait_s"] / steps * 1e3, 4)}
+        result[name]["grammar_threads"] = arms[name][2] or default_threads
+        result[name]["grammar_ms_per_step"] = {key.removesuffix("_s"): round(g[key] / steps * 1e3, 4)
+                                               for key in STAT_KEYS if key != "steps"}
         result[name]["overhead_fraction"] = round(1.0 - result[name]["output_tokens_per_s"]
                                                   / result["none"]["output_tokens_per_s"], 4)
     result["overhead_fraction"] = result["json_schema"]["overhead_fraction"]
     return result
+
+
+def _summary(values: list[float]) -> dict:
+    """Median, spread ((max - min) / median) and every run's tokens per second."""
+    median = statistics.median(values)
+    return {"output_tokens_per_s": round(median, 1), "min": round(min(values), 1), "max": round(max(values), 1),
+            "spread_fraction": round((max(values) - min(values)) / median, 4), "runs": [round(x, 1) for x in values]}
 
 
 def _validity(llm, num_samples: int, max_tokens: int) -> dict:
@@ -128,7 +147,9 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--arm", default="native", choices=("before", "after", "native"))
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per arm (alternating); medians count")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per arm (interleaved); medians count")
+    p.add_argument("--grammar-threads", default="1,4",
+                   help="extra arms json_schema_threadsK for these K (comma list; empty: none)")
     p.add_argument("--num-samples", type=int, default=300)
     p.add_argument("--validity-max-tokens", type=int, default=400)
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -138,7 +159,8 @@ def main(argv: list[str] | None = None) -> Path:
     args = p.parse_args(argv)
     spec = load_bench_config(args.config)
     llm = make_llm(args.arm, bench_model_dir(spec, args.tokenizer_dir), max_num_seqs=max(args.max_num_seqs, args.batch))
-    throughput = _throughput(llm, args.batch, args.output_len, args.repeats)
+    threads = [int(k) for k in args.grammar_threads.split(",") if k.strip()]
+    throughput = _throughput(llm, args.batch, args.output_len, args.repeats, threads)
     result = {
         "benchmark": "structured_outputs", "config": spec["name"], "arm": args.arm, "batch": args.batch,
         "output_len": args.output_len, "repeats": args.repeats, "environment": environment(), **throughput,
@@ -148,8 +170,13 @@ def main(argv: list[str] | None = None) -> Path:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{date}-structured-outputs-{spec['name']}-{args.arm}-b{args.batch}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: result[k] for k in ("none", "json_schema", "json_schema_sequential", "overhead_fraction",
-                                             "validity")}, indent=2))
+    for name, arm in result.items():
+        if name == "none" or name.startswith("json_schema"):
+            ms = " ".join(f"{k}={v}" for k, v in arm.get("grammar_ms_per_step", {}).items())
+            print(f"{name}: {arm['output_tokens_per_s']} tok/s (median; min {arm['min']}, max {arm['max']}) "
+                  f"overhead={arm.get('overhead_fraction', 0.0)} threads={arm.get('grammar_threads', '-')} "
+                  f"ms/step: {ms}")
+    print(f"overhead_fraction={result['overhead_fraction']} validity={json.dumps(result['validity'])}")
     print(f"wrote {path}")
     return path
 

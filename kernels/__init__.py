@@ -12,7 +12,7 @@ import os
 
 import torch
 
-__all__ = ["use_triton", "compiled_training_kernels"]
+__all__ = ["use_triton", "compiled_training_kernels", "compiled_serving_kernels"]
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -44,10 +44,22 @@ def compiled_training_kernels(x: torch.Tensor) -> bool:
     """Whether, while torch.compile traces a training step, the Triton training kernels enter the graph as
     opaque custom ops (``fxrewrite::rms_norm_train``, ``fxrewrite::act_and_mul_train``) instead of their
     torch references: opt-in with ``FXREWRITE_COMPILE_TRAIN_KERNELS=1`` (the training benchmark's
-    ``optimize-compile-kernels`` arm), and only where the kernels would run outside tracing."""
+    ``optimize-compile-kernels`` arm), and only where the kernels would run outside tracing.
+    ``FXREWRITE_COMPILE_KERNELS=1`` opts in the serving forward too (`compiled_serving_kernels`)."""
     from fxrewrite.kernels.triton_utils import HAS_TRITON
 
     env = os.environ
-    if env.get("FXREWRITE_COMPILE_TRAIN_KERNELS") != "1" or not HAS_TRITON or not torch.compiler.is_compiling():
+    opted_in = "1" in (env.get("FXREWRITE_COMPILE_TRAIN_KERNELS"), env.get("FXREWRITE_COMPILE_KERNELS"))
+    if not opted_in or not HAS_TRITON or not torch.compiler.is_compiling():
         return False
     return x.is_cuda or (env.get("FXREWRITE_TRITON") == "1" and env.get("TRITON_INTERPRET") == "1")
+
+
+def compiled_serving_kernels(x: torch.Tensor) -> bool:
+    """Whether, while torch.compile traces an inference forward, RMSNorm and the gated activations enter the
+    graph as the opaque Triton ops (``fxrewrite::rms_norm_train``, ``fxrewrite::act_and_mul_train``, their
+    forwards) instead of their torch references, which Inductor fuses with the neighbours (the default,
+    vLLM's choice too). Opt-in with ``FXREWRITE_COMPILE_KERNELS=1``, to measure one against the other."""
+    if not torch.compiler.is_compiling():  # first: this runs in every eager norm and activation call
+        return False
+    return os.environ.get("FXREWRITE_COMPILE_KERNELS") == "1" and compiled_training_kernels(x)

@@ -19,14 +19,15 @@ import torch
 from fxrewrite.kernels import use_triton
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
-__all__ = ["SCORING", "select_experts", "select_experts_ref", "moe_align_block_size", "moe_align_block_size_ref"]
+__all__ = ["SCORING", "check_routing", "select_top_k", "select_experts", "select_experts_ref", "moe_align_block_size",
+           "moe_align_block_size_ref"]
 
 SCORING = ("softmax", "sigmoid")
 ALIGN_CHUNK = 128
 """Slots per program in the count and scatter kernels (the in-chunk rank is a CHUNK x CHUNK compare)."""
 
 
-def _check_routing(router_logits: torch.Tensor, top_k: int, scoring_func: str) -> None:
+def check_routing(router_logits: torch.Tensor, top_k: int, scoring_func: str) -> None:
     num_experts = router_logits.shape[-1]
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k={top_k} must be between 1 and the number of experts ({num_experts})")
@@ -42,13 +43,51 @@ def select_experts_ref(router_logits: torch.Tensor, top_k: int, renormalize: boo
     first), and with `renormalize` divided by their sum (transformers' ``norm_topk_prob``).
     ValueError when top_k is not in [1, E] or scoring_func is unknown.
     """
-    _check_routing(router_logits, top_k, scoring_func)
+    check_routing(router_logits, top_k, scoring_func)
     logits = router_logits.float()
     scores = logits.softmax(dim=-1) if scoring_func == "softmax" else logits.sigmoid()
     weights, ids = torch.topk(scores, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return (weights if out_dtype is None else weights.to(out_dtype)), ids
+
+
+@triton.jit
+def select_top_k(x, valid, offs, weights_ptr, ids_ptr, row, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                 SOFTMAX: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Scores of one token's float32 logits `x` [BLOCK_E] (lanes with `valid` False ignored), its
+    top-k stored at row `row` of weights [T, K] float32 and ids [T, K] int64 (`select_experts_ref`)."""
+    if SOFTMAX:
+        x = tl.where(valid, x, float("-inf"))
+        e = tl.exp(x - tl.max(x, axis=0))
+        scores = e / tl.sum(e, axis=0)
+    else:
+        scores = tl.sigmoid(x)
+    scores = tl.where(valid, scores, float("-inf"))
+    slots = tl.arange(0, BLOCK_K)
+    if BLOCK_E <= 128:  # up to 128 experts the E x E compare below fits in registers
+        # each expert's rank among the scores (ties: the lower index first), in one pass: a few parallel
+        # reductions instead of 2 * top_k dependent cross-warp ones (the latency of this kernel)
+        s_i, s_j = scores[:, None], scores[None, :]
+        beats = (s_j > s_i) | ((s_j == s_i) & (offs[None, :] < offs[:, None]))
+        rank = tl.sum(beats.to(tl.int32), axis=1)
+        hit = (rank[None, :] == slots[:, None]) & (slots < TOP_K)[:, None]  # one expert per kept slot
+        top_i = tl.sum(tl.where(hit, offs[None, :], 0), axis=1)
+        top_w = tl.sum(tl.where(hit, scores[None, :], 0.0), axis=1)
+    else:
+        top_w = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        top_i = tl.zeros((BLOCK_K,), dtype=tl.int32)
+        for k in tl.static_range(TOP_K):  # k rounds of argmax (the first index among equal scores)
+            best = tl.max(scores, axis=0)
+            idx = tl.min(tl.where(scores == best, offs, BLOCK_E), axis=0)
+            top_w = tl.where(slots == k, best, top_w)
+            top_i = tl.where(slots == k, idx, top_i)
+            scores = tl.where(offs == idx, float("-inf"), scores)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, axis=0)
+    out = slots < TOP_K
+    tl.store(weights_ptr + row * TOP_K + slots, top_w, mask=out)
+    tl.store(ids_ptr + row * TOP_K + slots, top_i.to(tl.int64), mask=out)
 
 
 @triton.jit
@@ -59,34 +98,17 @@ def _select_experts_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride
     offs = tl.arange(0, BLOCK_E)
     valid = offs < num_experts
     x = tl.load(logits_ptr + row * stride_t + offs, mask=valid, other=0.0).to(tl.float32)
-    if SOFTMAX:
-        x = tl.where(valid, x, float("-inf"))
-        e = tl.exp(x - tl.max(x, axis=0))
-        scores = e / tl.sum(e, axis=0)
-    else:
-        scores = tl.sigmoid(x)
-    scores = tl.where(valid, scores, float("-inf"))
-    slots = tl.arange(0, BLOCK_K)
-    top_w = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    top_i = tl.zeros((BLOCK_K,), dtype=tl.int32)
-    for k in tl.static_range(TOP_K):  # k rounds of argmax (the first index among equal scores)
-        best = tl.max(scores, axis=0)
-        idx = tl.min(tl.where(scores == best, offs, BLOCK_E), axis=0)
-        top_w = tl.where(slots == k, best, top_w)
-        top_i = tl.where(slots == k, idx, top_i)
-        scores = tl.where(offs == idx, float("-inf"), scores)
-    if RENORMALIZE:
-        top_w = top_w / tl.sum(top_w, axis=0)
-    out = slots < TOP_K
-    tl.store(weights_ptr + row * TOP_K + slots, top_w, mask=out)
-    tl.store(ids_ptr + row * TOP_K + slots, top_i.to(tl.int64), mask=out)
+    select_top_k(x, valid, offs, weights_ptr, ids_ptr, row, TOP_K, RENORMALIZE, SOFTMAX, BLOCK_E, BLOCK_K)
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring_func: str = "softmax",
                    out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `select_experts_ref`; one Triton program per token when `use_triton`."""
-    _check_routing(router_logits, top_k, scoring_func)
-    if not use_triton(router_logits) or router_logits.dim() != 2 or router_logits.shape[0] == 0:
+    """Same contract as `select_experts_ref`; one Triton program per token when `use_triton` and the
+    logits need no gradient."""
+    check_routing(router_logits, top_k, scoring_func)
+    # the kernel has no backward: with autograd on the logits the reference runs (router gradients)
+    if (not use_triton(router_logits) or router_logits.dim() != 2 or router_logits.shape[0] == 0
+            or (torch.is_grad_enabled() and router_logits.requires_grad)):
         return select_experts_ref(router_logits, top_k, renormalize, scoring_func, out_dtype)
     t, e = router_logits.shape
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()

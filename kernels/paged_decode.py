@@ -3,10 +3,18 @@
 Grid (sequence, kv head, split): each program loads the G = Hq/Hkv query heads that share its
 kv head as one [G, D] tile (GQA: every cached key/value is read once per kv head), walks its
 partition of the context through the block table (the split count is fixed on the host, so a CUDA
-graph stays valid; each sequence's partition length is its own context over that count, so a short
-sequence still spreads over several programs instead of leaving one program to walk it alone), and keeps an online softmax (running max m,
-sum l). With one split it writes the output directly; otherwise it writes normalised partial
-outputs with (m, l) and :func:`_reduce_kernel` merges them (the flash-decoding scheme).
+graph stays valid; each sequence's partition length is its own context over that count), and
+keeps an online softmax (running max m, sum l). With one split it writes the output directly;
+otherwise it writes normalised partial outputs with (m, l) and :func:`_reduce_kernel` merges them
+(the flash-decoding scheme).
+
+A CUDA graph fixes the split count from the longest context it was captured for (at batch 1 and
+max_model_len 4096: 16), so a short sequence replayed in it paid for partials and the merge (an H200
+profile at ~256-token contexts: the reduce was a third of the attention time). Now a sequence whose
+window-limited context is at most ``single_split_len`` keys (default `_SINGLE_SPLIT_LEN`, 128) is
+walked by its split 0 alone, exactly as a one-split launch walks it (bitwise), written directly, and
+skipped by the merge (the merge launch stays in the graph, each of its programs returns at once);
+longer sequences take the split path unchanged.
 Semantics and arguments: :mod:`fxrewrite.kernels.paged_attention`.
 """
 
@@ -22,6 +30,11 @@ __all__ = ["paged_decode_triton"]
 # Programs wanted in flight (about 2 per SM on an H100/H200); splits only fill the GPU.
 _TARGET_PROGRAMS = 264
 _MIN_PARTITION = 256
+# Contexts up to this many keys are walked by one program even in a launch with several splits. H200,
+# batch 1, 16 splits (2026-12-01-moe-kernels-qwen3-30b-a3b-direct.json): one program over 256 / 384 /
+# 512 keys took 9.3 / 12.3 / 15.3 us against 6.4 us for the partials + merge, and 6.3 vs 6.4 at 128:
+# one program walking a context only pays off for the shortest ones.
+_SINGLE_SPLIT_LEN = 128
 
 
 # As in paged_prefill: no specialisation on what changes with the batch (split count, block-table width,
@@ -29,7 +42,7 @@ _MIN_PARTITION = 256
 @triton.jit(do_not_specialize=["num_splits", "bt_s0"],
             do_not_specialize_on_alignment=["seq_lens_ptr", "qsl_ptr"])
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, part_ptr, ml_ptr,
-                   scale, soft_cap, sliding_window, block_size, num_splits,
+                   scale, soft_cap, sliding_window, block_size, num_splits, single_len,
                    q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0, o_s0, o_s1,
                    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -38,18 +51,21 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     tok = tl.load(qsl_ptr + seq)
-    if tl.load(qsl_ptr + seq + 1) > tok:
-        seq_len = tl.load(seq_lens_ptr + seq)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - sliding_window, 0)
+    splits = num_splits
+    if IS_SPLIT:  # a short context: split 0 alone, as a one-split launch
+        splits = tl.where(seq_len - lo <= single_len, 1, num_splits)
+    if (tl.load(qsl_ptr + seq + 1) > tok) & (split < splits):
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
         heads = kvh * G + offs_g
         gd_mask = (offs_g[:, None] < G) & (offs_d[None, :] < HEAD_DIM)
         q = tl.load(q_ptr + tok.to(tl.int64) * q_s0 + heads[:, None] * q_s1 + offs_d[None, :], mask=gd_mask, other=0.0)
-        lo = 0
-        if HAS_WINDOW:
-            lo = tl.maximum(seq_len - sliding_window, 0)
         # this sequence's partition: its own context over the splits, in whole BLOCK_N tiles
-        part = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+        part = tl.cdiv(tl.cdiv(seq_len - lo, splits), BLOCK_N) * BLOCK_N
         start = lo + split * part
         end = tl.minimum(start + part, seq_len)
         m_i = tl.zeros([BLOCK_G], dtype=tl.float32) - 1.0e30
@@ -63,7 +79,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr
                                            vc_s0, vc_s1, vc_s2, offs_d, offs_d < HEAD_DIM, BLOCK_N, False,
                                            HAS_SOFTCAP, False, DOT_PRECISION)
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        if not IS_SPLIT:
+        if splits == 1:
             tl.store(out_ptr + tok.to(tl.int64) * o_s0 + heads[:, None] * o_s1 + offs_d[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=gd_mask)
         else:
@@ -74,14 +90,19 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr
             tl.store(ml_ptr + row * 2 + 1, l_i, mask=offs_g < G)
 
 
-@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["qsl_ptr"])
-def _reduce_kernel(qsl_ptr, out_ptr, part_ptr, ml_ptr, o_s0, o_s1, num_heads, num_splits,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_S: tl.constexpr):
+@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["seq_lens_ptr", "qsl_ptr"])
+def _reduce_kernel(seq_lens_ptr, qsl_ptr, out_ptr, part_ptr, ml_ptr, o_s0, o_s1, num_heads, num_splits,
+                   sliding_window, single_len, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_S: tl.constexpr, HAS_WINDOW: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     tok = tl.load(qsl_ptr + seq)
-    if tl.load(qsl_ptr + seq + 1) > tok:
+    seq_len = tl.load(seq_lens_ptr + seq)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - sliding_window, 0)
+    # a short sequence was written by the decode kernel directly (its split 0 alone)
+    if (tl.load(qsl_ptr + seq + 1) > tok) & (seq_len - lo > single_len):
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_D)
         s_mask = offs_s < num_splits
@@ -110,9 +131,10 @@ def _num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int:
 def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                         max_query_len, max_seq_len, scale, sliding_window=None, soft_cap=None,
                         *, block_n: int = 64, num_splits: int | None = None, num_warps: int = 4,
-                        num_stages: int = 2):
+                        num_stages: int = 2, single_split_len: int = _SINGLE_SPLIT_LEN):
     """Decode launch (every sequence has at most one query token). ``max_seq_len`` must bound every
-    seq_len (it sizes the split-K grid). Keyword-only knobs are for tests and the benchmark."""
+    seq_len (it sizes the split-K grid). Keyword-only knobs are for tests and the benchmark
+    (``single_split_len``: contexts up to this many tokens skip the split and the merge; 0: never)."""
     check_paged_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
     if max_query_len > 1:
         raise ValueError(f"paged_decode_triton: max_query_len={max_query_len}; expected 1 (use the prefill kernel)")
@@ -130,7 +152,7 @@ def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, q
         ml = torch.empty((num_tokens, num_heads, splits, 2), dtype=torch.float32, device=query.device)
     launch(_decode_kernel, (num_seqs, num_kv_heads, splits), query.device)(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, part, ml,
-        float(scale), float(soft_cap or 0.0), int(sliding_window or 0), key_cache.shape[1], splits,
+        float(scale), float(soft_cap or 0.0), int(sliding_window or 0), key_cache.shape[1], splits, single_split_len,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
@@ -140,8 +162,9 @@ def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, q
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         launch(_reduce_kernel, (num_seqs, num_heads), query.device)(
-            query_start_loc, out, part, ml, out.stride(0), out.stride(1), num_heads, splits,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=next_power_of_2(splits), num_warps=4)
+            seq_lens, query_start_loc, out, part, ml, out.stride(0), out.stride(1), num_heads, splits,
+            int(sliding_window or 0), single_split_len, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_S=next_power_of_2(splits), HAS_WINDOW=sliding_window is not None, num_warps=4)
     return out
 
 

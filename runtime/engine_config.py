@@ -44,8 +44,8 @@ class EngineConfig:
     enforce_eager: bool = False
     compilation_config: int = 0
     """vLLM's optimisation level: 0 = no torch.compile (CUDA graphs stay on unless enforce_eager);
-    1-3 = torch.compile the model forward on CUDA (fxrewrite.runtime.worker.compilation). Off by default:
-    compiling a 28-layer model took minutes on the H200 (see BENCHMARKS.md)."""
+    1-3 = torch.compile the decoder layers on CUDA, one graph for all of them
+    (fxrewrite.runtime.worker.compilation). Off by default until it is measured to win (BENCHMARKS.md)."""
     async_scheduling: bool = True
     """Schedule and launch step n+1 while step n runs (its tokens feed n+1 on the device). Applies to
     the single-process engine; the tensor-parallel executor steps synchronously."""

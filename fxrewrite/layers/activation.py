@@ -11,12 +11,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fxrewrite.kernels import compiled_serving_kernels
 from fxrewrite.kernels.activation import gelu_and_mul, silu_and_mul
 from fxrewrite.kernels.activation_backward import act_and_mul_train
 
 
 def _needs_grad(x: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and x.requires_grad
+    """Autograd records, or a compiled forward takes the Triton op (`compiled_serving_kernels`)."""
+    return torch.is_grad_enabled() and x.requires_grad or compiled_serving_kernels(x)
 
 
 class SiluAndMul(nn.Module):

@@ -16,12 +16,12 @@ transformers' ``*TopKRouter``), runs the experts, adds an optional shared expert
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fxrewrite.data_parallel import dp_ep_active
 from fxrewrite.distributed import tensor_model_parallel_all_reduce
-from fxrewrite.kernels.fused_moe import SCORING, fused_experts, select_experts
+from fxrewrite.kernels.fused_moe import SCORING, fused_experts
+from fxrewrite.kernels.moe_router import route_experts
 from fxrewrite.layers.moe_dp import experts_across_dp
 
 
@@ -140,8 +140,9 @@ class FusedMoE(nn.Module):
 
     def _experts(self, x: torch.Tensor) -> torch.Tensor:
         router, experts = self._child("router"), self._child("experts")
-        logits = F.linear(x, router.weight, getattr(router, "bias", None))
-        weights, ids = select_experts(logits, self.top_k, self.renormalize, self.scoring_func)
+        # a few tokens (decode): gate GEMV + top-k in one launch (fxrewrite.kernels.moe_router)
+        weights, ids = route_experts(x, router.weight, self.top_k, self.renormalize, self.scoring_func,
+                                     getattr(router, "bias", None))
         out = experts(x, weights, ids)
         if experts.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)

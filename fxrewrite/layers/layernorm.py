@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fxrewrite.kernels import compiled_serving_kernels
 from fxrewrite.kernels.rms_norm import rms_norm
 from fxrewrite.kernels.rms_norm_backward import rms_norm_train
 
@@ -40,7 +41,7 @@ class RMSNorm(nn.Module):
         # While autograd records: the Triton forward/backward pair (torch reference off the GPU).
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad
                                                   or (residual is not None and residual.requires_grad))
-        fn = rms_norm_train if needs_grad else rms_norm
+        fn = rms_norm_train if needs_grad or compiled_serving_kernels(x) else rms_norm
         return fn(x, self.weight, self.variance_epsilon, residual, self.offset)
 
     def _forward_no_upcast(self, x: torch.Tensor, residual: torch.Tensor | None):

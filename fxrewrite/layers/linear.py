@@ -15,6 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxrewrite.distributed import all_reduce_tp_shards
+from fxrewrite.kernels.gemv_dispatch import config_for_call
+from fxrewrite.kernels.skinny_gemv import skinny_gemv_triton
+from fxrewrite.layers.activation import SiluAndMul
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -77,8 +80,33 @@ class LinearBase(nn.Module):
                 self.bias.copy_(tmp.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., input_size_per_partition] -> [..., output_size_per_partition]."""
-        return F.linear(x, self.weight, self.bias)
+        """x [..., input_size_per_partition] -> [..., output_size_per_partition]; at decode token counts the
+        skinny GEMV where `fxrewrite.kernels.gemv_dispatch` chose it, else cuBLAS."""
+        return dispatch_linear(x, self.weight, self.bias)
+
+    gemv_prologue: str | None = None
+    """"norm" / "silu" on a layer its model calls through `norm_forward` / `silu_forward` (native models):
+    the kind the load-time GEMV timing measures for it (`fxrewrite.layers.skinny.prepare_skinny_gemv`)."""
+
+    def norm_forward(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None = None):
+        """``(self(norm(x, residual)), x + residual)`` (residual None: ``(self(norm(x)), x)``) for a
+        column-parallel layer after an `RMSNorm`; x, residual [..., input_size]. At decode token counts the
+        norm and the residual add run inside the skinny GEMV where it was chosen (kind "norm")."""
+        fusable = getattr(norm, "offset", None) == 0.0 and getattr(norm, "upcast", False) and self._plain_forward()
+        config = config_for_call("norm", x, self.weight, self.bias, norm.weight, residual) if fusable else None
+        if config is None or (residual is not None and residual.shape != x.shape):
+            h, residual = (norm(x), x) if residual is None else norm(x, residual)
+            return self(h), residual
+        lead, k = x.shape[:-1], x.shape[-1]
+        res2 = residual.reshape(-1, k) if residual is not None else None
+        out = skinny_gemv_triton(x.reshape(-1, k), self.weight, self.bias, norm_weight=norm.weight,
+                                 eps=norm.variance_epsilon, residual=res2, config=config)
+        out, residual = (out[0], out[1].view(x.shape)) if res2 is not None else (out, x)
+        return out.view(*lead, -1), residual
+
+    def _plain_forward(self) -> bool:
+        """True when this layer's forward is the plain product (not an FP8 or other override)."""
+        return type(self).forward in (LinearBase.forward, RowParallelLinear.forward)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id=None) -> None:
         """Copy a full tensor (the unsharded default); subclasses shard it."""
@@ -207,11 +235,24 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., input_size / tp_size] -> [..., output_size] (summed over ranks when reducing)."""
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = F.linear(x, self.weight)
+            return dispatch_linear(x, self.weight, self.bias)
+        return self._reduce(dispatch_linear(x, self.weight))
+
+    def _reduce(self, out: torch.Tensor) -> torch.Tensor:
         if self.reduce_results:
             all_reduce_tp_shards(out)
         return out if self.bias is None else out + self.bias
+
+    def silu_forward(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
+        """``self(act(x))`` for x [..., 2 * input_size / tp_size] holding [gate | up]; where the skinny GEMV
+        was chosen (kind "silu") and `act` is `SiluAndMul`, silu(gate) * up is computed inside it."""
+        fusable = type(act) is SiluAndMul and self._plain_forward()
+        config = config_for_call("silu", x, self.weight, self.bias) if fusable else None
+        if config is None or x.shape[-1] != 2 * self.weight.shape[1]:
+            return self(act(x))
+        out = skinny_gemv_triton(x.reshape(-1, x.shape[-1]), self.weight, self.bias if self.tp_size == 1 else None,
+                                 silu_mul=True, config=config).view(*x.shape[:-1], -1)
+        return out if self.tp_size == 1 else self._reduce(out)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id=None) -> None:
         """Weight: this rank's columns of a full [output_size, input_size]; bias: copied whole."""
@@ -221,3 +262,12 @@ class RowParallelLinear(LinearBase):
             size = param.shape[1]
             loaded_weight = loaded_weight.narrow(1, self.tp_rank * size, size)
         _copy_checked(param, loaded_weight)
+
+
+def dispatch_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or the skinny GEMV where `fxrewrite.kernels.gemv_dispatch` chose it for this call."""
+    config = config_for_call("linear", x, w, bias)
+    if config is None:
+        return F.linear(x, w, bias)
+    k = x.shape[-1]
+    return skinny_gemv_triton(x.reshape(-1, k), w, bias, config=config).view(*x.shape[:-1], w.shape[0])

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxrewrite.distributed import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
+from fxrewrite.layers.linear import dispatch_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -98,7 +99,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [..., H] -> logits [..., num_embeddings] in the weight's dtype (all ranks get all of them)."""
-        logits = F.linear(hidden_states, self.weight, self.bias)
+        logits = dispatch_linear(hidden_states, self.weight, self.bias)  # the skinny GEMV where chosen
         if self.tp_size == 1:
             return logits
         return tensor_model_parallel_all_gather(logits, dim=-1)[..., : self.num_embeddings]

@@ -241,8 +241,8 @@ class LLMEngine(EngineRLMixin):
         return launched
 
     def _grammar_bitmask(self, seqs: list[Sequence], previous):
-        """Called by the model runner once this step's forward is launched: the mask needs the previous step's
-        tokens; that step is completed meanwhile, its outputs kept for `step` (see `step_bitmask`)."""
+        """Called by the model runner after this step's forward launch: the mask (or a callable giving it when the
+        step samples) needs the previous step's tokens; that step is completed meanwhile (see `step_bitmask`)."""
         bitmask, self._early_outputs = self._structured.step_bitmask(seqs, previous, self._complete,
                                                                      self.model_runner.device)
         return bitmask

@@ -242,6 +242,14 @@ class SampledTokens:
             self._results = [self._build(seq, row) for seq, row in zip(self.seqs, self._host.tolist())]
         return self._results
 
+    def token_ids(self) -> list[int]:
+        """The sampled token ids, in order (waits for this step's copy to the host, like `results`)."""
+        if self._results is not None:
+            return [r.token_id for r in self._results]
+        if self._event is not None:
+            self._event.synchronize()
+        return [int(t) for t in self._host[:, 0].tolist()]
+
     def _build(self, seq: Sequence, row: list[float]) -> SampleResult:
         token, chosen = int(row[0]), row[1]
         num = seq.sampling_params.logprobs

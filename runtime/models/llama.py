@@ -47,6 +47,7 @@ class LlamaAttention(nn.Module):
             cfg.hidden_size, self.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, bias=qkv_bias,
             device=device, **tp,
         )
+        self.qkv_proj.gemv_prologue = "norm"  # called through norm_forward: the input RMSNorm fused in at decode
         # Per rank: heads split across TP ranks, kv heads replicated when fewer than ranks.
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -60,10 +61,22 @@ class LlamaAttention(nn.Module):
             sliding_window=layer_sliding_window(cfg, layer_idx),
         )
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, norm: nn.Module | None = None,
+                residual: torch.Tensor | None = None):
+        """hidden_states [T, H] -> [T, H]. With `norm` (the layer's input RMSNorm): hidden_states is the
+        residual stream before it (plus `residual`, when given), normalised inside the QKV projection
+        (`QKVParallelLinear.norm_forward`); returns (out, new residual)."""
+        qkv, residual = self.project_qkv(hidden_states, norm, residual)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.position_qk(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        out = self.o_proj(self.attn(q, k, v))
+        return out if norm is None else (out, residual)
+
+    def project_qkv(self, hidden_states: torch.Tensor, norm: nn.Module | None, residual: torch.Tensor | None):
+        """(qkv [T, q + 2 kv], residual): the QKV projection, of norm(hidden_states, residual) when `norm` is given."""
+        if norm is None:
+            return self.qkv_proj(hidden_states), residual
+        return self.qkv_proj.norm_forward(hidden_states, norm, residual)
 
     def position_qk(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q [T, Hq*D], k [T, Hkv*D] -> rotated (Qwen3 adds its per-head norms here)."""
@@ -83,12 +96,19 @@ class LlamaMLP(nn.Module):
             cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias, device=device, **tp
         )
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias, device=device, **tp)
+        self.gate_up_proj.gemv_prologue, self.down_proj.gemv_prologue = "norm", "silu"
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={cfg.hidden_act!r}: the native Llama supports only 'silu'")
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None):
+        """x [T, H] -> [T, H]; with `norm` (post-attention RMSNorm) x is the stream before it, normalised
+        inside gate_up_proj, and (out, new residual) is returned. At decode token counts the skinny GEMV
+        also computes the activation inside down_proj where chosen (`RowParallelLinear.silu_forward`)."""
+        if norm is None:
+            return self.down_proj.silu_forward(self.gate_up_proj(x), self.act_fn)
+        h, residual = self.gate_up_proj.norm_forward(x, norm, residual)
+        return self.down_proj.silu_forward(h, self.act_fn), residual
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -103,11 +123,10 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, hidden_states, residual):
-        if residual is None:
-            hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
+        # Each RMSNorm (with its residual add) goes to the projection after it, which may fuse it into its GEMV.
+        hidden_states, residual = self.self_attn(positions, hidden_states, self.input_layernorm, residual)
+        if isinstance(self.mlp, LlamaMLP):
+            return self.mlp(hidden_states, self.post_attention_layernorm, residual)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from fxrewrite.kernels.qk_norm_rope import qk_norm_rope
 from fxrewrite.kernels.qk_norm_rope_cache import qk_norm_rope_cache
@@ -18,20 +19,24 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(self.head_dim, eps)
         self.k_norm = RMSNorm(self.head_dim, eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, norm: nn.Module | None = None,
+                residual: torch.Tensor | None = None):
         """Eagerly (CUDA graphs included), one kernel normalises and rotates q and k and writes k and v into
         this layer's paged cache (`qk_norm_rope_cache`: a launch per layer fewer than norm-rope + cache
         write). Under torch.compile, and for batch-dependent rotary, the unfused path: compile cannot trace
-        the forward context (the cache write stays inside the attention custom op)."""
+        the forward context (the cache write stays inside the attention custom op). `norm`, `residual`
+        and the result as in `LlamaAttention.forward`."""
         if torch.compiler.is_compiling() or self.rotary_emb.rope_type in ("dynamic", "longrope"):
-            return super().forward(positions, hidden_states)
-        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            return super().forward(positions, hidden_states, norm, residual)
+        qkv, residual = self.project_qkv(hidden_states, norm, residual)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         rope = self.rotary_emb
         key_cache, value_cache, slot_mapping = layer_kv_cache(self.attn.layer_idx)
         q, k = qk_norm_rope_cache(positions, q, k, v, self.q_norm.weight, self.k_norm.weight,
                                   self.q_norm.variance_epsilon, self.head_dim, rope.cos_sin_cache, rope.is_neox_style,
                                   key_cache, value_cache, slot_mapping)
-        return self.o_proj(self.attn(q, k, v, kv_cached=True))
+        out = self.o_proj(self.attn(q, k, v, kv_cached=True))
+        return out if norm is None else (out, residual)
 
     def position_qk(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q [T, Hq*D], k [T, Hkv*D]: normalise each head's D values (transformers' Qwen3 q_norm/k_norm),

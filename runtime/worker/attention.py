@@ -27,9 +27,32 @@ def paged_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, la
     `kv_cached` says the caller already wrote them (`layer_kv_cache`, e.g. a fused rotary + cache kernel).
 
     Under torch.compile this is one opaque op (`fxrewrite.runtime.worker.compilation`, whose op runs
-    `attend_now`), so the graph does not break on the forward context."""
-    attend = torch.ops.fxrewrite.paged_attend if torch.compiler.is_compiling() else attend_now
-    return attend(query, key, value, layer_idx, scale, sliding_window, soft_cap, kv_cached)
+    `attend_now`), so the graph does not break on the forward context. Inside a regionally compiled decoder
+    layer the op gets layer index -1 and reads the running layer's index (`running_layer`) when it runs: the
+    index never enters the graph, so one graph (and no guard on the index) serves every layer."""
+    if not torch.compiler.is_compiling():
+        return attend_now(query, key, value, layer_idx, scale, sliding_window, soft_cap, kv_cached)
+    index = -1 if RUNNING_LAYER.regional else layer_idx
+    return torch.ops.fxrewrite.paged_attend(query, key, value, index, scale, sliding_window, soft_cap, kv_cached)
+
+
+class _RunningLayer:
+    """Which regionally compiled decoder layer is running (its index; -1 outside one), set by
+    `fxrewrite.runtime.worker.compilation` around each compiled layer call."""
+    regional = False  # set once some model is compiled layer by layer (read while dynamo traces)
+    index = -1
+
+
+RUNNING_LAYER = _RunningLayer()
+
+
+def running_layer(layer_idx: int) -> int:
+    """`layer_idx`, or the running compiled layer's index when `layer_idx` is -1 (RuntimeError outside one)."""
+    if layer_idx >= 0:
+        return layer_idx
+    if RUNNING_LAYER.index < 0:
+        raise RuntimeError("paged attention got layer index -1 outside a compiled decoder layer")
+    return RUNNING_LAYER.index
 
 
 def layer_kv_cache(layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -47,7 +70,7 @@ def attend_now(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, laye
     """`paged_attend` run eagerly: write K/V into layer `layer_idx`'s paged cache (the forward context's,
     not an argument, so not a declared mutation of the custom op) unless `kv_cached`, then attend over it."""
     ctx = get_forward_context()
-    key_cache, value_cache = ctx.kv_caches[layer_idx]
+    key_cache, value_cache = ctx.kv_caches[running_layer(layer_idx)]
     if not kv_cached:
         reshape_and_cache(key, value, key_cache, value_cache, ctx.slot_mapping)
     return paged_attention(

@@ -1,27 +1,34 @@
-"""torch.compile of the model forward, with paged attention as one opaque custom op.
+"""torch.compile of the decoder layers (regional: one graph for every layer), paged attention one opaque op.
 
 The attention of a step reads its metadata (slot mapping, block tables, lengths, KV caches) from
 `fxrewrite.runtime.worker.forward_context`, a Python global that changes every step. Traced by dynamo it
 would become guards and graph inputs (and a recompile for every new `max_seq_len`), so attention is
 registered as the custom op `fxrewrite::paged_attend` (vLLM's `unified_attention` idea): dynamo sees
 q, k, v in and one tensor out, inductor fuses everything around it, and the op reads the context
-when it runs. `fxrewrite.runtime.worker.attention.paged_attend` routes to the op only while compiling.
+when it runs (the layer's KV cache included: `running_layer`). `fxrewrite.runtime.worker.attention.paged_attend`
+routes to the op only while compiling. Issue 14 item 1: before, the whole forward was one graph, 28 layers
+unrolled, and took minutes to compile.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch._dynamo.exc
 import torch._inductor.config
 import torch._inductor.exc
+import torch.fx.experimental._config
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from torch import nn
 
 from fxrewrite.runtime.model_files.model_cache import cache_root
-from fxrewrite.runtime.worker.attention import attend_now
+from fxrewrite.runtime.worker.attention import RUNNING_LAYER, attend_now
+from fxrewrite.runtime.worker.pipeline import PPMissingLayer
 
 logger = logging.getLogger(__name__)
 
@@ -48,26 +55,105 @@ def should_compile(config, device: torch.device) -> bool:
     return device.type == "cuda" and not config.enforce_eager and level > 0 and not getattr(config, "batch_invariant", False)
 
 
-def compile_model(model: nn.Module) -> nn.Module:
-    """Compile `model.forward` (input_ids [T], positions [T] -> hidden [T, H]) in place; returns model.
+def compile_model(model: nn.Module, backend: str | Callable = "inductor") -> nn.Module:
+    """Compile `model` in place, region by region; returns model. Idempotent.
 
-    dynamic=True: one graph for every token count T (inductor specialises T = 1 separately).
-    `compute_logits` stays eager: it runs on the few sampled rows only. Idempotent.
+    Regional compilation (PyTorch's recipe for repeated blocks): each decoder layer's `forward` is wrapped
+    in `torch.compile`, not the whole model. Every layer runs the same code object and, with
+    `inline_inbuilt_nn_modules` (torch's default), its parameters are graph inputs, so one compiled graph
+    serves all layers (native models: the first layer, whose residual is None, has its own).
+    Compile time therefore does not grow with the layer count, and an unrolled 28-layer graph is never
+    built. The layer index, an int attribute, would be a guard (one graph per layer); it stays out of the
+    graph: the attention op reads the running layer's index, set around each layer call.
+
+    dynamic=True: the token count T is symbolic from the first call (no "automatic dynamic" recompile);
+    the hidden size is fixed by the weights it meets. Dynamo specialises T = 1 (a second graph per layer
+    kind: 2 graphs for transformers models, 4 for native ones, whatever the layer count). Default Inductor
+    mode: no max-autotune, no coordinate-descent tuning (minutes of benchmarking at startup).
+    The embedding, the final norm and `compute_logits` stay eager. A model without a decoder-layer list
+    (`decoder_layers` is None) has its whole forward compiled instead.
     """
     if getattr(model, "_fxrewrite_compiled", False):
         return model
     use_compile_cache()
-    model.forward = torch.compile(model.forward, dynamic=True, fullgraph=False)
+    layers = decoder_layers(model)
+    eager_forward = model.forward
+    if layers is None:
+        model.forward = torch.compile(eager_forward, dynamic=True, fullgraph=False, backend=backend)
+        model._fxrewrite_eager_layers = []
+    else:
+        model._fxrewrite_eager_layers = [(layer, layer.__dict__.get("forward")) for layer in layers]
+        RUNNING_LAYER.regional = True
+        for index, layer in enumerate(layers):
+            if not isinstance(layer, PPMissingLayer):  # another pipeline stage's layer: never called here
+                compiled = torch.compile(layer.forward, dynamic=True, fullgraph=False, backend=backend)
+                layer.forward = _as_running_layer(index, compiled)
+        model.forward = _regional_forward(eager_forward)
     model._fxrewrite_compiled = True
     return model
 
 
+def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
+    """The repeated decoder layers: `model.model.layers` (native) or `hf_model.base_model.layers`
+    (transformers, the list the rewrite and pipeline parallelism walk); None when there is no such list."""
+    hf = getattr(model, "hf_model", None)
+    inner = getattr(hf, "base_model", None) if hf is not None else getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    return layers if isinstance(layers, nn.ModuleList) and len(layers) > 0 else None
+
+
+def _regional_forward(forward: Callable) -> Callable:
+    """The model's `forward(input_ids, positions)` around compiled layers: `positions` at storage offset 0 (the
+    engine may pass a slice of a packed buffer; dynamo makes a nonzero offset a symbol with guards, so slices
+    and whole tensors would each get their graphs: one small copy of T int64s on the eager steps instead), and
+    dynamo's duck sizing off while it traces (else two sizes equal by chance at the first compile become one
+    symbol and a guard, and a later step recompiles)."""
+    @functools.wraps(forward)
+    def run(input_ids: torch.Tensor, positions: torch.Tensor, *args, **kwargs):
+        if positions.storage_offset():
+            positions = positions.clone()
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return forward(input_ids, positions, *args, **kwargs)
+    return run
+
+
+def _as_running_layer(index: int, compiled: Callable) -> Callable:
+    """`compiled` (layer `index`'s compiled forward) run with `index` as the running layer, which the
+    attention op reads (`fxrewrite.runtime.worker.attention.running_layer`) instead of a graph constant."""
+    def run(*args, **kwargs):
+        previous, RUNNING_LAYER.index = RUNNING_LAYER.index, index
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            RUNNING_LAYER.index = previous
+    run._fxrewrite_compiled_layer = compiled
+    return run
+
+
+def restore_eager(model: nn.Module) -> None:
+    """Undo `compile_model`: the model and its layers run their eager forwards again."""
+    for layer, instance_forward in getattr(model, "_fxrewrite_eager_layers", ()):
+        if instance_forward is None:
+            layer.__dict__.pop("forward", None)
+        else:
+            layer.forward = instance_forward
+    model.__dict__.pop("forward", None)
+    model._fxrewrite_eager_layers = []
+    model._fxrewrite_compiled = False
+
+
 def use_compile_cache() -> Path:
     """Point Inductor's and Triton's on-disk caches at `$FXREWRITE_CACHE/torch_compile` (unless the user
-    set TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR), so a second start reuses compiled graphs and kernels.
-    Returns the folder. Both libraries read these variables when they first look for a cache entry."""
+    chose TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR), so a second start reuses compiled graphs (the FX
+    graph and AOTAutograd caches) and kernels. Returns the folder. Both libraries read these variables
+    when they look for a cache entry, so this must run before the first compile.
+
+    Importing `torch._inductor` already writes its default (`/tmp/torchinductor_<user>`) into
+    TORCHINDUCTOR_CACHE_DIR, so that value counts as unset: a plain `setdefault` would never take effect."""
     root = cache_root() / "torch_compile"
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
+    inductor_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if inductor_dir is None or os.path.abspath(inductor_dir) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
     os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
     torch._inductor.config.fx_graph_cache = True
     return root
@@ -112,6 +198,5 @@ def forward_or_fallback(model: nn.Module, input_ids: torch.Tensor, positions: to
             raise
         logger.error("torch.compile of %s failed (%s: %s); this engine runs the model eagerly from now on",
                      type(model).__name__, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-        del model.forward
-        model._fxrewrite_compiled = False
+        restore_eager(model)
         return model(input_ids, positions)

@@ -196,11 +196,14 @@ def build_graph_runner(model: nn.Module, kv_caches, config, model_config,
         return runner
     if device.type != "cuda" or config.enforce_eager:
         return None
-    runner = CUDAGraphRunner(
-        model, kv_caches, max_num_seqs=config.max_num_seqs, max_model_len=model_config.max_model_len,
-        block_size=config.block_size, hidden_size=model_config.hidden_size, dtype=model_config.dtype,
-        device=device,
-    )
+    # A compiled model's static buffers are inference tensors, like every eager step's inputs: dynamo guards on
+    # the kind, so normal-tensor buffers would cost each compiled graph a second Inductor compile.
+    with torch.inference_mode(bool(getattr(model, "_fxrewrite_compiled", False))):
+        runner = CUDAGraphRunner(
+            model, kv_caches, max_num_seqs=config.max_num_seqs, max_model_len=model_config.max_model_len,
+            block_size=config.block_size, hidden_size=model_config.hidden_size, dtype=model_config.dtype,
+            device=device,
+        )
     try:
         runner.capture()
     except Exception as e:  # a model with a host sync in its forward (e.g. dynamic NTK rope)

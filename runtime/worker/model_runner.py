@@ -10,6 +10,7 @@ from torch import nn
 from fxrewrite import distributed
 from fxrewrite.kernels.batch_invariant import batch_invariant_mode
 from fxrewrite.layers.rope_context import rope_lengths
+from fxrewrite.layers.skinny import prepare_skinny_gemv
 from fxrewrite.runtime.model_files.quantization import finish_fp8_model, prepare_fp8_model, resolve_quantization
 from fxrewrite.runtime.worker.pipeline import PipelineStage, pipeline_stage_of_this_rank
 from fxrewrite.runtime.worker.compilation import compile_model, should_compile
@@ -133,6 +134,9 @@ class ModelRunner:
         self.kv_dtype = model_config.dtype
         if should_compile(config, self.device):
             compile_model(self.model)
+        elif self.device.type == "cuda":  # skinny GEMV vs cuBLAS per layer shape, before any graph is captured
+            watchdog.phase("timing the skinny GEMV against cuBLAS")
+            prepare_skinny_gemv(self.model, self.device, model_config.dtype, config.max_num_seqs)
         layers = self.pipeline.layers if self.pipeline is not None else None  # a stage caches its layers only
         watchdog.phase("sizing and allocating the KV cache")
         if self.device.type == "cuda" and config.kv_cache_memory_bytes is None:
@@ -202,8 +206,10 @@ class ModelRunner:
         in flight) that this step feeds back are read from its sampled tokens on the device.
 
         bitmask_hook: None, or a callable(sampling sequences) -> the sampler's `bitmask` argument, called
-        after the forward pass is launched (structured outputs: the host fills the grammar masks while
-        the device runs the model)."""
+        after the forward pass and the logits are launched (structured outputs: the host fills the grammar
+        masks while the device runs the model); when it returns a callable instead, that callable gives the
+        mask later and the step samples then: when its tokens are first needed (the next step's launch, or
+        `result()`), so the host does not wait for the mask in this call."""
         with batch_invariant_mode(self.config.batch_invariant):
             return self._execute(sched, previous, bitmask_hook)
 
@@ -231,26 +237,53 @@ class ModelRunner:
             return PendingStep(sched, None, prompt_logprobs)
         last_hidden = hidden[inputs.logits_indices]
         logits = self.model.compute_logits(last_hidden)
-        bitmask = bitmask_hook(inputs.sample_seqs) if bitmask_hook is not None else None
-        step = PendingStep(sched, self.sampler.sample(logits, inputs.sample_seqs, bitmask), prompt_logprobs)
+        seqs = inputs.sample_seqs
+        bitmask = bitmask_hook(seqs) if bitmask_hook is not None else None
+        if callable(bitmask):  # a mask still being filled: sample when the tokens are first needed
+            later = (seqs, lambda: self._sample_later(logits, seqs, bitmask))
+            step = PendingStep(sched, None, prompt_logprobs, later)
+        else:
+            step = PendingStep(sched, self.sampler.sample(logits, seqs, bitmask), prompt_logprobs)
         if self.config.is_pooling:  # embeddings: the last-token final hidden states [S, H] (engine/pooling.py)
             step.pooled = last_hidden.float()
         return step
+
+    @torch.inference_mode()
+    def _sample_later(self, logits: torch.Tensor, seqs: list[Sequence], bitmask) -> SampledTokens:
+        """A deferred sampler launch (from `PendingStep.samples`, maybe outside `execute_model_async`)."""
+        with batch_invariant_mode(self.config.batch_invariant):
+            return self.sampler.sample(logits, seqs, bitmask())
 
 
 class PendingStep:
     """A launched step: its schedule and its sampled tokens (on the device until `result()`)."""
 
-    def __init__(self, sched: SchedulerOutput, samples: SampledTokens | None, prompt_logprobs=None):
+    def __init__(self, sched: SchedulerOutput, samples: SampledTokens | None, prompt_logprobs=None,
+                 sample_later: tuple | None = None):
         self.sched = sched
-        self.samples = samples
+        self._samples = samples
+        self._sample_later = sample_later
+        """None, or (sampling sequences, callable() -> SampledTokens) run at the first use of `samples`."""
         self.prompt_logprobs = prompt_logprobs
         """list[PromptLogprobsChunk] of this step, or None."""
         self.pooled: torch.Tensor | None = None
         """Pooling runner: final hidden states [S, H] float32 of the sampling rows, on the device."""
-        self.seqs: list[Sequence] = samples.seqs if samples is not None else []
+        self.seqs: list[Sequence] = sample_later[0] if sample_later else samples.seqs if samples is not None else []
         self.rows = {seq.seq_id: i for i, seq in enumerate(self.seqs)}
         """seq_id -> row of its sample in `samples.tokens`."""
+
+    @property
+    def samples(self) -> SampledTokens | None:
+        """The sampled tokens (on the device); a deferred sampler launch happens here, once."""
+        if self._sample_later is not None:
+            self._samples = self._sample_later[1]()
+            self._sample_later = None
+        return self._samples
+
+    def token_ids(self) -> tuple[list[Sequence], list[int]]:
+        """(sequences that sampled, their token ids): `result()` without building SampleResults."""
+        samples = self.samples
+        return (self.seqs, samples.token_ids()) if samples is not None else ([], [])
 
     def result(self) -> tuple[list[Sequence], list[SampleResult]]:
         """(sequences that sampled, their SampleResults); waits for this step's tokens only."""

@@ -1,4 +1,4 @@
-"""torch.compile of the model forward (attention as the `fxrewrite::paged_attend` custom op)."""
+"""Regional torch.compile of the decoder layers (attention as the `fxrewrite::paged_attend` custom op)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,13 @@ def test_compiled_forward_matches_eager(make_llm, impl, fusion):
     runner = llm.llm_engine.model_runner
     model = runner.model
     assert getattr(model, "_fxrewrite_compiled", False), "compile fell back to eager"
-    eager_forward = type(model).forward.__get__(model)
+    from fxrewrite.runtime.worker.compilation import decoder_layers
+
+    assert all(hasattr(layer.forward, "_fxrewrite_compiled_layer") for layer in decoder_layers(model))
+
+    def eager_forward(ids, pos):
+        with torch.compiler.set_stance("force_eager"):
+            return model(ids, pos)
     device = runner.device
     pos, meta, _ = _dummy_metadata(300, 120, runner.block_size, device)  # varlen prefill: 120, 120, 60
     meta.kv_caches = runner.kv_caches
@@ -52,3 +58,24 @@ def test_compiled_forward_matches_eager(make_llm, impl, fusion):
         err = ((a - b).abs().max() / b.abs().max()).item()
         assert err < 1e-3, err
     assert getattr(model, "_fxrewrite_compiled", False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["native", "transformers"])
+def test_compiled_engine_greedy_tokens_equal_level_0(make_llm, impl):
+    """float32: `-O 3` (compiled layers, CUDA graphs over them) samples the greedy tokens of `-O 0` (CUDA
+    graphs over the eager forward), through prefill, chunked prefill and decode buckets 1..4."""
+    from fxrewrite.runtime.engine.sampling_params import SamplingParams
+
+    prompts = [[int(t) for t in torch.randint(0, 10000, (n,), generator=torch.Generator().manual_seed(n))]
+               for n in (3, 17, 40, 300)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    tokens = {}
+    for level in (0, 3):
+        llm = make_llm(model_impl=impl, max_num_seqs=4, max_num_batched_tokens=256, compilation_config=level)
+        runner = llm.llm_engine.model_runner
+        assert runner.model_config.dtype == torch.float32
+        assert bool(getattr(runner.model, "_fxrewrite_compiled", False)) == (level == 3)
+        assert runner.graph_runner is not None
+        tokens[level] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert tokens[3] == tokens[0]

@@ -34,6 +34,22 @@ def test_bitmask_kernel_matches_reference():
         assert torch.equal(ours, reference) and torch.equal(ours[3], logits[3])
 
 
+def test_mask_copies_on_the_side_stream_keep_stream_order():
+    """Masks copied on the side stream into the two reused device buffers: each reader on the busy compute
+    stream (the sampler) sees its own step's mask, never the next one's nor a partly copied one."""
+    xgr = pytest.importorskip("xgrammar")
+    from fxrewrite.runtime.engine.grammar_bitmask import BitmaskFiller
+
+    filler, device, seen = BitmaskFiller(xgr, 4748, 1), torch.device("cuda"), []
+    for step in range(8):
+        host, event = filler._buffers.next(64, device)
+        host.fill_(step)
+        torch.cuda._sleep(1_000_000)  # the compute stream is still busy (a forward pass)
+        seen.append(filler._to_device(host, event, device).clone())  # read on the compute stream
+    torch.cuda.synchronize()
+    assert [bool((mask == step).all()) for step, mask in enumerate(seen)] == [True] * 8
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_sampled_json_validates_on_gpu(make_llm, async_scheduling):
     jsonschema = pytest.importorskip("jsonschema")
@@ -62,8 +78,9 @@ def test_prompt_logprobs_on_gpu(make_llm):
 
 
 def test_overlapped_grammar_work_keeps_seeded_outputs_on_gpu(make_llm):
-    """The worker-thread grammar path (pinned host buffers, the reused device bitmask, CUDA events) gives
-    the seeded tokens of the sequential path, with CUDA graphs and async scheduling, at batch 64."""
+    """The worker-thread grammar path (pinned host buffers, the reused device bitmask, CUDA events, the
+    sample launched at the next step's launch) gives the seeded tokens of the sequential path, with CUDA
+    graphs and async scheduling, at batch 64, with the default and with four grammar threads."""
     from fxrewrite.runtime.engine.sampling_params import SamplingParams
     from fxrewrite.runtime.engine.structured_outputs import StructuredOutputsParams
 
@@ -83,3 +100,5 @@ def test_overlapped_grammar_work_keeps_seeded_outputs_on_gpu(make_llm):
     structured.overlap = False
     assert tokens() == overlapped
     assert structured.stats["wait_s"] == joined and not structured.matchers  # no job: the sequential path
+    structured.overlap, structured._filler.num_threads = True, 4  # rows split over four worker threads
+    assert tokens() == overlapped

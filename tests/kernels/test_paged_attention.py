@@ -89,8 +89,24 @@ def test_ref_rejects_bad_shapes(paged_batch):
 def test_decode_kernel_matches_ref(interpret, paged_batch, heads, dim, window, cap, splits):
     batch = paged_batch(DECODE, *heads, dim, 8, seed=1)
     want = paged_attention_ref(*batch.args(), 0.3, window, cap)
-    got = paged_decode.paged_decode_triton(*batch.args(), 0.3, window, cap, block_n=16, num_splits=splits)
+    got = paged_decode.paged_decode_triton(*batch.args(), 0.3, window, cap, block_n=16, num_splits=splits,
+                                           single_split_len=0)  # these short contexts too take the split path
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 10])
+def test_short_contexts_skip_the_split_bitwise(interpret, paged_batch, window):
+    """In a launch with several splits (a CUDA graph captured for a long context), a sequence of at
+    most single_split_len tokens (after the window) is computed by split 0 alone and written directly:
+    bitwise what a one-split launch gives; a longer one is bitwise what it was without the shortcut."""
+    batch = paged_batch([(20, 1), (47, 1), (5, 1)], 4, 2, 16, 8, seed=5)  # contexts 21, 48, 6
+    single = paged_decode.paged_decode_triton(*batch.args(), 0.3, window, block_n=16, num_splits=1)
+    split = paged_decode.paged_decode_triton(*batch.args(), 0.3, window, block_n=16, num_splits=3, single_split_len=0)
+    got = paged_decode.paged_decode_triton(*batch.args(), 0.3, window, block_n=16, num_splits=3, single_split_len=21)
+    short = [0, 2] if window is None else [0, 1, 2]  # with the window every context is <= 10 keys
+    long_ = [i for i in range(3) if i not in short]
+    assert torch.equal(got[short], single[short]) and torch.equal(got[long_], split[long_])
+    torch.testing.assert_close(got, paged_attention_ref(*batch.args(), 0.3, window), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("heads,dim,window,cap", [((4, 2), 16, None, None), ((2, 2), 24, 7, 3.0)])
@@ -131,6 +147,19 @@ def test_decode_kernel_matches_ref_gpu(cuda, paged_batch):
     assert_close_to_exact(paged_attention(*batch.args(), 128 ** -0.5), batch, 128 ** -0.5)
     with pytest.raises(AssertionError, match="spread"):  # the check catches a kernel that stops early
         assert_close_to_exact(paged_attention(*_truncated(batch).args(), 128 ** -0.5), batch, 128 ** -0.5)
+
+
+@pytest.mark.gpu
+def test_short_contexts_skip_the_split_gpu(cuda, paged_batch):
+    """Qwen3-30B-A3B heads (32 / 4 x 128), bf16, compiled: in a 16-split launch, contexts <= 512 tokens
+    are bitwise the one-split launch's output, longer ones bitwise the plain split path's."""
+    batch = paged_batch([(511, 1), (100, 1), (3000, 1), (512, 1)], 32, 4, 128, 16, torch.bfloat16, cuda)
+    scale = 128 ** -0.5
+    single = paged_decode.paged_decode_triton(*batch.args(), scale, num_splits=1)
+    split = paged_decode.paged_decode_triton(*batch.args(), scale, num_splits=16, single_split_len=0)
+    got = paged_decode.paged_decode_triton(*batch.args(), scale, num_splits=16)
+    assert torch.equal(got[:2], single[:2]) and torch.equal(got[2:], split[2:])
+    assert_close_to_exact(got, batch, scale)
 
 
 @pytest.mark.gpu
@@ -183,7 +212,8 @@ def test_decode_split_reduce_ignores_unwritten_lanes(interpret, paged_batch, mon
     want = paged_attention_ref(*batch.args(), 0.3, 9, 3.0)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        got = paged_decode.paged_decode_triton(*batch.args(), 0.3, 9, 3.0, block_n=16, num_splits=3)
+        got = paged_decode.paged_decode_triton(*batch.args(), 0.3, 9, 3.0, block_n=16, num_splits=3,
+                                               single_split_len=0)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fxrewrite.benchmarks.moe_direct_sweep import DOWN_TILES, GATE_UP_TILES
 from fxrewrite.kernels import fused_moe
 from fxrewrite.kernels.fused_moe import fused_experts, fused_experts_ref, moe_align_block_size, select_experts
 from fxrewrite.kernels.fused_moe_direct import DIRECT_MAX_TOKENS, direct_experts
@@ -106,6 +107,17 @@ def test_direct_kernels_multi_tile(interpret):
                                fused_experts_ref(x, w13, w2, weights, ids, 1), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("gate_up,down", [((16, 256, 4), (1, 256, 2)), ((4, 512, 8), (4, 128, 8))])
+def test_direct_kernels_eight_experts_per_token(interpret, gate_up, down):
+    """Top-8 of 10 experts with expert parallelism (2 of them remote): the down kernel's [K, rows,
+    chunk] tile with all eight slots, one-row and four-row tiles, a chunk wider than I (masked)."""
+    x, w13, w2, weights, ids = _inputs(t=3, h=24, i=20, e=8, k=8)
+    ids = torch.stack([torch.randperm(10, generator=torch.Generator().manual_seed(r))[:8] for r in range(3)])
+    cfg = {name: dict(block_n=c[0], block_k=c[1], num_warps=c[2]) for name, c in (("gate_up", gate_up), ("down", down))}
+    torch.testing.assert_close(direct_experts(x, w13, w2, weights, ids, 2, cfg),
+                               fused_experts_ref(x, w13, w2, weights, ids, 2), rtol=1e-5, atol=1e-5)
+
+
 def test_shape_errors_name_the_shapes():
     x, w13, w2, weights, ids = _inputs()
     with pytest.raises(ValueError, match="expected x \\[T, H\\]"):
@@ -178,3 +190,33 @@ def test_direct_path_cuda_graph_on_gpu(start):
         graph.replay()
     want = fused_experts_ref(x.float(), w13.float(), w2.float(), weights, ids, start)
     torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 8])
+def test_every_sweep_tile_is_correct_on_gpu(t):
+    """Each tile candidate the sweep times (Qwen3-30B-A3B shapes, bf16) gives the reference's output, so
+    whichever the sweep finds fastest can become `direct_config`'s choice."""
+    torch.manual_seed(t)
+    e, h, i, k = 128, 2048, 768, 8
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16) * 0.02
+    weights, ids = select_experts(torch.randn(t, e, device="cuda"), k, True)
+    want = fused_experts_ref(x.float(), w13.float(), w2.float(), weights, ids)
+    for gate_up, down in zip(GATE_UP_TILES, DOWN_TILES):
+        cfg = {n: dict(block_n=c[0], block_k=c[1], num_warps=c[2]) for n, c in (("gate_up", gate_up), ("down", down))}
+        torch.testing.assert_close(direct_experts(x, w13, w2, weights, ids, 0, cfg).float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_direct_sweep_runs_on_gpu():
+    """The benchmark's sweep (small shapes): a row per tile candidate and router form, positive rates."""
+    from fxrewrite.benchmarks.moe_direct_sweep import direct_sweep
+
+    e, h, i, k, t = 16, 256, 128, 4, 2
+    layers = [(torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16),
+               torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16)) for _ in range(2)]
+    weights, ids = select_experts(torch.randn(t, e, device="cuda"), k, True)
+    rows = direct_sweep(torch.randn(t, h, device="cuda", dtype=torch.bfloat16), layers, weights, ids)
+    assert len(rows) == len(GATE_UP_TILES) + len(DOWN_TILES) + 2 and all(r["TBps"] > 0 for r in rows)

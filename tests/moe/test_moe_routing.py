@@ -15,8 +15,10 @@ def triton_on(interpret, monkeypatch):
 
 
 @pytest.mark.parametrize("scoring,renormalize,e,k", [("softmax", True, 8, 2), ("softmax", False, 6, 3),
-                                                     ("sigmoid", True, 12, 4), ("softmax", True, 5, 1)])
+                                                     ("sigmoid", True, 12, 4), ("softmax", True, 5, 1),
+                                                     ("softmax", True, 128, 8), ("sigmoid", False, 200, 6)])
 def test_select_experts_kernel_equals_reference(triton_on, scoring, renormalize, e, k):
+    """Ranks at once up to 128 experts, k rounds of argmax above (200)."""
     logits = torch.randn(9, e, generator=torch.Generator().manual_seed(e + k)) * 3
     got_w, got_ids = select_experts(logits, k, renormalize, scoring)
     want_w, want_ids = select_experts_ref(logits, k, renormalize, scoring)
@@ -49,3 +51,15 @@ def test_routing_kernels_on_gpu(t):
     for block in (16, 64):
         got, want = moe_align_block_size(got_ids, block, 128), moe_align_block_size_ref(got_ids, block, 128)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("e", [5, 200])
+def test_select_experts_kernel_ties_take_the_lower_index(triton_on, e):
+    """Equal scores: the lower expert index first, in both top-k forms (ranks at 5 experts, argmax
+    rounds at 200)."""
+    logits = torch.full((1, e), -5.0)
+    logits[0, [1, 2, 4]] = 3.0
+    logits[0, 3] = 2.0
+    w, ids = select_experts(logits, 4, False)
+    assert ids.tolist() == [[1, 2, 4, 3]]
+    assert w[0, 0] == w[0, 1] == w[0, 2] > w[0, 3]

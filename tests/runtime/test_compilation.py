@@ -18,3 +18,13 @@ def test_compile_cache_under_fxrewrite_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere")  # a user's own choice is kept
     use_compile_cache()
     assert os.environ["TRITON_CACHE_DIR"] == "/elsewhere"
+
+
+def test_compile_cache_replaces_inductors_import_time_default(monkeypatch, tmp_path):
+    """Importing torch._inductor sets TORCHINDUCTOR_CACHE_DIR to its /tmp default: that is not a user's choice."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+
+    monkeypatch.setenv("FXREWRITE_CACHE", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    root = use_compile_cache()
+    assert cache_dir() == str(root / "inductor")  # where Inductor's FX graph cache now reads and writes

@@ -98,7 +98,7 @@ def test_serving_kernels_do_not_specialise_on_what_changes_every_step():
     wanted = {
         paged_prefill._prefill_kernel: ({"bt_s0"}, {"seq_lens_ptr", "qsl_ptr"}),
         paged_decode._decode_kernel: ({"bt_s0", "num_splits"}, {"seq_lens_ptr", "qsl_ptr"}),
-        paged_decode._reduce_kernel: ({"num_splits"}, {"qsl_ptr"}),
+        paged_decode._reduce_kernel: ({"num_splits"}, {"seq_lens_ptr", "qsl_ptr"}),
         qk_norm_rope._qk_norm_rope_kernel: (set(), {"pos_ptr"}),
         qk_norm_rope_cache._qk_norm_rope_cache_kernel: (set(), {"pos_ptr", "slot_ptr"}),
         reshape_and_cache._reshape_and_cache_kernel: (set(), {"slot_ptr"}),

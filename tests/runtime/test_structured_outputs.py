@@ -130,7 +130,8 @@ def test_manager_batches_accept_and_fill(llm):
     manager.add(-2, compiled)
 
     def step(seq_ids, tokens):
-        return [(SimpleNamespace(seq_id=s), SimpleNamespace(token_id=t)) for s, t in zip(seq_ids, tokens)]
+        return [(SimpleNamespace(seq_id=s, is_finished=False), SimpleNamespace(token_id=t))
+                for s, t in zip(seq_ids, tokens)]
 
     try:
         assert manager.accept_tokens(step([-1, -3, -2], yes[:1] + [5] + yes[:1])) == set()

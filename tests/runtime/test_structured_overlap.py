@@ -46,7 +46,8 @@ def _constraint(**kwargs):
 
 
 def test_fill_runs_after_the_forward_launch_beside_the_previous_steps_completion(llm):
-    """Order per step: forward launched < grammar fill < sample. The fill runs on a worker thread, and it
+    """Order per step: forward launched < grammar fill < sample (in the next launch). The fill runs on a
+    worker thread, and it
     and the main thread's completion of the previous step are in progress at the same time: each waits
     for the other to have started (a sequential implementation would time out here)."""
     engine = llm.llm_engine
@@ -82,8 +83,11 @@ def test_fill_runs_after_the_forward_launch_beside_the_previous_steps_completion
         job_fills[0] = job.host is not None
         return job
 
-    batch, original_start = structured._filler._batch, structured.start_step
+    filler, original_start = structured._filler, structured.start_step
+    filler.num_threads = 1  # one fill call per step (several threads split the rows)
     patches = [
+        (runner, "execute_model_async", record(runner, "execute_model_async", lambda *a, **k: events.append(
+            ("launch", None)))),
         (runner.model, "compute_logits", record(runner.model, "compute_logits", lambda *a, **k: events.append(
             ("forward", None)))),
         (runner.sampler, "sample", record(runner.sampler, "sample", lambda *a, **k: events.append(
@@ -91,8 +95,7 @@ def test_fill_runs_after_the_forward_launch_beside_the_previous_steps_completion
         (engine, "_process_sample", record(engine, "_process_sample", on_process)),
         (structured, "start_step", start),
     ]
-    structured._filler._batch = SimpleNamespace(
-        batch_fill_next_token_bitmask=record(batch, "batch_fill_next_token_bitmask", on_fill))
+    filler._fill = record(filler, "_fill", on_fill)
     for obj, name, value in patches:
         setattr(obj, name, value)
     try:
@@ -100,12 +103,18 @@ def test_fill_runs_after_the_forward_launch_beside_the_previous_steps_completion
                                 structured_outputs=_constraint(json=ENDLESS))
         out = llm.generate(["numbers:"], params, use_tqdm=False)[0]
     finally:
-        structured._filler._batch = batch
+        del filler._fill
         for obj, name, _ in patches:
             delattr(obj, name)
     assert all(len(c.token_ids) == 6 and c.text.startswith("[") for c in out.outputs)
     kinds = [kind for kind, _ in events]
-    assert kinds == ["forward", "fill", "sample"] * 6, kinds  # one prefill + five decode steps
+    # One prefill (its mask filled at once: no previous step) and five decode steps; a decode step samples
+    # when its tokens are first needed, in the next launch (before that step's forward) or in the last
+    # step's completion, so the main thread never waits for the mask inside the step's own launch.
+    decode = ["launch", "forward", "fill"] + ["launch", "sample", "forward", "fill"] * 4 + ["sample"]
+    assert kinds == ["launch", "forward", "fill", "sample"] + decode, kinds
+    kinds = [kind for kind in kinds if kind != "launch"]
+    assert kinds == ["forward", "fill", "sample"] * 6, kinds
     assert [on_main for kind, on_main in events if kind == "fill"] == [True] + [False] * 5  # prefill: no previous
     assert all(masked for kind, masked in events if kind == "sample")
     assert overlapped == [True] * 10  # five worker fills x (fill saw processing, processing saw the fill)
@@ -131,7 +140,7 @@ def _tokens(llm) -> list:
     return [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs]
 
 
-def test_seeded_outputs_equal_the_sequential_path_and_sync_scheduling(llm, tiny_llama_dir):
+def test_seeded_outputs_equal_the_sequential_path_threads_and_sync_scheduling(llm, tiny_llama_dir):
     overlapped = _tokens(llm)
     llm.llm_engine._structured.overlap = False  # the path before the worker thread
     try:
@@ -139,6 +148,12 @@ def test_seeded_outputs_equal_the_sequential_path_and_sync_scheduling(llm, tiny_
     finally:
         llm.llm_engine._structured.overlap = True
     assert overlapped == sequential
+    filler = llm.llm_engine._structured._filler
+    threads, filler.num_threads = filler.num_threads, 3  # rows split over three worker threads
+    try:
+        assert _tokens(llm) == overlapped
+    finally:
+        filler.num_threads = threads
     assert _tokens(_llm(tiny_llama_dir, async_scheduling=False)) == overlapped
     assert not llm.llm_engine._structured.matchers
 
@@ -155,9 +170,9 @@ def test_worker_grammar_violation_is_raised_on_the_main_thread(llm):
     mask = structured.fill_bitmask([-1], torch.device("cpu"))
     bits = ((mask[0][:, None] >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[: structured.vocab_size]
     banned = int((bits == 0).nonzero()[0])
-    sample = (SimpleNamespace(seq_id=-1), SimpleNamespace(token_id=banned))
     try:
-        job = structured.start_step([sample], [-1], torch.device("cpu"))
+        job = structured.start_step([SimpleNamespace(seq_id=-1, is_finished=False)], [banned], [-1],
+                                    torch.device("cpu"))
         with pytest.raises(RuntimeError, match="violates its grammar"):
             structured.finish_step(job, torch.device("cpu"))
         assert sys.getswitchinterval() == interval

@@ -1,0 +1,175 @@
+"""Skinny GEMV against cuBLAS at decode shapes (GPU): `python -m fxrewrite.benchmarks.gemv --out DIR`.
+
+For each bench config (default Qwen3-4B and Qwen3-32B) and each decoder projection, as the native model
+calls it (qkv_proj and gate_up_proj with the RMSNorm + residual add fused in, o_proj plain, down_proj with
+SiLU-and-mul fused in), at M = 1, 2, 4, 8 tokens, in bf16: microseconds per call of
+
+- ``cublas``: ``torch.nn.functional.linear`` alone (the GEMM, no prologue kernel);
+- ``unfused``: the prologue's own kernel (RMSNorm with residual / SiLU-and-mul) + ``F.linear``: what the
+  model runs without the GEMV (the load-time tuner's baseline, `fxrewrite.kernels.gemv_tune`);
+- every candidate config of the skinny GEMV (`fxrewrite.kernels.skinny_gemv.configs_for(M)`), prologue fused;
+  a config whose output differs from ``unfused`` by more than `gemv_tune.TOLERANCE` is reported as an error.
+
+Each time is a CUDA graph of 20 calls cycling over enough weight copies to overflow L2 (the weight streams
+from HBM, as in a decode step), replayed with `fxrewrite.benchmarks.common.replay_ms`. TB/s = weight bytes /
+time. Per config and M the file also gives the per-step estimate: layers x (sum over the four projections of
+the faster of GEMV and unfused) against layers x unfused. Writes ``<date>-gemv-<configs>.json`` with the
+environment (`common.environment`) and the device's copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from fxrewrite.benchmarks.common import RESULTS_DIR, environment, load_bench_config, replay_ms
+from fxrewrite.kernels.gemv_tune import TOLERANCE, baseline, candidate, make_inputs, max_rel_error, scratch_weights
+from fxrewrite.kernels.skinny_gemv import configs_for
+
+TOKENS = (1, 2, 4, 8)
+REPS = 20
+
+
+def projections(cfg: dict) -> dict[str, tuple[str, int, int]]:
+    """{projection: (kind, N, K)} of one decoder layer of an HF config dict (TP 1)."""
+    h, d = cfg["hidden_size"], cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    q, kv, inter = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d, cfg["intermediate_size"]
+    return {"qkv_proj": ("norm", q + 2 * kv, h), "o_proj": ("linear", h, q), "gate_up_proj": ("norm", 2 * inter, h),
+            "down_proj": ("silu", h, inter)}
+
+
+def graph_us(fn, copies: int) -> float:
+    """Microseconds per call of fn(i) (i cycles over the weight copies) replayed from one CUDA graph."""
+    for i in range(copies):
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for r in range(REPS):
+            fn(r % copies)
+    us = replay_ms(graph, 5, warmup=2) * 1e3 / REPS
+    del graph
+    return us
+
+
+def _timed(fn, copies: int):
+    try:
+        return graph_us(fn, copies)
+    except Exception as e:  # noqa: BLE001 - a config this GPU cannot run is reported, not fatal
+        return f"error: {type(e).__name__}: {str(e)[:200]}"
+
+
+def measure(kind: str, ws: list[torch.Tensor], m: int) -> dict:
+    """One (projection, M) row: us and TB/s per arm, the best GEMV config and its speedup over unfused."""
+    n, k = ws[0].shape
+    args = make_inputs(kind, m, k, ws[0].device, ws[0].dtype)
+    plain_x = torch.randn(m, k, device=ws[0].device, dtype=ws[0].dtype)
+    want = baseline(kind, ws[0], **args)
+    arms = {"cublas": _timed(lambda i: F.linear(plain_x, ws[i]), len(ws)),
+            "unfused": _timed(lambda i: baseline(kind, ws[i], **args), len(ws))}
+    for config in configs_for(m):
+        name = "gemv:" + "/".join(map(str, config))
+        try:
+            err = max_rel_error(candidate(kind, ws[0], config=config, **args), want)
+        except Exception as e:  # noqa: BLE001
+            arms[name] = f"error: {type(e).__name__}: {str(e)[:200]}"
+            continue
+        arms[name] = _timed(lambda i, c=config: candidate(kind, ws[i], config=c, **args), len(ws)) \
+            if err < TOLERANCE else f"error: max relative error {err:.3g} >= {TOLERANCE}"
+    nbytes = n * k * ws[0].element_size()
+    timed = {a: t for a, t in arms.items() if isinstance(t, float)}
+    gemvs = {a: t for a, t in timed.items() if a.startswith("gemv:")}
+    best = min(gemvs, key=gemvs.get) if gemvs else None
+    return {"kind": kind, "N": n, "K": k, "M": m, "weight_bytes": nbytes, "us": arms,
+            "TBps": {a: round(nbytes / (t * 1e-6) / 1e12, 3) for a, t in timed.items()},
+            "best_gemv": best, "speedup_vs_unfused": timed["unfused"] / gemvs[best] if best and "unfused" in timed
+            else None}
+
+
+def run_config(name: str) -> dict:
+    spec = load_bench_config(name)
+    cfg, out = spec["config"], {"rows": {}}
+    layers = cfg["num_hidden_layers"]
+    for proj, (kind, n, k) in projections(cfg).items():
+        ws = scratch_weights(n, k, "cuda", torch.bfloat16)
+        for m in TOKENS:
+            row = measure(kind, ws, m)
+            out["rows"][f"{proj}@{m}"] = row
+            print(f"{name} {proj:13s} M={m}: " + ", ".join(f"{a} {v:.1f}us ({row['TBps'][a]:.2f} TB/s)"
+                  for a, v in row["us"].items() if isinstance(v, float)), flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    out["per_step_ms"] = {}
+    for m in TOKENS:
+        rows = [out["rows"][f"{p}@{m}"] for p in projections(cfg)]
+        unfused = sum(r["us"]["unfused"] for r in rows)
+        chosen = sum(min(r["us"]["unfused"], r["us"].get(r["best_gemv"], float("inf"))) for r in rows)
+        out["per_step_ms"][m] = {"unfused": layers * unfused / 1e3, "with_gemv": layers * chosen / 1e3}
+    return out
+
+
+def _compile(jobs: list[tuple[str, int, int, tuple[int, int, int]]]) -> int:
+    """Build the Triton kernels of `jobs` ((kind, K, M, config)) into Triton's disk cache: a small N (a
+    multiple of 16, like every real N) specialises the kernel as the real shapes do."""
+    torch.cuda.init()
+    for kind, k, m, config in jobs:
+        w = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
+        candidate(kind, w, config=config, **make_inputs(kind, m, k, "cuda", torch.bfloat16))
+    torch.cuda.synchronize()
+    return len(jobs)
+
+
+def precompile(names: list[str], workers: int) -> float:
+    """Compile every (kind, K, M, config) the sweep will run in `workers` processes (Triton compiles one
+    kernel at a time per process; the sweep then loads them from the disk cache). Returns seconds."""
+    start = time.perf_counter()
+    jobs = sorted({(kind, k, m, config) for name in names
+                   for kind, _, k in projections(load_bench_config(name)["config"]).values()
+                   for m in TOKENS for config in configs_for(m)})
+    if workers > 1:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            list(pool.map(_compile, [jobs[i::workers] for i in range(workers)]))
+    return time.perf_counter() - start
+
+
+def copy_tbps() -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second) / 1e12, graph-timed."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / (graph_us(lambda i: dst.copy_(src), 1) * 1e-6) / 1e12
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for <date>-gemv-<configs>.json")
+    p.add_argument("--configs", default="qwen3-4b,qwen3-32b", help="comma list of bench configs")
+    p.add_argument("--compile-workers", type=int, default=min(16, os.cpu_count() or 1),
+                   help="processes that build the Triton kernels first (1: build them as the sweep runs)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("fxrewrite.benchmarks.gemv needs a CUDA GPU")
+    start = time.perf_counter()
+    names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    compile_s = precompile(names, args.compile_workers)
+    print(f"kernels built in {compile_s:.0f} s", flush=True)
+    result = {"environment": environment(), "copy_TBps": copy_tbps(), "reps_per_graph": REPS, "compile_s": compile_s,
+              "configs": {name: run_config(name) for name in names}}
+    result["elapsed_s"] = time.perf_counter() - start
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{datetime.date.today()}-gemv-{'-'.join(names)}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {path} in {result['elapsed_s']:.0f} s")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Load-time choice of the skinny GEMV per layer shape (`fxrewrite.kernels.gemv_tune`), for a model built
+from the fused layers: native models and the rewritten (`after`) transformers models alike.
+
+Every `LinearBase` (and `ParallelLMHead`) with a bf16 / fp16 / fp32 weight is measured with the kind
+its model calls it with: "norm" / "silu" where the layer's ``gemv_prologue`` says the model calls
+`norm_forward` / `silu_forward` (the native decoder layers), else "linear". FP8 layers keep their own
+GEMV and tuner (`fxrewrite.kernels.fp8_tune`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fxrewrite.kernels import gemv_dispatch, gemv_tune
+from fxrewrite.kernels.skinny_gemv import GEMV_MAX_M
+from fxrewrite.layers.linear import LinearBase, ReplicatedLinear
+from fxrewrite.layers.vocab_embedding import ParallelLMHead
+
+__all__ = ["adopt_plain_linears", "gemv_shapes", "prepare_skinny_gemv"]
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def gemv_shapes(model: nn.Module) -> set[tuple[str, int, int]]:
+    """{(kind, N, K)} of the model's layers the skinny GEMV may serve (per-rank weight shapes)."""
+    shapes = set()
+    for module in model.modules():
+        if isinstance(module, (LinearBase, ParallelLMHead)) and module.weight.dtype in _FLOATS:
+            plain = not isinstance(module, LinearBase) or module._plain_forward()
+            if plain and module.weight.dim() == 2:
+                n, k = module.weight.shape
+                shapes.add((getattr(module, "gemv_prologue", None) or "linear", n, k))
+    return shapes
+
+
+def adopt_plain_linears(model: nn.Module) -> int:
+    """Replace every plain `nn.Linear` with a float weight (a rewritten transformers model's o_proj,
+    down_proj, lm_head... at TP 1) by a `ReplicatedLinear` holding the same parameters, so that it too
+    dispatches between the skinny GEMV and cuBLAS. Names and values are unchanged. Returns the count."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.weight.dtype in _FLOATS:
+                new = ReplicatedLinear(child.in_features, child.out_features, bias=child.bias is not None,
+                                       params_dtype=child.weight.dtype, device="meta")
+                new.weight, new.bias = child.weight, child.bias
+                setattr(parent, name, new)
+                count += 1
+    return count
+
+
+def prepare_skinny_gemv(model: nn.Module, device: torch.device, dtype: torch.dtype, max_num_seqs: int) -> dict:
+    """On a CUDA device unless FXREWRITE_GEMV=off: `adopt_plain_linears`, then (FXREWRITE_GEMV=auto) time
+    the skinny GEMV against cuBLAS for every shape of `gemv_shapes(model)` at the decode token buckets up
+    to min(max_num_seqs, GEMV_MAX_M), recording the winners (`fxrewrite.kernels.gemv_tune`). Returns the
+    timings ({} when nothing was measured)."""
+    if torch.device(device).type != "cuda" or gemv_dispatch.mode() == "off":
+        return {}
+    adopt_plain_linears(model)
+    if gemv_dispatch.mode() != "auto":
+        return {}
+    shapes = gemv_shapes(model)
+    return gemv_tune.tune(shapes, device, dtype, min(max_num_seqs, GEMV_MAX_M)) if shapes else {}

@@ -1,0 +1,112 @@
+"""MoE router: the gate GEMV, the scores and the top-k of a few tokens in one launch.
+
+At decode the router is a [T, H] x [E, H]^T product (Qwen3-30B-A3B: 0.5 MB of weights) followed by
+the top-k selection. As a cuBLAS GEMV plus `select_experts` it costs two launches per layer, ~8 us
+on an H200 (benchmarks/results/2026-12-01-qwen3-30b-a3b-native-b1-decode-profile.json), nearly all
+of it latency. `route_experts` does both in one launch for T <= `FUSED_ROUTER_MAX_TOKENS`:
+
+* grid (token, expert block): each program computes its block of logits (float32 accumulation,
+  rounded to the hidden states' dtype, as ``F.linear`` returns them: transformers' routers take
+  ``softmax(router_logits, dtype=float32)`` of those) and stores them to a scratch row;
+* the program that finishes a token last (a per-token arrival counter, the classic "last block"
+  reduction: barrier, then a gpu-scope acq_rel atomic) reads the whole row back and runs the same
+  top-k as `select_experts` (`select_top_k`), then resets the counter to zero for the next launch.
+
+The result does not depend on which program arrives last (the logits are each computed by one
+program, the top-k reads them all): deterministic. The counters live in a per-device buffer that
+stays zero between launches, so the launch is CUDA-graph safe; launches on one stream only (the
+engine's case). Specification: `route_experts_ref` (transformers' ``Qwen3MoeTopKRouter``,
+``OlmoeTopKRouter``, ``MixtralTopKRouter``: linear -> float32 softmax -> top-k -> optional renorm).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fxrewrite.kernels import use_triton
+from fxrewrite.kernels.moe_routing import check_routing, select_experts, select_experts_ref, select_top_k
+from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
+
+__all__ = ["FUSED_ROUTER_MAX_TOKENS", "route_experts", "route_experts_ref"]
+
+FUSED_ROUTER_MAX_TOKENS = 8
+"""Largest token count routed by the fused kernel; above it the GEMM + `select_experts` pair runs."""
+_EXPERTS_PER_PROGRAM = 4  # Qwen3-30B-A3B: 32 programs per token, each reading 16 KB of the gate
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def route_experts_ref(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
+                      scoring_func: str = "softmax", bias: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H], router weight [E, H] (optional bias [E]) -> (topk_weights [T, K] float32,
+    topk_ids [T, K] int64): ``select_experts_ref(F.linear(x, weight, bias), ...)``; errors as there."""
+    return select_experts_ref(F.linear(x, weight, bias), top_k, renormalize, scoring_func)
+
+
+@triton.jit
+def _router_kernel(x_ptr, w_ptr, logits_ptr, counter_ptr, weights_ptr, ids_ptr, num_experts, stride_xt, stride_we,
+                   HIDDEN: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, SOFTMAX: tl.constexpr,
+                   BLOCK_SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs_e = tl.program_id(1) * BLOCK_SPLIT + tl.arange(0, BLOCK_SPLIT)
+    e_mask = offs_e < num_experts
+    acc = tl.zeros((BLOCK_SPLIT, BLOCK_H), dtype=tl.float32)
+    for h0 in tl.static_range(0, HIDDEN, BLOCK_H):  # unrolled: all of the block's gate rows in flight
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        h_mask = offs_h < HIDDEN
+        xv = tl.load(x_ptr + row * stride_xt + offs_h, mask=h_mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs_e[:, None].to(tl.int64) * stride_we + offs_h[None, :],
+                    mask=e_mask[:, None] & h_mask[None, :], other=0.0)
+        acc += w.to(tl.float32) * xv[None, :]
+    logits = tl.sum(acc, axis=1).to(logits_ptr.dtype.element_ty)  # F.linear's output dtype
+    tl.store(logits_ptr + row * num_experts + offs_e, logits, mask=e_mask)
+    tl.debug_barrier()  # every thread's logits stored before the arrival is released
+    arrived = tl.atomic_add(counter_ptr + row, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(1) - 1:  # the token's last program: all its logits are stored
+        tl.atomic_xchg(counter_ptr + row, 0, sem="relaxed", scope="gpu")
+        offs = tl.arange(0, BLOCK_E)
+        valid = offs < num_experts
+        x = tl.load(logits_ptr + row * num_experts + offs, mask=valid, other=0.0, volatile=True).to(tl.float32)
+        select_top_k(x, valid, offs, weights_ptr, ids_ptr, row, TOP_K, RENORMALIZE, SOFTMAX, BLOCK_E, BLOCK_K)
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """The per-device arrival counters (zero between launches: each launch's last programs reset theirs)."""
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(FUSED_ROUTER_MAX_TOKENS, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
+
+
+def fused_router_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether `route_experts` takes the one-launch kernel: Triton available for x, 1..8 tokens, no
+    bias, x and weight of one dtype with unit last strides, no autograd (the kernel has no backward)."""
+    if not use_triton(x) or x.dim() != 2 or not 1 <= x.shape[0] <= FUSED_ROUTER_MAX_TOKENS or bias is not None:
+        return False
+    if weight.dim() != 2 or x.dtype != weight.dtype or x.stride(-1) != 1 or weight.stride(-1) != 1:
+        return False
+    return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+
+
+def route_experts(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
+                  scoring_func: str = "softmax", bias: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `route_experts_ref`; one Triton launch when `fused_router_applies`, else
+    ``select_experts(F.linear(x, weight, bias), ...)`` (the Triton top-k where it applies)."""
+    if not fused_router_applies(x, weight, bias):
+        return select_experts(F.linear(x, weight, bias), top_k, renormalize, scoring_func)
+    t, hidden = x.shape
+    num_experts = weight.shape[0]
+    check_routing(x.new_empty(0, num_experts), top_k, scoring_func)
+    if weight.shape[1] != hidden:
+        raise ValueError(f"router weight {tuple(weight.shape)} does not match hidden states {tuple(x.shape)}")
+    logits = torch.empty(t, num_experts, dtype=x.dtype, device=x.device)
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
+    split = min(_EXPERTS_PER_PROGRAM, next_power_of_2(num_experts))
+    launch(_router_kernel, (t, triton.cdiv(num_experts, split)), x.device)(
+        x, weight, logits, _counters(x.device), weights, ids, num_experts, x.stride(0), weight.stride(0),
+        HIDDEN=hidden, TOP_K=top_k, RENORMALIZE=renormalize, SOFTMAX=scoring_func == "softmax",
+        BLOCK_SPLIT=split, BLOCK_H=min(256, next_power_of_2(hidden)), BLOCK_E=next_power_of_2(num_experts),
+        BLOCK_K=next_power_of_2(top_k), num_warps=4)
+    return weights, ids

@@ -1,0 +1,223 @@
+"""Skinny GEMM for decode (M <= GEMV_MAX_M tokens) on bf16 / fp16 / fp32 weights [N, K] (nn.Linear's
+layout), with the neighbouring element-wise kernels fused in as prologues:
+
+- ``norm_weight``: RMSNorm of each input row (optionally after the residual add, the new residual
+  written once, by the programs of the first column tile): qkv_proj and gate_up_proj then take the
+  un-normalised hidden state and the `_rms_norm_kernel` launch disappears;
+- ``silu_mul``: the input is gate_up's output [M, 2K]; silu(gate) * up is computed on the fly (rounded to
+  the input dtype, as the separate kernel stores it), so down_proj runs without `_act_and_mul_kernel`.
+
+Decode is bound by the weight stream (every weight byte read once per step). Each program owns
+BLOCK_N output rows and all M tokens, streams [BLOCK_N, BLOCK_K] weight tiles along K (16-byte vector
+loads), and keeps a float32 [BLOCK_M, BLOCK_N, BLOCK_K] accumulator of products that is reduced over K
+once, after the loop (as Inductor's GEMV reductions do): no cross-thread reduction per step. Small
+BLOCK_N (1-8 rows) gives N / BLOCK_N >= 320 programs even for o_proj / down_proj (N = hidden size), so
+the 132 SMs fill without split-K and without a second reduction kernel. The RMSNorm factor is applied
+after the dot: sum_k w[n,k] * x[k] * g[k] * rstd = rstd * sum_k w[n,k] * (x[k] * g[k]), so the sum of
+squares accumulates in the same pass (every program recomputes it: x is a few KB, read from L1/L2).
+
+Reference `skinny_gemv_ref`: the unfused ops (rms_norm_ref / silu_and_mul_ref, then F.linear), which is
+what the model runs without this kernel. Formulas: RMSNorm as transformers' LlamaRMSNorm, SiLU-and-mul
+as its LlamaMLP.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fxrewrite.kernels.activation import silu_and_mul_ref
+from fxrewrite.kernels.rms_norm import rms_norm_ref
+from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
+
+__all__ = ["GEMV_MAX_M", "CONFIGS", "skinny_gemv_ref", "skinny_gemv_triton", "configs_for"]
+
+GEMV_MAX_M = 8
+"""Largest token count: each token adds M float32 accumulators per weight element a thread holds."""
+CONFIGS = {
+    1: ((4, 512, 2), (8, 512, 2), (2, 1024, 2), (4, 1024, 2)),
+    2: ((4, 512, 2), (2, 512, 2), (2, 1024, 2)),
+    4: ((2, 512, 2), (4, 512, 2), (1, 1024, 2)),
+    8: ((1, 512, 2), (2, 512, 2), (1, 1024, 2)),
+}
+"""(block_n, block_k, num_warps) candidates by padded token count BLOCK_M. block_k is a multiple of 256 *
+num_warps: every thread owns whole 8-column groups (16-byte bf16 loads, block_k / 256 / num_warps per row)
+of each of the block_n rows, so an input slice [block_k] is laid out as the weight tile's columns already
+(no shared-memory shuffle, no barrier in the loop); block_n * block_k / (32 * num_warps) * BLOCK_M float32
+accumulators per thread (32-64)."""
+
+
+def configs_for(m: int) -> tuple[tuple[int, int, int], ...]:
+    """The candidate configs for m tokens (1 <= m <= GEMV_MAX_M; ValueError otherwise)."""
+    if not 1 <= m <= GEMV_MAX_M:
+        raise ValueError(f"skinny GEMV takes 1..{GEMV_MAX_M} rows, got {m}")
+    return CONFIGS[next_power_of_2(m)]
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, norm_weight, residual, silu_mul: bool) -> int:
+    k = w.shape[1]
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != (2 * k if silu_mul else k):
+        want = f"[M, {2 * k}] (gate | up)" if silu_mul else f"[M, {k}]"
+        raise ValueError(f"skinny_gemv: x {tuple(x.shape)} does not fit weight {tuple(w.shape)}; expected {want}")
+    if silu_mul and norm_weight is not None:
+        raise ValueError("skinny_gemv: silu_mul and norm_weight are exclusive prologues")
+    if residual is not None and (norm_weight is None or residual.shape != x.shape):
+        raise ValueError(f"skinny_gemv: residual {tuple(residual.shape)} needs norm_weight and x's shape "
+                         f"{tuple(x.shape)}")
+    return k
+
+
+def skinny_gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
+                    norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                    residual: torch.Tensor | None = None, silu_mul: bool = False):
+    """Torch reference. x [M, K] (or [M, 2K] with silu_mul), w [N, K], bias [N] or None, all one float dtype.
+
+    norm_weight [K]: x -> rms_norm(x (+ residual)) first; with residual [M, K] returns (out, x + residual),
+    else out [M, N]. silu_mul: x -> silu(x[:, :K]) * x[:, K:] first. ValueError on shapes that do not fit."""
+    _check(x, w, norm_weight, residual, silu_mul)
+    if silu_mul:
+        return F.linear(silu_and_mul_ref(x), w, bias)
+    if norm_weight is None:
+        return F.linear(x, w, bias)
+    normed = rms_norm_ref(x, norm_weight, eps, residual)
+    if residual is None:
+        return F.linear(normed, w, bias)
+    return F.linear(normed[0], w, bias), normed[1]
+
+
+def skinny_gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
+                       norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                       residual: torch.Tensor | None = None, silu_mul: bool = False,
+                       config: tuple[int, int, int] | None = None):
+    """The Triton kernel; same contract as `skinny_gemv_ref` (M <= GEMV_MAX_M, else ValueError).
+    config: (block_n, block_k, num_warps), default the first of `configs_for(M)`."""
+    k = _check(x, w, norm_weight, residual, silu_mul)
+    m, n = x.shape[0], w.shape[0]
+    block_n, block_k, num_warps = config or configs_for(m)[0]
+    configs_for(m)  # range check
+    if x.stride(1) != 1 or not w.is_contiguous():
+        raise ValueError(f"skinny_gemv: needs x with unit column stride and a contiguous weight; got strides "
+                         f"{x.stride()} and {w.stride()}")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    res_out = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else out
+    res_in = residual if residual is not None else x
+    if res_in.stride(1) != 1:
+        res_in = res_in.contiguous()
+    block_k = min(block_k, next_power_of_2(k))
+    launch(_skinny_gemv_kernel, (triton.cdiv(n, block_n),), x.device)(
+        x, res_in, norm_weight if norm_weight is not None else w, w, bias if bias is not None else w, out, res_out,
+        m, n, k, x.stride(0), res_in.stride(0), float(eps),
+        BLOCK_M=next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
+        HAS_RES=residual is not None, SILU_MUL=silu_mul, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
+        num_warps=num_warps,
+    )
+    return (out, res_out) if residual is not None else out
+
+
+@triton.jit
+def _load(ptrs, mask, EVEN: tl.constexpr):
+    if EVEN:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _token(x_ptr, res_ptr, g_ptr, res_out_ptr, i, rk, M, K, stride_xm, stride_rm, write_res,
+           NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr):
+    """Token i's input slice [BLOCK_K] as float32, prologue applied (without the norm's 1/rms), and its
+    squares for the norm. Token rows past M re-read row M - 1 (their outputs are not stored)."""
+    row = tl.minimum(i, M - 1)
+    k_ok = rk < K
+    if SILU_MUL:
+        gate = _load(x_ptr + row * stride_xm + rk, k_ok, EVEN_K).to(tl.float32)
+        up = _load(x_ptr + row * stride_xm + K + rk, k_ok, EVEN_K).to(tl.float32)
+        # rounded as the separate activation kernel stores it
+        x = (gate * tl.sigmoid(gate) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+        sq = x
+    else:
+        xv = _load(x_ptr + row * stride_xm + rk, k_ok, EVEN_K)
+        if HAS_RES:
+            r = _load(res_ptr + row * stride_rm + rk, k_ok, EVEN_K)
+            xv = (xv.to(tl.float32) + r.to(tl.float32)).to(xv.dtype)  # one rounding, as a bf16 add
+            if write_res:
+                row_ok = tl.full((1,), i, tl.int32) < M  # a tensor: the interpreter masks with no Python bool
+                tl.store(res_out_ptr + i * K + rk, xv, mask=k_ok & row_ok)
+        x = xv.to(tl.float32)
+        sq = x * x
+        if NORM:
+            x = x * _load(g_ptr + rk, k_ok, EVEN_K).to(tl.float32)
+    return x, sq
+
+
+@triton.jit
+def _store_row(out_ptr, b_ptr, acc, ss, i, rn, M, N, K, eps, NORM: tl.constexpr, HAS_BIAS: tl.constexpr):
+    out = tl.sum(acc, axis=1)  # [BLOCK_N]: the one reduction over K
+    if NORM:
+        out = out * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+    if HAS_BIAS:
+        out += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+    row_ok = tl.full((1,), i, tl.int32) < M
+    tl.store(out_ptr + i * N + rn, out.to(out_ptr.dtype.element_ty), mask=(rn < N) & row_ok)
+
+
+@triton.jit
+def _fma(acc, ss, w, i, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, write_res,
+         NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr):
+    """Token i's accumulator += w * x_i (elementwise over the [BLOCK_N, BLOCK_K] tile); ss += x_i^2 (norm)."""
+    x, sq = _token(x_ptr, res_ptr, g_ptr, res_out_ptr, i, rk, M, K, stride_xm, stride_rm, write_res,
+                   NORM, HAS_RES, SILU_MUL, EVEN_K)
+    if NORM:
+        ss = ss + sq
+    return acc + w * x[None, :], ss
+
+
+@triton.jit
+def _skinny_gemv_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, M, N, K, stride_xm, stride_rm,
+                        eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        EVEN_K: tl.constexpr):
+    # One [BLOCK_N, BLOCK_K] float32 accumulator per token, in the weight tile's own layout (elementwise
+    # FMAs, no per-step reduction); tokens past BLOCK_M are pruned at compile time.
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * K  # a partial last tile re-reads row N - 1
+    rk0 = tl.arange(0, BLOCK_K)
+    first = pid == 0  # the programs of the first tile write the new residual
+    a0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    a1, a2, a3, a4, a5, a6, a7 = a0, a0, a0, a0, a0, a0, a0
+    s0 = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    s1, s2, s3, s4, s5, s6, s7 = s0, s0, s0, s0, s0, s0, s0
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + rk0
+        w = _load(w_rows + rk[None, :], (rk < K)[None, :], EVEN_K).to(tl.float32)
+        a0, s0 = _fma(a0, s0, w, 0, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, first,
+                      NORM, HAS_RES, SILU_MUL, EVEN_K)
+        if BLOCK_M > 1:
+            a1, s1 = _fma(a1, s1, w, 1, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, first,
+                          NORM, HAS_RES, SILU_MUL, EVEN_K)
+        if BLOCK_M > 2:
+            a2, s2 = _fma(a2, s2, w, 2, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, first,
+                          NORM, HAS_RES, SILU_MUL, EVEN_K)
+            a3, s3 = _fma(a3, s3, w, 3, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, first,
+                          NORM, HAS_RES, SILU_MUL, EVEN_K)
+        if BLOCK_M > 4:
+            a4, s4 = _fma(a4, s4, w, 4, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, first,
+                          NORM, HAS_RES, SILU_MUL, EVEN_K)
+            a5, s5 = _fma(a5, s5, w, 5, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, first,
+                          NORM, HAS_RES, SILU_MUL, EVEN_K)
+            a6, s6 = _fma(a6, s6, w, 6, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, first,
+                          NORM, HAS_RES, SILU_MUL, EVEN_K)
+            a7, s7 = _fma(a7, s7, w, 7, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, first,
+                          NORM, HAS_RES, SILU_MUL, EVEN_K)
+    _store_row(out_ptr, b_ptr, a0, s0, 0, rn, M, N, K, eps, NORM, HAS_BIAS)
+    if BLOCK_M > 1:
+        _store_row(out_ptr, b_ptr, a1, s1, 1, rn, M, N, K, eps, NORM, HAS_BIAS)
+    if BLOCK_M > 2:
+        _store_row(out_ptr, b_ptr, a2, s2, 2, rn, M, N, K, eps, NORM, HAS_BIAS)
+        _store_row(out_ptr, b_ptr, a3, s3, 3, rn, M, N, K, eps, NORM, HAS_BIAS)
+    if BLOCK_M > 4:
+        _store_row(out_ptr, b_ptr, a4, s4, 4, rn, M, N, K, eps, NORM, HAS_BIAS)
+        _store_row(out_ptr, b_ptr, a5, s5, 5, rn, M, N, K, eps, NORM, HAS_BIAS)
+        _store_row(out_ptr, b_ptr, a6, s6, 6, rn, M, N, K, eps, NORM, HAS_BIAS)
+        _store_row(out_ptr, b_ptr, a7, s7, 7, rn, M, N, K, eps, NORM, HAS_BIAS)

@@ -1,0 +1,25 @@
+"""The structured-output benchmark's arms and summaries (no engine: the GPU run is `STEP=structured`)."""
+
+import pytest
+
+pytest.importorskip("xgrammar", reason="structured outputs need the serve extra (xgrammar)")
+
+from fxrewrite.benchmarks.structured_outputs import LONG_SCHEMA, _arms, _summary  # noqa: E402
+
+
+def test_arms_interleave_the_schema_paths_and_thread_counts():
+    arms = _arms(batch=4, output_len=8, threads=[1, 4])
+    assert list(arms) == ["none", "json_schema", "json_schema_sequential", "json_schema_threads1",
+                          "json_schema_threads4"]
+    none, schema = arms["none"][0], arms["json_schema"][0]
+    assert all(p.structured_outputs is None for p in none) and len(none) == 4
+    assert all(p.structured_outputs.json == LONG_SCHEMA and p.ignore_eos and p.max_tokens == 8 for p in schema)
+    assert [(overlap, k) for _, overlap, k in arms.values()] == [(True, None), (True, None), (False, None),
+                                                                  (True, 1), (True, 4)]
+
+
+def test_summary_reports_median_and_spread():
+    summary = _summary([100.0, 80.0, 120.0, 90.0])
+    assert summary["output_tokens_per_s"] == 95.0 and summary["min"] == 80.0 and summary["max"] == 120.0
+    assert summary["spread_fraction"] == pytest.approx(40.0 / 95.0, abs=1e-4)
+    assert summary["runs"] == [100.0, 80.0, 120.0, 90.0]

@@ -1,0 +1,118 @@
+"""The fused router (gate GEMV + scores + top-k in one launch) against F.linear + select_experts_ref."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fxrewrite.kernels import moe_router
+from fxrewrite.kernels.moe_router import FUSED_ROUTER_MAX_TOKENS, route_experts, route_experts_ref
+from fxrewrite.kernels.triton_utils import listen_launches
+
+
+@pytest.fixture
+def triton_on(interpret, monkeypatch):
+    monkeypatch.setenv("FXREWRITE_TRITON", "1")
+
+
+class _Launches:
+    def __init__(self):
+        self.names = []
+
+    def enter_launch(self, name):
+        self.names.append(name)
+
+    def exit_launch(self, name):
+        pass
+
+
+def _inputs(t, h, e, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(t, h, generator=gen) * 0.2).to(dtype), torch.randn(e, h, generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("t,h,e,k,scoring,renormalize", [
+    (1, 40, 8, 2, "softmax", True), (3, 300, 12, 4, "sigmoid", True), (8, 64, 6, 3, "softmax", False),
+    (2, 32, 128, 8, "softmax", True)])
+def test_fused_router_matches_reference(triton_on, t, h, e, k, scoring, renormalize):
+    """Several expert blocks per token (e > 4), hidden not a power of two (masked chunks); the arrival
+    counters are back at zero afterwards (the next launch, or a CUDA-graph replay, starts clean)."""
+    x, w = _inputs(t, h, e, seed=t + e)
+    launches = _Launches()
+    with listen_launches(launches):
+        got_w, got_ids = route_experts(x, w, k, renormalize, scoring)
+    want_w, want_ids = route_experts_ref(x, w, k, renormalize, scoring)
+    assert launches.names == ["_router_kernel"]
+    assert torch.equal(got_ids, want_ids) and got_ids.dtype == torch.int64
+    torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+    assert not moe_router._counters(x.device).any()
+
+
+def test_fused_router_rounds_logits_to_the_input_dtype(triton_on):
+    """bf16 hidden states: the logits are rounded to bf16 before the float32 softmax, as F.linear's
+    output is in transformers' routers (the scores then match within bf16 rounding of the logits)."""
+    x, w = _inputs(2, 64, 16, torch.bfloat16, seed=3)
+    got_w, got_ids = route_experts(x, w, 4, True)
+    want_w, want_ids = route_experts_ref(x, w, 4, True)
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, rtol=2e-2, atol=1e-3)
+
+
+def test_fallbacks_take_the_gemm_path(triton_on):
+    """More tokens than FUSED_ROUTER_MAX_TOKENS, a router bias, or autograd: no fused launch, same results."""
+    launches = _Launches()
+    x, w = _inputs(FUSED_ROUTER_MAX_TOKENS + 1, 32, 8)
+    bias, wg = torch.randn(8), w.clone().requires_grad_()
+    with listen_launches(launches):
+        torch.testing.assert_close(route_experts(x, w, 2, True), route_experts_ref(x, w, 2, True))
+        torch.testing.assert_close(route_experts(x[:2], w, 2, True, bias=bias),
+                                   route_experts_ref(x[:2], w, 2, True, bias=bias))
+        torch.testing.assert_close(route_experts(x[:2], wg, 2, True), route_experts_ref(x[:2], wg, 2, True))
+    assert "_router_kernel" not in launches.names and "_select_experts_kernel" in launches.names
+
+
+def test_bad_top_k_is_a_clear_error(triton_on):
+    x, w = _inputs(1, 32, 8)
+    with pytest.raises(ValueError, match="top_k=9"):
+        route_experts(x, w, 9, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 4, 8])
+def test_fused_router_cuda_graph_on_gpu(t):
+    """Qwen3-30B-A3B's router (128 experts, top-8, H=2048): replays of one captured launch with new
+    hidden states give the reference's experts every time (float32: no bf16 ties)."""
+    torch.manual_seed(t)
+    w = torch.randn(128, 2048, device="cuda")
+    x = torch.randn(t, 2048, device="cuda") * 0.05
+    route_experts(x, w, 8, True)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        weights, ids = route_experts(x, w, 8, True)
+    for _ in range(20):
+        x.copy_(torch.randn_like(x) * 0.05)
+        graph.replay()
+        want_w, want_ids = route_experts_ref(x, w, 8, True)
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(weights, want_w, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_moe_layer_routes_decode_tokens_in_one_launch(interpret, monkeypatch):
+    """`FusedMoE` at decode (2 tokens, Triton on): the fused router and the two direct expert kernels,
+    no GEMM + select pair; the output equals the torch path's (Triton off)."""
+    from fxrewrite.layers.fused_moe import FusedExperts, FusedMoE
+
+    torch.manual_seed(0)
+    router, experts = torch.nn.Linear(32, 8, bias=False), FusedExperts(8, 32, 16)
+    torch.nn.init.normal_(experts.w13, std=0.2), torch.nn.init.normal_(experts.w2, std=0.2)
+    moe = FusedMoE({"router": "gate", "experts": "experts"}, {"router": router, "experts": experts},
+                   top_k=2, renormalize=True)
+    x = torch.randn(2, 32)
+    with torch.no_grad():
+        want = moe(x)
+        monkeypatch.setenv("FXREWRITE_TRITON", "1")
+        launches = _Launches()
+        with listen_launches(launches):
+            got = moe(x)
+    assert launches.names == ["_router_kernel", "_direct_gate_up_kernel", "_direct_down_kernel"]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,115 @@
+"""Regional torch.compile (issue 14 item 1): one graph serves every decoder layer and every token count.
+
+Dynamo runs on the CPU here with a counting backend that returns the traced graph unchanged (Inductor's
+C++ compile would take minutes on a CI core); what is checked is what decides compile time: how many
+graphs dynamo hands to the backend, whether that grows with the layer count or with new token counts,
+graph breaks, and that the compiled engine samples the eager engine's greedy tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from fxrewrite import LLM, SamplingParams
+from fxrewrite.kernels.triton_utils import HAS_TRITON, interpreter_ready
+from fxrewrite.runtime.worker.compilation import compile_model, decoder_layers, forward_or_fallback
+from fxrewrite.runtime.worker.forward_context import forward_context
+from fxrewrite.runtime.worker.memory_profiling import _dummy_metadata
+
+PROMPTS = ["hello world, this is", "a b c d e f g h i j k l", "x"]
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
+
+
+class CountingBackend:
+    """A dynamo backend that records each graph it is given and runs it as traced."""
+
+    def __init__(self):
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+
+def _engine(tiny_model_dir, impl: str, layers: int) -> LLM:
+    path = str(tiny_model_dir("qwen3", num_hidden_layers=layers))
+    # 7 tokens per step: the prompts are chunked, so prefill steps of several sizes run, then decode of 3, 2, 1
+    return LLM(path, model_impl=impl, dtype="float32", block_size=4, max_num_batched_tokens=7, max_num_seqs=4)
+
+
+def _token_ids(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def _forward_all_sizes(llm: LLM, sizes) -> None:
+    runner = llm.llm_engine.model_runner
+    for t in sizes:
+        with torch.inference_mode():  # inference tensors, as in the engine's steps (dynamo guards on the kind)
+            positions, meta, _ = _dummy_metadata(t, 4, runner.block_size, runner.device)
+            meta.kv_caches = runner.kv_caches
+            meta.slot_mapping.fill_(-1)  # write no KV: the engine's prefix-cached blocks stay intact
+            with forward_context(meta):
+                forward_or_fallback(runner.model, torch.arange(t) % 100, positions)
+
+
+@pytest.mark.parametrize("impl, graphs", [("native", 4), ("transformers", 2)])
+def test_graph_count_does_not_grow_with_layers_or_token_counts(tiny_model_dir, impl, graphs):
+    """One graph for any token count T >= 2 and one for T = 1 (dynamo specialises size 1), per layer kind
+    (native: the first layer, residual None, and the others). The same for 2 and 4 layers, through an
+    engine run (chunked prefill, decode) and then T in 1..9: no recompile, no graph break, and the
+    eager engine's greedy tokens."""
+    for layers in (2, 4):
+        torch._dynamo.reset()
+        counters.clear()
+        llm = _engine(tiny_model_dir, impl, layers)
+        expected = _token_ids(llm)
+        backend = CountingBackend()
+        compile_model(llm.llm_engine.model_runner.model, backend=backend)
+        assert _token_ids(llm) == expected
+        _forward_all_sizes(llm, (1, 2, 3, 5, 8, 9))
+        assert len(backend.graphs) == graphs, (layers, [g.code for g in backend.graphs])
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        assert llm.llm_engine.model_runner.model._fxrewrite_compiled
+        targets = {str(n.target) for g in backend.graphs for n in g.graph.nodes}
+        assert any(t.startswith("fxrewrite.paged_attend") for t in targets)  # attention stays one opaque op
+        assert not any("triton" in t for t in targets)  # no Triton launch traced into the graph
+
+
+def test_decoder_layers_and_restore(tiny_model_dir):
+    """A compile failure restores the eager forwards of the model and of every layer."""
+    torch._dynamo.reset()
+    llm = _engine(tiny_model_dir, "transformers", 2)
+    model = llm.llm_engine.model_runner.model
+    layers = decoder_layers(model)
+    assert layers is model.hf_model.base_model.layers
+    rewritten = [layer.forward for layer in layers]  # the rewrite's per-instance forwards
+
+    def failing(gm, example_inputs):
+        raise RuntimeError("backend cannot compile this")
+
+    expected = _token_ids(llm)
+    compile_model(model, backend=failing)
+    assert model._fxrewrite_compiled and [layer.forward for layer in layers] != rewritten
+    _forward_all_sizes(llm, [3])  # the engine's first (compiling) forward: warm-up, profiling, graph capture
+    assert not model._fxrewrite_compiled and "forward" not in model.__dict__
+    assert [layer.forward for layer in layers] == rewritten
+    assert _token_ids(llm) == expected
+
+
+def test_opt_in_serving_kernels_enter_the_graph_as_ops(tiny_model_dir, monkeypatch):
+    """FXREWRITE_COMPILE_KERNELS=1: RMSNorm and SiLU-and-mul are the opaque Triton ops in the layer graph
+    (Triton through the interpreter here), not references for Inductor to fuse."""
+    if not HAS_TRITON or not interpreter_ready():
+        pytest.skip("needs triton's interpreter (TRITON_INTERPRET=1 before triton's import: tests/conftest.py)")
+    monkeypatch.setenv("FXREWRITE_TRITON", "1")
+    monkeypatch.setenv("FXREWRITE_COMPILE_KERNELS", "1")
+    torch._dynamo.reset()
+    llm = _engine(tiny_model_dir, "native", 2)
+    backend = CountingBackend()
+    compile_model(llm.llm_engine.model_runner.model, backend=backend)
+    _forward_all_sizes(llm, [3])
+    targets = {str(n.target) for g in backend.graphs for n in g.graph.nodes}
+    for op in ("fxrewrite.rms_norm_train", "fxrewrite.act_and_mul_train"):
+        assert any(t.startswith(op) for t in targets), (op, targets)

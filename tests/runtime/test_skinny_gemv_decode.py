@@ -1,0 +1,43 @@
+"""The native decoder layer through the skinny GEMV (Triton interpreter, FXREWRITE_GEMV=on): its RMSNorms and
+SiLU-and-mul run inside the projections (no `rms_norm_kernel` but the final norm, no `_act_and_mul_kernel`,
+no cuBLAS GEMM in a batch-1 decode step), and greedy decoding gives the reference tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from fxrewrite.benchmarks.count_launches import decode_step_launches
+from fxrewrite.kernels import gemv_dispatch
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
+from fxrewrite.runtime.llm import LLM
+
+
+@pytest.fixture
+def interpret():
+    from fxrewrite.kernels.triton_utils import HAS_TRITON, interpreter_ready
+
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    if not interpreter_ready():
+        pytest.skip("triton runs compiled kernels here (a GPU machine): the CPU interpreter is not in use")
+
+
+def test_native_decode_fuses_norms_and_activation_into_the_gemv(tiny_model_dir, interpret, monkeypatch):
+    path = tiny_model_dir("qwen3", num_hidden_layers=1)
+    llm = LLM(str(path), model_impl="native", dtype="float32", kv_cache_memory_bytes=1 << 21, max_model_len=128,
+              enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    prompts = [list(range(5, 20)), [7, 8, 9]]  # a 15-token prefill (cuBLAS) and a 3-token one (the GEMV)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setenv("FXREWRITE_TRITON", "1")
+    monkeypatch.setenv("FXREWRITE_GEMV", "on")
+    head = llm.llm_engine.model_runner.model.lm_head.weight
+    for bucket in (1, 2):  # the 151936-row LM head keeps cuBLAS: too many programs for the interpreter
+        gemv_dispatch.record("linear", *head.shape, bucket, None)
+    counts = decode_step_launches(llm)
+    assert counts["triton:_skinny_gemv_kernel"] == 4  # qkv, o, gate_up, down
+    assert counts["triton:rms_norm_kernel"] == 1 and not counts["triton:_act_and_mul_kernel"]
+    assert not any(counts[f"aten:{op}"] for op in ("mm", "addmm", "linear", "matmul"))
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    gemv_dispatch.clear()
+    assert got == want
