@@ -5,6 +5,8 @@
 #                                arms without gradient checkpointing (<date>-qwen3-0.6b-train-no-gc.json)
 #   STEP=train-chunks (nvidia-h200): fused linear cross-entropy time/memory per chunk size (<date>-flce-chunks.json),
 #                                then the five arms with gradient checkpointing, compiled arms allowed 200 s each
+#   STEP=train-eager (nvidia-h200): the fused q/k-norm + rotary GPU test, then liger vs optimize (eager) with
+#                                and without gradient checkpointing into $OUT_DIR/eager/
 #   STEP=train-kernels (nvidia-h200): compiled-training-step GPU tests; the arms liger, optimize-compile,
 #                                optimize-compile-kernels (gradient checkpointing) into $OUT_DIR/kernels/
 #   STEP=serve (nvidia-h200):    MoE throughput (Qwen3-30B-A3B shapes), -O 3 cold and warm start, FP8 GEMM,
@@ -59,6 +61,15 @@ train-nogc)
   timeout -k 5 450 $PY -m fxrewrite bench train --config qwen3-0.6b --arms stock,stock-compile,liger,optimize,optimize-compile \
     --batch-size 8 --seq-len 2048 --steps ${TRAIN_STEPS:-5} --warmup 2 --arm-timeout 150 --no-gradient-checkpointing \
     --out "$OUT_DIR" 2>&1 | tail -14 ;;
+train-eager)
+  stamp "fused q/k-norm + rotary GPU test"
+  gpu_tests 120 gpu-tests-training-qk.log tests/gpu/test_gpu_training.py -k "qk_norm_rope or bf16_training_step"
+  mkdir -p "$OUT_DIR/eager"
+  for gc in "" --no-gradient-checkpointing; do
+    stamp "bench train liger,optimize ${gc:-with gradient checkpointing}"
+    timeout -k 5 200 $PY -m fxrewrite bench train --config qwen3-0.6b --arms liger,optimize --batch-size 8 \
+      --seq-len 2048 --steps ${TRAIN_STEPS:-8} --warmup 2 --arm-timeout 90 $gc --out "$OUT_DIR/eager" 2>&1 | tail -5
+  done ;;
 train-kernels)
   stamp "compiled training step GPU tests"
   gpu_tests 230 gpu-tests-training-compile.log tests/gpu/test_gpu_training.py -k compiled_training_step

@@ -15,6 +15,12 @@ Reports the peak of each step and of each phase, where it happened, and what was
 the op that made each storage (``forward:<module path>:<op>``, ``backward:<op>``, ``optimizer:<op>``;
 ``--lines``: the source line that called the op).
 
+Transformers treats a FakeTensor as tracing and then builds a [B, 1, S, S] mask, which turns off SDPA's
+grouped-query path (k and v are repeated by copies, the unrepeated v dies): the simulation undoes that
+(:func:`_masks_as_on_real_tensors`), so that, as in an eager GPU run without padding, there is no mask and
+SDPA gets ``enable_gqa`` and saves k and v themselves. ``--padding-mask`` keeps transformers' fake-tensor
+path instead: a materialised 4D mask and repeated k/v, as in a batch with padding.
+
 Caveats, equal for all arms: CPU SDPA (flash-style; saves the output and float32 log-sum-exp like CUDA's
 flash kernel) and no allocator rounding or fragmentation; the GPU figure adds the CUDA context's workspace.
 """
@@ -143,6 +149,20 @@ def _triton_paths_without_launches():
             os.environ["FXREWRITE_TRITON"] = env
 
 
+@contextlib.contextmanager
+def _masks_as_on_real_tensors():
+    """Within: transformers' mask code does not count a FakeTensor as tracing (its mask skip and packed-sequence
+    check then decide as on real tensors; ``.all()`` of fake data reads True)."""
+    from transformers import masking_utils
+
+    real = masking_utils.is_tracing
+    masking_utils.is_tracing = lambda tensor=None: real(None)
+    try:
+        yield
+    finally:
+        masking_utils.is_tracing = real
+
+
 def _fake_parameters(model: torch.nn.Module, fake_mode) -> None:
     """Swap every parameter and buffer for a fake CPU tensor of its shape and dtype; tied ones stay tied."""
     made = {}
@@ -210,11 +230,13 @@ def _track_modules(model, tracker: LiveBytes) -> list:
 
 def simulate_step_memory(config: dict, arm: str, *, batch_size: int = 8, seq_len: int = 2048,
                          gradient_checkpointing: bool = True, steps: int = 2, chunk_size: int | None = None,
-                         lines: bool = False) -> dict:
+                         lines: bool = False, padding_mask: bool = False) -> dict:
     """Peak live bytes of each of ``steps`` training steps of ``arm`` (stock, liger, optimize) with the model
     built from ``config`` (a transformers config dict) in bf16: {"steps": [{"peak_bytes", "phase", "op",
-    "at_peak": {label: bytes}}], "parameter_bytes"}. Fake tensors: nothing is computed."""
-    with _triton_paths_without_launches():
+    "at_peak": {label: bytes}}], "parameter_bytes"}. Fake tensors: nothing is computed. ``padding_mask``: the
+    materialised-mask path of a padded batch (4D mask, k/v repeated by copies) instead of the unpadded one."""
+    masks = contextlib.nullcontext() if padding_mask else _masks_as_on_real_tensors()
+    with _triton_paths_without_launches(), masks:
         return _simulate(config, arm, batch_size, seq_len, gradient_checkpointing, steps, chunk_size, lines)
 
 
@@ -270,6 +292,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--no-gradient-checkpointing", action="store_true")
     p.add_argument("--chunk-size", type=int, default=None, help="fused linear cross-entropy rows per chunk")
+    p.add_argument("--padding-mask", action="store_true", help="the masked path of a padded batch")
     p.add_argument("--lines", action="store_true", help="label storages by the source line that made them")
     p.add_argument("--top", type=int, default=14, help="labels to print of what is live at the peak")
     p.add_argument("--out", type=Path, default=None)
@@ -278,7 +301,7 @@ def main(argv=None) -> int:
     config = dict(bench["config"], **({"num_hidden_layers": args.layers} if args.layers else {}))
     result = simulate_step_memory(config, args.arm, batch_size=args.batch_size, seq_len=args.seq_len,
                                   gradient_checkpointing=not args.no_gradient_checkpointing,
-                                  chunk_size=args.chunk_size, lines=args.lines)
+                                  chunk_size=args.chunk_size, lines=args.lines, padding_mask=args.padding_mask)
     for i, step in enumerate(result["steps"]):
         phases = ", ".join(f"{k} {v / 2**20:,.1f}" for k, v in step["phase_peaks"].items())
         print(f"step {i}: peak {step['peak_bytes'] / 2**20:,.1f} MiB in {step['phase']} at {step['op']} ({phases})")
@@ -288,8 +311,8 @@ def main(argv=None) -> int:
             print(f"  {label:70s} {nbytes / 2**20:10.1f} MiB")
     result.update(arm=args.arm, config=bench["name"], layers=config["num_hidden_layers"],
                   batch_size=args.batch_size, seq_len=args.seq_len, chunk_size=args.chunk_size,
-                  gradient_checkpointing=not args.no_gradient_checkpointing)
-    gc_tag = "" if result["gradient_checkpointing"] else "-no-gc"
+                  gradient_checkpointing=not args.no_gradient_checkpointing, padding_mask=args.padding_mask)
+    gc_tag = ("" if result["gradient_checkpointing"] else "-no-gc") + ("-padding-mask" if args.padding_mask else "")
     out = args.out or Path(RESULTS_DIR) / f"{time.strftime('%Y-%m-%d')}-{bench['name']}-memory-{args.arm}{gc_tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

@@ -34,6 +34,8 @@ def use_triton(x: torch.Tensor) -> bool:
         return False
     if x.is_cuda:
         return True
+    if x.device.type != "cpu":  # meta tensors (the tracer's recording run): the reference, which runs on them
+        return False
     env = os.environ
     return env.get("FXREWRITE_TRITON") == "1" and env.get("TRITON_INTERPRET") == "1"
 

@@ -36,17 +36,21 @@ def default_chunk_size(num_rows: int, vocab: int, hidden: int | None = None, bud
       recomputes that tensor (and more) after the loss is done, so such a chunk never sets the step's peak
       (Qwen3-0.6B, 8 x 2048 tokens: 512 rows, 148 MiB, where the backward's peak is ~750 MiB above the
       loss's; ``python -m fxrewrite.benchmarks.train_memory``). Never fewer rows than the next rule.
-    - with ``hidden``: the power of two nearest above ``num_rows / ceil(vocab / hidden)``, so one chunk of
-      logits is about as large as the hidden states [num_rows, hidden] (Liger-Kernel's rule; without
-      checkpointing all saved activations are live at the loss and only this much fits under the
-      backward's own transients), at least 64 rows and at most ``budget`` logits;
+    - with ``hidden``: the largest power of two <= ``hidden``, so one chunk of logits is no larger than
+      d/dweight [vocab, hidden], which the loss holds for the whole step anyway. Every chunk reads and
+      writes all of d/dweight (``addmm_``): Liger-Kernel's smaller rule (the power of two nearest above
+      ``num_rows / ceil(vocab / hidden)``, logits about as large as the hidden states: Qwen3-0.6B, 8 x 2048
+      tokens, 128 rows) moves 74 GiB per step there, this one 9 GiB, for 260 MiB more at the loss, which
+      without checkpointing still leaves the step's peak below Liger's (its loss holds a float32 copy of
+      d/dweight; ``python -m fxrewrite.benchmarks.train_memory --no-gradient-checkpointing``). Never fewer
+      rows than Liger's rule, at least 64 and at most ``budget`` logits for that rule;
     - neither: the largest power of two with rows * vocab <= budget, at least 64.
     Never more than num_rows (and at least 1)."""
     cap = max(64, 1 << max(0, (budget // max(vocab, 1)).bit_length() - 1))
     rows = cap
     if hidden:
         per = -(-num_rows // -(-vocab // hidden))
-        rows = min(cap, max(64, 1 << max(0, per - 1).bit_length()))
+        rows = max(min(cap, max(64, 1 << max(0, per - 1).bit_length())), 1 << (hidden.bit_length() - 1))
     if intermediate:
         fit = num_rows * 2 * intermediate // max(vocab, 1)
         rows = max(rows, 1 << max(0, fit.bit_length() - 1))

@@ -92,7 +92,8 @@ def rms_norm_bwd(dy, dres, x, weight, rstd, offset: float):
     dx = torch.empty_like(x2)
     programs = max(1, _num_programs(rows, x2.device))
     per = -(-rows // programs) if rows else 1
-    dw = torch.zeros(programs, n, dtype=torch.float32, device=x2.device)
+    # every program writes its whole dw row (rows past the end add zeros): no zero fill unless nothing runs
+    dw = (torch.empty if rows else torch.zeros)(programs, n, dtype=torch.float32, device=x2.device)
     block = next_power_of_2(n)
     if rows:
         launch(_bwd_kernel, (programs,), x2.device)(

@@ -21,7 +21,9 @@ from torch import nn
 
 from fxrewrite import nodes, source
 from fxrewrite.kernels.batch_invariant import is_batch_invariant
+from fxrewrite.kernels import use_triton
 from fxrewrite.kernels.qk_norm_rope import qk_norm_rope_triton
+from fxrewrite.kernels.qk_norm_rope_backward import QKNormRopeFunction, fits
 from fxrewrite.kernels.rotary_backward import rotary_apply_train
 from fxrewrite.layers.layernorm import RMSNorm
 from fxrewrite.patterns.base import Context, Match, Pattern, Refusal, free_attribute, require
@@ -39,7 +41,8 @@ class QKNormRotaryEmb(nn.Module):
     q [B, Hq, S, D], k [B, Hk, S, D] (un-normalised), cos/sin [B, S, rotary_dim] (neox: halves repeated);
     q_norm / k_norm are the attention's own `RMSNorm` children (weight [D]). The torch form (CPU, batch > 1)
     is ``apply_rotary_qk(q_norm(q), k_norm(k), cos, sin)``, transformers' computation op for op; while
-    autograd records, the norms' and the rotary's training kernels (Triton forward + backward on CUDA). Inference on a GPU with one batch row (the engine's flattened tokens) runs the Triton
+    autograd records on CUDA, one Triton kernel each way (`fxrewrite.kernels.qk_norm_rope_backward`; else the
+    norms' and the rotary's training kernels). Inference on a GPU with one batch row (the engine's flattened tokens) runs the Triton
     kernel `qk_norm_rope` (float32 math, Llama's roundings): on q and k themselves when ``inplace`` (set only
     when the pattern proved nothing else reads them), else on copies.
     """
@@ -53,10 +56,19 @@ class QKNormRotaryEmb(nn.Module):
         invariant = is_batch_invariant()  # the engine normalises and rotates as the trainer does
         if self._kernel_applies(q, k, cos, unsqueeze_dim, q_norm, k_norm) and not invariant:
             return self._kernel(q, k, cos, sin, q_norm, k_norm)
+        training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, q_norm.weight, k_norm.weight))
+        if training and not invariant and use_triton(q) and self._llama_form(q_norm, k_norm) and fits(
+                q, k, cos, sin, q_norm.weight, k_norm.weight, unsqueeze_dim):  # one Triton kernel each way
+            return QKNormRopeFunction.apply(q, k, cos, sin, q_norm.weight, k_norm.weight, q_norm.variance_epsilon,
+                                            k_norm.variance_epsilon, True)
         q, k = q_norm(q), k_norm(k)
         if invariant or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):  # training: Triton fwd + bwd
             return rotary_apply_train(q, k, cos, sin, unsqueeze_dim)
         return apply_rotary_qk(q, k, cos, sin, unsqueeze_dim)
+
+    @staticmethod
+    def _llama_form(q_norm, k_norm) -> bool:
+        return all(n.offset == 0.0 and n.upcast for n in (q_norm, k_norm))
 
     @staticmethod
     def _kernel_applies(q, k, cos, unsqueeze_dim, q_norm, k_norm) -> bool:

@@ -41,3 +41,16 @@ def test_simulated_step_stock_vs_optimize():
     assert stock["steps"][-1]["at_peak"].get("forward:_log_softmax", 0) >= logits
     assert not any("log_softmax" in label for label in fused["steps"][-1]["at_peak"])
     assert stock["steps"][-1]["peak_bytes"] - fused["steps"][-1]["peak_bytes"] >= logits
+
+
+def test_unpadded_path_as_on_real_tensors():
+    """By default no 4D mask is built and SDPA takes k and v unrepeated (``enable_gqa``), as in an eager run on real
+    tensors without padding; ``padding_mask`` keeps transformers' fake-tensor path (a mask, k/v repeated by copies)."""
+    def labels(result):
+        return {label for phase in result["steps"][-1]["at_phase_peak"].values() for label in phase["live"]}
+
+    plain = simulate_step_memory(TINY, "stock", batch_size=2, seq_len=64, steps=1, gradient_checkpointing=False)
+    padded = simulate_step_memory(TINY, "stock", batch_size=2, seq_len=64, steps=1, gradient_checkpointing=False,
+                                  padding_mask=True)
+    assert not any(label.endswith("self_attn:clone") for label in labels(plain))
+    assert any(label.endswith("self_attn:clone") for label in labels(padded))

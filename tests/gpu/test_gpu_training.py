@@ -61,6 +61,36 @@ def test_bf16_kernels_match_references():
     _close(got[1], want[1])
 
 
+def test_bf16_qk_norm_rope_matches_the_unfused_kernels():
+    """Qwen3-0.6B shapes: the fused q/k-norm + rotary kernel on views of a fused QKV output, vs the norm and
+    rotary training kernels (same roundings: equal outputs; gradients within bf16 steps)."""
+    from fxrewrite.kernels.qk_norm_rope_backward import QKNormRopeFunction
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    qkv0 = torch.randn(8, 2048, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w0 = [torch.randn(128, device="cuda", generator=gen).bfloat16() for _ in range(2)]
+    ang = torch.randn(1, 2048, 64, device="cuda", generator=gen)
+    cos, sin = torch.cat((ang, ang), -1).cos().bfloat16(), torch.cat((ang, ang), -1).sin().bfloat16()
+
+    def run(fn):
+        qkv, ws = qkv0.clone().requires_grad_(), [w.clone().requires_grad_() for w in w0]
+        q, k, _ = qkv.split([2048, 1024, 1024], -1)
+        oq, ok = fn(q.view(8, 2048, 16, 128).transpose(1, 2), k.view(8, 2048, 8, 128).transpose(1, 2), *ws)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        ((oq.float() * torch.randn(oq.shape, device="cuda", generator=g)).sum()
+         + (ok.float() * torch.randn(ok.shape, device="cuda", generator=g)).sum()).backward()
+        return oq.detach(), ok.detach(), qkv.grad, *(w.grad for w in ws)
+
+    got = run(lambda q, k, wq, wk: QKNormRopeFunction.apply(q, k, cos, sin, wq, wk, 1e-6, 1e-6, True))
+    want = run(lambda q, k, wq, wk: rotary_apply_train(rms_norm_train(q, wq, 1e-6), rms_norm_train(k, wk, 1e-6),
+                                                       cos, sin))
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+    _close([got[2]], [want[2]])
+    for g, w in zip(got[3:], want[3:]):  # sums over 16384 tokens x heads
+        torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=4.0)
+
+
 def test_bf16_fused_linear_cross_entropy():
     h = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(151936, 1024, device="cuda", dtype=torch.bfloat16) * 0.02

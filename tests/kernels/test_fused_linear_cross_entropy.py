@@ -72,16 +72,20 @@ def test_default_chunk_size():
     assert default_chunk_size(16384, 151936) == 512
     assert default_chunk_size(10, 151936) == 10
     assert default_chunk_size(1 << 20, 1 << 26) == 64  # at least 64 rows
-    # with the hidden size: logits chunk ~ hidden states (Qwen3-0.6B, 8 x 2048 tokens: 128 rows, as Liger)
-    assert default_chunk_size(16384, 151936, 1024) == 128
+    # with the hidden size: logits chunk <= d/dweight [vocab, hidden] (Qwen3-0.6B, 8 x 2048 tokens: 1024 rows)
+    assert default_chunk_size(16384, 151936, 1024) == 1024
+    assert default_chunk_size(16384, 151936, 1000) == 512
+    assert default_chunk_size(1 << 20, 151936, 256) == 512  # never below Liger's rule (capped at 2**27 logits)
     assert default_chunk_size(10, 151936, 1024) == 10
     assert default_chunk_size(1 << 20, 32000, 4096) == 4096  # capped at 2**27 logits
-    # under checkpointing: logits no larger than one layer's gate/up output [N, 2I] (Qwen3-0.6B: 512 rows)
-    assert default_chunk_size(16384, 151936, 1024, intermediate=3072) == 512
+    # under checkpointing: logits no larger than one layer's gate/up output [N, 2I] (Qwen3-0.6B: 512 rows),
+    # or than d/dweight when that is larger
+    assert default_chunk_size(16384, 151936, 1024, intermediate=3072) == 1024
+    assert default_chunk_size(16384, 151936, 512, intermediate=3072) == 512
     assert 512 * 151936 <= 16384 * 2 * 3072 < 1024 * 151936
     assert default_chunk_size(16384, 151936, 2560, intermediate=9728) == 2048  # Qwen3-4B
     assert default_chunk_size(10, 151936, 1024, intermediate=3072) == 10
-    assert default_chunk_size(16384, 151936, 1024, intermediate=8) == 128  # never below Liger's rule
+    assert default_chunk_size(16384, 151936, 1024, intermediate=8) == 1024  # never below the rule without it
 
 
 @pytest.mark.parametrize("bias", [False, True])
