@@ -154,6 +154,8 @@ def compare(config: str | Path, arms: list[str], workload_kind: str = "throughpu
     stem += "-ep" if (engine_kwargs or {}).get("enable_expert_parallel") else ""
     quant = (engine_kwargs or {}).get("quantization")
     stem += f"-{quant}" if quant else ""
+    level = (engine_kwargs or {}).get("compilation_config") or 0
+    stem += f"-O{level}" if level else ""  # a -O 3 run next to its -O 0 baseline must not overwrite it
     result = {
         "name": stem, "date": env["date"], "config": spec["name"], "environment": env,
         "workload": workload.describe(), "engine_kwargs": {"load_format": "dummy", **(engine_kwargs or {})},
