@@ -91,20 +91,23 @@ class EngineConfig:
             "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
             "max_logprobs": self.max_logprobs,
         }
-        for name, value in positive.items():
-            if value is not None and (not isinstance(value, int) or value < 1):
+        for name, value in positive.items():  # a bool is an int to Python, not to a user: True is no count
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise UserInputError(f"{name}={value!r} must be a positive integer")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise UserTypeError(f"seed={self.seed!r} must be an integer")
         for name in ("fusion", "enable_prefix_caching", "enforce_eager", "async_scheduling", "trust_remote_code",
                      "enable_expert_parallel", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise UserInputError(f"{name}={getattr(self, name)!r} must be True or False")
-        if not 0 < self.gpu_memory_utilization <= 1:
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or isinstance(self.gpu_memory_utilization, bool) \
+                or not 0 < self.gpu_memory_utilization <= 1:
             raise UserInputError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+        if not isinstance(self.tensor_parallel_size, int) or isinstance(self.tensor_parallel_size, bool) or self.tensor_parallel_size < 1:
             raise UserInputError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be a positive integer")
-        if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
+        if not isinstance(self.data_parallel_size, int) or isinstance(self.data_parallel_size, bool) or self.data_parallel_size < 1:
             raise UserInputError(f"data_parallel_size={self.data_parallel_size!r} must be a positive integer")
-        if not isinstance(self.pipeline_parallel_size, int) or self.pipeline_parallel_size < 1:
+        if not isinstance(self.pipeline_parallel_size, int) or isinstance(self.pipeline_parallel_size, bool) or self.pipeline_parallel_size < 1:
             raise UserInputError(f"pipeline_parallel_size={self.pipeline_parallel_size!r} must be a positive integer")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise UserInputError(f"quantization={self.quantization!r} is not supported; supported: {list(QUANTIZATIONS)}")

@@ -125,7 +125,8 @@ class LLM:
         model's tool calls come back as its text, as in vLLM's LLM.chat). continue_final_message: leave
         the last message (the assistant's) open so the model continues it; needs
         add_generation_prompt=False. ValueError when the tokenizer has no chat template, for a bad
-        message, or for a template that cannot render `tools`."""
+        message, or for a template that cannot render `tools`. Each output's `prompt` is the rendered
+        conversation text (as in vLLM), its `prompt_token_ids` that text's tokens."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise UserTypeError(f"messages must be a non-empty list of {{'role', 'content'}} dicts (one conversation) "
                                 f"or a list of such lists, got {type(messages).__name__} {messages!r}")
@@ -135,7 +136,7 @@ class LLM:
         tokenizer = self.llm_engine.tokenizer
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise UserInputError(f"tokenizer of {self.llm_engine.model_config.model!r} has no chat template")
-        prompts = []
+        prompts, texts = [], []
         for n, conversation in enumerate(conversations):
             _check_conversation(n, conversation)
             try:
@@ -147,7 +148,11 @@ class LLM:
                 raise UserInputError(f"conversation {n}: {e}") from None
             # The template already wrote the special tokens (BOS etc.); do not add them twice.
             prompts.append(list(tokenizer.encode(text, add_special_tokens=False)))
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+            texts.append(text)
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        for output, text in zip(outputs, texts):  # token ids went in; report the text they came from
+            output.prompt = text
+        return outputs
 
 
 def _check_conversation(n: int, conversation) -> None:

@@ -1,5 +1,7 @@
 """The CLI prints bad user input as one line, and keeps the traceback of everything else (issue 15 item 13)."""
 
+import socket
+
 import pytest
 
 import fxrewrite.commands.generate as generate_command
@@ -71,3 +73,32 @@ def test_generate_chat_template_takes_a_value_as_serve_does(tmp_path, capsys):
     assert main(["generate", "--prompt", "hi", "--chat-template", str(tmp_path / "missing.jinja")]) == 2
     err = capsys.readouterr().err
     assert "--chat-template" in err and "missing.jinja: no such file" in err.replace("'", "")
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_a_chat_template_jinja_cannot_parse_is_one_line_before_the_model_loads(tmp_path, capsys, command):
+    # the model folder does not exist: the template is refused first, naming the flag and the line
+    missing = str(tmp_path / "no-such-model")
+    args = [command, missing, "--chat-template", "{% for m in messages %}{{ m['content'] "]
+    if command == "serve":  # a free port, so the port check (which comes first) passes
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+    assert main(args + (["--prompt", "hi"] if command == "generate" else ["--port", str(port)])) == 2
+    err = capsys.readouterr().err
+    assert "--chat-template" in err and "not a valid Jinja template" in err and "line 1" in err
+    assert err.count("\n") == 1 and "Traceback" not in err and missing not in err
+    template = tmp_path / "bad.jinja"
+    template.write_text("{{ messages[0]['content'] }}\n{% if x %}")
+    assert main(["generate", missing, "--prompt", "hi", "--chat-template", str(template)]) == 2
+    err = capsys.readouterr().err
+    assert str(template) in err and "line 2" in err and err.count("\n") == 1
+
+
+def test_a_valid_chat_template_file_loads_unchanged():
+    from pathlib import Path
+
+    from fxrewrite.commands.sampling_args import load_chat_template
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "tool_chat_template_hermes.jinja"
+    assert load_chat_template(str(path)) == path.read_text()

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, field_validator, model_validator
 
 from fxrewrite.runtime.engine.chat import check_role
+from fxrewrite.runtime.server.validation_errors import FieldError
 
 # torch.Generator.manual_seed takes a 64-bit integer.
 _SEED_RANGE = {"ge": -(2**63), "le": 2**63 - 1}
@@ -122,23 +123,23 @@ class SamplingRequest(OpenAIBaseModel):
         for name, off in UNSUPPORTED_FIELDS.items():
             value = (self.model_extra or {}).get(name)
             if value is not None and value != off:
-                raise ValueError(f"{name} is not supported by this server")
+                raise FieldError(name, f"{name} is not supported by this server")
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options can only be set when stream is true")
+            raise FieldError("stream_options", "stream_options can only be set when stream is true")
         limit = self.output_limit()
         if limit is not None and self.min_tokens > limit:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({limit})")
+            raise FieldError("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({limit})")
         if (isinstance(self.stop, list) and any(not s for s in self.stop)) or self.stop == "":
-            raise ValueError("stop strings must not be empty")
+            raise FieldError("stop", "stop strings must not be empty")
         if self.best_of is not None and self.best_of < self.n:
-            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+            raise FieldError("best_of", f"best_of ({self.best_of}) must be at least n ({self.n})")
         if self.best_of not in (None, 1) and self.stream:
-            raise ValueError("best_of cannot be used with stream")
+            raise FieldError("best_of", "best_of cannot be used with stream")
         for key, bias in (self.logit_bias or {}).items():
             if not key.lstrip("-").isdigit() or int(key) < 0:
-                raise ValueError(f"logit_bias key {key!r} must be a token id (a non-negative integer)")
+                raise FieldError("logit_bias", f"logit_bias key {key!r} must be a token id (a non-negative integer)")
             if not -100 <= bias <= 100:
-                raise ValueError(f"logit_bias value {bias} for token {key} must be in [-100, 100]")
+                raise FieldError("logit_bias", f"logit_bias value {bias} for token {key} must be in [-100, 100]")
         return self
 
     def output_limit(self) -> int | None:
@@ -161,11 +162,11 @@ class CompletionRequest(SamplingRequest):
     def _check_prompt(self):
         prompt = self.prompt
         if prompt == "" or prompt == []:
-            raise ValueError("prompt must not be empty")
+            raise FieldError("prompt", "prompt must not be empty")
         if isinstance(prompt, list) and any(isinstance(p, (str, list)) and len(p) == 0 for p in prompt):
-            raise ValueError("prompt must not contain an empty prompt")
+            raise FieldError("prompt", "prompt must not contain an empty prompt")
         if self.max_tokens == 0 and (not self.echo or self.stream):
-            raise ValueError("max_tokens=0 needs echo=true and no stream (the prompt alone is returned)")
+            raise FieldError("max_tokens", "max_tokens=0 needs echo=true and no stream (the prompt alone is returned)")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -273,15 +274,15 @@ class ChatCompletionRequest(SamplingRequest):
     @model_validator(mode="after")
     def _check_logprobs(self):
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
+            raise FieldError("top_logprobs", "top_logprobs requires logprobs to be true")
         if self.tool_choice is None:  # OpenAI's default: auto with tools, none without
             self.tool_choice = "auto" if self.tools else "none"
         if self.tool_choice not in ("none", "auto") and not self.tools:
-            raise ValueError("tool_choice requires tools")
+            raise FieldError("tool_choice", "tool_choice requires tools")
         if isinstance(self.tool_choice, ChatCompletionNamedToolChoiceParam):
             names = [t.function.name for t in self.tools]
             if self.tool_choice.function.name not in names:
-                raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, "
+                raise FieldError("tool_choice", f"tool_choice names the function {self.tool_choice.function.name!r}, "
                                  f"which is not in tools ({names})")
         return self
 

@@ -56,6 +56,18 @@ def structured_outputs_of(request: SamplingRequest) -> StructuredOutputsParams |
         raise _bad(f"{field}: {e}", field) from None
 
 
+def structured_outputs_field(request: SamplingRequest) -> str:
+    """The request field that set its output constraint (`response_format`, a `guided_*` field or
+    `structured_outputs`); `tools` when none did (a chat request whose tool_choice forces a call)."""
+    fmt = request.response_format
+    if fmt is not None and fmt.type in ("json_object", "json_schema"):
+        return "response_format"
+    for field in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
+        if getattr(request, field) is not None:
+            return field
+    return "tools"
+
+
 def logit_bias_of(request: SamplingRequest, vocab_size: int) -> dict[int, float] | None:
     """OpenAI's {"token id": bias} as {int: float}; 400 for an id outside the vocabulary."""
     if not request.logit_bias:

@@ -24,7 +24,8 @@ from fxrewrite.runtime.server.protocol_responses import (
     DeltaMessage,
     UsageInfo,
 )
-from fxrewrite.runtime.server.request_params import best_of_choices, prompt_logprobs_json, structured_outputs_of
+from fxrewrite.runtime.server.request_params import (best_of_choices, prompt_logprobs_json, structured_outputs_field,
+                                                      structured_outputs_of)
 from fxrewrite.runtime.server.serving_engine import OpenAIServing
 from fxrewrite.runtime.server.tool_parsers import ToolParser
 from fxrewrite.runtime.server.tool_stream import ToolStream
@@ -68,7 +69,7 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(request, max_tokens, num_top, None, structured)
         if tool_mode(request) == "auto" and self.tool_parser.needs_special_tokens:
             params.skip_special_tokens = False
-        await self.check_structured_outputs(params)
+        await self.check_structured_outputs(params, structured_outputs_field(request))
         request_id = random_id("chatcmpl")
         ids, streams = await self.start_requests(request_id, [(token_ids, params)])
         if request.stream:

@@ -17,7 +17,8 @@ from fxrewrite.runtime.server.protocol_responses import (
     CompletionStreamResponse,
     UsageInfo,
 )
-from fxrewrite.runtime.server.request_params import best_of_choices, prompt_logprobs_json, structured_outputs_of
+from fxrewrite.runtime.server.request_params import (best_of_choices, prompt_logprobs_json, structured_outputs_field,
+                                                      structured_outputs_of)
 from fxrewrite.runtime.server.serving_engine import OpenAIServing
 from fxrewrite.runtime.server.streaming import (
     DeltaTracker,
@@ -45,7 +46,7 @@ class OpenAIServingCompletion(OpenAIServing):
             max_tokens = self.max_tokens_for(request, len(token_ids), explicit) if request.max_tokens != 0 else 1
             params = self.sampling_params(request, max_tokens, request.logprobs, echo_lp, structured)
             inputs.append((token_ids, params))
-        await self.check_structured_outputs(inputs[0][1])
+        await self.check_structured_outputs(inputs[0][1], structured_outputs_field(request))
         request_id = random_id("cmpl")
         ids, streams = await self.start_requests(request_id, inputs)
         echo_texts = [text if request.echo else "" for text, _ in prompts]

@@ -120,9 +120,10 @@ class OpenAIServing:
         except (ValueError, TypeError) as e:
             raise OpenAIError(HTTPStatus.BAD_REQUEST, str(e), code="invalid_value") from None
 
-    async def check_structured_outputs(self, params) -> None:
-        """Compile a request's output constraint before it is queued (400 naming the problem); the
-        compiled grammar is cached, so admitting the request does not compile it again."""
+    async def check_structured_outputs(self, params, param: str = "structured_outputs") -> None:
+        """Compile a request's output constraint before it is queued (400 naming the problem and
+        `param`, the request field that set it); the compiled grammar is cached, so admitting the
+        request does not compile it again."""
         if params.structured_outputs is None:
             return
         try:
@@ -131,7 +132,7 @@ class OpenAIServing:
             raise OpenAIError(HTTPStatus.BAD_REQUEST, f"structured outputs need xgrammar "
                               f"(pip install 'fxrewrite[serve]'): {e}", code="unsupported") from None
         except ValueError as e:
-            raise OpenAIError(HTTPStatus.BAD_REQUEST, str(e), param="structured_outputs",
+            raise OpenAIError(HTTPStatus.BAD_REQUEST, f"{param}: {e}", param=param,
                               code="invalid_value") from None
 
     async def start_requests(

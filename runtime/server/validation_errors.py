@@ -64,6 +64,15 @@ def _shown(value: Any) -> str:
     return f"{text} ({_JSON_TYPE.get(type(value), type(value).__name__)})"
 
 
+class FieldError(ValueError):
+    """A request-level validator's error about one top-level field: `param` is that field, so the 400
+    names it (a model validator's own errors have no field in their pydantic `loc`)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 def _split(loc: tuple) -> tuple[list[str], str | None, list[str]]:
     """(field path before the first member tag, that tag, the path after it with later tags dropped)."""
     parts = [part for part in loc if part != "body"]
@@ -99,6 +108,9 @@ def describe_errors(errors: list[dict]) -> tuple[str, str | None]:
     first = errors[0]
     path, tag, _ = _split(first.get("loc", ()))
     param = path[0] if path else None
+    cause = (first.get("ctx") or {}).get("error")
+    if param is None and isinstance(cause, FieldError):
+        return _message(first) + _more(errors, path), cause.param
     if tag is None:
         where = ".".join(path)
         message = _message(first) + _got(first)

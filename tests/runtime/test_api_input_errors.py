@@ -84,6 +84,31 @@ def test_boolean_engine_arguments_must_be_bools():
             EngineConfig(**{name: "maybe"})
 
 
+@pytest.mark.parametrize("name", ["max_num_seqs", "block_size", "max_num_batched_tokens", "max_model_len",
+                                  "max_logprobs", "tensor_parallel_size", "pipeline_parallel_size"])
+def test_a_boolean_is_not_a_count(name):
+    from fxrewrite.runtime.engine_config import EngineConfig
+
+    with pytest.raises(ValueError, match=f"{name}=True must be a positive integer"):
+        EngineConfig(**{name: True})
+
+
+@pytest.mark.parametrize("seed", ["1", True, None, 1.5])
+def test_seed_must_be_an_integer(seed):
+    from fxrewrite.runtime.engine_config import EngineConfig
+
+    with pytest.raises(TypeError, match=f"seed={seed!r} must be an integer"):
+        EngineConfig(seed=seed)
+
+
+@pytest.mark.parametrize("value", ["0.5", True])
+def test_gpu_memory_utilization_must_be_a_number(value):
+    from fxrewrite.runtime.engine_config import EngineConfig
+
+    with pytest.raises(ValueError, match=f"gpu_memory_utilization={value!r} must be in"):
+        EngineConfig(gpu_memory_utilization=value)
+
+
 def test_chat_message_with_an_unknown_role_is_refused(llm):
     with pytest.raises(ValueError, match="role 'wizard' is not one of"):
         llm.chat([{"role": "wizard", "content": "hi"}], use_tqdm=False)

@@ -30,6 +30,16 @@ def test_continue_final_message_leaves_the_assistant_message_open(llm):
     assert len(out[0].outputs[0].token_ids) == 3
 
 
+def test_chat_output_prompt_is_the_rendered_text(llm):
+    # vLLM's LLM.chat renders the conversation to text, so RequestOutput.prompt is that text, not None
+    outs = llm.chat([PREFILL, PREFILL[:1]], GREEDY, use_tqdm=False, add_generation_prompt=False)
+    tokenizer = llm.get_tokenizer()
+    for out, conversation in zip(outs, [PREFILL, PREFILL[:1]]):
+        expected = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=False)
+        assert out.prompt == expected
+        assert out.prompt_token_ids == tokenizer.encode(expected, add_special_tokens=False)
+
+
 def test_continue_final_message_refuses_a_generation_prompt_or_a_user_turn(llm):
     with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt"):
         llm.chat(PREFILL, GREEDY, use_tqdm=False, continue_final_message=True)

@@ -28,8 +28,21 @@ def _error(response, status):
         ("/v1/completions", {"max_tokens": 2}, "prompt"),
         ("/v1/completions", COMPLETION | {"prompt": [10**9]}, "prompt"),
         ("/v1/chat/completions", CHAT | {"messages": []}, "messages"),
-        ("/v1/chat/completions", CHAT | {"top_logprobs": 3}, None),
-        ("/v1/chat/completions", CHAT | {"stream_options": {"include_usage": True}}, None),
+        ("/v1/chat/completions", CHAT | {"top_logprobs": 3}, "top_logprobs"),
+        ("/v1/chat/completions", CHAT | {"stream_options": {"include_usage": True}}, "stream_options"),
+        # request-level checks name the field too, not param null
+        ("/v1/completions", COMPLETION | {"prompt": ""}, "prompt"),
+        ("/v1/completions", COMPLETION | {"max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", COMPLETION | {"min_tokens": 5}, "min_tokens"),
+        ("/v1/completions", COMPLETION | {"best_of": 2, "stream": True}, "best_of"),
+        ("/v1/completions", COMPLETION | {"logit_bias": {"abc": 5}}, "logit_bias"),
+        ("/v1/chat/completions", CHAT | {"tools": [{"type": "function", "function": {"name": "f"}}],
+                                        "tool_choice": {"type": "function", "function": {"name": "g"}}},
+         "tool_choice"),
+        # a constraint that does not compile names the field that set it
+        ("/v1/chat/completions", CHAT | {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "bogus"}}}}, "response_format"),
+        ("/v1/completions", COMPLETION | {"guided_regex": "(["}, "guided_regex"),
         ("/v1/chat/completions", CHAT | {"presence_penalty": "lots"}, "presence_penalty"),
         ("/v1/chat/completions", CHAT | {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
          "messages"),
