@@ -145,17 +145,7 @@ def compare(config: str | Path, arms: list[str], workload_kind: str = "throughpu
     env = environment()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tp = (engine_kwargs or {}).get("tensor_parallel_size") or 1
-    stem = f"{datetime.date.today().isoformat()}-{spec['name']}-{workload_kind}" + (f"-tp{tp}" if tp > 1 else "")
-    pp = (engine_kwargs or {}).get("pipeline_parallel_size") or 1
-    stem += f"-pp{pp}" if pp > 1 else ""
-    dp = (engine_kwargs or {}).get("data_parallel_size") or 1
-    stem += f"-dp{dp}" if dp > 1 else ""
-    stem += "-ep" if (engine_kwargs or {}).get("enable_expert_parallel") else ""
-    quant = (engine_kwargs or {}).get("quantization")
-    stem += f"-{quant}" if quant else ""
-    level = (engine_kwargs or {}).get("compilation_config") or 0
-    stem += f"-O{level}" if level else ""  # a -O 3 run next to its -O 0 baseline must not overwrite it
+    stem = _result_stem(spec["name"], workload_kind, engine_kwargs or {})
     result = {
         "name": stem, "date": env["date"], "config": spec["name"], "environment": env,
         "workload": workload.describe(), "engine_kwargs": {"load_format": "dummy", **(engine_kwargs or {})},
@@ -165,7 +155,9 @@ def compare(config: str | Path, arms: list[str], workload_kind: str = "throughpu
         result["hf_num_prompts"] = hf_num_prompts
     json_path = out_dir / f"{stem}.json"
     arm_args = (model_dir, spec, workload, dict(engine_kwargs or {}), time_limit_s, hf_num_prompts)
-    isolate = isolate and tp == 1 and pp == 1 and dp == 1
+    kw = engine_kwargs or {}  # multi-process engines already run in their own processes
+    isolate = isolate and all((kw.get(k) or 1) == 1 for k in ("tensor_parallel_size", "pipeline_parallel_size",
+                                                              "data_parallel_size"))
     for i, arm in enumerate(arms, 1):
         print(f"[bench] {spec['name']} {workload_kind}: arm {arm} ({i}/{len(arms)}) ...", flush=True)
         if isolate:
@@ -185,6 +177,17 @@ def compare(config: str | Path, arms: list[str], workload_kind: str = "throughpu
     result["files"] = [str(json_path)] + ([str(png)] if png else [])
     return result
 
+
+
+def _result_stem(name: str, workload_kind: str, kw: dict) -> str:
+    """<date>-<config>-<workload>, then the parallel sizes, expert parallel, quantization and -O level the
+    run used (a -O 3 or TP=2 run beside its baseline in one folder must not overwrite it)."""
+    stem = f"{datetime.date.today().isoformat()}-{name}-{workload_kind}"
+    for key, tag in (("tensor_parallel_size", "tp"), ("pipeline_parallel_size", "pp"), ("data_parallel_size", "dp")):
+        stem += f"-{tag}{kw[key]}" if (kw.get(key) or 1) > 1 else ""
+    stem += "-ep" if kw.get("enable_expert_parallel") else ""
+    stem += f"-{kw['quantization']}" if kw.get("quantization") else ""
+    return stem + (f"-O{kw['compilation_config']}" if kw.get("compilation_config") else "")
 
 def ratios(result: dict) -> dict:
     """after/native, after/before and native/hf of the headline figure, where both arms have one."""
