@@ -361,3 +361,10 @@ def replay_ms(graph, iters: int, warmup: int = 1) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters
+
+
+def write_result(out: Path, result: dict) -> None:
+    """Write a benchmark's result dict as indented JSON to `out` (parents made) and say where."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import sys
 import time
@@ -282,7 +281,7 @@ def _simulate(config, arm, batch_size, seq_len, gradient_checkpointing, steps, c
 def main(argv=None) -> int:
     """CLI: one arm's simulated peak memory (see the module docstring)."""
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's first import: kernels become interpretable
-    from fxrewrite.benchmarks.common import RESULTS_DIR, load_bench_config
+    from fxrewrite.benchmarks.common import RESULTS_DIR, load_bench_config, write_result
 
     p = argparse.ArgumentParser(prog="python -m fxrewrite.benchmarks.train_memory")
     p.add_argument("--arm", choices=["stock", "liger", "optimize"], required=True)
@@ -314,9 +313,7 @@ def main(argv=None) -> int:
                   gradient_checkpointing=not args.no_gradient_checkpointing, padding_mask=args.padding_mask)
     gc_tag = ("" if result["gradient_checkpointing"] else "-no-gc") + ("-padding-mask" if args.padding_mask else "")
     out = args.out or Path(RESULTS_DIR) / f"{time.strftime('%Y-%m-%d')}-{bench['name']}-memory-{args.arm}{gc_tag}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    write_result(out, result)
     return 0
 
 

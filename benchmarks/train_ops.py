@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import json
 import os
 import time
 from pathlib import Path
@@ -118,7 +117,7 @@ def per_layer(low: dict, high: dict, layers: int) -> dict[str, list[float]]:
 def main(argv=None) -> int:
     """CLI: per-layer launches and bytes of one arm (see the module docstring)."""
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's first import
-    from fxrewrite.benchmarks.common import RESULTS_DIR, load_bench_config
+    from fxrewrite.benchmarks.common import RESULTS_DIR, load_bench_config, write_result
 
     p = argparse.ArgumentParser(prog="python -m fxrewrite.benchmarks.train_ops")
     p.add_argument("--arm", choices=["stock", "liger", "optimize"], required=True)
@@ -147,9 +146,7 @@ def main(argv=None) -> int:
               "runs": {str(n): r for n, r in runs.items()}}
     out = args.out or Path(RESULTS_DIR) / (f"{time.strftime('%Y-%m-%d')}-{bench['name']}-train-ops-{args.arm}"
                                            f"{'' if gc else '-no-gc'}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    write_result(out, result)
     return 0
 
 

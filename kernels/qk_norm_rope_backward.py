@@ -48,14 +48,23 @@ def _heads_tile(base, hs, n_heads, o1, o2, im, BLOCK_H: tl.constexpr, BLOCK_PASS
 
 
 @triton.jit
-def _fwd_heads(x_base, xs_h, o_base, os_h, n_heads, w_ptr, c1, c2, s1, s2, eps, o1, o2, im,
-               HEAD_DIM: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_H: tl.constexpr,
-               BLOCK_PASS: tl.constexpr):
+def _load_heads_rstd(x_base, xs_h, n_heads, o1, o2, im, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+                     PASS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_PASS: tl.constexpr):
+    """One token's heads in float32 (pair halves x1, x2, pass-through xp), their masks and 1/rms per head."""
     p1, p2, pp, m, mp = _heads_tile(x_base, xs_h, n_heads, o1, o2, im, BLOCK_H, BLOCK_PASS, HALF, PASS)
     x1 = tl.load(p1, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(p2, mask=m, other=0.0).to(tl.float32)
     xp = tl.load(pp, mask=mp, other=0.0).to(tl.float32)
     rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1) + tl.sum(xp * xp, 1)) / HEAD_DIM + eps)[:, None]
+    return x1, x2, xp, rstd, m, mp
+
+
+@triton.jit
+def _fwd_heads(x_base, xs_h, o_base, os_h, n_heads, w_ptr, c1, c2, s1, s2, eps, o1, o2, im,
+               HEAD_DIM: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_H: tl.constexpr,
+               BLOCK_PASS: tl.constexpr):
+    x1, x2, xp, rstd, m, mp = _load_heads_rstd(x_base, xs_h, n_heads, o1, o2, im, eps, HEAD_DIM, HALF, PASS,
+                                               BLOCK_H, BLOCK_PASS)
     dtype = x_base.dtype.element_ty
     jp = 2 * HALF + tl.arange(0, BLOCK_PASS)
     y1 = ((x1 * rstd).to(dtype).to(tl.float32) * tl.load(w_ptr + o1, mask=im, other=0.0).to(tl.float32)[None, :])
@@ -74,11 +83,8 @@ def _bwd_heads(x_base, xs_h, d_base, ds_h, g_base, gs_h, n_heads, w_ptr, c1, c2,
                HEAD_DIM: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_H: tl.constexpr,
                BLOCK_PASS: tl.constexpr):
     """One token's heads: store dx at g_base; return this token's dw terms (pair halves, pass-through)."""
-    p1, p2, pp, m, mp = _heads_tile(x_base, xs_h, n_heads, o1, o2, im, BLOCK_H, BLOCK_PASS, HALF, PASS)
-    x1 = tl.load(p1, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(p2, mask=m, other=0.0).to(tl.float32)
-    xp = tl.load(pp, mask=mp, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1) + tl.sum(xp * xp, 1)) / HEAD_DIM + eps)[:, None]
+    x1, x2, xp, rstd, m, mp = _load_heads_rstd(x_base, xs_h, n_heads, o1, o2, im, eps, HEAD_DIM, HALF, PASS,
+                                               BLOCK_H, BLOCK_PASS)
     e1, e2, ep, _, _ = _heads_tile(d_base, ds_h, n_heads, o1, o2, im, BLOCK_H, BLOCK_PASS, HALF, PASS)
     do1 = tl.load(e1, mask=m, other=0.0).to(tl.float32)
     do2 = tl.load(e2, mask=m, other=0.0).to(tl.float32)

@@ -18,16 +18,6 @@ from fxrewrite.runtime.models.qwen3 import Qwen3Attention
 from fxrewrite.runtime.worker.warmup import dummy_metadata, warm_up_kernels, warmup_steps
 
 
-@pytest.fixture
-def interpret():
-    from fxrewrite.kernels.triton_utils import HAS_TRITON, interpreter_ready
-
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
-    if not interpreter_ready():
-        pytest.skip("triton runs compiled kernels here (a GPU machine): the CPU interpreter is not in use")
-
-
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
     """One engine for the file (a tiny 1-layer Qwen3, float32, max_model_len 256)."""

@@ -4,22 +4,11 @@ no cuBLAS GEMM in a batch-1 decode step), and greedy decoding gives the referenc
 
 from __future__ import annotations
 
-import pytest
 
 from fxrewrite.benchmarks.count_launches import decode_step_launches
 from fxrewrite.kernels import gemv_dispatch
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 from fxrewrite.runtime.llm import LLM
-
-
-@pytest.fixture
-def interpret():
-    from fxrewrite.kernels.triton_utils import HAS_TRITON, interpreter_ready
-
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
-    if not interpreter_ready():
-        pytest.skip("triton runs compiled kernels here (a GPU machine): the CPU interpreter is not in use")
 
 
 def test_native_decode_fuses_norms_and_activation_into_the_gemv(tiny_model_dir, interpret, monkeypatch):
