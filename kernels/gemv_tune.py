@@ -10,6 +10,12 @@ does), replayed and timed with CUDA events. A config must first match the baseli
 smallest and largest token count (max error relative to the largest output < `TOLERANCE`: bf16
 rounding differs by ~1e-2, a wrong prologue by ~1). The fastest passing config is recorded when it beats
 the baseline; otherwise the bucket records None (cuBLAS).
+
+FP8 weights (formats "fp8" / "fp8-channel", `fxrewrite.kernels.skinny_gemv_fp8`): the baseline is the
+prologue's kernel then `fp8_dispatch.fp8_linear_dispatch` (the backend the FP8 tuner chose for that
+bucket, which runs first at load), and a config is proven against `skinny_gemv_fp8_ref` (the float32
+product with the dequantized weight) instead, since the FP8 GEMMs quantize the activations and this
+kernel does not.
 """
 
 from __future__ import annotations
@@ -23,12 +29,14 @@ import torch.nn.functional as F
 
 from fxrewrite.kernels import gemv_dispatch
 from fxrewrite.kernels.activation import silu_and_mul
+from fxrewrite.kernels.fp8_dispatch import fp8_linear_dispatch
 from fxrewrite.kernels.fp8_tune import graph_time_us
 from fxrewrite.kernels.rms_norm import rms_norm
-from fxrewrite.kernels.skinny_gemv import GEMV_MAX_M, configs_for, skinny_gemv_triton
+from fxrewrite.kernels.skinny_gemv import GEMV_MAX_M, configs_for
+from fxrewrite.kernels.skinny_gemv_fp8 import skinny_gemv_fp8_ref
 
-__all__ = ["TOLERANCE", "BUCKETS", "make_inputs", "scratch_weights", "max_rel_error", "baseline", "candidate",
-           "tune_shape", "tune"]
+__all__ = ["TOLERANCE", "BUCKETS", "make_inputs", "scratch_weights", "scratch_scales", "max_rel_error", "baseline",
+           "candidate", "tune_shape", "tune"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,19 +56,35 @@ def make_inputs(kind: str, m: int, k: int, device, dtype, seed: int = 0) -> dict
     return args
 
 
-def baseline(kind: str, w: torch.Tensor, x: torch.Tensor, residual=None, norm_weight=None) -> torch.Tensor:
-    """The unfused kernels + cuBLAS for one call of `kind` (what runs when the GEMV is not chosen)."""
+def baseline(kind: str, w: torch.Tensor, x: torch.Tensor, residual=None, norm_weight=None, w_scale=None,
+             per_channel: bool = False) -> torch.Tensor:
+    """The unfused kernels + cuBLAS (FP8 w with w_scale: + the chosen FP8 GEMM) for one call of `kind` (what
+    runs when the GEMV is not chosen)."""
     if kind == "silu":
         x = silu_and_mul(x)
     elif kind == "norm":
         x = rms_norm(x, norm_weight, 1e-6, residual)[0]
+    if w_scale is not None:
+        return fp8_linear_dispatch(x, w, w_scale, per_channel=per_channel)
     return F.linear(x, w)
 
 
-def candidate(kind: str, w: torch.Tensor, x: torch.Tensor, config, residual=None, norm_weight=None) -> torch.Tensor:
-    """The skinny GEMV with `config` for one call of `kind`."""
-    out = skinny_gemv_triton(x, w, norm_weight=norm_weight, eps=1e-6, residual=residual, silu_mul=kind == "silu",
-                             config=config)
+def candidate(kind: str, w: torch.Tensor, x: torch.Tensor, config, residual=None, norm_weight=None, w_scale=None,
+              per_channel: bool = False) -> torch.Tensor:
+    """The skinny GEMV with `config` for one call of `kind` (FP8 w: with w_scale, per_channel)."""
+    fp8 = {"w_scale": w_scale, "per_channel": per_channel} if w_scale is not None else {}
+    out = gemv_dispatch.run(x, w, None, config, norm_weight=norm_weight, eps=1e-6, residual=residual,
+                            silu_mul=kind == "silu", **fp8)
+    return out[0] if kind == "norm" else out
+
+
+def _reference(kind: str, w: torch.Tensor, x: torch.Tensor, residual=None, norm_weight=None, w_scale=None,
+               per_channel: bool = False) -> torch.Tensor:
+    """What a config must match: the baseline, or for FP8 weights the dequantized float32 product."""
+    if w_scale is None:
+        return baseline(kind, w, x, residual, norm_weight)
+    out = skinny_gemv_fp8_ref(x, w, w_scale, per_channel=per_channel, norm_weight=norm_weight, eps=1e-6,
+                              residual=residual, silu_mul=kind == "silu")
     return out[0] if kind == "norm" else out
 
 
@@ -69,59 +93,80 @@ def max_rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
 
 
-def _proven(kind: str, w: torch.Tensor, bucket: int, config) -> None:
-    """Raise unless `config` matches the baseline at the bucket's smallest and largest token count."""
+def _proven(kind: str, w: torch.Tensor, bucket: int, config, dtype: torch.dtype, fp8: dict) -> None:
+    """Raise unless `config` matches the reference at the bucket's smallest and largest token count."""
     for m in sorted({bucket // 2 + 1, bucket}):
-        args = make_inputs(kind, m, w.shape[1], w.device, w.dtype, seed=m)
-        err = max_rel_error(candidate(kind, w, config=config, **args), baseline(kind, w, **args))
+        args = make_inputs(kind, m, w.shape[1], w.device, dtype, seed=m)
+        err = max_rel_error(candidate(kind, w, config=config, **args, **fp8), _reference(kind, w, **args, **fp8))
         if not err < TOLERANCE:
             raise ValueError(f"M={m}: max relative error {err:.3g} >= {TOLERANCE}")
 
 
-def tune_shape(kind: str, ws: list[torch.Tensor], bucket: int) -> dict[str, float | str]:
-    """{"cublas" | "block_n/block_k/warps": us per call, or "error: ..."} for one bucket; records the
+def tune_shape(kind: str, ws: list[torch.Tensor], bucket: int, dtype: torch.dtype | None = None,
+               fmt: str = "float") -> dict[str, float | str]:
+    """{"cublas" | "block_n/block_k/warps": us per call, or "error: ..."} for one bucket of weights `ws` of
+    format `fmt` (FP8: block_n/block_g/warps; activations in `dtype`, default the weights'); records the
     choice in gemv_dispatch."""
     n, k = ws[0].shape
-    args = make_inputs(kind, bucket, k, ws[0].device, ws[0].dtype)
-    results: dict[str, float | str] = {"cublas": graph_time_us(lambda i: baseline(kind, ws[i], **args), 20, len(ws))}
+    dtype = dtype or ws[0].dtype
+    fp8 = {} if fmt == "float" else {"w_scale": scratch_scales(n, k, ws[0].device, fmt == "fp8-channel"),
+                                     "per_channel": fmt == "fp8-channel"}
+    args = make_inputs(kind, bucket, k, ws[0].device, dtype)
+    results: dict[str, float | str] = {
+        "cublas": graph_time_us(lambda i: baseline(kind, ws[i], **args, **fp8), 20, len(ws))}
     best = None
-    for config in configs_for(bucket):
+    for config in configs_for(bucket, fmt):
         name = "/".join(map(str, config))
         try:
-            _proven(kind, ws[0], bucket, config)
-            results[name] = graph_time_us(lambda i, c=config: candidate(kind, ws[i], config=c, **args), 20, len(ws))
+            _proven(kind, ws[0], bucket, config, dtype, fp8)
+            results[name] = graph_time_us(lambda i, c=config: candidate(kind, ws[i], config=c, **args, **fp8), 20,
+                                          len(ws))
         except Exception as e:  # noqa: BLE001 - a config that fails or is wrong here is never chosen
             results[name] = f"error: {type(e).__name__}: {str(e)[:200]}"
             continue
         if results[name] < results["cublas"] and (best is None or results[name] < results[best[0]]):
             best = (name, config)
-    gemv_dispatch.record(kind, n, k, bucket, best[1] if best else None)
+    gemv_dispatch.record(kind, n, k, bucket, best[1] if best else None, fmt)
     return results
 
 
 def scratch_weights(n: int, k: int, device, dtype) -> list[torch.Tensor]:
-    """Random [n, k] weight copies, as many as overflow the L2 twice (at most 8)."""
+    """Random [n, k] weight copies, as many as overflow the L2 twice (at most 8); dtype float8_e4m3fn: FP8
+    values of about the checkpoints' spread (|w| up to ~100 of 448), to be used with `scratch_scales`."""
     copies = max(1, min(8, -(-_L2_BYTES // (n * k * torch.tensor([], dtype=dtype).element_size()))))
+    if dtype == torch.float8_e4m3fn:
+        return [torch.randn(n, k, device=device).mul_(32).to(dtype) for _ in range(copies)]
     return [torch.randn(n, k, device=device, dtype=dtype).div_(k ** 0.5) for _ in range(copies)]
 
 
-def tune(shapes: set[tuple[str, int, int]], device, dtype: torch.dtype, max_m: int = GEMV_MAX_M) -> dict:
-    """Measure every (kind, N, K) in `shapes` at each bucket <= min(max_m, GEMV_MAX_M) (the decode batch
-    sizes the engine will run) and record the choices. Returns {"kind NxK@bucket": {name: us or error}}.
+def scratch_scales(n: int, k: int, device, per_channel: bool = False) -> torch.Tensor:
+    """Random float32 weight scales [n, ceil(k/128)] (per_channel: equal along a row) stored as the FP8
+    layers store them on the GPU (strides (1, n))."""
+    groups = -(-k // 128)
+    s = torch.rand(1 if per_channel else groups, n, device=device).add_(0.5).div_(32 * k ** 0.5)
+    return s.expand(groups, n).contiguous().t()
+
+
+def tune(shapes: set[tuple], device, dtype: torch.dtype, max_m: int = GEMV_MAX_M) -> dict:
+    """Measure every (kind, N, K) or (kind, N, K, weight format) in `shapes` at each bucket <= min(max_m,
+    GEMV_MAX_M) (the decode batch sizes the engine will run; activations in `dtype`) and record the choices.
+    Returns {"kind NxK@bucket" (+ " fp8" / " fp8-channel"): {name: us or error}}.
     No-op ({}) unless FXREWRITE_GEMV is "auto" and `device` is CUDA. FXREWRITE_GEMV_TUNE_LOG=path appends
     one JSON line of choices and timings."""
     if gemv_dispatch.mode() != "auto" or torch.device(device).type != "cuda":
         return {}
     buckets = [b for b in BUCKETS if b <= max(1, max_m)]
     timings = {}
-    for kind, n, k in sorted(shapes):
+    for shape in sorted(shapes, key=str):
+        kind, n, k, fmt = (*shape, "float")[:4]
         try:
-            ws = scratch_weights(n, k, device, dtype)
+            ws = scratch_weights(n, k, device, dtype if fmt == "float" else torch.float8_e4m3fn)
         except torch.cuda.OutOfMemoryError:  # no room for a scratch copy: this shape keeps cuBLAS
             logger.warning("skinny GEMV: no memory to time %s %dx%d; it keeps cuBLAS", kind, n, k)
             continue
         for b in buckets:
-            timings[f"{kind} {n}x{k}@{b}"] = tune_shape(kind, ws, b)
+            timings[f"{kind} {n}x{k}@{b}" + ("" if fmt == "float" else f" {fmt}")] = tune_shape(kind, ws, b, dtype,
+                                                                                                  fmt)
         del ws
     torch.cuda.empty_cache()  # the scratch weights must not count as used when the KV cache is sized
     logger.info("skinny GEMV choices: %s", gemv_dispatch.choices())

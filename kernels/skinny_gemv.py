@@ -30,7 +30,7 @@ from fxrewrite.kernels.activation import silu_and_mul_ref
 from fxrewrite.kernels.rms_norm import rms_norm_ref
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
-__all__ = ["GEMV_MAX_M", "CONFIGS", "skinny_gemv_ref", "skinny_gemv_triton", "configs_for"]
+__all__ = ["GEMV_MAX_M", "CONFIGS", "FP8_CONFIGS", "FORMATS", "skinny_gemv_ref", "skinny_gemv_triton", "configs_for"]
 
 GEMV_MAX_M = 8
 """Largest token count: each token adds M float32 accumulators per weight element a thread holds."""
@@ -47,11 +47,29 @@ of each of the block_n rows, so an input slice [block_k] is laid out as the weig
 accumulators per thread (32-64)."""
 
 
-def configs_for(m: int) -> tuple[tuple[int, int, int], ...]:
-    """The candidate configs for m tokens (1 <= m <= GEMV_MAX_M; ValueError otherwise)."""
+FP8_CONFIGS = {
+    1: ((4, 8, 4), (8, 4, 4), (8, 8, 4), (4, 4, 2), (2, 8, 2), (16, 4, 4), (4, 16, 8)),
+    2: ((4, 4, 2), (4, 8, 4), (8, 4, 4), (2, 8, 2), (8, 8, 8)),
+    4: ((2, 4, 2), (4, 4, 4), (2, 8, 4), (4, 8, 8), (1, 8, 2)),
+    8: ((1, 4, 2), (2, 4, 4), (1, 8, 4), (2, 8, 8), (4, 4, 8)),
+}
+"""FP8 weights (`fxrewrite.kernels.skinny_gemv_fp8`): (block_n, block_g, num_warps), block_g groups of 128
+columns per loop step. One byte per weight: twice the bf16 kernel's columns for the same bytes in flight;
+block_n * block_g * 128 / (32 * num_warps) * BLOCK_M float32 accumulators per thread (16-128). Not
+measured before being listed: the load-time tuner (`fxrewrite.kernels.gemv_tune`) times every one."""
+FORMATS = ("float", "fp8", "fp8-channel")
+"""Weight formats: bf16 / fp16 / fp32 ("float"), FP8 with a scale per row and 128 columns ("fp8"), FP8 with
+one scale per row ("fp8-channel")."""
+
+
+def configs_for(m: int, fmt: str = "float") -> tuple[tuple[int, int, int], ...]:
+    """The candidate configs for m tokens (1 <= m <= GEMV_MAX_M) and a weight format of `FORMATS`
+    (ValueError otherwise)."""
     if not 1 <= m <= GEMV_MAX_M:
         raise ValueError(f"skinny GEMV takes 1..{GEMV_MAX_M} rows, got {m}")
-    return CONFIGS[next_power_of_2(m)]
+    if fmt not in FORMATS:
+        raise ValueError(f"skinny GEMV weight format {fmt!r}; expected one of {FORMATS}")
+    return (CONFIGS if fmt == "float" else FP8_CONFIGS)[next_power_of_2(m)]
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, norm_weight, residual, silu_mul: bool) -> int:

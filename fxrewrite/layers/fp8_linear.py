@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from fxrewrite.distributed import all_reduce_tp_shards
-from fxrewrite.kernels import fp8_dispatch, fp8_tune
+from fxrewrite.kernels import fp8_dispatch, fp8_tune, gemv_dispatch
 from fxrewrite.kernels.fp8_gemm import FP8_DTYPE, FP8_MAX
 from fxrewrite.layers.linear import (
     LinearBase,
@@ -46,13 +46,32 @@ class Fp8LinearMixin:
     weight_per_channel: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """At decode token counts the FP8 skinny GEMV where its load-time timing chose it (`gemv_dispatch`),
+        else the FP8 GEMM the FP8 tuner chose (`fp8_dispatch`)."""
         if self.weight.dtype != FP8_DTYPE:  # dequantized (CPU): the plain layer's forward
             return super().forward(x)
-        out = fp8_dispatch.fp8_linear_dispatch(x, self.weight, self.weight_scale_inv, self.weight_block_size[1],
-                                               per_channel=self.weight_per_channel)
+        scales = self._gemv_operands()
+        config = gemv_dispatch.config_for_call("linear", x, self.weight, **scales) if scales else None
+        if config is not None:
+            k = x.shape[-1]
+            out = gemv_dispatch.run(x.reshape(-1, k), self.weight, None, config, **scales).view(*x.shape[:-1], -1)
+        else:
+            out = fp8_dispatch.fp8_linear_dispatch(x, self.weight, self.weight_scale_inv, self.weight_block_size[1],
+                                                   per_channel=self.weight_per_channel)
         if isinstance(self, RowParallelLinear) and self.tp_size > 1 and self.reduce_results:
             all_reduce_tp_shards(out)
         return out if self.bias is None else out + self.bias
+
+    def _gemv_operands(self) -> dict | None:
+        """FP8 weights with 128-column scale groups: the skinny GEMV's w_scale / per_channel arguments."""
+        if self.weight.dtype != FP8_DTYPE:  # dequantized: the plain product
+            return {}
+        if self.weight_block_size[1] != 128:
+            return None
+        return {"w_scale": self.weight_scale_inv, "per_channel": self.weight_per_channel}
+
+    def _plain_forward(self) -> bool:
+        return self.weight.dtype != FP8_DTYPE  # dequantized: super().forward is the plain product
 
 
 _CLASSES: dict[type, type] = {}

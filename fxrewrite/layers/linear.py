@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxrewrite.distributed import all_reduce_tp_shards
+from fxrewrite.kernels import gemv_dispatch
 from fxrewrite.kernels.gemv_dispatch import config_for_call
-from fxrewrite.kernels.skinny_gemv import skinny_gemv_triton
 from fxrewrite.layers.activation import SiluAndMul
 
 
@@ -92,21 +92,28 @@ class LinearBase(nn.Module):
         """``(self(norm(x, residual)), x + residual)`` (residual None: ``(self(norm(x)), x)``) for a
         column-parallel layer after an `RMSNorm`; x, residual [..., input_size]. At decode token counts the
         norm and the residual add run inside the skinny GEMV where it was chosen (kind "norm")."""
-        fusable = getattr(norm, "offset", None) == 0.0 and getattr(norm, "upcast", False) and self._plain_forward()
-        config = config_for_call("norm", x, self.weight, self.bias, norm.weight, residual) if fusable else None
+        scales = self._gemv_operands()
+        fusable = getattr(norm, "offset", None) == 0.0 and getattr(norm, "upcast", False) and scales is not None
+        config = config_for_call("norm", x, self.weight, self.bias, norm.weight, residual,
+                                 **(scales or {})) if fusable else None
         if config is None or (residual is not None and residual.shape != x.shape):
             h, residual = (norm(x), x) if residual is None else norm(x, residual)
             return self(h), residual
         lead, k = x.shape[:-1], x.shape[-1]
         res2 = residual.reshape(-1, k) if residual is not None else None
-        out = skinny_gemv_triton(x.reshape(-1, k), self.weight, self.bias, norm_weight=norm.weight,
-                                 eps=norm.variance_epsilon, residual=res2, config=config)
+        out = gemv_dispatch.run(x.reshape(-1, k), self.weight, self.bias, config, norm_weight=norm.weight,
+                                eps=norm.variance_epsilon, residual=res2, **scales)
         out, residual = (out[0], out[1].view(x.shape)) if res2 is not None else (out, x)
         return out.view(*lead, -1), residual
 
     def _plain_forward(self) -> bool:
         """True when this layer's forward is the plain product (not an FP8 or other override)."""
         return type(self).forward in (LinearBase.forward, RowParallelLinear.forward)
+
+    def _gemv_operands(self) -> dict | None:
+        """The skinny GEMV's weight-scale arguments (`gemv_dispatch.run`: {} for a float weight, w_scale and
+        per_channel for FP8 layers, which override this), or None when the product is not the GEMV's."""
+        return {} if self._plain_forward() else None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id=None) -> None:
         """Copy a full tensor (the unsharded default); subclasses shard it."""
@@ -246,12 +253,13 @@ class RowParallelLinear(LinearBase):
     def silu_forward(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
         """``self(act(x))`` for x [..., 2 * input_size / tp_size] holding [gate | up]; where the skinny GEMV
         was chosen (kind "silu") and `act` is `SiluAndMul`, silu(gate) * up is computed inside it."""
-        fusable = type(act) is SiluAndMul and self._plain_forward()
-        config = config_for_call("silu", x, self.weight, self.bias) if fusable else None
+        scales = self._gemv_operands()
+        fusable = type(act) is SiluAndMul and scales is not None
+        config = config_for_call("silu", x, self.weight, self.bias, **(scales or {})) if fusable else None
         if config is None or x.shape[-1] != 2 * self.weight.shape[1]:
             return self(act(x))
-        out = skinny_gemv_triton(x.reshape(-1, x.shape[-1]), self.weight, self.bias if self.tp_size == 1 else None,
-                                 silu_mul=True, config=config).view(*x.shape[:-1], -1)
+        out = gemv_dispatch.run(x.reshape(-1, x.shape[-1]), self.weight, self.bias if self.tp_size == 1 else None,
+                                config, silu_mul=True, **scales).view(*x.shape[:-1], -1)
         return out if self.tp_size == 1 else self._reduce(out)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id=None) -> None:
@@ -270,4 +278,4 @@ def dispatch_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None 
     if config is None:
         return F.linear(x, w, bias)
     k = x.shape[-1]
-    return skinny_gemv_triton(x.reshape(-1, k), w, bias, config=config).view(*x.shape[:-1], w.shape[0])
+    return gemv_dispatch.run(x.reshape(-1, k), w, bias, config).view(*x.shape[:-1], w.shape[0])

@@ -1,10 +1,11 @@
 """Load-time choice of the skinny GEMV per layer shape (`fxrewrite.kernels.gemv_tune`), for a model built
 from the fused layers: native models and the rewritten (`after`) transformers models alike.
 
-Every `LinearBase` (and `ParallelLMHead`) with a bf16 / fp16 / fp32 weight is measured with the kind
-its model calls it with: "norm" / "silu" where the layer's ``gemv_prologue`` says the model calls
-`norm_forward` / `silu_forward` (the native decoder layers), else "linear". FP8 layers keep their own
-GEMV and tuner (`fxrewrite.kernels.fp8_tune`).
+Every `LinearBase` (and `ParallelLMHead`) with a bf16 / fp16 / fp32 weight, or an FP8 weight with 128-column
+scale groups (`fxrewrite.kernels.skinny_gemv_fp8`; its baseline is the FP8 GEMM `fxrewrite.kernels.fp8_tune`
+chose at load), is measured with the kind its model calls it with: "norm" / "silu" where the layer's
+``gemv_prologue`` says the model calls `norm_forward` / `silu_forward` (the native decoder layers), else
+"linear".
 """
 
 from __future__ import annotations
@@ -22,15 +23,18 @@ __all__ = ["adopt_plain_linears", "gemv_shapes", "prepare_skinny_gemv"]
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def gemv_shapes(model: nn.Module) -> set[tuple[str, int, int]]:
-    """{(kind, N, K)} of the model's layers the skinny GEMV may serve (per-rank weight shapes)."""
+def gemv_shapes(model: nn.Module) -> set[tuple[str, int, int, str]]:
+    """{(kind, N, K, weight format)} of the model's layers the skinny GEMV may serve (per-rank weight shapes;
+    formats as `gemv_dispatch.weight_format`)."""
     shapes = set()
     for module in model.modules():
-        if isinstance(module, (LinearBase, ParallelLMHead)) and module.weight.dtype in _FLOATS:
-            plain = not isinstance(module, LinearBase) or module._plain_forward()
-            if plain and module.weight.dim() == 2:
-                n, k = module.weight.shape
-                shapes.add((getattr(module, "gemv_prologue", None) or "linear", n, k))
+        if not isinstance(module, (LinearBase, ParallelLMHead)) or module.weight.dim() != 2:
+            continue
+        scales = module._gemv_operands() if isinstance(module, LinearBase) else {}
+        fmt = gemv_dispatch.weight_format(module.weight, **scales) if scales is not None else None
+        if fmt is not None:
+            n, k = module.weight.shape
+            shapes.add((getattr(module, "gemv_prologue", None) or "linear", n, k, fmt))
     return shapes
 
 
