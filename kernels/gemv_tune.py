@@ -36,7 +36,7 @@ from fxrewrite.kernels.skinny_gemv import GEMV_MAX_M, configs_for
 from fxrewrite.kernels.skinny_gemv_fp8 import skinny_gemv_fp8_ref
 
 __all__ = ["TOLERANCE", "BUCKETS", "make_inputs", "scratch_weights", "scratch_scales", "max_rel_error", "baseline",
-           "candidate", "tune_shape", "tune"]
+           "reference", "candidate", "tune_shape", "tune"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def candidate(kind: str, w: torch.Tensor, x: torch.Tensor, config, residual=None
     return out[0] if kind == "norm" else out
 
 
-def _reference(kind: str, w: torch.Tensor, x: torch.Tensor, residual=None, norm_weight=None, w_scale=None,
+def reference(kind: str, w: torch.Tensor, x: torch.Tensor, residual=None, norm_weight=None, w_scale=None,
                per_channel: bool = False) -> torch.Tensor:
     """What a config must match: the baseline, or for FP8 weights the dequantized float32 product."""
     if w_scale is None:
@@ -97,7 +97,7 @@ def _proven(kind: str, w: torch.Tensor, bucket: int, config, dtype: torch.dtype,
     """Raise unless `config` matches the reference at the bucket's smallest and largest token count."""
     for m in sorted({bucket // 2 + 1, bucket}):
         args = make_inputs(kind, m, w.shape[1], w.device, dtype, seed=m)
-        err = max_rel_error(candidate(kind, w, config=config, **args, **fp8), _reference(kind, w, **args, **fp8))
+        err = max_rel_error(candidate(kind, w, config=config, **args, **fp8), reference(kind, w, **args, **fp8))
         if not err < TOLERANCE:
             raise ValueError(f"M={m}: max relative error {err:.3g} >= {TOLERANCE}")
 
