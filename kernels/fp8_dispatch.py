@@ -39,8 +39,8 @@ from fxrewrite.kernels.fp8_gemv import GEMV_CONFIGS, GEMV_MAX_M, fp8_block_gemv_
 from fxrewrite.kernels.fp8_rowwise import channel_scales, fp8_scaled_mm_rowwise, per_token_quant_fp8
 from fxrewrite.kernels.fp8_scaled_mm import fp8_scaled_mm
 
-__all__ = ["BUCKETS", "bucket_of", "choose", "fp8_gemm_dispatch", "fp8_linear_dispatch", "record", "choices", "clear",
-           "ROWWISE"]
+__all__ = ["BUCKETS", "bucket_of", "choose", "fp8_gemm_dispatch", "fp8_linear_dispatch", "input_quantization",
+           "run_quantized", "record", "choices", "clear", "ROWWISE"]
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +123,37 @@ def _run(x2: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, backend: str) -> 
         return fp8_block_gemv_triton(x2, None, w, w_s, x2.dtype, block_n, target, step)
     q, s = per_token_group_quant_fp8(x2, 128, column_major_scales=True)
     return fp8_gemm_dispatch(q, s, w, w_s, x2.dtype, backend)
+
+
+def input_quantization(n: int, k: int, m: int, per_channel: bool = False) -> tuple[str, int | None] | None:
+    """(backend, activation group size: None per token, 128 per token group) when the backend chosen for an
+    [m, k] x [n, k]^T product reads FP8 activations, which a producing kernel can then write directly
+    (`fxrewrite.kernels.fp8_quant_fused`); None for the weight-only GEMV, which reads them unquantized."""
+    backend = choose(n, k, m, per_channel)
+    if backend.startswith("gemv:") and m <= GEMV_MAX_M:
+        return None
+    if backend.startswith("gemv:"):
+        backend = "triton"
+    return backend, (None if backend == ROWWISE else 128)
+
+
+def run_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, out_dtype: torch.dtype,
+                  backend: str, per_channel: bool = False) -> torch.Tensor | None:
+    """The GEMM of `input_quantization` on activations already quantized in its form: q [M, K] fp8, s [M, 1]
+    (row-wise) or [M, ceil(K/128)] float32, outer-dim major -> [M, N] out_dtype. Should the backend raise,
+    the bucket is demoted as in `fp8_linear_dispatch`; inside a CUDA-graph capture the error propagates,
+    else None is returned (the caller runs the unfused path)."""
+    try:
+        if backend == ROWWISE:
+            return fp8_scaled_mm_rowwise(q, s, w, channel_scales(w_s), out_dtype)
+        return fp8_gemm_dispatch(q, s, w, w_s, out_dtype, backend)
+    except Exception as e:  # noqa: BLE001 - as fp8_linear_dispatch's safety net
+        if backend == "triton" or _forced() != "auto":
+            raise
+        _demote(w.shape[0], w.shape[1], q.shape[0], backend, e, per_channel)
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise
+        return None
 
 
 def fp8_linear_dispatch(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, group_size: int = 128,

@@ -26,8 +26,11 @@ import torch
 from torch import nn
 
 from fxrewrite.distributed import all_reduce_tp_shards
-from fxrewrite.kernels import fp8_dispatch, fp8_tune, gemv_dispatch
+from fxrewrite.kernels import fp8_dispatch, fp8_tune, gemv_dispatch, use_triton
 from fxrewrite.kernels.fp8_gemm import FP8_DTYPE, FP8_MAX
+from fxrewrite.kernels.fp8_quant_fused import rms_norm_quant_fp8, silu_and_mul_quant_fp8
+from fxrewrite.kernels.skinny_gemv import GEMV_MAX_M
+from fxrewrite.layers.activation import SiluAndMul
 from fxrewrite.layers.linear import (
     LinearBase,
     MergedColumnParallelLinear,
@@ -58,9 +61,56 @@ class Fp8LinearMixin:
         else:
             out = fp8_dispatch.fp8_linear_dispatch(x, self.weight, self.weight_scale_inv, self.weight_block_size[1],
                                                    per_channel=self.weight_per_channel)
+        return self._finish(out)
+
+    def _finish(self, out: torch.Tensor) -> torch.Tensor:
         if isinstance(self, RowParallelLinear) and self.tp_size > 1 and self.reduce_results:
             all_reduce_tp_shards(out)
         return out if self.bias is None else out + self.bias
+
+    def _input_quantization(self, x: torch.Tensor):
+        """(backend, activation group size) when the GEMM this call runs reads FP8 activations and the
+        producing kernel should write them (`fp8_dispatch.input_quantization`); None at decode token counts
+        (the skinny GEMV's and the weight-only GEMV's), on a CPU, under torch.compile or autograd."""
+        if self.weight.dtype != FP8_DTYPE or self.weight_block_size[1] != 128 or not use_triton(x):
+            return None
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and x.requires_grad):
+            return None
+        m = x.numel() // x.shape[-1]
+        if m <= GEMV_MAX_M:
+            return None
+        return fp8_dispatch.input_quantization(self.weight.shape[0], self.weight.shape[1], m, self.weight_per_channel)
+
+    def _quantized_product(self, q, s, form, dtype) -> torch.Tensor | None:
+        out = fp8_dispatch.run_quantized(q, s, self.weight, self.weight_scale_inv, dtype, form[0],
+                                         self.weight_per_channel)
+        return None if out is None else self._finish(out)
+
+    def norm_forward(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None = None):
+        """`LinearBase.norm_forward`; above decode token counts, when the chosen GEMM reads FP8 activations,
+        the RMSNorm kernel writes them (`rms_norm_quant_fp8`: no bf16 normalized tensor, no quantization pass)."""
+        form = self._input_quantization(x)
+        fusable = getattr(norm, "offset", None) == 0.0 and getattr(norm, "upcast", False)
+        if form is None or not fusable or (residual is not None and residual.shape != x.shape):
+            return super().norm_forward(x, norm, residual)
+        k = x.shape[-1]
+        res2 = residual.reshape(-1, k) if residual is not None else None
+        q, s, new_res = rms_norm_quant_fp8(x.reshape(-1, k).contiguous(), norm.weight, norm.variance_epsilon,
+                                           None if res2 is None else res2.contiguous(), form[1])
+        out = self._quantized_product(q, s, form, x.dtype)
+        if out is None:  # the backend failed and was demoted: the unfused path
+            return super().norm_forward(x, norm, residual)
+        return out.view(*x.shape[:-1], -1), (new_res.view(x.shape) if residual is not None else x)
+
+    def silu_forward(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
+        """`RowParallelLinear.silu_forward`; above decode token counts, when the chosen GEMM reads FP8
+        activations, the SiLU-and-mul kernel writes them (`silu_and_mul_quant_fp8`)."""
+        form = self._input_quantization(x[..., : x.shape[-1] // 2])
+        if form is None or type(act) is not SiluAndMul or x.shape[-1] != 2 * self.weight.shape[1]:
+            return super().silu_forward(x, act)
+        q, s = silu_and_mul_quant_fp8(x.reshape(-1, x.shape[-1]).contiguous(), form[1])
+        out = self._quantized_product(q, s, form, x.dtype)
+        return super().silu_forward(x, act) if out is None else out.view(*x.shape[:-1], -1)
 
     def _gemv_operands(self) -> dict | None:
         """FP8 weights with 128-column scale groups: the skinny GEMV's w_scale / per_channel arguments."""
