@@ -113,14 +113,17 @@ def _value(x_ptr, r_ptr, g_ptr, res_out_ptr, row, offs, mask, K, stride_xm, stri
             if WRITE_RES:
                 tl.store(res_out_ptr + row * K + offs, xv, mask=mask)
         if WRITE_RES:
-            return xv.to(tl.float32)
-        h = (xv.to(tl.float32) * rstd).to(xv.dtype)
-        w = tl.load(g_ptr + offs, mask=mask, other=0.0)
-        return (h.to(tl.float32) * w.to(tl.float32)).to(xv.dtype).to(tl.float32)  # weight * h.to(dtype)
-    gate = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0)
-    up = tl.load(x_ptr + row * stride_xm + K + offs, mask=mask, other=0.0).to(tl.float32)
-    gf = gate.to(tl.float32)
-    return (gf * tl.sigmoid(gf) * up).to(gate.dtype).to(tl.float32)
+            v = xv.to(tl.float32)
+        else:
+            h = (xv.to(tl.float32) * rstd).to(xv.dtype)
+            w = tl.load(g_ptr + offs, mask=mask, other=0.0)
+            v = (h.to(tl.float32) * w.to(tl.float32)).to(xv.dtype).to(tl.float32)  # weight * h.to(dtype)
+    else:
+        gate = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0)
+        up = tl.load(x_ptr + row * stride_xm + K + offs, mask=mask, other=0.0).to(tl.float32)
+        gf = gate.to(tl.float32)
+        v = (gf * tl.sigmoid(gf) * up).to(gate.dtype).to(tl.float32)
+    return v
 
 
 @triton.jit
