@@ -64,9 +64,15 @@ def packed_cos_sin(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, 
     half = cos.shape[-1] // 2
     cache = torch.cat((cos[0, :, :half], sin[0, :, :half]), dim=-1)
     positions = torch.arange(cache.shape[0], device=cos.device)
-    if not torch.compiler.is_compiling():
-        _packed = (weakref.ref(cos), weakref.ref(sin), cos._version, sin._version, positions, cache)
+    if not torch.compiler.is_compiling():  # the table dies with cos (it may live in a CUDA graph's pool)
+        _packed = (weakref.ref(cos, _forget), weakref.ref(sin), cos._version, sin._version, positions, cache)
     return positions, cache
+
+
+def _forget(dead: weakref.ref) -> None:
+    global _packed
+    if _packed and _packed[0] is dead:
+        _packed = ()
 
 
 def apply_calls(traced):

@@ -119,3 +119,12 @@ def test_packed_cos_sin_is_built_once_per_forward_and_never_stale():
     torch.testing.assert_close(packed_cos_sin(cos, sin)[1][:, :4], cos[0, :, :4])
     other = cos.clone()  # another forward's tensors: rebuilt
     assert packed_cos_sin(other, sin)[1] is not cache
+
+
+def test_packed_cos_sin_table_dies_with_its_cos():
+    from fxrewrite.patterns import rotary_calls
+
+    cos, sin = torch.randn(1, 3, 4), torch.randn(1, 3, 4)
+    rotary_calls.packed_cos_sin(cos, sin)
+    del cos
+    assert rotary_calls._packed == ()
