@@ -22,6 +22,9 @@ matmul reads column 0; ``weight_per_channel`` marks such a layer), or in blocks 
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 from torch import nn
 
@@ -40,6 +43,24 @@ from fxrewrite.layers.linear import (
 )
 
 SCALE_NAME = "weight_scale_inv"
+logger = logging.getLogger(__name__)
+_fused_quant_failed: list[str] = []
+"""The error of the first fused-quantization kernel that raised (outside a capture): from then on the
+separate quantization runs. FXREWRITE_FP8_FUSED_QUANT=0 turns the fused producers off from the start."""
+
+
+def _fused_producer(fn, *args):
+    """fn(*args) (a `fxrewrite.kernels.fp8_quant_fused` kernel), or None after it raised outside a CUDA-graph
+    capture (logged once; the caller runs the unfused path)."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - fail closed: the separate kernels compute the same values
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise
+        _fused_quant_failed.append(f"{type(e).__name__}: {str(e)[:200]}")
+        logger.warning("fused FP8 activation quantization failed (%s); the separate kernels run from now on",
+                       _fused_quant_failed[0])
+        return None
 
 
 class Fp8LinearMixin:
@@ -74,7 +95,9 @@ class Fp8LinearMixin:
         (the skinny GEMV's and the weight-only GEMV's), on a CPU, under torch.compile or autograd."""
         if self.weight.dtype != FP8_DTYPE or self.weight_block_size[1] != 128 or not use_triton(x):
             return None
-        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and x.requires_grad):
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and x.requires_grad) or _fused_quant_failed:
+            return None
+        if os.environ.get("FXREWRITE_FP8_FUSED_QUANT", "1") == "0":
             return None
         m = x.numel() // x.shape[-1]
         if m <= GEMV_MAX_M:
@@ -95,12 +118,12 @@ class Fp8LinearMixin:
             return super().norm_forward(x, norm, residual)
         k = x.shape[-1]
         res2 = residual.reshape(-1, k) if residual is not None else None
-        q, s, new_res = rms_norm_quant_fp8(x.reshape(-1, k).contiguous(), norm.weight, norm.variance_epsilon,
-                                           None if res2 is None else res2.contiguous(), form[1])
-        out = self._quantized_product(q, s, form, x.dtype)
-        if out is None:  # the backend failed and was demoted: the unfused path
+        fused = _fused_producer(rms_norm_quant_fp8, x.reshape(-1, k).contiguous(), norm.weight,
+                                norm.variance_epsilon, None if res2 is None else res2.contiguous(), form[1])
+        out = None if fused is None else self._quantized_product(fused[0], fused[1], form, x.dtype)
+        if out is None:  # a kernel failed (the GEMM backend was demoted): the unfused path
             return super().norm_forward(x, norm, residual)
-        return out.view(*x.shape[:-1], -1), (new_res.view(x.shape) if residual is not None else x)
+        return out.view(*x.shape[:-1], -1), (fused[2].view(x.shape) if residual is not None else x)
 
     def silu_forward(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
         """`RowParallelLinear.silu_forward`; above decode token counts, when the chosen GEMM reads FP8
@@ -108,8 +131,8 @@ class Fp8LinearMixin:
         form = self._input_quantization(x[..., : x.shape[-1] // 2])
         if form is None or type(act) is not SiluAndMul or x.shape[-1] != 2 * self.weight.shape[1]:
             return super().silu_forward(x, act)
-        q, s = silu_and_mul_quant_fp8(x.reshape(-1, x.shape[-1]).contiguous(), form[1])
-        out = self._quantized_product(q, s, form, x.dtype)
+        fused = _fused_producer(silu_and_mul_quant_fp8, x.reshape(-1, x.shape[-1]).contiguous(), form[1])
+        out = None if fused is None else self._quantized_product(fused[0], fused[1], form, x.dtype)
         return super().silu_forward(x, act) if out is None else out.view(*x.shape[:-1], -1)
 
     def _gemv_operands(self) -> dict | None:

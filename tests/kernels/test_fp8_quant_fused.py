@@ -91,3 +91,22 @@ def test_fp8_layers_quantize_inside_the_producer(interpret, monkeypatch, backend
     for got, inp, layer in ((out, h, qkv), (down_out, SiluAndMul()(gate_up), down)):
         want = inp @ deq[layer].t()
         assert ((got - want).abs().max() / want.abs().max()) < 0.1  # FP8 activations: ~3 % typical
+
+
+def test_a_failing_fused_kernel_falls_back_to_the_separate_ones(interpret, monkeypatch):
+    from fxrewrite.layers import fp8_linear
+
+    torch.manual_seed(0)
+    qkv = quantize_fp8_layer(QKVParallelLinear(256, 64, 2, 1), "qkv", (128, 128), per_channel=True)
+    norm = RMSNorm(256, 1e-6)
+    x, res = torch.randn(16, 256), torch.randn(16, 256)
+    monkeypatch.setenv("FXREWRITE_TRITON", "1")
+    monkeypatch.setattr(fp8_dispatch, "choose", lambda n, k, m, per_channel=False: fp8_dispatch.ROWWISE)
+    monkeypatch.setattr(fp8_linear, "rms_norm_quant_fp8", lambda *a: 1 / 0)
+    monkeypatch.setattr(fp8_linear, "_fused_quant_failed", [])
+    with torch.no_grad():
+        out, new_res = qkv.norm_forward(x, norm, res)
+        assert fp8_linear._fused_quant_failed == ["ZeroDivisionError: division by zero"]
+        assert qkv._input_quantization(x) is None  # from now on the separate kernels
+        torch.testing.assert_close(out, qkv(norm(x, res)[0]))
+    assert torch.equal(new_res, x + res)
