@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fxrewrite.kernels import gemv_dispatch, gemv_tune
+from fxrewrite.kernels import fp8_dispatch, gemv_dispatch, gemv_tune
 from fxrewrite.kernels.skinny_gemv import configs_for
 from fxrewrite.kernels.triton_utils import listen_launches
 
@@ -75,7 +75,9 @@ def test_fp8_decode_with_and_without_gemv(make_llm, monkeypatch, impl):
     llm = make_llm(model_impl=impl, quantization="fp8", dtype="bfloat16", max_num_seqs=8, compilation_config=0)
     runner = llm.llm_engine.model_runner
     model = runner.model
-    for n in (1, 3, 8):
+    # off: the weight-only FP8 GEMV (fp8_gemv.py, M <= 4) too, so both sides keep bf16 activations
+    monkeypatch.setattr(fp8_dispatch, "choose", lambda n, k, m, per_channel=False: "gemv:0")
+    for n in (1, 3):
         ids, pos, meta = decode_batch(runner, n, seed=n)
         with torch.inference_mode():
             seen = _Names()
@@ -88,6 +90,5 @@ def test_fp8_decode_with_and_without_gemv(make_llm, monkeypatch, impl):
                 logits_off = model.compute_logits(hidden_off)
             monkeypatch.setenv("FXREWRITE_GEMV", "on")
         assert "_skinny_gemv_fp8_kernel" in seen.names, seen.names
-        # off: the FP8 GEMMs, which quantize the activations (~1e-2); on: weight-only
-        assert _close(logits_on, logits_off) < 8e-2, f"{n} sequences"
-        assert _close(replay, hidden_off) < 8e-2, f"{n} sequences, graph replay"
+        assert _close(logits_on, logits_off) < 3e-2, f"{n} sequences"
+        assert _close(replay, hidden_off) < 3e-2, f"{n} sequences, graph replay"
