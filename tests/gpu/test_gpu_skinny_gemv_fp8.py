@@ -90,5 +90,5 @@ def test_fp8_decode_with_and_without_gemv(make_llm, monkeypatch, impl):
                 logits_off = model.compute_logits(hidden_off)
             monkeypatch.setenv("FXREWRITE_GEMV", "on")
         assert "_skinny_gemv_fp8_kernel" in seen.names, seen.names
-        assert _close(logits_on, logits_off) < 3e-2, f"{n} sequences"
-        assert _close(replay, hidden_off) < 3e-2, f"{n} sequences, graph replay"
+        assert _close(logits_on, logits_off) < 5e-2, f"{n} sequences"
+        assert _close(replay, hidden_off) < 5e-2, f"{n} sequences, graph replay"
