@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from fxrewrite.kernels.activation import silu_and_mul_ref
-from fxrewrite.kernels.pdl import pdl_enabled
+from fxrewrite.kernels.pdl import gdc_prologue, pdl_enabled
 from fxrewrite.kernels.rms_norm import rms_norm_ref
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
@@ -133,9 +133,23 @@ def skinny_gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | No
         ws, tickets, m, n, k, per_split * block_k, x.stride(0), res_in.stride(0), float(eps),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
         HAS_RES=residual is not None, SILU_MUL=silu_mul, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
-        SPLIT_K=splits, PDL=pdl, num_warps=num_warps,
+        SPLIT_K=splits, PDL=pdl, PREFETCH_LINES=_prefetch_lines(per_split * block_k, w.element_size()),
+        LINE=_LINE_BYTES // w.element_size(), num_warps=num_warps,
     )
     return (out, res_out) if residual is not None else out
+
+
+_LINE_BYTES = 128
+_PREFETCH_BYTES = 2048
+"""With PDL, each program asks for up to this many bytes of each of its weight rows (whole 128-byte lines, its
+first K columns) to be brought into L2 before it waits on the previous kernel: ~1000 resident programs x 4-8
+rows ~ 8-16 MB in flight during the previous kernel's tail, well inside the 50 MB L2."""
+
+
+def _prefetch_lines(k_per_program: int, element_size: int) -> int:
+    """Cache lines of one weight row to prefetch (a power of two, >= 1)."""
+    lines = min(_PREFETCH_BYTES, k_per_program * element_size) // _LINE_BYTES
+    return max(1, next_power_of_2(lines) // 2 if next_power_of_2(lines) > lines else lines)
 
 
 _TICKETS: dict[torch.device, torch.Tensor] = {}
@@ -269,10 +283,18 @@ def _finish(out_ptr, b_ptr, ws_ptr, cnt_ptr, pid, rn, M, N, BLOCK_M: tl.constexp
 
 
 @triton.jit
+def _prefetch_l2(ptrs, mask):
+    """PTX ``prefetch.global.L2`` of every pointer where mask is set (no register result, no wait)."""
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                              "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _skinny_gemv_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ws_ptr, cnt_ptr, M, N, K,
                         k_split, stride_xm, stride_rm, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
+                        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
+                        PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr):
     # One [BLOCK_N, BLOCK_K] float32 accumulator per token, in the weight tile's own layout (elementwise
     # FMAs, no per-step reduction); tokens past BLOCK_M are pruned at compile time. Program (pid, pid_k)
     # covers columns [pid_k * k_split, +k_split) (all of K with one split).
@@ -281,23 +303,23 @@ def _skinny_gemv_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, res_out_pt
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * K  # a partial last tile re-reads row N - 1
     rk0 = tl.arange(0, BLOCK_K)
-    k_lo = pid_k * k_split
-    k_hi = tl.minimum(k_lo + k_split, K)
-    rk = k_lo + rk0
-    # weights are never written by a kernel: the first tile streams before waiting on the previous kernel
-    w = _load(w_rows + rk[None, :], (rk < K)[None, :], EVEN_K).to(tl.float32)
+    k_lo = 0
+    k_hi = K
+    if SPLIT_K > 1:
+        k_lo = pid_k * k_split
+        k_hi = tl.minimum(k_lo + k_split, K)
     if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    first = (pid == 0) & (pid_k == 0)  # the programs of the first tile write the new residual
+        # weights are never written by a kernel: start this program's first weight tiles towards L2 while the
+        # previous kernel finishes, then wait for it (its outputs are this kernel's inputs)
+        lines = k_lo + tl.arange(0, PREFETCH_LINES) * LINE
+        _prefetch_l2(w_rows + lines[None, :], (lines < k_hi)[None, :] & (rn < N)[:, None])
+    gdc_prologue(PDL)
+    first = pid == 0  # the programs of the first column tile write the new residual (never split: NORM)
     a0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     a1, a2, a3, a4, a5, a6, a7 = a0, a0, a0, a0, a0, a0, a0
     s0 = tl.zeros((BLOCK_K,), dtype=tl.float32)
     s1, s2, s3, s4, s5, s6, s7 = s0, s0, s0, s0, s0, s0, s0
-    a0, a1, a2, a3, a4, a5, a6, a7, s0, s1, s2, s3, s4, s5, s6, s7 = _tile(
-        a0, a1, a2, a3, a4, a5, a6, a7, s0, s1, s2, s3, s4, s5, s6, s7, w, rk, x_ptr, res_ptr, g_ptr, res_out_ptr,
-        M, K, stride_xm, stride_rm, first, BLOCK_M, NORM, HAS_RES, SILU_MUL, EVEN_K)
-    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         rk = k0 + rk0
         w = _load(w_rows + rk[None, :], (rk < K)[None, :], EVEN_K).to(tl.float32)
         a0, a1, a2, a3, a4, a5, a6, a7, s0, s1, s2, s3, s4, s5, s6, s7 = _tile(
