@@ -140,7 +140,9 @@ def run_config(name: str, layers: int, context: int, max_model_len: int, copy: f
         os.environ["FXREWRITE_PDL"] = pdl
         for proj, (kind, n, k) in projections(cfg).items():
             ws = gemv_tune.scratch_weights(n, k, "cuda", torch.bfloat16)
-            out["gemv_m1"][f"{proj} pdl={pdl}"] = measure(kind, ws, 1)
+            row = out["gemv_m1"][f"{proj} pdl={pdl}"] = measure(kind, ws, 1)
+            print(f"{name} {proj:12s} PDL {pdl:3s}: " + ", ".join(f"{a} {t:.1f}" for a, t in row["us"].items()
+                                                               if isinstance(t, float)) + " us", flush=True)
             del ws
     torch.cuda.empty_cache()
     os.environ["FXREWRITE_PDL"] = "on"
@@ -213,11 +215,13 @@ def main(argv: list[str] | None = None) -> dict:
     compile_s = precompile_both(names, args.compile_workers)
     print(f"GEMV kernels built in {compile_s:.0f} s (PDL off and on)", flush=True)
     copy = copy_bandwidth_bytes_per_s() / 1e12
-    result = {"environment": environment(), "copy_TBps": copy, "compile_s": compile_s, "layers": args.layers, "context": args.context,
-              "max_model_len": args.max_model_len,
-              "configs": {n: run_config(n, args.layers, args.context, args.max_model_len, copy) for n in names}}
-    result["elapsed_s"] = time.perf_counter() - start
-    write_result(args.out / f"{datetime.date.today()}-decode-chain-{'-'.join(names)}.json", result)
+    result = {"environment": environment(), "copy_TBps": copy, "compile_s": compile_s, "layers": args.layers,
+              "context": args.context, "max_model_len": args.max_model_len, "configs": {}}
+    path = args.out / f"{datetime.date.today()}-decode-chain-{'-'.join(names)}.json"
+    for name in names:  # written after each config: a run cut short keeps what it measured
+        result["configs"][name] = run_config(name, args.layers, args.context, args.max_model_len, copy)
+        result["elapsed_s"] = time.perf_counter() - start
+        write_result(path, result)
     return result
 
 

@@ -86,7 +86,7 @@ def test_dependent_gemv_chain_with_pdl_equals_without(monkeypatch):
 
 
 @pytest.mark.parametrize("proj", ["o_proj", "down_proj"])
-@pytest.mark.parametrize("m", [1, 2, 5])
+@pytest.mark.parametrize("m", [1, 5])
 def test_split_k_configs_at_qwen3_4b_shapes(monkeypatch, proj, m):
     monkeypatch.setenv("FXREWRITE_PDL", "on")
     kind, n, k = projections(load_bench_config("qwen3-4b")["config"])[proj]
