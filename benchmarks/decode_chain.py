@@ -186,9 +186,9 @@ def precompile_both(names: list[str], workers: int) -> float:
     """Build every M = 1 GEMV config of the configs' projections, PDL off and on, in `workers` processes
     (one pool for everything: each worker pays one CUDA / Triton start). Returns seconds."""
     start = time.perf_counter()
-    jobs = sorted({(pdl, kind, k, config) for name in names for kind, _, k in
+    jobs = sorted({(pdl, kind, k, config) for name in names for kind, n, k in
                    projections(load_bench_config(name)["config"]).values()
-                   for config in configs_for(1, kind) for pdl in ("off", "on")})
+                   for config in configs_for(1, kind, n) for pdl in ("off", "on")})
     if workers > 1:
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             list(pool.map(_compile, [jobs[i::workers] for i in range(workers)]))

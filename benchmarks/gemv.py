@@ -76,7 +76,7 @@ def measure(kind: str, ws: list[torch.Tensor], m: int) -> dict:
     want = baseline(kind, ws[0], **args)
     arms = {"cublas": _timed(lambda i: F.linear(plain_x, ws[i]), len(ws)),
             "unfused": _timed(lambda i: baseline(kind, ws[i], **args), len(ws))}
-    for config in configs_for(m, kind):
+    for config in configs_for(m, kind, n):
         name = "gemv:" + "/".join(map(str, config))
         try:
             err = max_rel_error(candidate(kind, ws[0], config=config, **args), want)
@@ -134,8 +134,8 @@ def precompile(names: list[str], workers: int, tokens: tuple[int, ...] = TOKENS)
     seconds. The kernels are built for the current FXREWRITE_PDL (the workers inherit the environment)."""
     start = time.perf_counter()
     jobs = sorted({(kind, k, m, config) for name in names
-                   for kind, _, k in projections(load_bench_config(name)["config"]).values()
-                   for m in tokens for config in configs_for(m, kind)})
+                   for kind, n, k in projections(load_bench_config(name)["config"]).values()
+                   for m in tokens for config in configs_for(m, kind, n)})
     if workers > 1:
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             list(pool.map(_compile, [jobs[i::workers] for i in range(workers)]))

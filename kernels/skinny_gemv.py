@@ -31,7 +31,7 @@ from fxrewrite.kernels.pdl import gdc_prologue, pdl_enabled
 from fxrewrite.kernels.rms_norm import rms_norm_ref
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
-__all__ = ["GEMV_MAX_M", "CONFIGS", "SPLIT_CONFIGS", "skinny_gemv_ref", "skinny_gemv_triton", "configs_for"]
+__all__ = ["GEMV_MAX_M", "CONFIGS", "SPLIT_CONFIGS", "SPLIT_MAX_TILES", "skinny_gemv_ref", "skinny_gemv_triton", "configs_for"]
 
 GEMV_MAX_M = 8
 """Largest token count: each token adds M float32 accumulators per weight element a thread holds."""
@@ -47,25 +47,28 @@ of each of the block_n rows, so an input slice [block_k] is laid out as the weig
 (no shared-memory shuffle, no barrier in the loop); block_n * block_k / (32 * num_warps) * BLOCK_M float32
 accumulators per thread (32-64)."""
 SPLIT_CONFIGS = {
-    1: ((8, 512, 2, 4), (16, 512, 4, 8), (4, 512, 2, 4), (8, 512, 4, 2)),
+    1: ((8, 512, 2, 4), (16, 512, 4, 8), (4, 512, 2, 4)),
     2: ((4, 512, 2, 4), (8, 512, 4, 4)),
-    4: ((2, 512, 2, 4),),
-    8: ((1, 512, 2, 4),),
 }
 """(block_n, block_k, num_warps, split_k) candidates for the kinds without a norm prologue ("linear",
-"silu"): a narrow output (o_proj / down_proj, N = hidden size) gives N / block_n programs, too few warps in
-flight to keep HBM busy (Qwen3-4B down_proj: 640 x 2 warps, ~4.8 per SM); split-K multiplies them, and a wider
-block_n reads the SiLU-and-mul input (recomputed by every program) fewer times. The programs of a column tile
-write float32 partials; the last to arrive (an atomic ticket) sums them in split order."""
+"silu") at 1-2 tokens: a narrow output (o_proj / down_proj, N = hidden size) gives N / block_n programs, too
+few warps in flight to keep HBM busy (Qwen3-4B down_proj: 640 x 2 warps, ~4.8 per SM); split-K multiplies
+them, and a wider block_n reads the SiLU-and-mul input (recomputed by every program) fewer times. The programs
+of a column tile write float32 partials; the last to arrive (an atomic ticket) sums them in split order."""
+SPLIT_MAX_TILES = 1024
+"""Split-K is a candidate only when the output has fewer column tiles than this (~8 programs per SM of an
+H100 / H200): a wide output (gate_up, an LM head) fills the GPU without it, and each candidate costs a build."""
 
 
-def configs_for(m: int, kind: str = "norm") -> tuple[tuple[int, ...], ...]:
-    """The candidate configs for m tokens (1 <= m <= GEMV_MAX_M; ValueError otherwise): `CONFIGS`, then
-    for kind "linear" / "silu" the split-K ones of `SPLIT_CONFIGS`."""
+def configs_for(m: int, kind: str = "norm", n: int | None = None) -> tuple[tuple[int, ...], ...]:
+    """The candidate configs for m tokens (1 <= m <= GEMV_MAX_M; ValueError otherwise): `CONFIGS`, then for
+    kind "linear" / "silu" the split-K ones of `SPLIT_CONFIGS` (with `n` output rows: those that leave fewer
+    than `SPLIT_MAX_TILES` column tiles)."""
     if not 1 <= m <= GEMV_MAX_M:
         raise ValueError(f"skinny GEMV takes 1..{GEMV_MAX_M} rows, got {m}")
     bucket = next_power_of_2(m)
-    return CONFIGS[bucket] + (SPLIT_CONFIGS[bucket] if kind in ("linear", "silu") else ())
+    split = SPLIT_CONFIGS.get(bucket, ()) if kind in ("linear", "silu") else ()
+    return CONFIGS[bucket] + tuple(c for c in split if n is None or -(-n // c[0]) < SPLIT_MAX_TILES)
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, norm_weight, residual, silu_mul: bool) -> int:

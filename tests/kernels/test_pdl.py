@@ -38,6 +38,9 @@ def test_split_k_only_for_kinds_without_a_norm():
     assert configs_for(3, "norm") == CONFIGS[4]
     for kind in ("linear", "silu"):
         assert configs_for(2, kind) == CONFIGS[2] + SPLIT_CONFIGS[2]
+        assert configs_for(4, kind) == CONFIGS[4]  # split-K only at 1-2 tokens
+        assert configs_for(1, kind, n=2560) == CONFIGS[1] + SPLIT_CONFIGS[1]  # Qwen3-4B o_proj / down_proj
+        assert configs_for(1, kind, n=151936) == CONFIGS[1]  # an LM head fills the GPU unsplit
     w, x = torch.zeros(4, 64), torch.zeros(1, 64)
     with pytest.raises(ValueError, match="splits K"):
         skinny_gemv_triton(x, w, norm_weight=torch.ones(64), config=SPLIT_CONFIGS[1][0])
