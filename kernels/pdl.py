@@ -56,15 +56,21 @@ def device_supports_pdl(device) -> bool:
 
 def pdl_enabled(device) -> bool:
     """Whether the decode kernels launch with PDL on `device` (see the module docstring). RuntimeError
-    under FXREWRITE_PDL=on on a device without it."""
-    current = mode()
-    if current == "off":
-        return False
-    supported = device_supports_pdl(device)
-    if current == "on" and not supported:
-        raise RuntimeError(f"FXREWRITE_PDL=on but device {device} has no programmatic dependent launch "
-                           "(needs CUDA compute capability >= 9.0 and compiled Triton); use auto or off")
-    return supported
+    under FXREWRITE_PDL=on on a device without it. Memoised per (FXREWRITE_PDL value, device): every
+    kernel launch asks."""
+    key = (os.environ.get("FXREWRITE_PDL", "auto"), device)
+    hit = _ENABLED.get(key)
+    if hit is None:
+        current = mode()
+        supported = current != "off" and device_supports_pdl(device)
+        if current == "on" and not supported:
+            raise RuntimeError(f"FXREWRITE_PDL=on but device {device} has no programmatic dependent launch "
+                               "(needs CUDA compute capability >= 9.0 and compiled Triton); use auto or off")
+        hit = _ENABLED[key] = supported
+    return hit
+
+
+_ENABLED: dict = {}
 
 
 @triton.jit
