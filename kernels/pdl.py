@@ -4,11 +4,15 @@ Without PDL a kernel starts only after the previous kernel on the stream has fin
 is flushed, so each of the ~10 launches per decoder layer pays a ramp-up and a tail of a few
 microseconds. A kernel launched with PDL (CUDA's programmatic stream serialization, Triton's
 ``launch_pdl=True``) may start while the previous one is still running: it does the work that does not
-depend on the previous kernel (a GEMV streams its first weight tile), then ``gdc_wait`` blocks until the
+depend on the previous kernel (a GEMV prefetches its first weight lines to L2), then ``gdc_wait`` blocks until the
 previous grid has completed and its writes are visible; ``gdc_launch_dependents`` lets the next kernel
 launch once every program of this one has called it. Both instructions are no-ops in a kernel launched
 without the attribute, and a launch without it (cuBLAS, torch ops) keeps full stream ordering, so mixing
 PDL and plain kernels is safe. CUDA graphs capture the programmatic edges.
+
+Kernels with the switch (a ``PDL`` constexpr, set from `pdl_enabled`): the skinny GEMV, RMSNorm, SiLU-and-mul,
+rotary, q/k norm + rotary (+ cache write), reshape_and_cache, paged decode and its merge, the MoE router and
+the direct expert kernels. cuBLAS and torch's own kernels launch plainly.
 
 The rules every PDL kernel here follows (CUDA programming guide, "Programmatic Dependent Launch"):
 every program calls ``gdc_wait`` (unconditionally, so that the grid's completion implies its
