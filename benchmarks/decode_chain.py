@@ -158,7 +158,12 @@ def run_config(name: str, layers: int, context: int, max_model_len: int, copy: f
                 "down_cublas": {**choice, "down_proj": None}}
     for pdl in ("off", "on"):
         for label, ch in variants.items():
-            us = chain_us(m, ch, pdl)
+            try:
+                us = chain_us(m, ch, pdl)
+            except Exception as e:  # noqa: BLE001 - one failing arm is reported, the others still run
+                out["chain"][f"{label} pdl={pdl}"] = f"error: {type(e).__name__}: {str(e)[:300]}"
+                print(f"{name} chain {label} PDL {pdl}: {out['chain'][f'{label} pdl={pdl}']}", flush=True)
+                continue
             tbps = weight_bytes / (us * 1e-6) / 1e12
             out["chain"][f"{label} pdl={pdl}"] = {"us_per_layer": round(us, 2), "TBps": round(tbps, 3),
                                                  "roofline_fraction": round(tbps / copy, 3),
