@@ -2,8 +2,8 @@
 
 nano-vllm's scheme (`ModelRunner.capture_cudagraph` / `run_model`): buckets 1, 2, 4, 8, then every 16
 up to 512 and every 64 up to max_num_seqs (at most 1024), captured largest first into one shared memory
-pool. A decode step of n sequences copies its inputs into the first n rows of the static buffers, pads up to the next bucket
-(padding rows write no KV: slot -1) and replays that bucket's graph. Prefill and mixed steps, larger
+pool. A decode step of n sequences copies its inputs into the first n rows of the static buffers, pads
+up to the next bucket (padding rows write no KV: slot -1) and replays that bucket's graph. Prefill and mixed steps, larger
 batches and `enforce_eager` run eagerly. Under DP x EP (`fxrewrite.layers.moe_dp`) the graphs are
 captured with every replica at the same bucket (`data_parallel.uniform_tokens`), and each decode wave
 the worker sets `step_bucket`, one bucket for all replicas (0: this wave runs eagerly everywhere); a
