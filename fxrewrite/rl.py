@@ -138,7 +138,8 @@ def _batch_logprobs_fused(base, head, scale, softcap, batch, device) -> list[tor
     rows = [i * width + len(p) - 1 + j for i, (p, c) in enumerate(batch) for j in range(len(c))]
     target = torch.tensor([t for _, c in batch for t in c], dtype=torch.long)
     rows = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
-    lps = fused_linear_logprobs(hidden.reshape(-1, hidden.shape[-1])[rows], head.weight, head.bias,
+    # index_select: its backward is one index_add (advanced indexing's is a sorting index_put)
+    lps = fused_linear_logprobs(hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows), head.weight, head.bias,
                                 target.to(device, non_blocking=True), scale, softcap)
     return list(lps.split([len(c) for _, c in batch]))
 
