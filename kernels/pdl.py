@@ -19,8 +19,14 @@ every program calls ``gdc_wait`` (unconditionally, so that the grid's completion
 predecessor's, which the next kernel relies on) before it reads anything another kernel may have
 written and before it writes anything; only read-only data (weights) is touched before it.
 
-``FXREWRITE_PDL``: ``auto`` (default; on for CUDA devices of compute capability >= 9.0), ``on`` (the same,
-but a device without PDL raises), ``off``. Never under the Triton interpreter (CPU tests).
+``FXREWRITE_PDL``: ``off`` (default), ``auto`` (on for CUDA devices of compute capability >= 9.0), ``on``
+(the same, but a device without PDL raises). Never under the Triton interpreter (CPU tests).
+
+Opt-in because it bought nothing measurable (H200, triton 3.6, 2026-12-01-decode-chain-qwen3-4b-qwen3-32b.json
+and the latency JSONs beside it): a CUDA graph of 8 layers' batch-1 decode kernels took 76.5 / 75.1 us per
+Qwen3-4B layer with PDL off / on and 257.8 / 259.2 us per Qwen3-32B layer; engine batch-1 decode 3.061 / 3.070
+ms per step (4B), 16.89 / 17.05 (32B). The chain costs what its kernels cost back to back (each GEMV's ~2.5 us
+of ramp-up and last-wave tail is inside the kernel, and PDL did not hide it), not launch gaps.
 """
 
 from __future__ import annotations
@@ -38,8 +44,8 @@ MODES = ("auto", "on", "off")
 
 
 def mode() -> str:
-    """``FXREWRITE_PDL``: "auto" (default), "on" or "off"; ValueError naming any other value."""
-    value = os.environ.get("FXREWRITE_PDL", "auto")
+    """``FXREWRITE_PDL``: "off" (default), "auto" or "on"; ValueError naming any other value."""
+    value = os.environ.get("FXREWRITE_PDL", "off")
     if value not in MODES:
         raise ValueError(f"FXREWRITE_PDL={value!r}; expected one of {MODES}")
     return value
@@ -62,7 +68,7 @@ def pdl_enabled(device) -> bool:
     """Whether the decode kernels launch with PDL on `device` (see the module docstring). RuntimeError
     under FXREWRITE_PDL=on on a device without it. Memoised per (FXREWRITE_PDL value, device): every
     kernel launch asks."""
-    key = (os.environ.get("FXREWRITE_PDL", "auto"), device)
+    key = (os.environ.get("FXREWRITE_PDL", "off"), device)
     hit = _ENABLED.get(key)
     if hit is None:
         current = mode()
