@@ -89,7 +89,8 @@ def _throughput(llm, batch: int, output_len: int, repeats: int) -> dict:
     managers = {True: engine._structured, False: StructuredOutputManager(
         engine.tokenizer, engine.model_config.vocab_size, engine.eos_token_ids,
         max_rows=engine.config.max_num_seqs, use_process=False)}
-    managers[True].process is not None or print("note: no grammar process here; json_schema runs sequentially")
+    if managers[True].process is None:
+        print("note: no grammar process on this platform; json_schema runs the sequential path too")
     for warm_up in [True] + [False] * repeats:  # warm-up: JIT, graphs, grammar compile, bitmask kernel
         for name, (params, use_process) in arms.items():
             structured = engine._structured = managers[use_process is not False]

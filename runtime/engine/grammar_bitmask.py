@@ -47,6 +47,7 @@ class MaskSlots:
         self._shared, self._pin = shared, pin
         self._host: list[torch.Tensor | None] = [None, None] if shared is None else [shared[0], shared[1]]
         self._events: list = [None, None]
+        self._views: list[tuple[int, torch.Tensor] | None] = [None, None]  # (rows, host[:rows]) last handed out
         self._turn = 0
         self._copy_stream = None
         self._device_slots: list = [None, None]
@@ -66,6 +67,7 @@ class MaskSlots:
             with torch.inference_mode(False):  # a normal tensor: refilled in place in and out of inference mode
                 host = self._host[slot] = torch.empty((max(rows, 64), self.width), dtype=torch.int32,
                                                       pin_memory=device.type == "cuda")
+            self._views[slot] = None
         if device.type == "cuda":
             if self._pin is not None:
                 self._pin()
@@ -74,7 +76,10 @@ class MaskSlots:
                 self._events[slot] = torch.cuda.Event()
             else:
                 self._events[slot].synchronize()  # its previous copy was queued two masks ago: done in practice
-        return slot, host[:rows], self._events[slot]
+        view = self._views[slot]
+        if view is None or view[0] != rows:  # a slice costs microseconds; the batch rarely changes size
+            view = self._views[slot] = (rows, host[:rows])
+        return slot, view[1], self._events[slot]
 
     def to_device(self, host: torch.Tensor | None, event, device: torch.device) -> torch.Tensor | None:
         """`host` copied into one of two reused device buffers on a side stream, without waiting (CPU:

@@ -20,8 +20,10 @@ input pipe closes: at `close()`, when the manager is collected, or when the engi
 from __future__ import annotations
 
 import collections
+import logging
 import mmap
 import os
+import pickle
 import subprocess
 import sys
 import weakref
@@ -29,8 +31,9 @@ import weakref
 import torch
 
 from fxrewrite.runtime.engine import grammar_worker
-from fxrewrite.runtime.engine.grammar_worker import read_message, write_message
+from fxrewrite.runtime.engine.grammar_worker import HEADER, write_message
 
+logger = logging.getLogger(__name__)
 _BOOT = ("import importlib.util as u, sys; s = u.spec_from_file_location('fxrewrite_grammar_worker', sys.argv[1]); "
          "m = u.module_from_spec(s); s.loader.exec_module(m); m.main(sys.argv[2:])")
 
@@ -76,6 +79,7 @@ class GrammarProcess:
         self._ready = False
         self._next_id = 0
         self._pending: collections.deque[int] = collections.deque()
+        self._inbox = bytearray()  # bytes read from the child, not yet a whole answer
         self.error: str | None = None
         """Why the process is unusable (it exited, a pipe broke), or None."""
         self._finalizer = weakref.finalize(self, _shutdown, self._proc, self._rfd, self._wfd, self._registered)
@@ -84,8 +88,12 @@ class GrammarProcess:
         """Register the shared slots with CUDA (once), so their copies to the device do not wait."""
         if not self._registered and torch.cuda.is_available():
             ptr = self.slots.data_ptr()
-            if int(torch.cuda.cudart().cudaHostRegister(ptr, self.slots.numel() * 4, 0)) == 0:
+            code = int(torch.cuda.cudart().cudaHostRegister(ptr, self.slots.numel() * 4, 0))
+            if code == 0:
                 self._registered.append(ptr)
+            else:  # still correct: torch then copies from pageable memory, waiting for the copy
+                logger.warning("cudaHostRegister of the grammar masks' shared memory failed (cudaError %d): "
+                               "each mask's copy to the device will wait", code)
 
     def add(self, seq_id: int, spec: tuple) -> None:
         """Make `seq_id`'s matcher in the child (compiled there from `spec`, cached by xgrammar)."""
@@ -122,6 +130,8 @@ class GrammarProcess:
 
     def close(self) -> None:
         """End the child (it exits when its input closes) and unregister the shared slots."""
+        if self.error is None:
+            self.error = "the grammar process was closed"  # its pipes' fd numbers may be reused now
         self._finalizer()
 
     def _send(self, message) -> None:
@@ -132,11 +142,21 @@ class GrammarProcess:
             self._fail(f"the grammar process is gone ({e})")
 
     def _receive(self):
+        """The child's next answer: one read() for header and body together in practice."""
         self._check()
+        inbox, size = self._inbox, HEADER.size
         try:
-            return read_message(self._rfd)
+            while len(inbox) < size or len(inbox) < size + HEADER.unpack_from(inbox)[0]:
+                chunk = os.read(self._rfd, 1 << 16)
+                if not chunk:
+                    raise EOFError("the other end of the grammar pipe closed")
+                inbox += chunk
         except (EOFError, OSError) as e:
             self._fail(f"the grammar process is gone ({e})")
+        end = size + HEADER.unpack_from(inbox)[0]
+        answer = pickle.loads(inbox[size:end])
+        del inbox[:end]
+        return answer
 
     def _check(self) -> None:
         if self.error is not None:

@@ -23,7 +23,8 @@ import sys
 import time
 from typing import Any
 
-_HEADER = struct.Struct("<Q")
+HEADER = struct.Struct("<Q")
+"""The length prefix of a message (bytes of its pickle)."""
 
 
 def compile_constraint(compiler: Any, kind: str, value: Any, disable_any_whitespace: bool):
@@ -111,14 +112,14 @@ class MatcherSet:
 def write_message(fd: int, obj: Any) -> None:
     """One length-prefixed pickle on `fd` (all of it, however the pipe splits the write)."""
     payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    data = memoryview(_HEADER.pack(len(payload)) + payload)
+    data = memoryview(HEADER.pack(len(payload)) + payload)
     while data:
         data = data[os.write(fd, data):]
 
 
 def read_message(fd: int) -> Any:
     """The next message on `fd`; EOFError at end of input."""
-    size = _HEADER.unpack(_read_exact(fd, _HEADER.size))[0]
+    size = HEADER.unpack(_read_exact(fd, HEADER.size))[0]
     return pickle.loads(_read_exact(fd, size))
 
 
@@ -169,7 +170,7 @@ def main(argv: list[str]) -> None:
 def _job(matchers: MatcherSet, failed: dict, slots, job_id, accept_ids, tokens, fill_ids, skip, slot):
     start = time.perf_counter()
     try:
-        bad = [failed[s] for s in (*accept_ids, *(fill_ids or ())) if s in failed]
+        bad = [failed[s] for s in (*accept_ids, *(fill_ids or ())) if s in failed] if failed else None
         if bad:
             raise RuntimeError(bad[0])
         host = slots[slot, : len(fill_ids)] if fill_ids is not None else None

@@ -127,6 +127,7 @@ class StructuredOutputManager:
         self.constrained: set[int] = set()
         """seq_ids with a grammar (their matchers live in `local` or in the grammar process)."""
         self.stats = dict.fromkeys(STAT_KEYS, 0.0)
+        self._last_fill: tuple[list, list[int]] = ([], [])  # (sampling sequences, their seq_ids) of the last step
         self.process: grammar_process.GrammarProcess | None = None
         self.local: MatcherSet | None = None
         if use_grammar_process() if use_process is None else use_process:
@@ -213,6 +214,7 @@ class StructuredOutputManager:
         in turn, and the mask itself. `previous`: the launched step still in flight (its `result()`), or
         None (its tokens were accepted already): then only the fill runs, and the outputs are None."""
         seq_ids = [s.seq_id for s in seqs]
+        self._last_fill = (seqs, seq_ids)  # the next step accepts the tokens of these sequences
         if previous is None:
             return self.fill_bitmask(seq_ids, device), None
         if self.process is None:
@@ -238,7 +240,9 @@ class StructuredOutputManager:
         fill = not self.constrained.isdisjoint(seq_ids)
         slot, host, event = self._slots.next(len(seq_ids), device) if fill else (0, None, None)
         self.stats["steps"] += fill
-        job_id = self.process.submit([s.seq_id for s in seqs], token_ids, seq_ids if fill else None, done, slot)
+        last_seqs, last_ids = self._last_fill
+        accept_ids = last_ids if seqs is last_seqs else [s.seq_id for s in seqs]  # the previous step's rows
+        job_id = self.process.submit(accept_ids, token_ids, seq_ids if fill else None, done, slot)
         self.stats["main_s"] += time.perf_counter() - start
         return GrammarJob(job_id, slot, host, event, done)
 
@@ -265,5 +269,7 @@ class StructuredOutputManager:
     def _grammar_done(self, seqs: list, token_ids: list[int]) -> set[int]:
         """The seq_ids of the unfinished constrained `seqs` whose token is a stop token."""
         stops, constrained = self._stop_ids, self.constrained
+        if stops.isdisjoint(token_ids):  # most steps: no loop in Python
+            return set()
         return {seqs[i].seq_id for i, t in enumerate(token_ids)
                 if t in stops and seqs[i].seq_id in constrained and not seqs[i].is_finished}
