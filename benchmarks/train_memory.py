@@ -186,6 +186,23 @@ def _liger_flce_cuda_allocations(_input, weight, target, ce_weight=None, bias=No
     return losses.sum(), None, None, None, grad_input, grad_weight, None
 
 
+H200_SMS = 132  # streaming multiprocessors of the GPU the training benchmark runs on
+
+
+@contextlib.contextmanager
+def _gpu_program_counts():
+    """Within: our RMSNorm backward sizes its float32 partial d/dweight rows as on an H200 (4 programs per
+    SM) instead of the interpreter's 4 programs."""
+    from fxrewrite.kernels import rms_norm_backward
+
+    real = rms_norm_backward._num_programs
+    rms_norm_backward._num_programs = lambda rows, device: min(rows, 4 * H200_SMS)
+    try:
+        yield
+    finally:
+        rms_norm_backward._num_programs = real
+
+
 @contextlib.contextmanager
 def _liger_cuda_path(arm: str):
     """Within (the liger arm): Liger's fused linear cross-entropy forward allocates as on the GPU
@@ -276,7 +293,7 @@ def simulate_step_memory(config: dict, arm: str, *, batch_size: int = 8, seq_len
     "at_peak": {label: bytes}}], "parameter_bytes"}. Fake tensors: nothing is computed. ``padding_mask``: the
     materialised-mask path of a padded batch (4D mask, k/v repeated by copies) instead of the unpadded one."""
     masks = contextlib.nullcontext() if padding_mask else _masks_as_on_real_tensors()
-    with _triton_paths_without_launches(), masks, _liger_cuda_path(arm):
+    with _triton_paths_without_launches(), masks, _liger_cuda_path(arm), _gpu_program_counts():
         return _simulate(config, arm, batch_size, seq_len, gradient_checkpointing, steps, chunk_size, lines)
 
 

@@ -5,7 +5,7 @@ d(loss)/d(down.weight) = dy.T @ a, and at the backward allocates d(loss)/da [N, 
 two [N, d] tensors at the MLP's backward, where training memory peaks under activation checkpointing, and
 one per layer for the whole step without checkpointing (Qwen3-0.6B, 8 x 2048 tokens: 96 MiB each). This
 Function saves x and the weight only and runs over row chunks. Its backward recomputes a chunk of a with the
-forward's kernel (the same bits), adds dy.T @ a to dweight (float32), writes da = dy @ W over a
+forward's kernel (the same bits), adds dy.T @ a to dweight (``addmm_``, in the gradient's dtype), writes da = dy @ W over a
 (``mm(out=)``), then runs the activation's backward kernel from da (over x itself when ``inplace_backward``,
 as :mod:`.activation_backward` does): one chunk of a at a time, never larger than the output. Cost: one more
 activation kernel per backward (reads x, writes a) and a few more, smaller launches.
@@ -71,20 +71,20 @@ class ActAndMulDownFunction(torch.autograd.Function):
         x2 = x.reshape(-1, 2 * d).contiguous()
         dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
         want_x, want_w = ctx.needs_input_grad[:2]
-        dweight = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if want_w else None
+        dweight = torch.empty(weight.shape, dtype=dy2.dtype, device=x.device) if want_w else None
         inplace = x2.data_ptr() != x.data_ptr() or (ctx.inplace and not _keep_graph())
         dx = (x2 if inplace else torch.empty_like(x2)) if want_x else None
         step = _row_chunk(x2.shape[0], d, weight.shape[0])
         for s in range(0, x2.shape[0], step):
             xc, dyc = x2[s:s + step], dy2[s:s + step]
             a = _act_and_mul_triton(xc, ctx.code)  # recomputed: the forward's bits
-            if want_w:
-                dweight += dyc.t().mm(a).float()
+            if want_w:  # in the gradient's dtype, in place (as Liger-Kernel accumulates its d/dweight)
+                torch.mm(dyc.t(), a, out=dweight) if s == 0 else dweight.addmm_(dyc.t(), a)
             if want_x:  # da over a, then the activation's backward from it (over x when in place)
                 _backward(xc, torch.mm(dyc, weight, out=a), dx[s:s + step], ctx.code)
             del a
         dbias = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return (dx.view(x.shape) if want_x else None, dweight.to(weight.dtype) if want_w else None, dbias,
+        return (dx.view(x.shape) if want_x else None, dweight, dbias,
                 None, None)
 
 
