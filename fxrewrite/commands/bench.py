@@ -94,7 +94,8 @@ def _add_train_arguments(sub) -> None:
     t.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True)
     t.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     t.add_argument("--device", default=None, help="torch device (default: cuda when available)")
-    t.add_argument("--arm-timeout", type=float, default=900.0, help="seconds before an arm's process is killed")
+    t.add_argument("--arm-timeout", default="900", help="seconds before an arm's process is killed: one number "
+                   "for all arms, optionally followed by ARM=SECONDS overrides (e.g. 60,stock-compile=150)")
     t.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
     t.add_argument("--note", action="append", default=[], help="a note stored in the JSON (repeatable)")
 
@@ -147,13 +148,13 @@ def _run_rl(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     if args.bench_command == "train":
-        from fxrewrite.benchmarks.train import format_train_table, run_train_bench
+        from fxrewrite.benchmarks.train import format_train_table, parse_arm_timeouts, run_train_bench
 
         result = run_train_bench(
             args.config, [a.strip() for a in args.arms.split(",") if a.strip()], steps=args.steps,
             warmup=args.warmup, batch_size=args.batch_size, seq_len=args.seq_len,
             gradient_checkpointing=args.gradient_checkpointing, dtype=args.dtype, device=args.device,
-            arm_timeout_s=args.arm_timeout, out_dir=args.out, notes=args.note)
+            arm_timeout_s=parse_arm_timeouts(args.arm_timeout), out_dir=args.out, notes=args.note)
         print(format_train_table(result))
         print("wrote " + ", ".join(result["files"]))
         return 0
