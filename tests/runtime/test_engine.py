@@ -82,6 +82,26 @@ def test_outputs_shape_text_and_finish_reason(qwen3_llm):
     assert_no_leak(qwen3_llm)
 
 
+def test_long_prompt_prefill_on_cpu_has_no_length_squared_scores(qwen3_llm, tiny_qwen3_dir):
+    """A 2048-token prompt in one prefill step (4 heads): no op output of the step reaches [heads, L, L]
+    (the CPU attention goes in query chunks / SDPA tiles); its greedy token is transformers' argmax."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.kernels.test_paged_attention import LargestTensor
+
+    length = 2048
+    ids = torch.randint(0, 5000, (length,), generator=torch.Generator().manual_seed(0)).tolist()
+    with LargestTensor() as mode:
+        out = qwen3_llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1),
+                                 use_tqdm=False)[0]
+    assert 0 < mode.largest < 4 * length * length
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), logits_to_keep=1).logits[0, -1]
+    assert out.outputs[0].token_ids == [int(logits.argmax())]
+    assert_no_leak(qwen3_llm)
+
+
 def test_seeded_sampling_is_reproducible_and_n2_gives_two_outputs(qwen3_llm):
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=8, n=2, logprobs=2)
     first = qwen3_llm.generate(PROMPTS, params, use_tqdm=False)
