@@ -153,3 +153,16 @@ def test_manager_batches_accept_and_fill(llm):
     finally:
         manager.remove(-1)
         manager.remove(-2)
+
+
+def test_engines_of_one_tokenizer_share_the_grammar_compiler(tiny_llama_dir):
+    """The vocabulary scan (xgrammar's TokenizerInfo, seconds for a large vocabulary) is done once per tokenizer
+    folder per process; another vocab size (or folder, or stop set: the same key) gets its own compiler."""
+    from transformers import AutoTokenizer
+
+    from fxrewrite.runtime.engine.structured_outputs import StructuredOutputManager
+
+    first = StructuredOutputManager(AutoTokenizer.from_pretrained(tiny_llama_dir), 49152, {2})
+    assert StructuredOutputManager(AutoTokenizer.from_pretrained(tiny_llama_dir), 49152, {2}).compiler is first.compiler
+    other = StructuredOutputManager(AutoTokenizer.from_pretrained(tiny_llama_dir), 49152 + 64, {2})
+    assert other.compiler is not first.compiler
