@@ -107,7 +107,10 @@ def _add_rl_arguments(sub) -> None:
     r.add_argument("--samples", type=human_readable_int, default=8, help="completions per prompt (GRPO group)")
     r.add_argument("--max-tokens", type=human_readable_int, default=128, help="tokens per completion (EOS ignored)")
     r.add_argument("--iterations", type=human_readable_int, default=2)
-    r.add_argument("--micro-batch", type=human_readable_int, default=32, help="sequences per training forward")
+    r.add_argument("--micro-batch", type=human_readable_int, default=256,
+                   help="at most this many sequences per training forward")
+    r.add_argument("--micro-batch-tokens", type=human_readable_int, default=16384,
+                   help="at most this many padded tokens per training forward (its activation memory)")
     r.add_argument("--hf-batch", type=human_readable_int, default=512, help="rows per generate call (hf arm)")
     r.add_argument("--max-num-seqs", type=human_readable_int, default=1024,
                    help="engine arm: sequences per step (rollouts are many short sequences)")
@@ -134,7 +137,7 @@ def _run_rl(args: argparse.Namespace) -> int:
         args.config, arms, [c for c in args.sync_configs.split(",") if c.strip()], args.out or RESULTS_DIR,
         device=args.device, tokenizer_dir=args.tokenizer_dir, notes=args.note, num_prompts=args.num_prompts,
         samples=args.samples, max_tokens=args.max_tokens, iterations=args.iterations, micro_batch=args.micro_batch,
-        hf_batch=args.hf_batch, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        micro_batch_tokens=args.micro_batch_tokens, hf_batch=args.hf_batch, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization, batch_invariant=args.batch_invariant,
     )
     print(format_rl_table(result))
