@@ -37,6 +37,6 @@ def run(args: argparse.Namespace) -> int:
     print(report)
     diff = report.diff()
     if diff and not args.no_diff:
-        print("\nsource edits, original vs rewritten forward (line numbers kept for tracebacks; --no-diff hides them):")
+        print("\nsource edits, original vs rewritten forward (--no-diff hides them):")
         print(diff, end="")
     return 0
