@@ -89,9 +89,9 @@ serve)
   stamp "FP8 GEMM"
   timeout -k 5 60 $PY -m fxrewrite.benchmarks.fp8_gemm --out "$OUT_DIR" 2>&1 | tail -8
   stamp "structured outputs"
-  timeout -k 5 70 $PY -m fxrewrite.benchmarks.structured_outputs --repeats 2 --grammar-threads "" --out "$OUT_DIR" 2>&1 | tail -6 ;;
+  timeout -k 5 70 $PY -m fxrewrite.benchmarks.structured_outputs --repeats 2 --out "$OUT_DIR" 2>&1 | tail -6 ;;
 structured)  # issue 20: structured-output overhead and embeddings (nvidia-h200), at most 390 s of step limits
-  stamp "structured outputs: overhead at batch 64 (none / schema on worker threads (default, 1, 4) / main thread, 5 repeats interleaved), validity"
+  stamp "structured outputs: overhead at batch 64 (none / schema in the grammar process (default) / main thread, 5 repeats interleaved), validity"
   timeout -k 5 240 $PY -m fxrewrite.benchmarks.structured_outputs "${TOK[@]}" --out "$OUT_DIR" 2>&1 | grep -v "tok/s\]" | tail -12
   stamp "structured-output and embedding GPU tests"
   gpu_tests 150 gpu-tests-structured.log tests/gpu/test_gpu_structured_outputs.py tests/gpu/test_gpu_embeddings.py ;;
