@@ -103,6 +103,31 @@ def _clean(message: str) -> str:
     return message.removeprefix("Check failed: (error.empty()) is false: ")
 
 
+_COMPILERS: dict[tuple, Any] = {}
+
+
+def grammar_compiler(xgr, tokenizer: Any, vocab_size: int, stop_token_ids: set[int]):
+    """xgrammar's (TokenizerInfo, GrammarCompiler) for `tokenizer` (the compiler is thread-safe and caches its
+    grammars), shared by this process's engines of one tokenizer folder: the TokenizerInfo reads the whole
+    vocabulary (seconds for Qwen's 151,936 tokens). Keyed by the folder, its tokenizer.json's size and mtime, the tokenizer's
+    length, vocab_size and the stop ids; a tokenizer without a folder gets its own."""
+    folder = getattr(tokenizer, "name_or_path", "") or ""
+    path = os.path.join(folder, "tokenizer.json")
+    stat = os.stat(path) if folder and os.path.isfile(path) else None
+    key = (os.path.abspath(folder), stat and (stat.st_size, stat.st_mtime_ns), len(tokenizer), vocab_size,
+           tuple(sorted(stop_token_ids)))
+    found = _COMPILERS.get(key) if stat else None
+    if found is None:
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=sorted(stop_token_ids))
+        found = (info, xgr.GrammarCompiler(info, max_threads=4, cache_enabled=True))
+        if stat:
+            while len(_COMPILERS) >= 4:  # a few tokenizers per process at most
+                _COMPILERS.pop(next(iter(_COMPILERS)))
+            _COMPILERS[key] = found
+    return found
+
+
 class StructuredOutputManager:
     """Compiles constraints for one tokenizer and runs the matchers of the constrained sequences.
 
@@ -119,9 +144,7 @@ class StructuredOutputManager:
         import xgrammar as xgr  # optional dependency (the serve extra): only constrained requests need it
 
         self.vocab_size = vocab_size
-        self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                        stop_token_ids=sorted(eos_token_ids))
-        self.compiler = xgr.GrammarCompiler(self._info, max_threads=4, cache_enabled=True)
+        self._info, self.compiler = grammar_compiler(xgr, tokenizer, vocab_size, eos_token_ids)
         self._stop_ids = frozenset(eos_token_ids)
         self._width, self._max_rows = xgr.get_bitmask_shape(1, vocab_size)[1], max_rows
         self.constrained: set[int] = set()

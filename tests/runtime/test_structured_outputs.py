@@ -161,3 +161,18 @@ def test_manager_batches_accept_and_fill(llm, use_process):
         manager.remove(-2)
         manager.close()
     assert not manager.constrained
+
+
+def test_engines_of_one_tokenizer_share_the_grammar_compiler(tiny_llama_dir):
+    """The vocabulary scan (xgrammar's TokenizerInfo, seconds for a large vocabulary) is done once per tokenizer
+    folder per process; another vocab size (or folder, or stop set: the same key) gets its own compiler."""
+    from transformers import AutoTokenizer
+
+    from fxrewrite.runtime.engine.structured_outputs import StructuredOutputManager
+
+    def manager(vocab_size):
+        return StructuredOutputManager(AutoTokenizer.from_pretrained(tiny_llama_dir), vocab_size, {2}, use_process=False)
+
+    first = manager(49152)
+    assert manager(49152).compiler is first.compiler and manager(49152)._info is first._info
+    assert manager(49152 + 64).compiler is not first.compiler
