@@ -93,7 +93,7 @@ def measure(kind: str, ws: list[torch.Tensor], m: int, fmt: str = "float", fp8: 
     alone = (lambda i: F.linear(plain_x, ws[i])) if not fp8 else \
         (lambda i: fp8_dispatch.fp8_linear_dispatch(plain_x, ws[i], fp8["w_scale"], per_channel=fp8["per_channel"]))
     arms = {"cublas": _timed(alone, len(ws)), "unfused": _timed(lambda i: baseline(kind, ws[i], **args, **fp8), len(ws))}
-    for config in configs_for(m, fmt):
+    for config in configs_for(m, kind, n, fmt=fmt):
         name = "gemv:" + "/".join(map(str, config))
         try:
             err = max_rel_error(candidate(kind, ws[0], config=config, **args, **fp8), want)
@@ -162,12 +162,13 @@ def _compile(jobs: list[tuple[str, int, int, tuple[int, int, int], str]]) -> int
 
 def precompile(names: list[str], workers: int, formats: tuple[str, ...] = ("float",),
                tokens: tuple[int, ...] = TOKENS) -> float:
-    """Compile every (kind, K, M, config, format) the sweep will run in `workers` processes (Triton compiles
-    one kernel at a time per process; the sweep then loads them from the disk cache). Returns seconds."""
+    """Compile every (kind, K, M, config, format) the sweep will run (M in `tokens`) in `workers` processes
+    (Triton compiles one kernel at a time per process; the sweep then loads them from the disk cache). Returns
+    seconds. The kernels are built for the current FXREWRITE_PDL (the workers inherit the environment)."""
     start = time.perf_counter()
     jobs = sorted({(kind, k, m, config, fmt) for name in names
-                   for kind, _, k in projections(load_bench_config(name)["config"]).values()
-                   for fmt in formats for m in tokens for config in configs_for(m, fmt)})
+                   for kind, n, k in projections(load_bench_config(name)["config"]).values()
+                   for fmt in formats for m in tokens for config in configs_for(m, kind, n, fmt=fmt)})
     if workers > 1:
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             list(pool.map(_compile, [jobs[i::workers] for i in range(workers)]))

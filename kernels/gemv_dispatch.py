@@ -27,6 +27,7 @@ import os
 import torch
 
 from fxrewrite.kernels import use_triton
+from fxrewrite.kernels.batch_invariant import is_batch_invariant
 from fxrewrite.kernels.skinny_gemv import FORMATS, GEMV_MAX_M, configs_for, skinny_gemv_triton
 from fxrewrite.kernels.skinny_gemv_fp8 import skinny_gemv_fp8_triton
 from fxrewrite.kernels.triton_utils import next_power_of_2
@@ -57,7 +58,7 @@ def choose(kind: str, n: int, k: int, m: int, fmt: str = "float") -> tuple[int, 
         return None
     key = (kind, n, k, next_power_of_2(m), fmt)
     if current == "on" and key not in _choices:
-        return configs_for(m, fmt)[0]
+        return configs_for(m, kind, n, fmt=fmt)[0]
     return _choices.get(key)
 
 
@@ -82,6 +83,8 @@ def config_for_call(kind: str, x: torch.Tensor, w: torch.Tensor, *tensors: torch
     if not use_triton(x) or w.dim() != 2 or fmt is None or x.dtype not in _FLOATS:
         return None
     if fmt == "float" and w.dtype != x.dtype:
+        return None
+    if is_batch_invariant():  # a token-count-dependent kernel choice would change the rows' sums
         return None
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, *tensors)):
         return None

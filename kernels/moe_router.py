@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from fxrewrite.kernels import use_triton
 from fxrewrite.kernels.moe_routing import check_routing, select_experts, select_experts_ref, select_top_k
+from fxrewrite.kernels.pdl import gdc_prologue, pdl_enabled
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
 __all__ = ["FUSED_ROUTER_MAX_TOKENS", "route_experts", "route_experts_ref"]
@@ -47,7 +48,9 @@ def route_experts_ref(x: torch.Tensor, weight: torch.Tensor, top_k: int, renorma
 @triton.jit
 def _router_kernel(x_ptr, w_ptr, logits_ptr, counter_ptr, weights_ptr, ids_ptr, num_experts, stride_xt, stride_we,
                    HIDDEN: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, SOFTMAX: tl.constexpr,
-                   BLOCK_SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PDL: tl.constexpr):
+    gdc_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs_e = tl.program_id(1) * BLOCK_SPLIT + tl.arange(0, BLOCK_SPLIT)
     e_mask = offs_e < num_experts
@@ -104,9 +107,10 @@ def route_experts(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
     split = min(_EXPERTS_PER_PROGRAM, next_power_of_2(num_experts))
-    launch(_router_kernel, (t, triton.cdiv(num_experts, split)), x.device)(
+    pdl = pdl_enabled(x.device)
+    launch(_router_kernel, (t, triton.cdiv(num_experts, split)), x.device, pdl)(
         x, weight, logits, _counters(x.device), weights, ids, num_experts, x.stride(0), weight.stride(0),
         HIDDEN=hidden, TOP_K=top_k, RENORMALIZE=renormalize, SOFTMAX=scoring_func == "softmax",
         BLOCK_SPLIT=split, BLOCK_H=min(256, next_power_of_2(hidden)), BLOCK_E=next_power_of_2(num_experts),
-        BLOCK_K=next_power_of_2(top_k), num_warps=4)
+        BLOCK_K=next_power_of_2(top_k), PDL=pdl, num_warps=4)
     return weights, ids

@@ -75,13 +75,13 @@ def skinny_gemv_fp8_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tens
                            config: tuple[int, int, int] | None = None):
     """The Triton kernel; contract of `skinny_gemv_fp8_ref` (M <= GEMV_MAX_M, else ValueError), w_scale in
     any strides. config: (block_n, block_g, num_warps), BLOCK_G scale groups of 128 columns per loop step;
-    default the first of `configs_for(M, "fp8")`."""
+    default the first of `configs_for(M, fmt="fp8")`."""
     k = _check(x, w, norm_weight, residual, silu_mul)
     _check_fp8(w, w_scale)
     m, n = x.shape[0], w.shape[0]
     fmt = "fp8-channel" if per_channel else "fp8"
-    block_n, block_g, num_warps = config or configs_for(m, fmt)[0]
-    configs_for(m, fmt)  # range check
+    block_n, block_g, num_warps = config or configs_for(m, fmt=fmt)[0]
+    configs_for(m, fmt=fmt)  # range check
     if x.stride(1) != 1 or not w.is_contiguous():
         raise ValueError(f"skinny_gemv_fp8: needs x with unit column stride and a contiguous weight; got strides "
                          f"{x.stride()} and {w.stride()}")

@@ -35,7 +35,7 @@ def test_every_config_matches_the_dequantized_product(shape, m, fmt):
     args = gemv_tune.make_inputs(kind, m, k, "cuda", torch.bfloat16, seed=m)
     want = gemv_tune.reference(kind, w, **args, **fp8)
     errors = {c: gemv_tune.max_rel_error(gemv_tune.candidate(kind, w, config=c, **args, **fp8), want)
-              for c in configs_for(m, fmt)}
+              for c in configs_for(m, kind, n, fmt=fmt)}
     assert all(e < 2e-2 for e in errors.values()), errors
 
 

@@ -86,7 +86,7 @@ def test_bad_fp8_operands_are_refused():
     with pytest.raises(ValueError, match="float8_e4m3fn weight"):
         skinny_gemv_fp8_ref(torch.zeros(1, 256), w.float(), s)
     with pytest.raises(ValueError, match="weight format 'int4'"):
-        configs_for(1, "int4")
+        configs_for(1, fmt="int4")
 
 
 def test_dispatch_keeps_formats_apart(monkeypatch):
@@ -138,12 +138,12 @@ def test_fp8_layers_run_the_gemv_like_their_dequantized_twins(interpret, monkeyp
 
 def test_tuner_proves_fp8_configs_against_the_dequantized_product(interpret, monkeypatch):
     monkeypatch.setenv("FXREWRITE_TRITON", "1")
-    configs = configs_for(1, "fp8")
+    configs = configs_for(1, fmt="fp8")
     monkeypatch.setattr(gemv_tune, "graph_time_us", lambda fn, reps, copies: 1.0 if fn.__defaults__ else 9.0)
     real = gemv_tune.candidate
     monkeypatch.setattr(gemv_tune, "candidate", lambda kind, w, x, config, **kw: real(kind, w, x, config, **kw) * (
         1 if config == configs[1] else 2))  # only configs[1] is right
-    monkeypatch.setattr(gemv_tune, "configs_for", lambda m, fmt: configs[:2])
+    monkeypatch.setattr(gemv_tune, "configs_for", lambda m, kind, n, fmt: configs[:2])
     gemv_dispatch.clear()
     ws = gemv_tune.scratch_weights(4, 256, "cpu", FP8)
     results = gemv_tune.tune_shape("silu", ws, 1, torch.float32, "fp8")
