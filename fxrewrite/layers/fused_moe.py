@@ -21,6 +21,7 @@ from torch import nn
 from fxrewrite.data_parallel import dp_ep_active
 from fxrewrite.distributed import tensor_model_parallel_all_reduce
 from fxrewrite.kernels.fused_moe import SCORING, fused_experts
+from fxrewrite.kernels import moe_router_tune
 from fxrewrite.kernels.moe_router import route_experts
 from fxrewrite.layers.moe_dp import experts_across_dp
 
@@ -150,3 +151,14 @@ class FusedMoE(nn.Module):
 
     def extra_repr(self) -> str:
         return f"top_k={self.top_k}, renormalize={self.renormalize}, scoring_func={self.scoring_func!r}"
+
+
+def prepare_moe_router(model: nn.Module, device: torch.device, dtype: torch.dtype) -> dict:
+    """Time the router launch shapes of every `FusedMoE` router shape in `model` on a CUDA `device` and
+    record the fastest (`fxrewrite.kernels.moe_router_tune.tune`); {} on CPU or without MoE blocks."""
+    shapes = set()
+    for module in model.modules():
+        if isinstance(module, FusedMoE) and getattr(module._child("router"), "bias", None) is None:
+            e, h = module._child("router").weight.shape
+            shapes.add((e, h, module.top_k, module.renormalize, module.scoring_func))
+    return moe_router_tune.tune(shapes, device, dtype) if shapes else {}
