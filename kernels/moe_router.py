@@ -35,8 +35,8 @@ from fxrewrite.kernels import use_triton
 from fxrewrite.kernels.moe_routing import check_routing, select_experts, select_experts_ref, select_top_k
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
-__all__ = ["FUSED_ROUTER_MAX_TOKENS", "GEMM", "ROUTER_CONFIGS", "RouterConfig", "choice_for", "record", "route_experts",
-           "route_experts_ref"]
+__all__ = ["FUSED_ROUTER_MAX_TOKENS", "GEMM", "ROUTER_CONFIGS", "RouterConfig", "choice_for", "counters", "record",
+           "route_experts", "route_experts_ref", "store_logits_and_select"]
 
 FUSED_ROUTER_MAX_TOKENS = 8
 """Largest token count routed by the fused kernel; above it the GEMM + `select_experts` pair runs."""
@@ -114,6 +114,16 @@ def _router_kernel(x_ptr, w_ptr, logits_ptr, counter_ptr, weights_ptr, ids_ptr, 
         w = tl.load(w_ptr + offs_e[:, None].to(tl.int64) * stride_we + offs_h[None, :],
                     mask=e_mask[:, None] & h_mask[None, :], other=0.0)
         acc += w.to(tl.float32) * xv[None, :]
+    store_logits_and_select(acc, offs_e, e_mask, row, logits_ptr, counter_ptr, weights_ptr, ids_ptr, num_experts,
+                            TOP_K, RENORMALIZE, SOFTMAX, BLOCK_E, BLOCK_K, RANKED)
+
+
+@triton.jit
+def store_logits_and_select(acc, offs_e, e_mask, row, logits_ptr, counter_ptr, weights_ptr, ids_ptr, num_experts,
+                            TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, SOFTMAX: tl.constexpr,
+                            BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RANKED: tl.constexpr):
+    """A router program's end: its logits (`acc` [rows, chunk] summed over the chunk) to the scratch row;
+    the token's last-arriving program selects its top-k over the whole row."""
     logits = tl.sum(acc, axis=1).to(logits_ptr.dtype.element_ty)  # F.linear's output dtype
     tl.store(logits_ptr + row * num_experts + offs_e, logits, mask=e_mask)
     tl.debug_barrier()  # every thread's logits stored before the arrival is released
@@ -127,7 +137,7 @@ def _router_kernel(x_ptr, w_ptr, logits_ptr, counter_ptr, weights_ptr, ids_ptr, 
                      RANKED)
 
 
-def _counters(device: torch.device) -> torch.Tensor:
+def counters(device: torch.device) -> torch.Tensor:
     """The per-device arrival counters (zero between launches: each launch's last programs reset theirs)."""
     if device not in _COUNTERS:
         _COUNTERS[device] = torch.zeros(FUSED_ROUTER_MAX_TOKENS, dtype=torch.int32, device=device)
@@ -163,7 +173,7 @@ def route_experts(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize
     ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
     split = min(cfg.experts_per_program, next_power_of_2(num_experts))
     launch(_router_kernel, (t, triton.cdiv(num_experts, split)), x.device)(
-        x, weight, logits, _counters(x.device), weights, ids, num_experts, x.stride(0), weight.stride(0),
+        x, weight, logits, counters(x.device), weights, ids, num_experts, x.stride(0), weight.stride(0),
         HIDDEN=hidden, TOP_K=top_k, RENORMALIZE=renormalize, SOFTMAX=scoring_func == "softmax",
         BLOCK_SPLIT=split, BLOCK_H=min(cfg.block_h, next_power_of_2(hidden)), BLOCK_E=next_power_of_2(num_experts),
         BLOCK_K=next_power_of_2(top_k), RANKED=cfg.ranked and num_experts <= 128, num_warps=cfg.num_warps)
