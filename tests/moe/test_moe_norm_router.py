@@ -34,12 +34,15 @@ def _inputs(t, h, e, dtype=torch.float32, seed=0):
     return [v.to(dtype) for v in (hidden, residual, norm_w, w)]
 
 
-@pytest.mark.parametrize("config", [moe_router.ROUTER_CONFIGS[0], moe_router.ROUTER_CONFIGS[-1]],
-                         ids=["one-warp-argmax", "four-warp-ranked"])
-def test_norm_router_matches_norm_then_router(triton_on, config):
-    """3 tokens, hidden 100 (masked last chunk), 24 experts: one launch; the routing, the normed rows and
-    the new residual equal rms_norm_ref then route_experts_ref; the arrival counters are back at zero."""
-    hidden, residual, norm_w, w = _inputs(3, 100, 24, seed=1)
+@pytest.mark.parametrize("config,t,h,e", [(moe_router.ROUTER_CONFIGS[0], 3, 100, 24),
+                                          (moe_router.ROUTER_CONFIGS[-1], 3, 100, 24),
+                                          (moe_router.ROUTER_CONFIGS[0], 1, 2100, 8)],
+                         ids=["one-warp-argmax-one-shot", "four-warp-ranked-one-shot", "one-warp-chunked"])
+def test_norm_router_matches_norm_then_router(triton_on, config, t, h, e):
+    """Hidden 100 (the row in one load) or 2100 (too wide for one warp's registers: chunks, the last one
+    masked), several expert blocks: one launch; the routing, the normed rows and the new residual equal
+    rms_norm_ref then route_experts_ref; the arrival counters are back at zero."""
+    hidden, residual, norm_w, w = _inputs(t, h, e, seed=1)
     launches = _Launches()
     with listen_launches(launches):
         got = norm_route_experts(hidden, residual, norm_w, 1e-6, w, 4, True, config=config)
