@@ -249,6 +249,10 @@ class LazySlice:
         ranges[dim] = (begin + start, length)
         return LazySlice(self._sliceable, (), tuple(ranges))
 
+    def dtype_name(self) -> str:
+        """The file's dtype tag (safetensors' names: "BF16", "F8_E4M3", ...), without a read."""
+        return self._sliceable.get_dtype()
+
     def materialize(self) -> torch.Tensor:
         """Read the region from the file (a real CPU tensor)."""
         return self._sliceable[tuple(slice(b, b + n) for b, n in self._ranges)]

@@ -28,7 +28,7 @@ from fxrewrite.kernels.rotary_backward import rotary_apply_train
 from fxrewrite.layers.layernorm import RMSNorm
 from fxrewrite.patterns.base import Context, Match, Pattern, Refusal, free_attribute, require
 from fxrewrite.patterns.rotary_calls import (apply_calls, apply_rotary_qk, fused_norms, kernel_applies, norm_refusal,
-                                             unique_call)
+                                             packed_cos_sin, unique_call)
 
 NEW_NAME = "qk_norm_rope"
 _ROLES = ("q_norm", "k_norm")
@@ -80,9 +80,7 @@ class QKNormRotaryEmb(nn.Module):
                 and all(w.dtype == q.dtype and w.shape == (q.shape[-1],) for w in weights))
 
     def _kernel(self, q, k, cos, sin, q_norm, k_norm):
-        half = cos.shape[-1] // 2
-        cache = torch.cat((cos[0, :, :half], sin[0, :, :half]), dim=-1)  # row s = token s's cos | sin
-        positions = torch.arange(cache.shape[0], device=q.device)
+        positions, cache = packed_cos_sin(cos, sin)
         if not self.inplace:
             q, k = q.clone(), k.clone()
         qk_norm_rope_triton(positions, q[0].transpose(0, 1), k[0].transpose(0, 1), q_norm.weight, k_norm.weight,

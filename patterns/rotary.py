@@ -26,8 +26,8 @@ from fxrewrite.kernels.batch_invariant import is_batch_invariant
 from fxrewrite.kernels.rotary_backward import rotary_apply_train
 from fxrewrite.layers.rotary import get_rope
 from fxrewrite.patterns.base import Context, Match, Pattern, Refusal, free_attribute, require
-from fxrewrite.patterns.rotary_calls import (apply_calls, apply_rotary_qk, fused_norms, kernel_applies, same_outputs,
-                                             unique_call)
+from fxrewrite.patterns.rotary_calls import (apply_calls, apply_rotary_qk, fused_norms, kernel_applies, packed_cos_sin,
+                                             same_outputs, unique_call)
 from fxrewrite.tensor_state import preserved_state
 
 NEW_APPLY = "apply_rotary_emb"
@@ -59,9 +59,7 @@ def _needs_grad(q, k) -> bool:
 
 def _rotary_kernel_qk(q, k, cos, sin):
     """q [1, Hq, S, D], k [1, Hk, S, D], cos/sin [1, S, rotary_dim] (neox: each half repeated) -> new q, k."""
-    half = cos.shape[-1] // 2
-    cache = torch.cat((cos[0, :, :half], sin[0, :, :half]), dim=-1)  # row s = position s's cos | sin
-    positions = torch.arange(cache.shape[0], device=q.device)
+    positions, cache = packed_cos_sin(cos, sin)
     q_out, k_out = q.clone(), k.clone()  # the kernel rotates in place; the callers' q and k stay as they were
     rotary_embedding_triton(positions, q_out[0].transpose(0, 1), k_out[0].transpose(0, 1), q.shape[-1], cache, True)
     return q_out, k_out

@@ -7,6 +7,8 @@ RoFormer's rotary position embedding in GPT-NeoX's "rotate half" layout).
 
 from __future__ import annotations
 
+import weakref
+
 import libcst as cst
 import torch
 import torch.fx as fx
@@ -43,6 +45,34 @@ def kernel_applies(q, k, cos, unsqueeze_dim: int) -> bool:
     return (not grad and use_triton(q) and unsqueeze_dim == 1 and q.dim() == 4 and k.dim() == 4
             and q.shape[0] == 1 and cos.dim() == 3 and cos.shape[:2] == (1, q.shape[2]) and q.stride(-1) == 1
             and k.stride(-1) == 1 and cos.shape[-1] % 2 == 0 and cos.shape[-1] <= q.shape[-1])
+
+
+_packed: tuple = ()  # (weakref cos, weakref sin, cos._version, sin._version, positions, cache) of the last call
+
+
+def packed_cos_sin(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [1, S, rotary_dim] (neox: each half repeated) -> (positions [S] int64, cache [S, rotary_dim]),
+    cache row s = token s's cos half | sin half, the rotary kernels' table.
+
+    Every decoder layer of one forward gets the same cos/sin tensors, so the table is built once per forward
+    and reused while those tensors live unchanged (two launches per layer fewer in a decode step); not under
+    torch.compile, which traces the build into each layer's graph instead.
+    """
+    global _packed
+    if _packed and _packed[0]() is cos and _packed[1]() is sin and _packed[2:4] == (cos._version, sin._version):
+        return _packed[4], _packed[5]
+    half = cos.shape[-1] // 2
+    cache = torch.cat((cos[0, :, :half], sin[0, :, :half]), dim=-1)
+    positions = torch.arange(cache.shape[0], device=cos.device)
+    if not torch.compiler.is_compiling():  # the table dies with cos (it may live in a CUDA graph's pool)
+        _packed = (weakref.ref(cos, _forget), weakref.ref(sin), cos._version, sin._version, positions, cache)
+    return positions, cache
+
+
+def _forget(dead: weakref.ref) -> None:
+    global _packed
+    if _packed and _packed[0] is dead:
+        _packed = ()
 
 
 def apply_calls(traced):

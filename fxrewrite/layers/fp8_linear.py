@@ -153,6 +153,21 @@ def quantize_weight_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.
     return q.to(FP8_DTYPE).contiguous(), scale
 
 
+def dequantize_weight_fp8(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], name: str = "weight"
+                          ) -> torch.Tensor:
+    """fp8 [..., N, K] and scales float32 [..., ceil(N/bn), ceil(K/bk)] of `block` = (bn, bk) blocks -> float32
+    [..., N, K] = fp8 * its block's scale (the inverse of `quantize_weight_fp8`; leading dims, e.g. experts,
+    carried along; the last row / column of blocks may be partial). ValueError naming `name` and both
+    shapes when the scale grid does not match."""
+    (n, k), (bn, bk) = q.shape[-2:], block
+    want = (*q.shape[:-2], -(-n // bn), -(-k // bk))
+    if tuple(scale.shape) != want:
+        raise ValueError(f"{name}: FP8 scales of shape {tuple(scale.shape)} do not match weight {tuple(q.shape)} in "
+                         f"{bn} x {bk} blocks (expected {want})")
+    full = scale.float().repeat_interleave(bn, dim=-2).repeat_interleave(bk, dim=-1)[..., :n, :k]
+    return q.float() * full
+
+
 def quantize_weight_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] float -> (fp8 [N, K], scales float32 [N]): scale = amax of the row / 448 (1 for an
     all-zero row), dequantized = fp8 * scale (the per-channel scheme of vLLM's ``channel`` strategy)."""

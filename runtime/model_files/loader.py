@@ -12,6 +12,7 @@ from fxrewrite.distributed import get_tp_size
 from fxrewrite.sharding import LazySlice
 from fxrewrite.weights import load_hf_weights
 from fxrewrite.runtime.model_files.checkpoint_conversion import convert_for_model
+from fxrewrite.runtime.model_files.fp8_experts import dequantize_fp8_experts
 
 
 def iterate_safetensors(model_path: str | Path, sliced: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -111,14 +112,19 @@ def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:
         raise ValueError(f"checkpoint is missing {len(missing)} parameter(s): {shown}")
 
 
-def load_weights(model: nn.Module, model_path: str | Path, native: bool) -> None:
-    """Load the folder's safetensors into the model (native or HF) and check nothing is missing."""
+def load_weights(model: nn.Module, model_path: str | Path, native: bool,
+                 fp8_block: tuple[int, int] | None = None) -> None:
+    """Load the folder's safetensors into the model (native or HF) and check nothing is missing.
+    `fp8_block`: an FP8 checkpoint's ``weight_block_size`` (its expert weights are dequantized as they load)."""
     # On a TP rank, read only this rank's slice of each sharded tensor.
     weights = iterate_safetensors(model_path, sliced=get_tp_size() > 1)
     dropped = tuple(getattr(model, "pp_dropped_prefixes", ()))  # layers of other pipeline stages
     if dropped:
         weights = ((name, t) for name, t in weights if not name.startswith(dropped))
-    # Per-expert checkpoints -> transformers 5's fused 3-D experts (transformers' own rules).
+    # FP8 experts dequantized, then per-expert checkpoints -> transformers 5's fused 3-D experts
+    # (transformers' own rules).
+    if fp8_block is not None:
+        weights = dequantize_fp8_experts(weights, fp8_block)
     weights = convert_for_model(model, weights, native)
     if native:
         loaded = load_native_weights(model, weights)

@@ -13,8 +13,10 @@ Any other ``quant_method`` (awq, gptq, bitsandbytes...) is a ValueError before a
 
 After loading, on a device without FP8 tensor cores (a CPU, a GPU older than sm_89) the FP8 weights
 are dequantized to the compute dtype, so the model computes with exactly the values the checkpoint
-encodes. Which linears: every `fxrewrite.layers.linear` layer and plain `nn.Linear` except the LM head
-and the ``modules_to_not_convert`` / ``ignored_layers`` patterns of the quantization config.
+encodes. Which linears: every `fxrewrite.layers.linear` layer and plain `nn.Linear` except the LM head, MoE
+routers and the ``modules_to_not_convert`` / ``ignored_layers`` patterns of the quantization config.
+MoE experts in an FP8 checkpoint are dequantized as they load (`fp8_experts`): the fused MoE kernels
+compute in the model's dtype.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from fxrewrite.layers.fp8_linear import (
     prepare_fp8_layers_for_gpu,
     quantize_fp8_layer,
 )
+from fxrewrite.layers.fused_moe import FusedMoE
 from fxrewrite.layers.linear import LinearBase
 
 QUANTIZATION_METHODS = ("fp8",)
@@ -92,9 +95,15 @@ def _targets(model: nn.Module, quant: Fp8Config):
             name = f"{prefix}.{child_name}" if prefix else child_name
             if child is head or child_name == "lm_head" or not isinstance(child, (nn.Linear, LinearBase)):
                 continue
+            if _is_router(parent, child_name):  # MoE routers stay in high precision, as FP8 checkpoints ship them
+                continue
             if any(fnmatch.fnmatch(name, f"*{p}*") for p in quant.modules_to_not_convert):
                 continue
             yield parent, child_name, name, child
+
+
+def _is_router(parent: nn.Module, child_name: str) -> bool:
+    return isinstance(parent, FusedMoE) and parent.names.get("router") == child_name
 
 
 def prepare_fp8_model(model: nn.Module, quant: Fp8Config | None, will_load_checkpoint: bool) -> None:

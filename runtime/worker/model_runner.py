@@ -94,7 +94,8 @@ def build_model(config: EngineConfig, model_config, device: torch.device, stage:
         for param in model.parameters():
             param.data.normal_(0.0, 0.02)
     else:
-        load_weights(model, model_config.model_path, native=impl == "native")
+        load_weights(model, model_config.model_path, native=impl == "native",
+                     fp8_block=quant.weight_block_size if quant and quant.is_checkpoint_fp8 else None)
     finish_fp8_model(model, quant, model_config.dtype, device)
     model.impl = impl
     return model.eval()

@@ -105,3 +105,26 @@ def test_apply_rotary_emb_kernel_path_matches_torch_form(interpret, monkeypatch,
     torch.testing.assert_close(got_k, want_k, rtol=1e-5, atol=1e-5)
     assert torch.equal(q, q0) and torch.equal(k, k0)
     assert not _kernel_applies(q.requires_grad_(), k, cos, 1)
+
+
+def test_packed_cos_sin_is_built_once_per_forward_and_never_stale():
+    from fxrewrite.patterns.rotary_calls import packed_cos_sin
+
+    cos, sin = torch.randn(1, 5, 8), torch.randn(1, 5, 8)
+    positions, cache = packed_cos_sin(cos, sin)
+    torch.testing.assert_close(cache, torch.cat((cos[0, :, :4], sin[0, :, :4]), dim=-1))
+    assert torch.equal(positions, torch.arange(5))
+    assert packed_cos_sin(cos, sin)[1] is cache  # the next layer of the same forward reuses the table
+    cos.mul_(2)  # changed in place: rebuilt
+    torch.testing.assert_close(packed_cos_sin(cos, sin)[1][:, :4], cos[0, :, :4])
+    other = cos.clone()  # another forward's tensors: rebuilt
+    assert packed_cos_sin(other, sin)[1] is not cache
+
+
+def test_packed_cos_sin_table_dies_with_its_cos():
+    from fxrewrite.patterns import rotary_calls
+
+    cos, sin = torch.randn(1, 3, 4), torch.randn(1, 3, 4)
+    rotary_calls.packed_cos_sin(cos, sin)
+    del cos
+    assert rotary_calls._packed == ()
