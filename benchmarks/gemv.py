@@ -76,7 +76,7 @@ def measure(kind: str, ws: list[torch.Tensor], m: int) -> dict:
     want = baseline(kind, ws[0], **args)
     arms = {"cublas": _timed(lambda i: F.linear(plain_x, ws[i]), len(ws)),
             "unfused": _timed(lambda i: baseline(kind, ws[i], **args), len(ws))}
-    for config in configs_for(m):
+    for config in configs_for(m, kind, n):
         name = "gemv:" + "/".join(map(str, config))
         try:
             err = max_rel_error(candidate(kind, ws[0], config=config, **args), want)
@@ -128,13 +128,14 @@ def _compile(jobs: list[tuple[str, int, int, tuple[int, int, int]]]) -> int:
     return len(jobs)
 
 
-def precompile(names: list[str], workers: int) -> float:
-    """Compile every (kind, K, M, config) the sweep will run in `workers` processes (Triton compiles one
-    kernel at a time per process; the sweep then loads them from the disk cache). Returns seconds."""
+def precompile(names: list[str], workers: int, tokens: tuple[int, ...] = TOKENS) -> float:
+    """Compile every (kind, K, M, config) the sweep will run (M in `tokens`) in `workers` processes (Triton
+    compiles one kernel at a time per process; the sweep then loads them from the disk cache). Returns
+    seconds. The kernels are built for the current FXREWRITE_PDL (the workers inherit the environment)."""
     start = time.perf_counter()
     jobs = sorted({(kind, k, m, config) for name in names
-                   for kind, _, k in projections(load_bench_config(name)["config"]).values()
-                   for m in TOKENS for config in configs_for(m)})
+                   for kind, n, k in projections(load_bench_config(name)["config"]).values()
+                   for m in tokens for config in configs_for(m, kind, n)})
     if workers > 1:
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             list(pool.map(_compile, [jobs[i::workers] for i in range(workers)]))

@@ -4,14 +4,15 @@ and the validity of sampled outputs under a bounded schema.
     python -m fxrewrite.benchmarks.structured_outputs --config qwen3-0.6b --batch 64 --output-len 256
 
 The arms run in one process, interleaved, --repeats times each (medians, min, max, spread): no
-constraint; a JSON schema on every request (the default path: the grammar work on worker threads beside
-the main thread's completion of the previous step, the step sampling at the next launch); the same schema
-with the grammar work on the main thread after that completion (the sequential path); the schema with K
-grammar worker threads for each K of --grammar-threads. Per grammar arm the JSON gives host milliseconds
-per step: accept / fill (summed over the threads that ran them), job (the worker job's wall time), main
-(the main thread's time in the grammar calls) and wait (of those, blocked joining the job), tokens_wait
-(the main thread reading the previous step's token ids before starting the job) and complete (its
-completion of the previous step while the job runs); `overhead_fraction` is the default arm's.
+constraint; a JSON schema on every request (the default path: the grammar work in the grammar process
+beside the main thread's completion of the previous step, the step sampling at the next launch); the same
+schema with the matchers in the engine's process and their work on the main thread after that completion
+(the sequential path). Per grammar arm the JSON gives host milliseconds per step: accept / fill (where the
+matchers live), job (the grammar process's whole job), main (the main thread's time in the grammar calls:
+sending the job, reading its answer, the mask's copy to the device) and wait (of those, blocked on the
+answer), tokens_wait (the main thread reading the previous step's token ids before sending the job) and
+complete (its completion of the previous step while the job runs); `overhead_fraction` is the default
+arm's.
 Throughput runs use a schema whose array has no upper bound (every request decodes exactly
 --output-len tokens inside the grammar, like the unconstrained run with ignore_eos), random weights
 (load_format "dummy") and temperature 1.0. The validity run samples --num-samples outputs at temperature
@@ -37,7 +38,7 @@ from fxrewrite.benchmarks.common import (
 )
 from fxrewrite.runtime.engine.grammar_bitmask import STAT_KEYS
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
-from fxrewrite.runtime.engine.structured_outputs import StructuredOutputsParams
+from fxrewrite.runtime.engine.structured_outputs import StructuredOutputManager, StructuredOutputsParams
 
 ITEM = {
     "type": "object",
@@ -68,31 +69,31 @@ def _params(batch: int, output_len: int, schema: dict | None) -> list[SamplingPa
                            structured_outputs=constraint) for i in range(batch)]
 
 
-def _arms(batch: int, output_len: int, threads: list[int]) -> dict:
-    """name -> (params, overlap, grammar worker threads or None for the default)."""
+def _arms(batch: int, output_len: int) -> dict:
+    """name -> (params, whether the grammar work runs in the grammar process)."""
     schema = _params(batch, output_len, LONG_SCHEMA)
-    arms = {"none": (_params(batch, output_len, None), True, None), "json_schema": (schema, True, None),
-            "json_schema_sequential": (schema, False, None)}
-    arms.update({f"json_schema_threads{k}": (schema, True, k) for k in threads})
-    return arms
+    return {"none": (_params(batch, output_len, None), None), "json_schema": (schema, True),
+            "json_schema_sequential": (schema, False)}
 
 
-def _throughput(llm, batch: int, output_len: int, repeats: int, threads: list[int]) -> dict:
-    """The arms in one process, interleaved (none, json_schema, json_schema_sequential, json_schema_threadsK..)
-    `repeats` times after one warm-up round, so drift (clocks, other load) hits all alike; medians decide
-    the overhead, min/max show the spread. json_schema_sequential runs the grammar work on the main thread
-    after completing the previous step, then samples (`StructuredOutputManager.overlap = False`, the path
-    before the worker threads); json_schema_threadsK uses K grammar worker threads instead of the default."""
+def _throughput(llm, batch: int, output_len: int, repeats: int) -> dict:
+    """The arms in one process, interleaved (none, json_schema, json_schema_sequential) `repeats` times
+    after one warm-up round, so drift (clocks, other load) hits all alike; medians decide the overhead,
+    min/max show the spread. json_schema_sequential swaps in a manager whose matchers live in this process
+    (`use_process=False`): the grammar work on the main thread after completing the previous step."""
     engine, prompts = llm.llm_engine, _prompts(llm.get_tokenizer(), batch)
-    arms = _arms(batch, output_len, threads)
+    arms = _arms(batch, output_len)
     runs: dict[str, list[float]] = {name: [] for name in arms}
     grammar = {name: dict.fromkeys(STAT_KEYS, 0.0) for name in arms}
-    engine.compile_structured_outputs(arms["json_schema"][0][0])  # makes the manager (its default threads)
-    structured = engine._structured
-    default_threads = structured._filler.num_threads
+    engine.compile_structured_outputs(arms["json_schema"][0][0])  # makes the default manager
+    managers = {True: engine._structured, False: StructuredOutputManager(
+        engine.tokenizer, engine.model_config.vocab_size, engine.eos_token_ids,
+        max_rows=engine.config.max_num_seqs, use_process=False)}
+    if managers[True].process is None:
+        print("note: no grammar process on this platform; json_schema runs the sequential path too")
     for warm_up in [True] + [False] * repeats:  # warm-up: JIT, graphs, grammar compile, bitmask kernel
-        for name, (params, overlap, k) in arms.items():
-            structured.overlap, structured._filler.num_threads = overlap, k or default_threads
+        for name, (params, use_process) in arms.items():
+            structured = engine._structured = managers[use_process is not False]
             before = dict(structured.stats)
             stats = run_requests(engine, prompts, params, desc=name)
             if warm_up:
@@ -100,13 +101,14 @@ def _throughput(llm, batch: int, output_len: int, repeats: int, threads: list[in
             runs[name].append(stats.output_tokens / stats.elapsed_s)
             for key in STAT_KEYS:
                 grammar[name][key] += structured.stats[key] - before[key]
-    structured.overlap, structured._filler.num_threads = True, default_threads  # the validity run: defaults
+    engine._structured = managers[True]  # the validity run: the default
+    managers[False].close()
     result = {name: _summary(v) for name, v in runs.items()}
     for name in arms:
         if name == "none":
             continue
         g, steps = grammar[name], max(grammar[name]["steps"], 1)
-        result[name]["grammar_threads"] = arms[name][2] or default_threads
+        result[name]["grammar_process"] = arms[name][1] and managers[True].process is not None
         result[name]["grammar_ms_per_step"] = {key.removesuffix("_s"): round(g[key] / steps * 1e3, 4)
                                                for key in STAT_KEYS if key != "steps"}
         result[name]["overhead_fraction"] = round(1.0 - result[name]["output_tokens_per_s"]
@@ -148,8 +150,6 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5, help="timed runs per arm (interleaved); medians count")
-    p.add_argument("--grammar-threads", default="1,4",
-                   help="extra arms json_schema_threadsK for these K (comma list; empty: none)")
     p.add_argument("--num-samples", type=int, default=300)
     p.add_argument("--validity-max-tokens", type=int, default=400)
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -159,8 +159,7 @@ def main(argv: list[str] | None = None) -> Path:
     args = p.parse_args(argv)
     spec = load_bench_config(args.config)
     llm = make_llm(args.arm, bench_model_dir(spec, args.tokenizer_dir), max_num_seqs=max(args.max_num_seqs, args.batch))
-    threads = [int(k) for k in args.grammar_threads.split(",") if k.strip()]
-    throughput = _throughput(llm, args.batch, args.output_len, args.repeats, threads)
+    throughput = _throughput(llm, args.batch, args.output_len, args.repeats)
     result = {
         "benchmark": "structured_outputs", "config": spec["name"], "arm": args.arm, "batch": args.batch,
         "output_len": args.output_len, "repeats": args.repeats, "environment": environment(), **throughput,
@@ -174,7 +173,7 @@ def main(argv: list[str] | None = None) -> Path:
         if name == "none" or name.startswith("json_schema"):
             ms = " ".join(f"{k}={v}" for k, v in arm.get("grammar_ms_per_step", {}).items())
             print(f"{name}: {arm['output_tokens_per_s']} tok/s (median; min {arm['min']}, max {arm['max']}) "
-                  f"overhead={arm.get('overhead_fraction', 0.0)} threads={arm.get('grammar_threads', '-')} "
+                  f"overhead={arm.get('overhead_fraction', 0.0)} process={arm.get('grammar_process', '-')} "
                   f"ms/step: {ms}")
     print(f"overhead_fraction={result['overhead_fraction']} validity={json.dumps(result['validity'])}")
     print(f"wrote {path}")

@@ -181,11 +181,27 @@ def plot_train(result: dict, path: Path) -> Path | None:
     return path
 
 
+def parse_arm_timeouts(text: str) -> dict[str, float]:
+    """``"60,stock-compile=150"`` -> {"*": 60.0, "stock-compile": 150.0} (``*``: every other arm; default 900).
+    ValueError naming the entry on a bad number or an unknown arm."""
+    out = {"*": 900.0}
+    for part in (p.strip() for p in str(text).split(",") if p.strip()):
+        arm, _, value = part.rpartition("=")
+        if arm and arm not in ARMS:
+            raise ValueError(f"--arm-timeout: unknown arm {arm!r} in {part!r}; expected one of {list(ARMS)}")
+        try:
+            out[arm or "*"] = float(value)
+        except ValueError:
+            raise ValueError(f"--arm-timeout: {part!r} is not SECONDS or ARM=SECONDS") from None
+    return out
+
+
 def run_train_bench(config: str, arms: list[str], *, steps: int = 8, warmup: int = 2, batch_size: int = 8,
                     seq_len: int = 2048, gradient_checkpointing: bool = True, dtype: str = "bfloat16",
                     device: str | None = None, lr: float = 1e-5, seed: int = 0, loss_rtol: float = 1e-3,
-                    arm_timeout_s: float = 900.0, out_dir: Path | None = None, notes=()) -> dict:
-    """Run every arm in its own process; write and return the result (JSON + PNG paths under "files")."""
+                    arm_timeout_s: float | dict = 900.0, out_dir: Path | None = None, notes=()) -> dict:
+    """Run every arm in its own process; write and return the result (JSON + PNG paths under "files").
+    ``arm_timeout_s``: seconds per arm, or {arm: seconds, "*": the others' seconds} (:func:`parse_arm_timeouts`)."""
     import torch
 
     from fxrewrite.benchmarks.common import RESULTS_DIR, environment, load_bench_config
@@ -198,7 +214,8 @@ def run_train_bench(config: str, arms: list[str], *, steps: int = 8, warmup: int
     spec = {"config": bench["config"], "dtype": dtype, "device": device, "seed": seed, "lr": lr, "steps": steps,
             "warmup": warmup, "batch_size": batch_size, "seq_len": seq_len,
             "gradient_checkpointing": gradient_checkpointing}
-    records = [_run_arm(spec, arm, arm_timeout_s) for arm in arms]
+    limits = arm_timeout_s if isinstance(arm_timeout_s, dict) else {"*": float(arm_timeout_s)}
+    records = [_run_arm(spec, arm, limits.get(arm, limits.get("*", 900.0))) for arm in arms]
     agreement(records, loss_rtol)
     stamp = time.strftime("%Y-%m-%d")
     result = {"kind": "train", "config": bench["name"], **{k: v for k, v in spec.items() if k != "config"},

@@ -162,6 +162,64 @@ def _masks_as_on_real_tensors():
         masking_utils.is_tracing = real
 
 
+def _liger_flce_cuda_allocations(_input, weight, target, ce_weight=None, bias=None, ignore_index=-100, **_):
+    """The allocations of Liger-Kernel 0.8.5's fused linear cross-entropy forward on an sm80+ GPU (bf16, no
+    bias, mean): d/dinput and d/dweight zeroed in the input's dtype, float32 per-row losses, one preallocated
+    [chunk, V] logits buffer (chunk: the power of two above BT / ceil(V / H), at most BT) that each chunk's
+    ``mm(out=)`` fills and whose gradient ``mm(out=)`` / ``addmm(out=grad_weight)`` consume. Our model of
+    its CUDA branch (``_can_use_mm_out`` and the low-precision ``addmm`` accumulation); on a CPU Liger takes
+    its fallback, a [V, H] product and its float32 copy per chunk (890 MiB for Qwen3-0.6B), which the GPU
+    never allocates. Same 7-tuple as Liger's function (values are fake)."""
+    rows, hidden = _input.shape
+    vocab = weight.shape[0]
+    chunk = min(1 << max(0, (-(-rows // -(-vocab // hidden)) - 1).bit_length()), rows)
+    grad_input, grad_weight = torch.zeros_like(_input), torch.zeros_like(weight)
+    losses = torch.zeros(rows, dtype=torch.float32, device=_input.device)
+    _ = (target != ignore_index).sum()  # its count of non-ignored rows
+    logits = torch.empty((chunk, vocab), dtype=_input.dtype, device=_input.device)
+    for s in range(0, rows, chunk):
+        z = logits[:min(chunk, rows - s)]
+        torch.mm(_input[s:s + chunk], weight.t(), out=z)
+        torch.mm(z, weight, out=grad_input[s:s + chunk])
+        torch.addmm(grad_weight, z.t(), _input[s:s + chunk], out=grad_weight)
+    del logits, z
+    return losses.sum(), None, None, None, grad_input, grad_weight, None
+
+
+H200_SMS = 132  # streaming multiprocessors of the GPU the training benchmark runs on
+
+
+@contextlib.contextmanager
+def _gpu_program_counts():
+    """Within: our RMSNorm backward sizes its float32 partial d/dweight rows as on an H200 (4 programs per
+    SM) instead of the interpreter's 4 programs."""
+    from fxrewrite.kernels import rms_norm_backward
+
+    real = rms_norm_backward._num_programs
+    rms_norm_backward._num_programs = lambda rows, device: min(rows, 4 * H200_SMS)
+    try:
+        yield
+    finally:
+        rms_norm_backward._num_programs = real
+
+
+@contextlib.contextmanager
+def _liger_cuda_path(arm: str):
+    """Within (the liger arm): Liger's fused linear cross-entropy forward allocates as on the GPU
+    (:func:`_liger_flce_cuda_allocations`) instead of taking its CPU fallback."""
+    if arm != "liger":
+        yield
+        return
+    from liger_kernel.ops import fused_linear_cross_entropy as flce
+
+    real = flce.fused_linear_cross_entropy_forward
+    flce.fused_linear_cross_entropy_forward = _liger_flce_cuda_allocations
+    try:
+        yield
+    finally:
+        flce.fused_linear_cross_entropy_forward = real
+
+
 def _fake_parameters(model: torch.nn.Module, fake_mode) -> None:
     """Swap every parameter and buffer for a fake CPU tensor of its shape and dtype; tied ones stay tied."""
     made = {}
@@ -235,7 +293,7 @@ def simulate_step_memory(config: dict, arm: str, *, batch_size: int = 8, seq_len
     "at_peak": {label: bytes}}], "parameter_bytes"}. Fake tensors: nothing is computed. ``padding_mask``: the
     materialised-mask path of a padded batch (4D mask, k/v repeated by copies) instead of the unpadded one."""
     masks = contextlib.nullcontext() if padding_mask else _masks_as_on_real_tensors()
-    with _triton_paths_without_launches(), masks:
+    with _triton_paths_without_launches(), masks, _liger_cuda_path(arm), _gpu_program_counts():
         return _simulate(config, arm, batch_size, seq_len, gradient_checkpointing, steps, chunk_size, lines)
 
 
@@ -294,6 +352,7 @@ def main(argv=None) -> int:
     p.add_argument("--padding-mask", action="store_true", help="the masked path of a padded batch")
     p.add_argument("--lines", action="store_true", help="label storages by the source line that made them")
     p.add_argument("--top", type=int, default=14, help="labels to print of what is live at the peak")
+    p.add_argument("--note", default="", help="recorded in the JSON")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     bench = load_bench_config(args.config)
@@ -310,7 +369,8 @@ def main(argv=None) -> int:
             print(f"  {label:70s} {nbytes / 2**20:10.1f} MiB")
     result.update(arm=args.arm, config=bench["name"], layers=config["num_hidden_layers"],
                   batch_size=args.batch_size, seq_len=args.seq_len, chunk_size=args.chunk_size,
-                  gradient_checkpointing=not args.no_gradient_checkpointing, padding_mask=args.padding_mask)
+                  gradient_checkpointing=not args.no_gradient_checkpointing, padding_mask=args.padding_mask,
+                  note=args.note)
     gc_tag = ("" if result["gradient_checkpointing"] else "-no-gc") + ("-padding-mask" if args.padding_mask else "")
     out = args.out or Path(RESULTS_DIR) / f"{time.strftime('%Y-%m-%d')}-{bench['name']}-memory-{args.arm}{gc_tag}.json"
     write_result(out, result)

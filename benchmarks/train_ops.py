@@ -61,7 +61,8 @@ class OpCounter(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
         if name not in self.skip:
-            self.record("aten", name, _nbytes((args, kwargs)) + _nbytes(out))
+            # an ``out=`` tensor is the result: counted once
+            self.record("aten", name, _nbytes((args, kwargs)) + (0 if "out" in (kwargs or {}) else _nbytes(out)))
         return out
 
 

@@ -20,6 +20,7 @@ from collections import defaultdict
 from torch import nn
 
 from fxrewrite import foreign, source, tracer, weights
+from fxrewrite.layers.linear import no_weight_init
 from fxrewrite.optimizer_state import HF_NAMES_ATTR
 from fxrewrite.patterns import PATTERNS, Context, Match, Refusal
 from fxrewrite.report import ClassReport, FusionReport
@@ -213,7 +214,8 @@ def _build_all(module: nn.Module, matches: list[Match], ctx, entry: ClassReport)
     saved_attrs = {k: v for k, v in module.__dict__.items() if k not in saved}
     for m in matches:
         try:
-            m.pattern.build(m, module, ctx)
+            with no_weight_init():  # every build loads all of its new layers' weights
+                m.pattern.build(m, module, ctx)
         except Exception as e:  # noqa: BLE001 - a failed build must not leave the module half-rewritten
             module.__dict__.clear()
             module.__dict__.update(saved_attrs)

@@ -53,10 +53,10 @@ class FusionReport:
     def __str__(self) -> str:
         rows = [("module class", "instances", "applied", "skipped (reason)")]
         for c in self.classes.values():
-            applied = "; ".join(f"{p}: {d}" + (f" x{n}" if n != c.instances else "")
-                                for p, descs in c.applied.items() for d, n in descs.items())
-            applied = "; ".join(x for x in (applied, "; ".join(c.present)) if x) or "-"
-            skipped = "; ".join(f"{p}: {r}" for p, r in c.skipped) or "-"
+            applied = [f"{p}: {d}" + (f" x{n}" if n != c.instances else "")
+                       for p, descs in c.applied.items() for d, n in descs.items()]
+            applied = "\n".join(applied + c.present) or "-"  # one fusion per line
+            skipped = "\n".join(f"{p}: {r}" for p, r in c.skipped) or "-"
             rows.append((c.name, str(c.instances), applied, skipped))
         lines = format_table(rows, max_widths=(48, 9, 60))
         lines.insert(1, "-" * min(max(len(line) for line in lines), 140))
@@ -68,14 +68,14 @@ class FusionReport:
 
 
 def format_table(rows: list[tuple[str, ...]], max_widths: tuple[int, ...]) -> list[str]:
-    """Text lines of a table whose columns stay aligned: column i is as wide as its longest cell, at most
-    max_widths[i]; a longer cell wraps onto continuation lines of its own column (at spaces; a long name
-    is cut). The last column is not padded or wrapped."""
+    """Text lines of a table whose columns stay aligned: column i is as wide as its longest line, at most
+    max_widths[i]; a cell's lines ("\n") start lines of its own column, and a longer line wraps onto
+    continuation lines (at spaces; a long name is cut). The last column is not padded or wrapped."""
     last = len(rows[0]) - 1
-    widths = [min(max(len(r[i]) for r in rows), max_widths[i]) for i in range(last)]
+    widths = [min(max(len(line) for r in rows for line in r[i].split("\n")), max_widths[i]) for i in range(last)]
     lines = []
     for row in rows:
-        cells = [_wrap(cell, widths[i]) for i, cell in enumerate(row[:last])] + [[row[last]]]
+        cells = [_wrap(cell, widths[i]) for i, cell in enumerate(row[:last])] + [row[last].split("\n")]
         for k in range(max(len(c) for c in cells)):
             parts = [(c[k] if k < len(c) else "").ljust(widths[i]) for i, c in enumerate(cells[:last])]
             lines.append("  ".join(parts + [cells[last][k] if k < len(cells[last]) else ""]).rstrip())
@@ -83,6 +83,5 @@ def format_table(rows: list[tuple[str, ...]], max_widths: tuple[int, ...]) -> li
 
 
 def _wrap(cell: str, width: int) -> list[str]:
-    if len(cell) <= width:
-        return [cell]
-    return textwrap.wrap(cell, width, break_on_hyphens=False) or [cell]
+    return [part for line in cell.split("\n")
+            for part in ([line] if len(line) <= width else textwrap.wrap(line, width, break_on_hyphens=False) or [line])]

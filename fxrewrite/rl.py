@@ -19,7 +19,9 @@ import torch
 from torch import nn
 
 from fxrewrite.kernels.batch_invariant import is_batch_invariant
+from fxrewrite.kernels.fused_linear_logprobs import fused_linear_logprobs
 from fxrewrite.kernels.paged_attention import causal_attention_batch_invariant
+from fxrewrite.layers.lm_head_loss import LMHeadCrossEntropy
 
 BATCH_INVARIANT_ATTENTION = "fxrewrite_batch_invariant"
 
@@ -75,6 +77,12 @@ def completion_logprobs(
     engine's raw logprobs). Gradients flow unless called under `torch.no_grad()`. ValueError when the
     two lists differ in length or a prompt is empty. Inside `batch_invariant_mode()` the model (a
     transformers one) attends through "fxrewrite_batch_invariant" for the call (see the module docstring).
+
+    An `fxrewrite.optimize`d model (its `lm_head_loss` proved the logits' transform) skips the logits: the
+    base model gives the hidden states, only the completion positions go through the LM head, chunked
+    (`fxrewrite.kernels.fused_linear_logprobs`: no [tokens, vocab] tensor, gradients weighted per token);
+    other models, and batch-invariant mode (whose head and log_softmax are the engine's kernels), take
+    the logits from the model's forward.
     """
     if len(prompts) != len(completions):
         raise ValueError(f"got {len(prompts)} prompts and {len(completions)} completions; expected as many")
@@ -83,24 +91,61 @@ def completion_logprobs(
     device = next(model.parameters()).device
     out: list[torch.Tensor] = []
     invariant = is_batch_invariant() and hasattr(getattr(model, "config", None), "_attn_implementation")
+    fused = None if is_batch_invariant() else fused_head(model, temperature)
     with attention_implementation(model, register_batch_invariant_attention()) if invariant else nullcontext():
         for start in range(0, len(prompts), micro_batch_size):
             batch = [(list(p), list(c)) for p, c in zip(prompts[start:start + micro_batch_size],
                                                        completions[start:start + micro_batch_size])]
-            out += _batch_logprobs(model, batch, device, temperature)
+            if fused is not None:
+                out += _batch_logprobs_fused(*fused, batch, device)
+            else:
+                out += _batch_logprobs(model, batch, device, temperature)
     return out
 
 
-def _batch_logprobs(model, batch, device, temperature: float) -> list[torch.Tensor]:
+def fused_head(model: nn.Module, temperature: float = 1.0) -> tuple[nn.Module, nn.Linear, float, float | None] | None:
+    """(base model, LM head, scale, softcap) when `model`'s sampled-token logprobs can skip the logits: an
+    `fxrewrite.optimize`d causal LM whose `lm_head_loss` proved the logits' transform (scale / soft-cap),
+    with a plain `nn.Linear` head over the base model's last hidden state; the temperature folds into the
+    scale (not under soft-capping: then None, and the logits path runs). None otherwise (fail closed)."""
+    loss = getattr(model, "lm_head_loss", None)
+    params = loss.kernel_params if isinstance(loss, LMHeadCrossEntropy) else None
+    head = getattr(model, "lm_head", None)
+    base = getattr(model, getattr(model, "base_model_prefix", "") or "model", None)
+    if params is None or type(head) is not nn.Linear or not isinstance(base, nn.Module) or base is model:
+        return None
+    scale, softcap = params
+    if softcap and temperature != 1.0:
+        return None
+    return base, head, scale / temperature, softcap
+
+
+def _padded(batch, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded input ids, attention mask and position ids [B, width] of (prompt, completion) pairs."""
     lengths = [len(p) + len(c) for p, c in batch]
     width = max(lengths)
-    ids = torch.zeros(len(batch), width, dtype=torch.long)
-    mask = torch.zeros(len(batch), width, dtype=torch.long)
-    for i, (p, c) in enumerate(batch):
-        ids[i, : lengths[i]] = torch.tensor(p + c)
-        mask[i, : lengths[i]] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    ids = torch.tensor([p + c + [0] * (width - n) for (p, c), n in zip(batch, lengths)], dtype=torch.long)
+    mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
+    ids, mask = ids.to(device, non_blocking=True), mask.to(device, non_blocking=True)
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def _batch_logprobs_fused(base, head, scale, softcap, batch, device) -> list[torch.Tensor]:
+    ids, mask, positions = _padded(batch, device)
+    hidden = base(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).last_hidden_state
+    width = ids.shape[1]
+    # hidden state at position t predicts token t + 1: a completion's tokens from len(prompt) - 1 on
+    rows = [i * width + len(p) - 1 + j for i, (p, c) in enumerate(batch) for j in range(len(c))]
+    target = torch.tensor([t for _, c in batch for t in c], dtype=torch.long)
+    rows = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+    # index_select: its backward is one index_add (advanced indexing's is a sorting index_put)
+    lps = fused_linear_logprobs(hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows), head.weight, head.bias,
+                                target.to(device, non_blocking=True), scale, softcap)
+    return list(lps.split([len(c) for _, c in batch]))
+
+
+def _batch_logprobs(model, batch, device, temperature: float) -> list[torch.Tensor]:
+    ids, mask, positions = _padded(batch, device)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
     out = []
     for i, (p, c) in enumerate(batch):
@@ -130,10 +175,15 @@ def grpo_loss(new_logprobs: list[torch.Tensor], old_logprobs: list[torch.Tensor]
     """The clipped surrogate of PPO/GRPO without a KL term (TRL's default beta=0): per token
     ratio = exp(new - old), loss = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A), averaged over
     every completion token of the batch (DAPO's token-level mean). `old_logprobs`: the engine's
-    sampled-token logprobs (no gradient); one tensor [len(completion)] per completion."""
-    per_token = []
-    for new, old, adv in zip(new_logprobs, old_logprobs, advantages):
-        ratio = torch.exp(new - old.to(new.device))
-        clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps)
-        per_token.append(-torch.minimum(ratio * adv, clipped * adv))
-    return torch.cat(per_token).mean()
+    sampled-token logprobs (no gradient); one tensor [len(completion)] per completion; `advantages` [N],
+    one per completion. Computed over the concatenated tokens (a few kernels, whatever N)."""
+    new = torch.cat(list(new_logprobs))
+    olds = [o.detach().reshape(-1) for o in old_logprobs]
+    if len({o.device for o in olds}) == 1:  # one copy to the device, not one per completion
+        old = torch.cat(olds).to(new.device, new.dtype, non_blocking=True)
+    else:
+        old = torch.cat([o.to(new.device, new.dtype) for o in olds])
+    lengths = torch.tensor([n.numel() for n in new_logprobs]).to(new.device, non_blocking=True)
+    adv = advantages.to(new.device, new.dtype).repeat_interleave(lengths, output_size=new.numel())
+    ratio = torch.exp(new - old)
+    return (-torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)).mean()

@@ -310,8 +310,19 @@ def replace_many(tree: cst.Module, replacements: dict[int, object]) -> cst.Modul
     return tree.visit(T())
 
 
-def with_statement_first(code: str):
-    """A `replace_many` value: put the small statement `code` first on a line (`a = ...; <line>`)."""
-    new_stmt = cst.parse_statement(code + "\n").body[0].with_changes(
-        semicolon=cst.Semicolon(whitespace_after=cst.SimpleWhitespace(" ")))
-    return lambda line: line.with_changes(body=[new_stmt] + list(line.body))
+def with_statement_before(code: str):
+    """A `replace_many` value for a statement line: run the small statement `code` just before it, keeping the
+    forward's line numbers (tracebacks point at the real file). It takes the line's last blank leading line
+    when it has one (transformers' forwards usually do), else it goes first on the line (``a = ...; <line>``)."""
+    new_stmt = cst.parse_statement(code + "\n").body[0]
+
+    def edit(line):
+        leading = list(line.leading_lines)
+        blank = max((i for i, e in enumerate(leading) if e.comment is None), default=None)
+        if blank is None:
+            joined = new_stmt.with_changes(semicolon=cst.Semicolon(whitespace_after=cst.SimpleWhitespace(" ")))
+            return line.with_changes(body=[joined] + list(line.body))
+        own = cst.SimpleStatementLine(body=[new_stmt], leading_lines=leading[:blank])
+        return cst.FlattenSentinel([own, line.with_changes(leading_lines=leading[blank + 1:])])
+
+    return edit

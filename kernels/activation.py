@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from fxrewrite.kernels import use_triton
+from fxrewrite.kernels.pdl import gdc_prologue, pdl_enabled
 from fxrewrite.kernels.triton_utils import launch, tl, triton
 
 __all__ = ["silu_and_mul", "silu_and_mul_ref", "gelu_and_mul", "gelu_and_mul_ref"]
@@ -56,7 +57,8 @@ def gelu_and_mul(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
 
 
 @triton.jit
-def _act_and_mul_kernel(x_ptr, out_ptr, d, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _act_and_mul_kernel(x_ptr, out_ptr, d, ACT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    gdc_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -79,6 +81,7 @@ def _act_and_mul_triton(x: torch.Tensor, act: int, *, block: int = 1024, num_war
     out = torch.empty((x2.shape[0], d), dtype=x.dtype, device=x.device)
     if x2.shape[0] and d:
         block = min(block, triton.next_power_of_2(d))
-        launch(_act_and_mul_kernel, (x2.shape[0], triton.cdiv(d, block)), x.device)(
-            x2, out, d, ACT=act, BLOCK=block, num_warps=num_warps)
+        pdl = pdl_enabled(x.device)
+        launch(_act_and_mul_kernel, (x2.shape[0], triton.cdiv(d, block)), x.device, pdl)(
+            x2, out, d, ACT=act, BLOCK=block, PDL=pdl, num_warps=num_warps)
     return out.view(*x.shape[:-1], d)

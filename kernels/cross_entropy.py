@@ -60,8 +60,8 @@ def _scaled(z, scale, softcap, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _ce_kernel(z_ptr, target_ptr, loss_ptr, stride, V, ignore_index, scale, softcap,
-               SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
+def _ce_kernel(z_ptr, target_ptr, loss_ptr, row_scale_ptr, stride, V, ignore_index, scale, softcap,
+               SOFTCAP: tl.constexpr, ROW_SCALE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = z_ptr + row * stride
     t = tl.load(target_ptr + row)
@@ -82,6 +82,8 @@ def _ce_kernel(z_ptr, target_ptr, loss_ptr, stride, V, ignore_index, scale, soft
     t_safe = tl.where(t == ignore_index, 0, t)
     yt = _scaled(tl.load(base + t_safe).to(tl.float32), scale, softcap, SOFTCAP)
     tl.store(loss_ptr + row, (lse - yt) * keep)
+    if ROW_SCALE:  # the row's incoming gradient, applied in float32 before the one rounding to z's dtype
+        keep = keep * tl.load(row_scale_ptr + row).to(tl.float32)
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < V
@@ -97,13 +99,15 @@ def _ce_kernel(z_ptr, target_ptr, loss_ptr, stride, V, ignore_index, scale, soft
 
 
 def cross_entropy_grad_(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
-                        scale: float = 1.0, softcap: float | None = None, losses: torch.Tensor | None = None
-                        ) -> torch.Tensor | None:
+                        scale: float = 1.0, softcap: float | None = None, losses: torch.Tensor | None = None,
+                        row_scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """Triton, in place: logits [R, V] (row-contiguous) become d(sum of losses)/d(logits); returns the
     summed loss (float32 []) over rows whose target is not ``ignore_index``. Same values as
     :func:`cross_entropy_grad_ref`. With ``losses`` (float32 [R], contiguous) the per-row losses are written
     there instead and None is returned (the fused linear cross-entropy sums all chunks' rows once, at the
-    end: no allocation and no reduction per chunk). ValueError on mismatched shapes or a non-contiguous row."""
+    end: no allocation and no reduction per chunk). ``row_scale`` (float32 [R]): each row's gradient is
+    multiplied by it in float32 before it is written (a per-token weighted backward, as in
+    :mod:`fxrewrite.kernels.fused_linear_logprobs`). ValueError on mismatched shapes or a non-contiguous row."""
     if logits.dim() != 2 or target.shape != logits.shape[:1] or logits.stride(1) != 1:
         raise ValueError(f"cross_entropy_grad_: logits {tuple(logits.shape)} must be [R, V] with contiguous rows "
                          f"and target {tuple(target.shape)} [R]")
@@ -113,9 +117,11 @@ def cross_entropy_grad_(logits: torch.Tensor, target: torch.Tensor, ignore_index
         out = torch.empty(rows, dtype=torch.float32, device=logits.device)
     elif out.shape != (rows,) or out.dtype != torch.float32 or out.stride(0) != 1:
         raise ValueError(f"cross_entropy_grad_: losses {tuple(out.shape)} {out.dtype} must be float32 [{rows}]")
+    if row_scale is not None and (row_scale.shape != (rows,) or row_scale.stride(0) != 1):
+        raise ValueError(f"cross_entropy_grad_: row_scale {tuple(row_scale.shape)} must be contiguous [{rows}]")
     if rows:
         block = min(8192 if logits.is_cuda else 64, next_power_of_2(vocab))
         launch(_ce_kernel, (rows,), logits.device)(
-            logits, target, out, logits.stride(0), vocab, ignore_index, float(scale), float(softcap or 1.0),
-            SOFTCAP=bool(softcap), BLOCK=block, num_warps=16 if block >= 4096 else 4)
+            logits, target, out, out if row_scale is None else row_scale, logits.stride(0), vocab, ignore_index,
+            float(scale), float(softcap or 1.0), SOFTCAP=bool(softcap), ROW_SCALE=row_scale is not None, BLOCK=block, num_warps=16 if block >= 4096 else 4)
     return None if losses is not None else out.sum()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from fxrewrite.kernels.pdl import gdc_prologue, pdl_enabled
 from fxrewrite.kernels.triton_utils import launch, tl, triton
 
 __all__ = ["DIRECT_MAX_TOKENS", "direct_config", "direct_down", "direct_experts", "direct_gate_up"]
@@ -38,7 +39,9 @@ share experts often enough that the grouped GEMM (each expert's weights read onc
 @triton.jit
 def _direct_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, expert_start, num_local, stride_xt,
                            stride_we, stride_wn, stride_wk, inter,
-                           TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           PDL: tl.constexpr):
+    gdc_prologue(PDL)
     slot = tl.program_id(0)
     expert = tl.load(ids_ptr + slot).to(tl.int32) - expert_start
     if (expert < 0) | (expert >= num_local):  # another rank's expert: its act row is never read
@@ -67,7 +70,8 @@ def _direct_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, expert_start, num_l
 @triton.jit
 def _direct_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, expert_start, num_local, hidden,
                         stride_we, stride_wn, stride_wk, TOP_K: tl.constexpr, INTER: tl.constexpr,
-                        BLOCK_TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    gdc_prologue(PDL)
     # One [top-k slots, BLOCK_N rows, BLOCK_K] tile per step: the token's K experts' rows are read
     # together (K times more bytes in flight per load than a loop over slots), and the sum over
     # the slots is a fixed-order reduction inside the program (deterministic, no atomics).
@@ -117,10 +121,11 @@ def direct_gate_up(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor, top_k:
     num_local, two_i, hidden = w13.shape
     inter = two_i // 2
     act = torch.empty(ids.numel(), inter, dtype=x.dtype, device=x.device)
-    launch(_direct_gate_up_kernel, (ids.numel(), triton.cdiv(inter, config["block_n"])), x.device)(
+    pdl = pdl_enabled(x.device)
+    launch(_direct_gate_up_kernel, (ids.numel(), triton.cdiv(inter, config["block_n"])), x.device, pdl)(
         x, w13, ids, act, expert_start, num_local, x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), inter,
         TOP_K=top_k, HIDDEN=hidden, BLOCK_N=config["block_n"],
-        BLOCK_K=min(config["block_k"], triton.next_power_of_2(hidden)), num_warps=config["num_warps"])
+        BLOCK_K=min(config["block_k"], triton.next_power_of_2(hidden)), PDL=pdl, num_warps=config["num_warps"])
     return act
 
 
@@ -129,10 +134,11 @@ def direct_down(act: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights:
     """act [T*K, I], w2 [E_local, H, I], flat ids and weights [T*K] -> out [T, H] (contiguous, written
     in place and returned): ``sum_k weights[t, k] * w2[ids[t, k]] @ act[t*K + k]`` over local slots."""
     num_local, hidden, inter = w2.shape
-    launch(_direct_down_kernel, (out.shape[0], triton.cdiv(hidden, config["block_n"])), out.device)(
+    pdl = pdl_enabled(out.device)
+    launch(_direct_down_kernel, (out.shape[0], triton.cdiv(hidden, config["block_n"])), out.device, pdl)(
         act, w2, ids, weights, out, expert_start, num_local, hidden, w2.stride(0), w2.stride(1), w2.stride(2),
         TOP_K=top_k, INTER=inter, BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=config["block_n"],
-        BLOCK_K=min(config["block_k"], triton.next_power_of_2(inter)), num_warps=config["num_warps"])
+        BLOCK_K=min(config["block_k"], triton.next_power_of_2(inter)), PDL=pdl, num_warps=config["num_warps"])
     return out
 
 

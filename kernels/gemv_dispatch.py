@@ -24,6 +24,7 @@ import os
 import torch
 
 from fxrewrite.kernels import use_triton
+from fxrewrite.kernels.batch_invariant import is_batch_invariant
 from fxrewrite.kernels.skinny_gemv import GEMV_MAX_M, configs_for
 from fxrewrite.kernels.triton_utils import next_power_of_2
 
@@ -64,6 +65,8 @@ def config_for_call(kind: str, x: torch.Tensor, w: torch.Tensor, *tensors: torch
     if k == 0 or x.numel() > GEMV_MAX_M * k or not _choices and mode() != "on":
         return None  # the common exits next: prefill-sized calls, and nothing tuned (every eager step calls this)
     if not use_triton(x) or w.dim() != 2 or w.dtype != x.dtype or x.dtype not in _FLOATS:
+        return None
+    if is_batch_invariant():  # a token-count-dependent kernel choice would change the rows' sums
         return None
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, *tensors)):
         return None

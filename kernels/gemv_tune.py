@@ -3,10 +3,11 @@ before the engine captures its decode CUDA graphs (records into `fxrewrite.kerne
 
 For each bucket the baseline is what the model runs without the GEMV: for "linear" ``F.linear``
 (cuBLAS); for "norm" the RMSNorm kernel with its residual add, then ``F.linear``; for "silu" the
-SiLU-and-mul kernel, then ``F.linear``. Every candidate config of `skinny_gemv.configs_for(bucket)` and
-the baseline are timed as `fxrewrite.kernels.fp8_tune` times its backends: a CUDA graph of 20 calls over
-enough weight copies to overflow the 50 MB L2 (each call streams its weight from HBM, as a decode step
-does), replayed and timed with CUDA events. A config must first match the baseline at the bucket's
+SiLU-and-mul kernel, then ``F.linear``. Every candidate config of `skinny_gemv.configs_for(bucket, kind, N)`
+(split-K ones included for a narrow "linear" / "silu" output) and the baseline are timed as
+`fxrewrite.kernels.fp8_tune` times its backends: a CUDA graph of 20 calls over enough weight copies to
+overflow the 50 MB L2 (each call streams its weight from HBM, as a decode step does), replayed and timed
+with CUDA events (kernels launched with PDL where `fxrewrite.kernels.pdl` enables it, as the engine runs them). A config must first match the baseline at the bucket's
 smallest and largest token count (max error relative to the largest output < `TOLERANCE`: bf16
 rounding differs by ~1e-2, a wrong prologue by ~1). The fastest passing config is recorded when it beats
 the baseline; otherwise the bucket records None (cuBLAS).
@@ -85,7 +86,7 @@ def tune_shape(kind: str, ws: list[torch.Tensor], bucket: int) -> dict[str, floa
     args = make_inputs(kind, bucket, k, ws[0].device, ws[0].dtype)
     results: dict[str, float | str] = {"cublas": graph_time_us(lambda i: baseline(kind, ws[i], **args), 20, len(ws))}
     best = None
-    for config in configs_for(bucket):
+    for config in configs_for(bucket, kind, n):
         name = "/".join(map(str, config))
         try:
             _proven(kind, ws[0], bucket, config)

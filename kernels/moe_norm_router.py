@@ -21,6 +21,7 @@ import torch
 from fxrewrite.kernels.moe_router import (GEMM, choice_for, counters, fused_router_applies, route_experts,
                                           route_experts_ref, store_logits_and_select)
 from fxrewrite.kernels.moe_routing import check_routing
+from fxrewrite.kernels.pdl import gdc_prologue, pdl_enabled
 from fxrewrite.kernels.rms_norm import rms_norm, rms_norm_ref
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
@@ -41,7 +42,8 @@ def _norm_router_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, normed_ptr, res_out_ptr, 
                         ids_ptr, num_experts, eps, stride_we, HIDDEN: tl.constexpr, TOP_K: tl.constexpr,
                         RENORMALIZE: tl.constexpr, SOFTMAX: tl.constexpr, BLOCK_SPLIT: tl.constexpr,
                         BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RANKED: tl.constexpr,
-                        ONE_SHOT: tl.constexpr):
+                        ONE_SHOT: tl.constexpr, PDL: tl.constexpr):
+    gdc_prologue(PDL)  # hidden and residual come from the previous kernel: wait before any read or write
     row = tl.program_id(0).to(tl.int64)
     writer = tl.program_id(1) == 0  # the token's first expert block stores the normed row and the residual
     offs_e = tl.program_id(1) * BLOCK_SPLIT + tl.arange(0, BLOCK_SPLIT)
@@ -118,10 +120,11 @@ def norm_route_experts(hidden: torch.Tensor, residual: torch.Tensor, norm_weight
     # one shot when the row and the gate rows fit in registers: <= 64 gate values per thread
     one_shot = split * next_power_of_2(h) <= 64 * 32 * cfg.num_warps
     block_h = next_power_of_2(h) if one_shot else min(cfg.block_h, next_power_of_2(h))
-    launch(_norm_router_kernel, (t, triton.cdiv(num_experts, split)), hidden.device)(
+    pdl = pdl_enabled(hidden.device)
+    launch(_norm_router_kernel, (t, triton.cdiv(num_experts, split)), hidden.device, pdl)(
         hidden, residual, norm_weight, weight, x, new_residual, logits, counters(hidden.device), weights, ids,
         num_experts, float(eps), weight.stride(0), HIDDEN=h, TOP_K=top_k, RENORMALIZE=renormalize,
         SOFTMAX=scoring_func == "softmax", BLOCK_SPLIT=split, BLOCK_H=block_h,
         BLOCK_E=next_power_of_2(num_experts), BLOCK_K=next_power_of_2(top_k),
-        RANKED=cfg.ranked and num_experts <= 128, ONE_SHOT=one_shot, num_warps=cfg.num_warps)
+        RANKED=cfg.ranked and num_experts <= 128, ONE_SHOT=one_shot, PDL=pdl, num_warps=cfg.num_warps)
     return weights, ids, x, new_residual

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from fxrewrite.kernels import use_triton
 from fxrewrite.kernels.moe_routing import check_routing, select_experts, select_experts_ref, select_top_k
+from fxrewrite.kernels.pdl import gdc_prologue, pdl_enabled
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
 __all__ = ["FUSED_ROUTER_MAX_TOKENS", "GEMM", "ROUTER_CONFIGS", "RouterConfig", "choice_for", "counters", "record",
@@ -102,7 +103,8 @@ def route_experts_ref(x: torch.Tensor, weight: torch.Tensor, top_k: int, renorma
 def _router_kernel(x_ptr, w_ptr, logits_ptr, counter_ptr, weights_ptr, ids_ptr, num_experts, stride_xt, stride_we,
                    HIDDEN: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, SOFTMAX: tl.constexpr,
                    BLOCK_SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                   RANKED: tl.constexpr):
+                   RANKED: tl.constexpr, PDL: tl.constexpr):
+    gdc_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs_e = tl.program_id(1) * BLOCK_SPLIT + tl.arange(0, BLOCK_SPLIT)
     e_mask = offs_e < num_experts
@@ -172,9 +174,10 @@ def route_experts(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
     split = min(cfg.experts_per_program, next_power_of_2(num_experts))
-    launch(_router_kernel, (t, triton.cdiv(num_experts, split)), x.device)(
+    pdl = pdl_enabled(x.device)
+    launch(_router_kernel, (t, triton.cdiv(num_experts, split)), x.device, pdl)(
         x, weight, logits, counters(x.device), weights, ids, num_experts, x.stride(0), weight.stride(0),
         HIDDEN=hidden, TOP_K=top_k, RENORMALIZE=renormalize, SOFTMAX=scoring_func == "softmax",
         BLOCK_SPLIT=split, BLOCK_H=min(cfg.block_h, next_power_of_2(hidden)), BLOCK_E=next_power_of_2(num_experts),
-        BLOCK_K=next_power_of_2(top_k), RANKED=cfg.ranked and num_experts <= 128, num_warps=cfg.num_warps)
+        BLOCK_K=next_power_of_2(top_k), RANKED=cfg.ranked and num_experts <= 128, PDL=pdl, num_warps=cfg.num_warps)
     return weights, ids

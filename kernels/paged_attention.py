@@ -28,21 +28,60 @@ query row's reduction walks keys in BLOCK_N tiles from position 0 and its dot pr
 instruction shape, whatever the batch, chunk or padding around it."""
 
 
-def _attend_one(q, k, v, q_pos, k_pos, scale, sliding_window, soft_cap):
-    """q [Lq, Hq, D], k/v [Lk, Hkv, D] -> [Lq, Hq, D] in float32 (GQA without copying k/v)."""
+SCORE_CHUNK_ELEMENTS = 1 << 22
+"""The CPU reference attends a long prompt in query chunks of at most this many scores [Hq, rows, keys] (16 MiB
+float32): an 8k-token prefill never builds [Hq, L, L] (2.4 GB per layer at 9 heads)."""
+
+
+def _attend_one(q, k, v, first_pos, scale, sliding_window, soft_cap):
+    """q [Lq, Hq, D] at positions first_pos.., k/v [Lk, Hkv, D] at positions 0.. -> [Lq, Hq, D] float32.
+
+    Without a soft cap: torch's SDPA (its CPU flash kernel works in tiles), with its own causal mask for a
+    fresh prompt, else an explicit mask per query chunk. With one: the masked float32 math per chunk. Chunks
+    hold at most `SCORE_CHUNK_ELEMENTS` scores and see only the keys they can attend (causal, window)."""
+    lq, hq, _ = q.shape
+    k, v = k.float(), v.float()
+    if soft_cap is None and sliding_window is None and first_pos == 0:
+        return _sdpa(q, k, v, None, scale)
+    rows = max(1, SCORE_CHUNK_ELEMENTS // (hq * max(k.shape[0], 1)))
+    out = q.new_empty(q.shape, dtype=torch.float32)
+    for start in range(0, lq, rows):
+        stop = min(start + rows, lq)
+        lo = 0 if sliding_window is None else max(0, first_pos + start - sliding_window + 1)
+        hi = first_pos + stop  # keys past the chunk's last query are masked for all its rows
+        q_pos = torch.arange(first_pos + start, first_pos + stop, device=q.device)
+        k_pos = torch.arange(lo, hi, device=q.device)
+        visible = k_pos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
+        if soft_cap is None:
+            out[start:stop] = _sdpa(q[start:stop], k[lo:hi], v[lo:hi], visible, scale)
+        else:
+            out[start:stop] = _attend_rows(q[start:stop], k[lo:hi], v[lo:hi], visible, scale, soft_cap)
+    return out
+
+
+def _sdpa(q, k, v, visible, scale):
+    """q [Lq, Hq, D], float32 k/v [Lk, Hkv, D], visible bool [Lq, Lk] (None: causal from key 0) -> [Lq, Hq, D]
+    float32. 4-d inputs, so that the CPU flash kernel runs (3-d ones fall back to the [H, Lq, Lk] math)."""
+    q, k, v = (t.transpose(0, 1)[None] for t in (q.float(), k, v))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, is_causal=visible is None, scale=scale,
+                                         enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def _attend_rows(q, k, v, visible, scale, soft_cap):
+    """q [Lq, Hq, D], float32 k/v [Lk, Hkv, D], visible bool [Lq, Lk] -> [Lq, Hq, D] float32: soft-capped
+    scores, masked softmax (GQA without copying k/v; a row that sees no key -> 0)."""
     num_kv_heads = k.shape[1]
     lq, hq, d = q.shape
     qg = q.float().view(lq, num_kv_heads, hq // num_kv_heads, d).permute(1, 2, 0, 3)
-    kt = k.float().permute(1, 2, 0).unsqueeze(1)  # [Hkv, 1, D, Lk]
+    kt = k.permute(1, 2, 0).unsqueeze(1)  # [Hkv, 1, D, Lk]
     scores = torch.matmul(qg, kt) * scale  # [Hkv, G, Lq, Lk]
-    if soft_cap is not None:
-        scores = torch.tanh(scores / soft_cap) * soft_cap
-    visible = k_pos[None, :] <= q_pos[:, None]
-    if sliding_window is not None:
-        visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    scores = torch.tanh(scores / soft_cap) * soft_cap
     scores = scores.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no key -> 0
-    out = torch.matmul(probs, v.float().permute(1, 0, 2).unsqueeze(1))  # [Hkv, G, Lq, D]
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    out = torch.matmul(probs, v.permute(1, 0, 2).unsqueeze(1))  # [Hkv, G, Lq, D]
     return out.permute(2, 0, 1, 3).reshape(lq, hq, d)
 
 
@@ -84,7 +123,8 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
                         block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                         max_query_len: int, max_seq_len: int, scale: float,
                         sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
-    """Torch reference: one masked float32 attention per sequence over its gathered blocks.
+    """Torch reference: one masked float32 attention per sequence over its gathered blocks (a long prompt in
+    query chunks of at most `SCORE_CHUNK_ELEMENTS` scores, so memory stays O(chunk * context)).
 
     query [T, Hq, D]; key_cache/value_cache [num_blocks, block_size, Hkv, D]; block_tables int
     [B, max_blocks]; seq_lens int [B]; query_start_loc int [B+1]; returns [T, Hq, D] in
@@ -111,9 +151,7 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
         blocks = block_tables[b, :num_blocks].long()
         k = key_cache[blocks].flatten(0, 1)[:seq_len]
         v = value_cache[blocks].flatten(0, 1)[:seq_len]
-        k_pos = torch.arange(seq_len, device=query.device)
-        q_pos = k_pos[seq_len - q_len:]
-        o = _attend_one(query[q_start:q_end], k, v, q_pos, k_pos, scale, sliding_window, soft_cap)
+        o = _attend_one(query[q_start:q_end], k, v, seq_len - q_len, scale, sliding_window, soft_cap)
         out[q_start:q_end] = o.to(query.dtype)
     return out
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from fxrewrite.kernels.attention_tile import attention_tile, check_last_dim_contiguous, check_paged_args
+from fxrewrite.kernels.pdl import gdc_prologue, pdl_enabled
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
 __all__ = ["paged_decode_triton"]
@@ -46,7 +47,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr
                    q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0, o_s0, o_s1,
                    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                   HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    gdc_prologue(PDL)  # every program, even one with no work: the grid then completes after its predecessor
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -93,7 +95,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr
 @triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["seq_lens_ptr", "qsl_ptr"])
 def _reduce_kernel(seq_lens_ptr, qsl_ptr, out_ptr, part_ptr, ml_ptr, o_s0, o_s1, num_heads, num_splits,
                    sliding_window, single_len, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_S: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                   BLOCK_S: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr):
+    gdc_prologue(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     tok = tl.load(qsl_ptr + seq)
@@ -150,7 +153,8 @@ def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, q
     if splits > 1:
         part = torch.empty((num_tokens, num_heads, splits, block_d), dtype=torch.float32, device=query.device)
         ml = torch.empty((num_tokens, num_heads, splits, 2), dtype=torch.float32, device=query.device)
-    launch(_decode_kernel, (num_seqs, num_kv_heads, splits), query.device)(
+    pdl = pdl_enabled(query.device)
+    launch(_decode_kernel, (num_seqs, num_kv_heads, splits), query.device, pdl)(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, part, ml,
         float(scale), float(soft_cap or 0.0), int(sliding_window or 0), key_cache.shape[1], splits, single_split_len,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -158,13 +162,14 @@ def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, q
         out.stride(0), out.stride(1),
         G=group, HEAD_DIM=head_dim, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         IS_SPLIT=splits > 1, HAS_SOFTCAP=soft_cap is not None, HAS_WINDOW=sliding_window is not None,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", PDL=pdl,
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
-        launch(_reduce_kernel, (num_seqs, num_heads), query.device)(
+        launch(_reduce_kernel, (num_seqs, num_heads), query.device, pdl)(
             seq_lens, query_start_loc, out, part, ml, out.stride(0), out.stride(1), num_heads, splits,
             int(sliding_window or 0), single_split_len, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_S=next_power_of_2(splits), HAS_WINDOW=sliding_window is not None, num_warps=4)
+            BLOCK_S=next_power_of_2(splits), HAS_WINDOW=sliding_window is not None, PDL=pdl,
+            num_warps=4)
     return out
 
 

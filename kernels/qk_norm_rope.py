@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from fxrewrite.kernels import use_triton
+from fxrewrite.kernels.pdl import gdc_prologue, pdl_enabled
 from fxrewrite.kernels.rms_norm import rms_norm_ref
 from fxrewrite.kernels.rotary import pair_offsets, rotary_embedding_ref, token_cos_sin
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
@@ -94,7 +95,8 @@ def _qk_norm_rope_kernel(pos_ptr, q_ptr, k_ptr, qw_ptr, kw_ptr, cache_ptr, q_tok
                          k_tok_stride, k_head_stride, cache_stride, num_q_heads, num_k_heads, eps,
                          HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                          PASS: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                         BLOCK_HK: tl.constexpr, IS_NEOX: tl.constexpr):
+                         BLOCK_HK: tl.constexpr, IS_NEOX: tl.constexpr, PDL: tl.constexpr):
+    gdc_prologue(PDL)
     tok, i, imask, cos, sin = token_cos_sin(pos_ptr, cache_ptr, cache_stride, HALF, BLOCK_HALF)
     off1, off2 = pair_offsets(i, HALF, IS_NEOX)
     j = tl.arange(0, BLOCK_PASS)
@@ -118,12 +120,13 @@ def qk_norm_rope_triton(positions: torch.Tensor, query: torch.Tensor, key: torch
     if num_tokens == 0:
         return query, key
     half, rest = cos_sin_cache.shape[-1] // 2, head_size - cos_sin_cache.shape[-1]
-    launch(_qk_norm_rope_kernel, (num_tokens,), query.device)(
+    pdl = pdl_enabled(query.device)
+    launch(_qk_norm_rope_kernel, (num_tokens,), query.device, pdl)(
         positions, q, k, q_weight, k_weight, cos_sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         cos_sin_cache.stride(0), q.shape[1], k.shape[1], float(eps),
         HEAD_DIM=head_size, HALF=half, BLOCK_HALF=next_power_of_2(half), PASS=rest,
         BLOCK_PASS=max(1, next_power_of_2(rest)), BLOCK_HQ=next_power_of_2(q.shape[1]),
-        BLOCK_HK=next_power_of_2(k.shape[1]), IS_NEOX=is_neox_style, num_warps=4)
+        BLOCK_HK=next_power_of_2(k.shape[1]), IS_NEOX=is_neox_style, PDL=pdl, num_warps=4)
     return query, key
 
 

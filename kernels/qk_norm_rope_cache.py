@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from fxrewrite.kernels import use_triton
+from fxrewrite.kernels.pdl import gdc_prologue, pdl_enabled
 from fxrewrite.kernels.qk_norm_rope import (check_qk_norm_rope_args, norm_rope_tile, qk_norm_rope_ref,
                                             qk_norm_rope_triton, store_heads)
 from fxrewrite.kernels.reshape_and_cache import check_cache_args, reshape_and_cache, reshape_and_cache_ref
@@ -58,7 +59,9 @@ def _qk_norm_rope_cache_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cac
                                num_q_heads, num_k_heads, eps,
                                HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                                PASS: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                               BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr, IS_NEOX: tl.constexpr):
+                               BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr, IS_NEOX: tl.constexpr,
+                               PDL: tl.constexpr):
+    gdc_prologue(PDL)
     tok, i, imask, cos, sin = token_cos_sin(pos_ptr, cache_ptr, cache_stride, HALF, BLOCK_HALF)
     off1, off2 = pair_offsets(i, HALF, IS_NEOX)
     j = tl.arange(0, BLOCK_PASS)
@@ -105,7 +108,8 @@ def qk_norm_rope_cache_triton(positions: torch.Tensor, query: torch.Tensor, key:
         return query, key
     half = cos_sin_cache.shape[-1] // 2
     rest = head_size - 2 * half
-    launch(_qk_norm_rope_cache_kernel, (num_tokens,), query.device)(
+    pdl = pdl_enabled(query.device)
+    launch(_qk_norm_rope_cache_kernel, (num_tokens,), query.device, pdl)(
         positions, q, k, v, q_weight, k_weight, cos_sin_cache, key_cache, value_cache, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), value_cache.stride(0),
@@ -113,5 +117,5 @@ def qk_norm_rope_cache_triton(positions: torch.Tensor, query: torch.Tensor, key:
         HEAD_DIM=head_size, HALF=half, BLOCK_HALF=next_power_of_2(half), PASS=rest,
         BLOCK_PASS=max(1, next_power_of_2(rest)), BLOCK_HQ=next_power_of_2(q.shape[1]),
         BLOCK_HK=next_power_of_2(k.shape[1]), BLOCK_D=next_power_of_2(head_size), IS_NEOX=is_neox_style,
-        num_warps=4)
+        PDL=pdl, num_warps=4)
     return query, key

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from fxrewrite.kernels import use_triton
+from fxrewrite.kernels.pdl import gdc_prologue, pdl_enabled
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
 __all__ = ["reshape_and_cache", "reshape_and_cache_ref", "check_cache_args"]
@@ -66,7 +67,8 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 @triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
 def _reshape_and_cache_kernel(key_ptr, value_ptr, kc_ptr, vc_ptr, slot_ptr, k_s0, k_s1, v_s0, v_s1,
                               kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, block_size, num_heads,
-                              HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                              HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    gdc_prologue(PDL)
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     if slot >= 0:
@@ -88,8 +90,9 @@ def reshape_and_cache_triton(key: torch.Tensor, value: torch.Tensor, key_cache: 
     check_cache_args(key, value, key_cache, value_cache, slot_mapping)
     num_heads, head_dim = key.shape[1], key.shape[2]
     if key.shape[0]:
-        launch(_reshape_and_cache_kernel, (key.shape[0],), key.device)(
+        pdl = pdl_enabled(key.device)
+        launch(_reshape_and_cache_kernel, (key.shape[0],), key.device, pdl)(
             key, value, key_cache, value_cache, slot_mapping, key.stride(0), key.stride(1),
             value.stride(0), value.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), key_cache.shape[1], num_heads,
-            HEAD_DIM=head_dim, BLOCK_H=next_power_of_2(num_heads), BLOCK_D=next_power_of_2(head_dim), num_warps=4)
+            HEAD_DIM=head_dim, BLOCK_H=next_power_of_2(num_heads), BLOCK_D=next_power_of_2(head_dim), PDL=pdl, num_warps=4)

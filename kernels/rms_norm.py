@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from fxrewrite.kernels import use_triton
+from fxrewrite.kernels.pdl import gdc_prologue, pdl_enabled
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
 __all__ = ["rms_norm", "rms_norm_ref", "rms_norm_triton"]
@@ -59,9 +60,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 @triton.jit
 def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rstd_ptr, n_cols, eps, offset,
-                    HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, SAVE_RSTD: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, SAVE_RSTD: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr):
     """One row per program: out = norm(x [+ residual]) * weight; with SAVE_RSTD, 1/rms (float32) goes to
     rstd_ptr[row] for the backward (`fxrewrite.kernels.rms_norm_backward`)."""
+    gdc_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -96,9 +99,10 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     block = next_power_of_2(n_cols)
     if x2.shape[0] == 0:
         return (out.view(x.shape), res_out.view(x.shape)) if residual is not None else out.view(x.shape)
-    launch(rms_norm_kernel, (x2.shape[0],), x.device)(
+    pdl = pdl_enabled(x.device)
+    launch(rms_norm_kernel, (x2.shape[0],), x.device, pdl)(
         x2, res_in, weight, out, res_out, out, n_cols, eps, float(offset),
-        HAS_RESIDUAL=residual is not None, GEMMA=offset != 0.0, SAVE_RSTD=False, BLOCK=block,
+        HAS_RESIDUAL=residual is not None, GEMMA=offset != 0.0, SAVE_RSTD=False, BLOCK=block, PDL=pdl,
         num_warps=num_warps or min(16, max(1, block // 256)))
     out = out.view(*x.shape[:-1], n_cols)
     return out if residual is None else (out, res_out.view(x.shape))

@@ -77,7 +77,7 @@ def rms_norm_fwd(x, weight, residual, eps: float, offset: float):
     if rows:
         launch(rms_norm_kernel, (rows,), x.device)(
             x2, res_in, weight, out, res_out, rstd, n, eps, float(offset), HAS_RESIDUAL=residual is not None,
-            GEMMA=offset != 0.0, SAVE_RSTD=True, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+            GEMMA=offset != 0.0, SAVE_RSTD=True, BLOCK=block, PDL=False, num_warps=min(16, max(1, block // 256)))
     return out.view(x.shape), (res_out.view(x.shape) if residual is not None else None), rstd
 
 

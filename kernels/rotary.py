@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from fxrewrite.kernels import use_triton
+from fxrewrite.kernels.pdl import gdc_prologue, pdl_enabled
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
 __all__ = ["rotary_embedding", "rotary_embedding_ref"]
@@ -133,7 +134,8 @@ def _rotate_pairs(ptr, row_off, rows, cos, sin, HALF: tl.constexpr, BLOCK_HALF: 
 def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cache_ptr, q_tok_stride, q_head_stride, k_tok_stride,
                    k_head_stride, cache_stride, num_q_heads, num_k_heads,
                    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                   IS_NEOX: tl.constexpr, HAS_KEY: tl.constexpr):
+                   IS_NEOX: tl.constexpr, HAS_KEY: tl.constexpr, PDL: tl.constexpr):
+    gdc_prologue(PDL)
     tok, i, imask, cos, sin = token_cos_sin(pos_ptr, cache_ptr, cache_stride, HALF, BLOCK_HALF)
     heads = tl.arange(0, BLOCK_H)
     # q heads are rows [0, num_q_heads), k heads follow; one tile covers both.
@@ -165,9 +167,10 @@ def rotary_embedding_triton(positions: torch.Tensor, query: torch.Tensor, key: t
     num_k_heads = k.shape[1] if key is not None else 0
     half = rotary_dim // 2
     if num_tokens:
-        launch(_rotary_kernel, (num_tokens,), query.device)(
+        pdl = pdl_enabled(query.device)
+        launch(_rotary_kernel, (num_tokens,), query.device, pdl)(
             positions, q, k, cos_sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             cos_sin_cache.stride(0), q.shape[1], num_k_heads,
             HALF=half, BLOCK_HALF=next_power_of_2(half), BLOCK_H=next_power_of_2(q.shape[1] + num_k_heads),
-            IS_NEOX=is_neox_style, HAS_KEY=key is not None, num_warps=num_warps)
+            IS_NEOX=is_neox_style, HAS_KEY=key is not None, PDL=pdl, num_warps=num_warps)
     return query, key

@@ -27,10 +27,11 @@ import torch
 import torch.nn.functional as F
 
 from fxrewrite.kernels.activation import silu_and_mul_ref
+from fxrewrite.kernels.pdl import gdc_prologue, pdl_enabled
 from fxrewrite.kernels.rms_norm import rms_norm_ref
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
-__all__ = ["GEMV_MAX_M", "CONFIGS", "skinny_gemv_ref", "skinny_gemv_triton", "configs_for"]
+__all__ = ["GEMV_MAX_M", "CONFIGS", "SPLIT_CONFIGS", "SPLIT_MAX_TILES", "skinny_gemv_ref", "skinny_gemv_triton", "configs_for"]
 
 GEMV_MAX_M = 8
 """Largest token count: each token adds M float32 accumulators per weight element a thread holds."""
@@ -45,13 +46,29 @@ num_warps: every thread owns whole 8-column groups (16-byte bf16 loads, block_k 
 of each of the block_n rows, so an input slice [block_k] is laid out as the weight tile's columns already
 (no shared-memory shuffle, no barrier in the loop); block_n * block_k / (32 * num_warps) * BLOCK_M float32
 accumulators per thread (32-64)."""
+SPLIT_CONFIGS = {
+    1: ((8, 512, 2, 4), (16, 512, 4, 8), (4, 512, 2, 4)),
+    2: ((4, 512, 2, 4), (8, 512, 4, 4)),
+}
+"""(block_n, block_k, num_warps, split_k) candidates for the kinds without a norm prologue ("linear",
+"silu") at 1-2 tokens: a narrow output (o_proj / down_proj, N = hidden size) gives N / block_n programs, too
+few warps in flight to keep HBM busy (Qwen3-4B down_proj: 640 x 2 warps, ~4.8 per SM); split-K multiplies
+them, and a wider block_n reads the SiLU-and-mul input (recomputed by every program) fewer times. The programs
+of a column tile write float32 partials; the last to arrive (an atomic ticket) sums them in split order."""
+SPLIT_MAX_TILES = 1024
+"""Split-K is a candidate only when the output has fewer column tiles than this (~8 programs per SM of an
+H100 / H200): a wide output (gate_up, an LM head) fills the GPU without it, and each candidate costs a build."""
 
 
-def configs_for(m: int) -> tuple[tuple[int, int, int], ...]:
-    """The candidate configs for m tokens (1 <= m <= GEMV_MAX_M; ValueError otherwise)."""
+def configs_for(m: int, kind: str = "norm", n: int | None = None) -> tuple[tuple[int, ...], ...]:
+    """The candidate configs for m tokens (1 <= m <= GEMV_MAX_M; ValueError otherwise): `CONFIGS`, then for
+    kind "linear" / "silu" the split-K ones of `SPLIT_CONFIGS` (with `n` output rows: those that leave fewer
+    than `SPLIT_MAX_TILES` column tiles)."""
     if not 1 <= m <= GEMV_MAX_M:
         raise ValueError(f"skinny GEMV takes 1..{GEMV_MAX_M} rows, got {m}")
-    return CONFIGS[next_power_of_2(m)]
+    bucket = next_power_of_2(m)
+    split = SPLIT_CONFIGS.get(bucket, ()) if kind in ("linear", "silu") else ()
+    return CONFIGS[bucket] + tuple(c for c in split if n is None or -(-n // c[0]) < SPLIT_MAX_TILES)
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, norm_weight, residual, silu_mul: bool) -> int:
@@ -88,30 +105,70 @@ def skinny_gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None 
 def skinny_gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
                        norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
                        residual: torch.Tensor | None = None, silu_mul: bool = False,
-                       config: tuple[int, int, int] | None = None):
+                       config: tuple[int, ...] | None = None):
     """The Triton kernel; same contract as `skinny_gemv_ref` (M <= GEMV_MAX_M, else ValueError).
-    config: (block_n, block_k, num_warps), default the first of `configs_for(M)`."""
+    config: (block_n, block_k, num_warps[, split_k]), default the first of `configs_for(M)`; split_k > 1
+    only without norm_weight (ValueError). Launched with PDL where `fxrewrite.kernels.pdl` enables it."""
     k = _check(x, w, norm_weight, residual, silu_mul)
     m, n = x.shape[0], w.shape[0]
-    block_n, block_k, num_warps = config or configs_for(m)[0]
+    block_n, block_k, num_warps, *split = config or configs_for(m)[0]
     configs_for(m)  # range check
     if x.stride(1) != 1 or not w.is_contiguous():
         raise ValueError(f"skinny_gemv: needs x with unit column stride and a contiguous weight; got strides "
                          f"{x.stride()} and {w.stride()}")
+    if split and split[0] > 1 and norm_weight is not None:
+        raise ValueError(f"skinny_gemv: config {config} splits K, which the RMSNorm prologue cannot (needs all of K)")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     res_out = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else out
     res_in = residual if residual is not None else x
     if res_in.stride(1) != 1:
         res_in = res_in.contiguous()
     block_k = min(block_k, next_power_of_2(k))
-    launch(_skinny_gemv_kernel, (triton.cdiv(n, block_n),), x.device)(
+    tiles = triton.cdiv(k, block_k)
+    per_split = triton.cdiv(tiles, split[0] if split else 1)
+    splits = triton.cdiv(tiles, per_split)  # no empty split: each program's first tile is in range
+    n_tiles, block_m = triton.cdiv(n, block_n), next_power_of_2(m)
+    ws = torch.empty(splits * block_m * n, dtype=torch.float32, device=x.device) if splits > 1 else out
+    tickets = _tickets(x.device, n_tiles) if splits > 1 else out
+    pdl = pdl_enabled(x.device)
+    launch(_skinny_gemv_kernel, (n_tiles, splits), x.device, pdl)(
         x, res_in, norm_weight if norm_weight is not None else w, w, bias if bias is not None else w, out, res_out,
-        m, n, k, x.stride(0), res_in.stride(0), float(eps),
-        BLOCK_M=next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
+        ws, tickets, m, n, k, per_split * block_k, x.stride(0), res_in.stride(0), float(eps),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
         HAS_RES=residual is not None, SILU_MUL=silu_mul, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
-        num_warps=num_warps,
+        SPLIT_K=splits, PDL=pdl, PREFETCH_LINES=_prefetch_lines(per_split * block_k, w.element_size()),
+        LINE=_LINE_BYTES // w.element_size(), num_warps=num_warps,
     )
     return (out, res_out) if residual is not None else out
+
+
+_LINE_BYTES = 128
+_PREFETCH_BYTES = 2048
+"""With PDL, each program asks for up to this many bytes of each of its weight rows (whole 128-byte lines, its
+first K columns) to be brought into L2 before it waits on the previous kernel: ~1000 resident programs x 4-8
+rows ~ 8-16 MB in flight during the previous kernel's tail, well inside the 50 MB L2."""
+
+
+def _prefetch_lines(k_per_program: int, element_size: int) -> int:
+    """Cache lines of one weight row to prefetch (a power of two, >= 1)."""
+    lines = min(_PREFETCH_BYTES, k_per_program * element_size) // _LINE_BYTES
+    return max(1, next_power_of_2(lines) // 2 if next_power_of_2(lines) > lines else lines)
+
+
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tickets(device: torch.device, count: int) -> torch.Tensor:
+    """The device's split-K arrival counters (int32, zero between calls: each call's last program resets its
+    own), at least `count`. One set per device: split-K calls must not run concurrently on two streams.
+    Allocated outside CUDA-graph capture (the first eager call, e.g. the capture's warm-up, does it)."""
+    buf = _TICKETS.get(device)
+    if buf is None or buf.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("skinny_gemv: split-K counters must be allocated before CUDA-graph capture; run "
+                               "the call once eagerly first")
+        buf = _TICKETS[device] = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+    return buf
 
 
 @triton.jit
@@ -172,52 +229,115 @@ def _fma(acc, ss, w, i, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm,
     return acc + w * x[None, :], ss
 
 
+
 @triton.jit
-def _skinny_gemv_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, M, N, K, stride_xm, stride_rm,
-                        eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        EVEN_K: tl.constexpr):
+def _tile(a0, a1, a2, a3, a4, a5, a6, a7, s0, s1, s2, s3, s4, s5, s6, s7, w, rk, x_ptr, res_ptr, g_ptr,
+          res_out_ptr, M, K, stride_xm, stride_rm, first, BLOCK_M: tl.constexpr, NORM: tl.constexpr,
+          HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr):
+    """Every token's accumulators += the weight tile w [BLOCK_N, BLOCK_K] * its input slice at columns rk."""
+    a0, s0 = _fma(a0, s0, w, 0, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, first,
+                  NORM, HAS_RES, SILU_MUL, EVEN_K)
+    if BLOCK_M > 1:
+        a1, s1 = _fma(a1, s1, w, 1, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, first,
+                      NORM, HAS_RES, SILU_MUL, EVEN_K)
+    if BLOCK_M > 2:
+        a2, s2 = _fma(a2, s2, w, 2, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, first,
+                      NORM, HAS_RES, SILU_MUL, EVEN_K)
+        a3, s3 = _fma(a3, s3, w, 3, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, first,
+                      NORM, HAS_RES, SILU_MUL, EVEN_K)
+    if BLOCK_M > 4:
+        a4, s4 = _fma(a4, s4, w, 4, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, first,
+                      NORM, HAS_RES, SILU_MUL, EVEN_K)
+        a5, s5 = _fma(a5, s5, w, 5, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, first,
+                      NORM, HAS_RES, SILU_MUL, EVEN_K)
+        a6, s6 = _fma(a6, s6, w, 6, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, first,
+                      NORM, HAS_RES, SILU_MUL, EVEN_K)
+        a7, s7 = _fma(a7, s7, w, 7, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, first,
+                      NORM, HAS_RES, SILU_MUL, EVEN_K)
+    return a0, a1, a2, a3, a4, a5, a6, a7, s0, s1, s2, s3, s4, s5, s6, s7
+
+
+@triton.jit
+def _emit(out_ptr, b_ptr, ws_ptr, acc, ss, i, rn, pid_k, M, N, K, eps, BLOCK_M: tl.constexpr, NORM: tl.constexpr,
+          HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Token i's result: the output row (one split), or this split's float32 partial sums."""
+    if SPLIT_K == 1:
+        _store_row(out_ptr, b_ptr, acc, ss, i, rn, M, N, K, eps, NORM, HAS_BIAS)
+    else:
+        tl.store(ws_ptr + (pid_k * BLOCK_M + i) * N + rn, tl.sum(acc, axis=1), mask=rn < N)
+
+
+@triton.jit
+def _finish(out_ptr, b_ptr, ws_ptr, cnt_ptr, pid, rn, M, N, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
+            HAS_BIAS: tl.constexpr):
+    """Split-K: the last program of a column tile to arrive sums the partials in split order (deterministic)."""
+    tl.debug_barrier()  # every thread's partial stores precede the release below (as a grid barrier does)
+    ticket = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
+    if ticket == SPLIT_K - 1:
+        for i in tl.static_range(BLOCK_M):
+            total = tl.load(ws_ptr + i * N + rn, mask=rn < N, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                total += tl.load(ws_ptr + (s * BLOCK_M + i) * N + rn, mask=rn < N, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+            row_ok = tl.full((1,), i, tl.int32) < M
+            tl.store(out_ptr + i * N + rn, total.to(out_ptr.dtype.element_ty), mask=(rn < N) & row_ok)
+        tl.atomic_xchg(cnt_ptr + pid, 0)  # ready for the next call (stream-ordered: it gdc_waits first)
+
+
+@triton.jit
+def _prefetch_l2(ptrs, mask):
+    """PTX ``prefetch.global.L2`` of every pointer where mask is set (no register result, no wait)."""
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                              "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _skinny_gemv_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ws_ptr, cnt_ptr, M, N, K,
+                        k_split, stride_xm, stride_rm, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
+                        PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr):
     # One [BLOCK_N, BLOCK_K] float32 accumulator per token, in the weight tile's own layout (elementwise
-    # FMAs, no per-step reduction); tokens past BLOCK_M are pruned at compile time.
+    # FMAs, no per-step reduction); tokens past BLOCK_M are pruned at compile time. Program (pid, pid_k)
+    # covers columns [pid_k * k_split, +k_split) (all of K with one split).
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * K  # a partial last tile re-reads row N - 1
     rk0 = tl.arange(0, BLOCK_K)
-    first = pid == 0  # the programs of the first tile write the new residual
+    k_lo = 0
+    k_hi = K
+    if SPLIT_K > 1:
+        k_lo = pid_k * k_split
+        k_hi = tl.minimum(k_lo + k_split, K)
+    if PDL:
+        # weights are never written by a kernel: start this program's first weight tiles towards L2 while the
+        # previous kernel finishes, then wait for it (its outputs are this kernel's inputs)
+        lines = k_lo + tl.arange(0, PREFETCH_LINES) * LINE
+        _prefetch_l2(w_rows + lines[None, :], (lines < k_hi)[None, :] & (rn < N)[:, None])
+    gdc_prologue(PDL)
+    first = pid == 0  # the programs of the first column tile write the new residual (never split: NORM)
     a0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     a1, a2, a3, a4, a5, a6, a7 = a0, a0, a0, a0, a0, a0, a0
     s0 = tl.zeros((BLOCK_K,), dtype=tl.float32)
     s1, s2, s3, s4, s5, s6, s7 = s0, s0, s0, s0, s0, s0, s0
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         rk = k0 + rk0
         w = _load(w_rows + rk[None, :], (rk < K)[None, :], EVEN_K).to(tl.float32)
-        a0, s0 = _fma(a0, s0, w, 0, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, first,
-                      NORM, HAS_RES, SILU_MUL, EVEN_K)
-        if BLOCK_M > 1:
-            a1, s1 = _fma(a1, s1, w, 1, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, first,
-                          NORM, HAS_RES, SILU_MUL, EVEN_K)
-        if BLOCK_M > 2:
-            a2, s2 = _fma(a2, s2, w, 2, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, first,
-                          NORM, HAS_RES, SILU_MUL, EVEN_K)
-            a3, s3 = _fma(a3, s3, w, 3, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, first,
-                          NORM, HAS_RES, SILU_MUL, EVEN_K)
-        if BLOCK_M > 4:
-            a4, s4 = _fma(a4, s4, w, 4, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, first,
-                          NORM, HAS_RES, SILU_MUL, EVEN_K)
-            a5, s5 = _fma(a5, s5, w, 5, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, first,
-                          NORM, HAS_RES, SILU_MUL, EVEN_K)
-            a6, s6 = _fma(a6, s6, w, 6, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, first,
-                          NORM, HAS_RES, SILU_MUL, EVEN_K)
-            a7, s7 = _fma(a7, s7, w, 7, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, first,
-                          NORM, HAS_RES, SILU_MUL, EVEN_K)
-    _store_row(out_ptr, b_ptr, a0, s0, 0, rn, M, N, K, eps, NORM, HAS_BIAS)
+        a0, a1, a2, a3, a4, a5, a6, a7, s0, s1, s2, s3, s4, s5, s6, s7 = _tile(
+            a0, a1, a2, a3, a4, a5, a6, a7, s0, s1, s2, s3, s4, s5, s6, s7, w, rk, x_ptr, res_ptr, g_ptr,
+            res_out_ptr, M, K, stride_xm, stride_rm, first, BLOCK_M, NORM, HAS_RES, SILU_MUL, EVEN_K)
+    _emit(out_ptr, b_ptr, ws_ptr, a0, s0, 0, rn, pid_k, M, N, K, eps, BLOCK_M, NORM, HAS_BIAS, SPLIT_K)
     if BLOCK_M > 1:
-        _store_row(out_ptr, b_ptr, a1, s1, 1, rn, M, N, K, eps, NORM, HAS_BIAS)
+        _emit(out_ptr, b_ptr, ws_ptr, a1, s1, 1, rn, pid_k, M, N, K, eps, BLOCK_M, NORM, HAS_BIAS, SPLIT_K)
     if BLOCK_M > 2:
-        _store_row(out_ptr, b_ptr, a2, s2, 2, rn, M, N, K, eps, NORM, HAS_BIAS)
-        _store_row(out_ptr, b_ptr, a3, s3, 3, rn, M, N, K, eps, NORM, HAS_BIAS)
+        _emit(out_ptr, b_ptr, ws_ptr, a2, s2, 2, rn, pid_k, M, N, K, eps, BLOCK_M, NORM, HAS_BIAS, SPLIT_K)
+        _emit(out_ptr, b_ptr, ws_ptr, a3, s3, 3, rn, pid_k, M, N, K, eps, BLOCK_M, NORM, HAS_BIAS, SPLIT_K)
     if BLOCK_M > 4:
-        _store_row(out_ptr, b_ptr, a4, s4, 4, rn, M, N, K, eps, NORM, HAS_BIAS)
-        _store_row(out_ptr, b_ptr, a5, s5, 5, rn, M, N, K, eps, NORM, HAS_BIAS)
-        _store_row(out_ptr, b_ptr, a6, s6, 6, rn, M, N, K, eps, NORM, HAS_BIAS)
-        _store_row(out_ptr, b_ptr, a7, s7, 7, rn, M, N, K, eps, NORM, HAS_BIAS)
+        _emit(out_ptr, b_ptr, ws_ptr, a4, s4, 4, rn, pid_k, M, N, K, eps, BLOCK_M, NORM, HAS_BIAS, SPLIT_K)
+        _emit(out_ptr, b_ptr, ws_ptr, a5, s5, 5, rn, pid_k, M, N, K, eps, BLOCK_M, NORM, HAS_BIAS, SPLIT_K)
+        _emit(out_ptr, b_ptr, ws_ptr, a6, s6, 6, rn, pid_k, M, N, K, eps, BLOCK_M, NORM, HAS_BIAS, SPLIT_K)
+        _emit(out_ptr, b_ptr, ws_ptr, a7, s7, 7, rn, pid_k, M, N, K, eps, BLOCK_M, NORM, HAS_BIAS, SPLIT_K)
+    if SPLIT_K > 1:
+        _finish(out_ptr, b_ptr, ws_ptr, cnt_ptr, pid, rn, M, N, BLOCK_M, SPLIT_K, HAS_BIAS)

@@ -6,6 +6,7 @@ When triton is missing (macOS, no GPU wheels) ``triton.jit`` becomes the identit
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any, Iterator
@@ -31,8 +32,9 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def launch(kernel: Any, grid: tuple[int, ...], device: Any) -> Any:
+def launch(kernel: Any, grid: tuple[int, ...], device: Any, pdl: bool = False) -> Any:
     """Return ``kernel[grid]``; refuse CPU tensors unless the kernels were built for the interpreter.
+    ``pdl``: launch with programmatic dependent launch (``launch_pdl=True``; `fxrewrite.kernels.pdl`).
 
     triton decides interpreter vs compiler when a function is decorated (its own ``tl.zeros``,
     ``tl.sum``... included), so ``TRITON_INTERPRET=1`` must be set before triton is first imported.
@@ -42,9 +44,10 @@ def launch(kernel: Any, grid: tuple[int, ...], device: Any) -> Any:
     if getattr(device, "type", str(device)) == "cpu" and type(kernel).__name__ != "InterpretedFunction":
         raise RuntimeError("Triton kernels got CPU tensors but triton was imported without "
                            "TRITON_INTERPRET=1; set it before anything imports triton, or use the *_ref functions")
+    run = functools.partial(kernel[grid], launch_pdl=True) if pdl else kernel[grid]
     if _LISTENERS:
-        return _listened(kernel, kernel[grid])
-    return kernel[grid]
+        return _listened(kernel, run)
+    return run
 
 
 _LISTENERS: list[Any] = []

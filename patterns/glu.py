@@ -60,9 +60,20 @@ def _already_fused(traced) -> list[Match]:
     return found
 
 
+def _down_call(info, product, partner: str | None):
+    """The call ``self.<partner>(product)`` when the product goes straight, alone, into the row partner."""
+    arg = source.parent(info, product)
+    call = source.parent(info, arg) if isinstance(arg, cst.Arg) else None
+    if (partner is None or not isinstance(call, cst.Call) or source.self_attribute(call.func) != partner
+            or len(call.args) != 1 or arg.keyword is not None or arg.star):
+        return None
+    return call
+
+
 class GLUPattern(Pattern):
     """``act(gate(x)) * up(x)`` -> ``self.act_and_mul(self.gate_up_proj(x))`` (Shazeer 2020, "GLU Variants
-    Improve Transformer"; vLLM's `MergedColumnParallelLinear` + `SiluAndMul`).
+    Improve Transformer"; vLLM's `MergedColumnParallelLinear` + `SiluAndMul`); ``down(act(gate(x)) * up(x))``
+    -> ``self.act_and_mul(self.gate_up_proj(x), self.down)`` (a training backward that recomputes the product).
 
     Facts: act ("silu", "gelu", "gelu_tanh"), act_is_module, row_partner (the linear reading the product)."""
 
@@ -112,6 +123,11 @@ class GLUPattern(Pattern):
         x = [a.value for a in gate.args]
         require(len(x) == 1 and len(up.args) == 1 and x[0].deep_equals(up.args[0].value), "gate and up inputs differ")
         require(isinstance(x[0], cst.Name), "gate/up input is not a variable")
+        down = _down_call(info, product, match.fact("row_partner"))
+        if down is not None:  # down(act(x)) as one call: its training backward recomputes act(x) (a [N, d] less)
+            call = f"self.{NEW_ACT}(self.{NEW_LINEAR}({x[0].value}), self.{source.self_attribute(down.func)})"
+            new = cst.parse_expression(call)
+            return tree.deep_replace(down, new.with_changes(lpar=down.lpar, rpar=down.rpar))
         new = cst.parse_expression(f"self.{NEW_ACT}(self.{NEW_LINEAR}({x[0].value}))")
         return tree.deep_replace(product, new.with_changes(lpar=product.lpar, rpar=product.rpar))
 

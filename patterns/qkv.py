@@ -90,7 +90,8 @@ class QKVPattern(Pattern):
 
     @classmethod
     def rewrite(cls, match: Match, src, tree: cst.Module) -> cst.Module:
-        """``_fx_q, _fx_k, _fx_v = self.qkv_proj(x).split(...)`` before the first call; the calls -> those names."""
+        """``_fx_q, _fx_k, _fx_v = self.qkv_proj(x).split(...)`` before the first call's line; the calls -> those
+        names."""
         info = source.collect(tree)
         temps = [f"_fx_{role}" for role in _ROLES]
         require(not info.names & set(temps), "temporaries _fx_q/_fx_k/_fx_v would shadow names in forward")
@@ -102,7 +103,7 @@ class QKVPattern(Pattern):
         block, lines = source.same_block_index(info, calls)
         source.check_not_rebound(block, lines[0], lines[-1], arg)
         stmt = f"{', '.join(temps)} = self.{NEW_NAME}({arg}).split(self.{NEW_NAME}.output_sizes, dim=-1)"
-        edits = {id(lines[0]): source.with_statement_first(stmt)}
+        edits = {id(lines[0]): source.with_statement_before(stmt)}
         edits.update({id(call): cst.Name(temp) for call, temp in zip(calls, temps)})
         tree = source.replace_many(tree, edits)
         return tree

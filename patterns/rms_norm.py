@@ -161,7 +161,9 @@ class ResidualRMSNormPattern(Pattern):
         total = sum(source.line_count(tree, s) for s in (body[i - 2], body[i - 1], line))
         leading = list(body[i - 2].leading_lines) + list(body[i - 1].leading_lines) + list(line.leading_lines)
         used = cst.Module(body=[new.with_changes(leading_lines=leading)]).code.count("\n")
-        new = new.with_changes(leading_lines=[cst.EmptyLine(indent=False)] * max(total - used, 0) + leading)  # keep line numbers
+        pad = [cst.EmptyLine(comment=cst.Comment(f"# fxrewrite: the residual add and `{r} = {x}` are in the norm call below"))]
+        pad += [cst.EmptyLine(indent=False)] * (total - used - 1)  # the same line count: tracebacks keep their lines
+        new = new.with_changes(leading_lines=(pad if total > used else []) + leading)
         comments = [s.trailing_whitespace for s in (line, body[i - 1], body[i - 2]) if s.trailing_whitespace.comment]
         if comments:  # keep an end-of-line comment of the merged statements
             new = new.with_changes(trailing_whitespace=comments[0])

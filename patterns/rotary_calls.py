@@ -59,14 +59,21 @@ def packed_cos_sin(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, 
     torch.compile, which traces the build into each layer's graph instead.
     """
     global _packed
-    if _packed and _packed[0]() is cos and _packed[1]() is sin and _packed[2:4] == (cos._version, sin._version):
+    versions = (_version(cos), _version(sin))
+    if _packed and _packed[0]() is cos and _packed[1]() is sin and _packed[2:4] == versions:
         return _packed[4], _packed[5]
     half = cos.shape[-1] // 2
     cache = torch.cat((cos[0, :, :half], sin[0, :, :half]), dim=-1)
     positions = torch.arange(cache.shape[0], device=cos.device)
     if not torch.compiler.is_compiling():  # the table dies with cos (it may live in a CUDA graph's pool)
-        _packed = (weakref.ref(cos, _forget), weakref.ref(sin), cos._version, sin._version, positions, cache)
+        _packed = (weakref.ref(cos, _forget), weakref.ref(sin), *versions, positions, cache)
     return positions, cache
+
+
+def _version(t: torch.Tensor) -> int | None:
+    # inference tensors (the engine runs under torch.inference_mode) keep no version counter; the rotary
+    # modules return fresh cos / sin each forward and nothing rewrites them in place
+    return None if t.is_inference() else t._version
 
 
 def _forget(dead: weakref.ref) -> None:

@@ -11,7 +11,8 @@ Fixtures (all session-scoped; the folders are shared, so tests must not modify t
 - `fxrewrite_cache -> Path`: the cache root used by the session.
 
 The cache is `$FXREWRITE_CACHE` when set (export it, e.g. to ~/.cache/fxrewrite, to keep the
-default model and the Qwen tokenizer across runs), else a fresh temporary folder, like CI.
+default model and the Qwen tokenizer across runs), else a fresh temporary folder per run, like CI, shared by
+the run's xdist workers.
 """
 
 from __future__ import annotations
@@ -34,7 +35,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _module_is_slow(item) -> bool:
+    marks = getattr(getattr(item, "module", None), "pytestmark", [])
+    return any(m.name == "slow" for m in (marks if isinstance(marks, list) else [marks]))
+
+
 def pytest_collection_modifyitems(config, items):
+    # `make test` runs `--dist loadfile`: xdist hands whole files to its workers in collection order, so a long
+    # file collected last keeps one worker busy while the other idles. Files marked `slow` at module level go
+    # first (longest-first scheduling); the order inside a file and among the rest is kept.
+    items.sort(key=lambda item: not _module_is_slow(item))
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
         return
@@ -56,7 +66,12 @@ def fxrewrite_cache(tmp_path_factory):
     if preset:
         yield Path(preset).expanduser()
         return
-    root = tmp_path_factory.mktemp("fxrewrite-cache")
+    # One cache for the run's pytest-xdist workers (their basetemps share a parent that is new per run): the
+    # default model (30-60 s from its GGUF) and the Qwen tokenizer are built once, not once per worker; the
+    # cache's own file locks keep two workers from building the same folder at once.
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "fxrewrite-cache"
+    root.mkdir(exist_ok=True)
     os.environ["FXREWRITE_CACHE"] = str(root)
     try:
         yield root

@@ -98,7 +98,8 @@ def _add_train_arguments(sub) -> None:
     t.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True)
     t.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     t.add_argument("--device", default=None, help="torch device (default: cuda when available)")
-    t.add_argument("--arm-timeout", type=float, default=900.0, help="seconds before an arm's process is killed")
+    t.add_argument("--arm-timeout", default="900", help="seconds before an arm's process is killed: one number "
+                   "for all arms, optionally followed by ARM=SECONDS overrides (e.g. 60,stock-compile=150)")
     t.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
     t.add_argument("--note", action="append", default=[], help="a note stored in the JSON (repeatable)")
 
@@ -111,7 +112,10 @@ def _add_rl_arguments(sub) -> None:
     r.add_argument("--samples", type=human_readable_int, default=8, help="completions per prompt (GRPO group)")
     r.add_argument("--max-tokens", type=human_readable_int, default=128, help="tokens per completion (EOS ignored)")
     r.add_argument("--iterations", type=human_readable_int, default=2)
-    r.add_argument("--micro-batch", type=human_readable_int, default=32, help="sequences per training forward")
+    r.add_argument("--micro-batch", type=human_readable_int, default=256,
+                   help="at most this many sequences per training forward")
+    r.add_argument("--micro-batch-tokens", type=human_readable_int, default=16384,
+                   help="at most this many padded tokens per training forward (its activation memory)")
     r.add_argument("--hf-batch", type=human_readable_int, default=512, help="rows per generate call (hf arm)")
     r.add_argument("--max-num-seqs", type=human_readable_int, default=1024,
                    help="engine arm: sequences per step (rollouts are many short sequences)")
@@ -138,7 +142,7 @@ def _run_rl(args: argparse.Namespace) -> int:
         args.config, arms, [c for c in args.sync_configs.split(",") if c.strip()], args.out or RESULTS_DIR,
         device=args.device, tokenizer_dir=args.tokenizer_dir, notes=args.note, num_prompts=args.num_prompts,
         samples=args.samples, max_tokens=args.max_tokens, iterations=args.iterations, micro_batch=args.micro_batch,
-        hf_batch=args.hf_batch, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        micro_batch_tokens=args.micro_batch_tokens, hf_batch=args.hf_batch, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization, batch_invariant=args.batch_invariant,
     )
     print(format_rl_table(result))
@@ -148,13 +152,13 @@ def _run_rl(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     if args.bench_command == "train":
-        from fxrewrite.benchmarks.train import format_train_table, run_train_bench
+        from fxrewrite.benchmarks.train import format_train_table, parse_arm_timeouts, run_train_bench
 
         result = run_train_bench(
             args.config, [a.strip() for a in args.arms.split(",") if a.strip()], steps=args.steps,
             warmup=args.warmup, batch_size=args.batch_size, seq_len=args.seq_len,
             gradient_checkpointing=args.gradient_checkpointing, dtype=args.dtype, device=args.device,
-            arm_timeout_s=args.arm_timeout, out_dir=args.out, notes=args.note)
+            arm_timeout_s=parse_arm_timeouts(args.arm_timeout), out_dir=args.out, notes=args.note)
         print(format_train_table(result))
         print("wrote " + ", ".join(result["files"]))
         return 0

@@ -35,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
     fxrewrite.optimize(model.eval())
     report = fxrewrite.explain(model)
     print(report)
-    if not args.no_diff:
-        print()
-        print(report.diff(), end="")
+    diff = report.diff()
+    if diff and not args.no_diff:
+        print("\nsource edits, original vs rewritten forward (--no-diff hides them):")
+        print(diff, end="")
     return 0

@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fxrewrite.kernels import compiled_serving_kernels
+from fxrewrite.kernels import compiled_serving_kernels, use_triton
 from fxrewrite.kernels.activation import gelu_and_mul, silu_and_mul
 from fxrewrite.kernels.activation_backward import act_and_mul_train
+from fxrewrite.kernels.gated_mlp_down import act_and_mul_down_train
 
 
 def _needs_grad(x: torch.Tensor) -> bool:
@@ -21,7 +22,31 @@ def _needs_grad(x: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and x.requires_grad or compiled_serving_kernels(x)
 
 
-class SiluAndMul(nn.Module):
+def _fused_down(x: torch.Tensor, down: nn.Module | None) -> bool:
+    """Whether ``down(act(x))`` may run as one Function that does not save act(x) (`act_and_mul_down_train`):
+    autograd records, the Triton kernels run (eager), and ``down`` is a plain ``nn.Linear`` of this dtype
+    without hooks of its own (a LoRA wrapper, a sharded or hooked layer is called as it is)."""
+    return (down is not None and type(down) is nn.Linear and torch.is_grad_enabled() and x.requires_grad
+            and not (down._forward_hooks or down._forward_pre_hooks) and down.weight.dtype == x.dtype
+            and use_triton(x))
+
+
+class _GatedActivation(nn.Module):
+    """``forward(x, down=None)``: ``act(x)``, or ``down(act(x))`` when the rewrite passes the MLP's
+    down projection (then, while training, act(x) is recomputed in the backward instead of saved)."""
+
+    act = "silu"
+    inplace_backward = False
+
+    def forward(self, x: torch.Tensor, down: nn.Module | None = None) -> torch.Tensor:
+        """x [..., 2*d] -> [..., d] in x's dtype (or ``down`` of it); ValueError on an odd last dim."""
+        if _fused_down(x, down):
+            return act_and_mul_down_train(x, down.weight, down.bias, self.act, self.inplace_backward)
+        y = self._act(x)
+        return y if down is None else down(y)
+
+
+class SiluAndMul(_GatedActivation):
     """x [..., 2*d] -> silu(x[..., :d]) * x[..., d:]; ValueError on an odd last dim.
 
     ``inplace_backward=True`` (set by the gated-MLP rewrite, whose fused gate_up output only this layer
@@ -33,12 +58,11 @@ class SiluAndMul(nn.Module):
         super().__init__()
         self.inplace_backward = inplace_backward
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., 2*d] -> [..., d] in x's dtype; ValueError on an odd last dim."""
+    def _act(self, x: torch.Tensor) -> torch.Tensor:
         return act_and_mul_train(x, "silu", self.inplace_backward) if _needs_grad(x) else silu_and_mul(x)
 
 
-class GeluAndMul(nn.Module):
+class GeluAndMul(_GatedActivation):
     """x [..., 2*d] -> gelu(x[..., :d], approximate) * x[..., d:]; approximate "none" or "tanh";
     ``inplace_backward`` as in `SiluAndMul`."""
 
@@ -47,9 +71,9 @@ class GeluAndMul(nn.Module):
         if approximate not in ("none", "tanh"):
             raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
         self.approximate, self.inplace_backward = approximate, inplace_backward
+        self.act = "gelu_tanh" if approximate == "tanh" else "gelu"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., 2*d] -> [..., d] in x's dtype; ValueError on an odd last dim."""
+    def _act(self, x: torch.Tensor) -> torch.Tensor:
         if _needs_grad(x):
             return act_and_mul_train(x, "gelu_tanh" if self.approximate == "tanh" else "gelu", self.inplace_backward)
         return gelu_and_mul(x, self.approximate)

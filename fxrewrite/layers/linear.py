@@ -10,6 +10,9 @@ Layout and loader semantics follow vLLM `vllm/model_executor/layers/linear.py`.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -69,8 +72,9 @@ class LinearBase(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """`nn.Linear`'s initialisation (kaiming-uniform weight, uniform bias), skipped on meta."""
-        if self.weight.device.type == "meta":
+        """`nn.Linear`'s initialisation (kaiming-uniform weight, uniform bias), skipped on meta and inside
+        `no_weight_init`."""
+        if self.weight.device.type == "meta" or getattr(_INIT, "skip", False):
             return
         tmp = nn.Linear(self.input_size_per_partition, self.output_size_per_partition,
                         bias=self.bias is not None, device=self.weight.device, dtype=self.weight.dtype)
@@ -262,6 +266,21 @@ class RowParallelLinear(LinearBase):
             size = param.shape[1]
             loaded_weight = loaded_weight.narrow(1, self.tp_rank * size, size)
         _copy_checked(param, loaded_weight)
+
+
+_INIT = threading.local()
+
+
+@contextlib.contextmanager
+def no_weight_init():
+    """Within (this thread): new linear layers keep uninitialised weights, for a builder that then loads
+    every element (the rewrite's fused layers: a random init of Qwen3-4B's fused weights costs seconds)."""
+    before = getattr(_INIT, "skip", False)
+    _INIT.skip = True
+    try:
+        yield
+    finally:
+        _INIT.skip = before
 
 
 def dispatch_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -111,7 +111,7 @@ class LLMEngine(EngineRLMixin):
         for seq in request.seqs:
             seq.bad_words_token_ids = bad_words
             if compiled is not None:
-                self._structured.add(seq.seq_id, compiled)
+                self._structured.add(seq.seq_id, params.structured_outputs, compiled)
             if params.detokenize:
                 detokenizer = self._detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq)
                 detokenizer.deferred = final_only and not params.stop_strings
@@ -124,7 +124,8 @@ class LLMEngine(EngineRLMixin):
         if params.structured_outputs is None:
             return None
         if self._structured is None:
-            self._structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+            self._structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                                       self.eos_token_ids, max_rows=self.config.max_num_seqs)
         return self._structured.compile(params.structured_outputs)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -219,8 +220,8 @@ class LLMEngine(EngineRLMixin):
     def _launch(self, sched: SchedulerOutput, previous, wait: bool | None = None):
         """Launch `sched` (wait=False: never wait for its tokens, whatever async_scheduling says)."""
         runner, hook = self.model_runner, {}
-        if self._structured is not None and self._structured.matchers and any(
-                s.samples and s.seq.seq_id in self._structured.matchers for s in sched.scheduled):
+        if self._structured is not None and self._structured.constrained and any(
+                s.samples and s.seq.seq_id in self._structured.constrained for s in sched.scheduled):
             hook = {"bitmask_hook": lambda seqs: self._grammar_bitmask(seqs, previous)}
         if self.async_scheduling or wait is False:
             launched = runner.execute_model_async(sched, previous, **hook)

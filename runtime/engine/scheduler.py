@@ -80,6 +80,7 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         bm, kept = self.block_manager, []
+        bs = bm.block_size
         limit = self.batch_seq_limit or self.max_num_seqs
         while self.running and budget > 0 and len(out.scheduled) < limit:
             seq = self.running.popleft()
@@ -90,6 +91,12 @@ class Scheduler:
                 self._recompute_long(seq)
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            # most decode steps: the blocks it holds take the tokens, nothing to allocate (can_append's answer)
+            if seq.num_computed_tokens + n <= len(seq.block_table) * bs:
+                out.scheduled.append(ScheduledSeq(seq, n))
+                kept.append(seq)
+                budget -= n
+                continue
             while not bm.can_append(seq, n):
                 victim = self._victim(seq)
                 if victim is None:  # only batches in flight hold blocks: wait for them

@@ -35,7 +35,7 @@ _AUTO_FALLBACK_DTYPE = torch.float32  # what transformers computes in when confi
 
 
 def resolve_dtype(dtype: str | torch.dtype, hf_config: PretrainedConfig) -> torch.dtype:
-    """"auto" -> the config's dtype (dtype / torch_dtype) when float16/bfloat16/float32, else float32;
+    """"auto" -> the config's dtype (a config file's `torch_dtype` loads as `dtype`) when float16/bfloat16/float32, else float32;
     a name in bfloat16/float16/half/float32/float or one of those torch.dtypes as given.
 
     Raises ValueError for anything else.
@@ -56,7 +56,7 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: PretrainedConfig) -> torc
 
 def _config_dtype(hf_config: PretrainedConfig) -> torch.dtype:
     for config in (hf_config, hf_config.get_text_config()):
-        value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        value = getattr(config, "dtype", None)  # not `torch_dtype`: a deprecated alias that warns on read
         if isinstance(value, str):
             value = _DTYPES.get(value.removeprefix("torch."))
         if value in _DTYPES.values():

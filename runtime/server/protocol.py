@@ -13,7 +13,16 @@ import logging
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 from fxrewrite.runtime.engine.chat import check_role
 from fxrewrite.runtime.server.validation_errors import FieldError
@@ -58,14 +67,14 @@ class ErrorResponse(OpenAIBaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class JsonSchemaFormat(OpenAIBaseModel):
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(OpenAIBaseModel):
@@ -93,19 +102,19 @@ class SamplingRequest(OpenAIBaseModel):
     seed: StrictInt | None = Field(None, **_SEED_RANGE)
     presence_penalty: StrictFloat | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: StrictFloat | None = Field(None, ge=-2.0, le=2.0)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM extras
     top_k: StrictInt | None = Field(None, ge=-1)
     min_p: StrictFloat | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: StrictFloat | None = Field(None, gt=0.0)
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     min_tokens: StrictInt = Field(0, ge=0)
     stop_token_ids: list[StrictInt] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
     best_of: StrictInt | None = Field(None, ge=1, le=128)
     logit_bias: dict[str, StrictFloat] | None = None
     bad_words: list[str] | None = None
@@ -156,7 +165,7 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: StrictInt | None = Field(16, ge=0)  # OpenAI's default; 0 with echo returns the prompt alone
     logprobs: StrictInt | None = Field(None, ge=0)  # the engine's max_logprobs (--max-logprobs) is the limit
-    echo: bool = False
+    echo: StrictBool = False
 
     @model_validator(mode="after")
     def _check_prompt(self):
@@ -239,7 +248,7 @@ class FunctionDefinition(OpenAIBaseModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ChatCompletionToolsParam(OpenAIBaseModel):
@@ -261,14 +270,14 @@ class ChatCompletionRequest(SamplingRequest):
 
     tools: list[ChatCompletionToolsParam] | None = None
     tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = None
-    parallel_tool_calls: bool | None = True
+    parallel_tool_calls: StrictBool | None = True
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0)  # as logprobs
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False  # vLLM's: leave the last (assistant) message open to continue it
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False  # vLLM's: leave the last (assistant) message open to continue it
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from http import HTTPStatus
 from typing import Any
 
-from pydantic import Field, StrictInt, model_validator
+from pydantic import Field, StrictBool, StrictInt, model_validator
 
 from fxrewrite.runtime.server.errors import OpenAIError
 from fxrewrite.runtime.server.protocol import ChatCompletionRequest, ChatMessage, OpenAIBaseModel
@@ -20,13 +20,13 @@ class TokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None
+    add_special_tokens: StrictBool | None = None
     """Default True for a prompt; False for messages (the template writes them)."""
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
-    return_token_strs: bool = False
+    return_token_strs: StrictBool = False
 
     @model_validator(mode="after")
     def _one_input(self):

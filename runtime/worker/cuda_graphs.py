@@ -1,9 +1,9 @@
 """CUDA graphs for decode steps: one graph per batch-size bucket, replayed over static buffers.
 
 nano-vllm's scheme (`ModelRunner.capture_cudagraph` / `run_model`): buckets 1, 2, 4, 8, then every 16
-up to max_num_seqs (at most 512), captured largest first into one shared memory pool. A decode step of
-n sequences copies its inputs into the first n rows of the static buffers, pads up to the next bucket
-(padding rows write no KV: slot -1) and replays that bucket's graph. Prefill and mixed steps, larger
+up to 512 and every 64 up to max_num_seqs (at most 1024), captured largest first into one shared memory
+pool. A decode step of n sequences copies its inputs into the first n rows of the static buffers, pads
+up to the next bucket (padding rows write no KV: slot -1) and replays that bucket's graph. Prefill and mixed steps, larger
 batches and `enforce_eager` run eagerly. Under DP x EP (`fxrewrite.layers.moe_dp`) the graphs are
 captured with every replica at the same bucket (`data_parallel.uniform_tokens`), and each decode wave
 the worker sets `step_bucket`, one bucket for all replicas (0: this wave runs eagerly everywhere); a
@@ -27,14 +27,19 @@ from fxrewrite.runtime.worker import watchdog
 
 logger = logging.getLogger(__name__)
 
-MAX_CAPTURE_SIZE = 512
+MAX_CAPTURE_SIZE = 1024
+# Above this, buckets every 64 rows: RL rollouts run 1024 sequences at once (a step past the largest
+# bucket runs eagerly, its host work then the step's cost), and a coarser grid keeps the graph count down.
+_FINE_CAPTURE_SIZE = 512
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
-    """Bucket sizes, ascending: 1, 2, 4, 8, then multiples of 16 up to min(max_num_seqs, 512), plus
-    that top size itself so every decode batch the scheduler can form has a bucket."""
+    """Bucket sizes, ascending: 1, 2, 4, 8, then multiples of 16 up to 512 and of 64 up to
+    min(max_num_seqs, 1024), plus that top size itself so every decode batch the scheduler can form
+    (with max_num_seqs <= 1024) has a bucket."""
     top = min(max_num_seqs, MAX_CAPTURE_SIZE)
-    sizes = [s for s in (1, 2, 4, 8) if s <= top] + list(range(16, top + 1, 16))
+    sizes = [s for s in (1, 2, 4, 8) if s <= top] + list(range(16, min(top, _FINE_CAPTURE_SIZE) + 1, 16))
+    sizes += list(range(_FINE_CAPTURE_SIZE + 64, top + 1, 64))
     if sizes[-1] != top:
         sizes.append(top)
     return sizes

@@ -31,6 +31,17 @@ def test_cli_bench_rl_tiny(tmp_path, capsys):
     wake = saved["arms"]["engine"]["sleep_wake_up"]
     assert wake["sleep_s"] > 0 and wake["wake_up_s"] > 0 and wake["num_graphs"] == 0  # no CUDA graphs on a CPU
     assert "whole iteration" in captured.out and "wake_up" in captured.out
+    assert saved["speedup_bound_free_rollouts"] >= saved["speedup_last_iteration"]
+
+
+def test_micro_batches_by_sequences_and_padded_tokens():
+    from fxrewrite.benchmarks.rl import micro_batches
+
+    prompts, completions = [[1] * 4, [1] * 2, [1] * 9, [1], [1] * 3], [[2] * 4] * 5
+    assert micro_batches(prompts, completions, 2, None) == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    # padded tokens = rows x longest (prompt + completion; 8, 6, 13, 5, 7): 2 x 8, 13 alone (2 x 13 > 20), 2 x 7
+    assert micro_batches(prompts, completions, 8, 20) == [slice(0, 2), slice(2, 3), slice(3, 5)]
+    assert micro_batches(prompts, completions, 8, 1) == [slice(i, i + 1) for i in range(5)]  # one row always fits
 
 
 def test_cli_bench_rl_rejects_unknown_arm(capsys):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fxrewrite.benchmarks.train import agreement, format_train_table, run_train_bench
+from fxrewrite.benchmarks.train import agreement, format_train_table, parse_arm_timeouts, run_train_bench
 
 TINY = {"name": "tiny-train", "tokenizer": "qwen3", "config": {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64,
@@ -39,3 +39,12 @@ def test_agreement_and_bad_arm():
     assert not records[1]["losses_agree"]
     with pytest.raises(ValueError, match="unknown train arm"):
         run_train_bench("tiny", ["fast"])
+
+
+def test_parse_arm_timeouts():
+    assert parse_arm_timeouts("45,stock-compile=140") == {"*": 45.0, "stock-compile": 140.0}
+    assert parse_arm_timeouts("900") == {"*": 900.0}
+    with pytest.raises(ValueError, match="unknown arm 'nope'"):
+        parse_arm_timeouts("nope=3")
+    with pytest.raises(ValueError, match="not SECONDS"):
+        parse_arm_timeouts("liger=fast")

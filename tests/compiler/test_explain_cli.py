@@ -17,7 +17,29 @@ def test_explain_prints_report_and_diff(tmp_path, capsys):
     assert "module class" in out and "Qwen3Attention" in out
     assert "qkv: q_proj,k_proj,v_proj -> qkv_proj" in out
     assert "+    query_states, key_states = self.qk_norm_rope(" in out
-    assert "(fxrewrite)" in out
+    assert "(fxrewrite)" in out and "source edits" in out
+    # one statement per line (the q/k/v split takes the blank line above q, so line numbers stay)
+    assert "+    _fx_q, _fx_k, _fx_v = self.qkv_proj(hidden_states).split(self.qkv_proj.output_sizes, dim=-1)\n" in out
+    assert "+    query_states = _fx_q.view(hidden_shape)" in out and "dim=-1); " not in out
+    assert "+    # fxrewrite: the residual add and `residual = hidden_states` are in the norm call below\n" in out
+    # one fusion per line in the table
+    (qkv_line,) = [line for line in out.splitlines() if "qkv: q_proj,k_proj,v_proj -> qkv_proj" in line]
+    assert "qk_norm_rope" not in qkv_line and any(line.lstrip().startswith("qk_norm_rope: ") for line in out.splitlines())
+
+
+def test_rewritten_forwards_keep_their_line_count():
+    """Tracebacks through a rewritten forward point at the real file: the qkv and residual-norm edits keep
+    every line where it was (the diff hunks have equal lengths on both sides)."""
+    import re
+
+    import fxrewrite
+
+    model = tiny_model("llama")
+    fxrewrite.optimize(model)
+    report = fxrewrite.explain(model)
+    for name in ("LlamaAttention", "LlamaDecoderLayer"):
+        hunks = re.findall(r"^@@ -\d+,(\d+) \+\d+,(\d+) @@", report.classes[name].diff, re.M)
+        assert hunks and all(a == b for a, b in hunks), (name, hunks)
 
 
 def test_explain_missing_folder_is_clean_error(tmp_path, capsys):

@@ -15,6 +15,7 @@ from fxrewrite.kernels.triton_utils import interpreter_ready
 from fxrewrite.weights import to_hf_names
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma2", "phi3"]
+pytestmark = pytest.mark.slow  # runs first under xdist (tests/conftest.py)
 
 
 def _rel(a, b):

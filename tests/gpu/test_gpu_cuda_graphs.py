@@ -12,7 +12,8 @@ def test_capture_sizes_are_nano_vllm_buckets():
     assert capture_sizes(256) == [1, 2, 4, 8] + list(range(16, 257, 16))
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]  # the top size itself, so 17..20 get a graph
     assert capture_sizes(3) == [1, 2, 3]
-    assert capture_sizes(4096)[-1] == 512
+    assert capture_sizes(4096)[-1] == 1024 and capture_sizes(1024)[35:] == [512, 576, 640, 704, 768, 832, 896, 960, 1024]
+    assert capture_sizes(600)[-2:] == [576, 600]
 
 
 def test_static_buffer_replay_logic_on_cpu(tiny_qwen3_dir):

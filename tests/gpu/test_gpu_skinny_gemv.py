@@ -35,7 +35,7 @@ def test_kernel_at_qwen3_4b_shapes(cuda, proj, m):
     w = gemv_tune.scratch_weights(n, k, cuda, torch.bfloat16)[0]
     args = gemv_tune.make_inputs(kind, m, k, cuda, torch.bfloat16, seed=m)
     want = gemv_tune.baseline(kind, w, **args)
-    for config in configs_for(m):
+    for config in configs_for(m, kind):
         got = gemv_tune.candidate(kind, w, config=config, **args)
         assert gemv_tune.max_rel_error(got, want) < 2e-2, f"config {config}"
     if kind == "norm":  # the new residual: one rounding of x + residual, as the RMSNorm kernel's

@@ -34,20 +34,32 @@ def test_bitmask_kernel_matches_reference():
         assert torch.equal(ours, reference) and torch.equal(ours[3], logits[3])
 
 
-def test_mask_copies_on_the_side_stream_keep_stream_order():
+@pytest.mark.parametrize("shared", [False, True])
+def test_mask_copies_on_the_side_stream_keep_stream_order(shared):
     """Masks copied on the side stream into the two reused device buffers: each reader on the busy compute
-    stream (the sampler) sees its own step's mask, never the next one's nor a partly copied one."""
-    xgr = pytest.importorskip("xgrammar")
-    from fxrewrite.runtime.engine.grammar_bitmask import BitmaskFiller
+    stream (the sampler) sees its own step's mask, never the next one's nor a partly copied one; from
+    pinned slots and from the grammar process's shared slots (registered with CUDA)."""
+    from fxrewrite.runtime.engine.grammar_bitmask import MaskSlots
 
-    filler, device, seen = BitmaskFiller(xgr, 4748, 1), torch.device("cuda"), []
+    device, seen, registered = torch.device("cuda"), [], []
+    shared_slots = torch.zeros(2, 64, 4748, dtype=torch.int32) if shared else None
+
+    def pin():
+        ptr = shared_slots.data_ptr()
+        assert int(torch.cuda.cudart().cudaHostRegister(ptr, shared_slots.numel() * 4, 0)) == 0
+        registered.append(ptr)
+
+    slots = MaskSlots(4748, shared_slots, pin if shared else None)
     for step in range(8):
-        host, event = filler._buffers.next(64, device)
+        _, host, event = slots.next(64, device)
         host.fill_(step)
         torch.cuda._sleep(1_000_000)  # the compute stream is still busy (a forward pass)
-        seen.append(filler._to_device(host, event, device).clone())  # read on the compute stream
+        seen.append(slots.to_device(host, event, device).clone())  # read on the compute stream
     torch.cuda.synchronize()
     assert [bool((mask == step).all()) for step, mask in enumerate(seen)] == [True] * 8
+    assert len(registered) == int(shared)
+    for ptr in registered:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
@@ -77,10 +89,10 @@ def test_prompt_logprobs_on_gpu(make_llm):
         assert all(lp.logprob <= 0 and lp.rank >= 1 for lp in step.values())
 
 
-def test_overlapped_grammar_work_keeps_seeded_outputs_on_gpu(make_llm):
-    """The worker-thread grammar path (pinned host buffers, the reused device bitmask, CUDA events, the
-    sample launched at the next step's launch) gives the seeded tokens of the sequential path, with CUDA
-    graphs and async scheduling, at batch 64, with the default and with four grammar threads."""
+def test_grammar_process_keeps_seeded_outputs_on_gpu(make_llm):
+    """The grammar-process path (shared slots registered with CUDA, the reused device bitmask, CUDA events,
+    the sample launched at the next step's launch) gives the seeded tokens of the sequential path (the
+    matchers in the engine's process), with CUDA graphs and async scheduling, at batch 64."""
     from fxrewrite.runtime.engine.sampling_params import SamplingParams
     from fxrewrite.runtime.engine.structured_outputs import StructuredOutputsParams
 
@@ -94,11 +106,14 @@ def test_overlapped_grammar_work_keeps_seeded_outputs_on_gpu(make_llm):
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
     overlapped = tokens()
-    structured = llm.llm_engine._structured
-    joined = structured.stats["wait_s"]
-    assert joined > 0  # finish_step joined worker jobs
-    structured.overlap = False
-    assert tokens() == overlapped
-    assert structured.stats["wait_s"] == joined and not structured.matchers  # no job: the sequential path
-    structured.overlap, structured._filler.num_threads = True, 4  # rows split over four worker threads
-    assert tokens() == overlapped
+    engine = llm.llm_engine
+    structured = engine._structured
+    assert structured.process is not None and structured.stats["job_s"] > 0  # jobs ran in the process
+    engine._structured = type(structured)(engine.tokenizer, engine.model_config.vocab_size, engine.eos_token_ids,
+                                          use_process=False)
+    try:
+        assert tokens() == overlapped
+        assert engine._structured.stats["job_s"] == 0 and not engine._structured.constrained
+    finally:
+        engine._structured.close()
+        engine._structured = structured

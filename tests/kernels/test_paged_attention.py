@@ -227,3 +227,51 @@ def test_exact_check_catches_a_truncated_context(interpret, paged_batch, dtype, 
     short = paged_decode.paged_decode_triton(*_truncated(batch).args(), 0.25, block_n=32, num_splits=3)
     with pytest.raises(AssertionError, match="spread"):
         assert_close_to_exact(short, batch, 0.25, tol=tol)
+
+
+@pytest.mark.parametrize("window,cap", [(None, None), (6, None), (5, 2.5)])
+def test_ref_in_query_chunks_matches_one_shot(paged_batch, monkeypatch, window, cap):
+    """A budget of 3 score rows x 4 heads x the context splits every prefill into chunks (each against only the
+    keys it can see): the same result as the one-shot reference and dense attention, float32 1e-5."""
+    from fxrewrite.kernels import paged_attention as mod
+
+    batch = paged_batch(MIXED + [(0, 29), (17, 12)], 4, 2, 16, 4, seed=6)
+    one_shot = paged_attention_ref(*batch.args(), 0.25, window, cap)
+    monkeypatch.setattr(mod, "SCORE_CHUNK_ELEMENTS", 3 * 4 * 48)
+    chunked = paged_attention_ref(*batch.args(), 0.25, window, cap)
+    assert not chunked.isnan().any()
+    torch.testing.assert_close(chunked, one_shot, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(chunked, dense_attention(batch, 0.25, window, cap), rtol=1e-5, atol=1e-5)
+
+
+class LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the most elements any op output held in new memory (not a view of, or an in-place write to,
+    an input such as the KV cache); also used by tests/runtime/test_engine.py."""
+
+    largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = {a.untyped_storage().data_ptr() for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_long_prefill_never_builds_the_full_score_matrix(paged_batch):
+    """A 2048-token prompt (4 heads): no op output reaches [Hq, L, L] (16M scores), the largest is one query
+    chunk's `SCORE_CHUNK_ELEMENTS`; the result is SDPA's causal attention."""
+    from fxrewrite.kernels.paged_attention import SCORE_CHUNK_ELEMENTS
+
+    length, heads = 2048, 4
+    batch = paged_batch([(0, length)], heads, 2, 8, 16, seed=8)
+    with LargestTensor() as mode:
+        got = paged_attention_ref(*batch.args(), 8 ** -0.5)
+    assert mode.largest <= SCORE_CHUNK_ELEMENTS < heads * length * length
+    q = batch.query.transpose(0, 1)[None]
+    k, v = (c[batch.block_tables[0, : length // 16].long()].flatten(0, 1).transpose(0, 1)[None]
+            for c in (batch.key_cache, batch.value_cache))
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=8 ** -0.5, enable_gqa=True)
+    torch.testing.assert_close(got, want[0].transpose(0, 1), rtol=1e-5, atol=1e-5)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fxrewrite.kernels.batch_invariant import batch_invariant_mode
+
 from fxrewrite.kernels import gemv_dispatch
 from fxrewrite.kernels.skinny_gemv import CONFIGS, GEMV_MAX_M, configs_for, skinny_gemv_ref, skinny_gemv_triton
 from fxrewrite.layers.activation import SiluAndMul
@@ -105,6 +107,8 @@ def test_eligibility(interpret, monkeypatch):
     assert gemv_dispatch.config_for_call("linear", x, w.requires_grad_()) is None  # autograd records
     with torch.no_grad():
         assert gemv_dispatch.config_for_call("linear", x, w) is not None
+        with batch_invariant_mode():  # batch-invariant engines keep one kernel for every token count
+            assert gemv_dispatch.config_for_call("linear", x, w) is None
 
 
 def _layers(dtype):

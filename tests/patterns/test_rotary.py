@@ -128,3 +128,13 @@ def test_packed_cos_sin_table_dies_with_its_cos():
     rotary_calls.packed_cos_sin(cos, sin)
     del cos
     assert rotary_calls._packed == ()
+
+
+def test_packed_cos_sin_under_inference_mode():
+    from fxrewrite.patterns.rotary_calls import packed_cos_sin
+
+    with torch.inference_mode():  # how the engine runs: inference tensors have no version counter
+        cos, sin = torch.randn(1, 5, 8), torch.randn(1, 5, 8)
+        cache = packed_cos_sin(cos, sin)[1]
+        assert packed_cos_sin(cos, sin)[1] is cache
+        torch.testing.assert_close(cache[:, 4:], sin[0, :, :4])

@@ -8,6 +8,8 @@ from fxrewrite.runtime.worker.kv_cache import bytes_per_block
 from fxrewrite.runtime.llm import LLM
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.slow  # runs first under xdist (tests/conftest.py)
+
 PROMPTS = ["Hello, my name is", "The capital of France is a city where many people live and", "1 2 3", "a b"]
 
 

@@ -97,3 +97,18 @@ def test_serving_kernels_do_not_specialise_on_what_changes_every_step():
     for kernel, (ints, pointers) in wanted.items():
         got_ints, got_pointers = _unspecialised(kernel)
         assert ints <= got_ints and pointers <= got_pointers, kernel
+
+
+def test_after_arm_interpreted_kernels_build_the_rotary_table_once_per_step(tiny_model_dir, interpret, monkeypatch):
+    """The transformers model rewritten (q/k-norm + rotary kernel): same tokens as the torch path, and the
+    cos | sin table concatenated once per decode step, not once per layer (under inference_mode)."""
+    path = tiny_model_dir("qwen3", num_hidden_layers=2)
+    llm = LLM(str(path), model_impl="transformers", dtype="float32", kv_cache_memory_bytes=1 << 21,
+              max_model_len=256, enable_prefix_caching=False)
+    prompts, params = [list(range(5, 30)), [7, 8, 9]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setenv("FXREWRITE_TRITON", "1")
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    launches = decode_step_launches(llm)
+    # positions of the table: one arange for both layers (one per layer before the table was shared)
+    assert launches["triton:_qk_norm_rope_kernel"] == 2 and launches["aten:arange"] == 1, launches

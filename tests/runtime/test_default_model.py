@@ -18,6 +18,8 @@ from fxrewrite.runtime.model_files.default_model import (
 from fxrewrite.runtime.model_files.model_cache import cache_root, read_build_info
 from fxrewrite.runtime.model_files.folders import resolve_model_path
 
+pytestmark = pytest.mark.slow  # runs first under xdist (tests/conftest.py)
+
 
 def test_default_model_is_built_in_the_cache_once(default_model_dir):
     info = read_build_info(default_model_dir)

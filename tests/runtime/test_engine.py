@@ -7,6 +7,8 @@ from fxrewrite.runtime.worker.kv_cache import bytes_per_block
 from fxrewrite.runtime.llm import LLM
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.slow  # runs first under xdist (tests/conftest.py)
+
 PROMPTS = ["Hello, my name is", "The capital of France is a city where many people live and", "1 2 3"]
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -79,6 +81,26 @@ def test_outputs_shape_text_and_finish_reason(qwen3_llm):
     assert completion.finish_reason == "length" and len(completion.token_ids) == MAX_TOKENS
     assert completion.text == tok.decode(completion.token_ids, skip_special_tokens=True)
     assert out.finished
+    assert_no_leak(qwen3_llm)
+
+
+def test_long_prompt_prefill_on_cpu_has_no_length_squared_scores(qwen3_llm, tiny_qwen3_dir):
+    """A 2048-token prompt in one prefill step (4 heads): no op output of the step reaches [heads, L, L]
+    (the CPU attention goes in query chunks / SDPA tiles); its greedy token is transformers' argmax."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.kernels.test_paged_attention import LargestTensor
+
+    length = 2048
+    ids = torch.randint(0, 5000, (length,), generator=torch.Generator().manual_seed(0)).tolist()
+    with LargestTensor() as mode:
+        out = qwen3_llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1),
+                                 use_tqdm=False)[0]
+    assert 0 < mode.largest < 4 * length * length
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), logits_to_keep=1).logits[0, -1]
+    assert out.outputs[0].token_ids == [int(logits.argmax())]
     assert_no_leak(qwen3_llm)
 
 

@@ -9,6 +9,8 @@ import torch
 from fxrewrite.runtime.llm import LLM
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.slow  # runs first under xdist (tests/conftest.py)
+
 PROMPTS = ["Hello, my name is", "The capital of France is a city where many people live and"]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 # A flat key (applied at load), a nested rope dict (replaces the old one whole) and max_model_len.

@@ -18,6 +18,8 @@ from fxrewrite.runtime.worker.compilation import compile_model, decoder_layers, 
 from fxrewrite.runtime.worker.forward_context import forward_context
 from fxrewrite.runtime.worker.memory_profiling import _dummy_metadata
 
+pytestmark = pytest.mark.slow  # runs first under xdist (tests/conftest.py)
+
 PROMPTS = ["hello world, this is", "a b c d e f g h i j k l", "x"]
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 

@@ -13,6 +13,8 @@ from fxrewrite.rl import completion_logprobs
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 from fxrewrite.runtime.llm import LLM
 
+pytestmark = pytest.mark.slow  # runs first under xdist (tests/conftest.py)
+
 PROMPTS = [list(range(5, 18)), [30, 31, 32], [40, 41, 42, 43, 44]]
 
 

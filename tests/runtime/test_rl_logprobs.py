@@ -65,3 +65,48 @@ def test_batch_invariant_logprobs_bitwise_alone_and_batched(path, impl):
     batched = _sampled(llm.generate(PROMPTS, [others[0], target, others[1], others[2]], use_tqdm=False))
     assert batched[1][1] == alone[0][1]
     assert batched[1][2] == alone[0][2]  # bitwise: float equality of every logprob
+
+
+def test_fused_head_logprobs_and_gradients_equal_full_logits(path, monkeypatch):
+    """The optimized model's logits-free path (hidden states -> chunked LM head on completion positions)
+    against the model's own logits + log_softmax: values and per-token weighted gradients, float32."""
+    from transformers import AutoModelForCausalLM
+
+    from fxrewrite import rl
+
+    model = fxrewrite.optimize(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)).train()
+    assert rl.fused_head(model) is not None and rl.fused_head(model, temperature=0.7) is not None
+    gen = torch.Generator().manual_seed(0)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]]
+    completions = [[20, 21, 22, 23], [], [24, 25, 26, 27, 28, 29, 30]]
+    old = [torch.randn(len(c), generator=gen) * 0.1 - 3 for c in completions]
+    adv = torch.tensor([0.5, -1.0, 1.5])
+
+    def run(temperature):
+        model.zero_grad(set_to_none=True)
+        new = completion_logprobs(model, prompts, completions, micro_batch_size=2, temperature=temperature)
+        rl.grpo_loss(new, old, adv).backward()
+        return [n.detach() for n in new], {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    for temperature in (1.0, 0.7):
+        fused, fused_grads = run(temperature)
+        with monkeypatch.context() as m:
+            m.setattr(rl, "fused_head", lambda *a, **k: None)  # the logits path
+            full, full_grads = run(temperature)
+        assert [len(x) for x in fused] == [4, 0, 7]
+        for a, b in zip(fused, full):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert fused_grads.keys() == full_grads.keys() and len(full_grads) == len(list(model.parameters()))
+        for k in full_grads:
+            torch.testing.assert_close(fused_grads[k], full_grads[k], rtol=1e-5, atol=1e-5, msg=k)
+
+
+def test_grpo_loss_matches_per_sequence_formula():
+    from fxrewrite.rl import grpo_loss
+
+    gen = torch.Generator().manual_seed(1)
+    new = [torch.randn(n, generator=gen) for n in (3, 0, 5)]
+    old = [x + torch.randn(x.shape, generator=gen) * 0.3 for x in new]
+    adv = torch.tensor([1.0, -2.0, 0.5])
+    per = [-torch.minimum(torch.exp(n - o) * a, torch.exp(n - o).clamp(0.8, 1.2) * a) for n, o, a in zip(new, old, adv)]
+    torch.testing.assert_close(grpo_loss(new, old, adv), torch.cat(per).mean())

@@ -4,11 +4,14 @@ no cuBLAS GEMM in a batch-1 decode step), and greedy decoding gives the referenc
 
 from __future__ import annotations
 
+import pytest
 
 from fxrewrite.benchmarks.count_launches import decode_step_launches
 from fxrewrite.kernels import gemv_dispatch
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 from fxrewrite.runtime.llm import LLM
+
+pytestmark = pytest.mark.slow  # runs first under xdist (tests/conftest.py)
 
 
 def test_native_decode_fuses_norms_and_activation_into_the_gemv(tiny_model_dir, interpret, monkeypatch):

@@ -51,7 +51,7 @@ def test_sampled_json_always_validates(tiny_llama_dir, llm, async_scheduling):
         jsonschema.validate(json.loads(c.text), SCHEMA)
     assert len({c.text for c in out.outputs}) > n // 2  # really sampled
     bm = llm.llm_engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks and not llm.llm_engine._structured.matchers
+    assert bm.num_free_blocks == bm.num_blocks and not llm.llm_engine._structured.constrained
 
 
 def test_regex_choice_and_grammar(llm):
@@ -114,20 +114,27 @@ def test_sampler_bitmask_equals_xgrammar_apply():
     assert torch.equal(ours[2], logits[2])
 
 
-def test_manager_batches_accept_and_fill(llm):
+@pytest.mark.parametrize("use_process", [True, False])
+def test_manager_batches_accept_and_fill(llm, use_process):
     """accept_tokens' completed set is xgrammar's is_terminated; fill_bitmask gives all-ones rows to
-    unconstrained sequences and the matcher's own mask to constrained ones, reusing its two buffers."""
+    unconstrained sequences and the matcher's own mask to constrained ones, reusing its two slots; the
+    same in the grammar process and in this one."""
     import torch
     import xgrammar as xgr
 
+    from fxrewrite.runtime.engine.structured_outputs import StructuredOutputManager
+
     engine = llm.llm_engine
-    manager = engine._structured or engine.compile_structured_outputs(
-        SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a"]))) and engine._structured
-    compiled = manager.compile(StructuredOutputsParams(choice=["yes", "no"]))
+    manager = StructuredOutputManager(llm.get_tokenizer(), engine.model_config.vocab_size, engine.eos_token_ids,
+                                      max_rows=8, use_process=use_process)
+    assert (manager.process is not None) == use_process
+    params = StructuredOutputsParams(choice=["yes", "no"])
+    compiled = manager.compile(params)
     yes = llm.get_tokenizer().encode("yes", add_special_tokens=False)
     eos = min(engine.eos_token_ids)
-    manager.add(-1, compiled)
-    manager.add(-2, compiled)
+    manager.add(-1, params, compiled)
+    manager.add(-2, params)
+    reference = xgr.GrammarMatcher(compiled)
 
     def step(seq_ids, tokens):
         return [(SimpleNamespace(seq_id=s, is_finished=False), SimpleNamespace(token_id=t))
@@ -135,17 +142,16 @@ def test_manager_batches_accept_and_fill(llm):
 
     try:
         assert manager.accept_tokens(step([-1, -3, -2], yes[:1] + [5] + yes[:1])) == set()
+        assert reference.accept_token(yes[0])
         masks = [manager.fill_bitmask([-3, -1, -2], torch.device("cpu")).clone() for _ in range(3)]
         assert all(torch.equal(m, masks[0]) for m in masks)
         assert (masks[0][0] == -1).all()
         expected = xgr.allocate_token_bitmask(1, manager.vocab_size)
-        manager.matchers[-1].fill_next_token_bitmask(expected, 0)
+        reference.fill_next_token_bitmask(expected, 0)
         assert torch.equal(masks[0][1], expected[0]) and torch.equal(masks[0][2], expected[0])
-        rest = yes[1:]
-        for token in rest:
+        for token in yes[1:]:
             assert manager.accept_tokens(step([-1], [token])) == set()
-        assert manager.accept_tokens(step([-1], [eos])) == {-1} and manager.matchers[-1].is_terminated()
-        assert not manager.matchers[-2].is_terminated()
+        assert manager.accept_tokens(step([-1], [eos])) == {-1}
         bits = ((masks[0][2][:, None] >> torch.arange(32, dtype=torch.int32)) & 1).flatten()
         banned = int((bits[: manager.vocab_size] == 0).nonzero()[0])
         with pytest.raises(RuntimeError, match="violates its grammar"):
@@ -153,3 +159,20 @@ def test_manager_batches_accept_and_fill(llm):
     finally:
         manager.remove(-1)
         manager.remove(-2)
+        manager.close()
+    assert not manager.constrained
+
+
+def test_engines_of_one_tokenizer_share_the_grammar_compiler(tiny_llama_dir):
+    """The vocabulary scan (xgrammar's TokenizerInfo, seconds for a large vocabulary) is done once per tokenizer
+    folder per process; another vocab size (or folder, or stop set: the same key) gets its own compiler."""
+    from transformers import AutoTokenizer
+
+    from fxrewrite.runtime.engine.structured_outputs import StructuredOutputManager
+
+    def manager(vocab_size):
+        return StructuredOutputManager(AutoTokenizer.from_pretrained(tiny_llama_dir), vocab_size, {2}, use_process=False)
+
+    first = manager(49152)
+    assert manager(49152).compiler is first.compiler and manager(49152)._info is first._info
+    assert manager(49152 + 64).compiler is not first.compiler

@@ -1,12 +1,11 @@
-"""Structured outputs' grammar work off the main thread: with async scheduling, a step's grammar work (accepting
-the previous step's tokens, filling this step's bitmask) starts after the step's forward pass is launched, runs
-on a worker thread while the main thread completes the previous step, and ends before the step samples;
-seeded outputs equal those of the sequential path (the behaviour before the overlap) and of synchronous
-scheduling; a grammar violation found on the worker is raised on the main thread."""
+"""Structured outputs' grammar work in the grammar process: with async scheduling, a step's job (accepting
+the previous step's tokens, filling this step's bitmask) is sent after the step's forward pass is launched,
+runs there while the main thread completes the previous step, and is read before the step samples; seeded
+outputs equal those of the sequential path (the matchers in this process) and of synchronous scheduling; a
+grammar violation found there is raised on the main thread; a dead grammar process fails the step and the
+next constrained request gets a fresh one."""
 
 import json
-import sys
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -28,7 +27,6 @@ SCHEMA = {
 }
 ENDLESS = {"type": "array", "items": {"type": "integer"}, "minItems": 1000}
 """Never completes within max_tokens: every step of every request has a row to fill."""
-WAIT_S = 20.0
 
 
 def _llm(model_dir, **kwargs):
@@ -45,79 +43,43 @@ def _constraint(**kwargs):
     return StructuredOutputsParams(disable_any_whitespace=True, **kwargs)
 
 
-def test_fill_runs_after_the_forward_launch_beside_the_previous_steps_completion(llm):
-    """Order per step: forward launched < grammar fill < sample (in the next launch). The fill runs on a
-    worker thread, and it
-    and the main thread's completion of the previous step are in progress at the same time: each waits
-    for the other to have started (a sequential implementation would time out here)."""
+def test_job_is_sent_after_the_forward_launch_and_read_when_the_step_samples(llm):
+    """Order per decode step: forward launched < job sent < the previous step completed (its samples
+    processed) < the job's answer read < sample (in the next launch)."""
     engine = llm.llm_engine
-    runner, structured = engine.model_runner, engine.compile_structured_outputs(
+    runner = engine.model_runner
+    structured = engine.compile_structured_outputs(
         SamplingParams(structured_outputs=_constraint(json=ENDLESS))) and engine._structured
-    events, fill_started, processing, job_fills = [], threading.Event(), threading.Event(), [False]
-    overlapped = []
-    main = threading.current_thread()
+    assert structured.process is not None
+    events = []
 
-    def record(obj, name, before):
+    def record(obj, name, kind):
         original = getattr(obj, name)
 
         def wrapper(*args, **kwargs):
-            before(*args, **kwargs)
+            events.append(kind)
             return original(*args, **kwargs)
         return wrapper
 
-    def on_fill(*args, **kwargs):
-        events.append(("fill", threading.current_thread() is main))
-        fill_started.set()
-        if threading.current_thread() is not main:
-            overlapped.append(processing.wait(WAIT_S))
-
-    def on_process(*args, **kwargs):
-        if job_fills[0] and not processing.is_set():
-            overlapped.append(fill_started.wait(WAIT_S))
-            processing.set()
-
-    def start(*args, **kwargs):
-        fill_started.clear()
-        processing.clear()
-        job = original_start(*args, **kwargs)
-        job_fills[0] = job.host is not None
-        return job
-
-    filler, original_start = structured._filler, structured.start_step
-    filler.num_threads = 1  # one fill call per step (several threads split the rows)
-    patches = [
-        (runner, "execute_model_async", record(runner, "execute_model_async", lambda *a, **k: events.append(
-            ("launch", None)))),
-        (runner.model, "compute_logits", record(runner.model, "compute_logits", lambda *a, **k: events.append(
-            ("forward", None)))),
-        (runner.sampler, "sample", record(runner.sampler, "sample", lambda *a, **k: events.append(
-            ("sample", a[2] is not None)))),
-        (engine, "_process_sample", record(engine, "_process_sample", on_process)),
-        (structured, "start_step", start),
-    ]
-    filler._fill = record(filler, "_fill", on_fill)
-    for obj, name, value in patches:
-        setattr(obj, name, value)
+    patches = [(runner.model, "compute_logits", "forward"), (runner.sampler, "sample", "sample"),
+               (engine, "_process_sample", "process"), (structured, "start_step", "send"),
+               (structured, "finish_step", "read"), (structured, "fill_bitmask", "fill_here")]
+    for obj, name, kind in patches:
+        setattr(obj, name, record(obj, name, kind))
     try:
         params = SamplingParams(n=4, temperature=1.0, max_tokens=6, seed=1,
                                 structured_outputs=_constraint(json=ENDLESS))
         out = llm.generate(["numbers:"], params, use_tqdm=False)[0]
     finally:
-        del filler._fill
         for obj, name, _ in patches:
             delattr(obj, name)
     assert all(len(c.token_ids) == 6 and c.text.startswith("[") for c in out.outputs)
-    kinds = [kind for kind, _ in events]
-    # One prefill (its mask filled at once: no previous step) and five decode steps; a decode step samples
-    # when its tokens are first needed, in the next launch (before that step's forward) or in the last
-    # step's completion, so the main thread never waits for the mask inside the step's own launch.
-    decode = ["launch", "forward", "fill"] + ["launch", "sample", "forward", "fill"] * 4 + ["sample"]
-    assert kinds == ["launch", "forward", "fill", "sample"] + decode, kinds
-    kinds = [kind for kind in kinds if kind != "launch"]
-    assert kinds == ["forward", "fill", "sample"] * 6, kinds
-    assert [on_main for kind, on_main in events if kind == "fill"] == [True] + [False] * 5  # prefill: no previous
-    assert all(masked for kind, masked in events if kind == "sample")
-    assert overlapped == [True] * 10  # five worker fills x (fill saw processing, processing saw the fill)
+    kinds = [k for i, k in enumerate(events) if k != "process" or events[i - 1] != "process"]
+    # The prefill's mask is filled at once (no previous step); each decode step's job is sent after its
+    # forward launch, the previous step completes meanwhile, and the answer is read when the step samples.
+    decode = ["forward", "send", "process", "read", "sample"]
+    assert kinds == ["forward", "fill_here", "sample"] + decode * 5 + ["process"], kinds
+    assert structured.stats["job_s"] > 0 and structured.stats["wait_s"] <= structured.stats["main_s"]
 
 
 def _requests():
@@ -140,33 +102,28 @@ def _tokens(llm) -> list:
     return [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs]
 
 
-def test_seeded_outputs_equal_the_sequential_path_threads_and_sync_scheduling(llm, tiny_llama_dir):
+def test_seeded_outputs_equal_the_sequential_path_and_sync_scheduling(llm, tiny_llama_dir):
     overlapped = _tokens(llm)
-    llm.llm_engine._structured.overlap = False  # the path before the worker thread
-    try:
-        sequential = _tokens(llm)
-    finally:
-        llm.llm_engine._structured.overlap = True
-    assert overlapped == sequential
-    filler = llm.llm_engine._structured._filler
-    threads, filler.num_threads = filler.num_threads, 3  # rows split over three worker threads
+    engine = llm.llm_engine
+    in_process = engine._structured
+    engine._structured = type(in_process)(engine.tokenizer, engine.model_config.vocab_size, engine.eos_token_ids,
+                                          use_process=False)  # the matchers here, the work after completing
     try:
         assert _tokens(llm) == overlapped
     finally:
-        filler.num_threads = threads
+        engine._structured.close()
+        engine._structured = in_process
     assert _tokens(_llm(tiny_llama_dir, async_scheduling=False)) == overlapped
-    assert not llm.llm_engine._structured.matchers
+    assert not engine._structured.constrained
 
 
-def test_worker_grammar_violation_is_raised_on_the_main_thread(llm):
-    """A token the grammar refuses (a sampler bug) raises RuntimeError from finish_step; the GIL switch
-    interval is restored once the job is joined."""
+def test_grammar_violation_is_raised_on_the_main_thread(llm):
+    """A token the grammar refuses (a sampler bug) raises RuntimeError from finish_step."""
     engine = llm.llm_engine
-    structured = engine._structured or engine.compile_structured_outputs(
+    structured = engine.compile_structured_outputs(
         SamplingParams(structured_outputs=_constraint(choice=["a"]))) and engine._structured
-    compiled = structured.compile(_constraint(choice=["yes", "no"]))
-    structured.add(-1, compiled)
-    interval = sys.getswitchinterval()
+    params = _constraint(choice=["yes", "no"])
+    structured.add(-1, params)
     mask = structured.fill_bitmask([-1], torch.device("cpu"))
     bits = ((mask[0][:, None] >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[: structured.vocab_size]
     banned = int((bits == 0).nonzero()[0])
@@ -175,6 +132,22 @@ def test_worker_grammar_violation_is_raised_on_the_main_thread(llm):
                                     torch.device("cpu"))
         with pytest.raises(RuntimeError, match="violates its grammar"):
             structured.finish_step(job, torch.device("cpu"))
-        assert sys.getswitchinterval() == interval
     finally:
         structured.remove(-1)
+
+
+def test_a_dead_grammar_process_fails_the_step_and_is_replaced(tiny_llama_dir):
+    llm = _llm(tiny_llama_dir)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=2, structured_outputs=_constraint(json=ENDLESS))
+    llm.generate(["numbers:"], params, use_tqdm=False)
+    structured = llm.llm_engine._structured
+    structured.process._proc.kill()
+    structured.process._proc.wait()
+    with pytest.raises(RuntimeError, match="grammar process is gone"):
+        llm.generate(["numbers:"], params, use_tqdm=False)
+    engine = llm.llm_engine
+    assert not engine.requests and not structured.constrained
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    out = llm.generate(["numbers:"], params, use_tqdm=False)[0]  # a fresh grammar process
+    assert all(len(c.token_ids) == 8 and c.text.startswith("[") for c in out.outputs)
+    structured.close()

@@ -67,6 +67,25 @@ def test_booleans_are_not_integers(server, path, body, field):
     assert message.startswith(field) and ("true" in message or "false" in message or '"5"' in message), message
 
 
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/completions", COMPLETION | {"stream": "yes"}, "stream"),
+    ("/v1/completions", COMPLETION | {"stream": 1}, "stream"),
+    ("/v1/completions", COMPLETION | {"echo": "true"}, "echo"),
+    ("/v1/completions", COMPLETION | {"ignore_eos": 0}, "ignore_eos"),
+    ("/v1/chat/completions", CHAT | {"logprobs": 1}, "logprobs"),
+    ("/v1/chat/completions", CHAT | {"stream": True, "stream_options": {"include_usage": "yes"}},
+     "stream_options.include_usage"),
+    ("/v1/chat/completions", CHAT | {"add_generation_prompt": "false"}, "add_generation_prompt"),
+    ("/v1/tokenize", {"prompt": "hi", "add_special_tokens": 1}, "add_special_tokens"),
+])
+def test_non_booleans_are_refused_where_a_boolean_is_expected(server, path, body, field):
+    """OpenAI answers a 400 for "stream": "yes" or 1; pydantic's lax mode would take them as true."""
+    with server.http() as http:
+        r = http.post(path, json=body)
+    message = _error(r, 400, field.split(".")[0])  # param: the top-level field
+    assert message.startswith(field) and "expected true or false" in message, message
+
+
 def test_integral_values_still_work(server):
     with server.http() as http:
         r = http.post("/v1/completions", json=COMPLETION | {"temperature": 0, "top_p": 1, "seed": 3})

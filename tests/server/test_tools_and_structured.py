@@ -10,6 +10,8 @@ import pytest
 pytest.importorskip("xgrammar", reason="structured outputs need the serve extra (xgrammar)")
 jsonschema = pytest.importorskip("jsonschema")
 
+pytestmark = pytest.mark.slow  # runs first under xdist (tests/conftest.py)
+
 SCHEMA = {
     "type": "object",
     "properties": {

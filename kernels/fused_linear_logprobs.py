@@ -1,0 +1,132 @@
+"""Log-probabilities of target tokens under a linear LM head, without the [tokens, vocab] logits.
+
+``logprob[r] = y[r, t_r] - logsumexp(y[r])`` with ``y = transform(hidden @ W.T + b)`` in float32, where the
+transform is ``scale * z`` or Gemma 2's ``softcap * tanh(scale * z / softcap)`` (``scale = 1 / temperature``
+gives a sampler's temperature). This is minus the cross-entropy with reduction "none", what an RL trainer
+needs for the sampled tokens: the loss (GRPO/PPO's clipped ratio) weights every token differently, so the
+fused linear cross-entropy's trick of finishing the gradient in the forward (one scalar scales it later)
+does not apply. Instead the forward keeps only the [N] logprobs, and the backward, given d(out)/d(logprob)
+per row, recomputes each chunk's logits and writes the weighted softmax gradient over them in place
+(:func:`fxrewrite.kernels.cross_entropy.cross_entropy_grad_` with ``row_scale``), then ``dhidden = g @ W``
+and ``dW += g.T @ hidden``: four GEMMs per chunk in all, one [chunk, vocab] buffer, no float32 copy.
+The chunking and the in-place gradient are Liger-Kernel's fused linear cross-entropy's (Hsu et al., 2024,
+arXiv:2410.10989); :func:`fused_linear_logprobs_ref` is the same numbers through full logits and autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fxrewrite.kernels import use_triton
+from fxrewrite.kernels.cross_entropy import cross_entropy_grad_
+from fxrewrite.kernels.fused_linear_cross_entropy import default_chunk_size
+
+__all__ = ["fused_linear_logprobs", "fused_linear_logprobs_ref"]
+
+_NO_IGNORE = -100  # never a token id: every row counts
+
+
+def _transform(z: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+    y = z.float() * scale
+    return softcap * torch.tanh(y / softcap) if softcap else y
+
+
+def fused_linear_logprobs_ref(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                              target: torch.Tensor, scale: float = 1.0, softcap: float | None = None) -> torch.Tensor:
+    """Reference: float32 [N] through the full logits [N, V] (log_softmax, gather), autograd end to end."""
+    y = _transform(F.linear(hidden, weight, bias), scale, softcap)
+    return torch.log_softmax(y, dim=-1).gather(1, target[:, None]).squeeze(1)
+
+
+def _chunk_logits(h, weight, bias, out=None):
+    if out is None:
+        return F.linear(h, weight, bias)
+    return torch.mm(h, weight.t(), out=out) if bias is None else torch.addmm(bias, h, weight.t(), out=out)
+
+
+def _forward(hidden, weight, bias, target, scale, softcap, chunk) -> torch.Tensor:
+    n = hidden.shape[0]
+    out = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    kernel = use_triton(hidden)
+    buf = torch.empty((min(chunk, n), weight.shape[0]), dtype=hidden.dtype, device=hidden.device) if kernel else None
+    for s in range(0, n, chunk):
+        e = min(s + chunk, n)
+        if kernel:  # the kernel writes the row's cross-entropy (and overwrites the logits: unused here)
+            cross_entropy_grad_(_chunk_logits(hidden[s:e], weight, bias, buf[:e - s]), target[s:e], _NO_IGNORE,
+                                scale, softcap, losses=out[s:e])
+        else:
+            y = _transform(_chunk_logits(hidden[s:e], weight, bias), scale, softcap)
+            out[s:e] = torch.logsumexp(y, dim=-1) - y.gather(1, target[s:e, None]).squeeze(1)
+    return out.neg_()
+
+
+def _weighted_grad_torch(z, t, scale, softcap, weight_rows) -> torch.Tensor:
+    """d(sum_r w_r * logprob_r)/dz for logits z [C, V]: w_r * (onehot(t_r) - softmax(y_r)) * dy/dz, float32."""
+    y = _transform(z, scale, softcap)
+    g = torch.softmax(y, dim=-1).neg_()
+    g[torch.arange(g.shape[0], device=g.device), t] += 1.0
+    dydz = scale * (1.0 - (y / softcap) ** 2) if softcap else scale
+    return (g * dydz * weight_rows[:, None]).to(z.dtype)
+
+
+def _backward(grad, hidden, weight, bias, target, scale, softcap, chunk, want):
+    n = hidden.shape[0]
+    grad_h = torch.empty_like(hidden) if want[0] else None
+    grad_w = torch.zeros_like(weight, memory_format=torch.contiguous_format) if want[1] else None
+    grad_b = torch.zeros_like(bias, dtype=torch.float32) if want[2] else None
+    kernel = use_triton(hidden)
+    buf = torch.empty((min(chunk, n), weight.shape[0]), dtype=hidden.dtype, device=hidden.device) if kernel else None
+    scratch = torch.empty(n, dtype=torch.float32, device=hidden.device) if kernel else None
+    neg = grad.float().neg().contiguous()  # d logprob = -d cross-entropy
+    for s in range(0, n, chunk):
+        e = min(s + chunk, n)
+        h = hidden[s:e]
+        if kernel:
+            g = _chunk_logits(h, weight, bias, buf[:e - s])
+            cross_entropy_grad_(g, target[s:e], _NO_IGNORE, scale, softcap, losses=scratch[s:e], row_scale=neg[s:e])
+        else:
+            g = _weighted_grad_torch(_chunk_logits(h, weight, bias), target[s:e], scale, softcap, -neg[s:e])
+        if grad_h is not None:
+            torch.mm(g, weight.to(g.dtype), out=grad_h[s:e])
+        if grad_w is not None:
+            grad_w.addmm_(g.t(), h)
+        if grad_b is not None:
+            grad_b += g.float().sum(0)
+    return grad_h, grad_w, None if grad_b is None else grad_b.to(bias.dtype)
+
+
+class _FusedLinearLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, scale, softcap, chunk):
+        ctx.save_for_backward(hidden, weight, bias, target)
+        ctx.params = (scale, softcap, chunk)
+        return _forward(hidden, weight, bias, target, scale, softcap, chunk)
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, bias, target = ctx.saved_tensors
+        grads = _backward(grad, hidden, weight, bias, target, *ctx.params, ctx.needs_input_grad[:3])
+        return (*grads, None, None, None, None)
+
+
+def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+                          scale: float = 1.0, softcap: float | None = None,
+                          chunk_size: int | None = None) -> torch.Tensor:
+    """log softmax(transform(hidden @ weight.T + bias))[r, target[r]] per row: float32 [N], differentiable.
+
+    hidden [N, H], weight [V, H] and bias [V] (or None) of one float dtype, target int64 [N] in [0, V).
+    ``scale`` / ``softcap``: the transform in the module docstring (1.0 / None: raw logits). Gradients flow
+    to hidden, weight and bias, weighted per row by the incoming gradient. ``chunk_size`` rows per chunk
+    (None: :func:`fxrewrite.kernels.fused_linear_cross_entropy.default_chunk_size`). On CUDA (or under the
+    Triton interpreter with FXREWRITE_TRITON=1) the cross-entropy kernel runs; otherwise the torch closed
+    form. Peak extra memory: one chunk of logits, plus d/dweight [V, H] in the backward. ValueError on
+    mismatched shapes or dtypes."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or target.shape != hidden.shape[:1]:
+        raise ValueError(f"fused_linear_logprobs: hidden {tuple(hidden.shape)} must be [N, H], weight "
+                         f"{tuple(weight.shape)} [V, H], target {tuple(target.shape)} [N]")
+    if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+        raise ValueError(f"fused_linear_logprobs: hidden {hidden.dtype}, weight {weight.dtype} and bias "
+                         f"{None if bias is None else bias.dtype} must share one dtype")
+    chunk = chunk_size or default_chunk_size(hidden.shape[0], weight.shape[0], hidden.shape[1])
+    return _FusedLinearLogprobs.apply(hidden, weight, bias, target, float(scale), softcap, chunk)

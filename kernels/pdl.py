@@ -1,0 +1,92 @@
+"""Programmatic Dependent Launch (PDL) for the decode-step Triton kernels (Hopper, sm90+).
+
+Without PDL a kernel starts only after the previous kernel on the stream has finished and its memory
+is flushed, so each of the ~10 launches per decoder layer pays a ramp-up and a tail of a few
+microseconds. A kernel launched with PDL (CUDA's programmatic stream serialization, Triton's
+``launch_pdl=True``) may start while the previous one is still running: it does the work that does not
+depend on the previous kernel (a GEMV prefetches its first weight lines to L2), then ``gdc_wait`` blocks until the
+previous grid has completed and its writes are visible; ``gdc_launch_dependents`` lets the next kernel
+launch once every program of this one has called it. Both instructions are no-ops in a kernel launched
+without the attribute, and a launch without it (cuBLAS, torch ops) keeps full stream ordering, so mixing
+PDL and plain kernels is safe. CUDA graphs capture the programmatic edges.
+
+Kernels with the switch (a ``PDL`` constexpr, set from `pdl_enabled`): the skinny GEMV, RMSNorm, SiLU-and-mul,
+rotary, q/k norm + rotary (+ cache write), reshape_and_cache, paged decode and its merge, the MoE router (and its
+norm-folded form) and the direct expert kernels. cuBLAS and torch's own kernels launch plainly.
+
+The rules every PDL kernel here follows (CUDA programming guide, "Programmatic Dependent Launch"):
+every program calls ``gdc_wait`` (unconditionally, so that the grid's completion implies its
+predecessor's, which the next kernel relies on) before it reads anything another kernel may have
+written and before it writes anything; only read-only data (weights) is touched before it.
+
+``FXREWRITE_PDL``: ``off`` (default), ``auto`` (on for CUDA devices of compute capability >= 9.0), ``on``
+(the same, but a device without PDL raises). Never under the Triton interpreter (CPU tests).
+
+Opt-in because it bought nothing measurable (H200, triton 3.6, 2026-12-01-decode-chain-qwen3-4b-qwen3-32b.json
+and the latency JSONs beside it): a CUDA graph of 8 layers' batch-1 decode kernels took 76.5 / 75.1 us per
+Qwen3-4B layer with PDL off / on and 257.8 / 259.2 us per Qwen3-32B layer; engine batch-1 decode 3.061 / 3.070
+ms per step (4B), 16.89 / 17.05 (32B). The chain costs what its kernels cost back to back (each GEMV's ~2.5 us
+of ramp-up and last-wave tail is inside the kernel, and PDL did not hide it), not launch gaps.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from fxrewrite.kernels.triton_utils import HAS_TRITON, interpreter_ready, tl, triton
+
+__all__ = ["MODES", "mode", "device_supports_pdl", "pdl_enabled", "gdc_prologue"]
+
+MODES = ("auto", "on", "off")
+
+
+def mode() -> str:
+    """``FXREWRITE_PDL``: "off" (default), "auto" or "on"; ValueError naming any other value."""
+    value = os.environ.get("FXREWRITE_PDL", "off")
+    if value not in MODES:
+        raise ValueError(f"FXREWRITE_PDL={value!r}; expected one of {MODES}")
+    return value
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_ok(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def device_supports_pdl(device) -> bool:
+    """True for a CUDA device of compute capability >= 9.0 with compiled (not interpreted) Triton."""
+    device = torch.device(device)
+    if device.type != "cuda" or not HAS_TRITON or interpreter_ready():
+        return False
+    return _capability_ok(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_enabled(device) -> bool:
+    """Whether the decode kernels launch with PDL on `device` (see the module docstring). RuntimeError
+    under FXREWRITE_PDL=on on a device without it. Memoised per (FXREWRITE_PDL value, device): every
+    kernel launch asks."""
+    key = (os.environ.get("FXREWRITE_PDL", "off"), device)
+    hit = _ENABLED.get(key)
+    if hit is None:
+        current = mode()
+        supported = current != "off" and device_supports_pdl(device)
+        if current == "on" and not supported:
+            raise RuntimeError(f"FXREWRITE_PDL=on but device {device} has no programmatic dependent launch "
+                               "(needs CUDA compute capability >= 9.0 and compiled Triton); use auto or off")
+        hit = _ENABLED[key] = supported
+    return hit
+
+
+_ENABLED: dict = {}
+
+
+@triton.jit
+def gdc_prologue(PDL: tl.constexpr):
+    """In a kernel launched with PDL: wait for the previous grid (its writes become visible), then let the
+    next kernel launch. Call it before the first read of another kernel's output and the first write."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

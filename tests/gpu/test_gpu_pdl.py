@@ -1,0 +1,100 @@
+"""Programmatic Dependent Launch on the GPU (sm90+): the decode kernels launched with PDL inside a captured CUDA
+graph give bitwise the outputs of the same graph captured without it, for the whole per-layer chain at
+Qwen3-4B shapes (skinny GEMVs with and without split-K, q/k norm + rotary + cache write, paged decode with its
+merge, SiLU-and-mul + cuBLAS between PDL kernels), and a long chain of dependent GEMVs; the split-K GEMV
+matches the unfused reference. CPU tests: tests/kernels/test_pdl.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fxrewrite.benchmarks.common import load_bench_config
+from fxrewrite.benchmarks.decode_chain import build, layer
+from fxrewrite.benchmarks.gemv import projections
+from fxrewrite.kernels import gemv_tune
+from fxrewrite.kernels.pdl import device_supports_pdl, pdl_enabled
+from fxrewrite.kernels.skinny_gemv import SPLIT_CONFIGS, configs_for, skinny_gemv_triton
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _hopper():
+    if not device_supports_pdl("cuda"):
+        pytest.fail("these tests need a CUDA device with compute capability >= 9.0 (PDL)")
+
+
+def _replay(fn, monkeypatch, pdl: str):
+    """fn()'s outputs from a CUDA graph captured with FXREWRITE_PDL=pdl (after one eager warm-up call)."""
+    monkeypatch.setenv("FXREWRITE_PDL", pdl)
+    assert pdl_enabled("cuda") == (pdl == "on")
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = fn()
+    graph.replay()
+    graph.replay()  # a second replay: the split-K counters must have been reset by the first
+    torch.cuda.synchronize()
+    return [o.clone() for o in outs]
+
+
+@pytest.mark.parametrize("down", ["split", "unsplit", "cublas"])
+def test_layer_chain_with_pdl_equals_without(monkeypatch, down):
+    cfg = load_bench_config("qwen3-4b")["config"]
+    model = build(cfg, layers=3, context=300, max_model_len=4096)  # 300 keys: the split + merge path
+    split_cfg = SPLIT_CONFIGS[1][0]
+    choice = {"qkv_proj": configs_for(1)[1], "o_proj": split_cfg, "gate_up_proj": configs_for(1)[0],
+              "down_proj": {"split": split_cfg, "unsplit": configs_for(1)[0], "cublas": None}[down]}
+    snapshot = [(lw["kc"].clone(), lw["vc"].clone()) for lw in model["layers"]]
+
+    def step():
+        hidden, residual = model["hidden"], model["residual"]
+        for lw in model["layers"]:
+            hidden, residual = layer(model, lw, hidden, residual, choice)
+        return [hidden, residual] + [c for lw in model["layers"] for c in (lw["kc"], lw["vc"])]
+
+    def restore():
+        for lw, (kc, vc) in zip(model["layers"], snapshot):
+            lw["kc"].copy_(kc)
+            lw["vc"].copy_(vc)
+
+    off = _replay(step, monkeypatch, "off")
+    restore()
+    on = _replay(step, monkeypatch, "on")
+    for i, (a, b) in enumerate(zip(on, off)):
+        assert torch.equal(a, b), f"output {i} differs with PDL"
+    assert off[0].isfinite().all() and off[0].abs().max() > 0
+
+
+def test_dependent_gemv_chain_with_pdl_equals_without(monkeypatch):
+    """40 GEMVs, each reading the previous one's output (o_proj shape, split-K and not, alternating)."""
+    n = k = 2560
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(4)]
+    x0 = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    configs = (configs_for(1)[0], SPLIT_CONFIGS[1][1])
+
+    def chain():
+        x = x0
+        for i in range(40):
+            x = skinny_gemv_triton(x, ws[i % 4], config=configs[i % 2])
+            x = x / x.abs().amax().clamp_min(1e-6)  # a plain torch kernel between two PDL launches
+        return [x]
+
+    assert torch.equal(_replay(chain, monkeypatch, "on")[0], _replay(chain, monkeypatch, "off")[0])
+
+
+@pytest.mark.parametrize("proj", ["o_proj", "down_proj"])
+@pytest.mark.parametrize("m", [1, 2])
+def test_split_k_configs_at_qwen3_4b_shapes(monkeypatch, proj, m):
+    monkeypatch.setenv("FXREWRITE_PDL", "on")
+    kind, n, k = projections(load_bench_config("qwen3-4b")["config"])[proj]
+    w = gemv_tune.scratch_weights(n, k, "cuda", torch.bfloat16)[0]
+    args = gemv_tune.make_inputs(kind, m, k, "cuda", torch.bfloat16, seed=m)
+    want = gemv_tune.baseline(kind, w, **args)
+    assert len(configs_for(m, kind, n)) > len(configs_for(m))  # split-K candidates at this narrow N
+    for config in configs_for(m, kind, n):
+        first = gemv_tune.candidate(kind, w, config=config, **args)
+        assert gemv_tune.max_rel_error(first, want) < 2e-2, f"config {config}"
+        assert torch.equal(gemv_tune.candidate(kind, w, config=config, **args), first)  # deterministic

@@ -1,0 +1,68 @@
+"""PDL switch (`fxrewrite.kernels.pdl`) and the split-K skinny GEMV in the Triton interpreter: FXREWRITE_PDL
+parsing, PDL never enabled on a CPU / under the interpreter, split-K configs against the unfused reference
+(SiLU-and-mul prologue, bias, partial tiles, uneven K), its counters left at zero, and which kinds get split-K
+candidates. GPU (PDL inside CUDA graphs): tests/gpu/test_gpu_pdl.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fxrewrite.kernels import pdl, skinny_gemv
+from fxrewrite.kernels.skinny_gemv import CONFIGS, SPLIT_CONFIGS, configs_for, skinny_gemv_ref, skinny_gemv_triton
+
+
+def test_mode_parsing(monkeypatch):
+    monkeypatch.delenv("FXREWRITE_PDL", raising=False)
+    assert pdl.mode() == "off"  # opt-in: it measured no gain (kernels/pdl.py)
+    for value in pdl.MODES:
+        monkeypatch.setenv("FXREWRITE_PDL", value)
+        assert pdl.mode() == value
+    monkeypatch.setenv("FXREWRITE_PDL", "yes")
+    with pytest.raises(ValueError, match="FXREWRITE_PDL='yes'"):
+        pdl.mode()
+
+
+def test_never_on_cpu(monkeypatch):
+    monkeypatch.setenv("FXREWRITE_PDL", "auto")
+    assert not pdl.device_supports_pdl("cpu") and not pdl.pdl_enabled("cpu")
+    monkeypatch.setenv("FXREWRITE_PDL", "off")
+    assert not pdl.pdl_enabled("cpu")
+    monkeypatch.setenv("FXREWRITE_PDL", "on")
+    with pytest.raises(RuntimeError, match="no programmatic dependent launch"):
+        pdl.pdl_enabled("cpu")
+
+
+def test_split_k_only_for_kinds_without_a_norm():
+    assert configs_for(1) == CONFIGS[1]
+    assert configs_for(3, "norm") == CONFIGS[4]
+    for kind in ("linear", "silu"):
+        assert configs_for(2, kind) == CONFIGS[2] + SPLIT_CONFIGS[2]
+        assert configs_for(4, kind) == CONFIGS[4]  # split-K only at 1-2 tokens
+        assert configs_for(1, kind, n=2560) == CONFIGS[1] + SPLIT_CONFIGS[1]  # Qwen3-4B o_proj / down_proj
+        assert configs_for(1, kind, n=151936) == CONFIGS[1]  # an LM head fills the GPU unsplit
+    w, x = torch.zeros(4, 64), torch.zeros(1, 64)
+    with pytest.raises(ValueError, match="splits K"):
+        skinny_gemv_triton(x, w, norm_weight=torch.ones(64), config=SPLIT_CONFIGS[1][0])
+
+
+@pytest.mark.parametrize("config", sorted({c for cs in SPLIT_CONFIGS.values() for c in cs}), ids=repr)
+def test_split_k_silu_matches_ref(interpret, monkeypatch, config):
+    monkeypatch.setenv("FXREWRITE_PDL", "auto")  # the interpreter: launched without PDL
+    g = torch.Generator().manual_seed(sum(config))
+    n, k = 19, 1792  # a partial last column tile; K = 3.5 tiles of 512: the last split is shorter
+    for m in (1, 3):
+        x, w = torch.randn(m, 2 * k, generator=g), torch.randn(n, k, generator=g) / k ** 0.5
+        bias = torch.randn(n, generator=g)
+        got = skinny_gemv_triton(x, w, bias, silu_mul=True, config=config)
+        torch.testing.assert_close(got, skinny_gemv_ref(x, w, bias, silu_mul=True), rtol=1e-5, atol=1e-5)
+    assert not skinny_gemv._TICKETS[torch.device("cpu")].any()  # every column tile's counter reset
+
+
+def test_split_k_more_splits_than_tiles(interpret):
+    """split_k 8 over 3 K tiles runs 3 splits (no empty split), bf16 plain linear."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 1536, generator=g).bfloat16(), (torch.randn(40, 1536, generator=g) / 40).bfloat16()
+    got = skinny_gemv_triton(x, w, config=(16, 512, 4, 8))
+    want = skinny_gemv_ref(x, w)
+    assert ((got.float() - want.float()).abs().max() / want.float().abs().max()) < 2e-2
