@@ -155,9 +155,11 @@ class RunStats:
 
 
 def run_requests(engine, prompts: list[list[int]], params: list, time_limit_s: float | None = None,
-                 desc: str = "requests") -> RunStats:
+                 desc: str = "requests", window=None, stop_after_window: bool = False) -> RunStats:
     """Add every prompt (token ids) to `engine` (an LLMEngine), step until all finish or the time limit
     passes (then the rest are aborted and `truncated` is set). Token counts are of what was produced.
+    `window` (a `fxrewrite.benchmarks.decode_window.DecodeWindow`) is updated after every step; with
+    `stop_after_window` the run also stops (aborted, truncated) once the window is complete.
     A tqdm bar (stderr, labelled `desc`) counts output tokens against the requested total."""
     from tqdm import tqdm
 
@@ -178,7 +180,9 @@ def run_requests(engine, prompts: list[list[int]], params: list, time_limit_s: f
                 stats.first_token_s.setdefault(out.request_id, now)
             if out.finished:
                 stats.finish_s[out.request_id] = now
-        if time_limit_s is not None and time.perf_counter() - start > time_limit_s:
+        done = window is not None and window.update(time.perf_counter() - start, counts, len(stats.finish_s))
+        if (time_limit_s is not None and time.perf_counter() - start > time_limit_s) or (done and stop_after_window
+                                                                                         and engine.has_unfinished_requests()):
             stats.truncated = True
             for request_id in ids:
                 engine.abort_request(request_id)

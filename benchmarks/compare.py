@@ -146,6 +146,8 @@ def compare(config: str | Path, arms: list[str], workload_kind: str = "throughpu
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = _result_stem(spec["name"], workload_kind, engine_kwargs or {})
+    window = getattr(workload, "decode_window_steps", 0)
+    stem += f"-decode-window{window}" if window else ""  # another headline: beside the full run, not over it
     result = {
         "name": stem, "date": env["date"], "config": spec["name"], "environment": env,
         "workload": workload.describe(), "engine_kwargs": {"load_format": "dummy", **(engine_kwargs or {})},

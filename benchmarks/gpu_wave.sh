@@ -18,9 +18,10 @@
 #   STEP=decode (nvidia-h200):   issue 14: Triton JIT warm-up and fused norm-rope + KV write GPU tests;
 #                                Qwen3-0.6B throughput after,native and native,after (cold Triton cache);
 #                                Qwen3-4B / Qwen3-32B batch-1 decode (native, after); Qwen3-4B decode profile
-#   STEP=moe-decode (nvidia-h200): MoE GPU tests, the direct MoE kernels at T=1..8 (tile sweep of each kernel
-#                                and the fused router, in CUDA graphs), Qwen3-30B-A3B batch-1/8 latency (after, native) and throughput
-#                                (after, native, before = transformers' eager experts loop)
+#   STEP=moe-decode (nvidia-h200): MoE GPU tests, the direct MoE kernels at T=1,8 (tile sweep of each kernel
+#                                and every router launch shape, in CUDA graphs), Qwen3-30B-A3B batch-1/8 latency (after,
+#                                native) and throughput as the full-batch decode window (after, native, before =
+#                                transformers' eager experts loop; <date>-qwen3-30b-a3b-throughput-decode-window8.json)
 #   STEP=compile (nvidia-h200): issue 14 item 1, at most 510 s of step limits: -O 3 vs -O 0 GPU tests (float32 greedy
 #                                tokens); Qwen3-0.6B throughput, arms after,native: -O 3 cold (fresh Inductor and
 #                                Triton caches), -O 3 warm (same caches, new processes), -O 0
@@ -163,15 +164,17 @@ moe-profile)
   done; done
   stamp "MoE batch-1/8 decode latency"
   compare 160 --config qwen3-30b-a3b --arms after,native --workload latency --max-num-seqs 8 --time-limit 30 ;;
-moe-decode)  # issue 13: the few-token MoE path
-  stamp "MoE GPU tests (direct kernels, every sweep tile, fused router), short-context decode attention"
-  gpu_tests 110 gpu-tests-moe.log tests/moe tests/kernels/test_paged_attention.py
-  stamp "MoE direct kernels T=1..8 (Qwen3-30B-A3B expert shapes; tile sweep, per-kernel TB/s in graphs, router)"
-  timeout -k 5 100 $PY -m fxrewrite.benchmarks.moe_kernels --config qwen3-30b-a3b --tokens 1,2,4,8 --sweep \
-    --direct-only --out "$OUT_DIR" 2>&1 | grep -v "sweep" | tail -40
-  stamp "MoE batch-1/8 decode latency"
-  compare 150 --config qwen3-30b-a3b --arms after,native --workload latency --max-num-seqs 8 --time-limit 25
-  stamp "MoE throughput (Qwen3-30B-A3B shapes)"
-  compare 170 --config qwen3-30b-a3b --arms after,native,before --num-prompts 256 --time-limit 20 ;;
+moe-decode)  # issue 13 (nvidia-h200), at most 350 s of step limits: the few-token MoE path
+  stamp "MoE GPU tests (router launch shapes and tuner, norm-folded router, direct kernels, fused MoE)"
+  gpu_tests 75 gpu-tests-moe.log tests/moe
+  stamp "MoE direct kernels T=1,8 (Qwen3-30B-A3B shapes; tile sweep in graphs; router: each launch shape, GEMM pair)"
+  timeout -k 5 55 $PY -m fxrewrite.benchmarks.moe_kernels --config qwen3-30b-a3b --tokens 1,8 --sweep \
+    --direct-only --out "$OUT_DIR" 2>&1 | grep -v "sweep" | tail -24
+  export FXREWRITE_ROUTER_TUNE_LOG="$OUT_DIR/router-tune.jsonl"  # the load-time router choice of each engine arm
+  stamp "MoE batch-1/8 decode latency (after, native)"
+  compare 70 --config qwen3-30b-a3b --arms after,native --workload latency --max-num-seqs 8 --time-limit 20
+  # before first: the slow arm (~2 s per step) gets the time; after and native stop ~4 s into their timed runs
+  stamp "MoE throughput, full-batch decode window of 8 steps after all 256 prefills (before, after, native)"
+  compare 150 --config qwen3-30b-a3b --arms before,after,native --num-prompts 256 --decode-window 8 --time-limit 55 ;;
 esac
 stamp done

@@ -3,8 +3,8 @@
 Run through ``python -m fxrewrite.benchmarks.moe_kernels --config qwen3-30b-a3b --tokens 1,2,4,8 --sweep``
 (about 30 s on an H200: each candidate compiles once, then one graph per kernel and config replays).
 Per token count T it times `direct_gate_up` and `direct_down` (`fxrewrite.kernels.fused_moe_direct`)
-under each tile candidate, and the router as one fused launch (`route_experts`) against the GEMM +
-`select_experts` pair. A graph calls the kernel on several layers' weights in turn, so no call
+under each tile candidate, and the router as one fused launch (`route_experts`) at each launch shape the
+load-time tuner chooses from, against the GEMM + `select_experts` pair. A graph calls the kernel on several layers' weights in turn, so no call
 finds its weights in L2 (as in a decode step). Reported: GPU microseconds per call and the TB/s of
 routed bytes (the distinct experts hit x that kernel's weight bytes; the router: its whole weight),
 the quantity the batch-1 decode roofline counts. `short_context_decode_rows` times batch-1 decode
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from fxrewrite.benchmarks.common import replay_ms
 from fxrewrite.benchmarks.kernels import _paged_batch
 from fxrewrite.kernels.fused_moe_direct import direct_config, direct_down, direct_gate_up
-from fxrewrite.kernels.moe_router import route_experts
+from fxrewrite.kernels.moe_router import ROUTER_CONFIGS, route_experts
 from fxrewrite.kernels.moe_routing import select_experts
 from fxrewrite.kernels.paged_decode import _num_splits, paged_decode_triton
 
@@ -72,12 +72,18 @@ def _kernel_rows(x, layers, weights, ids, hit) -> list[dict]:
 
 
 def _router_rows(x, num_experts, top_k) -> list[dict]:
-    gates = [(torch.randn(num_experts, x.shape[1], device=x.device, dtype=x.dtype) * 0.02,) for _ in range(8)]
+    """The router at each `ROUTER_CONFIGS` launch shape (arm "router_fused", config named) and as the GEMM +
+    `select_experts` pair ("router_gemm_select"), over 64 gate copies (32 MB: the step's other weights
+    evict the gate between layers; here the copies stand in for them)."""
+    gates = [(torch.randn(num_experts, x.shape[1], device=x.device, dtype=x.dtype) * 0.02,) for _ in range(64)]
     nbytes = gates[0][0].numel() * gates[0][0].element_size()
-    fused = graph_ms(lambda w: route_experts(x, w, top_k, True), gates)
+    rows = []
+    for cfg in ROUTER_CONFIGS:
+        ms = graph_ms(lambda w, cfg=cfg: route_experts(x, w, top_k, True, config=cfg), gates)
+        row = _row(x.shape[0], "router_fused", None, ms, nbytes)
+        rows.append({**row, "config": cfg._asdict()})
     gemm = graph_ms(lambda w: select_experts(F.linear(x, w), top_k, True), gates)
-    return [_row(x.shape[0], "router_fused", None, fused, nbytes), _row(x.shape[0], "router_gemm_select", None, gemm,
-                                                                        nbytes)]
+    return rows + [_row(x.shape[0], "router_gemm_select", None, gemm, nbytes)]
 
 
 def direct_sweep(x, layers, weights, ids) -> list[dict]:
@@ -90,8 +96,10 @@ def direct_sweep(x, layers, weights, ids) -> list[dict]:
         default = next(r for r in rows if r["arm"] == arm)
         print(f"T={x.shape[0]:3d} {arm:15s} best {best['config']} {best['us']:6.1f} us {best['TBps']:5.2f} TB/s "
               f"(default {default['us']:6.1f} us {default['TBps']:5.2f} TB/s)", flush=True)
-    for r in rows[-2:]:
-        print(f"T={x.shape[0]:3d} {r['arm']:18s} {r['us']:6.1f} us", flush=True)
+    for r in rows:
+        if r["arm"].startswith("router"):
+            cfg = "/".join(str(int(v)) for v in r["config"].values()) if r["config"] else "F.linear + top-k"
+            print(f"T={x.shape[0]:3d} {r['arm']:18s} {cfg:16s} {r['us']:6.1f} us", flush=True)
     return rows
 
 

@@ -26,7 +26,7 @@ def headline(arm_result: dict, kind: str) -> float | None:
     if arm_failed(arm_result):
         return None
     value = arm_result
-    for part in HEADLINES[kind][0].split("."):
+    for part in arm_result.get("headline_key", HEADLINES[kind][0]).split("."):  # a run may name its own
         if not isinstance(value, dict) or part not in value:
             return None
         value = value[part]

@@ -10,6 +10,7 @@ import random
 from dataclasses import asdict, dataclass, replace
 
 from fxrewrite.benchmarks.common import run_requests, step_profile
+from fxrewrite.benchmarks.decode_window import DecodeWindow
 from fxrewrite.kernels.triton_utils import watch_jit_compiles
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
@@ -24,6 +25,9 @@ class ThroughputWorkload:
     max_output_len: int = 1024
     max_token_id: int = 10000
     seed: int = 0
+    decode_window_steps: int = 0
+    """> 0: the headline is the full-batch decode window of this many steps (`DecodeWindow`), and each arm
+    stops once it is measured; 0: nano-vllm's figure (the window is still reported, over 8 steps)."""
     temperature: float = 0.0
     """nano-vllm samples at 0.6; greedy here, as in every recorded run so far (the sampler drew its
     noise on the CPU until 2026-11-29; it now draws it on the device, so 0.6 is fair to try next)."""
@@ -59,9 +63,14 @@ def run_throughput(llm, workload: ThroughputWorkload, time_limit_s: float | None
                  desc="warm-up")
     params = [SamplingParams(temperature=workload.temperature, max_tokens=n, ignore_eos=True, seed=None)
               for n in output_lens]
+    window = DecodeWindow(workload.decode_window_steps or 8)
     with step_profile(engine.model_runner) as profile, watch_jit_compiles() as compiled:
-        stats = run_requests(engine, prompts, params, time_limit_s, desc="timed run")
+        stats = run_requests(engine, prompts, params, time_limit_s, desc="timed run", window=window,
+                             stop_after_window=workload.decode_window_steps > 0)
+    headline = {"headline_key": "decode_window.output_tokens_per_s"} if workload.decode_window_steps else {}
     return {
+        **headline,
+        "decode_window": window.result(),
         "triton_jit_in_timed_run": compiled,  # should be empty: each entry is a JIT stall inside the timing
         "step_profile_s": {**profile, "host_not_hidden": round(stats.elapsed_s - profile["launch"] - profile["wait"], 3)},
         "output_tokens": stats.output_tokens,

@@ -54,9 +54,11 @@ def select_experts_ref(router_logits: torch.Tensor, top_k: int, renormalize: boo
 
 @triton.jit
 def select_top_k(x, valid, offs, weights_ptr, ids_ptr, row, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                 SOFTMAX: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                 SOFTMAX: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RANKED: tl.constexpr):
     """Scores of one token's float32 logits `x` [BLOCK_E] (lanes with `valid` False ignored), its
-    top-k stored at row `row` of weights [T, K] float32 and ids [T, K] int64 (`select_experts_ref`)."""
+    top-k stored at row `row` of weights [T, K] float32 and ids [T, K] int64 (`select_experts_ref`).
+    RANKED (BLOCK_E <= 128 only): one E x E rank compare instead of TOP_K rounds of argmax; the
+    rounds are cheaper when the program is one warp (every reduction stays in warp shuffles)."""
     if SOFTMAX:
         x = tl.where(valid, x, float("-inf"))
         e = tl.exp(x - tl.max(x, axis=0))
@@ -65,7 +67,7 @@ def select_top_k(x, valid, offs, weights_ptr, ids_ptr, row, TOP_K: tl.constexpr,
         scores = tl.sigmoid(x)
     scores = tl.where(valid, scores, float("-inf"))
     slots = tl.arange(0, BLOCK_K)
-    if BLOCK_E <= 128:  # up to 128 experts the E x E compare below fits in registers
+    if RANKED:  # up to 128 experts the E x E compare below fits in registers (4+ warps)
         # each expert's rank among the scores (ties: the lower index first), in one pass: a few parallel
         # reductions instead of 2 * top_k dependent cross-warp ones (the latency of this kernel)
         s_i, s_j = scores[:, None], scores[None, :]
@@ -98,7 +100,8 @@ def _select_experts_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride
     offs = tl.arange(0, BLOCK_E)
     valid = offs < num_experts
     x = tl.load(logits_ptr + row * stride_t + offs, mask=valid, other=0.0).to(tl.float32)
-    select_top_k(x, valid, offs, weights_ptr, ids_ptr, row, TOP_K, RENORMALIZE, SOFTMAX, BLOCK_E, BLOCK_K)
+    select_top_k(x, valid, offs, weights_ptr, ids_ptr, row, TOP_K, RENORMALIZE, SOFTMAX, BLOCK_E, BLOCK_K,
+                 BLOCK_E <= 128)
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring_func: str = "softmax",

@@ -11,8 +11,8 @@ without the attribute, and a launch without it (cuBLAS, torch ops) keeps full st
 PDL and plain kernels is safe. CUDA graphs capture the programmatic edges.
 
 Kernels with the switch (a ``PDL`` constexpr, set from `pdl_enabled`): the skinny GEMV, RMSNorm, SiLU-and-mul,
-rotary, q/k norm + rotary (+ cache write), reshape_and_cache, paged decode and its merge, the MoE router and
-the direct expert kernels. cuBLAS and torch's own kernels launch plainly.
+rotary, q/k norm + rotary (+ cache write), reshape_and_cache, paged decode and its merge, the MoE router (and its
+norm-folded form) and the direct expert kernels. cuBLAS and torch's own kernels launch plainly.
 
 The rules every PDL kernel here follows (CUDA programming guide, "Programmatic Dependent Launch"):
 every program calls ``gdc_wait`` (unconditionally, so that the grid's completion implies its

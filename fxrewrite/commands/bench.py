@@ -36,6 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--workload", default="throughput", choices=("throughput", "latency", "long"))
     c.add_argument("--num-prompts", type=positive_int, default=None,
                    help="throughput: number of requests (default 256, nano-vllm's)")
+    c.add_argument("--decode-window", type=positive_int, default=None, metavar="STEPS",
+                   help="throughput: the headline is output tokens/s over STEPS engine steps after every request's "
+                        "prefill (all requests running) and each arm stops once it is measured "
+                        "(benchmarks/decode_window.py; for arms too slow to finish the prefill in --time-limit)")
     c.add_argument("--hf-num-prompts", type=positive_int, default=64,
                    help="throughput: requests given to the hf arm (its speed is ~1k tokens/s; default 64)")
     c.add_argument("--time-limit", type=float, default=None,
@@ -171,6 +175,9 @@ def run(args: argparse.Namespace) -> int:
     from fxrewrite.benchmarks.common import RESULTS_DIR, parse_arms
     from fxrewrite.benchmarks.compare import compare, format_table
 
+    if args.decode_window and args.workload != "throughput":
+        raise UserInputError(f"--decode-window applies to the throughput workload, not --workload {args.workload}")
+
     engine_kwargs = {
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "gpu_memory_utilization": args.gpu_memory_utilization, "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
@@ -189,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
         hf_num_prompts=args.hf_num_prompts, engine_kwargs=engine_kwargs, time_limit_s=args.time_limit,
         out_dir=args.out or RESULTS_DIR, notes=args.note, tokenizer_dir=args.tokenizer_dir,
         isolate=not args.in_process, config_overrides=args.hf_overrides,
+        workload_overrides={"decode_window_steps": args.decode_window} if args.decode_window else None,
     )
     print(format_table(result))
     print("wrote " + ", ".join(result["files"]))

@@ -21,6 +21,8 @@ from torch import nn
 from fxrewrite.data_parallel import dp_ep_active
 from fxrewrite.distributed import tensor_model_parallel_all_reduce
 from fxrewrite.kernels.fused_moe import SCORING, fused_experts
+from fxrewrite.kernels import moe_router_tune
+from fxrewrite.kernels.moe_norm_router import norm_route_experts
 from fxrewrite.kernels.moe_router import route_experts
 from fxrewrite.layers.moe_dp import experts_across_dp
 
@@ -131,18 +133,40 @@ class FusedMoE(nn.Module):
             out = experts_across_dp(self, x)
         else:
             out = self._experts(x)
+        return self._add_shared(x, out).reshape(shape)
+
+    def forward_norm(self, hidden_states: torch.Tensor, norm: nn.Module, residual: torch.Tensor):
+        """``x, residual = norm(hidden_states, residual); return self(x), residual`` (norm: the layer's
+        RMSNorm, vLLM's fused-add form), with the norm folded into the router launch at decode
+        (`fxrewrite.kernels.moe_norm_router`) when nothing else needs the plain path."""
+        router = self._child("router")
+        if (dp_ep_active() or getattr(router, "bias", None) is not None or torch.compiler.is_compiling()
+                or getattr(norm, "offset", None) != 0.0 or not getattr(norm, "upcast", False)):
+            x, residual = norm(hidden_states, residual)
+            return self(x), residual
+        shape = hidden_states.shape
+        weights, ids, x, residual = norm_route_experts(
+            hidden_states.reshape(-1, shape[-1]), residual.reshape(-1, shape[-1]), norm.weight,
+            norm.variance_epsilon, router.weight, self.top_k, self.renormalize, self.scoring_func)
+        return self._add_shared(x, self._run_experts(x, weights, ids)).reshape(shape), residual.reshape(shape)
+
+    def _add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         shared = self._child("shared")
         if shared is not None:
             s = shared(x)
             gate = self._child("shared_gate")
             out = out + (torch.sigmoid(gate(x)) * s if gate is not None else s)
-        return out.reshape(shape)
+        return out
 
     def _experts(self, x: torch.Tensor) -> torch.Tensor:
-        router, experts = self._child("router"), self._child("experts")
+        router = self._child("router")
         # a few tokens (decode): gate GEMV + top-k in one launch (fxrewrite.kernels.moe_router)
         weights, ids = route_experts(x, router.weight, self.top_k, self.renormalize, self.scoring_func,
                                      getattr(router, "bias", None))
+        return self._run_experts(x, weights, ids)
+
+    def _run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        experts = self._child("experts")
         out = experts(x, weights, ids)
         if experts.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
@@ -150,3 +174,14 @@ class FusedMoE(nn.Module):
 
     def extra_repr(self) -> str:
         return f"top_k={self.top_k}, renormalize={self.renormalize}, scoring_func={self.scoring_func!r}"
+
+
+def prepare_moe_router(model: nn.Module, device: torch.device, dtype: torch.dtype) -> dict:
+    """Time the router launch shapes of every `FusedMoE` router shape in `model` on a CUDA `device` and
+    record the fastest (`fxrewrite.kernels.moe_router_tune.tune`); {} on CPU or without MoE blocks."""
+    shapes = set()
+    for module in model.modules():
+        if isinstance(module, FusedMoE) and getattr(module._child("router"), "bias", None) is None:
+            e, h = module._child("router").weight.shape
+            shapes.add((e, h, module.top_k, module.renormalize, module.scoring_func))
+    return moe_router_tune.tune(shapes, device, dtype) if shapes else {}

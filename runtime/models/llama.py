@@ -11,6 +11,7 @@ from torch import nn
 
 from fxrewrite.distributed import get_tp_rank, get_tp_size
 from fxrewrite.layers.activation import SiluAndMul
+from fxrewrite.layers.fused_moe import FusedMoE
 from fxrewrite.layers.layernorm import RMSNorm
 from fxrewrite.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from fxrewrite.layers.rotary import get_rope
@@ -127,6 +128,8 @@ class LlamaDecoderLayer(nn.Module):
         hidden_states, residual = self.self_attn(positions, hidden_states, self.input_layernorm, residual)
         if isinstance(self.mlp, LlamaMLP):
             return self.mlp(hidden_states, self.post_attention_layernorm, residual)
+        if isinstance(self.mlp, FusedMoE) and residual is not None:  # the norm folds into the router launch
+            return self.mlp.forward_norm(hidden_states, self.post_attention_layernorm, residual)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 

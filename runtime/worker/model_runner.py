@@ -10,6 +10,7 @@ from torch import nn
 from fxrewrite import distributed
 from fxrewrite.kernels.batch_invariant import batch_invariant_mode
 from fxrewrite.layers.rope_context import rope_lengths
+from fxrewrite.layers.fused_moe import prepare_moe_router
 from fxrewrite.layers.skinny import prepare_skinny_gemv
 from fxrewrite.runtime.model_files.quantization import finish_fp8_model, prepare_fp8_model, resolve_quantization
 from fxrewrite.runtime.worker.pipeline import PipelineStage, pipeline_stage_of_this_rank
@@ -138,6 +139,8 @@ class ModelRunner:
         elif self.device.type == "cuda":  # skinny GEMV vs cuBLAS per layer shape, before any graph is captured
             watchdog.phase("timing the skinny GEMV against cuBLAS")
             prepare_skinny_gemv(self.model, self.device, model_config.dtype, config.max_num_seqs)
+            watchdog.phase("timing the MoE router launch shapes")
+            prepare_moe_router(self.model, self.device, model_config.dtype)
         layers = self.pipeline.layers if self.pipeline is not None else None  # a stage caches its layers only
         watchdog.phase("sizing and allocating the KV cache")
         if self.device.type == "cuda" and config.kv_cache_memory_bytes is None:

@@ -45,7 +45,58 @@ def test_fused_router_matches_reference(triton_on, t, h, e, k, scoring, renormal
     assert launches.names == ["_router_kernel"]
     assert torch.equal(got_ids, want_ids) and got_ids.dtype == torch.int64
     torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
-    assert not moe_router._counters(x.device).any()
+    assert not moe_router.counters(x.device).any()
+
+
+@pytest.mark.parametrize("config", moe_router.ROUTER_CONFIGS, ids=lambda c: "/".join(map(str, map(int, c))))
+def test_every_router_config_matches_reference(triton_on, config):
+    """Each launch shape the load-time tuner may choose (rows per program, warps, rank or argmax top-k)
+    routes like the reference: 3 tokens, 48 experts (partial last block), hidden 100 (masked chunk)."""
+    x, w = _inputs(3, 100, 48, seed=7)
+    got_w, got_ids = route_experts(x, w, 6, True, config=config)
+    want_w, want_ids = route_experts_ref(x, w, 6, True)
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+    assert not moe_router.counters(x.device).any()
+
+
+def test_router_choice_record_and_env(monkeypatch):
+    """record() wins over FXREWRITE_ROUTER_CONFIG, which wins over the default; a malformed value is a
+    clear error naming it."""
+    assert moe_router.choice_for(9, 10, 2) == moe_router.ROUTER_CONFIGS[0]
+    monkeypatch.setenv("FXREWRITE_ROUTER_CONFIG", "2/512/4/1")
+    assert moe_router.choice_for(9, 10, 2) == moe_router.RouterConfig(2, 512, 4, True)
+    moe_router.record(9, 10, 2, moe_router.GEMM)
+    try:
+        assert moe_router.choice_for(9, 10, 2) == moe_router.GEMM
+    finally:
+        moe_router.record(9, 10, 2, None)
+    monkeypatch.setenv("FXREWRITE_ROUTER_CONFIG", "fast")
+    with pytest.raises(ValueError, match="FXREWRITE_ROUTER_CONFIG='fast'"):
+        moe_router.choice_for(9, 10, 2)
+
+
+def test_router_tuner_records_the_fastest_checked_candidate(triton_on, monkeypatch):
+    """The tuner (timings faked: no GPU here) skips a candidate that routes wrongly even when it is the
+    fastest, and records the fastest of the rest."""
+    from fxrewrite.kernels import moe_router_tune
+
+    fastest, wrong = moe_router.ROUTER_CONFIGS[2], moe_router.ROUTER_CONFIGS[1]
+    fake_us = {c: 5.0 for c in moe_router_tune.candidates()} | {fastest: 3.0, wrong: 1.0}
+    monkeypatch.setattr(moe_router_tune, "graph_time_us", lambda fn, reps, copies: fake_us[fn.__defaults__[0]])
+    real = moe_router_tune.route_experts
+
+    def wrong_for_one(x, w, k, renormalize, scoring, config=None):
+        weights, ids = real(x, w, k, renormalize, scoring, config=config)
+        return (weights, ids.flip(-1) * 0) if config == wrong else (weights, ids)  # every slot expert 0
+
+    monkeypatch.setattr(moe_router_tune, "route_experts", wrong_for_one)
+    try:
+        results = moe_router_tune.tune_shape(16, 64, 4, True, "softmax", "cpu", torch.float32)
+        assert moe_router.choice_for(16, 64, 4) == fastest
+    finally:
+        moe_router.record(16, 64, 4, None)
+    assert str(results["2/256/1/0"]).startswith("error: ValueError") and results["1/512/2/0"] == 3.0
 
 
 def test_fused_router_rounds_logits_to_the_input_dtype(triton_on):
@@ -95,6 +146,22 @@ def test_fused_router_cuda_graph_on_gpu(t):
         want_w, want_ids = route_experts_ref(x, w, 8, True)
         assert torch.equal(ids, want_ids)
         torch.testing.assert_close(weights, want_w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_router_tuner_on_gpu():
+    """Qwen3-30B-A3B's router shape in bf16: every fused launch shape passes the tuner's check (an error
+    here is a kernel bug, not a slow config), each is timed, and the fastest is recorded."""
+    from fxrewrite.kernels import moe_router_tune
+
+    try:
+        results = moe_router_tune.tune_shape(128, 2048, 8, True, "softmax", "cuda", torch.bfloat16)
+        chosen = moe_router.choice_for(128, 2048, 8)
+    finally:
+        moe_router.record(128, 2048, 8, None)
+    print("router tuner (us at T=1):", results)
+    assert all(isinstance(v, float) for v in results.values()), results
+    assert results[moe_router_tune._name(chosen)] == min(results.values())
 
 
 def test_fused_moe_layer_routes_decode_tokens_in_one_launch(interpret, monkeypatch):
