@@ -75,16 +75,15 @@ class ActAndMulDownFunction(torch.autograd.Function):
         inplace = x2.data_ptr() != x.data_ptr() or (ctx.inplace and not _keep_graph())
         dx = (x2 if inplace else torch.empty_like(x2)) if want_x else None
         step = _row_chunk(x2.shape[0], d, weight.shape[0])
-        # d/dweight over several chunks: each chunk's product summed in float32 (a running sum in bf16
-        # drifted by a bf16 step of the sum per chunk: 1.06 absolute on the H200 test's 8192-row sums)
+        # d/dweight over several chunks: accumulated in float32 by the matmul itself (a running sum in bf16,
+        # or chunk products rounded to bf16, missed the one-matmul result by up to ~1 on the H200 test's
+        # 8192-row sums, where chunk products cancel)
         total = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if want_w and step < len(x2) else None
         for s in range(0, x2.shape[0], step):
             xc, dyc = x2[s:s + step], dy2[s:s + step]
             a = _act_and_mul_triton(xc, ctx.code)  # recomputed: the forward's bits
             if want_w:
-                torch.mm(dyc.t(), a, out=dweight)
-                if total is not None:
-                    total.add_(dweight)
+                _accumulate_dweight(dweight, total, dyc, a)
             if want_x:  # da over a, then the activation's backward from it (over x when in place)
                 _backward(xc, torch.mm(dyc, weight, out=a), dx[s:s + step], ctx.code)
             del a
@@ -93,6 +92,17 @@ class ActAndMulDownFunction(torch.autograd.Function):
         dbias = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return (dx.view(x.shape) if want_x else None, dweight, dbias,
                 None, None)
+
+
+def _accumulate_dweight(dweight: torch.Tensor, total: torch.Tensor | None, dy: torch.Tensor, a: torch.Tensor) -> None:
+    """dweight = dy^T a (one chunk), or total += dy^T a in float32 (mm's out_dtype on CUDA; float32 math
+    elsewhere: the interpreter tests run in float32)."""
+    if total is None:
+        torch.mm(dy.t(), a, out=dweight)
+    elif dy.is_cuda:
+        torch.addmm(total, dy.t(), a, out_dtype=torch.float32, out=total)
+    else:
+        total.addmm_(dy.t().float(), a.float())
 
 
 def act_and_mul_down_train(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str = "silu",
