@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 from fxrewrite.errors import UserInputError, UserTypeError
 from fxrewrite.runtime.engine_config import EngineConfig
-from fxrewrite.runtime.engine.chat import check_role, render_chat
+from fxrewrite.runtime.engine.chat import check_role, render_chat, resolve_chat_template
 from fxrewrite.runtime.engine.data_parallel import make_engine
 from fxrewrite.runtime.engine.outputs import RequestOutput
 from fxrewrite.runtime.engine.pooling import EmbeddingRequestOutput, PoolingParams
@@ -151,6 +151,7 @@ class LLM:
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise UserTypeError(f"tools must be a list of OpenAI tool dicts, got {tools!r}")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        chat_template = resolve_chat_template(chat_template)
         tokenizer = self.llm_engine.tokenizer
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise UserInputError(f"tokenizer of {self.llm_engine.model_config.model!r} has no chat template")
@@ -182,6 +183,11 @@ def _check_conversation(n: int, conversation) -> None:
             raise UserInputError(f"conversation {n} message {i}: {message!r} must be a dict with a "
                                  f"string 'role' and a 'content' that is not None (or 'tool_calls')")
         check_role(message["role"], f"conversation {n} message {i}")
+        content = message.get("content")
+        if content is not None and not isinstance(content, str) and not (
+                isinstance(content, list) and all(isinstance(part, dict) for part in content)):
+            raise UserTypeError(f"conversation {n} message {i}: content={content!r} must be a string or a list "
+                                f"of content parts ({{'type': 'text', 'text': ...}} dicts)")
 
 
 def _per_prompt(sampling_params, num: int) -> list[SamplingParams]:

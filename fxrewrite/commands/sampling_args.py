@@ -5,11 +5,10 @@ reads `--chat-template` (generate and serve)."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 from fxrewrite.commands.engine_args import engine_kwargs
-from fxrewrite.errors import UserInputError
+from fxrewrite.runtime.engine.chat import resolve_chat_template
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,25 +48,7 @@ def load_llm(args: argparse.Namespace):
 
 
 def load_chat_template(value: str | None) -> str | None:
-    """--chat-template: a file's text, or the value itself when it looks like a template (vLLM's rule:
-    it holds "{", "}" or a newline); UserInputError for a path that does not exist or a template that
-    Jinja cannot parse (checked here, so `serve` does not start and answer every chat request with a 400)."""
-    if value is None:
-        return None
-    if any(c in value for c in "{}\n"):
-        template, source = value, "the template text"
-    else:
-        path = Path(value).expanduser()
-        if not path.is_file():
-            raise UserInputError(f"--chat-template {value!r}: no such file (give a file path or the template text)")
-        template, source = path.read_text(), str(path)
-    # transformers' own compile (its sandbox and extensions: {% generation %}, loop controls); heavy, so
-    # imported only when a template is given
-    from jinja2 import TemplateSyntaxError
-    from transformers.utils.chat_template_utils import _compile_jinja_template
-    try:
-        _compile_jinja_template(template)
-    except TemplateSyntaxError as e:
-        raise UserInputError(f"--chat-template {value!r}: not a valid Jinja template ({source}, line "
-                             f"{e.lineno}: {e.message})") from None
-    return template
+    """--chat-template: a file's text, or the value itself when it looks like a template; see
+    `fxrewrite.runtime.engine.chat.resolve_chat_template` (checked here, so `serve` does not start and
+    answer every chat request with a 400)."""
+    return resolve_chat_template(value, "--chat-template")

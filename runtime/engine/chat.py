@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from fxrewrite.errors import UserInputError
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
@@ -16,6 +18,34 @@ def check_role(role: object, where: str | None = "message") -> str:
         prefix = f"{where}: " if where else ""
         raise UserInputError(f"{prefix}role {role!r} is not one of {', '.join(map(repr, CHAT_ROLES))}")
     return role
+
+
+def resolve_chat_template(value: str | None, name: str = "chat_template") -> str | None:
+    """A chat template given as a file path or as its text: the value itself when it looks like a template
+    (vLLM's rule: it holds "{", "}" or a newline), else the named file's text. UserInputError naming `name`
+    and the value for a path that does not exist (a mistyped path must not become the prompt) or a template
+    that Jinja cannot parse."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise UserInputError(f"{name}={value!r} must be a file path or the template text (a string)")
+    if any(c in value for c in "{}\n"):
+        template, source = value, "the template text"
+    else:
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise UserInputError(f"{name} {value!r}: no such file (give a file path or the template text)")
+        template, source = path.read_text(), str(path)
+    # transformers' own compile (its sandbox and extensions: {% generation %}, loop controls); heavy, so
+    # imported only when a template is given
+    from jinja2 import TemplateSyntaxError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+    try:
+        _compile_jinja_template(template)
+    except TemplateSyntaxError as e:
+        raise UserInputError(f"{name} {value!r}: not a valid Jinja template ({source}, line "
+                             f"{e.lineno}: {e.message})") from None
+    return template
 
 
 def check_generation_mode(messages: list, add_generation_prompt: bool, continue_final_message: bool) -> None:

@@ -16,7 +16,7 @@ from fxrewrite.runtime.engine.sequence import Sequence
 
 def check_request_extras(params: SamplingParams, config, vocab_size: int) -> None:
     """ValueError for logprobs / prompt_logprobs above `config.max_logprobs` (vLLM's limit, default 20), a
-    logit_bias token outside the vocabulary, or a feature the multi-process executors lack (tensor x
+    logit_bias or allowed_token_ids token outside the vocabulary, or a feature the multi-process executors lack (tensor x
     pipeline x data parallel size above 1)."""
     max_logprobs = config.max_logprobs
     parallel_size = (config.tensor_parallel_size * getattr(config, "pipeline_parallel_size", 1)
@@ -29,6 +29,9 @@ def check_request_extras(params: SamplingParams, config, vocab_size: int) -> Non
     bad = [t for t in (params.logit_bias or {}) if t >= vocab_size]
     if bad:
         raise ValueError(f"logit_bias token id {bad[0]} is out of range [0, {vocab_size})")
+    bad = [t for t in (params.allowed_token_ids or ()) if t >= vocab_size]
+    if bad:
+        raise ValueError(f"allowed_token_ids token id {bad[0]} is out of range [0, {vocab_size})")
     if parallel_size > 1:
         for name in ("prompt_logprobs", "structured_outputs", "bad_words"):
             if getattr(params, name) is not None:

@@ -155,13 +155,17 @@ def _filter_sorted(sorted_logits: torch.Tensor, params: list, k_list: list[int])
 
 
 def _bias_and_ban(logits: torch.Tensor, row: int, seq: Sequence) -> None:
-    """logit_bias (added) and bad_words (a word's last token at -inf when its other tokens were just
+    """logit_bias (added), allowed_token_ids (every other token at -inf) and bad_words (a word's last token at -inf when its other tokens were just
     generated; vLLM's rule) on one row, in place."""
     p, vocab = seq.sampling_params, logits.shape[-1]
     if p.logit_bias:
         ids = [t for t in p.logit_bias if t < vocab]
         bias = torch.tensor([p.logit_bias[t] for t in ids], dtype=logits.dtype)
         logits[row, ids] += bias.to(logits.device, non_blocking=True)
+    if p.allowed_token_ids is not None:
+        keep = torch.zeros(vocab, dtype=torch.bool)
+        keep[[t for t in p.allowed_token_ids if t < vocab]] = True
+        logits[row].masked_fill_(~keep.to(logits.device, non_blocking=True), float("-inf"))
     if p.bad_words:
         out = seq.output_token_ids
         banned = [w[-1] for w in seq.bad_words_token_ids

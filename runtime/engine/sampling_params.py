@@ -61,6 +61,8 @@ class SamplingParams:
     the first prompt token has none. A request asking for it skips the prefix cache."""
     logit_bias: dict[int, float] | None = None
     """{token_id: bias} added to the logits before sampling (OpenAI's logit_bias, in [-100, 100])."""
+    allowed_token_ids: list[int] | None = None
+    """Only these token ids may be sampled (vLLM's field; every other logit is -inf before sampling)."""
     bad_words: list[str] | None = None
     """Words never generated: a word's last token is banned whenever the tokens before it were just
     generated (each word tokenized with and without a leading space, as vLLM does)."""
@@ -108,6 +110,13 @@ class SamplingParams:
                 raise UserTypeError(f"SamplingParams: logit_bias={self.logit_bias!r} must map token ids "
                                 "(integers >= 0) to finite numbers")
             self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not (isinstance(ids, (list, tuple)) and ids and all(
+                    isinstance(t, Integral) and not isinstance(t, bool) and t >= 0 for t in ids)):
+                raise UserTypeError(f"SamplingParams: allowed_token_ids={ids!r} must be a non-empty list of token ids "
+                                    "(integers >= 0)")
+            self.allowed_token_ids = [int(t) for t in ids]
         if self.bad_words is not None and not (
                 isinstance(self.bad_words, (list, tuple)) and all(isinstance(w, str) and w for w in self.bad_words)):
             raise UserTypeError(f"SamplingParams: bad_words={self.bad_words!r} must be a list of non-empty strings")
@@ -156,9 +165,9 @@ class SamplingParams:
 
     @property
     def changes_logits(self) -> bool:
-        """Whether logit_bias or bad_words edit this request's logits before sampling (the sampler's
+        """Whether logit_bias, allowed_token_ids or bad_words edit this request's logits before sampling (the sampler's
         per-row pass; a grammar's bitmask is applied separately, batched)."""
-        return bool(self.logit_bias) or bool(self.bad_words)
+        return bool(self.logit_bias) or bool(self.bad_words) or self.allowed_token_ids is not None
 
     @property
     def has_penalties(self) -> bool:

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from fxrewrite.errors import UserInputError
 from fxrewrite.runtime.engine import grammar_process
 from fxrewrite.runtime.engine.grammar_bitmask import STAT_KEYS, GrammarJob, MaskSlots
 from fxrewrite.runtime.engine.grammar_worker import MatcherSet, choice_grammar, compile_constraint
@@ -66,17 +67,17 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
-            raise ValueError(f"StructuredOutputsParams: exactly one of {', '.join(_KINDS)} must be set, "
+            raise UserInputError(f"StructuredOutputsParams: exactly one of {', '.join(_KINDS)} must be set, "
                              f"got {given or 'none'}")
         if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
                                         or not all(isinstance(c, str) for c in self.choice)):
-            raise ValueError(f"StructuredOutputsParams: choice={self.choice!r} must be a non-empty list of strings")
+            raise UserInputError(f"StructuredOutputsParams: choice={self.choice!r} must be a non-empty list of strings")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
-                raise ValueError(f"StructuredOutputsParams: {name}={value!r} must be a string")
+                raise UserInputError(f"StructuredOutputsParams: {name}={value!r} must be a string")
         if self.json is not None and not isinstance(self.json, (str, dict)):
-            raise ValueError(f"StructuredOutputsParams: json={self.json!r} must be a JSON schema (dict or JSON text)")
+            raise UserInputError(f"StructuredOutputsParams: json={self.json!r} must be a JSON schema (dict or JSON text)")
 
     @property
     def kind(self) -> str:

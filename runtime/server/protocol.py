@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -43,6 +43,10 @@ def random_id(prefix: str) -> str:
 logger = logging.getLogger(__name__)
 HANDLED_EXTRAS = {"guided_whitespace_pattern"}  # read from model_extra (request_params.py)
 
+
+
+TokenId = Annotated[StrictInt, Field(ge=0)]
+"""A token id in a request (the vocabulary bound is checked against the model when the request arrives)."""
 
 class OpenAIBaseModel(BaseModel):
     # Unknown fields are accepted and ignored, as OpenAI and vLLM do (clients send extras); like vLLM, the
@@ -111,7 +115,8 @@ class SamplingRequest(OpenAIBaseModel):
     repetition_penalty: StrictFloat | None = Field(None, gt=0.0)
     ignore_eos: StrictBool = False
     min_tokens: StrictInt = Field(0, ge=0)
-    stop_token_ids: list[StrictInt] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1)
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     spaces_between_special_tokens: StrictBool = True

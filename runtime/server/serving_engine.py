@@ -57,7 +57,7 @@ class OpenAIServing:
         """`token_ids` when each is in [0, vocab); else a 400 naming `param` (the request field)."""
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise OpenAIError(HTTPStatus.BAD_REQUEST, f"{param} token id {bad[0]} is out of range "
+            raise OpenAIError(HTTPStatus.BAD_REQUEST, f"{param}: token id {bad[0]} is out of range "
                               f"[0, {self.vocab_size})", param=param.split("[")[0], code="invalid_value")
         return token_ids
 
@@ -113,6 +113,8 @@ class OpenAIServing:
                 frequency_penalty=request.frequency_penalty or 0.0,
                 ignore_eos=request.ignore_eos, min_tokens=min(request.min_tokens, max_tokens),
                 stop_token_ids=request.stop_token_ids,
+                allowed_token_ids=request.allowed_token_ids and self.check_token_ids(
+                    request.allowed_token_ids, "allowed_token_ids"),
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 skip_special_tokens=request.skip_special_tokens,
                 spaces_between_special_tokens=request.spaces_between_special_tokens,

@@ -87,3 +87,24 @@ def test_progress_bar_honours_tqdm_disable(llm, monkeypatch, capsys):
     monkeypatch.setattr(tqdm.auto, "tqdm", env_tqdm)
     llm.generate(["hi"], GREEDY)
     assert "Processed prompts" not in capsys.readouterr().err
+
+
+def test_chat_template_path_or_text_and_content_types(llm, tmp_path):
+    convo = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match=r"chat_template '/nonexistent/t.jinja': no such file"):
+        llm.chat(convo, GREEDY, use_tqdm=False, chat_template="/nonexistent/t.jinja")  # not used as the text
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
+    by_path = llm.chat(convo, GREEDY, use_tqdm=False, chat_template=str(path))[0]
+    assert by_path.prompt == "<hi>"
+    with pytest.raises(TypeError, match=r"message 0: content=5 must be a string or a list of content parts"):
+        llm.chat([{"role": "user", "content": 5}], GREEDY, use_tqdm=False)
+
+
+def test_allowed_token_ids_restrict_sampling(llm):
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=1, allowed_token_ids=[11, 12], ignore_eos=True)
+    assert set(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids) <= {11, 12}
+    with pytest.raises(ValueError, match=r"allowed_token_ids token id 999999 is out of range"):
+        llm.generate([[5]], SamplingParams(allowed_token_ids=[999999]), use_tqdm=False)
+    with pytest.raises(TypeError, match=r"allowed_token_ids=\[\] must be a non-empty list"):
+        SamplingParams(allowed_token_ids=[])

@@ -80,7 +80,7 @@ def test_embeddings_float_and_base64(pooling_server):
     ({"input": [[]]}, 400, "input is empty"),
     ({"input": ["ok", ""]}, 400, "input[1] is empty"),
     ({"input": list(range(1, MAX_LEN + 6))}, 400, f"has {MAX_LEN + 5} tokens"),
-    ({"input": [10**9]}, 400, "input token id 1000000000 is out of range"),
+    ({"input": [10**9]}, 400, "input: token id 1000000000 is out of range"),
     ({"input": "x", "dimensions": 8}, 400, "dimensions=8 is not supported"),
     ({"input": "x", "encoding_format": "int8"}, 400, "encoding_format"),
     ({"input": "x", "model": "nope"}, 404, "nope"),

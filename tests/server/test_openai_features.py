@@ -103,6 +103,25 @@ def test_best_of_seed_logit_bias_bad_words(server):
     assert "Paris" not in out.choices[0].text
 
 
+def test_allowed_token_ids(server):
+    client = server.client()
+    tok = server.engine.tokenizer
+    allowed = tok.encode(" yes no", add_special_tokens=False)
+    out = client.completions.create(model=server.model_name, prompt="Once upon a time", max_tokens=5, temperature=1.0,
+                                    extra_body={"ignore_eos": True, "allowed_token_ids": allowed,
+                                                "return_tokens_as_token_ids": False}, logprobs=0)
+    ids = tok.encode(out.choices[0].text, add_special_tokens=False)
+    assert ids and set(ids) <= set(allowed)
+    for bad, message in (([10**9], "allowed_token_ids: token id 1000000000 is out of range"),
+                         ([-1], "allowed_token_ids"), ([], "allowed_token_ids")):
+        with pytest.raises(openai.BadRequestError, match=message) as e:
+            client.completions.create(model=server.model_name, prompt="x", extra_body={"allowed_token_ids": bad})
+        assert e.value.param == "allowed_token_ids"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=server.model_name, prompt="x", extra_body={"stop_token_ids": [-1]})
+    assert e.value.param == "stop_token_ids"
+
+
 def test_stop_token_ids_text_left_out(server):
     client = server.client()
     kw = {"model": server.model_name, "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0}
@@ -126,7 +145,7 @@ def test_tokenize_and_detokenize(server):
         assert server.engine.tokenizer.decode(chat["tokens"]).startswith("<|im_start|>user\nhi")
         bad = http.post("/v1/detokenize", json={"tokens": [10**9]})
         assert bad.status_code == 400 and "out of range" in bad.json()["error"]["message"]
-        assert bad.json()["error"]["param"] == "tokens" and "tokens token id" in bad.json()["error"]["message"]
+        assert bad.json()["error"]["param"] == "tokens" and "tokens: token id" in bad.json()["error"]["message"]
         both = http.post("/v1/tokenize", json={"prompt": "x", "messages": [{"role": "user", "content": "x"}]})
         assert both.status_code == 400
 
