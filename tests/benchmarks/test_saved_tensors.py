@@ -18,8 +18,8 @@ def test_optimize_saves_less_than_stock(monkeypatch):
     ids = torch.randint(3, 96, (2, 32), generator=torch.Generator().manual_seed(0))
     got = {name: saved_tensor_bytes(m(ids, labels=ids).loss, m.parameters()) for name, m in
            (("stock", stock), ("optimize", fused))}
-    assert {"RMSNormFunctionBackward", "ActAndMulFunctionBackward"} <= set(got["optimize"])
-    # the gated activation keeps its [tokens, 2 * intermediate] input and nothing else
-    assert got["optimize"]["ActAndMulFunctionBackward"] == 2 * 32 * 2 * 48 * 4
+    assert {"RMSNormFunctionBackward", "ActAndMulDownFunctionBackward"} <= set(got["optimize"])
+    # the gated activation + down projection keeps its [tokens, 2 * intermediate] input and nothing else
+    assert got["optimize"]["ActAndMulDownFunctionBackward"] == 2 * 32 * 2 * 48 * 4
     assert sum(got["optimize"].values()) < sum(got["stock"].values())
     assert "NllLossBackward0" in got["stock"] and "NllLossBackward0" not in got["optimize"]  # no logits kept
