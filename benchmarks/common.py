@@ -48,7 +48,12 @@ def load_bench_config(path: str | Path) -> dict:
         path = CONFIG_DIR / f"{path}.json"
     if not path.is_file():
         raise UserFileNotFoundError(f"bench config {str(path)!r} not found (see {CONFIG_DIR})")
-    spec = json.loads(path.read_text())
+    try:
+        spec = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserInputError(f"bench config {str(path)!r} is not a JSON bench config ({e})") from None
+    if not isinstance(spec, dict):
+        raise UserInputError(f"bench config {str(path)!r} must be a JSON object with 'name' and 'config'")
     for key in ("name", "config"):
         if key not in spec:
             raise UserInputError(f"bench config {str(path)!r} has no {key!r} entry")

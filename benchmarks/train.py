@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from fxrewrite.errors import UserInputError
+
 ARMS = ("stock", "stock-compile", "liger", "optimize", "optimize-compile", "optimize-compile-kernels")
 # optimize-compile-kernels: FXREWRITE_COMPILE_TRAIN_KERNELS=1, our RMSNorm / gated-activation Triton kernels stay
 # opaque custom ops in the compiled graph instead of Inductor's fusion of their torch references
@@ -208,7 +210,7 @@ def run_train_bench(config: str, arms: list[str], *, steps: int = 8, warmup: int
 
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
-        raise ValueError(f"unknown train arm(s) {unknown}; expected some of {list(ARMS)}")
+        raise UserInputError(f"unknown train arm(s) {unknown}; expected some of {list(ARMS)}")
     bench = load_bench_config(config)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     spec = {"config": bench["config"], "dtype": dtype, "device": device, "seed": seed, "lr": lr, "steps": steps,

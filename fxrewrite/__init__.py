@@ -40,4 +40,12 @@ def __getattr__(name: str) -> Any:
         from fxrewrite.runtime.engine.pooling import PoolingParams
 
         return PoolingParams
+    if name in _SUBMODULES:  # `fxrewrite.rl.completion_logprobs(...)` after a plain `import fxrewrite`
+        import importlib
+
+        return importlib.import_module(f"fxrewrite.{name}")
     raise AttributeError(f"module 'fxrewrite' has no attribute {name!r}")
+
+
+_SUBMODULES = ("rl", "optimizer_state", "foreign", "kernels", "distributed", "layers", "patterns", "runtime",
+               "benchmarks")

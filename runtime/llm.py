@@ -152,6 +152,9 @@ class LLM:
             raise UserTypeError(f"tools must be a list of OpenAI tool dicts, got {tools!r}")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         chat_template = resolve_chat_template(chat_template)
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise UserTypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__} "
+                                f"{chat_template_kwargs!r:.80}")
         tokenizer = self.llm_engine.tokenizer
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise UserInputError(f"tokenizer of {self.llm_engine.model_config.model!r} has no chat template")

@@ -13,6 +13,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from fxrewrite.errors import UserInputError
 from fxrewrite.runtime.worker.weight_sync import named_weights
 
 
@@ -59,7 +60,11 @@ class EngineRLMixin:
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Restore what `sleep` freed: `tags` among "weights", "kv_cache" (None: both), so the weights can
-        come back and be updated before the KV cache is reallocated. Without a sleep: a no-op."""
+        come back and be updated before the KV cache is reallocated. Without a sleep: a no-op.
+        ValueError naming an unknown tag."""
+        unknown = [t for t in (tags or ()) if t not in ("weights", "kv_cache")]
+        if unknown or (tags is not None and not isinstance(tags, (list, tuple))):
+            raise UserInputError(f"wake_up: tags={tags!r}; expected a list of 'weights', 'kv_cache' (or None: both)")
         self.model_runner.wake_up(tags)
 
     def is_sleeping(self) -> bool:

@@ -80,6 +80,8 @@ class SamplingParams:
                 isinstance(self.stop, (list, tuple)) and all(isinstance(x, str) for x in self.stop)):
             raise UserTypeError(f"SamplingParams: stop={self.stop!r} must be a string or a list of strings")
         self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if isinstance(self.stop_token_ids, (str, bytes)):
+            raise UserTypeError(f"SamplingParams: stop_token_ids={self.stop_token_ids!r} must be a list of integers")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0

@@ -15,6 +15,7 @@ import json
 import shutil
 from pathlib import Path
 
+from fxrewrite.errors import UserInputError
 from fxrewrite.layers.fp8_linear import quantize_weight_fp8
 from fxrewrite.runtime.model_files.loader import iterate_safetensors
 
@@ -25,13 +26,22 @@ def is_quantized_name(name: str, tensor) -> bool:
 
 
 def write_fp8_checkpoint(src: str | Path, dst: str | Path, block: tuple[int, int] = (128, 128)) -> Path:
-    """Copy folder `src` to `dst` with its decoder projections quantized; returns `dst`.
+    """Copy folder `src` to `dst` with its decoder projections quantized; returns `dst`. UserInputError, before
+    `dst` is made, for a `src` that is not a model folder with safetensors, is already quantized, or is `dst`.
 
     Non-safetensors files (tokenizer, generation config) are copied as they are.
     """
     from safetensors.torch import save_file
 
     src, dst = Path(src), Path(dst)
+    if not (src / "config.json").is_file() or not any(src.glob("*.safetensors")):
+        raise UserInputError(f"fp8_checkpoint: SRC {str(src)!r} must be a model folder with config.json and "
+                             "*.safetensors weights")
+    if dst.exists() and dst.resolve() == src.resolve():
+        raise UserInputError(f"fp8_checkpoint: DST {str(dst)!r} is SRC; write the FP8 copy to another folder")
+    if "quantization_config" in json.loads((src / "config.json").read_text()):
+        raise UserInputError(f"fp8_checkpoint: SRC {str(src)!r} is already quantized (its config.json has a "
+                             "quantization_config)")
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
@@ -55,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("src", type=Path, help="model folder with safetensors weights")
     p.add_argument("dst", type=Path, help="output folder")
     args = p.parse_args(argv)
-    print(write_fp8_checkpoint(args.src, args.dst))
+    try:
+        print(write_fp8_checkpoint(args.src, args.dst))
+    except UserInputError as e:
+        p.error(str(e))
     return 0
 
 

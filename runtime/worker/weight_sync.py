@@ -51,11 +51,14 @@ class Target:
 
 def named_weights(source) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs of an nn.Module (its parameters, tied ones once) or of an iterable of pairs.
-    TypeError for anything else."""
+    TypeError for anything else, a string included, and for a pair whose tensor is not floating point."""
     if isinstance(source, nn.Module):
         return [(name, p.detach()) for name, p in source.named_parameters()]
     if isinstance(source, dict):
         source = source.items()
+    if isinstance(source, (str, bytes)):
+        raise TypeError(f"load_weights expects an nn.Module or an iterable of (name, tensor) pairs, got "
+                        f"{type(source).__name__} {source!r:.80} (load a checkpoint into a model first)")
     try:
         pairs = list(source)
     except TypeError:
@@ -65,6 +68,9 @@ def named_weights(source) -> list[tuple[str, torch.Tensor]]:
         if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
                 and isinstance(pair[1], torch.Tensor)):
             raise TypeError(f"load_weights: item {i} must be a (name, torch.Tensor) pair, got {pair!r:.80}")
+        if not (pair[1].is_floating_point() or pair[1].dtype == torch.float8_e4m3fn):
+            raise TypeError(f"load_weights: tensor {pair[0]!r} has dtype {pair[1].dtype}; expected a floating-point "
+                            "tensor (weights are cast from any float dtype, never from integers)")
     return [(name, t.detach()) for name, t in pairs]
 
 

@@ -56,3 +56,25 @@ def test_expert_weights_dequantize_in_any_order_and_a_lone_half_is_an_error():
         list(dequantize_fp8_experts([(name + "_scale_inv", scale)], (128, 128)))
     with pytest.raises(ValueError, match=r"experts.3.up_proj.weight: FP8 scales of shape \(2, 2\) do not match"):
         list(dequantize_fp8_experts([(name, q), (name + "_scale_inv", scale)], (64, 128)))
+
+
+def test_fp8_checkpoint_refuses_bad_folders_before_writing(tmp_path, fp8_moe_dir):
+    from fxrewrite.errors import UserInputError
+
+    with pytest.raises(UserInputError, match="must be a model folder with config.json"):
+        write_fp8_checkpoint(tmp_path / "nope", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(UserInputError, match="already quantized"):
+        write_fp8_checkpoint(fp8_moe_dir, tmp_path / "again")
+    with pytest.raises(UserInputError, match="is SRC"):
+        write_fp8_checkpoint(fp8_moe_dir, fp8_moe_dir)
+
+
+def test_bench_config_that_is_not_json_is_one_clear_error(tmp_path):
+    from fxrewrite.benchmarks.common import load_bench_config
+    from fxrewrite.errors import UserInputError
+
+    bad = tmp_path / "README.md"
+    bad.write_text("# not json")
+    with pytest.raises(UserInputError, match="is not a JSON bench config"):
+        load_bench_config(bad)

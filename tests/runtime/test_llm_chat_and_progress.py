@@ -108,3 +108,24 @@ def test_allowed_token_ids_restrict_sampling(llm):
         llm.generate([[5]], SamplingParams(allowed_token_ids=[999999]), use_tqdm=False)
     with pytest.raises(TypeError, match=r"allowed_token_ids=\[\] must be a non-empty list"):
         SamplingParams(allowed_token_ids=[])
+
+
+def test_chat_and_sampling_argument_types(llm):
+    with pytest.raises(TypeError, match="chat_template_kwargs must be a dict, got str"):
+        llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False, chat_template_kwargs="x")
+    with pytest.raises(ValueError, match=r"chat_template '\{% for %\}': not a valid Jinja template"):
+        llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False, chat_template="{% for %}")
+    with pytest.raises(TypeError, match=r"stop_token_ids='2' must be a list of integers"):
+        SamplingParams(stop_token_ids="2")
+
+
+def test_load_weights_and_wake_up_refuse_bad_arguments(llm):
+    import torch
+
+    name, param = next(iter(llm.llm_engine.model_runner.model.named_parameters()))
+    with pytest.raises(TypeError, match="got str 'path'"):
+        llm.load_weights("path")
+    with pytest.raises(TypeError, match="has dtype torch.int64; expected a floating-point tensor"):
+        llm.load_weights([(name, torch.zeros(param.shape, dtype=torch.int64))], strict=False)
+    with pytest.raises(ValueError, match="wake_up: tags=\\['bogus'\\]"):
+        llm.wake_up(["bogus"])
