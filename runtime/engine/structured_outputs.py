@@ -84,9 +84,13 @@ class StructuredOutputsParams:
         return next(k for k in _KINDS if getattr(self, k) not in (None, False))
 
     def spec(self) -> tuple:
-        """(kind, value, disable_any_whitespace): what `grammar_worker.compile_constraint` takes."""
-        kind = self.kind
-        return kind, getattr(self, kind), self.disable_any_whitespace
+        """(kind, value, disable_any_whitespace): what `grammar_worker.compile_constraint` takes. A JSON
+        schema goes as its text: a deeply nested dict would exceed pickle's recursion limit on its way to
+        the grammar process (a 900-level schema compiled, then failed there as a 500)."""
+        kind, value = self.kind, getattr(self, self.kind)
+        if kind == "json" and not isinstance(value, str):
+            value = json.dumps(value)
+        return kind, value, self.disable_any_whitespace
 
 
 def use_grammar_process() -> bool:

@@ -176,3 +176,14 @@ def test_engines_of_one_tokenizer_share_the_grammar_compiler(tiny_llama_dir):
     first = manager(49152)
     assert manager(49152).compiler is first.compiler and manager(49152)._info is first._info
     assert manager(49152 + 64).compiler is not first.compiler
+
+
+def test_a_deep_json_schema_reaches_the_grammar_process_as_text():
+    import pickle
+
+    schema = {"type": "integer"}
+    for _ in range(900):
+        schema = {"type": "array", "items": schema}
+    spec = StructuredOutputsParams(json=schema).spec()
+    assert spec[0] == "json" and json.loads(spec[1]) == schema
+    pickle.dumps(spec)  # a nested dict this deep exceeds pickle's recursion limit
