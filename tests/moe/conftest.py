@@ -38,3 +38,22 @@ def stock_eager(model):
 @pytest.fixture(params=sorted(FAMILIES))
 def family(request) -> str:
     return request.param
+
+
+@pytest.fixture
+def triton_on(interpret, monkeypatch):
+    """Triton kernels in the interpreter, forced on (FXREWRITE_TRITON=1)."""
+    monkeypatch.setenv("FXREWRITE_TRITON", "1")
+
+
+class LaunchNames:
+    """A `listen_launches` listener that records each kernel launch's name in `names`."""
+
+    def __init__(self):
+        self.names = []
+
+    def enter_launch(self, name):
+        self.names.append(name)
+
+    def exit_launch(self, name):
+        pass

@@ -9,22 +9,7 @@ import torch
 from fxrewrite.kernels import moe_router
 from fxrewrite.kernels.moe_norm_router import norm_route_experts, norm_route_experts_ref
 from fxrewrite.kernels.triton_utils import listen_launches
-
-
-@pytest.fixture
-def triton_on(interpret, monkeypatch):
-    monkeypatch.setenv("FXREWRITE_TRITON", "1")
-
-
-class _Launches:
-    def __init__(self):
-        self.names = []
-
-    def enter_launch(self, name):
-        self.names.append(name)
-
-    def exit_launch(self, name):
-        pass
+from tests.moe.conftest import LaunchNames as _Launches
 
 
 def _inputs(t, h, e, dtype=torch.float32, seed=0):
