@@ -20,6 +20,7 @@ from torch import nn
 
 from fxrewrite.kernels.batch_invariant import is_batch_invariant
 from fxrewrite.kernels.fused_linear_logprobs import fused_linear_logprobs
+from fxrewrite.kernels.log_softmax import log_softmax_float32
 from fxrewrite.kernels.paged_attention import causal_attention_batch_invariant
 from fxrewrite.layers.lm_head_loss import LMHeadCrossEntropy
 
@@ -155,7 +156,7 @@ def _batch_logprobs(model, batch, device, temperature: float) -> list[torch.Tens
         # logits at position t predict token t + 1: the completion's tokens are predicted from len(p) - 1 on
         rows = logits[i, len(p) - 1 : len(p) - 1 + len(c)].float() / temperature
         target = torch.tensor(c, device=device)
-        out.append(torch.log_softmax(rows, dim=-1).gather(1, target[:, None]).squeeze(1))
+        out.append(log_softmax_float32(rows).gather(1, target[:, None]).squeeze(1))
     return out
 
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from fxrewrite.kernels import use_triton
 from fxrewrite.kernels.cross_entropy import cross_entropy_grad_
 from fxrewrite.kernels.fused_linear_cross_entropy import default_chunk_size
+from fxrewrite.kernels.log_softmax import log_softmax_float32
 
 __all__ = ["fused_linear_logprobs", "fused_linear_logprobs_ref"]
 
@@ -36,7 +37,7 @@ def fused_linear_logprobs_ref(hidden: torch.Tensor, weight: torch.Tensor, bias: 
                               target: torch.Tensor, scale: float = 1.0, softcap: float | None = None) -> torch.Tensor:
     """Reference: float32 [N] through the full logits [N, V] (log_softmax, gather), autograd end to end."""
     y = _transform(F.linear(hidden, weight, bias), scale, softcap)
-    return torch.log_softmax(y, dim=-1).gather(1, target[:, None]).squeeze(1)
+    return log_softmax_float32(y).gather(1, target[:, None]).squeeze(1)
 
 
 def _chunk_logits(h, weight, bias, out=None):
