@@ -252,7 +252,8 @@ def time_weight_sync(model_dir: Path, device: str, dtype: torch.dtype, reps: int
 def run_rl_bench(config: str, arms: list[str], sync_configs: list[str], out_dir: Path, device: str | None = None,
                  tokenizer_dir: Path | None = None, notes: list[str] | None = None, **args) -> dict:
     """Every arm's GRPO iterations, the weight-sync timings of `sync_configs`, one JSON in `out_dir`
-    (`<date>-<config>-rl.json`). `args`: num_prompts, samples, max_tokens, iterations, micro_batch,
+    (`<date>-<config>-rl.json`; `-rl-bi.json` in batch-invariant mode, `-rl-sync.json` with no arms: the
+    sync timings alone, no model of `config` is trained). `args`: num_prompts, samples, max_tokens, iterations, micro_batch,
     micro_batch_tokens, hf_batch, max_model_len, max_num_seqs, gpu_memory_utilization, batch_invariant."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -260,7 +261,7 @@ def run_rl_bench(config: str, arms: list[str], sync_configs: list[str], out_dir:
     model_dir = bench_model_dir(spec, tokenizer_dir)
     result = {"config": spec["name"], "device": device, "dtype": str(dtype), "settings": args, "notes": notes or [],
               "environment": environment(), "arms": {}, "weight_sync": {}}
-    suffix = "-bi" if args.get("batch_invariant") else ""
+    suffix = "-bi" if args.get("batch_invariant") else ("" if arms else "-sync")
     path = out_dir / f"{result['environment']['date'][:10]}-{spec['name']}-rl{suffix}.json"
     out_dir.mkdir(parents=True, exist_ok=True)
     for arm in arms:  # the JSON is rewritten after each part, so a run cut short keeps what it measured

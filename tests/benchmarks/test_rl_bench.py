@@ -49,3 +49,17 @@ def test_cli_bench_rl_rejects_unknown_arm(capsys):
 
     assert main(["bench", "rl", "--config", "tiny", "--arms", "vllm"]) == 2
     assert "engine, hf" in capsys.readouterr().err
+
+
+def test_cli_bench_rl_sync_only(tmp_path, capsys):
+    """--arms none: only the weight-sync timings (how the GPU script times Qwen3-4B), in their own JSON."""
+    from fxrewrite.cli import main
+
+    rc = main(["bench", "rl", "--config", "tiny", "--arms", "none", "--sync-configs", "tiny", "--device", "cpu",
+               "--out", str(tmp_path)])
+    assert rc == 0, capsys.readouterr().err
+    (path,) = tmp_path.glob("*-rl-sync.json")
+    saved = json.loads(path.read_text())
+    assert saved["arms"] == {} and saved["weight_sync"]["tiny"]["fused_s"]["min"] > 0
+    assert "logprob_agreement" not in saved and "speedup_last_iteration" not in saved
+    assert main(["bench", "rl", "--config", "tiny", "--arms", "none", "--sync-configs", ""]) == 2
