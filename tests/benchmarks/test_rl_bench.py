@@ -24,6 +24,10 @@ def test_cli_bench_rl_tiny(tmp_path, capsys):
     engine, hf = saved["arms"]["engine"]["iterations"][0], saved["arms"]["hf"]["iterations"][0]
     assert engine["completion_tokens"] == hf["completion_tokens"] == 2 * 2 * 3
     assert engine["sync_s"] > 0 and hf["sync_s"] < engine["sync_s"]
+    for it in (engine, hf):  # the train step's split, and its padding (prompts of unequal lengths)
+        assert set(it["train_phases_s"]) == {"forward", "backward", "optimizer"}
+        assert all(v > 0 for v in it["train_phases_s"].values()) and it["padded_tokens"] >= it["tokens"] > 12
+    assert "train step (last iteration): forward" in captured.out
     assert engine["logprob_abs_diff_max"] < 1e-4  # float32: the engine's logprobs are the trainer's
     sync = saved["weight_sync"]["tiny-smollm2"]
     assert sync["fused_s"]["min"] > 0 and sync["num_fused_tensors"] < sync["num_hf_tensors"]
