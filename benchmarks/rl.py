@@ -29,7 +29,7 @@ import torch
 from fxrewrite.benchmarks.common import bench_model_dir, environment, free_device_memory, load_bench_config
 from fxrewrite.compiler import optimize
 from fxrewrite.kernels.batch_invariant import batch_invariant_mode
-from fxrewrite.rl import completion_logprobs, grpo_advantages, grpo_loss
+from fxrewrite.rl import completion_grpo_loss, grpo_advantages
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 from fxrewrite.runtime.llm import LLM
 from fxrewrite.runtime.worker import sleep_mode
@@ -133,16 +133,16 @@ def train_step(model, optimizer, prompts, completions, old, rewards, samples: in
     losses, gap = [], []
     batches = micro_batches(prompts, completions, micro_batch, micro_batch_tokens)
     for sl in batches:
-        with batch_invariant_mode(invariant):
-            new = completion_logprobs(model, prompts[sl], completions[sl], micro_batch_size=sl.stop - sl.start)
-        olds = old[sl] if old is not None else [n.detach() for n in new]
-        loss = grpo_loss(new, olds, adv[sl]) * (sum(map(len, completions[sl])) / total)
+        with batch_invariant_mode(invariant):  # old None: on-policy, the ratio is 1 (TRL's single step)
+            loss, new = completion_grpo_loss(model, prompts[sl], completions[sl], adv[sl],
+                                             None if old is None else old[sl], micro_batch_size=sl.stop - sl.start)
+        loss = loss * (sum(map(len, completions[sl])) / total)
         clock.mark("forward")
         loss.backward()
         clock.mark("backward")
         losses.append(loss.detach())
         if old is not None:
-            gap.append((torch.cat(new).detach().float() - torch.cat(olds).float().to(new[0].device)).abs())
+            gap.append((torch.cat(new).float() - torch.cat(old[sl]).float().to(new[0].device)).abs())
     optimizer.step()
     clock.mark("optimizer")
     _sync(device)
@@ -296,8 +296,8 @@ def run_rl_bench(config: str, arms: list[str], sync_configs: list[str], out_dir:
                  tokenizer_dir: Path | None = None, notes: list[str] | None = None, **args) -> dict:
     """Every arm's GRPO iterations, the weight-sync timings of `sync_configs`, one JSON in `out_dir`
     (`<date>-<config>-rl.json`; `-rl-bi.json` in batch-invariant mode, `-rl-sync.json` with no arms: the
-    sync timings alone, no model of `config` is trained). `args`: num_prompts, samples, max_tokens, iterations, micro_batch,
-    micro_batch_tokens, hf_batch, max_model_len, max_num_seqs, gpu_memory_utilization, batch_invariant."""
+    sync timings alone, no model of `config` is trained). `args`: num_prompts, samples, max_tokens,
+    iterations, micro_batch, micro_batch_tokens, hf_batch, max_model_len, max_num_seqs, gpu_memory_utilization, batch_invariant."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     spec = load_bench_config(config)

@@ -23,7 +23,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
 stamp "RL GPU tests"
 timeout -k 5 ${TEST_TIMEOUT:-120} $PY -m pytest -v -s -m gpu tests/gpu/test_gpu_rl.py \
   tests/gpu/test_gpu_cuda_graphs.py::test_capture_sizes_are_nano_vllm_buckets -p no:cacheprovider -rfE 2>&1 \
-  | tee "$OUT_DIR/rl-gpu-tests.log" | grep -E "PASS|FAIL|ERROR|passed|failed|batch_invariant=|fused vs|Error" | tail -30
+  | tee "$OUT_DIR/rl-gpu-tests.log" | grep -E "PASS|FAIL|ERROR|passed|failed|batch_invariant=|fused vs|grads in forward|Error" | tail -30
 fi
 
 if [ -n "${SYNC_CONFIGS-qwen3-0.6b,qwen3-4b}" ]; then

@@ -46,8 +46,10 @@ def engine_rollout_func(llm: LLM):
         for prompt, n in runs:
             params = SamplingParams(n=n, temperature=trainer.temperature, max_tokens=trainer.max_completion_length,
                                     logprobs=0)
-            chat = isinstance(prompt, list)
-            outs += (llm.chat([prompt], params, use_tqdm=False) if chat else llm.generate([prompt], params, use_tqdm=False))
+            if isinstance(prompt, list):  # chat messages: the engine applies the chat template
+                outs += llm.chat([prompt], params, use_tqdm=False)
+            else:
+                outs += llm.generate([prompt], params, use_tqdm=False)
         result = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
         for out in outs:
             for c in out.outputs:
