@@ -206,7 +206,8 @@ def completion_grpo_loss(model: nn.Module, prompts: Sequence[Sequence[int]], com
     `advantages` [N]. On an `fxrewrite.optimize`d model (`fused_head`) each micro-batch runs the base model
     and `fxrewrite.kernels.fused_linear_logprobs.fused_linear_token_loss`, which makes the LM head's gradients
     in the forward with the loss's per-token derivative: the backward does not recompute the logits (three
-    LM-head GEMMs per chunk instead of four). Same numbers as `grpo_loss(completion_logprobs(...), ...)`,
+    LM-head GEMMs per chunk instead of four; each micro-batch holds its d weight [V, H] until the backward, so
+    call it once per backward with one micro-batch, as `fxrewrite bench rl` does). Same numbers as `grpo_loss(completion_logprobs(...), ...)`,
     which the other models (and batch-invariant mode) run. ValueErrors as `completion_logprobs`, and when
     `advantages` or `old_logprobs` do not have one entry per completion."""
     if len(advantages) != len(completions) or (old_logprobs is not None and len(old_logprobs) != len(completions)):
