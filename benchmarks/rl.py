@@ -29,7 +29,7 @@ import torch
 from fxrewrite.benchmarks.common import bench_model_dir, environment, free_device_memory, load_bench_config
 from fxrewrite.compiler import optimize
 from fxrewrite.kernels.batch_invariant import batch_invariant_mode
-from fxrewrite.rl import completion_logprobs, grpo_advantages, grpo_loss
+from fxrewrite.rl import completion_grpo_loss, grpo_advantages
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 from fxrewrite.runtime.llm import LLM
 from fxrewrite.runtime.worker import sleep_mode
@@ -89,25 +89,68 @@ def micro_batches(prompts, completions, micro_batch: int, micro_batch_tokens: in
     return out
 
 
+class PhaseClock:
+    """Seconds per named phase of a step without synchronising inside it: CUDA events on a GPU (read once,
+    by `seconds()`, after the step), wall-clock marks on a CPU. `mark(name)` closes the phase running since
+    the previous mark (or `start()`) and books it under `name`."""
+
+    def __init__(self, device: str):
+        self.cuda = str(device).startswith("cuda")
+        self.marks: list[tuple[str, object]] = []
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self) -> None:
+        self.marks = [("", self._now())]
+
+    def mark(self, name: str) -> None:
+        self.marks.append((name, self._now()))
+
+    def seconds(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for (_, a), (name, b) in zip(self.marks, self.marks[1:]):
+            dt = a.elapsed_time(b) / 1e3 if self.cuda else b - a
+            out[name] = out.get(name, 0.0) + dt
+        return out
+
+
 def train_step(model, optimizer, prompts, completions, old, rewards, samples: int, micro_batch: int,
                invariant: bool = False, micro_batch_tokens: int | None = None) -> dict:
     """One GRPO optimizer step over the rollouts (gradients accumulated per micro-batch, weighted by tokens).
-    The logprob gap to the old policy is gathered on the device and read once, after the step."""
+    The logprob gap to the old policy is gathered on the device and read once, after the step; so are the
+    seconds of its phases (`train_phases_s`: forward = logprobs + loss, backward, optimizer)."""
+    device = str(next(model.parameters()).device)
+    clock = PhaseClock(device)
+    clock.start()
     adv = grpo_advantages(torch.tensor(rewards), samples)
     total = sum(map(len, completions))
     optimizer.zero_grad(set_to_none=True)
     losses, gap = [], []
-    for sl in micro_batches(prompts, completions, micro_batch, micro_batch_tokens):
-        with batch_invariant_mode(invariant):
-            new = completion_logprobs(model, prompts[sl], completions[sl], micro_batch_size=sl.stop - sl.start)
-        olds = old[sl] if old is not None else [n.detach() for n in new]
-        loss = grpo_loss(new, olds, adv[sl]) * (sum(map(len, completions[sl])) / total)
+    batches = micro_batches(prompts, completions, micro_batch, micro_batch_tokens)
+    for sl in batches:
+        with batch_invariant_mode(invariant):  # old None: on-policy, the ratio is 1 (TRL's single step)
+            loss, new = completion_grpo_loss(model, prompts[sl], completions[sl], adv[sl],
+                                             None if old is None else old[sl], micro_batch_size=sl.stop - sl.start)
+        loss = loss * (sum(map(len, completions[sl])) / total)
+        clock.mark("forward")
         loss.backward()
+        clock.mark("backward")
         losses.append(loss.detach())
         if old is not None:
-            gap.append((torch.cat(new).detach().float() - torch.cat(olds).float().to(new[0].device)).abs())
+            gap.append((torch.cat(new).float() - torch.cat(old[sl]).float().to(new[0].device)).abs())
     optimizer.step()
-    out = {"loss": float(torch.stack(losses).sum())}
+    clock.mark("optimizer")
+    _sync(device)
+    padded = sum((sl.stop - sl.start) * max(len(p) + len(c) for p, c in zip(prompts[sl], completions[sl]))
+                 for sl in batches)
+    out = {"loss": float(torch.stack(losses).sum()), "train_phases_s": clock.seconds(),
+           "micro_batches": len(batches), "padded_tokens": padded,
+           "tokens": sum(len(p) + len(c) for p, c in zip(prompts, completions))}
     if gap:
         gaps = torch.cat(gap)
         out.update(logprob_abs_diff_mean=float(gaps.mean()), logprob_abs_diff_max=float(gaps.max()),
@@ -252,15 +295,16 @@ def time_weight_sync(model_dir: Path, device: str, dtype: torch.dtype, reps: int
 def run_rl_bench(config: str, arms: list[str], sync_configs: list[str], out_dir: Path, device: str | None = None,
                  tokenizer_dir: Path | None = None, notes: list[str] | None = None, **args) -> dict:
     """Every arm's GRPO iterations, the weight-sync timings of `sync_configs`, one JSON in `out_dir`
-    (`<date>-<config>-rl.json`). `args`: num_prompts, samples, max_tokens, iterations, micro_batch,
-    micro_batch_tokens, hf_batch, max_model_len, max_num_seqs, gpu_memory_utilization, batch_invariant."""
+    (`<date>-<config>-rl.json`; `-rl-bi.json` in batch-invariant mode, `-rl-sync.json` with no arms: the
+    sync timings alone, no model of `config` is trained). `args`: num_prompts, samples, max_tokens,
+    iterations, micro_batch, micro_batch_tokens, hf_batch, max_model_len, max_num_seqs, gpu_memory_utilization, batch_invariant."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     spec = load_bench_config(config)
     model_dir = bench_model_dir(spec, tokenizer_dir)
     result = {"config": spec["name"], "device": device, "dtype": str(dtype), "settings": args, "notes": notes or [],
               "environment": environment(), "arms": {}, "weight_sync": {}}
-    suffix = "-bi" if args.get("batch_invariant") else ""
+    suffix = "-bi" if args.get("batch_invariant") else ("" if arms else "-sync")
     path = out_dir / f"{result['environment']['date'][:10]}-{spec['name']}-rl{suffix}.json"
     out_dir.mkdir(parents=True, exist_ok=True)
     for arm in arms:  # the JSON is rewritten after each part, so a run cut short keeps what it measured
@@ -296,6 +340,12 @@ def format_rl_table(result: dict) -> str:
             diff = it.get("logprob_abs_diff_mean")
             lines.append(f"{arm:8} {i:>3} {it['generate_s']:>11.3f} {it['train_s']:>9.3f} {it['sync_s']:>8.4f} "
                          f"{it['total_s']:>9.3f} {'' if diff is None else f'{diff:.2e}':>10}")
+    for arm, data in result["arms"].items():
+        last = data["iterations"][-1]
+        if "train_phases_s" in last:
+            phases = ", ".join(f"{k} {v:.3f} s" for k, v in last["train_phases_s"].items())
+            lines.append(f"{arm} train step (last iteration): {phases}; {last['micro_batches']} micro-batches, "
+                         f"{last['padded_tokens']} padded tokens for {last['tokens']}")
     for name, s in result["weight_sync"].items():
         lines.append(f"sync {name}: fused {s['fused_s']['min'] * 1e3:.2f} ms, HF names {s['hf_names_s']['min'] * 1e3:.2f} ms, "
                      f"one device copy {s['one_device_copy_s'] * 1e3:.2f} ms ({s['bytes'] / 2**20:.0f} MiB)")

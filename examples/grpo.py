@@ -23,7 +23,7 @@ import torch
 
 import fxrewrite
 from fxrewrite import LLM, SamplingParams
-from fxrewrite.rl import completion_logprobs, grpo_advantages, grpo_loss
+from fxrewrite.rl import completion_grpo_loss, grpo_advantages
 
 
 def questions(n: int, seed: int) -> list[tuple[str, str]]:
@@ -68,9 +68,10 @@ def train_step(model, optimizer, prompts, completions, old, rewards, samples, mi
     optimizer.zero_grad(set_to_none=True)
     loss_sum, diffs = 0.0, []
     for s in range(0, len(prompts), micro_batch):
-        new = completion_logprobs(model, prompts[s:s + micro_batch], completions[s:s + micro_batch])
-        diffs += [(n.detach().float().cpu() - o).abs() for n, o in zip(new, old[s:s + micro_batch])]
-        loss = grpo_loss(new, old[s:s + micro_batch], adv[s:s + micro_batch])
+        # the clipped loss over the micro-batch's tokens and the new logprobs (detached), in one forward
+        loss, new = completion_grpo_loss(model, prompts[s:s + micro_batch], completions[s:s + micro_batch],
+                                         adv[s:s + micro_batch], old[s:s + micro_batch])
+        diffs += [(n.float().cpu() - o).abs() for n, o in zip(new, old[s:s + micro_batch])]
         loss = loss * sum(map(len, completions[s:s + micro_batch])) / total
         loss.backward()
         loss_sum += float(loss.detach())

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from fxrewrite.kernels.batch_invariant import is_batch_invariant
-from fxrewrite.kernels.fused_linear_logprobs import fused_linear_logprobs
+from fxrewrite.kernels.fused_linear_logprobs import fused_linear_logprobs, fused_linear_token_loss
+from fxrewrite.kernels.log_softmax import log_softmax_float32
 from fxrewrite.kernels.paged_attention import causal_attention_batch_invariant
 from fxrewrite.layers.lm_head_loss import LMHeadCrossEntropy
 
@@ -130,7 +131,8 @@ def _padded(batch, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def _batch_logprobs_fused(base, head, scale, softcap, batch, device) -> list[torch.Tensor]:
+def _completion_hidden(base, batch, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(last hidden states [N, H] of the positions that predict the completions' N tokens, those tokens [N])."""
     ids, mask, positions = _padded(batch, device)
     hidden = base(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).last_hidden_state
     width = ids.shape[1]
@@ -139,8 +141,12 @@ def _batch_logprobs_fused(base, head, scale, softcap, batch, device) -> list[tor
     target = torch.tensor([t for _, c in batch for t in c], dtype=torch.long)
     rows = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
     # index_select: its backward is one index_add (advanced indexing's is a sorting index_put)
-    lps = fused_linear_logprobs(hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows), head.weight, head.bias,
-                                target.to(device, non_blocking=True), scale, softcap)
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows), target.to(device, non_blocking=True)
+
+
+def _batch_logprobs_fused(base, head, scale, softcap, batch, device) -> list[torch.Tensor]:
+    hidden, target = _completion_hidden(base, batch, device)
+    lps = fused_linear_logprobs(hidden, head.weight, head.bias, target, scale, softcap)
     return list(lps.split([len(c) for _, c in batch]))
 
 
@@ -155,7 +161,7 @@ def _batch_logprobs(model, batch, device, temperature: float) -> list[torch.Tens
         # logits at position t predict token t + 1: the completion's tokens are predicted from len(p) - 1 on
         rows = logits[i, len(p) - 1 : len(p) - 1 + len(c)].float() / temperature
         target = torch.tensor(c, device=device)
-        out.append(torch.log_softmax(rows, dim=-1).gather(1, target[:, None]).squeeze(1))
+        out.append(log_softmax_float32(rows).gather(1, target[:, None]).squeeze(1))
     return out
 
 
@@ -187,3 +193,57 @@ def grpo_loss(new_logprobs: list[torch.Tensor], old_logprobs: list[torch.Tensor]
     adv = advantages.to(new.device, new.dtype).repeat_interleave(lengths, output_size=new.numel())
     ratio = torch.exp(new - old)
     return (-torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)).mean()
+
+
+def completion_grpo_loss(model: nn.Module, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+                         advantages: torch.Tensor, old_logprobs: list[torch.Tensor] | None = None,
+                         clip_eps: float = 0.2, micro_batch_size: int = 8,
+                         temperature: float = 1.0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(`grpo_loss` of the completions' logprobs under `model`, those logprobs detached), computed together.
+
+    `old_logprobs`: one float32 [len(completion)] per completion (the engine's), or None for the on-policy
+    single step (old = new detached: ratio 1, TRL's GRPO with one optimizer step per generation).
+    `advantages` [N]. On an `fxrewrite.optimize`d model (`fused_head`) each micro-batch runs the base model
+    and `fxrewrite.kernels.fused_linear_logprobs.fused_linear_token_loss`, which makes the LM head's gradients
+    in the forward with the loss's per-token derivative: the backward does not recompute the logits (three
+    LM-head GEMMs per chunk instead of four; each micro-batch holds its d weight [V, H] until the backward, so
+    call it once per backward with one micro-batch, as `fxrewrite bench rl` does). Same numbers as `grpo_loss(completion_logprobs(...), ...)`,
+    which the other models (and batch-invariant mode) run. ValueErrors as `completion_logprobs`, and when
+    `advantages` or `old_logprobs` do not have one entry per completion."""
+    if len(advantages) != len(completions) or (old_logprobs is not None and len(old_logprobs) != len(completions)):
+        raise ValueError(f"{len(completions)} completions, {len(advantages)} advantages and "
+                         f"{'no' if old_logprobs is None else len(old_logprobs)} old logprobs; expected one each")
+    total = sum(len(c) for c in completions)
+    fused = None if is_batch_invariant() else fused_head(model, temperature)
+    if fused is None or total == 0:
+        new = completion_logprobs(model, prompts, completions, micro_batch_size, temperature)
+        olds = [n.detach() for n in new] if old_logprobs is None else old_logprobs
+        return grpo_loss(new, olds, advantages, clip_eps), [n.detach() for n in new]
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    device = next(model.parameters()).device
+    lengths = [len(c) for c in completions]
+    adv = advantages.to(device, torch.float32).repeat_interleave(torch.tensor(lengths).to(device), output_size=total)
+    old = None if old_logprobs is None else torch.cat([o.detach().reshape(-1).float() for o in old_logprobs]).to(device)
+    loss, out, offset = None, [], 0
+    for start in range(0, len(prompts), micro_batch_size):
+        batch = [(list(p), list(c)) for p, c in zip(prompts[start:start + micro_batch_size],
+                                                   completions[start:start + micro_batch_size])]
+        hidden, target = _completion_hidden(fused[0], batch, device)
+        n = target.numel()
+        token_loss = _grpo_token_loss(None if old is None else old[offset:offset + n], adv[offset:offset + n],
+                                      clip_eps, total)
+        part, lps = fused_linear_token_loss(hidden, fused[1].weight, fused[1].bias, target, token_loss, *fused[2:])
+        loss = part if loss is None else loss + part
+        out += list(lps.split([len(c) for _, c in batch]))
+        offset += n
+    return loss, out
+
+
+def _grpo_token_loss(old: torch.Tensor | None, adv: torch.Tensor, clip_eps: float, total: int):
+    """`grpo_loss`'s per-token term over `total` tokens, as `fused_linear_token_loss`'s token_loss."""
+    def token_loss(lp: torch.Tensor, s: int, e: int) -> torch.Tensor:
+        ratio = torch.exp(lp - (lp.detach() if old is None else old[s:e]))
+        a = adv[s:e]
+        return -torch.minimum(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a) / total
+    return token_loss

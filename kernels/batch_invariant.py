@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from fxrewrite.kernels import use_triton
+from fxrewrite.kernels.log_softmax import log_softmax_float32
 from fxrewrite.kernels.triton_utils import launch, tl, triton
 
 ROWS_CUDA = 64
@@ -92,8 +93,9 @@ def _log_softmax_kernel(x_ptr, out_ptr, n_cols, x_s0, o_s0, BLOCK: tl.constexpr)
 
 
 def log_softmax_batch_invariant_ref(x: torch.Tensor) -> torch.Tensor:
-    """Torch reference: x [..., V] -> log_softmax over V, float32 math, x's dtype."""
-    return torch.log_softmax(x.float(), dim=-1).to(x.dtype)
+    """Torch reference: x [..., V] -> log_softmax over V, float32 result (float64 sums on a CPU:
+    `fxrewrite.kernels.log_softmax`), x's dtype. Per row, so batch invariant."""
+    return log_softmax_float32(x).to(x.dtype)
 
 
 def log_softmax_batch_invariant(x: torch.Tensor) -> torch.Tensor:

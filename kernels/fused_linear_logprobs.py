@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from fxrewrite.kernels import use_triton
 from fxrewrite.kernels.cross_entropy import cross_entropy_grad_
 from fxrewrite.kernels.fused_linear_cross_entropy import default_chunk_size
+from fxrewrite.kernels.log_softmax import log_softmax_float32
 
-__all__ = ["fused_linear_logprobs", "fused_linear_logprobs_ref"]
+__all__ = ["fused_linear_logprobs", "fused_linear_logprobs_ref", "fused_linear_token_loss"]
 
 _NO_IGNORE = -100  # never a token id: every row counts
 
@@ -36,7 +37,7 @@ def fused_linear_logprobs_ref(hidden: torch.Tensor, weight: torch.Tensor, bias: 
                               target: torch.Tensor, scale: float = 1.0, softcap: float | None = None) -> torch.Tensor:
     """Reference: float32 [N] through the full logits [N, V] (log_softmax, gather), autograd end to end."""
     y = _transform(F.linear(hidden, weight, bias), scale, softcap)
-    return torch.log_softmax(y, dim=-1).gather(1, target[:, None]).squeeze(1)
+    return log_softmax_float32(y).gather(1, target[:, None]).squeeze(1)
 
 
 def _chunk_logits(h, weight, bias, out=None):
@@ -130,3 +131,88 @@ def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torc
                          f"{None if bias is None else bias.dtype} must share one dtype")
     chunk = chunk_size or default_chunk_size(hidden.shape[0], weight.shape[0], hidden.shape[1])
     return _FusedLinearLogprobs.apply(hidden, weight, bias, target, float(scale), softcap, chunk)
+
+
+def _chunk_loss_grads(z, t, scale, softcap, kernel, token_loss, lps, s, e):
+    """One chunk of `fused_linear_token_loss`'s forward: its logprobs into lps[s:e], then (dL/dz [C, V] in z's
+    dtype, a float32 [C] factor per row still to apply to it or None, the chunk's summed loss)."""
+    if kernel:  # the kernel writes each row's cross-entropy, and d(cross-entropy)/dz over z in place
+        cross_entropy_grad_(z, t, _NO_IGNORE, scale, softcap, losses=lps[s:e])
+        lps[s:e].neg_()
+    else:
+        y = _transform(z, scale, softcap)
+        lps[s:e] = y.gather(1, t[:, None]).squeeze(1) - torch.logsumexp(y, dim=-1)
+    lp = lps[s:e].clone().requires_grad_()
+    with torch.enable_grad():  # dL/dlogprob per token, by autograd through the caller's elementwise loss
+        part = token_loss(lp, s, e)
+        (w,) = torch.autograd.grad(part.sum(), lp)
+    if kernel:
+        return z, w.neg(), part.detach().sum()  # d logprob = -d cross-entropy
+    return _weighted_grad_torch(z, t, scale, softcap, w), None, part.detach().sum()
+
+
+def _forward_with_grads(hidden, weight, bias, target, token_loss, scale, softcap, chunk, want):
+    n = hidden.shape[0]
+    lps = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    grad_h = torch.empty_like(hidden) if want[0] else None
+    grad_w = torch.zeros_like(weight, memory_format=torch.contiguous_format) if want[1] else None
+    grad_b = torch.zeros_like(bias, dtype=torch.float32) if want[2] else None
+    kernel = use_triton(hidden)
+    buf = torch.empty((min(chunk, n), weight.shape[0]), dtype=hidden.dtype, device=hidden.device) if kernel else None
+    for s in range(0, n, chunk):
+        e = min(s + chunk, n)
+        h = hidden[s:e]
+        z = _chunk_logits(h, weight, bias, buf[:e - s] if kernel else None)
+        g, row, part = _chunk_loss_grads(z, target[s:e], scale, softcap, kernel, token_loss, lps, s, e)
+        loss += part
+        if grad_h is not None:  # the row factor in float32, then one rounding to the hidden dtype
+            gh = torch.mm(g, weight.to(g.dtype))
+            grad_h[s:e] = gh if row is None else (gh.float() * row[:, None]).to(hidden.dtype)
+        if grad_w is not None:
+            grad_w.addmm_(g.t(), h if row is None else (h.float() * row[:, None]).to(h.dtype))
+        if grad_b is not None:
+            grad_b += g.float().sum(0) if row is None else (g.float() * row[:, None]).sum(0)
+    return loss, lps, (grad_h, grad_w, None if grad_b is None else grad_b.to(bias.dtype))
+
+
+class _FusedLinearTokenLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, token_loss, scale, softcap, chunk):
+        loss, lps, grads = _forward_with_grads(hidden, weight, bias, target, token_loss, scale, softcap, chunk,
+                                               ctx.needs_input_grad[:3])
+        ctx.grads = grads
+        ctx.mark_non_differentiable(lps)
+        return loss, lps
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_lps):
+        # in place, as the fused linear cross-entropy's backward (no second copy of d weight)
+        grads = [None if g is None else g.mul_(grad_loss) for g in ctx.grads]
+        ctx.grads = None
+        return (*grads, None, None, None, None, None)
+
+
+def fused_linear_token_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                            target: torch.Tensor, token_loss, scale: float = 1.0, softcap: float | None = None,
+                            chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum over rows of a per-token loss of the target logprobs, the logprobs) with the gradients made in the
+    forward: float32 0-d (differentiable) and float32 [N] (no gradient).
+
+    ``token_loss(logprobs, start, stop)`` maps a chunk's float32 logprobs [stop - start] (rows start..stop-1)
+    to their losses [stop - start], each row's from its own logprob only (elementwise: a GRPO/PPO clipped
+    ratio against per-token constants it indexes by the slice). Its derivative per row, by autograd on the
+    chunk, weights the softmax gradient while the chunk's logits are still there: three GEMMs per chunk
+    (logits, d hidden, d weight) instead of :func:`fused_linear_logprobs` + a loss's four (its backward
+    recomputes the logits), Liger-Kernel's fused linear cross-entropy trick extended to any elementwise loss
+    of the logprob. Gradients ([N, H], [V, H], [V]) are held from the forward to the backward, which scales
+    them by the incoming scalar. Shapes, dtypes, ``scale``/``softcap``/``chunk_size`` and errors as
+    :func:`fused_linear_logprobs`."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or target.shape != hidden.shape[:1]:
+        raise ValueError(f"fused_linear_token_loss: hidden {tuple(hidden.shape)} must be [N, H], weight "
+                         f"{tuple(weight.shape)} [V, H], target {tuple(target.shape)} [N]")
+    if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+        raise ValueError(f"fused_linear_token_loss: hidden {hidden.dtype}, weight {weight.dtype} and bias "
+                         f"{None if bias is None else bias.dtype} must share one dtype")
+    chunk = chunk_size or default_chunk_size(hidden.shape[0], weight.shape[0], hidden.shape[1])
+    return _FusedLinearTokenLoss.apply(hidden, weight, bias, target, token_loss, float(scale), softcap, chunk)

@@ -106,7 +106,8 @@ def _add_train_arguments(sub) -> None:
 def _add_rl_arguments(sub) -> None:
     r = sub.add_parser("rl", help="GRPO iterations: engine rollouts + weight sync vs transformers generate rollouts")
     r.add_argument("--config", default="qwen3-0.6b", help="bench config of the trained model (default qwen3-0.6b)")
-    r.add_argument("--arms", default="engine,hf", help="comma list of engine, hf (default both)")
+    r.add_argument("--arms", default="engine,hf", help="comma list of engine, hf (default both); none: only the "
+                   "weight-sync timings of --sync-configs (no GRPO loop; JSON <date>-<config>-rl-sync.json)")
     r.add_argument("--num-prompts", type=positive_int, default=256)
     r.add_argument("--samples", type=human_readable_int, default=8, help="completions per prompt (GRPO group)")
     r.add_argument("--max-tokens", type=human_readable_int, default=128, help="tokens per completion (EOS ignored)")
@@ -134,11 +135,13 @@ def _run_rl(args: argparse.Namespace) -> int:
     from fxrewrite.benchmarks.common import RESULTS_DIR
     from fxrewrite.benchmarks.rl import format_rl_table, run_rl_bench
 
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    if not arms or set(arms) - {"engine", "hf"}:
-        raise UserInputError(f"--arms {args.arms!r}: expected a comma list of engine, hf")
+    arms = [a.strip() for a in args.arms.split(",") if a.strip() not in ("", "none")]
+    sync_configs = [c.strip() for c in args.sync_configs.split(",") if c.strip()]
+    if set(arms) - {"engine", "hf"} or not (arms or sync_configs):
+        raise UserInputError(f"--arms {args.arms!r}: expected a comma list of engine, hf, or none with --sync-configs "
+                             "(only the weight-sync timings)")
     result = run_rl_bench(
-        args.config, arms, [c for c in args.sync_configs.split(",") if c.strip()], args.out or RESULTS_DIR,
+        args.config, arms, sync_configs, args.out or RESULTS_DIR,
         device=args.device, tokenizer_dir=args.tokenizer_dir, notes=args.note, num_prompts=args.num_prompts,
         samples=args.samples, max_tokens=args.max_tokens, iterations=args.iterations, micro_batch=args.micro_batch,
         micro_batch_tokens=args.micro_batch_tokens, hf_batch=args.hf_batch, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,

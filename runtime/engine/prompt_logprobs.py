@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fxrewrite.kernels.log_softmax import log_softmax_float32
+
 _ROWS = 512
 
 
@@ -61,7 +63,7 @@ def _chunk(compute_logits, hidden, rows, seq, first_pos, targets) -> PromptLogpr
     target_t = torch.tensor(targets, dtype=torch.int64, device=hidden.device)
     lps, ranks, top_v, top_i = [], [], [], []
     for lo in range(0, len(targets), _ROWS):
-        logprobs = torch.log_softmax(compute_logits(hidden[rows[lo : lo + _ROWS]]).float(), dim=-1)
+        logprobs = log_softmax_float32(compute_logits(hidden[rows[lo : lo + _ROWS]]))
         chosen = logprobs.gather(1, target_t[lo : lo + _ROWS, None])
         lps.append(chosen.squeeze(1))
         ranks.append((logprobs > chosen).sum(dim=-1) + 1)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fxrewrite.kernels.log_softmax import log_softmax_float32
 from fxrewrite.runtime.engine.sequence import Sequence
 
 
@@ -54,7 +55,7 @@ class Sampler:
         per sequence (structured outputs); tokens whose bit is 0 get -inf.
         """
         logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        raw_logprobs = log_softmax_float32(logits)  # accurate on a CPU too (kernels/log_softmax.py)
         if any(self._changes_logits(s) for s in seqs):
             logits = self._apply_penalties(logits.clone(), seqs)
         if bitmask is not None:

@@ -24,6 +24,10 @@ def test_cli_bench_rl_tiny(tmp_path, capsys):
     engine, hf = saved["arms"]["engine"]["iterations"][0], saved["arms"]["hf"]["iterations"][0]
     assert engine["completion_tokens"] == hf["completion_tokens"] == 2 * 2 * 3
     assert engine["sync_s"] > 0 and hf["sync_s"] < engine["sync_s"]
+    for it in (engine, hf):  # the train step's split, and its padding (prompts of unequal lengths)
+        assert set(it["train_phases_s"]) == {"forward", "backward", "optimizer"}
+        assert all(v > 0 for v in it["train_phases_s"].values()) and it["padded_tokens"] >= it["tokens"] > 12
+    assert "train step (last iteration): forward" in captured.out
     assert engine["logprob_abs_diff_max"] < 1e-4  # float32: the engine's logprobs are the trainer's
     sync = saved["weight_sync"]["tiny-smollm2"]
     assert sync["fused_s"]["min"] > 0 and sync["num_fused_tensors"] < sync["num_hf_tensors"]
@@ -49,3 +53,17 @@ def test_cli_bench_rl_rejects_unknown_arm(capsys):
 
     assert main(["bench", "rl", "--config", "tiny", "--arms", "vllm"]) == 2
     assert "engine, hf" in capsys.readouterr().err
+
+
+def test_cli_bench_rl_sync_only(tmp_path, capsys):
+    """--arms none: only the weight-sync timings (how the GPU script times Qwen3-4B), in their own JSON."""
+    from fxrewrite.cli import main
+
+    rc = main(["bench", "rl", "--config", "tiny", "--arms", "none", "--sync-configs", "tiny", "--device", "cpu",
+               "--out", str(tmp_path)])
+    assert rc == 0, capsys.readouterr().err
+    (path,) = tmp_path.glob("*-rl-sync.json")
+    saved = json.loads(path.read_text())
+    assert saved["arms"] == {} and saved["weight_sync"]["tiny"]["fused_s"]["min"] > 0
+    assert "logprob_agreement" not in saved and "speedup_last_iteration" not in saved
+    assert main(["bench", "rl", "--config", "tiny", "--arms", "none", "--sync-configs", ""]) == 2

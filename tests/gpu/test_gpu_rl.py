@@ -160,3 +160,53 @@ def test_fused_head_logprobs_and_gradients_bf16(small_model_dir, monkeypatch):
           f"relative L2 {rel:.3e}; peak memory {fused_peak / 2**20:.0f} vs {full_peak / 2**20:.0f} MiB")
     assert diff.mean() < 1e-2 and rel < 2e-2
     assert fused_peak < full_peak
+
+
+def test_grpo_loss_grads_in_forward_bf16(small_model_dir):
+    """`completion_grpo_loss` (the LM head's gradients made in the forward: no logits recompute) against
+    `grpo_loss(completion_logprobs(...))` (the two-pass logits-free path) on the same bf16 model and the same
+    engine-like old logprobs: loss, logprobs and gradients agree to bf16 rounding; the step's seconds of
+    each are printed (the LM head's backward GEMM saved)."""
+    import time
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import fxrewrite
+    from fxrewrite import rl
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(small_model_dir), dtype=torch.bfloat16)
+    model = fxrewrite.optimize(model).train()
+    g = torch.Generator().manual_seed(2)
+    lengths = torch.randint(5, 40, (64,), generator=g)
+    prompts = [torch.randint(0, 1000, (int(n),), generator=g).tolist() for n in lengths]
+    completions = [torch.randint(0, 1000, (128,), generator=g).tolist() for _ in prompts]
+    adv = torch.randn(len(prompts), generator=g)
+    with torch.no_grad():
+        base = rl.completion_logprobs(model, prompts, completions, 64)
+    old = [x.float() + 0.05 * torch.randn(x.shape, device=x.device) for x in base]  # engine-like noise
+
+    def two_pass():
+        new = rl.completion_logprobs(model, prompts, completions, micro_batch_size=64)
+        return rl.grpo_loss(new, old, adv), [n.detach() for n in new]
+
+    def one_pass():
+        return rl.completion_grpo_loss(model, prompts, completions, adv, old, micro_batch_size=64)
+
+    results = {}
+    for name, fn in (("two-pass", two_pass), ("grads in forward", one_pass)) * 2:  # second round timed
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss, new = fn()
+        loss.backward()
+        torch.cuda.synchronize()
+        grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+        results[name] = (time.perf_counter() - t0, loss.detach().float(), torch.cat(new), grads)
+    (t2, l2, n2, g2), (t1, l1, n1, g1) = results["two-pass"], results["grads in forward"]
+    rel = (g1 - g2).norm() / g2.norm()
+    print(f"grpo loss, bf16, 64 x 128 completion tokens: grads in forward {t1 * 1e3:.1f} ms vs two-pass "
+          f"{t2 * 1e3:.1f} ms; loss {float(l1):.6f} vs {float(l2):.6f}; gradient relative L2 {rel:.3e}")
+    assert (n1 - n2).abs().max() < 1e-5  # the same forward and the same kernel: the same logprobs
+    assert (l1 - l2).abs() <= 1e-3 * l2.abs().clamp(min=1e-3) and rel < 2e-2

@@ -59,3 +59,56 @@ def test_no_grad_and_bad_input():
         fused_linear_logprobs(h, w, None, t[:3])
     with pytest.raises(ValueError, match="dtype"):
         fused_linear_logprobs(h.double(), w, None, t)
+
+
+def _clipped(old, adv, eps=0.2):
+    """A GRPO-style elementwise loss of the logprobs (clipped ratio against old logprobs, per-token weights)."""
+    def token_loss(lp, s, e):
+        ratio = torch.exp(lp - old[s:e])
+        return -torch.minimum(ratio * adv[s:e], ratio.clamp(1 - eps, 1 + eps) * adv[s:e])
+    return token_loss
+
+
+@pytest.mark.parametrize("triton_kernel", [False, True])
+@pytest.mark.parametrize("scale, softcap, bias, chunk", [(1.0, None, False, 8), (1 / 0.7, None, True, 5),
+                                                         (1.0, 3.0, False, 64)])
+def test_token_loss_with_grads_in_forward_equals_logprobs_then_loss(scale, softcap, bias, chunk, triton_kernel,
+                                                                   monkeypatch, request):
+    """fused_linear_token_loss (gradients made in the forward) against the reference logprobs and the same
+    loss through autograd: loss, logprobs and gradients of hidden, weight, bias, with ratios clipped on both
+    sides of the range and exactly at 1, scaled by an incoming gradient."""
+    from fxrewrite.kernels.fused_linear_logprobs import fused_linear_token_loss
+
+    if triton_kernel:
+        request.getfixturevalue("interpret")
+        monkeypatch.setenv("FXREWRITE_TRITON", "1")
+        from fxrewrite.kernels import fused_linear_logprobs as module
+
+        calls = []
+        monkeypatch.setattr(module, "cross_entropy_grad_",
+                            lambda *a, **k: calls.append(1) or cross_entropy_grad_(*a, **k))
+    gen = torch.Generator().manual_seed(5)
+    N, H, V = 23, 16, 70
+    h, w = torch.randn(N, H, generator=gen), torch.randn(V, H, generator=gen) * 0.4
+    b = torch.randn(V, generator=gen) if bias else None
+    t = torch.randint(0, V, (N,), generator=gen)
+    adv = torch.randn(N, generator=gen)
+    with torch.no_grad():
+        lp0 = fused_linear_logprobs_ref(h, w, b, t, scale, softcap)
+    old = lp0 + torch.randn(N, generator=gen) * 0.3
+    old[:4] = lp0[:4]  # ratio exactly 1: the min's two branches tie
+    leaves = [x.clone().requires_grad_() for x in (h, w) + ((b,) if bias else ())]
+    refs = [x.clone().requires_grad_() for x in (h, w) + ((b,) if bias else ())]
+    loss, lps = fused_linear_token_loss(leaves[0], leaves[1], leaves[2] if bias else None, t, _clipped(old, adv),
+                                        scale, softcap, chunk)
+    want_lps = fused_linear_logprobs_ref(refs[0], refs[1], refs[2] if bias else None, t, scale, softcap)
+    want = _clipped(old, adv)(want_lps, 0, N).sum()
+    (loss * 0.37).backward()
+    (want * 0.37).backward()
+    assert not lps.requires_grad and lps.shape == (N,)
+    torch.testing.assert_close(lps, want_lps.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-5)
+    for a, r in zip(leaves, refs):
+        torch.testing.assert_close(a.grad, r.grad, rtol=1e-5, atol=1e-5)
+    if triton_kernel:  # one kernel call per chunk, in the forward only
+        assert len(calls) == -(-N // chunk)

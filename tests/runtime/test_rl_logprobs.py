@@ -110,3 +110,47 @@ def test_grpo_loss_matches_per_sequence_formula():
     adv = torch.tensor([1.0, -2.0, 0.5])
     per = [-torch.minimum(torch.exp(n - o) * a, torch.exp(n - o).clamp(0.8, 1.2) * a) for n, o, a in zip(new, old, adv)]
     torch.testing.assert_close(grpo_loss(new, old, adv), torch.cat(per).mean())
+
+
+@pytest.mark.parametrize("on_policy", [False, True])
+def test_completion_grpo_loss_equals_logprobs_then_loss(path, monkeypatch, on_policy):
+    """The loss with the LM head's gradients made in the forward (`completion_grpo_loss` on an optimized model)
+    against the straightforward `grpo_loss(completion_logprobs(...))` through the model's logits: loss, new
+    logprobs and every parameter's gradient, float32; with the engine's old logprobs (some ratios clipped) and
+    on-policy (old = new detached, ratio 1)."""
+    from transformers import AutoModelForCausalLM
+
+    from fxrewrite import rl
+
+    model = fxrewrite.optimize(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)).train()
+    gen = torch.Generator().manual_seed(2)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14], [15, 16]]
+    completions = [[20, 21, 22, 23], [], [24, 25, 26, 27, 28, 29, 30], [31, 32]]
+    adv = torch.tensor([0.5, -1.0, 1.5, -0.7])
+    with torch.no_grad():
+        base = completion_logprobs(model, prompts, completions)
+    old = None if on_policy else [b + torch.randn(b.shape, generator=gen) * 0.3 for b in base]
+
+    def run(fn):
+        model.zero_grad(set_to_none=True)
+        loss, new = fn()
+        (loss * 0.6).backward()
+        return loss.detach(), new, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    def straightforward():
+        new = completion_logprobs(model, prompts, completions, micro_batch_size=3)
+        return rl.grpo_loss(new, old or [n.detach() for n in new], adv), [n.detach() for n in new]
+
+    fused = run(lambda: rl.completion_grpo_loss(model, prompts, completions, adv, old, micro_batch_size=3))
+    with monkeypatch.context() as m:
+        m.setattr(rl, "fused_head", lambda *a, **k: None)  # the logits path
+        want = run(straightforward)
+    torch.testing.assert_close(fused[0], want[0], rtol=1e-5, atol=1e-6)
+    assert [len(x) for x in fused[1]] == [4, 0, 7, 2] and not any(x.requires_grad for x in fused[1])
+    for a, b in zip(fused[1], want[1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert fused[2].keys() == want[2].keys() and len(want[2]) == len(list(model.parameters()))
+    for k in want[2]:
+        torch.testing.assert_close(fused[2][k], want[2][k], rtol=1e-5, atol=1e-5, msg=k)
+    with pytest.raises(ValueError, match="advantages"):
+        rl.completion_grpo_loss(model, prompts, completions, adv[:2])
