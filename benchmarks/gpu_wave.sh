@@ -10,7 +10,7 @@
 #   STEP=train-eager (nvidia-h200): the fused q/k-norm + rotary GPU test, then liger vs optimize (eager) with
 #                                and without gradient checkpointing into $OUT_DIR/eager/
 #   STEP=train-kernels (nvidia-h200): compiled-training-step GPU tests; the arms liger, optimize-compile,
-#                                optimize-compile-kernels (gradient checkpointing) into $OUT_DIR/kernels/
+#                                optimize-compile-inductor (gradient checkpointing) into $OUT_DIR/kernels/
 #   STEP=serve (nvidia-h200):    MoE throughput (Qwen3-30B-A3B shapes), -O 3 cold and warm start, FP8 GEMM,
 #                                structured-output overhead
 #   STEP=structured (nvidia-h200): structured-output overhead (JSON), then structured-output and embedding GPU tests
@@ -82,7 +82,7 @@ train-kernels)
   gpu_tests 230 gpu-tests-training-compile.log tests/gpu/test_gpu_training.py -k compiled_training_step
   stamp "bench train: compiled arms, kernels as custom ops or Inductor's"
   mkdir -p "$OUT_DIR/kernels"
-  timeout -k 5 340 $PY -m fxrewrite bench train --config qwen3-0.6b --arms liger,optimize-compile,optimize-compile-kernels \
+  timeout -k 5 340 $PY -m fxrewrite bench train --config qwen3-0.6b --arms liger,optimize-compile,optimize-compile-inductor \
     --batch-size 8 --seq-len 2048 --steps ${TRAIN_STEPS:-5} --warmup 2 --arm-timeout 150 --out "$OUT_DIR/kernels" \
     2>&1 | tail -8 ;;
 serve)
