@@ -227,7 +227,14 @@ def test_bf16_act_and_mul_down_matches_reference_and_saves_no_activation():
                            lambda t, w: act_and_mul_down_ref(t, w, None, "silu"), g, w)
     _close(got[0], want[0])
     _close(got[1][:1], want[1][:1])
-    torch.testing.assert_close(got[1][1].float(), want[1][1].float(), rtol=2e-2, atol=0.5)  # sum over 8192 rows
+    # d/dweight sums 8192 rows: judged against a float32 oracle on the same bf16 inputs, not against the bf16
+    # reference (its own act(gate) * up is rounded to bf16 before the matmul, ours is recomputed per chunk).
+    oracle = _grad_pair(lambda t, w: act_and_mul_down_ref(t, w, None, "silu"),
+                        lambda t, w: act_and_mul_down_ref(t, w, None, "silu"), g.float(), w.float())[0]
+    err_got = (got[1][1].float() - oracle[1][1]).abs()
+    err_ref = (want[1][1].float() - oracle[1][1]).abs()
+    assert err_got.max() <= 1.5 * err_ref.max() and err_got.mean() <= 1.5 * err_ref.mean(), (
+        err_got.max(), err_ref.max(), err_got.mean(), err_ref.mean())
     saved = []
     for fn in (act_and_mul_down_ref, act_and_mul_down_train):
         leaf = g.clone().requires_grad_()

@@ -211,12 +211,15 @@ def test_every_sweep_tile_is_correct_on_gpu(t):
 
 @pytest.mark.gpu
 def test_direct_sweep_runs_on_gpu():
-    """The benchmark's sweep (small shapes): a row per tile candidate and router form, positive rates."""
+    """The benchmark's sweep (small shapes): a row per tile candidate, per router launch shape and for the
+    GEMM + top-k pair, positive rates."""
     from fxrewrite.benchmarks.moe_direct_sweep import direct_sweep
+    from fxrewrite.kernels.moe_router import ROUTER_CONFIGS
 
     e, h, i, k, t = 16, 256, 128, 4, 2
     layers = [(torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16),
                torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16)) for _ in range(2)]
     weights, ids = select_experts(torch.randn(t, e, device="cuda"), k, True)
     rows = direct_sweep(torch.randn(t, h, device="cuda", dtype=torch.bfloat16), layers, weights, ids)
-    assert len(rows) == len(GATE_UP_TILES) + len(DOWN_TILES) + 2 and all(r["TBps"] > 0 for r in rows)
+    assert len(rows) == len(GATE_UP_TILES) + len(DOWN_TILES) + len(ROUTER_CONFIGS) + 1
+    assert all(r["TBps"] > 0 for r in rows)
