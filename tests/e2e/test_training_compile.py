@@ -133,12 +133,7 @@ def test_compiled_training_step_uses_kernel_ops(monkeypatch):
     for name, g in want_grads.items():
         assert float((hf[name] - g).abs().max() / g.abs().max().clamp_min(1e-12)) < 1e-5, name
     compiled_saved = sum(t.numel() * t.element_size() for t in saved if t.is_floating_point())
-    # transformers materialises the causal mask while dynamo traces (its packed-sequence check cannot read the
-    # position ids), so SDPA takes the mask [B, 1, S, S] and k/v repeated to every query head (no enable_gqa):
-    # that, and only that, is saved beyond the eager step
-    cfg, (b, s) = model.config, ids.shape
-    attention_excess = 4 * (b * s * s + 2 * b * (cfg.num_attention_heads - cfg.num_key_value_heads) * s * cfg.head_dim)
-    assert 0 < compiled_saved <= eager_saved + attention_excess, (compiled_saved, eager_saved, attention_excess)
+    assert 0 < compiled_saved <= eager_saved, (compiled_saved, eager_saved)
 
 
 def test_training_kernel_ops_pass_opcheck():
