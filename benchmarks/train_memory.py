@@ -200,16 +200,19 @@ def _dweight_as_on_cuda(dweight, total, dy, a) -> None:
 def _gpu_program_counts():
     """Within: our RMSNorm backward sizes its float32 partial d/dweight rows as on an H200 (4 programs per
     SM) instead of the interpreter's 4 programs; act-and-mul + down_proj accumulates d/dweight without copies,
-    as on CUDA (:func:`_dweight_as_on_cuda`)."""
+    as on CUDA (:func:`_dweight_as_on_cuda`); the deferred LM-head gradient takes the fake parameters."""
     from fxrewrite.kernels import gated_mlp_down, rms_norm_backward
 
-    real = rms_norm_backward._num_programs, gated_mlp_down._accumulate_dweight
+    from fxrewrite.layers import deferred_head_grad
+
+    real = rms_norm_backward._num_programs, gated_mlp_down._accumulate_dweight, deferred_head_grad.plain_parameter
     rms_norm_backward._num_programs = lambda rows, device: min(rows, 4 * H200_SMS)
     gated_mlp_down._accumulate_dweight = _dweight_as_on_cuda
+    deferred_head_grad.plain_parameter = lambda weight: isinstance(weight, torch.nn.Parameter)  # fake ones too
     try:
         yield
     finally:
-        rms_norm_backward._num_programs, gated_mlp_down._accumulate_dweight = real
+        rms_norm_backward._num_programs, gated_mlp_down._accumulate_dweight, deferred_head_grad.plain_parameter = real
 
 
 @contextlib.contextmanager
