@@ -15,10 +15,13 @@ gradient during the layers' backward, less the hidden states kept (Qwen3-0.6B, 8
 Gradients flow through autograd as before (DDP's and FSDP's hooks see them when autograd accumulates them).
 
 Eager only: while torch.compile traces, the loss is the custom op and nothing is deferred. A model call that does
-not run its embedding module (``inputs_embeds`` given) does not defer either.
+not run its embedding module (``inputs_embeds`` given) does not defer either. ``FXREWRITE_DEFER_HEAD_GRAD=0`` turns
+it off (the gradient made in the loss's forward, as before), to measure one against the other.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
@@ -95,7 +98,8 @@ def install_deferred_head_grad(model: nn.Module, loss: nn.Module) -> bool:
 
     def fresh_job(module, args):
         loss.deferred = (DeferredHeadGrad() if module.training and torch.is_grad_enabled()
-                         and not torch.compiler.is_compiling() else None)
+                         and not torch.compiler.is_compiling() and os.environ.get("FXREWRITE_DEFER_HEAD_GRAD") != "0"
+                         else None)
 
     def attach(module, args, output):
         job, head = loss.deferred, model.get_output_embeddings()

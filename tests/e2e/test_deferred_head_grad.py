@@ -58,3 +58,13 @@ def test_inputs_embeds_and_two_forwards_before_backward():
     calls_f = [dict(inputs_embeds=emb_f.clone().requires_grad_(), labels=a)]
     calls_s = [dict(inputs_embeds=emb_s.clone().requires_grad_(), labels=a)]
     _assert_same(fused, _grads(fused, *calls_f), _grads(stock, *calls_s))
+
+
+def test_switch_off(monkeypatch):
+    monkeypatch.setenv("FXREWRITE_DEFER_HEAD_GRAD", "0")
+    stock = tiny_model("qwen3", tie_word_embeddings=True, use_cache=False).train()
+    fused = fxrewrite.optimize(tiny_model("qwen3", tie_word_embeddings=True, use_cache=False).train()).train()
+    ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(3))
+    got = _grads(fused, dict(input_ids=ids, labels=ids))
+    assert all(m.deferred is None for m in fused.modules() if type(m).__name__ == "LMHeadCrossEntropy")
+    _assert_same(fused, got, _grads(stock, dict(input_ids=ids, labels=ids)))
