@@ -31,6 +31,28 @@ def is_linear(node: fx.Node, root: nn.Module) -> bool:
     return type(module_of(node, root)) is nn.Linear
 
 
+def wrapped_linear(node: fx.Node, root: nn.Module) -> str | None:
+    """Why a call of a linear-like child is not a plain `nn.Linear` (a LoRA adapter around one, a subclass,
+    another wrapper with a ``base_layer``), e.g. "q_proj is LoRA-wrapped (peft Linear)"; None for a plain
+    `nn.Linear` and for anything that is no linear at all. Patterns refuse such near misses with this reason."""
+    module = module_of(node, root)
+    if module is None or type(module) is nn.Linear:
+        return None
+    kind = f"{type(module).__module__.split('.')[0]} {type(module).__name__}"
+    base = getattr(module, "base_layer", None)
+    if isinstance(base, nn.Linear):
+        wrapper = "LoRA-wrapped" if hasattr(module, "lora_A") else "wrapped"
+        return f"{node.target} is {wrapper} ({kind} around nn.Linear)"
+    if isinstance(module, nn.Linear):
+        return f"{node.target} is a {kind} (an nn.Linear subclass, which may compute something else)"
+    return None
+
+
+def is_linear_like(node: fx.Node, root: nn.Module) -> bool:
+    """A plain `nn.Linear` call, or one `wrapped_linear` can explain (for near-miss reports)."""
+    return is_linear(node, root) or wrapped_linear(node, root) is not None
+
+
 def is_op(node: fx.Node, *targets) -> bool:
     """Whether `node` calls one of `targets`: functions/operators, or method names as strings."""
     if not isinstance(node, fx.Node):

@@ -81,17 +81,21 @@ class GLUPattern(Pattern):
 
     @classmethod
     def match(cls, traced, ctx: Context) -> list[Match]:
-        """Products of two plain linears on one input, one through silu/gelu; `Refusal`: other act, gate != up."""
+        """Products of two plain linears on one input, one through silu/gelu; `Refusal`: gate/up wrapped (LoRA),
+        other act, gate != up."""
         matches, root = _already_fused(traced), traced.module
         for mul in traced.graph.nodes:
             if not nodes.is_op(mul, operator.mul, torch.mul) or len(mul.args) != 2:
                 continue
             for act, up in (mul.args, mul.args[::-1]):
                 gate = act.args[0] if getattr(act, "op", None) in ("call_module", "call_function") and act.args else None
-                if not (gate is not None and hasattr(gate, "op") and hasattr(up, "op") and nodes.is_linear(gate, root)
-                        and nodes.is_linear(up, root) and gate.args == up.args and len(gate.users) == 1
-                        and len(up.users) == 1 and len(act.users) == 1):
+                if not (gate is not None and hasattr(gate, "op") and hasattr(up, "op")
+                        and nodes.is_linear_like(gate, root) and nodes.is_linear_like(up, root)
+                        and gate.args == up.args and len(gate.users) == 1 and len(up.users) == 1
+                        and len(act.users) == 1):
                     continue
+                wrapped = [why for why in (nodes.wrapped_linear(gate, root), nodes.wrapped_linear(up, root)) if why]
+                require(not wrapped, f"{'; '.join(wrapped)}: gate/up kept unfused")
                 kind = _act_kind(act, root)
                 require(kind is not None, f"activation {act.target} is not silu/gelu/gelu_tanh")
                 gm, um = root.get_submodule(gate.target), root.get_submodule(up.target)

@@ -22,11 +22,11 @@ _ROLES = ("q", "k", "v")
 NEW_NAME = "qkv_proj"
 
 
-def linear_groups(traced, size: int) -> list[list[fx.Node]]:
-    """Groups of exactly `size` linear calls whose only input is the same node (program order)."""
+def linear_groups(traced, size: int, linear=nodes.is_linear) -> list[list[fx.Node]]:
+    """Groups of exactly `size` `linear` calls whose only input is the same node (program order)."""
     by_input: dict[fx.Node, list[fx.Node]] = {}
     for n in traced.graph.nodes:
-        if nodes.is_linear(n, traced.module) and len(n.args) == 1 and not n.kwargs and isinstance(n.args[0], fx.Node):
+        if linear(n, traced.module) and len(n.args) == 1 and not n.kwargs and isinstance(n.args[0], fx.Node):
             by_input.setdefault(n.args[0], []).append(n)
     return [group for group in by_input.values() if len(group) == size]
 
@@ -68,9 +68,12 @@ class QKVPattern(Pattern):
 
     @classmethod
     def match(cls, traced, ctx: Context) -> list[Match]:
-        """Each group of three linears on one input; `Refusal`: k != v, mixed bias, grandchildren, no head size."""
+        """Each group of three linears on one input; `Refusal`: one is wrapped (LoRA), k != v, mixed bias,
+        grandchildren, no head size."""
         matches = _already_fused(traced)
-        for group in linear_groups(traced, 3):
+        for group in linear_groups(traced, 3, nodes.is_linear_like):
+            wrapped = [why for why in (nodes.wrapped_linear(n, traced.module) for n in group) if why]
+            require(not wrapped, f"{'; '.join(wrapped)}: q/k/v kept unfused")
             mods = [traced.module.get_submodule(n.target) for n in group]
             order = sorted(range(3), key=lambda i: -mods[i].out_features)  # stable: q largest, then k, v
             q, k, v = (group[i] for i in order)

@@ -14,6 +14,8 @@ DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 QUANTIZATIONS = ("fp8",)
 RUNNERS = ("auto", "generate", "pooling")
+COMPILATION_LEVELS = (0, 1, 2, 3)
+"""vLLM's optimisation levels (`-O`, `compilation_config`); see `EngineConfig.compilation_config`."""
 
 
 @dataclass
@@ -83,6 +85,7 @@ class EngineConfig:
         _check_choice("dtype", str(self.dtype).removeprefix("torch."), DTYPES)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
         _check_choice("runner", self.runner, RUNNERS)
+        check_compilation_config(self.compilation_config)
         positive = {
             "max_num_seqs": self.max_num_seqs,
             "block_size": self.block_size,
@@ -145,3 +148,12 @@ class EngineConfig:
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise UserInputError(f"{name}={value!r} is not one of {', '.join(map(repr, choices))}")
+
+
+def check_compilation_config(level: Any) -> int:
+    """`level` when it is one of `COMPILATION_LEVELS` (an int: vLLM's `-O` level; a JSON compilation config
+    is not supported); UserInputError naming the value otherwise."""
+    if not isinstance(level, int) or isinstance(level, bool) or level not in COMPILATION_LEVELS:
+        raise UserInputError(f"compilation_config={level!r}: expected an optimisation level 0, 1, 2 or 3 "
+                             "(vLLM's -O levels; 0: no torch.compile, 1-3: compile the decoder layers)")
+    return level

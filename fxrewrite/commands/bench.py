@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fxrewrite.commands.engine_args import human_readable_int, parse_hf_overrides
+from fxrewrite.commands.engine_args import add_compilation_argument, human_readable_int, parse_hf_overrides
 from fxrewrite.errors import UserInputError
 
 
@@ -60,8 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--kv-cache-memory-bytes", type=human_readable_int, default=None)
-    g.add_argument("--compilation-config", "-O", type=int, default=0, choices=(0, 1, 2, 3),
-                   help="0: no torch.compile, CUDA graphs only (default); 3: also compile the model forward")
+    add_compilation_argument(g)
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no torch.compile")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="schedule step n+1 while step n runs (default on)")

@@ -10,6 +10,8 @@ import argparse
 import json
 from typing import Any
 
+from fxrewrite.runtime.engine_config import COMPILATION_LEVELS
+
 # Flags whose value is an `LLM(...)` keyword argument of the same name (dest == kwarg).
 ENGINE_KWARG_NAMES = (
     "max_logprobs",
@@ -27,6 +29,7 @@ ENGINE_KWARG_NAMES = (
     "gpu_memory_utilization",
     "kv_cache_memory_bytes",
     "enforce_eager",
+    "compilation_config",
     "async_scheduling",
     "tensor_parallel_size",
     "data_parallel_size",
@@ -97,6 +100,23 @@ def _positive_int(value: str) -> int:
     return number
 
 
+def optimization_level(value: str) -> int:
+    """vLLM's `-O` / `--compilation-config` value: an optimisation level 0-3 ("3", as in `-O 3` or `-O3`)."""
+    text = value.strip()
+    if not (text.isdigit() and int(text) in COMPILATION_LEVELS):
+        raise argparse.ArgumentTypeError(
+            f"expected an optimisation level 0, 1, 2 or 3 (vLLM's -O levels; a JSON compilation config is not "
+            f"supported), got {value!r}")
+    return int(text)
+
+
+def add_compilation_argument(group) -> None:
+    """`--compilation-config` / `-O` (one definition for the engine commands and `bench compare`)."""
+    group.add_argument("--compilation-config", "-O", type=optimization_level, default=0, metavar="LEVEL",
+                       help="optimisation level (vLLM's -O): 0 = no torch.compile, CUDA graphs only (default); "
+                            "1-3 = also torch.compile the decoder layers (CUDA only; a CPU runs eager)")
+
+
 class _RemovedFlag(argparse.Action):
     """A flag vLLM once had and we do not: using it is an error that says what to use instead."""
 
@@ -164,6 +184,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--kv-cache-memory-bytes", type=_positive_int, default=None,
                    help="KV-cache size in bytes (e.g. 4G); overrides --gpu-memory-utilization for the cache")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no torch.compile")
+    add_compilation_argument(g)
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="schedule step n+1 while step n runs on the device")
     g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,

@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="name(s) clients use in 'model' (default: MODEL as given, or the default model's hub id)")
     parser.add_argument("--chat-template", default=None,
                         help="chat template replacing the tokenizer's: a file path, or the template text itself")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="use a chat request's own chat_template (the template text); without it such a "
+                             "request is refused with a 400 (a template is code the server runs)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='allow tool_choice "auto": the model\'s tool calls are parsed from its text')
     parser.add_argument("--tool-call-parser", default="auto", choices=("auto", *sorted(TOOL_PARSERS)),
@@ -57,7 +60,8 @@ def build_server_app(args: argparse.Namespace):
                                       chat_template or getattr(engine.tokenizer, "chat_template", None))
     app = build_app(engine, served_model_names=names, api_key=args.api_key, generation_defaults=defaults,
                     chat_template=chat_template, tool_parser=tool_parser,
-                    log_requests=args.enable_log_requests, max_log_len=args.max_log_len)
+                    log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
+                    trust_request_chat_template=args.trust_request_chat_template)
     return engine, app
 
 

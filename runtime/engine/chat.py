@@ -36,6 +36,13 @@ def resolve_chat_template(value: str | None, name: str = "chat_template") -> str
         if not path.is_file():
             raise UserInputError(f"{name} {value!r}: no such file (give a file path or the template text)")
         template, source = path.read_text(), str(path)
+    check_template_syntax(template, f"{name} {value!r}", source)
+    return template
+
+
+def check_template_syntax(template: str, where: str, source: str = "the template text") -> None:
+    """UserInputError "<where>: not a valid Jinja template (<source>, line N: ...)" when Jinja cannot
+    parse `template` (compiled as transformers compiles chat templates)."""
     # transformers' own compile (its sandbox and extensions: {% generation %}, loop controls); heavy, so
     # imported only when a template is given
     from jinja2 import TemplateSyntaxError
@@ -43,9 +50,7 @@ def resolve_chat_template(value: str | None, name: str = "chat_template") -> str
     try:
         _compile_jinja_template(template)
     except TemplateSyntaxError as e:
-        raise UserInputError(f"{name} {value!r}: not a valid Jinja template ({source}, line "
-                             f"{e.lineno}: {e.message})") from None
-    return template
+        raise UserInputError(f"{where}: not a valid Jinja template ({source}, line {e.lineno}: {e.message})") from None
 
 
 def check_generation_mode(messages: list, add_generation_prompt: bool, continue_final_message: bool) -> None:

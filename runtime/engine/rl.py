@@ -36,8 +36,10 @@ class EngineRLMixin:
         one per Hugging Face tensor into its shard) or (name, tensor) pairs in either naming. Tensors may
         be on any device and of any float dtype (cast to the engine's). With tensor parallelism every
         rank takes its slice. Everything is checked before anything is copied: ValueError naming the
-        tensor and both shapes for a wrong shape, an unknown name, or (strict) an engine parameter no
-        tensor covers; the engine then keeps its old weights. TypeError for another kind of `weights`;
+        tensor and both shapes for a wrong shape and, with `strict`, an unknown name or an engine parameter
+        no tensor covers; the engine then keeps its old weights. strict=False is torch's
+        `load_state_dict(strict=False)`: unknown names are skipped (logged as a warning), uncovered
+        parameters keep their values, a wrong shape is still an error. TypeError for another kind of `weights`;
         RuntimeError while requests are unfinished or the weights are asleep.
         Returns the engine parameter names written.
         """

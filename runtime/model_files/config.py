@@ -143,7 +143,7 @@ class ModelConfig:
         head_dim = _head_dim(text_config)
         check_rope_parameters(text_config, head_dim)
         rope_parameters, by_layer = get_rope_parameters(text_config)
-        tokenizer_path = str(resolve_model_path(tokenizer) if tokenizer is not None else model_path)
+        tokenizer_path = str(resolve_model_path(tokenizer, what="tokenizer") if tokenizer is not None else model_path)
         derived, key = derive_max_model_len(
             text_config, _tokenizer_model_max_length(Path(tokenizer_path)), disable_sliding_window
         )

@@ -26,34 +26,34 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 _TRUE = {"1", "true", "yes", "on"}
 
 
-def resolve_model_path(model: str | os.PathLike | None, *, revision: str | None = None) -> Path:
+def resolve_model_path(model: str | os.PathLike | None, *, revision: str | None = None, what: str = "model") -> Path:
     """The local folder holding `model`'s config, tokenizer and weights.
 
     `model`: a local folder; a `.gguf` file; `DEFAULT_MODEL` or None (the built-in default);
     or a hub id `org/name` (at `revision`). Raises FileNotFoundError naming `model` when a path
     does not exist or a hub id is neither in the HF cache nor downloadable; ValueError naming it
     when it is an existing file that is not `.gguf`, or neither a path nor a hub id; TypeError
-    for other types.
+    for other types. `what`: the argument the errors name ("model", "tokenizer").
     """
     if model is None:
         model = DEFAULT_MODEL
     if not isinstance(model, (str, os.PathLike)):
-        raise UserTypeError(f"model must be a path or a hub id string, got {type(model).__name__}: {model!r}")
+        raise UserTypeError(f"{what} must be a path or a hub id string, got {type(model).__name__}: {model!r}")
     text = os.fspath(model)
     if not text.strip():
-        raise UserInputError(f"model must be a folder, a .gguf file or a hub id, got {text!r}")
+        raise UserInputError(f"{what} must be a folder, a .gguf file or a hub id, got {text!r}")
     path = Path(text).expanduser()
     if path.is_dir():
         return path
     if path.suffix == ".gguf":
         return convert_gguf(path)  # FileNotFoundError naming the file when missing
     if path.exists():
-        raise UserInputError(f"model {text!r} is a file; expected a model folder, a .gguf file or a hub id")
+        raise UserInputError(f"{what} {text!r} is a file; expected a {what} folder, a .gguf file or a hub id")
     if text == DEFAULT_MODEL:
         return _default_model_folder(revision)
     if not is_hub_id(text):
-        raise UserFileNotFoundError(f"model {text!r} is not an existing folder or .gguf file (nor a hub id 'org/name')")
-    return download_hub_model(text, revision=revision)
+        raise UserFileNotFoundError(f"{what} {text!r} is not an existing folder or .gguf file (nor a hub id 'org/name')")
+    return download_hub_model(text, revision=revision, what=what)
 
 
 def is_hub_id(text: str) -> bool:
@@ -66,7 +66,7 @@ def hub_offline() -> bool:
     return any(os.environ.get(v, "").strip().lower() in _TRUE for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
-def download_hub_model(repo_id: str, *, revision: str | None = None) -> Path:
+def download_hub_model(repo_id: str, *, revision: str | None = None, what: str = "model") -> Path:
     """`repo_id`'s snapshot folder: from the HF cache, else (unless offline) the hub.
     Raises FileNotFoundError naming `repo_id` when neither has it."""
     from huggingface_hub import snapshot_download
@@ -85,7 +85,7 @@ def download_hub_model(repo_id: str, *, revision: str | None = None) -> Path:
         reason = FileNotFoundError(f"no config.json in {folder}")
     where = "in the HF cache (HF_HUB_OFFLINE is set)" if hub_offline() else "in the HF cache nor on the hub"
     raise UserFileNotFoundError(
-        f"model {repo_id!r} is not a local folder, and its files are not {where}: "
+        f"{what} {repo_id!r} is not a local folder, and its files are not {where}: "
         f"{type(reason).__name__}: {str(reason).splitlines()[0] if str(reason) else ''}"
     ) from reason
 

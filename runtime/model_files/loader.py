@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -13,6 +15,9 @@ from fxrewrite.sharding import LazySlice
 from fxrewrite.weights import load_hf_weights
 from fxrewrite.runtime.model_files.checkpoint_conversion import convert_for_model
 from fxrewrite.runtime.model_files.fp8_experts import dequantize_fp8_experts
+
+logger = logging.getLogger(__name__)
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def iterate_safetensors(model_path: str | Path, sliced: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -84,6 +89,25 @@ def load_native_weights(model: nn.Module, weights) -> set[str]:
     return loaded
 
 
+def _without_extra_layers(model: nn.Module, weights):
+    """`weights` without the decoder layers past the model's (a config whose num_hidden_layers was lowered
+    by hf_overrides: transformers loads such a checkpoint too, warning that weights were unused)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        yield from weights
+        return
+    skipped = set()
+    for name, tensor in weights:
+        found = _LAYER_INDEX.search(name)
+        if found and int(found.group(1)) >= len(layers):
+            skipped.add(int(found.group(1)))
+            continue
+        yield name, tensor
+    if skipped:
+        logger.warning("the checkpoint's decoder layers %s are not loaded: the model has num_hidden_layers=%d "
+                       "(hf_overrides?)", sorted(skipped), len(layers))
+
+
 def _skip(name: str, model: nn.Module) -> bool:
     """Checkpoint tensors a native model has no parameter for: rotary caches, a tied lm_head."""
     if "rotary_emb.inv_freq" in name:
@@ -127,7 +151,7 @@ def load_weights(model: nn.Module, model_path: str | Path, native: bool,
         weights = dequantize_fp8_experts(weights, fp8_block)
     weights = convert_for_model(model, weights, native)
     if native:
-        loaded = load_native_weights(model, weights)
+        loaded = load_native_weights(model, _without_extra_layers(model, weights))
     else:
         loaded = {f"hf_model.{name}" for name in load_hf_weights(model.hf_model, weights)}
     check_all_loaded(model, loaded)

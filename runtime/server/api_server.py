@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 
 from fxrewrite import __version__
 from fxrewrite.runtime.server.async_engine import AsyncLLMEngine
+from fxrewrite.runtime.server.async_tokenizer import AsyncTokenizer
 from fxrewrite.runtime.server.errors import OpenAIError, error_response, install_error_handlers
 from fxrewrite.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from fxrewrite.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -39,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 class RequestLogger:
     """Logs each admitted request (vLLM's --enable-log-requests): id, prompt text and token ids (each cut
-    to max_log_len characters / ids; None: whole) and sampling params, at INFO on
+    to max_log_len characters / ids; None: whole; the text is that of the logged ids) and sampling params, at INFO on
     `fxrewrite.requests` (printed to stderr when logging is not configured otherwise)."""
 
     def __init__(self, max_log_len: int | None, tokenizer: Any = None):
@@ -55,7 +56,8 @@ class RequestLogger:
         ids = None
         if not isinstance(prompt, str):
             ids = list(prompt)[cut]
-            prompt = self.tokenizer.decode(list(prompt)) if self.tokenizer is not None else None
+            # only the logged ids are decoded (this runs on the event loop; a prompt may be millions of tokens)
+            prompt = self.tokenizer.decode(ids) if self.tokenizer is not None else None
         text = prompt[cut] if prompt is not None else None
         self.logger.info("Received request %s: prompt: %r, prompt_token_ids: %s, params: %s",
                          request_id, text, ids, params)
@@ -94,6 +96,7 @@ def build_app(
     tool_parser: ToolParser | None = None,
     log_requests: bool = False,
     max_log_len: int | None = None,
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving `engine`; its engine loop runs while the app's lifespan does.
 
@@ -101,10 +104,14 @@ def build_app(
     chat_template: template text replacing the tokenizer's. tool_parser: the parser of tool_choice
     "auto" (None refuses "auto"). log_requests: log each request's prompt (its first max_log_len
     characters or token ids; all when None) and sampling parameters, as vLLM's --enable-log-requests.
+    trust_request_chat_template: a chat request's own `chat_template` is used (else it is a 400), as
+    vLLM's --trust-request-chat-template. Prompts are tokenized in one thread shared by every handler
+    (`AsyncTokenizer`), so the event loop (and /health) keeps answering while a long prompt is tokenized.
     """
     names = list(served_model_names or [str(engine.model_config.model)])
     metrics = ServerMetrics(names[0])
     async_engine = AsyncLLMEngine(engine, metrics)
+    tokenizer = AsyncTokenizer(engine.tokenizer)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -113,6 +120,7 @@ def build_app(
         try:
             yield
         finally:
+            tokenizer.shutdown()
             await async_engine.stop()
 
     app = FastAPI(title="fxrewrite OpenAI-compatible server", version=__version__, lifespan=lifespan)
@@ -122,13 +130,14 @@ def build_app(
     install_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    completion = OpenAIServingCompletion(async_engine, names, generation_defaults)
-    chat = OpenAIServingChat(async_engine, names, generation_defaults, chat_template=chat_template,
-                             tool_parser=tool_parser)
+    completion = OpenAIServingCompletion(async_engine, names, generation_defaults, tokenizer)
+    chat = OpenAIServingChat(async_engine, names, generation_defaults, tokenizer, chat_template=chat_template,
+                             tool_parser=tool_parser, trust_request_chat_template=trust_request_chat_template)
+    app.state.async_tokenizer, app.state.serving_chat = tokenizer, chat
     if log_requests:
         async_engine.request_logger = RequestLogger(max_log_len, engine.tokenizer)
     _add_routes(app, engine, names, completion, chat, metrics, __version__)
-    embedding = OpenAIServingEmbedding(async_engine, names, generation_defaults)
+    embedding = OpenAIServingEmbedding(async_engine, names, generation_defaults, tokenizer)
 
     @app.post("/v1/embeddings")
     async def create_embedding(request: EmbeddingRequest, raw_request: Request):
@@ -184,11 +193,11 @@ def _add_routes(app: FastAPI, engine: LLMEngine, names: list[str], completion: O
 
     @app.post("/v1/tokenize")
     async def create_tokenize(request: TokenizeRequest):
-        return JSONResponse(tokenize(chat, request).model_dump())
+        return JSONResponse((await tokenize(chat, request)).model_dump())
 
     @app.post("/v1/detokenize")
     async def create_detokenize(request: DetokenizeRequest):
-        return JSONResponse(detokenize(chat, request).model_dump())
+        return JSONResponse((await detokenize(chat, request)).model_dump())
 
 
 def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:

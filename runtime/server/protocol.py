@@ -283,6 +283,8 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: StrictInt | None = Field(None, ge=0)  # as logprobs
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False  # vLLM's: leave the last (assistant) message open to continue it
+    chat_template: str | None = None
+    """vLLM's: this request's chat template (text); used only with --trust-request-chat-template."""
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")

@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from fxrewrite.errors import UserInputError
-from fxrewrite.runtime.engine.chat import check_generation_mode, render_chat
+from fxrewrite.runtime.engine.chat import check_generation_mode, check_template_syntax, render_chat
 from fxrewrite.runtime.server.async_engine import StepOutput
 from fxrewrite.runtime.server.errors import OpenAIError
 from fxrewrite.runtime.server.logprobs import chat_logprobs
@@ -51,18 +51,21 @@ class OpenAIServingChat(OpenAIServing):
 
     chat_template: a template (text) used instead of the tokenizer's (`--chat-template`).
     tool_parser: the parser of tool_choice "auto" (None: "auto" is refused, as vLLM does without
-    `--enable-auto-tool-choice`).
+    `--enable-auto-tool-choice`). trust_request_chat_template: a request's own `chat_template` is used
+    (else it is a 400), vLLM's `--trust-request-chat-template`.
     """
 
-    def __init__(self, *args, chat_template: str | None = None, tool_parser: ToolParser | None = None, **kwargs):
+    def __init__(self, *args, chat_template: str | None = None, tool_parser: ToolParser | None = None,
+                 trust_request_chat_template: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.chat_template = chat_template
         self.tool_parser = tool_parser
+        self.trust_request_chat_template = trust_request_chat_template
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request):
         model = self.model_name(request.model)
         structured = self._check_tools(request)
-        token_ids = self.apply_chat_template(request)
+        token_ids = await self.async_tokenizer.run(self.apply_chat_template, request)  # off the event loop
         explicit = bool({"max_tokens", "max_completion_tokens"} & request.model_fields_set)
         max_tokens = self.max_tokens_for(request, len(token_ids), explicit)
         num_top = (request.top_logprobs or 0) if request.logprobs else None
@@ -81,8 +84,11 @@ class OpenAIServingChat(OpenAIServing):
             self.abort_all(ids)
         return JSONResponse(self._response(request, model, request_id, final).model_dump())
 
-    def template(self) -> str | None:
-        return self.chat_template or getattr(self.tokenizer, "chat_template", None)
+    def template(self, request: ChatCompletionRequest | None = None) -> str | None:
+        """`request`'s own chat template (see `request_chat_template`), else --chat-template, else the
+        tokenizer's; None when there is none."""
+        own = request_chat_template(request, self.trust_request_chat_template) if request is not None else None
+        return own or self.chat_template or getattr(self.tokenizer, "chat_template", None)
 
     def _check_tools(self, request: ChatCompletionRequest):
         """The request's output constraint (tool_choice required / named force one); 400 for what cannot
@@ -91,7 +97,7 @@ class OpenAIServingChat(OpenAIServing):
         mode = tool_mode(request)
         if not request.tools or mode == "none":
             return structured
-        check_template_renders_tools(self.template())
+        check_template_renders_tools(self.template(request))
         if mode == "auto" and self.tool_parser is None:
             raise OpenAIError(HTTPStatus.BAD_REQUEST, '"auto" tool choice requires --enable-auto-tool-choice '
                               "(and --tool-call-parser) to be set", param="tool_choice", code="invalid_value")
@@ -103,8 +109,11 @@ class OpenAIServingChat(OpenAIServing):
         return forced or structured
 
     def apply_chat_template(self, request: ChatCompletionRequest) -> list[int]:
-        """Prompt token ids of the messages, rendered by the chat template (400 if it fails)."""
-        if self.template() is None:
+        """Prompt token ids of the messages, rendered by the chat template (400 if it fails). Blocking:
+        the handlers run it in the tokenizer thread."""
+        own = request_chat_template(request, self.trust_request_chat_template)
+        template = own or self.template()
+        if template is None:
             raise OpenAIError(HTTPStatus.BAD_REQUEST, "this model's tokenizer has no chat template; "
                               "use /v1/completions or start the server with --chat-template",
                               param="messages", code="no_chat_template")
@@ -115,23 +124,24 @@ class OpenAIServingChat(OpenAIServing):
                               code="invalid_value") from None
         tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
         if tools:
-            check_template_renders_tools(self.template())  # the 400 that names --chat-template
+            check_template_renders_tools(template)  # the 400 that names --chat-template
         try:
             check_generation_mode(messages, request.add_generation_prompt, request.continue_final_message)
         except UserInputError as e:
             raise OpenAIError(HTTPStatus.BAD_REQUEST, str(e), param="continue_final_message",
                               code="invalid_value") from None
+        kwargs = {k: v for k, v in (request.chat_template_kwargs or {}).items() if k != "chat_template"}
         try:
-            text = render_chat(self.tokenizer, messages, chat_template=self.chat_template, tools=tools,
+            text = render_chat(self.tokenizer, messages, chat_template=own or self.chat_template, tools=tools,
                                add_generation_prompt=request.add_generation_prompt,
-                               continue_final_message=request.continue_final_message,
-                               chat_template_kwargs=request.chat_template_kwargs)
+                               continue_final_message=request.continue_final_message, chat_template_kwargs=kwargs)
         except UserInputError as e:
             raise OpenAIError(HTTPStatus.BAD_REQUEST, str(e), param="tools" if tools else "messages",
                               code="invalid_value") from None
         except Exception as e:  # jinja2 TemplateError, or a template's raise_exception(...)
-            raise OpenAIError(HTTPStatus.BAD_REQUEST, f"chat template failed: {e}", param="messages",
-                              code="invalid_value") from None
+            where = "the request's chat_template" if own else "chat template"
+            raise OpenAIError(HTTPStatus.BAD_REQUEST, f"{where} failed: {e}",
+                              param="chat_template" if own else "messages", code="invalid_value") from None
         # The template already wrote the special tokens (BOS etc.); do not add them twice.
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
@@ -203,3 +213,30 @@ def _usage(output: StepOutput) -> UsageInfo:
     completion = output.num_generated_tokens
     return UsageInfo(prompt_tokens=output.num_prompt_tokens, completion_tokens=completion,
                      total_tokens=output.num_prompt_tokens + completion)
+
+
+def request_chat_template(request: ChatCompletionRequest, trusted: bool) -> str | None:
+    """A request's own chat template (vLLM's `chat_template` field, or `chat_template_kwargs["chat_template"]`),
+    None when it sets none. 400 naming the field when the server does not trust request templates (vLLM's
+    rule: a template is code the server runs; `--trust-request-chat-template`), when the value is not
+    template text (a request's template is never read from a file, and a path must not become the
+    prompt), or when Jinja cannot parse it."""
+    given = getattr(request, "chat_template", None)
+    param = "chat_template"
+    if given is None:
+        given, param = (request.chat_template_kwargs or {}).get("chat_template"), "chat_template_kwargs"
+    if given is None:
+        return None
+    if not trusted:
+        raise OpenAIError(HTTPStatus.BAD_REQUEST, f"{param}: a chat template is passed with the request, but the "
+                          "server does not run request templates; start it with --trust-request-chat-template "
+                          "(or --chat-template for every request)", param=param, code="invalid_value")
+    if not isinstance(given, str) or not any(c in given for c in "{}\n"):
+        raise OpenAIError(HTTPStatus.BAD_REQUEST, f"{param}: {given!r:.100} is not a Jinja template (a request's "
+                          "chat_template is the template text; the server reads no file for a request)",
+                          param=param, code="invalid_value")
+    try:
+        check_template_syntax(given, param)
+    except UserInputError as e:
+        raise OpenAIError(HTTPStatus.BAD_REQUEST, str(e), param=param, code="invalid_value") from None
+    return given

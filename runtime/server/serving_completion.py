@@ -36,7 +36,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, request: CompletionRequest, raw_request: Request):
         model = self.model_name(request.model)
-        prompts = [self._encode(p) for p in request.prompts()]
+        prompts = [await self._encode(p) for p in request.prompts()]
         explicit = "max_tokens" in request.model_fields_set
         # echo + logprobs: the prompt's own logprobs come first (lm-eval's loglikelihood requests).
         echo_lp = request.logprobs if request.echo and request.logprobs is not None else None
@@ -60,12 +60,13 @@ class OpenAIServingCompletion(OpenAIServing):
         response = self._response(request, model, request_id, finals, echo_texts)
         return JSONResponse(response.model_dump())
 
-    def _encode(self, prompt: str | list[int]) -> tuple[str, list[int]]:
-        """(prompt text, prompt token ids); token-id prompts are range-checked and decoded for echo."""
+    async def _encode(self, prompt: str | list[int]) -> tuple[str, list[int]]:
+        """(prompt text, prompt token ids), off the event loop; token-id prompts are range-checked and
+        decoded for echo."""
         if isinstance(prompt, str):
-            return prompt, list(self.tokenizer.encode(prompt))
+            return prompt, await self.async_tokenizer.encode(prompt)
         token_ids = self.check_token_ids(list(prompt))
-        return self.tokenizer.decode(token_ids), token_ids
+        return await self.async_tokenizer.decode(token_ids), token_ids
 
     def _choices(self, request: CompletionRequest, prompt_index: int, output: StepOutput,
                  echo_text: str) -> list[CompletionChoice]:

@@ -74,7 +74,7 @@ class OpenAIServingEmbedding(OpenAIServing):
             raise OpenAIError(HTTPStatus.BAD_REQUEST, f"dimensions={request.dimensions} is not supported: the "
                               "model has no Matryoshka (truncatable) embeddings; leave dimensions unset",
                               param="dimensions", code="invalid_value")
-        prompts = self._prompts(request.input)
+        prompts = await self.async_tokenizer.run(self._prompts, request.input)
         request_id = random_id("embd")
         params = PoolingParams()
         ids, streams = await self.start_requests(request_id, [(p, params) for p in prompts])

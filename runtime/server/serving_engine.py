@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 from fxrewrite.runtime.server.async_engine import EngineDeadError, StepOutput
+from fxrewrite.runtime.server.async_tokenizer import AsyncTokenizer
 from fxrewrite.runtime.server.errors import OpenAIError
 from fxrewrite.runtime.server.protocol import SamplingRequest
 from fxrewrite.runtime.server.request_params import logit_bias_of
@@ -33,14 +34,17 @@ class OpenAIServing:
         engine: the async engine (its `.engine.tokenizer` and `.engine.model_config` are used).
         served_model_names: names a request's `model` may carry; the first one is the default.
         generation_defaults: default sampling values (from generation_config.json), vLLM names.
+        async_tokenizer: runs prompt tokenization off the event loop (shared by the app's handlers, so
+            their calls are serialised; default: one of its own over the engine's tokenizer).
     """
 
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str],
-                 generation_defaults: dict[str, Any] | None = None):
+                 generation_defaults: dict[str, Any] | None = None, async_tokenizer: AsyncTokenizer | None = None):
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.generation_defaults = dict(generation_defaults or {})
         self.tokenizer = engine.engine.tokenizer
+        self.async_tokenizer = async_tokenizer or AsyncTokenizer(self.tokenizer)
         self.max_model_len = int(engine.engine.model_config.max_model_len)
         self.vocab_size = len(self.tokenizer)
 

@@ -1,7 +1,7 @@
 """POST /v1/tokenize and /v1/detokenize (vLLM's endpoints and shapes).
 
 /v1/tokenize takes a `prompt` (text, tokenized as /v1/completions does) or chat `messages` (rendered
-by the chat template as /v1/chat/completions does, tools included) and answers
+by the chat template as /v1/chat/completions does, tools and a trusted request `chat_template` included) and answers
 {"count", "max_model_len", "tokens", "token_strs"}; /v1/detokenize takes {"tokens"} and answers {"prompt"}.
 """
 
@@ -24,6 +24,7 @@ class TokenizeRequest(OpenAIBaseModel):
     """Default True for a prompt; False for messages (the template writes them)."""
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     return_token_strs: StrictBool = False
@@ -51,9 +52,14 @@ class DetokenizeResponse(OpenAIBaseModel):
     prompt: str
 
 
-def tokenize(chat, request: TokenizeRequest) -> TokenizeResponse:
-    """`chat`: the OpenAIServingChat (its tokenizer, template and checks are reused)."""
+async def tokenize(chat, request: TokenizeRequest) -> TokenizeResponse:
+    """`chat`: the OpenAIServingChat (its tokenizer, template and checks are reused); the work runs in its
+    tokenizer thread, off the event loop."""
     chat.model_name(request.model)
+    return await chat.async_tokenizer.run(_tokenize, chat, request)
+
+
+def _tokenize(chat, request: TokenizeRequest) -> TokenizeResponse:
     tokenizer = chat.tokenizer
     if request.prompt is not None:
         add = True if request.add_special_tokens is None else request.add_special_tokens
@@ -61,7 +67,7 @@ def tokenize(chat, request: TokenizeRequest) -> TokenizeResponse:
     else:
         chat_request = ChatCompletionRequest(
             messages=request.messages, add_generation_prompt=request.add_generation_prompt,
-            continue_final_message=request.continue_final_message,
+            continue_final_message=request.continue_final_message, chat_template=request.chat_template,
             chat_template_kwargs=request.chat_template_kwargs, tools=request.tools, tool_choice="none")
         ids = chat.apply_chat_template(chat_request)
         if request.add_special_tokens and tokenizer.bos_token_id is not None and ids[:1] != [tokenizer.bos_token_id]:
@@ -70,11 +76,11 @@ def tokenize(chat, request: TokenizeRequest) -> TokenizeResponse:
     return TokenizeResponse(count=len(ids), max_model_len=chat.max_model_len, tokens=ids, token_strs=strs)
 
 
-def detokenize(chat, request: DetokenizeRequest) -> DetokenizeResponse:
+async def detokenize(chat, request: DetokenizeRequest) -> DetokenizeResponse:
     chat.model_name(request.model)
     chat.check_token_ids(request.tokens, "tokens")
     try:
-        return DetokenizeResponse(prompt=chat.tokenizer.decode(request.tokens))
+        return DetokenizeResponse(prompt=await chat.async_tokenizer.decode(request.tokens))
     except Exception as e:  # noqa: BLE001 - a tokenizer that cannot decode these ids
         raise OpenAIError(HTTPStatus.BAD_REQUEST, f"tokens cannot be decoded: {e}", param="tokens",
                           code="invalid_value") from None

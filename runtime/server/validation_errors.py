@@ -10,6 +10,7 @@ others (the input had its shape, something inside was wrong), that member's own 
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -89,6 +90,9 @@ def _message(error: dict) -> str:
         return "expected " + _EXPECTED[error["type"]]
     if error.get("type") == "missing":
         return "field required"
+    value = error.get("input")
+    if isinstance(value, float) and not math.isfinite(value):  # NaN is not "more than 2": it is no number
+        return "expected a finite number"
     message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
     if not message.startswith("Input should be "):
         return message

@@ -26,6 +26,7 @@ import torch.fx.experimental._config
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from torch import nn
 
+from fxrewrite.runtime.engine_config import check_compilation_config
 from fxrewrite.runtime.model_files.model_cache import cache_root
 from fxrewrite.runtime.worker.attention import RUNNING_LAYER, attend_now
 from fxrewrite.runtime.worker.pipeline import PPMissingLayer
@@ -46,11 +47,12 @@ def _paged_attend_fake(query, key, value, layer_idx, scale, sliding_window=None,
 
 def should_compile(config, device: torch.device) -> bool:
     """Compile on CUDA when `compilation_config` is 1-3 (opt-in, default 0) and not enforce_eager (which
-    turns off torch.compile and CUDA graphs both). ValueError when compilation_config is not an int in
-    0..3 (vLLM's levels)."""
-    level = getattr(config, "compilation_config", 0)
-    if not isinstance(level, int) or isinstance(level, bool) or not 0 <= level <= 3:
-        raise ValueError(f"compilation_config={level!r}: expected an optimisation level 0, 1, 2 or 3")
+    turns off torch.compile and CUDA graphs both). UserInputError (a ValueError) when compilation_config is
+    not an int in 0..3 (vLLM's levels). A level > 0 off CUDA runs eager, and says so once in the log."""
+    level = check_compilation_config(getattr(config, "compilation_config", 0))
+    if level > 0 and device.type != "cuda":
+        logger.info("compilation_config=%d: torch.compile runs on CUDA only; the %s model runs eager", level,
+                    device.type)
     # batch_invariant: Inductor would fuse the norms and rotary with other roundings than the trainer's eager ops
     return device.type == "cuda" and not config.enforce_eager and level > 0 and not getattr(config, "batch_invariant", False)
 

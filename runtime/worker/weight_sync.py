@@ -1,9 +1,9 @@
 """In-place weight updates of a running engine's model (RL: the trainer's weights into the sampler).
 
 `plan_update(model, metas)` resolves every incoming (name, shape) to an engine parameter and checks it
-before anything is copied: an unknown name, a wrong shape or (strict) a parameter left without a tensor
-is a ValueError naming the tensor and both shapes. `apply_update(plan, tensors)` then copies each tensor
-into the existing storage (`param.copy_` / the parameter's `weight_loader`, which narrows to this
+before anything is copied: a wrong shape or (strict) an unknown name or a parameter left without a tensor
+is a ValueError naming the tensor and both shapes (strict=False skips unknown names with a warning).
+`apply_update(plan, tensors)` then copies each tensor into the existing storage (`param.copy_` / the parameter's `weight_loader`, which narrows to this
 tensor-parallel rank's rows), so no parameter is reallocated and captured CUDA graphs stay valid.
 
 Accepted names (the source's own layout decides, nothing is re-fused):
@@ -17,6 +17,7 @@ Shapes are always the full (unsharded) ones; each rank takes its slice.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -26,6 +27,8 @@ from torch import nn
 from fxrewrite.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from fxrewrite.layers.vocab_embedding import VocabParallelEmbedding
 from fxrewrite.weights import default_weight_loader, shard_map
+
+logger = logging.getLogger(__name__)
 
 _SKIPPED = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")
 """Computed buffers some checkpoints carry; never part of an update."""
@@ -138,17 +141,24 @@ def full_shape(owner: nn.Module, param: nn.Parameter, shard_id) -> tuple[int, ..
 
 
 def plan_update(model: nn.Module, metas: list[tuple[str, tuple[int, ...]]], strict: bool = True) -> list[Target | None]:
-    """One Target per incoming (name, shape) (None: a computed buffer, skipped); ValueError listing every
-    unknown name, wrong shape and (strict) parameter no tensor covers, before anything is copied."""
+    """One Target per incoming (name, shape) (None: skipped); ValueError listing every wrong shape and,
+    with `strict`, every unknown name and parameter no tensor covers, before anything is copied.
+
+    strict=False is torch's `load_state_dict(strict=False)`: a name that matches no parameter (an extra
+    buffer, another model's head) is skipped and logged as a warning, a parameter without a tensor keeps
+    its value; a wrong shape is still an error."""
     table, prefix = target_table(model)
-    plan, errors, covered = [], [], {}
+    plan, errors, covered, unexpected = [], [], {}, []
     for name, shape in metas:
         if any(s in name for s in _SKIPPED):
             plan.append(None)
             continue
         target = table.get(_normalize(name, prefix))
-        if target is None:
-            errors.append(f"tensor {name!r} of shape {tuple(shape)} matches no parameter of the engine's model")
+        if target is None and not strict:
+            unexpected.append(name)
+        elif target is None:
+            errors.append(f"tensor {name!r} of shape {tuple(shape)} matches no parameter of the engine's model "
+                          "(strict=False skips such tensors)")
         elif tuple(shape) != target.shape:
             part = f" (shard {target.shard_id!r})" if target.shard_id is not None else ""
             errors.append(f"tensor {name!r} has shape {tuple(shape)}, but the engine's parameter "
@@ -161,6 +171,9 @@ def plan_update(model: nn.Module, metas: list[tuple[str, tuple[int, ...]]], stri
     if errors:
         shown = "; ".join(errors[:8]) + (f"; and {len(errors) - 8} more" if len(errors) > 8 else "")
         raise ValueError(f"load_weights: nothing was updated: {shown}")
+    if unexpected:
+        logger.warning("load_weights(strict=False): skipped %d tensor(s) matching no parameter of the engine's "
+                       "model: %s", len(unexpected), ", ".join(unexpected[:8]) + (" ..." if len(unexpected) > 8 else ""))
     return plan
 
 

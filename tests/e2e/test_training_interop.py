@@ -122,6 +122,18 @@ def test_optimize_of_a_peft_model_trains_like_it():
         torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-7)
 
 
+def test_explain_says_which_projections_lora_keeps_unfused():
+    """fresh-8 F9: the glu and qkv rows had no reason when PEFT wrapped q_proj / v_proj / gate_proj."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=[*LORA_TARGETS, "gate_proj"], lora_dropout=0.0)
+    report = fxrewrite.explain(fxrewrite.optimize(peft.get_peft_model(tiny_model("llama"), config)))
+    skipped = {(cls, pattern): reason for cls, pattern, reason in report.skipped()}
+    glu, qkv = skipped[("LlamaMLP", "glu")], skipped[("LlamaAttention", "qkv")]
+    assert glu.startswith("gate_proj is LoRA-wrapped (peft Linear around nn.Linear)") and "up_proj" not in glu
+    assert "q_proj is LoRA-wrapped" in qkv and "v_proj is LoRA-wrapped" in qkv and "k_proj" not in qkv
+    assert "glu: gate_proj is LoRA-wrapped" in str(report) and "qkv" not in report.applied_patterns()
+
+
 def test_peft_on_an_optimized_model_names_the_module_and_the_fix():
     peft = pytest.importorskip("peft")
     fused = fxrewrite.optimize(tiny_model("llama"))

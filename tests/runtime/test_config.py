@@ -306,6 +306,14 @@ def test_separate_tokenizer_folder_bounds_length(qwen3_dir, tmp_path):
     assert mc.model == str(qwen3_dir) and mc.model_path == qwen3_dir
 
 
+def test_missing_tokenizer_path_names_the_tokenizer(qwen3_dir, tmp_path):
+    """fresh-8 F18: the error blamed `model`."""
+    from fxrewrite.errors import UserFileNotFoundError
+
+    with pytest.raises(UserFileNotFoundError, match=r"^tokenizer '.*/no-tok' is not an existing folder"):
+        ModelConfig.from_pretrained(qwen3_dir, tokenizer=str(tmp_path / "no-tok"))
+
+
 def test_escape_variable_is_reported_once(qwen3_dir, monkeypatch, caplog):
     import logging
 

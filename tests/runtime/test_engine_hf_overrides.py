@@ -68,3 +68,15 @@ def test_callable_and_json_overrides_are_accepted(tiny_qwen3_dir):
         LLM(str(tiny_qwen3_dir), hf_overrides=42)
     with pytest.raises(ValueError, match="hf_overrides must be a JSON object"):
         LLM(str(tiny_qwen3_dir), hf_overrides="{oops")
+
+
+def test_fewer_layers_by_override_load_like_transformers(tiny_qwen3_dir, caplog):
+    """fresh-8 F18: num_hidden_layers=1 on a 2-layer checkpoint was a ValueError on the native model (the
+    transformers implementation, and transformers itself, load it): the extra layer is skipped, and said so."""
+    overrides = {"num_hidden_layers": 1}
+    with caplog.at_level("WARNING", logger="fxrewrite.runtime.model_files.loader"):
+        native = LLM(str(tiny_qwen3_dir), model_impl="native", dtype="float32", hf_overrides=overrides)
+    assert "decoder layers [1] are not loaded" in caplog.text
+    hf = LLM(str(tiny_qwen3_dir), model_impl="transformers", dtype="float32", hf_overrides=overrides)
+    tokens = [[o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] for llm in (native, hf)]
+    assert tokens[0] == tokens[1]

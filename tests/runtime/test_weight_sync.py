@@ -106,6 +106,23 @@ def test_partial_update_with_strict_false_and_type_errors(fused_llm, dirs):
         fused_llm.load_weights(3)
 
 
+def test_strict_false_skips_extra_tensors_but_not_a_wrong_shape(fused_llm, dirs, caplog):
+    """fresh-8 F15: strict=False is torch's load_state_dict(strict=False) (extras skipped and logged)."""
+    norm = "model.norm.weight"
+    new = torch.full_like(dict(_hf(dirs[1], False).named_parameters())[norm], 0.25)
+    extra = ("model.layers.9.mlp.up_proj.weight", torch.zeros(2, 2))
+    with caplog.at_level("WARNING", logger="fxrewrite.runtime.worker.weight_sync"):
+        assert fused_llm.load_weights([(norm, new), extra], strict=False) == {"hf_model." + norm}
+    assert torch.equal(fused_llm.llm_engine.model_runner.model.hf_model.model.norm.weight, new)
+    assert "model.layers.9.mlp.up_proj.weight" in caplog.text and "skipped 1 tensor" in caplog.text
+    before = _snapshot(fused_llm)
+    with pytest.raises(ValueError, match=r"model.norm.weight.*\(3,\)"):
+        fused_llm.load_weights([(norm, torch.zeros(3)), extra, ("model.layers.0.input_layernorm.weight",
+                                                                 torch.zeros_like(new))], strict=False)
+    after = _snapshot(fused_llm)
+    assert all(torch.equal(after[n][1], before[n][1]) for n in before), "a refused update changed weights"
+
+
 def test_busy_engine_refuses_sync(fused_llm, dirs):
     fused_llm.llm_engine.add_request("busy", "Hello", GREEDY)
     try:

@@ -98,3 +98,35 @@ def test_removed_rope_scaling_suggests_the_equivalent_override(capsys):
     with pytest.raises(SystemExit):
         parse(["serve", "--rope-scaling", '{"type": "yarn", "factor": 4.0}'])
     assert """'{"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}'""" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["serve"], ["generate", "--prompt", "hi"], ["chat"],
+                                     ["bench", "compare", "--config", "tiny"]])
+@pytest.mark.parametrize("spelling, level", [(["-O", "3"], 3), (["-O3"], 3), (["--compilation-config", "2"], 2),
+                                             ([], 0)])
+def test_optimization_level_flag_on_every_engine_command(command, spelling, level):
+    """fresh-8 F22: -O existed on `bench compare` only; it reaches LLM(compilation_config=...)."""
+    args = parse(command + spelling)
+    assert args.compilation_config == level
+    if command[0] != "bench":
+        from fxrewrite.runtime.engine_config import EngineConfig
+
+        assert EngineConfig.from_kwargs(**engine_kwargs(args)).compilation_config == level
+
+
+@pytest.mark.parametrize("bad", ["5", "x", "-1", '{"level": 3}'])
+def test_bad_optimization_level_is_a_clear_cli_error(bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse(["serve", "-O", bad])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--compilation-config/-O" in err and "expected an optimisation level 0, 1, 2 or 3" in err and repr(bad) in err
+
+
+def test_bad_compilation_config_in_python_is_a_user_input_error():
+    from fxrewrite.errors import UserInputError
+    from fxrewrite.runtime.engine_config import EngineConfig
+
+    for bad in (5, "3", True, {"level": 3}):
+        with pytest.raises(UserInputError, match=r"compilation_config=.*expected an optimisation level"):
+            EngineConfig(compilation_config=bad)

@@ -16,6 +16,10 @@ COMPLETION = {"model": "m", "prompt": "hi"}
     (ChatCompletionRequest, CHAT | {"temperature": [1]}, "temperature", "temperature: expected a number, got [1] (a list)"),
     (ChatCompletionRequest, CHAT | {"temperature": 5}, "temperature",
      "temperature: expected a value less than or equal to 2, got 5 (a number)"),
+    (ChatCompletionRequest, CHAT | {"temperature": float("nan")}, "temperature",  # fresh-8 F6
+     "temperature: expected a finite number, got NaN (a number)"),
+    (CompletionRequest, COMPLETION | {"top_p": float("inf")}, "top_p",
+     "top_p: expected a finite number, got Infinity (a number)"),
     (ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages",
      "messages.0.content: expected a string or a list of objects, got 5 (a number)"),
     (ChatCompletionRequest, CHAT | {"tool_choice": 5}, "tool_choice",

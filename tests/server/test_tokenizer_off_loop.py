@@ -1,0 +1,131 @@
+"""Prompt tokenization runs off the event loop (fresh-8 F12), a request's own chat_template (F21), and
+--max-log-len's cut of the logged token ids (F19)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+SLOW_MARK = "slowslow"
+SLOW_S = 3.0
+
+
+@pytest.fixture
+def slow_tokenizer(server, monkeypatch):
+    """The server's tokenizer, whose encode takes SLOW_S seconds for a text holding SLOW_MARK (a stand-in
+    for a 30 MB prompt) and records the thread of every call."""
+    tok = server.engine.tokenizer
+    original = tok.encode
+    started, threads = threading.Event(), []
+
+    def encode(text, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        if isinstance(text, str) and SLOW_MARK in text:
+            started.set()
+            time.sleep(SLOW_S)
+        return original(text, *args, **kwargs)
+
+    monkeypatch.setattr(tok, "encode", encode)
+    return started, threads
+
+
+def test_health_answers_while_a_long_prompt_is_tokenized(server, slow_tokenizer):
+    started, _ = slow_tokenizer
+    prompt = f"{SLOW_MARK} " + "a " * 3000  # > max_model_len tokens: the usual 400 once tokenized
+    result = {}
+
+    def post():
+        with server.http() as http:
+            result["response"] = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+
+    poster = threading.Thread(target=post)
+    poster.start()
+    assert started.wait(10), "the slow prompt never reached the tokenizer"
+    t0 = time.monotonic()
+    assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
+    assert time.monotonic() - t0 < SLOW_S / 3, "/health waited for the tokenizer"
+    poster.join(20)
+    response = result["response"]
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
+    assert f"maximum context length is {server.max_model_len} tokens" in error["message"]
+    assert "your prompt has 300" in error["message"]  # the exact count: 3001 or so tokens
+
+
+def test_every_handler_tokenizes_in_the_one_tokenizer_thread(server, slow_tokenizer):
+    _, threads = slow_tokenizer
+    with server.http() as http:
+        assert http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 1}).status_code == 200
+        assert http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                       "max_tokens": 1}).status_code == 200
+        assert http.post("/v1/tokenize", json={"prompt": "Hello"}).status_code == 200
+    assert len(threads) >= 3 and all(name.startswith("fxrewrite-tokenizer") for name in threads), threads
+
+
+TEMPLATE = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+
+
+def _chat(server, **body):
+    with server.http() as http:
+        return http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                       "max_tokens": 1, **body})
+
+
+def test_a_request_chat_template_needs_the_servers_trust(server):
+    response = _chat(server, chat_template=TEMPLATE)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "chat_template" and "--trust-request-chat-template" in error["message"]
+    response = _chat(server, chat_template_kwargs={"chat_template": TEMPLATE})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "chat_template_kwargs"
+
+
+@pytest.fixture
+def trusting(server, monkeypatch):
+    monkeypatch.setattr(server.app.state.serving_chat, "trust_request_chat_template", True)
+
+
+def test_a_trusted_request_chat_template_renders_the_prompt(server, trusting):
+    expected = server.engine.tokenizer.encode("<<hi>>", add_special_tokens=False)
+    with server.http() as http:
+        tokens = http.post("/v1/tokenize", json={"messages": [{"role": "user", "content": "hi"}],
+                                                 "chat_template": TEMPLATE}).json()["tokens"]
+    assert tokens == expected
+    for body in ({"chat_template": TEMPLATE}, {"chat_template_kwargs": {"chat_template": TEMPLATE}}):
+        response = _chat(server, **body)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["prompt_tokens"] == len(expected)
+    assert _chat(server).json()["usage"]["prompt_tokens"] != len(expected)  # the server's own otherwise
+
+
+@pytest.mark.parametrize("template, needle", [
+    ("{% for %}", "not a valid Jinja template"),
+    ("/nonexistent/t.jinja", "'/nonexistent/t.jinja' is not a Jinja template"),
+    ("{{ raise_exception('boom') }}", "boom"),
+])
+def test_a_bad_request_chat_template_is_a_400_naming_it(server, trusting, template, needle):
+    response = _chat(server, chat_template=template)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "chat_template" and needle in error["message"]
+    assert _chat(server).status_code == 200  # still serving
+
+
+def test_request_logging_cuts_and_decodes_only_the_logged_ids(server, caplog, monkeypatch):
+    from fxrewrite.runtime.server.api_server import RequestLogger
+
+    tok = server.engine.tokenizer
+    ids = tok.encode("one two three four five six seven eight nine ten eleven twelve thirteen fourteen")
+    assert len(ids) > 12
+    decoded = []
+    original = tok.decode
+    monkeypatch.setattr(tok, "decode", lambda token_ids, *a, **k: decoded.append(len(token_ids)) or
+                        original(token_ids, *a, **k))
+    with caplog.at_level("INFO", logger="fxrewrite.requests"):
+        RequestLogger(5, tok).log("r-cut", ids, "params")
+    assert f"prompt_token_ids: {ids[:5]}," in caplog.text and str(ids[:6]).rstrip("]") not in caplog.text
+    assert decoded == [5]  # not the whole prompt, on the event loop
