@@ -8,7 +8,8 @@ must not leak into other arms): the model is built from the config with the same
 (same random weights in every arm), bf16, gradient checkpointing (``--no-gradient-checkpointing`` to
 turn off), AdamW (fused on CUDA), ``model(input_ids, labels=input_ids)`` on the same random token ids.
 Recorded per arm: tokens/s over the steps after ``--warmup`` (compile happens there), peak allocated
-memory (torch.cuda.max_memory_allocated over the whole run: weights, optimizer state, activations),
+memory (torch.cuda.max_memory_allocated over the whole run: weights, optimizer state, activations; and per phase
+of a step, ``phase_peak_bytes``),
 the loss of every step; and per arm whether every step's loss is within ``--loss-rtol`` (1e-3) of
 stock's. JSON + PNG go to benchmarks/results/train-<config>-<time>.{json,png}. Liger-Kernel comes from
 the ``bench`` extra and is imported only inside its arm's process.
@@ -27,9 +28,9 @@ from pathlib import Path
 
 from fxrewrite.errors import UserInputError
 
-ARMS = ("stock", "stock-compile", "liger", "optimize", "optimize-compile", "optimize-compile-kernels")
-# optimize-compile-kernels: FXREWRITE_COMPILE_TRAIN_KERNELS=1, our RMSNorm / gated-activation Triton kernels stay
-# opaque custom ops in the compiled graph instead of Inductor's fusion of their torch references
+ARMS = ("stock", "stock-compile", "liger", "optimize", "optimize-compile", "optimize-compile-inductor")
+# optimize-compile (the default): our training kernels stay opaque custom ops in the compiled graph;
+# optimize-compile-inductor: FXREWRITE_COMPILE_TRAIN_KERNELS=0, Inductor compiles their torch references instead
 
 
 def _liger_patch(model_type: str, model) -> None:
@@ -86,28 +87,51 @@ def _compile_stats() -> dict:
             "compile_s": round(sum(compilation_time_metrics.get("_compile.compile_inner", [])), 2)}
 
 
+class PhasePeaks:
+    """Peak allocated CUDA bytes per phase of a step (forward, backward, optimizer), the largest over the steps,
+    and over the whole run: where a peak-memory difference between arms sits. ``mark`` costs no synchronisation
+    (the allocator's counters); does nothing off CUDA."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.phases, self.overall = cuda, {}, 0
+
+    def mark(self, phase: str) -> None:
+        """The peak since the previous mark belongs to ``phase``; the counter restarts."""
+        import torch
+
+        if self.cuda:
+            peak = torch.cuda.max_memory_allocated()
+            self.phases[phase] = max(self.phases.get(phase, 0), peak)
+            self.overall = max(self.overall, peak)
+            torch.cuda.reset_peak_memory_stats()
+
+
 def worker(spec: dict, arm: str, progress: Path | None = None) -> dict:
     """Run one arm in this process; returns its record (raises on failure). With ``progress``, the record so
     far is written there after every step (a timed-out arm still shows how far it got)."""
     import torch
 
-    if arm == "optimize-compile-kernels":
-        os.environ["FXREWRITE_COMPILE_TRAIN_KERNELS"] = "1"  # read at trace time, in this arm's process only
+    if arm == "optimize-compile-inductor":
+        os.environ["FXREWRITE_COMPILE_TRAIN_KERNELS"] = "0"  # read at trace time, in this arm's process only
     cuda = spec["device"].startswith("cuda")
     model, runner, optimize_s = _build(spec, arm)
     opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"], fused=cuda)
     gen = torch.Generator().manual_seed(spec["seed"] + 1)
     vocab = model.config.vocab_size
-    losses, times = [], []
+    losses, times, peaks = [], [], PhasePeaks(cuda)
     for step in range(spec["warmup"] + spec["steps"]):
         ids = torch.randint(0, vocab, (spec["batch_size"], spec["seq_len"]), generator=gen).to(spec["device"])
         if cuda:
             torch.cuda.synchronize()
+        peaks.mark("setup" if step == 0 else "between steps")
         t0 = time.perf_counter()
         loss = runner(input_ids=ids, labels=ids).loss
+        peaks.mark("forward")
         loss.backward()
+        peaks.mark("backward")
         opt.step()
         opt.zero_grad(set_to_none=True)
+        peaks.mark("optimizer")
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
@@ -120,7 +144,8 @@ def worker(spec: dict, arm: str, progress: Path | None = None) -> dict:
     timed = times[spec["warmup"]:]
     tokens = spec["batch_size"] * spec["seq_len"] * len(timed)
     return {"arm": arm, "tokens_per_s": tokens / sum(timed) if timed else None, "step_s": times,
-            "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None, "losses": losses,
+            "peak_memory_bytes": peaks.overall if cuda else None, "phase_peak_bytes": peaks.phases or None,
+            "losses": losses,
             "optimize_s": optimize_s, **({"compile": _compile_stats()} if "-compile" in arm else {})}
 
 

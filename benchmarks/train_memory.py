@@ -189,18 +189,30 @@ def _liger_flce_cuda_allocations(_input, weight, target, ce_weight=None, bias=No
 H200_SMS = 132  # streaming multiprocessors of the GPU the training benchmark runs on
 
 
+def _dweight_as_on_cuda(dweight, total, dy, a) -> None:
+    """gated_mlp_down's d/dweight as CUDA allocates it: ``mm(out=)`` / ``addmm(out_dtype=float32, out=total)`` make
+    nothing new (the CPU fallback's float32 copies of dy and a exist only off the GPU)."""
+    if total is None:
+        torch.mm(dy.t(), a, out=dweight)
+
+
 @contextlib.contextmanager
 def _gpu_program_counts():
     """Within: our RMSNorm backward sizes its float32 partial d/dweight rows as on an H200 (4 programs per
-    SM) instead of the interpreter's 4 programs."""
-    from fxrewrite.kernels import rms_norm_backward
+    SM) instead of the interpreter's 4 programs; act-and-mul + down_proj accumulates d/dweight without copies,
+    as on CUDA (:func:`_dweight_as_on_cuda`); the deferred LM-head gradient takes the fake parameters."""
+    from fxrewrite.kernels import gated_mlp_down, rms_norm_backward
 
-    real = rms_norm_backward._num_programs
+    from fxrewrite.layers import deferred_head_grad
+
+    real = rms_norm_backward._num_programs, gated_mlp_down._accumulate_dweight, deferred_head_grad.plain_parameter
     rms_norm_backward._num_programs = lambda rows, device: min(rows, 4 * H200_SMS)
+    gated_mlp_down._accumulate_dweight = _dweight_as_on_cuda
+    deferred_head_grad.plain_parameter = lambda weight: isinstance(weight, torch.nn.Parameter)  # fake ones too
     try:
         yield
     finally:
-        rms_norm_backward._num_programs = real
+        rms_norm_backward._num_programs, gated_mlp_down._accumulate_dweight, deferred_head_grad.plain_parameter = real
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ from torch import nn
 
 from fxrewrite import foreign, source, tracer, weights
 from fxrewrite.layers.linear import no_weight_init
+from fxrewrite.layers.sdpa_causal import SDPA_CAUSAL, use_sdpa_causal
 from fxrewrite.optimizer_state import HF_NAMES_ATTR
 from fxrewrite.patterns import PATTERNS, Context, Match, Refusal
 from fxrewrite.report import ClassReport, FusionReport
@@ -63,6 +64,9 @@ def optimize(model: nn.Module, **opts) -> nn.Module:
             continue
         module, args, kwargs = records[cls]
         _optimize_class(cls, instances, tracer.trace(module, args, kwargs), patterns, ctx, entry, model)
+    if use_sdpa_causal(model):  # torch.compile keeps SDPA's implicit causal mask (flash, no k/v copies)
+        report.notes.append(f"attention: {SDPA_CAUSAL} (transformers' SDPA; under torch.compile no materialised "
+                            "causal mask for a call without attention_mask / position_ids / cache)")
     model.__dict__[_REPORT_ATTR] = report
     weights.install_hf_name_hooks(model)
     weights.mark_fused_away(model)

@@ -42,15 +42,19 @@ def use_triton(x: torch.Tensor) -> bool:
 
 def compiled_training_kernels(x: torch.Tensor) -> bool:
     """Whether, while torch.compile traces a training step, the Triton training kernels enter the graph as
-    opaque custom ops (``fxrewrite::rms_norm_train``, ``fxrewrite::act_and_mul_train``) instead of their
-    torch references: opt-in with ``FXREWRITE_COMPILE_TRAIN_KERNELS=1`` (the training benchmark's
-    ``optimize-compile-kernels`` arm), and only where the kernels would run outside tracing.
-    ``FXREWRITE_COMPILE_KERNELS=1`` opts in the serving forward too (`compiled_serving_kernels`)."""
+    opaque custom ops (``fxrewrite::rms_norm_train``, ``act_and_mul_train``, ``act_and_mul_down_train``,
+    ``qk_norm_rope_train``, each with its backward op) instead of their torch references: the default wherever
+    the kernels would run outside tracing, so that ``torch.compile(optimize(model))`` saves for the backward what
+    the eager step saves and runs its kernels, Inductor fusing only the code between them (vLLM's and Liger's
+    design for training). ``FXREWRITE_COMPILE_TRAIN_KERNELS=0``: Inductor compiles the references instead (the
+    training benchmark's ``optimize-compile-inductor`` arm). ``FXREWRITE_COMPILE_KERNELS=1`` opts in the serving
+    forward too (`compiled_serving_kernels`)."""
     from fxrewrite.kernels.triton_utils import HAS_TRITON
 
     env = os.environ
-    opted_in = "1" in (env.get("FXREWRITE_COMPILE_TRAIN_KERNELS"), env.get("FXREWRITE_COMPILE_KERNELS"))
-    if not opted_in or not HAS_TRITON or not torch.compiler.is_compiling():
+    if env.get("FXREWRITE_COMPILE_TRAIN_KERNELS") == "0" and env.get("FXREWRITE_COMPILE_KERNELS") != "1":
+        return False
+    if not HAS_TRITON or not torch.compiler.is_compiling():
         return False
     return x.is_cuda or (env.get("FXREWRITE_TRITON") == "1" and env.get("TRITON_INTERPRET") == "1")
 

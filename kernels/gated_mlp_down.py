@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fxrewrite.kernels import compiled_training_kernels
 from fxrewrite.kernels.activation import _APPROXIMATE, _act_and_mul_triton, _half, gelu_and_mul_ref, silu_and_mul_ref
 from fxrewrite.kernels.activation_backward import _ACT_CODES, _backward, _keep_graph
 
@@ -49,49 +50,59 @@ class ActAndMulDownFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, act, inplace_backward):
         code = _ACT_CODES[act]
-        d = _half(x)
-        x2 = x.reshape(-1, 2 * d)
-        out = torch.empty((x2.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-        step = _row_chunk(x2.shape[0], d, weight.shape[0])
-        for s in range(0, x2.shape[0], step):
-            a = _act_and_mul_triton(x2[s:s + step], code)  # dies after its chunk: not saved
-            if bias is None:
-                torch.mm(a, weight.t(), out=out[s:s + step])
-            else:
-                torch.addmm(bias, a, weight.t(), out=out[s:s + step])
-            del a  # before the next chunk's a is allocated
+        out = _forward(x, weight, bias, code)
         ctx.save_for_backward(x, weight)
         ctx.code, ctx.inplace, ctx.has_bias = code, inplace_backward, bias is not None
-        return out.view(*x.shape[:-1], weight.shape[0])
+        return out
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        d = _half(x)
-        x2 = x.reshape(-1, 2 * d).contiguous()
-        dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
-        want_x, want_w = ctx.needs_input_grad[:2]
-        dweight = torch.empty(weight.shape, dtype=dy2.dtype, device=x.device) if want_w else None
-        inplace = x2.data_ptr() != x.data_ptr() or (ctx.inplace and not _keep_graph())
-        dx = (x2 if inplace else torch.empty_like(x2)) if want_x else None
-        step = _row_chunk(x2.shape[0], d, weight.shape[0])
-        # d/dweight over several chunks: accumulated in float32 by the matmul itself (a running sum in bf16,
-        # or chunk products rounded to bf16, missed the one-matmul result by up to ~1 on the H200 test's
-        # 8192-row sums, where chunk products cancel)
-        total = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if want_w and step < len(x2) else None
-        for s in range(0, x2.shape[0], step):
-            xc, dyc = x2[s:s + step], dy2[s:s + step]
-            a = _act_and_mul_triton(xc, ctx.code)  # recomputed: the forward's bits
-            if want_w:
-                _accumulate_dweight(dweight, total, dyc, a)
-            if want_x:  # da over a, then the activation's backward from it (over x when in place)
-                _backward(xc, torch.mm(dyc, weight, out=a), dx[s:s + step], ctx.code)
-            del a
-        if total is not None:
-            dweight.copy_(total)
-        dbias = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return (dx.view(x.shape) if want_x else None, dweight, dbias,
-                None, None)
+        want_x, want_w, want_b = ctx.needs_input_grad[:3]
+        dx, dweight, dbias = _backward_chunks(dy, x, weight, ctx.code, want_x, want_w, ctx.has_bias and want_b,
+                                              ctx.inplace and not _keep_graph())
+        return dx, dweight, dbias, None, None
+
+
+def _forward(x, weight, bias, code: int) -> torch.Tensor:
+    d = _half(x)
+    x2 = x.reshape(-1, 2 * d)
+    out = torch.empty((x2.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    step = _row_chunk(x2.shape[0], d, weight.shape[0])
+    for s in range(0, x2.shape[0], step):
+        a = _act_and_mul_triton(x2[s:s + step], code)  # dies after its chunk: not saved
+        if bias is None:
+            torch.mm(a, weight.t(), out=out[s:s + step])
+        else:
+            torch.addmm(bias, a, weight.t(), out=out[s:s + step])
+        del a  # before the next chunk's a is allocated
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _backward_chunks(dy, x, weight, code: int, want_x: bool, want_w: bool, want_b: bool, inplace: bool):
+    """(dx or None, dweight or None, dbias or None); dx over x itself when ``inplace`` (or x's contiguous copy)."""
+    d = _half(x)
+    x2 = x.reshape(-1, 2 * d).contiguous()
+    dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
+    dweight = torch.empty(weight.shape, dtype=dy2.dtype, device=x.device) if want_w else None
+    dx = (x2 if inplace or x2.data_ptr() != x.data_ptr() else torch.empty_like(x2)) if want_x else None
+    step = _row_chunk(x2.shape[0], d, weight.shape[0])
+    # d/dweight over several chunks: accumulated in float32 by the matmul itself (a running sum in bf16,
+    # or chunk products rounded to bf16, missed the one-matmul result by up to ~1 on the H200 test's
+    # 8192-row sums, where chunk products cancel)
+    total = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if want_w and step < len(x2) else None
+    for s in range(0, x2.shape[0], step):
+        xc, dyc = x2[s:s + step], dy2[s:s + step]
+        a = _act_and_mul_triton(xc, code)  # recomputed: the forward's bits
+        if want_w:
+            _accumulate_dweight(dweight, total, dyc, a)
+        if want_x:  # da over a, then the activation's backward from it (over x when in place)
+            _backward(xc, torch.mm(dyc, weight, out=a), dx[s:s + step], code)
+        del a
+    if total is not None:
+        dweight.copy_(total)
+    dbias = dy2.sum(0) if want_b else None
+    return (dx.view(x.shape) if want_x else None), dweight, dbias
 
 
 def _accumulate_dweight(dweight: torch.Tensor, total: torch.Tensor | None, dy: torch.Tensor, a: torch.Tensor) -> None:
@@ -105,11 +116,55 @@ def _accumulate_dweight(dweight: torch.Tensor, total: torch.Tensor | None, dy: t
         total.addmm_(dy.t().float(), a.float())
 
 
+@torch.library.custom_op("fxrewrite::act_and_mul_down_train", mutates_args=())
+def _down_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, code: int) -> torch.Tensor:
+    return _forward(x, weight, bias, code)
+
+
+@_down_op.register_fake
+def _(x, weight, bias, code):
+    return x.new_empty(x.shape[:-1] + (weight.shape[0],))
+
+
+@torch.library.custom_op("fxrewrite::act_and_mul_down_train_backward", mutates_args=())
+def _down_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, code: int, want_x: bool,
+                      want_w: bool, want_b: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Out of place (a compiled backward may not write over its saved input); an empty tensor: not wanted."""
+    dx, dweight, dbias = _backward_chunks(dy, x, weight, code, want_x, want_w, want_b, inplace=False)
+    empty = x.new_empty(0)
+    return (empty if dx is None else dx), (empty if dweight is None else dweight), (empty if dbias is None else dbias)
+
+
+@_down_backward_op.register_fake
+def _(dy, x, weight, code, want_x, want_w, want_b):
+    empty = x.new_empty(0)
+    return (torch.empty_like(x, memory_format=torch.contiguous_format) if want_x else empty,
+            weight.new_empty(weight.shape, dtype=dy.dtype) if want_w else empty, dy.new_empty(dy.shape[-1]) if want_b else empty)
+
+
+def _down_setup(ctx, inputs, output):
+    x, weight, bias, code = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.code, ctx.has_bias = code, bias is not None
+
+
+def _down_backward(ctx, dy):
+    x, weight = ctx.saved_tensors
+    want_x, want_w, want_b = ctx.needs_input_grad[:3]
+    dx, dw, db = torch.ops.fxrewrite.act_and_mul_down_train_backward(dy, x, weight, ctx.code, want_x, want_w,
+                                                                     ctx.has_bias and want_b)
+    return (dx if want_x else None), (dw if want_w else None), (db if ctx.has_bias and want_b else None), None
+
+
+_down_op.register_autograd(_down_backward, setup_context=_down_setup)
+
+
 def act_and_mul_down_train(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str = "silu",
                            inplace_backward: bool = False) -> torch.Tensor:
     """Differentiable ``F.linear(act(x[..., :d]) * x[..., d:], weight, bias)`` through
     :class:`ActAndMulDownFunction` (Triton activation kernels; call it only where
-    :func:`fxrewrite.kernels.use_triton` holds). x [..., 2*d] float, weight [out, d], bias [out] or None;
+    :func:`fxrewrite.kernels.use_triton` holds), or while torch.compile traces (`compiled_training_kernels`)
+    the custom op ``fxrewrite::act_and_mul_down_train`` (its backward out of place). x [..., 2*d] float, weight [out, d], bias [out] or None;
     returns [..., out] in x's dtype. ``inplace_backward``: x's gradient overwrites x (only for an x that
     nothing else reads). ValueError on an unknown act, an odd last dim or mismatched shapes."""
     if act not in _ACT_CODES:
@@ -118,4 +173,6 @@ def act_and_mul_down_train(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     if weight.dim() != 2 or weight.shape[1] != d:
         raise ValueError(f"act_and_mul_down_train: weight {tuple(weight.shape)} must be [out, {d}] for x "
                          f"{tuple(x.shape)}")
+    if compiled_training_kernels(x):  # under torch.compile: one opaque op each way, saving what the Function saves
+        return torch.ops.fxrewrite.act_and_mul_down_train(x, weight, bias, _ACT_CODES[act])
     return ActAndMulDownFunction.apply(x, weight, bias, act, inplace_backward)

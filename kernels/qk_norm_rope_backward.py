@@ -197,20 +197,52 @@ def _consts(q, k, cos, is_neox_style) -> dict:
                 BLOCK_HK=next_power_of_2(k.shape[1]), IS_NEOX=is_neox_style, num_warps=4)
 
 
+def qk_forward(q, k, cos, sin, q_weight, k_weight, q_eps: float, k_eps: float, is_neox_style: bool):
+    """Triton forward: (q_out, k_out), new [B, H, S, D] tensors laid out as [B, S, H, D] (:func:`_bshd`)."""
+    cos, sin = cos.contiguous(), sin.contiguous()
+    qo, ko = _bshd(q), _bshd(k)
+    B, _, S, _ = q.shape
+    cs_b = cos.stride(0) if cos.shape[0] > 1 else 0
+    if q.numel():
+        launch(_fwd_kernel, (B * S,), q.device)(
+            q, k, qo, ko, q_weight, k_weight, cos, sin, S, *_strides(q), *_strides(k), *_strides(qo),
+            *_strides(ko), cs_b, cos.stride(1), q.shape[1], k.shape[1], float(q_eps), float(k_eps),
+            **_consts(q, k, cos, is_neox_style))
+    return qo, ko
+
+
+def qk_backward(dq, dk, q, k, cos, sin, q_weight, k_weight, q_eps: float, k_eps: float, is_neox_style: bool):
+    """Triton backward from the saved inputs: (dq, dk like :func:`_bshd`, dq_weight, dk_weight float32 [D]);
+    a None incoming gradient counts as zeros."""
+    cos, sin = cos.contiguous(), sin.contiguous()
+    dq = torch.zeros_like(q) if dq is None else dq
+    dk = torch.zeros_like(k) if dk is None else dk
+    dq, dk = (d if d.stride(-1) == 1 else d.contiguous() for d in (dq, dk))
+    gq, gk = _bshd(q), _bshd(k)
+    B, _, S, D = q.shape
+    n_tok = B * S
+    # dw's partial sums are only [programs, D]: many short programs hide the loads' latency (the interpreter:
+    # few long ones, fast tests)
+    per = _TOKENS_PER_PROGRAM if q.is_cuda else max(1, -(-n_tok // max(1, min(n_tok, 4))))
+    programs = max(1, -(-n_tok // per))
+    new = torch.empty if n_tok else torch.zeros  # every program writes its whole dw rows: no zero fill
+    dwq = new(programs, D, dtype=torch.float32, device=q.device)
+    dwk = new(programs, D, dtype=torch.float32, device=q.device)
+    cs_b = cos.stride(0) if cos.shape[0] > 1 else 0
+    if n_tok:
+        launch(_bwd_kernel, (programs,), q.device)(
+            q, k, dq, dk, gq, gk, dwq, dwk, q_weight, k_weight, cos, sin, S, *_strides(q), *_strides(k),
+            *_strides(dq), *_strides(dk), *_strides(gq), *_strides(gk), cs_b, cos.stride(1), q.shape[1],
+            k.shape[1], float(q_eps), float(k_eps), n_tok, per, **_consts(q, k, cos, is_neox_style))
+    return gq, gk, dwq.sum(0), dwk.sum(0)
+
+
 class QKNormRopeFunction(torch.autograd.Function):
     """``apply(q, k, cos, sin, q_weight, k_weight, q_eps, k_eps, is_neox_style) -> (q_out, k_out)``."""
 
     @staticmethod
     def forward(ctx, q, k, cos, sin, q_weight, k_weight, q_eps, k_eps, is_neox_style):
-        cos, sin = cos.contiguous(), sin.contiguous()
-        qo, ko = _bshd(q), _bshd(k)
-        B, _, S, _ = q.shape
-        cs_b = cos.stride(0) if cos.shape[0] > 1 else 0
-        if q.numel():
-            launch(_fwd_kernel, (B * S,), q.device)(
-                q, k, qo, ko, q_weight, k_weight, cos, sin, S, *_strides(q), *_strides(k), *_strides(qo),
-                *_strides(ko), cs_b, cos.stride(1), q.shape[1], k.shape[1], float(q_eps), float(k_eps),
-                **_consts(q, k, cos, is_neox_style))
+        qo, ko = qk_forward(q, k, cos, sin, q_weight, k_weight, q_eps, k_eps, is_neox_style)
         ctx.save_for_backward(q, k, cos, sin, q_weight, k_weight)
         ctx.eps, ctx.is_neox_style = (float(q_eps), float(k_eps)), is_neox_style
         return qo, ko
@@ -218,27 +250,9 @@ class QKNormRopeFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq, dk):
         q, k, cos, sin, q_weight, k_weight = ctx.saved_tensors
-        dq = torch.zeros_like(q) if dq is None else dq
-        dk = torch.zeros_like(k) if dk is None else dk
-        dq, dk = (d if d.stride(-1) == 1 else d.contiguous() for d in (dq, dk))
-        gq, gk = _bshd(q), _bshd(k)
-        B, _, S, D = q.shape
-        n_tok = B * S
-        # dw's partial sums are only [programs, D]: many short programs hide the loads' latency (the interpreter:
-        # few long ones, fast tests)
-        per = _TOKENS_PER_PROGRAM if q.is_cuda else max(1, -(-n_tok // max(1, min(n_tok, 4))))
-        programs = max(1, -(-n_tok // per))
-        new = torch.empty if n_tok else torch.zeros  # every program writes its whole dw rows: no zero fill
-        dwq = new(programs, D, dtype=torch.float32, device=q.device)
-        dwk = new(programs, D, dtype=torch.float32, device=q.device)
-        cs_b = cos.stride(0) if cos.shape[0] > 1 else 0
-        if n_tok:
-            launch(_bwd_kernel, (programs,), q.device)(
-                q, k, dq, dk, gq, gk, dwq, dwk, q_weight, k_weight, cos, sin, S, *_strides(q), *_strides(k),
-                *_strides(dq), *_strides(dk), *_strides(gq), *_strides(gk), cs_b, cos.stride(1), q.shape[1],
-                k.shape[1], ctx.eps[0], ctx.eps[1], n_tok, per, **_consts(q, k, cos, ctx.is_neox_style))
-        dwq = dwq.sum(0).to(q_weight.dtype) if ctx.needs_input_grad[4] else None
-        dwk = dwk.sum(0).to(k_weight.dtype) if ctx.needs_input_grad[5] else None
+        gq, gk, dwq, dwk = qk_backward(dq, dk, q, k, cos, sin, q_weight, k_weight, *ctx.eps, ctx.is_neox_style)
+        dwq = dwq.to(q_weight.dtype) if ctx.needs_input_grad[4] else None
+        dwk = dwk.to(k_weight.dtype) if ctx.needs_input_grad[5] else None
         return gq, gk, None, None, dwq, dwk, None, None, None
 
 

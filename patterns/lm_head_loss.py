@@ -26,6 +26,7 @@ from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from fxrewrite import source
+from fxrewrite.layers.deferred_head_grad import install_deferred_head_grad
 from fxrewrite.layers.lm_head_loss import LMHeadCrossEntropy
 from fxrewrite.patterns.base import Context, Match, Pattern, Refusal, free_attribute, require
 
@@ -212,8 +213,10 @@ class LMHeadLossPattern(Pattern):
         config = getattr(module, "config", None)
         inter = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
                         "intermediate_size", None)
-        setattr(module, NEW_NAME, LMHeadCrossEntropy(module.__dict__.pop("_fxrewrite_lm_loss_params", None),
-                                                     intermediate_size=inter if isinstance(inter, int) else None))
+        loss = LMHeadCrossEntropy(module.__dict__.pop("_fxrewrite_lm_loss_params", None),
+                                  intermediate_size=inter if isinstance(inter, int) else None)
+        setattr(module, NEW_NAME, loss)
+        install_deferred_head_grad(module, loss)  # the head's weight gradient made after the layers' backward
 
     @classmethod
     def describe(cls, match: Match) -> str:

@@ -21,9 +21,10 @@ from torch import nn
 
 from fxrewrite import nodes, source
 from fxrewrite.kernels.batch_invariant import is_batch_invariant
-from fxrewrite.kernels import use_triton
+from fxrewrite.kernels import compiled_training_kernels, use_triton
 from fxrewrite.kernels.qk_norm_rope import qk_norm_rope_triton
-from fxrewrite.kernels.qk_norm_rope_backward import QKNormRopeFunction, fits
+from fxrewrite.kernels.qk_norm_rope_backward import fits
+from fxrewrite.kernels.qk_norm_rope_op import qk_norm_rope_fused
 from fxrewrite.kernels.rotary_backward import rotary_apply_train
 from fxrewrite.layers.layernorm import RMSNorm
 from fxrewrite.patterns.base import Context, Match, Pattern, Refusal, free_attribute, require
@@ -57,10 +58,11 @@ class QKNormRotaryEmb(nn.Module):
         if self._kernel_applies(q, k, cos, unsqueeze_dim, q_norm, k_norm) and not invariant:
             return self._kernel(q, k, cos, sin, q_norm, k_norm)
         training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, q_norm.weight, k_norm.weight))
-        if training and not invariant and use_triton(q) and self._llama_form(q_norm, k_norm) and fits(
+        kernels = use_triton(q) or compiled_training_kernels(q)  # eager, or custom ops under torch.compile
+        if training and not invariant and kernels and self._llama_form(q_norm, k_norm) and fits(
                 q, k, cos, sin, q_norm.weight, k_norm.weight, unsqueeze_dim):  # one Triton kernel each way
-            return QKNormRopeFunction.apply(q, k, cos, sin, q_norm.weight, k_norm.weight, q_norm.variance_epsilon,
-                                            k_norm.variance_epsilon, True)
+            return qk_norm_rope_fused(q, k, cos, sin, q_norm.weight, k_norm.weight, q_norm.variance_epsilon,
+                                      k_norm.variance_epsilon, True)
         q, k = q_norm(q), k_norm(k)
         if invariant or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):  # training: Triton fwd + bwd
             return rotary_apply_train(q, k, cos, sin, unsqueeze_dim)

@@ -89,7 +89,7 @@ def _add_train_arguments(sub) -> None:
     t = sub.add_parser("train", help="training steps per arm (one process each): tokens/s, peak memory, losses")
     t.add_argument("--config", required=True, help="bench config: a path or a name in benchmarks/configs")
     t.add_argument("--arms", default="stock,stock-compile,liger,optimize,optimize-compile",
-                   help="comma list of stock, stock-compile, liger, optimize, optimize-compile, optimize-compile-kernels")
+                   help="comma list of stock, stock-compile, liger, optimize, optimize-compile, optimize-compile-inductor")
     t.add_argument("--steps", type=int, default=8, help="timed steps per arm (default 8)")
     t.add_argument("--warmup", type=int, default=2, help="untimed first steps (compilation) (default 2)")
     t.add_argument("--batch-size", type=int, default=8)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fxrewrite.kernels import compiled_serving_kernels, use_triton
+from fxrewrite.kernels import compiled_serving_kernels, compiled_training_kernels, use_triton
 from fxrewrite.kernels.activation import gelu_and_mul, silu_and_mul
 from fxrewrite.kernels.activation_backward import act_and_mul_train
 from fxrewrite.kernels.batch_invariant import is_batch_invariant
@@ -25,12 +25,12 @@ def _needs_grad(x: torch.Tensor) -> bool:
 
 def _fused_down(x: torch.Tensor, down: nn.Module | None) -> bool:
     """Whether ``down(act(x))`` may run as one Function that does not save act(x) (`act_and_mul_down_train`):
-    autograd records, the Triton kernels run (eager), and ``down`` is a plain ``nn.Linear`` of this dtype
+    autograd records, the Triton kernels run (eager, or as custom ops under torch.compile), and ``down`` is a plain ``nn.Linear`` of this dtype
     without hooks of its own (a LoRA wrapper, a sharded or hooked layer is called as it is), outside
     batch-invariant mode."""
     return (down is not None and type(down) is nn.Linear and torch.is_grad_enabled() and x.requires_grad
             and not (down._forward_hooks or down._forward_pre_hooks) and down.weight.dtype == x.dtype
-            and use_triton(x) and not is_batch_invariant())  # batch-invariant: down as the engine runs it
+            and (use_triton(x) or compiled_training_kernels(x)) and not is_batch_invariant())  # batch-invariant: down as the engine runs it
 
 
 class _GatedActivation(nn.Module):

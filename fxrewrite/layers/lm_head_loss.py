@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from fxrewrite.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+from fxrewrite.kernels.fused_linear_cross_entropy import default_chunk_size, fused_linear_cross_entropy
 from fxrewrite.kernels.fused_linear_cross_entropy_op import fused_linear_cross_entropy_op
+from fxrewrite.layers.deferred_head_grad import ScaleRecorder
 
 __all__ = ["LMHeadCrossEntropy"]
 
@@ -43,6 +44,7 @@ class LMHeadCrossEntropy(nn.Module):
         self.chunk_size = chunk_size
         self.intermediate_size = intermediate_size  # the MLP's, for the chunk rule under checkpointing
         self.checkpointing = False  # whether the model checkpoints its layers (read by ``fuses`` each call)
+        self.deferred = None  # this call's DeferredHeadGrad (set by the hooks of `install_deferred_head_grad`)
 
     def fuses(self, model: nn.Module, labels, hidden_states, head, shift_labels=None) -> bool:
         """Whether this call takes the fused path: labels given, the model training with autograd on, the
@@ -79,13 +81,26 @@ class LMHeadCrossEntropy(nn.Module):
             total = fused_linear_cross_entropy_op(hidden, head.weight, head.bias, target, ignore_index, scale,
                                                   softcap, self.chunk_size, inter)
         else:
-            total = _eager_loss(hidden, head, target, ignore_index, transform, self.kernel_params, self.chunk_size,
-                                inter)
+            total = self._eager(hidden, head, target, ignore_index, transform, inter)
         if num_items_in_batch is None:
             return total / (target != ignore_index).sum()
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(total.device)
         return total / num_items_in_batch
+
+    def _eager(self, hidden, head, target, ignore_index, transform, inter):
+        """The chunked loss; the head's weight gradient deferred to the embedding's backward when this call's
+        job (:mod:`fxrewrite.layers.deferred_head_grad`) takes it."""
+        job, weight = self.deferred, head.weight
+        if job is not None and head.bias is None and weight.requires_grad and torch.is_grad_enabled():
+            chunk = self.chunk_size or default_chunk_size(hidden.shape[0], weight.shape[0], hidden.shape[1],
+                                                          intermediate=inter)
+            if job.claim(hidden, weight, target, ignore_index, transform, self.kernel_params, chunk):
+                total = _eager_loss(hidden, weight.detach(), None, target, ignore_index, transform,
+                                    self.kernel_params, chunk, inter)
+                return ScaleRecorder.apply(total, job)
+        return _eager_loss(hidden, weight, head.bias, target, ignore_index, transform, self.kernel_params,
+                           self.chunk_size, inter)
 
     def extra_repr(self) -> str:
         """Kernel parameters and chunk size in the module's repr."""
@@ -96,6 +111,6 @@ class LMHeadCrossEntropy(nn.Module):
 # torch.compile runs this eagerly (one graph break at the loss): a transform other than scaling / soft-capping
 # does not fit the custom op's schema, and dynamo cannot trace the chunk loop.
 @torch.compiler.disable
-def _eager_loss(hidden, head, target, ignore_index, transform, kernel_params, chunk_size, intermediate):
-    return fused_linear_cross_entropy(hidden, head.weight, head.bias, target, ignore_index, transform, kernel_params,
+def _eager_loss(hidden, weight, bias, target, ignore_index, transform, kernel_params, chunk_size, intermediate):
+    return fused_linear_cross_entropy(hidden, weight, bias, target, ignore_index, transform, kernel_params,
                                       chunk_size, intermediate)

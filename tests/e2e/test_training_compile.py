@@ -1,6 +1,7 @@
 """torch.compile of an optimized model in training: the fused linear cross-entropy is the custom op
 ``fxrewrite::fused_linear_cross_entropy`` (no graph break), loss and gradients equal to eager (float32, CPU);
-the opt-in training-kernel custom ops (FXREWRITE_COMPILE_TRAIN_KERNELS=1) likewise."""
+the training-kernel custom ops (the default where the Triton kernels run; FXREWRITE_COMPILE_TRAIN_KERNELS=0: Inductor's
+references) likewise, saving for the backward no more than the eager optimized step."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import torch
 from tests.e2e.tiny_models import tiny_model
 
 import fxrewrite
-from fxrewrite.kernels import activation_backward, rms_norm_backward  # noqa: F401 - registers their custom ops
+from fxrewrite.kernels import activation_backward, gated_mlp_down, qk_norm_rope_op, rms_norm_backward  # noqa: F401 - ops
 from fxrewrite.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy_ref
 from fxrewrite.kernels.fused_linear_cross_entropy_op import fused_linear_cross_entropy_op
+from fxrewrite.weights import to_hf_names
 
 
 @pytest.mark.parametrize("scale,softcap,bias", [(1.0, None, False), (0.5, 3.0, True), (2.0, None, True)])
@@ -74,30 +76,66 @@ def test_compiled_training_step_matches_eager_without_graph_break(arch):
         assert float((got_grads[name] - g).abs().max() / g.abs().max().clamp_min(1e-12)) < 1e-5, name
 
 
-def test_compiled_training_kernels_opt_in(monkeypatch):
-    """FXREWRITE_COMPILE_TRAIN_KERNELS=1: RMSNorm and SiLU-and-mul enter the compiled graph as our custom ops
-    (Triton in the interpreter here), same loss and gradients as eager, no graph break."""
+def _saved_bytes_eager(model, ids) -> int:
+    """Bytes of the non-parameter floating tensors autograd saves in an eager step (per tensor, as the AOT graph)."""
+    params = {p.data_ptr() for p in model.parameters()}
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        if t.is_floating_point() and t.data_ptr() not in params:
+            total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids, labels=ids).loss.backward()
+    return total
+
+
+def test_compiled_training_step_uses_kernel_ops(monkeypatch):
+    """Default under torch.compile where the Triton kernels run (here the interpreter): RMSNorm, the fused q/k-norm +
+    rotary, act-and-mul + down_proj and the loss are our custom ops, no graph break, loss and gradients equal to
+    stock transformers (float32), and the AOT backward graph receives no more saved activation bytes than the eager
+    optimized step saves (with the LM head's gradient made in the loss's forward, as the compiled loss op does)."""
+    from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.utils import counters
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from functorch.compile import make_boxed_func
 
     monkeypatch.setenv("FXREWRITE_TRITON", "1")
-    monkeypatch.setenv("FXREWRITE_COMPILE_TRAIN_KERNELS", "1")
-    model = fxrewrite.optimize(tiny_model("qwen3", num_hidden_layers=1).train()).train()
+    monkeypatch.delenv("FXREWRITE_COMPILE_TRAIN_KERNELS", raising=False)
+    stock = tiny_model("qwen3", num_hidden_layers=1, use_cache=False).train()
+    model = fxrewrite.optimize(tiny_model("qwen3", num_hidden_layers=1, use_cache=False).train()).train()
     ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(4))
-    want_loss, want_grads = _step(model, model, ids, ids)
-    seen = set()
+    want_loss, want_grads = _step(stock, stock, ids, ids)
+    monkeypatch.setenv("FXREWRITE_DEFER_HEAD_GRAD", "0")  # the compiled loss op makes the head's gradient in its forward
+    eager_saved = _saved_bytes_eager(model, ids)
+    monkeypatch.delenv("FXREWRITE_DEFER_HEAD_GRAD")
+    seen, saved = set(), []
 
-    def backend(gm, example_inputs):
+    def fw(gm, example_inputs):
         seen.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm
+        return make_boxed_func(gm)
 
+    def bw(gm, example_inputs):
+        saved.extend(n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"
+                     and not n.name.startswith(("primals", "tangents")))
+        return make_boxed_func(gm)
+
+    backend = aot_autograd(fw_compiler=fw, bw_compiler=bw, partition_fn=min_cut_rematerialization_partition)
     torch._dynamo.reset()
     counters.clear()
     got_loss, got_grads = _step(torch.compile(model, backend=backend), model, ids, ids)
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
-    assert any("rms_norm_train" in s for s in seen) and any("act_and_mul_train" in s for s in seen), seen
+    for op in ("rms_norm_train", "qk_norm_rope_train", "act_and_mul_down_train", "fused_linear_cross_entropy"):
+        assert any(f"fxrewrite.{op}." in s for s in seen), (op, seen)
     assert abs(got_loss - want_loss) <= 1e-6 * abs(want_loss)
+    hf = to_hf_names(model, got_grads)
+    assert set(hf) == set(want_grads)
     for name, g in want_grads.items():
-        assert float((got_grads[name] - g).abs().max() / g.abs().max().clamp_min(1e-12)) < 1e-5, name
+        assert float((hf[name] - g).abs().max() / g.abs().max().clamp_min(1e-12)) < 1e-5, name
+    compiled_saved = sum(t.numel() * t.element_size() for t in saved if t.is_floating_point())
+    assert 0 < compiled_saved <= eager_saved, (compiled_saved, eager_saved)
 
 
 def test_training_kernel_ops_pass_opcheck():
@@ -116,4 +154,22 @@ def test_training_kernel_ops_pass_opcheck():
     torch.library.opcheck(ops.rms_norm_train.default, (x, torch.randn(16, requires_grad=True), res, 1e-6, 1.0),
                           test_utils=checks)
     torch.library.opcheck(ops.act_and_mul_train.default, (torch.randn(3, 2, 16, generator=gen, requires_grad=True), 0),
+                          test_utils=checks)
+
+
+def test_down_and_qk_ops_pass_opcheck():
+    gen = torch.Generator().manual_seed(3)
+    checks = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+    ops = torch.ops.fxrewrite
+    x = torch.randn(2, 3, 16, generator=gen, requires_grad=True)
+    w = torch.randn(5, 8, generator=gen, requires_grad=True)
+    torch.library.opcheck(ops.act_and_mul_down_train.default, (x, w, None, 0), test_utils=checks)
+    torch.library.opcheck(ops.act_and_mul_down_train.default, (x, w, torch.randn(5, requires_grad=True), 0),
+                          test_utils=checks)
+    qkv = torch.randn(2, 3, 4 * 8, generator=gen)
+    q = qkv[..., :16].view(2, 3, 2, 8).transpose(1, 2).requires_grad_()  # strided head slices, as in a model
+    k = qkv[..., 16:24].view(2, 3, 1, 8).transpose(1, 2).requires_grad_()
+    cos, sin = torch.randn(1, 3, 8, generator=gen), torch.randn(1, 3, 8, generator=gen)
+    qw, kw = (torch.randn(8, generator=gen, requires_grad=True) for _ in range(2))
+    torch.library.opcheck(ops.qk_norm_rope_train.default, (q, k, cos, sin, qw, kw, 1e-6, 1e-6, True),
                           test_utils=checks)
