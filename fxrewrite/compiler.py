@@ -94,8 +94,8 @@ def _optimize_groups(cls, instances, records, names, memo, patterns, ctx, entry:
             traced = tracer.trace(members[0], args, kwargs)
         found.append((members, group, _optimize_class(cls, members, traced, patterns, ctx, group, model)))
     for members, group, names_found in found if len(groups) > 1 else ():
-        for other, other_group, other_found in found:
-            for name in sorted(other_found - names_found - group.seen):
+        for other, other_group, other_found in found:  # only where this group lost a fusion and gained none
+            for name in sorted(other_found - names_found - group.seen) if names_found < other_found else ():
                 group.skip(name, f"not found in this instance's graph, unlike [{other_group.label}]: "
                            + differ[id(other[0]), id(members[0])])
                 group.seen.add(name)

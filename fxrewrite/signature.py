@@ -76,7 +76,10 @@ def difference(a: nn.Module, b: nn.Module, path: str = "") -> str:
     """The first thing (depth first) that makes `structure_key` of `b` differ from `a`'s, in words."""
     where = path or "the module"
     if type(a) is not type(b):
-        return f"{where} is {type(b).__name__}, not {type(a).__name__}"
+        na, nb = type(a).__name__, type(b).__name__
+        if na == nb:
+            na, nb = (f"{type(m).__module__}.{type(m).__qualname__}" for m in (a, b))
+        return f"{where} is {nb}, not {na}"
     if any(b.__dict__.get(h) for h in _HOOK_DICTS):
         return f"{where} has forward/backward hooks"
     fa, fb = (_key(m, {})[1] if not any(m.__dict__.get(h) for h in _HOOK_DICTS) else None for m in (a, b))
