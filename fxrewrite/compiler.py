@@ -15,6 +15,7 @@ model (`explain`). Fail closed: any refusal leaves that module (or instance) as 
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 
 from torch import nn
@@ -23,7 +24,7 @@ from fxrewrite import foreign, signature, source, tracer, weights
 from fxrewrite.layers.linear import no_weight_init
 from fxrewrite.optimizer_state import HF_NAMES_ATTR
 from fxrewrite.patterns import PATTERNS, Context, Match, Refusal
-from fxrewrite.meta_memo import MetaMemo, memoized
+from fxrewrite.meta_memo import MetaMemo, memoized, with_parameters
 from fxrewrite.report import ClassReport, FusionReport, GroupReport
 from fxrewrite.signature import BOUND_ATTR, input_key, instance_forward, structure_key
 
@@ -55,6 +56,7 @@ def optimize(model: nn.Module, **opts) -> nn.Module:
     report = FusionReport()
     ctx = Context(model, _text_config(model))
     records, error = tracer.record_calls(model, example_inputs=opts.get("example_inputs"))
+    records = {k: (weakref.ref(m), args, kwargs) for k, (m, args, kwargs) in records.items()}  # fused-away ones go
     if error:
         report.notes.append(f"meta run stopped early ({error}); classes not reached are left unchanged")
     names, memo = {id(m): n or "(model)" for n, m in model.named_modules()}, MetaMemo()
@@ -86,11 +88,12 @@ def _optimize_groups(cls, instances, records, names, memo, patterns, ctx, entry:
     found: list[tuple[list[nn.Module], object, set[str]]] = []
     for members in groups:
         group = entry if len(groups) == 1 else GroupReport(entry, [names.get(id(m), "?") for m in members])
-        if id(members[0]) not in records:
+        record = _record(records, members[0])
+        if record is None:
             group.skip("trace", "not called during the meta run")
             continue
-        _, args, kwargs = records[id(members[0])]
-        with memoized(_memoizable(model), memo):  # traces run children on meta: once per structure
+        args, kwargs = record
+        with memoized(with_parameters(model), memo):  # traces run children on meta: once per structure
             traced = tracer.trace(members[0], args, kwargs)
         found.append((members, group, _optimize_class(cls, members, traced, patterns, ctx, group, model)))
     for members, group, names_found in found if len(groups) > 1 else ():
@@ -101,19 +104,21 @@ def _optimize_groups(cls, instances, records, names, memo, patterns, ctx, entry:
                 group.seen.add(name)
 
 
+def _record(records: dict[int, tuple], module: nn.Module) -> tuple | None:
+    """(args, kwargs) of `module`'s recorded call, or None."""
+    ref, args, kwargs = records.get(id(module), (None, None, None))
+    return (args, kwargs) if ref is not None and ref() is module else None
+
+
 def _groups(instances: list[nn.Module], records: dict[int, tuple]) -> list[list[nn.Module]]:
     """Instances that share one trace and one match: equal `structure_key` now (children already rewritten)
     and equal `input_key` of their recorded call (`fxrewrite.signature`); those never called form one group."""
     groups: dict = {}
     for module in instances:
-        record = records.get(id(module))
-        key = ("not called",) if record is None else (structure_key(module), input_key(*record[1:]))
+        record = _record(records, module)
+        key = ("not called",) if record is None else (structure_key(module), input_key(*record))
         groups.setdefault(key, []).append(module)
     return list(groups.values())
-
-
-def _memoizable(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if next(iter(m.parameters()), None) is not None]
 
 
 def _text_config(model: nn.Module):

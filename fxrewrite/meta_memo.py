@@ -15,6 +15,7 @@ would have received can be found (`fxrewrite.tracer.record_calls`).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Callable, Hashable, Iterator
 
 import torch
@@ -22,17 +23,28 @@ from torch import nn
 
 from fxrewrite.signature import MEMO_ATTR, input_key, structure_key
 
-__all__ = ["MetaMemo", "memoized"]
+__all__ = ["MetaMemo", "memoized", "with_parameters"]
 
 
 class MetaMemo:
     """Outputs of meta runs by (structure key, input key), and which module stood in for which."""
 
     def __init__(self) -> None:
-        self.outputs: dict[Hashable, tuple[nn.Module, object]] = {}
-        self.aliases: dict[int, tuple[nn.Module, nn.Module]] = {}
-        """id(skipped module) -> (skipped module, the module whose run it reused), in call order."""
+        self.outputs: dict[Hashable, tuple[weakref.ref, object]] = {}
+        self.aliases: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+        """id(skipped module) -> weak references (skipped module, the module whose run it reused), in call
+        order (weak: the memo must not keep modules that a rewrite deletes, and their weights, alive)."""
         self.hits = 0
+
+
+def with_parameters(model: nn.Module) -> list[nn.Module]:
+    """The modules of `model` holding a parameter themselves or below (those `memoized` is worth wrapping)."""
+    found: set[int] = set()
+    for module in reversed(list(model.modules())):  # children first
+        if any(p is not None for p in module._parameters.values()) or any(
+                id(c) in found for c in module._modules.values() if c is not None):
+            found.add(id(module))
+    return [m for m in model.modules() if id(m) in found]
 
 
 def _all_meta(value) -> bool:
@@ -68,11 +80,11 @@ def _wrapper(module: nn.Module, memo: MetaMemo, key_of: Callable[[nn.Module], Ha
         hit = memo.outputs.get(key)
         if hit is not None:
             memo.hits += 1
-            memo.aliases.setdefault(id(module), (module, hit[0]))
+            memo.aliases.setdefault(id(module), (weakref.ref(module), hit[0]))
             return _fresh(hit[1])
         out = call(*args, **kwargs)
         if _all_meta(out):
-            memo.outputs[key] = (module, _fresh(out))
+            memo.outputs[key] = (weakref.ref(module), _fresh(out))
         return out
 
     setattr(forward, MEMO_ATTR, previous)

@@ -33,7 +33,7 @@ from typing import Hashable
 import torch
 from torch import nn
 
-__all__ = ["BOUND_ATTR", "MEMO_ATTR", "difference", "input_key", "instance_forward", "structure_key"]
+__all__ = ["BOUND_ATTR", "MEMO_ATTR", "difference", "input_key", "instance_forward", "structure_key", "structure_keys"]
 
 BOUND_ATTR = "_fxrewrite_compiled"
 """Instance attribute set by `fxrewrite.compiler`: (compiled function, the bound forward it put in ``__dict__``)."""
@@ -54,7 +54,21 @@ def structure_key(module: nn.Module) -> Hashable:
     return _key(module, {})
 
 
-def _key(module: nn.Module, seen: dict) -> Hashable:
+def structure_keys(root: nn.Module) -> dict[int, Hashable]:
+    """{id(module): structure_key(module)} for every module under `root`, in one pass when no module is reached
+    twice (children's keys are reused), else module by module."""
+    everything = list(root.modules(remove_duplicate=False))
+    if len({id(m) for m in everything}) != len(everything):
+        return {id(m): structure_key(m) for m in everything}
+    done: dict[int, Hashable] = {}
+    for module in reversed(everything):  # children before parents
+        done[id(module)] = _key(module, {}, done)
+    return done
+
+
+def _key(module: nn.Module, seen: dict, done: dict | None = None) -> Hashable:
+    if done is not None and id(module) in done:  # `structure_keys`: no sharing, children first
+        return done[id(module)]
     if id(module) in seen:  # a child shared twice in one subtree
         return ("shared", seen[id(module)])
     seen[id(module)] = len(seen)
@@ -68,7 +82,7 @@ def _key(module: nn.Module, seen: dict) -> Hashable:
     labels = _index_labels(type(module))
     attrs = tuple((k, _value_key(v)) for k, v in d.items()
                   if k not in _SKIP and not (k in labels and type(v) is int))
-    children = tuple((n, None if c is None else _key(c, seen)) for n, c in module._modules.items())
+    children = tuple((n, None if c is None else _key(c, seen, done)) for n, c in module._modules.items())
     return (type(module), forward, params, buffers, attrs, children)
 
 

@@ -29,8 +29,8 @@ from torch import nn
 from torch.func import functional_call
 from torch.fx.node import map_aggregate
 
-from fxrewrite.meta_memo import MetaMemo, memoized
-from fxrewrite.signature import structure_key
+from fxrewrite.meta_memo import MetaMemo, memoized, with_parameters
+from fxrewrite.signature import structure_keys
 from fxrewrite.tensor_state import preserved_state
 
 _TENSOR_PROPERTIES = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "is_meta", "layout"})
@@ -131,8 +131,8 @@ def record_calls(model: nn.Module, seq_len: int = 5, example_inputs: tuple | Non
     exception text when the run stopped early (what was recorded before it is still returned)."""
     records: dict[int, tuple] = {}
     memo = memo if memo is not None else MetaMemo()
-    memoizable = [m for m in model.modules() if next(iter(m.parameters()), None) is not None]
-    keys = {id(m): structure_key(m) for m in memoizable}  # before our own hooks make every key unique
+    memoizable = with_parameters(model)
+    keys = structure_keys(model)  # before our own hooks make every key unique
 
     def hook(module, args, kwargs):
         records.setdefault(id(module), (module, args, dict(kwargs)))
@@ -153,7 +153,7 @@ def record_calls(model: nn.Module, seq_len: int = 5, example_inputs: tuple | Non
         for handle in handles:
             handle.remove()
     for skipped, stand_in in memo.aliases.values():  # same structure: descendants pair up in order
-        for b, a in zip(skipped.modules(), stand_in.modules()):
+        for b, a in zip(skipped().modules(), stand_in().modules()):
             if id(b) not in records and id(a) in records:
                 records[id(b)] = (b, *records[id(a)][1:])
     return records, error

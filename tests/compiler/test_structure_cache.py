@@ -4,6 +4,7 @@ with a report line naming the module and the reason."""
 
 import collections
 import copy
+import weakref
 
 import pytest
 import torch
@@ -40,6 +41,8 @@ def test_identical_layers_share_one_trace_and_one_meta_run(traces):
     model = tiny_model("qwen3", num_hidden_layers=4)
     layers = model.model.layers
     assert len({signature.structure_key(layer) for layer in layers}) == 1  # layer_idx differs, is a cache index
+    keys = signature.structure_keys(model)  # the one-pass version agrees
+    assert all(keys[id(m)] == signature.structure_key(m) for m in model.modules())
     memo = MetaMemo()
     records, error = tracer.record_calls(model, memo=memo)
     assert error is None and memo.hits >= 3  # layers 1..3 reuse layer 0's meta run
@@ -185,9 +188,10 @@ def _no_cache(monkeypatch):
     """Every module its own structure: each instance traced alone, no meta run reused."""
     def unique(module):
         return ("unique", id(module))
-    for mod in (compiler, tracer, compiler.signature):
+    for mod in (compiler, compiler.signature):
         monkeypatch.setattr(mod, "structure_key", unique)
     monkeypatch.setattr("fxrewrite.meta_memo.structure_key", unique)
+    monkeypatch.setattr(tracer, "structure_keys", lambda root: {id(m): unique(m) for m in root.modules()})
 
 
 def _grads(model, ids):
@@ -222,3 +226,22 @@ def test_cached_optimize_equals_uncached_and_transformers(traces, monkeypatch):
     for name, g in g_s.items():
         torch.testing.assert_close(g_c[name], g, rtol=1e-5, atol=1e-6, msg=name)
         torch.testing.assert_close(g_c[name], g_u[name], rtol=0, atol=0, msg=name)
+
+
+def test_fused_away_weights_are_freed_as_the_rewrite_goes(monkeypatch):
+    """The recorded calls and the meta memo hold modules weakly: each layer's old q/k/v weights are freed
+    when its fused layer is built (Qwen3-4B: otherwise 4.7 GB more at the peak)."""
+    model = tiny_model("llama", num_hidden_layers=3)
+    refs = [weakref.ref(layer.self_attn.q_proj.weight) for layer in model.model.layers]
+    alive = []
+    real = compiler._build_all
+
+    def build(module, *args):
+        built = real(module, *args)
+        if type(module).__name__ == "LlamaAttention":
+            alive.append(sum(r() is not None for r in refs))
+        return built
+
+    monkeypatch.setattr(compiler, "_build_all", build)
+    fxrewrite.optimize(model)
+    assert alive == [2, 1, 0]
