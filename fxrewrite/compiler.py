@@ -1,8 +1,10 @@
-"""`optimize(model)`: trace each module class, match `PATTERNS`, rewrite, build, bind per instance.
+"""`optimize(model)`: trace each module structure, match `PATTERNS`, rewrite, build, bind per instance.
 
-Per module class (children before parents, so a parent sees its fused children):
-1. trace the first instance with the inputs recorded by a meta run (`fxrewrite.tracer`);
-2. run every pattern's `match` on that graph once (the per-class match cache); near misses and
+Per module class (children before parents, so a parent sees its fused children), per group of its
+instances with one structure (`fxrewrite.signature.structure_key`) and one input shape:
+1. trace the group's first instance with the inputs recorded by a meta run (`fxrewrite.tracer`;
+   `fxrewrite.meta_memo` runs each structure on meta once);
+2. run every pattern's `match` on that graph once (the per-structure match cache); near misses and
    nodes claimed twice become "skipped" lines of the report;
 3. "module" patterns: per instance `validate`, then `build` a replacement put in the parent's place;
 4. "forward" patterns: each match's source edit is tried alone first (a refusal drops that
@@ -10,7 +12,8 @@ Per module class (children before parents, so a parent sees its fused children):
    those edits is compiled once per distinct set, `build` creates the fused children, and the
    new forward is bound to that instance only.
 The model is changed in place; a second `optimize` is a no-op. The `FusionReport` is kept on the
-model (`explain`). Fail closed: any refusal leaves that module (or instance) as it was.
+model (`explain`). Fail closed: any refusal leaves that module (or instance) as it was; an instance
+whose forward someone else replaced, or whose children to fuse away carry hooks, is refused.
 """
 
 from __future__ import annotations

@@ -94,12 +94,14 @@ def difference(a: nn.Module, b: nn.Module, path: str = "") -> str:
         if na == nb:
             na, nb = (f"{type(m).__module__}.{type(m).__qualname__}" for m in (a, b))
         return f"{where} is {nb}, not {na}"
+    ka, kb = _key(a, {}), _key(b, {})
     if any(b.__dict__.get(h) for h in _HOOK_DICTS):
         return f"{where} has forward/backward hooks"
-    fa, fb = (_key(m, {})[1] if not any(m.__dict__.get(h) for h in _HOOK_DICTS) else None for m in (a, b))
-    if _key(b, {})[0] == "unique":
+    if kb[0] == "unique":
         return f"{where} has a forward replaced on the instance"
-    if fa != fb:
+    if ka[0] == "unique":
+        return f"{where} has no hooks or replaced forward, unlike the other"
+    if ka[1] != kb[1]:
         return f"{where} runs another forward (rewritten differently)"
     for kind in ("_parameters", "_buffers"):
         pa, pb = getattr(a, kind), getattr(b, kind)
@@ -145,6 +147,8 @@ def _value_key(v) -> Hashable:
         return (type(v), tuple(items))
     if type(v) is dict:
         return (dict, tuple((_value_key(k), _value_key(x)) for k, x in v.items()))
+    if type(v) is functools.partial:  # transformers' activations keep one per instance (gelu, approximate=...)
+        return (functools.partial, ("id", id(v.func)), _value_key(v.args), _value_key(v.keywords))
     return ("id", id(v))
 
 
