@@ -1,8 +1,10 @@
-"""`optimize(model)`: trace each module class, match `PATTERNS`, rewrite, build, bind per instance.
+"""`optimize(model)`: trace each module structure, match `PATTERNS`, rewrite, build, bind per instance.
 
-Per module class (children before parents, so a parent sees its fused children):
-1. trace the first instance with the inputs recorded by a meta run (`fxrewrite.tracer`);
-2. run every pattern's `match` on that graph once (the per-class match cache); near misses and
+Per module class (children before parents, so a parent sees its fused children), per group of its
+instances with one structure (`fxrewrite.signature.structure_key`) and one input shape:
+1. trace the group's first instance with the inputs recorded by a meta run (`fxrewrite.tracer`;
+   `fxrewrite.meta_memo` runs each structure on meta once);
+2. run every pattern's `match` on that graph once (the per-structure match cache); near misses and
    nodes claimed twice become "skipped" lines of the report;
 3. "module" patterns: per instance `validate`, then `build` a replacement put in the parent's place;
 4. "forward" patterns: each match's source edit is tried alone first (a refusal drops that
@@ -10,21 +12,25 @@ Per module class (children before parents, so a parent sees its fused children):
    those edits is compiled once per distinct set, `build` creates the fused children, and the
    new forward is bound to that instance only.
 The model is changed in place; a second `optimize` is a no-op. The `FusionReport` is kept on the
-model (`explain`). Fail closed: any refusal leaves that module (or instance) as it was.
+model (`explain`). Fail closed: any refusal leaves that module (or instance) as it was; an instance
+whose forward someone else replaced, or whose children to fuse away carry hooks, is refused.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 
 from torch import nn
 
-from fxrewrite import foreign, source, tracer, weights
+from fxrewrite import foreign, signature, source, tracer, weights
 from fxrewrite.layers.linear import no_weight_init
 from fxrewrite.layers.sdpa_causal import SDPA_CAUSAL, use_sdpa_causal
 from fxrewrite.optimizer_state import HF_NAMES_ATTR
 from fxrewrite.patterns import PATTERNS, Context, Match, Refusal
-from fxrewrite.report import ClassReport, FusionReport
+from fxrewrite.meta_memo import MetaMemo, memoized, with_parameters
+from fxrewrite.report import ClassReport, FusionReport, GroupReport
+from fxrewrite.signature import BOUND_ATTR, input_key, instance_forward, structure_key
 
 _REPORT_ATTR = "_fxrewrite_report"
 _OPTIONS = frozenset({"patterns", "example_inputs"})
@@ -53,17 +59,15 @@ def optimize(model: nn.Module, **opts) -> nn.Module:
     patterns = tuple(opts.get("patterns", PATTERNS))
     report = FusionReport()
     ctx = Context(model, _text_config(model))
-    records, error = tracer.record_inputs(model, example_inputs=opts.get("example_inputs"))
+    records, error = tracer.record_calls(model, example_inputs=opts.get("example_inputs"))
+    records = {k: (weakref.ref(m), args, kwargs) for k, (m, args, kwargs) in records.items()}  # fused-away ones go
     if error:
         report.notes.append(f"meta run stopped early ({error}); classes not reached are left unchanged")
+    names, memo = {id(m): n or "(model)" for n, m in model.named_modules()}, MetaMemo()
     for cls, instances in _classes_children_first(model).items():
         entry = report.entry(cls.__name__)
         entry.instances = len(instances)
-        if cls not in records:
-            entry.skip("trace", "not called during the meta run")
-            continue
-        module, args, kwargs = records[cls]
-        _optimize_class(cls, instances, tracer.trace(module, args, kwargs), patterns, ctx, entry, model)
+        _optimize_groups(cls, instances, records, names, memo, patterns, ctx, entry, model)
     if use_sdpa_causal(model):  # torch.compile keeps SDPA's implicit causal mask (flash, no k/v copies)
         report.notes.append(f"attention: {SDPA_CAUSAL} (transformers' SDPA; under torch.compile no materialised "
                             "causal mask for a call without attention_mask / position_ids / cache)")
@@ -79,6 +83,49 @@ def explain(model: nn.Module) -> FusionReport:
     if report is None:
         raise ValueError(f"{type(model).__name__} has not been passed through fxrewrite.optimize")
     return report
+
+
+def _optimize_groups(cls, instances, records, names, memo, patterns, ctx, entry: ClassReport, model) -> None:
+    """Trace, match and rewrite each group of identical instances of `cls` (`_groups`) on its own. With several
+    groups, refusals name the group's modules, and a group where a pattern found in another group is absent
+    gets a line saying how its instances differ from that group's."""
+    groups = _groups(instances, records)
+    differ = {(id(a[0]), id(b[0])): signature.difference(a[0], b[0])  # before this class's rewrite changes them
+              for a in groups for b in groups if a is not b} if len(groups) > 1 else {}
+    found: list[tuple[list[nn.Module], object, set[str]]] = []
+    for members in groups:
+        group = entry if len(groups) == 1 else GroupReport(entry, [names.get(id(m), "?") for m in members])
+        record = _record(records, members[0])
+        if record is None:
+            group.skip("trace", "not called during the meta run")
+            continue
+        args, kwargs = record
+        with memoized(with_parameters(model), memo):  # traces run children on meta: once per structure
+            traced = tracer.trace(members[0], args, kwargs)
+        found.append((members, group, _optimize_class(cls, members, traced, patterns, ctx, group, model)))
+    for members, group, names_found in found if len(groups) > 1 else ():
+        for other, other_group, other_found in found:  # only where this group lost a fusion and gained none
+            for name in sorted(other_found - names_found - group.seen) if names_found < other_found else ():
+                group.skip(name, f"not found in this instance's graph, unlike [{other_group.label}]: "
+                           + differ[id(other[0]), id(members[0])])
+                group.seen.add(name)
+
+
+def _record(records: dict[int, tuple], module: nn.Module) -> tuple | None:
+    """(args, kwargs) of `module`'s recorded call, or None."""
+    ref, args, kwargs = records.get(id(module), (None, None, None))
+    return (args, kwargs) if ref is not None and ref() is module else None
+
+
+def _groups(instances: list[nn.Module], records: dict[int, tuple]) -> list[list[nn.Module]]:
+    """Instances that share one trace and one match: equal `structure_key` now (children already rewritten)
+    and equal `input_key` of their recorded call (`fxrewrite.signature`); those never called form one group."""
+    groups: dict = {}
+    for module in instances:
+        record = _record(records, module)
+        key = ("not called",) if record is None else (structure_key(module), input_key(*record))
+        groups.setdefault(key, []).append(module)
+    return list(groups.values())
 
 
 def _text_config(model: nn.Module):
@@ -117,11 +164,15 @@ def _match_all(traced, patterns, ctx, entry: ClassReport) -> list[Match]:
     return matches
 
 
-def _optimize_class(cls, instances, traced, patterns, ctx, entry: ClassReport, model) -> None:
+def _optimize_class(cls, instances, traced, patterns, ctx, entry: ClassReport, model) -> set[str]:
+    """Match `traced` and rewrite `instances` (one group); the names of the patterns that matched."""
     if traced.partial:
         entry.skip("trace", f"stopped at {traced.error}")
     matches = _match_all(traced, patterns, ctx, entry)
-    entry.present.extend(f"{m.pattern.name}: {m.pattern.describe(m)}" for m in matches if m.present)
+    matched = {m.pattern.name for m in matches}
+    for line in (f"{m.pattern.name}: {m.pattern.describe(m)}" for m in matches if m.present):
+        if line not in entry.present:  # several groups of one class may each find it
+            entry.present.append(line)
     matches = [m for m in matches if not m.present]
     module_matches = [m for m in matches if m.pattern.scope == "module"]
     forward_matches = [m for m in matches if m.pattern.scope == "forward"]
@@ -129,6 +180,7 @@ def _optimize_class(cls, instances, traced, patterns, ctx, entry: ClassReport, m
         _replace_modules(instances, module_matches, ctx, entry, model)
     if forward_matches:
         _rewrite_forwards(cls, instances, forward_matches, ctx, entry)
+    return matched
 
 
 def _applied(entry: ClassReport, m: Match) -> None:
@@ -153,6 +205,7 @@ def _replace_modules(instances, matches: list[Match], ctx, entry: ClassReport, m
                 entry.skip(m.pattern.name, f"the module is already replaced by {winner.pattern.name}")
                 continue
             try:
+                _check_instance(m, module)
                 m.pattern.validate(m, module, ctx)
                 new = m.pattern.build(m, module, ctx)
             except Refusal as e:
@@ -205,6 +258,7 @@ def _rewrite_forwards(cls, instances, matches: list[Match], ctx, entry: ClassRep
             _applied(entry, m)
             module.__dict__.setdefault("_fxrewrite_shards", []).extend(m.pattern.shards(m))
         source.bind(module, compiled[key][0])
+        module.__dict__[BOUND_ATTR] = (compiled[key][0], module.__dict__["forward"])  # its structure_key
     if compiled:
         widest = max((k for k, v in compiled.items() if v is not None), key=len, default=None)
         entry.diff = src.diff(compiled[widest][1]) if widest is not None else ""
@@ -234,6 +288,7 @@ def _build_all(module: nn.Module, matches: list[Match], ctx, entry: ClassReport)
 
 def _valid(m: Match, module: nn.Module, ctx, entry: ClassReport) -> bool:
     try:
+        _check_instance(m, module)
         m.pattern.validate(m, module, ctx)
         return True
     except Refusal as e:
@@ -253,3 +308,24 @@ def _compile(src, matches: list[Match], entry: ClassReport):
         entry.skip("+".join(m.pattern.name for m in matches), f"combined rewrite failed: {e}")
         return None
     return fn, tree
+
+
+def _check_instance(m: Match, module: nn.Module) -> None:
+    """Refusal when rewriting this instance would drop someone else's code: a forward replaced on the instance
+    (the rewrite binds its own), or hooks on a child the fusion deletes (or on the module a module-scope
+    pattern replaces)."""
+    own = instance_forward(module)
+    if own is not None and own is not module.__dict__.get(BOUND_ATTR, (None, None))[1]:
+        raise Refusal(f"the forward of this {type(module).__name__} instance is replaced "
+                      f"({getattr(own, '__qualname__', type(own).__name__)}); left as it is")
+    hooked = [f"child {name!r}" for _, name in m.names
+              if isinstance(module._modules.get(name), nn.Module) and _hooked(module._modules[name])]
+    if m.pattern.scope == "module" and _hooked(module):
+        hooked.insert(0, "the module itself")
+    if hooked:
+        raise Refusal(f"forward/backward hooks on {', '.join(hooked)} would be lost by the fusion; left as it is")
+
+
+def _hooked(module: nn.Module) -> bool:
+    hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    return any(m.__dict__.get(h) for m in module.modules() for h in hooks)

@@ -27,6 +27,25 @@ class ClassReport:
             self.skipped.append((what, reason))
 
 
+class GroupReport:
+    """A `ClassReport` as one group of its instances sees it (`fxrewrite.compiler` traces and judges each
+    group of identical instances on its own): refusals name the group's modules, the rest is shared."""
+
+    def __init__(self, entry: ClassReport, names: list[str]) -> None:
+        label = names[0] if len(names) == 1 else f"{names[0]} and {len(names) - 1} more"
+        self.__dict__.update(entry=entry, label=label, seen=set())
+
+    def skip(self, what: str, reason: str) -> None:
+        self.seen.add(what)
+        self.entry.skip(what, f"[{self.label}] {reason}")
+
+    def __getattr__(self, name: str):
+        return getattr(self.entry, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self.entry, name, value)
+
+
 @dataclasses.dataclass
 class FusionReport:
     """Result of `fxrewrite.optimize`; `str(report)` is a table, `report.diff()` the source diffs."""

@@ -1,18 +1,15 @@
-"""All-leaf fx tracer over meta tensors: one dataflow graph per module class, for pattern matching.
+"""All-leaf fx tracer over meta tensors: one dataflow graph per module structure, for pattern matching.
 
-Two steps:
-1. `record_inputs(model)` runs the whole model once on the meta device (every parameter and
-   buffer swapped for a meta twin with `torch.func.functional_call`; nothing is computed or
-   moved) and records, for the first instance of each module class, the arguments its `forward`
-   received. This is how the tracer knows real shapes without knowing the architecture.
+1. `record_calls(model)` runs the whole model once on the meta device (parameters and buffers swapped
+   for meta twins with `torch.func.functional_call`; nothing computed or moved) and records the
+   arguments each module's `forward` received: the tracer knows real shapes, not the architecture.
 2. `trace(module, args, kwargs)` runs `type(module).forward` under `torch.fx` with every child
    module a leaf (`call_module` node), every tensor value carried as a meta tensor in
    ``node.meta["val"]``. Shapes, dtypes and devices come back as plain Python values, so
    `.shape`, `len()`, unpacking and `.view(*shape)` work; the graph is specialised to them and is
-   only ever inspected, never run. The attention call is one leaf (`attention`), and functions
-   defined in the module's own source file (such as `apply_rotary_pos_emb`) are leaves too, so a
-   pattern can point at the call in the source. When a statement cannot be traced, the graph
-   built so far is kept and `Traced.error` says where and why.
+   only ever inspected, never run. The attention call is one leaf (`attention`), and functions defined
+   in the module's own source file (such as `apply_rotary_pos_emb`) are leaves too, so a pattern can
+   point at the call in the source. An untraceable statement ends the graph; `Traced.error` says why.
 
 Nothing here knows any pattern or model (design rule: tracer and source never import patterns).
 """
@@ -32,6 +29,8 @@ from torch import nn
 from torch.func import functional_call
 from torch.fx.node import map_aggregate
 
+from fxrewrite.meta_memo import MetaMemo, memoized, with_parameters
+from fxrewrite.signature import structure_keys
 from fxrewrite.tensor_state import preserved_state
 
 _TENSOR_PROPERTIES = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "is_meta", "layout"})
@@ -113,17 +112,30 @@ def run_on_meta(module: nn.Module, args, kwargs, keep: frozenset = frozenset()):
 
 def record_inputs(model: nn.Module, seq_len: int = 5, example_inputs: tuple | None = None
                   ) -> tuple[dict[type, tuple], str | None]:
-    """Run `model` on meta inputs; return ({class: (instance, args, kwargs)}, error).
-
-    Default inputs are a causal LM's: input_ids [1, seq_len] (and an all-ones attention mask);
-    `example_inputs` = (args, kwargs) replaces them (tensors are turned into meta tensors).
-    The first call of each class is kept. `error` is the exception text when the run stopped
-    early (what was recorded before it is still returned).
-    """
+    """({class: (instance, args, kwargs)} of the first call of each class, error): see `record_calls`."""
+    calls, error = record_calls(model, seq_len, example_inputs)
     records: dict[type, tuple] = {}
+    for module, args, kwargs in calls.values():
+        records.setdefault(type(module), (module, args, kwargs))
+    return records, error
+
+
+def record_calls(model: nn.Module, seq_len: int = 5, example_inputs: tuple | None = None,
+                 memo: MetaMemo | None = None) -> tuple[dict[int, tuple], str | None]:
+    """Run `model` on meta inputs; return ({id(module): (module, args, kwargs)} in call order, error).
+
+    Default inputs: a causal LM's input_ids [1, seq_len] and an all-ones attention mask; `example_inputs` =
+    (args, kwargs) replaces them (tensors turned into meta tensors). The first call of each module is kept.
+    Modules with parameters run through `memo` (`fxrewrite.meta_memo`): one repeating an earlier module's
+    structure and inputs is not run; its descendants get that module's descendants' inputs. `error`: the
+    exception text when the run stopped early (what was recorded before it is still returned)."""
+    records: dict[int, tuple] = {}
+    memo = memo if memo is not None else MetaMemo()
+    memoizable = with_parameters(model)
+    keys = structure_keys(model)  # before our own hooks make every key unique
 
     def hook(module, args, kwargs):
-        records.setdefault(type(module), (module, args, dict(kwargs)))
+        records.setdefault(id(module), (module, args, dict(kwargs)))
 
     handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules()]
     input_ids = torch.zeros((1, seq_len), dtype=torch.long, device="meta")
@@ -132,13 +144,18 @@ def record_inputs(model: nn.Module, seq_len: int = 5, example_inputs: tuple | No
     error = None
     try:
         with preserved_state(model), attention_as_leaf(), _eager_masks(model), \
-                _buffer_modules_run_real(model) as keep, torch.no_grad():
+                _buffer_modules_run_real(model) as keep, torch.no_grad(), \
+                memoized(memoizable, memo, lambda m: keys[id(m)]):
             run_on_meta(model, to_meta(tuple(args)), to_meta(dict(kwargs)), keep)
     except Exception as e:  # noqa: BLE001 - any failure just ends the recording
         error = f"{type(e).__name__}: {e}"
     finally:
         for handle in handles:
             handle.remove()
+    for skipped, stand_in in memo.aliases.values():  # same structure: descendants pair up in order
+        for b, a in zip(skipped().modules(), stand_in().modules()):
+            if id(b) not in records and id(a) in records:
+                records[id(b)] = (b, *records[id(a)][1:])
     return records, error
 
 

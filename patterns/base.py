@@ -2,8 +2,8 @@
 
 A pattern is a class with classmethods only; the compiler (`fxrewrite.compiler`) drives it:
 
-1. ``match(traced, ctx) -> list[Match]`` runs once per module class on the traced graph of its
-   first instance (`fxrewrite.tracer.Traced`). It finds the pattern by dataflow only (which
+1. ``match(traced, ctx) -> list[Match]`` runs once per group of identical instances of a module class
+   (`fxrewrite.signature`) on the traced graph of the group's first instance (`fxrewrite.tracer.Traced`). It finds the pattern by dataflow only (which
    node reads which), never by class or attribute names. A `Match` holds *names* (child
    attribute names, fx node names, the name of an attribute holding eps) and facts that hold for
    the whole class (an activation kind, an offset): never modules or per-instance numbers, which
