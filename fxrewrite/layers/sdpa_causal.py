@@ -25,6 +25,7 @@ import os
 
 import torch
 from torch import nn
+from transformers import masking_utils  # at import time: dynamo (torch 2.11) cannot trace transformers' lazy import
 
 __all__ = ["SDPA_CAUSAL", "register_sdpa_causal", "use_sdpa_causal", "sdpa_causal_mask"]
 
@@ -34,19 +35,18 @@ _NEUTRAL = frozenset({"input_ids", "inputs_embeds", "use_cache", "output_attenti
                       "return_dict", "num_items_in_batch", "labels", "logits_to_keep"})
 
 
-class _Call:
-    unpadded_default_positions = False  # set by the base model's pre-hook for the running forward
+# set by the base model's pre-hook for the running forward; a dict, not a class attribute: dynamo (torch 2.11)
+# cannot trace setattr on a class
+_CALL = {"unpadded_default_positions": False}
 
 
 def _note_call(module, args, kwargs) -> None:
     """Forward pre-hook (with kwargs) of the base model: whether this call's mask can only be the causal one."""
-    _Call.unpadded_default_positions = not args and all(v is None or k in _NEUTRAL for k, v in kwargs.items())
+    _CALL["unpadded_default_positions"] = not args and all(v is None or k in _NEUTRAL for k, v in kwargs.items())
 
 
 def _can_skip(kwargs: dict) -> bool:
-    from transformers import masking_utils
-
-    if not _Call.unpadded_default_positions or "allow_is_bidirectional_skip" in kwargs:
+    if not _CALL["unpadded_default_positions"] or "allow_is_bidirectional_skip" in kwargs:
         return False
     if kwargs.get("attention_mask") is not None or kwargs.get("local_size") is not None or kwargs.get("use_vmap"):
         return False
@@ -63,12 +63,10 @@ def _can_skip(kwargs: dict) -> bool:
 def sdpa_causal_mask(*args, **kwargs):
     """transformers' ``sdpa_mask`` (same arguments, same result), except that while ``torch.compile`` traces, a call
     that can only mean the causal mask of an unpadded, unpacked batch returns None (see the module docstring)."""
-    from transformers.masking_utils import sdpa_mask
-
     if (torch.compiler.is_compiling() and not args and os.environ.get("FXREWRITE_COMPILE_CAUSAL_SKIP") != "0"
             and _can_skip(kwargs)):
         return None
-    return sdpa_mask(*args, **kwargs)
+    return masking_utils.sdpa_mask(*args, **kwargs)
 
 
 def register_sdpa_causal() -> str:
