@@ -16,7 +16,7 @@ from fxrewrite.runtime.engine.sequence import Sequence
 
 def check_request_extras(params: SamplingParams, config, vocab_size: int) -> None:
     """ValueError for logprobs / prompt_logprobs above `config.max_logprobs` (vLLM's limit, default 20), a
-    logit_bias or allowed_token_ids token outside the vocabulary, or a feature the multi-process executors lack (tensor x
+    logit_bias, allowed_token_ids or stop_token_ids token outside the vocabulary, or a feature the multi-process executors lack (tensor x
     pipeline x data parallel size above 1)."""
     max_logprobs = config.max_logprobs
     parallel_size = (config.tensor_parallel_size * getattr(config, "pipeline_parallel_size", 1)
@@ -26,12 +26,10 @@ def check_request_extras(params: SamplingParams, config, vocab_size: int) -> Non
         if value is not None and value > max_logprobs:
             raise ValueError(f"{name}={value} is more than max_logprobs={max_logprobs}; ask for at most "
                              f"{max_logprobs}, or start the engine with a larger max_logprobs")
-    bad = [t for t in (params.logit_bias or {}) if t >= vocab_size]
-    if bad:
-        raise ValueError(f"logit_bias token id {bad[0]} is out of range [0, {vocab_size})")
-    bad = [t for t in (params.allowed_token_ids or ()) if t >= vocab_size]
-    if bad:
-        raise ValueError(f"allowed_token_ids token id {bad[0]} is out of range [0, {vocab_size})")
+    for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
+        bad = [t for t in (getattr(params, name) or ()) if t >= vocab_size]
+        if bad:
+            raise ValueError(f"{name} token id {bad[0]} is out of range [0, {vocab_size})")
     if parallel_size > 1:
         for name in ("prompt_logprobs", "structured_outputs", "bad_words"):
             if getattr(params, name) is not None:

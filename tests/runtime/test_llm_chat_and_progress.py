@@ -106,6 +106,9 @@ def test_allowed_token_ids_restrict_sampling(llm):
     assert set(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids) <= {11, 12}
     with pytest.raises(ValueError, match=r"allowed_token_ids token id 999999 is out of range"):
         llm.generate([[5]], SamplingParams(allowed_token_ids=[999999]), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"stop_token_ids token id 999999 is out of range \[0, "):
+        llm.generate([[5]], SamplingParams(stop_token_ids=[999999]), use_tqdm=False)
+    assert llm.generate([[5]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids  # still serving
     with pytest.raises(TypeError, match=r"allowed_token_ids=\[\] must be a non-empty list"):
         SamplingParams(allowed_token_ids=[])
 
