@@ -123,13 +123,7 @@ def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torc
     Triton interpreter with FXREWRITE_TRITON=1) the cross-entropy kernel runs; otherwise the torch closed
     form. Peak extra memory: one chunk of logits, plus d/dweight [V, H] in the backward. ValueError on
     mismatched shapes or dtypes."""
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or target.shape != hidden.shape[:1]:
-        raise ValueError(f"fused_linear_logprobs: hidden {tuple(hidden.shape)} must be [N, H], weight "
-                         f"{tuple(weight.shape)} [V, H], target {tuple(target.shape)} [N]")
-    if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
-        raise ValueError(f"fused_linear_logprobs: hidden {hidden.dtype}, weight {weight.dtype} and bias "
-                         f"{None if bias is None else bias.dtype} must share one dtype")
-    chunk = chunk_size or default_chunk_size(hidden.shape[0], weight.shape[0], hidden.shape[1])
+    chunk = _checked_chunk("fused_linear_logprobs", hidden, weight, bias, target, chunk_size)
     return _FusedLinearLogprobs.apply(hidden, weight, bias, target, float(scale), softcap, chunk)
 
 
@@ -208,11 +202,16 @@ def fused_linear_token_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: to
     of the logprob. Gradients ([N, H], [V, H], [V]) are held from the forward to the backward, which scales
     them by the incoming scalar. Shapes, dtypes, ``scale``/``softcap``/``chunk_size`` and errors as
     :func:`fused_linear_logprobs`."""
+    chunk = _checked_chunk("fused_linear_token_loss", hidden, weight, bias, target, chunk_size)
+    return _FusedLinearTokenLoss.apply(hidden, weight, bias, target, token_loss, float(scale), softcap, chunk)
+
+
+def _checked_chunk(name: str, hidden, weight, bias, target, chunk_size: int | None) -> int:
+    """The rows per chunk, after the shape and dtype checks both entry points share (ValueError naming ``name``)."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or target.shape != hidden.shape[:1]:
-        raise ValueError(f"fused_linear_token_loss: hidden {tuple(hidden.shape)} must be [N, H], weight "
+        raise ValueError(f"{name}: hidden {tuple(hidden.shape)} must be [N, H], weight "
                          f"{tuple(weight.shape)} [V, H], target {tuple(target.shape)} [N]")
     if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
-        raise ValueError(f"fused_linear_token_loss: hidden {hidden.dtype}, weight {weight.dtype} and bias "
+        raise ValueError(f"{name}: hidden {hidden.dtype}, weight {weight.dtype} and bias "
                          f"{None if bias is None else bias.dtype} must share one dtype")
-    chunk = chunk_size or default_chunk_size(hidden.shape[0], weight.shape[0], hidden.shape[1])
-    return _FusedLinearTokenLoss.apply(hidden, weight, bias, target, token_loss, float(scale), softcap, chunk)
+    return chunk_size or default_chunk_size(hidden.shape[0], weight.shape[0], hidden.shape[1])
