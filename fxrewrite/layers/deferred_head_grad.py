@@ -14,13 +14,22 @@ Cost: one more [tokens, hidden] x [hidden, vocab] matmul and cross-entropy pass 
 gradient during the layers' backward, less the hidden states kept (Qwen3-0.6B, 8 x 2048 tokens: 297 - 32 MiB).
 Gradients flow through autograd as before (DDP's and FSDP's hooks see them when autograd accumulates them).
 
-Eager only: while torch.compile traces, the loss is the custom op and nothing is deferred. A model call that does
-not run its embedding module (``inputs_embeds`` given) does not defer either. ``FXREWRITE_DEFER_HEAD_GRAD=0`` turns
-it off (the gradient made in the loss's forward, as before), to measure one against the other.
+Under torch.compile the same: the identity function and the deferring loss run outside the compiled graphs, as two
+graph breaks (``torch.compiler.disable``: the embedding hook's :func:`_attach`, which makes the call's job, and the
+loss's ``LMHeadCrossEntropy._eager``, which reads it when it runs, so no graph guards a per-call object); the
+decoder layers and the final norm stay one compiled graph between them. Dynamo counts each break once per frame it
+unwinds (torch 2.13: ``_attach`` 6 times, ``_eager`` 2; torch 2.11: 4 and 2). ``FXREWRITE_DEFER_HEAD_GRAD=0`` turns
+the deferral off (the gradient made in the loss's forward, as before, to measure one against the other); under
+torch.compile the loss is then the custom op with no graph break. Dynamo reads the switch while tracing, as a
+constant: changing it takes a new compile (``torch._dynamo.reset()``); ``torch.compile(fullgraph=True)`` needs it
+(dynamo raises at the first break, naming the switch). Only a training call with labels defers (one without, e.g.
+an RL loss on the logits, is left alone: no graph break); one that does not run its embedding module
+(``inputs_embeds`` given) does not either (the loss, eager, makes the gradient in its forward).
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -28,7 +37,11 @@ from torch import nn
 
 from fxrewrite.kernels.fused_linear_cross_entropy import forward_with_grads
 
-__all__ = ["DeferredHeadGrad", "install_deferred_head_grad"]
+__all__ = ["ATTACH_BREAK", "DeferredHeadGrad", "head_deferrable", "install_deferred_head_grad"]
+
+# graph-break reason (torch.compile(fullgraph=True) raises it: the deferral needs its breaks)
+ATTACH_BREAK = ("fxrewrite: the deferred LM-head gradient's identity on the embedding output "
+                "(FXREWRITE_DEFER_HEAD_GRAD=0: no deferral, no graph break)")
 
 
 def plain_parameter(weight) -> bool:
@@ -37,8 +50,8 @@ def plain_parameter(weight) -> bool:
 
 
 class DeferredHeadGrad:
-    """One model call's pending head-gradient job: ``attached`` once the embedding output went through the
-    identity function; ``args`` (set by the loss) what the recomputation needs; ``scale`` the loss's gradient."""
+    """One model call's pending head-gradient job: ``attached`` while the embedding output's identity function has
+    not run its backward; ``args`` (set by the loss) what the recomputation needs; ``scale`` the loss's gradient."""
 
     __slots__ = ("attached", "args", "scale")
 
@@ -82,34 +95,57 @@ class _HeadGradAfterLayers(torch.autograd.Function):
         if job.args is None or job.scale is None or not ctx.needs_input_grad[1]:
             return grad, None, None
         hidden, weight, target, ignore_index, transform, kernel_params, chunk = job.args
-        job.args = None  # the hidden states die with this call
+        job.args, job.attached = None, False  # the hidden states die with this call; a spent job is not claimed
         _, _, grad_w, _ = forward_with_grads(hidden, weight, None, target, ignore_index, transform, kernel_params,
                                              chunk, False, True, False)
         return grad, grad_w.mul_(job.scale.to(grad_w.dtype)), None
 
 
+def defer_enabled() -> bool:
+    """``FXREWRITE_DEFER_HEAD_GRAD`` is not "0". Under torch.compile dynamo reads it while tracing, as a constant:
+    changing it needs a new compile (``torch._dynamo.reset()``)."""
+    return os.environ.get("FXREWRITE_DEFER_HEAD_GRAD") != "0"
+
+
+def head_deferrable(head) -> bool:
+    """The head whose weight gradient can be deferred: a plain ``nn.Linear`` without bias whose weight (a plain
+    parameter) wants a gradient, with autograd on and the switch not off. Static under torch.compile (guarded)."""
+    return (defer_enabled() and torch.is_grad_enabled() and type(head) is nn.Linear and head.bias is None
+            and plain_parameter(head.weight) and head.weight.requires_grad)
+
+
+@torch.compiler.disable(reason=ATTACH_BREAK)
+def _attach(loss: nn.Module, embeds: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """This call's job on ``loss.deferred`` and the embedding output through :class:`_HeadGradAfterLayers`, unless
+    this call already attached one (an embedding run twice)."""
+    if loss.deferred is not None:
+        return embeds
+    job = loss.deferred = DeferredHeadGrad()
+    job.attached = True
+    return _HeadGradAfterLayers.apply(embeds, weight, job)
+
+
 def install_deferred_head_grad(model: nn.Module, loss: nn.Module) -> bool:
-    """Hooks on ``model`` (a ``*ForCausalLM``) and its input embedding: each training call with autograd on gets a
-    fresh :class:`DeferredHeadGrad` on ``loss.deferred``; the embedding output goes through the identity function
-    when the head is a plain ``nn.Linear`` without bias. True if installed."""
+    """Hooks on ``model`` (a ``*ForCausalLM``) and its input embedding: each call clears ``loss.deferred`` and sets
+    ``loss.armed`` (training, labels given); in an armed call whose head is deferrable (:func:`head_deferrable`) the
+    embedding's run makes a fresh :class:`DeferredHeadGrad` there and puts its output through the identity function.
+    A call without labels is left alone (no graph break under torch.compile). True if installed."""
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if not isinstance(embedding, nn.Module):
         return False
+    names = list(inspect.signature(model.forward).parameters)
+    at = names.index("labels") if "labels" in names else None  # labels passed by position, rarely
 
-    def fresh_job(module, args):
-        loss.deferred = (DeferredHeadGrad() if module.training and torch.is_grad_enabled()
-                         and not torch.compiler.is_compiling() and os.environ.get("FXREWRITE_DEFER_HEAD_GRAD") != "0"
-                         else None)
+    def arm(module, args, kwargs):
+        labels = kwargs.get("labels", args[at] if at is not None and at < len(args) else None)
+        loss.deferred, loss.armed = None, module.training and labels is not None
 
     def attach(module, args, output):
-        job, head = loss.deferred, model.get_output_embeddings()
-        if (job is None or job.attached or torch.compiler.is_compiling() or type(head) is not nn.Linear
-                or head.bias is not None or not plain_parameter(head.weight) or not head.weight.requires_grad
-                or not isinstance(output, torch.Tensor)):
-            return None
-        job.attached = True
-        return _HeadGradAfterLayers.apply(output, head.weight, job)
+        head = model.get_output_embeddings()
+        if loss.armed and isinstance(output, torch.Tensor) and head_deferrable(head):
+            return _attach(loss, output, head.weight)
+        return None
 
-    model.register_forward_pre_hook(fresh_job)
+    model.register_forward_pre_hook(arm, with_kwargs=True)
     embedding.register_forward_hook(attach)
     return True

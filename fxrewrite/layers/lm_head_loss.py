@@ -18,9 +18,12 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 
 from fxrewrite.kernels.fused_linear_cross_entropy import default_chunk_size, fused_linear_cross_entropy
 from fxrewrite.kernels.fused_linear_cross_entropy_op import fused_linear_cross_entropy_op
-from fxrewrite.layers.deferred_head_grad import ScaleRecorder
+from fxrewrite.layers.deferred_head_grad import ScaleRecorder, head_deferrable
 
-__all__ = ["LMHeadCrossEntropy"]
+__all__ = ["LOSS_BREAK", "LMHeadCrossEntropy"]
+
+LOSS_BREAK = ("fxrewrite: the chunked loss, eager (the deferred LM-head gradient, FXREWRITE_DEFER_HEAD_GRAD=0 for "
+              "none; or a logits transform other than scaling / soft-capping)")  # graph-break reason
 
 
 class LMHeadCrossEntropy(nn.Module):
@@ -32,9 +35,10 @@ class LMHeadCrossEntropy(nn.Module):
     to the logits the loss reads (None: identity). ``kernel_params`` = (scale, softcap or None) when the
     transform was proved to be that (enables the Triton cross-entropy on CUDA). ``chunk_size``: rows per
     chunk (None: ``default_chunk_size``, given ``intermediate_size`` when the model checkpoints its
-    layers). Under ``torch.compile`` the loss is the custom op
-    ``fxrewrite::fused_linear_cross_entropy`` (no graph break) when there is no transform or it was proved
-    to be ``kernel_params``; any other transform runs eagerly (one graph break).
+    layers). Under ``torch.compile`` the loss runs eagerly (one graph break, ``_eager``) when the head's weight
+    gradient may be deferred (:mod:`fxrewrite.layers.deferred_head_grad`: this call's job is read when it runs) or
+    the transform is not ``kernel_params``; otherwise it is the custom op ``fxrewrite::fused_linear_cross_entropy``
+    (no graph break; ``FXREWRITE_DEFER_HEAD_GRAD=0`` with no transform or a proved one).
     """
 
     def __init__(self, kernel_params: tuple[float, float | None] | None = None, chunk_size: int | None = None,
@@ -45,6 +49,7 @@ class LMHeadCrossEntropy(nn.Module):
         self.intermediate_size = intermediate_size  # the MLP's, for the chunk rule under checkpointing
         self.checkpointing = False  # whether the model checkpoints its layers (read by ``fuses`` each call)
         self.deferred = None  # this call's DeferredHeadGrad (set by the hooks of `install_deferred_head_grad`)
+        self.armed = False  # whether this call may defer it (set by the same hooks: training, labels given)
 
     def fuses(self, model: nn.Module, labels, hidden_states, head, shift_labels=None) -> bool:
         """Whether this call takes the fused path: labels given, the model training with autograd on, the
@@ -75,7 +80,8 @@ class LMHeadCrossEntropy(nn.Module):
         target = shift_labels.reshape(-1).to(hidden.device)
         # under checkpointing the layers' recomputed backward outlives the loss: larger chunks, same peak
         inter = self.intermediate_size if self.checkpointing else None
-        if torch.compiler.is_compiling() and (transform is None or self.kernel_params is not None):
+        if (torch.compiler.is_compiling() and (transform is None or self.kernel_params is not None)
+                and not (self.armed and head_deferrable(head))):
             # the custom op: one opaque node in the compiled graph (no graph break, no logits)
             scale, softcap = self.kernel_params or (1.0, None)
             total = fused_linear_cross_entropy_op(hidden, head.weight, head.bias, target, ignore_index, scale,
@@ -88,6 +94,10 @@ class LMHeadCrossEntropy(nn.Module):
             num_items_in_batch = num_items_in_batch.to(total.device)
         return total / num_items_in_batch
 
+    # under torch.compile one graph break: dynamo cannot trace the chunk loop (it computes gradients in the
+    # forward), a transform other than scaling / soft-capping does not fit the custom op's schema, and this
+    # call's deferred-gradient job (a Python object made per call) is read here when it runs, not guarded
+    @torch.compiler.disable(reason=LOSS_BREAK)
     def _eager(self, hidden, head, target, ignore_index, transform, inter):
         """The chunked loss; the head's weight gradient deferred to the embedding's backward when this call's
         job (:mod:`fxrewrite.layers.deferred_head_grad`) takes it."""
@@ -96,21 +106,13 @@ class LMHeadCrossEntropy(nn.Module):
             chunk = self.chunk_size or default_chunk_size(hidden.shape[0], weight.shape[0], hidden.shape[1],
                                                           intermediate=inter)
             if job.claim(hidden, weight, target, ignore_index, transform, self.kernel_params, chunk):
-                total = _eager_loss(hidden, weight.detach(), None, target, ignore_index, transform,
-                                    self.kernel_params, chunk, inter)
+                total = fused_linear_cross_entropy(hidden, weight.detach(), None, target, ignore_index, transform,
+                                                   self.kernel_params, chunk, inter)
                 return ScaleRecorder.apply(total, job)
-        return _eager_loss(hidden, weight, head.bias, target, ignore_index, transform, self.kernel_params,
-                           self.chunk_size, inter)
+        return fused_linear_cross_entropy(hidden, weight, head.bias, target, ignore_index, transform,
+                                          self.kernel_params, self.chunk_size, inter)
 
     def extra_repr(self) -> str:
         """Kernel parameters and chunk size in the module's repr."""
         return (f"kernel_params={self.kernel_params}, chunk_size={self.chunk_size}, "
                 f"intermediate_size={self.intermediate_size}")
-
-
-# torch.compile runs this eagerly (one graph break at the loss): a transform other than scaling / soft-capping
-# does not fit the custom op's schema, and dynamo cannot trace the chunk loop.
-@torch.compiler.disable
-def _eager_loss(hidden, weight, bias, target, ignore_index, transform, kernel_params, chunk_size, intermediate):
-    return fused_linear_cross_entropy(hidden, weight, bias, target, ignore_index, transform, kernel_params,
-                                      chunk_size, intermediate)

@@ -1,5 +1,6 @@
-"""torch.compile of an optimized model in training: the fused linear cross-entropy is the custom op
-``fxrewrite::fused_linear_cross_entropy`` (no graph break), loss and gradients equal to eager (float32, CPU);
+"""torch.compile of an optimized model in training: loss and gradients equal to eager (float32, CPU), with the LM
+head's gradient deferred (two graph breaks, fxrewrite.layers.deferred_head_grad) or, with FXREWRITE_DEFER_HEAD_GRAD=0,
+the fused linear cross-entropy as the custom op ``fxrewrite::fused_linear_cross_entropy`` (no graph break);
 the training-kernel custom ops (the default where the Triton kernels run; FXREWRITE_COMPILE_TRAIN_KERNELS=0: Inductor's
 references) likewise, saving for the backward no more than the eager optimized step."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.e2e.compile_breaks import assert_deferral_breaks, graph_breaks
 from tests.e2e.tiny_models import tiny_model
 
 import fxrewrite
@@ -57,10 +59,14 @@ def _step(runner, model, ids, labels):
     return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.parametrize("defer", [True, False])
 @pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
-def test_compiled_training_step_matches_eager_without_graph_break(arch):
+def test_compiled_training_step_matches_eager(arch, defer, monkeypatch):
+    """Deferred head gradient: the deferral's two graph breaks and nothing else; switched off: no graph break."""
     from torch._dynamo.utils import counters
 
+    if not defer:
+        monkeypatch.setenv("FXREWRITE_DEFER_HEAD_GRAD", "0")
     model = fxrewrite.optimize(tiny_model(arch, num_hidden_layers=1).train()).train()
     ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(4))
     labels = ids.clone()
@@ -69,7 +75,10 @@ def test_compiled_training_step_matches_eager_without_graph_break(arch):
     torch._dynamo.reset()
     counters.clear()
     got_loss, got_grads = _step(torch.compile(model, backend="aot_eager"), model, ids, labels)
-    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    if defer:
+        assert_deferral_breaks()
+    else:
+        assert graph_breaks() == {}
     assert abs(got_loss - want_loss) <= 1e-6 * abs(want_loss)
     assert set(got_grads) == set(want_grads)
     for name, g in want_grads.items():
@@ -92,11 +101,14 @@ def _saved_bytes_eager(model, ids) -> int:
     return total
 
 
-def test_compiled_training_step_uses_kernel_ops(monkeypatch):
+@pytest.mark.parametrize("defer", [False, True])
+def test_compiled_training_step_uses_kernel_ops(defer, monkeypatch):
     """Default under torch.compile where the Triton kernels run (here the interpreter): RMSNorm, the fused q/k-norm +
-    rotary, act-and-mul + down_proj and the loss are our custom ops, no graph break, loss and gradients equal to
-    stock transformers (float32), and the AOT backward graph receives no more saved activation bytes than the eager
-    optimized step saves (with the LM head's gradient made in the loss's forward, as the compiled loss op does)."""
+    rotary and act-and-mul + down_proj are our custom ops, loss and gradients equal to stock transformers (float32).
+    FXREWRITE_DEFER_HEAD_GRAD=0: the loss is our op too, no graph break, and the AOT backward graphs receive no more
+    saved activation bytes than the eager optimized step saves (with the LM head's gradient made in the loss's
+    forward, as the compiled loss op does). Deferred (the default): the loss runs eagerly between the deferral's two
+    graph breaks, the layers' ops unchanged."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.utils import counters
     from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -108,9 +120,9 @@ def test_compiled_training_step_uses_kernel_ops(monkeypatch):
     model = fxrewrite.optimize(tiny_model("qwen3", num_hidden_layers=1, use_cache=False).train()).train()
     ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(4))
     want_loss, want_grads = _step(stock, stock, ids, ids)
-    monkeypatch.setenv("FXREWRITE_DEFER_HEAD_GRAD", "0")  # the compiled loss op makes the head's gradient in its forward
+    if not defer:  # the compiled loss op makes the head's gradient in its forward: the eager step likewise
+        monkeypatch.setenv("FXREWRITE_DEFER_HEAD_GRAD", "0")
     eager_saved = _saved_bytes_eager(model, ids)
-    monkeypatch.delenv("FXREWRITE_DEFER_HEAD_GRAD")
     seen, saved = set(), []
 
     def fw(gm, example_inputs):
@@ -126,16 +138,19 @@ def test_compiled_training_step_uses_kernel_ops(monkeypatch):
     torch._dynamo.reset()
     counters.clear()
     got_loss, got_grads = _step(torch.compile(model, backend=backend), model, ids, ids)
-    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    if defer:
+        assert_deferral_breaks()
+    else:
+        assert graph_breaks() == {}
     for op in ("rms_norm_train", "qk_norm_rope_train", "act_and_mul_down_train", "fused_linear_cross_entropy"):
-        assert any(f"fxrewrite.{op}." in s for s in seen), (op, seen)
+        assert any(f"fxrewrite.{op}." in s for s in seen) is not (defer and op == "fused_linear_cross_entropy"), op
     assert abs(got_loss - want_loss) <= 1e-6 * abs(want_loss)
     hf = to_hf_names(model, got_grads)
     assert set(hf) == set(want_grads)
     for name, g in want_grads.items():
         assert float((hf[name] - g).abs().max() / g.abs().max().clamp_min(1e-12)) < 1e-5, name
     compiled_saved = sum(t.numel() * t.element_size() for t in saved if t.is_floating_point())
-    assert 0 < compiled_saved <= eager_saved, (compiled_saved, eager_saved)
+    assert 0 < compiled_saved <= eager_saved, (compiled_saved, eager_saved)  # deferred: the eager loss saves outside
 
 
 def test_training_kernel_ops_pass_opcheck():

@@ -1,0 +1,31 @@
+"""Graph breaks of ``torch.compile(fxrewrite.optimize(model))`` in training, read from dynamo's counters: the two the
+deferred LM-head gradient intends (fxrewrite.layers.deferred_head_grad) and nothing else."""
+
+from __future__ import annotations
+
+import torch
+from torch._dynamo.utils import counters
+
+from fxrewrite.layers.deferred_head_grad import ATTACH_BREAK
+from fxrewrite.layers.lm_head_loss import LOSS_BREAK
+
+# dynamo counts a break once per frame it unwinds: (embedding hook, loss) as counted on each torch we run
+DEFERRAL_BREAKS = {"2.11": (4, 2), "2.13": (6, 2)}
+
+
+def graph_breaks() -> dict[str, int]:
+    """{"attach": n, "loss": n, <any other reason>: n} since ``counters.clear()``, zero counts left out."""
+    found: dict[str, int] = {}
+    for reason, n in counters["graph_break"].items():
+        key = "attach" if ATTACH_BREAK in reason else "loss" if LOSS_BREAK in reason else reason
+        found[key] = found.get(key, 0) + n
+    return found
+
+
+def assert_deferral_breaks() -> None:
+    """Exactly the deferral's two breaks, each as often as this torch counts it (where known: 2.11, 2.13)."""
+    found = graph_breaks()
+    assert set(found) == {"attach", "loss"}, found
+    want = DEFERRAL_BREAKS.get(".".join(torch.__version__.split(".")[:2]))
+    if want is not None:
+        assert (found["attach"], found["loss"]) == want, (found, want)
