@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from typing import Any
 
 from fxrewrite.errors import UserInputError
@@ -84,6 +85,8 @@ class LLMEngine(EngineRLMixin):
         self._token_texts: dict[int, str] = {}  # _decode_token's cache
         self._arrivals = itertools.count()
         self._structured = None  # StructuredOutputManager, made at the first constrained request (xgrammar)
+        # the server compiles requests' grammars from several threads: one manager, made under this lock
+        self._structured_lock = threading.Lock()
         self._embeddings: dict = {}  # pooling runner: seq_id -> last-token final hidden state [H], host
         self._early_outputs = None  # the previous step's outputs, when grammar masks needed its tokens early
 
@@ -123,9 +126,10 @@ class LLMEngine(EngineRLMixin):
         with this before queueing it at no extra cost."""
         if params.structured_outputs is None:
             return None
-        if self._structured is None:
-            self._structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
-                                                       self.eos_token_ids, max_rows=self.config.max_num_seqs)
+        with self._structured_lock:
+            if self._structured is None:
+                self._structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                                           self.eos_token_ids, max_rows=self.config.max_num_seqs)
         return self._structured.compile(params.structured_outputs)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:

@@ -187,3 +187,37 @@ def test_a_deep_json_schema_reaches_the_grammar_process_as_text():
     spec = StructuredOutputsParams(json=schema).spec()
     assert spec[0] == "json" and json.loads(spec[1]) == schema
     pickle.dumps(spec)  # a nested dict this deep exceeds pickle's recursion limit
+
+
+def test_concurrent_first_constrained_requests_share_one_manager(tiny_llama_dir, monkeypatch):
+    """fresh-9 F1: the server compiles requests' grammars from several threads; the first ones each made a
+    StructuredOutputManager, and requests added to a replaced one were sampled unconstrained."""
+    import threading
+    import time
+
+    from fxrewrite.runtime.engine import llm_engine
+
+    made = []
+
+    class SlowManager(llm_engine.StructuredOutputManager):
+        def __init__(self, *args, **kwargs):
+            time.sleep(0.05)  # the vocabulary scan's time, so that unsynchronised first calls overlap
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(llm_engine, "StructuredOutputManager", SlowManager)
+    llm = LLM(str(tiny_llama_dir), model_impl="native", kv_cache_memory_bytes=4 << 20, max_model_len=256)
+    params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    barrier = threading.Barrier(6)
+
+    def first_call():
+        barrier.wait()
+        llm.llm_engine.compile_structured_outputs(params)
+
+    threads = [threading.Thread(target=first_call) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 1 and llm.llm_engine._structured is made[0]
+    assert llm.generate(["Answer:"], params, use_tqdm=False)[0].outputs[0].text in ("yes", "no")
