@@ -102,3 +102,48 @@ def test_a_valid_chat_template_file_loads_unchanged():
 
     path = Path(__file__).resolve().parents[1] / "examples" / "tool_chat_template_hermes.jinja"
     assert load_chat_template(str(path)) == path.read_text()
+
+
+def _copy_model(src, dst, skip=()):
+    import shutil
+
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name not in skip and f.is_file():
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("no weights", r"no \*\.safetensors file in .*: expected the model's weights"),
+    ("truncated weights", r"model\.safetensors is not a readable safetensors file"),
+    ("bad config.json", r"config\.json is not valid JSON"),
+    ("fake gguf", r"does not start with the GGUF magic bytes"),
+])
+def test_a_broken_model_folder_or_file_is_one_line(tiny_qwen3_dir, tmp_path, capsys, damage, message):
+    """fresh-9 F5: these printed a safetensors / transformers / gguf traceback."""
+    import re
+
+    if damage == "fake gguf":
+        model = tmp_path / "fake.gguf"
+        model.write_bytes(b"not a gguf file at all")
+    else:
+        weights = [f.name for f in tiny_qwen3_dir.glob("*.safetensors")]
+        model = _copy_model(tiny_qwen3_dir, tmp_path / "model", skip=weights if damage == "no weights" else ())
+        if damage == "truncated weights":
+            data = (model / weights[0]).read_bytes()
+            (model / "model.safetensors").write_bytes(data[:5])
+            for extra in set(weights) - {"model.safetensors"}:
+                (model / extra).unlink()
+        if damage == "bad config.json":
+            (model / "config.json").write_text('{"model_type": ')
+    assert main(["generate", str(model), "--prompt", "hi", "--max-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_a_chat_template_that_raises_is_one_line(tiny_qwen3_dir, capsys):
+    assert main(["generate", str(tiny_qwen3_dir), "--prompt", "hi", "--max-tokens", "1",
+                 "--chat-template", '{{ raise_exception("nope") }}']) == 2
+    err = capsys.readouterr().err
+    assert "chat template failed: nope" in err and err.count("\n") == 1, err

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jinja2
+
 from fxrewrite.errors import UserInputError
+
+
+class ChatTemplateError(UserInputError):
+    """The chat template itself failed while rendering (a jinja2 error, or its ``raise_exception(...)``)."""
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 """The roles OpenAI's Chat Completions API accepts (any other is a 400 there)."""
@@ -80,7 +86,8 @@ def render_chat(tokenizer, messages: list[dict], *, chat_template: str | None = 
     tokenizer's), as vLLM renders it for LLM.chat and /v1/chat/completions: `tools` (OpenAI tool dicts)
     are given to the template; `continue_final_message` leaves the last message open (no end-of-turn
     token, no generation prompt). UserInputError for a bad combination or a template that cannot render
-    the tools; a template's own failure (jinja2 error, its raise_exception) propagates."""
+    the tools; ChatTemplateError (a UserInputError) when the template itself fails (a jinja2 error, its
+    raise_exception)."""
     check_generation_mode(messages, add_generation_prompt, continue_final_message)
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if template is None:
@@ -88,7 +95,10 @@ def render_chat(tokenizer, messages: list[dict], *, chat_template: str | None = 
     if tools and not template_renders_tools(template):
         raise UserInputError("this model's chat template cannot render tools (it never reads `tools`); pass "
                              "a chat_template that does, or leave tools out")
-    return tokenizer.apply_chat_template(
-        messages, tools=tools or None, tokenize=False, chat_template=chat_template,
-        add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-        **(chat_template_kwargs or {}))
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tools=tools or None, tokenize=False, chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            **(chat_template_kwargs or {}))
+    except jinja2.TemplateError as e:  # a syntax error, or the template's own raise_exception(...)
+        raise ChatTemplateError(f"chat template failed: {e}") from e

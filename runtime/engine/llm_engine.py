@@ -85,8 +85,7 @@ class LLMEngine(EngineRLMixin):
         self._token_texts: dict[int, str] = {}  # _decode_token's cache
         self._arrivals = itertools.count()
         self._structured = None  # StructuredOutputManager, made at the first constrained request (xgrammar)
-        # the server compiles requests' grammars from several threads: one manager, made under this lock
-        self._structured_lock = threading.Lock()
+        self._structured_lock = threading.Lock()  # the server compiles grammars from several threads
         self._embeddings: dict = {}  # pooling runner: seq_id -> last-token final hidden state [H], host
         self._early_outputs = None  # the previous step's outputs, when grammar masks needed its tokens early
 

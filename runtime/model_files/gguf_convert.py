@@ -33,7 +33,7 @@ def convert_gguf(gguf_file: str | os.PathLike, *, name: str | None = None,
     `chat_template` is used when the GGUF file carries none; `tokenizer_dir`, when given, is a
     folder holding this file's tokenizer already converted (saves re-reading it from the GGUF).
     Raises FileNotFoundError naming the file when it does not exist, ValueError when it is not
-    a `.gguf` file.
+    a `.gguf` file or does not start with the GGUF magic bytes.
     """
     path = Path(gguf_file).expanduser()
     if path.suffix != ".gguf":
@@ -41,6 +41,9 @@ def convert_gguf(gguf_file: str | os.PathLike, *, name: str | None = None,
     if not path.is_file():
         raise UserFileNotFoundError(f"GGUF file {str(gguf_file)!r} does not exist")
     path = path.resolve()
+    with path.open("rb") as f:
+        if f.read(4) != b"GGUF":  # the magic every GGUF file starts with (the gguf library raises a bare ValueError)
+            raise UserInputError(f"{str(gguf_file)!r} does not start with the GGUF magic bytes: not a GGUF file")
     key = file_key(path, CONVERTER_VERSION)
     info = {"source": str(path), "source_size": path.stat().st_size, "converter": CONVERTER_VERSION}
     return cached_build(name or gguf_folder_name(path), key,

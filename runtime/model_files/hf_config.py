@@ -91,6 +91,12 @@ def load_hf_config(
     Raises ValueError / TypeError for malformed overrides, OSError when no config.json is found.
     """
     overrides = parse_hf_overrides(hf_overrides)
+    config_json = Path(model_path) / "config.json"
+    if config_json.is_file():  # transformers' own message for this is an OSError with a traceback in the CLI
+        try:
+            json.loads(config_json.read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise UserInputError(f"{config_json} is not valid JSON: {e}") from None
     flat, nested, max_model_len = ({}, {}, None) if not isinstance(overrides, dict) else split_hf_overrides(overrides)
     try:
         config = AutoConfig.from_pretrained(

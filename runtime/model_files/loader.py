@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from fxrewrite.distributed import get_tp_size
+from fxrewrite.errors import UserFileNotFoundError, UserInputError
 from fxrewrite.sharding import LazySlice
 from fxrewrite.weights import load_hf_weights
 from fxrewrite.runtime.model_files.checkpoint_conversion import convert_for_model
@@ -26,13 +27,18 @@ def iterate_safetensors(model_path: str | Path, sliced: bool = False) -> Iterato
     With `sliced` (tensor-parallel ranks) each tensor comes as a `LazySlice`, read only where a
     weight loader narrows it; 0-d tensors are read whole. The file stays open while the item is held.
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     files = sorted(Path(model_path).glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors file in {model_path}")
+        raise UserFileNotFoundError(f"no *.safetensors file in {model_path}: expected the model's weights there "
+                                    "(or pass a .gguf file)")
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
+        try:
+            handle = safe_open(str(file), framework="pt")
+        except SafetensorError as e:  # a truncated or corrupt file
+            raise UserInputError(f"{file} is not a readable safetensors file: {e}") from None
+        with handle as f:
             for name in f.keys():
                 if not sliced:
                     yield name, f.get_tensor(name)

@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from fxrewrite.errors import UserInputError
-from fxrewrite.runtime.engine.chat import check_generation_mode, check_template_syntax, render_chat
+from fxrewrite.runtime.engine.chat import ChatTemplateError, check_generation_mode, check_template_syntax, render_chat
 from fxrewrite.runtime.server.async_engine import StepOutput
 from fxrewrite.runtime.server.errors import OpenAIError
 from fxrewrite.runtime.server.logprobs import chat_logprobs
@@ -135,12 +135,18 @@ class OpenAIServingChat(OpenAIServing):
             text = render_chat(self.tokenizer, messages, chat_template=own or self.chat_template, tools=tools,
                                add_generation_prompt=request.add_generation_prompt,
                                continue_final_message=request.continue_final_message, chat_template_kwargs=kwargs)
+        except ChatTemplateError as e:  # jinja2's error, or the template's raise_exception(...)
+            error = e.__cause__
         except UserInputError as e:
             raise OpenAIError(HTTPStatus.BAD_REQUEST, str(e), param="tools" if tools else "messages",
                               code="invalid_value") from None
-        except Exception as e:  # jinja2 TemplateError, or a template's raise_exception(...)
+        except Exception as e:  # a template failing otherwise (a filter's TypeError, say)
+            error = e
+        else:
+            error = None
+        if error is not None:
             where = "the request's chat_template" if own else "chat template"
-            raise OpenAIError(HTTPStatus.BAD_REQUEST, f"{where} failed: {e}",
+            raise OpenAIError(HTTPStatus.BAD_REQUEST, f"{where} failed: {error}",
                               param="chat_template" if own else "messages", code="invalid_value") from None
         # The template already wrote the special tokens (BOS etc.); do not add them twice.
         return list(self.tokenizer.encode(text, add_special_tokens=False))
