@@ -19,7 +19,10 @@ pytestmark = pytest.mark.gpu
 
 def _same(got, want) -> None:
     assert (got[0].float() != want[0].float()).float().mean() < 1e-3
-    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=0)
+    # The kernel's sum of squares runs in another order than torch's, so rstd may differ by an ulp and flip the
+    # bf16 rounding of a group's largest |h|: that group's scale then moves by one bf16 ulp (2**-8 relative).
+    torch.testing.assert_close(got[1], want[1], rtol=2**-7, atol=0)
+    assert (got[1] != want[1]).float().mean() < 1e-3
 
 
 @pytest.mark.parametrize("group_size", [None, 128])

@@ -151,9 +151,10 @@ def test_decode_kernel_matches_ref_gpu(cuda, paged_batch):
 
 @pytest.mark.gpu
 def test_short_contexts_skip_the_split_gpu(cuda, paged_batch):
-    """Qwen3-30B-A3B heads (32 / 4 x 128), bf16, compiled: in a 16-split launch, contexts <= 512 tokens
+    """Qwen3-30B-A3B heads (32 / 4 x 128), bf16: in a 16-split launch, contexts <= single_split_len tokens
     are bitwise the one-split launch's output, longer ones bitwise the plain split path's."""
-    batch = paged_batch([(511, 1), (100, 1), (3000, 1), (512, 1)], 32, 4, 128, 16, torch.bfloat16, cuda)
+    short = paged_decode._SINGLE_SPLIT_LEN
+    batch = paged_batch([(short, 1), (100, 1), (3000, 1), (short + 1, 1)], 32, 4, 128, 16, torch.bfloat16, cuda)
     scale = 128 ** -0.5
     single = paged_decode.paged_decode_triton(*batch.args(), scale, num_splits=1)
     split = paged_decode.paged_decode_triton(*batch.args(), scale, num_splits=16, single_split_len=0)

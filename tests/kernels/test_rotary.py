@@ -64,5 +64,7 @@ def test_kernel_matches_ref_gpu(cuda, neox):
     k = torch.randn(tokens, 8 * 128, device=cuda, dtype=torch.bfloat16)
     want_q, want_k = rotary_embedding_ref(pos, q, k, 128, cache, neox)
     got_q, got_k = rotary_embedding(pos, q, k, 128, cache, neox)
-    torch.testing.assert_close(got_q, want_q, rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(got_k, want_k, rtol=2e-2, atol=2e-2)
+    # one bf16 ulp at |x| < 8 (2**-5): the reference rounds x * cos and x * sin before the sum, the kernel once,
+    # so where the two products cancel a result may differ by a whole ulp of the products
+    torch.testing.assert_close(got_q, want_q, rtol=2e-2, atol=2**-5)
+    torch.testing.assert_close(got_k, want_k, rtol=2e-2, atol=2**-5)
