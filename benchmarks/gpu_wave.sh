@@ -11,6 +11,8 @@
 #                                and without gradient checkpointing into $OUT_DIR/eager/
 #   STEP=train-kernels (nvidia-h200): compiled-training-step GPU tests; the arms liger, optimize-compile,
 #                                optimize-compile-inductor (gradient checkpointing) into $OUT_DIR/kernels/
+#   STEP=train-profile (nvidia-h200): per-kernel GPU time of one step (gradient checkpointing; <arm>-profile.json) for
+#                                $PROFILE_ARMS (default liger optimize optimize-compile), then the FP8 GPU tests
 #   STEP=serve (nvidia-h200):    MoE throughput (Qwen3-30B-A3B shapes), -O 3 cold and warm start, FP8 GEMM,
 #                                structured-output overhead
 #   STEP=structured (nvidia-h200): structured-output overhead (JSON), then structured-output and embedding GPU tests
@@ -85,6 +87,15 @@ train-kernels)  # <= 7.5 min: compiled-step GPU tests (<= 120 s), then liger and
   timeout -k 5 330 $PY -m fxrewrite bench train --config qwen3-0.6b --arms liger,optimize-compile,optimize-compile-inductor \
     --batch-size 8 --seq-len 2048 --steps ${TRAIN_STEPS:-5} --warmup 2 --arm-timeout 140,liger=45 \
     --out "$OUT_DIR/kernels" 2>&1 | tail -8 ;;
+train-profile)  # at most 390 s of step limits
+  for arm in ${PROFILE_ARMS:-liger optimize optimize-compile}; do
+    stamp "profile: $arm"
+    timeout -k 5 $([ $arm = optimize-compile ] && echo 120 || echo 60) $PY -m fxrewrite.benchmarks.train_profile \
+      --arm $arm --out "$OUT_DIR/$(date +%F)-qwen3-0.6b-train-profile-$arm.json" 2>&1 | tail -27
+  done
+  stamp "FP8 GPU tests"
+  timeout -k 5 150 $PY -m pytest -v -m gpu tests/gpu/test_gpu_fp8.py -p no:cacheprovider --tb=short -s 2>&1 \
+    | tee "$OUT_DIR/gpu-tests-fp8.log" | grep -E "FAILED|Error|passed|failed|first-token|unavailable" | tail -12 ;;
 serve)
   stamp "MoE GPU tests"
   gpu_tests 70 gpu-tests-moe.log tests/moe

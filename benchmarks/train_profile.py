@@ -1,0 +1,87 @@
+"""Where a training step's GPU time goes: one arm of ``bench train`` under torch.profiler.
+
+    python -m fxrewrite.benchmarks.train_profile --arm optimize --config qwen3-0.6b --batch-size 8 --seq-len 2048 \
+        [--no-gradient-checkpointing] [--steps 2] [--warmup 2] [--out FILE]
+
+The arm is built exactly as in :mod:`fxrewrite.benchmarks.train` (same seed, weights, ids, optimizer); after
+``--warmup`` steps (compile happens there), ``--steps`` steps run under the profiler. Written: the device time of
+every kernel name summed over those steps (ms per step, launches per step), the wall time per step, and the
+step's total device busy time, sorted by time. One arm per process, as the benchmark (Liger patches
+module-wide). Needs a CUDA device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+from pathlib import Path
+
+from fxrewrite.benchmarks.train import ARMS, _build
+
+
+def profile_arm(spec: dict, arm: str, steps: int) -> dict:
+    """Profile ``steps`` steps of ``arm`` after ``spec["warmup"]``; returns the per-kernel table (ms per step)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    model, runner, _ = _build(spec, arm)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"], fused=True)
+    gen = torch.Generator().manual_seed(spec["seed"] + 1)
+
+    def step():
+        ids = torch.randint(0, model.config.vocab_size, (spec["batch_size"], spec["seq_len"]), generator=gen)
+        ids = ids.to(spec["device"])
+        runner(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(spec["warmup"]):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / steps
+    kernels: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = kernels[event.name[:120]]
+            entry[0] += event.device_time_total / 1e3 / steps
+            entry[1] += 1 / steps
+    table = sorted(([name, round(ms, 3), round(n, 1)] for name, (ms, n) in kernels.items()), key=lambda r: -r[1])
+    return {"arm": arm, "wall_ms_per_step": round(wall * 1e3, 2),
+            "device_ms_per_step": round(sum(r[1] for r in table), 2), "kernels": table}
+
+
+def main(argv=None) -> int:
+    from fxrewrite.benchmarks.common import environment, load_bench_config
+
+    parser = argparse.ArgumentParser(prog="python -m fxrewrite.benchmarks.train_profile")
+    parser.add_argument("--arm", choices=ARMS, required=True)
+    parser.add_argument("--config", default="qwen3-0.6b")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--no-gradient-checkpointing", action="store_true")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    bench = load_bench_config(args.config)
+    spec = {"config": bench["config"], "dtype": "bfloat16", "device": "cuda", "seed": 0, "lr": 1e-5,
+            "warmup": args.warmup, "batch_size": args.batch_size, "seq_len": args.seq_len,
+            "gradient_checkpointing": not args.no_gradient_checkpointing}
+    record = {"config": bench["name"], **{k: v for k, v in spec.items() if k != "config"},
+              **profile_arm(spec, args.arm, args.steps), "environment": environment()}
+    args.out.write_text(json.dumps(record, indent=1))
+    print(f"{args.arm}: {record['wall_ms_per_step']} ms/step wall, {record['device_ms_per_step']} ms device")
+    for name, ms, n in record["kernels"][:25]:
+        print(f"  {ms:8.2f} ms  x{n:<6g} {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
