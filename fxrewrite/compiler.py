@@ -13,7 +13,8 @@ instances with one structure (`fxrewrite.signature.structure_key`) and one input
    new forward is bound to that instance only.
 The model is changed in place; a second `optimize` is a no-op. The `FusionReport` is kept on the
 model (`explain`). Fail closed: any refusal leaves that module (or instance) as it was; an instance
-whose forward someone else replaced, or whose children to fuse away carry hooks, is refused.
+whose forward someone else replaced, or whose children to fuse away carry hooks or a replaced forward, is
+refused. Users' hooks do not run during optimize's own meta runs and probes (`fxrewrite.user_hooks`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections import defaultdict
 
 from torch import nn
 
-from fxrewrite import foreign, signature, source, tracer, weights
+from fxrewrite import foreign, signature, source, tracer, user_hooks, weights, wrappers
 from fxrewrite.layers.linear import no_weight_init
 from fxrewrite.layers.sdpa_causal import SDPA_CAUSAL, use_sdpa_causal
 from fxrewrite.optimizer_state import HF_NAMES_ATTR
@@ -44,8 +45,9 @@ def optimize(model: nn.Module, **opts) -> nn.Module:
     ``input_ids`` (only shapes/dtypes matter: they are turned into meta tensors).
     Works with parameters on any device, meta included (the serving engine builds on meta and
     loads weights afterwards with `fxrewrite.weights.load_hf_weights`). Raises TypeError for an
-    unknown option or a model that is not an `nn.Module`; `fxrewrite.foreign.ForeignPatchError` when
-    another library (e.g. Liger-Kernel) replaced transformers code the model uses.
+    unknown option, a model that is not an `nn.Module`, or one that torch.compile, DDP, DataParallel or FSDP
+    already wraps (`fxrewrite.wrappers`: optimize first, then wrap); `fxrewrite.foreign.ForeignPatchError` when
+    transformers code the model uses, or a module's forward, was replaced (e.g. by Liger-Kernel).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize expects a torch.nn.Module, got {type(model).__name__}")
@@ -54,15 +56,20 @@ def optimize(model: nn.Module, **opts) -> nn.Module:
         raise TypeError(f"unknown optimize option(s) {sorted(unknown)}; expected one of {sorted(_OPTIONS)}")
     if getattr(model, _REPORT_ATTR, None) is not None:
         return model
+    wrappers.check_not_wrapped(model)  # TypeError: e.g. optimize(torch.compile(model))
     foreign.check_no_foreign_patches(model)  # ForeignPatchError: e.g. Liger-Kernel patched transformers first
     model.__dict__[HF_NAMES_ATTR] = [name for name, _ in model.named_parameters()]  # optimizer_state_dict's order
     patterns = tuple(opts.get("patterns", PATTERNS))
     report = FusionReport()
     ctx = Context(model, _text_config(model))
-    records, error = tracer.record_calls(model, example_inputs=opts.get("example_inputs"))
+    with user_hooks.suspended(model):  # users' hooks must not see the meta run's tensors
+        records, error = tracer.record_calls(model, example_inputs=opts.get("example_inputs"))
     records = {k: (weakref.ref(m), args, kwargs) for k, (m, args, kwargs) in records.items()}  # fused-away ones go
     if error:
         report.notes.append(f"meta run stopped early ({error}); classes not reached are left unchanged")
+    if user_hooks.global_hooks():
+        report.notes.append(f"{user_hooks.global_hooks()} global module hook(s) (register_module_*_hook) are set: "
+                            "they run for the fused modules instead of the modules fused into them")
     names, memo = {id(m): n or "(model)" for n, m in model.named_modules()}, MetaMemo()
     for cls, instances in _classes_children_first(model).items():
         entry = report.entry(cls.__name__)
@@ -100,7 +107,7 @@ def _optimize_groups(cls, instances, records, names, memo, patterns, ctx, entry:
             group.skip("trace", "not called during the meta run")
             continue
         args, kwargs = record
-        with memoized(with_parameters(model), memo):  # traces run children on meta: once per structure
+        with memoized(with_parameters(model), memo), user_hooks.suspended(members[0]):  # children run on meta
             traced = tracer.trace(members[0], args, kwargs)
         found.append((members, group, _optimize_class(cls, members, traced, patterns, ctx, group, model)))
     for members, group, names_found in found if len(groups) > 1 else ():
@@ -168,7 +175,8 @@ def _optimize_class(cls, instances, traced, patterns, ctx, entry: ClassReport, m
     """Match `traced` and rewrite `instances` (one group); the names of the patterns that matched."""
     if traced.partial:
         entry.skip("trace", f"stopped at {traced.error}")
-    matches = _match_all(traced, patterns, ctx, entry)
+    with user_hooks.suspended(traced.module):  # patterns may probe children (an activation on a ramp)
+        matches = _match_all(traced, patterns, ctx, entry)
     matched = {m.pattern.name for m in matches}
     for line in (f"{m.pattern.name}: {m.pattern.describe(m)}" for m in matches if m.present):
         if line not in entry.present:  # several groups of one class may each find it
@@ -205,9 +213,10 @@ def _replace_modules(instances, matches: list[Match], ctx, entry: ClassReport, m
                 entry.skip(m.pattern.name, f"the module is already replaced by {winner.pattern.name}")
                 continue
             try:
-                _check_instance(m, module)
-                m.pattern.validate(m, module, ctx)
-                new = m.pattern.build(m, module, ctx)
+                _check_instance(m, module)  # sees the hooks, before they are suspended for the probes
+                with user_hooks.suspended(module):
+                    m.pattern.validate(m, module, ctx)
+                    new = m.pattern.build(m, module, ctx)
             except Refusal as e:
                 entry.skip(m.pattern.name, str(e))
                 continue
@@ -272,7 +281,7 @@ def _build_all(module: nn.Module, matches: list[Match], ctx, entry: ClassReport)
     saved_attrs = {k: v for k, v in module.__dict__.items() if k not in saved}
     for m in matches:
         try:
-            with no_weight_init():  # every build loads all of its new layers' weights
+            with no_weight_init(), user_hooks.suspended(module):  # every build loads all its new layers' weights
                 m.pattern.build(m, module, ctx)
         except Exception as e:  # noqa: BLE001 - a failed build must not leave the module half-rewritten
             module.__dict__.clear()
@@ -289,7 +298,8 @@ def _build_all(module: nn.Module, matches: list[Match], ctx, entry: ClassReport)
 def _valid(m: Match, module: nn.Module, ctx, entry: ClassReport) -> bool:
     try:
         _check_instance(m, module)
-        m.pattern.validate(m, module, ctx)
+        with user_hooks.suspended(module):  # validate may probe the module's children
+            m.pattern.validate(m, module, ctx)
         return True
     except Refusal as e:
         entry.skip(m.pattern.name, str(e))
@@ -312,18 +322,28 @@ def _compile(src, matches: list[Match], entry: ClassReport):
 
 def _check_instance(m: Match, module: nn.Module) -> None:
     """Refusal when rewriting this instance would drop someone else's code: a forward replaced on the instance
-    (the rewrite binds its own), or hooks on a child the fusion deletes (or on the module a module-scope
-    pattern replaces)."""
-    own = instance_forward(module)
-    if own is not None and own is not module.__dict__.get(BOUND_ATTR, (None, None))[1]:
+    (the rewrite binds its own), or hooks on, or a forward replaced on, a child the fusion deletes or a module
+    below it (or hooks on the module a module-scope pattern replaces)."""
+    own = _replaced(module)
+    if own is not None:
         raise Refusal(f"the forward of this {type(module).__name__} instance is replaced "
                       f"({getattr(own, '__qualname__', type(own).__name__)}); left as it is")
-    hooked = [f"child {name!r}" for _, name in m.names
-              if isinstance(module._modules.get(name), nn.Module) and _hooked(module._modules[name])]
+    children = [(name, c) for _, name in m.names if isinstance(c := module._modules.get(name), nn.Module)]
+    replaced = [f"child {name!r}" for name, c in children if any(_replaced(x) is not None for x in c.modules())]
+    if replaced:
+        raise Refusal(f"the forward of {', '.join(replaced)} (or of a module in it) is replaced on the instance and "
+                      "would be lost by the fusion; left as it is")
+    hooked = [f"child {name!r}" for name, c in children if _hooked(c)]
     if m.pattern.scope == "module" and _hooked(module):
         hooked.insert(0, "the module itself")
     if hooked:
         raise Refusal(f"forward/backward hooks on {', '.join(hooked)} would be lost by the fusion; left as it is")
+
+
+def _replaced(module: nn.Module):
+    """The forward someone else put on this instance (not the one fxrewrite bound), or None."""
+    own = instance_forward(module)
+    return None if own is None or own is module.__dict__.get(BOUND_ATTR, (None, None))[1] else own
 
 
 def _hooked(module: nn.Module) -> bool:

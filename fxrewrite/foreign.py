@@ -1,12 +1,20 @@
-"""Refuse models whose transformers modeling code another library replaced (Liger-Kernel's ``apply_liger_kernel_to_*``).
+"""Refuse models whose modeling code was replaced (Liger-Kernel's ``apply_liger_kernel_to_*``, a user's patch).
 
 Such patches swap names in a ``transformers.models.*.modeling_*`` module (``LlamaRMSNorm``,
 ``apply_rotary_pos_emb``, ``LlamaMLP``), class attributes (``LlamaForCausalLM.forward``) or an instance's
-``forward``. The rewrite reads transformers' source and proves its patterns on it, so code that is no
-longer what runs would make the proof wrong. Detection: a function or class that the modeling file
-defines (by ``def`` / ``class`` at top level) must still be the one whose ``__module__`` is that file;
-every ``forward`` of the model's transformers classes, and every instance-level ``forward``, must come
-from a transformers module (fxrewrite's own rewritten forwards are compiled in those modules too).
+``forward``. The rewrite reads transformers' source and proves its patterns on it, and drops the modules it
+fuses, so code that is no longer what runs would make the proof wrong or be silently lost. Detection:
+- a function or class that the modeling file defines (by ``def`` / ``class`` at top level) must still be the one
+  whose ``__module__`` is that file;
+- that function, and the ``forward`` of every transformers or ``torch.nn`` class of the model's modules, must be
+  code that lies in transformers' or torch's package folder, through every ``__wrapped__`` layer (judged by
+  the code's file, since ``functools.wraps`` copies the wrapped function's ``__module__`` onto its wrapper;
+  transformers' own decorators and ``torch.no_grad`` live there);
+- no module of a transformers class may carry a ``forward`` of its own (a function, a ``types.MethodType``, a
+  ``functools.partial``, e.g. accelerate's offloading hooks) other than its class's forward bound to it or the
+  forward fxrewrite bound.
+A module of another class (``nn.Linear``, a user's) with a forward of its own is no transformers code: the
+compiler leaves it, and any module whose fusion would drop it, unfused, with the reason in the report.
 """
 
 from __future__ import annotations
@@ -14,15 +22,20 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import os
 import sys
 
+import torch
 from torch import nn
+
+from fxrewrite.signature import BOUND_ATTR
 
 __all__ = ["ForeignPatchError", "check_no_foreign_patches"]
 
 
 class ForeignPatchError(RuntimeError):
-    """transformers code used by the model was replaced by another library; the message names it."""
+    """Modeling code the model uses (transformers' or torch's) or a module's forward was replaced; the message
+    names each replaced object."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,12 +47,29 @@ def _defined_names(filename: str) -> frozenset[str]:
 
 def _origin(obj) -> str:
     obj = getattr(obj, "__func__", obj)
-    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', getattr(obj, '__name__', '?'))}"
+    if isinstance(obj, functools.partial):
+        return f"functools.partial of {_origin(obj.func)}"
+    name = f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', getattr(obj, '__name__', '?'))}"
+    code = getattr(obj, "__code__", None)
+    if code is not None and hasattr(obj, "__wrapped__"):  # its names were copied from the function it wraps
+        return f"a wrapper defined at {code.co_filename}:{code.co_firstlineno} (named {name})"
+    return name
 
 
-def _is_transformers(obj) -> bool:
-    obj = getattr(obj, "__func__", obj)
-    return str(getattr(obj, "__module__", "")).startswith("transformers.")
+def _outside_code(fn) -> str | None:
+    """`_origin` of the first layer of `fn` (through ``__wrapped__``) whose code is not in transformers' or
+    torch's package folder, or that has no code of its own (a partial); None when every layer's is."""
+    homes = tuple(os.path.dirname(p.__file__) + os.sep for p in (sys.modules.get("transformers"), torch)
+                  if getattr(p, "__file__", None))
+    for _ in range(64):  # a __wrapped__ cycle must not hang
+        fn = getattr(fn, "__func__", fn)
+        code = getattr(fn, "__code__", None)
+        if code is None or not code.co_filename.startswith(homes):
+            return _origin(fn)
+        fn = getattr(fn, "__wrapped__", None)
+        if fn is None:
+            return None
+    return _origin(fn)
 
 
 def _module_patches(modname: str) -> list[str]:
@@ -52,27 +82,42 @@ def _module_patches(modname: str) -> list[str]:
         obj = vars(mod).get(name)
         if (inspect.isfunction(obj) or inspect.isclass(obj)) and obj.__module__ != modname:
             found.append(f"{modname}.{name} is {_origin(obj)}")
+        elif inspect.isfunction(obj) and (outside := _outside_code(obj)) is not None:
+            found.append(f"{modname}.{name} is {outside}")
     return found
 
 
+def _instance_forward(module: nn.Module, name: str) -> str | None:
+    """What replaced the forward of `module` (of a transformers class) on the instance, or None: its class's
+    forward bound to it (as accelerate's ``remove_hook_from_module`` leaves it) and fxrewrite's bound forward
+    are no replacement."""
+    own = module.__dict__.get("forward")
+    if own is None or own is module.__dict__.get(BOUND_ATTR, (None, None))[1] or \
+            not type(module).__module__.startswith("transformers."):
+        return None
+    if getattr(own, "__func__", None) is type(module).forward and getattr(own, "__self__", None) is module:
+        return None
+    return f"{type(module).__name__}.forward of this instance ({name or 'the model'}) is {_origin(own)}"
+
+
 def foreign_patches(model: nn.Module) -> list[str]:
-    """Descriptions of every replaced piece of transformers code the model uses ([] when none)."""
-    found: list[str] = []
-    modules = set()
-    for module in model.modules():
-        own = module.__dict__.get("forward")
-        if own is not None and not _is_transformers(own) and type(module).__module__.startswith("transformers."):
-            found.append(f"{type(module).__name__}.forward of this instance is {_origin(own)}")
+    """Descriptions of every replaced piece of modeling code the model uses, or forward ([] when none)."""
+    found: list[str | None] = []
+    modules, classes = set(), set()
+    for name, module in model.named_modules():
+        found.append(_instance_forward(module, name))
         for cls in type(module).__mro__:
-            if not cls.__module__.startswith("transformers.models."):
+            if cls in classes or not cls.__module__.startswith(("transformers.", "torch.nn.")):
                 continue
-            modules.add(cls.__module__)
+            classes.add(cls)
+            if cls.__module__.startswith("transformers.models."):
+                modules.add(cls.__module__)
             fwd = cls.__dict__.get("forward")
-            if fwd is not None and not _is_transformers(fwd):
-                found.append(f"{cls.__module__}.{cls.__name__}.forward is {_origin(fwd)}")
+            if fwd is not None and (outside := _outside_code(fwd)) is not None:
+                found.append(f"{cls.__module__}.{cls.__name__}.forward is {outside}")
     for modname in sorted(modules):
         found.extend(_module_patches(modname))
-    return sorted(set(found))
+    return sorted({f for f in found if f is not None})
 
 
 def check_no_foreign_patches(model: nn.Module) -> None:
@@ -80,7 +125,8 @@ def check_no_foreign_patches(model: nn.Module) -> None:
     found = foreign_patches(model)
     if found:
         raise ForeignPatchError(
-            "fxrewrite.optimize refuses a model whose transformers code another library replaced: "
+            "fxrewrite.optimize refuses a model whose modeling code was replaced (by another library or by hand): "
             + "; ".join(found[:6]) + (f" (and {len(found) - 6} more)" if len(found) > 6 else "")
-            + ". fxrewrite already fuses these ops; load the model without the other library's patch "
-            "(e.g. do not call apply_liger_kernel_to_*), in a fresh process.")
+            + ". The rewrite proves its fusions on transformers' own code and would drop the replacement; load the "
+            "model without the patch (e.g. do not call apply_liger_kernel_to_*, in a fresh process) or restore "
+            "the original forward.")

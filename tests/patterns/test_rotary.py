@@ -72,7 +72,9 @@ def test_apply_call_refused_when_function_differs():
         cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
         return q * cos + q2 * sin, k * cos + k2 * sin
 
+    # as if the modeling file defined it: the foreign-patch check reads `__module__` and the code's file
     apply_rotary_pos_emb.__module__ = llama.__name__
+    apply_rotary_pos_emb.__code__ = apply_rotary_pos_emb.__code__.replace(co_filename=llama.__file__)
     llama.apply_rotary_pos_emb = apply_rotary_pos_emb
     try:
         model = fxrewrite.optimize(tiny_model("llama"))

@@ -1,0 +1,97 @@
+"""Users' module hooks and optimize (review F3): optimize's own meta runs and probes never call them, they are
+back exactly afterwards (also after an error), they run on the real forward of every module that is still
+there, and a hooked module that a fusion would delete or replace stays unfused, with the reason in the report."""
+
+import copy
+
+import pytest
+import torch
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+import fxrewrite
+from fxrewrite import user_hooks
+
+from tests.e2e.tiny_models import tiny_model
+
+
+def _hooks(model, calls):
+    """Hooks a user might have: one reads a value (``.item()``: raises on a meta tensor), one takes kwargs, one
+    sits on a module a pattern replaces (the final norm), one on an activation the GLU probe calls."""
+    layers = model.model.layers
+
+    def read_value(module, args, output):
+        calls.append(("mlp", output.device.type))
+        output.sum().item()
+
+    return [layers[0].mlp.register_forward_hook(read_value),
+            layers[1].self_attn.register_forward_pre_hook(
+                lambda m, args, kwargs: calls.append(("attn", kwargs["hidden_states"].device.type)), with_kwargs=True),
+            model.model.norm.register_forward_pre_hook(lambda m, args: calls.append(("norm", args[0].device.type))),
+            layers[1].mlp.act_fn.register_forward_hook(lambda m, args, out: calls.append(("act", out.device.type))),
+            layers[0].self_attn.register_full_backward_hook(lambda m, gin, gout: calls.append(("backward", "cpu")))]
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+def test_hooks_do_not_run_inside_optimize_and_run_after_it():
+    stock = tiny_model("llama")
+    fused, calls, everywhere = copy.deepcopy(stock), [], []
+    _hooks(fused, calls)
+    handles = [register_module_forward_hook(lambda m, args, out: everywhere.append(type(m).__name__)),
+               register_module_forward_pre_hook(lambda m, args: everywhere.append(type(m).__name__))]
+    try:
+        fxrewrite.optimize(fused)
+        assert calls == [] and everywhere == []  # before: every hook saw meta tensors, and .item() stopped the run
+        report = fxrewrite.explain(fused)
+        assert not any("meta run stopped early" in note for note in report.notes)
+        assert "2 global module hook(s)" in " ".join(report.notes)
+        ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(0))
+        out = fused(ids).logits
+        out.sum().backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert set(calls) == {
+        ("mlp", "cpu"), ("attn", "cpu"), ("norm", "cpu"), ("act", "cpu"), ("backward", "cpu")}
+    assert "RMSNorm" in everywhere and "LlamaAttention" in everywhere
+    layers = fused.model.layers
+    assert all(hasattr(layer.self_attn, "qkv_proj") for layer in layers)  # a hook on a module does not stop
+    assert hasattr(layers[0].mlp, "gate_up_proj")  # its forward's rewrite: hooks run around the new forward
+    assert not hasattr(layers[1].mlp, "gate_up_proj")  # its hooked act_fn would be fused away
+    assert type(fused.model.norm).__name__ == "LlamaRMSNorm"  # a hooked module is not replaced
+    reasons = [r for entry in fxrewrite.explain(fused).classes.values() for _, r in entry.skipped]
+    assert "[model.norm] forward/backward hooks on the module itself would be lost by the fusion; left as it is" \
+        in reasons
+    assert "[model.layers.1.mlp] forward/backward hooks on child 'act_fn' would be lost by the fusion; " \
+        "left as it is" in reasons
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids).logits, stock(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_suspended_puts_every_hook_back_exactly_even_on_error():
+    model = tiny_model("llama", num_hidden_layers=1)
+    mlp, calls = model.model.layers[0].mlp, []
+    first = mlp.register_forward_hook(lambda m, a, o: calls.append("first"))
+    mlp.register_forward_pre_hook(lambda m, a, k: calls.append("kwargs"), with_kwargs=True)
+    mlp.register_forward_hook(lambda m, a, o: calls.append("always"), always_call=True)
+    everywhere = register_module_forward_hook(lambda m, a, o: calls.append("global") if m is mlp else None)
+    dicts = {name: (mlp.__dict__[name], list(mlp.__dict__[name].items()))
+             for name in ("_forward_hooks", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
+                          "_forward_hooks_always_called")}
+    x = torch.randn(1, 2, 32)
+    try:
+        with pytest.raises(RuntimeError, match="inside"), user_hooks.suspended(model):
+            mlp(x)
+            added = mlp.register_forward_hook(lambda m, a, o: calls.append("added"))
+            assert calls == []
+            raise RuntimeError("inside")
+        for name, (d, items) in dicts.items():
+            assert mlp.__dict__[name] is d and list(d.items())[:len(items)] == items, name
+        mlp(x)
+        assert calls == ["kwargs", "global", "first", "always", "added"]  # torch runs global hooks first
+        first.remove()
+        added.remove()
+        calls.clear()
+        mlp(x)
+        assert calls == ["kwargs", "global", "always"]  # the handles still remove their own hook
+    finally:
+        everywhere.remove()
