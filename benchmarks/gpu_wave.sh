@@ -11,6 +11,8 @@
 #                                and without gradient checkpointing into $OUT_DIR/eager/
 #   STEP=train-kernels (nvidia-h200): compiled-training-step GPU tests; the arms liger, optimize-compile,
 #                                optimize-compile-inductor (gradient checkpointing) into $OUT_DIR/kernels/
+#   STEP=train-big (nvidia-h200): the five arms on CONFIG=qwen3-4b (default, BATCH=4) or CONFIG=llama-3.1-8b BATCH=1
+#                                (gradient checkpointing; <date>-<config>-train.json); at most 520 s of arm limits
 #   STEP=train-profile (nvidia-h200): per-kernel GPU time of one step (gradient checkpointing; <arm>-profile.json) for
 #                                $PROFILE_ARMS (default liger optimize optimize-compile), then the FP8 GPU tests
 #   STEP=serve (nvidia-h200):    MoE throughput (Qwen3-30B-A3B shapes), -O 3 cold and warm start, FP8 GEMM,
@@ -87,6 +89,11 @@ train-kernels)  # <= 7.5 min: compiled-step GPU tests (<= 120 s), then liger and
   timeout -k 5 330 $PY -m fxrewrite bench train --config qwen3-0.6b --arms liger,optimize-compile,optimize-compile-inductor \
     --batch-size 8 --seq-len 2048 --steps ${TRAIN_STEPS:-5} --warmup 2 --arm-timeout 140,liger=45 \
     --out "$OUT_DIR/kernels" 2>&1 | tail -8 ;;
+train-big)  # issue 12 item 6: one larger config per call, <= 9.5 min (arms 60 / 200 s: at most 520 s)
+  stamp "bench train (${CONFIG:=qwen3-4b} shapes, batch ${BATCH:=4} x 2048, gradient checkpointing)"
+  timeout -k 5 560 $PY -m fxrewrite bench train --config $CONFIG --arms stock,stock-compile,liger,optimize,optimize-compile \
+    --batch-size $BATCH --seq-len 2048 --steps ${TRAIN_STEPS:-5} --warmup 2 --out "$OUT_DIR" \
+    --arm-timeout 60,stock-compile=170,optimize-compile=170 2>&1 | tail -14 ;;
 train-profile)  # at most 390 s of step limits
   for arm in ${PROFILE_ARMS:-liger optimize optimize-compile}; do
     stamp "profile: $arm"
