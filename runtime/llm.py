@@ -72,7 +72,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt (text or token ids) to completion; outputs in the order of `prompts`.
 
-        ValueError (naming the prompt's index and the limit) when a prompt is invalid; then nothing runs.
+        ValueError (naming the prompt's index and the limit) when a prompt is invalid (longer than
+        max_model_len, or prompt + max_tokens, capped at max_model_len, more than the KV cache holds); then
+        nothing runs. Generation stops at max_model_len with finish_reason "length", whatever max_tokens.
         """
         prompts = _prompt_list(prompts)
         if self.llm_engine.config.is_pooling:

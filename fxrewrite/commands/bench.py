@@ -179,6 +179,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.decode_window and args.workload != "throughput":
         raise UserInputError(f"--decode-window applies to the throughput workload, not --workload {args.workload}")
+    if args.hf_overrides:  # one error line now, not the same error recorded by every arm
+        from fxrewrite.benchmarks.common import load_bench_config
+        from fxrewrite.runtime.model_files.config_checks import check_config_overrides
+
+        spec = load_bench_config(args.config)
+        check_config_overrides(spec["config"], args.hf_overrides, f"benchmark {spec['name']!r}")
 
     engine_kwargs = {
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,

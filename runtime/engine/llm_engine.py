@@ -161,12 +161,12 @@ class LLMEngine(EngineRLMixin):
         final = len(token_ids) + (params.max_tokens or max_len) - 1
         needed = min(final, max_len)
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
-        if needed > capacity:
+        if needed > capacity:  # generation stops at max_model_len, so a larger (or no) max_tokens asks for that
+            cap = f", up to max_model_len={max_len}" if final > max_len else ""
             raise UserInputError(
-                f"request needs {needed} KV cache slots (prompt {len(token_ids)} + max_tokens "
-                f"{params.max_tokens}), more than the whole KV cache holds ({capacity}); "
-                "raise kv_cache_memory_bytes / gpu_memory_utilization or lower max_tokens"
-            )
+                f"request needs {needed} KV cache slots (prompt {len(token_ids)} + max_tokens {params.max_tokens}"
+                f"{cap}), more than the whole KV cache holds ({capacity}); raise kv_cache_memory_bytes / "
+                "gpu_memory_utilization, or lower max_tokens or max_model_len")
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request and free its KV blocks now (finish_reason "abort"); unknown ids are ignored."""

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fxrewrite.errors import UserInputError
+from fxrewrite.runtime.model_files.config_checks import check_model_dimensions, config_json_values
 from fxrewrite.runtime.model_files.hf_config import (
     HfOverrides,
     check_rope_parameters,
@@ -132,13 +133,15 @@ class ModelConfig:
 
         `hf_overrides`: dict, JSON object text, or callable(config) -> config (see hf_config).
         A `max_model_len` key in the overrides is used when `max_model_len` is None.
-        Raises FileNotFoundError (no model), ValueError (bad overrides, dtype, rope parameters, or
-        a max_model_len above the derived one without FXREWRITE_ALLOW_LONG_MAX_MODEL_LEN=1),
-        TypeError (overrides of the wrong kind).
+        Raises FileNotFoundError (no model), ValueError (bad overrides: not a JSON object, a value of the
+        wrong type, a dimension that is not a positive int or does not divide (config_checks); dtype, rope
+        parameters, a max_model_len above the derived one without FXREWRITE_ALLOW_LONG_MAX_MODEL_LEN=1),
+        TypeError (overrides of the wrong kind): `fxrewrite.errors.UserInputError`s naming key and value.
         """
         model_path = resolve_model_path(model, revision=revision)
         hf_config, override_len = load_hf_config(model_path, hf_overrides, revision, trust_remote_code)
         text_config = hf_config.get_text_config()
+        check_model_dimensions(text_config, config_json_values(model_path, text_config is not hf_config))
         torch_dtype = resolve_dtype(dtype, hf_config)
         head_dim = _head_dim(text_config)
         check_rope_parameters(text_config, head_dim)

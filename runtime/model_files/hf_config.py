@@ -11,15 +11,19 @@ out and returned as the offline API's way to set it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+import re
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, PretrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from fxrewrite.errors import UserInputError, UserTypeError
 from fxrewrite.layers.rope_init import normalize_rope_parameters, validate_rope_parameters
@@ -108,6 +112,14 @@ def load_hf_config(
         raise UserInputError(f"invalid rope parameters in {model_path}: {exc.args[0]}") from None
     except ValueError as exc:  # transformers' own config checks (an unknown model_type, a bad value)
         raise UserInputError(f"cannot load the config of {model_path}: {exc}") from exc
+    except (StrictDataclassError, TypeError, AttributeError) as exc:
+        # transformers 5 configs are strict dataclasses: a flat override of the wrong type, or one that
+        # fails a config's own check, ends here (a bad `dtype` name as torch's AttributeError).
+        if not flat:
+            raise
+        config_json = Path(model_path) / "config.json"
+        raise _override_error(exc, flat, f"the config of {model_path}", _config_class(config_json)) from None
+    _warn_unknown_keys(config, {**flat, **nested}, Path(model_path) / "config.json")
     # transformers only setdefaults a flat rope_theta into rope_parameters: make the override win.
     forced = {k: v for k, v in flat.items() if k in _ROPE_FACTS}
     fallback = {**_rope_facts_from_json(Path(model_path) / "config.json"), **forced}
@@ -157,9 +169,59 @@ def _apply_nested_overrides(config: PretrainedConfig, nested: dict[str, dict]) -
                 if sub_key in _ROPE_KEYS and isinstance(sub_value, dict):
                     _override_rope(current, sub_value, f"{key}.{sub_key}")
                 else:
-                    setattr(current, sub_key, sub_value)
+                    _set_override(current, sub_key, sub_value, f"{key}.{sub_key}")
             continue
-        setattr(config, key, dict(value))
+        _set_override(config, key, dict(value), key)
+
+
+def _set_override(config: PretrainedConfig, key: str, value: Any, where: str) -> None:
+    """setattr, with a strict config's type check reported as a UserInputError naming `where`."""
+    try:
+        setattr(config, key, value)
+    except (StrictDataclassError, TypeError) as exc:
+        raise _override_error(exc, {where: value}, type(config).__name__, type(config)) from None
+
+
+def _override_error(exc: Exception, overrides: dict[str, Any], what: str, cls: type | None) -> UserInputError:
+    """A one-line error for overrides transformers refused: the key, its value and the field's type when
+    the error names a field (huggingface_hub's strict dataclasses do), else all `overrides` and the cause."""
+    cause = str(exc.__cause__ or exc).strip().splitlines()[-1].strip()
+    field = re.search(r"field '(\w+)'", str(exc))
+    key = next((k for k in overrides if field and k.rsplit(".", 1)[-1] == field.group(1)), None)
+    if key is None:
+        return UserInputError(f"hf_overrides {overrides!r} do not fit {what}: {cause}")
+    types = {f.name: f.type for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+    expected = types.get(field.group(1))
+    expected = getattr(expected, "__name__", None) or str(expected).replace("transformers.modeling_rope_utils.", "")
+    detail = f"expected {expected}" if field.group(1) in types else cause
+    return UserInputError(f"hf_overrides {key}={overrides[key]!r} does not fit {what}: {detail}")
+
+
+def _config_class(config_json: Path) -> type | None:
+    """The transformers config class of config.json's model_type (None when unknown)."""
+    try:
+        return CONFIG_MAPPING[json.loads(config_json.read_text())["model_type"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+_KNOWN_EXTRA_KEYS = ("rope_scaling", "rope_theta", "torch_dtype", "quantization_config")  # read by getattr
+
+
+def _warn_unknown_keys(config: PretrainedConfig, overrides: dict[str, Any], config_json: Path) -> None:
+    """Warn about override keys that the config class does not declare and config.json does not hold:
+    transformers stores any key, so a misspelt one would otherwise do nothing, silently."""
+    if not dataclasses.is_dataclass(config):  # a remote-code or pre-v5 config: no field list to check
+        return
+    try:
+        in_json = set(json.loads(config_json.read_text()))
+    except (OSError, ValueError):
+        in_json = set()
+    known = {f.name for f in dataclasses.fields(config)} | set(config.attribute_map) | in_json
+    unknown = [k for k in overrides if k not in known and k not in _KNOWN_EXTRA_KEYS and not hasattr(type(config), k)]
+    if unknown:
+        logger.warning("hf_overrides key(s) %s are not fields of %s: they are set on the config, but the model may "
+                       "never read them (a misspelt key?)", ", ".join(map(repr, unknown)), type(config).__name__)
 
 
 def _override_rope(config: PretrainedConfig, value: dict[str, Any], where: str) -> None:

@@ -160,12 +160,7 @@ def _add_routes(app: FastAPI, engine: LLMEngine, names: list[str], completion: O
 
     @app.get("/health")
     async def health():
-        if not app.state.async_engine.is_running:
-            return error_response(HTTPStatus.SERVICE_UNAVAILABLE, "engine loop is not running", None, "engine_dead")
-        try:
-            engine.check_health()
-        except Exception as e:  # noqa: BLE001 - e.g. a dead tensor-parallel worker: tell the supervisor
-            return error_response(HTTPStatus.SERVICE_UNAVAILABLE, f"engine is dead: {e}", None, "engine_dead")
+        await app.state.async_engine.check_health()  # EngineDeadError: a 503 (e.g. a dead tensor-parallel worker)
         return Response(status_code=200)
 
     @app.get("/version")

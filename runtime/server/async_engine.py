@@ -11,7 +11,8 @@ without awaiting, which is safe inside a cancelled generator's `finally`, and ap
 background task before its next step; the request's KV blocks are freed then.
 
 An exception from `step()` fails the requests in flight (each reader gets it) and the loop goes
-on serving new requests.
+on serving new requests, unless the engine then reports itself dead (`check_health`: a tensor-parallel
+worker exited): then the requests in flight, and every later one, get `EngineDeadError` (a 503).
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
+
+from fxrewrite.runtime.server.errors import OpenAIError
 
 if TYPE_CHECKING:
     from fxrewrite.runtime.engine.llm_engine import LLMEngine
@@ -32,8 +36,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
-    """The background loop stopped; no request can be served."""
+class EngineDeadError(OpenAIError):
+    """The background loop stopped or the engine died (a worker exited); no request can be served.
+    An `OpenAIError`: the server answers 503 (`engine_dead`), mid-stream too."""
+
+    def __init__(self, message: str):
+        super().__init__(HTTPStatus.SERVICE_UNAVAILABLE, message, code="engine_dead")
 
 
 @dataclass(frozen=True)
@@ -184,11 +192,11 @@ class AsyncLLMEngine:
                 self.abort(request_id)
 
     async def _add(self, request_id: str, prompt: Any, sampling_params: SamplingParams) -> _Collector:
-        if not self.is_running:
-            raise EngineDeadError(f"the engine loop is not running ({self.dead_error!r})")
-        if request_id in self._collectors:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        async with self._lock:
+        async with self._lock:  # checked under the lock: the loop may die while we wait for it
+            if not self.is_running:
+                raise EngineDeadError(self._dead_message())
+            if request_id in self._collectors:
+                raise ValueError(f"request id {request_id!r} is already in use")
             self.engine.add_request(request_id, prompt, sampling_params)
             if self.request_logger is not None:
                 self.request_logger.log(request_id, prompt, sampling_params)
@@ -213,6 +221,10 @@ class AsyncLLMEngine:
     async def _run_loop(self) -> None:
         try:
             while True:
+                if self.dead_error is not None:  # a step failed and the engine is dead: no more steps
+                    self._fail_all(EngineDeadError(self._dead_message()))
+                    self._apply_aborts()  # every request's KV blocks are freed
+                    return
                 if not self._pending_aborts and not self.engine.has_unfinished_requests():
                     self._wake.clear()
                     await self._wake.wait()
@@ -235,10 +247,36 @@ class AsyncLLMEngine:
         try:
             outputs = await asyncio.to_thread(self.engine.step)
         except Exception as e:
-            logger.exception("engine step failed; failing the %d requests in flight", len(self._collectors))
-            self._fail_all(e)
+            dead = await self._health_error()
+            if dead is None:
+                logger.exception("engine step failed; failing the %d requests in flight", len(self._collectors))
+                self._fail_all(e)
+                return []
+            logger.error("the engine is dead; failing the %d requests in flight: %s", len(self._collectors), e)
+            self.dead_error = e  # the step's error tells the first failure (the health check's may wrap it)
             return []
         return [StepOutput.of(o) for o in outputs]
+
+    async def _health_error(self) -> Exception | None:
+        """The engine's `check_health` error (a worker exited), or None while it can still run steps.
+        In a thread: telling a worker's death may wait for its exit status."""
+        try:
+            await asyncio.to_thread(self.engine.check_health)
+        except Exception as e:  # noqa: BLE001 - whatever it is, the engine cannot step any more
+            return e
+        return None
+
+    def _dead_message(self) -> str:
+        return "the engine loop is not running" if self.dead_error is None else f"the engine is dead: {self.dead_error}"
+
+    async def check_health(self) -> None:
+        """EngineDeadError when no request can be served: the loop stopped, or the engine is dead
+        (`LLMEngine.check_health`; for tensor parallelism, a worker that exited, even while idle)."""
+        if not self.is_running:
+            raise EngineDeadError(self._dead_message())
+        dead = await self._health_error()  # reported, not latched here: the next step finds it (a dead
+        if dead is not None:                # worker marks its executor dead for good)
+            raise EngineDeadError(f"the engine is dead: {dead}")
 
     def _apply_aborts(self) -> None:
         aborts, self._pending_aborts = self._pending_aborts, set()

@@ -160,9 +160,9 @@ class OpenAIServing:
             field = re.match(r"(logprobs|prompt_logprobs)=", str(e))
             raise OpenAIError(HTTPStatus.BAD_REQUEST, str(e), param=field and field.group(1),
                               code="invalid_value") from None
-        except EngineDeadError as e:
+        except EngineDeadError:  # a 503 (an OpenAIError)
             self.abort_all(ids)
-            raise OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, str(e), code="engine_dead") from None
+            raise
         return ids, streams
 
     def abort_all(self, request_ids: list[str]) -> None:

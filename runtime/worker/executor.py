@@ -187,6 +187,7 @@ class MultiprocExecutor(WorkerGuard):
         msg = self._encoder.encode(sched)
         step = RemoteStep(self, sched)
         with self._procs.lock:
+            self._check_alive()  # again: `check_health` (another thread) may have shut the workers down meanwhile
             self._guard(lambda: self._procs.channel.send(msg, wait=self._wait("the step broadcast")))
             self._outstanding.append(step)
         return step
@@ -255,6 +256,7 @@ class MultiprocExecutor(WorkerGuard):
         result or raise its error (ValueError / TypeError as such, else RuntimeError)."""
         self._check_alive()
         with self._procs.lock:
+            self._check_alive()
             if self._outstanding:
                 self._receive(self._outstanding[-1])
             wait = self._wait(method)
@@ -269,8 +271,14 @@ class MultiprocExecutor(WorkerGuard):
         return reply["result"]
 
     def check_health(self) -> None:
-        """WorkerError once a worker has failed or the workers were shut down."""
+        """WorkerError once a worker has failed or the workers were shut down. A worker that exits between
+        steps is noticed here too (its process sentinel is polled; the others are then stopped)."""
         self._check_alive()
+        if self._procs.lock.acquire(blocking=False):  # else a step is running, and it watches the workers
+            try:
+                self._guard(lambda: _check_workers(self._procs, "the wait between steps"))
+            finally:
+                self._procs.lock.release()
 
     def worker_pids(self) -> list[int]:
         ctx = self._procs.context

@@ -28,6 +28,7 @@ from fxrewrite.runtime.engine.sampler import SampledTokens, SampleResult, Sample
 from fxrewrite.runtime.engine.scheduler import SchedulerOutput
 from fxrewrite.runtime.engine.sequence import Sequence
 from fxrewrite.runtime.model_files.config import ModelConfig
+from fxrewrite.runtime.model_files.config_checks import check_weights_fit, config_json_values
 from fxrewrite.runtime.model_files.default_model import default_model_path
 from fxrewrite.runtime.model_files.loader import load_weights, materialize
 from fxrewrite.runtime.models.registry import get_native_model_cls
@@ -45,6 +46,10 @@ def load_model_config(config: EngineConfig):
         tokenizer=config.tokenizer, revision=config.revision, trust_remote_code=config.trust_remote_code,
     )
     resolve_quantization(config.quantization, model_config.hf_config)  # unsupported methods fail here
+    if config.load_format != "dummy":  # before any worker starts, not as a weight loader's shape error
+        text_config = model_config.hf_text_config
+        original = config_json_values(model_config.model_path, text_config is not model_config.hf_config)
+        check_weights_fit(text_config, original, model_config.model_path)
     return model_config
 
 

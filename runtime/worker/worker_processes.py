@@ -93,11 +93,11 @@ def _poll(work, procs: _Processes, timeout: float, what: str) -> None:
         raise _failure(procs, what, e) from e
 
 
-def _check_workers(procs: _Processes) -> bool:
+def _check_workers(procs: _Processes, what: str = "a step exchange") -> bool:
     """True while every worker runs, else raises `_failure` (polled by the shared-memory queues' waits)."""
     sentinels = list(procs.context.sentinels) if procs.context is not None else []
     if sentinels and multiprocessing.connection.wait(sentinels, timeout=0):
-        raise _failure(procs, "a step exchange")
+        raise _failure(procs, what)
     return True
 
 
@@ -129,6 +129,6 @@ class WorkerGuard:
         try:
             return fn()
         except BaseException as e:
-            self._dead = f"{type(e).__name__}: {e}"
+            self._dead = self._dead or f"{type(e).__name__}: {e}"  # the first failure tells the story
             self.shutdown(graceful=False)
             raise

@@ -197,6 +197,27 @@ def test_generation_stops_at_max_model_len(tiny_qwen3_dir):
     assert_no_leak(llm)
 
 
+def test_max_tokens_past_max_model_len_is_capped_there(tiny_qwen3_dir):
+    """New-user review F11: max_tokens=10**9 (or None) generates up to max_model_len and finishes with "length",
+    as vLLM's offline API does (no KV blocks reserved for 10**9 tokens, none left in use); bad values are errors
+    naming them, and the engine keeps serving after each."""
+    llm = LLM(str(tiny_qwen3_dir), model_impl="native", dtype="float32", max_model_len=32, block_size=4)
+    for max_tokens in (10**9, 10**30, None):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        outs = llm.generate([[1] * 5, [2] * 20], params, use_tqdm=False)
+        assert [(len(o.prompt_token_ids) + len(o.outputs[0].token_ids), o.outputs[0].finish_reason)
+                for o in outs] == [(32, "length")] * 2
+    with pytest.raises(ValueError, match="prompt 1: prompt has 33 tokens, more than max_model_len=32"):
+        llm.generate([[1] * 3, [1] * 33], SamplingParams(max_tokens=10**9), use_tqdm=False)
+    for bad, error, expected in ((0, ValueError, "max_tokens=0 must be at least 1"), (-1, ValueError, "at least 1"),
+                                 (2.5, TypeError, "max_tokens=2.5 must be an integer"), ("5", TypeError, "integer"),
+                                 (True, TypeError, "max_tokens=True must be an integer")):
+        with pytest.raises(error, match=expected):
+            SamplingParams(max_tokens=bad)
+    assert_no_leak(llm)
+    assert len(llm.generate([[1] * 3], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == MAX_TOKENS
+
+
 def test_streamed_text_only_grows_with_stop_strings(qwen3_llm):
     full = qwen3_llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)[0].outputs[0].text
     stop = full[len(full) // 2 : len(full) // 2 + 3]
@@ -237,6 +258,11 @@ def test_kv_cache_shorter_than_max_model_len_is_reported(tiny_qwen3_dir, caplog)
     assert "KV cache holds 32 tokens, less than max_model_len=100" in caplog.text
     with pytest.raises(ValueError, match="more than the whole KV cache holds"):
         llm.generate([[1] * 20], SamplingParams(max_tokens=20), use_tqdm=False)
+    # max_tokens past max_model_len asks for max_model_len (generation stops there): the error says so (F11)
+    with pytest.raises(ValueError, match=r"needs 100 KV cache slots \(prompt 3 \+ max_tokens 1000000000, up to "
+                                         r"max_model_len=100\), more than the whole KV cache holds \(32\)"):
+        llm.generate([[1] * 3], SamplingParams(max_tokens=10**9), use_tqdm=False)
+    assert len(llm.generate([[1] * 3], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == MAX_TOKENS
 
 
 def test_final_only_requests_return_one_output_when_finished(qwen3_llm):

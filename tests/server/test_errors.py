@@ -92,6 +92,9 @@ def test_prompt_over_max_model_len_is_400_naming_both_lengths(server):
         fits = [100] * (server.max_model_len - 10)
         error = _error(http.post("/v1/completions", json=COMPLETION | {"prompt": fits, "max_tokens": 50}), 400)
         assert str(server.max_model_len) in error["message"] and "50" in error["message"]
+        # F11: the offline API caps max_tokens at max_model_len; the server refuses an explicit one, as vLLM's does
+        error = _error(http.post("/v1/completions", json=COMPLETION | {"max_tokens": 10**9}), 400)
+        assert error["param"] == "max_tokens" and error["code"] == "context_length_exceeded"
         chat = CHAT | {"messages": [{"role": "user", "content": "word " * (server.max_model_len + 5)}]}
         error = _error(http.post("/v1/chat/completions", json=chat), 400)
         assert str(server.max_model_len) in error["message"]
