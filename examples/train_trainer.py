@@ -5,7 +5,8 @@
 
 The one fxrewrite line is `fxrewrite.optimize(model)`: fused RMSNorm / rotary / gated-MLP kernels with
 backward passes, and the fused linear cross-entropy (while training with labels, outputs.logits is None:
-the [tokens, vocab] logits are never built). Checkpoints are saved in Hugging Face names.
+the [tokens, vocab] logits are never built). It saves no checkpoint (save_strategy="no"); one saved with
+`trainer.save_model()` or `model.save_pretrained()` has Hugging Face names and loads in plain transformers.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ HTTP server still answers 400.
 
 from __future__ import annotations
 
+import re
+
 
 class UserInputError(ValueError):
     """A value the user gave is wrong; the message names the value and what was expected."""
@@ -21,4 +23,19 @@ class UserFileNotFoundError(UserInputError, FileNotFoundError):
     """A path the user gave does not exist (or holds no model)."""
 
 
-__all__ = ["UserInputError", "UserTypeError", "UserFileNotFoundError"]
+__all__ = ["UserInputError", "UserTypeError", "UserFileNotFoundError", "check_unicode"]
+
+
+def check_unicode(text: str, where: str) -> str:
+    """`text` unchanged when it is valid Unicode; UserInputError naming `where` when it holds a lone UTF-16
+    surrogate (U+D800..U+DFFF without its pair: what a JSON "\\ud800" escape or a broken decode gives), which no
+    tokenizer can encode."""
+    found = _SURROGATE.search(text)
+    if found is not None:
+        raise UserInputError(f"{where}: character {found.start()} is a lone UTF-16 surrogate "
+                             f"(U+{ord(found.group()):04X}), not valid Unicode (a surrogate pair must be written as "
+                             "one character, or as both escapes)")
+    return text
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")

@@ -146,6 +146,17 @@ class FusedAway(nn.Module):
     def forward(self, *args, **kwargs):
         raise RuntimeError(f"{self.name} was fused into {self.fused} by fxrewrite.optimize and is never called")
 
+    def __getattr__(self, attr: str):
+        try:
+            return super().__getattr__(attr)
+        except AttributeError:  # `q_proj.weight` after optimize: say where the weight went
+            fused = self.__dict__.get("fused")  # absent while unpickling: the plain error
+            if fused is None:
+                raise
+            raise AttributeError(f"{self.__dict__['name']!r} was fused into {fused!r} by fxrewrite.optimize and has no "
+                                 f"{attr!r}: read it from {fused!r} (its rows), or from model.state_dict(), which "
+                                 "keeps Hugging Face names") from None
+
     def extra_repr(self) -> str:
         return (f"{self.name!r} was fused into {self.fused!r} by fxrewrite.optimize; to train LoRA adapters on it, "
                 f"apply peft.get_peft_model first and then fxrewrite.optimize (the LoRA-wrapped projections stay unfused)")

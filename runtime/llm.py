@@ -7,7 +7,7 @@ import itertools
 from contextlib import contextmanager
 from typing import Any, Sequence
 
-from fxrewrite.errors import UserInputError, UserTypeError
+from fxrewrite.errors import UserInputError, UserTypeError, check_unicode
 from fxrewrite.runtime.engine_config import EngineConfig
 from fxrewrite.runtime.engine.chat import check_role, render_chat, resolve_chat_template
 from fxrewrite.runtime.engine.data_parallel import make_engine
@@ -171,6 +171,7 @@ class LLM:
             except UserInputError as e:
                 raise UserInputError(f"conversation {n}: {e}") from None
             # The template already wrote the special tokens (BOS etc.); do not add them twice.
+            text = check_unicode(text, f"conversation {n}")
             prompts.append(list(tokenizer.encode(text, add_special_tokens=False)))
             texts.append(text)
         outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

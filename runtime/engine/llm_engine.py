@@ -7,7 +7,7 @@ import logging
 import threading
 from typing import Any
 
-from fxrewrite.errors import UserInputError
+from fxrewrite.errors import UserInputError, check_unicode
 from fxrewrite.runtime.engine.block_manager import BlockManager
 from fxrewrite.runtime.engine.detokenizer import (
     IncrementalDetokenizer,
@@ -133,7 +133,7 @@ class LLMEngine(EngineRLMixin):
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt)
+            token_ids = self.tokenizer.encode(check_unicode(prompt, "prompt"))
             text = prompt
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             token_ids, text = list(prompt), None

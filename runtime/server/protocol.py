@@ -24,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from fxrewrite.errors import UserInputError, check_unicode
 from fxrewrite.runtime.engine.chat import check_role
 from fxrewrite.runtime.server.validation_errors import FieldError
 
@@ -48,6 +49,22 @@ HANDLED_EXTRAS = {"guided_whitespace_pattern"}  # read from model_extra (request
 TokenId = Annotated[StrictInt, Field(ge=0)]
 """A token id in a request (the vocabulary bound is checked against the model when the request arrives)."""
 
+def _check_strings(value: Any, path: str) -> None:
+    """`check_unicode` on every string in a request's JSON (lone surrogates pass JSON and pydantic, then no
+    tokenizer can encode them); FieldError naming the top-level field."""
+    if isinstance(value, str):
+        try:
+            check_unicode(value, path)
+        except UserInputError as e:
+            raise FieldError(path.split(".", 1)[0].split("[", 1)[0], str(e)) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_strings(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_strings(item, f"{path}[{i}]")
+
+
 class OpenAIBaseModel(BaseModel):
     # Unknown fields are accepted and ignored, as OpenAI and vLLM do (clients send extras); like vLLM, the
     # server log names them, so a misspelt field ("max_token") is not silently without effect.
@@ -57,6 +74,18 @@ class OpenAIBaseModel(BaseModel):
         ignored = sorted(set(self.model_extra or ()) - HANDLED_EXTRAS - set(UNSUPPORTED_FIELDS))
         if ignored:
             logger.warning("%s: fields %s are not supported and were ignored", type(self).__name__, ignored)
+
+
+class RequestModel(OpenAIBaseModel):
+    """A request body: every string in it must be valid Unicode (a 400 naming the field, not a tokenizer's
+    TypeError)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            _check_strings(data, "")
+        return data
 
 
 class ErrorInfo(OpenAIBaseModel):
@@ -94,7 +123,7 @@ class ResponseFormat(OpenAIBaseModel):
         return self
 
 
-class SamplingRequest(OpenAIBaseModel):
+class SamplingRequest(RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None

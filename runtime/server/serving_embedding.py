@@ -22,11 +22,11 @@ from pydantic import StrictInt
 
 from fxrewrite.runtime.engine.pooling import PoolingParams
 from fxrewrite.runtime.server.errors import OpenAIError
-from fxrewrite.runtime.server.protocol import OpenAIBaseModel, random_id
+from fxrewrite.runtime.server.protocol import OpenAIBaseModel, RequestModel, random_id
 from fxrewrite.runtime.server.serving_engine import OpenAIServing
 
 
-class EmbeddingRequest(OpenAIBaseModel):
+class EmbeddingRequest(RequestModel):
     model: str | None = None
     input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     encoding_format: Literal["float", "base64"] = "float"

@@ -116,7 +116,8 @@ class OpenAIServing:
                 presence_penalty=request.presence_penalty or 0.0,
                 frequency_penalty=request.frequency_penalty or 0.0,
                 ignore_eos=request.ignore_eos, min_tokens=min(request.min_tokens, max_tokens),
-                stop_token_ids=request.stop_token_ids,
+                stop_token_ids=request.stop_token_ids and self.check_token_ids(
+                    request.stop_token_ids, "stop_token_ids"),
                 allowed_token_ids=request.allowed_token_ids and self.check_token_ids(
                     request.allowed_token_ids, "allowed_token_ids"),
                 include_stop_str_in_output=request.include_stop_str_in_output,

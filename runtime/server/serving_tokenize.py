@@ -13,10 +13,10 @@ from typing import Any
 from pydantic import Field, StrictBool, StrictInt, model_validator
 
 from fxrewrite.runtime.server.errors import OpenAIError
-from fxrewrite.runtime.server.protocol import ChatCompletionRequest, ChatMessage, OpenAIBaseModel
+from fxrewrite.runtime.server.protocol import ChatCompletionRequest, ChatMessage, OpenAIBaseModel, RequestModel
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -43,7 +43,7 @@ class TokenizeResponse(OpenAIBaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[StrictInt] = Field(min_length=0)
 

@@ -42,3 +42,13 @@ def test_stock_checkpoint_loads_into_optimized(tmp_path):
     _same_logits(fused, stock)
     fused2 = fxrewrite.optimize(T.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval())
     _same_logits(fused2, stock)
+
+
+def test_reading_a_fused_away_projection_says_where_it_went():
+    import pytest
+
+    model = fxrewrite.optimize(tiny_model("llama"))
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert not hasattr(q_proj, "weight")
+    with pytest.raises(AttributeError, match=r"'q_proj' was fused into 'qkv_proj' .* has no 'weight'"):
+        q_proj.weight

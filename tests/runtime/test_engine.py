@@ -314,3 +314,14 @@ def test_detokenize_false_returns_token_ids_and_logprobs_without_text(qwen3_llm)
     with pytest.raises(ValueError, match="detokenize=True"):
         SamplingParams(stop=["x"], detokenize=False)
     assert_no_leak(qwen3_llm)
+
+
+def test_lone_surrogate_in_a_prompt_is_a_clear_error_and_the_engine_keeps_serving(qwen3_llm):
+    from fxrewrite.runtime.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=2)
+    with pytest.raises(ValueError, match=r"prompt: character 1 is a lone UTF-16 surrogate \(U\+D800\)"):
+        qwen3_llm.generate(["a\ud800b"], params, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"conversation 0: .*lone UTF-16 surrogate \(U\+DFFF\)"):
+        qwen3_llm.chat([{"role": "user", "content": "x\udfff"}], params, use_tqdm=False)
+    assert len(qwen3_llm.generate(["a\U0001F600b"], params, use_tqdm=False)[0].outputs[0].token_ids) == 2

@@ -1,5 +1,7 @@
 """Every error case answers with its status and OpenAI's body {"error": {message, type, param, code}}."""
 
+import json
+
 import openai
 import pytest
 
@@ -48,11 +50,16 @@ def _error(response, status):
          "messages"),
         ("/v1/chat/completions", CHAT | {"messages": [{"role": "user"}]}, "messages"),
         ("/v1/chat/completions", CHAT | {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+        # a lone UTF-16 surrogate passes JSON and pydantic, but no tokenizer can encode it
+        ("/v1/completions", COMPLETION | {"prompt": "a\ud800b"}, "prompt"),
+        ("/v1/chat/completions", CHAT | {"messages": [{"role": "user", "content": "a\udfffb"}]}, "messages"),
+        ("/v1/tokenize", {"prompt": "\udfff"}, "prompt"),
+        ("/v1/completions", COMPLETION | {"stop_token_ids": [99999999]}, "stop_token_ids"),
     ],
 )
 def test_bad_parameters_are_400(server, path, body, param):
-    with server.http() as http:
-        error = _error(http.post(path, json=body), 400)
+    with server.http() as http:  # json.dumps escapes non-ASCII (httpx's json= would not encode a lone surrogate)
+        error = _error(http.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"}), 400)
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param
     if param:
