@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import time
 import traceback
 import warnings
@@ -21,6 +22,28 @@ import torch
 from fxrewrite.benchmarks.common import bench_model_dir, load_bench_config, make_llm, run_requests
 from fxrewrite.benchmarks.throughput import ThroughputWorkload
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
+
+
+@contextlib.contextmanager
+def record_sync_stacks(stacks: collections.Counter, enabled: bool = True):
+    """Count, in ``stacks``, each distinct call stack (its last 8 frames) that made the host wait for the device,
+    while the block runs (``torch.cuda.set_sync_debug_mode("warn")``; the warnings are recorded, not printed)."""
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
+        stacks["\n".join(f"    {f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}" for f in frames[-8:])] += 1
+
+    old_show = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.showwarning = record
+        warnings.simplefilter("always")
+        if enabled:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield stacks
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            warnings.showwarning = old_show
 
 
 def find_host_syncs(config: str, arm: str, num_prompts: int, tokenizer_dir=None, max_input_len: int = 512,
@@ -47,21 +70,11 @@ def find_host_syncs(config: str, arm: str, num_prompts: int, tokenizer_dir=None,
         slowest.append((round(ms, 2), len(sched.scheduled), sched.num_tokens))
         return out
 
-    def record(message, category, filename, lineno, file=None, line=None):
-        frames = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
-        stacks["\n".join(f"    {f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}" for f in frames[-8:])] += 1
-
     runner.execute_model_async = timed
-    old_show = warnings.showwarning
-    warnings.showwarning = record
-    warnings.simplefilter("always")
-    if sync_debug:
-        torch.cuda.set_sync_debug_mode("warn")
     try:
-        stats = run_requests(engine, prompts, params)
+        with record_sync_stacks(stacks, enabled=sync_debug):
+            stats = run_requests(engine, prompts, params)
     finally:
-        torch.cuda.set_sync_debug_mode(0)
-        warnings.showwarning = old_show
         del runner.execute_model_async
     summary = {k: {"steps": len(v), "total_s": round(sum(v) / 1e3, 3), "mean_ms": round(sum(v) / max(1, len(v)), 3)}
                for k, v in launch_ms.items()}

@@ -30,7 +30,7 @@ def _run(fn, x, w, b, act):
                                             ("gelu_tanh", False, None)])
 def test_grads_match_reference(forced, monkeypatch, act, bias, chunk):
     if chunk:  # several row chunks at a size the interpreter runs fast (real sizes: 128-row multiples)
-        monkeypatch.setattr(gated_mlp_down, "_row_chunk", lambda rows, d, out: chunk)
+        monkeypatch.setattr(gated_mlp_down, "_row_chunk", lambda rows, d, out, accumulate=False: chunk)
     x, w = torch.randn(5, 2 * 8), torch.randn(4, 8)
     b = torch.randn(4) if bias else None
     got = _run(lambda *a: act_and_mul_down_train(*a, inplace_backward=True), x, w, b, act)
@@ -43,6 +43,10 @@ def test_grads_match_reference(forced, monkeypatch, act, bias, chunk):
 def test_row_chunk_bounds_the_transient():
     assert _row_chunk(16384, 3072, 1024) == 5504  # Qwen3-0.6B: a third of the rows, 128-aligned
     assert _row_chunk(300, 40, 8) == 128 and _row_chunk(10, 4, 8) == 128
+    # the backward's float32 d/dweight sum counts: still chunked where chunks save more than it costs (0.6B:
+    # 33 MiB chunk + 12 MiB sum < 96 MiB), one chunk where they do not (Llama-3.1-8B at 2048 rows: 14 + 224 > 56 MiB)
+    assert _row_chunk(16384, 3072, 1024, accumulate=True) == 5504
+    assert _row_chunk(2048, 14336, 4096) == 512 and _row_chunk(2048, 14336, 4096, accumulate=True) == 2048
 
 
 def test_errors(forced):
