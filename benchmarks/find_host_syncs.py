@@ -30,6 +30,8 @@ def record_sync_stacks(stacks: collections.Counter, enabled: bool = True):
     while the block runs (``torch.cuda.set_sync_debug_mode("warn")``; the warnings are recorded, not printed)."""
 
     def record(message, category, filename, lineno, file=None, line=None):
+        if "called a synchronizing" not in str(message):  # not set_sync_debug_mode's own notice
+            return
         frames = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
         stacks["\n".join(f"    {f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}" for f in frames[-8:])] += 1
 
