@@ -13,6 +13,8 @@
 #                                optimize-compile-inductor (gradient checkpointing) into $OUT_DIR/kernels/
 #   STEP=train-big (nvidia-h200): the five arms on CONFIG=qwen3-4b (default, BATCH=4) or CONFIG=llama-3.1-8b BATCH=1
 #                                (gradient checkpointing; <date>-<config>-train.json); at most 520 s of arm limits
+#   STEP=train-gaps (nvidia-h200):  for $PROFILE_ARMS (default stock liger optimize) on CONFIG/BATCH (default
+#                                qwen3-0.6b, 8): GPU idle gaps by call site (train_gaps), host syncs and cProfile
 #   STEP=train-profile (nvidia-h200): per-kernel GPU time of one step (gradient checkpointing; <arm>-profile.json) for
 #                                $PROFILE_ARMS (default liger optimize optimize-compile), then the FP8 GPU tests
 #   STEP=serve (nvidia-h200):    MoE throughput (Qwen3-30B-A3B shapes), -O 3 cold and warm start, FP8 GEMM,
@@ -94,6 +96,15 @@ train-big)  # issue 12 item 6: one larger config per call, <= 9.5 min (arms 60 /
   timeout -k 5 560 $PY -m fxrewrite bench train --config $CONFIG --arms stock,stock-compile,liger,optimize,optimize-compile \
     --batch-size $BATCH --seq-len 2048 --steps ${TRAIN_STEPS:-5} --warmup 2 --out "$OUT_DIR" \
     --arm-timeout 60,stock-compile=170,optimize-compile=170 2>&1 | tail -14 ;;
+train-gaps)  # where a step's GPU idles, by call site, and the host's own time: at most 3 x 100 s
+  for arm in ${PROFILE_ARMS:-stock liger optimize}; do
+    stamp "idle gaps and host profile: $arm (${CONFIG:=qwen3-0.6b}, batch ${BATCH:=8} x 2048)"
+    timeout -k 5 50 $PY -m fxrewrite.benchmarks.train_gaps --arm $arm --config $CONFIG --batch-size $BATCH \
+      --out "$OUT_DIR/$(date +%F)-$CONFIG-train-gaps-$arm.json" 2>&1 | grep -v -i warn | tail -12
+    timeout -k 5 50 $PY -m fxrewrite.benchmarks.train_profile --arm $arm --config $CONFIG --batch-size $BATCH \
+      --sync-debug --host-profile --out "$OUT_DIR/$(date +%F)-$CONFIG-train-host-profile-$arm.json" 2>&1 \
+      | grep -E "ms/step|syncs from|host " | head -16
+  done ;;
 train-profile)  # at most 390 s of step limits
   for arm in ${PROFILE_ARMS:-liger optimize optimize-compile}; do
     stamp "profile: $arm"
