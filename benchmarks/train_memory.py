@@ -390,4 +390,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from fxrewrite.benchmarks.common import run_cli
+
+    raise SystemExit(run_cli(main))

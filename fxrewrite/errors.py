@@ -9,6 +9,7 @@ HTTP server still answers 400.
 from __future__ import annotations
 
 import re
+from numbers import Integral
 
 
 class UserInputError(ValueError):
@@ -39,3 +40,9 @@ def check_unicode(text: str, where: str) -> str:
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def is_integer(value: object) -> bool:
+    """An integer (Python's or numpy's) that is not a bool: what a token id or a count must be (True is 1 to
+    Python, but a bool where an id belongs is a caller's bug)."""
+    return isinstance(value, Integral) and not isinstance(value, bool)

@@ -84,6 +84,7 @@ def optimizer_state_dict(model: nn.Module, state_dict: dict, *, to: str) -> dict
             if index in state_dict["state"]:
                 by_name[name] = state_dict["state"][index]
             index += 1
+    _check_shapes(by_name, _param_shapes(model, src_side, parts, owner, sizes), src_side, to)
     out = {"state": {}, "param_groups": []}
     new_index = 0
     for group, names in zip(state_dict["param_groups"], src_groups):
@@ -106,6 +107,34 @@ def optimizer_state_dict(model: nn.Module, state_dict: dict, *, to: str) -> dict
             new_index += 1
         out["param_groups"].append(new_group)
     return out
+
+
+def _param_shapes(model: nn.Module, side: str, parts: dict, owner: dict, sizes: dict) -> dict[str, tuple]:
+    """{name: shape} of the model's parameters in the ``side`` view (an HF part: its rows of the fused one)."""
+    params = dict(model.named_parameters())
+    if side == "fused":
+        return {name: tuple(p.shape) for name, p in params.items()}
+    shapes = {}
+    for name in _names(model, "hf"):
+        fused = owner.get(name)
+        if fused is None:
+            shapes[name] = tuple(params[name].shape) if name in params else None
+        else:
+            rows = sizes[fused][parts[fused].index(name)]
+            shapes[name] = (rows, *params[fused].shape[1:])
+    return shapes
+
+
+def _check_shapes(by_name: dict, shapes: dict, side: str, to: str) -> None:
+    """ValueError naming the first state tensor shaped unlike its parameter (a state dict of the other view:
+    ``to`` names the view wanted, the input must be the other one)."""
+    for name, entry in by_name.items():
+        want = shapes.get(name)
+        for key, value in (entry or {}).items():
+            if want is not None and torch.is_tensor(value) and value.dim() > 0 and tuple(value.shape) != want:
+                raise ValueError(f"state of {name!r}: {key} has shape {tuple(value.shape)}, the parameter {want}; "
+                                 f"to={to!r} reads a state dict of the {side} view (the "
+                                 f"{'stock' if side == 'hf' else 'optimized'} model's optimizer)")
 
 
 def _cloned(entry):

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 from fxrewrite.errors import UserInputError, UserTypeError, check_unicode
 from fxrewrite.runtime.engine_config import EngineConfig
-from fxrewrite.runtime.engine.chat import check_role, render_chat, resolve_chat_template
+from fxrewrite.runtime.engine.chat import check_role, join_text_parts, render_chat, resolve_chat_template
 from fxrewrite.runtime.engine.data_parallel import make_engine
 from fxrewrite.runtime.engine.outputs import RequestOutput
 from fxrewrite.runtime.engine.pooling import EmbeddingRequestOutput, PoolingParams
@@ -91,8 +91,6 @@ class LLM:
             raise UserInputError("LLM.embed needs LLM(model, runner='pooling') (vLLM's pooling runner); this LLM "
                                  "generates")
         prompts = _prompt_list(prompts)
-        if not prompts:
-            raise UserTypeError("prompts must be a string, a list of token ids, or a non-empty list of those")
         if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
             raise UserTypeError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}")
         return self._submit(list(prompts), [pooling_params or PoolingParams()] * len(prompts), use_tqdm)
@@ -163,6 +161,8 @@ class LLM:
         prompts, texts = [], []
         for n, conversation in enumerate(conversations):
             _check_conversation(n, conversation)
+            conversation = [dict(m, content=join_text_parts(m["content"], f"conversation {n} message {i}"))
+                            if isinstance(m.get("content"), list) else m for i, m in enumerate(conversation)]
             try:
                 text = render_chat(tokenizer, list(conversation), chat_template=chat_template, tools=tools,
                                    add_generation_prompt=add_generation_prompt,
@@ -225,4 +225,7 @@ def _prompt_list(prompts) -> list:
     for i, p in enumerate(prompts):
         if isinstance(p, dict) and not {"prompt", "prompt_token_ids"} & p.keys():
             raise UserInputError(f"prompt {i}: {p!r} has neither 'prompt' nor 'prompt_token_ids'")
+        if isinstance(p, dict) and p.get("multi_modal_data") is not None:  # not dropped silently
+            raise UserInputError(f"prompt {i}: multi_modal_data is not supported: the engine serves text-only "
+                                 "decoder models")
     return [p.get("prompt_token_ids", p.get("prompt")) if isinstance(p, dict) else p for p in prompts]

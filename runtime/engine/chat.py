@@ -26,6 +26,29 @@ def check_role(role: object, where: str | None = "message") -> str:
     return role
 
 
+def join_text_parts(content: object, where: str) -> object:
+    """A message's content as chat templates read it: a list of OpenAI content parts
+    (``{"type": "text", "text": str}``) joined with newlines, as vLLM joins them; anything else as it is.
+    UserInputError naming ``where`` for an empty list, a part that is not text (images, audio: the engine
+    serves text only) or a part whose text is not a string."""
+    if not isinstance(content, list):
+        return content
+    if not content:
+        raise UserInputError(f"{where}.content is an empty list; expected a string or text parts "
+                             "([{'type': 'text', 'text': ...}])")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            got = f"type {kind!r}" if isinstance(part, dict) else f"{part!r:.80}"
+            raise UserInputError(f"{where}.content[{j}]: only text content parts ({{'type': 'text', 'text': ...}}) "
+                                 f"are supported, got {got}")
+        if not isinstance(part.get("text"), str):
+            raise UserInputError(f"{where}.content[{j}].text must be a string, got {part.get('text')!r:.80}")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 def resolve_chat_template(value: str | None, name: str = "chat_template") -> str | None:
     """A chat template given as a file path or as its text: the value itself when it looks like a template
     (vLLM's rule: it holds "{", "}" or a newline), else the named file's text. UserInputError naming `name`

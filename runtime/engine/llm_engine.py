@@ -7,7 +7,7 @@ import logging
 import threading
 from typing import Any
 
-from fxrewrite.errors import UserInputError, check_unicode
+from fxrewrite.errors import UserInputError, check_unicode, is_integer
 from fxrewrite.runtime.engine.block_manager import BlockManager
 from fxrewrite.runtime.engine.detokenizer import (
     IncrementalDetokenizer,
@@ -135,14 +135,14 @@ class LLMEngine(EngineRLMixin):
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(check_unicode(prompt, "prompt"))
             text = prompt
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            token_ids, text = list(prompt), None
+        elif isinstance(prompt, (list, tuple)) and all(is_integer(t) for t in prompt):
+            token_ids, text = [int(t) for t in prompt], None
             vocab = self.model_config.vocab_size
             bad = [t for t in token_ids if not 0 <= t < vocab]
             if bad:
                 raise UserInputError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
         elif isinstance(prompt, (list, tuple)):
-            i, bad = next((i, t) for i, t in enumerate(prompt) if not isinstance(t, int))
+            i, bad = next((i, t) for i, t in enumerate(prompt) if not is_integer(t))
             raise UserInputError(f"prompt token ids must be ints: element {i} is {type(bad).__name__} {bad!r}")
         else:
             raise UserInputError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")

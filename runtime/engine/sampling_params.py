@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 
-from fxrewrite.errors import UserInputError, UserTypeError
+from fxrewrite.errors import UserInputError, UserTypeError, is_integer
 
 from fxrewrite.runtime.engine.structured_outputs import StructuredOutputsParams
 
@@ -102,14 +102,14 @@ class SamplingParams:
                 continue
             expected = "a number" if kind is Real else "an integer"
             raise UserTypeError(f"SamplingParams: {name}={value!r} must be {expected}")
-        if not all(isinstance(t, Integral) and not isinstance(t, bool) for t in self.stop_token_ids):
+        if not all(is_integer(t) for t in self.stop_token_ids):
             raise UserTypeError(f"SamplingParams: stop_token_ids={self.stop_token_ids!r} must be a list of integers")
         self._check_extras()
 
     def _check_extras(self) -> None:
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or not all(
-                    isinstance(t, Integral) and not isinstance(t, bool) and t >= 0
+                    is_integer(t) and t >= 0
                     and isinstance(b, Real) and math.isfinite(b) for t, b in self.logit_bias.items()):
                 raise UserTypeError(f"SamplingParams: logit_bias={self.logit_bias!r} must map token ids "
                                 "(integers >= 0) to finite numbers")
@@ -117,7 +117,7 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
             if not (isinstance(ids, (list, tuple)) and ids and all(
-                    isinstance(t, Integral) and not isinstance(t, bool) and t >= 0 for t in ids)):
+                    is_integer(t) and t >= 0 for t in ids)):
                 raise UserTypeError(f"SamplingParams: allowed_token_ids={ids!r} must be a non-empty list of token ids "
                                     "(integers >= 0)")
             self.allowed_token_ids = [int(t) for t in ids]

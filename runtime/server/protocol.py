@@ -9,6 +9,7 @@ A value out of range fails validation, which the server answers with a 400 in Op
 from __future__ import annotations
 
 import json
+import typing
 import logging
 import uuid
 from typing import Annotated, Any, Literal
@@ -25,7 +26,7 @@ from pydantic import (
 )
 
 from fxrewrite.errors import UserInputError, check_unicode
-from fxrewrite.runtime.engine.chat import check_role
+from fxrewrite.runtime.engine.chat import check_role, join_text_parts
 from fxrewrite.runtime.server.validation_errors import FieldError
 
 # torch.Generator.manual_seed takes a 64-bit integer.
@@ -78,13 +79,19 @@ class OpenAIBaseModel(BaseModel):
 
 class RequestModel(OpenAIBaseModel):
     """A request body: every string in it must be valid Unicode (a 400 naming the field, not a tokenizer's
-    TypeError)."""
+    TypeError); an explicit null for an optional field that has no null meaning of its own takes the field's
+    default, as OpenAI's API and vLLM accept it (``"n": null`` is n=1; ``"max_tokens": null`` stays null)."""
 
     @model_validator(mode="before")
     @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
+    def _unicode_and_nulls(cls, data: Any) -> Any:
         if isinstance(data, dict):
             _check_strings(data, "")
+            fields = cls.model_fields
+            nulls = [k for k, v in data.items() if v is None and k in fields and not fields[k].is_required()
+                     and type(None) not in typing.get_args(fields[k].annotation)]
+            if nulls:
+                data = {k: v for k, v in data.items() if k not in nulls}
         return data
 
 
@@ -251,9 +258,10 @@ class ChatMessage(OpenAIBaseModel):
     def _known_role(cls, role: str) -> str:  # OpenAI answers 400 for any other role
         return check_role(role, None)  # the 400 names messages.<i>.role already
 
-    def to_template_dict(self) -> dict[str, Any]:
-        """The message as chat templates expect it; text parts are joined, other parts refused. Tool-call
-        arguments become dicts (transformers' chat templates expect them so, as vLLM passes them)."""
+    def to_template_dict(self, where: str = "message") -> dict[str, Any]:
+        """The message as chat templates expect it; text parts are joined, other parts refused (ValueError
+        naming ``where``). Tool-call arguments become dicts (transformers' chat templates expect them so, as
+        vLLM passes them)."""
         message = self.model_dump(exclude_none=True)
         if self.tool_calls:
             message["tool_calls"] = [_template_tool_call(c) for c in self.tool_calls]
@@ -261,12 +269,9 @@ class ChatMessage(OpenAIBaseModel):
                 message["content"] = ""
                 return message
         if self.content is None:  # chat templates read message['content']: a jinja error otherwise
-            raise ValueError(f"a {self.role!r} message needs a 'content' (a string or a list of text parts)")
+            raise ValueError(f"{where}: a {self.role!r} message needs a 'content' (a string or a list of text parts)")
         if isinstance(self.content, list):
-            kinds = {part.type for part in self.content} - {"text"}
-            if kinds:
-                raise ValueError(f"only text content parts are supported, got {sorted(kinds)}")
-            message["content"] = "\n".join(part.text or "" for part in self.content)
+            message["content"] = join_text_parts([part.model_dump() for part in self.content], where)
         return message
 
 

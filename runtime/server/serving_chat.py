@@ -118,10 +118,10 @@ class OpenAIServingChat(OpenAIServing):
                               "use /v1/completions or start the server with --chat-template",
                               param="messages", code="no_chat_template")
         try:
-            messages = [m.to_template_dict() for m in request.messages]
+            messages = [m.to_template_dict(f"messages.{i}") for i, m in enumerate(request.messages)]
         except ValueError as e:
-            raise OpenAIError(HTTPStatus.BAD_REQUEST, f"messages: {e}", param="messages",
-                              code="invalid_value") from None
+            raise OpenAIError(HTTPStatus.BAD_REQUEST, str(e) if str(e).startswith("messages.") else f"messages: {e}",
+                              param="messages", code="invalid_value") from None
         tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
         if tools:
             check_template_renders_tools(template)  # the 400 that names --chat-template

@@ -100,3 +100,17 @@ def test_compare_rejects_a_request_count_below_one(count, capsys):
         main(["bench", "compare", "--config", "tiny", "--num-prompts", count])
     assert exc.value.code == 2
     assert "expected a positive integer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tool", ["train_memory", "optimize_time"])
+def test_python_m_tools_report_a_bad_config_in_one_line(tool):
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-m", f"fxrewrite.benchmarks.{tool}", "--config", "bogus"]
+    done = subprocess.run(args + (["--arm", "optimize"] if tool == "train_memory" else []), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "Warning" not in line and not line.startswith(" ")]
+    assert len(lines) == 1 and lines[0].startswith(f"python -m fxrewrite.benchmarks.{tool}: error: bench config "
+                                                   "'bogus' not found (see "), done.stderr

@@ -52,6 +52,11 @@ def test_optimizer_state_bad_arguments():
         optimizer_state_dict(fused, {}, to="stock")
     with pytest.raises(ValueError, match="not been passed through"):
         optimizer_state_dict(tiny_model("llama"), {"state": {}, "param_groups": []}, to="hf")
+    opt = torch.optim.AdamW(fused.parameters(), lr=1e-2)
+    _train_steps(fused, opt, steps=1)
+    with pytest.raises(ValueError, match=r"state of 'model.*': exp_avg has shape .* to='fused' reads a state dict "
+                                         r"of the hf view \(the stock model's optimizer\)"):
+        optimizer_state_dict(fused, opt.state_dict(), to="fused")  # already fused: the wrong way round
 
 
 def test_foreign_patch_of_a_module_function_is_refused(monkeypatch):

@@ -1,6 +1,7 @@
 """Bad input to the offline API found by a new-user session: each is a clear TypeError/ValueError
 naming the value, raised before anything runs, and vLLM's dict prompts are accepted."""
 
+import numpy as np
 import pytest
 
 from fxrewrite import LLM, SamplingParams
@@ -65,7 +66,16 @@ def test_dict_prompt_without_a_prompt_key_is_named(llm):
 def test_token_id_lists_name_the_bad_element(llm):
     with pytest.raises(ValueError, match="prompt 0: prompt token ids must be ints: element 2 is float 3.5"):
         llm.generate([[1, 2, 3.5]], use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt 0: prompt token ids must be ints: element 1 is bool True"):
+        llm.generate([{"prompt_token_ids": [5, True]}], use_tqdm=False)  # as the server refuses [true]
     assert not llm.llm_engine.has_unfinished_requests()
+    numpy_ids = llm.generate([list(np.array([5, 6], dtype=np.int64))], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert numpy_ids[0].prompt_token_ids == [5, 6] and all(type(t) is int for t in numpy_ids[0].prompt_token_ids)
+
+
+def test_multi_modal_data_is_refused_not_dropped(llm):
+    with pytest.raises(ValueError, match="prompt 0: multi_modal_data is not supported"):
+        llm.generate([{"prompt": "Describe it.", "multi_modal_data": {"image": object()}}], use_tqdm=False)
 
 
 def test_tensor_parallel_size_must_divide_heads_before_any_worker_starts(tiny_qwen3_dir):

@@ -37,6 +37,7 @@ def test_embed_equals_transformers_last_hidden_state(tiny_llama_dir, pooling_llm
         assert got.shape == (pooling_llm.llm_engine.model_config.hidden_size,)
         torch.testing.assert_close(got, _oracle(tiny_llama_dir, ids), rtol=1e-5, atol=1e-5)
         assert abs(got.norm().item() - 1.0) < 1e-5
+    assert pooling_llm.embed([], use_tqdm=False) == []  # as generate([])
     again = pooling_llm.embed(PROMPTS[0], use_tqdm=False)[0]  # prefix-cached prompt: same embedding
     torch.testing.assert_close(torch.tensor(again.outputs.embedding), torch.tensor(outs[0].outputs.embedding))
     raw = pooling_llm.embed([ids], PoolingParams(normalize=False), use_tqdm=False)[0]

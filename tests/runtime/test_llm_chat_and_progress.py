@@ -101,6 +101,19 @@ def test_chat_template_path_or_text_and_content_types(llm, tmp_path):
         llm.chat([{"role": "user", "content": 5}], GREEDY, use_tqdm=False)
 
 
+def test_text_content_parts_are_joined_as_the_server_joins_them(llm):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name a"}, {"type": "text", "text": "colour."}]}]
+    joined = [{"role": "user", "content": "Name a\ncolour."}]
+    got, want = (llm.chat(c, GREEDY, use_tqdm=False)[0] for c in (parts, joined))
+    assert got.prompt == want.prompt and got.outputs[0].token_ids == want.outputs[0].token_ids
+    for content, error in [([], r"conversation 0 message 0.content is an empty list"),
+                           ([{"type": "text"}], r"message 0.content\[0\].text must be a string, got None"),
+                           ([{"type": "image_url", "image_url": {"url": "x"}}], r"only text .* got type 'image_url'")]:
+        with pytest.raises(ValueError, match=error):
+            llm.chat([{"role": "user", "content": content}], GREEDY, use_tqdm=False)
+    assert llm.chat(joined, GREEDY, use_tqdm=False)[0].outputs[0].token_ids  # still serving
+
+
 def test_allowed_token_ids_restrict_sampling(llm):
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=1, allowed_token_ids=[11, 12], ignore_eos=True)
     assert set(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids) <= {11, 12}

@@ -49,6 +49,8 @@ def _error(response, status):
         ("/v1/chat/completions", CHAT | {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
          "messages"),
         ("/v1/chat/completions", CHAT | {"messages": [{"role": "user"}]}, "messages"),
+        ("/v1/chat/completions", CHAT | {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages"),
+        ("/v1/chat/completions", CHAT | {"messages": [{"role": "user", "content": []}]}, "messages"),
         ("/v1/chat/completions", CHAT | {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
         # a lone UTF-16 surrogate passes JSON and pydantic, but no tokenizer can encode it
         ("/v1/completions", COMPLETION | {"prompt": "a\ud800b"}, "prompt"),
@@ -64,6 +66,17 @@ def test_bad_parameters_are_400(server, path, body, param):
     assert error["param"] == param
     if param:
         assert param in error["message"]
+
+
+def test_null_optional_fields_take_their_defaults(server):
+    with server.http() as http:
+        done = http.post("/v1/completions", json=COMPLETION | {"n": None, "stream": None, "echo": None})
+        assert done.status_code == 200 and len(done.json()["choices"]) == 1, done.text
+        chat = http.post("/v1/chat/completions", json=CHAT | {"logprobs": None, "n": None})
+        assert chat.status_code == 200 and chat.json()["choices"][0]["logprobs"] is None, chat.text
+        error = _error(http.post("/v1/chat/completions", json=CHAT | {
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text"}]}]}), 400)
+    assert error["message"] == "messages.0.content[1].text must be a string, got None"
 
 
 def test_type_error_names_the_field_what_it_expects_and_what_it_got(server):

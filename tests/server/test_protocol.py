@@ -93,3 +93,24 @@ def test_unknown_fields_are_ignored_but_logged(caplog):
     with caplog.at_level("WARNING", logger="fxrewrite.runtime.server.protocol"):
         ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], max_token=5)
     assert "['max_token'] are not supported and were ignored" in caplog.text
+
+
+def test_null_takes_the_default_where_the_field_has_no_null_meaning():
+    r = CompletionRequest(prompt="x", n=None, stream=None, echo=None, max_tokens=None)
+    assert (r.n, r.stream, r.echo, r.max_tokens) == (1, False, False, None)  # max_tokens: null is its own value
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], logprobs=None, n=None)
+    assert chat.logprobs is False and chat.n == 1
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest(messages=None)  # a required field stays required
+
+
+@pytest.mark.parametrize("content, error", [
+    ([], r"messages.0.content is an empty list"),
+    ([{"type": "text"}], r"messages.0.content\[0\].text must be a string, got None"),
+    ([{"type": "text", "text": None}], r"messages.0.content\[0\].text must be a string"),
+    ([{"type": "text", "text": "a"}, {"type": "input_audio"}], r"messages.0.content\[1\]: only text .* 'input_audio'"),
+])
+def test_content_parts_that_are_not_text_are_refused_naming_the_part(content, error):
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": content}])
+    with pytest.raises(ValueError, match=error):
+        request.messages[0].to_template_dict("messages.0")
