@@ -107,8 +107,15 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def step_spec(args) -> tuple[dict, dict]:
-    """The bench config and the step's spec from :func:`add_step_arguments`' arguments."""
+    """The bench config and the step's spec from :func:`add_step_arguments`' arguments; UserInputError without
+    a CUDA device (the profiles are of the GPU step)."""
+    import torch
+
     from fxrewrite.benchmarks.common import load_bench_config
+    from fxrewrite.errors import UserInputError
+
+    if not torch.cuda.is_available():
+        raise UserInputError("this profiles a training step on a CUDA device, and torch sees none")
 
     bench = load_bench_config(args.config)
     return bench, {"config": bench["config"], "dtype": "bfloat16", "device": "cuda", "seed": 0, "lr": 1e-5,
