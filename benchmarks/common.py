@@ -40,19 +40,6 @@ ENGINE_ARMS = {
 ARMS = (*ENGINE_ARMS, "hf")
 
 
-def run_cli(main) -> int:
-    """``main()`` of a ``python -m fxrewrite.benchmarks.<tool>`` entry point, as the ``fxrewrite`` CLI runs its
-    commands: bad input (a UserInputError: an unknown config, a bad value) is one line on stderr and exit
-    status 2; any other error is a bug and keeps its traceback."""
-    import sys
-
-    try:
-        return int(main() or 0)
-    except UserInputError as e:
-        print(f"python -m fxrewrite.benchmarks.{Path(sys.argv[0]).stem}: error: {e}", file=sys.stderr)
-        return 2
-
-
 def load_bench_config(path: str | Path) -> dict:
     """Read a bench config: a path, or the name of a file in benchmarks/configs ("qwen3-0.6b").
     FileNotFoundError naming the path; ValueError when "name" or "config" is missing."""

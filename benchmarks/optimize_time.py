@@ -81,12 +81,14 @@ def _sync(device: str) -> None:
 def main(argv=None) -> int:
     """CLI: see the module docstring."""
     from fxrewrite.benchmarks.common import RESULTS_DIR, environment, load_bench_config, write_result
+    from fxrewrite.benchmarks.tool_cli import device_argument
+    from fxrewrite.commands.bench import positive_int
 
     p = argparse.ArgumentParser(prog="python -m fxrewrite.benchmarks.optimize_time")
     p.add_argument("--config", default="qwen3-4b")
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--repeats", type=positive_int, default=1)
+    p.add_argument("--device", type=device_argument, default="cpu")
+    p.add_argument("--threads", type=positive_int, default=None,
                    help="torch intra-op threads (default: torch's); on a busy shared CPU, 1 avoids threads waiting "
                         "for a core inside every weight copy")
     p.add_argument("--note", default="")
@@ -106,6 +108,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from fxrewrite.benchmarks.common import run_cli
+    from fxrewrite.benchmarks.tool_cli import run_cli
 
     raise SystemExit(run_cli(main))

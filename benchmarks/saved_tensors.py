@@ -70,15 +70,17 @@ def saved_tensor_bytes(loss: torch.Tensor, parameters=()) -> dict[str, int]:
 def main(argv=None) -> int:
     """CLI: one arm's saved-tensor bytes per node type (see the module docstring)."""
     from fxrewrite.benchmarks.common import RESULTS_DIR, load_bench_config
+    from fxrewrite.benchmarks.tool_cli import device_argument
+    from fxrewrite.commands.bench import positive_int
 
     p = argparse.ArgumentParser(prog="python -m fxrewrite.benchmarks.saved_tensors")
     p.add_argument("--arm", choices=["stock", "liger", "optimize"], required=True)
     p.add_argument("--config", default="qwen3-0.6b")
-    p.add_argument("--layers", type=int, default=1, help="decoder layers (saved bytes grow linearly)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--layers", type=positive_int, default=1, help="decoder layers (saved bytes grow linearly)")
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--seq-len", type=positive_int, default=2048)
+    p.add_argument("--device", type=device_argument, default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     bench = load_bench_config(args.config)
@@ -101,6 +103,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from fxrewrite.benchmarks.common import run_cli
+    from fxrewrite.benchmarks.tool_cli import run_cli
 
     raise SystemExit(run_cli(main))

@@ -197,6 +197,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from fxrewrite.benchmarks.common import run_cli
+    from fxrewrite.benchmarks.tool_cli import run_cli
 
     raise SystemExit(run_cli(main))

@@ -124,12 +124,16 @@ def _caller() -> str:
 def _triton_paths_without_launches():
     """Within: the Triton code paths are taken on a CPU (``FXREWRITE_TRITON=1``; their torch allocations are
     what is measured) and every Triton launch is a no-op; both undone on exit. Needs triton imported under
-    ``TRITON_INTERPRET=1`` (the CLI sets it; so does the test suite)."""
+    ``TRITON_INTERPRET=1`` set before anything imports triton (the test suite sets it; the command line needs it
+    in the environment: the package imports triton before ``main`` runs); UserInputError otherwise."""
     from fxrewrite.kernels.triton_utils import interpreter_ready
     from triton.runtime import interpreter, jit
 
     if not interpreter_ready():
-        raise RuntimeError("train_memory needs triton imported under TRITON_INTERPRET=1 (set it before importing)")
+        from fxrewrite.errors import UserInputError
+
+        raise UserInputError("this counts the Triton paths on a CPU, so triton must be imported under "
+                             "TRITON_INTERPRET=1: run it as `TRITON_INTERPRET=1 python -m fxrewrite.benchmarks...`")
     noop = lambda *a, **k: None  # noqa: E731
     saved = [(cls, name, cls.__dict__[name]) for cls in (interpreter.InterpretedFunction, jit.JITFunction)
              for name in ("__getitem__", "run") if name in cls.__dict__]
@@ -390,6 +394,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from fxrewrite.benchmarks.common import run_cli
+    from fxrewrite.benchmarks.tool_cli import run_cli
 
     raise SystemExit(run_cli(main))

@@ -161,8 +161,7 @@ class LLM:
         prompts, texts = [], []
         for n, conversation in enumerate(conversations):
             _check_conversation(n, conversation)
-            conversation = [dict(m, content=join_text_parts(m["content"], f"conversation {n} message {i}"))
-                            if isinstance(m.get("content"), list) else m for i, m in enumerate(conversation)]
+            conversation = [_template_message(m, f"conversation {n} message {i}") for i, m in enumerate(conversation)]
             try:
                 text = render_chat(tokenizer, list(conversation), chat_template=chat_template, tools=tools,
                                    add_generation_prompt=add_generation_prompt,
@@ -194,6 +193,16 @@ def _check_conversation(n: int, conversation) -> None:
                 isinstance(content, list) and all(isinstance(part, dict) for part in content)):
             raise UserTypeError(f"conversation {n} message {i}: content={content!r} must be a string or a list "
                                 f"of content parts ({{'type': 'text', 'text': ...}} dicts)")
+
+
+def _template_message(message: dict, where: str) -> dict:
+    """A message as the server gives it to the chat template: text parts joined; an assistant turn of only
+    tool calls gets content "" (templates read message['content'])."""
+    if isinstance(message.get("content"), list):
+        return dict(message, content=join_text_parts(message["content"], where))
+    if message.get("content") is None:
+        return dict(message, content="")
+    return message
 
 
 def _per_prompt(sampling_params, num: int) -> list[SamplingParams]:

@@ -185,6 +185,8 @@ class SamplingRequest(RequestModel):
             raise FieldError("best_of", f"best_of ({self.best_of}) must be at least n ({self.n})")
         if self.best_of not in (None, 1) and self.stream:
             raise FieldError("best_of", "best_of cannot be used with stream")
+        if self.prompt_logprobs is not None and self.stream:  # as vLLM's server: no chunk carries them
+            raise FieldError("prompt_logprobs", "prompt_logprobs are not available when stream is true")
         for key, bias in (self.logit_bias or {}).items():
             if not key.lstrip("-").isdigit() or int(key) < 0:
                 raise FieldError("logit_bias", f"logit_bias key {key!r} must be a token id (a non-negative integer)")

@@ -10,10 +10,11 @@ from __future__ import annotations
 from http import HTTPStatus
 from typing import Any
 
-from pydantic import Field, StrictBool, StrictInt, model_validator
+from pydantic import Field, StrictBool, StrictInt, ValidationError, model_validator
 
 from fxrewrite.runtime.server.errors import OpenAIError
 from fxrewrite.runtime.server.protocol import ChatCompletionRequest, ChatMessage, OpenAIBaseModel, RequestModel
+from fxrewrite.runtime.server.validation_errors import describe_errors
 
 
 class TokenizeRequest(RequestModel):
@@ -65,10 +66,14 @@ def _tokenize(chat, request: TokenizeRequest) -> TokenizeResponse:
         add = True if request.add_special_tokens is None else request.add_special_tokens
         ids = list(tokenizer.encode(request.prompt, add_special_tokens=add))
     else:
-        chat_request = ChatCompletionRequest(
-            messages=request.messages, add_generation_prompt=request.add_generation_prompt,
-            continue_final_message=request.continue_final_message, chat_template=request.chat_template,
-            chat_template_kwargs=request.chat_template_kwargs, tools=request.tools, tool_choice="none")
+        try:  # the chat endpoint's own checks (messages non-empty, tools' shape): a 400 naming the field
+            chat_request = ChatCompletionRequest(
+                messages=request.messages, add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message, chat_template=request.chat_template,
+                chat_template_kwargs=request.chat_template_kwargs, tools=request.tools, tool_choice="none")
+        except ValidationError as e:
+            message, param = describe_errors(e.errors())
+            raise OpenAIError(HTTPStatus.BAD_REQUEST, message, param=param, code="invalid_value") from None
         ids = chat.apply_chat_template(chat_request)
         if request.add_special_tokens and tokenizer.bos_token_id is not None and ids[:1] != [tokenizer.bos_token_id]:
             ids = [tokenizer.bos_token_id] + ids

@@ -17,6 +17,8 @@ import json
 import re
 from dataclasses import dataclass
 
+from fxrewrite.errors import UserInputError
+
 
 @dataclass
 class ParsedToolCall:
@@ -144,9 +146,9 @@ def get_tool_parser(name: str, chat_template: str | None) -> ToolParser:
     if name == "auto":
         parser = parser_for_template(chat_template)
         if parser is None:
-            raise ValueError("--tool-call-parser auto: the chat template writes no tool-call format this server "
+            raise UserInputError("--tool-call-parser auto: the chat template writes no tool-call format this server "
                              f"knows; pass one of {sorted(TOOL_PARSERS)}")
         return parser
     if name not in TOOL_PARSERS:
-        raise ValueError(f"--tool-call-parser {name!r} is not one of {sorted(TOOL_PARSERS)} or 'auto'")
+        raise UserInputError(f"--tool-call-parser {name!r} is not one of {sorted(TOOL_PARSERS)} or 'auto'")
     return TOOL_PARSERS[name]()

@@ -114,6 +114,17 @@ def test_text_content_parts_are_joined_as_the_server_joins_them(llm):
     assert llm.chat(joined, GREEDY, use_tqdm=False)[0].outputs[0].token_ids  # still serving
 
 
+def test_an_assistant_turn_of_only_tool_calls_renders_as_over_http(llm):
+    call = {"id": "c1", "type": "function", "function": {"name": "get_forecast", "arguments": {"city": "Paris"}}}
+    convo = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": None,
+                                                                  "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    assert "sunny" in llm.chat(convo, GREEDY, use_tqdm=False, tools=TOOLS)[0].prompt
+    concat = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] }};{% endfor %}"  # as SmolLM2's reads it
+    text = llm.chat(convo, GREEDY, use_tqdm=False, chat_template=concat)[0].prompt
+    assert text == "user: Weather in Paris?;assistant: ;tool: sunny;"
+
+
 def test_allowed_token_ids_restrict_sampling(llm):
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=1, allowed_token_ids=[11, 12], ignore_eos=True)
     assert set(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids) <= {11, 12}

@@ -37,6 +37,8 @@ def _error(response, status):
         ("/v1/completions", COMPLETION | {"max_tokens": 0}, "max_tokens"),
         ("/v1/completions", COMPLETION | {"min_tokens": 5}, "min_tokens"),
         ("/v1/completions", COMPLETION | {"best_of": 2, "stream": True}, "best_of"),
+        ("/v1/completions", COMPLETION | {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+        ("/v1/chat/completions", CHAT | {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
         ("/v1/completions", COMPLETION | {"logit_bias": {"abc": 5}}, "logit_bias"),
         ("/v1/chat/completions", CHAT | {"tools": [{"type": "function", "function": {"name": "f"}}],
                                         "tool_choice": {"type": "function", "function": {"name": "g"}}},
@@ -56,6 +58,11 @@ def _error(response, status):
         ("/v1/completions", COMPLETION | {"prompt": "a\ud800b"}, "prompt"),
         ("/v1/chat/completions", CHAT | {"messages": [{"role": "user", "content": "a\udfffb"}]}, "messages"),
         ("/v1/tokenize", {"prompt": "\udfff"}, "prompt"),
+        # the chat endpoint's checks, through /v1/tokenize too (were 500s)
+        ("/v1/tokenize", {"messages": []}, "messages"),
+        ("/v1/tokenize", {"messages": CHAT["messages"], "tools": [{}]}, "tools"),
+        ("/v1/tokenize", {"messages": CHAT["messages"], "tools": [{"type": "function", "function": {"name": 5}}]},
+         "tools"),
         ("/v1/completions", COMPLETION | {"stop_token_ids": [99999999]}, "stop_token_ids"),
     ],
 )

@@ -1,0 +1,33 @@
+"""What every ``python -m fxrewrite.benchmarks.<tool>`` entry point shares with the ``fxrewrite`` CLI: bad input
+is one line on stderr (exit status 2), not a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from fxrewrite.errors import UserInputError
+
+__all__ = ["device_argument", "run_cli"]
+
+
+def run_cli(main) -> int:
+    """``main()`` of a ``python -m fxrewrite.benchmarks.<tool>`` entry point, as the ``fxrewrite`` CLI runs its
+    commands: bad input (a UserInputError: an unknown config, a bad value) is one line on stderr and exit
+    status 2; any other error is a bug and keeps its traceback."""
+    try:
+        return int(main() or 0)
+    except UserInputError as e:
+        print(f"python -m fxrewrite.benchmarks.{Path(sys.argv[0]).stem}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def device_argument(device: str) -> str:
+    """An argparse ``type``: ``device`` if torch can use it, else argparse's error naming it (a CUDA device on a
+    machine without one)."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{device!r}: torch sees no CUDA device here; use cpu")
+    return device
