@@ -49,7 +49,7 @@ def _names(model: nn.Module, side: str) -> list[str]:
     return list(names)
 
 
-def _group_names(state: dict, names: list[str]) -> list[list[str]]:
+def _group_names(state: dict, names: list[str], side: str = "hf") -> list[list[str]]:
     groups, flat = state["param_groups"], iter(names)
     out = []
     for g in groups:
@@ -59,7 +59,9 @@ def _group_names(state: dict, names: list[str]) -> list[list[str]]:
             try:
                 out.append([next(flat) for _ in g["params"]])
             except StopIteration:
-                raise ValueError(f"the state dict lists more parameters than the model has ({len(names)})") from None
+                view = "stock model's optimizer (HF view)" if side == "hf" else "optimized model's optimizer (fused view)"
+                raise ValueError(f"the state dict lists more parameters than the model's {side} view has "
+                                 f"({len(names)}); this conversion reads a state dict of the {view}") from None
     return out
 
 
@@ -76,7 +78,7 @@ def optimizer_state_dict(model: nn.Module, state_dict: dict, *, to: str) -> dict
     owner = {hf: fused for fused, hfs in parts.items() for hf in hfs}
     sizes = {name: _sizes(model.get_submodule(name.rpartition(".")[0])) for name in parts}
     target_order = _names(model, to)
-    src_groups = _group_names(state_dict, _names(model, src_side))
+    src_groups = _group_names(state_dict, _names(model, src_side), src_side)
     by_name = {}
     index = 0
     for names in src_groups:

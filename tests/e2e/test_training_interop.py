@@ -57,6 +57,12 @@ def test_optimizer_state_bad_arguments():
     with pytest.raises(ValueError, match=r"state of 'model.*': exp_avg has shape .* to='fused' reads a state dict "
                                          r"of the hf view \(the stock model's optimizer\)"):
         optimizer_state_dict(fused, opt.state_dict(), to="fused")  # already fused: the wrong way round
+    stock = tiny_model("llama")
+    stock_opt = torch.optim.AdamW(stock.parameters(), lr=1e-2)
+    _train_steps(stock, stock_opt, steps=1)
+    with pytest.raises(ValueError, match=r"more parameters than the model's fused view has .* state dict of the "
+                                         r"optimized model's optimizer"):
+        optimizer_state_dict(fused, stock_opt.state_dict(), to="hf")  # an HF-order state: the wrong way round
 
 
 def test_foreign_patch_of_a_module_function_is_refused(monkeypatch):
