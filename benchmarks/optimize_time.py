@@ -81,14 +81,13 @@ def _sync(device: str) -> None:
 def main(argv=None) -> int:
     """CLI: see the module docstring."""
     from fxrewrite.benchmarks.common import RESULTS_DIR, environment, load_bench_config, write_result
-    from fxrewrite.benchmarks.tool_cli import device_argument
-    from fxrewrite.commands.bench import positive_int
+    from fxrewrite.benchmarks.tool_cli import count_argument, device_argument
 
     p = argparse.ArgumentParser(prog="python -m fxrewrite.benchmarks.optimize_time")
     p.add_argument("--config", default="qwen3-4b")
-    p.add_argument("--repeats", type=positive_int, default=1)
+    p.add_argument("--repeats", type=count_argument, default=1)
     p.add_argument("--device", type=device_argument, default="cpu")
-    p.add_argument("--threads", type=positive_int, default=None,
+    p.add_argument("--threads", type=count_argument, default=None,
                    help="torch intra-op threads (default: torch's); on a busy shared CPU, 1 avoids threads waiting "
                         "for a core inside every weight copy")
     p.add_argument("--note", default="")

@@ -70,15 +70,14 @@ def saved_tensor_bytes(loss: torch.Tensor, parameters=()) -> dict[str, int]:
 def main(argv=None) -> int:
     """CLI: one arm's saved-tensor bytes per node type (see the module docstring)."""
     from fxrewrite.benchmarks.common import RESULTS_DIR, load_bench_config
-    from fxrewrite.benchmarks.tool_cli import device_argument
-    from fxrewrite.commands.bench import positive_int
+    from fxrewrite.benchmarks.tool_cli import count_argument, device_argument
 
     p = argparse.ArgumentParser(prog="python -m fxrewrite.benchmarks.saved_tensors")
     p.add_argument("--arm", choices=["stock", "liger", "optimize"], required=True)
     p.add_argument("--config", default="qwen3-0.6b")
-    p.add_argument("--layers", type=positive_int, default=1, help="decoder layers (saved bytes grow linearly)")
-    p.add_argument("--batch-size", type=positive_int, default=8)
-    p.add_argument("--seq-len", type=positive_int, default=2048)
+    p.add_argument("--layers", type=count_argument, default=1, help="decoder layers (saved bytes grow linearly)")
+    p.add_argument("--batch-size", type=count_argument, default=8)
+    p.add_argument("--seq-len", type=count_argument, default=2048)
     p.add_argument("--device", type=device_argument, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--out", type=Path, default=None)

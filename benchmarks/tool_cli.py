@@ -11,7 +11,7 @@ import torch
 
 from fxrewrite.errors import UserInputError
 
-__all__ = ["device_argument", "run_cli"]
+__all__ = ["count_argument", "device_argument", "run_cli"]
 
 
 def run_cli(main) -> int:
@@ -31,3 +31,14 @@ def device_argument(device: str) -> str:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(f"{device!r}: torch sees no CUDA device here; use cpu")
     return device
+
+
+def count_argument(value: str) -> int:
+    """An argparse ``type``: an integer of at least 1 (layers, repeats, threads, a batch size)."""
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return number
