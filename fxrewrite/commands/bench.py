@@ -15,16 +15,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fxrewrite.commands.engine_args import add_compilation_argument, human_readable_int, parse_hf_overrides
+from fxrewrite.commands.engine_args import (add_compilation_argument, human_readable_int, parse_hf_overrides,
+                                             positive_int)
 from fxrewrite.errors import UserInputError
 
-
-def positive_int(value: str) -> int:
-    """A request count: human_readable_int, at least 1 (argparse answers with exit status 2 otherwise)."""
-    number = human_readable_int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return number
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", metavar="{compare,kernels,train,rl}", required=True)

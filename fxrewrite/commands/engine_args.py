@@ -93,7 +93,8 @@ def _gpu_memory_utilization(value: str) -> float:
     return fraction
 
 
-def _positive_int(value: str) -> int:
+def positive_int(value: str) -> int:
+    """An argparse ``type``: human_readable_int (``4k``), at least 1 (argparse's exit status 2 otherwise)."""
     number = human_readable_int(value)
     if number < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
@@ -166,35 +167,35 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--hf-overrides", type=parse_hf_overrides, default=None,
                    help="JSON object merged into the model's config, e.g. "
                         '\'{"rope_parameters": {"rope_type": "yarn", "factor": 4.0, ...}}\'')
-    g.add_argument("--max-model-len", type=_positive_int, default=None,
+    g.add_argument("--max-model-len", type=positive_int, default=None,
                    help="context length in tokens (prompt + output); accepts 32k / 32K (default: from config)")
     g.add_argument("--dtype", default="auto",
                    choices=("auto", "half", "float16", "bfloat16", "float", "float32"),
                    help="weight and activation dtype (auto: the config's dtype, float32 when it names none)")
     g.add_argument("--seed", type=int, default=0, help="random seed of the engine")
-    g.add_argument("--max-num-seqs", type=_positive_int, default=256,
+    g.add_argument("--max-num-seqs", type=positive_int, default=256,
                    help="most sequences in one engine step")
-    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                    help="most tokens in one engine step (default: derived from max-model-len)")
-    g.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV-cache block")
+    g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV-cache block")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of shared prompt prefixes")
     g.add_argument("--gpu-memory-utilization", type=_gpu_memory_utilization, default=0.9,
                    help="fraction of GPU memory the engine may use (weights + activations + KV cache)")
-    g.add_argument("--kv-cache-memory-bytes", type=_positive_int, default=None,
+    g.add_argument("--kv-cache-memory-bytes", type=positive_int, default=None,
                    help="KV-cache size in bytes (e.g. 4G); overrides --gpu-memory-utilization for the cache")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no torch.compile")
     add_compilation_argument(g)
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="schedule step n+1 while step n runs on the device")
-    g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
+    g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
                    help="number of GPUs to split the model over")
-    g.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
+    g.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1,
                    help="engine replicas (each tensor-parallel-size GPUs), one API server balancing requests by load")
     g.add_argument("--enable-expert-parallel", action="store_true", default=False,
                    help="MoE models: split whole experts across the tensor-parallel ranks (not each expert's "
                         "columns); with --data-parallel-size, across every replica's ranks (DP attention + EP)")
-    g.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int, default=1,
+    g.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, default=1,
                    help="pipeline stages (the decoder layers split between them); x tensor-parallel-size processes")
     g.add_argument("--quantization", "-q", choices=("fp8",), default=None,
                    help="fp8: quantize the linear layers of a bf16 checkpoint to FP8 at load (FP8 checkpoints "
@@ -202,7 +203,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--generation-config", default="auto",
                    help="'auto': default sampling values from the model's generation_config.json; "
                         "'vllm': none; or a folder holding a generation_config.json")
-    g.add_argument("--max-logprobs", type=_positive_int, default=20,
+    g.add_argument("--max-logprobs", type=positive_int, default=20,
                    help="most logprobs / prompt_logprobs a request may ask for (default 20, as vLLM)")
     g.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"),
                    help="weight format (dummy: random weights, for benchmarks)")
