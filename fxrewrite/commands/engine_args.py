@@ -37,6 +37,7 @@ ENGINE_KWARG_NAMES = (
     "pipeline_parallel_size",
     "quantization",
     "load_format",
+    "batch_invariant",
 )
 
 # vLLM: lowercase suffixes are powers of 1000, uppercase of 1024 ("32k" = 32000, "32K" = 32768).
@@ -205,6 +206,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         "'vllm': none; or a folder holding a generation_config.json")
     g.add_argument("--max-logprobs", type=positive_int, default=20,
                    help="most logprobs / prompt_logprobs a request may ask for (default 20, as vLLM)")
+    g.add_argument("--batch-invariant", action="store_true", default=False,
+                   help="batch-invariant kernels: a sequence's logits (and so a seeded request's text) do not "
+                        "depend on the rest of the batch or on prefix-cache hits, bf16 included; slower, no "
+                        "torch.compile")
     g.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"),
                    help="weight format (dummy: random weights, for benchmarks)")
     for flag in ("--rope-scaling", "--rope-theta"):

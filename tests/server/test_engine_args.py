@@ -31,7 +31,7 @@ def test_all_flags_reach_kwargs():
         "--dtype", "bfloat16", "--seed", "7", "--max-num-seqs", "8", "--max-num-batched-tokens", "4K",
         "--block-size", "32", "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5",
         "--kv-cache-memory-bytes", "1G", "--enforce-eager", "--tensor-parallel-size", "1",
-        "--data-parallel-size", "2", "--enable-expert-parallel", "--tokenizer", "tok", "--load-format", "dummy", "--no-fusion", "--generation-config", "vllm",
+        "--data-parallel-size", "2", "--enable-expert-parallel", "--tokenizer", "tok", "--load-format", "dummy", "--no-fusion", "--generation-config", "vllm", "--batch-invariant",
         "--port", "1234", "--api-key", "k", "--served-model-name", "a", "b",
     ])
     kw = engine_kwargs(args)
@@ -44,6 +44,7 @@ def test_all_flags_reach_kwargs():
     assert (kw["dtype"], kw["seed"], kw["max_num_seqs"], kw["block_size"]) == ("bfloat16", 7, 8, 32)
     assert kw["enable_prefix_caching"] is False and kw["enforce_eager"] is True and kw["fusion"] is False
     assert kw["gpu_memory_utilization"] == 0.5 and kw["tokenizer"] == "tok" and kw["load_format"] == "dummy"
+    assert kw["batch_invariant"] is True
     assert (args.port, args.api_key, args.served_model_name, args.generation_config) == (1234, "k", ["a", "b"], "vllm")
 
 
