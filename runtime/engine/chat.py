@@ -97,6 +97,25 @@ def check_generation_mode(messages: list, add_generation_prompt: bool, continue_
                              f"{role!r}")
 
 
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "return_dict", "return_tensors",
+                                      "chat_template", "tokenizer"})
+"""Arguments of transformers' apply_chat_template that the renderer sets itself (the conversation, text
+output); a request's own template goes in vLLM's `chat_template` field (the server checks it there)."""
+
+
+def check_template_kwargs(chat_template_kwargs: dict | None) -> None:
+    """UserInputError naming the key when chat_template_kwargs sets one of `RESERVED_TEMPLATE_KWARGS`, or
+    add_generation_prompt / continue_final_message to something other than a bool."""
+    extra = chat_template_kwargs or {}
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(extra))
+    if reserved:
+        raise UserInputError(f"chat_template_kwargs may not set {reserved}: the renderer sets "
+                             f"{sorted(RESERVED_TEMPLATE_KWARGS)} itself")
+    for name in ("add_generation_prompt", "continue_final_message"):
+        if name in extra and not isinstance(extra[name], bool):
+            raise UserInputError(f"chat_template_kwargs[{name!r}]={extra[name]!r} must be true or false")
+
+
 def template_renders_tools(chat_template: str | None) -> bool:
     """Whether a chat template reads `tools` at all (transformers would silently drop them otherwise)."""
     return bool(chat_template) and "tools" in chat_template
@@ -108,9 +127,16 @@ def render_chat(tokenizer, messages: list[dict], *, chat_template: str | None = 
     """The prompt text of one conversation through the chat template (`chat_template`, else the
     tokenizer's), as vLLM renders it for LLM.chat and /v1/chat/completions: `tools` (OpenAI tool dicts)
     are given to the template; `continue_final_message` leaves the last message open (no end-of-turn
-    token, no generation prompt). UserInputError for a bad combination or a template that cannot render
-    the tools; ChatTemplateError (a UserInputError) when the template itself fails (a jinja2 error, its
-    raise_exception)."""
+    token, no generation prompt). `chat_template_kwargs` are extra template variables; as in vLLM they
+    override the named arguments (`add_generation_prompt`, `continue_final_message`, `tools`), and the keys
+    `RESERVED_TEMPLATE_KWARGS` are refused. UserInputError for a bad combination, a reserved key or a
+    template that cannot render the tools; ChatTemplateError (a UserInputError) when the template itself
+    fails (a jinja2 error, its raise_exception)."""
+    check_template_kwargs(chat_template_kwargs)
+    extra = dict(chat_template_kwargs or {})
+    add_generation_prompt = extra.pop("add_generation_prompt", add_generation_prompt)
+    continue_final_message = extra.pop("continue_final_message", continue_final_message)
+    tools = extra.pop("tools", tools)
     check_generation_mode(messages, add_generation_prompt, continue_final_message)
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if template is None:
@@ -121,7 +147,6 @@ def render_chat(tokenizer, messages: list[dict], *, chat_template: str | None = 
     try:
         return tokenizer.apply_chat_template(
             messages, tools=tools or None, tokenize=False, chat_template=chat_template,
-            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-            **(chat_template_kwargs or {}))
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message, **extra)
     except jinja2.TemplateError as e:  # a syntax error, or the template's own raise_exception(...)
         raise ChatTemplateError(f"chat template failed: {e}") from e

@@ -10,7 +10,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from fxrewrite.errors import UserInputError
-from fxrewrite.runtime.engine.chat import ChatTemplateError, check_generation_mode, check_template_syntax, render_chat
+from fxrewrite.runtime.engine.chat import (ChatTemplateError, check_generation_mode, check_template_kwargs,
+                                           check_template_syntax, render_chat)
 from fxrewrite.runtime.server.async_engine import StepOutput
 from fxrewrite.runtime.server.errors import OpenAIError
 from fxrewrite.runtime.server.logprobs import chat_logprobs
@@ -131,6 +132,11 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError(HTTPStatus.BAD_REQUEST, str(e), param="continue_final_message",
                               code="invalid_value") from None
         kwargs = {k: v for k, v in (request.chat_template_kwargs or {}).items() if k != "chat_template"}
+        try:
+            check_template_kwargs(kwargs)
+        except UserInputError as e:
+            raise OpenAIError(HTTPStatus.BAD_REQUEST, str(e), param="chat_template_kwargs",
+                              code="invalid_value") from None
         try:
             text = render_chat(self.tokenizer, messages, chat_template=own or self.chat_template, tools=tools,
                                add_generation_prompt=request.add_generation_prompt,

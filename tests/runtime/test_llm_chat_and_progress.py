@@ -140,6 +140,8 @@ def test_allowed_token_ids_restrict_sampling(llm):
 def test_chat_and_sampling_argument_types(llm):
     with pytest.raises(TypeError, match="chat_template_kwargs must be a dict, got str"):
         llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False, chat_template_kwargs="x")
+    with pytest.raises(ValueError, match=r"chat_template_kwargs may not set \['messages'\]"):
+        llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False, chat_template_kwargs={"messages": []})
     with pytest.raises(ValueError, match=r"chat_template '\{% for %\}': not a valid Jinja template"):
         llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False, chat_template="{% for %}")
     with pytest.raises(TypeError, match=r"stop_token_ids='2' must be a list of integers"):

@@ -117,3 +117,30 @@ def test_stream_sends_no_empty_chunks_while_a_character_is_incomplete(server):
     assert chunks[0]["delta"]["role"] == "assistant" and chunks[0]["delta"]["content"] == ""
     assert all(c["delta"].get("content") for c in chunks[1:-1]) and chunks[-1]["finish_reason"] == "length"
     assert sum(len(c["logprobs"]["content"]) for c in chunks[1:]) == 12
+
+
+def test_chat_template_kwargs_override_the_named_options_as_in_vllm(server):
+    """vLLM merges chat_template_kwargs over add_generation_prompt / continue_final_message / tools."""
+    tok = server.engine.tokenizer
+    with server.http() as http:
+        r = http.post("/v1/tokenize", json={"messages": PREFILL[:1],
+                                            "chat_template_kwargs": {"add_generation_prompt": False}})
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens"] == tok.encode(tok.apply_chat_template(PREFILL[:1], tokenize=False),
+                                                add_special_tokens=False)
+        r = http.post("/v1/chat/completions", json={**CHAT, "chat_template_kwargs": {"enable_thinking": False}})
+        assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"tokenize": True}, "may not set ['tokenize']"),
+    ({"conversation": [], "messages": []}, "may not set ['conversation', 'messages']"),
+    ({"add_generation_prompt": "yes"}, "must be true or false"),
+])
+def test_chat_template_kwargs_that_clash_with_the_renderer_are_400(server, kwargs, needle):
+    with server.http() as http:
+        for path in ("/v1/chat/completions", "/v1/tokenize"):
+            body = {**CHAT, "chat_template_kwargs": kwargs}
+            if path == "/v1/tokenize":
+                body.pop("max_tokens")
+            assert needle in _error(http.post(path, json=body), 400, "chat_template_kwargs")
