@@ -75,6 +75,11 @@ def parse_hf_overrides(hf_overrides: HfOverrides) -> dict[str, Any] | Callable |
 def split_hf_overrides(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], int | None]:
     """(keys passed at load, dict-valued keys applied after load, max_model_len or None)."""
     overrides = dict(overrides)
+    if "torch_dtype" in overrides:  # transformers 5's deprecated alias, which it would drop unchecked
+        if "dtype" in overrides and overrides["dtype"] != overrides["torch_dtype"]:
+            raise UserInputError(f"hf_overrides sets dtype={overrides['dtype']!r} and its old name "
+                                 f"torch_dtype={overrides['torch_dtype']!r}; give one")
+        overrides["dtype"] = overrides.pop("torch_dtype")
     max_model_len = overrides.pop("max_model_len", None)
     if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)):
         raise UserInputError(f"hf_overrides['max_model_len'] must be an int, got {max_model_len!r}")

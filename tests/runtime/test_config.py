@@ -253,6 +253,16 @@ def test_bad_dtype(qwen3_dir, dtype):
         ModelConfig.from_pretrained(qwen3_dir, dtype=dtype)
 
 
+def test_torch_dtype_override_is_the_dtype_override(qwen3_dir):
+    """transformers 5 renamed torch_dtype to dtype and drops the old key unchecked: the override is read as
+    dtype, so a bad value is an error and a good one selects the auto dtype."""
+    assert ModelConfig.from_pretrained(qwen3_dir, hf_overrides={"torch_dtype": "float16"}).dtype == torch.float16
+    with pytest.raises(ValueError, match="bogus"):
+        ModelConfig.from_pretrained(qwen3_dir, hf_overrides={"torch_dtype": "bogus"})
+    with pytest.raises(ValueError, match="give one"):
+        ModelConfig.from_pretrained(qwen3_dir, hf_overrides={"torch_dtype": "float16", "dtype": "float32"})
+
+
 def test_auto_dtype_without_config_dtype_is_float32(tmp_path):
     LlamaConfig(**TINY).save_pretrained(tmp_path)
     assert ModelConfig.from_pretrained(tmp_path).dtype == torch.float32
