@@ -151,6 +151,18 @@ def _rope_suggestion(flag: str, value: str | None) -> str | None:
     return json.dumps({"rope_parameters": params})
 
 
+def _add_execution_arguments(g) -> None:
+    """How the steps run: eager / CUDA graphs / torch.compile, async scheduling, batch-invariant kernels."""
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no torch.compile")
+    add_compilation_argument(g)
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="schedule step n+1 while step n runs on the device")
+    g.add_argument("--batch-invariant", action="store_true", default=False,
+                   help="batch-invariant kernels: a sequence's logits (and so a seeded request's text) do not "
+                        "depend on the rest of the batch or on prefix-cache hits, bf16 included; slower, no "
+                        "torch.compile")
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the engine flags (vLLM names and defaults) to `parser`; returns it."""
     g = parser.add_argument_group("engine")
@@ -185,10 +197,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help="fraction of GPU memory the engine may use (weights + activations + KV cache)")
     g.add_argument("--kv-cache-memory-bytes", type=positive_int, default=None,
                    help="KV-cache size in bytes (e.g. 4G); overrides --gpu-memory-utilization for the cache")
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no torch.compile")
-    add_compilation_argument(g)
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                   help="schedule step n+1 while step n runs on the device")
+    _add_execution_arguments(g)
     g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
                    help="number of GPUs to split the model over")
     g.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1,
@@ -206,10 +215,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         "'vllm': none; or a folder holding a generation_config.json")
     g.add_argument("--max-logprobs", type=positive_int, default=20,
                    help="most logprobs / prompt_logprobs a request may ask for (default 20, as vLLM)")
-    g.add_argument("--batch-invariant", action="store_true", default=False,
-                   help="batch-invariant kernels: a sequence's logits (and so a seeded request's text) do not "
-                        "depend on the rest of the batch or on prefix-cache hits, bf16 included; slower, no "
-                        "torch.compile")
     g.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"),
                    help="weight format (dummy: random weights, for benchmarks)")
     for flag in ("--rope-scaling", "--rope-theta"):
