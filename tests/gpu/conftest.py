@@ -22,6 +22,16 @@ SMALL_QWEN3 = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _free_device_memory():
+    """After each GPU test: collect the engines it dropped (each sizes its KV cache from the memory free at
+    start, so one left alive leaves the next a negative budget), Dynamo's caches and the allocator's blocks."""
+    yield
+    from fxrewrite.benchmarks.common import free_device_memory
+
+    free_device_memory()
+
+
 @pytest.fixture(scope="session")
 def small_model_dir(fxrewrite_cache):
     from fxrewrite.benchmarks.common import bench_model_dir
