@@ -20,9 +20,6 @@
 #                                  GPU tests (fp8-gemv-tests.log); the GEMV microbenchmark at 32B and 4B shapes,
 #                                  FP8 per-channel / block and bf16 weights, M = 1 (-gemv-...-fp8...json);
 #                                  the fused norm/SiLU + FP8 quantization microbenchmark (-fp8-quant.json).
-#   MODE=fp8-split (nvidia-h200): <= 5 min: the FP8 skinny GEMV GPU tests (every config, split-K included;
-#                                  fp8-split-tests.log); the GEMV microbenchmark at Qwen3-32B shapes, FP8 per-channel and block,
-#                                  M = 1; Qwen3-32B batch-1 latency FP8 (tuner logs fp8-tune.jsonl, gemv-tune.jsonl).
 # Results (JSON, logs) go to $OUT when set, else benchmarks/results. Each step has its own time limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,16 +27,7 @@ source benchmarks/gpu_env.sh
 bench() { timeout -k 5 "$1" $PY -m fxrewrite bench compare "${@:2}" "${TOK[@]}" --out "$OUT_DIR" 2>&1 \
   | tee -a "$OUT_DIR/bench.log" | grep -v "it/s\]$" | grep -Ev "^(INFO|DEBUG)" | tail -8; }
 left() { local c=$1 l=$((540 - $(date +%s) + start)); [ "$l" -lt "$c" ] && c=$l; [ "$c" -lt 10 ] && c=10; echo "$c"; }
-if [ "${MODE:-fp8}" = fp8-split ]; then
-  export FXREWRITE_FP8_TUNE_LOG="$OUT_DIR/fp8-tune.jsonl" FXREWRITE_GEMV_TUNE_LOG="$OUT_DIR/gemv-tune.jsonl"
-  lim() { local c=$1 l=$((290 - $(date +%s) + start)); [ "$l" -lt "$c" ] && c=$l; [ "$c" -lt 5 ] && c=5; echo "$c"; }
-  timeout -k 5 "$(lim 60)" $PY -m fxrewrite.benchmarks.gemv --configs qwen3-32b --formats fp8-channel,fp8 --tokens 1 \
-    --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/fp8-split-bench.log" | grep -E "M=1|wrote|built" | tail -8
-  bench "$(lim 110)" --config qwen3-32b --arms native --workload latency --max-num-seqs 1 --time-limit 10 --quantization fp8
-  timeout -k 5 "$(lim 120)" $PY -m pytest -q -m gpu tests/gpu/test_gpu_skinny_gemv_fp8.py -p no:cacheprovider -rfE \
-    2>&1 | tee "$OUT_DIR/fp8-split-tests.log" | grep -E "passed|failed|FAIL|Error|assert" | tail -15
-  echo "fp8-split done in $(($(date +%s) - start)) s"
-elif [ "${MODE:-fp8}" = fp8-gemv ]; then
+if [ "${MODE:-fp8}" = fp8-gemv ]; then
   export FXREWRITE_FP8_TUNE_LOG="$OUT_DIR/fp8-tune.jsonl" FXREWRITE_GEMV_TUNE_LOG="$OUT_DIR/gemv-tune.jsonl"
   lim() { local c=$1 l=$((410 - $(date +%s) + start)); [ "$l" -lt "$c" ] && c=$l; [ "$c" -lt 5 ] && c=5; echo "$c"; }
   timeout -k 5 "$(lim 70)" $PY -m fxrewrite.benchmarks.gemv --configs qwen3-32b,qwen3-4b --formats float,fp8,fp8-channel \

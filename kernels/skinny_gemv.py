@@ -31,7 +31,7 @@ from fxrewrite.kernels.pdl import gdc_prologue, pdl_enabled
 from fxrewrite.kernels.rms_norm import rms_norm_ref
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
-__all__ = ["GEMV_MAX_M", "CONFIGS", "SPLIT_CONFIGS", "SPLIT_MAX_TILES", "FP8_CONFIGS", "FP8_SPLIT_CONFIGS", "FORMATS", "skinny_gemv_ref",
+__all__ = ["GEMV_MAX_M", "CONFIGS", "SPLIT_CONFIGS", "SPLIT_MAX_TILES", "FP8_CONFIGS", "FORMATS", "skinny_gemv_ref",
            "skinny_gemv_triton", "configs_for"]
 
 GEMV_MAX_M = 8
@@ -71,14 +71,6 @@ FP8_CONFIGS = {
 columns per loop step. One byte per weight: twice the bf16 kernel's columns for the same bytes in flight;
 block_n * block_g * 128 / (32 * num_warps) * BLOCK_M float32 accumulators per thread (16-128). Not
 measured before being listed: the load-time tuner (`fxrewrite.kernels.gemv_tune`) times every one."""
-FP8_SPLIT_CONFIGS = {
-    1: ((8, 4, 4, 4), (4, 8, 4, 4), (8, 8, 4, 2), (16, 4, 8, 4), (4, 4, 2, 8)),
-    2: ((8, 4, 4, 4), (4, 4, 4, 4)),
-}
-"""FP8 (block_n, block_g, num_warps, split_k) for the kinds without a norm prologue at 1-2 tokens, as
-`SPLIT_CONFIGS` for bf16: at half the bytes per row, a narrow output's (Qwen3-32B o_proj: 42 MB) programs are
-too few and too short for the last wave to fill the GPU (2026-12-01: o_proj at 2.65 TB/s where gate_up, the
-widest, reaches 3.9). Not measured before being listed: the load-time tuner times every one."""
 FORMATS = ("float", "fp8", "fp8-channel")
 """Weight formats: bf16 / fp16 / fp32 ("float"), FP8 with a scale per row and 128 columns ("fp8"), FP8 with
 one scale per row ("fp8-channel")."""
@@ -87,16 +79,16 @@ one scale per row ("fp8-channel")."""
 def configs_for(m: int, kind: str = "norm", n: int | None = None, fmt: str = "float") -> tuple[tuple[int, ...], ...]:
     """The candidate configs for m tokens (1 <= m <= GEMV_MAX_M) and a weight format of `FORMATS` (ValueError
     otherwise). "float": `CONFIGS`, then for kind "linear" / "silu" the split-K ones of `SPLIT_CONFIGS` (with
-    `n` output rows: those that leave fewer than `SPLIT_MAX_TILES` column tiles); FP8: `FP8_CONFIGS` and
-    `FP8_SPLIT_CONFIGS` the same way."""
+    `n` output rows: those that leave fewer than `SPLIT_MAX_TILES` column tiles); FP8: `FP8_CONFIGS`."""
     if not 1 <= m <= GEMV_MAX_M:
         raise ValueError(f"skinny GEMV takes 1..{GEMV_MAX_M} rows, got {m}")
     if fmt not in FORMATS:
         raise ValueError(f"skinny GEMV weight format {fmt!r}; expected one of {FORMATS}")
     bucket = next_power_of_2(m)
-    plain, splits = (CONFIGS, SPLIT_CONFIGS) if fmt == "float" else (FP8_CONFIGS, FP8_SPLIT_CONFIGS)
-    split = splits.get(bucket, ()) if kind in ("linear", "silu") else ()
-    return plain[bucket] + tuple(c for c in split if n is None or -(-n // c[0]) < SPLIT_MAX_TILES)
+    if fmt != "float":
+        return FP8_CONFIGS[bucket]
+    split = SPLIT_CONFIGS.get(bucket, ()) if kind in ("linear", "silu") else ()
+    return CONFIGS[bucket] + tuple(c for c in split if n is None or -(-n // c[0]) < SPLIT_MAX_TILES)
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, norm_weight, residual, silu_mul: bool) -> int:

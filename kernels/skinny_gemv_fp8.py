@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from fxrewrite.kernels.activation import silu_and_mul_ref
 from fxrewrite.kernels.rms_norm import rms_norm_ref
-from fxrewrite.kernels.skinny_gemv import _check, _finish, _load, _tickets, _token, configs_for
+from fxrewrite.kernels.skinny_gemv import _check, _load, _token, configs_for
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
 __all__ = ["GROUP", "dequantize", "skinny_gemv_fp8_ref", "skinny_gemv_fp8_triton"]
@@ -74,40 +74,29 @@ def skinny_gemv_fp8_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tens
                            residual: torch.Tensor | None = None, silu_mul: bool = False,
                            config: tuple[int, int, int] | None = None):
     """The Triton kernel; contract of `skinny_gemv_fp8_ref` (M <= GEMV_MAX_M, else ValueError), w_scale in
-    any strides. config: (block_n, block_g, num_warps[, split_k]), BLOCK_G scale groups of 128 columns per
-    loop step; default the first of `configs_for(M, fmt="fp8")`. split_k > 1 (not with norm_weight: ValueError)
-    divides K between that many programs per column tile, as the bf16 kernel's split-K does."""
+    any strides. config: (block_n, block_g, num_warps), BLOCK_G scale groups of 128 columns per loop step;
+    default the first of `configs_for(M, fmt="fp8")`."""
     k = _check(x, w, norm_weight, residual, silu_mul)
     _check_fp8(w, w_scale)
     m, n = x.shape[0], w.shape[0]
     fmt = "fp8-channel" if per_channel else "fp8"
-    block_n, block_g, num_warps, *split = config or configs_for(m, fmt=fmt)[0]
+    block_n, block_g, num_warps = config or configs_for(m, fmt=fmt)[0]
     configs_for(m, fmt=fmt)  # range check
     if x.stride(1) != 1 or not w.is_contiguous():
         raise ValueError(f"skinny_gemv_fp8: needs x with unit column stride and a contiguous weight; got strides "
                          f"{x.stride()} and {w.stride()}")
-    if split and split[0] > 1 and norm_weight is not None:
-        raise ValueError(f"skinny_gemv_fp8: config {config} splits K, which the RMSNorm prologue cannot (needs all "
-                         f"of K)")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     res_out = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else out
     res_in = residual if residual is not None else x
     if res_in.stride(1) != 1:
         res_in = res_in.contiguous()
     block_g = max(1, min(block_g, next_power_of_2(-(-k // GROUP))))
-    steps = triton.cdiv(k, block_g * GROUP)
-    per_split = triton.cdiv(steps, split[0] if split else 1)
-    splits = triton.cdiv(steps, per_split)  # no empty split: each program's first step is in range
-    n_tiles, block_m = triton.cdiv(n, block_n), next_power_of_2(m)
-    ws = torch.empty(splits * block_m * n, dtype=torch.float32, device=x.device) if splits > 1 else out
-    tickets = _tickets(x.device, n_tiles) if splits > 1 else out
-    launch(_skinny_gemv_fp8_kernel, (n_tiles, splits), x.device)(
+    launch(_skinny_gemv_fp8_kernel, (triton.cdiv(n, block_n),), x.device)(
         x, res_in, norm_weight if norm_weight is not None else x, w, w_scale, bias if bias is not None else x, out,
-        res_out, ws, tickets, m, n, k, per_split * block_g * GROUP, w_scale.shape[1], x.stride(0), res_in.stride(0),
-        w_scale.stride(0), w_scale.stride(1), float(eps), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_G=block_g,
-        GROUP_K=GROUP, NORM=norm_weight is not None, HAS_RES=residual is not None, SILU_MUL=silu_mul,
-        HAS_BIAS=bias is not None, EVEN_K=k % (block_g * GROUP) == 0, PER_CHANNEL=per_channel, SPLIT_K=splits,
-        num_warps=num_warps,
+        res_out, m, n, k, w_scale.shape[1], x.stride(0), res_in.stride(0), w_scale.stride(0), w_scale.stride(1),
+        float(eps), BLOCK_M=next_power_of_2(m), BLOCK_N=block_n, BLOCK_G=block_g, GROUP_K=GROUP,
+        NORM=norm_weight is not None, HAS_RES=residual is not None, SILU_MUL=silu_mul, HAS_BIAS=bias is not None,
+        EVEN_K=k % (block_g * GROUP) == 0, PER_CHANNEL=per_channel, num_warps=num_warps,
     )
     return (out, res_out) if residual is not None else out
 
@@ -124,63 +113,26 @@ def _fma3(acc, ss, w, i, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm
 
 
 @triton.jit
-def _store3(out_ptr, b_ptr, s_ptr, ws_ptr, acc, ss, i, rn, pid_k, M, N, K, stride_sn, eps, BLOCK_M: tl.constexpr,
-            NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PER_CHANNEL: tl.constexpr, SPLIT_K: tl.constexpr):
-    """Token i's output row, or (split-K) this split's float32 partial sums (row-scaled: the scale is linear)."""
+def _store3(out_ptr, b_ptr, s_ptr, acc, ss, i, rn, M, N, K, stride_sn, eps, NORM: tl.constexpr,
+            HAS_BIAS: tl.constexpr, PER_CHANNEL: tl.constexpr):
     out = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BLOCK_N]: the one reduction over K
     if PER_CHANNEL:
         out = out * tl.load(s_ptr + tl.minimum(rn, N - 1) * stride_sn)
-    if SPLIT_K > 1:
-        tl.store(ws_ptr + (pid_k * BLOCK_M + i) * N + rn, out, mask=rn < N)
-    else:
-        if NORM:
-            out = out * tl.rsqrt(tl.sum(tl.sum(ss, axis=1), axis=0) / K + eps)
-        if HAS_BIAS:
-            out += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-        row_ok = tl.full((1,), i, tl.int32) < M
-        tl.store(out_ptr + i * N + rn, out.to(out_ptr.dtype.element_ty), mask=(rn < N) & row_ok)
+    if NORM:
+        out = out * tl.rsqrt(tl.sum(tl.sum(ss, axis=1), axis=0) / K + eps)
+    if HAS_BIAS:
+        out += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+    row_ok = tl.full((1,), i, tl.int32) < M
+    tl.store(out_ptr + i * N + rn, out.to(out_ptr.dtype.element_ty), mask=(rn < N) & row_ok)
 
 
 @triton.jit
-def _store_tokens(out_ptr, b_ptr, s_ptr, ws_ptr, a0, a1, a2, a3, a4, a5, a6, a7, s0, s1, s2, s3, s4, s5, s6, s7, rn,
-                  pid_k, M, N, K, stride_sn, eps, BLOCK_M: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  PER_CHANNEL: tl.constexpr, SPLIT_K: tl.constexpr):
-    """`_store3` for every token of the block (those past BLOCK_M pruned at compile time)."""
-    _store3(out_ptr, b_ptr, s_ptr, ws_ptr, a0, s0, 0, rn, pid_k, M, N, K, stride_sn, eps, BLOCK_M, NORM, HAS_BIAS,
-                PER_CHANNEL, SPLIT_K)
-    if BLOCK_M > 1:
-        _store3(out_ptr, b_ptr, s_ptr, ws_ptr, a1, s1, 1, rn, pid_k, M, N, K, stride_sn, eps, BLOCK_M, NORM, HAS_BIAS,
-                PER_CHANNEL, SPLIT_K)
-    if BLOCK_M > 2:
-        _store3(out_ptr, b_ptr, s_ptr, ws_ptr, a2, s2, 2, rn, pid_k, M, N, K, stride_sn, eps, BLOCK_M, NORM, HAS_BIAS,
-                PER_CHANNEL, SPLIT_K)
-        _store3(out_ptr, b_ptr, s_ptr, ws_ptr, a3, s3, 3, rn, pid_k, M, N, K, stride_sn, eps, BLOCK_M, NORM, HAS_BIAS,
-                PER_CHANNEL, SPLIT_K)
-    if BLOCK_M > 4:
-        _store3(out_ptr, b_ptr, s_ptr, ws_ptr, a4, s4, 4, rn, pid_k, M, N, K, stride_sn, eps, BLOCK_M, NORM, HAS_BIAS,
-                PER_CHANNEL, SPLIT_K)
-        _store3(out_ptr, b_ptr, s_ptr, ws_ptr, a5, s5, 5, rn, pid_k, M, N, K, stride_sn, eps, BLOCK_M, NORM, HAS_BIAS,
-                PER_CHANNEL, SPLIT_K)
-        _store3(out_ptr, b_ptr, s_ptr, ws_ptr, a6, s6, 6, rn, pid_k, M, N, K, stride_sn, eps, BLOCK_M, NORM, HAS_BIAS,
-                PER_CHANNEL, SPLIT_K)
-        _store3(out_ptr, b_ptr, s_ptr, ws_ptr, a7, s7, 7, rn, pid_k, M, N, K, stride_sn, eps, BLOCK_M, NORM, HAS_BIAS,
-                PER_CHANNEL, SPLIT_K)
-
-
-@triton.jit
-def _skinny_gemv_fp8_kernel(x_ptr, res_ptr, g_ptr, w_ptr, s_ptr, b_ptr, out_ptr, res_out_ptr, ws_ptr, cnt_ptr, M, N,
-                            K, k_split, G, stride_xm, stride_rm, stride_sn, stride_sg, eps, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, GROUP_K: tl.constexpr, NORM: tl.constexpr,
+def _skinny_gemv_fp8_kernel(x_ptr, res_ptr, g_ptr, w_ptr, s_ptr, b_ptr, out_ptr, res_out_ptr, M, N, K, G, stride_xm,
+                            stride_rm, stride_sn, stride_sg, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_G: tl.constexpr, GROUP_K: tl.constexpr, NORM: tl.constexpr,
                             HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            EVEN_K: tl.constexpr, PER_CHANNEL: tl.constexpr, SPLIT_K: tl.constexpr):
-    # Program (pid, pid_k) covers columns [pid_k * k_split, +k_split) (all of K with one split).
+                            EVEN_K: tl.constexpr, PER_CHANNEL: tl.constexpr):
     pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    k_lo = 0
-    k_hi = K
-    if SPLIT_K > 1:
-        k_lo = pid_k * k_split
-        k_hi = tl.minimum(k_lo + k_split, K)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rn_c = tl.minimum(rn, N - 1)  # a partial last tile re-reads row N - 1
     w_rows = w_ptr + rn_c.to(tl.int64)[:, None, None] * K
@@ -191,7 +143,7 @@ def _skinny_gemv_fp8_kernel(x_ptr, res_ptr, g_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
     a1, a2, a3, a4, a5, a6, a7 = a0, a0, a0, a0, a0, a0, a0
     s0 = tl.zeros((BLOCK_G, GROUP_K), dtype=tl.float32)
     s1, s2, s3, s4, s5, s6, s7 = s0, s0, s0, s0, s0, s0, s0
-    for k0 in range(k_lo, k_hi, BLOCK_G * GROUP_K):
+    for k0 in range(0, K, BLOCK_G * GROUP_K):
         rk = k0 + rk0
         w = _load(w_rows + rk[None, :, :], (rk < K)[None, :, :], EVEN_K).to(tl.float32)
         if not PER_CHANNEL:  # the step's [BLOCK_N, BLOCK_G] group scales, applied once for all tokens
@@ -218,7 +170,14 @@ def _skinny_gemv_fp8_kernel(x_ptr, res_ptr, g_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
                            NORM, HAS_RES, SILU_MUL, EVEN_K)
             a7, s7 = _fma3(a7, s7, w, 7, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, first,
                            NORM, HAS_RES, SILU_MUL, EVEN_K)
-    _store_tokens(out_ptr, b_ptr, s_ptr, ws_ptr, a0, a1, a2, a3, a4, a5, a6, a7, s0, s1, s2, s3, s4, s5, s6, s7, rn,
-                  pid_k, M, N, K, stride_sn, eps, BLOCK_M, NORM, HAS_BIAS, PER_CHANNEL, SPLIT_K)
-    if SPLIT_K > 1:
-        _finish(out_ptr, b_ptr, ws_ptr, cnt_ptr, pid, rn, M, N, BLOCK_M, SPLIT_K, HAS_BIAS)
+    _store3(out_ptr, b_ptr, s_ptr, a0, s0, 0, rn, M, N, K, stride_sn, eps, NORM, HAS_BIAS, PER_CHANNEL)
+    if BLOCK_M > 1:
+        _store3(out_ptr, b_ptr, s_ptr, a1, s1, 1, rn, M, N, K, stride_sn, eps, NORM, HAS_BIAS, PER_CHANNEL)
+    if BLOCK_M > 2:
+        _store3(out_ptr, b_ptr, s_ptr, a2, s2, 2, rn, M, N, K, stride_sn, eps, NORM, HAS_BIAS, PER_CHANNEL)
+        _store3(out_ptr, b_ptr, s_ptr, a3, s3, 3, rn, M, N, K, stride_sn, eps, NORM, HAS_BIAS, PER_CHANNEL)
+    if BLOCK_M > 4:
+        _store3(out_ptr, b_ptr, s_ptr, a4, s4, 4, rn, M, N, K, stride_sn, eps, NORM, HAS_BIAS, PER_CHANNEL)
+        _store3(out_ptr, b_ptr, s_ptr, a5, s5, 5, rn, M, N, K, stride_sn, eps, NORM, HAS_BIAS, PER_CHANNEL)
+        _store3(out_ptr, b_ptr, s_ptr, a6, s6, 6, rn, M, N, K, stride_sn, eps, NORM, HAS_BIAS, PER_CHANNEL)
+        _store3(out_ptr, b_ptr, s_ptr, a7, s7, 7, rn, M, N, K, stride_sn, eps, NORM, HAS_BIAS, PER_CHANNEL)

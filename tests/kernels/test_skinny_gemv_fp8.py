@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fxrewrite.kernels import gemv_dispatch, gemv_tune
-from fxrewrite.kernels.skinny_gemv import FP8_CONFIGS, FP8_SPLIT_CONFIGS, configs_for
+from fxrewrite.kernels.skinny_gemv import FP8_CONFIGS, configs_for
 from fxrewrite.kernels.skinny_gemv_fp8 import dequantize, skinny_gemv_fp8_ref, skinny_gemv_fp8_triton
 from fxrewrite.layers.activation import SiluAndMul
 from fxrewrite.layers.fp8_linear import dequantize_fp8_layer, quantize_fp8_layer
@@ -77,31 +77,6 @@ def test_every_config(interpret, bucket, config):
     args = _args("norm", bucket, 1024, torch.float32, seed=bucket)
     _close(skinny_gemv_fp8_triton(w=w, w_scale=s, config=config, **args), skinny_gemv_fp8_ref(w=w, w_scale=s, **args),
            torch.float32)
-
-
-@pytest.mark.parametrize("per_channel", [False, True])
-@pytest.mark.parametrize("kind", ["linear", "silu"])
-@pytest.mark.parametrize("m, config", [(1, (4, 1, 1, 3)), (2, (8, 2, 2, 2)), (1, (4, 2, 1, 8))])
-def test_split_k_matches_reference(interpret, per_channel, kind, m, config):
-    """Split-K over 640 columns (5 scale groups: uneven splits, a partial last step), partial N tile, bias:
-    the partials (row-scaled per channel) summed by the last program of each column tile."""
-    w, s = _weights(12, 640, per_channel, seed=m)
-    args = _args(kind, m, 640, torch.float32, seed=m)
-    bias = torch.randn(12) if kind == "linear" else None
-    for _ in range(2):  # the arrival counters are reset for the next call
-        got = skinny_gemv_fp8_triton(w=w, w_scale=s, bias=bias, per_channel=per_channel, config=config, **args)
-        _close(got, skinny_gemv_fp8_ref(w=w, w_scale=s, bias=bias, per_channel=per_channel, **args), torch.float32)
-
-
-def test_split_k_candidates_and_norm_refusal():
-    for kind in ("linear", "silu"):
-        assert configs_for(1, kind, n=5120, fmt="fp8") == FP8_CONFIGS[1] + tuple(
-            c for c in FP8_SPLIT_CONFIGS[1] if -(-5120 // c[0]) < 1024)  # Qwen3-32B o_proj / down_proj
-        assert configs_for(4, kind, n=5120, fmt="fp8") == FP8_CONFIGS[4]  # split-K only at 1-2 tokens
-    assert configs_for(1, "norm", n=5120, fmt="fp8") == FP8_CONFIGS[1]
-    w, s = _weights(8, 256, per_channel=False)
-    with pytest.raises(ValueError, match="splits K, which the RMSNorm prologue cannot"):
-        skinny_gemv_fp8_triton(w=w, w_scale=s, config=(4, 1, 1, 2), **_args("norm", 1, 256, torch.float32))
 
 
 def test_bad_fp8_operands_are_refused():
