@@ -20,7 +20,8 @@ def test_graphs_and_compile_keep_per_sequence_rope(tiny_model_dir, arch, overrid
     path = str(tiny_model_dir(arch, vocab="qwen3", **{k: v for k, v in overrides.items() if k != "vocab_size"}))
     short, long_, crossing = _prompt(20, 1), _prompt(120, 2), _prompt(50, 3)
     want = [hf_greedy(path, short, 30), hf_greedy(path, long_, 8), hf_greedy(path, crossing, 60)]
+    # a fixed KV cache: a failed case's engine lives on in pytest's traceback, holding what it took
     llm = LLM(path, model_impl=impl, dtype="float32", block_size=16, max_num_seqs=4,
-              compilation_config=compilation_config)
+              compilation_config=compilation_config, kv_cache_memory_bytes=256 << 20)
     assert llm.llm_engine.model_runner.graph_runner is not None, "CUDA graph capture failed"
     assert engine_greedy(llm, [short, long_, crossing], [30, 8, 60]) == want

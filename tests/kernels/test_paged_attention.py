@@ -153,15 +153,16 @@ def test_decode_kernel_matches_ref_gpu(cuda, paged_batch):
 def test_short_contexts_skip_the_split_gpu(cuda, paged_batch):
     """Qwen3-30B-A3B heads (32 / 4 x 128), bf16: in a 16-split launch, contexts <= single_split_len tokens
     give the one-split launch's output, longer ones bitwise the plain split path's. Short rows within one bf16
-    ulp, not bitwise: the one-split launch is another compilation of the kernel (IS_SPLIT off), and the H200
-    run of 2026-12-02 found one element one ulp apart (-5.0293e-02 / -5.0049e-02)."""
+    ulp of the largest output, not bitwise: the one-split launch is another compilation of the kernel
+    (IS_SPLIT off), and the H200 runs of 2026-12-02 found 171 of 8192 elements apart, by at most 4.9e-4 (one
+    ulp at 0.12)."""
     short = paged_decode._SINGLE_SPLIT_LEN
     batch = paged_batch([(short, 1), (100, 1), (3000, 1), (short + 1, 1)], 32, 4, 128, 16, torch.bfloat16, cuda)
     scale = 128 ** -0.5
     single = paged_decode.paged_decode_triton(*batch.args(), scale, num_splits=1)
     split = paged_decode.paged_decode_triton(*batch.args(), scale, num_splits=16, single_split_len=0)
     got = paged_decode.paged_decode_triton(*batch.args(), scale, num_splits=16)
-    torch.testing.assert_close(got[:2], single[:2], rtol=2 ** -7, atol=1e-6)
+    torch.testing.assert_close(got[:2], single[:2], rtol=0, atol=2 ** -7 * single[:2].abs().max().item())
     assert torch.equal(got[2:], split[2:])
     assert_close_to_exact(got, batch, scale)
 
