@@ -20,13 +20,19 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 
 def hf_greedy(path, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' own cached generation of one sequence (a fresh model: its rotary is stateful)."""
+    """transformers' own generation of one sequence (a fresh model: its rotary is stateful): cached, except
+    for LongRoPE. Phi-3's cached generation is meant to drop the short-factor cache and recompute everything
+    with the long factors at the switch; transformers 5.17 keeps the cache there (its base
+    prepare_inputs_for_generation still feeds one token), a bug later versions fixed (5.24 recomputes all 65
+    tokens). Uncached generation computes every step with the factors of its length on every version,
+    which is what the fixed cached generation computes too."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    longrope = (getattr(model.config, "rope_parameters", None) or {}).get("rope_type") == "longrope"
     ids = torch.tensor([prompt])
     gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, eos_token_id=None, pad_token_id=0)
+                         do_sample=False, eos_token_id=None, pad_token_id=0, use_cache=not longrope)
     return gen[0, len(prompt):].tolist()
 
 
