@@ -1,5 +1,7 @@
 """Forward context always resets; a step flattens to the right slots; no dense mask for our attention."""
 
+import inspect
+
 import pytest
 import torch
 
@@ -46,6 +48,8 @@ def test_transformers_builds_no_dense_mask_for_paged_attention():
     config._attn_implementation = register_paged_attention()
     embeds = torch.zeros(1, 6, 8)
     positions = torch.tensor([[0, 1, 2, 0, 1, 7]])
-    mask = create_causal_mask(config=config, inputs_embeds=embeds, attention_mask=None, cache=None,
-                              position_ids=positions)
+    # the cache argument's name: past_key_values up to transformers 5.17's era, cache in later 5.x
+    cache_kw = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+    mask = create_causal_mask(config=config, inputs_embeds=embeds, attention_mask=None, position_ids=positions,
+                              **{cache_kw: None})
     assert mask is None
