@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
@@ -16,6 +17,8 @@ QUANTIZATIONS = ("fp8",)
 RUNNERS = ("auto", "generate", "pooling")
 COMPILATION_LEVELS = (0, 1, 2, 3)
 """vLLM's optimisation levels (`-O`, `compilation_config`); see `EngineConfig.compilation_config`."""
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -82,6 +85,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check_choice("model_impl", self.model_impl, MODEL_IMPLS)
+        if not isinstance(self.dtype, str) and type(self.dtype).__module__ != "torch":  # a torch.dtype
+            raise UserTypeError(f"dtype={self.dtype!r} must be a string or a torch.dtype, one of {DTYPES}")
         _check_choice("dtype", str(self.dtype).removeprefix("torch."), DTYPES)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
         _check_choice("runner", self.runner, RUNNERS)
@@ -125,6 +130,11 @@ class EngineConfig:
                                             getattr(self, "data_parallel_size", 1)) > 1:
             raise UserInputError("runner='pooling' runs in one process: tensor_parallel_size, "
                                  "pipeline_parallel_size and data_parallel_size must be 1")
+        if self.batch_invariant and self.tensor_parallel_size > 1:
+            logger.warning("batch_invariant=True with tensor_parallel_size=%d: the kernels are batch-invariant, the "
+                           "all-reduce between ranks is not (its reduction order follows the message size, i.e. the "
+                           "batch), so outputs may still depend on the batch; use tensor_parallel_size=1 for "
+                           "bitwise-repeatable results", self.tensor_parallel_size)
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_num_seqs)
 

@@ -394,6 +394,6 @@ def _warn_if_cache_is_short(block_manager: BlockManager, max_model_len: int) -> 
     if capacity < max_model_len:
         logger.warning(
             "the KV cache holds %d tokens, less than max_model_len=%d: requests needing more are refused; "
-            "raise kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len",
+            "raise kv_cache_memory_bytes (on a GPU: gpu_memory_utilization) or lower max_model_len",
             capacity, max_model_len,
         )

@@ -155,3 +155,23 @@ def test_over_long_prompt_is_the_engines_error_only(tiny_qwen3_dir, tmp_path, ca
         logging.getLogger("transformers").removeHandler(handler)
     said = capfd.readouterr().err + "\n".join(heard)
     assert "Token indices sequence length" not in said
+
+
+def test_batch_invariant_with_tensor_parallelism_warns(caplog):
+    """The kernels are batch-invariant, an all-reduce between ranks is not: the user is told, not refused."""
+    from fxrewrite.runtime.engine_config import EngineConfig
+
+    with caplog.at_level("WARNING", logger="fxrewrite.runtime.engine_config"):
+        EngineConfig.from_kwargs(batch_invariant=True, tensor_parallel_size=2)
+    assert "all-reduce between ranks is not" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fxrewrite.runtime.engine_config"):
+        EngineConfig.from_kwargs(batch_invariant=True)
+    assert caplog.text == ""
+
+
+def test_dtype_of_the_wrong_type_names_it():
+    from fxrewrite.runtime.engine_config import EngineConfig
+
+    with pytest.raises(TypeError, match=r"dtype=5 must be a string or a torch.dtype"):
+        EngineConfig.from_kwargs(dtype=5)
