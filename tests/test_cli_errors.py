@@ -17,6 +17,16 @@ def test_user_input_errors_are_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv", [["generate", "--prompt", "hi", "--runner", "pooling"], ["chat", "--task", "embed"]])
+def test_text_commands_refuse_the_pooling_runner_before_loading(argv, capsys, monkeypatch):
+    import fxrewrite.runtime.llm as llm_module
+
+    monkeypatch.setattr(llm_module, "LLM", lambda **kw: pytest.fail("the model was loaded"))
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "fxrewrite serve MODEL --runner pooling" in err and err.count("\n") == 1
+
+
 def test_bad_bench_config_is_one_line(capsys):
     assert main(["bench", "compare", "--config", "no-such-config"]) == 2
     err = capsys.readouterr().err

@@ -8,6 +8,7 @@ import argparse
 from typing import Any
 
 from fxrewrite.commands.engine_args import engine_kwargs
+from fxrewrite.errors import UserInputError
 from fxrewrite.runtime.engine.chat import resolve_chat_template
 
 
@@ -42,7 +43,12 @@ def load_llm(args: argparse.Namespace):
     from fxrewrite.runtime.llm import LLM
     from fxrewrite.runtime.server.generation_defaults import load_generation_defaults
 
-    llm = LLM(**engine_kwargs(args))
+    kwargs = engine_kwargs(args)
+    if kwargs["runner"] == "pooling":  # before the model loads
+        raise UserInputError("generate and chat write text; --runner pooling (--task embed) makes an embedding "
+                             "model: serve it with `fxrewrite serve MODEL --runner pooling` (POST /v1/embeddings) "
+                             "or call LLM(..., runner='pooling').embed(prompts)")
+    llm = LLM(**kwargs)
     defaults = load_generation_defaults(llm.llm_engine.model_config.model_path, args.generation_config)
     return llm, sampling_params(args, defaults)
 
