@@ -81,7 +81,7 @@ def test_replaced_torch_class_forward_is_refused(monkeypatch):
 def test_stock_models_are_not_refused(arch):
     model = tiny_model(arch)
     assert foreign_patches(model) == []
-    getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable()
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     mlp = model.model.layers[0].mlp
     mlp.forward = type(mlp).forward.__get__(mlp)  # the class's own forward, as accelerate's remove_hook leaves it
     assert foreign_patches(model) == []
