@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 
 from fxrewrite.errors import UserInputError
 from fxrewrite.runtime.engine.chat import (ChatTemplateError, check_generation_mode, check_template_kwargs,
-                                           check_template_syntax, render_chat)
+                                           check_template_syntax, render_chat, template_renders_tools)
 from fxrewrite.runtime.server.async_engine import StepOutput
 from fxrewrite.runtime.server.errors import OpenAIError
 from fxrewrite.runtime.server.logprobs import chat_logprobs
@@ -124,6 +124,8 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError(HTTPStatus.BAD_REQUEST, str(e) if str(e).startswith("messages.") else f"messages: {e}",
                               param="messages", code="invalid_value") from None
         tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
+        if tools and tool_mode(request) == "none" and not template_renders_tools(template):
+            tools = None  # the answer is plain text: a template that cannot show the tools renders without them
         if tools:
             check_template_renders_tools(template)  # the 400 that names --chat-template
         try:

@@ -1,7 +1,8 @@
 """Tool calling on chat completions: what `tools` + `tool_choice` ask of the engine and how its text
 becomes OpenAI `tool_calls`.
 
-- `none`: the tools are still shown to the template (vLLM's default); the answer is plain content.
+- `none`: the tools are still shown to the template (vLLM's default; a template that cannot show them renders
+  without them); the answer is plain content.
 - `auto`: the model decides; its own format is parsed (`tool_parsers`). Needs `--enable-auto-tool-choice`
   (and `--tool-call-parser`, "auto" by default here: picked by the chat template), as in vLLM.
 - `required` / a named function: the output is forced with structured outputs, as vLLM does: a JSON

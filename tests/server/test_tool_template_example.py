@@ -53,6 +53,10 @@ def test_example_template_serves_tools_where_the_default_template_cannot(serve_a
         assert call["name"] == "get_time" and json.loads(call["arguments"]) in ({"tz": "UTC"}, {"tz": "CET"})
         response = client.post("/v1/chat/completions", json=named | {"tool_choice": "auto", "max_tokens": 2})
         assert response.status_code == 200, response.text  # "auto": the hermes parser, picked by the template
+    with TestClient(build_app(engine)) as client:  # tool_choice "none" wants text: rendered without the tools
+        response = client.post("/v1/chat/completions", json=named | {"tool_choice": "none", "max_tokens": 2})
+        assert response.status_code == 200, response.text
+        assert not response.json()["choices"][0]["message"].get("tool_calls")
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
