@@ -90,6 +90,11 @@ def _message(error: dict) -> str:
         return "expected " + _EXPECTED[error["type"]]
     if error.get("type") == "missing":
         return "field required"
+    if error.get("type") in ("too_short", "too_long"):  # a list / tuple with too few or too many items
+        ctx = error.get("ctx") or {}
+        bound, n = (("at least", ctx.get("min_length")) if error["type"] == "too_short"
+                    else ("at most", ctx.get("max_length")))
+        return f"expected {bound} {n} item{'' if n == 1 else 's'}"
     value = error.get("input")
     if isinstance(value, float) and not math.isfinite(value):  # NaN is not "more than 2": it is no number
         return "expected a finite number"

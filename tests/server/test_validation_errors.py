@@ -31,6 +31,8 @@ COMPLETION = {"model": "m", "prompt": "hi"}
     (CompletionRequest, COMPLETION | {"prompt": {"a": 1}}, "prompt", "prompt: expected a string, a list of strings, "
      'a list of integers or a list of lists of integers, got {"a": 1} (an object)'),
     (CompletionRequest, COMPLETION | {"prompt": [[1, "a"]]}, "prompt", 'prompt.0.1: expected an integer, got "a" (a string)'),
+    (ChatCompletionRequest, {"model": "m", "messages": []}, "messages",  # fresh-15: pydantic's "List should ..."
+     "messages: expected at least 1 item, got [] (a list)"),
     (CompletionRequest, COMPLETION | {"seed": "s", "n": 1.5}, "n",
      "n: expected an integer, got 1.5 (a number) (and 1 more problem(s))"),
     (CompletionRequest, COMPLETION | {"stop": 5, "seed": "s", "n": [1]}, "n",
