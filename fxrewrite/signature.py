@@ -10,11 +10,14 @@ class, shape, dtype, device and ``requires_grad``; every other attribute, by val
 recursively. So a LoRA wrapper on one layer's ``q_proj``, a sliding-window attention (its ``sliding_window``
 / ``layer_type`` attributes), a different child class or shape all separate instances.
 
-One exception, checked and not assumed: transformers gives every decoder layer its index (``layer_idx``) for
+Two exceptions, checked and not assumed: transformers gives every decoder layer its index (``layer_idx``) for
 the KV cache only; it is left out of the key when no method of the class but ``__init__`` uses
 ``self.layer_idx`` except as a call argument or a subscript (``cache.update(k, v, self.layer_idx)``,
 ``cache.layers[self.layer_idx]``). Any other use (a comparison, arithmetic, ``getattr``) keeps it in the key.
-The meta run and the traces pass no cache, so those uses do not run.
+The meta run and the traces pass no cache, so those uses do not run. And PEFT's LoRA layers keep their
+constructor's arguments as ``self.kwargs``, the module's own name (``target_name``) among them, so every
+wrapped projection would be an instance of its own (one trace per layer, one report line per layer); a
+`RECORD_ATTRS` attribute is left out of the key when no method of the class but ``__init__`` names it at all.
 
 `input_key` is the same idea for a call's arguments: tensors by class, shape, strides, dtype, device and
 ``requires_grad``, plain values by value, anything else by identity.
@@ -41,6 +44,8 @@ MEMO_ATTR = "__fxrewrite_wrapped__"
 """Attribute of `fxrewrite.meta_memo`'s forward wrappers: the forward they wrap (ignored here)."""
 
 INDEX_ATTRS = ("layer_idx",)
+RECORD_ATTRS = ("kwargs",)
+"""Attributes that record how a module was built (PEFT's LoRA layers): ignored when only ``__init__`` names them."""
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _SKIP = frozenset({"_parameters", "_buffers", "_modules", "forward", BOUND_ATTR, *_HOOK_DICTS,
                    "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs",
@@ -80,8 +85,7 @@ def _key(module: nn.Module, seen: dict, done: dict | None = None) -> Hashable:
     params = tuple((n, None if p is None else _tensor_key(p)) for n, p in module._parameters.items())
     buffers = tuple((n, None if b is None else _tensor_key(b)) for n, b in module._buffers.items())
     labels = _index_labels(type(module))
-    attrs = tuple((k, _value_key(v)) for k, v in d.items()
-                  if k not in _SKIP and not (k in labels and type(v) is int))
+    attrs = tuple((k, _value_key(v)) for k, v in d.items() if _kept(k, v, labels))
     children = tuple((n, None if c is None else _key(c, seen, done)) for n, c in module._modules.items())
     return (type(module), forward, params, buffers, attrs, children)
 
@@ -116,8 +120,7 @@ def difference(a: nn.Module, b: nn.Module, path: str = "") -> str:
         if ca is not None and _key(ca, {}) != _key(cb, {}):
             return difference(ca, cb, f"{path + '.' if path else ''}{name}")
     labels = _index_labels(type(a))
-    va, vb = ({k: v for k, v in m.__dict__.items() if k not in _SKIP and not (k in labels and type(v) is int)}
-              for m in (a, b))
+    va, vb = ({k: v for k, v in m.__dict__.items() if _kept(k, v, labels)} for m in (a, b))
     for name in dict.fromkeys([*va, *vb]):
         if _value_key(va.get(name)) != _value_key(vb.get(name)):
             return f"{where}: attribute {name} = {_short(vb.get(name))} instead of {_short(va.get(name))}"
@@ -165,13 +168,22 @@ def input_key(args: tuple, kwargs: dict) -> Hashable:
     return (one(tuple(args)), one(dict(kwargs)))
 
 
+def _kept(name: str, value, ignored: frozenset[str]) -> bool:
+    """Whether instance attribute `name` counts in the key (`ignored`: `_index_labels` of the class)."""
+    return name not in _SKIP and not (name in ignored and (type(value) is int or name in RECORD_ATTRS))
+
+
 @functools.lru_cache(maxsize=None)
 def _index_labels(cls: type) -> frozenset[str]:
-    """The `INDEX_ATTRS` that `cls` only passes on (call argument, subscript) outside ``__init__``."""
-    return frozenset(name for name in INDEX_ATTRS if _only_passed_on(cls, name))
+    """The `INDEX_ATTRS` that `cls` only passes on (call argument, subscript) outside ``__init__``, and the
+    `RECORD_ATTRS` that it never names there."""
+    return frozenset([*(name for name in INDEX_ATTRS if _only_passed_on(cls, name)),
+                      *(name for name in RECORD_ATTRS if _only_passed_on(cls, name, never=True))])
 
 
-def _only_passed_on(cls: type, name: str) -> bool:
+def _only_passed_on(cls: type, name: str, never: bool = False) -> bool:
+    """No method of `cls` but ``__init__`` uses ``<x>.<name>`` other than as a call argument or subscript
+    (never: names it at all)."""
     for klass in cls.__mro__:
         for attr, value in vars(klass).items():
             if attr == "__init__":
@@ -179,6 +191,8 @@ def _only_passed_on(cls: type, name: str) -> bool:
             for fn in _functions(value):
                 if not _mentions(fn.__code__, name):
                     continue  # cheap: the name is not in the bytecode at all
+                if never:
+                    return False
                 try:
                     tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
                 except (OSError, TypeError, SyntaxError):

@@ -81,6 +81,33 @@ def test_layer_index_used_in_control_flow_stays_in_the_key():
     assert signature.structure_key(_IndexedBlock(0)) != signature.structure_key(_IndexedBlock(1))
 
 
+class _Recorded(nn.Module):
+    """Keeps its constructor's arguments as `kwargs` (PEFT's LoRA layers do, with their own module name)."""
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.kwargs = kwargs
+        self.proj = nn.Linear(4, 4)
+
+
+class _RecordedReader(_Recorded):
+    def forward(self, x):
+        return self.proj(x) * self.kwargs["scale"]
+
+
+class _RecordedOnly(_Recorded):
+    def forward(self, x):
+        return self.proj(x)
+
+
+def test_a_record_of_constructor_arguments_counts_only_when_a_method_reads_it():
+    a, b = _RecordedOnly(target_name="layers.0.q", scale=2), _RecordedOnly(target_name="layers.1.q", scale=3)
+    assert signature.structure_key(a) == signature.structure_key(b)  # only __init__ names `kwargs`
+    a, b = _RecordedReader(target_name="layers.0.q", scale=2), _RecordedReader(target_name="layers.0.q", scale=3)
+    assert signature.structure_key(a) != signature.structure_key(b)  # forward reads it: kept
+    assert "attribute kwargs" in signature.difference(a, b)
+
+
 class _Adapter(nn.Module):
     """A LoRA-style wrapper: base linear plus a low-rank update (another child class than nn.Linear)."""
 
