@@ -52,7 +52,7 @@ def should_compile(config, device: torch.device) -> bool:
     level = check_compilation_config(getattr(config, "compilation_config", 0))
     if level > 0 and device.type != "cuda":
         logger.warning("compilation_config=%d: torch.compile runs on CUDA only; the %s model runs eager", level,
-                    device.type)
+                       device.type)
     # batch_invariant: Inductor would fuse the norms and rotary with other roundings than the trainer's eager ops
     return device.type == "cuda" and not config.enforce_eager and level > 0 and not getattr(config, "batch_invariant", False)
 
