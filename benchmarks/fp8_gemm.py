@@ -8,8 +8,10 @@ each FP8 backend of `fxrewrite.kernels.fp8_dispatch` as the layer runs it (activ
 included; the weight-only ``gemv:<i>`` kernels quantize nothing), plus torch's scaled_mm with 128 x 128
 weight block scales (``scaled_mm_block``, not used by the layers) and, on the per-channel quantization
 of the same weight (what ``quantization="fp8"`` on a bf16 checkpoint stores), ``scaled_mm_rowwise``
-(per-token activation scales, torch._scaled_mm row-wise; its error is against its own dequantized
-weight) and the per-channel layers' tuner pick (``channel_pick``); the weight bandwidth each implies
+(per-token activation scales, torch._scaled_mm row-wise) and ``triton_rowwise:<i>`` (the Triton row-wise
+GEMM), each also as ``<name>/gemm`` on activations quantized beforehand (what runs after a producer that
+writes FP8, RMSNorm or SiLU-and-mul); their errors are against their own dequantized weight; and the
+per-channel layers' tuner pick (``channel_pick``); the weight bandwidth each implies
 (GB/s over the weight bytes: the decode roofline; the H200's HBM3e peaks at 4.8 TB/s), its max error
 relative to the largest output of the float32 product of the unquantized activations and the
 dequantized weight, and the backend the engine's load-time tuner (fp8_tune.py) picks for that M. Times
@@ -29,6 +31,7 @@ import torch.nn.functional as F
 
 from fxrewrite.kernels import fp8_dispatch, fp8_tune
 from fxrewrite.kernels.fp8_gemm import per_token_group_quant_fp8
+from fxrewrite.kernels.fp8_rowwise import per_token_quant_fp8
 from fxrewrite.kernels.fp8_scaled_mm import fp8_scaled_mm, weight_block_scales_for_scaled_mm
 from fxrewrite.layers.fp8_linear import quantize_weight_fp8, quantize_weight_fp8_per_channel
 
@@ -71,9 +74,13 @@ def bench_shape(n: int, k: int, m: int, weights) -> list[dict]:
     for name in fp8_tune.candidates(n, k, m):
         fns[name] = (lambda i, name=name: fp8_dispatch.fp8_linear_dispatch(x, fp8[i], rows, backend=name), len(fp8), 1)
     fns["scaled_mm_block"] = (scaled_mm_block, len(fp8), 1)
-    fns[fp8_dispatch.ROWWISE] = (lambda i: fp8_dispatch.fp8_linear_dispatch(
-        x, cfp8[i], cscales, backend=fp8_dispatch.ROWWISE, per_channel=True), len(cfp8), 1)
-    refs = {fp8_dispatch.ROWWISE: x.float() @ cwf.t()}
+    refs, q, s = {}, *per_token_quant_fp8(x)
+    for name in filter(fp8_dispatch.per_channel_only, fp8_tune.candidates(n, k, m, per_channel=True)):
+        fns[name] = (lambda i, name=name: fp8_dispatch.fp8_linear_dispatch(
+            x, cfp8[i], cscales, backend=name, per_channel=True), len(cfp8), 1)
+        fns[name + "/gemm"] = (lambda i, name=name: fp8_dispatch.run_quantized(  # what a fused producer leaves
+            q, s, cfp8[i], cscales, torch.bfloat16, name, per_channel=True), len(cfp8), 1)
+        refs[name] = refs[name + "/gemm"] = x.float() @ cwf.t()
     out = []
     for name, (fn, copies, elem) in fns.items():
         row = {"m": m, "n": n, "k": k, "backend": name}

@@ -10,9 +10,11 @@
 #                                  (us, GB/s; -fp8-gemm.json); Qwen3-32B latency FP8 then bf16; Qwen3-4B
 #                                  throughput FP8 then bf16 (bench JSONs). Each step is capped by its own
 #                                  limit and by what is left of 540 s, so a slow step shortens the later ones.
-#   MODE=fp8-rowwise (nvidia-h200): <= 3 min: the scaled_mm_rowwise GPU tests (fp8-rowwise-tests.log);
-#                                  Qwen3-4B throughput FP8 (per-channel online quantization, tuner log in
-#                                  fp8-tune.jsonl) then bf16 (bench JSONs).
+#   MODE=fp8-rowwise (nvidia-h200): <= 9 min: the row-wise GPU tests (scaled_mm and the Triton row-wise GEMM's
+#                                  tiles; fp8-rowwise-tests.log); the GEMM benchmark at Qwen3-4B shapes, M = 64 to
+#                                  2048 (-fp8-gemm.json); Qwen3-4B throughput FP8 (per-channel online quantization,
+#                                  tuner log in fp8-tune.jsonl) then bf16 (bench JSONs); decode-step profiles at
+#                                  batch 200, context 560, FP8 then bf16 (-decode-profile.json).
 #   MODE=fp8-gemv (nvidia-h200):   <= 7 min: the FP8 skinny GEMV and fused-quantization round. Triton kernels
 #                                  built first in 16 processes (the engines' load-time tuners then hit the disk
 #                                  cache); Qwen3-32B batch-1 latency FP8 then bf16 (max_num_seqs 1; tuner logs
@@ -57,10 +59,17 @@ elif [ "${MODE:-fp8}" = fp8-fix ]; then
   echo "fp8-fix done in $(($(date +%s) - start)) s"
 elif [ "${MODE:-fp8}" = fp8-rowwise ]; then
   export FXREWRITE_FP8_TUNE_LOG="$OUT_DIR/fp8-tune.jsonl"
-  timeout -k 5 50 $PY -m pytest -q -m gpu tests/gpu/test_gpu_fp8.py -p no:cacheprovider -rfE -s -k rowwise 2>&1 \
-    | tee "$OUT_DIR/fp8-rowwise-tests.log" | grep -E "passed|failed|FAIL|Error|assert|rowwise graph" | tail -12
-  bench 70 --config qwen3-4b --arms native --num-prompts 200 --time-limit 15 --quantization fp8
-  bench 50 --config qwen3-4b --arms native --num-prompts 200 --time-limit 15
+  timeout -k 5 "$(left 100)" $PY -m pytest -q -m gpu tests/gpu/test_gpu_fp8.py -p no:cacheprovider -rfE -s -k rowwise \
+    2>&1 | tee "$OUT_DIR/fp8-rowwise-tests.log" | grep -E "passed|failed|FAIL|Error|assert" | tail -12
+  timeout -k 5 "$(left 150)" $PY -m fxrewrite.benchmarks.fp8_gemm --models qwen3-4b --tokens 64,256,512,2048 \
+    --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/fp8-rowwise-gemm.log" | grep -E "rowwise|bf16|tuner" | tail -70
+  bench "$(left 70)" --config qwen3-4b --arms native --num-prompts 200 --time-limit 15 --quantization fp8
+  bench "$(left 50)" --config qwen3-4b --arms native --num-prompts 200 --time-limit 15
+  for q in fp8 none; do
+    timeout -k 5 "$(left 45)" $PY -m fxrewrite.benchmarks.profile_decode --config qwen3-4b --batch 200 --context 560 \
+      $([ $q = fp8 ] && echo --quantization fp8) "${TOK[@]}" --out "$OUT_DIR" 2>&1 | grep -E "graph|us  x" | head -14
+  done
+  echo "fp8-rowwise done in $(($(date +%s) - start)) s"
 elif [ "${MODE:-fp8}" = fp8 ]; then
   timeout -k 5 240 $PY -m pytest -q -m gpu tests/gpu/test_gpu_fp8.py -p no:cacheprovider -rfE -s 2>&1 \
     | tee "$OUT_DIR/fp8-tests.log" | grep -E "passed|failed|FAIL|Error|logprob|fp8 |None " | tail -20

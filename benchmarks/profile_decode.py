@@ -111,13 +111,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=256, help="tokens already in each sequence's KV cache")
     p.add_argument("-O", "--compilation-config", type=int, default=0)
+    p.add_argument("--quantization", default=None, choices=(None, "fp8"), help="as the engine's --quantization")
     p.add_argument("--tokenizer-dir", default=None)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
-    result = profile_decode(args.config, args.arm, args.batch, args.context,
-                            {"compilation_config": args.compilation_config}, args.tokenizer_dir)
+    engine_kwargs = {"compilation_config": args.compilation_config, "quantization": args.quantization}
+    result = profile_decode(args.config, args.arm, args.batch, args.context, engine_kwargs, args.tokenizer_dir)
+    result["quantization"] = args.quantization
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{result['date']}-{result['config']}-{args.arm}-b{args.batch}-decode-profile.json"
+    fp8 = "-fp8" if args.quantization else ""
+    path = args.out / f"{result['date']}-{result['config']}-{args.arm}{fp8}-b{args.batch}-decode-profile.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{args.config} {args.arm} batch {args.batch}: graph {result['graph_replay_ms']} ms, eager "
           f"{result['eager_forward_ms']} ms, LM head + sampler {result['lm_head_and_sampler_ms']} ms")

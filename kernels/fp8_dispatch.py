@@ -8,7 +8,9 @@ Backends (names are what `choose` returns and `fxrewrite.kernels.fp8_tune` measu
   with its default tile table / `ALT_CONFIGS[i]`;
 - ``"scaled_mm"``: the same quantization, then torch's block-scaled matmul (cuBLASLt, fp8_scaled_mm.py);
 - ``"scaled_mm_rowwise"``: per-channel weights only (``quantization="fp8"`` on a bf16 checkpoint):
-  per-token activation quantization, then torch's row-wise scaled matmul (fp8_rowwise.py).
+  per-token activation quantization, then torch's row-wise scaled matmul (fp8_rowwise.py);
+- ``"triton_rowwise:<i>"``: per-channel weights only: the same quantization, then the Triton row-wise
+  GEMM (fp8_rowwise.py) with `ROWWISE_CONFIGS[i]`.
 
 A token count maps to the smallest bucket holding it (above 8192: the 8192 bucket). The choice per
 (N, K, bucket, per-channel or not) is made on the device when an FP8 model is loaded (`fp8_tune.tune`): every candidate is
@@ -36,19 +38,26 @@ import torch
 from fxrewrite.kernels import use_triton
 from fxrewrite.kernels.fp8_gemm import ALT_CONFIGS, fp8_block_gemm_triton, fp8_linear, per_token_group_quant_fp8
 from fxrewrite.kernels.fp8_gemv import GEMV_CONFIGS, GEMV_MAX_M, fp8_block_gemv_triton
-from fxrewrite.kernels.fp8_rowwise import channel_scales, fp8_scaled_mm_rowwise, per_token_quant_fp8
+from fxrewrite.kernels.fp8_rowwise import (ROWWISE_CONFIGS, channel_scales, fp8_rowwise_gemm_triton,
+                                           fp8_scaled_mm_rowwise, per_token_quant_fp8)
 from fxrewrite.kernels.fp8_scaled_mm import fp8_scaled_mm
 
 __all__ = ["BUCKETS", "bucket_of", "choose", "fp8_gemm_dispatch", "fp8_linear_dispatch", "input_quantization",
-           "run_quantized", "record", "choices", "clear", "ROWWISE"]
+           "run_quantized", "record", "choices", "clear", "ROWWISE", "TRITON_ROWWISE", "per_channel_only"]
 
 logger = logging.getLogger(__name__)
 
 ROWWISE = "scaled_mm_rowwise"
+TRITON_ROWWISE = "triton_rowwise"
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _choices: dict[tuple[int, int, int, bool], str] = {}
 _ranked: dict[tuple[int, int, int, bool], list[str]] = {}
 """(N, K, bucket, per_channel) -> the validated backends, fastest first (the demotion order)."""
+
+
+def per_channel_only(backend: str) -> bool:
+    """Whether `backend` reads one weight scale per output row (per-token activation scales)."""
+    return backend == ROWWISE or backend.startswith(TRITON_ROWWISE + ":")
 
 
 def bucket_of(m: int) -> int:
@@ -79,8 +88,9 @@ def choose(n: int, k: int, m: int, per_channel: bool = False) -> str:
 def record(n: int, k: int, bucket: int, ranked: list[str], per_channel: bool = False) -> None:
     """Store the tuner's validated backends for (n, k, bucket), fastest first (an empty list: untuned).
     ValueError for ``scaled_mm_rowwise`` on weights that are not per-channel."""
-    if not per_channel and ROWWISE in ranked:
-        raise ValueError(f"{ROWWISE} needs per-channel weight scales; got it for block-scaled N={n} K={k}")
+    if not per_channel and any(map(per_channel_only, ranked)):
+        raise ValueError(f"{[b for b in ranked if per_channel_only(b)]} need per-channel weight scales; got them "
+                         f"for block-scaled N={n} K={k}")
     if ranked:
         _ranked[(n, k, bucket, per_channel)] = list(ranked)
         _choices[(n, k, bucket, per_channel)] = ranked[0]
@@ -114,10 +124,18 @@ def fp8_gemm_dispatch(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: 
     return fp8_block_gemm_triton(a, a_s, w, w_s, 128, out_dtype, config)
 
 
-def _run(x2: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, backend: str) -> torch.Tensor:
+def _rowwise(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, out_dtype: torch.dtype,
+             backend: str) -> torch.Tensor:
     if backend == ROWWISE:
+        return fp8_scaled_mm_rowwise(q, s, w, channel_scales(w_s), out_dtype)
+    config = ROWWISE_CONFIGS[int(backend.split(":")[1])]
+    return fp8_rowwise_gemm_triton(q, s, w, channel_scales(w_s), out_dtype, config)
+
+
+def _run(x2: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, backend: str) -> torch.Tensor:
+    if per_channel_only(backend):
         q, s = per_token_quant_fp8(x2)
-        return fp8_scaled_mm_rowwise(q, s, w, channel_scales(w_s), x2.dtype)
+        return _rowwise(q, s, w, w_s, x2.dtype, backend)
     if backend.startswith("gemv:"):
         block_n, target, step = GEMV_CONFIGS[int(backend.split(":")[1])]
         return fp8_block_gemv_triton(x2, None, w, w_s, x2.dtype, block_n, target, step)
@@ -134,7 +152,7 @@ def input_quantization(n: int, k: int, m: int, per_channel: bool = False) -> tup
         return None
     if backend.startswith("gemv:"):
         backend = "triton"
-    return backend, (None if backend == ROWWISE else 128)
+    return backend, (None if per_channel_only(backend) else 128)
 
 
 def run_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, out_dtype: torch.dtype,
@@ -144,8 +162,8 @@ def run_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_s: torch.
     the bucket is demoted as in `fp8_linear_dispatch`; inside a CUDA-graph capture the error propagates,
     else None is returned (the caller runs the unfused path)."""
     try:
-        if backend == ROWWISE:
-            return fp8_scaled_mm_rowwise(q, s, w, channel_scales(w_s), out_dtype)
+        if per_channel_only(backend):
+            return _rowwise(q, s, w, w_s, out_dtype, backend)
         return fp8_gemm_dispatch(q, s, w, w_s, out_dtype, backend)
     except Exception as e:  # noqa: BLE001 - as fp8_linear_dispatch's safety net
         if backend == "triton" or _forced() != "auto":
@@ -161,9 +179,9 @@ def fp8_linear_dispatch(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, gro
     """x [..., K] -> [..., N] in x's dtype through `backend` (default: `choose`); the torch reference
     (`fxrewrite.kernels.fp8_gemm.fp8_linear`) on a CPU without the Triton interpreter and for scale
     groups other than 128. per_channel: every column of w_s is the same per-row scale (required by
-    ``scaled_mm_rowwise``; ValueError otherwise)."""
-    if backend == ROWWISE and not per_channel:
-        raise ValueError(f"backend {ROWWISE!r} needs per-channel weight scales (per_channel=True)")
+    ``scaled_mm_rowwise`` and ``triton_rowwise:<i>``; ValueError otherwise)."""
+    if backend is not None and per_channel_only(backend) and not per_channel:
+        raise ValueError(f"backend {backend!r} needs per-channel weight scales (per_channel=True)")
     if group_size != 128 or not use_triton(x):
         return fp8_linear(x, w, w_s, group_size)
     lead, (n, k) = x.shape[:-1], w.shape

@@ -21,8 +21,8 @@ import torch
 from fxrewrite.kernels import use_triton
 from fxrewrite.kernels.triton_utils import launch, tl, triton
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "per_token_group_quant_fp8", "per_token_group_quant_fp8_ref",
-           "fp8_block_gemm", "fp8_block_gemm_ref", "fp8_block_gemm_triton", "fp8_linear"]
+__all__ = ["FP8_DTYPE", "FP8_MAX", "GemmConfig", "per_token_group_quant_fp8", "per_token_group_quant_fp8_ref",
+           "fp8_block_gemm", "fp8_block_gemm_ref", "fp8_block_gemm_triton", "fp8_linear", "swizzled_tile"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -151,20 +151,24 @@ def fp8_block_gemm_triton(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w
     return out[0] if split == 1 else out.sum(0).to(out_dtype)
 
 
-@triton.jit(do_not_specialize=["M"])  # the token count
-def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, G, GROUPS_PER_SPLIT, stride_as_m, stride_as_g,
-                 stride_ws_n, stride_ws_g, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
-    # Group-M swizzle (Triton's matmul tutorial): GROUP_M row tiles sweep the N tiles together.
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
+@triton.jit
+def swizzled_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program `pid` under the group-M swizzle of Triton's matmul tutorial:
+    GROUP_M row tiles sweep the column tiles together, so consecutive programs share weight tiles in L2."""
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * tiles_n
     first_m = (pid // per_group) * GROUP_M
     rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % rows
-    pid_n = (pid % per_group) // rows
+    return first_m + (pid % per_group) % rows, (pid % per_group) // rows
+
+
+@triton.jit(do_not_specialize=["M"])  # the token count
+def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, G, GROUPS_PER_SPLIT, stride_as_m, stride_as_g,
+                 stride_ws_n, stride_ws_g, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+    pid_m, pid_n = swizzled_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)

@@ -7,8 +7,10 @@ activations one scale per token, computed on the fly (scale = max(amax of the ro
 
 That is the "row-wise" scaling of ``torch._scaled_mm`` (scale_a [M, 1], scale_b [1, N], float32),
 which torch runs through its CUTLASS sm90 kernel (``f8f8bf16_rowwise`` in
-``aten/src/ATen/native/cuda/RowwiseScaledMM.cu``); vLLM's online FP8 uses per-tensor weight scales,
-per-channel is at least as accurate. References: `per_token_quant_fp8_ref`, `fp8_rowwise_gemm_ref`.
+``aten/src/ATen/native/cuda/RowwiseScaledMM.cu``), and of `fp8_rowwise_gemm_triton`: one float32
+accumulator over all of K (no per-group rescaling, unlike the block-scaled GEMM), both scales applied
+once in the epilogue. vLLM's online FP8 uses per-tensor weight scales; per-channel is at least as
+accurate. References: `per_token_quant_fp8_ref`, `fp8_rowwise_gemm_ref`.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ from __future__ import annotations
 import torch
 
 from fxrewrite.kernels import use_triton
-from fxrewrite.kernels.fp8_gemm import _EPS, FP8_DTYPE, FP8_MAX
+from fxrewrite.kernels.fp8_gemm import _EPS, FP8_DTYPE, FP8_MAX, GemmConfig, swizzled_tile
 from fxrewrite.kernels.triton_utils import launch, tl, triton
 
 __all__ = ["per_token_quant_fp8", "per_token_quant_fp8_ref", "fp8_rowwise_gemm_ref", "fp8_scaled_mm_rowwise",
-           "channel_scales"]
+           "fp8_rowwise_gemm_triton", "ROWWISE_CONFIGS", "channel_scales"]
 
 _BLOCK = 1024
 
@@ -84,3 +86,59 @@ def fp8_scaled_mm_rowwise(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w
     ``torch._scaled_mm`` with row-wise scales (CUDA sm89+; K and N multiples of 16; torch supports
     bf16 output for this scaling). Raises what torch raises where it is not supported."""
     return torch._scaled_mm(a, w.t(), scale_a=a_s, scale_b=w_s, out_dtype=out_dtype)
+
+
+ROWWISE_CONFIGS = (GemmConfig(64, 128, group_m=8, num_warps=4, num_stages=4),
+                   GemmConfig(128, 128, group_m=8, num_warps=8, num_stages=3),
+                   GemmConfig(128, 256, group_m=8, num_warps=8, num_stages=3),
+                   GemmConfig(64, 256, group_m=8, num_warps=8, num_stages=3),
+                   GemmConfig(128, 64, group_m=8, num_warps=4, num_stages=4))
+"""Tile shapes the load-time tuner times for `fp8_rowwise_gemm_triton` (BLOCK_K = 128 bytes of FP8): the
+FP8 shapes of Triton's Hopper matmul tutorial and vLLM's tuned w8a8 tables."""
+
+
+def fp8_rowwise_gemm_triton(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor,
+                            out_dtype: torch.dtype = torch.bfloat16, config: GemmConfig = ROWWISE_CONFIGS[0]
+                            ) -> torch.Tensor:
+    """Triton kernel, same contract as `fp8_rowwise_gemm_ref`: a [M, K] fp8 (rows contiguous), a_s [M, 1]
+    float32 (any strides), w [N, K] fp8 contiguous, w_s [1, N] float32 contiguous -> [M, N] out_dtype."""
+    m, k = a.shape
+    n = w.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m:
+        tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+        launch(_rowwise_gemm_kernel, (tiles,), a.device)(
+            a, a_s, w, w_s, out, m, n, k, a.stride(0), a_s.stride(0),
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=128, GROUP_M=config.group_m,
+            EVEN_K=k % 128 == 0, num_warps=config.num_warps, num_stages=config.num_stages)
+    return out
+
+
+@triton.jit(do_not_specialize=["M", "stride_a", "stride_as"])
+def _rowwise_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_a, stride_as,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+    pid_m, pid_n = swizzled_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    # Rows past M / N wrap onto valid ones (their results are never stored), so the operand loads need
+    # no mask along M or N and stay vectorized.
+    a_ptrs = a_ptr + (rm % M).to(tl.int64)[:, None] * stride_a + rk[None, :]
+    w_ptrs = w_ptr + (rn % N).to(tl.int64)[None, :] * K + rk[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=(k0 + rk)[None, :] < K, other=0.0)
+            w = tl.load(w_ptrs, mask=(k0 + rk)[:, None] < K, other=0.0)
+        acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    a_s = tl.load(as_ptr + (rm % M) * stride_as)
+    w_s = tl.load(ws_ptr + rn % N)
+    out = acc * a_s[:, None] * w_s[None, :]
+    tl.store(out_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=(rm < M)[:, None] & (rn < N)[None, :])

@@ -19,7 +19,8 @@ torch refuses) or misses the tolerance is dropped; the bucket keeps its passing 
 first, for `fp8_dispatch`'s demotion (whose last resort is the Triton GEMM).
 
 Shapes whose layers have per-channel weight scales (``quantization="fp8"`` on a bf16 checkpoint) are
-tuned apart, with per-channel scratch scales, and only they get the ``scaled_mm_rowwise`` candidate.
+tuned apart, with per-channel scratch scales, and only they get the ``scaled_mm_rowwise`` and
+``triton_rowwise:<i>`` candidates.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from fxrewrite.kernels import fp8_dispatch
 from fxrewrite.kernels.fp8_dispatch import BUCKETS, fp8_linear_dispatch
 from fxrewrite.kernels.fp8_gemm import ALT_CONFIGS, config_for
 from fxrewrite.kernels.fp8_gemv import GEMV_CONFIGS, GEMV_MAX_M
+from fxrewrite.kernels.fp8_rowwise import ROWWISE_CONFIGS
 from fxrewrite.kernels.fp8_scaled_mm import scaled_mm_supported_shape
 
 __all__ = ["GRAPH_SIZES", "TOLERANCE", "candidates", "sizes_to_prove", "capture", "graph_time_us", "tune"]
@@ -47,7 +49,7 @@ _L2_BYTES = 128 << 20  # weight copies per timing graph: > 2x the H200's 50 MB L
 
 def candidates(n: int, k: int, m: int, per_channel: bool = False) -> list[str]:
     """Backend names worth timing for an [m, k] x [n, k]^T product (per_channel: the weight has one
-    scale per output row, which ``scaled_mm_rowwise`` needs)."""
+    scale per output row, which ``scaled_mm_rowwise`` and ``triton_rowwise:<i>`` need)."""
     names = [f"gemv:{i}" for i in range(len(GEMV_CONFIGS))] if m <= GEMV_MAX_M else []
     names.append("triton")
     if m > 64:
@@ -56,6 +58,8 @@ def candidates(n: int, k: int, m: int, per_channel: bool = False) -> list[str]:
         names.append("scaled_mm")
         if per_channel:
             names.append(fp8_dispatch.ROWWISE)
+    if per_channel and m > 16:
+        names += [f"{fp8_dispatch.TRITON_ROWWISE}:{i}" for i in range(len(ROWWISE_CONFIGS))]
     return names
 
 

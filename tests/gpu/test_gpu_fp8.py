@@ -222,18 +222,21 @@ def test_fp8_engine_captures_every_decode_graph(make_llm):
     assert graphs is not None and graphs.sizes == capture_sizes(64), getattr(graphs, "sizes", None)
 
 
+@pytest.mark.parametrize("backend", ["scaled_mm_rowwise", *(f"triton_rowwise:{i}" for i in range(5))])
 @pytest.mark.parametrize("m", [1, 7, 64, 256])
 @pytest.mark.parametrize("n, k", [(6144, 2560), (2560, 9728)])  # Qwen3-4B qkv, down
-def test_rowwise_scaled_mm_matches_reference_and_captures(m, n, k):
-    """scaled_mm_rowwise (per-token activation scales x per-channel weight scales, torch._scaled_mm):
-    the quantization kernel equals its reference; the product of the quantized operands is within 1e-2
-    of the float32 product (max error / largest output); the layer call (quantization included) captured
-    in a CUDA graph and replayed on fresh input is within 5e-2 of x @ dequantized weight in float32."""
+def test_rowwise_gemm_matches_reference_and_captures(m, n, k, backend):
+    """Per-token activation scales x per-channel weight scales (torch._scaled_mm row-wise and the Triton
+    row-wise GEMM's tile shapes): the quantization kernel equals its reference; the product of the
+    quantized operands is within 1e-2 of the float32 product (max error / largest output); the layer call
+    (quantization included) captured in a CUDA graph and replayed on fresh input is within 5e-2 of
+    x @ dequantized weight in float32."""
     from fxrewrite.kernels import fp8_dispatch
-    from fxrewrite.kernels.fp8_rowwise import (channel_scales, fp8_rowwise_gemm_ref, fp8_scaled_mm_rowwise,
+    from fxrewrite.kernels.fp8_rowwise import (ROWWISE_CONFIGS, channel_scales, fp8_rowwise_gemm_ref,
                                                 per_token_quant_fp8, per_token_quant_fp8_ref)
     from fxrewrite.layers.fp8_linear import quantize_weight_fp8_per_channel
 
+    assert len(ROWWISE_CONFIGS) == 5
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     q, s = per_token_quant_fp8(x)
     q_ref, s_ref = per_token_quant_fp8_ref(x)
@@ -242,15 +245,15 @@ def test_rowwise_scaled_mm_matches_reference_and_captures(m, n, k):
     wq, scale = quantize_weight_fp8_per_channel(torch.randn(n, k, device="cuda") * 0.02)
     w_s = scale[:, None].expand(n, -(-k // 128)).t().contiguous().t()  # the layers' [N, G] layout, strides (1, N)
     ref = fp8_rowwise_gemm_ref(q, s, wq, channel_scales(w_s), torch.float32)
-    out = fp8_scaled_mm_rowwise(q, s, wq, channel_scales(w_s))
+    out = fp8_dispatch.run_quantized(q, s, wq, w_s, torch.bfloat16, backend, per_channel=True)
     assert float((out.float() - ref).abs().max() / ref.abs().max()) < 1e-2
-    fp8_dispatch.fp8_linear_dispatch(x, wq, w_s, backend=fp8_dispatch.ROWWISE, per_channel=True)  # warm-up
+    fp8_dispatch.fp8_linear_dispatch(x, wq, w_s, backend=backend, per_channel=True)  # warm-up
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        got = fp8_dispatch.fp8_linear_dispatch(x, wq, w_s, backend=fp8_dispatch.ROWWISE, per_channel=True)
+        got = fp8_dispatch.fp8_linear_dispatch(x, wq, w_s, backend=backend, per_channel=True)
     x.copy_(torch.randn_like(x))
     graph.replay()
     want = x.float() @ (wq.float() * scale[:, None]).t()
     err = float((got.float() - want).abs().max() / want.abs().max())
-    print(m, n, k, "rowwise graph replay error", err)
+    print(m, n, k, backend, "graph replay error", err)
     assert err < 5e-2

@@ -68,7 +68,7 @@ def test_bad_inputs_are_refused():
         rms_norm_quant_fp8(torch.zeros(2, 64), torch.ones(32), 1e-6)
 
 
-@pytest.mark.parametrize("backend", [fp8_dispatch.ROWWISE, "triton"])
+@pytest.mark.parametrize("backend", [fp8_dispatch.ROWWISE, "triton_rowwise:0", "triton"])
 def test_fp8_layers_quantize_inside_the_producer(interpret, monkeypatch, backend):
     torch.manual_seed(0)
     qkv = quantize_fp8_layer(QKVParallelLinear(256, 64, 2, 1), "qkv", (128, 128), per_channel=True)

@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from fxrewrite.kernels import fp8_dispatch, fp8_tune
-from fxrewrite.kernels.fp8_gemm import FP8_MAX, fp8_linear
+from fxrewrite.kernels.fp8_gemm import FP8_MAX, GemmConfig, fp8_linear
 from fxrewrite.kernels.fp8_rowwise import (
+    ROWWISE_CONFIGS,
     channel_scales,
     fp8_rowwise_gemm_ref,
+    fp8_rowwise_gemm_triton,
     fp8_scaled_mm_rowwise,
     per_token_quant_fp8,
     per_token_quant_fp8_ref,
@@ -55,6 +57,21 @@ def test_rowwise_scaled_mm_matches_reference():
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
 
 
+@pytest.mark.parametrize("m, n, k, config", [(5, 72, 320, GemmConfig(16, 32, group_m=2)),
+                                             (33, 40, 256, ROWWISE_CONFIGS[0]), (70, 136, 128, GemmConfig(32, 64))])
+def test_triton_rowwise_gemm_matches_reference(interpret, m, n, k, config):
+    """Ragged M / N tiles (wrapped rows never stored), K past the last 128 columns, group-M swizzle,
+    and activation scales that are a strided column (a fused producer's [M, 1] view)."""
+    a, a_s = per_token_quant_fp8_ref(torch.randn(m, k) * torch.logspace(-2, 2, m)[:, None])
+    w, w_s = quantize_weight_fp8_per_channel(torch.randn(n, k) * torch.logspace(1, -3, n)[:, None])
+    a_s = torch.cat([a_s, torch.zeros_like(a_s)], 1)[:, :1]  # stride (2, 1)
+    want = fp8_rowwise_gemm_ref(a, a_s, w, w_s[None], torch.float32)
+    got = fp8_rowwise_gemm_triton(a, a_s, w, w_s[None].contiguous(), torch.float32, config)
+    assert got.shape == (m, n)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert fp8_rowwise_gemm_triton(a[:0], a_s[:0], w, w_s[None].contiguous(), torch.float32, config).shape == (0, n)
+
+
 def test_per_channel_layer_runs_every_backend_alike(interpret, monkeypatch):
     """A fused QKV layer quantized per channel: every group of a row holds the row's scale (so the group
     kernels run unchanged), scaled_mm_rowwise reads column 0, and all agree with the dequantized layer."""
@@ -69,20 +86,26 @@ def test_per_channel_layer_runs_every_backend_alike(interpret, monkeypatch):
     want = x @ (layer.weight.float() * s[:, :1]).t()  # float32 activations x the dequantized weight
     torch.testing.assert_close(fp8_linear(x, layer.weight, s), fp8_dispatch.fp8_linear_dispatch(
         x, layer.weight, s, backend="triton", per_channel=True), rtol=1e-4, atol=1e-3)
-    for backend in ("triton", "gemv:0", ROWWISE):  # activation rounding: ~3 % of the largest output
+    for backend in ("triton", "gemv:0", ROWWISE, "triton_rowwise:0"):  # activation rounding: ~3 % of the largest output
         got = fp8_dispatch.fp8_linear_dispatch(x, layer.weight, s, backend=backend, per_channel=True)
         assert (got - want).abs().max() / want.abs().max() < fp8_tune.TOLERANCE, backend
-    with pytest.raises(ValueError, match="needs per-channel weight scales"):
-        fp8_dispatch.fp8_linear_dispatch(x, layer.weight, s, backend=ROWWISE)
+    for backend in (ROWWISE, "triton_rowwise:1"):
+        with pytest.raises(ValueError, match="needs per-channel weight scales"):
+            fp8_dispatch.fp8_linear_dispatch(x, layer.weight, s, backend=backend)
 
 
 def test_rowwise_is_offered_and_chosen_only_for_per_channel_weights():
     assert ROWWISE in fp8_tune.candidates(2560, 9728, 256, per_channel=True)
     assert ROWWISE not in fp8_tune.candidates(2560, 9728, 256)
     assert ROWWISE not in fp8_tune.candidates(2560, 9720, 256, per_channel=True)  # K not a multiple of 16
+    triton_rowwise = [f"triton_rowwise:{i}" for i in range(len(ROWWISE_CONFIGS))]
+    assert set(triton_rowwise) <= set(fp8_tune.candidates(2560, 9720, 256, per_channel=True))
+    assert not set(triton_rowwise) & set(fp8_tune.candidates(2560, 9728, 256) + fp8_tune.candidates(
+        2560, 9728, 16, per_channel=True))  # block-scaled weights; decode counts (the GEMVs' range)
     fp8_dispatch.clear()
-    with pytest.raises(ValueError, match="needs per-channel weight scales"):
-        fp8_dispatch.record(2560, 9728, 256, [ROWWISE, "triton"])
+    for ranked in ([ROWWISE, "triton"], ["triton", "triton_rowwise:2"]):
+        with pytest.raises(ValueError, match="need per-channel weight scales"):
+            fp8_dispatch.record(2560, 9728, 256, ranked)
     fp8_dispatch.record(2560, 9728, 256, [ROWWISE, "triton"], per_channel=True)
     fp8_dispatch.record(2560, 9728, 256, ["scaled_mm"])
     assert fp8_dispatch.choose(2560, 9728, 200, per_channel=True) == ROWWISE
