@@ -59,14 +59,14 @@ elif [ "${MODE:-fp8}" = fp8-fix ]; then
   echo "fp8-fix done in $(($(date +%s) - start)) s"
 elif [ "${MODE:-fp8}" = fp8-rowwise ]; then
   export FXREWRITE_FP8_TUNE_LOG="$OUT_DIR/fp8-tune.jsonl"
-  timeout -k 5 "$(left 100)" $PY -m pytest -q -m gpu tests/gpu/test_gpu_fp8.py -p no:cacheprovider -rfE -s -k rowwise \
+  [ "${TESTS:-1}" = 1 ] && timeout -k 5 "$(left 100)" $PY -m pytest -q -m gpu tests/gpu/test_gpu_fp8.py -p no:cacheprovider -rfE -s -k rowwise \
     2>&1 | tee "$OUT_DIR/fp8-rowwise-tests.log" | grep -E "passed|failed|FAIL|Error|assert" | tail -12
-  timeout -k 5 "$(left 150)" $PY -m fxrewrite.benchmarks.fp8_gemm --models qwen3-4b --tokens 64,256,512,2048 \
+  timeout -k 5 "$(left 150)" $PY -m fxrewrite.benchmarks.fp8_gemm --models qwen3-4b --tokens ${TOKENS:-64,256,512,2048} \
     --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/fp8-rowwise-gemm.log" | grep -E "rowwise|bf16|tuner" | tail -70
-  bench "$(left 70)" --config qwen3-4b --arms native --num-prompts 200 --time-limit 15 --quantization fp8
-  bench "$(left 50)" --config qwen3-4b --arms native --num-prompts 200 --time-limit 15
-  for q in fp8 none; do
-    timeout -k 5 "$(left 45)" $PY -m fxrewrite.benchmarks.profile_decode --config qwen3-4b --batch 200 --context 560 \
+  bench "$(left 120)" --config qwen3-4b --arms native --num-prompts 200 --time-limit 15 --quantization fp8
+  bench "$(left 60)" --config qwen3-4b --arms native --num-prompts 200 --time-limit 15
+  for q in ${PROFILES:-fp8 none}; do
+    timeout -k 5 "$(left 80)" $PY -m fxrewrite.benchmarks.profile_decode --config qwen3-4b --batch 200 --context 560 \
       $([ $q = fp8 ] && echo --quantization fp8) "${TOK[@]}" --out "$OUT_DIR" 2>&1 | grep -E "graph|us  x" | head -14
   done
   echo "fp8-rowwise done in $(($(date +%s) - start)) s"
