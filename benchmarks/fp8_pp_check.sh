@@ -10,11 +10,12 @@
 #                                  (us, GB/s; -fp8-gemm.json); Qwen3-32B latency FP8 then bf16; Qwen3-4B
 #                                  throughput FP8 then bf16 (bench JSONs). Each step is capped by its own
 #                                  limit and by what is left of 540 s, so a slow step shortens the later ones.
-#   MODE=fp8-rowwise (nvidia-h200): <= 9 min: the row-wise GPU tests (scaled_mm and the Triton row-wise GEMM's
-#                                  tiles; fp8-rowwise-tests.log); the GEMM benchmark at Qwen3-4B shapes, M = 64 to
-#                                  2048 (-fp8-gemm.json); Qwen3-4B throughput FP8 (per-channel online quantization,
-#                                  tuner log in fp8-tune.jsonl) then bf16 (bench JSONs); decode-step profiles at
-#                                  batch 200, context 560, FP8 then bf16 (-decode-profile.json).
+#   MODE=fp8-rowwise (nvidia-h200): <= 9 min: Qwen3-4B throughput FP8 (per-channel online quantization, tuner
+#                                  log in fp8-tune.jsonl) then bf16 (bench JSONs); decode-step profiles at batch
+#                                  200, context 560, FP8 then bf16 (PROFILES=...; -decode-profile.json); with
+#                                  TESTS=1 (default) the row-wise and fused-quantization GPU tests
+#                                  (fp8-rowwise-tests.log) and the fused-quantization benchmark (-fp8-quant.json);
+#                                  with TOKENS=64,256 the GEMM benchmark at Qwen3-4B shapes (-fp8-gemm.json).
 #   MODE=fp8-gemv (nvidia-h200):   <= 7 min: the FP8 skinny GEMV and fused-quantization round. Triton kernels
 #                                  built first in 16 processes (the engines' load-time tuners then hit the disk
 #                                  cache); Qwen3-32B batch-1 latency FP8 then bf16 (max_num_seqs 1; tuner logs
@@ -59,16 +60,18 @@ elif [ "${MODE:-fp8}" = fp8-fix ]; then
   echo "fp8-fix done in $(($(date +%s) - start)) s"
 elif [ "${MODE:-fp8}" = fp8-rowwise ]; then
   export FXREWRITE_FP8_TUNE_LOG="$OUT_DIR/fp8-tune.jsonl"
-  [ "${TESTS:-1}" = 1 ] && timeout -k 5 "$(left 100)" $PY -m pytest -q -m gpu tests/gpu/test_gpu_fp8.py -p no:cacheprovider -rfE -s -k rowwise \
-    2>&1 | tee "$OUT_DIR/fp8-rowwise-tests.log" | grep -E "passed|failed|FAIL|Error|assert" | tail -12
-  timeout -k 5 "$(left 150)" $PY -m fxrewrite.benchmarks.fp8_gemm --models qwen3-4b --tokens ${TOKENS:-64,256,512,2048} \
-    --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/fp8-rowwise-gemm.log" | grep -E "rowwise|bf16|tuner" | tail -70
-  bench "$(left 120)" --config qwen3-4b --arms native --num-prompts 200 --time-limit 15 --quantization fp8
-  bench "$(left 60)" --config qwen3-4b --arms native --num-prompts 200 --time-limit 15
+  bench "$(left 150)" --config qwen3-4b --arms native --num-prompts 200 --time-limit 15 --quantization fp8
+  bench "$(left 80)" --config qwen3-4b --arms native --num-prompts 200 --time-limit 15
   for q in ${PROFILES:-fp8 none}; do
     timeout -k 5 "$(left 80)" $PY -m fxrewrite.benchmarks.profile_decode --config qwen3-4b --batch 200 --context 560 \
       $([ $q = fp8 ] && echo --quantization fp8) "${TOK[@]}" --out "$OUT_DIR" 2>&1 | grep -E "graph|us  x" | head -14
   done
+  [ "${TESTS:-1}" = 1 ] && timeout -k 5 "$(left 120)" $PY -m pytest -q -m gpu tests/gpu/test_gpu_fp8.py \
+    tests/gpu/test_gpu_fp8_quant.py -p no:cacheprovider -rfE -s -k "rowwise or quant" 2>&1 \
+    | tee "$OUT_DIR/fp8-rowwise-tests.log" | grep -E "passed|failed|FAIL|Error|assert" | tail -12
+  [ "${TESTS:-1}" = 1 ] && timeout -k 5 "$(left 40)" $PY -m fxrewrite.benchmarks.fp8_quant --out "$OUT_DIR" 2>&1 | tail -8
+  [ -n "${TOKENS:-}" ] && timeout -k 5 "$(left 150)" $PY -m fxrewrite.benchmarks.fp8_gemm --models qwen3-4b \
+    --tokens "$TOKENS" --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/fp8-rowwise-gemm.log" | grep -E "rowwise|bf16|tuner" | tail -70
   echo "fp8-rowwise done in $(($(date +%s) - start)) s"
 elif [ "${MODE:-fp8}" = fp8 ]; then
   timeout -k 5 240 $PY -m pytest -q -m gpu tests/gpu/test_gpu_fp8.py -p no:cacheprovider -rfE -s 2>&1 \

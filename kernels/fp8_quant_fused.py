@@ -8,13 +8,16 @@ Values are those of the unfused kernels, roundings included: the normalized / ac
 the input dtype as the RMSNorm (``weight * x_hat.to(dtype)``, transformers' LlamaRMSNorm) and
 SiLU-and-mul kernels store it, then quantized as `fxrewrite.kernels.fp8_rowwise.per_token_quant_fp8_ref`
 / `fxrewrite.kernels.fp8_gemm.per_token_group_quant_fp8_ref`: scale = max(amax, 1e-10) / 448, q = clamp(
-v / scale, +-448). One program per token row, looping over chunks of CHUNK_G groups of 128 columns:
-RMSNorm sums squares first (writing the new residual), then quantizes per group in one more pass, or
-per token in two (amax, then quantize); the re-reads of one row come from L1 / L2.
+v / scale, +-448). One program per token row. A row of up to ROW_MAX columns is read once and held in
+registers (`_quant_row_kernel`); a longer one loops over chunks of CHUNK_G groups of 128 columns: RMSNorm
+sums squares first (writing the new residual), then quantizes per group in one more pass, or per token in
+two (amax, then quantize); the re-reads of one row come from L1 / L2.
 References: `rms_norm_quant_fp8_ref`, `silu_and_mul_quant_fp8_ref`.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -29,6 +32,10 @@ __all__ = ["rms_norm_quant_fp8", "rms_norm_quant_fp8_ref", "silu_and_mul_quant_f
 _GROUP = 128
 CHUNK_G = 8
 """Groups of 128 columns per loop step (1024 columns: 4-8 values per thread at 4 warps)."""
+ROW_MAX = 16384
+"""Rows up to this many columns (K rounded up to a power of two of groups) take the one-pass kernel: the
+three-pass loop cost 6.3 us a call at 200 tokens of Qwen3-4B on an H200, 2.6x the unfused RMSNorm
+(benchmarks/results/2026-12-02-qwen3-4b-native-fp8-b200-decode-profile-sixteenth.json)."""
 
 
 def _quant_ref(h: torch.Tensor, group_size: int | None):
@@ -77,10 +84,9 @@ def rms_norm_quant_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residu
     res = residual.contiguous() if residual is not None else x
     new_res = torch.empty_like(x) if residual is not None else x
     if m:
-        launch(_quant_kernel, (m,), x.device)(
+        _launch(m, k, group_size, True, residual is not None, x.device)(
             x, res, weight, new_res, q, s, k, x.stride(0), res.stride(0), s.stride(0), s.stride(1), float(eps),
-            _EPS, FP8_MAX, NORM=True, HAS_RES=residual is not None, GROUPED=group_size is not None,
-            CHUNK_G=min(CHUNK_G, next_power_of_2(-(-k // _GROUP))), GROUP=_GROUP, num_warps=4)
+            _EPS, FP8_MAX)
     return q, s, (new_res if residual is not None else None)
 
 
@@ -93,11 +99,19 @@ def silu_and_mul_quant_fp8(x: torch.Tensor, group_size: int | None = None):
     k = two_d // 2
     q, s = _outputs(m, k, group_size, x.device)
     if m:
-        launch(_quant_kernel, (m,), x.device)(
-            x, x, x, x, q, s, k, x.stride(0), x.stride(0), s.stride(0), s.stride(1), 0.0, _EPS, FP8_MAX,
-            NORM=False, HAS_RES=False, GROUPED=group_size is not None,
-            CHUNK_G=min(CHUNK_G, next_power_of_2(-(-k // _GROUP))), GROUP=_GROUP, num_warps=4)
+        _launch(m, k, group_size, False, False, x.device)(
+            x, x, x, x, q, s, k, x.stride(0), x.stride(0), s.stride(0), s.stride(1), 0.0, _EPS, FP8_MAX)
     return q, s
+
+
+def _launch(m: int, k: int, group_size: int | None, norm: bool, has_res: bool, device):
+    """The kernel for [m, k] rows, its constants bound: one pass when a row fits ROW_MAX, else the chunk loop."""
+    groups = next_power_of_2(-(-k // _GROUP))
+    flags = {"NORM": norm, "HAS_RES": has_res, "GROUPED": group_size is not None, "GROUP": _GROUP}
+    if groups * _GROUP <= ROW_MAX:
+        warps = 4 if groups * _GROUP <= 4096 else 8
+        return functools.partial(launch(_quant_row_kernel, (m,), device), CHUNK_G=groups, num_warps=warps, **flags)
+    return functools.partial(launch(_quant_kernel, (m,), device), CHUNK_G=CHUNK_G, num_warps=4, **flags)
 
 
 @triton.jit
@@ -112,18 +126,48 @@ def _value(x_ptr, r_ptr, g_ptr, res_out_ptr, row, offs, mask, K, stride_xm, stri
             xv = (xv.to(tl.float32) + r.to(tl.float32)).to(xv.dtype)  # one rounding, as a bf16 add
             if WRITE_RES:
                 tl.store(res_out_ptr + row * K + offs, xv, mask=mask)
-        if WRITE_RES:
-            v = xv.to(tl.float32)
-        else:
-            h = (xv.to(tl.float32) * rstd).to(xv.dtype)
-            w = tl.load(g_ptr + offs, mask=mask, other=0.0)
-            v = (h.to(tl.float32) * w.to(tl.float32)).to(xv.dtype).to(tl.float32)  # weight * h.to(dtype)
+        v = xv.to(tl.float32)
+        if not WRITE_RES:
+            v = _normed(v, rstd, g_ptr, offs, mask, xv.dtype)
     else:
         gate = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0)
         up = tl.load(x_ptr + row * stride_xm + K + offs, mask=mask, other=0.0).to(tl.float32)
         gf = gate.to(tl.float32)
         v = (gf * tl.sigmoid(gf) * up).to(gate.dtype).to(tl.float32)
     return v
+
+
+@triton.jit
+def _normed(v, rstd, g_ptr, offs, mask, DTYPE: tl.constexpr):
+    """RMSNorm's output in float32 from v (x + residual, float32 of DTYPE values): weight * (v * rstd).to(DTYPE),
+    rounded to DTYPE, as the unfused kernel stores it."""
+    h = (v * rstd).to(DTYPE)
+    w = tl.load(g_ptr + offs, mask=mask, other=0.0)
+    return (h.to(tl.float32) * w.to(tl.float32)).to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _quant_row_kernel(x_ptr, r_ptr, g_ptr, res_out_ptr, q_ptr, s_ptr, K, stride_xm, stride_rm, stride_sm, stride_sg,
+                      eps, amax_floor, fp8_max, NORM: tl.constexpr, HAS_RES: tl.constexpr, GROUPED: tl.constexpr,
+                      CHUNK_G: tl.constexpr, GROUP: tl.constexpr):
+    """`_quant_kernel` for a row that fits one chunk (CHUNK_G * GROUP >= K): read once, kept in registers."""
+    row = tl.program_id(0).to(tl.int64)
+    rg = tl.arange(0, CHUNK_G)
+    offs = rg[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [CHUNK_G, 128]
+    mask = offs < K
+    v = _value(x_ptr, r_ptr, g_ptr, res_out_ptr, row, offs, mask, K, stride_xm, stride_rm, 0.0, NORM, NORM, HAS_RES)
+    if NORM:  # v: x (+ residual), the new residual written; masked columns are 0
+        rstd = tl.rsqrt(tl.sum(tl.sum(v * v, axis=1), axis=0) / K + eps)
+        v = _normed(v, rstd, g_ptr, offs, mask, x_ptr.dtype.element_ty)
+    if GROUPED:
+        scale = tl.maximum(tl.max(tl.abs(v), axis=1), amax_floor) / fp8_max  # [CHUNK_G]
+        q = tl.clamp(v / scale[:, None], -fp8_max, fp8_max)
+        tl.store(s_ptr + row * stride_sm + rg * stride_sg, scale, mask=rg * GROUP < K)
+    else:
+        scale = tl.maximum(tl.max(tl.max(tl.abs(v), axis=1), axis=0), amax_floor) / fp8_max
+        q = tl.clamp(v / scale, -fp8_max, fp8_max)
+        tl.store(s_ptr + row * stride_sm, scale)
+    tl.store(q_ptr + row * K + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fxrewrite.kernels import fp8_dispatch
+from fxrewrite.kernels import fp8_dispatch, fp8_quant_fused
 from fxrewrite.kernels.fp8_quant_fused import (
     rms_norm_quant_fp8,
     rms_norm_quant_fp8_ref,
@@ -38,10 +38,17 @@ def _check(got, want) -> None:
                                rtol=1e-6, atol=0)
 
 
+@pytest.fixture(params=["one pass", "chunks"])
+def row_max(request, monkeypatch):
+    """Both kernels: rows read once (the default up to ROW_MAX columns) and the chunk loop for longer ones."""
+    if request.param == "chunks":
+        monkeypatch.setattr(fp8_quant_fused, "ROW_MAX", 0)
+
+
 @pytest.mark.parametrize("group_size", [None, 128])
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("k", [320, 1536])  # a partial last group; two loop steps of 1024 columns
-def test_rms_norm_quant_matches_unfused(interpret, group_size, with_residual, k):
+def test_rms_norm_quant_matches_unfused(interpret, row_max, group_size, with_residual, k):
     g = torch.Generator().manual_seed(k)
     x, r, w = torch.randn(3, k, generator=g), torch.randn(3, k, generator=g), torch.rand(k, generator=g).add(0.5)
     res = r if with_residual else None
@@ -54,7 +61,7 @@ def test_rms_norm_quant_matches_unfused(interpret, group_size, with_residual, k)
 
 @pytest.mark.parametrize("group_size", [None, 128])
 @pytest.mark.parametrize("k", [320, 1536])
-def test_silu_and_mul_quant_matches_unfused(interpret, group_size, k):
+def test_silu_and_mul_quant_matches_unfused(interpret, row_max, group_size, k):
     x = torch.randn(4, 2 * k, generator=torch.Generator().manual_seed(k))
     _check(silu_and_mul_quant_fp8(x, group_size), silu_and_mul_quant_fp8_ref(x, group_size))
 
