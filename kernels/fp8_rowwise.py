@@ -22,7 +22,7 @@ from fxrewrite.kernels.fp8_gemm import _EPS, FP8_DTYPE, FP8_MAX, GemmConfig, swi
 from fxrewrite.kernels.triton_utils import launch, tl, triton
 
 __all__ = ["per_token_quant_fp8", "per_token_quant_fp8_ref", "fp8_rowwise_gemm_ref", "fp8_scaled_mm_rowwise",
-           "fp8_rowwise_gemm_triton", "ROWWISE_CONFIGS", "channel_scales"]
+           "fp8_rowwise_gemm_triton", "ROWWISE_CONFIGS", "ROWWISE_MAX_M", "channel_scales"]
 
 _BLOCK = 1024
 
@@ -88,17 +88,19 @@ def fp8_scaled_mm_rowwise(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w
     return torch._scaled_mm(a, w.t(), scale_a=a_s, scale_b=w_s, out_dtype=out_dtype)
 
 
-ROWWISE_CONFIGS = (GemmConfig(64, 128, group_m=8, num_warps=4, num_stages=4),
-                   GemmConfig(128, 128, group_m=8, num_warps=8, num_stages=3),
-                   GemmConfig(128, 256, group_m=8, num_warps=8, num_stages=3),
-                   GemmConfig(64, 256, group_m=8, num_warps=8, num_stages=3),
-                   GemmConfig(64, 64, group_m=8, num_warps=4, num_stages=5))
-"""Tile shapes the load-time tuner times for `fp8_rowwise_gemm_triton` (BLOCK_K = 128 bytes of FP8): the
-FP8 shapes of Triton's Hopper matmul tutorial and vLLM's tuned w8a8 tables."""
+ROWWISE_CONFIGS = (GemmConfig(64, 64, group_m=8, num_warps=4, num_stages=5),
+                   GemmConfig(64, 128, group_m=8, num_warps=4, num_stages=4),
+                   GemmConfig(128, 128, group_m=8, num_warps=8, num_stages=3))
+"""Tile shapes the load-time tuner times for `fp8_rowwise_gemm_triton` (BLOCK_K = 128 bytes of FP8). On the
+H200 at Qwen3-4B shapes they beat torch's row-wise scaled_mm (CUTLASS) at 128-256 tokens (o_proj / down_proj
+at 256: 14.3 / 29.3 us against 16.7 / 33.4) and tie or lose above 512; 128 x 256 and 64 x 256 tiles never
+led (benchmarks/results/2026-12-02-fp8-tune-rowwise-sixteenth.jsonl)."""
+ROWWISE_MAX_M = 512
+"""Largest token bucket the tuner offers the Triton row-wise GEMM (each candidate costs load time)."""
 
 
 def fp8_rowwise_gemm_triton(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor,
-                            out_dtype: torch.dtype = torch.bfloat16, config: GemmConfig = ROWWISE_CONFIGS[0]
+                            out_dtype: torch.dtype = torch.bfloat16, config: GemmConfig = ROWWISE_CONFIGS[1]
                             ) -> torch.Tensor:
     """Triton kernel, same contract as `fp8_rowwise_gemm_ref`: a [M, K] fp8 (rows contiguous), a_s [M, 1]
     float32 (any strides), w [N, K] fp8 contiguous, w_s [1, N] float32 contiguous -> [M, N] out_dtype."""

@@ -35,7 +35,7 @@ from fxrewrite.kernels import fp8_dispatch
 from fxrewrite.kernels.fp8_dispatch import BUCKETS, fp8_linear_dispatch
 from fxrewrite.kernels.fp8_gemm import ALT_CONFIGS, config_for
 from fxrewrite.kernels.fp8_gemv import GEMV_CONFIGS, GEMV_MAX_M
-from fxrewrite.kernels.fp8_rowwise import ROWWISE_CONFIGS
+from fxrewrite.kernels.fp8_rowwise import ROWWISE_CONFIGS, ROWWISE_MAX_M
 from fxrewrite.kernels.fp8_scaled_mm import scaled_mm_supported_shape
 
 __all__ = ["GRAPH_SIZES", "TOLERANCE", "candidates", "sizes_to_prove", "capture", "graph_time_us", "tune"]
@@ -58,7 +58,7 @@ def candidates(n: int, k: int, m: int, per_channel: bool = False) -> list[str]:
         names.append("scaled_mm")
         if per_channel:
             names.append(fp8_dispatch.ROWWISE)
-    if per_channel and m > 16:
+    if per_channel and 16 < m <= ROWWISE_MAX_M:
         names += [f"{fp8_dispatch.TRITON_ROWWISE}:{i}" for i in range(len(ROWWISE_CONFIGS))]
     return names
 

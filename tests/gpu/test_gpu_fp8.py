@@ -222,7 +222,7 @@ def test_fp8_engine_captures_every_decode_graph(make_llm):
     assert graphs is not None and graphs.sizes == capture_sizes(64), getattr(graphs, "sizes", None)
 
 
-@pytest.mark.parametrize("backend", ["scaled_mm_rowwise", *(f"triton_rowwise:{i}" for i in range(5))])
+@pytest.mark.parametrize("backend", ["scaled_mm_rowwise", *(f"triton_rowwise:{i}" for i in range(3))])
 @pytest.mark.parametrize("m", [1, 7, 64, 256])
 @pytest.mark.parametrize("n, k", [(6144, 2560), (2560, 9728)])  # Qwen3-4B qkv, down
 def test_rowwise_gemm_matches_reference_and_captures(m, n, k, backend):
@@ -236,7 +236,7 @@ def test_rowwise_gemm_matches_reference_and_captures(m, n, k, backend):
                                                 per_token_quant_fp8, per_token_quant_fp8_ref)
     from fxrewrite.layers.fp8_linear import quantize_weight_fp8_per_channel
 
-    assert len(ROWWISE_CONFIGS) == 5
+    assert len(ROWWISE_CONFIGS) == 3
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     q, s = per_token_quant_fp8(x)
     q_ref, s_ref = per_token_quant_fp8_ref(x)

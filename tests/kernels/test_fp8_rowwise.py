@@ -101,7 +101,8 @@ def test_rowwise_is_offered_and_chosen_only_for_per_channel_weights():
     triton_rowwise = [f"triton_rowwise:{i}" for i in range(len(ROWWISE_CONFIGS))]
     assert set(triton_rowwise) <= set(fp8_tune.candidates(2560, 9720, 256, per_channel=True))
     assert not set(triton_rowwise) & set(fp8_tune.candidates(2560, 9728, 256) + fp8_tune.candidates(
-        2560, 9728, 16, per_channel=True))  # block-scaled weights; decode counts (the GEMVs' range)
+        2560, 9728, 16, per_channel=True) + fp8_tune.candidates(2560, 9728, 1024, per_channel=True))
+    # not for block-scaled weights, decode counts (the GEMVs' range) or large M (CUTLASS's)
     fp8_dispatch.clear()
     for ranked in ([ROWWISE, "triton"], ["triton", "triton_rowwise:2"]):
         with pytest.raises(ValueError, match="need per-channel weight scales"):
