@@ -87,7 +87,7 @@ def choose(n: int, k: int, m: int, per_channel: bool = False) -> str:
 
 def record(n: int, k: int, bucket: int, ranked: list[str], per_channel: bool = False) -> None:
     """Store the tuner's validated backends for (n, k, bucket), fastest first (an empty list: untuned).
-    ValueError for ``scaled_mm_rowwise`` on weights that are not per-channel."""
+    ValueError for a per-channel-only backend (`per_channel_only`) on weights that are not per-channel."""
     if not per_channel and any(map(per_channel_only, ranked)):
         raise ValueError(f"{[b for b in ranked if per_channel_only(b)]} need per-channel weight scales; got them "
                          f"for block-scaled N={n} K={k}")

@@ -34,8 +34,8 @@ CHUNK_G = 8
 """Groups of 128 columns per loop step (1024 columns: 4-8 values per thread at 4 warps)."""
 ROW_MAX = 16384
 """Rows up to this many columns (K rounded up to a power of two of groups) take the one-pass kernel: the
-three-pass loop cost 6.3 us a call at 200 tokens of Qwen3-4B on an H200, 2.6x the unfused RMSNorm
-(benchmarks/results/2026-12-02-qwen3-4b-native-fp8-b200-decode-profile-sixteenth.json)."""
+three-pass loop cost 6.3 us a call at 200 tokens of Qwen3-4B on an H200, 2.6x the unfused RMSNorm; one
+pass 4.4 (benchmarks/results/2026-12-02-qwen3-4b-native-fp8-b200-decode-profile{,-one-pass}-sixteenth.json)."""
 
 
 def _quant_ref(h: torch.Tensor, group_size: int | None):
