@@ -74,7 +74,8 @@ class LLM:
 
         ValueError (naming the prompt's index and the limit) when a prompt is invalid (longer than
         max_model_len, or prompt + max_tokens, capped at max_model_len, more than the KV cache holds); then
-        nothing runs. Generation stops at max_model_len with finish_reason "length", whatever max_tokens.
+        nothing runs. Generation stops at max_model_len with finish_reason "length", whatever max_tokens;
+        without max_tokens, also where the KV cache is full when it holds less (`LLMEngine.max_seq_len`).
         """
         prompts = _prompt_list(prompts)
         if self.llm_engine.config.is_pooling:

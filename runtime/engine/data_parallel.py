@@ -60,6 +60,11 @@ class DPLLMEngine:
         return self.engines[0].model_runner
 
     @property
+    def max_seq_len(self) -> int:
+        """`LLMEngine.max_seq_len` of the replica that holds the least."""
+        return min(e.max_seq_len for e in self.engines)
+
+    @property
     def scheduler(self):
         """Replica 0's scheduler (the settings, as `max_num_seqs`, are every replica's)."""
         return self.engines[0].scheduler

@@ -75,6 +75,9 @@ class LLMEngine(EngineRLMixin):
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    length_dependent_rope(self.model_config))
         _warn_if_cache_is_short(self.block_manager, self.model_config.max_model_len)
+        # The longest sequence a request without max_tokens grows to: the KV slots + 1 (the last token needs
+        # none) when the cache holds less than max_model_len, where vLLM refuses to start.
+        self.max_seq_len = min(self.model_config.max_model_len, self.block_manager.num_blocks * config.block_size + 1)
         self.async_scheduling = config.async_scheduling and getattr(self.model_runner, "supports_async", False)
         self._inflight = None  # the launched step whose tokens are not read back yet (async scheduling)
         depth = getattr(self.model_runner, "pipeline_depth", 1)
@@ -157,16 +160,16 @@ class LLMEngine(EngineRLMixin):
             raise UserInputError(f"logprobs={params.logprobs} is more than the vocabulary size {vocab}")
         if len(token_ids) > max_len:
             raise UserInputError(f"prompt has {len(token_ids)} tokens, more than max_model_len={max_len}")
-        # The last sampled token is never fed back, so it needs no KV slot.
-        final = len(token_ids) + (params.max_tokens or max_len) - 1
+        # The last sampled token needs no KV slot; without max_tokens only the prompt must fit (max_seq_len).
+        final = len(token_ids) + (params.max_tokens or 1) - 1
         needed = min(final, max_len)
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
-        if needed > capacity:  # generation stops at max_model_len, so a larger (or no) max_tokens asks for that
+        if needed > capacity:  # generation stops at max_model_len, so a larger max_tokens asks for that
             cap = f", up to max_model_len={max_len}" if final > max_len else ""
+            what = f"prompt {len(token_ids)} + max_tokens {params.max_tokens}{cap}" if params.max_tokens else "prompt"
             raise UserInputError(
-                f"request needs {needed} KV cache slots (prompt {len(token_ids)} + max_tokens {params.max_tokens}"
-                f"{cap}), more than the whole KV cache holds ({capacity}); raise kv_cache_memory_bytes / "
-                "gpu_memory_utilization, or lower max_tokens or max_model_len")
+                f"request needs {needed} KV cache slots ({what}), more than the whole KV cache holds ({capacity}); "
+                "raise kv_cache_memory_bytes / gpu_memory_utilization, or lower max_tokens or max_model_len")
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request and free its KV blocks now (finish_reason "abort"); unknown ids are ignored."""
@@ -234,7 +237,7 @@ class LLMEngine(EngineRLMixin):
         else:
             launched = _CompletedStep(sched, runner.execute_model(sched))
         self.scheduler.advance(sched)
-        max_len = self.model_config.max_model_len
+        max_len = self.max_seq_len
         for s in sched.scheduled:
             if s.samples:
                 seq = s.seq
@@ -307,7 +310,7 @@ class LLMEngine(EngineRLMixin):
             reason = "stop"  # the grammar is complete (it accepted a stop token)
         if reason is None and (
             seq.num_output_tokens >= (params.max_tokens or 1 << 62)
-            or len(seq.token_ids) >= self.model_config.max_model_len
+            or len(seq.token_ids) >= self.max_seq_len
         ):
             reason = "length"
         if reason is not None:
@@ -387,13 +390,9 @@ class _CompletedStep:
 
 
 def _warn_if_cache_is_short(block_manager: BlockManager, max_model_len: int) -> None:
-    """Log when one sequence of max_model_len tokens cannot fit the whole KV cache (vLLM refuses to
-    start then): longer requests are refused by add_request, and a server's default max_tokens fills
-    the context."""
+    """Log when one sequence of max_model_len tokens cannot fit the whole KV cache (vLLM refuses to start then)."""
     capacity = block_manager.num_blocks * block_manager.block_size
     if capacity < max_model_len:
-        logger.warning(
-            "the KV cache holds %d tokens, less than max_model_len=%d: requests needing more are refused; "
-            "raise kv_cache_memory_bytes (on a GPU: gpu_memory_utilization) or lower max_model_len",
-            capacity, max_model_len,
-        )
+        logger.warning("the KV cache holds %d tokens, less than max_model_len=%d: requests whose max_tokens needs "
+                       "more are refused, and ones without max_tokens stop at %d tokens; raise kv_cache_memory_bytes "
+                       "(on a GPU: gpu_memory_utilization) or lower max_model_len", capacity, max_model_len, capacity + 1)

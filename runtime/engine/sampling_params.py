@@ -51,7 +51,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     max_tokens: int | None = 16
-    """Most tokens to generate, at least 1; None means up to max_model_len. Generation always stops at
+    """Most tokens to generate, at least 1; None means up to max_model_len (or to what the KV cache holds, when
+    that is less: `LLMEngine.max_seq_len`). Generation always stops at
     max_model_len tokens (prompt + output) with finish_reason "length", so a larger value is capped there,
     as in vLLM's offline API (the OpenAI server answers 400 for an explicit one, as vLLM's does)."""
     min_tokens: int = 0

@@ -46,6 +46,8 @@ class OpenAIServing:
         self.tokenizer = engine.engine.tokenizer
         self.async_tokenizer = async_tokenizer or AsyncTokenizer(self.tokenizer)
         self.max_model_len = int(engine.engine.model_config.max_model_len)
+        self.max_seq_len = int(getattr(engine.engine, "max_seq_len", self.max_model_len))
+        """What a request without max_tokens may fill: max_model_len, or less when the KV cache holds less."""
         self.vocab_size = len(self.tokenizer)
 
     def model_name(self, requested: str | None) -> str:
@@ -68,7 +70,8 @@ class OpenAIServing:
     def max_tokens_for(self, request: SamplingRequest, num_prompt_tokens: int, explicit: bool) -> int:
         """The number of tokens to generate, checked against max_model_len.
 
-        `explicit`: the request gave a limit (an over-long one is then a 400 instead of clamped).
+        `explicit`: the request gave a limit (an over-long one is then a 400 instead of clamped). Without
+        one, the rest of the context, or of the KV cache when that holds less (`LLMEngine.max_seq_len`).
         """
         if num_prompt_tokens >= self.max_model_len:
             raise OpenAIError(
@@ -82,6 +85,8 @@ class OpenAIServing:
         if limit is None:
             limit = self.generation_defaults.get("max_tokens")
             explicit = False
+        if not explicit:  # a prompt the KV cache cannot hold is refused by the engine, naming the sizes
+            room = max(1, min(room, self.max_seq_len - num_prompt_tokens))
         if limit is None:
             return room
         if limit > room and explicit:

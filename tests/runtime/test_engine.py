@@ -263,6 +263,16 @@ def test_kv_cache_shorter_than_max_model_len_is_reported(tiny_qwen3_dir, caplog)
                                          r"max_model_len=100\), more than the whole KV cache holds \(32\)"):
         llm.generate([[1] * 3], SamplingParams(max_tokens=10**9), use_tqdm=False)
     assert len(llm.generate([[1] * 3], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == MAX_TOKENS
+    # without max_tokens a request runs until the cache is full (vLLM would not have started): 32 slots,
+    # + 1 for the last sampled token; two at once take turns (preemption), and every block comes back
+    assert llm.llm_engine.max_seq_len == 33
+    unbounded = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    outs = llm.generate([[1] * 3, [2] * 20], unbounded, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [30, 13]
+    assert [o.outputs[0].finish_reason for o in outs] == ["length", "length"]
+    with pytest.raises(ValueError, match=r"needs 33 KV cache slots \(prompt\), more than the whole KV cache holds"):
+        llm.generate([[1] * 33], unbounded, use_tqdm=False)
+    assert_no_leak(llm)
 
 
 def test_final_only_requests_return_one_output_when_finished(qwen3_llm):

@@ -1,0 +1,38 @@
+"""A request without max_tokens when the KV cache holds less than max_model_len (a CPU's default cache in
+float32, a long --max-model-len): the server's default fills the cache, not the context, so the engine
+takes it instead of answering 400 (`OpenAIServing.max_tokens_for`, `LLMEngine.max_seq_len`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fxrewrite.runtime.server.errors import OpenAIError
+from fxrewrite.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from fxrewrite.runtime.server.serving_engine import OpenAIServing
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def _serving(max_model_len: int, max_seq_len: int, defaults=None) -> OpenAIServing:
+    serving = object.__new__(OpenAIServing)  # only the limits matter here
+    serving.max_model_len, serving.max_seq_len, serving.generation_defaults = max_model_len, max_seq_len, defaults or {}
+    return serving
+
+
+def test_default_max_tokens_fills_the_kv_cache_when_it_is_shorter_than_the_context():
+    short = _serving(8192, 5825)  # 5824 KV slots: one more token fits (the last sampled one needs none)
+    assert short.max_tokens_for(ChatCompletionRequest(**CHAT), 37, explicit=False) == 5825 - 37
+    assert _serving(8192, 8192).max_tokens_for(ChatCompletionRequest(**CHAT), 37, explicit=False) == 8192 - 37
+    assert short.max_tokens_for(CompletionRequest(prompt="hi"), 37, explicit=False) == 16  # OpenAI's default
+    defaults = _serving(8192, 100, {"max_tokens": 512})  # generation_config's max_new_tokens: capped too
+    assert defaults.max_tokens_for(ChatCompletionRequest(**CHAT), 37, explicit=False) == 100 - 37
+    # a prompt the cache cannot hold: one token asked, the engine refuses it naming the sizes
+    assert short.max_tokens_for(ChatCompletionRequest(**CHAT), 6000, explicit=False) == 1
+
+
+def test_an_explicit_max_tokens_is_still_checked_against_the_context():
+    short = _serving(8192, 5825)
+    request = ChatCompletionRequest(**CHAT, max_tokens=6000)  # past the cache: the engine's 400 names it
+    assert short.max_tokens_for(request, 37, explicit=True) == 6000
+    with pytest.raises(OpenAIError, match="maximum context length is 8192"):
+        short.max_tokens_for(ChatCompletionRequest(**CHAT, max_tokens=9000), 37, explicit=True)
