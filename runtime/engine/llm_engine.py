@@ -167,9 +167,9 @@ class LLMEngine(EngineRLMixin):
         if needed > capacity:  # generation stops at max_model_len, so a larger max_tokens asks for that
             cap = f", up to max_model_len={max_len}" if final > max_len else ""
             what = f"prompt {len(token_ids)} + max_tokens {params.max_tokens}{cap}" if params.max_tokens else "prompt"
-            raise UserInputError(
-                f"request needs {needed} KV cache slots ({what}), more than the whole KV cache holds ({capacity}); "
-                "raise kv_cache_memory_bytes / gpu_memory_utilization, or lower max_tokens or max_model_len")
+            lower = "max_tokens or max_model_len" if params.max_tokens else "the prompt"
+            raise UserInputError(f"request needs {needed} KV cache slots ({what}), more than the whole KV cache holds "
+                                 f"({capacity}); raise kv_cache_memory_bytes / gpu_memory_utilization, or shorten {lower}")
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request and free its KV blocks now (finish_reason "abort"); unknown ids are ignored."""

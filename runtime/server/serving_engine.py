@@ -85,8 +85,15 @@ class OpenAIServing:
         if limit is None:
             limit = self.generation_defaults.get("max_tokens")
             explicit = False
-        if not explicit:  # a prompt the KV cache cannot hold is refused by the engine, naming the sizes
-            room = max(1, min(room, self.max_seq_len - num_prompt_tokens))
+        if not explicit:
+            if num_prompt_tokens >= self.max_seq_len:  # not even one token would fit the KV cache
+                raise OpenAIError(
+                    HTTPStatus.BAD_REQUEST,
+                    f"Your prompt has {num_prompt_tokens} tokens, more than the KV cache holds "
+                    f"({self.max_seq_len - 1}); shorten the prompt or start the server with a larger "
+                    "--kv-cache-memory-bytes / --gpu-memory-utilization.",
+                    param="messages" if hasattr(request, "messages") else "prompt", code="context_length_exceeded")
+            room = min(room, self.max_seq_len - num_prompt_tokens)
         if limit is None:
             return room
         if limit > room and explicit:

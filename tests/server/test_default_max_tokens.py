@@ -26,8 +26,11 @@ def test_default_max_tokens_fills_the_kv_cache_when_it_is_shorter_than_the_conte
     assert short.max_tokens_for(CompletionRequest(prompt="hi"), 37, explicit=False) == 16  # OpenAI's default
     defaults = _serving(8192, 100, {"max_tokens": 512})  # generation_config's max_new_tokens: capped too
     assert defaults.max_tokens_for(ChatCompletionRequest(**CHAT), 37, explicit=False) == 100 - 37
-    # a prompt the cache cannot hold: one token asked, the engine refuses it naming the sizes
-    assert short.max_tokens_for(ChatCompletionRequest(**CHAT), 6000, explicit=False) == 1
+    assert short.max_tokens_for(ChatCompletionRequest(**CHAT), 5824, explicit=False) == 1  # the last slot
+    for request, param in ((ChatCompletionRequest(**CHAT), "messages"), (CompletionRequest(prompt="hi"), "prompt")):
+        with pytest.raises(OpenAIError, match=r"prompt has 5825 tokens, more than the KV cache holds \(5824\)") as e:
+            short.max_tokens_for(request, 5825, explicit=False)  # no max_tokens the client never sent in it
+        assert e.value.param == param and e.value.code == "context_length_exceeded"
 
 
 def test_an_explicit_max_tokens_is_still_checked_against_the_context():
