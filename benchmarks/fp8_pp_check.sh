@@ -60,7 +60,7 @@ elif [ "${MODE:-fp8}" = fp8-fix ]; then
   echo "fp8-fix done in $(($(date +%s) - start)) s"
 elif [ "${MODE:-fp8}" = fp8-rowwise ]; then
   export FXREWRITE_FP8_TUNE_LOG="$OUT_DIR/fp8-tune.jsonl"
-  bench "$(left 150)" --config qwen3-4b --arms native --num-prompts 200 --time-limit 15 --quantization fp8
+  bench "$(left 220)" --config qwen3-4b --arms native --num-prompts 200 --time-limit 15 --quantization fp8
   bench "$(left 80)" --config qwen3-4b --arms native --num-prompts 200 --time-limit 15
   for q in ${PROFILES:-fp8 none}; do
     timeout -k 5 "$(left 80)" $PY -m fxrewrite.benchmarks.profile_decode --config qwen3-4b --batch 200 --context 560 \
