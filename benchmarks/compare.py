@@ -182,13 +182,14 @@ def compare(config: str | Path, arms: list[str], workload_kind: str = "throughpu
 
 
 def _result_stem(name: str, workload_kind: str, kw: dict) -> str:
-    """<date>-<config>-<workload>, then the parallel sizes, expert parallel, quantization and -O level the
-    run used (a -O 3 or TP=2 run beside its baseline in one folder must not overwrite it)."""
+    """<date>-<config>-<workload>, then the parallel sizes, expert parallel, quantization, KV-cache dtype and
+    -O level the run used (a -O 3 or TP=2 run beside its baseline in one folder must not overwrite it)."""
     stem = f"{datetime.date.today().isoformat()}-{name}-{workload_kind}"
     for key, tag in (("tensor_parallel_size", "tp"), ("pipeline_parallel_size", "pp"), ("data_parallel_size", "dp")):
         stem += f"-{tag}{kw[key]}" if (kw.get(key) or 1) > 1 else ""
     stem += "-ep" if kw.get("enable_expert_parallel") else ""
     stem += f"-{kw['quantization']}" if kw.get("quantization") else ""
+    stem += f"-kv{kw['kv_cache_dtype']}" if kw.get("kv_cache_dtype", "auto") != "auto" else ""
     return stem + (f"-O{kw['compilation_config']}" if kw.get("compilation_config") else "")
 
 def ratios(result: dict) -> dict:

@@ -17,6 +17,7 @@ import torch
 
 from fxrewrite.benchmarks.common import bench_model_dir, environment, load_bench_config, make_llm
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
+from fxrewrite.runtime.engine_config import KV_CACHE_DTYPES
 from fxrewrite.runtime.engine.sequence import Sequence
 from fxrewrite.runtime.worker.forward_context import forward_context
 
@@ -112,14 +113,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=256, help="tokens already in each sequence's KV cache")
     p.add_argument("-O", "--compilation-config", type=int, default=0)
     p.add_argument("--quantization", default=None, choices=(None, "fp8"), help="as the engine's --quantization")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="as the engine's --kv-cache-dtype")
     p.add_argument("--tokenizer-dir", default=None)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
-    engine_kwargs = {"compilation_config": args.compilation_config, "quantization": args.quantization}
+    engine_kwargs = {"compilation_config": args.compilation_config, "quantization": args.quantization,
+                     "kv_cache_dtype": args.kv_cache_dtype}
     result = profile_decode(args.config, args.arm, args.batch, args.context, engine_kwargs, args.tokenizer_dir)
-    result["quantization"] = args.quantization
+    result["quantization"], result["kv_cache_dtype"] = args.quantization, args.kv_cache_dtype
     args.out.mkdir(parents=True, exist_ok=True)
-    fp8 = "-fp8" if args.quantization else ""
+    fp8 = ("-fp8" if args.quantization else "") + (f"-kv{args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else "")
     path = args.out / f"{result['date']}-{result['config']}-{args.arm}{fp8}-b{args.batch}-decode-profile.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{args.config} {args.arm} batch {args.batch}: graph {result['graph_replay_ms']} ms, eager "

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from fxrewrite.kernels.attention_tile import attention_tile, check_last_dim_contiguous, check_paged_args
+from fxrewrite.kernels.attention_tile import (attention_tile, check_last_dim_contiguous, check_paged_args, dot_dtype,
+                                              fp16_dots, widen_asm)
 from fxrewrite.kernels.pdl import gdc_prologue, pdl_enabled
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
@@ -36,6 +37,10 @@ _MIN_PARTITION = 256
 # 512 keys took 9.3 / 12.3 / 15.3 us against 6.4 us for the partials + merge, and 6.3 vs 6.4 at 128:
 # one program walking a context only pays off for the shortest ones.
 _SINGLE_SPLIT_LEN = 128
+# Keys per tile over an FP8 cache. H200, 2026-12-02-kv-cache-fp8-with-cuda-core-variant-seventeenth.json (200 x 560,
+# 64 x 2048, 8 x 8192, 1 x 32768 keys; Qwen3-4B heads): 128 keys took 126 / 136 / 80 / 120 us,
+# 64 keys 130 / 136 / 122 / 137.
+_BLOCK_N_FP8 = 128
 
 
 # As in paged_prefill: no specialisation on what changes with the batch (split count, block-table width,
@@ -47,7 +52,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr
                    q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0, o_s0, o_s1,
                    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                   HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                   HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr,
+                   WIDEN_ASM: tl.constexpr, PDL: tl.constexpr):
     gdc_prologue(PDL)  # every program, even one with no work: the grid then completes after its predecessor
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -66,6 +72,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr
         heads = kvh * G + offs_g
         gd_mask = (offs_g[:, None] < G) & (offs_d[None, :] < HEAD_DIM)
         q = tl.load(q_ptr + tok.to(tl.int64) * q_s0 + heads[:, None] * q_s1 + offs_d[None, :], mask=gd_mask, other=0.0)
+        q = dot_dtype(q, FP16_DOTS)
         # this sequence's partition: its own context over the splits, in whole BLOCK_N tiles
         part = tl.cdiv(tl.cdiv(seq_len - lo, splits), BLOCK_N) * BLOCK_N
         start = lo + split * part
@@ -79,7 +86,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr
             m_i, l_i, acc = attention_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, n0, end, m_i, kvh, scale,
                                            soft_cap, sliding_window, block_size, kc_s0, kc_s1, kc_s2,
                                            vc_s0, vc_s1, vc_s2, offs_d, offs_d < HEAD_DIM, BLOCK_N, False,
-                                           HAS_SOFTCAP, False, DOT_PRECISION)
+                                           HAS_SOFTCAP, False, DOT_PRECISION, WIDEN_ASM)
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         if splits == 1:
             tl.store(out_ptr + tok.to(tl.int64) * o_s0 + heads[:, None] * o_s1 + offs_d[None, :],
@@ -133,11 +140,14 @@ def _num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int:
 
 def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                         max_query_len, max_seq_len, scale, sliding_window=None, soft_cap=None,
-                        *, block_n: int = 64, num_splits: int | None = None, num_warps: int = 4,
-                        num_stages: int = 2, single_split_len: int = _SINGLE_SPLIT_LEN):
+                        *, block_n: int | None = None, num_splits: int | None = None, num_warps: int = 4,
+                        num_stages: int = 2, single_split_len: int = _SINGLE_SPLIT_LEN, fp8_dots: str = "float16"):
     """Decode launch (every sequence has at most one query token). ``max_seq_len`` must bound every
     seq_len (it sizes the split-K grid). Keyword-only knobs are for tests and the benchmark
-    (``single_split_len``: contexts up to this many tokens skip the split and the merge; 0: never)."""
+    (``single_split_len``: contexts up to this many tokens skip the split and the merge; 0: never; ``fp8_dots``:
+    see :mod:`fxrewrite.kernels.attention_tile`; ``block_n``: keys per tile, None: `_BLOCK_N_FP8` for an FP8
+    cache, else 64)."""
+    block_n = block_n or (_BLOCK_N_FP8 if key_cache.element_size() == 1 else 64)
     check_paged_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
     if max_query_len > 1:
         raise ValueError(f"paged_decode_triton: max_query_len={max_query_len}; expected 1 (use the prefill kernel)")
@@ -162,7 +172,8 @@ def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, q
         out.stride(0), out.stride(1),
         G=group, HEAD_DIM=head_dim, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         IS_SPLIT=splits > 1, HAS_SOFTCAP=soft_cap is not None, HAS_WINDOW=sliding_window is not None,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", PDL=pdl,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        FP16_DOTS=fp16_dots(query, key_cache, fp8_dots), WIDEN_ASM=widen_asm(query, key_cache, fp8_dots), PDL=pdl,
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         launch(_reduce_kernel, (num_seqs, num_heads), query.device, pdl)(

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from fxrewrite.kernels.attention_tile import attention_tile, check_last_dim_contiguous, check_paged_args
+from fxrewrite.kernels.attention_tile import (attention_tile, check_last_dim_contiguous, check_paged_args, dot_dtype,
+                                              fp16_dots, widen_asm)
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
 __all__ = ["paged_prefill_triton"]
@@ -25,7 +26,8 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_pt
                     q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0, o_s0, o_s1,
                     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr,
+                    WIDEN_ASM: tl.constexpr):
     m_blk = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)
@@ -41,6 +43,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_pt
         md_mask = (offs_m[:, None] < q_len) & d_mask[None, :]
         rows = (q_start + offs_m).to(tl.int64)
         q = tl.load(q_ptr + rows[:, None] * q_s0 + head * q_s1 + offs_d[None, :], mask=md_mask, other=0.0)
+        q = dot_dtype(q, FP16_DOTS)
         q_pos = ctx_len + offs_m
         hi = tl.minimum(seq_len, ctx_len + (m_blk + 1) * BLOCK_M)
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
@@ -53,7 +56,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_pt
                 m_i, l_i, acc = attention_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, n0, hi, q_pos, kvh, scale,
                                                soft_cap, sliding_window, block_size, kc_s0, kc_s1, kc_s2,
                                                vc_s0, vc_s1, vc_s2, offs_d, d_mask, BLOCK_N, True,
-                                               HAS_SOFTCAP, True, DOT_PRECISION)
+                                               HAS_SOFTCAP, True, DOT_PRECISION, WIDEN_ASM)
         else:
             # Keys at or before the tile's first query position are visible to every row: no mask.
             mid = tl.minimum((ctx_len + m_blk * BLOCK_M + 1) // BLOCK_N * BLOCK_N, hi)
@@ -61,12 +64,12 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_pt
                 m_i, l_i, acc = attention_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, n0, hi, q_pos, kvh, scale,
                                                soft_cap, sliding_window, block_size, kc_s0, kc_s1, kc_s2,
                                                vc_s0, vc_s1, vc_s2, offs_d, d_mask, BLOCK_N, False,
-                                               HAS_SOFTCAP, False, DOT_PRECISION)
+                                               HAS_SOFTCAP, False, DOT_PRECISION, WIDEN_ASM)
             for n0 in range(mid, hi, BLOCK_N):
                 m_i, l_i, acc = attention_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, n0, hi, q_pos, kvh, scale,
                                                soft_cap, sliding_window, block_size, kc_s0, kc_s1, kc_s2,
                                                vc_s0, vc_s1, vc_s2, offs_d, d_mask, BLOCK_N, True,
-                                               HAS_SOFTCAP, False, DOT_PRECISION)
+                                               HAS_SOFTCAP, False, DOT_PRECISION, WIDEN_ASM)
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(out_ptr + rows[:, None] * o_s0 + head * o_s1 + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=md_mask)
@@ -74,9 +77,11 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_pt
 
 def paged_prefill_triton(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                          max_query_len, max_seq_len, scale, sliding_window=None, soft_cap=None,
-                         *, block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2):
+                         *, block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+                         fp8_dots: str = "float16"):
     """Prefill launch for any mix of query lengths (``max_query_len`` must bound them: it sizes
-    the grid). Keyword-only knobs are for tests and the benchmark. Same contract as the reference."""
+    the grid). Keyword-only knobs are for tests and the benchmark (``fp8_dots``: see
+    :mod:`fxrewrite.kernels.attention_tile`). Same contract as the reference."""
     check_paged_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
     check_last_dim_contiguous(query, key_cache, value_cache)
     num_tokens, num_heads, head_dim = query.shape
@@ -94,5 +99,6 @@ def paged_prefill_triton(query, key_cache, value_cache, block_tables, seq_lens, 
         G=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, next_power_of_2(head_dim)), HAS_SOFTCAP=soft_cap is not None,
         HAS_WINDOW=sliding_window is not None, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages)
+        FP16_DOTS=fp16_dots(query, key_cache, fp8_dots),
+        WIDEN_ASM=widen_asm(query, key_cache, fp8_dots), num_warps=num_warps, num_stages=num_stages)
     return out

@@ -14,6 +14,8 @@ MODEL_IMPLS = ("auto", "native", "transformers")
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 QUANTIZATIONS = ("fp8",)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+"""vLLM's `--kv-cache-dtype` names: "auto" is the model's dtype; "fp8" is "fp8_e4m3" (runtime/worker/kv_cache.py)."""
 RUNNERS = ("auto", "generate", "pooling")
 COMPILATION_LEVELS = (0, 1, 2, 3)
 """vLLM's optimisation levels (`-O`, `compilation_config`); see `EngineConfig.compilation_config`."""
@@ -71,6 +73,11 @@ class EngineConfig:
     quantization: str | None = None
     """"fp8": quantize a bf16/fp16/fp32 checkpoint's linear layers to FP8 (128 x 128 blocks) at load.
     FP8 checkpoints (quantization_config in config.json) need nothing (runtime/model_files/quantization.py)."""
+    kv_cache_dtype: str = "auto"
+    """The paged KV cache's element type: "auto" (the model's dtype) or FP8 ("fp8" = "fp8_e4m3", "fp8_e5m2"),
+    half the bytes of bf16 per cached token, so twice the tokens fit and decode attention reads half as much.
+    Keys and values are stored with scale 1.0 (clamped to the format's range), as vLLM does for a
+    checkpoint without KV scales; the attention kernels widen them to the query's dtype."""
     load_format: str = "auto"
     """"auto"/"safetensors" load the checkpoint; "dummy" keeps random weights (benchmarks)."""
     revision: str | None = None
@@ -89,6 +96,7 @@ class EngineConfig:
             raise UserTypeError(f"dtype={self.dtype!r} must be a string or a torch.dtype, one of {DTYPES}")
         _check_choice("dtype", str(self.dtype).removeprefix("torch."), DTYPES)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_choice("runner", self.runner, RUNNERS)
         check_compilation_config(self.compilation_config)
         positive = {

@@ -18,6 +18,7 @@ from pathlib import Path
 from fxrewrite.commands.engine_args import (add_compilation_argument, human_readable_int, parse_hf_overrides,
                                              positive_int)
 from fxrewrite.errors import UserInputError
+from fxrewrite.runtime.engine_config import KV_CACHE_DTYPES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,6 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="pipeline stages per engine arm (x tensor-parallel-size worker processes)")
     g.add_argument("--quantization", "-q", choices=("fp8",), default=None,
                    help="fp8: every engine arm quantizes its linear layers to FP8 (128 x 128 blocks) at load")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="every engine arm's KV-cache element type (fp8: half the bytes per cached token)")
     g.add_argument("--device", default=None, help="torch device (default: cuda when available)")
     k = sub.add_parser("kernels", help="each Triton kernel vs its torch reference and the copy bandwidth")
     k.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
@@ -193,6 +196,8 @@ def run(args: argparse.Namespace) -> int:
         engine_kwargs["data_parallel_size"] = args.data_parallel_size
     if args.quantization is not None:  # only when asked, so result names and JSON stay as before
         engine_kwargs["quantization"] = args.quantization
+    if args.kv_cache_dtype != "auto":
+        engine_kwargs["kv_cache_dtype"] = args.kv_cache_dtype
     result = compare(
         args.config, parse_arms(args.arms), args.workload, num_prompts=args.num_prompts,
         hf_num_prompts=args.hf_num_prompts, engine_kwargs=engine_kwargs, time_limit_s=args.time_limit,

@@ -10,7 +10,7 @@ import argparse
 import json
 from typing import Any
 
-from fxrewrite.runtime.engine_config import COMPILATION_LEVELS
+from fxrewrite.runtime.engine_config import COMPILATION_LEVELS, KV_CACHE_DTYPES
 
 # Flags whose value is an `LLM(...)` keyword argument of the same name (dest == kwarg).
 ENGINE_KWARG_NAMES = (
@@ -36,6 +36,7 @@ ENGINE_KWARG_NAMES = (
     "enable_expert_parallel",
     "pipeline_parallel_size",
     "quantization",
+    "kv_cache_dtype",
     "load_format",
     "batch_invariant",
 )
@@ -210,6 +211,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--quantization", "-q", choices=("fp8",), default=None,
                    help="fp8: quantize the linear layers of a bf16 checkpoint to FP8 at load (FP8 checkpoints "
                         "are detected from config.json)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="KV-cache element type: auto (the model's dtype) or fp8 (= fp8_e4m3) / fp8_e5m2, half the "
+                        "bytes per cached token (scale 1.0, as vLLM without checkpoint KV scales)")
     g.add_argument("--generation-config", default="auto",
                    help="'auto': default sampling values from the model's generation_config.json; "
                         "'vllm': none; or a folder holding a generation_config.json")

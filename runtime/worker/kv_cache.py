@@ -11,6 +11,14 @@ from fxrewrite.errors import UserInputError
 _CPU_DEFAULT_BYTES = 256 * 2**20
 
 
+_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's element type for the engine's `kv_cache_dtype` setting ("auto": the model's dtype)."""
+    return model_dtype if name == "auto" else _KV_CACHE_DTYPES[name]
+
+
 def kv_shape(model_config, layers: tuple[int, int] | None = None) -> tuple[int, int, int]:
     """(num_layers, num_kv_heads, head_dim) of the attention layers this rank caches: all of them, or
     the [start, end) `layers` of its pipeline stage."""

@@ -41,14 +41,13 @@ def _dummy_metadata(num_tokens: int, seq_len: int, block_size: int, device: torc
 
 
 @torch.inference_mode()
-def profile_activation_bytes(model: nn.Module, config, model_config, device: torch.device,
+def profile_activation_bytes(model: nn.Module, config, model_config, device: torch.device, kv_dtype: torch.dtype,
                              layers: tuple[int, int] | None = None) -> int:
     """Peak bytes one worst-case step allocates beyond what is live before it (weights, scratch cache)."""
     num_tokens = config.max_num_batched_tokens
     seq_len = min(model_config.max_model_len, num_tokens)
     positions, metadata, num_blocks = _dummy_metadata(num_tokens, seq_len, config.block_size, device)
-    metadata.kv_caches = allocate_kv_caches(model_config, num_blocks, config.block_size, model_config.dtype, device,
-                                           layers)
+    metadata.kv_caches = allocate_kv_caches(model_config, num_blocks, config.block_size, kv_dtype, device, layers)
     input_ids = torch.randint(0, model_config.vocab_size, (num_tokens,), device=device)
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
@@ -67,15 +66,15 @@ def profile_activation_bytes(model: nn.Module, config, model_config, device: tor
     return int(peak)
 
 
-def profile_num_kv_blocks(model: nn.Module, config, model_config, device: torch.device,
+def profile_num_kv_blocks(model: nn.Module, config, model_config, device: torch.device, kv_dtype: torch.dtype,
                           layers: tuple[int, int] | None = None) -> int:
     """Number of KV blocks that fit in gpu_memory_utilization after a profiling forward.
 
     ValueError naming the budget when not even one block fits."""
-    activation = profile_activation_bytes(model, config, model_config, device, layers)
+    activation = profile_activation_bytes(model, config, model_config, device, kv_dtype, layers)
     free, total = torch.cuda.mem_get_info(device)
     budget = int(total * config.gpu_memory_utilization) - (total - free) - activation
-    block_bytes = bytes_per_block(model_config, config.block_size, model_config.dtype, layers)
+    block_bytes = bytes_per_block(model_config, config.block_size, kv_dtype, layers)
     if budget < block_bytes:
         raise UserInputError(
             f"KV cache budget of {budget} bytes (gpu_memory_utilization={config.gpu_memory_utilization} of "

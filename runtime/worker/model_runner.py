@@ -20,7 +20,7 @@ from fxrewrite.runtime.engine_config import EngineConfig
 from fxrewrite.runtime.worker.forward_context import forward_context
 from fxrewrite.runtime.engine.inputs import prepare_inputs
 from fxrewrite.runtime.engine.prompt_logprobs import compute_prompt_logprobs, wants_prompt_logprobs
-from fxrewrite.runtime.worker.kv_cache import allocate_kv_caches, num_kv_blocks
+from fxrewrite.runtime.worker.kv_cache import allocate_kv_caches, kv_cache_dtype, num_kv_blocks
 from fxrewrite.runtime.worker.memory_profiling import profile_num_kv_blocks
 from fxrewrite.runtime.worker.warmup import should_warm_up, warm_up_kernels
 from fxrewrite.runtime.worker import sleep_mode, watchdog, weight_sync
@@ -138,7 +138,7 @@ class ModelRunner:
         if self.pipeline is not None:
             self.pipeline.allocate(max(config.max_num_batched_tokens, config.max_num_seqs), model_config.hidden_size,
                                    model_config.dtype, self.device)
-        self.kv_dtype = model_config.dtype
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, model_config.dtype)
         if should_compile(config, self.device):
             compile_model(self.model)
         elif self.device.type == "cuda":  # skinny GEMV vs cuBLAS per layer shape, before any graph is captured
@@ -149,7 +149,8 @@ class ModelRunner:
         layers = self.pipeline.layers if self.pipeline is not None else None  # a stage caches its layers only
         watchdog.phase("sizing and allocating the KV cache")
         if self.device.type == "cuda" and config.kv_cache_memory_bytes is None:
-            self.num_blocks = profile_num_kv_blocks(self.model, config, model_config, self.device, layers)
+            self.num_blocks = profile_num_kv_blocks(self.model, config, model_config, self.device, self.kv_dtype,
+                                                    layers)
         else:
             self.num_blocks = num_kv_blocks(config, model_config, self.device, self.kv_dtype, layers)
         self.kv_caches = allocate_kv_caches(model_config, self.num_blocks, self.block_size, self.kv_dtype,

@@ -1,0 +1,66 @@
+"""Paged decode attention over a bf16 vs an FP8 (e4m3) KV cache (GPU), Qwen3-4B / Llama-3.1-8B heads
+(32 q, 8 kv, head 128), blocks of 16 slots in shuffled order, every sequence its own blocks.
+
+For each (sequences, context) case and cache dtype it times each launch config (for FP8, with the dots in fp16
+and, for two configs, in the query's bf16: ``fp8_dots``) of ``paged_decode_triton``
+(``triton.testing.do_bench`` medians) and checks it against the reference over the dequantized cache; the
+row gives the best config's time and the bytes it must read (cache + queries + output) over the time, as a
+share of the measured copy bandwidth. ``python -m fxrewrite.benchmarks.kv_cache_fp8 --out DIR`` writes
+``<date>-kv-cache-fp8.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from fxrewrite.benchmarks import kernels
+from fxrewrite.benchmarks.common import RESULTS_DIR, environment
+from fxrewrite.kernels.paged_attention import paged_attention_ref
+from fxrewrite.kernels.paged_decode import paged_decode_triton
+
+CASES = [(200, 560), (64, 2048), (8, 8192), (1, 32768)]
+# The configs that came first or second in one case or another (H200, 2026-12-02-kv-cache-fp8-seventeenth.json).
+CONFIGS = [dict(block_n=n, num_warps=w, num_stages=s) for n, w, s in [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2)]]
+DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def _case_rows(batch: int, ctx: int, bandwidth: float) -> list[dict]:
+    args, seq_lens = kernels._paged_batch([(ctx - 1, 1)] * batch)
+    scale, rows = kernels.HEAD_DIM ** -0.5, []
+    for label, dtype in DTYPES.items():
+        cache = tuple(c.to(dtype) for c in args[1:3])
+        case = (args[0], *cache, *args[3:])
+        want = paged_attention_ref(args[0], *(c.to(torch.bfloat16) for c in cache), *args[3:], scale)
+        configs = CONFIGS if dtype.itemsize == 2 else CONFIGS + [dict(c, fp8_dots="query") for c in CONFIGS[:2]]
+        best, tried = kernels._sweep(f"{label} b{batch} ctx{ctx}", paged_decode_triton, case, want, configs, scale)
+        cache_bytes = 2 * sum(seq_lens) * kernels.NUM_KV_HEADS * kernels.HEAD_DIM * dtype.itemsize
+        nbytes = cache_bytes + 2 * args[0].numel() * 2
+        ms = best["ms"] if best else None
+        rows.append(dict(batch=batch, context=ctx, kv_cache_dtype=label, best=best, tried=tried, bytes=nbytes,
+                         pct_of_copy=100 * nbytes / (ms * 1e-3) / bandwidth if ms else None))
+        print(f"{label:9} b={batch:<4} ctx={ctx:<6} {ms and round(ms * 1e3, 1)} us "
+              f"({rows[-1]['pct_of_copy'] and round(rows[-1]['pct_of_copy'])}% of copy) {best}", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    args = p.parse_args(argv)
+    bandwidth = kernels.copy_bandwidth()
+    rows = [r for batch, ctx in CASES for r in _case_rows(batch, ctx, bandwidth)]
+    env = environment()
+    result = {**env, "benchmark": "kv_cache_fp8", "copy_bandwidth_GBps": bandwidth / 1e9, "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{env['date'][:10]}-kv-cache-fp8.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

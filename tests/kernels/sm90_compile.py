@@ -1,0 +1,47 @@
+"""Compile the FP8 KV-cache paths of the attention kernels for sm90 (H100/H200) with no GPU: triton's compiler to
+the cubin. ``python -m tests.kernels.sm90_compile fp8e4nv|fp8e5`` (TRITON_INTERPRET unset) prints, last, a JSON
+line about the decode kernel's PTX. Run by tests/kernels/test_fp8_kv_cache.py."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile as triton_compile
+
+from fxrewrite.kernels import paged_decode, paged_prefill, reshape_and_cache
+
+
+def compile_sm90(fn, pointers: dict, constexprs: dict, floats=("scale", "soft_cap"), **options) -> str:
+    """PTX of `fn` for sm90 (the cubin is built too). Pointers and integer arguments are declared 16-divisible,
+    as the JIT specialises the engine's strides and buffers, so loads vectorise as on the GPU; the packed length
+    buffers are not (the kernels opt out of that specialisation)."""
+    sig = {n: pointers.get(n) or ("constexpr" if n in constexprs else "fp32" if n in floats else "i32")
+           for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if sig[n] not in ("constexpr", "fp32") and n not in ("seq_lens_ptr", "qsl_ptr")}
+    kernel = triton_compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 64), options=options)
+    assert kernel.asm["cubin"]
+    return kernel.asm["ptx"]
+
+
+def main(cache: str) -> dict:
+    caches = {"kc_ptr": f"*{cache}", "vc_ptr": f"*{cache}"}
+    ints = {n: "*i32" for n in ("bt_ptr", "seq_lens_ptr", "qsl_ptr")}
+    common = dict(HEAD_DIM=128, BLOCK_D=128, HAS_SOFTCAP=False, HAS_WINDOW=False, DOT_PRECISION="tf32",
+                  FP16_DOTS=True, WIDEN_ASM=1 if cache == "fp8e4nv" else 2)
+    decode = compile_sm90(paged_decode._decode_kernel,
+                          {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "ml_ptr": "*fp32", **caches,
+                           **ints},
+                          dict(common, G=4, BLOCK_G=16, BLOCK_N=64, IS_SPLIT=True, PDL=True), num_warps=4, num_stages=2)
+    compile_sm90(paged_prefill._prefill_kernel, {"q_ptr": "*bf16", "out_ptr": "*bf16", **caches, **ints},
+                 dict(common, G=4, BLOCK_M=64, BLOCK_N=64, HAS_SOFTCAP=True, HAS_WINDOW=True), num_warps=4)
+    compile_sm90(reshape_and_cache._reshape_and_cache_kernel,
+                 {"key_ptr": "*bf16", "value_ptr": "*bf16", "slot_ptr": "*i64", **caches},
+                 dict(HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, FP8=True, CLAMP=448.0, PDL=True))
+    return {"widened_in_ptx": "cvt.rn.f16x2.e" in decode, "byte_loads_from_shared": decode.count("ld.shared.b8")}
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1])))
