@@ -166,8 +166,9 @@ class LLMEngine(EngineRLMixin):
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
         if needed > capacity:  # generation stops at max_model_len, so a larger max_tokens asks for that
             cap = f", up to max_model_len={max_len}" if final > max_len else ""
-            what = f"prompt {len(token_ids)} + max_tokens {params.max_tokens}{cap}" if params.max_tokens else "prompt"
-            lower = "max_tokens or max_model_len" if params.max_tokens else "the prompt"
+            what = (f"prompt {len(token_ids)} + max_tokens {params.max_tokens} - 1, the last token is not cached{cap}"
+                    if params.max_tokens else "prompt")
+            lower = "the prompt" if len(token_ids) > capacity else "max_tokens or max_model_len"
             raise UserInputError(f"request needs {needed} KV cache slots ({what}), more than the whole KV cache holds "
                                  f"({capacity}); raise kv_cache_memory_bytes / gpu_memory_utilization, or shorten {lower}")
 

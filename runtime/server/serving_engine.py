@@ -68,7 +68,7 @@ class OpenAIServing:
         return token_ids
 
     def max_tokens_for(self, request: SamplingRequest, num_prompt_tokens: int, explicit: bool) -> int:
-        """The number of tokens to generate, checked against max_model_len.
+        """The number of tokens to generate, checked against max_model_len and the KV cache (400s naming them).
 
         `explicit`: the request gave a limit (an over-long one is then a 400 instead of clamped). Without
         one, the rest of the context, or of the KV cache when that holds less (`LLMEngine.max_seq_len`).
@@ -103,6 +103,18 @@ class OpenAIServing:
                 f"requested {num_prompt_tokens + limit} tokens ({num_prompt_tokens} in the prompt, "
                 f"{limit} for the completion). Please reduce the length of the prompt or max_tokens.",
                 param="max_tokens", code="context_length_exceeded")
+        kv_bound = self.max_seq_len < self.max_model_len
+        if explicit and kv_bound and num_prompt_tokens + limit > self.max_seq_len:  # the engine would refuse it
+            prompt_alone = num_prompt_tokens >= self.max_seq_len
+            raise OpenAIError(
+                HTTPStatus.BAD_REQUEST,
+                f"The KV cache holds {self.max_seq_len - 1} tokens. However, you requested "
+                f"{num_prompt_tokens + limit} tokens ({num_prompt_tokens} in the prompt, {limit} for the completion; "
+                "the last one is not cached). Please reduce the length of the "
+                f"{'prompt' if prompt_alone else 'prompt or max_tokens'}, or start the server with a larger "
+                "--kv-cache-memory-bytes / --gpu-memory-utilization.",
+                param=("messages" if hasattr(request, "messages") else "prompt") if prompt_alone else "max_tokens",
+                code="context_length_exceeded")
         return min(limit, room)
 
     def sampling_params(self, request: SamplingRequest, max_tokens: int, logprobs: int | None,
