@@ -17,8 +17,8 @@ import torch
 
 from fxrewrite.benchmarks.common import bench_model_dir, environment, load_bench_config, make_llm
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
-from fxrewrite.runtime.engine_config import KV_CACHE_DTYPES
 from fxrewrite.runtime.engine.sequence import Sequence
+from fxrewrite.runtime.engine_config import KV_CACHE_DTYPES
 from fxrewrite.runtime.worker.forward_context import forward_context
 
 STEPS = 20

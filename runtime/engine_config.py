@@ -75,7 +75,8 @@ class EngineConfig:
     FP8 checkpoints (quantization_config in config.json) need nothing (runtime/model_files/quantization.py)."""
     kv_cache_dtype: str = "auto"
     """The paged KV cache's element type: "auto" (the model's dtype) or FP8 ("fp8" = "fp8_e4m3", "fp8_e5m2"),
-    half the bytes of bf16 per cached token, so twice the tokens fit and decode attention reads half as much.
+    half the bytes of bf16 per cached token, so twice the tokens fit (decode attention reads half the bytes but,
+    on the H200, is not faster yet: README "FP8 KV cache").
     Keys and values are stored with scale 1.0 (clamped to the format's range), as vLLM does for a
     checkpoint without KV scales; the attention kernels widen them to the query's dtype."""
     load_format: str = "auto"
