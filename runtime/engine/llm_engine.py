@@ -162,7 +162,7 @@ class LLMEngine(EngineRLMixin):
             raise UserInputError(f"prompt has {len(token_ids)} tokens, more than max_model_len={max_len}")
         # The last sampled token needs no KV slot; without max_tokens only the prompt must fit (max_seq_len).
         final = len(token_ids) + (params.max_tokens or 1) - 1
-        needed = min(final, max_len)
+        needed = min(final, max(max_len - 1, len(token_ids)))  # a sequence stops at max_len tokens, the last uncached
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
         if needed > capacity:  # generation stops at max_model_len, so a larger max_tokens asks for that
             cap = f", up to max_model_len={max_len}" if final > max_len else ""

@@ -43,7 +43,7 @@ class OpenAIServingCompletion(OpenAIServing):
         structured = structured_outputs_of(request)
         inputs = []
         for _, token_ids in prompts:
-            max_tokens = self.max_tokens_for(request, len(token_ids), explicit) if request.max_tokens != 0 else 1
+            max_tokens = self.max_tokens_for(request, len(token_ids), explicit)  # echo-only (0): the 1 token made
             params = self.sampling_params(request, max_tokens, request.logprobs, echo_lp, structured)
             inputs.append((token_ids, params))
         await self.check_structured_outputs(inputs[0][1], structured_outputs_field(request))

@@ -72,13 +72,21 @@ class OpenAIServing:
 
         `explicit`: the request gave a limit (an over-long one is then a 400 instead of clamped). Without
         one, the rest of the context, or of the KV cache when that holds less (`LLMEngine.max_seq_len`).
+        A limit of 0 (a completion's echo of the prompt alone) is checked as the one token the engine generates.
         """
+        prompt_param = "messages" if hasattr(request, "messages") else "prompt"
         if num_prompt_tokens >= self.max_model_len:
             raise OpenAIError(
                 HTTPStatus.BAD_REQUEST,
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your "
                 f"prompt has {num_prompt_tokens} tokens. Please reduce the length of the prompt.",
-                param="messages" if hasattr(request, "messages") else "prompt",
+                param=prompt_param, code="context_length_exceeded")
+        if num_prompt_tokens >= self.max_seq_len:  # not even one token would fit the KV cache
+            raise OpenAIError(
+                HTTPStatus.BAD_REQUEST,
+                f"Your prompt has {num_prompt_tokens} tokens, more than the KV cache holds "
+                f"({self.max_seq_len - 1}); shorten the prompt or start the server with a larger "
+                "--kv-cache-memory-bytes / --gpu-memory-utilization.", param=prompt_param,
                 code="context_length_exceeded")
         room = self.max_model_len - num_prompt_tokens
         limit = request.output_limit()
@@ -86,35 +94,26 @@ class OpenAIServing:
             limit = self.generation_defaults.get("max_tokens")
             explicit = False
         if not explicit:
-            if num_prompt_tokens >= self.max_seq_len:  # not even one token would fit the KV cache
-                raise OpenAIError(
-                    HTTPStatus.BAD_REQUEST,
-                    f"Your prompt has {num_prompt_tokens} tokens, more than the KV cache holds "
-                    f"({self.max_seq_len - 1}); shorten the prompt or start the server with a larger "
-                    "--kv-cache-memory-bytes / --gpu-memory-utilization.",
-                    param="messages" if hasattr(request, "messages") else "prompt", code="context_length_exceeded")
             room = min(room, self.max_seq_len - num_prompt_tokens)
         if limit is None:
             return room
+        limit = max(limit, 1)
+        field = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens"
         if limit > room and explicit:
             raise OpenAIError(
                 HTTPStatus.BAD_REQUEST,
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                 f"requested {num_prompt_tokens + limit} tokens ({num_prompt_tokens} in the prompt, "
-                f"{limit} for the completion). Please reduce the length of the prompt or max_tokens.",
-                param="max_tokens", code="context_length_exceeded")
-        kv_bound = self.max_seq_len < self.max_model_len
-        if explicit and kv_bound and num_prompt_tokens + limit > self.max_seq_len:  # the engine would refuse it
-            prompt_alone = num_prompt_tokens >= self.max_seq_len
+                f"{limit} for the completion). Please reduce the length of the prompt or {field}.",
+                param=field, code="context_length_exceeded")
+        if explicit and num_prompt_tokens + limit > self.max_seq_len:  # the engine would refuse it (a short KV cache)
             raise OpenAIError(
                 HTTPStatus.BAD_REQUEST,
-                f"The KV cache holds {self.max_seq_len - 1} tokens. However, you requested "
-                f"{num_prompt_tokens + limit} tokens ({num_prompt_tokens} in the prompt, {limit} for the completion; "
-                "the last one is not cached). Please reduce the length of the "
-                f"{'prompt' if prompt_alone else 'prompt or max_tokens'}, or start the server with a larger "
-                "--kv-cache-memory-bytes / --gpu-memory-utilization.",
-                param=("messages" if hasattr(request, "messages") else "prompt") if prompt_alone else "max_tokens",
-                code="context_length_exceeded")
+                f"The KV cache holds {self.max_seq_len - 1} tokens, so a request may total {self.max_seq_len} "
+                f"(the last generated token is not cached). However, you requested {num_prompt_tokens + limit} "
+                f"tokens ({num_prompt_tokens} in the prompt, {limit} for the completion). Please reduce {field} "
+                "or the length of the prompt, or start the server with a larger --kv-cache-memory-bytes / "
+                "--gpu-memory-utilization.", param=field, code="context_length_exceeded")
         return min(limit, room)
 
     def sampling_params(self, request: SamplingRequest, max_tokens: int, logprobs: int | None,

@@ -36,13 +36,19 @@ def test_default_max_tokens_fills_the_kv_cache_when_it_is_shorter_than_the_conte
 def test_an_explicit_max_tokens_is_checked_against_the_context_and_the_kv_cache():
     short = _serving(8192, 5825)
     assert short.max_tokens_for(ChatCompletionRequest(**CHAT, max_tokens=5788), 37, explicit=True) == 5788  # fills it
-    # past the cache: a 400 context_length_exceeded naming max_tokens, or the prompt when that alone does not fit
-    with pytest.raises(OpenAIError, match=r"KV cache holds 5824 tokens. However, you requested 6037 tokens \(37 in "
-                                          r"the prompt, 6000 for the completion; the last one is not cached\)") as e:
+    # past the cache: a 400 context_length_exceeded naming the field that set the limit, or the prompt alone
+    with pytest.raises(OpenAIError, match=r"KV cache holds 5824 tokens, so a request may total 5825 \(the last "
+                                          r"generated token is not cached\). However, you requested 6037 tokens") as e:
         short.max_tokens_for(ChatCompletionRequest(**CHAT, max_tokens=6000), 37, explicit=True)
     assert e.value.param == "max_tokens" and e.value.code == "context_length_exceeded"
-    with pytest.raises(OpenAIError, match="reduce the length of the prompt, or start") as e:
-        short.max_tokens_for(CompletionRequest(prompt="hi", max_tokens=5), 5900, explicit=True)
-    assert e.value.param == "prompt" and e.value.code == "context_length_exceeded"
+    with pytest.raises(OpenAIError, match="Please reduce max_completion_tokens or the length") as e:
+        short.max_tokens_for(ChatCompletionRequest(**CHAT, max_tokens=5, max_completion_tokens=6000), 37, explicit=True)
+    assert e.value.param == "max_completion_tokens"
+    for request in (CompletionRequest(prompt="hi", max_tokens=5), CompletionRequest(prompt="hi", max_tokens=0, echo=True)):
+        with pytest.raises(OpenAIError, match=r"prompt has 5825 tokens, more than the KV cache holds \(5824\)") as e:
+            short.max_tokens_for(request, 5825, explicit=True)
+        assert e.value.param == "prompt" and e.value.code == "context_length_exceeded"
+    # an echo of the prompt alone generates one token (dropped): checked as 1, the cache's last slot included
+    assert short.max_tokens_for(CompletionRequest(prompt="hi", max_tokens=0, echo=True), 5824, explicit=True) == 1
     with pytest.raises(OpenAIError, match="maximum context length is 8192"):
         short.max_tokens_for(ChatCompletionRequest(**CHAT, max_tokens=9000), 37, explicit=True)
