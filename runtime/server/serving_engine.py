@@ -127,6 +127,10 @@ class OpenAIServing:
             logprobs = 0 if logprobs is None else logprobs
         if prompt_logprobs is None:
             prompt_logprobs = request.prompt_logprobs
+        if request.min_tokens > max_tokens:  # an explicit max_tokens below it is the protocol's 400 already
+            raise OpenAIError(HTTPStatus.BAD_REQUEST, f"min_tokens ({request.min_tokens}) is more than the "
+                              f"{max_tokens} tokens this request may generate (what is left of the context or the "
+                              "KV cache, or the default max_tokens)", param="min_tokens", code="invalid_value")
         values = {}
         for name, fallback in _SAMPLING_FALLBACKS.items():
             given = getattr(request, name)
@@ -138,7 +142,7 @@ class OpenAIServing:
                 structured_outputs=structured_outputs,
                 presence_penalty=request.presence_penalty or 0.0,
                 frequency_penalty=request.frequency_penalty or 0.0,
-                ignore_eos=request.ignore_eos, min_tokens=min(request.min_tokens, max_tokens),
+                ignore_eos=request.ignore_eos, min_tokens=request.min_tokens,
                 stop_token_ids=request.stop_token_ids and self.check_token_ids(
                     request.stop_token_ids, "stop_token_ids"),
                 allowed_token_ids=request.allowed_token_ids and self.check_token_ids(

@@ -52,3 +52,13 @@ def test_an_explicit_max_tokens_is_checked_against_the_context_and_the_kv_cache(
     assert short.max_tokens_for(CompletionRequest(prompt="hi", max_tokens=0, echo=True), 5824, explicit=True) == 1
     with pytest.raises(OpenAIError, match="maximum context length is 8192"):
         short.max_tokens_for(ChatCompletionRequest(**CHAT, max_tokens=9000), 37, explicit=True)
+
+
+def test_min_tokens_beyond_what_the_request_may_generate_is_a_400():
+    """vLLM refuses min_tokens > max_tokens also when max_tokens was defaulted (to what the cache holds here)."""
+    short = _serving(8192, 100)
+    request = ChatCompletionRequest(**CHAT, min_tokens=80)
+    max_tokens = short.max_tokens_for(request, 37, explicit=False)
+    with pytest.raises(OpenAIError, match=r"min_tokens \(80\) is more than the 63 tokens this request may generate") as e:
+        short.sampling_params(request, max_tokens, None)
+    assert e.value.param == "min_tokens" and e.value.status == 400
