@@ -42,18 +42,17 @@ def pooling_server(tiny_model_dir):
     thread.join(timeout=15)
 
 
-def _direct(engine, token_ids: list[int]) -> np.ndarray:
-    """The engine's own embedding of `token_ids` (the offline path the server must match)."""
-    from fxrewrite.runtime.engine.pooling import PoolingParams
+def _direct(model_dir, prompts: list[list[int]]) -> list[np.ndarray]:
+    """The offline path the server must match: `LLM.embed` on its own engine with the server's settings (the
+    server's engine is stepped by its own loop; a test stepping it too could take the other's outputs)."""
+    from fxrewrite.runtime.llm import LLM
 
-    engine.add_request("direct", token_ids, PoolingParams())
-    out = None
-    while engine.has_unfinished_requests():
-        out = next((o for o in engine.step() if o.finished), out)
-    return np.asarray(out.outputs.embedding, dtype=np.float32)
+    llm = LLM(str(model_dir), runner="pooling", model_impl="native", max_model_len=MAX_LEN, kv_cache_memory_bytes=2**20,
+              dtype="float32")
+    return [np.asarray(o.outputs.embedding, dtype=np.float32) for o in llm.embed(prompts, use_tqdm=False)]
 
 
-def test_embeddings_float_and_base64(pooling_server):
+def test_embeddings_float_and_base64(pooling_server, tiny_model_dir):
     client = pooling_server.client()
     texts = ["hello world", "a longer sentence about embeddings"]
     floats = client.embeddings.create(model=MODEL_NAME, input=texts, encoding_format="float")
@@ -63,11 +62,11 @@ def test_embeddings_float_and_base64(pooling_server):
     assert floats.usage.prompt_tokens == floats.usage.total_tokens == sum(map(len, ids))
     with pooling_server.http() as http:  # raw base64, as OpenAI encodes it (little-endian float32)
         raw = http.post("/v1/embeddings", json={"input": texts, "encoding_format": "base64"}).json()
-    for d, b, prompt_ids in zip(floats.data, raw["data"], ids):
+    for d, b, want in zip(floats.data, raw["data"], _direct(tiny_model_dir("qwen3"), ids)):
         vector = np.asarray(d.embedding, dtype=np.float32)
         assert vector.shape == (pooling_server.engine.model_config.hidden_size,)
         assert abs(np.linalg.norm(vector) - 1.0) < 1e-5
-        np.testing.assert_allclose(vector, _direct(pooling_server.engine, prompt_ids), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(vector, want, rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(np.frombuffer(base64.b64decode(b["embedding"]), dtype="<f4"), vector)
     one = client.embeddings.create(model=MODEL_NAME, input=ids[0])  # token ids, and list of token ids
     many = client.embeddings.create(model=MODEL_NAME, input=ids)
