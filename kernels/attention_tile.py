@@ -7,8 +7,8 @@ first turn the query into fp16 (``FP16_DOTS``, clamped to its range): e4m3 -> fp
 pair of values on sm89+, e4m3 -> bf16 takes a second one per value (the probabilities, in [0, 1], lose nothing
 in fp16). On sm89+ the widening is inline PTX (``WIDEN_ASM``): triton moves a plain ``.to`` of a tile past the
 tile's trip through shared memory (the dot operands' layout), and 8-bit values come back from there one byte
-per load (64 byte loads per thread per 64-key tile in sm90 PTX, against six 16-byte loads in the bf16 kernel);
-opaque, the conversion stays in registers after the global load and the fp16 tile takes bf16's path.
+per load (``ld.shared.b8`` in the sm90 PTX, where the bf16 kernel loads 16 bytes at a time; the CPU suite checks
+the PTX: tests/kernels/sm90_compile.py); opaque, the conversion stays in registers after the global load and the fp16 tile takes bf16's path.
 
 Scores live in the log2 domain (``exp2``): ``s = log2(e) * scale * q·k`` (or the soft-capped
 ``log2(e) * cap * tanh(scale * q·k / cap)``); ``m`` is the running row max and ``l`` the running
