@@ -23,8 +23,11 @@
 #                                  GPU tests (fp8-gemv-tests.log); the GEMV microbenchmark at 32B and 4B shapes,
 #                                  FP8 per-channel / block and bf16 weights, M = 1 (-gemv-...-fp8...json);
 #                                  the fused norm/SiLU + FP8 quantization microbenchmark (-fp8-quant.json).
+#   MODE=fp8-pipelined (nvidia-h200): <= 9 min: the pipelined one-token FP8 GEMV's GPU tests (fp8-pipelined-tests.log);
+#                                  batch-1 decode: Qwen3-32B FP8 then bf16, Qwen3-4B FP8 (bench JSONs; tuner logs).
+#                                  MORE_TESTS=files and KEYS=(-k expression) add tests; RUNS="32b-fp8 4b ..." picks the decode runs.
 #   MODE=kv-fp8 (nvidia-h200):     <= 9 min: FP8 KV-cache GPU tests (kv-fp8-tests.log); paged decode over bf16 vs
-#                                  e4m3 caches (-kv-cache-fp8.json); Qwen3-4B throughput bf16 + FP8 KV, bf16, then
+#                                  e4m3 caches (-kv-cache-fp8.json; KERNEL=0 skips it); Qwen3-4B throughput bf16 + FP8 KV, bf16, then
 #                                  FP8 weights + FP8 KV (bench JSONs, -kvfp8 in the name); with PROFILES="none fp8"
 #                                  decode-step profiles at batch 200, context 560 with the FP8 KV cache.
 # Results (JSON, logs) go to $OUT when set, else benchmarks/results. Each step has its own time limit.
@@ -62,14 +65,24 @@ elif [ "${MODE:-fp8}" = fp8-fix ]; then
   bench "$(left 60)" --config qwen3-4b --arms native --num-prompts 200 --time-limit 15 --quantization fp8
   bench "$(left 50)" --config qwen3-4b --arms native --num-prompts 200 --time-limit 15
   echo "fp8-fix done in $(($(date +%s) - start)) s"
+elif [ "${MODE:-fp8}" = fp8-pipelined ]; then
+  export FXREWRITE_FP8_TUNE_LOG="$OUT_DIR/fp8-tune.jsonl" FXREWRITE_GEMV_TUNE_LOG="$OUT_DIR/gemv-tune.jsonl"
+  timeout -k 5 "$(left "${TEST_S:-90}")" $PY -m pytest -v -m gpu tests/gpu/test_gpu_fp8_gemv_pipelined.py ${MORE_TESTS:-} \
+    ${KEYS:+-k "$KEYS"} -p no:cacheprovider -rfE 2>&1 | tee "$OUT_DIR/fp8-pipelined-tests.log" | grep -E "passed|failed|FAIL|Error|assert" | tail -12
+  for run in ${RUNS:-32b-fp8 32b 4b-fp8}; do
+    cfg=qwen3-${run%-fp8}; q=(); [ "$run" != "${run%-fp8}" ] && q=(--quantization fp8)
+    bench "$(left 170)" --config "$cfg" --arms native --workload latency --max-num-seqs 1 --time-limit 10 "${q[@]}"
+  done
+  echo "fp8-pipelined done in $(($(date +%s) - start)) s"
 elif [ "${MODE:-fp8}" = kv-fp8 ]; then
   export FXREWRITE_FP8_TUNE_LOG="$OUT_DIR/fp8-tune.jsonl"
   timeout -k 5 "$(left 170)" $PY -m pytest -v -m gpu tests/kernels/test_fp8_kv_cache.py tests/gpu/test_gpu_fp8_kv_cache.py \
     -p no:cacheprovider -rfE 2>&1 | tee "$OUT_DIR/kv-fp8-tests.log" | grep -E "passed|failed|FAIL|Error|assert" | tail -12
-  timeout -k 5 "$(left 100)" $PY -m fxrewrite.benchmarks.kv_cache_fp8 --out "$OUT_DIR" 2>&1 | grep -E "^(bf16|fp8)|wrote"
-  bench "$(left 60)" --config qwen3-4b --arms native --num-prompts 200 --time-limit 15 --kv-cache-dtype fp8
-  bench "$(left 50)" --config qwen3-4b --arms native --num-prompts 200 --time-limit 15
-  bench "$(left 120)" --config qwen3-4b --arms native --num-prompts 200 --time-limit 15 --quantization fp8 --kv-cache-dtype fp8
+  [ "${KERNEL:-1}" = 1 ] && timeout -k 5 "$(left 100)" $PY -m fxrewrite.benchmarks.kv_cache_fp8 --out "$OUT_DIR" 2>&1 \
+    | grep -E "^(bf16|fp8)|wrote"
+  bench "$(left 90)" --config qwen3-4b --arms native --num-prompts 200 --time-limit 15 --kv-cache-dtype fp8
+  bench "$(left 70)" --config qwen3-4b --arms native --num-prompts 200 --time-limit 15
+  bench "$(left 150)" --config qwen3-4b --arms native --num-prompts 200 --time-limit 15 --quantization fp8 --kv-cache-dtype fp8
   for q in ${PROFILES:-}; do
     timeout -k 5 "$(left 80)" $PY -m fxrewrite.benchmarks.profile_decode --config qwen3-4b --batch 200 --context 560 \
       --kv-cache-dtype fp8 $([ $q = fp8 ] && echo --quantization fp8) "${TOK[@]}" --out "$OUT_DIR" 2>&1 | grep -E "graph|us  x" | head -14

@@ -4,6 +4,9 @@ Backends (names are what `choose` returns and `fxrewrite.kernels.fp8_tune` measu
 
 - ``"gemv:<i>"``: the weight-only matrix-vector kernel (fp8_gemv.py) with `GEMV_CONFIGS[i]`, on the
   unquantized activations (no quantization kernel runs), M <= GEMV_MAX_M;
+- ``"gemv_pipelined:<i>"``: per-channel weights only: the weight-only one-token kernel with a
+  software-pipelined weight stream (fp8_gemv_pipelined.py) with `PIPELINED_CONFIGS[i]`, M = 1 only (the bucket
+  of batch-1 decode);
 - ``"triton"`` / ``"triton:<i>"``: per-token-group activation quantization, then the tiled Triton GEMM
   with its default tile table / `ALT_CONFIGS[i]`;
 - ``"scaled_mm"``: the same quantization, then torch's block-scaled matmul (cuBLASLt, fp8_scaled_mm.py);
@@ -38,17 +41,20 @@ import torch
 from fxrewrite.kernels import use_triton
 from fxrewrite.kernels.fp8_gemm import ALT_CONFIGS, fp8_block_gemm_triton, fp8_linear, per_token_group_quant_fp8
 from fxrewrite.kernels.fp8_gemv import GEMV_CONFIGS, GEMV_MAX_M, fp8_block_gemv_triton
+from fxrewrite.kernels.fp8_gemv_pipelined import PIPELINED_CONFIGS, fp8_gemv_pipelined_triton
 from fxrewrite.kernels.fp8_rowwise import (ROWWISE_CONFIGS, channel_scales, fp8_rowwise_gemm_triton,
                                            fp8_scaled_mm_rowwise, per_token_quant_fp8)
 from fxrewrite.kernels.fp8_scaled_mm import fp8_scaled_mm
 
 __all__ = ["BUCKETS", "bucket_of", "choose", "fp8_gemm_dispatch", "fp8_linear_dispatch", "input_quantization",
-           "run_quantized", "record", "choices", "clear", "ROWWISE", "TRITON_ROWWISE", "per_channel_only"]
+           "run_quantized", "record", "choices", "clear", "ROWWISE", "TRITON_ROWWISE", "PIPELINED", "per_channel_only",
+           "weight_only"]
 
 logger = logging.getLogger(__name__)
 
 ROWWISE = "scaled_mm_rowwise"
 TRITON_ROWWISE = "triton_rowwise"
+PIPELINED = "gemv_pipelined"
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _choices: dict[tuple[int, int, int, bool], str] = {}
 _ranked: dict[tuple[int, int, int, bool], list[str]] = {}
@@ -56,8 +62,17 @@ _ranked: dict[tuple[int, int, int, bool], list[str]] = {}
 
 
 def per_channel_only(backend: str) -> bool:
-    """Whether `backend` reads one weight scale per output row (per-token activation scales)."""
-    return backend == ROWWISE or backend.startswith(TRITON_ROWWISE + ":")
+    """Whether `backend` reads one weight scale per output row (the row-wise GEMMs, with per-token activation
+    scales; the pipelined one-token GEMV)."""
+    return backend == ROWWISE or backend.startswith((TRITON_ROWWISE + ":", PIPELINED + ":"))
+
+
+def weight_only(backend: str, m: int) -> bool:
+    """Whether `backend` runs on the unquantized activations of an m-token product (a GEMV within its token
+    limit: ``gemv:<i>`` up to GEMV_MAX_M, ``gemv_pipelined:<i>`` at one token)."""
+    if backend.startswith(PIPELINED + ":"):
+        return m == 1
+    return backend.startswith("gemv:") and m <= GEMV_MAX_M
 
 
 def bucket_of(m: int) -> int:
@@ -115,6 +130,8 @@ def fp8_gemm_dispatch(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: 
     """a [M, K] fp8, a_s [M, G] float32 (outer-dim major), w [N, K] fp8, w_s [N, G] float32 -> [M, N]
     (a "gemv:<i>" backend runs its W8A8 form here)."""
     backend = backend or choose(w.shape[0], w.shape[1], a.shape[0])
+    if backend.startswith(PIPELINED + ":"):  # weight-only: no form for quantized activations
+        backend = "triton"
     if backend == "scaled_mm":
         return fp8_scaled_mm(a, a_s, w, w_s, out_dtype, per_row=True)
     if backend.startswith("gemv:"):
@@ -133,6 +150,8 @@ def _rowwise(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_s: torch.Tenso
 
 
 def _run(x2: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, backend: str) -> torch.Tensor:
+    if backend.startswith(PIPELINED + ":"):
+        return fp8_gemv_pipelined_triton(x2, w, w_s, PIPELINED_CONFIGS[int(backend.split(":")[1])])
     if per_channel_only(backend):
         q, s = per_token_quant_fp8(x2)
         return _rowwise(q, s, w, w_s, x2.dtype, backend)
@@ -148,9 +167,9 @@ def input_quantization(n: int, k: int, m: int, per_channel: bool = False) -> tup
     [m, k] x [n, k]^T product reads FP8 activations, which a producing kernel can then write directly
     (`fxrewrite.kernels.fp8_quant_fused`); None for the weight-only GEMV, which reads them unquantized."""
     backend = choose(n, k, m, per_channel)
-    if backend.startswith("gemv:") and m <= GEMV_MAX_M:
+    if weight_only(backend, m):
         return None
-    if backend.startswith("gemv:"):
+    if backend.startswith(("gemv:", PIPELINED + ":")):
         backend = "triton"
     return backend, (None if per_channel_only(backend) else 128)
 
@@ -189,7 +208,7 @@ def fp8_linear_dispatch(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, gro
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     name = backend or choose(n, k, x2.shape[0], per_channel)
-    if name.startswith("gemv:") and x2.shape[0] > GEMV_MAX_M:
+    if name.startswith(("gemv:", PIPELINED + ":")) and not weight_only(name, x2.shape[0]):
         name = "triton"
     try:
         out = _run(x2, w, w_s, name)

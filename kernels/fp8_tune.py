@@ -35,6 +35,7 @@ from fxrewrite.kernels import fp8_dispatch
 from fxrewrite.kernels.fp8_dispatch import BUCKETS, fp8_linear_dispatch
 from fxrewrite.kernels.fp8_gemm import ALT_CONFIGS, config_for
 from fxrewrite.kernels.fp8_gemv import GEMV_CONFIGS, GEMV_MAX_M
+from fxrewrite.kernels.fp8_gemv_pipelined import PIPELINED_CONFIGS
 from fxrewrite.kernels.fp8_rowwise import ROWWISE_CONFIGS, ROWWISE_MAX_M
 from fxrewrite.kernels.fp8_scaled_mm import scaled_mm_supported_shape
 
@@ -49,8 +50,11 @@ _L2_BYTES = 128 << 20  # weight copies per timing graph: > 2x the H200's 50 MB L
 
 def candidates(n: int, k: int, m: int, per_channel: bool = False) -> list[str]:
     """Backend names worth timing for an [m, k] x [n, k]^T product (per_channel: the weight has one
-    scale per output row, which ``scaled_mm_rowwise`` and ``triton_rowwise:<i>`` need)."""
+    scale per output row, which ``scaled_mm_rowwise``, ``triton_rowwise:<i>`` and, at one token,
+    ``gemv_pipelined:<i>`` need)."""
     names = [f"gemv:{i}" for i in range(len(GEMV_CONFIGS))] if m <= GEMV_MAX_M else []
+    if m == 1 and per_channel:
+        names += [f"{fp8_dispatch.PIPELINED}:{i}" for i in range(len(PIPELINED_CONFIGS))]
     names.append("triton")
     if m > 64:
         names += [f"triton:{i}" for i, cfg in enumerate(ALT_CONFIGS) if cfg != config_for(m)]

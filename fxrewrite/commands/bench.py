@@ -69,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-parallel-size", "-pp", type=human_readable_int, default=1,
                    help="pipeline stages per engine arm (x tensor-parallel-size worker processes)")
     g.add_argument("--quantization", "-q", choices=("fp8",), default=None,
-                   help="fp8: every engine arm quantizes its linear layers to FP8 (128 x 128 blocks) at load")
+                   help="fp8: every engine arm quantizes its linear layers to FP8 at load (one scale per output "
+                        "channel)")
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="every engine arm's KV-cache element type (fp8: half the bytes per cached token)")
     g.add_argument("--device", default=None, help="torch device (default: cuda when available)")

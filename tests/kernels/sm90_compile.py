@@ -1,6 +1,8 @@
-"""Compile the FP8 KV-cache paths of the attention kernels for sm90 (H100/H200) with no GPU: triton's compiler to
-the cubin. ``python -m tests.kernels.sm90_compile fp8e4nv|fp8e5`` (TRITON_INTERPRET unset) prints, last, a JSON
-line about the decode kernel's PTX. Run by tests/kernels/test_fp8_kv_cache.py."""
+"""Compile kernels for sm90 (H100/H200) with no GPU: triton's compiler to the cubin.
+``python -m tests.kernels.sm90_compile fp8e4nv|fp8e5`` (TRITON_INTERPRET unset): the FP8 KV-cache paths of the
+attention kernels, then a JSON line about the decode kernel's PTX (run by tests/kernels/test_fp8_kv_cache.py);
+``... fp8-gemv-pipelined``: the pipelined one-token FP8 GEMV, then a JSON line about its loads
+(tests/kernels/test_fp8_gemv_pipelined.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile as triton_compile
 
-from fxrewrite.kernels import paged_decode, paged_prefill, reshape_and_cache
+from fxrewrite.kernels import fp8_gemv_pipelined, paged_decode, paged_prefill, reshape_and_cache
 
 
 def compile_sm90(fn, pointers: dict, constexprs: dict, floats=("scale", "soft_cap"), **options) -> str:
@@ -43,5 +45,15 @@ def main(cache: str) -> dict:
     return {"widened_in_ptx": "cvt.rn.f16x2.e" in decode, "byte_loads_from_shared": decode.count("ld.shared.b8")}
 
 
+def pipelined_gemv() -> dict:
+    """Load instructions in the pipelined FP8 GEMV's PTX (its first config): the weight tiles go through cp.async
+    into a ring of shared-memory buffers, which is what makes it stream faster than the skinny GEMVs."""
+    ptx = compile_sm90(fp8_gemv_pipelined._pipelined_gemv_kernel,
+                       {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "out_ptr": "*bf16"},
+                       dict(zip(("BLOCK_N", "BLOCK_K", "NUM_STAGES"), fp8_gemv_pipelined.PIPELINED_CONFIGS[0])),
+                       num_warps=fp8_gemv_pipelined.PIPELINED_CONFIGS[0][3])
+    return {"cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"), "ld_global": ptx.count("ld.global")}
+
+
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1])))
+    print(json.dumps(pipelined_gemv() if sys.argv[1] == "fp8-gemv-pipelined" else main(sys.argv[1])))
