@@ -4,9 +4,8 @@ Backends (names are what `choose` returns and `fxrewrite.kernels.fp8_tune` measu
 
 - ``"gemv:<i>"``: the weight-only matrix-vector kernel (fp8_gemv.py) with `GEMV_CONFIGS[i]`, on the
   unquantized activations (no quantization kernel runs), M <= GEMV_MAX_M;
-- ``"gemv_pipelined:<i>"``: per-channel weights only: the weight-only one-token kernel with a
-  software-pipelined weight stream (fp8_gemv_pipelined.py) with `PIPELINED_CONFIGS[i]`, M = 1 only (the bucket
-  of batch-1 decode);
+- ``"gemv_pipelined:<i>"``: the weight-only one-token kernel with a software-pipelined weight stream
+  (fp8_gemv_pipelined.py) with `PIPELINED_CONFIGS[i]`, M = 1 only (the bucket of batch-1 decode);
 - ``"triton"`` / ``"triton:<i>"``: per-token-group activation quantization, then the tiled Triton GEMM
   with its default tile table / `ALT_CONFIGS[i]`;
 - ``"scaled_mm"``: the same quantization, then torch's block-scaled matmul (cuBLASLt, fp8_scaled_mm.py);
@@ -62,9 +61,8 @@ _ranked: dict[tuple[int, int, int, bool], list[str]] = {}
 
 
 def per_channel_only(backend: str) -> bool:
-    """Whether `backend` reads one weight scale per output row (the row-wise GEMMs, with per-token activation
-    scales; the pipelined one-token GEMV)."""
-    return backend == ROWWISE or backend.startswith((TRITON_ROWWISE + ":", PIPELINED + ":"))
+    """Whether `backend` reads one weight scale per output row (per-token activation scales)."""
+    return backend == ROWWISE or backend.startswith(TRITON_ROWWISE + ":")
 
 
 def weight_only(backend: str, m: int) -> bool:
@@ -149,9 +147,9 @@ def _rowwise(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_s: torch.Tenso
     return fp8_rowwise_gemm_triton(q, s, w, channel_scales(w_s), out_dtype, config)
 
 
-def _run(x2: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, backend: str) -> torch.Tensor:
+def _run(x2: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, backend: str, per_channel: bool) -> torch.Tensor:
     if backend.startswith(PIPELINED + ":"):
-        return fp8_gemv_pipelined_triton(x2, w, w_s, PIPELINED_CONFIGS[int(backend.split(":")[1])])
+        return fp8_gemv_pipelined_triton(x2, w, w_s, PIPELINED_CONFIGS[int(backend.split(":")[1])], per_channel)
     if per_channel_only(backend):
         q, s = per_token_quant_fp8(x2)
         return _rowwise(q, s, w, w_s, x2.dtype, backend)
@@ -211,14 +209,14 @@ def fp8_linear_dispatch(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, gro
     if name.startswith(("gemv:", PIPELINED + ":")) and not weight_only(name, x2.shape[0]):
         name = "triton"
     try:
-        out = _run(x2, w, w_s, name)
+        out = _run(x2, w, w_s, name, per_channel)
     except Exception as e:  # noqa: BLE001 - any backend but the plain Triton GEMM falls back
         if backend is not None or name == "triton" or _forced() != "auto":
             raise
         _demote(n, k, x2.shape[0], name, e, per_channel)
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise
-        out = _run(x2, w, w_s, choose(n, k, x2.shape[0], per_channel))
+        out = _run(x2, w, w_s, choose(n, k, x2.shape[0], per_channel), per_channel)
     return out.reshape(*lead, n)
 
 

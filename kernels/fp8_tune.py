@@ -50,10 +50,9 @@ _L2_BYTES = 128 << 20  # weight copies per timing graph: > 2x the H200's 50 MB L
 
 def candidates(n: int, k: int, m: int, per_channel: bool = False) -> list[str]:
     """Backend names worth timing for an [m, k] x [n, k]^T product (per_channel: the weight has one
-    scale per output row, which ``scaled_mm_rowwise``, ``triton_rowwise:<i>`` and, at one token,
-    ``gemv_pipelined:<i>`` need)."""
+    scale per output row, which ``scaled_mm_rowwise`` and ``triton_rowwise:<i>`` need)."""
     names = [f"gemv:{i}" for i in range(len(GEMV_CONFIGS))] if m <= GEMV_MAX_M else []
-    if m == 1 and per_channel:
+    if m == 1:
         names += [f"{fp8_dispatch.PIPELINED}:{i}" for i in range(len(PIPELINED_CONFIGS))]
     names.append("triton")
     if m > 64:

@@ -1,6 +1,7 @@
 """The software-pipelined one-token FP8 GEMV on the GPU (compiled, where triton pipelines its loads): every config at
-Qwen3-32B / 4B shapes against the dequantized float32 product (per-channel weights), eagerly and replayed from a
-CUDA graph; the tuner proves and times it at one token. CPU tests: tests/kernels/test_fp8_gemv_pipelined.py."""
+Qwen3-32B / 4B shapes against the dequantized float32 product (per-channel and block-scaled weights), eagerly and
+replayed from a CUDA graph; the tuner proves and times it at one token. CPU tests:
+tests/kernels/test_fp8_gemv_pipelined.py."""
 
 from __future__ import annotations
 
@@ -17,22 +18,23 @@ _SHAPES = {"qkv-32b": (10240, 5120), "o-32b": (5120, 8192), "down-32b": (5120, 2
            "odd": (1000, 3200)}  # odd: a partial row tile and K past the last 512-column tile
 
 
+@pytest.mark.parametrize("per_channel", [True, False], ids=["channel", "block"])
 @pytest.mark.parametrize("shape", list(_SHAPES))
-def test_every_config_matches_eager_and_in_a_graph(shape):
+def test_every_config_matches_eager_and_in_a_graph(shape, per_channel):
     n, k = _SHAPES[shape]
     w = gemv_tune.scratch_weights(n, k, "cuda", torch.float8_e4m3fn)[0]
-    scales = gemv_tune.scratch_scales(n, k, "cuda", per_channel=True)
+    scales = gemv_tune.scratch_scales(n, k, "cuda", per_channel)
     for config in PIPELINED_CONFIGS:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         want = fp8_weight_only_gemv_ref(x, w, scales, out_dtype=torch.float32)
-        eager = fp8_gemv_pipelined_triton(x, w, scales, config)
+        eager = fp8_gemv_pipelined_triton(x, w, scales, config, per_channel)
         assert gemv_tune.max_rel_error(eager, want) < 1e-2, config
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = fp8_gemv_pipelined_triton(x, w, scales, config)
+            captured = fp8_gemv_pipelined_triton(x, w, scales, config, per_channel)
         x.copy_(torch.randn_like(x))  # the replay reads the new input
         graph.replay()
-        again = fp8_gemv_pipelined_triton(x, w, scales, config)
+        again = fp8_gemv_pipelined_triton(x, w, scales, config, per_channel)
         torch.testing.assert_close(captured, again, rtol=0, atol=0)
 
 

@@ -46,13 +46,19 @@ def main(cache: str) -> dict:
 
 
 def pipelined_gemv() -> dict:
-    """Load instructions in the pipelined FP8 GEMV's PTX (its first config): the weight tiles go through cp.async
-    into a ring of shared-memory buffers, which is what makes it stream faster than the skinny GEMVs."""
-    ptx = compile_sm90(fp8_gemv_pipelined._pipelined_gemv_kernel,
-                       {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "out_ptr": "*bf16"},
-                       dict(zip(("BLOCK_N", "BLOCK_K", "NUM_STAGES"), fp8_gemv_pipelined.PIPELINED_CONFIGS[0])),
-                       num_warps=fp8_gemv_pipelined.PIPELINED_CONFIGS[0][3])
-    return {"cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"), "ld_global": ptx.count("ld.global")}
+    """Load instructions in the pipelined FP8 GEMV's PTX (its first config), per scale form: the weight tiles go
+    through cp.async into a ring of shared-memory buffers, which is what makes it stream faster than the skinny
+    GEMVs."""
+    block_n, block_k, stages, warps = fp8_gemv_pipelined.PIPELINED_CONFIGS[0]
+    out = {}
+    for form, per_channel in (("channel", True), ("block", False)):
+        ptx = compile_sm90(fp8_gemv_pipelined._pipelined_gemv_kernel,
+                           {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "out_ptr": "*bf16"},
+                           dict(BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, PER_CHANNEL=per_channel),
+                           num_warps=warps)
+        out[form] = {"cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
+                     "ld_global": ptx.count("ld.global")}
+    return out
 
 
 if __name__ == "__main__":
