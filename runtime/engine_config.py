@@ -126,6 +126,7 @@ class EngineConfig:
             raise UserInputError(f"data_parallel_size={self.data_parallel_size!r} must be a positive integer")
         if not isinstance(self.pipeline_parallel_size, int) or isinstance(self.pipeline_parallel_size, bool) or self.pipeline_parallel_size < 1:
             raise UserInputError(f"pipeline_parallel_size={self.pipeline_parallel_size!r} must be a positive integer")
+        check_device(self.device, self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size)
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise UserInputError(f"quantization={self.quantization!r} is not supported; supported: {list(QUANTIZATIONS)}")
         if self.hf_overrides is not None and not (
@@ -162,6 +163,30 @@ class EngineConfig:
                 f"accepted: {', '.join(sorted(known))}"
             )
         return cls(**kwargs)
+
+
+def check_device(device: Any, ranks: int = 1) -> None:
+    """UserInputError unless `device` is None or a torch device this process can use: "cpu", "cuda" / "cuda:N"
+    with CUDA available and N below the device count (torch's own errors for these are a bare AssertionError
+    or a RuntimeError deep in the model load). With `ranks` > 1 (TP x PP x DP) CUDA's presence is left to the
+    executors' check, whose error names the sizes and the GPUs they need."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise UserInputError(f"device={device!r} is not a torch device ({e}); expected e.g. 'cpu', 'cuda', "
+                             "'cuda:1'") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise UserInputError(f"device={device!r}: the engine runs on 'cpu' or 'cuda', not {dev.type!r}")
+    if dev.type == "cuda" and ranks == 1:
+        if not torch.cuda.is_available():
+            raise UserInputError(f"device={device!r}: this torch sees no CUDA device (torch {torch.__version__}); "
+                                 "use device='cpu' or leave it unset")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UserInputError(f"device={device!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

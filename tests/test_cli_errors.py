@@ -27,6 +27,25 @@ def test_text_commands_refuse_the_pooling_runner_before_loading(argv, capsys, mo
     assert "fxrewrite serve MODEL --runner pooling" in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+@pytest.mark.parametrize("broken", ["missing", "not-an-object"])
+def test_a_bad_generation_config_is_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch, command, broken):
+    import fxrewrite.runtime.engine.data_parallel as data_parallel
+    import fxrewrite.runtime.llm as llm_module
+
+    monkeypatch.setattr(llm_module, "LLM", lambda **kw: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(data_parallel, "make_engine", lambda *a, **kw: pytest.fail("the model was loaded"))
+    folder = tmp_path / "gen"
+    folder.mkdir()
+    if broken == "not-an-object":
+        (folder / "generation_config.json").write_text("[1, 2]")
+    prompt = ["--prompt", "hi"] if command == "generate" else []
+    assert main([command, "--generation-config", str(folder), *prompt]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fxrewrite {command}: error: ") and err.count("\n") == 1, err
+    assert ("no generation_config.json" if broken == "missing" else "must hold a JSON object") in err
+
+
 def test_bad_bench_config_is_one_line(capsys):
     assert main(["bench", "compare", "--config", "no-such-config"]) == 2
     err = capsys.readouterr().err
@@ -157,3 +176,17 @@ def test_a_chat_template_that_raises_is_one_line(tiny_qwen3_dir, capsys):
                  "--chat-template", '{{ raise_exception("nope") }}']) == 2
     err = capsys.readouterr().err
     assert "chat template failed: nope" in err and err.count("\n") == 1, err
+
+
+def test_chat_goes_on_after_a_message_the_context_cannot_hold(tiny_qwen3_dir, capsys, monkeypatch):
+    """A turn that makes the conversation longer than max_model_len is reported and dropped; the chat goes on
+    and the next message is answered with the conversation as it was."""
+    import io
+
+    long = " ".join(["word"] * 200)
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"hi\n{long}\nhello\n"))
+    assert main(["chat", str(tiny_qwen3_dir), "--max-model-len", "96", "--max-tokens", "2", "--temperature", "0"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.count("fxrewrite chat: error: ") == 1 and "max_model_len=96" in captured.err, captured.err
+    assert "prompt 0" not in captured.err and "that message was not sent" in captured.err
+    assert len(captured.out.splitlines()) == 2  # the first and the third message were answered

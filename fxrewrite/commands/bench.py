@@ -13,12 +13,32 @@ packages) come with `pip install 'fxrewrite[bench]'`.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from fxrewrite.commands.engine_args import (add_compilation_argument, human_readable_int, parse_hf_overrides,
                                              positive_int)
 from fxrewrite.errors import UserInputError
 from fxrewrite.runtime.engine_config import KV_CACHE_DTYPES
+
+
+def positive_seconds(value: str) -> float:
+    """An argparse ``type``: a number of seconds above 0 (argparse's exit status 2 otherwise)."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
+    if not seconds > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {value!r}")
+    return seconds
+
+
+def non_negative_int(value: str) -> int:
+    """An argparse ``type``: human_readable_int, at least 0."""
+    number = human_readable_int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}")
+    return number
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(benchmarks/decode_window.py; for arms too slow to finish the prefill in --time-limit)")
     c.add_argument("--hf-num-prompts", type=positive_int, default=64,
                    help="throughput: requests given to the hf arm (its speed is ~1k tokens/s; default 64)")
-    c.add_argument("--time-limit", type=float, default=None,
+    c.add_argument("--time-limit", type=positive_seconds, default=None,
                    help="seconds per arm for the timed run; past it the rest is aborted and marked truncated")
     c.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
     c.add_argument("--tokenizer-dir", type=Path, default=None,
@@ -88,10 +108,10 @@ def _add_train_arguments(sub) -> None:
     t.add_argument("--config", required=True, help="bench config: a path or a name in benchmarks/configs")
     t.add_argument("--arms", default="stock,stock-compile,liger,optimize,optimize-compile",
                    help="comma list of stock, stock-compile, liger, optimize, optimize-compile, optimize-compile-inductor")
-    t.add_argument("--steps", type=int, default=8, help="timed steps per arm (default 8)")
-    t.add_argument("--warmup", type=int, default=2, help="untimed first steps (compilation) (default 2)")
-    t.add_argument("--batch-size", type=int, default=8)
-    t.add_argument("--seq-len", type=int, default=2048)
+    t.add_argument("--steps", type=positive_int, default=8, help="timed steps per arm (default 8)")
+    t.add_argument("--warmup", type=non_negative_int, default=2, help="untimed first steps (compilation) (default 2)")
+    t.add_argument("--batch-size", type=positive_int, default=8)
+    t.add_argument("--seq-len", type=positive_int, default=2048)
     t.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True)
     t.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     t.add_argument("--device", default=None, help="torch device (default: cuda when available)")
@@ -107,17 +127,17 @@ def _add_rl_arguments(sub) -> None:
     r.add_argument("--arms", default="engine,hf", help="comma list of engine, hf (default both); none: only the "
                    "weight-sync timings of --sync-configs (no GRPO loop; JSON <date>-<config>-rl-sync.json)")
     r.add_argument("--num-prompts", type=positive_int, default=256)
-    r.add_argument("--samples", type=human_readable_int, default=8, help="completions per prompt (GRPO group)")
-    r.add_argument("--max-tokens", type=human_readable_int, default=128, help="tokens per completion (EOS ignored)")
-    r.add_argument("--iterations", type=human_readable_int, default=2)
-    r.add_argument("--micro-batch", type=human_readable_int, default=256,
+    r.add_argument("--samples", type=positive_int, default=8, help="completions per prompt (GRPO group)")
+    r.add_argument("--max-tokens", type=positive_int, default=128, help="tokens per completion (EOS ignored)")
+    r.add_argument("--iterations", type=positive_int, default=2)
+    r.add_argument("--micro-batch", type=positive_int, default=256,
                    help="at most this many sequences per training forward")
-    r.add_argument("--micro-batch-tokens", type=human_readable_int, default=16384,
+    r.add_argument("--micro-batch-tokens", type=positive_int, default=16384,
                    help="at most this many padded tokens per training forward (its activation memory)")
-    r.add_argument("--hf-batch", type=human_readable_int, default=512, help="rows per generate call (hf arm)")
-    r.add_argument("--max-num-seqs", type=human_readable_int, default=1024,
+    r.add_argument("--hf-batch", type=positive_int, default=512, help="rows per generate call (hf arm)")
+    r.add_argument("--max-num-seqs", type=positive_int, default=1024,
                    help="engine arm: sequences per step (rollouts are many short sequences)")
-    r.add_argument("--max-model-len", type=human_readable_int, default=1024)
+    r.add_argument("--max-model-len", type=positive_int, default=1024)
     r.add_argument("--gpu-memory-utilization", type=float, default=0.5,
                    help="the engine's share of the GPU (the trainer holds the rest)")
     r.add_argument("--batch-invariant", action="store_true", help="engine and recomputation in batch-invariant mode")
@@ -161,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
             arm_timeout_s=parse_arm_timeouts(args.arm_timeout), out_dir=args.out, notes=args.note)
         print(format_train_table(result))
         print("wrote " + ", ".join(result["files"]))
-        return 0
+        return _status(result["arms"])
     if args.bench_command == "kernels":
         from fxrewrite.benchmarks.common import RESULTS_DIR
         from fxrewrite.benchmarks.kernels import format_table as format_kernel_table
@@ -208,4 +228,13 @@ def run(args: argparse.Namespace) -> int:
     )
     print(format_table(result))
     print("wrote " + ", ".join(result["files"]))
+    return _status(list(result["arms"].values()))
+
+
+def _status(arms: list[dict]) -> int:
+    """The exit status of a comparison: 1 when every arm failed (scripts and CI see it; the JSON is still written
+    with each arm's error), else 0."""
+    if arms and all("error" in r for r in arms):
+        print("error: every arm failed (each arm's error is in the table and the JSON)", file=sys.stderr)
+        return 1
     return 0

@@ -7,6 +7,7 @@ import sys
 
 from fxrewrite.commands.engine_args import add_engine_arguments
 from fxrewrite.commands.sampling_args import add_sampling_arguments, load_llm
+from fxrewrite.errors import UserInputError
 
 QUIT_WORDS = ("exit", "quit", "/exit", "/quit")
 
@@ -35,7 +36,14 @@ def run(args: argparse.Namespace) -> int:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
-        (output,) = llm.chat(messages, params, use_tqdm=False)
+        try:
+            (output,) = llm.chat(messages, params, use_tqdm=False)
+        except UserInputError as e:  # e.g. the conversation outgrew the context: the session goes on
+            messages.pop()
+            print(f"fxrewrite chat: error: {str(e).removeprefix('prompt 0: ')}; that message was not sent "
+                  "(the whole conversation is the prompt: start a new chat or raise --max-model-len)",
+                  file=sys.stderr, flush=True)
+            continue
         reply = output.outputs[0].text
         print(reply, flush=True)
         messages.append({"role": "assistant", "content": reply})

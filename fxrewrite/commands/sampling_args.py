@@ -41,8 +41,9 @@ def load_llm(args: argparse.Namespace):
     """(LLM of the engine flags, SamplingParams of the sampling flags over the model's
     generation_config.json defaults): what `generate` and `chat` start with."""
     from fxrewrite.runtime.llm import LLM
-    from fxrewrite.runtime.server.generation_defaults import load_generation_defaults
+    from fxrewrite.runtime.server.generation_defaults import check_generation_config, load_generation_defaults
 
+    check_generation_config(args.generation_config)
     kwargs = engine_kwargs(args)
     if kwargs["runner"] == "pooling":  # before the model loads
         raise UserInputError("generate and chat write text; --runner pooling (--task embed) makes an embedding "

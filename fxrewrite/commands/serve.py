@@ -46,10 +46,11 @@ def build_server_app(args: argparse.Namespace):
     from fxrewrite.runtime.engine.data_parallel import make_engine
     from fxrewrite.runtime.engine_config import EngineConfig
     from fxrewrite.runtime.server.api_server import build_app
-    from fxrewrite.runtime.server.generation_defaults import load_generation_defaults
+    from fxrewrite.runtime.server.generation_defaults import check_generation_config, load_generation_defaults
 
     if args.max_log_len is not None and args.max_log_len < 0:
         raise UserInputError(f"--max-log-len {args.max_log_len} must be at least 0")
+    check_generation_config(args.generation_config)
     chat_template = load_chat_template(args.chat_template)
     engine = make_engine(EngineConfig.from_kwargs(**engine_kwargs(args)))  # DPLLMEngine with -dp > 1
     defaults = load_generation_defaults(engine.model_config.model_path, args.generation_config)

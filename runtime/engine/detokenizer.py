@@ -78,10 +78,11 @@ def check_stop_strings(seq: Sequence, new_text_len: int) -> str | None:
     """If a stop string appears in the text added last, cut the text there and return the stop string.
 
     The text is cut right before the stop string (or right after it with include_stop_str_in_output);
-    only the tail that could contain a new match is searched.
+    only the tail that could contain a new match is searched. Before min_tokens output tokens nothing is
+    searched (vLLM's StopChecker): a stop string in that text never ends the sequence.
     """
     params = seq.sampling_params
-    if not params.stop_strings or new_text_len == 0:
+    if not params.stop_strings or new_text_len == 0 or seq.num_output_tokens < params.min_tokens:
         return None
     best: tuple[int, str] | None = None
     for stop in params.stop_strings:

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from fxrewrite.errors import UserFileNotFoundError, UserInputError
+
 # generation_config.json key -> request / SamplingParams field (the keys vLLM takes over).
 _KEYS = {
     "temperature": "temperature",
@@ -22,7 +24,8 @@ def load_generation_defaults(model_path: str | Path, generation_config: str = "a
 
     generation_config: "auto" reads `<model_path>/generation_config.json` when present; "vllm"
     uses none; any other value is a folder that must hold a generation_config.json.
-    Raises FileNotFoundError for a folder without one, ValueError for a file that is not a JSON object.
+    Raises UserFileNotFoundError (a FileNotFoundError) for a folder without one, UserInputError (a ValueError)
+    for a file that is not a JSON object: the command line shows either as one line.
     """
     if generation_config == "vllm":
         return {}
@@ -31,11 +34,19 @@ def load_generation_defaults(model_path: str | Path, generation_config: str = "a
     if not path.is_file():
         if generation_config == "auto":
             return {}
-        raise FileNotFoundError(f"--generation-config {generation_config!r}: no generation_config.json in {folder}")
+        raise UserFileNotFoundError(f"--generation-config {generation_config!r}: no generation_config.json in "
+                                    f"{folder} (expected 'auto', 'vllm' or a folder holding one)")
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
+        raise UserInputError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+        raise UserInputError(f"{path} must hold a JSON object, got {type(data).__name__}")
     return {field: data[key] for key, field in _KEYS.items() if data.get(key) is not None}
+
+
+def check_generation_config(generation_config: str) -> None:
+    """Fail before a model loads when --generation-config names a folder (not "auto" / "vllm") whose
+    generation_config.json is missing or not a JSON object (the errors of `load_generation_defaults`)."""
+    if generation_config not in ("auto", "vllm"):
+        load_generation_defaults("", generation_config)

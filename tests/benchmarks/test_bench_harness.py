@@ -82,6 +82,42 @@ def test_cli_rejects_unknown_arm(capsys):
     assert "bogus" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, flag", [
+    (["compare", "--config", "tiny", "--time-limit", "0"], "--time-limit"),
+    (["compare", "--config", "tiny", "--time-limit", "-1"], "--time-limit"),
+    (["compare", "--config", "tiny", "--time-limit", "nan"], "--time-limit"),
+    (["train", "--config", "tiny", "--steps", "0"], "--steps"),
+    (["train", "--config", "tiny", "--batch-size", "-1"], "--batch-size"),
+    (["train", "--config", "tiny", "--warmup", "-1"], "--warmup"),
+    (["rl", "--iterations", "0"], "--iterations"),
+])
+def test_cli_refuses_counts_and_times_that_cannot_run(argv, flag, capsys):
+    from fxrewrite.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and repr(argv[-1]) in err, err
+
+
+def test_cli_exit_status_is_1_when_every_arm_failed(tmp_path, capsys, monkeypatch):
+    """A comparison whose arms all failed still writes its JSON (each arm's error) but exits 1, so a script sees it."""
+    import fxrewrite.benchmarks.compare as compare_module
+    from fxrewrite.cli import main
+
+    def run_arm(*args, **kwargs):
+        raise RuntimeError("the arm cannot start")
+
+    monkeypatch.setattr(compare_module, "run_engine_arm", run_arm)
+    rc = main(["bench", "compare", "--config", "tiny", "--arms", "native", "--in-process", "--device", "cpu",
+               "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert rc == 1 and "every arm failed" in captured.err, captured
+    saved = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert "the arm cannot start" in saved["arms"]["native"]["error"]
+
+
 def test_failed_arms_have_no_headline_and_show_in_the_table():
     from fxrewrite.benchmarks.compare import format_table, ratios
     from fxrewrite.benchmarks.plot import arm_failed, headline

@@ -126,6 +126,25 @@ def test_stop_string_cuts_text_exactly(qwen3_llm):
     assert_no_leak(qwen3_llm)
 
 
+def test_stop_string_waits_for_min_tokens(qwen3_llm):
+    """As vLLM: a stop string in the first min_tokens tokens' text is not a stop; one after it is."""
+    full = qwen3_llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)[0].outputs[0]
+    first = qwen3_llm.llm_engine.tokenizer.decode(full.token_ids[:1])
+    stop = first.strip()[:2] or first  # text the first token makes: a stop at once without min_tokens
+    plain = qwen3_llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop=[stop]),
+                               use_tqdm=False)[0].outputs[0]
+    assert plain.finish_reason == "stop" and len(plain.token_ids) == 1
+    out = qwen3_llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=4,
+                                                         stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) >= 4 and out.token_ids[:4] == full.token_ids[:4]
+    later = full.text.find(stop, len(qwen3_llm.llm_engine.tokenizer.decode(full.token_ids[:4])))
+    if later == -1:  # the stop string does not come back: the greedy text runs to max_tokens
+        assert out.finish_reason == "length" and out.token_ids == full.token_ids
+    else:
+        assert out.finish_reason == "stop" and out.text == full.text[:later]
+    assert_no_leak(qwen3_llm)
+
+
 def test_stop_token_ids_and_min_tokens(qwen3_llm):
     greedy = qwen3_llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     stop_id = greedy[0]
@@ -182,6 +201,13 @@ def test_config_errors(tiny_qwen3_dir):
         LLM(str(tiny_qwen3_dir), block_size=0)
     with pytest.raises(ValueError, match=r"gpu_memory_utilization=1.5 must be in \(0, 1\]"):
         LLM(str(tiny_qwen3_dir), gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="device='tpu:0' is not a torch device"):
+        LLM(str(tiny_qwen3_dir), device="tpu:0")
+    with pytest.raises(ValueError, match="device='mps'.*'cpu' or 'cuda'"):
+        LLM(str(tiny_qwen3_dir), device="mps")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device='cuda': this torch sees no CUDA device"):
+            LLM(str(tiny_qwen3_dir), device="cuda")
     with pytest.raises(ValueError, match="top_p=1.5"):
         SamplingParams(top_p=1.5)
     with pytest.raises(ValueError, match="max_tokens=0 must be at least 1"):
