@@ -86,7 +86,8 @@ class EngineConfig:
     device: str | None = None
     """torch device; None picks cuda when available, else cpu."""
     max_logprobs: int = 20
-    """Most logprobs / prompt_logprobs a request may ask for (vLLM's default, 20)."""
+    """Most logprobs / prompt_logprobs a request may ask for (vLLM's default, 20); -1: no limit but the
+    vocabulary size (vLLM's -1)."""
     runner: str = "auto"
     """"generate" (auto) samples tokens; "pooling" returns embeddings (`LLM.embed`, /v1/embeddings): the
     last token's final hidden state, L2-normalised (runtime/engine/pooling.py). Single process only."""
@@ -106,7 +107,7 @@ class EngineConfig:
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_model_len": self.max_model_len,
             "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
-            "max_logprobs": self.max_logprobs,
+            "max_logprobs": None if self.max_logprobs == -1 else self.max_logprobs,  # -1: no limit
         }
         for name, value in positive.items():  # a bool is an int to Python, not to a user: True is no count
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):

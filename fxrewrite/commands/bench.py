@@ -16,8 +16,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from fxrewrite.commands.engine_args import (add_compilation_argument, human_readable_int, parse_hf_overrides,
-                                             positive_int)
+from fxrewrite.commands.engine_args import (add_compilation_argument, human_readable_int, non_negative_int,
+                                             parse_hf_overrides, positive_int)
 from fxrewrite.errors import UserInputError
 from fxrewrite.runtime.engine_config import KV_CACHE_DTYPES
 
@@ -31,14 +31,6 @@ def positive_seconds(value: str) -> float:
     if not seconds > 0:  # also refuses nan
         raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {value!r}")
     return seconds
-
-
-def non_negative_int(value: str) -> int:
-    """An argparse ``type``: human_readable_int, at least 0."""
-    number = human_readable_int(value)
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}")
-    return number
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

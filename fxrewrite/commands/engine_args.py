@@ -95,12 +95,26 @@ def _gpu_memory_utilization(value: str) -> float:
     return fraction
 
 
+def _int_where(value: str, ok, expected: str) -> int:
+    number = human_readable_int(value)
+    if not ok(number):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {value!r}")
+    return number
+
+
 def positive_int(value: str) -> int:
     """An argparse ``type``: human_readable_int (``4k``), at least 1 (argparse's exit status 2 otherwise)."""
-    number = human_readable_int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return number
+    return _int_where(value, lambda n: n >= 1, "a positive integer")
+
+
+def non_negative_int(value: str) -> int:
+    """An argparse ``type``: human_readable_int, at least 0."""
+    return _int_where(value, lambda n: n >= 0, "an integer >= 0")
+
+
+def max_logprobs_value(value: str) -> int:
+    """An argparse ``type`` for --max-logprobs: a positive integer, or -1 (no limit but the vocabulary, as vLLM)."""
+    return _int_where(value, lambda n: n >= 1 or n == -1, "a positive integer or -1 (no limit)")
 
 
 def optimization_level(value: str) -> int:
@@ -217,8 +231,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--generation-config", default="auto",
                    help="'auto': default sampling values from the model's generation_config.json; "
                         "'vllm': none; or a folder holding a generation_config.json")
-    g.add_argument("--max-logprobs", type=positive_int, default=20,
-                   help="most logprobs / prompt_logprobs a request may ask for (default 20, as vLLM)")
+    g.add_argument("--max-logprobs", type=max_logprobs_value, default=20,
+                   help="most logprobs / prompt_logprobs a request may ask for (default 20; -1: the vocabulary)")
     g.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"),
                    help="weight format (dummy: random weights, for benchmarks)")
     for flag in ("--rope-scaling", "--rope-theta"):

@@ -15,17 +15,21 @@ from fxrewrite.runtime.engine.sequence import Sequence
 
 
 def check_request_extras(params: SamplingParams, config, vocab_size: int) -> None:
-    """ValueError for logprobs / prompt_logprobs above `config.max_logprobs` (vLLM's limit, default 20), a
+    """ValueError for logprobs / prompt_logprobs above `config.max_logprobs` (vLLM's limit, default 20; -1: the
+    vocabulary size), a
     logit_bias, allowed_token_ids or stop_token_ids token outside the vocabulary, or a feature the multi-process executors lack (tensor x
     pipeline x data parallel size above 1)."""
-    max_logprobs = config.max_logprobs
+    max_logprobs = vocab_size if config.max_logprobs == -1 else config.max_logprobs
     parallel_size = (config.tensor_parallel_size * getattr(config, "pipeline_parallel_size", 1)
                      * getattr(config, "data_parallel_size", 1))
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if value is not None and value > max_logprobs:
+            if config.max_logprobs == -1:
+                raise ValueError(f"{name}={value} is more than the vocabulary size ({vocab_size}; the engine's "
+                                 "max_logprobs=-1 allows up to it)")
             raise ValueError(f"{name}={value} is more than max_logprobs={max_logprobs}; ask for at most "
-                             f"{max_logprobs}, or start the engine with a larger max_logprobs")
+                             f"{max_logprobs}, or start the engine with a larger max_logprobs (-1: no limit)")
     for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
         bad = [t for t in (getattr(params, name) or ()) if t >= vocab_size]
         if bad:

@@ -61,7 +61,8 @@ def write_fp8_checkpoint(src: str | Path, dst: str | Path, block: tuple[int, int
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m fxrewrite.runtime.model_files.fp8_checkpoint",
+                                description=__doc__.splitlines()[0])
     p.add_argument("src", type=Path, help="model folder with safetensors weights")
     p.add_argument("dst", type=Path, help="output folder")
     args = p.parse_args(argv)

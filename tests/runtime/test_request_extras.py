@@ -10,8 +10,8 @@ from fxrewrite.runtime.engine.request_extras import check_request_extras
 from fxrewrite.runtime.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 
-def _config(tp=1, pp=1, dp=1):
-    return types.SimpleNamespace(max_logprobs=20, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+def _config(tp=1, pp=1, dp=1, max_logprobs=20):
+    return types.SimpleNamespace(max_logprobs=max_logprobs, tensor_parallel_size=tp, pipeline_parallel_size=pp,
                                  data_parallel_size=dp)
 
 
@@ -26,3 +26,26 @@ def test_structured_outputs_refused_with_any_parallelism(sizes):
 def test_logprobs_limit_names_the_value():
     with pytest.raises(ValueError, match="logprobs=21 is more than max_logprobs=20"):
         check_request_extras(SamplingParams(logprobs=21), _config(), 100)
+
+
+def test_max_logprobs_minus_one_allows_up_to_the_vocabulary():
+    """vLLM's max_logprobs=-1: no limit of the engine's own; the vocabulary still bounds a request."""
+    check_request_extras(SamplingParams(logprobs=100, prompt_logprobs=100), _config(max_logprobs=-1), 100)
+    with pytest.raises(ValueError, match=r"prompt_logprobs=101 is more than the vocabulary size \(100"):
+        check_request_extras(SamplingParams(prompt_logprobs=101), _config(max_logprobs=-1), 100)
+
+
+@pytest.mark.parametrize("value, ok", [(-1, True), (1, True), (0, False), (-2, False)])
+def test_max_logprobs_values(value, ok):
+    import argparse
+
+    from fxrewrite.commands.engine_args import max_logprobs_value
+    from fxrewrite.runtime.engine_config import EngineConfig
+
+    if ok:
+        assert EngineConfig(max_logprobs=value).max_logprobs == value == max_logprobs_value(str(value))
+        return
+    with pytest.raises(ValueError, match=f"max_logprobs={value} must be a positive integer"):
+        EngineConfig(max_logprobs=value)
+    with pytest.raises(argparse.ArgumentTypeError, match="positive integer or -1"):
+        max_logprobs_value(str(value))
