@@ -215,11 +215,14 @@ def parse_arm_timeouts(text: str) -> dict[str, float]:
     for part in (p.strip() for p in str(text).split(",") if p.strip()):
         arm, _, value = part.rpartition("=")
         if arm and arm not in ARMS:
-            raise ValueError(f"--arm-timeout: unknown arm {arm!r} in {part!r}; expected one of {list(ARMS)}")
+            raise UserInputError(f"--arm-timeout: unknown arm {arm!r} in {part!r}; expected one of {list(ARMS)}")
         try:
-            out[arm or "*"] = float(value)
+            seconds = float(value)
         except ValueError:
-            raise ValueError(f"--arm-timeout: {part!r} is not SECONDS or ARM=SECONDS") from None
+            raise UserInputError(f"--arm-timeout: {part!r} is not SECONDS or ARM=SECONDS") from None
+        if not 0 < seconds < float("inf"):  # nan too
+            raise UserInputError(f"--arm-timeout: {part!r}: expected a finite number of seconds above 0")
+        out[arm or "*"] = seconds
     return out
 
 

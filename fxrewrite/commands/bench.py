@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from fxrewrite.commands.engine_args import (add_compilation_argument, human_readable_int, non_negative_int,
+from fxrewrite.commands.engine_args import (add_compilation_argument, gpu_memory_utilization, non_negative_int,
                                              parse_hf_overrides, positive_int)
 from fxrewrite.errors import UserInputError
 from fxrewrite.runtime.engine_config import KV_CACHE_DTYPES
@@ -28,8 +28,8 @@ def positive_seconds(value: str) -> float:
         seconds = float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
-    if not seconds > 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {value!r}")
+    if not 0 < seconds < float("inf"):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds above 0, got {value!r}")
     return seconds
 
 
@@ -63,22 +63,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="run every arm in this process (default: each arm in its own process, so a failed "
                         "arm cannot leave memory allocated for the next)")
     g = c.add_argument_group("engine (every engine arm)")
-    g.add_argument("--max-num-seqs", type=human_readable_int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None)
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--kv-cache-memory-bytes", type=human_readable_int, default=None)
+    g.add_argument("--max-num-seqs", type=positive_int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
+    g.add_argument("--gpu-memory-utilization", type=gpu_memory_utilization, default=0.9)
+    g.add_argument("--kv-cache-memory-bytes", type=positive_int, default=None)
     add_compilation_argument(g)
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no torch.compile")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="schedule step n+1 while step n runs (default on)")
-    g.add_argument("--tensor-parallel-size", "-tp", type=human_readable_int, default=1,
+    g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
                    help="GPUs per engine arm (worker processes over torch.distributed)")
-    g.add_argument("--data-parallel-size", "-dp", type=human_readable_int, default=1,
+    g.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1,
                    help="engine replicas per arm (x tensor-parallel-size GPUs); with --enable-expert-parallel "
                         "the experts are split over all of them")
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE configs: whole experts split across the tensor-parallel (x data-parallel) GPUs")
-    g.add_argument("--pipeline-parallel-size", "-pp", type=human_readable_int, default=1,
+    g.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, default=1,
                    help="pipeline stages per engine arm (x tensor-parallel-size worker processes)")
     g.add_argument("--quantization", "-q", choices=("fp8",), default=None,
                    help="fp8: every engine arm quantizes its linear layers to FP8 at load (one scale per output "
@@ -144,12 +144,14 @@ def _add_rl_arguments(sub) -> None:
 def _run_rl(args: argparse.Namespace) -> int:
     from fxrewrite.benchmarks.common import RESULTS_DIR
     from fxrewrite.benchmarks.rl import format_rl_table, run_rl_bench
+    from fxrewrite.runtime.engine_config import check_device
 
     arms = [a.strip() for a in args.arms.split(",") if a.strip() not in ("", "none")]
     sync_configs = [c.strip() for c in args.sync_configs.split(",") if c.strip()]
     if set(arms) - {"engine", "hf"} or not (arms or sync_configs):
         raise UserInputError(f"--arms {args.arms!r}: expected a comma list of engine, hf, or none with --sync-configs "
                              "(only the weight-sync timings)")
+    check_device(args.device)  # one error line, not a traceback from the trainer's first tensor
     result = run_rl_bench(
         args.config, arms, sync_configs, args.out or RESULTS_DIR,
         device=args.device, tokenizer_dir=args.tokenizer_dir, notes=args.note, num_prompts=args.num_prompts,

@@ -85,7 +85,8 @@ def parse_hf_overrides(value: str) -> dict[str, Any]:
     return parsed
 
 
-def _gpu_memory_utilization(value: str) -> float:
+def gpu_memory_utilization(value: str) -> float:
+    """An argparse ``type``: a fraction in (0, 1]."""
     try:
         fraction = float(value)
     except ValueError:
@@ -208,7 +209,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV-cache block")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of shared prompt prefixes")
-    g.add_argument("--gpu-memory-utilization", type=_gpu_memory_utilization, default=0.9,
+    g.add_argument("--gpu-memory-utilization", type=gpu_memory_utilization, default=0.9,
                    help="fraction of GPU memory the engine may use (weights + activations + KV cache)")
     g.add_argument("--kv-cache-memory-bytes", type=positive_int, default=None,
                    help="KV-cache size in bytes (e.g. 4G); overrides --gpu-memory-utilization for the cache")

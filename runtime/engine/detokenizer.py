@@ -78,11 +78,14 @@ def check_stop_strings(seq: Sequence, new_text_len: int) -> str | None:
     """If a stop string appears in the text added last, cut the text there and return the stop string.
 
     The text is cut right before the stop string (or right after it with include_stop_str_in_output);
-    only the tail that could contain a new match is searched. Before min_tokens output tokens nothing is
-    searched (vLLM's StopChecker): a stop string in that text never ends the sequence.
+    only the tail that could contain a new match is searched. As in vLLM's detokenizer, nothing is searched
+    while the sequence has at most min_tokens output tokens: the text of the first min_tokens tokens never
+    ends it (a stop string may still begin there and end in a later token's text).
     """
     params = seq.sampling_params
-    if not params.stop_strings or new_text_len == 0 or seq.num_output_tokens < params.min_tokens:
+    if not params.stop_strings or new_text_len == 0:
+        return None
+    if params.min_tokens and seq.num_output_tokens <= params.min_tokens:
         return None
     best: tuple[int, str] | None = None
     for stop in params.stop_strings:

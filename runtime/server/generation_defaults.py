@@ -25,7 +25,8 @@ def load_generation_defaults(model_path: str | Path, generation_config: str = "a
     generation_config: "auto" reads `<model_path>/generation_config.json` when present; "vllm"
     uses none; any other value is a folder that must hold a generation_config.json.
     Raises UserFileNotFoundError (a FileNotFoundError) for a folder without one, UserInputError (a ValueError)
-    for a file that is not a JSON object: the command line shows either as one line.
+    for a file that is not a JSON object or holds a value SamplingParams refuses (a negative temperature, say):
+    the command line shows either as one line.
     """
     if generation_config == "vllm":
         return {}
@@ -37,12 +38,19 @@ def load_generation_defaults(model_path: str | Path, generation_config: str = "a
         raise UserFileNotFoundError(f"--generation-config {generation_config!r}: no generation_config.json in "
                                     f"{folder} (expected 'auto', 'vllm' or a folder holding one)")
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserInputError(f"{path} is not valid JSON: {e}") from None
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserInputError(f"{path} is not valid JSON text: {e}") from None
     if not isinstance(data, dict):
         raise UserInputError(f"{path} must hold a JSON object, got {type(data).__name__}")
-    return {field: data[key] for key, field in _KEYS.items() if data.get(key) is not None}
+    defaults = {field: data[key] for key, field in _KEYS.items() if data.get(key) is not None}
+    from fxrewrite.runtime.engine.sampling_params import SamplingParams
+
+    try:  # the values every request without its own would get: refused here, not blamed on each request
+        SamplingParams(**defaults)
+    except (ValueError, TypeError) as e:
+        raise UserInputError(f"{path}: {e}") from None
+    return defaults
 
 
 def check_generation_config(generation_config: str) -> None:

@@ -90,6 +90,12 @@ def test_cli_rejects_unknown_arm(capsys):
     (["train", "--config", "tiny", "--batch-size", "-1"], "--batch-size"),
     (["train", "--config", "tiny", "--warmup", "-1"], "--warmup"),
     (["rl", "--iterations", "0"], "--iterations"),
+    (["compare", "--config", "tiny", "--time-limit", "inf"], "--time-limit"),
+    (["compare", "--config", "tiny", "-pp", "0"], "--pipeline-parallel-size"),
+    (["compare", "--config", "tiny", "-tp", "0"], "--tensor-parallel-size"),
+    (["compare", "--config", "tiny", "--max-num-seqs", "0"], "--max-num-seqs"),
+    (["compare", "--config", "tiny", "--kv-cache-memory-bytes", "-1"], "--kv-cache-memory-bytes"),
+    (["compare", "--config", "tiny", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
 ])
 def test_cli_refuses_counts_and_times_that_cannot_run(argv, flag, capsys):
     from fxrewrite.cli import main
@@ -98,7 +104,20 @@ def test_cli_refuses_counts_and_times_that_cannot_run(argv, flag, capsys):
         main(["bench", *argv])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert flag in err and repr(argv[-1]) in err, err
+    assert flag in err and (repr(argv[-1]) in err or argv[-1] in err), err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--config", "tiny", "--arm-timeout", "nan"], "--arm-timeout: 'nan': expected a finite number"),
+    (["train", "--config", "tiny", "--arm-timeout", "60,stock=-1"], "--arm-timeout: 'stock=-1'"),
+    (["rl", "--config", "tiny", "--device", "mps"], "device='mps'"),
+])
+def test_cli_refuses_before_any_arm_starts(argv, message, capsys):
+    from fxrewrite.cli import main
+
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
 
 
 def test_cli_exit_status_is_1_when_every_arm_failed(tmp_path, capsys, monkeypatch):

@@ -46,3 +46,19 @@ def test_stop_string_spanning_tokens_found_in_tail(tokenizer):
     assert check_stop_strings(seq, 1) is None
     seq.text += "bcd"
     assert check_stop_strings(seq, 3) == "ab" and seq.text == "xx"
+
+
+def test_stop_strings_wait_past_min_tokens():
+    """vLLM's rule: with min_tokens, stop strings are searched only once the sequence has more than min_tokens
+    tokens, so the min_tokens-th token's text cannot stop it; the next token's can (even one that completes a
+    stop string begun earlier)."""
+    seq = Sequence("r", [1], SamplingParams(stop=["ab"], min_tokens=2))
+    seq.append_token(5)
+    seq.text = "xa"
+    assert check_stop_strings(seq, 2) is None
+    seq.append_token(6)
+    seq.text += "b"  # the 2nd token: "ab" is complete, but 2 <= min_tokens
+    assert check_stop_strings(seq, 1) is None and seq.text == "xab"
+    seq.append_token(7)
+    seq.text += "yab"
+    assert check_stop_strings(seq, 3) == "ab" and seq.text == "xaby"
