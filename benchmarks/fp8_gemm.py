@@ -72,7 +72,8 @@ def bench_shape(n: int, k: int, m: int, weights) -> list[dict]:
 
     fns = {"bf16": (lambda i: F.linear(x, bf16[i]), len(bf16), 2)}
     for name in fp8_tune.candidates(n, k, m):
-        fns[name] = (lambda i, name=name: fp8_dispatch.fp8_linear_dispatch(x, fp8[i], rows, backend=name), len(fp8), 1)
+        fns[name] = (lambda i, name=name: fp8_dispatch.fp8_linear_dispatch(  # rows: one scale per 128-row block
+            x, fp8[i], rows, backend=name, scale_rows=128), len(fp8), 1)
     fns["scaled_mm_block"] = (scaled_mm_block, len(fp8), 1)
     refs, q, s = {}, *per_token_quant_fp8(x)
     for name in filter(fp8_dispatch.per_channel_only, fp8_tune.candidates(n, k, m, per_channel=True)):

@@ -30,6 +30,12 @@
 #                                  e4m3 caches (-kv-cache-fp8.json; KERNEL=0 skips it); Qwen3-4B throughput bf16 + FP8 KV, bf16, then
 #                                  FP8 weights + FP8 KV (bench JSONs, -kvfp8 in the name); with PROFILES="none fp8"
 #                                  decode-step profiles at batch 200, context 560 with the FP8 KV cache.
+#   MODE=fp8-block (nvidia-h200):  <= 9 min: the pipelined GEMV's GPU tests with shared block scales (fp8-block-tests.log);
+#                                  FP8 GEMM benchmark at one token, Qwen3-32B and Qwen3-4B (gemm/); RUNS (default
+#                                  "32b-block 32b") in folders of their names: 32b-block = Qwen3-32B batch-1 decode on
+#                                  128 x 128 block-scaled dummy weights (--hf-overrides quantization_config, as an FP8
+#                                  checkpoint); 32b = bf16; 4b-block / 4b-fp8kv (throughput, --quantization fp8
+#                                  --kv-cache-dtype fp8) / 4b (bf16 throughput). GEMM=0 skips the GEMM benchmark.
 # Results (JSON, logs) go to $OUT when set, else benchmarks/results. Each step has its own time limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -74,6 +80,23 @@ elif [ "${MODE:-fp8}" = fp8-pipelined ]; then
     bench "$(left 170)" --config "$cfg" --arms native --workload latency --max-num-seqs 1 --time-limit 10 "${q[@]}"
   done
   echo "fp8-pipelined done in $(($(date +%s) - start)) s"
+elif [ "${MODE:-fp8}" = fp8-block ]; then
+  export FXREWRITE_FP8_TUNE_LOG="$OUT_DIR/fp8-tune.jsonl" FXREWRITE_GEMV_TUNE_LOG="$OUT_DIR/gemv-tune.jsonl"
+  timeout -k 5 "$(left "${TEST_S:-90}")" $PY -m pytest -q -m gpu tests/gpu/test_gpu_fp8_gemv_pipelined.py -p no:cacheprovider \
+    -rfE 2>&1 | tee "$OUT_DIR/fp8-block-tests.log" | grep -E "passed|failed|FAIL|Error|assert" | tail -12
+  [ "${GEMM:-1}" = 1 ] && timeout -k 5 "$(left 120)" $PY -m fxrewrite.benchmarks.fp8_gemm --models qwen3-32b,qwen3-4b --tokens 1 --out "$OUT_DIR/gemm" \
+    2>&1 | tee "$OUT_DIR/gemm.log" | grep -E "bf16|pipelined|tuner" | tail -50
+  BLOCK='{"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}}'
+  for run in ${RUNS:-32b-block 32b}; do (
+    OUT_DIR=$OUT_DIR/$run; mkdir -p "$OUT_DIR"
+    case $run in
+      32b-block) bench "$(left 150)" --config qwen3-32b --arms native --workload latency --max-num-seqs 1 --time-limit 10 --hf-overrides "$BLOCK" ;;
+      32b) bench "$(left 90)" --config qwen3-32b --arms native --workload latency --max-num-seqs 1 --time-limit 10 ;;
+      4b-block) bench "$(left 90)" --config qwen3-4b --arms native --workload latency --max-num-seqs 1 --time-limit 10 --hf-overrides "$BLOCK" ;;
+      4b-fp8kv) bench "$(left 180)" --config qwen3-4b --arms native --num-prompts 200 --time-limit 15 --quantization fp8 --kv-cache-dtype fp8 ;;
+      4b) bench "$(left 150)" --config qwen3-4b --arms native --num-prompts 200 --time-limit 15 ;;
+    esac ) done
+  echo "fp8-block done in $(($(date +%s) - start)) s"
 elif [ "${MODE:-fp8}" = kv-fp8 ]; then
   export FXREWRITE_FP8_TUNE_LOG="$OUT_DIR/fp8-tune.jsonl"
   timeout -k 5 "$(left 170)" $PY -m pytest -v -m gpu tests/kernels/test_fp8_kv_cache.py tests/gpu/test_gpu_fp8_kv_cache.py \

@@ -147,9 +147,11 @@ def _rowwise(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_s: torch.Tenso
     return fp8_rowwise_gemm_triton(q, s, w, channel_scales(w_s), out_dtype, config)
 
 
-def _run(x2: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, backend: str, per_channel: bool) -> torch.Tensor:
+def _run(x2: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, backend: str, per_channel: bool,
+         scale_rows: int = 1) -> torch.Tensor:
     if backend.startswith(PIPELINED + ":"):
-        return fp8_gemv_pipelined_triton(x2, w, w_s, PIPELINED_CONFIGS[int(backend.split(":")[1])], per_channel)
+        config = PIPELINED_CONFIGS[int(backend.split(":")[1])]
+        return fp8_gemv_pipelined_triton(x2, w, w_s, config, per_channel, scale_rows)
     if per_channel_only(backend):
         q, s = per_token_quant_fp8(x2)
         return _rowwise(q, s, w, w_s, x2.dtype, backend)
@@ -192,11 +194,12 @@ def run_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_s: torch.
 
 
 def fp8_linear_dispatch(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, group_size: int = 128,
-                        backend: str | None = None, per_channel: bool = False) -> torch.Tensor:
+                        backend: str | None = None, per_channel: bool = False, scale_rows: int = 1) -> torch.Tensor:
     """x [..., K] -> [..., N] in x's dtype through `backend` (default: `choose`); the torch reference
     (`fxrewrite.kernels.fp8_gemm.fp8_linear`) on a CPU without the Triton interpreter and for scale
     groups other than 128. per_channel: every column of w_s is the same per-row scale (required by
-    ``scaled_mm_rowwise`` and ``triton_rowwise:<i>``; ValueError otherwise)."""
+    ``scaled_mm_rowwise`` and ``triton_rowwise:<i>``; ValueError otherwise). scale_rows: w_s's rows are
+    equal in aligned runs of this many (block-scaled layers; `fp8_gemv_pipelined_triton` then scales x)."""
     if backend is not None and per_channel_only(backend) and not per_channel:
         raise ValueError(f"backend {backend!r} needs per-channel weight scales (per_channel=True)")
     if group_size != 128 or not use_triton(x):
@@ -209,14 +212,14 @@ def fp8_linear_dispatch(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, gro
     if name.startswith(("gemv:", PIPELINED + ":")) and not weight_only(name, x2.shape[0]):
         name = "triton"
     try:
-        out = _run(x2, w, w_s, name, per_channel)
+        out = _run(x2, w, w_s, name, per_channel, scale_rows)
     except Exception as e:  # noqa: BLE001 - any backend but the plain Triton GEMM falls back
         if backend is not None or name == "triton" or _forced() != "auto":
             raise
         _demote(n, k, x2.shape[0], name, e, per_channel)
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise
-        out = _run(x2, w, w_s, choose(n, k, x2.shape[0], per_channel), per_channel)
+        out = _run(x2, w, w_s, choose(n, k, x2.shape[0], per_channel), per_channel, scale_rows)
     return out.reshape(*lead, n)
 
 

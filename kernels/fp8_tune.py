@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 GRAPH_SIZES = (1, 2, 4, 8, *range(16, 513, 16))
 TOLERANCE = 0.1
 _L2_BYTES = 128 << 20  # weight copies per timing graph: > 2x the H200's 50 MB L2
+_BLOCK_ROWS = 128  # rows per scale block of the block-scaled scratch weights (checkpoints' weight_block_size[0])
 
 
 def candidates(n: int, k: int, m: int, per_channel: bool = False) -> list[str]:
@@ -140,14 +141,16 @@ def _prove(name: str, w: torch.Tensor, w_s: torch.Tensor, wf: torch.Tensor, m: i
     """Raise unless `name` is right at m tokens, eagerly and (m <= 512) replayed from a CUDA graph."""
     x = torch.randn(m, w.shape[1], device=w.device, dtype=dtype)
     rows = min(m, 64)  # rows are independent: check a slice against the reference
-    eager = fp8_linear_dispatch(x, w, w_s, backend=name, per_channel=per_channel)
+    rows_shared = 1 if per_channel else _BLOCK_ROWS
+    eager = fp8_linear_dispatch(x, w, w_s, backend=name, per_channel=per_channel, scale_rows=rows_shared)
     err = _max_rel(eager[:rows], x[:rows].float() @ wf.t())
     if not err < TOLERANCE:
         raise ValueError(f"max relative error {err:.3g} >= {TOLERANCE}")
     if m > GRAPH_SIZES[-1]:
         return
     torch.cuda.synchronize()
-    graph, out = capture(lambda: fp8_linear_dispatch(x, w, w_s, backend=name, per_channel=per_channel))
+    graph, out = capture(lambda: fp8_linear_dispatch(x, w, w_s, backend=name, per_channel=per_channel,
+                                                     scale_rows=rows_shared))
     graph.replay()
     torch.cuda.synchronize()
     err = _max_rel(out, eager.float())
@@ -158,13 +161,16 @@ def _prove(name: str, w: torch.Tensor, w_s: torch.Tensor, wf: torch.Tensor, m: i
 
 def _scratch(n: int, k: int, device, per_channel: bool = False) -> tuple[list[torch.Tensor], torch.Tensor,
                                                                          torch.Tensor]:
-    """Random FP8 weight copies [N, K] (enough to overflow L2), per-row scales with strides (1, N) (with
-    per_channel: every group of a row the same), and the dequantized float32 weight of copy 0."""
+    """Random FP8 weight copies [N, K] (enough to overflow L2), per-row scales with strides (1, N) (per_channel:
+    every group of a row the same; else one per 128 x 128 block, as checkpoints), and the dequantized float32
+    weight of copy 0."""
     copies = max(1, min(8, -(-_L2_BYTES // (n * k))))
     ws = [torch.randn(n, k, device=device).div_(8).to(torch.float8_e4m3fn) for _ in range(copies)]
-    groups = -(-k // 128)
-    w_s = torch.rand(1 if per_channel else groups, n, device=device, dtype=torch.float32).add_(0.5).div_(448)
-    w_s = w_s.expand(groups, n).contiguous().t()
+    groups, blocks = -(-k // 128), -(-n // _BLOCK_ROWS)
+    w_s = torch.rand(1 if per_channel else groups, n if per_channel else blocks, device=device,
+                     dtype=torch.float32).add_(0.5).div_(448)
+    w_s = w_s.expand(groups, n) if per_channel else w_s.repeat_interleave(_BLOCK_ROWS, dim=1)[:, :n]
+    w_s = w_s.contiguous().t()
     wf = ws[0].float().mul_(w_s.repeat_interleave(128, dim=1)[:, :k])
     return ws, w_s, wf
 
@@ -178,7 +184,8 @@ def _tune_bucket(ws, w_s, wf, bucket: int, dtype: torch.dtype, per_channel: bool
     for name in candidates(n, k, bucket, per_channel):
         try:
             results[name] = graph_time_us(lambda i, name=name: fp8_linear_dispatch(
-                x, ws[i], w_s, backend=name, per_channel=per_channel), reps, len(ws))
+                x, ws[i], w_s, backend=name, per_channel=per_channel, scale_rows=1 if per_channel else _BLOCK_ROWS),
+                reps, len(ws))
         except Exception as e:  # noqa: BLE001 - a backend this GPU / torch / M cannot run is no candidate
             results[name] = f"error: {type(e).__name__}: {str(e)[:200]}"
     timed = sorted((t, name) for name, t in results.items() if isinstance(t, float))

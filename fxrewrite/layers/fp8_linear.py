@@ -23,6 +23,7 @@ matmul reads column 0; ``weight_per_channel`` marks such a layer), or in blocks 
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import torch
@@ -68,6 +69,8 @@ class Fp8LinearMixin:
 
     weight_block_size: tuple[int, int]
     weight_per_channel: bool = False
+    weight_scale_rows: int = 1
+    """Rows of ``weight_scale_inv`` equal in aligned runs of this many (block-scaled; `_scale_rows`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """At decode token counts the FP8 skinny GEMV where its load-time timing chose it (`gemv_dispatch`),
@@ -81,7 +84,8 @@ class Fp8LinearMixin:
             out = gemv_dispatch.run(x.reshape(-1, k), self.weight, None, config, **scales).view(*x.shape[:-1], -1)
         else:
             out = fp8_dispatch.fp8_linear_dispatch(x, self.weight, self.weight_scale_inv, self.weight_block_size[1],
-                                                   per_channel=self.weight_per_channel)
+                                                   per_channel=self.weight_per_channel,
+                                                   scale_rows=self.weight_scale_rows)
         return self._finish(out)
 
     def _finish(self, out: torch.Tensor) -> torch.Tensor:
@@ -219,6 +223,7 @@ def convert_linear_to_fp8(layer: LinearBase, name: str, block: tuple[int, int]) 
     check_fp8_shapes(layer, name, block)
     layer.__class__ = _fp8_class(type(layer))
     layer.weight_block_size = tuple(block)
+    layer.weight_scale_rows = _scale_rows(layer, block[0])
     w = layer.weight
     weight = nn.Parameter(torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device), requires_grad=False)
     weight.weight_loader = layer.weight_loader
@@ -267,6 +272,16 @@ def quantize_weight_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torc
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX)
     return q.to(FP8_DTYPE).contiguous(), scale
+
+
+def _scale_rows(layer: LinearBase, block_rows: int) -> int:
+    """The aligned run of rows that share one scale row in the expanded scales: every fused part (q / k / v,
+    gate / up) and tensor-parallel shard starts a block of its own tensor, at a multiple of its size on this
+    rank, so gcd(block rows, every part's size on this rank) rows from row 0 lie in one block."""
+    sizes = getattr(layer, "output_sizes_per_partition", None)
+    if sizes is None:
+        sizes = layer.output_sizes if isinstance(layer, QKVParallelLinear) else [layer.output_size_per_partition]
+    return math.gcd(block_rows, *sizes)
 
 
 def quantize_fp8_layer(layer: LinearBase, name: str, block: tuple[int, int], per_channel: bool = False) -> LinearBase:

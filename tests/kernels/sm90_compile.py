@@ -51,15 +51,16 @@ def pipelined_gemv() -> dict:
     GEMVs."""
     block_n, block_k, stages, warps = fp8_gemv_pipelined.PIPELINED_CONFIGS[0]
     out = {}
-    for form, per_channel in (("channel", True), ("block", False)):
+    for form, per_channel, shared in (("channel", True, False), ("block", False, False), ("shared", False, True)):
         ptx = compile_sm90(fp8_gemv_pipelined._pipelined_gemv_kernel,
                            {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "out_ptr": "*bf16"},
-                           dict(BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, PER_CHANNEL=per_channel),
-                           num_warps=warps)
+                           dict(BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, PER_CHANNEL=per_channel,
+                                SHARED_SCALES=shared), num_warps=warps)
         out[form] = {"cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
                      "ld_global": ptx.count("ld.global")}
     return out
 
 
 if __name__ == "__main__":
-    print(json.dumps(pipelined_gemv() if sys.argv[1] == "fp8-gemv-pipelined" else main(sys.argv[1])))
+    forms = {"fp8-gemv-pipelined": pipelined_gemv}
+    print(json.dumps(forms[sys.argv[1]]() if sys.argv[1] in forms else main(sys.argv[1])))

@@ -193,8 +193,8 @@ def test_tuner_keeps_only_proven_backends_fastest_first(interpret, monkeypatch):
     monkeypatch.setattr(fp8_tune, "graph_time_us", lambda fn, reps, copies: (fn(0), fake_us[fn.__defaults__[0]])[1])
     real = fp8_dispatch.fp8_linear_dispatch
 
-    def dispatch(x, w, w_s, group_size=128, backend=None, per_channel=False):
-        out = real(x, w, w_s, group_size, backend, per_channel)
+    def dispatch(x, w, w_s, group_size=128, backend=None, per_channel=False, scale_rows=1):
+        out = real(x, w, w_s, group_size, backend, per_channel, scale_rows)
         return out * 2 if backend == "gemv:1" else out  # a wrong kernel: twice the right answer
 
     monkeypatch.setattr(fp8_tune, "fp8_linear_dispatch", dispatch)

@@ -1,6 +1,7 @@
 """The software-pipelined one-token FP8 GEMV (kernels/fp8_gemv_pipelined.py) against the dequantized float32
-product, per-channel and block-scaled, through the Triton interpreter; its place among the FP8 backends (tuned at
-one token only, weight-only, never handed quantized activations). Its speed is measured on the GPU
+product, per-channel and block-scaled (scales per element or shared by a tile's rows), through the Triton
+interpreter; its place among the FP8 backends (tuned at one token only, weight-only, never handed quantized
+activations). Its speed is measured on the GPU
 (benchmarks/gemv_pipelined.py; tests/gpu/test_gpu_fp8_gemv_pipelined.py)."""
 
 from __future__ import annotations
@@ -58,6 +59,39 @@ def test_reads_only_the_first_scale_column(interpret):
                                rtol=1e-5, atol=1e-5)
 
 
+def _row_blocks(scales: torch.Tensor, rows: int) -> torch.Tensor:
+    """The scales with every aligned run of `rows` rows equal to its first row (outer-dim major, as stored)."""
+    blocked = scales[::rows].repeat_interleave(rows, dim=0)[: scales.shape[0]]
+    return blocked.t().contiguous().t()
+
+
+@pytest.mark.parametrize("config", [PIPELINED_CONFIGS[0], PIPELINED_CONFIGS[1], PIPELINED_CONFIGS[4]], ids=str)
+@pytest.mark.parametrize("scale_rows", [16, 128, 4])  # 4: below block_n 8 / 16, the per-element path
+def test_block_scales_shared_by_a_tile(interpret, config, scale_rows):
+    """Block-scaled weights whose scales repeat over aligned runs of `scale_rows` rows (checkpoint layers): where
+    the run covers the row tile, the kernel scales x by the tile's first row; the product is the same."""
+    wq, scales = _weight(40, 640, seed=4, per_channel=False)
+    scales = _row_blocks(scales, scale_rows)
+    x = torch.randn(1, 640, generator=torch.Generator().manual_seed(5))
+    got = fp8_gemv_pipelined_triton(x, wq, scales, config, per_channel=False, scale_rows=scale_rows)
+    want = fp8_weight_only_gemv_ref(x, wq, scales, out_dtype=torch.float32)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_shared_scales_read_only_the_tiles_first_row(interpret):
+    """With scale_rows covering the tile, rows 1.. of each tile's scales are never read (NaN there changes
+    nothing): the promise, not the data, picks the path."""
+    wq, scales = _weight(32, 512, seed=6, per_channel=False)
+    scales = _row_blocks(scales, 16)
+    poisoned = scales.clone()
+    poisoned[1::16] = float("nan")
+    x = torch.randn(1, 512)
+    got = fp8_gemv_pipelined_triton(x, wq, poisoned, PIPELINED_CONFIGS[1], per_channel=False, scale_rows=16)
+    torch.testing.assert_close(got, fp8_weight_only_gemv_ref(x, wq, scales, out_dtype=torch.float32),
+                               rtol=1e-5, atol=1e-5)
+    assert fp8_gemv_pipelined_triton(x, wq, poisoned, PIPELINED_CONFIGS[1], per_channel=False).isnan().any()
+
+
 def test_refuses_what_it_cannot_run():
     wq, scales = _weight(8, 256, seed=2)
     with pytest.raises(ValueError, match=r"x \[1, K\]"):
@@ -107,3 +141,4 @@ def test_compiles_for_sm90_with_the_weight_loads_pipelined():
     assert done.returncode == 0, done.stderr[-3000:]
     loads = json.loads(done.stdout.splitlines()[-1])
     assert loads["channel"]["cp_async"] > 0 and loads["block"]["cp_async"] > 0, loads
+

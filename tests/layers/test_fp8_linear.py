@@ -130,3 +130,23 @@ def test_per_channel_row_parallel_shard_round_trip():
     torch.testing.assert_close(getattr(layer, SCALE_NAME)[:, 0], part.abs().amax(1) / 448)
     dequantize_fp8_layer(layer, torch.float32)
     assert ((layer.weight - part).abs() / part.abs().amax(1, keepdim=True)).max() < 2 ** -4
+
+
+@pytest.mark.parametrize("make, shards, want_rows", [
+    (lambda r: QKVParallelLinear(256, 64, 4, 1, tp_size=2, tp_rank=r, device="cpu"),
+     {"q": (256, 256), "k": (64, 256), "v": (64, 256)}, 64),
+    (lambda r: QKVParallelLinear(256, 128, 4, 2, device="cpu"), {"q": (512, 256), "k": (256, 256), "v": (256, 256)}, 128),
+    (lambda r: MergedColumnParallelLinear(128, [192, 192], tp_size=2, tp_rank=r, device="cpu"),
+     {0: (192, 128), 1: (192, 128)}, 32),
+    (lambda r: RowParallelLinear(256, 200, tp_size=2, tp_rank=r, device="cpu"), {None: (200, 256)}, 8),
+], ids=["qkv-half-block-kv", "qkv", "gate-up-mid-block", "row-parallel"])
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_scale_rows_runs_hold_one_scale_row(make, shards, want_rows, tp_rank):
+    """weight_scale_rows (what lets the one-token GEMV scale x instead of the weight) is read off the layer's
+    shapes; the loaded scales are then equal over every aligned run of that many rows, whatever the shard."""
+    layer = convert_linear_to_fp8(make(tp_rank), "layer", BLOCK)
+    assert layer.weight_scale_rows == want_rows
+    _load(layer, {sid: _checkpoint(*shape) for sid, shape in shards.items()})
+    scale, rows = getattr(layer, SCALE_NAME), layer.weight_scale_rows
+    runs = scale.view(-1, rows, scale.shape[1])
+    assert torch.equal(runs, runs[:, :1].expand_as(runs))
