@@ -142,7 +142,7 @@ def _add_rl_arguments(sub) -> None:
 
 
 def _run_rl(args: argparse.Namespace) -> int:
-    from fxrewrite.benchmarks.common import RESULTS_DIR
+    from fxrewrite.benchmarks.common import RESULTS_DIR, load_bench_config
     from fxrewrite.benchmarks.rl import format_rl_table, run_rl_bench
     from fxrewrite.runtime.engine_config import check_device
 
@@ -152,6 +152,8 @@ def _run_rl(args: argparse.Namespace) -> int:
         raise UserInputError(f"--arms {args.arms!r}: expected a comma list of engine, hf, or none with --sync-configs "
                              "(only the weight-sync timings)")
     check_device(args.device)  # one error line, not a traceback from the trainer's first tensor
+    for name in (args.config, *sync_configs):  # a typo in the last sync config must not cost the GRPO arms first
+        load_bench_config(name)
     result = run_rl_bench(
         args.config, arms, sync_configs, args.out or RESULTS_DIR,
         device=args.device, tokenizer_dir=args.tokenizer_dir, notes=args.note, num_prompts=args.num_prompts,
@@ -164,10 +166,23 @@ def _run_rl(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_train_length(config: str, seq_len: int) -> None:
+    """UserInputError when --seq-len is past the model's positions (each arm would fail on its own, late)."""
+    from fxrewrite.benchmarks.common import load_bench_config
+
+    spec = load_bench_config(config)
+    cfg = spec["config"].get("text_config", spec["config"])
+    limit = cfg.get("max_position_embeddings")
+    if isinstance(limit, int) and seq_len > limit:
+        raise UserInputError(f"--seq-len {seq_len} is longer than {spec['name']}'s max_position_embeddings {limit}; "
+                             f"expected at most {limit}")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.bench_command == "train":
         from fxrewrite.benchmarks.train import format_train_table, parse_arm_timeouts, run_train_bench
 
+        _check_train_length(args.config, args.seq_len)
         result = run_train_bench(
             args.config, [a.strip() for a in args.arms.split(",") if a.strip()], steps=args.steps,
             warmup=args.warmup, batch_size=args.batch_size, seq_len=args.seq_len,

@@ -111,6 +111,9 @@ def test_cli_refuses_counts_and_times_that_cannot_run(argv, flag, capsys):
     (["train", "--config", "tiny", "--arm-timeout", "nan"], "--arm-timeout: 'nan': expected a finite number"),
     (["train", "--config", "tiny", "--arm-timeout", "60,stock=-1"], "--arm-timeout: 'stock=-1'"),
     (["rl", "--config", "tiny", "--device", "mps"], "device='mps'"),
+    (["rl", "--config", "tiny", "--arms", "engine", "--sync-configs", "tiny,abc"], "bench config 'abc' not found"),
+    (["train", "--config", "tiny", "--seq-len", "5000"],
+     "--seq-len 5000 is longer than tiny's max_position_embeddings 4096"),
 ])
 def test_cli_refuses_before_any_arm_starts(argv, message, capsys):
     from fxrewrite.cli import main
