@@ -20,7 +20,9 @@ first, for `fp8_dispatch`'s demotion (whose last resort is the Triton GEMM).
 
 Shapes whose layers have per-channel weight scales (``quantization="fp8"`` on a bf16 checkpoint) are
 tuned apart, with per-channel scratch scales, and only they get the ``scaled_mm_rowwise`` and
-``triton_rowwise:<i>`` candidates.
+``triton_rowwise:<i>`` candidates. Block-scaled shapes are timed on scratch scales of one per 128 x 128 block,
+passed with ``scale_rows=128`` (the pipelined GEMV's shared-scale form, what checkpoint layers whose parts start
+on 16-row boundaries run; a layer that does not runs its per-element form, correct but not what was timed).
 """
 
 from __future__ import annotations
