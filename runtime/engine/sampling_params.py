@@ -156,6 +156,12 @@ class SamplingParams:
             raise UserInputError(
                 f"SamplingParams: min_tokens={self.min_tokens} must be at most max_tokens={self.max_tokens}"
             )
+        if self.structured_outputs is not None:  # a mask that allows no token would fail the whole batch's step
+            clash = [f"{name}={value!r}" for name, value in (("min_tokens", self.min_tokens),
+                     ("allowed_token_ids", self.allowed_token_ids), ("bad_words", self.bad_words)) if value]
+            if clash:
+                raise UserInputError(f"SamplingParams: {', '.join(clash)} cannot be combined with structured_outputs "
+                                     "(the grammar may allow only tokens they forbid); expected none of them")
         if any(not s for s in self.stop_strings):
             raise UserInputError(f"SamplingParams: stop={self.stop!r} must not contain empty strings")
         if not isinstance(self.detokenize, bool):

@@ -49,3 +49,13 @@ def test_max_logprobs_values(value, ok):
         EngineConfig(max_logprobs=value)
     with pytest.raises(argparse.ArgumentTypeError, match="positive integer or -1"):
         max_logprobs_value(str(value))
+
+
+@pytest.mark.parametrize("extra", [{"min_tokens": 3}, {"allowed_token_ids": [1, 2]}, {"bad_words": ["a"]}])
+def test_structured_outputs_refuse_what_could_mask_every_token(extra):
+    """min_tokens (EOS masked), allowed_token_ids and bad_words with a grammar could leave a row no token: refused up
+    front (a step with such a row used to fail every request in the batch)."""
+    from fxrewrite.errors import UserInputError
+
+    with pytest.raises(UserInputError, match=f"{next(iter(extra))}=.*cannot be combined with structured_outputs"):
+        SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(regex="a"), **extra)
