@@ -87,32 +87,67 @@ def _loader(model: nn.Module, name: str, param: torch.Tensor):
     return loader if callable(loader) else default_weight_loader
 
 
-def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+class LoadedNames(set):
+    """The parameter names a loader filled. A fused parameter is in the set only once every part arrived
+    (a checkpoint without ``q_proj`` would leave a third of ``qkv_proj`` uninitialised); `missing_parts` maps
+    each partly filled one to the checkpoint names it still lacks."""
+
+    def __init__(self, parts: dict[str, dict[Any, str]] | None = None) -> None:
+        super().__init__()
+        self.parts = parts if parts is not None else {}  # fused name -> {shard id: checkpoint name}
+        self.seen: dict[str, set] = {}
+
+    def add_shard(self, target: str, shard_id: Any, expected: dict[Any, str] | None = None) -> None:
+        if expected is not None:
+            self.parts.setdefault(target, expected)
+        seen = self.seen.setdefault(target, set())
+        seen.add(shard_id)
+        if seen >= set(self.parts.get(target, seen)):
+            self.add(target)
+
+    @property
+    def missing_parts(self) -> dict[str, list[str]]:
+        return {t: [name for sid, name in self.parts.get(t, {}).items() if sid not in seen]
+                for t, seen in self.seen.items() if t not in self}
+
+    def prefixed(self, prefix: str) -> "LoadedNames":
+        """The same names under ``prefix`` (a wrapper module's attribute)."""
+        out = LoadedNames()
+        out.update(prefix + name for name in self)
+        for target, missing in self.missing_parts.items():
+            out.parts[prefix + target] = {i: prefix + name for i, name in enumerate(missing)}
+            out.seen[prefix + target] = set()
+        return out
+
+
+def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> LoadedNames:
     """Load (HF name, tensor) pairs into `model` (optimized or not); returns the model's names loaded.
 
     HF names of fused parts (``...q_proj.weight``) go to the fused parameter's `weight_loader`
     with their shard id; other names load whole (through `weight_loader` when the parameter has
     one). Persistent buffers load too. Names the model does not have are skipped (compare the
-    returned set with ``dict(model.named_parameters())`` to check completeness). Parameters must
-    be materialised (not meta) for values to land.
+    returned set with ``dict(model.named_parameters())`` to check completeness; a fused parameter
+    counts once all its parts loaded, see `LoadedNames`). Parameters must be materialised (not meta)
+    for values to land.
     """
     shards = shard_map(model)
+    parts: dict[str, dict[Any, str]] = {}
+    for hf_name, (target, shard_id) in shards.items():
+        parts.setdefault(target, {})[shard_id] = hf_name
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers(remove_duplicate=False))
-    loaded: set[str] = set()
+    loaded = LoadedNames(parts)
     for name, tensor in weights:
         if name in shards:
             target, shard_id = shards[name]
             _loader(model, target, params[target])(params[target], tensor, shard_id)
+            loaded.add_shard(target, shard_id)
         elif name in params:
-            target = name
-            _loader(model, target, params[name])(params[name], tensor)
+            _loader(model, name, params[name])(params[name], tensor)
+            loaded.add(name)
         elif name in buffers:
-            target = name
             default_weight_loader(buffers[name], tensor)
-        else:
-            continue
-        loaded.add(target)
+            loaded.add(name)
     return loaded
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -20,14 +21,21 @@ from fxrewrite.layers.fp8_linear import quantize_weight_fp8
 from fxrewrite.runtime.model_files.loader import iterate_safetensors
 
 
+_MIXTRAL_EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
+
+
 def is_quantized_name(name: str, tensor) -> bool:
-    """Decoder-layer projection weights (attention q/k/v/o, MLP gate/up/down) are quantized."""
-    return ".layers." in name and name.endswith("proj.weight") and tensor.dim() == 2
+    """Decoder-layer projection weights (attention q/k/v/o, MLP and expert gate/up/down, Mixtral's expert
+    w1/w3/w2) are quantized; routers, norms, embeddings and the LM head are not."""
+    projection = name.endswith("proj.weight") or _MIXTRAL_EXPERT.search(name) is not None
+    return ".layers." in name and projection and tensor.dim() == 2
 
 
 def write_fp8_checkpoint(src: str | Path, dst: str | Path, block: tuple[int, int] = (128, 128)) -> Path:
     """Copy folder `src` to `dst` with its decoder projections quantized; returns `dst`. UserInputError, before
-    `dst` is made, for a `src` that is not a model folder with safetensors, is already quantized, or is `dst`.
+    `dst` is made, for a `src` that is not a model folder with safetensors, is already quantized, or is `dst`, and
+    for a `dst` that is a file. Weights go to ``dst/model.safetensors``, which loaders read before any other
+    ``*.safetensors`` file left in `dst`.
 
     Non-safetensors files (tokenizer, generation config) are copied as they are.
     """
@@ -37,6 +45,8 @@ def write_fp8_checkpoint(src: str | Path, dst: str | Path, block: tuple[int, int
     if not (src / "config.json").is_file() or not any(src.glob("*.safetensors")):
         raise UserInputError(f"fp8_checkpoint: SRC {str(src)!r} must be a model folder with config.json and "
                              "*.safetensors weights")
+    if dst.exists() and not dst.is_dir():
+        raise UserInputError(f"fp8_checkpoint: DST {str(dst)!r} exists and is not a folder")
     if dst.exists() and dst.resolve() == src.resolve():
         raise UserInputError(f"fp8_checkpoint: DST {str(dst)!r} is SRC; write the FP8 copy to another folder")
     if "quantization_config" in json.loads((src / "config.json").read_text()):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from pathlib import Path
@@ -9,11 +10,12 @@ from typing import Iterator
 
 import torch
 from torch import nn
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from fxrewrite.distributed import get_tp_size
 from fxrewrite.errors import UserFileNotFoundError, UserInputError
 from fxrewrite.sharding import LazySlice
-from fxrewrite.weights import load_hf_weights
+from fxrewrite.weights import LoadedNames, load_hf_weights
 from fxrewrite.runtime.model_files.checkpoint_conversion import convert_for_model
 from fxrewrite.runtime.model_files.fp8_experts import dequantize_fp8_experts
 
@@ -21,19 +23,42 @@ logger = logging.getLogger(__name__)
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
+def checkpoint_files(model_path: str | Path) -> list[Path]:
+    """The folder's weight files, chosen as transformers chooses them: ``model.safetensors`` if present, else the
+    files named by ``model.safetensors.index.json`` (so a Mistral folder's ``consolidated.safetensors`` or a stale
+    shard beside them is not read), else every ``*.safetensors`` file. UserFileNotFoundError when there is none
+    or the index names a file that is not there; UserInputError for an index without a ``weight_map``."""
+    folder = Path(model_path)
+    if (folder / SAFE_WEIGHTS_NAME).is_file():
+        return [folder / SAFE_WEIGHTS_NAME]
+    index = folder / SAFE_WEIGHTS_INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted({folder / name for name in weight_map.values()})
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise UserInputError(f"{index} is not a safetensors index (a JSON object with a weight_map of tensor "
+                                 f"name -> file name): {e!r}") from None
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise UserFileNotFoundError(f"{index} names weight files that are not in {folder}: {', '.join(absent)}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise UserFileNotFoundError(f"no *.safetensors file in {model_path}: expected the model's weights there "
+                                    "(or pass a .gguf file)")
+    return files
+
+
 def iterate_safetensors(model_path: str | Path, sliced: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of every *.safetensors file in the folder; FileNotFoundError if none.
+    """(name, tensor) for every tensor of the folder's weight files (`checkpoint_files`).
 
     With `sliced` (tensor-parallel ranks) each tensor comes as a `LazySlice`, read only where a
     weight loader narrows it; 0-d tensors are read whole. The file stays open while the item is held.
     """
     from safetensors import SafetensorError, safe_open
 
-    files = sorted(Path(model_path).glob("*.safetensors"))
-    if not files:
-        raise UserFileNotFoundError(f"no *.safetensors file in {model_path}: expected the model's weights there "
-                                    "(or pass a .gguf file)")
-    for file in files:
+    for file in checkpoint_files(model_path):
         try:
             handle = safe_open(str(file), framework="pt")
         except SafetensorError as e:  # a truncated or corrupt file
@@ -70,7 +95,7 @@ def materialize(model: nn.Module, device: torch.device) -> nn.Module:
     return model
 
 
-def load_native_weights(model: nn.Module, weights) -> set[str]:
+def load_native_weights(model: nn.Module, weights) -> LoadedNames:
     """Load HF-named checkpoint tensors into a native model; returns the parameter names loaded.
 
     `model.packed_modules_mapping` maps a checkpoint name part to (fused name part, shard id), e.g.
@@ -78,7 +103,7 @@ def load_native_weights(model: nn.Module, weights) -> set[str]:
     """
     mapping = getattr(model, "packed_modules_mapping", {})
     params = dict(model.named_parameters())
-    loaded = set()
+    loaded = LoadedNames()
     for name, tensor in weights:
         if name not in params and _skip(name, model):
             continue
@@ -86,7 +111,9 @@ def load_native_weights(model: nn.Module, weights) -> set[str]:
             if part in name:
                 target = name.replace(part, fused)
                 _param(params, target, name).weight_loader(params[target], tensor, shard)
-                loaded.add(target)
+                # Every checkpoint part that fuses into this parameter must arrive (q, k and v).
+                expected = {sid: name.replace(part, p) for p, (f, sid) in mapping.items() if f == fused}
+                loaded.add_shard(target, shard, expected)
                 break
         else:
             param = _param(params, name, name)
@@ -135,8 +162,12 @@ def _default_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
 
 
 def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:
-    """ValueError naming the parameters the checkpoint did not provide (they would hold garbage)."""
-    missing = sorted(set(dict(model.named_parameters())) - loaded)
+    """ValueError naming the parameters the checkpoint did not provide (they would hold garbage); for a fused
+    parameter with only some parts in the checkpoint (`LoadedNames`), the checkpoint names of the missing parts."""
+    parts = getattr(loaded, "missing_parts", {})
+    missing = []
+    for name in sorted(set(dict(model.named_parameters())) - loaded):
+        missing.extend(parts.get(name) or [name])
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ValueError(f"checkpoint is missing {len(missing)} parameter(s): {shown}")
@@ -159,5 +190,5 @@ def load_weights(model: nn.Module, model_path: str | Path, native: bool,
     if native:
         loaded = load_native_weights(model, _without_extra_layers(model, weights))
     else:
-        loaded = {f"hf_model.{name}" for name in load_hf_weights(model.hf_model, weights)}
+        loaded = load_hf_weights(model.hf_model, weights).prefixed("hf_model.")
     check_all_loaded(model, loaded)
