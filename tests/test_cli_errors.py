@@ -190,3 +190,12 @@ def test_chat_goes_on_after_a_message_the_context_cannot_hold(tiny_qwen3_dir, ca
     assert captured.err.count("fxrewrite chat: error: ") == 1 and "max_model_len=96" in captured.err, captured.err
     assert "prompt 0" not in captured.err and "that message was not sent" in captured.err
     assert len(captured.out.splitlines()) == 2  # the first and the third message were answered
+
+
+def test_model_impl_native_without_a_native_class_is_one_line(tiny_model_dir, capsys):
+    """fresh-user report: a ValueError traceback from the model runner."""
+    path = tiny_model_dir("gemma2")
+    capsys.readouterr()  # the folder's build progress
+    assert main(["generate", str(path), "--prompt", "hi", "--max-tokens", "1", "--model-impl", "native"]) == 2
+    err = capsys.readouterr().err
+    assert "no native implementation for ['Gemma2ForCausalLM']; native ones: [" in err and err.count("\n") == 1, err

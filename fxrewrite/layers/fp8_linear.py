@@ -214,13 +214,17 @@ def _scale_loader(layer: LinearBase, name: str):
     return load
 
 
-def convert_linear_to_fp8(layer: LinearBase, name: str, block: tuple[int, int]) -> LinearBase:
+def convert_linear_to_fp8(layer: LinearBase, name: str, block: tuple[int, int],
+                          checkpoint_blocks: bool = True) -> LinearBase:
     """Make `layer` (on meta or a device) an FP8 layer awaiting checkpoint tensors; returns it.
 
     weight -> empty float8_e4m3fn [N_part, K_part]; new ``weight_scale_inv`` float32 [N_part, ceil(K_part/bk)].
-    `name` (the module's qualified name) only labels errors. Raises ValueError (check_fp8_shapes).
+    `name` (the module's qualified name) only labels errors. `checkpoint_blocks`: the scales will come from a
+    checkpoint's global block grid, so this rank's columns must start on a block (check_fp8_shapes, ValueError);
+    weights quantized at load are scaled over this rank's own columns and need no such alignment.
     """
-    check_fp8_shapes(layer, name, block)
+    if checkpoint_blocks:
+        check_fp8_shapes(layer, name, block)
     layer.__class__ = _fp8_class(type(layer))
     layer.weight_block_size = tuple(block)
     layer.weight_scale_rows = _scale_rows(layer, block[0])
@@ -289,7 +293,7 @@ def quantize_fp8_layer(layer: LinearBase, name: str, block: tuple[int, int], per
     scales line up with its rows; returns the FP8 layer. per_channel: one scale per output row (the
     stored [N, ceil(K/block[1])] scales repeat it along the groups), else `block` blocks."""
     w = layer.weight.detach()
-    convert_linear_to_fp8(layer, name, block)
+    convert_linear_to_fp8(layer, name, block, checkpoint_blocks=False)
     if per_channel:
         q, rows = quantize_weight_fp8_per_channel(w)
         expanded = rows[:, None].expand_as(layer.weight_scale_inv)

@@ -83,6 +83,11 @@ def split_hf_overrides(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[
     max_model_len = overrides.pop("max_model_len", None)
     if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)):
         raise UserInputError(f"hf_overrides['max_model_len'] must be an int, got {max_model_len!r}")
+    qc = overrides.get("quantization_config")
+    if qc is not None and not isinstance(qc, dict):  # transformers would drop it without a word
+        raise UserInputError(f"hf_overrides['quantization_config'] must be a JSON object such as {{\"quant_method\": "
+                             f"\"fp8\", \"weight_block_size\": [128, 128]}}, got {qc!r}; to quantize a float "
+                             "checkpoint at load, pass quantization='fp8' (--quantization fp8)")
     nested = {k: v for k, v in overrides.items() if isinstance(v, dict)}
     flat = {k: v for k, v in overrides.items() if not isinstance(v, dict)}
     return flat, nested, max_model_len

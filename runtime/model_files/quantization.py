@@ -81,10 +81,62 @@ def resolve_quantization(quantization: str | None, hf_config) -> Fp8Config | Non
     if block is None:
         raise UserInputError("FP8 checkpoints without weight_block_size (per-tensor scales) are not supported; "
                          "expected weight_block_size [128, 128]")
-    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+    if not isinstance(block, (list, tuple)) or len(block) != 2 or not all(
+            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block):
         raise UserInputError(f"weight_block_size={block!r} must be two positive integers, e.g. [128, 128]")
-    skip = tuple(qc.get("modules_to_not_convert") or ()) + tuple(qc.get("ignored_layers") or ())
+    skip = _patterns(qc, "modules_to_not_convert") + _patterns(qc, "ignored_layers")
     return Fp8Config(tuple(block), True, skip)
+
+
+def _patterns(qc: dict, key: str) -> tuple[str, ...]:
+    """A module-name pattern list of the quantization config; one string is one pattern (not its characters)."""
+    value = qc.get(key) or ()
+    value = (value,) if isinstance(value, str) else value
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise UserInputError(f"quantization_config {key}={qc.get(key)!r} must be a list of module-name patterns")
+    return tuple(value)
+
+
+def check_fp8_checkpoint_tensors(quant: Fp8Config | None, model_path) -> None:
+    """UserInputError, before any worker starts, when the config declares an FP8 checkpoint (e.g. a
+    ``quantization_config`` given through hf_overrides) but the weight files hold no ``*_scale_inv`` tensor:
+    the weights are not FP8. Reads only the files' headers."""
+    from safetensors import safe_open
+
+    from fxrewrite.runtime.model_files.loader import checkpoint_files
+
+    if quant is None or not quant.is_checkpoint_fp8:
+        return
+    for file in checkpoint_files(model_path):
+        with safe_open(str(file), framework="pt") as f:
+            if any(name.endswith("_scale_inv") for name in f.keys()):
+                return
+    raise UserInputError(f"the config declares an FP8 checkpoint (quantization_config quant_method 'fp8', "
+                         f"weight_block_size {list(quant.weight_block_size)}) but the weights in {model_path} have no "
+                         "*_scale_inv tensors: they are not FP8. To quantize float weights at load pass "
+                         "quantization='fp8' (--quantization fp8); for random FP8 weights of this shape use "
+                         "load_format='dummy' (--load-format dummy)")
+
+
+def check_fp8_tensor_parallel(quant: Fp8Config | None, text_config, tp_size: int) -> None:
+    """UserInputError, before any worker starts, when an FP8 checkpoint's column blocks do not tile a row-parallel
+    layer's share of its input (o_proj: heads x head_dim; a dense MLP's down_proj: intermediate_size): each rank
+    would start mid-block in the checkpoint's scale grid. The layers check themselves too (`check_fp8_shapes`);
+    this names the config value first. Weights quantized at load (``quantization="fp8"``) need no alignment."""
+    if quant is None or not quant.is_checkpoint_fp8 or tp_size <= 1:
+        return
+    heads = text_config.num_attention_heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+    inputs = {"o_proj": (heads * head_dim, f"num_attention_heads x head_dim = {heads} x {head_dim}")}
+    if not any(getattr(text_config, key, None) for key in ("num_experts", "num_local_experts")):  # dense MLP
+        inputs["down_proj"] = (text_config.intermediate_size, "intermediate_size")
+    block = quant.weight_block_size[1]
+    for layer, (size, what) in inputs.items():
+        if size % tp_size == 0 and (size // tp_size) % block:
+            raise UserInputError(
+                f"{layer}: {what} = {size} input columns over tensor_parallel_size={tp_size} gives {size // tp_size} "
+                f"per rank, not a multiple of the checkpoint's FP8 block width {block} (weight_block_size="
+                f"{list(quant.weight_block_size)}); use a tensor_parallel_size that keeps whole blocks")
 
 
 def _targets(model: nn.Module, quant: Fp8Config):

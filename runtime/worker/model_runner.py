@@ -12,7 +12,13 @@ from fxrewrite.kernels.batch_invariant import batch_invariant_mode
 from fxrewrite.layers.rope_context import rope_lengths
 from fxrewrite.layers.fused_moe import prepare_moe_router
 from fxrewrite.layers.skinny import prepare_skinny_gemv
-from fxrewrite.runtime.model_files.quantization import finish_fp8_model, prepare_fp8_model, resolve_quantization
+from fxrewrite.runtime.model_files.quantization import (
+    check_fp8_checkpoint_tensors,
+    check_fp8_tensor_parallel,
+    finish_fp8_model,
+    prepare_fp8_model,
+    resolve_quantization,
+)
 from fxrewrite.runtime.worker.pipeline import PipelineStage, pipeline_stage_of_this_rank
 from fxrewrite.runtime.worker.compilation import compile_model, should_compile
 from fxrewrite.runtime.worker.cuda_graphs import build_graph_runner
@@ -31,7 +37,8 @@ from fxrewrite.runtime.model_files.config import ModelConfig
 from fxrewrite.runtime.model_files.config_checks import check_weights_fit, config_json_values
 from fxrewrite.runtime.model_files.default_model import default_model_path
 from fxrewrite.runtime.model_files.loader import load_weights, materialize
-from fxrewrite.runtime.models.registry import get_native_model_cls
+from fxrewrite.errors import UserInputError
+from fxrewrite.runtime.models.registry import NATIVE_MODELS, get_native_model_cls
 from fxrewrite.runtime.models.transformers_backend import TransformersForCausalLM
 from fxrewrite.sharding import shard_model
 
@@ -45,11 +52,14 @@ def load_model_config(config: EngineConfig):
         model, hf_overrides=config.hf_overrides, max_model_len=config.max_model_len, dtype=config.dtype,
         tokenizer=config.tokenizer, revision=config.revision, trust_remote_code=config.trust_remote_code,
     )
-    resolve_quantization(config.quantization, model_config.hf_config)  # unsupported methods fail here
+    quant = resolve_quantization(config.quantization, model_config.hf_config)  # unsupported methods fail here
+    resolve_model_impl(config, model_config)  # model_impl='native' without a native class fails here
     if config.load_format != "dummy":  # before any worker starts, not as a weight loader's shape error
         text_config = model_config.hf_text_config
         original = config_json_values(model_config.model_path, text_config is not model_config.hf_config)
         check_weights_fit(text_config, original, model_config.model_path)
+        check_fp8_checkpoint_tensors(quant, model_config.model_path)
+        check_fp8_tensor_parallel(quant, text_config, config.tensor_parallel_size)
     return model_config
 
 
@@ -69,9 +79,9 @@ def resolve_model_impl(config: EngineConfig, model_config) -> str:
     """"native" or "transformers"; auto picks native when the architecture has a native class."""
     native = get_native_model_cls(model_config.architectures)
     if config.model_impl == "native" and native is None:
-        raise ValueError(
-            f"model_impl='native': no native implementation for {model_config.architectures}; "
-            "use model_impl='transformers'"
+        raise UserInputError(
+            f"model_impl='native': no native implementation for {model_config.architectures}; native ones: "
+            f"{sorted(NATIVE_MODELS)}; use model_impl='transformers' (or 'auto')"
         )
     if config.model_impl == "auto":
         return "native" if native is not None else "transformers"
