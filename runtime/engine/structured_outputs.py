@@ -76,6 +76,10 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise UserInputError(f"StructuredOutputsParams: {name}={value!r} must be a string")
+        for name in ("json_object", "disable_any_whitespace"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):  # "yes" would count as set / as true
+                raise UserInputError(f"StructuredOutputsParams: {name}={value!r} must be true or false")
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise UserInputError(f"StructuredOutputsParams: json={self.json!r} must be a JSON schema (dict or JSON text)")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_serializer
 
 from fxrewrite.runtime.server.protocol import OpenAIBaseModel, ToolCall, random_id
 
@@ -99,9 +99,16 @@ class DeltaToolCall(OpenAIBaseModel):
 
 
 class DeltaMessage(OpenAIBaseModel):
+    """What a stream chunk adds to the message; fields with nothing to add are left out of the JSON, as OpenAI
+    and vLLM send them (``{"content": " the"}``, not ``"role": null, "tool_calls": null`` beside it)."""
+
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nones(self, handler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
 
 
 class ChatStreamChoice(ChoiceEnd):

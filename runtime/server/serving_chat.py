@@ -75,7 +75,7 @@ class OpenAIServingChat(OpenAIServing):
             params.skip_special_tokens = False
         await self.check_structured_outputs(params, structured_outputs_field(request))
         request_id = random_id("chatcmpl")
-        ids, streams = await self.start_requests(request_id, [(token_ids, params)])
+        ids, streams = await self.start_requests(request_id, [(token_ids, params)], logprobs_field="top_logprobs")
         if request.stream:
             return EventStreamResponse(self._stream(request, model, request_id, ids, streams[0]),
                                        on_close=lambda: self.abort_all(ids))

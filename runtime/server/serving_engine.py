@@ -151,8 +151,11 @@ class OpenAIServing:
                 skip_special_tokens=request.skip_special_tokens,
                 spaces_between_special_tokens=request.spaces_between_special_tokens,
                 max_tokens=max_tokens, logprobs=logprobs, **values)
-        except (ValueError, TypeError) as e:
-            raise OpenAIError(HTTPStatus.BAD_REQUEST, str(e), code="invalid_value") from None
+        except (ValueError, TypeError) as e:  # "SamplingParams: bad_words=[''] must be ...": name the field
+            field = re.match(r"SamplingParams: (\w+)=", str(e))
+            name = field and field.group(1)
+            raise OpenAIError(HTTPStatus.BAD_REQUEST, str(e), param=name if name in type(request).model_fields else None,
+                              code="invalid_value") from None
 
     async def check_structured_outputs(self, params, param: str = "structured_outputs") -> None:
         """Compile a request's output constraint before it is queued (400 naming the problem and
@@ -170,9 +173,10 @@ class OpenAIServing:
                               code="invalid_value") from None
 
     async def start_requests(
-        self, request_id: str, prompts: list[tuple[list[int], SamplingParams]]
+        self, request_id: str, prompts: list[tuple[list[int], SamplingParams]], logprobs_field: str = "logprobs",
     ) -> tuple[list[str], list[AsyncIterator[StepOutput]]]:
-        """Admit one engine request per prompt (ids `request_id-i`); all or none.
+        """Admit one engine request per prompt (ids `request_id-i`); all or none. `logprobs_field`: the request
+        field that set SamplingParams.logprobs, named in a refusal (chat's is ``top_logprobs``).
 
         The caller must `abort_all(ids)` when done (a no-op for finished requests).
         """
@@ -185,9 +189,11 @@ class OpenAIServing:
         except ValueError as e:
             self.abort_all(ids)
             # the engine's limit messages start with the field: "logprobs=21 is more than max_logprobs=20"
-            field = re.match(r"(logprobs|prompt_logprobs)=", str(e))
-            raise OpenAIError(HTTPStatus.BAD_REQUEST, str(e), param=field and field.group(1),
-                              code="invalid_value") from None
+            message, field = str(e), re.match(r"(logprobs|prompt_logprobs)=", str(e))
+            param = field and field.group(1)
+            if param == "logprobs" and logprobs_field != param:
+                message, param = logprobs_field + message.removeprefix("logprobs"), logprobs_field
+            raise OpenAIError(HTTPStatus.BAD_REQUEST, message, param=param, code="invalid_value") from None
         except EngineDeadError:  # a 503 (an OpenAIError)
             self.abort_all(ids)
             raise

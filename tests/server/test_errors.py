@@ -64,6 +64,11 @@ def _error(response, status):
         ("/v1/tokenize", {"messages": CHAT["messages"], "tools": [{"type": "function", "function": {"name": 5}}]},
          "tools"),
         ("/v1/completions", COMPLETION | {"stop_token_ids": [99999999]}, "stop_token_ids"),
+        # fresh-user reports: named logprobs (chat has no such number), param null, "yes" taken as true
+        ("/v1/chat/completions", CHAT | {"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+        ("/v1/chat/completions", CHAT | {"bad_words": [""]}, "bad_words"),
+        ("/v1/chat/completions", CHAT | {"structured_outputs": {"json_object": True, "disable_any_whitespace": "yes"}},
+         "structured_outputs"),
     ],
 )
 def test_bad_parameters_are_400(server, path, body, param):

@@ -178,3 +178,18 @@ def test_request_logging_cuts_the_prompt(server, caplog):
     assert "'abcde'" in caplog.text and "abcdef" not in caplog.text
     assert "'Hel'" in caplog.text and "prompt_token_ids: [" in caplog.text
     assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+def test_streamed_chat_deltas_carry_only_what_they_add(server):
+    """As OpenAI and vLLM stream: the role once, then content alone (fresh-user report: "role": null and
+    "tool_calls": null in every chunk)."""
+    import json as _json
+
+    body = {"model": server.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "stream": True}
+    with server.http() as http:
+        lines = [line for line in http.post("/v1/chat/completions", json=body).text.splitlines()
+                 if line.startswith("data: {")]
+    deltas = [_json.loads(line[len("data: "):])["choices"][0]["delta"] for line in lines]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert len(deltas) > 1 and all(set(d) == {"content"} and isinstance(d["content"], str) for d in deltas[1:])
