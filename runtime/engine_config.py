@@ -107,11 +107,13 @@ class EngineConfig:
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_model_len": self.max_model_len,
             "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
-            "max_logprobs": None if self.max_logprobs == -1 else self.max_logprobs,  # -1: no limit
         }
         for name, value in positive.items():  # a bool is an int to Python, not to a user: True is no count
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise UserInputError(f"{name}={value!r} must be a positive integer")
+        logprobs = self.max_logprobs  # -1: no limit but the vocabulary (vLLM's)
+        if not isinstance(logprobs, int) or isinstance(logprobs, bool) or (logprobs < 1 and logprobs != -1):
+            raise UserInputError(f"max_logprobs={logprobs!r} must be a positive integer or -1 (no limit)")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise UserTypeError(f"seed={self.seed!r} must be an integer")
         for name in ("fusion", "enable_prefix_caching", "enforce_eager", "async_scheduling", "trust_remote_code",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,7 @@ from fxrewrite.runtime.model_files.folders import resolve_model_path
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+logger = logging.getLogger(__name__)
 _DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
@@ -56,12 +58,17 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: PretrainedConfig) -> torc
 
 
 def _config_dtype(hf_config: PretrainedConfig) -> torch.dtype:
+    unusable = None
     for config in (hf_config, hf_config.get_text_config()):
-        value = getattr(config, "dtype", None)  # not `torch_dtype`: a deprecated alias that warns on read
-        if isinstance(value, str):
-            value = _DTYPES.get(value.removeprefix("torch."))
+        given = getattr(config, "dtype", None)  # not `torch_dtype`: a deprecated alias that warns on read
+        value = _DTYPES.get(given.removeprefix("torch.")) if isinstance(given, str) else given
         if value in _DTYPES.values():
             return value
+        unusable = unusable or given
+    if unusable is not None:  # e.g. "int8" (hf_overrides): no compute dtype; say which one is used instead
+        logger.warning("the config's dtype %r is not one the model can compute in (%s): dtype='auto' uses %s; "
+                       "pass dtype (--dtype) to choose", str(unusable), ", ".join(_DTYPES),
+                       str(_AUTO_FALLBACK_DTYPE).removeprefix("torch."))
     return _AUTO_FALLBACK_DTYPE
 
 

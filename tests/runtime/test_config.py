@@ -333,3 +333,23 @@ def test_escape_variable_is_reported_once(qwen3_dir, monkeypatch, caplog):
     said = [str(w.message) for w in record if "131073" in str(w.message)]
     said += [r.getMessage() for r in caplog.records if "131073" in r.getMessage()]
     assert len(said) == 1, said
+
+
+def test_auto_dtype_says_when_the_config_dtype_cannot_compute(caplog):
+    """fresh-user report: hf_overrides dtype='int8' fell back to float32 without a word."""
+    import logging
+
+    import torch
+
+    from fxrewrite.runtime.model_files.config import resolve_dtype
+
+    class Config:
+        dtype = "int8"
+
+        def get_text_config(self):
+            return self
+
+    with caplog.at_level(logging.WARNING):
+        assert resolve_dtype("auto", Config()) == torch.float32
+    assert "the config's dtype 'int8' is not one the model can compute in" in caplog.text
+    assert "pass dtype (--dtype) to choose" in caplog.text

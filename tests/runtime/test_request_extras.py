@@ -45,7 +45,7 @@ def test_max_logprobs_values(value, ok):
     if ok:
         assert EngineConfig(max_logprobs=value).max_logprobs == value == max_logprobs_value(str(value))
         return
-    with pytest.raises(ValueError, match=f"max_logprobs={value} must be a positive integer"):
+    with pytest.raises(ValueError, match=rf"max_logprobs={value} must be a positive integer or -1 \(no limit\)"):
         EngineConfig(max_logprobs=value)
     with pytest.raises(argparse.ArgumentTypeError, match="positive integer or -1"):
         max_logprobs_value(str(value))
