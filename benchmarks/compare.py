@@ -9,6 +9,7 @@ from outside keeps the arms already done) and a PNG bar chart next to it at the 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import time
 import traceback
@@ -74,8 +75,20 @@ def run_arm_isolated(arm, model_dir, spec, workload, engine_kwargs, time_limit_s
 def run_arm(arm, model_dir, spec, workload, engine_kwargs, time_limit_s, hf_num_prompts) -> dict:
     """One arm's figures: the hf arm or an engine arm."""
     if arm == "hf":
+        unmatched = hf_arm_unmatched(engine_kwargs)
+        if unmatched:  # transformers would run another model than the engine arms: no figure beats a wrong one
+            return {"skipped": f"the hf arm runs transformers' generate_batch on the checkpoint as it is, without "
+                               f"{', '.join(unmatched)}; compare it in a run without them"}
         return run_hf(model_dir, workload, hf_num_prompts, engine_kwargs.get("device"))
     return run_engine_arm(arm, model_dir, spec, workload, dict(engine_kwargs), time_limit_s)
+
+
+def hf_arm_unmatched(engine_kwargs: dict) -> list[str]:
+    """The engine options of this run that the hf arm cannot apply (it would measure another model)."""
+    out = [f"quantization={engine_kwargs['quantization']!r}"] if engine_kwargs.get("quantization") else []
+    if engine_kwargs.get("kv_cache_dtype", "auto") != "auto":
+        out.append(f"kv_cache_dtype={engine_kwargs['kv_cache_dtype']!r}")
+    return out
 
 
 def run_engine_arm(arm: str, model_dir: Path, spec: dict, workload, engine_kwargs: dict,
@@ -137,8 +150,7 @@ def compare(config: str | Path, arms: list[str], workload_kind: str = "throughpu
     spec = load_bench_config(config)
     if config_overrides:  # a variant of the config (e.g. fewer layers), with a folder and result name of its own
         spec = {**spec, "config": {**spec["config"], **config_overrides},
-                "name": spec["name"] + "".join(f"-{k}{v}" if k != "num_hidden_layers" else f"-{v}layers"
-                                               for k, v in sorted(config_overrides.items()) if not isinstance(v, dict))}
+                "name": spec["name"] + "".join(_override_tag(k, v) for k, v in sorted(config_overrides.items()))}
     defaults = spec.get("workload_defaults", {}).get(workload_kind, {})
     workload = make_workload(workload_kind, num_prompts, defaults, workload_overrides)
     model_dir = bench_model_dir(spec, tokenizer_dir)
@@ -179,6 +191,16 @@ def compare(config: str | Path, arms: list[str], workload_kind: str = "throughpu
     result["files"] = [str(json_path)] + ([str(png)] if png else [])
     return result
 
+
+
+def _override_tag(key: str, value) -> str:
+    """A config override's part of the result name: ``-32layers``, ``-rope_theta1000000.0``, or for an object
+    (``quantization_config``) its key and a digest of its JSON, so two variants never share a file name."""
+    if key == "num_hidden_layers":
+        return f"-{value}layers"
+    if isinstance(value, (dict, list)):
+        return f"-{key}-{hashlib.sha1(json.dumps(value, sort_keys=True).encode()).hexdigest()[:8]}"
+    return f"-{key}{value}"
 
 
 def _result_stem(name: str, workload_kind: str, kw: dict) -> str:

@@ -21,6 +21,9 @@ from fxrewrite.commands.engine_args import (add_compilation_argument, gpu_memory
 from fxrewrite.errors import UserInputError
 from fxrewrite.runtime.engine_config import KV_CACHE_DTYPES
 
+TRAIN_DEFAULTS = {"batch_size": 8, "seq_len": 2048}
+"""`bench train`'s shape when neither the flags nor the config's ``workload_defaults.train`` give one."""
+
 
 def positive_seconds(value: str) -> float:
     """An argparse ``type``: a number of seconds above 0 (argparse's exit status 2 otherwise)."""
@@ -102,8 +105,10 @@ def _add_train_arguments(sub) -> None:
                    help="comma list of stock, stock-compile, liger, optimize, optimize-compile, optimize-compile-inductor")
     t.add_argument("--steps", type=positive_int, default=8, help="timed steps per arm (default 8)")
     t.add_argument("--warmup", type=non_negative_int, default=2, help="untimed first steps (compilation) (default 2)")
-    t.add_argument("--batch-size", type=positive_int, default=8)
-    t.add_argument("--seq-len", type=positive_int, default=2048)
+    t.add_argument("--batch-size", type=positive_int, default=None,
+                   help=f"sequences per step (default: the config's workload_defaults.train, else {TRAIN_DEFAULTS['batch_size']})")
+    t.add_argument("--seq-len", type=positive_int, default=None,
+                   help=f"tokens per sequence (default: the config's workload_defaults.train, else {TRAIN_DEFAULTS['seq_len']})")
     t.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True)
     t.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     t.add_argument("--device", default=None, help="torch device (default: cuda when available)")
@@ -166,26 +171,32 @@ def _run_rl(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_train_length(config: str, seq_len: int) -> None:
-    """UserInputError when --seq-len is past the model's positions (each arm would fail on its own, late)."""
+def _train_shape(args: argparse.Namespace) -> tuple[int, int]:
+    """(batch size, sequence length): the flags, else the config's ``workload_defaults.train`` (the tiny config
+    keeps a CPU run to seconds), else TRAIN_DEFAULTS (the GPU workload). UserInputError when the length is past
+    the model's positions (each arm would fail on its own, late)."""
     from fxrewrite.benchmarks.common import load_bench_config
 
-    spec = load_bench_config(config)
+    spec = load_bench_config(args.config)
+    defaults = {**TRAIN_DEFAULTS, **spec.get("workload_defaults", {}).get("train", {})}
+    batch_size = args.batch_size or defaults["batch_size"]
+    seq_len = args.seq_len or defaults["seq_len"]
     cfg = spec["config"].get("text_config", spec["config"])
     limit = cfg.get("max_position_embeddings")
     if isinstance(limit, int) and seq_len > limit:
         raise UserInputError(f"--seq-len {seq_len} is longer than {spec['name']}'s max_position_embeddings {limit}; "
                              f"expected at most {limit}")
+    return batch_size, seq_len
 
 
 def run(args: argparse.Namespace) -> int:
     if args.bench_command == "train":
         from fxrewrite.benchmarks.train import format_train_table, parse_arm_timeouts, run_train_bench
 
-        _check_train_length(args.config, args.seq_len)
+        batch_size, seq_len = _train_shape(args)
         result = run_train_bench(
             args.config, [a.strip() for a in args.arms.split(",") if a.strip()], steps=args.steps,
-            warmup=args.warmup, batch_size=args.batch_size, seq_len=args.seq_len,
+            warmup=args.warmup, batch_size=batch_size, seq_len=seq_len,
             gradient_checkpointing=args.gradient_checkpointing, dtype=args.dtype, device=args.device,
             arm_timeout_s=parse_arm_timeouts(args.arm_timeout), out_dir=args.out, notes=args.note)
         print(format_train_table(result))

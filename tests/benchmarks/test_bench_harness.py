@@ -216,3 +216,22 @@ def test_before_arm_of_an_moe_config_runs_the_eager_experts_loop(tmp_path):
     assert llm.llm_engine.model_runner.model.hf_model.config._experts_implementation == "eager"
     dense = make_llm("before", bench_model_dir(load_bench_config("tiny")), device="cpu", kv_cache_memory_bytes=1 << 22)
     assert experts_implementation(dense) is None
+
+
+def test_train_shape_comes_from_the_flags_then_the_config_then_the_gpu_default(monkeypatch):
+    """fresh-user report: `bench train --config tiny` ran 8 x 2048 tokens a step on a CPU (minutes per arm)."""
+    import fxrewrite.benchmarks.train as train_module
+    from fxrewrite.cli import main
+
+    seen = []
+
+    def fake_run(config, arms, **kwargs):
+        seen.append((kwargs["batch_size"], kwargs["seq_len"]))
+        return {"arms": {"stock": {"tokens_per_s": 1.0}}, "files": []}
+
+    monkeypatch.setattr(train_module, "run_train_bench", fake_run)
+    monkeypatch.setattr(train_module, "format_train_table", lambda result: "")
+    main(["bench", "train", "--config", "tiny", "--arms", "stock"])
+    main(["bench", "train", "--config", "tiny", "--arms", "stock", "--seq-len", "128"])
+    main(["bench", "train", "--config", "qwen3-0.6b", "--arms", "stock"])
+    assert seen == [(2, 64), (2, 128), (8, 2048)]
