@@ -10,11 +10,12 @@ kernels at one token:
   -> o_proj -> gate_up_proj (RMSNorm + residual prologue) -> down_proj (SiLU-and-mul prologue)
 
 with each projection run the way the load-time tuner (`fxrewrite.kernels.gemv_tune`, run first here at
-bucket 1) chose: its fastest skinny-GEMV config or the unfused kernels + cuBLAS. Arms: ``FXREWRITE_PDL``
-off / on, each with down_proj as tuned, as the fastest config without split-K, and as SiLU-and-mul +
-cuBLAS. Reported per arm: microseconds per layer, weight TB/s and the fraction of the device's copy
-bandwidth (the roofline of a weight-streaming step). The GEMV variants alone (every config, PDL off and
-on, M = 1) come from `fxrewrite.benchmarks.gemv.measure`. Writes ``<date>-decode-chain-<configs>.json``.
+bucket 1) chose: its fastest GEMV config (skinny, or the pipelined GEMV after the prologue's kernel) or the
+unfused kernels + cuBLAS. Arms: ``FXREWRITE_PDL`` off / on, each with down_proj as tuned, as the fastest
+skinny config without split-K, and as SiLU-and-mul + cuBLAS. Reported per arm: microseconds per layer,
+weight TB/s and the fraction of the device's copy bandwidth (the roofline of a weight-streaming step). The
+GEMV variants alone (every config, PDL off and on, M = 1) come from `fxrewrite.benchmarks.gemv.measure`.
+Writes ``<date>-decode-chain-<configs>.json``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from fxrewrite.kernels.activation import silu_and_mul
 from fxrewrite.kernels.paged_decode import paged_decode_triton
 from fxrewrite.kernels.qk_norm_rope_cache import qk_norm_rope_cache
 from fxrewrite.kernels.rms_norm import rms_norm
-from fxrewrite.kernels.skinny_gemv import configs_for, skinny_gemv_triton
+from fxrewrite.kernels.skinny_gemv import configs_for
 
 BLOCK_SIZE = 16
 EPS = 1e-6
@@ -77,10 +78,11 @@ def build(cfg: dict, layers: int, context: int, max_model_len: int, device="cuda
 
 
 def _project(kind: str, x, w, config, norm_weight=None, residual=None):
-    """One projection as the model runs it: the GEMV with `config`, or (config None) the unfused kernels."""
+    """One projection as the model runs it: the GEMV `config` names (skinny, or the tuner's tagged pipelined
+    choice: `gemv_dispatch.run`), or (config None) the unfused kernels."""
     if config is not None:
-        return skinny_gemv_triton(x, w, norm_weight=norm_weight, eps=EPS, residual=residual,
-                                  silu_mul=kind == "silu", config=config)
+        return gemv_dispatch.run(x, w, None, config, norm_weight=norm_weight, eps=EPS, residual=residual,
+                                 silu_mul=kind == "silu")
     if kind == "silu":
         return F.linear(silu_and_mul(x), w)
     if kind == "norm":
@@ -193,7 +195,8 @@ def precompile_both(names: list[str], workers: int) -> float:
     start = time.perf_counter()
     jobs = sorted({(pdl, kind, k, config) for name in names for kind, n, k in
                    projections(load_bench_config(name)["config"]).values()
-                   for config in configs_for(1, kind, n) for pdl in ("off", "on")})
+                   for config in gemv_tune.candidates(1, kind, n) for pdl in ("off", "on")},
+                  key=repr)  # a tagged (pipelined) config does not compare with an untagged one
     if workers > 1:
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             list(pool.map(_compile, [jobs[i::workers] for i in range(workers)]))

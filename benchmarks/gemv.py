@@ -7,8 +7,13 @@ SiLU-and-mul fused in), at M = 1, 2, 4, 8 tokens, in bf16: microseconds per call
 - ``cublas``: ``torch.nn.functional.linear`` alone (the GEMM, no prologue kernel);
 - ``unfused``: the prologue's own kernel (RMSNorm with residual / SiLU-and-mul) + ``F.linear``: what the
   model runs without the GEMV (the load-time tuner's baseline, `fxrewrite.kernels.gemv_tune`);
-- every candidate config of the skinny GEMV (`fxrewrite.kernels.skinny_gemv.configs_for(M)`), prologue fused;
-  a config whose output differs from ``unfused`` by more than `gemv_tune.TOLERANCE` is reported as an error.
+- every candidate config of the skinny GEMV (`fxrewrite.kernels.skinny_gemv.configs_for(M)`), prologue fused
+  (``gemv:<block_n>/<block_k>/<warps>[/<split_k>]``), and at M = 1 on float weights every config of the
+  software-pipelined GEMV (``gemv:pipelined/<block_n>/<block_k>/<stages>/<warps>``,
+  `fxrewrite.kernels.skinny_gemv_pipelined`: the prologue's own kernel, then the pipelined GEMV): the load-time
+  tuner's candidates, `gemv_tune.candidates`; a config whose output differs from ``unfused`` by more than
+  `gemv_tune.TOLERANCE` is reported as an error. Each row names the fastest of each family (``best_skinny``,
+  ``best_pipelined``, ``best_unfused``: the prologue kernel then the plain skinny GEMV) with its time.
 
 Each time is a CUDA graph of 20 calls cycling over enough weight copies to overflow L2 (the weight streams
 from HBM, as in a decode step), replayed with `fxrewrite.benchmarks.common.replay_ms`. TB/s = weight bytes /
@@ -39,9 +44,9 @@ import torch.nn.functional as F
 
 from fxrewrite.benchmarks.common import RESULTS_DIR, environment, load_bench_config, replay_ms
 from fxrewrite.kernels import fp8_dispatch, fp8_tune
-from fxrewrite.kernels.gemv_tune import (TOLERANCE, baseline, candidate, make_inputs, max_rel_error, reference,
-                                         scratch_scales, scratch_weights)
-from fxrewrite.kernels.skinny_gemv import configs_for
+from fxrewrite.kernels.gemv_dispatch import TAGS
+from fxrewrite.kernels.gemv_tune import (TOLERANCE, baseline, candidate, candidates, make_inputs, max_rel_error,
+                                         reference, scratch_scales, scratch_weights)
 
 TOKENS = (1, 2, 4, 8)
 REPS = 20
@@ -76,6 +81,10 @@ def _timed(fn, copies: int):
         return f"error: {type(e).__name__}: {str(e)[:200]}"
 
 
+def _us(t) -> str:
+    return f"{t:.1f}us" if isinstance(t, float) else str(t)
+
+
 def _fp8_args(n: int, k: int, fmt: str) -> dict:
     """The skinny GEMV's scale arguments for a weight of format `fmt` ({} for float)."""
     if fmt == "float":
@@ -93,7 +102,7 @@ def measure(kind: str, ws: list[torch.Tensor], m: int, fmt: str = "float", fp8: 
     alone = (lambda i: F.linear(plain_x, ws[i])) if not fp8 else \
         (lambda i: fp8_dispatch.fp8_linear_dispatch(plain_x, ws[i], fp8["w_scale"], per_channel=fp8["per_channel"]))
     arms = {"cublas": _timed(alone, len(ws)), "unfused": _timed(lambda i: baseline(kind, ws[i], **args, **fp8), len(ws))}
-    for config in configs_for(m, kind, n, fmt=fmt):
+    for config in candidates(m, kind, n, fmt):
         name = "gemv:" + "/".join(map(str, config))
         try:
             err = max_rel_error(candidate(kind, ws[0], config=config, **args, **fp8), want)
@@ -106,9 +115,15 @@ def measure(kind: str, ws: list[torch.Tensor], m: int, fmt: str = "float", fp8: 
     timed = {a: t for a, t in arms.items() if isinstance(t, float)}
     gemvs = {a: t for a, t in timed.items() if a.startswith("gemv:")}
     best = min(gemvs, key=gemvs.get) if gemvs else None
+    def family_of(arm: str) -> str:
+        tag = arm.removeprefix("gemv:").split("/")[0]
+        return tag if tag in TAGS else "skinny"
+
+    family = {f: {a: t for a, t in gemvs.items() if family_of(a) == f} for f in ("skinny", *TAGS)}
+    bests = {f"best_{f}": min(ts.items(), key=lambda a: a[1]) if ts else None for f, ts in family.items()}
     backend = fp8_dispatch.choose(n, k, m, fp8["per_channel"]) if fp8 else "cublas"
     return {"kind": kind, "N": n, "K": k, "M": m, "format": fmt, "gemm_backend": backend, "weight_bytes": nbytes,
-            "us": arms,
+            "us": arms, **bests,
             "TBps": {a: round(nbytes / (t * 1e-6) / 1e12, 3) for a, t in timed.items()},
             "best_gemv": best, "speedup_vs_unfused": timed["unfused"] / gemvs[best] if best and "unfused" in timed
             else None}
@@ -131,6 +146,9 @@ def run_config(name: str, formats: tuple[str, ...] = ("float",), tokens: tuple[i
                 out["rows"][f"{proj}@{m}{suffix}"] = row
                 print(f"{name} {proj:13s}{suffix} M={m}: " + ", ".join(f"{a} {v:.1f}us ({row['TBps'][a]:.2f} TB/s)"
                       for a, v in row["us"].items() if isinstance(v, float)), flush=True)
+                print(f"  best: cublas {_us(row['us']['cublas'])}, unfused {_us(row['us']['unfused'])}, skinny "
+                      f"{row['best_skinny']}, pipelined {row['best_pipelined']}, prologue kernel + skinny "
+                      f"{row['best_unfused']}", flush=True)
             del ws
             torch.cuda.empty_cache()
     out["per_step_ms"] = {}
@@ -168,7 +186,8 @@ def precompile(names: list[str], workers: int, formats: tuple[str, ...] = ("floa
     start = time.perf_counter()
     jobs = sorted({(kind, k, m, config, fmt) for name in names
                    for kind, n, k in projections(load_bench_config(name)["config"]).values()
-                   for fmt in formats for m in tokens for config in configs_for(m, kind, n, fmt=fmt)})
+                   for fmt in formats for m in tokens for config in candidates(m, kind, n, fmt)},
+                  key=repr)  # a tagged (pipelined) config does not compare with an untagged one
     if workers > 1:
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             list(pool.map(_compile, [jobs[i::workers] for i in range(workers)]))

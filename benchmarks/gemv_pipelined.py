@@ -13,8 +13,10 @@ tile per program in flight (no cp.async / TMA in its sm90 PTX); at the small Qwe
 
 Both multiply the tile by x elementwise into a float32 [BLOCK_N, BLOCK_K] accumulator reduced once after the
 loop (as the skinny GEMV does); FP8 per-channel weights are widened in registers and the row scale multiplies the
-reduced sum. Every timing is a CUDA graph of 20 calls cycling over enough weight copies to overflow L2
-(`benchmarks.gemv.graph_us`); every variant is first checked against F.linear on the dequantized weight.
+reduced sum. The float rows also time the package's pipelined GEMV (``pipelined:``,
+`fxrewrite.kernels.skinny_gemv_pipelined`, the load-time tuner's candidates). Every timing is a CUDA graph of
+20 calls cycling over enough weight copies to overflow L2 (`benchmarks.gemv.graph_us`); every variant is
+first checked against F.linear on the dequantized weight.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ import torch.nn.functional as F
 from fxrewrite.benchmarks.common import RESULTS_DIR, environment
 from fxrewrite.benchmarks.gemv import _timed, copy_tbps
 from fxrewrite.kernels import fp8_dispatch
-from fxrewrite.kernels.gemv_tune import TOLERANCE, candidate, max_rel_error, scratch_scales, scratch_weights
-from fxrewrite.kernels.skinny_gemv import configs_for
+from fxrewrite.kernels.gemv_dispatch import is_pipelined
+from fxrewrite.kernels.gemv_tune import (TOLERANCE, candidate, candidates, max_rel_error, scratch_scales,
+                                         scratch_weights)
 from fxrewrite.kernels.triton_utils import tl, triton
 
 SHAPES = {  # (N, K) per projection, TP 1
@@ -121,8 +124,10 @@ def measure(n: int, k: int, fp8: bool) -> dict:
         arms["cublas"] = _timed(lambda i: F.linear(x, ws[i]), len(ws))
     fmt = "fp8-channel" if fp8 else "float"
     fp8_args = {"w_scale": scale2, "per_channel": True} if fp8 else {}
-    for config in configs_for(1, "linear", n, fmt=fmt):
+    for config in candidates(1, "linear", n, fmt):  # float: + the kernel's own pipelined GEMV ("pipelined:")
         name = "skinny:" + "/".join(map(str, config))
+        if is_pipelined(config):
+            name = "pipelined:" + "/".join(map(str, config[1:]))
         arms[name] = _timed(lambda i, c=config: candidate("linear", ws[i], x=x, config=c, **fp8_args), len(ws))
     descs: dict = {}
     for variant in ("ptr", "tma"):
@@ -138,7 +143,7 @@ def measure(n: int, k: int, fp8: bool) -> dict:
     nbytes = n * k * ws[0].element_size()
     timed = {a: t for a, t in arms.items() if isinstance(t, float)}
     best = {p: min((a for a in timed if a.startswith(p)), key=timed.get, default=None)
-            for p in ("skinny", "ptr", "tma")}
+            for p in ("skinny", "pipelined", "ptr", "tma")}
     return {"N": n, "K": k, "format": fmt, "weight_bytes": nbytes, "us": arms,
             "TBps": {a: round(nbytes / (t * 1e-6) / 1e12, 3) for a, t in timed.items()},
             "best": {p: (a, round(timed[a], 2)) for p, a in best.items() if a}}

@@ -18,6 +18,14 @@ input of one float dtype (bf16 / fp16 / fp32), or a float8_e4m3fn weight with it
 [N, ceil(K/128)] (`fxrewrite.kernels.skinny_gemv_fp8`; weight format "fp8", or "fp8-channel" for one
 scale per row). Choices are kept per weight format, so an FP8 layer and a bf16 layer of one shape are
 tuned apart.
+
+A choice is a skinny GEMV config (block_n, block_k, num_warps[, split_k]) (FP8: (block_n, block_g, num_warps)),
+or, for float weights at one token (bucket 1), a config tagged with its backend:
+``("pipelined", block_n, block_k, num_stages, num_warps)`` (`fxrewrite.kernels.skinny_gemv_pipelined`: the
+prologue's own kernel, then the pipelined GEMV), or ``("unfused", block_n, block_k, num_warps[, split_k])`` for
+"norm" / "silu" (the prologue's own kernel, then the skinny GEMV without a prologue: at Qwen3-32B's K = 5120 /
+25600 the prologue recomputed by every program cost more than the separate launch, 2026-12-02 eighteenth tune
+log). `run` dispatches on the tag; `choices` writes a config as its parts joined by "/" and `parse` reads that back.
 """
 
 from __future__ import annotations
@@ -30,14 +38,21 @@ from fxrewrite.kernels import use_triton
 from fxrewrite.kernels.batch_invariant import is_batch_invariant
 from fxrewrite.kernels.skinny_gemv import FORMATS, GEMV_MAX_M, configs_for, skinny_gemv_triton
 from fxrewrite.kernels.skinny_gemv_fp8 import skinny_gemv_fp8_triton
+from fxrewrite.kernels.skinny_gemv_pipelined import PIPELINED_CONFIGS, skinny_gemv_pipelined, with_prologue
 from fxrewrite.kernels.triton_utils import next_power_of_2
 
-__all__ = ["KINDS", "mode", "choose", "config_for_call", "weight_format", "run", "record", "choices", "clear"]
+__all__ = ["KINDS", "PIPELINED", "UNFUSED", "TAGS", "unfused_configs", "mode", "choose", "config_for_call", "weight_format", "pipelined_configs",
+           "is_pipelined", "run", "record", "choices", "parse", "clear"]
 
 KINDS = ("linear", "norm", "silu")
+PIPELINED = "pipelined"
+"""Tag of a choice that runs `skinny_gemv_pipelined` (float weights, one token)."""
+UNFUSED = "unfused"
+"""Tag of a choice that runs the prologue's own kernel, then the skinny GEMV without one (float weights, one token)."""
+TAGS = (PIPELINED, UNFUSED)
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _FP8 = torch.float8_e4m3fn
-_choices: dict[tuple[str, int, int, int, str], tuple[int, int, int] | None] = {}
+_choices: dict[tuple[str, int, int, int, str], tuple | None] = {}
 
 
 def mode() -> str:
@@ -48,7 +63,7 @@ def mode() -> str:
     return value
 
 
-def choose(kind: str, n: int, k: int, m: int, fmt: str = "float") -> tuple[int, int, int] | None:
+def choose(kind: str, n: int, k: int, m: int, fmt: str = "float") -> tuple | None:
     """The config to run for m tokens on a weight of format `fmt`, or None: cuBLAS / the FP8 GEMM (see the
     module docstring)."""
     if kind not in KINDS:
@@ -93,28 +108,80 @@ def config_for_call(kind: str, x: torch.Tensor, w: torch.Tensor, *tensors: torch
     return choose(kind, w.shape[0], w.shape[1], x.numel() // x.shape[-1], fmt)
 
 
+def pipelined_configs() -> tuple[tuple, ...]:
+    """The pipelined GEMV's candidates as tagged choices: ("pipelined", *c) for c in `PIPELINED_CONFIGS`."""
+    return tuple((PIPELINED, *c) for c in PIPELINED_CONFIGS)
+
+
+def unfused_configs(kind: str, n: int) -> tuple[tuple, ...]:
+    """For "norm" / "silu" at one token: the skinny GEMV's plain-linear configs, tagged `UNFUSED`; else ()."""
+    return tuple((UNFUSED, *c) for c in configs_for(1, "linear", n)) if kind != "linear" else ()
+
+
+def is_pipelined(config) -> bool:
+    """Whether a choice runs the pipelined GEMV (its first element is the `PIPELINED` tag)."""
+    return config is not None and len(config) > 0 and config[0] == PIPELINED
+
+
+def _tag(config) -> str | None:
+    return config[0] if config is not None and len(config) > 0 and isinstance(config[0], str) else None
+
+
 def run(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config, w_scale: torch.Tensor | None = None,
         per_channel: bool = False, **prologue):
-    """The skinny GEMV of the weight's format: `skinny_gemv_triton`, or `skinny_gemv_fp8_triton` for an FP8
-    weight (w_scale [N, ceil(K/128)]); x [M, K] (or [M, 2K]); `prologue`: norm_weight, eps, residual, silu_mul."""
+    """The GEMV `config` names: a pipelined choice runs `skinny_gemv_pipelined` (float weight, x [1, K]; the
+    prologue's kernel first), an FP8 weight (w_scale [N, ceil(K/128)]) `skinny_gemv_fp8_triton`, else
+    `skinny_gemv_triton`; x [M, K] (or [M, 2K]); `prologue`: norm_weight, eps, residual, silu_mul. ValueError for
+    a pipelined choice on an FP8 weight."""
+    tag = _tag(config)
+    if tag is not None and w.dtype == _FP8:
+        raise ValueError(f"gemv_dispatch: {config} is a float-weight GEMV; this weight is FP8")
+    if tag == PIPELINED:
+        return skinny_gemv_pipelined(x, w, bias, config=tuple(config[1:]), **prologue)
+    if tag == UNFUSED:
+        return with_prologue(lambda h: skinny_gemv_triton(h, w, bias, config=tuple(config[1:])), x, **prologue)
     if w.dtype == _FP8:
         return skinny_gemv_fp8_triton(x, w, w_scale, bias, per_channel=per_channel, config=config, **prologue)
     return skinny_gemv_triton(x, w, bias, config=config, **prologue)
 
 
-def record(kind: str, n: int, k: int, bucket: int, config: tuple[int, int, int] | None, fmt: str = "float") -> None:
-    """Store the measured choice for (kind, N, K, bucket, weight format): a config, or None (cuBLAS won)."""
+def record(kind: str, n: int, k: int, bucket: int, config: tuple | None, fmt: str = "float") -> None:
+    """Store the measured choice for (kind, N, K, bucket, weight format): a config, or None (cuBLAS won).
+    ValueError for an unknown kind / bucket / format, or a pipelined choice that is not ("pipelined", four ints)
+    at bucket 1 on float weights (the only place it runs)."""
     if kind not in KINDS or bucket not in (1, 2, 4, 8) or bucket > GEMV_MAX_M or fmt not in FORMATS:
         raise ValueError(f"record: kind {kind!r} / bucket {bucket} / format {fmt!r} not in {KINDS} / (1, 2, 4, 8) "
                          f"/ {FORMATS}")
+    if config is not None and any(isinstance(c, str) for c in config):
+        sizes = {PIPELINED: (4,), UNFUSED: (3, 4)}.get(_tag(config), ())
+        if len(config) - 1 not in sizes or not all(isinstance(c, int) for c in config[1:]) or bucket != 1 \
+                or fmt != "float" or (_tag(config) == UNFUSED and kind == "linear"):
+            raise ValueError(f"record: {tuple(config)} for {kind!r} at bucket {bucket} / format {fmt!r}; a tagged "
+                             f"choice is ({PIPELINED!r}, block_n, block_k, num_stages, num_warps) or, for 'norm' / "
+                             f"'silu', ({UNFUSED!r}, block_n, block_k, num_warps[, split_k]), at bucket 1, format 'float'")
     _choices[(kind, n, k, bucket, fmt)] = tuple(config) if config is not None else None
 
 
 def choices() -> dict[str, str]:
-    """{"kind NxK@bucket" (+ " fp8" / " fp8-channel"): "block_n/block_k/warps" (FP8: block_n/block_g/warps)
-    or "cublas"} of every tuned bucket (for logs and JSON)."""
+    """{"kind NxK@bucket" (+ " fp8" / " fp8-channel"): "block_n/block_k/warps" (FP8: block_n/block_g/warps;
+    pipelined: "pipelined/block_n/block_k/stages/warps") or "cublas"} of every tuned bucket (for logs and JSON)."""
     return {f"{kind} {n}x{k}@{b}" + ("" if fmt == "float" else f" {fmt}"): "/".join(map(str, cfg)) if cfg
             else "cublas" for (kind, n, k, b, fmt), cfg in sorted(_choices.items())}
+
+
+def parse(text: str) -> tuple | None:
+    """A choice from its `choices` text: "cublas" -> None, "4/512/2" -> (4, 512, 2), "pipelined/8/256/5/4" ->
+    ("pipelined", 8, 256, 5, 4). ValueError for anything else."""
+    if text == "cublas":
+        return None
+    parts = text.split("/")
+    tag = parts[0] if parts[0] in TAGS else None
+    ints = parts[1:] if tag else parts
+    sizes = {PIPELINED: (4,), UNFUSED: (3, 4), None: (3, 4)}[tag]
+    if not all(p.isdigit() for p in ints) or len(ints) not in sizes:
+        raise ValueError(f"gemv_dispatch.parse: {text!r} is not 'cublas', 'n/k/warps[/split]', "
+                         f"'{PIPELINED}/n/k/stages/warps' or '{UNFUSED}/n/k/warps[/split]'")
+    return ((tag,) if tag else ()) + tuple(int(p) for p in ints)
 
 
 def clear() -> None:

@@ -12,6 +12,12 @@ smallest and largest token count (max error relative to the largest output < `TO
 rounding differs by ~1e-2, a wrong prologue by ~1). The fastest passing config is recorded when it beats
 the baseline; otherwise the bucket records None (cuBLAS).
 
+At one token on float weights the candidates (`candidates`) also hold the software-pipelined GEMV's configs,
+tagged ``("pipelined", block_n, block_k, num_stages, num_warps)`` (`fxrewrite.kernels.skinny_gemv_pipelined`): for
+"norm" / "silu" the prologue's own kernel then the pipelined GEMV, for "linear" the GEMV alone; and for "norm" /
+"silu" the prologue's own kernel then the skinny GEMV's plain-linear configs, tagged ``("unfused", ...)``. They are proven
+and timed like the skinny configs, and the recorded choice says which kernel runs (`gemv_dispatch.run`).
+
 FP8 weights (formats "fp8" / "fp8-channel", `fxrewrite.kernels.skinny_gemv_fp8`): the baseline is the
 prologue's kernel then `fp8_dispatch.fp8_linear_dispatch` (the backend the FP8 tuner chose for that
 bucket, which runs first at load), and a config is proven against `skinny_gemv_fp8_ref` (the float32
@@ -37,7 +43,7 @@ from fxrewrite.kernels.skinny_gemv import GEMV_MAX_M, configs_for
 from fxrewrite.kernels.skinny_gemv_fp8 import skinny_gemv_fp8_ref
 
 __all__ = ["TOLERANCE", "BUCKETS", "make_inputs", "scratch_weights", "scratch_scales", "max_rel_error", "baseline",
-           "reference", "candidate", "tune_shape", "tune"]
+           "reference", "candidates", "candidate", "tune_shape", "tune"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,9 +76,28 @@ def baseline(kind: str, w: torch.Tensor, x: torch.Tensor, residual=None, norm_we
     return F.linear(x, w)
 
 
+def _tagged_candidates() -> bool:
+    """FXREWRITE_GEMV_CANDIDATES: "all" (default) or "skinny" (the skinny GEMV's fused configs only, as before the
+    tagged backends: a same-machine baseline for benchmarks). ValueError for another value."""
+    value = os.environ.get("FXREWRITE_GEMV_CANDIDATES", "all")
+    if value not in ("all", "skinny"):
+        raise ValueError(f"FXREWRITE_GEMV_CANDIDATES={value!r}: expected 'all' or 'skinny'")
+    return value == "all"
+
+
+def candidates(bucket: int, kind: str, n: int, fmt: str = "float") -> tuple[tuple, ...]:
+    """What the tuner times for a bucket: the skinny GEMV's `configs_for(bucket, kind, n, fmt)`, then at one
+    token on float weights the pipelined GEMV's tagged configs (`gemv_dispatch.pipelined_configs`) and, for "norm" /
+    "silu", the prologue's kernel before the plain skinny GEMV (`gemv_dispatch.unfused_configs`)."""
+    one_token_float = bucket == 1 and fmt == "float" and _tagged_candidates()
+    tagged = gemv_dispatch.pipelined_configs() + gemv_dispatch.unfused_configs(kind, n) if one_token_float else ()
+    return tuple(configs_for(bucket, kind, n, fmt=fmt)) + tagged
+
+
 def candidate(kind: str, w: torch.Tensor, x: torch.Tensor, config, residual=None, norm_weight=None, w_scale=None,
               per_channel: bool = False) -> torch.Tensor:
-    """The skinny GEMV with `config` for one call of `kind` (FP8 w: with w_scale, per_channel)."""
+    """The GEMV `config` names (skinny, or tagged pipelined: `gemv_dispatch.run`) for one call of `kind` (FP8 w:
+    with w_scale, per_channel)."""
     fp8 = {"w_scale": w_scale, "per_channel": per_channel} if w_scale is not None else {}
     out = gemv_dispatch.run(x, w, None, config, norm_weight=norm_weight, eps=1e-6, residual=residual,
                             silu_mul=kind == "silu", **fp8)
@@ -105,9 +130,9 @@ def _proven(kind: str, w: torch.Tensor, bucket: int, config, dtype: torch.dtype,
 
 def tune_shape(kind: str, ws: list[torch.Tensor], bucket: int, dtype: torch.dtype | None = None,
                fmt: str = "float") -> dict[str, float | str]:
-    """{"cublas" | "block_n/block_k/warps": us per call, or "error: ..."} for one bucket of weights `ws` of
-    format `fmt` (FP8: block_n/block_g/warps; activations in `dtype`, default the weights'); records the
-    choice in gemv_dispatch."""
+    """{"cublas" | "block_n/block_k/warps" | "pipelined/block_n/block_k/stages/warps": us per call, or "error: ..."}
+    for one bucket of weights `ws` of format `fmt` (FP8: block_n/block_g/warps; activations in `dtype`, default
+    the weights'), every config of `candidates`; records the choice in gemv_dispatch."""
     n, k = ws[0].shape
     dtype = dtype or ws[0].dtype
     fp8 = {} if fmt == "float" else {"w_scale": scratch_scales(n, k, ws[0].device, fmt == "fp8-channel"),
@@ -116,7 +141,7 @@ def tune_shape(kind: str, ws: list[torch.Tensor], bucket: int, dtype: torch.dtyp
     results: dict[str, float | str] = {
         "cublas": graph_time_us(lambda i: baseline(kind, ws[i], **args, **fp8), 20, len(ws))}
     best = None
-    for config in configs_for(bucket, kind, n, fmt=fmt):
+    for config in candidates(bucket, kind, n, fmt):
         name = "/".join(map(str, config))
         try:
             _proven(kind, ws[0], bucket, config, dtype, fp8)

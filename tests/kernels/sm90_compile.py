@@ -2,17 +2,20 @@
 ``python -m tests.kernels.sm90_compile fp8e4nv|fp8e5`` (TRITON_INTERPRET unset): the FP8 KV-cache paths of the
 attention kernels, then a JSON line about the decode kernel's PTX (run by tests/kernels/test_fp8_kv_cache.py);
 ``... fp8-gemv-pipelined``: the pipelined one-token FP8 GEMV, then a JSON line about its loads
-(tests/kernels/test_fp8_gemv_pipelined.py)."""
+(tests/kernels/test_fp8_gemv_pipelined.py); ``... skinny-gemv-pipelined``: the pipelined one-token bf16 GEMV beside the
+skinny GEMV it competes with, a JSON line about each one's loads (tests/kernels/test_skinny_gemv_pipelined.py)."""
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile as triton_compile
 
-from fxrewrite.kernels import fp8_gemv_pipelined, paged_decode, paged_prefill, reshape_and_cache
+from fxrewrite.kernels import (fp8_gemv_pipelined, paged_decode, paged_prefill, reshape_and_cache, skinny_gemv,
+                               skinny_gemv_pipelined)
 
 
 def compile_sm90(fn, pointers: dict, constexprs: dict, floats=("scale", "soft_cap"), **options) -> str:
@@ -61,6 +64,38 @@ def pipelined_gemv() -> dict:
     return out
 
 
+def _loads(ptx: str) -> dict:
+    """cp.async copies (all; of 16 bytes), the most commit groups left in flight by a wait, global loads."""
+    waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)]
+    return {"cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
+            "cp_async_16B": len(re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*, 0x10", ptx)),
+            "max_groups_in_flight": max(waits, default=0), "ld_global": ptx.count("ld.global"),
+            "ld_global_v4": ptx.count("ld.global.v4")}
+
+
+def skinny_pipelined_gemv() -> dict:
+    """Load instructions in the PTX of the pipelined bf16 GEMV (every config of `PIPELINED_CONFIGS`, K a multiple
+    of block_k or not) and of the skinny GEMV's first one-token config: the pipelined loop's weight tiles must be
+    cp.async copies into shared memory, the skinny GEMV's plain (16-byte) register loads."""
+    bf16 = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16"}
+    out = {}
+    for block_n, block_k, stages, warps in skinny_gemv_pipelined.PIPELINED_CONFIGS:
+        for even in (True, False):
+            ptx = compile_sm90(skinny_gemv_pipelined._skinny_gemv_pipelined_kernel, bf16,
+                               dict(BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, HAS_BIAS=False, EVEN_K=even,
+                                    PDL=False), num_warps=warps)
+            out[f"pipelined {block_n}/{block_k}/{stages}/{warps}" + ("" if even else " masked")] = _loads(ptx)
+    block_n, block_k, warps = skinny_gemv.CONFIGS[1][0]
+    ptx = compile_sm90(skinny_gemv._skinny_gemv_kernel,
+                       {**bf16, "res_ptr": "*bf16", "g_ptr": "*bf16", "res_out_ptr": "*bf16", "ws_ptr": "*fp32",
+                        "cnt_ptr": "*i32"},
+                       dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, NORM=False, HAS_RES=False, SILU_MUL=False,
+                            HAS_BIAS=False, EVEN_K=True, SPLIT_K=1, PDL=False, PREFETCH_LINES=16, LINE=64),
+                       floats=("eps",), num_warps=warps)
+    out[f"skinny {block_n}/{block_k}/{warps}"] = _loads(ptx)
+    return out
+
+
 if __name__ == "__main__":
-    forms = {"fp8-gemv-pipelined": pipelined_gemv}
+    forms = {"fp8-gemv-pipelined": pipelined_gemv, "skinny-gemv-pipelined": skinny_pipelined_gemv}
     print(json.dumps(forms[sys.argv[1]]() if sys.argv[1] in forms else main(sys.argv[1])))
