@@ -4,6 +4,7 @@
 # of the new backends, then bench compare latency at max-num-seqs 1 (native,after) for each CONFIGS entry with
 # FXREWRITE_GEMV_CANDIDATES=skinny and =all, every engine's tuner timings in $OUT/gemv-tune-<candidates>.jsonl.
 # Usage (repo root, on the GPU machine): OUT=<dir> CONFIGS="qwen3-32b qwen3-4b" bash benchmarks/gemv_candidates_check.sh
+# (ORDER="all" skips the skinny-only baseline; STEP_S caps each compare; BUDGET caps the whole script.)
 set -o pipefail
 source benchmarks/gpu_env.sh
 BUDGET=${BUDGET:-540}
@@ -11,8 +12,9 @@ left() { local l=$(( BUDGET - ($(date +%s) - start) )); [ "$l" -lt 1 ] && l=1; [
 stamp() { echo "== [$(( $(date +%s) - start )) s] $*"; }
 
 stamp "GPU tests (pipelined GEMV, engine decode logits with the GEMV)"
-timeout -k 5 "$(left 100)" $PY -m pytest -q -rs -m gpu -p no:cacheprovider tests/gpu/test_gpu_skinny_gemv_pipelined.py \
-  tests/gpu/test_gpu_skinny_gemv.py -k "pipelined or logits or engine_load" 2>&1 | tee "$OUT_DIR/gemv-candidates-gpu-tests.log" | tail -8
+# TESTS: other pytest arguments (e.g. the GPU tests of a change that rides along in the same call)
+timeout -k 5 "$(left "${TESTS_S:-100}")" $PY -m pytest -q -rs -m gpu -p no:cacheprovider ${TESTS:-tests/gpu/test_gpu_skinny_gemv_pipelined.py \
+  tests/gpu/test_gpu_skinny_gemv.py -k "pipelined or logits or engine_load"} 2>&1 | tee "$OUT_DIR/gemv-candidates-gpu-tests.log" | tail -8
 
 for config in ${CONFIGS:-qwen3-32b qwen3-4b}; do
   for candidates in ${ORDER:-skinny all}; do
