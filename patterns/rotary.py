@@ -27,7 +27,7 @@ from fxrewrite.kernels.rotary_backward import rotary_apply_train
 from fxrewrite.layers.rotary import get_rope
 from fxrewrite.patterns.base import Context, Match, Pattern, Refusal, free_attribute, require
 from fxrewrite.patterns.rotary_calls import (apply_calls, apply_rotary_qk, fused_norms, kernel_applies, packed_cos_sin,
-                                             same_outputs, unique_call)
+                                             remember_cos_sin, same_outputs, unique_call)
 from fxrewrite.tensor_state import preserved_state
 
 NEW_APPLY = "apply_rotary_emb"
@@ -68,7 +68,9 @@ def _rotary_kernel_qk(q, k, cos, sin):
 class RotaryCosSin(nn.Module):
     """Drop-in for an HF rotary module: ``forward(x, position_ids) -> (cos, sin)`` in x's dtype.
 
-    cos/sin [*position_ids.shape, rotary_dim] come from ``rope.get_cos_sin`` (cached table).
+    cos/sin [*position_ids.shape, rotary_dim] come from ``rope.get_cos_sin`` (cached table). At inference
+    with one batch row they are also remembered as rows of ``rope.cos_sin_table`` (`remember_cos_sin`), so
+    the fused rotary ops read that table at the positions instead of packing cos / sin again every step.
     """
 
     def __init__(self, rope: nn.Module, arg_names: tuple[str, str]) -> None:
@@ -80,7 +82,18 @@ class RotaryCosSin(nn.Module):
         """(x, position_ids [B, S]), by position or keyword -> (cos, sin) [B, S, rotary_dim] in x's dtype."""
         bound = dict(zip(self.arg_names, args), **kwargs)
         x, positions = bound[self.arg_names[0]], bound[self.arg_names[1]]
-        return self.rope.get_cos_sin(positions, dtype=x.dtype)
+        cos, sin = self.rope.get_cos_sin(positions, dtype=x.dtype)
+        table = self.rope.cos_sin_table(x.dtype)  # cos / sin are its rows `positions` when it exists
+        if table is not None and self.rope.is_neox_style and _one_row(positions, table.device):
+            half = self.rope.rotary_dim // 2
+            remember_cos_sin(cos, sin, positions[0], table[:, half: 3 * half])
+        return cos, sin
+
+
+def _one_row(positions: torch.Tensor, device: torch.device) -> bool:
+    """positions [1, S], unit stride, on `device`: what the rotary kernels read directly."""
+    return positions.dim() == 2 and positions.shape[0] == 1 and positions.stride(-1) == 1 and \
+        positions.device == device
 
 
 LENGTH_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
@@ -169,6 +182,7 @@ class RotaryPattern(Pattern):
             try:
                 new = RotaryCosSin(get_rope(head_size, max_pos, params, neox, torch.float32, device), names)
                 cos, sin = new(x, positions)
+                new.rope.__dict__.pop("_tables", None)  # a probe keeps no inference table (built at first use)
             except (ValueError, KeyError, TypeError, RuntimeError) as e:
                 reasons.append(str(e))
                 continue

@@ -51,8 +51,9 @@ _packed: tuple = ()  # (weakref cos, weakref sin, cos._version, sin._version, po
 
 
 def packed_cos_sin(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [1, S, rotary_dim] (neox: each half repeated) -> (positions [S] int64, cache [S, rotary_dim]),
-    cache row s = token s's cos half | sin half, the rotary kernels' table.
+    """cos/sin [1, S, rotary_dim] (neox: each half repeated) -> (positions [S] int, cache [N, rotary_dim]),
+    cache row positions[s] = token s's cos half | sin half, the rotary kernels' table: the rotary module's
+    own table when it noted cos/sin (`remember_cos_sin`), else cos / sin packed (N = S, positions 0..S-1).
 
     Every decoder layer of one forward gets the same cos/sin tensors, so the table is built once per forward
     and reused while those tensors live unchanged (two launches per layer fewer in a decode step); not under
@@ -68,6 +69,16 @@ def packed_cos_sin(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, 
     if not torch.compiler.is_compiling():  # the table dies with cos (it may live in a CUDA graph's pool)
         _packed = (weakref.ref(cos, _forget), weakref.ref(sin), *versions, positions, cache)
     return positions, cache
+
+
+def remember_cos_sin(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> None:
+    """Note that cos/sin [1, S, rotary_dim] (neox) are rows `positions` [S] of the rotary kernels' `table`
+    [max_position, rotary_dim] (cos half | sin half, cos's dtype), as a rotary module computed them: while
+    they live unchanged, `packed_cos_sin` returns (positions, table) and builds nothing (the native models'
+    launches: the kernels read the table at the positions)."""
+    global _packed
+    if not torch.compiler.is_compiling():
+        _packed = (weakref.ref(cos, _forget), weakref.ref(sin), _version(cos), _version(sin), positions, table)
 
 
 def _version(t: torch.Tensor) -> int | None:

@@ -53,6 +53,14 @@ def _cache_length(max_position: int, rope_parameters: dict[str, Any]) -> int:
     return max(max_position, int(scaled))
 
 
+def _layout(cos_sin: torch.Tensor, is_neox_style: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., rotary_dim] (cos half, sin half) -> cos, sin [..., rotary_dim] in transformers' layout."""
+    cos, sin = cos_sin.chunk(2, dim=-1)
+    if is_neox_style:
+        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    return cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE for `head_size`-wide heads, rotating the first `rotary_dim` channels of each head.
 
@@ -130,13 +138,34 @@ class RotaryEmbedding(nn.Module):
         GPT-J style repeats each frequency twice (interleaved). Computed in float32 and cast to
         `dtype` (default: the dtype given to get_rope, else float32), like transformers' modules.
         """
-        cos, sin = self._cos_sin_cat(positions).chunk(2, dim=-1)
-        if self.is_neox_style:
-            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
-        else:
-            cos, sin = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
         dtype = dtype or self.dtype
+        table = self.cos_sin_table(dtype)
+        if table is not None:  # one gather instead of five launches (the same values)
+            rows = table[positions]
+            return rows[..., : self.rotary_dim], rows[..., self.rotary_dim :]
+        cos, sin = _layout(self._cos_sin_cat(positions), self.is_neox_style)
         return cos.to(dtype), sin.to(dtype)
+
+    def cos_sin_table(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """`dtype` [max_cache_len, 2 * rotary_dim]: row p is get_cos_sin's cos then sin at position p (cast
+        from the float32 cache, so the same values). Built once per dtype and cache buffer, at inference
+        only; None while autograd records or torch.compile traces, for the length-dependent types (their rows
+        depend on the batch), and during a CUDA graph capture before it exists (a table built there would
+        hold nothing until the graph replays). For neox, columns [rotary_dim/2, 3 * rotary_dim/2) of a row
+        are the cos half then the sin half: `cos_sin_cache`'s layout (the rotary kernels' table), in `dtype`.
+        """
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or self.rope_type in ("dynamic", "longrope"):
+            return None
+        source = self.cos_sin_cache
+        if source.is_meta:
+            return None
+        tables = self.__dict__.get("_tables")  # (the cache it was built from, {dtype: table}); not a buffer
+        if tables is None or tables[0] is not source:
+            tables = self.__dict__["_tables"] = (source, {})
+        table = tables[1].get(dtype)
+        if table is None and not (source.is_cuda and torch.cuda.is_current_stream_capturing()):
+            table = tables[1][dtype] = torch.cat(_layout(source, self.is_neox_style), dim=-1).to(dtype)
+        return table
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None

@@ -15,6 +15,7 @@ from torch import nn
 
 from fxrewrite.kernels.paged_attention import paged_attention
 from fxrewrite.kernels.reshape_and_cache import reshape_and_cache
+from fxrewrite.layers.kv_context import take_kv_written
 from fxrewrite.runtime.worker.forward_context import get_forward_context
 
 ATTN_IMPLEMENTATION = "fxrewrite_paged"
@@ -94,7 +95,9 @@ def paged_attention_forward(
     """transformers' attention-function signature: query [1, Hq, T, D], key/value [1, Hkv, T, D]
     (the step's flattened tokens as one batch row) -> ([1, T, Hq, D], None).
 
-    The layer index comes from `module.layer_idx`; scaling defaults to D**-0.5 like transformers'.
+    The layer index comes from `module.layer_idx`; scaling defaults to D**-0.5 like transformers'. The K/V
+    cache write is skipped when a fused layer already wrote exactly `key` and `value` there this step
+    (`fxrewrite.layers.kv_context`).
     """
     if query.shape[0] != 1:
         raise ValueError(f"fxrewrite_paged attention expects one flattened batch row, got {query.shape[0]}")
@@ -103,6 +106,7 @@ def paged_attention_forward(
     out = paged_attend(
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
         module.layer_idx, scale, sliding_window=window, soft_cap=softcap,
+        kv_cached=take_kv_written(module.layer_idx, key, value),  # a fused q/k-norm + rotary op wrote them
     )
     return out.unsqueeze(0), None
 

@@ -13,6 +13,8 @@ from typing import Iterator
 
 import torch
 
+from fxrewrite.layers.kv_context import set_kv_step
+
 
 @dataclass
 class AttentionMetadata:
@@ -39,6 +41,7 @@ _context: AttentionMetadata | None = None
 def set_forward_context(metadata: AttentionMetadata | None) -> None:
     global _context
     _context = metadata
+    set_kv_step(metadata)  # fused layers of a rewritten model may write the step's K/V (fxrewrite.layers.kv_context)
 
 
 def get_forward_context() -> AttentionMetadata:

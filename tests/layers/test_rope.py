@@ -212,3 +212,30 @@ def test_meta_device_builds_then_rebuilds():
     rope.rebuild_cache()
     expected = get_rope(64, 128, {"rope_type": "default"}).cos_sin_cache
     assert torch.equal(rope.cos_sin_cache, expected)
+
+
+@pytest.mark.parametrize("is_neox_style", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inference_table_gives_the_same_cos_sin(dtype, is_neox_style):
+    """At inference get_cos_sin gathers rows of one table per dtype (one launch, not five): the same values;
+    the table follows the cache buffer (a rebuilt or moved cache gets a new one) and serves no batch-dependent type."""
+    params, max_pos = random_rope("yarn", 64, 0.5, 0)
+    rope = get_rope(64, max_pos, params, is_neox_style)
+    positions = torch.tensor([[0, 5, 17, max_pos - 1]])
+    want = rope.get_cos_sin(positions, dtype)  # autograd on: computed per call, no table
+    assert rope.cos_sin_table(dtype) is None
+    with torch.inference_mode():
+        got = rope.get_cos_sin(positions, dtype)
+        table = rope.cos_sin_table(dtype)
+    assert table.shape == (rope.max_cache_len, 2 * rope.rotary_dim) and table.dtype == dtype
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    if is_neox_style:  # the rotary kernels' layout (cos half | sin half) in the middle columns
+        half = rope.rotary_dim // 2
+        assert torch.equal(table[:, half: 3 * half], rope.cos_sin_cache.to(dtype))
+    with torch.no_grad():
+        assert rope.cos_sin_table(dtype) is table
+        rope.rebuild_cache()
+        assert rope.cos_sin_table(dtype) is not table
+    dynamic = get_rope(64, 128, {"rope_type": "dynamic", "factor": 2.0})
+    with torch.no_grad():
+        assert dynamic.cos_sin_table(torch.float32) is None

@@ -1,14 +1,17 @@
 """qk_norm_rope pattern: Qwen3's per-head q/k RMSNorm + rotary fused into one call; near misses refused."""
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb as hf_apply
 
 import fxrewrite
+from fxrewrite.layers.kv_context import set_kv_step, take_kv_written
 from fxrewrite.layers.layernorm import RMSNorm
 from fxrewrite.patterns.base import Match, Refusal
 from fxrewrite.patterns.qk_norm_rope import QKNormRopePattern, QKNormRotaryEmb
@@ -58,7 +61,8 @@ def test_qwen3_fused_in_place_and_logits_match(qwen3_pair):
     attn = fused.model.layers[0].self_attn
     assert isinstance(attn.qk_norm_rope, QKNormRotaryEmb) and attn.qk_norm_rope.inplace
     assert isinstance(attn.q_norm, RMSNorm)
-    call = "self.qk_norm_rope(query_states, key_states, cos, sin, q_norm=self.q_norm, k_norm=self.k_norm)"
+    call = ("self.qk_norm_rope(query_states, key_states, cos, sin, q_norm=self.q_norm, k_norm=self.k_norm, "
+            "value=value_states)")
     assert call in report.diff()
     with torch.no_grad():
         ids = _ids((2, 9), 1)
@@ -158,7 +162,7 @@ def test_instance_with_other_norm_keeps_its_rotary_call():
     fused = fxrewrite.optimize(copy.deepcopy(stock))
     report = fxrewrite.explain(fused)
     assert report.classes["Qwen3Attention"].applied["qk_norm_rope"] == {
-        "q_norm,k_norm + apply_rotary_pos_emb -> qk_norm_rope (in place)": 1}
+        "q_norm,k_norm + apply_rotary_pos_emb -> qk_norm_rope (in place, + K/V cache write)": 1}
     # layer 1 has other child classes: traced and judged on its own (its rotary call is fused alone)
     assert ("Qwen3Attention", "qk_norm_rope", "[model.layers.1.self_attn] q_norm is RMSNorm, not a fused RMSNorm "
             "(rms_norm did not prove it)") in report.skipped()
@@ -262,3 +266,83 @@ def test_qwen3_engine_shape_through_kernels(interpret, monkeypatch, qwen3_pair):
         monkeypatch.setenv("FXREWRITE_TRITON", "1")
         got = fused(ids, position_ids=pos).logits
     assert len(calls) == 2 and _rel(got, want) < 1e-5
+
+
+class ValueAttn(Attn):
+    """HF-shaped: q/k norms, rotary, then transformers' attention function on (self, q, k, v)."""
+
+    def __init__(self):
+        super().__init__()
+        self.v_proj, self.layer_idx = nn.Linear(16, 16), 3
+
+    def forward(self, x, cos, sin):
+        shape = (*x.shape[:-1], -1, self.head_dim)
+        q = self.q_norm(self.q_proj(x).view(shape)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(shape)).transpose(1, 2)
+        v = self.v_proj(x).view(shape).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", None)(self, q, k, v, None)[0]
+
+
+class ValueReadAgainAttn(ValueAttn):
+    def forward(self, x, cos, sin):
+        shape = (*x.shape[:-1], -1, self.head_dim)
+        q = self.q_norm(self.q_proj(x).view(shape)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(shape)).transpose(1, 2)
+        v = self.v_proj(x).view(shape).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        out = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", None)(self, q, k, v, None)[0]
+        return out + v.transpose(1, 2)  # the values have another reader
+
+
+class ValueAfterRotaryAttn(ValueAttn):
+    def forward(self, x, cos, sin):
+        shape = (*x.shape[:-1], -1, self.head_dim)
+        q = self.q_norm(self.q_proj(x).view(shape)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(shape)).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        v = self.v_proj(x).view(shape).transpose(1, 2)  # not yet bound where the rotary call is
+        return ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", None)(self, q, k, v, None)[0]
+
+
+def test_value_passed_only_when_the_attention_alone_reads_it():
+    report, ref, out = _run(module := ValueAttn())
+    assert report.classes["ValueAttn"].applied["qk_norm_rope"] == {
+        "q_norm,k_norm + apply_rotary_pos_emb -> qk_norm_rope (in place, + K/V cache write)": 1}
+    assert "k_norm=self.k_norm, value=v)" in report.diff() and module.qk_norm_rope.layer_idx == 3
+    assert _rel(out, ref) < 1e-6  # SDPA on other strides: not bit for bit
+    for cls in (ValueReadAgainAttn, ValueAfterRotaryAttn):
+        report, ref, out = _run(module := cls())
+        assert report.classes[cls.__name__].applied["qk_norm_rope"] == {
+            "q_norm,k_norm + apply_rotary_pos_emb -> qk_norm_rope (in place)": 1}, cls
+        assert module.qk_norm_rope.layer_idx is None and _rel(out, ref) < 1e-6
+
+
+def test_kernel_writes_k_and_v_into_the_engine_step_cache(interpret, monkeypatch):
+    """In an engine step (`kv_context`) the norm-rope kernel also writes the rotated k and v at the step's slots
+    of its layer's cache (negative slots skipped) and notes them once; outside a step it writes nothing."""
+    monkeypatch.setenv("FXREWRITE_TRITON", "1")
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, heads, 5, 8, generator=gen) for heads in (4, 2, 2))
+    cos, sin = _cos_sin(5, 8, seed=4)
+    norms = {"q_norm": _fused_norm(_hf_norm(8, seed=1)), "k_norm": _fused_norm(_hf_norm(8, seed=2))}
+    caches = [(torch.zeros(3, 4, 2, 8), torch.zeros(3, 4, 2, 8)) for _ in range(2)]
+    slots = torch.tensor([5, 2, -1, 11, 0])
+    op = QKNormRotaryEmb(inplace=False, layer_idx=1)
+    with torch.no_grad():
+        want_q, want_k = op(q, k, cos, sin, value=v, **norms)  # no step: nothing written or noted
+        assert not any(c.any() for pair in caches for c in pair) and not take_kv_written(1, want_k, v)
+        set_kv_step(SimpleNamespace(kv_caches=caches, slot_mapping=slots))
+        try:
+            got_q, got_k = op(q, k, cos, sin, value=v, **norms)
+            assert take_kv_written(1, got_k, v) and not take_kv_written(1, got_k, v)  # one note, for these tensors
+        finally:
+            set_kv_step(None)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    key_cache, value_cache = (c.view(12, 2, 8) for c in caches[1])
+    for token, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(key_cache[slot], got_k[0, :, token]) and torch.equal(value_cache[slot], v[0, :, token])
+    written = slots[slots >= 0]
+    assert key_cache[written].abs().sum() > 0 and not caches[0][0].any() and not caches[0][1].any()
+    assert int((key_cache.abs().sum((1, 2)) > 0).sum()) == written.numel()

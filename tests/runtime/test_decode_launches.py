@@ -6,6 +6,8 @@ torch references. The warm-up's dummy steps run through the engine's model and w
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -99,16 +101,28 @@ def test_serving_kernels_do_not_specialise_on_what_changes_every_step():
         assert ints <= got_ints and pointers <= got_pointers, kernel
 
 
-def test_after_arm_interpreted_kernels_build_the_rotary_table_once_per_step(tiny_model_dir, interpret, monkeypatch):
-    """The transformers model rewritten (q/k-norm + rotary kernel): same tokens as the torch path, and the
-    cos | sin table concatenated once per decode step, not once per layer (under inference_mode)."""
+def test_after_arm_gives_transformers_tokens_and_launches_what_native_does(tiny_model_dir, interpret, monkeypatch):
+    """The transformers model rewritten, its Triton kernels interpreted: transformers' own greedy tokens (the
+    K/V written by the q/k-norm + rotary kernel, read back by later steps and by a prefix-cache hit), and a
+    batch-1 decode step launches what the native model's does (K/V written by that kernel, no rotary table
+    packed per step or layer) plus two things: each transformers decoder layer ends in its residual add
+    (native leaves it to the next layer's norm), and the rotary module gathers the cos/sin every layer is
+    handed (native kernels read its table at the positions; so do the fused ones here)."""
+    from transformers import AutoModelForCausalLM
+
     path = tiny_model_dir("qwen3", num_hidden_layers=2)
-    llm = LLM(str(path), model_impl="transformers", dtype="float32", kv_cache_memory_bytes=1 << 21,
-              max_model_len=256, enable_prefix_caching=False)
-    prompts, params = [list(range(5, 30)), [7, 8, 9]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    prompts, new_tokens = [list(range(5, 30)), [7, 8, 9], list(range(5, 30)) + [4]], 4
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    want = [hf.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                        attention_mask=torch.ones(1, len(p), dtype=torch.long))[0, len(p):].tolist() for p in prompts]
     monkeypatch.setenv("FXREWRITE_TRITON", "1")
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
-    launches = decode_step_launches(llm)
-    # positions of the table: one arange for both layers (one per layer before the table was shared)
-    assert launches["triton:_qk_norm_rope_kernel"] == 2 and launches["aten:arange"] == 1, launches
+    kwargs = dict(dtype="float32", kv_cache_memory_bytes=1 << 21, max_model_len=256, block_size=4)
+    after = LLM(str(path), model_impl="transformers", fusion=True, **kwargs)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in after.generate(prompts[:2], params, use_tqdm=False)]
+    got += [o.outputs[0].token_ids for o in after.generate(prompts[2:], params, use_tqdm=False)]
+    assert got == want and after.llm_engine.get_stats()["prefix_cache_hits"] > 0  # the last reads the first's K/V
+    launches = decode_step_launches(after)
+    native = decode_step_launches(LLM(str(path), model_impl="native", **kwargs))
+    assert launches["triton:_qk_norm_rope_cache_kernel"] == 2 and not launches["triton:_reshape_and_cache_kernel"]
+    assert launches - native == Counter({"aten:add": 2, "aten:index": 1}) and not native - launches, launches
