@@ -75,17 +75,20 @@ def run_arm_isolated(arm, model_dir, spec, workload, engine_kwargs, time_limit_s
 def run_arm(arm, model_dir, spec, workload, engine_kwargs, time_limit_s, hf_num_prompts) -> dict:
     """One arm's figures: the hf arm or an engine arm."""
     if arm == "hf":
-        unmatched = hf_arm_unmatched(engine_kwargs)
+        unmatched = hf_arm_unmatched(engine_kwargs, spec)
         if unmatched:  # transformers would run another model than the engine arms: no figure beats a wrong one
-            return {"skipped": f"the hf arm runs transformers' generate_batch on the checkpoint as it is, without "
-                               f"{', '.join(unmatched)}; compare it in a run without them"}
+            return {"skipped": f"the hf arm runs transformers' generate_batch on the unquantized model, without "
+                               f"{' and '.join(unmatched)}; compare it in a run without that"}
         return run_hf(model_dir, workload, hf_num_prompts, engine_kwargs.get("device"))
     return run_engine_arm(arm, model_dir, spec, workload, dict(engine_kwargs), time_limit_s)
 
 
-def hf_arm_unmatched(engine_kwargs: dict) -> list[str]:
-    """The engine options of this run that the hf arm cannot apply (it would measure another model)."""
+def hf_arm_unmatched(engine_kwargs: dict, spec: dict | None = None) -> list[str]:
+    """The settings of this run that the hf arm cannot apply (it would measure another model): quantization, an
+    FP8 KV cache, a quantization_config in the config (an --hf-overrides object: dummy weights quantized at load)."""
     out = [f"quantization={engine_kwargs['quantization']!r}"] if engine_kwargs.get("quantization") else []
+    if (spec or {}).get("config", {}).get("quantization_config"):
+        out.append("the config's quantization_config")
     if engine_kwargs.get("kv_cache_dtype", "auto") != "auto":
         out.append(f"kv_cache_dtype={engine_kwargs['kv_cache_dtype']!r}")
     return out

@@ -161,16 +161,18 @@ def _default_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
         param.copy_(loaded)
 
 
-def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:
-    """ValueError naming the parameters the checkpoint did not provide (they would hold garbage); for a fused
-    parameter with only some parts in the checkpoint (`LoadedNames`), the checkpoint names of the missing parts."""
+def check_all_loaded(model: nn.Module, loaded: set[str], model_path: str | Path | None = None) -> None:
+    """UserInputError (a ValueError) naming the parameters the checkpoint in `model_path` did not provide (they
+    would hold garbage), in checkpoint names: for a fused parameter with only some parts in the checkpoint
+    (`LoadedNames`), the missing parts; the transformers wrapper's ``hf_model.`` prefix left out."""
     parts = getattr(loaded, "missing_parts", {})
     missing = []
     for name in sorted(set(dict(model.named_parameters())) - loaded):
-        missing.extend(parts.get(name) or [name])
+        missing.extend(n.removeprefix("hf_model.") for n in parts.get(name) or [name])
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-        raise ValueError(f"checkpoint is missing {len(missing)} parameter(s): {shown}")
+        where = f" in {model_path}" if model_path is not None else ""
+        raise UserInputError(f"the checkpoint{where} is missing {len(missing)} parameter(s): {shown}")
 
 
 def load_weights(model: nn.Module, model_path: str | Path, native: bool,
@@ -191,4 +193,4 @@ def load_weights(model: nn.Module, model_path: str | Path, native: bool,
         loaded = load_native_weights(model, _without_extra_layers(model, weights))
     else:
         loaded = load_hf_weights(model.hf_model, weights).prefixed("hf_model.")
-    check_all_loaded(model, loaded)
+    check_all_loaded(model, loaded, model_path)

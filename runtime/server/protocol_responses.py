@@ -86,29 +86,33 @@ class ChatCompletionResponse(ResponseEnvelope):
     choices: list[ChatChoice]
 
 
-class DeltaFunctionCall(OpenAIBaseModel):
+class DeltaModel(OpenAIBaseModel):
+    """A part of a stream chunk's delta: fields with nothing to add are left out of the JSON, as OpenAI and vLLM
+    send them (``{"content": " the"}``, not ``"role": null, "tool_calls": null`` beside it)."""
+
+    @model_serializer(mode="wrap")
+    def _without_nones(self, handler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaFunctionCall(DeltaModel):
     name: str | None = None
     arguments: str | None = None
 
 
-class DeltaToolCall(OpenAIBaseModel):
+class DeltaToolCall(DeltaModel):
     index: int
     id: str | None = None
     type: Literal["function"] | None = None
     function: DeltaFunctionCall | None = None
 
 
-class DeltaMessage(OpenAIBaseModel):
-    """What a stream chunk adds to the message; fields with nothing to add are left out of the JSON, as OpenAI
-    and vLLM send them (``{"content": " the"}``, not ``"role": null, "tool_calls": null`` beside it)."""
+class DeltaMessage(DeltaModel):
+    """What a stream chunk adds to the message (see `DeltaModel`)."""
 
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _without_nones(self, handler) -> dict[str, Any]:
-        return {key: value for key, value in handler(self).items() if value is not None}
 
 
 class ChatStreamChoice(ChoiceEnd):

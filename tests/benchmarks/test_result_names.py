@@ -33,3 +33,5 @@ def test_the_hf_arm_is_skipped_where_it_would_run_another_model():
     for kw, named in (({"quantization": "fp8"}, "quantization='fp8'"), ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8'")):
         figures = run_arm("hf", None, {}, None, kw, None, 4)
         assert set(figures) == {"skipped"} and named in figures["skipped"]
+    block = {"config": {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}}
+    assert "quantization_config" in run_arm("hf", None, block, None, {}, None, 4)["skipped"]
