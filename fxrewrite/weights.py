@@ -12,10 +12,13 @@ ones through each pattern's `shards`, recorded on the rewritten module as
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Iterable
 
 import torch
 from torch import nn
+
+from fxrewrite.errors import UserInputError
 
 _SHARDS = "_fxrewrite_shards"
 _HOOKED = "_fxrewrite_hf_hooks"
@@ -87,6 +90,22 @@ def _loader(model: nn.Module, name: str, param: torch.Tensor):
     return loader if callable(loader) else default_weight_loader
 
 
+class CheckpointTensorError(UserInputError):
+    """A checkpoint tensor that does not fit the model's parameter (its name and shape in the message)."""
+
+
+@contextlib.contextmanager
+def naming_tensor(name: str):
+    """Within: a weight loader's ValueError (a shape mismatch) becomes a CheckpointTensorError naming the
+    checkpoint tensor `name` (the loaders' messages give its shape)."""
+    try:
+        yield
+    except CheckpointTensorError:
+        raise
+    except ValueError as e:
+        raise CheckpointTensorError(f"checkpoint tensor {name!r} does not fit the model: {e}") from None
+
+
 class LoadedNames(set):
     """The parameter names a loader filled. A fused parameter is in the set only once every part arrived
     (a checkpoint without ``q_proj`` would leave a third of ``qkv_proj`` uninitialised); `missing_parts` maps
@@ -96,6 +115,7 @@ class LoadedNames(set):
         super().__init__()
         self.parts = parts if parts is not None else {}  # fused name -> {shard id: checkpoint name}
         self.seen: dict[str, set] = {}
+        self.unused: list[str] = []  # checkpoint names the model has no parameter or buffer for
 
     def add_shard(self, target: str, shard_id: Any, expected: dict[Any, str] | None = None) -> None:
         if expected is not None:
@@ -117,6 +137,7 @@ class LoadedNames(set):
         for target, missing in self.missing_parts.items():
             out.parts[prefix + target] = {i: prefix + name for i, name in enumerate(missing)}
             out.seen[prefix + target] = set()
+        out.unused = list(self.unused)
         return out
 
 
@@ -125,10 +146,10 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
 
     HF names of fused parts (``...q_proj.weight``) go to the fused parameter's `weight_loader`
     with their shard id; other names load whole (through `weight_loader` when the parameter has
-    one). Persistent buffers load too. Names the model does not have are skipped (compare the
-    returned set with ``dict(model.named_parameters())`` to check completeness; a fused parameter
-    counts once all its parts loaded, see `LoadedNames`). Parameters must be materialised (not meta)
-    for values to land.
+    one). Persistent buffers load too. Names the model does not have are skipped and listed in the result's
+    ``unused`` (compare the returned set with ``dict(model.named_parameters())`` to check completeness; a fused
+    parameter counts once all its parts loaded, see `LoadedNames`). Parameters must be materialised (not meta)
+    for values to land. CheckpointTensorError (a ValueError) names a tensor whose shape does not fit.
     """
     shards = shard_map(model)
     parts: dict[str, dict[Any, str]] = {}
@@ -138,16 +159,19 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
     buffers = dict(model.named_buffers(remove_duplicate=False))
     loaded = LoadedNames(parts)
     for name, tensor in weights:
-        if name in shards:
-            target, shard_id = shards[name]
-            _loader(model, target, params[target])(params[target], tensor, shard_id)
-            loaded.add_shard(target, shard_id)
-        elif name in params:
-            _loader(model, name, params[name])(params[name], tensor)
-            loaded.add(name)
-        elif name in buffers:
-            default_weight_loader(buffers[name], tensor)
-            loaded.add(name)
+        with naming_tensor(name):
+            if name in shards:
+                target, shard_id = shards[name]
+                _loader(model, target, params[target])(params[target], tensor, shard_id)
+                loaded.add_shard(target, shard_id)
+            elif name in params:
+                _loader(model, name, params[name])(params[name], tensor)
+                loaded.add(name)
+            elif name in buffers:
+                default_weight_loader(buffers[name], tensor)
+                loaded.add(name)
+            else:
+                loaded.unused.append(name)
     return loaded
 
 

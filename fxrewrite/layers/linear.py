@@ -34,6 +34,14 @@ def _check_tp(tp_size: int, tp_rank: int) -> None:
         raise ValueError(f"expected 0 <= tp_rank < tp_size, got tp_rank={tp_rank}, tp_size={tp_size}")
 
 
+def _narrow_full(loaded: torch.Tensor, dim: int, full: int, start: int, size: int) -> torch.Tensor:
+    """`loaded.narrow(dim, start, size)` after checking the checkpoint tensor's full size along `dim` (a
+    k_proj one row too long would otherwise load its first rows silently); ValueError naming both."""
+    if loaded.dim() <= dim or loaded.shape[dim] != full:
+        raise ValueError(f"weight shape {tuple(loaded.shape)} does not match: expected {full} in dimension {dim}")
+    return loaded.narrow(dim, start, size)
+
+
 def _copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
     if tuple(param.shape) != tuple(loaded.shape):
         raise ValueError(f"weight shape {tuple(loaded.shape)} does not match parameter shape {tuple(param.shape)}")
@@ -156,7 +164,7 @@ class ColumnParallelLinear(LinearBase):
         if loaded_shard_id is not None:
             raise ValueError(f"ColumnParallelLinear has no shards, got loaded_shard_id={loaded_shard_id!r}")
         size = param.shape[0]
-        _copy_checked(param, loaded_weight.narrow(0, self.tp_rank * size, size))
+        _copy_checked(param, _narrow_full(loaded_weight, 0, self.output_size, self.tp_rank * size, size))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -177,13 +185,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         if loaded_shard_id is None:
             for i, size in enumerate(self.output_sizes):
                 start = sum(self.output_sizes[:i])
-                self.weight_loader(param, loaded_weight.narrow(0, start, size), i)
+                self.weight_loader(param, _narrow_full(loaded_weight, 0, self.output_size, start, size), i)
             return
         if not isinstance(loaded_shard_id, int) or not 0 <= loaded_shard_id < len(self.output_sizes):
             raise ValueError(f"loaded_shard_id must be in 0..{len(self.output_sizes) - 1}, got {loaded_shard_id!r}")
         size = self.output_sizes_per_partition[loaded_shard_id]
         offset = sum(self.output_sizes_per_partition[:loaded_shard_id])
-        shard = loaded_weight.narrow(0, self.tp_rank * size, size)
+        full = self.output_sizes[loaded_shard_id]
+        shard = _narrow_full(loaded_weight, 0, full, self.tp_rank * size, size)
         _copy_checked(param.data.narrow(0, offset, size), shard)
 
 
@@ -217,16 +226,16 @@ class QKVParallelLinear(ColumnParallelLinear):
         total_kv = self.total_num_kv_heads * self.head_size
         if loaded_shard_id is None:
             for sid, start, size in (("q", 0, total_q), ("k", total_q, total_kv), ("v", total_q + total_kv, total_kv)):
-                self.weight_loader(param, loaded_weight.narrow(0, start, size), sid)
+                self.weight_loader(param, _narrow_full(loaded_weight, 0, total_q + 2 * total_kv, start, size), sid)
             return
         if loaded_shard_id == "q":
-            offset, size, rank = 0, self.q_size, self.tp_rank
+            offset, size, rank, full = 0, self.q_size, self.tp_rank, total_q
         elif loaded_shard_id in ("k", "v"):
             offset = self.q_size + (self.kv_size if loaded_shard_id == "v" else 0)
-            size, rank = self.kv_size, self.tp_rank // self.num_kv_head_replicas
+            size, rank, full = self.kv_size, self.tp_rank // self.num_kv_head_replicas, total_kv
         else:
             raise ValueError(f"loaded_shard_id must be 'q', 'k' or 'v', got {loaded_shard_id!r}")
-        _copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, rank * size, size))
+        _copy_checked(param.data.narrow(0, offset, size), _narrow_full(loaded_weight, 0, full, rank * size, size))
 
 
 class RowParallelLinear(LinearBase):
@@ -272,7 +281,9 @@ class RowParallelLinear(LinearBase):
             raise ValueError(f"RowParallelLinear has no shards, got loaded_shard_id={loaded_shard_id!r}")
         if param.dim() == 2:
             size = param.shape[1]
-            loaded_weight = loaded_weight.narrow(1, self.tp_rank * size, size)
+            # (an FP8 layer's block scales [N, ceil(K / bk)] take their columns the same way, unchecked)
+            full = self.input_size if param is self.weight else loaded_weight.shape[1]
+            loaded_weight = _narrow_full(loaded_weight, 1, full, self.tp_rank * size, size)
         _copy_checked(param, loaded_weight)
 
 

@@ -15,7 +15,7 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from fxrewrite.distributed import get_tp_size
 from fxrewrite.errors import UserFileNotFoundError, UserInputError
 from fxrewrite.sharding import LazySlice
-from fxrewrite.weights import LoadedNames, load_hf_weights
+from fxrewrite.weights import CheckpointTensorError, LoadedNames, load_hf_weights, naming_tensor
 from fxrewrite.runtime.model_files.checkpoint_conversion import convert_for_model
 from fxrewrite.runtime.model_files.fp8_experts import dequantize_fp8_experts
 
@@ -107,19 +107,23 @@ def load_native_weights(model: nn.Module, weights) -> LoadedNames:
     for name, tensor in weights:
         if name not in params and _skip(name, model):
             continue
-        for part, (fused, shard) in mapping.items():
-            if part in name:
-                target = name.replace(part, fused)
-                _param(params, target, name).weight_loader(params[target], tensor, shard)
-                # Every checkpoint part that fuses into this parameter must arrive (q, k and v).
-                expected = {sid: name.replace(part, p) for p, (f, sid) in mapping.items() if f == fused}
-                loaded.add_shard(target, shard, expected)
-                break
-        else:
-            param = _param(params, name, name)
-            getattr(param, "weight_loader", _default_loader)(param, tensor)
-            loaded.add(name)
+        with naming_tensor(name):
+            _load_one(model, params, mapping, loaded, name, tensor)
     return loaded
+
+
+def _load_one(model: nn.Module, params: dict, mapping: dict, loaded: LoadedNames, name: str, tensor) -> None:
+    for part, (fused, shard) in mapping.items():
+        if part in name:
+            target = name.replace(part, fused)
+            _param(model, params, target, name).weight_loader(params[target], tensor, shard)
+            # Every checkpoint part that fuses into this parameter must arrive (q, k and v).
+            expected = {sid: name.replace(part, p) for p, (f, sid) in mapping.items() if f == fused}
+            loaded.add_shard(target, shard, expected)
+            return
+    param = _param(model, params, name, name)
+    getattr(param, "weight_loader", _default_loader)(param, tensor)
+    loaded.add(name)
 
 
 def _without_extra_layers(model: nn.Module, weights):
@@ -148,9 +152,13 @@ def _skip(name: str, model: nn.Module) -> bool:
     return name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False)
 
 
-def _param(params: dict, target: str, name: str) -> nn.Parameter:
+def _param(model: nn.Module, params: dict, target: str, name: str) -> nn.Parameter:
+    # Refused, not skipped as transformers does: a tensor the native model lacks (a bias, a norm) means it
+    # was built for another config and would compute something else.
     if target not in params:
-        raise ValueError(f"checkpoint tensor {name!r} has no parameter {target!r} in the model")
+        raise CheckpointTensorError(f"checkpoint tensor {name!r} has no parameter in the native "
+                                    f"{type(model).__name__} (a checkpoint of another architecture or config? "
+                                    "model_impl='transformers' loads it as transformers does)")
     return params[target]
 
 
@@ -189,8 +197,15 @@ def load_weights(model: nn.Module, model_path: str | Path, native: bool,
     if fp8_block is not None:
         weights = dequantize_fp8_experts(weights, fp8_block)
     weights = convert_for_model(model, weights, native)
-    if native:
-        loaded = load_native_weights(model, _without_extra_layers(model, weights))
-    else:
-        loaded = load_hf_weights(model.hf_model, weights).prefixed("hf_model.")
+    try:
+        if native:
+            loaded = load_native_weights(model, _without_extra_layers(model, weights))
+        else:
+            loaded = load_hf_weights(model.hf_model, weights).prefixed("hf_model.")
+    except CheckpointTensorError as e:
+        raise CheckpointTensorError(f"the checkpoint in {model_path}: {e}") from None
+    if loaded.unused:  # transformers' own rule for the model it builds: warn, load the rest
+        shown = ", ".join(loaded.unused[:5]) + (" ..." if len(loaded.unused) > 5 else "")
+        logger.warning("%d tensor(s) of the checkpoint in %s are not used by the model: %s", len(loaded.unused),
+                       model_path, shown)
     check_all_loaded(model, loaded, model_path)

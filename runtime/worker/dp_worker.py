@@ -31,6 +31,7 @@ from fxrewrite.runtime.worker.worker import (
 from fxrewrite.runtime.worker.cpu_threads import size_cpu_threads
 from fxrewrite.runtime.worker.step_channel import GlooChannel
 from fxrewrite.runtime.worker import watchdog
+from fxrewrite.runtime.worker.worker_processes import reporting_user_errors
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +117,8 @@ def dp_worker_main(local_rank: int, config, model_config, eos_token_ids: set[int
     store = dist.TCPStore(host, port, num_workers + 1, is_master=False, timeout=distributed.TP_TIMEOUT)
     store.set(f"fxrewrite/worker_ready/{rank}", "1")
     state, _ = data_parallel.initialize(rank, store, dp_size, tp_size, backend, config.enable_expert_parallel)
-    worker = Worker(config, model_config, eos_token_ids)
+    with reporting_user_errors(store, rank):
+        worker = Worker(config, model_config, eos_token_ids)
     shares_experts = data_parallel.dp_ep_active()
     graphs = None
     if shares_experts:
@@ -125,7 +127,9 @@ def dp_worker_main(local_rank: int, config, model_config, eos_token_ids: set[int
         graphs = agree_on_graphs(worker.runner.graph_runner, data_parallel.get_state().ep_group, worker.runner.device)
         worker.runner.graph_runner = graphs  # None: the runner must not replay a graph on its own either
     watchdog.phase("sending the load report to the driver")
-    info = {"num_blocks": worker.num_blocks(), "impl": getattr(worker.runner.model, "impl", None),
+    with reporting_user_errors(store, rank):
+        num_blocks = worker.num_blocks()
+    info = {"num_blocks": num_blocks, "impl": getattr(worker.runner.model, "impl", None),
             "compiled": bool(getattr(worker.runner.model, "_fxrewrite_compiled", False)),
             "cuda_graph_buckets": len(worker.runner.graph_runner.graphs) if worker.runner.graph_runner else 0}
     leader = rank == state.results_rank

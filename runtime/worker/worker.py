@@ -37,6 +37,7 @@ from fxrewrite.runtime.worker.cpu_threads import size_cpu_threads
 from fxrewrite.runtime.worker.model_runner import ModelRunner
 from fxrewrite.runtime.worker.step_channel import broadcast_object, settle_worker_channel, worker_shm_channel
 from fxrewrite.runtime.worker import watchdog
+from fxrewrite.runtime.worker.worker_processes import reporting_user_errors
 
 
 @dataclasses.dataclass
@@ -301,9 +302,10 @@ def worker_main(local_rank: int, config, model_config, eos_token_ids: set[int], 
     store.set(f"fxrewrite/worker_ready/{rank}", "1")
     state = distributed.initialize(rank, num_workers + 1, store=store, tp_ranks=list(range(1, num_workers + 1)),
                                    with_driver=True, tp_backend=backend, pp_size=num_workers // tp_size)
-    worker = Worker(config, model_config, eos_token_ids)
-    watchdog.phase("agreeing on the KV cache size")
-    num_blocks = worker.num_blocks()
+    with reporting_user_errors(store, rank):
+        worker = Worker(config, model_config, eos_token_ids)
+        watchdog.phase("agreeing on the KV cache size")
+        num_blocks = worker.num_blocks()
     sends_results = rank == state.results_rank
     if sends_results:
         runner = worker.runner

@@ -8,12 +8,16 @@ executors (`MultiprocExecutor`, `DPExecutor`) their `_wait` / `_guard`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing.connection
+import os
+import sys
 import threading
 import time
 
 from fxrewrite import distributed
+from fxrewrite.errors import UserInputError
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +80,34 @@ class WorkerError(RuntimeError):
     """A tensor-parallel worker died or failed; the engine is shut down."""
 
 
+_USER_ERROR = "fxrewrite/worker_user_error"
+
+
+@contextlib.contextmanager
+def reporting_user_errors(store, rank: int):
+    """Worker side, around loading the model: a UserInputError (a checkpoint missing a tensor, a KV cache that does
+    not fit) goes to the driver through `store` and the process exits without a traceback, so the driver raises
+    that one error (`_failure`) instead of a rank's traceback."""
+    try:
+        yield
+    except UserInputError as e:
+        store.set(f"{_USER_ERROR}/{rank}", str(e))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _user_error(procs: _Processes) -> UserInputError | None:
+    """The first rank's UserInputError message `reporting_user_errors` left in the store, if any."""
+    if procs.store is None or procs.context is None:
+        return None
+    for rank in range(1, len(procs.context.processes) + 1):
+        key = f"{_USER_ERROR}/{rank}"
+        if procs.store.check([key]):
+            return UserInputError(procs.store.get(key).decode())
+    return None
+
+
 def _poll(work, procs: _Processes, timeout: float, what: str) -> None:
     """Wait for a torch.distributed work item while watching the worker processes."""
     start = time.monotonic()
@@ -101,8 +133,9 @@ def _check_workers(procs: _Processes, what: str = "a step exchange") -> bool:
     return True
 
 
-def _failure(procs: _Processes, what: str, cause: BaseException | None = None) -> WorkerError:
-    """The first failed worker's story (exit code / signal / traceback, from torch's spawn context)."""
+def _failure(procs: _Processes, what: str, cause: BaseException | None = None) -> WorkerError | UserInputError:
+    """The first failed worker's story (exit code / signal / traceback, from torch's spawn context), or the
+    UserInputError a worker reported (`reporting_user_errors`)."""
     from torch.multiprocessing.spawn import ProcessException
 
     detail = str(cause) if cause is not None else "a worker process exited"
@@ -115,6 +148,9 @@ def _failure(procs: _Processes, what: str, cause: BaseException | None = None) -
         detail = str(e).strip()
     except Exception as e:  # noqa: BLE001
         detail = f"{detail}; {e}"
+    user_error = _user_error(procs)
+    if user_error is not None:
+        return user_error
     return WorkerError(f"tensor-parallel worker failed during {what} (process i is TP rank i; pids {pids}): {detail}")
 
 

@@ -117,3 +117,25 @@ def test_killed_worker_ends_engine_with_clear_error(tp2_llm):
         tp2_llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
     with pytest.raises(WorkerError, match="SIGKILL"):
         engine.check_health()  # what the server's /health reports
+
+
+def test_a_rank_refusing_the_checkpoint_is_one_user_error_and_no_process_is_left(qwen3_kv1, tmp_path):
+    """fresh-user report: at tensor_parallel_size=2 a checkpoint missing a tensor was a rank's traceback and a
+    gloo "connection closed" error; the workers now hand their UserInputError to the driver, which raises it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from fxrewrite.errors import UserInputError
+    from fxrewrite.runtime.llm import LLM
+
+    folder = shutil.copytree(qwen3_kv1, tmp_path / "m")
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.0.mlp.up_proj.weight"]
+    save_file(tensors, str(folder / "model.safetensors"))
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
+    with pytest.raises(UserInputError, match=rf"^the checkpoint in {folder} is missing 1 parameter\(s\): "
+                                             r"model.layers.0.mlp.up_proj.weight$"):
+        LLM(str(folder), tensor_parallel_size=2, dtype="float32", block_size=4)
+    left = [c.cmdline() for c in psutil.Process().children(recursive=True) if c.pid not in before]
+    assert [c for c in left if "resource_tracker" not in " ".join(c)] == []  # spawn's tracker lives on

@@ -100,3 +100,40 @@ def test_fp8_checkpoint_refuses_a_file_as_destination_and_quantizes_mixtral_expe
     assert is_quantized_name("model.layers.0.block_sparse_moe.experts.3.w2.weight", w)
     assert not is_quantized_name("model.layers.0.block_sparse_moe.gate.weight", w)
     assert not is_quantized_name("model.layers.0.input_layernorm.weight", torch.zeros(4))
+
+
+def _with_tensors(src, dst, change) -> "Path":
+    folder = _copy_without_weights(src, dst)
+    tensors = _tensors(src)
+    change(tensors)
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.mark.parametrize("impl", ["native", "transformers"])
+@pytest.mark.parametrize("name", ["model.layers.0.self_attn.k_proj.weight", "model.layers.1.input_layernorm.weight"])
+def test_a_tensor_of_the_wrong_shape_is_one_error_naming_it(tiny_qwen3_dir, tmp_path, impl, name):
+    """fresh-user report: a k_proj one row too long loaded its first rows silently (the fused loader narrowed it
+    without checking its full size); a wrong norm was a ValueError traceback that named no tensor."""
+    def grow(tensors):
+        t = tensors[name]
+        tensors[name] = torch.randn(t.shape[0] + 1, *t.shape[1:])
+
+    folder = _with_tensors(tiny_qwen3_dir, tmp_path / "m", grow)
+    with pytest.raises(UserInputError, match=rf"the checkpoint in {folder}: checkpoint tensor '{name}' does not fit "
+                                             r"the model: weight shape \(\d+[,)].* does not match"):
+        LLM(str(folder), model_impl=impl, dtype="float32", block_size=4)
+
+
+def test_an_extra_tensor_is_refused_by_native_and_skipped_with_a_warning_by_transformers(tiny_qwen3_dir, tmp_path,
+                                                                                       caplog):
+    """transformers' rule (warn, load the rest) for its own model; a native model built for another config
+    (a bias it lacks) would compute something else, so it refuses."""
+    extra = "model.layers.0.self_attn.q_proj.bias"
+    folder = _with_tensors(tiny_qwen3_dir, tmp_path / "m", lambda t: t.update({extra: torch.zeros(128)}))
+    with pytest.raises(UserInputError, match=rf"checkpoint tensor '{extra}' has no parameter in the native "
+                                             "Qwen3ForCausalLM"):
+        LLM(str(folder), model_impl="native", dtype="float32", block_size=4)
+    with caplog.at_level("WARNING"):
+        assert _greedy(folder, "transformers") == _greedy(tiny_qwen3_dir, "transformers")
+    assert f"1 tensor(s) of the checkpoint in {folder} are not used by the model: {extra}" in caplog.text
