@@ -97,7 +97,10 @@ def gpu_memory_utilization(value: str) -> float:
 
 
 def _int_where(value: str, ok, expected: str) -> int:
-    number = human_readable_int(value)
+    try:
+        number = human_readable_int(value)
+    except argparse.ArgumentTypeError:  # name what this flag takes, not the generic size examples
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {value!r}") from None
     if not ok(number):
         raise argparse.ArgumentTypeError(f"expected {expected}, got {value!r}")
     return number

@@ -4,6 +4,7 @@ JSON shape. Every user error is an `OpenAIError` (400) naming the field."""
 
 from __future__ import annotations
 
+import dataclasses
 from http import HTTPStatus
 from typing import Any
 
@@ -17,6 +18,7 @@ def _bad(message: str, param: str) -> OpenAIError:
 
 
 _OPTIONS = ("disable_any_whitespace",)
+_KNOWN_KEYS = tuple(f.name for f in dataclasses.fields(StructuredOutputsParams))
 
 
 def structured_outputs_of(request: SamplingRequest) -> StructuredOutputsParams | None:
@@ -36,6 +38,9 @@ def structured_outputs_of(request: SamplingRequest) -> StructuredOutputsParams |
     options = {}
     if request.structured_outputs is not None:
         given = dict(request.structured_outputs)
+        unknown = sorted(set(given) - set(_KNOWN_KEYS))
+        if unknown:
+            raise _bad(f"unknown key(s) {unknown}; expected one of {', '.join(_KNOWN_KEYS)}", "structured_outputs")
         if set(given) <= set(_OPTIONS):  # only options: they apply to the constraint set elsewhere
             options = given
         else:
@@ -53,7 +58,7 @@ def structured_outputs_of(request: SamplingRequest) -> StructuredOutputsParams |
     try:
         return StructuredOutputsParams(**kwargs)
     except (TypeError, ValueError) as e:
-        raise _bad(f"{field}: {e}", field) from None
+        raise _bad(f"{field}: {str(e).removeprefix('StructuredOutputsParams: ')}", field) from None
 
 
 def structured_outputs_field(request: SamplingRequest) -> str:

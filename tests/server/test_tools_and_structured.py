@@ -86,7 +86,8 @@ def test_json_object_regex_choice_and_grammar(server):
     ({"guided_regex": "(ab"}, "invalid regex"),
     ({"guided_grammar": "root ::= nothing"}, "invalid grammar"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "only one output constraint"),
-    ({"structured_outputs": {"jsonn": {}}}, "structured_outputs"),
+    ({"structured_outputs": {"jsonn": {}}}, r"unknown key\(s\) \['jsonn'\]; expected one of json, "),
+    ({"structured_outputs": {"json_object": False}}, r"structured_outputs: exactly one of json, regex"),
 ])
 def test_bad_constraints_are_400_before_queueing(server, extra, message):
     with pytest.raises(openai.BadRequestError, match=message):
