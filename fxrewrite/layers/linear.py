@@ -38,13 +38,14 @@ def _narrow_full(loaded: torch.Tensor, dim: int, full: int, start: int, size: in
     """`loaded.narrow(dim, start, size)` after checking the checkpoint tensor's full size along `dim` (a
     k_proj one row too long would otherwise load its first rows silently); ValueError naming both."""
     if loaded.dim() <= dim or loaded.shape[dim] != full:
-        raise ValueError(f"weight shape {tuple(loaded.shape)} does not match: expected {full} in dimension {dim}")
+        expected = (*loaded.shape[:dim], full, *loaded.shape[dim + 1 :])
+        raise ValueError(f"weight shape {tuple(loaded.shape)} does not match {expected}")
     return loaded.narrow(dim, start, size)
 
 
 def _copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
     if tuple(param.shape) != tuple(loaded.shape):
-        raise ValueError(f"weight shape {tuple(loaded.shape)} does not match parameter shape {tuple(param.shape)}")
+        raise ValueError(f"weight shape {tuple(loaded.shape)} does not match {tuple(param.shape)}")
     if param.device.type != "meta":
         with torch.no_grad():
             param.copy_(loaded)

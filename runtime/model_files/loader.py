@@ -164,7 +164,7 @@ def _param(model: nn.Module, params: dict, target: str, name: str) -> nn.Paramet
 
 def _default_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     if tuple(param.shape) != tuple(loaded.shape):
-        raise ValueError(f"weight shape {tuple(loaded.shape)} does not match parameter {tuple(param.shape)}")
+        raise ValueError(f"weight shape {tuple(loaded.shape)} does not match {tuple(param.shape)}")
     with torch.no_grad():
         param.copy_(loaded)
 

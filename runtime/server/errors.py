@@ -54,8 +54,9 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(error_body(status, message, param, code), status_code=status)
 
 
-def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None, str]:
-    """(message, param, code) of the first validation error, e.g. ("temperature: ...", "temperature", ...)."""
+def _describe_validation(exc: RequestValidationError, content_type: str | None = None) -> tuple[str, str | None, str]:
+    """(message, param, code) of the first validation error, e.g. ("temperature: ...", "temperature", ...);
+    `content_type`: the request's header (a body that is not a JSON object names it first)."""
     errors = exc.errors()
     if not errors:
         return "invalid request", None, "invalid_request"
@@ -65,14 +66,18 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None, 
         return f"request body is not valid JSON: {detail}".rstrip(": "), None, "json_invalid"
     if not [part for part in first.get("loc", ()) if part != "body"] and first.get("type") in (
             "missing", "model_attributes_type", "dict_type"):
-        return ("request body must be a JSON object (send it with Content-Type: application/json)",
-                None, "invalid_body")
+        media = (content_type or "").split(";")[0].strip().lower()
+        if media != "application/json":  # FastAPI did not parse the body: the header is what is wrong
+            sent = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
+            return (f"request body must be sent with Content-Type: application/json (got {sent})",
+                    None, "invalid_body")
+        return "request body must be a JSON object", None, "invalid_body"
     message, param = describe_errors(errors)
     return message, param, "invalid_value"
 
 
 async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    message, param, code = _describe_validation(exc)
+    message, param, code = _describe_validation(exc, request.headers.get("content-type"))
     return error_response(HTTPStatus.BAD_REQUEST, message, param, code)
 
 

@@ -48,7 +48,8 @@ class OpenAIServing:
         self.max_model_len = int(engine.engine.model_config.max_model_len)
         self.max_seq_len = int(getattr(engine.engine, "max_seq_len", self.max_model_len))
         """What a request without max_tokens may fill: max_model_len, or less when the KV cache holds less."""
-        self.vocab_size = len(self.tokenizer)
+        self.vocab_size = int(engine.engine.model_config.vocab_size)
+        """The model's vocabulary (its logits' width): the bound of prompt ids and logit_bias keys, as offline."""
 
     def model_name(self, requested: str | None) -> str:
         """The served name a request addresses; 404 for a name this server does not serve."""

@@ -112,7 +112,12 @@ def test_form_encoded_body_is_400_asking_for_json(server):
     with server.http() as http:
         error = _error(http.post("/v1/completions", content=b"prompt=hi",
                                  headers={"Content-Type": "application/x-www-form-urlencoded"}), 400)
-    assert "application/json" in error["message"]
+        assert error["message"] == ("request body must be sent with Content-Type: application/json "
+                                    "(got Content-Type 'application/x-www-form-urlencoded')")
+        bare = _error(http.post("/v1/completions", content=json.dumps(COMPLETION)), 400)  # JSON text, no header
+        assert bare["message"].endswith("(got no Content-Type)") and bare["code"] == "invalid_body"
+        listed = _error(http.post("/v1/completions", json=[1, 2]), 400)  # the header is right: the body is not
+        assert listed["message"] == "request body must be a JSON object"
 
 
 def test_prompt_over_max_model_len_is_400_naming_both_lengths(server):

@@ -193,3 +193,19 @@ def test_streamed_chat_deltas_carry_only_what_they_add(server):
     deltas = [_json.loads(line[len("data: "):])["choices"][0]["delta"] for line in lines]
     assert deltas[0] == {"role": "assistant", "content": ""}
     assert len(deltas) > 1 and all(set(d) == {"content"} and isinstance(d["content"], str) for d in deltas[1:])
+
+
+def test_prompt_ids_have_one_bound_offline_and_over_http(server):
+    """A Qwen tokenizer has fewer tokens (151,669) than the model's vocabulary (151,936): both paths accept
+    ids up to the model's (its embedding rows) and refuse the next one, naming the same range."""
+    from fxrewrite.runtime.engine.sampling_params import SamplingParams
+
+    vocab = server.engine.model_config.vocab_size
+    assert len(server.engine.tokenizer) < vocab
+    with server.http() as http:
+        ok = http.post("/v1/completions", json={"model": server.model_name, "prompt": [vocab - 1], "max_tokens": 1})
+        assert ok.status_code == 200, ok.text
+        bad = http.post("/v1/completions", json={"model": server.model_name, "prompt": [vocab], "max_tokens": 1})
+        assert bad.status_code == 400 and f"out of range [0, {vocab})" in bad.json()["error"]["message"]
+    with pytest.raises(ValueError, match=rf"out of range \[0, {vocab}\)"):
+        server.engine.add_request("over", [vocab], SamplingParams(max_tokens=1))
