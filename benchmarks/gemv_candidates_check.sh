@@ -7,9 +7,6 @@
 # (ORDER="all" skips the skinny-only baseline; STEP_S caps each compare; BUDGET caps the whole script.)
 set -o pipefail
 source benchmarks/gpu_env.sh
-BUDGET=${BUDGET:-540}
-left() { local l=$(( BUDGET - ($(date +%s) - start) )); [ "$l" -lt 1 ] && l=1; [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
-stamp() { echo "== [$(( $(date +%s) - start )) s] $*"; }
 
 stamp "GPU tests (pipelined GEMV, engine decode logits with the GEMV)"
 # TESTS: other pytest arguments (e.g. the GPU tests of a change that rides along in the same call)

