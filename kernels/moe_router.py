@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from fxrewrite.kernels import use_triton
 from fxrewrite.kernels.moe_routing import check_routing, select_experts, select_experts_ref, select_top_k
 from fxrewrite.kernels.pdl import gdc_prologue, pdl_enabled
-from fxrewrite.kernels.triton_utils import arrival_counters, launch, next_power_of_2, tl, triton
+from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
 __all__ = ["FUSED_ROUTER_MAX_TOKENS", "GEMM", "ROUTER_CONFIGS", "RouterConfig", "choice_for", "counters", "record",
            "route_experts", "route_experts_ref", "store_logits_and_select"]
@@ -62,6 +62,7 @@ argmax. The 2026-12-01 profile's form, 4 rows and 4 warps per program with the E
 GEMM = "gemm"
 """The tuner's other candidate: ``select_experts(F.linear(x, w))`` (two launches)."""
 _CHOICES: dict[tuple[int, int, int], RouterConfig | str] = {}
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 def record(num_experts: int, hidden: int, top_k: int, choice: RouterConfig | str | None) -> None:
@@ -140,7 +141,9 @@ def store_logits_and_select(acc, offs_e, e_mask, row, logits_ptr, counter_ptr, w
 
 def counters(device: torch.device) -> torch.Tensor:
     """The per-device arrival counters (zero between launches: each launch's last programs reset theirs)."""
-    return arrival_counters(device, FUSED_ROUTER_MAX_TOKENS)
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(FUSED_ROUTER_MAX_TOKENS, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
 
 
 def fused_router_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

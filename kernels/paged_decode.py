@@ -5,31 +5,30 @@ kv head as one [G, D] tile (GQA: every cached key/value is read once per kv head
 partition of the context through the block table (the split count is fixed on the host, so a CUDA
 graph stays valid; each sequence's partition length is its own context over that count), and
 keeps an online softmax (running max m, sum l). With one split it writes the output directly;
-otherwise it writes normalised partial outputs with (m, l), and the last of a (sequence, kv head)'s
-splits to finish merges them (the flash-decoding scheme; an atomic arrival counter per (sequence, kv
-head) tells that program it is last). The merge used to be a second launch, :func:`_reduce_kernel`
-(kept for ``merge_in_kernel=False``): at batch 1 it cost 2.3 us per layer on an H200, a tenth of a
-Qwen3-4B layer's non-GEMV time (2026-12-03-qwen3-4b-native-b1-decode-profile-twentyfirst.json).
+otherwise it writes normalised partial outputs with (m, l) and :func:`_reduce_kernel` merges them
+(the flash-decoding scheme). Merging in the decode kernel instead (the last split program to arrive, by an
+atomic counter per sequence and kv head; commit 45f635d) measured neutral on an H200 at batch 1: Qwen3-4B
+341.5 against 340.9 tokens/s, Qwen3-30B-A3B 337.7 against 337.6 (2026-12-03-decode-merge-check-twentythird.log):
+one launch fewer per layer, but the merging program's tail took its place; not kept.
 
 A CUDA graph fixes the split count from the longest context it was captured for (at batch 1 and
 max_model_len 4096: 16), so a short sequence replayed in it paid for partials and the merge (an H200
 profile at ~256-token contexts: the reduce was a third of the attention time). Now a sequence whose
 window-limited context is at most ``single_split_len`` keys (default `_SINGLE_SPLIT_LEN`, 128) is
 walked by its split 0 alone, exactly as a one-split launch walks it (bitwise), written directly, and
-skipped by the merge; longer sequences take the split path unchanged.
+skipped by the merge (the merge launch stays in the graph, each of its programs returns at once);
+longer sequences take the split path unchanged.
 Semantics and arguments: :mod:`fxrewrite.kernels.paged_attention`.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
 from fxrewrite.kernels.attention_tile import (attention_tile, check_last_dim_contiguous, check_paged_args, dot_dtype,
                                               fp16_dots, widen_asm)
 from fxrewrite.kernels.pdl import gdc_prologue, pdl_enabled
-from fxrewrite.kernels.triton_utils import arrival_counters, launch, next_power_of_2, tl, triton
+from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
 __all__ = ["paged_decode_triton"]
 
@@ -51,14 +50,13 @@ _BLOCK_N_FP8 = 128
 # the alignment of the packed seq_lens / query_start_loc slices).
 @triton.jit(do_not_specialize=["num_splits", "bt_s0"],
             do_not_specialize_on_alignment=["seq_lens_ptr", "qsl_ptr"])
-def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, part_ptr, ml_ptr, counter_ptr,
+def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, part_ptr, ml_ptr,
                    scale, soft_cap, sliding_window, block_size, num_splits, single_len,
                    q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0, o_s0, o_s1,
                    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr,
-                   WIDEN_ASM: tl.constexpr, MERGE: tl.constexpr, G_POW2: tl.constexpr, BLOCK_S: tl.constexpr,
-                   PDL: tl.constexpr):
+                   WIDEN_ASM: tl.constexpr, PDL: tl.constexpr):
     gdc_prologue(PDL)  # every program, even one with no work: the grid then completes after its predecessor
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -102,40 +100,6 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr
             tl.store(part_ptr + row[:, None] * BLOCK_D + offs_d[None, :], out, mask=gd_mask)
             tl.store(ml_ptr + row * 2, m_i, mask=offs_g < G)
             tl.store(ml_ptr + row * 2 + 1, l_i, mask=offs_g < G)
-            if MERGE:
-                _merge_if_last(out_ptr, part_ptr, ml_ptr, counter_ptr + seq * tl.num_programs(1) + kvh, tok,
-                               kvh * G, G * tl.num_programs(1), num_splits, o_s0, o_s1, G, HEAD_DIM,
-                               G_POW2, BLOCK_D, BLOCK_S)
-
-
-@triton.jit
-def _merge_if_last(out_ptr, part_ptr, ml_ptr, counter, tok, head0, num_heads, num_splits, o_s0, o_s1,
-                   G: tl.constexpr, HEAD_DIM: tl.constexpr, G2: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_S: tl.constexpr):
-    """A split program's end: the last of a (sequence, kv head)'s splits to arrive merges the partials of
-    its G query heads (heads head0..head0+G-1; the `_reduce_kernel` sums) and resets the counter. Every
-    partial is loaded at once, a [G2 * BLOCK_S, BLOCK_D] tile: a loop over the splits waited for one L2
-    round trip per split (an H200 profile: 9.8 us per call instead of 4.7)."""
-    tl.debug_barrier()  # every thread's partials stored before the arrival is released
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if arrived == num_splits - 1:
-        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-        offs_r = tl.arange(0, G2 * BLOCK_S)  # row r: head r // BLOCK_S, split r % BLOCK_S
-        offs_d = tl.arange(0, BLOCK_D)
-        r_mask = (offs_r // BLOCK_S < G) & (offs_r % BLOCK_S < num_splits)
-        rows = (tok.to(tl.int64) * num_heads + head0 + offs_r // BLOCK_S) * num_splits + offs_r % BLOCK_S
-        # .cg: from L2, where the other programs' partials are (this SM's L1 may hold an earlier launch's)
-        m = tl.reshape(tl.load(ml_ptr + rows * 2, mask=r_mask, other=-1.0e30, cache_modifier=".cg"), [G2, BLOCK_S])
-        l = tl.reshape(tl.load(ml_ptr + rows * 2 + 1, mask=r_mask, other=0.0, cache_modifier=".cg"), [G2, BLOCK_S])
-        parts = tl.load(part_ptr + rows[:, None] * BLOCK_D + offs_d[None, :], cache_modifier=".cg",
-                        mask=r_mask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
-        w = tl.exp2(m - tl.max(m, axis=1)[:, None]) * l  # m is in the log2 domain
-        total = tl.sum(w, axis=1)
-        acc = tl.sum(tl.reshape(parts, [G2, BLOCK_S, BLOCK_D]) * w[:, :, None], axis=1)
-        out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
-        offs_g = tl.arange(0, G2)
-        tl.store(out_ptr + tok.to(tl.int64) * o_s0 + (head0 + offs_g)[:, None] * o_s1 + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=(offs_g < G)[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
 @triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["seq_lens_ptr", "qsl_ptr"])
@@ -169,15 +133,6 @@ def _reduce_kernel(seq_lens_ptr, qsl_ptr, out_ptr, part_ptr, ml_ptr, o_s0, o_s1,
                  mask=offs_d < HEAD_DIM)
 
 
-def merge_mode() -> str:
-    """``FXREWRITE_DECODE_MERGE``: "kernel" (default: the last split program merges) or "launch" (the
-    `_reduce_kernel` launch; for A/B measurements); ValueError naming any other value."""
-    value = os.environ.get("FXREWRITE_DECODE_MERGE", "kernel")
-    if value not in ("kernel", "launch"):
-        raise ValueError(f"FXREWRITE_DECODE_MERGE={value!r}; expected 'kernel' or 'launch'")
-    return value
-
-
 def _num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int:
     """Splits per (sequence, kv head): enough programs to fill the GPU, partitions of the longest
     context >= _MIN_PARTITION tokens. Depends only on host ints, so a CUDA graph captured with
@@ -189,14 +144,12 @@ def _num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int:
 def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                         max_query_len, max_seq_len, scale, sliding_window=None, soft_cap=None,
                         *, block_n: int | None = None, num_splits: int | None = None, num_warps: int = 4,
-                        num_stages: int = 2, single_split_len: int = _SINGLE_SPLIT_LEN, fp8_dots: str = "float16",
-                        merge_in_kernel: bool | None = None):
+                        num_stages: int = 2, single_split_len: int = _SINGLE_SPLIT_LEN, fp8_dots: str = "float16"):
     """Decode launch (every sequence has at most one query token). ``max_seq_len`` must bound every
     seq_len (it sizes the split-K grid). Keyword-only knobs are for tests and the benchmark
     (``single_split_len``: contexts up to this many tokens skip the split and the merge; 0: never; ``fp8_dots``:
     see :mod:`fxrewrite.kernels.attention_tile`; ``block_n``: keys per tile, None: `_BLOCK_N_FP8` for an FP8
-    cache, else 64; ``merge_in_kernel``: the last split program of each (sequence, kv head) merges the
-    partials, False: `_reduce_kernel` does, a second launch; None: `merge_mode`)."""
+    cache, else 64)."""
     block_n = block_n or (_BLOCK_N_FP8 if key_cache.element_size() == 1 else 64)
     check_paged_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
     if max_query_len > 1:
@@ -213,11 +166,9 @@ def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, q
     if splits > 1:
         part = torch.empty((num_tokens, num_heads, splits, block_d), dtype=torch.float32, device=query.device)
         ml = torch.empty((num_tokens, num_heads, splits, 2), dtype=torch.float32, device=query.device)
-    merge = splits > 1 and (merge_mode() == "kernel" if merge_in_kernel is None else merge_in_kernel)
-    counters = arrival_counters(query.device, num_seqs * num_kv_heads) if merge else out
     pdl = pdl_enabled(query.device)
     launch(_decode_kernel, (num_seqs, num_kv_heads, splits), query.device, pdl)(
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, part, ml, counters,
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, part, ml,
         float(scale), float(soft_cap or 0.0), int(sliding_window or 0), key_cache.shape[1], splits, single_split_len,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
@@ -225,9 +176,9 @@ def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, q
         G=group, HEAD_DIM=head_dim, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         IS_SPLIT=splits > 1, HAS_SOFTCAP=soft_cap is not None, HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        FP16_DOTS=fp16_dots(query, key_cache, fp8_dots), WIDEN_ASM=widen_asm(query, key_cache, fp8_dots),
-        MERGE=merge, G_POW2=next_power_of_2(group), BLOCK_S=next_power_of_2(splits), PDL=pdl, num_warps=num_warps, num_stages=num_stages)
-    if splits > 1 and not merge:
+        FP16_DOTS=fp16_dots(query, key_cache, fp8_dots), WIDEN_ASM=widen_asm(query, key_cache, fp8_dots), PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages)
+    if splits > 1:
         launch(_reduce_kernel, (num_seqs, num_heads), query.device, pdl)(
             seq_lens, query_start_loc, out, part, ml, out.stride(0), out.stride(1), num_heads, splits,
             int(sliding_window or 0), single_split_len, HEAD_DIM=head_dim, BLOCK_D=block_d,

@@ -24,7 +24,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     tl = SimpleNamespace(constexpr=object)
 
 __all__ = ["HAS_TRITON", "triton", "tl", "launch", "next_power_of_2", "interpreter_ready", "watch_jit_compiles",
-           "listen_launches", "arrival_counters"]
+           "listen_launches"]
 
 
 def next_power_of_2(n: int) -> int:
@@ -48,23 +48,6 @@ def launch(kernel: Any, grid: tuple[int, ...], device: Any, pdl: bool = False) -
     if _LISTENERS:
         return _listened(kernel, run)
     return run
-
-
-_COUNTERS: dict[Any, list] = {}
-
-
-def arrival_counters(device: Any, size: int) -> Any:
-    """At least `size` int32 arrival counters on `device`, zero between launches: a kernel whose last
-    program to arrive finishes the work of its group (an atomic add per program) resets its counter.
-    One buffer per device, shared by such kernels (stream order keeps their launches apart). A larger size
-    allocates a larger buffer; the old one stays allocated, as CUDA graphs may have captured its address."""
-    import torch
-
-    buffers = _COUNTERS.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < size:
-        old = buffers[-1].numel() if buffers else 0
-        buffers.append(torch.zeros(max(size, 2 * old, 4096), dtype=torch.int32, device=device))
-    return buffers[-1]
 
 
 _LISTENERS: list[Any] = []

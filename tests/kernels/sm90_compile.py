@@ -37,10 +37,9 @@ def main(cache: str) -> dict:
     common = dict(HEAD_DIM=128, BLOCK_D=128, HAS_SOFTCAP=False, HAS_WINDOW=False, DOT_PRECISION="tf32",
                   FP16_DOTS=True, WIDEN_ASM=1 if cache == "fp8e4nv" else 2)
     decode = compile_sm90(paged_decode._decode_kernel,
-                          {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "ml_ptr": "*fp32",
-                           "counter_ptr": "*i32", **caches, **ints},
-                          dict(common, G=4, BLOCK_G=16, BLOCK_N=64, IS_SPLIT=True, MERGE=True, G_POW2=4, BLOCK_S=16, PDL=True),
-                          num_warps=4, num_stages=2)
+                          {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "ml_ptr": "*fp32", **caches,
+                           **ints},
+                          dict(common, G=4, BLOCK_G=16, BLOCK_N=64, IS_SPLIT=True, PDL=True), num_warps=4, num_stages=2)
     compile_sm90(paged_prefill._prefill_kernel, {"q_ptr": "*bf16", "out_ptr": "*bf16", **caches, **ints},
                  dict(common, G=4, BLOCK_M=64, BLOCK_N=64, HAS_SOFTCAP=True, HAS_WINDOW=True), num_warps=4)
     compile_sm90(reshape_and_cache._reshape_and_cache_kernel,

@@ -94,32 +94,6 @@ def test_decode_kernel_matches_ref(interpret, paged_batch, heads, dim, window, c
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("heads,splits", [((4, 2), 3), ((8, 2), 8)])
-def test_in_kernel_merge_equals_the_merge_launch(interpret, paged_batch, heads, splits):
-    """The last split program to arrive merges the partials (no second launch): the same outputs as the
-    `_reduce_kernel` launch to float32 rounding, the arrival counters back at zero for the next launch
-    (a CUDA graph replays with the same buffer), and a second call gives the same result. 8 splits of
-    these short contexts leave some splits empty (they arrive with l = 0)."""
-    from fxrewrite.kernels.triton_utils import arrival_counters
-
-    batch = paged_batch(DECODE, *heads, 16, 8, seed=7)
-    knobs = dict(block_n=16, num_splits=splits, single_split_len=0)
-    launched = paged_decode.paged_decode_triton(*batch.args(), 0.3, merge_in_kernel=False, **knobs)
-    merged = paged_decode.paged_decode_triton(*batch.args(), 0.3, **knobs)
-    torch.testing.assert_close(merged, launched, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(merged, paged_attention_ref(*batch.args(), 0.3), rtol=1e-5, atol=1e-5)
-    assert not arrival_counters(batch.query.device, 1).any()
-    assert torch.equal(paged_decode.paged_decode_triton(*batch.args(), 0.3, **knobs), merged)
-
-
-def test_decode_merge_env_knob(monkeypatch):
-    monkeypatch.setenv("FXREWRITE_DECODE_MERGE", "launch")
-    assert paged_decode.merge_mode() == "launch"
-    monkeypatch.setenv("FXREWRITE_DECODE_MERGE", "reduce")
-    with pytest.raises(ValueError, match="FXREWRITE_DECODE_MERGE='reduce'; expected 'kernel' or 'launch'"):
-        paged_decode.merge_mode()
-
-
 @pytest.mark.parametrize("window", [None, 10])
 def test_short_contexts_skip_the_split_bitwise(interpret, paged_batch, window):
     """In a launch with several splits (a CUDA graph captured for a long context), a sequence of at
@@ -191,34 +165,6 @@ def test_short_contexts_skip_the_split_gpu(cuda, paged_batch):
     torch.testing.assert_close(got[:2], single[:2], rtol=0, atol=2 ** -7 * single[:2].abs().max().item())
     assert torch.equal(got[2:], split[2:])
     assert_close_to_exact(got, batch, scale)
-
-
-@pytest.mark.gpu
-def test_in_kernel_merge_gpu(cuda, paged_batch):
-    """Qwen3-4B heads, bf16, 64 sequences x 16 splits (1024 programs racing to their counters): the merge by
-    the last program to arrive equals the merge launch's to float32 rounding, is bitwise the same on every
-    call (whichever program arrives last reads the same partials in the same order) and in a replayed CUDA
-    graph, and leaves the counters at zero."""
-    from fxrewrite.kernels.triton_utils import arrival_counters
-
-    gen = torch.Generator().manual_seed(11)
-    specs = [(int(n), 1) for n in torch.randint(200, 4000, (64,), generator=gen)]
-    batch = paged_batch(specs, 32, 8, 128, 16, torch.bfloat16, cuda)
-    scale = 128 ** -0.5
-    launched = paged_decode.paged_decode_triton(*batch.args(), scale, num_splits=16, merge_in_kernel=False)
-    merged = paged_decode.paged_decode_triton(*batch.args(), scale, num_splits=16)
-    torch.testing.assert_close(merged, launched, rtol=0, atol=2 ** -8 * launched.abs().max().item())
-    assert all(torch.equal(paged_decode.paged_decode_triton(*batch.args(), scale, num_splits=16), merged)
-               for _ in range(20))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = paged_decode.paged_decode_triton(*batch.args(), scale, num_splits=16)
-    for _ in range(5):
-        replayed.zero_()
-        graph.replay()
-        assert torch.equal(replayed, merged)
-    assert not arrival_counters(batch.query.device, 1).any()
-    assert_close_to_exact(merged, batch, scale)
 
 
 @pytest.mark.gpu
