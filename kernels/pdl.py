@@ -36,9 +36,10 @@ import os
 
 import torch
 
-from fxrewrite.kernels.triton_utils import HAS_TRITON, interpreter_ready, tl, triton
+from fxrewrite.kernels.triton_utils import HAS_TRITON, interpreter_ready, next_power_of_2, tl, triton
 
-__all__ = ["MODES", "mode", "device_supports_pdl", "pdl_enabled", "gdc_prologue"]
+__all__ = ["MODES", "mode", "device_supports_pdl", "pdl_enabled", "gdc_prologue", "prefetch_l2", "prefetch_lines",
+           "LINE_BYTES"]
 
 MODES = ("auto", "on", "off")
 
@@ -90,3 +91,23 @@ def gdc_prologue(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+LINE_BYTES = 128
+_PREFETCH_BYTES = 2048
+"""With PDL, each GEMV program asks for up to this many bytes of each of its weight rows (whole 128-byte lines,
+its first K columns) to be brought into L2 before it waits on the previous kernel: ~1000 resident programs x 4-8
+rows ~ 8-16 MB in flight during the previous kernel's tail, well inside the 50 MB L2."""
+
+
+def prefetch_lines(k_per_program: int, element_size: int) -> int:
+    """Cache lines of one weight row to prefetch (a power of two, >= 1)."""
+    lines = min(_PREFETCH_BYTES, k_per_program * element_size) // LINE_BYTES
+    return max(1, next_power_of_2(lines) // 2 if next_power_of_2(lines) > lines else lines)
+
+
+@triton.jit
+def prefetch_l2(ptrs, mask):
+    """PTX ``prefetch.global.L2`` of every pointer where mask is set (no register result, no wait)."""
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                              "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)

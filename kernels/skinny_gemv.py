@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from fxrewrite.kernels.activation import silu_and_mul_ref
-from fxrewrite.kernels.pdl import gdc_prologue, pdl_enabled
+from fxrewrite.kernels.pdl import LINE_BYTES, gdc_prologue, pdl_enabled, prefetch_l2, prefetch_lines
 from fxrewrite.kernels.rms_norm import rms_norm_ref
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
@@ -156,23 +156,10 @@ def skinny_gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | No
         ws, tickets, m, n, k, per_split * block_k, x.stride(0), res_in.stride(0), float(eps),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
         HAS_RES=residual is not None, SILU_MUL=silu_mul, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
-        SPLIT_K=splits, PDL=pdl, PREFETCH_LINES=_prefetch_lines(per_split * block_k, w.element_size()),
-        LINE=_LINE_BYTES // w.element_size(), num_warps=num_warps,
+        SPLIT_K=splits, PDL=pdl, PREFETCH_LINES=prefetch_lines(per_split * block_k, w.element_size()),
+        LINE=LINE_BYTES // w.element_size(), num_warps=num_warps,
     )
     return (out, res_out) if residual is not None else out
-
-
-_LINE_BYTES = 128
-_PREFETCH_BYTES = 2048
-"""With PDL, each program asks for up to this many bytes of each of its weight rows (whole 128-byte lines, its
-first K columns) to be brought into L2 before it waits on the previous kernel: ~1000 resident programs x 4-8
-rows ~ 8-16 MB in flight during the previous kernel's tail, well inside the 50 MB L2."""
-
-
-def _prefetch_lines(k_per_program: int, element_size: int) -> int:
-    """Cache lines of one weight row to prefetch (a power of two, >= 1)."""
-    lines = min(_PREFETCH_BYTES, k_per_program * element_size) // _LINE_BYTES
-    return max(1, next_power_of_2(lines) // 2 if next_power_of_2(lines) > lines else lines)
 
 
 _TICKETS: dict[torch.device, torch.Tensor] = {}
@@ -306,13 +293,6 @@ def _finish(out_ptr, b_ptr, ws_ptr, cnt_ptr, pid, rn, M, N, BLOCK_M: tl.constexp
 
 
 @triton.jit
-def _prefetch_l2(ptrs, mask):
-    """PTX ``prefetch.global.L2`` of every pointer where mask is set (no register result, no wait)."""
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                              "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _skinny_gemv_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ws_ptr, cnt_ptr, M, N, K,
                         k_split, stride_xm, stride_rm, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr,
@@ -335,7 +315,7 @@ def _skinny_gemv_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, res_out_pt
         # weights are never written by a kernel: start this program's first weight tiles towards L2 while the
         # previous kernel finishes, then wait for it (its outputs are this kernel's inputs)
         lines = k_lo + tl.arange(0, PREFETCH_LINES) * LINE
-        _prefetch_l2(w_rows + lines[None, :], (lines < k_hi)[None, :] & (rn < N)[:, None])
+        prefetch_l2(w_rows + lines[None, :], (lines < k_hi)[None, :] & (rn < N)[:, None])
     gdc_prologue(PDL)
     first = pid == 0  # the programs of the first column tile write the new residual (never split: NORM)
     a0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)

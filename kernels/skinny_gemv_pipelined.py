@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from fxrewrite.kernels.activation import silu_and_mul
-from fxrewrite.kernels.pdl import gdc_prologue, pdl_enabled
+from fxrewrite.kernels.pdl import LINE_BYTES, gdc_prologue, pdl_enabled, prefetch_l2, prefetch_lines
 from fxrewrite.kernels.rms_norm import rms_norm
 from fxrewrite.kernels.skinny_gemv import _check, _load, skinny_gemv_ref
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
@@ -86,7 +86,8 @@ def skinny_gemv_pipelined_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.T
     pdl = pdl_enabled(x.device)
     launch(_skinny_gemv_pipelined_kernel, (triton.cdiv(n, block_n),), x.device, pdl)(
         x, w, bias.contiguous() if bias is not None else w, out, n, k, BLOCK_N=block_n, BLOCK_K=block_k,
-        NUM_STAGES=stages, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, PDL=pdl, num_warps=warps)
+        NUM_STAGES=stages, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, PDL=pdl,
+        PREFETCH_LINES=prefetch_lines(k, w.element_size()), LINE=LINE_BYTES // w.element_size(), num_warps=warps)
     return out
 
 
@@ -121,10 +122,13 @@ def with_prologue(gemv, x: torch.Tensor, norm_weight: torch.Tensor | None = None
 @triton.jit
 def _skinny_gemv_pipelined_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                   NUM_STAGES: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                                  PDL: tl.constexpr):
-    gdc_prologue(PDL)  # x is the previous kernel's output
+                                  PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * K  # a partial last tile re-reads row N - 1
+    if PDL:  # weights are never written by a kernel: their first lines start towards L2 during the previous tail
+        lines = tl.arange(0, PREFETCH_LINES) * LINE
+        prefetch_l2(rows + lines[None, :], (lines < K)[None, :] & (rn < N)[:, None])
+    gdc_prologue(PDL)  # x is the previous kernel's output
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):  # loads of later tiles in flight (cp.async)

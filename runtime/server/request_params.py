@@ -18,6 +18,7 @@ def _bad(message: str, param: str) -> OpenAIError:
 
 
 _OPTIONS = ("disable_any_whitespace",)
+_CONSTRAINTS = tuple(f.name for f in dataclasses.fields(StructuredOutputsParams) if f.name not in _OPTIONS)
 _KNOWN_KEYS = tuple(f.name for f in dataclasses.fields(StructuredOutputsParams))
 
 
@@ -46,6 +47,9 @@ def structured_outputs_of(request: SamplingRequest) -> StructuredOutputsParams |
         else:
             found.append(("structured_outputs", given))
     if not found:
+        if request.structured_outputs is not None:  # {} or options alone: nothing they could apply to
+            raise _bad(f"no output constraint given; set one of {', '.join(_CONSTRAINTS)} (or response_format / "
+                       "guided_*)", "structured_outputs")
         return None
     if len(found) > 1:
         names = ", ".join(name for name, _ in found)

@@ -70,7 +70,9 @@ def _loads(ptx: str) -> dict:
     return {"cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
             "cp_async_16B": len(re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*, 0x10", ptx)),
             "max_groups_in_flight": max(waits, default=0), "ld_global": ptx.count("ld.global"),
-            "ld_global_v4": ptx.count("ld.global.v4")}
+            "ld_global_v4": ptx.count("ld.global.v4"),
+            # with PDL: L2 prefetches of the weights issued before the wait on the previous kernel
+            "prefetch_before_wait": ptx.count("prefetch.global.L2", 0, max(ptx.find("griddepcontrol.wait"), 0))}
 
 
 def skinny_pipelined_gemv() -> dict:
@@ -83,7 +85,7 @@ def skinny_pipelined_gemv() -> dict:
         for even in (True, False):
             ptx = compile_sm90(skinny_gemv_pipelined._skinny_gemv_pipelined_kernel, bf16,
                                dict(BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, HAS_BIAS=False, EVEN_K=even,
-                                    PDL=False), num_warps=warps)
+                                    PDL=True, PREFETCH_LINES=16, LINE=64), num_warps=warps)
             out[f"pipelined {block_n}/{block_k}/{stages}/{warps}" + ("" if even else " masked")] = _loads(ptx)
     block_n, block_k, warps = skinny_gemv.CONFIGS[1][0]
     ptx = compile_sm90(skinny_gemv._skinny_gemv_kernel,

@@ -282,7 +282,8 @@ def test_tuner_records_the_fastest_proven_pipelined_config(interpret, monkeypatc
 def test_compiles_for_sm90_with_the_weight_loads_pipelined():
     """Through triton's real compiler for an H100/H200 (no GPU here; a fresh process, as this one may interpret):
     every pipelined config's weight tiles are 16-byte cp.async copies with more than one commit group in flight and
-    no register loads, where the skinny GEMV has plain 16-byte register loads and no cp.async."""
+    no register loads, where the skinny GEMV has plain 16-byte register loads and no cp.async. Built with PDL, the
+    pipelined GEMV sends its first weight lines towards L2 before it waits on the previous kernel."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-m", "tests.kernels.sm90_compile", "skinny-gemv-pipelined"], env=env,
                           capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
@@ -292,6 +293,7 @@ def test_compiles_for_sm90_with_the_weight_loads_pipelined():
     assert len(pipelined) == 2 * len(PIPELINED_CONFIGS), loads
     for name, v in pipelined.items():
         assert v["cp_async_16B"] > 0 and v["max_groups_in_flight"] > 0 and v["ld_global"] == 0, (name, v)
+        assert v["prefetch_before_wait"] > 0, (name, v)
     skinny = next(v for name, v in loads.items() if name.startswith("skinny"))
     assert skinny["cp_async"] == 0 and skinny["ld_global_v4"] > 0, skinny
 

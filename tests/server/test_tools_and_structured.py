@@ -88,6 +88,8 @@ def test_json_object_regex_choice_and_grammar(server):
     ({"guided_regex": "a", "guided_choice": ["a"]}, "only one output constraint"),
     ({"structured_outputs": {"jsonn": {}}}, r"unknown key\(s\) \['jsonn'\]; expected one of json, "),
     ({"structured_outputs": {"json_object": False}}, r"structured_outputs: exactly one of json, regex"),
+    ({"structured_outputs": {}}, r"no output constraint given; set one of json, regex, choice, grammar, json_object"),
+    ({"structured_outputs": {"disable_any_whitespace": True}}, "no output constraint given"),
 ])
 def test_bad_constraints_are_400_before_queueing(server, extra, message):
     with pytest.raises(openai.BadRequestError, match=message):
