@@ -10,9 +10,9 @@ launch once every program of this one has called it. Both instructions are no-op
 without the attribute, and a launch without it (cuBLAS, torch ops) keeps full stream ordering, so mixing
 PDL and plain kernels is safe. CUDA graphs capture the programmatic edges.
 
-Kernels with the switch (a ``PDL`` constexpr, set from `pdl_enabled`): the skinny GEMV, RMSNorm, SiLU-and-mul,
-rotary, q/k norm + rotary (+ cache write), reshape_and_cache, paged decode and its merge, the MoE router (and its
-norm-folded form) and the direct expert kernels. cuBLAS and torch's own kernels launch plainly.
+Kernels with the switch (a ``PDL`` constexpr, set from `pdl_enabled`): the skinny and pipelined GEMVs, RMSNorm,
+SiLU-and-mul, rotary, q/k norm + rotary (+ cache write), reshape_and_cache, paged decode and its merge, the MoE
+router (and its norm-folded form) and the direct expert kernels. cuBLAS and torch's own kernels launch plainly.
 
 The rules every PDL kernel here follows (CUDA programming guide, "Programmatic Dependent Launch"):
 every program calls ``gdc_wait`` (unconditionally, so that the grid's completion implies its
@@ -22,11 +22,13 @@ written and before it writes anything; only read-only data (weights) is touched 
 ``FXREWRITE_PDL``: ``off`` (default), ``auto`` (on for CUDA devices of compute capability >= 9.0), ``on``
 (the same, but a device without PDL raises). Never under the Triton interpreter (CPU tests).
 
-Opt-in because it bought nothing measurable (H200, triton 3.6, 2026-12-01-decode-chain-qwen3-4b-qwen3-32b.json
-and the latency JSONs beside it): a CUDA graph of 8 layers' batch-1 decode kernels took 76.5 / 75.1 us per
-Qwen3-4B layer with PDL off / on and 257.8 / 259.2 us per Qwen3-32B layer; engine batch-1 decode 3.061 / 3.070
-ms per step (4B), 16.89 / 17.05 (32B). The chain costs what its kernels cost back to back (each GEMV's ~2.5 us
-of ramp-up and last-wave tail is inside the kernel, and PDL did not hide it), not launch gaps.
+Opt-in. It bought nothing measurable with the skinny GEMV (H200, triton 3.6,
+2026-12-01-decode-chain-qwen3-4b-qwen3-32b.json and the latency JSONs beside it: 76.5 / 75.1 us per Qwen3-4B
+layer off / on, engine 3.061 / 3.070 ms per step). With the pipelined GEMV prefetching too (2026-12-03, one H200
+call, `benchmarks/latency_ab.sh`, 2026-12-03-*-latency-pdl-{off,auto}-native-twentythird.json) ``auto`` made
+batch-1 decode faster: Qwen3-30B-A3B native 338.5 -> 359.8 tokens/s, Qwen3-4B 340.2 -> 344.7. It becomes the
+default once tests/gpu/test_gpu_pdl.py's bitwise comparisons of the pipelined GEMV chain and of whole MoE / dense
+engines (written after that call) have passed on a GPU.
 """
 
 from __future__ import annotations

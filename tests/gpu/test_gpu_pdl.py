@@ -98,3 +98,54 @@ def test_split_k_configs_at_qwen3_4b_shapes(monkeypatch, proj, m):
         first = gemv_tune.candidate(kind, w, config=config, **args)
         assert gemv_tune.max_rel_error(first, want) < 2e-2, f"config {config}"
         assert torch.equal(gemv_tune.candidate(kind, w, config=config, **args), first)  # deterministic
+
+
+def test_pipelined_gemv_chain_with_pdl_equals_without(monkeypatch):
+    """40 pipelined one-token GEMVs (they prefetch weight lines to L2 before the wait), each reading the previous
+    one's output, alternating Qwen3-4B's gate_up and down shapes, a torch kernel between them."""
+    from fxrewrite.kernels.skinny_gemv_pipelined import PIPELINED_CONFIGS, skinny_gemv_pipelined_triton
+
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for n, k in ((9728, 2560), (2560, 9728))]
+    x0 = torch.randn(1, 2560, device="cuda", dtype=torch.bfloat16)
+
+    def chain():
+        x = x0
+        for i in range(40):
+            x = skinny_gemv_pipelined_triton(x, ws[i % 2], config=PIPELINED_CONFIGS[i % len(PIPELINED_CONFIGS)])
+            x = x / x.abs().amax().clamp_min(1e-6)
+        return [x]
+
+    assert torch.equal(_replay(chain, monkeypatch, "on")[0], _replay(chain, monkeypatch, "off")[0])
+
+
+# 2 layers of the real layer shapes (benchmarks/configs/qwen3-30b-a3b.json, qwen3-4b.json), Qwen3's vocabulary
+_SHAPES = {
+    "qwen3_moe": dict(hidden_size=2048, num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=4,
+                      head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                      num_experts_per_tok=8, norm_topk_prob=True, vocab="qwen3"),
+    "qwen3": dict(hidden_size=2560, num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                  intermediate_size=9728, vocab="qwen3"),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(_SHAPES))
+def test_engine_decode_with_pdl_equals_without(tmp_path, monkeypatch, arch):
+    """One bf16 engine (its kernels tuned once), eager: greedy tokens and log-probs bitwise the same with every
+    decode kernel launched with PDL (router, direct experts, pipelined GEMVs, attention) as without."""
+    from fxrewrite.runtime.engine.sampling_params import SamplingParams
+    from fxrewrite.runtime.llm import LLM
+    from fxrewrite.runtime.model_files.demo import build_model_dir
+
+    path = build_model_dir(tmp_path / arch, arch, **_SHAPES[arch])
+    llm = LLM(str(path), dtype="bfloat16", enforce_eager=True, max_model_len=1024, kv_cache_memory_bytes=256 << 20)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    prompts = [list(range(100, 400)), [7, 8, 9]]
+
+    def run(pdl: str):
+        monkeypatch.setenv("FXREWRITE_PDL", pdl)
+        assert pdl_enabled(torch.device("cuda", torch.cuda.current_device())) == (pdl == "on")
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in step.items()}
+                                                for step in o.outputs[0].logprobs]) for o in outs]
+
+    assert run("on") == run("off")
