@@ -86,8 +86,9 @@ def _origin(keys: tuple[str, ...], text_config: PretrainedConfig, original: dict
 
 def check_config_overrides(config: dict[str, Any], overrides: dict[str, Any], name: str) -> None:
     """Check `overrides` against a config given as a dict named `name` (a benchmark's model spec, written
-    to a weightless folder): load it with them as `ModelConfig.from_pretrained` would, run the same checks.
-    Raises UserInputError naming the key and value."""
+    to a weightless folder): load it with them as `ModelConfig.from_pretrained` would, run the same checks
+    (a quantization_config too, as the engine reads it). Raises UserInputError naming the key and value."""
+    from fxrewrite.runtime.model_files.quantization import resolve_quantization  # imports the layers
     with tempfile.TemporaryDirectory() as folder:
         (Path(folder) / "config.json").write_text(json.dumps(config))
         try:
@@ -97,3 +98,4 @@ def check_config_overrides(config: dict[str, Any], overrides: dict[str, Any], na
     text_config = hf_config.get_text_config()
     nested = config.get("text_config")
     check_model_dimensions(text_config, nested if text_config is not hf_config and isinstance(nested, dict) else config)
+    resolve_quantization(None, hf_config)

@@ -102,3 +102,13 @@ def test_bench_checks_overrides_before_any_arm(capsys, tmp_path):
     err = capsys.readouterr()
     assert "fxrewrite bench: error: num_hidden_layers=0 must be a positive integer" in err.err
     assert "[bench]" not in err.out and not list(tmp_path.iterdir())  # no arm ran, no result written
+
+
+def test_bench_checks_a_quantization_config_override_before_any_arm(capsys, tmp_path):
+    """fresh-user report: a malformed quantization_config override failed inside every arm, one error each."""
+    bad = '{"quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}}'
+    argv = ["bench", "compare", "--config", "tiny", "--arms", "native", "--hf-overrides", bad, "--out", str(tmp_path)]
+    assert main(argv) == 2
+    err = capsys.readouterr()
+    assert "fxrewrite bench: error: weight_block_size=[128] must be two positive integers, e.g. [128, 128]" in err.err
+    assert "[bench]" not in err.out and not list(tmp_path.iterdir())
