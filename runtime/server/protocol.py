@@ -235,6 +235,10 @@ class ContentPart(OpenAIBaseModel):
     type: str
     text: str | None = None
 
+    def model_post_init(self, context: Any, /) -> None:
+        """No "ignored" warning: a part's other fields (image_url, input_audio...) belong to a part that is not
+        text, which the request is then refused for (`join_text_parts`), not served without."""
+
 
 class FunctionCall(OpenAIBaseModel):
     name: str

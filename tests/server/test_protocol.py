@@ -51,6 +51,18 @@ def test_chat_request():
         image.messages[0].to_template_dict()
 
 
+def test_a_refused_image_part_is_not_logged_as_ignored(caplog):
+    """fresh-user report: an image_url part was refused with a 400 and also logged as 'fields ignored'."""
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with caplog.at_level("WARNING"):
+        image = ChatCompletionRequest(messages=[{"role": "user", "content": [part]}], max_tokenz=3)
+    with pytest.raises(ValueError, match="only text content parts .* got type 'image_url'"):
+        image.messages[0].to_template_dict()
+    warnings = [r.getMessage() for r in caplog.records]
+    assert not any("ContentPart" in w for w in warnings), warnings
+    assert any("['max_tokenz']" in w for w in warnings), warnings  # a misspelt request field still is
+
+
 def test_include_usage_needs_stream():
     r = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], stream=True,
                               stream_options={"include_usage": True})
