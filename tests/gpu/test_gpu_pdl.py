@@ -118,6 +118,26 @@ def test_pipelined_gemv_chain_with_pdl_equals_without(monkeypatch):
     assert torch.equal(_replay(chain, monkeypatch, "on")[0], _replay(chain, monkeypatch, "off")[0])
 
 
+def test_fp8_pipelined_gemv_chain_with_pdl_equals_without(monkeypatch):
+    """The FP8 pipelined GEMV (per-channel and block scales) in a chain of 40, as the bf16 one above."""
+    from fxrewrite.kernels.fp8_gemv_pipelined import PIPELINED_CONFIGS, fp8_gemv_pipelined_triton
+
+    shapes = ((9728, 2560), (2560, 9728))
+    ws = [(torch.randn(n, k, device="cuda") * 0.5).to(torch.float8_e4m3fn) for n, k in shapes]
+    scales = [torch.rand(n, -(-k // 128), device="cuda") / k ** 0.5 + 1e-3 for n, k in shapes]
+    x0 = torch.randn(1, 2560, device="cuda", dtype=torch.bfloat16)
+
+    def chain():
+        x = x0
+        for i in range(40):
+            x = fp8_gemv_pipelined_triton(x, ws[i % 2], scales[i % 2], PIPELINED_CONFIGS[i % len(PIPELINED_CONFIGS)],
+                                          per_channel=i % 4 < 2)
+            x = x / x.abs().amax().clamp_min(1e-6)
+        return [x]
+
+    assert torch.equal(_replay(chain, monkeypatch, "on")[0], _replay(chain, monkeypatch, "off")[0])
+
+
 # 2 layers of the real layer shapes (benchmarks/configs/qwen3-30b-a3b.json, qwen3-4b.json), Qwen3's vocabulary
 _SHAPES = {
     "qwen3_moe": dict(hidden_size=2048, num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=4,

@@ -58,9 +58,9 @@ def pipelined_gemv() -> dict:
         ptx = compile_sm90(fp8_gemv_pipelined._pipelined_gemv_kernel,
                            {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "out_ptr": "*bf16"},
                            dict(BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, PER_CHANNEL=per_channel,
-                                SHARED_SCALES=shared), num_warps=warps)
+                                SHARED_SCALES=shared, PDL=True, PREFETCH_LINES=16, LINE=128), num_warps=warps)
         out[form] = {"cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
-                     "ld_global": ptx.count("ld.global")}
+                     "ld_global": ptx.count("ld.global"), "prefetch_before_wait": _loads(ptx)["prefetch_before_wait"]}
     return out
 
 

@@ -134,11 +134,12 @@ def test_one_token_backend_only(interpret, monkeypatch, per_channel):
 def test_compiles_for_sm90_with_the_weight_loads_pipelined():
     """Through triton's real compiler for an H100/H200 (no GPU here; a fresh process, as this one may interpret):
     the loop's loads are cp.async copies into shared memory (the skinny GEMVs have none), the property its speed
-    rests on."""
+    rests on; built with PDL, it sends its first weight lines towards L2 before waiting on the previous kernel."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-m", "tests.kernels.sm90_compile", "fp8-gemv-pipelined"], env=env,
                           capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr[-3000:]
     loads = json.loads(done.stdout.splitlines()[-1])
     assert loads["channel"]["cp_async"] > 0 and loads["block"]["cp_async"] > 0, loads
+    assert all(form["prefetch_before_wait"] > 0 for form in loads.values()), loads
 
