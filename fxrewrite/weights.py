@@ -75,7 +75,7 @@ def install_hf_name_hooks(model: nn.Module) -> None:
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, loaded_shard_id=None) -> None:
     """Copy a whole tensor; ValueError on a shape mismatch (names both shapes)."""
     if tuple(param.shape) != tuple(loaded_weight.shape):
-        raise ValueError(f"checkpoint shape {tuple(loaded_weight.shape)} != parameter shape {tuple(param.shape)}")
+        raise ValueError(f"weight shape {tuple(loaded_weight.shape)} does not match {tuple(param.shape)}")
     if param.device.type != "meta":
         with torch.no_grad():
             param.copy_(loaded_weight)

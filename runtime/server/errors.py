@@ -86,7 +86,13 @@ async def _on_openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
 
 
 async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if exc.status_code == HTTPStatus.BAD_REQUEST and exc.detail == _FASTAPI_BODY_ERROR:  # bytes json could not read
+        return error_response(exc.status_code, "request body is not valid JSON (not UTF-8 text?)", None, "json_invalid")
     return error_response(exc.status_code, str(exc.detail), None, None)
+
+
+_FASTAPI_BODY_ERROR = "There was an error parsing the body"
+"""FastAPI's HTTPException detail when the body cannot be decoded at all (invalid UTF-8), before any validation."""
 
 
 class ClientDisconnected(Exception):

@@ -41,15 +41,16 @@ def structured_outputs_of(request: SamplingRequest) -> StructuredOutputsParams |
         given = dict(request.structured_outputs)
         unknown = sorted(set(given) - set(_KNOWN_KEYS))
         if unknown:
-            raise _bad(f"unknown key(s) {unknown}; expected one of {', '.join(_KNOWN_KEYS)}", "structured_outputs")
+            raise _bad(f"structured_outputs: unknown key(s) {unknown}; expected one of {', '.join(_KNOWN_KEYS)}",
+                       "structured_outputs")
         if set(given) <= set(_OPTIONS):  # only options: they apply to the constraint set elsewhere
             options = given
         else:
             found.append(("structured_outputs", given))
     if not found:
         if request.structured_outputs is not None:  # {} or options alone: nothing they could apply to
-            raise _bad(f"no output constraint given; set one of {', '.join(_CONSTRAINTS)} (or response_format / "
-                       "guided_*)", "structured_outputs")
+            raise _bad(f"structured_outputs: no output constraint given; set one of {', '.join(_CONSTRAINTS)} (or "
+                       "response_format / guided_*)", "structured_outputs")
         return None
     if len(found) > 1:
         names = ", ".join(name for name, _ in found)

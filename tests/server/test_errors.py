@@ -108,6 +108,13 @@ def test_malformed_json_is_400(server, path, raw):
         assert "JSON object" in error["message"]
 
 
+def test_a_body_that_is_not_utf8_is_400_json_invalid(server):
+    with server.http() as http:
+        error = _error(http.post("/v1/completions", content=b'{"prompt": "\xff\xfe", "max_tokens": 2}',
+                                 headers={"Content-Type": "application/json"}), 400)
+    assert error["code"] == "json_invalid" and error["message"].startswith("request body is not valid JSON")
+
+
 def test_form_encoded_body_is_400_asking_for_json(server):
     with server.http() as http:
         error = _error(http.post("/v1/completions", content=b"prompt=hi",
