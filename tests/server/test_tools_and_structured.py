@@ -86,9 +86,11 @@ def test_json_object_regex_choice_and_grammar(server):
     ({"guided_regex": "(ab"}, "invalid regex"),
     ({"guided_grammar": "root ::= nothing"}, "invalid grammar"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "only one output constraint"),
-    ({"structured_outputs": {"jsonn": {}}}, r"structured_outputs: unknown key\(s\) \['jsonn'\]; expected one of json, "),
+    ({"structured_outputs": {"jsonn": {}}},
+     r"structured_outputs: unknown key\(s\) \['jsonn'\]; expected one of json, "),
     ({"structured_outputs": {"json_object": False}}, r"structured_outputs: exactly one of json, regex"),
-    ({"structured_outputs": {}}, r"structured_outputs: no output constraint given; set one of json, regex, choice, grammar, json_object"),
+    ({"structured_outputs": {}},
+     r"structured_outputs: no output constraint given; set one of json, regex, choice, grammar, json_object"),
     ({"structured_outputs": {"disable_any_whitespace": True}}, "no output constraint given"),
 ])
 def test_bad_constraints_are_400_before_queueing(server, extra, message):
