@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Batch-1 decode on the GPU in one device call (<= ~6 min): the decode-chain microbenchmark (PDL off / on, GEMV
 # variants, Qwen3-4B + 32B shapes), the PDL / skinny GEMV GPU tests, then bench compare latency at
-# max-num-seqs 1 for Qwen3-4B and Qwen3-32B (native,after), FXREWRITE_PDL=on and off (the default is off:
-# kernels/pdl.py says why).
+# max-num-seqs 1 for Qwen3-4B and Qwen3-32B (native,after), FXREWRITE_PDL=on and off (the default was off when it was written;
+# kernels/pdl.py has the measurements).
 # Usage (repo root, on the GPU machine): OUT=<dir> bash benchmarks/gemv_gpu.sh   (default OUT benchmarks/results)
 # RUN_SWEEP=1 also runs the full GEMV sweep (fxrewrite.benchmarks.gemv, M = 1..8, ~150 s) first.
 set -o pipefail

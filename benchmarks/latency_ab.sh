@@ -4,14 +4,15 @@
 # bench compare latency at max-num-seqs 1 (arms ARMS, default native,after), results under $OUT/<value>/.
 # Usage (repo root, on the GPU machine):
 #   OUT=<dir> VAR=FXREWRITE_PDL VALUES="off auto" CONFIGS="qwen3-4b" bash benchmarks/latency_ab.sh
-# (STEP_S caps each compare; PROFILE=1 adds the native arm's batch-1 per-kernel profile at the last value.)
+# (STEP_S caps each compare; PROFILE=1 adds the native arm's batch-1 per-kernel profile at the last value;
+# EXTRA holds more bench compare arguments, word-split, e.g. EXTRA="--quantization fp8".)
 set -o pipefail
 source benchmarks/gpu_env.sh
 : "${VAR:?VAR: the environment variable to switch}" "${VALUES:?VALUES: its values, space-separated}"
 
 if [ -n "${TESTS:-}" ]; then
   stamp "GPU tests: $TESTS"
-  timeout -k 5 "$(left "${TESTS_S:-150}")" $PY -m pytest -q -rs -m gpu -p no:cacheprovider $TESTS 2>&1 \
+  timeout -k 5 "$(left "${TESTS_S:-150}")" $PY -m pytest -v --tb=short -rfEs -m gpu -p no:cacheprovider $TESTS 2>&1 \
     | tee "$OUT_DIR/latency-ab-gpu-tests.log" | tail -8
 fi
 for config in ${CONFIGS:-qwen3-4b}; do
@@ -19,7 +20,7 @@ for config in ${CONFIGS:-qwen3-4b}; do
     stamp "bench compare $config latency (${ARMS:-native,after}), $VAR=$value"
     env "$VAR=$value" timeout -k 5 "$(left "${STEP_S:-120}")" $PY -m fxrewrite bench compare --config "$config" \
       --arms "${ARMS:-native,after}" --workload latency --max-num-seqs 1 --time-limit "${ARM_TIME_LIMIT:-8}" \
-      --note "$VAR=$value" "${TOK[@]}" --out "$OUT_DIR/$value" 2>&1 | grep -v "it/s\]$\|tokenizer you are loading" | tail -6
+      --note "$VAR=$value" ${EXTRA:-} "${TOK[@]}" --out "$OUT_DIR/$value" 2>&1 | grep -v "it/s\]$\|tokenizer you are loading" | tail -6
   done
   if [ -n "${PROFILE:-}" ]; then
     stamp "profile $config native, batch 1, $VAR=$value"

@@ -68,7 +68,7 @@ def fp8_gemv_pipelined_triton(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tenso
         raise ValueError(f"fp8_gemv_pipelined: block_k {block_k} is not a multiple of the 128-column scale group")
     n, k = w.shape
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    pdl = pdl_enabled(x.device)
+    pdl = pdl_enabled(x.device, in_auto=False)  # slower with PDL at Qwen3-32B shapes (kernels/pdl.py)
     launch(_pipelined_gemv_kernel, (triton.cdiv(n, block_n),), x.device, pdl)(
         x, w, w_s, out, n, k, w_s.stride(0), w_s.stride(1), BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages,
         PER_CHANNEL=per_channel, SHARED_SCALES=not per_channel and scale_rows % block_n == 0, PDL=pdl,

@@ -20,16 +20,16 @@ every program calls ``gdc_wait`` (unconditionally, so that the grid's completion
 predecessor's, which the next kernel relies on) before it reads anything another kernel may have
 written and before it writes anything; only read-only data (weights) is touched before it.
 
-``FXREWRITE_PDL``: ``off`` (default), ``auto`` (on for CUDA devices of compute capability >= 9.0), ``on``
-(the same, but a device without PDL raises). Never under the Triton interpreter (CPU tests).
+``FXREWRITE_PDL``: ``auto`` (default: on for CUDA devices of compute capability >= 9.0, except the FP8 GEMV),
+``on`` (every kernel above, the FP8 GEMV too; a device without PDL raises), ``off``. Never under the Triton
+interpreter (CPU tests).
 
-Opt-in. It bought nothing measurable with the skinny GEMV (H200, triton 3.6,
-2026-12-01-decode-chain-qwen3-4b-qwen3-32b.json and the latency JSONs beside it: 76.5 / 75.1 us per Qwen3-4B
-layer off / on, engine 3.061 / 3.070 ms per step). With the pipelined GEMV prefetching too (2026-12-03, one H200
-call, `benchmarks/latency_ab.sh`, 2026-12-03-*-latency-pdl-{off,auto}-native-twentythird.json) ``auto`` made
-batch-1 decode faster: Qwen3-30B-A3B native 338.5 -> 359.8 tokens/s, Qwen3-4B 340.2 -> 344.7. It becomes the
-default once tests/gpu/test_gpu_pdl.py's bitwise comparisons of the pipelined GEMV chain and of whole MoE / dense
-engines (written after that call) have passed on a GPU.
+Measured (H200, triton 3.6, `benchmarks/latency_ab.sh`, batch-1 decode, native arm, off -> auto in one call):
+with the skinny GEMV of 2026-12-01 it bought nothing (76.5 / 75.1 us per Qwen3-4B layer); with the pipelined GEMV
+prefetching before its wait (2026-12-03) Qwen3-30B-A3B 338.5 -> 359.8 tokens/s, Qwen3-4B 340.2 -> 344.7,
+Qwen3-32B 61.2 -> 61.7, but Qwen3-32B on 128 x 128 block-scaled FP8 weights 97.1 -> 94.9 (every GEMV the FP8 one):
+so under ``auto`` the FP8 GEMV launches plainly. tests/gpu/test_gpu_pdl.py (kernel chains in captured graphs,
+whole bf16 Qwen3 / Qwen3-MoE engines) gives bitwise the outputs with and without PDL.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ MODES = ("auto", "on", "off")
 
 
 def mode() -> str:
-    """``FXREWRITE_PDL``: "off" (default), "auto" or "on"; ValueError naming any other value."""
-    value = os.environ.get("FXREWRITE_PDL", "off")
+    """``FXREWRITE_PDL``: "auto" (default), "on" or "off"; ValueError naming any other value."""
+    value = os.environ.get("FXREWRITE_PDL", "auto")
     if value not in MODES:
         raise ValueError(f"FXREWRITE_PDL={value!r}; expected one of {MODES}")
     return value
@@ -68,15 +68,16 @@ def device_supports_pdl(device) -> bool:
     return _capability_ok(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def pdl_enabled(device) -> bool:
-    """Whether the decode kernels launch with PDL on `device` (see the module docstring). RuntimeError
-    under FXREWRITE_PDL=on on a device without it. Memoised per (FXREWRITE_PDL value, device): every
-    kernel launch asks."""
-    key = (os.environ.get("FXREWRITE_PDL", "off"), device)
+def pdl_enabled(device, in_auto: bool = True) -> bool:
+    """Whether a decode kernel launches with PDL on `device` (see the module docstring); `in_auto` False for a
+    kernel that launches with it only under FXREWRITE_PDL=on (measured slower with it). RuntimeError under
+    FXREWRITE_PDL=on on a device without it. Memoised per (FXREWRITE_PDL value, device, in_auto): every kernel
+    launch asks."""
+    key = (os.environ.get("FXREWRITE_PDL", "auto"), device, in_auto)
     hit = _ENABLED.get(key)
     if hit is None:
         current = mode()
-        supported = current != "off" and device_supports_pdl(device)
+        supported = (current == "on" or (current == "auto" and in_auto)) and device_supports_pdl(device)
         if current == "on" and not supported:
             raise RuntimeError(f"FXREWRITE_PDL=on but device {device} has no programmatic dependent launch "
                                "(needs CUDA compute capability >= 9.0 and compiled Triton); use auto or off")

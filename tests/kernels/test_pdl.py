@@ -14,7 +14,7 @@ from fxrewrite.kernels.skinny_gemv import CONFIGS, SPLIT_CONFIGS, configs_for, s
 
 def test_mode_parsing(monkeypatch):
     monkeypatch.delenv("FXREWRITE_PDL", raising=False)
-    assert pdl.mode() == "off"  # opt-in: it measured no gain (kernels/pdl.py)
+    assert pdl.mode() == "auto"  # measured faster on the H200 (kernels/pdl.py)
     for value in pdl.MODES:
         monkeypatch.setenv("FXREWRITE_PDL", value)
         assert pdl.mode() == value
@@ -31,6 +31,18 @@ def test_never_on_cpu(monkeypatch):
     monkeypatch.setenv("FXREWRITE_PDL", "on")
     with pytest.raises(RuntimeError, match="no programmatic dependent launch"):
         pdl.pdl_enabled("cpu")
+
+
+def test_auto_leaves_out_kernels_measured_slower(monkeypatch):
+    """On a device with PDL, `auto` launches every kernel with it but those that opt out (in_auto=False: the FP8
+    GEMV), `on` every one, `off` none."""
+    monkeypatch.setattr(pdl, "device_supports_pdl", lambda device: True)
+    monkeypatch.setattr(pdl, "_ENABLED", {})
+    want = {"auto": (True, False), "on": (True, True), "off": (False, False)}
+    for value, (default_kernel, opted_out) in want.items():
+        monkeypatch.setenv("FXREWRITE_PDL", value)
+        assert pdl.pdl_enabled("cuda:0") is default_kernel, value
+        assert pdl.pdl_enabled("cuda:0", in_auto=False) is opted_out, value
 
 
 def test_split_k_only_for_kinds_without_a_norm():
