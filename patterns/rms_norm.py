@@ -1,11 +1,14 @@
 """RMSNorm: x * rsqrt(mean(x², -1) + eps) * weight (or * (1 + weight)) -> `RMSNorm`; then, in the
-parent, ``x = r + h; r = x; x = norm(x)`` -> ``x, r = norm(h, r)`` (fused residual add).
+parent, ``x = r + h; r = x; x = norm(x)`` -> ``x, r = norm(h, r)`` (fused residual add), or, when the normed x
+goes only to a `FusedMoE` child in the next statement (``x = self.mlp(x)``), ``x, r = self.mlp(h, norm=self.norm,
+residual=r)``: the block folds the add and the norm into its router launch at decode (vLLM's fused add-norm
+handed to the consumer, as the native models do).
 
 `RMSNormPattern` matches a module whose whole forward is that dataflow (float32 upcast
 optional, Gemma's ``(1 + weight)`` form as ``offset``) and replaces the module. eps is read per
 instance from the one float attribute holding the traced constant. `ResidualRMSNormPattern`
 matches, in a parent's graph, an add whose result feeds a fused `RMSNorm` child and a later
-add, and rewrites the three source statements into one fused call.
+add, and rewrites the three source statements (four with the MoE fold) into one fused call.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 from torch import nn
 
 from fxrewrite import nodes, source
+from fxrewrite.layers.fused_moe import FusedMoE
 from fxrewrite.layers.layernorm import RMSNorm
 from fxrewrite.patterns.base import Context, Match, Pattern, Refusal, require
 
@@ -127,7 +131,8 @@ class RMSNormPattern(Pattern):
 
 class ResidualRMSNormPattern(Pattern):
     """In a parent, ``x = r + e; r = x; x = self.norm(x)`` with a fused `RMSNorm` norm ->
-    ``x, r = self.norm(e, r)`` (vLLM's fused residual add)."""
+    ``x, r = self.norm(e, r)`` (vLLM's fused residual add); followed by ``x = self.moe(x)`` with a `FusedMoE`
+    child that alone reads x -> ``x, r = self.moe(e, norm=self.norm, residual=r)``."""
 
     name = "residual_rms_norm"
 
@@ -143,7 +148,12 @@ class ResidualRMSNormPattern(Pattern):
             if norm is None or not nodes.is_op(other, operator.add) or "." in norm.target:
                 continue
             if isinstance(traced.module.get_submodule(norm.target), RMSNorm):
-                matches.append(Match(cls, frozenset({add.name, norm.name}), (("norm", norm.target),)))
+                names, claimed = [("norm", norm.target)], {add.name, norm.name}
+                consumer = _moe_consumer(traced, norm)
+                if consumer is not None:  # in names: hooks on it refuse the match (compiler._check_instance)
+                    names.append(("consumer", consumer.target))
+                    claimed.add(consumer.name)
+                matches.append(Match(cls, frozenset(claimed), tuple(names)))
         return matches
 
     @classmethod
@@ -156,24 +166,37 @@ class ResidualRMSNormPattern(Pattern):
         i = next(k for k, s in enumerate(body) if s is line)
         require(i >= 2, "norm call is not preceded by the residual add and copy")
         x, r, e = _residual_shape(body[i - 2], body[i - 1], line, call)
-        new = cst.parse_statement(f"{x}, {r} = self.{match.name('norm')}(__E__, {r})\n")
+        merged = [body[i - 2], body[i - 1], line]
+        consumer = dict(match.names).get("consumer")
+        if consumer is None:
+            new = cst.parse_statement(f"{x}, {r} = self.{match.name('norm')}(__E__, {r})\n")
+        else:
+            require(i + 1 < len(body) and _is_self_call(body[i + 1], x, consumer),
+                    f"the statement after the norm is not `{x} = self.{consumer}({x})`")
+            merged.append(body[i + 1])
+            new = cst.parse_statement(f"{x}, {r} = self.{consumer}(__E__, norm=self.{match.name('norm')}, residual={r})\n")
         new = new.deep_replace(new.body[0].value.args[0].value, e)
-        total = sum(source.line_count(tree, s) for s in (body[i - 2], body[i - 1], line))
-        leading = list(body[i - 2].leading_lines) + list(body[i - 1].leading_lines) + list(line.leading_lines)
+        total = sum(source.line_count(tree, s) for s in merged)
+        leading = [ln for s in merged for ln in s.leading_lines]
         used = cst.Module(body=[new.with_changes(leading_lines=leading)]).code.count("\n")
-        pad = [cst.EmptyLine(comment=cst.Comment(f"# fxrewrite: the residual add and `{r} = {x}` are in the norm call below"))]
+        moved = (f"the residual add and `{r} = {x}` are in the norm call" if consumer is None
+                 else f"the residual add, `{r} = {x}` and the norm are in the {consumer} call")
+        pad = [cst.EmptyLine(comment=cst.Comment(f"# fxrewrite: {moved} below"))]
         pad += [cst.EmptyLine(indent=False)] * (total - used - 1)  # the same line count: tracebacks keep their lines
         new = new.with_changes(leading_lines=(pad if total > used else []) + leading)
-        comments = [s.trailing_whitespace for s in (line, body[i - 1], body[i - 2]) if s.trailing_whitespace.comment]
+        comments = [s.trailing_whitespace for s in reversed(merged) if s.trailing_whitespace.comment]
         if comments:  # keep an end-of-line comment of the merged statements
             new = new.with_changes(trailing_whitespace=comments[0])
-        new_body = body[: i - 2] + [new] + body[i + 1:]
+        new_body = body[: i - 2] + [new] + body[i - 2 + len(merged):]
         return tree.deep_replace(block, block.with_changes(body=new_body))
 
     @classmethod
     def validate(cls, match: Match, module: nn.Module, ctx: Context) -> None:
-        """The norm child is a fused `RMSNorm` on this instance."""
+        """The norm child is a fused `RMSNorm` on this instance (and the consumer, if any, a `FusedMoE`)."""
         require(isinstance(getattr(module, match.name("norm"), None), RMSNorm), "norm child is not a fused RMSNorm")
+        consumer = dict(match.names).get("consumer")
+        require(consumer is None or isinstance(getattr(module, consumer, None), FusedMoE),
+                f"{consumer} child is not a FusedMoE")
 
     @classmethod
     def build(cls, match: Match, module: nn.Module, ctx: Context) -> None:
@@ -182,8 +205,34 @@ class ResidualRMSNormPattern(Pattern):
 
     @classmethod
     def describe(cls, match: Match) -> str:
-        """``residual add + <norm>``."""
-        return f"residual add + {match.name('norm')}"
+        """``residual add + <norm>`` (``-> <consumer> router`` with the MoE fold)."""
+        consumer = dict(match.names).get("consumer")
+        return f"residual add + {match.name('norm')}" + (f" -> {consumer} router" if consumer else "")
+
+
+def _moe_consumer(traced, norm):
+    """The call_module node of a direct `FusedMoE` child that is the norm's only reader, with the normed x as
+    its one argument; else None."""
+    users = list(norm.users)
+    if len(users) != 1:
+        return None
+    user = users[0]
+    if user.op != "call_module" or user.args != (norm,) or user.kwargs or "." in user.target:
+        return None
+    return user if isinstance(traced.module.get_submodule(user.target), FusedMoE) else None
+
+
+def _is_self_call(stmt, x: str, child: str) -> bool:
+    """`stmt` is ``x = self.<child>(x)``."""
+    if not (isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 and isinstance(stmt.body[0], cst.Assign)):
+        return False
+    a = stmt.body[0]
+    call = a.value
+    return (len(a.targets) == 1 and isinstance(a.targets[0].target, cst.Name) and a.targets[0].target.value == x
+            and isinstance(call, cst.Call) and isinstance(call.func, cst.Attribute)
+            and isinstance(call.func.value, cst.Name) and call.func.value.value == "self"
+            and call.func.attr.value == child and len(call.args) == 1 and call.args[0].keyword is None
+            and call.args[0].star == "" and isinstance(call.args[0].value, cst.Name) and call.args[0].value.value == x)
 
 
 def _residual_shape(add_stmt, copy_stmt, norm_stmt, call) -> tuple[str, str, cst.BaseExpression]:

@@ -126,7 +126,12 @@ class FusedMoE(nn.Module):
         name = self.names.get(role)
         return getattr(self, name) if name else None
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, norm: nn.Module | None = None,
+                residual: torch.Tensor | None = None):
+        """hidden_states [..., H] -> [..., H]; with `norm` (and `residual` [..., H]): `forward_norm`'s
+        (out, new residual), the form the rewrite's residual fold calls (patterns/rms_norm.py)."""
+        if norm is not None:
+            return self.forward_norm(hidden_states, norm, residual)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         if dp_ep_active():  # data-parallel replicas share the experts (fxrewrite.layers.moe_dp)
@@ -141,6 +146,7 @@ class FusedMoE(nn.Module):
         (`fxrewrite.kernels.moe_norm_router`) when nothing else needs the plain path."""
         router = self._child("router")
         if (dp_ep_active() or getattr(router, "bias", None) is not None or torch.compiler.is_compiling()
+                or torch.is_grad_enabled()  # training: the norm module's autograd pair
                 or getattr(norm, "offset", None) != 0.0 or not getattr(norm, "upcast", False)):
             x, residual = norm(hidden_states, residual)
             return self(x), residual

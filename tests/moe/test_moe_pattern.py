@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import transformers as T
 from torch import nn
 
 import fxrewrite
+from fxrewrite.kernels.triton_utils import listen_launches
 from fxrewrite.layers.fused_moe import FusedMoE
-from tests.moe.conftest import stock_eager, tiny_moe
+from tests.moe.conftest import LaunchNames, stock_eager, tiny_moe
 
 
 def _moe_lines(model) -> list[str]:
@@ -28,6 +30,26 @@ def test_blocks_become_fused_moe_and_logits_match(family):
     ids = torch.randint(0, 96, (2, 9))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_post_attention_norm_folds_into_the_router(triton_on, monkeypatch, family):
+    """The decoder layer hands its residual add + post-attention RMSNorm to the FusedMoE block (one router launch
+    at decode, as the native model): the report says so, a no-grad forward takes that path (the norm-router
+    kernel in the interpreter, at decode's token counts) and the logits still match transformers'."""
+    model = tiny_moe(family)
+    ref = stock_eager(copy.deepcopy(model))
+    fxrewrite.optimize(model)
+    layer = type(model.model.layers[0]).__name__
+    assert list(fxrewrite.explain(model).classes[layer].applied["residual_rms_norm"]) == [
+        "residual add + post_attention_layernorm -> mlp router"]
+    launches = LaunchNames()
+    ids = torch.randint(0, 96, (1, 1))
+    with torch.no_grad(), listen_launches(launches):
+        got = model(ids).logits
+    assert launches.names.count("_norm_router_kernel") == model.config.num_hidden_layers, launches.names
+    with torch.no_grad():
+        torch.testing.assert_close(got, ref(ids).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_training_gradients_match_stock(family):
