@@ -98,10 +98,13 @@ def gdc_prologue(PDL: tl.constexpr):
 
 
 LINE_BYTES = 128
-_PREFETCH_BYTES = 2048
+_PREFETCH_BYTES = int(os.environ.get("FXREWRITE_PDL_PREFETCH_BYTES", "2048"))
 """With PDL, each GEMV program asks for up to this many bytes of each of its weight rows (whole 128-byte lines,
 its first K columns) to be brought into L2 before it waits on the previous kernel: ~1000 resident programs x 4-8
-rows ~ 8-16 MB in flight during the previous kernel's tail, well inside the 50 MB L2."""
+rows ~ 8-16 MB in flight during the previous kernel's tail, well inside the 50 MB L2.
+``FXREWRITE_PDL_PREFETCH_BYTES`` (read at import) sets it, for measurements. More is slower (H200, batch-1 native,
+2026-12-03-pdl-prefetch-sweep-twentyfourth.log): 2048 / 8192 / 65536 bytes gave Qwen3-30B-A3B 359.9 / 342.7 /
+342.6 tokens/s, Qwen3-4B 344.2 / 319.5 / 318.9; less than 2048 was not measured."""
 
 
 def prefetch_lines(k_per_program: int, element_size: int) -> int:
