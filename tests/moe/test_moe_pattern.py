@@ -52,6 +52,23 @@ def test_post_attention_norm_folds_into_the_router(triton_on, monkeypatch, famil
         torch.testing.assert_close(got, ref(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_a_hooked_moe_block_keeps_its_plain_call():
+    """A forward hook on one layer's MoE block: that block stays transformers' (moe refuses it) and its layer gets
+    the residual add + norm fusion without the fold, so the hook sees the block's own call and output; the other
+    layer is folded; logits still match transformers'."""
+    model = tiny_moe("qwen3_moe")
+    ref = stock_eager(copy.deepcopy(model))
+    seen = []
+    model.model.layers[1].mlp.register_forward_hook(lambda m, args, out: seen.append((len(args), out.shape)))
+    fxrewrite.optimize(model)
+    assert fxrewrite.explain(model).classes["Qwen3MoeDecoderLayer"].applied["residual_rms_norm"] == {
+        "residual add + post_attention_layernorm -> mlp router": 1, "residual add + post_attention_layernorm": 1}
+    ids = torch.randint(0, 96, (1, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+    assert seen == [(1, torch.Size([1, 5, 32]))]
+
+
 def test_training_gradients_match_stock(family):
     model = tiny_moe(family).train()
     ref = stock_eager(copy.deepcopy(model))
