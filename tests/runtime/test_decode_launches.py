@@ -126,3 +126,19 @@ def test_after_arm_gives_transformers_tokens_and_launches_what_native_does(tiny_
     native = decode_step_launches(LLM(str(path), model_impl="native", **kwargs))
     assert launches["triton:_qk_norm_rope_cache_kernel"] == 2 and not launches["triton:_reshape_and_cache_kernel"]
     assert launches - native == Counter({"aten:add": 2, "aten:index": 1}) and not native - launches, launches
+
+
+def test_after_arm_moe_folds_its_norm_into_the_router_as_native_does(tiny_model_dir, interpret, monkeypatch):
+    """A rewritten Qwen3-MoE's batch-1 decode step: the post-attention residual add + RMSNorm run inside the router
+    launch, as in the native model, so the after arm launches no RMSNorm kernel the native one does not; what it
+    adds is transformers' layer-final residual adds and the rotary gather."""
+    path = tiny_model_dir("qwen3_moe", num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+                          moe_intermediate_size=16)  # transformers' default 128 x 768 experts: minutes interpreted
+    monkeypatch.setenv("FXREWRITE_TRITON", "1")
+    kwargs = dict(dtype="float32", kv_cache_memory_bytes=1 << 21, max_model_len=256, block_size=4)
+    after = decode_step_launches(LLM(str(path), model_impl="transformers", fusion=True, **kwargs))
+    native = decode_step_launches(LLM(str(path), model_impl="native", **kwargs))
+    assert after["triton:_norm_router_kernel"] == native["triton:_norm_router_kernel"] == 2, after
+    extra = after - native
+    assert not [k for k in extra if k.startswith("triton:")] and extra["aten:add"] == 2, extra
+    assert not native - after, native - after
