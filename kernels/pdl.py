@@ -41,8 +41,8 @@ import torch
 
 from fxrewrite.kernels.triton_utils import HAS_TRITON, interpreter_ready, next_power_of_2, tl, triton
 
-__all__ = ["MODES", "mode", "device_supports_pdl", "pdl_enabled", "gdc_prologue", "prefetch_l2", "prefetch_lines",
-           "LINE_BYTES"]
+__all__ = ["MODES", "mode", "device_supports_pdl", "pdl_enabled", "check_environment", "gdc_prologue", "prefetch_l2",
+           "prefetch_bytes", "prefetch_lines", "LINE_BYTES"]
 
 MODES = ("auto", "on", "off")
 
@@ -98,18 +98,38 @@ def gdc_prologue(PDL: tl.constexpr):
 
 
 LINE_BYTES = 128
-_PREFETCH_BYTES = int(os.environ.get("FXREWRITE_PDL_PREFETCH_BYTES", "2048"))
-"""With PDL, each GEMV program asks for up to this many bytes of each of its weight rows (whole 128-byte lines,
-its first K columns) to be brought into L2 before it waits on the previous kernel: ~1000 resident programs x 4-8
-rows ~ 8-16 MB in flight during the previous kernel's tail, well inside the 50 MB L2.
-``FXREWRITE_PDL_PREFETCH_BYTES`` (read at import) sets it, for measurements. More is slower (H200, batch-1 native,
-2026-12-03-pdl-prefetch-sweep-twentyfourth.log): 2048 / 8192 / 65536 bytes gave Qwen3-30B-A3B 359.9 / 342.7 /
-342.6 tokens/s, Qwen3-4B 344.2 / 319.5 / 318.9; less than 2048 was not measured."""
+
+
+def prefetch_bytes() -> int:
+    """With PDL, each GEMV program asks for up to this many bytes of each of its weight rows (whole 128-byte lines,
+    its first K columns) to be brought into L2 before it waits on the previous kernel: ~1000 resident programs x
+    4-8 rows ~ 8-16 MB in flight during the previous kernel's tail, well inside the 50 MB L2. 2048, or
+    ``FXREWRITE_PDL_PREFETCH_BYTES`` (for measurements; ValueError naming a value that is not a whole number
+    >= 128). More is slower (H200, batch-1 native, 2026-12-03-pdl-prefetch-sweep-twentyfourth.log): 2048 / 8192 /
+    65536 bytes gave Qwen3-30B-A3B 359.9 / 342.7 / 342.6 tokens/s, Qwen3-4B 344.2 / 319.5 / 318.9; less than 2048
+    was not measured."""
+    return _parse_prefetch_bytes(os.environ.get("FXREWRITE_PDL_PREFETCH_BYTES", "2048"))
+
+
+@functools.lru_cache(maxsize=None)
+def _parse_prefetch_bytes(raw: str) -> int:
+    value = int(raw) if raw.strip().isdigit() else -1
+    if value < LINE_BYTES:
+        raise ValueError(f"FXREWRITE_PDL_PREFETCH_BYTES={raw!r}; expected a whole number of bytes >= {LINE_BYTES} "
+                         "(default 2048)")
+    return value
+
+
+def check_environment(device) -> None:
+    """FXREWRITE_PDL and FXREWRITE_PDL_PREFETCH_BYTES checked once (an engine's start), not first at a kernel
+    launch: ValueError naming a bad value, RuntimeError for ``on`` on a device without PDL."""
+    prefetch_bytes()
+    pdl_enabled(device)
 
 
 def prefetch_lines(k_per_program: int, element_size: int) -> int:
     """Cache lines of one weight row to prefetch (a power of two, >= 1)."""
-    lines = min(_PREFETCH_BYTES, k_per_program * element_size) // LINE_BYTES
+    lines = min(prefetch_bytes(), k_per_program * element_size) // LINE_BYTES
     return max(1, next_power_of_2(lines) // 2 if next_power_of_2(lines) > lines else lines)
 
 

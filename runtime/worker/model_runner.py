@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from fxrewrite import distributed
+from fxrewrite.kernels import gemv_dispatch, pdl
 from fxrewrite.kernels.batch_invariant import batch_invariant_mode
 from fxrewrite.layers.rope_context import rope_lengths
 from fxrewrite.layers.fused_moe import prepare_moe_router
@@ -132,6 +133,17 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
+def check_kernel_switches(device: torch.device) -> None:
+    """The FXREWRITE_* switches the kernels read at each launch (FXREWRITE_GEMV, FXREWRITE_PDL and its prefetch
+    size), checked before anything is built, on any device: UserInputError naming a bad value, or ``on`` on a
+    device without PDL."""
+    try:
+        gemv_dispatch.mode()
+        pdl.check_environment(device)
+    except (ValueError, RuntimeError) as e:
+        raise UserInputError(str(e)) from None
+
+
 class ModelRunner:
     """Owns the model, the KV caches and the sampler; `execute_model` runs one scheduled step."""
 
@@ -140,6 +152,7 @@ class ModelRunner:
         self.model_config = model_config
         self.sleep_state: sleep_mode.SleepState | None = None
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        check_kernel_switches(self.device)
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
         self.pipeline = pipeline_stage_of_this_rank()

@@ -78,3 +78,31 @@ def test_split_k_more_splits_than_tiles(interpret):
     got = skinny_gemv_triton(x, w, config=(16, 512, 4, 8))
     want = skinny_gemv_ref(x, w)
     assert ((got.float() - want.float()).abs().max() / want.float().abs().max()) < 2e-2
+
+
+def test_prefetch_bytes_setting(monkeypatch):
+    monkeypatch.delenv("FXREWRITE_PDL_PREFETCH_BYTES", raising=False)
+    assert pdl.prefetch_bytes() == 2048 and pdl.prefetch_lines(4096, 2) == 16
+    monkeypatch.setenv("FXREWRITE_PDL_PREFETCH_BYTES", "8192")
+    assert pdl.prefetch_lines(4096, 2) == 64
+    for bad in ("abc", "-5", "64", ""):
+        monkeypatch.setenv("FXREWRITE_PDL_PREFETCH_BYTES", bad)
+        with pytest.raises(ValueError, match=f"FXREWRITE_PDL_PREFETCH_BYTES={bad!r}; expected a whole number"):
+            pdl.prefetch_bytes()
+
+
+@pytest.mark.parametrize("var,value,message", [
+    ("FXREWRITE_PDL", "yes", "FXREWRITE_PDL='yes'; expected one of"),
+    ("FXREWRITE_PDL", "on", "FXREWRITE_PDL=on but device cpu has no programmatic dependent launch"),
+    ("FXREWRITE_PDL_PREFETCH_BYTES", "-5", "FXREWRITE_PDL_PREFETCH_BYTES='-5'"),
+    ("FXREWRITE_GEMV", "yes", "FXREWRITE_GEMV='yes'"),
+])
+def test_engine_checks_the_kernel_switches_at_start(tiny_model_dir, monkeypatch, var, value, message):
+    """A bad switch is one user error when the engine starts, also on a CPU, where no kernel would read it."""
+    from fxrewrite.errors import UserInputError
+    from fxrewrite.runtime.llm import LLM
+
+    path = tiny_model_dir("qwen3")
+    monkeypatch.setenv(var, value)
+    with pytest.raises(UserInputError, match=message):
+        LLM(str(path), dtype="float32", device="cpu", kv_cache_memory_bytes=1 << 20, max_model_len=64)
