@@ -71,10 +71,12 @@ def optimize(model: nn.Module, **opts) -> nn.Module:
         report.notes.append(f"{user_hooks.global_hooks()} global module hook(s) (register_module_*_hook) are set: "
                             "they run for the fused modules instead of the modules fused into them")
     names, memo = {id(m): n or "(model)" for n, m in model.named_modules()}, MetaMemo()
-    for cls, instances in _classes_children_first(model).items():
+    by_class = _classes_children_first(model)
+    for cls, instances in by_class.items():
         entry = report.entry(cls.__name__)
         entry.instances = len(instances)
         _optimize_groups(cls, instances, records, names, memo, patterns, ctx, entry, model)
+    _note_replaced_with_parents(model, by_class, names, report)
     if use_sdpa_causal(model):  # torch.compile keeps SDPA's implicit causal mask (flash, no k/v copies)
         report.notes.append(f"attention: {SDPA_CAUSAL} (transformers' SDPA; under torch.compile no materialised "
                             "causal mask for a call without attention_mask / position_ids / cache)")
@@ -82,6 +84,24 @@ def optimize(model: nn.Module, **opts) -> nn.Module:
     weights.install_hf_name_hooks(model)
     weights.mark_fused_away(model)
     return model
+
+
+def _note_replaced_with_parents(model: nn.Module, by_class, names: dict[int, str], report: FusionReport) -> None:
+    """A class none of whose instances is left in the model went with the modules holding them (the experts of a
+    MoE block that became FusedMoE): its report names the replacement instead of its own (moot) refusals."""
+    alive = {id(m) for m in model.modules()}
+    for cls, instances in by_class.items():
+        if any(id(m) in alive for m in instances) or id(instances[0]) not in names:
+            continue
+        path = names[id(instances[0])]
+        while "." in path:
+            path = path.rsplit(".", 1)[0]
+            holder = model.get_submodule(path)
+            if type(holder).__module__.startswith("fxrewrite."):
+                entry = report.entry(cls.__name__)
+                more = f" and {len(instances) - 1} more" if len(instances) > 1 else ""
+                entry.replaced_with, entry.skipped = f"{path}{more}, now {type(holder).__name__}", []
+                break
 
 
 def explain(model: nn.Module) -> FusionReport:

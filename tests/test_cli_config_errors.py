@@ -21,6 +21,8 @@ def test_engine_config_errors_are_one_line(flags, words, capsys):
 @pytest.mark.parametrize("flags, expected", [
     (["--max-logprobs", "abc"], "expected a positive integer or -1 (no limit), got 'abc'"),
     (["--max-num-seqs", "many"], "expected a positive integer, got 'many'"),
+    (["--kv-cache-memory-bytes", "4Q"], "expected a positive number of bytes (an integer, or one with a size suffix "
+                                        "such as 512M or 4G), got '4Q'"),
 ])
 def test_an_integer_flag_that_is_not_a_number_names_what_it_takes(flags, expected, capsys):
     with pytest.raises(SystemExit) as exit_info:  # argparse's own usage error, before any model is read

@@ -16,8 +16,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from fxrewrite.commands.engine_args import (add_compilation_argument, gpu_memory_utilization, non_negative_int,
-                                             parse_hf_overrides, positive_int)
+from fxrewrite.commands.engine_args import (add_compilation_argument, byte_size, gpu_memory_utilization,
+                                             non_negative_int, parse_hf_overrides, positive_int)
 from fxrewrite.errors import UserInputError
 from fxrewrite.runtime.engine_config import KV_CACHE_DTYPES
 
@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=positive_int, default=256)
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
     g.add_argument("--gpu-memory-utilization", type=gpu_memory_utilization, default=0.9)
-    g.add_argument("--kv-cache-memory-bytes", type=positive_int, default=None)
+    g.add_argument("--kv-cache-memory-bytes", type=byte_size, default=None)
     add_compilation_argument(g)
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no torch.compile")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,

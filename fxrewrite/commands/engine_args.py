@@ -111,6 +111,12 @@ def positive_int(value: str) -> int:
     return _int_where(value, lambda n: n >= 1, "a positive integer")
 
 
+def byte_size(value: str) -> int:
+    """An argparse ``type`` for a size in bytes: human_readable_int (``4G``), at least 1."""
+    return _int_where(value, lambda n: n >= 1, "a positive number of bytes (an integer, or one with "
+                                               "a size suffix such as 512M or 4G)")
+
+
 def non_negative_int(value: str) -> int:
     """An argparse ``type``: human_readable_int, at least 0."""
     return _int_where(value, lambda n: n >= 0, "an integer >= 0")
@@ -214,7 +220,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help="reuse KV blocks of shared prompt prefixes")
     g.add_argument("--gpu-memory-utilization", type=gpu_memory_utilization, default=0.9,
                    help="fraction of GPU memory the engine may use (weights + activations + KV cache)")
-    g.add_argument("--kv-cache-memory-bytes", type=positive_int, default=None,
+    g.add_argument("--kv-cache-memory-bytes", type=byte_size, default=None,
                    help="KV-cache size in bytes (e.g. 4G); overrides --gpu-memory-utilization for the cache")
     _add_execution_arguments(g)
     g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,

@@ -394,6 +394,6 @@ def _warn_if_cache_is_short(block_manager: BlockManager, max_model_len: int) -> 
     """Log when one sequence of max_model_len tokens cannot fit the whole KV cache (vLLM refuses to start then)."""
     capacity = block_manager.num_blocks * block_manager.block_size
     if capacity < max_model_len:
-        logger.warning("the KV cache holds %d tokens, less than max_model_len=%d: requests whose max_tokens needs "
-                       "more are refused, and ones without max_tokens stop at %d tokens; raise kv_cache_memory_bytes "
+        logger.warning("the KV cache holds %d tokens, less than max_model_len=%d: longer max_tokens are refused, no "
+                       "max_tokens stops at %d tokens (the last sampled one needs no slot); raise kv_cache_memory_bytes "
                        "(on a GPU: gpu_memory_utilization) or lower max_model_len", capacity, max_model_len, capacity + 1)

@@ -365,7 +365,7 @@ def verify_max_model_len(max_model_len: int | None, derived: int, key: str) -> i
         return max_model_len
     msg = (
         f"max_model_len={max_model_len} is greater than the derived max_model_len={derived} "
-        f"(from the model config: {key})."
+        f"(from {'the tokenizer config' if 'tokenizer' in key else 'the model config'}: {key})."
     )
     if any(os.environ.get(name, "").strip().lower() in ("1", "true") for name in ALLOW_LONG_ENV_VARS):
         warnings.warn(

@@ -32,6 +32,17 @@ def test_blocks_become_fused_moe_and_logits_match(family):
         torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_report_names_the_fused_block_for_the_experts_inside_it():
+    """The experts module goes with its block: its row names the FusedMoE that replaced the block, not the
+    refusals of its own (moot) trace."""
+    model = fxrewrite.optimize(tiny_moe("qwen3_moe"))
+    entry = fxrewrite.explain(model).classes["Qwen3MoeExperts"]
+    layers = model.config.num_hidden_layers
+    assert entry.replaced_with == f"model.layers.0.mlp and {layers - 1} more, now FusedMoE" and not entry.skipped
+    assert "(inside model.layers.0.mlp and" in str(fxrewrite.explain(model))
+    assert not fxrewrite.explain(model).classes["Qwen3MoeSparseMoeBlock"].replaced_with
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
 def test_post_attention_norm_folds_into_the_router(triton_on, monkeypatch, family):
     """The decoder layer hands its residual add + post-attention RMSNorm to the FusedMoE block (one router launch
