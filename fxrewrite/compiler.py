@@ -115,10 +115,12 @@ def explain(model: nn.Module) -> FusionReport:
 def _optimize_groups(cls, instances, records, names, memo, patterns, ctx, entry: ClassReport, model) -> None:
     """Trace, match and rewrite each group of identical instances of `cls` (`_groups`) on its own. With several
     groups, refusals name the group's modules, and a group where a pattern found in another group is absent
-    gets a line saying how its instances differ from that group's."""
+    gets a line saying how its instances differ from the nearest such group's."""
     groups = _groups(instances, records)
     differ = {(id(a[0]), id(b[0])): signature.difference(a[0], b[0])  # before this class's rewrite changes them
               for a in groups for b in groups if a is not b} if len(groups) > 1 else {}
+    nearness = {(id(a[0]), id(b[0])): signature.children_differing(a[0], b[0])
+                for a in groups for b in groups} if len(groups) > 1 else {}
     found: list[tuple[list[nn.Module], object, set[str]]] = []
     for members in groups:
         group = entry if len(groups) == 1 else GroupReport(entry, [names.get(id(m), "?") for m in members])
@@ -131,7 +133,8 @@ def _optimize_groups(cls, instances, records, names, memo, patterns, ctx, entry:
             traced = tracer.trace(members[0], args, kwargs)
         found.append((members, group, _optimize_class(cls, members, traced, patterns, ctx, group, model)))
     for members, group, names_found in found if len(groups) > 1 else ():
-        for other, other_group, other_found in found:  # only where this group lost a fusion and gained none
+        nearest_first = sorted(found, key=lambda f: nearness[id(f[0][0]), id(members[0])])
+        for other, other_group, other_found in nearest_first:  # only where this group lost a fusion and gained none
             for name in sorted(other_found - names_found - group.seen) if names_found < other_found else ():
                 group.skip(name, f"not found in this instance's graph, unlike [{other_group.label}]: "
                            + differ[id(other[0]), id(members[0])])

@@ -90,9 +90,21 @@ def _key(module: nn.Module, seen: dict, done: dict | None = None) -> Hashable:
     return (type(module), forward, params, buffers, attrs, children)
 
 
+def children_differing(a: nn.Module, b: nn.Module) -> int:
+    """How many direct children of `a` and `b` differ in `structure_key` (one missing on a side counts): the
+    nearer of two groups to compare a third with (`difference` names only the first thing that differs)."""
+    names = dict.fromkeys([*a._modules, *b._modules])
+    return sum((a._modules.get(n) is None) != (b._modules.get(n) is None)
+               or (a._modules.get(n) is not None and _key(a._modules[n], {}) != _key(b._modules[n], {}))
+               for n in names)
+
+
 def difference(a: nn.Module, b: nn.Module, path: str = "") -> str:
     """The first thing (depth first) that makes `structure_key` of `b` differ from `a`'s, in words."""
     where = path or "the module"
+    hooked = [any(m.__dict__.get(h) for h in _HOOK_DICTS) for m in (a, b)]
+    if hooked[1] and not hooked[0]:  # first: hooks also keep a module from being replaced (another type then)
+        return f"{where} has forward/backward hooks"
     if type(a) is not type(b):
         na, nb = type(a).__name__, type(b).__name__
         if na == nb:

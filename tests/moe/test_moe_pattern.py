@@ -43,6 +43,16 @@ def test_report_names_the_fused_block_for_the_experts_inside_it():
     assert not fxrewrite.explain(model).classes["Qwen3MoeSparseMoeBlock"].replaced_with
 
 
+def test_report_compares_a_hooked_layer_with_the_nearest_group():
+    """Dense and MoE layers, one MoE layer's post-attention norm hooked: the layer's row names the hook (against the
+    other MoE layer), not the dense layers' different mlp."""
+    model = tiny_moe("qwen3_moe", num_hidden_layers=3, mlp_only_layers=[0])
+    model.model.layers[2].post_attention_layernorm.register_forward_hook(lambda module, args, out: None)
+    skipped = fxrewrite.explain(fxrewrite.optimize(model)).classes["Qwen3MoeDecoderLayer"].skipped
+    assert skipped == [("residual_rms_norm", "[model.layers.2] not found in this instance's graph, unlike "
+                        "[model.layers.1]: post_attention_layernorm has forward/backward hooks")]
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
 def test_post_attention_norm_folds_into_the_router(triton_on, monkeypatch, family):
     """The decoder layer hands its residual add + post-attention RMSNorm to the FusedMoE block (one router launch
