@@ -1,8 +1,9 @@
 """Paged decode attention over a bf16 vs an FP8 (e4m3) KV cache (GPU), Qwen3-4B / Llama-3.1-8B heads
 (32 q, 8 kv, head 128), blocks of 16 slots in shuffled order, every sequence its own blocks.
 
-For each (sequences, context) case and cache dtype it times each launch config (for FP8, with the dots in fp16
-and, for two configs, in the query's bf16: ``fp8_dots``) of ``paged_decode_triton``
+For each (sequences, context) case and cache dtype it times each launch config (heads along the MMA's M, then
+with the keys there: ``keys_major``; for FP8, with the dots in fp16, for two configs in the query's bf16, and on FP8
+tensor cores: ``fp8_dots``) of ``paged_decode_triton``
 (``triton.testing.do_bench`` medians) and checks it against the reference over the dequantized cache; the
 row gives the best config's time and the bytes it must read (cache + queries + output) over the time, as a
 share of the measured copy bandwidth. ``python -m fxrewrite.benchmarks.kv_cache_fp8 --out DIR`` writes
@@ -22,9 +23,12 @@ from fxrewrite.benchmarks.common import RESULTS_DIR, environment
 from fxrewrite.kernels.paged_attention import paged_attention_ref
 from fxrewrite.kernels.paged_decode import paged_decode_triton
 
-CASES = [(200, 560), (64, 2048), (8, 8192), (1, 32768)]
+CASES = [(200, 560), (64, 2048), (8, 8192), (1, 32768), (1, 256), (1, 2048)]
 # The configs that came first or second in one case or another (H200, 2026-12-02-kv-cache-fp8-seventeenth.json).
 CONFIGS = [dict(block_n=n, num_warps=w, num_stages=s) for n, w, s in [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2)]]
+# Keys along the MMA's M (keys_major; always so with fp8_dots="float8"): wgmma tiles of 64 keys and up.
+KEYS_MAJOR_CONFIGS = [dict(block_n=n, num_warps=w, num_stages=s, keys_major=True) for n, w, s in
+                      [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (256, 8, 2)]]
 DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 
 
@@ -35,15 +39,21 @@ def _case_rows(batch: int, ctx: int, bandwidth: float) -> list[dict]:
         cache = tuple(c.to(dtype) for c in args[1:3])
         case = (args[0], *cache, *args[3:])
         want = paged_attention_ref(args[0], *(c.to(torch.bfloat16) for c in cache), *args[3:], scale)
-        configs = CONFIGS if dtype.itemsize == 2 else CONFIGS + [dict(c, fp8_dots="query") for c in CONFIGS[:2]]
-        best, tried = kernels._sweep(f"{label} b{batch} ctx{ctx}", paged_decode_triton, case, want, configs, scale)
-        cache_bytes = 2 * sum(seq_lens) * kernels.NUM_KV_HEADS * kernels.HEAD_DIM * dtype.itemsize
-        nbytes = cache_bytes + 2 * args[0].numel() * 2
-        ms = best["ms"] if best else None
-        rows.append(dict(batch=batch, context=ctx, kv_cache_dtype=label, best=best, tried=tried, bytes=nbytes,
-                         pct_of_copy=100 * nbytes / (ms * 1e-3) / bandwidth if ms else None))
-        print(f"{label:9} b={batch:<4} ctx={ctx:<6} {ms and round(ms * 1e3, 1)} us "
-              f"({rows[-1]['pct_of_copy'] and round(rows[-1]['pct_of_copy'])}% of copy) {best}", flush=True)
+        sweeps = [(label, CONFIGS, 2e-2), (f"{label}_keys_major", KEYS_MAJOR_CONFIGS, 2e-2)]
+        if dtype.itemsize == 1:
+            sweeps = [(label, CONFIGS + [dict(c, fp8_dots="query") for c in CONFIGS[:2]], 2e-2), sweeps[1],
+                      # e4m3 query and probabilities: about the error of the e4m3 cache itself (attention_tile.py)
+                      (f"{label}_float8_dots", [dict(c, fp8_dots="float8") for c in KEYS_MAJOR_CONFIGS], 8e-2)]
+        for row_label, configs, max_err in sweeps:
+            best, tried = kernels._sweep(f"{row_label} b{batch} ctx{ctx}", paged_decode_triton, case, want, configs,
+                                         scale, max_err)
+            cache_bytes = 2 * sum(seq_lens) * kernels.NUM_KV_HEADS * kernels.HEAD_DIM * dtype.itemsize
+            nbytes = cache_bytes + 2 * args[0].numel() * 2
+            ms = best["ms"] if best else None
+            rows.append(dict(batch=batch, context=ctx, kv_cache_dtype=row_label, best=best, tried=tried, bytes=nbytes,
+                             pct_of_copy=100 * nbytes / (ms * 1e-3) / bandwidth if ms else None))
+            print(f"{row_label:9} b={batch:<4} ctx={ctx:<6} {ms and round(ms * 1e3, 1)} us "
+                  f"({rows[-1]['pct_of_copy'] and round(rows[-1]['pct_of_copy'])}% of copy) {best}", flush=True)
     return rows
 
 

@@ -5,7 +5,8 @@
 # Usage (repo root, on the GPU machine):
 #   OUT=<dir> VAR=FXREWRITE_PDL VALUES="off auto" CONFIGS="qwen3-4b" bash benchmarks/latency_ab.sh
 # (STEP_S caps each compare; PROFILE=1 adds the native arm's batch-1 per-kernel profile at the last value;
-# EXTRA holds more bench compare arguments, word-split, e.g. EXTRA="--quantization fp8".)
+# EXTRA holds more bench compare arguments, word-split, e.g. EXTRA="--quantization fp8"; WORKLOAD replaces
+# "--workload latency --max-num-seqs 1", e.g. WORKLOAD="--workload throughput --num-prompts 200".)
 set -o pipefail
 source benchmarks/gpu_env.sh
 : "${VAR:?VAR: the environment variable to switch}" "${VALUES:?VALUES: its values, space-separated}"
@@ -17,9 +18,9 @@ if [ -n "${TESTS:-}" ]; then
 fi
 for config in ${CONFIGS:-qwen3-4b}; do
   for value in $VALUES; do
-    stamp "bench compare $config latency (${ARMS:-native,after}), $VAR=$value"
+    stamp "bench compare $config ${WORKLOAD:-latency} (${ARMS:-native,after}), $VAR=$value"
     env "$VAR=$value" timeout -k 5 "$(left "${STEP_S:-120}")" $PY -m fxrewrite bench compare --config "$config" \
-      --arms "${ARMS:-native,after}" --workload latency --max-num-seqs 1 --time-limit "${ARM_TIME_LIMIT:-8}" \
+      --arms "${ARMS:-native,after}" ${WORKLOAD:---workload latency --max-num-seqs 1} --time-limit "${ARM_TIME_LIMIT:-8}" \
       --note "$VAR=$value" ${EXTRA:-} "${TOK[@]}" --out "$OUT_DIR/$value" 2>&1 | grep -v "it/s\]$\|tokenizer you are loading" | tail -6
   done
   if [ -n "${PROFILE:-}" ]; then

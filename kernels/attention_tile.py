@@ -49,8 +49,9 @@ def check_last_dim_contiguous(*tensors: torch.Tensor) -> None:
                              "expected a contiguous last (head) dim")
 
 
-FP8_DOTS = ("float16", "query")
-"""How dots over an FP8 cache run under a half-precision query: in fp16 (default) or in the query's dtype."""
+FP8_DOTS = ("float16", "query", "float8")
+"""How dots over an FP8 cache run under a half-precision query: in fp16 (default), in the query's dtype, or (decode
+only, e4m3 cache) on FP8 tensor cores: the query quantized to e4m3 per head, the probabilities as e4m3 (x 256)."""
 
 
 def fp16_dots(query: torch.Tensor, key_cache: torch.Tensor, fp8_dots: str = "float16") -> bool:
@@ -58,6 +59,13 @@ def fp16_dots(query: torch.Tensor, key_cache: torch.Tensor, fp8_dots: str = "flo
     if fp8_dots not in FP8_DOTS:
         raise ValueError(f"paged_attention: fp8_dots={fp8_dots!r}; expected one of {FP8_DOTS}")
     return key_cache.element_size() == 1 and query.dtype != torch.float32 and fp8_dots == "float16"
+
+
+def float8_dots(query: torch.Tensor, key_cache: torch.Tensor, fp8_dots: str = "float16") -> bool:
+    """The decode kernel's F8_DOTS flag: `fp8_dots` "float8" over an e4m3 cache under a bf16 / fp16 query."""
+    if fp8_dots not in FP8_DOTS:
+        raise ValueError(f"paged_attention: fp8_dots={fp8_dots!r}; expected one of {FP8_DOTS}")
+    return key_cache.dtype == torch.float8_e4m3fn and query.dtype != torch.float32 and fp8_dots == "float8"
 
 
 def widen_asm(query: torch.Tensor, key_cache: torch.Tensor, fp8_dots: str = "float16") -> int:
@@ -89,25 +97,60 @@ def dot_dtype(q, FP16_DOTS: tl.constexpr):
 
 
 @triton.jit
+def to_e4m3(x, EXACT_CAST: tl.constexpr):
+    """float32 `x` (within +-448) as e4m3, nearest. EXACT_CAST (for triton's CPU interpreter, whose float32 -> FP8
+    cast loses the mantissa carry: 1.99 -> 1.0): x is first rounded to 3 mantissa bits in float32 (ties to even),
+    which the cast then keeps."""
+    if EXACT_CAST:
+        bits = x.to(tl.int32, bitcast=True)
+        x = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def quantize_query(q, EXACT_CAST: tl.constexpr):
+    """A [M, D] query tile as e4m3 with one float32 scale a row (its amax over 448; 1 for an all-zero row)."""
+    q = q.to(tl.float32)
+    amax = tl.max(tl.abs(q), axis=1)
+    q_scale = tl.where(amax > 0.0, amax / 448.0, 1.0)
+    return to_e4m3(q / q_scale[:, None], EXACT_CAST), q_scale
+
+
+# Probabilities (<= 1) go to e4m3 times this, out of its subnormal range; the P.V dot's result is scaled back.
+P_SCALE = tl.constexpr(256.0)
+
+
+@triton.jit
+def tile_slots(bt_row_ptr, n0, end, block_size, BLOCK_N: tl.constexpr):
+    """Keys [n0, n0 + BLOCK_N) of a sequence: their positions, which are < end, and their (block, slot) in the cache."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    n_mask = pos < end
+    blk = tl.load(bt_row_ptr + pos // block_size, mask=n_mask, other=0).to(tl.int64)
+    return pos, n_mask, blk, pos % block_size
+
+
+@triton.jit
+def log2_scores(s, scale, soft_cap, HAS_SOFTCAP: tl.constexpr):
+    """q.k dot products as the online softmax takes them: scaled (and soft-capped), in the log2 domain."""
+    if HAS_SOFTCAP:
+        s = s * scale
+        return soft_cap * (2.0 * tl.sigmoid(2.0 * s / soft_cap) - 1.0) * 1.4426950408889634
+    return s * (scale * 1.4426950408889634)
+
+
+@triton.jit
 def attention_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row_ptr, n0, end, q_pos, kvh, scale, soft_cap,
                    sliding_window, block_size, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, offs_d, d_mask,
                    BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_ASM: tl.constexpr):
     """Fold keys [n0, min(n0 + BLOCK_N, end)) into (m_i, l_i, acc); q is [M, BLOCK_D]."""
-    pos = n0 + tl.arange(0, BLOCK_N)
-    n_mask = pos < end
-    blk = tl.load(bt_row_ptr + pos // block_size, mask=n_mask, other=0).to(tl.int64)
-    slot = pos % block_size
+    pos, n_mask, blk, slot = tile_slots(bt_row_ptr, n0, end, block_size, BLOCK_N)
     kv_mask = n_mask[:, None] & d_mask[None, :]
     # an FP8 cache is widened to the query's dtype (module docstring); for a cache in that dtype a no-op
     k = tl.load(kc_ptr + blk[:, None] * kc_s0 + slot[:, None] * kc_s1 + kvh * kc_s2 + offs_d[None, :],
                 mask=kv_mask, other=0.0)
-    s = tl.dot(q, tl.trans(widen(k, q.dtype, WIDEN_ASM)), input_precision=DOT_PRECISION)
-    if HAS_SOFTCAP:
-        s = s * scale
-        s = soft_cap * (2.0 * tl.sigmoid(2.0 * s / soft_cap) - 1.0) * 1.4426950408889634
-    else:
-        s = s * (scale * 1.4426950408889634)
+    s = log2_scores(tl.dot(q, tl.trans(widen(k, q.dtype, WIDEN_ASM)), input_precision=DOT_PRECISION), scale,
+                    soft_cap, HAS_SOFTCAP)
     visible = n_mask[None, :]
     if MASK_CAUSAL:
         visible = visible & (pos[None, :] <= q_pos[:, None])
@@ -123,3 +166,38 @@ def attention_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row_ptr, n0, end, q_pos,
     v = widen(v, q.dtype, WIDEN_ASM)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def decode_tile_keys_major(q, q_scale, m_i, l_i, acc_t, kc_ptr, vc_ptr, bt_row_ptr, n0, end, kvh, scale, soft_cap,
+                           block_size, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, offs_d, d_mask,
+                           BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                           WIDEN_ASM: tl.constexpr, F8_DOTS: tl.constexpr, EXACT_CAST: tl.constexpr):
+    """:func:`attention_tile` for one decode token's G' query heads (q: [G', BLOCK_D]) with the keys along the
+    MMA's M side: scores s^T = K q^T [BLOCK_N, G'] and acc_t = (P V)^T [BLOCK_D, G'], so the heads are the MMA's N
+    (8 and up) and the softmax touches BLOCK_N x G' values, where heads as rows are padded to M (16 for mma.sync,
+    64 for wgmma: with FP8 dots that way the kernel ran 2x slower than its fp16 dots on an H200). F8_DOTS: q is
+    e4m3 with row scales `q_scale` (:func:`quantize_query`), both dots take the e4m3 cache tiles as loaded and the
+    probabilities enter the second as e4m3 x `P_SCALE`; otherwise the tiles are widened as in attention_tile."""
+    _, n_mask, blk, slot = tile_slots(bt_row_ptr, n0, end, block_size, BLOCK_N)
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(kc_ptr + blk[:, None] * kc_s0 + slot[:, None] * kc_s1 + kvh * kc_s2 + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    if F8_DOTS:
+        s = tl.dot(k, tl.trans(q)) * q_scale[None, :]
+    else:
+        s = tl.dot(widen(k, q.dtype, WIDEN_ASM), tl.trans(q), input_precision=DOT_PRECISION)
+    s = log2_scores(s, scale, soft_cap, HAS_SOFTCAP)
+    s = tl.where(n_mask[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[None, :])
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    v = tl.load(vc_ptr + blk[:, None] * vc_s0 + slot[:, None] * vc_s1 + kvh * vc_s2 + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    if F8_DOTS:
+        acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v), to_e4m3(p * P_SCALE, EXACT_CAST)) * (1.0 / P_SCALE)
+    else:
+        v = widen(v, q.dtype, WIDEN_ASM)
+        acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v), p.to(v.dtype), input_precision=DOT_PRECISION)
+    return m_new, l_i, acc_t

@@ -18,19 +18,28 @@ window-limited context is at most ``single_split_len`` keys (default `_SINGLE_SP
 walked by its split 0 alone, exactly as a one-split launch walks it (bitwise), written directly, and
 skipped by the merge (the merge launch stays in the graph, each of its programs returns at once);
 longer sequences take the split path unchanged.
+Each program's tile puts its G query heads along the MMA's M (padded to 16) or, keys-major
+(:func:`~fxrewrite.kernels.attention_tile.decode_tile_keys_major`, ``FXREWRITE_DECODE_TILE``), its keys along M and
+the heads along N (padded to 8): on an H200 the keys-major form runs the K and V tiles through wgmma straight from
+shared memory and was as fast at 200 x 560 and 64 x 2048 keys and 22% faster for one sequence of 32k keys
+(2026-12-03-kv-cache-keys-major-twentyfifth.json). Over an e4m3 cache ``fp8_dots="float8"`` (``FXREWRITE_KV_FP8_DOTS``)
+runs both dots on FP8 tensor cores, keys-major.
 Semantics and arguments: :mod:`fxrewrite.kernels.paged_attention`.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from fxrewrite.kernels.attention_tile import (attention_tile, check_last_dim_contiguous, check_paged_args, dot_dtype,
-                                              fp16_dots, widen_asm)
+from fxrewrite.kernels.attention_tile import (FP8_DOTS, attention_tile, check_last_dim_contiguous, check_paged_args,
+                                              decode_tile_keys_major, dot_dtype, float8_dots, fp16_dots, quantize_query,
+                                              widen_asm)
 from fxrewrite.kernels.pdl import gdc_prologue, pdl_enabled
-from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
+from fxrewrite.kernels.triton_utils import interpreter_ready, launch, next_power_of_2, tl, triton
 
-__all__ = ["paged_decode_triton"]
+__all__ = ["paged_decode_triton", "default_fp8_dots"]
 
 # Programs wanted in flight (about 2 per SM on an H100/H200); splits only fill the GPU.
 _TARGET_PROGRAMS = 264
@@ -56,7 +65,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr
                    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr,
-                   WIDEN_ASM: tl.constexpr, PDL: tl.constexpr):
+                   WIDEN_ASM: tl.constexpr, KEYS_MAJOR: tl.constexpr, F8_DOTS: tl.constexpr,
+                   EXACT_CAST: tl.constexpr, PDL: tl.constexpr):
     gdc_prologue(PDL)  # every program, even one with no work: the grid then completes after its predecessor
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -75,31 +85,53 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr
         heads = kvh * G + offs_g
         gd_mask = (offs_g[:, None] < G) & (offs_d[None, :] < HEAD_DIM)
         q = tl.load(q_ptr + tok.to(tl.int64) * q_s0 + heads[:, None] * q_s1 + offs_d[None, :], mask=gd_mask, other=0.0)
-        q = dot_dtype(q, FP16_DOTS)
         # this sequence's partition: its own context over the splits, in whole BLOCK_N tiles
         part = tl.cdiv(tl.cdiv(seq_len - lo, splits), BLOCK_N) * BLOCK_N
         start = lo + split * part
         end = tl.minimum(start + part, seq_len)
         m_i = tl.zeros([BLOCK_G], dtype=tl.float32) - 1.0e30
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
         bt_row = bt_ptr + seq.to(tl.int64) * bt_s0
-        for n0 in range(start, end, BLOCK_N):
-            # Every key below seq_len is causal for the last token; the window is in `start`.
-            m_i, l_i, acc = attention_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, n0, end, m_i, kvh, scale,
-                                           soft_cap, sliding_window, block_size, kc_s0, kc_s1, kc_s2,
-                                           vc_s0, vc_s1, vc_s2, offs_d, offs_d < HEAD_DIM, BLOCK_N, False,
-                                           HAS_SOFTCAP, False, DOT_PRECISION, WIDEN_ASM)
-        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        if splits == 1:
-            tl.store(out_ptr + tok.to(tl.int64) * o_s0 + heads[:, None] * o_s1 + offs_d[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=gd_mask)
+        # Every key below seq_len is causal for the last token; the window is in `start`.
+        if KEYS_MAJOR:
+            q_scale = 1.0
+            if F8_DOTS:
+                q, q_scale = quantize_query(q, EXACT_CAST)
+            else:
+                q = dot_dtype(q, FP16_DOTS)
+            acc = tl.zeros([BLOCK_D, BLOCK_G], dtype=tl.float32)
+            for n0 in range(start, end, BLOCK_N):
+                m_i, l_i, acc = decode_tile_keys_major(q, q_scale, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, n0, end, kvh,
+                                                       scale, soft_cap, block_size, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1,
+                                                       vc_s2, offs_d, offs_d < HEAD_DIM, BLOCK_N, HAS_SOFTCAP,
+                                                       DOT_PRECISION, WIDEN_ASM, F8_DOTS, EXACT_CAST)
+            acc = tl.trans(acc)
         else:
-            # partials: [T, Hq, num_splits, BLOCK_D] float32; ml: [T, Hq, num_splits, 2] (m, l)
-            row = (tok.to(tl.int64) * (G * tl.num_programs(1)) + heads) * num_splits + split
-            tl.store(part_ptr + row[:, None] * BLOCK_D + offs_d[None, :], out, mask=gd_mask)
-            tl.store(ml_ptr + row * 2, m_i, mask=offs_g < G)
-            tl.store(ml_ptr + row * 2 + 1, l_i, mask=offs_g < G)
+            q = dot_dtype(q, FP16_DOTS)
+            acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+            for n0 in range(start, end, BLOCK_N):
+                m_i, l_i, acc = attention_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, n0, end, m_i, kvh, scale,
+                                               soft_cap, sliding_window, block_size, kc_s0, kc_s1, kc_s2,
+                                               vc_s0, vc_s1, vc_s2, offs_d, offs_d < HEAD_DIM, BLOCK_N, False,
+                                               HAS_SOFTCAP, False, DOT_PRECISION, WIDEN_ASM)
+        _write_split(acc, m_i, l_i, out_ptr, part_ptr, ml_ptr, tok, heads, offs_d, gd_mask, offs_g < G, splits, split,
+                     num_splits, G * tl.num_programs(1), o_s0, o_s1, BLOCK_D)
+
+
+@triton.jit
+def _write_split(acc, m_i, l_i, out_ptr, part_ptr, ml_ptr, tok, heads, offs_d, gd_mask, g_mask, splits, split,
+                 num_splits, num_heads, o_s0, o_s1, BLOCK_D: tl.constexpr):
+    """A split's normalised output: the output rows themselves when the sequence has one split, else its
+    partials ([T, Hq, num_splits, BLOCK_D] float32) and (m, l) ([T, Hq, num_splits, 2]) for the merge."""
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    if splits == 1:
+        tl.store(out_ptr + tok.to(tl.int64) * o_s0 + heads[:, None] * o_s1 + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=gd_mask)
+    else:
+        row = (tok.to(tl.int64) * num_heads + heads) * num_splits + split
+        tl.store(part_ptr + row[:, None] * BLOCK_D + offs_d[None, :], out, mask=gd_mask)
+        tl.store(ml_ptr + row * 2, m_i, mask=g_mask)
+        tl.store(ml_ptr + row * 2 + 1, l_i, mask=g_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["seq_lens_ptr", "qsl_ptr"])
@@ -133,6 +165,28 @@ def _reduce_kernel(seq_lens_ptr, qsl_ptr, out_ptr, part_ptr, ml_ptr, o_s0, o_s1,
                  mask=offs_d < HEAD_DIM)
 
 
+def default_fp8_dots() -> str:
+    """How decode dots run over an FP8 cache when the caller does not say: ``FXREWRITE_KV_FP8_DOTS`` (one of
+    `FP8_DOTS`, default "float16"); ValueError naming a bad value."""
+    value = os.environ.get("FXREWRITE_KV_FP8_DOTS", "float16")
+    if value not in FP8_DOTS:
+        raise ValueError(f"FXREWRITE_KV_FP8_DOTS={value!r}; expected one of {', '.join(FP8_DOTS)}")
+    return value
+
+
+DECODE_TILES = ("heads", "keys")
+
+
+def decode_tile() -> str:
+    """``FXREWRITE_DECODE_TILE``: which side of the decode tile's MMA the keys take when the caller does not say
+    (`keys_major`): "heads" (default: the query heads are M) or "keys" (the keys are M, the heads N); ValueError
+    naming a bad value."""
+    value = os.environ.get("FXREWRITE_DECODE_TILE", "heads")
+    if value not in DECODE_TILES:
+        raise ValueError(f"FXREWRITE_DECODE_TILE={value!r}; expected one of {', '.join(DECODE_TILES)}")
+    return value
+
+
 def _num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int:
     """Splits per (sequence, kv head): enough programs to fill the GPU, partitions of the longest
     context >= _MIN_PARTITION tokens. Depends only on host ints, so a CUDA graph captured with
@@ -144,12 +198,15 @@ def _num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int:
 def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                         max_query_len, max_seq_len, scale, sliding_window=None, soft_cap=None,
                         *, block_n: int | None = None, num_splits: int | None = None, num_warps: int = 4,
-                        num_stages: int = 2, single_split_len: int = _SINGLE_SPLIT_LEN, fp8_dots: str = "float16"):
+                        num_stages: int = 2, single_split_len: int = _SINGLE_SPLIT_LEN, fp8_dots: str | None = None,
+                        keys_major: bool | None = None):
     """Decode launch (every sequence has at most one query token). ``max_seq_len`` must bound every
     seq_len (it sizes the split-K grid). Keyword-only knobs are for tests and the benchmark
     (``single_split_len``: contexts up to this many tokens skip the split and the merge; 0: never; ``fp8_dots``:
-    see :mod:`fxrewrite.kernels.attention_tile`; ``block_n``: keys per tile, None: `_BLOCK_N_FP8` for an FP8
-    cache, else 64)."""
+    see :mod:`fxrewrite.kernels.attention_tile`, None: :func:`default_fp8_dots`; ``block_n``: keys per tile, None:
+    `_BLOCK_N_FP8` for an FP8 cache, else 64; ``keys_major``: the keys along the MMA's M, the query heads along its N,
+    always so with FP8 dots (:func:`~fxrewrite.kernels.attention_tile.decode_tile_keys_major`), None:
+    :func:`decode_tile`)."""
     block_n = block_n or (_BLOCK_N_FP8 if key_cache.element_size() == 1 else 64)
     check_paged_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
     if max_query_len > 1:
@@ -162,6 +219,9 @@ def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, q
         return out
     splits = num_splits if num_splits is not None else _num_splits(num_seqs, num_kv_heads, max_seq_len)
     group, block_d = num_heads // num_kv_heads, max(16, next_power_of_2(head_dim))
+    fp8_dots = fp8_dots or default_fp8_dots()
+    f8 = float8_dots(query, key_cache, fp8_dots)
+    keys_major = f8 or (decode_tile() == "keys" if keys_major is None else keys_major)
     part = ml = out
     if splits > 1:
         part = torch.empty((num_tokens, num_heads, splits, block_d), dtype=torch.float32, device=query.device)
@@ -173,11 +233,13 @@ def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, q
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
-        G=group, HEAD_DIM=head_dim, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
+        # the heads are the MMA's N keys-major (>= 8), its M otherwise (>= 16)
+        G=group, HEAD_DIM=head_dim, BLOCK_G=max(8 if keys_major else 16, next_power_of_2(group)), BLOCK_D=block_d,
+        BLOCK_N=block_n,
         IS_SPLIT=splits > 1, HAS_SOFTCAP=soft_cap is not None, HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        FP16_DOTS=fp16_dots(query, key_cache, fp8_dots), WIDEN_ASM=widen_asm(query, key_cache, fp8_dots), PDL=pdl,
-        num_warps=num_warps, num_stages=num_stages)
+        FP16_DOTS=fp16_dots(query, key_cache, fp8_dots), WIDEN_ASM=widen_asm(query, key_cache, fp8_dots),
+        KEYS_MAJOR=keys_major, F8_DOTS=f8, EXACT_CAST=f8 and interpreter_ready(), PDL=pdl, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         launch(_reduce_kernel, (num_seqs, num_heads), query.device, pdl)(
             seq_lens, query_start_loc, out, part, ml, out.stride(0), out.stride(1), num_heads, splits,

@@ -39,13 +39,24 @@ def main(cache: str) -> dict:
     decode = compile_sm90(paged_decode._decode_kernel,
                           {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "ml_ptr": "*fp32", **caches,
                            **ints},
-                          dict(common, G=4, BLOCK_G=16, BLOCK_N=64, IS_SPLIT=True, PDL=True), num_warps=4, num_stages=2)
+                          dict(common, G=4, BLOCK_G=16, BLOCK_N=64, IS_SPLIT=True, KEYS_MAJOR=False, F8_DOTS=False, EXACT_CAST=False,
+                               PDL=True), num_warps=4, num_stages=2)
+    float8_mma = []
+    if cache == "fp8e4nv":  # fp8_dots="float8": both dots on FP8 tensor cores, no widening
+        float8 = compile_sm90(paged_decode._decode_kernel,
+                              {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "ml_ptr": "*fp32", **caches,
+                               **ints},
+                              dict(common, FP16_DOTS=False, WIDEN_ASM=0, G=4, BLOCK_G=8, BLOCK_N=128, IS_SPLIT=True,
+                                   KEYS_MAJOR=True, F8_DOTS=True, EXACT_CAST=False, PDL=True), num_warps=4, num_stages=2)
+        float8_mma = sorted(set(re.findall(r"(?:wgmma\.mma_async|mma\.sync)\.\S*", float8)))
+        float8_mma.append(f"widened: {float8.count('cvt.rn.f16x2.e4m3x2')}")
     compile_sm90(paged_prefill._prefill_kernel, {"q_ptr": "*bf16", "out_ptr": "*bf16", **caches, **ints},
                  dict(common, G=4, BLOCK_M=64, BLOCK_N=64, HAS_SOFTCAP=True, HAS_WINDOW=True), num_warps=4)
     compile_sm90(reshape_and_cache._reshape_and_cache_kernel,
                  {"key_ptr": "*bf16", "value_ptr": "*bf16", "slot_ptr": "*i64", **caches},
                  dict(HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, FP8=True, CLAMP=448.0, PDL=True))
-    return {"widened_in_ptx": "cvt.rn.f16x2.e" in decode, "byte_loads_from_shared": decode.count("ld.shared.b8")}
+    return {"widened_in_ptx": "cvt.rn.f16x2.e" in decode, "byte_loads_from_shared": decode.count("ld.shared.b8"),
+            "float8_dots_mma": float8_mma}
 
 
 def pipelined_gemv() -> dict:

@@ -106,6 +106,52 @@ def test_half_precision_query_over_fp8_cache(interpret, paged_batch, fp8_dots):
         torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
 
 
+def float8_dots_reference(batch, scale: float, block_n: int) -> torch.Tensor:
+    """What `fp8_dots="float8"` computes, in torch (float32): per sequence and head the query scaled by its amax /
+    448 and rounded to e4m3, scores over the dequantized keys times that scale, the online softmax over tiles of
+    `block_n` keys with each tile's probabilities x 256 rounded to e4m3 before the product with the values (one
+    split: the whole context in one program)."""
+    def e4m3(x):
+        return x.to(torch.float8_e4m3fn).float()
+
+    out = torch.zeros(batch.query.shape, dtype=torch.float32, device=batch.query.device)
+    block_size, group = batch.key_cache.shape[1], batch.query.shape[1] // batch.key_cache.shape[2]
+    for seq, seq_len in enumerate(batch.seq_lens.tolist()):
+        tok = int(batch.query_start_loc[seq])
+        blocks = batch.block_tables[seq, :-(-seq_len // block_size)].long()
+        keys = batch.key_cache[blocks].flatten(0, 1)[:seq_len].float()
+        values = batch.value_cache[blocks].flatten(0, 1)[:seq_len].float()
+        for head in range(batch.query.shape[1]):
+            q = batch.query[tok, head].float()
+            q_scale = q.abs().max().clamp_min(1e-30) / 448
+            q8 = e4m3(q / q_scale)
+            m, l, acc = torch.tensor(-1e30), torch.tensor(0.0), torch.zeros_like(q)
+            for n0 in range(0, seq_len, block_n):
+                k, v = keys[n0:n0 + block_n, head // group], values[n0:n0 + block_n, head // group]
+                s = (k @ q8) * q_scale * scale
+                m_new = torch.maximum(m, s.max())
+                p = torch.exp(s - m_new)
+                alpha = torch.exp(m - m_new)
+                l, acc, m = l * alpha + p.sum(), acc * alpha + (e4m3(p * 256) @ v) / 256, m_new
+            out[tok, head] = acc / l
+    return out
+
+
+def test_float8_dots_decode_matches_its_torch_form(interpret, paged_batch):
+    """`fp8_dots="float8"` (e4m3 query and probabilities for FP8 tensor-core dots) equals its torch form within the
+    fp16 output's rounding; against exact attention over the dequantized cache its error is e4m3's (0.08 here,
+    where fp16 dots are within 2e-3: the 3-bit mantissa of the query and the probabilities)."""
+    fp8, wide = _fp8_batch(paged_batch, DECODE, torch.float8_e4m3fn, seed=9)
+    fp8 = dataclasses.replace(fp8, query=fp8.query.half())
+    got = paged_decode.paged_decode_triton(*fp8.args(), 0.3, fp8_dots="float8", block_n=16, num_splits=1)
+    torch.testing.assert_close(got.float(), float8_dots_reference(fp8, 0.3, 16), rtol=2e-3, atol=2e-3)
+    want = paged_attention_ref(*dataclasses.replace(wide, query=fp8.query).args(), 0.3)
+    torch.testing.assert_close(got, want, rtol=0.15, atol=0.15)
+    split = paged_decode.paged_decode_triton(*fp8.args(), 0.3, fp8_dots="float8", block_n=16, num_splits=3,
+                                             single_split_len=0)
+    torch.testing.assert_close(split, want, rtol=0.15, atol=0.15)
+
+
 def test_unknown_fp8_dots_is_refused(paged_batch):
     fp8, _ = _fp8_batch(paged_batch, DECODE, torch.float8_e4m3fn, seed=8)
     with pytest.raises(ValueError, match="fp8_dots='bf16'"):
@@ -130,6 +176,26 @@ def test_fp8_cache_kernels_gpu(cuda, paged_batch, dtype):
         for fp8_dots in ("float16", "query"):
             torch.testing.assert_close(kernel(*fp8.args(), 0.1, fp8_dots=fp8_dots),
                                        paged_attention_ref(*wide.args(), 0.1), rtol=2e-2, atol=2e-2)
+    batch = paged_batch(DECODE + [(700, 1)], 32, 8, 128, 16, torch.bfloat16, cuda, seed=8)
+    for cache_dtype in (torch.bfloat16, dtype):  # keys along the MMA's M (wgmma, the heads its N)
+        cached = dataclasses.replace(batch, key_cache=batch.key_cache.to(cache_dtype),
+                                     value_cache=batch.value_cache.to(cache_dtype))
+        wide = dataclasses.replace(cached, key_cache=cached.key_cache.bfloat16(),
+                                   value_cache=cached.value_cache.bfloat16())
+        for block_n, num_splits in ((64, 1), (128, None)):
+            torch.testing.assert_close(
+                paged_decode.paged_decode_triton(*cached.args(), 0.1, keys_major=True, block_n=block_n,
+                                                 num_splits=num_splits),
+                paged_attention_ref(*wide.args(), 0.1), rtol=2e-2, atol=2e-2)
+    if dtype == torch.float8_e4m3fn:  # FP8 tensor-core dots (wgmma), one split and the split path
+        batch = paged_batch(DECODE + [(700, 1)], 32, 8, 128, 16, torch.bfloat16, cuda, seed=7)
+        fp8 = dataclasses.replace(batch, key_cache=batch.key_cache.to(dtype), value_cache=batch.value_cache.to(dtype))
+        for block_n in (64, 128):
+            got = paged_decode.paged_decode_triton(*fp8.args(), 0.1, fp8_dots="float8", block_n=block_n, num_splits=1)
+            torch.testing.assert_close(got.float(), float8_dots_reference(fp8, 0.1, block_n), rtol=2e-2, atol=2e-2)
+            split = paged_decode.paged_decode_triton(*fp8.args(), 0.1, fp8_dots="float8", block_n=block_n)
+            wide = dataclasses.replace(fp8, key_cache=fp8.key_cache.bfloat16(), value_cache=fp8.value_cache.bfloat16())
+            torch.testing.assert_close(split, paged_attention_ref(*wide.args(), 0.1), rtol=0.1, atol=0.1)
 
 
 
@@ -138,10 +204,13 @@ def test_fp8_cache_kernels_compile_for_sm90(cache):
     """The FP8 paths through triton's real compiler for an H100/H200 (sm90), with no GPU here (in a fresh process:
     this one may run triton's interpreter): a construct the interpreter accepts and the compiler rejects fails
     here. The decode tile widens K/V in registers (inline PTX), so no 8-bit value comes back from shared memory a
-    byte at a time (attention_tile's docstring)."""
+    byte at a time (attention_tile's docstring); with `fp8_dots="float8"` both dots are e4m3 wgmma."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-m", "tests.kernels.sm90_compile", cache], env=env, capture_output=True,
                           text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr[-3000:]
     decode = json.loads(done.stdout.splitlines()[-1])
     assert decode["widened_in_ptx"] and decode["byte_loads_from_shared"] == 0, decode
+    if cache == "fp8e4nv":  # fp8_dots="float8": wgmma on e4m3 operands for both dots, nothing widened
+        assert decode["float8_dots_mma"] == ["wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3",
+                                             "widened: 0"], decode

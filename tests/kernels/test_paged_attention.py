@@ -86,11 +86,13 @@ def test_ref_rejects_bad_shapes(paged_batch):
 
 @pytest.mark.parametrize("heads,dim,window,cap,splits", [((4, 2), 16, None, None, None), ((4, 1), 24, 9, 3.0, 3),
                                                      ((4, 2), 16, None, None, 8), ((4, 1), 24, 5, None, 8)])
-def test_decode_kernel_matches_ref(interpret, paged_batch, heads, dim, window, cap, splits):
+@pytest.mark.parametrize("keys_major", [False, True])
+def test_decode_kernel_matches_ref(interpret, paged_batch, heads, dim, window, cap, splits, keys_major):
     batch = paged_batch(DECODE, *heads, dim, 8, seed=1)
     want = paged_attention_ref(*batch.args(), 0.3, window, cap)
     got = paged_decode.paged_decode_triton(*batch.args(), 0.3, window, cap, block_n=16, num_splits=splits,
-                                           single_split_len=0)  # these short contexts too take the split path
+                                           single_split_len=0,  # these short contexts too take the split path
+                                           keys_major=keys_major)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -145,6 +147,9 @@ def test_decode_kernel_matches_ref_gpu(cuda, paged_batch):
     specs = [(32767, 1), (100, 1), (5000, 1), (0, 1), (16383, 1), (77, 1), (2048, 1), (9, 1)]
     batch = paged_batch(specs, 32, 8, 128, 16, torch.bfloat16, cuda)
     assert_close_to_exact(paged_attention(*batch.args(), 128 ** -0.5), batch, 128 ** -0.5)
+    for block_n in (64, 128):  # keys along the MMA's M (wgmma, the heads its N)
+        got = paged_decode.paged_decode_triton(*batch.args(), 128 ** -0.5, keys_major=True, block_n=block_n)
+        assert_close_to_exact(got, batch, 128 ** -0.5)
     with pytest.raises(AssertionError, match="spread"):  # the check catches a kernel that stops early
         assert_close_to_exact(paged_attention(*_truncated(batch).args(), 128 ** -0.5), batch, 128 ** -0.5)
 
@@ -179,6 +184,8 @@ def test_prefill_kernel_matches_ref_gpu(cuda, paged_batch, heads, dim, window, c
 def test_decode_with_window_and_cap_gpu(cuda, paged_batch):
     batch = paged_batch([(8000, 1), (50, 1), (4095, 1)], 8, 4, 256, 16, torch.bfloat16, cuda)
     assert_close_to_exact(paged_attention(*batch.args(), 256 ** -0.5, 4096, 50.0), batch, 256 ** -0.5, 4096, 50.0)
+    keys_major = paged_decode.paged_decode_triton(*batch.args(), 256 ** -0.5, 4096, 50.0, keys_major=True)
+    assert_close_to_exact(keys_major, batch, 256 ** -0.5, 4096, 50.0)
     truncated = paged_attention(*_truncated(batch).args(), 256 ** -0.5, 4096, 50.0)
     with pytest.raises(AssertionError, match="spread"):
         assert_close_to_exact(truncated, batch, 256 ** -0.5, 4096, 50.0)

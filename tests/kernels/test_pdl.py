@@ -96,6 +96,8 @@ def test_prefetch_bytes_setting(monkeypatch):
     ("FXREWRITE_PDL", "on", "FXREWRITE_PDL=on but device cpu has no programmatic dependent launch"),
     ("FXREWRITE_PDL_PREFETCH_BYTES", "-5", "FXREWRITE_PDL_PREFETCH_BYTES='-5'"),
     ("FXREWRITE_GEMV", "yes", "FXREWRITE_GEMV='yes'"),
+    ("FXREWRITE_KV_FP8_DOTS", "fp8", "FXREWRITE_KV_FP8_DOTS='fp8'; expected one of float16, query, float8"),
+    ("FXREWRITE_DECODE_TILE", "rows", "FXREWRITE_DECODE_TILE='rows'; expected one of heads, keys"),
 ])
 def test_engine_checks_the_kernel_switches_at_start(tiny_model_dir, monkeypatch, var, value, message):
     """A bad switch is one user error when the engine starts, also on a CPU, where no kernel would read it."""
