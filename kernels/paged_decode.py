@@ -187,6 +187,16 @@ def decode_tile() -> str:
     return value
 
 
+def dot_flags(query: torch.Tensor, key_cache: torch.Tensor, fp8_dots: str) -> dict[str, bool | int]:
+    """The decode kernel's dot constexprs for `fp8_dots` (FP16_DOTS, WIDEN_ASM, F8_DOTS, EXACT_CAST): "float8"
+    takes FP8 tensor cores only over an e4m3 cache under a half-precision query, else the default fp16 dots."""
+    f8 = float8_dots(query, key_cache, fp8_dots)
+    if fp8_dots == "float8" and not f8:
+        fp8_dots = "float16"
+    return dict(FP16_DOTS=fp16_dots(query, key_cache, fp8_dots), WIDEN_ASM=widen_asm(query, key_cache, fp8_dots),
+                F8_DOTS=f8, EXACT_CAST=f8 and interpreter_ready())
+
+
 def _num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int:
     """Splits per (sequence, kv head): enough programs to fill the GPU, partitions of the longest
     context >= _MIN_PARTITION tokens. Depends only on host ints, so a CUDA graph captured with
@@ -219,9 +229,8 @@ def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, q
         return out
     splits = num_splits if num_splits is not None else _num_splits(num_seqs, num_kv_heads, max_seq_len)
     group, block_d = num_heads // num_kv_heads, max(16, next_power_of_2(head_dim))
-    fp8_dots = fp8_dots or default_fp8_dots()
-    f8 = float8_dots(query, key_cache, fp8_dots)
-    keys_major = f8 or (decode_tile() == "keys" if keys_major is None else keys_major)
+    dots = dot_flags(query, key_cache, fp8_dots or default_fp8_dots())
+    keys_major = dots["F8_DOTS"] or (decode_tile() == "keys" if keys_major is None else keys_major)
     part = ml = out
     if splits > 1:
         part = torch.empty((num_tokens, num_heads, splits, block_d), dtype=torch.float32, device=query.device)
@@ -238,8 +247,7 @@ def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, q
         BLOCK_N=block_n,
         IS_SPLIT=splits > 1, HAS_SOFTCAP=soft_cap is not None, HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        FP16_DOTS=fp16_dots(query, key_cache, fp8_dots), WIDEN_ASM=widen_asm(query, key_cache, fp8_dots),
-        KEYS_MAJOR=keys_major, F8_DOTS=f8, EXACT_CAST=f8 and interpreter_ready(), PDL=pdl, num_warps=num_warps, num_stages=num_stages)
+        KEYS_MAJOR=keys_major, PDL=pdl, num_warps=num_warps, num_stages=num_stages, **dots)
     if splits > 1:
         launch(_reduce_kernel, (num_seqs, num_heads), query.device, pdl)(
             seq_lens, query_start_loc, out, part, ml, out.stride(0), out.stride(1), num_heads, splits,

@@ -152,6 +152,17 @@ def test_float8_dots_decode_matches_its_torch_form(interpret, paged_batch):
     torch.testing.assert_close(split, want, rtol=0.15, atol=0.15)
 
 
+def test_float8_dots_fall_back_to_fp16_dots_over_e5m2():
+    """FP8 tensor-core dots are for e4m3 caches under a half-precision query; otherwise `fp8_dots="float8"` gives
+    the default dots' flags (not the slower dots in the query's dtype)."""
+    bf16_query, f32_query = torch.zeros(1, 4, 16, dtype=torch.bfloat16), torch.zeros(1, 4, 16)
+    e4m3, e5m2 = (torch.zeros(2, 8, 2, 16, dtype=d) for d in FP8)
+    assert paged_decode.dot_flags(bf16_query, e4m3, "float8")["F8_DOTS"]
+    for query, cache in ((bf16_query, e5m2), (f32_query, e4m3)):
+        assert paged_decode.dot_flags(query, cache, "float8") == paged_decode.dot_flags(query, cache, "float16")
+    assert paged_decode.dot_flags(bf16_query, e5m2, "float16")["FP16_DOTS"]
+
+
 def test_unknown_fp8_dots_is_refused(paged_batch):
     fp8, _ = _fp8_batch(paged_batch, DECODE, torch.float8_e4m3fn, seed=8)
     with pytest.raises(ValueError, match="fp8_dots='bf16'"):
