@@ -21,9 +21,10 @@ longer sequences take the split path unchanged.
 Each program's tile puts its G query heads along the MMA's M (padded to 16) or, keys-major
 (:func:`~fxrewrite.kernels.attention_tile.decode_tile_keys_major`, ``FXREWRITE_DECODE_TILE``), its keys along M and
 the heads along N (padded to 8): on an H200 the keys-major form runs the K and V tiles through wgmma straight from
-shared memory and was as fast at 200 x 560 and 64 x 2048 keys and 22% faster for one sequence of 32k keys
-(2026-12-03-kv-cache-keys-major-twentyfifth.json). Over an e4m3 cache ``fp8_dots="float8"`` (``FXREWRITE_KV_FP8_DOTS``)
-runs both dots on FP8 tensor cores, keys-major.
+shared memory; launched alone it was as fast at 200 x 560 and 64 x 2048 keys and 22% faster for one sequence of 32k
+keys (2026-12-03-kv-cache-keys-major-twentyfifth.json), but Qwen3-4B decode in the engine was 1.5-7% slower with it
+(2026-12-03-qwen3-4b-{latency,long}-decode-tile-*-twentyfifth.json), so heads-major stays the default. Over an e4m3
+cache ``fp8_dots="float8"`` (``FXREWRITE_KV_FP8_DOTS``) runs both dots on FP8 tensor cores, keys-major.
 Semantics and arguments: :mod:`fxrewrite.kernels.paged_attention`.
 """
 
@@ -39,7 +40,7 @@ from fxrewrite.kernels.attention_tile import (FP8_DOTS, attention_tile, check_la
 from fxrewrite.kernels.pdl import gdc_prologue, pdl_enabled
 from fxrewrite.kernels.triton_utils import interpreter_ready, launch, next_power_of_2, tl, triton
 
-__all__ = ["paged_decode_triton", "default_fp8_dots"]
+__all__ = ["paged_decode_triton", "default_fp8_dots", "decode_tile", "dot_flags"]
 
 # Programs wanted in flight (about 2 per SM on an H100/H200); splits only fill the GPU.
 _TARGET_PROGRAMS = 264

@@ -7,9 +7,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma3Config, LlamaConfig, Qwen3Config
 
+from fxrewrite.errors import UserInputError
 from fxrewrite.layers.rotary import get_rope
 from fxrewrite.runtime.model_files.config import ModelConfig
-from fxrewrite.runtime.model_files.hf_config import derive_max_model_len
+from fxrewrite.runtime.model_files.hf_config import derive_max_model_len, verify_max_model_len
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=128)
@@ -217,6 +218,10 @@ def test_derivation_rules():
     cfg = LlamaConfig(**TINY, max_position_embeddings=4096)
     assert derive_max_model_len(cfg) == (4096, "max_position_embeddings=4096")
     assert derive_max_model_len(cfg, tokenizer_model_max_length=1000)[0] == 1000
+    with pytest.raises(UserInputError, match=r"\(from the tokenizer config: model_max_length \(tokenizer\)=1000\)"):
+        verify_max_model_len(2000, *derive_max_model_len(cfg, tokenizer_model_max_length=1000))
+    with pytest.raises(UserInputError, match=r"\(from the model config: max_position_embeddings=4096\)"):
+        verify_max_model_len(5000, *derive_max_model_len(cfg))
     cfg.max_seq_len = 3000  # the minimum over the length keys wins
     assert derive_max_model_len(cfg) == (3000, "max_seq_len=3000")
     llama3 = LlamaConfig(**TINY, max_position_embeddings=131072, rope_parameters={
