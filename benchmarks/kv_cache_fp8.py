@@ -7,7 +7,9 @@ tensor cores: ``fp8_dots``) of ``paged_decode_triton``
 (``triton.testing.do_bench`` medians) and checks it against the reference over the dequantized cache; the
 row gives the best config's time and the bytes it must read (cache + queries + output) over the time, as a
 share of the measured copy bandwidth. ``python -m fxrewrite.benchmarks.kv_cache_fp8 --out DIR`` writes
-``<date>-kv-cache-fp8.json``.
+``<date>-kv-cache-fp8.json``; ``--graph-layers 36`` adds rows timed as the engine runs decode (one launch per layer,
+each its own cache, replayed in a CUDA graph, the split count of ``--max-model-len``): the sweep's single launches
+on L2-cold caches found the keys-major tile faster where the engine found it slower.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ from pathlib import Path
 import torch
 
 from fxrewrite.benchmarks import kernels
-from fxrewrite.benchmarks.common import RESULTS_DIR, environment
+from fxrewrite.benchmarks.common import RESULTS_DIR, environment, replay_ms
 from fxrewrite.kernels.paged_attention import paged_attention_ref
 from fxrewrite.kernels.paged_decode import paged_decode_triton
 
 CASES = [(200, 560), (64, 2048), (8, 8192), (1, 32768), (1, 256), (1, 2048)]
 # The configs that came first or second in one case or another (H200, 2026-12-02-kv-cache-fp8-seventeenth.json).
-CONFIGS = [dict(block_n=n, num_warps=w, num_stages=s) for n, w, s in [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2)]]
+CONFIGS = [dict(block_n=n, num_warps=w, num_stages=s, keys_major=False)
+           for n, w, s in [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2)]]
 # Keys along the MMA's M (keys_major; always so with fp8_dots="float8"): wgmma tiles of 64 keys and up.
 KEYS_MAJOR_CONFIGS = [dict(block_n=n, num_warps=w, num_stages=s, keys_major=True) for n, w, s in
                       [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (256, 8, 2)]]
@@ -57,14 +60,56 @@ def _case_rows(batch: int, ctx: int, bandwidth: float) -> list[dict]:
     return rows
 
 
+# Engine-like rows (--graph-layers): decode at batch 1 (short and long) and at the throughput workload's batch.
+GRAPH_CASES = [(1, 256), (1, 32768), (200, 560)]
+
+
+def _graph_rows(layers: int, max_model_len: int) -> list[dict]:
+    """Decode as the engine replays it: one launch per layer, each layer its own cache, captured in one CUDA graph
+    (PDL as `FXREWRITE_PDL` says), the split count from `max_model_len` as in the engine's decode graphs, the
+    engine's launch config; heads- vs keys-major tile, and FP8 dots over e4m3. us per layer (graph replay)."""
+    rows = []
+    scale = kernels.HEAD_DIM ** -0.5
+    for batch, ctx in GRAPH_CASES:
+        per_layer = [kernels._paged_batch([(ctx - 1, 1)] * batch)[0] for _ in range(layers)]
+        for label, dtype in DTYPES.items():
+            caches = [(a[0], a[1].to(dtype), a[2].to(dtype), *a[3:7], max_model_len) for a in per_layer]
+            forms = [("heads", dict(keys_major=False)), ("keys", dict(keys_major=True))]
+            forms += [("float8_dots", dict(fp8_dots="float8"))] if dtype.itemsize == 1 else []
+            for form, knobs in forms:
+                def step():
+                    for args in caches:
+                        paged_decode_triton(*args, scale, **knobs)
+                step()  # the JIT, before capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    step()
+                us = replay_ms(graph, 20, warmup=3) * 1e3 / layers
+                rows.append(dict(batch=batch, context=ctx, kv_cache_dtype=label, form=form, layers=layers,
+                                 max_model_len=max_model_len, us_per_layer=us))
+                print(f"graph {label:9} {form:12} b={batch:<4} ctx={ctx:<6} {us:.1f} us a layer", flush=True)
+                del graph
+            del caches
+        del per_layer
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    p.add_argument("--no-sweep", action="store_true", help="skip the per-config sweep (only the graph rows)")
+    p.add_argument("--graph-layers", type=int, default=0, metavar="N",
+                   help="also time N layers' decode launches replayed in a CUDA graph, as the engine runs them")
+    p.add_argument("--max-model-len", type=int, default=40960, help="sizes the graph rows' split count")
     args = p.parse_args(argv)
     bandwidth = kernels.copy_bandwidth()
-    rows = [r for batch, ctx in CASES for r in _case_rows(batch, ctx, bandwidth)]
+    rows = [] if args.no_sweep else [r for batch, ctx in CASES for r in _case_rows(batch, ctx, bandwidth)]
+    graph_rows = _graph_rows(args.graph_layers, args.max_model_len) if args.graph_layers else []
     env = environment()
-    result = {**env, "benchmark": "kv_cache_fp8", "copy_bandwidth_GBps": bandwidth / 1e9, "rows": rows}
+    result = {**env, "benchmark": "kv_cache_fp8", "copy_bandwidth_GBps": bandwidth / 1e9, "rows": rows,
+              "graph_rows": graph_rows}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{env['date'][:10]}-kv-cache-fp8.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
