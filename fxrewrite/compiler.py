@@ -87,21 +87,30 @@ def optimize(model: nn.Module, **opts) -> nn.Module:
 
 
 def _note_replaced_with_parents(model: nn.Module, by_class, names: dict[int, str], report: FusionReport) -> None:
-    """A class none of whose instances is left in the model went with the modules holding them (the experts of a
-    MoE block that became FusedMoE): its report names the replacement instead of its own (moot) refusals."""
+    """Instances no longer in the model went with the modules holding them (the experts of a MoE block that became
+    FusedMoE): the class's report names the replacement; when none is left, its own (moot) refusals are dropped."""
     alive = {id(m) for m in model.modules()}
     for cls, instances in by_class.items():
-        if any(id(m) in alive for m in instances) or id(instances[0]) not in names:
+        gone = [m for m in instances if id(m) not in alive and id(m) in names]
+        holder = _replacing_holder(model, names[id(gone[0])]) if gone else None
+        if holder is None:
             continue
-        path = names[id(instances[0])]
-        while "." in path:
-            path = path.rsplit(".", 1)[0]
-            holder = model.get_submodule(path)
-            if type(holder).__module__.startswith("fxrewrite."):
-                entry = report.entry(cls.__name__)
-                more = f" and {len(instances) - 1} more" if len(instances) > 1 else ""
-                entry.replaced_with, entry.skipped = f"{path}{more}, now {type(holder).__name__}", []
-                break
+        entry = report.entry(cls.__name__)
+        more = f" and {len(gone) - 1} more" if len(gone) > 1 else ""
+        share = "" if len(gone) == len(instances) else f"{len(gone)} of {len(instances)} "
+        entry.replaced_with = f"{share}inside {holder[0]}{more}, now {type(holder[1]).__name__}"
+        if not share:
+            entry.skipped = []  # else the refusals stand for the instances left
+
+
+def _replacing_holder(model: nn.Module, path: str) -> tuple[str, nn.Module] | None:
+    """(path, module) of the nearest enclosing module of `path` that fxrewrite put in the model."""
+    while "." in path:
+        path = path.rsplit(".", 1)[0]
+        holder = model.get_submodule(path)
+        if type(holder).__module__.startswith("fxrewrite."):
+            return path, holder
+    return None
 
 
 def explain(model: nn.Module) -> FusionReport:

@@ -22,8 +22,8 @@ class ClassReport:
     diff: str = ""
     """Unified diff of the rewritten forward (empty when the source was not edited)."""
     replaced_with: str = ""
-    """Set when no instance is left in the model: the module that replaced the one holding them
-    ("model.layers.0.mlp (FusedMoE)"); refusals of the class's own patterns are then moot and dropped."""
+    """Set when instances went with the module holding them: "inside model.layers.0.mlp and 1 more, now FusedMoE"
+    (or "1 of 2 inside ..."); when none is left, the refusals of the class's own patterns are moot and dropped."""
 
     def skip(self, what: str, reason: str) -> None:
         if (what, reason) not in self.skipped:
@@ -77,7 +77,7 @@ class FusionReport:
         for c in self.classes.values():
             applied = [f"{p}: {d}" + (f" x{n}" if n != c.instances else "")
                        for p, descs in c.applied.items() for d, n in descs.items()]
-            applied += [f"(inside {c.replaced_with})"] if c.replaced_with else []
+            applied += [f"({c.replaced_with})"] if c.replaced_with else []
             applied = "\n".join(applied + c.present) or "-"  # one fusion per line
             skipped = "\n".join(f"{p}: {r}" for p, r in c.skipped) or "-"
             rows.append((c.name, str(c.instances), applied, skipped))

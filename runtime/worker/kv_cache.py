@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from fxrewrite.errors import UserInputError
@@ -77,7 +79,15 @@ def allocate_kv_caches(
     `layers` only those are allocated (the other stages' layers get empty [0, ...] tensors)."""
     num_layers, num_kv_heads, head_dim = kv_shape(model_config, layers)
     start = layers[0] if layers is not None else 0
-    cache = torch.zeros(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    shape = (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+    try:
+        cache = torch.zeros(shape, dtype=dtype, device=device)
+    except (torch.OutOfMemoryError, RuntimeError) as e:  # RuntimeError: the CPU allocator's "can't allocate memory"
+        if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
+            raise
+        gib = math.prod(shape) * dtype.itemsize / 2**30
+        raise UserInputError(f"the KV cache of {num_blocks} blocks ({gib:.1f} GiB) does not fit in {device}'s memory; "
+                             "lower kv_cache_memory_bytes or gpu_memory_utilization") from None
     empty = cache.new_zeros(0, block_size, num_kv_heads, head_dim)
     return [(cache[0, i - start], cache[1, i - start]) if start <= i < start + num_layers else (empty, empty)
             for i in range(model_config.num_hidden_layers)]

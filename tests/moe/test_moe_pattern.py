@@ -34,13 +34,17 @@ def test_blocks_become_fused_moe_and_logits_match(family):
 
 def test_report_names_the_fused_block_for_the_experts_inside_it():
     """The experts module goes with its block: its row names the FusedMoE that replaced the block, not the
-    refusals of its own (moot) trace."""
+    refusals of its own (moot) trace; with one block kept (a hook), the row says which share went and keeps them."""
     model = fxrewrite.optimize(tiny_moe("qwen3_moe"))
     entry = fxrewrite.explain(model).classes["Qwen3MoeExperts"]
     layers = model.config.num_hidden_layers
-    assert entry.replaced_with == f"model.layers.0.mlp and {layers - 1} more, now FusedMoE" and not entry.skipped
+    assert entry.replaced_with == f"inside model.layers.0.mlp and {layers - 1} more, now FusedMoE" and not entry.skipped
     assert "(inside model.layers.0.mlp and" in str(fxrewrite.explain(model))
     assert not fxrewrite.explain(model).classes["Qwen3MoeSparseMoeBlock"].replaced_with
+    partly = tiny_moe("qwen3_moe", num_hidden_layers=4, mlp_only_layers=[1, 3])  # MoE layers 0 and 2
+    partly.model.layers[0].mlp.gate.register_forward_hook(lambda module, args, out: None)  # keeps block 0 as it is
+    entry = fxrewrite.explain(fxrewrite.optimize(partly)).classes["Qwen3MoeExperts"]
+    assert entry.replaced_with == "1 of 2 inside model.layers.2.mlp, now FusedMoE" and entry.skipped
 
 
 def test_report_compares_a_hooked_layer_with_the_nearest_group():

@@ -84,6 +84,24 @@ def test_tensor_parallel_size_must_divide_heads_before_any_worker_starts(tiny_qw
         LLM(str(tiny_qwen3_dir), tensor_parallel_size=3, kv_cache_memory_bytes=1 << 22)
 
 
+def test_a_kv_cache_larger_than_memory_is_a_user_error(tiny_qwen3_dir, monkeypatch):
+    """The allocator's failure (CPU: a RuntimeError "can't allocate memory") becomes one error naming the size."""
+    from fxrewrite.errors import UserInputError
+    from fxrewrite.runtime.worker import kv_cache
+
+    zeros = kv_cache.torch.zeros
+
+    def refuse(shape, *args, **kwargs):  # only the cache's [2, layers, blocks, block_size, heads, head_dim]
+        if isinstance(shape, tuple) and len(shape) == 6:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory")
+        return zeros(shape, *args, **kwargs)
+
+    monkeypatch.setattr(kv_cache.torch, "zeros", refuse)
+    with pytest.raises(UserInputError, match=r"the KV cache of \d+ blocks \(0\.0 GiB\) does not fit in cpu's memory; "
+                                             "lower kv_cache_memory_bytes"):
+        LLM(str(tiny_qwen3_dir), kv_cache_memory_bytes=1 << 22, max_model_len=256)
+
+
 def test_boolean_engine_arguments_must_be_bools():
     import pytest
 
