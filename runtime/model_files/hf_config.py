@@ -332,7 +332,7 @@ def derive_max_model_len(
         if isinstance(value, int) and not isinstance(value, bool) and value < derived:
             derived, key = value, name
     if tokenizer_model_max_length is not None and tokenizer_model_max_length < derived:
-        derived, key = tokenizer_model_max_length, "model_max_length (tokenizer)"
+        derived, key = tokenizer_model_max_length, "tokenizer model_max_length"
     sliding_window = getattr(text_config, "sliding_window", None)
     if disable_sliding_window and isinstance(sliding_window, int) and sliding_window < derived:
         derived, key = sliding_window, "sliding_window"
@@ -365,7 +365,8 @@ def verify_max_model_len(max_model_len: int | None, derived: int, key: str) -> i
         return max_model_len
     msg = (
         f"max_model_len={max_model_len} is greater than the derived max_model_len={derived} "
-        f"(from {'the tokenizer config' if 'tokenizer' in key else 'the model config'}: {key})."
+        f"(from {'the tokenizer config' if key.startswith('tokenizer ') else 'the model config'}: "
+        f"{key.removeprefix('tokenizer ')})."
     )
     if any(os.environ.get(name, "").strip().lower() in ("1", "true") for name in ALLOW_LONG_ENV_VARS):
         warnings.warn(

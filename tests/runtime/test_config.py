@@ -218,7 +218,7 @@ def test_derivation_rules():
     cfg = LlamaConfig(**TINY, max_position_embeddings=4096)
     assert derive_max_model_len(cfg) == (4096, "max_position_embeddings=4096")
     assert derive_max_model_len(cfg, tokenizer_model_max_length=1000)[0] == 1000
-    with pytest.raises(UserInputError, match=r"\(from the tokenizer config: model_max_length \(tokenizer\)=1000\)"):
+    with pytest.raises(UserInputError, match=r"\(from the tokenizer config: model_max_length=1000\)"):
         verify_max_model_len(2000, *derive_max_model_len(cfg, tokenizer_model_max_length=1000))
     with pytest.raises(UserInputError, match=r"\(from the model config: max_position_embeddings=4096\)"):
         verify_max_model_len(5000, *derive_max_model_len(cfg))
