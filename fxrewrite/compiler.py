@@ -107,7 +107,10 @@ def _replacing_holder(model: nn.Module, path: str) -> tuple[str, nn.Module] | No
     """(path, module) of the nearest enclosing module of `path` that fxrewrite put in the model."""
     while "." in path:
         path = path.rsplit(".", 1)[0]
-        holder = model.get_submodule(path)
+        try:
+            holder = model.get_submodule(path)
+        except AttributeError:  # the replacement has no child of that name
+            continue
         if type(holder).__module__.startswith("fxrewrite."):
             return path, holder
     return None

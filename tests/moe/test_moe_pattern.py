@@ -47,6 +47,17 @@ def test_report_names_the_fused_block_for_the_experts_inside_it():
     assert entry.replaced_with == "1 of 2 inside model.layers.2.mlp, now FusedMoE" and entry.skipped
 
 
+def test_the_replacing_holder_is_found_past_paths_the_replacement_lacks():
+    from fxrewrite.compiler import _replacing_holder
+    from fxrewrite.layers.layernorm import RMSNorm
+
+    root = nn.Module()
+    root.layer = nn.Module()
+    root.layer.mlp = RMSNorm(4)  # an fxrewrite module without the old path's `experts` child
+    assert _replacing_holder(root, "layer.mlp.experts.act_fn") == ("layer.mlp", root.layer.mlp)
+    assert _replacing_holder(root, "layer.other.act_fn") is None
+
+
 def test_report_compares_a_hooked_layer_with_the_nearest_group():
     """Dense and MoE layers, one MoE layer's post-attention norm hooked: the layer's row names the hook (against the
     other MoE layer), not the dense layers' different mlp."""
