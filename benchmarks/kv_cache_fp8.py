@@ -22,6 +22,7 @@ import torch
 
 from fxrewrite.benchmarks import kernels
 from fxrewrite.benchmarks.common import RESULTS_DIR, environment, replay_ms
+from fxrewrite.kernels.attention_tile import keys_contiguous
 from fxrewrite.kernels.paged_attention import paged_attention_ref
 from fxrewrite.kernels.paged_decode import paged_decode_triton
 
@@ -42,13 +43,18 @@ def _case_rows(batch: int, ctx: int, bandwidth: float) -> list[dict]:
         cache = tuple(c.to(dtype) for c in args[1:3])
         case = (args[0], *cache, *args[3:])
         want = paged_attention_ref(args[0], *(c.to(torch.bfloat16) for c in cache), *args[3:], scale)
-        sweeps = [(label, CONFIGS, 2e-2), (f"{label}_keys_major", KEYS_MAJOR_CONFIGS, 2e-2)]
+        # the value cache with each block's keys contiguous, read as V^T (attention_tile.value_tile_t)
+        case_vt = (case[0], case[1], keys_contiguous(case[2]), *case[3:])
+        sweeps = [(label, CONFIGS, 2e-2, case), (f"{label}_keys_major", KEYS_MAJOR_CONFIGS, 2e-2, case),
+                  (f"{label}_v_keys_contiguous", KEYS_MAJOR_CONFIGS, 2e-2, case_vt)]
         if dtype.itemsize == 1:
-            sweeps = [(label, CONFIGS + [dict(c, fp8_dots="query") for c in CONFIGS[:2]], 2e-2), sweeps[1],
-                      # e4m3 query and probabilities: about the error of the e4m3 cache itself (attention_tile.py)
-                      (f"{label}_float8_dots", [dict(c, fp8_dots="float8") for c in KEYS_MAJOR_CONFIGS], 8e-2)]
-        for row_label, configs, max_err in sweeps:
-            best, tried = kernels._sweep(f"{row_label} b{batch} ctx{ctx}", paged_decode_triton, case, want, configs,
+            # e4m3 query and probabilities: about the error of the e4m3 cache itself (attention_tile.py)
+            float8 = [dict(c, fp8_dots="float8") for c in KEYS_MAJOR_CONFIGS]
+            sweeps = [(label, CONFIGS + [dict(c, fp8_dots="query") for c in CONFIGS[:2]], 2e-2, case), *sweeps[1:],
+                      (f"{label}_float8_dots", float8, 8e-2, case),
+                      (f"{label}_float8_dots_v_keys_contiguous", float8, 8e-2, case_vt)]
+        for row_label, configs, max_err, args_ in sweeps:
+            best, tried = kernels._sweep(f"{row_label} b{batch} ctx{ctx}", paged_decode_triton, args_, want, configs,
                                          scale, max_err)
             cache_bytes = 2 * sum(seq_lens) * kernels.NUM_KV_HEADS * kernels.HEAD_DIM * dtype.itemsize
             nbytes = cache_bytes + 2 * args[0].numel() * 2
@@ -74,11 +80,15 @@ def _graph_rows(layers: int, max_model_len: int) -> list[dict]:
         per_layer = [kernels._paged_batch([(ctx - 1, 1)] * batch)[0] for _ in range(layers)]
         for label, dtype in DTYPES.items():
             caches = [(a[0], a[1].to(dtype), a[2].to(dtype), *a[3:7], max_model_len) for a in per_layer]
-            forms = [("heads", dict(keys_major=False)), ("keys", dict(keys_major=True))]
-            forms += [("float8_dots", dict(fp8_dots="float8"))] if dtype.itemsize == 1 else []
-            for form, knobs in forms:
+            caches_vt = [(*a[:2], keys_contiguous(a[2]), *a[3:]) for a in caches]
+            forms = [("heads", dict(keys_major=False), caches), ("keys", dict(keys_major=True), caches),
+                     ("keys_v_keys_contiguous", {}, caches_vt)]
+            if dtype.itemsize == 1:
+                forms += [("float8_dots", dict(fp8_dots="float8"), caches),
+                          ("float8_dots_v_keys_contiguous", dict(fp8_dots="float8"), caches_vt)]
+            for form, knobs, layer_args in forms:
                 def step():
-                    for args in caches:
+                    for args in layer_args:
                         paged_decode_triton(*args, scale, **knobs)
                 step()  # the JIT, before capture
                 torch.cuda.synchronize()
@@ -90,7 +100,7 @@ def _graph_rows(layers: int, max_model_len: int) -> list[dict]:
                                  max_model_len=max_model_len, us_per_layer=us))
                 print(f"graph {label:9} {form:12} b={batch:<4} ctx={ctx:<6} {us:.1f} us a layer", flush=True)
                 del graph
-            del caches
+            del caches, caches_vt, layer_args
         del per_layer
         torch.cuda.empty_cache()
     return rows

@@ -17,6 +17,8 @@ sum of ``exp2(s - m)``, both float32 (FlashAttention-2's recurrence).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from fxrewrite.kernels.triton_utils import tl, triton
@@ -47,6 +49,25 @@ def check_last_dim_contiguous(*tensors: torch.Tensor) -> None:
         if t.stride(-1) != 1:
             raise ValueError(f"paged_attention: a tensor of shape {tuple(t.shape)} has stride {t.stride()}; "
                              "expected a contiguous last (head) dim")
+
+
+def value_run(value_cache: torch.Tensor, block_n: int) -> int:
+    """1 for a value cache [num_blocks, block_size, Hkv, D] with a contiguous head dim; for one that holds each
+    block's keys contiguous (a [num_blocks, Hkv, D, block_size] tensor seen through ``permute(0, 3, 1, 2)``) the keys a
+    tile loads as one run: gcd(block_size, block_n). ValueError naming the strides for any other layout."""
+    if value_cache.stride(-1) == 1 and (value_cache.stride(1) != 1 or value_cache.shape[1] == 1):
+        return 1
+    if value_cache.stride(1) != 1:
+        raise ValueError(f"paged_attention: value cache strides {value_cache.stride()}; expected a contiguous head dim "
+                         "or contiguous keys in each block")
+    return math.gcd(value_cache.shape[1], block_n)
+
+
+def keys_contiguous(value_cache: torch.Tensor) -> torch.Tensor:
+    """The same values [num_blocks, block_size, Hkv, D] stored with each block's keys contiguous (a [num_blocks, Hkv,
+    D, block_size] tensor seen through ``permute(0, 3, 1, 2)``): the value-cache layout the keys-major decode tile
+    reads as V^T (:func:`value_run`)."""
+    return value_cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
 
 
 FP8_DOTS = ("float16", "query", "float8")
@@ -140,10 +161,12 @@ def log2_scores(s, scale, soft_cap, HAS_SOFTCAP: tl.constexpr):
 
 @triton.jit
 def attention_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row_ptr, n0, end, q_pos, kvh, scale, soft_cap,
-                   sliding_window, block_size, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, offs_d, d_mask,
+                   sliding_window, block_size, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, vc_s3, offs_d, d_mask,
                    BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                   HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_ASM: tl.constexpr):
-    """Fold keys [n0, min(n0 + BLOCK_N, end)) into (m_i, l_i, acc); q is [M, BLOCK_D]."""
+                   HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_ASM: tl.constexpr,
+                   V_RUN: tl.constexpr):
+    """Fold keys [n0, min(n0 + BLOCK_N, end)) into (m_i, l_i, acc); q is [M, BLOCK_D]. V_RUN > 1: a keys-contiguous
+    value cache (:func:`value_tile_t`; n0 a multiple of V_RUN); only a MASK_CAUSAL tile may reach past `end`."""
     pos, n_mask, blk, slot = tile_slots(bt_row_ptr, n0, end, block_size, BLOCK_N)
     kv_mask = n_mask[:, None] & d_mask[None, :]
     # an FP8 cache is widened to the query's dtype (module docstring); for a cache in that dtype a no-op
@@ -161,25 +184,34 @@ def attention_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row_ptr, n0, end, q_pos,
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(vc_ptr + blk[:, None] * vc_s0 + slot[:, None] * vc_s1 + kvh * vc_s2 + offs_d[None, :],
-                mask=kv_mask, other=0.0)
+    if V_RUN > 1:
+        v = tl.trans(value_tile_t(vc_ptr, bt_row_ptr, pos, end, block_size, kvh, vc_s0, vc_s2, vc_s3, offs_d, d_mask,
+                                  V_RUN, MASK_CAUSAL))
+    else:
+        v = tl.load(vc_ptr + blk[:, None] * vc_s0 + slot[:, None] * vc_s1 + kvh * vc_s2 + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
     v = widen(v, q.dtype, WIDEN_ASM)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
 @triton.jit
-def decode_tile_keys_major(q, q_scale, m_i, l_i, acc_t, kc_ptr, vc_ptr, bt_row_ptr, n0, end, kvh, scale, soft_cap,
-                           block_size, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, offs_d, d_mask,
-                           BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                           WIDEN_ASM: tl.constexpr, F8_DOTS: tl.constexpr, EXACT_CAST: tl.constexpr):
+def decode_tile_keys_major(q, q_scale, m_i, l_i, acc_t, kc_ptr, vc_ptr, bt_row_ptr, n0, first, end, kvh, scale,
+                           soft_cap, block_size, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, vc_s3, offs_d, d_mask,
+                           BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                           DOT_PRECISION: tl.constexpr, WIDEN_ASM: tl.constexpr, F8_DOTS: tl.constexpr,
+                           EXACT_CAST: tl.constexpr, V_RUN: tl.constexpr, PARTIAL: tl.constexpr):
     """:func:`attention_tile` for one decode token's G' query heads (q: [G', BLOCK_D]) with the keys along the
     MMA's M side: scores s^T = K q^T [BLOCK_N, G'] and acc_t = (P V)^T [BLOCK_D, G'], so the heads are the MMA's N
     (8 and up) and the softmax touches BLOCK_N x G' values, where heads as rows are padded to M (16 for mma.sync,
     64 for wgmma: with FP8 dots that way the kernel ran 2x slower than its fp16 dots on an H200). F8_DOTS: q is
     e4m3 with row scales `q_scale` (:func:`quantize_query`), both dots take the e4m3 cache tiles as loaded and the
-    probabilities enter the second as e4m3 x `P_SCALE`; otherwise the tiles are widened as in attention_tile."""
-    _, n_mask, blk, slot = tile_slots(bt_row_ptr, n0, end, block_size, BLOCK_N)
+    probabilities enter the second as e4m3 x `P_SCALE`; otherwise the tiles are widened as in attention_tile.
+    Keys before `first` are masked with HAS_WINDOW. V_RUN > 1: the value cache holds each block's keys contiguous
+    (`vc_s1` == 1, head dim at stride `vc_s3`; :func:`value_tile_t`), PARTIAL: the tile may reach past `end`."""
+    pos, n_mask, blk, slot = tile_slots(bt_row_ptr, n0, end, block_size, BLOCK_N)
+    if HAS_WINDOW:
+        n_mask = n_mask & (pos >= first)
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(kc_ptr + blk[:, None] * kc_s0 + slot[:, None] * kc_s1 + kvh * kc_s2 + offs_d[None, :],
                 mask=kv_mask, other=0.0)
@@ -193,11 +225,36 @@ def decode_tile_keys_major(q, q_scale, m_i, l_i, acc_t, kc_ptr, vc_ptr, bt_row_p
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[None, :])
     l_i = l_i * alpha + tl.sum(p, axis=0)
-    v = tl.load(vc_ptr + blk[:, None] * vc_s0 + slot[:, None] * vc_s1 + kvh * vc_s2 + offs_d[None, :],
-                mask=kv_mask, other=0.0)
-    if F8_DOTS:
-        acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v), to_e4m3(p * P_SCALE, EXACT_CAST)) * (1.0 / P_SCALE)
+    if V_RUN > 1:
+        v_t = value_tile_t(vc_ptr, bt_row_ptr, pos, end, block_size, kvh, vc_s0, vc_s2, vc_s3, offs_d, d_mask, V_RUN,
+                           PARTIAL)
     else:
-        v = widen(v, q.dtype, WIDEN_ASM)
-        acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v), p.to(v.dtype), input_precision=DOT_PRECISION)
+        v_t = tl.trans(tl.load(vc_ptr + blk[:, None] * vc_s0 + slot[:, None] * vc_s1 + kvh * vc_s2 + offs_d[None, :],
+                               mask=kv_mask, other=0.0))
+    if F8_DOTS:
+        acc_t = acc_t * alpha[None, :] + tl.dot(v_t, to_e4m3(p * P_SCALE, EXACT_CAST)) * (1.0 / P_SCALE)
+    else:
+        v_t = widen(v_t, q.dtype, WIDEN_ASM)
+        acc_t = acc_t * alpha[None, :] + tl.dot(v_t, p.to(v_t.dtype), input_precision=DOT_PRECISION)
     return m_new, l_i, acc_t
+
+
+@triton.jit
+def value_tile_t(vc_ptr, bt_row_ptr, pos, end, block_size, kvh, vc_s0, vc_s2, vc_s3, offs_d, d_mask,
+                 V_RUN: tl.constexpr, PARTIAL: tl.constexpr):
+    """V^T [BLOCK_D, BLOCK_N] of the keys at `pos` from a value cache that holds each block's keys contiguous (slot
+    stride 1), the K-major operand an FP8 wgmma takes as is (a [keys, D] tile would be transposed through registers).
+    The keys come in whole runs of V_RUN slots of one block (`pos` starts at a multiple of V_RUN); told to the compiler
+    (hints on ops made here: triton drops a hint on a value a called function returns), the loads are 16-byte
+    vectors (cp.async into shared memory). Keys at or past `end` must read as zeros, not just weigh 0: a slot not
+    written for this sequence may hold anything, NaN included (NaN * 0 = NaN). A full tile (not PARTIAL) has none;
+    a PARTIAL one loads the runs that start before `end` and zeroes the rest in registers."""
+    in_seq = pos < end
+    blk = tl.max_constancy(tl.load(bt_row_ptr + pos // block_size, mask=in_seq, other=0), V_RUN).to(tl.int64)
+    slot = tl.max_contiguous(tl.multiple_of(pos % block_size, V_RUN), V_RUN)
+    ptrs = vc_ptr + blk[None, :] * vc_s0 + kvh * vc_s2 + offs_d[:, None] * vc_s3 + slot[None, :]
+    if PARTIAL:
+        run_in_seq = tl.max_constancy(pos // V_RUN * V_RUN < end, V_RUN)
+        v_t = tl.load(ptrs, mask=d_mask[:, None] & run_in_seq[None, :], other=0.0)
+        return tl.where(in_seq[None, :], v_t, tl.zeros_like(v_t))
+    return tl.load(ptrs, mask=d_mask[:, None], other=0.0)

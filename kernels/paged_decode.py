@@ -24,7 +24,10 @@ the heads along N (padded to 8): on an H200 the keys-major form runs the K and V
 shared memory; launched alone it was as fast at 200 x 560 and 64 x 2048 keys and 22% faster for one sequence of 32k
 keys (2026-12-03-kv-cache-keys-major-twentyfifth.json), but Qwen3-4B decode in the engine was 1.5-7% slower with it
 (2026-12-03-qwen3-4b-{latency,long}-decode-tile-*-twentyfifth.json), so heads-major stays the default. Over an e4m3
-cache ``fp8_dots="float8"`` (``FXREWRITE_KV_FP8_DOTS``) runs both dots on FP8 tensor cores, keys-major.
+cache ``fp8_dots="float8"`` (``FXREWRITE_KV_FP8_DOTS``) runs both dots on FP8 tensor cores, keys-major. A value cache
+stored keys-contiguous (``attention_tile.keys_contiguous``: the engine's layout for an e4m3 cache under "float8") is
+read as V^T, keys-major too: on an H200 the FP8 dots over it took 113.2 us a layer at 200 x 560 keys (36 layers
+replayed in a CUDA graph) against 137.4 over value rows (2026-12-03-kv-cache-fp8-v-keys-contiguous-twentysixth.json).
 Semantics and arguments: :mod:`fxrewrite.kernels.paged_attention`.
 """
 
@@ -36,7 +39,7 @@ import torch
 
 from fxrewrite.kernels.attention_tile import (FP8_DOTS, attention_tile, check_last_dim_contiguous, check_paged_args,
                                               decode_tile_keys_major, dot_dtype, float8_dots, fp16_dots, quantize_query,
-                                              widen_asm)
+                                              value_run, widen_asm)
 from fxrewrite.kernels.pdl import gdc_prologue, pdl_enabled
 from fxrewrite.kernels.triton_utils import interpreter_ready, launch, next_power_of_2, tl, triton
 
@@ -53,6 +56,9 @@ _SINGLE_SPLIT_LEN = 128
 # Keys per tile over an FP8 cache. H200, 2026-12-02-kv-cache-fp8-with-cuda-core-variant-seventeenth.json (200 x 560,
 # 64 x 2048, 8 x 8192, 1 x 32768 keys; Qwen3-4B heads): 128 keys took 126 / 136 / 80 / 120 us,
 # 64 keys 130 / 136 / 122 / 137.
+# FP8 tensor-core dots over a keys-contiguous value cache: 64 keys were faster in the sweep (200 x 560 / 64 x 2048:
+# 116.5 / 109.5 us against 122.3 / 148.6, 2026-12-03-kv-cache-fp8-v-keys-contiguous-twentysixth.json), not in the
+# engine (Qwen3-4B FP8 throughput 12,897 / 12,975 against 12,961 tok/s): 128 kept.
 _BLOCK_N_FP8 = 128
 
 
@@ -62,12 +68,12 @@ _BLOCK_N_FP8 = 128
             do_not_specialize_on_alignment=["seq_lens_ptr", "qsl_ptr"])
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, part_ptr, ml_ptr,
                    scale, soft_cap, sliding_window, block_size, num_splits, single_len,
-                   q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0, o_s0, o_s1,
+                   q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, vc_s3, bt_s0, o_s0, o_s1,
                    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr,
                    WIDEN_ASM: tl.constexpr, KEYS_MAJOR: tl.constexpr, F8_DOTS: tl.constexpr,
-                   EXACT_CAST: tl.constexpr, PDL: tl.constexpr):
+                   EXACT_CAST: tl.constexpr, V_RUN: tl.constexpr, PDL: tl.constexpr):
     gdc_prologue(PDL)  # every program, even one with no work: the grid then completes after its predecessor
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -86,37 +92,60 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr
         heads = kvh * G + offs_g
         gd_mask = (offs_g[:, None] < G) & (offs_d[None, :] < HEAD_DIM)
         q = tl.load(q_ptr + tok.to(tl.int64) * q_s0 + heads[:, None] * q_s1 + offs_d[None, :], mask=gd_mask, other=0.0)
-        # this sequence's partition: its own context over the splits, in whole BLOCK_N tiles
-        part = tl.cdiv(tl.cdiv(seq_len - lo, splits), BLOCK_N) * BLOCK_N
-        start = lo + split * part
+        # this sequence's partition: its own context over the splits, in whole BLOCK_N tiles (from a multiple of
+        # V_RUN, keys below lo masked, when the tile loads runs of V_RUN keys)
+        base = lo - lo % V_RUN
+        part = tl.cdiv(tl.cdiv(seq_len - base, splits), BLOCK_N) * BLOCK_N
+        start = base + split * part
         end = tl.minimum(start + part, seq_len)
         m_i = tl.zeros([BLOCK_G], dtype=tl.float32) - 1.0e30
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         bt_row = bt_ptr + seq.to(tl.int64) * bt_s0
         # Every key below seq_len is causal for the last token; the window is in `start`.
         if KEYS_MAJOR:
-            q_scale = 1.0
-            if F8_DOTS:
-                q, q_scale = quantize_query(q, EXACT_CAST)
-            else:
-                q = dot_dtype(q, FP16_DOTS)
-            acc = tl.zeros([BLOCK_D, BLOCK_G], dtype=tl.float32)
-            for n0 in range(start, end, BLOCK_N):
-                m_i, l_i, acc = decode_tile_keys_major(q, q_scale, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, n0, end, kvh,
-                                                       scale, soft_cap, block_size, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1,
-                                                       vc_s2, offs_d, offs_d < HEAD_DIM, BLOCK_N, HAS_SOFTCAP,
-                                                       DOT_PRECISION, WIDEN_ASM, F8_DOTS, EXACT_CAST)
-            acc = tl.trans(acc)
+            m_i, l_i, acc = _walk_keys_major(q, m_i, l_i, kc_ptr, vc_ptr, bt_row, start, lo, end, kvh, scale, soft_cap,
+                                             block_size, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, vc_s3, offs_d,
+                                             offs_d < HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, HAS_SOFTCAP, HAS_WINDOW,
+                                             DOT_PRECISION, FP16_DOTS, WIDEN_ASM, F8_DOTS, EXACT_CAST, V_RUN)
         else:
             q = dot_dtype(q, FP16_DOTS)
             acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
             for n0 in range(start, end, BLOCK_N):
                 m_i, l_i, acc = attention_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, n0, end, m_i, kvh, scale,
                                                soft_cap, sliding_window, block_size, kc_s0, kc_s1, kc_s2,
-                                               vc_s0, vc_s1, vc_s2, offs_d, offs_d < HEAD_DIM, BLOCK_N, False,
-                                               HAS_SOFTCAP, False, DOT_PRECISION, WIDEN_ASM)
+                                               vc_s0, vc_s1, vc_s2, vc_s3, offs_d, offs_d < HEAD_DIM, BLOCK_N, False,
+                                               HAS_SOFTCAP, False, DOT_PRECISION, WIDEN_ASM, 1)
         _write_split(acc, m_i, l_i, out_ptr, part_ptr, ml_ptr, tok, heads, offs_d, gd_mask, offs_g < G, splits, split,
                      num_splits, G * tl.num_programs(1), o_s0, o_s1, BLOCK_D)
+
+
+@triton.jit
+def _walk_keys_major(q, m_i, l_i, kc_ptr, vc_ptr, bt_row, start, lo, end, kvh, scale, soft_cap, block_size,
+                     kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, vc_s3, offs_d, d_mask, BLOCK_G: tl.constexpr,
+                     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr, WIDEN_ASM: tl.constexpr,
+                     F8_DOTS: tl.constexpr, EXACT_CAST: tl.constexpr, V_RUN: tl.constexpr):
+    """Keys [start, end) through the keys-major tile: (m_i, l_i, acc [BLOCK_G, BLOCK_D]). Whole tiles first, then the
+    one that reaches past `end` (a V^T tile masks that one apart: attention_tile.value_tile_t)."""
+    q_scale = 1.0
+    if F8_DOTS:
+        q, q_scale = quantize_query(q, EXACT_CAST)
+    else:
+        q = dot_dtype(q, FP16_DOTS)
+    acc = tl.zeros([BLOCK_D, BLOCK_G], dtype=tl.float32)
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    for n0 in range(start, full_end, BLOCK_N):
+        m_i, l_i, acc = decode_tile_keys_major(q, q_scale, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, n0, lo, end, kvh,
+                                               scale, soft_cap, block_size, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2,
+                                               vc_s3, offs_d, d_mask, BLOCK_N, HAS_SOFTCAP, HAS_WINDOW and V_RUN > 1,
+                                               DOT_PRECISION, WIDEN_ASM, F8_DOTS, EXACT_CAST, V_RUN, False)
+    if full_end < end:
+        m_i, l_i, acc = decode_tile_keys_major(q, q_scale, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, full_end, lo, end,
+                                               kvh, scale, soft_cap, block_size, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1,
+                                               vc_s2, vc_s3, offs_d, d_mask, BLOCK_N, HAS_SOFTCAP,
+                                               HAS_WINDOW and V_RUN > 1, DOT_PRECISION, WIDEN_ASM, F8_DOTS, EXACT_CAST,
+                                               V_RUN, True)
+    return m_i, l_i, tl.trans(acc)
 
 
 @triton.jit
@@ -218,11 +247,13 @@ def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, q
     `_BLOCK_N_FP8` for an FP8 cache, else 64; ``keys_major``: the keys along the MMA's M, the query heads along its N,
     always so with FP8 dots (:func:`~fxrewrite.kernels.attention_tile.decode_tile_keys_major`), None:
     :func:`decode_tile`)."""
-    block_n = block_n or (_BLOCK_N_FP8 if key_cache.element_size() == 1 else 64)
     check_paged_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+    dots = dot_flags(query, key_cache, fp8_dots or default_fp8_dots())
+    block_n = block_n or (_BLOCK_N_FP8 if key_cache.element_size() == 1 else 64)
     if max_query_len > 1:
         raise ValueError(f"paged_decode_triton: max_query_len={max_query_len}; expected 1 (use the prefill kernel)")
-    check_last_dim_contiguous(query, key_cache, value_cache)
+    check_last_dim_contiguous(query, key_cache)
+    v_run = value_run(value_cache, block_n)
     num_tokens, num_heads, head_dim = query.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], key_cache.shape[2]
     out = torch.empty_like(query)  # every query token belongs to a sequence, so every row is written
@@ -230,8 +261,8 @@ def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, q
         return out
     splits = num_splits if num_splits is not None else _num_splits(num_seqs, num_kv_heads, max_seq_len)
     group, block_d = num_heads // num_kv_heads, max(16, next_power_of_2(head_dim))
-    dots = dot_flags(query, key_cache, fp8_dots or default_fp8_dots())
-    keys_major = dots["F8_DOTS"] or (decode_tile() == "keys" if keys_major is None else keys_major)
+    # a keys-contiguous value cache is read as V^T, the keys-major tile's operand
+    keys_major = dots["F8_DOTS"] or v_run > 1 or (decode_tile() == "keys" if keys_major is None else keys_major)
     part = ml = out
     if splits > 1:
         part = torch.empty((num_tokens, num_heads, splits, block_d), dtype=torch.float32, device=query.device)
@@ -241,14 +272,14 @@ def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, q
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, part, ml,
         float(scale), float(soft_cap or 0.0), int(sliding_window or 0), key_cache.shape[1], splits, single_split_len,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), value_cache.stride(3),
+        block_tables.stride(0), out.stride(0), out.stride(1),
         # the heads are the MMA's N keys-major (>= 8), its M otherwise (>= 16)
         G=group, HEAD_DIM=head_dim, BLOCK_G=max(8 if keys_major else 16, next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=block_n,
         IS_SPLIT=splits > 1, HAS_SOFTCAP=soft_cap is not None, HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        KEYS_MAJOR=keys_major, PDL=pdl, num_warps=num_warps, num_stages=num_stages, **dots)
+        KEYS_MAJOR=keys_major, V_RUN=v_run, PDL=pdl, num_warps=num_warps, num_stages=num_stages, **dots)
     if splits > 1:
         launch(_reduce_kernel, (num_seqs, num_heads), query.device, pdl)(
             seq_lens, query_start_loc, out, part, ml, out.stride(0), out.stride(1), num_heads, splits,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from fxrewrite.kernels.attention_tile import (attention_tile, check_last_dim_contiguous, check_paged_args, dot_dtype,
-                                              fp16_dots, widen_asm)
+                                              fp16_dots, value_run, widen_asm)
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
 __all__ = ["paged_prefill_triton"]
@@ -23,11 +23,11 @@ __all__ = ["paged_prefill_triton"]
 @triton.jit(do_not_specialize=["bt_s0"], do_not_specialize_on_alignment=["seq_lens_ptr", "qsl_ptr"])
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
                     scale, soft_cap, sliding_window, block_size,
-                    q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0, o_s0, o_s1,
+                    q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, vc_s3, bt_s0, o_s0, o_s1,
                     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr,
-                    WIDEN_ASM: tl.constexpr):
+                    WIDEN_ASM: tl.constexpr, V_RUN: tl.constexpr):
     m_blk = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)
@@ -52,24 +52,25 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_pt
         bt_row = bt_ptr + seq.to(tl.int64) * bt_s0
         if HAS_WINDOW:
             lo = tl.maximum(0, ctx_len + m_blk * BLOCK_M - sliding_window + 1)
+            lo -= lo % V_RUN  # tiles of a keys-contiguous value cache start at a run; the window mask hides the rest
             for n0 in range(lo, hi, BLOCK_N):
                 m_i, l_i, acc = attention_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, n0, hi, q_pos, kvh, scale,
                                                soft_cap, sliding_window, block_size, kc_s0, kc_s1, kc_s2,
-                                               vc_s0, vc_s1, vc_s2, offs_d, d_mask, BLOCK_N, True,
-                                               HAS_SOFTCAP, True, DOT_PRECISION, WIDEN_ASM)
+                                               vc_s0, vc_s1, vc_s2, vc_s3, offs_d, d_mask, BLOCK_N, True,
+                                               HAS_SOFTCAP, True, DOT_PRECISION, WIDEN_ASM, V_RUN)
         else:
             # Keys at or before the tile's first query position are visible to every row: no mask.
             mid = tl.minimum((ctx_len + m_blk * BLOCK_M + 1) // BLOCK_N * BLOCK_N, hi)
             for n0 in range(0, mid, BLOCK_N):
                 m_i, l_i, acc = attention_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, n0, hi, q_pos, kvh, scale,
                                                soft_cap, sliding_window, block_size, kc_s0, kc_s1, kc_s2,
-                                               vc_s0, vc_s1, vc_s2, offs_d, d_mask, BLOCK_N, False,
-                                               HAS_SOFTCAP, False, DOT_PRECISION, WIDEN_ASM)
+                                               vc_s0, vc_s1, vc_s2, vc_s3, offs_d, d_mask, BLOCK_N, False,
+                                               HAS_SOFTCAP, False, DOT_PRECISION, WIDEN_ASM, V_RUN)
             for n0 in range(mid, hi, BLOCK_N):
                 m_i, l_i, acc = attention_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, n0, hi, q_pos, kvh, scale,
                                                soft_cap, sliding_window, block_size, kc_s0, kc_s1, kc_s2,
-                                               vc_s0, vc_s1, vc_s2, offs_d, d_mask, BLOCK_N, True,
-                                               HAS_SOFTCAP, False, DOT_PRECISION, WIDEN_ASM)
+                                               vc_s0, vc_s1, vc_s2, vc_s3, offs_d, d_mask, BLOCK_N, True,
+                                               HAS_SOFTCAP, False, DOT_PRECISION, WIDEN_ASM, V_RUN)
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(out_ptr + rows[:, None] * o_s0 + head * o_s1 + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=md_mask)
@@ -83,7 +84,8 @@ def paged_prefill_triton(query, key_cache, value_cache, block_tables, seq_lens, 
     the grid). Keyword-only knobs are for tests and the benchmark (``fp8_dots``: see
     :mod:`fxrewrite.kernels.attention_tile`). Same contract as the reference."""
     check_paged_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
-    check_last_dim_contiguous(query, key_cache, value_cache)
+    check_last_dim_contiguous(query, key_cache)
+    v_run = value_run(value_cache, block_n)
     num_tokens, num_heads, head_dim = query.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], key_cache.shape[2]
     out = torch.zeros_like(query)
@@ -94,11 +96,11 @@ def paged_prefill_triton(query, key_cache, value_cache, block_tables, seq_lens, 
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
         float(scale), float(soft_cap or 0.0), int(sliding_window or 0), key_cache.shape[1],
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), value_cache.stride(3),
+        block_tables.stride(0), out.stride(0), out.stride(1),
         G=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, next_power_of_2(head_dim)), HAS_SOFTCAP=soft_cap is not None,
         HAS_WINDOW=sliding_window is not None, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         FP16_DOTS=fp16_dots(query, key_cache, fp8_dots),
-        WIDEN_ASM=widen_asm(query, key_cache, fp8_dots), num_warps=num_warps, num_stages=num_stages)
+        WIDEN_ASM=widen_asm(query, key_cache, fp8_dots), V_RUN=v_run, num_warps=num_warps, num_stages=num_stages)
     return out

@@ -55,7 +55,7 @@ def qk_norm_rope_cache(positions: torch.Tensor, query: torch.Tensor, key: torch.
 @triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])
 def _qk_norm_rope_cache_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cache_ptr, kc_ptr, vc_ptr, slot_ptr,
                                q_tok_stride, q_head_stride, k_tok_stride, k_head_stride, v_tok_stride,
-                               v_head_stride, cache_stride, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, block_size,
+                               v_head_stride, cache_stride, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, vc_s3, block_size,
                                num_q_heads, num_k_heads, eps,
                                HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                                PASS: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_HQ: tl.constexpr,
@@ -84,7 +84,8 @@ def _qk_norm_rope_cache_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cac
         d = tl.arange(0, BLOCK_D)[None, :]
         vmask = (heads < num_k_heads) & (d < HEAD_DIM)
         v = tl.load(v_ptr + tok * v_tok_stride + heads * v_head_stride + d, mask=vmask)
-        tl.store(vc_ptr + blk * vc_s0 + off * vc_s1 + heads * vc_s2 + d, v.to(vc_ptr.dtype.element_ty), mask=vmask)
+        tl.store(vc_ptr + blk * vc_s0 + off * vc_s1 + heads * vc_s2 + d * vc_s3, v.to(vc_ptr.dtype.element_ty),
+                 mask=vmask)
 
 
 def qk_norm_rope_cache_triton(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -113,7 +114,8 @@ def qk_norm_rope_cache_triton(positions: torch.Tensor, query: torch.Tensor, key:
         positions, q, k, v, q_weight, k_weight, cos_sin_cache, key_cache, value_cache, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), value_cache.stride(0),
-        value_cache.stride(1), value_cache.stride(2), key_cache.shape[1], q.shape[1], k.shape[1], float(eps),
+        value_cache.stride(1), value_cache.stride(2), value_cache.stride(3), key_cache.shape[1], q.shape[1], k.shape[1],
+        float(eps),
         HEAD_DIM=head_size, HALF=half, BLOCK_HALF=next_power_of_2(half), PASS=rest,
         BLOCK_PASS=max(1, next_power_of_2(rest)), BLOCK_HQ=next_power_of_2(q.shape[1]),
         BLOCK_HK=next_power_of_2(k.shape[1]), BLOCK_D=next_power_of_2(head_size), IS_NEOX=is_neox_style,

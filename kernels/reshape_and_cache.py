@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from fxrewrite.kernels import use_triton
+from fxrewrite.kernels.attention_tile import value_run
 from fxrewrite.kernels.pdl import gdc_prologue, pdl_enabled
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
@@ -45,9 +46,11 @@ def _check(key, value, key_cache, value_cache, slot_mapping) -> None:
 
 def check_cache_args(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      slot_mapping: torch.Tensor) -> None:
-    """The kernels' checks: the reference's shapes, and a contiguous last (head) dim everywhere (ValueError)."""
+    """The kernels' checks: the reference's shapes, and a contiguous last (head) dim everywhere but in a value cache
+    that holds each block's keys contiguous (:func:`~fxrewrite.kernels.attention_tile.keys_contiguous`; ValueError)."""
     _check(key, value, key_cache, value_cache, slot_mapping)
-    for t in (key, value, key_cache, value_cache):
+    value_run(value_cache, 1)
+    for t in (key, value, key_cache):
         if t.stride(-1) != 1:
             raise ValueError(f"reshape_and_cache: a tensor of shape {tuple(t.shape)} has strides {t.stride()}; "
                              "expected a contiguous last (head) dim")
@@ -81,7 +84,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 # changes from step to step: not specialised on (one binary for every step)
 @triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
 def _reshape_and_cache_kernel(key_ptr, value_ptr, kc_ptr, vc_ptr, slot_ptr, k_s0, k_s1, v_s0, v_s1,
-                              kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, block_size, num_heads,
+                              kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, vc_s3, block_size, num_heads,
                               HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                               FP8: tl.constexpr, CLAMP: tl.constexpr, PDL: tl.constexpr):
     gdc_prologue(PDL)
@@ -99,13 +102,14 @@ def _reshape_and_cache_kernel(key_ptr, value_ptr, kc_ptr, vc_ptr, slot_ptr, k_s0
             k = tl.minimum(tl.maximum(k.to(tl.float32), -CLAMP), CLAMP)
             v = tl.minimum(tl.maximum(v.to(tl.float32), -CLAMP), CLAMP)
         tl.store(kc_ptr + blk * kc_s0 + off * kc_s1 + h * kc_s2 + d, k.to(kc_ptr.dtype.element_ty), mask=mask)
-        tl.store(vc_ptr + blk * vc_s0 + off * vc_s1 + h * vc_s2 + d, v.to(vc_ptr.dtype.element_ty), mask=mask)
+        tl.store(vc_ptr + blk * vc_s0 + off * vc_s1 + h * vc_s2 + d * vc_s3, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
 def reshape_and_cache_triton(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                              value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Triton kernel, one program per token; same contract as :func:`reshape_and_cache_ref`.
-    Any strides (e.g. transposed HF [Hkv, T, D] views) except a non-unit head-dim stride."""
+    Any strides (e.g. transposed HF [Hkv, T, D] views) except a non-unit head-dim stride (but in a keys-contiguous
+    value cache)."""
     check_cache_args(key, value, key_cache, value_cache, slot_mapping)
     num_heads, head_dim = key.shape[1], key.shape[2]
     if key.shape[0]:
@@ -113,6 +117,7 @@ def reshape_and_cache_triton(key: torch.Tensor, value: torch.Tensor, key_cache: 
         launch(_reshape_and_cache_kernel, (key.shape[0],), key.device, pdl)(
             key, value, key_cache, value_cache, slot_mapping, key.stride(0), key.stride(1),
             value.stride(0), value.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), key_cache.shape[1], num_heads,
+            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), value_cache.stride(3),
+            key_cache.shape[1], num_heads,
             HEAD_DIM=head_dim, BLOCK_H=next_power_of_2(num_heads), BLOCK_D=next_power_of_2(head_dim),
             FP8=cache_clamp(key_cache.dtype) > 0, CLAMP=cache_clamp(key_cache.dtype), PDL=pdl, num_warps=4)

@@ -36,6 +36,20 @@ def test_fp8_kv_cache_graphs_match_eager(make_llm, impl):
             assert abs(first[token].logprob - c.outputs[0].logprobs[0][token].logprob) < 0.1
 
 
+def test_fp8_dots_over_keys_contiguous_values_graphs_match_eager(make_llm, monkeypatch):
+    """FXREWRITE_KV_FP8_DOTS=float8: the value cache keys-contiguous, decode on FP8 tensor cores; CUDA-graph decode
+    gives eager's tokens."""
+    from fxrewrite.runtime.engine.sampling_params import SamplingParams
+
+    monkeypatch.setenv("FXREWRITE_KV_FP8_DOTS", "float8")
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    fast = make_llm(kv_cache_dtype="fp8")
+    assert fast.llm_engine.model_runner.kv_caches[0][1].stride(1) == 1
+    got = fast.generate(_prompts(), params, use_tqdm=False)
+    slow = make_llm(kv_cache_dtype="fp8", enforce_eager=True).generate(_prompts(), params, use_tqdm=False)
+    assert [a.outputs[0].token_ids for a in got] == [b.outputs[0].token_ids for b in slow]
+
+
 def test_fp8_kv_cache_profiled_blocks_double(small_model_dir):
     import gc
 

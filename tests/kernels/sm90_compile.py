@@ -40,23 +40,29 @@ def main(cache: str) -> dict:
                           {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "ml_ptr": "*fp32", **caches,
                            **ints},
                           dict(common, G=4, BLOCK_G=16, BLOCK_N=64, IS_SPLIT=True, KEYS_MAJOR=False, F8_DOTS=False, EXACT_CAST=False,
-                               PDL=True), num_warps=4, num_stages=2)
-    float8_mma = []
+                               V_RUN=1, PDL=True), num_warps=4, num_stages=2)
+    float8_mma, v_loads = [], {}
     if cache == "fp8e4nv":  # fp8_dots="float8": both dots on FP8 tensor cores, no widening
-        float8 = compile_sm90(paged_decode._decode_kernel,
-                              {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "ml_ptr": "*fp32", **caches,
-                               **ints},
-                              dict(common, FP16_DOTS=False, WIDEN_ASM=0, G=4, BLOCK_G=8, BLOCK_N=128, IS_SPLIT=True,
-                                   KEYS_MAJOR=True, F8_DOTS=True, EXACT_CAST=False, PDL=True), num_warps=4, num_stages=2)
+        for v_run in (1, 16):  # V rows as stored, V^T from a keys-contiguous value cache (blocks of 16)
+            float8 = compile_sm90(paged_decode._decode_kernel,
+                                  {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "ml_ptr": "*fp32",
+                                   **caches, **ints},
+                                  dict(common, FP16_DOTS=False, WIDEN_ASM=0, G=4, BLOCK_G=8, BLOCK_N=128, IS_SPLIT=True,
+                                       KEYS_MAJOR=True, F8_DOTS=True, EXACT_CAST=False, V_RUN=v_run, PDL=True),
+                                  num_warps=4, num_stages=2)
+            v_loads[v_run] = {"cp_async": float8.count("cp.async.cg"), "byte_loads": float8.count("ld.global.b8"),
+                              "shared_stores": len(re.findall(r"st\.shared", float8))}
         float8_mma = sorted(set(re.findall(r"(?:wgmma\.mma_async|mma\.sync)\.\S*", float8)))
         float8_mma.append(f"widened: {float8.count('cvt.rn.f16x2.e4m3x2')}")
-    compile_sm90(paged_prefill._prefill_kernel, {"q_ptr": "*bf16", "out_ptr": "*bf16", **caches, **ints},
-                 dict(common, G=4, BLOCK_M=64, BLOCK_N=64, HAS_SOFTCAP=True, HAS_WINDOW=True), num_warps=4)
+    for v_run in (1, 16):  # value rows as stored; a keys-contiguous value cache
+        compile_sm90(paged_prefill._prefill_kernel, {"q_ptr": "*bf16", "out_ptr": "*bf16", **caches, **ints},
+                     dict(common, G=4, BLOCK_M=64, BLOCK_N=64, HAS_SOFTCAP=True, HAS_WINDOW=True, V_RUN=v_run),
+                     num_warps=4)
     compile_sm90(reshape_and_cache._reshape_and_cache_kernel,
                  {"key_ptr": "*bf16", "value_ptr": "*bf16", "slot_ptr": "*i64", **caches},
                  dict(HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, FP8=True, CLAMP=448.0, PDL=True))
     return {"widened_in_ptx": "cvt.rn.f16x2.e" in decode, "byte_loads_from_shared": decode.count("ld.shared.b8"),
-            "float8_dots_mma": float8_mma}
+            "float8_dots_mma": float8_mma, "float8_v_loads": v_loads}
 
 
 def pipelined_gemv() -> dict:

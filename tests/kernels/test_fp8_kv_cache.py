@@ -5,6 +5,7 @@ dtype, so over an FP8 cache they equal exact attention over the dequantized cach
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from fxrewrite.kernels import paged_decode, paged_prefill
+from fxrewrite.kernels.attention_tile import keys_contiguous
 from fxrewrite.kernels.paged_attention import paged_attention_ref
 from fxrewrite.kernels.reshape_and_cache import reshape_and_cache_ref, reshape_and_cache_triton
 
@@ -60,6 +62,9 @@ def test_kernel_write_matches_ref_bitwise(interpret, dtype):
     reshape_and_cache_triton(key, value, kc2, vc2, slots)
     assert torch.equal(kc.view(torch.uint8), kc2.view(torch.uint8))
     assert torch.equal(vc.view(torch.uint8), vc2.view(torch.uint8))
+    vc_t = keys_contiguous(torch.zeros_like(vc))  # each block's keys contiguous: the same values land
+    reshape_and_cache_triton(key, value, kc2, vc_t, slots)
+    assert torch.equal(vc.view(torch.uint8), vc_t.contiguous().view(torch.uint8))
 
 
 def _fp8_batch(paged_batch, specs, dtype, seed):
@@ -187,24 +192,32 @@ def test_fp8_cache_kernels_gpu(cuda, paged_batch, dtype):
         for fp8_dots in ("float16", "query"):
             torch.testing.assert_close(kernel(*fp8.args(), 0.1, fp8_dots=fp8_dots),
                                        paged_attention_ref(*wide.args(), 0.1), rtol=2e-2, atol=2e-2)
+        # a keys-contiguous value cache (NaN past the sequences): decode keys-major, prefill V^T transposed
+        fp8_vt = dataclasses.replace(fp8, value_cache=keys_contiguous(fp8.value_cache))
+        torch.testing.assert_close(kernel(*fp8_vt.args(), 0.1), paged_attention_ref(*wide.args(), 0.1), rtol=2e-2,
+                                   atol=2e-2)
     batch = paged_batch(DECODE + [(700, 1)], 32, 8, 128, 16, torch.bfloat16, cuda, seed=8)
     for cache_dtype in (torch.bfloat16, dtype):  # keys along the MMA's M (wgmma, the heads its N)
         cached = dataclasses.replace(batch, key_cache=batch.key_cache.to(cache_dtype),
                                      value_cache=batch.value_cache.to(cache_dtype))
         wide = dataclasses.replace(cached, key_cache=cached.key_cache.bfloat16(),
                                    value_cache=cached.value_cache.bfloat16())
-        for block_n, num_splits in ((64, 1), (128, None)):
+        # the value cache also with each block's keys contiguous (read as V^T; NaN past the sequences there too)
+        v_layouts = (cached, dataclasses.replace(cached, value_cache=keys_contiguous(cached.value_cache)))
+        for (block_n, num_splits), layout in itertools.product(((64, 1), (128, None)), v_layouts):
             torch.testing.assert_close(
-                paged_decode.paged_decode_triton(*cached.args(), 0.1, keys_major=True, block_n=block_n,
+                paged_decode.paged_decode_triton(*layout.args(), 0.1, keys_major=True, block_n=block_n,
                                                  num_splits=num_splits),
                 paged_attention_ref(*wide.args(), 0.1), rtol=2e-2, atol=2e-2)
     if dtype == torch.float8_e4m3fn:  # FP8 tensor-core dots (wgmma), one split and the split path
         batch = paged_batch(DECODE + [(700, 1)], 32, 8, 128, 16, torch.bfloat16, cuda, seed=7)
         fp8 = dataclasses.replace(batch, key_cache=batch.key_cache.to(dtype), value_cache=batch.value_cache.to(dtype))
-        for block_n in (64, 128):
-            got = paged_decode.paged_decode_triton(*fp8.args(), 0.1, fp8_dots="float8", block_n=block_n, num_splits=1)
+        fp8_vt = dataclasses.replace(fp8, value_cache=keys_contiguous(fp8.value_cache))
+        for block_n, layout in itertools.product((64, 128), (fp8, fp8_vt)):
+            got = paged_decode.paged_decode_triton(*layout.args(), 0.1, fp8_dots="float8", block_n=block_n,
+                                                   num_splits=1)
             torch.testing.assert_close(got.float(), float8_dots_reference(fp8, 0.1, block_n), rtol=2e-2, atol=2e-2)
-            split = paged_decode.paged_decode_triton(*fp8.args(), 0.1, fp8_dots="float8", block_n=block_n)
+            split = paged_decode.paged_decode_triton(*layout.args(), 0.1, fp8_dots="float8", block_n=block_n)
             wide = dataclasses.replace(fp8, key_cache=fp8.key_cache.bfloat16(), value_cache=fp8.value_cache.bfloat16())
             torch.testing.assert_close(split, paged_attention_ref(*wide.args(), 0.1), rtol=0.1, atol=0.1)
 
@@ -225,3 +238,8 @@ def test_fp8_cache_kernels_compile_for_sm90(cache):
     if cache == "fp8e4nv":  # fp8_dots="float8": wgmma on e4m3 operands for both dots, nothing widened
         assert decode["float8_dots_mma"] == ["wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3",
                                              "widened: 0"], decode
+        # V^T from a keys-contiguous value cache: the full tiles' K and V both by cp.async, no byte loads, and far
+        # fewer shared-memory stores than the V rows' transposition through registers takes
+        rows, v_t = decode["float8_v_loads"]["1"], decode["float8_v_loads"]["16"]
+        assert v_t["byte_loads"] == 0 and v_t["cp_async"] == 2 * rows["cp_async"], decode
+        assert v_t["shared_stores"] * 4 < rows["shared_stores"], decode

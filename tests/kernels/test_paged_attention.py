@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from fxrewrite.kernels import paged_attention as paged_attention_module
-from fxrewrite.kernels import paged_decode, paged_prefill
+from fxrewrite.kernels import attention_tile, paged_decode, paged_prefill
 from fxrewrite.kernels.paged_attention import paged_attention, paged_attention_ref
 
 # (cached tokens, query tokens): decode, chunked prefill / prefix hit, fresh prefill, one-token prefill
@@ -287,3 +287,35 @@ def test_long_prefill_never_builds_the_full_score_matrix(paged_batch):
             for c in (batch.key_cache, batch.value_cache))
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=8 ** -0.5, enable_gqa=True)
     torch.testing.assert_close(got, want[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_size,block_n,window,cap,splits", [(8, 16, None, None, 1), (16, 16, 9, 3.0, 3),
+                                                                   (4, 16, None, None, 8), (8, 32, 5, None, 2)])
+def test_decode_over_a_keys_contiguous_value_cache(interpret, paged_batch, block_size, block_n, window, cap, splits):
+    """A value cache that holds each block's keys contiguous (read as V^T by the keys-major tile) gives the reference's
+    output; the slots past each sequence are NaN there too, so a key the tile must zero and not just weigh 0 shows."""
+    batch = paged_batch([(13, 1), (0, 1), (40, 1), (31, 1)], 4, 2, 16, block_size, seed=5)
+    want = paged_attention_ref(*batch.args(), 0.3, window, cap)
+    args = list(batch.args())
+    args[2] = attention_tile.keys_contiguous(batch.value_cache)
+    assert attention_tile.value_run(args[2], block_n) == min(block_size, block_n)
+    got = paged_decode.paged_decode_triton(*args, 0.3, window, cap, block_n=block_n, num_splits=splits,
+                                           single_split_len=0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_value_cache_of_another_layout_is_refused(paged_batch):
+    batch = paged_batch(DECODE, 4, 2, 16, 8)
+    with pytest.raises(ValueError, match="value cache strides"):
+        attention_tile.value_run(batch.value_cache.transpose(2, 3), 16)
+
+
+@pytest.mark.parametrize("window,cap", [(None, None), (7, 3.0)])
+def test_prefill_over_a_keys_contiguous_value_cache(interpret, paged_batch, window, cap):
+    """Chunked prefill and prefix hits read the keys-contiguous value cache as V^T too (NaN past the sequences)."""
+    batch = paged_batch(MIXED, 4, 2, 16, 8, seed=6)
+    want = paged_attention_ref(*batch.args(), 0.3, window, cap)
+    args = list(batch.args())
+    args[2] = attention_tile.keys_contiguous(batch.value_cache)
+    got = paged_prefill.paged_prefill_triton(*args, 0.3, window, cap, block_m=16, block_n=16)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -48,6 +48,17 @@ def test_fp8_kv_cache_greedy_tokens_match_transformers_on_e4m3_kv(default_model_
     assert key_cache.float().abs().sum() > 0  # the prompt's keys went into the FP8 cache
 
 
+def test_values_keys_contiguous_under_fp8_dots_keep_the_tokens(default_model_dir, monkeypatch):
+    """FXREWRITE_KV_FP8_DOTS=float8 lays the e4m3 value cache out keys-contiguous (what the FP8 P.V dot reads); the
+    same values through it: the oracle's greedy tokens still."""
+    monkeypatch.setenv("FXREWRITE_KV_FP8_DOTS", "float8")
+    got, runner = _engine(default_model_dir, "fp8", "float32", 16)
+    assert got == _oracle_greedy(str(default_model_dir), 16)
+    key_cache, value_cache = runner.kv_caches[0]
+    assert value_cache.shape == key_cache.shape and value_cache.stride(1) == 1 and key_cache.stride(-1) == 1
+    assert value_cache.float().abs().sum() > 0
+
+
 def test_fp8_kv_cache_holds_twice_the_bf16_blocks(default_model_dir):
     _, bf16 = _engine(default_model_dir, "auto", "bfloat16", 1)
     _, fp8 = _engine(default_model_dir, "fp8_e5m2", "bfloat16", 1)
