@@ -88,14 +88,22 @@ def optimize(model: nn.Module, **opts) -> nn.Module:
 
 def _note_replaced_with_parents(model: nn.Module, by_class, names: dict[int, str], report: FusionReport) -> None:
     """Instances no longer in the model went with the modules holding them (the experts of a MoE block that became
-    FusedMoE): the class's report names the replacement; when none is left, its own (moot) refusals are dropped."""
+    FusedMoE): the class's report names the replacement; when none is left, its own (moot) refusals are dropped.
+    A class with no fusion of its own whose every instance the replacement kept as a child (the MoE router, whose
+    weight FusedMoE reads) is named the same way."""
     alive = {id(m) for m in model.modules()}
     for cls, instances in by_class.items():
         gone = [m for m in instances if id(m) not in alive and id(m) in names]
+        entry = report.entry(cls.__name__)
+        if not gone and not entry.applied and instances and all(id(m) in names for m in instances):
+            holders = [_replacing_holder(model, names[id(m)]) for m in instances]
+            if all(holders):
+                more = f" and {len(instances) - 1} more" if len(instances) > 1 else ""
+                entry.replaced_with = f"kept inside {holders[0][0]}{more}, part of {type(holders[0][1]).__name__}"
+            continue
         holder = _replacing_holder(model, names[id(gone[0])]) if gone else None
         if holder is None:
             continue
-        entry = report.entry(cls.__name__)
         more = f" and {len(gone) - 1} more" if len(gone) > 1 else ""
         share = "" if len(gone) == len(instances) else f"{len(gone)} of {len(instances)} "
         entry.replaced_with = f"{share}inside {holder[0]}{more}, now {type(holder[1]).__name__}"

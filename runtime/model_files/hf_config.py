@@ -376,7 +376,9 @@ def verify_max_model_len(max_model_len: int | None, derived: int, key: str) -> i
             stacklevel=3,
         )  # a warning only: a log line too would print the same news twice
         return max_model_len
+    # scaling RoPE extends the model's positions, not a limit the tokenizer config sets
+    advice = ("the tokenizer's limit may be below what the model's positions allow" if key.startswith("tokenizer ")
+              else "or scale RoPE (hf_overrides rope_parameters) to extend the context")
     raise UserInputError(
-        f"{msg} Set {ALLOW_LONG_ENV_VARS[0]}=1 (or VLLM_ALLOW_LONG_MAX_MODEL_LEN=1) to allow it anyway, "
-        "or scale RoPE (hf_overrides rope_parameters) to extend the context."
+        f"{msg} Set {ALLOW_LONG_ENV_VARS[0]}=1 (or VLLM_ALLOW_LONG_MAX_MODEL_LEN=1) to allow it anyway; {advice}."
     )

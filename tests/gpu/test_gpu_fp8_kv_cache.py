@@ -1,6 +1,6 @@
 """FP8 KV cache on the GPU through the engine (the kernels' own GPU checks are in
 tests/kernels/test_fp8_kv_cache.py): CUDA-graph decode equals eager over the e4m3 cache, for the native model
-(its fused q/k-norm + RoPE + cache kernel falls back to the unfused pair for a cache in another dtype) and the
+(its fused q/k-norm + RoPE + cache kernel clamps and casts to e4m3 as the unfused pair would) and the
 rewritten transformers model; memory profiling sizes twice the bf16 cache's blocks; a first token the plain
 (float32) cache also picks has a log-probability within 0.1 of its."""
 

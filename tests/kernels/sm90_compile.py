@@ -14,8 +14,8 @@ import sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile as triton_compile
 
-from fxrewrite.kernels import (fp8_gemv_pipelined, paged_decode, paged_prefill, reshape_and_cache, skinny_gemv,
-                               skinny_gemv_pipelined)
+from fxrewrite.kernels import (fp8_gemv_pipelined, paged_decode, paged_prefill, qk_norm_rope_cache, reshape_and_cache,
+                               skinny_gemv, skinny_gemv_pipelined)
 
 
 def compile_sm90(fn, pointers: dict, constexprs: dict, floats=("scale", "soft_cap"), **options) -> str:
@@ -58,6 +58,12 @@ def main(cache: str) -> dict:
         compile_sm90(paged_prefill._prefill_kernel, {"q_ptr": "*bf16", "out_ptr": "*bf16", **caches, **ints},
                      dict(common, G=4, BLOCK_M=64, BLOCK_N=64, HAS_SOFTCAP=True, HAS_WINDOW=True, V_RUN=v_run),
                      num_warps=4)
+    compile_sm90(qk_norm_rope_cache._qk_norm_rope_cache_kernel,
+                 {"pos_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "qw_ptr": "*bf16",
+                  "kw_ptr": "*bf16", "cache_ptr": "*fp32", "slot_ptr": "*i64", **caches},
+                 dict(CLAMP=448.0 if cache == "fp8e4nv" else 57344.0, HEAD_DIM=128, HALF=64, BLOCK_HALF=64, PASS=0,
+                      BLOCK_PASS=1, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_D=128, IS_NEOX=True, PDL=True),
+                 floats=("eps",), num_warps=4)
     compile_sm90(reshape_and_cache._reshape_and_cache_kernel,
                  {"key_ptr": "*bf16", "value_ptr": "*bf16", "slot_ptr": "*i64", **caches},
                  dict(HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, FP8=True, CLAMP=448.0, PDL=True))

@@ -225,9 +225,9 @@ def test_fp8_cache_kernels_gpu(cuda, paged_batch, dtype):
 
 @pytest.mark.parametrize("cache", ["fp8e4nv", "fp8e5"])
 def test_fp8_cache_kernels_compile_for_sm90(cache):
-    """The FP8 paths through triton's real compiler for an H100/H200 (sm90), with no GPU here (in a fresh process:
-    this one may run triton's interpreter): a construct the interpreter accepts and the compiler rejects fails
-    here. The decode tile widens K/V in registers (inline PTX), so no 8-bit value comes back from shared memory a
+    """The FP8 paths (the fused q/k-norm + RoPE + cache write included) through triton's real compiler for an
+    H100/H200 (sm90), with no GPU here (in a fresh process: this one may run triton's interpreter): a construct the
+    interpreter accepts and the compiler rejects fails here. The decode tile widens K/V in registers (inline PTX), so no 8-bit value comes back from shared memory a
     byte at a time (attention_tile's docstring); with `fp8_dots="float8"` both dots are e4m3 wgmma."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-m", "tests.kernels.sm90_compile", cache], env=env, capture_output=True,

@@ -4,12 +4,15 @@ matches it, writes only the mapped slots, and refuses bad shapes."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
-from fxrewrite.kernels.qk_norm_rope import qk_norm_rope_ref
+from fxrewrite.kernels.attention_tile import keys_contiguous
+from fxrewrite.kernels.qk_norm_rope import qk_norm_rope_ref, qk_norm_rope_triton
 from fxrewrite.kernels.qk_norm_rope_cache import qk_norm_rope_cache, qk_norm_rope_cache_ref, qk_norm_rope_cache_triton
-from fxrewrite.kernels.reshape_and_cache import reshape_and_cache_ref
+from fxrewrite.kernels.reshape_and_cache import reshape_and_cache_ref, reshape_and_cache_triton, to_cache_dtype
 from tests.kernels.test_rotary import make_cache
 
 
@@ -66,6 +69,26 @@ def test_kernel_other_cache_dtype_rounds_like_the_pair(interpret):
     assert torch.equal(kc.view(-1, 2, 16)[mapped], got_k.view(7, 2, 16)[slots >= 0].float())
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("keys_contiguous_values", [False, True])
+def test_kernel_fp8_cache_writes_what_the_pair_writes(interpret, cache_dtype, keys_contiguous_values):
+    """An FP8 cache (values beyond its range among them) under bfloat16 activations, fused in one launch: the key
+    rounded to bf16, then clamped and cast, bitwise what the unfused triton pair writes (the interpreter's FP8 cast
+    is not torch's, so the pair, not the reference, is the comparison here; the GPU test checks torch's)."""
+    torch.manual_seed(4)
+    pos, q, k, v, (qw, kw), cache, (kc, vc), slots = _case(dtype=torch.bfloat16, cache_dtype=cache_dtype)
+    v *= 1000  # some beyond e4m3's +-448
+    if keys_contiguous_values:
+        vc = keys_contiguous(vc)
+    kc2, vc2 = kc.clone(), vc.clone()
+    want_q, want_k = qk_norm_rope_triton(pos, q.clone(), k.clone(), qw, kw, 1e-6, 16, cache, True)
+    reshape_and_cache_triton(want_k.view(7, 2, 16), v.view(7, 2, 16), kc2, vc2, slots)
+    got_q, got_k = qk_norm_rope_cache_triton(pos, q, k, v, qw, kw, 1e-6, 16, cache, True, kc, vc, slots)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    for got, want in ((kc, kc2), (vc, vc2)):
+        assert torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
+
+
 def test_kernel_rejects_bad_shapes(interpret):
     pos, q, k, v, (qw, kw), cache, (kc, vc), slots = _case()
     with pytest.raises(ValueError, match="caches"):
@@ -75,11 +98,13 @@ def test_kernel_rejects_bad_shapes(interpret):
 
 
 @pytest.mark.gpu
-def test_kernel_matches_ref_gpu(cuda):
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
+def test_kernel_matches_ref_gpu(cuda, cache_dtype):
+    """bf16, and an e4m3 cache: there the cache holds torch's clamp + cast of the kernel's own rotated key."""
     torch.manual_seed(3)
     pos, q, k, v, (qw, kw), cache, (kc, vc), slots = _case(
         tokens=512, hq=32, hkv=8, dim=128, rotary_dim=128, blocks=64, block_size=16, dtype=torch.bfloat16,
-        device=cuda)
+        cache_dtype=cache_dtype, device=cuda)
     pos = pos % 64
     kc2, vc2 = kc.clone(), vc.clone()
     want_q, want_k = qk_norm_rope_cache_ref(pos, q.clone(), k.clone(), v, qw, kw, 1e-6, 128, cache, True, kc2, vc2,
@@ -89,5 +114,8 @@ def test_kernel_matches_ref_gpu(cuda):
     torch.testing.assert_close(got_q, want_q, rtol=2e-2, atol=3.2e-2)
     torch.testing.assert_close(got_k, want_k, rtol=2e-2, atol=3.2e-2)
     mapped = slots[slots >= 0]  # the cache holds exactly the kernel's own rotated key
-    assert torch.equal(kc.view(-1, 8, 128)[mapped], got_k.view(512, 8, 128)[slots >= 0])
-    assert torch.equal(vc.view(-1, 8, 128)[mapped], v.reshape(512, 8, 128)[slots >= 0])
+    as_cached = functools.partial(to_cache_dtype, dtype=kc.dtype)
+    assert torch.equal(kc.view(-1, 8, 128)[mapped].view(torch.uint8),
+                       as_cached(got_k.view(512, 8, 128)[slots >= 0]).view(torch.uint8))
+    assert torch.equal(vc.view(-1, 8, 128)[mapped].view(torch.uint8),
+                       as_cached(v.reshape(512, 8, 128)[slots >= 0]).view(torch.uint8))

@@ -41,10 +41,15 @@ def test_report_names_the_fused_block_for_the_experts_inside_it():
     assert entry.replaced_with == f"inside model.layers.0.mlp and {layers - 1} more, now FusedMoE" and not entry.skipped
     assert "(inside model.layers.0.mlp and" in str(fxrewrite.explain(model))
     assert not fxrewrite.explain(model).classes["Qwen3MoeSparseMoeBlock"].replaced_with
+    # the router stays, a child of FusedMoE that reads its weight: its row says so instead of "-"
+    router = fxrewrite.explain(model).classes["Qwen3MoeTopKRouter"]
+    assert router.replaced_with == f"kept inside model.layers.0.mlp and {layers - 1} more, part of FusedMoE"
     partly = tiny_moe("qwen3_moe", num_hidden_layers=4, mlp_only_layers=[1, 3])  # MoE layers 0 and 2
     partly.model.layers[0].mlp.gate.register_forward_hook(lambda module, args, out: None)  # keeps block 0 as it is
-    entry = fxrewrite.explain(fxrewrite.optimize(partly)).classes["Qwen3MoeExperts"]
+    report = fxrewrite.explain(fxrewrite.optimize(partly))
+    entry = report.classes["Qwen3MoeExperts"]
     assert entry.replaced_with == "1 of 2 inside model.layers.2.mlp, now FusedMoE" and entry.skipped
+    assert not report.classes["Qwen3MoeTopKRouter"].replaced_with  # one router is still the block's own
 
 
 def test_the_replacing_holder_is_found_past_paths_the_replacement_lacks():

@@ -218,9 +218,10 @@ def test_derivation_rules():
     cfg = LlamaConfig(**TINY, max_position_embeddings=4096)
     assert derive_max_model_len(cfg) == (4096, "max_position_embeddings=4096")
     assert derive_max_model_len(cfg, tokenizer_model_max_length=1000)[0] == 1000
-    with pytest.raises(UserInputError, match=r"\(from the tokenizer config: model_max_length=1000\)"):
+    with pytest.raises(UserInputError, match=r"\(from the tokenizer config: model_max_length=1000\)") as tok:
         verify_max_model_len(2000, *derive_max_model_len(cfg, tokenizer_model_max_length=1000))
-    with pytest.raises(UserInputError, match=r"\(from the model config: max_position_embeddings=4096\)"):
+    assert "scale RoPE" not in str(tok.value)  # the tokenizer's limit is not the positions'
+    with pytest.raises(UserInputError, match=r"\(from the model config: max_position_embeddings=4096\).*scale RoPE"):
         verify_max_model_len(5000, *derive_max_model_len(cfg))
     cfg.max_seq_len = 3000  # the minimum over the length keys wins
     assert derive_max_model_len(cfg) == (3000, "max_seq_len=3000")
