@@ -85,10 +85,11 @@ def test_shared_scales_read_only_the_tiles_first_row(interpret):
     scales = _row_blocks(scales, 16)
     poisoned = scales.clone()
     poisoned[1::16] = float("nan")
-    x = torch.randn(1, 512)
+    x = torch.randn(1, 512, generator=torch.Generator().manual_seed(7))
     got = fp8_gemv_pipelined_triton(x, wq, poisoned, PIPELINED_CONFIGS[1], per_channel=False, scale_rows=16)
-    torch.testing.assert_close(got, fp8_weight_only_gemv_ref(x, wq, scales, out_dtype=torch.float32),
-                               rtol=1e-5, atol=1e-5)
+    want = fp8_weight_only_gemv_ref(x, wq, scales, out_dtype=torch.float32)
+    # float32 sums of 512 products in another order: 1e-5 of the largest output (an absolute 1e-5 failed once)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     assert fp8_gemv_pipelined_triton(x, wq, poisoned, PIPELINED_CONFIGS[1], per_channel=False).isnan().any()
 
 
