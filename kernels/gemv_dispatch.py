@@ -59,7 +59,7 @@ def mode() -> str:
     """``FXREWRITE_GEMV``: "auto" (default), "on" or "off"; ValueError naming any other value."""
     value = os.environ.get("FXREWRITE_GEMV", "auto")
     if value not in ("auto", "on", "off"):
-        raise ValueError(f"FXREWRITE_GEMV={value!r}; expected 'auto', 'on' or 'off'")
+        raise ValueError(f"FXREWRITE_GEMV={value!r}; expected one of auto, on, off")
     return value
 
 

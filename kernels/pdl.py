@@ -51,7 +51,7 @@ def mode() -> str:
     """``FXREWRITE_PDL``: "auto" (default), "on" or "off"; ValueError naming any other value."""
     value = os.environ.get("FXREWRITE_PDL", "auto")
     if value not in MODES:
-        raise ValueError(f"FXREWRITE_PDL={value!r}; expected one of {MODES}")
+        raise ValueError(f"FXREWRITE_PDL={value!r}; expected one of {', '.join(MODES)}")
     return value
 
 

@@ -92,7 +92,7 @@ def test_prefetch_bytes_setting(monkeypatch):
 
 
 @pytest.mark.parametrize("var,value,message", [
-    ("FXREWRITE_PDL", "yes", "FXREWRITE_PDL='yes'; expected one of"),
+    ("FXREWRITE_PDL", "yes", "FXREWRITE_PDL='yes'; expected one of auto, on, off"),
     ("FXREWRITE_PDL", "on", "FXREWRITE_PDL=on but device cpu has no programmatic dependent launch"),
     ("FXREWRITE_PDL_PREFETCH_BYTES", "-5", "FXREWRITE_PDL_PREFETCH_BYTES='-5'"),
     ("FXREWRITE_GEMV", "yes", "FXREWRITE_GEMV='yes'"),
