@@ -52,11 +52,12 @@ def check_last_dim_contiguous(*tensors: torch.Tensor) -> None:
 
 
 def value_run(value_cache: torch.Tensor, block_n: int) -> int:
-    """1 for a value cache [num_blocks, block_size, Hkv, D] with a contiguous head dim; for one that holds each
-    block's keys contiguous (a [num_blocks, Hkv, D, block_size] tensor seen through ``permute(0, 3, 1, 2)``) the keys a
-    tile loads as one run: gcd(block_size, block_n). ValueError naming the strides for any other layout."""
+    """The kernels' V_RUN: 0 for a value cache [num_blocks, block_size, Hkv, D] with a contiguous head dim; for one
+    that holds each block's keys contiguous (a [num_blocks, Hkv, D, block_size] tensor seen through ``permute(0, 3, 1,
+    2)``) the keys a tile loads as one run, gcd(block_size, block_n) (>= 1: 1 for an odd block size). ValueError
+    naming the strides for any other layout."""
     if value_cache.stride(-1) == 1 and (value_cache.stride(1) != 1 or value_cache.shape[1] == 1):
-        return 1
+        return 0
     if value_cache.stride(1) != 1:
         raise ValueError(f"paged_attention: value cache strides {value_cache.stride()}; expected a contiguous head dim "
                          "or contiguous keys in each block")
@@ -165,7 +166,7 @@ def attention_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row_ptr, n0, end, q_pos,
                    BLOCK_N: tl.constexpr, MASK_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_ASM: tl.constexpr,
                    V_RUN: tl.constexpr):
-    """Fold keys [n0, min(n0 + BLOCK_N, end)) into (m_i, l_i, acc); q is [M, BLOCK_D]. V_RUN > 1: a keys-contiguous
+    """Fold keys [n0, min(n0 + BLOCK_N, end)) into (m_i, l_i, acc); q is [M, BLOCK_D]. V_RUN > 0: a keys-contiguous
     value cache (:func:`value_tile_t`; n0 a multiple of V_RUN); only a MASK_CAUSAL tile may reach past `end`."""
     pos, n_mask, blk, slot = tile_slots(bt_row_ptr, n0, end, block_size, BLOCK_N)
     kv_mask = n_mask[:, None] & d_mask[None, :]
@@ -184,7 +185,7 @@ def attention_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row_ptr, n0, end, q_pos,
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if V_RUN > 1:
+    if V_RUN > 0:
         v = tl.trans(value_tile_t(vc_ptr, bt_row_ptr, pos, end, block_size, kvh, vc_s0, vc_s2, vc_s3, offs_d, d_mask,
                                   V_RUN, MASK_CAUSAL))
     else:
@@ -207,7 +208,7 @@ def decode_tile_keys_major(q, q_scale, m_i, l_i, acc_t, kc_ptr, vc_ptr, bt_row_p
     64 for wgmma: with FP8 dots that way the kernel ran 2x slower than its fp16 dots on an H200). F8_DOTS: q is
     e4m3 with row scales `q_scale` (:func:`quantize_query`), both dots take the e4m3 cache tiles as loaded and the
     probabilities enter the second as e4m3 x `P_SCALE`; otherwise the tiles are widened as in attention_tile.
-    Keys before `first` are masked with HAS_WINDOW. V_RUN > 1: the value cache holds each block's keys contiguous
+    Keys before `first` are masked with HAS_WINDOW. V_RUN > 0: the value cache holds each block's keys contiguous
     (`vc_s1` == 1, head dim at stride `vc_s3`; :func:`value_tile_t`), PARTIAL: the tile may reach past `end`."""
     pos, n_mask, blk, slot = tile_slots(bt_row_ptr, n0, end, block_size, BLOCK_N)
     if HAS_WINDOW:
@@ -225,7 +226,7 @@ def decode_tile_keys_major(q, q_scale, m_i, l_i, acc_t, kc_ptr, vc_ptr, bt_row_p
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[None, :])
     l_i = l_i * alpha + tl.sum(p, axis=0)
-    if V_RUN > 1:
+    if V_RUN > 0:
         v_t = value_tile_t(vc_ptr, bt_row_ptr, pos, end, block_size, kvh, vc_s0, vc_s2, vc_s3, offs_d, d_mask, V_RUN,
                            PARTIAL)
     else:

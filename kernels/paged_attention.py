@@ -102,7 +102,9 @@ def _decode_ref_batched(query, key_cache, value_cache, block_tables, seq_lens, q
         visible &= pos[None] > lens[:, None] - 1 - sliding_window
     # Zero the padding so garbage (even NaN) in unused slots cannot leak through 0 * NaN.
     k = key_cache[tables].flatten(1, 2)[:, :max_len].float().masked_fill(~visible[..., None, None], 0.0)
-    v = value_cache[tables].flatten(1, 2)[:, :max_len].float().masked_fill(~visible[..., None, None], 0.0)
+    # contiguous: a keys-contiguous value cache (attention_tile.keys_contiguous) then gives these matmuls the same
+    # operands, so the same roundings, as the row layout
+    v = value_cache[tables].flatten(1, 2)[:, :max_len].contiguous().float().masked_fill(~visible[..., None, None], 0.0)
     starts = query_start_loc.long()
     has_q = starts[1:] > starts[:-1]
     rows = starts[:-1].clamp(max=max(query.shape[0] - 1, 0))
@@ -150,7 +152,7 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
         num_blocks = -(-seq_len // block_size)
         blocks = block_tables[b, :num_blocks].long()
         k = key_cache[blocks].flatten(0, 1)[:seq_len]
-        v = value_cache[blocks].flatten(0, 1)[:seq_len]
+        v = value_cache[blocks].flatten(0, 1)[:seq_len].contiguous()  # either value layout: the same roundings
         o = _attend_one(query[q_start:q_end], k, v, seq_len - q_len, scale, sliding_window, soft_cap)
         out[q_start:q_end] = o.to(query.dtype)
     return out

@@ -94,7 +94,9 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr
         q = tl.load(q_ptr + tok.to(tl.int64) * q_s0 + heads[:, None] * q_s1 + offs_d[None, :], mask=gd_mask, other=0.0)
         # this sequence's partition: its own context over the splits, in whole BLOCK_N tiles (from a multiple of
         # V_RUN, keys below lo masked, when the tile loads runs of V_RUN keys)
-        base = lo - lo % V_RUN
+        base = lo
+        if V_RUN > 1:
+            base = lo - lo % V_RUN
         part = tl.cdiv(tl.cdiv(seq_len - base, splits), BLOCK_N) * BLOCK_N
         start = base + split * part
         end = tl.minimum(start + part, seq_len)
@@ -114,7 +116,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr
                 m_i, l_i, acc = attention_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, n0, end, m_i, kvh, scale,
                                                soft_cap, sliding_window, block_size, kc_s0, kc_s1, kc_s2,
                                                vc_s0, vc_s1, vc_s2, vc_s3, offs_d, offs_d < HEAD_DIM, BLOCK_N, False,
-                                               HAS_SOFTCAP, False, DOT_PRECISION, WIDEN_ASM, 1)
+                                               HAS_SOFTCAP, False, DOT_PRECISION, WIDEN_ASM, 0)
         _write_split(acc, m_i, l_i, out_ptr, part_ptr, ml_ptr, tok, heads, offs_d, gd_mask, offs_g < G, splits, split,
                      num_splits, G * tl.num_programs(1), o_s0, o_s1, BLOCK_D)
 
@@ -262,7 +264,7 @@ def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, q
     splits = num_splits if num_splits is not None else _num_splits(num_seqs, num_kv_heads, max_seq_len)
     group, block_d = num_heads // num_kv_heads, max(16, next_power_of_2(head_dim))
     # a keys-contiguous value cache is read as V^T, the keys-major tile's operand
-    keys_major = dots["F8_DOTS"] or v_run > 1 or (decode_tile() == "keys" if keys_major is None else keys_major)
+    keys_major = dots["F8_DOTS"] or v_run > 0 or (decode_tile() == "keys" if keys_major is None else keys_major)
     part = ml = out
     if splits > 1:
         part = torch.empty((num_tokens, num_heads, splits, block_d), dtype=torch.float32, device=query.device)

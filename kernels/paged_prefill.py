@@ -52,7 +52,8 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_pt
         bt_row = bt_ptr + seq.to(tl.int64) * bt_s0
         if HAS_WINDOW:
             lo = tl.maximum(0, ctx_len + m_blk * BLOCK_M - sliding_window + 1)
-            lo -= lo % V_RUN  # tiles of a keys-contiguous value cache start at a run; the window mask hides the rest
+            if V_RUN > 1:  # tiles of a keys-contiguous value cache start at a run; the window mask hides the rest
+                lo -= lo % V_RUN
             for n0 in range(lo, hi, BLOCK_N):
                 m_i, l_i, acc = attention_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, n0, hi, q_pos, kvh, scale,
                                                soft_cap, sliding_window, block_size, kc_s0, kc_s1, kc_s2,

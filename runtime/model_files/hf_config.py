@@ -321,21 +321,15 @@ def derive_max_model_len(
 ) -> tuple[int, str]:
     """The longest context the config supports, and a description of where it came from.
 
-    Minimum over MAX_LEN_KEYS present in the config and the tokenizer's model_max_length; the
-    sliding window when `disable_sliding_window`; then times rope `factor` except for llama3 and
-    longrope (already scaled), from `original_max_position_embeddings` for yarn. Per-layer-type
-    rope (Gemma 3) is not scaled: its max_position_embeddings is already the scaled length, as in vLLM.
-    """
+    Minimum over MAX_LEN_KEYS present in the config, times rope `factor` except for llama3 and longrope (already
+    scaled), from `original_max_position_embeddings` for yarn; per-layer-type rope (Gemma 3) is not scaled: its
+    max_position_embeddings is already the scaled length. Then the sliding window when `disable_sliding_window`, and
+    the tokenizer's model_max_length, which RoPE scaling does not lift (vLLM's order)."""
     derived, key = float("inf"), None
     for name in MAX_LEN_KEYS:
         value = getattr(text_config, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value < derived:
             derived, key = value, name
-    if tokenizer_model_max_length is not None and tokenizer_model_max_length < derived:
-        derived, key = tokenizer_model_max_length, "tokenizer model_max_length"
-    sliding_window = getattr(text_config, "sliding_window", None)
-    if disable_sliding_window and isinstance(sliding_window, int) and sliding_window < derived:
-        derived, key = sliding_window, "sliding_window"
     if derived == float("inf"):
         logger.warning("config names no context length (%s); using %d", ", ".join(MAX_LEN_KEYS), _DEFAULT_MAX_MODEL_LEN)
         derived, key = _DEFAULT_MAX_MODEL_LEN, "default"
@@ -348,6 +342,11 @@ def derive_max_model_len(
         derived = derived * factor
     else:
         key = f"{key}={derived}"
+    sliding_window = getattr(text_config, "sliding_window", None)
+    if disable_sliding_window and isinstance(sliding_window, int) and sliding_window < derived:
+        derived, key = sliding_window, f"sliding_window={sliding_window}"
+    if tokenizer_model_max_length is not None and tokenizer_model_max_length < derived:
+        derived, key = tokenizer_model_max_length, f"tokenizer model_max_length={tokenizer_model_max_length}"
     return int(derived), key
 
 
@@ -377,8 +376,9 @@ def verify_max_model_len(max_model_len: int | None, derived: int, key: str) -> i
         )  # a warning only: a log line too would print the same news twice
         return max_model_len
     # scaling RoPE extends the model's positions, not a limit the tokenizer config sets
-    advice = ("the tokenizer's limit may be below what the model's positions allow" if key.startswith("tokenizer ")
-              else "or scale RoPE (hf_overrides rope_parameters) to extend the context")
+    advice = ", or scale RoPE (hf_overrides rope_parameters) to extend the context"
+    if key.startswith("tokenizer "):
+        advice = " (past the model config's own limit, scale RoPE too: hf_overrides rope_parameters)"
     raise UserInputError(
-        f"{msg} Set {ALLOW_LONG_ENV_VARS[0]}=1 (or VLLM_ALLOW_LONG_MAX_MODEL_LEN=1) to allow it anyway; {advice}."
+        f"{msg} Set {ALLOW_LONG_ENV_VARS[0]}=1 (or VLLM_ALLOW_LONG_MAX_MODEL_LEN=1) to allow it anyway{advice}."
     )

@@ -40,10 +40,10 @@ def main(cache: str) -> dict:
                           {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "ml_ptr": "*fp32", **caches,
                            **ints},
                           dict(common, G=4, BLOCK_G=16, BLOCK_N=64, IS_SPLIT=True, KEYS_MAJOR=False, F8_DOTS=False, EXACT_CAST=False,
-                               V_RUN=1, PDL=True), num_warps=4, num_stages=2)
+                               V_RUN=0, PDL=True), num_warps=4, num_stages=2)
     float8_mma, v_loads = [], {}
     if cache == "fp8e4nv":  # fp8_dots="float8": both dots on FP8 tensor cores, no widening
-        for v_run in (1, 16):  # V rows as stored, V^T from a keys-contiguous value cache (blocks of 16)
+        for v_run in (0, 16):  # V rows as stored, V^T from a keys-contiguous value cache (blocks of 16)
             float8 = compile_sm90(paged_decode._decode_kernel,
                                   {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "ml_ptr": "*fp32",
                                    **caches, **ints},
@@ -54,7 +54,7 @@ def main(cache: str) -> dict:
                               "shared_stores": len(re.findall(r"st\.shared", float8))}
         float8_mma = sorted(set(re.findall(r"(?:wgmma\.mma_async|mma\.sync)\.\S*", float8)))
         float8_mma.append(f"widened: {float8.count('cvt.rn.f16x2.e4m3x2')}")
-    for v_run in (1, 16):  # value rows as stored; a keys-contiguous value cache
+    for v_run in (0, 16):  # value rows as stored; a keys-contiguous value cache
         compile_sm90(paged_prefill._prefill_kernel, {"q_ptr": "*bf16", "out_ptr": "*bf16", **caches, **ints},
                      dict(common, G=4, BLOCK_M=64, BLOCK_N=64, HAS_SOFTCAP=True, HAS_WINDOW=True, V_RUN=v_run),
                      num_warps=4)

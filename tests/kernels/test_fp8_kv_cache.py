@@ -240,6 +240,6 @@ def test_fp8_cache_kernels_compile_for_sm90(cache):
                                              "widened: 0"], decode
         # V^T from a keys-contiguous value cache: the full tiles' K and V both by cp.async, no byte loads, and far
         # fewer shared-memory stores than the V rows' transposition through registers takes
-        rows, v_t = decode["float8_v_loads"]["1"], decode["float8_v_loads"]["16"]
+        rows, v_t = decode["float8_v_loads"]["0"], decode["float8_v_loads"]["16"]
         assert v_t["byte_loads"] == 0 and v_t["cp_async"] == 2 * rows["cp_async"], decode
         assert v_t["shared_stores"] * 4 < rows["shared_stores"], decode

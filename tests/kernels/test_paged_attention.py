@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -290,7 +292,8 @@ def test_long_prefill_never_builds_the_full_score_matrix(paged_batch):
 
 
 @pytest.mark.parametrize("block_size,block_n,window,cap,splits", [(8, 16, None, None, 1), (16, 16, 9, 3.0, 3),
-                                                                   (4, 16, None, None, 8), (8, 32, 5, None, 2)])
+                                                                   (4, 16, None, None, 8), (8, 32, 5, None, 2),
+                                                                   (5, 16, 7, None, 3), (24, 16, None, None, 2)])
 def test_decode_over_a_keys_contiguous_value_cache(interpret, paged_batch, block_size, block_n, window, cap, splits):
     """A value cache that holds each block's keys contiguous (read as V^T by the keys-major tile) gives the reference's
     output; the slots past each sequence are NaN there too, so a key the tile must zero and not just weigh 0 shows."""
@@ -298,7 +301,7 @@ def test_decode_over_a_keys_contiguous_value_cache(interpret, paged_batch, block
     want = paged_attention_ref(*batch.args(), 0.3, window, cap)
     args = list(batch.args())
     args[2] = attention_tile.keys_contiguous(batch.value_cache)
-    assert attention_tile.value_run(args[2], block_n) == min(block_size, block_n)
+    assert attention_tile.value_run(args[2], block_n) == math.gcd(block_size, block_n)  # 1 for an odd block size
     got = paged_decode.paged_decode_triton(*args, 0.3, window, cap, block_n=block_n, num_splits=splits,
                                            single_split_len=0)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -310,10 +313,10 @@ def test_value_cache_of_another_layout_is_refused(paged_batch):
         attention_tile.value_run(batch.value_cache.transpose(2, 3), 16)
 
 
-@pytest.mark.parametrize("window,cap", [(None, None), (7, 3.0)])
-def test_prefill_over_a_keys_contiguous_value_cache(interpret, paged_batch, window, cap):
+@pytest.mark.parametrize("block_size,window,cap", [(8, None, None), (8, 7, 3.0), (3, 5, None)])
+def test_prefill_over_a_keys_contiguous_value_cache(interpret, paged_batch, block_size, window, cap):
     """Chunked prefill and prefix hits read the keys-contiguous value cache as V^T too (NaN past the sequences)."""
-    batch = paged_batch(MIXED, 4, 2, 16, 8, seed=6)
+    batch = paged_batch(MIXED, 4, 2, 16, block_size, seed=6)
     want = paged_attention_ref(*batch.args(), 0.3, window, cap)
     args = list(batch.args())
     args[2] = attention_tile.keys_contiguous(batch.value_cache)

@@ -220,7 +220,7 @@ def test_derivation_rules():
     assert derive_max_model_len(cfg, tokenizer_model_max_length=1000)[0] == 1000
     with pytest.raises(UserInputError, match=r"\(from the tokenizer config: model_max_length=1000\)") as tok:
         verify_max_model_len(2000, *derive_max_model_len(cfg, tokenizer_model_max_length=1000))
-    assert "scale RoPE" not in str(tok.value)  # the tokenizer's limit is not the positions'
+    assert "to extend the context" not in str(tok.value)  # RoPE scaling does not lift the tokenizer's limit
     with pytest.raises(UserInputError, match=r"\(from the model config: max_position_embeddings=4096\).*scale RoPE"):
         verify_max_model_len(5000, *derive_max_model_len(cfg))
     cfg.max_seq_len = 3000  # the minimum over the length keys wins
@@ -235,6 +235,14 @@ def test_derivation_rules():
     windowed = Qwen3Config(**TINY, max_position_embeddings=4096, sliding_window=1024, use_sliding_window=True)
     assert derive_max_model_len(windowed)[0] == 4096
     assert derive_max_model_len(windowed, disable_sliding_window=True) == (1024, "sliding_window=1024")
+    # RoPE scaling extends the model's positions; the tokenizer's limit and a disabled window's still bound it
+    yarn = Qwen3Config(**TINY, max_position_embeddings=4096, sliding_window=1024, use_sliding_window=True,
+                       rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+                                        "rope_theta": 1e6})
+    assert derive_max_model_len(yarn) == (16384, "original_max_position_embeddings=4096 * rope factor 4.0")
+    assert derive_max_model_len(yarn, tokenizer_model_max_length=512) == (512, "tokenizer model_max_length=512")
+    assert derive_max_model_len(yarn, disable_sliding_window=True) == (1024, "sliding_window=1024")
+    assert derive_max_model_len(dynamic, tokenizer_model_max_length=3000)[0] == 3000
 
 
 def test_tokenizer_model_max_length_bounds(qwen3_dir):
