@@ -67,3 +67,25 @@ def compiled_serving_kernels(x: torch.Tensor) -> bool:
     if not torch.compiler.is_compiling():  # first: this runs in every eager norm and activation call
         return False
     return os.environ.get("FXREWRITE_COMPILE_KERNELS") == "1" and compiled_training_kernels(x)
+
+
+def _installed_kernels_in_place() -> None:
+    """This folder is ``fxrewrite.kernels``. Imported as a top-level ``kernels`` (this checkout's root on sys.path:
+    ``python -m`` or pytest run from it) it would shadow Hugging Face's ``kernels`` package, which transformers >= 5.25
+    installs and imports at load (``from kernels import CUDAProperties``): when that package is installed it is
+    loaded under the name instead (a module may replace itself in sys.modules while it runs)."""
+    import importlib.machinery
+    import importlib.util
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.machinery.PathFinder.find_spec(
+        "kernels", [p for p in sys.path if os.path.abspath(p or os.curdir) != root])
+    if spec is not None and spec.loader is not None:
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["kernels"] = module
+        spec.loader.exec_module(module)
+
+
+if __name__ == "kernels":
+    _installed_kernels_in_place()

@@ -1,5 +1,7 @@
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 
 def test_import_is_light():
@@ -24,3 +26,27 @@ def test_public_surface_is_small():
         assert "no_such_name" in str(e)
     else:
         raise AssertionError("unknown attribute did not raise")
+
+
+def test_checkout_kernels_folder_does_not_shadow_the_installed_kernels_package(tmp_path):
+    """Run from this checkout's root (on sys.path first), `import kernels` finds the kernels/ folder (fxrewrite.kernels);
+    it must hand over to Hugging Face's installed `kernels` package, which transformers >= 5.25 imports at load (a
+    stand-in package here, found after the root), and stay itself when none is installed."""
+    root = Path(__file__).resolve().parents[1]
+    fake = tmp_path / "kernels"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("CUDAProperties = 'installed'\n")
+    (fake / "layer.py").write_text("LAYER = 1\n")
+    code = ("import kernels, fxrewrite.kernels as ours\nfrom kernels import CUDAProperties\nfrom kernels.layer import "
+            "LAYER\nprint(kernels.__file__, CUDAProperties, LAYER, ours.__file__)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True, check=True).stdout.split()
+    assert out[:3] == [str(fake / "__init__.py"), "installed", "1"] and out[3] == str(root / "kernels" / "__init__.py")
+    alone = subprocess.run([sys.executable, "-c", "import kernels; print(kernels.__file__)"], cwd=root,
+                           capture_output=True, text=True, check=True).stdout.strip()
+    installed = subprocess.run([sys.executable, "-c", "import importlib.util as u; s = u.find_spec('kernels'); "
+                                "print(s and s.origin)"], cwd=tmp_path.parent, capture_output=True, text=True).stdout
+    if installed.strip() in ("", "None"):  # no kernels package installed: the folder stays what it is
+        assert alone == str(root / "kernels" / "__init__.py")
+    else:  # transformers >= 5.25's dependency: handed over
+        assert alone != str(root / "kernels" / "__init__.py")
