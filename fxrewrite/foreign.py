@@ -9,7 +9,9 @@ fuses, so code that is no longer what runs would make the proof wrong or be sile
 - that function, and the ``forward`` of every transformers or ``torch.nn`` class of the model's modules, must be
   code that lies in transformers' or torch's package folder, through every ``__wrapped__`` layer (judged by
   the code's file, since ``functools.wraps`` copies the wrapped function's ``__module__`` onto its wrapper;
-  transformers' own decorators and ``torch.no_grad`` live there);
+  transformers' own decorators and ``torch.no_grad`` live there; Hugging Face ``kernels``' forward wrapper, which
+  transformers >= 5.25 applies, is looked through, see `fxrewrite.hub_kernels`); a function that ``kernels``
+  turned into a module instance must still call the file's own function, and no copy of it may be kernelized;
 - no module of a transformers class may carry a ``forward`` of its own (a function, a ``types.MethodType``, a
   ``functools.partial``, e.g. accelerate's offloading hooks) other than its class's forward bound to it or the
   forward fxrewrite bound.
@@ -28,6 +30,7 @@ import sys
 import torch
 from torch import nn
 
+from fxrewrite import hub_kernels
 from fxrewrite.signature import BOUND_ATTR
 
 __all__ = ["ForeignPatchError", "check_no_foreign_patches"]
@@ -64,7 +67,8 @@ def _outside_code(fn) -> str | None:
     for _ in range(64):  # a __wrapped__ cycle must not hang
         fn = getattr(fn, "__func__", fn)
         code = getattr(fn, "__code__", None)
-        if code is None or not code.co_filename.startswith(homes):
+        transparent = code is not None and hasattr(fn, "__wrapped__") and hub_kernels.is_wrapper_code(code)
+        if code is None or not (transparent or code.co_filename.startswith(homes)):
             return _origin(fn)
         fn = getattr(fn, "__wrapped__", None)
         if fn is None:
@@ -82,6 +86,11 @@ def _module_patches(modname: str) -> list[str]:
         obj = vars(mod).get(name)
         if (inspect.isfunction(obj) or inspect.isclass(obj)) and obj.__module__ != modname:
             found.append(f"{modname}.{name} is {_origin(obj)}")
+        elif (func := hub_kernels.decorated_function(obj)) is not None:  # transformers >= 5.25 with `kernels`
+            if func.__module__ != modname or func.__name__ != name:
+                found.append(f"{modname}.{name} calls {_origin(func)}")
+            elif (outside := _outside_code(func)) is not None or hub_kernels.kernelized_functions(obj):
+                found.append(f"{modname}.{name} is {outside or 'a hub kernel (kernels.kernelize)'}")
         elif inspect.isfunction(obj) and (outside := _outside_code(obj)) is not None:
             found.append(f"{modname}.{name} is {outside}")
     return found
@@ -106,6 +115,8 @@ def foreign_patches(model: nn.Module) -> list[str]:
     modules, classes = set(), set()
     for name, module in model.named_modules():
         found.append(_instance_forward(module, name))
+        found.extend(f"{fn} called by {name or 'the model'} is a hub kernel (kernels.kernelize)"
+                     for fn in hub_kernels.kernelized_functions(module))
         for cls in type(module).__mro__:
             if cls in classes or not cls.__module__.startswith(("transformers.", "torch.nn.")):
                 continue

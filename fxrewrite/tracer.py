@@ -29,6 +29,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.fx.node import map_aggregate
 
+from fxrewrite import hub_kernels
 from fxrewrite.meta_memo import MetaMemo, memoized, with_parameters
 from fxrewrite.signature import structure_keys
 from fxrewrite.tensor_state import preserved_state
@@ -348,15 +349,14 @@ def _is_static(val) -> bool:
 
 @contextlib.contextmanager
 def _local_functions_as_leaves(cls: type, tracer: AllLeafTracer) -> Iterator[None]:
-    """Make plain functions defined in the file of `cls.forward` leaf calls while tracing.
-
-    The module's globals are patched for the duration of the trace and restored after.
-    """
-    fn = inspect.unwrap(cls.forward)
-    namespace = fn.__globals__
-    module_name = namespace.get("__name__")
-    originals = {k: v for k, v in namespace.items()
-                 if isinstance(v, types.FunctionType) and v.__module__ == module_name}
+    """Make plain functions defined in the file of `cls.forward` leaf calls while tracing (its globals patched for
+    the duration of the trace, then restored)."""
+    namespace = inspect.unwrap(cls.forward).__globals__
+    originals, leaves = {}, {}
+    for k, v in namespace.items():
+        f = hub_kernels.decorated_function(v) or v  # transformers >= 5.25: maybe a module instance calling it
+        if isinstance(f, types.FunctionType) and f.__module__ == namespace.get("__name__"):
+            originals[k], leaves[k] = v, f
 
     def leaf(original):
         def call(*args, **kwargs):
@@ -365,7 +365,7 @@ def _local_functions_as_leaves(cls: type, tracer: AllLeafTracer) -> Iterator[Non
             return original(*args, **kwargs)
         return call
 
-    namespace.update({k: leaf(v) for k, v in originals.items()})
+    namespace.update({k: leaf(f) for k, f in leaves.items()})
     try:
         yield
     finally:

@@ -1,0 +1,74 @@
+"""transformers >= 5.25 with Hugging Face `kernels` (its dependency): `apply_rotary_pos_emb` is a module instance
+calling the function and the attention class's forward is kernels' wrapper. Not kernelized, that is transformers'
+own code: the rewrite looks through it (the rotary call still fuses, logits unchanged). Kernelized (a hub kernel
+swapped into the instance or into an attention module's private copy) or pointing at another function, it is a
+replacement and optimize refuses it, naming it. On older transformers there is nothing to see through."""
+
+import types
+
+import pytest
+import torch
+from transformers.models.qwen3 import modeling_qwen3
+
+import fxrewrite
+from fxrewrite.foreign import ForeignPatchError, foreign_patches
+from fxrewrite.hub_kernels import decorated_function
+
+from tests.e2e.tiny_models import tiny_model
+
+pytestmark = pytest.mark.skipif(decorated_function(modeling_qwen3.apply_rotary_pos_emb) is None,
+                                reason="this transformers does not apply kernels' decorators (< 5.25)")
+
+
+def _hub_kernel(self, q, k, cos, sin, unsqueeze_dim=1):
+    return q, k
+
+
+def test_decorated_model_is_optimized_and_exact():
+    stock, model = tiny_model("qwen3"), tiny_model("qwen3")
+    assert foreign_patches(model) == []
+    fxrewrite.optimize(model)
+    applied = dict(fxrewrite.explain(model).classes["Qwen3Attention"].applied)
+    assert list(applied["qk_norm_rope"]) == ["q_norm,k_norm + apply_rotary_pos_emb -> qk_norm_rope (in place, + K/V "
+                                             "cache write)"]
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_kernelized_private_copy_is_refused():
+    model = tiny_model("qwen3")
+    copy = model.model.layers[1].self_attn._kernel_funcs["rotary_pos_emb"]
+    copy.forward = types.MethodType(_hub_kernel, copy)  # what kernels.kernelize does
+    with pytest.raises(ForeignPatchError, match=r"apply_rotary_pos_emb called by model\.layers\.1\.self_attn is a "
+                                                r"hub kernel"):
+        fxrewrite.optimize(model)
+
+
+def test_kernelized_or_replaced_module_level_function_is_refused(monkeypatch):
+    instance = modeling_qwen3.apply_rotary_pos_emb
+    monkeypatch.setattr(instance, "forward", types.MethodType(_hub_kernel, instance), raising=False)
+    with pytest.raises(ForeignPatchError, match=r"modeling_qwen3\.apply_rotary_pos_emb is a hub kernel"):
+        fxrewrite.optimize(tiny_model("qwen3"))
+    monkeypatch.undo()
+
+    from kernels import use_kernel_forward_from_hub
+
+    monkeypatch.setattr(modeling_qwen3, "apply_rotary_pos_emb",
+                        use_kernel_forward_from_hub("rotary_pos_emb")(lambda q, k, cos, sin, unsqueeze_dim=1: (q, k)))
+    with pytest.raises(ForeignPatchError, match=r"modeling_qwen3\.apply_rotary_pos_emb calls .*test_hub_kernels"):
+        fxrewrite.optimize(tiny_model("qwen3"))
+
+
+def test_wrapped_forward_of_foreign_code_is_still_refused(monkeypatch):
+    """kernels' wrapper is looked through, not trusted: the function it wraps must be transformers'."""
+    from kernels import use_kernelized_func
+
+    class Patched(modeling_qwen3.Qwen3MLP):
+        def forward(self, x):
+            return self.down_proj(x)
+
+    wrapped = use_kernelized_func(modeling_qwen3.apply_rotary_pos_emb)(Patched).forward
+    monkeypatch.setattr(modeling_qwen3.Qwen3MLP, "forward", wrapped)
+    with pytest.raises(ForeignPatchError, match=r"Qwen3MLP\.forward is .*test_hub_kernels.*Patched\.forward"):
+        fxrewrite.optimize(tiny_model("qwen3"))
