@@ -24,6 +24,7 @@ import torch
 from fxrewrite.kernels.activation import silu_and_mul_ref
 from fxrewrite.kernels.fp8_gemm import _EPS, FP8_DTYPE, FP8_MAX, per_token_group_quant_fp8_ref
 from fxrewrite.kernels.fp8_rowwise import per_token_quant_fp8_ref
+from fxrewrite.kernels.pdl import gdc_prologue, pdl_enabled
 from fxrewrite.kernels.rms_norm import rms_norm_ref
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
@@ -108,10 +109,12 @@ def _launch(m: int, k: int, group_size: int | None, norm: bool, has_res: bool, d
     """The kernel for [m, k] rows, its constants bound: one pass when a row fits ROW_MAX, else the chunk loop."""
     groups = next_power_of_2(-(-k // _GROUP))
     flags = {"NORM": norm, "HAS_RES": has_res, "GROUPED": group_size is not None, "GROUP": _GROUP}
+    pdl = pdl_enabled(device)
     if groups * _GROUP <= ROW_MAX:
         warps = 4 if groups * _GROUP <= 4096 else 8
-        return functools.partial(launch(_quant_row_kernel, (m,), device), CHUNK_G=groups, num_warps=warps, **flags)
-    return functools.partial(launch(_quant_kernel, (m,), device), CHUNK_G=CHUNK_G, num_warps=4, **flags)
+        return functools.partial(launch(_quant_row_kernel, (m,), device, pdl), CHUNK_G=groups, num_warps=warps,
+                                 PDL=pdl, **flags)
+    return functools.partial(launch(_quant_kernel, (m,), device, pdl), CHUNK_G=CHUNK_G, num_warps=4, PDL=pdl, **flags)
 
 
 @triton.jit
@@ -128,7 +131,7 @@ def _value(x_ptr, r_ptr, g_ptr, res_out_ptr, row, offs, mask, K, stride_xm, stri
                 tl.store(res_out_ptr + row * K + offs, xv, mask=mask)
         v = xv.to(tl.float32)
         if not WRITE_RES:
-            v = _normed(v, rstd, g_ptr, offs, mask, xv.dtype)
+            v = _normed(v, rstd, tl.load(g_ptr + offs, mask=mask, other=0.0), xv.dtype)
     else:
         gate = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0)
         up = tl.load(x_ptr + row * stride_xm + K + offs, mask=mask, other=0.0).to(tl.float32)
@@ -138,27 +141,29 @@ def _value(x_ptr, r_ptr, g_ptr, res_out_ptr, row, offs, mask, K, stride_xm, stri
 
 
 @triton.jit
-def _normed(v, rstd, g_ptr, offs, mask, DTYPE: tl.constexpr):
-    """RMSNorm's output in float32 from v (x + residual, float32 of DTYPE values): weight * (v * rstd).to(DTYPE),
-    rounded to DTYPE, as the unfused kernel stores it."""
+def _normed(v, rstd, w, DTYPE: tl.constexpr):
+    """RMSNorm's output in float32 from v (x + residual, float32 of DTYPE values) and the weight w loaded at its
+    columns: weight * (v * rstd).to(DTYPE), rounded to DTYPE, as the unfused kernel stores it."""
     h = (v * rstd).to(DTYPE)
-    w = tl.load(g_ptr + offs, mask=mask, other=0.0)
     return (h.to(tl.float32) * w.to(tl.float32)).to(DTYPE).to(tl.float32)
 
 
 @triton.jit
 def _quant_row_kernel(x_ptr, r_ptr, g_ptr, res_out_ptr, q_ptr, s_ptr, K, stride_xm, stride_rm, stride_sm, stride_sg,
                       eps, amax_floor, fp8_max, NORM: tl.constexpr, HAS_RES: tl.constexpr, GROUPED: tl.constexpr,
-                      CHUNK_G: tl.constexpr, GROUP: tl.constexpr):
+                      CHUNK_G: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr):
     """`_quant_kernel` for a row that fits one chunk (CHUNK_G * GROUP >= K): read once, kept in registers."""
     row = tl.program_id(0).to(tl.int64)
     rg = tl.arange(0, CHUNK_G)
     offs = rg[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [CHUNK_G, 128]
     mask = offs < K
+    if NORM:  # the (read-only) weight loads first, under PDL before the wait for the previous kernel
+        w = tl.load(g_ptr + offs, mask=mask, other=0.0)
+    gdc_prologue(PDL)
     v = _value(x_ptr, r_ptr, g_ptr, res_out_ptr, row, offs, mask, K, stride_xm, stride_rm, 0.0, NORM, NORM, HAS_RES)
     if NORM:  # v: x (+ residual), the new residual written; masked columns are 0
         rstd = tl.rsqrt(tl.sum(tl.sum(v * v, axis=1), axis=0) / K + eps)
-        v = _normed(v, rstd, g_ptr, offs, mask, x_ptr.dtype.element_ty)
+        v = _normed(v, rstd, w, x_ptr.dtype.element_ty)
     if GROUPED:
         scale = tl.maximum(tl.max(tl.abs(v), axis=1), amax_floor) / fp8_max  # [CHUNK_G]
         q = tl.clamp(v / scale[:, None], -fp8_max, fp8_max)
@@ -173,7 +178,8 @@ def _quant_row_kernel(x_ptr, r_ptr, g_ptr, res_out_ptr, q_ptr, s_ptr, K, stride_
 @triton.jit
 def _quant_kernel(x_ptr, r_ptr, g_ptr, res_out_ptr, q_ptr, s_ptr, K, stride_xm, stride_rm, stride_sm, stride_sg, eps,
                   amax_floor, fp8_max, NORM: tl.constexpr, HAS_RES: tl.constexpr, GROUPED: tl.constexpr,
-                  CHUNK_G: tl.constexpr, GROUP: tl.constexpr):
+                  CHUNK_G: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr):
+    gdc_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     rg = tl.arange(0, CHUNK_G)
     col = rg[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [CHUNK_G, 128]

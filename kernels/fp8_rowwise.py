@@ -19,12 +19,14 @@ import torch
 
 from fxrewrite.kernels import use_triton
 from fxrewrite.kernels.fp8_gemm import _EPS, FP8_DTYPE, FP8_MAX, GemmConfig, swizzled_tile
-from fxrewrite.kernels.triton_utils import launch, tl, triton
+from fxrewrite.kernels.pdl import gdc_prologue, pdl_enabled
+from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
 __all__ = ["per_token_quant_fp8", "per_token_quant_fp8_ref", "fp8_rowwise_gemm_ref", "fp8_scaled_mm_rowwise",
            "fp8_rowwise_gemm_triton", "ROWWISE_CONFIGS", "ROWWISE_MAX_M", "channel_scales"]
 
 _BLOCK = 1024
+_ONE_PASS_MAX = 16384  # columns a row may have to be held in registers (o_proj's 4096 at Qwen3-4B)
 
 
 def per_token_quant_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,8 +40,9 @@ def per_token_quant_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `per_token_quant_fp8_ref`; one Triton program per token (amax pass, then
-    quantize pass over K in chunks of 1024) on CUDA or under the interpreter."""
+    """Same contract as `per_token_quant_fp8_ref`; one Triton program per token (the row held in registers up to
+    16384 columns, else an amax pass, then a quantize pass over K in chunks of 1024) on CUDA or under the
+    interpreter."""
     if not use_triton(x):
         return per_token_quant_fp8_ref(x)
     x = x.contiguous()
@@ -47,24 +50,38 @@ def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
-        launch(_per_token_quant_kernel, (m,), x.device)(x, q, s, k, _EPS, FP8_MAX, BLOCK=_BLOCK)
+        block = next_power_of_2(k) if k <= _ONE_PASS_MAX else _BLOCK
+        pdl = pdl_enabled(x.device)
+        launch(_per_token_quant_kernel, (m,), x.device, pdl)(x, q, s, k, _EPS, FP8_MAX, BLOCK=block,
+                                                             ONE_PASS=k <= _ONE_PASS_MAX, PDL=pdl,
+                                                             num_warps=8 if block > 4096 else 4)
     return q, s
 
 
 @triton.jit
-def _per_token_quant_kernel(x_ptr, q_ptr, s_ptr, K, eps, fp8_max, BLOCK: tl.constexpr):
+def _per_token_quant_kernel(x_ptr, q_ptr, s_ptr, K, eps, fp8_max, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+                            PDL: tl.constexpr):
+    """One program per row: its amax, then the quantized row; ONE_PASS (BLOCK >= K) keeps the row in registers
+    between the two, else it is read twice in chunks of BLOCK."""
+    gdc_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for start in range(0, K, BLOCK):
-        x = tl.load(x_ptr + row * K + start + offs, mask=start + offs < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0), eps) / fp8_max
-    for start in range(0, K, BLOCK):
-        mask = start + offs < K
-        x = tl.load(x_ptr + row * K + start + offs, mask=mask, other=0.0).to(tl.float32)
+    if ONE_PASS:
+        x = tl.load(x_ptr + row * K + offs, mask=offs < K, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0), eps) / fp8_max
         q = tl.clamp(x / scale, -fp8_max, fp8_max)
-        tl.store(q_ptr + row * K + start + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_ptr + row * K + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
+    else:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, K, BLOCK):
+            x = tl.load(x_ptr + row * K + start + offs, mask=start + offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, axis=0), eps) / fp8_max
+        for start in range(0, K, BLOCK):
+            mask = start + offs < K
+            x = tl.load(x_ptr + row * K + start + offs, mask=mask, other=0.0).to(tl.float32)
+            q = tl.clamp(x / scale, -fp8_max, fp8_max)
+            tl.store(q_ptr + row * K + start + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row, scale)
 
 

@@ -12,8 +12,9 @@ PDL and plain kernels is safe. CUDA graphs capture the programmatic edges.
 
 Kernels with the switch (a ``PDL`` constexpr, set from `pdl_enabled`): the skinny and pipelined GEMVs (float and
 FP8), RMSNorm, SiLU-and-mul, rotary, q/k norm + rotary (+ cache write), reshape_and_cache, paged decode and its
-merge, the MoE router (and its norm-folded form) and the direct expert kernels. cuBLAS and torch's own kernels
-launch plainly.
+merge, the MoE router (and its norm-folded form), the direct expert kernels, and the FP8 activation quantization
+(RMSNorm / SiLU-and-mul that quantize, the per-token quantization; fp8_quant_fused.py, fp8_rowwise.py). cuBLAS, the
+Triton GEMMs and torch's own kernels launch plainly.
 
 The rules every PDL kernel here follows (CUDA programming guide, "Programmatic Dependent Launch"):
 every program calls ``gdc_wait`` (unconditionally, so that the grid's completion implies its

@@ -38,11 +38,17 @@ def test_rms_norm_quant(m, k, group_size):
 @pytest.mark.parametrize("group_size", [None, 128])
 @pytest.mark.parametrize("m, k", [(1, 9728), (300, 25600), (4096, 9728)])
 def test_silu_and_mul_quant(m, k, group_size):
-    x = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(m))
     got, want = silu_and_mul_quant_fp8(x, group_size), silu_and_mul_quant_fp8_ref(x, group_size)
-    # the SiLU kernel rounds silu(g) * u once, the reference twice (F.silu, then the product): codes may differ
-    assert (got[0].float() != want[0].float()).float().mean() < 5e-2
     torch.testing.assert_close(got[1], want[1], rtol=2e-2, atol=0)
+    # The kernel rounds silu(g) * u to bf16 once, the reference twice (F.silu, then the product), which moves a
+    # row's scale by an ulp now and then and so up to ~5 % of its codes (the old unseeded test failed so once):
+    # judged against its own rounding instead, the codes agree but at float32 ties.
+    g, u = x[:, :k].float(), x[:, k:].float()
+    h = (g * torch.sigmoid(g) * u).to(torch.bfloat16).float()
+    scale = got[1] if group_size is None else got[1].repeat_interleave(group_size, 1)[:, :k]
+    codes = (h / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    assert (got[0].float() != codes.float()).float().mean() < 1e-3
 
 
 def test_fp8_engine_prefill_fused_matches_unfused(make_llm, monkeypatch):

@@ -148,10 +148,11 @@ _SHAPES = {
 }
 
 
-@pytest.mark.parametrize("arch", sorted(_SHAPES))
-def test_engine_decode_with_pdl_equals_without(tmp_path, monkeypatch, arch):
+@pytest.mark.parametrize("arch, quantization", [("qwen3", None), ("qwen3_moe", None), ("qwen3", "fp8")])
+def test_engine_decode_with_pdl_equals_without(tmp_path, monkeypatch, arch, quantization):
     """One bf16 engine (its kernels tuned once), eager: greedy tokens and log-probs bitwise the same with every
-    decode kernel launched with PDL (router, direct experts, pipelined GEMVs, attention) as without. Prefix caching
+    decode kernel launched with PDL (router, direct experts, pipelined GEMVs, attention; with FP8 weights the
+    RMSNorm / SiLU-and-mul kernels that quantize and the per-token quantization) as without. Prefix caching
     off: with it the second generate would reuse the first one's prompt blocks and prefill only the suffix, which
     changes the numerics whatever PDL does."""
     from fxrewrite.runtime.engine.sampling_params import SamplingParams
@@ -160,7 +161,7 @@ def test_engine_decode_with_pdl_equals_without(tmp_path, monkeypatch, arch):
 
     path = build_model_dir(tmp_path / arch, arch, **_SHAPES[arch])
     llm = LLM(str(path), dtype="bfloat16", enforce_eager=True, max_model_len=1024, kv_cache_memory_bytes=256 << 20,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, quantization=quantization)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     prompts = [list(range(100, 400)), [7, 8, 9]]
 

@@ -25,8 +25,9 @@ from fxrewrite.layers.linear import QKVParallelLinear
 ROWWISE = fp8_dispatch.ROWWISE
 
 
-def test_per_token_quant_kernel_matches_reference(interpret):
-    x = torch.randn(5, 1100) * torch.tensor([1.0, 10.0, 1e-3, 0.0, 300.0])[:, None]  # K over one 1024 chunk
+@pytest.mark.parametrize("k", [1100, 16500])  # the row in registers; over 16384 columns, two passes in 1024 chunks
+def test_per_token_quant_kernel_matches_reference(interpret, k):
+    x = torch.randn(5, k) * torch.tensor([1.0, 10.0, 1e-3, 0.0, 300.0])[:, None]
     q, s = per_token_quant_fp8(x)
     q_ref, s_ref = per_token_quant_fp8_ref(x)
     assert s.shape == (5, 1) and s.dtype == torch.float32
