@@ -48,8 +48,13 @@ def test_report_names_the_fused_block_for_the_experts_inside_it():
     partly.model.layers[0].mlp.gate.register_forward_hook(lambda module, args, out: None)  # keeps block 0 as it is
     report = fxrewrite.explain(fxrewrite.optimize(partly))
     entry = report.classes["Qwen3MoeExperts"]
-    assert entry.replaced_with == "1 of 2 inside model.layers.2.mlp, now FusedMoE" and entry.skipped
+    assert entry.replaced_with == "1 of 2 inside model.layers.2.mlp, now FusedMoE; 1 left in model.layers.0.mlp" \
+        and entry.skipped
     assert not report.classes["Qwen3MoeTopKRouter"].replaced_with  # one router is still the block's own
+    # the experts' activation: one went with layer 2's experts; the row also says where the other three still are
+    # (layer 0's kept experts, the dense MLPs of layers 1 and 3, whose glu fusion no longer calls them)
+    assert report.classes["SiLUActivation"].replaced_with == (
+        "1 of 4 inside model.layers.2.mlp.experts, now FusedExperts; 3 left in model.layers.0.mlp.experts and 2 more")
 
 
 def test_the_replacing_holder_is_found_past_paths_the_replacement_lacks():
