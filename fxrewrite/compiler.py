@@ -107,10 +107,11 @@ def _note_replaced_with_parents(model: nn.Module, by_class, names: dict[int, str
         more = f" and {len(gone) - 1} more" if len(gone) > 1 else ""
         share = "" if len(gone) == len(instances) else f"{len(gone)} of {len(instances)} "
         entry.replaced_with = f"{share}inside {holder[0]}{more}, now {type(holder[1]).__name__}"
-        left = [names[id(m)].rpartition(".")[0] or "the model" for m in instances if id(m) in alive and id(m) in names]
-        if share and left:  # the others are still modules of the model (their own row's fusions may use them)
-            rest = f" and {len(left) - 1} more" if len(left) > 1 else ""
-            entry.replaced_with += f"; {len(left)} left in {left[0]}{rest}"
+        left = [m for m in instances if id(m) in alive and id(m) in names]
+        parents = list(dict.fromkeys(names[id(m)].rpartition(".")[0] or "the model" for m in left))
+        if share and left:  # the others are still in the model: their parents' rows say what became of them
+            rest = f" and {len(parents) - 1} more" if len(parents) > 1 else ""
+            entry.replaced_with += f"; the other {len(left)} in {parents[0]}{rest}"
         if not share:
             entry.skipped = []  # else the refusals stand for the instances left
 

@@ -24,13 +24,12 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
-import os
 import sys
 
-import torch
 from torch import nn
 
 from fxrewrite import hub_kernels
+from fxrewrite.origin import describe, outside_code
 from fxrewrite.signature import BOUND_ATTR
 
 __all__ = ["ForeignPatchError", "check_no_foreign_patches"]
@@ -48,34 +47,6 @@ def _defined_names(filename: str) -> frozenset[str]:
     return frozenset(n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)))
 
 
-def _origin(obj) -> str:
-    obj = getattr(obj, "__func__", obj)
-    if isinstance(obj, functools.partial):
-        return f"functools.partial of {_origin(obj.func)}"
-    name = f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', getattr(obj, '__name__', '?'))}"
-    code = getattr(obj, "__code__", None)
-    if code is not None and hasattr(obj, "__wrapped__"):  # its names were copied from the function it wraps
-        return f"a wrapper defined at {code.co_filename}:{code.co_firstlineno} (named {name})"
-    return name
-
-
-def _outside_code(fn) -> str | None:
-    """`_origin` of the first layer of `fn` (through ``__wrapped__``) whose code is not in transformers' or
-    torch's package folder, or that has no code of its own (a partial); None when every layer's is."""
-    homes = tuple(os.path.dirname(p.__file__) + os.sep for p in (sys.modules.get("transformers"), torch)
-                  if getattr(p, "__file__", None))
-    for _ in range(64):  # a __wrapped__ cycle must not hang
-        fn = getattr(fn, "__func__", fn)
-        code = getattr(fn, "__code__", None)
-        transparent = code is not None and hasattr(fn, "__wrapped__") and hub_kernels.is_wrapper_code(code)
-        if code is None or not (transparent or code.co_filename.startswith(homes)):
-            return _origin(fn)
-        fn = getattr(fn, "__wrapped__", None)
-        if fn is None:
-            return None
-    return _origin(fn)
-
-
 def _module_patches(modname: str) -> list[str]:
     mod = sys.modules.get(modname)
     filename = getattr(mod, "__file__", None)
@@ -85,13 +56,15 @@ def _module_patches(modname: str) -> list[str]:
     for name in sorted(_defined_names(filename)):
         obj = vars(mod).get(name)
         if (inspect.isfunction(obj) or inspect.isclass(obj)) and obj.__module__ != modname:
-            found.append(f"{modname}.{name} is {_origin(obj)}")
-        elif (func := hub_kernels.decorated_function(obj)) is not None:  # transformers >= 5.25 with `kernels`
-            if func.__module__ != modname or func.__name__ != name:
-                found.append(f"{modname}.{name} calls {_origin(func)}")
-            elif (outside := _outside_code(func)) is not None or hub_kernels.kernelized_functions(obj):
-                found.append(f"{modname}.{name} is {outside or 'a hub kernel (kernels.kernelize)'}")
-        elif inspect.isfunction(obj) and (outside := _outside_code(obj)) is not None:
+            found.append(f"{modname}.{name} is {describe(obj)}")
+        elif isinstance(obj, nn.Module):  # transformers >= 5.25 with `kernels`: a function as a module instance
+            func = hub_kernels.decorated_function(obj)
+            if func is None or func.__module__ != modname or func.__name__ != name:
+                found.append(f"{modname}.{name} calls {describe(func or type(obj).forward)}")
+            elif (outside := outside_code(func)) is not None:
+                found.append(f"{modname}.{name} is {outside}")
+            found.extend(f"{modname}.{what}" for what in hub_kernels.replaced_functions(obj))
+        elif inspect.isfunction(obj) and (outside := outside_code(obj)) is not None:
             found.append(f"{modname}.{name} is {outside}")
     return found
 
@@ -106,7 +79,7 @@ def _instance_forward(module: nn.Module, name: str) -> str | None:
         return None
     if getattr(own, "__func__", None) is type(module).forward and getattr(own, "__self__", None) is module:
         return None
-    return f"{type(module).__name__}.forward of this instance ({name or 'the model'}) is {_origin(own)}"
+    return f"{type(module).__name__}.forward of this instance ({name or 'the model'}) is {describe(own)}"
 
 
 def foreign_patches(model: nn.Module) -> list[str]:
@@ -115,8 +88,10 @@ def foreign_patches(model: nn.Module) -> list[str]:
     modules, classes = set(), set()
     for name, module in model.named_modules():
         found.append(_instance_forward(module, name))
-        found.extend(f"{fn} called by {name or 'the model'} is a hub kernel (kernels.kernelize)"
-                     for fn in hub_kernels.kernelized_functions(module))
+        found.extend(f"{what} (the copy of {name or 'the model'})" for what in hub_kernels.replaced_functions(module))
+        for copy in (module.__dict__.get("_kernel_funcs") or {}).values():
+            if (func := hub_kernels.decorated_function(copy)) is not None and (outside := outside_code(func)):
+                found.append(f"{func.__name__} (the copy of {name or 'the model'}) calls {outside}")
         for cls in type(module).__mro__:
             if cls in classes or not cls.__module__.startswith(("transformers.", "torch.nn.")):
                 continue
@@ -124,7 +99,7 @@ def foreign_patches(model: nn.Module) -> list[str]:
             if cls.__module__.startswith("transformers.models."):
                 modules.add(cls.__module__)
             fwd = cls.__dict__.get("forward")
-            if fwd is not None and (outside := _outside_code(fwd)) is not None:
+            if fwd is not None and (outside := outside_code(fwd)) is not None:
                 found.append(f"{cls.__module__}.{cls.__name__}.forward is {outside}")
     for modname in sorted(modules):
         found.extend(_module_patches(modname))
@@ -139,5 +114,5 @@ def check_no_foreign_patches(model: nn.Module) -> None:
             "fxrewrite.optimize refuses a model whose modeling code was replaced (by another library or by hand): "
             + "; ".join(found[:6]) + (f" (and {len(found) - 6} more)" if len(found) > 6 else "")
             + ". The rewrite proves its fusions on transformers' own code and would drop the replacement; load the "
-            "model without the patch (e.g. do not call apply_liger_kernel_to_*, in a fresh process) or restore "
-            "the original forward.")
+            "model without the patch (e.g. do not call apply_liger_kernel_to_* or kernels.kernelize, in a fresh process) "
+            "or restore the original forward.")

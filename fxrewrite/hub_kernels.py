@@ -18,7 +18,7 @@ import types
 
 from torch import nn
 
-__all__ = ["decorated_function", "is_wrapper_code", "kernelized_functions"]
+__all__ = ["decorated_function", "is_wrapper_code", "pristine", "replaced_functions"]
 
 
 def decorated_function(obj) -> types.FunctionType | None:
@@ -41,11 +41,29 @@ def is_wrapper_code(code: types.CodeType) -> bool:
         code.co_filename.startswith(os.path.dirname(home) + os.sep)
 
 
-def kernelized_functions(module: nn.Module) -> list[str]:
-    """Names of `module`'s private function copies (``module._kernel_funcs``) whose forward was replaced on the
-    instance (by ``kernels.kernelize``), and of the module-level instance itself when `module` is one."""
-    copies = list((module.__dict__.get("_kernel_funcs") or {}).values())
+def replaced_functions(module: nn.Module) -> list[str]:
+    """What is no longer transformers' function among `module`'s private copies (``module._kernel_funcs``) and, when
+    `module` is a module-level decorated instance, in it: "<name> is <what>" for a copy of another class (or
+    a class whose forward calls no function), one with an instance forward (``kernels.kernelize`` sets one) or one
+    with forward hooks (the tracer calls the function itself, so they would be lost)."""
+    copies = [(name, fn) for name, fn in (module.__dict__.get("_kernel_funcs") or {}).items()]
     if decorated_function(module) is not None:
-        copies.append(module)
-    return sorted(getattr(decorated_function(fn), "__name__", type(fn).__name__) for fn in copies
-                  if isinstance(fn, nn.Module) and "forward" in fn.__dict__)
+        copies.append((decorated_function(module).__name__, module))
+    found = []
+    for name, fn in copies:
+        name = getattr(decorated_function(fn), "__name__", name)
+        if decorated_function(fn) is None:
+            found.append(f"{name} is a {type(fn).__module__}.{type(fn).__qualname__}")
+        elif "forward" in fn.__dict__:
+            found.append(f"{name} is a hub kernel (kernels.kernelize)")
+        elif any(getattr(fn, h, None) for h in _HOOKS):
+            found.append(f"{name} has hooks")
+    return found
+
+
+def pristine(obj) -> bool:
+    """Whether `obj` is a decorated-function instance that still just calls its function (see `replaced_functions`)."""
+    return decorated_function(obj) is not None and not replaced_functions(obj)
+
+
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")

@@ -166,8 +166,8 @@ def _value_key(v) -> Hashable:
         return (dict, tuple((_value_key(k), _value_key(x)) for k, x in v.items()))
     if type(v) is functools.partial:  # transformers' activations keep one per instance (gelu, approximate=...)
         return (functools.partial, ("id", id(v.func)), _value_key(v.args), _value_key(v.keywords))
-    if (func := hub_kernels.decorated_function(v)) is not None and "forward" not in v.__dict__:
-        return ("hub function", id(func))  # transformers >= 5.25: each attention's private, not kernelized copy
+    if hub_kernels.pristine(v):  # transformers >= 5.25: each attention's private copy of a function, unchanged
+        return ("hub function", type(v), id(hub_kernels.decorated_function(v)))
     return ("id", id(v))
 
 

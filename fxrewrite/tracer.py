@@ -354,7 +354,7 @@ def _local_functions_as_leaves(cls: type, tracer: AllLeafTracer) -> Iterator[Non
     namespace = inspect.unwrap(cls.forward).__globals__
     originals, leaves = {}, {}
     for k, v in namespace.items():
-        f = hub_kernels.decorated_function(v) or v  # transformers >= 5.25: maybe a module instance calling it
+        f = hub_kernels.decorated_function(v) if hub_kernels.pristine(v) else v  # >= 5.25: a module calling it
         if isinstance(f, types.FunctionType) and f.__module__ == namespace.get("__name__"):
             originals[k], leaves[k] = v, f
 

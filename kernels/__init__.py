@@ -78,10 +78,11 @@ def _installed_kernels_in_place() -> None:
     import importlib.util
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.realpath(__file__)  # real paths: the checkout may be on sys.path twice, once through a link
+    root = os.path.dirname(os.path.dirname(here))
     spec = importlib.machinery.PathFinder.find_spec(
-        "kernels", [p for p in sys.path if os.path.abspath(p or os.curdir) != root])
-    if spec is not None and spec.loader is not None:
+        "kernels", [p for p in sys.path if os.path.realpath(p or os.curdir) != root])
+    if spec is not None and spec.loader is not None and os.path.realpath(spec.origin or "") != here:
         module = importlib.util.module_from_spec(spec)
         sys.modules["kernels"] = module
         spec.loader.exec_module(module)

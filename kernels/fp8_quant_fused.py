@@ -82,6 +82,7 @@ def rms_norm_quant_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residu
         raise ValueError(f"rms_norm_quant_fp8: x {tuple(x.shape)} (unit column stride), weight {tuple(weight.shape)}"
                          f" and residual {None if residual is None else tuple(residual.shape)} do not fit")
     q, s = _outputs(m, k, group_size, x.device)
+    weight = weight.contiguous()  # the kernel reads it at unit stride
     res = residual.contiguous() if residual is not None else x
     new_res = torch.empty_like(x) if residual is not None else x
     if m:

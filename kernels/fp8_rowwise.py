@@ -30,7 +30,7 @@ _ONE_PASS_MAX = 16384  # columns a row may have to be held in registers (o_proj'
 
 
 def per_token_quant_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (any float dtype) -> (x_q [M, K] float8_e4m3fn, scales [M, 1] float32).
+    """x [..., K] (any float dtype) -> (x_q [..., K] float8_e4m3fn, scales [..., 1] float32).
 
     scale = max(amax of the row, 1e-10) / 448; x_q = clamp(x / scale, -448, 448) in float32.
     """
@@ -45,10 +45,11 @@ def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     interpreter."""
     if not use_triton(x):
         return per_token_quant_fp8_ref(x)
-    x = x.contiguous()
-    m, k = x.shape
-    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    lead, k = x.shape[:-1], x.shape[-1]  # [..., K], as the reference
+    x = x.reshape(-1, k).contiguous()
+    m = x.shape[0]
+    q = torch.empty((*lead, k), dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty((*lead, 1), dtype=torch.float32, device=x.device)
     if m:
         block = next_power_of_2(k) if k <= _ONE_PASS_MAX else _BLOCK
         pdl = pdl_enabled(x.device)

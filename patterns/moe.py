@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from fxrewrite import nodes, tracer
+from fxrewrite import nodes, origin, tracer
 from fxrewrite.kernels.fused_moe import fused_experts_ref
 from fxrewrite.layers.fused_moe import FusedExperts, FusedMoE
 from fxrewrite.patterns.base import Context, Match, Pattern, Refusal, copy_requires_grad, require
@@ -152,6 +152,7 @@ class MoEPattern(Pattern):
         require(match.fact("top_k") <= e, f"top_k={match.fact('top_k')} exceeds the {e} experts")
         router = module.get_submodule(match.name("router"))
         require(tuple(router.weight.shape) == (e, getattr(experts, pnames[0]).shape[2]), "router weight is not [E, H]")
+        _require_own_implementation(experts)
         _probe_experts(experts, pnames, match.fact("top_k"))
 
     @classmethod
@@ -193,6 +194,22 @@ def _eager_experts(module: nn.Module):
     finally:
         if had:
             config.__dict__[key] = saved
+
+
+def _require_own_implementation(experts: nn.Module) -> None:
+    """Refusal unless the experts run eager code or an implementation of transformers' experts registry
+    (``experts_implementation="batched_mm"`` ...) that is transformers' own: the probe runs the eager path, so a
+    function registered by the user (`ALL_EXPERTS_FUNCTIONS.register`) would be replaced unproven."""
+    impl = getattr(getattr(experts, "config", None), "_experts_implementation", None)
+    if impl in (None, "eager"):
+        return
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:  # a transformers without the registry: nothing registered to lose
+        return
+    fn = ALL_EXPERTS_FUNCTIONS.get(impl)
+    outside = "nothing" if fn is None else origin.outside_code(fn)
+    require(outside is None, f"experts_implementation {impl!r} runs {outside}, not transformers' code")
 
 
 def _probe_experts(experts: nn.Module, pnames: tuple[str, str], top_k: int) -> None:

@@ -50,3 +50,16 @@ def test_checkout_kernels_folder_does_not_shadow_the_installed_kernels_package(t
         assert alone == str(root / "kernels" / "__init__.py")
     else:  # transformers >= 5.25's dependency: handed over
         assert alone != str(root / "kernels" / "__init__.py")
+
+
+def test_checkout_reached_through_a_link_too_does_not_recurse(tmp_path):
+    """The checkout on sys.path twice, once through a symbolic link: the hand-over must not find this folder again
+    under the other spelling (it recursed until RecursionError)."""
+    root = Path(__file__).resolve().parents[1]
+    link = tmp_path / "checkout"
+    link.symlink_to(root)
+    run = subprocess.run([sys.executable, "-c", "import kernels; print(kernels.__file__)"], cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(link)}, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    found = os.path.realpath(run.stdout.strip())  # none installed: the folder itself; else the installed package
+    assert found == str(root / "kernels" / "__init__.py") or not found.startswith(str(root) + os.sep)

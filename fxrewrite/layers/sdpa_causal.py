@@ -83,12 +83,24 @@ def register_sdpa_causal() -> str:
 
 def use_sdpa_causal(model: nn.Module) -> bool:
     """Switch a transformers causal LM attending through ``"sdpa"`` to ``fxrewrite_sdpa`` and hook its base model
-    (:func:`_note_call`); True if it did. ``_attn_implementation`` is not written by ``save_pretrained``."""
+    (:func:`_note_call`); True if it did (not when ``"sdpa"`` was registered anew). ``_attn_implementation`` is not
+    written by ``save_pretrained``."""
     config = getattr(model, "config", None)
     base = getattr(model, getattr(model, "base_model_prefix", "") or "", None)
     if (getattr(config, "_attn_implementation", None) != "sdpa" or getattr(config, "sub_configs", None)
-            or not isinstance(base, nn.Module) or base is model):
+            or not isinstance(base, nn.Module) or base is model or not _sdpa_is_transformers_own()):
         return False
     config._attn_implementation = register_sdpa_causal()
     base.register_forward_pre_hook(_note_call, with_kwargs=True)
     return True
+
+
+def _sdpa_is_transformers_own() -> bool:
+    """Whether ``"sdpa"`` in transformers' attention and mask registries is still transformers' own function (a
+    user may register another under that name; switching would drop it)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return (ALL_ATTENTION_FUNCTIONS.get("sdpa") is sdpa_attention_forward
+            and ALL_MASK_ATTENTION_FUNCTIONS.get("sdpa") is masking_utils.sdpa_mask)

@@ -40,9 +40,52 @@ def test_kernelized_private_copy_is_refused():
     model = tiny_model("qwen3")
     copy = model.model.layers[1].self_attn._kernel_funcs["rotary_pos_emb"]
     copy.forward = types.MethodType(_hub_kernel, copy)  # what kernels.kernelize does
-    with pytest.raises(ForeignPatchError, match=r"apply_rotary_pos_emb called by model\.layers\.1\.self_attn is a "
-                                                r"hub kernel"):
+    with pytest.raises(ForeignPatchError, match=r"apply_rotary_pos_emb is a hub kernel \(kernels\.kernelize\) \(the "
+                                                r"copy of model\.layers\.1\.self_attn\)"):
         fxrewrite.optimize(model)
+
+
+class _OtherRope(torch.nn.Module):
+    def forward(self, q, k, cos, sin, unsqueeze_dim=1):
+        return q, k
+
+
+@pytest.mark.parametrize("change", ["other module", "class swapped", "hook", "other function"])
+def test_private_copy_changed_otherwise_is_refused(change):
+    """Anything but the untouched copy: another module, its class swapped for a subclass with its own forward, a
+    hook (the rewrite calls the function itself), a decorated copy of a function from elsewhere."""
+    from kernels import use_kernel_forward_from_hub
+
+    model = tiny_model("qwen3")
+    attn = model.model.layers[1].self_attn
+    copy = attn._kernel_funcs["rotary_pos_emb"]
+    if change == "other module":
+        attn._kernel_funcs["rotary_pos_emb"] = _OtherRope()
+    elif change == "class swapped":
+        copy.__class__ = type("Sub", (type(copy),), {"forward": _hub_kernel})
+    elif change == "hook":
+        copy.register_forward_hook(lambda module, args, out: out)
+    else:
+        attn._kernel_funcs["rotary_pos_emb"] = use_kernel_forward_from_hub("rotary_pos_emb")(_plain_rope)
+    reason = {"other module": r"rotary_pos_emb is a tests\.compiler\.test_hub_kernels\._OtherRope",
+              "class swapped": r"rotary_pos_emb is a .*Sub", "hook": r"apply_rotary_pos_emb has hooks",
+              "other function": r"_plain_rope \(the copy of model\.layers\.1\.self_attn\) calls tests"}[change]
+    with pytest.raises(ForeignPatchError, match=reason):
+        fxrewrite.optimize(model)
+
+
+def _plain_rope(q, k, cos, sin, unsqueeze_dim=1):
+    return q, k
+
+
+def test_hooked_module_level_function_is_refused():
+    handle = modeling_qwen3.apply_rotary_pos_emb.register_forward_pre_hook(lambda module, args: None)
+    try:
+        with pytest.raises(ForeignPatchError, match=r"modeling_qwen3\.apply_rotary_pos_emb has hooks"):
+            fxrewrite.optimize(tiny_model("qwen3"))
+    finally:
+        handle.remove()
+    assert foreign_patches(tiny_model("qwen3")) == []
 
 
 def test_kernelized_or_replaced_module_level_function_is_refused(monkeypatch):

@@ -68,3 +68,23 @@ def test_switch_off_and_saved_config(tmp_path, monkeypatch):
     assert masks and all(m is not None for m in masks)  # transformers' own choice while compiling
     fused.config.save_pretrained(tmp_path)
     assert SDPA_CAUSAL not in json.loads((tmp_path / "config.json").read_text()).values()
+
+
+def test_sdpa_registered_anew_is_kept(monkeypatch):
+    """A user's function registered as "sdpa" in transformers' attention registry stays what the model runs."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def doubled(module, *args, **kwargs):
+        out, weights = sdpa_attention_forward(module, *args, **kwargs)
+        return out * 2.0, weights
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", doubled)
+    model = tiny_model("qwen3", num_hidden_layers=2)
+    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = model(ids).logits
+    fxrewrite.optimize(model)
+    assert model.config._attn_implementation == "sdpa" and not fxrewrite.explain(model).notes
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, want, rtol=1e-5, atol=1e-5)

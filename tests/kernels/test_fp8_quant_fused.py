@@ -59,6 +59,13 @@ def test_rms_norm_quant_matches_unfused(interpret, row_max, group_size, with_res
     assert (got[2] is None) == (not with_residual) and (got[2] is None or torch.equal(got[2], x + r))
 
 
+def test_rms_norm_quant_reads_a_strided_weight(interpret):
+    """A weight viewed with stride 2 (it was read as if contiguous: 90% of the codes wrong)."""
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(3, 320, generator=g), torch.rand(320, 2, generator=g).add(0.5)
+    _check(rms_norm_quant_fp8(x, w[:, 0], 1e-6), rms_norm_quant_fp8_ref(x, w[:, 0].contiguous(), 1e-6))
+
+
 @pytest.mark.parametrize("group_size", [None, 128])
 @pytest.mark.parametrize("k", [320, 1536])
 def test_silu_and_mul_quant_matches_unfused(interpret, row_max, group_size, k):

@@ -48,13 +48,14 @@ def test_report_names_the_fused_block_for_the_experts_inside_it():
     partly.model.layers[0].mlp.gate.register_forward_hook(lambda module, args, out: None)  # keeps block 0 as it is
     report = fxrewrite.explain(fxrewrite.optimize(partly))
     entry = report.classes["Qwen3MoeExperts"]
-    assert entry.replaced_with == "1 of 2 inside model.layers.2.mlp, now FusedMoE; 1 left in model.layers.0.mlp" \
+    assert entry.replaced_with == "1 of 2 inside model.layers.2.mlp, now FusedMoE; the other 1 in model.layers.0.mlp" \
         and entry.skipped
     assert not report.classes["Qwen3MoeTopKRouter"].replaced_with  # one router is still the block's own
-    # the experts' activation: one went with layer 2's experts; the row also says where the other three still are
+    # the experts' activation: one went with layer 2's experts; the row also says where the other three are
     # (layer 0's kept experts, the dense MLPs of layers 1 and 3, whose glu fusion no longer calls them)
     assert report.classes["SiLUActivation"].replaced_with == (
-        "1 of 4 inside model.layers.2.mlp.experts, now FusedExperts; 3 left in model.layers.0.mlp.experts and 2 more")
+        "1 of 4 inside model.layers.2.mlp.experts, now FusedExperts; the other 3 in model.layers.0.mlp.experts and 2 "
+        "more")
 
 
 def test_the_replacing_holder_is_found_past_paths_the_replacement_lacks():
@@ -195,3 +196,28 @@ def test_block_with_jitter_is_refused():
     assert not any(isinstance(m, FusedMoE) for m in model.modules())
     report = str(fxrewrite.explain(model))
     assert "moe: experts input is not the block input" in report  # x is scaled by the jitter first
+
+
+def test_an_experts_implementation_registered_by_the_user_is_not_replaced(monkeypatch):
+    """transformers' experts registry: a user's function (here 3x transformers' batched_mm) is left to run, with
+    the reason in the report; transformers' own batched_mm is fused (it computes what the eager probe proves)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, batched_mm_experts_forward
+
+    def tripled(self, *args):
+        return batched_mm_experts_forward(self, *args) * 3.0
+
+    monkeypatch.setitem(ALL_EXPERTS_FUNCTIONS, "tripled", tripled)
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+    for impl, fused in (("tripled", False), ("batched_mm", True)):
+        model = tiny_moe("qwen3_moe")
+        model.config._experts_implementation = impl
+        with torch.no_grad():
+            want = model(ids).logits
+        report = fxrewrite.explain(fxrewrite.optimize(model))
+        assert any(isinstance(m, FusedMoE) for m in model.modules()) == fused
+        if not fused:
+            assert dict(report.classes["Qwen3MoeSparseMoeBlock"].skipped)["moe"] == (
+                "experts_implementation 'tripled' runs tests.moe.test_moe_pattern.test_an_experts_implementation_"
+                "registered_by_the_user_is_not_replaced.<locals>.tripled, not transformers' code")
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, want, rtol=1e-5, atol=1e-5)
