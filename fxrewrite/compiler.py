@@ -31,7 +31,7 @@ from fxrewrite.optimizer_state import HF_NAMES_ATTR
 from fxrewrite.patterns import PATTERNS, Context, Match, Refusal
 from fxrewrite.meta_memo import MetaMemo, memoized, with_parameters
 from fxrewrite.report import ClassReport, FusionReport, GroupReport
-from fxrewrite.signature import BOUND_ATTR, input_key, instance_forward, structure_key
+from fxrewrite.signature import BOUND_ATTR, HOOK_DICTS, input_key, instance_forward, structure_key
 
 _REPORT_ATTR = "_fxrewrite_report"
 _OPTIONS = frozenset({"patterns", "example_inputs"})
@@ -382,8 +382,9 @@ def _check_instance(m: Match, module: nn.Module) -> None:
         raise Refusal(f"the forward of {', '.join(replaced)} (or of a module in it) is replaced on the instance and "
                       "would be lost by the fusion; left as it is")
     hooked = [f"child {name!r}" for name, c in children if _hooked(c)]
-    if m.pattern.scope == "module" and _hooked(module):
-        hooked.insert(0, "the module itself")
+    own = m.pattern.scope == "module" and _hooked(module, deep=False)  # module scope: the module is replaced
+    inside = m.pattern.scope == "module" and not (own or hooked) and _hooked(module)  # a module no child named
+    hooked = ["the module itself"] * own + hooked + ["a module inside it"] * inside
     if hooked:
         raise Refusal(f"forward/backward hooks on {', '.join(hooked)} would be lost by the fusion; left as it is")
 
@@ -394,6 +395,5 @@ def _replaced(module: nn.Module):
     return None if own is None or own is module.__dict__.get(BOUND_ATTR, (None, None))[1] else own
 
 
-def _hooked(module: nn.Module) -> bool:
-    hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-    return any(m.__dict__.get(h) for m in module.modules() for h in hooks)
+def _hooked(module: nn.Module, deep: bool = True) -> bool:
+    return any(m.__dict__.get(h) for m in (module.modules() if deep else [module]) for h in HOOK_DICTS)

@@ -38,7 +38,8 @@ from torch import nn
 
 from fxrewrite import hub_kernels
 
-__all__ = ["BOUND_ATTR", "MEMO_ATTR", "difference", "input_key", "instance_forward", "structure_key", "structure_keys"]
+__all__ = ["BOUND_ATTR", "HOOK_DICTS", "MEMO_ATTR", "difference", "input_key", "instance_forward", "structure_key",
+           "structure_keys"]
 
 BOUND_ATTR = "_fxrewrite_compiled"
 """Instance attribute set by `fxrewrite.compiler`: (compiled function, the bound forward it put in ``__dict__``)."""
@@ -48,8 +49,8 @@ MEMO_ATTR = "__fxrewrite_wrapped__"
 INDEX_ATTRS = ("layer_idx",)
 RECORD_ATTRS = ("kwargs",)
 """Attributes that record how a module was built (PEFT's LoRA layers): ignored when only ``__init__`` names them."""
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-_SKIP = frozenset({"_parameters", "_buffers", "_modules", "forward", BOUND_ATTR, *_HOOK_DICTS,
+HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_SKIP = frozenset({"_parameters", "_buffers", "_modules", "forward", BOUND_ATTR, *HOOK_DICTS,
                    "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs",
                    "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
                    "_load_state_dict_post_hooks", "_is_full_backward_hook"})
@@ -81,7 +82,7 @@ def _key(module: nn.Module, seen: dict, done: dict | None = None) -> Hashable:
     seen[id(module)] = len(seen)
     d = module.__dict__
     own, bound = instance_forward(module), d.get(BOUND_ATTR)
-    if any(d.get(h) for h in _HOOK_DICTS) or (own is not None and (bound is None or own is not bound[1])):
+    if any(d.get(h) for h in HOOK_DICTS) or (own is not None and (bound is None or own is not bound[1])):
         return ("unique", id(module))  # hooks, or a forward replaced on this instance by someone else
     forward = None if own is None else ("bound", id(bound[0]))
     params = tuple((n, None if p is None else _tensor_key(p)) for n, p in module._parameters.items())
@@ -104,7 +105,7 @@ def children_differing(a: nn.Module, b: nn.Module) -> int:
 def difference(a: nn.Module, b: nn.Module, path: str = "") -> str:
     """The first thing (depth first) that makes `structure_key` of `b` differ from `a`'s, in words."""
     where = path or "the module"
-    hooked = [any(m.__dict__.get(h) for h in _HOOK_DICTS) for m in (a, b)]
+    hooked = [any(m.__dict__.get(h) for h in HOOK_DICTS) for m in (a, b)]
     if hooked[1] and not hooked[0]:  # first: hooks also keep a module from being replaced (another type then)
         return f"{where} has forward/backward hooks"
     if type(a) is not type(b):
@@ -113,7 +114,7 @@ def difference(a: nn.Module, b: nn.Module, path: str = "") -> str:
             na, nb = (f"{type(m).__module__}.{type(m).__qualname__}" for m in (a, b))
         return f"{where} is {nb}, not {na}"
     ka, kb = _key(a, {}), _key(b, {})
-    if any(b.__dict__.get(h) for h in _HOOK_DICTS):
+    if any(b.__dict__.get(h) for h in HOOK_DICTS):
         return f"{where} has forward/backward hooks"
     if kb[0] == "unique":
         return f"{where} has a forward replaced on the instance"

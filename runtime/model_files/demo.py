@@ -58,6 +58,11 @@ def build_model_dir(path: str | os.PathLike, arch: str = "qwen3", *, hidden_size
     safetensors. Returns `Path(path)`.
     Raises ValueError naming `arch` / `vocab` when unknown.
     """
+    from transformers import CONFIG_MAPPING
+
+    if arch not in CONFIG_MAPPING:  # before anything is written
+        raise UserInputError(f"unknown arch {arch!r}: not a transformers model_type "
+                             f"(e.g. {', '.join(ARCH_TOKENIZERS)})")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     family = vocab or ARCH_TOKENIZERS.get(arch, "smollm2")

@@ -51,6 +51,8 @@ def test_report_names_the_fused_block_for_the_experts_inside_it():
     assert entry.replaced_with == "1 of 2 inside model.layers.2.mlp, now FusedMoE; the other 1 in model.layers.0.mlp" \
         and entry.skipped
     assert not report.classes["Qwen3MoeTopKRouter"].replaced_with  # one router is still the block's own
+    assert dict(report.classes["Qwen3MoeSparseMoeBlock"].skipped)["moe"] == (  # the child, not "the module itself"
+        "[model.layers.0.mlp] forward/backward hooks on child 'gate' would be lost by the fusion; left as it is")
     # the experts' activation: one went with layer 2's experts; the row also says where the other three are
     # (layer 0's kept experts, the dense MLPs of layers 1 and 3, whose glu fusion no longer calls them)
     assert report.classes["SiLUActivation"].replaced_with == (

@@ -94,8 +94,9 @@ def test_config_overrides_and_bad_values(tmp_path):
                              rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})
     config = json.loads((folder / "config.json").read_text())
     assert config["max_position_embeddings"] == 512 and config["rope_parameters"]["rope_type"] == "linear"
-    with pytest.raises(ValueError, match="no-such-arch"):
+    with pytest.raises(ValueError, match=r"unknown arch 'no-such-arch': not a transformers model_type \(e\.g\. "):
         build_model_dir(tmp_path / "x", "no-such-arch")
+    assert not (tmp_path / "x").exists()  # refused before anything is written (it left a tokenizer-only folder)
     with pytest.raises(ValueError, match="'klingon'"):
         build_model_dir(tmp_path / "y", "llama", vocab="klingon")
 
