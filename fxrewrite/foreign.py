@@ -11,7 +11,8 @@ fuses, so code that is no longer what runs would make the proof wrong or be sile
   the code's file, since ``functools.wraps`` copies the wrapped function's ``__module__`` onto its wrapper;
   transformers' own decorators and ``torch.no_grad`` live there; Hugging Face ``kernels``' forward wrapper, which
   transformers >= 5.25 applies, is looked through, see `fxrewrite.hub_kernels`); a function that ``kernels``
-  turned into a module instance must still call the file's own function, and no copy of it may be kernelized;
+  turned into a module instance must still call the file's own function, and no copy of it may be kernelized,
+  replaced or hooked;
 - no module of a transformers class may carry a ``forward`` of its own (a function, a ``types.MethodType``, a
   ``functools.partial``, e.g. accelerate's offloading hooks) other than its class's forward bound to it or the
   forward fxrewrite bound.
@@ -114,5 +115,5 @@ def check_no_foreign_patches(model: nn.Module) -> None:
             "fxrewrite.optimize refuses a model whose modeling code was replaced (by another library or by hand): "
             + "; ".join(found[:6]) + (f" (and {len(found) - 6} more)" if len(found) > 6 else "")
             + ". The rewrite proves its fusions on transformers' own code and would drop the replacement; load the "
-            "model without the patch (e.g. do not call apply_liger_kernel_to_* or kernels.kernelize, in a fresh process) "
-            "or restore the original forward.")
+            "model without the patch (e.g. do not call apply_liger_kernel_to_* or kernels.kernelize, in a fresh "
+            "process) or restore the original forward.")

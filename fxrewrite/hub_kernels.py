@@ -6,7 +6,7 @@ whose forward calls the function, and ``@use_kernelized_func`` wraps an attentio
 ``functools.wraps`` wrapper) so that calls of that instance reach the module's private copy of it
 (``module._kernel_funcs``). Until ``kernels.kernelize`` swaps a hub kernel into one of those copies (it sets an
 instance ``forward``), every call runs transformers' own function: the tracer and the foreign-patch check look
-through them; a kernelized copy is a replacement like any other.
+through them; a kernelized, replaced or hooked copy is a replacement like any other (`replaced_functions`).
 """
 
 from __future__ import annotations
