@@ -62,4 +62,4 @@ def test_checkout_reached_through_a_link_too_does_not_recurse(tmp_path):
                          env={**os.environ, "PYTHONPATH": str(link)}, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
     found = os.path.realpath(run.stdout.strip())  # none installed: the folder itself; else the installed package
-    assert found == str(root / "kernels" / "__init__.py") or not found.startswith(str(root) + os.sep)
+    assert found == str(root / "kernels" / "__init__.py") or not found.startswith(str(root / "kernels") + os.sep)
