@@ -120,6 +120,13 @@ class ModelConfig:
     revision: str | None = None
     trust_remote_code: bool = False
 
+    @property
+    def cache_head_dim(self) -> int:
+        """Width of one cached key (and value) head, in elements: `head_dim`, or for multi-head latent
+        attention (DeepSeek-V2/V3: `head_dim` is the rotary part) `qk_nope_head_dim + qk_rope_head_dim`;
+        the narrower `v_head_dim` values are zero-padded to it (`runtime.worker.attention`)."""
+        return getattr(self.hf_text_config, "qk_head_dim", None) or self.head_dim
+
     @classmethod
     def from_pretrained(
         cls,

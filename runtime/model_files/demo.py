@@ -14,6 +14,7 @@ below, in the marked place.
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import shutil
 import sys
@@ -36,7 +37,14 @@ ARCH_TOKENIZERS = {
 # Per-arch defaults for the test folders. Gemma scales embeddings by sqrt(hidden), so with tied
 # embeddings the residual stream stays near the input token's embedding and greedy decoding just
 # repeats the last token; an untied head makes the output depend on the context.
-ARCH_DEFAULTS = {"gemma2": {"tie_word_embeddings": False}}
+# DeepSeek-V3's multi-head latent attention gets dims to match the tiny hidden size (its defaults
+# are the 671B model's), and MoE from the second layer on.
+ARCH_DEFAULTS = {
+    "gemma2": {"tie_word_embeddings": False},
+    "deepseek_v3": {"q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                    "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2,
+                    "topk_group": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1},
+}
 # With std 0.02 (transformers' default) and hidden 64, the attention/MLP updates are small next to
 # the embedding, so greedy decoding repeats the last prompt token; 0.2 makes the next token depend
 # on the whole context, with top-2 logit gaps of ~0.2-0.5 (robust to fused-kernel rounding).
@@ -93,14 +101,19 @@ def write_tokenizer(out: Path, family: str) -> dict:
 
 def make_config(arch: str, tok_ids: dict, *, hidden_size: int, num_attention_heads: int, **kwargs):
     """The transformers config of `arch` (a `model_type`) sized as asked, with the tokenizer's
-    ids and vocab size, tied embeddings where the arch allows, head_dim = hidden/heads."""
-    from transformers import AutoConfig
+    ids and vocab size, tied embeddings where the arch allows, head_dim = hidden/heads where the
+    config declares `head_dim` (DeepSeek-V3 derives it from `qk_rope_head_dim`, so it is left alone)."""
+    from transformers import CONFIG_MAPPING, AutoConfig
 
     if hidden_size % num_attention_heads:
         raise UserInputError(f"hidden_size {hidden_size} is not a multiple of num_attention_heads {num_attention_heads}")
     params = {**tok_ids, "tie_word_embeddings": True, "initializer_range": INITIALIZER_RANGE,
-              "hidden_size": hidden_size, "num_attention_heads": num_attention_heads,
-              "head_dim": hidden_size // num_attention_heads, **ARCH_DEFAULTS.get(arch, {}), **kwargs}
+              "hidden_size": hidden_size, "num_attention_heads": num_attention_heads}
+    if "head_dim" in inspect.signature(CONFIG_MAPPING[arch].__init__).parameters:
+        params["head_dim"] = hidden_size // num_attention_heads
+    params.update(ARCH_DEFAULTS.get(arch, {}), **kwargs)
+    if "kv_lora_rank" in params:  # MLA: transformers' attention has one key/value head per query head
+        params["num_key_value_heads"] = num_attention_heads
     if params["vocab_size"] < tok_ids["vocab_size"]:
         raise UserInputError(f"vocab_size {params['vocab_size']} is smaller than the tokenizer's {tok_ids['vocab_size']}")
     try:

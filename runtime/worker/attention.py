@@ -93,7 +93,8 @@ def paged_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query [1, Hq, T, D], key/value [1, Hkv, T, D]
-    (the step's flattened tokens as one batch row) -> ([1, T, Hq, D], None).
+    (the step's flattened tokens as one batch row) -> ([1, T, Hq, D], None). A narrower value
+    ([1, Hkv, T, Dv], multi-head latent attention) gives [1, T, Hq, Dv].
 
     The layer index comes from `module.layer_idx`; scaling defaults to D**-0.5 like transformers'. The K/V
     cache write is skipped when a fused layer already wrote exactly `key` and `value` there this step
@@ -103,12 +104,15 @@ def paged_attention_forward(
         raise ValueError(f"fxrewrite_paged attention expects one flattened batch row, got {query.shape[0]}")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
+    kv_cached = take_kv_written(module.layer_idx, key, value)  # a fused q/k-norm + rotary op wrote them
+    value_dim = value.shape[-1]
+    if value_dim < key.shape[-1]:  # multi-head latent attention: zero channels leave the output's first ones exact
+        value = torch.nn.functional.pad(value, (0, key.shape[-1] - value_dim))
     out = paged_attend(
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-        module.layer_idx, scale, sliding_window=window, soft_cap=softcap,
-        kv_cached=take_kv_written(module.layer_idx, key, value),  # a fused q/k-norm + rotary op wrote them
+        module.layer_idx, scale, sliding_window=window, soft_cap=softcap, kv_cached=kv_cached,
     )
-    return out.unsqueeze(0), None
+    return out[..., :value_dim].unsqueeze(0), None
 
 
 def register_paged_attention() -> str:

@@ -26,7 +26,7 @@ def kv_shape(model_config, layers: tuple[int, int] | None = None) -> tuple[int, 
     """(num_layers, num_kv_heads, head_dim) of the attention layers this rank caches: all of them, or
     the [start, end) `layers` of its pipeline stage."""
     start, end = layers if layers is not None else (0, model_config.num_hidden_layers)
-    return end - start, model_config.num_key_value_heads, model_config.head_dim
+    return end - start, model_config.num_key_value_heads, model_config.cache_head_dim
 
 
 def bytes_per_block(model_config, block_size: int, dtype: torch.dtype, layers: tuple[int, int] | None = None) -> int:

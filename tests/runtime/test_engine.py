@@ -348,8 +348,10 @@ def test_detokenize_false_returns_token_ids_and_logprobs_without_text(qwen3_llm)
                              use_tqdm=False)[0].outputs[0]
     assert out.text == "" and out.token_ids == ref.token_ids and ref.text
     assert all(lp.decoded_token is None for step in out.logprobs for lp in step.values())
-    assert [{t: lp.logprob for t, lp in s.items()} for s in out.logprobs] == \
-        [{t: lp.logprob for t, lp in s.items()} for s in ref.logprobs]
+    # Same tokens; the logprobs within float32 rounding (the second prompt's prefill hits the prefix cache).
+    assert [list(s) for s in out.logprobs] == [list(s) for s in ref.logprobs]
+    assert [lp.logprob for s in out.logprobs for lp in s.values()] == \
+        pytest.approx([lp.logprob for s in ref.logprobs for lp in s.values()], rel=1e-5)
     with pytest.raises(ValueError, match="detokenize=True"):
         SamplingParams(stop=["x"], detokenize=False)
     assert_no_leak(qwen3_llm)

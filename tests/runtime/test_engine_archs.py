@@ -1,4 +1,5 @@
-"""Sliding windows, soft-capping, custom scaling and q/k/v bias generate exactly (Mistral, Gemma 2, Qwen 2)."""
+"""Sliding windows, soft-capping, custom scaling, q/k/v bias and multi-head latent attention generate
+exactly (Mistral, Gemma 2, Qwen 2, DeepSeek-V3)."""
 
 import pytest
 import torch
@@ -20,6 +21,8 @@ CASES = {
         [("transformers", True), ("transformers", False)],
     ),
     "qwen2": ({"vocab": "smollm2", "initializer_range": 0.2}, [("native", True)]),
+    # MLA: keys 24 wide (16 + 8 rotary, interleaved), values 16 wide and padded in the cache; layer 1 is MoE.
+    "deepseek_v3": ({}, [("transformers", True), ("transformers", False)]),
 }
 
 
