@@ -5,7 +5,8 @@ Found by dataflow in the block's graph (scope "module": the whole block is repla
   tensors shaped [E, 2I, H] and [E, H, I] (transformers 5's fused experts modules);
 - ``ids`` and ``weights`` are two outputs of one router call on the same x; the router's own
   graph must be ``linear(x, weight) -> softmax | sigmoid (last dim) -> topk(k) ->`` values
-  (optionally divided by their sum: ``norm_topk_prob``) and indices, casts allowed;
+  (optionally divided by their sum: ``norm_topk_prob``) and indices, or ``linear -> topk(k) ->
+  softmax`` of the values (Granite-MoE; the same weights, renormalised), casts allowed;
 - the output is ``reshape(experts(...) [+ sigmoid(g(x)) * s(x) | + s(x)])``: an optional shared
   expert ``s`` with an optional sigmoid gate ``g`` (Qwen2-MoE);
 - every other node of the block is a view of x or an unused router output. Anything else (router
@@ -56,28 +57,38 @@ def _router_facts(router_node, block_root: nn.Module, ids_idx: int, w_idx: int) 
     ids, w = _arg(outs[ids_idx]), _arg(outs[w_idx])
     require(nodes.is_op(ids, operator.getitem) and ids.args[1] == 1, "router indices are not topk(...)[1]")
     topk = ids.args[0]
-    require(nodes.is_op(topk, torch.topk, "topk") and topk.kwargs.get("dim", -1) in (-1, 1)
-            and topk.kwargs.get("largest", True), "router does not take topk over the experts")
-    renormalize = nodes.is_op(w, operator.truediv, torch.div, "div")
-    if renormalize:
-        total = _arg(w.args[1])
-        require(nodes.is_op(total, "sum", torch.sum) and total.kwargs.get("keepdim") and total.args[0] is w.args[0],
-                "routing weights are divided by something other than their sum")
-        w = _arg(w.args[0])
+    topk_args = dict(zip(("input", "k", "dim", "largest", "sorted"), topk.args)) | topk.kwargs
+    require(nodes.is_op(topk, torch.topk, "topk") and topk_args.get("dim", -1) in (-1, 1)
+            and topk_args.get("largest", True) is True and isinstance(topk_args.get("k"), int),
+            "router does not take topk over the experts")
+    if nodes.is_op(w, torch.softmax, torch.nn.functional.softmax, "softmax"):
+        # softmax over the top-k logits (Granite-MoE): the same as softmax over all experts, top-k, renormalised
+        require(_softmax_dim(w) in (-1, 1), "routing softmax is not over the top-k")
+        w, scoring, renormalize, logits = _arg(w.args[0]), "softmax", True, _arg(topk.args[0])
+    else:
+        renormalize = nodes.is_op(w, operator.truediv, torch.div, "div")
+        if renormalize:
+            total = _arg(w.args[1])
+            require(nodes.is_op(total, "sum", torch.sum) and total.kwargs.get("keepdim")
+                    and total.args[0] is w.args[0], "routing weights are divided by something other than their sum")
+            w = _arg(w.args[0])
+        scores = _arg(topk.args[0])
+        require(nodes.is_op(scores, torch.softmax, torch.nn.functional.softmax, torch.sigmoid, "softmax", "sigmoid"),
+                "router scores are neither softmax nor sigmoid")
+        scoring = "sigmoid" if "sigmoid" in str(scores.target) else "softmax"
+        require(scoring == "sigmoid" or _softmax_dim(scores) in (-1, 1), "router softmax is not over the experts")
+        logits = _arg(scores.args[0])
     require(nodes.is_op(w, operator.getitem) and w.args[0] is topk and w.args[1] == 0,
             "routing weights are not the top-k values")
-    scores = _arg(topk.args[0])
-    require(nodes.is_op(scores, torch.softmax, torch.nn.functional.softmax, torch.sigmoid, "softmax", "sigmoid"),
-            "router scores are neither softmax nor sigmoid")
-    scoring = "sigmoid" if "sigmoid" in str(scores.target) else "softmax"
-    require(scoring == "sigmoid" or scores.kwargs.get("dim", scores.args[1:2] or [None][0]) in (-1, 1),
-            "router softmax is not over the experts")
-    linear = _arg(scores.args[0])
-    require(nodes.is_op(linear, torch.nn.functional.linear) and getattr(linear.args[1], "op", "") == "get_attr"
-            and linear.args[1].target == "weight", "router logits are not linear(x, self.weight)")
-    bias = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
+    require(nodes.is_op(logits, torch.nn.functional.linear) and getattr(logits.args[1], "op", "") == "get_attr"
+            and logits.args[1].target == "weight", "router logits are not linear(x, self.weight)")
+    bias = logits.args[2] if len(logits.args) > 2 else logits.kwargs.get("bias")
     require(bias is None or getattr(bias, "op", "") == "get_attr" and bias.target == "bias", "router bias unknown")
-    return {"scoring": scoring, "renormalize": renormalize, "top_k": int(topk.args[1])}
+    return {"scoring": scoring, "renormalize": renormalize, "top_k": topk_args["k"]}
+
+
+def _softmax_dim(node):
+    return node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
 
 
 def _shared_branch(other, x) -> tuple[dict, set]:
@@ -96,6 +107,10 @@ def _shared_branch(other, x) -> tuple[dict, set]:
             "the term added to the experts output is not a module of x")
     names = {"shared": shared.target} | ({"shared_gate": gate.target} if gate is not None else {})
     return names, claimed | {shared}
+
+
+def _node_names(args) -> str:
+    return ", ".join(a.name if isinstance(a, torch.fx.Node) else repr(a) for a in args) or "nothing"
 
 
 def _experts_nodes(traced) -> list:
@@ -122,7 +137,8 @@ class MoEPattern(Pattern):
         require(nodes.is_op(ids, operator.getitem) and nodes.is_op(w, operator.getitem)
                 and ids.args[0] is w.args[0], "expert ids and weights do not come from one router call")
         router = ids.args[0]
-        require(router.op == "call_module" and router.args == (x,) and not router.kwargs, "router does not read x")
+        require(router.op == "call_module" and router.args == (x,) and not router.kwargs,
+                f"the router call reads {_node_names(router.args)}, the experts read {x.name} (not the same tensor)")
         facts = _router_facts(router, traced.module, ids.args[1], w.args[1])
         names = {"router": router.target, "experts": ex.target}
         claimed = {ex, router, ids, w} | {u for u in router.users if not u.users}

@@ -1,4 +1,4 @@
-"""MoE test fixtures: tiny transformers MoE models of the four families, and the interpreter fixture."""
+"""MoE test fixtures: tiny transformers MoE models of five families, and the interpreter fixture."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ FAMILIES = {
                                          shared_expert_intermediate_size=24)),
     "mixtral": (T.MixtralConfig, dict(intermediate_size=16, num_local_experts=4)),
     "olmoe": (T.OlmoeConfig, dict(intermediate_size=16, num_experts=8)),
+    "granitemoe": (T.GraniteMoeConfig, dict(intermediate_size=16, num_local_experts=4)),  # softmax of the top-k logits
 }
 
 

@@ -1,4 +1,4 @@
-"""Pattern `moe`: the four families' blocks become FusedMoE, logits/gradients match stock, near misses refused."""
+"""Pattern `moe`: the five families' blocks become FusedMoE, logits/gradients match stock, near misses refused."""
 
 from __future__ import annotations
 
@@ -144,11 +144,11 @@ def test_state_dict_round_trips_through_save_pretrained(tmp_path):
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
 
 
-def _near_miss(monkeypatch, cls, forward):
+def _near_miss(monkeypatch, cls, forward, family="olmoe"):
     """A model whose `cls` blocks run `forward` instead: a subclass of our own (patching transformers'
     class itself would be a foreign patch, which optimize refuses outright)."""
     variant = type(f"NearMiss{cls.__name__}", (cls,), {"forward": forward})
-    model = tiny_moe("olmoe")
+    model = tiny_moe(family)
     for module in model.modules():
         if type(module) is cls:
             module.__class__ = variant
@@ -168,6 +168,23 @@ def test_router_with_relu_scores_is_refused(monkeypatch):
 
     report = _near_miss(monkeypatch, mod.OlmoeTopKRouter, forward)
     assert "router scores are neither softmax nor sigmoid" in report
+
+
+@pytest.mark.parametrize("topk, softmax, reason", [
+    (lambda x, k: torch.topk(x, k, 0), lambda v: torch.softmax(v, -1), "router does not take topk over the experts"),
+    (lambda x, k: torch.topk(x, k, -1, False), lambda v: torch.softmax(v, -1), "router does not take topk"),
+    (lambda x, k: torch.topk(x, k, -1), lambda v: torch.softmax(v, 0), "routing softmax is not over the top-k"),
+])
+def test_granite_style_router_near_misses_are_refused(monkeypatch, topk, softmax, reason):
+    """Granite-MoE routes by softmax over the top-k logits; positional dims and smallest-k are read, not assumed."""
+    from transformers.models.granitemoe import modeling_granitemoe as mod
+
+    def forward(self, hidden_states):
+        logits = torch.nn.functional.linear(hidden_states, self.weight).float()
+        values, index = topk(logits, self.top_k)
+        return logits, softmax(values).type_as(hidden_states), index
+
+    assert reason in _near_miss(monkeypatch, mod.GraniteMoeTopKRouter, forward, "granitemoe")
 
 
 def test_block_returning_router_logits_is_refused(monkeypatch):
