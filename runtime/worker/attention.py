@@ -102,6 +102,7 @@ def paged_attention_forward(
     """
     if query.shape[0] != 1:
         raise ValueError(f"fxrewrite_paged attention expects one flattened batch row, got {query.shape[0]}")
+    _refuse_unsupported(module, kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
     kv_cached = take_kv_written(module.layer_idx, key, value)  # a fused q/k-norm + rotary op wrote them
@@ -113,6 +114,26 @@ def paged_attention_forward(
         module.layer_idx, scale, sliding_window=window, soft_cap=softcap, kv_cached=kv_cached,
     )
     return out[..., :value_dim].unsqueeze(0), None
+
+
+# Arguments transformers' attention calls pass that change what attention computes; the paged kernels do not
+# implement them, so a model passing one stops with this error instead of generating from a different model.
+UNSUPPORTED_ARGUMENTS = {
+    "s_aux": "attention sinks", "sinks": "attention sinks", "position_bias": "an additive position bias",
+    "block_indices": "block-sparse attention",
+}
+
+
+def _refuse_unsupported(module: nn.Module, kwargs: dict) -> None:
+    """NotImplementedError naming the model's attention class and the argument when the call asks for something
+    the paged attention does not compute (UNSUPPORTED_ARGUMENTS, or `is_causal=False`)."""
+    asked = [f"{name} ({what})" for name, what in UNSUPPORTED_ARGUMENTS.items() if kwargs.get(name) is not None]
+    if kwargs.get("is_causal") is False:
+        asked.append("is_causal=False (bidirectional attention)")
+    if asked:
+        raise NotImplementedError(
+            f"{type(module).__name__} calls attention with {', '.join(asked)}, which fxrewrite's paged attention "
+            "does not compute; this model cannot be served here")
 
 
 def register_paged_attention() -> str:

@@ -63,3 +63,24 @@ def test_native_layers_share_one_rotary_cache(tiny_qwen3_dir):
     assert len(model.model.layers) > 1 and len(ropes) == 1
     assert [n for n, _ in model.named_buffers() if n.endswith("cos_sin_cache")] == [
         "model.layers.0.self_attn.rotary_emb.cos_sin_cache"]  # once
+
+
+def test_attention_the_paged_kernels_do_not_compute_is_refused(tiny_model_dir):
+    """GPT-OSS's attention sinks (`s_aux`) change every softmax: the engine stops with the reason instead of
+    generating from a different model (it used to ignore the argument)."""
+    path = str(tiny_model_dir("gpt_oss", num_local_experts=4, num_experts_per_tok=2))
+    llm = LLM(path, dtype="float32", enforce_eager=True)
+    with pytest.raises(NotImplementedError, match=r"GptOssAttention calls attention with s_aux \(attention sinks\)"):
+        llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    blocks = llm.llm_engine.block_manager  # the failed request is gone and its KV blocks are free
+    assert blocks.num_free_blocks == blocks.num_blocks and not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("kwargs, named", [({"is_causal": False}, "is_causal=False"),
+                                           ({"position_bias": torch.zeros(1)}, "position_bias")])
+def test_paged_attention_forward_refuses_semantic_arguments(kwargs, named):
+    from fxrewrite.runtime.worker.attention import paged_attention_forward
+
+    q = torch.zeros(1, 2, 3, 8)
+    with pytest.raises(NotImplementedError, match=named):
+        paged_attention_forward(torch.nn.Linear(1, 1), q, q, q, None, **kwargs)
