@@ -51,6 +51,16 @@ def check_last_dim_contiguous(*tensors: torch.Tensor) -> None:
                              "expected a contiguous last (head) dim")
 
 
+def sinks_arg(sinks: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor:
+    """The kernels' sinks pointer: float32 contiguous [Hq] sink logits (natural log), or `query` as an unused
+    placeholder when there are none. ValueError unless sinks is [Hq]."""
+    if sinks is None:
+        return query
+    if sinks.shape != (query.shape[1],):
+        raise ValueError(f"paged_attention: sinks shape {tuple(sinks.shape)}; expected [Hq] = [{query.shape[1]}]")
+    return sinks.float().contiguous()
+
+
 def value_run(value_cache: torch.Tensor, block_n: int) -> int:
     """The kernels' V_RUN: 0 for a value cache [num_blocks, block_size, Hkv, D] with a contiguous head dim; for one
     that holds each block's keys contiguous (a [num_blocks, Hkv, D, block_size] tensor seen through ``permute(0, 3, 1,

@@ -1,4 +1,4 @@
-"""Varlen causal attention over a paged KV cache (decode and prefill), GQA, sliding window, soft cap.
+"""Varlen causal attention over a paged KV cache (decode and prefill), GQA, sliding window, soft cap, sinks.
 
 Batch layout (vLLM's): the T query tokens of B sequences are flattened, sequence b owning rows
 ``query_start_loc[b]:query_start_loc[b+1]``. Its ``seq_lens[b]`` context tokens (cached prefix +
@@ -6,7 +6,10 @@ this step's tokens, already written with ``reshape_and_cache``) live in the bloc
 ``block_tables[b]``. Query token i of sequence b sits at position ``seq_lens[b] - q_len_b + i``
 and sees keys at positions p <= its own, and p > pos - sliding_window when a window is set
 (transformers' sliding-window mask). Scores are ``scale * q·k``, then
-``soft_cap * tanh(scores / soft_cap)`` when soft_cap is set (Gemma 2); softmax in float32.
+``soft_cap * tanh(scores / soft_cap)`` when soft_cap is set (Gemma 2); softmax in float32. Attention
+sinks (GPT-OSS, `sinks` [Hq] float logits) join each head's softmax as one more score whose value vector
+is zero: the probabilities of the real keys sum to less than one (transformers' `eager_attention_forward`
+of gpt_oss).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from fxrewrite.kernels import use_triton
-from fxrewrite.kernels.attention_tile import check_paged_args
+from fxrewrite.kernels.attention_tile import check_paged_args, sinks_arg
 from fxrewrite.kernels.batch_invariant import is_batch_invariant
 from fxrewrite.kernels.paged_decode import paged_decode_triton
 from fxrewrite.kernels.paged_prefill import paged_prefill_triton
@@ -33,15 +36,16 @@ SCORE_CHUNK_ELEMENTS = 1 << 22
 float32): an 8k-token prefill never builds [Hq, L, L] (2.4 GB per layer at 9 heads)."""
 
 
-def _attend_one(q, k, v, first_pos, scale, sliding_window, soft_cap):
+def _attend_one(q, k, v, first_pos, scale, sliding_window, soft_cap, sinks):
     """q [Lq, Hq, D] at positions first_pos.., k/v [Lk, Hkv, D] at positions 0.. -> [Lq, Hq, D] float32.
 
-    Without a soft cap: torch's SDPA (its CPU flash kernel works in tiles), with its own causal mask for a
-    fresh prompt, else an explicit mask per query chunk. With one: the masked float32 math per chunk. Chunks
+    Without a soft cap or sinks: torch's SDPA (its CPU flash kernel works in tiles), with its own causal mask
+    for a fresh prompt, else an explicit mask per query chunk. With either: the masked float32 math per chunk. Chunks
     hold at most `SCORE_CHUNK_ELEMENTS` scores and see only the keys they can attend (causal, window)."""
     lq, hq, _ = q.shape
     k, v = k.float(), v.float()
-    if soft_cap is None and sliding_window is None and first_pos == 0:
+    explicit = soft_cap is not None or sinks is not None
+    if not explicit and sliding_window is None and first_pos == 0:
         return _sdpa(q, k, v, None, scale)
     rows = max(1, SCORE_CHUNK_ELEMENTS // (hq * max(k.shape[0], 1)))
     out = q.new_empty(q.shape, dtype=torch.float32)
@@ -54,10 +58,10 @@ def _attend_one(q, k, v, first_pos, scale, sliding_window, soft_cap):
         visible = k_pos[None, :] <= q_pos[:, None]
         if sliding_window is not None:
             visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
-        if soft_cap is None:
+        if not explicit:
             out[start:stop] = _sdpa(q[start:stop], k[lo:hi], v[lo:hi], visible, scale)
         else:
-            out[start:stop] = _attend_rows(q[start:stop], k[lo:hi], v[lo:hi], visible, scale, soft_cap)
+            out[start:stop] = _attend_rows(q[start:stop], k[lo:hi], v[lo:hi], visible, scale, soft_cap, sinks)
     return out
 
 
@@ -70,19 +74,29 @@ def _sdpa(q, k, v, visible, scale):
     return out[0].transpose(0, 1)
 
 
-def _attend_rows(q, k, v, visible, scale, soft_cap):
+def _attend_rows(q, k, v, visible, scale, soft_cap, sinks):
     """q [Lq, Hq, D], float32 k/v [Lk, Hkv, D], visible bool [Lq, Lk] -> [Lq, Hq, D] float32: soft-capped
-    scores, masked softmax (GQA without copying k/v; a row that sees no key -> 0)."""
+    scores, masked softmax with the sinks (GQA without copying k/v; a row that sees no key -> 0)."""
     num_kv_heads = k.shape[1]
     lq, hq, d = q.shape
     qg = q.float().view(lq, num_kv_heads, hq // num_kv_heads, d).permute(1, 2, 0, 3)
     kt = k.permute(1, 2, 0).unsqueeze(1)  # [Hkv, 1, D, Lk]
     scores = torch.matmul(qg, kt) * scale  # [Hkv, G, Lq, Lk]
-    scores = torch.tanh(scores / soft_cap) * soft_cap
+    if soft_cap is not None:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
     scores = scores.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    probs = _softmax_with_sinks(scores, sinks, (num_kv_heads, hq // num_kv_heads, 1, 1))
     out = torch.matmul(probs, v.permute(1, 0, 2).unsqueeze(1))  # [Hkv, G, Lq, D]
     return out.permute(2, 0, 1, 3).reshape(lq, hq, d)
+
+
+def _softmax_with_sinks(scores, sinks, sink_shape):
+    """Softmax over the last dim of float32 `scores` (-inf = masked), with each head's sink logit (`sinks` [Hq]
+    viewed as `sink_shape`) as one more column that is dropped afterwards; a row of only -inf -> 0."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    sink = sinks.float().view(sink_shape).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
 
 
 # Decode steps of up to this many gathered key elements run as one batched matmul in the reference.
@@ -90,7 +104,7 @@ _BATCHED_DECODE_ELEMENTS = 1 << 24
 
 
 def _decode_ref_batched(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                        scale, sliding_window, soft_cap):
+                        scale, sliding_window, soft_cap, sinks):
     """All sequences at once when each has at most one query token (keys padded to the longest)."""
     num_seqs, block_size = seq_lens.shape[0], key_cache.shape[1]
     lens = seq_lens.long()
@@ -114,7 +128,7 @@ def _decode_ref_batched(query, key_cache, value_cache, block_tables, seq_lens, q
     if soft_cap is not None:
         scores = torch.tanh(scores / soft_cap) * soft_cap
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    probs = _softmax_with_sinks(scores, sinks, (1, num_kv_heads, num_heads // num_kv_heads, 1))
     out = torch.zeros_like(query)
     o = torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(num_seqs, num_heads, head_dim)
     out[rows[has_q]] = o[has_q].to(query.dtype)
@@ -124,22 +138,24 @@ def _decode_ref_batched(query, key_cache, value_cache, block_tables, seq_lens, q
 def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                         max_query_len: int, max_seq_len: int, scale: float,
-                        sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+                        sliding_window: int | None = None, soft_cap: float | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference: one masked float32 attention per sequence over its gathered blocks (a long prompt in
     query chunks of at most `SCORE_CHUNK_ELEMENTS` scores, so memory stays O(chunk * context)).
 
     query [T, Hq, D]; key_cache/value_cache [num_blocks, block_size, Hkv, D]; block_tables int
-    [B, max_blocks]; seq_lens int [B]; query_start_loc int [B+1]; returns [T, Hq, D] in
+    [B, max_blocks]; seq_lens int [B]; query_start_loc int [B+1]; sinks None or [Hq] logits; returns [T, Hq, D] in
     query's dtype (rows of padding tokens outside every sequence, and rows that see no key, are 0).
     ``max_query_len``/``max_seq_len`` must bound the batch's (decode batches of at most
     2**24 gathered key elements run as one batched matmul). ValueError on bad shapes.
     """
     check_paged_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+    sinks = None if sinks is None else sinks_arg(sinks, query)
     num_seqs, (_, block_size, num_kv_heads, head_dim) = seq_lens.shape[0], key_cache.shape
     # Batch-invariant mode: one sequence at a time (the batched decode pads to the longest context).
     if max_query_len == 1 and not is_batch_invariant() and num_seqs * max_seq_len * num_kv_heads * head_dim <= _BATCHED_DECODE_ELEMENTS:
         return _decode_ref_batched(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                   scale, sliding_window, soft_cap)
+                                   scale, sliding_window, soft_cap, sinks)
     out = torch.zeros_like(query)
     starts = query_start_loc.tolist()
     for b, seq_len in enumerate(seq_lens.tolist()):
@@ -153,7 +169,7 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
         blocks = block_tables[b, :num_blocks].long()
         k = key_cache[blocks].flatten(0, 1)[:seq_len]
         v = value_cache[blocks].flatten(0, 1)[:seq_len].contiguous()  # either value layout: the same roundings
-        o = _attend_one(query[q_start:q_end], k, v, seq_len - q_len, scale, sliding_window, soft_cap)
+        o = _attend_one(query[q_start:q_end], k, v, seq_len - q_len, scale, sliding_window, soft_cap, sinks)
         out[q_start:q_end] = o.to(query.dtype)
     return out
 
@@ -161,11 +177,12 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     max_query_len: int, max_seq_len: int, scale: float,
-                    sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None, soft_cap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Paged attention; on CUDA the decode kernel (split-K) when ``max_query_len == 1``, else the
     varlen prefill kernel; on CPU :func:`paged_attention_ref`. Same contract as the reference."""
     args = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-            max_query_len, max_seq_len, scale, sliding_window, soft_cap)
+            max_query_len, max_seq_len, scale, sliding_window, soft_cap, sinks)
     if not use_triton(query):
         return paged_attention_ref(*args)
     if is_batch_invariant():  # one kernel, fixed tiles, no split-K (see BI_TILES)

@@ -39,7 +39,7 @@ import torch
 
 from fxrewrite.kernels.attention_tile import (FP8_DOTS, attention_tile, check_last_dim_contiguous, check_paged_args,
                                               decode_tile_keys_major, dot_dtype, float8_dots, fp16_dots, quantize_query,
-                                              value_run, widen_asm)
+                                              sinks_arg, value_run, widen_asm)
 from fxrewrite.kernels.pdl import gdc_prologue, pdl_enabled
 from fxrewrite.kernels.triton_utils import interpreter_ready, launch, next_power_of_2, tl, triton
 
@@ -66,13 +66,13 @@ _BLOCK_N_FP8 = 128
 # the alignment of the packed seq_lens / query_start_loc slices).
 @triton.jit(do_not_specialize=["num_splits", "bt_s0"],
             do_not_specialize_on_alignment=["seq_lens_ptr", "qsl_ptr"])
-def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, part_ptr, ml_ptr,
+def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, part_ptr, ml_ptr, sinks_ptr,
                    scale, soft_cap, sliding_window, block_size, num_splits, single_len,
                    q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, vc_s3, bt_s0, o_s0, o_s1,
                    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                   HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr,
-                   WIDEN_ASM: tl.constexpr, KEYS_MAJOR: tl.constexpr, F8_DOTS: tl.constexpr,
+                   HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   FP16_DOTS: tl.constexpr, WIDEN_ASM: tl.constexpr, KEYS_MAJOR: tl.constexpr, F8_DOTS: tl.constexpr,
                    EXACT_CAST: tl.constexpr, V_RUN: tl.constexpr, PDL: tl.constexpr):
     gdc_prologue(PDL)  # every program, even one with no work: the grid then completes after its predecessor
     seq = tl.program_id(0)
@@ -102,6 +102,10 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr
         end = tl.minimum(start + part, seq_len)
         m_i = tl.zeros([BLOCK_G], dtype=tl.float32) - 1.0e30
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        if HAS_SINKS:  # split 0 starts from the sink logit (log2 domain, zero value); the merge weighs it in
+            sink = tl.load(sinks_ptr + heads, mask=offs_g < G, other=-1.0e30) * 1.4426950408889634
+            m_i = tl.where(split == 0, sink, m_i)
+            l_i = tl.where((split == 0) & (offs_g < G), 1.0, l_i)
         bt_row = bt_ptr + seq.to(tl.int64) * bt_s0
         # Every key below seq_len is causal for the last token; the window is in `start`.
         if KEYS_MAJOR:
@@ -238,7 +242,7 @@ def _num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int:
 
 
 def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                        max_query_len, max_seq_len, scale, sliding_window=None, soft_cap=None,
+                        max_query_len, max_seq_len, scale, sliding_window=None, soft_cap=None, sinks=None,
                         *, block_n: int | None = None, num_splits: int | None = None, num_warps: int = 4,
                         num_stages: int = 2, single_split_len: int = _SINGLE_SPLIT_LEN, fp8_dots: str | None = None,
                         keys_major: bool | None = None):
@@ -271,7 +275,7 @@ def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, q
         ml = torch.empty((num_tokens, num_heads, splits, 2), dtype=torch.float32, device=query.device)
     pdl = pdl_enabled(query.device)
     launch(_decode_kernel, (num_seqs, num_kv_heads, splits), query.device, pdl)(
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, part, ml,
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, part, ml, sinks_arg(sinks, out),
         float(scale), float(soft_cap or 0.0), int(sliding_window or 0), key_cache.shape[1], splits, single_split_len,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), value_cache.stride(3),
@@ -280,7 +284,7 @@ def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, q
         G=group, HEAD_DIM=head_dim, BLOCK_G=max(8 if keys_major else 16, next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=block_n,
         IS_SPLIT=splits > 1, HAS_SOFTCAP=soft_cap is not None, HAS_WINDOW=sliding_window is not None,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        HAS_SINKS=sinks is not None, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         KEYS_MAJOR=keys_major, V_RUN=v_run, PDL=pdl, num_warps=num_warps, num_stages=num_stages, **dots)
     if splits > 1:
         launch(_reduce_kernel, (num_seqs, num_heads), query.device, pdl)(

@@ -4,7 +4,8 @@ Grid (query tile, query head, sequence): a tile of BLOCK_M query tokens of one h
 keys of its kv head (head // G, GQA) through the block table, cached prefix included, because
 the query tokens sit at the end of their sequence (position ``seq_len - q_len + i``). Keys past
 the tile's last position are never loaded; with a sliding window neither are keys before the
-first one. Online softmax in float32 (FlashAttention-2). Semantics: :mod:`fxrewrite.kernels.paged_attention`.
+first one. Online softmax in float32 (FlashAttention-2); attention sinks start it from the head's sink logit
+(running max = sink, sum = 1, output 0). Semantics: :mod:`fxrewrite.kernels.paged_attention`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from fxrewrite.kernels.attention_tile import (attention_tile, check_last_dim_contiguous, check_paged_args, dot_dtype,
-                                              fp16_dots, value_run, widen_asm)
+                                              fp16_dots, sinks_arg, value_run, widen_asm)
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
 __all__ = ["paged_prefill_triton"]
@@ -21,11 +22,11 @@ __all__ = ["paged_prefill_triton"]
 # The block-table width changes every step, and seq_lens / query_start_loc are slices of the engine's packed
 # step buffer whose 16-byte alignment does too: no specialisation on either (one binary for every step).
 @triton.jit(do_not_specialize=["bt_s0"], do_not_specialize_on_alignment=["seq_lens_ptr", "qsl_ptr"])
-def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, sinks_ptr,
                     scale, soft_cap, sliding_window, block_size,
                     q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, vc_s3, bt_s0, o_s0, o_s1,
                     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                    BLOCK_D: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr,
                     WIDEN_ASM: tl.constexpr, V_RUN: tl.constexpr):
     m_blk = tl.program_id(0)
@@ -48,6 +49,9 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_pt
         hi = tl.minimum(seq_len, ctx_len + (m_blk + 1) * BLOCK_M)
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if HAS_SINKS:  # the sink logit (log2 domain) with a zero value vector
+            m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(sinks_ptr + head) * 1.4426950408889634
+            l_i += 1.0
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         bt_row = bt_ptr + seq.to(tl.int64) * bt_s0
         if HAS_WINDOW:
@@ -78,7 +82,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_pt
 
 
 def paged_prefill_triton(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                         max_query_len, max_seq_len, scale, sliding_window=None, soft_cap=None,
+                         max_query_len, max_seq_len, scale, sliding_window=None, soft_cap=None, sinks=None,
                          *, block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
                          fp8_dots: str = "float16"):
     """Prefill launch for any mix of query lengths (``max_query_len`` must bound them: it sizes
@@ -94,14 +98,14 @@ def paged_prefill_triton(query, key_cache, value_cache, block_tables, seq_lens, 
         return out
     grid = (triton.cdiv(max_query_len, block_m), num_heads, num_seqs)
     launch(_prefill_kernel, grid, query.device)(
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, sinks_arg(sinks, out),
         float(scale), float(soft_cap or 0.0), int(sliding_window or 0), key_cache.shape[1],
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), value_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
         G=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, next_power_of_2(head_dim)), HAS_SOFTCAP=soft_cap is not None,
-        HAS_WINDOW=sliding_window is not None, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        FP16_DOTS=fp16_dots(query, key_cache, fp8_dots),
+        HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", FP16_DOTS=fp16_dots(query, key_cache, fp8_dots),
         WIDEN_ASM=widen_asm(query, key_cache, fp8_dots), V_RUN=v_run, num_warps=num_warps, num_stages=num_stages)
     return out

@@ -23,18 +23,19 @@ ATTN_IMPLEMENTATION = "fxrewrite_paged"
 
 def paged_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float,
                  sliding_window: int | None = None, soft_cap: float | None = None,
-                 kv_cached: bool = False) -> torch.Tensor:
+                 kv_cached: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query [T, Hq, D], key/value [T, Hkv, D] of this step -> [T, Hq, D]; caches the new K/V first, unless
     `kv_cached` says the caller already wrote them (`layer_kv_cache`, e.g. a fused rotary + cache kernel).
+    `sinks`: None or [Hq] attention-sink logits (GPT-OSS; see `fxrewrite.kernels.paged_attention`).
 
     Under torch.compile this is one opaque op (`fxrewrite.runtime.worker.compilation`, whose op runs
     `attend_now`), so the graph does not break on the forward context. Inside a regionally compiled decoder
     layer the op gets layer index -1 and reads the running layer's index (`running_layer`) when it runs: the
     index never enters the graph, so one graph (and no guard on the index) serves every layer."""
     if not torch.compiler.is_compiling():
-        return attend_now(query, key, value, layer_idx, scale, sliding_window, soft_cap, kv_cached)
+        return attend_now(query, key, value, layer_idx, scale, sliding_window, soft_cap, kv_cached, sinks)
     index = -1 if RUNNING_LAYER.regional else layer_idx
-    return torch.ops.fxrewrite.paged_attend(query, key, value, index, scale, sliding_window, soft_cap, kv_cached)
+    return torch.ops.fxrewrite.paged_attend(query, key, value, index, scale, sliding_window, soft_cap, kv_cached, sinks)
 
 
 class _RunningLayer:
@@ -67,7 +68,7 @@ def layer_kv_cache(layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 def attend_now(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float,
                sliding_window: int | None = None, soft_cap: float | None = None,
-               kv_cached: bool = False) -> torch.Tensor:
+               kv_cached: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`paged_attend` run eagerly: write K/V into layer `layer_idx`'s paged cache (the forward context's,
     not an argument, so not a declared mutation of the custom op) unless `kv_cached`, then attend over it."""
     ctx = get_forward_context()
@@ -76,7 +77,7 @@ def attend_now(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, laye
         reshape_and_cache(key, value, key_cache, value_cache, ctx.slot_mapping)
     return paged_attention(
         query, key_cache, value_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
-        ctx.max_query_len, ctx.max_seq_len, scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        ctx.max_query_len, ctx.max_seq_len, scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
     )
 
 
@@ -94,7 +95,8 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query [1, Hq, T, D], key/value [1, Hkv, T, D]
     (the step's flattened tokens as one batch row) -> ([1, T, Hq, D], None). A narrower value
-    ([1, Hkv, T, Dv], multi-head latent attention) gives [1, T, Hq, Dv].
+    ([1, Hkv, T, Dv], multi-head latent attention) gives [1, T, Hq, Dv]. Attention sinks (`s_aux` / `sinks`,
+    [Hq]) are applied; NotImplementedError for the arguments in UNSUPPORTED_ARGUMENTS and is_causal=False.
 
     The layer index comes from `module.layer_idx`; scaling defaults to D**-0.5 like transformers'. The K/V
     cache write is skipped when a fused layer already wrote exactly `key` and `value` there this step
@@ -112,16 +114,19 @@ def paged_attention_forward(
     out = paged_attend(
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
         module.layer_idx, scale, sliding_window=window, soft_cap=softcap, kv_cached=kv_cached,
+        sinks=_sinks(kwargs),
     )
     return out[..., :value_dim].unsqueeze(0), None
 
 
 # Arguments transformers' attention calls pass that change what attention computes; the paged kernels do not
 # implement them, so a model passing one stops with this error instead of generating from a different model.
-UNSUPPORTED_ARGUMENTS = {
-    "s_aux": "attention sinks", "sinks": "attention sinks", "position_bias": "an additive position bias",
-    "block_indices": "block-sparse attention",
-}
+UNSUPPORTED_ARGUMENTS = {"position_bias": "an additive position bias", "block_indices": "block-sparse attention"}
+
+
+def _sinks(kwargs: dict) -> torch.Tensor | None:
+    """The attention-sink logits [Hq] a transformers attention call passes (GPT-OSS's `s_aux`; `sinks` elsewhere)."""
+    return kwargs["s_aux"] if kwargs.get("s_aux") is not None else kwargs.get("sinks")
 
 
 def _refuse_unsupported(module: nn.Module, kwargs: dict) -> None:

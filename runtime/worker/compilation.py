@@ -41,7 +41,8 @@ paged_attend_op = torch.library.custom_op(OP_NAME, attend_now, mutates_args=())
 
 
 @paged_attend_op.register_fake
-def _paged_attend_fake(query, key, value, layer_idx, scale, sliding_window=None, soft_cap=None, kv_cached=False):
+def _paged_attend_fake(query, key, value, layer_idx, scale, sliding_window=None, soft_cap=None, kv_cached=False,
+                       sinks=None):
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 

@@ -1,5 +1,5 @@
-"""Sliding windows, soft-capping, custom scaling, q/k/v bias and multi-head latent attention generate
-exactly (Mistral, Gemma 2, Qwen 2, DeepSeek-V3)."""
+"""Sliding windows, soft-capping, custom scaling, q/k/v bias, multi-head latent attention and attention
+sinks generate exactly (Mistral, Gemma 2, Qwen 2, DeepSeek-V3, GPT-OSS)."""
 
 import pytest
 import torch
@@ -23,6 +23,9 @@ CASES = {
     "qwen2": ({"vocab": "smollm2", "initializer_range": 0.2}, [("native", True)]),
     # MLA: keys 24 wide (16 + 8 rotary, interleaved), values 16 wide and padded in the cache; layer 1 is MoE.
     "deepseek_v3": ({}, [("transformers", True), ("transformers", False)]),
+    # attention sinks on every layer, a 4-token window on every other one
+    "gpt_oss": ({"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4},
+                [("transformers", True)]),
 }
 
 
@@ -63,17 +66,6 @@ def test_native_layers_share_one_rotary_cache(tiny_qwen3_dir):
     assert len(model.model.layers) > 1 and len(ropes) == 1
     assert [n for n, _ in model.named_buffers() if n.endswith("cos_sin_cache")] == [
         "model.layers.0.self_attn.rotary_emb.cos_sin_cache"]  # once
-
-
-def test_attention_the_paged_kernels_do_not_compute_is_refused(tiny_model_dir):
-    """GPT-OSS's attention sinks (`s_aux`) change every softmax: the engine stops with the reason instead of
-    generating from a different model (it used to ignore the argument)."""
-    path = str(tiny_model_dir("gpt_oss", num_local_experts=4, num_experts_per_tok=2))
-    llm = LLM(path, dtype="float32", enforce_eager=True)
-    with pytest.raises(NotImplementedError, match=r"GptOssAttention calls attention with s_aux \(attention sinks\)"):
-        llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
-    blocks = llm.llm_engine.block_manager  # the failed request is gone and its KV blocks are free
-    assert blocks.num_free_blocks == blocks.num_blocks and not llm.llm_engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize("kwargs, named", [({"is_causal": False}, "is_causal=False"),
