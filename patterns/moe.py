@@ -82,9 +82,18 @@ def _router_facts(router_node, block_root: nn.Module, ids_idx: int, w_idx: int) 
             "routing weights are not the top-k values")
     require(nodes.is_op(logits, torch.nn.functional.linear) and getattr(logits.args[1], "op", "") == "get_attr"
             and logits.args[1].target == "weight", "router logits are not linear(x, self.weight)")
+    x, source = nodes.placeholders(traced.graph)[0], _arg(logits.args[0])
+    while nodes.is_op(source, "view", "reshape") and _width(source) == _width(x) is not None:  # x's rows, in order
+        source = _arg(source.args[0])
+    require(source is x, f"the router's linear does not read the router's input (it reads {getattr(source, 'name', source)})")
     bias = logits.args[2] if len(logits.args) > 2 else logits.kwargs.get("bias")
     require(bias is None or getattr(bias, "op", "") == "get_attr" and bias.target == "bias", "router bias unknown")
     return {"scoring": scoring, "renormalize": renormalize, "top_k": topk_args["k"]}
+
+
+def _width(node) -> int | None:
+    value = nodes.meta(node)
+    return value.shape[-1] if value is not None and value.dim() else None
 
 
 def _softmax_dim(node):

@@ -187,6 +187,20 @@ def test_granite_style_router_near_misses_are_refused(monkeypatch, topk, softmax
     assert reason in _near_miss(monkeypatch, mod.GraniteMoeTopKRouter, forward, "granitemoe")
 
 
+def test_router_reading_a_transform_of_its_input_is_refused(monkeypatch):
+    """The router's linear must read the router's input (rows of it): a scaled input routes differently."""
+    from transformers.models.olmoe import modeling_olmoe as mod
+
+    def forward(self, hidden_states):
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        logits = torch.nn.functional.linear(hidden_states * 3.0, self.weight)
+        value, index = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+        return logits, value, index
+
+    report = _near_miss(monkeypatch, mod.OlmoeTopKRouter, forward)
+    assert "the router's linear does not read the router's input (it reads mul)" in report
+
+
 def test_block_returning_router_logits_is_refused(monkeypatch):
     from transformers.models.olmoe import modeling_olmoe as mod
 
