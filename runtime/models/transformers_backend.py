@@ -12,6 +12,25 @@ from fxrewrite.patterns.rotary import replace_length_dependent_rotary
 from fxrewrite.runtime.worker.attention import register_paged_attention
 
 
+# transformers' own cache layout says what each layer keeps between steps; the paged cache holds keys and values only.
+PAGED_CACHE_LAYERS = {"DynamicLayer", "DynamicSlidingWindowLayer"}
+ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+def check_attention_only(text_config) -> None:
+    """NotImplementedError naming the layers when the model has layers that are not key/value attention (Mamba,
+    linear attention, short convolutions: Qwen3-Next, Granite-4.0-H, Falcon-H1, Jamba, LFM2), read off the cache
+    transformers would build for it (`DynamicCache(config=...)`) and the config's `layer_types`."""
+    from transformers import DynamicCache
+
+    kinds = {type(layer).__name__ for layer in DynamicCache(config=text_config).layers} - PAGED_CACHE_LAYERS
+    kinds |= set(getattr(text_config, "layer_types", None) or ()) - ATTENTION_LAYER_TYPES
+    if kinds:
+        raise NotImplementedError(
+            f"{text_config.model_type}: layers of kind {', '.join(sorted(kinds))} keep state that fxrewrite's paged KV "
+            "cache does not hold (only full and sliding-window attention is served)")
+
+
 class TransformersForCausalLM(nn.Module):
     """Wraps an HF `*ForCausalLM` with the engine's model interface.
 
@@ -28,7 +47,9 @@ class TransformersForCausalLM(nn.Module):
 
     @classmethod
     def from_config(cls, hf_config, dtype: torch.dtype, fusion: bool) -> TransformersForCausalLM:
-        """Build with parameters on meta (computed buffers such as rotary inv_freq stay real)."""
+        """Build with parameters on meta (computed buffers such as rotary inv_freq stay real).
+        NotImplementedError for a model with layers whose state the paged KV cache does not hold."""
+        check_attention_only(hf_config.get_text_config())
         attn = register_paged_attention()
         with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn)

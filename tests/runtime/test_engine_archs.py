@@ -76,3 +76,24 @@ def test_paged_attention_forward_refuses_semantic_arguments(kwargs, named):
     q = torch.zeros(1, 2, 3, 8)
     with pytest.raises(NotImplementedError, match=named):
         paged_attention_forward(torch.nn.Linear(1, 1), q, q, q, None, **kwargs)
+
+
+@pytest.mark.parametrize("arch, overrides, kind", [
+    ("qwen3_next", {}, "LinearAttentionLayer"), ("granitemoehybrid", {}, "LinearAttentionLayer"),
+    ("falcon_h1", {}, "LinearAttentionAndFullAttentionLayer"), ("jamba", {}, "LinearAttentionLayer"),
+    ("lfm2", {"full_attn_idxs": [1]}, "conv"), ("llama4_text", {}, "chunked_attention"),
+    ("qwen3", {}, None), ("gpt_oss", {}, None), ("gemma2", {}, None), ("deepseek_v3", {}, None),
+])
+def test_layers_the_paged_cache_cannot_hold_are_refused_at_load(arch, overrides, kind):
+    """Mamba / linear-attention / conv layers keep state the paged KV cache does not: refused before any weight
+    is read (they used to load and generate different tokens from transformers' from the second step on)."""
+    from transformers import AutoConfig
+
+    from fxrewrite.runtime.models.transformers_backend import TransformersForCausalLM, check_attention_only
+
+    config = AutoConfig.for_model(arch, num_hidden_layers=4, **overrides)
+    if kind is None:
+        check_attention_only(config)
+        return
+    with pytest.raises(NotImplementedError, match=f"{arch}: layers of kind .*{kind}"):
+        TransformersForCausalLM.from_config(config, torch.float32, fusion=True)
