@@ -145,7 +145,8 @@ def _apply_tp_plan(model: nn.Module, tp_rank: int, tp_size: int, plan: dict) -> 
             new = RowParallelLinear(module.in_features, module.out_features, module.bias is not None, **tp)
         _replace(parent, child, new, module)
         plan[full] = "colwise" if style in _COLWISE else "rowwise"
-        if child == "q_proj" and style in _COLWISE:
+        # full-width q/k norms sit between separate q/k projections and attention (an MLA latent norm is not one)
+        if child == "q_proj" and style in _COLWISE and all(hasattr(parent, n) for n in ("k_proj", "v_proj")):
             attention.append((parent, _join(base_prefix, parent_name)))
     for parent, prefix in attention:  # OLMoE-style norms over all heads: statistics over every rank
         shard_full_width_norms(parent, prefix, _HeadLayout.of(parent, config, tp_rank, tp_size), plan)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fxrewrite.distributed import get_tp_rank
 from fxrewrite.kernels.paged_attention import paged_attention
 from fxrewrite.kernels.reshape_and_cache import reshape_and_cache
 from fxrewrite.layers.kv_context import take_kv_written
@@ -114,7 +115,7 @@ def paged_attention_forward(
     out = paged_attend(
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
         module.layer_idx, scale, sliding_window=window, soft_cap=softcap, kv_cached=kv_cached,
-        sinks=_sinks(kwargs),
+        sinks=_sinks(kwargs, query.shape[1]),
     )
     return out[..., :value_dim].unsqueeze(0), None
 
@@ -124,9 +125,14 @@ def paged_attention_forward(
 UNSUPPORTED_ARGUMENTS = {"position_bias": "an additive position bias", "block_indices": "block-sparse attention"}
 
 
-def _sinks(kwargs: dict) -> torch.Tensor | None:
-    """The attention-sink logits [Hq] a transformers attention call passes (GPT-OSS's `s_aux`; `sinks` elsewhere)."""
-    return kwargs["s_aux"] if kwargs.get("s_aux") is not None else kwargs.get("sinks")
+def _sinks(kwargs: dict, num_heads: int) -> torch.Tensor | None:
+    """The attention-sink logits a transformers attention call passes (GPT-OSS's `s_aux`; `sinks` elsewhere), for this
+    rank's `num_heads` query heads: under tensor parallelism the module keeps all heads' sinks and rank r holds heads
+    [r * num_heads, (r + 1) * num_heads) (QKVParallelLinear's order)."""
+    sinks = kwargs["s_aux"] if kwargs.get("s_aux") is not None else kwargs.get("sinks")
+    if sinks is None or sinks.shape[0] == num_heads:
+        return sinks
+    return sinks.narrow(0, get_tp_rank() * num_heads, num_heads)
 
 
 def _refuse_unsupported(module: nn.Module, kwargs: dict) -> None:

@@ -137,3 +137,19 @@ def test_unfused_olmoe_attention_is_head_sharded():
     assert isinstance(attn.q_norm, ShardedRMSNorm) and plan["model.layers.0.self_attn.q_norm"] == "norm_sharded"
     width = attn.k_norm.local_size
     assert torch.equal(attn.k_norm.weight, full["model.layers.0.self_attn.k_norm.weight"][width:])
+
+
+def test_mla_latent_norm_is_not_taken_for_a_full_width_k_norm():
+    """DeepSeek with q_lora_rank=None has a column-wise q_proj and a kv_a_layernorm whose width (kv_lora_rank 32)
+    equals 4 heads x head_dim 8: it normalises the replicated latent, not keys, so it stays whole (it was
+    replaced by a ShardedRMSNorm slice and TP=2 crashed)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                              num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32,
+                              qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    model = DeepseekV3ForCausalLM(config)
+    plan = shard_model(model, tp_rank=0, tp_size=2)
+    attn = model.model.layers[0].self_attn
+    assert plan["model.layers.0.self_attn.q_proj"] == "colwise"
+    assert "model.layers.0.self_attn.kv_a_layernorm" not in plan and attn.kv_a_layernorm.weight.shape == (32,)

@@ -97,3 +97,13 @@ def test_layers_the_paged_cache_cannot_hold_are_refused_at_load(arch, overrides,
         return
     with pytest.raises(NotImplementedError, match=f"{arch}: layers of kind .*{kind}"):
         TransformersForCausalLM.from_config(config, torch.float32, fusion=True)
+
+
+def test_sinks_follow_this_ranks_heads(monkeypatch):
+    """Under tensor parallelism GPT-OSS's module keeps all heads' sinks; rank r attends heads [r*H, (r+1)*H)."""
+    from fxrewrite.runtime.worker import attention
+
+    sinks = torch.arange(8.0)
+    monkeypatch.setattr(attention, "get_tp_rank", lambda: 1)
+    assert torch.equal(attention._sinks({"s_aux": sinks}, 4), torch.tensor([4.0, 5.0, 6.0, 7.0]))
+    assert attention._sinks({"s_aux": sinks}, 8) is sinks and attention._sinks({}, 4) is None
