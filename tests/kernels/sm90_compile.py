@@ -33,8 +33,8 @@ def compile_sm90(fn, pointers: dict, constexprs: dict, floats=("scale", "soft_ca
 
 def main(cache: str) -> dict:
     caches = {"kc_ptr": f"*{cache}", "vc_ptr": f"*{cache}"}
-    ints = {n: "*i32" for n in ("bt_ptr", "seq_lens_ptr", "qsl_ptr")}
-    common = dict(HEAD_DIM=128, BLOCK_D=128, HAS_SOFTCAP=False, HAS_WINDOW=False, DOT_PRECISION="tf32",
+    ints = {n: "*i32" for n in ("bt_ptr", "seq_lens_ptr", "qsl_ptr")} | {"sinks_ptr": "*fp32"}
+    common = dict(HEAD_DIM=128, BLOCK_D=128, HAS_SOFTCAP=False, HAS_WINDOW=False, HAS_SINKS=False, DOT_PRECISION="tf32",
                   FP16_DOTS=True, WIDEN_ASM=1 if cache == "fp8e4nv" else 2)
     decode = compile_sm90(paged_decode._decode_kernel,
                           {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "ml_ptr": "*fp32", **caches,
@@ -58,6 +58,15 @@ def main(cache: str) -> dict:
         compile_sm90(paged_prefill._prefill_kernel, {"q_ptr": "*bf16", "out_ptr": "*bf16", **caches, **ints},
                      dict(common, G=4, BLOCK_M=64, BLOCK_N=64, HAS_SOFTCAP=True, HAS_WINDOW=True, V_RUN=v_run),
                      num_warps=4)
+    # attention sinks (GPT-OSS): the decode split and keys-major tiles, and the prefill
+    for keys_major in (False, True):
+        compile_sm90(paged_decode._decode_kernel,
+                     {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "ml_ptr": "*fp32", **caches, **ints},
+                     dict(common, HAS_SINKS=True, HAS_WINDOW=True, G=8, BLOCK_G=8 if keys_major else 16, BLOCK_N=64,
+                          IS_SPLIT=True, KEYS_MAJOR=keys_major, F8_DOTS=False, EXACT_CAST=False, V_RUN=0, PDL=True),
+                     num_warps=4, num_stages=2)
+    compile_sm90(paged_prefill._prefill_kernel, {"q_ptr": "*bf16", "out_ptr": "*bf16", **caches, **ints},
+                 dict(common, HAS_SINKS=True, G=8, BLOCK_M=64, BLOCK_N=64, V_RUN=0), num_warps=4)
     compile_sm90(qk_norm_rope_cache._qk_norm_rope_cache_kernel,
                  {"pos_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "qw_ptr": "*bf16",
                   "kw_ptr": "*bf16", "cache_ptr": "*fp32", "slot_ptr": "*i64", **caches},
