@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from accelerate import init_empty_weights
 from torch import nn
@@ -10,6 +12,8 @@ from transformers import AutoModelForCausalLM
 from fxrewrite.compiler import optimize
 from fxrewrite.patterns.rotary import replace_length_dependent_rotary
 from fxrewrite.runtime.worker.attention import register_paged_attention
+
+logger = logging.getLogger(__name__)
 
 
 # transformers' own cache layout says what each layer keeps between steps; the paged cache holds keys and values only.
@@ -36,14 +40,19 @@ class TransformersForCausalLM(nn.Module):
 
     forward(input_ids [T], positions [T]) -> hidden states [T, hidden]: the flattened tokens of all
     sequences run as one batch row with use_cache=False; attention goes to "fxrewrite_paged".
-    compute_logits(hidden [S, hidden]) -> [S, vocab]: lm_head plus the model's final soft-capping /
-    logit scaling (Gemma 2 `final_logit_softcapping`, Cohere `logit_scale`, Granite `logits_scaling`).
+    compute_logits(hidden [S, hidden]) -> [S, vocab]: lm_head plus the final soft-capping / logit scaling read
+    off the config (Gemma 2 `final_logit_softcapping`, Cohere `logit_scale`, Granite `logits_scaling`), checked
+    once, on the first call's real hidden states, against the `*ForCausalLM`'s own forward; where they differ
+    (HyperCLOVAX multiplies by `logits_scaling`, an LM head with a transform of its own), every later call runs
+    that forward's head code (`logits_by_model_code`).
     """
 
     def __init__(self, hf_model: nn.Module):
         super().__init__()
         self.hf_model = hf_model
         self.config = hf_model.config
+        self.head_checked = False
+        self.head_by_model_code = False
 
     @classmethod
     def from_config(cls, hf_config, dtype: torch.dtype, fusion: bool) -> TransformersForCausalLM:
@@ -69,6 +78,20 @@ class TransformersForCausalLM(nn.Module):
         return out.last_hidden_state[0]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.head_by_model_code:
+            return self.logits_by_model_code(hidden_states)
+        logits = self.logits_from_config(hidden_states)
+        if not self.head_checked:
+            self.head_checked = True
+            own = self.logits_by_model_code(hidden_states)
+            if not same_logits(logits, own):
+                logger.info("%s: the LM head's output differs from lm_head plus the config's logit scaling; "
+                            "running the model's own head code", type(self.hf_model).__name__)
+                self.head_by_model_code = True
+                return own
+        return logits
+
+    def logits_from_config(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = self.hf_model.get_output_embeddings()(hidden_states)
         cfg = getattr(self.config, "get_text_config", lambda: self.config)()
         scale = getattr(cfg, "logit_scale", None)
@@ -81,3 +104,47 @@ class TransformersForCausalLM(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def logits_by_model_code(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The `*ForCausalLM.forward` with its decoder stack swapped for `hidden_states` [S, hidden]: whatever the
+        model does after its last norm (a scaled or transformed LM head, soft-capping) runs as written."""
+        model = self.hf_model
+        prefix = model.base_model_prefix
+        stack = model._modules[prefix]
+        model._modules[prefix] = _GivenHiddenStates(hidden_states.unsqueeze(0))
+        try:
+            return model(use_cache=False, logits_to_keep=0).logits[0]
+        finally:
+            model._modules[prefix] = stack
+
+
+class _GivenHiddenStates(nn.Module):
+    """Stands in for a decoder stack: returns the hidden states it was given (every other output field: None)."""
+
+    def __init__(self, hidden_states: torch.Tensor):
+        super().__init__()
+        self.hidden_states = hidden_states
+
+    def forward(self, *args, **kwargs):
+        return _StackOutput(self.hidden_states)
+
+
+class _StackOutput:
+    def __init__(self, last_hidden_state: torch.Tensor):
+        self.last_hidden_state = last_hidden_state
+
+    def __getitem__(self, index: int):
+        if index != 0:
+            raise IndexError(index)
+        return self.last_hidden_state
+
+    def __getattr__(self, name: str):  # past_key_values, hidden_states, router_logits, ...: not computed here
+        return None
+
+
+def same_logits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal up to the dtype's rounding of the same formula (bf16 ~1e-2 relative, float32 ~1e-5)."""
+    if a.shape != b.shape:
+        return False
+    tol = 1e-4 if a.dtype == torch.float32 else 2e-2
+    return bool(((a.float() - b.float()).abs().max() <= tol * b.float().abs().max().clamp_min(1e-6)).item())
