@@ -155,12 +155,14 @@ def _apply_tp_plan(model: nn.Module, tp_rank: int, tp_size: int, plan: dict) -> 
 def _head_sharded_style(style: str | None, child: str, parent: nn.Module) -> str | None:
     """transformers' "colwise_gather_output" q/k/v and "rowwise_split_input" o_proj (OLMoE, Olmo2...: a norm
     over all heads sits between) as plain head sharding: attention is per head, and the full-width norms
-    become `ShardedRMSNorm`s. Only for separate q/k/v/o projections; anything else stays unsharded."""
+    become `ShardedRMSNorm`s. Also where the plan names no style for them (GPT-OSS's plan lists none: its attention
+    stayed whole on every rank while the KV cache holds the rank's heads). Only for separate q/k/v/o projections;
+    anything else stays unsharded."""
     separate = all(type(getattr(parent, n, None)) in (nn.Linear, ColumnParallelLinear, RowParallelLinear)
                    for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
-    if style == "colwise_gather_output" and separate and child in ("q_proj", "k_proj", "v_proj"):
+    if style in ("colwise_gather_output", None) and separate and child in ("q_proj", "k_proj", "v_proj"):
         return "colwise"
-    if style == "rowwise_split_input" and separate and child == "o_proj":
+    if style in ("rowwise_split_input", None) and separate and child == "o_proj":
         return "rowwise"
     return style
 

@@ -123,9 +123,11 @@ class ModelConfig:
     @property
     def cache_head_dim(self) -> int:
         """Width of one cached key (and value) head, in elements: `head_dim`, or for multi-head latent
-        attention (DeepSeek-V2/V3: `head_dim` is the rotary part) `qk_nope_head_dim + qk_rope_head_dim`;
-        the narrower `v_head_dim` values are zero-padded to it (`runtime.worker.attention`)."""
-        return getattr(self.hf_text_config, "qk_head_dim", None) or self.head_dim
+        attention (DeepSeek-V2/V3: `head_dim` is the rotary part) the wider of `qk_nope_head_dim + qk_rope_head_dim`
+        and `v_head_dim`; the narrower side is zero-padded to it (`runtime.worker.attention`)."""
+        text = self.hf_text_config
+        qk = getattr(text, "qk_head_dim", None)
+        return max(qk, getattr(text, "v_head_dim", None) or 0) if qk else self.head_dim
 
     @classmethod
     def from_pretrained(

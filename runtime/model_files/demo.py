@@ -18,6 +18,7 @@ import inspect
 import os
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -72,14 +73,20 @@ def build_model_dir(path: str | os.PathLike, arch: str = "qwen3", *, hidden_size
         raise UserInputError(f"unknown arch {arch!r}: not a transformers model_type "
                              f"(e.g. {', '.join(ARCH_TOKENIZERS)})")
     out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    family = vocab or ARCH_TOKENIZERS.get(arch, "smollm2")
-    tok_ids = write_tokenizer(out, family)
-    config = make_config(arch, tok_ids, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
-                         num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
-                         intermediate_size=intermediate_size, **config_overrides)
-    write_weights(out, config, seed=seed, dtype=dtype)
-    write_generation_config(out, family, tok_ids)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Written beside `out` and moved in at the end: a config transformers refuses leaves no half-built folder.
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-") as tmp:
+        staged = Path(tmp)
+        family = vocab or ARCH_TOKENIZERS.get(arch, "smollm2")
+        tok_ids = write_tokenizer(staged, family)
+        config = make_config(arch, tok_ids, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
+                             num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+                             intermediate_size=intermediate_size, **config_overrides)
+        write_weights(staged, config, seed=seed, dtype=dtype)
+        write_generation_config(staged, family, tok_ids)
+        out.mkdir(exist_ok=True)
+        for item in staged.iterdir():
+            os.replace(item, out / item.name)
     return out
 
 

@@ -71,6 +71,12 @@ class TransformersForCausalLM(nn.Module):
         replace_length_dependent_rotary(model, model.config.get_text_config())
         return cls(model)
 
+    @property
+    def attention_layer_indices(self) -> range:
+        """Every decoder layer attends (check_attention_only refused the others); `load_check` checks each one's
+        attention reaches the paged cache."""
+        return range(self.config.get_text_config().num_hidden_layers)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         out = self.hf_model.base_model(
             input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False

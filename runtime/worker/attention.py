@@ -10,6 +10,9 @@ attend over it with the step metadata from `fxrewrite.runtime.worker.forward_con
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -82,6 +85,21 @@ def attend_now(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, laye
     )
 
 
+_recorded_layers: set[int] | None = None
+
+
+@contextmanager
+def recording_attention_layers() -> Iterator[set[int]]:
+    """The layer indices whose transformers attention call reached `paged_attention_forward` inside the block
+    (eager runs only: a compiled graph does not replay the record)."""
+    global _recorded_layers
+    _recorded_layers = set()
+    try:
+        yield _recorded_layers
+    finally:
+        _recorded_layers = None
+
+
 def paged_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -96,7 +114,7 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query [1, Hq, T, D], key/value [1, Hkv, T, D]
     (the step's flattened tokens as one batch row) -> ([1, T, Hq, D], None). A narrower value
-    ([1, Hkv, T, Dv], multi-head latent attention) gives [1, T, Hq, Dv]. Attention sinks (`s_aux` / `sinks`,
+    ([1, Hkv, T, Dv], multi-head latent attention) gives [1, T, Hq, Dv], a wider one too. Attention sinks (`s_aux` / `sinks`,
     [Hq]) are applied; NotImplementedError for the arguments in UNSUPPORTED_ARGUMENTS and is_causal=False.
 
     The layer index comes from `module.layer_idx`; scaling defaults to D**-0.5 like transformers'. The K/V
@@ -106,12 +124,19 @@ def paged_attention_forward(
     if query.shape[0] != 1:
         raise ValueError(f"fxrewrite_paged attention expects one flattened batch row, got {query.shape[0]}")
     _refuse_unsupported(module, kwargs)
+    if _recorded_layers is not None:
+        _recorded_layers.add(module.layer_idx)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
     kv_cached = take_kv_written(module.layer_idx, key, value)  # a fused q/k-norm + rotary op wrote them
     value_dim = value.shape[-1]
-    if value_dim < key.shape[-1]:  # multi-head latent attention: zero channels leave the output's first ones exact
+    # multi-head latent attention: keys and values of different widths share the cache's width; zero channels leave
+    # the scores (queries and keys padded alike) and the output's first value_dim channels exact
+    if value_dim < key.shape[-1]:
         value = torch.nn.functional.pad(value, (0, key.shape[-1] - value_dim))
+    elif value_dim > key.shape[-1]:
+        pad = (0, value_dim - key.shape[-1])
+        query, key = torch.nn.functional.pad(query, pad), torch.nn.functional.pad(key, pad)
     out = paged_attend(
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
         module.layer_idx, scale, sliding_window=window, soft_cap=softcap, kv_cached=kv_cached,

@@ -29,6 +29,7 @@ from fxrewrite.runtime.engine.inputs import prepare_inputs
 from fxrewrite.runtime.engine.prompt_logprobs import compute_prompt_logprobs, wants_prompt_logprobs
 from fxrewrite.runtime.worker.kv_cache import allocate_kv_caches, kv_cache_dtype, num_kv_blocks
 from fxrewrite.runtime.worker.memory_profiling import profile_num_kv_blocks
+from fxrewrite.runtime.worker.load_check import check_first_step
 from fxrewrite.runtime.worker.warmup import should_warm_up, warm_up_kernels
 from fxrewrite.runtime.worker import sleep_mode, watchdog, weight_sync
 from fxrewrite.runtime.engine.sampler import SampledTokens, SampleResult, Sampler
@@ -164,6 +165,9 @@ class ModelRunner:
             self.pipeline.allocate(max(config.max_num_batched_tokens, config.max_num_seqs), model_config.hidden_size,
                                    model_config.dtype, self.device)
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, model_config.dtype)
+        if self.pipeline is None:  # a stage's forward needs its peers' hidden states
+            watchdog.phase("a dummy step through the model")
+            check_first_step(self.model, config, model_config, self.device, self.kv_dtype)
         if should_compile(config, self.device):
             compile_model(self.model)
         elif self.device.type == "cuda":  # skinny GEMV vs cuBLAS per layer shape, before any graph is captured

@@ -88,18 +88,23 @@ def warm_up_kernels(model: nn.Module, kv_caches, config, model_config, device: t
     """Run the dummy steps eagerly (logits of each step's last rows included); returns the Triton
     specialisations built meanwhile (empty when triton was not compiling, e.g. on a CPU)."""
     start = time.perf_counter()
-    steps = warmup_steps(model_config, model_config.max_model_len)
     with watch_jit_compiles() as built:
-        for i, seqs in enumerate(steps):
-            watchdog.phase(f"kernel warm-up step {i + 1}/{len(steps)} ({len(seqs)} sequences, "
-                           f"{sum(q for q, _ in seqs)} tokens)")
-            positions, metadata = dummy_metadata(seqs, config.block_size, device, kv_caches)
-            input_ids = torch.zeros_like(positions)
-            # Every DP x EP replica runs these same steps: their MoE collectives need no token-count exchange.
-            with forward_context(metadata), rope_lengths(positions + 1), data_parallel.uniform_tokens():
-                hidden = forward_or_fallback(model, input_ids, positions)
-            model.compute_logits(hidden[metadata.query_start_loc[1:].long() - 1])
+        run_dummy_steps(model, kv_caches, config, device, warmup_steps(model_config, model_config.max_model_len),
+                        "kernel warm-up step")
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     logger.info("kernel warm-up: %d Triton specialisations in %.1f s", len(built), time.perf_counter() - start)
     return built
+
+
+@torch.inference_mode()
+def run_dummy_steps(model: nn.Module, kv_caches, config, device: torch.device, steps, label: str) -> None:
+    """Each step of (q_len, seq_len) sequences through the model and its logits; writes no KV (see dummy_metadata)."""
+    for i, seqs in enumerate(steps):
+        watchdog.phase(f"{label} {i + 1}/{len(steps)} ({len(seqs)} sequences, {sum(q for q, _ in seqs)} tokens)")
+        positions, metadata = dummy_metadata(seqs, config.block_size, device, kv_caches)
+        input_ids = torch.zeros_like(positions)
+        # Every DP x EP replica runs these same steps: their MoE collectives need no token-count exchange.
+        with forward_context(metadata), rope_lengths(positions + 1), data_parallel.uniform_tokens():
+            hidden = forward_or_fallback(model, input_ids, positions)
+        model.compute_logits(hidden[metadata.query_start_loc[1:].long() - 1])

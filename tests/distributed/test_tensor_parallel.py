@@ -2,7 +2,7 @@
 engine with a clear error and leaves no process behind.
 
 Cases: Qwen3 with 1 kv head (fewer kv heads than ranks: replicated) and Llama with 2 (one per rank),
-each native and transformers+fusion. Three run torchrun-style (every rank runs the engine, one spawn
+each native and transformers+fusion; GPT-OSS (sinks, experts) with and without fusion. Three run torchrun-style (every rank runs the engine, one spawn
 for all), the fourth through `LLM(tensor_parallel_size=2)`'s driver + worker processes, which the
 failure test then kills.
 """
@@ -36,14 +36,21 @@ def llama_kv2(tiny_llama_dir):
     return str(tiny_llama_dir)  # 4 heads, 2 kv heads (shared with the other engine tests)
 
 
+@pytest.fixture(scope="module")
+def gpt_oss(tiny_model_dir):
+    # attention sinks and biases; its tp plan shards no attention projection (heads are sharded all the same)
+    return str(tiny_model_dir("gpt_oss", num_local_experts=4, num_experts_per_tok=2, sliding_window=4))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def test_tp2_equals_tp1_native_and_fused(qwen3_kv1, llama_kv2, tmp_path):
-    cases = [(qwen3_kv1, "native"), (llama_kv2, "native"), (llama_kv2, "transformers")]
+def test_tp2_equals_tp1_native_and_fused(qwen3_kv1, llama_kv2, gpt_oss, tmp_path):
+    cases = [(qwen3_kv1, "native"), (llama_kv2, "native"), (llama_kv2, "transformers"), (gpt_oss, "transformers"),
+             (gpt_oss, "transformers/unfused")]
     out = tmp_path / "tp2.json"
     ctx = mp.start_processes(spmd_rank, args=(_free_port(), cases, str(out)), nprocs=2, join=False,
                              start_method="spawn")

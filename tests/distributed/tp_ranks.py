@@ -13,8 +13,13 @@ MAX_TOKENS = 8
 
 
 def make_llm(path: str, impl: str, tensor_parallel_size: int = 1, **kwargs):
-    """A float32 CPU engine with small blocks and chunked prefill (16 tokens a step)."""
+    """A float32 CPU engine with small blocks and chunked prefill (16 tokens a step); impl "transformers/unfused":
+    the transformers backend with fusion=False."""
     from fxrewrite.runtime.llm import LLM
+
+    impl, _, variant = impl.partition("/")
+    if variant == "unfused":
+        kwargs["fusion"] = False
 
     kwargs = {"kv_cache_memory_bytes": 1 << 22, **kwargs}
     return LLM(path, model_impl=impl, dtype="float32", block_size=4, max_num_batched_tokens=16, device="cpu",

@@ -99,6 +99,9 @@ def test_config_overrides_and_bad_values(tmp_path):
     assert not (tmp_path / "x").exists()  # refused before anything is written (it left a tokenizer-only folder)
     with pytest.raises(ValueError, match="'klingon'"):
         build_model_dir(tmp_path / "y", "llama", vocab="klingon")
+    with pytest.raises(ValueError, match="hidden_size 64 is not a multiple of num_attention_heads 5"):
+        build_model_dir(tmp_path / "z", "llama", num_attention_heads=5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no half-built folder, no staging folder left
 
 
 def test_cli_build_prints_the_path(tmp_path, capsys):

@@ -107,3 +107,25 @@ def test_sinks_follow_this_ranks_heads(monkeypatch):
     monkeypatch.setattr(attention, "get_tp_rank", lambda: 1)
     assert torch.equal(attention._sinks({"s_aux": sinks}, 4), torch.tensor([4.0, 5.0, 6.0, 7.0]))
     assert attention._sinks({"s_aux": sinks}, 8) is sinks and attention._sinks({}, 4) is None
+
+
+@pytest.mark.parametrize("arch, error, match", [
+    # CPM-Ant computes attention in its own code: served, it generated as if every step were the first token
+    ("cpmant", NotImplementedError, r"CpmAntForCausalLM: the attention of layers \[0, 1\] does not call"),
+    # MPT builds an ALiBi mask from the attention mask the engine's flattened step does not pass
+    ("mpt", RuntimeError, "MptForCausalLM: a two-token dummy step at load failed"),
+])
+def test_models_the_engine_cannot_serve_fail_at_load(tiny_model_dir, arch, error, match):
+    with pytest.raises(error, match=match):
+        LLM(str(tiny_model_dir(arch)), model_impl="transformers")
+
+
+def test_mla_values_wider_than_keys_greedy_equals_transformers(tiny_model_dir):
+    """DeepSeek-V3 with v_head_dim (32) above qk_nope + qk_rope (24): the cache is value-wide, queries and keys
+    zero-padded to it (before: a shape error on the first request)."""
+    path = str(tiny_model_dir("deepseek_v3", v_head_dim=32))
+    expected = hf_greedy(path)
+    llm = LLM(path, model_impl="transformers", dtype="float32", block_size=4)
+    assert llm.llm_engine.model_config.cache_head_dim == 32
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
