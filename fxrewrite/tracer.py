@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import traceback
 import types
 from typing import Any, Iterator
 
@@ -33,6 +32,7 @@ from fxrewrite import hub_kernels
 from fxrewrite.meta_memo import MetaMemo, memoized, with_parameters
 from fxrewrite.signature import structure_keys
 from fxrewrite.tensor_state import preserved_state
+from fxrewrite.trace_errors import error_location
 
 _TENSOR_PROPERTIES = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "is_meta", "layout"})
 _STATIC_METHODS = frozenset({"size", "dim", "numel", "is_floating_point", "is_contiguous", "get_device"})
@@ -372,16 +372,6 @@ def _local_functions_as_leaves(cls: type, tracer: AllLeafTracer) -> Iterator[Non
         namespace.update(originals)
 
 
-def _error_location(exc: BaseException, cls: type) -> str:
-    try:
-        filename = inspect.getsourcefile(inspect.unwrap(cls.forward))
-    except TypeError:
-        filename = None
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == filename]
-    where = f"{frames[-1].filename}:{frames[-1].lineno}: " if frames else ""
-    return f"{where}{type(exc).__name__}: {exc}"
-
-
 def trace(module: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Traced:
     """Trace `type(module).forward` called with the recorded `args`/`kwargs` (tensors may be meta).
 
@@ -395,5 +385,5 @@ def trace(module: nn.Module, args: tuple = (), kwargs: dict | None = None) -> Tr
         try:
             tracer.trace(module, concrete_args=(tuple(args), dict(kwargs or {})))
         except Exception as e:  # noqa: BLE001 - keep the partial graph, say where it stopped
-            error = _error_location(e, cls)
+            error = error_location(e, cls)
     return Traced(module=module, graph=tracer.graph, error=error)

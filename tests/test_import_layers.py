@@ -1,4 +1,4 @@
-"""Imports go one way (README, Layout): kernels and the leaf helpers (fxrewrite.nodes, source, tracer, tensor_state,
+"""Imports go one way (README, Layout): kernels and the leaf helpers (fxrewrite.nodes, source, tracer, trace_errors, tensor_state,
 distributed, data_parallel, symm_all_reduce, errors, signature, meta_memo, hub_kernels, origin) <- fxrewrite.layers <- patterns <- the compiler (compiler, report, weights, sharding)
 <- runtime <- fxrewrite.benchmarks <- the CLI, with no cycle, counting imports inside functions too (so none
 can hide a cycle). Only the lazy facade, fxrewrite/__init__.py, reaches up (to runtime, on first use of LLM)."""
@@ -15,7 +15,7 @@ FACADE = "fxrewrite"
 # Lowest first; a module may import its own layer and those below it.
 _LEAVES = ("fxrewrite.kernels", "fxrewrite.nodes", "fxrewrite.source", "fxrewrite.distributed", "fxrewrite.data_parallel",
            "fxrewrite.symm_all_reduce",
-           "fxrewrite.tracer", "fxrewrite.tensor_state", "fxrewrite.errors", "fxrewrite.signature", "fxrewrite.meta_memo",
+           "fxrewrite.tracer", "fxrewrite.trace_errors", "fxrewrite.tensor_state", "fxrewrite.errors", "fxrewrite.signature", "fxrewrite.meta_memo",
            "fxrewrite.hub_kernels", "fxrewrite.origin")
 LAYERS = (_LEAVES, "fxrewrite.layers", "fxrewrite.patterns", "fxrewrite", "fxrewrite.runtime",
           "fxrewrite.benchmarks", "fxrewrite.cli")

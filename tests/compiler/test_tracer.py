@@ -8,6 +8,7 @@ from torch import nn
 
 import fxrewrite
 from fxrewrite import tracer
+from fxrewrite.trace_errors import error_location
 
 
 class Untraceable(nn.Module):
@@ -47,6 +48,23 @@ def test_untraceable_module_left_unchanged_and_reported():
     assert f"test_tracer.py:{line}:" in entry and "control flow" in entry
     assert "forward" not in vars(module) and hasattr(module, "gate_proj")
     torch.testing.assert_close(module(x), ref)
+
+
+def _assign_by_index():
+    raise TypeError("'MetaProxy' object does not support item assignment")  # what `proxy[idx] = v` raises
+
+
+def test_index_assignment_is_said_in_words_where_it_happens():
+    """GPT-OSS's experts stopped the trace with "TypeError: 'MetaProxy' object does not support item assignment"
+    inside transformers' MoE integration and no location (the forward is decorated, so its file is another), which
+    read as an internal error; now the last frame outside torch and fxrewrite, and what the trace cannot follow."""
+    try:
+        _assign_by_index()
+    except TypeError as e:
+        error = error_location(e, nn.Identity)  # a forward in another file (torch's)
+    line = inspect.getsourcelines(_assign_by_index)[1] + 1
+    assert error == (f"{__file__}:{line}: the forward assigns into a tensor by index (`x[...] = ...`), "
+                     "which a symbolic trace does not follow")
 
 
 def test_shapes_len_unpacking_and_view_star():
