@@ -89,7 +89,12 @@ class TransformersForCausalLM(nn.Module):
         logits = self.logits_from_config(hidden_states)
         if not self.head_checked:
             self.head_checked = True
-            own = self.logits_by_model_code(hidden_states)
+            try:
+                own = self.logits_by_model_code(hidden_states)
+            except Exception as e:  # noqa: BLE001 - a forward this stand-in cannot drive: the config's head, as before
+                logger.warning("%s: the LM head could not be checked against the model's own forward (%s: %s)",
+                               type(self.hf_model).__name__, type(e).__name__, e)
+                return logits
             if not same_logits(logits, own):
                 logger.info("%s: the LM head's output differs from lm_head plus the config's logit scaling; "
                             "running the model's own head code", type(self.hf_model).__name__)
@@ -116,7 +121,7 @@ class TransformersForCausalLM(nn.Module):
         model does after its last norm (a scaled or transformed LM head, soft-capping) runs as written."""
         model = self.hf_model
         prefix = model.base_model_prefix
-        stack = model._modules[prefix]
+        stack = model._modules[prefix]  # KeyError where the decoder stack is not the base_model_prefix child
         model._modules[prefix] = _GivenHiddenStates(hidden_states.unsqueeze(0))
         try:
             return model(use_cache=False, logits_to_keep=0).logits[0]
