@@ -116,8 +116,12 @@ def make_config(arch: str, tok_ids: dict, *, hidden_size: int, num_attention_hea
         raise UserInputError(f"hidden_size {hidden_size} is not a multiple of num_attention_heads {num_attention_heads}")
     params = {**tok_ids, "tie_word_embeddings": True, "initializer_range": INITIALIZER_RANGE,
               "hidden_size": hidden_size, "num_attention_heads": num_attention_heads}
-    if "head_dim" in inspect.signature(CONFIG_MAPPING[arch].__init__).parameters:
+    config_cls = CONFIG_MAPPING[arch]
+    accepted = set(inspect.signature(config_cls.__init__).parameters) | set(getattr(config_cls, "attribute_map", {}))
+    if "head_dim" in accepted:
         params["head_dim"] = hidden_size // num_attention_heads
+    if "num_key_value_heads" not in accepted:  # GPT-NeoX, OPT, GPT-BigCode...: the engine would read a stray field
+        kwargs.pop("num_key_value_heads", None)
     params.update(ARCH_DEFAULTS.get(arch, {}), **kwargs)
     if "kv_lora_rank" in params:  # MLA: transformers' attention has one key/value head per query head
         params["num_key_value_heads"] = num_attention_heads

@@ -85,15 +85,15 @@ def attend_now(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, laye
     )
 
 
-_recorded_layers: set[int] | None = None
+_recorded_layers: dict[int, tuple[int, int]] | None = None
 
 
 @contextmanager
-def recording_attention_layers() -> Iterator[set[int]]:
-    """The layer indices whose transformers attention call reached `paged_attention_forward` inside the block
-    (eager runs only: a compiled graph does not replay the record)."""
+def recording_attention_layers() -> Iterator[dict[int, tuple[int, int]]]:
+    """{layer index: (key/value heads, head width as cached)} of the transformers attention calls that reached
+    `paged_attention_forward` inside the block (eager runs only: a compiled graph does not replay the record)."""
     global _recorded_layers
-    _recorded_layers = set()
+    _recorded_layers = {}
     try:
         yield _recorded_layers
     finally:
@@ -124,8 +124,6 @@ def paged_attention_forward(
     if query.shape[0] != 1:
         raise ValueError(f"fxrewrite_paged attention expects one flattened batch row, got {query.shape[0]}")
     _refuse_unsupported(module, kwargs)
-    if _recorded_layers is not None:
-        _recorded_layers.add(module.layer_idx)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
     kv_cached = take_kv_written(module.layer_idx, key, value)  # a fused q/k-norm + rotary op wrote them
@@ -137,6 +135,8 @@ def paged_attention_forward(
     elif value_dim > key.shape[-1]:
         pad = (0, value_dim - key.shape[-1])
         query, key = torch.nn.functional.pad(query, pad), torch.nn.functional.pad(key, pad)
+    if _recorded_layers is not None:
+        _recorded_layers[module.layer_idx] = (key.shape[1], key.shape[-1])
     out = paged_attend(
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
         module.layer_idx, scale, sliding_window=window, soft_cap=softcap, kv_cached=kv_cached,

@@ -28,18 +28,32 @@ def check_first_step(model: nn.Module, config, model_config, device: torch.devic
     for attention the kernels do not compute; RuntimeError naming the model for any other failure of the step."""
     name = type(getattr(model, "hf_model", model)).__name__
     caches = allocate_kv_caches(model_config, 1, config.block_size, kv_dtype, device)
+    seen: dict[int, tuple[int, int]] = {}
     try:
         with recording_attention_layers() as seen:
             run_dummy_steps(model, caches, config, device, [LOAD_CHECK_STEP], "load check step")
     except (NotImplementedError, UserInputError):
         raise
     except Exception as e:
+        _check_kv_layout(name, seen, caches, e)
         raise RuntimeError(f"{name}: a two-token dummy step at load failed ({type(e).__name__}: {e}); "
                            "the model cannot be served as built") from e
     expected = getattr(model, "attention_layer_indices", None)
-    missing = sorted(set(expected or ()) - seen)
+    missing = sorted(set(expected or ()) - set(seen))
     if missing:
         raise NotImplementedError(
             f"{name}: the attention of layers {missing} does not call transformers' attention interface (it computes "
             "attention in its own code), so the paged KV cache never sees it; this model cannot be served by the "
             "transformers backend")
+
+
+def _check_kv_layout(name: str, seen: dict[int, tuple[int, int]], caches, error: Exception) -> None:
+    """NotImplementedError where a layer attended with other key/value heads than the cache the config sized
+    (a config field the model's code does not read: Falcon's `multi_query`, a stray `num_key_value_heads`)."""
+    for layer, (heads, width) in seen.items():
+        cached = tuple(caches[layer][0].shape[-2:])
+        if (heads, width) != cached:
+            raise NotImplementedError(
+                f"{name}: layer {layer} attends with {heads} key/value heads of width {width}, but the config gives "
+                f"{cached[0]} of width {cached[1]} (num_key_value_heads / head_dim), which the KV cache is sized "
+                "from: the config does not describe this model's attention") from error

@@ -1,5 +1,9 @@
-"""Sliding windows, soft-capping, custom scaling, q/k/v bias, multi-head latent attention and attention
-sinks generate exactly (Mistral, Gemma 2, Qwen 2, DeepSeek-V3, GPT-OSS)."""
+"""Sliding windows, soft-capping, custom scaling, q/k/v bias, multi-head latent attention, attention sinks,
+multi-query attention and partial rotary generate exactly (Mistral, Gemma 2, Qwen 2, DeepSeek-V3, GPT-OSS,
+GPT-BigCode, GPT-NeoX); models the engine cannot serve exactly are refused at load."""
+
+import json
+import shutil
 
 import pytest
 import torch
@@ -23,6 +27,10 @@ CASES = {
     "qwen2": ({"vocab": "smollm2", "initializer_range": 0.2}, [("native", True)]),
     # MLA: keys 24 wide (16 + 8 rotary, interleaved), values 16 wide and padded in the cache; layer 1 is MoE.
     "deepseek_v3": ({}, [("transformers", True), ("transformers", False)]),
+    # multi-query attention (one key/value head), a config without num_key_value_heads
+    "gpt_bigcode": ({"initializer_range": 0.2}, [("transformers", True), ("transformers", False)]),
+    # partial rotary (a quarter of each head), q/k/v fused in one linear
+    "gpt_neox": ({"initializer_range": 0.2}, [("transformers", True)]),
     # attention sinks on every layer, a 4-token window on every other one
     "gpt_oss": ({"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4},
                 [("transformers", True)]),
@@ -109,15 +117,22 @@ def test_sinks_follow_this_ranks_heads(monkeypatch):
     assert attention._sinks({"s_aux": sinks}, 8) is sinks and attention._sinks({}, 4) is None
 
 
-@pytest.mark.parametrize("arch, error, match", [
+@pytest.mark.parametrize("arch, config_json, error, match", [
     # CPM-Ant computes attention in its own code: served, it generated as if every step were the first token
-    ("cpmant", NotImplementedError, r"CpmAntForCausalLM: the attention of layers \[0, 1\] does not call"),
+    ("cpmant", {}, NotImplementedError, r"CpmAntForCausalLM: the attention of layers \[0, 1\] does not call"),
+    # a config.json field the model's code does not read (GPT-NeoX has no num_key_value_heads): the cache would be wrong
+    ("gpt_neox", {"num_key_value_heads": 2}, NotImplementedError,
+     "GPTNeoXForCausalLM: layer 0 attends with 4 key/value heads of width 16, but the config gives 2 of width 16"),
     # MPT builds an ALiBi mask from the attention mask the engine's flattened step does not pass
-    ("mpt", RuntimeError, "MptForCausalLM: a two-token dummy step at load failed"),
+    ("mpt", {}, RuntimeError, "MptForCausalLM: a two-token dummy step at load failed"),
 ])
-def test_models_the_engine_cannot_serve_fail_at_load(tiny_model_dir, arch, error, match):
+def test_models_the_engine_cannot_serve_fail_at_load(tiny_model_dir, tmp_path, arch, config_json, error, match):
+    folder = tmp_path / arch
+    shutil.copytree(tiny_model_dir(arch), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **config_json}))
     with pytest.raises(error, match=match):
-        LLM(str(tiny_model_dir(arch)), model_impl="transformers")
+        LLM(str(folder), model_impl="transformers")
 
 
 def test_mla_values_wider_than_keys_greedy_equals_transformers(tiny_model_dir):
