@@ -42,6 +42,7 @@ ARCH_TOKENIZERS = {
 # are the 671B model's), and MoE from the second layer on.
 ARCH_DEFAULTS = {
     "gemma2": {"tie_word_embeddings": False},
+    "gptj": {"rotary_dim": 8}, "codegen": {"rotary_dim": 8},  # their default 64 exceeds the tiny heads' 16
     "deepseek_v3": {"q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
                     "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2,
                     "topk_group": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1},

@@ -164,7 +164,10 @@ def _refuse_unsupported(module: nn.Module, kwargs: dict) -> None:
     """NotImplementedError naming the model's attention class and the argument when the call asks for something
     the paged attention does not compute (UNSUPPORTED_ARGUMENTS, or `is_causal=False`)."""
     asked = [f"{name} ({what})" for name, what in UNSUPPORTED_ARGUMENTS.items() if kwargs.get(name) is not None]
-    if kwargs.get("is_causal") is False:
+    # transformers' attention functions read the module's `is_causal` when the call passes none (BERT / RoBERTa set
+    # it from `config.is_decoder`)
+    is_causal = kwargs.get("is_causal")
+    if (getattr(module, "is_causal", True) if is_causal is None else is_causal) is False:
         asked.append("is_causal=False (bidirectional attention)")
     if asked:
         raise NotImplementedError(

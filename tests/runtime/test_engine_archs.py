@@ -123,6 +123,8 @@ def test_sinks_follow_this_ranks_heads(monkeypatch):
     # a config.json field the model's code does not read (GPT-NeoX has no num_key_value_heads): the cache would be wrong
     ("gpt_neox", {"num_key_value_heads": 2}, NotImplementedError,
      "GPTNeoXForCausalLM: layer 0 attends with 4 key/value heads of width 16, but the config gives 2 of width 16"),
+    # BERT without is_decoder: bidirectional, said by the attention module's is_causal, not by the call
+    ("bert", {}, NotImplementedError, "calls attention with is_causal=False"),
     # MPT builds an ALiBi mask from the attention mask the engine's flattened step does not pass
     ("mpt", {}, RuntimeError, "MptForCausalLM: a two-token dummy step at load failed"),
 ])
