@@ -157,7 +157,7 @@ def test_bf16_training_step_matches_stock():
     for model in (stock, fused):
         loss = model(ids, labels=ids).loss
         loss.backward()
-        losses.append(float(loss))
+        losses.append(loss.item())
     assert abs(losses[1] - losses[0]) <= 1e-3 * losses[0]
 
 
