@@ -24,7 +24,12 @@ class UserFileNotFoundError(UserInputError, FileNotFoundError):
     """A path the user gave does not exist (or holds no model)."""
 
 
-__all__ = ["UserInputError", "UserTypeError", "UserFileNotFoundError", "check_unicode"]
+class UnsupportedModelError(UserInputError, NotImplementedError):
+    """The model the user chose cannot be served here (its layers or attention are ones the engine does not
+    compute); the message names the model and why. A NotImplementedError too, as such refusals always were."""
+
+
+__all__ = ["UserInputError", "UserTypeError", "UserFileNotFoundError", "UnsupportedModelError", "check_unicode"]
 
 
 def check_unicode(text: str, where: str) -> str:

@@ -124,6 +124,9 @@ def make_config(arch: str, tok_ids: dict, *, hidden_size: int, num_attention_hea
     if "num_key_value_heads" not in accepted:  # GPT-NeoX, OPT, GPT-BigCode...: the engine would read a stray field
         kwargs.pop("num_key_value_heads", None)
     params.update(ARCH_DEFAULTS.get(arch, {}), **kwargs)
+    if arch == "gpt_neo" and "attention_types" not in kwargs:  # its default lists the 24 layers of GPT-Neo 125M
+        n = params["num_hidden_layers"]
+        params["attention_types"] = [[["global", "local"], n // 2]] if n % 2 == 0 else [[["global"], n]]
     if "kv_lora_rank" in params:  # MLA: transformers' attention has one key/value head per query head
         params["num_key_value_heads"] = num_attention_heads
     if params["vocab_size"] < tok_ids["vocab_size"]:
@@ -131,7 +134,7 @@ def make_config(arch: str, tok_ids: dict, *, hidden_size: int, num_attention_hea
     try:
         return AutoConfig.for_model(arch, **params)
     except ValueError as e:
-        raise UserInputError(f"unknown arch {arch!r}: not a transformers model_type ({e})") from None
+        raise UserInputError(f"arch {arch!r}: transformers refused the config ({e})") from None
 
 
 def write_weights(out: Path, config, *, seed: int, dtype: torch.dtype) -> None:

@@ -10,6 +10,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from fxrewrite.compiler import optimize
+from fxrewrite.errors import UnsupportedModelError
 from fxrewrite.patterns.rotary import replace_length_dependent_rotary
 from fxrewrite.runtime.worker.attention import register_paged_attention
 
@@ -21,16 +22,27 @@ PAGED_CACHE_LAYERS = {"DynamicLayer", "DynamicSlidingWindowLayer"}
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 
+# ALiBi adds a per-head linear bias to the attention scores, which the paged kernels do not compute: MPT always
+# (transformers' MPT builds the bias unconditionally), Falcon when its config says `alibi` (BLOOM, also ALiBi, is
+# refused by the load check: its attention does not call transformers' attention interface).
+ALIBI_MODEL_TYPES = {"mpt"}
+
+
 def check_attention_only(text_config) -> None:
-    """NotImplementedError naming the layers when the model has layers that are not key/value attention (Mamba,
-    linear attention, short convolutions: Qwen3-Next, Granite-4.0-H, Falcon-H1, Jamba, LFM2), read off the cache
-    transformers would build for it (`DynamicCache(config=...)`) and the config's `layer_types`."""
+    """UnsupportedModelError (a NotImplementedError) naming the layers when the model has layers that are not
+    key/value attention (Mamba, linear attention, short convolutions: Qwen3-Next, Granite-4.0-H, Falcon-H1, Jamba,
+    LFM2), read off the cache transformers would build for it (`DynamicCache(config=...)`) and the config's
+    `layer_types`; or when its attention adds ALiBi position biases (MPT, Falcon with `alibi`)."""
     from transformers import DynamicCache
 
+    if text_config.model_type in ALIBI_MODEL_TYPES or getattr(text_config, "alibi", False) is True:
+        raise UnsupportedModelError(
+            f"{text_config.model_type}: its attention adds ALiBi position biases, which fxrewrite's paged attention "
+            "does not compute (rotary or learned position embeddings only); this model cannot be served here")
     kinds = {type(layer).__name__ for layer in DynamicCache(config=text_config).layers} - PAGED_CACHE_LAYERS
     kinds |= set(getattr(text_config, "layer_types", None) or ()) - ATTENTION_LAYER_TYPES
     if kinds:
-        raise NotImplementedError(
+        raise UnsupportedModelError(
             f"{text_config.model_type}: layers of kind {', '.join(sorted(kinds))} keep state that fxrewrite's paged KV "
             "cache does not hold (only full and sliding-window attention is served)")
 
@@ -57,11 +69,20 @@ class TransformersForCausalLM(nn.Module):
     @classmethod
     def from_config(cls, hf_config, dtype: torch.dtype, fusion: bool) -> TransformersForCausalLM:
         """Build with parameters on meta (computed buffers such as rotary inv_freq stay real).
-        NotImplementedError for a model with layers whose state the paged KV cache does not hold."""
+        UnsupportedModelError (a NotImplementedError) for a model with layers whose state the paged KV cache does
+        not hold, ALiBi attention, or attention picked from a table of the model's own."""
         check_attention_only(hf_config.get_text_config())
         attn = register_paged_attention()
         with init_empty_weights(include_buffers=False):
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn)
+            try:
+                model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn)
+            except KeyError as e:  # GPT-Neo: GPT_NEO_ATTENTION_CLASSES[config._attn_implementation]
+                if e.args != (attn,):
+                    raise
+                raise UnsupportedModelError(
+                    f"{hf_config.model_type}: its modeling code picks attention classes from a table of its own (no "
+                    f"{attn!r} entry) instead of calling transformers' attention interface, so the paged KV cache "
+                    "cannot be used; this model cannot be served by the transformers backend") from None
         # from_config leaves lm_head untied on meta; tie before materialising so one tensor is loaded.
         model.tie_weights()
         model.eval()

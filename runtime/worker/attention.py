@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from fxrewrite.distributed import get_tp_rank
+from fxrewrite.errors import UnsupportedModelError
 from fxrewrite.kernels.paged_attention import paged_attention
 from fxrewrite.kernels.reshape_and_cache import reshape_and_cache
 from fxrewrite.layers.kv_context import take_kv_written
@@ -170,7 +171,7 @@ def _refuse_unsupported(module: nn.Module, kwargs: dict) -> None:
     if (getattr(module, "is_causal", True) if is_causal is None else is_causal) is False:
         asked.append("is_causal=False (bidirectional attention)")
     if asked:
-        raise NotImplementedError(
+        raise UnsupportedModelError(
             f"{type(module).__name__} calls attention with {', '.join(asked)}, which fxrewrite's paged attention "
             "does not compute; this model cannot be served here")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fxrewrite.errors import UserInputError
+from fxrewrite.errors import UnsupportedModelError, UserInputError
 from fxrewrite.runtime.worker.attention import recording_attention_layers
 from fxrewrite.runtime.worker.kv_cache import allocate_kv_caches
 from fxrewrite.runtime.worker.warmup import run_dummy_steps
@@ -41,7 +41,7 @@ def check_first_step(model: nn.Module, config, model_config, device: torch.devic
     expected = getattr(model, "attention_layer_indices", None)
     missing = sorted(set(expected or ()) - set(seen))
     if missing:
-        raise NotImplementedError(
+        raise UnsupportedModelError(
             f"{name}: the attention of layers {missing} does not call transformers' attention interface (it computes "
             "attention in its own code), so the paged KV cache never sees it; this model cannot be served by the "
             "transformers backend")
@@ -53,7 +53,7 @@ def _check_kv_layout(name: str, seen: dict[int, tuple[int, int]], caches, error:
     for layer, (heads, width) in seen.items():
         cached = tuple(caches[layer][0].shape[-2:])
         if (heads, width) != cached:
-            raise NotImplementedError(
+            raise UnsupportedModelError(
                 f"{name}: layer {layer} attends with {heads} key/value heads of width {width}, but the config gives "
                 f"{cached[0]} of width {cached[1]} (num_key_value_heads / head_dim), which the KV cache is sized "
                 "from: the config does not describe this model's attention") from error
