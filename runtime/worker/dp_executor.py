@@ -29,7 +29,8 @@ import torch.distributed as dist
 from fxrewrite import data_parallel, distributed
 from fxrewrite.runtime.worker.dp_worker import dp_worker_main
 from fxrewrite.runtime.worker.executor import RemoteModel
-from fxrewrite.runtime.worker.worker_processes import STARTUP_TIMEOUT_S, WorkerError, WorkerGuard, _failure, _Processes
+from fxrewrite.runtime.worker.worker_processes import (STARTUP_TIMEOUT_S, WorkerError, WorkerGuard, _failure, _Processes,
+                                                       spawn_workers)
 from fxrewrite.runtime.worker.worker import StepEncoder, broadcast_object
 
 logger = logging.getLogger(__name__)
@@ -60,8 +61,6 @@ class DPExecutor(WorkerGuard):
             raise
 
     def _start(self, config, model_config, eos_token_ids, backend: str) -> None:
-        import torch.multiprocessing as mp
-
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
         store = dist.TCPStore(host, int(os.environ.get("MASTER_PORT", 0)), self.num_workers + 1, is_master=True,
                               wait_for_workers=False, timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
@@ -72,10 +71,9 @@ class DPExecutor(WorkerGuard):
             # The MoE layers' cross-replica collectives are not traced by torch.compile. Decode waves
             # still run in CUDA graphs, every replica at one bucket (dp_worker.wave_bucket).
             config.compilation_config = 0
-        self._procs.context = mp.start_processes(
-            dp_worker_main, args=(config, model_config, eos_token_ids, host, store.port, self.dp_size,
-                                  self.tp_size, os.getpid()),
-            nprocs=self.num_workers, join=False, start_method="spawn")
+        self._procs.context = spawn_workers(
+            dp_worker_main, (config, model_config, eos_token_ids, host, store.port, self.dp_size, self.tp_size,
+                             os.getpid()), self.num_workers)
         self._wait_ready(store)
         _, self._results = data_parallel.initialize(0, store, self.dp_size, self.tp_size, backend,
                                                     config.enable_expert_parallel)

@@ -41,7 +41,8 @@ from fxrewrite.runtime.worker.step_channel import GlooChannel, driver_shm_channe
 from fxrewrite.runtime.worker.worker import ControlMessage, StepEncoder, broadcast_object, rank_model_config, worker_main
 from fxrewrite.runtime.worker.pipeline import check_pipeline_size, layer_partition
 from fxrewrite.runtime.worker.worker_processes import (  # noqa: F401  (WorkerError: re-exported)
-    STARTUP_TIMEOUT_S, STEP_TIMEOUT_S, WorkerError, WorkerGuard, _check_workers, _failure, _poll, _Processes)
+    STARTUP_TIMEOUT_S, STEP_TIMEOUT_S, WorkerError, WorkerGuard, _check_workers, _failure, _poll, _Processes,
+    spawn_workers)
 
 logger = logging.getLogger(__name__)
 
@@ -127,8 +128,6 @@ class MultiprocExecutor(WorkerGuard):
             raise
 
     def _start(self, config, model_config, eos_token_ids, backend: str) -> None:
-        import torch.multiprocessing as mp
-
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = int(os.environ.get("MASTER_PORT", 0))
         store = dist.TCPStore(host, port, self.num_workers + 1, is_master=True, wait_for_workers=False,
@@ -140,11 +139,9 @@ class MultiprocExecutor(WorkerGuard):
         procs = self._procs  # not self: the finalizer holds `procs`, which must not reach the executor
         alive = lambda: _check_workers(procs)  # noqa: E731
         shm = self._procs.channel = driver_shm_channel(self.num_workers, alive, STEP_TIMEOUT_S)
-        self._procs.context = mp.start_processes(
-            worker_main, args=(config, model_config, eos_token_ids, host, store.port, self.tp_size, os.getpid(),
-                               shm.handles() if shm is not None else None),
-            nprocs=self.num_workers, join=False, start_method="spawn",
-        )
+        self._procs.context = spawn_workers(
+            worker_main, (config, model_config, eos_token_ids, host, store.port, self.tp_size, os.getpid(),
+                          shm.handles() if shm is not None else None), self.num_workers)
         self._wait_ready(store)
         self._procs.channel = settle_driver_channel(store, shm, self.num_workers)
         distributed.initialize(0, self.num_workers + 1, store=store, tp_ranks=list(range(1, self.num_workers + 1)),

@@ -27,6 +27,25 @@ STEP_TIMEOUT_S = 600.0
 SHUTDOWN_TIMEOUT_S = 10.0
 
 
+def spawn_workers(entry, args: tuple, nprocs: int):
+    """`torch.multiprocessing.start_processes(entry, args, nprocs, join=False, start_method="spawn")`. A main module
+    whose `__file__` is not a file (a script piped to `python -`: '<stdin>') is not re-run in the workers: spawn would
+    try to open it and every worker would die at start, while the workers need nothing from it (their entry point
+    and arguments are this package's)."""
+    import torch.multiprocessing as mp
+
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    hide = isinstance(path, str) and not os.path.isfile(path)
+    if hide:
+        del main.__file__
+    try:
+        return mp.start_processes(entry, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    finally:
+        if hide:
+            main.__file__ = path
+
+
 class _Processes:
     """The spawn context and store; `close` is the finalizer (no reference to the executor)."""
 
