@@ -236,7 +236,12 @@ def format_table(result: dict) -> str:
     for arm, r in result["arms"].items():
         value = headline(r, kind)
         errors = r.get("error") or "; ".join(r.get("errors") or [])
-        note = ("failed: " + errors[:60]) if errors else ("truncated" if r.get("truncated") else "")
+        if errors:
+            note = "failed: " + errors[:60]
+        elif r.get("skipped"):  # why the arm has no figure (the hf arm on latency, or with FP8 settings)
+            note = "skipped: " + r["skipped"]
+        else:
+            note = "truncated" if r.get("truncated") else ""
         shown = f"{value:,.1f}" if value is not None else "-"
         lines.append(f"{arm:<8} {shown:>36}  {note}")
     for name, value in result.get("ratios", {}).items():

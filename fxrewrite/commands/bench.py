@@ -248,13 +248,25 @@ def run(args: argparse.Namespace) -> int:
     )
     print(format_table(result))
     print("wrote " + ", ".join(result["files"]))
-    return _status(list(result["arms"].values()))
+    return _status(list(result["arms"].values()), result["workload"]["kind"])
 
 
-def _status(arms: list[dict]) -> int:
-    """The exit status of a comparison: 1 when every arm failed (scripts and CI see it; the JSON is still written
-    with each arm's error), else 0."""
+def _status(arms: list[dict], kind: str | None = None) -> int:
+    """The exit status of a run: 1 when every arm failed (scripts and CI see it; the JSON is still written
+    with each arm's error), else 0. With `kind` (a comparison's workload) also 1 when no arm produced a headline
+    figure, every arm skipped (the hf arm on a latency run) or failed: an arm that failed while another measured
+    keeps 0 (its error is in the table and the JSON)."""
     if arms and all("error" in r for r in arms):
         print("error: every arm failed (each arm's error is in the table and the JSON)", file=sys.stderr)
         return 1
+    if kind is not None and arms:
+        from fxrewrite.benchmarks.plot import headline
+
+        if all(headline(r, kind) is None for r in arms):
+            skipped = sum(1 for r in arms if r.get("skipped") and "error" not in r)
+            failed = len(arms) - skipped
+            how = f"{skipped} skipped, {failed} failed" if failed else "every arm was skipped"
+            print(f"error: no arm produced a figure ({how}; each arm's reason is in the table and the JSON)",
+                  file=sys.stderr)
+            return 1
     return 0

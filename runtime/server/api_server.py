@@ -133,7 +133,7 @@ def build_app(
     completion = OpenAIServingCompletion(async_engine, names, generation_defaults, tokenizer)
     chat = OpenAIServingChat(async_engine, names, generation_defaults, tokenizer, chat_template=chat_template,
                              tool_parser=tool_parser, trust_request_chat_template=trust_request_chat_template)
-    app.state.async_tokenizer, app.state.serving_chat = tokenizer, chat
+    app.state.async_tokenizer, app.state.serving_chat, app.state.serving_completion = tokenizer, chat, completion
     if log_requests:
         async_engine.request_logger = RequestLogger(max_log_len, engine.tokenizer)
     _add_routes(app, engine, names, completion, chat, metrics, __version__)

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
@@ -46,9 +47,18 @@ logger = logging.getLogger(__name__)
 HANDLED_EXTRAS = {"guided_whitespace_pattern"}  # read from model_extra (request_params.py)
 
 
+def _whole_number(value: Any) -> Any:
+    """A float with no fractional part as an int (2.0 -> 2), as vLLM's lax pydantic models take it; any other
+    value as it is, for StrictInt to judge (2.5, "2", true and Infinity stay "expected an integer")."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
-TokenId = Annotated[StrictInt, Field(ge=0)]
+
+RequestInt = Annotated[StrictInt, BeforeValidator(_whole_number)]
+"""An integer request field: an int, or a float such as 2.0 that is one (a string or a boolean is refused)."""
+
+TokenId = Annotated[RequestInt, Field(ge=0)]
 """A token id in a request (the vocabulary bound is checked against the model when the request arrives)."""
+
 
 def _check_strings(value: Any, path: str) -> None:
     """`check_unicode` on every string in a request's JSON (lone surrogates pass JSON and pydantic, then no
@@ -134,32 +144,32 @@ class SamplingRequest(RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    max_tokens: StrictInt | None = Field(None, ge=1)
-    temperature: StrictFloat | None = Field(None, ge=0.0, le=2.0)
+    max_tokens: RequestInt | None = Field(None, ge=1)
+    temperature: StrictFloat | None = Field(None, ge=0.0, allow_inf_nan=False)  # vLLM: no upper bound
     top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
-    n: StrictInt = Field(1, ge=1, le=128)
+    n: RequestInt = Field(1, ge=1, le=128)
     stop: str | list[str] | None = None
-    seed: StrictInt | None = Field(None, **_SEED_RANGE)
+    seed: RequestInt | None = Field(None, **_SEED_RANGE)
     presence_penalty: StrictFloat | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: StrictFloat | None = Field(None, ge=-2.0, le=2.0)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM extras
-    top_k: StrictInt | None = Field(None, ge=-1)
+    top_k: RequestInt | None = Field(None, ge=-1)
     min_p: StrictFloat | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: StrictFloat | None = Field(None, gt=0.0)
     ignore_eos: StrictBool = False
-    min_tokens: StrictInt = Field(0, ge=0)
+    min_tokens: RequestInt = Field(0, ge=0)
     stop_token_ids: list[TokenId] | None = None
     allowed_token_ids: list[TokenId] | None = Field(None, min_length=1)
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     spaces_between_special_tokens: StrictBool = True
-    best_of: StrictInt | None = Field(None, ge=1, le=128)
+    best_of: RequestInt | None = Field(None, ge=1, le=128)
     logit_bias: dict[str, StrictFloat] | None = None
     bad_words: list[str] | None = None
-    prompt_logprobs: StrictInt | None = Field(None, ge=0)
+    prompt_logprobs: RequestInt | None = Field(None, ge=0)
     # structured outputs: OpenAI's response_format, vLLM's guided_* fields and their new name
     response_format: ResponseFormat | None = None
     guided_json: str | dict | None = None
@@ -205,9 +215,9 @@ class SamplingRequest(RequestModel):
 class CompletionRequest(SamplingRequest):
     """POST /v1/completions. `prompt`: a string, a list of strings, token ids, or lists of token ids."""
 
-    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: StrictInt | None = Field(16, ge=0)  # OpenAI's default; 0 with echo returns the prompt alone
-    logprobs: StrictInt | None = Field(None, ge=0)  # the engine's max_logprobs (--max-logprobs) is the limit
+    prompt: str | list[str] | list[RequestInt] | list[list[RequestInt]]
+    max_tokens: RequestInt | None = Field(16, ge=0)  # OpenAI's default; 0 with echo returns the prompt alone
+    logprobs: RequestInt | None = Field(None, ge=0)  # the engine's max_logprobs (--max-logprobs) is the limit
     echo: StrictBool = False
 
     @model_validator(mode="after")
@@ -318,9 +328,9 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: StrictBool | None = True
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: RequestInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(None, ge=0)  # as logprobs
+    top_logprobs: RequestInt | None = Field(None, ge=0)  # as logprobs
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False  # vLLM's: leave the last (assistant) message open to continue it
     chat_template: str | None = None

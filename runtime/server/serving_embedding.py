@@ -18,19 +18,18 @@ from typing import Literal
 
 import numpy as np
 from fastapi import Request
-from pydantic import StrictInt
 
 from fxrewrite.runtime.engine.pooling import PoolingParams
 from fxrewrite.runtime.server.errors import OpenAIError
-from fxrewrite.runtime.server.protocol import OpenAIBaseModel, RequestModel, random_id
+from fxrewrite.runtime.server.protocol import OpenAIBaseModel, RequestInt, RequestModel, random_id
 from fxrewrite.runtime.server.serving_engine import OpenAIServing
 
 
 class EmbeddingRequest(RequestModel):
     model: str | None = None
-    input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    input: str | list[str] | list[RequestInt] | list[list[RequestInt]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: StrictInt | None = None
+    dimensions: RequestInt | None = None
     user: str | None = None
 
 

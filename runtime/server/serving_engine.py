@@ -32,7 +32,8 @@ class OpenAIServing:
 
     Args:
         engine: the async engine (its `.engine.tokenizer` and `.engine.model_config` are used).
-        served_model_names: names a request's `model` may carry; the first one is the default.
+        served_model_names: names a request's `model` may carry; the first one is the default and the
+            one every response carries.
         generation_defaults: default sampling values (from generation_config.json), vLLM names.
         async_tokenizer: runs prompt tokenization off the event loop (shared by the app's handlers, so
             their calls are serialised; default: one of its own over the engine's tokenizer).
@@ -52,13 +53,12 @@ class OpenAIServing:
         """The model's vocabulary (its logits' width): the bound of prompt ids and logit_bias keys, as offline."""
 
     def model_name(self, requested: str | None) -> str:
-        """The served name a request addresses; 404 for a name this server does not serve."""
-        if requested is None:
-            return self.served_model_names[0]
-        if requested not in self.served_model_names:
+        """The name a response carries: the first served name, whichever served name (or none) the request
+        gave, as vLLM's `OpenAIServingModels.model_name()`; 404 for a name this server does not serve."""
+        if requested is not None and requested not in self.served_model_names:
             raise OpenAIError(HTTPStatus.NOT_FOUND, f"The model `{requested}` does not exist; this server "
                               f"serves {self.served_model_names}.", param="model", code="model_not_found")
-        return requested
+        return self.served_model_names[0]
 
     def check_token_ids(self, token_ids: list[int], param: str = "prompt") -> list[int]:
         """`token_ids` when each is in [0, vocab); else a 400 naming `param` (the request field)."""

@@ -10,10 +10,11 @@ from __future__ import annotations
 from http import HTTPStatus
 from typing import Any
 
-from pydantic import Field, StrictBool, StrictInt, ValidationError, model_validator
+from pydantic import Field, StrictBool, ValidationError, model_validator
 
 from fxrewrite.runtime.server.errors import OpenAIError
-from fxrewrite.runtime.server.protocol import ChatCompletionRequest, ChatMessage, OpenAIBaseModel, RequestModel
+from fxrewrite.runtime.server.protocol import (ChatCompletionRequest, ChatMessage, OpenAIBaseModel, RequestInt,
+                                               RequestModel)
 from fxrewrite.runtime.server.validation_errors import describe_errors
 
 
@@ -46,7 +47,7 @@ class TokenizeResponse(OpenAIBaseModel):
 
 class DetokenizeRequest(RequestModel):
     model: str | None = None
-    tokens: list[StrictInt] = Field(min_length=0)
+    tokens: list[RequestInt] = Field(min_length=0)
 
 
 class DetokenizeResponse(OpenAIBaseModel):

@@ -33,7 +33,14 @@ def _is_member_tag(part: Any) -> bool:
     return part in _SIMPLE or "[" in part or "-" in part or part[:1].isupper()
 
 
+def _unwrap(tag: str) -> str:
+    """The type a validator wraps: `function-before[_whole_number(), int]` -> `int` (other tags as they are)."""
+    match = re.fullmatch(r"function-\w+\[[\w.]+\(\), (.*)\]", tag)
+    return _unwrap(match.group(1)) if match else tag
+
+
 def _plural(tag: str) -> str:
+    tag = _unwrap(tag)
     if tag in _PLURAL:
         return _PLURAL[tag]
     if tag[:1].isupper() or tag.startswith(("dict[", "typed-dict")):
@@ -45,6 +52,7 @@ def _plural(tag: str) -> str:
 
 def _describe_tag(tag: str) -> str:
     """English for a member tag: list[str] -> "a list of strings", literal['a','b'] -> "'a' or 'b'"."""
+    tag = _unwrap(tag)
     if tag in _SIMPLE:
         return _SIMPLE[tag]
     if tag.startswith("list[") and tag.endswith("]"):
@@ -53,7 +61,7 @@ def _describe_tag(tag: str) -> str:
         return "an object"
     if tag.startswith("literal[") and tag.endswith("]"):
         return ", ".join(tag[8:-1].split(","))
-    return re.sub(r"^\w+-\w+\[(.*)\]$", r"\1", tag)  # function-after[check(), str] -> its inner type
+    return re.sub(r"^\w+-\w+\[(.*)\]$", r"\1", tag)  # another wrapper (function-plain[f()]): its inside
 
 
 def _shown(value: Any) -> str:

@@ -94,6 +94,57 @@ def test_compare_tiny_defaults_and_a_failing_arm_in_own_processes(tmp_path, caps
     assert "arm native (2/2)" in capsys.readouterr().out
 
 
+def test_compare_with_only_a_skipped_arm_shows_why_and_exits_1(tmp_path, capsys):
+    """The hf arm on the latency workload is skipped: the table's notes column says why (as the JSON does), and
+    with no arm producing a figure the command exits 1 with one error line (the JSON is still written)."""
+    rc = main(["bench", "compare", "--config", "tiny", "--arms", "hf", "--workload", "latency", "--max-num-seqs", "1",
+               "--device", "cpu", "--in-process", "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert rc == 1, captured
+    reason = "the hf arm runs the throughput workload only"
+    assert _saved(tmp_path)["arms"]["hf"] == {"skipped": reason}
+    (row,) = [line for line in captured.out.splitlines() if line.startswith("hf ")]
+    assert row.split()[:2] == ["hf", "-"] and row.endswith("skipped: " + reason), row
+    errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "no arm produced a figure" in errors[0] and "every arm was skipped" in errors[0], \
+        captured.err
+
+
+@pytest.mark.parametrize("arms, rc, message", [
+    ("before,hf", 1, "no arm produced a figure (1 skipped, 1 failed"),  # nothing measured: a script must see it
+    ("before,native", 0, None),  # one arm failed, another measured: exit 0 as before, the error in the table
+    ("native,hf", 0, None),  # one arm skipped, another measured
+    ("before", 1, "every arm failed"),
+])
+def test_compare_exit_status_follows_the_figures(arms, rc, message, tmp_path, capsys, monkeypatch):
+    """Exit 1 exactly when no arm produced a headline figure (engine arms faked: the before arm raises, the
+    native arm measures; the hf arm is skipped on the latency workload)."""
+    import fxrewrite.benchmarks.compare as compare_module
+
+    def run_engine_arm(arm, *args, **kwargs):
+        if arm == "before":
+            raise RuntimeError("the arm cannot start")
+        return {"batch_1": {"decode_tokens_per_s": 12.5}}
+
+    monkeypatch.setattr(compare_module, "run_engine_arm", run_engine_arm)
+    got = main(["bench", "compare", "--config", "tiny", "--arms", arms, "--workload", "latency", "--device", "cpu",
+                "--in-process", "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert got == rc, captured
+    errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    if message is None:
+        assert errors == [], captured.err
+    else:
+        assert len(errors) == 1 and message in errors[0], captured.err
+    table = captured.out
+    if "before" in arms:
+        assert "failed: RuntimeError: the arm cannot start" in table
+    if "hf" in arms:
+        assert "skipped: the hf arm runs the throughput workload only" in table
+    if "native" in arms:
+        assert "12.5" in table
+
+
 @pytest.mark.parametrize("count", ["0", "-3"])
 def test_compare_rejects_a_request_count_below_one(count, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -24,7 +24,7 @@ from fxrewrite.runtime.worker.cuda_graphs import EMULATE_ENV
 from fxrewrite.runtime.worker.warmup import WARMUP_ENV
 from fxrewrite.runtime.worker.watchdog import LOAD_LOG_ENV, WATCHDOG_ENV
 from tests.distributed.tp_ranks import make_llm
-from tests.moe.test_moe_parallel import MOE
+from tests.moe.test_moe_parallel import MOE, forbid_worker_start
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -111,7 +111,15 @@ def test_dp2_ep_transformers_moe_equals_one_engine(qwen3_moe_dir):
         llm.llm_engine.shutdown()
 
 
-def test_bad_data_parallel_settings_fail_before_workers_start(qwen3_moe_dir, tiny_qwen3_dir):
+def test_bad_data_parallel_settings_fail_before_workers_start(qwen3_moe_dir, tiny_qwen3_dir, tiny_model_dir,
+                                                             monkeypatch):
+    forbid_worker_start(monkeypatch)  # each refusal below must come before any worker process starts
+    # 6 experts over DP=2 x TP=2: TP=2 divides the heads and widths, so only the expert-count check stands
+    # between this and the four workers
+    six = str(tiny_model_dir("qwen3_moe", vocab="smollm2", **{**MOE["qwen3_moe"], "num_experts": 6}))
+    with pytest.raises(ValueError, match=r"expert count 6 is not divisible by the expert-parallel size 4 "
+                                         r"\(data_parallel_size=2 x tensor_parallel_size=2\)"):
+        make_llm(six, "native", data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True)
     with pytest.raises(ValueError, match="data_parallel_size=0 must be a positive integer"):
         make_llm(qwen3_moe_dir, "native", data_parallel_size=0)
     with pytest.raises(ValueError, match=r"expert count 8 is not divisible by the expert-parallel size 6 "

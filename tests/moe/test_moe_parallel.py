@@ -79,8 +79,33 @@ def test_ep_at_4_and_8_ranks_equals_tp1(moe_dir, tmp_path, world_size, impl):
     assert got == want
 
 
-def test_bad_moe_settings_fail_before_workers_start(moe_dir, tiny_llama_dir):
+def forbid_worker_start(monkeypatch) -> None:
+    """Make starting a worker process fail the test (as the FP8 block-size test does with `create_model_runner`):
+    a check moved past `spawn_workers` (into the workers, where it costs a start-up and ends as a WorkerError) raises
+    this AssertionError instead of the expected error."""
+    import torch.multiprocessing
+
+    import fxrewrite.runtime.worker.dp_executor as dp_executor
+    import fxrewrite.runtime.worker.executor as executor
+    import fxrewrite.runtime.worker.worker_processes as worker_processes
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("worker processes started before the settings were checked")
+
+    for module in (executor, dp_executor, worker_processes):
+        monkeypatch.setattr(module, "spawn_workers", no_workers)
+    monkeypatch.setattr(torch.multiprocessing, "start_processes", no_workers)
+
+
+def test_bad_moe_settings_fail_before_workers_start(moe_dir, tiny_llama_dir, monkeypatch):
     path = moe_dir("qwen3_moe")
+    forbid_worker_start(monkeypatch)
+    # TP=2 divides the heads and widths, so only the expert-count check stands between this and the workers
+    five = moe_dir("qwen3_moe", num_experts=5)
+    with pytest.raises(ValueError, match=r"expert count 5 is not divisible by the expert-parallel size 2 "
+                                         r"\(tensor_parallel_size=2\)"):
+        make_llm(five, "native", tensor_parallel_size=2, enable_expert_parallel=True)
+    # TP=3 does not divide the heads either: the expert count is named first
     with pytest.raises(ValueError, match="expert count 8 is not divisible by the expert-parallel size"):
         make_llm(path, "native", tensor_parallel_size=3, enable_expert_parallel=True)
     with pytest.raises(ValueError, match="num_experts_per_tok=9 \\(top-k\\) must be between 1 and the number of "

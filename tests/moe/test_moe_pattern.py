@@ -132,10 +132,14 @@ def test_training_gradients_match_stock(family):
     assert any("experts" in n for n in got)
 
 
-def test_state_dict_round_trips_through_save_pretrained(tmp_path):
-    model = tiny_moe("qwen2_moe")
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe"])
+def test_state_dict_round_trips_through_save_pretrained(tmp_path, family):
+    """The optimized model keeps transformers' state-dict keys, and what save_pretrained writes loads back into
+    stock transformers with the same logits (each family's expert, router and shared-expert weights)."""
+    model = tiny_moe(family)
     stock_keys = set(model.state_dict())
     fxrewrite.optimize(model)
+    assert any(isinstance(m, FusedMoE) for m in model.modules()), fxrewrite.explain(model)  # the fused state dict
     assert set(model.state_dict()) == stock_keys
     model.save_pretrained(tmp_path)
     loaded = stock_eager(T.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval())

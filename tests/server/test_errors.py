@@ -22,7 +22,7 @@ def _error(response, status):
 @pytest.mark.parametrize(
     "path, body, param",
     [
-        ("/v1/completions", COMPLETION | {"temperature": 5}, "temperature"),
+        ("/v1/completions", COMPLETION | {"temperature": -1}, "temperature"),
         ("/v1/completions", COMPLETION | {"n": 0}, "n"),
         ("/v1/completions", COMPLETION | {"top_p": 0}, "top_p"),
         ("/v1/completions", COMPLETION | {"max_tokens": -1}, "max_tokens"),

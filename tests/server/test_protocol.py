@@ -24,16 +24,30 @@ def test_completion_defaults_are_openai_and_sampling_fields_unset():
 @pytest.mark.parametrize(
     "fields",
     [
-        {"temperature": -0.1}, {"temperature": 2.5}, {"top_p": 0}, {"n": 0}, {"max_tokens": 0},
+        {"temperature": -0.1}, {"temperature": float("inf")}, {"top_p": 0}, {"n": 0}, {"max_tokens": 0},
         {"presence_penalty": 3}, {"frequency_penalty": -2.1}, {"logprobs": -1}, {"top_k": -2},
         {"min_p": 1.5}, {"repetition_penalty": 0}, {"min_tokens": -1}, {"prompt": ""}, {"prompt": []},
         {"stream_options": {"include_usage": True}}, {"min_tokens": 20, "max_tokens": 10}, {"stop": [""]},
-        {"prompt": ["a", ""]},
+        {"prompt": ["a", ""]}, {"max_tokens": 2.5}, {"n": "2"}, {"n": True}, {"prompt": [1.5]},
     ],
 )
 def test_completion_rejects(fields):
     with pytest.raises(ValidationError):
         CompletionRequest(**({"prompt": "x"} | fields))
+
+
+def test_whole_number_floats_are_integers_and_temperature_has_no_upper_bound():
+    """vLLM's lax pydantic models take 2.0 for an integer field (as 2) and any temperature >= 0."""
+    r = CompletionRequest(prompt=[1.0, 2.0], max_tokens=2.0, n=1.0, seed=3.0, top_k=5.0, min_tokens=1.0,
+                          best_of=2.0, logprobs=1.0, prompt_logprobs=0.0, stop_token_ids=[7.0], temperature=3)
+    values = (r.prompts(), r.max_tokens, r.n, r.seed, r.top_k, r.min_tokens, r.best_of, r.logprobs,
+              r.prompt_logprobs, r.stop_token_ids)
+    assert values == ([[1, 2]], 2, 1, 3, 5, 1, 2, 1, 0, [7])
+    assert all(type(v) is int for v in values[1:-1]) and r.temperature == 3.0
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], max_completion_tokens=4.0,
+                                 logprobs=True, top_logprobs=2.0, temperature=100.0)
+    assert (chat.max_completion_tokens, chat.top_logprobs, chat.temperature) == (4, 2, 100.0)
+    assert type(chat.max_completion_tokens) is int and type(chat.top_logprobs) is int
 
 
 def test_chat_request():

@@ -14,8 +14,13 @@ COMPLETION = {"model": "m", "prompt": "hi"}
     (ChatCompletionRequest, CHAT | {"stop": 5}, "stop", "stop: expected a string or a list of strings, got 5 (a number)"),
     (ChatCompletionRequest, CHAT | {"max_tokens": "abc"}, "max_tokens", 'max_tokens: expected an integer, got "abc" (a string)'),
     (ChatCompletionRequest, CHAT | {"temperature": [1]}, "temperature", "temperature: expected a number, got [1] (a list)"),
-    (ChatCompletionRequest, CHAT | {"temperature": 5}, "temperature",
-     "temperature: expected a value less than or equal to 2, got 5 (a number)"),
+    (ChatCompletionRequest, CHAT | {"temperature": -1}, "temperature",
+     "temperature: expected a value greater than or equal to 0, got -1 (a number)"),
+    (ChatCompletionRequest, CHAT | {"temperature": float("inf")}, "temperature",  # no upper bound, still finite
+     "temperature: expected a finite number, got Infinity (a number)"),
+    (ChatCompletionRequest, CHAT | {"max_tokens": 2.5}, "max_tokens", "max_tokens: expected an integer, got 2.5 (a number)"),
+    (CompletionRequest, COMPLETION | {"max_tokens": "2"}, "max_tokens", 'max_tokens: expected an integer, got "2" (a string)'),
+    (CompletionRequest, COMPLETION | {"prompt": [[1.0, 2.5]]}, "prompt", "prompt.0.1: expected an integer, got 2.5 (a number)"),
     (ChatCompletionRequest, CHAT | {"temperature": float("nan")}, "temperature",  # fresh-8 F6
      "temperature: expected a finite number, got NaN (a number)"),
     (CompletionRequest, COMPLETION | {"top_p": float("inf")}, "top_p",
