@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from fxrewrite.errors import UnsupportedModelError, UserInputError
 from fxrewrite.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -114,8 +115,10 @@ def _row_partner(module: nn.Module, prefix: str, fused_name: str, fused: nn.Modu
     if type(child) is not nn.Linear or child.in_features != width:
         where = prefix or type(module).__name__
         found = f"{name!r} ({type(child).__name__})" if name else "no single linear"
-        raise ValueError(f"cannot shard {where}.{fused_name}: its outputs reach {found} in the traced graph; "
-                         f"expected exactly one nn.Linear child reading {width} features to make row-parallel")
+        raise UnsupportedModelError(
+            f"cannot shard {where}.{fused_name}: its outputs reach {found} in the traced graph; expected exactly one "
+            f"nn.Linear child reading {width} features to make row-parallel, so this model cannot run at "
+            "tensor_parallel_size > 1")
     return name
 
 
@@ -138,7 +141,7 @@ def _apply_tp_plan(model: nn.Module, tp_rank: int, tp_size: int, plan: dict) -> 
         tp = {"tp_size": tp_size, "tp_rank": tp_rank, **_factory(module)}
         if style in _COLWISE:
             if head_dim and module.out_features % head_dim == 0 and (module.out_features // head_dim) % tp_size:
-                raise ValueError(f"cannot shard {full} column-wise: {module.out_features // head_dim} heads "
+                raise UserInputError(f"cannot shard {full} column-wise: {module.out_features // head_dim} heads "
                                  f"over tp_size={tp_size} (enable fusion to replicate kv heads)")
             new = ColumnParallelLinear(module.in_features, module.out_features, module.bias is not None, **tp)
         else:
@@ -214,7 +217,18 @@ def _shard_vocab(model: nn.Module, tp_rank: int, tp_size: int, plan: dict) -> No
             setattr(_parent(model, names[id(head)]), names[id(head)].rpartition(".")[2], new_head)
         else:
             _put(model, names[id(head)], new_head, head)
+        if head.bias is not None:
+            _retie(model, head.bias, new_head.bias)
         plan[names[id(head)]] = "vocab"
+
+
+def _retie(model: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:
+    """Point every module still holding `old` (a parameter tied to a replaced layer's: BERT's `cls.predictions.bias`
+    is its decoder's bias) at `new`, so the tie survives and the checkpoint's name for it loads the shard."""
+    for module in model.modules():
+        for key, param in module._parameters.items():
+            if param is old:
+                module._parameters[key] = new
 
 
 def _parent(model: nn.Module, name: str) -> nn.Module:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fxrewrite.distributed import get_tp_size
 from fxrewrite.errors import UnsupportedModelError, UserInputError
 from fxrewrite.runtime.worker.attention import recording_attention_layers
 from fxrewrite.runtime.worker.kv_cache import allocate_kv_caches
@@ -32,6 +33,10 @@ def check_first_step(model: nn.Module, config, model_config, device: torch.devic
     try:
         with recording_attention_layers() as seen:
             run_dummy_steps(model, caches, config, device, [LOAD_CHECK_STEP], "load check step")
+    except UnsupportedModelError as e:  # the attention call's refusal names the attention class, not the model
+        if str(e).startswith(name):
+            raise
+        raise UnsupportedModelError(f"{name}: {e}") from e
     except (NotImplementedError, UserInputError):
         raise
     except Exception as e:
@@ -52,6 +57,12 @@ def _check_kv_layout(name: str, seen: dict[int, tuple[int, int]], caches, error:
     (a config field the model's code does not read: Falcon's `multi_query`, a stray `num_key_value_heads`)."""
     for layer, (heads, width) in seen.items():
         cached = tuple(caches[layer][0].shape[-2:])
+        tp = get_tp_size()
+        if tp > 1 and (heads, width) == (cached[0] * tp, cached[1]):
+            raise UnsupportedModelError(
+                f"{name}: layer {layer} attends with all {heads} key/value heads on each of the {tp} tensor-parallel "
+                f"ranks (this rank's cache holds {cached[0]}): nothing sharded its attention (no tensor-parallel plan "
+                "in the model, and fusion off or not proven); run it at tensor_parallel_size=1") from error
         if (heads, width) != cached:
             raise UnsupportedModelError(
                 f"{name}: layer {layer} attends with {heads} key/value heads of width {width}, but the config gives "
