@@ -142,7 +142,7 @@ def _apply_tp_plan(model: nn.Module, tp_rank: int, tp_size: int, plan: dict) -> 
         if style in _COLWISE:
             if head_dim and module.out_features % head_dim == 0 and (module.out_features // head_dim) % tp_size:
                 raise UserInputError(f"cannot shard {full} column-wise: {module.out_features // head_dim} heads "
-                                 f"over tp_size={tp_size} (enable fusion to replicate kv heads)")
+                                     f"over tp_size={tp_size} (enable fusion to replicate kv heads)")
             new = ColumnParallelLinear(module.in_features, module.out_features, module.bias is not None, **tp)
         else:
             new = RowParallelLinear(module.in_features, module.out_features, module.bias is not None, **tp)
