@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import os
 import sys
 
 from fxrewrite.errors import UserInputError
@@ -64,10 +65,21 @@ def main(argv: list[str] | None = None) -> int:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader closed stdout (`| head`): stop quietly, as Python's docs advise
+        _silence_stdout()
+        return 1
     except UserInputError as e:
         # Bad input from the user: one clear line. Any other error is a bug and keeps its traceback.
         print(f"fxrewrite {args.command}: error: {e}", file=sys.stderr)
         return 2
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's final flush does not raise BrokenPipeError again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor (captured)
+        pass
 
 
 if __name__ == "__main__":

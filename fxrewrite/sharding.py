@@ -116,9 +116,9 @@ def _row_partner(module: nn.Module, prefix: str, fused_name: str, fused: nn.Modu
         where = prefix or type(module).__name__
         found = f"{name!r} ({type(child).__name__})" if name else "no single linear"
         raise UnsupportedModelError(
-            f"cannot shard {where}.{fused_name}: its outputs reach {found} in the traced graph; expected exactly one "
-            f"nn.Linear child reading {width} features to make row-parallel, so this model cannot run at "
-            "tensor_parallel_size > 1")
+            f"cannot shard {where}.{fused_name}: among the children of {type(module).__name__} its outputs reach "
+            f"{found} (the traced graph of that module); row-parallel sharding needs them to reach one nn.Linear "
+            f"child reading {width} features, so this model cannot run at tensor_parallel_size > 1")
     return name
 
 

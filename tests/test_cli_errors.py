@@ -199,3 +199,17 @@ def test_model_impl_native_without_a_native_class_is_one_line(tiny_model_dir, ca
     assert main(["generate", str(path), "--prompt", "hi", "--max-tokens", "1", "--model-impl", "native"]) == 2
     err = capsys.readouterr().err
     assert "no native implementation for ['Gemma2ForCausalLM']; native ones: [" in err and err.count("\n") == 1, err
+
+
+def test_a_reader_that_closes_stdout_ends_the_command_quietly(tiny_qwen3_dir):
+    """`fxrewrite generate ... | head -c 20`: a BrokenPipeError traceback (and exit 1 from the final flush) before."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "fxrewrite", "generate", str(tiny_qwen3_dir), "--prompt", "hi",
+                             "--max-tokens", "400", "--temperature", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader goes away before the text is written (the model is still loading)
+    _, err = proc.communicate(timeout=300)
+    assert b"Traceback" not in err and b"BrokenPipeError" not in err, err.decode()[-2000:]
+    assert proc.returncode == 1

@@ -41,12 +41,16 @@ class IncrementalDetokenizer:
     """True: the engine calls `step` once when the sequence finishes, not per token (a request that only
     wants its final output and has no stop strings: the same text, without two decodes per token)."""
 
-    def step(self, end: int | None = None) -> str:
+    def step(self, end: int | None = None, final: bool = False) -> str:
         """Decode what was appended since the last call, up to token index `end` (all when None); returns
-        the new text (may be empty)."""
+        the new text (may be empty). `final` (the sequence's last call): a tail that is an incomplete character
+        is dropped and the text before it emitted, as the per-token calls would have emitted it (a deferred
+        decode of a whole output ending mid-character must not lose all of it)."""
         tokens = self.seq.token_ids if end is None else self.seq.token_ids[:end]
         prefix_text = self._decode(tokens[self.prefix_offset : self.read_offset])
         full_text = self._decode(tokens[self.prefix_offset :])
+        if final:
+            full_text = full_text.rstrip("\ufffd")
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
             return ""
         new_text = full_text[len(prefix_text) :]

@@ -325,7 +325,7 @@ class LLMEngine(EngineRLMixin):
         self.scheduler.finish(seq)
         detokenizer = self._detokenizers.pop(seq.seq_id, None)
         if detokenizer is not None and detokenizer.deferred:
-            detokenizer.step(len(seq.token_ids) - drop_stop_token)
+            detokenizer.step(len(seq.token_ids) - drop_stop_token, final=True)
         if self._structured is not None:
             self._structured.remove(seq.seq_id)
 

@@ -32,6 +32,27 @@ def test_multibyte_characters_are_never_split(tokenizer):
     assert "".join(pieces) == seq.text == text
 
 
+def test_final_decode_of_an_output_ending_mid_character_keeps_the_text_before_it(tokenizer):
+    """A deferred decode (one call at the finish) of tokens ending inside a character gives the per-token text,
+    not nothing (fresh-user finding: max_tokens cutting a character emptied the whole output)."""
+    text = " naïve 🙂🦜 你好"
+    ids = tokenizer.encode(text)
+    for cut in range(1, len(ids) + 1):
+        per_token = Sequence("r", tokenizer.encode("Say:"), SamplingParams())
+        deferred = IncrementalDetokenizer(tokenizer, per_token)
+        for token in ids[:cut]:
+            per_token.append_token(token)
+        deferred.step(final=True)
+        streamed = Sequence("s", tokenizer.encode("Say:"), SamplingParams())
+        incremental = IncrementalDetokenizer(tokenizer, streamed)
+        for token in ids[:cut]:
+            streamed.append_token(token)
+            incremental.step()
+        assert per_token.text == streamed.text, cut
+        assert "\ufffd" not in per_token.text and text.startswith(per_token.text)
+    assert any(tokenizer.decode(ids[:cut]).endswith("\ufffd") for cut in range(1, len(ids)))  # really cut mid-char
+
+
 def test_stop_string_cuts_text_exactly(tokenizer):
     seq, _ = stream(tokenizer, "Count:", " one two three four", stop=["three"])
     assert check_stop_strings(seq, len(seq.text)) == "three"
