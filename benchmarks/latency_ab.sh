@@ -4,7 +4,8 @@
 # bench compare latency at max-num-seqs 1 (arms ARMS, default native,after), results under $OUT/<value>/.
 # Usage (repo root, on the GPU machine):
 #   OUT=<dir> VAR=FXREWRITE_PDL VALUES="off auto" CONFIGS="qwen3-4b" bash benchmarks/latency_ab.sh
-# (STEP_S caps each compare; PROFILE=1 adds the native arm's batch-1 per-kernel profile at the last value;
+# (STEP_S caps each compare; PROFILE=1 adds the native arm's batch-1 per-kernel profile at the last value, with
+# PROFILE_EXTRA's profile_decode arguments, word-split;
 # EXTRA holds more bench compare arguments, word-split, e.g. EXTRA="--quantization fp8"; WORKLOAD replaces
 # "--workload latency --max-num-seqs 1", e.g. WORKLOAD="--workload throughput --num-prompts 200".)
 set -o pipefail
@@ -26,7 +27,7 @@ for config in ${CONFIGS:-qwen3-4b}; do
   if [ -n "${PROFILE:-}" ]; then
     stamp "profile $config native, batch 1, $VAR=$value"
     env "$VAR=$value" timeout -k 5 "$(left 90)" $PY -m fxrewrite.benchmarks.profile_decode --config "$config" \
-      --arm native --batch 1 "${TOK[@]}" --out "$OUT_DIR" 2>&1 | tail -14
+      --arm native --batch 1 ${PROFILE_EXTRA:-} "${TOK[@]}" --out "$OUT_DIR" 2>&1 | tail -14
   fi
 done
 stamp "done"

@@ -114,15 +114,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-O", "--compilation-config", type=int, default=0)
     p.add_argument("--quantization", default=None, choices=(None, "fp8"), help="as the engine's --quantization")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="as the engine's --kv-cache-dtype")
+    p.add_argument("--hf-overrides", type=json.loads, default=None,
+                   help="as the engine's --hf-overrides (JSON), e.g. an FP8 checkpoint's quantization_config")
     p.add_argument("--tokenizer-dir", default=None)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     engine_kwargs = {"compilation_config": args.compilation_config, "quantization": args.quantization,
-                     "kv_cache_dtype": args.kv_cache_dtype}
+                     "kv_cache_dtype": args.kv_cache_dtype, "hf_overrides": args.hf_overrides}
     result = profile_decode(args.config, args.arm, args.batch, args.context, engine_kwargs, args.tokenizer_dir)
     result["quantization"], result["kv_cache_dtype"] = args.quantization, args.kv_cache_dtype
+    result["hf_overrides"] = args.hf_overrides
     args.out.mkdir(parents=True, exist_ok=True)
-    fp8 = ("-fp8" if args.quantization else "") + (f"-kv{args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else "")
+    block = (args.hf_overrides or {}).get("quantization_config")
+    fp8 = ("-fp8" if args.quantization else "-fp8-block" if block else "") + (f"-kv{args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else "")
     path = args.out / f"{result['date']}-{result['config']}-{args.arm}{fp8}-b{args.batch}-decode-profile.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{args.config} {args.arm} batch {args.batch}: graph {result['graph_replay_ms']} ms, eager "

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from fxrewrite.kernels.pdl import LINE_BYTES, gdc_prologue, pdl_enabled, prefetch_l2, prefetch_lines
+from fxrewrite.kernels.pdl import LINE_BYTES, fp8_gemv_pdl, prefetch_l2, prefetch_lines
 from fxrewrite.kernels.triton_utils import launch, tl, triton
 
 __all__ = ["PIPELINED_CONFIGS", "fp8_gemv_pipelined_triton"]
@@ -68,10 +68,10 @@ def fp8_gemv_pipelined_triton(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tenso
         raise ValueError(f"fp8_gemv_pipelined: block_k {block_k} is not a multiple of the 128-column scale group")
     n, k = w.shape
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    pdl = pdl_enabled(x.device, in_auto=False)  # slower with PDL at Qwen3-32B shapes (kernels/pdl.py)
+    pdl, trigger = fp8_gemv_pdl(x.device)  # under auto: a plain launch that lets the next kernel start early
     launch(_pipelined_gemv_kernel, (triton.cdiv(n, block_n),), x.device, pdl)(
         x, w, w_s, out, n, k, w_s.stride(0), w_s.stride(1), BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages,
-        PER_CHANNEL=per_channel, SHARED_SCALES=not per_channel and scale_rows % block_n == 0, PDL=pdl,
+        PER_CHANNEL=per_channel, SHARED_SCALES=not per_channel and scale_rows % block_n == 0, PDL=pdl, TRIGGER=trigger,
         PREFETCH_LINES=prefetch_lines(k, w.element_size()), LINE=LINE_BYTES // w.element_size(), num_warps=warps)
     return out
 
@@ -79,14 +79,17 @@ def fp8_gemv_pipelined_triton(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tenso
 @triton.jit
 def _pipelined_gemv_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, N, K, stride_ws_n, stride_ws_g, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                           SHARED_SCALES: tl.constexpr, PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-                           LINE: tl.constexpr):
+                           SHARED_SCALES: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr,
+                           PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = tl.minimum(rn, N - 1)  # a partial last tile re-reads row N - 1; its outputs are not stored
     if PDL:  # weights are never written by a kernel: their first lines start towards L2 during the previous tail
         lines = tl.arange(0, PREFETCH_LINES) * LINE
         prefetch_l2(w_ptr + row.to(tl.int64)[:, None] * K + lines[None, :], (lines < K)[None, :] & (rn < N)[:, None])
-    gdc_prologue(PDL)  # x is the previous kernel's output
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
+    if TRIGGER:  # also from a plain launch: the next PDL kernel's programs may start during this one's last wave
+        tl.extra.cuda.gdc_launch_dependents()
     if PER_CHANNEL or SHARED_SCALES:
         rows = w_ptr + row.to(tl.int64)[:, None] * K
         rk = tl.arange(0, BLOCK_K)

@@ -47,7 +47,12 @@ __all__ = ["paged_decode_triton", "default_fp8_dots", "decode_tile", "dot_flags"
 
 # Programs wanted in flight (about 2 per SM on an H100/H200); splits only fill the GPU.
 _TARGET_PROGRAMS = 264
-_MIN_PARTITION = 256
+# Keys of the longest context per split, at least. 128 rather than 256: an engine with max_model_len 256 then
+# splits contexts of 129-256 keys in two (one program over 256 keys is the slow case below). H200, Qwen3-32B
+# block-scaled FP8, batch-1 latency run (max_model_len 256), one call: graph replay 9.678 -> 9.542 ms, 98.3 -> 99.0
+# tokens/s (2026-12-04-qwen3-32b-fp8-block-latency-min-partition-{256,128}-thirty-second.json). Engines whose
+# max_model_len exceeds 128 keys x the program target's splits (33 at batch 1, 8 kv heads) split as before.
+_MIN_PARTITION = 128
 # Contexts up to this many keys are walked by one program even in a launch with several splits. H200,
 # batch 1, 16 splits (2026-12-01-moe-kernels-qwen3-30b-a3b-direct.json): one program over 256 / 384 /
 # 512 keys took 9.3 / 12.3 / 15.3 us against 6.4 us for the partials + merge, and 6.3 vs 6.4 at 128:

@@ -21,15 +21,17 @@ every program calls ``gdc_wait`` (unconditionally, so that the grid's completion
 predecessor's, which the next kernel relies on) before it reads anything another kernel may have
 written and before it writes anything; only read-only data (weights) is touched before it.
 
-``FXREWRITE_PDL``: ``auto`` (default: on for CUDA devices of compute capability >= 9.0, except the FP8 GEMV),
-``on`` (every kernel above, the FP8 GEMV too; a device without PDL raises), ``off``. Never under the Triton
-interpreter (CPU tests).
+``FXREWRITE_PDL``: ``auto`` (default: on for CUDA devices of compute capability >= 9.0, except that the FP8 GEMVs
+launch plainly and only let the next kernel launch early, `fp8_gemv_pdl`), ``on`` (every kernel above, the FP8
+GEMV too; a device without PDL raises), ``off``. Never under the Triton interpreter (CPU tests).
 
 Measured (H200, triton 3.6, `benchmarks/latency_ab.sh`, batch-1 decode, native arm, off -> auto in one call):
 with the skinny GEMV of 2026-12-01 it bought nothing (76.5 / 75.1 us per Qwen3-4B layer); with the pipelined GEMV
 prefetching before its wait (2026-12-03) Qwen3-30B-A3B 338.5 -> 359.8 tokens/s, Qwen3-4B 340.2 -> 344.7,
 Qwen3-32B 61.2 -> 61.7, but Qwen3-32B on 128 x 128 block-scaled FP8 weights 97.1 -> 94.9 (every GEMV the FP8 one):
-so under ``auto`` the FP8 GEMV launches plainly. tests/gpu/test_gpu_pdl.py (kernel chains in captured graphs,
+so under ``auto`` the FP8 GEMV launches plainly. It still triggers its dependents (2026-12-04, one call, FP8 GEMV
+plain / launched with PDL / plain but triggering: 97.7 / 94.1 / 99.1 tokens/s; with PDL and 128 prefetch bytes 95.0
+in the next call: the early launch, not the prefetch, costs). tests/gpu/test_gpu_pdl.py (kernel chains in captured graphs,
 whole bf16 Qwen3 / Qwen3-MoE engines) gives bitwise the outputs with and without PDL.
 """
 
@@ -42,8 +44,8 @@ import torch
 
 from fxrewrite.kernels.triton_utils import HAS_TRITON, interpreter_ready, next_power_of_2, tl, triton
 
-__all__ = ["MODES", "mode", "device_supports_pdl", "pdl_enabled", "check_environment", "gdc_prologue", "prefetch_l2",
-           "prefetch_bytes", "prefetch_lines", "LINE_BYTES"]
+__all__ = ["MODES", "mode", "device_supports_pdl", "pdl_enabled", "fp8_gemv_pdl", "check_environment", "gdc_prologue",
+           "prefetch_l2", "prefetch_bytes", "prefetch_lines", "LINE_BYTES"]
 
 MODES = ("auto", "on", "off")
 
@@ -88,6 +90,23 @@ def pdl_enabled(device, in_auto: bool = True) -> bool:
 
 _ENABLED: dict = {}
 
+FP8_GEMV_FORMS = ("plain", "trigger", "full")
+
+
+def fp8_gemv_pdl(device) -> tuple[bool, bool]:
+    """(launch with PDL, let the next kernel launch early) for the FP8 GEMVs on `device`. Under FXREWRITE_PDL=on
+    both, under off neither; under auto ``FXREWRITE_PDL_FP8_GEMV`` picks (for measurements): "trigger" (default:
+    launched plainly, so it starts after its predecessor has finished, but it calls ``gdc_launch_dependents`` so
+    the PDL kernel after it may launch during its last wave), "plain" (neither) or "full" (both, as under on).
+    ValueError naming any other value."""
+    form = os.environ.get("FXREWRITE_PDL_FP8_GEMV", "trigger")
+    if form not in FP8_GEMV_FORMS:
+        raise ValueError(f"FXREWRITE_PDL_FP8_GEMV={form!r}; expected one of {', '.join(FP8_GEMV_FORMS)}")
+    if mode() != "auto" or not pdl_enabled(device):
+        on = pdl_enabled(device, in_auto=False)
+        return on, on
+    return form == "full", form != "plain"
+
 
 @triton.jit
 def gdc_prologue(PDL: tl.constexpr):
@@ -126,6 +145,7 @@ def check_environment(device) -> None:
     launch: ValueError naming a bad value, RuntimeError for ``on`` on a device without PDL."""
     prefetch_bytes()
     pdl_enabled(device)
+    fp8_gemv_pdl(device)
 
 
 def prefetch_lines(k_per_program: int, element_size: int) -> int:

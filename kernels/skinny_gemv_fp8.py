@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from fxrewrite.kernels.activation import silu_and_mul_ref
 from fxrewrite.kernels.rms_norm import rms_norm_ref
+from fxrewrite.kernels.pdl import fp8_gemv_pdl
 from fxrewrite.kernels.skinny_gemv import _check, _load, _token, configs_for
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
@@ -96,7 +97,8 @@ def skinny_gemv_fp8_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tens
         res_out, m, n, k, w_scale.shape[1], x.stride(0), res_in.stride(0), w_scale.stride(0), w_scale.stride(1),
         float(eps), BLOCK_M=next_power_of_2(m), BLOCK_N=block_n, BLOCK_G=block_g, GROUP_K=GROUP,
         NORM=norm_weight is not None, HAS_RES=residual is not None, SILU_MUL=silu_mul, HAS_BIAS=bias is not None,
-        EVEN_K=k % (block_g * GROUP) == 0, PER_CHANNEL=per_channel, num_warps=num_warps,
+        EVEN_K=k % (block_g * GROUP) == 0, PER_CHANNEL=per_channel, TRIGGER=fp8_gemv_pdl(x.device)[1],
+        num_warps=num_warps,
     )
     return (out, res_out) if residual is not None else out
 
@@ -131,7 +133,9 @@ def _skinny_gemv_fp8_kernel(x_ptr, res_ptr, g_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
                             stride_rm, stride_sn, stride_sg, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_G: tl.constexpr, GROUP_K: tl.constexpr, NORM: tl.constexpr,
                             HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            EVEN_K: tl.constexpr, PER_CHANNEL: tl.constexpr):
+                            EVEN_K: tl.constexpr, PER_CHANNEL: tl.constexpr, TRIGGER: tl.constexpr):
+    if TRIGGER:  # launched plainly; the next PDL kernel may start during this one's last wave (kernels/pdl.py)
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rn_c = tl.minimum(rn, N - 1)  # a partial last tile re-reads row N - 1

@@ -138,6 +138,45 @@ def test_fp8_pipelined_gemv_chain_with_pdl_equals_without(monkeypatch):
     assert torch.equal(_replay(chain, monkeypatch, "on")[0], _replay(chain, monkeypatch, "off")[0])
 
 
+def test_fp8_gemv_triggering_its_dependents_equals_without(monkeypatch):
+    """FXREWRITE_PDL_FP8_GEMV=trigger: the plainly launched FP8 GEMV lets the next PDL kernel (the residual
+    RMSNorm that reads its output) launch during its last wave; 40 GEMVs alternating Qwen3-32B's o_proj and
+    qkv shapes with block scales, bitwise the chain without PDL."""
+    from fxrewrite.kernels import pdl
+    from fxrewrite.kernels.fp8_gemv_pipelined import PIPELINED_CONFIGS, fp8_gemv_pipelined_triton
+    from fxrewrite.kernels.rms_norm import rms_norm
+
+    shapes = ((5120, 8192), (8192, 5120))
+    ws = [(torch.randn(n, k, device="cuda") * 0.5).to(torch.float8_e4m3fn) for n, k in shapes]
+    scales = [torch.rand(n, -(-k // 128), device="cuda") / k ** 0.5 + 1e-3 for n, k in shapes]
+    norm_w = torch.rand(5120, device="cuda", dtype=torch.bfloat16) + 0.5
+    x0, r0 = (torch.randn(1, n, device="cuda", dtype=torch.bfloat16) for n in (8192, 5120))
+
+    def chain():
+        x, residual = x0, r0.clone()
+        for i in range(40):
+            x = fp8_gemv_pipelined_triton(x, ws[i % 2], scales[i % 2], PIPELINED_CONFIGS[i % len(PIPELINED_CONFIGS)],
+                                          per_channel=False)
+            if i % 2 == 0:  # [1, 5120]: the norm reads the GEMV's output ([1, 8192] feeds the next o_proj)
+                x, residual = rms_norm(x, norm_w, 1e-6, residual)
+        return [x, residual]
+
+    monkeypatch.setenv("FXREWRITE_PDL_FP8_GEMV", "trigger")
+    monkeypatch.setattr(pdl, "_ENABLED", {})
+    assert pdl.fp8_gemv_pdl("cuda") == (False, True)
+    want = _replay(chain, monkeypatch, "off")
+    monkeypatch.setenv("FXREWRITE_PDL", "auto")
+    chain()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = chain()
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, expected in zip(outs, want):
+        assert torch.equal(got, expected)
+
+
 # 2 layers of the real layer shapes (benchmarks/configs/qwen3-30b-a3b.json, qwen3-4b.json), Qwen3's vocabulary
 _SHAPES = {
     "qwen3_moe": dict(hidden_size=2048, num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=4,

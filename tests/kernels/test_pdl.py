@@ -45,6 +45,25 @@ def test_auto_leaves_out_kernels_measured_slower(monkeypatch):
         assert pdl.pdl_enabled("cuda:0", in_auto=False) is opted_out, value
 
 
+def test_fp8_gemv_forms(monkeypatch):
+    """FXREWRITE_PDL_FP8_GEMV under auto: trigger (default) / plain / full -> (launch with PDL, trigger the next
+    kernel); FXREWRITE_PDL=on is full and off plain whatever the form; a bad form is a ValueError naming it."""
+    monkeypatch.setattr(pdl, "device_supports_pdl", lambda device: True)
+    monkeypatch.setattr(pdl, "_ENABLED", {})
+    monkeypatch.setenv("FXREWRITE_PDL", "auto")
+    monkeypatch.delenv("FXREWRITE_PDL_FP8_GEMV", raising=False)
+    assert pdl.fp8_gemv_pdl("cuda:0") == (False, True)
+    for form, want in (("plain", (False, False)), ("trigger", (False, True)), ("full", (True, True))):
+        monkeypatch.setenv("FXREWRITE_PDL_FP8_GEMV", form)
+        assert pdl.fp8_gemv_pdl("cuda:0") == want, form
+    for value, want in (("on", (True, True)), ("off", (False, False))):
+        monkeypatch.setenv("FXREWRITE_PDL", value)
+        assert pdl.fp8_gemv_pdl("cuda:0") == want, value
+    monkeypatch.setenv("FXREWRITE_PDL_FP8_GEMV", "early")
+    with pytest.raises(ValueError, match="FXREWRITE_PDL_FP8_GEMV='early'"):
+        pdl.fp8_gemv_pdl("cuda:0")
+
+
 def test_split_k_only_for_kinds_without_a_norm():
     assert configs_for(1) == CONFIGS[1]
     assert configs_for(3, "norm") == CONFIGS[4]
