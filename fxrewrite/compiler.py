@@ -24,17 +24,16 @@ from collections import defaultdict
 
 from torch import nn
 
-from fxrewrite import foreign, signature, source, tracer, user_hooks, weights, wrappers
+from fxrewrite import foreign, options, signature, source, tracer, user_hooks, weights, wrappers
 from fxrewrite.layers.linear import no_weight_init
 from fxrewrite.layers.sdpa_causal import SDPA_CAUSAL, use_sdpa_causal
 from fxrewrite.optimizer_state import HF_NAMES_ATTR
-from fxrewrite.patterns import PATTERNS, Context, Match, Refusal
+from fxrewrite.patterns import Context, Match, Refusal
 from fxrewrite.meta_memo import MetaMemo, memoized, with_parameters
 from fxrewrite.report import ClassReport, FusionReport, GroupReport
 from fxrewrite.signature import BOUND_ATTR, HOOK_DICTS, input_key, instance_forward, structure_key
 
 _REPORT_ATTR = "_fxrewrite_report"
-_OPTIONS = frozenset({"patterns", "example_inputs"})
 
 
 def optimize(model: nn.Module, **opts) -> nn.Module:
@@ -45,25 +44,23 @@ def optimize(model: nn.Module, **opts) -> nn.Module:
     ``input_ids`` (only shapes/dtypes matter: they are turned into meta tensors).
     Works with parameters on any device, meta included (the serving engine builds on meta and
     loads weights afterwards with `fxrewrite.weights.load_hf_weights`). Raises TypeError for an
-    unknown option, a model that is not an `nn.Module`, or one that torch.compile, DDP, DataParallel or FSDP
-    already wraps (`fxrewrite.wrappers`: optimize first, then wrap); `fxrewrite.foreign.ForeignPatchError` when
-    transformers code the model uses, or a module's forward, was replaced (e.g. by Liger-Kernel).
+    unknown option or a bad option value (`fxrewrite.options`), a model that is not an `nn.Module`, or one
+    that torch.compile, DDP, DataParallel or FSDP already wraps (`fxrewrite.wrappers`: optimize first, then
+    wrap); `fxrewrite.foreign.ForeignPatchError` when transformers code the model uses, or a module's forward,
+    was replaced (e.g. by Liger-Kernel).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize expects a torch.nn.Module, got {type(model).__name__}")
-    unknown = set(opts) - _OPTIONS
-    if unknown:
-        raise TypeError(f"unknown optimize option(s) {sorted(unknown)}; expected one of {sorted(_OPTIONS)}")
+    patterns, example_inputs = options.checked(opts)  # TypeError naming a bad option or value
     if getattr(model, _REPORT_ATTR, None) is not None:
         return model
     wrappers.check_not_wrapped(model)  # TypeError: e.g. optimize(torch.compile(model))
     foreign.check_no_foreign_patches(model)  # ForeignPatchError: e.g. Liger-Kernel patched transformers first
     model.__dict__[HF_NAMES_ATTR] = [name for name, _ in model.named_parameters()]  # optimizer_state_dict's order
-    patterns = tuple(opts.get("patterns", PATTERNS))
     report = FusionReport()
     ctx = Context(model, _text_config(model))
     with user_hooks.suspended(model):  # users' hooks must not see the meta run's tensors
-        records, error = tracer.record_calls(model, example_inputs=opts.get("example_inputs"))
+        records, error = tracer.record_calls(model, example_inputs=example_inputs)
     records = {k: (weakref.ref(m), args, kwargs) for k, (m, args, kwargs) in records.items()}  # fused-away ones go
     if error:
         report.notes.append(f"meta run stopped early ({error}); classes not reached are left unchanged")

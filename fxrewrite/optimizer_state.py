@@ -86,7 +86,8 @@ def optimizer_state_dict(model: nn.Module, state_dict: dict, *, to: str) -> dict
             if index in state_dict["state"]:
                 by_name[name] = state_dict["state"][index]
             index += 1
-    _check_shapes(by_name, _param_shapes(model, src_side, parts, owner, sizes), src_side, to)
+    unnamed = sum(g.get("param_names") is None for g in state_dict["param_groups"])
+    _check_shapes(by_name, _param_shapes(model, src_side, parts, owner, sizes), src_side, to, unnamed)
     out = {"state": {}, "param_groups": []}
     new_index = 0
     for group, names in zip(state_dict["param_groups"], src_groups):
@@ -127,16 +128,20 @@ def _param_shapes(model: nn.Module, side: str, parts: dict, owner: dict, sizes: 
     return shapes
 
 
-def _check_shapes(by_name: dict, shapes: dict, side: str, to: str) -> None:
-    """ValueError naming the first state tensor shaped unlike its parameter (a state dict of the other view:
-    ``to`` names the view wanted, the input must be the other one)."""
+def _check_shapes(by_name: dict, shapes: dict, side: str, to: str, unnamed_groups: int) -> None:
+    """ValueError naming the first state tensor shaped unlike its parameter: a state dict of the other view (``to``
+    names the view wanted, the input must be the other one), or, with several groups that carry no
+    ``param_names``, groups whose parameters are not in `named_parameters()` order (weight-decay groups)."""
+    groups = (f"; or its {unnamed_groups} param groups do not list the parameters in named_parameters() order "
+              "(weight-decay groups, say): build the optimizer from model.named_parameters() so its state dict "
+              "names them") if unnamed_groups > 1 else ""
     for name, entry in by_name.items():
         want = shapes.get(name)
         for key, value in (entry or {}).items():
             if want is not None and torch.is_tensor(value) and value.dim() > 0 and tuple(value.shape) != want:
                 raise ValueError(f"state of {name!r}: {key} has shape {tuple(value.shape)}, the parameter {want}; "
                                  f"to={to!r} reads a state dict of the {side} view (the "
-                                 f"{'stock' if side == 'hf' else 'optimized'} model's optimizer)")
+                                 f"{'stock' if side == 'hf' else 'optimized'} model's optimizer){groups}")
 
 
 def _cloned(entry):

@@ -138,10 +138,10 @@ def record_calls(model: nn.Module, seq_len: int = 5, example_inputs: tuple | Non
     def hook(module, args, kwargs):
         records.setdefault(id(module), (module, args, dict(kwargs)))
 
-    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules()]
     input_ids = torch.zeros((1, seq_len), dtype=torch.long, device="meta")
     args, kwargs = example_inputs or ((), {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
                                            "use_cache": False})
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules()]  # removed in finally
     error = None
     try:
         with preserved_state(model), attention_as_leaf(), _eager_masks(model), \

@@ -56,11 +56,23 @@ def _split_hook(module, state_dict, prefix, local_metadata) -> None:
 
 
 def _merge_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    """Concatenate each fused parameter's HF tensors (q, k, v rows) into its fused name. A part the dict lacks (a
+    partial dict: LoRA deltas of q_proj / v_proj only) keeps the parameter's current rows and is reported missing
+    under its HF name, as torch reports it for the stock model; so is every part of a fused parameter given none."""
     for new, olds in module.__dict__.get(_SHARDS, ()):
+        fused = module.get_submodule(new)
         for pname in ("weight", "bias"):
-            keys = [f"{prefix}{old}.{pname}" for old, _ in olds]
-            if all(k in state_dict for k in keys):
-                state_dict[f"{prefix}{new}.{pname}"] = torch.cat([state_dict.pop(k) for k in keys], dim=0)
+            param, keys = getattr(fused, pname, None), [f"{prefix}{old}.{pname}" for old, _ in olds]
+            given = [state_dict[k] for k in keys if k in state_dict]
+            if param is None or (given and len(given) < len(keys) and param.device.type == "meta"):
+                continue  # no rows to keep on meta: torch reports the unmerged parts
+            missing_keys.extend(k for k in keys if k not in state_dict)
+            if not given:
+                state_dict[f"{prefix}{new}.{pname}"] = param.detach()  # loads as itself (torch: a no-op copy)
+                continue
+            rows = param.detach().split(_sizes(fused), dim=0)  # the current rows of parts not given
+            state_dict[f"{prefix}{new}.{pname}"] = torch.cat(
+                [state_dict.pop(k) if k in state_dict else r.to(given[0].device) for k, r in zip(keys, rows)], dim=0)
 
 
 def install_hf_name_hooks(model: nn.Module) -> None:

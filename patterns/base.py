@@ -124,8 +124,17 @@ def free_attribute(module: nn.Module, name: str) -> None:
     require(not hasattr(module, name), f"attribute {name!r} already exists on {type(module).__name__}")
 
 
+def require_same_requires_grad(mods: dict[str, nn.Module]) -> None:
+    """Refuse when the linears to fuse ({child name: module}) disagree on `requires_grad` of a parameter (q_proj
+    frozen, k_proj trained): their one fused parameter would freeze or train them all."""
+    for pname in ("weight", "bias"):
+        flags = {n: p.requires_grad for n, m in mods.items() if (p := getattr(m, pname, None)) is not None}
+        require(len(set(flags.values())) <= 1, f"{', '.join(mods)} differ in {pname}.requires_grad ({flags}): "
+                                               "fused, they would be trained or frozen together")
+
+
 def copy_requires_grad(new: nn.Module, *old: nn.Module) -> None:
-    """Fused parameters are trainable only if all the parameters they replace were."""
-    trainable = all(p.requires_grad for m in old for p in m.parameters())
-    for p in new.parameters():
-        p.requires_grad_(trainable)
+    """Each fused parameter is trainable only if the parameters of its name it replaces were (weight and bias
+    apart, so bias-only training such as BitFit keeps its biases trainable)."""
+    for name, p in new.named_parameters(recurse=False):
+        p.requires_grad_(all(getattr(m, name).requires_grad for m in old))

@@ -18,7 +18,8 @@ from torch import nn
 from fxrewrite import nodes, source
 from fxrewrite.layers.activation import GeluAndMul, SiluAndMul
 from fxrewrite.layers.linear import MergedColumnParallelLinear
-from fxrewrite.patterns.base import Context, Match, Pattern, copy_requires_grad, free_attribute, require
+from fxrewrite.patterns.base import (Context, Match, Pattern, copy_requires_grad, free_attribute, require,
+                                     require_same_requires_grad)
 
 NEW_LINEAR, NEW_ACT = "gate_up_proj", "act_and_mul"
 _ACTS = {"silu": lambda x: F.silu(x), "gelu": lambda x: F.gelu(x), "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -142,6 +143,7 @@ class GLUPattern(Pattern):
         require(type(gate) is nn.Linear and type(up) is nn.Linear, "gate/up are not nn.Linear on this instance")
         require(gate.in_features == up.in_features and gate.out_features == up.out_features, "gate/up shapes differ")
         require((gate.bias is None) == (up.bias is None), "gate and up disagree on bias")
+        require_same_requires_grad({match.name("gate"): gate, match.name("up"): up})
         if match.fact("act_is_module"):
             kind = probe_activation(getattr(module, match.name("act")))
             require(kind == match.fact("act"), f"activation of this instance is {kind}, not {match.fact('act')}")

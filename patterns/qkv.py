@@ -16,7 +16,8 @@ from torch import nn
 
 from fxrewrite import nodes, source
 from fxrewrite.layers.linear import QKVParallelLinear
-from fxrewrite.patterns.base import Context, Match, Pattern, Refusal, copy_requires_grad, free_attribute, require
+from fxrewrite.patterns.base import (Context, Match, Pattern, Refusal, copy_requires_grad, free_attribute, require,
+                                     require_same_requires_grad)
 
 _ROLES = ("q", "k", "v")
 NEW_NAME = "qkv_proj"
@@ -124,6 +125,7 @@ class QKVPattern(Pattern):
         require(len({m.in_features for m in mods}) == 1 and len({m.bias is None for m in mods}) == 1,
                 "q/k/v input sizes or biases differ on this instance")
         require(len({(m.weight.dtype, m.weight.device) for m in mods}) == 1, "q/k/v dtypes or devices differ")
+        require_same_requires_grad({match.name(r): m for r, m in zip(_ROLES, mods)})
 
     @classmethod
     def build(cls, match: Match, module: nn.Module, ctx: Context) -> None:

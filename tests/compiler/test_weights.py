@@ -52,3 +52,26 @@ def test_reading_a_fused_away_projection_says_where_it_went():
     assert not hasattr(q_proj, "weight")
     with pytest.raises(AttributeError, match=r"'q_proj' was fused into 'qkv_proj' .* has no 'weight'"):
         q_proj.weight
+
+
+def _moved(state: dict, keep) -> dict:
+    return {k: v + 0.5 for k, v in state.items() if keep(k)}
+
+
+def test_partial_state_dict_loads_like_stock():
+    """load_state_dict of a partial dict (LoRA deltas merged into q_proj / v_proj only, an empty dict) loads the parts
+    it has and reports the others missing under their HF names, as for a stock model (strict or not)."""
+    import pytest
+
+    stock, fused = tiny_model("qwen2"), fxrewrite.optimize(tiny_model("qwen2"))
+    for state in (_moved(stock.state_dict(), lambda k: "q_proj" in k or "v_proj" in k or "up_proj" in k), {}):
+        want, got = stock.load_state_dict(state, strict=False), fused.load_state_dict(state, strict=False)
+        assert (sorted(got.missing_keys), got.unexpected_keys) == (sorted(want.missing_keys), want.unexpected_keys)
+        assert {k: torch.equal(v, stock.state_dict()[k]) for k, v in fused.state_dict().items()} == \
+            {k: True for k in stock.state_dict()}
+        _same_logits(fused, stock)
+    with pytest.raises(RuntimeError) as want:
+        stock.load_state_dict(_moved(stock.state_dict(), lambda k: "k_proj.bias" not in k))
+    with pytest.raises(RuntimeError) as got:
+        fused.load_state_dict(_moved(stock.state_dict(), lambda k: "k_proj.bias" not in k))
+    assert str(got.value).replace("Qwen2ForCausalLM", "") == str(want.value).replace("Qwen2ForCausalLM", "")

@@ -183,3 +183,32 @@ def test_torch_compile_training_step_matches_eager():
     hf = to_hf_names(fused, {n: p.grad for n, p in fused.named_parameters()})
     for name, g in want_grads.items():
         assert _rel(hf[name], g) < 1e-5, name
+
+
+def _moe_model():
+    import transformers as T
+
+    cfg = T.Qwen3MoeConfig(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                           num_experts_per_tok=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    return T.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("model,frozen", [
+    ("qwen2", lambda n: not n.endswith("bias")),  # BitFit: weights frozen, q/k/v biases trained
+    ("qwen2", lambda n: "q_proj" in n or "up_proj" in n),  # part of a fusion group frozen: that group stays unfused
+    ("moe", lambda n: "experts.down_proj" in n),  # MoE: only the experts' gate/up trained
+])
+def test_partly_frozen_models_train_like_stock(model, frozen):
+    """requires_grad set before optimize is kept per parameter: a fused parameter never freezes or trains one it
+    replaced against the user's choice (the gradients of every trainable parameter equal stock's)."""
+    stock = (_moe_model() if model == "moe" else tiny_model(model)).train()
+    for name, p in stock.named_parameters():
+        p.requires_grad_(not frozen(name))
+    fused = fxrewrite.optimize(copy.deepcopy(stock)).train()
+    assert_same_training_step(stock, fused, *_batch())
+    assert {n for n, p in fused.state_dict(keep_vars=True).items() if p.requires_grad} == \
+        {n for n, p in stock.named_parameters() if p.requires_grad}
+    refused = [r for _, p, r in fxrewrite.explain(fused).skipped() if p == "qkv"]
+    assert bool(refused) == (frozen("q_proj.weight") != frozen("k_proj.weight")), refused

@@ -65,6 +65,19 @@ def test_optimizer_state_bad_arguments():
         optimizer_state_dict(fused, stock_opt.state_dict(), to="hf")  # an HF-order state: the wrong way round
 
 
+def test_unnamed_weight_decay_groups_get_an_error_naming_the_fix():
+    """Trainer-style groups (matrices decayed, vectors not) without param_names cannot be mapped to names: the error
+    says so and how to build the optimizer instead, not only that the state might be the other view's."""
+    stock = tiny_model("qwen2")
+    fused = fxrewrite.optimize(copy.deepcopy(stock))
+    opt = torch.optim.AdamW([{"params": [p for p in stock.parameters() if p.dim() > 1], "weight_decay": 0.1},
+                             {"params": [p for p in stock.parameters() if p.dim() <= 1], "weight_decay": 0.0}])
+    _train_steps(stock, opt, steps=1)
+    with pytest.raises(ValueError, match=r"exp_avg has shape .* or its 2 param groups do not list the parameters in "
+                                         r"named_parameters\(\) order .* from model\.named_parameters\(\)"):
+        optimizer_state_dict(fused, opt.state_dict(), to="fused")
+
+
 def test_foreign_patch_of_a_module_function_is_refused(monkeypatch):
     from transformers.models.llama import modeling_llama
 

@@ -1,0 +1,48 @@
+"""`optimize`'s options, checked before anything changes: a TypeError names the bad option or value."""
+
+from __future__ import annotations
+
+import reprlib
+from typing import Any
+
+from fxrewrite.patterns import PATTERNS, Pattern
+
+OPTIONS = frozenset({"patterns", "example_inputs"})
+
+
+def checked(opts: dict[str, Any]) -> tuple[tuple, tuple[tuple, dict] | None]:
+    """(pattern classes, example inputs as (args tuple, kwargs dict) or None) from `optimize`'s keyword options.
+
+    TypeError for an unknown option, ``patterns`` that is not an iterable of `fxrewrite.patterns.Pattern`
+    subclasses (a string such as ``"qkv"`` included), or ``example_inputs`` that is not an ``(args, kwargs)`` pair
+    of a tuple/list and a dict; each message names the value it got.
+    """
+    unknown = set(opts) - OPTIONS
+    if unknown:
+        raise TypeError(f"unknown optimize option(s) {sorted(unknown)}; expected one of {sorted(OPTIONS)}")
+    return _patterns(opts.get("patterns", PATTERNS)), _example_inputs(opts.get("example_inputs"))
+
+
+def _is_pattern(p) -> bool:
+    return isinstance(p, Pattern) or (isinstance(p, type) and issubclass(p, Pattern))
+
+
+def _patterns(patterns) -> tuple:
+    items = tuple(patterns) if isinstance(patterns, (tuple, list)) else None  # "qkv" is one bad value, not three
+    bad = [p for p in items if not _is_pattern(p)] if items is not None else [patterns]
+    if bad:
+        raise TypeError("optimize(patterns=...) expects a tuple of fxrewrite.patterns.Pattern subclasses, e.g. "
+                        "fxrewrite.patterns.PATTERNS (the default); "
+                        f"got {reprlib.repr(bad[0])} ({type(bad[0]).__name__})")
+    return items
+
+
+def _example_inputs(example_inputs) -> tuple[tuple, dict] | None:
+    if example_inputs is None:
+        return None
+    pair = isinstance(example_inputs, (tuple, list)) and len(example_inputs) == 2
+    if not (pair and isinstance(example_inputs[0], (tuple, list)) and isinstance(example_inputs[1], dict)):
+        raise TypeError("optimize(example_inputs=...) expects (args, kwargs): a tuple of model.forward's positional "
+                        "inputs and a dict of its keyword inputs, e.g. ((input_ids,), {}); "
+                        f"got {reprlib.repr(example_inputs)}")
+    return tuple(example_inputs[0]), dict(example_inputs[1])
