@@ -2,10 +2,10 @@
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (SSE when
 `stream` is true, ending with `data: [DONE]`), POST /v1/embeddings (runner "pooling" only; the others
-then answer 400), POST /v1/tokenize, POST /v1/detokenize, GET /health,
+then answer 400), POST /tokenize, POST /detokenize (vLLM's paths; also under /v1), GET /health,
 GET /metrics (Prometheus), GET /version.
-With an API key, every /v1 route needs `Authorization: Bearer <key>` (compared in constant time);
-/health, /metrics and /version stay open, as in vLLM.
+With an API key, every /v1 route, /tokenize and /detokenize need `Authorization: Bearer <key>` (compared in
+constant time); /health, /metrics and /version stay open, as in vLLM.
 """
 
 from __future__ import annotations
@@ -63,8 +63,14 @@ class RequestLogger:
                          request_id, text, ids, params)
 
 
+def _needs_key(path: str) -> bool:
+    """/v1 routes, and /tokenize and /detokenize: vLLM leaves those open, but they render chat templates
+    (a request's own with --trust-request-chat-template), so a key guards them as it guards /v1/tokenize."""
+    return path.startswith("/v1") or path in ("/tokenize", "/detokenize")
+
+
 class APIKeyMiddleware:
-    """ASGI middleware: /v1 requests without `Authorization: Bearer <api_key>` get a 401.
+    """ASGI middleware: requests to guarded paths (`_needs_key`) without `Authorization: Bearer <api_key>` get a 401.
 
     Plain ASGI (not BaseHTTPMiddleware) so that streaming responses and disconnects pass through.
     """
@@ -74,7 +80,7 @@ class APIKeyMiddleware:
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and _needs_key(scope["path"]):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self._expected):
                 message = "missing API key" if not given else "invalid API key"
@@ -186,10 +192,13 @@ def _add_routes(app: FastAPI, engine: LLMEngine, names: list[str], completion: O
         _check_generates(engine, "Chat Completions")
         return await chat.create_chat_completion(request, raw_request)
 
+    # vLLM's paths are /tokenize and /detokenize; the /v1 ones are kept for this server's earlier clients.
+    @app.post("/tokenize")
     @app.post("/v1/tokenize")
     async def create_tokenize(request: TokenizeRequest):
         return JSONResponse((await tokenize(chat, request)).model_dump())
 
+    @app.post("/detokenize")
     @app.post("/v1/detokenize")
     async def create_detokenize(request: DetokenizeRequest):
         return JSONResponse((await detokenize(chat, request)).model_dump())

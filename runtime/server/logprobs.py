@@ -1,4 +1,7 @@
-"""Engine logprobs (`list[dict[token_id, Logprob]]`, one dict per generated token) in OpenAI's shapes."""
+"""Engine logprobs (`list[dict[token_id, Logprob]]`, one dict per generated token) in OpenAI's shapes.
+
+`as_ids` (vLLM's `return_tokens_as_token_ids`) names each token "token_id:<id>" instead of its text, so a client
+recovers the exact ids (a text that is not valid UTF-8 on its own, or that several ids share, cannot say them)."""
 
 from __future__ import annotations
 
@@ -7,25 +10,28 @@ from typing import Any
 from fxrewrite.runtime.server.protocol_responses import ChatLogProbs, CompletionLogProbs, TokenLogprob, TopLogprob
 
 
-def _token_text(tokenizer: Any, token_id: int, entry: Any) -> str:
+def _token_text(tokenizer: Any, token_id: int, entry: Any, as_ids: bool = False) -> str:
+    if as_ids:
+        return f"token_id:{token_id}"
     if entry is not None and getattr(entry, "decoded_token", None) is not None:
         return entry.decoded_token
     return tokenizer.decode([token_id])
 
 
-def _top(tokenizer: Any, step: dict, num_top: int) -> list[tuple[str, float]]:
+def _top(tokenizer: Any, step: dict, num_top: int, as_ids: bool = False) -> list[tuple[str, float]]:
     """The `num_top` most likely tokens of one step as (text, logprob), best first."""
     ranked = sorted(step.items(), key=lambda kv: -kv[1].logprob)[:num_top]
-    return [(_token_text(tokenizer, tid, lp), float(lp.logprob)) for tid, lp in ranked]
+    return [(_token_text(tokenizer, tid, lp, as_ids), float(lp.logprob)) for tid, lp in ranked]
 
 
-def _top_with_token(tokenizer: Any, step: dict, num_top: int, token_id: int) -> dict[str, float]:
+def _top_with_token(tokenizer: Any, step: dict, num_top: int, token_id: int, as_ids: bool) -> dict[str, float]:
     """Completions' top_logprobs of one position: the `num_top` most likely tokens plus the position's
-    actual token (sampled or prompt) when it is not among them, as OpenAI and vLLM return them."""
-    top = dict(_top(tokenizer, step, num_top))
+    actual token (sampled or prompt) when it is not among them, as OpenAI and vLLM return them (so
+    logprobs=0 gives {token: logprob}, not null)."""
+    top = dict(_top(tokenizer, step, num_top, as_ids))
     entry = step.get(token_id)
     if entry is not None:
-        top.setdefault(_token_text(tokenizer, token_id, entry), float(entry.logprob))
+        top.setdefault(_token_text(tokenizer, token_id, entry, as_ids), float(entry.logprob))
     return top
 
 
@@ -37,7 +43,7 @@ def _steps(choice: Any, tok_start: int, tok_end: int):
 
 
 def completion_logprobs(tokenizer: Any, choice: Any, tok_start: int, tok_end: int, num_top: int,
-                        text_offset: int = 0) -> CompletionLogProbs | None:
+                        text_offset: int = 0, as_ids: bool = False) -> CompletionLogProbs | None:
     """Legacy-completions logprobs of tokens [tok_start, tok_end); offsets count from `text_offset`."""
     if choice.logprobs is None:
         return None
@@ -46,32 +52,32 @@ def completion_logprobs(tokenizer: Any, choice: Any, tok_start: int, tok_end: in
     for token_id, step in _steps(choice, tok_start, tok_end):
         entry = step.get(token_id)
         text = _token_text(tokenizer, token_id, entry)
-        out.tokens.append(text)
+        out.tokens.append(_token_text(tokenizer, token_id, entry, as_ids))
         out.token_logprobs.append(float(entry.logprob) if entry is not None else None)
-        out.top_logprobs.append(_top_with_token(tokenizer, step, num_top, token_id) if num_top > 0 else None)
+        out.top_logprobs.append(_top_with_token(tokenizer, step, num_top, token_id, as_ids))
         out.text_offset.append(offset)
         offset += len(text)
     return out
 
 
 def chat_logprobs(tokenizer: Any, choice: Any, tok_start: int, tok_end: int,
-                  num_top: int) -> ChatLogProbs | None:
+                  num_top: int, as_ids: bool = False) -> ChatLogProbs | None:
     """Chat-completions logprobs (`content` list) of tokens [tok_start, tok_end)."""
     if choice.logprobs is None:
         return None
     content = []
     for token_id, step in _steps(choice, tok_start, tok_end):
         entry = step.get(token_id)
-        text = _token_text(tokenizer, token_id, entry)
+        text = _token_text(tokenizer, token_id, entry, as_ids)
         top = [TopLogprob(token=t, logprob=lp, bytes=list(t.encode("utf-8")))
-               for t, lp in _top(tokenizer, step, num_top)]
+               for t, lp in _top(tokenizer, step, num_top, as_ids)]
         content.append(TokenLogprob(token=text, logprob=float(entry.logprob) if entry is not None else -9999.0,
                                     bytes=list(text.encode("utf-8")), top_logprobs=top))
     return ChatLogProbs(content=content)
 
 
 def echo_logprobs(tokenizer: Any, prompt_token_ids: tuple[int, ...], prompt_logprobs: tuple | None,
-                  num_top: int) -> CompletionLogProbs:
+                  num_top: int, as_ids: bool = False) -> CompletionLogProbs:
     """Legacy-completions logprobs of the prompt itself (echo): the first token has none (None), each
     later one its logprob given the tokens before it, as lm-eval's loglikelihood requests read them."""
     out = CompletionLogProbs()
@@ -80,9 +86,9 @@ def echo_logprobs(tokenizer: Any, prompt_token_ids: tuple[int, ...], prompt_logp
         step = prompt_logprobs[j] if prompt_logprobs is not None else None
         entry = step.get(token_id) if step else None
         text = _token_text(tokenizer, token_id, entry)
-        out.tokens.append(text)
+        out.tokens.append(_token_text(tokenizer, token_id, entry, as_ids))
         out.token_logprobs.append(float(entry.logprob) if entry is not None else None)
-        out.top_logprobs.append(_top_with_token(tokenizer, step, num_top, token_id) if step and num_top > 0 else None)
+        out.top_logprobs.append(_top_with_token(tokenizer, step, num_top, token_id, as_ids) if step else None)
         out.text_offset.append(offset)
         offset += len(text)
     return out

@@ -35,7 +35,7 @@ _SEED_RANGE = {"ge": -(2**63), "le": 2**63 - 1}
 
 # OpenAI / vLLM fields this server does not implement: a request that sets them gets a 400
 # rather than an answer that silently ignores them. Value: the setting that means "off".
-UNSUPPORTED_FIELDS = {"functions": [], "suffix": "", "logits_processors": []}
+UNSUPPORTED_FIELDS = {"functions": [], "suffix": "", "logits_processors": [], "use_beam_search": False}
 
 
 def random_id(prefix: str) -> str:
@@ -118,6 +118,7 @@ class ErrorResponse(OpenAIBaseModel):
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 class JsonSchemaFormat(OpenAIBaseModel):
@@ -170,6 +171,8 @@ class SamplingRequest(RequestModel):
     logit_bias: dict[str, StrictFloat] | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: RequestInt | None = Field(None, ge=0)
+    return_tokens_as_token_ids: StrictBool = False  # logprobs name tokens "token_id:<id>"
+    truncate_prompt_tokens: RequestInt | None = Field(None, ge=-1)  # keep the prompt's last k tokens (-1: the context)
     # structured outputs: OpenAI's response_format, vLLM's guided_* fields and their new name
     response_format: ResponseFormat | None = None
     guided_json: str | dict | None = None
@@ -210,6 +213,10 @@ class SamplingRequest(RequestModel):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def continuous_usage(self) -> bool:
+        """Every chunk's `usage`: the prompt's tokens and its choice's tokens so far (vLLM's rule)."""
+        return self.include_usage() and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(SamplingRequest):

@@ -15,6 +15,11 @@ class UsageInfo(OpenAIBaseModel):
     completion_tokens: int = 0
     total_tokens: int = 0
 
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
 
 class ChoiceEnd(OpenAIBaseModel):
     """Why a choice stopped: OpenAI's finish_reason, and vLLM's stop_reason (the stop string or token id)."""

@@ -67,6 +67,7 @@ class OpenAIServingChat(OpenAIServing):
         model = self.model_name(request.model)
         structured = self._check_tools(request)
         token_ids = await self.async_tokenizer.run(self.apply_chat_template, request)  # off the event loop
+        token_ids = self.truncate_prompt(request, token_ids)
         explicit = bool({"max_tokens", "max_completion_tokens"} & request.model_fields_set)
         max_tokens = self.max_tokens_for(request, len(token_ids), explicit)
         num_top = (request.top_logprobs or 0) if request.logprobs else None
@@ -77,7 +78,7 @@ class OpenAIServingChat(OpenAIServing):
         request_id = random_id("chatcmpl")
         ids, streams = await self.start_requests(request_id, [(token_ids, params)], logprobs_field="top_logprobs")
         if request.stream:
-            return EventStreamResponse(self._stream(request, model, request_id, ids, streams[0]),
+            return EventStreamResponse(self._stream(request, model, request_id, ids, streams[0], len(token_ids)),
                                        on_close=lambda: self.abort_all(ids))
         try:
             (final,) = await cancel_on_disconnect(final_outputs(streams), raw_request)
@@ -168,7 +169,8 @@ class OpenAIServingChat(OpenAIServing):
         for c in outs:
             logprobs = None
             if request.logprobs:
-                logprobs = chat_logprobs(self.tokenizer, c, 0, len(c.token_ids), request.top_logprobs or 0)
+                logprobs = chat_logprobs(self.tokenizer, c, 0, len(c.token_ids), request.top_logprobs or 0,
+                                         request.return_tokens_as_token_ids)
             content, calls = parse_output(request, c.text, self.tool_parser)
             message = ChatResponseMessage(content=content, tool_calls=calls)
             choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs,
@@ -180,14 +182,16 @@ class OpenAIServingChat(OpenAIServing):
         return response
 
     async def _stream(self, request: ChatCompletionRequest, model: str, request_id: str, ids: list[str],
-                      stream: AsyncIterator[StepOutput]) -> AsyncIterator[str]:
+                      stream: AsyncIterator[StepOutput], num_prompt_tokens: int) -> AsyncIterator[str]:
         created = int(time.time())
         tracker = DeltaTracker()  # the engine already holds back a possible stop string's prefix
         tools = ToolStream(request, self.tool_parser)
         last = None
 
-        def chunk(choice: ChatStreamChoice) -> str:
-            body = ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice])
+        def chunk(choice: ChatStreamChoice, num_tokens: int = 0) -> str:
+            usage = UsageInfo.of(num_prompt_tokens, num_tokens) if request.continuous_usage() else None
+            body = ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice],
+                                                usage=usage)
             return sse(body.model_dump_json())
 
         try:
@@ -204,14 +208,14 @@ class OpenAIServingChat(OpenAIServing):
                     logprobs = None
                     if request.logprobs:
                         logprobs = chat_logprobs(self.tokenizer, d.choice, d.tok_start, d.tok_end,
-                                                 request.top_logprobs or 0)
+                                                 request.top_logprobs or 0, request.return_tokens_as_token_ids)
                     deltas = deltas or [DeltaMessage()]
                     for j, delta in enumerate(deltas):
                         end = d.finished and j == len(deltas) - 1
                         yield chunk(ChatStreamChoice(
                             index=d.choice.index, delta=delta, logprobs=logprobs if j == 0 else None,
                             finish_reason=tools.finish_reason(d.choice) if end else None,
-                            stop_reason=d.choice.stop_reason if end else None))
+                            stop_reason=d.choice.stop_reason if end else None), len(d.choice.token_ids))
             if request.include_usage() and last is not None:
                 body = ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
                                                     usage=_usage(last))

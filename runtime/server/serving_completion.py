@@ -36,7 +36,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, request: CompletionRequest, raw_request: Request):
         model = self.model_name(request.model)
-        prompts = [await self._encode(p) for p in request.prompts()]
+        prompts = [await self._encode(request, p) for p in request.prompts()]
         explicit = "max_tokens" in request.model_fields_set
         # echo + logprobs: the prompt's own logprobs come first (lm-eval's loglikelihood requests).
         echo_lp = request.logprobs if request.echo and request.logprobs is not None else None
@@ -60,12 +60,14 @@ class OpenAIServingCompletion(OpenAIServing):
         response = self._response(request, model, request_id, finals, echo_texts)
         return JSONResponse(response.model_dump())
 
-    async def _encode(self, prompt: str | list[int]) -> tuple[str, list[int]]:
-        """(prompt text, prompt token ids), off the event loop; token-id prompts are range-checked and
-        decoded for echo."""
+    async def _encode(self, request: CompletionRequest, prompt: str | list[int]) -> tuple[str, list[int]]:
+        """(prompt text, prompt token ids), off the event loop; token-id prompts are range-checked, and they
+        and truncated prompts (`truncate_prompt_tokens`) decoded for echo."""
         if isinstance(prompt, str):
-            return prompt, await self.async_tokenizer.encode(prompt)
-        token_ids = self.check_token_ids(list(prompt))
+            token_ids = await self.async_tokenizer.encode(prompt)
+            kept = self.truncate_prompt(request, token_ids)
+            return (prompt if len(kept) == len(token_ids) else await self.async_tokenizer.decode(kept)), kept
+        token_ids = self.truncate_prompt(request, self.check_token_ids(list(prompt)))
         return await self.async_tokenizer.decode(token_ids), token_ids
 
     def _choices(self, request: CompletionRequest, prompt_index: int, output: StepOutput,
@@ -77,11 +79,12 @@ class OpenAIServingCompletion(OpenAIServing):
         for c in outs:
             logprobs = None
             if request.logprobs is not None:
+                as_ids = request.return_tokens_as_token_ids
                 logprobs = None if prompt_only else completion_logprobs(
-                    self.tokenizer, c, 0, len(c.token_ids), request.logprobs, len(echo_text))
+                    self.tokenizer, c, 0, len(c.token_ids), request.logprobs, len(echo_text), as_ids)
                 if request.echo:
                     prompt_part = echo_logprobs(self.tokenizer, output.prompt_token_ids, output.prompt_logprobs,
-                                                request.logprobs)
+                                                request.logprobs, as_ids)
                     logprobs = concat_logprobs(prompt_part, logprobs)
             choices.append(CompletionChoice(
                 index=prompt_index * request.n + c.index, text=echo_text + ("" if prompt_only else c.text),
@@ -114,17 +117,21 @@ class OpenAIServingCompletion(OpenAIServing):
                     text = echo + d.text
                     logprobs = None
                     if request.logprobs is not None:
+                        as_ids = request.return_tokens_as_token_ids
                         logprobs = completion_logprobs(self.tokenizer, d.choice, d.tok_start, d.tok_end,
-                                                       request.logprobs, d.text_start + len(echo_texts[i]))
+                                                       request.logprobs, d.text_start + len(echo_texts[i]), as_ids)
                         if request.echo and d.is_first:
                             logprobs = concat_logprobs(echo_logprobs(
-                                self.tokenizer, output.prompt_token_ids, output.prompt_logprobs, request.logprobs),
-                                logprobs)
+                                self.tokenizer, output.prompt_token_ids, output.prompt_logprobs, request.logprobs,
+                                as_ids), logprobs)
                     choice = CompletionChoice(
                         index=i * request.n + d.choice.index, text=text, logprobs=logprobs,
                         finish_reason=d.choice.finish_reason if d.finished else None,
                         stop_reason=d.choice.stop_reason if d.finished else None)
-                    chunk = CompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice])
+                    usage = (UsageInfo.of(output.num_prompt_tokens, len(d.choice.token_ids))
+                             if request.continuous_usage() else None)
+                    chunk = CompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice],
+                                                     usage=usage)
                     yield sse(chunk.model_dump_json())
             if request.include_usage():
                 chunk = CompletionStreamResponse(id=request_id, created=created, model=model, choices=[],

@@ -18,6 +18,7 @@ from typing import Literal
 
 import numpy as np
 from fastapi import Request
+from pydantic import Field
 
 from fxrewrite.runtime.engine.pooling import PoolingParams
 from fxrewrite.runtime.server.errors import OpenAIError
@@ -31,6 +32,7 @@ class EmbeddingRequest(RequestModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: RequestInt | None = None
     user: str | None = None
+    truncate_prompt_tokens: RequestInt | None = Field(None, ge=-1)  # vLLM's: keep each input's last k tokens
 
 
 class EmbeddingData(OpenAIBaseModel):
@@ -73,7 +75,7 @@ class OpenAIServingEmbedding(OpenAIServing):
             raise OpenAIError(HTTPStatus.BAD_REQUEST, f"dimensions={request.dimensions} is not supported: the "
                               "model has no Matryoshka (truncatable) embeddings; leave dimensions unset",
                               param="dimensions", code="invalid_value")
-        prompts = await self.async_tokenizer.run(self._prompts, request.input)
+        prompts = await self.async_tokenizer.run(self._prompts, request)
         request_id = random_id("embd")
         params = PoolingParams()
         ids, streams = await self.start_requests(request_id, [(p, params) for p in prompts])
@@ -91,8 +93,10 @@ class OpenAIServingEmbedding(OpenAIServing):
         return EmbeddingResponse(id=request_id, created=int(time.time()), model=model, data=data,
                                  usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
 
-    def _prompts(self, given) -> list[list[int]]:
-        """Token ids per input; 400 naming the input for an empty one or one over max_model_len."""
+    def _prompts(self, request: EmbeddingRequest) -> list[list[int]]:
+        """Token ids per input (truncated as `truncate_prompt_tokens` says); 400 naming the input for an empty
+        one or one over max_model_len."""
+        given = request.input
         if isinstance(given, str) or (isinstance(given, list) and given and isinstance(given[0], int)):
             given = [given]
         if not given:
@@ -102,6 +106,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         for i, item in enumerate(given):
             where = "input" if len(given) == 1 else f"input[{i}]"
             ids = list(self.tokenizer.encode(item)) if isinstance(item, str) else self.check_token_ids(item, where)
+            ids = self.truncate_prompt(request, ids)
             if not ids:
                 raise OpenAIError(HTTPStatus.BAD_REQUEST, f"{where} is empty: at least 1 token is needed",
                                   param="input", code="invalid_value")

@@ -68,6 +68,19 @@ class OpenAIServing:
                               f"[0, {self.vocab_size})", param=param.split("[")[0], code="invalid_value")
         return token_ids
 
+    def truncate_prompt(self, request: SamplingRequest, token_ids: list[int]) -> list[int]:
+        """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens (-1: the last max_model_len); a 400 for
+        0 (an empty prompt) or more than max_model_len (vLLM's refusal)."""
+        k = request.truncate_prompt_tokens
+        if k is None:
+            return token_ids
+        k = self.max_model_len if k == -1 else k
+        if not 1 <= k <= self.max_model_len:
+            raise OpenAIError(HTTPStatus.BAD_REQUEST, f"truncate_prompt_tokens={k} must be -1 or in [1, "
+                              f"{self.max_model_len}] (max_model_len)", param="truncate_prompt_tokens",
+                              code="invalid_value")
+        return token_ids[-k:]
+
     def max_tokens_for(self, request: SamplingRequest, num_prompt_tokens: int, explicit: bool) -> int:
         """The number of tokens to generate, checked against max_model_len and the KV cache (400s naming them).
 

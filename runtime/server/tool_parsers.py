@@ -31,7 +31,9 @@ def _call(obj, arguments_key: str) -> ParsedToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     arguments = obj.get(arguments_key, obj.get("arguments", obj.get("parameters", {})))
-    return ParsedToolCall(obj["name"], arguments if isinstance(arguments, str) else json.dumps(arguments))
+    if not isinstance(arguments, str):  # as vLLM's parsers: "Zürich" stays as written, not "Z\u00fcrich"
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return ParsedToolCall(obj["name"], arguments)
 
 
 class ToolParser:

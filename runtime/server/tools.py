@@ -41,6 +41,25 @@ def _parameters(tool) -> dict[str, Any]:
     return tool.function.parameters or {"type": "object", "properties": {}}
 
 
+def _hoist_defs(parameters: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Each tool's parameters without their `$defs`, and those definitions gathered: a `#/$defs/X` reference
+    points at the root of the schema it is written in, which is the list schema once the parameters are wrapped
+    in it (vLLM hoists them the same way). 400 when two tools define one name differently."""
+    stripped, defs = [], {}
+    for params in parameters:
+        own = params.get("$defs")
+        if not isinstance(own, dict):  # none, or not a mapping: the schema compiler names what is wrong
+            stripped.append(params)
+            continue
+        for name, schema in own.items():
+            if defs.setdefault(name, schema) != schema:
+                raise OpenAIError(HTTPStatus.BAD_REQUEST, f"tools define '$defs/{name}' differently; tool_choice "
+                                  "'required' puts every tool's $defs in one schema", param="tools",
+                                  code="invalid_value")
+        stripped.append({k: v for k, v in params.items() if k != "$defs"})
+    return stripped, defs
+
+
 def forced_tool_outputs(request: ChatCompletionRequest) -> StructuredOutputsParams | None:
     """The constraint that forces a valid call for tool_choice required / named (None otherwise)."""
     mode = tool_mode(request)
@@ -50,10 +69,13 @@ def forced_tool_outputs(request: ChatCompletionRequest) -> StructuredOutputsPara
         return StructuredOutputsParams(json=_parameters(tool), disable_any_whitespace=True)
     if mode != "required":
         return None
+    parameters, defs = _hoist_defs([_parameters(t) for t in request.tools])
     items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
-                                               "parameters": _parameters(t)},
-              "required": ["name", "parameters"]} for t in request.tools]
+                                               "parameters": p},
+              "required": ["name", "parameters"]} for t, p in zip(request.tools, parameters)]
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    if defs:
+        schema["$defs"] = defs
     if request.parallel_tool_calls is False:
         schema["maxItems"] = 1
     return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
@@ -72,7 +94,7 @@ def parse_output(request: ChatCompletionRequest, text: str, parser: ToolParser |
     if mode == "required":
         try:
             objs = json.loads(text)
-            calls = [ParsedToolCall(o["name"], json.dumps(o["parameters"])) for o in objs]
+            calls = [ParsedToolCall(o["name"], json.dumps(o["parameters"], ensure_ascii=False)) for o in objs]
         except (json.JSONDecodeError, KeyError, TypeError):  # cut short by max_tokens: keep the text
             return text, []
         return None, to_tool_calls(calls)

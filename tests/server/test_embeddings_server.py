@@ -74,6 +74,19 @@ def test_embeddings_float_and_base64(pooling_server, tiny_model_dir):
     assert len(many.data) == 2 and one.usage.prompt_tokens == len(ids[0])
 
 
+def test_truncate_prompt_tokens_embeds_each_inputs_last_tokens(pooling_server):
+    """vLLM's `truncate_prompt_tokens`: each input's last k tokens are embedded (-1: the last max_model_len, so an
+    input over the context is embedded rather than refused)."""
+    long_ids = list(range(1, MAX_LEN + 6))
+    with pooling_server.http() as http:
+        cut = http.post("/v1/embeddings", json={"input": [long_ids, [7, 8, 9]], "truncate_prompt_tokens": 2}).json()
+        tail = http.post("/v1/embeddings", json={"input": [long_ids[-2:], [8, 9]]}).json()
+        whole = http.post("/v1/embeddings", json={"input": long_ids, "truncate_prompt_tokens": -1}).json()
+    assert cut["usage"]["prompt_tokens"] == 4 and whole["usage"]["prompt_tokens"] == MAX_LEN, (cut, whole)
+    for got, want in zip(cut["data"], tail["data"]):
+        np.testing.assert_allclose(got["embedding"], want["embedding"], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("body, status, words", [
     ({"input": []}, 400, "input is empty"),
     ({"input": [[]]}, 400, "input is empty"),

@@ -99,7 +99,7 @@ def test_delta_tracker_holds_back_stop_prefixes():
 
 @pytest.mark.parametrize(
     "fields",
-    [{"functions": [{"name": "f"}]}, {"suffix": "x"}, {"tools": [{"type": "function"}]},
+    [{"functions": [{"name": "f"}]}, {"suffix": "x"}, {"use_beam_search": True}, {"tools": [{"type": "function"}]},
      {"response_format": {"type": "json_schema"}}, {"best_of": 1, "n": 2}, {"logit_bias": {"a": 5}},
      {"logit_bias": {"1": 500}}, {"seed": 2**64}, {"tool_choice": "required"},
      {"tools": [{"function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}],
@@ -111,7 +111,7 @@ def test_unsupported_or_invalid_fields_are_refused_not_ignored(fields):
 
 def test_off_values_of_unsupported_fields_and_unknown_extras_pass():
     r = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], logit_bias={}, best_of=1,
-                              response_format={"type": "text"}, some_client_extra=1)
+                              use_beam_search=False, response_format={"type": "text"}, some_client_extra=1)
     assert r.model_extra["some_client_extra"] == 1
 
 

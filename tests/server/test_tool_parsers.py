@@ -11,6 +11,8 @@ from fxrewrite.runtime.server.tool_parsers import (
     get_tool_parser,
     parser_for_template,
 )
+from fxrewrite.runtime.server.protocol import ChatCompletionRequest
+from fxrewrite.runtime.server.tools import parse_output
 
 
 def _calls(parsed):
@@ -57,3 +59,15 @@ def test_parser_picked_by_template():
     with pytest.raises(ValueError, match="not one of"):
         get_tool_parser("nope", None)
     assert isinstance(get_tool_parser("mistral", None), MistralToolParser)
+
+
+def test_arguments_keep_non_ascii_text_as_written():
+    """Arguments are re-serialised with ensure_ascii=False, as vLLM's parsers do: "Zürich", not "Z\\u00fcrich"."""
+    text = '<tool_call>\n{"name": "f", "arguments": {"city": "Zürich ☀"}}\n</tool_call>'
+    assert HermesToolParser().parse(text)[1][0].arguments == '{"city": "Zürich ☀"}'
+    mistral = MistralToolParser().parse('[TOOL_CALLS][{"name": "f", "arguments": {"q": "日本"}}]')
+    assert mistral[1][0].arguments == '{"q": "日本"}'
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tool_choice="required",
+                                    tools=[{"type": "function", "function": {"name": "f"}}])
+    _, calls = parse_output(request, '[{"name": "f", "parameters": {"city": "Zürich"}}]', None)
+    assert calls[0].function.arguments == '{"city": "Zürich"}'

@@ -134,6 +134,31 @@ def test_required_tool_choice(server):
             json.loads(call.function.arguments)
 
 
+# As pydantic writes a nested model: `#/$defs/...` points at the root of the parameters schema.
+DEFS_TOOL = {"type": "function", "function": {"name": "book", "parameters": {
+    "type": "object", "properties": {"place": {"$ref": "#/$defs/Place"}}, "required": ["place"],
+    "additionalProperties": False, "$defs": {"Place": {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}},
+                                                       "required": ["tz"], "additionalProperties": False}}}}}
+
+
+def test_required_tool_choice_takes_parameters_with_defs(server):
+    """tool_choice "required" wraps each tool's parameters in a list schema, so their `$defs` move to its root
+    (as vLLM does), where the parameters' references find them; the tool in the request is left as it was."""
+    tools = [DEFS_TOOL, TOOLS[1]]
+    out = _chat(server, tools=tools, temperature=1.0, seed=3, tool_choice="required", max_tokens=200,
+                parallel_tool_calls=False)  # one call: a random model may list calls until max_tokens
+    calls = out.choices[0].message.tool_calls
+    assert out.choices[0].finish_reason == "tool_calls" and calls, out.choices[0]
+    for call in calls:
+        schema = next(t for t in tools if t["function"]["name"] == call.function.name)["function"]["parameters"]
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+    clash = {"type": "function", "function": {"name": "other", "parameters": {
+        "type": "object", "properties": {"p": {"$ref": "#/$defs/Place"}}, "$defs": {"Place": {"type": "string"}}}}}
+    with pytest.raises(openai.BadRequestError, match="Place") as e:
+        _chat(server, tools=[DEFS_TOOL, clash], tool_choice="required")
+    assert e.value.param == "tools"
+
+
 FORCED_HERMES = r'Sure\.\n<tool_call>\n\{"name": "get_time", "arguments": \{"tz": "(UTC|CET)"\}\}\n</tool_call>'
 
 
