@@ -10,6 +10,12 @@ original_max_position_embeddings). L is per token when the serving engine sets i
 transformers' max(positions) + 1 of the call. Both are chosen with `torch.where`, never a host sync.
 Unlike transformers' stateful module (which keeps a grown dynamic base until a batch falls back
 below max_position_embeddings), the result depends on these positions (and lengths) only.
+
+Positions past the cache: the serving engine sizes the cache to cover its max_model_len (`cover_positions`:
+its positions are bounded, so the cache is read directly and handed to the kernels). Anywhere else (training,
+`generate` after `fxrewrite.optimize`, packed position ids) nothing bounds them, so cos/sin are computed from
+the inverse frequencies for the given positions, as transformers computes them (the same float32 ops as the
+cache), and no position can index past it.
 """
 
 from __future__ import annotations
@@ -89,21 +95,35 @@ class RotaryEmbedding(nn.Module):
         self.is_neox_style = is_neox_style
         self.dtype = dtype or torch.float32
         self.max_cache_len = _cache_length(max_position_embeddings, self.rope_parameters)
+        self.positions_bounded = False
+        """True once `cover` promised every position < max_cache_len (the serving engine): the cache is then
+        read directly; else cos/sin are computed for the positions given (nothing indexes past the cache)."""
         self.attention_scaling = 1.0
         self.register_buffer("cos_sin_cache", torch.empty(0, device=device), persistent=False)
+        self.register_buffer("inv_freq", torch.empty(0, device=device), persistent=False)
         if self.rope_type == "longrope":
             self.register_buffer("long_cos_sin_cache", torch.empty(0, device=device), persistent=False)
+            self.register_buffer("long_inv_freq", torch.empty(0, device=device), persistent=False)
         self.rebuild_cache(device)
 
     def rebuild_cache(self, device: torch.device | str | None = None) -> None:
         """(Re)compute the cache on `device` (default: where the buffer lives), e.g. after to_empty()."""
         device = device if device is not None else self.cos_sin_cache.device
-        inv_freq, self.attention_scaling = self._inv_freq(None, device)
-        self.cos_sin_cache = _cos_sin_cache(inv_freq, self.attention_scaling, self.max_cache_len)
+        self.inv_freq, self.attention_scaling = self._inv_freq(None, device)
+        self.cos_sin_cache = _cos_sin_cache(self.inv_freq, self.attention_scaling, self.max_cache_len)
         if self.rope_type == "longrope":
             original = self.rope_parameters["original_max_position_embeddings"]
-            long_inv_freq, _ = self._inv_freq(original + 1, device)
-            self.long_cos_sin_cache = _cos_sin_cache(long_inv_freq, self.attention_scaling, self.max_cache_len)
+            self.long_inv_freq, _ = self._inv_freq(original + 1, device)
+            self.long_cos_sin_cache = _cos_sin_cache(self.long_inv_freq, self.attention_scaling, self.max_cache_len)
+
+    def cover(self, max_positions: int) -> None:
+        """Promise that every position is < `max_positions` (the serving engine's max_model_len), growing the
+        cache when it is shorter (positions past max_position_embeddings rotate as transformers rotates them).
+        From then on the cache is read directly, by the table path and the fused kernels alike."""
+        if max_positions > self.max_cache_len:
+            self.max_cache_len = int(max_positions)
+            self.rebuild_cache()
+        self.positions_bounded = True
 
     def _inv_freq(self, seq_len, device) -> tuple[torch.Tensor, float]:
         return compute_inv_freq(self.rope_parameters, self.rotary_dim, self.max_position_embeddings, seq_len, device)
@@ -113,13 +133,20 @@ class RotaryEmbedding(nn.Module):
         if positions.numel() == 0:
             return self.cos_sin_cache.new_empty(*positions.shape, self.rotary_dim)
         if self.rope_type not in ("dynamic", "longrope"):
-            return self.cos_sin_cache[positions]
+            return self._rows(positions, self.cos_sin_cache, self.inv_freq)
         seq_len = get_rope_lengths(positions)  # per token; else transformers' one length for the call
         seq_len = positions.max() + 1 if seq_len is None else seq_len[..., None]
         if self.rope_type == "dynamic":
             return self._dynamic_cos_sin(positions, seq_len)
         original = self.rope_parameters["original_max_position_embeddings"]
-        return torch.where(seq_len > original, self.long_cos_sin_cache[positions], self.cos_sin_cache[positions])
+        return torch.where(seq_len > original, self._rows(positions, self.long_cos_sin_cache, self.long_inv_freq),
+                           self._rows(positions, self.cos_sin_cache, self.inv_freq))
+
+    def _rows(self, positions: torch.Tensor, cache: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+        """The cache's rows at `positions` where `cover` bounded them, else the same values computed."""
+        if self.positions_bounded:
+            return cache[positions]
+        return _cos_sin_at(positions, inv_freq, self.attention_scaling)
 
     def _dynamic_cos_sin(self, positions: torch.Tensor, seq_len: torch.Tensor) -> torch.Tensor:
         """Dynamic NTK: the base follows seq_len (a scalar, or [*positions.shape, 1]) once it passes
@@ -150,11 +177,12 @@ class RotaryEmbedding(nn.Module):
         """`dtype` [max_cache_len, 2 * rotary_dim]: row p is get_cos_sin's cos then sin at position p (cast
         from the float32 cache, so the same values). Built once per dtype and cache buffer, at inference
         only; None while autograd records or torch.compile traces, for the length-dependent types (their rows
-        depend on the batch), and during a CUDA graph capture before it exists (a table built there would
+        depend on the batch), until `cover` bounds the positions, and during a CUDA graph capture before it exists (a table built there would
         hold nothing until the graph replays). For neox, columns [rotary_dim/2, 3 * rotary_dim/2) of a row
         are the cos half then the sin half: `cos_sin_cache`'s layout (the rotary kernels' table), in `dtype`.
         """
-        if torch.is_grad_enabled() or torch.compiler.is_compiling() or self.rope_type in ("dynamic", "longrope"):
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or self.rope_type in ("dynamic", "longrope") \
+                or not self.positions_bounded:
             return None
         source = self.cos_sin_cache
         if source.is_meta:
@@ -189,7 +217,7 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """fxrewrite.kernels.rotary (Triton on CUDA, in place; torch reference elsewhere)."""
-        if self.rope_type in ("dynamic", "longrope"):  # batch-dependent: this batch's rows as the cache
+        if self.rope_type in ("dynamic", "longrope") or not self.positions_bounded:  # this batch's rows as the cache
             flat = positions.flatten()
             cache = self._cos_sin_cat(flat)
             positions = torch.arange(flat.numel(), device=flat.device)
@@ -217,6 +245,15 @@ class RotaryEmbedding(nn.Module):
             f"max_position={self.max_position_embeddings}, is_neox_style={self.is_neox_style}, "
             f"attention_scaling={self.attention_scaling:.6g}"
         )
+
+
+def cover_positions(model: nn.Module, max_positions: int) -> int:
+    """`RotaryEmbedding.cover(max_positions)` for every rotary module in `model` (the serving engine, before
+    its warm-up and CUDA graphs: their kernels read the cache directly). Returns how many were covered."""
+    ropes = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
+    for rope in ropes:
+        rope.cover(max_positions)
+    return len(ropes)
 
 
 def get_rope(

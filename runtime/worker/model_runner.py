@@ -12,6 +12,7 @@ from fxrewrite.kernels import gemv_dispatch, paged_decode, pdl
 from fxrewrite.kernels.batch_invariant import batch_invariant_mode
 from fxrewrite.layers.rope_context import rope_lengths
 from fxrewrite.layers.fused_moe import prepare_moe_router
+from fxrewrite.layers.rotary import cover_positions
 from fxrewrite.layers.skinny import prepare_skinny_gemv
 from fxrewrite.runtime.model_files.quantization import (
     check_fp8_checkpoint_tensors,
@@ -161,6 +162,7 @@ class ModelRunner:
         self.pipeline = pipeline_stage_of_this_rank()
         watchdog.phase("building the model")
         self.model = build_model(config, model_config, self.device, self.pipeline)
+        cover_positions(self.model, model_config.max_model_len)  # rope caches read directly, up to max_model_len
         if self.pipeline is not None:
             self.pipeline.allocate(max(config.max_num_batched_tokens, config.max_num_seqs), model_config.hidden_size,
                                    model_config.dtype, self.device)

@@ -212,3 +212,17 @@ def test_partly_frozen_models_train_like_stock(model, frozen):
         {n for n, p in stock.named_parameters() if p.requires_grad}
     refused = [r for _, p, r in fxrewrite.explain(fused).skipped() if p == "qkv"]
     assert bool(refused) == (frozen("q_proj.weight") != frozen("k_proj.weight")), refused
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_positions_past_max_position_embeddings_match_stock(arch):
+    """A sequence longer than max_position_embeddings, and packed position ids far past it: stock computes
+    cos/sin for any position, so the optimized model must too (it raised IndexError on the rotary cache)."""
+    stock = tiny_model(arch, max_position_embeddings=16).train()
+    fused = fxrewrite.optimize(copy.deepcopy(stock)).train()
+    ids = torch.randint(3, 96, (1, 24), generator=torch.Generator().manual_seed(1))
+    assert_same_training_step(stock, fused, ids, ids.clone())
+    packed = torch.cat([torch.arange(12), torch.arange(500, 512)])[None]
+    assert_same_training_step(stock, fused, ids, ids.clone(), position_ids=packed)
+    with torch.no_grad():
+        torch.testing.assert_close(fused.eval()(ids).logits, stock.eval()(ids).logits, rtol=1e-5, atol=1e-5)

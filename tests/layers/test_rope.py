@@ -225,6 +225,9 @@ def test_inference_table_gives_the_same_cos_sin(dtype, is_neox_style):
     want = rope.get_cos_sin(positions, dtype)  # autograd on: computed per call, no table
     assert rope.cos_sin_table(dtype) is None
     with torch.inference_mode():
+        assert rope.cos_sin_table(dtype) is None  # nothing bounds the positions yet (not the engine)
+    rope.cover(max_pos)
+    with torch.inference_mode():
         got = rope.get_cos_sin(positions, dtype)
         table = rope.cos_sin_table(dtype)
     assert table.shape == (rope.max_cache_len, 2 * rope.rotary_dim) and table.dtype == dtype
@@ -239,3 +242,30 @@ def test_inference_table_gives_the_same_cos_sin(dtype, is_neox_style):
     dynamic = get_rope(64, 128, {"rope_type": "dynamic", "factor": 2.0})
     with torch.no_grad():
         assert dynamic.cos_sin_table(torch.float32) is None
+
+
+@pytest.mark.parametrize("rope_type", ["default", "yarn", "linear", "llama3", "longrope"])
+def test_positions_past_the_cache_rotate_as_transformers(rope_type):
+    """Nothing bounds the positions outside the engine (training, generate after optimize, packed position ids):
+    cos/sin past max_position_embeddings (and past the scaled length) are transformers' own, not an IndexError;
+    `cover` grows the cache to the engine's length with the same values."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    params, max_pos = random_rope(rope_type, 64, 1.0, 3)
+    config = LlamaConfig(hidden_size=64 * 4, num_attention_heads=4, head_dim=64, max_position_embeddings=max_pos,
+                         rope_parameters=params)
+    hf = LlamaRotaryEmbedding(config)
+    rope = get_rope(64, max_pos, config.rope_parameters)
+    far = rope.max_cache_len + 37
+    positions = torch.tensor([[0, 3, max_pos - 1, far - 1, far]])
+    x = torch.zeros(1, 5, 64)
+    want = hf(x, positions)
+    got = rope.get_cos_sin(positions, torch.float32)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+    rope.cover(far + 1)
+    assert rope.max_cache_len == far + 1 and rope.cos_sin_cache.shape[0] == far + 1
+    with torch.inference_mode():
+        bounded = rope.get_cos_sin(positions, torch.float32)
+    assert all(torch.equal(b, g) for b, g in zip(bounded, got))
