@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import socket
 
 from fxrewrite.commands.engine_args import add_engine_arguments, engine_kwargs
@@ -19,7 +20,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer <key>' on /v1 routes")
+                        help="require 'Authorization: Bearer <key>' on /v1 routes, /tokenize and /detokenize")
+    for flag, what in (("--allowed-origins", "origins"), ("--allowed-methods", "methods"),
+                       ("--allowed-headers", "headers")):
+        parser.add_argument(flag, type=_json_strings(flag), default=["*"],
+                            help=f'CORS: allowed {what}, a JSON list (default ["*"], as vLLM)')
+    parser.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="name(s) clients use in 'model' (default: MODEL as given, or the default model's hub id)")
     parser.add_argument("--chat-template", default=None,
@@ -38,6 +44,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug", "trace"))
     add_engine_arguments(parser)
+
+
+def _json_strings(flag: str):
+    """argparse type: a JSON list of strings, else an error naming `flag` and the value."""
+    def parse(text: str) -> list[str]:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: expected a JSON list of strings, e.g. "
+                                             '\'["https://example.com"]\'')
+        return value
+    return parse
 
 
 def build_server_app(args: argparse.Namespace):
@@ -62,7 +82,9 @@ def build_server_app(args: argparse.Namespace):
     app = build_app(engine, served_model_names=names, api_key=args.api_key, generation_defaults=defaults,
                     chat_template=chat_template, tool_parser=tool_parser,
                     log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
-                    trust_request_chat_template=args.trust_request_chat_template)
+                    trust_request_chat_template=args.trust_request_chat_template,
+                    cors={"allow_origins": args.allowed_origins, "allow_credentials": args.allow_credentials,
+                          "allow_methods": args.allowed_methods, "allow_headers": args.allowed_headers})
     return engine, app
 
 

@@ -17,6 +17,7 @@ from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from fxrewrite import __version__
@@ -92,6 +93,13 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+def _add_middleware(app: FastAPI, api_key: str | None, cors: dict[str, Any] | None) -> None:
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if cors is not None:  # added last, so outermost: a browser's preflight is answered before the key check
+        app.add_middleware(CORSMiddleware, **cors)
+
+
 def build_app(
     engine: LLMEngine,
     *,
@@ -103,6 +111,7 @@ def build_app(
     log_requests: bool = False,
     max_log_len: int | None = None,
     trust_request_chat_template: bool = False,
+    cors: dict[str, Any] | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine`; its engine loop runs while the app's lifespan does.
 
@@ -111,7 +120,9 @@ def build_app(
     "auto" (None refuses "auto"). log_requests: log each request's prompt (its first max_log_len
     characters or token ids; all when None) and sampling parameters, as vLLM's --enable-log-requests.
     trust_request_chat_template: a chat request's own `chat_template` is used (else it is a 400), as
-    vLLM's --trust-request-chat-template. Prompts are tokenized in one thread shared by every handler
+    vLLM's --trust-request-chat-template. cors: Starlette `CORSMiddleware` keyword arguments (allow_origins,
+    allow_credentials, allow_methods, allow_headers: vLLM's --allowed-origins ... flags), or None for no CORS
+    headers. Prompts are tokenized in one thread shared by every handler
     (`AsyncTokenizer`), so the event loop (and /health) keeps answering while a long prompt is tokenized.
     """
     names = list(served_model_names or [str(engine.model_config.model)])
@@ -134,8 +145,7 @@ def build_app(
     app.state.metrics = metrics
     app.state.served_model_names = names
     install_error_handlers(app)
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    _add_middleware(app, api_key, cors)
     completion = OpenAIServingCompletion(async_engine, names, generation_defaults, tokenizer)
     chat = OpenAIServingChat(async_engine, names, generation_defaults, tokenizer, chat_template=chat_template,
                              tool_parser=tool_parser, trust_request_chat_template=trust_request_chat_template)

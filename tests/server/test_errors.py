@@ -176,3 +176,29 @@ def test_unknown_model_is_404(server):
 def test_unknown_route_is_404_in_openai_shape(server):
     with server.http() as http:
         _error(http.get("/v1/nothing-here"), 404)
+
+
+def test_cors_preflight_is_answered_before_the_api_key(server):
+    """vLLM's default CORS (--allowed-origins ["*"]): a browser's OPTIONS preflight gets the CORS headers (not a
+    405 or 401), and a keyed request's response carries Access-Control-Allow-Origin."""
+    import httpx
+
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    r = httpx.options(f"{server.base_url}/v1/chat/completions", headers=preflight, timeout=10)
+    assert r.status_code == 200, r.text
+    assert r.headers["access-control-allow-origin"] == "*"
+    assert "POST" in r.headers["access-control-allow-methods"]
+    with server.http() as http:
+        r = http.get("/v1/models", headers={"Origin": "https://app.example"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+
+
+@pytest.mark.parametrize("value", ["*", '{"a": 1}', "[1]", "not json"])
+def test_bad_allowed_origins_names_the_flag(value, capsys):
+    from fxrewrite.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--allowed-origins", value])
+    err = capsys.readouterr().err
+    assert "--allowed-origins" in err and "JSON list of strings" in err
