@@ -226,6 +226,7 @@ class CompletionRequest(SamplingRequest):
     max_tokens: RequestInt | None = Field(16, ge=0)  # OpenAI's default; 0 with echo returns the prompt alone
     logprobs: RequestInt | None = Field(None, ge=0)  # the engine's max_logprobs (--max-logprobs) is the limit
     echo: StrictBool = False
+    add_special_tokens: StrictBool = True  # vLLM's: the tokenizer's BOS etc. around a text prompt
 
     @model_validator(mode="after")
     def _check_prompt(self):
@@ -339,6 +340,7 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: StrictBool = False
     top_logprobs: RequestInt | None = Field(None, ge=0)  # as logprobs
     add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool = False  # vLLM's: the template writes BOS; True adds the tokenizer's on top
     continue_final_message: StrictBool = False  # vLLM's: leave the last (assistant) message open to continue it
     chat_template: str | None = None
     """vLLM's: this request's chat template (text); used only with --trust-request-chat-template."""

@@ -157,8 +157,8 @@ class OpenAIServingChat(OpenAIServing):
             where = "the request's chat_template" if own else "chat template"
             raise OpenAIError(HTTPStatus.BAD_REQUEST, f"{where} failed: {error}",
                               param="chat_template" if own else "messages", code="invalid_value") from None
-        # The template already wrote the special tokens (BOS etc.); do not add them twice.
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        # The template already wrote the special tokens (BOS etc.): added again only when asked (vLLM's field).
+        return list(self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens))
 
     def _response(self, request: ChatCompletionRequest, model: str, request_id: str,
                   final: StepOutput) -> ChatCompletionResponse:

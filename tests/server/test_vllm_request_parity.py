@@ -171,3 +171,30 @@ def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(server, pat
     assert seen == {0: 4, 1: 4}
     plain = _chunks(_post(server, path, request | {"stream_options": {"include_usage": True}}))
     assert all(c["usage"] is None for c in plain[:-1])
+
+
+def test_add_special_tokens_is_passed_to_the_tokenizer(server, monkeypatch):
+    """vLLM's add_special_tokens: completions default True (the tokenizer's BOS around a text prompt), chat
+    default False (the template wrote them); either way the request's value reaches the tokenizer. The tiny
+    tokenizer adds nothing, so a stand-in adds one token (id 1) when asked."""
+    tokenizer = server.engine.tokenizer
+    encode = tokenizer.encode
+
+    def with_bos(text, *args, add_special_tokens=True, **kwargs):
+        ids = list(encode(text, *args, add_special_tokens=False, **kwargs))
+        return [1] + ids if add_special_tokens else ids
+
+    monkeypatch.setattr(tokenizer, "encode", with_bos)
+
+    def prompt_tokens(path, body):
+        with server.http() as http:
+            r = http.post(path, json={"model": server.model_name, "max_tokens": 1, **body})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    completion = {"prompt": "hello there"}
+    assert prompt_tokens("/v1/completions", completion) == \
+        prompt_tokens("/v1/completions", completion | {"add_special_tokens": False}) + 1
+    chat = {"messages": [{"role": "user", "content": "hello there"}]}
+    assert prompt_tokens("/v1/chat/completions", chat | {"add_special_tokens": True}) == \
+        prompt_tokens("/v1/chat/completions", chat) + 1
