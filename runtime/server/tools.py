@@ -100,6 +100,8 @@ def parse_output(request: ChatCompletionRequest, text: str, parser: ToolParser |
         return None, to_tool_calls(calls)
     if mode == "auto" and parser is not None:
         content, calls = parser.parse(text)
+        if request.parallel_tool_calls is False:  # as vLLM: the model's first call only
+            calls = calls[:1]
         return content, to_tool_calls(calls)
     return text, []
 

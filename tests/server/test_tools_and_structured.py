@@ -185,6 +185,24 @@ def test_auto_tool_choice_parses_the_models_hermes_call(server, stream):
     assert finish == "tool_calls"
 
 
+TWO_HERMES_CALLS = (r'<tool_call>\n\{"name": "get_time", "arguments": \{"tz": "UTC"\}\}\n</tool_call>\n'
+                    r'<tool_call>\n\{"name": "get_time", "arguments": \{"tz": "CET"\}\}\n</tool_call>')
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("parallel", [True, False])
+def test_auto_tool_choice_keeps_one_call_without_parallel_tool_calls(server, stream, parallel):
+    """Two calls in the model's text: both returned, or only the first with parallel_tool_calls=false (vLLM)."""
+    out = _chat(server, tools=TOOLS, stream=stream, temperature=1.0, parallel_tool_calls=parallel,
+                extra_body={"guided_regex": TWO_HERMES_CALLS})
+    if stream:
+        zones = [json.loads(d.function.arguments)["tz"] for chunk in out for c in chunk.choices
+                 for d in c.delta.tool_calls or []]
+    else:
+        zones = [json.loads(c.function.arguments)["tz"] for c in out.choices[0].message.tool_calls]
+    assert zones == (["UTC", "CET"] if parallel else ["UTC"])
+
+
 def test_tool_messages_and_null_content_replay(server):
     messages = MESSAGES + [
         {"role": "assistant", "content": None, "tool_calls": [
