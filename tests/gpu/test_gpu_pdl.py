@@ -29,6 +29,11 @@ def _replay(fn, monkeypatch, pdl: str):
     """fn()'s outputs from a CUDA graph captured with FXREWRITE_PDL=pdl (after one eager warm-up call)."""
     monkeypatch.setenv("FXREWRITE_PDL", pdl)
     assert pdl_enabled("cuda") == (pdl == "on")
+    return _captured(fn)
+
+
+def _captured(fn):
+    """fn()'s outputs from a CUDA graph of it, replayed twice after one eager warm-up call."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -166,14 +171,7 @@ def test_fp8_gemv_triggering_its_dependents_equals_without(monkeypatch):
     assert pdl.fp8_gemv_pdl("cuda") == (False, True)
     want = _replay(chain, monkeypatch, "off")
     monkeypatch.setenv("FXREWRITE_PDL", "auto")
-    chain()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = chain()
-    graph.replay()
-    torch.cuda.synchronize()
-    for got, expected in zip(outs, want):
+    for got, expected in zip(_captured(chain), want):
         assert torch.equal(got, expected)
 
 
