@@ -75,7 +75,7 @@ class HermesToolParser(ToolParser):
             if call is None:
                 return text, []
             calls.append(call)
-        content = text[: text.find(self.start)].strip()
+        content = text[: text.find(self.start)]  # unstripped, as vLLM (and as the stream sent it)
         return content or None, calls
 
 
@@ -125,7 +125,7 @@ class MistralToolParser(ToolParser):
         calls = [_call(o, "arguments") for o in objs]
         if not calls or any(c is None for c in calls):
             return text, []
-        return text[:idx].strip() or None, calls
+        return text[:idx] or None, calls
 
 
 TOOL_PARSERS = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)}
