@@ -30,10 +30,8 @@ from fxrewrite.layers.sdpa_causal import SDPA_CAUSAL, use_sdpa_causal
 from fxrewrite.optimizer_state import HF_NAMES_ATTR
 from fxrewrite.patterns import Context, Match, Refusal
 from fxrewrite.meta_memo import MetaMemo, memoized, with_parameters
-from fxrewrite.report import ClassReport, FusionReport, GroupReport
+from fxrewrite.report import REPORT_ATTR as _REPORT_ATTR, ClassReport, FusionReport, GroupReport, explain
 from fxrewrite.signature import BOUND_ATTR, HOOK_DICTS, input_key, instance_forward, structure_key
-
-_REPORT_ATTR = "_fxrewrite_report"
 
 
 def optimize(model: nn.Module, **opts) -> nn.Module:
@@ -124,14 +122,6 @@ def _replacing_holder(model: nn.Module, path: str) -> tuple[str, nn.Module] | No
         if type(holder).__module__.startswith("fxrewrite."):
             return path, holder
     return None
-
-
-def explain(model: nn.Module) -> FusionReport:
-    """The `FusionReport` of a model passed through `optimize`. ValueError if it was not."""
-    report = getattr(model, _REPORT_ATTR, None)
-    if report is None:
-        raise ValueError(f"{type(model).__name__} has not been passed through fxrewrite.optimize")
-    return report
 
 
 def _optimize_groups(cls, instances, records, names, memo, patterns, ctx, entry: ClassReport, model) -> None:

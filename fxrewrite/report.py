@@ -5,6 +5,11 @@ from __future__ import annotations
 import dataclasses
 import textwrap
 
+from torch import nn
+
+REPORT_ATTR = "_fxrewrite_report"
+"""The attribute of an optimized model holding its `FusionReport`."""
+
 
 @dataclasses.dataclass
 class ClassReport:
@@ -108,3 +113,16 @@ def format_table(rows: list[tuple[str, ...]], max_widths: tuple[int, ...]) -> li
 def _wrap(cell: str, width: int) -> list[str]:
     return [part for line in cell.split("\n")
             for part in ([line] if len(line) <= width else textwrap.wrap(line, width, break_on_hyphens=False) or [line])]
+
+
+def explain(model: nn.Module) -> FusionReport:
+    """The `FusionReport` of a model passed through `optimize`. TypeError for a non-module (a path: the CLI's
+    `fxrewrite explain MODEL` takes those), ValueError for a module `optimize` has not seen."""
+    if not isinstance(model, nn.Module):
+        hint = " (for a model folder or hub id use the CLI: fxrewrite explain MODEL)" if isinstance(model, str) else ""
+        raise TypeError(f"explain expects the nn.Module fxrewrite.optimize returned, got {type(model).__name__} "
+                        f"{model!r:.80}{hint}")
+    report = getattr(model, REPORT_ATTR, None)
+    if report is None:
+        raise ValueError(f"{type(model).__name__} has not been passed through fxrewrite.optimize")
+    return report

@@ -7,7 +7,7 @@ import logging
 import threading
 from typing import Any
 
-from fxrewrite.errors import UserInputError, check_unicode, is_integer
+from fxrewrite.errors import UserInputError
 from fxrewrite.runtime.engine.block_manager import BlockManager
 from fxrewrite.runtime.engine.detokenizer import (
     IncrementalDetokenizer,
@@ -19,6 +19,7 @@ from fxrewrite.runtime.engine.detokenizer import (
 from fxrewrite.runtime.engine_config import EngineConfig
 from fxrewrite.runtime.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from fxrewrite.runtime.engine.pooling import pooled_rows, pooling_output, split_params
+from fxrewrite.runtime.engine.prompts import tokenize_prompt, truncate_prompt
 from fxrewrite.runtime.engine.rl import EngineRLMixin
 from fxrewrite.runtime.engine.micro_batches import MicroBatchQueue
 from fxrewrite.runtime.engine.rope_lengths import length_dependent_rope
@@ -107,7 +108,8 @@ class LLMEngine(EngineRLMixin):
         self._check_awake()
         if request_id in self.requests:
             raise UserInputError(f"request_id {request_id!r} is already in use")
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids = tokenize_prompt(self.tokenizer, self.model_config.vocab_size, prompt)
+        token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, self.model_config.max_model_len)
         self._check_request(token_ids, params)
         compiled = self.compile_structured_outputs(params)
         request = Request(request_id, text, token_ids, params, next(self._arrivals), pooling, final_only)
@@ -133,25 +135,6 @@ class LLMEngine(EngineRLMixin):
                 self._structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                            self.eos_token_ids, max_rows=self.config.max_num_seqs)
         return self._structured.compile(params.structured_outputs)
-
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(check_unicode(prompt, "prompt"))
-            text = prompt
-        elif isinstance(prompt, (list, tuple)) and all(is_integer(t) for t in prompt):
-            token_ids, text = [int(t) for t in prompt], None
-            vocab = self.model_config.vocab_size
-            bad = [t for t in token_ids if not 0 <= t < vocab]
-            if bad:
-                raise UserInputError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
-        elif isinstance(prompt, (list, tuple)):
-            i, bad = next((i, t) for i, t in enumerate(prompt) if not is_integer(t))
-            raise UserInputError(f"prompt token ids must be ints: element {i} is {type(bad).__name__} {bad!r}")
-        else:
-            raise UserInputError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not token_ids:
-            raise UserInputError("prompt is empty: at least 1 token is needed")
-        return text, token_ids
 
     def _check_request(self, token_ids: list[int], params: SamplingParams) -> None:
         max_len, vocab = self.model_config.max_model_len, self.model_config.vocab_size

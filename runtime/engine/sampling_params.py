@@ -14,7 +14,7 @@ _GREEDY_EPS = 1e-5
 _SEED_RANGE = (-(2**63), 2**63 - 1)  # what torch.Generator.manual_seed takes
 _NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _INTEGERS = ("n", "top_k", "min_tokens")
-_OPTIONAL_INTEGERS = ("max_tokens", "logprobs", "prompt_logprobs", "seed")  # None allowed
+_OPTIONAL_INTEGERS = ("max_tokens", "logprobs", "prompt_logprobs", "seed", "truncate_prompt_tokens")  # None allowed
 
 
 @dataclass
@@ -62,6 +62,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """Number of top logprobs to return per prompt token (the prompt's own token always included);
     the first prompt token has none. A request asking for it skips the prefix cache."""
+    truncate_prompt_tokens: int | None = None
+    """vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len); at most max_model_len."""
     logit_bias: dict[int, float] | None = None
     """{token_id: bias} added to the logits before sampling (OpenAI's logit_bias, in [-100, 100])."""
     allowed_token_ids: list[int] | None = None
@@ -144,6 +146,8 @@ class SamplingParams:
             (self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs, "at least 0"),
             (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs", self.prompt_logprobs,
              "at least 0"),
+            (self.truncate_prompt_tokens in (None, -1) or self.truncate_prompt_tokens >= 1, "truncate_prompt_tokens",
+             self.truncate_prompt_tokens, "-1 or at least 1"),
             (self.seed is None or _SEED_RANGE[0] <= self.seed <= _SEED_RANGE[1], "seed", self.seed,
              f"in [{_SEED_RANGE[0]}, {_SEED_RANGE[1]}]"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,

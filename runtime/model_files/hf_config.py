@@ -350,11 +350,12 @@ def derive_max_model_len(
     return int(derived), key
 
 
-def verify_max_model_len(max_model_len: int | None, derived: int, key: str) -> int:
+def verify_max_model_len(max_model_len: int | None, derived: int, key: str, model_len: int | None = None) -> int:
     """Return `max_model_len` (the derived length when None) after checking it against `derived`.
 
     Raises ValueError when it exceeds `derived`, unless FXREWRITE_ALLOW_LONG_MAX_MODEL_LEN=1 or
-    VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, which log and warn instead.
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, which log and warn instead. `model_len`: the model config's own limit
+    (`derive_max_model_len` without the tokenizer), which the warning names when only the tokenizer's is passed.
     """
     if max_model_len is None:
         return derived
@@ -368,13 +369,13 @@ def verify_max_model_len(max_model_len: int | None, derived: int, key: str) -> i
         f"{key.removeprefix('tokenizer ')})."
     )
     if any(os.environ.get(name, "").strip().lower() in ("1", "true") for name in ALLOW_LONG_ENV_VARS):
-        warnings.warn(
-            f"{msg} Proceeding because {ALLOW_LONG_ENV_VARS[0]}=1: positions past {derived} give NaN or "
-            "garbage with RoPE and out-of-range indices with absolute position embeddings.",
-            UserWarning,
-            stacklevel=3,
-        )  # a warning only: a log line too would print the same news twice
-        return max_model_len
+        limit = model_len if model_len is not None and key.startswith("tokenizer ") else derived
+        risk = (f"the model config's own positions reach {limit} (only the tokenizer's limit is passed)"
+                if max_model_len <= limit else
+                f"positions past {limit} give NaN or garbage with RoPE and out-of-range indices with absolute "
+                "position embeddings")
+        warnings.warn(f"{msg} Proceeding because {ALLOW_LONG_ENV_VARS[0]}=1: {risk}.", UserWarning, stacklevel=3)
+        return max_model_len  # a warning only: a log line too would print the same news twice
     # scaling RoPE extends the model's positions, not a limit the tokenizer config sets
     advice = ", or scale RoPE (hf_overrides rope_parameters) to extend the context"
     if key.startswith("tokenizer "):

@@ -34,6 +34,7 @@ def spawn_workers(entry, args: tuple, nprocs: int):
     and arguments are this package's)."""
     import torch.multiprocessing as mp
 
+    check_not_bootstrapping()
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     hide = isinstance(path, str) and not os.path.isfile(path)
@@ -44,6 +45,20 @@ def spawn_workers(entry, args: tuple, nprocs: int):
     finally:
         if hide:
             main.__file__ = path
+
+
+def check_not_bootstrapping() -> None:
+    """UserInputError when called while a spawned process imports its parent's script (as `__mp_main__`): the
+    script starts workers at top level, so every worker would start workers again; Python's own message for it
+    does not name the fix."""
+    import multiprocessing
+
+    main = sys.modules.get("__main__")  # `_inheriting`: what multiprocessing's own bootstrapping check reads
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise UserInputError(f"{getattr(main, '__file__', 'the script')} started worker processes from a worker "
+                             "process: the workers (tensor / pipeline / data parallelism) import the script that "
+                             "starts them, so put the code that creates the LLM under "
+                             "`if __name__ == \"__main__\":`")
 
 
 class _Processes:

@@ -43,3 +43,12 @@ def test_good_options_still_work():
     ids = torch.zeros(1, 4, dtype=torch.long)
     model = fxrewrite.optimize(tiny_model("llama"), patterns=list(PATTERNS[:3]), example_inputs=([ids], {}))
     assert fxrewrite.explain(model).applied_patterns() == ["qkv", "rms_norm", "rotary"]
+
+
+def test_explain_of_something_that_is_not_a_module_is_a_type_error():
+    with pytest.raises(TypeError, match="explain expects the nn.Module fxrewrite.optimize returned, got int 5"):
+        fxrewrite.explain(5)
+    with pytest.raises(TypeError, match="use the CLI: fxrewrite explain MODEL"):
+        fxrewrite.explain("/no/such")
+    with pytest.raises(ValueError, match="Linear has not been passed through fxrewrite.optimize"):
+        fxrewrite.explain(torch.nn.Linear(2, 2))

@@ -16,3 +16,20 @@ def test_workers_start_under_a_main_module_that_is_no_file(monkeypatch):
         pass
     assert [p.exitcode for p in context.processes] == [0]
     assert main.__file__ == "<stdin>"  # put back
+
+
+def test_a_script_without_the_main_guard_gets_the_fix_named(tmp_path):
+    """A script starting workers at top level: each spawned worker imports it as `__mp_main__` and reaches the
+    start again; that worker stops with an error naming `if __name__ == "__main__":` (Python's own bootstrapping
+    message does not)."""
+    import subprocess
+
+    script = tmp_path / "no_guard.py"
+    script.write_text("import operator\n"
+                      "from fxrewrite.runtime.worker.worker_processes import spawn_workers\n"
+                      "context = spawn_workers(operator.add, (0,), 1)\n"
+                      "context.join(timeout=120)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "started worker processes from a worker process" in done.stderr
+    assert 'if __name__ == "__main__":' in done.stderr

@@ -221,6 +221,13 @@ def test_derivation_rules():
     with pytest.raises(UserInputError, match=r"\(from the tokenizer config: model_max_length=1000\)") as tok:
         verify_max_model_len(2000, *derive_max_model_len(cfg, tokenizer_model_max_length=1000))
     assert "to extend the context" not in str(tok.value)  # RoPE scaling does not lift the tokenizer's limit
+    with pytest.MonkeyPatch.context() as mp:  # allowed: past the tokenizer's limit only is not "garbage"
+        mp.setenv("FXREWRITE_ALLOW_LONG_MAX_MODEL_LEN", "1")
+        with pytest.warns(UserWarning, match="model config's own positions reach 4096") as caught:
+            assert verify_max_model_len(2000, *derive_max_model_len(cfg, tokenizer_model_max_length=1000), 4096) == 2000
+        assert "garbage" not in str(caught[0].message)
+        with pytest.warns(UserWarning, match="positions past 4096 give NaN or garbage"):
+            verify_max_model_len(5000, *derive_max_model_len(cfg, tokenizer_model_max_length=1000), 4096)
     with pytest.raises(UserInputError, match=r"\(from the model config: max_position_embeddings=4096\).*scale RoPE"):
         verify_max_model_len(5000, *derive_max_model_len(cfg))
     cfg.max_seq_len = 3000  # the minimum over the length keys wins

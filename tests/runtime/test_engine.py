@@ -366,3 +366,23 @@ def test_lone_surrogate_in_a_prompt_is_a_clear_error_and_the_engine_keeps_servin
     with pytest.raises(ValueError, match=r"conversation 0: .*lone UTF-16 surrogate \(U\+DFFF\)"):
         qwen3_llm.chat([{"role": "user", "content": "x\udfff"}], params, use_tqdm=False)
     assert len(qwen3_llm.generate(["a\U0001F600b"], params, use_tqdm=False)[0].outputs[0].token_ids) == 2
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(qwen3_llm):
+    """vLLM's SamplingParams.truncate_prompt_tokens: the prompt's last k tokens are what the model sees (the
+    same greedy tokens as those k given alone); -1 keeps max_model_len; more than max_model_len, 0 or -2 are
+    errors naming the value."""
+    ids = list(range(100, 140))
+    kept = qwen3_llm.generate([ids], SamplingParams(max_tokens=4, temperature=0, truncate_prompt_tokens=7),
+                              use_tqdm=False)[0]
+    alone = qwen3_llm.generate([ids[-7:]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0]
+    assert kept.prompt_token_ids == ids[-7:] and kept.outputs[0].token_ids == alone.outputs[0].token_ids
+    whole = qwen3_llm.generate([ids], SamplingParams(max_tokens=1, truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert whole.prompt_token_ids == ids
+    limit = qwen3_llm.llm_engine.model_config.max_model_len
+    with pytest.raises(ValueError, match=f"truncate_prompt_tokens={limit + 1} must be at most max_model_len"):
+        qwen3_llm.generate([ids], SamplingParams(truncate_prompt_tokens=limit + 1), use_tqdm=False)
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match=f"truncate_prompt_tokens={bad} must be -1 or at least 1"):
+            SamplingParams(truncate_prompt_tokens=bad)
+    assert_no_leak(qwen3_llm)

@@ -1,0 +1,40 @@
+"""A request's prompt as token ids: a text is tokenized, token ids are range-checked, and SamplingParams'
+`truncate_prompt_tokens` keeps the last k (vLLM's offline field; the OpenAI server applies the same rule)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fxrewrite.errors import UserInputError, check_unicode, is_integer
+
+
+def tokenize_prompt(tokenizer: Any, vocab_size: int, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    """(the prompt's text or None for token ids, its token ids). UserInputError naming the bad value: a token
+    id outside [0, vocab_size), a non-int element, another prompt type, an empty prompt, invalid unicode."""
+    if isinstance(prompt, str):
+        token_ids = tokenizer.encode(check_unicode(prompt, "prompt"))
+        text = prompt
+    elif isinstance(prompt, (list, tuple)) and all(is_integer(t) for t in prompt):
+        token_ids, text = [int(t) for t in prompt], None
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise UserInputError(f"prompt token id {bad[0]} is out of range [0, {vocab_size})")
+    elif isinstance(prompt, (list, tuple)):
+        i, bad = next((i, t) for i, t in enumerate(prompt) if not is_integer(t))
+        raise UserInputError(f"prompt token ids must be ints: element {i} is {type(bad).__name__} {bad!r}")
+    else:
+        raise UserInputError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    if not token_ids:
+        raise UserInputError("prompt is empty: at least 1 token is needed")
+    return text, token_ids
+
+
+def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """The prompt's last `keep` tokens (-1: max_model_len; None: all of them). UserInputError for a `keep`
+    above max_model_len."""
+    if keep is None:
+        return token_ids
+    if keep > max_model_len:
+        raise UserInputError(f"SamplingParams: truncate_prompt_tokens={keep} must be at most "
+                             f"max_model_len={max_model_len} (or -1 for max_model_len)")
+    return token_ids[-(max_model_len if keep == -1 else keep):]
