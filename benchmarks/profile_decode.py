@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     result["hf_overrides"] = args.hf_overrides
     args.out.mkdir(parents=True, exist_ok=True)
     block = (args.hf_overrides or {}).get("quantization_config")
-    fp8 = ("-fp8" if args.quantization else "-fp8-block" if block else "") + (f"-kv{args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else "")
+    fp8 = "-fp8" if args.quantization else "-fp8-block" if block else ""
+    fp8 += f"-kv{args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""
     path = args.out / f"{result['date']}-{result['config']}-{args.arm}{fp8}-b{args.batch}-decode-profile.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{args.config} {args.arm} batch {args.batch}: graph {result['graph_replay_ms']} ms, eager "

@@ -31,8 +31,8 @@ prefetching before its wait (2026-12-03) Qwen3-30B-A3B 338.5 -> 359.8 tokens/s, 
 Qwen3-32B 61.2 -> 61.7, but Qwen3-32B on 128 x 128 block-scaled FP8 weights 97.1 -> 94.9 (every GEMV the FP8 one):
 so under ``auto`` the FP8 GEMV launches plainly. It still triggers its dependents (2026-12-04, one call, FP8 GEMV
 plain / launched with PDL / plain but triggering: 97.7 / 94.1 / 99.1 tokens/s; with PDL and 128 prefetch bytes 95.0
-in the next call: the early launch, not the prefetch, costs). tests/gpu/test_gpu_pdl.py (kernel chains in captured graphs,
-whole bf16 Qwen3 / Qwen3-MoE engines) gives bitwise the outputs with and without PDL.
+in the next call: the early launch, not the prefetch, costs). tests/gpu/test_gpu_pdl.py (kernel chains in captured
+graphs, whole bf16 Qwen3 / Qwen3-MoE engines) gives bitwise the outputs with and without PDL.
 """
 
 from __future__ import annotations

@@ -177,8 +177,8 @@ class RotaryEmbedding(nn.Module):
         """`dtype` [max_cache_len, 2 * rotary_dim]: row p is get_cos_sin's cos then sin at position p (cast
         from the float32 cache, so the same values). Built once per dtype and cache buffer, at inference
         only; None while autograd records or torch.compile traces, for the length-dependent types (their rows
-        depend on the batch), until `cover` bounds the positions, and during a CUDA graph capture before it exists (a table built there would
-        hold nothing until the graph replays). For neox, columns [rotary_dim/2, 3 * rotary_dim/2) of a row
+        depend on the batch), until `cover` bounds the positions, and during a CUDA graph capture before it
+        exists (a table built there would hold nothing until the graph replays). For neox, columns [rotary_dim/2, 3 * rotary_dim/2) of a row
         are the cos half then the sin half: `cos_sin_cache`'s layout (the rotary kernels' table), in `dtype`.
         """
         if torch.is_grad_enabled() or torch.compiler.is_compiling() or self.rope_type in ("dynamic", "longrope") \
