@@ -21,11 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxrewrite.weights import _sizes, shard_map
+from fxrewrite.weights import HF_NAMES_ATTR, _sizes, shard_map
 
 __all__ = ["optimizer_state_dict", "HF_NAMES_ATTR"]
 
-HF_NAMES_ATTR = "_fxrewrite_hf_param_names"
 
 
 def _fused_parts(model: nn.Module) -> dict[str, list[str]]:

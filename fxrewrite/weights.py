@@ -22,6 +22,7 @@ from fxrewrite.errors import UserInputError
 
 _SHARDS = "_fxrewrite_shards"
 _HOOKED = "_fxrewrite_hf_hooks"
+_ORDERED = "_fxrewrite_stock_order_hook"
 
 
 def _join(*parts: str) -> str:
@@ -75,13 +76,33 @@ def _merge_hook(module, state_dict, prefix, local_metadata, strict, missing_keys
                 [state_dict.pop(k) if k in state_dict else r.to(given[0].device) for k, r in zip(keys, rows)], dim=0)
 
 
+HF_NAMES_ATTR = "_fxrewrite_hf_param_names"
+"""On an optimized model: the stock model's parameter names in `named_parameters()` order (set by `optimize`)."""
+
+
+def _stock_order_hook(module, state_dict, prefix, local_metadata) -> None:
+    """The parameters' HF names in the stock model's order (a fused module's parts come out where the fused
+    parameter was registered, after o_proj); keys that are no stock parameter name keep their places."""
+    rank = {prefix + n: i for i, n in enumerate(module.__dict__.get(HF_NAMES_ATTR) or ())}
+    keys = list(state_dict)
+    ranked = iter(sorted((k for k in keys if k in rank), key=rank.__getitem__))
+    values = {k: state_dict.pop(k) for k in keys}
+    for k in keys:
+        key = next(ranked) if k in rank else k
+        state_dict[key] = values[key]
+
+
 def install_hf_name_hooks(model: nn.Module) -> None:
-    """Register the split/merge state-dict hooks on every rewritten module (idempotent)."""
+    """Register the split/merge state-dict hooks on every rewritten module, and on `model` the one putting the
+    names back in the stock order when `optimize` recorded it (idempotent)."""
     for module in model.modules():
         if module.__dict__.get(_SHARDS) and not module.__dict__.get(_HOOKED):
             module.register_state_dict_post_hook(_split_hook)
             module.register_load_state_dict_pre_hook(_merge_hook)
             module.__dict__[_HOOKED] = True
+    if model.__dict__.get(HF_NAMES_ATTR) and not model.__dict__.get(_ORDERED):
+        model.register_state_dict_post_hook(_stock_order_hook)
+        model.__dict__[_ORDERED] = True
 
 
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, loaded_shard_id=None) -> None:

@@ -1,8 +1,10 @@
 """HF-name state dict round trip, both ways, including save_pretrained / from_pretrained."""
 
+import copy
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import transformers as T
 
@@ -75,3 +77,14 @@ def test_partial_state_dict_loads_like_stock():
     with pytest.raises(RuntimeError) as got:
         fused.load_state_dict(_moved(stock.state_dict(), lambda k: "k_proj.bias" not in k))
     assert str(got.value).replace("Qwen2ForCausalLM", "") == str(want.value).replace("Qwen2ForCausalLM", "")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2"])
+def test_state_dict_keys_come_in_the_stock_order(arch):
+    """Not only the same keys: the same order (q/k/v before o_proj, gate/up before down_proj), as code that walks
+    a state dict alongside the stock model's expects."""
+    stock = tiny_model(arch)
+    fused = fxrewrite.optimize(copy.deepcopy(stock))
+    assert list(fused.state_dict()) == list(stock.state_dict())
+    wrapped = torch.nn.ModuleDict({"policy": fused})  # under a prefix too
+    assert list(wrapped.state_dict()) == [f"policy.{k}" for k in stock.state_dict()]
