@@ -84,6 +84,9 @@ class MicroBatchQueue:
             self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
 
     def _fail(self, engine) -> None:
-        """A launch or a result failed (the workers are gone): forget the batches in flight."""
+        """A launch or a result failed (the workers are gone): forget the batches in flight and end every
+        request, freeing its KV blocks, as `LLMEngine.step` does without a pipeline (the batches still in
+        flight had advanced their sequences: their tokens will never come)."""
         self.in_flight.clear()
         engine.scheduler.in_flight.clear()
+        engine._abort_all()

@@ -22,7 +22,8 @@ def moe_sizes(text_config) -> tuple[int | None, int | None, int | None]:
 def check_moe_parallel(model_config, config) -> None:
     """ValueError naming the value when an MoE model cannot run as configured:
     top-k above the expert count; with ``enable_expert_parallel``, an expert count that
-    ``tensor_parallel_size`` does not divide; without it, an expert width that it does not divide.
+    ``tensor_parallel_size`` does not divide; without it, an expert width that it does not divide; either way,
+    a shared expert width (Qwen2-MoE's ``shared_expert_intermediate_size``) that it does not divide.
     ``enable_expert_parallel`` on a model without experts is an error too."""
     experts, top_k, width = moe_sizes(model_config.hf_text_config)
     tp = config.tensor_parallel_size
@@ -43,3 +44,7 @@ def check_moe_parallel(model_config, config) -> None:
     if not config.enable_expert_parallel and isinstance(width, int) and width % tp:
         raise UserInputError(f"tensor_parallel_size={tp} must divide the experts' intermediate size {width} "
                          "(or pass enable_expert_parallel=True)")
+    shared = getattr(model_config.hf_text_config, "shared_expert_intermediate_size", None)
+    if isinstance(shared, int) and shared % tp:  # a dense gated MLP, column-split over TP even under EP
+        raise UserInputError(f"tensor_parallel_size={tp} must divide the shared expert's intermediate size "
+                             f"shared_expert_intermediate_size={shared}")

@@ -12,7 +12,7 @@ Accepted names (the source's own layout decides, nothing is re-fused):
 - Hugging Face names (``...q_proj.weight``): copied into their shard of the fused tensor (the fusion's
   shard table, `fxrewrite.weights.shard_map`, or a native model's ``packed_modules_mapping``);
 - either with the engine wrapper's ``hf_model.`` prefix or torch.compile's ``_orig_mod.`` segments.
-Shapes are always the full (unsharded) ones; each rank takes its slice.
+Shapes are always the full (unsharded) ones; each rank takes its slice, and each pipeline stage its layers.
 """
 
 from __future__ import annotations
@@ -148,9 +148,11 @@ def plan_update(model: nn.Module, metas: list[tuple[str, tuple[int, ...]]], stri
     buffer, another model's head) is skipped and logged as a warning, a parameter without a tensor keeps
     its value; a wrong shape is still an error."""
     table, prefix = target_table(model)
+    # A pipeline stage holds only its decoder layers: another stage's tensors are that stage's to check and copy.
+    other_stages = tuple(prefix + p for p in getattr(model, "pp_dropped_prefixes", ()))
     plan, errors, covered, unexpected = [], [], {}, []
     for name, shape in metas:
-        if any(s in name for s in _SKIPPED):
+        if any(s in name for s in _SKIPPED) or (other_stages and _normalize(name, prefix).startswith(other_stages)):
             plan.append(None)
             continue
         target = table.get(_normalize(name, prefix))

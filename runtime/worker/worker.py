@@ -157,6 +157,22 @@ def rank_model_config(model_config, tp_size: int):
     return dataclasses.replace(model_config, num_key_value_heads=max(1, kv // tp_size))
 
 
+def _agree_over_stages(result, error):
+    """(result, error) of a weight-sync call, the same on every pipeline stage. Only the last stage replies, but
+    each stage checks and writes its own layers' tensors: the first stage's error wins (so no stage copies
+    anything, as with one process), else the result is the union of the parameter names (None for a plan)."""
+    state = distributed.get_state()
+    if state is None or state.pp_size == 1:
+        return result, error
+    gathered = [None] * state.pp_size
+    dist.all_gather_object(gathered, (result, error), group=state.pp_group)
+    errors = [e for _, e in gathered if e is not None]
+    if errors:
+        return None, errors[0]
+    names = [r for r, _ in gathered if r is not None]
+    return (set().union(*names) if names else None), None
+
+
 class Worker:
     """Builds the rank's `ModelRunner` (model shard, KV cache of its heads) and runs steps."""
 
@@ -191,6 +207,8 @@ class Worker:
             error = None
         except Exception as e:  # noqa: BLE001 - reported to the driver, which raises it
             result, error = None, (type(e).__name__, str(e))
+        if msg.method in ("plan_weights", "apply_weights"):
+            result, error = _agree_over_stages(result, error)
         return {"result": result, "error": error, "sleep": self.runner.sleep_status()}
 
     def _apply_weights(self, sizes: list[int], metas: list[tuple[str, tuple, str]], strict: bool) -> set[str]:

@@ -95,3 +95,26 @@ def test_tp2_pp2_transformers_fused_equals_one_process(qwen3_3layers):
         assert llm.llm_engine.micro_batches.max_in_flight == 2
     finally:
         llm.llm_engine.model_runner.shutdown()
+
+
+def test_pp2_load_weights_updates_every_stage_and_bad_input_changes_none(qwen3_3layers, tiny_model_dir):
+    """Each stage holds only its layers: a full model's sync failed ("tensor 'model.layers.0...' matches no
+    parameter": the last stage refused the first stage's tensors), and an error found by another stage than the
+    last (which alone replies) was lost while that stage's plan went unused."""
+    from transformers import AutoModelForCausalLM
+
+    other = str(tiny_model_dir("qwen3", num_hidden_layers=3, num_key_value_heads=1, vocab="smollm2", seed=1))
+    want = generate_tokens(make_llm(other, "native"))
+    llm = make_llm(qwen3_3layers, "native", pipeline_parallel_size=2)
+    try:
+        before = generate_tokens(llm)
+        source = AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32)
+        bad = [(n, t[:-1] if n == "model.layers.0.mlp.down_proj.weight" else t) for n, t in source.state_dict().items()]
+        with pytest.raises(ValueError, match=r"'model.layers.0.mlp.down_proj.weight' has shape \(63, 128\)"):
+            llm.load_weights(bad)  # stage 0's tensor: stage 1 (the replying one) must not copy its own either
+        assert generate_tokens(llm) == before != want
+        names = llm.load_weights(source)
+        assert {"model.layers.0.mlp.down_proj.weight", "model.layers.2.mlp.down_proj.weight"} <= names
+        assert generate_tokens(llm) == want
+    finally:
+        llm.llm_engine.model_runner.shutdown()

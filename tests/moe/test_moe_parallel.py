@@ -113,3 +113,14 @@ def test_bad_moe_settings_fail_before_workers_start(moe_dir, tiny_llama_dir, mon
         make_llm(path, "native", hf_overrides={"num_experts_per_tok": 9})
     with pytest.raises(ValueError, match="enable_expert_parallel=True but the model has no experts"):
         make_llm(str(tiny_llama_dir), "native", enable_expert_parallel=True)
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_shared_expert_width_tp_does_not_divide_fails_before_workers_start(moe_dir, monkeypatch, ep):
+    """Qwen2-MoE's shared expert is a dense gated MLP, column-split over TP ranks with or without expert
+    parallelism: a width of 51 at TP=2 failed inside the workers ("output_sizes[i]=51 is not divisible")."""
+    forbid_worker_start(monkeypatch)
+    path = moe_dir("qwen2_moe", shared_expert_intermediate_size=51)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 must divide the shared expert's intermediate "
+                                         r"size shared_expert_intermediate_size=51"):
+        make_llm(path, "transformers", tensor_parallel_size=2, enable_expert_parallel=ep)

@@ -82,6 +82,10 @@ class _FakeEngine:
     def get_stats(self):
         return {}
 
+    def _abort_all(self):
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            self.scheduler.finish(seq)
+
 
 def test_queue_keeps_depth_batches_in_flight_and_completes_oldest_first():
     sched = Scheduler(BlockManager(64, 4, False), max_num_seqs=8, max_num_batched_tokens=64)
@@ -101,3 +105,24 @@ def test_queue_keeps_depth_batches_in_flight_and_completes_oldest_first():
 def test_depth_must_be_positive():
     with pytest.raises(ValueError, match="depth=0"):
         MicroBatchQueue(0)
+
+
+def test_a_failed_launch_ends_every_request_and_frees_its_blocks():
+    """A launch that raised left the other batch's sequences advanced (tokens that never come) and every
+    request holding its KV blocks; without a pipeline the engine aborts them all."""
+    bm = BlockManager(64, 4, False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    _seqs(sched, 4)
+    engine, queue = _FakeEngine(sched), MicroBatchQueue(2)
+    launch = engine._launch
+
+    def second_fails(sched_out, previous, wait=None):
+        if engine.launched:
+            raise RuntimeError("worker gone")
+        return launch(sched_out, previous, wait)
+
+    engine._launch = second_fails
+    with pytest.raises(RuntimeError, match="worker gone"):
+        queue.step(engine)
+    assert not queue.in_flight and not sched.in_flight
+    assert not sched.running and not sched.waiting and bm.num_free_blocks == 64
