@@ -181,12 +181,17 @@ def test_router_with_relu_scores_is_refused(monkeypatch):
 ])
 def test_granite_style_router_near_misses_are_refused(monkeypatch, topk, softmax, reason):
     """Granite-MoE routes by softmax over the top-k logits; positional dims and smallest-k are read, not assumed."""
+    from transformers import GraniteMoeConfig
     from transformers.models.granitemoe import modeling_granitemoe as mod
+
+    router = mod.GraniteMoeTopKRouter(GraniteMoeConfig(hidden_size=8, num_local_experts=4, num_experts_per_tok=2))
+    index_first = not router(torch.randn(3, 8))[0].is_floating_point()  # transformers 5.17's order
 
     def forward(self, hidden_states):
         logits = torch.nn.functional.linear(hidden_states, self.weight).float()
         values, index = topk(logits, self.top_k)
-        return logits, softmax(values).type_as(hidden_states), index
+        weights = softmax(values).type_as(hidden_states)
+        return (index, weights, logits) if index_first else (logits, weights, index)
 
     assert reason in _near_miss(monkeypatch, mod.GraniteMoeTopKRouter, forward, "granitemoe")
 
