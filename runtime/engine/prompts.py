@@ -30,11 +30,11 @@ def tokenize_prompt(tokenizer: Any, vocab_size: int, prompt: str | list[int]) ->
 
 
 def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
-    """The prompt's last `keep` tokens (-1: max_model_len; None: all of them). UserInputError for a `keep`
-    above max_model_len."""
+    """The prompt's last `keep` tokens (-1: max_model_len; None: all of them). UserInputError for any other
+    `keep` outside [1, max_model_len] (0 would leave an empty prompt)."""
     if keep is None:
         return token_ids
-    if keep > max_model_len:
-        raise UserInputError(f"SamplingParams: truncate_prompt_tokens={keep} must be at most "
-                             f"max_model_len={max_model_len} (or -1 for max_model_len)")
+    if keep != -1 and not 1 <= keep <= max_model_len:
+        raise UserInputError(f"truncate_prompt_tokens={keep} must be -1 or in [1, {max_model_len}] (at most "
+                             "max_model_len)")
     return token_ids[-(max_model_len if keep == -1 else keep):]

@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
+from fxrewrite.errors import UserInputError
+from fxrewrite.runtime.engine.prompts import truncate_prompt
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 from fxrewrite.runtime.server.async_engine import EngineDeadError, StepOutput
 from fxrewrite.runtime.server.async_tokenizer import AsyncTokenizer
@@ -71,15 +73,11 @@ class OpenAIServing:
     def truncate_prompt(self, request: SamplingRequest, token_ids: list[int]) -> list[int]:
         """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens (-1: the last max_model_len); a 400 for
         0 (an empty prompt) or more than max_model_len (vLLM's refusal)."""
-        k = request.truncate_prompt_tokens
-        if k is None:
-            return token_ids
-        k = self.max_model_len if k == -1 else k
-        if not 1 <= k <= self.max_model_len:
-            raise OpenAIError(HTTPStatus.BAD_REQUEST, f"truncate_prompt_tokens={k} must be -1 or in [1, "
-                              f"{self.max_model_len}] (max_model_len)", param="truncate_prompt_tokens",
-                              code="invalid_value")
-        return token_ids[-k:]
+        try:
+            return truncate_prompt(token_ids, request.truncate_prompt_tokens, self.max_model_len)
+        except UserInputError as e:
+            raise OpenAIError(HTTPStatus.BAD_REQUEST, str(e), param="truncate_prompt_tokens",
+                              code="invalid_value") from None
 
     def max_tokens_for(self, request: SamplingRequest, num_prompt_tokens: int, explicit: bool) -> int:
         """The number of tokens to generate, checked against max_model_len and the KV cache (400s naming them).
