@@ -85,11 +85,16 @@ def _us(t) -> str:
     return f"{t:.1f}us" if isinstance(t, float) else str(t)
 
 
+_BLOCK_ROWS = 128  # block-scaled: rows sharing a scale row, as a checkpoint's 128 x 128 blocks on a 128-row part
+
+
 def _fp8_args(n: int, k: int, fmt: str) -> dict:
-    """The skinny GEMV's scale arguments for a weight of format `fmt` ({} for float)."""
+    """The skinny GEMV's scale arguments for a weight of format `fmt` ({} for float); block-scaled scales are equal
+    in runs of `_BLOCK_ROWS` rows, as a checkpoint layer's."""
     if fmt == "float":
         return {}
-    return {"w_scale": scratch_scales(n, k, "cuda", fmt == "fp8-channel"), "per_channel": fmt == "fp8-channel"}
+    rows = 1 if fmt == "fp8-channel" else _BLOCK_ROWS
+    return {"w_scale": scratch_scales(n, k, "cuda", fmt == "fp8-channel", rows), "per_channel": fmt == "fp8-channel"}
 
 
 def measure(kind: str, ws: list[torch.Tensor], m: int, fmt: str = "float", fp8: dict | None = None) -> dict:
@@ -99,9 +104,12 @@ def measure(kind: str, ws: list[torch.Tensor], m: int, fmt: str = "float", fp8: 
     args = make_inputs(kind, m, k, ws[0].device, torch.bfloat16)
     plain_x = torch.randn(m, k, device=ws[0].device, dtype=torch.bfloat16)
     want = reference(kind, ws[0], **args, **fp8)
+    rows = {} if not fp8 else {"scale_rows": 1 if fp8["per_channel"] else _BLOCK_ROWS}  # the layer's FP8 product
     alone = (lambda i: F.linear(plain_x, ws[i])) if not fp8 else \
-        (lambda i: fp8_dispatch.fp8_linear_dispatch(plain_x, ws[i], fp8["w_scale"], per_channel=fp8["per_channel"]))
-    arms = {"cublas": _timed(alone, len(ws)), "unfused": _timed(lambda i: baseline(kind, ws[i], **args, **fp8), len(ws))}
+        (lambda i: fp8_dispatch.fp8_linear_dispatch(plain_x, ws[i], fp8["w_scale"], per_channel=fp8["per_channel"],
+                                                    **rows))
+    arms = {"cublas": _timed(alone, len(ws)),
+            "unfused": _timed(lambda i: baseline(kind, ws[i], **args, **fp8, **rows), len(ws))}
     for config in candidates(m, kind, n, fmt):
         name = "gemv:" + "/".join(map(str, config))
         try:

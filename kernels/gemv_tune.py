@@ -22,7 +22,11 @@ FP8 weights (formats "fp8" / "fp8-channel", `fxrewrite.kernels.skinny_gemv_fp8`)
 prologue's kernel then `fp8_dispatch.fp8_linear_dispatch` (the backend the FP8 tuner chose for that
 bucket, which runs first at load), and a config is proven against `skinny_gemv_fp8_ref` (the float32
 product with the dequantized weight) instead, since the FP8 GEMMs quantize the activations and this
-kernel does not.
+kernel does not. A block-scaled shape carries the layers' ``scale_rows`` (rows sharing one scale row,
+`fxrewrite.layers.fp8_linear`): its scratch scales are equal in such runs and the baseline is passed it, so the
+baseline is the pipelined GEMV's shared-scale form the layer runs. Timed without it (per-element scales), the
+baseline was slower than the layer's own product and the skinny GEMV took Qwen3-32B's block-FP8 o_proj at
+16.5 us a call, where the shared-scale GEMV took ~13 us in the FP8 tuner.
 """
 
 from __future__ import annotations
@@ -64,15 +68,15 @@ def make_inputs(kind: str, m: int, k: int, device, dtype, seed: int = 0) -> dict
 
 
 def baseline(kind: str, w: torch.Tensor, x: torch.Tensor, residual=None, norm_weight=None, w_scale=None,
-             per_channel: bool = False) -> torch.Tensor:
-    """The unfused kernels + cuBLAS (FP8 w with w_scale: + the chosen FP8 GEMM) for one call of `kind` (what
-    runs when the GEMV is not chosen)."""
+             per_channel: bool = False, scale_rows: int = 1) -> torch.Tensor:
+    """The unfused kernels + cuBLAS (FP8 w with w_scale: + the chosen FP8 GEMM, told that w_scale's rows are
+    equal in aligned runs of `scale_rows`) for one call of `kind` (what runs when the GEMV is not chosen)."""
     if kind == "silu":
         x = silu_and_mul(x)
     elif kind == "norm":
         x = rms_norm(x, norm_weight, 1e-6, residual)[0]
     if w_scale is not None:
-        return fp8_linear_dispatch(x, w, w_scale, per_channel=per_channel)
+        return fp8_linear_dispatch(x, w, w_scale, per_channel=per_channel, scale_rows=scale_rows)
     return F.linear(x, w)
 
 
@@ -129,17 +133,19 @@ def _proven(kind: str, w: torch.Tensor, bucket: int, config, dtype: torch.dtype,
 
 
 def tune_shape(kind: str, ws: list[torch.Tensor], bucket: int, dtype: torch.dtype | None = None,
-               fmt: str = "float") -> dict[str, float | str]:
+               fmt: str = "float", scale_rows: int = 1) -> dict[str, float | str]:
     """{"cublas" | "block_n/block_k/warps" | "pipelined/block_n/block_k/stages/warps": us per call, or "error: ..."}
     for one bucket of weights `ws` of format `fmt` (FP8: block_n/block_g/warps; activations in `dtype`, default
-    the weights'), every config of `candidates`; records the choice in gemv_dispatch."""
+    the weights'; block-scaled: scales shared by aligned runs of `scale_rows` rows, as the layers'), every config
+    of `candidates`; records the choice in gemv_dispatch."""
     n, k = ws[0].shape
     dtype = dtype or ws[0].dtype
-    fp8 = {} if fmt == "float" else {"w_scale": scratch_scales(n, k, ws[0].device, fmt == "fp8-channel"),
+    fp8 = {} if fmt == "float" else {"w_scale": scratch_scales(n, k, ws[0].device, fmt == "fp8-channel", scale_rows),
                                      "per_channel": fmt == "fp8-channel"}
     args = make_inputs(kind, bucket, k, ws[0].device, dtype)
+    rows = {"scale_rows": scale_rows} if fp8 else {}
     results: dict[str, float | str] = {
-        "cublas": graph_time_us(lambda i: baseline(kind, ws[i], **args, **fp8), 20, len(ws))}
+        "cublas": graph_time_us(lambda i: baseline(kind, ws[i], **args, **fp8, **rows), 20, len(ws))}
     best = None
     for config in candidates(bucket, kind, n, fmt):
         name = "/".join(map(str, config))
@@ -165,18 +171,21 @@ def scratch_weights(n: int, k: int, device, dtype) -> list[torch.Tensor]:
     return [torch.randn(n, k, device=device, dtype=dtype).div_(k ** 0.5) for _ in range(copies)]
 
 
-def scratch_scales(n: int, k: int, device, per_channel: bool = False) -> torch.Tensor:
-    """Random float32 weight scales [n, ceil(k/128)] (per_channel: equal along a row) stored as the FP8
-    layers store them on the GPU (strides (1, n))."""
+def scratch_scales(n: int, k: int, device, per_channel: bool = False, rows: int = 1) -> torch.Tensor:
+    """Random float32 weight scales [n, ceil(k/128)] (per_channel: equal along a row; rows: equal in aligned runs
+    of this many rows, as a block-scaled checkpoint's scales expanded along N) stored as the FP8 layers store them
+    on the GPU (strides (1, n))."""
     groups = -(-k // 128)
-    s = torch.rand(1 if per_channel else groups, n, device=device).add_(0.5).div_(32 * k ** 0.5)
+    s = torch.rand(1 if per_channel else groups, -(-n // rows), device=device).add_(0.5).div_(32 * k ** 0.5)
+    s = s.repeat_interleave(rows, dim=1)[:, :n]
     return s.expand(groups, n).contiguous().t()
 
 
 def tune(shapes: set[tuple], device, dtype: torch.dtype, max_m: int = GEMV_MAX_M) -> dict:
-    """Measure every (kind, N, K) or (kind, N, K, weight format) in `shapes` at each bucket <= min(max_m,
-    GEMV_MAX_M) (the decode batch sizes the engine will run; activations in `dtype`) and record the choices.
-    Returns {"kind NxK@bucket" (+ " fp8" / " fp8-channel"): {name: us or error}}.
+    """Measure every (kind, N, K), (kind, N, K, weight format) or (kind, N, K, weight format, scale rows) in
+    `shapes` at each bucket <= min(max_m, GEMV_MAX_M) (the decode batch sizes the engine will run; activations in
+    `dtype`) and record the choices. Returns {"kind NxK@bucket" (+ " fp8" / " fp8-channel", + " rows=R" for scale
+    rows above 1): {name: us or error}}.
     No-op ({}) unless FXREWRITE_GEMV is "auto" and `device` is CUDA. FXREWRITE_GEMV_TUNE_LOG=path appends
     one JSON line of choices and timings."""
     if gemv_dispatch.mode() != "auto" or torch.device(device).type != "cuda":
@@ -184,15 +193,17 @@ def tune(shapes: set[tuple], device, dtype: torch.dtype, max_m: int = GEMV_MAX_M
     buckets = [b for b in BUCKETS if b <= max(1, max_m)]
     timings = {}
     for shape in sorted(shapes, key=str):
-        kind, n, k, fmt = (*shape, "float")[:4]
+        kind, n, k = shape[:3]
+        fmt = shape[3] if len(shape) > 3 else "float"
+        rows = shape[4] if len(shape) > 4 else 1
         try:
             ws = scratch_weights(n, k, device, dtype if fmt == "float" else torch.float8_e4m3fn)
         except torch.cuda.OutOfMemoryError:  # no room for a scratch copy: this shape keeps cuBLAS
             logger.warning("skinny GEMV: no memory to time %s %dx%d; it keeps cuBLAS", kind, n, k)
             continue
         for b in buckets:
-            timings[f"{kind} {n}x{k}@{b}" + ("" if fmt == "float" else f" {fmt}")] = tune_shape(kind, ws, b, dtype,
-                                                                                                  fmt)
+            key = f"{kind} {n}x{k}@{b}" + ("" if fmt == "float" else f" {fmt}") + (f" rows={rows}" if rows > 1 else "")
+            timings[key] = tune_shape(kind, ws, b, dtype, fmt, rows)
         del ws
     torch.cuda.empty_cache()  # the scratch weights must not count as used when the KV cache is sized
     logger.info("skinny GEMV choices: %s", gemv_dispatch.choices())

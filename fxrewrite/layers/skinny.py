@@ -23,19 +23,21 @@ __all__ = ["adopt_plain_linears", "gemv_shapes", "prepare_skinny_gemv"]
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def gemv_shapes(model: nn.Module) -> set[tuple[str, int, int, str]]:
-    """{(kind, N, K, weight format)} of the model's layers the skinny GEMV may serve (per-rank weight shapes;
-    formats as `gemv_dispatch.weight_format`)."""
-    shapes = set()
+def gemv_shapes(model: nn.Module) -> set[tuple[str, int, int, str, int]]:
+    """{(kind, N, K, weight format, scale rows)} of the model's layers the skinny GEMV may serve (per-rank weight
+    shapes; formats as `gemv_dispatch.weight_format`; scale rows: a block-scaled FP8 layer's ``weight_scale_rows``,
+    the fewest among layers of one shape, else 1), so the tuner times the FP8 product each layer runs."""
+    rows: dict[tuple[str, int, int, str], int] = {}
     for module in model.modules():
         if not isinstance(module, (LinearBase, ParallelLMHead)) or module.weight.dim() != 2:
             continue
         scales = module._gemv_operands() if isinstance(module, LinearBase) else {}
         fmt = gemv_dispatch.weight_format(module.weight, **scales) if scales is not None else None
         if fmt is not None:
-            n, k = module.weight.shape
-            shapes.add((getattr(module, "gemv_prologue", None) or "linear", n, k, fmt))
-    return shapes
+            key = (getattr(module, "gemv_prologue", None) or "linear", *module.weight.shape, fmt)
+            shared = getattr(module, "weight_scale_rows", 1) if fmt == "fp8" else 1
+            rows[key] = min(rows.get(key, shared), shared)
+    return {(*key, r) for key, r in rows.items()}
 
 
 def adopt_plain_linears(model: nn.Module) -> int:

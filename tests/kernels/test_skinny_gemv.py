@@ -160,7 +160,7 @@ def test_adopted_linear_keeps_parameters():
     assert adopt_plain_linears(model) == 2 and isinstance(model[0], ReplicatedLinear)
     assert dict(model.named_parameters()) == params
     assert torch.equal(model(x), want)
-    assert gemv_shapes(model) == {("linear", 4, 8, "float"), ("linear", 2, 4, "float")}
+    assert gemv_shapes(model) == {("linear", 4, 8, "float", 1), ("linear", 2, 4, "float", 1)}
 
 
 def test_tuner_records_the_fastest_proven_config(interpret, monkeypatch):

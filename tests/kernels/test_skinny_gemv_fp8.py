@@ -15,6 +15,7 @@ from fxrewrite.layers.activation import SiluAndMul
 from fxrewrite.layers.fp8_linear import dequantize_fp8_layer, quantize_fp8_layer
 from fxrewrite.layers.layernorm import RMSNorm
 from fxrewrite.layers.linear import QKVParallelLinear, RowParallelLinear
+from fxrewrite.layers.skinny import gemv_shapes
 
 FP8 = torch.float8_e4m3fn
 
@@ -150,4 +151,34 @@ def test_tuner_proves_fp8_configs_against_the_dequantized_product(interpret, mon
     assert results["cublas"] == 9.0 and results["/".join(map(str, configs[0]))].startswith("error: ValueError: M=")
     monkeypatch.setenv("FXREWRITE_GEMV", "auto")
     assert gemv_dispatch.choose("silu", 4, 256, 1, "fp8") == configs[1]
+    gemv_dispatch.clear()
+
+
+def test_tuner_times_the_block_scaled_baseline_the_layer_runs(monkeypatch):
+    """Block-scaled FP8 shapes carry the layers' scale rows: the scratch scales are equal in aligned runs of them
+    and the baseline's FP8 product is told so (the pipelined GEMV's shared-scale form, what the layer runs);
+    per-channel and float shapes carry 1."""
+    qkv = quantize_fp8_layer(QKVParallelLinear(256, 16, 8, 8), "qkv", (128, 128))  # q / k / v 128 rows each
+    odd = quantize_fp8_layer(QKVParallelLinear(256, 16, 3, 1), "odd", (128, 128))  # q 48 / k 16 / v 16: gcd 16
+    channel = quantize_fp8_layer(RowParallelLinear(384, 256), "down", (128, 128), per_channel=True)
+    shapes = gemv_shapes(torch.nn.ModuleList([qkv, odd, channel]))
+    assert shapes == {("linear", 384, 256, "fp8", 128), ("linear", 80, 256, "fp8", 16),
+                      ("linear", 256, 384, "fp8-channel", 1)}
+    same_shape = quantize_fp8_layer(QKVParallelLinear(256, 32, 8, 2), "same", (128, 128))  # 256 / 64 / 64: gcd 64
+    # two layers of one shape, one tuning: the fewer shared rows (what both can run)
+    assert gemv_shapes(torch.nn.ModuleList([qkv, same_shape])) == {("linear", 384, 256, "fp8", 64)}
+
+    s = gemv_tune.scratch_scales(300, 256, "cpu", rows=128)
+    assert s.shape == (300, 2) and s.stride() == (1, 300)
+    for lo, hi in ((0, 128), (128, 256), (256, 300)):
+        assert torch.equal(s[lo:hi], s[lo:lo + 1].expand(hi - lo, 2)) and not torch.equal(s[lo], s[(lo + 128) % 300])
+
+    seen = []
+    monkeypatch.setattr(gemv_tune, "fp8_linear_dispatch", lambda *a, **kw: seen.append(kw["scale_rows"]) or a[0])
+    monkeypatch.setattr(gemv_tune, "graph_time_us", lambda fn, reps, copies: fn(0) is None or 1.0)
+    monkeypatch.setattr(gemv_tune, "candidates", lambda *a, **kw: ())
+    ws = gemv_tune.scratch_weights(256, 256, "cpu", FP8)
+    gemv_tune.tune_shape("linear", ws, 1, torch.float32, "fp8", 128)
+    gemv_tune.tune_shape("linear", ws, 1, torch.float32, "fp8-channel")
+    assert seen == [128, 1]
     gemv_dispatch.clear()
