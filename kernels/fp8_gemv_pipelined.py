@@ -43,9 +43,15 @@ from fxrewrite.kernels.triton_utils import launch, tl, triton
 
 __all__ = ["PIPELINED_CONFIGS", "fp8_gemv_pipelined_triton"]
 
-PIPELINED_CONFIGS = ((8, 512, 5, 4), (16, 512, 5, 4), (16, 256, 5, 4), (8, 512, 3, 4), (4, 512, 5, 4))
+PIPELINED_CONFIGS = ((8, 512, 5, 4), (16, 512, 5, 4), (16, 256, 5, 4), (8, 512, 3, 4), (4, 512, 5, 4),
+                     (32, 256, 5, 4), (16, 512, 6, 4), (8, 1024, 4, 4))
 """(block_n, block_k, num_stages, num_warps) candidates the tuner times: the five that led at some Qwen3-4B /
-Qwen3-32B shape in the first sweep named in the module docstring (per-channel weights, M = 1)."""
+Qwen3-32B shape in the first sweep named in the module docstring (per-channel weights, M = 1), then three that led
+in a wider sweep of block-scaled weights with shared scales (H200, `2026-12-04-fp8-gemv-mma-thirty-third.json`, us
+against the best of the first five): Qwen3-32B qkv / gate_up 15.5 / 64.0 against 15.7 / 65.0 (32 x 256), Qwen3-4B
+gate_up 15.5 against 16.7 (16 x 512, 6 stages), Qwen3-4B o_proj / down 5.6 / 9.3 against 5.8 / 10.2 (8 x 1024).
+The same sweep put the product on tensor cores (weights widened to float16, x row 0 of a [16, BLOCK_K] operand,
+`benchmarks/fp8_gemv_mma.py`): 1.3-2.1x slower at every shape."""
 
 
 def fp8_gemv_pipelined_triton(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, config: tuple[int, ...],
