@@ -53,6 +53,18 @@ _TARGET_PROGRAMS = 264
 # tokens/s (2026-12-04-qwen3-32b-fp8-block-latency-min-partition-{256,128}-thirty-second.json). Engines whose
 # max_model_len exceeds 128 keys x the program target's splits (33 at batch 1, 8 kv heads) split as before.
 _MIN_PARTITION = 128
+
+
+def _min_partition() -> int:
+    """``FXREWRITE_DECODE_MIN_PARTITION`` (a measurement switch, read once at import): keys of the longest context
+    per split, at least; default `_MIN_PARTITION`. ValueError naming a value that is not a positive multiple of 16."""
+    value = os.environ.get("FXREWRITE_DECODE_MIN_PARTITION", str(_MIN_PARTITION))
+    if not value.isdigit() or int(value) <= 0 or int(value) % 16:
+        raise ValueError(f"FXREWRITE_DECODE_MIN_PARTITION={value!r}; expected a positive multiple of 16 (keys)")
+    return int(value)
+
+
+_MIN_PARTITION = _min_partition()
 # Contexts up to this many keys are walked by one program even in a launch with several splits. H200,
 # batch 1, 16 splits (2026-12-01-moe-kernels-qwen3-30b-a3b-direct.json): one program over 256 / 384 /
 # 512 keys took 9.3 / 12.3 / 15.3 us against 6.4 us for the partials + merge, and 6.3 vs 6.4 at 128:

@@ -322,3 +322,13 @@ def test_prefill_over_a_keys_contiguous_value_cache(interpret, paged_batch, bloc
     args[2] = attention_tile.keys_contiguous(batch.value_cache)
     got = paged_prefill.paged_prefill_triton(*args, 0.3, window, cap, block_m=16, block_n=16)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_min_partition_switch(monkeypatch):
+    """FXREWRITE_DECODE_MIN_PARTITION: a positive multiple of 16 keys, else an error naming the value."""
+    monkeypatch.setenv("FXREWRITE_DECODE_MIN_PARTITION", "64")
+    assert paged_decode._min_partition() == 64
+    for bad in ("0", "100", "x"):
+        monkeypatch.setenv("FXREWRITE_DECODE_MIN_PARTITION", bad)
+        with pytest.raises(ValueError, match=f"FXREWRITE_DECODE_MIN_PARTITION='{bad}'"):
+            paged_decode._min_partition()
