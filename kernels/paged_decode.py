@@ -47,18 +47,21 @@ __all__ = ["paged_decode_triton", "default_fp8_dots", "decode_tile", "dot_flags"
 
 # Programs wanted in flight (about 2 per SM on an H100/H200); splits only fill the GPU.
 _TARGET_PROGRAMS = 264
-# Keys of the longest context per split, at least. 128 rather than 256: an engine with max_model_len 256 then
-# splits contexts of 129-256 keys in two (one program over 256 keys is the slow case below). H200, Qwen3-32B
-# block-scaled FP8, batch-1 latency run (max_model_len 256), one call: graph replay 9.678 -> 9.542 ms, 98.3 -> 99.0
-# tokens/s (2026-12-04-qwen3-32b-fp8-block-latency-min-partition-{256,128}-thirty-second.json). Engines whose
-# max_model_len exceeds 128 keys x the program target's splits (33 at batch 1, 8 kv heads) split as before.
-_MIN_PARTITION = 128
+# Keys of the longest context per split, at least. 64 (one tile of 64 keys a program over bf16 caches) rather than
+# 128 or 256: at max_model_len 256 (the latency workload) a context of 129-256 keys is split in up to four, each
+# program walking one tile (the tiles of one program are walked one after another: latency-bound at batch 1).
+# H200, batch-1 latency, native, one call (2026-12-04-decode-min-partition-64-thirty-third.log), 128 -> 64: Qwen3-32B
+# block-FP8 104.0 -> 105.1 tokens/s, Qwen3-4B 351.6 -> 359.8, Qwen3-30B-A3B 367.5 -> 380.9, Qwen3-32B bf16
+# 62.7 -> 63.0 (256 -> 128 the session before: graph replay 9.678 -> 9.542 ms,
+# 2026-12-04-qwen3-32b-fp8-block-latency-min-partition-{256,128}-thirty-second.json). Engines whose max_model_len
+# exceeds 64 keys x the program target's splits (33 at batch 1, 8 kv heads) split as before.
+_MIN_PARTITION = 64
 
 
 def _min_partition() -> int:
     """``FXREWRITE_DECODE_MIN_PARTITION`` (a measurement switch, read once at import): keys of the longest context
     per split, at least; default `_MIN_PARTITION`. ValueError naming a value that is not a positive multiple of 16."""
-    value = os.environ.get("FXREWRITE_DECODE_MIN_PARTITION", str(_MIN_PARTITION))
+    value = os.environ.get("FXREWRITE_DECODE_MIN_PARTITION", str(_MIN_PARTITION))  # the default above
     if not value.isdigit() or int(value) <= 0 or int(value) % 16:
         raise ValueError(f"FXREWRITE_DECODE_MIN_PARTITION={value!r}; expected a positive multiple of 16 (keys)")
     return int(value)
