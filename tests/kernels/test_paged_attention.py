@@ -326,8 +326,8 @@ def test_prefill_over_a_keys_contiguous_value_cache(interpret, paged_batch, bloc
 
 def test_min_partition_switch(monkeypatch):
     """FXREWRITE_DECODE_MIN_PARTITION: a positive multiple of 16 keys, else an error naming the value."""
-    monkeypatch.setenv("FXREWRITE_DECODE_MIN_PARTITION", "64")
-    assert paged_decode._min_partition() == 64
+    monkeypatch.setenv("FXREWRITE_DECODE_MIN_PARTITION", "32")
+    assert paged_decode._min_partition() == 32
     for bad in ("0", "100", "x"):
         monkeypatch.setenv("FXREWRITE_DECODE_MIN_PARTITION", bad)
         with pytest.raises(ValueError, match=f"FXREWRITE_DECODE_MIN_PARTITION='{bad}'"):
