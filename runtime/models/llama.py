@@ -11,7 +11,6 @@ from torch import nn
 
 from fxrewrite.distributed import get_tp_rank, get_tp_size
 from fxrewrite.layers.activation import SiluAndMul
-from fxrewrite.layers.fp8_gated import gated_norm_forward
 from fxrewrite.layers.fused_moe import FusedMoE
 from fxrewrite.layers.layernorm import RMSNorm
 from fxrewrite.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -106,11 +105,7 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None):
         """x [T, H] -> [T, H]; with `norm` (post-attention RMSNorm) x is the stream before it, normalised
         inside gate_up_proj, and (out, new residual) is returned. At decode token counts the skinny GEMV
-        also computes the activation inside down_proj where chosen (`RowParallelLinear.silu_forward`), or, with
-        FP8 weights at one token, inside gate_up_proj's GEMV (`fxrewrite.layers.fp8_gated`)."""
-        gated = gated_norm_forward(self.gate_up_proj, x, norm, residual, self.act_fn)
-        if gated is not None:
-            return self.down_proj(gated[0]) if norm is None else (self.down_proj(gated[0]), gated[1])
+        also computes the activation inside down_proj where chosen (`RowParallelLinear.silu_forward`)."""
         if norm is None:
             return self.down_proj.silu_forward(self.gate_up_proj(x), self.act_fn)
         h, residual = self.gate_up_proj.norm_forward(x, norm, residual)
