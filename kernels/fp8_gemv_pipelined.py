@@ -28,7 +28,10 @@ gathering a scale per column of x (2-4x: `2026-12-02-fp8-gemm-32b-shared-2d-nine
 [GROUPS, 128] slices of x in the 3-D tile (10-20 % at 32B gate_up / down: `...-shared-3d-nineteenth.json`).
 The tuner keeps whichever backend is faster per shape. RMSNorm / SiLU-and-mul fused into this loop (as the skinny
 GEMV fuses them) were slower than the separate kernel plus this GEMV at every Qwen3-32B shape
-(`2026-12-02-gemv-tune-pipelined-prologue-nineteenth.jsonl`): not kept.
+(`2026-12-02-gemv-tune-pipelined-prologue-nineteenth.jsonl`): not kept. SiLU-and-mul in gate_up's epilogue instead
+(each program streaming its gate rows and the matching up rows, commit 655f751, reverted) was no faster in the
+engine: Qwen3-32B block-FP8 batch 1, one H200 call, graph replay 9.172 ms without / 9.228 with, 103.5 / 102.3
+tokens/s (`2026-12-04-qwen3-32b-fp8-block-latency-gated-{0,1}-thirty-third.json`).
 
 Reference: `fxrewrite.kernels.fp8_gemv.fp8_weight_only_gemv_ref` (the product with the dequantized weight in
 float32, rounded to x's dtype).
