@@ -71,11 +71,30 @@ def create_model_runner(config, model_config, eos_token_ids: set[int]):
     return MultiprocExecutor(config, model_config, eos_token_ids)
 
 
+def dense_mlp_width(text_config) -> int | None:
+    """``intermediate_size`` when some decoder layer runs a dense MLP of that width; None for a mixture of experts
+    whose every layer is sparse with its own expert width ``moe_intermediate_size`` (transformers' rules: Qwen-MoE's
+    ``mlp_only_layers`` / ``decoder_sparse_step``, DeepSeek's ``first_k_dense_replace`` / ``moe_layer_freq``), whose
+    ``intermediate_size`` no layer holds. The expert widths are `moe_checks`' to check."""
+    width = getattr(text_config, "intermediate_size", None)
+    if getattr(text_config, "moe_intermediate_size", None) is None:
+        return width
+    experts = getattr(text_config, "num_experts", None) or getattr(text_config, "n_routed_experts", None)
+    step = getattr(text_config, "decoder_sparse_step", 1) or 1
+    layers = getattr(text_config, "num_hidden_layers", 0) or 0
+    every_layer_sparse = (bool(experts) and not (getattr(text_config, "mlp_only_layers", None) or [])
+                          and all((i + 1) % step == 0 for i in range(layers))
+                          and not (getattr(text_config, "first_k_dense_replace", 0) or 0)
+                          and (getattr(text_config, "moe_layer_freq", 1) or 1) == 1)
+    return None if every_layer_sparse else width
+
+
 def check_tp_divisible(model_config, tp_size: int, config) -> None:
-    """Refuse a tensor_parallel_size that does not divide the heads / MLP width, before any worker starts."""
+    """Refuse a tensor_parallel_size that does not divide the heads / dense MLP width (`dense_mlp_width`), before
+    any worker starts."""
     text = model_config.hf_text_config
     checks = [("num_attention_heads", model_config.num_attention_heads),
-              ("intermediate_size", getattr(text, "intermediate_size", None))]
+              ("intermediate_size", dense_mlp_width(text))]
     if getattr(config, "fusion", True) is False:
         checks.append(("num_key_value_heads", model_config.num_key_value_heads))
     for name, value in checks:

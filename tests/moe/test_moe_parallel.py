@@ -124,3 +124,28 @@ def test_shared_expert_width_tp_does_not_divide_fails_before_workers_start(moe_d
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 must divide the shared expert's intermediate "
                                          r"size shared_expert_intermediate_size=51"):
         make_llm(path, "transformers", tensor_parallel_size=2, enable_expert_parallel=ep)
+
+
+def test_dense_width_checked_only_where_a_dense_layer_holds_it(moe_dir, monkeypatch):
+    """An all-sparse Qwen3-MoE holds no MLP of its dense intermediate_size: TP=2 over a width of 51 passes the checks
+    (the workers would start); one dense layer (mlp_only_layers) brings the check back."""
+    forbid_worker_start(monkeypatch)
+    with pytest.raises(AssertionError, match="worker"):
+        make_llm(moe_dir("qwen3_moe", intermediate_size=51), "native", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 must divide the model's intermediate_size=51"):
+        make_llm(moe_dir("qwen3_moe", intermediate_size=51, mlp_only_layers=[0]), "native", tensor_parallel_size=2)
+
+
+def test_dense_mlp_width_follows_transformers_layer_rules():
+    from types import SimpleNamespace
+
+    from fxrewrite.runtime.worker.executor import dense_mlp_width
+
+    base = dict(intermediate_size=51, moe_intermediate_size=32, num_experts=8, num_hidden_layers=4)
+    assert dense_mlp_width(SimpleNamespace(**base)) is None
+    for dense in ({"decoder_sparse_step": 2}, {"mlp_only_layers": [3]}, {"first_k_dense_replace": 1},
+                  {"moe_layer_freq": 2}, {"num_experts": 0}):
+        assert dense_mlp_width(SimpleNamespace(**{**base, **dense})) == 51, dense
+    assert dense_mlp_width(SimpleNamespace(intermediate_size=32, num_local_experts=4)) == 32  # Mixtral: the experts'
+    assert dense_mlp_width(SimpleNamespace(intermediate_size=51, moe_intermediate_size=32, n_routed_experts=8,
+                                           num_hidden_layers=2, first_k_dense_replace=0)) is None  # DeepSeek
