@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from fxrewrite.benchmarks.common import RESULTS_DIR, environment
+from fxrewrite.benchmarks.common import RESULTS_DIR, environment, write_result
 from fxrewrite.benchmarks.gemv import _timed, copy_tbps
 from fxrewrite.benchmarks.gemv_pipelined import SHAPES
 from fxrewrite.kernels.fp8_gemv_pipelined import PIPELINED_CONFIGS, fp8_gemv_pipelined_triton
@@ -114,10 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
             row = measure(n, k)
             result["rows"][f"{cfg} {proj}"] = row
             print(f"{cfg} {proj:13s} " + "  ".join(f"{p} {a} {t}us" for p, (a, t) in row["best"].items()), flush=True)
-    path = Path(args.out) / f"{date}-fp8-gemv-mma.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
-    print(f"wrote {path}")
+    write_result(Path(args.out) / f"{date}-fp8-gemv-mma.json", result)
     return result
 
 

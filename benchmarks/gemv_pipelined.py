@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fxrewrite.benchmarks.common import RESULTS_DIR, environment
+from fxrewrite.benchmarks.common import RESULTS_DIR, environment, write_result
 from fxrewrite.benchmarks.gemv import _timed, copy_tbps
 from fxrewrite.kernels import fp8_dispatch
 from fxrewrite.kernels.gemv_dispatch import is_pipelined
@@ -180,10 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                               ), flush=True)
     result["ptx"] = ptx_stats()
     print(json.dumps(result["ptx"]))
-    path = Path(args.out) / f"{date}-gemv-pipelined.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
-    print(f"wrote {path}")
+    write_result(Path(args.out) / f"{date}-gemv-pipelined.json", result)
     return result
 
 
