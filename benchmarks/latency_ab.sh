@@ -7,7 +7,8 @@
 # (STEP_S caps each compare; PROFILE=1 adds the native arm's batch-1 per-kernel profile at the last value, with
 # PROFILE_EXTRA's profile_decode arguments, word-split;
 # EXTRA holds more bench compare arguments, word-split, e.g. EXTRA="--quantization fp8"; WORKLOAD replaces
-# "--workload latency --max-num-seqs 1", e.g. WORKLOAD="--workload throughput --num-prompts 200".)
+# "--workload latency --max-num-seqs 1", e.g. WORKLOAD="--workload throughput --num-prompts 200"; NO_PNG=1 deletes
+# the plots at the end: the device returns a limited number of files, and a call of many runs lost JSONs to them.)
 set -o pipefail
 source benchmarks/gpu_env.sh
 : "${VAR:?VAR: the environment variable to switch}" "${VALUES:?VALUES: its values, space-separated}"
@@ -30,4 +31,5 @@ for config in ${CONFIGS:-qwen3-4b}; do
       --arm native --batch 1 ${PROFILE_EXTRA:-} "${TOK[@]}" --out "$OUT_DIR" 2>&1 | tail -14
   fi
 done
+[ -n "${NO_PNG:-}" ] && find "$OUT_DIR" -name '*.png' -delete
 stamp "done"
