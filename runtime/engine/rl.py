@@ -70,7 +70,8 @@ class EngineRLMixin:
         self.model_runner.wake_up(tags)
 
     def is_sleeping(self) -> bool:
-        """True while any part is asleep, or the weights of a level-2 sleep await `load_weights`."""
+        """True while any part is asleep, or the weights of a level-2 sleep await `load_weights`. With worker
+        processes, every rank's status counts: RuntimeError naming the ranks when they disagree."""
         return self.model_runner.sleep_status() is not None
 
     def _check_awake(self) -> None:

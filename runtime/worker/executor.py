@@ -40,6 +40,7 @@ from fxrewrite.runtime.worker.moe_checks import check_moe_parallel
 from fxrewrite.runtime.worker.step_channel import GlooChannel, driver_shm_channel, settle_driver_channel
 from fxrewrite.runtime.worker.worker import ControlMessage, StepEncoder, broadcast_object, rank_model_config, worker_main
 from fxrewrite.runtime.worker.pipeline import check_pipeline_size, layer_partition
+from fxrewrite.runtime.worker.sleep_mode import combine_rank_statuses
 from fxrewrite.runtime.worker.worker_processes import (  # noqa: F401  (WorkerError: re-exported)
     STARTUP_TIMEOUT_S, STEP_TIMEOUT_S, WorkerError, WorkerGuard, _check_workers, _failure, _poll, _Processes,
     spawn_workers)
@@ -139,7 +140,8 @@ class MultiprocExecutor(WorkerGuard):
         self._dead: str | None = None
         self._encoder = StepEncoder()
         self._outstanding: collections.deque[RemoteStep] = collections.deque()
-        self._sleep_status = None
+        self._ranks: list[dict] = []
+        """Every worker's report in the last control reply (`Worker.control`)."""
         try:
             self._start(config, model_config, eos_token_ids, backend)
         except BaseException:
@@ -258,18 +260,29 @@ class MultiprocExecutor(WorkerGuard):
         return self._control("apply_weights", sizes, metas, strict, payload=payload)
 
     def sleep(self, level: int = 1) -> None:
+        """Every rank (each pipeline stage holds weights and KV cache) sleeps; RuntimeError naming the ranks
+        when they end up in different states."""
         self._control("sleep", level)
+        self.sleep_status()
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         self._control("wake_up", tags)
+        self.sleep_status()
 
     def sleep_status(self):
-        """As `ModelRunner.sleep_status`, from TP rank 0's last reply."""
-        return self._sleep_status
+        """As `ModelRunner.sleep_status`, combined over every worker rank's last report: asleep only when every
+        rank is; RuntimeError naming the ranks of each state when they disagree."""
+        return combine_rank_statuses(self._ranks)
+
+    def rank_statuses(self) -> list[dict]:
+        """Each worker's report, asked now: {"rank", "stage", "tp_rank", "sleep" (its runner's sleep_status),
+        "error": None, "memory": {"kv_cache", "weights"} bytes held}, in rank order."""
+        self._control("status")
+        return [dict(r) for r in self._ranks]
 
     def _control(self, method: str, *args, payload: torch.Tensor | None = None):
-        """Send a ControlMessage (after the steps in flight are received), then `payload`; return rank 0's
-        result or raise its error (ValueError / TypeError as such, else RuntimeError)."""
+        """Send a ControlMessage (after the steps in flight are received), then `payload`; return the result
+        or raise the first rank's error (ValueError / TypeError as such, else RuntimeError)."""
         self._check_alive()
         with self._procs.lock:
             self._check_alive()
@@ -280,7 +293,7 @@ class MultiprocExecutor(WorkerGuard):
             if payload is not None:  # big: on gloo, whatever the channel
                 self._guard(lambda: wait(dist.broadcast(payload, 0, async_op=True)))
             reply = self._guard(lambda: self._procs.channel.recv_result(wait=wait))
-        self._sleep_status = reply["sleep"]
+        self._ranks = reply["ranks"]
         if reply["error"] is not None:
             kind, text = reply["error"]
             raise {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RuntimeError)(text)

@@ -127,3 +127,38 @@ def storage_bytes(tensors) -> int:
             seen.add(key)
             total += storage.nbytes()
     return total
+
+
+def memory_held(runner) -> dict[str, int]:
+    """Bytes the runner's KV cache and weights hold now (what a sleep released reads 0)."""
+    return {"kv_cache": storage_bytes(k for pair in runner.kv_caches for k in pair),
+            "weights": storage_bytes(runner.model.parameters())}
+
+
+def rank_label(report: dict) -> str:
+    """"rank 2 (PP stage 1, TP rank 0)" for a worker's report (`Worker.control`)."""
+    return f"rank {report['rank']} (PP stage {report['stage']}, TP rank {report['tp_rank']})"
+
+
+def _describe(status) -> str:
+    if status is None:
+        return "awake"
+    asleep, discarded = status
+    parts = [f"asleep ({', '.join(asleep)} freed)"] if asleep else []
+    return " and ".join(parts + (["weights discarded, awaiting load_weights"] if discarded else []))
+
+
+def combine_rank_statuses(reports: list[dict]):
+    """The engine's sleep status (as `ModelRunner.sleep_status`) from every worker rank's report: the common
+    status when all ranks agree (asleep only when every rank is), else RuntimeError naming the ranks of
+    each status. None for no reports."""
+    groups: dict = {}
+    for r in reports:
+        status = r["sleep"]
+        key = None if status is None else (tuple(sorted(status[0])), bool(status[1]))
+        groups.setdefault(key, []).append(rank_label(r))
+    if len(groups) <= 1:
+        return next(iter(groups), None)
+    states = "; ".join(f"{_describe(s)} on {', '.join(labels)}" for s, labels in groups.items())
+    raise RuntimeError(f"sleep mode: the worker ranks disagree ({states}); call wake_up() (or sleep()) again "
+                       "to bring every rank to one state, or restart the engine")

@@ -36,7 +36,7 @@ from fxrewrite.runtime.engine.sequence import Sequence
 from fxrewrite.runtime.worker.cpu_threads import size_cpu_threads
 from fxrewrite.runtime.worker.model_runner import ModelRunner
 from fxrewrite.runtime.worker.step_channel import broadcast_object, settle_worker_channel, worker_shm_channel
-from fxrewrite.runtime.worker import watchdog
+from fxrewrite.runtime.worker import sleep_mode, watchdog
 from fxrewrite.runtime.worker.worker_processes import reporting_user_errors
 
 
@@ -142,9 +142,10 @@ class StepEncoder:
 
 @dataclasses.dataclass
 class ControlMessage:
-    """A call on every worker between steps (weight sync, sleep mode: `Worker.control`); TP rank 0 replies
-    {"result", "error": (exception type name, text) or None, "sleep": the runner's sleep_status()}.
-    "apply_weights" is followed by one uint8 broadcast of every tensor's bytes (16-byte aligned)."""
+    """A call on every worker between steps (weight sync, sleep mode, "status": `Worker.control`); TP rank 0
+    of the last stage replies {"result", "error": (exception type name, text) or None, the first of any rank,
+    "ranks": every worker's report, in rank order}. "apply_weights" is followed by one uint8 broadcast of
+    every tensor's bytes (16-byte aligned)."""
 
     method: str
     args: tuple
@@ -171,6 +172,30 @@ def _agree_over_stages(result, error):
         return None, errors[0]
     names = [r for r, _ in gathered if r is not None]
     return (set().union(*names) if names else None), None
+
+
+def _gather_over_workers(obj) -> list:
+    """`obj` of every worker in rank order (stage by stage, TP ranks within), on every worker: gathered
+    over the stage's TP group, then those lists over the pipeline group (one per TP rank)."""
+    state = distributed.get_state()
+    stage = [obj]
+    if state.tp_size > 1:
+        stage = [None] * state.tp_size
+        dist.all_gather_object(stage, obj, group=state.tp_group)
+    if state.pp_size == 1:
+        return stage
+    stages = [None] * state.pp_size
+    dist.all_gather_object(stages, stage, group=state.pp_group)
+    return [report for part in stages for report in part]
+
+
+def _rank_error(reports: list[dict]):
+    """The first rank's error, its text prefixed with the rank; None when every rank succeeded."""
+    for r in reports:
+        if r["error"] is not None:
+            kind, text = r["error"]
+            return kind, f"{sleep_mode.rank_label(r)}: {text}"
+    return None
 
 
 class Worker:
@@ -202,6 +227,8 @@ class Worker:
                 result = self._apply_weights(*msg.args)
             elif msg.method in ("sleep", "wake_up"):
                 result = getattr(self.runner, msg.method)(*msg.args)
+            elif msg.method == "status":
+                result = None
             else:
                 raise ValueError(f"unknown control message {msg.method!r}")
             error = None
@@ -209,7 +236,14 @@ class Worker:
             result, error = None, (type(e).__name__, str(e))
         if msg.method in ("plan_weights", "apply_weights"):
             result, error = _agree_over_stages(result, error)
-        return {"result": result, "error": error, "sleep": self.runner.sleep_status()}
+        ranks = _gather_over_workers(self._report(error))  # every rank holds weights and KV cache
+        return {"result": result, "error": error or _rank_error(ranks), "ranks": ranks}
+
+    def _report(self, error) -> dict:
+        """This rank's part of a control reply: where it sits, its sleep status, error and memory held."""
+        state = distributed.get_state()
+        return {"rank": state.rank, "stage": state.pp_rank, "tp_rank": state.tp_rank, "error": error,
+                "sleep": self.runner.sleep_status(), "memory": sleep_mode.memory_held(self.runner)}
 
     def _apply_weights(self, sizes: list[int], metas: list[tuple[str, tuple, str]], strict: bool) -> set[str]:
         buf = torch.empty(sum(sizes), dtype=torch.uint8)

@@ -1,7 +1,8 @@
 """Pipeline parallelism on a CPU (gloo): the decoder layers split into stages, greedy and seeded-sampled
 tokens equal to one process at PP=2 (native) and TP=2 x PP=2 (transformers + fusion) with several
-requests at once and two micro-batches in flight; each stage's KV cache holds only its layers; a
-pipeline larger than the layer count is refused before any worker starts."""
+requests at once and two micro-batches in flight; each stage's KV cache holds only its layers; sleep and
+wake_up act on (and report) every stage; a pipeline larger than the layer count is refused before any
+worker starts."""
 
 from __future__ import annotations
 
@@ -118,3 +119,55 @@ def test_pp2_load_weights_updates_every_stage_and_bad_input_changes_none(qwen3_3
         assert generate_tokens(llm) == want
     finally:
         llm.llm_engine.model_runner.shutdown()
+
+
+def test_pp2_sleep_and_wake_up_act_on_every_stage(qwen3_3layers):
+    """Every stage holds weights and KV cache: the sleep status the driver reports combines every rank's
+    (it was the last stage's alone), each rank frees and restores its own memory, and the tokens after
+    waking (level 1; level 2 + load_weights) equal those before."""
+    from transformers import AutoModelForCausalLM
+
+    llm = make_llm(qwen3_3layers, "native", pipeline_parallel_size=2)
+    try:
+        runner = llm.llm_engine.model_runner
+        before = generate_tokens(llm)
+        awake = runner.rank_statuses()
+        assert [(r["rank"], r["stage"], r["tp_rank"], r["sleep"]) for r in awake] == [(1, 0, 0, None), (2, 1, 0, None)]
+        held = [r["memory"] for r in awake]
+        assert all(m["kv_cache"] > 0 and m["weights"] > 0 for m in held)
+        llm.sleep(level=1)
+        assert llm.llm_engine.is_sleeping()
+        asleep = runner.rank_statuses()
+        assert [r["sleep"] for r in asleep] == [(("kv_cache",), False)] * 2  # CPU: weights are host memory
+        assert [r["memory"] for r in asleep] == [{"kv_cache": 0, "weights": m["weights"]} for m in held]
+        with pytest.raises(RuntimeError, match="asleep"):
+            generate_tokens(llm)
+        llm.wake_up()
+        assert not llm.llm_engine.is_sleeping() and [r["memory"] for r in runner.rank_statuses()] == held
+        assert generate_tokens(llm) == before
+        llm.sleep(level=2)
+        assert [r["memory"] for r in runner.rank_statuses()] == [{"kv_cache": 0, "weights": 0}] * 2
+        llm.wake_up()
+        assert [r["sleep"] for r in runner.rank_statuses()] == [((), True)] * 2
+        with pytest.raises(RuntimeError, match="load_weights"):
+            generate_tokens(llm)
+        llm.load_weights(AutoModelForCausalLM.from_pretrained(qwen3_3layers, dtype=torch.float32))
+        assert [r["sleep"] for r in runner.rank_statuses()] == [None, None] and not llm.llm_engine.is_sleeping()
+        assert generate_tokens(llm) == before
+    finally:
+        llm.llm_engine.model_runner.shutdown()
+
+
+def test_ranks_that_disagree_on_sleep_are_an_error_naming_them():
+    from fxrewrite.runtime.worker.sleep_mode import combine_rank_statuses
+
+    def report(rank, status):
+        return {"rank": rank, "stage": rank - 1, "tp_rank": 0, "sleep": status}
+
+    asleep = (("kv_cache",), False)
+    assert combine_rank_statuses([]) is None
+    assert combine_rank_statuses([report(1, None), report(2, None)]) is None
+    assert combine_rank_statuses([report(1, asleep), report(2, asleep)]) == asleep
+    with pytest.raises(RuntimeError, match=r"disagree \(awake on rank 1 \(PP stage 0, TP rank 0\); asleep "
+                                           r"\(kv_cache freed\) on rank 2 \(PP stage 1, TP rank 0\)\)"):
+        combine_rank_statuses([report(1, None), report(2, asleep)])
