@@ -7,8 +7,8 @@ becomes OpenAI `tool_calls`.
   (and `--tool-call-parser`, "auto" by default here: picked by the chat template), as in vLLM.
 - `required` / a named function: the output is forced with structured outputs, as vLLM does: a JSON
   list of {"name", "parameters"} objects whose names are the tools' (required), or the named function's
-  arguments object (named), written compactly (no free whitespace: a model cannot wander into
-  whitespace until max_tokens). Such output is always a valid call.
+  arguments object (named), with no free whitespace (the grammar's separators are ", " and ": "; a model
+  cannot wander into whitespace until max_tokens). Such output is always a valid call.
 """
 
 from __future__ import annotations
