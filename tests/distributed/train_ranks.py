@@ -56,5 +56,7 @@ def run_rank(rank: int, world: int, port: int, out_path: str) -> None:
         results["fsdp2"] = (float(loss.detach()), _hf_grads(model, grads))
         if rank == 0:
             torch.save(results, out_path)
+        dist.barrier()  # both ranks past their last collective before teardown: a rank destroying the group
+        # while the other still used it aborted with "terminate called without an active exception" (2 loaded cores)
     finally:
         dist.destroy_process_group()
