@@ -119,9 +119,14 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         cfg = model_config.hf_text_config
         self.self_attn = self.attention_cls(model_config, layer_idx, device, rotary_emb)
-        self.mlp = LlamaMLP(cfg, device)
+        self.mlp = self.make_mlp(cfg, layer_idx, device)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def make_mlp(self, cfg, layer_idx: int, device) -> nn.Module:
+        """This layer's MLP (a subclass returns an MoE block where its model has one): built once, so a layer
+        never holds, even briefly, a dense MLP whose width its tensor-parallel shards need not divide."""
+        return LlamaMLP(cfg, device)
 
     def forward(self, positions, hidden_states, residual):
         # Each RMSNorm (with its residual add) goes to the projection after it, which may fuse it into its GEMV.

@@ -42,10 +42,8 @@ def moe_block(cfg, device) -> FusedMoE:
 class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
     attention_cls = Qwen3Attention
 
-    def __init__(self, model_config, layer_idx: int, device, rotary_emb: nn.Module | None = None):
-        super().__init__(model_config, layer_idx, device, rotary_emb)
-        cfg = model_config.hf_text_config
-        self.mlp = moe_block(cfg, device) if is_moe_layer(cfg, layer_idx) else LlamaMLP(cfg, device)
+    def make_mlp(self, cfg, layer_idx: int, device) -> nn.Module:
+        return moe_block(cfg, device) if is_moe_layer(cfg, layer_idx) else LlamaMLP(cfg, device)
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):

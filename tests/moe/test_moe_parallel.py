@@ -59,6 +59,8 @@ def _run_ranks(world_size: int, cases, tmp_path) -> list:
 def test_tp2_and_ep2_equal_tp1(moe_dir, tmp_path):
     qwen3 = moe_dir("qwen3_moe")
     cases = [(qwen3, "native", {}), (qwen3, "transformers", {"enable_expert_parallel": True}),
+             # all sparse: no layer holds a dense MLP of the intermediate_size TP=2 does not divide
+             (moe_dir("qwen3_moe", intermediate_size=37), "native", {}),
              (moe_dir("qwen2_moe"), "transformers", {}),
              (moe_dir("mixtral"), "transformers", {"enable_expert_parallel": True}),
              (moe_dir("olmoe"), "transformers", {}),
@@ -126,12 +128,10 @@ def test_shared_expert_width_tp_does_not_divide_fails_before_workers_start(moe_d
         make_llm(path, "transformers", tensor_parallel_size=2, enable_expert_parallel=ep)
 
 
-def test_dense_width_checked_only_where_a_dense_layer_holds_it(moe_dir, monkeypatch):
-    """An all-sparse Qwen3-MoE holds no MLP of its dense intermediate_size: TP=2 over a width of 51 passes the checks
-    (the workers would start); one dense layer (mlp_only_layers) brings the check back."""
+def test_dense_width_checked_where_a_dense_layer_holds_it(moe_dir, monkeypatch):
+    """One dense layer (mlp_only_layers) of a width TP=2 does not divide: refused before any worker starts (an
+    all-sparse model of that width runs: test_tp2_and_ep2_equal_tp1)."""
     forbid_worker_start(monkeypatch)
-    with pytest.raises(AssertionError, match="worker"):
-        make_llm(moe_dir("qwen3_moe", intermediate_size=51), "native", tensor_parallel_size=2)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 must divide the model's intermediate_size=51"):
         make_llm(moe_dir("qwen3_moe", intermediate_size=51, mlp_only_layers=[0]), "native", tensor_parallel_size=2)
 
