@@ -55,7 +55,8 @@ class EngineRLMixin:
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache (level 1 also moves the weights to host memory; level 2 discards them, to be
         refilled by `load_weights` after `wake_up`); see `fxrewrite.runtime.worker.sleep_mode`. A second
-        call while asleep does nothing. RuntimeError while requests are unfinished."""
+        call while asleep at that level or deeper does nothing; a deeper one (2 after 1) and a level other than
+        the int 1 or 2 are ValueErrors. RuntimeError while requests are unfinished."""
         self._check_idle("sleep")
         self.reset_prefix_cache()
         self.model_runner.sleep(level)

@@ -76,7 +76,9 @@ class OpenAIServingChat(OpenAIServing):
             params.skip_special_tokens = False
         await self.check_structured_outputs(params, structured_outputs_field(request))
         request_id = random_id("chatcmpl")
-        ids, streams = await self.start_requests(request_id, [(token_ids, params)], logprobs_field="top_logprobs")
+        field = structured_outputs_field(request)
+        ids, streams = await self.start_requests(request_id, [(token_ids, params)], logprobs_field="top_logprobs",
+                                                 structured_field="tool_choice" if field == "tools" else field)
         if request.stream:
             return EventStreamResponse(self._stream(request, model, request_id, ids, streams[0], len(token_ids)),
                                        on_close=lambda: self.abort_all(ids))

@@ -48,7 +48,7 @@ class OpenAIServingCompletion(OpenAIServing):
             inputs.append((token_ids, params))
         await self.check_structured_outputs(inputs[0][1], structured_outputs_field(request))
         request_id = random_id("cmpl")
-        ids, streams = await self.start_requests(request_id, inputs)
+        ids, streams = await self.start_requests(request_id, inputs, structured_field=structured_outputs_field(request))
         echo_texts = [text if request.echo else "" for text, _ in prompts]
         if request.stream:
             events = self._stream(request, model, request_id, ids, streams, echo_texts)

@@ -29,6 +29,18 @@ if TYPE_CHECKING:
 _SAMPLING_FALLBACKS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
+
+def _refused_field(message: str, sent_as: dict[str, str]) -> tuple[str, str | None]:
+    """(message, param) of an engine refusal, whose message starts with the SamplingParams field ("logprobs=21 is
+    more than max_logprobs=20", "structured_outputs is not supported with ..."), renamed to the request field
+    that set it (`sent_as`: {params field: request field})."""
+    found = re.match(r"(logprobs|prompt_logprobs|structured_outputs|bad_words)\b", message)
+    if found is None:
+        return message, None
+    field = found.group(1)
+    param = sent_as.get(field, field)
+    return param + message[len(field):], param
+
 class OpenAIServing:
     """Shared request handling over one `AsyncLLMEngine`.
 
@@ -186,9 +198,11 @@ class OpenAIServing:
 
     async def start_requests(
         self, request_id: str, prompts: list[tuple[list[int], SamplingParams]], logprobs_field: str = "logprobs",
+        structured_field: str = "structured_outputs",
     ) -> tuple[list[str], list[AsyncIterator[StepOutput]]]:
-        """Admit one engine request per prompt (ids `request_id-i`); all or none. `logprobs_field`: the request
-        field that set SamplingParams.logprobs, named in a refusal (chat's is ``top_logprobs``).
+        """Admit one engine request per prompt (ids `request_id-i`); all or none. `logprobs_field` /
+        `structured_field`: the request fields that set SamplingParams.logprobs / structured_outputs, named in a
+        refusal (chat's are ``top_logprobs`` and, for a forced tool call, ``tool_choice``).
 
         The caller must `abort_all(ids)` when done (a no-op for finished requests).
         """
@@ -200,11 +214,8 @@ class OpenAIServing:
                 ids.append(rid)
         except ValueError as e:
             self.abort_all(ids)
-            # the engine's limit messages start with the field: "logprobs=21 is more than max_logprobs=20"
-            message, field = str(e), re.match(r"(logprobs|prompt_logprobs)=", str(e))
-            param = field and field.group(1)
-            if param == "logprobs" and logprobs_field != param:
-                message, param = logprobs_field + message.removeprefix("logprobs"), logprobs_field
+            message, param = _refused_field(str(e), {"logprobs": logprobs_field,
+                                                     "structured_outputs": structured_field})
             raise OpenAIError(HTTPStatus.BAD_REQUEST, message, param=param, code="invalid_value") from None
         except EngineDeadError:  # a 503 (an OpenAIError)
             self.abort_all(ids)

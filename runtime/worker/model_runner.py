@@ -218,6 +218,7 @@ class ModelRunner:
         return {t.name for t in plan if t is not None}
 
     def sleep(self, level: int = 1) -> None:
+        sleep_mode.check_level(level, self.sleep_state)  # asleep already at this level or deeper: nothing to do
         if self.sleep_state is None:
             self.sleep_state = sleep_mode.sleep(self, level)
 

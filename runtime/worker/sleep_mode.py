@@ -83,11 +83,19 @@ def _release_device_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def sleep(runner, level: int) -> SleepState:
-    """Free the runner's KV cache (and weights, see the module docstring); ValueError for a level not 1 or 2."""
-    if level not in (1, 2):
+def check_level(level, asleep: SleepState | None = None) -> None:
+    """ValueError for a level other than the int 1 or 2, or for a deeper level than the one `asleep` sleeps at
+    (level 2 after level 1 would free weights that level 1 kept: wake_up first)."""
+    if type(level) is not int or level not in (1, 2):
         raise ValueError(f"sleep level={level!r} must be 1 (free the KV cache, offload the weights) or 2 "
                          "(free both, the weights are reloaded with load_weights)")
+    if asleep is not None and level > asleep.level:
+        raise ValueError(f"sleep(level={level}): already asleep at level {asleep.level}; call wake_up() first")
+
+
+def sleep(runner, level: int) -> SleepState:
+    """Free the runner's KV cache (and weights, see the module docstring); ValueError from `check_level`."""
+    check_level(level)
     state = SleepState(level)
     runner.graph_runner = None  # its graphs point at the memory about to go, and hold their own pool
     state.asleep["kv_cache"] = _free(_unique_storages(k for pair in runner.kv_caches for k in pair), False)

@@ -82,10 +82,14 @@ def test_level2_then_full_wake_up_refuses_requests_until_weights_arrive(llm):
 
 
 def test_bad_level_and_tag(llm):
-    with pytest.raises(ValueError, match="level"):
-        llm.sleep(level=3)
+    for bad in (3, 1.0, True, "1"):  # the int 1 or 2 only (True == 1 and 1.0 == 1 were taken for level 1)
+        with pytest.raises(ValueError, match=f"sleep level={bad!r} must be 1"):
+            llm.sleep(level=bad)
     assert not llm.llm_engine.is_sleeping()
     llm.sleep()
+    llm.sleep(level=1)  # again at the same level: nothing to do
+    with pytest.raises(ValueError, match=r"sleep\(level=2\): already asleep at level 1; call wake_up\(\) first"):
+        llm.sleep(level=2)  # it would have kept the weights silently
     with pytest.raises(ValueError, match="tags"):
         llm.wake_up(["kv"])
     llm.wake_up()

@@ -131,3 +131,19 @@ def test_bad_compilation_config_in_python_is_a_user_input_error():
     for bad in (5, "3", True, {"level": 3}):
         with pytest.raises(UserInputError, match=r"compilation_config=.*expected an optimisation level"):
             EngineConfig(compilation_config=bad)
+
+
+def test_engine_refusals_name_the_request_field():
+    """An engine refusal names the SamplingParams field; the server names the request field that set it (a forced
+    tool call's constraint is tool_choice's, chat's logprobs count is top_logprobs)."""
+    from fxrewrite.runtime.server.serving_engine import _refused_field
+
+    unsupported = "structured_outputs is not supported with tensor, pipeline or data parallelism (...) yet"
+    sent_as = {"logprobs": "top_logprobs", "structured_outputs": "tool_choice"}
+    assert _refused_field(unsupported, sent_as) == (
+        "tool_choice is not supported with tensor, pipeline or data parallelism (...) yet", "tool_choice")
+    assert _refused_field("logprobs=21 is more than max_logprobs=20", sent_as) == (
+        "top_logprobs=21 is more than max_logprobs=20", "top_logprobs")
+    assert _refused_field("prompt_logprobs=3 is more than max_logprobs=2", sent_as)[1] == "prompt_logprobs"
+    assert _refused_field("bad_words is not supported with tensor ...", {})[1] == "bad_words"
+    assert _refused_field("the prompt is too long", sent_as) == ("the prompt is too long", None)
