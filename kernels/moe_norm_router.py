@@ -21,7 +21,7 @@ import torch
 from fxrewrite.kernels.moe_router import (GEMM, choice_for, counters, fused_router_applies, route_experts,
                                           route_experts_ref, store_logits_and_select)
 from fxrewrite.kernels.moe_routing import check_routing
-from fxrewrite.kernels.pdl import gdc_prologue, pdl_enabled
+from fxrewrite.kernels.pdl import early_loads, gdc_prologue, pdl_enabled
 from fxrewrite.kernels.rms_norm import rms_norm, rms_norm_ref
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
@@ -42,8 +42,9 @@ def _norm_router_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, normed_ptr, res_out_ptr, 
                         ids_ptr, num_experts, eps, stride_we, HIDDEN: tl.constexpr, TOP_K: tl.constexpr,
                         RENORMALIZE: tl.constexpr, SOFTMAX: tl.constexpr, BLOCK_SPLIT: tl.constexpr,
                         BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RANKED: tl.constexpr,
-                        ONE_SHOT: tl.constexpr, PDL: tl.constexpr):
-    gdc_prologue(PDL)  # hidden and residual come from the previous kernel: wait before any read or write
+                        ONE_SHOT: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+    if not (ONE_SHOT and EARLY):
+        gdc_prologue(PDL)  # hidden and residual come from the previous kernel: wait before any read or write
     row = tl.program_id(0).to(tl.int64)
     writer = tl.program_id(1) == 0  # the token's first expert block stores the normed row and the residual
     offs_e = tl.program_id(1) * BLOCK_SPLIT + tl.arange(0, BLOCK_SPLIT)
@@ -51,11 +52,14 @@ def _norm_router_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, normed_ptr, res_out_ptr, 
     if ONE_SHOT:  # the whole row and the gate rows loaded at once: one memory latency, not two in a row
         offs_h = tl.arange(0, BLOCK_H)
         h_mask = offs_h < HIDDEN
+        # the weights (EARLY: while the previous kernel finishes, kernels/pdl.py early_loads)
         w = tl.load(w_ptr + offs_e[:, None].to(tl.int64) * stride_we + offs_h[None, :],
                     mask=e_mask[:, None] & h_mask[None, :], other=0.0)
+        nw = tl.load(nw_ptr + offs_h, mask=h_mask, other=0.0)
+        if EARLY:
+            gdc_prologue(PDL)
         s = tl.load(x_ptr + row * HIDDEN + offs_h, mask=h_mask, other=0.0)
         s = s + tl.load(res_ptr + row * HIDDEN + offs_h, mask=h_mask, other=0.0)  # rounded in the input dtype
-        nw = tl.load(nw_ptr + offs_h, mask=h_mask, other=0.0)
         rstd = tl.rsqrt(tl.sum(s.to(tl.float32) * s.to(tl.float32), axis=0) / HIDDEN + eps)
         xn = ((s.to(tl.float32) * rstd).to(s.dtype).to(tl.float32) * nw.to(tl.float32)).to(s.dtype)
         if writer:
@@ -126,5 +130,6 @@ def norm_route_experts(hidden: torch.Tensor, residual: torch.Tensor, norm_weight
         num_experts, float(eps), weight.stride(0), HIDDEN=h, TOP_K=top_k, RENORMALIZE=renormalize,
         SOFTMAX=scoring_func == "softmax", BLOCK_SPLIT=split, BLOCK_H=block_h,
         BLOCK_E=next_power_of_2(num_experts), BLOCK_K=next_power_of_2(top_k),
-        RANKED=cfg.ranked and num_experts <= 128, ONE_SHOT=one_shot, PDL=pdl, num_warps=cfg.num_warps)
+        RANKED=cfg.ranked and num_experts <= 128, ONE_SHOT=one_shot, PDL=pdl, EARLY=early_loads(pdl, True),
+        num_warps=cfg.num_warps)
     return weights, ids, x, new_residual

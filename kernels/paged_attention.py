@@ -178,9 +178,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     max_query_len: int, max_seq_len: int, scale: float,
                     sliding_window: int | None = None, soft_cap: float | None = None,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, *, static_metadata: bool = False) -> torch.Tensor:
     """Paged attention; on CUDA the decode kernel (split-K) when ``max_query_len == 1``, else the
-    varlen prefill kernel; on CPU :func:`paged_attention_ref`. Same contract as the reference."""
+    varlen prefill kernel; on CPU :func:`paged_attention_ref`. Same contract as the reference; static_metadata:
+    see :func:`~fxrewrite.kernels.paged_decode.paged_decode_triton`."""
     args = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
             max_query_len, max_seq_len, scale, sliding_window, soft_cap, sinks)
     if not use_triton(query):
@@ -188,7 +189,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if is_batch_invariant():  # one kernel, fixed tiles, no split-K (see BI_TILES)
         return paged_prefill_triton(*args, **BI_TILES)
     if max_query_len == 1:
-        return paged_decode_triton(*args)
+        return paged_decode_triton(*args, static_metadata=static_metadata)
     return paged_prefill_triton(*args)
 
 

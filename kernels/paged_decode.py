@@ -39,8 +39,8 @@ import torch
 
 from fxrewrite.kernels.attention_tile import (FP8_DOTS, attention_tile, check_last_dim_contiguous, check_paged_args,
                                               decode_tile_keys_major, dot_dtype, float8_dots, fp16_dots, quantize_query,
-                                              sinks_arg, value_run, widen_asm)
-from fxrewrite.kernels.pdl import gdc_prologue, pdl_enabled
+                                              sinks_arg, tile_slots, value_run, widen_asm)
+from fxrewrite.kernels.pdl import LINE_BYTES, early_loads, gdc_prologue, pdl_enabled, prefetch_l2
 from fxrewrite.kernels.triton_utils import interpreter_ready, launch, next_power_of_2, tl, triton
 
 __all__ = ["paged_decode_triton", "default_fp8_dots", "decode_tile", "dot_flags"]
@@ -93,40 +93,34 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr
                    BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    FP16_DOTS: tl.constexpr, WIDEN_ASM: tl.constexpr, KEYS_MAJOR: tl.constexpr, F8_DOTS: tl.constexpr,
-                   EXACT_CAST: tl.constexpr, V_RUN: tl.constexpr, PDL: tl.constexpr):
-    gdc_prologue(PDL)  # every program, even one with no work: the grid then completes after its predecessor
+                   EXACT_CAST: tl.constexpr, V_RUN: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+                   LINE: tl.constexpr, ROW_LINES: tl.constexpr):
+    # every program waits, even one with no work: the grid then completes after its predecessor
+    if not EARLY:
+        gdc_prologue(PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    tok = tl.load(qsl_ptr + seq)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(seq_len - sliding_window, 0)
-    splits = num_splits
-    if IS_SPLIT:  # a short context: split 0 alone, as a one-split launch
-        splits = tl.where(seq_len - lo <= single_len, 1, num_splits)
-    if (tl.load(qsl_ptr + seq + 1) > tok) & (split < splits):
+    tok, lo, splits, start, end, active = _partition(seq_lens_ptr, qsl_ptr, seq, split, sliding_window, num_splits,
+                                                     single_len, BLOCK_N, IS_SPLIT, HAS_WINDOW, V_RUN)
+    bt_row = bt_ptr + seq.to(tl.int64) * bt_s0
+    if EARLY:  # the metadata above came in during the previous kernel's tail; so do the first tile's K and V rows
+        if active:
+            _prefetch_first_tile(kc_ptr, vc_ptr, bt_row, start, end, kvh, block_size, kc_s0, kc_s1, kc_s2, vc_s0,
+                                 vc_s1, vc_s2, vc_s3, HEAD_DIM, BLOCK_N, V_RUN, LINE, ROW_LINES)
+        gdc_prologue(PDL)
+    if active:
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
         heads = kvh * G + offs_g
         gd_mask = (offs_g[:, None] < G) & (offs_d[None, :] < HEAD_DIM)
         q = tl.load(q_ptr + tok.to(tl.int64) * q_s0 + heads[:, None] * q_s1 + offs_d[None, :], mask=gd_mask, other=0.0)
-        # this sequence's partition: its own context over the splits, in whole BLOCK_N tiles (from a multiple of
-        # V_RUN, keys below lo masked, when the tile loads runs of V_RUN keys)
-        base = lo
-        if V_RUN > 1:
-            base = lo - lo % V_RUN
-        part = tl.cdiv(tl.cdiv(seq_len - base, splits), BLOCK_N) * BLOCK_N
-        start = base + split * part
-        end = tl.minimum(start + part, seq_len)
         m_i = tl.zeros([BLOCK_G], dtype=tl.float32) - 1.0e30
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         if HAS_SINKS:  # split 0 starts from the sink logit (log2 domain, zero value); the merge weighs it in
             sink = tl.load(sinks_ptr + heads, mask=offs_g < G, other=-1.0e30) * 1.4426950408889634
             m_i = tl.where(split == 0, sink, m_i)
             l_i = tl.where((split == 0) & (offs_g < G), 1.0, l_i)
-        bt_row = bt_ptr + seq.to(tl.int64) * bt_s0
         # Every key below seq_len is causal for the last token; the window is in `start`.
         if KEYS_MAJOR:
             m_i, l_i, acc = _walk_keys_major(q, m_i, l_i, kc_ptr, vc_ptr, bt_row, start, lo, end, kvh, scale, soft_cap,
@@ -143,6 +137,44 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr
                                                HAS_SOFTCAP, False, DOT_PRECISION, WIDEN_ASM, 0)
         _write_split(acc, m_i, l_i, out_ptr, part_ptr, ml_ptr, tok, heads, offs_d, gd_mask, offs_g < G, splits, split,
                      num_splits, G * tl.num_programs(1), o_s0, o_s1, BLOCK_D)
+
+
+@triton.jit
+def _partition(seq_lens_ptr, qsl_ptr, seq, split, sliding_window, num_splits, single_len, BLOCK_N: tl.constexpr,
+               IS_SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, V_RUN: tl.constexpr):
+    """A decode program's share of its sequence: (query row tok, window start lo, the sequence's split count, keys
+    [start, end), whether the program has work). The partition is the sequence's own context over its splits, in
+    whole BLOCK_N tiles (from a multiple of V_RUN, keys below lo masked, when the tile loads runs of V_RUN keys)."""
+    tok = tl.load(qsl_ptr + seq)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - sliding_window, 0)
+    splits = num_splits
+    if IS_SPLIT:  # a short context: split 0 alone, as a one-split launch
+        splits = tl.where(seq_len - lo <= single_len, 1, num_splits)
+    base = lo
+    if V_RUN > 1:
+        base = lo - lo % V_RUN
+    part = tl.cdiv(tl.cdiv(seq_len - base, splits), BLOCK_N) * BLOCK_N
+    start = base + split * part
+    end = tl.minimum(start + part, seq_len)
+    return tok, lo, splits, start, end, (tl.load(qsl_ptr + seq + 1) > tok) & (split < splits)
+
+
+@triton.jit
+def _prefetch_first_tile(kc_ptr, vc_ptr, bt_row, start, end, kvh, block_size, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2,
+                         vc_s3, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, V_RUN: tl.constexpr, LINE: tl.constexpr,
+                         ROW_LINES: tl.constexpr):
+    """Ask L2 for the cache lines of keys [start, min(start + BLOCK_N, end)) of kv head `kvh`: each key's row of the
+    key cache and (value rows, V_RUN == 0) of the value cache, ROW_LINES lines of LINE elements each. Coherent with
+    the previous kernel's write of this step's key and value (L2 is where writes land); no register result."""
+    pos, n_mask, blk, slot = tile_slots(bt_row, start, end, block_size, BLOCK_N)
+    cols = tl.arange(0, ROW_LINES) * LINE
+    mask = n_mask[:, None] & (cols < HEAD_DIM)[None, :]
+    prefetch_l2(kc_ptr + blk[:, None] * kc_s0 + slot[:, None] * kc_s1 + kvh * kc_s2 + cols[None, :], mask)
+    if V_RUN == 0:
+        prefetch_l2(vc_ptr + blk[:, None] * vc_s0 + slot[:, None] * vc_s1 + kvh * vc_s2 + cols[None, :] * vc_s3, mask)
 
 
 @triton.jit
@@ -193,8 +225,9 @@ def _write_split(acc, m_i, l_i, out_ptr, part_ptr, ml_ptr, tok, heads, offs_d, g
 @triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["seq_lens_ptr", "qsl_ptr"])
 def _reduce_kernel(seq_lens_ptr, qsl_ptr, out_ptr, part_ptr, ml_ptr, o_s0, o_s1, num_heads, num_splits,
                    sliding_window, single_len, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_S: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr):
-    gdc_prologue(PDL)
+                   BLOCK_S: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+    if not EARLY:
+        gdc_prologue(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     tok = tl.load(qsl_ptr + seq)
@@ -202,19 +235,23 @@ def _reduce_kernel(seq_lens_ptr, qsl_ptr, out_ptr, part_ptr, ml_ptr, o_s0, o_s1,
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(seq_len - sliding_window, 0)
+    active = (tl.load(qsl_ptr + seq + 1) > tok) & (seq_len - lo > single_len)
+    if EARLY:
+        gdc_prologue(PDL)
     # a short sequence was written by the decode kernel directly (its split 0 alone)
-    if (tl.load(qsl_ptr + seq + 1) > tok) & (seq_len - lo > single_len):
+    if active:
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_D)
         s_mask = offs_s < num_splits
         row = (tok.to(tl.int64) * num_heads + head) * num_splits + offs_s
         m = tl.load(ml_ptr + row * 2, mask=s_mask, other=-1.0e30)
         l = tl.load(ml_ptr + row * 2 + 1, mask=s_mask, other=0.0)
-        w = tl.exp2(m - tl.max(m, axis=0)) * l  # m is in the log2 domain
         # columns >= HEAD_DIM of the partials are never written: garbage there (inf * a zero weight is
-        # NaN) must not enter the sums, even in lanes the store drops
+        # NaN) must not enter the sums, even in lanes the store drops. Loaded with (m, l), before the max's
+        # reduction, so that the two loads share one memory latency.
         parts = tl.load(part_ptr + row[:, None] * BLOCK_D + offs_d[None, :],
                         mask=s_mask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+        w = tl.exp2(m - tl.max(m, axis=0)) * l  # m is in the log2 domain
         total = tl.sum(w, axis=0)
         out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
         tl.store(out_ptr + tok.to(tl.int64) * o_s0 + head * o_s1 + offs_d, out.to(out_ptr.dtype.element_ty),
@@ -265,14 +302,17 @@ def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, q
                         max_query_len, max_seq_len, scale, sliding_window=None, soft_cap=None, sinks=None,
                         *, block_n: int | None = None, num_splits: int | None = None, num_warps: int = 4,
                         num_stages: int = 2, single_split_len: int = _SINGLE_SPLIT_LEN, fp8_dots: str | None = None,
-                        keys_major: bool | None = None):
+                        keys_major: bool | None = None, static_metadata: bool = False):
     """Decode launch (every sequence has at most one query token). ``max_seq_len`` must bound every
     seq_len (it sizes the split-K grid). Keyword-only knobs are for tests and the benchmark
     (``single_split_len``: contexts up to this many tokens skip the split and the merge; 0: never; ``fp8_dots``:
     see :mod:`fxrewrite.kernels.attention_tile`, None: :func:`default_fp8_dots`; ``block_n``: keys per tile, None:
     `_BLOCK_N_FP8` for an FP8 cache, else 64; ``keys_major``: the keys along the MMA's M, the query heads along its N,
     always so with FP8 dots (:func:`~fxrewrite.kernels.attention_tile.decode_tile_keys_major`), None:
-    :func:`decode_tile`)."""
+    :func:`decode_tile`), and for the engine: ``static_metadata``, its promise that block_tables, seq_lens and
+    query_start_loc were not written by the kernel launched just before this one; under PDL both kernels then read
+    them, and the decode kernel asks L2 for its first tile of keys and values, before waiting for that kernel
+    (`fxrewrite.kernels.pdl.early_loads`)."""
     check_paged_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
     dots = dot_flags(query, key_cache, fp8_dots or default_fp8_dots())
     block_n = block_n or (_BLOCK_N_FP8 if key_cache.element_size() == 1 else 64)
@@ -294,6 +334,8 @@ def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, q
         part = torch.empty((num_tokens, num_heads, splits, block_d), dtype=torch.float32, device=query.device)
         ml = torch.empty((num_tokens, num_heads, splits, 2), dtype=torch.float32, device=query.device)
     pdl = pdl_enabled(query.device)
+    early = early_loads(pdl, static_metadata)
+    line = LINE_BYTES // key_cache.element_size()
     launch(_decode_kernel, (num_seqs, num_kv_heads, splits), query.device, pdl)(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, part, ml, sinks_arg(sinks, out),
         float(scale), float(soft_cap or 0.0), int(sliding_window or 0), key_cache.shape[1], splits, single_split_len,
@@ -305,12 +347,13 @@ def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, q
         BLOCK_N=block_n,
         IS_SPLIT=splits > 1, HAS_SOFTCAP=soft_cap is not None, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        KEYS_MAJOR=keys_major, V_RUN=v_run, PDL=pdl, num_warps=num_warps, num_stages=num_stages, **dots)
+        KEYS_MAJOR=keys_major, V_RUN=v_run, PDL=pdl, EARLY=early, LINE=line,
+        ROW_LINES=next_power_of_2(-(-head_dim // line)), num_warps=num_warps, num_stages=num_stages, **dots)
     if splits > 1:
         launch(_reduce_kernel, (num_seqs, num_heads), query.device, pdl)(
             seq_lens, query_start_loc, out, part, ml, out.stride(0), out.stride(1), num_heads, splits,
             int(sliding_window or 0), single_split_len, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_S=next_power_of_2(splits), HAS_WINDOW=sliding_window is not None, PDL=pdl,
+            BLOCK_S=next_power_of_2(splits), HAS_WINDOW=sliding_window is not None, PDL=pdl, EARLY=early,
             num_warps=4)
     return out
 

@@ -19,7 +19,11 @@ Triton GEMMs and torch's own kernels launch plainly.
 The rules every PDL kernel here follows (CUDA programming guide, "Programmatic Dependent Launch"):
 every program calls ``gdc_wait`` (unconditionally, so that the grid's completion implies its
 predecessor's, which the next kernel relies on) before it reads anything another kernel may have
-written and before it writes anything; only read-only data (weights) is touched before it.
+written and before it writes anything; only read-only data (weights) is touched before it, and, under
+`early_loads`, data that only kernels before the previous one wrote: the previous kernel let this one launch only
+after its own wait (or, launched plainly, after its predecessors had finished), so those writers have completed and
+their writes are visible. The step metadata the engine copies in before a forward is such data (the paged decode
+kernel, q/k norm + rotary + cache write).
 
 ``FXREWRITE_PDL``: ``auto`` (default: on for CUDA devices of compute capability >= 9.0, except that the FP8 GEMVs
 launch plainly and only let the next kernel launch early, `fp8_gemv_pdl`), ``on`` (every kernel above, the FP8
@@ -31,8 +35,12 @@ prefetching before its wait (2026-12-03) Qwen3-30B-A3B 338.5 -> 359.8 tokens/s, 
 Qwen3-32B 61.2 -> 61.7, but Qwen3-32B on 128 x 128 block-scaled FP8 weights 97.1 -> 94.9 (every GEMV the FP8 one):
 so under ``auto`` the FP8 GEMV launches plainly. It still triggers its dependents (2026-12-04, one call, FP8 GEMV
 plain / launched with PDL / plain but triggering: 97.7 / 94.1 / 99.1 tokens/s; with PDL and 128 prefetch bytes 95.0
-in the next call: the early launch, not the prefetch, costs). tests/gpu/test_gpu_pdl.py (kernel chains in captured
-graphs, whole bf16 Qwen3 / Qwen3-MoE engines) gives bitwise the outputs with and without PDL.
+in the next call: the early launch, not the prefetch, costs). Early loads (`early_loads`, FXREWRITE_PDL_EARLY
+off -> on, one call each, 2026-12-04-pdl-early-loads-thirty-fourth.log): Qwen3-4B 365.1 -> 372.9 tokens/s,
+Qwen3-30B-A3B 383.7 -> 401.0, Qwen3-32B block-FP8 102.7 -> 103.3 (graph replay 9.075 -> 8.988 ms); the same
+prefetch for the MoE down kernel's routed experts (398.9 against 401.0) was not kept. tests/gpu/test_gpu_pdl.py
+(kernel chains in captured graphs, whole bf16 Qwen3 / Qwen3-MoE engines) gives bitwise the outputs with and without
+PDL.
 """
 
 from __future__ import annotations
@@ -44,8 +52,8 @@ import torch
 
 from fxrewrite.kernels.triton_utils import HAS_TRITON, interpreter_ready, next_power_of_2, tl, triton
 
-__all__ = ["MODES", "mode", "device_supports_pdl", "pdl_enabled", "fp8_gemv_pdl", "check_environment", "gdc_prologue",
-           "prefetch_l2", "prefetch_bytes", "prefetch_lines", "LINE_BYTES"]
+__all__ = ["MODES", "mode", "device_supports_pdl", "pdl_enabled", "fp8_gemv_pdl", "early_loads", "check_environment",
+           "gdc_prologue", "prefetch_l2", "prefetch_bytes", "prefetch_lines", "LINE_BYTES"]
 
 MODES = ("auto", "on", "off")
 
@@ -108,6 +116,27 @@ def fp8_gemv_pdl(device) -> tuple[bool, bool]:
     return form == "full", form != "plain"
 
 
+EARLY_FORMS = ("on", "off")
+
+
+def early_loads(pdl: bool, static_inputs: bool) -> bool:
+    """Whether a PDL kernel whose caller promises `static_inputs` (its step metadata, e.g. positions, slot mapping,
+    block tables, sequence lengths, was not written by the kernel launched just before it: an engine step's
+    metadata is copied in before the forward) reads that metadata and the constants (cos / sin tables, norm
+    weights) before ``gdc_wait``, and prefetches what its first loads will need towards L2, so that the chain of
+    dependent loads runs during the previous kernel's tail instead of after it. Only with `pdl` (else nothing runs
+    early anyway). ``FXREWRITE_PDL_EARLY`` "on" (default) / "off" (for measurements); ValueError naming any other
+    value."""
+    return _early_on(os.environ.get("FXREWRITE_PDL_EARLY", "on")) and pdl and static_inputs
+
+
+@functools.lru_cache(maxsize=None)
+def _early_on(form: str) -> bool:
+    if form not in EARLY_FORMS:
+        raise ValueError(f"FXREWRITE_PDL_EARLY={form!r}; expected one of {', '.join(EARLY_FORMS)}")
+    return form == "on"
+
+
 @triton.jit
 def gdc_prologue(PDL: tl.constexpr):
     """In a kernel launched with PDL: wait for the previous grid (its writes become visible), then let the
@@ -144,6 +173,7 @@ def check_environment(device) -> None:
     """FXREWRITE_PDL and FXREWRITE_PDL_PREFETCH_BYTES checked once (an engine's start), not first at a kernel
     launch: ValueError naming a bad value, RuntimeError for ``on`` on a device without PDL."""
     prefetch_bytes()
+    early_loads(False, False)
     pdl_enabled(device)
     fp8_gemv_pdl(device)
 

@@ -46,11 +46,20 @@ def qk_norm_rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
 
 
 @triton.jit
-def norm_rope_tile(rows, num_heads, w_ptr, cos, sin, eps, off1, off2, imask, offp, pmask,
+def norm_weights(w_ptr, off1, off2, imask, offp, pmask):
+    """The norm weight's features as `norm_rope_tile` takes them: (w1, w2, wp), float32 rows [1, ...]."""
+    w1 = tl.load(w_ptr + off1, mask=imask, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + off2, mask=imask, other=0.0).to(tl.float32)[None, :]
+    wp = tl.load(w_ptr + offp, mask=pmask, other=0.0).to(tl.float32)[None, :]
+    return w1, w2, wp
+
+
+@triton.jit
+def norm_rope_tile(rows, num_heads, w1, w2, wp, cos, sin, eps, off1, off2, imask, offp, pmask,
                    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr):
     """Normalise and rotate `num_heads` heads of one token (`rows` [BLOCK_H, 1]: each head's first
-    feature). Returns the rotated pair halves and the pass-through features in float32, each already
-    rounded to the input dtype, with their masks: (y1, y2, yp, m1, mp)."""
+    feature; w1, w2, wp: `norm_weights`). Returns the rotated pair halves and the pass-through features in
+    float32, each already rounded to the input dtype, with their masks: (y1, y2, yp, m1, mp)."""
     hmask = (tl.arange(0, BLOCK_H) < num_heads)[:, None]
     m1 = hmask & imask[None, :]
     mp = hmask & pmask[None, :]
@@ -60,9 +69,6 @@ def norm_rope_tile(rows, num_heads, w_ptr, cos, sin, eps, off1, off2, imask, off
     rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1) + tl.sum(xp * xp, 1)) / HEAD_DIM + eps)[:, None]
     dtype = rows.dtype.element_ty
     # Llama's order: x̂ rounded to the input dtype, times the weight, rounded again.
-    w1 = tl.load(w_ptr + off1, mask=imask, other=0.0).to(tl.float32)[None, :]
-    w2 = tl.load(w_ptr + off2, mask=imask, other=0.0).to(tl.float32)[None, :]
-    wp = tl.load(w_ptr + offp, mask=pmask, other=0.0).to(tl.float32)[None, :]
     y1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
     y2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     yp = (xp * rstd).to(dtype).to(tl.float32) * wp
@@ -83,7 +89,8 @@ def _norm_rope_heads(base, head_stride, num_heads, w_ptr, cos, sin, eps, off1, o
                      HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr):
     """Normalise and rotate `num_heads` heads of one token in place (rows of a [BLOCK_H, D] tile)."""
     rows = base + tl.arange(0, BLOCK_H)[:, None] * head_stride
-    o1, o2, op, m1, mp = norm_rope_tile(rows, num_heads, w_ptr, cos, sin, eps, off1, off2, imask, offp, pmask,
+    w1, w2, wp = norm_weights(w_ptr, off1, off2, imask, offp, pmask)
+    o1, o2, op, m1, mp = norm_rope_tile(rows, num_heads, w1, w2, wp, cos, sin, eps, off1, off2, imask, offp, pmask,
                                         HEAD_DIM, BLOCK_H)
     store_heads(rows, off1, off2, offp, o1, o2, op, m1, mp)
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from fxrewrite.kernels import use_triton
-from fxrewrite.kernels.pdl import gdc_prologue, pdl_enabled
-from fxrewrite.kernels.qk_norm_rope import (check_qk_norm_rope_args, norm_rope_tile, qk_norm_rope_ref,
+from fxrewrite.kernels.pdl import early_loads, gdc_prologue, pdl_enabled
+from fxrewrite.kernels.qk_norm_rope import (check_qk_norm_rope_args, norm_rope_tile, norm_weights, qk_norm_rope_ref,
                                             qk_norm_rope_triton, store_heads)
 from fxrewrite.kernels.reshape_and_cache import cache_clamp, check_cache_args, reshape_and_cache, reshape_and_cache_ref
 from fxrewrite.kernels.rotary import pair_offsets, token_cos_sin
@@ -47,11 +47,16 @@ def qk_norm_rope_cache_ref(positions: torch.Tensor, query: torch.Tensor, key: to
 def qk_norm_rope_cache(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, head_size: int,
                        cos_sin_cache: torch.Tensor, is_neox_style: bool, key_cache: torch.Tensor,
-                       value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton on CUDA (q and k in place; returns them), else :func:`qk_norm_rope_cache_ref`: use the results."""
-    fn = qk_norm_rope_cache_triton if use_triton(query) else qk_norm_rope_cache_ref
-    return fn(positions, query, key, value, q_weight, k_weight, eps, head_size, cos_sin_cache, is_neox_style,
-              key_cache, value_cache, slot_mapping)
+                       value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       static_metadata: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton on CUDA (q and k in place; returns them), else :func:`qk_norm_rope_cache_ref`: use the results.
+    static_metadata: see :func:`qk_norm_rope_cache_triton`."""
+    if use_triton(query):
+        return qk_norm_rope_cache_triton(positions, query, key, value, q_weight, k_weight, eps, head_size,
+                                         cos_sin_cache, is_neox_style, key_cache, value_cache, slot_mapping,
+                                         static_metadata)
+    return qk_norm_rope_cache_ref(positions, query, key, value, q_weight, k_weight, eps, head_size, cos_sin_cache,
+                                  is_neox_style, key_cache, value_cache, slot_mapping)
 
 
 # positions / slot_mapping are slices of the engine's packed step buffers, whose 16-byte alignment
@@ -64,23 +69,30 @@ def _qk_norm_rope_cache_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cac
                                HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                                PASS: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_HQ: tl.constexpr,
                                BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr, IS_NEOX: tl.constexpr,
-                               PDL: tl.constexpr):
-    gdc_prologue(PDL)
+                               PDL: tl.constexpr, EARLY: tl.constexpr):
+    if not EARLY:
+        gdc_prologue(PDL)
+    # positions, slot mapping, cos / sin and the norm weights: with EARLY (kernels/pdl.py early_loads) read while
+    # the previous kernel (the QKV projection) finishes
     tok, i, imask, cos, sin = token_cos_sin(pos_ptr, cache_ptr, cache_stride, HALF, BLOCK_HALF)
     off1, off2 = pair_offsets(i, HALF, IS_NEOX)
     j = tl.arange(0, BLOCK_PASS)
     offp = 2 * HALF + j  # features past rotary_dim: normalised, not rotated
     pmask = j < PASS
+    qw1, qw2, qwp = norm_weights(qw_ptr, off1, off2, imask, offp, pmask)
+    kw1, kw2, kwp = norm_weights(kw_ptr, off1, off2, imask, offp, pmask)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if EARLY:
+        gdc_prologue(PDL)
     q_rows = q_ptr + tok * q_tok_stride + tl.arange(0, BLOCK_HQ)[:, None] * q_head_stride
-    o1, o2, op, m1, mp = norm_rope_tile(q_rows, num_q_heads, qw_ptr, cos, sin, eps, off1, off2, imask, offp, pmask,
-                                        HEAD_DIM, BLOCK_HQ)
+    o1, o2, op, m1, mp = norm_rope_tile(q_rows, num_q_heads, qw1, qw2, qwp, cos, sin, eps, off1, off2, imask, offp,
+                                        pmask, HEAD_DIM, BLOCK_HQ)
     store_heads(q_rows, off1, off2, offp, o1, o2, op, m1, mp)
     heads = tl.arange(0, BLOCK_HK)[:, None]
     k_rows = k_ptr + tok * k_tok_stride + heads * k_head_stride
-    o1, o2, op, m1, mp = norm_rope_tile(k_rows, num_k_heads, kw_ptr, cos, sin, eps, off1, off2, imask, offp, pmask,
-                                        HEAD_DIM, BLOCK_HK)
+    o1, o2, op, m1, mp = norm_rope_tile(k_rows, num_k_heads, kw1, kw2, kwp, cos, sin, eps, off1, off2, imask, offp,
+                                        pmask, HEAD_DIM, BLOCK_HK)
     store_heads(k_rows, off1, off2, offp, o1, o2, op, m1, mp)
-    slot = tl.load(slot_ptr + tok).to(tl.int64)
     if slot >= 0:  # padding rows and already-cached tokens have slot -1
         blk = slot // block_size
         off = slot % block_size
@@ -106,11 +118,15 @@ def _cacheable(x, DTYPE: tl.constexpr, CLAMP: tl.constexpr):
 def qk_norm_rope_cache_triton(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                               q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, head_size: int,
                               cos_sin_cache: torch.Tensor, is_neox_style: bool, key_cache: torch.Tensor,
-                              value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                              value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                              static_metadata: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One program per token; q and k normalised and rotated in place, k and v written to the caches.
     Tokens and heads may be strided (slices of a fused QKV output); each head's D features and the caches'
     head dim must be contiguous. The key goes to the cache in the key's dtype, then the cache's (an FP8 cache: clamped
-    to its range), as the unfused pair would write it. Same contract as :func:`qk_norm_rope_cache_ref`."""
+    to its range), as the unfused pair would write it. Same contract as :func:`qk_norm_rope_cache_ref`.
+    static_metadata: the caller's promise that positions, slot_mapping, cos_sin_cache and the weights were not
+    written by the kernel launched just before this one (an engine step's metadata); under PDL the kernel then
+    reads them before it waits for that kernel (`fxrewrite.kernels.pdl.early_loads`)."""
     num_tokens = positions.numel()
     if num_tokens == 0:
         return query, key
@@ -135,5 +151,5 @@ def qk_norm_rope_cache_triton(positions: torch.Tensor, query: torch.Tensor, key:
         HEAD_DIM=head_size, HALF=half, BLOCK_HALF=next_power_of_2(half), PASS=rest,
         BLOCK_PASS=max(1, next_power_of_2(rest)), BLOCK_HQ=next_power_of_2(q.shape[1]),
         BLOCK_HK=next_power_of_2(k.shape[1]), BLOCK_D=next_power_of_2(head_size), IS_NEOX=is_neox_style,
-        PDL=pdl, num_warps=4)
+        PDL=pdl, EARLY=early_loads(pdl, static_metadata), num_warps=4)
     return query, key

@@ -68,6 +68,7 @@ def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rstd_ptr, n_col
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)  # with x, not after the reduction's barrier: one latency
     x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         # The add rounds in the input dtype, like `residual + hidden_states` in the HF layer.
@@ -78,7 +79,6 @@ def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rstd_ptr, n_col
     if SAVE_RSTD:
         tl.store(rstd_ptr + row, rstd)
     h = h * rstd
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     if GEMMA:
         out = h * (offset + w.to(tl.float32))
     else:

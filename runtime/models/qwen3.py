@@ -34,7 +34,7 @@ class Qwen3Attention(LlamaAttention):
         key_cache, value_cache, slot_mapping = layer_kv_cache(self.attn.layer_idx)
         q, k = qk_norm_rope_cache(positions, q, k, v, self.q_norm.weight, self.k_norm.weight,
                                   self.q_norm.variance_epsilon, self.head_dim, rope.cos_sin_cache, rope.is_neox_style,
-                                  key_cache, value_cache, slot_mapping)
+                                  key_cache, value_cache, slot_mapping, static_metadata=True)
         out = self.o_proj(self.attn(q, k, v, kv_cached=True))
         return out if norm is None else (out, residual)
 

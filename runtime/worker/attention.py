@@ -83,6 +83,7 @@ def attend_now(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, laye
     return paged_attention(
         query, key_cache, value_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
         ctx.max_query_len, ctx.max_seq_len, scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
+        static_metadata=True,  # the step's metadata, copied in before the forward
     )
 
 

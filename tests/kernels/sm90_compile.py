@@ -14,8 +14,8 @@ import sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile as triton_compile
 
-from fxrewrite.kernels import (fp8_gemv_pipelined, paged_decode, paged_prefill, qk_norm_rope_cache, reshape_and_cache,
-                               skinny_gemv, skinny_gemv_pipelined)
+from fxrewrite.kernels import (fp8_gemv_pipelined, moe_norm_router, paged_decode, paged_prefill, qk_norm_rope_cache,
+                               reshape_and_cache, skinny_gemv, skinny_gemv_pipelined)
 
 
 def compile_sm90(fn, pointers: dict, constexprs: dict, floats=("scale", "soft_cap"), **options) -> str:
@@ -31,16 +31,27 @@ def compile_sm90(fn, pointers: dict, constexprs: dict, floats=("scale", "soft_ca
     return kernel.asm["ptx"]
 
 
+_INTS = {n: "*i32" for n in ("bt_ptr", "seq_lens_ptr", "qsl_ptr")} | {"sinks_ptr": "*fp32"}
+_DECODE_POINTERS = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "ml_ptr": "*fp32", **_INTS}
+
+
+def _early(cache: str, early: bool = True) -> dict:
+    """The decode kernel's PDL early-load constexprs over a `cache` of 128-wide heads (kernels/pdl.py early_loads)."""
+    line = 128 if cache.startswith("fp8") else 64
+    return dict(EARLY=early, LINE=line, ROW_LINES=128 // line)
+
+
 def main(cache: str) -> dict:
     caches = {"kc_ptr": f"*{cache}", "vc_ptr": f"*{cache}"}
-    ints = {n: "*i32" for n in ("bt_ptr", "seq_lens_ptr", "qsl_ptr")} | {"sinks_ptr": "*fp32"}
+    ints = _INTS
     common = dict(HEAD_DIM=128, BLOCK_D=128, HAS_SOFTCAP=False, HAS_WINDOW=False, HAS_SINKS=False, DOT_PRECISION="tf32",
                   FP16_DOTS=True, WIDEN_ASM=1 if cache == "fp8e4nv" else 2)
+    early = _early(cache)
     decode = compile_sm90(paged_decode._decode_kernel,
                           {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "ml_ptr": "*fp32", **caches,
                            **ints},
                           dict(common, G=4, BLOCK_G=16, BLOCK_N=64, IS_SPLIT=True, KEYS_MAJOR=False, F8_DOTS=False, EXACT_CAST=False,
-                               V_RUN=0, PDL=True), num_warps=4, num_stages=2)
+                               V_RUN=0, PDL=True, **early), num_warps=4, num_stages=2)
     float8_mma, v_loads = [], {}
     if cache == "fp8e4nv":  # fp8_dots="float8": both dots on FP8 tensor cores, no widening
         for v_run in (0, 16):  # V rows as stored, V^T from a keys-contiguous value cache (blocks of 16)
@@ -48,7 +59,7 @@ def main(cache: str) -> dict:
                                   {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "ml_ptr": "*fp32",
                                    **caches, **ints},
                                   dict(common, FP16_DOTS=False, WIDEN_ASM=0, G=4, BLOCK_G=8, BLOCK_N=128, IS_SPLIT=True,
-                                       KEYS_MAJOR=True, F8_DOTS=True, EXACT_CAST=False, V_RUN=v_run, PDL=True),
+                                       KEYS_MAJOR=True, F8_DOTS=True, EXACT_CAST=False, V_RUN=v_run, PDL=True, **early),
                                   num_warps=4, num_stages=2)
             v_loads[v_run] = {"cp_async": float8.count("cp.async.cg"), "byte_loads": float8.count("ld.global.b8"),
                               "shared_stores": len(re.findall(r"st\.shared", float8))}
@@ -63,7 +74,8 @@ def main(cache: str) -> dict:
         compile_sm90(paged_decode._decode_kernel,
                      {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "ml_ptr": "*fp32", **caches, **ints},
                      dict(common, HAS_SINKS=True, HAS_WINDOW=True, G=8, BLOCK_G=8 if keys_major else 16, BLOCK_N=64,
-                          IS_SPLIT=True, KEYS_MAJOR=keys_major, F8_DOTS=False, EXACT_CAST=False, V_RUN=0, PDL=True),
+                          IS_SPLIT=True, KEYS_MAJOR=keys_major, F8_DOTS=False, EXACT_CAST=False, V_RUN=0, PDL=True,
+                          **early),
                      num_warps=4, num_stages=2)
     compile_sm90(paged_prefill._prefill_kernel, {"q_ptr": "*bf16", "out_ptr": "*bf16", **caches, **ints},
                  dict(common, HAS_SINKS=True, G=8, BLOCK_M=64, BLOCK_N=64, V_RUN=0), num_warps=4)
@@ -71,7 +83,7 @@ def main(cache: str) -> dict:
                  {"pos_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "qw_ptr": "*bf16",
                   "kw_ptr": "*bf16", "cache_ptr": "*fp32", "slot_ptr": "*i64", **caches},
                  dict(CLAMP=448.0 if cache == "fp8e4nv" else 57344.0, HEAD_DIM=128, HALF=64, BLOCK_HALF=64, PASS=0,
-                      BLOCK_PASS=1, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_D=128, IS_NEOX=True, PDL=True),
+                      BLOCK_PASS=1, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_D=128, IS_NEOX=True, PDL=True, EARLY=True),
                  floats=("eps",), num_warps=4)
     compile_sm90(reshape_and_cache._reshape_and_cache_kernel,
                  {"key_ptr": "*bf16", "value_ptr": "*bf16", "slot_ptr": "*i64", **caches},
@@ -107,6 +119,47 @@ def _loads(ptx: str) -> dict:
             "prefetch_before_wait": ptx.count("prefetch.global.L2", 0, max(ptx.find("griddepcontrol.wait"), 0))}
 
 
+def _before_wait(ptx: str) -> dict:
+    """Global loads and L2 prefetches a kernel issues before its wait on the previous kernel (griddepcontrol.wait)."""
+    head = ptx[: max(ptx.find("griddepcontrol.wait"), 0)]
+    return {"ld_global": head.count("ld.global"), "prefetch": head.count("prefetch.global.L2")}
+
+
+def pdl_early() -> dict:
+    """With and without `early_loads` (PDL): what the decode kernel, its merge, the q/k norm + rotary + cache write
+    kernel and the MoE norm + router read (and, decode, prefetch) before waiting for the previous kernel; bf16 cache,
+    Qwen3 heads, Qwen3-30B-A3B's router."""
+    out = {}
+    for early in (False, True):
+        decode = compile_sm90(paged_decode._decode_kernel, {**_DECODE_POINTERS, "kc_ptr": "*bf16", "vc_ptr": "*bf16"},
+                              dict(HEAD_DIM=128, BLOCK_D=128, HAS_SOFTCAP=False, HAS_WINDOW=False, HAS_SINKS=False,
+                                   DOT_PRECISION="tf32", FP16_DOTS=False, WIDEN_ASM=0, G=4, BLOCK_G=16, BLOCK_N=64,
+                                   IS_SPLIT=True, KEYS_MAJOR=False, F8_DOTS=False, EXACT_CAST=False, V_RUN=0, PDL=True,
+                                   **_early("bf16", early)), num_warps=4, num_stages=2)
+        merge = compile_sm90(paged_decode._reduce_kernel,
+                             {"seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "out_ptr": "*bf16", "part_ptr": "*fp32",
+                              "ml_ptr": "*fp32"},
+                             dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=4, HAS_WINDOW=False, PDL=True, EARLY=early))
+        rope = compile_sm90(qk_norm_rope_cache._qk_norm_rope_cache_kernel,
+                            {"pos_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "qw_ptr": "*bf16",
+                             "kw_ptr": "*bf16", "cache_ptr": "*fp32", "slot_ptr": "*i64", "kc_ptr": "*bf16",
+                             "vc_ptr": "*bf16"},
+                            dict(CLAMP=0.0, HEAD_DIM=128, HALF=64, BLOCK_HALF=64, PASS=0, BLOCK_PASS=1, BLOCK_HQ=32,
+                                 BLOCK_HK=8, BLOCK_D=128, IS_NEOX=True, PDL=True, EARLY=early),
+                            floats=("eps",), num_warps=4)
+        router = compile_sm90(moe_norm_router._norm_router_kernel,
+                              {**{n: "*bf16" for n in ("x_ptr", "res_ptr", "nw_ptr", "w_ptr", "normed_ptr", "res_out_ptr",
+                                                       "logits_ptr")},
+                               "counter_ptr": "*i32", "weights_ptr": "*fp32", "ids_ptr": "*i64"},
+                              dict(HIDDEN=2048, TOP_K=8, RENORMALIZE=True, SOFTMAX=True, BLOCK_SPLIT=1, BLOCK_H=2048,
+                                   BLOCK_E=128, BLOCK_K=8, RANKED=True, ONE_SHOT=True, PDL=True, EARLY=early),
+                              floats=("eps",), num_warps=1)
+        out["early" if early else "late"] = {"decode": _before_wait(decode), "merge": _before_wait(merge),
+                                             "qk_norm_rope_cache": _before_wait(rope),
+                                             "norm_router": _before_wait(router)}
+    return out
+
+
 def skinny_pipelined_gemv() -> dict:
     """Load instructions in the PTX of the pipelined bf16 GEMV (every config of `PIPELINED_CONFIGS`, K a multiple
     of block_k or not) and of the skinny GEMV's first one-token config: the pipelined loop's weight tiles must be
@@ -131,5 +184,5 @@ def skinny_pipelined_gemv() -> dict:
 
 
 if __name__ == "__main__":
-    forms = {"fp8-gemv-pipelined": pipelined_gemv, "skinny-gemv-pipelined": skinny_pipelined_gemv}
+    forms = {"fp8-gemv-pipelined": pipelined_gemv, "skinny-gemv-pipelined": skinny_pipelined_gemv, "pdl-early": pdl_early}
     print(json.dumps(forms[sys.argv[1]]() if sys.argv[1] in forms else main(sys.argv[1])))

@@ -136,12 +136,13 @@ def test_kernels_in_half_precision(interpret, paged_batch):
 
 def test_dispatch_picks_decode_or_prefill(interpret, paged_batch, monkeypatch):
     calls = []
-    monkeypatch.setattr(paged_attention_module, "paged_decode_triton", lambda *a: calls.append("decode"))
-    monkeypatch.setattr(paged_attention_module, "paged_prefill_triton", lambda *a: calls.append("prefill"))
+    monkeypatch.setattr(paged_attention_module, "paged_decode_triton", lambda *a, **kw: calls.append(("decode", kw)))
+    monkeypatch.setattr(paged_attention_module, "paged_prefill_triton", lambda *a: calls.append(("prefill", {})))
     monkeypatch.setenv("FXREWRITE_TRITON", "1")
     paged_attention(*paged_batch(DECODE, 2, 1, 16, 4).args(), 1.0)
+    paged_attention(*paged_batch(DECODE, 2, 1, 16, 4).args(), 1.0, static_metadata=True)  # the engine's promise
     paged_attention(*paged_batch(MIXED, 2, 1, 16, 4).args(), 1.0)
-    assert calls == ["decode", "prefill"]
+    assert calls == [("decode", {"static_metadata": False}), ("decode", {"static_metadata": True}), ("prefill", {})]
 
 
 @pytest.mark.gpu
@@ -152,6 +153,9 @@ def test_decode_kernel_matches_ref_gpu(cuda, paged_batch):
     for block_n in (64, 128):  # keys along the MMA's M (wgmma, the heads its N)
         got = paged_decode.paged_decode_triton(*batch.args(), 128 ** -0.5, keys_major=True, block_n=block_n)
         assert_close_to_exact(got, batch, 128 ** -0.5)
+    # metadata read and the first tile prefetched before the PDL wait (kernels/pdl.py early_loads): the same result
+    plain = paged_attention(*batch.args(), 128 ** -0.5)
+    assert torch.equal(paged_attention(*batch.args(), 128 ** -0.5, static_metadata=True), plain)
     with pytest.raises(AssertionError, match="spread"):  # the check catches a kernel that stops early
         assert_close_to_exact(paged_attention(*_truncated(batch).args(), 128 ** -0.5), batch, 128 ** -0.5)
 

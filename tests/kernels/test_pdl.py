@@ -1,9 +1,16 @@
 """PDL switch (`fxrewrite.kernels.pdl`) and the split-K skinny GEMV in the Triton interpreter: FXREWRITE_PDL
 parsing, PDL never enabled on a CPU / under the interpreter, split-K configs against the unfused reference
 (SiLU-and-mul prologue, bias, partial tiles, uneven K), its counters left at zero, and which kinds get split-K
-candidates. GPU (PDL inside CUDA graphs): tests/gpu/test_gpu_pdl.py."""
+candidates, the early-load switch and what the kernels read before their wait when compiled for sm90. GPU (PDL inside
+CUDA graphs): tests/gpu/test_gpu_pdl.py."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,6 +69,39 @@ def test_fp8_gemv_forms(monkeypatch):
     monkeypatch.setenv("FXREWRITE_PDL_FP8_GEMV", "early")
     with pytest.raises(ValueError, match="FXREWRITE_PDL_FP8_GEMV='early'"):
         pdl.fp8_gemv_pdl("cuda:0")
+
+
+def test_early_loads(monkeypatch):
+    """FXREWRITE_PDL_EARLY: on (default) reads the caller's static metadata before the wait, under PDL only and only
+    where the caller promised it; off never; a bad value is a ValueError naming it (also at the engine's check)."""
+    monkeypatch.delenv("FXREWRITE_PDL_EARLY", raising=False)
+    assert pdl.early_loads(True, True)
+    assert not pdl.early_loads(False, True) and not pdl.early_loads(True, False)
+    monkeypatch.setenv("FXREWRITE_PDL_EARLY", "off")
+    assert not pdl.early_loads(True, True)
+    monkeypatch.setenv("FXREWRITE_PDL_EARLY", "1")
+    with pytest.raises(ValueError, match="FXREWRITE_PDL_EARLY='1'"):
+        pdl.early_loads(True, True)
+    with pytest.raises(ValueError, match="FXREWRITE_PDL_EARLY='1'"):
+        pdl.check_environment("cpu")
+
+
+def test_early_loads_compile_for_sm90():
+    """Compiled for sm90 (no GPU; TRITON_INTERPRET unset in a subprocess): with early loads the decode kernel reads
+    its metadata (query_start_loc twice, seq_lens, the block table) and asks L2 for the first tile's K and V rows
+    before griddepcontrol.wait, its merge reads its metadata, and q/k norm + rotary + cache write its position,
+    cos / sin, norm weights and slot, the MoE norm + router its weights; without them nothing is read before the
+    wait."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "tests.kernels.sm90_compile", "pdl-early"], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert all(v == {"ld_global": 0, "prefetch": 0} for v in got["late"].values()), got
+    early = got["early"]
+    assert early["decode"]["ld_global"] >= 4 and early["decode"]["prefetch"] >= 2, got
+    assert early["merge"]["ld_global"] >= 3 and early["qk_norm_rope_cache"]["ld_global"] >= 8, got
+    assert early["norm_router"]["ld_global"] >= 2, got  # its gate row and the norm weight
 
 
 def test_split_k_only_for_kinds_without_a_norm():

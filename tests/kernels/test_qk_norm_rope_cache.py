@@ -107,6 +107,7 @@ def test_kernel_matches_ref_gpu(cuda, cache_dtype):
         cache_dtype=cache_dtype, device=cuda)
     pos = pos % 64
     kc2, vc2 = kc.clone(), vc.clone()
+    q0, k0, kc0, vc0 = q.clone(), k.clone(), kc.clone(), vc.clone()
     want_q, want_k = qk_norm_rope_cache_ref(pos, q.clone(), k.clone(), v, qw, kw, 1e-6, 128, cache, True, kc2, vc2,
                                             slots)
     got_q, got_k = qk_norm_rope_cache(pos, q, k, v, qw, kw, 1e-6, 128, cache, True, kc, vc, slots)
@@ -119,3 +120,9 @@ def test_kernel_matches_ref_gpu(cuda, cache_dtype):
                        as_cached(got_k.view(512, 8, 128)[slots >= 0]).view(torch.uint8))
     assert torch.equal(vc.view(-1, 8, 128)[mapped].view(torch.uint8),
                        as_cached(v.reshape(512, 8, 128)[slots >= 0]).view(torch.uint8))
+    # positions, slots, cos / sin and weights read before the PDL wait (kernels/pdl.py early_loads): the same bits
+    early_q, early_k = qk_norm_rope_cache(pos, q0, k0, v, qw, kw, 1e-6, 128, cache, True, kc0, vc0, slots,
+                                          static_metadata=True)
+    assert torch.equal(early_q, got_q) and torch.equal(early_k, got_k)
+    assert torch.equal(kc0.view(torch.uint8), kc.view(torch.uint8)) and torch.equal(vc0.view(torch.uint8),
+                                                                                    vc.view(torch.uint8))
