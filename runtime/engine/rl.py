@@ -71,9 +71,11 @@ class EngineRLMixin:
         self.model_runner.wake_up(tags)
 
     def is_sleeping(self) -> bool:
-        """True while any part is asleep, or the weights of a level-2 sleep await `load_weights`. With worker
-        processes, every rank's status counts: RuntimeError naming the ranks when they disagree."""
-        return self.model_runner.sleep_status() is not None
+        """True while any part (weights, KV cache) is asleep; after a full `wake_up` False, as vLLM reports it,
+        even when a level-2 sleep's weights still await `load_weights` (requests are refused until then). With
+        worker processes, every rank's status counts: RuntimeError naming the ranks when they disagree."""
+        status = self.model_runner.sleep_status()
+        return status is not None and bool(status[0])
 
     def _check_awake(self) -> None:
         status = self.model_runner.sleep_status()

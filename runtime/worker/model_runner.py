@@ -218,9 +218,13 @@ class ModelRunner:
         return {t.name for t in plan if t is not None}
 
     def sleep(self, level: int = 1) -> None:
-        sleep_mode.check_level(level, self.sleep_state)  # asleep already at this level or deeper: nothing to do
-        if self.sleep_state is None:
+        state = self.sleep_state
+        asleep = state if state is not None and state.asleep else None
+        sleep_mode.check_level(level, asleep)  # asleep already at this level or deeper: nothing to do
+        if state is None:
             self.sleep_state = sleep_mode.sleep(self, level)
+        elif asleep is None:  # awake after a level-2 sleep, its weights not reloaded: nothing to keep, free both
+            self.sleep_state = sleep_mode.sleep(self, 2)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         state = self.sleep_state

@@ -74,7 +74,15 @@ def test_level2_then_full_wake_up_refuses_requests_until_weights_arrive(llm):
     before = _tokens(llm)
     saved = [(n, p.detach().clone()) for n, p in llm.llm_engine.model_runner.model.named_parameters()]
     llm.sleep(level=2)
+    assert llm.llm_engine.is_sleeping()
     llm.wake_up()
+    assert not llm.llm_engine.is_sleeping()  # vLLM's answer once every part is awake; the weights are still garbage
+    with pytest.raises(RuntimeError, match="load_weights"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm.sleep(level=1)  # asleep again (the garbage weights are not worth keeping: freed as at level 2)
+    assert llm.llm_engine.is_sleeping() and _kv_bytes(llm) == 0 and _weight_bytes(llm) == 0
+    llm.wake_up()
+    assert not llm.llm_engine.is_sleeping()
     with pytest.raises(RuntimeError, match="load_weights"):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     llm.load_weights(saved)
