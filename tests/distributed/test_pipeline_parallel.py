@@ -88,12 +88,20 @@ def test_pp2_native_equals_one_process(qwen3_3layers, monkeypatch):
         llm.llm_engine.model_runner.shutdown()
 
 
-def test_tp2_pp2_transformers_fused_equals_one_process(qwen3_3layers):
+def test_tp2_pp2_transformers_fused_equals_one_process(qwen3_3layers, tiny_model_dir):
+    """TP=2 x PP=2 (four ranks) greedy tokens equal one process's; then a weight sync from another checkpoint (each
+    rank takes its stage's layers and its TP slice) gives that checkpoint's one-process tokens."""
+    from transformers import AutoModelForCausalLM
+
     want = generate_tokens(make_llm(qwen3_3layers, "transformers"))
+    other = str(tiny_model_dir("qwen3", num_hidden_layers=3, num_key_value_heads=1, vocab="smollm2", seed=1))
+    want_other = generate_tokens(make_llm(other, "transformers"))
     llm = make_llm(qwen3_3layers, "transformers", tensor_parallel_size=2, pipeline_parallel_size=2)
     try:
         assert generate_tokens(llm) == want
         assert llm.llm_engine.micro_batches.max_in_flight == 2
+        llm.load_weights(AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32))
+        assert generate_tokens(llm) == want_other != want
     finally:
         llm.llm_engine.model_runner.shutdown()
 
