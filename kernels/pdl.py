@@ -170,8 +170,9 @@ def _parse_prefetch_bytes(raw: str) -> int:
 
 
 def check_environment(device) -> None:
-    """FXREWRITE_PDL and FXREWRITE_PDL_PREFETCH_BYTES checked once (an engine's start), not first at a kernel
-    launch: ValueError naming a bad value, RuntimeError for ``on`` on a device without PDL."""
+    """FXREWRITE_PDL, FXREWRITE_PDL_PREFETCH_BYTES, FXREWRITE_PDL_EARLY and FXREWRITE_PDL_FP8_GEMV checked once (an
+    engine's start), not first at a kernel launch: ValueError naming a bad value, RuntimeError for ``on`` on a device
+    without PDL."""
     prefetch_bytes()
     early_loads(False, False)
     pdl_enabled(device)
