@@ -2,7 +2,8 @@
 
 The native Qwen3 writes K/V from its fused norm-rope kernel: one launch per layer fewer than the unfused
 path, no reshape_and_cache launch, no split-KV reduce at one split, and the same greedy tokens as the
-torch references. The warm-up's dummy steps run through the engine's model and write nothing."""
+torch references; the engine launches the decode attention and that kernel with its static-metadata promise. The
+warm-up's dummy steps run through the engine's model and write nothing."""
 
 from __future__ import annotations
 
@@ -37,6 +38,30 @@ def test_fused_kv_write_saves_a_launch_per_layer(llm, interpret, monkeypatch):
     assert unfused["triton:_qk_norm_rope_kernel"] == 1 and unfused["triton:_reshape_and_cache_kernel"] == 1
     assert sum(fused.values()) == sum(unfused.values()) - 1
     assert fused["triton:_decode_kernel"] == 1 and not fused["triton:_reduce_kernel"]  # one split at 256 tokens
+
+
+def test_engine_promises_static_metadata(llm, interpret, monkeypatch):
+    """The engine's decode attention and the native Qwen3's q/k norm + rope + cache write are launched with
+    static_metadata=True (its step metadata is copied in before the forward), so that under PDL they read it before
+    waiting on the previous kernel (kernels/pdl.py early_loads); dropping the flag would cost batch-1 speed
+    silently (BENCHMARKS.md, thirty-fourth session)."""
+    from fxrewrite.kernels import paged_attention as attention_module
+    from fxrewrite.runtime.models import qwen3 as qwen3_module
+
+    seen = []
+
+    def recording(original):
+        def call(*args, **kwargs):
+            seen.append((original.__name__, kwargs.get("static_metadata")))
+            return original(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(attention_module, "paged_decode_triton", recording(attention_module.paged_decode_triton))
+    monkeypatch.setattr(qwen3_module, "qk_norm_rope_cache", recording(qwen3_module.qk_norm_rope_cache))
+    monkeypatch.setenv("FXREWRITE_TRITON", "1")
+    decode_step_launches(llm)
+    assert ("paged_decode_triton", True) in seen and ("qk_norm_rope_cache", True) in seen, seen
+    assert all(flag for _, flag in seen), seen
 
 
 def test_interpreted_kernels_give_the_reference_tokens(llm, interpret, monkeypatch):
