@@ -77,6 +77,9 @@ def run_latency(llm, workload: LatencyWorkload, time_limit_s: float | None = Non
         row = result[f"batch_{bs}"]
         if gpu_ms is not None:
             row["graph_replay_ms"] = round(gpu_ms, 3)
+            # whether the replay timed includes the LM head and greedy sampler (runtime/worker/greedy_head.py)
+            graphs = engine.model_runner.graph_runner
+            row["graph_has_lm_head"] = graphs.bucket(bs) in graphs.heads
             row["engine_overhead_ms_per_step"] = round(row["decode_ms_per_step"] - gpu_ms, 3)
             if bandwidth:
                 row["graph_roofline_fraction"] = round(row["roofline_ms_per_step"] / gpu_ms, 3)

@@ -98,7 +98,7 @@ def profile_decode(config: str, arm: str, batch: int, context: int, engine_kwarg
     return {
         "date": datetime.date.today().isoformat(), "environment": environment(), "config": spec["name"],
         "arm": arm, "batch": batch, "bucket": bs, "context": context,
-        "graph_replay_ms": _timed_ms(graph.replay), "eager_forward_ms": _timed_ms(eager),
+        "graph_replay_ms": _timed_ms(graph.replay), "graph_has_lm_head": bs in graphs.heads, "eager_forward_ms": _timed_ms(eager),
         "lm_head_and_sampler_ms": _timed_ms(head_and_sampler),
         "graph_kernels_us_per_step": graph_us, "graph_top_kernels": graph_table,
         "eager_kernels_us_per_step": eager_us, "eager_top_kernels": eager_table,

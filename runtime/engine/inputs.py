@@ -19,7 +19,11 @@ class StepInputs:
     input_ids, positions [T] int64; rope_lengths [T] int64: each token's RoPE length, max(its
     sequence's rope_prefill_len, position + 1) (fxrewrite.layers.rope_context); logits_indices [S]
     int64: index in the flattened batch of the last token of each sequence that samples this step;
-    sample_seqs: those S sequences, in the same order.
+    sample_seqs: those S sequences, in the same order. per_token [3, T] int64: positions, slot_mapping and
+    rope_lengths as the rows of one tensor (the others are views of it), for a single copy.
+    gather_dst/gather_src [G] int64: tokens still in flight (flat index, row of the previous step's samples);
+    gather_in_order: every token is in flight and token i is row i of the previous step's samples (a steady
+    decode batch), so the previous step's tokens are this step's input ids as they are.
     """
 
     input_ids: torch.Tensor
@@ -28,8 +32,10 @@ class StepInputs:
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor
     sample_seqs: list
+    per_token: torch.Tensor | None = None
     gather_dst: torch.Tensor | None = None
     gather_src: torch.Tensor | None = None
+    gather_in_order: bool = False
 
 
 def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.device,
@@ -74,23 +80,19 @@ def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch
 
     t64, t32 = _to_device(buf64, device), _to_device(buf32, device)
     nb = num_seqs * max_blocks
+    per_token = t64[num_tokens : 4 * num_tokens].view(3, num_tokens)  # positions, slot_mapping, rope_lengths
     metadata = AttentionMetadata(
-        slot_mapping=t64[2 * num_tokens : 3 * num_tokens],
-        block_tables=t32[:nb].view(num_seqs, max_blocks),
-        seq_lens=t32[nb : nb + num_seqs],
-        query_start_loc=t32[nb + num_seqs :],
-        max_query_len=int(num_new.max()),
-        max_seq_len=int(ends.max()),
+        slot_mapping=per_token[1], block_tables=t32[:nb].view(num_seqs, max_blocks), seq_lens=t32[nb : nb + num_seqs],
+        query_start_loc=t32[nb + num_seqs :], max_query_len=int(num_new.max()), max_seq_len=int(ends.max()),
     )
     return StepInputs(
-        input_ids=t64[:num_tokens],
-        positions=t64[num_tokens : 2 * num_tokens],
-        rope_lengths=t64[3 * num_tokens : 4 * num_tokens],
-        attn_metadata=metadata,
+        input_ids=t64[:num_tokens], positions=per_token[0], rope_lengths=per_token[2], attn_metadata=metadata,
         logits_indices=t64[4 * num_tokens : s_end],
         sample_seqs=[scheduled[i].seq for i in sample_idx.tolist()],
+        per_token=per_token,
         gather_dst=t64[s_end::2] if gather else None,
         gather_src=t64[s_end + 1 :: 2] if gather else None,
+        gather_in_order=len(gather) == num_tokens and all(dst == src for dst, src in gather),
     )
 
 

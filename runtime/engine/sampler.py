@@ -56,6 +56,7 @@ class Sampler:
         """
         logits = logits.float()
         raw_logprobs = log_softmax_float32(logits)  # accurate on a CPU too (kernels/log_softmax.py)
+        # greedy_sample's ops on a plain greedy batch: a decode graph that captured it gives the same values
         if any(self._changes_logits(s) for s in seqs):
             logits = self._apply_penalties(logits.clone(), seqs)
         if bitmask is not None:
@@ -68,7 +69,13 @@ class Sampler:
             greedy = _to_device(greedy_list, torch.bool, logits.device)
             tokens = torch.where(greedy, tokens, sampled)
         want_logprobs = any(s.sampling_params.logprobs is not None for s in seqs)
-        return SampledTokens(seqs, tokens, raw_logprobs, keep_logprobs=want_logprobs)
+        return SampledTokens.from_logprobs(seqs, tokens, raw_logprobs, keep_logprobs=want_logprobs)
+
+    def is_plain_greedy(self, seqs: list[Sequence]) -> bool:
+        """Whether `sample` of these sequences (without a bitmask) reduces to `greedy_sample`: all greedy, no
+        logprobs asked for, nothing that changes the logits."""
+        return all(s.sampling_params.is_greedy and s.sampling_params.logprobs is None and not self._changes_logits(s)
+                   for s in seqs)
 
     @staticmethod
     def _changes_logits(seq: Sequence) -> bool:
@@ -137,6 +144,21 @@ class Sampler:
                 q[i].exponential_(generator=generator)
         return q
 
+
+
+def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [S, V] (any float dtype) -> (tokens [S] int64, the argmax; their `token_columns` [S, 2] float64):
+    `Sampler.sample`'s ops for a plain greedy batch, without host work (decode CUDA graphs capture it)."""
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1)
+    return tokens, token_columns(tokens, log_softmax_float32(logits))
+
+
+def token_columns(tokens: torch.Tensor, raw_logprobs: torch.Tensor) -> torch.Tensor:
+    """tokens [S] int64, raw_logprobs [S, V] float32 -> [S, 2] float64: each token id and its logprob (ids below
+    2**24 and float32 values are exact in float64, so one copy to the host carries both)."""
+    chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
+    return torch.stack([tokens.double(), chosen.double()], dim=1)
 
 
 def _filter_sorted(sorted_logits: torch.Tensor, params: list, k_list: list[int]) -> torch.Tensor:
@@ -214,30 +236,38 @@ class SampledTokens:
     a step's logprobs never waits for the step launched after it.
     """
 
-    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor, raw_logprobs: torch.Tensor, keep_logprobs: bool):
+    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor, packed: torch.Tensor, num_top: int = 0,
+                 keep_logprobs: bool = False):
+        """tokens [S] int64 on the device; packed [S, C] float64: `token_columns`, then (keep_logprobs) each
+        token's rank and (num_top > 0) the top num_top logprobs and their ids; copied to the host at once."""
         self.seqs = seqs
         self.tokens = tokens
-        chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
-        # Token ids < 2**24 are exact in float64, float32 logprobs and ranks too: one copy for all.
-        columns = [tokens.double(), chosen.double()]
-        self._num_top = 0
-        if keep_logprobs:
-            columns.append(((raw_logprobs > chosen[:, None]).sum(dim=1) + 1).double())
-            self._num_top = max((s.sampling_params.logprobs or 0) for s in seqs)
-        packed = torch.stack(columns, dim=1)
-        if self._num_top:
-            values, ids = raw_logprobs.topk(self._num_top, dim=-1)
-            packed = torch.cat([packed, values.double(), ids.double()], dim=1)
+        self._num_top = num_top
         self._event = None
         if tokens.is_cuda:
             self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
             self._host.copy_(packed, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
-        else:
-            self._host = packed
+        else:  # a copy too: packed may be a graph's static output, which the next replay overwrites
+            self._host = packed.clone()
         self._keep_logprobs = keep_logprobs
         self._results: list[SampleResult] | None = None
+
+    @classmethod
+    def from_logprobs(cls, seqs: list[Sequence], tokens: torch.Tensor, raw_logprobs: torch.Tensor,
+                      keep_logprobs: bool) -> "SampledTokens":
+        """tokens [S] int64 and the log-softmax of the raw logits [S, V] float32; with keep_logprobs, also each
+        token's rank and the top max(SamplingParams.logprobs) entries."""
+        packed, num_top = token_columns(tokens, raw_logprobs), 0
+        if keep_logprobs:
+            chosen = packed[:, 1:2].float()
+            packed = torch.cat([packed, ((raw_logprobs > chosen).sum(dim=1, keepdim=True) + 1).double()], dim=1)
+            num_top = max((s.sampling_params.logprobs or 0) for s in seqs)
+        if num_top:
+            values, ids = raw_logprobs.topk(num_top, dim=-1)
+            packed = torch.cat([packed, values.double(), ids.double()], dim=1)
+        return cls(seqs, tokens, packed, num_top, keep_logprobs)
 
     def results(self) -> list[SampleResult]:
         """One SampleResult per sequence, in order (waits for this step's copy to the host)."""

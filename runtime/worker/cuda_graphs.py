@@ -8,6 +8,8 @@ batches and `enforce_eager` run eagerly. Under DP x EP (`fxrewrite.layers.moe_dp
 captured with every replica at the same bucket (`data_parallel.uniform_tokens`), and each decode wave
 the worker sets `step_bucket`, one bucket for all replicas (0: this wave runs eagerly everywhere); a
 replica without work replays that bucket's graph on padding rows (`run_idle`) so the collectives meet.
+Buckets of at most `greedy_head.MAX_BATCH` rows also capture the LM head and the greedy sampler
+(`runtime/worker/greedy_head.py`).
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ import os
 import torch
 from torch import nn
 
-from fxrewrite import data_parallel
+from fxrewrite import data_parallel, distributed
 from fxrewrite.layers.rope_context import rope_lengths
 from fxrewrite.runtime.worker.compilation import forward_or_fallback
 from fxrewrite.runtime.worker.forward_context import AttentionMetadata, forward_context
-from fxrewrite.runtime.worker import watchdog
+from fxrewrite.runtime.worker import greedy_head, watchdog
+from fxrewrite.runtime.worker.greedy_head import GreedyHead
+from fxrewrite.runtime.worker.pipeline import pipeline_stage_of_this_rank
 
 logger = logging.getLogger(__name__)
 
@@ -48,30 +52,36 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 class CUDAGraphRunner:
     """Captures `model(input_ids, positions)` for decode batches and replays it.
 
-    Static buffers (max bucket B rows): input_ids/positions [B] int64, slot_mapping [B] int64,
-    seq_lens [B] int32, query_start_loc [B+1] int32 (always 0..B: one token per sequence),
+    Static buffers (max bucket B rows): input_ids, positions, slot_mapping, rope_lengths [B] int64 (the rows of one
+    [4, B] buffer, so a step's per-token values arrive in one copy), seq_lens [B] int32, query_start_loc [B+1] int32 (always 0..B: one token per sequence),
     block_tables [B, ceil(max_model_len / block_size)] int32, outputs [B, hidden] in the model dtype.
     Graphs are captured with max_seq_len = max_model_len (it sizes the split-K grid of the decode
     kernel, so it must bound every later seq_len) against the engine's KV caches, which must not be
-    reallocated afterwards.
+    reallocated afterwards. With `capture_head`, buckets up to `greedy_head.MAX_BATCH` rows end with the LM head
+    and the greedy sampler (their outputs: `head`).
     """
 
     def __init__(self, model: nn.Module, kv_caches, *, max_num_seqs: int, max_model_len: int,
-                 block_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device):
+                 block_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
+                 capture_head: bool = False):
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = capture_sizes(max_num_seqs)
         self.max_model_len = max_model_len
         rows, max_blocks = self.sizes[-1], -(-max_model_len // block_size)
-        self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.rope_lengths = torch.ones(rows, dtype=torch.int64, device=device)  # per-token RoPE lengths
-        self.slot_mapping = torch.full((rows,), -1, dtype=torch.int64, device=device)
+        # prepare_inputs' per_token order: positions, slot_mapping, rope_lengths (per-token RoPE lengths)
+        self.per_token = torch.zeros(4, rows, dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.slot_mapping, self.rope_lengths = self.per_token.unbind(0)
+        self.rope_lengths.fill_(1)
+        self.slot_mapping.fill_(-1)
         self.seq_lens = torch.ones(rows, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(rows, max_blocks, dtype=torch.int32, device=device)
         self.outputs = torch.zeros(rows, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.head_max_batch = greedy_head.MAX_BATCH if capture_head else 0
+        self.heads: dict[int, GreedyHead] = {}
+        """bucket -> its graph's head outputs (buckets whose graph has the head)."""
         self.pool = None
         self.step_bucket: int | None = None
         """None: each step picks its own bucket. Under DP x EP, set per wave by the worker: the bucket every
@@ -102,8 +112,8 @@ class CUDAGraphRunner:
                 self._capture_in_lockstep(bs)
                 continue
             for attempt in range(2):
-                try:
-                    self._capture_one(bs)
+                try:  # the retry leaves the head out: a head that cannot be captured must not cost the bucket
+                    self._capture_one(bs, head=attempt == 0 and bs <= self.head_max_batch)
                     break
                 except Exception as e:  # noqa: BLE001 - one bucket's failure must not drop every graph
                     errors[bs] = e
@@ -121,23 +131,29 @@ class CUDAGraphRunner:
         others): RuntimeError everywhere, and `build_graph_runner` leaves every replica eager."""
         error = None
         try:
-            self._capture_one(bs)
+            self._capture_one(bs, head=False)
         except Exception as e:  # noqa: BLE001 - decided together below
             error = e
         if not data_parallel.all_workers_ok(error is None, self.outputs.device):
             raise RuntimeError(f"CUDA graph capture of bucket {bs} failed on a data-parallel replica "
                                f"({'here' if error is not None else 'another one'})") from error
 
-    def _capture_one(self, bs: int) -> None:
+    def _capture_one(self, bs: int, head: bool) -> None:
         graph = torch.cuda.CUDAGraph()
+        self.heads.pop(bs, None)
         with (forward_context(self._metadata(bs)), rope_lengths(self.rope_lengths[:bs]),
               data_parallel.uniform_tokens()):
             # Warm-up outside the graph: Triton JIT and torch.compile run here, not while capturing.
             watchdog.phase(f"CUDA graph bucket {bs}: eager warm-up forward")
             self.outputs[:bs] = forward_or_fallback(self.model, self.input_ids[:bs], self.positions[:bs])
+            if head:
+                GreedyHead.compute(self.model, self.outputs[:bs])
             watchdog.phase(f"CUDA graph bucket {bs}: capture")
             with torch.cuda.graph(graph, self.pool):
                 self.outputs[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
+                outputs = GreedyHead.compute(self.model, self.outputs[:bs]) if head else None
+        if outputs is not None:
+            self.heads[bs] = outputs
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[bs] = graph
@@ -155,17 +171,21 @@ class CUDAGraphRunner:
         )
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-            lengths: torch.Tensor | None = None) -> torch.Tensor:
+            lengths: torch.Tensor | None = None, per_token: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids/positions/lengths (per-token RoPE lengths, default position + 1) [n] of n decoding
         sequences -> hidden [n, hidden] (a view of the static output buffer, valid until the next
-        replay). Call only when `can_run` is True."""
+        replay). per_token: None, or [3, n] int64 holding positions, metadata.slot_mapping and lengths as its
+        rows (`StepInputs.per_token`): one copy instead of three. Call only when `can_run` is True."""
         n = input_ids.shape[0]
         bs = self.bucket(max(n, self.step_bucket or 0))
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.rope_lengths[:n].copy_(lengths if lengths is not None else positions + 1, non_blocking=True)
+        if per_token is not None:
+            self.per_token[1:, :n].copy_(per_token, non_blocking=True)
+        else:
+            self.positions[:n].copy_(positions, non_blocking=True)
+            self.rope_lengths[:n].copy_(lengths if lengths is not None else positions + 1, non_blocking=True)
+            self.slot_mapping[:n].copy_(metadata.slot_mapping, non_blocking=True)
         self.rope_lengths[n:bs].fill_(1)
-        self.slot_mapping[:n].copy_(metadata.slot_mapping, non_blocking=True)
         self.slot_mapping[n:bs].fill_(-1)
         self.seq_lens[:n].copy_(metadata.seq_lens, non_blocking=True)
         self.seq_lens[n:bs].fill_(1)
@@ -173,6 +193,11 @@ class CUDAGraphRunner:
         self.block_tables[:n, :width].copy_(metadata.block_tables, non_blocking=True)
         self.graphs[bs].replay()
         return self.outputs[:n]
+
+    def head(self, n: int) -> GreedyHead | None:
+        """After `run` of n sequences: the head outputs of its rows when its bucket's graph has the head."""
+        outputs = self.heads.get(self.bucket(max(n, self.step_bucket or 0)))
+        return outputs.rows(n) if outputs is not None else None
 
     def bucket(self, n: int) -> int:
         """The smallest captured size >= n (n <= max_batch_size)."""
@@ -193,28 +218,33 @@ def build_graph_runner(model: nn.Module, kv_caches, config, model_config,
                        device: torch.device) -> CUDAGraphRunner | None:
     """A captured CUDAGraphRunner on CUDA unless `config.enforce_eager`; None otherwise, or (logged as a
     warning, steps then run eagerly) when the model cannot be captured."""
-    if device.type == "cpu" and not config.enforce_eager and os.environ.get(EMULATE_ENV) == "1":
-        runner = EmulatedGraphRunner(model, kv_caches, max_num_seqs=config.max_num_seqs,
-                                     max_model_len=model_config.max_model_len, block_size=config.block_size,
-                                     hidden_size=model_config.hidden_size, dtype=model_config.dtype, device=device)
+    emulate = device.type == "cpu" and not config.enforce_eager and os.environ.get(EMULATE_ENV) == "1"
+    if not emulate and (device.type != "cuda" or config.enforce_eager):
+        return None
+    kwargs = dict(max_num_seqs=config.max_num_seqs, max_model_len=model_config.max_model_len,
+                  block_size=config.block_size, hidden_size=model_config.hidden_size, dtype=model_config.dtype,
+                  device=device, capture_head=wants_greedy_head(config))
+    if emulate:
+        runner = EmulatedGraphRunner(model, kv_caches, **kwargs)
         runner.capture()
         return runner
-    if device.type != "cuda" or config.enforce_eager:
-        return None
     # A compiled model's static buffers are inference tensors, like every eager step's inputs: dynamo guards on
     # the kind, so normal-tensor buffers would cost each compiled graph a second Inductor compile.
     with torch.inference_mode(bool(getattr(model, "_fxrewrite_compiled", False))):
-        runner = CUDAGraphRunner(
-            model, kv_caches, max_num_seqs=config.max_num_seqs, max_model_len=model_config.max_model_len,
-            block_size=config.block_size, hidden_size=model_config.hidden_size, dtype=model_config.dtype,
-            device=device,
-        )
+        runner = CUDAGraphRunner(model, kv_caches, **kwargs)
     try:
         runner.capture()
     except Exception as e:  # a model with a host sync in its forward (e.g. dynamic NTK rope)
         logger.warning("CUDA graph capture failed, decode runs eagerly: %s", e)
         return None
     return runner
+
+
+def wants_greedy_head(config) -> bool:
+    """Whether small decode graphs capture the LM head and greedy sampler: `greedy_head.enabled()`, a generating
+    model (not pooling) on one rank that samples itself (no tensor, pipeline or DP x EP peers in its head)."""
+    return (greedy_head.enabled() and not config.is_pooling and distributed.get_tp_size() == 1
+            and pipeline_stage_of_this_rank() is None and not data_parallel.dp_ep_active())
 
 
 EMULATE_ENV = "FXREWRITE_EMULATE_CUDA_GRAPHS"
@@ -225,21 +255,24 @@ DP x EP waves at one bucket, idle replicas replaying padding rows) runs without 
 class _EagerReplay:
     """One bucket's stand-in for a captured graph: `replay()` runs the forward the graph would replay."""
 
-    def __init__(self, runner: CUDAGraphRunner, bs: int):
-        self.runner, self.bs = runner, bs
+    def __init__(self, runner: CUDAGraphRunner, bs: int, head: bool):
+        self.runner, self.bs, self.has_head = runner, bs, head
 
     def replay(self) -> None:
         r, bs = self.runner, self.bs
         with (forward_context(r._metadata(bs)), rope_lengths(r.rope_lengths[:bs]), data_parallel.uniform_tokens()):
             r.outputs[:bs] = r.model(r.input_ids[:bs], r.positions[:bs])
+            if self.has_head:  # into the same tensors, as a graph's replay writes its outputs
+                r.heads.setdefault(bs, GreedyHead.compute(r.model, r.outputs[:bs])).copy_(
+                    GreedyHead.compute(r.model, r.outputs[:bs]))
 
 
 class EmulatedGraphRunner(CUDAGraphRunner):
     """`CUDAGraphRunner` whose buckets run eagerly over the same static buffers (CPU tests: `EMULATE_ENV`)."""
 
-    def _capture_one(self, bs: int) -> None:
+    def _capture_one(self, bs: int, head: bool) -> None:
         """As the capture's warm-up: one forward with uniform row counts (`capture` calls this largest
         bucket first, in lockstep under DP x EP), so the CPU tests run the load-time collectives the GPU does."""
         watchdog.phase(f"emulated CUDA graph bucket {bs}: warm-up forward")
-        self.graphs[bs] = _EagerReplay(self, bs)
+        self.graphs[bs] = _EagerReplay(self, bs, head)
         self.graphs[bs].replay()

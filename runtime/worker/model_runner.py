@@ -32,7 +32,7 @@ from fxrewrite.runtime.worker.kv_cache import allocate_kv_caches, kv_cache_dtype
 from fxrewrite.runtime.worker.memory_profiling import profile_num_kv_blocks
 from fxrewrite.runtime.worker.load_check import check_first_step
 from fxrewrite.runtime.worker.warmup import should_warm_up, warm_up_kernels
-from fxrewrite.runtime.worker import sleep_mode, watchdog, weight_sync
+from fxrewrite.runtime.worker import greedy_head, sleep_mode, watchdog, weight_sync
 from fxrewrite.runtime.engine.sampler import SampledTokens, SampleResult, Sampler
 from fxrewrite.runtime.engine.scheduler import SchedulerOutput
 from fxrewrite.runtime.engine.sequence import Sequence
@@ -137,13 +137,14 @@ def _default_dtype(dtype: torch.dtype):
 
 def check_kernel_switches(device: torch.device) -> None:
     """The FXREWRITE_* switches the kernels read at each launch (FXREWRITE_GEMV, FXREWRITE_PDL and its prefetch
-    size, FXREWRITE_KV_FP8_DOTS, FXREWRITE_DECODE_TILE), checked before anything is built, on any device: UserInputError naming a bad value, or ``on`` on a
+    size, FXREWRITE_KV_FP8_DOTS, FXREWRITE_DECODE_TILE) and FXREWRITE_GRAPH_LOGITS, checked before anything is built, on any device: UserInputError naming a bad value, or ``on`` on a
     device without PDL."""
     try:
         gemv_dispatch.mode()
         pdl.check_environment(device)
         paged_decode.default_fp8_dots()
         paged_decode.decode_tile()
+        greedy_head.enabled()
     except (ValueError, RuntimeError) as e:
         raise UserInputError(str(e)) from None
 
@@ -262,30 +263,42 @@ class ModelRunner:
     def _execute(self, sched: SchedulerOutput, previous: PendingStep | None, bitmask_hook) -> PendingStep:
         rows = previous.rows if previous is not None else None
         inputs = prepare_inputs(sched.scheduled, self.block_size, self.device, rows)
-        if inputs.gather_dst is not None:
-            inputs.input_ids[inputs.gather_dst] = previous.samples.tokens[inputs.gather_src]
         inputs.attn_metadata.kv_caches = self.kv_caches
-        graphs = self.graph_runner
+        num_tokens, head, graphs = inputs.input_ids.shape[0], None, self.graph_runner
+        use_graph = graphs is not None and graphs.can_run(num_tokens, inputs.attn_metadata)
+        input_ids = inputs.input_ids
+        if inputs.gather_dst is not None:
+            if use_graph and inputs.gather_in_order:  # the graph copies them in: no gather launches
+                input_ids = previous.samples.tokens[:num_tokens]
+            else:
+                inputs.input_ids[inputs.gather_dst] = previous.samples.tokens[inputs.gather_src]
         if self.pipeline is not None:
-            self.pipeline.receive(inputs.input_ids.shape[0])
+            self.pipeline.receive(num_tokens)
         with forward_context(inputs.attn_metadata), rope_lengths(inputs.rope_lengths):
-            if graphs is not None and graphs.can_run(inputs.input_ids.shape[0], inputs.attn_metadata):
-                hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.attn_metadata, inputs.rope_lengths)
+            if use_graph:
+                hidden = graphs.run(input_ids, inputs.positions, inputs.attn_metadata, inputs.rope_lengths,
+                                    inputs.per_token)
+                head = graphs.head(num_tokens)
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions)
         if self.pipeline is not None and not self.pipeline.is_last:
-            self.pipeline.send(hidden[: inputs.input_ids.shape[0]])
+            self.pipeline.send(hidden[:num_tokens])
             return PendingStep(sched, None)
         prompt_logprobs = None
         if any(wants_prompt_logprobs(s) for s in sched.scheduled):
             prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, sched.scheduled)
-        if not inputs.sample_seqs:
-            return PendingStep(sched, None, prompt_logprobs)
-        last_hidden = hidden[inputs.logits_indices]
-        logits = self.model.compute_logits(last_hidden)
         seqs = inputs.sample_seqs
+        if not seqs:
+            return PendingStep(sched, None, prompt_logprobs)
+        if head is not None and len(seqs) != num_tokens:  # a row that does not sample (a one-token prefill chunk)
+            head = None
+        last_hidden = hidden[inputs.logits_indices] if head is None else hidden
+        logits = self.model.compute_logits(last_hidden) if head is None else head.logits
         bitmask = bitmask_hook(seqs) if bitmask_hook is not None else None
-        if callable(bitmask):  # a mask still being filled: sample when the tokens are first needed
+        if head is not None and bitmask is None and self.sampler.is_plain_greedy(seqs):
+            step = PendingStep(sched, SampledTokens(seqs, head.tokens, head.packed), prompt_logprobs)
+        elif callable(bitmask):  # a mask still being filled: sample when the tokens are first needed
+            logits = logits if head is None else logits.clone()  # the graph's logits: overwritten by the next replay
             later = (seqs, lambda: self._sample_later(logits, seqs, bitmask))
             step = PendingStep(sched, None, prompt_logprobs, later)
         else:

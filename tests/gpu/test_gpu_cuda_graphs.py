@@ -189,11 +189,11 @@ def test_a_failing_bucket_is_skipped_not_all_graphs(monkeypatch, caplog):
     from fxrewrite.runtime.worker.cuda_graphs import CUDAGraphRunner
 
     runner = CUDAGraphRunner.__new__(CUDAGraphRunner)
-    runner.sizes, runner.graphs, runner.pool = [1, 2, 4, 8], {}, None
+    runner.sizes, runner.graphs, runner.pool, runner.head_max_batch = [1, 2, 4, 8], {}, None, 4
     tries = []
 
-    def capture_one(bs):
-        tries.append(bs)
+    def capture_one(bs, head):
+        tries.append((bs, head))
         if bs == 2:
             raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
         runner.graphs[bs] = f"graph{bs}"
@@ -202,13 +202,50 @@ def test_a_failing_bucket_is_skipped_not_all_graphs(monkeypatch, caplog):
     monkeypatch.setattr(cuda_graphs.torch.cuda, "synchronize", lambda: None)
     with caplog.at_level("WARNING"):
         runner.capture()
-    assert tries == [8, 4, 2, 2, 1] and runner.sizes == [1, 4, 8] and runner.max_batch_size == 8
+    # the retry leaves the LM head out of the graph (buckets <= head_max_batch try it first)
+    assert tries == [(8, False), (4, True), (2, True), (2, False), (1, True)] and runner.sizes == [1, 4, 8] and runner.max_batch_size == 8
     assert "batch size 2 not captured" in caplog.text and "CUBLAS_STATUS_NOT_SUPPORTED" in caplog.text
 
-    def never(bs):
+    def never(bs, head):
         raise RuntimeError(f"no graph at {bs}")
 
     runner.sizes, runner.graphs = [1, 2], {}
     monkeypatch.setattr(runner, "_capture_one", never)
     with pytest.raises(RuntimeError, match="no graph at 2"):
         runner.capture()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["native", "transformers"])
+def test_graph_head_equals_the_eager_head(make_llm, monkeypatch, impl):
+    """The LM head and greedy sampler in the decode graphs (FXREWRITE_GRAPH_LOGITS=on, buckets <= 16) against
+    them run eagerly after the graph (off), async scheduling: every step's tokens and sampled logprobs bitwise
+    equal at batch sizes that are buckets (1, 4, 16: the head's GEMV runs at the same number of rows)."""
+    from fxrewrite.runtime.engine import sampler as sampler_module
+    from fxrewrite.runtime.engine.sampling_params import SamplingParams
+    from fxrewrite.runtime.worker import greedy_head
+
+    seen = []
+    original = sampler_module.SampledTokens.results
+
+    def results(self):
+        out = original(self)
+        seen.append([(r.token_id, r.logprob) for r in out])
+        return out
+
+    monkeypatch.setattr(sampler_module.SampledTokens, "results", results)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    runs = {}
+    for value in ("off", "on"):
+        monkeypatch.setenv(greedy_head.ENV, value)
+        llm = make_llm(model_impl=impl, max_num_seqs=24, compilation_config=0)
+        heads = sorted(llm.llm_engine.model_runner.graph_runner.heads)
+        assert heads == ([1, 2, 4, 8, 16] if value == "on" else [])
+        seen.clear()
+        batches = [[[int(t) for t in torch.randint(0, 10000, (5 + 3 * i,), generator=torch.Generator().manual_seed(i))]
+                    for i in range(n)] for n in (1, 4, 16)]
+        tokens = [[o.outputs[0].token_ids for o in llm.generate(b, params, use_tqdm=False)] for b in batches]
+        runs[value] = (tokens, list(seen))
+        del llm
+    assert runs["on"][0] == runs["off"][0]
+    assert runs["on"][1] == runs["off"][1] and len(runs["on"][1]) >= 30
