@@ -22,6 +22,7 @@ import torch
 from fxrewrite.benchmarks.common import RESULTS_DIR
 from fxrewrite.errors import UserInputError
 from fxrewrite.kernels.activation import _act_and_mul_triton, gelu_and_mul_ref, silu_and_mul_ref
+from fxrewrite.kernels.greedy_sample import greedy_sample_ref, greedy_sample_triton
 from fxrewrite.kernels.paged_attention import paged_attention_ref
 from fxrewrite.kernels.paged_decode import _num_splits, paged_decode_triton
 from fxrewrite.kernels.paged_prefill import paged_prefill_triton
@@ -31,6 +32,7 @@ from fxrewrite.kernels.rotary import rotary_embedding_ref, rotary_embedding_trit
 
 BF16 = torch.bfloat16
 TOKENS, HIDDEN, INTERMEDIATE = 16384, 4096, 11008
+VOCAB, SAMPLER_ROWS = 151936, (1, 16, 256)  # Qwen3's vocabulary; greedy sampling at decode batch sizes
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DECODE_CASES = [(1, 32768), (8, 32768), (64, 4096)]  # (sequences, context)
 PREFILL_CASES = [("prefill 4x4096", [(0, 4096)] * 4), ("chunked prefill 4x(8192+2048)", [(8192, 2048)] * 4)]
@@ -51,9 +53,10 @@ MIN_SPLIT_TOKENS = 256  # the extra split counts tried keep partitions at least 
 def use_cpu_smoke_sizes() -> None:
     """Tiny shapes on the CPU (Triton interpreter; float16, as its bf16 dots are wrong): every code
     path of the bench runs in seconds, so a changed kernel signature breaks a CPU test, not a GPU run."""
-    global BF16, TOKENS, HIDDEN, INTERMEDIATE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, DECODE_CASES, PREFILL_CASES
+    global BF16, TOKENS, HIDDEN, INTERMEDIATE, VOCAB, SAMPLER_ROWS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, DECODE_CASES, PREFILL_CASES
     global SDPA_LEN, DEVICE, DECODE_CONFIGS, PREFILL_CONFIGS, MIN_SPLIT_TOKENS, BLOCK_SIZE
     BF16, DEVICE = torch.float16, "cpu"
+    VOCAB, SAMPLER_ROWS = 3000, (1, 4)
     TOKENS, HIDDEN, INTERMEDIATE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 32, 32, 2, 1, 16
     DECODE_CASES, PREFILL_CASES, SDPA_LEN = [(1, 64)], [("prefill 1x(8+8)", [(8, 8)])], 16
     DECODE_CONFIGS, PREFILL_CONFIGS = [dict(block_n=32, num_warps=4, num_stages=2)], [
@@ -97,6 +100,17 @@ def _variants(sweeps: dict, name: str, nbytes: int, bw: float, fns: dict) -> Non
                     for label, fn in fns.items()}
     print(f"  variants {name}: " + "; ".join(f"{k} {v['pct_of_copy']:.0f}%" for k, v in sweeps[name].items()),
           flush=True)
+
+
+def _sampler_rows(bw: float, sweeps: dict) -> list[dict]:
+    """Greedy sampling of bf16 logits [rows, VOCAB]: the two-launch kernel against the general path's ops
+    (float copy, log_softmax, argmax, gather). Eager launches: at a few rows both are launch-bound."""
+    rows = []
+    for n in SAMPLER_ROWS:
+        logits = torch.randn(n, VOCAB, device=DEVICE, dtype=BF16)
+        rows.append(_row("greedy_sample", f"[{n},{VOCAB}]", lambda: greedy_sample_triton(logits),
+                         lambda: greedy_sample_ref(logits), logits.numel() * logits.element_size(), bandwidth=bw))
+    return rows
 
 
 def _elementwise_rows(bw: float, sweeps: dict) -> list[dict]:
@@ -232,15 +246,23 @@ def _sdpa_peer_row(bw: float) -> dict:
                 flops=flops, bandwidth=bw)
 
 
-def run_kernel_bench(out_dir: str | Path, cpu_smoke: bool = False) -> dict:
+ROW_GROUPS = {"elementwise": _elementwise_rows, "attention": _attention_rows, "sampler": _sampler_rows}
+
+
+def run_kernel_bench(out_dir: str | Path, cpu_smoke: bool = False, only: list[str] | None = None) -> dict:
     """Benchmark every kernel on the current CUDA GPU; write ``<out_dir>/<date>-kernels.json``
     (``<date>-kernels-cpu-smoke.json`` with `cpu_smoke`: `use_cpu_smoke_sizes`, needs TRITON_INTERPRET=1).
 
     Returns ``{"meta": {...}, "copy_GBps": float, "kernels": [row, ...], "sweeps": {...}}`` where
     a row has name, shape, triton_ms, ref_ms, speedup, bytes, achieved_GBps, pct_of_copy, tflops.
-    Raises UserInputError without a CUDA GPU (or, for the smoke run, without the interpreter).
+    only: the `ROW_GROUPS` to run (default all). Raises UserInputError without a CUDA GPU (or, for the smoke run,
+    without the interpreter), or naming a group that does not exist.
     """
     import os
+
+    unknown = sorted(set(only or ()) - set(ROW_GROUPS))
+    if unknown:
+        raise UserInputError(f"kernel groups {unknown} do not exist; expected some of {sorted(ROW_GROUPS)}")
 
     if cpu_smoke:
         if os.environ.get("TRITON_INTERPRET") != "1":
@@ -253,10 +275,11 @@ def run_kernel_bench(out_dir: str | Path, cpu_smoke: bool = False) -> dict:
     torch.manual_seed(0)
     bw = copy_bandwidth(2 << 30 if DEVICE == "cuda" else 1 << 20)
     sweeps: dict = {}
-    rows = _elementwise_rows(bw, sweeps)
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
-    rows += _attention_rows(bw, sweeps)
+    rows = []
+    for group in only or ROW_GROUPS:
+        rows += ROW_GROUPS[group](bw, sweeps)
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
     now = datetime.datetime.now(datetime.timezone.utc)
     result = dict(meta=dict(date=now.isoformat(timespec="seconds"),
                             gpu=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter smoke run)",
@@ -283,8 +306,10 @@ def format_table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(RESULTS_DIR))
+    parser.add_argument("--only", type=lambda s: s.split(","), default=None,
+                        help=f"comma-separated kernel groups of {sorted(ROW_GROUPS)} (default: all)")
     args = parser.parse_args(argv)
-    print(format_table(run_kernel_bench(args.out)))
+    print(format_table(run_kernel_bench(args.out, only=args.only)))
     return 0
 
 

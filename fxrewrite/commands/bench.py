@@ -36,6 +36,16 @@ def positive_seconds(value: str) -> float:
     return seconds
 
 
+def _add_kernel_arguments(sub) -> None:
+    k = sub.add_parser("kernels", help="each Triton kernel vs its torch reference and the copy bandwidth")
+    k.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    k.add_argument("--cpu-smoke", action="store_true",
+                   help="tiny shapes on the CPU through the Triton interpreter (TRITON_INTERPRET=1 must be set "
+                        "before Python starts): checks the harness runs, times mean nothing")
+    k.add_argument("--only", type=lambda s: s.split(","), default=None,
+                   help="comma-separated kernel groups: elementwise, attention, sampler (default: all)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", metavar="{compare,kernels,train,rl}", required=True)
     c = sub.add_parser("compare", help="one workload through several arms, JSON + PNG in benchmarks/results")
@@ -89,11 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="every engine arm's KV-cache element type (fp8: half the bytes per cached token)")
     g.add_argument("--device", default=None, help="torch device (default: cuda when available)")
-    k = sub.add_parser("kernels", help="each Triton kernel vs its torch reference and the copy bandwidth")
-    k.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
-    k.add_argument("--cpu-smoke", action="store_true",
-                   help="tiny shapes on the CPU through the Triton interpreter (TRITON_INTERPRET=1 must be set "
-                        "before Python starts): checks the harness runs, times mean nothing")
+    _add_kernel_arguments(sub)
     _add_train_arguments(sub)
     _add_rl_arguments(sub)
 
@@ -207,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
         from fxrewrite.benchmarks.kernels import format_table as format_kernel_table
         from fxrewrite.benchmarks.kernels import run_kernel_bench
 
-        result = run_kernel_bench(args.out or RESULTS_DIR, cpu_smoke=args.cpu_smoke)
+        result = run_kernel_bench(args.out or RESULTS_DIR, cpu_smoke=args.cpu_smoke, only=args.only)
         print(format_kernel_table(result))
         return 0
     if args.bench_command == "rl":

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fxrewrite.kernels.greedy_sample import greedy_sample
 from fxrewrite.kernels.log_softmax import log_softmax_float32
 from fxrewrite.runtime.engine.sequence import Sequence
 
@@ -54,9 +55,10 @@ class Sampler:
         bitmask: None, or packed allowed-token bits [S, ceil(V/32)] int32 on the logits' device, one row
         per sequence (structured outputs); tokens whose bit is 0 get -inf.
         """
+        if bitmask is None and self.is_plain_greedy(seqs):  # decode graphs capture the same (worker/greedy_head.py)
+            return SampledTokens(seqs, *greedy_sample(logits))
         logits = logits.float()
         raw_logprobs = log_softmax_float32(logits)  # accurate on a CPU too (kernels/log_softmax.py)
-        # greedy_sample's ops on a plain greedy batch: a decode graph that captured it gives the same values
         if any(self._changes_logits(s) for s in seqs):
             logits = self._apply_penalties(logits.clone(), seqs)
         if bitmask is not None:
@@ -144,14 +146,6 @@ class Sampler:
                 q[i].exponential_(generator=generator)
         return q
 
-
-
-def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [S, V] (any float dtype) -> (tokens [S] int64, the argmax; their `token_columns` [S, 2] float64):
-    `Sampler.sample`'s ops for a plain greedy batch, without host work (decode CUDA graphs capture it)."""
-    logits = logits.float()
-    tokens = logits.argmax(dim=-1)
-    return tokens, token_columns(tokens, log_softmax_float32(logits))
 
 
 def token_columns(tokens: torch.Tensor, raw_logprobs: torch.Tensor) -> torch.Tensor:

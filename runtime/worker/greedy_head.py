@@ -1,11 +1,11 @@
 """The LM head and the greedy sampler inside small decode CUDA graphs.
 
-After a decode graph's forward, a batch-1 step used to launch about ten small kernels eagerly: the LM head, the
-float cast, log-softmax, argmax, the chosen token's logprob and its packing for the copy to the host. Each costs
-its host launch and a gap on the device that a graph replay does not have. For buckets of at most `MAX_BATCH` rows the graph also runs `compute_logits` and `greedy_sample` (the same
-ops, so the same values, as `Sampler.sample` takes for a plain greedy batch), and the model runner takes the
-graph's tokens when every sampling sequence is plain greedy (`Sampler.is_plain_greedy`), or runs the sampler
-on the graph's logits otherwise (SGLang captures its logits processor in the decode graphs the same way).
+After a decode graph's forward, a batch-1 step used to launch the LM head and the sampler's kernels eagerly, each
+with its host launch and a gap on the device that a graph replay does not have. For buckets of at most `MAX_BATCH`
+rows the graph also runs `compute_logits` and `fxrewrite.kernels.greedy_sample` (what `Sampler.sample` runs for a
+plain greedy batch, so the same values), and the model runner takes the graph's tokens when every sampling
+sequence is plain greedy (`Sampler.is_plain_greedy`), or runs the sampler on the graph's logits otherwise
+(SGLang captures its logits processor in the decode graphs the same way).
 
 `FXREWRITE_GRAPH_LOGITS` = on (default) | off: off keeps the head and the sampler out of the graphs (to measure
 what it buys).
@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-from fxrewrite.runtime.engine.sampler import greedy_sample
+from fxrewrite.kernels.greedy_sample import greedy_sample
 
 ENV = "FXREWRITE_GRAPH_LOGITS"
 MAX_BATCH = 16
-"""Largest bucket with the head in its graph: logits, their float copy and log-softmax are [bs, vocab] each, in
-the graphs' memory pool; above this the eager launches are a small part of the step."""
+"""Largest bucket with the head in its graph (its logits [bs, vocab] stay in the graphs' memory pool); above it the
+eager launches are a small part of a step."""
 
 
 @functools.lru_cache(maxsize=None)

@@ -15,7 +15,7 @@ from fxrewrite.cli import main
 
 _KERNEL_GLOBALS = ("BF16", "TOKENS", "HIDDEN", "INTERMEDIATE", "NUM_HEADS", "NUM_KV_HEADS", "HEAD_DIM", "DECODE_CASES",
                    "PREFILL_CASES", "SDPA_LEN", "DEVICE", "DECODE_CONFIGS", "PREFILL_CONFIGS", "MIN_SPLIT_TOKENS",
-                   "BLOCK_SIZE")
+                   "BLOCK_SIZE", "VOCAB", "SAMPLER_ROWS")
 
 
 @pytest.fixture
@@ -42,10 +42,23 @@ def test_bench_kernels_cpu_smoke(tmp_path, monkeypatch, capsys):
     assert main(["bench", "kernels", "--cpu-smoke", "--out", str(tmp_path)]) == 0, capsys.readouterr().err
     result = _saved(tmp_path)
     names = [row["name"] for row in result["kernels"]]
-    assert {"rms_norm", "silu_and_mul", "reshape_and_cache"} <= set(names)
+    assert {"rms_norm", "silu_and_mul", "reshape_and_cache", "greedy_sample"} <= set(names)
     decode = next(r for r in result["kernels"] if r["name"].startswith("paged_decode"))
     assert decode["rel_err"] < 1e-3 and "num_splits" in json.dumps(result["sweeps"])  # the split sweep ran
     assert "paged_decode" in capsys.readouterr().out
+
+
+def test_bench_kernels_only_some_groups(tmp_path, monkeypatch, capsys):
+    from fxrewrite.kernels.triton_utils import HAS_TRITON
+
+    if not HAS_TRITON or torch.cuda.is_available():
+        pytest.skip("needs triton, and runs the interpreter on a CPU-only machine")
+    for name in _KERNEL_GLOBALS:
+        monkeypatch.setattr(kernel_bench, name, getattr(kernel_bench, name))
+    assert main(["bench", "kernels", "--cpu-smoke", "--only", "sampler", "--out", str(tmp_path)]) == 0
+    assert {row["name"] for row in _saved(tmp_path)["kernels"]} == {"greedy_sample"}
+    assert main(["bench", "kernels", "--cpu-smoke", "--only", "sampler,sorting", "--out", str(tmp_path)]) == 2
+    assert "kernel groups ['sorting'] do not exist" in capsys.readouterr().err
 
 
 def test_bench_kernels_without_a_gpu_is_one_line(capsys):
