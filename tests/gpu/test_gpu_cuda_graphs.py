@@ -249,3 +249,34 @@ def test_graph_head_equals_the_eager_head(make_llm, monkeypatch, impl):
         del llm
     assert runs["on"][0] == runs["off"][0]
     assert runs["on"][1] == runs["off"][1] and len(runs["on"][1]) >= 30
+
+
+@pytest.mark.gpu
+def test_greedy_kernel_gives_the_reference_tokens(make_llm, monkeypatch):
+    """FXREWRITE_GREEDY_KERNEL=on (the two-launch greedy sampler in the graphs' head and in the eager sampler) against
+    off (the reference ops): the same tokens at batch 1, 4, 16 (graph heads) and 40 (eager), every step's sampled
+    log-prob within float32 rounding."""
+    from fxrewrite.kernels import greedy_sample
+    from fxrewrite.runtime.engine import sampler as sampler_module
+    from fxrewrite.runtime.engine.sampling_params import SamplingParams
+
+    seen = []
+    original = sampler_module.SampledTokens.results
+    monkeypatch.setattr(sampler_module.SampledTokens, "results",
+                        lambda self: seen.append([(r.token_id, r.logprob) for r in original(self)]) or original(self))
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    runs = {}
+    for value in ("off", "on"):
+        monkeypatch.setenv(greedy_sample.ENV, value)
+        llm = make_llm(model_impl="native", max_num_seqs=48, compilation_config=0)
+        seen.clear()
+        batches = [[[int(t) for t in torch.randint(0, 10000, (5 + 3 * i,), generator=torch.Generator().manual_seed(i))]
+                    for i in range(n)] for n in (1, 4, 16, 40)]
+        tokens = [[o.outputs[0].token_ids for o in llm.generate(b, params, use_tqdm=False)] for b in batches]
+        runs[value] = (tokens, list(seen))
+        del llm
+    assert runs["on"][0] == runs["off"][0]
+    on = [lp for step in runs["on"][1] for _, lp in step]
+    off = [lp for step in runs["off"][1] for _, lp in step]
+    assert len(on) == len(off) >= 40
+    torch.testing.assert_close(torch.tensor(on), torch.tensor(off), rtol=1e-5, atol=1e-5)

@@ -3,7 +3,8 @@
 attention kernels, then a JSON line about the decode kernel's PTX (run by tests/kernels/test_fp8_kv_cache.py);
 ``... fp8-gemv-pipelined``: the pipelined one-token FP8 GEMV, then a JSON line about its loads
 (tests/kernels/test_fp8_gemv_pipelined.py); ``... skinny-gemv-pipelined``: the pipelined one-token bf16 GEMV beside the
-skinny GEMV it competes with, a JSON line about each one's loads (tests/kernels/test_skinny_gemv_pipelined.py)."""
+skinny GEMV it competes with, a JSON line about each one's loads (tests/kernels/test_skinny_gemv_pipelined.py);
+``... greedy-sample``: greedy sampling's two kernels for bf16 and float32 logits (tests/kernels/test_greedy_sample.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile as triton_compile
 
-from fxrewrite.kernels import (fp8_gemv_pipelined, moe_norm_router, paged_decode, paged_prefill, qk_norm_rope_cache,
+from fxrewrite.kernels import (fp8_gemv_pipelined, greedy_sample, moe_norm_router, paged_decode, paged_prefill, qk_norm_rope_cache,
                                reshape_and_cache, skinny_gemv, skinny_gemv_pipelined)
 
 
@@ -183,6 +184,22 @@ def skinny_pipelined_gemv() -> dict:
     return out
 
 
+def greedy_sampling() -> dict:
+    """greedy_sample's slice kernel (bf16 and float32 logits) and its merge, compiled for sm90; their global loads
+    and stores (the merge writes the token as int64 and (token, log-prob) as float64)."""
+    out = {}
+    for dtype in ("bf16", "fp32"):
+        ptx = compile_sm90(greedy_sample._slice_kernel, {"x_ptr": f"*{dtype}", "max_ptr": "*fp32", "sum_ptr": "*fp32",
+                                                         "idx_ptr": "*i32"}, dict(CHUNK=greedy_sample.CHUNK), num_warps=4)
+        out[f"slice {dtype}"] = _loads(ptx)
+    ptx = compile_sm90(greedy_sample._merge_kernel, {"max_ptr": "*fp32", "sum_ptr": "*fp32", "idx_ptr": "*i32",
+                                                     "tokens_ptr": "*i64", "packed_ptr": "*fp64"},
+                       dict(BLOCK=128), num_warps=1)
+    out["merge"] = dict(_loads(ptx), st_b64=len(re.findall(r"st\.global(?:\.\w+)*\.b64", ptx)))
+    return out
+
+
 if __name__ == "__main__":
-    forms = {"fp8-gemv-pipelined": pipelined_gemv, "skinny-gemv-pipelined": skinny_pipelined_gemv, "pdl-early": pdl_early}
+    forms = {"fp8-gemv-pipelined": pipelined_gemv, "skinny-gemv-pipelined": skinny_pipelined_gemv, "pdl-early": pdl_early,
+             "greedy-sample": greedy_sampling}
     print(json.dumps(forms[sys.argv[1]]() if sys.argv[1] in forms else main(sys.argv[1])))
