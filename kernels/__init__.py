@@ -8,11 +8,21 @@ imports triton; :mod:`fxrewrite.kernels.triton_utils` does, and tolerates its ab
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
-__all__ = ["use_triton", "compiled_training_kernels", "compiled_serving_kernels"]
+__all__ = ["use_triton", "compiled_training_kernels", "compiled_serving_kernels", "on_off_switch"]
+
+
+@functools.lru_cache(maxsize=None)
+def on_off_switch(name: str, value: str) -> bool:
+    """The value of the on/off environment switch `name` (read by the caller, with its default): True for "on",
+    False for "off"; ValueError naming the variable and the value otherwise."""
+    if value not in ("on", "off"):
+        raise ValueError(f"{name}={value!r}: expected 'on' or 'off'")
+    return value == "on"
 
 
 def use_triton(x: torch.Tensor) -> bool:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from fxrewrite.kernels import use_triton
+from fxrewrite.kernels.batch_invariant import is_batch_invariant
 from fxrewrite.kernels.fused_moe_direct import DIRECT_MAX_TOKENS, direct_experts
 from fxrewrite.kernels.fused_moe_triton import gemm_config, grouped_gemm
 from fxrewrite.kernels.moe_routing import SCORING, moe_align_block_size, select_experts
@@ -66,10 +67,13 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
 
     At inference, up to `DIRECT_MAX_TOKENS` tokens take the direct path (`fused_moe_direct`: two
     GEMV launches indexed by the top-k ids, combine fused); more tokens, or autograd, the grouped
-    GEMMs. Differentiable (an autograd Function) in x, w13, w2 and topk_weights on both paths.
+    GEMMs. Differentiable (an autograd Function) in x, w13, w2 and topk_weights on both paths. In
+    `batch_invariant_mode` the reference on every path (its per-expert F.linear calls are the mode's fixed-chunk
+    GEMMs, its combine adds a token's experts in id order), so the engine's decode and prefill and a trainer's
+    recomputation round alike.
     """
     _check(x, w13, w2, topk_weights, topk_ids)
-    if not use_triton(x) or x.shape[0] == 0:
+    if not use_triton(x) or x.shape[0] == 0 or is_batch_invariant():
         return fused_experts_ref(x, w13, w2, topk_weights, topk_ids, expert_start)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w13, w2, topk_weights)):
         return _FusedExperts.apply(x, w13, w2, topk_weights, topk_ids, expert_start)

@@ -20,11 +20,11 @@ on a CPU (float64-accurate logprobs there, see `fxrewrite.kernels.log_softmax`) 
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
+from fxrewrite.kernels import on_off_switch
 from fxrewrite.kernels.log_softmax import log_softmax_float32
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
@@ -68,16 +68,9 @@ def greedy_sample_triton(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return tokens, packed
 
 
-@functools.lru_cache(maxsize=None)
-def _parse(value: str) -> bool:
-    if value not in ("on", "off"):
-        raise ValueError(f"{ENV}={value!r}: expected 'on' or 'off' (the default)")
-    return value == "on"
-
-
 def kernel_enabled() -> bool:
-    """Whether `greedy_sample` runs the kernels on CUDA (`ENV`); ValueError naming a bad value."""
-    return _parse(os.environ.get(ENV, "off"))
+    """Whether `greedy_sample` runs the kernels on CUDA (`ENV`, default off); ValueError naming a bad value."""
+    return on_off_switch(ENV, os.environ.get(ENV, "off"))
 
 
 def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

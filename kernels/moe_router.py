@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from fxrewrite.kernels import use_triton
+from fxrewrite.kernels.batch_invariant import is_batch_invariant
 from fxrewrite.kernels.moe_routing import check_routing, select_experts, select_experts_ref, select_top_k
 from fxrewrite.kernels.pdl import gdc_prologue, pdl_enabled
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
@@ -161,9 +162,10 @@ def route_experts(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize
                   config: RouterConfig | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `route_experts_ref`; one Triton launch when `fused_router_applies` and the shape's
     choice (`config`, else `choice_for`) is a RouterConfig, else ``select_experts(F.linear(x, weight, bias),
-    ...)`` (the Triton top-k where it applies)."""
+    ...)`` (the Triton top-k where it applies); in `batch_invariant_mode`, the latter (the batch-invariant F.linear,
+    the reference top-k), as a trainer's recomputation runs it."""
     cfg = config or choice_for(weight.shape[0], weight.shape[-1], top_k)
-    if cfg == GEMM or not fused_router_applies(x, weight, bias):
+    if cfg == GEMM or not fused_router_applies(x, weight, bias) or is_batch_invariant():
         return select_experts(F.linear(x, weight, bias), top_k, renormalize, scoring_func)
     t, hidden = x.shape
     num_experts = weight.shape[0]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from fxrewrite.kernels import use_triton
+from fxrewrite.kernels.batch_invariant import is_batch_invariant
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
 __all__ = ["SCORING", "check_routing", "select_top_k", "select_experts", "select_experts_ref", "moe_align_block_size",
@@ -107,11 +108,12 @@ def _select_experts_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring_func: str = "softmax",
                    out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `select_experts_ref`; one Triton program per token when `use_triton` and the
-    logits need no gradient."""
+    logits need no gradient, outside `batch_invariant_mode` (where a trainer's recomputation, with gradients,
+    runs the reference, and the engine must round as it does)."""
     check_routing(router_logits, top_k, scoring_func)
     # the kernel has no backward: with autograd on the logits the reference runs (router gradients)
     if (not use_triton(router_logits) or router_logits.dim() != 2 or router_logits.shape[0] == 0
-            or (torch.is_grad_enabled() and router_logits.requires_grad)):
+            or (torch.is_grad_enabled() and router_logits.requires_grad) or is_batch_invariant()):
         return select_experts_ref(router_logits, top_k, renormalize, scoring_func, out_dtype)
     t, e = router_logits.shape
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()

@@ -20,6 +20,7 @@ from torch import nn
 
 from fxrewrite.data_parallel import dp_ep_active
 from fxrewrite.distributed import tensor_model_parallel_all_reduce
+from fxrewrite.kernels.batch_invariant import is_batch_invariant
 from fxrewrite.kernels.fused_moe import SCORING, fused_experts
 from fxrewrite.kernels import moe_router_tune
 from fxrewrite.kernels.moe_norm_router import norm_route_experts
@@ -146,7 +147,8 @@ class FusedMoE(nn.Module):
         (`fxrewrite.kernels.moe_norm_router`) when nothing else needs the plain path."""
         router = self._child("router")
         if (dp_ep_active() or getattr(router, "bias", None) is not None or torch.compiler.is_compiling()
-                or torch.is_grad_enabled()  # training: the norm module's autograd pair
+                # training: the norm module's autograd pair; batch-invariant: the path a trainer's recomputation takes
+                or torch.is_grad_enabled() or is_batch_invariant()
                 or getattr(norm, "offset", None) != 0.0 or not getattr(norm, "upcast", False)):
             x, residual = norm(hidden_states, residual)
             return self(x), residual

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from fxrewrite import data_parallel, distributed
+from fxrewrite.layers.fused_moe import FusedMoE
 from fxrewrite.layers.rope_context import rope_lengths
 from fxrewrite.runtime.worker.compilation import forward_or_fallback
 from fxrewrite.runtime.worker.forward_context import AttentionMetadata, forward_context
@@ -216,10 +217,14 @@ class CUDAGraphRunner:
 
 def build_graph_runner(model: nn.Module, kv_caches, config, model_config,
                        device: torch.device) -> CUDAGraphRunner | None:
-    """A captured CUDAGraphRunner on CUDA unless `config.enforce_eager`; None otherwise, or (logged as a
-    warning, steps then run eagerly) when the model cannot be captured."""
+    """A captured CUDAGraphRunner on CUDA unless `config.enforce_eager` or a batch-invariant MoE model; None
+    otherwise, or (logged as a warning, steps then run eagerly) when the model cannot be captured."""
     emulate = device.type == "cpu" and not config.enforce_eager and os.environ.get(EMULATE_ENV) == "1"
     if not emulate and (device.type != "cuda" or config.enforce_eager):
+        return None
+    if config.batch_invariant and any(isinstance(m, FusedMoE) for m in model.modules()):
+        logger.info("batch_invariant=True: the MoE blocks route through their reference path (data-dependent "
+                    "shapes, no CUDA graph can hold it), so decode runs eagerly")
         return None
     kwargs = dict(max_num_seqs=config.max_num_seqs, max_model_len=model_config.max_model_len,
                   block_size=config.block_size, hidden_size=model_config.hidden_size, dtype=model_config.dtype,

@@ -13,12 +13,12 @@ what it buys).
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
 import torch
 
+from fxrewrite.kernels import on_off_switch
 from fxrewrite.kernels.greedy_sample import greedy_sample
 
 ENV = "FXREWRITE_GRAPH_LOGITS"
@@ -27,16 +27,10 @@ MAX_BATCH = 16
 eager launches are a small part of a step."""
 
 
-@functools.lru_cache(maxsize=None)
-def _parse(value: str) -> bool:
-    if value not in ("on", "off"):
-        raise ValueError(f"{ENV}={value!r}: expected 'on' (the default) or 'off'")
-    return value == "on"
-
-
 def enabled() -> bool:
-    """Whether decode graphs capture the LM head and greedy sampler (`ENV`); ValueError naming a bad value."""
-    return _parse(os.environ.get(ENV, "on"))
+    """Whether decode graphs capture the LM head and greedy sampler (`ENV`, default on); ValueError naming a bad
+    value."""
+    return on_off_switch(ENV, os.environ.get(ENV, "on"))
 
 
 @dataclass

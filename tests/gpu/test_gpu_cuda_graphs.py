@@ -221,19 +221,11 @@ def test_graph_head_equals_the_eager_head(make_llm, monkeypatch, impl):
     """The LM head and greedy sampler in the decode graphs (FXREWRITE_GRAPH_LOGITS=on, buckets <= 16) against
     them run eagerly after the graph (off), async scheduling: every step's tokens and sampled logprobs bitwise
     equal at batch sizes that are buckets (1, 4, 16: the head's GEMV runs at the same number of rows)."""
-    from fxrewrite.runtime.engine import sampler as sampler_module
     from fxrewrite.runtime.engine.sampling_params import SamplingParams
     from fxrewrite.runtime.worker import greedy_head
+    from tests.runtime.test_greedy_head import record_samples
 
-    seen = []
-    original = sampler_module.SampledTokens.results
-
-    def results(self):
-        out = original(self)
-        seen.append([(r.token_id, r.logprob) for r in out])
-        return out
-
-    monkeypatch.setattr(sampler_module.SampledTokens, "results", results)
+    seen = record_samples(monkeypatch)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     runs = {}
     for value in ("off", "on"):
@@ -257,13 +249,10 @@ def test_greedy_kernel_gives_the_reference_tokens(make_llm, monkeypatch):
     off (the reference ops): the same tokens at batch 1, 4, 16 (graph heads) and 40 (eager), every step's sampled
     log-prob within float32 rounding."""
     from fxrewrite.kernels import greedy_sample
-    from fxrewrite.runtime.engine import sampler as sampler_module
     from fxrewrite.runtime.engine.sampling_params import SamplingParams
+    from tests.runtime.test_greedy_head import record_samples
 
-    seen = []
-    original = sampler_module.SampledTokens.results
-    monkeypatch.setattr(sampler_module.SampledTokens, "results",
-                        lambda self: seen.append([(r.token_id, r.logprob) for r in original(self)]) or original(self))
+    seen = record_samples(monkeypatch)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     runs = {}
     for value in ("off", "on"):

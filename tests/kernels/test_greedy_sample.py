@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fxrewrite.kernels.greedy_sample import (CHUNK, ENV, _parse, greedy_sample, greedy_sample_ref, greedy_sample_triton,
+from fxrewrite.kernels.greedy_sample import (CHUNK, ENV, greedy_sample, greedy_sample_ref, greedy_sample_triton,
                                              kernel_enabled)
 
 
@@ -71,7 +71,6 @@ def test_strided_rows_and_the_cpu_dispatch(interpret, monkeypatch):
 
 def test_the_switch(interpret, monkeypatch):
     """Off (the default) or on; another value is refused naming it (the engine checks it at start)."""
-    _parse.cache_clear()
     monkeypatch.delenv(ENV, raising=False)
     assert not kernel_enabled()
     monkeypatch.setenv(ENV, "on")

@@ -44,7 +44,8 @@ def _count_sampler_calls(monkeypatch) -> list:
     return calls
 
 
-def _record_samples(monkeypatch) -> list:
+def record_samples(monkeypatch) -> list:
+    """Every `SampledTokens.results()` call's [(token id, logprob)] appended to the returned list, in order."""
     seen = []
     original = sampler_module.SampledTokens.results
 
@@ -72,7 +73,7 @@ def test_graph_head_gives_the_eager_heads_tokens_and_logprobs(tiny_qwen3_dir, mo
     greedy = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
     batches = [(PROMPTS[:1], greedy), (PROMPTS, greedy), ((PROMPTS * 5)[:18], greedy), (PROMPTS, MIXED)]
     results, samples = {}, {}
-    seen = _record_samples(monkeypatch)
+    seen = record_samples(monkeypatch)
     for head in ("off", "on"):
         llm = _llm(tiny_qwen3_dir, monkeypatch, head)
         graphs = llm.llm_engine.model_runner.graph_runner
@@ -125,7 +126,6 @@ def test_a_row_that_does_not_sample_keeps_the_head_eager(tiny_qwen3_dir, monkeyp
 
 
 def test_bad_switch_value_is_refused_at_engine_start(tiny_qwen3_dir, monkeypatch):
-    greedy_head._parse.cache_clear()
     with pytest.raises(UserInputError, match="FXREWRITE_GRAPH_LOGITS='yes': expected 'on'"):
         _llm(tiny_qwen3_dir, monkeypatch, "yes")
 

@@ -37,10 +37,13 @@ def triton_kernels(monkeypatch):
     monkeypatch.setattr(InterpreterBuilder, "create_dot", _rowwise_dot)
 
 
-def test_engine_and_trainer_logprobs_bitwise_equal(tiny_model_dir, triton_kernels):
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_engine_and_trainer_logprobs_bitwise_equal(tiny_model_dir, triton_kernels, arch):
+    """qwen3_moe: the MoE block's router and experts take the reference path in the mode on both sides (the
+    engine's decode router / direct experts kernels and a trainer's grouped GEMMs round differently)."""
     from transformers import AutoModelForCausalLM
 
-    path = str(tiny_model_dir("qwen3", vocab="smollm2", num_hidden_layers=1))
+    path = str(tiny_model_dir(arch, vocab="smollm2", num_hidden_layers=1))
     trainer = fxrewrite.optimize(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)).train()
     for p in trainer.parameters():  # own (aligned) storage: CPU BLAS rounds by the operands' alignment too,
         p.data = p.data.clone()    # and safetensors' mmap leaves some at 8-byte offsets
@@ -91,3 +94,17 @@ def test_log_softmax_batch_invariant_rows_and_gradient(triton_kernels):
     routed[:, 0].sum().backward()
     expected = torch.autograd.grad(torch.log_softmax(x, -1)[:, 0].sum(), x)[0]
     torch.testing.assert_close(x.grad, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_batch_invariant_moe_decodes_without_graphs(tiny_model_dir, monkeypatch):
+    """The MoE reference path (data-dependent shapes) cannot be held in a CUDA graph: batch-invariant MoE engines
+    decode eagerly (graphs emulated on the CPU); dense ones keep their graphs."""
+    from fxrewrite.runtime.worker.cuda_graphs import EMULATE_ENV
+
+    monkeypatch.setenv(EMULATE_ENV, "1")
+    runners = {}
+    for arch in ("qwen3", "qwen3_moe"):
+        llm = LLM(str(tiny_model_dir(arch, vocab="smollm2", num_hidden_layers=1)), model_impl="transformers",
+                  dtype="float32", kv_cache_memory_bytes=1 << 20, max_num_seqs=4, batch_invariant=True)
+        runners[arch] = llm.llm_engine.model_runner.graph_runner
+    assert runners["qwen3"] is not None and runners["qwen3_moe"] is None
