@@ -54,8 +54,8 @@ class CUDAGraphRunner:
     """Captures `model(input_ids, positions)` for decode batches and replays it.
 
     Static buffers (max bucket B rows): input_ids, positions, slot_mapping, rope_lengths [B] int64 (the rows of one
-    [4, B] buffer, so a step's per-token values arrive in one copy), seq_lens [B] int32, query_start_loc [B+1] int32 (always 0..B: one token per sequence),
-    block_tables [B, ceil(max_model_len / block_size)] int32, outputs [B, hidden] in the model dtype.
+    [4, B] buffer, so a step's per-token values arrive in one copy), seq_lens [B] int32, query_start_loc [B+1]
+    int32 (always 0..B: one token per sequence), block_tables [B, ceil(max_model_len / block_size)] int32, outputs [B, hidden] in the model dtype.
     Graphs are captured with max_seq_len = max_model_len (it sizes the split-K grid of the decode
     kernel, so it must bound every later seq_len) against the engine's KV caches, which must not be
     reallocated afterwards. With `capture_head`, buckets up to `greedy_head.MAX_BATCH` rows end with the LM head
@@ -267,9 +267,12 @@ class _EagerReplay:
         r, bs = self.runner, self.bs
         with (forward_context(r._metadata(bs)), rope_lengths(r.rope_lengths[:bs]), data_parallel.uniform_tokens()):
             r.outputs[:bs] = r.model(r.input_ids[:bs], r.positions[:bs])
-            if self.has_head:  # into the same tensors, as a graph's replay writes its outputs
-                r.heads.setdefault(bs, GreedyHead.compute(r.model, r.outputs[:bs])).copy_(
-                    GreedyHead.compute(r.model, r.outputs[:bs]))
+            if self.has_head:
+                head = GreedyHead.compute(r.model, r.outputs[:bs])
+                if bs in r.heads:  # into the same tensors, as a graph's replay writes its outputs
+                    r.heads[bs].copy_(head)
+                else:
+                    r.heads[bs] = head
 
 
 class EmulatedGraphRunner(CUDAGraphRunner):
