@@ -260,6 +260,7 @@ def run_kernel_bench(out_dir: str | Path, cpu_smoke: bool = False, only: list[st
     """
     import os
 
+    only = [g.strip() for g in only] if only else None
     unknown = sorted(set(only or ()) - set(ROW_GROUPS))
     if unknown:
         raise UserInputError(f"kernel groups {unknown} do not exist; expected some of {sorted(ROW_GROUPS)}")
@@ -276,7 +277,8 @@ def run_kernel_bench(out_dir: str | Path, cpu_smoke: bool = False, only: list[st
     bw = copy_bandwidth(2 << 30 if DEVICE == "cuda" else 1 << 20)
     sweeps: dict = {}
     rows = []
-    for group in only or ROW_GROUPS:
+    groups = [g for g in ROW_GROUPS if g in (only or ROW_GROUPS)]  # each group once, in the usual order
+    for group in groups:
         rows += ROW_GROUPS[group](bw, sweeps)
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
@@ -287,7 +289,8 @@ def run_kernel_bench(out_dir: str | Path, cpu_smoke: bool = False, only: list[st
                   copy_GBps=bw / 1e9, kernels=rows, sweeps=sweeps)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{now:%Y-%m-%d}-kernels{'-cpu-smoke' if cpu_smoke else ''}.json").write_text(json.dumps(result, indent=2))
+    part = f"-{'-'.join(groups)}" if only else ""  # a partial run must not replace the day's full one
+    (out / f"{now:%Y-%m-%d}-kernels{part}{'-cpu-smoke' if cpu_smoke else ''}.json").write_text(json.dumps(result, indent=2))
     return result
 
 
@@ -298,7 +301,8 @@ def format_table(result: dict) -> str:
              f"{'kernel':34s} {'triton ms':>10s} {'ref ms':>9s} {'x ref':>7s} {'GB/s':>7s} {'% copy':>7s} {'TFLOP/s':>8s}"]
     for r in result["kernels"]:
         tf = f"{r['tflops']:.0f}" if r.get("tflops") else ""
-        lines.append(f"{r['name']:34s} {r['triton_ms']:10.4f} {r['ref_ms']:9.3f} {r['speedup']:7.1f} "
+        name = f"{r['name']} {r['shape']}" if r["name"] == "greedy_sample" else r["name"]  # one row per shape
+        lines.append(f"{name:34s} {r['triton_ms']:10.4f} {r['ref_ms']:9.3f} {r['speedup']:7.1f} "
                      f"{r['achieved_GBps']:7.0f} {r['pct_of_copy']:7.1f} {tf:>8s}")
     return "\n".join(lines)
 

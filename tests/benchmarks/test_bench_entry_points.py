@@ -55,8 +55,12 @@ def test_bench_kernels_only_some_groups(tmp_path, monkeypatch, capsys):
         pytest.skip("needs triton, and runs the interpreter on a CPU-only machine")
     for name in _KERNEL_GLOBALS:
         monkeypatch.setattr(kernel_bench, name, getattr(kernel_bench, name))
-    assert main(["bench", "kernels", "--cpu-smoke", "--only", "sampler", "--out", str(tmp_path)]) == 0
-    assert {row["name"] for row in _saved(tmp_path)["kernels"]} == {"greedy_sample"}
+    assert main(["bench", "kernels", "--cpu-smoke", "--only", "sampler, sampler", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*.json")
+    assert path.name.endswith("-kernels-sampler-cpu-smoke.json")  # not the name of a full run's file
+    rows = json.loads(path.read_text())["kernels"]
+    assert [row["name"] for row in rows] == ["greedy_sample"] * 2  # the group once: its two shapes
+    assert "greedy_sample [1," in capsys.readouterr().out  # the table tells the shapes apart
     assert main(["bench", "kernels", "--cpu-smoke", "--only", "sampler,sorting", "--out", str(tmp_path)]) == 2
     assert "kernel groups ['sorting'] do not exist" in capsys.readouterr().err
 
