@@ -8,21 +8,27 @@ imports triton; :mod:`fxrewrite.kernels.triton_utils` does, and tolerates its ab
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
-__all__ = ["use_triton", "compiled_training_kernels", "compiled_serving_kernels", "on_off_switch"]
+__all__ = ["use_triton", "compiled_training_kernels", "compiled_serving_kernels", "on_off_switch", "env_choice"]
 
 
-@functools.lru_cache(maxsize=None)
-def on_off_switch(name: str, value: str) -> bool:
-    """The value of the on/off environment switch `name` (read by the caller, with its default): True for "on",
-    False for "off"; ValueError naming the variable and the value otherwise."""
-    if value not in ("on", "off"):
-        raise ValueError(f"{name}={value!r}: expected 'on' or 'off'")
-    return value == "on"
+def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    """The environment switch `name` (`default` when unset), one of `choices`; ValueError naming the variable, its
+    value and the choices otherwise (every FXREWRITE_* switch with a fixed set of values reads through here)."""
+    value = os.environ.get(name, default)
+    if value not in choices:
+        quoted = [repr(choice) for choice in choices]
+        alternatives = ", ".join(quoted[:-1]) + " or " + quoted[-1] if len(quoted) > 1 else quoted[0]
+        raise ValueError(f"{name}={value!r}: expected {alternatives}")
+    return value
+
+
+def on_off_switch(name: str, default: str) -> bool:
+    """The on/off environment switch `name` (`default` when unset): True for "on"; ValueError as :func:`env_choice`."""
+    return env_choice(name, default, ("on", "off")) == "on"
 
 
 def use_triton(x: torch.Tensor) -> bool:

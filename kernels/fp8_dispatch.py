@@ -33,11 +33,10 @@ scaled_mm's ``BlockWise1x128`` takes for the weight, which the Triton kernels re
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
-from fxrewrite.kernels import use_triton
+from fxrewrite.kernels import env_choice, use_triton
 from fxrewrite.kernels.fp8_gemm import ALT_CONFIGS, fp8_block_gemm_triton, fp8_linear, per_token_group_quant_fp8
 from fxrewrite.kernels.fp8_gemv import GEMV_CONFIGS, GEMV_MAX_M, fp8_block_gemv_triton
 from fxrewrite.kernels.fp8_gemv_pipelined import PIPELINED_CONFIGS, fp8_gemv_pipelined_triton
@@ -78,10 +77,7 @@ def bucket_of(m: int) -> int:
 
 
 def _forced() -> str:
-    value = os.environ.get("FXREWRITE_FP8_GEMM", "auto")
-    if value not in ("auto", "triton", "scaled_mm"):
-        raise ValueError(f"FXREWRITE_FP8_GEMM={value!r}; expected 'auto', 'triton' or 'scaled_mm'")
-    return value
+    return env_choice("FXREWRITE_FP8_GEMM", "auto", ("auto", "triton", "scaled_mm"))
 
 
 def default_backend(m: int) -> str:

@@ -30,11 +30,10 @@ log). `run` dispatches on the tag; `choices` writes a config as its parts joined
 
 from __future__ import annotations
 
-import os
 
 import torch
 
-from fxrewrite.kernels import use_triton
+from fxrewrite.kernels import env_choice, use_triton
 from fxrewrite.kernels.batch_invariant import is_batch_invariant
 from fxrewrite.kernels.skinny_gemv import FORMATS, GEMV_MAX_M, configs_for, skinny_gemv_triton
 from fxrewrite.kernels.skinny_gemv_fp8 import skinny_gemv_fp8_triton
@@ -57,10 +56,7 @@ _choices: dict[tuple[str, int, int, int, str], tuple | None] = {}
 
 def mode() -> str:
     """``FXREWRITE_GEMV``: "auto" (default), "on" or "off"; ValueError naming any other value."""
-    value = os.environ.get("FXREWRITE_GEMV", "auto")
-    if value not in ("auto", "on", "off"):
-        raise ValueError(f"FXREWRITE_GEMV={value!r}; expected one of auto, on, off")
-    return value
+    return env_choice("FXREWRITE_GEMV", "auto", ("auto", "on", "off"))
 
 
 def choose(kind: str, n: int, k: int, m: int, fmt: str = "float") -> tuple | None:

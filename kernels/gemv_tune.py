@@ -38,7 +38,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from fxrewrite.kernels import gemv_dispatch
+from fxrewrite.kernels import env_choice, gemv_dispatch
 from fxrewrite.kernels.activation import silu_and_mul
 from fxrewrite.kernels.fp8_dispatch import fp8_linear_dispatch
 from fxrewrite.kernels.fp8_tune import graph_time_us
@@ -83,10 +83,7 @@ def baseline(kind: str, w: torch.Tensor, x: torch.Tensor, residual=None, norm_we
 def _tagged_candidates() -> bool:
     """FXREWRITE_GEMV_CANDIDATES: "all" (default) or "skinny" (the skinny GEMV's fused configs only, as before the
     tagged backends: a same-machine baseline for benchmarks). ValueError for another value."""
-    value = os.environ.get("FXREWRITE_GEMV_CANDIDATES", "all")
-    if value not in ("all", "skinny"):
-        raise ValueError(f"FXREWRITE_GEMV_CANDIDATES={value!r}: expected 'all' or 'skinny'")
-    return value == "all"
+    return env_choice("FXREWRITE_GEMV_CANDIDATES", "all", ("all", "skinny")) == "all"
 
 
 def candidates(bucket: int, kind: str, n: int, fmt: str = "float") -> tuple[tuple, ...]:

@@ -20,7 +20,6 @@ on a CPU (float64-accurate logprobs there, see `fxrewrite.kernels.log_softmax`) 
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -70,7 +69,7 @@ def greedy_sample_triton(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 def kernel_enabled() -> bool:
     """Whether `greedy_sample` runs the kernels on CUDA (`ENV`, default off); ValueError naming a bad value."""
-    return on_off_switch(ENV, os.environ.get(ENV, "off"))
+    return on_off_switch(ENV, "off")
 
 
 def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,7 +21,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from fxrewrite.kernels import moe_router
+from fxrewrite.kernels import env_choice, moe_router
 from fxrewrite.kernels.fp8_tune import graph_time_us
 from fxrewrite.kernels.moe_router import FUSED_ROUTER_MAX_TOKENS, GEMM, ROUTER_CONFIGS, route_experts
 
@@ -94,7 +94,7 @@ def tune(shapes: set[tuple[int, int, int, bool, str]], device, dtype: torch.dtyp
     """Tune every (E, H, top_k, renormalize, scoring_func) of `shapes`; returns {"ExH top-k": timings}.
     No-op ({}) unless `device` is CUDA and FXREWRITE_ROUTER_TUNE is not "0" (nor FXREWRITE_ROUTER_CONFIG
     set: a forced choice is kept). FXREWRITE_ROUTER_TUNE_LOG=path appends one JSON line of the timings."""
-    if (torch.device(device).type != "cuda" or os.environ.get("FXREWRITE_ROUTER_TUNE", "1") == "0"
+    if (torch.device(device).type != "cuda" or env_choice("FXREWRITE_ROUTER_TUNE", "1", ("1", "0")) == "0"
             or os.environ.get("FXREWRITE_ROUTER_CONFIG")):
         return {}
     timings = {}

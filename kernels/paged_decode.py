@@ -37,6 +37,7 @@ import os
 
 import torch
 
+from fxrewrite.kernels import env_choice
 from fxrewrite.kernels.attention_tile import (FP8_DOTS, attention_tile, check_last_dim_contiguous, check_paged_args,
                                               decode_tile_keys_major, dot_dtype, float8_dots, fp16_dots, quantize_query,
                                               sinks_arg, tile_slots, value_run, widen_asm)
@@ -63,7 +64,7 @@ def _min_partition() -> int:
     per split, at least; default `_MIN_PARTITION`. ValueError naming a value that is not a positive multiple of 16."""
     value = os.environ.get("FXREWRITE_DECODE_MIN_PARTITION", str(_MIN_PARTITION))  # the default above
     if not value.isdigit() or int(value) <= 0 or int(value) % 16:
-        raise ValueError(f"FXREWRITE_DECODE_MIN_PARTITION={value!r}; expected a positive multiple of 16 (keys)")
+        raise ValueError(f"FXREWRITE_DECODE_MIN_PARTITION={value!r}: expected a positive multiple of 16 (keys)")
     return int(value)
 
 
@@ -261,10 +262,7 @@ def _reduce_kernel(seq_lens_ptr, qsl_ptr, out_ptr, part_ptr, ml_ptr, o_s0, o_s1,
 def default_fp8_dots() -> str:
     """How decode dots run over an FP8 cache when the caller does not say: ``FXREWRITE_KV_FP8_DOTS`` (one of
     `FP8_DOTS`, default "float16"); ValueError naming a bad value."""
-    value = os.environ.get("FXREWRITE_KV_FP8_DOTS", "float16")
-    if value not in FP8_DOTS:
-        raise ValueError(f"FXREWRITE_KV_FP8_DOTS={value!r}; expected one of {', '.join(FP8_DOTS)}")
-    return value
+    return env_choice("FXREWRITE_KV_FP8_DOTS", "float16", FP8_DOTS)
 
 
 DECODE_TILES = ("heads", "keys")
@@ -274,10 +272,7 @@ def decode_tile() -> str:
     """``FXREWRITE_DECODE_TILE``: which side of the decode tile's MMA the keys take when the caller does not say
     (`keys_major`): "heads" (default: the query heads are M) or "keys" (the keys are M, the heads N); ValueError
     naming a bad value."""
-    value = os.environ.get("FXREWRITE_DECODE_TILE", "heads")
-    if value not in DECODE_TILES:
-        raise ValueError(f"FXREWRITE_DECODE_TILE={value!r}; expected one of {', '.join(DECODE_TILES)}")
-    return value
+    return env_choice("FXREWRITE_DECODE_TILE", "heads", DECODE_TILES)
 
 
 def dot_flags(query: torch.Tensor, key_cache: torch.Tensor, fp8_dots: str) -> dict[str, bool | int]:

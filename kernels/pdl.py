@@ -50,6 +50,7 @@ import os
 
 import torch
 
+from fxrewrite.kernels import env_choice, on_off_switch
 from fxrewrite.kernels.triton_utils import HAS_TRITON, interpreter_ready, next_power_of_2, tl, triton
 
 __all__ = ["MODES", "mode", "device_supports_pdl", "pdl_enabled", "fp8_gemv_pdl", "early_loads", "check_environment",
@@ -60,10 +61,7 @@ MODES = ("auto", "on", "off")
 
 def mode() -> str:
     """``FXREWRITE_PDL``: "auto" (default), "on" or "off"; ValueError naming any other value."""
-    value = os.environ.get("FXREWRITE_PDL", "auto")
-    if value not in MODES:
-        raise ValueError(f"FXREWRITE_PDL={value!r}; expected one of {', '.join(MODES)}")
-    return value
+    return env_choice("FXREWRITE_PDL", "auto", MODES)
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,16 +105,12 @@ def fp8_gemv_pdl(device) -> tuple[bool, bool]:
     launched plainly, so it starts after its predecessor has finished, but it calls ``gdc_launch_dependents`` so
     the PDL kernel after it may launch during its last wave), "plain" (neither) or "full" (both, as under on).
     ValueError naming any other value."""
-    form = os.environ.get("FXREWRITE_PDL_FP8_GEMV", "trigger")
-    if form not in FP8_GEMV_FORMS:
-        raise ValueError(f"FXREWRITE_PDL_FP8_GEMV={form!r}; expected one of {', '.join(FP8_GEMV_FORMS)}")
+    form = env_choice("FXREWRITE_PDL_FP8_GEMV", "trigger", FP8_GEMV_FORMS)
     if mode() != "auto" or not pdl_enabled(device):
         on = pdl_enabled(device, in_auto=False)
         return on, on
     return form == "full", form != "plain"
 
-
-EARLY_FORMS = ("on", "off")
 
 
 def early_loads(pdl: bool, static_inputs: bool) -> bool:
@@ -127,14 +121,7 @@ def early_loads(pdl: bool, static_inputs: bool) -> bool:
     dependent loads runs during the previous kernel's tail instead of after it. Only with `pdl` (else nothing runs
     early anyway). ``FXREWRITE_PDL_EARLY`` "on" (default) / "off" (for measurements); ValueError naming any other
     value."""
-    return _early_on(os.environ.get("FXREWRITE_PDL_EARLY", "on")) and pdl and static_inputs
-
-
-@functools.lru_cache(maxsize=None)
-def _early_on(form: str) -> bool:
-    if form not in EARLY_FORMS:
-        raise ValueError(f"FXREWRITE_PDL_EARLY={form!r}; expected one of {', '.join(EARLY_FORMS)}")
-    return form == "on"
+    return on_off_switch("FXREWRITE_PDL_EARLY", "on") and pdl and static_inputs
 
 
 @triton.jit
@@ -164,7 +151,7 @@ def prefetch_bytes() -> int:
 def _parse_prefetch_bytes(raw: str) -> int:
     value = int(raw) if raw.strip().isdigit() else -1
     if value < LINE_BYTES:
-        raise ValueError(f"FXREWRITE_PDL_PREFETCH_BYTES={raw!r}; expected a whole number of bytes >= {LINE_BYTES} "
+        raise ValueError(f"FXREWRITE_PDL_PREFETCH_BYTES={raw!r}: expected a whole number of bytes >= {LINE_BYTES} "
                          "(default 2048)")
     return value
 

@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 
 import torch
 from torch import nn
 
 from fxrewrite.distributed import all_reduce_tp_shards
-from fxrewrite.kernels import fp8_dispatch, fp8_tune, gemv_dispatch, use_triton
+from fxrewrite.kernels import env_choice, fp8_dispatch, fp8_tune, gemv_dispatch, use_triton
 from fxrewrite.kernels.fp8_gemm import FP8_DTYPE, FP8_MAX
 from fxrewrite.kernels.fp8_quant_fused import rms_norm_quant_fp8, silu_and_mul_quant_fp8
 from fxrewrite.kernels.skinny_gemv import GEMV_MAX_M
@@ -101,7 +100,7 @@ class Fp8LinearMixin:
             return None
         if torch.compiler.is_compiling() or (torch.is_grad_enabled() and x.requires_grad) or _fused_quant_failed:
             return None
-        if os.environ.get("FXREWRITE_FP8_FUSED_QUANT", "1") == "0":
+        if env_choice("FXREWRITE_FP8_FUSED_QUANT", "1", ("1", "0")) == "0":
             return None
         m = x.numel() // x.shape[-1]
         if m <= GEMV_MAX_M:

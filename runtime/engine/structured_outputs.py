@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from fxrewrite.errors import UserInputError
+from fxrewrite.kernels import env_choice
 from fxrewrite.runtime.engine import grammar_process
 from fxrewrite.runtime.engine.grammar_bitmask import STAT_KEYS, GrammarJob, MaskSlots
 from fxrewrite.runtime.engine.grammar_worker import MatcherSet, choice_grammar, compile_constraint
@@ -100,10 +101,8 @@ class StructuredOutputsParams:
 def use_grammar_process() -> bool:
     """Whether the grammar work runs in the grammar process: FXREWRITE_GRAMMAR_PROCESS (1 or 0), else yes
     where the platform has memfds (Linux)."""
-    value = os.environ.get("FXREWRITE_GRAMMAR_PROCESS")
-    if value is not None and value not in ("0", "1"):
-        raise ValueError(f"FXREWRITE_GRAMMAR_PROCESS={value!r}: expected 0 or 1")
-    return grammar_process.supported() if value is None else value == "1"
+    value = env_choice("FXREWRITE_GRAMMAR_PROCESS", "unset", ("0", "1", "unset"))
+    return grammar_process.supported() if value == "unset" else value == "1"
 
 
 def _clean(message: str) -> str:

@@ -13,7 +13,6 @@ what it buys).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +29,7 @@ eager launches are a small part of a step."""
 def enabled() -> bool:
     """Whether decode graphs capture the LM head and greedy sampler (`ENV`, default on); ValueError naming a bad
     value."""
-    return on_off_switch(ENV, os.environ.get(ENV, "on"))
+    return on_off_switch(ENV, "on")
 
 
 @dataclass

@@ -15,8 +15,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from fxrewrite.kernels import pdl, skinny_gemv
+from fxrewrite.kernels import env_choice, on_off_switch, pdl, skinny_gemv
 from fxrewrite.kernels.skinny_gemv import CONFIGS, SPLIT_CONFIGS, configs_for, skinny_gemv_ref, skinny_gemv_triton
+
+
+def test_env_choice(monkeypatch):
+    """Every fixed-value switch: its default when unset, its value when valid, else one error wording naming the
+    variable, the value and every choice."""
+    monkeypatch.delenv("FXREWRITE_TEST_SWITCH", raising=False)
+    assert env_choice("FXREWRITE_TEST_SWITCH", "b", ("a", "b", "c")) == "b"
+    assert on_off_switch("FXREWRITE_TEST_SWITCH", "off") is False
+    monkeypatch.setenv("FXREWRITE_TEST_SWITCH", "a")
+    assert env_choice("FXREWRITE_TEST_SWITCH", "b", ("a", "b", "c")) == "a"
+    with pytest.raises(ValueError, match="^FXREWRITE_TEST_SWITCH='a': expected 'on' or 'off'$"):
+        on_off_switch("FXREWRITE_TEST_SWITCH", "on")
+    monkeypatch.setenv("FXREWRITE_TEST_SWITCH", "")
+    with pytest.raises(ValueError, match="^FXREWRITE_TEST_SWITCH='': expected 'x', 'y' or 'z'$"):
+        env_choice("FXREWRITE_TEST_SWITCH", "x", ("x", "y", "z"))
 
 
 def test_mode_parsing(monkeypatch):
@@ -146,17 +161,17 @@ def test_prefetch_bytes_setting(monkeypatch):
     assert pdl.prefetch_lines(4096, 2) == 64
     for bad in ("abc", "-5", "64", ""):
         monkeypatch.setenv("FXREWRITE_PDL_PREFETCH_BYTES", bad)
-        with pytest.raises(ValueError, match=f"FXREWRITE_PDL_PREFETCH_BYTES={bad!r}; expected a whole number"):
+        with pytest.raises(ValueError, match=f"FXREWRITE_PDL_PREFETCH_BYTES={bad!r}: expected a whole number"):
             pdl.prefetch_bytes()
 
 
 @pytest.mark.parametrize("var,value,message", [
-    ("FXREWRITE_PDL", "yes", "FXREWRITE_PDL='yes'; expected one of auto, on, off"),
+    ("FXREWRITE_PDL", "yes", "FXREWRITE_PDL='yes': expected 'auto', 'on' or 'off'"),
     ("FXREWRITE_PDL", "on", "FXREWRITE_PDL=on but device cpu has no programmatic dependent launch"),
     ("FXREWRITE_PDL_PREFETCH_BYTES", "-5", "FXREWRITE_PDL_PREFETCH_BYTES='-5'"),
     ("FXREWRITE_GEMV", "yes", "FXREWRITE_GEMV='yes'"),
-    ("FXREWRITE_KV_FP8_DOTS", "fp8", "FXREWRITE_KV_FP8_DOTS='fp8'; expected one of float16, query, float8"),
-    ("FXREWRITE_DECODE_TILE", "rows", "FXREWRITE_DECODE_TILE='rows'; expected one of heads, keys"),
+    ("FXREWRITE_KV_FP8_DOTS", "fp8", "FXREWRITE_KV_FP8_DOTS='fp8': expected 'float16', 'query' or 'float8'"),
+    ("FXREWRITE_DECODE_TILE", "rows", "FXREWRITE_DECODE_TILE='rows': expected 'heads' or 'keys'"),
 ])
 def test_engine_checks_the_kernel_switches_at_start(tiny_model_dir, monkeypatch, var, value, message):
     """A bad switch is one user error when the engine starts, also on a CPU, where no kernel would read it."""
