@@ -181,6 +181,11 @@ class LLMEngine(EngineRLMixin):
         if self.micro_batches is not None:
             return self.micro_batches.step(self)
         previous, self._inflight = self._inflight, None
+        outputs = []
+        if previous is not None and _reads_host_tokens(previous.sched):
+            # Completed before scheduling: a sequence that stops on one of those tokens is then not scheduled
+            # (its blocks are freed; a batch that still held it would write its K/V through an empty block table).
+            outputs, previous = self._complete(previous), None
         sched = self.scheduler.schedule()
         if sched.is_empty():
             if previous is not None:
@@ -188,11 +193,7 @@ class LLMEngine(EngineRLMixin):
             if self.scheduler.waiting and not self.scheduler.running:
                 # add_request checks each request fits the cache alone, so this is a bug, not a wait.
                 raise RuntimeError(f"no request can be scheduled: {self.get_stats()}")
-            return []
-        outputs = []
-        if previous is not None and any(s.seq.sampling_params.has_penalties or s.seq.sampling_params.bad_words
-                                        for s in sched.scheduled):  # they read every earlier token
-            outputs, previous = self._complete(previous), None
+            return outputs
         self._early_outputs = None
         try:
             launched = self._launch(sched, previous)
@@ -361,6 +362,12 @@ class LLMEngine(EngineRLMixin):
             "prefix_cache_queries": bm.prefix_cache_queries,
             "num_preemptions": self.scheduler.num_preemptions,
         }
+
+
+def _reads_host_tokens(sched: SchedulerOutput) -> bool:
+    """Whether a sequence of `sched` samples with penalties or bad words, which read every earlier token on the
+    host: the step after it waits for its tokens."""
+    return any(s.seq.sampling_params.has_penalties or s.seq.sampling_params.bad_words for s in sched.scheduled)
 
 
 class _CompletedStep:

@@ -109,3 +109,22 @@ def test_async_stop_drops_the_extra_token_and_abort_frees_blocks(tiny_qwen3_dir)
     again = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
                          use_tqdm=False)[0].outputs[0]
     assert again.token_ids == greedy.token_ids
+
+
+@pytest.mark.parametrize("extra", [dict(frequency_penalty=0.5), dict(repetition_penalty=1.2), dict(bad_words=["zq"])])
+def test_a_penalised_sequence_that_stops_leaves_the_next_batch(tiny_qwen3_dir, extra):
+    """Penalties and bad words make a step wait for the previous one's tokens; a sequence that stops on one of
+    them (here its first output token: every id stops it) must not stay in the step being launched, whose block
+    table for it would be empty: alone that was an IndexError, in a batch its K/V went to block 0, another
+    sequence's. The greedy neighbours' tokens equal theirs alone, and every block comes back."""
+    llm = _llm(str(tiny_qwen3_dir), True)
+    vocab = llm.llm_engine.model_config.vocab_size
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], greedy, use_tqdm=False)]
+    stopper = SamplingParams(temperature=0, max_tokens=20, stop_token_ids=list(range(vocab)), **extra)
+    out = llm.generate(PROMPTS[2], stopper, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 1 and out.text == "" and out.finish_reason == "stop"  # the stop id: no text
+    mixed = llm.generate(PROMPTS[:2] + [PROMPTS[2], PROMPTS[3]], [greedy, greedy, stopper, stopper], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed[:2]] == alone
+    bm = llm.llm_engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
