@@ -43,7 +43,8 @@ def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch
     """Concatenate this step's tokens of every scheduled sequence (decodes and prefill chunks alike).
 
     A sequence whose last token is still pending (sampled by the step in flight) gets a 0 there and a
-    gather entry from `previous_rows` (seq_id -> row of that step's samples); RuntimeError if missing.
+    gather entry from `previous_rows` (seq_id -> row of that step's samples); RuntimeError if missing, or if a
+    sequence's block table does not cover the tokens it is scheduled for (a finished one: an empty table).
 
     Per-token values (positions, slots) are computed with numpy over the whole batch, and the int64 and
     int32 tensors each travel to the device in one copy (slices of one buffer): a decode step of 256
@@ -57,6 +58,11 @@ def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch
     samples = np.fromiter((s.samples for s in scheduled), dtype=bool, count=num_seqs)
     ends, cu_new = starts + num_new, np.cumsum(num_new)
     num_tokens, max_blocks = int(cu_new[-1]), int(table_lens.max())
+    short = np.flatnonzero(table_lens * block_size < ends)
+    if len(short):  # a scheduler bug; the padding block 0 belongs to another sequence, so never write through it
+        seq = scheduled[int(short[0])].seq
+        raise RuntimeError(f"sequence {seq.seq_id} is scheduled up to token {int(ends[short[0]])} but holds "
+                           f"{int(table_lens[short[0]])} blocks of {block_size} (finished: {seq.is_finished})")
 
     ids, gather = _token_ids(scheduled, cu_new, previous_rows)
     # int64: input_ids [T] | positions [T] | slot_mapping [T] | rope_lengths [T] | logits_indices [S] | gather [2G]
