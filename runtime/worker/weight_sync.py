@@ -114,6 +114,7 @@ def _build_table(model: nn.Module) -> tuple[dict[str, Target], str]:
         for hf_name, (fused, shard_id) in shard_map(hf).items():
             add(prefix + hf_name, prefix + fused, shard_id)
     for part, (fused, shard_id) in getattr(model, "packed_modules_mapping", {}).items():
+        part, fused = part.strip("."), fused.strip(".")  # keys with or without their dots, as the loader takes them
         for name in list(params):
             if f".{fused}." in name:
                 add(name.replace(f".{fused}.", f".{part}."), name, shard_id)

@@ -54,6 +54,18 @@ def test_sync_from_model_equals_engine_started_on_it(dirs, reference, impl, opti
     assert _tokens(llm) == reference != before_tokens
 
 
+@pytest.mark.parametrize("stock_as", ["model", "pairs"])
+def test_native_moe_takes_hf_names(tiny_model_dir, stock_as):
+    """The native Qwen3-MoE (its packed_modules_mapping keys written with their dots) takes a stock model or its
+    state_dict pairs, as the dense one does."""
+    old, new = (tiny_model_dir("qwen3_moe", vocab="smollm2", seed=s) for s in (0, 1))
+    llm = LLM(str(old), model_impl="native", dtype="float32", block_size=4)
+    stock = _hf(new, False)
+    names = llm.load_weights(stock if stock_as == "model" else list(stock.state_dict().items()))
+    assert names >= {n for n, _ in llm.llm_engine.model_runner.model.named_parameters()}  # + a tied head
+    assert _tokens(llm) == _tokens(LLM(str(new), model_impl="native", dtype="float32", block_size=4))
+
+
 def test_pairs_with_hf_names_and_fused_names_mixed(dirs, reference):
     llm = LLM(str(dirs[0]), model_impl="transformers", dtype="float32", block_size=4)
     hf_names = list(_hf(dirs[1], False).state_dict().items())  # tied lm_head.weight included
