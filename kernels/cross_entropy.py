@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
-__all__ = ["cross_entropy_grad_", "cross_entropy_grad_ref", "cross_entropy_grad_torch"]
+__all__ = ["check_targets", "cross_entropy_grad_", "cross_entropy_grad_ref", "cross_entropy_grad_torch"]
 
 
 def _transform(z: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
@@ -49,6 +49,15 @@ def cross_entropy_grad_torch(logits: torch.Tensor, target: torch.Tensor, ignore_
     grad[torch.arange(grad.shape[0], device=grad.device), t] -= 1.0
     dydz = scale * (1.0 - (y / softcap) ** 2) if softcap else scale
     return loss, (grad * dydz * keep[:, None]).to(logits.dtype)
+
+
+def check_targets(target: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Every target in [0, vocab) or ``ignore_index``: the kernel reads the logit at the target's column, so another
+    value would read outside its row. Checked on the device without a host sync (``torch._assert_async``): on a GPU
+    a failure is a device-side assert, as transformers' own loss gives; on a CPU a RuntimeError."""
+    ok = ((target >= 0) & (target < vocab)) | (target == ignore_index)
+    torch._assert_async(ok.all(), f"cross-entropy: a target is outside [0, {vocab}) and is not "
+                                  f"ignore_index={ignore_index} (labels from another vocabulary?)")
 
 
 @triton.jit
@@ -120,6 +129,7 @@ def cross_entropy_grad_(logits: torch.Tensor, target: torch.Tensor, ignore_index
     if row_scale is not None and (row_scale.shape != (rows,) or row_scale.stride(0) != 1):
         raise ValueError(f"cross_entropy_grad_: row_scale {tuple(row_scale.shape)} must be contiguous [{rows}]")
     if rows:
+        check_targets(target, vocab, ignore_index)
         block = min(8192 if logits.is_cuda else 64, next_power_of_2(vocab))
         launch(_ce_kernel, (rows,), logits.device)(
             logits, target, out, out if row_scale is None else row_scale, logits.stride(0), vocab, ignore_index,

@@ -30,6 +30,20 @@ def test_cross_entropy_kernel_rejects_bad_shapes(interpret):
         cross_entropy_grad_(torch.randn(4, 8), torch.zeros(3, dtype=torch.long))
 
 
+@pytest.mark.parametrize("bad", [40, -1, 1 << 40])
+def test_out_of_range_targets_are_refused(interpret, monkeypatch, bad):
+    """A label past the vocabulary, or -1 with ignore_index -100 (transformers raises IndexError for both), would
+    read outside its row in the kernel: refused, also through the fused loss, whose other targets stay valid."""
+    monkeypatch.setenv("FXREWRITE_TRITON", "1")
+    target = torch.tensor([3, bad, -100, 0])
+    with pytest.raises(RuntimeError, match=r"a target is outside \[0, 40\) and is not ignore_index=-100"):
+        cross_entropy_grad_(torch.randn(4, 40), target)
+    h, w = torch.randn(4, 8, requires_grad=True), torch.randn(40, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="a target is outside"):
+        fused_linear_cross_entropy(h, w, None, target, kernel_params=(1.0, None))
+    cross_entropy_grad_(torch.randn(4, 40), torch.tensor([3, 39, -100, 0]))  # the edges and ignore_index pass
+
+
 def _softcap(z):
     return torch.tanh(z / 2.0) * 2.0
 
