@@ -58,11 +58,7 @@ def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch
     samples = np.fromiter((s.samples for s in scheduled), dtype=bool, count=num_seqs)
     ends, cu_new = starts + num_new, np.cumsum(num_new)
     num_tokens, max_blocks = int(cu_new[-1]), int(table_lens.max())
-    short = np.flatnonzero(table_lens * block_size < ends)
-    if len(short):  # a scheduler bug; the padding block 0 belongs to another sequence, so never write through it
-        seq = scheduled[int(short[0])].seq
-        raise RuntimeError(f"sequence {seq.seq_id} is scheduled up to token {int(ends[short[0]])} but holds "
-                           f"{int(table_lens[short[0]])} blocks of {block_size} (finished: {seq.is_finished})")
+    _check_tables(scheduled, table_lens, ends, block_size)
 
     ids, gather = _token_ids(scheduled, cu_new, previous_rows)
     # int64: input_ids [T] | positions [T] | slot_mapping [T] | rope_lengths [T] | logits_indices [S] | gather [2G]
@@ -100,6 +96,16 @@ def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch
         gather_src=t64[s_end + 1 :: 2] if gather else None,
         gather_in_order=len(gather) == num_tokens and all(dst == src for dst, src in gather),
     )
+
+
+def _check_tables(scheduled: list[ScheduledSeq], table_lens: np.ndarray, ends: np.ndarray, block_size: int) -> None:
+    """RuntimeError (a scheduler bug) for a sequence whose blocks do not cover its scheduled tokens: its padding
+    would be block 0, another sequence's, so nothing is written through it."""
+    short = np.flatnonzero(table_lens * block_size < ends)
+    if len(short):
+        seq, i = scheduled[int(short[0])].seq, int(short[0])
+        raise RuntimeError(f"sequence {seq.seq_id} is scheduled up to token {int(ends[i])} but holds "
+                           f"{int(table_lens[i])} blocks of {block_size} (finished: {seq.is_finished})")
 
 
 def _rope_lengths(scheduled: list[ScheduledSeq], num_new: np.ndarray, positions: np.ndarray, out: np.ndarray) -> None:
