@@ -155,14 +155,23 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         total, *grads = forward_with_grads(hidden, weight, bias, target, ignore_index, transform, kernel_params,
                                            chunk, *want)
         ctx.save_for_backward(*(x for x in grads if x is not None))
-        ctx.which = want
+        ctx.which, ctx.applied = want, None
         return total
 
     @staticmethod
     def backward(ctx, grad_out):
         saved = iter(ctx.saved_tensors)
-        # in place, float32 scalar times the stored gradient (as Liger-Kernel does: no second copy)
-        grads = [next(saved).mul_(grad_out) if want else None for want in ctx.which]
+        if ctx.applied is None:
+            # The first backward scales the stored gradients in place (as Liger-Kernel: no second copy), through
+            # .data so that autograd's version check lets a later backward of a retained graph read them again.
+            ctx.applied = grad_out.detach().clone()
+            grads = [next(saved).data.mul_(grad_out) if want else None for want in ctx.which]
+            return (*grads, None, None, None, None, None)
+        if not bool(ctx.applied.ne(0)):  # a later backward (retain_graph=True): the first factor undone, on a copy
+            raise RuntimeError("fused_linear_cross_entropy: a second backward through a graph whose first backward "
+                               "scaled the loss by 0 cannot recover the gradients")
+        factor = grad_out / ctx.applied
+        grads = [next(saved) * factor if want else None for want in ctx.which]
         return (*grads, None, None, None, None, None)
 
 

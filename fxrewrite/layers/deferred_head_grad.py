@@ -50,8 +50,10 @@ def plain_parameter(weight) -> bool:
 
 
 class DeferredHeadGrad:
-    """One model call's pending head-gradient job: ``attached`` while the embedding output's identity function has
-    not run its backward; ``args`` (set by the loss) what the recomputation needs; ``scale`` the loss's gradient."""
+    """One model call's pending head-gradient job: ``attached`` while the call's loss may still claim it; ``args``
+    (set by the loss) what the recomputation needs, their hidden states only from the loss's backward until the
+    embedding's (so a retained graph's second backward, which runs the loss's backward again, re-arms it); ``scale``
+    the loss's gradient."""
 
     __slots__ = ("attached", "args", "scale")
 
@@ -60,25 +62,30 @@ class DeferredHeadGrad:
 
     def claim(self, hidden, weight, target, ignore_index, transform, kernel_params, chunk) -> bool:
         """Called by the loss: whether the weight gradient is deferred to this job (then the loss must not make
-        it, and must pass its incoming gradient through :class:`ScaleRecorder`)."""
+        it, and must pass its result and `hidden` through :class:`ScaleRecorder`)."""
         if not self.attached or self.args is not None:
             return False
-        self.args = (hidden.detach(), weight, target, ignore_index, transform, kernel_params, chunk)
+        self.attached = False  # one loss per call: a second one makes its own gradient
+        self.args = (None, weight, target, ignore_index, transform, kernel_params, chunk)
         return True
 
 
 class ScaleRecorder(torch.autograd.Function):
-    """Identity on the summed loss whose backward records the incoming gradient (the 1 / num_items scale)."""
+    """Identity on the summed loss whose backward hands the job the incoming gradient (the 1 / num_items scale) and
+    the hidden states it keeps for it (``forward(total, hidden, job)``)."""
 
     @staticmethod
-    def forward(ctx, total, job):
+    def forward(ctx, total, hidden, job):
         ctx.job = job
+        ctx.save_for_backward(hidden)
         return total.view_as(total)
 
     @staticmethod
     def backward(ctx, grad):
+        (hidden,) = ctx.saved_tensors
         ctx.job.scale = grad.detach()
-        return grad, None
+        ctx.job.args = (hidden, *ctx.job.args[1:])
+        return grad, None, None
 
 
 class _HeadGradAfterLayers(torch.autograd.Function):
@@ -91,11 +98,11 @@ class _HeadGradAfterLayers(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        job, ctx.job = ctx.job, None
-        if job.args is None or job.scale is None or not ctx.needs_input_grad[1]:
-            return grad, None, None
+        job = ctx.job
+        if job.args is None or job.args[0] is None or job.scale is None or not ctx.needs_input_grad[1]:
+            return grad, None, None  # no loss claimed the job, or this backward did not run the loss's
         hidden, weight, target, ignore_index, transform, kernel_params, chunk = job.args
-        job.args, job.attached = None, False  # the hidden states die with this call; a spent job is not claimed
+        job.args = (None, *job.args[1:])  # the hidden states die with this backward (a retained graph keeps its own)
         _, _, grad_w, _ = forward_with_grads(hidden, weight, None, target, ignore_index, transform, kernel_params,
                                              chunk, False, True, False)
         return grad, grad_w.mul_(job.scale.to(grad_w.dtype)), None

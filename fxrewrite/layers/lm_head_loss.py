@@ -108,7 +108,7 @@ class LMHeadCrossEntropy(nn.Module):
             if job.claim(hidden, weight, target, ignore_index, transform, self.kernel_params, chunk):
                 total = fused_linear_cross_entropy(hidden, weight.detach(), None, target, ignore_index, transform,
                                                    self.kernel_params, chunk, inter)
-                return ScaleRecorder.apply(total, job)
+                return ScaleRecorder.apply(total, hidden.detach(), job)
         return fused_linear_cross_entropy(hidden, weight, head.bias, target, ignore_index, transform,
                                           self.kernel_params, self.chunk_size, inter)
 
