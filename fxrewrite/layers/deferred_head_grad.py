@@ -134,7 +134,7 @@ def _attach(loss: nn.Module, embeds: torch.Tensor, weight: torch.Tensor) -> torc
 
 def install_deferred_head_grad(model: nn.Module, loss: nn.Module) -> bool:
     """Hooks on ``model`` (a ``*ForCausalLM``) and its input embedding: each call clears ``loss.deferred`` and sets
-    ``loss.armed`` (training, labels given); in an armed call whose head is deferrable (:func:`head_deferrable`) the
+    ``loss.armed`` (training, labels given) and ``loss.tuple_output`` (return_dict off: the tuple keeps logits); in an armed call whose head is deferrable (:func:`head_deferrable`) the
     embedding's run makes a fresh :class:`DeferredHeadGrad` there and puts its output through the identity function.
     A call without labels is left alone (no graph break under torch.compile). True if installed."""
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -146,6 +146,8 @@ def install_deferred_head_grad(model: nn.Module, loss: nn.Module) -> bool:
     def arm(module, args, kwargs):
         labels = kwargs.get("labels", args[at] if at is not None and at < len(args) else None)
         loss.deferred, loss.armed = None, module.training and labels is not None
+        return_dict = kwargs.get("return_dict")  # as transformers' can_return_tuple reads it
+        loss.tuple_output = not (getattr(module.config, "return_dict", True) if return_dict is None else return_dict)
 
     def attach(module, args, output):
         head = model.get_output_embeddings()

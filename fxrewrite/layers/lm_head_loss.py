@@ -50,14 +50,16 @@ class LMHeadCrossEntropy(nn.Module):
         self.checkpointing = False  # whether the model checkpoints its layers (read by ``fuses`` each call)
         self.deferred = None  # this call's DeferredHeadGrad (set by the hooks of `install_deferred_head_grad`)
         self.armed = False  # whether this call may defer it (set by the same hooks: training, labels given)
+        self.tuple_output = False  # whether this call returns a tuple (return_dict off; set by the same hooks)
 
     def fuses(self, model: nn.Module, labels, hidden_states, head, shift_labels=None) -> bool:
-        """Whether this call takes the fused path: labels given, the model training with autograd on, the
-        loss still transformers' ``ForCausalLMLoss``, a plain ``nn.Linear`` head (PEFT / tensor-parallel
-        wrappers keep the stock path), and labels shaped like the tokens (else the stock path raises
-        the stock error). Notes whether the base model checkpoints its layers (the chunk size follows)."""
-        if labels is None or not (model.training and torch.is_grad_enabled()):
-            return False
+        """Whether this call takes the fused path: labels given, the model training with autograd on, a
+        ModelOutput asked for (``return_dict`` not off), the loss still transformers' ``ForCausalLMLoss``, a plain
+        ``nn.Linear`` head (PEFT / tensor-parallel wrappers keep the stock path), and labels shaped like the tokens
+        (else the stock path raises the stock error). Notes whether the base model checkpoints its layers (the chunk
+        size follows)."""
+        if labels is None or not (model.training and torch.is_grad_enabled()) or self.tuple_output:
+            return False  # a tuple has no field names: without its logits every later element would move up
         if type(head) is not nn.Linear or type(head.weight) is not nn.Parameter:
             return False
         if model.loss_function is not ForCausalLMLoss:

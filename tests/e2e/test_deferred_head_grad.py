@@ -99,6 +99,18 @@ def test_retained_graph_backward_twice_and_a_second_loss(monkeypatch, defer, tie
     _assert_same(fused, *results)
 
 
+def test_tuple_output_keeps_the_logits():
+    """return_dict=False: the stock path, so the tuple is (loss, logits, ...) as stock's, not (loss, ...) with every
+    later element moved up; a ModelOutput call afterwards fuses again. (A config with return_dict False breaks
+    stock Qwen3 itself in transformers 5: its outer forward reads the inner one's ModelOutput fields.)"""
+    stock, fused = _pair(False)
+    ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(5))
+    outs = [model(input_ids=ids, labels=ids, output_hidden_states=True, return_dict=False) for model in (fused, stock)]
+    assert [type(x) for x in outs[0]] == [type(x) for x in outs[1]] and len(outs[0]) == len(outs[1]) == 3
+    assert torch.allclose(outs[0][1], outs[1][1], rtol=1e-5, atol=1e-6)
+    assert fused(input_ids=ids, labels=ids).logits is None  # fused: no logits made
+
+
 def test_switch_off(monkeypatch):
     monkeypatch.setenv("FXREWRITE_DEFER_HEAD_GRAD", "0")
     stock = tiny_model("qwen3", tie_word_embeddings=True, use_cache=False).train()
