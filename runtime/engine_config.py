@@ -157,15 +157,98 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
-        """Build from LLM(...) keyword arguments; TypeError naming any unknown one."""
-        known = {f.name for f in fields(cls)}
+        """Build from LLM(...) keyword arguments: the fields, plus the vLLM arguments of `VLLM_COMPAT_KWARGS`
+        (checked, then dropped; `task` sets `runner`). TypeError naming any unknown one, ValueError naming a
+        compat argument's value this engine does not honour and the values it does."""
+        known = {f.name for f in fields(cls)} | set(VLLM_COMPAT_KWARGS)
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise UserTypeError(
                 f"LLM() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
                 f"accepted: {', '.join(sorted(known))}"
             )
-        return cls(**kwargs)
+        compat = {name: kwargs.pop(name) for name in list(kwargs) if name in VLLM_COMPAT_KWARGS}
+        if "task" in compat:
+            kwargs["runner"] = _task_runner(compat["task"], kwargs.get("runner", "auto"))
+        config = cls(**kwargs)
+        for name, value in compat.items():
+            accepts, expected, note = VLLM_COMPAT_KWARGS[name]
+            if not accepts(value, config):
+                raise UserInputError(f"{name}={value!r} is not supported; expected {expected}")
+            logger.debug("LLM(%s=%r) accepted for vLLM compatibility: %s", name, value, note)
+        return config
+
+
+TASK_RUNNERS = {"auto": None, "generate": "generate", "embed": "pooling"}
+"""vLLM's `task` -> this engine's `runner` (None: keep the given runner); `fxrewrite serve --task` maps the same."""
+
+
+def _task_runner(task: Any, runner: str) -> str:
+    """The runner `task` selects; UserInputError when it contradicts an explicit `runner` (an unknown task is left
+    to the compat table's check, which names the accepted ones)."""
+    wanted = TASK_RUNNERS.get(task) if isinstance(task, str) else None
+    if wanted is None:
+        return runner
+    if runner not in ("auto", wanted):
+        raise UserInputError(f"task={task!r} selects runner={wanted!r}, but runner={runner!r} was given; "
+                             "pass one of them")
+    return wanted
+
+
+def _executor_backend_matches(backend: Any, config: EngineConfig) -> bool:
+    """Whether the engine runs as vLLM's `distributed_executor_backend` would: None picks by size; "uni" is
+    the model in this process (one rank); "mp" is worker processes (one rank runs in this process, same
+    outputs); "external_launcher" is torchrun SPMD, every rank its own engine (`distributed.init_from_env`)."""
+    ranks = config.tensor_parallel_size * config.pipeline_parallel_size * config.data_parallel_size
+    if backend is None or backend == "mp":
+        return True
+    if backend == "uni":
+        return ranks == 1
+    if backend == "external_launcher" and ranks == config.tensor_parallel_size:
+        from fxrewrite import distributed  # here: this module stays free of torch for the CLI's argument checks
+
+        state = distributed.get_state()
+        return ranks == 1 or (state is not None and state.tp_group is not None and state.tp_size == ranks)
+    return False
+
+
+def _is_bool(value: Any, config: EngineConfig) -> bool:
+    return isinstance(value, bool)
+
+
+# vLLM LLM(...) arguments with nothing to set here, accepted with the values that describe what this engine
+# does (code written for vLLM passes them): name -> (accepts(value, config), expected values, why it is a no-op).
+VLLM_COMPAT_KWARGS: dict[str, tuple[Callable[[Any, EngineConfig], bool], str, str]] = {
+    "enable_sleep_mode": (_is_bool, "True or False", "LLM.sleep() / wake_up() work without it"),
+    "disable_log_stats": (_is_bool, "True or False", "the engine logs no periodic stats"),
+    "enable_chunked_prefill": (
+        lambda v, c: v is None or v is True,
+        "True or None: the engine always splits long prompts into chunks of at most max_num_batched_tokens "
+        "per step and has no unchunked prefill",
+        "prefill is always chunked"),
+    "swap_space": (
+        lambda v, c: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0,
+        "a non-negative number (GiB of CPU swap space)",
+        "no CPU swap space: a preempted sequence is recomputed"),
+    "tokenizer_mode": (
+        lambda v, c: v in ("auto", "hf"),
+        "'auto' or 'hf' (the Hugging Face tokenizer, fast when the model has one); 'slow', 'mistral' and "
+        "'custom' are not supported",
+        "the tokenizer is transformers' AutoTokenizer"),
+    "task": (
+        lambda v, c: isinstance(v, str) and v in TASK_RUNNERS,
+        "'auto', 'generate' or 'embed' (runner='pooling')", "mapped to runner"),
+    "distributed_executor_backend": (
+        _executor_backend_matches,
+        "None, 'uni' (one rank, in this process), 'mp' (worker processes) or 'external_launcher' (torchrun: "
+        "tensor_parallel_size ranks after fxrewrite.distributed.init_from_env, or 1)",
+        "the engine picks its executor from the parallel sizes"),
+    "logprobs_mode": (
+        lambda v, c: v == "raw_logprobs",
+        "'raw_logprobs': logprobs are the log-softmax of the model's raw logits, before temperature, "
+        "penalties and top-k / top-p",
+        "the engine's logprobs are raw_logprobs"),
+}
 
 
 def check_device(device: Any, ranks: int = 1) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import os
 from contextlib import contextmanager
 from typing import Any, Sequence
 
@@ -14,6 +15,7 @@ from fxrewrite.runtime.engine.data_parallel import make_engine
 from fxrewrite.runtime.engine.outputs import RequestOutput
 from fxrewrite.runtime.engine.pooling import EmbeddingRequestOutput, PoolingParams
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
+from fxrewrite.runtime.server.generation_defaults import check_generation_config, load_generation_defaults
 
 
 @contextmanager
@@ -33,20 +35,38 @@ def fewer_gc_passes(gen0_threshold: int = 50_000):
 
 
 class LLM:
-    """A model ready to generate. Takes vLLM's arguments (see `EngineConfig`); TypeError names an
-    unknown one, ValueError a bad value.
+    """A model ready to generate. Takes vLLM's arguments (see `EngineConfig`, and `engine_config.VLLM_COMPAT_KWARGS`
+    for those accepted with the values that match this engine); TypeError names an unknown one, ValueError a bad value.
 
         llm = LLM(model="Qwen/Qwen3-0.6B", model_impl="transformers")
         out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))
         print(out[0].outputs[0].text)
     """
 
-    def __init__(self, model: str | None = None, **kwargs: Any):
+    def __init__(self, model: str | None = None, *, generation_config: str | os.PathLike = "auto", **kwargs: Any):
+        """generation_config: where `generate` / `chat` without sampling_params take their defaults
+        (`get_default_sampling_params`): "auto", the model folder's generation_config.json when it has one;
+        "vllm", none (SamplingParams' own); any other string (or path), a folder that must hold one. Raised here,
+        before the model loads, naming the value: TypeError for a value that is not a non-empty string,
+        FileNotFoundError for a folder without the file, ValueError for a file that is not a JSON object or holds
+        a value SamplingParams refuses. The model's own file ("auto") is read on first use, as vLLM does: a
+        broken one fails only calls without sampling_params."""
+        self._generation_config = _check_generation_config(generation_config)
+        self._generation_defaults: dict[str, Any] | None = None
         self.llm_engine = make_engine(EngineConfig.from_kwargs(model=model, **kwargs))  # DP: a DPLLMEngine
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` / `chat` use when given no sampling_params, as in vLLM: a new SamplingParams with the
+        generation_config's temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens (as
+        max_tokens) over SamplingParams' defaults; plain SamplingParams() with generation_config="vllm"."""
+        if self._generation_defaults is None:
+            self._generation_defaults = load_generation_defaults(self.llm_engine.model_config.model_path,
+                                                                 self._generation_config)
+        return SamplingParams(**self._generation_defaults)
 
     # RL (runtime/engine/rl.py): weight sync and sleep mode, as vLLM's LLM has them
     def load_weights(self, weights, strict: bool = True) -> set[str]:
@@ -71,6 +91,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run every prompt (text or token ids) to completion; outputs in the order of `prompts`.
+        sampling_params None: `get_default_sampling_params()` for every prompt (the model's generation_config).
 
         ValueError (naming the prompt's index and the limit) when a prompt is invalid (longer than
         max_model_len, or prompt + max_tokens, capped at max_model_len, more than the KV cache holds); then
@@ -81,6 +102,8 @@ class LLM:
         if self.llm_engine.config.is_pooling:
             raise UserInputError("LLM.generate: this LLM was made with runner='pooling'; it embeds: call "
                                  "LLM.embed(prompts), or make the LLM without runner='pooling' to generate")
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         return self._submit(prompts, _per_prompt(sampling_params, len(prompts)), use_tqdm)
 
     def embed(self, prompts: str | list[int] | Sequence[str | list[int]], pooling_params: PoolingParams | None = None,
@@ -138,7 +161,7 @@ class LLM:
         chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Apply the chat template to one conversation (list of {"role", "content"}) or a list of them,
-        then `generate`, as vLLM's LLM.chat does.
+        then `generate` (sampling_params None: `get_default_sampling_params()`), as vLLM's LLM.chat does.
 
         tools: OpenAI tool dicts ({"type": "function", "function": {...}}) given to the template (the
         model's tool calls come back as its text, as in vLLM's LLM.chat). continue_final_message: leave
@@ -180,6 +203,20 @@ class LLM:
         return outputs
 
 
+def _check_generation_config(generation_config) -> str:
+    """`generation_config` as a string (a path-like folder too), checked before the model loads: UserTypeError
+    unless a non-empty string, the errors of `check_generation_config` for a folder without a usable
+    generation_config.json."""
+    if isinstance(generation_config, os.PathLike):
+        generation_config = os.fspath(generation_config)
+    if not isinstance(generation_config, str) or not generation_config:
+        raise UserTypeError(f"generation_config={generation_config!r} must be 'auto' (the model's "
+                            "generation_config.json), 'vllm' (no defaults) or a folder holding a "
+                            "generation_config.json")
+    check_generation_config(generation_config)
+    return generation_config
+
+
 def _check_conversation(n: int, conversation) -> None:
     if not isinstance(conversation, (list, tuple)):
         raise UserTypeError(f"conversation {n}: {conversation!r} must be a list of message dicts")
@@ -209,8 +246,6 @@ def _template_message(message: dict, where: str) -> dict:
 def _per_prompt(sampling_params, num: int) -> list[SamplingParams]:
     """One SamplingParams per prompt. TypeError naming the type of anything else (a dict included:
     build ``SamplingParams(**d)``); ValueError when a list's length is not `num`."""
-    if sampling_params is None:
-        return [SamplingParams()] * num
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * num
     if not isinstance(sampling_params, (list, tuple)):

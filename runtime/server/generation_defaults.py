@@ -35,8 +35,9 @@ def load_generation_defaults(model_path: str | Path, generation_config: str = "a
     if not path.is_file():
         if generation_config == "auto":
             return {}
-        raise UserFileNotFoundError(f"--generation-config {generation_config!r}: no generation_config.json in "
-                                    f"{folder} (expected 'auto', 'vllm' or a folder holding one)")
+        raise UserFileNotFoundError(f"generation_config={generation_config!r} (--generation-config): no "
+                                    f"generation_config.json in {folder} (expected 'auto', 'vllm' or a folder "
+                                    "holding one)")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
