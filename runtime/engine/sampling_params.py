@@ -12,6 +12,12 @@ from fxrewrite.runtime.engine.structured_outputs import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 _SEED_RANGE = (-(2**63), 2**63 - 1)  # what torch.Generator.manual_seed takes
+# The sampler computes in float32: a larger value would become inf there (logits / inf is NaN).
+_FLOAT32_MAX = 3.4028234663852886e38
+_LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
+# Wider than any useful penalty; beyond it a float32 logit divided or multiplied by it (then divided by a
+# temperature down to 1e-5) can overflow to inf, and a row holding two infs samples from NaN.
+_REPETITION_PENALTY_RANGE = (1e-9, 1e9)
 _NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _INTEGERS = ("n", "top_k", "min_tokens")
 _OPTIONAL_INTEGERS = ("max_tokens", "logprobs", "prompt_logprobs", "seed", "truncate_prompt_tokens")  # None allowed
@@ -29,7 +35,7 @@ class SamplingParams:
     n: int = 1
     """Number of independent completions for the prompt."""
     temperature: float = 1.0
-    """Logits are divided by it; 0 means greedy."""
+    """Logits are divided by it; 0 means greedy. At most float32's largest value (3.4028234663852886e38)."""
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of tokens whose probability sums to >= top_p, in (0, 1]."""
     top_k: int = 0
@@ -43,7 +49,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     """Subtracted per occurrence from the logit of every token already generated, in [-2, 2]."""
     repetition_penalty: float = 1.0
-    """CTRL-style: logits of prompt or generated tokens divided (if > 0) or multiplied by it; > 0."""
+    """CTRL-style: logits of prompt or generated tokens divided (if > 0) or multiplied by it; in [1e-9, 1e9]."""
     stop: list[str] | str | None = None
     """Strings that end the completion; the text is cut right before the first one."""
     stop_token_ids: list[int] | None = None
@@ -65,7 +71,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     """vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len); at most max_model_len."""
     logit_bias: dict[int, float] | None = None
-    """{token_id: bias} added to the logits before sampling (OpenAI's logit_bias, in [-100, 100])."""
+    """{token_id: bias} added to the logits before sampling (OpenAI's logit_bias, each bias in [-100, 100])."""
     allowed_token_ids: list[int] | None = None
     """Only these token ids may be sampled (vLLM's field; every other logit is -inf before sampling)."""
     bad_words: list[str] | None = None
@@ -111,11 +117,12 @@ class SamplingParams:
 
     def _check_extras(self) -> None:
         if self.logit_bias is not None:
+            low, high = _LOGIT_BIAS_RANGE
             if not isinstance(self.logit_bias, dict) or not all(
-                    is_integer(t) and t >= 0
-                    and isinstance(b, Real) and math.isfinite(b) for t, b in self.logit_bias.items()):
+                    is_integer(t) and t >= 0 and isinstance(b, Real) and low <= b <= high
+                    for t, b in self.logit_bias.items()):  # NaN fails the range check too
                 raise UserTypeError(f"SamplingParams: logit_bias={self.logit_bias!r} must map token ids "
-                                "(integers >= 0) to finite numbers")
+                                    f"(integers >= 0) to numbers in [{low:g}, {high:g}]")
             self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
@@ -134,13 +141,16 @@ class SamplingParams:
     def _check(self) -> None:
         checks = [
             (self.n >= 1, "n", self.n, "at least 1"),
-            (self.temperature >= 0, "temperature", self.temperature, "at least 0"),
+            (0 <= self.temperature <= _FLOAT32_MAX, "temperature", self.temperature,
+             f"in [0, {_FLOAT32_MAX!r}] (the sampler divides float32 logits by it)"),
             (0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]"),
             (self.top_k >= 0, "top_k", self.top_k, "-1, 0 (disabled) or a positive integer"),
             (0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "in [-2, 2]"),
-            (self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "greater than 0"),
+            (_REPETITION_PENALTY_RANGE[0] <= self.repetition_penalty <= _REPETITION_PENALTY_RANGE[1],
+             "repetition_penalty", self.repetition_penalty,
+             "in [{:g}, {:g}] (float32 logits are divided or multiplied by it)".format(*_REPETITION_PENALTY_RANGE)),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens, "at least 1"),
             (self.min_tokens >= 0, "min_tokens", self.min_tokens, "at least 0"),
             (self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs, "at least 0"),

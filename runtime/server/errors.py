@@ -9,6 +9,7 @@ matching exception (BadRequestError, AuthenticationError, NotFoundError, Interna
 from __future__ import annotations
 
 import logging
+import sys
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -87,12 +88,17 @@ async def _on_openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
 
 async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     if exc.status_code == HTTPStatus.BAD_REQUEST and exc.detail == _FASTAPI_BODY_ERROR:  # bytes json could not read
+        if isinstance(exc.__cause__, RecursionError):  # valid JSON, but json.loads recurses once per level
+            return error_response(exc.status_code, "request body is nested too deeply to parse (arrays and objects "
+                                  f"within each other; at most about {sys.getrecursionlimit()} levels)", None,
+                                  "json_invalid")
         return error_response(exc.status_code, "request body is not valid JSON (not UTF-8 text?)", None, "json_invalid")
     return error_response(exc.status_code, str(exc.detail), None, None)
 
 
 _FASTAPI_BODY_ERROR = "There was an error parsing the body"
-"""FastAPI's HTTPException detail when the body cannot be decoded at all (invalid UTF-8), before any validation."""
+"""FastAPI's HTTPException detail when the body cannot be decoded at all (invalid UTF-8, or nesting too deep for
+json.loads: the exception's cause says which), before any validation."""
 
 
 class ClientDisconnected(Exception):

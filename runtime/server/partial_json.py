@@ -1,21 +1,23 @@
 """Incremental parse of tool_choice "required"'s output (a JSON list of {"name", "parameters"} objects) while it
 is generated, so that the chat stream can send each call's arguments as they come.
 
-The arguments a finished response carries are `json.dumps(parameters, ensure_ascii=False)` of the parsed list
+The arguments a finished response carries are `tool_parsers.dump_arguments(parameters)` of the parsed list
 (`tools.parse_output`), not the generated text: `", "` and `": "` between items, strings re-escaped (`\\u00fc`
-becomes `ü`, `\\/` becomes `/`), numbers as Python writes them (`1E2` becomes `100.0`). `RequiredCallsParser`
-writes that same text piece by piece from the text seen so far, and only what no later character can change:
-a string's characters as each is decoded (a high surrogate waits for its pair), a number or literal once the
-character after it is seen, a separator or bracket when it is read. A call's name is known once its string is
-closed. Text that is not valid JSON stops the output (the finished response then has no calls). Limitation: a
-key repeated inside the arguments (which json.loads resolves to the last value) cannot be taken back.
+becomes `ü`, `\\/` becomes `/`, a lone surrogate stays an escape), numbers as Python writes them (`1E2` becomes
+`100.0`). `RequiredCallsParser` writes that same text piece by piece from the text seen so far, and only what no
+later character can change: a string's characters as each is decoded (a high surrogate waits for its pair), a
+number or literal once the character after it is seen, a separator or bracket when it is read. A call's name is
+known once its string is closed. Text that is not valid JSON stops the output (the finished response then has no
+calls). Limitation: a key repeated inside the arguments (which json.loads resolves to the last value) cannot be
+taken back.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from json.encoder import encode_basestring
+
+from fxrewrite.runtime.server.tool_parsers import dump_arguments
 
 _NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(\.\d+)?([eE][-+]?\d+)?")
 _NUMBER_CHARS = frozenset("0123456789+-.eE")
@@ -26,10 +28,10 @@ _HEX = frozenset("0123456789abcdefABCDEF")
 
 
 def canonical_char(c: str) -> str:
-    """`c` as json.dumps(..., ensure_ascii=False) writes it inside a string."""
-    if c >= " " and c != '"' and c != "\\":
+    """`c` as `dump_arguments` writes it inside a string (a lone surrogate as its escape)."""
+    if c >= " " and c != '"' and c != "\\" and not "\ud800" <= c <= "\udfff":
         return c
-    return encode_basestring(c)[1:-1]
+    return dump_arguments(c)[1:-1]
 
 
 def canonical_number(token: str) -> str | None:

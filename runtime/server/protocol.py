@@ -9,6 +9,7 @@ A value out of range fails validation, which the server answers with a 400 in Op
 from __future__ import annotations
 
 import json
+import re
 import typing
 import logging
 import uuid
@@ -29,6 +30,11 @@ from pydantic import (
 from fxrewrite.errors import UserInputError, check_unicode
 from fxrewrite.runtime.engine.chat import check_role, join_text_parts
 from fxrewrite.runtime.server.validation_errors import FieldError
+
+# A logit_bias key that int() reads: ASCII digits (str.isdigit() also takes "¹" or "①", which int() refuses), an
+# optional "-" (then refused as negative); at most 20 significant digits (no token id has more), so int() never
+# meets Python's 4300-digit limit.
+_INTEGER_KEY = re.compile(r"-?0*[0-9]{1,20}")
 
 # torch.Generator.manual_seed takes a 64-bit integer.
 _SEED_RANGE = {"ge": -(2**63), "le": 2**63 - 1}
@@ -146,7 +152,7 @@ class SamplingRequest(RequestModel):
 
     model: str | None = None
     max_tokens: RequestInt | None = Field(None, ge=1)
-    temperature: StrictFloat | None = Field(None, ge=0.0, allow_inf_nan=False)  # vLLM: no upper bound
+    temperature: StrictFloat | None = Field(None, ge=0.0, allow_inf_nan=False)  # the bound: SamplingParams (float32)
     top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
     n: RequestInt = Field(1, ge=1, le=128)
     stop: str | list[str] | None = None
@@ -201,7 +207,7 @@ class SamplingRequest(RequestModel):
         if self.prompt_logprobs is not None and self.stream:  # as vLLM's server: no chunk carries them
             raise FieldError("prompt_logprobs", "prompt_logprobs are not available when stream is true")
         for key, bias in (self.logit_bias or {}).items():
-            if not key.lstrip("-").isdigit() or int(key) < 0:
+            if _INTEGER_KEY.fullmatch(key) is None or int(key) < 0:
                 raise FieldError("logit_bias", f"logit_bias key {key!r} must be a token id (a non-negative integer)")
             if not -100 <= bias <= 100:
                 raise FieldError("logit_bias", f"logit_bias value {bias} for token {key} must be in [-100, 100]")
@@ -302,7 +308,7 @@ class ChatMessage(OpenAIBaseModel):
 def _template_tool_call(call: ToolCall) -> dict[str, Any]:
     try:
         arguments = json.loads(call.function.arguments) if call.function.arguments else {}
-    except json.JSONDecodeError as e:
+    except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError; too deep a nesting recurses
         raise ValueError(f"tool call {call.function.name!r}: arguments are not valid JSON ({e})") from None
     return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 

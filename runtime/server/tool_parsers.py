@@ -6,9 +6,9 @@
 - `mistral`: `[TOOL_CALLS]` then a JSON list of `{"name": ..., "arguments": {...}}`.
 
 `parser_for_template(chat_template)` picks one by the markers a chat template writes (the model
-family). A parser never raises on model output: text that does not parse stays content. While
-streaming, `content_boundary(text)` says how much text is surely content (before a tool-call marker,
-or before a tail that may start one), so the chat stream can send content early and the calls at the end.
+family). A parser never raises on model output: text that does not parse (or is nested too deeply for json)
+stays content. While streaming, `content_boundary(text)` says how much text is surely content (before a tool-call
+marker, or before a tail that may start one), so the chat stream can send content early and the calls at the end.
 """
 
 from __future__ import annotations
@@ -27,12 +27,30 @@ class ParsedToolCall:
     """The arguments as JSON text."""
 
 
+_UNPARSABLE = (ValueError, RecursionError)
+"""What json raises on text that is not JSON (JSONDecodeError is a ValueError) or nested too deeply to parse."""
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def dump_arguments(arguments) -> str:
+    """Tool-call arguments as JSON text, non-ASCII characters as written ("Zürich", not "Z\\u00fcrich", as vLLM's
+    parsers write them), except a lone UTF-16 surrogate (what an unpaired "\\ud800" escape decodes to): that one
+    is written as its escape, since no response can encode it as UTF-8."""
+    return _escape_surrogates(json.dumps(arguments, ensure_ascii=False))
+
+
+def _escape_surrogates(text: str) -> str:
+    # json writes a surrogate raw only inside a string, where its \uXXXX escape reads back as the same character
+    return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
 def _call(obj, arguments_key: str) -> ParsedToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     arguments = obj.get(arguments_key, obj.get("arguments", obj.get("parameters", {})))
-    if not isinstance(arguments, str):  # as vLLM's parsers: "Zürich" stays as written, not "Z\u00fcrich"
-        arguments = json.dumps(arguments, ensure_ascii=False)
+    # a string is the arguments' JSON text already (a model may write them so)
+    arguments = _escape_surrogates(arguments) if isinstance(arguments, str) else dump_arguments(arguments)
     return ParsedToolCall(obj["name"], arguments)
 
 
@@ -70,7 +88,7 @@ class HermesToolParser(ToolParser):
         for body in self._block.findall(text):
             try:
                 call = _call(json.loads(body), "arguments")
-            except json.JSONDecodeError:
+            except _UNPARSABLE:
                 call = None
             if call is None:
                 return text, []
@@ -91,9 +109,9 @@ class Llama3JsonToolParser(ToolParser):
         while pos < len(body):
             try:
                 obj, pos = decoder.raw_decode(body, pos)
-            except json.JSONDecodeError:
+                call = _call(obj, "parameters")
+            except _UNPARSABLE:
                 return text, []
-            call = _call(obj, "parameters")
             if call is None:
                 return text, []
             calls.append(call)
@@ -119,10 +137,9 @@ class MistralToolParser(ToolParser):
         body = text[idx + len(self.start):].strip()
         try:
             objs, _ = json.JSONDecoder().raw_decode(body)
-        except json.JSONDecodeError:
+            calls = [_call(o, "arguments") for o in (objs if isinstance(objs, list) else [objs])]
+        except _UNPARSABLE:
             return text, []
-        objs = objs if isinstance(objs, list) else [objs]
-        calls = [_call(o, "arguments") for o in objs]
         if not calls or any(c is None for c in calls):
             return text, []
         return text[:idx] or None, calls

@@ -20,7 +20,7 @@ from typing import Any
 from fxrewrite.runtime.engine.structured_outputs import StructuredOutputsParams
 from fxrewrite.runtime.server.errors import OpenAIError
 from fxrewrite.runtime.server.protocol import ChatCompletionRequest, FunctionCall, ToolCall
-from fxrewrite.runtime.server.tool_parsers import ParsedToolCall, ToolParser
+from fxrewrite.runtime.server.tool_parsers import ParsedToolCall, ToolParser, dump_arguments
 
 
 def tool_mode(request: ChatCompletionRequest) -> str:
@@ -94,8 +94,9 @@ def parse_output(request: ChatCompletionRequest, text: str, parser: ToolParser |
     if mode == "required":
         try:
             objs = json.loads(text)
-            calls = [ParsedToolCall(o["name"], json.dumps(o["parameters"], ensure_ascii=False)) for o in objs]
-        except (json.JSONDecodeError, KeyError, TypeError):  # cut short by max_tokens: keep the text
+            calls = [ParsedToolCall(o["name"], dump_arguments(o["parameters"])) for o in objs]
+        # cut short by max_tokens, or nested too deeply for json (a recursive schema): keep the text
+        except (ValueError, KeyError, TypeError, RecursionError):
             return text, []
         return None, to_tool_calls(calls)
     if mode == "auto" and parser is not None:

@@ -120,3 +120,30 @@ def test_wrong_types_name_the_field(kwargs, message):
 def test_out_of_range_ids_and_seed_are_value_errors(kwargs, name):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kwargs)
+
+
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": 1e308}, r"temperature=1e\+308 must be in \[0, 3.4028234663852886e\+38\]"),
+    ({"temperature": FLOAT32_MAX * 1.0000001}, "temperature=.* must be in"),
+    ({"repetition_penalty": 1e308}, r"repetition_penalty=1e\+308 must be in \[1e-09, 1e\+09\]"),
+    ({"repetition_penalty": 1e-39}, r"repetition_penalty=1e-39 must be in \[1e-09, 1e\+09\]"),
+    ({"logit_bias": {1: 1e308}}, r"logit_bias=\{1: 1e\+308\} must map .* to numbers in \[-100, 100\]"),
+    ({"logit_bias": {1: float("nan")}}, "logit_bias=.* to numbers in"),
+])
+def test_values_float32_cannot_hold_are_refused(kwargs, message):
+    """The sampler computes in float32: a temperature of 1e308 became inf there and logits / inf NaN, so token 0
+    was sampled whatever allowed_token_ids or a grammar allowed (the grammar check then failed the whole batch)."""
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{"temperature": FLOAT32_MAX}, {"repetition_penalty": 1e-9},
+                                    {"repetition_penalty": 1e9}, {"logit_bias": {1: 100, 4: 100}}])
+def test_extreme_accepted_values_sample_an_allowed_token(kwargs):
+    logits = torch.tensor([[0.0, 50.0, 1.0, -50.0, 40.0]])
+    (seq,) = seqs_for(SamplingParams(seed=0, temperature=kwargs.pop("temperature", 1e-4), allowed_token_ids=[1, 4],
+                                     **kwargs), prompt=(0, 1, 3, 4))
+    assert {Sampler(set())(logits, [seq])[0].token_id for _ in range(20)} <= {1, 4}

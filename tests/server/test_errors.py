@@ -40,6 +40,21 @@ def _error(response, status):
         ("/v1/completions", COMPLETION | {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
         ("/v1/chat/completions", CHAT | {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
         ("/v1/completions", COMPLETION | {"logit_bias": {"abc": 5}}, "logit_bias"),
+        # str.isdigit() takes these, then int() failed with param null
+        ("/v1/completions", COMPLETION | {"logit_bias": {"¹": 1}}, "logit_bias"),
+        ("/v1/chat/completions", CHAT | {"logit_bias": {"①": 1}}, "logit_bias"),
+        ("/v1/completions", COMPLETION | {"logit_bias": {"--5": 1}}, "logit_bias"),
+        # float32 makes 1e308 inf, and logits / inf NaN: token 0 was sampled, against a grammar too (which then
+        # failed every request in flight)
+        ("/v1/completions", COMPLETION | {"temperature": 1e308}, "temperature"),
+        ("/v1/completions", COMPLETION | {"temperature": 1e308, "guided_choice": ["a", "b"]}, "temperature"),
+        ("/v1/chat/completions", CHAT | {"temperature": 1e308, "response_format": {"type": "json_object"}},
+         "temperature"),
+        ("/v1/chat/completions", CHAT | {"repetition_penalty": 1e-39}, "repetition_penalty"),
+        # a past tool call's arguments nested too deeply for json.loads (RecursionError: a 500)
+        ("/v1/chat/completions", CHAT | {"messages": [
+            {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[" * 5000}}]},
+            {"role": "user", "content": "hi"}]}, "messages"),
         ("/v1/chat/completions", CHAT | {"tools": [{"type": "function", "function": {"name": "f"}}],
                                         "tool_choice": {"type": "function", "function": {"name": "g"}}},
          "tool_choice"),
@@ -113,6 +128,15 @@ def test_a_body_that_is_not_utf8_is_400_json_invalid(server):
         error = _error(http.post("/v1/completions", content=b'{"prompt": "\xff\xfe", "max_tokens": 2}',
                                  headers={"Content-Type": "application/json"}), 400)
     assert error["code"] == "json_invalid" and error["message"].startswith("request body is not valid JSON")
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_body_nested_too_deeply_is_400_saying_so(server, path):
+    """Valid UTF-8 JSON that json.loads cannot parse (RecursionError) was blamed on its encoding."""
+    body = b'{"prompt": "hi", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    with server.http() as http:
+        error = _error(http.post(path, content=body, headers={"Content-Type": "application/json"}), 400)
+    assert error["code"] == "json_invalid" and error["message"].startswith("request body is nested too deeply")
 
 
 def test_form_encoded_body_is_400_asking_for_json(server):

@@ -10,6 +10,7 @@ import pytest
 from fxrewrite.runtime.server.partial_json import RequiredCallsParser, canonical_number
 from fxrewrite.runtime.server.protocol import ChatCompletionRequest
 from fxrewrite.runtime.server.streaming import ChoiceDelta
+from fxrewrite.runtime.server.tool_parsers import HermesToolParser, dump_arguments
 from fxrewrite.runtime.server.tool_stream import ToolStream
 
 TEXTS = [
@@ -26,7 +27,7 @@ TEXTS = [
 
 
 def _expected(text):
-    return [(o["name"], json.dumps(o["parameters"], ensure_ascii=False)) for o in json.loads(text)]
+    return [(o["name"], dump_arguments(o["parameters"])) for o in json.loads(text)]
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -114,6 +115,23 @@ def test_tool_stream_sends_required_arguments_in_pieces(step):
     assert content == "" and finish == "tool_calls"
     assert [(c["name"], "".join(c["pieces"])) for c in calls.values()] == _expected(text)
     assert all(c["id"].startswith("call") for c in calls.values()) and len(calls[0]["pieces"]) > 1
+
+
+@pytest.mark.parametrize("choice, text, value", [
+    ("required", r'[{"name":"f","parameters":{"\udfff":"\ud800 Zürich","b":"x\uDBFF"}}]',
+     {"\udfff": "\ud800 Zürich", "b": "x\udbff"}),
+    ("auto", r'<tool_call>{"name": "f", "arguments": {"a": "\ud800 Zürich"}}</tool_call>', {"a": "\ud800 Zürich"}),
+])
+def test_tool_stream_sends_lone_surrogates_as_escapes(choice, text, value):
+    """An unpaired "\\ud800" escape decodes to a lone surrogate, which an event's JSON cannot carry (the stream
+    ended in an error event); its escape goes out instead, non-ASCII text as written."""
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tool_choice=choice, tools=TOOLS)
+    stream, messages = ToolStream(request, HermesToolParser()), []
+    for d in _fake_deltas(text, 1):
+        messages += stream.deltas(d)
+    arguments = "".join(c.function.arguments for m in messages for c in m.tool_calls or [])
+    assert all(m.model_dump_json() for m in messages)  # was PydanticSerializationError (surrogates not allowed)
+    assert "Zürich" in arguments and "\\ud800" in arguments and json.loads(arguments) == value
 
 
 def test_tool_stream_required_cut_short_ends_with_the_text_as_content():

@@ -72,3 +72,48 @@ def test_arguments_keep_non_ascii_text_as_written():
                                     tools=[{"type": "function", "function": {"name": "f"}}])
     _, calls = parse_output(request, '[{"name": "f", "parameters": {"city": "Zürich"}}]', None)
     assert calls[0].function.arguments == '{"city": "Zürich"}'
+
+
+DEEP = "[" * 100000  # json.loads raises RecursionError on nesting this deep
+
+
+@pytest.mark.parametrize("parser, text", [
+    (HermesToolParser(), "<tool_call>" + DEEP),
+    (HermesToolParser(), '<tool_call>{"name": "f", "arguments": ' + DEEP + "]" * 100000 + "}</tool_call>"),
+    (Llama3JsonToolParser(), '{"name": "f", "parameters": ' + DEEP),
+    (MistralToolParser(), "[TOOL_CALLS]" + DEEP),
+])
+def test_output_nested_too_deeply_stays_content(parser, text):
+    """A RecursionError from json was a 500; such text is content, as any other text that does not parse."""
+    assert parser.parse(text) == (text, [])
+
+
+def test_required_output_nested_too_deeply_stays_content():
+    """A recursive schema lets a forced call nest until max_tokens; that text is content, as any cut-short output."""
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tool_choice="required",
+                                    tools=[{"type": "function", "function": {"name": "f"}}])
+    text = '[{"name": "f", "parameters": {"a": ' + DEEP
+    assert parse_output(request, text, None) == (text, [])
+    closed = text + "]" * 100000 + "}}]"  # complete, still too deep for json
+    assert parse_output(request, closed, None) == (closed, [])
+
+
+def test_lone_surrogate_in_arguments_is_written_as_its_escape():
+    """json.loads keeps an unpaired "\\ud800" escape as a lone surrogate, which no UTF-8 response can carry (a 500,
+    or an error event mid-stream); it goes out as its escape, other non-ASCII text as written."""
+    escaped = '{"a": "\\ud800 Zürich", "\\udfff": ["☀ \\ud83d\\ude00"]}'  # the JSON text a model writes
+    expected = '{"a": "\\ud800 Zürich", "\\udfff": ["☀ 😀"]}'
+    hermes = HermesToolParser().parse(f'<tool_call>{{"name": "f", "arguments": {escaped}}}</tool_call>')
+    llama = Llama3JsonToolParser().parse(f'{{"name": "f", "parameters": {escaped}}}')
+    mistral = MistralToolParser().parse(f'[TOOL_CALLS][{{"name": "f", "arguments": {escaped}}}]')
+    as_string = HermesToolParser().parse(  # the arguments written as a JSON string holding their JSON text
+        '<tool_call>{"name": "f", "arguments": "{\\"a\\": \\"\\ud800\\"}"}</tool_call>')
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tool_choice="required",
+                                    tools=[{"type": "function", "function": {"name": "f"}}])
+    _, required = parse_output(request, f'[{{"name": "f", "parameters": {escaped}}}]', None)
+    arguments = [p[1][0].arguments for p in (hermes, llama, mistral)] + [required[0].function.arguments]
+    assert arguments == [expected] * 4
+    assert as_string[1][0].arguments == '{"a": "\\ud800"}'
+    for text in arguments + [as_string[1][0].arguments]:
+        text.encode("utf-8")  # no UnicodeEncodeError
+    assert json.loads(expected) == json.loads(escaped)  # the same value as the model wrote
