@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers.utils import output_capturing
 
 from fxrewrite.data_parallel import dp_ep_active
 from fxrewrite.distributed import tensor_model_parallel_all_reduce
@@ -147,6 +148,7 @@ class FusedMoE(nn.Module):
         (`fxrewrite.kernels.moe_norm_router`) when nothing else needs the plain path."""
         router = self._child("router")
         if (dp_ep_active() or getattr(router, "bias", None) is not None or torch.compiler.is_compiling()
+                or router_logits_wanted()
                 # training: the norm module's autograd pair; batch-invariant: the path a trainer's recomputation takes
                 or torch.is_grad_enabled() or is_batch_invariant()
                 or getattr(norm, "offset", None) != 0.0 or not getattr(norm, "upcast", False)):
@@ -168,6 +170,8 @@ class FusedMoE(nn.Module):
 
     def _experts(self, x: torch.Tensor) -> torch.Tensor:
         router = self._child("router")
+        if router_logits_wanted():
+            router(x)  # its own forward, for transformers' recorder hook (the same weight routes below)
         # a few tokens (decode): gate GEMV + top-k in one launch (fxrewrite.kernels.moe_router)
         weights, ids = route_experts(x, router.weight, self.top_k, self.renormalize, self.scoring_func,
                                      getattr(router, "bias", None))
@@ -182,6 +186,15 @@ class FusedMoE(nn.Module):
 
     def extra_repr(self) -> str:
         return f"top_k={self.top_k}, renormalize={self.renormalize}, scoring_func={self.scoring_func!r}"
+
+
+def router_logits_wanted() -> bool:
+    """Whether this forward runs under transformers' output collector with ``output_router_logits`` (the MoE
+    auxiliary loss): transformers records router logits with a forward hook on the router module, so the router
+    module must run (a fused block otherwise reads only its weight)."""
+    collector = getattr(output_capturing, "_active_collector", None)  # transformers 5.x's, checked 5.17 to 5.25
+    outputs = collector.get() if collector is not None else None
+    return outputs is not None and "router_logits" in outputs
 
 
 def prepare_moe_router(model: nn.Module, device: torch.device, dtype: torch.dtype) -> dict:
