@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
@@ -183,6 +184,11 @@ class SamplingParams:
         if self.stop_strings and not self.detokenize:
             raise UserInputError(f"SamplingParams: stop={self.stop!r} needs detokenize=True (stop strings are "
                                  "found in the decoded text)")
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's ``SamplingParams.clone``): change it without touching this one. Fields changed
+        after construction are not re-checked (as in vLLM), so build a new one to have a value checked."""
+        return copy.deepcopy(self)
 
     @property
     def is_greedy(self) -> bool:

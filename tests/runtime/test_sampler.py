@@ -147,3 +147,14 @@ def test_extreme_accepted_values_sample_an_allowed_token(kwargs):
     (seq,) = seqs_for(SamplingParams(seed=0, temperature=kwargs.pop("temperature", 1e-4), allowed_token_ids=[1, 4],
                                      **kwargs), prompt=(0, 1, 3, 4))
     assert {Sampler(set())(logits, [seq])[0].token_id for _ in range(20)} <= {1, 4}
+
+
+def test_clone_is_a_deep_copy():
+    """vLLM's SamplingParams.clone: the copy's lists and dicts are its own."""
+    params = SamplingParams(temperature=0.5, stop=["x"], logit_bias={3: 1.0}, allowed_token_ids=[1, 2])
+    copy = params.clone()
+    assert copy == params and copy is not params
+    copy.stop.append("y")
+    copy.logit_bias[4] = 2.0
+    copy.allowed_token_ids.append(5)
+    assert params.stop == ["x"] and params.logit_bias == {3: 1.0} and params.allowed_token_ids == [1, 2]
