@@ -85,4 +85,5 @@ class EngineRLMixin:
         if asleep:
             raise RuntimeError(f"the engine is asleep ({', '.join(asleep)} freed): call wake_up() first")
         if discarded:
-            raise RuntimeError("the weights were discarded by sleep(level=2): call load_weights() first")
+            raise RuntimeError("the weights were discarded by sleep(level=2): call load_weights() first (every "
+                               "parameter, in one call or in several with strict=False)")

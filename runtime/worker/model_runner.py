@@ -213,10 +213,12 @@ class ModelRunner:
     def apply_weights(self, plan: list, tensors: list[torch.Tensor], strict: bool) -> set[str]:
         weight_sync.apply_update(plan, tensors)
         state = self.sleep_state
-        if state is not None and strict:  # every parameter was written: level 2's garbage is gone
-            state.weights_discarded = False
-            if not state.asleep:
-                self.sleep_state = None
+        if state is not None and state.weights_discarded:  # level 2's garbage is gone once every parameter is written
+            weight_sync.coverage(plan, into=state.written)  # in one call, or over several with strict=False
+            if strict or not weight_sync.uncovered(self.model, state.written):
+                state.weights_discarded, state.written = False, {}
+        if state is not None and not state.asleep and not state.weights_discarded:
+            self.sleep_state = None
         return {t.name for t in plan if t is not None}
 
     def sleep(self, level: int = 1) -> None:

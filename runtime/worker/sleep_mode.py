@@ -40,6 +40,8 @@ class SleepState:
     """tag -> storages still freed."""
     weights_discarded: bool = False
     """level 2: the weights' memory is back but holds garbage until load_weights."""
+    written: dict[int, set] = field(default_factory=dict)
+    """While weights_discarded: id(param) -> shard ids written since (strict=False loads add up until all are)."""
 
 
 def _unique_storages(tensors) -> list[torch.UntypedStorage]:

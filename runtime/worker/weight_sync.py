@@ -180,6 +180,20 @@ def plan_update(model: nn.Module, metas: list[tuple[str, tuple[int, ...]]], stri
     return plan
 
 
+def coverage(plan: list[Target | None], into: dict[int, set] | None = None) -> dict[int, set]:
+    """id(param) -> the shard ids (None: whole) a plan writes, added to `into` when given."""
+    out = {} if into is None else into
+    for target in plan:
+        if target is not None:
+            out.setdefault(id(target.param), set()).add(target.shard_id)
+    return out
+
+
+def uncovered(model: nn.Module, covered: dict[int, set]) -> list[str]:
+    """The model's parameters `covered` (from `coverage`) does not write whole, one message each."""
+    return _missing(target_table(model)[0], covered)
+
+
 def _missing(table: dict[str, Target], covered: dict[int, set]) -> list[str]:
     """Parameters with neither a whole tensor nor every shard among the incoming ones."""
     shards: dict[int, dict] = {}

@@ -89,6 +89,32 @@ def test_level2_then_full_wake_up_refuses_requests_until_weights_arrive(llm):
     assert not llm.llm_engine.is_sleeping() and _tokens(llm) == before
 
 
+def test_level2_then_weights_in_buckets_with_strict_false(llm):
+    """RL frameworks send the weights in buckets, each load_weights(strict=False): the engine serves again once
+    the buckets together have written every parameter (a fused one through its shards too), not before."""
+    before = _tokens(llm)
+    model = llm.llm_engine.model_runner.model
+    saved = [(n, p.detach().clone()) for n, p in model.named_parameters()]
+    hf_names = [(n, t.detach().clone()) for n, t in model.hf_model.state_dict().items()]  # views: copied now
+    llm.sleep(level=2)
+    llm.wake_up()
+    half = len(saved) // 2
+    llm.load_weights(saved[:half], strict=False)
+    with pytest.raises(RuntimeError, match="in several with strict=False"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm.load_weights(saved[half:], strict=False)
+    assert _tokens(llm) == before
+    llm.sleep(level=2)  # again, through Hugging Face names: shards of the fused tensors written one by one
+    llm.wake_up()
+    shards = [(n, t) for n, t in hf_names if "q_proj" in n or "k_proj" in n]
+    llm.load_weights(shards, strict=False)
+    llm.load_weights([(n, t) for n, t in saved if "qkv_proj" not in n], strict=False)
+    with pytest.raises(RuntimeError, match="load_weights"):  # v_proj's shard still missing
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm.load_weights([(n, t) for n, t in hf_names if "v_proj" in n], strict=False)
+    assert _tokens(llm) == before
+
+
 def test_bad_level_and_tag(llm):
     for bad in (3, 1.0, True, "1"):  # the int 1 or 2 only (True == 1 and 1.0 == 1 were taken for level 1)
         with pytest.raises(ValueError, match=f"sleep level={bad!r} must be 1"):
