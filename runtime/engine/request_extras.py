@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from fxrewrite.errors import UserInputError
 from fxrewrite.runtime.engine.outputs import Logprob
 from fxrewrite.runtime.engine.prompt_logprobs import PromptLogprobsChunk
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
@@ -50,6 +51,20 @@ def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
             if ids and ids not in out:
                 out.append(ids)
     return out
+
+
+def check_allowed_tokens(params: SamplingParams, bad_words: list[list[int]], eos_ids: set[int]) -> None:
+    """UserInputError when allowed_token_ids leave no token the sampler may pick: every one a one-token bad word,
+    or (while min_tokens holds) a stop token. The sampler would otherwise sample from a row of -inf (token 0)."""
+    if params.allowed_token_ids is None:
+        return
+    banned = {ids[0] for ids in bad_words if len(ids) == 1}
+    if params.min_tokens > 0:
+        banned |= set(params.stop_token_ids or ()) | (set() if params.ignore_eos else eos_ids)
+    if set(params.allowed_token_ids) <= banned:
+        raise UserInputError(f"SamplingParams: allowed_token_ids={params.allowed_token_ids} leave no token to sample: "
+                             "each is a one-token bad word or, with min_tokens="
+                             f"{params.min_tokens}, a stop token; expected at least one other")
 
 
 def store_prompt_logprobs(seqs: dict[int, Sequence], chunks: list[PromptLogprobsChunk], decode) -> None:

@@ -59,3 +59,38 @@ def test_structured_outputs_refuse_what_could_mask_every_token(extra):
 
     with pytest.raises(UserInputError, match=f"{next(iter(extra))}=.*cannot be combined with structured_outputs"):
         SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(regex="a"), **extra)
+
+
+@pytest.mark.parametrize("params, ok", [
+    (dict(allowed_token_ids=[7], min_tokens=2), False),  # the only allowed token is EOS while min_tokens holds
+    (dict(allowed_token_ids=[7], min_tokens=2, ignore_eos=True), True),
+    (dict(allowed_token_ids=[5, 7], min_tokens=2, stop_token_ids=[5]), False),
+    (dict(allowed_token_ids=[5, 7], min_tokens=2, stop_token_ids=[5], ignore_eos=True), True),
+    (dict(allowed_token_ids=[7]), True),
+    (dict(allowed_token_ids=[9], bad_words=["x"]), False),  # "x" is token 9 alone
+    (dict(allowed_token_ids=[9, 10], bad_words=["x"]), True),
+])
+def test_allowed_tokens_that_leave_nothing_to_sample_are_refused(params, ok):
+    from fxrewrite.errors import UserInputError
+    from fxrewrite.runtime.engine.request_extras import check_allowed_tokens
+
+    sp = SamplingParams(**params)
+    bad = [[9]] if sp.bad_words else []
+    if ok:
+        check_allowed_tokens(sp, bad, {7})
+    else:
+        with pytest.raises(UserInputError, match=r"allowed_token_ids=\[.*\] leave no token to sample"):
+            check_allowed_tokens(sp, bad, {7})
+
+
+def test_engine_refuses_allowed_eos_only_under_min_tokens_and_keeps_serving(tiny_model_dir):
+    """Before: the row was all -inf and token 0 came out, outside allowed_token_ids."""
+    from fxrewrite.errors import UserInputError
+    from fxrewrite.runtime.llm import LLM
+
+    llm = LLM(str(tiny_model_dir("qwen3")), dtype="float32", max_model_len=64)
+    eos = llm.get_tokenizer().eos_token_id
+    with pytest.raises(UserInputError, match="leave no token to sample"):
+        llm.generate("hi", SamplingParams(max_tokens=4, allowed_token_ids=[eos], min_tokens=2), use_tqdm=False)
+    out = llm.generate("hi", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
