@@ -48,7 +48,10 @@ class OpenAIServingCompletion(OpenAIServing):
             inputs.append((token_ids, params))
         await self.check_structured_outputs(inputs[0][1], structured_outputs_field(request))
         request_id = random_id("cmpl")
-        ids, streams = await self.start_requests(request_id, inputs, structured_field=structured_outputs_field(request))
+        echo_field = ("echo", "echo with logprobs") if echo_lp is not None and request.prompt_logprobs is None \
+            else "prompt_logprobs"  # what set SamplingParams.prompt_logprobs, for a refusal to name
+        ids, streams = await self.start_requests(request_id, inputs, structured_field=structured_outputs_field(request),
+                                                 prompt_logprobs_field=echo_field)
         echo_texts = [text if request.echo else "" for text, _ in prompts]
         if request.stream:
             events = self._stream(request, model, request_id, ids, streams, echo_texts)

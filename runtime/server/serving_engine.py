@@ -33,13 +33,14 @@ _SAMPLING_FALLBACKS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.
 def _refused_field(message: str, sent_as: dict[str, str]) -> tuple[str, str | None]:
     """(message, param) of an engine refusal, whose message starts with the SamplingParams field ("logprobs=21 is
     more than max_logprobs=20", "structured_outputs is not supported with ..."), renamed to the request field
-    that set it (`sent_as`: {params field: request field})."""
+    that set it (`sent_as`: {params field: request field, or (request field, how the message names it)})."""
     found = re.match(r"(logprobs|prompt_logprobs|structured_outputs|bad_words)\b", message)
     if found is None:
         return message, None
     field = found.group(1)
     param = sent_as.get(field, field)
-    return param + message[len(field):], param
+    param, label = param if isinstance(param, tuple) else (param, param)  # (request field, how to name it)
+    return label + message[len(field):], param
 
 class OpenAIServing:
     """Shared request handling over one `AsyncLLMEngine`.
@@ -198,11 +199,12 @@ class OpenAIServing:
 
     async def start_requests(
         self, request_id: str, prompts: list[tuple[list[int], SamplingParams]], logprobs_field: str = "logprobs",
-        structured_field: str = "structured_outputs",
+        structured_field: str = "structured_outputs", prompt_logprobs_field: str | tuple[str, str] = "prompt_logprobs",
     ) -> tuple[list[str], list[AsyncIterator[StepOutput]]]:
         """Admit one engine request per prompt (ids `request_id-i`); all or none. `logprobs_field` /
-        `structured_field`: the request fields that set SamplingParams.logprobs / structured_outputs, named in a
-        refusal (chat's are ``top_logprobs`` and, for a forced tool call, ``tool_choice``).
+        `structured_field` / `prompt_logprobs_field`: the request fields that set SamplingParams.logprobs /
+        structured_outputs / prompt_logprobs, named in a refusal (chat's are ``top_logprobs`` and, for a forced tool
+        call, ``tool_choice``; a completion's echo with logprobs sets prompt_logprobs).
 
         The caller must `abort_all(ids)` when done (a no-op for finished requests).
         """
@@ -214,8 +216,8 @@ class OpenAIServing:
                 ids.append(rid)
         except ValueError as e:
             self.abort_all(ids)
-            message, param = _refused_field(str(e), {"logprobs": logprobs_field,
-                                                     "structured_outputs": structured_field})
+            message, param = _refused_field(str(e), {"logprobs": logprobs_field, "structured_outputs": structured_field,
+                                                     "prompt_logprobs": prompt_logprobs_field})
             raise OpenAIError(HTTPStatus.BAD_REQUEST, message, param=param, code="invalid_value") from None
         except EngineDeadError:  # a 503 (an OpenAIError)
             self.abort_all(ids)

@@ -146,4 +146,7 @@ def test_engine_refusals_name_the_request_field():
         "top_logprobs=21 is more than max_logprobs=20", "top_logprobs")
     assert _refused_field("prompt_logprobs=3 is more than max_logprobs=2", sent_as)[1] == "prompt_logprobs"
     assert _refused_field("bad_words is not supported with tensor ...", {})[1] == "bad_words"
+    echo = {"prompt_logprobs": ("echo", "echo with logprobs")}  # a completion's echo + logprobs sets prompt_logprobs
+    assert _refused_field("prompt_logprobs is not supported with tensor ...", echo) == (
+        "echo with logprobs is not supported with tensor ...", "echo")
     assert _refused_field("the prompt is too long", sent_as) == ("the prompt is too long", None)
