@@ -26,7 +26,7 @@ from torch import nn
 
 from fxrewrite import foreign, options, signature, source, tracer, user_hooks, weights, wrappers
 from fxrewrite.layers.linear import no_weight_init
-from fxrewrite.layers.sdpa_causal import SDPA_CAUSAL, use_sdpa_causal
+from fxrewrite.layers.sdpa_causal import SDPA_CAUSAL, sdpa_read_by_name, use_sdpa_causal
 from fxrewrite.optimizer_state import HF_NAMES_ATTR
 from fxrewrite.patterns import Context, Match, Refusal
 from fxrewrite.meta_memo import MetaMemo, memoized, with_parameters
@@ -75,6 +75,8 @@ def optimize(model: nn.Module, **opts) -> nn.Module:
     if use_sdpa_causal(model):  # torch.compile keeps SDPA's implicit causal mask (flash, no k/v copies)
         report.notes.append(f"attention: {SDPA_CAUSAL} (transformers' SDPA; under torch.compile no materialised "
                             "causal mask for a call without attention_mask / position_ids / cache)")
+    elif getattr(getattr(model, "config", None), "_attn_implementation", None) == "sdpa" and (where := sdpa_read_by_name(model)):
+        report.notes.append(f"attention: stays sdpa ({where} compares _attn_implementation with 'sdpa')")
     model.__dict__[_REPORT_ATTR] = report
     weights.install_hf_name_hooks(model)
     weights.mark_fused_away(model)

@@ -21,13 +21,16 @@ transformers' behaviour, to measure one against the other.
 
 from __future__ import annotations
 
+import inspect
+import linecache
 import os
+import re
 
 import torch
 from torch import nn
 from transformers import masking_utils  # at import time: dynamo (torch 2.11) cannot trace transformers' lazy import
 
-__all__ = ["SDPA_CAUSAL", "register_sdpa_causal", "use_sdpa_causal", "sdpa_causal_mask"]
+__all__ = ["SDPA_CAUSAL", "register_sdpa_causal", "use_sdpa_causal", "sdpa_causal_mask", "sdpa_read_by_name"]
 
 SDPA_CAUSAL = "fxrewrite_sdpa"
 # base-model arguments that may be set without changing the mask (everything else must be None or absent)
@@ -83,16 +86,34 @@ def register_sdpa_causal() -> str:
 
 def use_sdpa_causal(model: nn.Module) -> bool:
     """Switch a transformers causal LM attending through ``"sdpa"`` to ``fxrewrite_sdpa`` and hook its base model
-    (:func:`_note_call`); True if it did (not when ``"sdpa"`` was registered anew). ``_attn_implementation`` is not
-    written by ``save_pretrained``."""
+    (:func:`_note_call`); True if it did (not when ``"sdpa"`` was registered anew, nor when its modeling code reads
+    the name, :func:`sdpa_read_by_name`). ``_attn_implementation`` is not written by ``save_pretrained``."""
     config = getattr(model, "config", None)
     base = getattr(model, getattr(model, "base_model_prefix", "") or "", None)
     if (getattr(config, "_attn_implementation", None) != "sdpa" or getattr(config, "sub_configs", None)
-            or not isinstance(base, nn.Module) or base is model or not _sdpa_is_transformers_own()):
+            or not isinstance(base, nn.Module) or base is model or not _sdpa_is_transformers_own()
+            or sdpa_read_by_name(model) is not None):
         return False
     config._attn_implementation = register_sdpa_causal()
     base.register_forward_pre_hook(_note_call, with_kwargs=True)
     return True
+
+
+def sdpa_read_by_name(model: nn.Module) -> str | None:
+    """``"file:line"`` of the first place where the modeling code of `model`'s transformers classes compares
+    ``_attn_implementation`` with ``"sdpa"`` (within three lines), or None. Such code (DeepSeek-V3.2's sparse
+    indexer: ``if self.config._attn_implementation in ("eager", "sdpa"):`` builds its top-k mask) would take
+    another branch under a renamed implementation, so the switch is refused there."""
+    files = {inspect.getsourcefile(type(m)) for m in model.modules() if type(m).__module__.startswith("transformers.")}
+    for path in sorted(f for f in files if f):
+        lines = linecache.getlines(path)
+        for i, line in enumerate(lines):
+            if "_attn_implementation" in line and _SDPA_LITERAL.search("".join(lines[i:i + 3])):
+                return f"{os.path.basename(path)}:{i + 1}"
+    return None
+
+
+_SDPA_LITERAL = re.compile(r"""["']sdpa["']""")
 
 
 def _sdpa_is_transformers_own() -> bool:

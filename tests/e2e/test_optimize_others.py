@@ -31,3 +31,25 @@ def test_fail_closed_on_other_architectures(name):
     ids = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(fused(ids).logits, stock(ids).logits, rtol=1e-5, atol=1e-6)
+
+
+def test_models_that_read_the_attention_name_keep_sdpa():
+    """DeepSeek-V3.2's sparse indexer applies its top-k mask only under ``_attn_implementation in ("eager",
+    "sdpa")``: the switch to fxrewrite_sdpa would make it attend densely (different logits with nothing fused), so
+    it is refused there, and explain says where the name is read."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config = CONFIG_MAPPING["deepseek_v32"](
+        vocab_size=96, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8, index_topk=4, index_head_dim=16,
+        index_n_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False)
+    torch.manual_seed(0)
+    stock = T.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    fused = fxrewrite.optimize(copy.deepcopy(stock))
+    assert fused.config._attn_implementation == "sdpa"
+    assert any("stays sdpa (modeling_deepseek_v32.py:" in note for note in fxrewrite.explain(fused).notes)
+    ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(input_ids=ids).logits, stock(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
