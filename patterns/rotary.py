@@ -77,6 +77,23 @@ class RotaryCosSin(nn.Module):
         super().__init__()
         self.rope = rope
         self.arg_names = arg_names
+        self.kept_attributes: dict = {}
+
+    def keep_attributes(self, original: nn.Module) -> None:
+        """Answer reads of `original`'s plain public attributes (config, rope_type, attention_scaling...: not
+        tensors, not modules), which a parent may read besides calling it (GraniteSWA reads
+        ``rotary_emb.config.rope_parameters``)."""
+        self.kept_attributes = {k: v for k, v in vars(original).items() if not k.startswith("_") and k != "training"
+                                and not isinstance(v, (torch.Tensor, nn.Module))}
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            kept = self.__dict__.get("kept_attributes", {})
+            if name in kept:
+                return kept[name]
+            raise
 
     def forward(self, *args, **kwargs):
         """(x, position_ids [B, S]), by position or keyword -> (cos, sin) [B, S, rotary_dim] in x's dtype."""
@@ -188,6 +205,7 @@ class RotaryPattern(Pattern):
                 continue
             if cos.shape == ref_cos.shape and torch.allclose(cos, ref_cos, rtol=1e-5, atol=1e-5) and \
                     torch.allclose(sin, ref_sin, rtol=1e-5, atol=1e-5):
+                new.keep_attributes(module)
                 return new
             reasons.append(f"cos/sin of {params.get('rope_type')} ({'neox' if neox else 'gpt-j'}) differ")
         raise_reason = "; ".join(reasons) or "config has no rope_parameters"

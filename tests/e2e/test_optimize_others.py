@@ -53,3 +53,18 @@ def test_models_that_read_the_attention_name_keep_sdpa():
     ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(fused(input_ids=ids).logits, stock(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["GraniteSWAConfig", "GraniteMoeSWAConfig"])
+def test_rotary_replacement_answers_the_original_attributes(name):
+    """GraniteSWA's model reads each rotary module's ``config.rope_parameters`` besides calling it: the replacement
+    (RotaryCosSin) answers the original's plain attributes, so the optimized model runs and matches stock."""
+    moe = dict(num_local_experts=4, num_experts_per_tok=2) if "Moe" in name else {}
+    config = getattr(T, name)(**{**BASE, "num_key_value_heads": 2}, sliding_window=4, **moe)
+    torch.manual_seed(0)
+    stock = T.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    fused = fxrewrite.optimize(copy.deepcopy(stock))
+    assert "rotary" in fxrewrite.explain(fused).applied_patterns()
+    ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(input_ids=ids).logits, stock(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
