@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from numbers import Real
 from typing import Any
 
 from fxrewrite.errors import UserInputError, UserTypeError
@@ -227,7 +228,7 @@ VLLM_COMPAT_KWARGS: dict[str, tuple[Callable[[Any, EngineConfig], bool], str, st
         "per step and has no unchunked prefill",
         "prefill is always chunked"),
     "swap_space": (
-        lambda v, c: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0,
+        lambda v, c: isinstance(v, Real) and not isinstance(v, bool) and v >= 0,
         "a non-negative number (GiB of CPU swap space)",
         "no CPU swap space: a preempted sequence is recomputed"),
     "tokenizer_mode": (

@@ -106,6 +106,7 @@ class LLMEngine(EngineRLMixin):
         """Queue a prompt (text, or token ids) for generation; ValueError for an invalid request. final_only:
         one RequestOutput, when it finishes (vLLM's FINAL_ONLY; offline `LLM.generate`), not one every step."""
         pooling, params = split_params(sampling_params, self.config.is_pooling)
+        params.verify()  # fields may have been set after construction
         self._check_awake()
         if request_id in self.requests:
             raise UserInputError(f"request_id {request_id!r} is already in use")

@@ -62,9 +62,9 @@ def check_allowed_tokens(params: SamplingParams, bad_words: list[list[int]], eos
     if params.min_tokens > 0:
         banned |= set(params.stop_token_ids or ()) | (set() if params.ignore_eos else eos_ids)
     if set(params.allowed_token_ids) <= banned:
+        why = f"a one-token bad word{f' or, with min_tokens={params.min_tokens}, a stop token' if params.min_tokens else ''}"
         raise UserInputError(f"SamplingParams: allowed_token_ids={params.allowed_token_ids} leave no token to sample: "
-                             "each is a one-token bad word or, with min_tokens="
-                             f"{params.min_tokens}, a stop token; expected at least one other")
+                             f"each is {why}; expected at least one other")
 
 
 def store_prompt_logprobs(seqs: dict[int, Sequence], chunks: list[PromptLogprobsChunk], decode) -> None:

@@ -186,9 +186,15 @@ class SamplingParams:
                                  "found in the decoded text)")
 
     def clone(self) -> SamplingParams:
-        """A deep copy (vLLM's ``SamplingParams.clone``): change it without touching this one. Fields changed
-        after construction are not re-checked (as in vLLM), so build a new one to have a value checked."""
+        """A deep copy (vLLM's ``SamplingParams.clone``): change it without touching this one (the engine checks
+        the changed fields when the request is added, `verify`)."""
         return copy.deepcopy(self)
+
+    def verify(self) -> None:
+        """Check every field again and re-derive what is derived from them (``stop_strings``): the engine calls it
+        for each request, so a field set after construction (a clone edited) is checked and takes effect. The
+        constructor's errors (ValueError / TypeError naming the field)."""
+        self.__post_init__()
 
     @property
     def is_greedy(self) -> bool:

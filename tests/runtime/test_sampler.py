@@ -158,3 +158,23 @@ def test_clone_is_a_deep_copy():
     copy.logit_bias[4] = 2.0
     copy.allowed_token_ids.append(5)
     assert params.stop == ["x"] and params.logit_bias == {3: 1.0} and params.allowed_token_ids == [1, 2]
+
+
+def test_fields_set_after_construction_are_checked_when_the_request_is_added(tiny_model_dir):
+    """A clone edited (vLLM code does so): a bad value is refused by name (n=0 used to queue a request that never
+    finished), and a new stop takes effect (stop_strings are derived again)."""
+    from fxrewrite.errors import UserInputError
+    from fxrewrite.runtime.llm import LLM
+
+    llm = LLM(str(tiny_model_dir("qwen3")), dtype="float32", max_model_len=64)
+    base = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    text = llm.generate("Hello", base, use_tqdm=False)[0].outputs[0].text
+    for name, value in (("n", 0), ("temperature", float("nan")), ("max_tokens", 0), ("repetition_penalty", 0)):
+        bad = base.clone()
+        setattr(bad, name, value)
+        with pytest.raises((UserInputError, TypeError, ValueError), match=name):
+            llm.generate("Hello", bad, use_tqdm=False)
+    stop = base.clone()
+    stop.stop = [text[3:6]]
+    out = llm.generate("Hello", stop, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text == text[:text.index(text[3:6])]
