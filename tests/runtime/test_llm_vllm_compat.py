@@ -7,6 +7,7 @@ import logging
 import re
 import shutil
 
+import numpy as np
 import pytest
 
 from fxrewrite import LLM, SamplingParams
@@ -123,7 +124,7 @@ def test_llm_takes_the_vllm_arguments_rl_code_passes(model_with_defaults):
 @pytest.mark.parametrize("name, value", [
     ("enable_sleep_mode", True), ("enable_sleep_mode", False), ("disable_log_stats", True),
     ("disable_log_stats", False), ("enable_chunked_prefill", True), ("enable_chunked_prefill", None),
-    ("swap_space", 0), ("swap_space", 4), ("swap_space", 2.5), ("tokenizer_mode", "auto"), ("tokenizer_mode", "hf"),
+    ("swap_space", 0), ("swap_space", 4), ("swap_space", 2.5), ("swap_space", np.int64(4)), ("tokenizer_mode", "auto"), ("tokenizer_mode", "hf"),
     ("task", "auto"), ("distributed_executor_backend", None),
     ("distributed_executor_backend", "uni"), ("distributed_executor_backend", "mp"),
     ("distributed_executor_backend", "external_launcher"), ("logprobs_mode", "raw_logprobs"),
