@@ -24,7 +24,7 @@ from collections import defaultdict
 
 from torch import nn
 
-from fxrewrite import foreign, options, signature, source, tracer, user_hooks, weights, wrappers
+from fxrewrite import bound_forward, foreign, options, signature, source, tracer, user_hooks, weights, wrappers
 from fxrewrite.layers.linear import no_weight_init
 from fxrewrite.layers.sdpa_causal import SDPA_CAUSAL, sdpa_read_by_name, use_sdpa_causal
 from fxrewrite.optimizer_state import HF_NAMES_ATTR
@@ -303,8 +303,7 @@ def _rewrite_forwards(cls, instances, matches: list[Match], ctx, entry: ClassRep
         for m in valid:
             _applied(entry, m)
             module.__dict__.setdefault("_fxrewrite_shards", []).extend(m.pattern.shards(m))
-        source.bind(module, compiled[key][0])
-        module.__dict__[BOUND_ATTR] = (compiled[key][0], module.__dict__["forward"])  # its structure_key
+        bound_forward.bind(module, compiled[key][0])
     if compiled:
         widest = max((k for k, v in compiled.items() if v is not None), key=len, default=None)
         entry.diff = src.diff(compiled[widest][1]) if widest is not None else ""

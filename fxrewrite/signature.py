@@ -38,8 +38,8 @@ from torch import nn
 
 from fxrewrite import hub_kernels
 
-__all__ = ["BOUND_ATTR", "HOOK_DICTS", "MEMO_ATTR", "difference", "input_key", "instance_forward", "structure_key",
-           "structure_keys"]
+__all__ = ["BOUND_ATTR", "BOUND_ATTRS", "HOOK_DICTS", "MEMO_ATTR", "difference", "input_key", "instance_forward",
+           "structure_key", "structure_keys"]
 
 BOUND_ATTR = "_fxrewrite_compiled"
 """Instance attribute set by `fxrewrite.compiler`: (compiled function, the bound forward it put in ``__dict__``)."""
@@ -50,7 +50,9 @@ INDEX_ATTRS = ("layer_idx",)
 RECORD_ATTRS = ("kwargs",)
 """Attributes that record how a module was built (PEFT's LoRA layers): ignored when only ``__init__`` names them."""
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-_SKIP = frozenset({"_parameters", "_buffers", "_modules", "forward", BOUND_ATTR, *HOOK_DICTS,
+BOUND_ATTRS = ("forward", "_replicate_for_data_parallel", "__reduce_ex__", BOUND_ATTR)
+"""The instance attributes ``fxrewrite.bound_forward.bind`` sets."""
+_SKIP = frozenset({"_parameters", "_buffers", "_modules", *BOUND_ATTRS, *HOOK_DICTS,
                    "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs",
                    "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
                    "_load_state_dict_post_hooks", "_is_full_backward_hook"})

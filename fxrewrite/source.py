@@ -4,7 +4,7 @@
 real file; patterns edit `ForwardSource.tree` with the helpers here (`unique_self_call`,
 `enclosing_statement`, `replace`...); `compile_forward` turns the edited tree into a function
 compiled in the original module's globals, with line numbers that point at the real file, and
-`bind` attaches it to one instance (the class and its other instances are untouched).
+`fxrewrite.bound_forward.bind` attaches it to one instance (the class and its other instances are untouched).
 Formatting and comments survive because libcst round-trips source exactly.
 Knows no pattern (design rule: source never imports patterns).
 """
@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 import inspect
 import textwrap
 import types
 
 import libcst as cst
-from torch import nn
+
+from fxrewrite.bound_forward import ForwardRecipe, remember
 
 
 class SourceError(ValueError):
@@ -227,43 +227,11 @@ def line_count(tree: cst.Module, node: cst.CSTNode) -> int:
 
 
 def compile_forward(src: ForwardSource, tree: cst.Module) -> types.FunctionType:
-    """Compile the edited function in the original module's globals.
-
-    Line numbers are offset so that tracebacks point at the real file; the function is defined
-    inside a factory taking ``__class__`` so zero-argument ``super()`` still works. Decorators in
-    the source are applied again, as in the original class body.
-    """
-    name = src.function.name.value
-    header = "\n" * max(src.first_lineno - 2, 0) + "def __fxrewrite_factory__(__class__):\n"
-    code = header + textwrap.indent(tree.code, "    ") + f"\n    return {name}\n"
-    namespace: dict = {}
-    exec(compile(code, src.filename, "exec"), src.globals, namespace)  # noqa: S102 - our own edited source
-    fn = namespace["__fxrewrite_factory__"](src.cls)
-    fn.__fxrewrite_source__ = tree.code
-    return fn
-
-
-def bind(module: nn.Module, fn: types.FunctionType) -> None:
-    """Make `fn` the forward of this instance only (the class keeps its own), inside the class's activation
-    checkpointing wrapper when it has one (see :func:`keep_checkpointing`)."""
-    module.forward = types.MethodType(keep_checkpointing(type(module).forward, fn), module)
-
-
-def keep_checkpointing(class_forward, fn: types.FunctionType) -> types.FunctionType:
-    """``fn`` wrapped as ``class_forward`` wraps the class's own forward, when that is transformers'
-    activation-checkpointing wrapper; else ``fn``. Newer transformers 5.x wrap ``forward`` of every
-    ``GradientCheckpointingLayer`` subclass at class creation (``forward_with_checkpointing``, closing over
-    ``forward``) instead of checkpointing in ``__call__``, so a bare instance forward would silently turn
-    activation checkpointing off. The wrapper's own code is reused with ``forward`` rebound to ``fn`` (its
-    "outermost" test still sees the class's wrapper): the same checkpointing, cache handling and warnings."""
-    code = getattr(class_forward, "__code__", None)
-    if code is None or code.co_name != "forward_with_checkpointing" or \
-            set(code.co_freevars) != {"forward", "forward_with_checkpointing"}:
-        return fn
-    cells = {"forward": types.CellType(fn), "forward_with_checkpointing": types.CellType(class_forward)}
-    wrapped = types.FunctionType(code, class_forward.__globals__, code.co_name, class_forward.__defaults__,
-                                 tuple(cells[name] for name in code.co_freevars))
-    return functools.update_wrapper(wrapped, fn)
+    """Compile the edited function in the original module's globals (:meth:`ForwardRecipe.compile`: tracebacks
+    point at the real file, zero-argument ``super()`` works, decorators are applied again)."""
+    recipe = ForwardRecipe(src.cls, src.filename, src.first_lineno, src.globals.get("__name__", ""),
+                           src.function.name.value, tree.code)
+    return remember(recipe, recipe.compile(src.globals))
 
 
 def check_not_rebound(block: cst.CSTNode, first: cst.CSTNode, last: cst.CSTNode, name: str) -> None:

@@ -133,28 +133,48 @@ def _attach(loss: nn.Module, embeds: torch.Tensor, weight: torch.Tensor) -> torc
 
 
 def install_deferred_head_grad(model: nn.Module, loss: nn.Module) -> bool:
-    """Hooks on ``model`` (a ``*ForCausalLM``) and its input embedding: each call clears ``loss.deferred`` and sets
-    ``loss.armed`` (training, labels given) and ``loss.tuple_output`` (return_dict off: the tuple keeps logits); in an armed call whose head is deferrable (:func:`head_deferrable`) the
-    embedding's run makes a fresh :class:`DeferredHeadGrad` there and puts its output through the identity function.
-    A call without labels is left alone (no graph break under torch.compile). True if installed."""
+    """Hooks on ``model`` (a ``*ForCausalLM``, with `loss` as a child) and its input embedding: each call clears
+    ``loss.deferred`` and sets ``loss.armed`` (training, labels given) and ``loss.tuple_output`` (return_dict off: the
+    tuple keeps logits); in an armed call whose head is deferrable (:func:`head_deferrable`) the embedding's run makes
+    a fresh :class:`DeferredHeadGrad` there and puts its output through the identity function. A call without labels
+    is left alone (no graph break under torch.compile). The hooks are objects (a pickled model keeps them). True if
+    installed."""
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if not isinstance(embedding, nn.Module):
         return False
     names = list(inspect.signature(model.forward).parameters)
     at = names.index("labels") if "labels" in names else None  # labels passed by position, rarely
-
-    def arm(module, args, kwargs):
-        labels = kwargs.get("labels", args[at] if at is not None and at < len(args) else None)
-        loss.deferred, loss.armed = None, module.training and labels is not None
-        return_dict = kwargs.get("return_dict")  # as transformers' can_return_tuple reads it
-        loss.tuple_output = not (getattr(module.config, "return_dict", True) if return_dict is None else return_dict)
-
-    def attach(module, args, output):
-        head = model.get_output_embeddings()
-        if loss.armed and isinstance(output, torch.Tensor) and head_deferrable(head):
-            return _attach(loss, output, head.weight)
-        return None
-
-    model.register_forward_pre_hook(arm, with_kwargs=True)
-    embedding.register_forward_hook(attach)
+    loss_name = next(name for name, child in model.named_children() if child is loss)
+    model.register_forward_pre_hook(_Arm(at, loss_name), with_kwargs=True)
+    embedding.register_forward_hook(_Attach(model, loss))
     return True
+
+
+class _Arm:
+    """The model's forward pre-hook: this call's state on its loss module."""
+
+    def __init__(self, labels_at: int | None, loss_name: str):
+        self.labels_at, self.loss_name = labels_at, loss_name
+
+    def __call__(self, module, args, kwargs):
+        at = self.labels_at
+        labels = kwargs.get("labels", args[at] if at is not None and at < len(args) else None)
+        state = getattr(module, self.loss_name)  # an nn.DataParallel replica's own copy for a replica
+        state.deferred, state.armed = None, module.training and labels is not None
+        return_dict = kwargs.get("return_dict")  # as transformers' can_return_tuple reads it
+        state.tuple_output = not (getattr(module.config, "return_dict", True) if return_dict is None else return_dict)
+
+
+class _Attach:
+    """The input embedding's forward hook: the deferred job on an armed call's embedding output."""
+
+    def __init__(self, model: nn.Module, loss: nn.Module):
+        self.model, self.loss = model, loss
+
+    def __call__(self, module, args, output):
+        if getattr(module, "_is_replica", False):
+            return None  # an nn.DataParallel replica's weights are not Parameters: nothing to defer
+        head = self.model.get_output_embeddings()
+        if self.loss.armed and isinstance(output, torch.Tensor) and head_deferrable(head):
+            return _attach(self.loss, output, head.weight)
+        return None

@@ -60,7 +60,7 @@ class LMHeadCrossEntropy(nn.Module):
         size follows)."""
         if labels is None or not (model.training and torch.is_grad_enabled()) or self.tuple_output:
             return False  # a tuple has no field names: without its logits every later element would move up
-        if type(head) is not nn.Linear or type(head.weight) is not nn.Parameter:
+        if type(head) is not nn.Linear or type(head.weight) not in (nn.Parameter, torch.Tensor):  # Tensor: a replica's
             return False
         if model.loss_function is not ForCausalLMLoss:
             return False

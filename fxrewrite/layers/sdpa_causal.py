@@ -43,9 +43,20 @@ _NEUTRAL = frozenset({"input_ids", "inputs_embeds", "use_cache", "output_attenti
 _CALL = {"unpadded_default_positions": False}
 
 
-def _note_call(module, args, kwargs) -> None:
-    """Forward pre-hook (with kwargs) of the base model: whether this call's mask can only be the causal one."""
-    _CALL["unpadded_default_positions"] = not args and all(v is None or k in _NEUTRAL for k, v in kwargs.items())
+class _NoteCall:
+    """Forward pre-hook (with kwargs) of the base model: whether this call's mask can only be the causal one.
+    Unpickled (a pickled model, in another process) it registers ``fxrewrite_sdpa`` there, which the config names."""
+
+    def __call__(self, module, args, kwargs) -> None:
+        _CALL["unpadded_default_positions"] = not args and all(v is None or k in _NEUTRAL for k, v in kwargs.items())
+
+    def __reduce__(self):
+        return _registered_note_call, ()
+
+
+def _registered_note_call() -> _NoteCall:
+    register_sdpa_causal()
+    return _NoteCall()
 
 
 def _can_skip(kwargs: dict) -> bool:
@@ -86,7 +97,7 @@ def register_sdpa_causal() -> str:
 
 def use_sdpa_causal(model: nn.Module) -> bool:
     """Switch a transformers causal LM attending through ``"sdpa"`` to ``fxrewrite_sdpa`` and hook its base model
-    (:func:`_note_call`); True if it did (not when ``"sdpa"`` was registered anew, nor when its modeling code reads
+    (:class:`_NoteCall`); True if it did (not when ``"sdpa"`` was registered anew, nor when its modeling code reads
     the name, :func:`sdpa_read_by_name`). ``_attn_implementation`` is not written by ``save_pretrained``."""
     config = getattr(model, "config", None)
     base = getattr(model, getattr(model, "base_model_prefix", "") or "", None)
@@ -95,7 +106,7 @@ def use_sdpa_causal(model: nn.Module) -> bool:
             or sdpa_read_by_name(model) is not None):
         return False
     config._attn_implementation = register_sdpa_causal()
-    base.register_forward_pre_hook(_note_call, with_kwargs=True)
+    base.register_forward_pre_hook(_NoteCall(), with_kwargs=True)
     return True
 
 

@@ -165,3 +165,18 @@ def test_peft_on_an_optimized_model_names_the_module_and_the_fix():
     fused = fxrewrite.optimize(tiny_model("llama"))
     with pytest.raises(ValueError, match=r"'q_proj' was fused into 'qkv_proj'.*get_peft_model first"):
         peft.get_peft_model(fused, peft.LoraConfig(r=4, target_modules=LORA_TARGETS))
+
+
+def test_back_to_sdpa_after_optimize_for_context_parallelism():
+    """transformers' Trainer refuses context parallelism unless ``_attn_implementation == "sdpa"``; the README's fix
+    (``set_attn_implementation("sdpa")`` after optimize) keeps every fusion and the stock numbers."""
+    stock = tiny_model("qwen3")
+    fused = fxrewrite.optimize(copy.deepcopy(stock))
+    applied = fxrewrite.explain(fused).applied_patterns()
+    assert fused.config._attn_implementation == "fxrewrite_sdpa"
+    fused.set_attn_implementation("sdpa")
+    assert fused.config._attn_implementation == "sdpa"
+    ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids).logits, stock(ids).logits, rtol=1e-5, atol=1e-5)
+    assert fxrewrite.explain(fused).applied_patterns() == applied
