@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from fxrewrite.runtime.engine.sequence import Sequence
+from fxrewrite.runtime.engine.sequence import Sequence, SequenceStatus
 
 
 def _needs_prompt_logprobs(seq: Sequence) -> bool:
@@ -129,6 +129,17 @@ class BlockManager:
         seq.block_table = []  # a new list: the tensor-parallel executor tracks tables by identity
         seq.block_hashes.clear()
         seq.num_computed_tokens = 0
+
+    def commit_running(self, seqs: list[Sequence]) -> None:
+        """:meth:`commit` each running sequence of a step, its no-op test inline (one call per step, not per
+        sequence: most decode steps fill no block)."""
+        if not self.enable_prefix_caching:
+            return
+        bs, running = self.block_size, SequenceStatus.RUNNING
+        for seq in seqs:
+            if seq.status is running and len(seq.block_hashes) < min(seq.num_computed_tokens // bs,
+                                                                     len(seq.block_table)):
+                self.commit(seq)
 
     def commit(self, seq: Sequence) -> None:
         """Hash seq's full blocks whose K/V are now computed, so later requests can reuse them."""

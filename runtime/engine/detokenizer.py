@@ -122,7 +122,7 @@ def check_stop_token(seq: Sequence, token_id: int, eos_token_ids: set[int]):
     """(finish_reason, stop_reason) from EOS and stop token ids; (None, None) if neither (stop strings
     are checked after detokenizing). Nothing stops before min_tokens."""
     params = seq.sampling_params
-    if seq.num_output_tokens < params.min_tokens:
+    if params.min_tokens and len(seq.token_ids) - seq.num_prompt_tokens < params.min_tokens:  # num_output_tokens
         return None, None
     if not params.ignore_eos and token_id in eos_token_ids:
         return "stop", None

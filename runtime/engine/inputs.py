@@ -60,15 +60,15 @@ def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch
     num_tokens, max_blocks = int(cu_new[-1]), int(table_lens.max())
     _check_tables(scheduled, table_lens, ends, block_size)
 
-    ids, gather = _token_ids(scheduled, cu_new, previous_rows)
+    ids, gather = _token_ids(scheduled, ends, cu_new, previous_rows)
     # int64: input_ids [T] | positions [T] | slot_mapping [T] | rope_lengths [T] | logits_indices [S] | gather [2G]
     sample_idx = np.flatnonzero(samples)
     s_end = 4 * num_tokens + len(sample_idx)
     buf64 = np.empty(s_end + 2 * len(gather), dtype=np.int64)
     input_ids, positions, slot_mapping = (buf64[i * num_tokens : (i + 1) * num_tokens] for i in range(3))
     logits_indices = buf64[4 * num_tokens : s_end]
-    input_ids[:] = np.fromiter(ids, dtype=np.int64, count=num_tokens)
-    if gather:
+    input_ids[:] = ids if isinstance(ids, np.ndarray) else np.fromiter(ids, dtype=np.int64, count=num_tokens)
+    if len(gather):
         buf64[s_end:].reshape(len(gather), 2)[:] = gather
     seq_of_token = np.repeat(np.arange(num_seqs), num_new)
     positions[:] = np.arange(num_tokens) + np.repeat(starts - (cu_new - num_new), num_new)
@@ -92,9 +92,9 @@ def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch
         logits_indices=t64[4 * num_tokens : s_end],
         sample_seqs=[scheduled[i].seq for i in sample_idx.tolist()],
         per_token=per_token,
-        gather_dst=t64[s_end::2] if gather else None,
-        gather_src=t64[s_end + 1 :: 2] if gather else None,
-        gather_in_order=len(gather) == num_tokens and all(dst == src for dst, src in gather),
+        gather_dst=t64[s_end::2] if len(gather) else None,
+        gather_src=t64[s_end + 1 :: 2] if len(gather) else None,
+        gather_in_order=len(gather) == num_tokens and bool((buf64[s_end::2] == buf64[s_end + 1 :: 2]).all()),
     )
 
 
@@ -129,11 +129,21 @@ def _int32_buffer(tables: list[list[int]], table_lens: np.ndarray, max_blocks: i
     return buf32, block_tables
 
 
-def _token_ids(scheduled: list[ScheduledSeq], cu_new: np.ndarray, previous_rows: dict[int, int] | None):
-    """The step's token ids (an iterable of T ints) and [(flat index, previous row)] for pending ones."""
-    if not any(s.start + s.num_new_tokens > len(s.seq.token_ids) for s in scheduled):
+def _token_ids(scheduled: list[ScheduledSeq], ends: np.ndarray, cu_new: np.ndarray,
+               previous_rows: dict[int, int] | None):
+    """The step's token ids (an iterable of T ints, or an array) and [(flat index, previous row)] for pending ones
+    (a list of pairs, or an array [G, 2])."""
+    host_lens = np.fromiter((len(s.seq.token_ids) for s in scheduled), dtype=np.int64, count=len(scheduled))
+    pending = ends > host_lens
+    if not pending.any():
         ids = itertools.chain.from_iterable(s.seq.token_ids[s.start : s.start + s.num_new_tokens] for s in scheduled)
         return ids, []
+    if previous_rows is not None and int(cu_new[-1]) == len(scheduled) and pending.all():
+        # Steady async decode: one token per sequence, each the one in flight. Same as the loop below, with
+        # numpy: every input id is 0 and gathered from the previous row; a bad entry goes to the loop's errors.
+        rows = [previous_rows.get(s.seq.seq_id) for s in scheduled]
+        if None not in rows and bool((ends == host_lens + 1).all()):
+            return np.zeros(len(scheduled), dtype=np.int64), np.stack([cu_new - 1, np.array(rows, dtype=np.int64)], 1)
     ids, gather = [], []
     for s, end in zip(scheduled, cu_new.tolist()):
         seq, stop = s.seq, s.start + s.num_new_tokens

@@ -22,6 +22,7 @@ from fxrewrite.runtime.engine.pooling import pooled_rows, pooling_output, split_
 from fxrewrite.runtime.engine.prompts import tokenize_prompt, truncate_prompt
 from fxrewrite.runtime.engine.rl import EngineRLMixin
 from fxrewrite.runtime.engine.micro_batches import MicroBatchQueue
+from fxrewrite.runtime.engine.request_state import CompletedStep, Request, reads_host_tokens
 from fxrewrite.runtime.engine.rope_lengths import length_dependent_rope
 from fxrewrite.runtime.engine.sampler import SampleResult
 from fxrewrite.runtime.engine.request_extras import (
@@ -33,30 +34,13 @@ from fxrewrite.runtime.engine.request_extras import (
 )
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 from fxrewrite.runtime.engine.scheduler import Scheduler, SchedulerOutput
-from fxrewrite.runtime.engine.sequence import Sequence
+from fxrewrite.runtime.engine.sequence import Sequence, SequenceStatus
 from fxrewrite.runtime.engine.structured_outputs import StructuredOutputManager
 from fxrewrite.runtime.worker.executor import create_model_runner
 from fxrewrite.runtime.worker.model_runner import load_model_config, load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-class Request:
-    """A prompt and its n sequences (one per completion)."""
-
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params, arrival,
-                 pooling=None, final_only: bool = False):
-        self.request_id = request_id
-        self.final_only = final_only  # a RequestOutput only once finished (vLLM's RequestOutputKind.FINAL_ONLY)
-        self.prompt = prompt
-        self.prompt_token_ids = prompt_token_ids
-        self.sampling_params = params
-        self.seqs = [Sequence(request_id, prompt_token_ids, params, i, arrival) for i in range(params.n)]
-        self.pooling_params = pooling  # PoolingParams of an embedding request (runner='pooling')
-
-    @property
-    def finished(self) -> bool:
-        return all(seq.is_finished for seq in self.seqs)
+_FINISHED = SequenceStatus.FINISHED
 
 
 class LLMEngine(EngineRLMixin):
@@ -185,7 +169,7 @@ class LLMEngine(EngineRLMixin):
             return self.micro_batches.step(self)
         previous, self._inflight = self._inflight, None
         outputs = []
-        if previous is not None and _reads_host_tokens(previous.sched):
+        if previous is not None and reads_host_tokens(previous.sched):
             # Completed before scheduling: a sequence that stops on one of those tokens is then not scheduled
             # (its blocks are freed; a batch that still held it would write its K/V through an empty block table).
             outputs, previous = self._complete(previous), None
@@ -223,16 +207,23 @@ class LLMEngine(EngineRLMixin):
             launched = runner.execute_model_async(sched, None, **hook)
             launched.result()
         else:
-            launched = _CompletedStep(sched, runner.execute_model(sched))
+            launched = CompletedStep(sched, runner.execute_model(sched))
         self.scheduler.advance(sched)
-        max_len = self.max_seq_len
+        # One pass: a sampling sequence's pending token, and whether the step reads host tokens
+        # (`reads_host_tokens`, asked by the next step).
+        max_len, no_limit, last_params, reads_host = self.max_seq_len, 1 << 62, None, False
         for s in sched.scheduled:
+            seq = s.seq
+            params = seq.sampling_params
+            if params is not last_params:  # requests of one generate() call usually share their params
+                last_params = params
+                reads_host = reads_host or params.has_penalties or bool(params.bad_words)
             if s.samples:
-                seq = s.seq
+                num_tokens = len(seq.token_ids) + seq.num_pending_tokens + 1
                 seq.num_pending_tokens += 1
-                max_tokens = seq.sampling_params.max_tokens or 1 << 62
-                if seq.num_tokens - seq.num_prompt_tokens >= max_tokens or seq.num_tokens >= max_len:
+                if num_tokens - seq.num_prompt_tokens >= (params.max_tokens or no_limit) or num_tokens >= max_len:
                     seq.awaiting_final_token = True
+        sched.reads_host_tokens = reads_host
         return launched
 
     def _grammar_bitmask(self, seqs: list[Sequence], previous):
@@ -254,15 +245,28 @@ class LLMEngine(EngineRLMixin):
         if getattr(step, "prompt_logprobs", None):
             by_id = {s.seq.seq_id: s.seq for s in step.sched.scheduled}
             store_prompt_logprobs(by_id, step.prompt_logprobs, self._decode_token)
-        live = [(seq, result) for seq, result in zip(seqs, results) if not seq.is_finished]
+        live = [(seq, result) for seq, result in zip(seqs, results) if seq.status is not _FINISHED]
         if grammar_done is None:
             grammar_done = self._structured.accept_tokens(live) if self._structured is not None else ()
+        ended = set()  # requests with a sequence finished by these tokens: only those can end a final_only one
+        process = self._process_sample
         for seq, result in live:
-            self._process_sample(seq, result, seq.seq_id in grammar_done)
+            if process(seq, result, seq.seq_id in grammar_done):
+                ended.add(seq.request_id)
         self.scheduler.commit(step.sched)
-        touched = dict.fromkeys(s.seq.request_id for s in step.sched.scheduled)
-        requests = [self.requests[r] for r in touched if r in self.requests]
-        return [self._make_output(r) for r in requests if not r.final_only or r.finished]
+        return self._outputs(step.sched, ended)
+
+    def _outputs(self, sched: SchedulerOutput, ended: set[str]) -> list[RequestOutput]:
+        """A RequestOutput for each request of `sched` still known, in schedule order: every step for a
+        streamed request, once finished for a final_only one. A final_only request not in `ended` is not
+        finished (its last sequence ends in the step that scheduled it, which then returns and forgets it),
+        so it costs one dict lookup here, not a pass over its sequences."""
+        requests, outputs = self.requests, []
+        for request_id in dict.fromkeys([s.seq.request_id for s in sched.scheduled]):
+            request = requests.get(request_id)
+            if request is not None and (not request.final_only or (request_id in ended and request.finished)):
+                outputs.append(self._make_output(request))
+        return outputs
 
     def _abort_all(self) -> None:
         self._inflight = None
@@ -277,33 +281,41 @@ class LLMEngine(EngineRLMixin):
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
         return text
 
-    def _process_sample(self, seq: Sequence, result: SampleResult, grammar_done: bool = False) -> None:
-        params = seq.sampling_params
-        seq.append_token(result.token_id)
+    def _process_sample(self, seq: Sequence, result: SampleResult, grammar_done: bool = False) -> bool:
+        """Append one sampled token and check the stops; True when it finished the sequence."""
+        params, token_id = seq.sampling_params, result.token_id
+        seq.token_ids.append(token_id)  # seq.append_token(token_id), inlined: this runs per sequence per step
+        if seq.num_pending_tokens:
+            seq.num_pending_tokens -= 1
         seq.cumulative_logprob += result.logprob
         if result.top_logprobs is not None:
             decode = self._decode_token if params.detokenize else no_text
             seq.output_logprobs.append(
                 {t: Logprob(lp, rank, decode(t)) for t, (lp, rank) in result.top_logprobs.items()}
             )
-        reason, stop = check_stop_token(seq, result.token_id, self.eos_token_ids)
+        if params.min_tokens or params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+            reason, stop = check_stop_token(seq, token_id, self.eos_token_ids)
+        else:  # what check_stop_token answers then, without the call
+            reason = stop = None
         # vLLM leaves a stop token's text (EOS with skip_special_tokens=False, stop_token_ids) out.
         drop_stop_token = reason is not None and not params.include_stop_str_in_output
         detokenizer = self._detokenizers.get(seq.seq_id)
         new_text = "" if drop_stop_token or detokenizer is None or detokenizer.deferred else detokenizer.step()
-        if reason is None:
+        if reason is None and new_text and params.stop_strings:  # check_stop_strings' own no-op cases skipped
             stop = check_stop_strings(seq, len(new_text))
             reason = "stop" if stop is not None else None
         if grammar_done and reason is None:
             reason = "stop"  # the grammar is complete (it accepted a stop token)
+        num_tokens = len(seq.token_ids)
         if reason is None and (
-            seq.num_output_tokens >= (params.max_tokens or 1 << 62)
-            or len(seq.token_ids) >= self.max_seq_len
+            num_tokens - seq.num_prompt_tokens >= (params.max_tokens or 1 << 62) or num_tokens >= self.max_seq_len
         ):
             reason = "length"
-        if reason is not None:
-            seq.stop_reason = stop
-            self._finish(seq, reason, drop_stop_token)
+        if reason is None:
+            return False
+        seq.stop_reason = stop
+        self._finish(seq, reason, drop_stop_token)
+        return True
 
     def _finish(self, seq: Sequence, reason: str, drop_stop_token: bool = False) -> None:
         if seq.is_finished:
@@ -321,20 +333,23 @@ class LLMEngine(EngineRLMixin):
         # generator expressions or properties in the per-sequence loop.
         if request.pooling_params is not None:
             return pooling_output(request, self._embeddings, self.requests)
-        want_logprobs = request.sampling_params.logprobs is not None
-        outputs, cached = [], 0
+        params = request.sampling_params
+        want_logprobs, hold_text = params.logprobs is not None, bool(params.stop_strings)
+        outputs, cached, finished = [], 0, True
         for seq in request.seqs:
             outputs.append(CompletionOutput(
                 seq.index,
-                visible_text(seq),
+                visible_text(seq) if hold_text else seq.text,  # visible_text is seq.text without stop strings
                 seq.token_ids[seq.num_prompt_tokens :],
                 seq.cumulative_logprob if want_logprobs else None,
                 list(seq.output_logprobs) if want_logprobs else None,
                 seq.finish_reason,
                 seq.stop_reason,
             ))
-            cached = max(cached, seq.num_cached_tokens)
-        finished = request.finished
+            if seq.num_cached_tokens > cached:
+                cached = seq.num_cached_tokens
+            if seq.status is not _FINISHED:  # request.finished, in the same pass
+                finished = False
         if finished:
             del self.requests[request.request_id]
         return RequestOutput(
@@ -365,22 +380,6 @@ class LLMEngine(EngineRLMixin):
             "prefix_cache_queries": bm.prefix_cache_queries,
             "num_preemptions": self.scheduler.num_preemptions,
         }
-
-
-def _reads_host_tokens(sched: SchedulerOutput) -> bool:
-    """Whether a sequence of `sched` samples with penalties or bad words, which read every earlier token on the
-    host: the step after it waits for its tokens."""
-    return any(s.seq.sampling_params.has_penalties or s.seq.sampling_params.bad_words for s in sched.scheduled)
-
-
-class _CompletedStep:
-    """A step that ran synchronously (async scheduling off)."""
-
-    def __init__(self, sched: SchedulerOutput, out: tuple[list[Sequence], list[SampleResult]]):
-        self.sched, self._out = sched, out
-
-    def result(self) -> tuple[list[Sequence], list[SampleResult]]:
-        return self._out
 
 
 def _warn_if_cache_is_short(block_manager: BlockManager, max_model_len: int) -> None:

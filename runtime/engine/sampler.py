@@ -268,7 +268,11 @@ class SampledTokens:
         if self._results is None:
             if self._event is not None:
                 self._event.synchronize()
-            self._results = [self._build(seq, row) for seq, row in zip(self.seqs, self._host.tolist())]
+            rows = self._host.tolist()
+            if self._keep_logprobs:
+                self._results = [self._build(seq, row) for seq, row in zip(self.seqs, rows)]
+            else:  # no top logprobs to build (`_build`'s result without them), one call per row less
+                self._results = [SampleResult(int(row[0]), row[1], None) for row in rows[: len(self.seqs)]]
         return self._results
 
     def token_ids(self) -> list[int]:

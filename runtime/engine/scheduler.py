@@ -10,7 +10,7 @@ from fxrewrite.runtime.engine.rope_lengths import LengthDependentRope
 from fxrewrite.runtime.engine.sequence import Sequence, SequenceStatus
 
 
-@dataclass
+@dataclass(init=False)
 class ScheduledSeq:
     """A sequence and how many of its tokens run this step (1 when decoding, a chunk when prefilling)."""
 
@@ -21,15 +21,18 @@ class ScheduledSeq:
     start: int = field(init=False)
     """num_computed_tokens when scheduled: position of the first token that runs."""
 
-    def __post_init__(self) -> None:
-        self.start = self.seq.num_computed_tokens
-        self.samples = self.start + self.num_new_tokens == self.seq.num_tokens
+    def __init__(self, seq: Sequence, num_new_tokens: int) -> None:  # one made per sequence per step: no __post_init__
+        self.seq, self.num_new_tokens = seq, num_new_tokens
+        self.start = start = seq.num_computed_tokens
+        self.samples = start + num_new_tokens == len(seq.token_ids) + seq.num_pending_tokens  # seq.num_tokens
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     num_preempted: int = 0
+    reads_host_tokens: bool | None = None
+    """Set at launch (LLMEngine._launch): whether a scheduled sequence samples with penalties or bad words."""
 
     @property
     def num_tokens(self) -> int:
@@ -80,20 +83,21 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         bm, kept = self.block_manager, []
-        bs = bm.block_size
+        bs, running, in_flight, rope, scheduled = bm.block_size, self.running, self.in_flight, self.rope, out.scheduled
         limit = self.batch_seq_limit or self.max_num_seqs
-        while self.running and budget > 0 and len(out.scheduled) < limit:
-            seq = self.running.popleft()
-            if seq.awaiting_final_token or seq.seq_id in self.in_flight:  # nothing to run until its tokens are back
+        while running and budget > 0 and len(scheduled) < limit:
+            seq = running.popleft()
+            if seq.awaiting_final_token or seq.seq_id in in_flight:  # nothing to run until its tokens are back
                 kept.append(seq)
                 continue
-            if self.rope is not None and self.rope.switches(seq):
+            if rope is not None and rope.switches(seq):
                 self._recompute_long(seq)
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            computed = seq.num_computed_tokens
+            n = min(len(seq.token_ids) + seq.num_pending_tokens - computed, budget)  # seq.num_tokens - computed
             # most decode steps: the blocks it holds take the tokens, nothing to allocate (can_append's answer)
-            if seq.num_computed_tokens + n <= len(seq.block_table) * bs:
-                out.scheduled.append(ScheduledSeq(seq, n))
+            if computed + n <= len(seq.block_table) * bs:
+                scheduled.append(ScheduledSeq(seq, n))
                 kept.append(seq)
                 budget -= n
                 continue
@@ -168,9 +172,7 @@ class Scheduler:
     def commit(self, out: SchedulerOutput) -> None:
         """Once the step's sampled tokens are on the host: publish newly full blocks to the prefix cache
         (hashing needs the real token ids, so not before)."""
-        for s in out.scheduled:
-            if s.seq.status == SequenceStatus.RUNNING:
-                self.block_manager.commit(s.seq)
+        self.block_manager.commit_running([s.seq for s in out.scheduled])
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished (or aborted) sequence and free its blocks."""

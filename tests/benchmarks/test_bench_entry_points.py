@@ -182,3 +182,14 @@ def test_python_m_tools_report_a_bad_config_in_one_line(tool):
     lines = [line for line in done.stderr.splitlines() if "Warning" not in line and not line.startswith(" ")]
     assert len(lines) == 1 and lines[0].startswith(f"python -m fxrewrite.benchmarks.{tool}: error: bench config "
                                                    "'bogus' not found (see "), done.stderr
+
+
+def test_host_step_smoke(tmp_path):
+    from fxrewrite.benchmarks import host_step
+
+    assert host_step.main(["--out", str(tmp_path), "--num-seqs", "8", "--steps", "5", "--warmup", "2",
+                           "--repeats", "1"]) == 0
+    result = _saved(tmp_path)
+    for workload in ("final_only", "stream"):
+        ms = result["results"][workload]["ms_per_step"]
+        assert ms["step"] >= ms["schedule"] > 0 and ms["launch"] >= ms["prepare_inputs"] > 0, ms
