@@ -24,7 +24,7 @@ from collections import defaultdict
 
 from torch import nn
 
-from fxrewrite import bound_forward, foreign, options, signature, source, tracer, user_hooks, weights, wrappers
+from fxrewrite import bound_forward, foreign, merged_params, options, signature, source, tracer, user_hooks, weights, wrappers
 from fxrewrite.layers.linear import no_weight_init
 from fxrewrite.layers.sdpa_causal import SDPA_CAUSAL, sdpa_read_by_name, use_sdpa_causal
 from fxrewrite.optimizer_state import HF_NAMES_ATTR
@@ -39,7 +39,9 @@ def optimize(model: nn.Module, **opts) -> nn.Module:
 
     Options: ``patterns`` (a tuple of pattern classes, default `fxrewrite.patterns.PATTERNS`);
     ``example_inputs`` = (args, kwargs) for `model.forward` when it is not a causal LM taking
-    ``input_ids`` (only shapes/dtypes matter: they are turned into meta tensors).
+    ``input_ids`` (only shapes/dtypes matter: they are turned into meta tensors); ``merge_weights``
+    (default True) = False keeps q/k/v and gate/up as separate Parameters (their fusions are skipped), for
+    optimizers whose update depends on each tensor as a whole (`fxrewrite.merged_params`).
     Works with parameters on any device, meta included (the serving engine builds on meta and
     loads weights afterwards with `fxrewrite.weights.load_hf_weights`). Raises TypeError for an
     unknown option or a bad option value (`fxrewrite.options`), a model that is not an `nn.Module`, or one
@@ -49,14 +51,14 @@ def optimize(model: nn.Module, **opts) -> nn.Module:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize expects a torch.nn.Module, got {type(model).__name__}")
-    patterns, example_inputs = options.checked(opts)  # TypeError naming a bad option or value
+    patterns, example_inputs, merge_weights = options.checked(opts)  # TypeError naming a bad option or value
     if getattr(model, _REPORT_ATTR, None) is not None:
         return model
     wrappers.check_not_wrapped(model)  # TypeError: e.g. optimize(torch.compile(model))
     foreign.check_no_foreign_patches(model)  # ForeignPatchError: e.g. Liger-Kernel patched transformers first
     model.__dict__[HF_NAMES_ATTR] = [name for name, _ in model.named_parameters()]  # optimizer_state_dict's order
     report = FusionReport()
-    ctx = Context(model, _text_config(model))
+    ctx = Context(model, _text_config(model), merge_weights)
     with user_hooks.suspended(model):  # users' hooks must not see the meta run's tensors
         records, error = tracer.record_calls(model, example_inputs=example_inputs)
     records = {k: (weakref.ref(m), args, kwargs) for k, (m, args, kwargs) in records.items()}  # fused-away ones go
@@ -80,6 +82,7 @@ def optimize(model: nn.Module, **opts) -> nn.Module:
     model.__dict__[_REPORT_ATTR] = report
     weights.install_hf_name_hooks(model)
     weights.mark_fused_away(model)
+    merged_params.track(model, weights.SHARDS_ATTR)  # warns an optimizer that reads tensors whole
     return model
 
 
@@ -283,6 +286,10 @@ def _rewrite_forwards(cls, instances, matches: list[Match], ctx, entry: ClassRep
         return
     usable = []
     for m in matches:  # each edit alone first: a refusal drops only that match
+        merged = [old for _, parts in m.pattern.shards(m) for old, _ in parts]
+        if merged and not ctx.merge_weights:
+            entry.skip(m.pattern.name, f"merge_weights=False: {', '.join(merged)} stay separate parameters")
+            continue
         try:
             m.pattern.rewrite(m, src, src.tree)
             usable.append(m)
@@ -302,7 +309,7 @@ def _rewrite_forwards(cls, instances, matches: list[Match], ctx, entry: ClassRep
             continue
         for m in valid:
             _applied(entry, m)
-            module.__dict__.setdefault("_fxrewrite_shards", []).extend(m.pattern.shards(m))
+            module.__dict__.setdefault(weights.SHARDS_ATTR, []).extend(m.pattern.shards(m))
         bound_forward.bind(module, compiled[key][0])
     if compiled:
         widest = max((k for k, v in compiled.items() if v is not None), key=len, default=None)

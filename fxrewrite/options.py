@@ -7,20 +7,24 @@ from typing import Any
 
 from fxrewrite.patterns import PATTERNS, Pattern
 
-OPTIONS = frozenset({"patterns", "example_inputs"})
+OPTIONS = frozenset({"patterns", "example_inputs", "merge_weights"})
 
 
-def checked(opts: dict[str, Any]) -> tuple[tuple, tuple[tuple, dict] | None]:
-    """(pattern classes, example inputs as (args tuple, kwargs dict) or None) from `optimize`'s keyword options.
+def checked(opts: dict[str, Any]) -> tuple[tuple, tuple[tuple, dict] | None, bool]:
+    """(pattern classes, example inputs as (args tuple, kwargs dict) or None, merge_weights) from `optimize`'s
+    keyword options.
 
     TypeError for an unknown option, ``patterns`` that is not an iterable of `fxrewrite.patterns.Pattern`
-    subclasses (a string such as ``"qkv"`` included), or ``example_inputs`` that is not an ``(args, kwargs)`` pair
-    of a tuple/list and a dict; each message names the value it got.
+    subclasses (a string such as ``"qkv"`` included), ``example_inputs`` that is not an ``(args, kwargs)`` pair
+    of a tuple/list and a dict, or ``merge_weights`` that is not a bool; each message names the value it got.
     """
     unknown = set(opts) - OPTIONS
     if unknown:
         raise TypeError(f"unknown optimize option(s) {sorted(unknown)}; expected one of {sorted(OPTIONS)}")
-    return _patterns(opts.get("patterns", PATTERNS)), _example_inputs(opts.get("example_inputs"))
+    merge = opts.get("merge_weights", True)
+    if not isinstance(merge, bool):
+        raise TypeError(f"optimize(merge_weights=...) expects True or False, got {reprlib.repr(merge)}")
+    return _patterns(opts.get("patterns", PATTERNS)), _example_inputs(opts.get("example_inputs")), merge
 
 
 def _is_pattern(p) -> bool:

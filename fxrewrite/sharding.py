@@ -38,6 +38,7 @@ from fxrewrite.layers.linear import (
 )
 from fxrewrite.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from fxrewrite.sharding_moe import shard_experts, shard_full_width_norms
+from fxrewrite.weights import SHARDS_ATTR
 
 _COLWISE = ("colwise", "local_colwise")
 _ROWWISE = ("rowwise", "local_rowwise")
@@ -55,7 +56,7 @@ def shard_model(model: nn.Module, tp_rank: int, tp_size: int) -> dict[str, str]:
         return plan
     modules = dict(model.named_modules())
     for prefix, module in list(modules.items()):
-        for new, _ in module.__dict__.get("_fxrewrite_shards", ()):
+        for new, _ in module.__dict__.get(SHARDS_ATTR, ()):
             _shard_fused(module, prefix, new, tp_rank, tp_size, plan)
     _apply_tp_plan(model, tp_rank, tp_size, plan)
     _shard_vocab(model, tp_rank, tp_size, plan)

@@ -20,7 +20,7 @@ from torch import nn
 
 from fxrewrite.errors import UserInputError
 
-_SHARDS = "_fxrewrite_shards"
+SHARDS_ATTR = "_fxrewrite_shards"
 _HOOKED = "_fxrewrite_hf_hooks"
 _ORDERED = "_fxrewrite_stock_order_hook"
 
@@ -37,7 +37,7 @@ def shard_map(model: nn.Module) -> dict[str, tuple[str, Any]]:
     """{HF parameter name: (fused parameter name, shard id)} over the whole model."""
     out: dict[str, tuple[str, Any]] = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
-        for new, olds in module.__dict__.get(_SHARDS, ()):
+        for new, olds in module.__dict__.get(SHARDS_ATTR, ()):
             fused = module.get_submodule(new)
             for pname, _ in fused.named_parameters(recurse=False):
                 for old, sid in olds:
@@ -46,7 +46,7 @@ def shard_map(model: nn.Module) -> dict[str, tuple[str, Any]]:
 
 
 def _split_hook(module, state_dict, prefix, local_metadata) -> None:
-    for new, olds in module.__dict__.get(_SHARDS, ()):
+    for new, olds in module.__dict__.get(SHARDS_ATTR, ()):
         sizes = _sizes(module.get_submodule(new))
         for pname in ("weight", "bias"):
             key = f"{prefix}{new}.{pname}"
@@ -60,7 +60,7 @@ def _merge_hook(module, state_dict, prefix, local_metadata, strict, missing_keys
     """Concatenate each fused parameter's HF tensors (q, k, v rows) into its fused name. A part the dict lacks (a
     partial dict: LoRA deltas of q_proj / v_proj only) keeps the parameter's current rows and is reported missing
     under its HF name, as torch reports it for the stock model; so is every part of a fused parameter given none."""
-    for new, olds in module.__dict__.get(_SHARDS, ()):
+    for new, olds in module.__dict__.get(SHARDS_ATTR, ()):
         fused = module.get_submodule(new)
         for pname in ("weight", "bias"):
             param, keys = getattr(fused, pname, None), [f"{prefix}{old}.{pname}" for old, _ in olds]
@@ -96,7 +96,7 @@ def install_hf_name_hooks(model: nn.Module) -> None:
     """Register the split/merge state-dict hooks on every rewritten module, and on `model` the one putting the
     names back in the stock order when `optimize` recorded it (idempotent)."""
     for module in model.modules():
-        if module.__dict__.get(_SHARDS) and not module.__dict__.get(_HOOKED):
+        if module.__dict__.get(SHARDS_ATTR) and not module.__dict__.get(_HOOKED):
             module.register_state_dict_post_hook(_split_hook)
             module.register_load_state_dict_pre_hook(_merge_hook)
             module.__dict__[_HOOKED] = True
@@ -215,7 +215,7 @@ def to_hf_names(model: nn.Module, named: dict[str, torch.Tensor]) -> dict[str, t
     """
     out = dict(named)
     for prefix, module in model.named_modules(remove_duplicate=False):
-        for new, olds in module.__dict__.get(_SHARDS, ()):
+        for new, olds in module.__dict__.get(SHARDS_ATTR, ()):
             sizes = _sizes(module.get_submodule(new))
             for pname in ("weight", "bias"):
                 key = _join(prefix, new, pname)
@@ -257,7 +257,7 @@ class FusedAway(nn.Module):
 def mark_fused_away(model: nn.Module) -> None:
     """Put a `FusedAway` where each fused child was (see its docstring)."""
     for module in model.modules():
-        for new, olds in module.__dict__.get(_SHARDS, ()):
+        for new, olds in module.__dict__.get(SHARDS_ATTR, ()):
             for old, _ in olds:
                 if "." not in old and old not in module._modules and not hasattr(module, old):
                     module.add_module(old, FusedAway(old, new))

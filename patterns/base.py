@@ -70,10 +70,12 @@ class Match:
 
 @dataclasses.dataclass
 class Context:
-    """What patterns may read besides the module: the model and its (text) config."""
+    """What patterns may read besides the module: the model and its (text) config, and whether a rewrite may merge
+    parameters (``optimize(merge_weights=...)``; False keeps every original Parameter, see `fxrewrite.merged_params`)."""
 
     model: nn.Module
     config: Any = None
+    merge_weights: bool = True
 
 
 class Pattern:

@@ -138,12 +138,19 @@ def make_config(arch: str, tok_ids: dict, *, hidden_size: int, num_attention_hea
 
 
 def write_weights(out: Path, config, *, seed: int, dtype: torch.dtype) -> None:
-    """Random weights for `config` (seeded), saved as safetensors with config.json."""
+    """Random weights for `config` (seeded), saved as safetensors with config.json. Tensors that transformers
+    initialises to one constant (norm weights at 1, or 0 for Gemma's 1 + w; biases at 0) get noise around that
+    constant (std 0.3 for norms, 0.2 for biases), so a loader that swaps, drops or mis-shards them changes the
+    outputs (q_norm read as k_norm, a q/k/v bias slice on the wrong rank)."""
     from transformers import AutoModelForCausalLM
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if param.dim() == 1 and param.numel() > 1 and bool((param == param[0]).all()):
+                    param.add_(torch.randn_like(param), alpha=0.2 if name.endswith("bias") else 0.3)
     model.save_pretrained(out)
 
 

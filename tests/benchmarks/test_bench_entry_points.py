@@ -12,6 +12,7 @@ import torch
 
 import fxrewrite.benchmarks.kernels as kernel_bench
 from fxrewrite.cli import main
+from tests.triton_cpu import require_interpreter
 
 _KERNEL_GLOBALS = ("BF16", "TOKENS", "HIDDEN", "INTERMEDIATE", "NUM_HEADS", "NUM_KV_HEADS", "HEAD_DIM", "DECODE_CASES",
                    "PREFILL_CASES", "SDPA_LEN", "DEVICE", "DECODE_CONFIGS", "PREFILL_CONFIGS", "MIN_SPLIT_TOKENS",
@@ -32,11 +33,7 @@ def _saved(tmp_path) -> dict:
 
 
 def test_bench_kernels_cpu_smoke(tmp_path, monkeypatch, capsys):
-    from fxrewrite.kernels.triton_utils import HAS_TRITON, interpreter_ready
-
-    if not HAS_TRITON or torch.cuda.is_available():
-        pytest.skip("needs triton, and runs the interpreter on a CPU-only machine")
-    assert interpreter_ready(), "triton was imported before TRITON_INTERPRET=1 was set (see tests/conftest.py)"
+    require_interpreter()
     for name in _KERNEL_GLOBALS:  # the smoke run rebinds the module's sizes: put them back afterwards
         monkeypatch.setattr(kernel_bench, name, getattr(kernel_bench, name))
     assert main(["bench", "kernels", "--cpu-smoke", "--out", str(tmp_path)]) == 0, capsys.readouterr().err
@@ -49,10 +46,7 @@ def test_bench_kernels_cpu_smoke(tmp_path, monkeypatch, capsys):
 
 
 def test_bench_kernels_only_some_groups(tmp_path, monkeypatch, capsys):
-    from fxrewrite.kernels.triton_utils import HAS_TRITON
-
-    if not HAS_TRITON or torch.cuda.is_available():
-        pytest.skip("needs triton, and runs the interpreter on a CPU-only machine")
+    require_interpreter()
     for name in _KERNEL_GLOBALS:
         monkeypatch.setattr(kernel_bench, name, getattr(kernel_bench, name))
     assert main(["bench", "kernels", "--cpu-smoke", "--only", "sampler, sampler", "--out", str(tmp_path)]) == 0

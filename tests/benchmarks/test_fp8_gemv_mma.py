@@ -9,13 +9,12 @@ import torch.nn.functional as F
 
 from fxrewrite.benchmarks.fp8_gemv_mma import gemv_mma
 from fxrewrite.kernels.gemv_tune import max_rel_error, scratch_scales
-from fxrewrite.kernels.triton_utils import interpreter_ready
+from tests.triton_cpu import require_interpreter
 
 
 @pytest.mark.parametrize("config", [(16, 128, 2, 4), (32, 256, 2, 4)], ids=str)
 def test_mma_gemv_matches_the_dequantized_product(config):
-    if not interpreter_ready():
-        pytest.skip("needs the Triton interpreter (a CPU run)")
+    require_interpreter()
     torch.manual_seed(0)
     n, k = 48, 512  # a partial last tile of rows at 32
     w = torch.randn(n, k).mul(32).to(torch.float8_e4m3fn)

@@ -128,7 +128,7 @@ LORA_TARGETS = ["q_proj", "v_proj"]
 
 
 def test_optimize_of_a_peft_model_trains_like_it():
-    peft = pytest.importorskip("peft")  # the `train` / `dev` extras install it
+    import peft  # the `train` / `dev` extras install it
     config = peft.LoraConfig(r=4, target_modules=LORA_TARGETS, lora_dropout=0.0, init_lora_weights=False)
     stock = peft.get_peft_model(tiny_model("llama"), config).train()
     fused = fxrewrite.optimize(copy.deepcopy(stock)).train()
@@ -148,7 +148,7 @@ def test_optimize_of_a_peft_model_trains_like_it():
 
 def test_explain_says_which_projections_lora_keeps_unfused():
     """fresh-8 F9: the glu and qkv rows had no reason when PEFT wrapped q_proj / v_proj / gate_proj."""
-    peft = pytest.importorskip("peft")
+    import peft  # the `train` / `dev` extras install it
     config = peft.LoraConfig(r=4, target_modules=[*LORA_TARGETS, "gate_proj"], lora_dropout=0.0)
     report = fxrewrite.explain(fxrewrite.optimize(peft.get_peft_model(tiny_model("llama"), config)))
     skipped = {(cls, pattern): reason for cls, pattern, reason in report.skipped()}
@@ -161,7 +161,7 @@ def test_explain_says_which_projections_lora_keeps_unfused():
 
 
 def test_peft_on_an_optimized_model_names_the_module_and_the_fix():
-    peft = pytest.importorskip("peft")
+    import peft  # the `train` / `dev` extras install it
     fused = fxrewrite.optimize(tiny_model("llama"))
     with pytest.raises(ValueError, match=r"'q_proj' was fused into 'qkv_proj'.*get_peft_model first"):
         peft.get_peft_model(fused, peft.LoraConfig(r=4, target_modules=LORA_TARGETS))

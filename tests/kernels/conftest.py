@@ -13,17 +13,15 @@ import dataclasses
 import pytest
 import torch
 
-from fxrewrite.kernels.triton_utils import HAS_TRITON, interpreter_ready  # noqa: E402
+from fxrewrite.kernels.triton_utils import HAS_TRITON  # noqa: E402
+from tests.triton_cpu import require_interpreter  # noqa: E402
 
 
 
 @pytest.fixture
 def interpret():
-    """Skip unless Triton kernels can run on CPU tensors in this process."""
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
-    if not interpreter_ready():
-        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set (see tests/conftest.py)")
+    """Triton kernels run on CPU tensors in this process (`tests.triton_cpu.require_interpreter`)."""
+    require_interpreter()
 
 
 @pytest.fixture

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fxrewrite.kernels import activation_backward as act_mod
+from fxrewrite.kernels import rotary_backward as rot_mod
 from fxrewrite.kernels.activation import gelu_and_mul_ref, silu_and_mul_ref
-from fxrewrite.kernels.activation_backward import act_and_mul_train
+from fxrewrite.kernels.activation_backward import ActAndMulFunction, act_and_mul_train
 from fxrewrite.kernels.rms_norm import rms_norm_ref
 from fxrewrite.kernels.rms_norm_backward import RMSNormFunction, rms_norm_train
 from fxrewrite.kernels.rotary_backward import RotaryApplyFunction, rotary_apply_ref, rotary_apply_train
@@ -23,7 +25,8 @@ def _grads(fn, *inputs):
 
 
 def _close(got, want, tol=1e-5):
-    for g, w in zip(got, want):
+    assert len(got) == len(want), (len(got), len(want))
+    for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=tol, atol=tol)
 
 
@@ -57,13 +60,23 @@ def test_rms_norm_train_uses_the_function(forced, monkeypatch):
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh"])
-def test_act_and_mul_grads(forced, act):
+def test_act_and_mul_grads(forced, act, monkeypatch):
+    # spies: the Triton forward (through ActAndMulFunction) and the Triton backward launcher must both run
+    applies, fwd, bwd = [], [], []
+    apply, fwd_launch, bwd_launch = ActAndMulFunction.apply, act_mod._act_and_mul_triton, act_mod._backward
+    monkeypatch.setattr(ActAndMulFunction, "apply", lambda *a: applies.append(a[1]) or apply(*a))
+    monkeypatch.setattr(act_mod, "_act_and_mul_triton",
+                        lambda x, code, **kw: fwd.append(code) or fwd_launch(x, code, **kw))
+    monkeypatch.setattr(act_mod, "_backward",
+                        lambda x2, dy2, dx, code: bwd.append(code) or bwd_launch(x2, dy2, dx, code))
     # seeded: unseeded inputs made a rare element miss the 1e-5 absolute tolerance (float32 tanh-GELU)
     x = torch.randn(4, 3, 2 * 24, generator=torch.Generator().manual_seed(0)) * 3
     ref = {"silu": silu_and_mul_ref, "gelu": gelu_and_mul_ref,
            "gelu_tanh": lambda t: gelu_and_mul_ref(t, "tanh")}[act]
     got = _grads(lambda t: act_and_mul_train(t, act), x.detach().requires_grad_())
     want = _grads(ref, x.detach().requires_grad_())
+    code = {"silu": 0, "gelu": 1, "gelu_tanh": 2}[act]
+    assert (applies, fwd, bwd) == ([act], [code], [code])  # the kernels ran (not autograd through the ref)
     _close(got[0], want[0])
     _close(got[1], want[1])
 
@@ -113,7 +126,13 @@ def test_act_and_mul_rejects_odd_and_unknown():
 @pytest.mark.parametrize("neox", [True, False])
 @pytest.mark.parametrize("rotary_dim", [8, 4])
 @pytest.mark.parametrize("cos_batch", [1, 2])
-def test_rotary_grads(forced, neox, rotary_dim, cos_batch):
+def test_rotary_grads(forced, neox, rotary_dim, cos_batch, monkeypatch):
+    # spies: RotaryApplyFunction and its Triton launcher, forward (q, k) and backward (dq, dk), must run
+    applies, launches = [], []
+    apply, launch = RotaryApplyFunction.apply, rot_mod._launch
+    monkeypatch.setattr(RotaryApplyFunction, "apply", lambda *a: applies.append(1) or apply(*a))
+    monkeypatch.setattr(rot_mod, "_launch", lambda x, cos, sin, neox_, backward: launches.append((neox_, backward))
+                        or launch(x, cos, sin, neox_, backward))
     B, S, D = 2, 5, 8
     q = torch.randn(B, S, 4, D).transpose(1, 2).requires_grad_()  # transformers' strided view
     k = torch.randn(B, 2, S, D, requires_grad=True)
@@ -121,6 +140,8 @@ def test_rotary_grads(forced, neox, rotary_dim, cos_batch):
     cos, sin = ang.cos(), ang.sin()  # halves differ: the kernel must not assume duplicated halves
     got = _grads(lambda q, k: rotary_apply_train(q, k, cos, sin, 1, neox), q, k)
     want = _grads(lambda q, k: rotary_apply_ref(q, k, cos, sin, neox), q, k)
+    assert applies == [1]
+    assert sorted(launches) == sorted([(neox, False)] * 2 + [(neox, True)] * 2)  # q, k forward; dq, dk backward
     _close(got[0], want[0])
     _close(got[1], want[1])
 
@@ -131,7 +152,7 @@ def test_rotary_ref_is_transformers_apply():
     q, k = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8)
     ang = torch.randn(2, 5, 4)
     cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
-    for got, want in zip(rotary_apply_ref(q, k, cos, sin), apply_rotary_pos_emb(q, k, cos, sin)):
+    for got, want in zip(rotary_apply_ref(q, k, cos, sin), apply_rotary_pos_emb(q, k, cos, sin), strict=True):
         assert torch.equal(got, want)
 
 

@@ -34,10 +34,23 @@ def test_kernel_matches_ref(interpret, act):
 
 
 def test_public_functions_dispatch_when_forced(interpret, monkeypatch):
-    monkeypatch.setenv("FXREWRITE_TRITON", "1")
+    calls = []
+    original = mod._act_and_mul_triton
+
+    def spy(x, act, **kw):
+        calls.append(act)
+        return original(x, act, **kw)
+
+    monkeypatch.setattr(mod, "_act_and_mul_triton", spy)
     x = torch.randn(2, 3, 32)
+    silu_and_mul(x)
+    gelu_and_mul(x, "tanh")
+    assert not calls  # not forced, CPU tensor: the reference path
+    monkeypatch.setenv("FXREWRITE_TRITON", "1")
     torch.testing.assert_close(silu_and_mul(x), silu_and_mul_ref(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gelu_and_mul(x), gelu_and_mul_ref(x), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gelu_and_mul(x, "tanh"), gelu_and_mul_ref(x, "tanh"), rtol=1e-5, atol=1e-5)
+    assert calls == [0, 1, 2]  # each public function ran the kernel, with its own activation code
 
 
 @pytest.mark.gpu

@@ -231,7 +231,8 @@ def test_inference_table_gives_the_same_cos_sin(dtype, is_neox_style):
         got = rope.get_cos_sin(positions, dtype)
         table = rope.cos_sin_table(dtype)
     assert table.shape == (rope.max_cache_len, 2 * rope.rotary_dim) and table.dtype == dtype
-    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert len(got) == len(want) == 2  # (cos, sin)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     if is_neox_style:  # the rotary kernels' layout (cos half | sin half) in the middle columns
         half = rope.rotary_dim // 2
         assert torch.equal(table[:, half: 3 * half], rope.cos_sin_cache.to(dtype))
@@ -262,10 +263,12 @@ def test_positions_past_the_cache_rotate_as_transformers(rope_type):
     x = torch.zeros(1, 5, 64)
     want = hf(x, positions)
     got = rope.get_cos_sin(positions, torch.float32)
-    for g, w in zip(got, want):
+    assert len(got) == len(want) == 2  # (cos, sin)
+    for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
     rope.cover(far + 1)
     assert rope.max_cache_len == far + 1 and rope.cos_sin_cache.shape[0] == far + 1
     with torch.inference_mode():
         bounded = rope.get_cos_sin(positions, torch.float32)
-    assert all(torch.equal(b, g) for b, g in zip(bounded, got))
+    assert len(bounded) == len(got)
+    assert all(torch.equal(b, g) for b, g in zip(bounded, got, strict=True))

@@ -132,6 +132,12 @@ def test_training_gradients_match_stock(family):
     assert any("experts" in n for n in got)
 
 
+def _older_than(version: str, bound: tuple[int, int]) -> bool:
+    from packaging.version import Version
+
+    return Version(version).release[:2] < bound
+
+
 @pytest.mark.parametrize("train", [True, False])
 def test_router_logits_and_aux_loss_match_stock(family, train):
     """output_router_logits=True on a fused model (the call's argument, or the config's set after optimize): the
@@ -145,7 +151,12 @@ def test_router_logits_and_aux_loss_match_stock(family, train):
     with torch.set_grad_enabled(train):
         try:
             want = ref(ids, labels=ids, output_router_logits=True)
-        except AttributeError as e:  # transformers 5.17's GraniteMoE: its aux loss is an int 0 with labels
+        except AttributeError as e:
+            # the one known stock failure: GraniteMoE on older transformers (5.17; 5.25 works) returns the aux loss as
+            # an int 0 from load_balancing_loss_func and then calls `aux_loss.to(...)` with labels. Anything else fails.
+            if not (family == "granitemoe" and _older_than(T.__version__, (5, 25))
+                    and "'int' object has no attribute 'to'" in str(e)):
+                raise
             pytest.skip(f"{family}: stock transformers {T.__version__} fails: {e}")
         got = model(ids, labels=ids, output_router_logits=True)
     assert len(got.router_logits) == len(want.router_logits) == 2

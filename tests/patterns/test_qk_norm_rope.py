@@ -97,7 +97,8 @@ def test_torch_form_is_transformers_bit_for_bit():
             want = apply_rotary_qk(hf_q(q).transpose(1, 2), hf_k(k).transpose(1, 2), cos, sin)
         got = QKNormRotaryEmb()(q.transpose(1, 2), k.transpose(1, 2), cos, sin,
                                 q_norm=_fused_norm(hf_q), k_norm=_fused_norm(hf_k))
-        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        assert len(got) == len(want) == 2  # (q, k)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
 @pytest.mark.parametrize("rotary_dim", [16, 8])
@@ -120,7 +121,7 @@ def test_kernel_path_matches_torch_form(interpret, monkeypatch, rotary_dim, inpl
         monkeypatch.setenv("FXREWRITE_TRITON", "1")
         assert op._kernel_applies(q, k, cos, 1, **norms)
         got = op(q, k, cos, sin, **norms)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     assert (got[0].data_ptr() == q.data_ptr()) == inplace
     assert torch.equal(q, q0) != inplace and torch.equal(k, k0) != inplace

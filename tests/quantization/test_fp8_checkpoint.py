@@ -73,7 +73,7 @@ def hf_fp8_reference(fp8_dir):
 def test_fp8_checkpoint_matches_transformers_fp8(fp8_dir, hf_fp8_reference, impl):
     llm = _llm(fp8_dir, impl)
     got, want = _run(llm), hf_fp8_reference
-    for (tokens, lps), (want_tokens, want_lps) in zip(got, want):
+    for (tokens, lps), (want_tokens, want_lps) in zip(got, want, strict=True):
         assert tokens == want_tokens
         torch.testing.assert_close(torch.tensor(lps), torch.tensor(want_lps), rtol=1e-4, atol=1e-4)
     linears = [m for m in llm.llm_engine.model_runner.model.modules() if type(m).__name__.startswith("Fp8")]
@@ -106,7 +106,7 @@ def _dynamic_fp8_reference(path):
 
 def test_quantization_fp8_on_a_float_checkpoint(bf16_dir):
     got, want = _run(_llm(bf16_dir, "native", quantization="fp8")), _greedy(_dynamic_fp8_reference(bf16_dir))
-    for (tokens, lps), (want_tokens, want_lps) in zip(got, want):
+    for (tokens, lps), (want_tokens, want_lps) in zip(got, want, strict=True):
         assert tokens == want_tokens
         torch.testing.assert_close(torch.tensor(lps), torch.tensor(want_lps), rtol=1e-4, atol=1e-4)
 

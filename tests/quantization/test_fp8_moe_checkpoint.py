@@ -35,7 +35,7 @@ def hf_reference(fp8_moe_dir):
 @pytest.mark.parametrize("impl", ["native", "transformers"])
 def test_fp8_moe_checkpoint_matches_transformers_fp8(fp8_moe_dir, hf_reference, impl):
     llm = _llm(fp8_moe_dir, impl)
-    for (tokens, lps), (want_tokens, want_lps) in zip(_run(llm), hf_reference):
+    for (tokens, lps), (want_tokens, want_lps) in zip(_run(llm), hf_reference, strict=True):
         assert tokens == want_tokens
         torch.testing.assert_close(torch.tensor(lps), torch.tensor(want_lps), rtol=1e-4, atol=1e-4)
     names = [n for n, m in llm.llm_engine.model_runner.model.named_modules() if type(m).__name__.startswith("Fp8")]

@@ -14,10 +14,8 @@ def _one_torch_thread():
 
 @pytest.fixture
 def interpret():
-    """Skip unless Triton's CPU interpreter runs the kernels here (on a GPU machine they run compiled)."""
-    from fxrewrite.kernels.triton_utils import HAS_TRITON, interpreter_ready
+    """Triton's CPU interpreter runs the kernels here (`tests.triton_cpu.require_interpreter`: skip on a GPU
+    machine, fail on a CPU-only Linux machine without it)."""
+    from tests.triton_cpu import require_interpreter
 
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
-    if not interpreter_ready():
-        pytest.skip("triton runs compiled kernels here (a GPU machine): the CPU interpreter is not in use")
+    require_interpreter()

@@ -42,12 +42,19 @@ def test_default_sampling_params_come_from_generation_config(llm):
 
 def test_generate_and_chat_without_params_use_the_defaults(llm):
     greedy = SamplingParams(max_tokens=5, temperature=0)  # top_k=1 samples the argmax
-    assert [o.outputs[0].token_ids for o in llm.generate(["Hello there", "A"], use_tqdm=False)] == \
+    defaulted = [o.outputs[0] for o in llm.generate(["Hello there", "A"], use_tqdm=False)]
+    assert [o.token_ids for o in defaulted] == \
         [o.outputs[0].token_ids for o in llm.generate(["Hello there", "A"], greedy, use_tqdm=False)]
+    assert [(len(o.token_ids), o.finish_reason) for o in defaulted] == [(5, "length")] * 2
     conversation = [{"role": "user", "content": "Name a colour."}]
     out = llm.chat(conversation, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == llm.chat(conversation, greedy, use_tqdm=False)[0].outputs[0].token_ids
-    assert len(out.token_ids) == 5 or out.finish_reason == "stop"
+    # greedy decoding of this conversation does not stop within 8 tokens, so the 5 below is max_tokens at work
+    # (the file's max_new_tokens), not an early stop hiding a wrong default
+    longer = llm.chat(conversation, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0].outputs[0]
+    assert (len(longer.token_ids), longer.finish_reason) == (8, "length")
+    assert list(longer.token_ids[:5]) == list(out.token_ids)
+    assert (len(out.token_ids), out.finish_reason) == (5, "length")
 
 
 def test_explicit_params_are_not_changed(llm):
@@ -63,7 +70,9 @@ def test_vllm_ignores_the_file_and_a_folder_supplies_another(model_with_defaults
     plain = LLM(str(model_with_defaults), generation_config="vllm", **SMALL)
     assert plain.get_default_sampling_params() == SamplingParams()
     out = plain.generate("Hello there", use_tqdm=False)[0].outputs[0]
-    assert len(out.token_ids) == 16 or out.finish_reason == "stop"  # SamplingParams' max_tokens, not 5
+    # SamplingParams' max_tokens (16), not the file's 5; the random tiny model (a Qwen vocabulary of 151k tokens,
+    # the engine's shared generator seeded with 0) samples no end-of-sequence token in 16 steps
+    assert (len(out.token_ids), out.finish_reason) == (16, "length")
     (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3, "temperature": 0.5}))
     other = LLM(str(tiny_qwen3_dir), generation_config=tmp_path, **SMALL)  # a path-like folder
     params = other.get_default_sampling_params()

@@ -13,10 +13,10 @@ import torch
 from torch._dynamo.utils import counters
 
 from fxrewrite import LLM, SamplingParams
-from fxrewrite.kernels.triton_utils import HAS_TRITON, interpreter_ready
 from fxrewrite.runtime.worker.compilation import compile_model, decoder_layers, forward_or_fallback
 from fxrewrite.runtime.worker.forward_context import forward_context
 from fxrewrite.runtime.worker.memory_profiling import _dummy_metadata
+from tests.triton_cpu import require_interpreter
 
 pytestmark = pytest.mark.slow  # runs first under xdist (tests/conftest.py)
 
@@ -103,8 +103,7 @@ def test_decoder_layers_and_restore(tiny_model_dir):
 def test_opt_in_serving_kernels_enter_the_graph_as_ops(tiny_model_dir, monkeypatch):
     """FXREWRITE_COMPILE_KERNELS=1: RMSNorm and SiLU-and-mul are the opaque Triton ops in the layer graph
     (Triton through the interpreter here), not references for Inductor to fuse."""
-    if not HAS_TRITON or not interpreter_ready():
-        pytest.skip("needs triton's interpreter (TRITON_INTERPRET=1 before triton's import: tests/conftest.py)")
+    require_interpreter()
     monkeypatch.setenv("FXREWRITE_TRITON", "1")
     monkeypatch.setenv("FXREWRITE_COMPILE_KERNELS", "1")
     torch._dynamo.reset()

@@ -59,7 +59,8 @@ def test_engine_and_trainer_logprobs_bitwise_equal(tiny_model_dir, triton_kernel
                                    micro_batch_size=2)  # rows padded to other lengths than the engine's
     assert trainer.config._attn_implementation != "fxrewrite_batch_invariant"  # restored
     assert mine[0].requires_grad  # the training kernels ran (their backward: the attention test below)
-    for (_, _, engine), recomputed in zip(samples, mine):
+    assert len(samples) == len(mine) == len(PROMPTS)
+    for (_, _, engine), recomputed in zip(samples, mine, strict=True):
         assert torch.tensor(engine).tolist() == recomputed.detach().tolist()
 
 

@@ -1,5 +1,5 @@
 """Sampled tokens' logprobs: the engine's (`SamplingParams(logprobs=0)`) equal the trainer's recomputation
-(`fxrewrite.rl.completion_logprobs` on the optimized model) in float32, and under `batch_invariant=True`
+(`fxrewrite.rl.completion_logprobs` on the optimized model) and stock transformers' log_softmax in float32, and under `batch_invariant=True`
 a sequence's logprobs are bitwise the same alone and batched with others."""
 
 import pytest
@@ -35,12 +35,19 @@ def test_engine_logprobs_equal_trainer_recomputation_float32(path, impl):
     llm = LLM(path, model_impl=impl, dtype="float32", block_size=4, max_num_batched_tokens=16)  # chunked prefill
     params = SamplingParams(temperature=1.0, n=2, seed=3, logprobs=0, max_tokens=10, ignore_eos=True)
     samples = _sampled(llm.generate(PROMPTS, params, use_tqdm=False))
+    stock = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     trainer = fxrewrite.optimize(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
     recomputed = completion_logprobs(trainer, [p for p, _, _ in samples], [c for _, c, _ in samples],
                                      micro_batch_size=3)
-    for (_, _, engine), mine in zip(samples, recomputed):
+    assert len(samples) == len(recomputed) == 2 * len(PROMPTS)
+    for (prompt, completion, engine), mine in zip(samples, recomputed, strict=True):
         assert len(engine) == 10
         torch.testing.assert_close(torch.tensor(engine), mine.detach(), rtol=0, atol=1e-5)
+        # the independent oracle: transformers' own model, its logits, log_softmax at each completion token
+        with torch.no_grad():
+            logits = stock(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
+        oracle = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(engine), oracle, rtol=0, atol=1e-5)
 
 
 def test_recomputation_has_gradients_and_checks_lengths(path):

@@ -98,7 +98,12 @@ def test_seed_makes_sampling_repeatable(server):
     client = server.client()
     kwargs = dict(model=server.model_name, prompt=PROMPT, temperature=1.0, top_p=0.9, seed=1234, max_tokens=8,
                   extra_body={"ignore_eos": True, "top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1})
-    assert client.completions.create(**kwargs).choices[0].text == client.completions.create(**kwargs).choices[0].text
+    first = client.completions.create(**kwargs).choices[0].text
+    # other seeds sample other texts (an ignored seed with deterministic decoding would repeat too, and fail here)
+    others = [client.completions.create(**{**kwargs, "seed": seed}).choices[0].text for seed in (1, 2, 3, 4)]
+    assert len({first, *others}) >= 2, others
+    # the same seed again, after the other seeds' requests: the same text
+    assert client.completions.create(**kwargs).choices[0].text == first
 
 
 @pytest.mark.parametrize("stream", [False, True])

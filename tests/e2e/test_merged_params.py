@@ -1,0 +1,73 @@
+"""Optimizers that read each tensor whole (Adafactor, Muon...) step differently over a merged q/k/v or gate/up
+Parameter than over the stock model's separate ones (the gradients are equal): their first step over a merged
+parameter warns, naming the fix, and ``optimize(merge_weights=False)`` keeps the parameters apart, so the same
+optimizer then trains exactly as on the stock model (the other fusions stay)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from tests.e2e.tiny_models import tiny_model
+from transformers.optimization import Adafactor
+
+import fxrewrite
+
+_OPTIMIZERS = {
+    "adafactor-transformers": lambda ps: Adafactor(ps, lr=1e-2, scale_parameter=False, relative_step=False),
+    "adafactor-torch": lambda ps: torch.optim.Adafactor(ps, lr=1e-2),
+}
+if hasattr(torch.optim, "Muon"):
+    _OPTIMIZERS["muon"] = lambda ps: torch.optim.Muon([p for p in ps if p.ndim == 2], lr=0.02)
+# Muon orthogonalises in bfloat16: from its second step the fused kernels' float32 rounding (~1e-7 in the gradients)
+# can flip a bf16 rounding (~2e-3 of the update), so it is compared after one step, where it is exact.
+_STEPS = {"muon": 1}
+
+
+def _train(model, make_optimizer, steps=2):
+    model.train()
+    optimizer = make_optimizer(list(model.parameters()))
+    ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(6))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            optimizer.zero_grad()
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+    return model.state_dict(), [str(w.message) for w in caught if "merge_weights=False" in str(w.message)]
+
+
+@pytest.mark.parametrize("name", sorted(_OPTIMIZERS))
+def test_per_tensor_optimizers_warn_and_merge_weights_false_trains_like_stock(name):
+    make = _OPTIMIZERS[name]
+    stock = tiny_model("qwen3", tie_word_embeddings=False)
+    merged = fxrewrite.optimize(copy.deepcopy(stock))
+    separate = fxrewrite.optimize(copy.deepcopy(stock), merge_weights=False)
+    steps = _STEPS.get(name, 2)
+    want, _ = _train(stock, make, steps)
+    got_merged, merged_warnings = _train(merged, make, steps)
+    got_separate, separate_warnings = _train(separate, make, steps)
+    assert len(merged_warnings) == 1 and "qkv_proj.weight (q_proj, k_proj, v_proj)" in merged_warnings[0]
+    assert not separate_warnings
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.allclose(got_merged[q], want[q], rtol=1e-4, atol=1e-6)  # what the warning is about
+    for key, value in want.items():
+        torch.testing.assert_close(got_separate[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    report = fxrewrite.explain(separate)
+    assert {"qkv", "glu"}.isdisjoint(report.applied_patterns()) and {"rms_norm", "rotary"} <= set(
+        report.applied_patterns())
+    assert any("merge_weights=False: q_proj, k_proj, v_proj stay separate parameters" in reason
+               for _, _, reason in report.skipped())
+
+
+def test_elementwise_optimizers_do_not_warn():
+    model = fxrewrite.optimize(tiny_model("llama"))
+    for make in (lambda ps: torch.optim.AdamW(ps, lr=1e-3), lambda ps: torch.optim.SGD(ps, lr=1e-2)):
+        assert _train(model, make, steps=1)[1] == []
+
+
+def test_merge_weights_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"optimize\(merge_weights=\.\.\.\) expects True or False, got 'no'"):
+        fxrewrite.optimize(tiny_model("llama"), merge_weights="no")
