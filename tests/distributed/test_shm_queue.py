@@ -1,6 +1,7 @@
 """`ShmQueue`: order, wrap-around, messages larger than a chunk, several readers, and a reader that
 notices its writer's death (and a writer its reader's)."""
 
+import hashlib
 import multiprocessing
 import os
 import signal
@@ -15,11 +16,11 @@ _SPAWN = multiprocessing.get_context("spawn")
 
 
 def _read_all(handle, reader, out):
-    """Reader process: sends back everything it got until None (arrays as (sum, shape))."""
+    """Reader process: sends back everything it got until None (arrays as `_digest`)."""
     q = ShmQueue.attach(handle, reader=reader)
     got = []
     while (msg := q.get(timeout=60)) is not None:
-        got.append((int(msg.sum()), msg.shape) if isinstance(msg, np.ndarray) else msg)
+        got.append(_digest(msg) if isinstance(msg, np.ndarray) else msg)
     q.close()
     out.put((reader, got))
 
@@ -32,8 +33,13 @@ def _write_then_die(handle, ready):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _digest(a: np.ndarray) -> tuple[str, str, tuple]:
+    """An array's identity without sending it back: sha256 of its bytes, its dtype and shape."""
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest(), a.dtype.str, a.shape
+
+
 def _expected(msgs):
-    return [(int(m.sum()), m.shape) if isinstance(m, np.ndarray) else m for m in msgs]
+    return [_digest(m) if isinstance(m, np.ndarray) else m for m in msgs]
 
 
 def test_in_process_order_and_wrap_around():
@@ -74,7 +80,8 @@ def test_two_reader_processes_see_every_message_in_order_including_large_ones():
         p.start()
     rng = np.random.default_rng(0)
     # Small ones, then arrays of 40 KB and 800 KB: 10 and 200 chunks streamed through a ring of 4.
-    msgs = list(range(30)) + [rng.integers(0, 1000, 5000), "mid", rng.integers(0, 1000, 100_000), "end"]
+    msgs = list(range(30)) + [rng.integers(0, 1000, 5000), "mid", rng.integers(0, 1000, 100_000), "end",
+                              rng.standard_normal((300, 70)).astype(np.float32)]  # 84 KB, 2-D, float32
     try:
         for m in msgs:
             writer.put(m, timeout=60)

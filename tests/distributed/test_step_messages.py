@@ -21,11 +21,15 @@ def _schedule(*chunks: tuple[Sequence, int]) -> SchedulerOutput:
 def _send(encoder: StepEncoder, mirror: SequenceMirror, sched: SchedulerOutput):
     msg = pickle.loads(pickle.dumps(encoder.encode(sched)))  # what goes over the wire
     got = mirror.apply(msg)
-    for want, have in zip(sched.scheduled, got.scheduled):
+    assert len(got.scheduled) == len(sched.scheduled)
+    for want, have in zip(sched.scheduled, got.scheduled, strict=True):
+        assert have.seq is mirror.seqs[want.seq.seq_id] and have.seq is not want.seq  # the mirror's own copy
         seq, copy = want.seq, have.seq
         assert (copy.seq_id, copy.token_ids, copy.block_table) == (seq.seq_id, seq.token_ids, seq.block_table)
         assert (copy.num_computed_tokens, copy.num_pending_tokens) == (seq.num_computed_tokens, seq.num_pending_tokens)
         assert (have.start, have.num_new_tokens, have.samples) == (want.start, want.num_new_tokens, want.samples)
+    # the mirror holds exactly the driver's live sequences (finished ones dropped on both sides)
+    assert sorted(mirror.seqs) == sorted(encoder.seqs)
     return msg
 
 
@@ -78,3 +82,4 @@ def test_mirror_follows_the_driver_with_deltas():
     a.status = SequenceStatus.FINISHED
     msg = _send(encoder, mirror, _schedule((b, 1)))
     assert msg.finished == [a.seq_id] and a.seq_id not in mirror.seqs
+    assert list(mirror.seqs) == list(encoder.seqs) == [b.seq_id]

@@ -11,13 +11,15 @@ import json
 import os
 import signal
 import socket
+from pathlib import Path
 
 import psutil
 import pytest
 import torch.multiprocessing as mp
 
 from tests.distributed.processes import hang, join_or_fail
-from tests.distributed.tp_ranks import MAX_TOKENS, generate_tokens, greedy_tokens, make_llm, sampling_params, spmd_rank
+from tests.distributed.tp_ranks import (MAX_TOKENS, generate_tokens, make_llm, sampling_params, shard_layout,
+                                        spmd_rank)
 
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
@@ -54,10 +56,46 @@ def test_tp2_equals_tp1_native_and_fused(qwen3_kv1, llama_kv2, gpt_oss, tmp_path
     out = tmp_path / "tp2.json"
     ctx = mp.start_processes(spmd_rank, args=(_free_port(), cases, str(out)), nprocs=2, join=False,
                              start_method="spawn")
-    expected = {f"{path}|{impl}": greedy_tokens(path, impl) for path, impl in cases}  # overlaps the ranks
+    try:
+        expected = {}  # overlaps the ranks
+        for path, impl in cases:
+            llm = make_llm(path, impl)
+            expected[f"{path}|{impl}"] = {"tokens": generate_tokens(llm), "layout": shard_layout(llm)}
+    except BaseException:
+        for p in ctx.processes:
+            p.kill()
+        for p in ctx.processes:
+            p.join(10)
+        raise
     join_or_fail(ctx, timeout_s=600, what="TP ranks")
-    assert json.loads(out.read_text()) == expected
-    assert all(len(c) == MAX_TOKENS for tokens in expected.values() for t in tokens for c in t)
+    ranks = [json.loads((tmp_path / f"tp2.json.{rank}").read_text()) for rank in (0, 1)]
+    for rank, got in enumerate(ranks):
+        assert list(got) == list(expected)
+        for (path, impl), (key, want) in zip(cases, expected.items(), strict=True):
+            assert got[key]["tokens"] == want["tokens"], (rank, key)
+            assert got[key]["layout"] == _tp2_layout(want["layout"], rank, path), (rank, key)
+    assert all(len(c) == MAX_TOKENS for case in expected.values() for t in case["tokens"] for c in t)
+
+
+def _tp2_layout(tp1: dict, rank: int, path: str) -> dict:
+    """What TP rank `rank` of 2 must hold, from TP=1's `shard_layout`: half the query heads (and half the kv heads,
+    all of them when there are fewer kv heads than ranks), half of o_proj's input columns, half the MLP width and
+    half the vocabulary rows (rank r's half starting at r * V/2)."""
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    q_rows = cfg["num_attention_heads"] * head_dim
+    (rows, cols), kv_rows = tp1["qkv"], tp1["qkv"][0] - q_rows
+    assert kv_rows in (0, 2 * cfg["num_key_value_heads"] * head_dim)  # fused [q|k|v], or q_proj alone (unfused)
+    local_kv = kv_rows // 2 if cfg["num_key_value_heads"] >= 2 else kv_rows  # one kv head: replicated
+    vocab = tp1["lm_head"][0]
+    want = {"world_size": 2, "tp_size": 2, "tp_rank": rank, "qkv": [q_rows // 2 + local_kv, cols],
+            "o_proj": [tp1["o_proj"][0], tp1["o_proj"][1] // 2], "gate_up": None, "down": None,
+            "lm_head": [vocab // 2, rank * vocab // 2]}
+    if tp1["gate_up"] is not None:  # a dense MLP (GPT-OSS has experts)
+        want["gate_up"] = [tp1["gate_up"][0] // 2, tp1["gate_up"][1]]
+        want["down"] = [tp1["down"][0], tp1["down"][1] // 2]
+    assert tp1["world_size"] == tp1["tp_size"] == 1 and tp1["lm_head"][1] == 0
+    return want
 
 
 def test_a_hung_rank_fails_the_test_within_its_deadline():

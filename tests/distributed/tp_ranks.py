@@ -53,17 +53,45 @@ def greedy_tokens(path: str, impl: str, tensor_parallel_size: int = 1) -> list[l
     return generate_tokens(make_llm(path, impl, tensor_parallel_size))
 
 
+def shard_layout(llm) -> dict:
+    """What this process's model holds (evidence of tensor-parallel sharding): the world and TP size, the
+    first layer's attention projections' local weight shapes ([q|k|v] rows, or q_proj's unfused; o_proj),
+    its dense MLP's (None for experts) and the LM head's local vocabulary rows and first row."""
+    import torch.distributed as dist
+
+    from fxrewrite import distributed
+
+    model = llm.llm_engine.model_runner.model
+    params = dict(model.named_parameters())
+
+    def shape(*suffixes):
+        found = [list(p.shape) for n, p in params.items() if n.endswith(suffixes)]
+        return found[0] if found else None
+
+    head = next(m for n, m in model.named_modules() if n.endswith("lm_head"))
+    return {"world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "tp_size": distributed.get_tp_size(), "tp_rank": distributed.get_tp_rank(),
+            "qkv": shape(".layers.0.self_attn.qkv_proj.weight", ".layers.0.self_attn.q_proj.weight"),
+            "o_proj": shape(".layers.0.self_attn.o_proj.weight"),
+            "gate_up": shape(".layers.0.mlp.gate_up_proj.weight"),
+            "down": shape(".layers.0.mlp.down_proj.weight"),
+            "lm_head": [head.weight.shape[0], getattr(head, "vocab_start_index", 0)]}
+
+
 def spmd_rank(rank: int, port: int, cases: list[tuple[str, str]], out_path: str) -> None:
-    """torchrun-style rank: every rank runs the same TP=2 engine; rank 0 writes {case: tokens}."""
+    """torchrun-style rank: every rank runs the same TP=2 engine; each rank writes {case: {"tokens", "layout"}}
+    (`shard_layout`) to out_path + f".{rank}"."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
     from fxrewrite import distributed
 
     distributed.init_from_env("cpu")
     try:
-        results = {f"{path}|{impl}": greedy_tokens(path, impl, 2) for path, impl in cases}
+        results = {}
+        for path, impl in cases:
+            llm = make_llm(path, impl, 2)
+            results[f"{path}|{impl}"] = {"tokens": generate_tokens(llm), "layout": shard_layout(llm)}
     finally:
         distributed.destroy()
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
+    with open(f"{out_path}.{rank}", "w") as f:
+        json.dump(results, f)

@@ -24,6 +24,7 @@ from fxrewrite.runtime.worker.cuda_graphs import EMULATE_ENV
 from fxrewrite.runtime.worker.warmup import WARMUP_ENV
 from fxrewrite.runtime.worker.watchdog import LOAD_LOG_ENV, WATCHDOG_ENV
 from tests.distributed.tp_ranks import make_llm
+from tests.moe.moe_ranks import LAYOUT_DIR_ENV, ep_layout, model_moe_layout, read_dp_layouts, record_dp_layouts
 from tests.moe.test_moe_parallel import MOE, forbid_worker_start
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -71,13 +72,15 @@ LOAD_TIMEOUT_S = 400
 a loaded 2-core machine; a hang of the replicas' collectives ends here instead of stalling the suite."""
 
 
-def test_dp2_ep_native_with_warmup_and_graphs_equals_one_engine(qwen3_moe_dir):
+def test_dp2_ep_native_with_warmup_and_graphs_equals_one_engine(qwen3_moe_dir, tmp_path):
     """The load sequence the GPU runs, on gloo: kernel warm-up forced on, CUDA graph buckets emulated (one
     forward per bucket at load, as the capture does; decode waves replicas padded to one bucket, the idle
     replica replaying padding rows). Every collective of one replica must meet the other's: a subprocess
     with a timeout, so a deadlock fails with the workers' watchdog lines (their phase and stacks)."""
-    want = greedy(make_llm(qwen3_moe_dir, "native"))
-    env = {**os.environ, EMULATE_ENV: "1", WARMUP_ENV: "1", WATCHDOG_ENV: "60", LOAD_LOG_ENV: "1"}
+    one = make_llm(qwen3_moe_dir, "native")
+    want, tp1 = greedy(one), model_moe_layout(one.llm_engine.model_runner.model)
+    env = {**os.environ, EMULATE_ENV: "1", WARMUP_ENV: "1", WATCHDOG_ENV: "60", LOAD_LOG_ENV: "1",
+           LAYOUT_DIR_ENV: str(tmp_path)}
     root = Path(__file__).resolve().parents[2]
     try:
         run = subprocess.run([sys.executable, "-m", "tests.moe.dp_ep_run", qwen3_moe_dir], cwd=root, env=env,
@@ -88,6 +91,9 @@ def test_dp2_ep_native_with_warmup_and_graphs_equals_one_engine(qwen3_moe_dir):
     assert run.returncode == 0, run.stderr[-6000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["tokens"] == want
+    # the experts are split over the two replicas' workers: worker r holds experts [4r, 4r + 4) of 8, whole
+    assert len(tp1["fused"]) == 2 and tp1["fused"][0][0] == 8
+    assert out["layouts"] == [ep_layout(tp1, 2, 0), ep_layout(tp1, 2, 1)]
     assert out["buckets"] == 5 and out["routed"] == [2, 1] and out["free"] == [True, True]  # buckets 1..16
     for rank in (0, 1):  # every worker went through the warm-up and the bucket forwards, and finished loading
         log = [line for line in run.stderr.splitlines() if f"DP rank {rank} TP rank 0" in line]
@@ -97,11 +103,17 @@ def test_dp2_ep_native_with_warmup_and_graphs_equals_one_engine(qwen3_moe_dir):
     assert "still in" not in run.stderr  # no phase lasted a watchdog period
 
 
-def test_dp2_ep_transformers_moe_equals_one_engine(qwen3_moe_dir):
+def test_dp2_ep_transformers_moe_equals_one_engine(qwen3_moe_dir, tmp_path, monkeypatch):
     """Every wave eager (transformers + fusion), the idle replica calling the MoE layers with zero tokens."""
-    want = greedy(make_llm(qwen3_moe_dir, "transformers"))
+    one = make_llm(qwen3_moe_dir, "transformers")
+    want, tp1 = greedy(one), model_moe_layout(one.llm_engine.model_runner.model)
+    monkeypatch.setenv(LAYOUT_DIR_ENV, str(tmp_path))
+    record_dp_layouts(monkeypatch.setattr)
     llm = make_llm(qwen3_moe_dir, "transformers", data_parallel_size=2, enable_expert_parallel=True)
     try:
+        # worker r (replica r) holds experts [4r, 4r + 4) of 8, whole, in each of the 2 fused MoE layers
+        assert len(tp1["fused"]) == 2 and tp1["fused"][0][0] == 8
+        assert read_dp_layouts(tmp_path, 2) == [ep_layout(tp1, 2, 0), ep_layout(tp1, 2, 1)]
         assert llm.llm_engine.model_runner.model.cuda_graph_buckets == 0
         assert greedy(llm) == want
         _check_replicas_used_and_freed(llm)
@@ -140,13 +152,18 @@ def test_bad_data_parallel_settings_fail_before_workers_start(qwen3_moe_dir, tin
 
 
 @pytest.mark.slow
-def test_dp2_tp2_ep_moe_equals_one_engine(tiny_model_dir):
+def test_dp2_tp2_ep_moe_equals_one_engine(tiny_model_dir, tmp_path, monkeypatch):
     """4 workers: two replicas of TP=2 (attention heads split inside each), 8 experts over all 4 ranks."""
     path = str(tiny_model_dir("qwen3_moe", vocab="smollm2", num_attention_heads=8, num_key_value_heads=2,
                               **MOE["qwen3_moe"]))
-    want = greedy(make_llm(path, "native"))
+    one = make_llm(path, "native")
+    want, tp1 = greedy(one), model_moe_layout(one.llm_engine.model_runner.model)
+    monkeypatch.setenv(LAYOUT_DIR_ENV, str(tmp_path))
+    record_dp_layouts(monkeypatch.setattr)
     llm = make_llm(path, "native", tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True)
     try:
+        # worker w = dp_rank * 2 + tp_rank holds experts [2w, 2w + 2) of 8, whole
+        assert read_dp_layouts(tmp_path, 4) == [ep_layout(tp1, 4, w) for w in range(4)]
         assert greedy(llm) == want
         _check_replicas_used_and_freed(llm)
     finally:

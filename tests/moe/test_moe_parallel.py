@@ -17,7 +17,8 @@ import pytest
 import torch.multiprocessing as mp
 
 from tests.distributed.tp_ranks import generate_tokens, make_llm
-from tests.moe.moe_ranks import short_tokens, spmd_rank
+from tests.distributed.processes import join_or_fail
+from tests.moe.moe_ranks import ep_layout, moe_layout, short_tokens, spmd_rank
 
 MOE = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
@@ -45,15 +46,52 @@ def _free_port() -> int:
 
 
 def _run_ranks(world_size: int, cases, tmp_path) -> list:
+    """[(what each rank wrote for the case: {"tokens", "layout"}, in rank order; TP=1's tokens; TP=1's layout)]
+    per case (`moe_ranks.spmd_rank`, `moe_ranks.moe_layout`)."""
     out = tmp_path / f"ranks{world_size}.json"
     ctx = mp.start_processes(spmd_rank, args=(world_size, _free_port(), cases, str(out)), nprocs=world_size,
                              join=False, start_method="spawn")
     run = generate_tokens if world_size == 2 else short_tokens
-    expected = [run(make_llm(path, impl)) for path, impl, _ in cases]  # overlaps the ranks
-    while not ctx.join(timeout=600):
-        pass
-    got = json.loads(out.read_text())
-    return [(got[str(i)], want) for i, want in enumerate(expected)]
+    try:
+        expected = []  # overlaps the ranks
+        for path, impl, kwargs in cases:
+            llm = make_llm(path, impl, fusion=kwargs.get("fusion", True))
+            expected.append((run(llm), moe_layout(llm)))
+    except BaseException:
+        for p in ctx.processes:
+            p.kill()
+        for p in ctx.processes:
+            p.join(10)
+        raise
+    join_or_fail(ctx, timeout_s=600 if world_size == 2 else 900, what="MoE ranks")
+    ranks = [json.loads((tmp_path / f"ranks{world_size}.json.{r}").read_text()) for r in range(world_size)]
+    assert all(list(got) == [str(i) for i in range(len(cases))] for got in ranks)
+    return [([got[str(i)] for got in ranks], tokens, layout) for i, (tokens, layout) in enumerate(expected)]
+
+
+def _check_split(ranks: list[dict], tp1: dict, world_size: int, kwargs: dict) -> None:
+    """Expert parallelism: rank r holds experts [r*E/ws, (r+1)*E/ws) whole; tensor parallelism: every expert,
+    1/ws of its intermediate width; fusion=False (transformers' own experts modules): every rank the whole
+    experts (replicated: only the attention is sharded there)."""
+    assert tp1["world_size"] == 1 and len(tp1["experts_w13"]) >= 1
+    for r, got in enumerate(ranks):
+        layout = got["layout"]
+        assert layout["world_size"] == world_size
+        if kwargs.get("fusion", True) is False:
+            assert tp1["fused"] == layout["fused"] == []
+            assert layout["experts_w13"] == tp1["experts_w13"], r
+            continue
+        assert len(tp1["fused"]) == len(tp1["experts_w13"])  # every MoE layer is fused
+        if kwargs.get("enable_expert_parallel"):
+            want = ep_layout(tp1, world_size, r)
+        else:
+            want = {"fused": [], "experts_w13": []}
+            for num_experts, start, ep, width, (_, rows, hidden) in tp1["fused"]:
+                assert (start, ep, rows) == (0, False, 2 * width)
+                split = [num_experts, rows // world_size, hidden]
+                want["fused"].append([num_experts, 0, False, width // world_size, split])
+                want["experts_w13"].append(split)
+        assert {k: layout[k] for k in want} == want, r
 
 
 def test_tp2_and_ep2_equal_tp1(moe_dir, tmp_path):
@@ -66,8 +104,11 @@ def test_tp2_and_ep2_equal_tp1(moe_dir, tmp_path):
              (moe_dir("olmoe"), "transformers", {}),
              # fusion=False: q/k/v head-sharded, transformers' full-width q/k RMSNorms -> ShardedRMSNorm
              (moe_dir("olmoe"), "transformers", {"fusion": False})]
-    for i, (got, want) in enumerate(_run_ranks(2, cases, tmp_path)):
-        assert got == want, cases[i]
+    results = _run_ranks(2, cases, tmp_path)
+    assert len(results) == len(cases)
+    for case, (ranks, want, tp1) in zip(cases, results, strict=True):
+        assert [got["tokens"] for got in ranks] == [want, want], case
+        _check_split(ranks, tp1, 2, case[2])
 
 
 @pytest.mark.slow
@@ -77,8 +118,9 @@ def test_ep_at_4_and_8_ranks_equals_tp1(moe_dir, tmp_path, world_size, impl):
     """Issue #18's layout in miniature: 8 experts over 4 or 8 ranks (one or two whole experts each)."""
     path = moe_dir("qwen3_moe", num_attention_heads=8, num_key_value_heads=2)
     cases = [(path, impl, {"enable_expert_parallel": True})]
-    (got, want), = _run_ranks(world_size, cases, tmp_path)
-    assert got == want
+    (ranks, want, tp1), = _run_ranks(world_size, cases, tmp_path)
+    assert [got["tokens"] for got in ranks] == [want] * world_size
+    _check_split(ranks, tp1, world_size, cases[0][2])
 
 
 def forbid_worker_start(monkeypatch) -> None:

@@ -149,6 +149,7 @@ def test_fp8_checkpoint_tp2_equals_tp1(fp8_dir, tmp_path):
 
     import torch.multiprocessing as mp
 
+    from tests.distributed.processes import join_or_fail
     from tests.distributed.tp_ranks import greedy_tokens, spmd_rank
 
     with socket.socket() as s:
@@ -157,7 +158,16 @@ def test_fp8_checkpoint_tp2_equals_tp1(fp8_dir, tmp_path):
     cases = [(str(fp8_dir), "transformers")]  # HF + fusion + sharding: the longer path (native shards alike)
     out = tmp_path / "tp2.json"
     ctx = mp.start_processes(spmd_rank, args=(port, cases, str(out)), nprocs=2, join=False, start_method="spawn")
-    expected = {f"{path}|{impl}": greedy_tokens(path, impl) for path, impl in cases}
-    while not ctx.join(timeout=300):
-        pass
-    assert json.loads(out.read_text()) == expected
+    try:
+        expected = {f"{path}|{impl}": greedy_tokens(path, impl) for path, impl in cases}
+    except BaseException:
+        for p in ctx.processes:
+            p.kill()
+        for p in ctx.processes:
+            p.join(10)
+        raise
+    join_or_fail(ctx, timeout_s=600, what="TP ranks")
+    for rank in (0, 1):  # every rank writes its tokens and its shard's layout (tp_ranks.spmd_rank)
+        got = json.loads((tmp_path / f"tp2.json.{rank}").read_text())
+        assert {key: case["tokens"] for key, case in got.items()} == expected, rank
+        assert all(case["layout"]["tp_size"] == 2 and case["layout"]["tp_rank"] == rank for case in got.values())

@@ -62,7 +62,10 @@ def test_embeddings_float_and_base64(pooling_server, tiny_model_dir):
     assert floats.usage.prompt_tokens == floats.usage.total_tokens == sum(map(len, ids))
     with pooling_server.http() as http:  # raw base64, as OpenAI encodes it (little-endian float32)
         raw = http.post("/v1/embeddings", json={"input": texts, "encoding_format": "base64"}).json()
-    for d, b, want in zip(floats.data, raw["data"], _direct(tiny_model_dir("qwen3"), ids)):
+    direct = _direct(tiny_model_dir("qwen3"), ids)
+    assert len(floats.data) == len(raw["data"]) == len(direct) == len(texts)
+    assert [d["index"] for d in raw["data"]] == [0, 1]
+    for d, b, want in zip(floats.data, raw["data"], direct, strict=True):
         vector = np.asarray(d.embedding, dtype=np.float32)
         assert vector.shape == (pooling_server.engine.model_config.hidden_size,)
         assert abs(np.linalg.norm(vector) - 1.0) < 1e-5
@@ -71,7 +74,7 @@ def test_embeddings_float_and_base64(pooling_server, tiny_model_dir):
     one = client.embeddings.create(model=MODEL_NAME, input=ids[0])  # token ids, and list of token ids
     many = client.embeddings.create(model=MODEL_NAME, input=ids)
     np.testing.assert_allclose(one.data[0].embedding, floats.data[0].embedding, rtol=1e-5, atol=1e-6)
-    assert len(many.data) == 2 and one.usage.prompt_tokens == len(ids[0])
+    assert len(one.data) == 1 and len(many.data) == 2 and one.usage.prompt_tokens == len(ids[0])
 
 
 def test_truncate_prompt_tokens_embeds_each_inputs_last_tokens(pooling_server):
@@ -83,7 +86,8 @@ def test_truncate_prompt_tokens_embeds_each_inputs_last_tokens(pooling_server):
         tail = http.post("/v1/embeddings", json={"input": [long_ids[-2:], [8, 9]]}).json()
         whole = http.post("/v1/embeddings", json={"input": long_ids, "truncate_prompt_tokens": -1}).json()
     assert cut["usage"]["prompt_tokens"] == 4 and whole["usage"]["prompt_tokens"] == MAX_LEN, (cut, whole)
-    for got, want in zip(cut["data"], tail["data"]):
+    assert len(cut["data"]) == len(tail["data"]) == 2 and len(whole["data"]) == 1
+    for got, want in zip(cut["data"], tail["data"], strict=True):
         np.testing.assert_allclose(got["embedding"], want["embedding"], rtol=1e-5, atol=1e-6)
 
 

@@ -91,6 +91,7 @@ def test_bad_parameters_are_400(server, path, body, param):
         error = _error(http.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"}), 400)
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param
+    assert error["code"] == "invalid_value"
     if param:
         assert param in error["message"]
 
@@ -175,7 +176,10 @@ def test_default_max_tokens_is_clamped_to_the_context(server):
     with server.http() as http:
         r = http.post("/v1/completions", json={"model": server.model_name, "prompt": fits, "ignore_eos": True})
     assert r.status_code == 200, r.text
-    assert r.json()["usage"]["completion_tokens"] <= 3
+    body = r.json()
+    assert body["usage"]["prompt_tokens"] == server.max_model_len - 3
+    assert body["usage"]["completion_tokens"] == 3  # ignore_eos: the whole rest of the context
+    assert len(body["choices"]) == 1 and body["choices"][0]["finish_reason"] == "length"
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "token-abc123"}])
@@ -193,13 +197,16 @@ def test_unknown_model_is_404(server):
     with server.http() as http:
         error = _error(http.post("/v1/chat/completions", json=CHAT | {"model": "gpt-17"}), 404)
     assert "gpt-17" in error["message"] and error["param"] == "model"
+    assert error["type"] == "not_found_error" and error["code"] == "model_not_found"
     with pytest.raises(openai.NotFoundError):
         server.client().completions.create(model="gpt-17", prompt="hi", max_tokens=1)
 
 
 def test_unknown_route_is_404_in_openai_shape(server):
     with server.http() as http:
-        _error(http.get("/v1/nothing-here"), 404)
+        error = _error(http.get("/v1/nothing-here"), 404)
+    assert error["type"] == "not_found_error" and error["param"] is None
+    assert error["code"] is None  # starlette's 404: the server sets no code (errors._on_http_error)
 
 
 def test_cors_preflight_is_answered_before_the_api_key(server):

@@ -1,6 +1,7 @@
 """The official openai client, unchanged, against a real server: chat and completions, streamed or not."""
 
 import pytest
+import torch
 
 
 PROMPT = "The capital of France is"
@@ -106,30 +107,100 @@ def test_seed_makes_sampling_repeatable(server):
     assert client.completions.create(**kwargs).choices[0].text == first
 
 
+@pytest.fixture(scope="module")
+def hf_model(tiny_qwen3_dir):
+    """transformers' own model of the server's checkpoint (the same folder: `tiny_model_dir("qwen3")`), float32."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32)
+
+
+TOL = {"rel": 1e-5, "abs": 1e-5}
+"""float32 on both sides (the server's dtype "auto" is the checkpoint's float32)."""
+
+
+def _oracle(hf_model, ids: list[int]) -> torch.Tensor:
+    """transformers' log-probabilities [len(ids), vocab]: row i is the distribution of token i + 1."""
+    with torch.no_grad():
+        return hf_model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+
+def _token_id(name: str) -> int:
+    assert name.startswith("token_id:"), name  # return_tokens_as_token_ids
+    return int(name.removeprefix("token_id:"))
+
+
+def _tokenize(server, **body) -> list[int]:
+    with server.http() as http:
+        r = http.post("/tokenize", json={"model": server.model_name, **body})
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
 @pytest.mark.parametrize("stream", [False, True])
-def test_logprobs(server, stream):
+def test_logprobs(server, hf_model, stream):
+    assert server.engine.model_config.dtype == torch.float32
     client = server.client()
-    out = client.chat.completions.create(model=server.model_name, messages=[{"role": "user", "content": "Hi"}],
-                                         logprobs=True, top_logprobs=2, stream=stream, **GREEDY)
-    chunks = list(out) if stream else [out]
-    content = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
-    assert len(content) == 12
+    messages = [{"role": "user", "content": "Hi"}]
+
+    def chat(**extra):
+        out = client.chat.completions.create(model=server.model_name, messages=messages, logprobs=True,
+                                             top_logprobs=2, stream=stream,
+                                             **{**GREEDY, "extra_body": {**GREEDY["extra_body"], **extra}})
+        chunks = list(out) if stream else [out]
+        return [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+
+    content, by_id = chat(), chat(return_tokens_as_token_ids=True)
+    assert len(content) == len(by_id) == 12
     for token in content:
         assert token.logprob <= 0 and len(token.top_logprobs) == 2
         assert token.top_logprobs[0].logprob >= token.top_logprobs[1].logprob
         # greedy: the sampled token is the most likely one
         assert token.logprob == pytest.approx(token.top_logprobs[0].logprob, abs=1e-4)
+    # the same greedy request with its tokens named by id: the same numbers
+    assert [(t.logprob, [x.logprob for x in t.top_logprobs]) for t in by_id] == \
+        [(t.logprob, [x.logprob for x in t.top_logprobs]) for t in content]
+    prompt = _tokenize(server, messages=messages)  # the chat template's rendering, as the chat endpoint's
+    generated = [_token_id(t.token) for t in by_id]
+    ref = _oracle(hf_model, prompt + generated)
+    for j, token in enumerate(by_id):
+        row = ref[len(prompt) - 1 + j]
+        assert token.logprob == pytest.approx(row[generated[j]].item(), **TOL), j
+        assert [x.logprob for x in token.top_logprobs] == pytest.approx(row.topk(2).values.tolist(), **TOL), j
+        assert _token_id(token.top_logprobs[0].token) == generated[j]
 
     comp = client.completions.create(model=server.model_name, prompt=PROMPT, logprobs=3, **GREEDY)
     lp = comp.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 12
-    assert all(len(top) <= 3 for top in lp.top_logprobs)
     assert "".join(lp.tokens) == comp.choices[0].text
+    ids = client.completions.create(model=server.model_name, prompt=PROMPT, logprobs=3,
+                                    **{**GREEDY, "extra_body": {**GREEDY["extra_body"],
+                                                                "return_tokens_as_token_ids": True}})
+    lp_ids = ids.choices[0].logprobs
+    assert lp_ids.token_logprobs == lp.token_logprobs
+    assert [sorted(t.values()) for t in lp_ids.top_logprobs] == [sorted(t.values()) for t in lp.top_logprobs]
+    prompt = _tokenize(server, prompt=PROMPT)
+    generated = [_token_id(t) for t in lp_ids.tokens]
+    ref = _oracle(hf_model, prompt + generated)
+    for j, (token_lp, top) in enumerate(zip(lp_ids.token_logprobs, lp_ids.top_logprobs, strict=True)):
+        row = ref[len(prompt) - 1 + j]
+        assert token_lp == pytest.approx(row[generated[j]].item(), **TOL), j
+        best = row.topk(3)
+        # the 3 most likely, plus the sampled token when it is not among them (greedy: it always is)
+        outside = generated[j] not in best.indices.tolist()
+        assert len(top) == 3 + outside, (j, top)
+        assert f"token_id:{generated[j]}" in top and top[f"token_id:{generated[j]}"] == token_lp
+        assert sorted(top.values(), reverse=True)[:3] == pytest.approx(best.values.tolist(), **TOL), j
 
 
-def test_echo(server):
-    out = server.client().completions.create(model=server.model_name, prompt=PROMPT, echo=True, **GREEDY)
-    assert out.choices[0].text.startswith(PROMPT)
+@pytest.mark.parametrize("sampling", [GREEDY, {"temperature": 1.0, "seed": 7, "max_tokens": 12,
+                                               "extra_body": {"ignore_eos": True}}], ids=["greedy", "seeded"])
+def test_echo(server, sampling):
+    client = server.client()
+    plain = client.completions.create(model=server.model_name, prompt=PROMPT, **sampling).choices[0]
+    echoed = client.completions.create(model=server.model_name, prompt=PROMPT, echo=True, **sampling).choices[0]
+    assert plain.text and echoed.text == PROMPT + plain.text
+    assert echoed.finish_reason == plain.finish_reason == "length"
 
 
 def test_streamed_choices_of_several_prompts_match_non_streamed(server):

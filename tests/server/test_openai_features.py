@@ -26,14 +26,17 @@ def test_lm_eval_loglikelihood_request_shape(server, hf_model):
     prompts = [context + continuation, context[:3] + continuation]
     out = server.client().completions.create(model=server.model_name, prompt=prompts, max_tokens=1, logprobs=1,
                                              echo=True, temperature=0, seed=1234)
-    for choice, prompt in zip(sorted(out.choices, key=lambda c: c.index), prompts):
+    assert server.engine.model_config.dtype == torch.float32 == hf_model.dtype  # float32 on both sides
+    assert len(out.choices) == len(prompts)
+    assert sorted(c.index for c in out.choices) == list(range(len(prompts)))
+    for choice, prompt in zip(sorted(out.choices, key=lambda c: c.index), prompts, strict=True):
         lp = choice.logprobs
         assert len(lp.token_logprobs) == len(prompt) + 1 and lp.token_logprobs[0] is None
         assert lp.top_logprobs[0] is None and all(isinstance(t, dict) for t in lp.top_logprobs[1:])
         with torch.no_grad():
             ref = hf_model(torch.tensor([prompt])).logits[0].log_softmax(-1)
         expected = [ref[p - 1, prompt[p]].item() for p in range(1, len(prompt))]
-        assert lp.token_logprobs[1 : len(prompt)] == pytest.approx(expected, abs=1e-3)
+        assert lp.token_logprobs[1 : len(prompt)] == pytest.approx(expected, rel=1e-5, abs=1e-5)
         ctxlen = len(prompt) - len(continuation)
         for token_lp, top in zip(lp.token_logprobs[ctxlen:-1], lp.top_logprobs[ctxlen:-1]):
             assert max(top.values()) >= token_lp - 1e-6

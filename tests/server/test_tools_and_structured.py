@@ -3,6 +3,7 @@ Qwen3 with Qwen3's real chat template, which renders tools and writes Hermes-sty
 `--enable-auto-tool-choice`, so the parser is picked by the template)."""
 
 import json
+import re
 
 import openai
 import pytest
@@ -31,6 +32,7 @@ TOOLS = [
 ]
 MESSAGES = [{"role": "user", "content": "What's the weather in Paris?"}]
 COMPACT = {"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}}
+JSON_OBJECT_SEED, JSON_OBJECT_MAX_TOKENS = 1, 60
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -67,18 +69,27 @@ def test_json_schema_outputs_validate(server):
 
 def test_json_object_regex_choice_and_grammar(server):
     client = _client(server)
-    out = _chat(server, max_tokens=60, temperature=1.0, response_format={"type": "json_object"},
+    # A random model never closes a free JSON string by itself (any of 151k tokens may follow, greedy or seeded: it
+    # runs to max_tokens); a bias on '"' and '}' closes every string and the object as soon as the grammar allows.
+    tok = server.engine.tokenizer
+    close = {str(i): 100 for text in ('"', "}") for i in tok.encode(text, add_special_tokens=False)}
+    assert len(close) == 2
+    out = _chat(server, max_tokens=JSON_OBJECT_MAX_TOKENS, temperature=1.0, seed=JSON_OBJECT_SEED, logit_bias=close,
+                response_format={"type": "json_object"},
                 extra_body={"structured_outputs": {"disable_any_whitespace": True}})
-    assert out.choices[0].message.content.startswith("{")
-    if out.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(out.choices[0].message.content), dict)
+    assert len(out.choices) == 1
+    assert out.choices[0].finish_reason == "stop", out.choices[0].message.content
+    assert isinstance(json.loads(out.choices[0].message.content), dict), out.choices[0].message.content
     out = client.completions.create(model=server.model_name, prompt="Code:", max_tokens=20, n=4, temperature=1.0,
                                     extra_body={"guided_regex": "[A-Z]{2}-[0-9]{3}"})
-    assert all(len(c.text) == 6 and c.text[2] == "-" for c in out.choices)
+    assert len(out.choices) == 4
+    for c in out.choices:
+        assert re.fullmatch(r"[A-Z]{2}-[0-9]{3}", c.text) and c.finish_reason == "stop", c.text
     out = _chat(server, n=4, temperature=1.0, extra_body={"guided_choice": ["sunny", "rainy"]})
-    assert {c.message.content for c in out.choices} <= {"sunny", "rainy"}
+    assert len(out.choices) == 4 and {c.message.content for c in out.choices} <= {"sunny", "rainy"}
     out = _chat(server, temperature=1.0, extra_body={"guided_grammar": 'root ::= "a" [0-9] "z"'})
-    assert out.choices[0].message.content[0] == "a" and out.choices[0].message.content[-1] == "z"
+    assert len(out.choices) == 1 and re.fullmatch(r"a[0-9]z", out.choices[0].message.content), out.choices[0]
+    assert out.choices[0].finish_reason == "stop"
 
 
 @pytest.mark.parametrize("extra, message", [
