@@ -129,15 +129,25 @@ def run_workload(model_dir: str, num_seqs: int, prompt_len: int, steps: int, war
     return {"ms_per_step": median, "repeats": [{k: round(v, 4) for k, v in w.items()} for w in windows]}
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="folder for the JSON result")
     ap.add_argument("--name", default=None, help="file name stem (default: <date>-host-step)")
-    ap.add_argument("--num-seqs", type=int, default=256)
-    ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=200, help="engine steps per repeat")
-    ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--num-seqs", type=_positive, default=256)
+    ap.add_argument("--prompt-len", type=_positive, default=32)
+    ap.add_argument("--steps", type=_positive, default=200, help="engine steps per repeat")
+    ap.add_argument("--warmup", type=_positive, default=20)
+    ap.add_argument("--repeats", type=_positive, default=5)
     ap.add_argument("--workloads", default="final_only,stream", help="comma-separated: final_only, stream")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)

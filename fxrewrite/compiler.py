@@ -57,6 +57,7 @@ def optimize(model: nn.Module, **opts) -> nn.Module:
     wrappers.check_not_wrapped(model)  # TypeError: e.g. optimize(torch.compile(model))
     foreign.check_no_foreign_patches(model)  # ForeignPatchError: e.g. Liger-Kernel patched transformers first
     model.__dict__[HF_NAMES_ATTR] = [name for name, _ in model.named_parameters()]  # optimizer_state_dict's order
+    watched = merged_params.watch(model)  # an optimizer built before optimize still holds the replaced ones
     report = FusionReport()
     ctx = Context(model, _text_config(model), merge_weights)
     with user_hooks.suspended(model):  # users' hooks must not see the meta run's tensors
@@ -82,7 +83,7 @@ def optimize(model: nn.Module, **opts) -> nn.Module:
     model.__dict__[_REPORT_ATTR] = report
     weights.install_hf_name_hooks(model)
     weights.mark_fused_away(model)
-    merged_params.track(model, weights.SHARDS_ATTR)  # warns an optimizer that reads tensors whole
+    merged_params.track(model, weights.SHARDS_ATTR, watched)  # checks optimizers' first step
     return model
 
 

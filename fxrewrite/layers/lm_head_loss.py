@@ -52,6 +52,13 @@ class LMHeadCrossEntropy(nn.Module):
         self.armed = False  # whether this call may defer it (set by the same hooks: training, labels given)
         self.tuple_output = False  # whether this call returns a tuple (return_dict off; set by the same hooks)
 
+    def __getstate__(self) -> dict:
+        """A copy (pickle, deepcopy) leaves the last call's deferred job out: it holds that call's hidden states,
+        labels and logits transform (a local function pickle cannot store); the next call makes its own."""
+        state = dict(super().__getstate__())
+        state["deferred"] = None
+        return state
+
     def fuses(self, model: nn.Module, labels, hidden_states, head, shift_labels=None) -> bool:
         """Whether this call takes the fused path: labels given, the model training with autograd on, a
         ModelOutput asked for (``return_dict`` not off), the loss still transformers' ``ForCausalLMLoss``, a plain

@@ -187,3 +187,13 @@ def test_host_step_smoke(tmp_path):
     for workload in ("final_only", "stream"):
         ms = result["results"][workload]["ms_per_step"]
         assert ms["step"] >= ms["schedule"] > 0 and ms["launch"] >= ms["prepare_inputs"] > 0, ms
+
+
+@pytest.mark.parametrize("flag", ["--steps", "--repeats", "--num-seqs", "--prompt-len", "--warmup"])
+def test_host_step_refuses_a_count_below_one(flag, tmp_path, capsys):
+    from fxrewrite.benchmarks import host_step
+
+    with pytest.raises(SystemExit) as exit_info:
+        host_step.main(["--out", str(tmp_path), flag, "0"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"argument {flag}: expected a positive integer, got '0'" in err

@@ -71,3 +71,22 @@ def test_elementwise_optimizers_do_not_warn():
 def test_merge_weights_must_be_a_bool():
     with pytest.raises(TypeError, match=r"optimize\(merge_weights=\.\.\.\) expects True or False, got 'no'"):
         fxrewrite.optimize(tiny_model("llama"), merge_weights="no")
+
+
+@pytest.mark.parametrize("merge_weights", [True, False])
+def test_an_optimizer_built_before_optimize_is_refused(merge_weights):
+    """Built before optimize, an optimizer holds the Parameters the fused layers replaced (q/k/v, gate/up, norms):
+    it would step tensors the model no longer uses. Its first step raises, naming one and the fix."""
+    model = tiny_model("qwen3")
+    stale = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fxrewrite.optimize(model, merge_weights=merge_weights)
+    ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(8))
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    with pytest.raises(RuntimeError, match=r"AdamW holds \d+ parameter\(s\) that fxrewrite.optimize replaced .*"
+                                           r"Build the optimizer after fxrewrite.optimize\(model\)"):
+        stale.step()
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = [p.detach().clone() for p in model.parameters()]
+    fresh.step()
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True) if p.grad is not None)

@@ -101,3 +101,19 @@ def _repo_root():
     import pathlib
 
     return pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "qwen3"])  # gemma2: a soft-capped logits transform
+def test_pickle_after_a_training_step(arch):
+    """The loss module's deferred LM-head job of the last training call (hidden states, labels, the logits transform
+    as a local function) is not part of a copy: pickling after a training step works and trains like the original."""
+    fused = fxrewrite.optimize(tiny_model(arch))
+    ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(7))
+    _loss_and_grads(fused, ids)
+    other = pickle.loads(pickle.dumps(fused))
+    assert other.lm_head_loss.deferred is None
+    want_loss, want_grads = _loss_and_grads(fused, ids)
+    loss, grads = _loss_and_grads(other, ids)
+    torch.testing.assert_close(loss, want_loss, rtol=0, atol=0)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-6, atol=1e-7, msg=name)
