@@ -21,11 +21,11 @@ from __future__ import annotations
 import warnings
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["PER_TENSOR_OPTIMIZERS", "track"]
+__all__ = ["PER_TENSOR_OPTIMIZERS", "track", "watch"]
 
 PER_TENSOR_OPTIMIZERS = frozenset({
     "Adafactor", "Muon", "Lamb", "LAMB", "Lars", "LARS", "Shampoo", "SOAP", "PSGD", "GaLore", "APOLLO", "AdamMini",
@@ -65,13 +65,13 @@ def track(model: nn.Module, shards_attr: str, watched: WeakIdKeyDictionary) -> N
 def _check(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     if optimizer in _CHECKED:
         return
-    _CHECKED[optimizer] = True
     stale = [_REPLACED[p] for group in optimizer.param_groups for p in group["params"] if p in _REPLACED]
-    if stale:
+    if stale:  # every step raises (not marked checked)
         raise RuntimeError(f"this {type(optimizer).__name__} holds {len(stale)} parameter(s) that fxrewrite.optimize "
                            f"replaced with fused layers' own (e.g. {stale[0]}): its steps would not train the model. "
                            "Build the optimizer after fxrewrite.optimize(model) (fxrewrite.optimizer_state converts a "
                            "saved optimizer state)")
+    _CHECKED[optimizer] = True
     kind = next((k.__name__ for k in type(optimizer).__mro__ if any(t in k.__name__ for t in PER_TENSOR_OPTIMIZERS)),
                 None)
     if kind is None:

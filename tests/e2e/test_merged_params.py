@@ -86,6 +86,8 @@ def test_an_optimizer_built_before_optimize_is_refused(merge_weights):
     with pytest.raises(RuntimeError, match=r"AdamW holds \d+ parameter\(s\) that fxrewrite.optimize replaced .*"
                                            r"Build the optimizer after fxrewrite.optimize\(model\)"):
         stale.step()
+    with pytest.raises(RuntimeError, match="Build the optimizer after"):  # again: a caught error does not let it pass
+        stale.step()
     fresh = torch.optim.AdamW(model.parameters(), lr=1e-2)
     before = [p.detach().clone() for p in model.parameters()]
     fresh.step()
