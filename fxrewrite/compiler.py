@@ -30,7 +30,7 @@ from fxrewrite.layers.sdpa_causal import SDPA_CAUSAL, sdpa_read_by_name, use_sdp
 from fxrewrite.optimizer_state import HF_NAMES_ATTR
 from fxrewrite.patterns import Context, Match, Refusal
 from fxrewrite.meta_memo import MetaMemo, memoized, with_parameters
-from fxrewrite.report import REPORT_ATTR as _REPORT_ATTR, ClassReport, FusionReport, GroupReport, explain
+from fxrewrite.report import ATTENTION_NOTE, REPORT_ATTR as _REPORT_ATTR, ClassReport, FusionReport, GroupReport, explain
 from fxrewrite.signature import BOUND_ATTR, HOOK_DICTS, input_key, instance_forward, structure_key
 
 
@@ -76,10 +76,10 @@ def optimize(model: nn.Module, **opts) -> nn.Module:
         _optimize_groups(cls, instances, records, names, memo, patterns, ctx, entry, model)
     _note_replaced_with_parents(model, by_class, names, report)
     if use_sdpa_causal(model):  # torch.compile keeps SDPA's implicit causal mask (flash, no k/v copies)
-        report.notes.append(f"attention: {SDPA_CAUSAL} (transformers' SDPA; under torch.compile no materialised "
+        report.notes.append(f"{ATTENTION_NOTE}{SDPA_CAUSAL} (transformers' SDPA; under torch.compile no materialised "
                             "causal mask for a call without attention_mask / position_ids / cache)")
     elif getattr(getattr(model, "config", None), "_attn_implementation", None) == "sdpa" and (where := sdpa_read_by_name(model)):
-        report.notes.append(f"attention: stays sdpa ({where} compares _attn_implementation with 'sdpa')")
+        report.notes.append(f"{ATTENTION_NOTE}sdpa stays ({where} compares _attn_implementation with 'sdpa')")
     model.__dict__[_REPORT_ATTR] = report
     weights.install_hf_name_hooks(model)
     weights.mark_fused_away(model)

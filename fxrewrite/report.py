@@ -54,6 +54,10 @@ class GroupReport:
         setattr(self.entry, name, value)
 
 
+ATTENTION_NOTE = "attention: "
+"""How the note on the attention implementation `optimize` chose begins (followed by the implementation's name)."""
+
+
 @dataclasses.dataclass
 class FusionReport:
     """Result of `fxrewrite.optimize`; `str(report)` is a table, `report.diff()` the source diffs."""
@@ -125,4 +129,10 @@ def explain(model: nn.Module) -> FusionReport:
     report = getattr(model, REPORT_ATTR, None)
     if report is None:
         raise ValueError(f"{type(model).__name__} has not been passed through fxrewrite.optimize")
-    return report
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    stale = [n for n in report.notes if n.startswith(ATTENTION_NOTE) and not n.startswith(f"{ATTENTION_NOTE}{impl} ")]
+    if not stale:
+        return report
+    # set_attn_implementation(...) after optimize (the Trainer's context parallelism wants "sdpa"): say so
+    notes = [f"{n}; now {impl!r}, set after optimize" if n in stale else n for n in report.notes]
+    return dataclasses.replace(report, notes=notes)

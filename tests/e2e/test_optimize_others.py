@@ -49,7 +49,7 @@ def test_models_that_read_the_attention_name_keep_sdpa():
     stock = T.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     fused = fxrewrite.optimize(copy.deepcopy(stock))
     assert fused.config._attn_implementation == "sdpa"
-    assert any("stays sdpa (modeling_deepseek_v32.py:" in note for note in fxrewrite.explain(fused).notes)
+    assert any("sdpa stays (modeling_deepseek_v32.py:" in note for note in fxrewrite.explain(fused).notes)
     ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(fused(input_ids=ids).logits, stock(input_ids=ids).logits, rtol=1e-5, atol=1e-5)

@@ -180,3 +180,7 @@ def test_back_to_sdpa_after_optimize_for_context_parallelism():
     with torch.no_grad():
         torch.testing.assert_close(fused(ids).logits, stock(ids).logits, rtol=1e-5, atol=1e-5)
     assert fxrewrite.explain(fused).applied_patterns() == applied
+    (note,) = [n for n in fxrewrite.explain(fused).notes if n.startswith("attention: ")]
+    assert note.startswith("attention: fxrewrite_sdpa (") and note.endswith("; now 'sdpa', set after optimize")
+    fused.set_attn_implementation("fxrewrite_sdpa")  # back: the note as optimize wrote it
+    assert not [n for n in fxrewrite.explain(fused).notes if n.endswith("set after optimize")]
