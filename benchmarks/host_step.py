@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from fxrewrite.benchmarks.common import environment
+from fxrewrite.benchmarks.tool_cli import count_argument
 from fxrewrite.runtime.engine.inputs import prepare_inputs
 from fxrewrite.runtime.engine.llm_engine import LLMEngine
 from fxrewrite.runtime.engine.sampler import SampledTokens
@@ -129,25 +130,15 @@ def run_workload(model_dir: str, num_seqs: int, prompt_len: int, steps: int, war
     return {"ms_per_step": median, "repeats": [{k: round(v, 4) for k, v in w.items()} for w in windows]}
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="folder for the JSON result")
     ap.add_argument("--name", default=None, help="file name stem (default: <date>-host-step)")
-    ap.add_argument("--num-seqs", type=_positive, default=256)
-    ap.add_argument("--prompt-len", type=_positive, default=32)
-    ap.add_argument("--steps", type=_positive, default=200, help="engine steps per repeat")
-    ap.add_argument("--warmup", type=_positive, default=20)
-    ap.add_argument("--repeats", type=_positive, default=5)
+    ap.add_argument("--num-seqs", type=count_argument, default=256)
+    ap.add_argument("--prompt-len", type=count_argument, default=32)
+    ap.add_argument("--steps", type=count_argument, default=200, help="engine steps per repeat")
+    ap.add_argument("--warmup", type=count_argument, default=20)
+    ap.add_argument("--repeats", type=count_argument, default=5)
     ap.add_argument("--workloads", default="final_only,stream", help="comma-separated: final_only, stream")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)

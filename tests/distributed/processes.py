@@ -3,6 +3,7 @@ hanging the suite (issue 15 item 16). Light on purpose: spawned children import 
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -21,6 +22,20 @@ def join_or_fail(ctx, timeout_s: float, what: str = "ranks") -> None:
             for i in alive:
                 ctx.processes[i].join(10)
             pytest.fail(f"{what} {alive} did not finish within {timeout_s:g} s (deadlock?); killed")
+
+
+@contextlib.contextmanager
+def killed_on_error(ctx):
+    """Kill and reap `ctx`'s processes if the block raises (the test's own work while its ranks run), then re-raise:
+    no rank is left waiting on a collective that never comes."""
+    try:
+        yield
+    except BaseException:
+        for p in ctx.processes:
+            p.kill()
+        for p in ctx.processes:
+            p.join(10)
+        raise
 
 
 def hang(rank: int, seconds: float) -> None:

@@ -17,7 +17,7 @@ import psutil
 import pytest
 import torch.multiprocessing as mp
 
-from tests.distributed.processes import hang, join_or_fail
+from tests.distributed.processes import hang, join_or_fail, killed_on_error
 from tests.distributed.tp_ranks import (MAX_TOKENS, generate_tokens, make_llm, sampling_params, shard_layout,
                                         spmd_rank)
 
@@ -56,17 +56,11 @@ def test_tp2_equals_tp1_native_and_fused(qwen3_kv1, llama_kv2, gpt_oss, tmp_path
     out = tmp_path / "tp2.json"
     ctx = mp.start_processes(spmd_rank, args=(_free_port(), cases, str(out)), nprocs=2, join=False,
                              start_method="spawn")
-    try:
+    with killed_on_error(ctx):
         expected = {}  # overlaps the ranks
         for path, impl in cases:
             llm = make_llm(path, impl)
             expected[f"{path}|{impl}"] = {"tokens": generate_tokens(llm), "layout": shard_layout(llm)}
-    except BaseException:
-        for p in ctx.processes:
-            p.kill()
-        for p in ctx.processes:
-            p.join(10)
-        raise
     join_or_fail(ctx, timeout_s=600, what="TP ranks")
     ranks = [json.loads((tmp_path / f"tp2.json.{rank}").read_text()) for rank in (0, 1)]
     for rank, got in enumerate(ranks):

@@ -17,7 +17,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from tests.distributed.tp_ranks import generate_tokens, make_llm
-from tests.distributed.processes import join_or_fail
+from tests.distributed.processes import join_or_fail, killed_on_error
 from tests.moe.moe_ranks import ep_layout, moe_layout, short_tokens, spmd_rank
 
 MOE = {
@@ -52,17 +52,11 @@ def _run_ranks(world_size: int, cases, tmp_path) -> list:
     ctx = mp.start_processes(spmd_rank, args=(world_size, _free_port(), cases, str(out)), nprocs=world_size,
                              join=False, start_method="spawn")
     run = generate_tokens if world_size == 2 else short_tokens
-    try:
+    with killed_on_error(ctx):
         expected = []  # overlaps the ranks
         for path, impl, kwargs in cases:
             llm = make_llm(path, impl, fusion=kwargs.get("fusion", True))
             expected.append((run(llm), moe_layout(llm)))
-    except BaseException:
-        for p in ctx.processes:
-            p.kill()
-        for p in ctx.processes:
-            p.join(10)
-        raise
     join_or_fail(ctx, timeout_s=600 if world_size == 2 else 900, what="MoE ranks")
     ranks = [json.loads((tmp_path / f"ranks{world_size}.json.{r}").read_text()) for r in range(world_size)]
     assert all(list(got) == [str(i) for i in range(len(cases))] for got in ranks)

@@ -149,7 +149,7 @@ def test_fp8_checkpoint_tp2_equals_tp1(fp8_dir, tmp_path):
 
     import torch.multiprocessing as mp
 
-    from tests.distributed.processes import join_or_fail
+    from tests.distributed.processes import join_or_fail, killed_on_error
     from tests.distributed.tp_ranks import greedy_tokens, spmd_rank
 
     with socket.socket() as s:
@@ -158,14 +158,8 @@ def test_fp8_checkpoint_tp2_equals_tp1(fp8_dir, tmp_path):
     cases = [(str(fp8_dir), "transformers")]  # HF + fusion + sharding: the longer path (native shards alike)
     out = tmp_path / "tp2.json"
     ctx = mp.start_processes(spmd_rank, args=(port, cases, str(out)), nprocs=2, join=False, start_method="spawn")
-    try:
+    with killed_on_error(ctx):
         expected = {f"{path}|{impl}": greedy_tokens(path, impl) for path, impl in cases}
-    except BaseException:
-        for p in ctx.processes:
-            p.kill()
-        for p in ctx.processes:
-            p.join(10)
-        raise
     join_or_fail(ctx, timeout_s=600, what="TP ranks")
     for rank in (0, 1):  # every rank writes its tokens and its shard's layout (tp_ranks.spmd_rank)
         got = json.loads((tmp_path / f"tp2.json.{rank}").read_text())
