@@ -10,8 +10,9 @@ one through its `weight_loader`). The plan, in order:
    (`fxrewrite.nodes.row_partner`); none, several, or one not reading the fused width: ValueError
    (fail closed).
 2. the config's `base_model_tp_plan` ("colwise" / "rowwise") for plain linears the fusion left;
-3. the input embedding and LM head become `VocabParallelEmbedding` / `ParallelLMHead` (ties kept);
-4. anything else stays replicated.
+3. transformers' own experts modules the fusion left: whole experts E/tp per rank (`shard_transformers_experts`);
+4. the input embedding and LM head become `VocabParallelEmbedding` / `ParallelLMHead` (ties kept);
+5. anything else stays replicated.
 Attention modules need no edit: transformers infers heads from the projection width
 (``view(*shape, -1, head_dim)``) and the paged attention reads Hq / Hkv from the tensors.
 
@@ -37,7 +38,7 @@ from fxrewrite.layers.linear import (
     RowParallelLinear,
 )
 from fxrewrite.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from fxrewrite.sharding_moe import shard_experts, shard_full_width_norms
+from fxrewrite.sharding_moe import shard_experts, shard_full_width_norms, shard_transformers_experts
 from fxrewrite.weights import SHARDS_ATTR
 
 _COLWISE = ("colwise", "local_colwise")
@@ -59,6 +60,7 @@ def shard_model(model: nn.Module, tp_rank: int, tp_size: int) -> dict[str, str]:
         for new, _ in module.__dict__.get(SHARDS_ATTR, ()):
             _shard_fused(module, prefix, new, tp_rank, tp_size, plan)
     _apply_tp_plan(model, tp_rank, tp_size, plan)
+    shard_transformers_experts(model, tp_rank, tp_size, plan)
     _shard_vocab(model, tp_rank, tp_size, plan)
     return plan
 

@@ -83,7 +83,7 @@ def convert_for_model(model: torch.nn.Module, weights: Iterable[tuple[str, torch
                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """`convert_checkpoint` for an engine model: the wrapped HF model's transforms (names relative to
     it), or a native model's ``model_type``'s; a converter target is complete at its module's
-    ``num_experts`` (else the target parameter's leading dim)."""
+    ``global_num_experts`` or ``num_experts`` (else the target parameter's leading dim)."""
     root = model if native else model.hf_model
     transforms = transforms_for(model_type=getattr(model, "model_type", None)) if native else transforms_for(root)
     if not transforms:
@@ -93,9 +93,11 @@ def convert_for_model(model: torch.nn.Module, weights: Iterable[tuple[str, torch
     def expected(target: str) -> int | None:
         owner, _, _ = target.rpartition(".")
         try:
-            count = getattr(root.get_submodule(owner), "num_experts", None)
+            module = root.get_submodule(owner)
         except AttributeError:
-            count = None
+            module = None
+        # a TP rank's transformers experts module: num_experts is the rank's, the checkpoint holds them all
+        count = getattr(module, "global_num_experts", getattr(module, "num_experts", None))
         return count if isinstance(count, int) else (params[target].shape[0] if target in params else None)
 
     return convert_checkpoint(weights, transforms, expected)

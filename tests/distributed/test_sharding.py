@@ -154,3 +154,71 @@ def test_mla_latent_norm_is_not_taken_for_a_full_width_k_norm():
     if any("self_attn" in k for k in config.base_model_tp_plan or {}):  # transformers 5.17 has no MLA tp plan
         assert plan["model.layers.0.self_attn.q_proj"] == "colwise"
     assert "model.layers.0.self_attn.kv_a_layernorm" not in plan and attn.kv_a_layernorm.weight.shape == (32,)
+
+
+@pytest.mark.parametrize("impl", ["eager", "batched_mm", "grouped_mm"])
+@pytest.mark.parametrize("family", ["gpt_oss", "olmoe", "qwen2_moe"])
+def test_unfused_transformers_experts_split_whole_over_ranks(family, impl):
+    """transformers' own experts modules (GPT-OSS's, which the moe pattern does not fuse; any with fusion off): rank r
+    of 2 holds experts [r*E/2, (r+1)*E/2) of every parameter (interleaved gate/up and biases included), and the two
+    ranks' outputs sum to the whole module's (the all-reduce the forward hook runs, done here by hand). Through each
+    experts implementation transformers dispatches to (their names for the inputs differ from the module's)."""
+    import copy
+
+    from tests.moe.conftest import tiny_moe
+
+    if family == "gpt_oss":
+        from transformers import AutoModelForCausalLM, GptOssConfig
+
+        torch.manual_seed(0)
+        config = GptOssConfig(vocab_size=96, hidden_size=32, intermediate_size=16, num_hidden_layers=1,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                              num_experts_per_tok=2, initializer_range=0.2)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    else:
+        model = tiny_moe(family)
+    model.config._experts_implementation = impl
+    experts = model.model.layers[0].mlp.experts
+    params = {k: v.detach().clone() for k, v in experts.named_parameters()}
+    num_experts = experts.num_experts
+    x = torch.randn(6, 32)
+    ids = torch.stack([torch.randperm(num_experts)[:2] for _ in range(6)])  # distinct experts per token
+    weights = torch.rand(6, 2)
+    with torch.no_grad():
+        want = experts(x, ids, weights)
+    parts = []
+    for rank in (0, 1):
+        shard = copy.deepcopy(model)
+        plan = shard_model(shard, tp_rank=rank, tp_size=2)
+        local = shard.model.layers[0].mlp.experts
+        assert plan["model.layers.0.mlp.experts"] == "experts_whole" and local.num_experts == num_experts // 2
+        half = num_experts // 2
+        for name, param in local.named_parameters():
+            assert torch.equal(param, params[name][rank * half:(rank + 1) * half]), name
+        with torch.no_grad():
+            parts.append(local(x, ids, weights))
+    torch.testing.assert_close(parts[0] + parts[1], want, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(parts[0], want)  # each rank computes only its experts' share
+
+
+def test_unfused_experts_loader_reads_its_rows_and_names_a_wrong_shape():
+    from tests.moe.conftest import tiny_moe
+
+    model = tiny_moe("olmoe")
+    full = model.model.layers[0].mlp.experts.down_proj.detach().clone()  # [8, 32, 16]
+    shard_model(model, tp_rank=1, tp_size=2)
+    param = model.model.layers[0].mlp.experts.down_proj
+    param.weight_loader(param, LazySlice(_FakeSliceable(full), tuple(full.shape)))
+    assert torch.equal(param, full[4:])
+    with pytest.raises(ValueError, match=r"experts weight shape \(6, 32, 16\) does not match \(8, 32, 16\)"):
+        param.weight_loader(param, full[:6])
+
+
+class _FakeSliceable:
+    """A safetensors slice handle over a tensor (indexing by a tuple of slices)."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def __getitem__(self, index):
+        return self.tensor[index].clone()

@@ -73,8 +73,9 @@ def test_tp2_equals_tp1_native_and_fused(qwen3_kv1, llama_kv2, gpt_oss, tmp_path
 
 def _tp2_layout(tp1: dict, rank: int, path: str) -> dict:
     """What TP rank `rank` of 2 must hold, from TP=1's `shard_layout`: half the query heads (and half the kv heads,
-    all of them when there are fewer kv heads than ranks), half of o_proj's input columns, half the MLP width and
-    half the vocabulary rows (rank r's half starting at r * V/2)."""
+    all of them when there are fewer kv heads than ranks), half of o_proj's input columns, half the MLP width, half of
+    GPT-OSS's experts (whole ones: transformers' own experts module, not fused) and half the vocabulary rows (rank r's
+    half starting at r * V/2)."""
     cfg = json.loads((Path(path) / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     q_rows = cfg["num_attention_heads"] * head_dim
@@ -83,11 +84,13 @@ def _tp2_layout(tp1: dict, rank: int, path: str) -> dict:
     local_kv = kv_rows // 2 if cfg["num_key_value_heads"] >= 2 else kv_rows  # one kv head: replicated
     vocab = tp1["lm_head"][0]
     want = {"world_size": 2, "tp_size": 2, "tp_rank": rank, "qkv": [q_rows // 2 + local_kv, cols],
-            "o_proj": [tp1["o_proj"][0], tp1["o_proj"][1] // 2], "gate_up": None, "down": None,
+            "o_proj": [tp1["o_proj"][0], tp1["o_proj"][1] // 2], "gate_up": None, "down": None, "experts": None,
             "lm_head": [vocab // 2, rank * vocab // 2]}
     if tp1["gate_up"] is not None:  # a dense MLP (GPT-OSS has experts)
         want["gate_up"] = [tp1["gate_up"][0] // 2, tp1["gate_up"][1]]
         want["down"] = [tp1["down"][0], tp1["down"][1] // 2]
+    if tp1["experts"] is not None:  # [E, H, 2I]: E/2 experts on each rank
+        want["experts"] = [tp1["experts"][0] // 2, *tp1["experts"][1:]]
     assert tp1["world_size"] == tp1["tp_size"] == 1 and tp1["lm_head"][1] == 0
     return want
 

@@ -56,7 +56,8 @@ def greedy_tokens(path: str, impl: str, tensor_parallel_size: int = 1) -> list[l
 def shard_layout(llm) -> dict:
     """What this process's model holds (evidence of tensor-parallel sharding): the world and TP size, the
     first layer's attention projections' local weight shapes ([q|k|v] rows, or q_proj's unfused; o_proj),
-    its dense MLP's (None for experts) and the LM head's local vocabulary rows and first row."""
+    its dense MLP's (None for experts), transformers' unfused experts' gate_up_proj (None for a dense MLP) and the
+    LM head's local vocabulary rows and first row."""
     import torch.distributed as dist
 
     from fxrewrite import distributed
@@ -75,6 +76,7 @@ def shard_layout(llm) -> dict:
             "o_proj": shape(".layers.0.self_attn.o_proj.weight"),
             "gate_up": shape(".layers.0.mlp.gate_up_proj.weight"),
             "down": shape(".layers.0.mlp.down_proj.weight"),
+            "experts": shape(".layers.0.mlp.experts.gate_up_proj"),
             "lm_head": [head.weight.shape[0], getattr(head, "vocab_start_index", 0)]}
 
 

@@ -65,15 +65,15 @@ def _run_ranks(world_size: int, cases, tmp_path) -> list:
 
 def _check_split(ranks: list[dict], tp1: dict, world_size: int, kwargs: dict) -> None:
     """Expert parallelism: rank r holds experts [r*E/ws, (r+1)*E/ws) whole; tensor parallelism: every expert,
-    1/ws of its intermediate width; fusion=False (transformers' own experts modules): every rank the whole
-    experts (replicated: only the attention is sharded there)."""
+    1/ws of its intermediate width; fusion=False (transformers' own experts modules): whole experts E/ws on each
+    rank, with or without enable_expert_parallel (`sharding_moe.shard_transformers_experts`)."""
     assert tp1["world_size"] == 1 and len(tp1["experts_w13"]) >= 1
     for r, got in enumerate(ranks):
         layout = got["layout"]
         assert layout["world_size"] == world_size
         if kwargs.get("fusion", True) is False:
             assert tp1["fused"] == layout["fused"] == []
-            assert layout["experts_w13"] == tp1["experts_w13"], r
+            assert layout["experts_w13"] == [[e // world_size, *rest] for e, *rest in tp1["experts_w13"]], r
             continue
         assert len(tp1["fused"]) == len(tp1["experts_w13"])  # every MoE layer is fused
         if kwargs.get("enable_expert_parallel"):
