@@ -26,9 +26,11 @@ class IncrementalDetokenizer:
             "skip_special_tokens": params.skip_special_tokens,
             "spaces_between_special_tokens": params.spaces_between_special_tokens,
         }
-        backend = _plain_backend(tokenizer)
-        if backend is not None:  # same text, without transformers' per-call argument handling (~4x faster)
-            skip = params.skip_special_tokens
+        self._backend = _plain_backend(tokenizer)
+        self._stream = None  # tokenizers' DecodeStream, made at the first per-token step
+        self._fed = 0  # tokens given to it
+        if self._backend is not None:  # same text, without transformers' per-call argument handling (~4x faster)
+            backend, skip = self._backend, params.skip_special_tokens
             self._decode = lambda token_ids: backend.decode(token_ids, skip_special_tokens=skip)
 
     def _decode(self, token_ids: list[int]) -> str:
@@ -46,6 +48,10 @@ class IncrementalDetokenizer:
         the new text (may be empty). `final` (the sequence's last call): a tail that is an incomplete character
         is dropped and the text before it emitted, as the per-token calls would have emitted it (a deferred
         decode of a whole output ending mid-character must not lose all of it)."""
+        if end is None and self._backend is not None:
+            new_text = self._stream_step()
+            if new_text is not None:
+                return new_text
         tokens = self.seq.token_ids if end is None else self.seq.token_ids[:end]
         prefix_text = self._decode(tokens[self.prefix_offset : self.read_offset])
         full_text = self._decode(tokens[self.prefix_offset :])
@@ -57,6 +63,43 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(tokens)
         self.seq.text += new_text
         return new_text
+
+    def _stream_step(self) -> str | None:
+        """`step` through tokenizers' `DecodeStream` (the same scheme in Rust: one call a token, ~5x faster than two
+        decodes), primed with tokens[prefix_offset:read_offset] as the two decodes are. None: no stream here (a
+        tokenizers release without its priming argument); on an error of the stream ("invalid prefix"), the text
+        it emitted is kept and this sequence goes on with the two decodes from the last emitted token."""
+        if self._stream is None:
+            self._stream = _decode_stream(self.seq.token_ids[self.prefix_offset : self.read_offset],
+                                          self.seq.sampling_params.skip_special_tokens)
+            self._fed = self.read_offset
+            if self._stream is None:
+                self._backend = None
+                return None
+        tokens, stream, new_text = self.seq.token_ids, self._stream, ""
+        try:
+            while self._fed < len(tokens):
+                piece = stream.step(self._backend, tokens[self._fed])
+                self._fed += 1
+                if piece is not None:  # the offsets the two decodes would now hold
+                    new_text += piece
+                    self.prefix_offset, self.read_offset = self.read_offset, self._fed
+        except Exception:
+            self._backend = None
+        if new_text:
+            self.seq.text += new_text
+        return new_text if self._backend is not None else new_text + self.step()
+
+
+def _decode_stream(prefix: list[int], skip_special_tokens: bool):
+    """A `tokenizers.decoders.DecodeStream` primed with `prefix` (its text counts as already read); None where
+    tokenizers lacks it or its `ids` argument (older releases)."""
+    try:
+        from tokenizers.decoders import DecodeStream
+
+        return DecodeStream(ids=prefix, skip_special_tokens=skip_special_tokens)
+    except (ImportError, TypeError):
+        return None
 
 
 def _plain_backend(tokenizer):

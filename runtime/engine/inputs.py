@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fxrewrite.runtime.worker.forward_context import AttentionMetadata
+from fxrewrite.runtime.engine.block_table_cache import BlockTableCache, fill_block_tables
 from fxrewrite.runtime.engine.scheduler import ScheduledSeq
+from fxrewrite.runtime.worker.forward_context import AttentionMetadata
 
 
 @dataclass
@@ -39,7 +40,8 @@ class StepInputs:
 
 
 def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.device,
-                   previous_rows: dict[int, int] | None = None) -> StepInputs:
+                   previous_rows: dict[int, int] | None = None, table_cache: BlockTableCache | None = None
+                   ) -> StepInputs:
     """Concatenate this step's tokens of every scheduled sequence (decodes and prefill chunks alike).
 
     A sequence whose last token is still pending (sampled by the step in flight) gets a 0 there and a
@@ -48,7 +50,8 @@ def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch
 
     Per-token values (positions, slots) are computed with numpy over the whole batch, and the int64 and
     int32 tensors each travel to the device in one copy (slices of one buffer): a decode step of 256
-    sequences costs one Python pass over the sequences, not one per token.
+    sequences costs one Python pass over the sequences, not one per token. `table_cache` (the model runner's)
+    keeps the padded block tables between steps, so only blocks appended since the last step are written.
     """
     num_seqs = len(scheduled)
     tables = [s.seq.block_table for s in scheduled]
@@ -75,7 +78,7 @@ def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch
     logits_indices[:] = cu_new[sample_idx] - 1
     _rope_lengths(scheduled, num_new, positions, out=buf64[3 * num_tokens : 4 * num_tokens])
 
-    buf32, block_tables = _int32_buffer(tables, table_lens, max_blocks, ends, cu_new)
+    buf32, block_tables = _int32_buffer(tables, table_lens, max_blocks, ends, cu_new, table_cache)
     slot_mapping[:] = block_tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + (
         positions % block_size
     )
@@ -115,15 +118,17 @@ def _rope_lengths(scheduled: list[ScheduledSeq], num_new: np.ndarray, positions:
 
 
 def _int32_buffer(tables: list[list[int]], table_lens: np.ndarray, max_blocks: int, ends: np.ndarray,
-                  cu_new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                  cu_new: np.ndarray, table_cache: BlockTableCache | None) -> tuple[np.ndarray, np.ndarray]:
     """int32 buffer: block_tables [B, max_blocks] (padded with 0) | seq_lens [B] | query_start_loc [B+1];
     returns it and the block_tables view."""
     num_seqs = len(tables)
     nb = num_seqs * max_blocks
     buf32 = np.zeros(nb + 2 * num_seqs + 1, dtype=np.int32)
     block_tables = buf32[:nb].reshape(num_seqs, max_blocks)
-    flat_tables = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(table_lens.sum()))
-    block_tables[np.arange(max_blocks)[None, :] < table_lens[:, None]] = flat_tables
+    if table_cache is None:
+        fill_block_tables(block_tables, tables, table_lens)
+    else:
+        block_tables[:] = table_cache.update(tables, table_lens)[:, :max_blocks]
     buf32[nb : nb + num_seqs] = ends
     buf32[nb + num_seqs + 1 :] = cu_new
     return buf32, block_tables

@@ -26,6 +26,7 @@ from fxrewrite.runtime.worker.compilation import compile_model, should_compile
 from fxrewrite.runtime.worker.cuda_graphs import build_graph_runner
 from fxrewrite.runtime.engine_config import EngineConfig
 from fxrewrite.runtime.worker.forward_context import forward_context
+from fxrewrite.runtime.engine.block_table_cache import BlockTableCache
 from fxrewrite.runtime.engine.inputs import prepare_inputs
 from fxrewrite.runtime.engine.prompt_logprobs import compute_prompt_logprobs, wants_prompt_logprobs
 from fxrewrite.runtime.worker.kv_cache import allocate_kv_caches, kv_cache_dtype, num_kv_blocks
@@ -160,6 +161,7 @@ class ModelRunner:
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         check_kernel_switches(self.device)
         self.block_size = config.block_size
+        self.table_cache = BlockTableCache()  # block tables between steps: only appended blocks are written
         torch.manual_seed(config.seed)
         self.pipeline = pipeline_stage_of_this_rank()
         watchdog.phase("building the model")
@@ -265,7 +267,7 @@ class ModelRunner:
 
     def _execute(self, sched: SchedulerOutput, previous: PendingStep | None, bitmask_hook) -> PendingStep:
         rows = previous.rows if previous is not None else None
-        inputs = prepare_inputs(sched.scheduled, self.block_size, self.device, rows)
+        inputs = prepare_inputs(sched.scheduled, self.block_size, self.device, rows, self.table_cache)
         inputs.attn_metadata.kv_caches = self.kv_caches
         num_tokens, head, graphs = inputs.input_ids.shape[0], None, self.graph_runner
         use_graph = graphs is not None and graphs.can_run(num_tokens, inputs.attn_metadata)

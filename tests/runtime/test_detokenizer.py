@@ -83,3 +83,69 @@ def test_stop_strings_wait_past_min_tokens():
     seq.append_token(7)
     seq.text += "yab"
     assert check_stop_strings(seq, 3) == "ab" and seq.text == "xaby"
+
+
+def _two_decodes(tokenizer, prompt_ids, output_ids, params) -> tuple[str, list[str]]:
+    """The per-token text through the two-decode scheme alone (the stream disabled), the oracle of the stream."""
+    seq = Sequence("o", list(prompt_ids), params)
+    detok = IncrementalDetokenizer(tokenizer, seq)
+    detok._backend = None
+    pieces = []
+    for token in output_ids:
+        seq.append_token(token)
+        pieces.append(detok.step())
+    return seq.text, pieces
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+@pytest.mark.parametrize("family", ["qwen3", "smollm2"])
+def test_decode_stream_emits_what_the_two_decodes_emit(tiny_model_dir, family, skip_special_tokens):
+    """tokenizers' DecodeStream (the per-token path of fast tokenizers) against the two-decode scheme, piece by piece:
+    random token ids (byte-level pieces that split characters), special tokens among them, short and long prompts."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir("llama", vocab=family) if family == "smollm2"
+                                                  else tiny_model_dir("qwen3")))
+    special = sorted(tokenizer.all_special_ids)
+    rng = random.Random(7)
+    params = SamplingParams(skip_special_tokens=skip_special_tokens)
+    for trial in range(12):
+        prompt = [rng.randrange(len(tokenizer)) for _ in range(rng.choice([1, 3, 12]))]
+        output = [rng.choice(special) if rng.random() < 0.1 else rng.randrange(len(tokenizer)) for _ in range(300)]
+        want_text, want = _two_decodes(tokenizer, prompt, output, params)
+        seq = Sequence("s", list(prompt), params)
+        detok, got = IncrementalDetokenizer(tokenizer, seq), []
+        assert detok._backend is not None  # these are plain fast tokenizers: the stream path is the one tested
+        for token in output:
+            seq.append_token(token)
+            got.append(detok.step())
+        assert detok._stream is not None and detok._backend is not None, trial  # no fallback happened
+        assert got == want and seq.text == want_text, trial
+    assert any(not p for p in want) and any("\ufffd" in tokenizer.decode([t]) for t in output)  # split characters
+
+
+def test_a_failing_stream_hands_over_to_the_two_decodes_without_losing_text(tokenizer, monkeypatch):
+    """On an error of DecodeStream (tokenizers raises "invalid prefix" in rare cases) the sequence goes on with the
+    two decodes from the last emitted token: the whole text equals the two-decode scheme's."""
+    import fxrewrite.runtime.engine.detokenizer as detokenizer
+
+    class Failing:
+        def __init__(self, stream, after):
+            self.stream, self.calls, self.after = stream, 0, after
+
+        def step(self, backend, token):
+            self.calls += 1
+            if self.calls > self.after:
+                raise Exception("Invalid prefix encountered")
+            return self.stream.step(backend, token)
+
+    real = detokenizer._decode_stream
+    text = " naïve 🙂🦜 你好, ünïcödé ✓ and more words"
+    output = tokenizer.encode(text)
+    want_text, want = _two_decodes(tokenizer, tokenizer.encode("Say:"), output, SamplingParams())
+    for after in range(len(output)):
+        monkeypatch.setattr(detokenizer, "_decode_stream", lambda prefix, skip: Failing(real(prefix, skip), after))
+        seq, pieces = stream(tokenizer, "Say:", text)
+        assert pieces == want and seq.text == want_text == text, after
