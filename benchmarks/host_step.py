@@ -8,10 +8,13 @@ half of a launch) and returns a `PendingStep` whose `SampledTokens` hold precomp
 host half of reading a step back: `SampledTokens.results`), with async scheduling as on a GPU. Everything
 else is the product engine: scheduler, block manager, `_launch`, `_complete`, detokenizers, outputs.
 
-Workloads: "final_only" (what `LLM.generate` submits: one RequestOutput per request, when it finishes) and
-"stream" (the server's requests: a cumulative RequestOutput per request every step). Both greedy,
-ignore_eos, detokenize on, no logprobs. Each repeat times `steps` engine steps, after `warmup` steps of
-decode with every sequence running; per phase, ms per step; the figures are the median over repeats.
+Workloads: "final_only" (what `LLM.generate` submits: one RequestOutput per request, when it finishes), "stream"
+(what the server submits: a RequestOutputKind.DELTA output per request every step, joined into the cumulative
+snapshot its handlers read, `runtime/server/step_outputs.OutputJoiner`, timed in "loop") and "cumulative" (a
+CUMULATIVE output per request every step, the server's kind before DELTA). All greedy, ignore_eos, detokenize
+on, no logprobs. Each repeat times `steps` engine steps, after `warmup` steps of decode with every sequence
+running; per phase, ms per step; the figures are the median over repeats ("loop" is the whole window: steps plus
+reading the outputs).
 
     python -m fxrewrite.benchmarks.host_step --out benchmarks/results --name 2026-12-05-host-step-before
 """
@@ -29,13 +32,15 @@ import torch
 
 from fxrewrite.benchmarks.common import environment
 from fxrewrite.benchmarks.tool_cli import count_argument
+from fxrewrite.runtime.engine.block_table_cache import BlockTableCache
 from fxrewrite.runtime.engine.inputs import prepare_inputs
 from fxrewrite.runtime.engine.llm_engine import LLMEngine
 from fxrewrite.runtime.engine.sampler import SampledTokens
-from fxrewrite.runtime.engine.sampling_params import SamplingParams
+from fxrewrite.runtime.engine.sampling_params import RequestOutputKind, SamplingParams
 from fxrewrite.runtime.engine_config import EngineConfig
 from fxrewrite.runtime.llm import fewer_gc_passes
 from fxrewrite.runtime.model_files.demo import build_model_dir
+from fxrewrite.runtime.server.step_outputs import OutputJoiner
 from fxrewrite.runtime.worker.model_runner import PendingStep
 
 PHASES = ("schedule", "launch", "prepare_inputs", "complete", "step", "loop")
@@ -71,6 +76,7 @@ class StubRunner:
         # a few token patterns in rotation (ids 100..999: plain text tokens, so detokenizing is realistic)
         self._tokens = [(rows * 7 + 13 * k) % 900 + 100 for k in range(8)]
         self._step = 0
+        self.table_cache = BlockTableCache()  # as the model runner keeps one
 
     def sleep_status(self):
         return None  # awake
@@ -78,7 +84,7 @@ class StubRunner:
     def execute_model_async(self, sched, previous=None, bitmask_hook=None) -> PendingStep:
         rows = previous.rows if previous is not None else None
         t = time.perf_counter()
-        inputs = prepare_inputs(sched.scheduled, self.block_size, self.device, rows)
+        inputs = prepare_inputs(sched.scheduled, self.block_size, self.device, rows, self.table_cache)
         self.timer.seconds["prepare_inputs"] += time.perf_counter() - t
         seqs = inputs.sample_seqs
         tokens = self._tokens[self._step % len(self._tokens)][: len(seqs)]
@@ -87,8 +93,12 @@ class StubRunner:
         return PendingStep(sched, SampledTokens(seqs, tokens, packed))
 
 
+KINDS = {"final_only": RequestOutputKind.FINAL_ONLY, "stream": RequestOutputKind.DELTA,
+         "cumulative": RequestOutputKind.CUMULATIVE}
+
+
 def run_workload(model_dir: str, num_seqs: int, prompt_len: int, steps: int, warmup: int, repeats: int,
-                 final_only: bool) -> dict:
+                 workload: str) -> dict:
     """Median ms per engine step per phase over `repeats` windows of `steps` steps."""
     max_len = prompt_len + warmup + steps * repeats + 64
     config = EngineConfig.from_kwargs(model=model_dir, dtype="float32", max_model_len=max_len, max_num_seqs=num_seqs,
@@ -96,10 +106,12 @@ def run_workload(model_dir: str, num_seqs: int, prompt_len: int, steps: int, war
     timer = _Timer()
     blocks = num_seqs * (-(-max_len // config.block_size) + 1)
     engine = LLMEngine(config, model_runner=StubRunner(blocks, config.block_size, num_seqs, timer))
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_len - prompt_len)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_len - prompt_len,
+                            output_kind=KINDS[workload])
+    joiner = OutputJoiner() if workload == "stream" else None  # the server's AsyncLLMEngine keeps one
     for i in range(num_seqs):
         prompt = [100 + (i * 31 + j * 17) % 900 for j in range(prompt_len)]
-        engine.add_request(str(i), prompt, params, final_only=final_only)
+        engine.add_request(str(i), prompt, params)
     engine.scheduler.schedule = timer.wrap("schedule", engine.scheduler.schedule)
     engine._launch = timer.wrap("launch", engine._launch)
     engine._complete = timer.wrap("complete", engine._complete)
@@ -116,6 +128,8 @@ def run_workload(model_dir: str, num_seqs: int, prompt_len: int, steps: int, war
             t = time.perf_counter()
             for _ in range(steps):  # LLM._run's loop
                 for output in step():
+                    if joiner is not None:
+                        output = joiner.snapshot(output)
                     if output.finished:
                         finished += 1
             timer.seconds["loop"] = time.perf_counter() - t
@@ -139,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=count_argument, default=200, help="engine steps per repeat")
     ap.add_argument("--warmup", type=count_argument, default=20)
     ap.add_argument("--repeats", type=count_argument, default=5)
-    ap.add_argument("--workloads", default="final_only,stream", help="comma-separated: final_only, stream")
+    ap.add_argument("--workloads", default="final_only,stream",
+                    help="comma-separated: " + ", ".join(KINDS))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     env = environment()
@@ -153,10 +168,10 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = str(build_model_dir(tmp, "qwen3", hidden_size=32, intermediate_size=64, num_attention_heads=2,
                                         num_key_value_heads=1, head_dim=16))
         for workload in args.workloads.split(","):
-            if workload not in ("final_only", "stream"):
-                raise SystemExit(f"unknown workload {workload!r} (final_only, stream)")
+            if workload not in KINDS:
+                raise SystemExit(f"unknown workload {workload!r} ({', '.join(KINDS)})")
             out = run_workload(model_dir, args.num_seqs, args.prompt_len, args.steps, args.warmup, args.repeats,
-                               final_only=workload == "final_only")
+                               workload)
             result["results"][workload] = out
             print(workload, json.dumps(out["ms_per_step"]))
     out_dir = Path(args.out)

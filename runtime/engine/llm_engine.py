@@ -88,7 +88,8 @@ class LLMEngine(EngineRLMixin):
         *, final_only: bool = False,
     ) -> None:
         """Queue a prompt (text, or token ids) for generation; ValueError for an invalid request. final_only:
-        one RequestOutput, when it finishes (vLLM's FINAL_ONLY; offline `LLM.generate`), not one every step."""
+        one RequestOutput, when it finishes (vLLM's FINAL_ONLY; offline `LLM.generate`), not one every step, as
+        ``sampling_params.output_kind=RequestOutputKind.FINAL_ONLY`` asks too (DELTA: outputs of new text only)."""
         pooling, params = split_params(sampling_params, self.config.is_pooling)
         params.verify()  # fields may have been set after construction
         self._check_awake()
@@ -108,7 +109,7 @@ class LLMEngine(EngineRLMixin):
                 self._structured.add(seq.seq_id, params.structured_outputs, compiled)
             if params.detokenize:
                 detokenizer = self._detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq)
-                detokenizer.deferred = final_only and not params.stop_strings
+                detokenizer.deferred = request.final_only and not params.stop_strings
             self.scheduler.add(seq)
 
     def compile_structured_outputs(self, params: SamplingParams):
@@ -260,11 +261,18 @@ class LLMEngine(EngineRLMixin):
         """A RequestOutput for each request of `sched` still known, in schedule order: every step for a
         streamed request, once finished for a final_only one. A final_only request not in `ended` is not
         finished (its last sequence ends in the step that scheduled it, which then returns and forgets it),
-        so it costs one dict lookup here, not a pass over its sequences."""
-        requests, outputs = self.requests, []
-        for request_id in dict.fromkeys([s.seq.request_id for s in sched.scheduled]):
+        so it costs one dict lookup here, not a pass over its sequences. A request that finished while this step was
+        in flight gives nothing, also when a new request already took its id."""
+        requests, outputs, seen = self.requests, [], set()
+        for s in sched.scheduled:
+            request_id = s.seq.request_id
+            if request_id in seen:
+                continue
+            seen.add(request_id)
             request = requests.get(request_id)
-            if request is not None and (not request.final_only or (request_id in ended and request.finished)):
+            if request is None or request.seqs[s.seq.index] is not s.seq:  # gone, or its id taken by a new request
+                continue
+            if not request.final_only or (request_id in ended and request.finished):
                 outputs.append(self._make_output(request))
         return outputs
 
@@ -334,15 +342,21 @@ class LLMEngine(EngineRLMixin):
         if request.pooling_params is not None:
             return pooling_output(request, self._embeddings, self.requests)
         params = request.sampling_params
-        want_logprobs, hold_text = params.logprobs is not None, bool(params.stop_strings)
+        want_logprobs, hold_text, delta = params.logprobs is not None, bool(params.stop_strings), request.delta
         outputs, cached, finished = [], 0, True
         for seq in request.seqs:
+            text = visible_text(seq) if hold_text else seq.text  # visible_text is seq.text without stop strings
+            start = seq.num_prompt_tokens
+            if delta:  # what is new since this request's last output (held-back text never shrinks)
+                start += seq.num_sent_tokens
+                seq.num_sent_tokens = len(seq.token_ids) - seq.num_prompt_tokens
+                text, seq.num_sent_chars = text[seq.num_sent_chars:], len(text)
             outputs.append(CompletionOutput(
                 seq.index,
-                visible_text(seq) if hold_text else seq.text,  # visible_text is seq.text without stop strings
-                seq.token_ids[seq.num_prompt_tokens :],
+                text,
+                seq.token_ids[start:],
                 seq.cumulative_logprob if want_logprobs else None,
-                list(seq.output_logprobs) if want_logprobs else None,
+                seq.output_logprobs[start - seq.num_prompt_tokens:] if want_logprobs else None,
                 seq.finish_reason,
                 seq.stop_reason,
             ))
@@ -352,10 +366,17 @@ class LLMEngine(EngineRLMixin):
                 finished = False
         if finished:
             del self.requests[request.request_id]
+        first = request.seqs[0]
+        prompt_logprobs = first.prompt_logprobs
+        if prompt_logprobs is not None and delta:  # once, in the first output after the prompt has run
+            if request.prompt_logprobs_sent or (len(first.token_ids) == first.num_prompt_tokens and not finished):
+                prompt_logprobs = None
+            else:
+                request.prompt_logprobs_sent = True
         return RequestOutput(
             request.request_id, request.prompt, request.prompt_token_ids, outputs, finished,
-            prompt_logprobs=list(request.seqs[0].prompt_logprobs) if request.seqs[0].prompt_logprobs is not None
-            else None, metrics={"num_cached_tokens": cached},
+            prompt_logprobs=list(prompt_logprobs) if prompt_logprobs is not None else None,
+            metrics={"num_cached_tokens": cached},
         )
 
     def check_health(self) -> None:

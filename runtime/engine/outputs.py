@@ -16,7 +16,8 @@ class Logprob:
 
 @dataclass
 class CompletionOutput:
-    """One completion of a request; text and token_ids are cumulative."""
+    """One completion of a request; text, token_ids and logprobs are cumulative, or only what is new since the
+    request's previous output under `RequestOutputKind.DELTA`."""
 
     index: int
     text: str

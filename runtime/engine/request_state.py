@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fxrewrite.runtime.engine.sampler import SampleResult
+from fxrewrite.runtime.engine.sampling_params import RequestOutputKind
 from fxrewrite.runtime.engine.scheduler import SchedulerOutput
 from fxrewrite.runtime.engine.sequence import Sequence, SequenceStatus
 
@@ -15,7 +16,10 @@ class Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params, arrival,
                  pooling=None, final_only: bool = False):
         self.request_id = request_id
-        self.final_only = final_only  # a RequestOutput only once finished (vLLM's RequestOutputKind.FINAL_ONLY)
+        kind = getattr(params, "output_kind", RequestOutputKind.CUMULATIVE)  # PoolingParams have none
+        self.final_only = final_only or kind == RequestOutputKind.FINAL_ONLY  # a RequestOutput only once finished
+        self.delta = kind == RequestOutputKind.DELTA and not final_only  # outputs carry what is new since the last
+        self.prompt_logprobs_sent = False  # DELTA: prompt logprobs go out once
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = params

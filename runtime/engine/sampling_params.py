@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import enum
 import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
@@ -22,6 +23,18 @@ _REPETITION_PENALTY_RANGE = (1e-9, 1e9)
 _NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _INTEGERS = ("n", "top_k", "min_tokens")
 _OPTIONAL_INTEGERS = ("max_tokens", "logprobs", "prompt_logprobs", "seed", "truncate_prompt_tokens")  # None allowed
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each `RequestOutput` of a request carries (vLLM's enum, same names and values)."""
+
+    CUMULATIVE = 0
+    """Everything so far (text, token ids, logprobs), every step the request progressed."""
+    DELTA = 1
+    """Only what is new since the request's previous output (prompt logprobs in the first one only), every step
+    it progressed: a step's cost does not grow with the output's length."""
+    FINAL_ONLY = 2
+    """One output, when the request finishes (what `LLM.generate` asks for)."""
 
 
 @dataclass
@@ -85,6 +98,8 @@ class SamplingParams:
     detokenize: bool = True
     """False: outputs carry token ids only (text "", logprob entries without decoded_token), as vLLM's
     field; RL rollouts and token-level evaluation skip the per-token decoding. Stop strings need it."""
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    """What each RequestOutput of `LLMEngine.step` carries (`RequestOutputKind`)."""
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -135,6 +150,10 @@ class SamplingParams:
         if self.bad_words is not None and not (
                 isinstance(self.bad_words, (list, tuple)) and all(isinstance(w, str) and w for w in self.bad_words)):
             raise UserTypeError(f"SamplingParams: bad_words={self.bad_words!r} must be a list of non-empty strings")
+        if isinstance(self.output_kind, bool) or self.output_kind not in tuple(RequestOutputKind):
+            raise UserTypeError(f"SamplingParams: output_kind={self.output_kind!r} must be a RequestOutputKind "
+                                "(CUMULATIVE, DELTA or FINAL_ONLY)")
+        self.output_kind = RequestOutputKind(self.output_kind)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise UserTypeError(f"SamplingParams: structured_outputs={self.structured_outputs!r} must be a "
                             "StructuredOutputsParams")

@@ -76,6 +76,8 @@ class Sequence:
         """SamplingParams.bad_words as token ids (set by the engine, which owns the tokenizer)."""
         self.cumulative_logprob = 0.0
         self.text = ""
+        self.num_sent_tokens = self.num_sent_chars = 0
+        """Output tokens and characters of text already in the request's outputs (RequestOutputKind.DELTA)."""
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.seed = None if sampling_params.seed is None else sampling_params.seed + index

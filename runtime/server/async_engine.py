@@ -2,8 +2,9 @@
 
 Threading: `LLMEngine.step()` runs in a worker thread (so HTTP keeps being served during a step),
 and every engine call (`add_request`, `abort_request`, `step`, `get_stats`) happens while
-`_lock` is held, so the engine is never touched by two threads at once. Outputs are copied into
-`StepOutput` snapshots in the event-loop thread before the next step can change them.
+`_lock` is held, so the engine is never touched by two threads at once. The engine sends each request's outputs
+as deltas (`RequestOutputKind.DELTA`); `OutputJoiner` appends them to the request's own lists in the event-loop
+thread and hands out cumulative `StepOutput` snapshots that read those lists in place.
 
 Per request, a `_Collector` keeps only the latest snapshot: outputs are cumulative, so a slow
 reader skips intermediate ones instead of queueing them. Aborts (a client gone) are recorded
@@ -18,20 +19,22 @@ worker exited): then the requests in flight, and every later one, get `EngineDea
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
+from fxrewrite.runtime.engine.sampling_params import RequestOutputKind, SamplingParams
 from fxrewrite.runtime.server.errors import OpenAIError
+from fxrewrite.runtime.server.step_outputs import ChoiceSnapshot, OutputJoiner, StepOutput
 
 if TYPE_CHECKING:
     from fxrewrite.runtime.engine.llm_engine import LLMEngine
-    from fxrewrite.runtime.engine.outputs import RequestOutput
-    from fxrewrite.runtime.engine.sampling_params import SamplingParams
     from fxrewrite.runtime.server.metrics import ServerMetrics
+
+__all__ = ["AsyncLLMEngine", "ChoiceSnapshot", "EngineDeadError", "StepOutput"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,53 +45,6 @@ class EngineDeadError(OpenAIError):
 
     def __init__(self, message: str):
         super().__init__(HTTPStatus.SERVICE_UNAVAILABLE, message, code="engine_dead")
-
-
-@dataclass(frozen=True)
-class ChoiceSnapshot:
-    index: int
-    text: str
-    token_ids: tuple[int, ...]
-    logprobs: tuple[dict, ...] | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-    cumulative_logprob: float | None = None
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    """A copy of one `RequestOutput` (cumulative text and tokens) taken right after a step."""
-
-    request_id: str
-    num_prompt_tokens: int
-    choices: tuple[ChoiceSnapshot, ...]
-    finished: bool
-    num_cached_tokens: int = 0
-    prompt_token_ids: tuple[int, ...] = ()
-    prompt_logprobs: tuple | None = None
-    embedding: tuple[float, ...] | None = None
-    """A pooling request's embedding, once finished (runner='pooling')."""
-
-    @classmethod
-    def of(cls, output: RequestOutput) -> StepOutput:
-        if not isinstance(output.outputs, list):  # an EmbeddingRequestOutput (runtime/engine/pooling.py)
-            embedding = tuple(output.outputs.embedding) if output.outputs is not None else None
-            return cls(output.request_id, len(output.prompt_token_ids), (), bool(output.finished),
-                       prompt_token_ids=tuple(output.prompt_token_ids), embedding=embedding)
-        choices = tuple(
-            ChoiceSnapshot(c.index, c.text, tuple(c.token_ids),
-                           tuple(c.logprobs) if c.logprobs is not None else None,
-                           c.finish_reason, c.stop_reason, c.cumulative_logprob)
-            for c in output.outputs
-        )
-        prompt_logprobs = getattr(output, "prompt_logprobs", None)
-        return cls(output.request_id, len(output.prompt_token_ids), choices, bool(output.finished),
-                   int(getattr(output, "num_cached_tokens", 0) or 0), tuple(output.prompt_token_ids),
-                   tuple(prompt_logprobs) if prompt_logprobs is not None else None)
-
-    @property
-    def num_generated_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.choices)
 
 
 class _Collector:
@@ -128,6 +84,7 @@ class AsyncLLMEngine:
         self.engine = engine
         self.metrics = metrics
         self._collectors: dict[str, _Collector] = {}
+        self._joiner = OutputJoiner()
         self._pending_aborts: set[str] = set()
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
@@ -197,7 +154,7 @@ class AsyncLLMEngine:
                 raise EngineDeadError(self._dead_message())
             if request_id in self._collectors:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self.engine.add_request(request_id, prompt, sampling_params)
+            self.engine.add_request(request_id, prompt, _as_delta(sampling_params))
             if self.request_logger is not None:
                 self.request_logger.log(request_id, prompt, sampling_params)
             collector = _Collector()
@@ -255,7 +212,7 @@ class AsyncLLMEngine:
             logger.error("the engine is dead; failing the %d requests in flight: %s", len(self._collectors), e)
             self.dead_error = e  # the step's error tells the first failure (the health check's may wrap it)
             return []
-        return [StepOutput.of(o) for o in outputs]
+        return [self._joiner.snapshot(o) for o in outputs]
 
     async def _health_error(self) -> Exception | None:
         """The engine's `check_health` error (a worker exited), or None while it can still run steps.
@@ -281,6 +238,7 @@ class AsyncLLMEngine:
     def _apply_aborts(self) -> None:
         aborts, self._pending_aborts = self._pending_aborts, set()
         for request_id in aborts:
+            self._joiner.forget(request_id)
             try:
                 self.engine.abort_request(request_id)
             except Exception:
@@ -294,6 +252,7 @@ class AsyncLLMEngine:
         for output in outputs:
             collector = self._collectors.get(output.request_id)
             if collector is None:
+                self._joiner.forget(output.request_id)
                 continue  # aborted meanwhile
             if output.finished:
                 del self._collectors[output.request_id]
@@ -302,6 +261,7 @@ class AsyncLLMEngine:
     def _fail_all(self, error: BaseException) -> None:
         """Give `error` to every request in flight and free their blocks."""
         collectors, self._collectors = self._collectors, {}
+        self._joiner.forget_all()
         for request_id, collector in collectors.items():
             collector.fail(error)
             try:
@@ -343,3 +303,11 @@ class _LatencyTimer:
             self.num_tokens = num_tokens
         if output.finished:
             m.e2e.observe(now - self.arrival)
+
+
+def _as_delta(params):
+    """The request's SamplingParams asking the engine for deltas (a copy; FINAL_ONLY and pooling ones unchanged)."""
+    if isinstance(params, SamplingParams) and params.output_kind == RequestOutputKind.CUMULATIVE:
+        params = copy.copy(params)
+        params.output_kind = RequestOutputKind.DELTA
+    return params

@@ -182,9 +182,9 @@ def test_host_step_smoke(tmp_path):
     from fxrewrite.benchmarks import host_step
 
     assert host_step.main(["--out", str(tmp_path), "--num-seqs", "8", "--steps", "5", "--warmup", "2",
-                           "--repeats", "1"]) == 0
+                           "--repeats", "1", "--workloads", "final_only,stream,cumulative"]) == 0
     result = _saved(tmp_path)
-    for workload in ("final_only", "stream"):
+    for workload in ("final_only", "stream", "cumulative"):
         ms = result["results"][workload]["ms_per_step"]
         assert ms["step"] >= ms["schedule"] > 0 and ms["launch"] >= ms["prepare_inputs"] > 0, ms
 

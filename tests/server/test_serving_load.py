@@ -70,6 +70,7 @@ def test_disconnect_mid_stream_frees_blocks_and_server_keeps_serving(server):
     after = server.scrape()
     assert after["fxrewrite:request_aborted_total"] >= before["fxrewrite:request_aborted_total"] + 1
     assert after["fxrewrite:generation_tokens_total"] < before["fxrewrite:generation_tokens_total"] + 1000
+    assert server.app.state.async_engine._joiner._requests == {}  # its joined outputs dropped too
     out = server.client().completions.create(model=server.model_name, prompt="Still there?", max_tokens=3,
                                              temperature=0, extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 3
