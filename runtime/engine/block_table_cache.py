@@ -14,8 +14,8 @@ class BlockTableCache:
 
     A sequence's table only grows (the block manager appends; freeing gives the sequence a new list), so a row
     whose list is the same object as last step's is right up to last step's length: a steady decode batch of long
-    sequences costs O(blocks appended) a step, not O(blocks held) (at 256 sequences of 4k tokens the full rebuild
-    was ~1.5 ms of each step's ~2 ms of input preparation on this project's 2-core CPU). The cache holds the lists
+    sequences costs O(blocks appended) a step, not O(blocks held) (256 sequences of ~4k tokens: `prepare_inputs`
+    1.38 -> 0.29 ms a step on this project's 2-core CPU, `benchmarks/host_step.py`). The cache holds the lists
     it last saw, so their ids cannot be reused by new lists while it compares them. One cache per model runner.
     """
 
