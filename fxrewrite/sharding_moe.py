@@ -102,6 +102,10 @@ class _ExpertsLoader:
     def __init__(self, first: int, count: int, total: int):
         self.first, self.count, self.total = first, count, total
 
+    def full_shape(self, param: nn.Parameter) -> tuple[int, ...]:
+        """The checkpoint's shape of `param`: all the experts (what in-place weight sync sends)."""
+        return (self.total, *param.shape[1:])
+
     def __call__(self, param: nn.Parameter, loaded: torch.Tensor, loaded_shard_id=None) -> None:
         if tuple(loaded.shape) != (self.total, *param.shape[1:]):
             raise ValueError(f"experts weight shape {tuple(loaded.shape)} does not match "

@@ -39,6 +39,10 @@ class ShardedRMSNorm(nn.Module):
             with torch.no_grad():
                 param.copy_(loaded_weight.narrow(0, self.offset, self.local_size))
 
+    def full_shape(self, param: nn.Parameter) -> tuple[int, ...]:
+        """The checkpoint's shape of the weight (what in-place weight sync sends): the full width."""
+        return (self.full_size,)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         square_sum = tensor_model_parallel_all_reduce(h.pow(2).sum(-1, keepdim=True))

@@ -67,11 +67,14 @@ class IncrementalDetokenizer:
     def _stream_step(self) -> str | None:
         """`step` through tokenizers' `DecodeStream` (the same scheme in Rust: one call a token, ~5x faster than two
         decodes), primed with tokens[prefix_offset:read_offset] as the two decodes are. None: no stream here (a
-        tokenizers release without its priming argument); on an error of the stream ("invalid prefix"), the text
+        tokenizers release without its priming argument, or a prompt ending inside a character); on an error of the stream ("invalid prefix"), the text
         it emitted is kept and this sequence goes on with the two decodes from the last emitted token."""
         if self._stream is None:
-            self._stream = _decode_stream(self.seq.token_ids[self.prefix_offset : self.read_offset],
-                                          self.seq.sampling_params.skip_special_tokens)
+            prefix = self.seq.token_ids[self.prefix_offset : self.read_offset]
+            # A primed prefix ending inside a character (a prompt cut mid-character) is emitted by the stream with
+            # its first piece: such a sequence keeps the two decodes.
+            if not self._decode(prefix).endswith("\ufffd"):
+                self._stream = _decode_stream(prefix, self.seq.sampling_params.skip_special_tokens)
             self._fed = self.read_offset
             if self._stream is None:
                 self._backend = None

@@ -270,7 +270,7 @@ class LLMEngine(EngineRLMixin):
                 continue
             seen.add(request_id)
             request = requests.get(request_id)
-            if request is None or request.seqs[s.seq.index] is not s.seq:  # gone, or its id taken by a new request
+            if request is None or s.seq not in request.seqs:  # gone, or its id taken by a new request
                 continue
             if not request.final_only or (request_id in ended and request.finished):
                 outputs.append(self._make_output(request))

@@ -122,7 +122,12 @@ def _build_table(model: nn.Module) -> tuple[dict[str, Target], str]:
 
 
 def full_shape(owner: nn.Module, param: nn.Parameter, shard_id) -> tuple[int, ...]:
-    """The unsharded shape of `param` (or of its shard `shard_id`) in a checkpoint, from its layer."""
+    """The unsharded shape of `param` (or of its shard `shard_id`) in a checkpoint, from its layer: the layer's or
+    its weight_loader's own `full_shape(param)` where it has one (a tensor-parallel rank's whole experts,
+    `fxrewrite.sharding_moe`; a `ShardedRMSNorm`), else read off the parallel linear / embedding."""
+    own = getattr(owner, "full_shape", None) or getattr(getattr(param, "weight_loader", None), "full_shape", None)
+    if callable(own):
+        return own(param)
     is_weight = param is getattr(owner, "weight", None)
     if isinstance(owner, QKVParallelLinear):
         q, kv = owner.total_num_heads * owner.head_size, owner.total_num_kv_heads * owner.head_size

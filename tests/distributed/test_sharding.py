@@ -165,6 +165,7 @@ def test_unfused_transformers_experts_split_whole_over_ranks(family, impl):
     experts implementation transformers dispatches to (their names for the inputs differ from the module's)."""
     import copy
 
+    from fxrewrite.runtime.worker.weight_sync import full_shape, plan_update
     from tests.moe.conftest import tiny_moe
 
     if family == "gpt_oss":
@@ -195,6 +196,8 @@ def test_unfused_transformers_experts_split_whole_over_ranks(family, impl):
         half = num_experts // 2
         for name, param in local.named_parameters():
             assert torch.equal(param, params[name][rank * half:(rank + 1) * half]), name
+            assert full_shape(local, param, None) == tuple(params[name].shape)  # what weight sync sends: all E
+        plan_update(shard, [(n, tuple(p.shape)) for n, p in model.named_parameters()])  # full tensors accepted
         with torch.no_grad():
             parts.append(local(x, ids, weights))
     torch.testing.assert_close(parts[0] + parts[1], want, rtol=1e-5, atol=1e-6)

@@ -70,11 +70,11 @@ def test_strided_rows_and_the_cpu_dispatch(interpret, monkeypatch):
 
 
 def test_the_switch(interpret, monkeypatch):
-    """Off (the default) or on; another value is refused naming it (the engine checks it at start)."""
+    """On (the default) or off; another value is refused naming it (the engine checks it at start)."""
     monkeypatch.delenv(ENV, raising=False)
-    assert not kernel_enabled()
-    monkeypatch.setenv(ENV, "on")
     assert kernel_enabled()
+    monkeypatch.setenv(ENV, "off")
+    assert not kernel_enabled()
     monkeypatch.setenv(ENV, "1")
     with pytest.raises(ValueError, match="FXREWRITE_GREEDY_KERNEL='1': expected 'on' or 'off'"):
         kernel_enabled()

@@ -149,3 +149,19 @@ def test_a_failing_stream_hands_over_to_the_two_decodes_without_losing_text(toke
         monkeypatch.setattr(detokenizer, "_decode_stream", lambda prefix, skip: Failing(real(prefix, skip), after))
         seq, pieces = stream(tokenizer, "Say:", text)
         assert pieces == want and seq.text == want_text == text, after
+
+
+def test_a_prompt_ending_inside_a_character_leaves_its_tail_out_of_the_text(tokenizer):
+    """Token-id prompts cut mid-character (a continuation cut by max_tokens, RL prompts): tokenizers' DecodeStream
+    primed with such a tail emits the tail's text with its first piece (break-it finding: 'I love � receipt...');
+    the text is the output's alone, as the two decodes give it."""
+    ids = tokenizer.encode("I love 🎉", add_special_tokens=False)[:-1]
+    assert tokenizer.decode(ids).endswith("\ufffd")
+    output = tokenizer.encode(" a receipt and more", add_special_tokens=False)
+    seq = Sequence("r", list(ids), SamplingParams())
+    detok, pieces = IncrementalDetokenizer(tokenizer, seq), []
+    for token in output:
+        seq.append_token(token)
+        pieces.append(detok.step())
+    want_text, want = _two_decodes(tokenizer, ids, output, SamplingParams())
+    assert pieces == want and seq.text == want_text == " a receipt and more"

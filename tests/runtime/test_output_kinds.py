@@ -71,3 +71,24 @@ def test_output_kind_must_be_one_of_the_enum():
     with pytest.raises(UserTypeError, match="output_kind='delta' must be a RequestOutputKind"):
         SamplingParams(output_kind="delta")
     assert SamplingParams(output_kind=1).output_kind is RequestOutputKind.DELTA
+
+
+def test_an_id_taken_again_gets_nothing_of_the_step_its_old_request_left_in_flight(engine):
+    """A stop string ends a request (n=2) while the next step is already launched (async scheduling), and a new
+    request takes the id at once (n=1): that step's completion gives no output for the new request (it gave an
+    empty one, read off the old request's sequences) and the new request's outputs are its own."""
+    old = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=12, ignore_eos=True, stop=["e"])
+    for _ in range(5):  # until the stop string ends it early, with a step in flight
+        engine.add_request("a", PROMPTS[1], old)
+        while engine.has_unfinished_requests():
+            engine.step()
+        if engine._inflight is not None:
+            break
+        old = SamplingParams(n=2, temperature=0.8, seed=old.seed + 1, max_tokens=12, ignore_eos=True, stop=["e"])
+    assert engine._inflight is not None
+    engine.add_request("a", PROMPTS[1], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert [len(o.outputs) for o in outs] == [1] * len(outs)
+    assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, 4))  # one new token an output, from the first
