@@ -14,15 +14,14 @@ from fxrewrite.runtime.engine.detokenizer import (
     check_stop_strings,
     check_stop_token,
     no_text,
-    visible_text,
 )
 from fxrewrite.runtime.engine_config import EngineConfig
-from fxrewrite.runtime.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from fxrewrite.runtime.engine.pooling import pooled_rows, pooling_output, split_params
+from fxrewrite.runtime.engine.outputs import Logprob, RequestOutput
+from fxrewrite.runtime.engine.pooling import pooled_rows, split_params
 from fxrewrite.runtime.engine.prompts import tokenize_prompt, truncate_prompt
 from fxrewrite.runtime.engine.rl import EngineRLMixin
 from fxrewrite.runtime.engine.micro_batches import MicroBatchQueue
-from fxrewrite.runtime.engine.request_state import CompletedStep, Request, reads_host_tokens
+from fxrewrite.runtime.engine.request_state import CompletedStep, Request, make_output, reads_host_tokens
 from fxrewrite.runtime.engine.rope_lengths import length_dependent_rope
 from fxrewrite.runtime.engine.sampler import SampleResult
 from fxrewrite.runtime.engine.request_extras import (
@@ -273,7 +272,7 @@ class LLMEngine(EngineRLMixin):
             if request is None or s.seq not in request.seqs:  # gone, or its id taken by a new request
                 continue
             if not request.final_only or (request_id in ended and request.finished):
-                outputs.append(self._make_output(request))
+                outputs.append(make_output(request, self.requests, self._embeddings))
         return outputs
 
     def _abort_all(self) -> None:
@@ -335,49 +334,6 @@ class LLMEngine(EngineRLMixin):
             detokenizer.step(len(seq.token_ids) - drop_stop_token, final=True)
         if self._structured is not None:
             self._structured.remove(seq.seq_id)
-
-    def _make_output(self, request: Request) -> RequestOutput:
-        # Built for every request that progressed, every step (the streaming contract): one pass, no
-        # generator expressions or properties in the per-sequence loop.
-        if request.pooling_params is not None:
-            return pooling_output(request, self._embeddings, self.requests)
-        params = request.sampling_params
-        want_logprobs, hold_text, delta = params.logprobs is not None, bool(params.stop_strings), request.delta
-        outputs, cached, finished = [], 0, True
-        for seq in request.seqs:
-            text = visible_text(seq) if hold_text else seq.text  # visible_text is seq.text without stop strings
-            start = seq.num_prompt_tokens
-            if delta:  # what is new since this request's last output (held-back text never shrinks)
-                start += seq.num_sent_tokens
-                seq.num_sent_tokens = len(seq.token_ids) - seq.num_prompt_tokens
-                text, seq.num_sent_chars = text[seq.num_sent_chars:], len(text)
-            outputs.append(CompletionOutput(
-                seq.index,
-                text,
-                seq.token_ids[start:],
-                seq.cumulative_logprob if want_logprobs else None,
-                seq.output_logprobs[start - seq.num_prompt_tokens:] if want_logprobs else None,
-                seq.finish_reason,
-                seq.stop_reason,
-            ))
-            if seq.num_cached_tokens > cached:
-                cached = seq.num_cached_tokens
-            if seq.status is not _FINISHED:  # request.finished, in the same pass
-                finished = False
-        if finished:
-            del self.requests[request.request_id]
-        first = request.seqs[0]
-        prompt_logprobs = first.prompt_logprobs
-        if prompt_logprobs is not None and delta:  # once, in the first output after the prompt has run
-            if request.prompt_logprobs_sent or (len(first.token_ids) == first.num_prompt_tokens and not finished):
-                prompt_logprobs = None
-            else:
-                request.prompt_logprobs_sent = True
-        return RequestOutput(
-            request.request_id, request.prompt, request.prompt_token_ids, outputs, finished,
-            prompt_logprobs=list(prompt_logprobs) if prompt_logprobs is not None else None,
-            metrics={"num_cached_tokens": cached},
-        )
 
     def check_health(self) -> None:
         """Raise (WorkerError) when the model can no longer run: the tensor-parallel workers died or were

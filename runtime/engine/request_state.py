@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from fxrewrite.runtime.engine.detokenizer import visible_text
+from fxrewrite.runtime.engine.outputs import CompletionOutput, RequestOutput
+from fxrewrite.runtime.engine.pooling import pooling_output
 from fxrewrite.runtime.engine.sampler import SampleResult
 from fxrewrite.runtime.engine.sampling_params import RequestOutputKind
 from fxrewrite.runtime.engine.scheduler import SchedulerOutput
@@ -32,6 +35,51 @@ class Request:
             if seq.status is not _FINISHED:
                 return False
         return True
+
+
+def make_output(request: Request, requests: dict[str, Request], embeddings) -> RequestOutput:
+    """`request`'s RequestOutput now (cumulative, or what is new since its last under DELTA); a finished request is
+    removed from `requests`. Built for every request that progressed, every step (the streaming contract): one
+    pass, no generator expressions or properties in the per-sequence loop."""
+    if request.pooling_params is not None:
+        return pooling_output(request, embeddings, requests)
+    params = request.sampling_params
+    want_logprobs, hold_text, delta = params.logprobs is not None, bool(params.stop_strings), request.delta
+    outputs, cached, finished = [], 0, True
+    for seq in request.seqs:
+        text = visible_text(seq) if hold_text else seq.text  # visible_text is seq.text without stop strings
+        start = seq.num_prompt_tokens
+        if delta:  # what is new since this request's last output (held-back text never shrinks)
+            start += seq.num_sent_tokens
+            seq.num_sent_tokens = len(seq.token_ids) - seq.num_prompt_tokens
+            text, seq.num_sent_chars = text[seq.num_sent_chars:], len(text)
+        outputs.append(CompletionOutput(
+            seq.index,
+            text,
+            seq.token_ids[start:],
+            seq.cumulative_logprob if want_logprobs else None,
+            seq.output_logprobs[start - seq.num_prompt_tokens:] if want_logprobs else None,
+            seq.finish_reason,
+            seq.stop_reason,
+        ))
+        if seq.num_cached_tokens > cached:
+            cached = seq.num_cached_tokens
+        if seq.status is not _FINISHED:  # request.finished, in the same pass
+            finished = False
+    if finished:
+        del requests[request.request_id]
+    first = request.seqs[0]
+    prompt_logprobs = first.prompt_logprobs
+    if prompt_logprobs is not None and delta:  # once, in the first output after the prompt has run
+        if request.prompt_logprobs_sent or (len(first.token_ids) == first.num_prompt_tokens and not finished):
+            prompt_logprobs = None
+        else:
+            request.prompt_logprobs_sent = True
+    return RequestOutput(
+        request.request_id, request.prompt, request.prompt_token_ids, outputs, finished,
+        prompt_logprobs=list(prompt_logprobs) if prompt_logprobs is not None else None,
+        metrics={"num_cached_tokens": cached},
+    )
 
 
 def reads_host_tokens(sched: SchedulerOutput) -> bool:
