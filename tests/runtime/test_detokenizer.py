@@ -106,8 +106,14 @@ def test_decode_stream_emits_what_the_two_decodes_emit(tiny_model_dir, family, s
 
     from transformers import AutoTokenizer
 
+    from fxrewrite.runtime.engine.detokenizer import _plain_backend
+
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir("llama", vocab=family) if family == "smollm2"
                                                   else tiny_model_dir("qwen3")))
+    # The stream serves tokenizers whose decode is the backend's own (Qwen3's always; SmolLM2's from transformers
+    # 5.25 on; 5.17 cleans up its spaces): the others keep transformers' decode, and must.
+    plain = _plain_backend(tokenizer) is not None
+    assert plain or family == "smollm2"
     special = sorted(tokenizer.all_special_ids)
     rng = random.Random(7)
     params = SamplingParams(skip_special_tokens=skip_special_tokens)
@@ -117,11 +123,13 @@ def test_decode_stream_emits_what_the_two_decodes_emit(tiny_model_dir, family, s
         want_text, want = _two_decodes(tokenizer, prompt, output, params)
         seq = Sequence("s", list(prompt), params)
         detok, got = IncrementalDetokenizer(tokenizer, seq), []
-        assert detok._backend is not None  # these are plain fast tokenizers: the stream path is the one tested
         for token in output:
             seq.append_token(token)
             got.append(detok.step())
-        assert detok._stream is not None and detok._backend is not None, trial  # no fallback happened
+        # the stream ran to the end (no fallback) exactly where the tokenizer is plain, unless the prompt ends inside
+        # a character (then the two decodes, by design)
+        primed_mid_char = tokenizer.decode(prompt[-5:], skip_special_tokens=skip_special_tokens).endswith("\ufffd")
+        assert (detok._stream is not None and detok._backend is not None) == (plain and not primed_mid_char), trial
         assert got == want and seq.text == want_text, trial
     assert any(not p for p in want) and any("\ufffd" in tokenizer.decode([t]) for t in output)  # split characters
 
