@@ -27,6 +27,27 @@ def test_text_commands_refuse_the_pooling_runner_before_loading(argv, capsys, mo
     assert "fxrewrite serve MODEL --runner pooling" in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--max-tokens", "-3"], "argument --max-tokens: expected a positive integer, got '-3'"),
+    (["--temperature", "-1"], "SamplingParams: temperature=-1.0 must be in [0, "),
+    (["--top-p", "0"], "SamplingParams: top_p=0.0 must be in (0, 1]"),
+])
+def test_a_bad_sampling_flag_is_one_line_before_the_model_loads(flags, message, capsys, monkeypatch):
+    """Named by the flag (argparse, after its usage lines) or by SamplingParams' field, in the error's one line, before
+    any model is loaded (fresh-user finding: `--max-tokens -3` loaded the model first and did not name the flag)."""
+    import fxrewrite.runtime.llm as llm_module
+
+    monkeypatch.setattr(llm_module, "LLM", lambda **kw: pytest.fail("the model was loaded"))
+    for command in ("generate", "chat"):
+        argv = [command, *(["--prompt", "hi"] if command == "generate" else []), *flags]
+        try:
+            status = main(argv)
+        except SystemExit as exit_info:  # argparse's own exit
+            status = exit_info.code
+        err = capsys.readouterr().err
+        assert status == 2 and message in err.splitlines()[-1] and "Traceback" not in err, (command, err)
+
+
 @pytest.mark.parametrize("command", ["generate", "chat", "serve"])
 @pytest.mark.parametrize("broken", ["missing", "not-an-object"])
 def test_a_bad_generation_config_is_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch, command, broken):

@@ -7,14 +7,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from fxrewrite.commands.engine_args import engine_kwargs
+from fxrewrite.commands.engine_args import engine_kwargs, positive_int
 from fxrewrite.errors import UserInputError
 from fxrewrite.runtime.engine.chat import resolve_chat_template
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=None,
+    g.add_argument("--max-tokens", type=positive_int, default=None,
                    help="most tokens to generate (default: generation_config's max_new_tokens, else 256)")
     g.add_argument("--temperature", type=float, default=None, help="0 for greedy (default: model's, else 1.0)")
     g.add_argument("--top-p", type=float, default=None)
@@ -44,6 +44,7 @@ def load_llm(args: argparse.Namespace):
     from fxrewrite.runtime.server.generation_defaults import check_generation_config, load_generation_defaults
 
     check_generation_config(args.generation_config)
+    sampling_params(args, {})  # a bad sampling flag fails now, not after the model has loaded
     kwargs = engine_kwargs(args)
     if kwargs["runner"] == "pooling":  # before the model loads
         raise UserInputError("generate and chat write text; --runner pooling (--task embed) makes an embedding "
