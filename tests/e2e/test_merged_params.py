@@ -21,9 +21,12 @@ _OPTIMIZERS = {
 }
 if hasattr(torch.optim, "Muon"):
     _OPTIMIZERS["muon"] = lambda ps: torch.optim.Muon([p for p in ps if p.ndim == 2], lr=0.02)
-# Muon orthogonalises in bfloat16: from its second step the fused kernels' float32 rounding (~1e-7 in the gradients)
-# can flip a bf16 rounding (~2e-3 of the update), so it is compared after one step, where it is exact.
+# Muon orthogonalises in bfloat16: the fused kernels' float32 rounding (~1e-7 in the gradients) can flip a bf16
+# rounding that its Newton-Schulz iterations amplify (torch 2.13's CPU build: 3% of the largest update in one element
+# after one step; over a merged q/k/v or gate/up the update differs by 36-70%). So it is compared after one step, each
+# tensor within a tenth of its largest update.
 _STEPS = {"muon": 1}
+_UPDATE_TOLERANCE = {"muon": 0.1}
 
 
 def _train(model, make_optimizer, steps=2):
@@ -46,15 +49,23 @@ def test_per_tensor_optimizers_warn_and_merge_weights_false_trains_like_stock(na
     merged = fxrewrite.optimize(copy.deepcopy(stock))
     separate = fxrewrite.optimize(copy.deepcopy(stock), merge_weights=False)
     steps = _STEPS.get(name, 2)
+    before = {key: value.clone() for key, value in stock.state_dict().items()}
     want, _ = _train(stock, make, steps)
     got_merged, merged_warnings = _train(merged, make, steps)
     got_separate, separate_warnings = _train(separate, make, steps)
     assert len(merged_warnings) == 1 and "qkv_proj.weight (q_proj, k_proj, v_proj)" in merged_warnings[0]
     assert not separate_warnings
     q = "model.layers.0.self_attn.q_proj.weight"
-    assert not torch.allclose(got_merged[q], want[q], rtol=1e-4, atol=1e-6)  # what the warning is about
+    share = _UPDATE_TOLERANCE.get(name)
     for key, value in want.items():
-        torch.testing.assert_close(got_separate[key], value, rtol=1e-5, atol=1e-6, msg=key)
+        if share is None:
+            torch.testing.assert_close(got_separate[key], value, rtol=1e-5, atol=1e-6, msg=key)
+        else:
+            largest = (value - before[key]).abs().max()
+            assert (got_separate[key] - value).abs().max() <= share * largest, key
+    assert not torch.allclose(got_merged[q], want[q], rtol=1e-4, atol=1e-6)  # what the warning is about
+    if share is not None:
+        assert (got_merged[q] - want[q]).abs().max() > 3 * share * (want[q] - before[q]).abs().max()
     report = fxrewrite.explain(separate)
     assert {"qkv", "glu"}.isdisjoint(report.applied_patterns()) and {"rms_norm", "rotary"} <= set(
         report.applied_patterns())

@@ -7,6 +7,7 @@ the head eager."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fxrewrite.errors import UserInputError
 from fxrewrite.runtime.engine import sampler as sampler_module
@@ -85,7 +86,12 @@ def test_graph_head_gives_the_eager_heads_tokens_and_logprobs(tiny_qwen3_dir, mo
         assert on == off, f"{len(prompts)} prompts: the graph's head differs from the eager one"
     assert len(results["on"][3][0][2]) == 10  # the logprobs asked for were returned
     # every step's (token, logprob) pairs, also where no logprobs were asked for (cumulative_logprob, RL)
-    assert samples["on"] == samples["off"] and len(samples["on"]) >= 30
+    # (tokens exact; logprobs to float32 rounding: on some CPUs the bucket-padded logits' GEMM rounds a row's last bit
+    # differently from the unpadded one)
+    assert [[t for t, _ in step] for step in samples["on"]] == [[t for t, _ in step] for step in samples["off"]]
+    torch.testing.assert_close([[lp for _, lp in step] for step in samples["on"]],
+                               [[lp for _, lp in step] for step in samples["off"]], rtol=1e-5, atol=1e-6)
+    assert len(samples["on"]) >= 30
 
 
 def test_plain_greedy_decode_steps_skip_the_eager_sampler(tiny_qwen3_dir, monkeypatch):
