@@ -3,14 +3,16 @@
 `shard_model(model, tp_rank, tp_size)` mutates a model already passed through `fxrewrite.optimize`
 (parameters on meta, as the engine builds it, or real: then each new layer is filled from the old
 one through its `weight_loader`). The plan, in order:
-1. fusion: every fused `QKVParallelLinear` becomes column-parallel by heads (kv heads replicated
+1. MoE experts (`fxrewrite.sharding_moe`; at tp 1 too under data parallel x expert parallel, over all dp x tp
+   workers): `FusedExperts` by columns or whole experts, transformers' own experts modules the fusion left
+   whole, E/tp per rank (E/(dp x tp) under DP x EP);
+2. fusion: every fused `QKVParallelLinear` becomes column-parallel by heads (kv heads replicated
    when fewer than ranks) and forces its output projection row-parallel; every fused gate/up
    `MergedColumnParallelLinear` forces the down projection row-parallel. The partner is read off the
    match: the fused layer's `row_partner`, the one linear its outputs reach in the traced graph
    (`fxrewrite.nodes.row_partner`); none, several, or one not reading the fused width: ValueError
    (fail closed).
-2. the config's `base_model_tp_plan` ("colwise" / "rowwise") for plain linears the fusion left;
-3. transformers' own experts modules the fusion left: whole experts E/tp per rank (`shard_transformers_experts`);
+3. the config's `base_model_tp_plan` ("colwise" / "rowwise") for plain linears the fusion left;
 4. the input embedding and LM head become `VocabParallelEmbedding` / `ParallelLMHead` (ties kept);
 5. anything else stays replicated.
 Attention modules need no edit: transformers infers heads from the projection width
@@ -53,6 +55,7 @@ def shard_model(model: nn.Module, tp_rank: int, tp_size: int) -> dict[str, str]:
     """
     plan: dict[str, str] = {}
     shard_experts(model, tp_rank, tp_size, plan)  # MoE: experts' columns, or whole experts (EP; also at tp 1 under DP x EP)
+    shard_transformers_experts(model, tp_rank, tp_size, plan)  # transformers' experts: whole ones (same rule)
     if tp_size == 1:
         return plan
     modules = dict(model.named_modules())
@@ -60,7 +63,6 @@ def shard_model(model: nn.Module, tp_rank: int, tp_size: int) -> dict[str, str]:
         for new, _ in module.__dict__.get(SHARDS_ATTR, ()):
             _shard_fused(module, prefix, new, tp_rank, tp_size, plan)
     _apply_tp_plan(model, tp_rank, tp_size, plan)
-    shard_transformers_experts(model, tp_rank, tp_size, plan)
     _shard_vocab(model, tp_rank, tp_size, plan)
     return plan
 

@@ -5,6 +5,8 @@
   `FusedMoE` all-reduces the partial outputs.
 - `shard_transformers_experts`: transformers' own experts modules that the moe pattern left (GPT-OSS's, or any with
   fusion off) keep whole experts E/tp on each rank; the routing is masked to them and the output all-reduced.
+  Under data parallel x expert parallel, E/(dp x tp) on each worker, the replicas' inputs gathered as
+  `fxrewrite.layers.moe_dp` does for `FusedMoE` (`ExpertsAcrossReplicas`).
 - `shard_full_width_norms`: an attention module's RMSNorm whose width is all q heads (or all kv
   heads) times head_dim, as OLMoE's q_norm/k_norm, becomes a `ShardedRMSNorm` over this rank's
   heads with statistics all-reduced over the ranks (transformers computes them over every head).
@@ -19,6 +21,7 @@ from torch import nn
 
 from fxrewrite.data_parallel import dp_ep_active, moe_parallel
 from fxrewrite.distributed import tensor_model_parallel_all_reduce
+from fxrewrite.layers import moe_dp
 from fxrewrite.layers.fused_moe import FusedExperts
 from fxrewrite.layers.layernorm import RMSNorm
 from fxrewrite.layers.sharded_norm import ShardedRMSNorm
@@ -55,32 +58,49 @@ def shard_experts(model: nn.Module, tp_rank: int, tp_size: int, plan: dict) -> N
 
 def shard_transformers_experts(model: nn.Module, tp_rank: int, tp_size: int, plan: dict) -> None:
     """transformers' experts modules (classes under ``@use_experts_implementation``: ``forward(hidden_states,
-    top_k_index, top_k_weights)``, every parameter [num_experts, ...]) that fusion left: rank r keeps experts
-    [r*E/tp, (r+1)*E/tp) whole, whatever their layout (interleaved gate/up, biases, transposed).
+    top_k_index, top_k_weights)``, every parameter [num_experts, ...]) that fusion left: EP rank r of n (the TP
+    group, or every worker under data parallel x expert parallel: `moe_parallel`) keeps experts [r*E/n, (r+1)*E/n)
+    whole, whatever their layout (interleaved gate/up, biases, transposed).
 
     A forward pre-hook maps the routed ids to local ones and zeroes the weights of slots routed elsewhere (sent to
     local expert 0, whose output they then scale by 0: transformers' eager experts accept no out-of-range id), a
-    forward hook sums the partial outputs over the TP ranks. Left replicated (still correct): E not divisible by
-    tp_size, and data parallel x expert parallel, whose ranks hold different tokens.
+    forward hook sums the partial outputs over the TP ranks. Under DP x EP the replicas hold different tokens: a
+    first pre-hook gathers every replica's inputs and the forward hook hands each replica its rows summed over every
+    worker (`ExpertsAcrossReplicas`). Left replicated (still correct): E not divisible by n.
     """
-    if tp_size == 1 or dp_ep_active():
+    size, rank, _ = moe_parallel(tp_size, tp_rank)
+    if size == 1:
         return
+    across_replicas = dp_ep_active()
+    text_config = _text_config(model)
     for name, module in list(model.named_modules()):
         num_experts = _transformers_experts_count(module)
-        if num_experts is None or num_experts % tp_size:
+        if num_experts is None or num_experts % size:
             continue
-        local = num_experts // tp_size
+        local = num_experts // size
         for pname, old in list(module.named_parameters(recurse=False)):
             new = nn.Parameter(torch.empty((local, *old.shape[1:]), dtype=old.dtype, device=old.device),
                                requires_grad=old.requires_grad)
-            new.weight_loader = _ExpertsLoader(tp_rank * local, local, num_experts)
+            new.weight_loader = _ExpertsLoader(rank * local, local, num_experts)
             if old.device.type != "meta":
                 new.weight_loader(new, old.detach())
             setattr(module, pname, new)
         module.num_experts, module.global_num_experts = local, num_experts  # vLLM's name for the checkpoint's count
-        module.register_forward_pre_hook(_LocalRouting(module, tp_rank * local, local), with_kwargs=True)
-        module.register_forward_hook(_SumOverRanks())
+        summed = _SumOverRanks()
+        if across_replicas:  # registered first: the local routing below sees every replica's rows
+            summed = ExpertsAcrossReplicas(module, getattr(text_config, "hidden_size", None),
+                                           getattr(text_config, "num_experts_per_tok", None))
+            module.register_forward_pre_hook(summed.gather, with_kwargs=True)
+            module.__dict__[_ACROSS_REPLICAS] = summed
+        module.register_forward_pre_hook(_LocalRouting(module, rank * local, local), with_kwargs=True)
+        module.register_forward_hook(summed)
         plan[name] = "experts_whole"
+
+
+def _text_config(model: nn.Module):
+    config = getattr(model, "config", None)
+    get_text = getattr(config, "get_text_config", None)
+    return get_text() if callable(get_text) else config
 
 
 def _transformers_experts_count(module: nn.Module) -> int | None:
@@ -115,22 +135,90 @@ class _ExpertsLoader:
                 param.copy_(loaded.narrow(0, self.first, self.count))
 
 
+def _input_names(module: nn.Module) -> list[str]:
+    """The names of `module.forward`'s three inputs (hidden, ids, weights)."""
+    return list(inspect.signature(type(module).forward).parameters)[1:4]
+
+
+def _positional(names: list[str], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """(args, kwargs) with the three inputs moved to the first three positions of args."""
+    kwargs = dict(kwargs)
+    return tuple(args[:3]) + tuple(kwargs.pop(n) for n in names[len(args):]) + tuple(args[3:]), kwargs
+
+
 class _LocalRouting:
     """Forward pre-hook: global expert ids -> this rank's ([first, first + count) -> [0, count)); the weights of
-    slots routed to other ranks' experts -> 0 (their id -> 0). The three inputs go on positionally: the experts
-    implementations transformers dispatches to name them differently from the module's own forward."""
+    slots routed to other ranks' experts -> 0 (their id -> 0; a padding row's id -1 too). The three inputs go on
+    positionally: the experts implementations transformers dispatches to name them differently from the module's
+    own forward."""
 
     def __init__(self, module: nn.Module, first: int, count: int):
         self.first, self.count = first, count
-        self.names = list(inspect.signature(type(module).forward).parameters)[1:4]  # hidden, ids, weights
+        self.names = _input_names(module)
 
     def __call__(self, module, args, kwargs):
-        kwargs = dict(kwargs)
-        hidden, ids, weights = list(args[:3]) + [kwargs.pop(n) for n in self.names[len(args):]]
+        (hidden, ids, weights, *rest), kwargs = _positional(self.names, args, kwargs)
         local = ids - self.first
         mine = (local >= 0) & (local < self.count)
         return (hidden, torch.where(mine, local, torch.zeros_like(local)), weights * mine.to(weights.dtype),
-                *args[3:]), kwargs
+                *rest), kwargs
+
+
+_ACROSS_REPLICAS = "_fxrewrite_experts_across_replicas"
+
+
+def experts_across_replicas(module: nn.Module) -> ExpertsAcrossReplicas | None:
+    """The hooks that split `module` (a transformers experts module) over every DP x EP worker, else None."""
+    return module.__dict__.get(_ACROSS_REPLICAS)
+
+
+class ExpertsAcrossReplicas:
+    """Hooks of a transformers experts module whose experts are split over every DP x EP worker
+    (`fxrewrite.layers.moe_dp`'s steps, the router having run on the replica's own tokens):
+    `gather` (forward pre-hook) all-gathers hidden [T, H], top-k ids [T, k] (int64) and top-k weights [T, k] over
+    the DP group, each replica's rows padded to the largest replica's count (padding routed nowhere: id -1); the
+    hook itself (forward hook) returns this replica's T rows of the output summed over every worker
+    (reduce-scatter over DP, all-reduce over TP). `run_idle` takes part with zero rows (a replica without work).
+    Every replica must call the module at the same points; RuntimeError when the step's announced token count
+    differs from T (`moe_dp.token_counts`)."""
+
+    def __init__(self, module: nn.Module, hidden_size: int | None, top_k: int | None):
+        self.names = _input_names(module)
+        dtype = next(module.parameters()).dtype
+        self.inputs = (hidden_size, top_k, dtype, dtype)
+        """(H, k, hidden dtype, weights dtype) of the last call (from the config until then): `run_idle`'s."""
+        self.call = None  # (T, original hidden shape, whether the replicas met) of the call under way
+
+    def gather(self, module, args, kwargs):
+        (hidden, ids, weights, *rest), kwargs = _positional(self.names, args, kwargs)
+        shape, top_k = hidden.shape, ids.shape[-1]
+        hidden, ids, weights = hidden.reshape(-1, shape[-1]), ids.reshape(-1, top_k), weights.reshape(-1, top_k)
+        self.inputs = (shape[-1], top_k, hidden.dtype, weights.dtype)
+        counts = moe_dp.replica_counts(hidden.shape[0], hidden.device)
+        self.call = (hidden.shape[0], shape, max(counts) > 0)
+        if max(counts) == 0:  # no replica has tokens: every one skips the collectives
+            return (hidden, ids, weights, *rest), kwargs
+        # ids and weights travel as int64 / float32: the same on every replica, an idle one included
+        gathered = (moe_dp.gather_rows(hidden, counts), moe_dp.gather_rows(ids.long(), counts, pad_value=-1),
+                    moe_dp.gather_rows(weights.float(), counts).to(weights.dtype))
+        return (*gathered, *rest), kwargs
+
+    def __call__(self, module, args, output):
+        num_tokens, shape, met = self.call
+        self.call = None
+        return (moe_dp.sum_to_replica(output, num_tokens) if met else output).reshape(shape)
+
+    @torch.inference_mode()
+    def run_idle(self, module: nn.Module) -> None:
+        """Call `module` with zero rows (this replica has no tokens this step); RuntimeError when H or k is
+        unknown (no call yet, and the config names neither ``hidden_size`` nor ``num_experts_per_tok``)."""
+        hidden_size, top_k, hidden_dtype, weights_dtype = self.inputs
+        if hidden_size is None or top_k is None:
+            raise RuntimeError(f"{type(module).__name__}: hidden size or top-k unknown for an idle replica's call")
+        device = next(module.parameters()).device
+        module(torch.empty(0, hidden_size, dtype=hidden_dtype, device=device),
+               torch.empty(0, top_k, dtype=torch.int64, device=device),
+               torch.empty(0, top_k, dtype=weights_dtype, device=device))
 
 
 class _SumOverRanks:

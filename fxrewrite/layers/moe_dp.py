@@ -15,6 +15,9 @@ Two ways to know L:
 - CUDA graphs (`data_parallel.uniform_tokens()`, set while decode graphs are captured): every replica
   calls with the same number of rows, its graph bucket, so L is x's row count and nothing depends on
   the step; at a decode wave the worker pads every replica, idle ones included, to one bucket.
+The steps are public (`replica_counts`, `gather_rows`, `real_rows`, `sum_to_replica`): transformers' own experts
+modules left unfused take them too, their router run on the replica's own tokens first, so the replicas gather
+(hidden states, top-k ids, top-k weights) instead (`fxrewrite.sharding_moe.ExpertsAcrossReplicas`).
 """
 
 from __future__ import annotations
@@ -49,28 +52,59 @@ def token_counts(num_tokens: int, device: torch.device) -> list[int]:
     return [int(p) for p in parts]
 
 
+def replica_counts(num_tokens: int, device: torch.device) -> list[int]:
+    """Every replica's row count at this MoE call: `num_tokens` for all under `data_parallel.uniform_tokens()`
+    (CUDA graph buckets: nothing read from the host), else `token_counts`. RuntimeError: see `token_counts`."""
+    state = data_parallel.get_state()
+    if state.uniform_tokens:
+        return [num_tokens] * state.dp_size
+    return token_counts(num_tokens, device)
+
+
+def gather_rows(x: torch.Tensor, counts: list[int], pad_value: float = 0) -> torch.Tensor:
+    """x [T, ...] (T = counts[dp_rank]) of every replica, each padded with `pad_value` to L = max(counts) rows:
+    [dp * L, ...] (replica d's rows at [d*L, d*L + counts[d])), same dtype; an all-gather over the DP group,
+    so every replica must call it with the same dtype and trailing shape."""
+    state = data_parallel.get_state()
+    longest = max(counts)
+    padded = F.pad(x, (0, 0) * (x.dim() - 1) + (0, longest - x.shape[0]), value=pad_value).contiguous()
+    out = padded.new_empty(state.dp_size * longest, *x.shape[1:])
+    _all_gather(out, padded, group=state.dp_group)
+    return out
+
+
+def real_rows(counts: list[int], device: torch.device) -> torch.Tensor | None:
+    """bool [dp * L]: which rows of `gather_rows`' result are a replica's tokens (False: padding); None when
+    no replica was padded."""
+    longest = max(counts)
+    if all(n == longest for n in counts):
+        return None
+    return torch.cat([torch.arange(longest, device=device) < n for n in counts])
+
+
+def sum_to_replica(out: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """This replica's rows of `out` [dp * L, H] (every worker's partial result on the gathered rows), summed over
+    every worker: a reduce-scatter over the DP group, then an all-reduce over the replica's TP group (its ranks
+    hold different experts); [num_tokens, H], same dtype."""
+    state = data_parallel.get_state()
+    longest = out.shape[0] // state.dp_size
+    return tensor_model_parallel_all_reduce(_sum_my_rows(out, longest, state))[:num_tokens]
+
+
 def experts_across_dp(moe: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The routed experts' output for this replica's tokens x [T, H] (T may be 0), summed over every
     worker's experts; same dtype as x. `moe` is a `FusedMoE` (its router, experts, top-k settings)."""
-    state = data_parallel.get_state()
-    if state.uniform_tokens:
-        counts = [x.shape[0]] * state.dp_size
-    else:
-        counts = token_counts(x.shape[0], x.device)
-    longest = max(counts)
-    if longest == 0:
+    counts = replica_counts(x.shape[0], x.device)
+    if max(counts) == 0:
         return x.new_zeros(x.shape)
-    padded = F.pad(x, (0, 0, 0, longest - x.shape[0])).contiguous()
-    tokens = padded.new_empty(state.dp_size * longest, x.shape[1])
-    _all_gather(tokens, padded, group=state.dp_group)
+    tokens = gather_rows(x, counts)
     router, experts = moe._child("router"), moe._child("experts")
     logits = F.linear(tokens, router.weight, getattr(router, "bias", None))
     weights, ids = select_experts(logits, moe.top_k, moe.renormalize, moe.scoring_func)
-    if any(n < longest for n in counts):  # padding rows route nowhere (-1: no rank holds it), cost nothing
-        real = torch.cat([torch.arange(longest, device=x.device) < n for n in counts])
+    real = real_rows(counts, x.device)
+    if real is not None:  # padding rows route nowhere (-1: no rank holds it), cost nothing
         ids = torch.where(real[:, None], ids, -1)
-    out = experts(tokens, weights, ids)
-    return tensor_model_parallel_all_reduce(_sum_my_rows(out, longest, state))[: x.shape[0]]
+    return sum_to_replica(experts(tokens, weights, ids), x.shape[0])
 
 
 _gloo_reduce_scatter = True

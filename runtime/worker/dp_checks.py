@@ -37,8 +37,10 @@ def check_gpu_count(config) -> None:
 def check_data_parallel(config, model_config) -> None:
     """Everything a data_parallel_size > 1 engine needs, checked on the driver: UserInputError for
     pipeline parallelism (not combined with DP), GPUs too few, a TP size the model does not divide,
-    MoE settings (`check_moe_parallel`: top-k, experts over dp x tp ranks with expert parallelism),
-    and DP x EP on an unfused transformers model (its MoE blocks cannot share experts across replicas)."""
+    and MoE settings (`check_moe_parallel`: top-k, experts over dp x tp ranks with expert parallelism).
+    Whether the model's MoE layers can share experts across replicas (fused ones, or transformers' experts
+    modules, fusion on or off) is known once it is built: the workers check it
+    (`dp_worker.check_model_shares_experts`)."""
     if config.pipeline_parallel_size > 1:
         raise UserInputError(f"data_parallel_size={config.data_parallel_size} with pipeline_parallel_size="
                              f"{config.pipeline_parallel_size} is not supported; use one of them")
@@ -46,7 +48,3 @@ def check_data_parallel(config, model_config) -> None:
     check_moe_parallel(model_config, config)
     if config.tensor_parallel_size > 1:
         check_tp_divisible(model_config, config.tensor_parallel_size, config)
-    if config.enable_expert_parallel and config.model_impl == "transformers" and not config.fusion:
-        raise UserInputError("data_parallel_size > 1 with enable_expert_parallel needs fused MoE layers: "
-                             "fusion=False (--no-fusion) keeps transformers' MoE blocks, which cannot share "
-                             "experts across replicas; drop one of the two")

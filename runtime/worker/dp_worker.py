@@ -26,6 +26,7 @@ import torch.distributed as dist
 from fxrewrite import data_parallel, distributed
 from fxrewrite.layers.fused_moe import FusedMoE
 from fxrewrite.layers.moe_dp import experts_across_dp
+from fxrewrite.sharding_moe import experts_across_replicas
 from fxrewrite.runtime.worker.worker import (
     STEP_FIELDS, ControlMessage, ResultSender, Worker, _watch_parent, broadcast_object, exit_worker)
 from fxrewrite.runtime.worker.cpu_threads import size_cpu_threads
@@ -62,12 +63,15 @@ def wave_bucket(wave: list, counts: list[int], graphs) -> int:
 
 @torch.inference_mode()
 def run_idle(model: torch.nn.Module) -> None:
-    """A replica with no tokens this step: take part in every MoE layer's collectives, in forward order
-    (the modules' registration order is the decoder layers' order)."""
+    """A replica with no tokens this step: take part in every MoE layer's collectives (fused ones, and
+    transformers' experts modules split over the workers), in forward order (the modules' registration
+    order is the decoder layers' order)."""
     for module in model.modules():
         if isinstance(module, FusedMoE):
             router = module._child("router")
             experts_across_dp(module, router.weight.new_empty(0, router.weight.shape[1]))
+        elif (hooks := experts_across_replicas(module)) is not None:
+            hooks.run_idle(module)
 
 
 def agree_on_graphs(graphs, group, device) -> object | None:
@@ -91,10 +95,12 @@ def agree_on_graphs(graphs, group, device) -> object | None:
 
 
 def check_model_shares_experts(model: torch.nn.Module) -> None:
-    """DP x EP needs fused MoE layers (they carry the cross-replica collectives); RuntimeError otherwise."""
-    if not any(isinstance(m, FusedMoE) for m in model.modules()):
-        raise RuntimeError("data_parallel_size > 1 with enable_expert_parallel needs the fused MoE layers "
-                           "(model_impl 'native', or 'transformers' with fusion on); this model has none")
+    """DP x EP needs MoE layers that carry the cross-replica collectives: fused ones, or transformers' experts
+    modules split over the workers (`fxrewrite.sharding_moe`); RuntimeError otherwise."""
+    if not any(isinstance(m, FusedMoE) or experts_across_replicas(m) is not None for m in model.modules()):
+        raise RuntimeError("data_parallel_size > 1 with enable_expert_parallel needs MoE layers whose experts the "
+                           "replicas can share: fused MoE layers, or transformers' experts modules (use_experts_"
+                           "implementation) whose expert count divides by the worker count; this model has none")
 
 
 def dp_worker_main(local_rank: int, config, model_config, eos_token_ids: set[int], host: str, port: int,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -107,3 +108,80 @@ def spmd_rank(rank: int, world_size: int, port: int, cases: list[tuple[str, str,
         distributed.destroy()
     with open(f"{out_path}.{rank}", "w") as f:
         json.dump(results, f)
+
+
+EXPERTS_DP_CASES = [("gpt_oss", "eager"), ("gpt_oss", "batched_mm"), ("qwen2_moe", "grouped_mm")]
+EXPERTS_DP_CALLS = [((5, 3), "noted"), ((4, 0), "gathered"), ((2, 2), "uniform")]
+"""Rows per replica of each call of `experts_dp_rank`, and how the layer learns them: the worker's step note,
+an all-gather of the counts (replica 1 idle: `run_idle`), `data_parallel.uniform_tokens()` (CUDA graph buckets)."""
+
+
+def tiny_experts_model(family: str):
+    """The first layer's transformers experts module's model: GPT-OSS (clamped SwiGLU, biases, 4 experts) or
+    a `tests.moe.conftest.tiny_moe` family; float32, the same weights on every call."""
+    from tests.moe.conftest import tiny_moe
+
+    if family != "gpt_oss":
+        return tiny_moe(family)
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    torch.manual_seed(0)
+    config = GptOssConfig(vocab_size=96, hidden_size=32, intermediate_size=16, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                          num_experts_per_tok=2, initializer_range=0.2)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def experts_dp_rank(rank: int, port: int, out_path: str) -> None:
+    """Worker `rank` of 2 data-parallel replicas (tp 1, expert parallel, gloo): shards each case's model
+    (`fxrewrite.sharding.shard_model`) and runs its first experts module on this replica's rows of each call of
+    EXPERTS_DP_CALLS. Saves (torch.save) to out_path + f".{rank}" per case: "local" (the sharded module's
+    parameters, num_experts, global_num_experts, full_shape of each, the plan's style), and per call "out" (None
+    when idle), "want" (the unsharded module's output on the same rows) and "partial" (this worker's output on
+    the gathered rows, before the sums)."""
+    import copy
+
+    import torch.distributed as dist
+
+    from fxrewrite import data_parallel
+    from fxrewrite.runtime.worker.weight_sync import full_shape, plan_update
+    from fxrewrite.sharding import shard_model
+    from fxrewrite.sharding_moe import experts_across_replicas
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    # the state `data_parallel.initialize` builds for a worker, without the driver: both groups are the world
+    data_parallel._dp = data_parallel.DataParallelState(2, rank, dist.group.WORLD, dist.group.WORLD, True)
+    results = {}
+    for family, impl in EXPERTS_DP_CASES:
+        model = tiny_experts_model(family)
+        model.config._experts_implementation = impl
+        whole = copy.deepcopy(model.model.layers[0].mlp.experts)
+        plan = shard_model(model, tp_rank=0, tp_size=1)
+        prefix = "model.layers.0.mlp.experts"  # weight sync takes the full tensors
+        plan_update(model, [(n, tuple(p.shape)) for n, p in whole.named_parameters(prefix=prefix)], strict=False)
+        local = model.model.layers[0].mlp.experts
+        case = {"local": {"style": plan.get("model.layers.0.mlp.experts"), "num_experts": local.num_experts,
+                          "global_num_experts": getattr(local, "global_num_experts", None),
+                          "params": {n: p.detach().clone() for n, p in local.named_parameters()},
+                          "full_shapes": {n: full_shape(local, p, None) for n, p in local.named_parameters()},
+                          "whole": {n: p.detach().clone() for n, p in whole.named_parameters()}}, "calls": []}
+        partials = []
+        local.register_forward_hook(lambda m, a, out: partials.append(out.clone()), prepend=True)  # before the sums
+        gen = torch.Generator().manual_seed(1)
+        for counts, how in EXPERTS_DP_CALLS:
+            # every replica's rows, drawn alike on both workers; two distinct experts per token
+            rows = [(torch.randn(n, 32, generator=gen),
+                     torch.rand(n, whole.num_experts, generator=gen).argsort(1)[:, :2],
+                     torch.rand(n, 2, generator=gen)) for n in counts]
+            x, ids, weights = rows[rank]
+            data_parallel.set_step_token_counts(counts if how == "noted" else None)
+            with torch.no_grad(), (data_parallel.uniform_tokens() if how == "uniform" else contextlib.nullcontext()):
+                if counts[rank]:
+                    out, want = local(x, ids, weights), whole(x, ids, weights)
+                else:  # an idle replica: zero rows, its part in the collectives only
+                    out = want = experts_across_replicas(local).run_idle(local)
+            case["calls"].append({"out": out, "want": want, "partial": partials.pop()})
+        results[f"{family}/{impl}"] = case
+    dist.destroy_process_group()
+    torch.save(results, f"{out_path}.{rank}")
