@@ -61,7 +61,7 @@ class IncrementalDetokenizer:
             return ""
         new_text = full_text[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(tokens)
-        self.seq.text += new_text
+        self.seq.append_text(new_text)
         return new_text
 
     def _stream_step(self) -> str | None:
@@ -90,7 +90,7 @@ class IncrementalDetokenizer:
         except Exception:
             self._backend = None
         if new_text:
-            self.seq.text += new_text
+            self.seq.append_text(new_text)
         return new_text if self._backend is not None else new_text + self.step()
 
 
@@ -137,16 +137,18 @@ def check_stop_strings(seq: Sequence, new_text_len: int) -> str | None:
         return None
     if params.min_tokens and seq.num_output_tokens <= params.min_tokens:
         return None
+    end = seq.text_len
+    window = max(end - new_text_len - max(len(stop) for stop in params.stop_strings) + 1, 0)
+    tail = seq.text_from(window)  # only the tail that can hold a new match (the whole text is not joined)
     best: tuple[int, str] | None = None
     for stop in params.stop_strings:
-        start = max(len(seq.text) - new_text_len - len(stop) + 1, 0)
-        idx = seq.text.find(stop, start)
+        idx = tail.find(stop, max(end - new_text_len - len(stop) + 1, 0) - window)
         if idx != -1 and (best is None or idx < best[0]):
             best = (idx, stop)
     if best is None:
         return None
     idx, stop = best
-    seq.text = seq.text[: idx + len(stop)] if params.include_stop_str_in_output else seq.text[:idx]
+    seq.text = seq.text[: window + idx + (len(stop) if params.include_stop_str_in_output else 0)]
     return stop
 
 
@@ -154,14 +156,18 @@ def no_text(token_id: int) -> None:
     return None  # SamplingParams(detokenize=False): logprob entries without decoded_token
 
 
-def visible_text(seq: Sequence) -> str:
-    """The text to report: while running, hold back the tail that could still become a stop string
-    (vLLM's buffer), so streamed text never has to be taken back."""
+def visible_len(seq: Sequence) -> int:
+    """Characters of `seq.text` to report: while running, the tail that could still become a stop string is held
+    back (vLLM's buffer), so streamed text never has to be taken back."""
     params = seq.sampling_params
     if seq.is_finished or not params.stop_strings or params.include_stop_str_in_output:
-        return seq.text
-    hold = max(len(s) for s in params.stop_strings) - 1
-    return seq.text[: max(len(seq.text) - hold, 0)]
+        return seq.text_len
+    return max(seq.text_len - max(len(s) for s in params.stop_strings) + 1, 0)
+
+
+def visible_text(seq: Sequence) -> str:
+    """seq.text up to `visible_len`."""
+    return seq.text[: visible_len(seq)]
 
 
 def check_stop_token(seq: Sequence, token_id: int, eos_token_ids: set[int]):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fxrewrite.runtime.engine.detokenizer import visible_text
+from fxrewrite.runtime.engine.detokenizer import visible_len, visible_text
 from fxrewrite.runtime.engine.outputs import CompletionOutput, RequestOutput
 from fxrewrite.runtime.engine.pooling import pooling_output
 from fxrewrite.runtime.engine.sampler import SampleResult
@@ -47,12 +47,14 @@ def make_output(request: Request, requests: dict[str, Request], embeddings) -> R
     want_logprobs, hold_text, delta = params.logprobs is not None, bool(params.stop_strings), request.delta
     outputs, cached, finished = [], 0, True
     for seq in request.seqs:
-        text = visible_text(seq) if hold_text else seq.text  # visible_text is seq.text without stop strings
         start = seq.num_prompt_tokens
         if delta:  # what is new since this request's last output (held-back text never shrinks)
             start += seq.num_sent_tokens
             seq.num_sent_tokens = len(seq.token_ids) - seq.num_prompt_tokens
-            text, seq.num_sent_chars = text[seq.num_sent_chars:], len(text)
+            sent, end = seq.num_sent_chars, visible_len(seq) if hold_text else seq.text_len
+            text, seq.num_sent_chars = seq.text_from(sent)[: end - sent], end
+        else:
+            text = visible_text(seq) if hold_text else seq.text  # visible_text is seq.text without stop strings
         outputs.append(CompletionOutput(
             seq.index,
             text,

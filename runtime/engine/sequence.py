@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fxrewrite.runtime.engine.text_pieces import TextPieces
+
 if TYPE_CHECKING:
     from fxrewrite.runtime.engine.outputs import Logprob
     from fxrewrite.runtime.engine.sampling_params import SamplingParams
@@ -75,7 +77,7 @@ class Sequence:
         self.bad_words_token_ids: list[list[int]] = []
         """SamplingParams.bad_words as token ids (set by the engine, which owns the tokenizer)."""
         self.cumulative_logprob = 0.0
-        self.text = ""
+        self._text = TextPieces()
         self.num_sent_tokens = self.num_sent_chars = 0
         """Output tokens and characters of text already in the request's outputs (RequestOutputKind.DELTA)."""
         self.finish_reason: str | None = None
@@ -87,6 +89,26 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def text(self) -> str:
+        """The output text so far (`TextPieces`: appends and tail reads do not copy the whole string)."""
+        return self._text.text()
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._text.set(value)
+
+    @property
+    def text_len(self) -> int:
+        return self._text.length
+
+    def append_text(self, piece: str) -> None:
+        self._text.append(piece)
+
+    def text_from(self, start: int) -> str:
+        """text[start:] (start >= 0), reading only the pieces it spans."""
+        return self._text.slice(start)
 
     @property
     def num_tokens(self) -> int:

@@ -2,7 +2,7 @@
 
 The engine sends the server's requests' outputs as `RequestOutputKind.DELTA` (only what is new); `OutputJoiner`
 appends each to the request's own lists and hands out a `StepOutput` whose token ids and logprobs are
-`PrefixView`s of those lists. A step then costs O(new tokens), not O(tokens so far): with cumulative outputs (copied
+`PrefixView`s of those lists, and whose text is read from one `TextPieces` per choice. A step then costs O(new tokens), not O(tokens so far): with cumulative outputs (copied
 in the engine, then again here) 256 streams of ~4.1k tokens took 19.0 ms of host work a step, with deltas joined
 here 3.2 (`python -m fxrewrite.benchmarks.host_step --workloads stream,cumulative --warmup 4000`, BENCHMARKS.md).
 """
@@ -13,6 +13,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from fxrewrite.runtime.engine.text_pieces import TextPieces
 
 if TYPE_CHECKING:
     from fxrewrite.runtime.engine.outputs import RequestOutput
@@ -55,13 +57,31 @@ class PrefixView(Sequence):
 
 @dataclass(frozen=True)
 class ChoiceSnapshot:
+    """One choice after a step. `source` holds its text: a str, or the choice's `TextPieces`, which later steps
+    append to (this snapshot reads its first `text_len` characters: `text`, or `text_slice` for a part without
+    joining the rest)."""
+
     index: int
-    text: str
+    source: str | TextPieces
     token_ids: Sequence[int]
     logprobs: Sequence[dict] | None
     finish_reason: str | None
     stop_reason: int | str | None
     cumulative_logprob: float | None = None
+    text_len: int = -1
+    """Characters of `source` in this snapshot (-1: all of it now)."""
+
+    def __post_init__(self):
+        if self.text_len < 0:
+            object.__setattr__(self, "text_len", len(self.source) if isinstance(self.source, str) else self.source.length)
+
+    @property
+    def text(self) -> str:
+        return self.text_slice(0, self.text_len)
+
+    def text_slice(self, start: int, end: int) -> str:
+        """text[start:end], 0 <= start <= end <= text_len."""
+        return self.source[start:end] if isinstance(self.source, str) else self.source.slice(start, end)
 
 
 @dataclass(frozen=True)
@@ -87,7 +107,7 @@ class _Choice:
     __slots__ = ("text", "token_ids", "logprobs")
 
     def __init__(self) -> None:
-        self.text, self.token_ids, self.logprobs = "", [], None
+        self.text, self.token_ids, self.logprobs = TextPieces(), [], None
 
 
 class _Joined:
@@ -106,7 +126,7 @@ class _Joined:
             joined = self.choices.get(c.index)
             if joined is None:
                 joined = self.choices[c.index] = _Choice()
-            joined.text += c.text
+            joined.text.append(c.text)
             joined.token_ids += c.token_ids
             if c.logprobs is not None:
                 if joined.logprobs is None:
@@ -116,7 +136,7 @@ class _Joined:
             snapshots.append(ChoiceSnapshot(
                 c.index, joined.text, PrefixView(joined.token_ids, n),
                 PrefixView(joined.logprobs, len(joined.logprobs)) if joined.logprobs is not None else None,
-                c.finish_reason, c.stop_reason, c.cumulative_logprob))
+                c.finish_reason, c.stop_reason, c.cumulative_logprob, joined.text.length))
         cached = int((output.metrics or {}).get("num_cached_tokens", 0) or 0)
         return StepOutput(output.request_id, len(self.prompt_token_ids), tuple(snapshots), bool(output.finished),
                           cached, self.prompt_token_ids, self.prompt_logprobs)

@@ -84,7 +84,7 @@ class DeltaTracker:
             finished = choice.finish_reason is not None
             is_first = key not in self._sent_chars
             start = self._sent_chars.get(key, 0)
-            end = len(choice.text) if finished else max(start, len(choice.text) - self.holdback)
+            end = choice.text_len if finished else max(start, choice.text_len - self.holdback)
             tok_start = self._sent_tokens.get(key, 0)
             tok_end = len(choice.token_ids)
             if end == start and not finished:
@@ -95,7 +95,7 @@ class DeltaTracker:
             self._sent_tokens[key] = tok_end
             if finished:
                 self._done.add(key)
-            yield ChoiceDelta(prompt_index, choice, choice.text[start:end], start, tok_start, tok_end,
+            yield ChoiceDelta(prompt_index, choice, choice.text_slice(start, end), start, tok_start, tok_end,
                               is_first, finished)
 
 

@@ -173,3 +173,48 @@ def test_a_prompt_ending_inside_a_character_leaves_its_tail_out_of_the_text(toke
         pieces.append(detok.step())
     want_text, want = _two_decodes(tokenizer, ids, output, SamplingParams())
     assert pieces == want and seq.text == want_text == " a receipt and more"
+
+
+def test_text_pieces_read_as_one_string():
+    """Sequence.append_text keeps recent pieces unjoined: text, text_len and text_from read as the joined string
+    at every length, across the joins every 64 pieces and after a stop string cuts the text."""
+    import random
+
+    rng, seq, expected = random.Random(0), Sequence("r", [1], SamplingParams()), ""
+    for step in range(300):
+        piece = "".join(rng.choice("ab\u00e9\u4e2d ") for _ in range(rng.randrange(0, 4)))
+        seq.append_text(piece)
+        expected += piece
+        assert seq.text_len == len(expected)
+        start = rng.randrange(0, len(expected) + 2)
+        assert seq.text_from(start) == expected[start:], (step, start)
+        if step % 37 == 0:
+            assert seq.text == expected
+        if step == 150:  # a cut (check_stop_strings' truncation), then appends again
+            seq.text = expected = expected[:100]
+
+
+def test_stop_strings_in_text_pieces_match_whole_string_search():
+    """The stop-string search reads only the tail window of the pieces; on random texts it finds the same first
+    match, and cuts at the same place, as a search of the whole string from the same start."""
+    import random
+
+    rng = random.Random(1)
+    for trial in range(200):
+        stops = ["".join(rng.choice("abc") for _ in range(rng.randrange(1, 5))) for _ in range(rng.randrange(1, 4))]
+        include = rng.random() < 0.5
+        seq = Sequence("r", [1], SamplingParams(stop=stops, include_stop_str_in_output=include))
+        text = ""
+        while True:
+            piece = "".join(rng.choice("abcx") for _ in range(rng.randrange(1, 4)))
+            seq.append_text(piece)
+            old = text
+            text += piece
+            found = [(i, s) for s in stops if (i := text.find(s, max(len(old) - len(s) + 1, 0))) != -1]
+            hit = check_stop_strings(seq, len(piece))
+            if not found:
+                assert hit is None and seq.text == text, trial
+                continue
+            idx, stop = min(found, key=lambda f: f[0])  # the first match; at one position, the first stop listed
+            assert hit == stop and seq.text == text[: idx + (len(stop) if include else 0)], (trial, text, stops)
+            break

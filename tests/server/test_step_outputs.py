@@ -41,3 +41,19 @@ def test_joined_snapshots_are_cumulative_and_earlier_ones_do_not_change():
     assert again.choices[0].text == "z" and again.choices[0].token_ids == [9]
     joiner.forget("r")
     assert joiner._requests == {}
+
+
+def test_snapshot_text_over_many_steps_reads_its_own_prefix():
+    """Snapshot text lives in one `TextPieces` per choice (joined every 64 pieces): every snapshot of 200 steps still
+    reads exactly its own text, whole (`text`) or in part (`text_slice`, what streaming sends), after later steps."""
+    import random
+
+    rng, joiner, snapshots, text = random.Random(0), OutputJoiner(), [], ""
+    for step in range(200):
+        piece = "".join(rng.choice("xy\u00e9\u4e2d") for _ in range(rng.randrange(0, 3)))
+        text += piece
+        snapshots.append((joiner.snapshot(_delta(piece, [step])).choices[0], text))
+    for choice, want in snapshots:
+        start = rng.randrange(0, len(want) + 1)
+        end = rng.randrange(start, len(want) + 1)
+        assert choice.text_len == len(want) and choice.text == want and choice.text_slice(start, end) == want[start:end]
