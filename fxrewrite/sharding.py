@@ -54,7 +54,8 @@ def shard_model(model: nn.Module, tp_rank: int, tp_size: int) -> dict[str, str]:
     a fused layer's partner cannot be found or a size does not divide by tp_size.
     """
     plan: dict[str, str] = {}
-    shard_experts(model, tp_rank, tp_size, plan)  # MoE: experts' columns, or whole experts (EP; also at tp 1 under DP x EP)
+    # MoE: experts' columns, or whole experts (EP; also at tp 1 under DP x EP)
+    shard_experts(model, tp_rank, tp_size, plan)
     shard_transformers_experts(model, tp_rank, tp_size, plan)  # transformers' experts: whole ones (same rule)
     if tp_size == 1:
         return plan

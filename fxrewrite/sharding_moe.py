@@ -129,7 +129,8 @@ class _ExpertsLoader:
     def __call__(self, param: nn.Parameter, loaded: torch.Tensor, loaded_shard_id=None) -> None:
         if tuple(loaded.shape) != (self.total, *param.shape[1:]):
             raise ValueError(f"experts weight shape {tuple(loaded.shape)} does not match "
-                             f"{(self.total, *param.shape[1:])} (this rank holds {self.count} of its {self.total} experts)")
+                             f"{(self.total, *param.shape[1:])} (this rank holds {self.count} of its {self.total} "
+                             "experts)")
         if param.device.type != "meta":
             with torch.no_grad():
                 param.copy_(loaded.narrow(0, self.first, self.count))

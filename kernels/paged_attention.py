@@ -24,7 +24,8 @@ from fxrewrite.kernels.paged_decode import decode_tile, paged_decode_triton
 from fxrewrite.kernels.paged_prefill import paged_prefill_triton
 from fxrewrite.kernels.qk_norm_rope_cache import qk_norm_rope_cache
 
-__all__ = ["paged_attention", "paged_attention_qk_norm_rope", "paged_attention_ref", "causal_attention_batch_invariant", "BI_TILES"]
+__all__ = ["paged_attention", "paged_attention_qk_norm_rope", "paged_attention_ref", "causal_attention_batch_invariant",
+           "BI_TILES"]
 
 BI_TILES = {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 2}
 """Batch-invariant mode: the one attention kernel's launch (prefill and decode alike). Fixed tiles: a
@@ -203,8 +204,9 @@ def paged_attention_qk_norm_rope(positions: torch.Tensor, query: torch.Tensor, k
                                  soft_cap: float | None = None, *, static_metadata: bool = False) -> torch.Tensor:
     """Qwen3's attention after the QKV projection: per-head RMSNorm of q and k, rotary, this step's key / value into
     the caches, paged attention -> [T, Hq, D]. query [T, Hq*D], key / value [T, Hkv*D] (views of the QKV output),
-    the rest as in `qk_norm_rope_cache` and `paged_attention`. A decode step on CUDA with ``FXREWRITE_DECODE_QK=on``
-    and a layout `decode_qk_norm_rope.fusable` takes runs it in the decode kernel alone; otherwise the two calls."""
+    the rest as in `qk_norm_rope_cache` and `paged_attention`. A decode step on CUDA under ``FXREWRITE_DECODE_QK=on``,
+    in a layout `decode_qk_norm_rope.fusable` accepts, runs all of it in the decode kernel; anything else the two
+    calls."""
     num_tokens = positions.numel()
     if (max_query_len == 1 and use_triton(query) and not is_batch_invariant() and decode_qk_norm_rope.enabled()
             and decode_qk_norm_rope.fusable(query, key_cache, head_size, cos_sin_cache)

@@ -165,8 +165,8 @@ def _initial_softmax(sinks_ptr, heads, g_mask, split, BLOCK_G: tl.constexpr, HAS
 def _partition(seq_lens_ptr, qsl_ptr, seq, split, sliding_window, num_splits, single_len, BLOCK_N: tl.constexpr,
                IS_SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, V_RUN: tl.constexpr):
     """A decode program's share of its sequence: (query row tok, window start lo, the sequence's split count, keys
-    [start, end), whether the program has work, seq_len). The partition is the sequence's own context over its splits, in
-    whole BLOCK_N tiles (from a multiple of V_RUN, keys below lo masked, when the tile loads runs of V_RUN keys)."""
+    [start, end), whether the program has work, seq_len). The partition is the sequence's own context over its splits,
+    in whole BLOCK_N tiles (from a multiple of V_RUN, keys below lo masked, when the tile loads runs of V_RUN keys)."""
     tok = tl.load(qsl_ptr + seq)
     seq_len = tl.load(seq_lens_ptr + seq)
     lo = 0

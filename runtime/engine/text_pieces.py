@@ -1,9 +1,10 @@
 """Text that grows a piece at a time and is read mostly at its end (a sequence's detokenized output).
 
 `s += piece` on an attribute or a list item copies the whole string: O(length) a token; for 256 sequences a step
-0.13 / 0.58 ms at 16 / 64 kB of text on a 2-core EPYC (`benchmarks/results/2026-12-05-text-append-copy-thirty-ninth.log`). `TextPieces` keeps the recent pieces in a
-list and joins them into its head every `JOIN_EVERY` appends or when the whole text is read, so an append costs
-O(length / JOIN_EVERY) and reading the tail (stop-string search, DELTA outputs, streamed deltas) costs O(tail).
+0.13 / 0.58 ms at 16 / 64 kB of text on a 2-core EPYC (benchmarks/results/2026-12-05-text-append-copy-thirty-ninth.log).
+`TextPieces` keeps the recent pieces in a list and joins them into its head every `JOIN_EVERY` appends or when the
+whole text is read, so an append costs O(length / JOIN_EVERY) and reading the tail (stop-string search, DELTA
+outputs, streamed deltas) costs O(tail).
 """
 
 from __future__ import annotations

@@ -22,9 +22,9 @@ class Qwen3Attention(LlamaAttention):
         """Eagerly (CUDA graphs included), one kernel normalises and rotates q and k and writes k and v into
         this layer's paged cache (`qk_norm_rope_cache`: a launch per layer fewer than norm-rope + cache
         write), or, in decode steps under FXREWRITE_DECODE_QK=on, the decode attention kernel does it
-        (`Attention.forward_qk_norm_rope`). Under torch.compile, and for batch-dependent rotary, the unfused path: compile cannot trace
-        the forward context (the cache write stays inside the attention custom op). `norm`, `residual`
-        and the result as in `LlamaAttention.forward`."""
+        (`Attention.forward_qk_norm_rope`). Under torch.compile, and for batch-dependent rotary, the unfused
+        path: compile cannot trace the forward context (the cache write stays inside the attention custom op).
+        `norm`, `residual` and the result as in `LlamaAttention.forward`."""
         if torch.compiler.is_compiling() or self.rotary_emb.rope_type in ("dynamic", "longrope"):
             return super().forward(positions, hidden_states, norm, residual)
         qkv, residual = self.project_qkv(hidden_states, norm, residual)
