@@ -106,11 +106,34 @@ def _shard_fused(module: nn.Module, prefix: str, name: str, tp_rank: int, tp_siz
     _replace(module, name, new, fused)
     if style == "qkv":
         shard_full_width_norms(module, prefix, new, plan)  # OLMoE: one norm over all heads of q / of k
+        _set_rank_head_counts(module, prefix, fused, new)
     plan[_join(prefix, name)] = style
     old = getattr(module, partner)
     row = RowParallelLinear(old.in_features, old.out_features, bias=old.bias is not None, **tp, **_factory(old))
     _replace(module, partner, row, old)
     plan[_join(prefix, partner)] = "rowwise"
+
+
+_HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
+
+
+def _set_rank_head_counts(attn: nn.Module, prefix: str, old: QKVParallelLinear, new: QKVParallelLinear) -> None:
+    """Give the attention module this rank's head counts where it reshapes by its own (OPT's and StableLM's
+    ``view(bsz, len, self.num_heads, self.head_dim)``; before, a view error at load), and the matching
+    `num_key_value_groups`. UnsupportedModelError where a descendant holds one module per head (StableLM's per-head
+    q / k LayerNorms): it would pair this rank's heads with the first heads' modules."""
+    for name, child in attn.named_modules():
+        if isinstance(child, nn.ModuleList) and len(child) in (old.total_num_heads, old.total_num_kv_heads):
+            raise UnsupportedModelError(
+                f"cannot shard {prefix or type(attn).__name__}: its {name} holds one module per head, which "
+                "fxrewrite does not split across ranks, so this model cannot run at tensor_parallel_size > 1")
+    counts = {old.total_num_kv_heads: new.num_kv_heads, old.total_num_heads: new.num_heads}
+    for attr in _HEAD_COUNT_ATTRS:
+        value = attn.__dict__.get(attr)
+        if isinstance(value, int) and value in counts:
+            setattr(attn, attr, counts[value])
+    if isinstance(attn.__dict__.get("num_key_value_groups"), int):
+        attn.num_key_value_groups = new.num_heads // new.num_kv_heads
 
 
 def _row_partner(module: nn.Module, prefix: str, fused_name: str, fused: nn.Module, width: int) -> str:
@@ -159,6 +182,18 @@ def _apply_tp_plan(model: nn.Module, tp_rank: int, tp_size: int, plan: dict) -> 
             attention.append((parent, _join(base_prefix, parent_name)))
     for parent, prefix in attention:  # OLMoE-style norms over all heads: statistics over every rank
         shard_full_width_norms(parent, prefix, _HeadLayout.of(parent, config, tp_rank, tp_size), plan)
+    _refuse_sharded_parameters(base, base_prefix, tp_plan, plan)
+
+
+def _refuse_sharded_parameters(base: nn.Module, base_prefix: str, tp_plan: dict, plan: dict) -> None:
+    """UnsupportedModelError where the plan splits a bare parameter of a module not sharded here (Beam's per-head
+    `gate_bias`, "colwise"): a whole parameter beside sharded heads would not broadcast."""
+    for name, _ in base.named_parameters():
+        style = next((s for pat, s in tp_plan.items() if fnmatch.fnmatchcase(name, pat)), None)
+        if style in _COLWISE + _ROWWISE and _join(base_prefix, name.rpartition(".")[0]) not in plan:
+            raise UnsupportedModelError(
+                f"the model's tensor-parallel plan splits the parameter {name} ({style!r}), which fxrewrite does not "
+                "shard (linear layers only), so this model cannot run at tensor_parallel_size > 1")
 
 
 def _head_sharded_style(style: str | None, child: str, parent: nn.Module) -> str | None:
@@ -203,7 +238,8 @@ class _HeadLayout:
 
 
 def _shard_vocab(model: nn.Module, tp_rank: int, tp_size: int, plan: dict) -> None:
-    """Input embedding -> VocabParallelEmbedding, LM head -> ParallelLMHead (plain ones only)."""
+    """Input embedding -> VocabParallelEmbedding, LM head -> ParallelLMHead (plain ones only; a head tied to an
+    embedding of another class, BioGPT's scaled one, stays whole with it, so the tie holds)."""
     get_in = getattr(model, "get_input_embeddings", None)
     get_out = getattr(model, "get_output_embeddings", None)
     embed, head = (get_in() if get_in else None), (get_out() if get_out else None)
@@ -214,8 +250,8 @@ def _shard_vocab(model: nn.Module, tp_rank: int, tp_size: int, plan: dict) -> No
         new_embed = VocabParallelEmbedding(embed.num_embeddings, embed.embedding_dim, **tp, **_factory(embed))
         _put(model, names[id(embed)], new_embed, embed)
         plan[names[id(embed)]] = "vocab"
-    if type(head) is nn.Linear:
-        tied = embed is not None and head.weight is embed.weight
+    tied = head is not None and embed is not None and getattr(head, "weight", None) is embed.weight
+    if type(head) is nn.Linear and (new_embed is not None or not tied):  # a tie to an embedding kept whole stays
         new_head = ParallelLMHead(head.out_features, head.in_features, bias=head.bias is not None, **tp,
                                   **_factory(head))
         if tied and new_embed is not None:

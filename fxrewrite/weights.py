@@ -205,7 +205,19 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
                 loaded.add(name)
             else:
                 loaded.unused.append(name)
+    _add_tied_aliases(loaded, params)
     return loaded
+
+
+def _add_tied_aliases(loaded: set[str], params: dict[str, nn.Parameter]) -> None:
+    """A tied parameter loads under any of its names: RoBERTa's checkpoints hold the word embeddings, while
+    `named_parameters()` lists the shared tensor as ``lm_head.decoder.weight`` (the module registered first)."""
+    names: dict[int, list[str]] = {}
+    for name, param in params.items():
+        names.setdefault(id(param), []).append(name)
+    for aliases in names.values():
+        if len(aliases) > 1 and any(name in loaded for name in aliases):
+            loaded.update(aliases)
 
 
 def to_hf_names(model: nn.Module, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ import torch
 
 from fxrewrite.errors import UserInputError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope", "proportional")
 """Every rope_type that `compute_inv_freq` and `get_rope` implement."""
 
 DEFAULT_ROPE_THETA = 10000.0
@@ -54,7 +54,10 @@ def normalize_rope_parameters(
 
 
 def get_rotary_dim(head_size: int, rope_parameters: dict[str, Any]) -> int:
-    """Number of rotated channels per head: int(head_size * partial_rotary_factor), as transformers."""
+    """Number of rotated channels per head: int(head_size * partial_rotary_factor), as transformers; the whole head
+    for "proportional" rope, whose unrotated channels are pairs of frequency zero (`_proportional`)."""
+    if rope_parameters.get("rope_type") == "proportional":
+        return head_size
     partial_rotary_factor = rope_parameters.get("partial_rotary_factor") or 1.0
     return int(head_size * partial_rotary_factor)
 
@@ -172,6 +175,16 @@ def _linear(params: dict, dim: int, max_position_embeddings: int, seq_len, devic
     return inv_freq, 1.0
 
 
+def _proportional(params: dict, dim: int, max_position_embeddings: int, seq_len, device) -> tuple[torch.Tensor, float]:
+    """Gemma 4 / LFM3: the first int(partial_rotary_factor * dim // 2) frequencies of a full-width (`dim` = head
+    size) rotary, the rest zero (cos 1, sin 0: unrotated), all divided by `factor` (transformers'
+    `_compute_proportional_rope_parameters`)."""
+    angles = int((params.get("partial_rotary_factor") or 1.0) * dim // 2)
+    inv_freq = torch.zeros(dim // 2, dtype=torch.float32, device=device)
+    inv_freq[:angles] = 1.0 / (params["rope_theta"] ** _exponents(dim, device)[:angles])
+    return inv_freq / (params.get("factor") or 1.0), 1.0
+
+
 def _dynamic(params: dict, dim: int, max_position_embeddings: int, seq_len, device) -> tuple[torch.Tensor, float]:
     """NTK-aware base: theta * (factor * L / L0 - (factor - 1)) ** (d / (d - 2)), L = max(seq_len, L0).
 
@@ -284,6 +297,7 @@ _INIT_FUNCTIONS: dict[str, Callable[..., tuple[torch.Tensor, float]]] = {
     "yarn": _yarn,
     "llama3": _llama3,
     "longrope": _longrope,
+    "proportional": _proportional,
 }
 
 

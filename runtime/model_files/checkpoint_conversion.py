@@ -16,6 +16,7 @@ import copy
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
+from accelerate import init_empty_weights
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping, get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key
 
@@ -40,16 +41,16 @@ class _Group:
     def complete(self, expected: int | None) -> bool:
         return expected is not None and all(len(v) == expected for v in self.sources.values())
 
-    def convert(self, target: str) -> dict[str, torch.Tensor]:
+    def convert(self, target: str, model=None) -> dict[str, torch.Tensor]:
         for pattern, items in self.sources.items():
             for name, tensor in sorted(items, key=lambda kv: dot_natural_key(kv[0])):  # experts in index order
                 self.converter.add_tensor(target, name, pattern, tensor)
-        out = self.converter.convert(target)
+        out = self.converter.convert(target, model=model, config=getattr(model, "config", None))
         return {k: (v[0] if isinstance(v, list) else v) for k, v in out.items()}
 
 
 def convert_checkpoint(weights: Iterable[tuple[str, torch.Tensor]], transforms: list,
-                       expected_count: Callable[[str], int | None] = lambda target: None
+                       expected_count: Callable[[str], int | None] = lambda target: None, model=None,
                        ) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint name, tensor) -> (model name, tensor), applying transformers' `transforms`.
 
@@ -57,6 +58,8 @@ def convert_checkpoint(weights: Iterable[tuple[str, torch.Tensor]], transforms: 
     loading. Names no converter claims pass straight through (renamed). A converter target is
     emitted once each of its source patterns has `expected_count(target)` tensors (the expert
     count; None: at the end). Already-converted checkpoints (fused 3-D tensors) pass unchanged.
+    `model`: what the converters' operations read parameter shapes and the config from (`StockShapes`: transformers'
+    `Split` of a fused ``query_key_value`` into q / k / v sizes each piece by its parameter).
     """
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
@@ -71,12 +74,12 @@ def convert_checkpoint(weights: Iterable[tuple[str, torch.Tensor]], transforms: 
                 group = pending.setdefault(target, _Group(converter))
                 group.add(pattern, name, tensor)
                 if group.complete(expected_count(target)):
-                    yield from pending.pop(target).convert(target).items()
+                    yield from pending.pop(target).convert(target, model).items()
                 break
         else:
             yield new, tensor
     for target, group in pending.items():
-        yield from group.convert(target).items()
+        yield from group.convert(target, model).items()
 
 
 def convert_for_model(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], native: bool
@@ -100,4 +103,19 @@ def convert_for_model(model: torch.nn.Module, weights: Iterable[tuple[str, torch
         count = getattr(module, "global_num_experts", getattr(module, "num_experts", None))
         return count if isinstance(count, int) else (params[target].shape[0] if target in params else None)
 
-    return convert_checkpoint(weights, transforms, expected)
+    return convert_checkpoint(weights, transforms, expected, None if native else StockShapes(root))
+
+
+class StockShapes:
+    """The stock model's parameters, built on meta at the first `get_parameter` (the model the engine loads into may be
+    fused by optimize, or sharded by tensor parallelism, while the checkpoint holds whole, unfused tensors)."""
+
+    def __init__(self, hf_model: torch.nn.Module) -> None:
+        self.cls, self.config = type(hf_model), hf_model.config
+        self.model: torch.nn.Module | None = None
+
+    def get_parameter(self, name: str) -> torch.nn.Parameter:
+        if self.model is None:
+            with init_empty_weights():
+                self.model = self.cls(self.config)
+        return self.model.get_parameter(name)

@@ -122,12 +122,13 @@ class ModelConfig:
 
     @property
     def cache_head_dim(self) -> int:
-        """Width of one cached key (and value) head, in elements: `head_dim`, or for multi-head latent
-        attention (DeepSeek-V2/V3: `head_dim` is the rotary part) the wider of `qk_nope_head_dim + qk_rope_head_dim`
-        and `v_head_dim`; the narrower side is zero-padded to it (`runtime.worker.attention`)."""
+        """Width of one cached key (and value) head, in elements: the wider of the keys' (`head_dim`, or for
+        multi-head latent attention, DeepSeek-V2/V3, whose `head_dim` is the rotary part, `qk_head_dim` =
+        `qk_nope_head_dim + qk_rope_head_dim`) and the values' (`v_head_dim` where the config has one: MLA,
+        MiMo-V2-Flash); the narrower side is zero-padded to it (`runtime.worker.attention`)."""
         text = self.hf_text_config
-        qk = getattr(text, "qk_head_dim", None)
-        return max(qk, getattr(text, "v_head_dim", None) or 0) if qk else self.head_dim
+        keys = getattr(text, "qk_head_dim", None) or self.head_dim
+        return max(keys, getattr(text, "v_head_dim", None) or 0)
 
     @classmethod
     def from_pretrained(

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fxrewrite.errors import UserInputError
+from fxrewrite.errors import UnsupportedModelError, UserInputError
 from fxrewrite.runtime.model_files.hf_config import MAX_LEN_KEYS, load_hf_config
 
 if TYPE_CHECKING:
@@ -38,8 +38,14 @@ def config_json_values(model_path: Path, composite: bool) -> dict[str, Any]:
 
 def check_model_dimensions(text_config: PretrainedConfig, original: dict[str, Any]) -> None:
     """UserInputError unless every dimension present is a positive int, the query heads are a multiple
-    of the KV heads and (without `head_dim`) hidden_size divides into the heads. `original`: config.json's
+    of the KV heads and (without `head_dim`) hidden_size divides into the heads; UnsupportedModelError for a config
+    whose layers differ in shape (transformers' `per_layer_config`). `original`: config.json's
     values, to say when hf_overrides changed the offending key."""
+    if getattr(text_config, "is_heterogeneous", False):  # transformers' per_layer_config (5.2x): no global shape
+        raise UnsupportedModelError(
+            f"{text_config.model_type}: its layers differ in {', '.join(sorted(text_config.per_layer_attributes))} "
+            "(per_layer_config), while fxrewrite's engine sizes every layer (KV cache, kernels) alike; this model "
+            "cannot be served here")
     if not hasattr(text_config, "num_attention_heads"):  # e.g. hf_overrides' text_config on a plain LM: a dict
         raise UserInputError(f"the text config is a {type(text_config).__name__}, not a model config "
                              "(hf_overrides text_config on a model without one?)")

@@ -63,6 +63,7 @@ class TransformersForCausalLM(nn.Module):
         super().__init__()
         self.hf_model = hf_model
         self.config = hf_model.config
+        self.position_offset = position_offset(hf_model)
         self.head_checked = False
         self.head_by_model_code = False
 
@@ -98,7 +99,16 @@ class TransformersForCausalLM(nn.Module):
         attention reaches the paged cache."""
         return range(self.config.get_text_config().num_hidden_layers)
 
+    @property
+    def max_positions(self) -> int | None:
+        """The longest sequence the model's learned position table holds after `position_offset` (None: no limit
+        beyond the config's)."""
+        table = getattr(self.config.get_text_config(), "max_position_embeddings", None)
+        return table - self.position_offset if self.position_offset and table else None
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.position_offset:
+            positions = positions + self.position_offset
         out = self.hf_model.base_model(
             input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False
         )
@@ -107,20 +117,31 @@ class TransformersForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.head_by_model_code:
             return self.logits_by_model_code(hidden_states)
+        if self.head_checked:
+            return self.logits_from_config(hidden_states)
+        self.head_checked = True
+        return self.checked_logits(hidden_states)
+
+    def checked_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The first call's logits: the config's head, unless the model's own head code gives others (or the output
+        embeddings are narrower or wider than the hidden states: a head that projects first); then that code computes
+        every later call's too."""
+        weight = getattr(self.hf_model.get_output_embeddings(), "weight", None)
+        if weight is not None and weight.shape[-1] != hidden_states.shape[-1]:  # RemBERT: 64 -> 1664 -> vocab
+            self.head_by_model_code = True
+            return self.logits_by_model_code(hidden_states)
         logits = self.logits_from_config(hidden_states)
-        if not self.head_checked:
-            self.head_checked = True
-            try:
-                own = self.logits_by_model_code(hidden_states)
-            except Exception as e:  # noqa: BLE001 - a forward this stand-in cannot drive: the config's head, as before
-                logger.warning("%s: the LM head could not be checked against the model's own forward (%s: %s)",
-                               type(self.hf_model).__name__, type(e).__name__, e)
-                return logits
-            if not same_logits(logits, own):
-                logger.info("%s: the LM head's output differs from lm_head plus the config's logit scaling; "
-                            "running the model's own head code", type(self.hf_model).__name__)
-                self.head_by_model_code = True
-                return own
+        try:
+            own = self.logits_by_model_code(hidden_states)
+        except Exception as e:  # noqa: BLE001 - a forward this stand-in cannot drive: the config's head, as before
+            logger.warning("%s: the LM head could not be checked against the model's own forward (%s: %s)",
+                           type(self.hf_model).__name__, type(e).__name__, e)
+            return logits
+        if not same_logits(logits, own):
+            logger.info("%s: the LM head's output differs from lm_head plus the config's logit scaling; "
+                        "running the model's own head code", type(self.hf_model).__name__)
+            self.head_by_model_code = True
+            return own
         return logits
 
     def logits_from_config(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -148,6 +169,19 @@ class TransformersForCausalLM(nn.Module):
             return model(use_cache=False, logits_to_keep=0).logits[0]
         finally:
             model._modules[prefix] = stack
+
+
+def position_offset(hf_model: nn.Module) -> int:
+    """Where the model's own position ids start: padding_idx + 1 for RoBERTa-style embeddings (RoBERTa, CamemBERT,
+    XLM-R, Data2Vec-Text, X-MOD: transformers' `create_position_ids_from_input_ids`, after fairseq's
+    `make_positions`, numbers tokens from the padding index on; vLLM's RoBERTa adds the same offset), else 0. As in
+    vLLM, a padding token inside a prompt is numbered like any other token (transformers skips it)."""
+    for module in hf_model.modules():
+        if callable(getattr(type(module), "create_position_ids_from_input_ids", None)):
+            padding_idx = getattr(module, "padding_idx", None)
+            if isinstance(padding_idx, int):
+                return padding_idx + 1
+    return 0
 
 
 class _GivenHiddenStates(nn.Module):

@@ -84,7 +84,8 @@ _recorded_layers: dict[int, tuple[int, int]] | None = None
 @contextmanager
 def recording_attention_layers() -> Iterator[dict[int, tuple[int, int]]]:
     """{layer index: (key/value heads, head width as cached)} of the transformers attention calls that reached
-    `paged_attention_forward` inside the block (eager runs only: a compiled graph does not replay the record)."""
+    `paged_attention_forward` inside the block (eager runs only: a compiled graph does not replay the record), which
+    holds one forward: a second call for one layer, or a mask of the model's own, is refused there (`_record_call`)."""
     global _recorded_layers
     _recorded_layers = {}
     try:
@@ -129,7 +130,7 @@ def paged_attention_forward(
         pad = (0, value_dim - key.shape[-1])
         query, key = torch.nn.functional.pad(query, pad), torch.nn.functional.pad(key, pad)
     if _recorded_layers is not None:
-        _recorded_layers[module.layer_idx] = (key.shape[1], key.shape[-1])
+        _record_call(module, key, attention_mask)
     out = paged_attend(
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
         module.layer_idx, scale, sliding_window=window, soft_cap=softcap, kv_cached=kv_cached,
@@ -141,6 +142,37 @@ def paged_attention_forward(
 # Arguments transformers' attention calls pass that change what attention computes; the paged kernels do not
 # implement them, so a model passing one stops with this error instead of generating from a different model.
 UNSUPPORTED_ARGUMENTS = {"position_bias": "an additive position bias", "block_indices": "block-sparse attention"}
+
+
+def _record_call(module: nn.Module, key: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    """Note the layer's cached key layout (`recording_attention_layers`). UnsupportedModelError when the layer already
+    attended in this forward (DiffLlama's two value halves, Dory's recurrent loops: the paged cache holds one key/value
+    pair per layer and token, so the second call's write replaces the first's) or when the call carries a mask that
+    is not the step's causal mask (Doge's dynamic mask: the paged kernels build the causal / sliding mask
+    themselves and read no mask)."""
+    name, layer = type(module).__name__, module.layer_idx
+    if layer in _recorded_layers:
+        raise UnsupportedModelError(
+            f"{name} calls attention more than once for layer {layer} in one forward, which fxrewrite's paged KV cache "
+            "(one key/value pair per layer and token) cannot hold; this model cannot be served here")
+    if attention_mask is not None and not _is_causal_mask(attention_mask):
+        raise UnsupportedModelError(
+            f"{name} passes attention a mask of its own ({attention_mask.dtype} {list(attention_mask.shape)}, not the "
+            "causal mask), which fxrewrite's paged attention does not read; this model cannot be served here")
+    _recorded_layers[layer] = (key.shape[1], key.shape[-1])
+
+
+def _is_causal_mask(mask: torch.Tensor) -> bool:
+    """Whether `mask` [.., T, S] (bool: True attends; float: 0 attends, very negative masks) is the plain causal
+    mask of one sequence's T newest tokens among S, as in the load check's one-sequence step."""
+    if mask.dim() < 2 or mask.shape[-1] < mask.shape[-2]:
+        return False
+    rows, cols = mask.shape[-2:]
+    causal = torch.ones(rows, cols, dtype=torch.bool, device=mask.device).tril(cols - rows)
+    attends = mask if mask.dtype == torch.bool else mask == 0
+    if mask.dtype != torch.bool and not bool(((mask == 0) | (mask <= torch.finfo(mask.dtype).min / 2)).all()):
+        return False  # additive values other than "attend" and "masked": a bias
+    return bool((attends == causal).all())
 
 
 def _sinks(kwargs: dict, num_heads: int) -> torch.Tensor | None:

@@ -10,6 +10,8 @@ hidden states. Eager: it runs before `compile_model`, so the Python-side record 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -17,7 +19,7 @@ from fxrewrite.distributed import get_tp_size
 from fxrewrite.errors import UnsupportedModelError, UserInputError
 from fxrewrite.runtime.worker.attention import recording_attention_layers
 from fxrewrite.runtime.worker.kv_cache import allocate_kv_caches
-from fxrewrite.runtime.worker.warmup import run_dummy_steps
+from fxrewrite.runtime.worker.warmup import dummy_forward, dummy_metadata, run_dummy_steps
 
 LOAD_CHECK_STEP = ((2, 2),)
 """One sequence, two prompt tokens (one KV block; no KV written: see warmup.dummy_metadata)."""
@@ -25,8 +27,9 @@ LOAD_CHECK_STEP = ((2, 2),)
 
 def check_first_step(model: nn.Module, config, model_config, device: torch.device, kv_dtype: torch.dtype) -> None:
     """Run LOAD_CHECK_STEP through `model` over a one-block cache. NotImplementedError when a layer listed in the
-    model's `attention_layer_indices` (transformers backend) never reached the paged cache, or when the model asked
-    for attention the kernels do not compute; RuntimeError naming the model for any other failure of the step."""
+    model's `attention_layer_indices` (transformers backend) never reached the paged cache, when the model asked
+    for attention the kernels do not compute, or when a transformers model's output ignores the position ids
+    (`_check_positions_are_read`); RuntimeError naming the model for any other failure of the step."""
     name = type(getattr(model, "hf_model", model)).__name__
     caches = allocate_kv_caches(model_config, 1, config.block_size, kv_dtype, device)
     seen: dict[int, tuple[int, int]] = {}
@@ -50,11 +53,51 @@ def check_first_step(model: nn.Module, config, model_config, device: torch.devic
             f"{name}: the attention of layers {missing} does not call transformers' attention interface (it computes "
             "attention in its own code), so the paged KV cache never sees it; this model cannot be served by the "
             "transformers backend")
+    if hasattr(model, "hf_model") and model_config.max_model_len > 2:
+        _check_positions_are_read(model, caches, config, device, name, min(7, model_config.max_model_len - 1))
+
+
+def _check_positions_are_read(model: nn.Module, caches, config, device: torch.device, name: str, far: int) -> None:
+    """UnsupportedModelError when two different tokens at positions [0, 1] and at [0, far] give the second token the
+    same hidden state: the model numbers positions itself (BART's decoder counts from its own cache's length and takes
+    no position ids), so in the engine's cacheless steps every decoded token would sit at position 0. Rotary and
+    learned absolute positions both see the distance change (a model with no position information at all would be
+    refused too). The step writes its keys and values into the check's own one-block cache, so attention reads them."""
+    positions, metadata = dummy_metadata(LOAD_CHECK_STEP, config.block_size, device, caches)
+    metadata = dataclasses.replace(metadata, slot_mapping=torch.arange(len(positions), device=device))
+    tokens = torch.tensor([1, 2], device=device)
+    base = dummy_forward(model, metadata, positions, tokens)
+    moved = dummy_forward(model, metadata, torch.tensor([0, far], device=device), tokens)
+    if torch.equal(base[1], moved[1]):
+        raise UnsupportedModelError(
+            f"{name}: the position ids the engine passes do not change its output (its decoder numbers positions "
+            "from its own cache, as BART's does), so each decoded token would be placed at position 0; this model "
+            "cannot be served by the transformers backend")
+
+
+def check_position_table(model: nn.Module, max_model_len: int) -> None:
+    """UserInputError when `max_model_len` reaches past the model's learned position table (`max_positions` of the
+    transformers backend: RoBERTa-style embeddings number positions from padding_idx + 1, so 514 entries hold 512
+    tokens); the embedding lookup would fail mid-request."""
+    limit = getattr(model, "max_positions", None)
+    if limit is not None and max_model_len > limit:
+        name = type(getattr(model, "hf_model", model)).__name__
+        raise UserInputError(
+            f"max_model_len={max_model_len} is longer than {name}'s position table holds ({limit} tokens: "
+            f"max_position_embeddings less its position offset of {model.position_offset}); pass max_model_len={limit} "
+            "or less")
 
 
 def _check_kv_layout(name: str, seen: dict[int, tuple[int, int]], caches, error: Exception) -> None:
     """NotImplementedError where a layer attended with other key/value heads than the cache the config sized
-    (a config field the model's code does not read: Falcon's `multi_query`, a stray `num_key_value_heads`)."""
+    (a config field the model's code does not read: Falcon's `multi_query`, a stray `num_key_value_heads`), or a layer
+    index past the layers the config gives (BART's `num_hidden_layers` names its encoder's, its decoder has
+    `decoder_layers`)."""
+    beyond = sorted(layer for layer in seen if layer >= len(caches))
+    if beyond:
+        raise UnsupportedModelError(
+            f"{name}: layer {beyond[0]} attends, but the config gives {len(caches)} layers (num_hidden_layers), which "
+            "the KV cache is sized from: the config does not describe this model's layers") from error
     for layer, (heads, width) in seen.items():
         cached = tuple(caches[layer][0].shape[-2:])
         tp = get_tp_size()

@@ -31,7 +31,7 @@ from fxrewrite.runtime.engine.inputs import prepare_inputs
 from fxrewrite.runtime.engine.prompt_logprobs import compute_prompt_logprobs, wants_prompt_logprobs
 from fxrewrite.runtime.worker.kv_cache import allocate_kv_caches, kv_cache_dtype, num_kv_blocks
 from fxrewrite.runtime.worker.memory_profiling import profile_num_kv_blocks
-from fxrewrite.runtime.worker.load_check import check_first_step
+from fxrewrite.runtime.worker.load_check import check_first_step, check_position_table
 from fxrewrite.runtime.worker.warmup import should_warm_up, warm_up_kernels
 from fxrewrite.runtime.worker import greedy_head, sleep_mode, watchdog, weight_sync
 from fxrewrite.runtime.engine.sampler import SampledTokens, SampleResult, Sampler
@@ -169,6 +169,7 @@ class ModelRunner:
         watchdog.phase("building the model")
         self.model = build_model(config, model_config, self.device, self.pipeline)
         cover_positions(self.model, model_config.max_model_len)  # rope caches read directly, up to max_model_len
+        check_position_table(self.model, model_config.max_model_len)
         if self.pipeline is not None:
             self.pipeline.allocate(max(config.max_num_batched_tokens, config.max_num_seqs), model_config.hidden_size,
                                    model_config.dtype, self.device)

@@ -103,8 +103,15 @@ def run_dummy_steps(model: nn.Module, kv_caches, config, device: torch.device, s
     for i, seqs in enumerate(steps):
         watchdog.phase(f"{label} {i + 1}/{len(steps)} ({len(seqs)} sequences, {sum(q for q, _ in seqs)} tokens)")
         positions, metadata = dummy_metadata(seqs, config.block_size, device, kv_caches)
-        input_ids = torch.zeros_like(positions)
-        # Every DP x EP replica runs these same steps: their MoE collectives need no token-count exchange.
-        with forward_context(metadata), rope_lengths(positions + 1), data_parallel.uniform_tokens():
-            hidden = forward_or_fallback(model, input_ids, positions)
+        hidden = dummy_forward(model, metadata, positions)
         model.compute_logits(hidden[metadata.query_start_loc[1:].long() - 1])
+
+
+def dummy_forward(model: nn.Module, metadata: AttentionMetadata, positions: torch.Tensor,
+                  input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """hidden [T, H] of one step with `metadata` (`dummy_metadata`'s) at `positions` [T], token id 0 everywhere
+    unless `input_ids` [T] are given."""
+    input_ids = torch.zeros_like(positions) if input_ids is None else input_ids.to(positions.device)
+    # Every DP x EP replica runs these same steps: their MoE collectives need no token-count exchange.
+    with forward_context(metadata), rope_lengths(positions + 1), data_parallel.uniform_tokens():
+        return forward_or_fallback(model, input_ids, positions)

@@ -17,7 +17,7 @@ import threading
 import time
 
 from fxrewrite import distributed
-from fxrewrite.errors import UserInputError
+from fxrewrite.errors import UnsupportedModelError, UserInputError
 
 logger = logging.getLogger(__name__)
 
@@ -124,21 +124,23 @@ def reporting_user_errors(store, rank: int):
     that one error (`_failure`) instead of a rank's traceback."""
     try:
         yield
-    except UserInputError as e:
-        store.set(f"{_USER_ERROR}/{rank}", str(e))
+    except UserInputError as e:  # the kind travels too: an UnsupportedModelError stays one (a NotImplementedError)
+        kind = "unsupported" if isinstance(e, UnsupportedModelError) else "input"
+        store.set(f"{_USER_ERROR}/{rank}", f"{kind}:{e}")
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
 
 
 def _user_error(procs: _Processes) -> UserInputError | None:
-    """The first rank's UserInputError message `reporting_user_errors` left in the store, if any."""
+    """The first rank's UserInputError (or UnsupportedModelError) `reporting_user_errors` left in the store, if any."""
     if procs.store is None or procs.context is None:
         return None
     for rank in range(1, len(procs.context.processes) + 1):
         key = f"{_USER_ERROR}/{rank}"
         if procs.store.check([key]):
-            return UserInputError(procs.store.get(key).decode())
+            kind, _, message = procs.store.get(key).decode().partition(":")
+            return (UnsupportedModelError if kind == "unsupported" else UserInputError)(message)
     return None
 
 

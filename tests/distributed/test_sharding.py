@@ -225,3 +225,16 @@ class _FakeSliceable:
 
     def __getitem__(self, index):
         return self.tensor[index].clone()
+
+
+def test_a_plan_splitting_a_bare_parameter_is_refused():
+    """Beam's plan splits each attention's per-head `gate_bias` column-wise; only linear layers are sharded here, so a
+    whole parameter would meet half the heads on each rank (a shape error in the load check's step before)."""
+    from fxrewrite.errors import UnsupportedModelError
+
+    model = _optimized_qwen3(2)
+    attn = model.model.layers[0].self_attn
+    attn.register_parameter("gate_bias", nn.Parameter(torch.zeros(4)))
+    model.config.base_model_tp_plan = {**model.config.base_model_tp_plan, "layers.*.self_attn.gate_bias": "colwise"}
+    with pytest.raises(UnsupportedModelError, match=r"splits the parameter layers.0.self_attn.gate_bias \('colwise'\)"):
+        shard_model(model, tp_rank=0, tp_size=2)

@@ -181,3 +181,41 @@ def test_a_rank_refusing_the_checkpoint_is_one_user_error_and_no_process_is_left
         LLM(str(folder), tensor_parallel_size=2, dtype="float32", block_size=4)
     left = [c.cmdline() for c in psutil.Process().children(recursive=True) if c.pid not in before]
     assert [c for c in left if "resource_tracker" not in " ".join(c)] == []  # spawn's tracker lives on
+
+
+def test_a_head_tied_to_an_unsharded_embedding_stays_whole_and_refusals_keep_their_kind(tiny_model_dir):
+    """BioGPT's LM head is tied to its scaled word embedding, a class the sharding leaves whole: the head stays whole
+    too (before, it became a vocab shard of its own and the checkpoint 'missed' output_projection.weight). Its
+    attention has no plan to shard it by, so the ranks refuse the model: the driver raises that as the
+    UnsupportedModelError (a NotImplementedError) it was, not a plain UserInputError (found by arch_sweep at TP=2)."""
+    import torch
+    from transformers import AutoConfig
+
+    from fxrewrite.errors import UnsupportedModelError
+    from fxrewrite.runtime.llm import LLM
+    from fxrewrite.runtime.models.transformers_backend import TransformersForCausalLM
+    from fxrewrite.sharding import shard_model
+
+    folder = tiny_model_dir("biogpt")
+    hf = TransformersForCausalLM.from_config(AutoConfig.from_pretrained(folder), torch.float32, False).hf_model
+    shard_model(hf, 0, 2)
+    assert hf.output_projection.weight is hf.biogpt.embed_tokens.weight
+    with pytest.raises(UnsupportedModelError, match="BioGptForCausalLM: layer 0 attends with all 4 key/value heads"):
+        LLM(str(folder), model_impl="transformers", tensor_parallel_size=2, dtype="float32", block_size=4)
+
+
+def test_attention_reshaping_by_its_own_head_count_runs_sharded(tiny_model_dir):
+    """OPT's attention reshapes by its own `num_heads` (``view(bsz, -1, self.num_heads, head_dim)``): each rank's
+    module now holds the rank's count, and TP=2 gives transformers' greedy tokens (before: a view error at load).
+    StableLM with per-head q / k LayerNorms (one module per head) is refused: a rank would pair its heads with the
+    first heads' norms. Found by arch_sweep at TP=2."""
+    from fxrewrite.benchmarks import arch_sweep
+    from fxrewrite.errors import UnsupportedModelError
+
+    folder = tiny_model_dir("opt", initializer_range=0.2)
+    ids = arch_sweep.prompts(49152)
+    expected = arch_sweep.oracle(folder, ids)
+    got = arch_sweep.engine_run(folder, ids, True, {"tensor_parallel_size": 2})
+    assert arch_sweep.judge(expected, got)["status"] == "equal"
+    with pytest.raises(UnsupportedModelError, match=r"self_attn: its q_layernorm.norms holds one module per head"):
+        arch_sweep.engine_run(tiny_model_dir("stablelm", qk_layernorm=True), ids, True, {"tensor_parallel_size": 2})

@@ -25,7 +25,7 @@ def random_rope(rope_type: str, head_size: int, partial: float, seed: int) -> tu
         params["partial_rotary_factor"] = partial
     original = rng.choice([512, 1024, 2048])
     max_pos = original
-    if rope_type in ("linear", "dynamic"):
+    if rope_type in ("linear", "dynamic") or (rope_type == "proportional" and seed % 2):
         params["factor"] = rng.uniform(1.0, 8.0)
     elif rope_type == "yarn":
         params.update(factor=rng.uniform(1.5, 16.0), original_max_position_embeddings=original)
@@ -88,9 +88,12 @@ def probe_positions(params: dict, max_pos: int, rope: torch.nn.Module) -> list[t
     return [short, long, torch.tensor([0, 5, edge - 1]), torch.tensor([0, 5, edge])]
 
 
+# every type the installed transformers implements too ("proportional" arrived with Gemma 4)
+ROPE_TYPES = [t for t in SUPPORTED_ROPE_TYPES if t == "default" or t in ROPE_INIT_FUNCTIONS]
+
 CASES = [
     (rope_type, head_size, partial, seed)
-    for rope_type in SUPPORTED_ROPE_TYPES
+    for rope_type in ROPE_TYPES
     for head_size in (64, 128)
     for partial in (0.5, 1.0)
     for seed in SEEDS
@@ -101,7 +104,7 @@ CASES = [
 def test_cos_sin_match_transformers_module(rope_type, head_size, partial, seed):
     params, max_pos = random_rope(rope_type, head_size, partial, seed)
     rope = get_rope(head_size, max_pos, params)
-    assert rope.rotary_dim == int(head_size * partial)
+    assert rope.rotary_dim == (head_size if rope_type == "proportional" else int(head_size * partial))
     for positions in probe_positions(params, max_pos, rope):
         hf_cos, hf_sin = hf_cos_sin(params, head_size, max_pos, positions)
         cos, sin = rope.get_cos_sin(positions)
@@ -110,13 +113,13 @@ def test_cos_sin_match_transformers_module(rope_type, head_size, partial, seed):
         torch.testing.assert_close(sin, hf_sin[0], atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("rope_type", [t for t in SUPPORTED_ROPE_TYPES if t != "default"])
+@pytest.mark.parametrize("rope_type", [t for t in ROPE_TYPES if t != "default"])
 @pytest.mark.parametrize("head_size,partial", [(64, 1.0), (128, 0.5)])
 def test_inv_freq_and_attention_factor_match_rope_init_functions(rope_type, head_size, partial):
     for seed in SEEDS:
         params, max_pos = random_rope(rope_type, head_size, partial, seed)
         _, config = hf_rotary(params, head_size, max_pos)
-        dim = int(head_size * partial)
+        dim = head_size if rope_type == "proportional" else int(head_size * partial)
         original = params.get("original_max_position_embeddings", max_pos)
         for seq_len in (None, original + 1, 3 * max_pos):
             ref_inv_freq, ref_factor = ROPE_INIT_FUNCTIONS[rope_type](config, None, seq_len=seq_len)

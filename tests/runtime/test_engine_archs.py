@@ -8,7 +8,9 @@ import shutil
 import pytest
 import torch
 
-from fxrewrite.errors import UnsupportedModelError
+from transformers import CONFIG_MAPPING
+
+from fxrewrite.errors import UnsupportedModelError, UserInputError
 from fxrewrite.runtime.llm import LLM
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
@@ -38,7 +40,10 @@ CASES = {
 }
 
 
-def hf_greedy(path):
+def hf_greedy(path, recompute: bool = False):
+    """transformers' greedy tokens for PROMPTS: `generate`, or with `recompute` the whole sequence's forward for
+    every token (RoBERTa decoders: generate passes position ids counted from 0, off the attention mask, while the
+    model's own forward numbers positions from padding_idx + 1, as RoBERTa was trained and vLLM serves it)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
@@ -46,6 +51,13 @@ def hf_greedy(path):
     outs = []
     for prompt in PROMPTS:
         ids = tok(prompt, return_tensors="pt").input_ids
+        if recompute:
+            with torch.no_grad():
+                for _ in range(MAX_TOKENS):
+                    next_id = model(input_ids=ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+                    ids = torch.cat([ids, next_id], dim=1)
+            outs.append(ids[0, -MAX_TOKENS:].tolist())
+            continue
         gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
                              do_sample=False, eos_token_id=None)
         outs.append(gen[0, ids.shape[1]:].tolist())
@@ -108,6 +120,19 @@ def test_layers_the_paged_cache_cannot_hold_are_refused_at_load(arch, overrides,
         TransformersForCausalLM.from_config(config, torch.float32, fusion=True)
 
 
+def test_only_the_causal_mask_passes_the_load_checks_mask_test():
+    """A mask in the call is accepted only where it is the step's plain causal mask (bool, or 0 / very negative):
+    the paged kernels build that one themselves. A bidirectional mask or an additive bias (Doge) is not."""
+    from fxrewrite.runtime.worker.attention import _is_causal_mask
+
+    allowed = torch.ones(2, 2, dtype=torch.bool).tril()[None, None]
+    additive = torch.zeros(1, 1, 2, 2).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    assert _is_causal_mask(allowed) and _is_causal_mask(additive)
+    assert _is_causal_mask(torch.zeros(1, 4, 2, 2).masked_fill(~allowed, float("-inf")))
+    assert not _is_causal_mask(torch.ones(1, 1, 2, 2, dtype=torch.bool))  # bidirectional
+    assert not _is_causal_mask(additive + torch.tensor([[0.5, 0.0], [0.0, 0.0]]))  # a bias on an attended score
+
+
 def test_sinks_follow_this_ranks_heads(monkeypatch):
     """Under tensor parallelism GPT-OSS's module keeps all heads' sinks; rank r attends heads [r*H, (r+1)*H)."""
     from fxrewrite.runtime.worker import attention
@@ -131,6 +156,21 @@ def test_sinks_follow_this_ranks_heads(monkeypatch):
     ("falcon", {"alibi": True}, UnsupportedModelError, "falcon: its attention adds ALiBi position biases"),
     # GPT-Neo looks its attention class up in a table of its own, which has no entry for the paged attention
     ("gpt_neo", {}, UnsupportedModelError, "gpt_neo: its modeling code picks attention classes from a table"),
+    # a layer that attends twice per forward (the second write replaced the first's keys and values; found by
+    # benchmarks/arch_sweep.py, served they gave other tokens than transformers): DiffLlama's two value halves,
+    # Dory's recurrent loops over one layer
+    ("diffllama", {}, UnsupportedModelError, "DiffLlamaAttention calls attention more than once for layer 0"),
+    pytest.param("dory", {}, UnsupportedModelError, "DoryAttention calls attention more than once for layer",
+                 marks=pytest.mark.skipif("dory" not in CONFIG_MAPPING, reason="this transformers predates Dory")),
+    # BART's decoder numbers positions from its own cache and takes no position ids: served, every decoded token sat
+    # at position 0 (wrong tokens from the first decode step); with the config's 12 decoder layers beside 2
+    # encoder ones (num_hidden_layers), a layer index past the cache (was an IndexError)
+    ("bart", {"decoder_attention_heads": 4, "decoder_layers": 2}, UnsupportedModelError,
+     "BartForCausalLM: the position ids the engine passes do not change its output"),
+    ("bart", {"decoder_attention_heads": 4}, UnsupportedModelError,
+     r"BartForCausalLM: layer 2 attends, but the config gives 2 layers \(num_hidden_layers\)"),
+    # Doge adds a dynamic mask computed from the values, which the paged kernels never read
+    ("doge", {}, UnsupportedModelError, r"DogeAttention passes attention a mask of its own \(torch.float32 \[1, 4, 2, 2\]"),
 ])
 def test_models_the_engine_cannot_serve_fail_at_load(tiny_model_dir, tmp_path, arch, config_json, error, match):
     folder = tmp_path / arch
@@ -141,6 +181,46 @@ def test_models_the_engine_cannot_serve_fail_at_load(tiny_model_dir, tmp_path, a
         LLM(str(folder), model_impl="transformers")
     # a UserInputError (the CLI prints it as one line) that stays a NotImplementedError, as such refusals always were
     assert isinstance(refused.value, NotImplementedError)
+
+
+@pytest.mark.skipif("gemma4_unified_text" not in CONFIG_MAPPING, reason="this transformers predates Gemma 4")
+def test_layers_of_different_shapes_are_refused_before_the_build(tiny_model_dir):
+    """transformers' per_layer_config (Gemma 4: head_dim per layer) has no global shape to size the KV cache by:
+    refused naming the attribute (it was transformers' AmbiguousGlobalPerLayerAttributeError from a config check)."""
+    with pytest.raises(UnsupportedModelError, match="gemma4_unified_text: its layers differ in head_dim"):
+        LLM(str(tiny_model_dir("gemma4_unified_text")), model_impl="transformers")
+
+
+def test_roberta_decoder_positions_start_after_the_padding_index(tiny_model_dir):
+    """RoBERTa-style embeddings (CamemBERT here) number positions from padding_idx + 1 (transformers'
+    create_position_ids_from_input_ids): the engine adds that offset (before: other tokens than transformers from
+    the first step), loads the LM head tied to the word embeddings although named_parameters() lists the shared
+    tensor as lm_head.decoder.weight (before: "the checkpoint is missing lm_head.decoder.weight"), and refuses a
+    max_model_len the position table cannot hold."""
+    path = str(tiny_model_dir("camembert", is_decoder=True, max_position_embeddings=64, initializer_range=0.2))
+    expected = hf_greedy(path, recompute=True)
+    llm = LLM(path, model_impl="transformers", dtype="float32", block_size=4, max_model_len=61)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    with pytest.raises(UserInputError, match=r"max_model_len=62 is longer than CamembertForCausalLM's "
+                       r"position table holds \(61 tokens"):
+        LLM(path, model_impl="transformers", dtype="float32", max_model_len=62)
+
+
+@pytest.mark.skipif("param2moe" not in CONFIG_MAPPING, reason="this transformers predates Param2MoE")
+@pytest.mark.parametrize("tp, fusion", [(1, True), (1, False), (2, True)])
+def test_checkpoint_split_by_transformers_rules_greedy_equals_transformers(tiny_model_dir, tp, fusion):
+    """Param2MoE checkpoints hold one fused query_key_value per layer, which transformers' conversion rules split
+    into q / k / v sized by the model's parameters: the engine gives them the stock model's shapes (on meta), as
+    the model it loads into may be fused or sharded (before: AttributeError from transformers' Split)."""
+    from safetensors import safe_open
+
+    path = str(tiny_model_dir("param2moe", initializer_range=0.2))
+    with safe_open(f"{path}/model.safetensors", "pt") as f:
+        assert any(name.endswith("query_key_value.weight") for name in f.keys())  # the layout save_pretrained writes
+    llm = LLM(path, model_impl="transformers", fusion=fusion, dtype="float32", block_size=4, tensor_parallel_size=tp)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path)
 
 
 def test_mla_values_wider_than_keys_greedy_equals_transformers(tiny_model_dir):

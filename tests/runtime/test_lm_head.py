@@ -45,3 +45,22 @@ def test_model_code_head_restores_the_decoder_stack(tiny_qwen3_dir):
     assert same_logits(model.logits_by_model_code(hidden), model.logits_from_config(hidden))
     assert model.hf_model.model is stack
     assert not same_logits(model.logits_from_config(hidden), model.logits_from_config(hidden) * 1.01)
+
+
+def test_a_head_that_projects_first_runs_the_model_code():
+    """RemBERT's head maps the hidden states (64) to its output embedding width (32) before the vocabulary: its
+    output embeddings cannot take the hidden states, so the first call runs the model's own head code (before: a
+    shape error that failed the load check)."""
+    from transformers import AutoModelForCausalLM, RemBertConfig
+
+    from fxrewrite.runtime.models.transformers_backend import TransformersForCausalLM
+
+    config = RemBertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                           intermediate_size=64, input_embedding_size=32, output_embedding_size=32, is_decoder=True)
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    model = TransformersForCausalLM(hf)
+    hidden = torch.randn(3, 64)
+    with torch.no_grad():
+        expected = hf.cls(hidden)
+        assert torch.equal(model.compute_logits(hidden), expected) and model.head_by_model_code
+        assert torch.equal(model.compute_logits(hidden), expected)

@@ -1,0 +1,36 @@
+"""The architecture sweep (`fxrewrite.benchmarks.arch_sweep`): its verdicts, and one architecture end to end."""
+
+from __future__ import annotations
+
+import json
+
+from fxrewrite.benchmarks import arch_sweep
+
+
+def _outputs(tokens, logprobs, margins=None):
+    return {"tokens": tokens, "logprobs": logprobs, "margins": margins or [1.0] * len(tokens)}
+
+
+def test_judge_verdicts():
+    oracle = [_outputs([5, 6, 7], [-1.0, -2.0, -3.0], [1.0, 0.5, 0.0001])]
+    assert arch_sweep.judge(oracle, [_outputs([5, 6, 7], [-1.0, -2.0, -3.00001])])["status"] == "equal"
+    assert arch_sweep.judge(oracle, [_outputs([5, 6, 7], [-1.0, -2.1, -3.0])])["status"] == "logprob_off"
+    wrong = arch_sweep.judge(oracle, [_outputs([5, 9, 7], [-1.0, -2.0, -3.0])])
+    assert wrong["status"] == "MISMATCH" and wrong["first_diff"] == {
+        "prompt": 0, "step": 1, "expected": 6, "got": 9, "margin": 0.5}
+    assert arch_sweep.judge(oracle, [_outputs([5, 6, 8], [-1.0, -2.0, -3.0])])["status"] == "near_tie"
+
+
+def test_prompts_share_a_prefix():
+    first, second, third = arch_sweep.prompts(49152)
+    assert [len(first), len(second)] == list(arch_sweep.PROMPT_LENGTHS)
+    assert third[:arch_sweep.PREFIX_SHARED] == second[:arch_sweep.PREFIX_SHARED] and third != second
+
+
+def test_one_architecture_end_to_end(capsys):
+    """The worker entry point builds a tiny Qwen3, decodes it with transformers and the engine (fusion on and
+    off) and prints one equal row per setting."""
+    assert arch_sweep.main(["--one", "qwen3", "--fusion", "on,off"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["fusion"], r["status"]) for r in rows] == [(True, "equal"), (False, "equal")]
+    assert all(r["logprob_diff"] < 1e-4 and r["first_diff"] is None for r in rows)
