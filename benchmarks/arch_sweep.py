@@ -134,18 +134,13 @@ def judge(expected: list[dict], got: list[dict]) -> dict:
 
 def sweep_overrides(config_cls) -> dict:
     """Config values beyond `build_model_dir`'s for `config_cls`: BERT-style configs default to a bidirectional
-    encoder (their *ForCausalLM is meant to run with `is_decoder`), BART-style ones keep 16 decoder heads and 12
-    decoder layers where `num_attention_heads` / `num_hidden_layers` name the encoder's (the folder gets as many of
-    each, as real checkpoints have),
-    and multi-head latent attention (DeepSeek-V2/V3 and their kin) keeps the 671B model's head widths unless told
-    (where `head_dim` is an alias of `qk_rope_head_dim`, both get the tiny rotary width)."""
+    encoder (their *ForCausalLM is meant to run with `is_decoder`), and multi-head latent attention (DeepSeek-V2/V3
+    and their kin) keeps the 671B model's head widths unless told (where `head_dim` is an alias of
+    `qk_rope_head_dim`, both get the tiny rotary width)."""
     from fxrewrite.runtime.model_files.demo import ARCH_DEFAULTS
 
     accepted = set(inspect.signature(config_cls.__init__).parameters)
     out = {"is_decoder": True} if "is_decoder" in accepted else {}
-    if "decoder_attention_heads" in accepted:  # build_model_dir's num_attention_heads and num_hidden_layers
-        out["decoder_attention_heads"] = 4
-        out.update({"decoder_layers": 2} if "decoder_layers" in accepted else {})
     if "kv_lora_rank" in accepted:
         out.update({k: v for k, v in ARCH_DEFAULTS["deepseek_v3"].items() if k in accepted})
         if getattr(config_cls, "attribute_map", {}).get("head_dim") == "qk_rope_head_dim":

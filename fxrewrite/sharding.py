@@ -185,12 +185,18 @@ def _apply_tp_plan(model: nn.Module, tp_rank: int, tp_size: int, plan: dict) -> 
     _refuse_sharded_parameters(base, base_prefix, tp_plan, plan)
 
 
+# Per-head parameters the serving engine's paged attention narrows to the rank's heads at each call (attention sinks:
+# GraniteSWA's plan splits them, GPT-OSS's keeps them whole).
+_SLICED_AT_CALL = ("sinks", "s_aux")
+
+
 def _refuse_sharded_parameters(base: nn.Module, base_prefix: str, tp_plan: dict, plan: dict) -> None:
     """UnsupportedModelError where the plan splits a bare parameter of a module not sharded here (Beam's per-head
     `gate_bias`, "colwise"): a whole parameter beside sharded heads would not broadcast."""
     for name, _ in base.named_parameters():
         style = next((s for pat, s in tp_plan.items() if fnmatch.fnmatchcase(name, pat)), None)
-        if style in _COLWISE + _ROWWISE and _join(base_prefix, name.rpartition(".")[0]) not in plan:
+        owner, _, leaf = name.rpartition(".")
+        if style in _COLWISE + _ROWWISE and _join(base_prefix, owner) not in plan and leaf not in _SLICED_AT_CALL:
             raise UnsupportedModelError(
                 f"the model's tensor-parallel plan splits the parameter {name} ({style!r}), which fxrewrite does not "
                 "shard (linear layers only), so this model cannot run at tensor_parallel_size > 1")

@@ -66,10 +66,16 @@ def build_model_dir(path: str | os.PathLike, arch: str = "qwen3", *, hidden_size
     drawn from `torch.manual_seed(seed)` (the global RNG state is restored afterwards) with the
     config's `initializer_range` (INITIALIZER_RANGE unless overridden), and saved as `dtype`
     safetensors. Returns `Path(path)`.
-    Raises ValueError naming `arch` / `vocab` when unknown.
+    Raises UserInputError (a ValueError) naming `arch` / `vocab` when unknown, or a size that is not a positive int.
     """
     from transformers import CONFIG_MAPPING
 
+    sizes = {"hidden_size": hidden_size, "num_hidden_layers": num_hidden_layers,
+             "num_attention_heads": num_attention_heads, "num_key_value_heads": num_key_value_heads,
+             "intermediate_size": intermediate_size}
+    for key, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserInputError(f"{key}={value!r}: a positive integer is expected")
     if arch not in CONFIG_MAPPING:  # before anything is written
         raise UserInputError(f"unknown arch {arch!r}: not a transformers model_type "
                              f"(e.g. {', '.join(ARCH_TOKENIZERS)})")
@@ -123,6 +129,10 @@ def make_config(arch: str, tok_ids: dict, *, hidden_size: int, num_attention_hea
         params["head_dim"] = hidden_size // num_attention_heads
     if "num_key_value_heads" not in accepted:  # GPT-NeoX, OPT, GPT-BigCode...: the engine would read a stray field
         kwargs.pop("num_key_value_heads", None)
+    # BART-style configs: num_attention_heads / num_hidden_layers name the encoder's; the *ForCausalLM is the decoder
+    sized = {"decoder_attention_heads": num_attention_heads, "decoder_layers": kwargs.get("num_hidden_layers"),
+             "decoder_ffn_dim": kwargs.get("intermediate_size"), "ffn_dim": kwargs.get("intermediate_size")}
+    params.update({k: v for k, v in sized.items() if k in accepted and v is not None})
     params.update(ARCH_DEFAULTS.get(arch, {}), **kwargs)
     if arch == "gpt_neo" and "attention_types" not in kwargs:  # its default lists the 24 layers of GPT-Neo 125M
         n = params["num_hidden_layers"]

@@ -27,6 +27,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from fxrewrite.errors import UserInputError, UserTypeError
 from fxrewrite.layers.rope_init import normalize_rope_parameters, validate_rope_parameters
+from fxrewrite.runtime.model_files.positions import learned_position_offset
 
 logger = logging.getLogger(__name__)
 
@@ -330,6 +331,9 @@ def derive_max_model_len(
         value = getattr(text_config, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value < derived:
             derived, key = value, name
+    offset = learned_position_offset(text_config) if key == "max_position_embeddings" else 0
+    if offset:  # RoBERTa: 514 table entries, positions from padding_idx + 1
+        derived, key = derived - offset, f"max_position_embeddings - padding offset {offset}"
     if derived == float("inf"):
         logger.warning("config names no context length (%s); using %d", ", ".join(MAX_LEN_KEYS), _DEFAULT_MAX_MODEL_LEN)
         derived, key = _DEFAULT_MAX_MODEL_LEN, "default"

@@ -194,6 +194,11 @@ class _GivenHiddenStates(nn.Module):
     def forward(self, *args, **kwargs):
         return _StackOutput(self.hidden_states)
 
+    @property
+    def decoder(self) -> _GivenHiddenStates:
+        """OPT's and BART's heads call ``self.model.decoder(...)``: the stand-in answers for its decoder too."""
+        return self
+
 
 class _StackOutput:
     def __init__(self, last_hidden_state: torch.Tensor):

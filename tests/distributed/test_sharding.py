@@ -234,6 +234,11 @@ def test_a_plan_splitting_a_bare_parameter_is_refused():
 
     model = _optimized_qwen3(2)
     attn = model.model.layers[0].self_attn
+    attn.register_parameter("sinks", nn.Parameter(torch.zeros(4)))  # narrowed by the paged attention: no refusal
+    model.config.base_model_tp_plan = {**model.config.base_model_tp_plan, "layers.*.self_attn.sinks": "colwise"}
+    shard_model(model, tp_rank=0, tp_size=2)
+    model = _optimized_qwen3(2)
+    attn = model.model.layers[0].self_attn
     attn.register_parameter("gate_bias", nn.Parameter(torch.zeros(4)))
     model.config.base_model_tp_plan = {**model.config.base_model_tp_plan, "layers.*.self_attn.gate_bias": "colwise"}
     with pytest.raises(UnsupportedModelError, match=r"splits the parameter layers.0.self_attn.gate_bias \('colwise'\)"):

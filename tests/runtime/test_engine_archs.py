@@ -163,12 +163,11 @@ def test_sinks_follow_this_ranks_heads(monkeypatch):
     pytest.param("dory", {}, UnsupportedModelError, "DoryAttention calls attention more than once for layer",
                  marks=pytest.mark.skipif("dory" not in CONFIG_MAPPING, reason="this transformers predates Dory")),
     # BART's decoder numbers positions from its own cache and takes no position ids: served, every decoded token sat
-    # at position 0 (wrong tokens from the first decode step); with the config's 12 decoder layers beside 2
-    # encoder ones (num_hidden_layers), a layer index past the cache (was an IndexError)
-    ("bart", {"decoder_attention_heads": 4, "decoder_layers": 2}, UnsupportedModelError,
-     "BartForCausalLM: the position ids the engine passes do not change its output"),
-    ("bart", {"decoder_attention_heads": 4}, UnsupportedModelError,
-     r"BartForCausalLM: layer 2 attends, but the config gives 2 layers \(num_hidden_layers\)"),
+    # at position 0 (wrong tokens from the first decode step); with more decoder layers than encoder ones
+    # (num_hidden_layers names the encoder's), a layer index past the cache (was an IndexError)
+    ("bart", {}, UnsupportedModelError, "BartForCausalLM: the position ids the engine passes do not change its output"),
+    ("bart", {"encoder_layers": 1}, UnsupportedModelError,
+     r"BartForCausalLM: layer 1 attends, but the config gives 1 layers \(num_hidden_layers\)"),
     # Doge adds a dynamic mask computed from the values, which the paged kernels never read
     ("doge", {}, UnsupportedModelError, r"DogeAttention passes attention a mask of its own \(torch.float32 \[1, 4, 2, 2\]"),
 ])
@@ -191,17 +190,23 @@ def test_layers_of_different_shapes_are_refused_before_the_build(tiny_model_dir)
         LLM(str(tiny_model_dir("gemma4_unified_text")), model_impl="transformers")
 
 
-def test_roberta_decoder_positions_start_after_the_padding_index(tiny_model_dir):
+def test_roberta_decoder_positions_start_after_the_padding_index(tiny_model_dir, monkeypatch):
     """RoBERTa-style embeddings (CamemBERT here) number positions from padding_idx + 1 (transformers'
     create_position_ids_from_input_ids): the engine adds that offset (before: other tokens than transformers from
     the first step), loads the LM head tied to the word embeddings although named_parameters() lists the shared
-    tensor as lm_head.decoder.weight (before: "the checkpoint is missing lm_head.decoder.weight"), and refuses a
-    max_model_len the position table cannot hold."""
+    tensor as lm_head.decoder.weight (before: "the checkpoint is missing lm_head.decoder.weight"), derives its
+    max_model_len from the table less that offset, and refuses one past the table even where a long max_model_len
+    is allowed."""
     path = str(tiny_model_dir("camembert", is_decoder=True, max_position_embeddings=64, initializer_range=0.2))
     expected = hf_greedy(path, recompute=True)
-    llm = LLM(path, model_impl="transformers", dtype="float32", block_size=4, max_model_len=61)
+    llm = LLM(path, model_impl="transformers", dtype="float32", block_size=4)
+    assert llm.llm_engine.model_config.max_model_len == 61  # 64 entries less padding_idx + 1 (pad id 2)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
+    with pytest.raises(UserInputError, match=r"max_model_len=62 is greater than the derived max_model_len=61 \(from "
+                       r"the model config: max_position_embeddings - padding offset 3=61\)"):
+        LLM(path, model_impl="transformers", dtype="float32", max_model_len=62)
+    monkeypatch.setenv("FXREWRITE_ALLOW_LONG_MAX_MODEL_LEN", "1")  # past the config's limit: the table still holds
     with pytest.raises(UserInputError, match=r"max_model_len=62 is longer than CamembertForCausalLM's "
                        r"position table holds \(61 tokens"):
         LLM(path, model_impl="transformers", dtype="float32", max_model_len=62)

@@ -16,8 +16,9 @@ PROMPT = "one two three four five six"
     ("granite", {"logits_scaling": 4.0}, False),
     ("gemma2", {"final_logit_softcapping": 3.0}, False),
     ("qwen3", {}, False),
+    ("opt", {}, False),  # its head code calls self.model.decoder: checked, not skipped with a warning
 ])
-def test_logprobs_equal_the_model_heads(tiny_model_dir, arch, overrides, by_model_code):
+def test_logprobs_equal_the_model_heads(tiny_model_dir, arch, overrides, by_model_code, caplog):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = str(tiny_model_dir(arch, initializer_range=0.2, **overrides))
@@ -33,6 +34,7 @@ def test_logprobs_equal_the_model_heads(tiny_model_dir, arch, overrides, by_mode
     for token, lp in top.items():
         assert lp.logprob == pytest.approx(expected[token].item(), rel=1e-4, abs=1e-4), token
     assert llm.llm_engine.model_runner.model.head_by_model_code is by_model_code
+    assert "could not be checked" not in caplog.text
 
 
 def test_model_code_head_restores_the_decoder_stack(tiny_qwen3_dir):
