@@ -53,16 +53,24 @@ def check_first_step(model: nn.Module, config, model_config, device: torch.devic
             f"{name}: the attention of layers {missing} does not call transformers' attention interface (it computes "
             "attention in its own code), so the paged KV cache never sees it; this model cannot be served by the "
             "transformers backend")
-    if hasattr(model, "hf_model") and model_config.max_model_len > 2:
+    if hasattr(model, "hf_model") and model_config.max_model_len > 2 and not _has_rotary(model):
         _check_positions_are_read(model, caches, config, device, name, min(7, model_config.max_model_len - 1))
+
+
+def _has_rotary(model: nn.Module) -> bool:
+    """Whether the model rotates by positions (a transformers rotary module, with its `inv_freq`, or fxrewrite's
+    replacement): transformers computes rotary cos / sin from the position ids it is given, so only models without
+    one (learned or sinusoidal positions, which some compute from their own cache length) need the check below."""
+    return any("inv_freq" in m._buffers or "Rotary" in type(m).__name__ for m in model.modules())
 
 
 def _check_positions_are_read(model: nn.Module, caches, config, device: torch.device, name: str, far: int) -> None:
     """UnsupportedModelError when two different tokens at positions [0, 1] and at [0, far] give the second token the
     same hidden state: the model numbers positions itself (BART's decoder counts from its own cache's length and takes
-    no position ids), so in the engine's cacheless steps every decoded token would sit at position 0. Rotary and
-    learned absolute positions both see the distance change (a model with no position information at all would be
-    refused too). The step writes its keys and values into the check's own one-block cache, so attention reads them."""
+    no position ids), so in the engine's cacheless steps every decoded token would sit at position 0. Learned and
+    sinusoidal positions see the distance change (a model with no position information at all would be refused too;
+    rotary models are not checked, `_has_rotary`). The step writes its keys and values into the check's own one-block
+    cache, so attention reads them."""
     positions, metadata = dummy_metadata(LOAD_CHECK_STEP, config.block_size, device, caches)
     metadata = dataclasses.replace(metadata, slot_mapping=torch.arange(len(positions), device=device))
     tokens = torch.tensor([1, 2], device=device)
