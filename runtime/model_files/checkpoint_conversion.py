@@ -112,10 +112,14 @@ class StockShapes:
 
     def __init__(self, hf_model: torch.nn.Module) -> None:
         self.cls, self.config = type(hf_model), hf_model.config
+        # the dtype the engine loads in: operations that read a parameter's dtype (MXFP4 dequantization) produce it
+        self.dtype = next((p.dtype for p in hf_model.parameters() if p.is_floating_point()), None)
         self.model: torch.nn.Module | None = None
 
     def get_parameter(self, name: str) -> torch.nn.Parameter:
         if self.model is None:
             with init_empty_weights():
                 self.model = self.cls(self.config)
+            if self.dtype is not None:
+                self.model.to(self.dtype)
         return self.model.get_parameter(name)
