@@ -34,7 +34,15 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
 from fxrewrite.benchmarks.common import environment
+from fxrewrite.errors import UnsupportedModelError
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
+from fxrewrite.runtime.llm import LLM
+from fxrewrite.runtime.model_files.demo import ARCH_DEFAULTS, build_model_dir
 
 STEPS = 8
 """Greedy tokens generated per prompt."""
@@ -54,16 +62,12 @@ DEFECTS = ("MISMATCH", "logprob_off", "engine_error", "timeout")
 
 def causal_lm_architectures() -> list[str]:
     """Every `model_type` with an `AutoModelForCausalLM` class in the installed transformers, sorted."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
 def prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
     """Two random prompts of PROMPT_LENGTHS token ids (below 1000, never special) and a third that shares the
     second's first PREFIX_SHARED tokens."""
-    import torch
-
     g = torch.Generator().manual_seed(seed)
     high = min(1000, vocab_size)
     out = [torch.randint(10, high, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
@@ -73,9 +77,6 @@ def prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
 def oracle(folder: Path, prompt_ids: list[list[int]]) -> list[dict]:
     """Per prompt: transformers' greedy tokens (whole-sequence recompute each step), each chosen token's
     log-probability and the top-2 logit margin at each step."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
     out = []
     for ids in prompt_ids:
@@ -97,9 +98,6 @@ def engine_run(folder: Path, prompt_ids: list[list[int]], fusion: bool, engine_a
     """Per prompt: the engine's greedy tokens and their log-probabilities (the first two prompts in one batch,
     the third after them, so its first block comes from the prefix cache). `engine_args`: more `LLM` keyword
     arguments (``tensor_parallel_size``, ``pipeline_parallel_size``, ...)."""
-    from fxrewrite.runtime.engine.sampling_params import SamplingParams
-    from fxrewrite.runtime.llm import LLM
-
     llm = LLM(str(folder), model_impl="transformers", fusion=fusion, dtype="float32", max_model_len=64,
               block_size=16, seed=0, **(engine_args or {}))
     params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=0)
@@ -137,8 +135,6 @@ def sweep_overrides(config_cls) -> dict:
     encoder (their *ForCausalLM is meant to run with `is_decoder`), and multi-head latent attention (DeepSeek-V2/V3
     and their kin) keeps the 671B model's head widths unless told (where `head_dim` is an alias of
     `qk_rope_head_dim`, both get the tiny rotary width)."""
-    from fxrewrite.runtime.model_files.demo import ARCH_DEFAULTS
-
     accepted = set(inspect.signature(config_cls.__init__).parameters)
     out = {"is_decoder": True} if "is_decoder" in accepted else {}
     if "kv_lora_rank" in accepted:
@@ -150,11 +146,6 @@ def sweep_overrides(config_cls) -> dict:
 
 def build(arch: str, folder: Path) -> int:
     """Write the tiny folder for `arch`; its parameter count. ValueError when it is larger than MAX_PARAMS."""
-    import torch
-    from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
-
-    from fxrewrite.runtime.model_files.demo import build_model_dir
-
     build_model_dir(folder, arch, **sweep_overrides(CONFIG_MAPPING[arch]))
     config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
@@ -166,8 +157,6 @@ def build(arch: str, folder: Path) -> int:
 
 def run_one(arch: str, fusions: list[bool], engine_args: dict | None = None) -> list[dict]:
     """Every row for `arch` (one per fusion setting, or one row when building or the oracle fails)."""
-    from fxrewrite.errors import UnsupportedModelError
-
     base = {"arch": arch, **({"engine_args": engine_args} if engine_args else {})}
     with tempfile.TemporaryDirectory(prefix=f"sweep-{arch}-") as tmp:
         folder = Path(tmp) / arch
