@@ -13,7 +13,8 @@ if TYPE_CHECKING:
 def learned_position_offset(text_config: PretrainedConfig) -> int:
     """padding_idx + 1 where the model's transformers code numbers positions from its padding index (RoBERTa-style
     embeddings with `create_position_ids_from_input_ids` in its modeling module: RoBERTa's 514 position entries hold
-    512 tokens; the serving backend adds the offset, `transformers_backend.position_offset`), else 0."""
+    512 tokens), else 0. The serving backend adds it to the positions it passes; the derived max_model_len is the
+    table less it."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     pad = getattr(text_config, "pad_token_id", None)

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from fxrewrite.compiler import optimize
 from fxrewrite.errors import UnsupportedModelError
 from fxrewrite.patterns.rotary import replace_length_dependent_rotary
+from fxrewrite.runtime.model_files.positions import learned_position_offset
 from fxrewrite.runtime.worker.attention import register_paged_attention
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,10 @@ class TransformersForCausalLM(nn.Module):
         super().__init__()
         self.hf_model = hf_model
         self.config = hf_model.config
-        self.position_offset = position_offset(hf_model)
+        # RoBERTa-style embeddings number positions from padding_idx + 1 (transformers'
+        # create_position_ids_from_input_ids, after fairseq's make_positions; vLLM's RoBERTa adds the same offset);
+        # a padding token inside a prompt is numbered like any other, as in vLLM
+        self.position_offset = learned_position_offset(hf_model.config.get_text_config())
         self.head_checked = False
         self.head_by_model_code = False
 
@@ -169,19 +173,6 @@ class TransformersForCausalLM(nn.Module):
             return model(use_cache=False, logits_to_keep=0).logits[0]
         finally:
             model._modules[prefix] = stack
-
-
-def position_offset(hf_model: nn.Module) -> int:
-    """Where the model's own position ids start: padding_idx + 1 for RoBERTa-style embeddings (RoBERTa, CamemBERT,
-    XLM-R, Data2Vec-Text, X-MOD: transformers' `create_position_ids_from_input_ids`, after fairseq's
-    `make_positions`, numbers tokens from the padding index on; vLLM's RoBERTa adds the same offset), else 0. As in
-    vLLM, a padding token inside a prompt is numbered like any other token (transformers skips it)."""
-    for module in hf_model.modules():
-        if callable(getattr(type(module), "create_position_ids_from_input_ids", None)):
-            padding_idx = getattr(module, "padding_idx", None)
-            if isinstance(padding_idx, int):
-                return padding_idx + 1
-    return 0
 
 
 class _GivenHiddenStates(nn.Module):
