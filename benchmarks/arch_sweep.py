@@ -165,11 +165,11 @@ def run_one(arch: str, fusions: list[bool], engine_args: dict | None = None) -> 
             config = json.loads((folder / "config.json").read_text())
             ids = prompts(int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size", 1000)))
         except Exception as e:  # noqa: BLE001 - any failure to build is a skip, recorded with its reason
-            return [{**base, "status": "skip", "error": _one_line(e)}]
+            return [{**base, "status": "skip", "error": one_line(e)}]
         try:
             expected = oracle(folder, ids)
         except Exception as e:  # noqa: BLE001
-            return [{**base, "status": "stock_fail", "error": _one_line(e)}]
+            return [{**base, "status": "stock_fail", "error": one_line(e)}]
         rows = []
         for fusion in fusions:
             row = {**base, "fusion": fusion}
@@ -177,9 +177,9 @@ def run_one(arch: str, fusions: list[bool], engine_args: dict | None = None) -> 
             try:
                 row.update(judge(expected, engine_run(folder, ids, fusion, engine_args)))
             except (UnsupportedModelError, NotImplementedError) as e:
-                row.update(status="refused", error=_one_line(e))
+                row.update(status="refused", error=one_line(e))
             except Exception as e:  # noqa: BLE001 - a defect to report, with where it was raised
-                row.update(status="engine_error", error=_one_line(e), where=_where(e))
+                row.update(status="engine_error", error=one_line(e), where=where_raised(e))
             row["secs"] = round(time.perf_counter() - start, 1)
             rows.append(row)
         return rows
@@ -189,24 +189,22 @@ def _limit_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY, WORKER_MEMORY))
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())}"[:400]
 
 
-def _where(e: BaseException) -> str:
+def where_raised(e: BaseException) -> str:
     frames = traceback.extract_tb(e.__traceback__)
     return " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames[-4:]))
 
 
-def sweep(archs: list[str], fusions: list[bool], jobs: int, timeout_s: float, out: Path,
-          engine_args: dict | None = None) -> collections.Counter:
-    """Run each architecture in its own process (`--one`), `jobs` at a time; append rows to `out` as they come."""
+def sweep(archs: list[str], worker: list[str], jobs: int, timeout_s: float, out: Path) -> collections.Counter:
+    """Run each architecture in its own process (`python -m <worker[0]> --one ARCH <worker[1:]>`, printing its rows
+    as JSON lines), `jobs` at a time, under WORKER_MEMORY; append the rows to `out` as they come."""
     counts: collections.Counter = collections.Counter()
-    flags = ",".join("on" if f else "off" for f in fusions)
 
     def one(arch: str) -> list[dict]:
-        cmd = [sys.executable, "-m", "fxrewrite.benchmarks.arch_sweep", "--one", arch, "--fusion", flags,
-               "--engine-args", json.dumps(engine_args or {})]
+        cmd = [sys.executable, "-m", worker[0], "--one", arch, *worker[1:]]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env,
@@ -247,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     archs = args.archs.split(",") if args.archs else causal_lm_architectures()
     out = args.out or Path(tempfile.gettempdir()) / "arch-sweep.jsonl"
-    counts = sweep(archs, fusions, args.jobs, args.timeout, out, args.engine_args)
+    worker = ["fxrewrite.benchmarks.arch_sweep", "--fusion", args.fusion, "--engine-args", json.dumps(args.engine_args)]
+    counts = sweep(archs, worker, args.jobs, args.timeout, out)
     summary = {"summary": dict(counts), "engine_args": args.engine_args, "fusion": args.fusion, **environment()}
     with out.open("a") as f:
         f.write(json.dumps(summary) + "\n")

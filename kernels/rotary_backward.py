@@ -5,7 +5,8 @@ features, the rest passed through. With (x1, x2) the two halves (neox) or the ev
 and (c1, c2), (s1, s2) the matching parts of cos and sin: ``y1 = c1 x1 - s1 x2``, ``y2 = c2 x2 + s2 x1``.
 The map is linear in x, so the backward is its transpose, ``dx1 = c1 dy1 + s2 dy2``, ``dx2 = c2 dy2 - s1 dy1``:
 the same kernel with other coefficients, and nothing is saved but cos and sin (already alive).
-The kernel reads any strides (the usual ``view(...).transpose(1, 2)`` q), writes new contiguous tensors,
+The kernel reads any strides but the features' (the usual ``view(...).transpose(1, 2)`` q; a gradient arriving
+feature-strided is copied first), writes new contiguous tensors,
 and computes in float32 with one rounding where transformers rounds each product in the input dtype.
 """
 
@@ -102,6 +103,9 @@ class RotaryApplyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq, dk):
         cos, sin = ctx.saved_tensors
+        # the kernel reads features at unit stride; eager attention's ``q @ k.transpose(2, 3)`` hands back dk (and an
+        # MHA layer's dq) feature-strided
+        dq, dk = (d if d is None or d.stride(-1) == 1 else d.contiguous() for d in (dq, dk))
         dq = _launch(dq, cos, sin, ctx.is_neox_style, True) if dq is not None else None
         dk = _launch(dk, cos, sin, ctx.is_neox_style, True) if dk is not None else None
         return dq, dk, None, None, None

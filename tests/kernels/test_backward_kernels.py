@@ -146,6 +146,26 @@ def test_rotary_grads(forced, neox, rotary_dim, cos_batch, monkeypatch):
     _close(got[1], want[1])
 
 
+def test_rotary_grads_arriving_transposed(forced):
+    """Eager attention's ``q @ k.transpose(2, 3)`` hands back dk with a non-unit last-dim stride (MiMo-V2-Flash's
+    sliding layers, whose k is not repeated for groups: the optimize sweep found its k_proj gradient wrong)."""
+    B, S, D = 1, 6, 16
+    q, k = torch.randn(B, 4, S, D, requires_grad=True), torch.randn(B, 4, S, D, requires_grad=True)
+    ang = torch.randn(1, S, 3)
+    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()  # partial rotary: 6 of 16
+
+    def scores(rotary):
+        def fn(q, k):
+            q_out, k_out = rotary(q, k)
+            return q_out @ k_out.transpose(2, 3), k_out.transpose(2, 3) @ q_out  # dq and dk arrive transposed
+        return fn
+
+    got = _grads(scores(lambda q, k: rotary_apply_train(q, k, cos, sin)), q, k)
+    want = _grads(scores(lambda q, k: rotary_apply_ref(q, k, cos, sin)), q, k)
+    _close(got[0], want[0])
+    _close(got[1], want[1])
+
+
 def test_rotary_ref_is_transformers_apply():
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 

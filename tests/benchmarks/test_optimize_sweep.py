@@ -1,0 +1,72 @@
+"""The optimize sweep (`fxrewrite.benchmarks.optimize_sweep`): its verdicts, the dropout switch-off, and one
+architecture end to end."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import torch
+from torch import nn
+
+from fxrewrite.benchmarks import optimize_sweep as sweep
+
+
+def _stages(loss=2.0, grads=None, logits=None, tokens=(5, 6, 7), margins=(1.0, 0.5, 1e-4)):
+    grads = grads if grads is not None else {"w": torch.tensor([1.0, -2.0]), "key.bias": torch.tensor([1e-9, 0.0])}
+    logits = logits if logits is not None else torch.tensor([[0.5, 1.5]])
+    return {"train": (loss, grads), "logits": logits, "generate": (list(tokens), list(margins))}
+
+
+def test_judge_verdicts():
+    model = nn.Linear(2, 2)  # no fused layers: gradient names pass through
+    want = _stages()
+    assert sweep.judge(model, want, _stages())["status"] == "equal"
+    assert sweep.judge(model, want, _stages(loss=2.001))["status"] == "loss_off"
+    off = sweep.judge(model, want, _stages(grads={"w": torch.tensor([1.0, -2.1]), "key.bias": torch.zeros(2)}))
+    assert off["status"] == "grad_off" and off["worst_grad"] == "w"
+    missing = sweep.judge(model, want, _stages(grads={"w": torch.tensor([1.0, -2.0])}))
+    assert missing["status"] == "grad_off" and missing["grad_names"]["missing"] == ["key.bias"]
+    assert sweep.judge(model, want, _stages(logits=torch.tensor([[0.5, 1.6]])))["status"] == "logits_off"
+    wrong = sweep.judge(model, want, _stages(tokens=(5, 9, 7)))
+    assert wrong["status"] == "MISMATCH" and wrong["first_diff"] == {"step": 1, "expected": 6, "got": 9, "margin": 0.5}
+    assert sweep.judge(model, want, _stages(tokens=(5, 6, 8)))["status"] == "near_tie"
+    assert sweep.judge(model, want, _stages(logits=torch.tensor([[float("nan"), 1.5]])))["status"] == "logits_off"
+
+
+def test_a_gradient_zero_in_exact_arithmetic_is_judged_at_the_model_scale():
+    """A key bias's gradient is rounding noise (~1e-9); its relative error alone would be ~1, but measured against the
+    model's largest gradient element it is equal."""
+    model = nn.Linear(2, 2)
+    got = _stages(grads={"w": torch.tensor([1.0, -2.0]), "key.bias": torch.tensor([-3e-9, 1e-9])})
+    row = sweep.judge(model, _stages(), got)
+    assert row["status"] == "equal" and row["grad_diff"] < 1e-5
+
+
+def test_deterministic_zeroes_dropout_everywhere():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.drop = nn.Dropout(0.3)
+            self.attention_dropout = 0.1
+            self.config = types.SimpleNamespace(resid_pdrop=0.2, router_jitter_noise=0.5, sub_configs={})
+
+    block = sweep.deterministic(Block())
+    assert (block.drop.p, block.attention_dropout) == (0.0, 0.0)
+    assert (block.config.resid_pdrop, block.config.router_jitter_noise) == (0.0, 0.0)
+
+
+def test_batch_pads_the_second_row():
+    inputs = sweep.batch(49152)
+    assert inputs["attention_mask"][1, -sweep.PAD:].eq(0).all() and inputs["attention_mask"][0].eq(1).all()
+    assert inputs["labels"][1, -sweep.PAD:].eq(-100).all() and inputs["labels"][:, :2].eq(-100).all()
+    assert sweep.unpadded(inputs)["attention_mask"] is None
+
+
+def test_one_architecture_end_to_end(capsys):
+    """The worker builds a tiny Qwen3, trains one step stock and optimized, and prints one equal row naming the
+    patterns applied."""
+    assert sweep.main(["--one", "qwen3"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["status"] == "equal" and {"qkv", "glu", "lm_head_loss"} <= set(row["applied"])
+    assert row["grad_diff"] < 1e-4 and row["loss_diff"] < 1e-5
