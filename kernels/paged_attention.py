@@ -17,15 +17,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fxrewrite.kernels import decode_qk_norm_rope, use_triton
-from fxrewrite.kernels.attention_tile import check_paged_args, sinks_arg, value_run
+from fxrewrite.kernels import use_triton
+from fxrewrite.kernels.attention_tile import check_paged_args, sinks_arg
 from fxrewrite.kernels.batch_invariant import is_batch_invariant
-from fxrewrite.kernels.paged_decode import decode_tile, paged_decode_triton
+from fxrewrite.kernels.paged_decode import paged_decode_triton
 from fxrewrite.kernels.paged_prefill import paged_prefill_triton
-from fxrewrite.kernels.qk_norm_rope_cache import qk_norm_rope_cache
 
-__all__ = ["paged_attention", "paged_attention_qk_norm_rope", "paged_attention_ref", "causal_attention_batch_invariant",
-           "BI_TILES"]
+__all__ = ["paged_attention", "paged_attention_ref", "causal_attention_batch_invariant", "BI_TILES"]
 
 BI_TILES = {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 2}
 """Batch-invariant mode: the one attention kernel's launch (prefill and decode alike). Fixed tiles: a
@@ -193,34 +191,6 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if max_query_len == 1:
         return paged_decode_triton(*args, static_metadata=static_metadata)
     return paged_prefill_triton(*args)
-
-
-def paged_attention_qk_norm_rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                                 q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, head_size: int,
-                                 cos_sin_cache: torch.Tensor, is_neox_style: bool, key_cache: torch.Tensor,
-                                 value_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                                 seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
-                                 max_seq_len: int, scale: float, sliding_window: int | None = None,
-                                 soft_cap: float | None = None, *, static_metadata: bool = False) -> torch.Tensor:
-    """Qwen3's attention after the QKV projection: per-head RMSNorm of q and k, rotary, this step's key / value into
-    the caches, paged attention -> [T, Hq, D]. query [T, Hq*D], key / value [T, Hkv*D] (views of the QKV output),
-    the rest as in `qk_norm_rope_cache` and `paged_attention`. A decode step on CUDA under ``FXREWRITE_DECODE_QK=on``,
-    in a layout `decode_qk_norm_rope.fusable` accepts, runs all of it in the decode kernel; anything else the two
-    calls."""
-    num_tokens = positions.numel()
-    if (max_query_len == 1 and use_triton(query) and not is_batch_invariant() and decode_qk_norm_rope.enabled()
-            and decode_qk_norm_rope.fusable(query, key_cache, head_size, cos_sin_cache)
-            and decode_tile() == "heads" and value_run(value_cache, 64) == 0):
-        qk = decode_qk_norm_rope.qk_launch_args(positions, key, value, q_weight, k_weight, eps, cos_sin_cache,
-                                                is_neox_style, slot_mapping, head_size)
-        return paged_decode_triton(query.view(num_tokens, -1, head_size), key_cache, value_cache, block_tables,
-                                   seq_lens, query_start_loc, max_query_len, max_seq_len, scale, sliding_window,
-                                   soft_cap, keys_major=False, static_metadata=static_metadata, qk_rope=qk)
-    query, _ = qk_norm_rope_cache(positions, query, key, value, q_weight, k_weight, eps, head_size, cos_sin_cache,
-                                  is_neox_style, key_cache, value_cache, slot_mapping, static_metadata=static_metadata)
-    return paged_attention(query.view(num_tokens, -1, head_size), key_cache, value_cache, block_tables, seq_lens,
-                           query_start_loc, max_query_len, max_seq_len, scale, sliding_window, soft_cap,
-                           static_metadata=static_metadata)
 
 
 def _dense_causal_ref(q, k, v, scale, sliding_window, soft_cap):

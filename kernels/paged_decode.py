@@ -41,7 +41,6 @@ from fxrewrite.kernels import env_choice
 from fxrewrite.kernels.attention_tile import (FP8_DOTS, attention_tile, check_last_dim_contiguous, check_paged_args,
                                               decode_tile_keys_major, dot_dtype, float8_dots, fp16_dots, quantize_query,
                                               sinks_arg, tile_slots, value_run, widen_asm)
-from fxrewrite.kernels.decode_qk_norm_rope import decode_query, launch_parts, token_rotary, write_new_kv
 from fxrewrite.kernels.pdl import LINE_BYTES, early_loads, gdc_prologue, pdl_enabled, prefetch_l2
 from fxrewrite.kernels.triton_utils import interpreter_ready, launch, next_power_of_2, tl, triton
 
@@ -91,45 +90,38 @@ _BLOCK_N_FP8 = 128
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, part_ptr, ml_ptr, sinks_ptr,
                    scale, soft_cap, sliding_window, block_size, num_splits, single_len,
                    q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, vc_s3, bt_s0, o_s0, o_s1,
-                   k_ptr, v_ptr, qw_ptr, kw_ptr, cs_ptr, pos_ptr, slot_ptr, k_s0, k_s1, v_s0, v_s1, cs_s0, eps,
                    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    FP16_DOTS: tl.constexpr, WIDEN_ASM: tl.constexpr, KEYS_MAJOR: tl.constexpr, F8_DOTS: tl.constexpr,
                    EXACT_CAST: tl.constexpr, V_RUN: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-                   LINE: tl.constexpr, ROW_LINES: tl.constexpr, QK_ROPE: tl.constexpr = False,
-                   IS_NEOX: tl.constexpr = True, HALF: tl.constexpr = 64):
+                   LINE: tl.constexpr, ROW_LINES: tl.constexpr):
     # every program waits, even one with no work: the grid then completes after its predecessor
     if not EARLY:
         gdc_prologue(PDL)
-    seq, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    tok, lo, splits, start, end, active, seq_len = _partition(seq_lens_ptr, qsl_ptr, seq, split, sliding_window,
-                                                              num_splits, single_len, BLOCK_N, IS_SPLIT, HAS_WINDOW,
-                                                              V_RUN)
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    tok, lo, splits, start, end, active = _partition(seq_lens_ptr, qsl_ptr, seq, split, sliding_window, num_splits,
+                                                     single_len, BLOCK_N, IS_SPLIT, HAS_WINDOW, V_RUN)
     bt_row = bt_ptr + seq.to(tl.int64) * bt_s0
     if EARLY:  # the metadata above came in during the previous kernel's tail; so do the first tile's K and V rows
         if active:
             _prefetch_first_tile(kc_ptr, vc_ptr, bt_row, start, end, kvh, block_size, kc_s0, kc_s1, kc_s2, vc_s0,
                                  vc_s1, vc_s2, vc_s3, HEAD_DIM, BLOCK_N, V_RUN, LINE, ROW_LINES)
-    if QK_ROPE:  # q/k norm + rotary in this kernel (decode_qk_norm_rope.py); cos / sin and weights: constants
-        cos, sin, off1, off2, imask, offp, pmask, qw, kw = token_rotary(pos_ptr, cs_ptr, cs_s0, qw_ptr, kw_ptr, tok,
-                                                                        active, HALF, IS_NEOX)
-    if EARLY:
         gdc_prologue(PDL)
     if active:
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
         heads = kvh * G + offs_g
         gd_mask = (offs_g[:, None] < G) & (offs_d[None, :] < HEAD_DIM)
-        q_rows = q_ptr + tok.to(tl.int64) * q_s0 + heads[:, None] * q_s1
-        if QK_ROPE:
-            q = decode_query(q_rows, G, qw, cos, sin, eps, off1, off2, imask, offp, pmask, HALF, BLOCK_G, IS_NEOX)
-            write_new_kv(end == seq_len, k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, tok, kvh, k_s0, k_s1, v_s0, v_s1,
-                         kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, vc_s3, block_size, kw, cos, sin, eps, off1, off2,
-                         imask, offp, pmask, HALF)
-        else:
-            q = tl.load(q_rows + offs_d[None, :], mask=gd_mask, other=0.0)
-        m_i, l_i = _initial_softmax(sinks_ptr, heads, offs_g < G, split, BLOCK_G, HAS_SINKS)
+        q = tl.load(q_ptr + tok.to(tl.int64) * q_s0 + heads[:, None] * q_s1 + offs_d[None, :], mask=gd_mask, other=0.0)
+        m_i = tl.zeros([BLOCK_G], dtype=tl.float32) - 1.0e30
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        if HAS_SINKS:  # split 0 starts from the sink logit (log2 domain, zero value); the merge weighs it in
+            sink = tl.load(sinks_ptr + heads, mask=offs_g < G, other=-1.0e30) * 1.4426950408889634
+            m_i = tl.where(split == 0, sink, m_i)
+            l_i = tl.where((split == 0) & (offs_g < G), 1.0, l_i)
         # Every key below seq_len is causal for the last token; the window is in `start`.
         if KEYS_MAJOR:
             m_i, l_i, acc = _walk_keys_major(q, m_i, l_i, kc_ptr, vc_ptr, bt_row, start, lo, end, kvh, scale, soft_cap,
@@ -149,24 +141,11 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr
 
 
 @triton.jit
-def _initial_softmax(sinks_ptr, heads, g_mask, split, BLOCK_G: tl.constexpr, HAS_SINKS: tl.constexpr):
-    """The online softmax's (m, l) [BLOCK_G] before the first key: split 0 starts from the sink logit (log2 domain,
-    zero value) with sinks, and the merge weighs it in."""
-    m_i = tl.zeros([BLOCK_G], dtype=tl.float32) - 1.0e30
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    if HAS_SINKS:
-        sink = tl.load(sinks_ptr + heads, mask=g_mask, other=-1.0e30) * 1.4426950408889634
-        m_i = tl.where(split == 0, sink, m_i)
-        l_i = tl.where((split == 0) & g_mask, 1.0, l_i)
-    return m_i, l_i
-
-
-@triton.jit
 def _partition(seq_lens_ptr, qsl_ptr, seq, split, sliding_window, num_splits, single_len, BLOCK_N: tl.constexpr,
                IS_SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, V_RUN: tl.constexpr):
     """A decode program's share of its sequence: (query row tok, window start lo, the sequence's split count, keys
-    [start, end), whether the program has work, seq_len). The partition is the sequence's own context over its splits,
-    in whole BLOCK_N tiles (from a multiple of V_RUN, keys below lo masked, when the tile loads runs of V_RUN keys)."""
+    [start, end), whether the program has work). The partition is the sequence's own context over its splits, in
+    whole BLOCK_N tiles (from a multiple of V_RUN, keys below lo masked, when the tile loads runs of V_RUN keys)."""
     tok = tl.load(qsl_ptr + seq)
     seq_len = tl.load(seq_lens_ptr + seq)
     lo = 0
@@ -181,7 +160,7 @@ def _partition(seq_lens_ptr, qsl_ptr, seq, split, sliding_window, num_splits, si
     part = tl.cdiv(tl.cdiv(seq_len - base, splits), BLOCK_N) * BLOCK_N
     start = base + split * part
     end = tl.minimum(start + part, seq_len)
-    return tok, lo, splits, start, end, (tl.load(qsl_ptr + seq + 1) > tok) & (split < splits), seq_len
+    return tok, lo, splits, start, end, (tl.load(qsl_ptr + seq + 1) > tok) & (split < splits)
 
 
 @triton.jit
@@ -318,7 +297,7 @@ def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, q
                         max_query_len, max_seq_len, scale, sliding_window=None, soft_cap=None, sinks=None,
                         *, block_n: int | None = None, num_splits: int | None = None, num_warps: int = 4,
                         num_stages: int = 2, single_split_len: int = _SINGLE_SPLIT_LEN, fp8_dots: str | None = None,
-                        keys_major: bool | None = None, static_metadata: bool = False, qk_rope=None):
+                        keys_major: bool | None = None, static_metadata: bool = False):
     """Decode launch (every sequence has at most one query token). ``max_seq_len`` must bound every
     seq_len (it sizes the split-K grid). Keyword-only knobs are for tests and the benchmark
     (``single_split_len``: contexts up to this many tokens skip the split and the merge; 0: never; ``fp8_dots``:
@@ -328,7 +307,7 @@ def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, q
     :func:`decode_tile`), and for the engine: ``static_metadata``, its promise that block_tables, seq_lens and
     query_start_loc were not written by the kernel launched just before this one; under PDL both kernels then read
     them, and the decode kernel asks L2 for its first tile of keys and values, before waiting for that kernel
-    (`fxrewrite.kernels.pdl.early_loads`). ``qk_rope``: see `decode_qk_norm_rope.launch_parts`."""
+    (`fxrewrite.kernels.pdl.early_loads`)."""
     check_paged_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
     dots = dot_flags(query, key_cache, fp8_dots or default_fp8_dots())
     block_n = block_n or (_BLOCK_N_FP8 if key_cache.element_size() == 1 else 64)
@@ -349,7 +328,6 @@ def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, q
     if splits > 1:
         part = torch.empty((num_tokens, num_heads, splits, block_d), dtype=torch.float32, device=query.device)
         ml = torch.empty((num_tokens, num_heads, splits, 2), dtype=torch.float32, device=query.device)
-    qk_args, qk_flags = launch_parts(qk_rope, query, keys_major, block_d)
     pdl = pdl_enabled(query.device)
     early = early_loads(pdl, static_metadata)
     line = LINE_BYTES // key_cache.element_size()
@@ -358,14 +336,14 @@ def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, q
         float(scale), float(soft_cap or 0.0), int(sliding_window or 0), key_cache.shape[1], splits, single_split_len,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), value_cache.stride(3),
-        block_tables.stride(0), out.stride(0), out.stride(1), *qk_args,
+        block_tables.stride(0), out.stride(0), out.stride(1),
         # the heads are the MMA's N keys-major (>= 8), its M otherwise (>= 16)
         G=group, HEAD_DIM=head_dim, BLOCK_G=max(8 if keys_major else 16, next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=block_n,
         IS_SPLIT=splits > 1, HAS_SOFTCAP=soft_cap is not None, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         KEYS_MAJOR=keys_major, V_RUN=v_run, PDL=pdl, EARLY=early, LINE=line,
-        ROW_LINES=next_power_of_2(-(-head_dim // line)), num_warps=num_warps, num_stages=num_stages, **dots, **qk_flags)
+        ROW_LINES=next_power_of_2(-(-head_dim // line)), num_warps=num_warps, num_stages=num_stages, **dots)
     if splits > 1:
         launch(_reduce_kernel, (num_seqs, num_heads), query.device, pdl)(
             seq_lens, query_start_loc, out, part, ml, out.stride(0), out.stride(1), num_heads, splits,

@@ -18,7 +18,7 @@ from torch import nn
 
 from fxrewrite.distributed import get_tp_rank
 from fxrewrite.errors import UnsupportedModelError
-from fxrewrite.kernels.paged_attention import paged_attention, paged_attention_qk_norm_rope
+from fxrewrite.kernels.paged_attention import paged_attention
 from fxrewrite.kernels.reshape_and_cache import reshape_and_cache
 from fxrewrite.layers.kv_context import take_kv_written
 from fxrewrite.runtime.worker.forward_context import get_forward_context
@@ -30,7 +30,7 @@ def paged_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, la
                  sliding_window: int | None = None, soft_cap: float | None = None,
                  kv_cached: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query [T, Hq, D], key/value [T, Hkv, D] of this step -> [T, Hq, D]; caches the new K/V first, unless
-    `kv_cached` says the caller already wrote them (e.g. a fused rotary + cache kernel).
+    `kv_cached` says the caller already wrote them (`layer_kv_cache`, e.g. a fused rotary + cache kernel).
     `sinks`: None or [Hq] attention-sink logits (GPT-OSS; see `fxrewrite.kernels.paged_attention`).
 
     Under torch.compile this is one opaque op (`fxrewrite.runtime.worker.compilation`, whose op runs
@@ -60,6 +60,15 @@ def running_layer(layer_idx: int) -> int:
     if RUNNING_LAYER.index < 0:
         raise RuntimeError("paged attention got layer index -1 outside a compiled decoder layer")
     return RUNNING_LAYER.index
+
+
+def layer_kv_cache(layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(key_cache, value_cache, slot_mapping) of layer `layer_idx` in this step (caches [num_blocks,
+    block_size, Hkv, D], slot_mapping int64 [>= T]), for a kernel that writes the step's K/V itself.
+    RuntimeError outside a model runner step."""
+    ctx = get_forward_context()
+    key_cache, value_cache = ctx.kv_caches[layer_idx]
+    return key_cache, value_cache, ctx.slot_mapping
 
 
 def attend_now(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float,
@@ -229,23 +238,6 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.sliding_window = sliding_window
         self.soft_cap = soft_cap
-
-    def forward_qk_norm_rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             q_norm: nn.Module, k_norm: nn.Module, rotary_emb: nn.Module) -> torch.Tensor:
-        """Qwen3's attention after the QKV projection, eagerly (not under torch.compile): q [T, Hq*D], k / v
-        [T, Hkv*D] (slices of the QKV output) -> [T, Hq*D]. Each head of q and k RMS-normalised by `q_norm` /
-        `k_norm` (weights [D]), rotated by `rotary_emb` (its cos / sin cache), k and v written to this layer's cache,
-        then paged attention (`fxrewrite.kernels.paged_attention.paged_attention_qk_norm_rope`: one decode kernel
-        for all of it under FXREWRITE_DECODE_QK=on)."""
-        ctx = get_forward_context()
-        key_cache, value_cache = ctx.kv_caches[self.layer_idx]
-        out = paged_attention_qk_norm_rope(
-            positions, q, k, v, q_norm.weight, k_norm.weight, q_norm.variance_epsilon, self.head_dim,
-            rotary_emb.cos_sin_cache, rotary_emb.is_neox_style, key_cache, value_cache, ctx.slot_mapping,
-            ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, ctx.max_query_len, ctx.max_seq_len, self.scale,
-            self.sliding_window, self.soft_cap,
-            static_metadata=True)  # the step's metadata, copied in before the forward
-        return out.reshape(-1, self.num_heads * self.head_dim)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cached: bool = False) -> torch.Tensor:
         """kv_cached: k and v are already in this layer's cache (see `paged_attend`)."""

@@ -8,7 +8,6 @@ skinny GEMV it competes with, a JSON line about each one's loads (tests/kernels/
 
 from __future__ import annotations
 
-import inspect
 import json
 import re
 import sys
@@ -24,8 +23,6 @@ def compile_sm90(fn, pointers: dict, constexprs: dict, floats=("scale", "soft_ca
     """PTX of `fn` for sm90 (the cubin is built too). Pointers and integer arguments are declared 16-divisible,
     as the JIT specialises the engine's strides and buffers, so loads vectorise as on the GPU; the packed length
     buffers are not (the kernels opt out of that specialisation)."""
-    constexprs = {p.name: p.default for p in fn.params if p.is_constexpr and p.default is not inspect.Parameter.empty
-                  } | constexprs  # the kernel's own defaults, where the caller leaves them
     sig = {n: pointers.get(n) or ("constexpr" if n in constexprs else "fp32" if n in floats else "i32")
            for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
@@ -164,21 +161,6 @@ def pdl_early() -> dict:
     return out
 
 
-def decode_qk() -> dict:
-    """The decode kernel with q/k norm + rotary + cache write inside (`decode_qk_norm_rope`), Qwen3-4B's heads, PDL
-    with early loads: its loads before the wait (the metadata's, plus position, cos / sin and both norm weights) and
-    the block barrier that orders the new key's write before the tile loads."""
-    ptx = compile_sm90(paged_decode._decode_kernel,
-                       {**_DECODE_POINTERS, "kc_ptr": "*bf16", "vc_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
-                        "qw_ptr": "*bf16", "kw_ptr": "*bf16", "cs_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64"},
-                       dict(HEAD_DIM=128, BLOCK_D=128, HAS_SOFTCAP=False, HAS_WINDOW=False, HAS_SINKS=False,
-                            DOT_PRECISION="tf32", FP16_DOTS=False, WIDEN_ASM=0, G=4, BLOCK_G=16, BLOCK_N=64,
-                            IS_SPLIT=True, KEYS_MAJOR=False, F8_DOTS=False, EXACT_CAST=False, V_RUN=0, PDL=True,
-                            QK_ROPE=True, IS_NEOX=True, HALF=64, **_early("bf16")),
-                       floats=("scale", "soft_cap", "eps"), num_warps=4, num_stages=2)
-    return {"before_wait": _before_wait(ptx), "barriers": ptx.count("bar.sync"), "mma": "mma" in ptx}
-
-
 def skinny_pipelined_gemv() -> dict:
     """Load instructions in the PTX of the pipelined bf16 GEMV (every config of `PIPELINED_CONFIGS`, K a multiple
     of block_k or not) and of the skinny GEMV's first one-token config: the pipelined loop's weight tiles must be
@@ -219,5 +201,5 @@ def greedy_sampling() -> dict:
 
 if __name__ == "__main__":
     forms = {"fp8-gemv-pipelined": pipelined_gemv, "skinny-gemv-pipelined": skinny_pipelined_gemv, "pdl-early": pdl_early,
-             "greedy-sample": greedy_sampling, "decode-qk": decode_qk}
+             "greedy-sample": greedy_sampling}
     print(json.dumps(forms[sys.argv[1]]() if sys.argv[1] in forms else main(sys.argv[1])))

@@ -46,6 +46,7 @@ def test_engine_promises_static_metadata(llm, interpret, monkeypatch):
     waiting on the previous kernel (kernels/pdl.py early_loads); dropping the flag would cost batch-1 speed
     silently (BENCHMARKS.md, thirty-fourth session)."""
     from fxrewrite.kernels import paged_attention as attention_module
+    from fxrewrite.runtime.models import qwen3 as qwen3_module
 
     seen = []
 
@@ -56,28 +57,11 @@ def test_engine_promises_static_metadata(llm, interpret, monkeypatch):
         return call
 
     monkeypatch.setattr(attention_module, "paged_decode_triton", recording(attention_module.paged_decode_triton))
-    monkeypatch.setattr(attention_module, "qk_norm_rope_cache", recording(attention_module.qk_norm_rope_cache))
+    monkeypatch.setattr(qwen3_module, "qk_norm_rope_cache", recording(qwen3_module.qk_norm_rope_cache))
     monkeypatch.setenv("FXREWRITE_TRITON", "1")
     decode_step_launches(llm)
     assert ("paged_decode_triton", True) in seen and ("qk_norm_rope_cache", True) in seen, seen
     assert all(flag for _, flag in seen), seen
-
-
-def test_decode_qk_in_the_attention_kernel(llm, interpret, monkeypatch):
-    """FXREWRITE_DECODE_QK=on: a decode step's q/k norm + rotary + cache write run inside the decode attention
-    kernel (one launch per layer fewer, no q/k kernel), prefill steps keep the pair, and the greedy tokens are the
-    torch references' (prompts of 35 and 3 tokens, 12 tokens each: contexts past one 64-key tile)."""
-    monkeypatch.setenv("FXREWRITE_TRITON", "1")
-    pair = decode_step_launches(llm)
-    monkeypatch.setenv("FXREWRITE_DECODE_QK", "on")
-    fused = decode_step_launches(llm)
-    assert not fused["triton:_qk_norm_rope_cache_kernel"] and fused["triton:_decode_kernel"] == 1
-    assert sum(fused.values()) == sum(pair.values()) - 1
-    prompts = [list(range(5, 40)), [7, 8, 9]]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    monkeypatch.setenv("FXREWRITE_TRITON", "0")
-    assert got == [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def test_interpreted_kernels_give_the_reference_tokens(llm, interpret, monkeypatch):
