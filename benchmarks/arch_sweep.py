@@ -65,6 +65,18 @@ def causal_lm_architectures() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+def checked_archs(parser: argparse.ArgumentParser, archs: str | None, jobs: int) -> list[str]:
+    """`--archs` as a list (default: every causal-LM architecture); exits through `parser.error` naming a `model_type`
+    transformers does not know, or a `--jobs` below 1."""
+    if jobs < 1:
+        parser.error(f"--jobs {jobs}: expected at least 1")
+    names = archs.split(",") if archs else causal_lm_architectures()
+    unknown = [a for a in names if a not in CONFIG_MAPPING]
+    if unknown:
+        parser.error(f"--archs: unknown model_type {', '.join(map(repr, unknown))} (e.g. llama, qwen3, mixtral)")
+    return names
+
+
 def prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
     """Two random prompts of PROMPT_LENGTHS token ids (below 1000, never special) and a third that shares the
     second's first PREFIX_SHARED tokens."""
@@ -243,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         for row in run_one(args.one, fusions, args.engine_args):
             print(json.dumps(row), flush=True)
         return 0
-    archs = args.archs.split(",") if args.archs else causal_lm_architectures()
+    archs = checked_archs(p, args.archs, args.jobs)
     out = args.out or Path(tempfile.gettempdir()) / "arch-sweep.jsonl"
     worker = ["fxrewrite.benchmarks.arch_sweep", "--fusion", args.fusion, "--engine-args", json.dumps(args.engine_args)]
     counts = sweep(archs, worker, args.jobs, args.timeout, out)

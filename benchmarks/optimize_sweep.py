@@ -9,7 +9,8 @@ safetensors), loads it twice in float32 with every dropout and router jitter at 
 - the logits of the same batch without gradients (eval mode);
 - `generate`: greedy, KV cache on, STEPS new tokens.
 `--triton` runs the Triton kernels in the interpreter (``TRITON_INTERPRET=1 FXREWRITE_TRITON=1``, as the test suite
-does) instead of their torch references.
+does) instead of their torch references; `--compile` runs the optimized model under `torch.compile` (the training step
+and the logits; the stock model stays eager).
 
 Each outcome is one JSON line: `equal` (loss within LOSS_TOL, gradients and logits within GRAD_TOL / LOGITS_TOL,
 tokens equal), `equal_f64` (off by those tolerances, but no farther from the stock model run in float64 than ARBITER
@@ -106,7 +107,8 @@ def train_step(model: nn.Module, inputs: dict) -> tuple[float, dict]:
     model.train().zero_grad(set_to_none=True)
     loss = model(**inputs).loss
     loss.backward()
-    return float(loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return float(loss.detach()), {n.removeprefix("_orig_mod."): p.grad.detach().clone()  # torch.compile's wrapper
+                                  for n, p in model.named_parameters() if p.grad is not None}
 
 
 def eval_logits(model: nn.Module, inputs: dict) -> torch.Tensor:
@@ -188,9 +190,11 @@ def by_float64(stock: nn.Module, fused: nn.Module, want: dict, got: dict, stage_
     return {"float64": errors, **({"status": "equal_f64"} if rounding else {})}
 
 
-def run_one(arch: str) -> dict:
-    """The row for `arch` (see the module docstring)."""
-    row: dict = {"arch": arch, "triton_kernels": os.environ.get("FXREWRITE_TRITON") == "1"}
+def run_one(arch: str, compiled: bool = False) -> dict:
+    """The row for `arch` (see the module docstring); `compiled`: the optimized model runs under torch.compile
+    (training step and logits; not `generate`, which a compiled module does not compile)."""
+    row: dict = {"arch": arch, "triton_kernels": os.environ.get("FXREWRITE_TRITON") == "1",
+                 **({"compiled": True} if compiled else {})}
     with tempfile.TemporaryDirectory(prefix=f"optimize-sweep-{arch}-") as tmp:
         folder = Path(tmp) / arch
         try:
@@ -202,6 +206,8 @@ def run_one(arch: str) -> dict:
             return {**row, "status": "skip", "error": arch_sweep.one_line(e)}
         want, failed, stage_inputs = {}, {}, {}
         for name, stage in STAGES.items():
+            if compiled and name == "generate":
+                continue
             for given in (inputs, unpadded(inputs)):  # some models (hybrid caches) refuse a padding mask
                 try:
                     torch.manual_seed(0)
@@ -222,11 +228,12 @@ def run_one(arch: str) -> dict:
             return {**row, "status": "optimize_error", "error": arch_sweep.one_line(e),
                     "where": arch_sweep.where_raised(e)}
         row["applied"] = fxrewrite.explain(fused).applied_patterns()
+        runner = torch.compile(fused) if compiled else fused
         got = {}
         for name in want:
             try:
                 torch.manual_seed(0)
-                got[name] = STAGES[name](fused, stage_inputs[name])
+                got[name] = STAGES[name](runner, stage_inputs[name])
             except Exception as e:  # noqa: BLE001
                 return {**row, "status": "fused_error", "stage": name, "error": arch_sweep.one_line(e),
                         "where": arch_sweep.where_raised(e)}
@@ -240,20 +247,22 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--archs", help="comma-separated model_types (default: every causal-LM architecture)")
     p.add_argument("--triton", action="store_true", help="the Triton kernels in the interpreter (slow)")
+    p.add_argument("--compile", action="store_true", help="the optimized model under torch.compile (slow)")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per architecture")
     p.add_argument("--out", type=Path, help="JSONL file (appended to)")
     p.add_argument("--one", help=argparse.SUPPRESS)  # the worker: one architecture, its row on stdout
     args = p.parse_args(argv)
     if args.one:
-        print(json.dumps(run_one(args.one)), flush=True)
+        print(json.dumps(run_one(args.one, args.compile)), flush=True)
         return 0
     if args.triton:  # the workers inherit it; triton reads TRITON_INTERPRET at import
         os.environ.update(TRITON_INTERPRET="1", FXREWRITE_TRITON="1")
-    archs = args.archs.split(",") if args.archs else arch_sweep.causal_lm_architectures()
+    archs = arch_sweep.checked_archs(p, args.archs, args.jobs)
     out = args.out or Path(tempfile.gettempdir()) / "optimize-sweep.jsonl"
-    counts = arch_sweep.sweep(archs, ["fxrewrite.benchmarks.optimize_sweep"], args.jobs, args.timeout, out)
-    summary = {"summary": dict(counts), "triton_kernels": args.triton, **environment()}
+    worker = ["fxrewrite.benchmarks.optimize_sweep", *(["--compile"] if args.compile else [])]
+    counts = arch_sweep.sweep(archs, worker, args.jobs, args.timeout, out)
+    summary = {"summary": dict(counts), "triton_kernels": args.triton, "compiled": args.compile, **environment()}
     with out.open("a") as f:
         f.write(json.dumps(summary) + "\n")
     print(json.dumps({**summary, "out": str(out)}), flush=True)

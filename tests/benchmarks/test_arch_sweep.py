@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from fxrewrite.benchmarks import arch_sweep
 
 
@@ -34,3 +36,10 @@ def test_one_architecture_end_to_end(capsys):
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(r["fusion"], r["status"]) for r in rows] == [(True, "equal"), (False, "equal")]
     assert all(r["logprob_diff"] < 1e-4 and r["first_diff"] is None for r in rows)
+
+
+def test_bad_arguments_exit_naming_them(capsys):
+    for argv, message in ((["--archs", "llama,lama"], "unknown model_type 'lama'"), (["--jobs", "0"], "--jobs 0")):
+        with pytest.raises(SystemExit) as exit_info:
+            arch_sweep.main(argv)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import types
 
+import pytest
 import torch
 from torch import nn
 
@@ -70,3 +71,16 @@ def test_one_architecture_end_to_end(capsys):
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert row["status"] == "equal" and {"qkv", "glu", "lm_head_loss"} <= set(row["applied"])
     assert row["grad_diff"] < 1e-4 and row["loss_diff"] < 1e-5
+
+
+def test_float64_arbiter(monkeypatch):
+    """A row off by tolerance is `equal_f64` when the optimized logits are no farther from the float64 stock model's
+    than ARBITER times the float32 stock model's; a farther one keeps its status."""
+    ref = torch.tensor([[1.0, 2.0]], dtype=torch.float64)
+    monkeypatch.setattr(sweep, "STAGES", {"logits": lambda model, inputs: ref})
+    model = nn.Linear(2, 2)
+    want = {"logits": torch.tensor([[1.0, 2.0001]])}  # the stock float32 model's own error: 5e-5
+    near = sweep.by_float64(model, model, want, {"logits": torch.tensor([[1.0, 1.99992]])}, {"logits": None})
+    assert near["status"] == "equal_f64" and near["float64"]["logits"][0] == pytest.approx(5e-5, rel=1e-2)
+    far = sweep.by_float64(model, model, want, {"logits": torch.tensor([[1.0, 2.01]])}, {"logits": None})
+    assert "status" not in far
