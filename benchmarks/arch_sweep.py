@@ -259,11 +259,17 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or Path(tempfile.gettempdir()) / "arch-sweep.jsonl"
     worker = ["fxrewrite.benchmarks.arch_sweep", "--fusion", args.fusion, "--engine-args", json.dumps(args.engine_args)]
     counts = sweep(archs, worker, args.jobs, args.timeout, out)
-    summary = {"summary": dict(counts), "engine_args": args.engine_args, "fusion": args.fusion, **environment()}
+    return finish(out, counts, {"engine_args": args.engine_args, "fusion": args.fusion}, DEFECTS)
+
+
+def finish(out: Path, counts: collections.Counter, settings: dict, defects: tuple[str, ...]) -> int:
+    """Append the run's summary line (counts, `settings`, date, versions) to `out` and print it; the exit status: 1 when
+    any row is one of `defects`, else 0."""
+    summary = {"summary": dict(counts), **settings, **environment()}
     with out.open("a") as f:
         f.write(json.dumps(summary) + "\n")
     print(json.dumps({**summary, "out": str(out)}), flush=True)
-    return 1 if any(counts[d] for d in DEFECTS) else 0
+    return 1 if any(counts[d] for d in defects) else 0
 
 
 if __name__ == "__main__":

@@ -39,7 +39,6 @@ from transformers import AutoModelForCausalLM
 
 import fxrewrite
 from fxrewrite.benchmarks import arch_sweep
-from fxrewrite.benchmarks.common import environment
 from fxrewrite.weights import to_hf_names
 
 STEPS = 6
@@ -262,11 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or Path(tempfile.gettempdir()) / "optimize-sweep.jsonl"
     worker = ["fxrewrite.benchmarks.optimize_sweep", *(["--compile"] if args.compile else [])]
     counts = arch_sweep.sweep(archs, worker, args.jobs, args.timeout, out)
-    summary = {"summary": dict(counts), "triton_kernels": args.triton, "compiled": args.compile, **environment()}
-    with out.open("a") as f:
-        f.write(json.dumps(summary) + "\n")
-    print(json.dumps({**summary, "out": str(out)}), flush=True)
-    return 1 if any(counts[d] for d in DEFECTS) else 0
+    return arch_sweep.finish(out, counts, {"triton_kernels": args.triton, "compiled": args.compile}, DEFECTS)
 
 
 if __name__ == "__main__":
