@@ -13,7 +13,8 @@ safetensors, a real tokenizer), then, each architecture in its own process:
 Each outcome is one JSON line: `equal` (tokens equal, chosen-token logprobs within LOGPROB_TOL), `near_tie` (the first
 differing token is one where the oracle's top-2 margin is below TIE_MARGIN), `refused` (the engine raised
 `UnsupportedModelError` or `NotImplementedError` at load: it fails closed), or a defect: `MISMATCH`, `logprob_off`,
-`engine_error` (any other exception), `timeout`; or outside the engine: `skip` (the folder could not be built small),
+`engine_error` (any other exception), `worker_error` (the architecture's process died: a crash, the memory cap),
+`timeout`; or outside the engine: `skip` (the folder could not be built small),
 `stock_fail` (transformers itself cannot run the tiny model). The last line of the run is a summary (counts, date,
 versions).
 """
@@ -57,7 +58,7 @@ MAX_PARAMS = 200_000_000
 """A folder whose config did not shrink (vision towers, fixed sizes) is skipped above this many parameters."""
 WORKER_MEMORY = 6 << 30
 """Address-space limit of each worker (bytes): a config that builds a multi-GB model fails there, not the machine."""
-DEFECTS = ("MISMATCH", "logprob_off", "engine_error", "timeout")
+DEFECTS = ("MISMATCH", "logprob_off", "engine_error", "worker_error", "timeout")
 
 
 def causal_lm_architectures() -> list[str]:
@@ -65,16 +66,31 @@ def causal_lm_architectures() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def checked_archs(parser: argparse.ArgumentParser, archs: str | None, jobs: int) -> list[str]:
-    """`--archs` as a list (default: every causal-LM architecture); exits through `parser.error` naming a `model_type`
-    transformers does not know, or a `--jobs` below 1."""
-    if jobs < 1:
-        parser.error(f"--jobs {jobs}: expected at least 1")
-    names = archs.split(",") if archs else causal_lm_architectures()
+def add_sweep_arguments(parser: argparse.ArgumentParser, timeout_s: float) -> None:
+    """The options both sweeps take: --archs, --jobs, --timeout, --out, and the worker's hidden --one."""
+    parser.add_argument("--archs", help="comma-separated model_types (default: every causal-LM architecture)")
+    parser.add_argument("--jobs", type=int, default=2, help="architectures run at once, one process each (default 2)")
+    parser.add_argument("--timeout", type=float, default=timeout_s,
+                        help=f"seconds per architecture (default {timeout_s:.0f})")
+    parser.add_argument("--out", type=Path, help="JSONL file, appended to (default: in the temporary directory)")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # the worker: one architecture, rows on stdout
+
+
+def checked_run(parser: argparse.ArgumentParser, args: argparse.Namespace, default_out: str) -> tuple[list[str], Path]:
+    """(architectures, output file) of a sweep; exits through `parser.error` naming a `model_type` transformers does not
+    know (an empty name included), a `--jobs` below 1, or an output file that cannot be appended to."""
+    if args.jobs < 1:
+        parser.error(f"--jobs {args.jobs}: expected at least 1")
+    names = args.archs.split(",") if args.archs is not None else causal_lm_architectures()
     unknown = [a for a in names if a not in CONFIG_MAPPING]
     if unknown:
         parser.error(f"--archs: unknown model_type {', '.join(map(repr, unknown))} (e.g. llama, qwen3, mixtral)")
-    return names
+    out = args.out or Path(tempfile.gettempdir()) / default_out
+    try:
+        out.open("a").close()
+    except OSError as e:
+        parser.error(f"--out {out}: cannot append to it ({e.strerror or e})")
+    return names, out
 
 
 def prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
@@ -226,7 +242,7 @@ def sweep(archs: list[str], worker: list[str], jobs: int, timeout_s: float, out:
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
         if proc.returncode or not lines:
             tail = " ".join(proc.stderr.strip().splitlines()[-3:])[:400]
-            return [{"arch": arch, "status": "engine_error", "error": f"worker exited {proc.returncode}: {tail}"}]
+            return [{"arch": arch, "status": "worker_error", "error": f"worker exited {proc.returncode}: {tail}"}]
         return [json.loads(line) for line in lines]
 
     with ThreadPoolExecutor(jobs) as pool, out.open("a") as f:
@@ -240,23 +256,18 @@ def sweep(archs: list[str], worker: list[str], jobs: int, timeout_s: float, out:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--archs", help="comma-separated model_types (default: every causal-LM architecture)")
+    p = argparse.ArgumentParser(prog="python -m fxrewrite.benchmarks.arch_sweep", description=__doc__.split("\n\n")[0])
+    add_sweep_arguments(p, 300.0)
     p.add_argument("--fusion", default="on", help="on, off or on,off (default on)")
     p.add_argument("--engine-args", type=json.loads, default={},
                    help='more LLM(...) arguments as JSON, e.g. \'{"tensor_parallel_size": 2}\' (gloo ranks on a CPU)')
-    p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per architecture")
-    p.add_argument("--out", type=Path, help="JSONL file (appended to)")
-    p.add_argument("--one", help=argparse.SUPPRESS)  # the worker: one architecture, rows on stdout
     args = p.parse_args(argv)
     fusions = [{"on": True, "off": False}[v] for v in args.fusion.split(",")]
-    if args.one:
+    if args.one is not None:
         for row in run_one(args.one, fusions, args.engine_args):
             print(json.dumps(row), flush=True)
         return 0
-    archs = checked_archs(p, args.archs, args.jobs)
-    out = args.out or Path(tempfile.gettempdir()) / "arch-sweep.jsonl"
+    archs, out = checked_run(p, args, "arch-sweep.jsonl")
     worker = ["fxrewrite.benchmarks.arch_sweep", "--fusion", args.fusion, "--engine-args", json.dumps(args.engine_args)]
     counts = sweep(archs, worker, args.jobs, args.timeout, out)
     return finish(out, counts, {"engine_args": args.engine_args, "fusion": args.fusion}, DEFECTS)

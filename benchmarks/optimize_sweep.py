@@ -14,10 +14,11 @@ and the logits; the stock model stays eager).
 
 Each outcome is one JSON line: `equal` (loss within LOSS_TOL, gradients and logits within GRAD_TOL / LOGITS_TOL,
 tokens equal), `equal_f64` (off by those tolerances, but no farther from the stock model run in float64 than ARBITER
-times the stock float32 model is: rounding the model amplifies, e.g. HRM's recurrent cycles), `near_tie` (tokens differ first where the stock model's top-2 margin is below arch_sweep.TIE_MARGIN), or
-a defect: `MISMATCH` (tokens), `loss_off`, `grad_off` (a gradient, or the set of names), `logits_off`,
+times the stock float32 model is: rounding the model amplifies, e.g. HRM's recurrent cycles), `near_tie` (tokens
+differ first where the stock model's top-2 margin is below arch_sweep.TIE_MARGIN), or a defect: `MISMATCH` (tokens), `loss_off`, `grad_off` (a gradient, or the set of names), `logits_off`,
 `optimize_error` (`optimize` raised: it must leave what it cannot prove as it was), `fused_error` (the optimized
-model raised where the stock one ran), `timeout`; or outside fxrewrite: `skip` (no tiny folder), `stock_fail`
+model raised where the stock one ran), `worker_error` (the architecture's process died: a crash, the memory cap),
+`timeout`; or outside fxrewrite: `skip` (no tiny folder), `stock_fail`
 (transformers' own model runs none of the three; a stage it cannot run is listed under `stock_failed` and not
 compared). Each row lists the patterns `optimize` applied. The last line of the
 run is a summary (counts, date, versions).
@@ -55,7 +56,7 @@ LOGITS_TOL = 1e-5
 """Largest |fused - stock| of the eval logits over max |stock|."""
 ARBITER = 2.0
 """`by_float64`: how many times the stock float32 model's own error (against float64) the optimized model may have."""
-DEFECTS = ("MISMATCH", "loss_off", "grad_off", "logits_off", "optimize_error", "fused_error", "timeout")
+DEFECTS = ("MISMATCH", "loss_off", "grad_off", "logits_off", "optimize_error", "fused_error", "worker_error", "timeout")
 _STOCHASTIC = ("dropout", "pdrop", "jitter")
 
 
@@ -243,22 +244,18 @@ def run_one(arch: str, compiled: bool = False) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--archs", help="comma-separated model_types (default: every causal-LM architecture)")
+    p = argparse.ArgumentParser(prog="python -m fxrewrite.benchmarks.optimize_sweep",
+                                description=__doc__.split("\n\n")[0])
+    arch_sweep.add_sweep_arguments(p, 600.0)
     p.add_argument("--triton", action="store_true", help="the Triton kernels in the interpreter (slow)")
     p.add_argument("--compile", action="store_true", help="the optimized model under torch.compile (slow)")
-    p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per architecture")
-    p.add_argument("--out", type=Path, help="JSONL file (appended to)")
-    p.add_argument("--one", help=argparse.SUPPRESS)  # the worker: one architecture, its row on stdout
     args = p.parse_args(argv)
-    if args.one:
+    if args.one is not None:
         print(json.dumps(run_one(args.one, args.compile)), flush=True)
         return 0
     if args.triton:  # the workers inherit it; triton reads TRITON_INTERPRET at import
         os.environ.update(TRITON_INTERPRET="1", FXREWRITE_TRITON="1")
-    archs = arch_sweep.checked_archs(p, args.archs, args.jobs)
-    out = args.out or Path(tempfile.gettempdir()) / "optimize-sweep.jsonl"
+    archs, out = arch_sweep.checked_run(p, args, "optimize-sweep.jsonl")
     worker = ["fxrewrite.benchmarks.optimize_sweep", *(["--compile"] if args.compile else [])]
     counts = arch_sweep.sweep(archs, worker, args.jobs, args.timeout, out)
     return arch_sweep.finish(out, counts, {"triton_kernels": args.triton, "compiled": args.compile}, DEFECTS)
