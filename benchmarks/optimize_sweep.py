@@ -15,7 +15,8 @@ and the logits; the stock model stays eager).
 Each outcome is one JSON line: `equal` (loss within LOSS_TOL, gradients and logits within GRAD_TOL / LOGITS_TOL,
 tokens equal), `equal_f64` (off by those tolerances, but no farther from the stock model run in float64 than ARBITER
 times the stock float32 model is: rounding the model amplifies, e.g. HRM's recurrent cycles), `near_tie` (tokens
-differ first where the stock model's top-2 margin is below arch_sweep.TIE_MARGIN), or a defect: `MISMATCH` (tokens), `loss_off`, `grad_off` (a gradient, or the set of names), `logits_off`,
+differ first where the stock model's top-2 margin is below arch_sweep.TIE_MARGIN), or a defect: `MISMATCH` (tokens),
+`loss_off`, `grad_off` (a gradient, or the set of names), `logits_off`,
 `optimize_error` (`optimize` raised: it must leave what it cannot prove as it was), `fused_error` (the optimized
 model raised where the stock one ran), `worker_error` (the architecture's process died: a crash, the memory cap),
 `timeout`; or outside fxrewrite: `skip` (no tiny folder), `stock_fail`
