@@ -1,6 +1,7 @@
 """Train every causal-LM architecture transformers knows through `fxrewrite.optimize` and check it against transformers.
 
-`python -m fxrewrite.benchmarks.optimize_sweep [--archs a,b] [--triton] [--jobs 2] [--timeout S] [--out FILE]` builds
+`python -m fxrewrite.benchmarks.optimize_sweep [--archs a,b] [--triton] [--compile] [--jobs 2] [--timeout S]
+[--out FILE]` builds
 the engine sweep's tiny folder per `model_type` (`arch_sweep.build`: real config class, 2 layers, hidden 64,
 safetensors), loads it twice in float32 with every dropout and router jitter at zero, passes one copy through
 `fxrewrite.optimize`, and compares, each architecture in its own process:
@@ -72,7 +73,8 @@ def deterministic(model: nn.Module) -> nn.Module:
                 setattr(module, name, 0.0)
         config = getattr(module, "config", None)
         if config is not None:
-            for sub in (config, *(getattr(config, k) for k in getattr(config, "sub_configs", {}))):
+            subs = (getattr(config, k, None) for k in getattr(config, "sub_configs", {}))
+            for sub in (config, *(c for c in subs if c is not None)):
                 for name, value in list(vars(sub).items()):
                     if isinstance(value, float) and any(s in name for s in _STOCHASTIC):
                         setattr(sub, name, 0.0)
