@@ -226,9 +226,11 @@ def where_raised(e: BaseException) -> str:
     return " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames[-4:]))
 
 
-def sweep(archs: list[str], worker: list[str], jobs: int, timeout_s: float, out: Path) -> collections.Counter:
+def sweep(archs: list[str], worker: list[str], jobs: int, timeout_s: float, out: Path,
+          memory_cap: bool = True) -> collections.Counter:
     """Run each architecture in its own process (`python -m <worker[0]> --one ARCH <worker[1:]>`, printing its rows
-    as JSON lines), `jobs` at a time, under WORKER_MEMORY; append the rows to `out` as they come."""
+    as JSON lines), `jobs` at a time, under WORKER_MEMORY of address space unless not `memory_cap` (a CUDA process
+    reserves far more address space than it uses); append the rows to `out` as they come."""
     counts: collections.Counter = collections.Counter()
 
     def one(arch: str) -> list[dict]:
@@ -236,7 +238,7 @@ def sweep(archs: list[str], worker: list[str], jobs: int, timeout_s: float, out:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env,
-                                  preexec_fn=_limit_memory)
+                                  preexec_fn=_limit_memory if memory_cap else None)
         except subprocess.TimeoutExpired:
             return [{"arch": arch, "status": "timeout", "error": f"over {timeout_s:.0f} s"}]
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]

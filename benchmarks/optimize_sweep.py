@@ -1,7 +1,7 @@
 """Train every causal-LM architecture transformers knows through `fxrewrite.optimize` and check it against transformers.
 
-`python -m fxrewrite.benchmarks.optimize_sweep [--archs a,b] [--triton] [--compile] [--jobs 2] [--timeout S]
-[--out FILE]` builds
+`python -m fxrewrite.benchmarks.optimize_sweep [--archs a,b] [--triton] [--compile] [--device cuda] [--jobs 2]
+[--timeout S] [--out FILE]` builds
 the engine sweep's tiny folder per `model_type` (`arch_sweep.build`: real config class, 2 layers, hidden 64,
 safetensors), loads it twice in float32 with every dropout and router jitter at zero, passes one copy through
 `fxrewrite.optimize`, and compares, each architecture in its own process:
@@ -10,7 +10,8 @@ safetensors), loads it twice in float32 with every dropout and router jitter at 
 - the logits of the same batch without gradients (eval mode);
 - `generate`: greedy, KV cache on, STEPS new tokens.
 `--triton` runs the Triton kernels in the interpreter (``TRITON_INTERPRET=1 FXREWRITE_TRITON=1``, as the test suite
-does) instead of their torch references; `--compile` runs the optimized model under `torch.compile` (the training step
+does) instead of their torch references; `--device cuda` runs both models on the GPU, where the kernels are compiled
+Triton (the interpreter can pass a kernel that is wrong on a GPU); `--compile` runs the optimized model under `torch.compile` (the training step
 and the logits; the stock model stays eager).
 
 Each outcome is one JSON line: `equal` (loss within LOSS_TOL, gradients and logits within GRAD_TOL / LOGITS_TOL,
@@ -193,17 +194,18 @@ def by_float64(stock: nn.Module, fused: nn.Module, want: dict, got: dict, stage_
     return {"float64": errors, **({"status": "equal_f64"} if rounding else {})}
 
 
-def run_one(arch: str, compiled: bool = False) -> dict:
+def run_one(arch: str, compiled: bool = False, device: str = "cpu") -> dict:
     """The row for `arch` (see the module docstring); `compiled`: the optimized model runs under torch.compile
-    (training step and logits; not `generate`, which a compiled module does not compile)."""
-    row: dict = {"arch": arch, "triton_kernels": os.environ.get("FXREWRITE_TRITON") == "1",
-                 **({"compiled": True} if compiled else {})}
+    (training step and logits; not `generate`, which a compiled module does not compile); `device`: where both
+    models and the batch live ("cuda": the kernels are compiled Triton)."""
+    row: dict = {"arch": arch, "triton_kernels": device == "cuda" or os.environ.get("FXREWRITE_TRITON") == "1",
+                 **({"compiled": True} if compiled else {}), **({"device": device} if device != "cpu" else {})}
     with tempfile.TemporaryDirectory(prefix=f"optimize-sweep-{arch}-") as tmp:
         folder = Path(tmp) / arch
         try:
             row["params"] = arch_sweep.build(arch, folder)
-            stock = deterministic(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32))
-            inputs = batch(int(stock.config.get_text_config().vocab_size))
+            stock = deterministic(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)).to(device)
+            inputs = {k: v.to(device) for k, v in batch(int(stock.config.get_text_config().vocab_size)).items()}
             fused = copy.deepcopy(stock)
         except Exception as e:  # noqa: BLE001 - any failure to build or load is a skip, with its reason
             return {**row, "status": "skip", "error": arch_sweep.one_line(e)}
@@ -252,16 +254,23 @@ def main(argv: list[str] | None = None) -> int:
     arch_sweep.add_sweep_arguments(p, 600.0)
     p.add_argument("--triton", action="store_true", help="the Triton kernels in the interpreter (slow)")
     p.add_argument("--compile", action="store_true", help="the optimized model under torch.compile (slow)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the models run (default cpu); on cuda the kernels are compiled Triton")
     args = p.parse_args(argv)
     if args.one is not None:
-        print(json.dumps(run_one(args.one, args.compile)), flush=True)
+        print(json.dumps(run_one(args.one, args.compile, args.device)), flush=True)
         return 0
+    if args.device == "cuda" and args.triton:
+        p.error("--triton runs the kernels in the interpreter on the CPU; with --device cuda they run compiled")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device here")
     if args.triton:  # the workers inherit it; triton reads TRITON_INTERPRET at import
         os.environ.update(TRITON_INTERPRET="1", FXREWRITE_TRITON="1")
     archs, out = arch_sweep.checked_run(p, args, "optimize-sweep.jsonl")
-    worker = ["fxrewrite.benchmarks.optimize_sweep", *(["--compile"] if args.compile else [])]
-    counts = arch_sweep.sweep(archs, worker, args.jobs, args.timeout, out)
-    return arch_sweep.finish(out, counts, {"triton_kernels": args.triton, "compiled": args.compile}, DEFECTS)
+    worker = ["fxrewrite.benchmarks.optimize_sweep", "--device", args.device, *(["--compile"] if args.compile else [])]
+    counts = arch_sweep.sweep(archs, worker, args.jobs, args.timeout, out, memory_cap=args.device == "cpu")
+    meta = {"triton_kernels": args.triton or args.device == "cuda", "compiled": args.compile, "device": args.device}
+    return arch_sweep.finish(out, counts, meta, DEFECTS)
 
 
 if __name__ == "__main__":

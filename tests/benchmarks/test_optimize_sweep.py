@@ -84,3 +84,32 @@ def test_float64_arbiter(monkeypatch):
     assert near["status"] == "equal_f64" and near["float64"]["logits"][0] == pytest.approx(5e-5, rel=1e-2)
     far = sweep.by_float64(model, model, want, {"logits": torch.tensor([[1.0, 2.01]])}, {"logits": None})
     assert "status" not in far
+
+
+def test_device_arguments_are_checked(capsys):
+    """--triton is the CPU interpreter: with --device cuda it is an error; --device cuda without a GPU names it."""
+    with pytest.raises(SystemExit):
+        sweep.main(["--device", "cuda", "--triton", "--archs", "llama"])
+    assert "interpreter" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            sweep.main(["--device", "cuda", "--archs", "llama"])
+        assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_workers_get_the_device_and_no_memory_cap_on_cuda(monkeypatch, tmp_path):
+    """The sweep passes --device to each worker, and lifts the address-space cap for CUDA workers (a CUDA context
+    reserves more address space than the cap)."""
+    seen = {}
+
+    def fake_sweep(archs, worker, jobs, timeout, out, memory_cap=True):
+        seen.update(worker=worker, memory_cap=memory_cap)
+        return __import__("collections").Counter(equal=1)
+
+    monkeypatch.setattr(sweep.arch_sweep, "sweep", fake_sweep)
+    monkeypatch.setattr(sweep.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(sweep.arch_sweep, "environment", lambda: {})  # it would ask the CUDA device its name
+    assert sweep.main(["--device", "cuda", "--archs", "llama", "--out", str(tmp_path / "o.jsonl")]) == 0
+    assert seen == {"worker": ["fxrewrite.benchmarks.optimize_sweep", "--device", "cuda"], "memory_cap": False}
+    summary = json.loads((tmp_path / "o.jsonl").read_text().splitlines()[-1])
+    assert summary["device"] == "cuda" and summary["triton_kernels"] is True
