@@ -78,10 +78,12 @@ def add_sweep_arguments(parser: argparse.ArgumentParser, timeout_s: float) -> No
 
 def checked_run(parser: argparse.ArgumentParser, args: argparse.Namespace, default_out: str) -> tuple[list[str], Path]:
     """(architectures, output file) of a sweep; exits through `parser.error` naming a `model_type` transformers does not
-    know (an empty name included), a `--jobs` below 1, or an output file that cannot be appended to."""
+    know, an empty name, a `--jobs` below 1, or an output file that cannot be appended to."""
     if args.jobs < 1:
         parser.error(f"--jobs {args.jobs}: expected at least 1")
     names = args.archs.split(",") if args.archs is not None else causal_lm_architectures()
+    if "" in names:
+        parser.error(f"--archs {args.archs!r}: an empty name (a doubled, leading or trailing comma)")
     unknown = [a for a in names if a not in CONFIG_MAPPING]
     if unknown:
         parser.error(f"--archs: unknown model_type {', '.join(map(repr, unknown))} (e.g. llama, qwen3, mixtral)")

@@ -40,7 +40,7 @@ def test_one_architecture_end_to_end(capsys):
 
 def test_bad_arguments_exit_naming_them(capsys):
     for argv, message in ((["--archs", "llama,lama"], "unknown model_type 'lama'"), (["--jobs", "0"], "--jobs 0"),
-                          (["--archs", "llama,"], "unknown model_type ''"), (["--out", "/"], "cannot append to it")):
+                          (["--archs", "llama,"], "an empty name"), (["--out", "/"], "cannot append to it")):
         with pytest.raises(SystemExit) as exit_info:
             arch_sweep.main(argv)
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
