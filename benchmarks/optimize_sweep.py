@@ -194,16 +194,17 @@ def by_float64(stock: nn.Module, fused: nn.Module, want: dict, got: dict, stage_
     return {"float64": errors, **({"status": "equal_f64"} if rounding else {})}
 
 
-def run_one(arch: str, compiled: bool = False, device: str = "cpu") -> dict:
+def run_one(arch: str, compiled: bool = False, device: str = "cpu", vocab: str | None = None) -> dict:
     """The row for `arch` (see the module docstring); `compiled`: the optimized model runs under torch.compile
     (training step and logits; not `generate`, which a compiled module does not compile); `device`: where both
-    models and the batch live ("cuda": the kernels are compiled Triton)."""
+    models and the batch live ("cuda": the kernels are compiled Triton); `vocab`: the folder's tokenizer
+    (`arch_sweep.build`)."""
     row: dict = {"arch": arch, "triton_kernels": device == "cuda" or os.environ.get("FXREWRITE_TRITON") == "1",
                  **({"compiled": True} if compiled else {}), **({"device": device} if device != "cpu" else {})}
     with tempfile.TemporaryDirectory(prefix=f"optimize-sweep-{arch}-") as tmp:
         folder = Path(tmp) / arch
         try:
-            row["params"] = arch_sweep.build(arch, folder)
+            row["params"] = arch_sweep.build(arch, folder, vocab)
             stock = deterministic(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)).to(device)
             inputs = {k: v.to(device) for k, v in batch(int(stock.config.get_text_config().vocab_size)).items()}
             fused = copy.deepcopy(stock)
@@ -258,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="where the models run (default cpu); on cuda the kernels are compiled Triton")
     args = p.parse_args(argv)
     if args.one is not None:
-        print(json.dumps(run_one(args.one, args.compile, args.device)), flush=True)
+        print(json.dumps(run_one(args.one, args.compile, args.device, args.vocab)), flush=True)
         return 0
     if args.device == "cuda" and args.triton:
         p.error("--triton runs the kernels in the interpreter on the CPU; with --device cuda they run compiled")
@@ -267,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.triton:  # the workers inherit it; triton reads TRITON_INTERPRET at import
         os.environ.update(TRITON_INTERPRET="1", FXREWRITE_TRITON="1")
     archs, out = arch_sweep.checked_run(p, args, "optimize-sweep.jsonl")
-    worker = ["fxrewrite.benchmarks.optimize_sweep", "--device", args.device, *(["--compile"] if args.compile else [])]
+    worker = ["fxrewrite.benchmarks.optimize_sweep", "--device", args.device, *(["--compile"] if args.compile else []),
+              *arch_sweep.vocab_argument(args)]
     counts = arch_sweep.sweep(archs, worker, args.jobs, args.timeout, out, memory_cap=args.device == "cpu")
     meta = {"triton_kernels": args.triton or args.device == "cuda", "compiled": args.compile, "device": args.device}
     return arch_sweep.finish(out, counts, meta, DEFECTS)

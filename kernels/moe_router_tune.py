@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from fxrewrite.kernels import env_choice, moe_router
-from fxrewrite.kernels.fp8_tune import graph_time_us
+from fxrewrite.kernels.fp8_tune import graph_time_us, release_cached_memory
 from fxrewrite.kernels.moe_router import FUSED_ROUTER_MAX_TOKENS, GEMM, ROUTER_CONFIGS, route_experts
 
 __all__ = ["TOLERANCE", "candidates", "check", "tune_shape", "tune"]
@@ -97,6 +97,7 @@ def tune(shapes: set[tuple[int, int, int, bool, str]], device, dtype: torch.dtyp
     if (torch.device(device).type != "cuda" or env_choice("FXREWRITE_ROUTER_TUNE", "1", ("1", "0")) == "0"
             or os.environ.get("FXREWRITE_ROUTER_CONFIG")):
         return {}
+    release_cached_memory()  # the captures need device memory the cache may hold (the model's load temporaries)
     timings = {}
     for e, h, k, renormalize, scoring in sorted(shapes):
         key = f"{e}x{h} top-{k}"

@@ -109,7 +109,9 @@ def test_workers_get_the_device_and_no_memory_cap_on_cuda(monkeypatch, tmp_path)
     monkeypatch.setattr(sweep.arch_sweep, "sweep", fake_sweep)
     monkeypatch.setattr(sweep.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(sweep.arch_sweep, "environment", lambda: {})  # it would ask the CUDA device its name
-    assert sweep.main(["--device", "cuda", "--archs", "llama", "--out", str(tmp_path / "o.jsonl")]) == 0
-    assert seen == {"worker": ["fxrewrite.benchmarks.optimize_sweep", "--device", "cuda"], "memory_cap": False}
+    argv = ["--device", "cuda", "--archs", "llama", "--vocab", "qwen3", "--out", str(tmp_path / "o.jsonl")]
+    assert sweep.main(argv) == 0
+    assert seen == {"worker": ["fxrewrite.benchmarks.optimize_sweep", "--device", "cuda", "--vocab", "qwen3"],
+                    "memory_cap": False}
     summary = json.loads((tmp_path / "o.jsonl").read_text().splitlines()[-1])
     assert summary["device"] == "cuda" and summary["triton_kernels"] is True

@@ -1,5 +1,6 @@
 """FP8 on the GPU: the Triton block-scaled GEMM against its reference at Qwen3 sizes; the load-time
-tuner's choice captured in a CUDA graph at every decode batch size; an FP8 checkpoint
+tuner's choice captured in a CUDA graph at every decode batch size, also when the allocator's cache holds the free
+memory; an FP8 checkpoint
 served with FP8 weights (not dequantized) close to transformers' own FP8 path (its dequantized load where the
 hub's FP8 kernel cannot be fetched); the default model's
 greedy answer unchanged by quantization='fp8' for its first 16 tokens."""
@@ -210,6 +211,27 @@ def test_tuned_linear_captures_at_every_graph_size(n, k):
     print(errors)
     assert all(err < 5e-2 for _, err in errors.values()), errors
     fp8_dispatch.clear()
+
+
+def test_tuner_captures_when_the_cache_holds_the_free_memory():
+    """The tuner's CUDA graphs take fresh device memory (a private pool), and the caching allocator cannot release its
+    cached blocks during a capture: with all but ~32 MB of the device held as free cached blocks (as after quantizing
+    a dummy bf16 model away, Qwen3-32B on an 80 GB H100), every bucket must still prove a backend. Before the tuner
+    released the cache, no capture fit and the shape was left untuned."""
+    from fxrewrite.kernels import fp8_dispatch, fp8_tune
+
+    fp8_dispatch.clear()
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    hog = torch.empty(free - (32 << 20), dtype=torch.uint8, device="cuda")
+    del hog  # now cached by the allocator, not free on the device
+    assert torch.cuda.mem_get_info()[0] < (128 << 20)
+    try:
+        fp8_tune.tune({(5120, 8192)}, torch.device("cuda"))
+        assert len(fp8_dispatch.choices()) == len(fp8_dispatch.BUCKETS), fp8_dispatch.choices()
+    finally:
+        fp8_dispatch.clear()
+        torch.cuda.empty_cache()
 
 
 def test_fp8_engine_captures_every_decode_graph(make_llm):
