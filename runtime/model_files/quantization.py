@@ -8,7 +8,8 @@ Two ways in, as in vLLM:
 - ``quantization="fp8"`` (``--quantization fp8``) on a bf16/fp16/fp32 checkpoint: the weights load as
   usual and are then quantized per output channel (one scale per row, in the same [N, G] scale layout,
   so the same kernels run, plus torch's row-wise scaled matmul, which the load-time tuner may choose).
-  A model built from an FP8 checkpoint's config without reading it (dummy weights) keeps its blocks.
+  A model built from an FP8 checkpoint's config without reading it (dummy weights) is FP8 from the start
+  (`fill_dummy_weights`): an FP8 checkpoint's layout, blocks and memory, never its bf16 weights.
 Any other ``quant_method`` (awq, gptq, bitsandbytes...) is a ValueError before a weight is read.
 
 After loading, on a device without FP8 tensor cores (a CPU, a GPU older than sm_89) the FP8 weights
@@ -29,6 +30,9 @@ from torch import nn
 
 from fxrewrite.errors import UserInputError
 from fxrewrite.layers.fp8_linear import (
+    FP8_DTYPE,
+    FP8_MAX,
+    SCALE_NAME,
     as_linear_base,
     convert_linear_to_fp8,
     dequantize_fp8_layer,
@@ -158,13 +162,35 @@ def _is_router(parent: nn.Module, child_name: str) -> bool:
     return isinstance(parent, FusedMoE) and parent.names.get("router") == child_name
 
 
-def prepare_fp8_model(model: nn.Module, quant: Fp8Config | None, will_load_checkpoint: bool) -> None:
-    """Before loading an FP8 checkpoint: turn the target linears into FP8 layers (parameters stay where
-    they are, e.g. meta). No-op unless the checkpoint holds FP8 tensors and will be read."""
-    if quant is None or not quant.is_checkpoint_fp8 or not will_load_checkpoint:
+def prepare_fp8_model(model: nn.Module, quant: Fp8Config | None) -> None:
+    """Before loading an FP8 checkpoint (or filling dummy weights in its layout): turn the target linears into FP8
+    layers (parameters stay where they are, e.g. meta). No-op unless the checkpoint holds FP8 tensors."""
+    if quant is None or not quant.is_checkpoint_fp8:
         return
     for parent, child_name, name, child in _targets(_inner(model), quant):
         setattr(parent, child_name, convert_linear_to_fp8(as_linear_base(child), name, quant.weight_block_size))
+
+
+DUMMY_STD = 0.02
+"""Standard deviation of load_format='dummy' weights (transformers' default initializer_range)."""
+_DUMMY_CHUNK_BYTES = 64 << 20
+
+
+def fill_dummy_weights(model: nn.Module) -> None:
+    """Random weights in place (load_format='dummy'): every parameter normal(0, DUMMY_STD) in its own dtype, except an
+    FP8 layer's: its e4m3 weight standard normal (clamped to the e4m3 range) and every scale DUMMY_STD, so the
+    dequantized weights have the same spread while the layer keeps an FP8 checkpoint's layout and memory. The FP8
+    weights are drawn in row chunks of at most _DUMMY_CHUNK_BYTES of float32."""
+    for name, param in model.named_parameters():
+        if param.dtype == FP8_DTYPE:
+            rows = max(1, _DUMMY_CHUNK_BYTES // (4 * max(1, param[0].numel())))
+            for start in range(0, param.shape[0], rows):
+                chunk = param.data[start:start + rows]
+                chunk.copy_(torch.randn(chunk.shape, device=chunk.device).clamp_(-FP8_MAX, FP8_MAX))
+        elif name.rsplit(".", 1)[-1] == SCALE_NAME:
+            param.data.fill_(DUMMY_STD)
+        else:
+            param.data.normal_(0.0, DUMMY_STD)
 
 
 def finish_fp8_model(model: nn.Module, quant: Fp8Config | None, dtype: torch.dtype, device: torch.device) -> None:

@@ -17,6 +17,7 @@ from fxrewrite.layers.skinny import prepare_skinny_gemv
 from fxrewrite.runtime.model_files.quantization import (
     check_fp8_checkpoint_tensors,
     check_fp8_tensor_parallel,
+    fill_dummy_weights,
     finish_fp8_model,
     prepare_fp8_model,
     resolve_quantization,
@@ -63,7 +64,8 @@ def load_model_config(config: EngineConfig):
         original = config_json_values(model_config.model_path, text_config is not model_config.hf_config)
         check_weights_fit(text_config, original, model_config.model_path)
         check_fp8_checkpoint_tensors(quant, model_config.model_path)
-        check_fp8_tensor_parallel(quant, text_config, config.tensor_parallel_size)
+    # dummy weights of an FP8 checkpoint's config take its block layout too (fill_dummy_weights)
+    check_fp8_tensor_parallel(quant, model_config.hf_text_config, config.tensor_parallel_size)
     return model_config
 
 
@@ -107,11 +109,10 @@ def build_model(config: EngineConfig, model_config, device: torch.device, stage:
     if stage is not None:
         model.pp_dropped_prefixes = stage.apply(model, model_config.num_hidden_layers)
     quant = resolve_quantization(config.quantization, model_config.hf_config)
-    prepare_fp8_model(model, quant, will_load_checkpoint=config.load_format != "dummy")
+    prepare_fp8_model(model, quant)
     model = materialize(model, device)
     if config.load_format == "dummy":
-        for param in model.parameters():
-            param.data.normal_(0.0, 0.02)
+        fill_dummy_weights(model)
     else:
         load_weights(model, model_config.model_path, native=impl == "native",
                      fp8_block=quant.weight_block_size if quant and quant.is_checkpoint_fp8 else None)

@@ -165,3 +165,25 @@ def test_fp8_checkpoint_tp2_equals_tp1(fp8_dir, tmp_path):
         got = json.loads((tmp_path / f"tp2.json.{rank}").read_text())
         assert {key: case["tokens"] for key, case in got.items()} == expected, rank
         assert all(case["layout"]["tp_size"] == 2 and case["layout"]["tp_rank"] == rank for case in got.values())
+
+
+@pytest.mark.parametrize("impl", ["native", "transformers"])
+def test_dummy_weights_of_an_fp8_config_are_fp8_from_the_start(bf16_dir, impl):
+    """load_format='dummy' with an FP8 checkpoint's quantization_config (how the benchmarks emulate Qwen3-*-FP8) builds
+    the FP8 layers before any weight exists and fills them in e4m3 with scales DUMMY_STD, as a checkpoint would hold
+    them, instead of drawing bf16 weights and quantizing them away (which held the whole bf16 model on the GPU first).
+    On a CPU the layers are then dequantized: every weight is DUMMY_STD times an e4m3 value, spread ~DUMMY_STD."""
+    from fxrewrite.kernels.fp8_gemm import FP8_DTYPE
+    from fxrewrite.runtime.model_files.quantization import DUMMY_STD
+
+    overrides = {"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                         "weight_block_size": [128, 128]}}
+    llm = _llm(bf16_dir, impl, load_format="dummy", hf_overrides=overrides)
+    linears = [m for m in llm.llm_engine.model_runner.model.modules() if type(m).__name__.startswith("Fp8")]
+    assert len(linears) == 4 * 2  # qkv, o, gate_up, down in each of the 2 layers
+    for layer in linears:
+        units = layer.weight.detach().float() / DUMMY_STD
+        torch.testing.assert_close(units, units.to(FP8_DTYPE).float(), rtol=1e-6, atol=0)  # on the e4m3 grid
+        assert 0.8 < float(units.std()) < 1.2
+    tokens, _ = _run(llm)[0]
+    assert len(tokens) == MAX_TOKENS
