@@ -42,6 +42,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from fxrewrite.benchmarks.common import environment
 from fxrewrite.errors import UnsupportedModelError
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
+from fxrewrite.runtime.engine_config import EngineConfig
 from fxrewrite.runtime.llm import LLM
 from fxrewrite.runtime.model_files.demo import ARCH_DEFAULTS, build_model_dir
 
@@ -81,9 +82,12 @@ def add_sweep_arguments(parser: argparse.ArgumentParser, timeout_s: float) -> No
 
 def checked_run(parser: argparse.ArgumentParser, args: argparse.Namespace, default_out: str) -> tuple[list[str], Path]:
     """(architectures, output file) of a sweep; exits through `parser.error` naming a `model_type` transformers does not
-    know, an empty name, a `--jobs` below 1, or an output file that cannot be appended to."""
+    know, an empty name, a `--jobs` below 1, a `--timeout` that is not a positive finite number of seconds, or an
+    output file that cannot be appended to."""
     if args.jobs < 1:
         parser.error(f"--jobs {args.jobs}: expected at least 1")
+    if not 0 < args.timeout < float("inf"):  # NaN fails too
+        parser.error(f"--timeout {args.timeout}: expected a positive finite number of seconds")
     names = args.archs.split(",") if args.archs is not None else causal_lm_architectures()
     if "" in names:
         parser.error(f"--archs {args.archs!r}: an empty name (a doubled, leading or trailing comma)")
@@ -276,7 +280,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-args", type=json.loads, default={},
                    help='more LLM(...) arguments as JSON, e.g. \'{"tensor_parallel_size": 2}\' (gloo ranks on a CPU)')
     args = p.parse_args(argv)
-    fusions = [{"on": True, "off": False}[v] for v in args.fusion.split(",")]
+    settings = {"on": True, "off": False}
+    if not args.fusion or any(v not in settings for v in args.fusion.split(",")):
+        p.error(f"--fusion {args.fusion!r}: expected on, off or on,off")
+    fusions = [settings[v] for v in args.fusion.split(",")]
+    try:  # every worker would fail the same way: refuse here
+        if not isinstance(args.engine_args, dict):
+            raise TypeError(f"a JSON object of LLM() keyword arguments is expected, not {args.engine_args!r}")
+        EngineConfig.from_kwargs(**args.engine_args)
+    except (TypeError, ValueError) as e:
+        p.error(f"--engine-args: {e}")
     if args.one is not None:
         for row in run_one(args.one, fusions, args.engine_args, args.vocab):
             print(json.dumps(row), flush=True)
@@ -285,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     worker = ["fxrewrite.benchmarks.arch_sweep", "--fusion", args.fusion, "--engine-args", json.dumps(args.engine_args),
               *vocab_argument(args)]
     counts = sweep(archs, worker, args.jobs, args.timeout, out)
-    return finish(out, counts, {"engine_args": args.engine_args, "fusion": args.fusion}, DEFECTS)
+    return finish(out, counts, {"engine_args": args.engine_args, "fusion": args.fusion, "vocab": args.vocab}, DEFECTS)
 
 
 def finish(out: Path, counts: collections.Counter, settings: dict, defects: tuple[str, ...]) -> int:

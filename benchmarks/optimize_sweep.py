@@ -271,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     worker = ["fxrewrite.benchmarks.optimize_sweep", "--device", args.device, *(["--compile"] if args.compile else []),
               *arch_sweep.vocab_argument(args)]
     counts = arch_sweep.sweep(archs, worker, args.jobs, args.timeout, out, memory_cap=args.device == "cpu")
-    meta = {"triton_kernels": args.triton or args.device == "cuda", "compiled": args.compile, "device": args.device}
+    meta = {"triton_kernels": args.triton or args.device == "cuda", "compiled": args.compile, "device": args.device,
+            "vocab": args.vocab}
     return arch_sweep.finish(out, counts, meta, DEFECTS)
 
 

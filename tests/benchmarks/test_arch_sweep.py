@@ -40,7 +40,14 @@ def test_one_architecture_end_to_end(capsys):
 
 def test_bad_arguments_exit_naming_them(capsys):
     for argv, message in ((["--archs", "llama,lama"], "unknown model_type 'lama'"), (["--jobs", "0"], "--jobs 0"),
-                          (["--archs", "llama,"], "an empty name"), (["--out", "/"], "cannot append to it")):
+                          (["--archs", "llama,"], "an empty name"), (["--out", "/"], "cannot append to it"),
+                          (["--timeout", "0"], "--timeout 0.0: expected a positive finite"),
+                          (["--timeout", "nan"], "--timeout nan"), (["--timeout", "inf"], "--timeout inf"),
+                          (["--fusion", "bogus"], "--fusion 'bogus': expected on, off or on,off"),
+                          (["--fusion", "on,"], "--fusion 'on,'"),
+                          (["--engine-args", '{"bogus_kw": 1}'], "unexpected keyword argument(s) 'bogus_kw'"),
+                          (["--engine-args", "[1]"], "a JSON object of LLM() keyword arguments is expected"),
+                          (["--engine-args", '{"tensor_parallel_size": 0}'], "tensor_parallel_size=0")):
         with pytest.raises(SystemExit) as exit_info:
             arch_sweep.main(argv)
         assert exit_info.value.code == 2 and message in capsys.readouterr().err

@@ -114,4 +114,4 @@ def test_workers_get_the_device_and_no_memory_cap_on_cuda(monkeypatch, tmp_path)
     assert seen == {"worker": ["fxrewrite.benchmarks.optimize_sweep", "--device", "cuda", "--vocab", "qwen3"],
                     "memory_cap": False}
     summary = json.loads((tmp_path / "o.jsonl").read_text().splitlines()[-1])
-    assert summary["device"] == "cuda" and summary["triton_kernels"] is True
+    assert summary["device"] == "cuda" and summary["triton_kernels"] is True and summary["vocab"] == "qwen3"
