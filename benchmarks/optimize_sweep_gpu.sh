@@ -14,6 +14,7 @@ source benchmarks/gpu_env.sh
 if [ -n "${ARCHS:-}" ]; then  # names this transformers does not know are dropped (and listed), not an error here
   ARCHS=$($PY -c 'import sys; from transformers import CONFIG_MAPPING as m; a = sys.argv[1].split(","); \
 print(",".join(x for x in a if x in m)); print("not in this transformers:", [x for x in a if x not in m], file=sys.stderr)' "$ARCHS")
+  [ -n "$ARCHS" ] || { echo "ARCHS: no architecture this transformers knows; nothing to sweep"; exit 2; }
 fi
 stamp "optimize sweep on cuda (${JOBS:-14} at a time, <= ${SWEEP_S:-240} s)"
 timeout -k 5 "$(left "${SWEEP_S:-240}")" $PY -m fxrewrite.benchmarks.optimize_sweep --device cuda --jobs "${JOBS:-14}" \

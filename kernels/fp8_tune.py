@@ -41,8 +41,8 @@ from fxrewrite.kernels.fp8_gemv_pipelined import PIPELINED_CONFIGS
 from fxrewrite.kernels.fp8_rowwise import ROWWISE_CONFIGS, ROWWISE_MAX_M
 from fxrewrite.kernels.fp8_scaled_mm import scaled_mm_supported_shape
 
-__all__ = ["GRAPH_SIZES", "TOLERANCE", "candidates", "sizes_to_prove", "capture", "graph_time_us", "release_cached_memory",
-           "tune"]
+__all__ = ["GRAPH_SIZES", "TOLERANCE", "candidates", "sizes_to_prove", "capture", "graph_time_us",
+           "release_cached_memory", "tune"]
 
 logger = logging.getLogger(__name__)
 
@@ -225,9 +225,10 @@ def tune(shapes: set[tuple], device: torch.device, out_dtype: torch.dtype = torc
     timings = {}
     for shape in sorted(shapes):
         n, k, per_channel = shape[0], shape[1], bool(shape[2:] and shape[2])
+        release_cached_memory()  # else the scratch is carved out of cached segments, which then cannot be released
         ws, w_s, wf = _scratch(n, k, device, per_channel)
-        release_cached_memory()
         for b in buckets:
+            release_cached_memory()  # the scratch's temporaries, the last bucket's graph pools
             key = (n, k, b, True) if per_channel else (n, k, b)
             timings[key] = _tune_bucket(ws, w_s, wf, b, out_dtype, per_channel)
         del ws, w_s, wf

@@ -193,13 +193,14 @@ def tune(shapes: set[tuple], device, dtype: torch.dtype, max_m: int = GEMV_MAX_M
         kind, n, k = shape[:3]
         fmt = shape[3] if len(shape) > 3 else "float"
         rows = shape[4] if len(shape) > 4 else 1
+        release_cached_memory()  # the captures below need device memory the cache holds
         try:
             ws = scratch_weights(n, k, device, dtype if fmt == "float" else torch.float8_e4m3fn)
         except torch.cuda.OutOfMemoryError:  # no room for a scratch copy: this shape keeps cuBLAS
             logger.warning("skinny GEMV: no memory to time %s %dx%d; it keeps cuBLAS", kind, n, k)
             continue
-        release_cached_memory()  # the captures below need device memory the cache holds
         for b in buckets:
+            release_cached_memory()  # the scratch's temporaries, the last bucket's graph pools
             key = f"{kind} {n}x{k}@{b}" + ("" if fmt == "float" else f" {fmt}") + (f" rows={rows}" if rows > 1 else "")
             timings[key] = tune_shape(kind, ws, b, dtype, fmt, rows)
         del ws

@@ -28,7 +28,7 @@ def prefetch_budget_bytes() -> int:
     """``FXREWRITE_L2_PREFETCH_MB`` in bytes (0 when unset: off). ValueError naming a value that is not a whole number
     of megabytes."""
     value = os.environ.get("FXREWRITE_L2_PREFETCH_MB", "0")
-    if not value.isdigit():
+    if not (value.isascii() and value.isdigit()):
         raise ValueError(f"FXREWRITE_L2_PREFETCH_MB={value!r}: expected a whole number of megabytes (0: off)")
     return int(value) << 20
 
@@ -36,8 +36,10 @@ def prefetch_budget_bytes() -> int:
 def prefetch_weight(weight: torch.Tensor, num_tokens: int) -> None:
     """Fork a side stream off the current one and prefetch up to the budget of `weight` (contiguous) into L2 there;
     no-op with a budget of 0, a weight not on a CUDA device, more than MAX_TOKENS tokens, or under torch.compile."""
+    if torch.compiler.is_compiling() or not weight.is_cuda:  # first: no guard on the token count under compile
+        return
     budget = prefetch_budget_bytes()
-    if not budget or not weight.is_cuda or num_tokens > MAX_TOKENS or torch.compiler.is_compiling():
+    if not budget or num_tokens > MAX_TOKENS:
         return
     device = weight.device
     side = _streams.get(device)

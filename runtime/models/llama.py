@@ -156,9 +156,11 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        join_prefetches(hidden_states.device)
+        try:
+            for layer in self.layers:
+                hidden_states, residual = layer(positions, hidden_states, residual)
+        finally:  # a capture that raised must still rejoin the prefetch stream, or its error is lost
+            join_prefetches(input_ids.device)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
