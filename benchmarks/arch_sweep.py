@@ -91,6 +91,9 @@ def checked_run(parser: argparse.ArgumentParser, args: argparse.Namespace, defau
     names = args.archs.split(",") if args.archs is not None else causal_lm_architectures()
     if "" in names:
         parser.error(f"--archs {args.archs!r}: an empty name (a doubled, leading or trailing comma)")
+    twice = sorted({a for a in names if names.count(a) > 1})
+    if twice:
+        parser.error(f"--archs: {', '.join(map(repr, twice))} named more than once")
     unknown = [a for a in names if a not in CONFIG_MAPPING]
     if unknown:
         parser.error(f"--archs: unknown model_type {', '.join(map(repr, unknown))} (e.g. llama, qwen3, mixtral)")
@@ -134,6 +137,18 @@ def oracle(folder: Path, prompt_ids: list[list[int]]) -> list[dict]:
                 seq.append(token)
         out.append({"tokens": tokens, "logprobs": logprobs, "margins": margins})
     return out
+
+
+SWEEP_ENGINE_ARGS = frozenset({"model", "model_impl", "fusion", "dtype", "max_model_len", "block_size", "seed"})
+"""`LLM` arguments `engine_run` sets itself (--engine-args cannot)."""
+
+
+def _json_argument(text: str):
+    """argparse type: the JSON value of `text`; ArgumentTypeError naming it when it is not JSON."""
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid JSON ({e})") from None
 
 
 def engine_run(folder: Path, prompt_ids: list[list[int]], fusion: bool, engine_args: dict | None = None) -> list[dict]:
@@ -277,16 +292,20 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fxrewrite.benchmarks.arch_sweep", description=__doc__.split("\n\n")[0])
     add_sweep_arguments(p, 300.0)
     p.add_argument("--fusion", default="on", help="on, off or on,off (default on)")
-    p.add_argument("--engine-args", type=json.loads, default={},
+    p.add_argument("--engine-args", type=_json_argument, default={},
                    help='more LLM(...) arguments as JSON, e.g. \'{"tensor_parallel_size": 2}\' (gloo ranks on a CPU)')
     args = p.parse_args(argv)
-    settings = {"on": True, "off": False}
-    if not args.fusion or any(v not in settings for v in args.fusion.split(",")):
+    settings, values = {"on": True, "off": False}, args.fusion.split(",")
+    if any(v not in settings for v in values) or len(set(values)) < len(values):
         p.error(f"--fusion {args.fusion!r}: expected on, off or on,off")
     fusions = [settings[v] for v in args.fusion.split(",")]
     try:  # every worker would fail the same way: refuse here
         if not isinstance(args.engine_args, dict):
             raise TypeError(f"a JSON object of LLM() keyword arguments is expected, not {args.engine_args!r}")
+        taken = sorted(set(args.engine_args) & SWEEP_ENGINE_ARGS)
+        if taken:
+            raise TypeError(f"{', '.join(map(repr, taken))}: set by the sweep itself "
+                            f"({', '.join(sorted(SWEEP_ENGINE_ARGS))})")
         EngineConfig.from_kwargs(**args.engine_args)
     except (TypeError, ValueError) as e:
         p.error(f"--engine-args: {e}")
@@ -298,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     worker = ["fxrewrite.benchmarks.arch_sweep", "--fusion", args.fusion, "--engine-args", json.dumps(args.engine_args),
               *vocab_argument(args)]
     counts = sweep(archs, worker, args.jobs, args.timeout, out)
-    return finish(out, counts, {"engine_args": args.engine_args, "fusion": args.fusion, "vocab": args.vocab}, DEFECTS)
+    return finish(out, counts, {"engine_args": args.engine_args, "fusion": args.fusion,
+                                     "vocab": args.vocab or "per architecture"}, DEFECTS)
 
 
 def finish(out: Path, counts: collections.Counter, settings: dict, defects: tuple[str, ...]) -> int:

@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
               *arch_sweep.vocab_argument(args)]
     counts = arch_sweep.sweep(archs, worker, args.jobs, args.timeout, out, memory_cap=args.device == "cpu")
     meta = {"triton_kernels": args.triton or args.device == "cuda", "compiled": args.compile, "device": args.device,
-            "vocab": args.vocab}
+            "vocab": args.vocab or "per architecture"}
     return arch_sweep.finish(out, counts, meta, DEFECTS)
 
 

@@ -149,7 +149,7 @@ def prefetch_bytes() -> int:
 
 @functools.lru_cache(maxsize=None)
 def _parse_prefetch_bytes(raw: str) -> int:
-    value = int(raw) if raw.strip().isdigit() else -1
+    value = int(raw) if raw.isascii() and raw.isdigit() else -1
     if value < LINE_BYTES:
         raise ValueError(f"FXREWRITE_PDL_PREFETCH_BYTES={raw!r}: expected a whole number of bytes >= {LINE_BYTES} "
                          "(default 2048)")

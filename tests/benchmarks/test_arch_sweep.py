@@ -47,7 +47,11 @@ def test_bad_arguments_exit_naming_them(capsys):
                           (["--fusion", "on,"], "--fusion 'on,'"),
                           (["--engine-args", '{"bogus_kw": 1}'], "unexpected keyword argument(s) 'bogus_kw'"),
                           (["--engine-args", "[1]"], "a JSON object of LLM() keyword arguments is expected"),
-                          (["--engine-args", '{"tensor_parallel_size": 0}'], "tensor_parallel_size=0")):
+                          (["--engine-args", '{"tensor_parallel_size": 0}'], "tensor_parallel_size=0"),
+                          (["--engine-args", '{"model": "x"}'], "'model': set by the sweep itself"),
+                          (["--engine-args", "{bad"], "'{bad' is not valid JSON"),
+                          (["--fusion", "on,on"], "--fusion 'on,on'"),
+                          (["--archs", "llama,qwen3,llama"], "'llama' named more than once")):
         with pytest.raises(SystemExit) as exit_info:
             arch_sweep.main(argv)
         assert exit_info.value.code == 2 and message in capsys.readouterr().err

@@ -159,7 +159,7 @@ def test_prefetch_bytes_setting(monkeypatch):
     assert pdl.prefetch_bytes() == 2048 and pdl.prefetch_lines(4096, 2) == 16
     monkeypatch.setenv("FXREWRITE_PDL_PREFETCH_BYTES", "8192")
     assert pdl.prefetch_lines(4096, 2) == 64
-    for bad in ("abc", "-5", "64", ""):
+    for bad in ("abc", "-5", "64", "", "²", " 2048", "٣٢٠٠"):
         monkeypatch.setenv("FXREWRITE_PDL_PREFETCH_BYTES", bad)
         with pytest.raises(ValueError, match=f"FXREWRITE_PDL_PREFETCH_BYTES={bad!r}: expected a whole number"):
             pdl.prefetch_bytes()

@@ -17,7 +17,7 @@ def test_budget_is_read_in_megabytes(monkeypatch):
     assert weight_prefetch.prefetch_budget_bytes() == 0
     monkeypatch.setenv("FXREWRITE_L2_PREFETCH_MB", "24")
     assert weight_prefetch.prefetch_budget_bytes() == 24 << 20
-    for bad in ("-1", "1.5", "on", ""):
+    for bad in ("-1", "1.5", "on", "", "²", " 32"):
         monkeypatch.setenv("FXREWRITE_L2_PREFETCH_MB", bad)
         with pytest.raises(ValueError, match=rf"FXREWRITE_L2_PREFETCH_MB={bad!r}: expected a whole number"):
             weight_prefetch.prefetch_budget_bytes()
