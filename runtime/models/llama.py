@@ -16,7 +16,6 @@ from fxrewrite.layers.layernorm import RMSNorm
 from fxrewrite.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from fxrewrite.layers.rotary import get_rope
 from fxrewrite.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from fxrewrite.layers.weight_prefetch import join_prefetches, prefetch_weight
 from fxrewrite.runtime.worker.attention import Attention
 
 
@@ -69,7 +68,6 @@ class LlamaAttention(nn.Module):
         residual stream before it (plus `residual`, when given), normalised inside the QKV projection
         (`QKVParallelLinear.norm_forward`); returns (out, new residual)."""
         qkv, residual = self.project_qkv(hidden_states, norm, residual)
-        prefetch_weight(self.o_proj.weight, qkv.shape[0])  # FXREWRITE_L2_PREFETCH_MB: during attention
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.position_qk(positions, q, k)
         out = self.o_proj(self.attn(q, k, v))
@@ -156,11 +154,8 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
-        try:
-            for layer in self.layers:
-                hidden_states, residual = layer(positions, hidden_states, residual)
-        finally:  # a capture that raised must still rejoin the prefetch stream, or its error is lost
-            join_prefetches(input_ids.device)
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 

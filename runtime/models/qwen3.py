@@ -8,7 +8,6 @@ from torch import nn
 from fxrewrite.kernels.qk_norm_rope import qk_norm_rope
 from fxrewrite.kernels.qk_norm_rope_cache import qk_norm_rope_cache
 from fxrewrite.layers.layernorm import RMSNorm
-from fxrewrite.layers.weight_prefetch import prefetch_weight
 from fxrewrite.runtime.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from fxrewrite.runtime.worker.attention import layer_kv_cache
 
@@ -30,7 +29,6 @@ class Qwen3Attention(LlamaAttention):
         if torch.compiler.is_compiling() or self.rotary_emb.rope_type in ("dynamic", "longrope"):
             return super().forward(positions, hidden_states, norm, residual)
         qkv, residual = self.project_qkv(hidden_states, norm, residual)
-        prefetch_weight(self.o_proj.weight, qkv.shape[0])  # FXREWRITE_L2_PREFETCH_MB: during attention
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         rope = self.rotary_emb
         key_cache, value_cache, slot_mapping = layer_kv_cache(self.attn.layer_idx)

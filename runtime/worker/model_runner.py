@@ -14,7 +14,6 @@ from fxrewrite.layers.rope_context import rope_lengths
 from fxrewrite.layers.fused_moe import prepare_moe_router
 from fxrewrite.layers.rotary import cover_positions
 from fxrewrite.layers.skinny import prepare_skinny_gemv
-from fxrewrite.layers import weight_prefetch
 from fxrewrite.runtime.model_files.quantization import (
     check_fp8_checkpoint_tensors,
     check_fp8_tensor_parallel,
@@ -140,9 +139,8 @@ def _default_dtype(dtype: torch.dtype):
 
 def check_kernel_switches(device: torch.device) -> None:
     """The FXREWRITE_* switches the kernels read at each launch (FXREWRITE_GEMV, FXREWRITE_PDL and its prefetch
-    size, FXREWRITE_KV_FP8_DOTS, FXREWRITE_DECODE_TILE, FXREWRITE_L2_PREFETCH_MB), FXREWRITE_GRAPH_LOGITS and
-    FXREWRITE_GREEDY_KERNEL, checked before anything is built, on any device: UserInputError naming a bad value, or
-    ``on`` on a device without PDL."""
+    size, FXREWRITE_KV_FP8_DOTS, FXREWRITE_DECODE_TILE), FXREWRITE_GRAPH_LOGITS and FXREWRITE_GREEDY_KERNEL, checked
+    before anything is built, on any device: UserInputError naming a bad value, or ``on`` on a device without PDL."""
     try:
         gemv_dispatch.mode()
         pdl.check_environment(device)
@@ -150,7 +148,6 @@ def check_kernel_switches(device: torch.device) -> None:
         paged_decode.decode_tile()
         greedy_head.enabled()
         greedy_sample.kernel_enabled()
-        weight_prefetch.prefetch_budget_bytes()
     except (ValueError, RuntimeError) as e:
         raise UserInputError(str(e)) from None
 
