@@ -41,6 +41,7 @@ from fxrewrite.layers.linear import (
 )
 from fxrewrite.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from fxrewrite.sharding_moe import shard_experts, shard_full_width_norms, shard_transformers_experts
+from fxrewrite.patterns.base import PREFUSED_ATTR
 from fxrewrite.weights import SHARDS_ATTR
 
 _COLWISE = ("colwise", "local_colwise")
@@ -63,6 +64,8 @@ def shard_model(model: nn.Module, tp_rank: int, tp_size: int) -> dict[str, str]:
     for prefix, module in list(modules.items()):
         for new, _ in module.__dict__.get(SHARDS_ATTR, ()):
             _shard_fused(module, prefix, new, tp_rank, tp_size, plan)
+        for kind, name, facts in module.__dict__.get(PREFUSED_ATTR, ()):
+            _shard_prefused(module, prefix, kind, name, facts, tp_rank, tp_size, plan)
     _apply_tp_plan(model, tp_rank, tp_size, plan)
     _shard_vocab(model, tp_rank, tp_size, plan)
     return plan
@@ -101,33 +104,65 @@ def _shard_fused(module: nn.Module, prefix: str, name: str, tp_rank: int, tp_siz
         width, style = fused.output_sizes[0], "merged"
     else:
         return
-    partner = _row_partner(module, prefix, name, fused, width)
+    _shard_column_pair(module, prefix, name, fused, new, fused.row_partner, width, style, plan)
+
+
+def _shard_prefused(module: nn.Module, prefix: str, kind: str, name: str, facts: dict, tp_rank: int, tp_size: int,
+                    plan: dict) -> None:
+    """A projection the model ships fused (Phi-3's ``qkv_proj`` [q | k | v], ``gate_up_proj`` [gate | up]), proven
+    by its pattern (`PREFUSED_ATTR`) -> this rank's heads / halves, its row partner row-parallel; the qkv split sizes
+    the rewritten forward reads become this rank's. The checkpoint's whole fused tensor loads through the new
+    layer's `weight_loader` (shard id None). Without one nn.Linear partner reading `width` features (or where the
+    projection is no plain nn.Linear any more) it stays whole, as before this rule: the base_model_tp_plan and the
+    engine's check of each rank's attention heads then decide."""
+    old = getattr(module, name)
+    width = facts["num_heads"] * facts["head_size"] if kind == "qkv" else facts["sizes"][0]
+    partner = getattr(module, facts["row_partner"], None) if facts["row_partner"] else None
+    if type(old) is not nn.Linear or type(partner) is not nn.Linear or partner.in_features != width:
+        return
+    tp = {"tp_size": tp_size, "tp_rank": tp_rank, **_factory(old)}
+    bias = old.bias is not None
+    if kind == "qkv":
+        new = QKVParallelLinear(old.in_features, facts["head_size"], facts["num_heads"], facts["num_kv_heads"],
+                                bias=bias, **tp)
+    else:
+        new = MergedColumnParallelLinear(old.in_features, facts["sizes"], bias=bias, **tp)
+    _shard_column_pair(module, prefix, name, old, new, facts["row_partner"], width, kind, plan)
+    if kind == "qkv":
+        setattr(module, facts["sizes_attr"], list(new.output_sizes))
+
+
+def _shard_column_pair(module: nn.Module, prefix: str, name: str, old: nn.Module, new: nn.Module, partner_name,
+                       width: int, style: str, plan: dict) -> None:
+    """Put the column-parallel `new` in place of `old` and make its row partner row-parallel."""
+    partner = _row_partner(module, prefix, name, partner_name, width)
     new.row_partner = partner
-    _replace(module, name, new, fused)
+    _replace(module, name, new, old)
     if style == "qkv":
         shard_full_width_norms(module, prefix, new, plan)  # OLMoE: one norm over all heads of q / of k
-        _set_rank_head_counts(module, prefix, fused, new)
+        _set_rank_head_counts(module, prefix, new)
     plan[_join(prefix, name)] = style
-    old = getattr(module, partner)
-    row = RowParallelLinear(old.in_features, old.out_features, bias=old.bias is not None, **tp, **_factory(old))
-    _replace(module, partner, row, old)
+    old_partner = getattr(module, partner)
+    row = RowParallelLinear(old_partner.in_features, old_partner.out_features, bias=old_partner.bias is not None,
+                            tp_size=new.tp_size, tp_rank=new.tp_rank, **_factory(old_partner))
+    _replace(module, partner, row, old_partner)
     plan[_join(prefix, partner)] = "rowwise"
 
 
 _HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
 
 
-def _set_rank_head_counts(attn: nn.Module, prefix: str, old: QKVParallelLinear, new: QKVParallelLinear) -> None:
+def _set_rank_head_counts(attn: nn.Module, prefix: str, new: QKVParallelLinear) -> None:
     """Give the attention module this rank's head counts where it reshapes by its own (OPT's and StableLM's
     ``view(bsz, len, self.num_heads, self.head_dim)``; before, a view error at load), and the matching
     `num_key_value_groups`. UnsupportedModelError where a descendant holds one module per head (StableLM's per-head
     q / k LayerNorms): it would pair this rank's heads with the first heads' modules."""
     for name, child in attn.named_modules():
-        if isinstance(child, nn.ModuleList) and len(child) in (old.total_num_heads, old.total_num_kv_heads):
+        if isinstance(child, nn.ModuleList) and len(child) in (new.total_num_heads, new.total_num_kv_heads):
             raise UnsupportedModelError(
                 f"cannot shard {prefix or type(attn).__name__}: its {name} holds one module per head, which "
                 "fxrewrite does not split across ranks, so this model cannot run at tensor_parallel_size > 1")
-    counts = {old.total_num_kv_heads: new.num_kv_heads, old.total_num_heads: new.num_heads}
+    counts = {new.total_num_kv_heads: new.num_kv_heads, new.total_num_heads: new.num_heads}
     for attr in _HEAD_COUNT_ATTRS:
         value = attn.__dict__.get(attr)
         if isinstance(value, int) and value in counts:
@@ -136,10 +171,9 @@ def _set_rank_head_counts(attn: nn.Module, prefix: str, old: QKVParallelLinear, 
         attn.num_key_value_groups = new.num_heads // new.num_kv_heads
 
 
-def _row_partner(module: nn.Module, prefix: str, fused_name: str, fused: nn.Module, width: int) -> str:
-    """The fused layer's `row_partner` (the linear its outputs reach), checked: a plain nn.Linear child
+def _row_partner(module: nn.Module, prefix: str, fused_name: str, name: str | None, width: int) -> str:
+    """The fused layer's row partner `name` (the linear its outputs reach), checked: a plain nn.Linear child
     reading `width` features, what one branch of the fused layer produces."""
-    name = fused.row_partner
     child = getattr(module, name, None) if name else None
     if type(child) is not nn.Linear or child.in_features != width:
         where = prefix or type(module).__name__

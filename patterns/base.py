@@ -68,6 +68,11 @@ class Match:
         return dict(self.facts).get(key, default)
 
 
+PREFUSED_ATTR = "_fxrewrite_prefused"
+"""On a rewritten module: [(kind "qkv" / "merged", child name, facts)] for projections the model ships fused (Phi-3's
+``qkv_proj`` / ``gate_up_proj``), kept as they are and proven split at head / half boundaries, for tensor parallelism."""
+
+
 @dataclasses.dataclass
 class Context:
     """What patterns may read besides the module: the model and its (text) config, and whether a rewrite may merge

@@ -3,7 +3,9 @@
 Found by dataflow: a product of two plain linears reading the same input, one of them through
 an activation. The activation is identified by what it computes (a module is probed against
 silu / gelu / gelu-tanh for exact equality; a functional call by its target), never by name.
-Phi-3's single ``gate_up_proj`` chunked in two is reported as present.
+Phi-3's single ``gate_up_proj`` chunked in two along the last dim: when the halves are proven to meet only in
+``act(half) * other half``, the module keeps it and records it (`PREFUSED_ATTR`) for tensor parallelism to shard as
+[gate | up] (`fxrewrite.sharding`); otherwise it is reported as present.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from torch import nn
 from fxrewrite import nodes, source
 from fxrewrite.layers.activation import GeluAndMul, SiluAndMul
 from fxrewrite.layers.linear import MergedColumnParallelLinear
-from fxrewrite.patterns.base import (Context, Match, Pattern, copy_requires_grad, free_attribute, require,
-                                     require_same_requires_grad)
+from fxrewrite.patterns.base import (PREFUSED_ATTR, Context, Match, Pattern, copy_requires_grad, free_attribute,
+                                     require, require_same_requires_grad)
 
 NEW_LINEAR, NEW_ACT = "gate_up_proj", "act_and_mul"
 _ACTS = {"silu": lambda x: F.silu(x), "gelu": lambda x: F.gelu(x), "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -52,12 +54,37 @@ def _act_kind(node, root: nn.Module) -> str | None:
     return _functional_act(node)
 
 
+def _chunk_product(chunk, root: nn.Module):
+    """The product node of ``a, b = y.chunk(2, dim=-1)`` then ``act(a) * b`` (either side), each half and the
+    activation read once; else None."""
+    dim = chunk.kwargs.get("dim", chunk.args[2] if len(chunk.args) > 2 else 0)
+    val = nodes.meta(chunk.args[0])
+    if dim != -1 and not (val is not None and dim == val.dim() - 1):
+        return None
+    halves = list(chunk.users)
+    if len(halves) != 2 or {h.args[1] for h in halves if nodes.is_op(h, operator.getitem)} != {0, 1}:
+        return None
+    if any(len(h.users) != 1 for h in halves):
+        return None
+    for act, other in (halves, halves[::-1]):
+        (act_call,) = act.users
+        if _act_kind(act_call, root) is None or len(act_call.users) != 1 or act_call.args[:1] != (act,):
+            continue
+        (mul,) = act_call.users
+        if nodes.is_op(mul, operator.mul, torch.mul) and set(mul.args) == {act_call, other} and len(mul.args) == 2:
+            return mul
+    return None
+
+
 def _already_fused(traced) -> list[Match]:
-    found = []
+    found, root = [], traced.module
     for n in traced.graph.nodes:
-        chunk = next(iter(n.users), None) if nodes.is_linear(n, traced.module) and len(n.users) == 1 else None
+        chunk = next(iter(n.users), None) if nodes.is_linear(n, root) and len(n.users) == 1 else None
         if chunk is not None and nodes.is_op(chunk, "chunk") and chunk.args[1:2] == (2,):
-            found.append(Match(GLUPattern, frozenset({n.name, chunk.name}), (("gate_up", n.target),), present=True))
+            mul = _chunk_product(chunk, root) if "." not in n.target else None
+            facts = (("prefused", True), ("row_partner", nodes.row_partner([mul], root))) if mul is not None else ()
+            found.append(Match(GLUPattern, frozenset({n.name, chunk.name}), (("gate_up", n.target),), facts,
+                               present=mul is None))
     return found
 
 
@@ -112,7 +139,10 @@ class GLUPattern(Pattern):
 
     @classmethod
     def rewrite(cls, match: Match, src, tree: cst.Module) -> cst.Module:
-        """``act(self.gate(x)) * self.up(x)`` -> the fused call; `Refusal` unless one expression over one variable."""
+        """``act(self.gate(x)) * self.up(x)`` -> the fused call; `Refusal` unless one expression over one variable.
+        A pre-fused projection keeps its source."""
+        if match.fact("prefused"):
+            return tree
         info = source.collect(tree)
         gate = source.unique_self_call(tree, match.name("gate"), info)
         up = source.unique_self_call(tree, match.name("up"), info)
@@ -138,7 +168,13 @@ class GLUPattern(Pattern):
 
     @classmethod
     def validate(cls, match: Match, module: nn.Module, ctx: Context) -> None:
-        """gate/up are plain equal-shaped `nn.Linear` here, the activation probes the same, new names are free."""
+        """gate/up are plain equal-shaped `nn.Linear` here, the activation probes the same, new names are free
+        (pre-fused: one plain linear of an even width)."""
+        if match.fact("prefused"):
+            lin = getattr(module, match.name("gate_up"), None)
+            require(type(lin) is nn.Linear and lin.out_features % 2 == 0,
+                    f"{match.name('gate_up')} is not an nn.Linear of an even width on this instance")
+            return
         gate, up = getattr(module, match.name("gate"), None), getattr(module, match.name("up"), None)
         require(type(gate) is nn.Linear and type(up) is nn.Linear, "gate/up are not nn.Linear on this instance")
         require(gate.in_features == up.in_features and gate.out_features == up.out_features, "gate/up shapes differ")
@@ -152,7 +188,13 @@ class GLUPattern(Pattern):
 
     @classmethod
     def build(cls, match: Match, module: nn.Module, ctx: Context) -> None:
-        """Set ``gate_up_proj`` [2*I, H] (gate rows, then up; old dtype/device) and ``act_and_mul``; delete gate/up."""
+        """Set ``gate_up_proj`` [2*I, H] (gate rows, then up; old dtype/device) and ``act_and_mul``; delete gate/up.
+        A pre-fused projection stays; `PREFUSED_ATTR` records it with its row partner."""
+        if match.fact("prefused"):
+            half = getattr(module, match.name("gate_up")).out_features // 2
+            facts = {"sizes": [half, half], "row_partner": match.fact("row_partner")}
+            module.__dict__.setdefault(PREFUSED_ATTR, []).append(("merged", match.name("gate_up"), facts))
+            return
         gate, up = getattr(module, match.name("gate")), getattr(module, match.name("up"))
         fused = MergedColumnParallelLinear(gate.in_features, [gate.out_features, up.out_features],
                                            bias=gate.bias is not None, params_dtype=gate.weight.dtype,
@@ -177,9 +219,13 @@ class GLUPattern(Pattern):
         """``gate_proj,up_proj -> gate_up_proj + silu_and_mul`` (or ``(already fused)``)."""
         if match.present:
             return f"{match.name('gate_up')} (already fused)"
+        if match.fact("prefused"):
+            return f"{match.name('gate_up')} (already fused; act(gate) * up)"
         return f"{match.name('gate')},{match.name('up')} -> {NEW_LINEAR} + {match.fact('act')}_and_mul"
 
     @classmethod
     def shards(cls, match: Match):
         """gate -> shard 0, up -> shard 1 of ``gate_up_proj``."""
-        return [] if match.present else [(NEW_LINEAR, [(match.name("gate"), 0), (match.name("up"), 1)])]
+        if match.present or match.fact("prefused"):
+            return []
+        return [(NEW_LINEAR, [(match.name("gate"), 0), (match.name("up"), 1)])]

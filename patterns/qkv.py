@@ -3,7 +3,9 @@
 Found by dataflow: exactly three plain `nn.Linear` calls read the same value; sizes q >= k == v
 (GQA allowed); the head size is the last dim of the ``[..., heads, head_dim]`` view of q
 (else the config's head_dim, for q normalised before its view as in OLMo-2).
-A single linear already split three ways (Phi-3's ``qkv_proj``) is reported as present.
+A single linear already split three ways (Phi-3's ``qkv_proj``): when its three ``[..., a:b]`` slices are proven to
+be q | k | v at head boundaries, the slices become one ``split(self.qkv_output_sizes)`` (the same tensors), so that
+tensor parallelism can shard it by heads (`fxrewrite.sharding`); otherwise it is reported as present.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ from torch import nn
 
 from fxrewrite import nodes, source
 from fxrewrite.layers.linear import QKVParallelLinear
-from fxrewrite.patterns.base import (Context, Match, Pattern, Refusal, copy_requires_grad, free_attribute, require,
-                                     require_same_requires_grad)
+from fxrewrite.patterns.base import (PREFUSED_ATTR, Context, Match, Pattern, Refusal, copy_requires_grad,
+                                     free_attribute, require, require_same_requires_grad)
 
 _ROLES = ("q", "k", "v")
 NEW_NAME = "qkv_proj"
+SIZES_ATTR = "qkv_output_sizes"  # a pre-fused projection's [q, k, v] widths, per rank once sharded
 
 
 def linear_groups(traced, size: int, linear=nodes.is_linear) -> list[list[fx.Node]]:
@@ -49,16 +52,96 @@ def _config_head_size(config) -> int | None:
     return head or (config.hidden_size // heads if heads and getattr(config, "hidden_size", None) else None)
 
 
-def _already_fused(traced) -> list[Match]:
+def _slice_bounds(node: fx.Node) -> tuple[int | None, int | None] | None:
+    """(start, stop) of ``x[..., start:stop]`` with constant bounds and no step, else None."""
+    index = node.args[1] if nodes.is_op(node, operator.getitem) else None
+    if not (isinstance(index, tuple) and len(index) == 2 and index[0] is Ellipsis and isinstance(index[1], slice)):
+        return None
+    part = index[1]
+    ok = part.step is None and all(b is None or type(b) is int for b in (part.start, part.stop))
+    return (part.start, part.stop) if ok else None
+
+
+def _prefused_facts(n: fx.Node, slices: list[fx.Node], traced, ctx: Context) -> tuple | None:
+    """Facts proving the slices of linear `n` are q | k | v in program order at head boundaries (k == v <= q,
+    together the whole output), or None."""
+    lin = traced.module.get_submodule(n.target)
+    bounds = [_slice_bounds(u) for u in slices]
+    if "." in n.target or None in bounds or not all(0 <= (b or 0) for pair in bounds for b in pair):
+        return None
+    (q0, a), (a2, b), (b2, end) = bounds
+    width = lin.out_features
+    if q0 not in (None, 0) or a is None or a != a2 or b is None or b != b2 or end not in (None, width):
+        return None
+    sizes = (a, b - a, width - b)
+    head = _head_size(slices[0]) or _config_head_size(ctx.config)
+    if not (head and sizes[1] == sizes[2] and 0 < sizes[1] <= sizes[0] and sizes[0] % head == 0
+            and sizes[1] % head == 0):
+        return None
+    return (("head_size", head), ("sizes", sizes), ("row_partner", nodes.row_partner([n], traced.module)),
+            ("prefused", True))
+
+
+def _already_fused(traced, ctx: Context) -> list[Match]:
     found = []
     for n in traced.graph.nodes:
         if not nodes.is_linear(n, traced.module):
             continue
         slices = [u for u in n.users if nodes.is_op(u, operator.getitem) and isinstance(u.args[1], tuple)
                   and u.args[1][:1] == (Ellipsis,) and isinstance(u.args[1][-1], slice)]
-        if len(slices) == 3 and len(n.users) == 3:
-            found.append(Match(QKVPattern, frozenset({n.name}), (("qkv", n.target),), present=True))
+        if len(slices) == 3 and len(n.users) == 3:  # users keep program order
+            facts = _prefused_facts(n, slices, traced, ctx)
+            claimed = frozenset({n.name, *(u.name for u in slices)} if facts else {n.name})
+            found.append(Match(QKVPattern, claimed, (("qkv", n.target),), facts or (), present=facts is None))
     return found
+
+
+def _rewrite_prefused(match: Match, tree: cst.Module) -> cst.Module:
+    """``v = self.qkv_proj(x)`` then ``v[..., :a]``, ``v[..., a:b]``, ``v[..., b:]`` in three later statements of the
+    same block -> ``_fx_q, _fx_k, _fx_v = v.split(self.qkv_output_sizes, dim=-1)`` before the first, each slice ->
+    its temporary. SourceError when the source does not show exactly that."""
+    info = source.collect(tree)
+    temps = [f"_fx_{role}" for role in _ROLES]
+    require(not info.names & {*temps, SIZES_ATTR}, f"{', '.join(temps)} / {SIZES_ATTR} would shadow names")
+    call = source.unique_self_call(tree, match.name("qkv"), info)
+    assign = source.parent(info, call)
+    if not (isinstance(assign, cst.Assign) and len(assign.targets) == 1
+            and isinstance(assign.targets[0].target, cst.Name)):
+        raise source.SourceError(f"self.{match.name('qkv')}(...) is not assigned to one name")
+    var = assign.targets[0].target.value
+    subs = [node for node in _walk(tree) if isinstance(node, cst.Subscript) and isinstance(node.value, cst.Name)
+            and node.value.value == var]
+    uses = [node for node in _walk(tree) if isinstance(node, cst.Name) and node.value == var]
+    if len(subs) != 3 or len(uses) != 4 or not all(_is_ellipsis_slice(sub) for sub in subs):
+        raise source.SourceError(f"{var!r} is not used as exactly three [..., a:b] slices")
+    block, lines = source.same_block_index(info, [*subs, call])
+    if len(lines) != 4 or lines[0] is not source.enclosing_statement(info, call)[0]:
+        raise source.SourceError(f"the three slices of {var!r} are not three statements after its assignment")
+    body = source.block_statements(block)
+    after = body[next(i for i, stmt in enumerate(body) if stmt is lines[0]) + 1]
+    source.check_not_rebound(block, after, lines[-1], var)  # (the slices' own statements: `uses` counts them)
+    order = {id(stmt): i for i, stmt in enumerate(lines[1:])}
+    subs.sort(key=lambda sub: order[id(source.enclosing_statement(info, sub)[0])])
+    stmt = f"{', '.join(temps)} = {var}.split(self.{SIZES_ATTR}, dim=-1)"
+    edits = {id(lines[1]): source.with_statement_before(stmt)}
+    edits.update({id(sub): cst.Name(temp) for sub, temp in zip(subs, temps)})
+    return source.replace_many(tree, edits)
+
+
+def _walk(tree: cst.CSTNode):
+    """Every node of `tree`, parents first."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(reversed(node.children))
+
+
+def _is_ellipsis_slice(sub: cst.Subscript) -> bool:
+    """``v[..., a:b]`` (no step)."""
+    items = sub.slice
+    return (len(items) == 2 and isinstance(items[0].slice, cst.Index) and isinstance(items[0].slice.value, cst.Ellipsis)
+            and isinstance(items[1].slice, cst.Slice) and items[1].slice.step is None)
 
 
 class QKVPattern(Pattern):
@@ -71,7 +154,7 @@ class QKVPattern(Pattern):
     def match(cls, traced, ctx: Context) -> list[Match]:
         """Each group of three linears on one input; `Refusal`: one is wrapped (LoRA), k != v, mixed bias,
         grandchildren, no head size."""
-        matches = _already_fused(traced)
+        matches = _already_fused(traced, ctx)
         for group in linear_groups(traced, 3, nodes.is_linear_like):
             wrapped = [why for why in (nodes.wrapped_linear(n, traced.module) for n in group) if why]
             require(not wrapped, f"{'; '.join(wrapped)}: q/k/v kept unfused")
@@ -95,7 +178,9 @@ class QKVPattern(Pattern):
     @classmethod
     def rewrite(cls, match: Match, src, tree: cst.Module) -> cst.Module:
         """``_fx_q, _fx_k, _fx_v = self.qkv_proj(x).split(...)`` before the first call's line; the calls -> those
-        names."""
+        names. A pre-fused projection: its three slices -> one split (`_rewrite_prefused`)."""
+        if match.fact("prefused"):
+            return _rewrite_prefused(match, tree)
         info = source.collect(tree)
         temps = [f"_fx_{role}" for role in _ROLES]
         require(not info.names & set(temps), "temporaries _fx_q/_fx_k/_fx_v would shadow names in forward")
@@ -114,7 +199,14 @@ class QKVPattern(Pattern):
 
     @classmethod
     def validate(cls, match: Match, module: nn.Module, ctx: Context) -> None:
-        """q/k/v are plain linears with one input size, bias, dtype and device, fitting head_size, on this instance."""
+        """q/k/v are plain linears with one input size, bias, dtype and device, fitting head_size, on this instance
+        (pre-fused: one plain linear of the matched width)."""
+        if match.fact("prefused"):
+            lin = getattr(module, match.name("qkv"), None)
+            require(type(lin) is nn.Linear and lin.out_features == sum(match.fact("sizes")),
+                    f"{match.name('qkv')} is not an nn.Linear of {sum(match.fact('sizes'))} outputs on this instance")
+            free_attribute(module, SIZES_ATTR)
+            return
         mods = [getattr(module, match.name(r), None) for r in _ROLES]
         require(all(type(m) is nn.Linear for m in mods), "q/k/v are not all nn.Linear on this instance")
         free_attribute(module, NEW_NAME)
@@ -129,7 +221,17 @@ class QKVPattern(Pattern):
 
     @classmethod
     def build(cls, match: Match, module: nn.Module, ctx: Context) -> None:
-        """Set ``qkv_proj`` [(Hq + 2*Hkv) * D, H] (old dtype/device) filled from q, k, v; delete them."""
+        """Set ``qkv_proj`` [(Hq + 2*Hkv) * D, H] (old dtype/device) filled from q, k, v; delete them. A pre-fused
+        projection stays as it is: its split sizes go in ``qkv_output_sizes`` and its facts in `PREFUSED_ATTR` (head
+        size, heads, kv heads, row partner), which `fxrewrite.sharding` reads to shard it by heads."""
+        if match.fact("prefused"):
+            q, kv, _ = match.fact("sizes")
+            head = match.fact("head_size")
+            setattr(module, SIZES_ATTR, [q, kv, kv])
+            facts = {"head_size": head, "num_heads": q // head, "num_kv_heads": kv // head,
+                     "row_partner": match.fact("row_partner"), "sizes_attr": SIZES_ATTR}
+            module.__dict__.setdefault(PREFUSED_ATTR, []).append(("qkv", match.name("qkv"), facts))
+            return
         q, k, v = (getattr(module, match.name(r)) for r in _ROLES)
         head = match.fact("head_size")
         fused = QKVParallelLinear(q.in_features, head, q.out_features // head, k.out_features // head,
@@ -149,12 +251,14 @@ class QKVPattern(Pattern):
         """``q_proj,k_proj,v_proj -> qkv_proj`` (or ``(already fused)``)."""
         if match.present:
             return f"{match.name('qkv')} (already fused)"
+        if match.fact("prefused"):
+            return f"{match.name('qkv')} (already fused; q/k/v slices -> one split)"
         return f"{','.join(match.name(r) for r in _ROLES)} -> {NEW_NAME}"
 
     @classmethod
     def shards(cls, match: Match):
         """q, k, v -> shards "q", "k", "v" of ``qkv_proj``."""
-        if match.present:
+        if match.present or match.fact("prefused"):
             return []
         return [(NEW_NAME, [(match.name(r), r) for r in _ROLES])]
 

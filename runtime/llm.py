@@ -273,4 +273,9 @@ def _prompt_list(prompts) -> list:
         if isinstance(p, dict) and p.get("multi_modal_data") is not None:  # not dropped silently
             raise UserInputError(f"prompt {i}: multi_modal_data is not supported: the engine serves text-only "
                                  "decoder models")
+        ids = p.get("prompt_token_ids") if isinstance(p, dict) else None
+        if ids is not None and not isinstance(ids, (list, tuple)):  # a string here is no text prompt
+            hint = " (convert it with .tolist())" if hasattr(ids, "tolist") else ""
+            raise UserTypeError(f"prompt {i}: prompt_token_ids must be a list of token ids (ints), got "
+                                f"{type(ids).__name__} {ids!r:.60}{hint}")
     return [p.get("prompt_token_ids", p.get("prompt")) if isinstance(p, dict) else p for p in prompts]

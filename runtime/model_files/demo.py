@@ -80,6 +80,8 @@ def build_model_dir(path: str | os.PathLike, arch: str = "qwen3", *, hidden_size
         raise UserInputError(f"unknown arch {arch!r}: not a transformers model_type "
                              f"(e.g. {', '.join(ARCH_TOKENIZERS)})")
     out = Path(path)
+    if out.exists() and not out.is_dir():  # before anything is written
+        raise UserInputError(f"{str(out)!r} is a file: expected a folder to build the model in (new or existing)")
     out.parent.mkdir(parents=True, exist_ok=True)
     # Written beside `out` and moved in at the end: a config transformers refuses leaves no half-built folder.
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-") as tmp:

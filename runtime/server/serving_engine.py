@@ -103,8 +103,9 @@ class OpenAIServing:
         if num_prompt_tokens >= self.max_model_len:
             raise OpenAIError(
                 HTTPStatus.BAD_REQUEST,
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                f"prompt has {num_prompt_tokens} tokens. Please reduce the length of the prompt.",
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
+                f"{num_prompt_tokens} tokens, which leaves no room for the completion (at least 1 token). Please "
+                f"reduce the length of the prompt{_truncate_hint(request, self.max_model_len)}.",
                 param=prompt_param, code="context_length_exceeded")
         if num_prompt_tokens >= self.max_seq_len:  # not even one token would fit the KV cache
             raise OpenAIError(
@@ -227,3 +228,10 @@ class OpenAIServing:
     def abort_all(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.engine.abort(rid)
+
+
+def _truncate_hint(request, max_model_len: int) -> str:
+    """The truncation that leaves one token of room, for a request that truncated its prompt to the whole context."""
+    if getattr(request, "truncate_prompt_tokens", None) is None:
+        return ""
+    return f" (truncate_prompt_tokens={max_model_len - 1} keeps room for one token)"

@@ -11,11 +11,10 @@ from fxrewrite.weights import to_hf_names
 
 FULL = ["glu", "lm_head_loss", "qkv", "residual_rms_norm", "rms_norm", "rotary", "rotary_apply"]
 EXPECTED_APPLIED = {arch: FULL for arch in ARCHS}
-EXPECTED_APPLIED["phi3"] = ["lm_head_loss", "residual_rms_norm", "rms_norm", "rotary", "rotary_apply"]
+EXPECTED_APPLIED["phi3"] = FULL  # its pre-fused qkv_proj / gate_up_proj are proven and recorded for sharding
 # Qwen3's per-head q/k norms: its rotary call is fused with them (qk_norm_rope), not alone (rotary_apply)
 EXPECTED_APPLIED["qwen3"] = ["glu", "lm_head_loss", "qk_norm_rope", "qkv", "residual_rms_norm", "rms_norm", "rotary"]
-EXPECTED_PRESENT = {arch: [] for arch in ARCHS}
-EXPECTED_PRESENT["phi3"] = ["glu", "qkv"]  # Phi-3 ships qkv_proj / gate_up_proj already fused
+EXPECTED_PRESENT = {arch: [] for arch in ARCHS}  # Phi-3 ships qkv_proj / gate_up_proj fused: applied, proven
 
 
 def _rel(a, b):
@@ -39,6 +38,7 @@ def test_report_lists_patterns(pair):
     fused_call = "self.qk_norm_rope(" if arch == "qwen3" else "self.apply_rotary_emb("
     assert "+    query_states, key_states = " + fused_call in diff
     assert ("self.qkv_proj(hidden_states).split(" in diff) == (arch != "phi3")
+    assert ("qkv.split(self.qkv_output_sizes, dim=-1)" in diff) == (arch == "phi3")
 
 
 def test_logits_match(pair):

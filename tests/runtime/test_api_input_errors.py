@@ -73,6 +73,16 @@ def test_token_id_lists_name_the_bad_element(llm):
     assert numpy_ids[0].prompt_token_ids == [5, 6] and all(type(t) is int for t in numpy_ids[0].prompt_token_ids)
 
 
+def test_prompt_token_ids_that_are_no_list_are_refused_by_their_key(llm):
+    """A string under prompt_token_ids was served as text (found by a fresh-user run); a tensor was refused under
+    the name `prompt`."""
+    with pytest.raises(TypeError, match="prompt 0: prompt_token_ids must be a list of token ids \\(ints\\), got str"):
+        llm.generate([{"prompt_token_ids": "abc"}], use_tqdm=False)
+    with pytest.raises(TypeError, match=r"prompt 1: prompt_token_ids .* got ndarray .*\(convert it with \.tolist\(\)\)"):
+        llm.generate(["a", {"prompt_token_ids": np.array([5, 6])}], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
 def test_multi_modal_data_is_refused_not_dropped(llm):
     with pytest.raises(ValueError, match="prompt 0: multi_modal_data is not supported"):
         llm.generate([{"prompt": "Describe it.", "multi_modal_data": {"image": object()}}], use_tqdm=False)

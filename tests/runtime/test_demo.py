@@ -102,6 +102,9 @@ def test_config_overrides_and_bad_values(tmp_path):
     with pytest.raises(ValueError, match="hidden_size 64 is not a multiple of num_attention_heads 5"):
         build_model_dir(tmp_path / "z", "llama", num_attention_heads=5)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no half-built folder, no staging folder left
+    (tmp_path / "file").write_text("")  # a file in the way: one error line, not a FileExistsError traceback
+    assert main(["build", str(tmp_path / "file"), "--arch", "llama"]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "m"]
 
 
 def test_cli_build_prints_the_path(tmp_path, capsys):

@@ -54,6 +54,18 @@ def test_an_explicit_max_tokens_is_checked_against_the_context_and_the_kv_cache(
         short.max_tokens_for(ChatCompletionRequest(**CHAT, max_tokens=9000), 37, explicit=True)
 
 
+def test_a_prompt_filling_the_context_says_the_completion_has_no_room():
+    """truncate_prompt_tokens=-1 keeps max_model_len tokens, which leave none to generate: the 400 says so and names
+    the truncation that fits (before: "maximum context length is 8192 ... your prompt has 8192 tokens")."""
+    serving = _serving(8192, 9000)
+    request = CompletionRequest(prompt="hi", max_tokens=1, truncate_prompt_tokens=-1)
+    with pytest.raises(OpenAIError, match=r"your prompt has 8192 tokens, which leaves no room for the completion "
+                                          r"\(at least 1 token\)\. Please reduce the length of the prompt "
+                                          r"\(truncate_prompt_tokens=8191 keeps room for one token\)") as e:
+        serving.max_tokens_for(request, 8192, explicit=True)
+    assert e.value.param == "prompt" and e.value.code == "context_length_exceeded"
+
+
 def test_min_tokens_beyond_what_the_request_may_generate_is_a_400():
     """vLLM refuses min_tokens > max_tokens also when max_tokens was defaulted (to what the cache holds here)."""
     short = _serving(8192, 100)
