@@ -17,6 +17,7 @@ import torch.fx as fx
 from torch import nn
 
 from fxrewrite import nodes, source
+from fxrewrite.patterns import qkv_prefused as prefused
 from fxrewrite.layers.linear import QKVParallelLinear
 from fxrewrite.patterns.base import (PREFUSED_ATTR, Context, Match, Pattern, Refusal, copy_requires_grad,
                                      free_attribute, require, require_same_requires_grad)
@@ -96,54 +97,6 @@ def _already_fused(traced, ctx: Context) -> list[Match]:
     return found
 
 
-def _rewrite_prefused(match: Match, tree: cst.Module) -> cst.Module:
-    """``v = self.qkv_proj(x)`` then ``v[..., :a]``, ``v[..., a:b]``, ``v[..., b:]`` in three later statements of the
-    same block -> ``_fx_q, _fx_k, _fx_v = v.split(self.qkv_output_sizes, dim=-1)`` before the first, each slice ->
-    its temporary. SourceError when the source does not show exactly that."""
-    info = source.collect(tree)
-    temps = [f"_fx_{role}" for role in _ROLES]
-    require(not info.names & {*temps, SIZES_ATTR}, f"{', '.join(temps)} / {SIZES_ATTR} would shadow names")
-    call = source.unique_self_call(tree, match.name("qkv"), info)
-    assign = source.parent(info, call)
-    if not (isinstance(assign, cst.Assign) and len(assign.targets) == 1
-            and isinstance(assign.targets[0].target, cst.Name)):
-        raise source.SourceError(f"self.{match.name('qkv')}(...) is not assigned to one name")
-    var = assign.targets[0].target.value
-    subs = [node for node in _walk(tree) if isinstance(node, cst.Subscript) and isinstance(node.value, cst.Name)
-            and node.value.value == var]
-    uses = [node for node in _walk(tree) if isinstance(node, cst.Name) and node.value == var]
-    if len(subs) != 3 or len(uses) != 4 or not all(_is_ellipsis_slice(sub) for sub in subs):
-        raise source.SourceError(f"{var!r} is not used as exactly three [..., a:b] slices")
-    block, lines = source.same_block_index(info, [*subs, call])
-    if len(lines) != 4 or lines[0] is not source.enclosing_statement(info, call)[0]:
-        raise source.SourceError(f"the three slices of {var!r} are not three statements after its assignment")
-    body = source.block_statements(block)
-    after = body[next(i for i, stmt in enumerate(body) if stmt is lines[0]) + 1]
-    source.check_not_rebound(block, after, lines[-1], var)  # (the slices' own statements: `uses` counts them)
-    order = {id(stmt): i for i, stmt in enumerate(lines[1:])}
-    subs.sort(key=lambda sub: order[id(source.enclosing_statement(info, sub)[0])])
-    stmt = f"{', '.join(temps)} = {var}.split(self.{SIZES_ATTR}, dim=-1)"
-    edits = {id(lines[1]): source.with_statement_before(stmt)}
-    edits.update({id(sub): cst.Name(temp) for sub, temp in zip(subs, temps)})
-    return source.replace_many(tree, edits)
-
-
-def _walk(tree: cst.CSTNode):
-    """Every node of `tree`, parents first."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        yield node
-        stack.extend(reversed(node.children))
-
-
-def _is_ellipsis_slice(sub: cst.Subscript) -> bool:
-    """``v[..., a:b]`` (no step)."""
-    items = sub.slice
-    return (len(items) == 2 and isinstance(items[0].slice, cst.Index) and isinstance(items[0].slice.value, cst.Ellipsis)
-            and isinstance(items[1].slice, cst.Slice) and items[1].slice.step is None)
-
-
 class QKVPattern(Pattern):
     """Three plain linears reading one input -> one `QKVParallelLinear` whose output splits into q | k | v
     (vLLM's fused QKV layout). Facts: head_size, row_partner (the linear the attention output reaches)."""
@@ -180,7 +133,7 @@ class QKVPattern(Pattern):
         """``_fx_q, _fx_k, _fx_v = self.qkv_proj(x).split(...)`` before the first call's line; the calls -> those
         names. A pre-fused projection: its three slices -> one split (`_rewrite_prefused`)."""
         if match.fact("prefused"):
-            return _rewrite_prefused(match, tree)
+            return prefused.rewrite(tree, match.name("qkv"), SIZES_ATTR)
         info = source.collect(tree)
         temps = [f"_fx_{role}" for role in _ROLES]
         require(not info.names & set(temps), "temporaries _fx_q/_fx_k/_fx_v would shadow names in forward")
@@ -206,6 +159,10 @@ class QKVPattern(Pattern):
             require(type(lin) is nn.Linear and lin.out_features == sum(match.fact("sizes")),
                     f"{match.name('qkv')} is not an nn.Linear of {sum(match.fact('sizes'))} outputs on this instance")
             free_attribute(module, SIZES_ATTR)
+            q, kv, _ = match.fact("sizes")
+            bounds = prefused.instance_bounds(module, match.name("qkv"), lin.out_features)
+            require(bounds == [(0, q), (q, q + kv), (q + kv, lin.out_features)],
+                    f"this instance's slices of {match.name('qkv')} are {bounds}, not the traced {[q, kv, kv]}")
             return
         mods = [getattr(module, match.name(r), None) for r in _ROLES]
         require(all(type(m) is nn.Linear for m in mods), "q/k/v are not all nn.Linear on this instance")

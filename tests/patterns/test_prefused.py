@@ -58,6 +58,80 @@ class OneStatementAttn(SlicedAttn):
         return self._attend(q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2))
 
 
+class PerLayerAttn(SlicedAttn):
+    """Bounds read from a per-layer table: the trace of one layer cannot speak for another (a review found layer 1
+    split by layer 0's sizes: same total width, other heads)."""
+
+    TABLE = [(4, 2), (6, 1)]
+
+    def __init__(self, layer_idx):
+        super().__init__(head_dim=8, heads=4, kv_heads=2)
+        self.layer_idx = layer_idx
+
+    def forward(self, hidden_states):
+        heads, kv = self.TABLE[self.layer_idx]
+        qkv = self.qkv_proj(hidden_states)
+        q = qkv[..., :heads * self.head_dim]
+        k = qkv[..., heads * self.head_dim:(heads + kv) * self.head_dim]
+        v = qkv[..., (heads + kv) * self.head_dim:]
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        out = F.scaled_dot_product_attention(*(t.view(shape).transpose(1, 2) for t in (q, k, v)), is_causal=True,
+                                             enable_gqa=True).transpose(1, 2).flatten(2)
+        return self.o_proj(F.pad(out, (0, 32 - out.shape[-1])))
+
+
+class HeadsConfig:
+    def __init__(self, heads, kv_heads):
+        self.num_attention_heads, self.num_key_value_heads = heads, kv_heads
+
+
+class PerInstanceAttn(SlicedAttn):
+    """Bounds from the instance's config (Phi-3's form): proven per instance (layer 1 differs, the same width)."""
+
+    def __init__(self, heads, kv_heads):
+        super().__init__(head_dim=8, heads=4, kv_heads=2)
+        self.config = HeadsConfig(heads, kv_heads)
+        self.o_proj = nn.Linear(64, 16, bias=False)
+
+    def forward(self, hidden_states):
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        qkv = self.qkv_proj(hidden_states)
+        q_end = self.config.num_attention_heads * self.head_dim
+        q = qkv[..., :q_end]
+        k = qkv[..., q_end:q_end + self.config.num_key_value_heads * self.head_dim]
+        v = qkv[..., q_end + self.config.num_key_value_heads * self.head_dim:]
+        return self._attend(q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2))
+
+    def _attend(self, q, k, v):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2).flatten(2)
+        return self.o_proj(F.pad(out, (0, 64 - out.shape[-1])))
+
+
+class ArgumentAttn(SlicedAttn):
+    """Bounds from a call argument: the traced call's values are not the next call's."""
+
+    def forward(self, hidden_states, heads=4, kv_heads=2):
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        qkv = self.qkv_proj(hidden_states)
+        q = qkv[..., :heads * self.head_dim]
+        k = qkv[..., heads * self.head_dim:(heads + kv_heads) * self.head_dim]
+        v = qkv[..., (heads + kv_heads) * self.head_dim:]
+        out = F.scaled_dot_product_attention(*(t.view(shape).transpose(1, 2) for t in (q, k, v)), is_causal=True,
+                                             enable_gqa=True).transpose(1, 2).flatten(2)
+        return self.o_proj(F.pad(out, (0, 16 - out.shape[-1])))
+
+
+class Stack(nn.Module):
+    def __init__(self, *layers):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
 class ChunkedMLP(nn.Module):
     def __init__(self, hidden=16, inter=24, combine="act"):
         super().__init__()
@@ -113,3 +187,45 @@ def test_chunked_gate_up_is_recorded_only_when_the_halves_meet_in_act_times_up()
     report, ref, got, module = _optimize(ChunkedMLP(combine="flip"))
     assert report.present_patterns() == ["glu"] and PREFUSED_ATTR not in module.__dict__
     torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+def test_bounds_not_built_from_the_instance_are_refused():
+    x = torch.randn(2, 5, 16)
+    model = Stack(PerLayerAttn(0), PerLayerAttn(1))
+    ref = model(x)
+    out = fxrewrite.optimize(model, example_inputs=((x,), {}))
+    torch.testing.assert_close(out(x), ref, rtol=0, atol=0)
+    assert any("not built from int literals" in why for _, _, why in fxrewrite.explain(out).skipped())
+    attn = ArgumentAttn()
+    ref = attn(x, heads=6, kv_heads=1)
+    out = fxrewrite.optimize(attn, example_inputs=((x,), {}))
+    assert "qkv" not in fxrewrite.explain(out).applied_patterns()
+    torch.testing.assert_close(out(x, heads=6, kv_heads=1), ref, rtol=0, atol=0)
+
+
+def test_each_instance_proves_its_own_bounds():
+    x = torch.randn(2, 5, 16)
+    model = Stack(PerInstanceAttn(4, 2), PerInstanceAttn(6, 1))  # 32 | 16 | 16 and 48 | 8 | 8: one width
+    ref = model(x)
+    out = fxrewrite.optimize(model, example_inputs=((x,), {}))
+    torch.testing.assert_close(out(x), ref, rtol=0, atol=0)
+    first, second = out.layers
+    assert first.qkv_output_sizes == [32, 16, 16]  # the second: its own sizes, or left as it was when one trace
+    assert getattr(second, "qkv_output_sizes", [48, 8, 8]) == [48, 8, 8]  # served both (the report says why)
+    skipped = [why for _, _, why in fxrewrite.explain(out).skipped()]
+    assert hasattr(second, "qkv_output_sizes") or any("not the traced [32, 16, 16]" in why for why in skipped)
+
+
+def test_an_instance_whose_bounds_differ_from_the_trace_is_refused():
+    """Instances traced together (one group) are each checked against the trace's sizes before any change."""
+    import pytest
+
+    from fxrewrite.patterns.base import Context, Match, Refusal
+    from fxrewrite.patterns.qkv import QKVPattern
+
+    facts = (("head_size", 8), ("sizes", (32, 16, 16)), ("row_partner", "o_proj"), ("prefused", True))
+    match = Match(QKVPattern, frozenset(), (("qkv", "qkv_proj"),), facts)
+    QKVPattern.validate(match, PerInstanceAttn(4, 2), Context(model=None))
+    with pytest.raises(Refusal, match=r"slices of qkv_proj are \[\(0, 48\), \(48, 56\), \(56, 64\)\], not the "
+                                      r"traced \[32, 16, 16\]"):
+        QKVPattern.validate(match, PerInstanceAttn(6, 1), Context(model=None))
