@@ -112,8 +112,10 @@ def _check_kv_layout(name: str, seen: dict[int, tuple[int, int]], caches, error:
         if tp > 1 and (heads, width) == (cached[0] * tp, cached[1]):
             raise UnsupportedModelError(
                 f"{name}: layer {layer} attends with all {heads} key/value heads on each of the {tp} tensor-parallel "
-                f"ranks (this rank's cache holds {cached[0]}): nothing sharded its attention (no tensor-parallel plan "
-                "in the model, and fusion off or not proven); run it at tensor_parallel_size=1") from error
+                f"ranks (this rank's cache holds {cached[0]}): nothing sharded its attention (the model's "
+                "base_model_tp_plan, if any, splits no attention head, and fusion is off or did not prove its "
+                "projections: `fxrewrite explain` says why); run it with fusion on where that proves them, or at "
+                "tensor_parallel_size=1") from error
         if (heads, width) != cached:
             raise UnsupportedModelError(
                 f"{name}: layer {layer} attends with {heads} key/value heads of width {width}, but the config gives "

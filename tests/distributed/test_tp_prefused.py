@@ -39,3 +39,14 @@ def test_each_rank_holds_its_heads_and_half_the_mlp(tiny_model_dir):
     assert tuple(attn.o_proj.weight.shape) == (64, 32) and attn.num_key_value_heads == 1
     assert isinstance(mlp.gate_up_proj, MergedColumnParallelLinear) and mlp.gate_up_proj.output_sizes_per_partition == [
         64, 64]
+
+
+def test_phi3_without_fusion_at_tp2_is_refused_naming_the_way_out(tiny_model_dir):
+    """Its base_model_tp_plan (colwise_gather_output) splits no head; the refusal says fusion would (a fresh user read
+    "no tensor-parallel plan in the model", which Phi-3 has)."""
+    from fxrewrite.errors import UnsupportedModelError
+
+    folder = tiny_model_dir("phi3", initializer_range=0.2)
+    with pytest.raises(UnsupportedModelError, match=r"Phi3ForCausalLM: layer 0 attends with all 2 key/value heads .* "
+                                                    r"run it with fusion on where that proves them"):
+        arch_sweep.engine_run(folder, arch_sweep.prompts(49152), False, {"tensor_parallel_size": 2})
