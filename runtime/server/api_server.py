@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import signal
 from contextlib import asynccontextmanager
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
@@ -215,7 +216,18 @@ def _add_routes(app: FastAPI, engine: LLMEngine, names: list[str], completion: O
 
 
 def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve `app` with uvicorn until interrupted (blocks)."""
+    """Serve `app` with uvicorn until interrupted (blocks). SIGTERM ends it as Ctrl-C does: uvicorn shuts down
+    gracefully and then re-raises the signal it caught, which by default would kill the process before the engine's
+    exit handlers free its workers' shared memory (the resource tracker then warned of leaked segments, TP > 1);
+    here the re-raised SIGTERM becomes a normal exit (status 0)."""
     import uvicorn
 
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=5)
+    previous = signal.signal(signal.SIGTERM, _exit_normally)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=5)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_normally(signum, frame) -> None:
+    raise SystemExit(0)
