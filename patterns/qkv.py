@@ -131,7 +131,7 @@ class QKVPattern(Pattern):
     @classmethod
     def rewrite(cls, match: Match, src, tree: cst.Module) -> cst.Module:
         """``_fx_q, _fx_k, _fx_v = self.qkv_proj(x).split(...)`` before the first call's line; the calls -> those
-        names. A pre-fused projection: its three slices -> one split (`_rewrite_prefused`)."""
+        names. A pre-fused projection: its three slices -> one split (`qkv_prefused.rewrite`)."""
         if match.fact("prefused"):
             return prefused.rewrite(tree, match.name("qkv"), SIZES_ATTR)
         info = source.collect(tree)
