@@ -126,8 +126,8 @@ class LLM:
             for i, (request_id, prompt, p) in enumerate(zip(ids, prompts, params)):
                 try:
                     self.llm_engine.add_request(request_id, prompt, p, final_only=True)
-                except ValueError as e:
-                    raise UserInputError(f"prompt {i}: {e}") from None
+                except ValueError as e:  # the same kind, naming the prompt
+                    raise (UserTypeError if isinstance(e, TypeError) else UserInputError)(f"prompt {i}: {e}") from None
             return self._run(ids, use_tqdm)
         except BaseException:
             for request_id in ids:

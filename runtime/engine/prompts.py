@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from fxrewrite.errors import UserInputError, check_unicode, is_integer
+from fxrewrite.errors import UserInputError, UserTypeError, check_unicode, is_integer
 
 
 def tokenize_prompt(tokenizer: Any, vocab_size: int, prompt: str | list[int]) -> tuple[str | None, list[int]]:
     """(the prompt's text or None for token ids, its token ids). UserInputError naming the bad value: a token
-    id outside [0, vocab_size), a non-int element, another prompt type, an empty prompt, invalid unicode."""
+    id outside [0, vocab_size), an empty prompt, invalid unicode; UserTypeError (also a ValueError) for a non-int
+    element or another prompt type."""
     if isinstance(prompt, str):
         token_ids = tokenizer.encode(check_unicode(prompt, "prompt"))
         text = prompt
@@ -21,9 +22,9 @@ def tokenize_prompt(tokenizer: Any, vocab_size: int, prompt: str | list[int]) ->
             raise UserInputError(f"prompt token id {bad[0]} is out of range [0, {vocab_size})")
     elif isinstance(prompt, (list, tuple)):
         i, bad = next((i, t) for i, t in enumerate(prompt) if not is_integer(t))
-        raise UserInputError(f"prompt token ids must be ints: element {i} is {type(bad).__name__} {bad!r}")
+        raise UserTypeError(f"prompt token ids must be ints: element {i} is {type(bad).__name__} {bad!r}")
     else:
-        raise UserInputError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        raise UserTypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
     if not token_ids:
         raise UserInputError("prompt is empty: at least 1 token is needed")
     return text, token_ids

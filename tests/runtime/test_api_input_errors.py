@@ -64,7 +64,7 @@ def test_dict_prompt_without_a_prompt_key_is_named(llm):
 
 
 def test_token_id_lists_name_the_bad_element(llm):
-    with pytest.raises(ValueError, match="prompt 0: prompt token ids must be ints: element 2 is float 3.5"):
+    with pytest.raises(TypeError, match="prompt 0: prompt token ids must be ints: element 2 is float 3.5"):
         llm.generate([[1, 2, 3.5]], use_tqdm=False)
     with pytest.raises(ValueError, match="prompt 0: prompt token ids must be ints: element 1 is bool True"):
         llm.generate([{"prompt_token_ids": [5, True]}], use_tqdm=False)  # as the server refuses [true]
