@@ -22,7 +22,9 @@ tuned apart.
 A choice is a skinny GEMV config (block_n, block_k, num_warps[, split_k]) (FP8: (block_n, block_g, num_warps)),
 or, for float weights at one token (bucket 1), a config tagged with its backend:
 ``("pipelined", block_n, block_k, num_stages, num_warps)`` (`fxrewrite.kernels.skinny_gemv_pipelined`: the
-prologue's own kernel, then the pipelined GEMV), or ``("unfused", block_n, block_k, num_warps[, split_k])`` for
+prologue's own kernel, then the pipelined GEMV), for "norm" / "silu" ``("pipelined-fused", block_n, block_k,
+num_stages, num_warps)`` (the pipelined GEMV with the prologue inside its loop: one launch), or
+``("unfused", block_n, block_k, num_warps[, split_k])`` for
 "norm" / "silu" (the prologue's own kernel, then the skinny GEMV without a prologue: at Qwen3-32B's K = 5120 /
 25600 the prologue recomputed by every program cost more than the separate launch, 2026-12-02 eighteenth tune
 log). `run` dispatches on the tag; `choices` writes a config as its parts joined by "/" and `parse` reads that back.
@@ -37,18 +39,21 @@ from fxrewrite.kernels import env_choice, use_triton
 from fxrewrite.kernels.batch_invariant import is_batch_invariant
 from fxrewrite.kernels.skinny_gemv import FORMATS, GEMV_MAX_M, configs_for, skinny_gemv_triton
 from fxrewrite.kernels.skinny_gemv_fp8 import skinny_gemv_fp8_triton
-from fxrewrite.kernels.skinny_gemv_pipelined import PIPELINED_CONFIGS, skinny_gemv_pipelined, with_prologue
+from fxrewrite.kernels.skinny_gemv_pipelined import (PIPELINED_CONFIGS, skinny_gemv_pipelined,
+                                                     skinny_gemv_pipelined_fused, with_prologue)
 from fxrewrite.kernels.triton_utils import next_power_of_2
 
-__all__ = ["KINDS", "PIPELINED", "UNFUSED", "TAGS", "unfused_configs", "mode", "choose", "config_for_call", "weight_format", "pipelined_configs",
+__all__ = ["KINDS", "PIPELINED", "PIPELINED_FUSED", "UNFUSED", "TAGS", "fused_pipelined_configs", "unfused_configs", "mode", "choose", "config_for_call", "weight_format", "pipelined_configs",
            "is_pipelined", "run", "record", "choices", "parse", "clear"]
 
 KINDS = ("linear", "norm", "silu")
 PIPELINED = "pipelined"
 """Tag of a choice that runs `skinny_gemv_pipelined` (float weights, one token)."""
+PIPELINED_FUSED = "pipelined-fused"
+"""Tag of a choice that runs `skinny_gemv_pipelined_fused` ("norm" / "silu", float weights, one token)."""
 UNFUSED = "unfused"
 """Tag of a choice that runs the prologue's own kernel, then the skinny GEMV without one (float weights, one token)."""
-TAGS = (PIPELINED, UNFUSED)
+TAGS = (PIPELINED, PIPELINED_FUSED, UNFUSED)
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _FP8 = torch.float8_e4m3fn
 _choices: dict[tuple[str, int, int, int, str], tuple | None] = {}
@@ -109,6 +114,11 @@ def pipelined_configs() -> tuple[tuple, ...]:
     return tuple((PIPELINED, *c) for c in PIPELINED_CONFIGS)
 
 
+def fused_pipelined_configs(kind: str) -> tuple[tuple, ...]:
+    """For "norm" / "silu": ("pipelined-fused", *c) for c in `PIPELINED_CONFIGS`; for "linear" () (no prologue)."""
+    return tuple((PIPELINED_FUSED, *c) for c in PIPELINED_CONFIGS) if kind != "linear" else ()
+
+
 def unfused_configs(kind: str, n: int) -> tuple[tuple, ...]:
     """For "norm" / "silu" at one token: the skinny GEMV's plain-linear configs, tagged `UNFUSED`; else ()."""
     return tuple((UNFUSED, *c) for c in configs_for(1, "linear", n)) if kind != "linear" else ()
@@ -134,6 +144,8 @@ def run(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config, w_s
         raise ValueError(f"gemv_dispatch: {config} is a float-weight GEMV; this weight is FP8")
     if tag == PIPELINED:
         return skinny_gemv_pipelined(x, w, bias, config=tuple(config[1:]), **prologue)
+    if tag == PIPELINED_FUSED:
+        return skinny_gemv_pipelined_fused(x, w, bias, config=tuple(config[1:]), **prologue)
     if tag == UNFUSED:
         return with_prologue(lambda h: skinny_gemv_triton(h, w, bias, config=tuple(config[1:])), x, **prologue)
     if w.dtype == _FP8:
@@ -149,12 +161,13 @@ def record(kind: str, n: int, k: int, bucket: int, config: tuple | None, fmt: st
         raise ValueError(f"record: kind {kind!r} / bucket {bucket} / format {fmt!r} not in {KINDS} / (1, 2, 4, 8) "
                          f"/ {FORMATS}")
     if config is not None and any(isinstance(c, str) for c in config):
-        sizes = {PIPELINED: (4,), UNFUSED: (3, 4)}.get(_tag(config), ())
+        sizes = {PIPELINED: (4,), PIPELINED_FUSED: (4,), UNFUSED: (3, 4)}.get(_tag(config), ())
         if len(config) - 1 not in sizes or not all(isinstance(c, int) for c in config[1:]) or bucket != 1 \
-                or fmt != "float" or (_tag(config) == UNFUSED and kind == "linear"):
+                or fmt != "float" or (_tag(config) in (UNFUSED, PIPELINED_FUSED) and kind == "linear"):
             raise ValueError(f"record: {tuple(config)} for {kind!r} at bucket {bucket} / format {fmt!r}; a tagged "
                              f"choice is ({PIPELINED!r}, block_n, block_k, num_stages, num_warps) or, for 'norm' / "
-                             f"'silu', ({UNFUSED!r}, block_n, block_k, num_warps[, split_k]), at bucket 1, format 'float'")
+                             f"'silu', ({PIPELINED_FUSED!r}, the same four) or ({UNFUSED!r}, block_n, block_k, "
+                             "num_warps[, split_k]), at bucket 1, format 'float'")
     _choices[(kind, n, k, bucket, fmt)] = tuple(config) if config is not None else None
 
 
@@ -173,10 +186,11 @@ def parse(text: str) -> tuple | None:
     parts = text.split("/")
     tag = parts[0] if parts[0] in TAGS else None
     ints = parts[1:] if tag else parts
-    sizes = {PIPELINED: (4,), UNFUSED: (3, 4), None: (3, 4)}[tag]
+    sizes = {PIPELINED: (4,), PIPELINED_FUSED: (4,), UNFUSED: (3, 4), None: (3, 4)}[tag]
     if not all(p.isdigit() for p in ints) or len(ints) not in sizes:
         raise ValueError(f"gemv_dispatch.parse: {text!r} is not 'cublas', 'n/k/warps[/split]', "
-                         f"'{PIPELINED}/n/k/stages/warps' or '{UNFUSED}/n/k/warps[/split]'")
+                         f"'{PIPELINED}/n/k/stages/warps', '{PIPELINED_FUSED}/n/k/stages/warps' or "
+                         f"'{UNFUSED}/n/k/warps[/split]'")
     return ((tag,) if tag else ()) + tuple(int(p) for p in ints)
 
 

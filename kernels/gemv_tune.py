@@ -14,8 +14,9 @@ the baseline; otherwise the bucket records None (cuBLAS).
 
 At one token on float weights the candidates (`candidates`) also hold the software-pipelined GEMV's configs,
 tagged ``("pipelined", block_n, block_k, num_stages, num_warps)`` (`fxrewrite.kernels.skinny_gemv_pipelined`): for
-"norm" / "silu" the prologue's own kernel then the pipelined GEMV, for "linear" the GEMV alone; and for "norm" /
-"silu" the prologue's own kernel then the skinny GEMV's plain-linear configs, tagged ``("unfused", ...)``. They are proven
+"norm" / "silu" the prologue's own kernel then the pipelined GEMV, for "linear" the GEMV alone; for "norm" / "silu" the
+pipelined GEMV with the prologue in its loop, tagged ``("pipelined-fused", ...)``, and the prologue's own kernel then
+the skinny GEMV's plain-linear configs, tagged ``("unfused", ...)``. They are proven
 and timed like the skinny configs, and the recorded choice says which kernel runs (`gemv_dispatch.run`).
 
 FP8 weights (formats "fp8" / "fp8-channel", `fxrewrite.kernels.skinny_gemv_fp8`): the baseline is the
@@ -80,19 +81,24 @@ def baseline(kind: str, w: torch.Tensor, x: torch.Tensor, residual=None, norm_we
     return F.linear(x, w)
 
 
-def _tagged_candidates() -> bool:
-    """FXREWRITE_GEMV_CANDIDATES: "all" (default) or "skinny" (the skinny GEMV's fused configs only, as before the
-    tagged backends: a same-machine baseline for benchmarks). ValueError for another value."""
-    return env_choice("FXREWRITE_GEMV_CANDIDATES", "all", ("all", "skinny")) == "all"
+def _candidate_set() -> str:
+    """FXREWRITE_GEMV_CANDIDATES (same-machine baselines for benchmarks): "all" (default); "separate-prologue"
+    (no "pipelined-fused" configs, as before they were written); "skinny" (the skinny GEMV's fused configs only, as
+    before the tagged backends). ValueError for another value."""
+    return env_choice("FXREWRITE_GEMV_CANDIDATES", "all", ("all", "separate-prologue", "skinny"))
 
 
 def candidates(bucket: int, kind: str, n: int, fmt: str = "float") -> tuple[tuple, ...]:
     """What the tuner times for a bucket: the skinny GEMV's `configs_for(bucket, kind, n, fmt)`, then at one
     token on float weights the pipelined GEMV's tagged configs (`gemv_dispatch.pipelined_configs`) and, for "norm" /
-    "silu", the prologue's kernel before the plain skinny GEMV (`gemv_dispatch.unfused_configs`)."""
-    one_token_float = bucket == 1 and fmt == "float" and _tagged_candidates()
-    tagged = gemv_dispatch.pipelined_configs() + gemv_dispatch.unfused_configs(kind, n) if one_token_float else ()
-    return tuple(configs_for(bucket, kind, n, fmt=fmt)) + tagged
+    "silu", its prologue-in-the-loop form (`gemv_dispatch.fused_pipelined_configs`) and the prologue's kernel before
+    the plain skinny GEMV (`gemv_dispatch.unfused_configs`)."""
+    chosen = _candidate_set()
+    if bucket != 1 or fmt != "float" or chosen == "skinny":
+        return tuple(configs_for(bucket, kind, n, fmt=fmt))
+    fused = gemv_dispatch.fused_pipelined_configs(kind) if chosen == "all" else ()
+    return (tuple(configs_for(bucket, kind, n, fmt=fmt)) + gemv_dispatch.pipelined_configs() + fused
+            + gemv_dispatch.unfused_configs(kind, n))
 
 
 def candidate(kind: str, w: torch.Tensor, x: torch.Tensor, config, residual=None, norm_weight=None, w_scale=None,

@@ -17,8 +17,13 @@ session's experiment the same loop (`benchmarks/gemv_pipelined.py`, ``ptr``; H20
 to 3 % slower at qkv / gate_up: a per-shape choice, hence a tuner candidate rather than a replacement. For the
 "norm" / "silu" kinds it also pays the prologue's separate launch, which the skinny GEMV fuses.
 
-No fused prologue: `skinny_gemv_pipelined` runs the RMSNorm (with its residual add) or SiLU-and-mul kernel first,
-then this GEMV (fused into the FP8 pipelined loop they were slower at every Qwen3-32B shape: not tried again).
+Prologues ("norm": RMSNorm with its residual add; "silu": SiLU-and-mul), two forms, both tuner candidates:
+`skinny_gemv_pipelined` runs the prologue's own kernel, then this GEMV; `skinny_gemv_pipelined_fused` computes the
+prologue inside the loop, as the skinny GEMV does (`fxrewrite.kernels.skinny_gemv._token`: every program recomputes
+its slices of silu(gate) * up, or of x + residual with the sum of squares, the 1/rms applied after the dot), so the
+prologue's launch disappears at the cost of a second input read (from L2) per weight tile. (Fused into the FP8
+pipelined loop the prologues were slower at every Qwen3-32B shape; bf16 at Qwen3-4B shapes is what the tuner
+decides.)
 
 Reference: `fxrewrite.kernels.skinny_gemv.skinny_gemv_ref` (the unfused ops then F.linear), same contract.
 """
@@ -30,11 +35,11 @@ import torch
 from fxrewrite.kernels.activation import silu_and_mul
 from fxrewrite.kernels.pdl import LINE_BYTES, gdc_prologue, pdl_enabled, prefetch_l2, prefetch_lines
 from fxrewrite.kernels.rms_norm import rms_norm
-from fxrewrite.kernels.skinny_gemv import _check, _load, skinny_gemv_ref
+from fxrewrite.kernels.skinny_gemv import _check, _load, _token, skinny_gemv_ref
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
 __all__ = ["PIPELINED_CONFIGS", "skinny_gemv_pipelined_ref", "skinny_gemv_pipelined_triton", "skinny_gemv_pipelined",
-           "with_prologue"]
+           "skinny_gemv_pipelined_fused", "with_prologue"]
 
 PIPELINED_CONFIGS = ((8, 256, 5, 4), (16, 256, 5, 4), (8, 256, 3, 4), (16, 256, 3, 4), (8, 512, 4, 4),
                      (4, 512, 5, 4))
@@ -52,9 +57,10 @@ def skinny_gemv_pipelined_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tens
     return skinny_gemv_ref(x, w, bias)
 
 
-def _refuse(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config) -> None:
-    """ValueError unless the kernel can read these operands with this config."""
-    if x.dim() != 2 or w.dim() != 2 or x.shape[0] != 1 or x.shape[1] != w.shape[1] or x.stride(1) != 1 \
+def _refuse(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config, silu_mul: bool = False) -> None:
+    """ValueError unless the kernel can read these operands with this config (x [1, 2K] with silu_mul)."""
+    width = 2 * w.shape[1] if silu_mul and w.dim() == 2 else w.shape[-1]
+    if x.dim() != 2 or w.dim() != 2 or x.shape[0] != 1 or x.shape[1] != width or x.stride(1) != 1 \
             or not w.is_contiguous():
         raise ValueError(f"skinny_gemv_pipelined: needs x [1, K] with unit column stride and a contiguous weight "
                          f"[N, K]; got x {tuple(x.shape)} strides {x.stride()}, w {tuple(w.shape)}")
@@ -77,18 +83,41 @@ def skinny_gemv_pipelined_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.T
     ValueError for more than one token, mixed dtypes or a layout the kernel cannot read. Launched with PDL where
     `fxrewrite.kernels.pdl` enables it."""
     _refuse(x, w, bias, tuple(config))
+    return _launch(x, w, bias, tuple(config))
+
+
+def skinny_gemv_pipelined_fused(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
+                                norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                                residual: torch.Tensor | None = None, silu_mul: bool = False,
+                                config: tuple[int, ...] = PIPELINED_CONFIGS[0]):
+    """`skinny_gemv_ref`'s contract at one token (x [1, K], or [1, 2K] with silu_mul; with residual returns (out,
+    x + residual)) in one launch: the prologue computed inside the pipelined loop (module docstring). config as
+    `skinny_gemv_pipelined_triton`'s. ValueError on shapes that do not fit, more than one token, mixed dtypes or a
+    layout the kernel cannot read."""
+    _check(x, w, norm_weight, residual, silu_mul)
+    _refuse(x, w, bias, tuple(config), silu_mul)
+    if residual is not None and (residual.stride(1) != 1 or residual.dtype != x.dtype):
+        raise ValueError(f"skinny_gemv_pipelined_fused: residual {residual.dtype} strides {residual.stride()}; "
+                         f"expected {x.dtype} with unit column stride")
+    return _launch(x, w, bias, tuple(config), norm_weight, eps, residual, silu_mul)
+
+
+def _launch(x, w, bias, config, norm_weight=None, eps: float = 1e-6, residual=None, silu_mul: bool = False):
     block_n, block_k, stages, warps = config
     n, k = w.shape
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(residual) if residual is not None else out
     if n == 0:
-        return out
+        return (out, torch.add(x, residual)) if residual is not None else out
     block_k = min(block_k, next_power_of_2(k))
     pdl = pdl_enabled(x.device)
     launch(_skinny_gemv_pipelined_kernel, (triton.cdiv(n, block_n),), x.device, pdl)(
-        x, w, bias.contiguous() if bias is not None else w, out, n, k, BLOCK_N=block_n, BLOCK_K=block_k,
-        NUM_STAGES=stages, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, PDL=pdl,
+        x, residual if residual is not None else x, norm_weight if norm_weight is not None else w, w,
+        bias.contiguous() if bias is not None else w, out, res_out, 1, n, k, float(eps), BLOCK_N=block_n,
+        BLOCK_K=block_k, NUM_STAGES=stages, NORM=norm_weight is not None, HAS_RES=residual is not None,
+        SILU_MUL=silu_mul, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, PDL=pdl,
         PREFETCH_LINES=prefetch_lines(k, w.element_size()), LINE=LINE_BYTES // w.element_size(), num_warps=warps)
-    return out
+    return (out, res_out) if residual is not None else out
 
 
 def skinny_gemv_pipelined(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -120,23 +149,33 @@ def with_prologue(gemv, x: torch.Tensor, norm_weight: torch.Tensor | None = None
 
 
 @triton.jit
-def _skinny_gemv_pipelined_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                  NUM_STAGES: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                                  PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr):
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _skinny_gemv_pipelined_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, M, N, K, eps,
+                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                                  NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr,
+                                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
+                                  PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr):
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * K  # a partial last tile re-reads row N - 1
     if PDL:  # weights are never written by a kernel: their first lines start towards L2 during the previous tail
         lines = tl.arange(0, PREFETCH_LINES) * LINE
         prefetch_l2(rows + lines[None, :], (lines < K)[None, :] & (rn < N)[:, None])
     gdc_prologue(PDL)  # x is the previous kernel's output
     rk = tl.arange(0, BLOCK_K)
+    first = pid == 0  # the first program writes the new residual (NORM with HAS_RES)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):  # loads of later tiles in flight (cp.async)
         k = k0 + rk
         w = _load(rows + k[None, :], (k < K)[None, :], EVEN_K).to(tl.float32)
-        x = _load(x_ptr + k, k < K, EVEN_K).to(tl.float32)
+        # x's slice as float32 with the prologue applied (M = 1: row 0, no row stride), and its squares for the norm
+        x, sq = _token(x_ptr, res_ptr, g_ptr, res_out_ptr, 0, k, M, K, 0, 0, first, NORM, HAS_RES, SILU_MUL, EVEN_K)
         acc += w * x[None, :]
+        if NORM:
+            ss += sq
     total = tl.sum(acc, axis=1)  # the one reduction over K
+    if NORM:
+        total = total * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
     if HAS_BIAS:
         total += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
     tl.store(out_ptr + rn, total.to(out_ptr.dtype.element_ty), mask=rn < N)

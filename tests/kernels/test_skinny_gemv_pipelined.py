@@ -19,7 +19,8 @@ from fxrewrite.kernels import skinny_gemv_pipelined as skinny_gemv_pipelined_mod
 from fxrewrite.kernels.rms_norm import rms_norm_ref
 from fxrewrite.kernels.skinny_gemv import configs_for, skinny_gemv_ref
 from fxrewrite.kernels.skinny_gemv_pipelined import (PIPELINED_CONFIGS, skinny_gemv_pipelined,
-                                                     skinny_gemv_pipelined_ref, skinny_gemv_pipelined_triton)
+                                                     skinny_gemv_pipelined_fused, skinny_gemv_pipelined_ref,
+                                                     skinny_gemv_pipelined_triton)
 from fxrewrite.kernels.triton_utils import listen_launches
 from fxrewrite.layers.activation import SiluAndMul
 from fxrewrite.layers.layernorm import RMSNorm
@@ -106,6 +107,48 @@ def test_prologue_then_gemv_matches_unfused_ref(interpret, monkeypatch, dtype, p
         _same_residual(got[1], want[1], dtype)
         got, want = got[0], want[0]
     _close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("prologue", ["norm", "norm_res", "silu"])
+@pytest.mark.parametrize("k, config", [(192, PIPELINED_CONFIGS[1]), (600, PIPELINED_CONFIGS[4])], ids=str)
+def test_fused_prologue_matches_unfused_ref(interpret, dtype, prologue, k, config):
+    """The prologue inside the pipelined loop (one launch) against the unfused ops: an RMSNorm's statistics over all
+    of K (K past the last tile at 600), the new residual written once, silu(gate) * up rounded as its kernel stores
+    it; with and without bias."""
+    g = torch.Generator().manual_seed(k)
+    n = 13
+    x, w, b = _operands(n, 2 * k if prologue == "silu" else k, dtype, seed=k + 1)
+    w = w[:, :k].contiguous()
+    args = {"silu_mul": True} if prologue == "silu" else \
+        {"norm_weight": torch.rand(k, generator=g).add(0.5).to(dtype), "eps": 1e-5}
+    if prologue == "norm_res":
+        args["residual"] = torch.randn(1, k, generator=g).to(dtype)
+    for bias in (b, None):
+        with listen_launches(_Launches()) as seen:
+            got = skinny_gemv_pipelined_fused(x, w, bias, config=config, **args)
+        assert seen.names == [_KERNEL], seen.names
+        want = skinny_gemv_ref(x.float(), w.float(), None if bias is None else bias.float(),
+                               **{a: v.float() if torch.is_tensor(v) else v for a, v in args.items()})
+        if prologue == "norm_res":
+            _same_residual(got[1], want[1], dtype)
+            got, want = got[0], want[0]
+        assert got.dtype == dtype and got.shape == (1, n)
+        _close(got, want, dtype)
+
+
+def test_fused_refuses_what_it_cannot_run():
+    x, w, _ = _operands(8, 256, torch.float32, seed=1, bias=False)
+    with pytest.raises(ValueError, match=r"expected \[M, 512\]"):
+        skinny_gemv_pipelined_fused(x, w, silu_mul=True)
+    with pytest.raises(ValueError, match="exclusive"):
+        skinny_gemv_pipelined_fused(torch.randn(1, 512), w, silu_mul=True, norm_weight=torch.ones(256))
+    with pytest.raises(ValueError, match="needs norm_weight"):
+        skinny_gemv_pipelined_fused(x, w, residual=torch.randn(1, 256))
+    with pytest.raises(ValueError, match=r"x \[1, K\]"):
+        skinny_gemv_pipelined_fused(torch.randn(2, 256), w, norm_weight=torch.ones(256))
+    with pytest.raises(ValueError, match="residual torch.bfloat16"):
+        skinny_gemv_pipelined_fused(x, w, norm_weight=torch.ones(256), residual=torch.randn(1, 256).bfloat16())
 
 
 def test_refuses_what_it_cannot_run():
@@ -195,6 +238,44 @@ def test_layers_run_a_recorded_pipelined_choice(interpret, monkeypatch, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_layers_run_a_recorded_fused_pipelined_choice(interpret, monkeypatch, dtype):
+    """("pipelined-fused", config) for "norm" / "silu": one launch of the pipelined kernel per call, no RMSNorm or
+    SiLU-and-mul kernel, the same results as the unfused ops; refused for "linear" (no prologue) and round-tripped
+    through choices / parse."""
+    gemv_dispatch.clear()
+    x, res, gate_up = torch.randn(1, 64).to(dtype), torch.randn(1, 64).to(dtype), torch.randn(1, 96).to(dtype)
+    choice = gemv_dispatch.fused_pipelined_configs("norm")[0]
+    assert choice == ("pipelined-fused", *PIPELINED_CONFIGS[0]) and gemv_dispatch.fused_pipelined_configs("linear") == ()
+
+    def calls():
+        return [*qkv.norm_forward(x, norm, res), qkv.norm_forward(x, norm)[0], down.silu_forward(gate_up, SiluAndMul())]
+    try:
+        torch.manual_seed(0)
+        qkv = QKVParallelLinear(64, 8, 2, 1, bias=True, params_dtype=dtype)
+        down = RowParallelLinear(48, 16, bias=True, params_dtype=dtype)
+        norm = RMSNorm(64, 1e-6, dtype=dtype)
+        norm.weight.data.uniform_(0.5, 1.5)
+        gemv_dispatch.record("norm", 32, 64, 1, choice)
+        gemv_dispatch.record("silu", 16, 48, 1, choice)
+        assert gemv_dispatch.choices()["silu 16x48@1"] == "pipelined-fused/8/256/5/4"
+        assert gemv_dispatch.parse("pipelined-fused/8/256/5/4") == choice
+        with torch.no_grad():
+            want = calls()
+            monkeypatch.setenv("FXREWRITE_TRITON", "1")
+            monkeypatch.setenv("FXREWRITE_GEMV", "auto")
+            with listen_launches(_Launches()) as seen:
+                got = calls()
+        assert seen.names == [_KERNEL] * 3, seen.names
+    finally:
+        gemv_dispatch.clear()
+    with pytest.raises(ValueError, match="a tagged choice is"):
+        gemv_dispatch.record("linear", 16, 48, 1, choice)
+    _same_residual(got.pop(1), want.pop(1), dtype)
+    for g, w in zip(got, want):
+        _close(g, w, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_layers_run_a_recorded_unfused_choice(interpret, monkeypatch, dtype):
     """("unfused", skinny config) for "norm" / "silu": the prologue's own kernel, then the skinny GEMV without a
     prologue (at Qwen3-32B's K the per-program prologue cost more than the launch); same results as unfused ops."""
@@ -242,7 +323,8 @@ def test_candidates_at_one_token_on_float_weights_only():
     tagged = gemv_dispatch.pipelined_configs()
     unfused = tuple(("unfused", *c) for c in configs_for(1, "linear", 6144))
     assert unfused and gemv_dispatch.unfused_configs("norm", 6144) == unfused
-    assert gemv_tune.candidates(1, "norm", 6144) == configs_for(1, "norm", 6144) + tagged + unfused
+    fused = tuple(("pipelined-fused", *c) for c in PIPELINED_CONFIGS)
+    assert gemv_tune.candidates(1, "norm", 6144) == configs_for(1, "norm", 6144) + tagged + fused + unfused
     assert gemv_tune.candidates(1, "linear", 2560) == configs_for(1, "linear", 2560) + tagged
     assert gemv_tune.candidates(2, "linear", 2560) == configs_for(2, "linear", 2560)
     assert gemv_tune.candidates(1, "silu", 2560, "fp8") == configs_for(1, "silu", 2560, fmt="fp8")
@@ -283,7 +365,8 @@ def test_compiles_for_sm90_with_the_weight_loads_pipelined():
     """Through triton's real compiler for an H100/H200 (no GPU here; a fresh process, as this one may interpret):
     every pipelined config's weight tiles are 16-byte cp.async copies with more than one commit group in flight and
     no register loads, where the skinny GEMV has plain 16-byte register loads and no cp.async. Built with PDL, the
-    pipelined GEMV sends its first weight lines towards L2 before it waits on the previous kernel."""
+    pipelined GEMV sends its first weight lines towards L2 before it waits on the previous kernel; with a prologue in
+    its loop (norm with residual, silu) the weight tiles stay cp.async copies."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-m", "tests.kernels.sm90_compile", "skinny-gemv-pipelined"], env=env,
                           capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
@@ -294,14 +377,23 @@ def test_compiles_for_sm90_with_the_weight_loads_pipelined():
     for name, v in pipelined.items():
         assert v["cp_async_16B"] > 0 and v["max_groups_in_flight"] > 0 and v["ld_global"] == 0, (name, v)
         assert v["prefetch_before_wait"] > 0, (name, v)
+    fused = {name: v for name, v in loads.items() if name.startswith("fused-")}
+    assert sorted(name.split()[0] for name in fused) == ["fused-norm", "fused-silu"], loads
+    for name, v in fused.items():  # the prologue in the loop leaves the weight tiles cp.async copies
+        assert v["cp_async_16B"] == pipelined[name.replace(name.split()[0], "pipelined")]["cp_async_16B"], (name, v)
+        assert v["ld_global"] == 0 and v["prefetch_before_wait"] > 0, (name, v)
     skinny = next(v for name, v in loads.items() if name.startswith("skinny"))
     assert skinny["cp_async"] == 0 and skinny["ld_global_v4"] > 0, skinny
 
 
 def test_candidates_env_keeps_the_skinny_configs_only(monkeypatch):
-    """FXREWRITE_GEMV_CANDIDATES=skinny: the candidates before the tagged backends (a same-machine baseline)."""
+    """FXREWRITE_GEMV_CANDIDATES=skinny: the candidates before the tagged backends; =separate-prologue: before the
+    fused pipelined ones (same-machine baselines)."""
     monkeypatch.setenv("FXREWRITE_GEMV_CANDIDATES", "skinny")
     assert gemv_tune.candidates(1, "norm", 6144) == configs_for(1, "norm", 6144)
+    monkeypatch.setenv("FXREWRITE_GEMV_CANDIDATES", "separate-prologue")
+    assert gemv_tune.candidates(1, "silu", 2560) == (configs_for(1, "silu", 2560) + gemv_dispatch.pipelined_configs()
+                                                     + gemv_dispatch.unfused_configs("silu", 2560))
     monkeypatch.setenv("FXREWRITE_GEMV_CANDIDATES", "some")
-    with pytest.raises(ValueError, match="FXREWRITE_GEMV_CANDIDATES='some': expected 'all' or 'skinny'"):
+    with pytest.raises(ValueError, match="FXREWRITE_GEMV_CANDIDATES='some': expected 'all', 'separate-prologue' or 'skinny'"):
         gemv_tune.candidates(1, "norm", 6144)
