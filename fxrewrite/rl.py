@@ -108,12 +108,16 @@ def fused_head(model: nn.Module, temperature: float = 1.0) -> tuple[nn.Module, n
     """(base model, LM head, scale, softcap) when `model`'s sampled-token logprobs can skip the logits: an
     `fxrewrite.optimize`d causal LM whose `lm_head_loss` proved the logits' transform (scale / soft-cap),
     with a plain `nn.Linear` head over the base model's last hidden state; the temperature folds into the
-    scale (not under soft-capping: then None, and the logits path runs). None otherwise (fail closed)."""
-    loss = getattr(model, "lm_head_loss", None)
+    scale (not under soft-capping: then None, and the logits path runs). A PEFT model is read through
+    `get_base_model()` (its adapters live inside that model's modules, so they still run). None otherwise (fail
+    closed): the base must be the causal LM's own child under its `base_model_prefix`."""
+    if callable(getattr(model, "get_base_model", None)):
+        model = model.get_base_model()
+    loss = model._modules.get("lm_head_loss")
     params = loss.kernel_params if isinstance(loss, LMHeadCrossEntropy) else None
-    head = getattr(model, "lm_head", None)
-    base = getattr(model, getattr(model, "base_model_prefix", "") or "model", None)
-    if params is None or type(head) is not nn.Linear or not isinstance(base, nn.Module) or base is model:
+    head = model._modules.get("lm_head")
+    base = model._modules.get(getattr(model, "base_model_prefix", "") or "model")
+    if params is None or type(head) is not nn.Linear or not isinstance(base, nn.Module):
         return None
     scale, softcap = params
     if softcap and temperature != 1.0:

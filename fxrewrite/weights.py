@@ -53,7 +53,22 @@ def _split_hook(module, state_dict, prefix, local_metadata) -> None:
             if key in state_dict:
                 parts = state_dict.pop(key).split(sizes, dim=0)
                 for (old, _), part in zip(olds, parts):
-                    state_dict[f"{prefix}{old}.{pname}"] = part
+                    state_dict[f"{prefix}{old}.{pname}"] = own_storage(part)
+
+
+def own_storage(part: torch.Tensor) -> torch.Tensor:
+    """`part` (rows of a fused parameter, detached) as a tensor with a storage of its own over the same memory: no
+    copy, writes still reach the parameter, as a state dict's views do. Checkpoint writers that group a state dict's
+    tensors by storage to drop tied duplicates (accelerate's `Accelerator.save_model`, safetensors' `save_model`)
+    would otherwise take q, k and v (gate and up) for one shared tensor and keep only q (or refuse). A tensor that
+    keeps its autograd link (``state_dict(keep_vars=True)``) or that DLPack cannot carry (meta, a tensor subclass
+    such as DTensor) stays a plain view."""
+    if part.requires_grad or part.device.type == "meta" or type(part) is not torch.Tensor:
+        return part
+    try:
+        return torch.utils.dlpack.from_dlpack(part)
+    except (RuntimeError, TypeError, BufferError):  # a dtype or device DLPack does not carry: the view
+        return part
 
 
 def _merge_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):

@@ -39,7 +39,9 @@ def cross_entropy_grad_ref(logits: torch.Tensor, target: torch.Tensor, ignore_in
 def cross_entropy_grad_torch(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
                              scale: float = 1.0, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's closed form in torch, without autograd (usable inside a custom op, where autograd is
-    off): same contract and values as :func:`cross_entropy_grad_ref`, float32 math."""
+    off): same contract and values as :func:`cross_entropy_grad_ref`, float32 math; a target outside the vocabulary
+    fails as in the kernel (`check_targets`), not as an out-of-bounds gather."""
+    check_targets(target, logits.shape[-1], ignore_index)
     y = _transform(logits, scale, softcap)
     keep = target != ignore_index
     t = torch.where(keep, target, 0)

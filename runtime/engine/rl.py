@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from fxrewrite.errors import UserInputError
-from fxrewrite.runtime.worker.weight_sync import named_weights
+from fxrewrite.runtime.worker.weight_sync import merged_peft, named_weights
 
 
 class EngineRLMixin:
@@ -33,7 +33,8 @@ class EngineRLMixin:
         """Copy new weights into the engine's model in place (no reallocation: CUDA graphs stay valid).
 
         `weights`: a model (its `named_parameters()`: an optimized one copies per fused tensor, a stock
-        one per Hugging Face tensor into its shard) or (name, tensor) pairs in either naming. Tensors may
+        one per Hugging Face tensor into its shard; a PEFT model with its adapters merged for the copy,
+        `weight_sync.merged_peft`) or (name, tensor) pairs in either naming. Tensors may
         be on any device and of any float dtype (cast to the engine's). With tensor parallelism every
         rank takes its slice. Everything is checked before anything is copied: ValueError naming the
         tensor and both shapes for a wrong shape and, with `strict`, an unknown name or an engine parameter
@@ -44,7 +45,8 @@ class EngineRLMixin:
         Returns the engine parameter names written.
         """
         self._check_idle("load_weights")
-        names = self.model_runner.load_weights(named_weights(weights), strict)
+        with merged_peft(weights) as source:
+            names = self.model_runner.load_weights(named_weights(source), strict)
         self.reset_prefix_cache()
         return names
 

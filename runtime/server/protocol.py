@@ -360,8 +360,12 @@ class ChatCompletionRequest(SamplingRequest):
             self.tool_choice = "auto" if self.tools else "none"
         if self.tool_choice not in ("none", "auto") and not self.tools:
             raise FieldError("tool_choice", "tool_choice requires tools")
+        names = [t.function.name for t in self.tools or ()]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:  # a call names its function: two tools of one name would make it ambiguous
+            raise FieldError("tools", f"tools name the function{'s' if len(repeated) > 1 else ''} "
+                             f"{', '.join(map(repr, repeated))} more than once; expected unique function names")
         if isinstance(self.tool_choice, ChatCompletionNamedToolChoiceParam):
-            names = [t.function.name for t in self.tools]
             if self.tool_choice.function.name not in names:
                 raise FieldError("tool_choice", f"tool_choice names the function {self.tool_choice.function.name!r}, "
                                  f"which is not in tools ({names})")

@@ -12,14 +12,17 @@ Accepted names (the source's own layout decides, nothing is re-fused):
 - Hugging Face names (``...q_proj.weight``): copied into their shard of the fused tensor (the fusion's
   shard table, `fxrewrite.weights.shard_map`, or a native model's ``packed_modules_mapping``);
 - either with the engine wrapper's ``hf_model.`` prefix or torch.compile's ``_orig_mod.`` segments.
+A PEFT model (LoRA and the other mergeable tuners) is read with its adapters merged (`merged_peft`), in the base
+checkpoint's names, as TRL syncs one into vLLM.
 Shapes are always the full (unsharded) ones; each rank takes its slice, and each pipeline stage its layers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -75,6 +78,59 @@ def named_weights(source) -> list[tuple[str, torch.Tensor]]:
             raise TypeError(f"load_weights: tensor {pair[0]!r} has dtype {pair[1].dtype}; expected a floating-point "
                             "tensor (weights are cast from any float dtype, never from integers)")
     return [(name, t.detach()) for name, t in pairs]
+
+
+@contextlib.contextmanager
+def merged_peft(source):
+    """`source` as `named_weights` should read it. A PEFT model (peft's PeftModel: `get_base_model`) with a
+    mergeable tuner (LoRA, IA3, ...): its active adapters merged into the base weights while the block runs and
+    unmerged after (left as they were if already merged), read as the base model's (name, tensor) pairs in the base
+    checkpoint's names (a tuner layer's ``base_layer``, a ``modules_to_save`` wrapper's active copy, the adapters'
+    own tensors skipped). Anything else passes through unchanged. TypeError for a PEFT model whose adapters
+    cannot be merged (prompt learning) or a tuner layer with no base layer."""
+    if not (isinstance(source, nn.Module) and callable(getattr(source, "get_base_model", None))):
+        yield source
+        return
+    tuner, base = getattr(source, "base_model", None), source.get_base_model()
+    merge, unmerge = getattr(tuner, "merge_adapter", None), getattr(tuner, "unmerge_adapter", None)
+    if not (callable(merge) and callable(unmerge)):
+        raise TypeError(f"load_weights: the adapters of {type(source).__name__} ({type(tuner).__name__}) cannot be "
+                        "merged into its weights; pass (name, tensor) pairs of the weights to serve")
+    pairs = list(_peft_base_pairs(base))  # checked before anything is merged
+    merged_already = any(getattr(m, "merged", False) for m in base.modules() if hasattr(m, "adapter_layer_names"))
+    with torch.no_grad():
+        if not merged_already:
+            merge()
+        try:
+            yield pairs
+        finally:
+            if not merged_already:
+                unmerge()
+
+
+def _peft_base_pairs(module: nn.Module, prefix: str = "", seen: set | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, detached parameter) of `module` with every PEFT layer replaced by the module it stands for: a
+    tuner layer (``adapter_layer_names``) by its ``base_layer``, a modules_to_save wrapper by its active copy (or
+    its original module with adapters disabled); tied parameters once, as `named_parameters` gives them."""
+    seen = set() if seen is None else seen
+    if hasattr(module, "adapter_layer_names"):
+        if hasattr(module, "original_module"):
+            active = [] if module.disable_adapters else list(module.active_adapters)
+            module = module.modules_to_save[active[0]] if active else module.original_module
+        elif isinstance(getattr(module, "base_layer", None), nn.Module):
+            module = module.base_layer
+        else:
+            raise TypeError(f"load_weights: PEFT layer {prefix.rstrip('.') or type(module).__name__} "
+                            f"({type(module).__name__}) has no base layer to read")
+        yield from _peft_base_pairs(module, prefix, seen)
+        return
+    for name, param in module._parameters.items():
+        if param is not None and id(param) not in seen:
+            seen.add(id(param))
+            yield prefix + name, param.detach()
+    for name, child in module._modules.items():
+        if child is not None:
+            yield from _peft_base_pairs(child, f"{prefix}{name}.", seen)
 
 
 def _normalize(name: str, wrapper_prefix: str) -> str:

@@ -88,3 +88,40 @@ def test_state_dict_keys_come_in_the_stock_order(arch):
     assert list(fused.state_dict()) == list(stock.state_dict())
     wrapped = torch.nn.ModuleDict({"policy": fused})  # under a prefix too
     assert list(wrapped.state_dict()) == [f"policy.{k}" for k in stock.state_dict()]
+
+
+@pytest.mark.parametrize("writer", ["accelerate", "safetensors"])
+def test_checkpoint_writers_that_group_by_storage_keep_every_part(tmp_path, writer):
+    """q / k / v (gate / up) are rows of one fused parameter; a writer that drops tensors sharing a storage
+    (accelerate's save_model keeps one name per storage, safetensors' save_model refuses) must still write every
+    part: the state dict's parts alias the parameter without sharing its storage object. The folder loads into stock
+    transformers with the optimized model's logits; writes through a part still reach the parameter."""
+    fused = fxrewrite.optimize(tiny_model("qwen3", seed=6))
+    if writer == "accelerate":
+        from accelerate import Accelerator
+        from accelerate.state import AcceleratorState
+
+        try:
+            Accelerator(cpu=True).save_model(fused, tmp_path)
+        finally:
+            AcceleratorState._reset_state(True)  # a process-wide singleton: leave none behind for other tests
+    else:
+        from safetensors.torch import save_model
+
+        save_model(fused, str(tmp_path / "model.safetensors"))
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / "model.safetensors")
+    assert set(saved) == set(fused.state_dict()), set(fused.state_dict()) - set(saved)
+    fused.config.save_pretrained(tmp_path)
+    stock = T.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    _same_logits(stock, fused.eval())
+    part = fused.state_dict()["model.layers.0.self_attn.k_proj.weight"]
+    part.zero_()
+    assert not fused.model.layers[0].self_attn.qkv_proj.weight.detach().abs().sum(dim=1).bool().all()
+
+
+def test_state_dict_keep_vars_keeps_the_autograd_link():
+    fused = fxrewrite.optimize(tiny_model("llama"))
+    part = fused.state_dict(keep_vars=True)["model.layers.0.self_attn.v_proj.weight"]
+    assert part.requires_grad and part.grad_fn is not None

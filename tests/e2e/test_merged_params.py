@@ -79,6 +79,22 @@ def test_elementwise_optimizers_do_not_warn():
         assert _train(model, make, steps=1)[1] == []
 
 
+def test_a_second_optimize_with_other_options_is_refused_and_the_same_options_are_a_no_op():
+    """optimize(model, merge_weights=False) on a model already optimized merged cannot split it again: a
+    ValueError naming both option sets (before, the call returned the merged model silently)."""
+    from fxrewrite.patterns import PATTERNS
+
+    model = fxrewrite.optimize(tiny_model("llama"))
+    assert fxrewrite.optimize(model) is model and fxrewrite.optimize(model, merge_weights=True) is model
+    with pytest.raises(ValueError, match=r"already optimized with .*merge_weights=True; asked again with "
+                                         r".*merge_weights=False"):
+        fxrewrite.optimize(model, merge_weights=False)
+    with pytest.raises(ValueError, match="optimize a freshly loaded model"):
+        fxrewrite.optimize(model, patterns=PATTERNS[:1])
+    clone = copy.deepcopy(model)
+    assert fxrewrite.optimize(clone) is clone
+
+
 def test_merge_weights_must_be_a_bool():
     with pytest.raises(TypeError, match=r"optimize\(merge_weights=\.\.\.\) expects True or False, got 'no'"):
         fxrewrite.optimize(tiny_model("llama"), merge_weights="no")

@@ -44,6 +44,21 @@ def test_out_of_range_targets_are_refused(interpret, monkeypatch, bad):
     cross_entropy_grad_(torch.randn(4, 40), torch.tensor([3, 39, -100, 0]))  # the edges and ignore_index pass
 
 
+@pytest.mark.parametrize("bad", [40, -5])
+def test_out_of_range_targets_are_refused_on_the_torch_path_too(monkeypatch, bad):
+    """Without Triton (a CPU without FXREWRITE_TRITON) the fused loss's torch form gave "index 40 is out of bounds
+    for dimension 1 with size 40", which does not say it is a label: now the kernel path's message."""
+    monkeypatch.setenv("FXREWRITE_TRITON", "0")
+    from fxrewrite.kernels.cross_entropy import cross_entropy_grad_torch
+
+    target = torch.tensor([3, bad, -100, 0])
+    with pytest.raises(RuntimeError, match=r"a target is outside \[0, 40\) and is not ignore_index=-100"):
+        cross_entropy_grad_torch(torch.randn(4, 40), target)
+    h, w = torch.randn(4, 8, requires_grad=True), torch.randn(40, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="a target is outside"):
+        fused_linear_cross_entropy(h, w, None, target, kernel_params=(1.0, None))
+
+
 def _softcap(z):
     return torch.tanh(z / 2.0) * 2.0
 

@@ -121,6 +121,35 @@ def test_fused_head_logprobs_and_gradients_equal_full_logits(path, monkeypatch):
             torch.testing.assert_close(fused_grads[k], full_grads[k], rtol=1e-5, atol=1e-5, msg=k)
 
 
+def test_peft_model_optimized_takes_the_fused_head_with_its_adapters(path):
+    """A PEFT LoRA model passed through optimize (the README's order): completion_logprobs and
+    completion_grpo_loss read it through get_base_model() (before, the PeftModel's `model` attribute was taken
+    for the base and its output had no last_hidden_state), the adapters run (an adapter's change moves the
+    logprobs), and the values equal the model's own logits' log_softmax."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from fxrewrite import rl
+
+    torch.manual_seed(0)
+    stock = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = fxrewrite.optimize(peft.get_peft_model(stock, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])))
+    assert rl.fused_head(model) is not None
+    prompts, completions = [[5, 6, 7], [8, 9]], [[20, 21, 22], [23, 24]]
+    with torch.no_grad():
+        ids = torch.tensor([prompts[0] + completions[0]])
+        want = torch.log_softmax(model(input_ids=ids).logits[0, 2:5].float(), -1).gather(1, ids[0, 3:6, None])[:, 0]
+        got = completion_logprobs(model, prompts, completions)
+        torch.testing.assert_close(got[0], want, rtol=1e-5, atol=1e-5)
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.add_(0.5)
+        assert not torch.allclose(completion_logprobs(model, prompts, completions)[0], got[0])
+    loss, _ = rl.completion_grpo_loss(model, prompts, completions, torch.tensor([1.0, -1.0]))
+    loss.backward()
+    assert any(p.grad is not None for n, p in model.named_parameters() if "lora_A" in n)
+
+
 def test_grpo_loss_matches_per_sequence_formula():
     from fxrewrite.rl import grpo_loss
 

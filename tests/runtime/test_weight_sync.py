@@ -142,3 +142,45 @@ def test_busy_engine_refuses_sync(fused_llm, dirs):
             fused_llm.load_weights(_hf(dirs[1], True))
     finally:
         fused_llm.llm_engine.abort_request("busy")
+
+
+@pytest.mark.parametrize("optimized", [False, True], ids=["peft", "peft-optimized"])
+def test_peft_lora_model_syncs_merged_and_stays_unmerged(dirs, optimized):
+    """A PEFT LoRA model (q_proj / v_proj adapters, the final norm kept by modules_to_save), optimized or not, syncs
+    as TRL syncs one into vLLM: the adapters merged into the base weights for the copy, in the base checkpoint's
+    names; the engine then decodes as the merged model does, and the trainer's model is left unmerged (to peft's
+    rounding: merge adds B A to the weight, unmerge subtracts it, as in TRL's sync)."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["model.norm"])
+    model = peft.get_peft_model(_hf(dirs[1], False), config)
+    for name, param in model.named_parameters():
+        if "lora_B" in name or "modules_to_save" in name:
+            param.data.add_(torch.randn_like(param) * 0.05)  # adapters that change the output
+    if optimized:
+        model = fxrewrite.optimize(model)
+    base = {n: p.detach().clone() for n, p in model.get_base_model().named_parameters() if "lora_" not in n}
+    llm = LLM(str(dirs[0]), model_impl="transformers", dtype="float32", block_size=4)
+    llm.load_weights(model)
+    for n, p in model.get_base_model().named_parameters():  # unmerged again (peft's subtraction rounds)
+        if "lora_" not in n:
+            torch.testing.assert_close(p.detach(), base[n], rtol=0, atol=1e-6, msg=n)
+    assert not any(getattr(m, "merged", False) for m in model.modules())
+    with torch.no_grad():
+        ids = torch.tensor([llm.get_tokenizer()(PROMPTS[0])["input_ids"]])
+        want = []
+        for _ in range(GREEDY.max_tokens):
+            want.append(int(model(input_ids=ids).logits[0, -1].argmax()))
+            ids = torch.cat([ids, torch.tensor([[want[-1]]])], dim=1)
+    got = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert list(got) == want
+    assert list(got) != list(_tokens(LLM(str(dirs[1]), model_impl="native", dtype="float32", block_size=4))[0])
+
+
+def test_peft_prompt_learning_is_refused(dirs):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_hf(dirs[1], False), peft.PromptTuningConfig(task_type="CAUSAL_LM",
+                                                                             num_virtual_tokens=2))
+    llm = LLM(str(dirs[0]), model_impl="native", dtype="float32", block_size=4)
+    with pytest.raises(TypeError, match="cannot be merged"):
+        llm.load_weights(model)

@@ -109,6 +109,12 @@ def test_unsupported_or_invalid_fields_are_refused_not_ignored(fields):
         ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **fields)
 
 
+def test_tools_with_one_function_name_twice_are_refused_naming_it():
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    with pytest.raises(ValidationError, match="'get_weather' more than once; expected unique function names"):
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=[tool, tool], tool_choice="required")
+
+
 def test_off_values_of_unsupported_fields_and_unknown_extras_pass():
     r = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], logit_bias={}, best_of=1,
                               use_beam_search=False, response_format={"type": "text"}, some_client_extra=1)
