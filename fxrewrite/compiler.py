@@ -53,7 +53,7 @@ def optimize(model: nn.Module, **opts) -> nn.Module:
         raise TypeError(f"optimize expects a torch.nn.Module, got {type(model).__name__}")
     patterns, example_inputs, merge_weights = options.checked(opts)  # TypeError naming a bad option or value
     if getattr(model, _REPORT_ATTR, None) is not None:
-        _check_same_options(model, patterns, merge_weights)
+        options.check_same_options(model, patterns, merge_weights)
         return model
     wrappers.check_not_wrapped(model)  # TypeError: e.g. optimize(torch.compile(model))
     foreign.check_no_foreign_patches(model)  # ForeignPatchError: e.g. Liger-Kernel patched transformers first
@@ -82,27 +82,11 @@ def optimize(model: nn.Module, **opts) -> nn.Module:
     elif getattr(getattr(model, "config", None), "_attn_implementation", None) == "sdpa" and (where := sdpa_read_by_name(model)):
         report.notes.append(f"{ATTENTION_NOTE}sdpa stays ({where} compares _attn_implementation with 'sdpa')")
     model.__dict__[_REPORT_ATTR] = report
-    model.__dict__[_OPTIONS_ATTR] = (patterns, merge_weights)
+    options.remember(model, patterns, merge_weights)
     weights.install_hf_name_hooks(model)
     weights.mark_fused_away(model)
     merged_params.track(model, weights.SHARDS_ATTR, watched)  # checks optimizers' first step
     return model
-
-
-_OPTIONS_ATTR = "_fxrewrite_options"
-
-
-def _check_same_options(model: nn.Module, patterns, merge_weights: bool) -> None:
-    """A second `optimize` of a model returns it as it is: ValueError when its options ask for another rewrite
-    (merge_weights=False after a merged one, another pattern list), which the model no longer can be given."""
-    first = model.__dict__.get(_OPTIONS_ATTR)
-    if first is None or first == (patterns, merge_weights):
-        return
-    def named(chosen) -> list[str]:
-        return [getattr(p, "__name__", type(p).__name__) for p in chosen]
-    was, now = (f"patterns={named(p)}, merge_weights={m}" for p, m in (first, (patterns, merge_weights)))
-    raise ValueError(f"optimize: this model was already optimized with {was}; asked again with {now}. A rewrite is "
-                     "not undone: optimize a freshly loaded model with the options wanted")
 
 
 def _note_replaced_with_parents(model: nn.Module, by_class, names: dict[int, str], report: FusionReport) -> None:

@@ -50,3 +50,23 @@ def _example_inputs(example_inputs) -> tuple[tuple, dict] | None:
                         "inputs and a dict of its keyword inputs, e.g. ((input_ids,), {}); "
                         f"got {reprlib.repr(example_inputs)}")
     return tuple(example_inputs[0]), dict(example_inputs[1])
+
+
+_OPTIONS_ATTR = "_fxrewrite_options"
+
+
+def remember(model, patterns: tuple, merge_weights: bool) -> None:
+    """Record the options `optimize` rewrote `model` with (for `check_same_options`)."""
+    model.__dict__[_OPTIONS_ATTR] = (patterns, merge_weights)
+
+
+def check_same_options(model, patterns, merge_weights: bool) -> None:
+    """A second `optimize` of a model returns it as it is: ValueError when its options ask for another rewrite
+    (merge_weights=False after a merged one, another pattern list), which the model no longer can be given."""
+    first = model.__dict__.get(_OPTIONS_ATTR)
+    if first is None or first == (patterns, merge_weights):
+        return
+    was, now = (f"patterns={[getattr(p, '__name__', type(p).__name__) for p in chosen]}, merge_weights={merge}"
+                for chosen, merge in (first, (patterns, merge_weights)))
+    raise ValueError(f"optimize: this model was already optimized with {was}; asked again with {now}. A rewrite is "
+                     "not undone: optimize a freshly loaded model with the options wanted")
