@@ -257,3 +257,32 @@ def test_bf16_act_and_mul_down_matches_reference_and_saves_no_activation():
         saved.append(torch.cuda.memory_allocated() - base - y.numel() * y.element_size())
         del leaf, y
     assert saved[0] - saved[1] >= 8192 * 3072 * 2 * 0.9, saved  # act(gate) * up [N, d] is not kept
+
+
+def test_state_dict_parts_alias_cuda_memory_and_accelerate_saves_them_all(tmp_path):
+    """On the GPU the state dict's q / k / v and gate / up are tensors of their own storages over the fused
+    parameter's device memory (no copy: a write through one reaches the parameter), and accelerate's save_model
+    writes every one of them (it keeps one name per storage)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from safetensors.torch import load_file
+
+    import fxrewrite
+
+    model = fxrewrite.optimize(_qwen3("qwen3-0.6b", num_hidden_layers=2))
+    state = model.state_dict()
+    k = state["model.layers.0.self_attn.k_proj.weight"]
+    qkv = model.model.layers[0].self_attn.qkv_proj.weight
+    assert k.is_cuda and k.untyped_storage().data_ptr() != qkv.untyped_storage().data_ptr()
+    assert qkv.data_ptr() < k.data_ptr() < qkv.data_ptr() + qkv.numel() * qkv.element_size()
+    try:
+        Accelerator().save_model(model, tmp_path)
+    finally:
+        AcceleratorState._reset_state(True)
+    saved = load_file(tmp_path / "model.safetensors")
+    assert set(saved) == set(state) - {"lm_head.weight"}  # tied: accelerate keeps the embedding
+    torch.testing.assert_close(saved["model.layers.0.self_attn.k_proj.weight"], k.cpu(), rtol=0, atol=0)
+    k.zero_()
+    torch.cuda.synchronize()
+    q_rows = state["model.layers.0.self_attn.q_proj.weight"].shape[0]
+    assert not qkv.detach()[q_rows:q_rows + k.shape[0]].any()
