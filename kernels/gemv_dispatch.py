@@ -43,8 +43,9 @@ from fxrewrite.kernels.skinny_gemv_pipelined import (PIPELINED_CONFIGS, skinny_g
                                                      skinny_gemv_pipelined_fused, with_prologue)
 from fxrewrite.kernels.triton_utils import next_power_of_2
 
-__all__ = ["KINDS", "PIPELINED", "PIPELINED_FUSED", "UNFUSED", "TAGS", "fused_pipelined_configs", "unfused_configs", "mode", "choose", "config_for_call", "weight_format", "pipelined_configs",
-           "is_pipelined", "run", "record", "choices", "parse", "clear"]
+__all__ = ["KINDS", "PIPELINED", "PIPELINED_FUSED", "UNFUSED", "TAGS", "fused_pipelined_configs", "unfused_configs",
+           "mode", "choose", "config_for_call", "weight_format", "pipelined_configs", "is_pipelined", "run", "record",
+           "choices", "parse", "clear"]
 
 KINDS = ("linear", "norm", "silu")
 PIPELINED = "pipelined"
