@@ -64,9 +64,14 @@ def check_same_options(model, patterns, merge_weights: bool) -> None:
     """A second `optimize` of a model returns it as it is: ValueError when its options ask for another rewrite
     (merge_weights=False after a merged one, another pattern list), which the model no longer can be given."""
     first = model.__dict__.get(_OPTIONS_ATTR)
-    if first is None or first == (patterns, merge_weights):
+    if first is None or (_classes(first[0]), first[1]) == (_classes(patterns), merge_weights):
         return
     was, now = (f"patterns={[getattr(p, '__name__', type(p).__name__) for p in chosen]}, merge_weights={merge}"
                 for chosen, merge in (first, (patterns, merge_weights)))
     raise ValueError(f"optimize: this model was already optimized with {was}; asked again with {now}. A rewrite is "
                      "not undone: optimize a freshly loaded model with the options wanted")
+
+
+def _classes(patterns) -> tuple:
+    """The pattern classes of a pattern list (instances by their class: a deep copy makes new ones)."""
+    return tuple(p if isinstance(p, type) else type(p) for p in patterns)

@@ -108,10 +108,15 @@ def fused_head(model: nn.Module, temperature: float = 1.0) -> tuple[nn.Module, n
     """(base model, LM head, scale, softcap) when `model`'s sampled-token logprobs can skip the logits: an
     `fxrewrite.optimize`d causal LM whose `lm_head_loss` proved the logits' transform (scale / soft-cap),
     with a plain `nn.Linear` head over the base model's last hidden state; the temperature folds into the
-    scale (not under soft-capping: then None, and the logits path runs). A PEFT model is read through
-    `get_base_model()` (its adapters live inside that model's modules, so they still run). None otherwise (fail
-    closed): the base must be the causal LM's own child under its `base_model_prefix`."""
+    scale (not under soft-capping: then None, and the logits path runs). A torch.compile wrapper is looked through
+    (the base then runs eagerly); a PEFT model is read through `get_base_model()` when its adapters live inside that
+    model's modules (LoRA and the other tuners; prompt learning, whose virtual tokens the PeftModel's own forward
+    adds, takes the logits path). None otherwise (fail closed): the base must be the causal LM's own child under
+    its `base_model_prefix`."""
+    model = getattr(model, "_orig_mod", model)
     if callable(getattr(model, "get_base_model", None)):
+        if getattr(getattr(model, "active_peft_config", None), "is_prompt_learning", True):
+            return None
         model = model.get_base_model()
     loss = model._modules.get("lm_head_loss")
     params = loss.kernel_params if isinstance(loss, LMHeadCrossEntropy) else None
@@ -157,13 +162,18 @@ def _batch_logprobs_fused(base, head, scale, softcap, batch, device) -> list[tor
 def _batch_logprobs(model, batch, device, temperature: float) -> list[torch.Tensor]:
     ids, mask, positions = _padded(batch, device)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+    # a model that puts positions of its own first (PEFT prompt tuning's virtual tokens) returns more of them
+    offset = logits.shape[1] - ids.shape[1]
+    if offset < 0:
+        raise ValueError(f"completion_logprobs: the model returned logits for {logits.shape[1]} positions of an input "
+                         f"of {ids.shape[1]}; expected at least one per input position")
     out = []
     for i, (p, c) in enumerate(batch):
         if not c:
             out.append(torch.zeros(0, device=device))
             continue
         # logits at position t predict token t + 1: the completion's tokens are predicted from len(p) - 1 on
-        rows = logits[i, len(p) - 1 : len(p) - 1 + len(c)].float() / temperature
+        rows = logits[i, offset + len(p) - 1 : offset + len(p) - 1 + len(c)].float() / temperature
         target = torch.tensor(c, device=device)
         out.append(log_softmax_float32(rows).gather(1, target[:, None]).squeeze(1))
     return out

@@ -62,7 +62,8 @@ def own_storage(part: torch.Tensor) -> torch.Tensor:
     tensors by storage to drop tied duplicates (accelerate's `Accelerator.save_model`, safetensors' `save_model`)
     would otherwise take q, k and v (gate and up) for one shared tensor and keep only q (or refuse). A tensor that
     keeps its autograd link (``state_dict(keep_vars=True)``) or that DLPack cannot carry (meta, a tensor subclass
-    such as DTensor) stays a plain view."""
+    such as DTensor) stays a plain view. What is lost: a view shares its parameter's version counter, this tensor has
+    its own, so an in-place write through it between a forward and its backward escapes autograd's check."""
     if part.requires_grad or part.device.type == "meta" or type(part) is not torch.Tensor:
         return part
     try:

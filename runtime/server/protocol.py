@@ -8,6 +8,8 @@ A value out of range fails validation, which the server answers with a 400 in Op
 
 from __future__ import annotations
 
+import collections
+
 import json
 import re
 import typing
@@ -361,7 +363,7 @@ class ChatCompletionRequest(SamplingRequest):
         if self.tool_choice not in ("none", "auto") and not self.tools:
             raise FieldError("tool_choice", "tool_choice requires tools")
         names = [t.function.name for t in self.tools or ()]
-        repeated = sorted({n for n in names if names.count(n) > 1})
+        repeated = sorted(n for n, count in collections.Counter(names).items() if count > 1)
         if repeated:  # a call names its function: two tools of one name would make it ambiguous
             raise FieldError("tools", f"tools name the function{'s' if len(repeated) > 1 else ''} "
                              f"{', '.join(map(repr, repeated))} more than once; expected unique function names")

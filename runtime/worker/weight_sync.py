@@ -83,11 +83,13 @@ def named_weights(source) -> list[tuple[str, torch.Tensor]]:
 @contextlib.contextmanager
 def merged_peft(source):
     """`source` as `named_weights` should read it. A PEFT model (peft's PeftModel: `get_base_model`) with a
-    mergeable tuner (LoRA, IA3, ...): its active adapters merged into the base weights while the block runs and
-    unmerged after (left as they were if already merged), read as the base model's (name, tensor) pairs in the base
-    checkpoint's names (a tuner layer's ``base_layer``, a ``modules_to_save`` wrapper's active copy, the adapters'
-    own tensors skipped). Anything else passes through unchanged. TypeError for a PEFT model whose adapters
-    cannot be merged (prompt learning) or a tuner layer with no base layer."""
+    mergeable tuner (LoRA, DoRA, IA3, ...): its active adapters merged into the base weights while the block runs
+    and unmerged after (left as they were if already merged, and not merged while disabled, as with
+    ``disable_adapter()``), read after the merge (DoRA and IA3 replace a weight's tensor rather than add to it) as
+    the base model's (name, tensor) pairs in the base checkpoint's names (a tuner layer's ``base_layer``, a
+    ``modules_to_save`` wrapper's active copy, the adapters' own tensors skipped). Anything else passes through.
+    TypeError, before anything is merged, for a PEFT model whose adapters cannot be merged (prompt learning) or a
+    PEFT layer this cannot read (trainable tokens: merge_and_unload a copy first)."""
     if not (isinstance(source, nn.Module) and callable(getattr(source, "get_base_model", None))):
         yield source
         return
@@ -96,32 +98,35 @@ def merged_peft(source):
     if not (callable(merge) and callable(unmerge)):
         raise TypeError(f"load_weights: the adapters of {type(source).__name__} ({type(tuner).__name__}) cannot be "
                         "merged into its weights; pass (name, tensor) pairs of the weights to serve")
-    pairs = list(_peft_base_pairs(base))  # checked before anything is merged
-    merged_already = any(getattr(m, "merged", False) for m in base.modules() if hasattr(m, "adapter_layer_names"))
+    list(_peft_base_pairs(base))  # every PEFT layer readable: checked before anything is merged
+    layers = [m for m in base.modules() if hasattr(m, "adapter_layer_names")]
+    leave = any(getattr(m, "merged", False) or getattr(m, "disable_adapters", False) for m in layers)
     with torch.no_grad():
-        if not merged_already:
+        if not leave:
             merge()
         try:
-            yield pairs
+            yield list(_peft_base_pairs(base))
         finally:
-            if not merged_already:
+            if not leave:
                 unmerge()
 
 
 def _peft_base_pairs(module: nn.Module, prefix: str = "", seen: set | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, detached parameter) of `module` with every PEFT layer replaced by the module it stands for: a
-    tuner layer (``adapter_layer_names``) by its ``base_layer``, a modules_to_save wrapper by its active copy (or
-    its original module with adapters disabled); tied parameters once, as `named_parameters` gives them."""
+    tuner layer (``adapter_layer_names``) by its ``base_layer``, a modules_to_save wrapper by the active adapter's
+    copy (its original module when adapters are disabled or the adapter has no copy); tied parameters once, as
+    `named_parameters` gives them. TypeError for another PEFT layer."""
     seen = set() if seen is None else seen
     if hasattr(module, "adapter_layer_names"):
-        if hasattr(module, "original_module"):
-            active = [] if module.disable_adapters else list(module.active_adapters)
+        if isinstance(getattr(module, "modules_to_save", None), nn.ModuleDict) and hasattr(module, "original_module"):
+            active = [] if module.disable_adapters else [a for a in module.active_adapters if a in module.modules_to_save]
             module = module.modules_to_save[active[0]] if active else module.original_module
         elif isinstance(getattr(module, "base_layer", None), nn.Module):
             module = module.base_layer
         else:
-            raise TypeError(f"load_weights: PEFT layer {prefix.rstrip('.') or type(module).__name__} "
-                            f"({type(module).__name__}) has no base layer to read")
+            raise TypeError(f"load_weights: PEFT layer {prefix.rstrip('.') or '(model)'} ({type(module).__name__}) is "
+                            "not a tuner layer over a base layer nor a modules_to_save copy; sync the weights of a "
+                            "merge_and_unload()ed copy instead")
         yield from _peft_base_pairs(module, prefix, seen)
         return
     for name, param in module._parameters.items():

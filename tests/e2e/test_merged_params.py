@@ -93,6 +93,9 @@ def test_a_second_optimize_with_other_options_is_refused_and_the_same_options_ar
         fxrewrite.optimize(model, patterns=PATTERNS[:1])
     clone = copy.deepcopy(model)
     assert fxrewrite.optimize(clone) is clone
+    instances = fxrewrite.optimize(tiny_model("llama"), patterns=[p() for p in PATTERNS])
+    again = copy.deepcopy(instances)  # new pattern instances of the same classes: the same options
+    assert fxrewrite.optimize(again, patterns=[p() for p in PATTERNS]) is again
 
 
 def test_merge_weights_must_be_a_bool():

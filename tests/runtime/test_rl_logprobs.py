@@ -150,6 +150,30 @@ def test_peft_model_optimized_takes_the_fused_head_with_its_adapters(path):
     assert any(p.grad is not None for n, p in model.named_parameters() if "lora_A" in n)
 
 
+def test_fused_head_looks_through_compile_and_refuses_prompt_learning(path):
+    """torch.compile(optimized) keeps the logits-free path (its base runs eagerly); a prompt-tuning PEFT model,
+    whose virtual tokens only the PeftModel's forward adds, takes the logits path, and its logprobs equal its own
+    logits' log_softmax."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from fxrewrite import rl
+
+    model = fxrewrite.optimize(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+    assert rl.fused_head(torch.compile(model)) is not None
+    prompted = peft.get_peft_model(model, peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    assert rl.fused_head(prompted) is None
+    with torch.no_grad():
+        for name, param in prompted.named_parameters():
+            if "prompt_encoder" in name:
+                param.normal_()
+        ids = torch.tensor([[5, 6, 7, 20, 21, 22]])
+        logits = prompted(input_ids=ids).logits[0, -4:-1]  # the virtual tokens come first
+        want = torch.log_softmax(logits.float(), -1).gather(1, ids[0, 3:, None])[:, 0]
+        torch.testing.assert_close(completion_logprobs(prompted, [[5, 6, 7]], [[20, 21, 22]])[0], want,
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_grpo_loss_matches_per_sequence_formula():
     from fxrewrite.rl import grpo_loss
 

@@ -177,6 +177,38 @@ def test_peft_lora_model_syncs_merged_and_stays_unmerged(dirs, optimized):
     assert list(got) != list(_tokens(LLM(str(dirs[1]), model_impl="native", dtype="float32", block_size=4))[0])
 
 
+@pytest.mark.parametrize("kind", ["dora", "ia3", "disabled"])
+def test_peft_adapters_that_replace_weights_or_are_disabled_sync_what_the_model_computes(dirs, kind):
+    """DoRA and IA3 merge by replacing a weight's tensor (LoRA adds in place): the pairs are read after the merge.
+    Inside disable_adapter() the model computes the base weights: nothing is merged. Either way the engine's
+    greedy tokens equal the PEFT model's own."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    config = (peft.IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"])
+              if kind == "ia3" else peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], use_dora=kind == "dora"))
+    model = peft.get_peft_model(_hf(dirs[1], False), config)
+    for name, param in model.named_parameters():
+        if "lora_B" in name or "ia3_l" in name or "lora_magnitude" in name:
+            param.data.add_(torch.randn_like(param) * 0.3)
+    llm = LLM(str(dirs[0]), model_impl="native", dtype="float32", block_size=4)
+
+    def model_tokens():
+        with torch.no_grad():
+            ids = torch.tensor([llm.get_tokenizer()(PROMPTS[0])["input_ids"]])
+            for _ in range(GREEDY.max_tokens):
+                ids = torch.cat([ids, model(input_ids=ids).logits[:, -1:].argmax(-1)], dim=1)
+        return ids[0, -GREEDY.max_tokens:].tolist()
+    if kind == "disabled":
+        with model.disable_adapter():
+            llm.load_weights(model)
+            want = model_tokens()
+        assert want == list(_tokens(LLM(str(dirs[1]), model_impl="native", dtype="float32", block_size=4))[0])
+    else:
+        llm.load_weights(model)
+        want = model_tokens()
+    assert list(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == want
+
+
 def test_peft_prompt_learning_is_refused(dirs):
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(_hf(dirs[1], False), peft.PromptTuningConfig(task_type="CAUSAL_LM",
@@ -184,3 +216,8 @@ def test_peft_prompt_learning_is_refused(dirs):
     llm = LLM(str(dirs[0]), model_impl="native", dtype="float32", block_size=4)
     with pytest.raises(TypeError, match="cannot be merged"):
         llm.load_weights(model)
+    tokens = peft.get_peft_model(_hf(dirs[1], False), peft.LoraConfig(r=4, target_modules=["q_proj"],
+                                                                      trainable_token_indices=[3, 5]))
+    with pytest.raises(TypeError, match="TrainableTokensWrapper.*merge_and_unload"):
+        llm.load_weights(tokens)
+    assert not any(getattr(m, "merged", False) for m in tokens.modules())
