@@ -179,14 +179,14 @@ def write_generation_config(out: Path, family: str, tok_ids: dict) -> None:
 def _add_build_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", help="folder to write (created if missing)")
     p.add_argument("--arch", default="qwen3", help="transformers model_type (qwen3, llama, qwen2, mistral, gemma2, phi3, ...)")
-    p.add_argument("--hidden-size", type=int, default=64)
-    p.add_argument("--num-hidden-layers", type=int, default=2)
-    p.add_argument("--num-attention-heads", type=int, default=4)
-    p.add_argument("--num-key-value-heads", type=int, default=2)
-    p.add_argument("--intermediate-size", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--vocab", default=None, choices=["qwen3", "smollm2"], help="tokenizer (default: by arch)")
+    p.add_argument("--hidden-size", type=int, default=64, help="the config's hidden_size")
+    p.add_argument("--num-hidden-layers", type=int, default=2, help="decoder layers")
+    p.add_argument("--num-attention-heads", type=int, default=4, help="query heads")
+    p.add_argument("--num-key-value-heads", type=int, default=2, help="key/value heads")
+    p.add_argument("--intermediate-size", type=int, default=128, help="the MLP's width")
+    p.add_argument("--seed", type=int, default=0, help="of the random weights")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="of the weights")
+    p.add_argument("--vocab", default=None, choices=["qwen3", "smollm2"], help="tokenizer (None: the arch's own)")
 
 
 def _run_build(args: argparse.Namespace) -> int:
@@ -234,7 +234,8 @@ def _run_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m fxrewrite.runtime.model_files.demo", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)  # none: usage, exit 2
-    build = sub.add_parser("build", help="write a tiny random model folder and print its path")
+    build = sub.add_parser("build", help="write a tiny random model folder and print its path",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # --help shows the sizes' defaults
     _add_build_arguments(build)
     build.set_defaults(_run=_run_build)
     # --- `run` subcommand (engine owner): `make run` calls `python -m fxrewrite.runtime.model_files.demo run`.

@@ -31,7 +31,7 @@ def resolve_model_path(model: str | os.PathLike | None, *, revision: str | None 
 
     `model`: a local folder; a `.gguf` file; `DEFAULT_MODEL` or None (the built-in default);
     or a hub id `org/name` (at `revision`). Raises FileNotFoundError naming `model` when a path
-    does not exist or a hub id is neither in the HF cache nor downloadable; ValueError naming it
+    does not exist, a model folder has no config.json, or a hub id is neither in the HF cache nor downloadable; ValueError naming it
     when it is an existing file that is not `.gguf`, or neither a path nor a hub id; TypeError
     for other types. `what`: the argument the errors name ("model", "tokenizer").
     """
@@ -44,6 +44,9 @@ def resolve_model_path(model: str | os.PathLike | None, *, revision: str | None 
         raise UserInputError(f"{what} must be a folder, a .gguf file or a hub id, got {text!r}")
     path = Path(text).expanduser()
     if path.is_dir():
+        if what == "model" and not (path / "config.json").is_file():  # else transformers' "Unrecognized model"
+            raise UserFileNotFoundError(f"model {text!r} is a folder without a config.json; expected a model folder "
+                                        "(config.json, weights, a tokenizer), a .gguf file or a hub id")
         return path
     if path.suffix == ".gguf":
         return convert_gguf(path)  # FileNotFoundError naming the file when missing

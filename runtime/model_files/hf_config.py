@@ -382,7 +382,10 @@ def verify_max_model_len(max_model_len: int | None, derived: int, key: str, mode
         return max_model_len  # a warning only: a log line too would print the same news twice
     # scaling RoPE extends the model's positions, not a limit the tokenizer config sets
     advice = ", or scale RoPE (hf_overrides rope_parameters) to extend the context"
-    if key.startswith("tokenizer "):
+    if key.startswith("tokenizer ") and model_len is not None and max_model_len <= model_len:
+        advice = (f" (a limit of the tokenizer config, which scaling RoPE does not lift; the model config's own "
+                  f"positions reach {model_len})")
+    elif key.startswith("tokenizer "):
         advice = " (past the model config's own limit, scale RoPE too: hf_overrides rope_parameters)"
     raise UserInputError(
         f"{msg} Set {ALLOW_LONG_ENV_VARS[0]}=1 (or VLLM_ALLOW_LONG_MAX_MODEL_LEN=1) to allow it anyway{advice}."

@@ -221,6 +221,11 @@ def test_derivation_rules():
     with pytest.raises(UserInputError, match=r"\(from the tokenizer config: model_max_length=1000\)") as tok:
         verify_max_model_len(2000, *derive_max_model_len(cfg, tokenizer_model_max_length=1000))
     assert "to extend the context" not in str(tok.value)  # RoPE scaling does not lift the tokenizer's limit
+    with pytest.raises(UserInputError, match=r"a limit of the tokenizer config, which scaling RoPE does not lift; "
+                                             r"the model config's own positions reach 4096\)"):
+        verify_max_model_len(2000, *derive_max_model_len(cfg, tokenizer_model_max_length=1000), 4096)
+    with pytest.raises(UserInputError, match=r"past the model config's own limit, scale RoPE too"):
+        verify_max_model_len(5000, *derive_max_model_len(cfg, tokenizer_model_max_length=1000), 4096)
     with pytest.MonkeyPatch.context() as mp:  # allowed: past the tokenizer's limit only is not "garbage"
         mp.setenv("FXREWRITE_ALLOW_LONG_MAX_MODEL_LEN", "1")
         with pytest.warns(UserWarning, match="model config's own positions reach 4096") as caught:
@@ -335,6 +340,18 @@ def test_separate_tokenizer_folder_bounds_length(qwen3_dir, tmp_path):
     mc = ModelConfig.from_pretrained(qwen3_dir, tokenizer=tok)
     assert mc.tokenizer == str(tok) and mc.max_model_len == 1024
     assert mc.model == str(qwen3_dir) and mc.model_path == qwen3_dir
+
+
+def test_a_model_folder_without_config_json_says_so(tmp_path):
+    """fresh user: a folder of scripts gave transformers' "Unrecognized model ... should have a model_type key in its
+    config.json", about a config.json that does not exist."""
+    from fxrewrite.errors import UserFileNotFoundError
+
+    (tmp_path / "scratch").mkdir()
+    (tmp_path / "scratch" / "train.py").write_text("")
+    with pytest.raises(UserFileNotFoundError, match=r"model '.*scratch' is a folder without a config.json; expected "
+                                                    r"a model folder"):
+        ModelConfig.from_pretrained(str(tmp_path / "scratch"))
 
 
 def test_missing_tokenizer_path_names_the_tokenizer(qwen3_dir, tmp_path):

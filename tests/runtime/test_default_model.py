@@ -72,8 +72,12 @@ def test_default_id_and_its_gguf_resolve_to_the_built_folder(default_model_dir):
 
 
 def test_local_folder_is_returned_as_is(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
     assert resolve_model_path(tmp_path) == tmp_path
     assert resolve_model_path(str(tmp_path)) == tmp_path
+    assert resolve_model_path(tmp_path / "..", what="tokenizer") == tmp_path / ".."  # a tokenizer needs no config
+    with pytest.raises(FileNotFoundError, match="is a folder without a config.json"):
+        resolve_model_path(tmp_path / "..")
 
 
 def test_missing_paths_are_errors_naming_them(tmp_path):
