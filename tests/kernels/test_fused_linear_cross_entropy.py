@@ -31,32 +31,23 @@ def test_cross_entropy_kernel_rejects_bad_shapes(interpret):
 
 
 @pytest.mark.parametrize("bad", [40, -1, 1 << 40])
-def test_out_of_range_targets_are_refused(interpret, monkeypatch, bad):
+@pytest.mark.parametrize("path", ["triton", "torch"])
+def test_out_of_range_targets_are_refused(interpret, monkeypatch, bad, path):
     """A label past the vocabulary, or -1 with ignore_index -100 (transformers raises IndexError for both), would
-    read outside its row in the kernel: refused, also through the fused loss, whose other targets stay valid."""
-    monkeypatch.setenv("FXREWRITE_TRITON", "1")
-    target = torch.tensor([3, bad, -100, 0])
-    with pytest.raises(RuntimeError, match=r"a target is outside \[0, 40\) and is not ignore_index=-100"):
-        cross_entropy_grad_(torch.randn(4, 40), target)
-    h, w = torch.randn(4, 8, requires_grad=True), torch.randn(40, 8, requires_grad=True)
-    with pytest.raises(RuntimeError, match="a target is outside"):
-        fused_linear_cross_entropy(h, w, None, target, kernel_params=(1.0, None))
-    cross_entropy_grad_(torch.randn(4, 40), torch.tensor([3, 39, -100, 0]))  # the edges and ignore_index pass
-
-
-@pytest.mark.parametrize("bad", [40, -5])
-def test_out_of_range_targets_are_refused_on_the_torch_path_too(monkeypatch, bad):
-    """Without Triton (a CPU without FXREWRITE_TRITON) the fused loss's torch form gave "index 40 is out of bounds
-    for dimension 1 with size 40", which does not say it is a label: now the kernel path's message."""
-    monkeypatch.setenv("FXREWRITE_TRITON", "0")
+    read outside its row in the kernel: refused, also through the fused loss, whose other targets stay valid. The
+    torch form (a CPU without FXREWRITE_TRITON) gave "index 40 is out of bounds for dimension 1 with size 40", which
+    does not say it is a label: it now refuses with the kernel path's message."""
     from fxrewrite.kernels.cross_entropy import cross_entropy_grad_torch
 
+    monkeypatch.setenv("FXREWRITE_TRITON", "1" if path == "triton" else "0")
+    grad = cross_entropy_grad_ if path == "triton" else cross_entropy_grad_torch
     target = torch.tensor([3, bad, -100, 0])
     with pytest.raises(RuntimeError, match=r"a target is outside \[0, 40\) and is not ignore_index=-100"):
-        cross_entropy_grad_torch(torch.randn(4, 40), target)
+        grad(torch.randn(4, 40), target)
     h, w = torch.randn(4, 8, requires_grad=True), torch.randn(40, 8, requires_grad=True)
     with pytest.raises(RuntimeError, match="a target is outside"):
         fused_linear_cross_entropy(h, w, None, target, kernel_params=(1.0, None))
+    grad(torch.randn(4, 40), torch.tensor([3, 39, -100, 0]))  # the edges and ignore_index pass
 
 
 def _softcap(z):

@@ -239,51 +239,19 @@ def test_layers_run_a_recorded_pipelined_choice(interpret, monkeypatch, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_layers_run_a_recorded_fused_pipelined_choice(interpret, monkeypatch, dtype):
-    """("pipelined-fused", config) for "norm" / "silu": one launch of the pipelined kernel per call, no RMSNorm or
-    SiLU-and-mul kernel, the same results as the unfused ops; refused for "linear" (no prologue) and round-tripped
-    through choices / parse."""
+@pytest.mark.parametrize("tag", ["pipelined-fused", "unfused"])
+def test_layers_run_a_recorded_prologue_choice(interpret, monkeypatch, dtype, tag):
+    """For "norm" / "silu" (the choice refused for "linear", which has no prologue; round-tripped through choices /
+    parse): ("pipelined-fused", config) runs one launch of the pipelined kernel per call, no RMSNorm or SiLU-and-mul
+    kernel; ("unfused", skinny config) the prologue's own kernel, then the skinny GEMV without a prologue (at
+    Qwen3-32B's K the per-program prologue cost more than the launch). Both give the unfused ops' results."""
     gemv_dispatch.clear()
+    if tag == "unfused":
+        _interpretable_norm(monkeypatch, dtype)
     x, res, gate_up = torch.randn(1, 64).to(dtype), torch.randn(1, 64).to(dtype), torch.randn(1, 96).to(dtype)
-    choice = gemv_dispatch.fused_pipelined_configs("norm")[0]
-    assert choice == ("pipelined-fused", *PIPELINED_CONFIGS[0]) and gemv_dispatch.fused_pipelined_configs("linear") == ()
-
-    def calls():
-        return [*qkv.norm_forward(x, norm, res), qkv.norm_forward(x, norm)[0], down.silu_forward(gate_up, SiluAndMul())]
-    try:
-        torch.manual_seed(0)
-        qkv = QKVParallelLinear(64, 8, 2, 1, bias=True, params_dtype=dtype)
-        down = RowParallelLinear(48, 16, bias=True, params_dtype=dtype)
-        norm = RMSNorm(64, 1e-6, dtype=dtype)
-        norm.weight.data.uniform_(0.5, 1.5)
-        gemv_dispatch.record("norm", 32, 64, 1, choice)
-        gemv_dispatch.record("silu", 16, 48, 1, choice)
-        assert gemv_dispatch.choices()["silu 16x48@1"] == "pipelined-fused/8/256/5/4"
-        assert gemv_dispatch.parse("pipelined-fused/8/256/5/4") == choice
-        with torch.no_grad():
-            want = calls()
-            monkeypatch.setenv("FXREWRITE_TRITON", "1")
-            monkeypatch.setenv("FXREWRITE_GEMV", "auto")
-            with listen_launches(_Launches()) as seen:
-                got = calls()
-        assert seen.names == [_KERNEL] * 3, seen.names
-    finally:
-        gemv_dispatch.clear()
-    with pytest.raises(ValueError, match="a tagged choice is"):
-        gemv_dispatch.record("linear", 16, 48, 1, choice)
-    _same_residual(got.pop(1), want.pop(1), dtype)
-    for g, w in zip(got, want):
-        _close(g, w, dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_layers_run_a_recorded_unfused_choice(interpret, monkeypatch, dtype):
-    """("unfused", skinny config) for "norm" / "silu": the prologue's own kernel, then the skinny GEMV without a
-    prologue (at Qwen3-32B's K the per-program prologue cost more than the launch); same results as unfused ops."""
-    gemv_dispatch.clear()
-    _interpretable_norm(monkeypatch, dtype)
-    x, res, gate_up = torch.randn(1, 64).to(dtype), torch.randn(1, 64).to(dtype), torch.randn(1, 96).to(dtype)
-    choice = ("unfused", *configs_for(1, "linear")[0])
+    choice = (gemv_dispatch.fused_pipelined_configs("norm")[0] if tag == "pipelined-fused"
+              else ("unfused", *configs_for(1, "linear")[0]))
+    assert gemv_dispatch.fused_pipelined_configs("linear") == ()
 
     def calls():
         return [*qkv.norm_forward(x, norm, res), qkv.norm_forward(x, norm)[0], down.silu_forward(gate_up, SiluAndMul())]
@@ -302,8 +270,11 @@ def test_layers_run_a_recorded_unfused_choice(interpret, monkeypatch, dtype):
             monkeypatch.setenv("FXREWRITE_GEMV", "auto")
             with listen_launches(_Launches()) as seen:
                 got = calls()
-        assert seen.names.count("_skinny_gemv_kernel") == 3 and _KERNEL not in seen.names, seen.names
-        assert "_act_and_mul_kernel" in seen.names
+        if tag == "pipelined-fused":
+            assert seen.names == [_KERNEL] * 3, seen.names
+        else:
+            assert seen.names.count("_skinny_gemv_kernel") == 3 and _KERNEL not in seen.names, seen.names
+            assert "_act_and_mul_kernel" in seen.names
     finally:
         gemv_dispatch.clear()
     with pytest.raises(ValueError, match="a tagged choice is"):
