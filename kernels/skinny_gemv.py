@@ -99,8 +99,8 @@ def _check(x: torch.Tensor, w: torch.Tensor, norm_weight, residual, silu_mul: bo
     if silu_mul and norm_weight is not None:
         raise ValueError("skinny_gemv: silu_mul and norm_weight are exclusive prologues")
     if norm_weight is not None and (tuple(norm_weight.shape) != (k,) or norm_weight.stride(0) != 1):
-        raise ValueError(f"skinny_gemv: norm_weight {tuple(norm_weight.shape)} strides {norm_weight.stride()}; expected "
-                         f"a contiguous ({k},) (the kernels read it as K consecutive values)")
+        raise ValueError(f"skinny_gemv: norm_weight {tuple(norm_weight.shape)} strides {norm_weight.stride()}; "
+                         f"expected a contiguous ({k},) (the kernels read it as K consecutive values)")
     if residual is not None and (norm_weight is None or residual.shape != x.shape):
         raise ValueError(f"skinny_gemv: residual {tuple(residual.shape)} needs norm_weight and x's shape "
                          f"{tuple(x.shape)}")

@@ -31,8 +31,9 @@ def resolve_model_path(model: str | os.PathLike | None, *, revision: str | None 
 
     `model`: a local folder; a `.gguf` file; `DEFAULT_MODEL` or None (the built-in default);
     or a hub id `org/name` (at `revision`). Raises FileNotFoundError naming `model` when a path
-    does not exist, a model folder has no config.json, or a hub id is neither in the HF cache nor downloadable; ValueError naming it
-    when it is an existing file that is not `.gguf`, or neither a path nor a hub id; TypeError
+    does not exist, a model folder has no config.json, or a hub id is neither in the HF cache nor
+    downloadable; ValueError naming it when it is an existing file that is not `.gguf`, or neither a
+    path nor a hub id; TypeError
     for other types. `what`: the argument the errors name ("model", "tokenizer").
     """
     if model is None:

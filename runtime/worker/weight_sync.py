@@ -111,7 +111,8 @@ def merged_peft(source):
                 unmerge()
 
 
-def _peft_base_pairs(module: nn.Module, prefix: str = "", seen: set | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def _peft_base_pairs(module: nn.Module, prefix: str = "",
+                     seen: set | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, detached parameter) of `module` with every PEFT layer replaced by the module it stands for: a
     tuner layer (``adapter_layer_names``) by its ``base_layer``, a modules_to_save wrapper by the active adapter's
     copy (its original module when adapters are disabled or the adapter has no copy); tied parameters once, as
@@ -119,7 +120,8 @@ def _peft_base_pairs(module: nn.Module, prefix: str = "", seen: set | None = Non
     seen = set() if seen is None else seen
     if hasattr(module, "adapter_layer_names"):
         if isinstance(getattr(module, "modules_to_save", None), nn.ModuleDict) and hasattr(module, "original_module"):
-            active = [] if module.disable_adapters else [a for a in module.active_adapters if a in module.modules_to_save]
+            active = [] if module.disable_adapters else [
+                a for a in module.active_adapters if a in module.modules_to_save]
             module = module.modules_to_save[active[0]] if active else module.original_module
         elif isinstance(getattr(module, "base_layer", None), nn.Module):
             module = module.base_layer

@@ -367,5 +367,6 @@ def test_candidates_env_keeps_the_skinny_configs_only(monkeypatch):
     assert gemv_tune.candidates(1, "silu", 2560) == (configs_for(1, "silu", 2560) + gemv_dispatch.pipelined_configs()
                                                      + gemv_dispatch.unfused_configs("silu", 2560))
     monkeypatch.setenv("FXREWRITE_GEMV_CANDIDATES", "some")
-    with pytest.raises(ValueError, match="FXREWRITE_GEMV_CANDIDATES='some': expected 'all', 'separate-prologue' or 'skinny'"):
+    with pytest.raises(ValueError,
+                       match="FXREWRITE_GEMV_CANDIDATES='some': expected 'all', 'separate-prologue' or 'skinny'"):
         gemv_tune.candidates(1, "norm", 6144)
