@@ -73,14 +73,18 @@ class FusedExperts(nn.Module):
         """[E_local, H, I_local]."""
         return getattr(self, self.param_names[1])
 
+    def full_shape(self, param: nn.Parameter) -> tuple[int, ...]:
+        """The checkpoint's shape of `param` (w13 [E, 2I, H], w2 [E, H, I]: every expert, full width), which the
+        loader and in-place weight sync (`fxrewrite.runtime.worker.weight_sync`) take whatever this rank holds."""
+        if param is self.w13:
+            return (self.num_experts, 2 * self.intermediate_size, self.hidden_size)
+        return (self.num_experts, self.hidden_size, self.intermediate_size)
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id=None) -> None:
         """Copy this rank's part of a full checkpoint tensor ([E, 2I, H] or [E, H, I]; a LazySlice reads only it)."""
         e, i = self.num_local_experts, self.intermediate_size_per_partition
         full_i = self.intermediate_size
-        if param is self.w13:
-            expected = (self.num_experts, 2 * full_i, self.hidden_size)
-        else:
-            expected = (self.num_experts, self.hidden_size, full_i)
+        expected = self.full_shape(param)
         if tuple(loaded_weight.shape) != expected:
             raise ValueError(f"expert weight shape {tuple(loaded_weight.shape)} != expected {expected}")
         w = loaded_weight.narrow(0, self.expert_start, e)
@@ -170,8 +174,11 @@ class FusedMoE(nn.Module):
 
     def _experts(self, x: torch.Tensor) -> torch.Tensor:
         router = self._child("router")
-        if router_logits_wanted():
-            router(x)  # its own forward, for transformers' recorder hook (the same weight routes below)
+        # its own forward, for transformers' recorder hook (the same weight routes below); also whenever autograd
+        # records: activation checkpointing's recomputation runs without the collector and must save what the
+        # forward saved (a call only the first pass made was a CheckpointError with output_router_logits=True)
+        if router_logits_wanted() or torch.is_grad_enabled():
+            router(x)
         # a few tokens (decode): gate GEMV + top-k in one launch (fxrewrite.kernels.moe_router)
         weights, ids = route_experts(x, router.weight, self.top_k, self.renormalize, self.scoring_func,
                                      getattr(router, "bias", None))

@@ -230,12 +230,12 @@ def plan_update(model: nn.Module, metas: list[tuple[str, tuple[int, ...]]], stri
         elif target is None:
             errors.append(f"tensor {name!r} of shape {tuple(shape)} matches no parameter of the engine's model "
                           "(strict=False skips such tensors)")
-        elif tuple(shape) != target.shape:
-            part = f" (shard {target.shard_id!r})" if target.shard_id is not None else ""
-            errors.append(f"tensor {name!r} has shape {tuple(shape)}, but the engine's parameter "
-                          f"{target.name!r}{part} needs {target.shape}")
         else:
-            covered.setdefault(id(target.param), set()).add(target.shard_id)
+            if tuple(shape) != target.shape:
+                part = f" (shard {target.shard_id!r})" if target.shard_id is not None else ""
+                errors.append(f"tensor {name!r} has shape {tuple(shape)}, but the engine's parameter "
+                              f"{target.name!r}{part} needs {target.shape}")
+            covered.setdefault(id(target.param), set()).add(target.shard_id)  # sent: its shape is the one error
         plan.append(target)
     if strict:
         errors += _missing(table, covered)

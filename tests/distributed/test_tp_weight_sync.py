@@ -42,3 +42,32 @@ def test_tp2_load_weights_sleep_and_wake_up(tiny_model_dir):
         assert generate_tokens(llm) == before
     finally:
         llm.llm_engine.model_runner.shutdown()
+
+
+@pytest.mark.parametrize("impl, expert_parallel", [("transformers", False), ("transformers", True),
+                                                   ("native", True)])
+def test_tp2_moe_load_weights_takes_each_ranks_experts(tiny_model_dir, impl, expert_parallel):
+    """A fused MoE's 3-D experts ([E, 2I, H] / [E, H, I], transformers 5's layout) sync at tensor_parallel_size=2:
+    each rank takes its columns (tensor parallel) or its experts (expert parallel), as the loader does (fresh user:
+    every MoE sync at TP=2 was refused, the full tensor compared with the rank's shape); a wrong shape names only
+    the shape (it was also reported as a missing tensor)."""
+    from transformers import AutoModelForCausalLM
+
+    old, new = (str(tiny_model_dir("qwen3_moe", vocab="smollm2", seed=s)) for s in (0, 1))
+    reference = generate_tokens(make_llm(new, impl))
+    llm = make_llm(old, impl, tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
+    try:
+        before = generate_tokens(llm)
+        source = fxrewrite.optimize(AutoModelForCausalLM.from_pretrained(new, dtype=torch.float32))
+        pairs = list(source.named_parameters())
+        i = next(i for i, (n, _) in enumerate(pairs) if n.endswith("experts.down_proj"))
+        with pytest.raises(ValueError, match="experts.down_proj.*has shape") as bad:
+            llm.load_weights(pairs[:i] + [(pairs[i][0], pairs[i][1][:-1])] + pairs[i + 1:])
+        assert "no tensor for" not in str(bad.value)
+        assert generate_tokens(llm) == before
+        llm.load_weights(source)
+        assert generate_tokens(llm) == reference != before
+        llm.load_weights(AutoModelForCausalLM.from_pretrained(old, dtype=torch.float32))  # stock, HF names
+        assert generate_tokens(llm) == before
+    finally:
+        llm.llm_engine.model_runner.shutdown()

@@ -177,6 +177,28 @@ def test_router_logits_and_aux_loss_match_stock(family, train):
     assert model(ids, labels=ids).aux_loss is None
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe"])
+def test_router_logits_under_gradient_checkpointing_match_stock(family):
+    """output_router_logits=True as the call's argument with gradient checkpointing (fresh user: a CheckpointError,
+    "a different number of tensors was saved", since the recomputation runs without transformers' collector and
+    skipped the router module's call): loss, aux loss and every gradient equal stock's."""
+    model = tiny_moe(family).train()
+    ref = stock_eager(copy.deepcopy(model))
+    fxrewrite.optimize(model)
+    ids = torch.randint(0, 96, (2, 6))
+    for m in (model, ref):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    got, want = (m(ids, labels=ids, output_router_logits=True) for m in (model, ref))
+    torch.testing.assert_close(got.aux_loss, want.aux_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+    got.loss.backward()
+    want.loss.backward()
+    params = dict(model.named_parameters())
+    for name, p in ref.named_parameters():
+        if name in params and p.grad is not None:
+            torch.testing.assert_close(params[name].grad, p.grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe"])
 def test_state_dict_round_trips_through_save_pretrained(tmp_path, family):
     """The optimized model keeps transformers' state-dict keys, and what save_pretrained writes loads back into
