@@ -157,6 +157,8 @@ class RunStats:
     first_token_s: dict = field(default_factory=dict)
     """request id -> seconds from the start to its first output token."""
     finish_s: dict = field(default_factory=dict)
+    step_end_s: list = field(default_factory=list)
+    """Seconds from the start to the end of each engine step, in order."""
 
 
 def run_requests(engine, prompts: list[list[int]], params: list, time_limit_s: float | None = None,
@@ -178,7 +180,9 @@ def run_requests(engine, prompts: list[list[int]], params: list, time_limit_s: f
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         bar.update(sum(counts.values()) - bar.n)
-        for out in engine.step():
+        outputs = engine.step()
+        stats.step_end_s.append(time.perf_counter() - start)
+        for out in outputs:
             now = time.perf_counter() - start
             counts[out.request_id] = len(out.outputs[0].token_ids)
             if counts[out.request_id]:  # a prefill chunk that sampled nothing is not a first token

@@ -35,7 +35,8 @@
 #                                  "32b-block 32b") in folders of their names: 32b-block = Qwen3-32B batch-1 decode on
 #                                  128 x 128 block-scaled dummy weights (--hf-overrides quantization_config, as an FP8
 #                                  checkpoint); 32b = bf16; 4b-block / 4b-fp8kv (throughput, --quantization fp8
-#                                  --kv-cache-dtype fp8) / 4b (bf16 throughput). GEMM=0 skips the GEMM benchmark.
+#                                  --kv-cache-dtype fp8) / 4b (bf16 throughput) / 4b-latency (batch 1, native and after)
+#                                  / 4b-profile (profile_decode, native, batch 1). GEMM=0 skips the GEMM benchmark.
 # Results (JSON, logs) go to $OUT when set, else benchmarks/results. Each step has its own time limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -95,6 +96,9 @@ elif [ "${MODE:-fp8}" = fp8-block ]; then
       4b-block) bench "$(left 90)" --config qwen3-4b --arms native --workload latency --max-num-seqs 1 --time-limit 10 --hf-overrides "$BLOCK" ;;
       4b-fp8kv) bench "$(left 180)" --config qwen3-4b --arms native --num-prompts 200 --time-limit 15 --quantization fp8 --kv-cache-dtype fp8 ;;
       4b) bench "$(left 150)" --config qwen3-4b --arms native --num-prompts 200 --time-limit 15 ;;
+      4b-latency) bench "$(left 150)" --config qwen3-4b --arms native,after --workload latency --max-num-seqs 1 --time-limit 10 ;;
+      4b-profile) timeout -k 5 "$(left 120)" $PY -m fxrewrite.benchmarks.profile_decode --config qwen3-4b --arm native \
+        --batch 1 --out "$OUT_DIR" 2>&1 | tail -3 ;;
     esac ) done
   echo "fp8-block done in $(($(date +%s) - start)) s"
 elif [ "${MODE:-fp8}" = kv-fp8 ]; then

@@ -11,6 +11,7 @@ import random
 from dataclasses import asdict, dataclass, field
 
 from fxrewrite.benchmarks.common import copy_bandwidth_bytes_per_s, engine_weight_bytes, replay_ms, run_requests
+from fxrewrite.benchmarks.step_timing import decode_step_summary, gc_pauses
 from fxrewrite.kernels.triton_utils import watch_jit_compiles
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
@@ -51,7 +52,7 @@ def run_latency(llm, workload: LatencyWorkload, time_limit_s: float | None = Non
     nbytes = engine_weight_bytes(engine)
     result = {"weight_bytes": nbytes, "copy_bandwidth_GBps": bandwidth and round(bandwidth / 1e9, 1), **skipped}
     for bs in batch_sizes:
-        with watch_jit_compiles() as compiled:
+        with watch_jit_compiles() as compiled, gc_pauses() as collections:
             stats = run_requests(engine, workload.prompts(bs), [params] * bs, time_limit_s, desc=f"batch {bs}")
         ttft = max(stats.first_token_s.values())
         steps = workload.output_len - 1
@@ -63,6 +64,9 @@ def run_latency(llm, workload: LatencyWorkload, time_limit_s: float | None = Non
             "decode_tokens_per_s": round(bs / decode_s, 1),
             "truncated": stats.truncated,
             "triton_jit_in_timed_run": compiled,  # should be empty: each entry is a JIT stall inside the timing
+            # a mean above the graph replay: per-step host work (median up) or a few stalls (long steps, GC)
+            **decode_step_summary(stats.step_end_s, ttft, max(stats.finish_s.values(), default=stats.elapsed_s)),
+            "gc_in_timed_run": collections,
         }
         step_bytes = engine_weight_bytes(engine, batch_size=bs)  # a MoE step reads only the routed experts
         if step_bytes != nbytes:

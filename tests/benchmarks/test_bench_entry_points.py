@@ -73,6 +73,9 @@ def test_compare_latency_with_one_sequence(tmp_path, capsys, one_thread):
     arm = _saved(tmp_path)["arms"]["native"]
     assert "error" not in arm, arm.get("traceback")
     assert arm["batch_1"]["decode_ms_per_step"] > 0
+    # the spread of the step times and the collector's pauses, which tell a stall from per-step overhead
+    assert arm["batch_1"]["step_ms_max"] >= arm["batch_1"]["step_ms_median"] > 0
+    assert set(arm["batch_1"]["gc_in_timed_run"]) == {"collections", "pause_ms", "max_pause_ms"}
     assert "max_num_seqs=1" in arm["batch_4"]["skipped"]
 
 
