@@ -114,9 +114,3 @@ def consuming_linears(starts: list[fx.Node], root: nn.Module) -> list[fx.Node]:
             todo.extend(n.users)
     return [n for n in starts[0].graph.nodes if n in found]
 
-
-def row_partner(starts: list[fx.Node], root: nn.Module) -> str | None:
-    """The child attribute name of the one linear `consuming_linears` finds (None: none, several, or a
-    grandchild): the row-parallel half that a column-parallel fused layer pairs with (Megatron-LM)."""
-    found = consuming_linears(starts, root)
-    return found[0].target if len(found) == 1 and "." not in found[0].target else None

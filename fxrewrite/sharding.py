@@ -9,9 +9,9 @@ one through its `weight_loader`). The plan, in order:
 2. fusion: every fused `QKVParallelLinear` becomes column-parallel by heads (kv heads replicated
    when fewer than ranks) and forces its output projection row-parallel; every fused gate/up
    `MergedColumnParallelLinear` forces the down projection row-parallel. The partner is read off the
-   match: the fused layer's `row_partner`, the one linear its outputs reach in the traced graph
-   (`fxrewrite.nodes.row_partner`); none, several, or one not reading the fused width: ValueError
-   (fail closed).
+   match: the fused layer's `row_partner`, the one linear its outputs reach in the traced graph through
+   operations proven to keep heads (features) apart (`fxrewrite.patterns.feature_path`); none, several, one
+   not proven, or one not reading the fused width: UnsupportedModelError with the reason (fail closed).
 3. the config's `base_model_tp_plan` ("colwise" / "rowwise") for plain linears the fusion left;
 4. the input embedding and LM head become `VocabParallelEmbedding` / `ParallelLMHead` (ties kept);
 5. anything else stays replicated.
@@ -104,7 +104,8 @@ def _shard_fused(module: nn.Module, prefix: str, name: str, tp_rank: int, tp_siz
         width, style = fused.output_sizes[0], "merged"
     else:
         return
-    _shard_column_pair(module, prefix, name, fused, new, fused.row_partner, width, style, plan)
+    _shard_column_pair(module, prefix, name, fused, new, (fused.row_partner, fused.row_partner_why), width, style,
+                       plan)
 
 
 def _shard_prefused(module: nn.Module, prefix: str, kind: str, name: str, facts: dict, tp_rank: int, tp_size: int,
@@ -127,15 +128,16 @@ def _shard_prefused(module: nn.Module, prefix: str, kind: str, name: str, facts:
                                 bias=bias, **tp)
     else:
         new = MergedColumnParallelLinear(old.in_features, facts["sizes"], bias=bias, **tp)
-    _shard_column_pair(module, prefix, name, old, new, facts["row_partner"], width, kind, plan)
+    _shard_column_pair(module, prefix, name, old, new, (facts["row_partner"], facts.get("row_partner_why")), width,
+                       kind, plan)
     if kind == "qkv":
         setattr(module, facts["sizes_attr"], list(new.output_sizes))
 
 
-def _shard_column_pair(module: nn.Module, prefix: str, name: str, old: nn.Module, new: nn.Module, partner_name,
-                       width: int, style: str, plan: dict) -> None:
-    """Put the column-parallel `new` in place of `old` and make its row partner row-parallel."""
-    partner = _row_partner(module, prefix, name, partner_name, width)
+def _shard_column_pair(module: nn.Module, prefix: str, name: str, old: nn.Module, new: nn.Module,
+                       partner_found: tuple[str | None, str | None], width: int, style: str, plan: dict) -> None:
+    """Put the column-parallel `new` in place of `old` and make its row partner (name, or None and why) row-parallel."""
+    partner = _row_partner(module, prefix, name, *partner_found, width)
     new.row_partner = partner
     _replace(module, name, new, old)
     if style == "qkv":
@@ -171,17 +173,20 @@ def _set_rank_head_counts(attn: nn.Module, prefix: str, new: QKVParallelLinear) 
         attn.num_key_value_groups = new.num_heads // new.num_kv_heads
 
 
-def _row_partner(module: nn.Module, prefix: str, fused_name: str, name: str | None, width: int) -> str:
-    """The fused layer's row partner `name` (the linear its outputs reach), checked: a plain nn.Linear child
-    reading `width` features, what one branch of the fused layer produces."""
+def _row_partner(module: nn.Module, prefix: str, fused_name: str, name: str | None, why: str | None,
+                 width: int) -> str:
+    """The fused layer's row partner `name` (the linear its outputs reach head by head, or None and `why` not),
+    checked: a plain nn.Linear child reading `width` features, what one branch of the fused layer produces."""
     child = getattr(module, name, None) if name else None
     if type(child) is not nn.Linear or child.in_features != width:
         where = prefix or type(module).__name__
-        found = f"{name!r} ({type(child).__name__})" if name else "no single linear"
+        found = f"{name!r} ({type(child).__name__})" if name else f"no proven row partner ({why})" if why \
+            else "no single linear"
         raise UnsupportedModelError(
             f"cannot shard {where}.{fused_name}: among the children of {type(module).__name__} its outputs reach "
             f"{found} (the traced graph of that module); row-parallel sharding needs them to reach one nn.Linear "
-            f"child reading {width} features, so this model cannot run at tensor_parallel_size > 1")
+            f"child reading {width} features, each head (feature) apart, so this model cannot run at "
+            "tensor_parallel_size > 1")
     return name
 
 

@@ -23,7 +23,7 @@ from fxrewrite.data_parallel import dp_ep_active, moe_parallel
 from fxrewrite.distributed import tensor_model_parallel_all_reduce
 from fxrewrite.layers import moe_dp
 from fxrewrite.layers.fused_moe import FusedExperts
-from fxrewrite.layers.layernorm import RMSNorm
+from fxrewrite.layers.layernorm import plain_rms_norm_width
 from fxrewrite.layers.sharded_norm import ShardedRMSNorm
 
 
@@ -236,7 +236,7 @@ def shard_full_width_norms(attn: nn.Module, prefix: str, qkv, plan: dict) -> Non
     kv_rank = qkv.tp_rank // qkv.num_kv_head_replicas
     widths.setdefault(qkv.total_num_kv_heads * d, (qkv.kv_size, kv_rank * qkv.kv_size, qkv.num_kv_head_replicas))
     for name, child in list(attn.named_children()):
-        width = _plain_rms_norm_width(child)
+        width = plain_rms_norm_width(child)
         if width not in widths or width == d:  # not a plain RMSNorm; or per head (Qwen3): no change
             continue
         local, offset, replicas = widths[width]
@@ -246,15 +246,3 @@ def shard_full_width_norms(attn: nn.Module, prefix: str, qkv, plan: dict) -> Non
             new.weight_loader(new.weight, child.weight.detach())
         setattr(attn, name, new)
         plan[_join(prefix, name)] = "norm_sharded"
-
-
-def _plain_rms_norm_width(module: nn.Module) -> int | None:
-    """The width of an RMSNorm computing ``w * (x * rsqrt(mean(x²) + eps))`` in float32 (fxrewrite's with
-    upcast and no offset, or transformers' OLMoE-style ``*RMSNorm`` left by fusion=False); else None."""
-    if type(module) is RMSNorm:
-        return module.hidden_size if module.upcast and not module.offset else None
-    name, weight = type(module).__name__, getattr(module, "weight", None)
-    if (name.endswith("RMSNorm") and "Gemma" not in name and type(module).__module__.startswith("transformers.")
-            and hasattr(module, "variance_epsilon") and isinstance(weight, nn.Parameter) and weight.dim() == 1):
-        return weight.shape[0]
-    return None

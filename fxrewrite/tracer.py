@@ -350,12 +350,15 @@ def _is_static(val) -> bool:
 @contextlib.contextmanager
 def _local_functions_as_leaves(cls: type, tracer: AllLeafTracer) -> Iterator[None]:
     """Make plain functions defined in the file of `cls.forward` leaf calls while tracing (its globals patched for
-    the duration of the trace, then restored)."""
+    the duration of the trace, then restored), and so the functions of ``kernels``' decorated instances that file
+    imports from a transformers modeling file (a custom or remote-code model's ``from ...modeling_llama import
+    apply_rotary_pos_emb``: on transformers >= 5.25 a module instance, not installed in the model, which fx
+    cannot record)."""
     namespace = inspect.unwrap(cls.forward).__globals__
     originals, leaves = {}, {}
     for k, v in namespace.items():
         f = hub_kernels.decorated_function(v) if hub_kernels.pristine(v) else v  # >= 5.25: a module calling it
-        if isinstance(f, types.FunctionType) and f.__module__ == namespace.get("__name__"):
+        if isinstance(f, types.FunctionType) and (f.__module__ == namespace.get("__name__") or f is not v):
             originals[k], leaves[k] = v, f
 
     def leaf(original):

@@ -14,12 +14,14 @@ import operator
 
 import libcst as cst
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
 from fxrewrite import nodes, source
 from fxrewrite.layers.activation import GeluAndMul, SiluAndMul
 from fxrewrite.layers.linear import MergedColumnParallelLinear
+from fxrewrite.patterns import feature_path
 from fxrewrite.patterns.base import (PREFUSED_ATTR, Context, Match, Pattern, copy_requires_grad, free_attribute,
                                      require, require_same_requires_grad)
 
@@ -76,13 +78,19 @@ def _chunk_product(chunk, root: nn.Module):
     return None
 
 
+def _partner_facts(product: fx.Node, root) -> tuple:
+    """("row_partner", the linear reading the product, proven feature by feature), ("row_partner_why", why not)."""
+    partner, why = feature_path.row_partner([product], root)
+    return ("row_partner", partner), ("row_partner_why", why)
+
+
 def _already_fused(traced) -> list[Match]:
     found, root = [], traced.module
     for n in traced.graph.nodes:
         chunk = next(iter(n.users), None) if nodes.is_linear(n, root) and len(n.users) == 1 else None
         if chunk is not None and nodes.is_op(chunk, "chunk") and chunk.args[1:2] == (2,):
             mul = _chunk_product(chunk, root) if "." not in n.target else None
-            facts = (("prefused", True), ("row_partner", nodes.row_partner([mul], root))) if mul is not None else ()
+            facts = (("prefused", True), *_partner_facts(mul, root)) if mul is not None else ()
             found.append(Match(GLUPattern, frozenset({n.name, chunk.name}), (("gate_up", n.target),), facts,
                                present=mul is None))
     return found
@@ -131,8 +139,7 @@ class GLUPattern(Pattern):
                 require((gm.bias is None) == (um.bias is None), "gate and up disagree on bias")
                 names = (("gate", gate.target), ("up", up.target), ("act", str(act.target)))
                 claimed = frozenset({mul.name, act.name, gate.name, up.name})
-                facts = (("act", kind), ("act_is_module", act.op == "call_module"),
-                         ("row_partner", nodes.row_partner([mul], root)))
+                facts = (("act", kind), ("act_is_module", act.op == "call_module"), *_partner_facts(mul, root))
                 matches.append(Match(cls, claimed, names, facts))
                 break
         return matches
@@ -192,7 +199,8 @@ class GLUPattern(Pattern):
         A pre-fused projection stays; `PREFUSED_ATTR` records it with its row partner."""
         if match.fact("prefused"):
             half = getattr(module, match.name("gate_up")).out_features // 2
-            facts = {"sizes": [half, half], "row_partner": match.fact("row_partner")}
+            facts = {"sizes": [half, half], "row_partner": match.fact("row_partner"),
+                     "row_partner_why": match.fact("row_partner_why")}
             module.__dict__.setdefault(PREFUSED_ATTR, []).append(("merged", match.name("gate_up"), facts))
             return
         gate, up = getattr(module, match.name("gate")), getattr(module, match.name("up"))
@@ -204,7 +212,7 @@ class GLUPattern(Pattern):
             if lin.bias is not None:
                 fused.bias.weight_loader(fused.bias, lin.bias.detach(), shard)
         copy_requires_grad(fused, gate, up)
-        fused.row_partner = match.fact("row_partner")
+        fused.row_partner, fused.row_partner_why = match.fact("row_partner"), match.fact("row_partner_why")
         kind = match.fact("act")
         # the fused gate_up output is new and read only by the activation: its backward may overwrite it
         act = (SiluAndMul(inplace_backward=True) if kind == "silu"

@@ -17,6 +17,7 @@ import torch.fx as fx
 from torch import nn
 
 from fxrewrite import nodes, source
+from fxrewrite.patterns import feature_path
 from fxrewrite.patterns import qkv_prefused as prefused
 from fxrewrite.layers.linear import QKVParallelLinear
 from fxrewrite.patterns.base import (PREFUSED_ATTR, Context, Match, Pattern, Refusal, copy_requires_grad,
@@ -79,7 +80,8 @@ def _prefused_facts(n: fx.Node, slices: list[fx.Node], traced, ctx: Context) -> 
     if not (head and sizes[1] == sizes[2] and 0 < sizes[1] <= sizes[0] and sizes[0] % head == 0
             and sizes[1] % head == 0):
         return None
-    return (("head_size", head), ("sizes", sizes), ("row_partner", nodes.row_partner([n], traced.module)),
+    partner, why = feature_path.row_partner([n], traced.module, head)
+    return (("head_size", head), ("sizes", sizes), ("row_partner", partner), ("row_partner_why", why),
             ("prefused", True))
 
 
@@ -124,7 +126,8 @@ class QKVPattern(Pattern):
             require(mq.out_features % head_size == 0 and mk.out_features % head_size == 0,
                     f"head size {head_size} does not divide q/k sizes")
             names = tuple(zip(_ROLES, (q.target, k.target, v.target)))
-            facts = (("head_size", head_size), ("row_partner", nodes.row_partner(group, traced.module)))
+            partner, why = feature_path.row_partner(group, traced.module, head_size)
+            facts = (("head_size", head_size), ("row_partner", partner), ("row_partner_why", why))
             matches.append(Match(cls, frozenset(n.name for n in group), names, facts))
         return matches
 
@@ -186,7 +189,8 @@ class QKVPattern(Pattern):
             head = match.fact("head_size")
             setattr(module, SIZES_ATTR, [q, kv, kv])
             facts = {"head_size": head, "num_heads": q // head, "num_kv_heads": kv // head,
-                     "row_partner": match.fact("row_partner"), "sizes_attr": SIZES_ATTR}
+                     "row_partner": match.fact("row_partner"), "row_partner_why": match.fact("row_partner_why"),
+                     "sizes_attr": SIZES_ATTR}
             module.__dict__.setdefault(PREFUSED_ATTR, []).append(("qkv", match.name("qkv"), facts))
             return
         q, k, v = (getattr(module, match.name(r)) for r in _ROLES)
@@ -198,7 +202,7 @@ class QKVPattern(Pattern):
             if lin.bias is not None:
                 fused.bias.weight_loader(fused.bias, lin.bias.detach(), role)
         copy_requires_grad(fused, q, k, v)
-        fused.row_partner = match.fact("row_partner")
+        fused.row_partner, fused.row_partner_why = match.fact("row_partner"), match.fact("row_partner_why")
         for role in _ROLES:
             delattr(module, match.name(role))
         setattr(module, NEW_NAME, fused)

@@ -66,3 +66,15 @@ class RMSNorm(nn.Module):
     def extra_repr(self) -> str:
         """Size, eps, offset and upcast in the module's repr."""
         return f"{self.hidden_size}, eps={self.variance_epsilon}, offset={self.offset}"
+
+
+def plain_rms_norm_width(module: nn.Module) -> int | None:
+    """The width of an RMSNorm over the last dim computing ``w * (x * rsqrt(mean(x²) + eps))`` in float32
+    (fxrewrite's with upcast and no offset, or transformers' OLMoE-style ``*RMSNorm`` the fusion left); else None."""
+    if type(module) is RMSNorm:
+        return module.hidden_size if module.upcast and not module.offset else None
+    name, weight = type(module).__name__, getattr(module, "weight", None)
+    if (name.endswith("RMSNorm") and "Gemma" not in name and type(module).__module__.startswith("transformers.")
+            and hasattr(module, "variance_epsilon") and isinstance(weight, nn.Parameter) and weight.dim() == 1):
+        return weight.shape[0]
+    return None

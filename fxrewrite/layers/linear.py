@@ -61,6 +61,8 @@ class LinearBase(nn.Module):
     row_partner: str | None = None
     """On a fused column-parallel layer: the host module's attribute name of the linear that reads its
     output (set by the pattern from the traced dataflow); `fxrewrite.sharding` makes that one row-parallel."""
+    row_partner_why: str | None = None
+    """Why there is none (`fxrewrite.patterns.feature_path`): what sharding's refusal says."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_size: int, tp_rank: int,
                  params_dtype: torch.dtype | None, device, in_per_part: int, out_per_part: int) -> None:

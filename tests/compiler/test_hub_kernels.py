@@ -115,3 +115,19 @@ def test_wrapped_forward_of_foreign_code_is_still_refused(monkeypatch):
     monkeypatch.setattr(modeling_qwen3.Qwen3MLP, "forward", wrapped)
     with pytest.raises(ForeignPatchError, match=r"Qwen3MLP\.forward is .*test_hub_kernels.*Patched\.forward"):
         fxrewrite.optimize(tiny_model("qwen3"))
+
+
+def test_a_custom_attention_importing_the_decorated_function_is_traced():
+    """A model's own attention class (a remote-code model, say) calling the decorated instance it imported from
+    a modeling file: the trace records the function as one call, as in that file, instead of stopping at the
+    instance (an nn.Module fx cannot record: "not installed as a submodule"); the rotary call fuses."""
+    from tests.compiler.custom_attention import custom_llama
+
+    stock, model = custom_llama(), custom_llama()
+    fxrewrite.optimize(model)
+    report = fxrewrite.explain(model).classes["ImportingAttention"]
+    assert not [why for what, why in report.skipped if what == "trace"], report.skipped
+    assert "rotary_apply" in dict(report.applied)
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=1e-5, atol=1e-5)

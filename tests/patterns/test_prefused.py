@@ -181,7 +181,7 @@ def test_slices_sharing_a_statement_are_refused_with_the_reason():
 def test_chunked_gate_up_is_recorded_only_when_the_halves_meet_in_act_times_up():
     report, ref, got, module = _optimize(ChunkedMLP())
     assert report.applied_patterns() == ["glu"]
-    facts = {"sizes": [24, 24], "row_partner": "down_proj"}
+    facts = {"sizes": [24, 24], "row_partner": "down_proj", "row_partner_why": None}
     assert module.__dict__[PREFUSED_ATTR] == [("merged", "gate_up_proj", facts)]
     torch.testing.assert_close(got, ref, rtol=0, atol=0)
     report, ref, got, module = _optimize(ChunkedMLP(combine="flip"))
