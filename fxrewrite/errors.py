@@ -29,7 +29,14 @@ class UnsupportedModelError(UserInputError, NotImplementedError):
     compute); the message names the model and why. A NotImplementedError too, as such refusals always were."""
 
 
-__all__ = ["UserInputError", "UserTypeError", "UserFileNotFoundError", "UnsupportedModelError", "check_unicode"]
+class FusedAwayError(AttributeError, UserInputError):
+    """An attribute of a child that `fxrewrite.optimize` fused into another (``q_proj`` into ``qkv_proj``): what
+    code reaching for it (PEFT wrapping it in a LoRA layer) gets. An AttributeError, so `hasattr` stays False, and a
+    ValueError, as PEFT's own refusal of an unsupported target is."""
+
+
+__all__ = ["UserInputError", "UserTypeError", "UserFileNotFoundError", "UnsupportedModelError", "FusedAwayError",
+           "check_unicode"]
 
 
 def check_unicode(text: str, where: str) -> str:

@@ -18,7 +18,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from fxrewrite.errors import UserInputError
+from fxrewrite.errors import FusedAwayError, UserInputError
 
 SHARDS_ATTR = "_fxrewrite_shards"
 _HOOKED = "_fxrewrite_hf_hooks"
@@ -253,14 +253,17 @@ def to_hf_names(model: nn.Module, named: dict[str, torch.Tensor]) -> dict[str, t
     return out
 
 
-class FusedAway(nn.Module):
+class FusedAway(nn.Linear):
     """Placeholder left where `optimize` removed a child (``q_proj`` fused into ``qkv_proj``): no parameters,
     never called. It exists so that a LoRA (PEFT) target naming the removed child fails with this
     module's description (PEFT prints it in "Target module ... is not supported") instead of silently
-    adapting nothing."""
+    adapting nothing. An `nn.Linear` by type (without its attributes: `nn.Linear.__init__` never runs), so that
+    PEFT's ``target_modules="all-linear"``, which picks modules by that type (TRL's common setting, applied after
+    the user's `optimize`), selects it too and fails on it with this explanation, rather than adapting only the
+    projections the fusion left (o_proj, down_proj)."""
 
     def __init__(self, name: str, fused: str) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.name, self.fused = name, fused
 
     def forward(self, *args, **kwargs):
@@ -273,9 +276,10 @@ class FusedAway(nn.Module):
             fused = self.__dict__.get("fused")  # absent while unpickling: the plain error
             if fused is None:
                 raise
-            raise AttributeError(f"{self.__dict__['name']!r} was fused into {fused!r} by fxrewrite.optimize and has no "
+            raise FusedAwayError(f"{self.__dict__['name']!r} was fused into {fused!r} by fxrewrite.optimize and has no "
                                  f"{attr!r}: read it from {fused!r} (its rows), or from model.state_dict(), which "
-                                 "keeps Hugging Face names") from None
+                                 "keeps Hugging Face names; to train LoRA adapters on it (PEFT, 'all-linear' "
+                                 "included), apply peft.get_peft_model first and then fxrewrite.optimize") from None
 
     def extra_repr(self) -> str:
         return (f"{self.name!r} was fused into {self.fused!r} by fxrewrite.optimize; to train LoRA adapters on it, "

@@ -160,11 +160,18 @@ def test_explain_says_which_projections_lora_keeps_unfused():
     assert "layers.0" not in str(report) and "qkv" not in report.applied_patterns()
 
 
-def test_peft_on_an_optimized_model_names_the_module_and_the_fix():
+@pytest.mark.parametrize("targets", [LORA_TARGETS, "all-linear"])
+def test_peft_on_an_optimized_model_names_the_module_and_the_fix(targets):
+    """Named targets, and PEFT's "all-linear" (TRL's common setting, applied after the user's optimize), which picks
+    modules by type: before, it adapted only o_proj and down_proj, silently (a fresh user found it)."""
     import peft  # the `train` / `dev` extras install it
     fused = fxrewrite.optimize(tiny_model("llama"))
     with pytest.raises(ValueError, match=r"'q_proj' was fused into 'qkv_proj'.*get_peft_model first"):
-        peft.get_peft_model(fused, peft.LoraConfig(r=4, target_modules=LORA_TARGETS))
+        peft.get_peft_model(fused, peft.LoraConfig(r=4, target_modules=targets))
+    attn = fused.model.layers[0].self_attn
+    assert not hasattr(attn.q_proj, "in_features")  # an AttributeError too: hasattr and getattr defaults still work
+    adapted = peft.get_peft_model(fxrewrite.optimize(tiny_model("llama")), peft.LoraConfig(r=4, target_modules=["o_proj"]))
+    assert {n.rsplit(".", 2)[-2] for n, _ in adapted.named_modules() if n.endswith("lora_A")} == {"o_proj"}
 
 
 def test_back_to_sdpa_after_optimize_for_context_parallelism():
