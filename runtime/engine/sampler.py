@@ -116,7 +116,9 @@ class Sampler:
         if any(p.top_p < 1.0 for p in params):
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             sorted_logits = _filter_sorted(sorted_logits, params, k_list)
-            return order.gather(1, self._draw(sorted_logits, seqs)[:, None]).squeeze(1)
+            # back to vocabulary order before the draw: a seeded row's noise is per token id, so its token does not
+            # depend on whether a neighbour's top-p sent the batch down this path (vLLM's order too)
+            return self._draw(torch.empty_like(logits).scatter_(1, order, sorted_logits), seqs)
         # No top-p: no sort (a full-vocabulary sort dominates a small model's decode step). Top-k keeps
         # the logits at or above each row's k-th largest; min-p compares with the top probability.
         if min(k_list) < vocab:

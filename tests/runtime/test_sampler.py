@@ -38,6 +38,18 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batch():
     assert first == [again]
 
 
+@pytest.mark.parametrize("own", [{}, {"min_p": 0.01}, {"top_p": 0.9}])
+def test_a_seeded_row_ignores_a_top_p_neighbour(own):
+    """A neighbour's top_p sends the batch down the sorted path; the seeded row's token (its noise drawn per token
+    id) is the one it gets alone (a fresh user found the sorted order leaking into it)."""
+    logits = torch.randn(2, 500, generator=torch.Generator().manual_seed(3))
+    p = SamplingParams(temperature=1.0, seed=9, **own)
+    sampler, alone, batched = Sampler(set()), seqs_for(p), seqs_for(SamplingParams(temperature=1.0, top_p=0.8), p)
+    # three steps each: the sequence's own generator advances alike
+    assert [sampler(logits, batched)[1].token_id for _ in range(3)] == [
+        sampler(logits[1:], alone)[0].token_id for _ in range(3)]
+
+
 def test_sampling_follows_the_distribution():
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
     sampler, seq = Sampler(set()), seqs_for(SamplingParams(seed=0))
