@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import os
 import socket
 
 from fxrewrite.commands.engine_args import add_engine_arguments, engine_kwargs
@@ -20,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer <key>' on /v1 routes, /tokenize and /detokenize")
+                        help="require 'Authorization: Bearer <key>' on /v1 routes, /tokenize and /detokenize "
+                             "(default: $VLLM_API_KEY when set, as vLLM)")
     for flag, what in (("--allowed-origins", "origins"), ("--allowed-methods", "methods"),
                        ("--allowed-headers", "headers")):
         parser.add_argument(flag, type=_json_strings(flag), default=["*"],
@@ -60,6 +62,12 @@ def _json_strings(flag: str):
     return parse
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key clients must send: ``--api-key``, else the environment's ``VLLM_API_KEY`` (vLLM's fallback, so a
+    deployment that sets the key there is not left open), else None (no key)."""
+    return args.api_key or os.environ.get("VLLM_API_KEY") or None
+
+
 def build_server_app(args: argparse.Namespace):
     """(engine, FastAPI app) for parsed `serve` arguments; the app's lifespan runs the engine loop."""
     from fxrewrite.runtime.model_files.default_model import DEFAULT_MODEL
@@ -79,7 +87,7 @@ def build_server_app(args: argparse.Namespace):
     if args.enable_auto_tool_choice:
         tool_parser = get_tool_parser(args.tool_call_parser,
                                       chat_template or getattr(engine.tokenizer, "chat_template", None))
-    app = build_app(engine, served_model_names=names, api_key=args.api_key, generation_defaults=defaults,
+    app = build_app(engine, served_model_names=names, api_key=api_key(args), generation_defaults=defaults,
                     chat_template=chat_template, tool_parser=tool_parser,
                     log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
                     trust_request_chat_template=args.trust_request_chat_template,

@@ -30,6 +30,7 @@ from fxrewrite.runtime.engine.request_extras import (
     check_request_extras,
     eos_token_ids,
     store_prompt_logprobs,
+    whole_vocabulary_logprobs,
 )
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 from fxrewrite.runtime.engine.scheduler import Scheduler, SchedulerOutput
@@ -97,6 +98,7 @@ class LLMEngine(EngineRLMixin):
         text, token_ids = tokenize_prompt(self.tokenizer, self.model_config.vocab_size, prompt)
         token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, self.model_config.max_model_len)
         self._check_request(token_ids, params)
+        params = whole_vocabulary_logprobs(params, self.model_config.vocab_size)
         compiled = self.compile_structured_outputs(params)
         request = Request(request_id, text, token_ids, params, next(self._arrivals), pooling, final_only)
         bad_words = bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []

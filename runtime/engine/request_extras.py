@@ -25,11 +25,13 @@ def check_request_extras(params: SamplingParams, config, vocab_size: int) -> Non
                      * getattr(config, "data_parallel_size", 1))
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
-        if value is not None and value > max_logprobs:
+        asked = vocab_size if value == -1 else value
+        shown = f"{name}=-1 (the whole vocabulary, {vocab_size})" if value == -1 else f"{name}={value}"
+        if asked is not None and asked > max_logprobs:
             if config.max_logprobs == -1:
-                raise ValueError(f"{name}={value} is more than the vocabulary size ({vocab_size}; the engine's "
+                raise ValueError(f"{shown} is more than the vocabulary size ({vocab_size}; the engine's "
                                  "max_logprobs=-1 allows up to it)")
-            raise ValueError(f"{name}={value} is more than max_logprobs={max_logprobs}; ask for at most "
+            raise ValueError(f"{shown} is more than max_logprobs={max_logprobs}; ask for at most "
                              f"{max_logprobs}, or start the engine with a larger max_logprobs (-1: no limit)")
     for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
         bad = [t for t in (getattr(params, name) or ()) if t >= vocab_size]
@@ -40,6 +42,17 @@ def check_request_extras(params: SamplingParams, config, vocab_size: int) -> Non
             if getattr(params, name) is not None:
                 raise ValueError(f"{name} is not supported with tensor, pipeline or data parallelism "
                                  f"(tensor_parallel_size x pipeline_parallel_size x data_parallel_size > 1) yet")
+
+
+def whole_vocabulary_logprobs(params: SamplingParams, vocab_size: int) -> SamplingParams:
+    """`params`, or a clone with logprobs / prompt_logprobs -1 (vLLM's "the whole vocabulary") set to `vocab_size`,
+    what the sampler and the outputs count (the caller's object is left as it was)."""
+    if params.logprobs != -1 and params.prompt_logprobs != -1:
+        return params
+    params = params.clone()
+    params.logprobs = vocab_size if params.logprobs == -1 else params.logprobs
+    params.prompt_logprobs = vocab_size if params.prompt_logprobs == -1 else params.prompt_logprobs
+    return params
 
 
 def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
@@ -63,7 +76,7 @@ def check_allowed_tokens(params: SamplingParams, bad_words: list[list[int]], eos
         banned |= set(params.stop_token_ids or ()) | (set() if params.ignore_eos else eos_ids)
     if set(params.allowed_token_ids) <= banned:
         why = f"a one-token bad word{f' or, with min_tokens={params.min_tokens}, a stop token' if params.min_tokens else ''}"
-        raise UserInputError(f"SamplingParams: allowed_token_ids={params.allowed_token_ids} leave no token to sample: "
+        raise UserInputError(f"allowed_token_ids={params.allowed_token_ids} leave no token to sample: "
                              f"each is {why}; expected at least one other")
 
 

@@ -78,10 +78,11 @@ class SamplingParams:
     min_tokens: int = 0
     """EOS and stop_token_ids are masked until this many tokens were generated."""
     logprobs: int | None = None
-    """Number of top logprobs to return per generated token (the sampled one is always included)."""
+    """Number of top logprobs to return per generated token (the sampled one is always included); -1: every token
+    of the vocabulary (vLLM's; the engine's max_logprobs must allow it, -1 there too)."""
     prompt_logprobs: int | None = None
     """Number of top logprobs to return per prompt token (the prompt's own token always included);
-    the first prompt token has none. A request asking for it skips the prefix cache."""
+    the first prompt token has none; -1 as for logprobs. A request asking for it skips the prefix cache."""
     truncate_prompt_tokens: int | None = None
     """vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len); at most max_model_len."""
     logit_bias: dict[int, float] | None = None
@@ -173,9 +174,10 @@ class SamplingParams:
              "in [{:g}, {:g}] (float32 logits are divided or multiplied by it)".format(*_REPETITION_PENALTY_RANGE)),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens, "at least 1"),
             (self.min_tokens >= 0, "min_tokens", self.min_tokens, "at least 0"),
-            (self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs, "at least 0"),
-            (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs", self.prompt_logprobs,
-             "at least 0"),
+            (self.logprobs is None or self.logprobs >= -1, "logprobs", self.logprobs,
+             "-1 (the whole vocabulary) or at least 0"),
+            (self.prompt_logprobs is None or self.prompt_logprobs >= -1, "prompt_logprobs", self.prompt_logprobs,
+             "-1 (the whole vocabulary) or at least 0"),
             (self.truncate_prompt_tokens in (None, -1) or self.truncate_prompt_tokens >= 1, "truncate_prompt_tokens",
              self.truncate_prompt_tokens, "-1 or at least 1"),
             (self.seed is None or _SEED_RANGE[0] <= self.seed <= _SEED_RANGE[1], "seed", self.seed,

@@ -178,7 +178,7 @@ class SamplingRequest(RequestModel):
     best_of: RequestInt | None = Field(None, ge=1, le=128)
     logit_bias: dict[str, StrictFloat] | None = None
     bad_words: list[str] | None = None
-    prompt_logprobs: RequestInt | None = Field(None, ge=0)
+    prompt_logprobs: RequestInt | None = Field(None, ge=-1)  # -1: the whole vocabulary (vLLM's)
     return_tokens_as_token_ids: StrictBool = False  # logprobs name tokens "token_id:<id>"
     truncate_prompt_tokens: RequestInt | None = Field(None, ge=-1)  # keep the prompt's last k tokens (-1: the context)
     # structured outputs: OpenAI's response_format, vLLM's guided_* fields and their new name
@@ -232,7 +232,7 @@ class CompletionRequest(SamplingRequest):
 
     prompt: str | list[str] | list[RequestInt] | list[list[RequestInt]]
     max_tokens: RequestInt | None = Field(16, ge=0)  # OpenAI's default; 0 with echo returns the prompt alone
-    logprobs: RequestInt | None = Field(None, ge=0)  # the engine's max_logprobs (--max-logprobs) is the limit
+    logprobs: RequestInt | None = Field(None, ge=-1)  # the engine's max_logprobs (--max-logprobs) is the limit; -1 all
     echo: StrictBool = False
     add_special_tokens: StrictBool = True  # vLLM's: the tokenizer's BOS etc. around a text prompt
 
@@ -346,10 +346,12 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: RequestInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
-    top_logprobs: RequestInt | None = Field(None, ge=0)  # as logprobs
+    top_logprobs: RequestInt | None = Field(None, ge=-1)  # as logprobs
     add_generation_prompt: StrictBool = True
     add_special_tokens: StrictBool = False  # vLLM's: the template writes BOS; True adds the tokenizer's on top
     continue_final_message: StrictBool = False  # vLLM's: leave the last (assistant) message open to continue it
+    echo: StrictBool = False
+    """vLLM's: the reply starts with the last message's text when that message is the assistant's (a continuation)."""
     chat_template: str | None = None
     """vLLM's: this request's chat template (text); used only with --trust-request-chat-template."""
     chat_template_kwargs: dict[str, Any] | None = None
@@ -375,3 +377,11 @@ class ChatCompletionRequest(SamplingRequest):
 
     def output_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def echoed_text(self) -> str:
+        """What `echo` puts before each choice's content: the last message's text when it is the assistant's (the
+        role the reply has, as vLLM decides), else ""."""
+        last = self.messages[-1]
+        if not self.echo or last.role != "assistant" or last.content is None:
+            return ""
+        return last.to_template_dict("messages")["content"]

@@ -171,9 +171,11 @@ class OpenAIServingChat(OpenAIServing):
         for c in outs:
             logprobs = None
             if request.logprobs:
-                logprobs = chat_logprobs(self.tokenizer, c, 0, len(c.token_ids), request.top_logprobs or 0,
-                                         request.return_tokens_as_token_ids)
+                logprobs = chat_logprobs(self.tokenizer, c, 0, len(c.token_ids),
+                                         self.top_count(request.top_logprobs or 0), request.return_tokens_as_token_ids)
             content, calls = parse_output(request, c.text, self.tool_parser)
+            if request.echoed_text():
+                content = request.echoed_text() + (content or "")
             message = ChatResponseMessage(content=content, tool_calls=calls)
             choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs,
                                       finish_reason=finish_reason(request, c.finish_reason, calls),
@@ -200,6 +202,9 @@ class OpenAIServingChat(OpenAIServing):
             # OpenAI opens each choice with the role and an empty content.
             for index in range(request.n):
                 yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
+            if request.echoed_text():  # vLLM sends the echoed message next, one chunk a choice
+                for index in range(request.n):
+                    yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(content=request.echoed_text())))
             async for output in stream:
                 last = output
                 for d in tracker.deltas(0, output):
@@ -210,7 +215,8 @@ class OpenAIServingChat(OpenAIServing):
                     logprobs = None
                     if request.logprobs:
                         logprobs = chat_logprobs(self.tokenizer, d.choice, d.tok_start, d.tok_end,
-                                                 request.top_logprobs or 0, request.return_tokens_as_token_ids)
+                                                 self.top_count(request.top_logprobs or 0),
+                                                 request.return_tokens_as_token_ids)
                     deltas = deltas or [DeltaMessage()]
                     for j, delta in enumerate(deltas):
                         end = d.finished and j == len(deltas) - 1

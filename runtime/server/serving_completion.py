@@ -82,12 +82,12 @@ class OpenAIServingCompletion(OpenAIServing):
         for c in outs:
             logprobs = None
             if request.logprobs is not None:
-                as_ids = request.return_tokens_as_token_ids
+                as_ids, top = request.return_tokens_as_token_ids, self.top_count(request.logprobs)
                 logprobs = None if prompt_only else completion_logprobs(
-                    self.tokenizer, c, 0, len(c.token_ids), request.logprobs, len(echo_text), as_ids)
+                    self.tokenizer, c, 0, len(c.token_ids), top, len(echo_text), as_ids)
                 if request.echo:
                     prompt_part = echo_logprobs(self.tokenizer, output.prompt_token_ids, output.prompt_logprobs,
-                                                request.logprobs, as_ids)
+                                                top, as_ids)
                     logprobs = concat_logprobs(prompt_part, logprobs)
             choices.append(CompletionChoice(
                 index=prompt_index * request.n + c.index, text=echo_text + ("" if prompt_only else c.text),
@@ -120,12 +120,12 @@ class OpenAIServingCompletion(OpenAIServing):
                     text = echo + d.text
                     logprobs = None
                     if request.logprobs is not None:
-                        as_ids = request.return_tokens_as_token_ids
+                        as_ids, top = request.return_tokens_as_token_ids, self.top_count(request.logprobs)
                         logprobs = completion_logprobs(self.tokenizer, d.choice, d.tok_start, d.tok_end,
-                                                       request.logprobs, d.text_start + len(echo_texts[i]), as_ids)
+                                                       top, d.text_start + len(echo_texts[i]), as_ids)
                         if request.echo and d.is_first:
                             logprobs = concat_logprobs(echo_logprobs(
-                                self.tokenizer, output.prompt_token_ids, output.prompt_logprobs, request.logprobs,
+                                self.tokenizer, output.prompt_token_ids, output.prompt_logprobs, top,
                                 as_ids), logprobs)
                     choice = CompletionChoice(
                         index=i * request.n + d.choice.index, text=text, logprobs=logprobs,

@@ -34,7 +34,7 @@ def _refused_field(message: str, sent_as: dict[str, str]) -> tuple[str, str | No
     """(message, param) of an engine refusal, whose message starts with the SamplingParams field ("logprobs=21 is
     more than max_logprobs=20", "structured_outputs is not supported with ..."), renamed to the request field
     that set it (`sent_as`: {params field: request field, or (request field, how the message names it)})."""
-    found = re.match(r"(logprobs|prompt_logprobs|structured_outputs|bad_words)\b", message)
+    found = re.match(r"(logprobs|prompt_logprobs|structured_outputs|bad_words|allowed_token_ids)\b", message)
     if found is None:
         return message, None
     field = found.group(1)
@@ -66,6 +66,11 @@ class OpenAIServing:
         """What a request without max_tokens may fill: max_model_len, or less when the KV cache holds less."""
         self.vocab_size = int(engine.engine.model_config.vocab_size)
         """The model's vocabulary (its logits' width): the bound of prompt ids and logit_bias keys, as offline."""
+
+    def top_count(self, n: int) -> int:
+        """How many top logprobs a response shows for a request's count `n`: -1 (vLLM's "the whole vocabulary") is
+        the vocabulary size; the engine resolves it the same way (`whole_vocabulary_logprobs`)."""
+        return self.vocab_size if n == -1 else n
 
     def model_name(self, requested: str | None) -> str:
         """The name a response carries: the first served name, whichever served name (or none) the request

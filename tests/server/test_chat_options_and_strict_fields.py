@@ -34,6 +34,29 @@ def test_continue_final_message_continues_the_assistant_message(server):
     assert r.json()["usage"]["prompt_tokens"] == len(ids)
 
 
+def test_echo_puts_the_continued_message_before_the_reply(server):
+    """vLLM's chat `echo`: with the last message the assistant's, each choice starts with its text, streamed as one
+    chunk after the role (was ignored with a log line; a fresh user found it). A user's last message is not echoed."""
+    body = {"messages": PREFILL, "max_tokens": 3, "temperature": 0, "add_generation_prompt": False,
+            "continue_final_message": True, "n": 2}
+    with server.http() as http:
+        plain = http.post("/v1/chat/completions", json=body).json()["choices"]
+        echoed = http.post("/v1/chat/completions", json=body | {"echo": True}).json()["choices"]
+        assert [c["message"]["content"] for c in echoed] == [
+            "My answer is" + (c["message"]["content"] or "") for c in plain]
+        with http.stream("POST", "/v1/chat/completions", json=body | {"echo": True, "stream": True}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        text = {0: "", 1: ""}
+        for event in events:
+            for c in event["choices"]:
+                text[c["index"]] += c["delta"].get("content") or ""
+        assert [text[0], text[1]] == [c["message"]["content"] for c in echoed]
+        assert [c["delta"] for e in events[2:4] for c in e["choices"]] == [{"content": "My answer is"}] * 2
+        user_last = http.post("/v1/chat/completions", json=CHAT | {"echo": True, "temperature": 0}).json()
+        reply = http.post("/v1/chat/completions", json=CHAT | {"temperature": 0}).json()
+        assert user_last["choices"][0]["message"] == reply["choices"][0]["message"]
+
+
 @pytest.mark.parametrize("body, needle", [
     ({"messages": PREFILL, "continue_final_message": True}, "cannot both be true"),
     ({"messages": PREFILL[:1], "continue_final_message": True, "add_generation_prompt": False},

@@ -150,3 +150,15 @@ def test_engine_refusals_name_the_request_field():
     assert _refused_field("prompt_logprobs is not supported with tensor ...", echo) == (
         "echo with logprobs is not supported with tensor ...", "echo")
     assert _refused_field("the prompt is too long", sent_as) == ("the prompt is too long", None)
+
+
+def test_api_key_falls_back_to_vllm_api_key(monkeypatch):
+    """vLLM reads VLLM_API_KEY when --api-key is not given; a deployment moved over keeps its key (a fresh user found
+    the server open). The flag wins; neither: no key."""
+    from fxrewrite.commands.serve import api_key
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert api_key(parse(["serve", "m"])) is None
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert api_key(parse(["serve", "m"])) == "from-env"
+    assert api_key(parse(["serve", "m", "--api-key", "flag"])) == "flag"

@@ -81,7 +81,13 @@ def _error(response, status):
         ("/v1/completions", COMPLETION | {"stop_token_ids": [99999999]}, "stop_token_ids"),
         # fresh-user reports: named logprobs (chat has no such number), param null, "yes" taken as true
         ("/v1/chat/completions", CHAT | {"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+        # vLLM's -1 (the whole vocabulary) is taken, and refused by the default max_logprobs (20); -2 is no count
+        ("/v1/chat/completions", CHAT | {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        ("/v1/completions", COMPLETION | {"logprobs": -1}, "logprobs"),
+        ("/v1/completions", COMPLETION | {"logprobs": -2}, "logprobs"),
         ("/v1/chat/completions", CHAT | {"bad_words": [""]}, "bad_words"),
+        ("/v1/completions", COMPLETION | {"allowed_token_ids": [5], "stop_token_ids": [5], "min_tokens": 1},
+         "allowed_token_ids"),
         ("/v1/chat/completions", CHAT | {"structured_outputs": {"json_object": True, "disable_any_whitespace": "yes"}},
          "structured_outputs"),
     ],
