@@ -46,6 +46,9 @@ ARCH_DEFAULTS = {
     "deepseek_v3": {"q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
                     "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2,
                     "topk_group": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1},
+    # the config class leaves the expert counts None (each checkpoint sets them): a build failed inside transformers
+    "dots1": {"n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 32,
+              "first_k_dense_replace": 1},
 }
 # With std 0.02 (transformers' default) and hidden 64, the attention/MLP updates are small next to
 # the embedding, so greedy decoding repeats the last prompt token; 0.2 makes the next token depend

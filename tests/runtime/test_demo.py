@@ -113,3 +113,13 @@ def test_cli_build_prints_the_path(tmp_path, capsys):
     assert json.loads((tmp_path / "cli" / "config.json").read_text())["num_hidden_layers"] == 1
     assert main(["build", str(tmp_path / "bad"), "--arch", "no-such-arch"]) == 2
     assert "no-such-arch" in capsys.readouterr().err
+
+
+def test_an_architecture_whose_config_leaves_expert_counts_unset_builds(tmp_path):
+    """Dots1's config class leaves n_routed_experts / num_experts_per_tok None (each checkpoint sets them): the demo
+    gives them tiny values (the build failed inside transformers: "empty() takes 1 positional argument")."""
+    from transformers import AutoModelForCausalLM
+
+    folder = build_model_dir(tmp_path / "dots1", "dots1", vocab="smollm2")
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert (model.config.n_routed_experts, model.config.num_experts_per_tok) == (8, 2)
