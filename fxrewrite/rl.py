@@ -119,7 +119,7 @@ def fused_head(model: nn.Module, temperature: float = 1.0) -> tuple[nn.Module, n
             return None
         model = model.get_base_model()
     loss = model._modules.get("lm_head_loss")
-    params = loss.kernel_params if isinstance(loss, LMHeadCrossEntropy) else None
+    params = loss.params_for(model) if isinstance(loss, LMHeadCrossEntropy) else None
     head = model._modules.get("lm_head")
     base = model._modules.get(getattr(model, "base_model_prefix", "") or "model")
     if params is None or type(head) is not nn.Linear or not isinstance(base, nn.Module):

@@ -20,6 +20,8 @@ transform is probed to act on each token's row alone (so chunking over tokens ca
 
 from __future__ import annotations
 
+import ast
+
 import libcst as cst
 import torch
 from torch import nn
@@ -158,6 +160,28 @@ def probe_transform(fn, module: nn.Module, vocab: int) -> tuple[float, float | N
     return None
 
 
+_MISSING = object()
+
+
+def read_values(code: str, module: nn.Module) -> tuple:
+    """((path, value), ...) for each ``self.a.b`` the transform statements read whose value on `module` is a
+    number, a bool or None (``self.config.logits_scaling``, ``self.config.final_logit_softcapping``): what a proof of
+    the transform on this instance assumed (`LMHeadCrossEntropy.params_for` checks them again at each call)."""
+    found = []
+    for node in ast.walk(ast.parse(code)):
+        path = []
+        while isinstance(node, ast.Attribute):
+            path.append(node.attr)
+            node = node.value
+        if isinstance(node, ast.Name) and node.id == "self" and path:
+            value = module
+            for name in reversed(path):
+                value = getattr(value, name, _MISSING)
+            if value is None or isinstance(value, (bool, int, float)):  # not _MISSING: a path the code never reaches
+                found.append((tuple(reversed(path)), value))
+    return tuple(dict.fromkeys(found))
+
+
 def compile_transform(src: source.ForwardSource, code: str, name: str):
     """``fn(self, L)`` running the transform statements on L, in the forward's globals."""
     text = f"def {_TRANSFORM}(self, {name}):\n" + "\n".join(_indent(code, "    ")) + f"\n    return {name}\n"
@@ -201,20 +225,21 @@ class LMHeadLossPattern(Pattern):
                 f"{match.name('head')} is not an nn.Linear with vocab_size outputs on this instance")
         require(getattr(module, "loss_function", None) is ForCausalLMLoss,
                 "the loss function is not transformers' ForCausalLMLoss")
-        params = (1.0, None)
+        params, depends = (1.0, None), ()
         if match.fact("transform").strip():
             fn = compile_transform(source.ForwardSource.recover(type(module)), match.fact("transform"),
                                    match.fact("logits"))
             params = probe_transform(fn, module, min(match.fact("vocab"), 64))
-        module.__dict__["_fxrewrite_lm_loss_params"] = params
+            depends = read_values(match.fact("transform"), module)
+        module.__dict__["_fxrewrite_lm_loss_params"] = params, depends
 
     @classmethod
     def build(cls, match: Match, module: nn.Module, ctx: Context) -> None:
         config = getattr(module, "config", None)
         inter = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
                         "intermediate_size", None)
-        loss = LMHeadCrossEntropy(module.__dict__.pop("_fxrewrite_lm_loss_params", None),
-                                  intermediate_size=inter if isinstance(inter, int) else None)
+        params, depends = module.__dict__.pop("_fxrewrite_lm_loss_params", (None, ()))
+        loss = LMHeadCrossEntropy(params, intermediate_size=inter if isinstance(inter, int) else None, depends=depends)
         setattr(module, NEW_NAME, loss)
         install_deferred_head_grad(module, loss)  # the head's weight gradient made after the layers' backward
 

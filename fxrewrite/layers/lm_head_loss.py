@@ -22,6 +22,7 @@ from fxrewrite.layers.deferred_head_grad import ScaleRecorder, head_deferrable
 
 __all__ = ["LOSS_BREAK", "LMHeadCrossEntropy"]
 
+_MISSING = object()
 LOSS_BREAK = ("fxrewrite: the chunked loss, eager (the deferred LM-head gradient, FXREWRITE_DEFER_HEAD_GRAD=0 for "
               "none; or a logits transform other than scaling / soft-capping)")  # graph-break reason
 
@@ -42,9 +43,13 @@ class LMHeadCrossEntropy(nn.Module):
     """
 
     def __init__(self, kernel_params: tuple[float, float | None] | None = None, chunk_size: int | None = None,
-                 intermediate_size: int | None = None):
+                 intermediate_size: int | None = None, depends: tuple = ()):
         super().__init__()
         self.kernel_params = kernel_params
+        self.depends = depends
+        """((attribute path from the model, value), ...): what the logits transform read when `kernel_params` was
+        proven (``("config", "logits_scaling")``); while they hold, so does the proof (`params_for`)."""
+        self.current_params = kernel_params  # `params_for` of this call's model (set by ``fuses``)
         self.chunk_size = chunk_size
         self.intermediate_size = intermediate_size  # the MLP's, for the chunk rule under checkpointing
         self.checkpointing = False  # whether the model checkpoints its layers (read by ``fuses`` each call)
@@ -73,11 +78,25 @@ class LMHeadCrossEntropy(nn.Module):
             return False
         base = getattr(model, getattr(model, "base_model_prefix", ""), model)
         self.checkpointing = bool(getattr(base, "gradient_checkpointing", False))
+        self.current_params = self.params_for(model)
         tokens = tuple(hidden_states.shape[:-1])
         ok = isinstance(labels, torch.Tensor) and not labels.is_floating_point() and tuple(labels.shape) == tokens
         if shift_labels is not None:
             ok = ok and isinstance(shift_labels, torch.Tensor) and tuple(shift_labels.shape) == tokens
         return ok
+
+    def params_for(self, model: nn.Module) -> tuple[float, float | None] | None:
+        """`kernel_params` while every value in `depends` is still what it was when the transform was proven; None
+        once one changed (the config edited after optimize: then the model's own transform runs, on the logits)."""
+        if self.kernel_params is None:
+            return None
+        for path, value in self.depends:
+            current = model
+            for name in path:
+                current = getattr(current, name, _MISSING)
+            if current is _MISSING or type(current) is not type(value) or current != value:
+                return None
+        return self.kernel_params
 
     def forward(self, hidden_states, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100,
                 shift_labels=None, *, head: nn.Linear, transform: Callable | None = None, **kwargs):
@@ -89,10 +108,10 @@ class LMHeadCrossEntropy(nn.Module):
         target = shift_labels.reshape(-1).to(hidden.device)
         # under checkpointing the layers' recomputed backward outlives the loss: larger chunks, same peak
         inter = self.intermediate_size if self.checkpointing else None
-        if (torch.compiler.is_compiling() and (transform is None or self.kernel_params is not None)
+        if (torch.compiler.is_compiling() and (transform is None or self.current_params is not None)
                 and not (self.armed and head_deferrable(head))):
             # the custom op: one opaque node in the compiled graph (no graph break, no logits)
-            scale, softcap = self.kernel_params or (1.0, None)
+            scale, softcap = self.current_params or (1.0, None)
             total = fused_linear_cross_entropy_op(hidden, head.weight, head.bias, target, ignore_index, scale,
                                                   softcap, self.chunk_size, inter)
         else:
@@ -114,12 +133,12 @@ class LMHeadCrossEntropy(nn.Module):
         if job is not None and head.bias is None and weight.requires_grad and torch.is_grad_enabled():
             chunk = self.chunk_size or default_chunk_size(hidden.shape[0], weight.shape[0], hidden.shape[1],
                                                           intermediate=inter)
-            if job.claim(hidden, weight, target, ignore_index, transform, self.kernel_params, chunk):
+            if job.claim(hidden, weight, target, ignore_index, transform, self.current_params, chunk):
                 total = fused_linear_cross_entropy(hidden, weight.detach(), None, target, ignore_index, transform,
-                                                   self.kernel_params, chunk, inter)
+                                                   self.current_params, chunk, inter)
                 return ScaleRecorder.apply(total, hidden.detach(), job)
         return fused_linear_cross_entropy(hidden, weight, head.bias, target, ignore_index, transform,
-                                          self.kernel_params, self.chunk_size, inter)
+                                          self.current_params, self.chunk_size, inter)
 
     def extra_repr(self) -> str:
         """Kernel parameters and chunk size in the module's repr."""

@@ -170,6 +170,33 @@ def test_logit_scaling_models(name):
     assert_same_training_step(stock, fused, *_batch())
 
 
+def test_a_logit_scale_edited_after_optimize_is_followed(monkeypatch):
+    """The proven scale / soft-cap holds while the config values the transform read are unchanged; edited after
+    optimize, the loss (eager, and compiled without the deferred head gradient: the custom op) and the RL logprobs
+    follow the model's own transform, as stock does (a fresh user found the optimize-time values kept)."""
+    import transformers as T
+
+    from fxrewrite.rl import completion_logprobs
+
+    monkeypatch.setenv("FXREWRITE_DEFER_HEAD_GRAD", "0")
+    cfg = T.GraniteConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0)
+    torch.manual_seed(0)
+    stock = T.AutoModelForCausalLM.from_config(cfg).train()
+    fused = fxrewrite.optimize(copy.deepcopy(stock)).train()
+    assert fused.lm_head_loss.depends == ((("config", "logits_scaling"), 1.0),)
+    for model in (stock, fused):
+        model.config.logits_scaling = 8.0
+    ids, labels = _batch()
+    want = float(stock(ids, labels=labels).loss)
+    assert abs(float(fused(ids, labels=labels).loss) - want) <= 1e-6 * want
+    compiled = torch.compile(fused, backend="aot_eager")
+    assert abs(float(compiled(ids, labels=labels).loss) - want) <= 1e-5 * want
+    with torch.no_grad():
+        torch.testing.assert_close(completion_logprobs(fused, [[5, 6, 7]], [[11, 12, 13]])[0],
+                                   completion_logprobs(stock, [[5, 6, 7]], [[11, 12, 13]])[0], rtol=1e-5, atol=1e-5)
+
+
 def test_torch_compile_training_step_matches_eager():
     stock = tiny_model("qwen3").train()
     fused = fxrewrite.optimize(copy.deepcopy(stock)).train()
