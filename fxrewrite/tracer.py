@@ -31,6 +31,7 @@ from torch.fx.node import map_aggregate
 from fxrewrite import hub_kernels
 from fxrewrite.meta_memo import MetaMemo, memoized, with_parameters
 from fxrewrite.signature import structure_keys
+from fxrewrite.size_reads import LoggedSize, note_size_read
 from fxrewrite.tensor_state import preserved_state
 from fxrewrite.trace_errors import error_location
 
@@ -220,7 +221,7 @@ class MetaProxy(fx.Proxy):
     def __getattr__(self, name: str):
         val = self.node.meta.get("val")
         if name in _TENSOR_PROPERTIES and isinstance(val, torch.Tensor):
-            return getattr(val, name)
+            return LoggedSize(val.shape, self.node) if name == "shape" else getattr(val, name)
         return super().__getattr__(name)
 
     def __len__(self) -> int:
@@ -255,6 +256,10 @@ class AllLeafTracer(fx.Tracer):
     def call_module(self, m, forward, args, kwargs):
         if self._executing:
             return forward(*args, **kwargs)
+        if hub_kernels.pristine(m) and not any(m is sub for sub in self.root.modules()):
+            # kernels' decorated function, reached as a module attribute (modeling_llama.apply_rotary_pos_emb): not a
+            # submodule fx could name, so one call of the function it wraps, as the forward's own globals give it
+            return self.create_proxy("call_function", hub_kernels.decorated_function(m), args, kwargs)
         return super().call_module(m, forward, args, kwargs)
 
     def getattr(self, attr, attr_val, parameter_proxy_cache):
@@ -273,6 +278,8 @@ class AllLeafTracer(fx.Tracer):
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
         val = self._meta_value(kind, target, args, kwargs)
         if kind in ("call_function", "call_method") and _is_static(val):
+            if kind == "call_method" and target in ("size", "numel") and isinstance(args[0], fx.Proxy):
+                return note_size_read(args[0].node, target, tuple(args[1:]) + tuple(kwargs.values()), val)
             return val  # shape arithmetic folds to constants
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         proxy.node.meta["val"] = val

@@ -41,13 +41,15 @@ HEADS, DIM, FLAT, FEATURES, OTHER = "H", "D", "HD", "F", "x"
 WEIGHTS = "attention weights"
 SHAPE = "shape"
 """A value computed from the paths' sizes only (``x.size(-1)``, ``x.shape``): no head's data."""
-_SHAPES = frozenset({"size", "dim", "numel", len})
 _SHARDED = (HEADS, FLAT, FEATURES)
 _COPIES = frozenset({"to", "float", "half", "bfloat16", "type", "type_as", "contiguous", "clone", "detach"})
 _VIEWS = frozenset({"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", torch.reshape, torch.flatten,
                     torch.squeeze, torch.unsqueeze})
 _BINARY = frozenset({operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub, torch.mul,
-                     torch.div, "add", "sub", "mul", "div"})
+                     torch.div, "add", "sub", "mul", "div", operator.pow, torch.pow, "pow",
+                     # elementwise with optional bounds / values: each operand checked as a binary op's
+                     torch.clamp, "clamp", "clamp_min", "clamp_max", torch.nan_to_num, "nan_to_num",
+                     torch.relu, F.relu, "relu", torch.abs, "abs", torch.square, "square"})
 _UNARY = frozenset({operator.neg, torch.neg, "neg", F.dropout, torch.tanh, "tanh", torch.sigmoid, "sigmoid",
                     F.silu, F.gelu, torch.exp, "exp"})
 _ELEMENTWISE_MODULES = (nn.Dropout, nn.Identity)
@@ -57,14 +59,17 @@ class Unproven(Exception):
     """A node whose effect on the head / feature axes is not known (the message names it)."""
 
 
-def row_partner(starts: list[fx.Node], root: nn.Module, head_size: int | None = None) -> tuple[str | None, str | None]:
+def row_partner(starts: list[fx.Node], root: nn.Module, head_size: int | None = None,
+                stopped: str | None = None) -> tuple[str | None, str | None]:
     """(the row partner's child name, None) when `starts` (a fused layer's output values: q / k / v with
     head_size, or a gated product without) reach one plain nn.Linear child and every node between keeps heads
-    (features) apart; else (None, why)."""
+    (features) apart; else (None, why). `stopped`: where the trace stopped, if it did (named when no linear is
+    reached: the rest of the forward is not in the graph)."""
     found = nodes.consuming_linears(starts, root)
     if len(found) != 1 or "." in found[0].target:
         names = ", ".join(n.target for n in found) or "none"
-        return None, f"the outputs reach {len(found)} linears ({names}), not one child nn.Linear"
+        where = f"; the trace stopped before the end of forward ({stopped})" if stopped and not found else ""
+        return None, f"the outputs reach {len(found)} linears ({names}), not one child nn.Linear{where}"
     partner = found[0]
     try:
         _prove(starts, partner, root, head_size)
@@ -86,6 +91,11 @@ def _prove(starts: list[fx.Node], partner: fx.Node, root: nn.Module, head_size: 
     for n in partner.graph.nodes:  # program order: a node's inputs come first
         if n in reached:
             layouts[n] = _step(n, ctx)
+    for n, layout in layouts.items():  # a size read folds to a constant in the graph: the tracer noted it
+        for axis in sorted(n.meta.get("size_reads", ())) if isinstance(layout, tuple) else ():
+            if axis < len(layout) and layout[axis] in _SHARDED:
+                raise Unproven(f"the forward reads the size of {_describe(n)} along its {layout[axis]} axis, of "
+                               "which each rank holds a share (a constant in the trace, another number on a rank)")
     if partner.args[:1] != partner.args or layouts.get(partner.args[0]) != _layout(partner.args[0], first):
         raise Unproven(f"{partner.target} reads {_describe(partner.args[0])} with axes "
                        f"{layouts.get(partner.args[0])}, not the fused width last")
@@ -126,8 +136,10 @@ def _step(n: fx.Node, ctx) -> object:
         return WEIGHTS if not ins and nodes.is_op(n, operator.getitem, *_COPIES) else _no(n)
     if not ins:
         return SHAPE  # sizes / dtypes read off the paths' values: no data of theirs
-    if nodes.is_op(n, *_SHAPES) or (n.op == "call_function" and n.target is getattr):
+    if nodes.is_op(n, "dim"):
         return SHAPE
+    if n.op == "call_function" and n.target is getattr:
+        return _attribute(n, layouts[src]) if src is ins[0] and isinstance(layouts[src], tuple) else _no(n)
     if nodes.is_op(n, operator.getitem) and isinstance(layouts.get(src), list):
         return layouts[src][n.args[1]] if isinstance(n.args[1], int) and n.args[1] < len(layouts[src]) else _no(n)
     if n.op == "call_function" and n.target is attention:
@@ -153,6 +165,19 @@ def _step(n: fx.Node, ctx) -> object:
         return _slice(n, layouts[src], head_size if src in starts else None) if src is ins[0] else _no(n)
     if nodes.is_op(n, torch.cat):
         return _cat(n, ins, layouts)
+    return _no(n)
+
+
+def _attribute(n: fx.Node, layout: tuple):
+    """A tensor-valued attribute (sizes and dtypes fold to constants while tracing): the same values (``.data``,
+    ``.real``) or their transpose (``.mT``: the last two axes, ``.T``: all reversed)."""
+    name = n.args[1]
+    if name in ("data", "real"):
+        return layout
+    if name == "mT" and len(layout) >= 2:
+        return (*layout[:-2], layout[-1], layout[-2])
+    if name == "T":
+        return tuple(reversed(layout))
     return _no(n)
 
 

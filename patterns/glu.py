@@ -78,9 +78,9 @@ def _chunk_product(chunk, root: nn.Module):
     return None
 
 
-def _partner_facts(product: fx.Node, root) -> tuple:
+def _partner_facts(product: fx.Node, root, stopped: str | None = None) -> tuple:
     """("row_partner", the linear reading the product, proven feature by feature), ("row_partner_why", why not)."""
-    partner, why = feature_path.row_partner([product], root)
+    partner, why = feature_path.row_partner([product], root, stopped=stopped)
     return ("row_partner", partner), ("row_partner_why", why)
 
 
@@ -90,7 +90,7 @@ def _already_fused(traced) -> list[Match]:
         chunk = next(iter(n.users), None) if nodes.is_linear(n, root) and len(n.users) == 1 else None
         if chunk is not None and nodes.is_op(chunk, "chunk") and chunk.args[1:2] == (2,):
             mul = _chunk_product(chunk, root) if "." not in n.target else None
-            facts = (("prefused", True), *_partner_facts(mul, root)) if mul is not None else ()
+            facts = (("prefused", True), *_partner_facts(mul, root, traced.error)) if mul is not None else ()
             found.append(Match(GLUPattern, frozenset({n.name, chunk.name}), (("gate_up", n.target),), facts,
                                present=mul is None))
     return found
@@ -139,7 +139,8 @@ class GLUPattern(Pattern):
                 require((gm.bias is None) == (um.bias is None), "gate and up disagree on bias")
                 names = (("gate", gate.target), ("up", up.target), ("act", str(act.target)))
                 claimed = frozenset({mul.name, act.name, gate.name, up.name})
-                facts = (("act", kind), ("act_is_module", act.op == "call_module"), *_partner_facts(mul, root))
+                facts = (("act", kind), ("act_is_module", act.op == "call_module"),
+                         *_partner_facts(mul, root, traced.error))
                 matches.append(Match(cls, claimed, names, facts))
                 break
         return matches

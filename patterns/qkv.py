@@ -80,7 +80,7 @@ def _prefused_facts(n: fx.Node, slices: list[fx.Node], traced, ctx: Context) -> 
     if not (head and sizes[1] == sizes[2] and 0 < sizes[1] <= sizes[0] and sizes[0] % head == 0
             and sizes[1] % head == 0):
         return None
-    partner, why = feature_path.row_partner([n], traced.module, head)
+    partner, why = feature_path.row_partner([n], traced.module, head, traced.error)
     return (("head_size", head), ("sizes", sizes), ("row_partner", partner), ("row_partner_why", why),
             ("prefused", True))
 
@@ -126,7 +126,7 @@ class QKVPattern(Pattern):
             require(mq.out_features % head_size == 0 and mk.out_features % head_size == 0,
                     f"head size {head_size} does not divide q/k sizes")
             names = tuple(zip(_ROLES, (q.target, k.target, v.target)))
-            partner, why = feature_path.row_partner(group, traced.module, head_size)
+            partner, why = feature_path.row_partner(group, traced.module, head_size, traced.error)
             facts = (("head_size", head_size), ("row_partner", partner), ("row_partner_why", why))
             matches.append(Match(cls, frozenset(n.name for n in group), names, facts))
         return matches

@@ -1,6 +1,6 @@
 """Imports go one way (README, Layout): kernels and the leaf helpers (fxrewrite.nodes, source, tracer, trace_errors, tensor_state,
 distributed, data_parallel, symm_all_reduce, errors, signature, meta_memo, hub_kernels, origin,
-bound_forward) <- fxrewrite.layers <- patterns <- the compiler (compiler, report, weights, sharding)
+bound_forward, size_reads) <- fxrewrite.layers <- patterns <- the compiler (compiler, report, weights, sharding)
 <- runtime <- fxrewrite.benchmarks <- the CLI, with no cycle, counting imports inside functions too (so none
 can hide a cycle). Only the lazy facade, fxrewrite/__init__.py, reaches up (to runtime, on first use of LLM)."""
 
@@ -17,7 +17,7 @@ FACADE = "fxrewrite"
 _LEAVES = ("fxrewrite.kernels", "fxrewrite.nodes", "fxrewrite.source", "fxrewrite.distributed", "fxrewrite.data_parallel",
            "fxrewrite.symm_all_reduce",
            "fxrewrite.tracer", "fxrewrite.trace_errors", "fxrewrite.tensor_state", "fxrewrite.errors", "fxrewrite.signature", "fxrewrite.meta_memo",
-           "fxrewrite.hub_kernels", "fxrewrite.origin", "fxrewrite.bound_forward")
+           "fxrewrite.hub_kernels", "fxrewrite.origin", "fxrewrite.bound_forward", "fxrewrite.size_reads")
 LAYERS = (_LEAVES, "fxrewrite.layers", "fxrewrite.patterns", "fxrewrite", "fxrewrite.runtime",
           "fxrewrite.benchmarks", "fxrewrite.cli")
 _CLI = ("fxrewrite.cli", "fxrewrite.commands", "fxrewrite.__main__")

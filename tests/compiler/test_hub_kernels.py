@@ -36,6 +36,19 @@ def test_decorated_model_is_optimized_and_exact():
         torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_the_decorated_function_reached_through_its_module_is_one_call():
+    """``modeling_llama.apply_rotary_pos_emb(...)``: the instance, reached as a module attribute, is recorded as a
+    call of its function (the trace stopped there, and TP=2 then refused the model for "0 linears"); its rewrite is
+    refused (not a global of the forward's module), the row partner proven (a final fresh user's case)."""
+    from fxrewrite.sharding import shard_model
+    from tests.compiler.custom_attention import ModuleAttributeAttention, custom_llama
+
+    model = fxrewrite.optimize(custom_llama(attention=ModuleAttributeAttention))
+    report = fxrewrite.explain(model).classes["ModuleAttributeAttention"]
+    assert not [why for what, why in report.skipped if what == "trace"], report.skipped
+    assert shard_model(model, 0, 2)["model.layers.0.self_attn.o_proj"] == "rowwise"
+
+
 def test_kernelized_private_copy_is_refused():
     model = tiny_model("qwen3")
     copy = model.model.layers[1].self_attn._kernel_funcs["rotary_pos_emb"]

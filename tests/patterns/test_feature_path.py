@@ -33,6 +33,33 @@ class HeadGateAttention(ImportingAttention):
         return (attn_output * self.head_gate * 0.5).reshape(*input_shape, -1)  # [H, 1]: one gate per head
 
 
+class TransposedFlipAttention(ImportingAttention):
+    def merge_heads(self, attn_output, input_shape):  # attributes are values too (a final fresh user's case)
+        return (attn_output + 3.0 * attn_output.mT.flip(-2).mT + attn_output.data).reshape(*input_shape, -1)
+
+
+class WidthScaledAttention(ImportingAttention):
+    def merge_heads(self, attn_output, input_shape):
+        merged = attn_output.reshape(*input_shape, -1)
+        return merged * merged.shape[-1] ** -0.5  # the width: all heads' at one rank, a share at another
+
+
+class DimScaledAttention(ImportingAttention):
+    def merge_heads(self, attn_output, input_shape):
+        return (attn_output * attn_output.shape[-1] ** -0.5).reshape(*input_shape, -1)  # head_dim: every rank's
+
+
+class ElementwiseAttention(ImportingAttention):
+    def merge_heads(self, attn_output, input_shape):  # elementwise ops with numbers: per head
+        o = torch.relu(attn_output).clamp(min=-1.0, max=2.0) ** 2 + attn_output.abs() + torch.nan_to_num(attn_output)
+        return o.reshape(*input_shape, -1)
+
+
+class HeadClampAttention(ImportingAttention):
+    def merge_heads(self, attn_output, input_shape):
+        return attn_output.clamp(max=self.head_gate).reshape(*input_shape, -1)  # a bound per head
+
+
 class DimGateAttention(ImportingAttention):
     def merge_heads(self, attn_output, input_shape):
         return (attn_output * self.dim_gate * 0.5).reshape(*input_shape, -1).contiguous()  # [D]: alike in every head
@@ -58,7 +85,9 @@ def _optimized_matches_stock(model):
 
 
 @pytest.mark.parametrize("attention, why", [(FlipAttention, "flip"), (DimMajorAttention, "reshapes"),
-                                            (HeadGateAttention, "varies across heads")])
+                                            (HeadGateAttention, "varies across heads"), (TransposedFlipAttention, "flip"),
+                                            (WidthScaledAttention, "reads the size"),
+                                            (HeadClampAttention, "varies across heads")])
 def test_attention_output_mixing_heads_is_not_sharded(attention, why):
     model = _optimized_matches_stock(custom_llama(attention=attention, num_hidden_layers=1, **GATES))
     qkv = model.model.layers[0].self_attn.qkv_proj  # fused all the same: exact at one rank
@@ -67,18 +96,25 @@ def test_attention_output_mixing_heads_is_not_sharded(attention, why):
         shard_model(model, tp_rank=0, tp_size=2)
 
 
-def test_per_head_operations_keep_the_partner():
-    model = _optimized_matches_stock(custom_llama(attention=DimGateAttention, mlp=HalvedMLP, num_hidden_layers=1,
-                                                  **GATES))
+@pytest.mark.parametrize("attention", [DimGateAttention, DimScaledAttention, ElementwiseAttention])
+def test_per_head_operations_keep_the_partner(attention):
+    model = _optimized_matches_stock(custom_llama(attention=attention, mlp=HalvedMLP, num_hidden_layers=1, **GATES))
     layer = model.model.layers[0]
     assert (layer.self_attn.qkv_proj.row_partner, layer.mlp.gate_up_proj.row_partner) == ("o_proj", "down_proj")
     plan = shard_model(model, tp_rank=1, tp_size=2)
     assert plan["model.layers.0.self_attn.o_proj"] == plan["model.layers.0.mlp.down_proj"] == "rowwise"
 
 
-def test_a_per_feature_scale_in_the_gated_product_is_not_sharded():
-    model = _optimized_matches_stock(custom_llama(mlp=FeatureScaledMLP, num_hidden_layers=1, **GATES))
+class WidthScaledMLP(LlamaMLP):
+    def forward(self, x):
+        h = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
+        return self.down_proj(h * h.shape[-1] ** 0.5)  # a muP-style width scale: each rank would use its share's
+
+
+@pytest.mark.parametrize("mlp, why", [(FeatureScaledMLP, "varies across heads"), (WidthScaledMLP, "reads the size")])
+def test_a_per_feature_scale_in_the_gated_product_is_not_sharded(mlp, why):
+    model = _optimized_matches_stock(custom_llama(mlp=mlp, num_hidden_layers=1, **GATES))
     gate_up = model.model.layers[0].mlp.gate_up_proj
-    assert gate_up.row_partner is None and "varies across heads" in gate_up.row_partner_why
+    assert gate_up.row_partner is None and why in gate_up.row_partner_why
     with pytest.raises(UnsupportedModelError, match="mlp.gate_up_proj.*no proven row partner"):
         shard_model(model, tp_rank=0, tp_size=2)
