@@ -258,9 +258,9 @@ class FusedAway(nn.Linear):
     never called. It exists so that a LoRA (PEFT) target naming the removed child fails with this
     module's description (PEFT prints it in "Target module ... is not supported") instead of silently
     adapting nothing. An `nn.Linear` by type (without its attributes: `nn.Linear.__init__` never runs), so that
-    PEFT's ``target_modules="all-linear"``, which picks modules by that type (TRL's common setting, applied after
-    the user's `optimize`), selects it too and fails on it with this explanation, rather than adapting only the
-    projections the fusion left (o_proj, down_proj)."""
+    code picking modules by that type fails on it with this explanation rather than silently skipping the fused
+    projection: PEFT's ``target_modules="all-linear"`` (TRL's common setting, applied after the user's `optimize`;
+    it adapted only o_proj and down_proj), a weight init over `model.modules()`, torchao's ``quantize_``."""
 
     def __init__(self, name: str, fused: str) -> None:
         nn.Module.__init__(self)
@@ -278,8 +278,9 @@ class FusedAway(nn.Linear):
                 raise
             raise FusedAwayError(f"{self.__dict__['name']!r} was fused into {fused!r} by fxrewrite.optimize and has no "
                                  f"{attr!r}: read it from {fused!r} (its rows), or from model.state_dict(), which "
-                                 "keeps Hugging Face names; to train LoRA adapters on it (PEFT, 'all-linear' "
-                                 "included), apply peft.get_peft_model first and then fxrewrite.optimize") from None
+                                 "keeps Hugging Face names. Code that picks nn.Linear modules by type (PEFT's "
+                                 "'all-linear', a weight init, a quantizer) would miss the fused projection: apply "
+                                 "it before fxrewrite.optimize (for LoRA: peft.get_peft_model first)") from None
 
     def extra_repr(self) -> str:
         return (f"{self.name!r} was fused into {self.fused!r} by fxrewrite.optimize; to train LoRA adapters on it, "

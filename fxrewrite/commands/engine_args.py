@@ -15,6 +15,7 @@ from fxrewrite.runtime.engine_config import COMPILATION_LEVELS, KV_CACHE_DTYPES
 # Flags whose value is an `LLM(...)` keyword argument of the same name (dest == kwarg).
 ENGINE_KWARG_NAMES = (
     "max_logprobs",
+    "trust_remote_code",
     "tokenizer",
     "model_impl",
     "fusion",
@@ -243,11 +244,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         "'vllm': none; or a folder holding a generation_config.json")
     g.add_argument("--max-logprobs", type=max_logprobs_value, default=20,
                    help="most logprobs / prompt_logprobs a request may ask for (default 20; -1: the vocabulary)")
-    g.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"),
-                   help="weight format (dummy: random weights, for benchmarks)")
-    for flag in ("--rope-scaling", "--rope-theta"):
-        g.add_argument(flag, action=_RemovedFlag)
+    g.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"), help="weight format "
+                   "(dummy: random weights, for benchmarks)")
+    g.add_argument("--trust-remote-code", action="store_true", help="build a folder's own modeling code (auto_map)")
+    _add_removed_flags(g)
     return parser
+
+
+def _add_removed_flags(group) -> None:
+    """``--rope-scaling`` / ``--rope-theta``: an error pointing at --hf-overrides (`_RemovedFlag`)."""
+    for flag in ("--rope-scaling", "--rope-theta"):
+        group.add_argument(flag, action=_RemovedFlag)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

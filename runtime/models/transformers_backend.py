@@ -72,15 +72,18 @@ class TransformersForCausalLM(nn.Module):
         self.head_by_model_code = False
 
     @classmethod
-    def from_config(cls, hf_config, dtype: torch.dtype, fusion: bool) -> TransformersForCausalLM:
-        """Build with parameters on meta (computed buffers such as rotary inv_freq stay real).
+    def from_config(cls, hf_config, dtype: torch.dtype, fusion: bool,
+                    trust_remote_code: bool = False) -> TransformersForCausalLM:
+        """Build with parameters on meta (computed buffers such as rotary inv_freq stay real); trust_remote_code:
+        a config whose ``auto_map`` names the folder's own modeling code builds that (as transformers and vLLM do).
         UnsupportedModelError (a NotImplementedError) for a model with layers whose state the paged KV cache does
         not hold, ALiBi attention, or attention picked from a table of the model's own."""
         check_attention_only(hf_config.get_text_config())
         attn = register_paged_attention()
         with init_empty_weights(include_buffers=False):
             try:
-                model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn)
+                model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn,
+                                                         trust_remote_code=trust_remote_code)
             except KeyError as e:  # GPT-Neo: GPT_NEO_ATTENTION_CLASSES[config._attn_implementation]
                 if e.args != (attn,):
                     raise

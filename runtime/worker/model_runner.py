@@ -104,7 +104,8 @@ def build_model(config: EngineConfig, model_config, device: torch.device, stage:
         with _default_dtype(model_config.dtype):
             model = cls(model_config, device="meta")
     else:
-        model = TransformersForCausalLM.from_config(model_config.hf_config, model_config.dtype, config.fusion)
+        model = TransformersForCausalLM.from_config(model_config.hf_config, model_config.dtype, config.fusion,
+                                                    config.trust_remote_code)
         _shard_for_tensor_parallel(model)
     if stage is not None:
         model.pp_dropped_prefixes = stage.apply(model, model_config.num_hidden_layers)

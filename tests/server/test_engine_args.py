@@ -162,3 +162,8 @@ def test_api_key_falls_back_to_vllm_api_key(monkeypatch):
     monkeypatch.setenv("VLLM_API_KEY", "from-env")
     assert api_key(parse(["serve", "m"])) == "from-env"
     assert api_key(parse(["serve", "m", "--api-key", "flag"])) == "flag"
+
+
+def test_trust_remote_code_flag_reaches_the_engine():
+    assert engine_kwargs(parse(["serve", "m"]))["trust_remote_code"] is False
+    assert engine_kwargs(parse(["serve", "m", "--trust-remote-code"]))["trust_remote_code"] is True
