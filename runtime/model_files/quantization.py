@@ -42,6 +42,7 @@ from fxrewrite.layers.fp8_linear import (
 )
 from fxrewrite.layers.fused_moe import FusedMoE
 from fxrewrite.layers.linear import LinearBase
+from fxrewrite.weights import FusedAway
 
 QUANTIZATION_METHODS = ("fp8",)
 """Values `quantization=` accepts (and checkpoint quant_methods the loader reads)."""
@@ -149,7 +150,8 @@ def _targets(model: nn.Module, quant: Fp8Config):
     for prefix, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             name = f"{prefix}.{child_name}" if prefix else child_name
-            if child is head or child_name == "lm_head" or not isinstance(child, (nn.Linear, LinearBase)):
+            if child is head or child_name == "lm_head" or not isinstance(child, (nn.Linear, LinearBase)) \
+                    or isinstance(child, FusedAway):  # the placeholder of a projection the fusion took in
                 continue
             if _is_router(parent, child_name):  # MoE routers stay in high precision, as FP8 checkpoints ship them
                 continue
