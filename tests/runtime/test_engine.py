@@ -276,22 +276,6 @@ def test_too_many_logprobs_fails_alone(qwen3_llm):
     assert_no_leak(qwen3_llm)
 
 
-def test_logprobs_minus_one_is_the_whole_vocabulary(qwen3_llm, tiny_qwen3_dir):
-    """vLLM's logprobs=-1 / prompt_logprobs=-1: every token's logprob, allowed by max_logprobs=-1; with the default
-    limit (20) the refusal names -1 and what it stands for (a fresh user found -1 refused outright)."""
-    vocab = qwen3_llm.llm_engine.model_config.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=2, logprobs=-1, prompt_logprobs=-1)
-    with pytest.raises(ValueError, match=rf"logprobs=-1 \(the whole vocabulary, {vocab}\) is more than max_logprobs=20"):
-        qwen3_llm.generate([PROMPTS[0]], params, use_tqdm=False)
-    llm = LLM(str(tiny_qwen3_dir), model_impl="native", dtype="float32", block_size=4, max_logprobs=-1)
-    (out,) = llm.generate([[1, 2, 3]], params, use_tqdm=False)
-    assert params.logprobs == params.prompt_logprobs == -1  # the caller's object is left as it was
-    assert [len(step) for step in out.outputs[0].logprobs] == [vocab, vocab]
-    assert out.prompt_logprobs[0] is None and [len(p) for p in out.prompt_logprobs[1:]] == [vocab, vocab]
-    total = torch.logsumexp(torch.tensor([lp.logprob for lp in out.outputs[0].logprobs[0].values()]), 0)
-    assert abs(float(total)) < 1e-3  # a whole distribution
-
-
 def test_kv_cache_shorter_than_max_model_len_is_reported(tiny_qwen3_dir, caplog):
     """vLLM refuses to start then; we start (tests use tiny caches on purpose) but say which request
     lengths will be refused, instead of leaving a server to answer 400 to every long default request."""
