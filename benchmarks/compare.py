@@ -218,14 +218,23 @@ def _result_stem(name: str, workload_kind: str, kw: dict) -> str:
     return stem + (f"-O{kw['compilation_config']}" if kw.get("compilation_config") else "")
 
 def ratios(result: dict) -> dict:
-    """after/native, after/before and native/hf of the headline figure, where both arms have one."""
+    """after/native, after/before and native/hf of the headline figure, where both arms have one (throughput:
+    from the arms' output tokens and seconds, not the figure rounded to 0.1 tokens/s)."""
     kind = result["workload"]["kind"]
-    values = {arm: headline(r, kind) for arm, r in result["arms"].items()}
+    values = {arm: _unrounded_headline(r, kind) for arm, r in result["arms"].items()}
     out = {}
     for a, b in (("after", "native"), ("after", "before"), ("native", "hf"), ("after", "hf")):
-        if values.get(a) and values.get(b):
+        if values.get(a) is not None and values.get(b):
             out[f"{a}/{b}"] = round(values[a] / values[b], 3)
     return out
+
+
+def _unrounded_headline(arm_result: dict, kind: str) -> float | None:
+    value = headline(arm_result, kind)
+    plain = kind == "throughput" and "headline_key" not in arm_result  # the headline is output tokens / elapsed s
+    if value is not None and plain and arm_result.get("elapsed_s"):
+        return arm_result["output_tokens"] / arm_result["elapsed_s"]
+    return value
 
 
 def format_table(result: dict) -> str:

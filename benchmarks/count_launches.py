@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fxrewrite.benchmarks.out_paths import FOLDER_HELP, results_folder
+from fxrewrite.errors import UserInputError
 from fxrewrite.kernels.triton_utils import listen_launches
 
 NO_KERNEL = frozenset({
@@ -98,20 +100,25 @@ def main(argv: list[str] | None = None) -> dict:
     (the path torch.compile takes, and the one before the fusion); print and write JSON."""
     from datetime import date
 
+    from fxrewrite.benchmarks.common import environment
     from fxrewrite.runtime.model_files.demo import build_model_dir
     from fxrewrite.runtime.llm import LLM
     from fxrewrite.runtime.models.llama import LlamaAttention
     from fxrewrite.runtime.models.qwen3 import Qwen3Attention
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None, help="folder for <date>-decode-launches.json")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=results_folder, default=None, help=FOLDER_HELP)
     parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") != "1":  # else the torch references' many small ops are what is counted
+        raise UserInputError("count_launches counts the Triton kernels run in the interpreter on the CPU: set "
+                             "TRITON_INTERPRET=1 (before anything imports triton)")
     os.environ.setdefault("FXREWRITE_TRITON", "1")
     import tempfile
 
     folder = build_model_dir(Path(tempfile.mkdtemp()) / "qwen3", "qwen3", num_hidden_layers=args.layers)
-    result = {"model": f"tiny qwen3, {args.layers} layers", "device": "cpu (Triton interpreter)", "arms": {}}
+    result = {"date": date.today().isoformat(), "environment": environment(), "model": f"tiny qwen3, {args.layers} layers",
+              "device": "cpu (Triton interpreter)", "arms": {}}
     # The after arm is left out: its launches depend on what the rewrite matched with this machine's
     # transformers; `fxrewrite.benchmarks.profile_decode` counts a GPU step's kernels for every arm.
     arms = (("native", "native", None), ("native-unfused", "native", LlamaAttention.forward))
@@ -126,11 +133,12 @@ def main(argv: list[str] | None = None) -> dict:
             Qwen3Attention.forward = previous
     print(json.dumps(result, indent=1))
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"{date.today()}-decode-launches.json").write_text(json.dumps(result, indent=1) + "\n")
     return result
 
 
 if __name__ == "__main__":
+    from fxrewrite.benchmarks.tool_cli import run_cli
+
     torch.set_num_threads(1)
-    main()
+    raise SystemExit(run_cli(lambda: main() and 0))  # main returns the result dict, not a status

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from fxrewrite.benchmarks.common import (RESULTS_DIR, copy_bandwidth_bytes_per_s, environment, load_bench_config,
                                          replay_ms, write_result)
 from fxrewrite.benchmarks.gemv import measure, projections
+from fxrewrite.benchmarks.out_paths import FOLDER_HELP, results_folder
 from fxrewrite.kernels import gemv_dispatch, gemv_tune
 from fxrewrite.kernels.activation import silu_and_mul
 from fxrewrite.kernels.paged_decode import paged_decode_triton
@@ -205,8 +206,8 @@ def precompile_both(names: list[str], workers: int) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     """Parse the arguments (``--help``), time every config, write the JSON; returns the result dict."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for <date>-decode-chain-<configs>.json")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=results_folder, default=RESULTS_DIR, help=FOLDER_HELP)
     p.add_argument("--configs", default="qwen3-4b,qwen3-32b", help="comma list of bench configs")
     p.add_argument("--layers", type=int, default=12, help="decoder layers in the captured graph (default 12)")
     p.add_argument("--context", type=int, default=256, help="tokens in the KV cache (default 256)")

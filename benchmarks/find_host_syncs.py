@@ -44,7 +44,8 @@ def record_sync_stacks(stacks: collections.Counter, enabled: bool = True):
         try:
             yield stacks
         finally:
-            torch.cuda.set_sync_debug_mode(0)
+            if enabled:
+                torch.cuda.set_sync_debug_mode(0)
             warnings.showwarning = old_show
 
 
@@ -86,7 +87,7 @@ def find_host_syncs(config: str, arm: str, num_prompts: int, tokenizer_dir=None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="qwen3-0.6b")
     p.add_argument("--arm", default="after", choices=("before", "after", "native"))
     p.add_argument("--num-prompts", type=int, default=64)
@@ -95,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-sync-debug", action="store_true", help="only time the launches")
     p.add_argument("--tokenizer-dir", default=None)
     args = p.parse_args(argv)
+    if not torch.cuda.is_available():  # the launch timings and the sync debug mode are CUDA's
+        raise SystemExit("fxrewrite.benchmarks.find_host_syncs needs a CUDA GPU")
     result = find_host_syncs(args.config, args.arm, args.num_prompts, args.tokenizer_dir, args.max_input_len,
                              args.max_output_len, not args.no_sync_debug)
     print(f"{args.arm}: {result['elapsed_s']} s; launch host time: {result['launch']}")

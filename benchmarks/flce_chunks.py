@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from fxrewrite.benchmarks.out_paths import FILE_HELP, result_file
 from fxrewrite.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 
 __all__ = ["time_chunks"]
@@ -61,7 +62,7 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--chunks", default="128,256,512,1024,2048")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--out", type=result_file, default=None, help=FILE_HELP)
     args = p.parse_args(argv)
     rows = time_chunks(args.tokens, args.hidden, args.vocab, [int(c) for c in args.chunks.split(",")], args.repeats)
     out = args.out or Path(RESULTS_DIR) / f"{time.strftime('%Y-%m-%d')}-flce-chunks.json"

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from fxrewrite.benchmarks.out_paths import FOLDER_HELP, results_folder
 from fxrewrite.kernels import fp8_dispatch, fp8_tune
 from fxrewrite.kernels.fp8_gemm import per_token_group_quant_fp8
 from fxrewrite.kernels.fp8_rowwise import per_token_quant_fp8
@@ -133,9 +134,9 @@ def main(models=("qwen3-32b",), tokens=TOKENS, out_dir: Path | None = None) -> P
 if __name__ == "__main__":
     import argparse
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="qwen3-32b", help="comma-separated keys of SHAPES")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated token counts M")
-    parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    parser.add_argument("--out", type=results_folder, default=None, help=FOLDER_HELP)
     args = parser.parse_args()
     main(tuple(args.models.split(",")), tuple(int(t) for t in args.tokens.split(",")), args.out)

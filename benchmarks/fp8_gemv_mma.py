@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from fxrewrite.benchmarks.common import RESULTS_DIR, environment, write_result
 from fxrewrite.benchmarks.gemv import _timed, copy_tbps
 from fxrewrite.benchmarks.gemv_pipelined import SHAPES
+from fxrewrite.benchmarks.out_paths import FOLDER_HELP, results_folder
 from fxrewrite.kernels.fp8_gemv_pipelined import PIPELINED_CONFIGS, fp8_gemv_pipelined_triton
 from fxrewrite.kernels.gemv_tune import max_rel_error, scratch_scales, scratch_weights
 from fxrewrite.kernels.triton_utils import tl, triton
@@ -102,9 +103,9 @@ def measure(n: int, k: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default="qwen3-32b,qwen3-4b")
-    parser.add_argument("--out", default=str(RESULTS_DIR))
+    parser.add_argument("--out", type=results_folder, default=RESULTS_DIR, help=FOLDER_HELP)
     args = parser.parse_args(argv)
     date = datetime.date.today().isoformat()
     result = {"date": date, "environment": environment(), "copy_TBps": round(copy_tbps(), 3), "rows": {}}

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from fxrewrite.benchmarks.out_paths import FOLDER_HELP, results_folder
 from fxrewrite.benchmarks.common import RESULTS_DIR, environment, load_bench_config, write_result
 from fxrewrite.benchmarks.gemv import graph_us
 from fxrewrite.kernels.activation import silu_and_mul
@@ -65,8 +66,8 @@ def run(names: list[str], tokens: tuple[int, ...]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for <date>-fp8-quant.json")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=results_folder, default=RESULTS_DIR, help=FOLDER_HELP)
     p.add_argument("--configs", default="qwen3-4b,qwen3-32b", help="comma list of bench configs")
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma list of token counts")
     args = p.parse_args(argv)

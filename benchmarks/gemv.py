@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from fxrewrite.benchmarks.common import RESULTS_DIR, environment, load_bench_config, replay_ms
+from fxrewrite.benchmarks.out_paths import FOLDER_HELP, results_folder
 from fxrewrite.kernels import fp8_dispatch, fp8_tune
 from fxrewrite.kernels.gemv_dispatch import TAGS
 from fxrewrite.kernels.gemv_tune import (TOLERANCE, baseline, candidate, candidates, make_inputs, max_rel_error,
@@ -210,8 +211,8 @@ def copy_tbps() -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for <date>-gemv-<configs>.json")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=results_folder, default=RESULTS_DIR, help=FOLDER_HELP)
     p.add_argument("--configs", default="qwen3-4b,qwen3-32b", help="comma list of bench configs")
     p.add_argument("--compile-workers", type=int, default=min(16, os.cpu_count() or 1),
                    help="processes that build the Triton kernels first (1: build them as the sweep runs)")

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from fxrewrite.benchmarks.out_paths import FOLDER_HELP, results_folder
 from fxrewrite.benchmarks.common import RESULTS_DIR, environment, write_result
 from fxrewrite.benchmarks.gemv import _timed, copy_tbps
 from fxrewrite.kernels import fp8_dispatch
@@ -164,10 +165,10 @@ def ptx_stats() -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default="qwen3-4b,qwen3-32b")
     parser.add_argument("--formats", default="float,fp8-channel")
-    parser.add_argument("--out", default=str(RESULTS_DIR))
+    parser.add_argument("--out", type=results_folder, default=RESULTS_DIR, help=FOLDER_HELP)
     args = parser.parse_args(argv)
     date = datetime.date.today().isoformat()
     result = {"date": date, "environment": environment(), "copy_TBps": round(copy_tbps(), 3), "rows": {}}

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from fxrewrite.benchmarks.common import environment
+from fxrewrite.benchmarks.out_paths import FOLDER_HELP, results_folder
 from fxrewrite.benchmarks.tool_cli import count_argument
 from fxrewrite.runtime.engine.block_table_cache import BlockTableCache
 from fxrewrite.runtime.engine.inputs import prepare_inputs
@@ -146,7 +147,7 @@ def run_workload(model_dir: str, num_seqs: int, prompt_len: int, steps: int, war
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="folder for the JSON result")
+    ap.add_argument("--out", type=results_folder, required=True, help=FOLDER_HELP)
     ap.add_argument("--name", default=None, help="file name stem (default: <date>-host-step)")
     ap.add_argument("--num-seqs", type=count_argument, default=256)
     ap.add_argument("--prompt-len", type=count_argument, default=32)

@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import transformers
 
 from fxrewrite.benchmarks.common import RESULTS_DIR
+from fxrewrite.benchmarks.out_paths import FOLDER_HELP, results_folder
 from fxrewrite.errors import UserInputError
 from fxrewrite.kernels.activation import _act_and_mul_triton, gelu_and_mul_ref, silu_and_mul_ref
 from fxrewrite.kernels.greedy_sample import greedy_sample_ref, greedy_sample_triton
@@ -285,13 +287,23 @@ def run_kernel_bench(out_dir: str | Path, cpu_smoke: bool = False, only: list[st
     now = datetime.datetime.now(datetime.timezone.utc)
     result = dict(meta=dict(date=now.isoformat(timespec="seconds"),
                             gpu=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter smoke run)",
-                            torch=torch.__version__, triton=triton.__version__, python=platform.python_version()),
+                            torch=torch.__version__, transformers=transformers.__version__, triton=triton.__version__,
+                            python=platform.python_version()),
                   copy_GBps=bw / 1e9, kernels=rows, sweeps=sweeps)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     part = f"-{'-'.join(groups)}" if only else ""  # a partial run must not replace the day's full one
-    (out / f"{now:%Y-%m-%d}-kernels{part}{'-cpu-smoke' if cpu_smoke else ''}.json").write_text(json.dumps(result, indent=2))
+    (out / f"{now:%Y-%m-%d}-kernels{part}{'-cpu-smoke' if cpu_smoke else ''}.json").write_text(json.dumps(_nan_to_null(result), indent=2))
     return result
+
+
+def _nan_to_null(value):
+    """JSON has no NaN (a row without a reference time): null, which strict parsers accept."""
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, dict):
+        return {k: _nan_to_null(v) for k, v in value.items()}
+    return [_nan_to_null(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
 def format_table(result: dict) -> str:
@@ -308,8 +320,8 @@ def format_table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(RESULTS_DIR))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=results_folder, default=RESULTS_DIR, help=FOLDER_HELP)
     parser.add_argument("--only", type=lambda s: s.split(","), default=None,
                         help=f"comma-separated kernel groups of {sorted(ROW_GROUPS)} (default: all)")
     args = parser.parse_args(argv)

@@ -22,6 +22,7 @@ import torch
 
 from fxrewrite.benchmarks import kernels
 from fxrewrite.benchmarks.common import RESULTS_DIR, environment, replay_ms
+from fxrewrite.benchmarks.out_paths import FOLDER_HELP, results_folder
 from fxrewrite.kernels.attention_tile import keys_contiguous
 from fxrewrite.kernels.paged_attention import paged_attention_ref
 from fxrewrite.kernels.paged_decode import paged_decode_triton
@@ -107,8 +108,8 @@ def _graph_rows(layers: int, max_model_len: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=results_folder, default=RESULTS_DIR, help=FOLDER_HELP)
     p.add_argument("--no-sweep", action="store_true", help="skip the per-config sweep (only the graph rows)")
     p.add_argument("--graph-layers", type=int, default=0, metavar="N",
                    help="also time N layers' decode launches replayed in a CUDA graph, as the engine runs them")

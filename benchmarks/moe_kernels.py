@@ -21,6 +21,7 @@ import torch
 from fxrewrite.benchmarks.common import RESULTS_DIR, load_bench_config
 from fxrewrite.benchmarks.kernels import _time_ms, copy_bandwidth
 from fxrewrite.benchmarks.moe_direct_sweep import direct_sweep, graph_ms, short_context_decode_rows
+from fxrewrite.benchmarks.out_paths import FOLDER_HELP, results_folder
 from fxrewrite.kernels import fused_moe
 from fxrewrite.kernels.fused_moe import fused_experts, fused_experts_ref, select_experts
 from fxrewrite.kernels.fused_moe_direct import DIRECT_MAX_TOKENS, direct_experts
@@ -162,9 +163,9 @@ def run(config: str, out_dir: Path, do_sweep: bool = False, tokens: tuple[int, .
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="qwen3-30b-a3b")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    p.add_argument("--out", type=results_folder, default=RESULTS_DIR, help=FOLDER_HELP)
     p.add_argument("--tokens", type=lambda v: tuple(int(t) for t in v.split(",")), default=TOKENS,
                    help="comma-separated token counts (default %(default)s)")
     p.add_argument("--sweep", action="store_true", help="also time candidate tile configs per token count (grouped "

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from fxrewrite.benchmarks.out_paths import FILE_HELP, result_file
 
 __all__ = ["build_materialised", "time_optimize"]
 
@@ -91,7 +92,7 @@ def main(argv=None) -> int:
                    help="torch intra-op threads (default: torch's); on a busy shared CPU, 1 avoids threads waiting "
                         "for a core inside every weight copy")
     p.add_argument("--note", default="")
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--out", type=result_file, default=None, help=FILE_HELP)
     args = p.parse_args(argv)
     bench = load_bench_config(args.config)
     if args.threads is not None:

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import torch
 
-from fxrewrite.benchmarks.common import bench_model_dir, environment, load_bench_config, make_llm
+from fxrewrite.benchmarks.common import RESULTS_DIR, bench_model_dir, environment, load_bench_config, make_llm
+from fxrewrite.benchmarks.out_paths import FOLDER_HELP, results_folder
+from fxrewrite.benchmarks.tool_cli import json_object_argument
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 from fxrewrite.runtime.engine.sequence import Sequence
 from fxrewrite.runtime.engine_config import KV_CACHE_DTYPES
@@ -106,25 +108,26 @@ def profile_decode(config: str, arm: str, batch: int, context: int, engine_kwarg
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="qwen3-4b")
     p.add_argument("--arm", default="native", choices=("before", "after", "native"))
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=256, help="tokens already in each sequence's KV cache")
     p.add_argument("-O", "--compilation-config", type=int, default=0)
-    p.add_argument("--quantization", default=None, choices=(None, "fp8"), help="as the engine's --quantization")
+    p.add_argument("--quantization", default=None, choices=("fp8",), help="as the engine's --quantization (default: none)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="as the engine's --kv-cache-dtype")
-    p.add_argument("--hf-overrides", type=json.loads, default=None,
+    p.add_argument("--hf-overrides", type=json_object_argument, default=None,
                    help="as the engine's --hf-overrides (JSON), e.g. an FP8 checkpoint's quantization_config")
     p.add_argument("--tokenizer-dir", default=None)
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--out", type=results_folder, default=RESULTS_DIR, help=FOLDER_HELP)
     args = p.parse_args(argv)
+    if not torch.cuda.is_available():  # it profiles CUDA graph replays
+        raise SystemExit("fxrewrite.benchmarks.profile_decode needs a CUDA GPU")
     engine_kwargs = {"compilation_config": args.compilation_config, "quantization": args.quantization,
                      "kv_cache_dtype": args.kv_cache_dtype, "hf_overrides": args.hf_overrides}
     result = profile_decode(args.config, args.arm, args.batch, args.context, engine_kwargs, args.tokenizer_dir)
     result["quantization"], result["kv_cache_dtype"] = args.quantization, args.kv_cache_dtype
     result["hf_overrides"] = args.hf_overrides
-    args.out.mkdir(parents=True, exist_ok=True)
     block = (args.hf_overrides or {}).get("quantization_config")
     fp8 = "-fp8" if args.quantization else "-fp8-block" if block else ""
     fp8 += f"-kv{args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from fxrewrite.benchmarks.out_paths import FILE_HELP, result_file
 from fxrewrite.benchmarks.train import _build
 
 __all__ = ["saved_tensor_bytes"]
@@ -80,7 +81,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=count_argument, default=2048)
     p.add_argument("--device", type=device_argument, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--out", type=result_file, default=None, help=FILE_HELP)
     args = p.parse_args(argv)
     bench = load_bench_config(args.config)
     spec = {"config": dict(bench["config"], num_hidden_layers=args.layers), "dtype": args.dtype,

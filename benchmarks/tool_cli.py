@@ -4,6 +4,7 @@ is one line on stderr (exit status 2), not a traceback."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch
 
 from fxrewrite.errors import UserInputError
 
-__all__ = ["count_argument", "device_argument", "run_cli"]
+__all__ = ["count_argument", "device_argument", "json_object_argument", "run_cli"]
 
 
 def run_cli(main) -> int:
@@ -42,3 +43,15 @@ def count_argument(value: str) -> int:
     if number < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
     return number
+
+
+def json_object_argument(value: str) -> dict:
+    """An argparse ``type``: a JSON object (``--hf-overrides``), else argparse's error saying what is wrong."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg} at column {e.colno}): {value!r}; expected an "
+                                         'object such as \'{"num_hidden_layers": 4}\'') from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got a JSON {type(parsed).__name__}: {value!r}")
+    return parsed

@@ -21,6 +21,7 @@ import json
 import tempfile
 from pathlib import Path
 
+from fxrewrite.benchmarks.out_paths import FILE_HELP, result_file
 from fxrewrite.benchmarks.train_profile import add_step_arguments, make_step, step_spec
 
 _GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fxrewrite.benchmarks.train_gaps")
     add_step_arguments(parser)
     parser.add_argument("--min-gap-us", type=float, default=20.0)
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--out", type=result_file, default=None, help=FILE_HELP)
     args = parser.parse_args(argv)
     bench, spec = step_spec(args)
     result = gaps_by_call_site(_trace(make_step(spec, args.arm)), args.min_gap_us)

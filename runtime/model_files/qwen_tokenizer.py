@@ -70,8 +70,9 @@ def qwen3_tokenizer_path() -> Path:
 
 
 def write_qwen3_tokenizer(out: str | os.PathLike) -> None:
-    """Copy Qwen3's tokenizer files into the model folder `out`."""
+    """Copy Qwen3's tokenizer files into the model folder `out` (made if missing)."""
     src = qwen3_tokenizer_path()
+    Path(out).mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
         if f.is_file() and not f.name.startswith("fxrewrite_"):
             shutil.copy2(f, Path(out) / f.name)

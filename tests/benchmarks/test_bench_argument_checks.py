@@ -1,0 +1,82 @@
+"""Benchmark arguments that used to fail late or wrongly (a new user's run, forty-sixth session): an unusable
+`--out` refused before any arm runs, in folder and file entry points alike; `--tokenizer-dir` checked and part
+of the cached folder's key; GPU-only tools say so first; ratios from unrounded figures."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from fxrewrite.benchmarks import count_launches, find_host_syncs, profile_decode, saved_tensors
+from fxrewrite.benchmarks.common import bench_model_dir, load_bench_config
+from fxrewrite.benchmarks.compare import ratios
+from fxrewrite.benchmarks.out_paths import result_file, results_folder
+from fxrewrite.cli import main
+from fxrewrite.errors import UserFileNotFoundError, UserInputError
+from fxrewrite.runtime.model_files.qwen_tokenizer import write_qwen3_tokenizer
+
+
+def test_out_folder_taken_by_a_file_is_refused_before_the_arms(tmp_path, capsys):
+    taken = tmp_path / "f.json"
+    taken.write_text("{}")
+    for command in (["bench", "train", "--config", "tiny", "--arms", "stock", "--steps", "1"],
+                    ["bench", "kernels", "--cpu-smoke"], ["bench", "compare", "--config", "tiny"]):
+        with pytest.raises(SystemExit) as e:  # argparse: usage error, status 2, no arm started
+            main([*command, "--out", str(taken)])
+        assert e.value.code == 2
+        assert f"'{taken}' is a file; expected a results folder" in capsys.readouterr().err
+    made = results_folder(str(tmp_path / "a" / "b"))
+    assert made.is_dir()
+
+
+def test_out_file_naming_a_folder_is_refused(tmp_path, capsys):
+    with pytest.raises(argparse.ArgumentTypeError, match="is a folder; expected the path of the JSON file"):
+        result_file(str(tmp_path))
+    assert result_file(str(tmp_path / "new" / "x.json")).parent.is_dir()
+    with pytest.raises(SystemExit):
+        saved_tensors.main(["--config", "tiny", "--out", str(tmp_path)])
+    assert "is a folder" in capsys.readouterr().err
+
+
+def test_tokenizer_dir_is_checked_and_keys_the_cached_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("FXREWRITE_CACHE", str(tmp_path / "cache"))
+    spec = load_bench_config("tiny")
+    for bad in (tmp_path / "missing", tmp_path):  # no folder; a folder without tokenizer files
+        with pytest.raises(UserFileNotFoundError, match="no tokenizer files there"):
+            bench_model_dir(spec, bad)
+    own = tmp_path / "tok"
+    write_qwen3_tokenizer(own)  # makes the folder (the BENCHMARKS.md one-liner)
+    (own / "model.safetensors").write_bytes(b"not a tokenizer")
+    with_own = bench_model_dir(spec, own)
+    assert with_own != bench_model_dir(spec) and not (with_own / "model.safetensors").exists()
+    (own / "tokenizer_config.json").write_text("{}")
+    assert bench_model_dir(spec, own) != with_own  # other tokenizer contents, another folder
+
+
+def test_gpu_only_tools_say_so_first(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for tool in (profile_decode, find_host_syncs):
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            tool.main(["--config", "tiny", "--arm", "native"] + (["--out", str(tmp_path)] if tool is profile_decode
+                                                                  else ["--no-sync-debug"]))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(UserInputError, match="set TRITON_INTERPRET=1"):
+        count_launches.main(["--out", str(tmp_path)])
+
+
+def test_bench_train_on_a_device_torch_lacks_is_one_error(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    assert main(["bench", "train", "--config", "tiny", "--arms", "stock", "--device", "cuda"]) == 2
+    assert "cuda" in capsys.readouterr().err
+
+
+def test_ratios_use_unrounded_figures():
+    arms = {"native": {"output_tokens": 1636, "elapsed_s": 10.0, "output_tokens_per_s": 163.6},
+            "hf": {"output_tokens": 28, "elapsed_s": 33.731, "output_tokens_per_s": 0.8},
+            "after": {"output_tokens": 1, "elapsed_s": 30.0, "output_tokens_per_s": 0.0}}
+    got = ratios({"workload": {"kind": "throughput"}, "arms": arms})
+    assert got["native/hf"] == round(163.6 / (28 / 33.731), 3)  # 197.1, not 163.6 / 0.8 = 204.5
+    assert got["after/native"] == round((1 / 30) / 163.6, 3) and "after/hf" in got  # a figure shown as 0.0 keeps its ratio
