@@ -178,9 +178,9 @@ def as_linear_base(module: nn.Module) -> LinearBase:
 
 def _full_rows(layer: LinearBase, shard_id) -> int:
     """Rows of the checkpoint tensor that `shard_id` of this layer loads (the unsharded part)."""
-    if isinstance(layer, QKVParallelLinear) and shard_id is not None:
-        heads = layer.total_num_heads if shard_id == "q" else layer.total_num_kv_heads
-        return heads * layer.head_size
+    if isinstance(layer, QKVParallelLinear):  # checkpoint heads: kv heads replicated over ranks count once
+        heads = {None: layer.total_num_heads + 2 * layer.total_num_kv_heads, "q": layer.total_num_heads}
+        return heads.get(shard_id, layer.total_num_kv_heads) * layer.head_size
     if isinstance(layer, MergedColumnParallelLinear) and shard_id is not None:
         return layer.output_sizes[shard_id]
     return layer.output_size
@@ -213,6 +213,20 @@ def _scale_loader(layer: LinearBase, name: str):
     return load
 
 
+def _weight_loader(layer: LinearBase, name: str):
+    """The layer's weight_loader, refusing integer tensors (an FP8 weight saved as int8 / uint8 bytes would be cast
+    value by value into e4m3: other numbers, silently). ValueError naming the tensor."""
+    def load(param: nn.Parameter, loaded: torch.Tensor, loaded_shard_id=None) -> None:
+        tag = loaded.dtype_name() if hasattr(loaded, "dtype_name") else None  # a lazy safetensors slice: no read
+        integer = tag == "BOOL" or tag[0] in "IU" if tag else not loaded.dtype.is_floating_point
+        if integer:
+            raise ValueError(f"{name}.weight (shard {loaded_shard_id!r}) is stored as {tag or loaded.dtype}; an FP8 "
+                             "checkpoint's weight must be float8_e4m3fn (or another float type), not integers")
+        type(layer).weight_loader(layer, param, loaded, loaded_shard_id)
+
+    return load
+
+
 def convert_linear_to_fp8(layer: LinearBase, name: str, block: tuple[int, int],
                           checkpoint_blocks: bool = True) -> LinearBase:
     """Make `layer` (on meta or a device) an FP8 layer awaiting checkpoint tensors; returns it.
@@ -229,7 +243,7 @@ def convert_linear_to_fp8(layer: LinearBase, name: str, block: tuple[int, int],
     layer.weight_scale_rows = _scale_rows(layer, block[0])
     w = layer.weight
     weight = nn.Parameter(torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device), requires_grad=False)
-    weight.weight_loader = layer.weight_loader
+    weight.weight_loader = _weight_loader(layer, name)
     layer.weight = weight
     groups = -(-layer.input_size_per_partition // block[1])
     scale = nn.Parameter(torch.empty(w.shape[0], groups, dtype=torch.float32, device=w.device), requires_grad=False)
@@ -293,17 +307,44 @@ def quantize_fp8_layer(layer: LinearBase, name: str, block: tuple[int, int], per
     stored [N, ceil(K/block[1])] scales repeat it along the groups), else `block` blocks."""
     w = layer.weight.detach()
     convert_linear_to_fp8(layer, name, block, checkpoint_blocks=False)
-    if per_channel:
-        q, rows = quantize_weight_fp8_per_channel(w)
-        expanded = rows[:, None].expand_as(layer.weight_scale_inv)
-        layer.weight_per_channel = True
-    else:
-        q, scale = quantize_weight_fp8(w, block)
-        expanded = scale.repeat_interleave(block[0], dim=0)[: w.shape[0]]
-    with torch.no_grad():
-        layer.weight.copy_(q)
-        layer.weight_scale_inv.copy_(expanded)
+    layer.weight_per_channel = per_channel
+    requantize_fp8_layer(layer, w)
     return layer
+
+
+def requantize_fp8_layer(layer: LinearBase, w: torch.Tensor) -> None:
+    """Store the float weight `w` [N_part, K_part] (this rank's fused rows) in the FP8 layer, in place, quantized as
+    `quantize_fp8_layer` does (per output row when ``weight_per_channel``, else `weight_block_size` blocks from row
+    0): e4m3 weight and expanded scales, or on a layer dequantized for the CPU (`dequantize_fp8_layer`) the
+    dequantized values, so a synced weight is rounded as a loaded one was. Weight sync's path into FP8 layers."""
+    if layer.weight_per_channel:
+        q, rows = quantize_weight_fp8_per_channel(w)
+        expanded = rows[:, None].expand(w.shape[0], -(-w.shape[1] // layer.weight_block_size[1]))
+    else:
+        q, scale = quantize_weight_fp8(w, layer.weight_block_size)
+        expanded = scale.repeat_interleave(layer.weight_block_size[0], dim=0)[: w.shape[0]]
+    with torch.no_grad():
+        if layer.weight.dtype == FP8_DTYPE:
+            layer.weight.copy_(q)
+            layer.weight_scale_inv.copy_(expanded)
+        else:
+            scale = expanded.repeat_interleave(layer.weight_block_size[1], dim=1)[:, : w.shape[1]]
+            layer.weight.copy_(q.float() * scale)
+
+
+def fp8_sync_staging(layer: nn.Module) -> nn.Parameter | None:
+    """For an FP8 layer, a float32 copy of its current weight (dequantized) with the layer's weight loader, for a
+    weight sync to load float tensors into before `requantize_fp8_layer` (shards it does not send keep their
+    values); None for any other layer."""
+    if not isinstance(layer, Fp8LinearMixin):
+        return None
+    w = layer.weight.detach()
+    if w.dtype == FP8_DTYPE:
+        k = w.shape[1]
+        w = w.float() * layer.weight_scale_inv.repeat_interleave(layer.weight_block_size[1], dim=1)[:, :k]
+    staging = nn.Parameter(w.float().clone(), requires_grad=False)
+    staging.weight_loader = layer.weight.weight_loader
+    return staging
 
 
 def dequantize_fp8_layer(layer: LinearBase, dtype: torch.dtype) -> None:

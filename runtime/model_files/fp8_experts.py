@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from fxrewrite.errors import UserInputError
 from fxrewrite.layers.fp8_linear import FP8_DTYPE, dequantize_weight_fp8
 from fxrewrite.sharding import LazySlice
 
@@ -41,10 +42,14 @@ def dequantize_fp8_experts(weights: Iterable[tuple[str, torch.Tensor]], block: t
             continue
         other_name, other = waiting.pop(key)
         weight, scale = (other, tensor) if name.endswith(SCALE_SUFFIX) else (tensor, other)
-        yield key, dequantize_weight_fp8(_read(weight), _read(scale), block, key)
+        try:
+            dequantized = dequantize_weight_fp8(_read(weight), _read(scale), block, key)
+        except ValueError as e:  # scales that do not tile the weight: the checkpoint's fault, one line in the CLI
+            raise UserInputError(str(e)) from None
+        yield key, dequantized
     if waiting:
         name = next(iter(waiting.values()))[0]
-        raise ValueError(f"FP8 expert tensor {name!r} has no partner "
+        raise UserInputError(f"FP8 expert tensor {name!r} has no partner "
                          f"({'weight' if name.endswith(SCALE_SUFFIX) else SCALE_SUFFIX}) in the checkpoint")
 
 

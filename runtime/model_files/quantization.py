@@ -42,7 +42,7 @@ from fxrewrite.layers.fp8_linear import (
 )
 from fxrewrite.layers.fused_moe import FusedMoE
 from fxrewrite.layers.linear import LinearBase
-from fxrewrite.weights import FusedAway
+from fxrewrite.weights import SHARDS_ATTR, FusedAway
 
 QUANTIZATION_METHODS = ("fp8",)
 """Values `quantization=` accepts (and checkpoint quant_methods the loader reads)."""
@@ -60,7 +60,12 @@ class Fp8Config:
 
 
 def _as_dict(qc) -> dict:
-    return qc if isinstance(qc, dict) else (qc.to_dict() if hasattr(qc, "to_dict") else vars(qc))
+    if isinstance(qc, dict):
+        return qc
+    if hasattr(qc, "to_dict") or (hasattr(qc, "__dict__") and not isinstance(qc, type)):  # transformers' config object
+        return qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
+    raise UserInputError(f"the model's quantization_config is {qc!r}; expected an object such as "
+                         '{"quant_method": "fp8", "weight_block_size": [128, 128]}')
 
 
 def resolve_quantization(quantization: str | None, hf_config) -> Fp8Config | None:
@@ -155,9 +160,33 @@ def _targets(model: nn.Module, quant: Fp8Config):
                 continue
             if _is_router(parent, child_name):  # MoE routers stay in high precision, as FP8 checkpoints ship them
                 continue
-            if any(fnmatch.fnmatch(name, f"*{p}*") for p in quant.modules_to_not_convert):
+            if _ignored(name, quant):
                 continue
-            yield parent, child_name, name, child
+            parts = _checkpoint_parts(model, parent, child_name, prefix)
+            kept = [part for part in parts if _ignored(part, quant)]
+            if kept and len(kept) < len(parts):
+                raise UserInputError(f"quantization_config's modules_to_not_convert / ignored_layers keep {kept} in "
+                                     f"high precision but not {[p for p in parts if p not in kept]}; the fused layer "
+                                     f"{name} holds them all, so they must all be FP8 or all not")
+            if not kept:
+                yield parent, child_name, name, child
+
+
+def _ignored(name: str, quant: Fp8Config) -> bool:
+    return any(fnmatch.fnmatch(name, f"*{p}*") for p in quant.modules_to_not_convert)
+
+
+def _checkpoint_parts(model: nn.Module, parent: nn.Module, child_name: str, prefix: str) -> list[str]:
+    """The checkpoint's module names a fused layer stands for (q_proj / k_proj / v_proj of a qkv_proj, gate_proj /
+    up_proj of a gate_up_proj): the rewrite's shard table, or a native model's ``packed_modules_mapping``."""
+    def join(n: str) -> str:
+        return f"{prefix}.{n}" if prefix else n
+
+    for new, olds in parent.__dict__.get(SHARDS_ATTR, ()):
+        if new == child_name:
+            return [join(old) for old, _ in olds]
+    packed = getattr(model, "packed_modules_mapping", None) or {}
+    return [join(part.strip(".")) for part, (fused, _) in packed.items() if fused.strip(".") == child_name]
 
 
 def _is_router(parent: nn.Module, child_name: str) -> bool:

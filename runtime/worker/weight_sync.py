@@ -27,6 +27,8 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
+from fxrewrite.kernels.fp8_gemm import FP8_DTYPE
+from fxrewrite.layers.fp8_linear import SCALE_NAME, Fp8LinearMixin, fp8_sync_staging, requantize_fp8_layer
 from fxrewrite.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from fxrewrite.layers.vocab_embedding import VocabParallelEmbedding
 from fxrewrite.weights import default_weight_loader, shard_map
@@ -266,6 +268,8 @@ def _missing(table: dict[str, Target], covered: dict[int, set]) -> list[str]:
     """Parameters with neither a whole tensor nor every shard among the incoming ones."""
     shards: dict[int, dict] = {}
     for t in table.values():
+        if t.name.endswith("." + SCALE_NAME):  # made from a float weight (apply_update); an FP8 one needs its own
+            continue
         entry = shards.setdefault(id(t.param), {"name": t.name, "shape": None, "ids": set()})
         if t.shard_id is None:
             entry["name"], entry["shape"] = t.name, t.shape
@@ -283,20 +287,54 @@ def _missing(table: dict[str, Target], covered: dict[int, set]) -> list[str]:
 
 @torch.no_grad()
 def apply_update(plan: list[Target | None], tensors: Iterable[torch.Tensor]) -> None:
-    """Copy each tensor into its planned target, in place (plain copies batched in one foreach call)."""
-    dst, src = [], []
-    for target, tensor in zip(plan, tensors):
-        if target is None:
-            continue
-        if target.direct:
+    """Copy each tensor into its planned target, in place (plain copies batched in one foreach call). A float
+    weight for an FP8 layer is loaded into a float copy of the layer's weight, then quantized as at load
+    (`fp8_linear.requantize_fp8_layer`: new scales; on a CPU the FP8-rounded values). TypeError, before anything
+    is copied, for FP8 tensors the engine would read as other numbers (see `_check_fp8`)."""
+    pairs = [(target, tensor) for target, tensor in zip(plan, tensors) if target is not None]
+    _check_fp8(pairs)
+    dst, src, fp8_weights = [], [], {}
+    for target, tensor in pairs:
+        if isinstance(target.owner, Fp8LinearMixin) and target.param is target.owner.weight and tensor.dtype != FP8_DTYPE:
+            fp8_weights.setdefault(id(target.owner), []).append((target, tensor))
+        elif target.direct:
             dst.append(target.param.data)
             src.append(tensor.to(target.param.device, target.param.dtype, non_blocking=True))
-            continue
-        loader = getattr(target.param, "weight_loader", None) or getattr(target.owner, "weight_loader", None)
-        loader = loader if callable(loader) else default_weight_loader
-        loader(target.param, tensor, target.shard_id) if target.shard_id is not None else loader(target.param, tensor)
+        else:
+            _load(target.param, target, tensor)
     if dst:
         torch._foreach_copy_(dst, src)
+    for parts in fp8_weights.values():  # one layer's float copy at a time
+        layer = parts[0][0].owner
+        staging = fp8_sync_staging(layer)
+        for target, tensor in parts:
+            _load(staging, target, tensor)  # the layer's loader shards into the copy as into the weight
+        requantize_fp8_layer(layer, staging.data)
+
+
+def _load(param: nn.Parameter, target: Target, tensor: torch.Tensor) -> None:
+    loader = getattr(param, "weight_loader", None) or getattr(target.owner, "weight_loader", None)
+    loader = loader if callable(loader) else default_weight_loader
+    loader(param, tensor, target.shard_id) if target.shard_id is not None else loader(param, tensor)
+
+
+def _check_fp8(pairs: list[tuple[Target, torch.Tensor]]) -> None:
+    """TypeError naming the tensor: an FP8 tensor for a parameter that is not FP8 (a layer dequantized on a CPU
+    reads plain numbers: dequantize first, fp8 * weight_scale_inv), an FP8 weight sent without its layer's scales,
+    or a float tensor for FP8 parameters no FP8 linear layer owns (MoE experts: not re-quantized on sync)."""
+    scaled = {id(t.owner) for t, _ in pairs if t.param is getattr(t.owner, SCALE_NAME, None)}
+    for target, tensor in pairs:
+        fp8_in, fp8_param = tensor.dtype == FP8_DTYPE, target.param.dtype == FP8_DTYPE
+        if fp8_in and not fp8_param:
+            why = f"the engine's parameter {target.name!r} holds {target.param.dtype} values; dequantize it first"
+        elif fp8_in and target.param is getattr(target.owner, "weight", None) and id(target.owner) not in scaled:
+            why = f"its scales ({target.name.rsplit('.', 1)[0]}.{SCALE_NAME}) are not sent with it"
+        elif fp8_param and not fp8_in and not isinstance(target.owner, Fp8LinearMixin):
+            why = (f"the engine's parameter {target.name!r} is float8_e4m3fn outside an FP8 linear layer, which a "
+                   f"{tensor.dtype} sync does not re-quantize")
+        else:
+            continue
+        raise TypeError(f"load_weights: nothing was updated: tensor for {target.name!r} is {tensor.dtype}, but {why}")
 
 
 def update_weights(model: nn.Module, weights: list[tuple[str, torch.Tensor]], strict: bool = True) -> set[str]:

@@ -5,6 +5,7 @@ dropped override, a pattern string split into characters, "checkpoint is missing
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fxrewrite.errors import UserInputError
 from fxrewrite.runtime.model_files.quantization import resolve_quantization
@@ -53,3 +54,25 @@ def test_an_fp8_override_on_float_weights_points_to_quantization_fp8(tiny_qwen3_
     with pytest.raises(UserInputError, match=r"have no \*_scale_inv tensors: they are not FP8\. To quantize float "
                                              r"weights at load pass quantization='fp8' .*load_format='dummy'"):
         _llm(tiny_qwen3_dir, hf_overrides=overrides)
+
+
+@pytest.mark.parametrize("qc", ["fp8", [], 5])
+def test_a_quantization_config_that_is_not_an_object_is_refused(qc):
+    with pytest.raises(UserInputError, match=r"quantization_config is .*; expected an object such as"):
+        resolve_quantization(None, _Config(qc))
+
+
+def test_an_fp8_weight_stored_as_integers_is_refused(tmp_path, tiny_model_dir):
+    from safetensors.torch import load_file, save_file
+
+    from fxrewrite.runtime.model_files.fp8_checkpoint import write_fp8_checkpoint
+
+    src = tiny_model_dir("qwen3", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=512, vocab="smollm2")
+    folder = write_fp8_checkpoint(src, tmp_path / "fp8")
+    tensors = load_file(str(folder / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors[name] = tensors[name].view(torch.int8)  # the same bytes, read as integers
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(UserInputError, match=r"down_proj.weight \(shard None\) is stored as (I8|torch.int8); an FP8 checkpoint's weight must be"):
+        _llm(folder)
