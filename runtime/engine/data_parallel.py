@@ -11,7 +11,7 @@ replica, then sends their steps to the workers as one wave, so the replicas run 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 from fxrewrite.errors import UserInputError
 from fxrewrite.runtime.engine.llm_engine import LLMEngine
@@ -84,10 +84,11 @@ class DPLLMEngine:
         self._owner[request_id] = d
         self.num_requests_routed[d] += 1
 
-    def abort_request(self, request_id: str) -> None:
-        d = self._owner.pop(request_id, None)
-        if d is not None:
-            self.engines[d].abort_request(request_id)
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            d = self._owner.pop(rid, None)
+            if d is not None:
+                self.engines[d].abort_request(rid)
 
     def compile_structured_outputs(self, params: SamplingParams):
         return self.engines[0].compile_structured_outputs(params)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from typing import Any
+from typing import Any, Iterable
 
 from fxrewrite.errors import UserInputError
 from fxrewrite.runtime.engine.block_manager import BlockManager
@@ -144,13 +144,13 @@ class LLMEngine(EngineRLMixin):
             raise UserInputError(f"request needs {needed} KV cache slots ({what}), more than the whole KV cache holds "
                                  f"({capacity}); raise kv_cache_memory_bytes / gpu_memory_utilization, or shorten {lower}")
 
-    def abort_request(self, request_id: str) -> None:
-        """Drop a request and free its KV blocks now (finish_reason "abort"); unknown ids are ignored."""
-        request = self.requests.pop(request_id, None)
-        if request is None:
-            return
-        for seq in request.seqs:
-            self._finish(seq, "abort")
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Drop a request, or each of a list of them (vLLM's ``abort_request(request_ids)``), and free their KV
+        blocks now (finish_reason "abort"); unknown ids are ignored."""
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            request = self.requests.pop(rid, None)
+            for seq in request.seqs if request is not None else ():
+                self._finish(seq, "abort")
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is queued, running, or finished but not yet returned by `step`."""

@@ -265,6 +265,9 @@ class Worker:
         return self.runner.execute_model_async(sched, previous)
 
 
+CLOSE_WAIT_S = 1.0
+
+
 class ResultSender:
     """TP rank 0's thread that sends each step's tokens to the driver once they reach the host, in step
     order. A thread, so that the main thread can take the next message meanwhile: the driver sends step
@@ -285,8 +288,11 @@ class ResultSender:
         self._queue.put(_Reply(payload))
 
     def close(self) -> None:
+        """Stop after what is queued, waiting at most CLOSE_WAIT_S: the driver receives every step it wants
+        before it sends the workers None, so a send still blocked then is one nobody will read (a driver closed
+        at exit with steps in flight) and the process exits past it (daemon thread, os._exit)."""
         self._queue.put(_STOP)
-        self._thread.join()
+        self._thread.join(CLOSE_WAIT_S)
 
     def _run(self) -> None:
         try:
