@@ -8,6 +8,8 @@ from tests.distributed.tp_ranks import generate_tokens, make_llm
 
 import fxrewrite
 
+SMALL_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}  # not 128 of 768
+
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -53,7 +55,7 @@ def test_tp2_moe_load_weights_takes_each_ranks_experts(tiny_model_dir, impl, exp
     the shape (it was also reported as a missing tensor)."""
     from transformers import AutoModelForCausalLM
 
-    old, new = (str(tiny_model_dir("qwen3_moe", vocab="smollm2", seed=s)) for s in (0, 1))
+    old, new = (str(tiny_model_dir("qwen3_moe", vocab="smollm2", seed=s, **SMALL_MOE)) for s in (0, 1))
     reference = generate_tokens(make_llm(new, impl))
     llm = make_llm(old, impl, tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
     try:

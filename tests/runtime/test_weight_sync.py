@@ -8,6 +8,8 @@ import fxrewrite
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 from fxrewrite.runtime.llm import LLM
 
+SMALL_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}  # not 128 of 768
+
 PROMPTS = ["Hello, my name is", "1 2 3 4 5 6 7 8 9 10 11 12"]
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -58,7 +60,7 @@ def test_sync_from_model_equals_engine_started_on_it(dirs, reference, impl, opti
 def test_native_moe_takes_hf_names(tiny_model_dir, stock_as):
     """The native Qwen3-MoE (its packed_modules_mapping keys written with their dots) takes a stock model or its
     state_dict pairs, as the dense one does."""
-    old, new = (tiny_model_dir("qwen3_moe", vocab="smollm2", seed=s) for s in (0, 1))
+    old, new = (tiny_model_dir("qwen3_moe", vocab="smollm2", seed=s, **SMALL_MOE) for s in (0, 1))
     llm = LLM(str(old), model_impl="native", dtype="float32", block_size=4)
     stock = _hf(new, False)
     names = llm.load_weights(stock if stock_as == "model" else list(stock.state_dict().items()))
