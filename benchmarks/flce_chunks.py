@@ -64,6 +64,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", type=result_file, default=None, help=FILE_HELP)
     args = p.parse_args(argv)
+    if not torch.cuda.is_available():  # it times CUDA kernels
+        raise SystemExit("fxrewrite.benchmarks.flce_chunks needs a CUDA GPU")
     rows = time_chunks(args.tokens, args.hidden, args.vocab, [int(c) for c in args.chunks.split(",")], args.repeats)
     out = args.out or Path(RESULTS_DIR) / f"{time.strftime('%Y-%m-%d')}-flce-chunks.json"
     out.parent.mkdir(parents=True, exist_ok=True)

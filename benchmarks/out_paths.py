@@ -28,6 +28,8 @@ def _make_folder(path: Path, value: str, role: str) -> None:
 def results_folder(value: str) -> Path:
     """argparse ``type`` for a results folder: made now (parents too), so a path taken by a file or not writable
     is refused before any arm runs (argparse's usage error, exit status 2)."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("an empty path; expected a results folder")
     path = Path(value)
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{value!r} is a file; expected a results folder (file names are made "
@@ -39,7 +41,7 @@ def results_folder(value: str) -> Path:
 def result_file(value: str) -> Path:
     """argparse ``type`` for one JSON result file: refused when it names a folder; its parent folder is made now."""
     path = Path(value)
-    if path.is_dir():
+    if path.is_dir() or not value.strip() or value.endswith(("/", "\\")):
         raise argparse.ArgumentTypeError(f"{value!r} is a folder; expected the path of the JSON file to write")
     _make_folder(path.parent, value, "the folder")
     return path

@@ -69,6 +69,7 @@ class Fp8LinearMixin:
     weight_block_size: tuple[int, int]
     weight_per_channel: bool = False
     weight_scale_rows: int = 1
+    weight_source_dtype: torch.dtype = torch.float32
     """Rows of ``weight_scale_inv`` equal in aligned runs of this many (block-scaled; `_scale_rows`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -240,6 +241,7 @@ def convert_linear_to_fp8(layer: LinearBase, name: str, block: tuple[int, int],
         check_fp8_shapes(layer, name, block)
     layer.__class__ = _fp8_class(type(layer))
     layer.weight_block_size = tuple(block)
+    layer.weight_source_dtype = layer.weight.dtype  # the model's dtype: a weight sync rounds to it, as loading did
     layer.weight_scale_rows = _scale_rows(layer, block[0])
     w = layer.weight
     weight = nn.Parameter(torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device), requires_grad=False)
@@ -312,37 +314,53 @@ def quantize_fp8_layer(layer: LinearBase, name: str, block: tuple[int, int], per
     return layer
 
 
-def requantize_fp8_layer(layer: LinearBase, w: torch.Tensor) -> None:
+def requantize_fp8_layer(layer: LinearBase, w: torch.Tensor, rows: list[tuple[int, int]] | None = None) -> None:
     """Store the float weight `w` [N_part, K_part] (this rank's fused rows) in the FP8 layer, in place, quantized as
-    `quantize_fp8_layer` does (per output row when ``weight_per_channel``, else `weight_block_size` blocks from row
-    0): e4m3 weight and expanded scales, or on a layer dequantized for the CPU (`dequantize_fp8_layer`) the
-    dequantized values, so a synced weight is rounded as a loaded one was. Weight sync's path into FP8 layers."""
-    if layer.weight_per_channel:
-        q, rows = quantize_weight_fp8_per_channel(w)
-        expanded = rows[:, None].expand(w.shape[0], -(-w.shape[1] // layer.weight_block_size[1]))
-    else:
-        q, scale = quantize_weight_fp8(w, layer.weight_block_size)
-        expanded = scale.repeat_interleave(layer.weight_block_size[0], dim=0)[: w.shape[0]]
-    with torch.no_grad():
-        if layer.weight.dtype == FP8_DTYPE:
-            layer.weight.copy_(q)
-            layer.weight_scale_inv.copy_(expanded)
+    `quantize_fp8_layer` does (per output row when ``weight_per_channel``, else `weight_block_size` blocks from the
+    first row of each range): e4m3 weight and expanded scales, or on a layer dequantized for the CPU
+    (`dequantize_fp8_layer`) the dequantized values. `rows`: the [start, end) row ranges to store, each quantized
+    on its own (weight sync: the parts it received, `part_rows`, whose blocks start at their first row as a
+    checkpoint's do); None: all rows as one range."""
+    bn, bk = layer.weight_block_size
+    for r0, r1 in rows or [(0, w.shape[0])]:
+        part = w[r0:r1]
+        if layer.weight_per_channel:
+            q, per_row = quantize_weight_fp8_per_channel(part)
+            expanded = per_row[:, None].expand(r1 - r0, -(-w.shape[1] // bk))
         else:
-            scale = expanded.repeat_interleave(layer.weight_block_size[1], dim=1)[:, : w.shape[1]]
-            layer.weight.copy_(q.float() * scale)
+            q, scale = quantize_weight_fp8(part, (bn, bk))
+            expanded = scale.repeat_interleave(bn, dim=0)[: r1 - r0]
+        with torch.no_grad():
+            if layer.weight.dtype == FP8_DTYPE:
+                layer.weight[r0:r1].copy_(q)
+                layer.weight_scale_inv[r0:r1].copy_(expanded)
+            else:
+                layer.weight[r0:r1].copy_(q.float() * expanded.repeat_interleave(bk, dim=1)[:, : w.shape[1]])
+
+
+def part_rows(layer: LinearBase, shard_id) -> list[tuple[int, int]]:
+    """This rank's [start, end) rows of the weight that checkpoint part `shard_id` fills (q / k / v, a gate_up
+    part; None: every part of a fused layer, the whole weight of another)."""
+    if isinstance(layer, QKVParallelLinear):
+        ids, sizes = ("q", "k", "v"), [layer.q_size, layer.kv_size, layer.kv_size]
+    elif isinstance(layer, MergedColumnParallelLinear):
+        ids, sizes = tuple(range(len(layer.output_sizes))), list(layer.output_sizes_per_partition)
+    else:
+        return [(0, layer.weight.shape[0])]
+    return [(sum(sizes[:i]), sum(sizes[: i + 1])) for i, sid in enumerate(ids) if shard_id is None or sid == shard_id]
 
 
 def fp8_sync_staging(layer: nn.Module) -> nn.Parameter | None:
-    """For an FP8 layer, a float32 copy of its current weight (dequantized) with the layer's weight loader, for a
-    weight sync to load float tensors into before `requantize_fp8_layer` (shards it does not send keep their
-    values); None for any other layer."""
+    """For an FP8 layer, a copy of its current weight (dequantized) in the dtype it was quantized from, with the
+    layer's weight loader, for a weight sync to load float tensors into (rounded to that dtype, as loading rounded
+    them) before `requantize_fp8_layer`; None for any other layer."""
     if not isinstance(layer, Fp8LinearMixin):
         return None
     w = layer.weight.detach()
     if w.dtype == FP8_DTYPE:
         k = w.shape[1]
         w = w.float() * layer.weight_scale_inv.repeat_interleave(layer.weight_block_size[1], dim=1)[:, :k]
-    staging = nn.Parameter(w.float().clone(), requires_grad=False)
+    staging = nn.Parameter(w.to(layer.weight_source_dtype, copy=True), requires_grad=False)
     staging.weight_loader = layer.weight.weight_loader
     return staging
 

@@ -43,9 +43,16 @@ def _narrow_full(loaded: torch.Tensor, dim: int, full: int, start: int, size: in
     return loaded.narrow(dim, start, size)
 
 
+_FP8_TAGS = ("F8_E4M3", "F8_E5M2")
+
+
 def _copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
     if tuple(param.shape) != tuple(loaded.shape):
         raise ValueError(f"weight shape {tuple(loaded.shape)} does not match {tuple(param.shape)}")
+    tag = loaded.dtype_name() if hasattr(loaded, "dtype_name") else str(loaded.dtype)  # a lazy slice: no read
+    if (tag in _FP8_TAGS or "float8" in tag) and param.dtype.itemsize > 1:
+        raise ValueError(f"an FP8 tensor ({tag}) for a {param.dtype} parameter: its scales would be dropped (a layer "
+                         "the quantization_config keeps in high precision must be stored in high precision)")
     if param.device.type != "meta":
         with torch.no_grad():
             param.copy_(loaded)

@@ -37,6 +37,8 @@ from fxrewrite.runtime.server.tool_parsers import ToolParser
 if TYPE_CHECKING:
     from fxrewrite.runtime.engine.llm_engine import LLMEngine
 
+GRACEFUL_SHUTDOWN_S = 5
+"""Seconds `fxrewrite serve` lets open streams run on after Ctrl-C / SIGTERM before it ends them."""
 logger = logging.getLogger(__name__)
 
 
@@ -224,7 +226,10 @@ def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_leve
 
     previous = signal.signal(signal.SIGTERM, _exit_normally)
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=5)
+        # timeout_graceful_shutdown: Ctrl-C / SIGTERM with streams open ends them after a few seconds (uvicorn
+        # otherwise waits for every stream to finish, without a bound).
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=5,
+                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     finally:
         signal.signal(signal.SIGTERM, previous)
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from fxrewrite.kernels.fp8_gemm import FP8_DTYPE
-from fxrewrite.layers.fp8_linear import SCALE_NAME, Fp8LinearMixin, fp8_sync_staging, requantize_fp8_layer
+from fxrewrite.layers.fp8_linear import SCALE_NAME, Fp8LinearMixin, fp8_sync_staging, part_rows, requantize_fp8_layer
 from fxrewrite.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from fxrewrite.layers.vocab_embedding import VocabParallelEmbedding
 from fxrewrite.weights import default_weight_loader, shard_map
@@ -79,6 +79,10 @@ def named_weights(source) -> list[tuple[str, torch.Tensor]]:
         if not (pair[1].is_floating_point() or pair[1].dtype == torch.float8_e4m3fn):
             raise TypeError(f"load_weights: tensor {pair[0]!r} has dtype {pair[1].dtype}; expected a floating-point "
                             "tensor (weights are cast from any float dtype, never from integers)")
+        if pair[1].is_meta or pair[1].layout != torch.strided:  # checked here: a copy would fail halfway
+            what = "on the meta device" if pair[1].is_meta else pair[1].layout
+            raise TypeError(f"load_weights: tensor {pair[0]!r} is {what}; expected a dense tensor holding values "
+                            "(materialize an offloaded or empty-init model first)")
     return [(name, t.detach()) for name, t in pairs]
 
 
@@ -309,7 +313,8 @@ def apply_update(plan: list[Target | None], tensors: Iterable[torch.Tensor]) -> 
         staging = fp8_sync_staging(layer)
         for target, tensor in parts:
             _load(staging, target, tensor)  # the layer's loader shards into the copy as into the weight
-        requantize_fp8_layer(layer, staging.data)
+        rows = sorted({r for target, _ in parts for r in part_rows(layer, target.shard_id)})
+        requantize_fp8_layer(layer, staging.data, rows)  # the parts sent, each on its own; the others keep their bytes
 
 
 def _load(param: nn.Parameter, target: Target, tensor: torch.Tensor) -> None:

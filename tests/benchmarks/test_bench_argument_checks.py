@@ -35,6 +35,11 @@ def test_out_file_naming_a_folder_is_refused(tmp_path, capsys):
     with pytest.raises(argparse.ArgumentTypeError, match="is a folder; expected the path of the JSON file"):
         result_file(str(tmp_path))
     assert result_file(str(tmp_path / "new" / "x.json")).parent.is_dir()
+    for bad in ("", str(tmp_path / "newdir") + "/"):  # a trailing slash means a folder, not a file named newdir
+        with pytest.raises(argparse.ArgumentTypeError, match="is a folder"):
+            result_file(bad)
+    with pytest.raises(argparse.ArgumentTypeError, match="an empty path"):
+        results_folder("")
     with pytest.raises(SystemExit):
         saved_tensors.main(["--config", "tiny", "--out", str(tmp_path)])
     assert "is a folder" in capsys.readouterr().err

@@ -57,3 +57,11 @@ def test_keeping_part_of_a_fused_layer_is_refused(float_dir, tmp_path):
     with pytest.raises(UserInputError, match=r"keep \['model.layers.1.mlp.gate_proj'\] in high precision but not "
                                               r"\['model.layers.1.mlp.up_proj'\]"):
         LLM(str(folder), model_impl="native", dtype="float32", kv_cache_memory_bytes=1 << 22)
+
+
+def test_fp8_tensors_of_a_layer_kept_in_high_precision_are_refused(float_dir, tmp_path):
+    """ignored_layers names a layer whose tensors the file still holds in e4m3 (with scales): loading its raw e4m3
+    values into the high-precision layer, dropping the scales, gave other numbers with only a warning."""
+    folder = _partly_fp8(float_dir, tmp_path / "stale", (), [k.removeprefix("model.") for k in KEEP[:2]])
+    with pytest.raises(UserInputError, match=r"an FP8 tensor \((F8_E4M3|torch.float8_e4m3fn)\) for a torch.float32 parameter"):
+        LLM(str(folder), model_impl="native", dtype="float32", kv_cache_memory_bytes=1 << 22)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from fxrewrite.layers.fp8_linear import quantize_fp8_layer
+from fxrewrite.layers.fp8_linear import quantize_fp8_layer, quantize_weight_fp8
 from fxrewrite.layers.linear import QKVParallelLinear
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 from fxrewrite.runtime.llm import LLM
@@ -54,9 +54,10 @@ def test_fp8_checkpoint_tensors_into_a_dequantized_engine_are_refused(float_dir,
     assert _logprobs(llm) == before  # nothing was copied
 
 
-def test_float_shards_requantize_an_fp8_layer_as_at_load():
+def test_float_shards_requantize_an_fp8_layer_as_a_checkpoint_is_quantized():
     """The GPU's layout (e4m3 weight + expanded block scales) checked on the CPU: q/k/v sent as separate float
-    tensors give the bytes and scales `quantize_fp8_layer` gives the fused float weight."""
+    tensors, in any order, give each part the bytes and block scales `quantize_weight_fp8` gives that tensor alone
+    (an FP8 checkpoint's grid: k and v of 64 rows each get their own block)."""
     torch.manual_seed(0)
     fresh = [torch.randn(n, 256) for n in (256, 64, 64)]
     layer = QKVParallelLinear(256, 64, 4, 1, params_dtype=torch.float32)
@@ -68,10 +69,45 @@ def test_float_shards_requantize_an_fp8_layer_as_at_load():
     names = [f"attn.{part}_proj.weight" for part in "kvq"]  # any order
     plan = plan_update(model, [(name, (64 if part != "q" else 256, 256)) for name, part in zip(names, "kvq")])
     apply_update(plan, [fresh[1], fresh[2], fresh[0]])
-    reference = QKVParallelLinear(256, 64, 4, 1, params_dtype=torch.float32)
-    with torch.no_grad():
-        reference.weight.copy_(torch.cat(fresh))
-    quantize_fp8_layer(reference, "qkv_proj", (128, 128))
+    parts = [quantize_weight_fp8(t, (128, 128)) for t in fresh]
     assert layer.weight.dtype == torch.float8_e4m3fn
-    assert torch.equal(layer.weight.view(torch.uint8), reference.weight.view(torch.uint8))
-    assert torch.equal(layer.weight_scale_inv, reference.weight_scale_inv)
+    assert torch.equal(layer.weight.view(torch.uint8), torch.cat([q for q, _ in parts]).view(torch.uint8))
+    scales = torch.cat([s.repeat_interleave(128, 0)[: t.shape[0]] for (_, s), t in zip(parts, fresh)])
+    assert torch.equal(layer.weight_scale_inv, scales)
+
+
+def test_an_fp8_checkpoints_own_weights_sync_to_the_same_numbers(tiny_model_dir, tmp_path):
+    """q / k / v of 64 / 32 / 32 rows share one 128-row block of the fused weight: each part is re-quantized on its
+    own, as the checkpoint quantized it, and a part not sent keeps its bytes (fresh user: a shared block moved k/v)."""
+    from safetensors.torch import load_file
+
+    fp8_dir = write_fp8_checkpoint(tiny_model_dir("qwen3", vocab="smollm2"), tmp_path / "fp8")
+    llm = LLM(str(fp8_dir), model_impl="transformers", dtype="float32", kv_cache_memory_bytes=1 << 22)
+    before = _logprobs(llm)
+    stored = load_file(str(fp8_dir / "model.safetensors"))
+    pairs = [(k, v.float() * stored[k + "_scale_inv"].repeat_interleave(128, 0)[: v.shape[0]].repeat_interleave(
+        128, 1)[:, : v.shape[1]] if v.dtype == torch.float8_e4m3fn else v) for k, v in stored.items() if "scale" not in k]
+    llm.load_weights(pairs)
+    assert _logprobs(llm) == before
+    qkv = llm.llm_engine.model_runner.model.hf_model.model.layers[0].self_attn.qkv_proj.weight
+    kv_rows = qkv[64:].clone()
+    q = dict(pairs)["model.layers.0.self_attn.q_proj.weight"]
+    llm.load_weights([("model.layers.0.self_attn.q_proj.weight", q * 1.5)], strict=False)
+    assert torch.equal(qkv[64:], kv_rows) and _logprobs(llm) != before
+
+
+def test_a_bf16_engine_rounds_float32_weights_as_loading_did(float_dir):
+    llm = LLM(str(float_dir), model_impl="native", dtype="bfloat16", kv_cache_memory_bytes=1 << 22, quantization="fp8")
+    before = _logprobs(llm)
+    llm.load_weights(AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32))
+    assert _logprobs(llm) == before
+
+
+def test_meta_tensors_are_refused_before_anything_is_copied(float_dir):
+    llm = LLM(str(float_dir), model_impl="native", dtype="float32", kv_cache_memory_bytes=1 << 22)
+    before = _logprobs(llm)
+    pairs = [(n, t * 2) for n, t in AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32).state_dict().items()]
+    pairs[-1] = (pairs[-1][0], torch.empty_like(pairs[-1][1], device="meta"))
+    with pytest.raises(TypeError, match="is on the meta device; expected a dense tensor"):
+        llm.load_weights(pairs)
+    assert _logprobs(llm) == before

@@ -74,5 +74,5 @@ def test_an_fp8_weight_stored_as_integers_is_refused(tmp_path, tiny_model_dir):
     name = "model.layers.0.mlp.down_proj.weight"
     tensors[name] = tensors[name].view(torch.int8)  # the same bytes, read as integers
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(UserInputError, match=r"down_proj.weight \(shard None\) is stored as (I8|torch.int8); an FP8 checkpoint's weight must be"):
+    with pytest.raises(UserInputError, match=r"down_proj.weight \(shard None\) is stored as (I8|torch.int8); an FP8 "):
         _llm(folder)
