@@ -13,7 +13,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from fxrewrite.errors import UserInputError
+from fxrewrite.errors import UserInputError, UserTypeError
 from fxrewrite.runtime.worker.weight_sync import merged_peft, named_weights
 
 
@@ -44,6 +44,8 @@ class EngineRLMixin:
         RuntimeError while requests are unfinished or the weights are asleep.
         Returns the engine parameter names written.
         """
+        if not isinstance(strict, bool):  # "yes" or None would pass as truthy / falsy
+            raise UserTypeError(f"load_weights: strict={strict!r}; expected True or False")
         self._check_idle("load_weights")
         with merged_peft(weights) as source:
             names = self.model_runner.load_weights(named_weights(source), strict)

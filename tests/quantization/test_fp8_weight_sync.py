@@ -17,6 +17,9 @@ from fxrewrite.runtime.model_files.fp8_checkpoint import write_fp8_checkpoint
 from fxrewrite.runtime.worker.weight_sync import apply_update, plan_update
 
 PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 30))]
+SAME = 1e-4
+"""Log-probabilities of an unchanged engine, run again: equal but for the summation order of a prefill over cached
+blocks (the prefix cache holds the first run's prompts unless a sync dropped it); a changed weight moves them far more."""
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +54,7 @@ def test_fp8_checkpoint_tensors_into_a_dequantized_engine_are_refused(float_dir,
     pairs = [(k, v) for k, v in load_file(str(fp8_dir / "model.safetensors")).items() if "scale" not in k]
     with pytest.raises(TypeError, match="is torch.float8_e4m3fn, but the engine's parameter .* dequantize it first"):
         llm.load_weights(pairs, strict=False)
-    assert _logprobs(llm) == before  # nothing was copied
+    assert _logprobs(llm) == pytest.approx(before, abs=SAME)  # nothing was copied
 
 
 def test_float_shards_requantize_an_fp8_layer_as_a_checkpoint_is_quantized():
@@ -88,7 +91,7 @@ def test_an_fp8_checkpoints_own_weights_sync_to_the_same_numbers(tiny_model_dir,
     pairs = [(k, v.float() * stored[k + "_scale_inv"].repeat_interleave(128, 0)[: v.shape[0]].repeat_interleave(
         128, 1)[:, : v.shape[1]] if v.dtype == torch.float8_e4m3fn else v) for k, v in stored.items() if "scale" not in k]
     llm.load_weights(pairs)
-    assert _logprobs(llm) == before
+    assert _logprobs(llm) == pytest.approx(before, abs=SAME)
     qkv = llm.llm_engine.model_runner.model.hf_model.model.layers[0].self_attn.qkv_proj.weight
     kv_rows = qkv[64:].clone()
     q = dict(pairs)["model.layers.0.self_attn.q_proj.weight"]
@@ -100,7 +103,7 @@ def test_a_bf16_engine_rounds_float32_weights_as_loading_did(float_dir):
     llm = LLM(str(float_dir), model_impl="native", dtype="bfloat16", kv_cache_memory_bytes=1 << 22, quantization="fp8")
     before = _logprobs(llm)
     llm.load_weights(AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32))
-    assert _logprobs(llm) == before
+    assert _logprobs(llm) == pytest.approx(before, abs=SAME)
 
 
 def test_meta_tensors_are_refused_before_anything_is_copied(float_dir):
@@ -110,4 +113,7 @@ def test_meta_tensors_are_refused_before_anything_is_copied(float_dir):
     pairs[-1] = (pairs[-1][0], torch.empty_like(pairs[-1][1], device="meta"))
     with pytest.raises(TypeError, match="is on the meta device; expected a dense tensor"):
         llm.load_weights(pairs)
-    assert _logprobs(llm) == before
+    for strict in ("yes", None):
+        with pytest.raises(TypeError, match=f"strict={strict!r}; expected True or False"):
+            llm.load_weights(pairs[:-1], strict=strict)
+    assert _logprobs(llm) == pytest.approx(before, abs=SAME)
