@@ -338,33 +338,6 @@ def requantize_fp8_layer(layer: LinearBase, w: torch.Tensor, rows: list[tuple[in
                 layer.weight[r0:r1].copy_(q.float() * expanded.repeat_interleave(bk, dim=1)[:, : w.shape[1]])
 
 
-def part_rows(layer: LinearBase, shard_id) -> list[tuple[int, int]]:
-    """This rank's [start, end) rows of the weight that checkpoint part `shard_id` fills (q / k / v, a gate_up
-    part; None: every part of a fused layer, the whole weight of another)."""
-    if isinstance(layer, QKVParallelLinear):
-        ids, sizes = ("q", "k", "v"), [layer.q_size, layer.kv_size, layer.kv_size]
-    elif isinstance(layer, MergedColumnParallelLinear):
-        ids, sizes = tuple(range(len(layer.output_sizes))), list(layer.output_sizes_per_partition)
-    else:
-        return [(0, layer.weight.shape[0])]
-    return [(sum(sizes[:i]), sum(sizes[: i + 1])) for i, sid in enumerate(ids) if shard_id is None or sid == shard_id]
-
-
-def fp8_sync_staging(layer: nn.Module) -> nn.Parameter | None:
-    """For an FP8 layer, a copy of its current weight (dequantized) in the dtype it was quantized from, with the
-    layer's weight loader, for a weight sync to load float tensors into (rounded to that dtype, as loading rounded
-    them) before `requantize_fp8_layer`; None for any other layer."""
-    if not isinstance(layer, Fp8LinearMixin):
-        return None
-    w = layer.weight.detach()
-    if w.dtype == FP8_DTYPE:
-        k = w.shape[1]
-        w = w.float() * layer.weight_scale_inv.repeat_interleave(layer.weight_block_size[1], dim=1)[:, :k]
-    staging = nn.Parameter(w.to(layer.weight_source_dtype, copy=True), requires_grad=False)
-    staging.weight_loader = layer.weight.weight_loader
-    return staging
-
-
 def dequantize_fp8_layer(layer: LinearBase, dtype: torch.dtype) -> None:
     """Replace the FP8 weight by weight * scale in `dtype` and drop the scale (forward becomes F.linear)."""
     if layer.weight.dtype != FP8_DTYPE:

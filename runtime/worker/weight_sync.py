@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from fxrewrite.kernels.fp8_gemm import FP8_DTYPE
-from fxrewrite.layers.fp8_linear import SCALE_NAME, Fp8LinearMixin, fp8_sync_staging, part_rows, requantize_fp8_layer
+from fxrewrite.layers.fp8_linear import SCALE_NAME, Fp8LinearMixin, requantize_fp8_layer
+from fxrewrite.layers.fp8_sync import fp8_sync_staging, load_block_quantized, part_rows
 from fxrewrite.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from fxrewrite.layers.vocab_embedding import VocabParallelEmbedding
 from fxrewrite.weights import default_weight_loader, shard_map
@@ -299,7 +300,10 @@ def apply_update(plan: list[Target | None], tensors: Iterable[torch.Tensor]) -> 
     _check_fp8(pairs)
     dst, src, fp8_weights = [], [], {}
     for target, tensor in pairs:
-        if isinstance(target.owner, Fp8LinearMixin) and target.param is target.owner.weight and tensor.dtype != FP8_DTYPE:
+        fp8 = isinstance(target.owner, Fp8LinearMixin) and target.param is target.owner.weight
+        if fp8 and tensor.dtype != FP8_DTYPE and not target.owner.weight_per_channel:
+            load_block_quantized(target.owner, tensor, target.shard_id)  # the checkpoint's block grid, any rank
+        elif fp8 and tensor.dtype != FP8_DTYPE:  # per-row scales over this rank's columns, as at load
             fp8_weights.setdefault(id(target.owner), []).append((target, tensor))
         elif target.direct:
             dst.append(target.param.data)

@@ -99,6 +99,24 @@ def test_an_fp8_checkpoints_own_weights_sync_to_the_same_numbers(tiny_model_dir,
     assert torch.equal(qkv[64:], kv_rows) and _logprobs(llm) != before
 
 
+def test_an_fp8_checkpoints_own_weights_sync_to_the_same_numbers_at_tp2(float_dir, tmp_path):
+    """Each rank holds half of k_proj's 128-row block: the sync quantizes the whole tensor on the checkpoint's grid,
+    then takes the rank's rows, as loading does (quantizing the rank's 64 rows alone moved the output by 0.09)."""
+    from safetensors.torch import load_file
+
+    fp8_dir = write_fp8_checkpoint(float_dir, tmp_path / "fp8")
+    stored = load_file(str(fp8_dir / "model.safetensors"))
+    pairs = [(k, v.float() * stored[k + "_scale_inv"].repeat_interleave(128, 0)[: v.shape[0]].repeat_interleave(
+        128, 1)[:, : v.shape[1]] if v.dtype == torch.float8_e4m3fn else v) for k, v in stored.items() if "scale" not in k]
+    llm = LLM(str(fp8_dir), model_impl="native", dtype="float32", kv_cache_memory_bytes=1 << 22, tensor_parallel_size=2)
+    try:
+        before = _logprobs(llm)
+        llm.load_weights(pairs)
+        assert _logprobs(llm) == pytest.approx(before, abs=SAME)
+    finally:
+        llm.llm_engine.model_runner.shutdown()
+
+
 def test_a_bf16_engine_rounds_float32_weights_as_loading_did(float_dir):
     llm = LLM(str(float_dir), model_impl="native", dtype="bfloat16", kv_cache_memory_bytes=1 << 22, quantization="fp8")
     before = _logprobs(llm)
