@@ -14,6 +14,8 @@ import torch
 from torch import nn
 
 from fxrewrite.errors import UserInputError, UserTypeError
+from fxrewrite.runtime.model_files.checkpoint_conversion import checkpoint_layout_to_model
+from fxrewrite.runtime.worker.moe_checks import moe_sizes
 from fxrewrite.runtime.worker.weight_sync import merged_peft, named_weights
 
 
@@ -34,7 +36,9 @@ class EngineRLMixin:
 
         `weights`: a model (its `named_parameters()`: an optimized one copies per fused tensor, a stock
         one per Hugging Face tensor into its shard; a PEFT model with its adapters merged for the copy,
-        `weight_sync.merged_peft`) or (name, tensor) pairs in either naming. Tensors may
+        `weight_sync.merged_peft`) or (name, tensor) pairs in either naming, or a checkpoint's with one tensor per
+        expert (``mlp.experts.3.gate_proj.weight``: each layer's experts stacked by transformers' conversion rules, all
+        of a layer's experts in one call, `checkpoint_layout_to_model`). Tensors may
         be on any device and of any float dtype (cast to the engine's). With tensor parallelism every
         rank takes its slice. Everything is checked before anything is copied: ValueError naming the
         tensor and both shapes for a wrong shape and, with `strict`, an unknown name or an engine parameter
@@ -48,7 +52,10 @@ class EngineRLMixin:
             raise UserTypeError(f"load_weights: strict={strict!r}; expected True or False")
         self._check_idle("load_weights")
         with merged_peft(weights) as source:
-            names = self.model_runner.load_weights(named_weights(source), strict)
+            config = self.model_config
+            pairs = checkpoint_layout_to_model(named_weights(source), config.hf_config.model_type,
+                                               moe_sizes(config.hf_text_config)[0])
+            names = self.model_runner.load_weights(pairs, strict)
         self.reset_prefix_cache()
         return names
 

@@ -20,6 +20,8 @@ from accelerate import init_empty_weights
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping, get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key
 
+from fxrewrite.errors import UserInputError
+
 
 def transforms_for(model=None, model_type: str | None = None) -> list:
     """transformers' transforms for a `PreTrainedModel` (scoped to its sub-models), else for `model_type`."""
@@ -123,3 +125,36 @@ class StockShapes:
             if self.dtype is not None:
                 self.model.to(self.dtype)
         return self.model.get_parameter(name)
+
+
+def checkpoint_layout_to_model(pairs: list[tuple[str, torch.Tensor]], model_type: str | None,
+                               num_experts: int | None) -> list[tuple[str, torch.Tensor]]:
+    """Weight-sync pairs in a checkpoint's per-expert layout (``mlp.experts.3.gate_proj.weight``, Mixtral's
+    ``block_sparse_moe.experts.3.w1.weight``) -> the model's fused 3-D expert tensors, by transformers' rules for
+    `model_type` (`convert_checkpoint`: its renamings apply to every name then). Returned unchanged when no
+    converter claims any name (the model's own or the engine's fused names).
+    Raises UserInputError when a layer's tensors do not cover its `num_experts` experts once per source (all of a
+    layer's experts have to come in one call: they are stacked into one tensor)."""
+    transforms = transforms_for(model_type=model_type)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    groups: dict[str, tuple[WeightConverter, set[str]]] = {}
+    for name, _ in pairs:
+        renamed = name
+        for renaming in renamings:
+            renamed, _ = renaming.rename_source_key(renamed)
+        for converter in converters:
+            target, pattern = converter.rename_source_key(renamed)
+            if pattern is not None:
+                groups.setdefault(target, (converter, set()))[1].add(name)
+                break
+    if not groups:
+        return pairs
+    for target, (converter, names) in groups.items():
+        expected = None if num_experts is None else num_experts * len(converter.source_patterns)
+        if expected is not None and len(names) != expected:
+            raise UserInputError(
+                f"load_weights: {len(names)} per-expert tensor(s) for {target!r} (e.g. {min(names)!r}); expected "
+                f"{expected}: each of the {num_experts} experts once for each of {converter.source_patterns}, "
+                "all in one call (they are stacked into one tensor)")
+    return list(convert_checkpoint(pairs, transforms))

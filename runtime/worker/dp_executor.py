@@ -45,7 +45,7 @@ class DPExecutor(WorkerGuard):
                                "multi-process engine per process (shut the other one down first)")
         self.dp_size, self.tp_size = config.data_parallel_size, config.tensor_parallel_size
         self.num_workers = self.dp_size * self.tp_size
-        self._procs = _Processes()
+        self._procs = _Processes("data-parallel", f"process i is DP rank i // {self.tp_size}, TP rank i % {self.tp_size}")
         # The stop wave: workers leave their loop at a None wave (else they wait until killed at the timeout)
         self._procs.send_stop = lambda wait: broadcast_object(None, 0, wait=wait)
         self._finalizer = weakref.finalize(self, self._procs.close, True)

@@ -64,7 +64,9 @@ def check_not_bootstrapping() -> None:
 class _Processes:
     """The spawn context and store; `close` is the finalizer (no reference to the executor)."""
 
-    def __init__(self) -> None:
+    def __init__(self, role: str = "tensor-parallel", ranks: str = "process i is TP rank i") -> None:
+        self.role, self.ranks = role, ranks
+        """What the workers are, for error messages ("data-parallel"), and which rank each process is."""
         self.context = None
         self.store = self.channel = None  # channel: ShmChannel or GlooChannel (`step_channel`)
         self.joined_group = False
@@ -111,7 +113,7 @@ def _stop_processes(processes, timeout: float) -> None:
 
 
 class WorkerError(RuntimeError):
-    """A tensor-parallel worker died or failed; the engine is shut down."""
+    """A worker process (tensor- or data-parallel) died or failed; the engine is shut down."""
 
 
 _USER_ERROR = "fxrewrite/worker_user_error"
@@ -151,7 +153,7 @@ def _poll(work, procs: _Processes, timeout: float, what: str) -> None:
     while not work.is_completed():
         elapsed = time.monotonic() - start
         if elapsed > timeout:
-            raise WorkerError(f"tensor-parallel workers did not answer within {timeout:.0f} s ({what})")
+            raise WorkerError(f"{procs.role} workers did not answer within {timeout:.0f} s ({what})")
         # 50 us late at most while steps flow (a decode step is a few ms), 1 ms once idle for a second.
         if sentinels and multiprocessing.connection.wait(sentinels, timeout=5e-5 if elapsed < 1.0 else 1e-3):
             raise _failure(procs, what)
@@ -176,7 +178,7 @@ def _failure(procs: _Processes, what: str, cause: BaseException | None = None) -
 
     detail = str(cause) if cause is not None else "a worker process exited"
     if procs.context is None:
-        return WorkerError(f"tensor-parallel worker failed during {what}: {detail}")
+        return WorkerError(f"{procs.role} worker failed during {what}: {detail}")
     pids = [p.pid for p in procs.context.processes]
     try:
         procs.context.join(timeout=5.0, grace_period=1.0)
@@ -187,7 +189,7 @@ def _failure(procs: _Processes, what: str, cause: BaseException | None = None) -
     user_error = _user_error(procs)
     if user_error is not None:
         return user_error
-    return WorkerError(f"tensor-parallel worker failed during {what} (process i is TP rank i; pids {pids}): {detail}")
+    return WorkerError(f"{procs.role} worker failed during {what} ({procs.ranks}; pids {pids}): {detail}")
 
 
 class WorkerGuard:

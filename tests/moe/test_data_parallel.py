@@ -60,6 +60,7 @@ def test_dp2_dense_replicas_equal_one_engine(tiny_qwen3_dir):
     try:
         assert greedy(llm) == want
         _check_replicas_used_and_freed(llm)
+        assert llm.llm_engine.executor._procs.role == "data-parallel"  # a dead worker's error says so
         workers = list(llm.llm_engine.executor._procs.context.processes)
     finally:
         llm.llm_engine.shutdown()

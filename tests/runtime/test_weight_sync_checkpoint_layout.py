@@ -1,0 +1,66 @@
+"""`LLM.load_weights` with a checkpoint's per-expert names (``mlp.experts.3.gate_proj.weight``, Mixtral's
+``block_sparse_moe.experts.3.w1.weight``), as read from the safetensors files of a hub folder: each layer's experts
+are stacked by transformers' conversion rules; a layer with missing experts is refused before anything is copied."""
+
+import pytest
+import torch
+
+from fxrewrite.errors import UserInputError
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
+from fxrewrite.runtime.llm import LLM
+from fxrewrite.runtime.model_files.checkpoint_conversion import checkpoint_layout_to_model
+from fxrewrite.runtime.model_files.loader import iterate_safetensors
+
+MOE = {"qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+       "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}}
+PROMPTS = ["Hello, my name is", "1 2 3 4 5 6 7 8 9 10 11 12"]
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def _tokens(llm):
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def _params(llm):
+    return {n: p.detach().clone() for n, p in llm.llm_engine.model_runner.model.named_parameters()}
+
+
+@pytest.mark.parametrize("arch, impl", [("qwen3_moe", "native"), ("qwen3_moe", "transformers"),
+                                        ("mixtral", "transformers")])
+def test_checkpoint_files_of_another_folder_give_its_tokens(tiny_model_dir, arch, impl):
+    old, new = (tiny_model_dir(arch, vocab="smollm2", seed=s, **MOE[arch]) for s in (0, 1))
+    pairs = list(iterate_safetensors(new))
+    assert any(".experts.0." in n for n, _ in pairs)  # the per-expert layout save_pretrained writes
+    llm = LLM(str(old), model_impl=impl, dtype="float32", block_size=4)
+    before = _tokens(llm)
+    llm.load_weights(pairs)
+    expected = _tokens(LLM(str(new), model_impl=impl, dtype="float32", block_size=4))
+    assert _tokens(llm) == expected != before
+
+
+def test_missing_expert_is_refused_and_nothing_changes(tiny_model_dir):
+    old, new = (tiny_model_dir("qwen3_moe", vocab="smollm2", seed=s, **MOE["qwen3_moe"]) for s in (0, 1))
+    pairs = [(n, t) for n, t in iterate_safetensors(new) if ".layers.1.mlp.experts.5.up_proj." not in n]
+    llm = LLM(str(old), model_impl="native", dtype="float32", block_size=4)
+    before = _params(llm)
+    with pytest.raises(UserInputError, match=r"15 per-expert tensor\(s\) for 'model.layers.1.mlp.experts.gate_up_proj'"
+                                             r".*expected 16"):
+        llm.load_weights(pairs, strict=False)
+    after = _params(llm)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_model_names_pass_unchanged():
+    pairs = [("model.layers.0.mlp.experts.gate_up_proj", torch.zeros(2, 4, 3)),
+             ("model.layers.0.self_attn.qkv_proj.weight", torch.zeros(6, 3))]
+    assert checkpoint_layout_to_model(pairs, "qwen3_moe", 2) is pairs
+    assert checkpoint_layout_to_model(pairs, "llama", None) is pairs
+
+
+def test_stacked_in_expert_order_whatever_the_order_given():
+    gate = [(f"model.layers.0.mlp.experts.{e}.gate_proj.weight", torch.full((2, 3), float(e))) for e in range(3)]
+    up = [(f"model.layers.0.mlp.experts.{e}.up_proj.weight", torch.full((2, 3), 10.0 + e)) for e in range(3)]
+    out = dict(checkpoint_layout_to_model(list(reversed(gate)) + up, "qwen3_moe", 3))
+    fused = out["model.layers.0.mlp.experts.gate_up_proj"]
+    assert fused.shape == (3, 4, 3)
+    assert fused[:, 0, 0].tolist() == [0.0, 1.0, 2.0] and fused[:, 2, 0].tolist() == [10.0, 11.0, 12.0]

@@ -1,0 +1,34 @@
+"""A failed worker process is named by its role and rank layout: a data-parallel replica's death is not reported as
+a tensor-parallel worker's."""
+
+from types import SimpleNamespace
+
+from torch.multiprocessing.spawn import ProcessExitedException
+
+from fxrewrite.runtime.worker.worker_processes import WorkerError, _failure, _Processes
+
+
+class _DeadContext:
+    processes = [SimpleNamespace(pid=101), SimpleNamespace(pid=102)]
+
+    def join(self, timeout, grace_period):
+        raise ProcessExitedException("process 1 terminated with signal SIGKILL", error_index=1, error_pid=102,
+                                     exit_code=-9, signal_name="SIGKILL")
+
+
+def _message(procs: _Processes) -> str:
+    procs.context = _DeadContext()
+    error = _failure(procs, "a step exchange")
+    assert isinstance(error, WorkerError)
+    return str(error)
+
+
+def test_data_parallel_worker_death_names_dp_ranks():
+    message = _message(_Processes("data-parallel", "process i is DP rank i // 1, TP rank i % 1"))
+    assert message.startswith("data-parallel worker failed during a step exchange (process i is DP rank i // 1")
+    assert "pids [101, 102]" in message and "SIGKILL" in message
+
+
+def test_tensor_parallel_is_the_default_role():
+    assert _message(_Processes()).startswith("tensor-parallel worker failed during a step exchange (process i is TP "
+                                             "rank i;")
