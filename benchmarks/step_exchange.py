@@ -35,7 +35,7 @@ from fxrewrite.benchmarks.latency import LatencyWorkload, run_latency
 from fxrewrite.benchmarks.out_paths import FOLDER_HELP, results_folder
 from fxrewrite.runtime.engine.sampler import SampleResult
 from fxrewrite.runtime.worker.step_channel import TRANSPORT_ENV, GlooChannel, ShmChannel
-from fxrewrite.runtime.worker.worker import STEP_FIELDS, StepMessage
+from fxrewrite.runtime.worker.step_messages import STEP_FIELDS, StepMessage
 
 BATCH_SIZES = (1, 8, 64, 256)
 ITERS = 300

@@ -38,7 +38,7 @@ def check_request_extras(params: SamplingParams, config, vocab_size: int) -> Non
         if bad:
             raise ValueError(f"{name} token id {bad[0]} is out of range [0, {vocab_size})")
     if parallel_size > 1:
-        for name in ("prompt_logprobs", "structured_outputs", "bad_words"):
+        for name in ("prompt_logprobs", "bad_words"):
             if getattr(params, name) is not None:
                 raise ValueError(f"{name} is not supported with tensor, pipeline or data parallelism "
                                  f"(tensor_parallel_size x pipeline_parallel_size x data_parallel_size > 1) yet")

@@ -24,6 +24,7 @@ import os
 import time
 import weakref
 
+import torch
 import torch.distributed as dist
 
 from fxrewrite import data_parallel, distributed
@@ -31,7 +32,8 @@ from fxrewrite.runtime.worker.dp_worker import dp_worker_main
 from fxrewrite.runtime.worker.executor import RemoteModel
 from fxrewrite.runtime.worker.worker_processes import (STARTUP_TIMEOUT_S, WorkerError, WorkerGuard, _failure, _Processes,
                                                        spawn_workers)
-from fxrewrite.runtime.worker.worker import StepEncoder, broadcast_object
+from fxrewrite.runtime.worker.step_messages import StepEncoder, attach_bitmask
+from fxrewrite.runtime.worker.worker import broadcast_object
 
 logger = logging.getLogger(__name__)
 
@@ -95,13 +97,16 @@ class DPExecutor(WorkerGuard):
     def replica(self, dp_rank: int) -> DPReplicaRunner:
         return DPReplicaRunner(self, dp_rank)
 
-    def submit(self, dp_rank: int, sched) -> DPStep:
-        """Add replica `dp_rank`'s step to the open wave (flushing the wave first if it already has one)."""
+    def submit(self, dp_rank: int, sched, bitmask_hook=None) -> DPStep:
+        """Add replica `dp_rank`'s step to the open wave (flushing the wave first if it already has one);
+        `bitmask_hook`: its grammar mask goes with the step (`attach_bitmask`)."""
         self.check_health()
         if self._wave_steps[dp_rank] is not None:
             self.flush()
+        msg = self._encoders[dp_rank].encode(sched)
+        attach_bitmask(msg, sched, bitmask_hook)  # may complete (receive) the replica's step in flight first
         step = DPStep(self, sched)
-        self._wave[dp_rank] = self._encoders[dp_rank].encode(sched)
+        self._wave[dp_rank] = msg
         self._wave_steps[dp_rank] = step
         return step
 
@@ -172,20 +177,27 @@ class DPStep:
             self._executor.receive(self)
         return [self._seqs[seq_id] for seq_id, _ in self._out], [r for _, r in self._out]
 
+    def token_ids(self) -> tuple[list, list[int]]:
+        """(driver Sequences that sampled, their token ids): what the grammar process accepts."""
+        seqs, results = self.result()
+        return seqs, [r.token_id for r in results]
+
 
 class DPReplicaRunner:
     """Replica d's model runner as its `LLMEngine` sees it (the weights live in the workers)."""
 
     supports_async = True
+    device = torch.device("cpu")
+    """Where the driver's side of a step lives (a grammar mask is filled here, then sent with the step)."""
 
     def __init__(self, executor: DPExecutor, dp_rank: int):
         self.executor, self.dp_rank = executor, dp_rank
         self.num_blocks = executor.num_blocks[dp_rank]
         self.model = executor.model
 
-    def execute_model_async(self, sched, previous=None) -> DPStep:
+    def execute_model_async(self, sched, previous=None, bitmask_hook=None) -> DPStep:
         """`previous` is not needed: each worker feeds tokens still in flight from its own last step."""
-        return self.executor.submit(self.dp_rank, sched)
+        return self.executor.submit(self.dp_rank, sched, bitmask_hook)
 
     def execute_model(self, sched):
         return self.execute_model_async(sched).result()

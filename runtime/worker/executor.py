@@ -38,7 +38,8 @@ from fxrewrite.runtime.worker.cpu_threads import size_cpu_threads
 from fxrewrite.runtime.worker.model_runner import ModelRunner
 from fxrewrite.runtime.worker.moe_checks import check_moe_parallel
 from fxrewrite.runtime.worker.step_channel import GlooChannel, driver_shm_channel, settle_driver_channel
-from fxrewrite.runtime.worker.worker import ControlMessage, StepEncoder, broadcast_object, rank_model_config, worker_main
+from fxrewrite.runtime.worker.step_messages import StepEncoder, attach_bitmask
+from fxrewrite.runtime.worker.worker import ControlMessage, broadcast_object, rank_model_config, worker_main
 from fxrewrite.runtime.worker.pipeline import check_pipeline_size, layer_partition
 from fxrewrite.runtime.worker.sleep_mode import combine_rank_statuses
 from fxrewrite.runtime.worker.worker_processes import (  # noqa: F401  (WorkerError: re-exported)
@@ -120,6 +121,9 @@ class MultiprocExecutor(WorkerGuard):
     After a failure every call raises WorkerError.
     """
 
+    device = torch.device("cpu")
+    """Where the driver's side of a step lives (a grammar mask is filled here, then sent with the step)."""
+
     def __init__(self, config, model_config, eos_token_ids: set[int]):
         tp_size, pp_size = config.tensor_parallel_size, getattr(config, "pipeline_parallel_size", 1)
         backend = distributed.default_backend(config.device)
@@ -198,11 +202,13 @@ class MultiprocExecutor(WorkerGuard):
         """Run the step on the workers; returns (driver Sequences that sampled, their SampleResults)."""
         return self.execute_model_async(sched).result()
 
-    def execute_model_async(self, sched, previous=None) -> RemoteStep:
+    def execute_model_async(self, sched, previous=None, bitmask_hook=None) -> RemoteStep:
         """Send the step to the workers and return without waiting. `previous` is not needed: each
-        worker feeds tokens still in flight from its own last step."""
+        worker feeds tokens still in flight from its own last step. `bitmask_hook`: as `ModelRunner`'s, called
+        here before the send (structured outputs: the mask goes with the step, `attach_bitmask`)."""
         self._check_alive()
         msg = self._encoder.encode(sched)
+        attach_bitmask(msg, sched, bitmask_hook)
         step = RemoteStep(self, sched)
         with self._procs.lock:
             self._check_alive()  # again: `check_health` (another thread) may have shut the workers down meanwhile
@@ -328,3 +334,8 @@ class RemoteStep:
         if self._out is None:
             self._executor._receive(self)
         return [self._seqs[seq_id] for seq_id, _ in self._out], [result for _, result in self._out]
+
+    def token_ids(self) -> tuple[list, list[int]]:
+        """(driver Sequences that sampled, their token ids): what the grammar process accepts."""
+        seqs, results = self.result()
+        return seqs, [r.token_id for r in results]

@@ -9,7 +9,7 @@ from fxrewrite.runtime.engine.block_manager import BlockManager
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 from fxrewrite.runtime.engine.scheduler import ScheduledSeq, SchedulerOutput
 from fxrewrite.runtime.engine.sequence import Sequence, SequenceStatus
-from fxrewrite.runtime.worker.worker import SequenceMirror, StepEncoder
+from fxrewrite.runtime.worker.step_messages import SequenceMirror, StepEncoder
 
 
 def _schedule(*chunks: tuple[Sequence, int]) -> SchedulerOutput:

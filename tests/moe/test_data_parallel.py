@@ -173,7 +173,7 @@ def test_dp2_tp2_ep_moe_equals_one_engine(tiny_model_dir, tmp_path, monkeypatch)
 def _wave_msg(num_new: list[int]):
     import numpy as np
 
-    from fxrewrite.runtime.worker.worker import STEP_FIELDS, StepMessage
+    from fxrewrite.runtime.worker.step_messages import STEP_FIELDS, StepMessage
 
     steps = np.zeros((len(num_new), len(STEP_FIELDS)), dtype=np.int64)
     steps[:, STEP_FIELDS.index("num_new_tokens")] = num_new
