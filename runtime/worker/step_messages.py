@@ -21,6 +21,8 @@ class NewSeq:
     index: int
     prompt_token_ids: list[int]
     sampling_params: object
+    bad_words_token_ids: list[list[int]] = dataclasses.field(default_factory=list)
+    """The driver's tokenization of sampling_params.bad_words (the workers' sampler bans them; no tokenizer there)."""
 
 
 STEP_FIELDS = ("seq_id", "start", "num_new_tokens", "num_pending_tokens", "num_tokens_sent", "table_start",
@@ -59,6 +61,7 @@ class SequenceMirror:
         for n in msg.new:
             seq = Sequence(n.request_id, n.prompt_token_ids, n.sampling_params, n.index)
             seq.seq_id = n.seq_id
+            seq.bad_words_token_ids = n.bad_words_token_ids
             self.seqs[n.seq_id] = seq
         out = SchedulerOutput()
         tokens, blocks = msg.tokens.tolist(), msg.blocks.tolist()
@@ -100,7 +103,8 @@ class StepEncoder:
             seq = s.seq
             sid = seq.seq_id
             if sid not in self.seqs:
-                new.append(NewSeq(sid, seq.request_id, seq.index, seq.prompt_token_ids, seq.sampling_params))
+                new.append(NewSeq(sid, seq.request_id, seq.index, seq.prompt_token_ids, seq.sampling_params,
+                                  seq.bad_words_token_ids))
                 self.seqs[sid] = seq
                 self._sent[sid] = (seq.num_prompt_tokens, None, 0)
             num_sent, table_sent, num_blocks_sent = self._sent[sid]

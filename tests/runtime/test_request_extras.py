@@ -17,7 +17,7 @@ def _config(tp=1, pp=1, dp=1, max_logprobs=20):
 
 @pytest.mark.parametrize("sizes", [dict(tp=2), dict(pp=2), dict(dp=2)])
 def test_prompt_logprobs_refused_with_any_parallelism(sizes):
-    """(structured_outputs are served there: tests/distributed/test_structured_outputs_parallel.py)"""
+    """(structured_outputs are served there: tests/distributed/test_constrained_sampling_parallel.py)"""
     params = SamplingParams(prompt_logprobs=1)
     with pytest.raises(ValueError, match="prompt_logprobs is not supported with tensor, pipeline or data"):
         check_request_extras(params, _config(**sizes), 100)

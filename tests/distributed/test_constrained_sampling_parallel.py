@@ -1,6 +1,7 @@
-"""Structured outputs with tensor, pipeline and data parallelism (gloo, 2 CPU ranks): the driver fills each step's
-grammar mask and sends it with the step (`worker.attach_bitmask`), the workers sample under it. Greedy tokens equal
-the one-process engine's, for a JSON schema and a choice, and an invalid schema is refused without harm."""
+"""Structured outputs and bad_words with tensor, pipeline and data parallelism (gloo, 2 CPU ranks): the driver fills
+each step's grammar mask and sends it with the step (`step_messages.attach_bitmask`), and a new sequence's bad words
+as the driver tokenized them; the workers sample under both. Greedy tokens equal the one-process engine's, for a JSON
+schema, a choice and bad words, and an invalid schema is refused without harm."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}
 PROMPTS = ["Hello, my name is", "1 2 3 4 5", "Write JSON:"]
+BAD_WORDS = ["Metric", "trimming"]  # in the unconstrained greedy answer to the third prompt (" ... trimming joyousMetric")
 
 
 def _params():
@@ -24,7 +26,7 @@ def _params():
     choice = StructuredOutputsParams(choice=["yes", "no", "maybe"])
     return [SamplingParams(temperature=0, max_tokens=40, structured_outputs=json_schema),
             SamplingParams(temperature=0, max_tokens=10, structured_outputs=choice),
-            SamplingParams(temperature=0, max_tokens=12)]  # an unconstrained row in the same steps
+            SamplingParams(temperature=0, max_tokens=12, bad_words=BAD_WORDS)]  # no grammar, in the same steps
 
 
 def _texts(llm):
@@ -46,6 +48,7 @@ def test_constrained_greedy_equals_one_process(tiny_qwen3_dir, reference, sizes)
         if texts[0].endswith("}"):  # finished within max_tokens: valid against the schema
             assert set(json.loads(texts[0])) == {"name", "age"}
         assert texts[1] in ("yes", "no", "maybe")
+        assert not any(word in texts[2] for word in BAD_WORDS)
         with pytest.raises(UserInputError, match="invalid json for structured outputs"):
             llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "bogus"})),
                          use_tqdm=False)
