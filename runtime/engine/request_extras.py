@@ -17,12 +17,8 @@ from fxrewrite.runtime.engine.sequence import Sequence
 
 def check_request_extras(params: SamplingParams, config, vocab_size: int) -> None:
     """ValueError for logprobs / prompt_logprobs above `config.max_logprobs` (vLLM's limit, default 20; -1: the
-    vocabulary size), a
-    logit_bias, allowed_token_ids or stop_token_ids token outside the vocabulary, or prompt_logprobs, which the
-    multi-process executors lack (tensor x pipeline x data parallel size above 1)."""
+    vocabulary size), or a logit_bias, allowed_token_ids or stop_token_ids token outside the vocabulary."""
     max_logprobs = vocab_size if config.max_logprobs == -1 else config.max_logprobs
-    parallel_size = (config.tensor_parallel_size * getattr(config, "pipeline_parallel_size", 1)
-                     * getattr(config, "data_parallel_size", 1))
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         asked = vocab_size if value == -1 else value
@@ -37,9 +33,6 @@ def check_request_extras(params: SamplingParams, config, vocab_size: int) -> Non
         bad = [t for t in (getattr(params, name) or ()) if t >= vocab_size]
         if bad:
             raise ValueError(f"{name} token id {bad[0]} is out of range [0, {vocab_size})")
-    if parallel_size > 1 and params.prompt_logprobs is not None:  # the workers do not send them back yet
-        raise ValueError("prompt_logprobs is not supported with tensor, pipeline or data parallelism "
-                         "(tensor_parallel_size x pipeline_parallel_size x data_parallel_size > 1) yet")
 
 
 def whole_vocabulary_logprobs(params: SamplingParams, vocab_size: int) -> SamplingParams:

@@ -33,7 +33,7 @@ from fxrewrite.runtime.worker.executor import RemoteModel
 from fxrewrite.runtime.worker.worker_processes import (STARTUP_TIMEOUT_S, WorkerError, WorkerGuard, _failure, _Processes,
                                                        spawn_workers)
 from fxrewrite.runtime.worker.step_messages import StepEncoder, attach_bitmask
-from fxrewrite.runtime.worker.worker import broadcast_object
+from fxrewrite.runtime.worker.worker import broadcast_object, split_step_result
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class DPExecutor(WorkerGuard):
                 for (leader, group), s in zip(self._results, steps):
                     out = self._guard(lambda: broadcast_object(None, leader, group, wait=wait))
                     if s is not None:
-                        s._out = out
+                        s._out, s.prompt_logprobs = split_step_result(out)
 
     def check_health(self) -> None:
         """WorkerError once a worker has failed or the workers were shut down."""
@@ -171,6 +171,8 @@ class DPStep:
         self._seqs = {s.seq.seq_id: s.seq for s in sched.scheduled}
         self._sent = False
         self._out: list | None = None
+        self.prompt_logprobs: list | None = None
+        """The step's `PromptLogprobsChunk`s (with `result()`), as `PendingStep`'s."""
 
     def result(self):
         if self._out is None:

@@ -39,7 +39,8 @@ from fxrewrite.runtime.worker.model_runner import ModelRunner
 from fxrewrite.runtime.worker.moe_checks import check_moe_parallel
 from fxrewrite.runtime.worker.step_channel import GlooChannel, driver_shm_channel, settle_driver_channel
 from fxrewrite.runtime.worker.step_messages import StepEncoder, attach_bitmask
-from fxrewrite.runtime.worker.worker import ControlMessage, broadcast_object, rank_model_config, worker_main
+from fxrewrite.runtime.worker.worker import (ControlMessage, broadcast_object, rank_model_config, split_step_result,
+                                             worker_main)
 from fxrewrite.runtime.worker.pipeline import check_pipeline_size, layer_partition
 from fxrewrite.runtime.worker.sleep_mode import combine_rank_statuses
 from fxrewrite.runtime.worker.worker_processes import (  # noqa: F401  (WorkerError: re-exported)
@@ -222,7 +223,8 @@ class MultiprocExecutor(WorkerGuard):
             while step._out is None:
                 self._check_alive()
                 head = self._outstanding.popleft()
-                head._out = self._guard(lambda: self._procs.channel.recv_result(wait=self._wait("a model step")))
+                out = self._guard(lambda: self._procs.channel.recv_result(wait=self._wait("a model step")))
+                head._out, head.prompt_logprobs = split_step_result(out)
 
     def _check_alive(self) -> None:
         if self._dead is not None:
@@ -328,6 +330,8 @@ class RemoteStep:
         self._executor = executor
         self._seqs = {s.seq.seq_id: s.seq for s in sched.scheduled}
         self._out: list | None = None
+        self.prompt_logprobs: list | None = None
+        """The step's `PromptLogprobsChunk`s (with `result()`), as `PendingStep`'s."""
 
     def result(self):
         """(driver Sequences that sampled, their SampleResults); WorkerError when a worker failed."""

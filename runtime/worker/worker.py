@@ -214,7 +214,9 @@ class ResultSender:
                 watchdog.phase(f"waiting for step {sent + 1}'s sampled tokens (the device runs it)", slot="results")
                 seqs, results = step.result() if step is not None else ([], [])
                 watchdog.phase(f"sending step {sent + 1}'s tokens to the driver", slot="results")
-                self._channel.send_result([(seq.seq_id, r) for seq, r in zip(seqs, results)])
+                pairs = [(seq.seq_id, r) for seq, r in zip(seqs, results)]
+                chunks = getattr(step, "prompt_logprobs", None)  # PromptLogprobsChunks of prompt_logprobs requests
+                self._channel.send_result(StepResult(pairs, chunks) if chunks else pairs)
                 sent += 1
                 watchdog.phase("idle", watched=False, slot="results")
         except BaseException:  # noqa: BLE001 - the process must die, so the driver sees it
@@ -224,6 +226,20 @@ class ResultSender:
 
 
 _STOP = object()
+
+
+@dataclasses.dataclass
+class StepResult:
+    """A step's reply when it computed prompt logprobs (else the bare list of (seq_id, SampleResult) pairs)."""
+
+    pairs: list
+    prompt_logprobs: list
+    """`PromptLogprobsChunk`s, host lists: the driver stores them as the one-process engine does."""
+
+
+def split_step_result(out) -> tuple[list, list | None]:
+    """Driver side: ((seq_id, SampleResult) pairs, prompt logprob chunks or None) of a step's reply."""
+    return (out.pairs, out.prompt_logprobs) if isinstance(out, StepResult) else (out, None)
 
 
 @dataclasses.dataclass

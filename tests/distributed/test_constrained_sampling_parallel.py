@@ -1,7 +1,8 @@
-"""Structured outputs and bad_words with tensor, pipeline and data parallelism (gloo, 2 CPU ranks): the driver fills
-each step's grammar mask and sends it with the step (`step_messages.attach_bitmask`), and a new sequence's bad words
-as the driver tokenized them; the workers sample under both. Greedy tokens equal the one-process engine's, for a JSON
-schema, a choice and bad words, and an invalid schema is refused without harm."""
+"""Structured outputs, bad_words and prompt_logprobs with tensor, pipeline and data parallelism (gloo, 2 CPU ranks):
+the driver fills each step's grammar mask and sends it with the step (`step_messages.attach_bitmask`), and a new
+sequence's bad words as the driver tokenized them; the workers sample under both and send prompt logprobs back with
+the tokens (`worker.StepResult`). Greedy tokens equal the one-process engine's, for a JSON schema, a choice and bad
+words, prompt logprobs its values (float32, 1e-4), and an invalid schema is refused without harm."""
 
 from __future__ import annotations
 
@@ -26,11 +27,18 @@ def _params():
     choice = StructuredOutputsParams(choice=["yes", "no", "maybe"])
     return [SamplingParams(temperature=0, max_tokens=40, structured_outputs=json_schema),
             SamplingParams(temperature=0, max_tokens=10, structured_outputs=choice),
-            SamplingParams(temperature=0, max_tokens=12, bad_words=BAD_WORDS)]  # no grammar, in the same steps
+            SamplingParams(temperature=0, max_tokens=12, bad_words=BAD_WORDS, prompt_logprobs=2)]  # no grammar
 
 
 def _texts(llm):
-    return [o.outputs[0].text for o in llm.generate(PROMPTS, _params(), use_tqdm=False)]
+    """The three answers' texts, then the third prompt's logprobs [(token, logprob, rank)] and top-2 ids."""
+    outs = llm.generate(PROMPTS, _params(), use_tqdm=False)
+    prompt_logprobs = outs[2].prompt_logprobs
+    assert prompt_logprobs is not None and prompt_logprobs[0] is None and len(prompt_logprobs) > 2
+    token_ids = outs[2].prompt_token_ids
+    logprobs = [(t, pytest.approx(d[t].logprob, abs=1e-4), d[t].rank, sorted(d)) for t, d in
+                zip(token_ids[1:], prompt_logprobs[1:])]
+    return [o.outputs[0].text for o in outs] + [logprobs]
 
 
 @pytest.fixture(scope="module")

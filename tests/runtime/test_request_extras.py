@@ -1,4 +1,4 @@
-"""Per-request checks before queueing: features the multi-process executors lack are refused up front."""
+"""Per-request checks before queueing: logprob limits and token ids outside the vocabulary are refused up front."""
 
 from __future__ import annotations
 
@@ -16,12 +16,10 @@ def _config(tp=1, pp=1, dp=1, max_logprobs=20):
 
 
 @pytest.mark.parametrize("sizes", [dict(tp=2), dict(pp=2), dict(dp=2)])
-def test_prompt_logprobs_refused_with_any_parallelism(sizes):
-    """(structured_outputs are served there: tests/distributed/test_constrained_sampling_parallel.py)"""
-    params = SamplingParams(prompt_logprobs=1)
-    with pytest.raises(ValueError, match="prompt_logprobs is not supported with tensor, pipeline or data"):
-        check_request_extras(params, _config(**sizes), 100)
-    check_request_extras(params, _config(), 100)  # one process: fine
+def test_nothing_refused_across_processes(sizes):
+    """prompt_logprobs, bad_words and structured outputs are served with parallelism too
+    (tests/distributed/test_constrained_sampling_parallel.py)."""
+    check_request_extras(SamplingParams(prompt_logprobs=1, bad_words=["x"]), _config(**sizes), 100)
     check_request_extras(SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object"})),
                          _config(**sizes), 100)
 

@@ -138,10 +138,10 @@ def test_engine_refusals_name_the_request_field():
     tool call's constraint is tool_choice's, chat's logprobs count is top_logprobs)."""
     from fxrewrite.runtime.server.serving_engine import _refused_field
 
-    unsupported = "structured_outputs is not supported with tensor, pipeline or data parallelism (...) yet"
+    unsupported = "structured_outputs is not supported with (a hypothetical refusal)"
     sent_as = {"logprobs": "top_logprobs", "structured_outputs": "tool_choice"}
     assert _refused_field(unsupported, sent_as) == (
-        "tool_choice is not supported with tensor, pipeline or data parallelism (...) yet", "tool_choice")
+        "tool_choice is not supported with (a hypothetical refusal)", "tool_choice")
     assert _refused_field("logprobs=21 is more than max_logprobs=20", sent_as) == (
         "top_logprobs=21 is more than max_logprobs=20", "top_logprobs")
     assert _refused_field("prompt_logprobs=3 is more than max_logprobs=2", sent_as)[1] == "prompt_logprobs"
