@@ -11,6 +11,7 @@ constant time); /health, /metrics and /version stay open, as in vLLM.
 from __future__ import annotations
 
 import hmac
+import asyncio
 import logging
 import signal
 from contextlib import asynccontextmanager
@@ -225,6 +226,8 @@ def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_leve
     import uvicorn
 
     previous = signal.signal(signal.SIGTERM, _exit_normally)
+    cut_streams = _CutStreamsAtShutdown()
+    logging.getLogger("uvicorn.error").addFilter(cut_streams)
     try:
         # timeout_graceful_shutdown: Ctrl-C / SIGTERM with streams open ends them after a few seconds (uvicorn
         # otherwise waits for every stream to finish, without a bound).
@@ -232,7 +235,22 @@ def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_leve
                     timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     finally:
         signal.signal(signal.SIGTERM, previous)
+        logging.getLogger("uvicorn.error").removeFilter(cut_streams)
 
 
 def _exit_normally(signum, frame) -> None:
     raise SystemExit(0)
+
+
+class _CutStreamsAtShutdown(logging.Filter):
+    """uvicorn reports each stream it cancels at the graceful-shutdown timeout as "Exception in ASGI application"
+    with the CancelledError's 50-line traceback; one line each says what happened."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, asyncio.CancelledError):
+            record.msg, record.args, record.exc_info, record.exc_text = (
+                f"an open stream was cut: still running {GRACEFUL_SHUTDOWN_S} s after the shutdown signal "
+                "(its request is aborted)"), None, None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
