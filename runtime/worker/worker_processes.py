@@ -47,18 +47,26 @@ def spawn_workers(entry, args: tuple, nprocs: int):
             main.__file__ = path
 
 
+UNGUARDED_SCRIPT_EXIT = 78
+"""A worker's exit status when its parent's script starts workers at top level (sysexits' EX_CONFIG)."""
+
+
+def unguarded_script_error() -> UserInputError:
+    main = sys.modules.get("__mp_main__") or sys.modules.get("__main__")  # a worker imports the script as the former
+    return UserInputError(f"{getattr(main, '__file__', 'the script')} started worker processes from a worker process: "
+                          "the workers (tensor / pipeline / data parallelism) import the script that starts them, so "
+                          "put the code that creates the LLM under `if __name__ == \"__main__\":`")
+
+
 def check_not_bootstrapping() -> None:
-    """UserInputError when called while a spawned process imports its parent's script (as `__mp_main__`): the
-    script starts workers at top level, so every worker would start workers again; Python's own message for it
-    does not name the fix."""
+    """In a spawned process importing its parent's script (as `__mp_main__`) that starts workers at top level (every
+    worker would start workers again): print the fix and exit with UNGUARDED_SCRIPT_EXIT, which the parent's
+    `_failure` turns into the same UserInputError (Python's own message for it does not name the fix)."""
     import multiprocessing
 
-    main = sys.modules.get("__main__")  # `_inheriting`: what multiprocessing's own bootstrapping check reads
-    if getattr(multiprocessing.current_process(), "_inheriting", False):
-        raise UserInputError(f"{getattr(main, '__file__', 'the script')} started worker processes from a worker "
-                             "process: the workers (tensor / pipeline / data parallelism) import the script that "
-                             "starts them, so put the code that creates the LLM under "
-                             "`if __name__ == \"__main__\":`")
+    if getattr(multiprocessing.current_process(), "_inheriting", False):  # what multiprocessing's own check reads
+        print(f"fxrewrite worker: {unguarded_script_error()}", file=sys.stderr, flush=True)
+        os._exit(UNGUARDED_SCRIPT_EXIT)
 
 
 class _Processes:
@@ -189,6 +197,8 @@ def _failure(procs: _Processes, what: str, cause: BaseException | None = None) -
     user_error = _user_error(procs)
     if user_error is not None:
         return user_error
+    if any(p.exitcode == UNGUARDED_SCRIPT_EXIT for p in procs.context.processes):
+        return unguarded_script_error()
     return WorkerError(f"{procs.role} worker failed during {what} ({procs.ranks}; pids {pids}): {detail}")
 
 

@@ -20,16 +20,19 @@ def test_workers_start_under_a_main_module_that_is_no_file(monkeypatch):
 
 def test_a_script_without_the_main_guard_gets_the_fix_named(tmp_path):
     """A script starting workers at top level: each spawned worker imports it as `__mp_main__` and reaches the
-    start again; that worker stops with an error naming `if __name__ == "__main__":` (Python's own bootstrapping
-    message does not)."""
+    start again; that worker prints the fix (`if __name__ == "__main__":`, which Python's own bootstrapping message
+    does not name) and exits with a status the driver turns into the same UserInputError, not "process 0 terminated
+    with exit code 1"."""
     import subprocess
 
     script = tmp_path / "no_guard.py"
     script.write_text("import operator\n"
-                      "from fxrewrite.runtime.worker.worker_processes import spawn_workers\n"
-                      "context = spawn_workers(operator.add, (0,), 1)\n"
-                      "context.join(timeout=120)\n")
+                      "from fxrewrite.runtime.worker.worker_processes import _failure, _Processes, spawn_workers\n"
+                      "procs = _Processes()\n"
+                      "procs.context = spawn_workers(operator.add, (0,), 1)\n"
+                      "error = _failure(procs, 'startup')\n"
+                      "print(f'driver: {type(error).__name__}: {error}')\n")
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
-    assert done.returncode != 0
     assert "started worker processes from a worker process" in done.stderr
-    assert 'if __name__ == "__main__":' in done.stderr
+    assert 'if __name__ == "__main__":' in done.stderr and "Traceback" not in done.stderr
+    assert done.stdout.startswith(f"driver: UserInputError: {script} started worker processes from a worker process")
