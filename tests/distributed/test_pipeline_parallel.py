@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.distributed.constrained import check_constrained
 from tests.distributed.tp_ranks import generate_tokens, make_llm, sampling_params
 
 from fxrewrite.runtime.worker.kv_cache import bytes_per_block
@@ -79,6 +80,7 @@ def test_pp2_native_equals_one_process(qwen3_3layers, monkeypatch):
         assert generate_tokens(llm, sampling_params()) == want
         queue = llm.llm_engine.micro_batches
         assert queue.depth == 2 and queue.max_in_flight == 2  # stage 0 got batch i + 1 before i returned
+        check_constrained(llm, one)  # structured outputs, bad words, prompt logprobs
         # Each stage caches only its layers: stage 0's two of three bound the shared block count.
         mc = one.llm_engine.model_config
         per_layer = bytes_per_block(mc, 4, torch.float32, (0, 1))

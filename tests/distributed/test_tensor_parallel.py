@@ -18,6 +18,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from tests.distributed.processes import hang, join_or_fail, killed_on_error
+from tests.distributed.constrained import check_constrained
 from tests.distributed.tp_ranks import (MAX_TOKENS, generate_tokens, make_llm, sampling_params, shard_layout,
                                         spmd_rank)
 
@@ -132,7 +133,9 @@ def test_llm_tp2_workers_equal_tp1_transformers_fused(tp2_llm, qwen3_kv1):
     random model's distributions are flat, and a near-tie (log-probs equal to 1e-5) flips on the
     all-reduce's rounding."""
     assert tp2_llm.llm_engine.model_runner.step_transport == "shm"
-    assert generate_tokens(tp2_llm) == generate_tokens(make_llm(qwen3_kv1, "transformers"))
+    one = make_llm(qwen3_kv1, "transformers")
+    assert generate_tokens(tp2_llm) == generate_tokens(one)
+    check_constrained(tp2_llm, one)  # structured outputs, bad words, prompt logprobs
     seeded = generate_tokens(tp2_llm, sampling_params())
     assert seeded == generate_tokens(tp2_llm, sampling_params())
     assert [len(c) for t in seeded for c in t] == [MAX_TOKENS] * 4

@@ -23,6 +23,7 @@ from fxrewrite.runtime.llm import LLM
 from fxrewrite.runtime.worker.cuda_graphs import EMULATE_ENV
 from fxrewrite.runtime.worker.warmup import WARMUP_ENV
 from fxrewrite.runtime.worker.watchdog import LOAD_LOG_ENV, WATCHDOG_ENV
+from tests.distributed.constrained import check_constrained
 from tests.distributed.tp_ranks import make_llm
 from tests.moe.moe_ranks import LAYOUT_DIR_ENV, ep_layout, model_moe_layout, read_dp_layouts, record_dp_layouts
 from tests.moe.test_moe_parallel import MOE, forbid_worker_start
@@ -55,11 +56,13 @@ def qwen3_moe_dir(tiny_model_dir):
 
 
 def test_dp2_dense_replicas_equal_one_engine(tiny_qwen3_dir):
-    want = greedy(make_llm(str(tiny_qwen3_dir), "native"))
+    one = make_llm(str(tiny_qwen3_dir), "native")
+    want = greedy(one)
     llm = make_llm(str(tiny_qwen3_dir), "native", data_parallel_size=2)
     try:
         assert greedy(llm) == want
         _check_replicas_used_and_freed(llm)
+        check_constrained(llm, one)  # structured outputs, bad words, prompt logprobs
         assert llm.llm_engine.executor._procs.role == "data-parallel"  # a dead worker's error says so
         workers = list(llm.llm_engine.executor._procs.context.processes)
     finally:

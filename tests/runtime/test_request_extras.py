@@ -18,7 +18,7 @@ def _config(tp=1, pp=1, dp=1, max_logprobs=20):
 @pytest.mark.parametrize("sizes", [dict(tp=2), dict(pp=2), dict(dp=2)])
 def test_nothing_refused_across_processes(sizes):
     """prompt_logprobs, bad_words and structured outputs are served with parallelism too
-    (tests/distributed/test_constrained_sampling_parallel.py)."""
+    (tests/distributed/constrained.py)."""
     check_request_extras(SamplingParams(prompt_logprobs=1, bad_words=["x"]), _config(**sizes), 100)
     check_request_extras(SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object"})),
                          _config(**sizes), 100)
