@@ -244,9 +244,12 @@ def _exit_normally(signum, frame) -> None:
 
 class _CutStreamsAtShutdown(logging.Filter):
     """uvicorn reports each stream it cancels at the graceful-shutdown timeout as "Exception in ASGI application"
-    with the CancelledError's 50-line traceback; one line each says what happened."""
+    with the CancelledError's 50-line traceback, after an ERROR "Cancel N running task(s)": one warning line each
+    says what happened (a shutdown the user asked for)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.ERROR and "timeout graceful shutdown exceeded" in record.getMessage():
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
         error = record.exc_info[1] if record.exc_info else None
         if isinstance(error, asyncio.CancelledError):
             record.msg, record.args, record.exc_info, record.exc_text = (

@@ -24,6 +24,12 @@ def test_cancelled_stream_becomes_one_warning_line():
                                                   "signal (its request is aborted)")
 
 
+def test_uvicorns_cancel_notice_is_a_warning():
+    record = logging.LogRecord("uvicorn.error", logging.ERROR, __file__, 1,
+                               "Cancel %s running task(s), timeout graceful shutdown exceeded", (1,), None)
+    assert _CutStreamsAtShutdown().filter(record) and record.levelname == "WARNING"
+
+
 def test_other_errors_keep_their_traceback():
     record = _record(RuntimeError("boom"))
     assert _CutStreamsAtShutdown().filter(record)
