@@ -13,6 +13,7 @@ copy of them. A converter's group (all experts of one layer) is emitted as soon 
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -133,28 +134,52 @@ def checkpoint_layout_to_model(pairs: list[tuple[str, torch.Tensor]], model_type
     ``block_sparse_moe.experts.3.w1.weight``) -> the model's fused 3-D expert tensors, by transformers' rules for
     `model_type` (`convert_checkpoint`: its renamings apply to every name then). Returned unchanged when no
     converter claims any name (the model's own or the engine's fused names).
-    Raises UserInputError when a layer's tensors do not cover its `num_experts` experts once per source (all of a
-    layer's experts have to come in one call: they are stacked into one tensor)."""
+    Raises UserInputError, before anything is stacked, unless each layer's tensors are experts 0 .. `num_experts` - 1
+    exactly once for each source (all of a layer's experts come in one call, strict or not: they are stacked into one
+    tensor), all of one shape."""
     transforms = transforms_for(model_type=model_type)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    groups: dict[str, tuple[WeightConverter, set[str]]] = {}
-    for name, _ in pairs:
+    groups: dict[str, tuple[WeightConverter, list]] = {}
+    for name, tensor in pairs:
         renamed = name
         for renaming in renamings:
             renamed, _ = renaming.rename_source_key(renamed)
         for converter in converters:
             target, pattern = converter.rename_source_key(renamed)
             if pattern is not None:
-                groups.setdefault(target, (converter, set()))[1].add(name)
+                index = re.search(re.escape(pattern).replace(r"\*", r"([^.]+)"), renamed)
+                groups.setdefault(target, (converter, []))[1].append(
+                    (name, pattern, index.group(1) if index else "?", tuple(tensor.shape)))
                 break
     if not groups:
         return pairs
-    for target, (converter, names) in groups.items():
-        expected = None if num_experts is None else num_experts * len(converter.source_patterns)
-        if expected is not None and len(names) != expected:
-            raise UserInputError(
-                f"load_weights: {len(names)} per-expert tensor(s) for {target!r} (e.g. {min(names)!r}); expected "
-                f"{expected}: each of the {num_experts} experts once for each of {converter.source_patterns}, "
-                "all in one call (they are stacked into one tensor)")
+    for target, (converter, entries) in groups.items():
+        _check_experts(target, converter.source_patterns, entries, num_experts)
     return list(convert_checkpoint(pairs, transforms))
+
+
+def _check_experts(target: str, patterns: list[str], entries: list, num_experts: int | None) -> None:
+    """UserInputError naming the tensor: an expert index outside [0, num_experts), one given twice, one missing, or a
+    shape unlike the other experts' of its source."""
+    seen: dict[tuple[str, str], str] = {}
+    shapes: dict[str, tuple[str, tuple]] = {}
+    for name, pattern, index, shape in entries:
+        if not index.isdigit() or (num_experts is not None and int(index) >= num_experts):
+            raise UserInputError(f"load_weights: tensor {name!r}: expert index {index} is out of range for "
+                                 f"num_experts={num_experts} (expected 0 .. {(num_experts or 1) - 1})")
+        if (pattern, index) in seen:
+            raise UserInputError(f"load_weights: tensors {seen[pattern, index]!r} and {name!r} are both expert "
+                                 f"{index} of {target!r}; expected each expert once")
+        seen[pattern, index] = name
+        first = shapes.setdefault(pattern, (name, shape))
+        if shape != first[1]:
+            raise UserInputError(f"load_weights: tensor {name!r} has shape {shape}, expert tensor {first[0]!r} "
+                                 f"{first[1]}; expected one shape for every expert of {target!r}")
+    for pattern in patterns if num_experts is not None else ():
+        missing = [e for e in range(num_experts) if (pattern, str(e)) not in seen]
+        if missing:
+            raise UserInputError(
+                f"load_weights: {target!r} is missing expert(s) {missing[:8]} of {pattern!r}; expected all "
+                f"{num_experts} experts of each of {patterns} in one call, also with strict=False (they are stacked "
+                "into one tensor)")

@@ -253,7 +253,7 @@ class _CutStreamsAtShutdown(logging.Filter):
         error = record.exc_info[1] if record.exc_info else None
         if isinstance(error, asyncio.CancelledError):
             record.msg, record.args, record.exc_info, record.exc_text = (
-                f"an open stream was cut: still running {GRACEFUL_SHUTDOWN_S} s after the shutdown signal "
-                "(its request is aborted)"), None, None, None
+                f"an open stream was cut by the shutdown (streams get {GRACEFUL_SHUTDOWN_S} s after the first signal, "
+                "none after a second; its request is aborted)"), None, None, None
             record.levelno, record.levelname = logging.WARNING, "WARNING"
         return True

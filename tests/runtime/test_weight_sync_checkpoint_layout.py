@@ -43,11 +43,33 @@ def test_missing_expert_is_refused_and_nothing_changes(tiny_model_dir):
     pairs = [(n, t) for n, t in iterate_safetensors(new) if ".layers.1.mlp.experts.5.up_proj." not in n]
     llm = LLM(str(old), model_impl="native", dtype="float32", block_size=4)
     before = _params(llm)
-    with pytest.raises(UserInputError, match=r"15 per-expert tensor\(s\) for 'model.layers.1.mlp.experts.gate_up_proj'"
-                                             r".*expected 16"):
+    with pytest.raises(UserInputError, match=r"'model.layers.1.mlp.experts.gate_up_proj' is missing expert\(s\) \[5\] "
+                                             r"of 'mlp.experts.\*.up_proj.weight'.*also with strict=False"):
         llm.load_weights(pairs, strict=False)
     after = _params(llm)
     assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def _renumbered(pairs, old, new):
+    return [(n.replace(f".experts.{old}.", f".experts.{new}."), t) for n, t in pairs]
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda p: _renumbered(p, 7, 99), r"tensor 'model.layers.0.mlp.experts.99.\w+.weight': expert index 99 is out of "
+                                      r"range for num_experts=8 \(expected 0 .. 7\)"),
+    (lambda p: p + [p[2]], r"tensors '(.*)' and '\1' are both expert 0 of 'model.layers.0.mlp.experts.\w+'"),
+    (lambda p: [(n, t[:, :-1] if n.endswith("experts.3.gate_proj.weight") and ".layers.0." in n else t) for n, t in p],
+     r"tensor 'model.layers.0.mlp.experts.3.gate_proj.weight' has shape \(32, 63\), expert tensor '.*' \(32, 64\)"),
+])
+def test_bad_expert_sets_are_refused_naming_the_tensor(change, message):
+    """Per-expert tensors are checked by index and shape before any is stacked (a renumbered expert 7 was stacked
+    into slot 7; a short one raised torch.stack's RuntimeError)."""
+    gen = torch.Generator().manual_seed(0)
+    pairs = [(f"model.layers.0.mlp.experts.{e}.{part}.weight",
+              torch.randn((64, 32) if part == "down_proj" else (32, 64), generator=gen))
+             for e in range(8) for part in ("down_proj", "gate_proj", "up_proj")]
+    with pytest.raises(UserInputError, match=message):
+        checkpoint_layout_to_model(change(pairs), "qwen3_moe", 8)
 
 
 def test_model_names_pass_unchanged():

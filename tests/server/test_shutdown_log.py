@@ -20,8 +20,8 @@ def test_cancelled_stream_becomes_one_warning_line():
     record = _record(asyncio.CancelledError("Task cancelled, timeout graceful shutdown exceeded"))
     assert _CutStreamsAtShutdown().filter(record)
     assert record.levelno == logging.WARNING and record.exc_info is None
-    assert logging.Formatter().format(record) == ("an open stream was cut: still running 5 s after the shutdown "
-                                                  "signal (its request is aborted)")
+    assert logging.Formatter().format(record) == ("an open stream was cut by the shutdown (streams get 5 s after the "
+                                                  "first signal, none after a second; its request is aborted)")
 
 
 def test_uvicorns_cancel_notice_is_a_warning():
