@@ -31,7 +31,7 @@ from fxrewrite import data_parallel, distributed
 from fxrewrite.runtime.worker.dp_worker import dp_worker_main
 from fxrewrite.runtime.worker.executor import RemoteModel
 from fxrewrite.runtime.worker.worker_processes import (STARTUP_TIMEOUT_S, WorkerError, WorkerGuard, _failure, _Processes,
-                                                       spawn_workers)
+                                                       check_not_bootstrapping, spawn_workers)
 from fxrewrite.runtime.worker.step_messages import StepEncoder, attach_bitmask
 from fxrewrite.runtime.worker.worker import broadcast_object, split_step_result
 
@@ -42,6 +42,7 @@ class DPExecutor(WorkerGuard):
     """dp_size replicas of tensor_parallel_size workers. Attributes: num_blocks (per replica), model."""
 
     def __init__(self, config, model_config, eos_token_ids: set[int]):
+        check_not_bootstrapping()  # before anything is made that an exiting worker would leave behind
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialized in this process: one "
                                "multi-process engine per process (shut the other one down first)")

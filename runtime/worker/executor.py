@@ -45,7 +45,7 @@ from fxrewrite.runtime.worker.pipeline import check_pipeline_size, layer_partiti
 from fxrewrite.runtime.worker.sleep_mode import combine_rank_statuses
 from fxrewrite.runtime.worker.worker_processes import (  # noqa: F401  (WorkerError: re-exported)
     STARTUP_TIMEOUT_S, STEP_TIMEOUT_S, WorkerError, WorkerGuard, _check_workers, _failure, _poll, _Processes,
-    spawn_workers)
+    check_not_bootstrapping, spawn_workers)
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +126,7 @@ class MultiprocExecutor(WorkerGuard):
     """Where the driver's side of a step lives (a grammar mask is filled here, then sent with the step)."""
 
     def __init__(self, config, model_config, eos_token_ids: set[int]):
+        check_not_bootstrapping()  # before the step queues' shared memory is made (an exiting worker would leak it)
         tp_size, pp_size = config.tensor_parallel_size, getattr(config, "pipeline_parallel_size", 1)
         backend = distributed.default_backend(config.device)
         if backend == "nccl" and torch.cuda.device_count() < tp_size * pp_size:
