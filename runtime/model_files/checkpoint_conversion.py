@@ -68,21 +68,28 @@ def convert_checkpoint(weights: Iterable[tuple[str, torch.Tensor]], transforms: 
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     pending: dict[str, _Group] = {}
     for name, tensor in weights:
-        new = name
-        for renaming in renamings:
-            new, _ = renaming.rename_source_key(new)
-        for converter in converters:
-            target, pattern = converter.rename_source_key(new)
-            if pattern is not None:
-                group = pending.setdefault(target, _Group(converter))
-                group.add(pattern, name, tensor)
-                if group.complete(expected_count(target)):
-                    yield from pending.pop(target).convert(target, model).items()
-                break
-        else:
+        new, converter, target, pattern = _claim(name, renamings, converters)
+        if converter is None:
             yield new, tensor
+            continue
+        group = pending.setdefault(target, _Group(converter))
+        group.add(pattern, name, tensor)
+        if group.complete(expected_count(target)):
+            yield from pending.pop(target).convert(target, model).items()
     for target, group in pending.items():
         yield from group.convert(target, model).items()
+
+
+def _claim(name: str, renamings: list, converters: list) -> tuple[str, WeightConverter | None, str, str | None]:
+    """(the renamed name, the converter claiming it or None, its target, the source pattern matched), as transformers'
+    loading resolves a checkpoint name: every renaming in order, then the first converter whose pattern matches."""
+    for renaming in renamings:
+        name, _ = renaming.rename_source_key(name)
+    for converter in converters:
+        target, pattern = converter.rename_source_key(name)
+        if pattern is not None:
+            return name, converter, target, pattern
+    return name, None, name, None
 
 
 def convert_for_model(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], native: bool
@@ -142,16 +149,11 @@ def checkpoint_layout_to_model(pairs: list[tuple[str, torch.Tensor]], model_type
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     groups: dict[str, tuple[WeightConverter, list]] = {}
     for name, tensor in pairs:
-        renamed = name
-        for renaming in renamings:
-            renamed, _ = renaming.rename_source_key(renamed)
-        for converter in converters:
-            target, pattern = converter.rename_source_key(renamed)
-            if pattern is not None:
-                index = re.search(re.escape(pattern).replace(r"\*", r"([^.]+)"), renamed)
-                groups.setdefault(target, (converter, []))[1].append(
-                    (name, pattern, index.group(1) if index else "?", tuple(tensor.shape)))
-                break
+        renamed, converter, target, pattern = _claim(name, renamings, converters)
+        if converter is not None:
+            index = re.search(re.escape(pattern).replace(r"\*", r"([^.]+)"), renamed)
+            groups.setdefault(target, (converter, []))[1].append(
+                (name, pattern, index.group(1) if index else "?", tuple(tensor.shape)))
     if not groups:
         return pairs
     for target, (converter, entries) in groups.items():
