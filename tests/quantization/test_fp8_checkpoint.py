@@ -187,3 +187,34 @@ def test_dummy_weights_of_an_fp8_config_are_fp8_from_the_start(bf16_dir, impl):
         assert 0.8 < float(units.std()) < 1.2
     tokens, _ = _run(llm)[0]
     assert len(tokens) == MAX_TOKENS
+
+
+def _round_activations_fp8(module, args):
+    """A linear's input as the GPU path quantizes it (`activation_scheme: "dynamic"`): per token and 128-wide group,
+    scale = amax / 448, e4m3; written here in plain torch."""
+    x = args[0]
+    g = x.reshape(*x.shape[:-1], -1, 128)
+    scale = g.abs().amax(-1, keepdim=True).clamp(min=1e-10) / 448.0
+    return ((g / scale).to(torch.float8_e4m3fn).float() * scale).reshape(x.shape)
+
+
+@pytest.mark.parametrize("impl", ["native", "transformers"])
+def test_e4m3_layers_kept_on_the_cpu_compute_what_the_gpu_path_should(fp8_dir, impl, monkeypatch):
+    """The GPU's arithmetic through the kernels' torch references: e4m3 weights and scales kept (not dequantized, as
+    CPUs otherwise do), activations quantized per 1 x 128 group, block-scaled products. It must equal transformers'
+    dequantized model with each linear's input rounded the same way (float32): a loader or layout fault that the
+    dequantized CPU path hides shows here."""
+    from transformers import AutoModelForCausalLM
+
+    import fxrewrite.runtime.model_files.quantization as quantization
+
+    monkeypatch.setattr(quantization, "dequantize_fp8_layer", lambda layer, dtype: None)
+    llm = _llm(fp8_dir, impl)
+    assert any(p.dtype == torch.float8_e4m3fn for p in llm.llm_engine.model_runner.model.parameters())
+    hf = AutoModelForCausalLM.from_pretrained(str(fp8_dir), dtype=torch.float32).eval()
+    for name, module in hf.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            module.register_forward_pre_hook(_round_activations_fp8)
+    for (tokens, lps), (want_tokens, want_lps) in zip(_run(llm), _greedy(hf), strict=True):
+        assert tokens == want_tokens
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(want_lps), rtol=1e-4, atol=1e-4)
