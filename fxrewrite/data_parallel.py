@@ -52,7 +52,7 @@ def initialize(rank: int, store, dp_size: int, tp_size: int, backend: str,
     world = 1 + dp_size * tp_size
     if distributed.get_state() is not None or dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialized in this process")
-    dist.init_process_group("gloo", rank=rank, world_size=world, store=store, timeout=distributed.CONTROL_TIMEOUT)
+    distributed.init_gloo_world(rank, world, distributed.CONTROL_TIMEOUT, driver=rank == 0, store=store)
     replicas = [[1 + d * tp_size + t for t in range(tp_size)] for d in range(dp_size)]
     columns = [[replicas[d][t] for d in range(dp_size)] for t in range(tp_size)]
     mine: dict[str, tuple] = {}

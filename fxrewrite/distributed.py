@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -75,6 +76,15 @@ def default_backend(device: torch.device | str | None = None) -> str:
     return "nccl" if kind == "cuda" else "gloo"
 
 
+def init_gloo_world(rank: int, world_size: int, timeout, driver: bool = False, **kwargs) -> None:
+    """`dist.init_process_group("gloo", ...)`. On the driver (the user's own process) without torch's excepthook,
+    which prefixes "[rankN]: " to every line of every uncaught traceback, the user's own included."""
+    hook = sys.excepthook
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+    if driver:
+        sys.excepthook = hook
+
+
 def initialize(rank: int, world_size: int, *, store=None, tp_ranks: list[int] | None = None,
                with_driver: bool = False, tp_backend: str = "gloo", pp_size: int = 1) -> ParallelState:
     """Join the default group (gloo) and build the TP group.
@@ -92,8 +102,8 @@ def initialize(rank: int, world_size: int, *, store=None, tp_ranks: list[int] | 
         raise RuntimeError("torch.distributed is already initialized in this process")
     tp_ranks = list(range(world_size)) if tp_ranks is None else list(tp_ranks)
     kwargs = {"store": store} if store is not None else {"init_method": "env://"}
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=CONTROL_TIMEOUT if with_driver else TP_TIMEOUT, **kwargs)
+    init_gloo_world(rank, world_size, CONTROL_TIMEOUT if with_driver else TP_TIMEOUT, driver=with_driver and rank == 0,
+                    **kwargs)
     if pp_size > 1:
         _state = _initialize_pipeline(rank, world_size, tp_ranks, pp_size, tp_backend)
         return _state

@@ -6,6 +6,8 @@ worker starts."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -75,8 +77,10 @@ def test_pp2_native_equals_one_process(qwen3_3layers, monkeypatch):
     one = make_llm(qwen3_3layers, "native")
     want = generate_tokens(one, sampling_params())
     monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "1,2")  # not the default split (workers inherit it)
+    hook = sys.excepthook
     llm = make_llm(qwen3_3layers, "native", pipeline_parallel_size=2)
     try:
+        assert sys.excepthook is hook  # torch's "[rank0]: " prefix stays out of the user's tracebacks
         assert generate_tokens(llm, sampling_params()) == want
         queue = llm.llm_engine.micro_batches
         assert queue.depth == 2 and queue.max_in_flight == 2  # stage 0 got batch i + 1 before i returned

@@ -58,8 +58,10 @@ def qwen3_moe_dir(tiny_model_dir):
 def test_dp2_dense_replicas_equal_one_engine(tiny_qwen3_dir):
     one = make_llm(str(tiny_qwen3_dir), "native")
     want = greedy(one)
+    hook = sys.excepthook
     llm = make_llm(str(tiny_qwen3_dir), "native", data_parallel_size=2)
     try:
+        assert sys.excepthook is hook  # torch's "[rank0]: " prefix stays out of the user's tracebacks
         assert greedy(llm) == want
         _check_replicas_used_and_freed(llm)
         check_constrained(llm, one)  # structured outputs, bad words, prompt logprobs
