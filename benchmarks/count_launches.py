@@ -98,13 +98,7 @@ def summary(counts: Counter, num_layers: int) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     """CLI: count a tiny Qwen3's batch-1 decode launches, native (fused KV write) and native unfused
     (the path torch.compile takes, and the one before the fusion); print and write JSON."""
-    from datetime import date
-
-    from fxrewrite.benchmarks.common import environment
     from fxrewrite.runtime.model_files.demo import build_model_dir
-    from fxrewrite.runtime.llm import LLM
-    from fxrewrite.runtime.models.llama import LlamaAttention
-    from fxrewrite.runtime.models.qwen3 import Qwen3Attention
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=results_folder, default=None, help=FOLDER_HELP)
@@ -116,7 +110,18 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("FXREWRITE_TRITON", "1")
     import tempfile
 
-    folder = build_model_dir(Path(tempfile.mkdtemp()) / "qwen3", "qwen3", num_hidden_layers=args.layers)
+    with tempfile.TemporaryDirectory() as tmp:  # the tiny model lives for this run only
+        return _count(build_model_dir(Path(tmp) / "qwen3", "qwen3", num_hidden_layers=args.layers), args)
+
+
+def _count(folder: Path, args) -> dict:
+    from datetime import date
+
+    from fxrewrite.benchmarks.common import environment
+    from fxrewrite.runtime.llm import LLM
+    from fxrewrite.runtime.models.llama import LlamaAttention
+    from fxrewrite.runtime.models.qwen3 import Qwen3Attention
+
     result = {"date": date.today().isoformat(), "environment": environment(), "model": f"tiny qwen3, {args.layers} layers",
               "device": "cpu (Triton interpreter)", "arms": {}}
     # The after arm is left out: its launches depend on what the rewrite matched with this machine's

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import itertools
 import os
+import threading
 from contextlib import contextmanager
 from typing import Any, Sequence
 
@@ -55,6 +56,7 @@ class LLM:
         self._generation_defaults: dict[str, Any] | None = None
         self.llm_engine = make_engine(EngineConfig.from_kwargs(model=model, **kwargs))  # DP: a DPLLMEngine
         self._request_counter = itertools.count()
+        self._engine_lock = threading.Lock()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -120,7 +122,12 @@ class LLM:
         return self._submit(list(prompts), [pooling_params or PoolingParams()] * len(prompts), use_tqdm)
 
     def _submit(self, prompts: list, params: list, use_tqdm: bool) -> list:
-        """Add every prompt with its params and run them all; nothing stays queued on an error."""
+        """Add every prompt with its params and run them all; nothing stays queued on an error. Calls from several
+        threads run one after another (the engine steps every request it holds: two loops would take each other's)."""
+        with self._engine_lock:
+            return self._submit_now(prompts, params, use_tqdm)
+
+    def _submit_now(self, prompts: list, params: list, use_tqdm: bool) -> list:
         ids = [str(next(self._request_counter)) for _ in prompts]
         try:
             for i, (request_id, prompt, p) in enumerate(zip(ids, prompts, params)):

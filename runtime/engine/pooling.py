@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fxrewrite.errors import UserInputError
+from fxrewrite.errors import UserInputError, UserTypeError
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
 
@@ -74,6 +74,9 @@ def split_params(params, is_pooling: bool):
     """(PoolingParams or None, the SamplingParams the engine runs) for a request's params on a runner.
     A pooling request is a one-token greedy step (its token is dropped). ValueError for params that do
     not fit the runner (vLLM refuses generation on a pooling model and the reverse)."""
+    if params is not None and not isinstance(params, (SamplingParams, PoolingParams)):
+        raise UserTypeError(f"sampling_params={params!r:.80}: expected a SamplingParams (or PoolingParams), got "
+                            f"{type(params).__name__}")
     if not is_pooling:
         if isinstance(params, PoolingParams):
             raise UserInputError("PoolingParams need an engine made with runner='pooling' (embeddings); this "
