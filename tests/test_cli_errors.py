@@ -234,3 +234,20 @@ def test_a_reader_that_closes_stdout_ends_the_command_quietly(tiny_qwen3_dir):
     _, err = proc.communicate(timeout=300)
     assert b"Traceback" not in err and b"BrokenPipeError" not in err, err.decode()[-2000:]
     assert proc.returncode == 1
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[1]", "must hold a JSON object, got list"), ("not json", "is not valid JSON text"),
+    ('{"eos_token_id": "abc"}', "eos_token_id='abc'; expected a token id or a list of token ids"),
+])
+def test_a_model_folders_broken_generation_config_is_one_line(tiny_qwen3_dir, tmp_path, capsys, content, message):
+    """The model's own generation_config.json is read for its EOS ids: a broken one was an AttributeError, a
+    JSONDecodeError or a TypeError traceback (the engine's EOS list), also under --generation-config vllm."""
+    import shutil
+
+    folder = shutil.copytree(tiny_qwen3_dir, tmp_path / "model")
+    (folder / "generation_config.json").write_text(content)
+    assert main(["generate", str(folder), "--prompt", "hi", "--max-tokens", "1", "--generation-config", "vllm"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fxrewrite generate: error: ") and err.count("\n") == 1, err
+    assert f"{folder / 'generation_config.json'}" in err and message in err, err

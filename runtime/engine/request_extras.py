@@ -99,11 +99,22 @@ def eos_token_ids(tokenizer, model_config) -> set[int]:
 
 
 def _read_generation_eos(model_config) -> list[int]:
+    """generation_config.json's eos_token_id (an int or a list of ints), else the config's. UserInputError naming the
+    file when it is not a JSON object or its eos_token_id is something else."""
     path = Path(model_config.model_path) / "generation_config.json"
     if not path.exists():
         eos = getattr(model_config.hf_text_config, "eos_token_id", None)
     else:
-        eos = json.loads(path.read_text()).get("eos_token_id")
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise UserInputError(f"{path} is not valid JSON text: {e}") from None
+        if not isinstance(data, dict):
+            raise UserInputError(f"{path} must hold a JSON object, got {type(data).__name__}")
+        eos = data.get("eos_token_id")
     if eos is None:
         return []
-    return [eos] if isinstance(eos, int) else list(eos)
+    ids = [eos] if not isinstance(eos, list) else eos
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise UserInputError(f"{path}: eos_token_id={eos!r}; expected a token id or a list of token ids")
+    return ids
