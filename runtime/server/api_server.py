@@ -11,7 +11,6 @@ constant time); /health, /metrics and /version stay open, as in vLLM.
 from __future__ import annotations
 
 import hmac
-import asyncio
 import logging
 import signal
 from contextlib import asynccontextmanager
@@ -32,13 +31,13 @@ from fxrewrite.runtime.server.protocol_responses import ModelCard, ModelList
 from fxrewrite.runtime.server.serving_chat import OpenAIServingChat
 from fxrewrite.runtime.server.serving_completion import OpenAIServingCompletion
 from fxrewrite.runtime.server.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
+from fxrewrite.runtime.server.shutdown import GRACEFUL_SHUTDOWN_S, CutStreamsLog, ShutdownAnswers
 from fxrewrite.runtime.server.serving_tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from fxrewrite.runtime.server.tool_parsers import ToolParser
 
 if TYPE_CHECKING:
     from fxrewrite.runtime.engine.llm_engine import LLMEngine
 
-GRACEFUL_SHUTDOWN_S = 5
 """Seconds `fxrewrite serve` lets open streams run on after Ctrl-C / SIGTERM before it ends them."""
 logger = logging.getLogger(__name__)
 
@@ -226,12 +225,12 @@ def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_leve
     import uvicorn
 
     previous = signal.signal(signal.SIGTERM, _exit_normally)
-    cut_streams = _CutStreamsAtShutdown()
+    cut_streams = CutStreamsLog()
     logging.getLogger("uvicorn.error").addFilter(cut_streams)
     try:
         # timeout_graceful_shutdown: Ctrl-C / SIGTERM with streams open ends them after a few seconds (uvicorn
         # otherwise waits for every stream to finish, without a bound).
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=5,
+        uvicorn.run(ShutdownAnswers(app), host=host, port=port, log_level=log_level, timeout_keep_alive=5,
                     timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -240,20 +239,3 @@ def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_leve
 
 def _exit_normally(signum, frame) -> None:
     raise SystemExit(0)
-
-
-class _CutStreamsAtShutdown(logging.Filter):
-    """uvicorn reports each stream it cancels at the graceful-shutdown timeout as "Exception in ASGI application"
-    with the CancelledError's 50-line traceback, after an ERROR "Cancel N running task(s)": one warning line each
-    says what happened (a shutdown the user asked for)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno == logging.ERROR and "timeout graceful shutdown exceeded" in record.getMessage():
-            record.levelno, record.levelname = logging.WARNING, "WARNING"
-        error = record.exc_info[1] if record.exc_info else None
-        if isinstance(error, asyncio.CancelledError):
-            record.msg, record.args, record.exc_info, record.exc_text = (
-                f"an open stream was cut by the shutdown (streams get {GRACEFUL_SHUTDOWN_S} s after the first signal, "
-                "none after a second; its request is aborted)"), None, None, None
-            record.levelno, record.levelname = logging.WARNING, "WARNING"
-        return True
