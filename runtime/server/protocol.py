@@ -301,7 +301,8 @@ class ChatMessage(OpenAIBaseModel):
                 message["content"] = ""
                 return message
         if self.content is None:  # chat templates read message['content']: a jinja error otherwise
-            raise ValueError(f"{where}: a message of role {self.role!r} needs a 'content' (a string or a list of text parts)")
+            raise ValueError(f"{where}: a message of role {self.role!r} needs a 'content' (a string or a list of "
+                             "text parts)")
         if isinstance(self.content, list):
             message["content"] = join_text_parts([part.model_dump() for part in self.content], where)
         return message

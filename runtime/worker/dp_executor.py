@@ -30,8 +30,8 @@ import torch.distributed as dist
 from fxrewrite import data_parallel, distributed
 from fxrewrite.runtime.worker.dp_worker import dp_worker_main
 from fxrewrite.runtime.worker.executor import RemoteModel
-from fxrewrite.runtime.worker.worker_processes import (STARTUP_TIMEOUT_S, WorkerError, WorkerGuard, _failure, _Processes,
-                                                       check_not_bootstrapping, spawn_workers)
+from fxrewrite.runtime.worker.worker_processes import (
+    STARTUP_TIMEOUT_S, WorkerError, WorkerGuard, _failure, _Processes, check_not_bootstrapping, spawn_workers)
 from fxrewrite.runtime.worker.step_messages import StepEncoder, attach_bitmask
 from fxrewrite.runtime.worker.worker import broadcast_object, split_step_result
 
@@ -48,7 +48,8 @@ class DPExecutor(WorkerGuard):
                                "multi-process engine per process (shut the other one down first)")
         self.dp_size, self.tp_size = config.data_parallel_size, config.tensor_parallel_size
         self.num_workers = self.dp_size * self.tp_size
-        self._procs = _Processes("data-parallel", f"process i is DP rank i // {self.tp_size}, TP rank i % {self.tp_size}")
+        self._procs = _Processes("data-parallel",
+                                 f"process i is DP rank i // {self.tp_size}, TP rank i % {self.tp_size}")
         # The stop wave: workers leave their loop at a None wave (else they wait until killed at the timeout)
         self._procs.send_stop = lambda wait: broadcast_object(None, 0, wait=wait)
         self._finalizer = weakref.finalize(self, self._procs.close, True)

@@ -28,7 +28,8 @@ from fxrewrite.layers.fused_moe import FusedMoE
 from fxrewrite.layers.moe_dp import experts_across_dp
 from fxrewrite.sharding_moe import experts_across_replicas
 from fxrewrite.runtime.worker.step_messages import STEP_FIELDS
-from fxrewrite.runtime.worker.worker import ControlMessage, ResultSender, Worker, _watch_parent, broadcast_object, exit_worker
+from fxrewrite.runtime.worker.worker import (ControlMessage, ResultSender, Worker, _watch_parent, broadcast_object,
+                                             exit_worker)
 from fxrewrite.runtime.worker.cpu_threads import size_cpu_threads
 from fxrewrite.runtime.worker.step_channel import GlooChannel
 from fxrewrite.runtime.worker import watchdog

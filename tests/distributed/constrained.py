@@ -54,5 +54,6 @@ def check_constrained(llm, one) -> None:
     with pytest.raises(UserInputError, match="invalid json for structured outputs"):
         llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "bogus"})),
                      use_tqdm=False)
-    choice = SamplingParams(temperature=0, max_tokens=10, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    choice = SamplingParams(temperature=0, max_tokens=10,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
     assert llm.generate(PROMPTS[1:2], choice, use_tqdm=False)[0].outputs[0].text in ("yes", "no")  # still serving

@@ -27,7 +27,8 @@ def test_a_script_without_the_main_guard_gets_the_fix_named(tmp_path, tiny_qwen3
 
     script = tmp_path / "no_guard.py"
     script.write_text("from fxrewrite import LLM\n"
-                      f"LLM({str(tiny_qwen3_dir)!r}, tensor_parallel_size=2, device='cpu', kv_cache_memory_bytes=1 << 20)\n")
+                      f"LLM({str(tiny_qwen3_dir)!r}, tensor_parallel_size=2, device='cpu',\n"
+                      "    kv_cache_memory_bytes=1 << 20)\n")
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert f"fxrewrite.errors.UserInputError: {script} started worker processes from a worker process" in done.stderr
