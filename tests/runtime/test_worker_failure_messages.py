@@ -9,7 +9,7 @@ from fxrewrite.runtime.worker.worker_processes import WorkerError, _failure, _Pr
 
 
 class _DeadContext:
-    processes = [SimpleNamespace(pid=101), SimpleNamespace(pid=102)]
+    processes = [SimpleNamespace(pid=101, exitcode=None), SimpleNamespace(pid=102, exitcode=-9)]
 
     def join(self, timeout, grace_period):
         raise ProcessExitedException("process 1 terminated with signal SIGKILL", error_index=1, error_pid=102,
