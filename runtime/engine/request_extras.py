@@ -5,7 +5,6 @@ Kept beside `llm_engine.py` so the engine's step loop stays readable.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from fxrewrite.errors import UserInputError
@@ -13,6 +12,7 @@ from fxrewrite.runtime.engine.outputs import Logprob
 from fxrewrite.runtime.engine.prompt_logprobs import PromptLogprobsChunk
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 from fxrewrite.runtime.engine.sequence import Sequence
+from fxrewrite.runtime.model_files.folders import read_json_object
 
 
 def check_request_extras(params: SamplingParams, config, vocab_size: int) -> None:
@@ -105,13 +105,7 @@ def _read_generation_eos(model_config) -> list[int]:
     if not path.exists():
         eos = getattr(model_config.hf_text_config, "eos_token_id", None)
     else:
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise UserInputError(f"{path} is not valid JSON text: {e}") from None
-        if not isinstance(data, dict):
-            raise UserInputError(f"{path} must hold a JSON object, got {type(data).__name__}")
-        eos = data.get("eos_token_id")
+        eos = read_json_object(path).get("eos_token_id")
     if eos is None:
         return []
     ids = [eos] if not isinstance(eos, list) else eos

@@ -9,6 +9,7 @@ generation_config files; the HF cache first, the network only when `HF_HUB_OFFLI
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -58,6 +59,18 @@ def resolve_model_path(model: str | os.PathLike | None, *, revision: str | None 
     if not is_hub_id(text):
         raise UserFileNotFoundError(f"{what} {text!r} is not an existing folder or .gguf file (nor a hub id 'org/name')")
     return download_hub_model(text, revision=revision, what=what)
+
+
+def read_json_object(path: Path) -> dict:
+    """A model folder's JSON file (generation_config.json...) as a dict; UserInputError naming the file when it is not
+    JSON text or holds something other than an object."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserInputError(f"{path} is not valid JSON text: {e}") from None
+    if not isinstance(data, dict):
+        raise UserInputError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
 
 
 def is_hub_id(text: str) -> bool:

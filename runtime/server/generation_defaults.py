@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from fxrewrite.errors import UserFileNotFoundError, UserInputError
+from fxrewrite.runtime.model_files.folders import read_json_object
 
 # generation_config.json key -> request / SamplingParams field (the keys vLLM takes over).
 _KEYS = {
@@ -38,12 +38,7 @@ def load_generation_defaults(model_path: str | Path, generation_config: str = "a
         raise UserFileNotFoundError(f"generation_config={generation_config!r} (--generation-config): no "
                                     f"generation_config.json in {folder} (expected 'auto', 'vllm' or a folder "
                                     "holding one)")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserInputError(f"{path} is not valid JSON text: {e}") from None
-    if not isinstance(data, dict):
-        raise UserInputError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    data = read_json_object(path)
     defaults = {field: data[key] for key, field in _KEYS.items() if data.get(key) is not None}
     from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
