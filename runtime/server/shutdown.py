@@ -63,10 +63,17 @@ async def _answer(send, state: dict) -> None:
 class CutStreamsLog(logging.Filter):
     """uvicorn reports each request it cancels at the graceful-shutdown timeout as "Exception in ASGI application"
     with the CancelledError's 50-line traceback, after an ERROR "Cancel N running task(s)": one warning line each
-    says what happened (a shutdown the user asked for)."""
+    says what happened (a shutdown the user asked for); so does starlette's traceback of a lifespan shutdown cut by a
+    second signal."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno == logging.ERROR and "timeout graceful shutdown exceeded" in record.getMessage():
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        text = record.getMessage() if record.levelno == logging.ERROR else ""
+        if text.startswith("Traceback") and text.rstrip().splitlines()[-1].startswith("asyncio.exceptions.Cancelled"):
+            # starlette's lifespan reports its shutdown cut by a second Ctrl-C as a formatted traceback
+            record.msg, record.args = ("the application's shutdown was cut by a second signal (the engine's exit "
+                                       "handlers still stop its workers)"), None
             record.levelno, record.levelname = logging.WARNING, "WARNING"
         error = record.exc_info[1] if record.exc_info else None
         if isinstance(error, asyncio.CancelledError):

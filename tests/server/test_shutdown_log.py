@@ -33,6 +33,14 @@ def test_uvicorns_cancel_notice_is_a_warning():
     assert CutStreamsLog().filter(record) and record.levelname == "WARNING"
 
 
+def test_a_lifespan_shutdown_cut_by_a_second_signal_is_a_warning():
+    text = ('Traceback (most recent call last):\n  File "starlette/routing.py", line 668, in lifespan\n'
+            "    await receive()\nasyncio.exceptions.CancelledError\n")
+    record = logging.LogRecord("uvicorn.error", logging.ERROR, __file__, 1, text, None, None)
+    assert CutStreamsLog().filter(record) and record.levelname == "WARNING"
+    assert logging.Formatter().format(record).startswith("the application's shutdown was cut by a second signal")
+
+
 def test_other_errors_keep_their_traceback():
     record = _record(RuntimeError("boom"))
     assert CutStreamsLog().filter(record)
