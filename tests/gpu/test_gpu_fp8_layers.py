@@ -1,8 +1,9 @@
 """Each FP8 layer of a served FP8 checkpoint on the GPU, alone: its forward (and the fused RMSNorm / SiLU-and-mul
 producers) against a dequantized copy of the same layer on the input rounded as the GPU path rounds it, in float32 and
 bfloat16, at decode and prefill token counts; and the float model itself on the GPU against transformers on the CPU.
-Written to find where `test_fp8_checkpoint_close_to_transformers_fp8` loses 0.16 on a log-prob (forty-sixth session,
-H100): a layer path that is wrong shows here by name."""
+A layer path that is wrong shows here by name (written when a token-by-token comparison with transformers' FP8
+emulation failed; that comparison was the fault: e4m3 rounding of activations is discontinuous, see
+`test_gpu_fp8.py::test_fp8_checkpoint_error_within_transformers_fp8_error`)."""
 
 from __future__ import annotations
 
