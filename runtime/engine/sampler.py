@@ -59,10 +59,12 @@ class Sampler:
             return SampledTokens(seqs, *greedy_sample(logits))
         logits = logits.float()
         raw_logprobs = log_softmax_float32(logits)  # accurate on a CPU too (kernels/log_softmax.py)
+        edited = logits
         if any(self._changes_logits(s) for s in seqs):
-            logits = self._apply_penalties(logits.clone(), seqs)
+            edited = self._apply_penalties(logits.clone(), seqs)
         if bitmask is not None:
-            apply_token_bitmask(logits, bitmask)
+            edited = _mask_grammar_first(logits, edited, bitmask)
+        logits = edited
         # Decided from the params on the host: no device->host sync here at all.
         greedy_list = [s.sampling_params.is_greedy for s in seqs]
         tokens = logits.argmax(dim=-1)
@@ -191,6 +193,20 @@ def _bias_and_ban(logits: torch.Tensor, row: int, seq: Sequence) -> None:
                   if w[-1] < vocab and (len(w) == 1 or out[len(out) - len(w) + 1 :] == w[:-1])]
         if banned:
             logits[row, banned] = float("-inf")
+
+
+def _mask_grammar_first(logits: torch.Tensor, edited: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """`edited` (logits [S, V] after penalties, min_tokens, allowed_token_ids and bad_words, or `logits` itself when
+    nothing edited them) with the grammar's bitmask applied, in place. A row where those bans leave no token the grammar
+    allows takes the grammar-masked unedited row instead: the grammar is a hard constraint, the bans give way for that
+    step (e.g. min_tokens when the grammar allows only EOS). No host sync."""
+    if edited is logits:
+        apply_token_bitmask(edited, bitmask)
+        return edited
+    grammar_only = logits.clone()
+    apply_token_bitmask(grammar_only, bitmask)
+    apply_token_bitmask(edited, bitmask)
+    return torch.where(torch.isneginf(edited).all(-1, keepdim=True), grammar_only, edited)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

@@ -93,7 +93,9 @@ class SamplingParams:
     """Words never generated: a word's last token is banned whenever the tokens before it were just
     generated (each word tokenized with and without a leading space, as vLLM does)."""
     structured_outputs: StructuredOutputsParams | None = None
-    """A JSON schema, regex, choice list or grammar every completion must follow (xgrammar)."""
+    """A JSON schema, regex, choice list or grammar every completion must follow (xgrammar). With min_tokens,
+    allowed_token_ids or bad_words, a step where they forbid every token the grammar allows samples from the grammar
+    alone (the grammar wins; e.g. EOS before min_tokens once the grammar is complete)."""
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
@@ -192,12 +194,6 @@ class SamplingParams:
             raise UserInputError(
                 f"SamplingParams: min_tokens={self.min_tokens} must be at most max_tokens={self.max_tokens}"
             )
-        if self.structured_outputs is not None:  # a mask that allows no token would fail the whole batch's step
-            clash = [f"{name}={value!r}" for name, value in (("min_tokens", self.min_tokens),
-                     ("allowed_token_ids", self.allowed_token_ids), ("bad_words", self.bad_words)) if value]
-            if clash:
-                raise UserInputError(f"SamplingParams: {', '.join(clash)} cannot be combined with structured_outputs "
-                                     "(the grammar may allow only tokens they forbid); expected none of them")
         if any(not s for s in self.stop_strings):
             raise UserInputError(f"SamplingParams: stop={self.stop!r} must not contain empty strings")
         if not isinstance(self.detokenize, bool):

@@ -52,16 +52,6 @@ def test_max_logprobs_values(value, ok):
         max_logprobs_value(str(value))
 
 
-@pytest.mark.parametrize("extra", [{"min_tokens": 3}, {"allowed_token_ids": [1, 2]}, {"bad_words": ["a"]}])
-def test_structured_outputs_refuse_what_could_mask_every_token(extra):
-    """min_tokens (EOS masked), allowed_token_ids and bad_words with a grammar could leave a row no token: refused up
-    front (a step with such a row used to fail every request in the batch)."""
-    from fxrewrite.errors import UserInputError
-
-    with pytest.raises(UserInputError, match=f"{next(iter(extra))}=.*cannot be combined with structured_outputs"):
-        SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(regex="a"), **extra)
-
-
 @pytest.mark.parametrize("params, ok", [
     (dict(allowed_token_ids=[7], min_tokens=2), False),  # the only allowed token is EOS while min_tokens holds
     (dict(allowed_token_ids=[7], min_tokens=2, ignore_eos=True), True),

@@ -72,6 +72,52 @@ def test_regex_choice_and_grammar(llm):
         assert re.fullmatch(r"\([a-c]+\)" if c.finish_reason == "stop" else r"\([a-c]*", c.text), c
 
 
+def test_bans_give_way_to_the_grammar(llm):
+    """min_tokens, allowed_token_ids and bad_words with a grammar (vLLM accepts them): a ban the grammar leaves room
+    for holds (no "7" in four digits; only "yes" among the choices); a step where they forbid every token the grammar
+    allows samples from the grammar alone (EOS before min_tokens once the choice is complete, a bad word that is the
+    whole regex, allowed ids outside the grammar)."""
+    tok = llm.get_tokenizer()
+    yes = tok.encode("yes", add_special_tokens=False)
+    cases = [
+        (dict(bad_words=["7"]), dict(regex="[0-9]{4}"), lambda t: re.fullmatch("[0-689]{4}", t)),
+        (dict(allowed_token_ids=yes + [tok.eos_token_id]), dict(choice=["yes", "no"]), lambda t: t == "yes"),
+        (dict(min_tokens=20), dict(choice=["yes", "no"]), lambda t: t in ("yes", "no")),
+        (dict(bad_words=["7"]), dict(regex="7"), lambda t: t == "7"),
+        (dict(allowed_token_ids=[0, 1]), dict(choice=["yes", "no"]), lambda t: t in ("yes", "no")),
+    ]
+    params = [SamplingParams(n=6, temperature=1.0, seed=i, max_tokens=30,
+                             structured_outputs=StructuredOutputsParams(**grammar), **extra)
+              for i, (extra, grammar, _) in enumerate(cases)]
+    outs = llm.generate(["a"] * len(cases), params, use_tqdm=False)
+    for (extra, grammar, ok), out in zip(cases, outs, strict=True):
+        for c in out.outputs:
+            assert c.finish_reason == "stop" and ok(c.text), (extra, grammar, c.text)
+    assert all(len(c.token_ids) < 20 for c in outs[2].outputs)
+    bm = llm.llm_engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_grammar_row_replaces_a_row_the_bans_emptied():
+    import torch
+
+    from fxrewrite.runtime.engine.sampler import _mask_grammar_first
+
+    logits = torch.randn(3, 64)
+    bitmask = torch.zeros(3, 2, dtype=torch.int32)
+    bitmask[:, 0] = 0b1100  # the grammar allows tokens 2 and 3
+    edited = logits.clone()
+    edited[0, 2:4] = float("-inf")  # row 0: the bans take both
+    edited[1, 2] = float("-inf")  # row 1: one is left
+    edited[2] += 1.0  # row 2: a penalty-like shift
+    out = _mask_grammar_first(logits, edited, bitmask)
+    assert torch.equal(out[0, 2:4], logits[0, 2:4]) and torch.isneginf(out[0, 4:]).all()
+    assert torch.isneginf(out[1, 2]) and out[1, 3] == logits[1, 3] and torch.isneginf(out[1, 4:]).all()
+    assert torch.equal(out[2, 2:4], logits[2, 2:4] + 1.0)
+    plain = logits.clone()
+    assert _mask_grammar_first(plain, plain, bitmask) is plain and torch.isneginf(plain[:, :2]).all()
+
+
 @pytest.mark.parametrize("bad, message", [
     (StructuredOutputsParams(json={"type": "objec"}), "invalid json.*objec"),
     (StructuredOutputsParams(json="{not json"), "invalid json"),
