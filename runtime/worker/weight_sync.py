@@ -50,6 +50,9 @@ class Target:
     shard_id: Any
     shape: tuple[int, ...]
     """The full (unsharded) shape the incoming tensor must have."""
+    required: bool = True
+    """False for a persistent buffer (DeepSeek's ``e_score_correction_bias``): copied when sent, as
+    ``load_state_dict`` would, but not asked for (a trainer's ``named_parameters`` does not hold it)."""
 
     @property
     def direct(self) -> bool:
@@ -183,6 +186,11 @@ def _build_table(model: nn.Module) -> tuple[dict[str, Target], str]:
     if prefix:
         for hf_name, (fused, shard_id) in shard_map(hf).items():
             add(prefix + hf_name, prefix + fused, shard_id)
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for buffer_name, buffer in module._buffers.items():
+            name = f"{module_name}.{buffer_name}" if module_name else buffer_name
+            if buffer is not None and buffer_name not in module._non_persistent_buffers_set and name not in table:
+                table[name] = Target(name, buffer, module, None, tuple(buffer.shape), required=False)
     for part, (fused, shard_id) in getattr(model, "packed_modules_mapping", {}).items():
         part, fused = part.strip("."), fused.strip(".")  # keys with or without their dots, as the loader takes them
         for name in list(params):
@@ -273,7 +281,7 @@ def _missing(table: dict[str, Target], covered: dict[int, set]) -> list[str]:
     """Parameters with neither a whole tensor nor every shard among the incoming ones."""
     shards: dict[int, dict] = {}
     for t in table.values():
-        if t.name.endswith("." + SCALE_NAME):  # made from a float weight (apply_update); an FP8 one needs its own
+        if t.name.endswith("." + SCALE_NAME) or not t.required:  # a scale is made from a float weight (apply_update)
             continue
         entry = shards.setdefault(id(t.param), {"name": t.name, "shape": None, "ids": set()})
         if t.shard_id is None:

@@ -12,7 +12,8 @@ from fxrewrite.runtime.model_files.checkpoint_conversion import checkpoint_layou
 from fxrewrite.runtime.model_files.loader import iterate_safetensors
 
 MOE = {"qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
-       "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}}
+       "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32},
+       "deepseek_v3": {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}}
 PROMPTS = ["Hello, my name is", "1 2 3 4 5 6 7 8 9 10 11 12"]
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -26,7 +27,7 @@ def _params(llm):
 
 
 @pytest.mark.parametrize("arch, impl", [("qwen3_moe", "native"), ("qwen3_moe", "transformers"),
-                                        ("mixtral", "transformers")])
+                                        ("mixtral", "transformers"), ("deepseek_v3", "transformers")])
 def test_checkpoint_files_of_another_folder_give_its_tokens(tiny_model_dir, arch, impl):
     old, new = (tiny_model_dir(arch, vocab="smollm2", seed=s, **MOE[arch]) for s in (0, 1))
     pairs = list(iterate_safetensors(new))
@@ -36,6 +37,25 @@ def test_checkpoint_files_of_another_folder_give_its_tokens(tiny_model_dir, arch
     llm.load_weights(pairs)
     expected = _tokens(LLM(str(new), model_impl=impl, dtype="float32", block_size=4))
     assert _tokens(llm) == expected != before
+
+
+def test_a_persistent_buffer_is_copied_when_sent_and_not_asked_for(tiny_model_dir):
+    """DeepSeek-V3's router bias `e_score_correction_bias` is a persistent buffer (in the checkpoint, not among a
+    trainer's parameters): a checkpoint's value lands in the engine and moves its routing; parameters alone still
+    pass strict=True. (It matched no parameter, so a hub checkpoint could not be synced at all.)"""
+    folder = tiny_model_dir("deepseek_v3", vocab="smollm2", **MOE["deepseek_v3"])
+    pairs = list(iterate_safetensors(folder))
+    llm = LLM(str(folder), model_impl="transformers", dtype="float32", block_size=4)
+    before = _tokens(llm)
+    biased = [(n, torch.linspace(-4, 4, t.numel()).reshape(t.shape) if n.endswith("e_score_correction_bias") else t)
+              for n, t in pairs]
+    llm.load_weights(biased)
+    engine = dict(llm.llm_engine.model_runner.model.named_buffers())
+    sent = {n: t for n, t in biased if n.endswith("e_score_correction_bias")}
+    assert sent and all(torch.equal(engine["hf_model." + n], t) for n, t in sent.items())
+    assert _tokens(llm) != before
+    llm.load_weights([(n, t) for n, t in pairs if n not in sent])  # strict: the buffer is not required
+    assert all(torch.equal(engine["hf_model." + n], t) for n, t in sent.items())  # and kept
 
 
 def test_missing_expert_is_refused_and_nothing_changes(tiny_model_dir):
