@@ -50,7 +50,10 @@ class EngineDeadError(OpenAIError):
 class _Collector:
     """The latest output of one request, or the error that ended it."""
 
-    def __init__(self) -> None:
+    def __init__(self, num_completions: int = 1) -> None:
+        self.num_completions = num_completions
+        """The request's completions (SamplingParams.n): what `fxrewrite:request_aborted` counts, as
+        `fxrewrite:request_success` counts each finished one."""
         self._output: StepOutput | None = None
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
@@ -157,17 +160,18 @@ class AsyncLLMEngine:
             self.engine.add_request(request_id, prompt, _as_delta(sampling_params))
             if self.request_logger is not None:
                 self.request_logger.log(request_id, prompt, sampling_params)
-            collector = _Collector()
+            collector = _Collector(getattr(sampling_params, "n", 1) or 1)
             self._collectors[request_id] = collector
         self._wake.set()
         return collector
 
     def abort(self, request_id: str) -> None:
         """Abort a request soon (before the next step); never blocks, safe in `finally`."""
-        if self._collectors.pop(request_id, None) is not None:
+        collector = self._collectors.pop(request_id, None)
+        if collector is not None:
             self._pending_aborts.add(request_id)
             if self.metrics is not None:
-                self.metrics.aborted.inc()
+                self.metrics.aborted.inc(collector.num_completions)
             self._wake.set()
 
     async def get_stats(self) -> dict:
