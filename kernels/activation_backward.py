@@ -15,6 +15,7 @@ k = sqrt(2 / pi) (Hendrycks & Gimpel, "Gaussian Error Linear Units", 2016). The 
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from fxrewrite.kernels import compiled_training_kernels, use_triton
 from fxrewrite.kernels.activation import _APPROXIMATE, _act_and_mul_triton, _half, gelu_and_mul_ref, silu_and_mul_ref
@@ -62,6 +63,7 @@ class ActAndMulFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # kernels, not torch ops: create_graph=True raises, never a silent zero
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
         d = _half(x)

@@ -14,13 +14,14 @@ Liger-Kernel's fused linear cross-entropy (Hsu et al., 2024, arXiv:2410.10989).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from fxrewrite.kernels import use_triton
-from fxrewrite.kernels.cross_entropy import cross_entropy_grad_, cross_entropy_grad_torch
+from fxrewrite.kernels.cross_entropy import _transform, cross_entropy_grad_, cross_entropy_grad_torch
 
 __all__ = ["fused_linear_cross_entropy", "fused_linear_cross_entropy_ref", "default_chunk_size", "forward_with_grads"]
 
@@ -148,6 +149,31 @@ def _autograd_loop(hidden, weight, bias, target, ignore_index, transform, kernel
     return total
 
 
+def _differentiable_grads(ctx, grad_out):
+    """The inputs' gradients as differentiable functions of them (create_graph=True: a gradient penalty, a
+    second-order method), chunk by chunk: d loss / d logits by autograd through the reference, then the linear's
+    partial derivatives as torch ops (autograd.grad to hidden would also follow hidden's own path to a tied weight).
+    The stored first-order gradients cannot be differentiated: they were made without a graph."""
+    hidden, weight, bias = ctx.saved_inputs
+    target, ignore_index, transform, kernel_params, chunk = ctx.args
+    if transform is None and kernel_params is not None:  # the transform given in numbers only
+        transform = partial(_transform, scale=kernel_params[0], softcap=kernel_params[1])
+    want_h, want_w, want_b = ctx.which
+    grad_h, grad_w, grad_b = [], 0, 0
+    with torch.enable_grad():
+        for s in range(0, hidden.shape[0], chunk):
+            h = hidden[s:s + chunk]
+            z = F.linear(h, weight, bias)
+            y = transform(z) if transform is not None else z
+            loss = F.cross_entropy(y.float(), target[s:s + chunk], ignore_index=ignore_index, reduction="sum")
+            (dz,) = torch.autograd.grad(loss, z, grad_out, create_graph=True)
+            grad_h += [dz @ weight] if want_h else []
+            grad_w = grad_w + dz.t() @ h if want_w else grad_w
+            grad_b = grad_b + dz.sum(0) if want_b else grad_b
+    return (torch.cat(grad_h) if want_h else None, grad_w if want_w else None, grad_b if want_b else None,
+            None, None, None, None, None)
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, ignore_index, transform, kernel_params, chunk):
@@ -155,11 +181,16 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         total, *grads = forward_with_grads(hidden, weight, bias, target, ignore_index, transform, kernel_params,
                                            chunk, *want)
         ctx.save_for_backward(*(x for x in grads if x is not None))
+        # references to the inputs (no copy; autograd's version counters are not checked on them), for a backward
+        # under create_graph only (`_differentiable_grads`)
+        ctx.saved_inputs, ctx.args = (hidden, weight, bias), (target, ignore_index, transform, kernel_params, chunk)
         ctx.which, ctx.applied = want, None
         return total
 
     @staticmethod
     def backward(ctx, grad_out):
+        if torch.is_grad_enabled():  # create_graph=True
+            return _differentiable_grads(ctx, grad_out)
         saved = iter(ctx.saved_tensors)
         if ctx.applied is None:
             # The first backward scales the stored gradients in place (as Liger-Kernel: no second copy), through

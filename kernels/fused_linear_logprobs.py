@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from fxrewrite.kernels import use_triton
 from fxrewrite.kernels.cross_entropy import cross_entropy_grad_
@@ -105,6 +106,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         return _forward(hidden, weight, bias, target, scale, softcap, chunk)
 
     @staticmethod
+    @once_differentiable  # kernels, not torch ops: create_graph=True raises, never a silent zero
     def backward(ctx, grad):
         hidden, weight, bias, target = ctx.saved_tensors
         grads = _backward(grad, hidden, weight, bias, target, *ctx.params, ctx.needs_input_grad[:3])
@@ -180,6 +182,7 @@ class _FusedLinearTokenLoss(torch.autograd.Function):
         return loss, lps
 
     @staticmethod
+    @once_differentiable  # kernels, not torch ops: create_graph=True raises, never a silent zero
     def backward(ctx, grad_loss, _grad_lps):
         # in place, as the fused linear cross-entropy's backward (no second copy of d weight)
         grads = [None if g is None else g.mul_(grad_loss) for g in ctx.grads]

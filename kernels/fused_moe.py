@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from fxrewrite.kernels import use_triton
 from fxrewrite.kernels.batch_invariant import is_batch_invariant
@@ -115,6 +116,7 @@ class _FusedExperts(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # kernels, not torch ops: create_graph=True raises, never a silent zero
     def backward(ctx, grad_out):
         x, w13, w2, topk_weights, sorted_ids, expert_ids, act, h13, y = ctx.saved_tensors
         k, block_m, expert_start = ctx.meta

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from fxrewrite.kernels import compiled_training_kernels
 from fxrewrite.kernels.activation import _APPROXIMATE, _act_and_mul_triton, _half, gelu_and_mul_ref, silu_and_mul_ref
@@ -64,6 +65,7 @@ class ActAndMulDownFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # kernels, not torch ops: create_graph=True raises, never a silent zero
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         want_x, want_w, want_b = ctx.needs_input_grad[:3]

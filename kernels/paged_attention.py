@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from fxrewrite.kernels import use_triton
 from fxrewrite.kernels.attention_tile import check_paged_args, sinks_arg
@@ -236,6 +237,7 @@ class _CausalAttention(torch.autograd.Function):
         return out.view(batch, length, num_heads, head_dim)
 
     @staticmethod
+    @once_differentiable  # kernels, not torch ops: create_graph=True raises, never a silent zero
     def backward(ctx, grad_out):
         q, k, v = (t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors)
         with torch.enable_grad():

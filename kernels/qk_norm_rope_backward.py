@@ -18,6 +18,7 @@ of the rotary's gradient and of dx, and two of three launches. Reference: autogr
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from fxrewrite.kernels import use_triton
 from fxrewrite.kernels.rms_norm import rms_norm_ref
@@ -248,6 +249,7 @@ class QKNormRopeFunction(torch.autograd.Function):
         return qo, ko
 
     @staticmethod
+    @once_differentiable  # kernels, not torch ops: create_graph=True raises, never a silent zero
     def backward(ctx, dq, dk):
         q, k, cos, sin, q_weight, k_weight = ctx.saved_tensors
         gq, gk, dwq, dwk = qk_backward(dq, dk, q, k, cos, sin, q_weight, k_weight, *ctx.eps, ctx.is_neox_style)

@@ -13,6 +13,7 @@ The reference is autograd through :func:`fxrewrite.kernels.rms_norm.rms_norm_ref
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from fxrewrite.kernels import compiled_training_kernels, use_triton
 from fxrewrite.kernels.rms_norm import _check, rms_norm_kernel, rms_norm_ref
@@ -115,6 +116,7 @@ class RMSNormFunction(torch.autograd.Function):
         return out, res_out
 
     @staticmethod
+    @once_differentiable  # kernels, not torch ops: create_graph=True raises, never a silent zero
     def backward(ctx, dy, dres):
         x, weight, rstd = ctx.saved_tensors
         dx, dw = rms_norm_bwd(dy, dres if ctx.has_residual else None, x, weight, rstd, ctx.offset)

@@ -13,6 +13,7 @@ and computes in float32 with one rounding where transformers rounds each product
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from fxrewrite.kernels import use_triton
 from fxrewrite.kernels.rotary import pair_offsets
@@ -101,6 +102,7 @@ class RotaryApplyFunction(torch.autograd.Function):
         return _launch(q, cos, sin, is_neox_style, False), _launch(k, cos, sin, is_neox_style, False)
 
     @staticmethod
+    @once_differentiable  # kernels, not torch ops: create_graph=True raises, never a silent zero
     def backward(ctx, dq, dk):
         cos, sin = ctx.saved_tensors
         # the kernel reads features at unit stride; eager attention's ``q @ k.transpose(2, 3)`` hands back dk (and an

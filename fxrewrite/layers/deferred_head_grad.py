@@ -44,6 +44,12 @@ ATTACH_BREAK = ("fxrewrite: the deferred LM-head gradient's identity on the embe
                 "(FXREWRITE_DEFER_HEAD_GRAD=0: no deferral, no graph break)")
 
 
+SECOND_ORDER_ERROR = (
+    "fxrewrite: backward with create_graph=True (second-order gradients) through the LM head's deferred weight "
+    "gradient, which is made without a graph; set FXREWRITE_DEFER_HEAD_GRAD=0 before the forward (the fused loss "
+    "then differentiates twice), or optimize with patterns= leaving out LMHeadLossPattern")
+
+
 def plain_parameter(weight) -> bool:
     """A plain ``nn.Parameter`` (not a DTensor of FSDP2 or another subclass): the only weight deferred."""
     return type(weight) is nn.Parameter
@@ -82,6 +88,8 @@ class ScaleRecorder(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if torch.is_grad_enabled():  # the deferred gradient is made without a graph: wrong second-order terms
+            raise RuntimeError(SECOND_ORDER_ERROR)
         (hidden,) = ctx.saved_tensors
         ctx.job.scale = grad.detach()
         ctx.job.args = (hidden, *ctx.job.args[1:])
