@@ -13,6 +13,7 @@ ones through each pattern's `shards`, recorded on the rewritten module as
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Iterable
 
 import torch
@@ -281,6 +282,25 @@ class FusedAway(nn.Linear):
                                  "keeps Hugging Face names. Code that picks nn.Linear modules by type (PEFT's "
                                  "'all-linear', a weight init, a quantizer) would miss the fused projection: apply "
                                  "it before fxrewrite.optimize (for LoRA: peft.get_peft_model first)") from None
+
+    def _hook_warning(self, register, hook, *args, **kwargs):
+        # a warning, not an error: tools that hook every module (DeepSpeed ZeRO-3, summaries) must keep working
+        warnings.warn(f"a hook on {self.name!r} never runs: it was fused into {self.fused!r} by fxrewrite.optimize "
+                      f"(hook {self.fused!r}, whose output holds its rows, or register the hook before optimize)",
+                      UserWarning, stacklevel=3)
+        return register(hook, *args, **kwargs)
+
+    def register_forward_hook(self, hook, *args, **kwargs):
+        return self._hook_warning(super().register_forward_hook, hook, *args, **kwargs)
+
+    def register_forward_pre_hook(self, hook, *args, **kwargs):
+        return self._hook_warning(super().register_forward_pre_hook, hook, *args, **kwargs)
+
+    def register_full_backward_hook(self, hook, *args, **kwargs):
+        return self._hook_warning(super().register_full_backward_hook, hook, *args, **kwargs)
+
+    def register_full_backward_pre_hook(self, hook, *args, **kwargs):
+        return self._hook_warning(super().register_full_backward_pre_hook, hook, *args, **kwargs)
 
     def extra_repr(self) -> str:
         return (f"{self.name!r} was fused into {self.fused!r} by fxrewrite.optimize; to train LoRA adapters on it, "

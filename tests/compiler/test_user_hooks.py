@@ -95,3 +95,14 @@ def test_suspended_puts_every_hook_back_exactly_even_on_error():
         assert calls == ["kwargs", "global", "always"]  # the handles still remove their own hook
     finally:
         everywhere.remove()
+
+
+def test_a_hook_on_a_fused_away_projection_warns_that_it_never_runs():
+    """After optimize, q_proj is a placeholder inside qkv_proj's rows: a hook put on it would silently record nothing
+    (a fresh user's finding). A warning, not an error: tools that hook every module (DeepSpeed ZeRO-3) keep working."""
+    model = fxrewrite.optimize(tiny_model("llama"))
+    q_proj = model.model.layers[0].self_attn.q_proj
+    for register in (q_proj.register_forward_hook, q_proj.register_forward_pre_hook,
+                     q_proj.register_full_backward_hook, q_proj.register_full_backward_pre_hook):
+        with pytest.warns(UserWarning, match="'q_proj' never runs: it was fused into 'qkv_proj'"):
+            register(lambda *args: None).remove()
