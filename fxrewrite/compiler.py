@@ -146,7 +146,9 @@ def _optimize_groups(cls, instances, records, names, memo, patterns, ctx, entry:
         group = entry if len(groups) == 1 else GroupReport(entry, [names.get(id(m), "?") for m in members])
         record = _record(records, members[0])
         if record is None:
-            group.skip("trace", "not called during the meta run")
+            wrapper = type(members[0]).__module__.startswith("peft.")  # LoraModel: its base model's modules ran
+            group.skip("trace", "a PEFT wrapper, not traced: its base model's modules have their own rows" if wrapper
+                       else "not called during the meta run")
             continue
         args, kwargs = record
         with memoized(with_parameters(model), memo), user_hooks.suspended(members[0]):  # children run on meta

@@ -158,6 +158,8 @@ def test_explain_says_which_projections_lora_keeps_unfused():
     assert glu == "gate_proj is LoRA-wrapped (peft Linear around nn.Linear): gate/up kept unfused"
     assert "q_proj is LoRA-wrapped" in qkv and "v_proj is LoRA-wrapped" in qkv and "k_proj" not in qkv
     assert "layers.0" not in str(report) and "qkv" not in report.applied_patterns()
+    # the wrapper's own row says what it is (it said "not called during the meta run", a fresh user's puzzle)
+    assert skipped[("LoraModel", "trace")].startswith("a PEFT wrapper, not traced")
 
 
 @pytest.mark.parametrize("targets", [LORA_TARGETS, "all-linear"])
