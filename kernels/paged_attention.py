@@ -237,7 +237,7 @@ class _CausalAttention(torch.autograd.Function):
         return out.view(batch, length, num_heads, head_dim)
 
     @staticmethod
-    @once_differentiable  # kernels, not torch ops: create_graph=True raises, never a silent zero
+    @once_differentiable  # the recomputation runs on detached inputs: create_graph=True raises, never a silent zero
     def backward(ctx, grad_out):
         q, k, v = (t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors)
         with torch.enable_grad():
