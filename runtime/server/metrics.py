@@ -51,7 +51,7 @@ class ServerMetrics:
                                      labels, registry=r).labels(model_name)
         self.generation_tokens = Counter("fxrewrite:generation_tokens", "Generated tokens.",
                                          labels, registry=r).labels(model_name)
-        # Both count completions: a request with n=3 is three (vLLM's request_success counts each of n's child requests).
+        # Both count completions: a request with n=3 is three (vLLM's counts each of n's child requests).
         self._success = Counter("fxrewrite:request_success", "Finished completions (each of a request's n) by "
                                 "finish reason.", labels + ["finished_reason"], registry=r)
         self.aborted = Counter("fxrewrite:request_aborted", "Completions aborted (each of a request's n; client gone "
