@@ -52,8 +52,9 @@ class _Collector:
 
     def __init__(self, num_completions: int = 1) -> None:
         self.num_completions = num_completions
-        """The request's completions (SamplingParams.n): what `fxrewrite:request_aborted` counts, as
-        `fxrewrite:request_success` counts each finished one."""
+        """The request's completions (SamplingParams.n): `fxrewrite:request_aborted` counts those not in `recorded`
+        (`fxrewrite:request_success` counts each finished one)."""
+        self.recorded: set[int] = set()
         self._output: StepOutput | None = None
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
@@ -143,13 +144,20 @@ class AsyncLLMEngine:
                 output = await collector.get()
                 timer.observe(output)
                 finished = output.finished
-                if finished and self.metrics is not None:
-                    for choice in output.choices:
-                        self.metrics.record_finished(choice.finish_reason)
+                if self.metrics is not None:
+                    self._record_finished_choices(collector, output)
                 yield output
         finally:
             if not finished:
                 self.abort(request_id)
+
+    def _record_finished_choices(self, collector: _Collector, output: StepOutput) -> None:
+        """Count each choice in `fxrewrite:request_success` once, when it first shows a finish reason (with n > 1 a
+        stream may deliver one finished while others run; an abort then counts only the others)."""
+        for choice in output.choices:
+            if (choice.finish_reason is not None or output.finished) and choice.index not in collector.recorded:
+                collector.recorded.add(choice.index)
+                self.metrics.record_finished(choice.finish_reason)
 
     async def _add(self, request_id: str, prompt: Any, sampling_params: SamplingParams) -> _Collector:
         async with self._lock:  # checked under the lock: the loop may die while we wait for it
@@ -171,7 +179,7 @@ class AsyncLLMEngine:
         if collector is not None:
             self._pending_aborts.add(request_id)
             if self.metrics is not None:
-                self.metrics.aborted.inc(collector.num_completions)
+                self.metrics.aborted.inc(max(collector.num_completions - len(collector.recorded), 0))
             self._wake.set()
 
     async def get_stats(self) -> dict:

@@ -225,8 +225,8 @@ def full_shape(owner: nn.Module, param: nn.Parameter, shard_id) -> tuple[int, ..
 
 
 def plan_update(model: nn.Module, metas: list[tuple[str, tuple[int, ...]]], strict: bool = True) -> list[Target | None]:
-    """One Target per incoming (name, shape) (None: skipped); ValueError listing every wrong shape and,
-    with `strict`, every unknown name and parameter no tensor covers, before anything is copied.
+    """One Target per incoming (name, shape) (None: skipped); ValueError listing every wrong shape, every name given
+    twice and, with `strict`, every unknown name and parameter no tensor covers, before anything is copied.
 
     strict=False is torch's `load_state_dict(strict=False)`: a name that matches no parameter (an extra
     buffer, another model's head) is skipped and logged as a warning, a parameter without a tensor keeps
@@ -234,8 +234,11 @@ def plan_update(model: nn.Module, metas: list[tuple[str, tuple[int, ...]]], stri
     table, prefix = target_table(model)
     # A pipeline stage holds only its decoder layers: another stage's tensors are that stage's to check and copy.
     other_stages = tuple(prefix + p for p in getattr(model, "pp_dropped_prefixes", ()))
-    plan, errors, covered, unexpected = [], [], {}, []
+    plan, errors, covered, unexpected, seen = [], [], {}, [], set()
     for name, shape in metas:
+        if name in seen:  # the last copy would win silently
+            errors.append(f"tensor {name!r} is given twice")
+        seen.add(name)
         if any(s in name for s in _SKIPPED) or (other_stages and _normalize(name, prefix).startswith(other_stages)):
             plan.append(None)
             continue

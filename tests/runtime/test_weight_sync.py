@@ -107,6 +107,10 @@ def test_missing_and_extra_tensors_are_named(fused_llm, dirs):
     _bad(fused_llm, pairs, "hf_model.model.layers.0.self_attn.qkv_proj.weight", "'k'")
     extra = [*_hf(dirs[1], True).named_parameters(), ("model.layers.9.mlp.up_proj.weight", torch.zeros(2, 2))]
     _bad(fused_llm, extra, "model.layers.9.mlp.up_proj.weight", "(2, 2)", "matches no parameter")
+    # a name twice: the last copy won silently (a fresh user's zeroed embedding)
+    pairs = list(_hf(dirs[1], True).named_parameters())
+    twice = pairs + [(pairs[0][0], torch.zeros_like(pairs[0][1]))]
+    _bad(fused_llm, twice, f"tensor {pairs[0][0]!r} is given twice")
 
 
 def test_partial_update_with_strict_false_and_type_errors(fused_llm, dirs):

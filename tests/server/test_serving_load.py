@@ -149,3 +149,29 @@ def test_disconnect_while_waiting_for_a_non_streamed_answer_frees_blocks(server)
     after = server.scrape()
     # both completions, in the unit of request_success (each of n)
     assert after["fxrewrite:request_aborted_total"] == before["fxrewrite:request_aborted_total"] + 2
+
+
+def test_a_choice_finished_before_the_client_leaves_counts_as_success_the_other_as_aborted(server):
+    """n=2 streamed, one choice ends on a stop string while the other runs, then the client closes: one success and
+    one abort (both were counted aborted: a fresh user's finding). Seeds are tried until a stream shows that state."""
+    for seed in range(40):
+        before = server.scrape()
+        body = {"model": server.model_name, "prompt": "Story:", "max_tokens": 400, "temperature": 1.0, "seed": seed,
+                "n": 2, "stop": ["e", "a"], "ignore_eos": True, "stream": True}
+        finished: set[int] = set()
+        with server.http() as http, http.stream("POST", "/v1/completions", json=body) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    break  # [DONE]: both ended in one step; next seed
+                finished |= {c["index"] for c in json.loads(line[6:])["choices"] if c["finish_reason"]}
+                if len(finished) == 1:
+                    break  # leaving the `with` closes the connection while the other choice runs
+        if len(finished) != 1:
+            continue
+        server.wait_until(lambda: server.all_blocks_free())
+        after = server.scrape()
+        assert after["fxrewrite:request_aborted_total"] == before["fxrewrite:request_aborted_total"] + 1
+        success = sum(v for k, v in after.items() if k.startswith("fxrewrite:request_success_total"))
+        assert success == sum(v for k, v in before.items() if k.startswith("fxrewrite:request_success_total")) + 1
+        return
+    pytest.fail("no seed gave a stream with one choice finished before the other")
