@@ -12,7 +12,7 @@ import os
 
 import torch
 
-__all__ = ["use_triton", "compiled_training_kernels", "compiled_serving_kernels", "on_off_switch", "env_choice"]
+__all__ = ["use_triton", "triton_runs_on", "compiled_training_kernels", "compiled_serving_kernels", "on_off_switch", "env_choice"]
 
 
 def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
@@ -44,9 +44,15 @@ def use_triton(x: torch.Tensor) -> bool:
     with their neighbours (vLLM compiles its custom ops' native forms for the same reason). Attention
     is an opaque custom op, so its kernels still run.
     """
+    return not torch.compiler.is_compiling() and triton_runs_on(x)
+
+
+def triton_runs_on(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels can run on ``x``'s device, tracing or not: triton importable and ``x`` a CUDA
+    tensor, or a CPU tensor with ``FXREWRITE_TRITON=1`` and ``TRITON_INTERPRET=1`` (see :func:`use_triton`)."""
     from fxrewrite.kernels.triton_utils import HAS_TRITON  # here, not above: importing this package skips triton
 
-    if not HAS_TRITON or torch.compiler.is_compiling():
+    if not HAS_TRITON:
         return False
     if x.is_cuda:
         return True
@@ -65,14 +71,10 @@ def compiled_training_kernels(x: torch.Tensor) -> bool:
     design for training). ``FXREWRITE_COMPILE_TRAIN_KERNELS=0``: Inductor compiles the references instead (the
     training benchmark's ``optimize-compile-inductor`` arm). ``FXREWRITE_COMPILE_KERNELS=1`` opts in the serving
     forward too (`compiled_serving_kernels`)."""
-    from fxrewrite.kernels.triton_utils import HAS_TRITON
-
     env = os.environ
     if env.get("FXREWRITE_COMPILE_TRAIN_KERNELS") == "0" and env.get("FXREWRITE_COMPILE_KERNELS") != "1":
         return False
-    if not HAS_TRITON or not torch.compiler.is_compiling():
-        return False
-    return x.is_cuda or (env.get("FXREWRITE_TRITON") == "1" and env.get("TRITON_INTERPRET") == "1")
+    return torch.compiler.is_compiling() and triton_runs_on(x)
 
 
 def compiled_serving_kernels(x: torch.Tensor) -> bool:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from fxrewrite.kernels import use_triton
+from fxrewrite.kernels import triton_runs_on, use_triton
 from fxrewrite.kernels.batch_invariant import is_batch_invariant
 from fxrewrite.kernels.fused_moe_direct import DIRECT_MAX_TOKENS, direct_experts
 from fxrewrite.kernels.fused_moe_triton import gemm_config, grouped_gemm
@@ -61,7 +61,6 @@ def _check(x, w13, w2, topk_weights, topk_ids) -> None:
                          f"{tuple(topk_weights.shape)} must both be [T={x.shape[0]}, K]")
 
 
-@torch.compiler.disable  # data-dependent routing: torch.compile leaves it to the Triton path (a graph break)
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, expert_start: int = 0) -> torch.Tensor:
     """Same contract as `fused_experts_ref`; Triton kernels when `use_triton(x)`, else the reference.
@@ -72,8 +71,21 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     `batch_invariant_mode` the reference on every path (its per-expert F.linear calls are the mode's fixed-chunk
     GEMMs, its combine adds a token's experts in id order), so the engine's decode and prefill and a trainer's
     recomputation round alike.
+
+    While torch.compile traces, the Triton paths enter the graph as opaque custom ops (``fxrewrite::fused_experts``
+    at inference, ``fxrewrite::fused_experts_train`` and its backward op in training; no graph break); the
+    reference, whose routing is data-dependent, runs eagerly behind a graph break.
     """
     _check(x, w13, w2, topk_weights, topk_ids)
+    if torch.compiler.is_compiling() and triton_runs_on(x) and not is_batch_invariant():
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w13, w2, topk_weights)):
+            return torch.ops.fxrewrite.fused_experts_train(x, w13, w2, topk_weights, topk_ids, expert_start)[0]
+        return torch.ops.fxrewrite.fused_experts(x, w13, w2, topk_weights, topk_ids, expert_start)
+    return _fused_experts_eager(x, w13, w2, topk_weights, topk_ids, expert_start)
+
+
+@torch.compiler.disable(reason="fused_experts: the reference's routing is data-dependent")
+def _fused_experts_eager(x, w13, w2, topk_weights, topk_ids, expert_start: int) -> torch.Tensor:
     if not use_triton(x) or x.shape[0] == 0 or is_batch_invariant():
         return fused_experts_ref(x, w13, w2, topk_weights, topk_ids, expert_start)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w13, w2, topk_weights)):
@@ -119,22 +131,29 @@ class _FusedExperts(torch.autograd.Function):
     @once_differentiable  # kernels, not torch ops: create_graph=True raises, never a silent zero
     def backward(ctx, grad_out):
         x, w13, w2, topk_weights, sorted_ids, expert_ids, act, h13, y = ctx.saved_tensors
-        k, block_m, expert_start = ctx.meta
-        t, num_slots = x.shape[0], x.shape[0] * k
-        g = grad_out.float()
-        grad_w = (y.float().view(t, k, -1) * g.view(t, 1, -1)).sum(-1).to(topk_weights.dtype)
-        dy = (g.view(t, 1, -1) * topk_weights.float().view(t, k, 1)).reshape(num_slots, -1).to(x.dtype)
-        w2_t = w2.transpose(1, 2)  # [E, I, H]: d act = dy @ w2[e]
-        d_act = grouped_gemm(dy, w2_t, sorted_ids, expert_ids, num_slots, a_div=1, block_m=block_m)[0]
-        gate, up = h13.float().chunk(2, dim=-1)
-        sig = torch.sigmoid(gate)
-        d_gate = d_act.float() * up * sig * (1 + gate * (1 - sig))
-        d_h13 = torch.cat([d_gate, d_act.float() * F.silu(gate)], dim=-1).to(x.dtype)
-        w13_t = w13.transpose(1, 2)  # [E, H, 2I]: dx slot = d_h13 @ w13[e]
-        dx_slots = grouped_gemm(d_h13, w13_t, sorted_ids, expert_ids, num_slots, a_div=1, block_m=block_m)[0]
-        dx = dx_slots.float().view(t, k, -1).sum(1).to(x.dtype)
-        dw13, dw2 = _weight_grads(x, dy, act, d_h13, sorted_ids, expert_ids, k, block_m, w13.shape[0])
-        return dx, dw13.to(w13.dtype), dw2.to(w2.dtype), grad_w, None, None
+        k, block_m, _ = ctx.meta
+        dx, dw13, dw2, grad_w = _backward(grad_out, x, w13, w2, topk_weights, sorted_ids, expert_ids, act, h13, y, k,
+                                          block_m)
+        return dx, dw13, dw2, grad_w, None, None
+
+
+def _backward(grad_out, x, w13, w2, topk_weights, sorted_ids, expert_ids, act, h13, y, k: int, block_m: int):
+    """Gradients (dx, dw13, dw2, d topk_weights) of `_forward(save=True)` from what it saved; float32 math."""
+    t, num_slots = x.shape[0], x.shape[0] * k
+    g = grad_out.float()
+    grad_w = (y.float().view(t, k, -1) * g.view(t, 1, -1)).sum(-1).to(topk_weights.dtype)
+    dy = (g.view(t, 1, -1) * topk_weights.float().view(t, k, 1)).reshape(num_slots, -1).to(x.dtype)
+    w2_t = w2.transpose(1, 2)  # [E, I, H]: d act = dy @ w2[e]
+    d_act = grouped_gemm(dy, w2_t, sorted_ids, expert_ids, num_slots, a_div=1, block_m=block_m)[0]
+    gate, up = h13.float().chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    d_gate = d_act.float() * up * sig * (1 + gate * (1 - sig))
+    d_h13 = torch.cat([d_gate, d_act.float() * F.silu(gate)], dim=-1).to(x.dtype)
+    w13_t = w13.transpose(1, 2)  # [E, H, 2I]: dx slot = d_h13 @ w13[e]
+    dx_slots = grouped_gemm(d_h13, w13_t, sorted_ids, expert_ids, num_slots, a_div=1, block_m=block_m)[0]
+    dx = dx_slots.float().view(t, k, -1).sum(1).to(x.dtype)
+    dw13, dw2 = _weight_grads(x, dy, act, d_h13, sorted_ids, expert_ids, k, block_m, w13.shape[0])
+    return dx, dw13.to(w13.dtype), dw2.to(w2.dtype), grad_w
 
 
 def _weight_grads(x, dy, act, d_h13, sorted_ids, expert_ids, k, block_m, num_experts):
@@ -154,3 +173,69 @@ def _weight_grads(x, dy, act, d_h13, sorted_ids, expert_ids, k, block_m, num_exp
             dw13[e] = d_h13[part].float().t() @ x[part // k].float()
             dw2[e] = dy[part].float().t() @ act[part].float()
     return dw13, dw2
+
+
+# torch.compile: the Triton paths as opaque custom ops. The training op returns what the eager Function saves
+# (act, h13 and y, one row per (token, expert) slot); its backward recomputes the alignment from topk_ids (cheap,
+# and deterministic: the same block size for the same token count) rather than passing index tensors through.
+
+@torch.library.custom_op("fxrewrite::fused_experts", mutates_args=())
+def _experts_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, expert_start: int) -> torch.Tensor:
+    return _fused_experts_eager(x, w13, w2, topk_weights, topk_ids, expert_start)
+
+
+@_experts_op.register_fake
+def _(x, w13, w2, topk_weights, topk_ids, expert_start):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("fxrewrite::fused_experts_train", mutates_args=())
+def _train_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, expert_start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if x.shape[0] == 0:
+        return _train_fake(x, w13, w2, topk_weights, topk_ids, expert_start)
+    out, saved = _forward(x, w13, w2, topk_weights, topk_ids, expert_start, save=True)
+    return (out, *saved[2:5])
+
+
+@_train_op.register_fake
+def _train_fake(x, w13, w2, topk_weights, topk_ids, expert_start):
+    slots, i = topk_ids.numel(), w2.shape[2]
+    return (torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(slots, i),
+            x.new_empty(slots, 2 * i), x.new_empty(slots, x.shape[1]))
+
+
+@torch.library.custom_op("fxrewrite::fused_experts_train_backward", mutates_args=())
+def _train_backward_op(grad_out: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                       topk_weights: torch.Tensor, topk_ids: torch.Tensor, act: torch.Tensor, h13: torch.Tensor,
+                       y: torch.Tensor, expert_start: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if x.shape[0] == 0:
+        return _train_backward_fake(grad_out, x, w13, w2, topk_weights, topk_ids, act, h13, y, expert_start)
+    block_m = gemm_config(x.shape[0])["block_m"]  # _forward's
+    sorted_ids, expert_ids = moe_align_block_size(topk_ids, block_m, w13.shape[0], expert_start)
+    return _backward(grad_out, x, w13, w2, topk_weights, sorted_ids, expert_ids, act, h13, y, topk_ids.shape[1],
+                     block_m)
+
+
+@_train_backward_op.register_fake
+def _train_backward_fake(grad_out, x, w13, w2, topk_weights, topk_ids, act, h13, y, expert_start):
+    fresh = torch.contiguous_format
+    return (torch.zeros_like(x, memory_format=fresh), torch.zeros_like(w13, memory_format=fresh),
+            torch.zeros_like(w2, memory_format=fresh), torch.zeros_like(topk_weights, memory_format=fresh))
+
+
+def _train_setup(ctx, inputs, output):
+    x, w13, w2, topk_weights, topk_ids, expert_start = inputs
+    ctx.save_for_backward(x, w13, w2, topk_weights, topk_ids, *output[1:])
+    ctx.expert_start = expert_start
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _train_backward(ctx, grad_out, *_saved_grads):
+    grads = torch.ops.fxrewrite.fused_experts_train_backward(grad_out, *ctx.saved_tensors, ctx.expert_start)
+    return (*(g if want else None for g, want in zip(grads, ctx.needs_input_grad[:4])), None, None)
+
+
+_train_op.register_autograd(_train_backward, setup_context=_train_setup)

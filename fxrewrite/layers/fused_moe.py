@@ -152,7 +152,7 @@ class FusedMoE(nn.Module):
         (`fxrewrite.kernels.moe_norm_router`) when nothing else needs the plain path."""
         router = self._child("router")
         if (dp_ep_active() or getattr(router, "bias", None) is not None or torch.compiler.is_compiling()
-                or router_logits_wanted()
+                or router_logits_wanted(router)
                 # training: the norm module's autograd pair; batch-invariant: the path a trainer's recomputation takes
                 or torch.is_grad_enabled() or is_batch_invariant()
                 or getattr(norm, "offset", None) != 0.0 or not getattr(norm, "upcast", False)):
@@ -177,7 +177,7 @@ class FusedMoE(nn.Module):
         # its own forward, for transformers' recorder hook (the same weight routes below); also whenever autograd
         # records: activation checkpointing's recomputation runs without the collector and must save what the
         # forward saved (a call only the first pass made was a CheckpointError with output_router_logits=True)
-        if router_logits_wanted() or torch.is_grad_enabled():
+        if torch.is_grad_enabled() or router_logits_wanted(router):
             router(x)
         # a few tokens (decode): gate GEMV + top-k in one launch (fxrewrite.kernels.moe_router)
         weights, ids = route_experts(x, router.weight, self.top_k, self.renormalize, self.scoring_func,
@@ -195,10 +195,15 @@ class FusedMoE(nn.Module):
         return f"top_k={self.top_k}, renormalize={self.renormalize}, scoring_func={self.scoring_func!r}"
 
 
-def router_logits_wanted() -> bool:
+def router_logits_wanted(router: nn.Module) -> bool:
     """Whether this forward runs under transformers' output collector with ``output_router_logits`` (the MoE
     auxiliary loss): transformers records router logits with a forward hook on the router module, so the router
-    module must run (a fused block otherwise reads only its weight)."""
+    module must run (a fused block otherwise reads only its weight). transformers installs its recorder hooks on
+    the first call that asks for any output; before that (serving, plain training) the collector is not read:
+    dynamo cannot trace a ContextVar read outside transformers' own compiled wrapper (a graph break per layer in
+    a regionally compiled decoder layer)."""
+    if not router._forward_hooks:
+        return False
     collector = getattr(output_capturing, "_active_collector", None)  # transformers 5.x's, checked 5.17 to 5.25
     outputs = collector.get() if collector is not None else None
     return outputs is not None and "router_logits" in outputs

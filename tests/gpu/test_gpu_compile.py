@@ -79,3 +79,52 @@ def test_compiled_engine_greedy_tokens_equal_level_0(make_llm, impl):
         assert runner.graph_runner is not None
         tokens[level] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert tokens[3] == tokens[0]
+
+
+SMALL_QWEN3_MOE = {  # Qwen3-MoE with real head size and GQA, 16 experts, float32 (compiled vs eager agree tightly)
+    "name": "gpu-small-qwen3-moe",
+    "tokenizer": "qwen3",
+    "config": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 512,
+        "intermediate_size": 1024, "moe_intermediate_size": 256, "num_experts": 16, "num_experts_per_tok": 4,
+        "norm_topk_prob": True, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 128, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
+        "tie_word_embeddings": True, "vocab_size": 151936, "bos_token_id": 151643, "eos_token_id": 151645,
+        "torch_dtype": "float32",
+    },
+}
+
+
+@pytest.mark.gpu
+def test_compiled_moe_engine_has_no_graph_break_and_equals_level_0(fxrewrite_cache):
+    """An MoE model through the transformers backend at `-O 3`: each regionally compiled decoder layer is one graph
+    (the fused experts as the custom op ``fxrewrite::fused_experts``, the router in the graph), and the greedy tokens
+    equal `-O 0`'s through prefill, chunked prefill and decode."""
+    from torch._dynamo.utils import counters
+
+    from fxrewrite.benchmarks.common import bench_model_dir
+    from fxrewrite.layers.fused_moe import FusedMoE
+    from fxrewrite.runtime.engine.sampling_params import SamplingParams
+    from fxrewrite.runtime.llm import LLM
+    from tests.e2e.compile_breaks import graph_breaks
+    from tests.gpu.conftest import REPO_ROOT
+
+    carried = REPO_ROOT / ".bench_tokenizer" / "qwen3"
+    path = bench_model_dir(SMALL_QWEN3_MOE, carried if carried.is_dir() else None)
+    prompts = [[int(t) for t in torch.randint(0, 10000, (n,), generator=torch.Generator().manual_seed(n))]
+               for n in (3, 17, 40, 300)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    tokens = {}
+    for level in (0, 3):
+        torch._dynamo.reset()
+        counters.clear()
+        llm = LLM(str(path), model_impl="transformers", load_format="dummy", kv_cache_memory_bytes=256 << 20,
+                  max_model_len=1024, seed=0, max_num_seqs=4, max_num_batched_tokens=256, compilation_config=level)
+        runner = llm.llm_engine.model_runner
+        assert bool(getattr(runner.model, "_fxrewrite_compiled", False)) == (level == 3)
+        assert any(isinstance(m, FusedMoE) for m in runner.model.modules())
+        tokens[level] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert graph_breaks() == {}, graph_breaks()
+        del llm, runner
+    assert tokens[3] == tokens[0]
+
