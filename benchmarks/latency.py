@@ -10,6 +10,8 @@ from __future__ import annotations
 import random
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 from fxrewrite.benchmarks.common import copy_bandwidth_bytes_per_s, engine_weight_bytes, replay_ms, run_requests
 from fxrewrite.benchmarks.step_timing import decode_step_summary, gc_pauses
 from fxrewrite.kernels.triton_utils import watch_jit_compiles
@@ -99,5 +101,6 @@ def graph_replay_ms(runner, batch_size: int, iters: int = 50) -> float | None:
     bucket = min((s for s in graphs.sizes if s >= batch_size), default=None)
     if bucket is None:  # larger than every captured bucket: such a step runs eagerly
         return None
-    graphs.slot_mapping.fill_(-1)
+    with torch.inference_mode():  # under -O 3 the graphs' buffers are inference tensors (cuda_graphs.py)
+        graphs.slot_mapping.fill_(-1)
     return replay_ms(graphs.graphs[bucket], iters, warmup=3)

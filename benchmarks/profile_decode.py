@@ -67,6 +67,7 @@ def _timed_ms(fn, iters: int = 50) -> float:
 
 
 @torch.inference_mode()
+@torch.inference_mode()  # under -O 3 the graphs' buffers are inference tensors (cuda_graphs.py)
 def profile_decode(config: str, arm: str, batch: int, context: int, engine_kwargs: dict,
                    tokenizer_dir=None) -> dict:
     spec = load_bench_config(config)

@@ -129,7 +129,11 @@ def paged_attention_forward(
     _refuse_unsupported(module, kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
-    kv_cached = take_kv_written(module.layer_idx, key, value)  # a fused q/k-norm + rotary op wrote them
+    # in a regionally compiled layer the op reads the running layer's index (`paged_attend`): module.layer_idx, an int
+    # attribute, must not even be read while dynamo traces (torch 2.11 guards on it: a recompile per layer, and
+    # past dynamo's recompile limit (8) the later layers ran eagerly)
+    layer_idx = -1 if torch.compiler.is_compiling() and RUNNING_LAYER.regional else module.layer_idx
+    kv_cached = take_kv_written(layer_idx, key, value)  # a fused q/k-norm + rotary op wrote them
     value_dim = value.shape[-1]
     # multi-head latent attention: keys and values of different widths share the cache's width; zero channels leave
     # the scores (queries and keys padded alike) and the output's first value_dim channels exact
@@ -142,7 +146,7 @@ def paged_attention_forward(
         _record_call(module, key, attention_mask)
     out = paged_attend(
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-        module.layer_idx, scale, sliding_window=window, soft_cap=softcap, kv_cached=kv_cached,
+        layer_idx, scale, sliding_window=window, soft_cap=softcap, kv_cached=kv_cached,
         sinks=_sinks(kwargs, query.shape[1]),
     )
     return out[..., :value_dim].unsqueeze(0), None

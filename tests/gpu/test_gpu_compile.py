@@ -96,10 +96,12 @@ SMALL_QWEN3_MOE = {  # Qwen3-MoE with real head size and GQA, 16 experts, float3
 
 
 @pytest.mark.gpu
-def test_compiled_moe_engine_has_no_graph_break_and_equals_level_0(fxrewrite_cache):
-    """An MoE model through the transformers backend at `-O 3`: each regionally compiled decoder layer is one graph
-    (the fused experts as the custom op ``fxrewrite::fused_experts``, the router in the graph), and the greedy tokens
-    equal `-O 0`'s through prefill, chunked prefill and decode."""
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_compiled_deep_engine_compiles_once_per_layer_kind_and_equals_level_0(fxrewrite_cache, arch):
+    """10 decoder layers (more than dynamo's recompile limit, 8) through the transformers backend at `-O 3`: every
+    layer reuses one compiled graph per token-count kind (nothing guards on the layer's index), nothing breaks the
+    graph (an MoE model's fused experts are the custom op ``fxrewrite::fused_experts``), and the greedy tokens equal
+    `-O 0`'s through prefill, chunked prefill and decode."""
     from torch._dynamo.utils import counters
 
     from fxrewrite.benchmarks.common import bench_model_dir
@@ -107,10 +109,13 @@ def test_compiled_moe_engine_has_no_graph_break_and_equals_level_0(fxrewrite_cac
     from fxrewrite.runtime.engine.sampling_params import SamplingParams
     from fxrewrite.runtime.llm import LLM
     from tests.e2e.compile_breaks import graph_breaks
-    from tests.gpu.conftest import REPO_ROOT
+    from tests.gpu.conftest import REPO_ROOT, SMALL_QWEN3
 
+    spec = dict(SMALL_QWEN3_MOE if arch == "qwen3_moe" else SMALL_QWEN3)
+    spec["config"] = {**spec["config"], "num_hidden_layers": 10}
+    spec["name"] += "-10-layers"
     carried = REPO_ROOT / ".bench_tokenizer" / "qwen3"
-    path = bench_model_dir(SMALL_QWEN3_MOE, carried if carried.is_dir() else None)
+    path = bench_model_dir(spec, carried if carried.is_dir() else None)
     prompts = [[int(t) for t in torch.randint(0, 10000, (n,), generator=torch.Generator().manual_seed(n))]
                for n in (3, 17, 40, 300)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -122,9 +127,9 @@ def test_compiled_moe_engine_has_no_graph_break_and_equals_level_0(fxrewrite_cac
                   max_model_len=1024, seed=0, max_num_seqs=4, max_num_batched_tokens=256, compilation_config=level)
         runner = llm.llm_engine.model_runner
         assert bool(getattr(runner.model, "_fxrewrite_compiled", False)) == (level == 3)
-        assert any(isinstance(m, FusedMoE) for m in runner.model.modules())
+        assert any(isinstance(m, FusedMoE) for m in runner.model.modules()) == (arch == "qwen3_moe")
         tokens[level] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert graph_breaks() == {}, graph_breaks()
+        assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])  # any T, and T = 1
         del llm, runner
     assert tokens[3] == tokens[0]
-

@@ -216,10 +216,11 @@ def test_compiled_training_step_matches_stock(kernels, defer, monkeypatch):
 def test_compiled_moe_training_step_has_no_graph_break(monkeypatch):
     """torch.compile (Inductor) of an optimized, checkpointed Qwen3-MoE (Qwen3-30B-A3B's layer shapes, 2 layers): the
     fused experts are the custom ops ``fxrewrite::fused_experts_train`` / ``_backward`` (no graph break with
-    FXREWRITE_DEFER_HEAD_GRAD=0), the loss within 1e-3 of stock eager, gradients within bf16 error of the eager
-    optimized step's."""
+    FXREWRITE_DEFER_HEAD_GRAD=0), the loss within 1e-3 of stock eager, gradients as close to stock's as the eager
+    optimized step's (bf16)."""
     import fxrewrite
     from fxrewrite.benchmarks.train import enable_checkpointing
+    from fxrewrite.weights import to_hf_names
     from tests.e2e.compile_breaks import graph_breaks
     from torch._dynamo.utils import counters
 
@@ -231,6 +232,7 @@ def test_compiled_moe_training_step_has_no_graph_break(monkeypatch):
         enable_checkpointing(model)
     ids = torch.randint(0, 151936, (2, 512), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     want = stock(ids, labels=ids).loss
+    want.backward()
     fused(ids, labels=ids).loss.backward()
     torch._dynamo.reset()
     counters.clear()
@@ -238,11 +240,15 @@ def test_compiled_moe_training_step_has_no_graph_break(monkeypatch):
     out.loss.backward()
     assert graph_breaks() == {}
     assert abs(float(out.loss.detach()) - float(want.detach())) <= 1e-3 * float(want.detach())
-    eager = dict(fused.named_parameters())
-    for name, p in compiled_model.named_parameters():
-        ref = eager[name].grad.float()
-        err = float((p.grad.float() - ref).norm() / ref.norm().clamp_min(1e-12))
-        assert err < 2e-2, (name, err)
+    # bf16: compiled and eager round differently (the router's softmax and top-k weights above all), so each is
+    # measured against stock transformers' gradients: the compiled step's error within twice the eager step's
+    eager = to_hf_names(fused, {n: p.grad for n, p in fused.named_parameters()})
+    compiled = to_hf_names(compiled_model, {n: p.grad for n, p in compiled_model.named_parameters()})
+    for name, p in stock.named_parameters():
+        ref = p.grad.float()
+        err_compiled = float((compiled[name].float() - ref).norm() / ref.norm().clamp_min(1e-12))
+        err_eager = float((eager[name].float() - ref).norm() / ref.norm().clamp_min(1e-12))
+        assert err_compiled <= max(2 * err_eager, 1e-2), (name, err_compiled, err_eager)
 
 
 def test_inplace_activation_backward_allocates_no_input_sized_buffer():

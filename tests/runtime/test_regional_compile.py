@@ -79,6 +79,35 @@ def test_graph_count_does_not_grow_with_layers_or_token_counts(tiny_model_dir, i
         assert not any("triton" in t for t in targets)  # no Triton launch traced into the graph
 
 
+def test_layer_index_is_not_read_while_tracing(tiny_model_dir):
+    """The attention's ``layer_idx``, an int attribute of each layer's module, stays out of the traced layer: torch
+    2.11's dynamo guards on such an attribute once read (a recompile per layer; past the recompile limit, 8, the later
+    layers of a 28-layer model ran eagerly, and a benchmark's graph replay then failed). Reads are recorded through
+    a property on the attention modules: none while tracing, and the compiled engine's greedy tokens are the eager
+    engine's (the op reaches each layer's own cache)."""
+    torch._dynamo.reset()
+    llm = _engine(tiny_model_dir, "transformers", 3)
+    reads = []
+
+    def get(self):
+        reads.append(torch.compiler.is_compiling())
+        return self.__dict__["_probe_layer_idx"]
+
+    def put(self, value):
+        self.__dict__["_probe_layer_idx"] = value
+
+    for layer in decoder_layers(llm.llm_engine.model_runner.model):
+        attn = layer.self_attn
+        index = attn.layer_idx
+        attn.__class__ = type("LayerIndexProbe", (type(attn),), {"layer_idx": property(get, put)})
+        attn.layer_idx = index
+    expected = _token_ids(llm)
+    assert reads and not any(reads)  # the probe sees the eager engine's reads
+    compile_model(llm.llm_engine.model_runner.model, backend=CountingBackend())
+    assert _token_ids(llm) == expected
+    assert not any(reads)  # none by dynamo
+
+
 def test_decoder_layers_and_restore(tiny_model_dir):
     """A compile failure restores the eager forwards of the model and of every layer."""
     torch._dynamo.reset()
