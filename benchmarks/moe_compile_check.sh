@@ -2,7 +2,8 @@
 # torch.compile of MoE models (the fused experts as custom ops, no graph break) on one GPU, one call per MODE:
 #   MODE=serve: the MoE compile GPU tests (moe-compile-tests.log: -O 3 engine of a small Qwen3-MoE, a compiled
 #               Qwen3-30B-A3B-shaped training step); Qwen3-30B-A3B batch-1 decode, after arm, -O 0 then -O 3
-#               (latency JSONs, -O3 in the second one's name). ~8 min
+#               (latency JSONs, -O3 in the second one's name); THROUGHPUT=1: then Qwen3-4B throughput, after arm,
+#               -O 0 then -O 3. ~8 min
 #   MODE=train: training benchmark on Qwen3-30B-A3B's layers cut to LAYERS (default 4) decoder layers: stock,
 #               stock-compile, optimize, optimize-compile (ARMS to change), bf16, batch BATCH x SEQ (2 x 2048),
 #               checkpointed, STEPS timed steps after 2 warm-up (default 4). ~8 min
@@ -21,7 +22,12 @@ case "${MODE:-serve}" in
     bench "$(left 110)" --config qwen3-30b-a3b --arms after --workload latency --max-num-seqs 1 --time-limit 10
     stamp "-O 0 done"
     bench "$(left 200)" --config qwen3-30b-a3b --arms after --workload latency --max-num-seqs 1 --time-limit 10 -O 3
-    stamp "-O 3 done" ;;
+    stamp "-O 3 done"
+    if [ -n "${THROUGHPUT:-}" ]; then  # issue 14's -O 3 against -O 0: Qwen3-4B throughput, after arm
+      bench "$(left 90)" --config qwen3-4b --arms after --num-prompts 256 --time-limit 15
+      bench "$(left 150)" --config qwen3-4b --arms after --num-prompts 256 --time-limit 15 -O 3
+      stamp "throughput done"
+    fi ;;
   train)
     spec="$OUT_DIR/qwen3-30b-a3b-${LAYERS:-4}-layers.json"
     $PY - "$spec" "${LAYERS:-4}" <<'EOF'
