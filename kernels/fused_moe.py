@@ -26,6 +26,7 @@ from torch.autograd.function import once_differentiable
 from fxrewrite.kernels import triton_runs_on, use_triton
 from fxrewrite.kernels.batch_invariant import is_batch_invariant
 from fxrewrite.kernels.fused_moe_direct import DIRECT_MAX_TOKENS, direct_experts
+from fxrewrite.kernels.fused_moe_grouped_mm import grouped_mm_applies, grouped_mm_experts
 from fxrewrite.kernels.fused_moe_triton import gemm_config, grouped_gemm
 from fxrewrite.kernels.moe_routing import SCORING, moe_align_block_size, select_experts
 
@@ -67,7 +68,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
 
     At inference, up to `DIRECT_MAX_TOKENS` tokens take the direct path (`fused_moe_direct`: two
     GEMV launches indexed by the top-k ids, combine fused); more tokens, or autograd, the grouped
-    GEMMs. Differentiable (an autograd Function) in x, w13, w2 and topk_weights on both paths. In
+    GEMMs. In training with bf16 on a GPU, torch's grouped GEMM (`fused_moe_grouped_mm`, eager and under
+    torch.compile; FXREWRITE_MOE_TRAIN_GEMM=triton for the Triton path below). Differentiable (an autograd Function) in x, w13, w2 and topk_weights on both paths. In
     `batch_invariant_mode` the reference on every path (its per-expert F.linear calls are the mode's fixed-chunk
     GEMMs, its combine adds a token's experts in id order), so the engine's decode and prefill and a trainer's
     recomputation round alike.
@@ -77,8 +79,11 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     reference, whose routing is data-dependent, runs eagerly behind a graph break.
     """
     _check(x, w13, w2, topk_weights, topk_ids)
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w13, w2, topk_weights))
+    if training and grouped_mm_applies(x, w13, w2) and not is_batch_invariant():
+        return grouped_mm_experts(x, w13, w2, topk_weights, topk_ids, expert_start)  # traced by dynamo as it is
     if torch.compiler.is_compiling() and triton_runs_on(x) and not is_batch_invariant():
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w13, w2, topk_weights)):
+        if training:
             return torch.ops.fxrewrite.fused_experts_train(x, w13, w2, topk_weights, topk_ids, expert_start)[0]
         return torch.ops.fxrewrite.fused_experts(x, w13, w2, topk_weights, topk_ids, expert_start)
     return _fused_experts_eager(x, w13, w2, topk_weights, topk_ids, expert_start)
