@@ -30,6 +30,18 @@ def tiny_moe(family: str, seed: int = 0, **overrides):
     return model.eval()
 
 
+def expert_inputs(t=7, h=24, i=20, e=6, k=2, seed=0):
+    """Random (x [t, h], w13 [e, 2i, h], w2 [e, h, i], routing weights [t, k], expert ids [t, k]), float32."""
+    from fxrewrite.kernels.fused_moe import select_experts
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=gen)
+    w13 = torch.randn(e, 2 * i, h, generator=gen) * 0.2
+    w2 = torch.randn(e, h, i, generator=gen) * 0.2
+    weights, ids = select_experts(torch.randn(t, e, generator=gen), k, renormalize=True)
+    return x, w13, w2, weights, ids
+
+
 def stock_eager(model):
     """transformers' experts loop (the reference), whatever the default experts implementation is."""
     model.config._experts_implementation = "eager"

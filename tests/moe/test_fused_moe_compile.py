@@ -13,25 +13,18 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 
 import fxrewrite
-from fxrewrite.kernels.fused_moe import fused_experts_ref, select_experts
+from fxrewrite.kernels.fused_moe import fused_experts_ref
 from fxrewrite.weights import to_hf_names
-from tests.moe.conftest import stock_eager, tiny_moe
+from tests.moe.conftest import expert_inputs, stock_eager, tiny_moe
 
 CHECKS = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
 
 
-def _inputs(t=7, h=24, i=20, e=6, k=2, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, h, generator=gen)
-    w13 = torch.randn(e, 2 * i, h, generator=gen) * 0.2
-    w2 = torch.randn(e, h, i, generator=gen) * 0.2
-    weights, ids = select_experts(torch.randn(t, e, generator=gen), k, renormalize=True)
-    return x, w13, w2, weights, ids
 
 
 @pytest.mark.parametrize("expert_start", [0, 2])
 def test_train_op_matches_reference_and_passes_opcheck(triton_on, expert_start):
-    x, w13, w2, weights, ids = _inputs()
+    x, w13, w2, weights, ids = expert_inputs()
     ids = ids + expert_start // 2  # some slots routed to experts this rank does not hold
     leaves = [t.clone().requires_grad_() for t in (x, w13, w2, weights)]
     want = fused_experts_ref(*leaves, ids, expert_start)
@@ -131,7 +124,7 @@ def test_grouped_mm_training_path_matches_reference(t, expert_start):
     equal the reference, with padded slot rows (T*K not a multiple of 16) and with slots of experts held elsewhere."""
     from fxrewrite.kernels.fused_moe_grouped_mm import grouped_mm_experts
 
-    x, w13, w2, weights, ids = _inputs(t=t, h=16, i=24, seed=t)
+    x, w13, w2, weights, ids = expert_inputs(t=t, h=16, i=24, seed=t)
     ids = ids + expert_start // 2
     leaves = [v.clone().requires_grad_() for v in (x, w13, w2, weights)]
     want = fused_experts_ref(*leaves, ids, expert_start)

@@ -9,15 +9,9 @@ from fxrewrite.benchmarks.moe_direct_sweep import DOWN_TILES, GATE_UP_TILES
 from fxrewrite.kernels import fused_moe
 from fxrewrite.kernels.fused_moe import fused_experts, fused_experts_ref, moe_align_block_size, select_experts
 from fxrewrite.kernels.fused_moe_direct import DIRECT_MAX_TOKENS, direct_experts
+from tests.moe.conftest import expert_inputs as _inputs
 
 
-def _inputs(t=7, h=24, i=20, e=6, k=2, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, h, generator=gen)
-    w13 = torch.randn(e, 2 * i, h, generator=gen) * 0.2
-    w2 = torch.randn(e, h, i, generator=gen) * 0.2
-    weights, ids = select_experts(torch.randn(t, e, generator=gen), k, renormalize=True)
-    return x, w13, w2, weights, ids
 
 
 def test_select_experts_matches_softmax_topk():
