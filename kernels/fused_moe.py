@@ -80,7 +80,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     """
     _check(x, w13, w2, topk_weights, topk_ids)
     training = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w13, w2, topk_weights))
-    if training and grouped_mm_applies(x, w13, w2) and not is_batch_invariant():
+    if training and x.shape[0] > 0 and grouped_mm_applies(x, w13, w2) and not is_batch_invariant():
         return grouped_mm_experts(x, w13, w2, topk_weights, topk_ids, expert_start)  # traced by dynamo as it is
     if torch.compiler.is_compiling() and triton_runs_on(x) and not is_batch_invariant():
         if training:

@@ -49,7 +49,8 @@ def grouped_mm_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, K] (float), topk_ids [T, K] int -> [T, H] in x's
     dtype: `fused_experts_ref`'s result, differentiable in x, w13, w2 and topk_weights. Experts ``expert_start ..
     expert_start + E - 1`` are held here; other slots contribute nothing. Routing weights are applied and the K
-    experts summed in float32, as the Triton path does."""
+    experts summed in float32, as the Triton path does. Shapes are not checked here (`fused_experts` checks them);
+    a direct call in float32 needs H and I to be multiples of 4 (grouped_mm's 16-byte strides)."""
     t, k = topk_ids.shape
     num_experts, num_slots = w13.shape[0], topk_ids.numel()
     local = topk_ids.reshape(-1) - expert_start
@@ -68,4 +69,4 @@ def grouped_mm_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     gate, up = F.grouped_mm(xs, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
     y = F.grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)[:num_slots]
     y = torch.where(held_sorted, y, 0)[torch.argsort(order)]  # back to slot order t*K + k
-    return (y.view(t, k, -1).float() * topk_weights.float().unsqueeze(-1)).sum(1).to(x.dtype)
+    return (y.view(t, k, x.shape[1]).float() * topk_weights.float().unsqueeze(-1)).sum(1).to(x.dtype)  # T = 0 too

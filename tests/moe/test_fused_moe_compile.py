@@ -118,10 +118,11 @@ def test_router_logits_under_compile_match_stock(triton_on):
     torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("t,expert_start", [(7, 0), (16, 0), (9, 2)])
+@pytest.mark.parametrize("t,expert_start", [(7, 0), (16, 0), (9, 2), (0, 0)])
 def test_grouped_mm_training_path_matches_reference(t, expert_start):
     """torch's grouped GEMM path (the bf16 GPU training default), here in float32 on the CPU: output and gradients
-    equal the reference, with padded slot rows (T*K not a multiple of 16) and with slots of experts held elsewhere."""
+    equal the reference, with padded slot rows (T*K not a multiple of 16), with slots of experts held elsewhere, and
+    with no tokens."""
     from fxrewrite.kernels.fused_moe_grouped_mm import grouped_mm_experts
 
     x, w13, w2, weights, ids = expert_inputs(t=t, h=16, i=24, seed=t)
@@ -129,7 +130,8 @@ def test_grouped_mm_training_path_matches_reference(t, expert_start):
     leaves = [v.clone().requires_grad_() for v in (x, w13, w2, weights)]
     want = fused_experts_ref(*leaves, ids, expert_start)
     dy = torch.randn_like(want)
-    want_grads = torch.autograd.grad(want, leaves, dy)
+    # no tokens: the reference's output has no graph (zeros); every gradient is zero
+    want_grads = torch.autograd.grad(want, leaves, dy) if want.requires_grad else [torch.zeros_like(v) for v in leaves]
     leaves = [v.clone().requires_grad_() for v in leaves]
     got = grouped_mm_experts(*leaves, ids, expert_start)
     got_grads = torch.autograd.grad(got, leaves, dy)
