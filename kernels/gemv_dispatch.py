@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from fxrewrite.kernels import env_choice, triton_runs_on, use_triton
+from fxrewrite.kernels import env_choice, use_triton
 from fxrewrite.kernels.batch_invariant import is_batch_invariant
 from fxrewrite.kernels.skinny_gemv import FORMATS, GEMV_MAX_M, configs_for, skinny_gemv_triton
 from fxrewrite.kernels.skinny_gemv_fp8 import skinny_gemv_fp8_triton
@@ -44,7 +44,7 @@ from fxrewrite.kernels.skinny_gemv_pipelined import (PIPELINED_CONFIGS, skinny_g
 from fxrewrite.kernels.triton_utils import next_power_of_2
 
 __all__ = ["KINDS", "PIPELINED", "PIPELINED_FUSED", "UNFUSED", "TAGS", "fused_pipelined_configs", "unfused_configs",
-           "mode", "choose", "config_for_call", "compiled_gemv_wanted", "weight_format", "pipelined_configs", "is_pipelined", "run", "record",
+           "mode", "choose", "config_for_call", "weight_format", "pipelined_configs", "is_pipelined", "run", "record",
            "choices", "parse", "clear"]
 
 KINDS = ("linear", "norm", "silu")
@@ -108,27 +108,6 @@ def config_for_call(kind: str, x: torch.Tensor, w: torch.Tensor, *tensors: torch
     if not w.is_contiguous() or x.stride(-1) != 1:
         return None
     return choose(kind, w.shape[0], w.shape[1], x.numel() // x.shape[-1], fmt)
-
-
-def compiled_gemv_wanted(x: torch.Tensor, w: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
-    """While torch.compile traces a plain linear call on a float weight: whether it should enter the graph as the
-    opaque op that picks the GEMV at run time (`fxrewrite.layers.linear.dispatch_linear`): the kernels run on x's
-    device, x and w of one float dtype, w 2-D and contiguous, no gradient wanted, not batch-invariant, and the GEMV
-    can run for this weight (`FXREWRITE_GEMV=on`, or a tuned choice for some token bucket of its (N, K)). No test
-    on the token count here: that would be a shape guard, a second compiled graph."""
-    if not triton_runs_on(x) or w.dim() != 2 or x.dtype not in _FLOATS or w.dtype != x.dtype or is_batch_invariant():
-        return False
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, *tensors)):
-        return False
-    return w.is_contiguous() and _has_linear_choice(w.shape[0], w.shape[1])
-
-
-@torch.compiler.assume_constant_result
-def _has_linear_choice(n: int, k: int) -> bool:
-    current = mode()
-    return current == "on" or (current == "auto" and any(
-        key[0] == "linear" and key[1:3] == (n, k) and key[4] == "float" and choice is not None
-        for key, choice in _choices.items()))
 
 
 def pipelined_configs() -> tuple[tuple, ...]:

@@ -313,25 +313,9 @@ def no_weight_init():
 
 
 def dispatch_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or the skinny GEMV where `fxrewrite.kernels.gemv_dispatch` chose it for this call. While
-    torch.compile traces, a weight the GEMV may serve (`gemv_dispatch.compiled_gemv_wanted`) goes through the opaque
-    op ``fxrewrite::dispatch_linear``, which makes that choice when it runs, for the call's real token count."""
-    if torch.compiler.is_compiling():
-        if gemv_dispatch.compiled_gemv_wanted(x, w, bias):
-            return torch.ops.fxrewrite.dispatch_linear(x, w, bias)
-        return F.linear(x, w, bias)
+    """F.linear, or the skinny GEMV where `fxrewrite.kernels.gemv_dispatch` chose it for this call."""
     config = config_for_call("linear", x, w, bias)
     if config is None:
         return F.linear(x, w, bias)
     k = x.shape[-1]
     return gemv_dispatch.run(x.reshape(-1, k), w, bias, config).view(*x.shape[:-1], w.shape[0])
-
-
-@torch.library.custom_op("fxrewrite::dispatch_linear", mutates_args=())
-def _dispatch_linear_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return dispatch_linear(x, w, bias)  # runs eagerly: the GEMV or cuBLAS for this call's token count
-
-
-@_dispatch_linear_op.register_fake
-def _(x, w, bias):
-    return x.new_empty((*x.shape[:-1], w.shape[0]))

@@ -143,30 +143,3 @@ def test_opt_in_serving_kernels_enter_the_graph_as_ops(tiny_model_dir, monkeypat
     targets = {str(n.target) for g in backend.graphs for n in g.graph.nodes}
     for op in ("fxrewrite.rms_norm_train", "fxrewrite.act_and_mul_train"):
         assert any(t.startswith(op) for t in targets), (op, targets)
-
-
-def test_linears_pick_the_skinny_gemv_at_run_time_under_compile(tiny_model_dir, monkeypatch):
-    """A weight with a tuned skinny-GEMV choice (recorded here for the fused QKV projection's shape, as the load-time
-    timing records it on a GPU) is the opaque op ``fxrewrite::dispatch_linear`` in the compiled layer, which picks the
-    GEMV or cuBLAS for each call's token count when it runs (no guard on the count); the other linears stay F.linear.
-    The compiled engine's greedy tokens equal the eager engine's."""
-    from fxrewrite.kernels import gemv_dispatch
-    from fxrewrite.kernels.skinny_gemv import configs_for
-
-    require_interpreter()
-    monkeypatch.setenv("FXREWRITE_TRITON", "1")
-    monkeypatch.setattr(gemv_dispatch, "_choices", {})
-    torch._dynamo.reset()
-    counters.clear()
-    llm = _engine(tiny_model_dir, "transformers", 2)
-    qkv = decoder_layers(llm.llm_engine.model_runner.model)[0].self_attn.qkv_proj.weight
-    n, k = qkv.shape
-    for bucket in (1, 2, 4):
-        gemv_dispatch.record("linear", n, k, bucket, configs_for(bucket, "linear", n)[0])
-    expected = _token_ids(llm)
-    backend = CountingBackend()
-    compile_model(llm.llm_engine.model_runner.model, backend=backend)
-    assert _token_ids(llm) == expected
-    targets = [str(n.target) for g in backend.graphs for n in g.graph.nodes]
-    assert sum(t.startswith("fxrewrite.dispatch_linear") for t in targets) == len(backend.graphs)  # one per graph
-    assert not counters["graph_break"], dict(counters["graph_break"])
