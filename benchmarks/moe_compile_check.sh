@@ -41,7 +41,8 @@ spec["config"]["num_hidden_layers"] = layers
 open(sys.argv[1], "w").write(json.dumps(spec, indent=1))
 EOF
     timeout -k 5 "$(left 530)" $PY -m fxrewrite bench train --config "$spec" \
-      --arms "${ARMS:-stock,stock-compile,optimize,optimize-compile}" --batch-size "${BATCH:-2}" --seq-len "${SEQ:-2048}" \
+      --arms "${ARMS:-stock,stock-compile,optimize,optimize-compile}" \
+      --batch-size "${BATCH:-2}" --seq-len "${SEQ:-2048}" \
       --steps "${STEPS:-4}" --warmup 2 --arm-timeout "${ARM_TIMEOUT:-125}" --out "$OUT_DIR" 2>&1 \
       | tee "$OUT_DIR/moe-train.log" | grep -v "it/s\]$" | tail -12
     stamp "train done" ;;

@@ -12,7 +12,8 @@ import os
 
 import torch
 
-__all__ = ["use_triton", "triton_runs_on", "compiled_training_kernels", "compiled_serving_kernels", "on_off_switch", "env_choice"]
+__all__ = ["use_triton", "triton_runs_on", "compiled_training_kernels", "compiled_serving_kernels", "on_off_switch",
+           "env_choice"]
 
 
 def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:

@@ -69,7 +69,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     At inference, up to `DIRECT_MAX_TOKENS` tokens take the direct path (`fused_moe_direct`: two
     GEMV launches indexed by the top-k ids, combine fused); more tokens, or autograd, the grouped
     GEMMs. In training with bf16 on a GPU, torch's grouped GEMM (`fused_moe_grouped_mm`, eager and under
-    torch.compile; FXREWRITE_MOE_TRAIN_GEMM=triton for the Triton path below). Differentiable (an autograd Function) in x, w13, w2 and topk_weights on both paths. In
+    torch.compile; FXREWRITE_MOE_TRAIN_GEMM=triton for the Triton path below). Differentiable (an autograd
+    Function, or torch ops) in x, w13, w2 and topk_weights on every path. In
     `batch_invariant_mode` the reference on every path (its per-expert F.linear calls are the mode's fixed-chunk
     GEMMs, its combine adds a token's experts in id order), so the engine's decode and prefill and a trainer's
     recomputation round alike.
@@ -197,7 +198,8 @@ def _(x, w13, w2, topk_weights, topk_ids, expert_start):
 
 @torch.library.custom_op("fxrewrite::fused_experts_train", mutates_args=())
 def _train_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, expert_start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+              topk_ids: torch.Tensor, expert_start: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if x.shape[0] == 0:
         return _train_fake(x, w13, w2, topk_weights, topk_ids, expert_start)
     out, saved = _forward(x, w13, w2, topk_weights, topk_ids, expert_start, save=True)
