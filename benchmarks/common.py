@@ -24,6 +24,7 @@ from fxrewrite.errors import UserFileNotFoundError, UserInputError
 from fxrewrite.runtime.llm import LLM
 from fxrewrite.runtime.model_files.demo import write_tokenizer
 from fxrewrite.runtime.model_files.model_cache import cached_build
+from fxrewrite.runtime.worker.cuda_graphs import replay_ms  # noqa: F401 - the harness's graph timer
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 # In a source checkout results land beside the harness (benchmarks/results, kept in git); from an
@@ -374,22 +375,6 @@ def copy_bandwidth_bytes_per_s(nbytes: int = 1 << 30) -> float | None:
     del src, dst
     torch.cuda.empty_cache()
     return 2 * nbytes / seconds
-
-
-def replay_ms(graph, iters: int, warmup: int = 1) -> float:
-    """Milliseconds per replay of a captured `torch.cuda.CUDAGraph`: `warmup` replays, then `iters` timed
-    with CUDA events (GPU time only, no launch overhead)."""
-    import torch
-
-    for _ in range(warmup):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def write_result(out: Path, result: dict) -> None:

@@ -86,10 +86,20 @@ def run_latency(llm, workload: LatencyWorkload, time_limit_s: float | None = Non
             # whether the replay timed includes the LM head and greedy sampler (runtime/worker/greedy_head.py)
             graphs = engine.model_runner.graph_runner
             row["graph_has_lm_head"] = graphs.bucket(bs) in graphs.heads
+            row.update(graph_forward_fields(graphs, graphs.bucket(bs)))
             row["engine_overhead_ms_per_step"] = round(row["decode_ms_per_step"] - gpu_ms, 3)
             if bandwidth:
                 row["graph_roofline_fraction"] = round(row["roofline_ms_per_step"] / gpu_ms, 3)
     return result
+
+
+def graph_forward_fields(graphs, bucket: int) -> dict:
+    """What bucket `bucket`'s decode graph holds: {"graph_forward": "model" | "compiled" | "eager"}, plus under
+    `-O` > 0 the capture-time replay times the choice was made on ("graph_choice_replay_ms")."""
+    fields = {"graph_forward": graphs.forward_kind.get(bucket)}
+    if bucket in graphs.replay_ms:
+        fields["graph_choice_replay_ms"] = {kind: round(ms, 4) for kind, ms in graphs.replay_ms[bucket].items()}
+    return fields
 
 
 def graph_replay_ms(runner, batch_size: int, iters: int = 50) -> float | None:

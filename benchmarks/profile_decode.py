@@ -2,8 +2,10 @@
 eager forwards of one decode batch), plus the LM head + sampler that run after the graph.
 
     python -m fxrewrite.benchmarks.profile_decode --config qwen3-4b --arm native --batch 1 --out DIR
+    python -m fxrewrite.benchmarks.profile_decode --config qwen3-4b --arm after --batch 1,64,256 -O 3
 
-Writes DIR/<date>-<config>-<arm>-decode-profile.json and prints the top kernels per step.
+Writes DIR/<date>-<config>-<arm>[-O<level>]-b<batch>-decode-profile.json for each batch size (one engine serves
+them all) and prints the top kernels per step.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 import torch
 
 from fxrewrite.benchmarks.common import RESULTS_DIR, bench_model_dir, environment, load_bench_config, make_llm
+from fxrewrite.benchmarks.latency import graph_forward_fields
 from fxrewrite.benchmarks.out_paths import FOLDER_HELP, results_folder
 from fxrewrite.benchmarks.tool_cli import json_object_argument
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
@@ -50,7 +53,7 @@ def _profile(fn, steps: int = STEPS) -> tuple[list[dict], float]:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
-    table = _kernel_table(prof, steps)
+    table = _kernel_table(prof, steps, top=40)
     return table, round(sum(r["us_per_step"] for r in _kernel_table(prof, steps, top=10_000)), 1)
 
 
@@ -66,13 +69,17 @@ def _timed_ms(fn, iters: int = 50) -> float:
     return round(start.elapsed_time(end) / iters, 4)
 
 
-@torch.inference_mode()
 @torch.inference_mode()  # under -O 3 the graphs' buffers are inference tensors (cuda_graphs.py)
-def profile_decode(config: str, arm: str, batch: int, context: int, engine_kwargs: dict,
-                   tokenizer_dir=None) -> dict:
+def profile_decode(config: str, arm: str, batches: list[int], context: int, engine_kwargs: dict,
+                   tokenizer_dir=None) -> list[dict]:
+    """One result dict per batch size in `batches` (see `_profile_batch`), all from one engine."""
     spec = load_bench_config(config)
-    llm = make_llm(arm, bench_model_dir(spec, tokenizer_dir), max_model_len=4096, max_num_seqs=max(8, batch),
+    llm = make_llm(arm, bench_model_dir(spec, tokenizer_dir), max_model_len=4096, max_num_seqs=max(8, *batches),
                    **engine_kwargs)
+    return [_profile_batch(llm, spec, arm, batch, context) for batch in batches]
+
+
+def _profile_batch(llm, spec: dict, arm: str, batch: int, context: int) -> dict:
     runner = llm.llm_engine.model_runner
     graphs = runner.graph_runner
     bs = min(s for s in graphs.sizes if s >= batch)
@@ -101,7 +108,8 @@ def profile_decode(config: str, arm: str, batch: int, context: int, engine_kwarg
     return {
         "date": datetime.date.today().isoformat(), "environment": environment(), "config": spec["name"],
         "arm": arm, "batch": batch, "bucket": bs, "context": context,
-        "graph_replay_ms": _timed_ms(graph.replay), "graph_has_lm_head": bs in graphs.heads, "eager_forward_ms": _timed_ms(eager),
+        "graph_replay_ms": _timed_ms(graph.replay), "graph_has_lm_head": bs in graphs.heads, **graph_forward_fields(graphs, bs),
+        "eager_forward_ms": _timed_ms(eager),
         "lm_head_and_sampler_ms": _timed_ms(head_and_sampler),
         "graph_kernels_us_per_step": graph_us, "graph_top_kernels": graph_table,
         "eager_kernels_us_per_step": eager_us, "eager_top_kernels": eager_table,
@@ -112,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="qwen3-4b")
     p.add_argument("--arm", default="native", choices=("before", "after", "native"))
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", type=_batch_sizes, default=[1], help="sequences per decode step, or a comma list")
     p.add_argument("--context", type=int, default=256, help="tokens already in each sequence's KV cache")
     p.add_argument("-O", "--compilation-config", type=int, default=0)
     p.add_argument("--quantization", default=None, choices=("fp8",), help="as the engine's --quantization (default: none)")
@@ -126,22 +134,36 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("fxrewrite.benchmarks.profile_decode needs a CUDA GPU")
     engine_kwargs = {"compilation_config": args.compilation_config, "quantization": args.quantization,
                      "kv_cache_dtype": args.kv_cache_dtype, "hf_overrides": args.hf_overrides}
-    result = profile_decode(args.config, args.arm, args.batch, args.context, engine_kwargs, args.tokenizer_dir)
-    result["quantization"], result["kv_cache_dtype"] = args.quantization, args.kv_cache_dtype
-    result["hf_overrides"] = args.hf_overrides
+    results = profile_decode(args.config, args.arm, args.batch, args.context, engine_kwargs, args.tokenizer_dir)
     block = (args.hf_overrides or {}).get("quantization_config")
-    fp8 = "-fp8" if args.quantization else "-fp8-block" if block else ""
-    fp8 += f"-kv{args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""
-    path = args.out / f"{result['date']}-{result['config']}-{args.arm}{fp8}-b{args.batch}-decode-profile.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{args.config} {args.arm} batch {args.batch}: graph {result['graph_replay_ms']} ms, eager "
-          f"{result['eager_forward_ms']} ms, LM head + sampler {result['lm_head_and_sampler_ms']} ms")
-    for name in ("graph", "eager"):
-        print(f"-- {name}: {result[f'{name}_kernels_us_per_step']} us of kernels per step")
-        for r in result[f"{name}_top_kernels"][:18]:
-            print(f"  {r['us_per_step']:9.2f} us  x{r['calls_per_step']:<6} {r['kernel']}")
-    print(f"wrote {path}")
+    tag = "-fp8" if args.quantization else "-fp8-block" if block else ""
+    tag += f"-kv{args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""
+    tag += f"-O{args.compilation_config}" if args.compilation_config else ""
+    for result in results:
+        result["quantization"], result["kv_cache_dtype"] = args.quantization, args.kv_cache_dtype
+        result["hf_overrides"], result["compilation_config"] = args.hf_overrides, args.compilation_config
+        path = args.out / f"{result['date']}-{result['config']}-{args.arm}{tag}-b{result['batch']}-decode-profile.json"
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"{args.config} {args.arm}{tag} batch {result['batch']}: graph ({result['graph_forward']} forward) "
+              f"{result['graph_replay_ms']} ms, eager "
+              f"{result['eager_forward_ms']} ms, LM head + sampler {result['lm_head_and_sampler_ms']} ms")
+        for name in ("graph", "eager"):
+            print(f"-- {name}: {result[f'{name}_kernels_us_per_step']} us of kernels per step")
+            for r in result[f"{name}_top_kernels"][:18]:
+                print(f"  {r['us_per_step']:9.2f} us  x{r['calls_per_step']:<6} {r['kernel']}")
+        print(f"wrote {path}")
     return 0
+
+
+def _batch_sizes(text: str) -> list[int]:
+    """argparse type of --batch: "1" or "1,64,256" -> [1] / [1, 64, 256]; each a positive int."""
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive int or a comma list of them, e.g. 1,64,256")
+    return sizes
 
 
 if __name__ == "__main__":

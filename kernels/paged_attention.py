@@ -130,7 +130,7 @@ def _decode_ref_batched(query, key_cache, value_cache, block_tables, seq_lens, q
         scores = torch.tanh(scores / soft_cap) * soft_cap
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     probs = _softmax_with_sinks(scores, sinks, (1, num_kv_heads, num_heads // num_kv_heads, 1))
-    out = torch.zeros_like(query)
+    out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)  # contiguous, as the op's fake
     o = torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(num_seqs, num_heads, head_dim)
     out[rows[has_q]] = o[has_q].to(query.dtype)
     return out
@@ -157,7 +157,7 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     if max_query_len == 1 and not is_batch_invariant() and num_seqs * max_seq_len * num_kv_heads * head_dim <= _BATCHED_DECODE_ELEMENTS:
         return _decode_ref_batched(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                                    scale, sliding_window, soft_cap, sinks)
-    out = torch.zeros_like(query)
+    out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)  # contiguous, as the op's fake
     starts = query_start_loc.tolist()
     for b, seq_len in enumerate(seq_lens.tolist()):
         q_start, q_end = starts[b], starts[b + 1]

@@ -317,7 +317,8 @@ def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, q
     v_run = value_run(value_cache, block_n)
     num_tokens, num_heads, head_dim = query.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], key_cache.shape[2]
-    out = torch.empty_like(query)  # every query token belongs to a sequence, so every row is written
+    # every query token belongs to a sequence, so every row is written; contiguous (the compiled op's fake)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_seqs == 0 or num_tokens == 0:
         return out
     splits = num_splits if num_splits is not None else _num_splits(num_seqs, num_kv_heads, max_seq_len)

@@ -93,7 +93,8 @@ def paged_prefill_triton(query, key_cache, value_cache, block_tables, seq_lens, 
     v_run = value_run(value_cache, block_n)
     num_tokens, num_heads, head_dim = query.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], key_cache.shape[2]
-    out = torch.zeros_like(query)
+    # contiguous whatever query's strides (e.g. a transposed view): the layout fxrewrite::paged_attend's fake promises
+    out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
     if num_seqs == 0 or num_tokens == 0 or max_query_len <= 0:
         return out
     grid = (triton.cdiv(max_query_len, block_m), num_heads, num_seqs)

@@ -12,10 +12,11 @@ unrolled, and took minutes to compile.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -82,7 +83,8 @@ def compile_model(model: nn.Module, backend: str | Callable = "inductor") -> nn.
     layers = decoder_layers(model)
     eager_forward = model.forward
     if layers is None:
-        model.forward = torch.compile(eager_forward, dynamic=True, fullgraph=False, backend=backend)
+        compiled = torch.compile(eager_forward, dynamic=True, fullgraph=False, backend=backend)
+        model.forward = _compiled_or_eager(compiled, eager_forward)
         model._fxrewrite_eager_layers = []
     else:
         model._fxrewrite_eager_layers = [(layer, layer.__dict__.get("forward")) for layer in layers]
@@ -90,7 +92,7 @@ def compile_model(model: nn.Module, backend: str | Callable = "inductor") -> nn.
         for index, layer in enumerate(layers):
             if not isinstance(layer, PPMissingLayer):  # another pipeline stage's layer: never called here
                 compiled = torch.compile(layer.forward, dynamic=True, fullgraph=False, backend=backend)
-                layer.forward = _as_running_layer(index, compiled)
+                layer.forward = _as_running_layer(index, compiled, layer.forward)
         model.forward = _regional_forward(eager_forward)
     model._fxrewrite_compiled = True
     return model
@@ -120,10 +122,13 @@ def _regional_forward(forward: Callable) -> Callable:
     return run
 
 
-def _as_running_layer(index: int, compiled: Callable) -> Callable:
+def _as_running_layer(index: int, compiled: Callable, eager: Callable) -> Callable:
     """`compiled` (layer `index`'s compiled forward) run with `index` as the running layer, which the
-    attention op reads (`fxrewrite.runtime.worker.attention.running_layer`) instead of a graph constant."""
+    attention op reads (`fxrewrite.runtime.worker.attention.running_layer`) instead of a graph constant;
+    `eager` (its forward before compiling) instead inside `eager_forwards`."""
     def run(*args, **kwargs):
+        if _EAGER.active:
+            return eager(*args, **kwargs)
         previous, RUNNING_LAYER.index = RUNNING_LAYER.index, index
         try:
             return compiled(*args, **kwargs)
@@ -131,6 +136,33 @@ def _as_running_layer(index: int, compiled: Callable) -> Callable:
             RUNNING_LAYER.index = previous
     run._fxrewrite_compiled_layer = compiled
     return run
+
+
+def _compiled_or_eager(compiled: Callable, eager: Callable) -> Callable:
+    """A whole compiled forward (no decoder-layer list): `eager` instead inside `eager_forwards`."""
+    @functools.wraps(eager)
+    def run(*args, **kwargs):
+        return (eager if _EAGER.active else compiled)(*args, **kwargs)
+    return run
+
+
+class _EagerSwitch:
+    active = False
+
+
+_EAGER = _EagerSwitch()
+
+
+@contextlib.contextmanager
+def eager_forwards() -> Iterator[None]:
+    """Within: models compiled by `compile_model` run their eager forwards (the compiled ones stay built). The
+    CUDA graph runner captures a decode bucket both ways under it and keeps the faster graph
+    (`fxrewrite.runtime.worker.cuda_graphs`). Not thread-safe: one model runner per process."""
+    before, _EAGER.active = _EAGER.active, True
+    try:
+        yield
+    finally:
+        _EAGER.active = before
 
 
 def restore_eager(model: nn.Module) -> None:

@@ -15,6 +15,7 @@ Buckets of at most `greedy_head.MAX_BATCH` rows also capture the LM head and the
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import os
 
@@ -24,7 +25,8 @@ from torch import nn
 from fxrewrite import data_parallel, distributed
 from fxrewrite.layers.fused_moe import FusedMoE
 from fxrewrite.layers.rope_context import rope_lengths
-from fxrewrite.runtime.worker.compilation import forward_or_fallback
+from fxrewrite.kernels import env_choice
+from fxrewrite.runtime.worker.compilation import eager_forwards, forward_or_fallback
 from fxrewrite.runtime.worker.forward_context import AttentionMetadata, forward_context
 from fxrewrite.runtime.worker import greedy_head, watchdog
 from fxrewrite.runtime.worker.greedy_head import GreedyHead
@@ -84,6 +86,10 @@ class CUDAGraphRunner:
         self.heads: dict[int, GreedyHead] = {}
         """bucket -> its graph's head outputs (buckets whose graph has the head)."""
         self.pool = None
+        self.forward_kind: dict[int, str] = {}
+        """bucket -> the forward its graph holds: "compiled", "eager" (the faster under -O > 0) or "model"."""
+        self.replay_ms: dict[int, dict[str, float]] = {}
+        """bucket -> {"compiled": ms, "eager": ms}: the replay times the choice was made on (one GPU)."""
         self.step_bucket: int | None = None
         """None: each step picks its own bucket. Under DP x EP, set per wave by the worker: the bucket every
         replica replays (at least this step's size), or 0 when the wave runs eagerly on every replica."""
@@ -125,6 +131,11 @@ class CUDAGraphRunner:
         if not self.graphs:
             raise errors[max(errors)]
         self.sizes = sorted(self.graphs)
+        if self.replay_ms:
+            kept = {kind: [bs for bs in self.sizes if self.forward_kind.get(bs) == kind] for kind in ("compiled", "eager")}
+            logger.info("decode CUDA graphs of the compiled model: the compiled forward is faster for buckets %s, "
+                        "the eager one for %s (replays timed at capture; %s=compiled|eager to force one)",
+                        kept["compiled"] or "none", kept["eager"] or "none", DECODE_GRAPHS_ENV)
 
     def _capture_in_lockstep(self, bs: int) -> None:
         """DP x EP: the replicas capture in lockstep (their MoE collectives meet), so a bucket that fails on
@@ -140,8 +151,30 @@ class CUDAGraphRunner:
                                f"({'here' if error is not None else 'another one'})") from error
 
     def _capture_one(self, bs: int, head: bool) -> None:
-        graph = torch.cuda.CUDAGraph()
+        """Capture bucket `bs` (with the greedy head when `head`). A compiled model on one process captures it
+        twice, its compiled and its eager forward, times both graphs' replays and keeps the faster
+        (`decode_graph_forwards`); the choice and the times are in `forward_kind` / `replay_ms`."""
         self.heads.pop(bs, None)
+        kinds = decode_graph_forwards(self.model)
+        captured = {}
+        for kind in kinds:
+            with eager_forwards() if kind == "eager" else contextlib.nullcontext():
+                captured[kind] = self._capture_graph(bs, head)
+        if len(captured) > 1:
+            self.replay_ms[bs] = {kind: replay_ms(graph) for kind, (graph, _) in captured.items()}
+            kind = min(kinds, key=self.replay_ms[bs].get)  # kinds' order breaks a tie: compiled first
+        else:
+            kind = kinds[0]
+        graph, outputs = captured.pop(kind)
+        captured.clear()  # the other graph's memory goes back to the shared pool
+        self.forward_kind[bs] = kind
+        if outputs is not None:
+            self.heads[bs] = outputs
+        self.graphs[bs] = graph
+        torch.cuda.synchronize()
+
+    def _capture_graph(self, bs: int, head: bool) -> tuple[torch.cuda.CUDAGraph, GreedyHead | None]:
+        graph = torch.cuda.CUDAGraph()
         with (forward_context(self._metadata(bs)), rope_lengths(self.rope_lengths[:bs]),
               data_parallel.uniform_tokens()):
             # Warm-up outside the graph: Triton JIT and torch.compile run here, not while capturing.
@@ -153,12 +186,9 @@ class CUDAGraphRunner:
             with torch.cuda.graph(graph, self.pool):
                 self.outputs[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
                 outputs = GreedyHead.compute(self.model, self.outputs[:bs]) if head else None
-        if outputs is not None:
-            self.heads[bs] = outputs
         if self.pool is None:
             self.pool = graph.pool()
-        self.graphs[bs] = graph
-        torch.cuda.synchronize()
+        return graph, outputs
 
     def can_run(self, num_tokens: int, metadata: AttentionMetadata) -> bool:
         """A pure decode step (one token per sequence) no larger than the largest bucket."""
@@ -243,6 +273,44 @@ def build_graph_runner(model: nn.Module, kv_caches, config, model_config,
         logger.warning("CUDA graph capture failed, decode runs eagerly: %s", e)
         return None
     return runner
+
+
+DECODE_GRAPHS_ENV = "FXREWRITE_DECODE_GRAPHS"
+
+
+def decode_graph_forwards(model: nn.Module) -> tuple[str, ...]:
+    """The forwards a decode bucket's graph is captured from, the faster one kept: ("model",) for a model that
+    is not compiled; under `-O` > 0 ("compiled", "eager") by default (`FXREWRITE_DECODE_GRAPHS=auto`), on one
+    process only (replicas that chose differently would still meet in their collectives, but their timings would
+    include waiting for each other). `FXREWRITE_DECODE_GRAPHS=compiled` / `eager` forces one. Why: at decode sizes
+    the hand-written kernels (the skinny GEMVs with the norm or SiLU fused in, chained under PDL; the q/k norm +
+    rotary + cache write) are faster than Inductor's code around cuBLAS for Qwen3 shapes (BENCHMARKS.md,
+    fiftieth session), while for models without them Inductor's fusions may win. ValueError for another value."""
+    return compiled_decode_forwards() if getattr(model, "_fxrewrite_compiled", False) else ("model",)
+
+
+def compiled_decode_forwards() -> tuple[str, ...]:
+    """`decode_graph_forwards` of a compiled model (ValueError for a bad `FXREWRITE_DECODE_GRAPHS`)."""
+    mode = env_choice(DECODE_GRAPHS_ENV, "auto", ("auto", "compiled", "eager"))
+    if mode != "auto":
+        return (mode,)
+    alone = (distributed.get_tp_size() == 1 and pipeline_stage_of_this_rank() is None
+             and not data_parallel.dp_ep_active())
+    return ("compiled", "eager") if alone else ("compiled",)
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, iters: int = 5, warmup: int = 2) -> float:
+    """Milliseconds per replay of a captured `graph`: `warmup` replays, then `iters` timed with CUDA events (GPU
+    time only, no launch overhead)."""
+    for _ in range(warmup):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
 
 
 def wants_greedy_head(config) -> bool:

@@ -24,7 +24,7 @@ from fxrewrite.runtime.model_files.quantization import (
 )
 from fxrewrite.runtime.worker.pipeline import PipelineStage, pipeline_stage_of_this_rank
 from fxrewrite.runtime.worker.compilation import compile_model, should_compile
-from fxrewrite.runtime.worker.cuda_graphs import build_graph_runner
+from fxrewrite.runtime.worker.cuda_graphs import build_graph_runner, compiled_decode_forwards
 from fxrewrite.runtime.engine_config import EngineConfig
 from fxrewrite.runtime.worker.forward_context import forward_context
 from fxrewrite.runtime.engine.block_table_cache import BlockTableCache
@@ -177,13 +177,16 @@ class ModelRunner:
         if self.pipeline is None:  # a stage's forward needs its peers' hidden states
             watchdog.phase("a dummy step through the model")
             check_first_step(self.model, config, model_config, self.device, self.kv_dtype)
-        if should_compile(config, self.device):
-            compile_model(self.model)
-        elif self.device.type == "cuda":  # skinny GEMV vs cuBLAS per layer shape, before any graph is captured
+        compiled = should_compile(config, self.device)
+        # skinny GEMV vs cuBLAS per layer shape, before any graph is captured: for the eager forward, which a
+        # compiled model's decode graphs may hold too (the faster of the two; compiled code never takes the GEMV)
+        if self.device.type == "cuda" and (not compiled or "eager" in compiled_decode_forwards()):
             watchdog.phase("timing the skinny GEMV against cuBLAS")
             prepare_skinny_gemv(self.model, self.device, model_config.dtype, config.max_num_seqs)
             watchdog.phase("timing the MoE router launch shapes")
             prepare_moe_router(self.model, self.device, model_config.dtype)
+        if compiled:
+            compile_model(self.model)
         layers = self.pipeline.layers if self.pipeline is not None else None  # a stage caches its layers only
         watchdog.phase("sizing and allocating the KV cache")
         if self.device.type == "cuda" and config.kv_cache_memory_bytes is None:

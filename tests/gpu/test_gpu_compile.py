@@ -62,10 +62,15 @@ def test_compiled_forward_matches_eager(make_llm, impl, fusion):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["native", "transformers"])
-def test_compiled_engine_greedy_tokens_equal_level_0(make_llm, impl):
+@pytest.mark.parametrize("decode_graphs", ["compiled", "auto"])
+def test_compiled_engine_greedy_tokens_equal_level_0(make_llm, impl, decode_graphs, monkeypatch):
     """float32: `-O 3` (compiled layers, CUDA graphs over them) samples the greedy tokens of `-O 0` (CUDA
-    graphs over the eager forward), through prefill, chunked prefill and decode buckets 1..4."""
+    graphs over the eager forward), through prefill, chunked prefill and decode buckets 1..4. "compiled": every
+    decode graph holds the compiled forward; "auto" (the default): each bucket was captured both ways, timed, and
+    holds the faster."""
     from fxrewrite.runtime.engine.sampling_params import SamplingParams
+
+    monkeypatch.setenv("FXREWRITE_DECODE_GRAPHS", decode_graphs)
 
     prompts = [[int(t) for t in torch.randint(0, 10000, (n,), generator=torch.Generator().manual_seed(n))]
                for n in (3, 17, 40, 300)]
@@ -76,7 +81,16 @@ def test_compiled_engine_greedy_tokens_equal_level_0(make_llm, impl):
         runner = llm.llm_engine.model_runner
         assert runner.model_config.dtype == torch.float32
         assert bool(getattr(runner.model, "_fxrewrite_compiled", False)) == (level == 3)
-        assert runner.graph_runner is not None
+        graphs = runner.graph_runner
+        assert graphs is not None
+        if level == 0:
+            assert set(graphs.forward_kind.values()) == {"model"} and not graphs.replay_ms
+        elif decode_graphs == "compiled":
+            assert set(graphs.forward_kind.values()) == {"compiled"} and not graphs.replay_ms
+        else:
+            assert set(graphs.forward_kind.values()) <= {"compiled", "eager"}
+            assert set(graphs.replay_ms) == set(graphs.graphs) == set(graphs.forward_kind)
+            assert all(min(t, key=t.get) == graphs.forward_kind[bs] for bs, t in graphs.replay_ms.items())
         tokens[level] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert tokens[3] == tokens[0]
 

@@ -13,7 +13,9 @@ import torch
 from torch._dynamo.utils import counters
 
 from fxrewrite import LLM, SamplingParams
-from fxrewrite.runtime.worker.compilation import compile_model, decoder_layers, forward_or_fallback
+from fxrewrite.runtime.worker import cuda_graphs
+from fxrewrite.runtime.worker.compilation import compile_model, decoder_layers, eager_forwards, forward_or_fallback
+from fxrewrite.runtime.worker.cuda_graphs import decode_graph_forwards
 from fxrewrite.runtime.worker.forward_context import forward_context
 from fxrewrite.runtime.worker.memory_profiling import _dummy_metadata
 from tests.triton_cpu import require_interpreter
@@ -143,3 +145,38 @@ def test_opt_in_serving_kernels_enter_the_graph_as_ops(tiny_model_dir, monkeypat
     targets = {str(n.target) for g in backend.graphs for n in g.graph.nodes}
     for op in ("fxrewrite.rms_norm_train", "fxrewrite.act_and_mul_train"):
         assert any(t.startswith(op) for t in targets), (op, targets)
+
+
+@pytest.mark.parametrize("impl", ["native", "transformers"])
+def test_eager_forwards_runs_the_models_own_forward(tiny_model_dir, impl):
+    """Inside `eager_forwards` a compiled model runs its forwards as before compiling (what the CUDA graph runner
+    captures to time against the compiled graph): dynamo is not entered, the outputs equal; outside it, compiled."""
+    torch._dynamo.reset()
+    llm = _engine(tiny_model_dir, impl, 2)
+    expected = _token_ids(llm)
+    backend = CountingBackend()
+    compile_model(llm.llm_engine.model_runner.model, backend=backend)
+    with eager_forwards():
+        assert _token_ids(llm) == expected
+        _forward_all_sizes(llm, (1, 3))
+    assert not backend.graphs
+    assert _token_ids(llm) == expected
+    assert backend.graphs
+
+
+def test_decode_graph_forwards(monkeypatch):
+    """Which forwards a decode bucket is captured from: both (the faster kept) for a compiled model on one process,
+    the compiled one under tensor parallelism, one forced by FXREWRITE_DECODE_GRAPHS, a clear error otherwise."""
+    model = torch.nn.Linear(2, 2)
+    assert decode_graph_forwards(model) == ("model",)
+    model._fxrewrite_compiled = True
+    assert decode_graph_forwards(model) == ("compiled", "eager")
+    for forced in ("compiled", "eager"):
+        monkeypatch.setenv("FXREWRITE_DECODE_GRAPHS", forced)
+        assert decode_graph_forwards(model) == (forced,)
+    monkeypatch.setenv("FXREWRITE_DECODE_GRAPHS", "fastest")
+    with pytest.raises(ValueError, match=r"FXREWRITE_DECODE_GRAPHS='fastest': expected 'auto', 'compiled' or 'eager'"):
+        decode_graph_forwards(model)
+    monkeypatch.setenv("FXREWRITE_DECODE_GRAPHS", "auto")
+    monkeypatch.setattr(cuda_graphs.distributed, "get_tp_size", lambda: 2)
+    assert decode_graph_forwards(model) == ("compiled",)
