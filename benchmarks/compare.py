@@ -110,6 +110,12 @@ def run_engine_arm(arm: str, model_dir: Path, spec: dict, workload, engine_kwarg
     buckets = len(graphs.graphs) if graphs else getattr(runner.model, "cuda_graph_buckets", 0)  # TP: the workers'
     setup = {"setup_s": round(setup_s, 1), "cuda_graph_buckets": buckets,
              "compiled": bool(getattr(runner.model, "_fxrewrite_compiled", False))}
+    if setup["compiled"]:  # which forward each kind of step runs (the faster, timed at load; cuda_graphs.py)
+        setup["step_forward"] = getattr(runner, "step_forward", None)
+        seconds = getattr(runner, "step_forward_seconds", {})
+        setup["step_forward_ms"] = {kind: round(s * 1e3, 2) for kind, s in seconds.items()}
+        if graphs:
+            setup["decode_graph_forwards"] = {bs: graphs.forward_kind.get(bs) for bs in graphs.sizes}
     experts = experts_implementation(llm)
     if experts is not None:  # MoE configs: what ran the experts (the before arm: transformers' eager loop)
         setup["experts_implementation"] = experts

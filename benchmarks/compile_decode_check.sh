@@ -7,8 +7,9 @@
 #                FXREWRITE_DECODE_GRAPHS=compiled (every graph compiled). ~3 min
 #   profile-O3:  only the -O 3 one of those. ~1 min
 #   throughput:  ARMS (default after; comma list), 256 prompts, -O 0 then -O 3. ~1.5 min an arm
-#   cold-warm:   Qwen3-0.6B throughput, after and native arms: -O 0, then -O 3 twice on a fresh compile cache (cold
-#                start, then warm: the setup_s of each). ~4 min
+#   cold-warm:   Qwen3-0.6B throughput, COLD_ARMS (default after,native): -O 0, then -O 3 twice on a fresh compile
+#                cache (cold start, then warm: the setup_s of each). ~2 min an arm
+#   tests:       the compile GPU tests (tests/gpu/test_gpu_compile.py; log compile-tests.log). ~2 min
 #   before:      the before arm's profiles (transformers code, no rewrite: Inductor's fusions have most to do), -O 0
 #                and -O 3. ~2 min
 # Results go to $OUT when set, else benchmarks/results: logs profile-<setting>.log, JSONs in <setting>/.
@@ -38,17 +39,22 @@ for step in ${STEPS:-profiles throughput before}; do
       bench "$(left 250)" --config "${CONFIG:-qwen3-4b}" --arms "${ARMS:-after}" --num-prompts 256 --time-limit 15 -O 3
       stamp "throughput done" ;;
     cold-warm)
-      bench "$(left 120)" --config qwen3-0.6b --arms after,native --num-prompts 256 --time-limit 15
+      bench "$(left 120)" --config qwen3-0.6b --arms "${COLD_ARMS:-after,native}" --num-prompts 256 --time-limit 15
       export FXREWRITE_CACHE=/tmp/fxrewrite-cache-cold-warm
       rm -rf "$FXREWRITE_CACHE"
       for phase in cold warm; do
-        bench "$(left 150)" --config qwen3-0.6b --arms after,native --num-prompts 256 --time-limit 15 -O 3
+        bench "$(left 150)" --config qwen3-0.6b --arms "${COLD_ARMS:-after,native}" --num-prompts 256 \
+          --time-limit 15 -O 3
         for f in "$OUT_DIR"/*-qwen3-0.6b-throughput-O3.json; do mv "$f" "${f%.json}-$phase.json"; done
       done
       stamp "cold-warm done" ;;
+    tests)
+      timeout -k 5 "$(left 200)" $PY -m pytest -v -m gpu tests/gpu/test_gpu_compile.py -p no:cacheprovider -rfE 2>&1 \
+        | tee "$OUT_DIR/compile-tests.log" | grep -E "passed|failed|FAIL|Error|assert" | tail -12
+      stamp "tests done" ;;
     before)
       profile "$(left 100)" before-O0 before -O 0
       profile "$(left 150)" before-O3 before -O 3 ;;
-    *) echo "step $step: expected profiles, profile-O3, throughput, cold-warm or before"; exit 2 ;;
+    *) echo "step $step: expected profiles, profile-O3, throughput, cold-warm, tests or before"; exit 2 ;;
   esac
 done

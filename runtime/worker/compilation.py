@@ -27,10 +27,12 @@ import torch.fx.experimental._config
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from torch import nn
 
+from fxrewrite import data_parallel, distributed
+from fxrewrite.kernels import env_choice
 from fxrewrite.runtime.engine_config import check_compilation_config
 from fxrewrite.runtime.model_files.model_cache import cache_root
 from fxrewrite.runtime.worker.attention import RUNNING_LAYER, attend_now
-from fxrewrite.runtime.worker.pipeline import PPMissingLayer
+from fxrewrite.runtime.worker.pipeline import PPMissingLayer, pipeline_stage_of_this_rank
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +153,32 @@ class _EagerSwitch:
 
 
 _EAGER = _EagerSwitch()
+
+
+COMPILED_FORWARD_ENV = "FXREWRITE_COMPILED_FORWARD"
+
+
+def compiled_model_forwards() -> tuple[str, ...]:
+    """The forwards of a compiled model that the engine times against each other, keeping the faster: ("compiled",
+    "eager") by default (`FXREWRITE_COMPILED_FORWARD=auto`), once for the steps that run outside CUDA graphs
+    (`fxrewrite.runtime.worker.warmup.faster_step_forward`) and per decode bucket (its graph's replay,
+    `fxrewrite.runtime.worker.cuda_graphs`). On one process only: under tensor, pipeline or DP x EP parallelism the
+    ranks' timings would include waiting for each other, so ("compiled",). `FXREWRITE_COMPILED_FORWARD=compiled` /
+    `eager` forces one. Why: where the rewrite put its hand-written kernels (the skinny GEMVs with the norm or SiLU
+    fused in, chained under PDL; the q/k norm + rotary + cache write), they beat Inductor's code for Qwen3 shapes
+    and the compiled layers add host work per call; where it did not (transformers code without the rewrite),
+    Inductor's fusions win by far (BENCHMARKS.md, fiftieth session). ValueError for another value."""
+    mode = env_choice(COMPILED_FORWARD_ENV, "auto", ("auto", "compiled", "eager"))
+    if mode != "auto":
+        return (mode,)
+    alone = (distributed.get_tp_size() == 1 and pipeline_stage_of_this_rank() is None
+             and not data_parallel.dp_ep_active())
+    return ("compiled", "eager") if alone else ("compiled",)
+
+
+def forwards_of(kind: str) -> contextlib.AbstractContextManager:
+    """The context a forward of `kind` runs in: `eager_forwards()` for "eager", else nothing ("compiled", "model")."""
+    return eager_forwards() if kind == "eager" else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

@@ -9,13 +9,13 @@ captured with every replica at the same bucket (`data_parallel.uniform_tokens`),
 the worker sets `step_bucket`, one bucket for all replicas (0: this wave runs eagerly everywhere); a
 replica without work replays that bucket's graph on padding rows (`run_idle`) so the collectives meet.
 Buckets of at most `greedy_head.MAX_BATCH` rows also capture the LM head and the greedy sampler
-(`runtime/worker/greedy_head.py`).
+(`runtime/worker/greedy_head.py`). A compiled model's bucket is captured twice, from its compiled and its eager
+forward, and the graph whose replay is faster is kept (`compilation.compiled_model_forwards`).
 """
 
 from __future__ import annotations
 
 import bisect
-import contextlib
 import logging
 import os
 
@@ -25,8 +25,8 @@ from torch import nn
 from fxrewrite import data_parallel, distributed
 from fxrewrite.layers.fused_moe import FusedMoE
 from fxrewrite.layers.rope_context import rope_lengths
-from fxrewrite.kernels import env_choice
-from fxrewrite.runtime.worker.compilation import eager_forwards, forward_or_fallback
+from fxrewrite.runtime.worker.compilation import (COMPILED_FORWARD_ENV, compiled_model_forwards, forward_or_fallback,
+                                                  forwards_of)
 from fxrewrite.runtime.worker.forward_context import AttentionMetadata, forward_context
 from fxrewrite.runtime.worker import greedy_head, watchdog
 from fxrewrite.runtime.worker.greedy_head import GreedyHead
@@ -135,7 +135,7 @@ class CUDAGraphRunner:
             kept = {kind: [bs for bs in self.sizes if self.forward_kind.get(bs) == kind] for kind in ("compiled", "eager")}
             logger.info("decode CUDA graphs of the compiled model: the compiled forward is faster for buckets %s, "
                         "the eager one for %s (replays timed at capture; %s=compiled|eager to force one)",
-                        kept["compiled"] or "none", kept["eager"] or "none", DECODE_GRAPHS_ENV)
+                        kept["compiled"] or "none", kept["eager"] or "none", COMPILED_FORWARD_ENV)
 
     def _capture_in_lockstep(self, bs: int) -> None:
         """DP x EP: the replicas capture in lockstep (their MoE collectives meet), so a bucket that fails on
@@ -158,7 +158,7 @@ class CUDAGraphRunner:
         kinds = decode_graph_forwards(self.model)
         captured = {}
         for kind in kinds:
-            with eager_forwards() if kind == "eager" else contextlib.nullcontext():
+            with forwards_of(kind):
                 captured[kind] = self._capture_graph(bs, head)
         if len(captured) > 1:
             self.replay_ms[bs] = {kind: replay_ms(graph) for kind, (graph, _) in captured.items()}
@@ -275,28 +275,10 @@ def build_graph_runner(model: nn.Module, kv_caches, config, model_config,
     return runner
 
 
-DECODE_GRAPHS_ENV = "FXREWRITE_DECODE_GRAPHS"
-
-
 def decode_graph_forwards(model: nn.Module) -> tuple[str, ...]:
     """The forwards a decode bucket's graph is captured from, the faster one kept: ("model",) for a model that
-    is not compiled; under `-O` > 0 ("compiled", "eager") by default (`FXREWRITE_DECODE_GRAPHS=auto`), on one
-    process only (replicas that chose differently would still meet in their collectives, but their timings would
-    include waiting for each other). `FXREWRITE_DECODE_GRAPHS=compiled` / `eager` forces one. Why: at decode sizes
-    the hand-written kernels (the skinny GEMVs with the norm or SiLU fused in, chained under PDL; the q/k norm +
-    rotary + cache write) are faster than Inductor's code around cuBLAS for Qwen3 shapes (BENCHMARKS.md,
-    fiftieth session), while for models without them Inductor's fusions may win. ValueError for another value."""
-    return compiled_decode_forwards() if getattr(model, "_fxrewrite_compiled", False) else ("model",)
-
-
-def compiled_decode_forwards() -> tuple[str, ...]:
-    """`decode_graph_forwards` of a compiled model (ValueError for a bad `FXREWRITE_DECODE_GRAPHS`)."""
-    mode = env_choice(DECODE_GRAPHS_ENV, "auto", ("auto", "compiled", "eager"))
-    if mode != "auto":
-        return (mode,)
-    alone = (distributed.get_tp_size() == 1 and pipeline_stage_of_this_rank() is None
-             and not data_parallel.dp_ep_active())
-    return ("compiled", "eager") if alone else ("compiled",)
+    is not compiled, else `compiled_model_forwards()`."""
+    return compiled_model_forwards() if getattr(model, "_fxrewrite_compiled", False) else ("model",)
 
 
 def replay_ms(graph: torch.cuda.CUDAGraph, iters: int = 5, warmup: int = 2) -> float:

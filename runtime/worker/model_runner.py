@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 
 import torch
@@ -23,8 +24,8 @@ from fxrewrite.runtime.model_files.quantization import (
     resolve_quantization,
 )
 from fxrewrite.runtime.worker.pipeline import PipelineStage, pipeline_stage_of_this_rank
-from fxrewrite.runtime.worker.compilation import compile_model, should_compile
-from fxrewrite.runtime.worker.cuda_graphs import build_graph_runner, compiled_decode_forwards
+from fxrewrite.runtime.worker.compilation import compile_model, compiled_model_forwards, forwards_of, should_compile
+from fxrewrite.runtime.worker.cuda_graphs import build_graph_runner
 from fxrewrite.runtime.engine_config import EngineConfig
 from fxrewrite.runtime.worker.forward_context import forward_context
 from fxrewrite.runtime.engine.block_table_cache import BlockTableCache
@@ -33,7 +34,7 @@ from fxrewrite.runtime.engine.prompt_logprobs import compute_prompt_logprobs, wa
 from fxrewrite.runtime.worker.kv_cache import allocate_kv_caches, kv_cache_dtype, num_kv_blocks
 from fxrewrite.runtime.worker.memory_profiling import profile_num_kv_blocks
 from fxrewrite.runtime.worker.load_check import check_first_step, check_position_table
-from fxrewrite.runtime.worker.warmup import should_warm_up, warm_up_kernels
+from fxrewrite.runtime.worker.warmup import faster_step_forward, should_warm_up, warm_up_kernels
 from fxrewrite.runtime.worker import greedy_head, sleep_mode, watchdog, weight_sync
 from fxrewrite.runtime.engine.sampler import SampledTokens, SampleResult, Sampler
 from fxrewrite.runtime.engine.scheduler import SchedulerOutput
@@ -46,6 +47,8 @@ from fxrewrite.errors import UserInputError
 from fxrewrite.runtime.models.registry import NATIVE_MODELS, get_native_model_cls
 from fxrewrite.runtime.models.transformers_backend import TransformersForCausalLM
 from fxrewrite.sharding import shard_model
+
+logger = logging.getLogger(__name__)
 
 
 def load_model_config(config: EngineConfig):
@@ -180,7 +183,7 @@ class ModelRunner:
         compiled = should_compile(config, self.device)
         # skinny GEMV vs cuBLAS per layer shape, before any graph is captured: for the eager forward, which a
         # compiled model's decode graphs may hold too (the faster of the two; compiled code never takes the GEMV)
-        if self.device.type == "cuda" and (not compiled or "eager" in compiled_decode_forwards()):
+        if self.device.type == "cuda" and (not compiled or "eager" in compiled_model_forwards()):
             watchdog.phase("timing the skinny GEMV against cuBLAS")
             prepare_skinny_gemv(self.model, self.device, model_config.dtype, config.max_num_seqs)
             watchdog.phase("timing the MoE router launch shapes")
@@ -198,10 +201,21 @@ class ModelRunner:
                                             self.device, layers)
         if self.device.type == "cuda":  # small TP all-reduces over NVLink peer memory (no-op at TP=1)
             distributed.enable_symm_mem_all_reduce(self.device, model_config.dtype)
+        self.step_forward, self.step_forward_seconds = "model", {}
+        """The forward the steps outside CUDA graphs run ("model": not compiled; "compiled" or "eager": the faster of
+        a compiled model's two at load, `warmup.faster_step_forward`) and the times it was chosen on."""
         with batch_invariant_mode(config.batch_invariant):  # the graphs capture the invariant kernels
+            if getattr(self.model, "_fxrewrite_compiled", False) and self.device.type == "cuda":
+                self.step_forward, self.step_forward_seconds = faster_step_forward(
+                    self.model, self.kv_caches, config, model_config, self.device)
+                times = ", ".join(f"{kind} {s * 1e3:.1f} ms" for kind, s in self.step_forward_seconds.items())
+                logger.info("steps outside CUDA graphs run the %s forward of the compiled model (%s)",
+                            self.step_forward, times or "forced")
             # Triton's JIT at load, not in the first requests (a pipeline stage's forward needs its peers)
             if should_warm_up(self.device, self.pipeline):
-                self.warmup_compiles = warm_up_kernels(self.model, self.kv_caches, config, model_config, self.device)
+                with forwards_of(self.step_forward):
+                    self.warmup_compiles = warm_up_kernels(self.model, self.kv_caches, config, model_config,
+                                                           self.device)
             self.graph_runner = build_graph_runner(self.model, self.kv_caches, config, model_config, self.device)
         self.sampler = Sampler(eos_token_ids, seed=config.seed)
 
@@ -291,7 +305,8 @@ class ModelRunner:
                                     inputs.per_token)
                 head = graphs.head(num_tokens)
             else:
-                hidden = self.model(inputs.input_ids, inputs.positions)
+                with forwards_of(self.step_forward):
+                    hidden = self.model(inputs.input_ids, inputs.positions)
         if self.pipeline is not None and not self.pipeline.is_last:
             self.pipeline.send(hidden[:num_tokens])
             return PendingStep(sched, None)

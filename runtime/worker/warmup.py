@@ -27,7 +27,7 @@ from fxrewrite import data_parallel
 from fxrewrite.kernels.paged_decode import decode_warmup_cases
 from fxrewrite.kernels.triton_utils import watch_jit_compiles
 from fxrewrite.layers.rope_context import rope_lengths
-from fxrewrite.runtime.worker.compilation import forward_or_fallback
+from fxrewrite.runtime.worker.compilation import compiled_model_forwards, forward_or_fallback, forwards_of
 from fxrewrite.runtime.worker.forward_context import AttentionMetadata, forward_context
 from fxrewrite.runtime.worker import watchdog
 
@@ -115,3 +115,35 @@ def dummy_forward(model: nn.Module, metadata: AttentionMetadata, positions: torc
     # Every DP x EP replica runs these same steps: their MoE collectives need no token-count exchange.
     with forward_context(metadata), rope_lengths(positions + 1), data_parallel.uniform_tokens():
         return forward_or_fallback(model, input_ids, positions)
+
+
+@torch.inference_mode()
+def faster_step_forward(model: nn.Module, kv_caches, config, model_config,
+                        device: torch.device) -> tuple[str, dict[str, float]]:
+    """Which forward of a compiled model the steps outside CUDA graphs (prefill, mixed and large decode steps) run:
+    of `compiled_model_forwards()`, the one whose dummy step of a full chunk (one sequence of
+    min(max_num_batched_tokens, max_model_len) tokens) takes less wall time, host work included (each compiled
+    layer call checks dynamo's guards). Returns (kind, {kind: seconds}); the times are empty when there is one
+    kind. The first step of each kind is not timed (it compiles, or builds Triton kernels)."""
+    kinds = compiled_model_forwards()
+    if len(kinds) == 1:
+        return kinds[0], {}
+    tokens = min(config.max_num_batched_tokens, model_config.max_model_len)
+    positions, metadata = dummy_metadata(((tokens, tokens),), config.block_size, device, kv_caches)
+    seconds = {}
+    for kind in kinds:
+        watchdog.phase(f"timing the {kind} forward on a step of {tokens} tokens")
+        with forwards_of(kind):
+            dummy_forward(model, metadata, positions)
+            _synchronize(device)
+            start = time.perf_counter()
+            for _ in range(2):
+                dummy_forward(model, metadata, positions)
+            _synchronize(device)
+            seconds[kind] = (time.perf_counter() - start) / 2
+    return min(kinds, key=seconds.get), seconds
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -62,15 +62,15 @@ def test_compiled_forward_matches_eager(make_llm, impl, fusion):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["native", "transformers"])
-@pytest.mark.parametrize("decode_graphs", ["compiled", "auto"])
-def test_compiled_engine_greedy_tokens_equal_level_0(make_llm, impl, decode_graphs, monkeypatch):
+@pytest.mark.parametrize("forwards", ["compiled", "auto"])
+def test_compiled_engine_greedy_tokens_equal_level_0(make_llm, impl, forwards, monkeypatch):
     """float32: `-O 3` (compiled layers, CUDA graphs over them) samples the greedy tokens of `-O 0` (CUDA
     graphs over the eager forward), through prefill, chunked prefill and decode buckets 1..4. "compiled": every
-    decode graph holds the compiled forward; "auto" (the default): each bucket was captured both ways, timed, and
-    holds the faster."""
+    step runs the compiled forward; "auto" (the default): each decode bucket was captured both ways, timed, and
+    holds the faster, and the other steps run the forward that was faster on a full chunk at load."""
     from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
-    monkeypatch.setenv("FXREWRITE_DECODE_GRAPHS", decode_graphs)
+    monkeypatch.setenv("FXREWRITE_COMPILED_FORWARD", forwards)
 
     prompts = [[int(t) for t in torch.randint(0, 10000, (n,), generator=torch.Generator().manual_seed(n))]
                for n in (3, 17, 40, 300)]
@@ -84,10 +84,14 @@ def test_compiled_engine_greedy_tokens_equal_level_0(make_llm, impl, decode_grap
         graphs = runner.graph_runner
         assert graphs is not None
         if level == 0:
+            assert runner.step_forward == "model"
             assert set(graphs.forward_kind.values()) == {"model"} and not graphs.replay_ms
-        elif decode_graphs == "compiled":
+        elif forwards == "compiled":
+            assert runner.step_forward == "compiled" and not runner.step_forward_seconds
             assert set(graphs.forward_kind.values()) == {"compiled"} and not graphs.replay_ms
         else:
+            assert set(runner.step_forward_seconds) == {"compiled", "eager"}
+            assert runner.step_forward == min(runner.step_forward_seconds, key=runner.step_forward_seconds.get)
             assert set(graphs.forward_kind.values()) <= {"compiled", "eager"}
             assert set(graphs.replay_ms) == set(graphs.graphs) == set(graphs.forward_kind)
             assert all(min(t, key=t.get) == graphs.forward_kind[bs] for bs, t in graphs.replay_ms.items())

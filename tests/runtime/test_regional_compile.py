@@ -13,9 +13,11 @@ import torch
 from torch._dynamo.utils import counters
 
 from fxrewrite import LLM, SamplingParams
-from fxrewrite.runtime.worker import cuda_graphs
-from fxrewrite.runtime.worker.compilation import compile_model, decoder_layers, eager_forwards, forward_or_fallback
+from fxrewrite.runtime.worker import compilation
+from fxrewrite.runtime.worker.compilation import (compile_model, compiled_model_forwards, decoder_layers,
+                                                  eager_forwards, forward_or_fallback)
 from fxrewrite.runtime.worker.cuda_graphs import decode_graph_forwards
+from fxrewrite.runtime.worker.warmup import faster_step_forward
 from fxrewrite.runtime.worker.forward_context import forward_context
 from fxrewrite.runtime.worker.memory_profiling import _dummy_metadata
 from tests.triton_cpu import require_interpreter
@@ -164,19 +166,40 @@ def test_eager_forwards_runs_the_models_own_forward(tiny_model_dir, impl):
     assert backend.graphs
 
 
-def test_decode_graph_forwards(monkeypatch):
-    """Which forwards a decode bucket is captured from: both (the faster kept) for a compiled model on one process,
-    the compiled one under tensor parallelism, one forced by FXREWRITE_DECODE_GRAPHS, a clear error otherwise."""
+def test_compiled_model_forwards(monkeypatch):
+    """Which forwards of a compiled model the engine times against each other: both on one process, the compiled
+    one under tensor parallelism, one forced by FXREWRITE_COMPILED_FORWARD, a clear error otherwise; a decode
+    graph of a model that is not compiled holds its one forward."""
     model = torch.nn.Linear(2, 2)
     assert decode_graph_forwards(model) == ("model",)
     model._fxrewrite_compiled = True
-    assert decode_graph_forwards(model) == ("compiled", "eager")
+    assert decode_graph_forwards(model) == compiled_model_forwards() == ("compiled", "eager")
     for forced in ("compiled", "eager"):
-        monkeypatch.setenv("FXREWRITE_DECODE_GRAPHS", forced)
+        monkeypatch.setenv("FXREWRITE_COMPILED_FORWARD", forced)
         assert decode_graph_forwards(model) == (forced,)
-    monkeypatch.setenv("FXREWRITE_DECODE_GRAPHS", "fastest")
-    with pytest.raises(ValueError, match=r"FXREWRITE_DECODE_GRAPHS='fastest': expected 'auto', 'compiled' or 'eager'"):
-        decode_graph_forwards(model)
-    monkeypatch.setenv("FXREWRITE_DECODE_GRAPHS", "auto")
-    monkeypatch.setattr(cuda_graphs.distributed, "get_tp_size", lambda: 2)
-    assert decode_graph_forwards(model) == ("compiled",)
+    monkeypatch.setenv("FXREWRITE_COMPILED_FORWARD", "fastest")
+    with pytest.raises(ValueError, match=r"FXREWRITE_COMPILED_FORWARD='fastest': expected 'auto', 'compiled' or"):
+        compiled_model_forwards()
+    monkeypatch.setenv("FXREWRITE_COMPILED_FORWARD", "auto")
+    monkeypatch.setattr(compilation.distributed, "get_tp_size", lambda: 2)
+    assert compiled_model_forwards() == ("compiled",)
+
+
+def test_steps_outside_graphs_run_the_chosen_forward(tiny_model_dir):
+    """The model runner's steps outside CUDA graphs (all of them on a CPU) run `step_forward`: the compiled layers,
+    or inside `eager_forwards` the eager ones; `faster_step_forward` times both on a full chunk and names one."""
+    torch._dynamo.reset()
+    llm = _engine(tiny_model_dir, "transformers", 2)
+    runner = llm.llm_engine.model_runner
+    expected = _token_ids(llm)
+    backend = CountingBackend()
+    compile_model(runner.model, backend=backend)
+    kind, seconds = faster_step_forward(runner.model, runner.kv_caches, runner.config, runner.model_config,
+                                        runner.device)
+    assert set(seconds) == {"compiled", "eager"} and kind == min(seconds, key=seconds.get)
+    torch._dynamo.reset()
+    backend.graphs.clear()
+    runner.step_forward = "eager"
+    assert _token_ids(llm) == expected and not backend.graphs
+    runner.step_forward = "compiled"
+    assert _token_ids(llm) == expected and backend.graphs
