@@ -15,7 +15,7 @@ from torch import nn
 
 from fxrewrite import data_parallel
 from fxrewrite.errors import UserInputError
-from fxrewrite.runtime.worker.compilation import forward_or_fallback
+from fxrewrite.runtime.worker.compilation import compiled_model_forwards, forward_or_fallback, forwards_of
 from fxrewrite.runtime.worker.forward_context import AttentionMetadata, forward_context
 from fxrewrite.runtime.worker.kv_cache import allocate_kv_caches, bytes_per_block
 
@@ -43,7 +43,9 @@ def _dummy_metadata(num_tokens: int, seq_len: int, block_size: int, device: torc
 @torch.inference_mode()
 def profile_activation_bytes(model: nn.Module, config, model_config, device: torch.device, kv_dtype: torch.dtype,
                              layers: tuple[int, int] | None = None) -> int:
-    """Peak bytes one worst-case step allocates beyond what is live before it (weights, scratch cache)."""
+    """Peak bytes one worst-case step allocates beyond what is live before it (weights, scratch cache). A compiled
+    model whose steps may run either forward (`compilation.compiled_model_forwards`) is profiled through both, the
+    larger peak counting (the eager forward keeps intermediates that Inductor's fused kernels do not)."""
     num_tokens = config.max_num_batched_tokens
     seq_len = min(model_config.max_model_len, num_tokens)
     positions, metadata, num_blocks = _dummy_metadata(num_tokens, seq_len, config.block_size, device)
@@ -52,9 +54,12 @@ def profile_activation_bytes(model: nn.Module, config, model_config, device: tor
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    # Every DP x EP replica profiles the same batch: uniform row counts, no token-count exchange.
-    with forward_context(metadata), data_parallel.uniform_tokens():
-        hidden = forward_or_fallback(model, input_ids, positions)  # also the first (compiling) call
+    kinds = compiled_model_forwards() if getattr(model, "_fxrewrite_compiled", False) else ("model",)
+    for kind in kinds:
+        hidden = None  # the previous forward's output is not live during the next one
+        # Every DP x EP replica profiles the same batch: uniform row counts, no token-count exchange.
+        with forward_context(metadata), data_parallel.uniform_tokens(), forwards_of(kind):
+            hidden = forward_or_fallback(model, input_ids, positions)  # the compiled one: also its compiling call
     rows = min(config.max_num_seqs, num_tokens)
     logits = model.compute_logits(hidden[:rows]).float()
     # The sampler keeps a few [rows, vocab] float32 tensors alive (log-softmax, a sort, probabilities).

@@ -203,3 +203,28 @@ def test_steps_outside_graphs_run_the_chosen_forward(tiny_model_dir):
     assert _token_ids(llm) == expected and not backend.graphs
     runner.step_forward = "compiled"
     assert _token_ids(llm) == expected and backend.graphs
+
+
+def test_memory_profile_runs_every_forward_a_step_may_take(tiny_model_dir, monkeypatch):
+    """The KV budget subtracts the peak of a worst-case step: for a compiled model whose steps may run either
+    forward, both are profiled (the CUDA calls of the profiler are stubbed: the memory figures are the GPU's)."""
+    from fxrewrite.runtime.worker import memory_profiling
+
+    llm = _engine(tiny_model_dir, "transformers", 2)
+    runner = llm.llm_engine.model_runner
+    compile_model(runner.model, backend=CountingBackend())
+    for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 0)
+    eager_calls = []
+    forward = memory_profiling.forward_or_fallback
+    monkeypatch.setattr(memory_profiling, "forward_or_fallback",
+                        lambda *a: eager_calls.append(compilation._EAGER.active) or forward(*a))
+    args = (runner.model, runner.config, runner.model_config, runner.device, runner.kv_dtype)
+    memory_profiling.profile_activation_bytes(*args)
+    assert eager_calls == [False, True]
+    eager_calls.clear()
+    monkeypatch.setenv("FXREWRITE_COMPILED_FORWARD", "compiled")
+    memory_profiling.profile_activation_bytes(*args)
+    assert eager_calls == [False]
