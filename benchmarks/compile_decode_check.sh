@@ -4,7 +4,7 @@
 #   profiles:    per-kernel decode profiles (profile_decode --batch BATCHES, default 1,64,256, context CONTEXT, 512) of
 #                the after arm, one engine per setting: -O 0, -O 3 (each decode graph the faster of its compiled and
 #                eager forwards, both timed at capture: the JSON's graph_choice_replay_ms), and -O 3 with
-#                FXREWRITE_DECODE_GRAPHS=compiled (every graph compiled). ~3 min
+#                FXREWRITE_COMPILED_FORWARD=compiled (every graph compiled). ~3 min
 #   profile-O3:  only the -O 3 one of those. ~1 min
 #   throughput:  ARMS (default after; comma list), 256 prompts, -O 0 then -O 3. ~1.5 min an arm
 #   cold-warm:   Qwen3-0.6B throughput, COLD_ARMS (default after,native): -O 0, then -O 3 twice on a fresh compile
@@ -31,7 +31,7 @@ for step in ${STEPS:-profiles throughput before}; do
     profiles)
       profile "$(left 100)" after-O0 after -O 0
       profile "$(left 150)" after-O3 after -O 3
-      FXREWRITE_DECODE_GRAPHS=compiled profile "$(left 150)" after-O3-compiled after -O 3 ;;
+      FXREWRITE_COMPILED_FORWARD=compiled profile "$(left 150)" after-O3-compiled after -O 3 ;;
     profile-O3)
       profile "$(left 150)" after-O3 after -O 3 ;;
     throughput)

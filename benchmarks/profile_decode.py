@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -24,7 +26,8 @@ from fxrewrite.benchmarks.tool_cli import json_object_argument
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 from fxrewrite.runtime.engine.sequence import Sequence
 from fxrewrite.runtime.engine_config import KV_CACHE_DTYPES
-from fxrewrite.runtime.worker.compilation import forwards_of
+from fxrewrite.runtime.worker.compilation import COMPILED_FORWARD_ENV, forwards_of
+from fxrewrite.runtime.worker.cuda_graphs import MAX_CAPTURE_SIZE
 from fxrewrite.runtime.worker.forward_context import forward_context
 
 STEPS = 20
@@ -72,12 +75,14 @@ def _timed_ms(fn, iters: int = 50) -> float:
 
 @torch.inference_mode()  # under -O 3 the graphs' buffers are inference tensors (cuda_graphs.py)
 def profile_decode(config: str, arm: str, batches: list[int], context: int, engine_kwargs: dict,
-                   tokenizer_dir=None) -> list[dict]:
-    """One result dict per batch size in `batches` (see `_profile_batch`), all from one engine."""
+                   tokenizer_dir=None) -> Iterator[dict]:
+    """One result dict per batch size in `batches` (see `_profile_batch`), each as soon as it is measured, all
+    from one engine."""
     spec = load_bench_config(config)
     llm = make_llm(arm, bench_model_dir(spec, tokenizer_dir), max_model_len=4096, max_num_seqs=max(8, *batches),
                    **engine_kwargs)
-    return [_profile_batch(llm, spec, arm, batch, context) for batch in batches]
+    for batch in batches:
+        yield _profile_batch(llm, spec, arm, batch, context)
 
 
 def _profile_batch(llm, spec: dict, arm: str, batch: int, context: int) -> dict:
@@ -141,9 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     tag = "-fp8" if args.quantization else "-fp8-block" if block else ""
     tag += f"-kv{args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""
     tag += f"-O{args.compilation_config}" if args.compilation_config else ""
+    forced = os.environ.get(COMPILED_FORWARD_ENV, "auto")  # which forwards a compiled model may run
+    tag += f"-{forced}" if args.compilation_config and forced != "auto" else ""
     for result in results:
         result["quantization"], result["kv_cache_dtype"] = args.quantization, args.kv_cache_dtype
         result["hf_overrides"], result["compilation_config"] = args.hf_overrides, args.compilation_config
+        result["compiled_forward"] = forced
         path = args.out / f"{result['date']}-{result['config']}-{args.arm}{tag}-b{result['batch']}-decode-profile.json"
         path.write_text(json.dumps(result, indent=2) + "\n")
         print(f"{args.config} {args.arm}{tag} batch {result['batch']}: graph ({result['graph_forward']} forward) "
@@ -158,13 +166,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _batch_sizes(text: str) -> list[int]:
-    """argparse type of --batch: "1" or "1,64,256" -> [1] / [1, 64, 256]; each a positive int."""
+    """argparse type of --batch: "1" or "1,64,256" -> [1] / [1, 64, 256] (sorted, each once); each a positive int
+    no larger than the largest CUDA graph bucket (MAX_CAPTURE_SIZE, 1024)."""
     try:
-        sizes = [int(part) for part in text.split(",")]
+        sizes = sorted({int(part) for part in text.split(",")})
     except ValueError:
         sizes = []
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive int or a comma list of them, e.g. 1,64,256")
+    if not sizes or sizes[0] < 1 or sizes[-1] > MAX_CAPTURE_SIZE:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive int or a comma list of them, e.g. 1,64,256, "
+                                         f"each at most {MAX_CAPTURE_SIZE} (the largest CUDA graph bucket)")
     return sizes
 
 

@@ -142,7 +142,9 @@ def add_compilation_argument(group) -> None:
     """`--compilation-config` / `-O` (one definition for the engine commands and `bench compare`)."""
     group.add_argument("--compilation-config", "-O", type=optimization_level, default=0, metavar="LEVEL",
                        help="optimisation level (vLLM's -O): 0 = no torch.compile, CUDA graphs only (default); "
-                            "1-3 = also torch.compile the decoder layers (CUDA only; a CPU runs eager)")
+                            "1-3 = also torch.compile the decoder layers (CUDA only; a CPU runs eager); each step then "
+                            "runs the faster of the compiled and eager forwards, timed at load "
+                            "(FXREWRITE_COMPILED_FORWARD=compiled|eager forces one)")
 
 
 class _RemovedFlag(argparse.Action):

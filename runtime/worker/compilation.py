@@ -16,6 +16,7 @@ import contextlib
 import functools
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -148,7 +149,8 @@ def _compiled_or_eager(compiled: Callable, eager: Callable) -> Callable:
     return run
 
 
-class _EagerSwitch:
+class _EagerSwitch(threading.local):
+    """Per thread: two engines in one process may step from two threads, each with its own choice."""
     active = False
 
 
@@ -168,12 +170,22 @@ def compiled_model_forwards() -> tuple[str, ...]:
     fused in, chained under PDL; the q/k norm + rotary + cache write), they beat Inductor's code for Qwen3 shapes
     and the compiled layers add host work per call; where it did not (transformers code without the rewrite),
     Inductor's fusions win by far (BENCHMARKS.md, fiftieth session). ValueError for another value."""
-    mode = env_choice(COMPILED_FORWARD_ENV, "auto", ("auto", "compiled", "eager"))
+    mode = compiled_forward_mode()
     if mode != "auto":
         return (mode,)
     alone = (distributed.get_tp_size() == 1 and pipeline_stage_of_this_rank() is None
              and not data_parallel.dp_ep_active())
     return ("compiled", "eager") if alone else ("compiled",)
+
+
+def eager_forwards_active() -> bool:
+    """Whether this thread is inside `eager_forwards`."""
+    return _EAGER.active
+
+
+def compiled_forward_mode() -> str:
+    """`FXREWRITE_COMPILED_FORWARD`: "auto" (default), "compiled" or "eager"; ValueError naming another value."""
+    return env_choice(COMPILED_FORWARD_ENV, "auto", ("auto", "compiled", "eager"))
 
 
 def forwards_of(kind: str) -> contextlib.AbstractContextManager:
@@ -183,9 +195,9 @@ def forwards_of(kind: str) -> contextlib.AbstractContextManager:
 
 @contextlib.contextmanager
 def eager_forwards() -> Iterator[None]:
-    """Within: models compiled by `compile_model` run their eager forwards (the compiled ones stay built). The
-    CUDA graph runner captures a decode bucket both ways under it and keeps the faster graph
-    (`fxrewrite.runtime.worker.cuda_graphs`). Not thread-safe: one model runner per process."""
+    """Within (this thread): models compiled by `compile_model` run their eager forwards (the compiled ones stay
+    built). The CUDA graph runner captures a decode bucket's eager graph under it (`cuda_graphs`), and the model
+    runner runs its steps outside graphs under it when the eager forward was the faster (`forwards_of`)."""
     before, _EAGER.active = _EAGER.active, True
     try:
         yield

@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import logging
 import os
+import time
 
 import torch
 from torch import nn
@@ -25,8 +26,8 @@ from torch import nn
 from fxrewrite import data_parallel, distributed
 from fxrewrite.layers.fused_moe import FusedMoE
 from fxrewrite.layers.rope_context import rope_lengths
-from fxrewrite.runtime.worker.compilation import (COMPILED_FORWARD_ENV, compiled_model_forwards, forward_or_fallback,
-                                                  forwards_of)
+from fxrewrite.runtime.worker.compilation import (COMPILED_FORWARD_ENV, compiled_model_forwards, eager_forwards_active,
+                                                  forward_or_fallback, forwards_of)
 from fxrewrite.runtime.worker.forward_context import AttentionMetadata, forward_context
 from fxrewrite.runtime.worker import greedy_head, watchdog
 from fxrewrite.runtime.worker.greedy_head import GreedyHead
@@ -89,7 +90,8 @@ class CUDAGraphRunner:
         self.forward_kind: dict[int, str] = {}
         """bucket -> the forward its graph holds: "compiled", "eager" (the faster under -O > 0) or "model"."""
         self.replay_ms: dict[int, dict[str, float]] = {}
-        """bucket -> {"compiled": ms, "eager": ms}: the replay times the choice was made on (one GPU)."""
+        """bucket -> {"compiled": ms, "eager": ms}: the replay times the choice was made on, over the capture's
+        rows (one-token contexts; a profile at longer contexts replays slower, by the attention's extra work)."""
         self.step_bucket: int | None = None
         """None: each step picks its own bucket. Under DP x EP, set per wave by the worker: the bucket every
         replica replays (at least this step's size), or 0 when the wave runs eagerly on every replica."""
@@ -153,25 +155,42 @@ class CUDAGraphRunner:
     def _capture_one(self, bs: int, head: bool) -> None:
         """Capture bucket `bs` (with the greedy head when `head`). A compiled model on one process captures it
         twice, its compiled and its eager forward, times both graphs' replays and keeps the faster
-        (`decode_graph_forwards`); the choice and the times are in `forward_kind` / `replay_ms`."""
+        (`decode_graph_forwards`); the choice and the times are in `forward_kind` / `replay_ms`. A forward whose
+        capture fails leaves the other (logged); the bucket fails only when every capture does."""
         self.heads.pop(bs, None)
         kinds = decode_graph_forwards(self.model)
-        captured = {}
+        captured, error = {}, None
         for kind in kinds:
-            with forwards_of(kind):
-                captured[kind] = self._capture_graph(bs, head)
-        if len(captured) > 1:
-            self.replay_ms[bs] = {kind: replay_ms(graph) for kind, (graph, _) in captured.items()}
-            kind = min(kinds, key=self.replay_ms[bs].get)  # kinds' order breaks a tie: compiled first
+            try:
+                with forwards_of(kind):
+                    captured[kind] = self._capture_graph(bs, head)
+            except Exception as e:  # noqa: BLE001 - the other forward's graph may still serve the bucket
+                if len(kinds) == 1:
+                    raise
+                logger.warning("CUDA graph of the %s forward for batch size %d not captured: %s", kind, bs, e)
+                error = e
+        if not captured:
+            raise error
+        if not getattr(self.model, "_fxrewrite_compiled", False) and len(kinds) > 1:
+            kind = next(iter(captured))  # the compile failed meanwhile (`forward_or_fallback`): eager graphs only
+            self.forward_kind[bs] = "model"
         else:
-            kind = kinds[0]
+            if len(captured) > 1:
+                # timed on the capture's rows (one-token contexts): the attention kernel is the same in both graphs,
+                # so the difference is the rest of the step
+                self.replay_ms[bs] = {kind: self._replay_ms(graph) for kind, (graph, _) in captured.items()}
+                kind = min(captured, key=self.replay_ms[bs].get)  # kinds' order breaks a tie: compiled first
+            else:
+                kind = next(iter(captured))
+            self.forward_kind[bs] = kind
         graph, outputs = captured.pop(kind)
         captured.clear()  # the other graph's memory goes back to the shared pool
-        self.forward_kind[bs] = kind
         if outputs is not None:
             self.heads[bs] = outputs
         self.graphs[bs] = graph
-        torch.cuda.synchronize()
+
+    def _replay_ms(self, graph) -> float:
+        return replay_ms(graph)
 
     def _capture_graph(self, bs: int, head: bool) -> tuple[torch.cuda.CUDAGraph, GreedyHead | None]:
         graph = torch.cuda.CUDAGraph()
@@ -188,6 +207,7 @@ class CUDAGraphRunner:
                 outputs = GreedyHead.compute(self.model, self.outputs[:bs]) if head else None
         if self.pool is None:
             self.pool = graph.pool()
+        torch.cuda.synchronize()
         return graph, outputs
 
     def can_run(self, num_tokens: int, metadata: AttentionMetadata) -> bool:
@@ -310,12 +330,14 @@ DP x EP waves at one bucket, idle replicas replaying padding rows) runs without 
 class _EagerReplay:
     """One bucket's stand-in for a captured graph: `replay()` runs the forward the graph would replay."""
 
-    def __init__(self, runner: CUDAGraphRunner, bs: int, head: bool):
+    def __init__(self, runner: CUDAGraphRunner, bs: int, head: bool, eager: bool = False):
         self.runner, self.bs, self.has_head = runner, bs, head
+        self.eager = eager  # "captured" inside `eager_forwards` (a compiled model's eager forward): replayed so
 
     def replay(self) -> None:
         r, bs = self.runner, self.bs
-        with (forward_context(r._metadata(bs)), rope_lengths(r.rope_lengths[:bs]), data_parallel.uniform_tokens()):
+        with (forward_context(r._metadata(bs)), rope_lengths(r.rope_lengths[:bs]), data_parallel.uniform_tokens(),
+              forwards_of("eager" if self.eager else "model")):
             r.outputs[:bs] = r.model(r.input_ids[:bs], r.positions[:bs])
             if self.has_head:
                 head = GreedyHead.compute(r.model, r.outputs[:bs])
@@ -328,9 +350,16 @@ class _EagerReplay:
 class EmulatedGraphRunner(CUDAGraphRunner):
     """`CUDAGraphRunner` whose buckets run eagerly over the same static buffers (CPU tests: `EMULATE_ENV`)."""
 
-    def _capture_one(self, bs: int, head: bool) -> None:
+    def _capture_graph(self, bs: int, head: bool) -> tuple[_EagerReplay, None]:
         """As the capture's warm-up: one forward with uniform row counts (`capture` calls this largest
-        bucket first, in lockstep under DP x EP), so the CPU tests run the load-time collectives the GPU does."""
+        bucket first, in lockstep under DP x EP), so the CPU tests run the load-time collectives the GPU does; a
+        compiled model's bucket goes through the choice of forwards as on the GPU (`_capture_one`)."""
         watchdog.phase(f"emulated CUDA graph bucket {bs}: warm-up forward")
-        self.graphs[bs] = _EagerReplay(self, bs, head)
-        self.graphs[bs].replay()
+        graph = _EagerReplay(self, bs, head, eager=eager_forwards_active())
+        graph.replay()
+        return graph, None
+
+    def _replay_ms(self, graph: _EagerReplay) -> float:
+        start = time.perf_counter()
+        graph.replay()
+        return (time.perf_counter() - start) * 1e3

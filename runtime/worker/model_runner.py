@@ -24,7 +24,8 @@ from fxrewrite.runtime.model_files.quantization import (
     resolve_quantization,
 )
 from fxrewrite.runtime.worker.pipeline import PipelineStage, pipeline_stage_of_this_rank
-from fxrewrite.runtime.worker.compilation import compile_model, compiled_model_forwards, forwards_of, should_compile
+from fxrewrite.runtime.worker.compilation import (compile_model, compiled_forward_mode, compiled_model_forwards,
+                                                  forwards_of, should_compile)
 from fxrewrite.runtime.worker.cuda_graphs import build_graph_runner
 from fxrewrite.runtime.engine_config import EngineConfig
 from fxrewrite.runtime.worker.forward_context import forward_context
@@ -143,10 +144,12 @@ def _default_dtype(dtype: torch.dtype):
 
 def check_kernel_switches(device: torch.device) -> None:
     """The FXREWRITE_* switches the kernels read at each launch (FXREWRITE_GEMV, FXREWRITE_PDL and its prefetch
-    size, FXREWRITE_KV_FP8_DOTS, FXREWRITE_DECODE_TILE), FXREWRITE_GRAPH_LOGITS and FXREWRITE_GREEDY_KERNEL, checked
-    before anything is built, on any device: UserInputError naming a bad value, or ``on`` on a device without PDL."""
+    size, FXREWRITE_KV_FP8_DOTS, FXREWRITE_DECODE_TILE), FXREWRITE_GRAPH_LOGITS, FXREWRITE_GREEDY_KERNEL and
+    FXREWRITE_COMPILED_FORWARD, checked before anything is built, on any device: UserInputError naming a bad value,
+    or ``on`` on a device without PDL."""
     try:
         gemv_dispatch.mode()
+        compiled_forward_mode()
         pdl.check_environment(device)
         paged_decode.default_fp8_dots()
         paged_decode.decode_tile()
@@ -210,7 +213,7 @@ class ModelRunner:
                     self.model, self.kv_caches, config, model_config, self.device)
                 times = ", ".join(f"{kind} {s * 1e3:.1f} ms" for kind, s in self.step_forward_seconds.items())
                 logger.info("steps outside CUDA graphs run the %s forward of the compiled model (%s)",
-                            self.step_forward, times or "forced")
+                            self.step_forward, times or "one candidate: FXREWRITE_COMPILED_FORWARD or parallelism")
             # Triton's JIT at load, not in the first requests (a pipeline stage's forward needs its peers)
             if should_warm_up(self.device, self.pipeline):
                 with forwards_of(self.step_forward):

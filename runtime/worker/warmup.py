@@ -124,7 +124,8 @@ def faster_step_forward(model: nn.Module, kv_caches, config, model_config,
     of `compiled_model_forwards()`, the one whose dummy step of a full chunk (one sequence of
     min(max_num_batched_tokens, max_model_len) tokens) takes less wall time, host work included (each compiled
     layer call checks dynamo's guards). Returns (kind, {kind: seconds, the fastest of 3 steps}); the times are empty
-    when there is one kind. The first step of each kind is not timed (it compiles, or builds Triton kernels)."""
+    when there is one kind, and ("model", {}) when the compile failed meanwhile (the model then runs eagerly). The
+    first step of each kind is not timed (it compiles, or builds Triton kernels)."""
     kinds = compiled_model_forwards()
     if len(kinds) == 1:
         return kinds[0], {}
@@ -143,6 +144,8 @@ def faster_step_forward(model: nn.Module, kv_caches, config, model_config,
                 _synchronize(device)
                 runs.append(time.perf_counter() - start)
             seconds[kind] = min(runs)
+    if not getattr(model, "_fxrewrite_compiled", False):  # the compile failed meanwhile (`forward_or_fallback`)
+        return "model", {}
     return min(kinds, key=seconds.get), seconds
 
 

@@ -85,3 +85,13 @@ def test_ratios_use_unrounded_figures():
     got = ratios({"workload": {"kind": "throughput"}, "arms": arms})
     assert got["native/hf"] == round(163.6 / (28 / 33.731), 3)  # 197.1, not 163.6 / 0.8 = 204.5
     assert got["after/native"] == round((1 / 30) / 163.6, 3) and "after/hf" in got  # a figure shown as 0.0 keeps its ratio
+
+
+def test_profile_decode_batch_sizes(capsys):
+    """--batch takes one size or a comma list (sorted, each once, at most the largest CUDA graph bucket)."""
+    assert profile_decode._batch_sizes("256,1,1,64") == [1, 64, 256]
+    for bad in ("0", "1,,2", "-1", "", "1.5", "2000"):
+        with pytest.raises(SystemExit) as exit_info:
+            profile_decode.main(["--config", "tiny", "--batch", bad])
+        assert exit_info.value.code == 2
+        assert "argument --batch" in capsys.readouterr().err

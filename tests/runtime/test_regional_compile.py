@@ -15,8 +15,9 @@ from torch._dynamo.utils import counters
 from fxrewrite import LLM, SamplingParams
 from fxrewrite.runtime.worker import compilation
 from fxrewrite.runtime.worker.compilation import (compile_model, compiled_model_forwards, decoder_layers,
-                                                  eager_forwards, forward_or_fallback)
-from fxrewrite.runtime.worker.cuda_graphs import decode_graph_forwards
+                                                  eager_forwards, eager_forwards_active, forward_or_fallback)
+from fxrewrite.runtime.worker.cuda_graphs import (EMULATE_ENV, EmulatedGraphRunner, build_graph_runner,
+                                                  decode_graph_forwards)
 from fxrewrite.runtime.worker.warmup import faster_step_forward
 from fxrewrite.runtime.worker.forward_context import forward_context
 from fxrewrite.runtime.worker.memory_profiling import _dummy_metadata
@@ -220,7 +221,7 @@ def test_memory_profile_runs_every_forward_a_step_may_take(tiny_model_dir, monke
     eager_calls = []
     forward = memory_profiling.forward_or_fallback
     monkeypatch.setattr(memory_profiling, "forward_or_fallback",
-                        lambda *a: eager_calls.append(compilation._EAGER.active) or forward(*a))
+                        lambda *a: eager_calls.append(compilation.eager_forwards_active()) or forward(*a))
     args = (runner.model, runner.config, runner.model_config, runner.device, runner.kv_dtype)
     memory_profiling.profile_activation_bytes(*args)
     assert eager_calls == [False, True]
@@ -228,3 +229,39 @@ def test_memory_profile_runs_every_forward_a_step_may_take(tiny_model_dir, monke
     monkeypatch.setenv("FXREWRITE_COMPILED_FORWARD", "compiled")
     memory_profiling.profile_activation_bytes(*args)
     assert eager_calls == [False]
+
+
+def _emulated_graphs(llm):
+    """A fresh (emulated, CPU) CUDA graph runner of the engine's model, captured now, and set as the engine's."""
+    runner = llm.llm_engine.model_runner
+    graphs = build_graph_runner(runner.model, runner.kv_caches, runner.config, runner.model_config, runner.device)
+    runner.graph_runner = graphs
+    return graphs
+
+
+def test_decode_buckets_keep_the_faster_forward(tiny_model_dir, monkeypatch):
+    """Each decode bucket of a compiled model is "captured" from both forwards, both replays are timed and the
+    faster kept (the emulated runner of the CPU tests goes through the GPU runner's choice); the engine's greedy
+    tokens are unchanged. A forward whose capture fails leaves the bucket to the other."""
+    monkeypatch.setenv(EMULATE_ENV, "1")
+    torch._dynamo.reset()
+    llm = _engine(tiny_model_dir, "native", 2)
+    expected = _token_ids(llm)
+    compile_model(llm.llm_engine.model_runner.model, backend=CountingBackend())
+    graphs = _emulated_graphs(llm)
+    assert graphs.sizes == [1, 2, 4] and set(graphs.replay_ms) == set(graphs.forward_kind) == {1, 2, 4}
+    for bs, times in graphs.replay_ms.items():
+        assert set(times) == {"compiled", "eager"} and graphs.forward_kind[bs] == min(times, key=times.get)
+        assert graphs.graphs[bs].eager == (graphs.forward_kind[bs] == "eager")
+    assert _token_ids(llm) == expected
+
+    def no_eager_capture(self, bs, head):
+        if eager_forwards_active():
+            raise RuntimeError("this forward cannot be captured")
+        return capture(self, bs, head)
+
+    capture = EmulatedGraphRunner._capture_graph
+    monkeypatch.setattr(EmulatedGraphRunner, "_capture_graph", no_eager_capture)
+    graphs = _emulated_graphs(llm)
+    assert set(graphs.forward_kind.values()) == {"compiled"} and not graphs.replay_ms and graphs.sizes == [1, 2, 4]
+    assert _token_ids(llm) == expected
