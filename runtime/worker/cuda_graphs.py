@@ -169,6 +169,8 @@ class CUDAGraphRunner:
                     raise
                 logger.warning("CUDA graph of the %s forward for batch size %d not captured: %s", kind, bs, e)
                 error = e
+                if torch.cuda.is_available():  # as `capture` does after a failed bucket
+                    torch.cuda.synchronize()
         if not captured:
             raise error
         if not getattr(self.model, "_fxrewrite_compiled", False) and len(kinds) > 1:
