@@ -190,6 +190,7 @@ def test_a_failing_bucket_is_skipped_not_all_graphs(monkeypatch, caplog):
 
     runner = CUDAGraphRunner.__new__(CUDAGraphRunner)
     runner.sizes, runner.graphs, runner.pool, runner.head_max_batch = [1, 2, 4, 8], {}, None, 4
+    runner.forward_kind, runner.replay_ms = {}, {}
     tries = []
 
     def capture_one(bs, head):
