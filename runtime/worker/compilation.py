@@ -183,6 +183,12 @@ def eager_forwards_active() -> bool:
     return _EAGER.active
 
 
+def model_forwards(model: nn.Module) -> tuple[str, ...]:
+    """The forwards a step of `model` may run (a decode bucket is captured from each, the faster kept; memory
+    profiling runs each): ("model",) for a model that is not compiled, else `compiled_model_forwards()`."""
+    return compiled_model_forwards() if getattr(model, "_fxrewrite_compiled", False) else ("model",)
+
+
 def compiled_forward_mode() -> str:
     """`FXREWRITE_COMPILED_FORWARD`: "auto" (default), "compiled" or "eager"; ValueError naming another value."""
     return env_choice(COMPILED_FORWARD_ENV, "auto", ("auto", "compiled", "eager"))

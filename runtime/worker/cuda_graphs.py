@@ -26,8 +26,8 @@ from torch import nn
 from fxrewrite import data_parallel, distributed
 from fxrewrite.layers.fused_moe import FusedMoE
 from fxrewrite.layers.rope_context import rope_lengths
-from fxrewrite.runtime.worker.compilation import (COMPILED_FORWARD_ENV, compiled_model_forwards, eager_forwards_active,
-                                                  forward_or_fallback, forwards_of)
+from fxrewrite.runtime.worker.compilation import (COMPILED_FORWARD_ENV, eager_forwards_active, forward_or_fallback,
+                                                  forwards_of, model_forwards)
 from fxrewrite.runtime.worker.forward_context import AttentionMetadata, forward_context
 from fxrewrite.runtime.worker import greedy_head, watchdog
 from fxrewrite.runtime.worker.greedy_head import GreedyHead
@@ -155,10 +155,10 @@ class CUDAGraphRunner:
     def _capture_one(self, bs: int, head: bool) -> None:
         """Capture bucket `bs` (with the greedy head when `head`). A compiled model on one process captures it
         twice, its compiled and its eager forward, times both graphs' replays and keeps the faster
-        (`decode_graph_forwards`); the choice and the times are in `forward_kind` / `replay_ms`. A forward whose
+        (`compilation.model_forwards`); the choice and the times are in `forward_kind` / `replay_ms`. A forward whose
         capture fails leaves the other (logged); the bucket fails only when every capture does."""
         self.heads.pop(bs, None)
-        kinds = decode_graph_forwards(self.model)
+        kinds = model_forwards(self.model)
         captured, error = {}, None
         for kind in kinds:
             try:
@@ -295,12 +295,6 @@ def build_graph_runner(model: nn.Module, kv_caches, config, model_config,
         logger.warning("CUDA graph capture failed, decode runs eagerly: %s", e)
         return None
     return runner
-
-
-def decode_graph_forwards(model: nn.Module) -> tuple[str, ...]:
-    """The forwards a decode bucket's graph is captured from, the faster one kept: ("model",) for a model that
-    is not compiled, else `compiled_model_forwards()`."""
-    return compiled_model_forwards() if getattr(model, "_fxrewrite_compiled", False) else ("model",)
 
 
 def replay_ms(graph: torch.cuda.CUDAGraph, iters: int = 5, warmup: int = 2) -> float:

@@ -15,7 +15,7 @@ from torch import nn
 
 from fxrewrite import data_parallel
 from fxrewrite.errors import UserInputError
-from fxrewrite.runtime.worker.compilation import compiled_model_forwards, forward_or_fallback, forwards_of
+from fxrewrite.runtime.worker.compilation import forward_or_fallback, forwards_of, model_forwards
 from fxrewrite.runtime.worker.forward_context import AttentionMetadata, forward_context
 from fxrewrite.runtime.worker.kv_cache import allocate_kv_caches, bytes_per_block
 
@@ -54,8 +54,7 @@ def profile_activation_bytes(model: nn.Module, config, model_config, device: tor
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    kinds = compiled_model_forwards() if getattr(model, "_fxrewrite_compiled", False) else ("model",)
-    for kind in kinds:
+    for kind in model_forwards(model):
         hidden = None  # the previous forward's output is not live during the next one
         # Every DP x EP replica profiles the same batch: uniform row counts, no token-count exchange.
         with forward_context(metadata), data_parallel.uniform_tokens(), forwards_of(kind):

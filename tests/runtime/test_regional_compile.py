@@ -15,9 +15,9 @@ from torch._dynamo.utils import counters
 from fxrewrite import LLM, SamplingParams
 from fxrewrite.runtime.worker import compilation
 from fxrewrite.runtime.worker.compilation import (compile_model, compiled_model_forwards, decoder_layers,
-                                                  eager_forwards, eager_forwards_active, forward_or_fallback)
-from fxrewrite.runtime.worker.cuda_graphs import (EMULATE_ENV, EmulatedGraphRunner, build_graph_runner,
-                                                  decode_graph_forwards)
+                                                  eager_forwards, eager_forwards_active, forward_or_fallback,
+                                                  model_forwards)
+from fxrewrite.runtime.worker.cuda_graphs import EMULATE_ENV, EmulatedGraphRunner, build_graph_runner
 from fxrewrite.runtime.worker.warmup import faster_step_forward
 from fxrewrite.runtime.worker.forward_context import forward_context
 from fxrewrite.runtime.worker.memory_profiling import _dummy_metadata
@@ -172,12 +172,12 @@ def test_compiled_model_forwards(monkeypatch):
     one under tensor parallelism, one forced by FXREWRITE_COMPILED_FORWARD, a clear error otherwise; a decode
     graph of a model that is not compiled holds its one forward."""
     model = torch.nn.Linear(2, 2)
-    assert decode_graph_forwards(model) == ("model",)
+    assert model_forwards(model) == ("model",)
     model._fxrewrite_compiled = True
-    assert decode_graph_forwards(model) == compiled_model_forwards() == ("compiled", "eager")
+    assert model_forwards(model) == compiled_model_forwards() == ("compiled", "eager")
     for forced in ("compiled", "eager"):
         monkeypatch.setenv("FXREWRITE_COMPILED_FORWARD", forced)
-        assert decode_graph_forwards(model) == (forced,)
+        assert model_forwards(model) == (forced,)
     monkeypatch.setenv("FXREWRITE_COMPILED_FORWARD", "fastest")
     with pytest.raises(ValueError, match=r"FXREWRITE_COMPILED_FORWARD='fastest': expected 'auto', 'compiled' or"):
         compiled_model_forwards()
