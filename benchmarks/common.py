@@ -220,47 +220,6 @@ def run_requests(engine, prompts: list[list[int]], params: list, time_limit_s: f
     return stats
 
 
-@contextmanager
-def step_profile(runner):
-    """Seconds spent, over the steps run inside the block, in `execute_model_async` ("launch": building
-    the inputs and queueing the forward and sampler on the device) and blocked waiting for a step's
-    tokens ("wait": the device is behind the host). Whatever else the run took is host work
-    (scheduling, output processing) that the device did not hide. Yields the dict, filled on exit."""
-    totals = {"launch": 0.0, "wait": 0.0, "steps": 0}
-    # A pipelined executor is not async-scheduled but its micro-batches go through execute_model_async too
-    if not (getattr(runner, "supports_async", False) or getattr(runner, "pipeline_depth", 1) > 1):
-        yield totals
-        return
-    launch = runner.execute_model_async
-
-    def timed_launch(sched, previous=None, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            pending = launch(sched, previous, **kwargs)
-        finally:
-            totals["launch"] += time.perf_counter() - t0
-            totals["steps"] += 1
-        result = pending.result
-
-        def timed_result():
-            t1 = time.perf_counter()
-            try:
-                return result()
-            finally:
-                totals["wait"] += time.perf_counter() - t1
-
-        pending.result = timed_result
-        return pending
-
-    runner.execute_model_async = timed_launch
-    try:
-        yield totals
-    finally:
-        del runner.execute_model_async
-        for key in ("launch", "wait"):
-            totals[key] = round(totals[key], 3)
-
-
 BEFORE_EXPERTS_IMPLEMENTATION = "eager"
 """The before arm of an MoE config runs transformers' per-expert loop (issue #13: "the unfused transformers
 experts loop is the before"), not the default ``grouped_mm`` that transformers 5 picks when it can."""

@@ -95,3 +95,13 @@ def test_profile_decode_batch_sizes(capsys):
             profile_decode.main(["--config", "tiny", "--batch", bad])
         assert exit_info.value.code == 2
         assert "argument --batch" in capsys.readouterr().err
+
+
+def test_find_host_syncs_profiles_the_timed_run_on_a_cpu():
+    """The function under the CLI's CUDA check runs anywhere: launches timed, cProfile's top functions reported."""
+    result = find_host_syncs.find_host_syncs("tiny", "native", num_prompts=3, max_input_len=12, max_output_len=4,
+                                             sync_debug=False, cprofile=5, enforce_eager=True, device="cpu")
+    assert result["output_tokens"] > 0 and result["steps"] >= 4
+    assert sum(v["steps"] for k, v in result["launch"].items() if k in ("graph", "eager")) >= result["steps"] - 1
+    assert len(result["top_functions"]) == 5
+    assert all(row["calls"] >= 1 and row["own_s"] >= 0 for row in result["top_functions"])
