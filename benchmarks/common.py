@@ -184,32 +184,46 @@ def run_requests(engine, prompts: list[list[int]], params: list, time_limit_s: f
     passes (then the rest are aborted and `truncated` is set). Token counts are of what was produced.
     `window` (a `fxrewrite.benchmarks.decode_window.DecodeWindow`) is updated after every step; with
     `stop_after_window` the run also stops (aborted, truncated) once the window is complete.
-    A tqdm bar (stderr, labelled `desc`) counts output tokens against the requested total."""
+    A tqdm bar (stderr, labelled `desc`) counts output tokens against the requested total.
+
+    An engine in this process gets the requests as `LLM.generate` (and nano-vllm's and vLLM's throughput
+    benchmarks) submits them: one output each, when it finishes (``final_only``), so the engine builds no
+    per-step outputs; the progress the figures need (first tokens, the window's tokens) is read from the
+    requests' sequences, and only while something still needs it. A data-parallel engine (replicas in other
+    processes) reports its progress through an output per request every step."""
     from tqdm import tqdm
 
     stats = RunStats(num_requests=len(prompts), prompt_tokens=sum(map(len, prompts)))
     ids = [f"bench-{i}" for i in range(len(prompts))]
     counts = dict.fromkeys(ids, 0)
+    in_process = isinstance(getattr(engine, "requests", None), dict)
     for request_id, prompt, p in zip(ids, prompts, params):
-        engine.add_request(request_id, prompt, p)
+        engine.add_request(request_id, prompt, p, **({"final_only": True} if in_process else {}))
+    live = {rid: engine.requests[rid].seqs for rid in ids} if in_process else None  # unfinished: their sequences
     bar = tqdm(total=sum(p.max_tokens or 0 for p in params), desc=desc, unit="tok", leave=False,
                dynamic_ncols=True, mininterval=0.5)
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         bar.update(sum(counts.values()) - bar.n)
         outputs = engine.step()
-        stats.step_end_s.append(time.perf_counter() - start)
+        now = time.perf_counter() - start
+        stats.step_end_s.append(now)
+        if live and (len(stats.first_token_s) < len(ids) or (window is not None and not window.complete)):
+            _poll(live, counts, stats.first_token_s, now)
         for out in outputs:
-            now = time.perf_counter() - start
-            counts[out.request_id] = len(out.outputs[0].token_ids)
+            counts[out.request_id] = sum(len(c.token_ids) for c in out.outputs)
             if counts[out.request_id]:  # a prefill chunk that sampled nothing is not a first token
                 stats.first_token_s.setdefault(out.request_id, now)
             if out.finished:
                 stats.finish_s[out.request_id] = now
+                if live is not None:
+                    live.pop(out.request_id, None)
         done = window is not None and window.update(time.perf_counter() - start, counts, len(stats.finish_s))
         if (time_limit_s is not None and time.perf_counter() - start > time_limit_s) or (done and stop_after_window
                                                                                          and engine.has_unfinished_requests()):
             stats.truncated = True
+            if live:
+                _poll(live, counts, stats.first_token_s, time.perf_counter() - start)
             for request_id in ids:
                 engine.abort_request(request_id)
             break
@@ -218,6 +232,15 @@ def run_requests(engine, prompts: list[list[int]], params: list, time_limit_s: f
     stats.output_tokens = sum(counts.values())
     stats.num_finished = len(stats.finish_s)
     return stats
+
+
+def _poll(live: dict, counts: dict, first_token_s: dict, now: float) -> None:
+    """Output tokens so far of each unfinished request (its sequences'), and the time of each first token."""
+    for rid, seqs in live.items():
+        n = sum(seq.num_output_tokens for seq in seqs)
+        counts[rid] = n
+        if n and rid not in first_token_s:
+            first_token_s[rid] = now
 
 
 BEFORE_EXPERTS_IMPLEMENTATION = "eager"

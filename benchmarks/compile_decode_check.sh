@@ -7,8 +7,8 @@
 #                FXREWRITE_COMPILED_FORWARD=compiled (every graph compiled). ~3 min
 #   profile-O3:  only the -O 3 one of those. ~1 min
 #   throughput:  ARMS (default after; comma list), 256 prompts, -O 0 then -O 3. ~1.5 min an arm
-#   cold-warm:   Qwen3-0.6B throughput, COLD_ARMS (default after,native): -O 0, then -O 3 twice on a fresh compile
-#                cache (cold start, then warm: the setup_s of each). ~2 min an arm
+#   cold-warm:   Qwen3-0.6B throughput, COLD_ARMS (default after,native): -O 0 (skipped with COLD_BASELINE=0), then
+#                -O 3 twice on a fresh compile cache (cold start, then warm: the setup_s of each). ~2 min an arm
 #   tests:       the compile GPU tests (tests/gpu/test_gpu_compile.py; log compile-tests.log). ~2 min
 #   before:      the before arm's profiles (transformers code, no rewrite: Inductor's fusions have most to do), -O 0
 #                and -O 3. ~2 min
@@ -39,7 +39,8 @@ for step in ${STEPS:-profiles throughput before}; do
       bench "$(left 250)" --config "${CONFIG:-qwen3-4b}" --arms "${ARMS:-after}" --num-prompts 256 --time-limit 15 -O 3
       stamp "throughput done" ;;
     cold-warm)
-      bench "$(left 120)" --config qwen3-0.6b --arms "${COLD_ARMS:-after,native}" --num-prompts 256 --time-limit 15
+      [ "${COLD_BASELINE:-1}" = 0 ] \
+        || bench "$(left 120)" --config qwen3-0.6b --arms "${COLD_ARMS:-after,native}" --num-prompts 256 --time-limit 15
       export FXREWRITE_CACHE=/tmp/fxrewrite-cache-cold-warm
       rm -rf "$FXREWRITE_CACHE"
       for phase in cold warm; do
