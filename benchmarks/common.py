@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fxrewrite.errors import UserFileNotFoundError, UserInputError
-from fxrewrite.runtime.llm import LLM
+from fxrewrite.runtime.llm import LLM, fewer_gc_passes
 from fxrewrite.runtime.model_files.demo import write_tokenizer
 from fxrewrite.runtime.model_files.model_cache import cached_build
 from fxrewrite.runtime.worker.cuda_graphs import replay_ms  # noqa: F401 - the harness's graph timer
@@ -190,7 +190,8 @@ def run_requests(engine, prompts: list[list[int]], params: list, time_limit_s: f
     benchmarks) submits them: one output each, when it finishes (``final_only``), so the engine builds no
     per-step outputs; the progress the figures need (first tokens, the window's tokens) is read from the
     requests' sequences, and only while something still needs it. A data-parallel engine (replicas in other
-    processes) reports its progress through an output per request every step."""
+    processes) reports its progress through an output per request every step. The loop runs under
+    `fewer_gc_passes`, as `LLM.generate`'s does."""
     from tqdm import tqdm
 
     stats = RunStats(num_requests=len(prompts), prompt_tokens=sum(map(len, prompts)))
@@ -203,35 +204,41 @@ def run_requests(engine, prompts: list[list[int]], params: list, time_limit_s: f
     bar = tqdm(total=sum(p.max_tokens or 0 for p in params), desc=desc, unit="tok", leave=False,
                dynamic_ncols=True, mininterval=0.5)
     start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        bar.update(sum(counts.values()) - bar.n)
-        outputs = engine.step()
-        now = time.perf_counter() - start
-        stats.step_end_s.append(now)
-        if live and (len(stats.first_token_s) < len(ids) or (window is not None and not window.complete)):
-            _poll(live, counts, stats.first_token_s, now)
-        for out in outputs:
-            counts[out.request_id] = sum(len(c.token_ids) for c in out.outputs)
-            if counts[out.request_id]:  # a prefill chunk that sampled nothing is not a first token
-                stats.first_token_s.setdefault(out.request_id, now)
-            if out.finished:
-                stats.finish_s[out.request_id] = now
-                if live is not None:
-                    live.pop(out.request_id, None)
-        done = window is not None and window.update(time.perf_counter() - start, counts, len(stats.finish_s))
-        if (time_limit_s is not None and time.perf_counter() - start > time_limit_s) or (done and stop_after_window
-                                                                                         and engine.has_unfinished_requests()):
-            stats.truncated = True
-            if live:
-                _poll(live, counts, stats.first_token_s, time.perf_counter() - start)
-            for request_id in ids:
-                engine.abort_request(request_id)
-            break
+    with fewer_gc_passes():
+        while engine.has_unfinished_requests():
+            bar.update(sum(counts.values()) - bar.n)
+            outputs = engine.step()
+            now = time.perf_counter() - start
+            stats.step_end_s.append(now)
+            if live and (len(stats.first_token_s) < len(ids) or (window is not None and not window.complete)):
+                _poll(live, counts, stats.first_token_s, now)
+            _record(outputs, counts, stats, live, now)
+            done = window is not None and window.update(time.perf_counter() - start, counts, len(stats.finish_s))
+            over_time = time_limit_s is not None and time.perf_counter() - start > time_limit_s
+            if over_time or (done and stop_after_window and engine.has_unfinished_requests()):
+                stats.truncated = True
+                if live:
+                    _poll(live, counts, stats.first_token_s, time.perf_counter() - start)
+                for request_id in ids:
+                    engine.abort_request(request_id)
+                break
     stats.elapsed_s = time.perf_counter() - start
     bar.close()
     stats.output_tokens = sum(counts.values())
     stats.num_finished = len(stats.finish_s)
     return stats
+
+
+def _record(outputs: list, counts: dict, stats: RunStats, live: dict | None, now: float) -> None:
+    """A step's outputs: token counts, first tokens, finished requests (no longer polled)."""
+    for out in outputs:
+        counts[out.request_id] = sum(len(c.token_ids) for c in out.outputs)
+        if counts[out.request_id]:  # a prefill chunk that sampled nothing is not a first token
+            stats.first_token_s.setdefault(out.request_id, now)
+        if out.finished:
+            stats.finish_s[out.request_id] = now
+            if live is not None:
+                live.pop(out.request_id, None)
 
 
 def _poll(live: dict, counts: dict, first_token_s: dict, now: float) -> None:

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, replace
 
 from fxrewrite.benchmarks.common import run_requests
 from fxrewrite.benchmarks.step_profile import step_profile
+from fxrewrite.benchmarks.step_timing import gc_pauses
 from fxrewrite.benchmarks.decode_window import DecodeWindow
 from fxrewrite.kernels.triton_utils import watch_jit_compiles
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
@@ -65,7 +66,7 @@ def run_throughput(llm, workload: ThroughputWorkload, time_limit_s: float | None
     params = [SamplingParams(temperature=workload.temperature, max_tokens=n, ignore_eos=True, seed=None)
               for n in output_lens]
     window = DecodeWindow(workload.decode_window_steps or 8)
-    with step_profile(engine.model_runner) as profile, watch_jit_compiles() as compiled:
+    with step_profile(engine.model_runner) as profile, watch_jit_compiles() as compiled, gc_pauses() as collections:
         stats = run_requests(engine, prompts, params, time_limit_s, desc="timed run", window=window,
                              stop_after_window=workload.decode_window_steps > 0)
     headline = {"headline_key": "decode_window.output_tokens_per_s"} if workload.decode_window_steps else {}
@@ -73,6 +74,7 @@ def run_throughput(llm, workload: ThroughputWorkload, time_limit_s: float | None
         **headline,
         "decode_window": window.result(),
         "triton_jit_in_timed_run": compiled,  # should be empty: each entry is a JIT stall inside the timing
+        "gc_pauses": collections,  # Python's cyclic-GC passes inside the timing (their count and total pause)
         "step_profile_s": {**profile, "host_not_hidden": round(stats.elapsed_s - profile["launch"] - profile["wait"], 3)},
         "output_tokens": stats.output_tokens,
         "prompt_tokens": stats.prompt_tokens,
