@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fxrewrite.errors import UserFileNotFoundError, UserInputError
-from fxrewrite.runtime.llm import LLM, fewer_gc_passes
+from fxrewrite.runtime.gc_passes import fewer_gc_passes
+from fxrewrite.runtime.llm import LLM
 from fxrewrite.runtime.model_files.demo import write_tokenizer
 from fxrewrite.runtime.model_files.model_cache import cached_build
 from fxrewrite.runtime.worker.cuda_graphs import replay_ms  # noqa: F401 - the harness's graph timer

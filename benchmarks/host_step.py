@@ -39,7 +39,7 @@ from fxrewrite.runtime.engine.llm_engine import LLMEngine
 from fxrewrite.runtime.engine.sampler import SampledTokens
 from fxrewrite.runtime.engine.sampling_params import RequestOutputKind, SamplingParams
 from fxrewrite.runtime.engine_config import EngineConfig
-from fxrewrite.runtime.llm import fewer_gc_passes
+from fxrewrite.runtime.gc_passes import fewer_gc_passes
 from fxrewrite.runtime.model_files.demo import build_model_dir
 from fxrewrite.runtime.server.step_outputs import OutputJoiner
 from fxrewrite.runtime.worker.model_runner import PendingStep

@@ -75,7 +75,9 @@ def run_throughput(llm, workload: ThroughputWorkload, time_limit_s: float | None
         "decode_window": window.result(),
         "triton_jit_in_timed_run": compiled,  # should be empty: each entry is a JIT stall inside the timing
         "gc_pauses": collections,  # Python's cyclic-GC passes inside the timing (their count and total pause)
-        "step_profile_s": {**profile, "host_not_hidden": round(stats.elapsed_s - profile["launch"] - profile["wait"], 3)},
+        # host_other: the host's time outside launches and waits (scheduling, outputs). Until 2026-12-06 it was
+        # named host_not_hidden, but the device may run a launched step meanwhile: gpu_idle says what was not hidden
+        "step_profile_s": {**profile, "host_other": round(stats.elapsed_s - profile["launch"] - profile["wait"], 3)},
         "output_tokens": stats.output_tokens,
         "prompt_tokens": stats.prompt_tokens,
         "elapsed_s": round(stats.elapsed_s, 3),

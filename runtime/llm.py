@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import gc
 import itertools
 import os
 import threading
-from contextlib import contextmanager
 from typing import Any, Sequence
 
 from fxrewrite.errors import UserInputError, UserTypeError, check_unicode
@@ -16,23 +14,8 @@ from fxrewrite.runtime.engine.data_parallel import make_engine
 from fxrewrite.runtime.engine.outputs import RequestOutput
 from fxrewrite.runtime.engine.pooling import EmbeddingRequestOutput, PoolingParams
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
+from fxrewrite.runtime.gc_passes import fewer_gc_passes
 from fxrewrite.runtime.server.generation_defaults import check_generation_config, load_generation_defaults
-
-
-@contextmanager
-def fewer_gc_passes(gen0_threshold: int = 50_000):
-    """Python's cyclic GC collects its young generation every 700 net allocations, and every tenth of those
-    passes also walks the middle one; an engine step with a thousand sequences allocates several objects
-    per sequence (samples, logprob dicts, scheduled entries), so passes ran every step, and the walks of
-    the sequences' ever-growing logprob dicts cost 10-20% of the host time of a 1024-sequence decode step
-    (CPU profile of the engine loop, thread time, this session). During the run the young threshold is
-    raised to `gen0_threshold` (never lowered), then restored; nothing else changes."""
-    old = gc.get_threshold()
-    gc.set_threshold(max(old[0], gen0_threshold), *old[1:])
-    try:
-        yield
-    finally:
-        gc.set_threshold(*old)
 
 
 class LLM:

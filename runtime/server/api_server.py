@@ -22,6 +22,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from fxrewrite import __version__
+from fxrewrite.runtime.gc_passes import fewer_gc_passes, frozen_startup_heap
 from fxrewrite.runtime.server.async_engine import AsyncLLMEngine
 from fxrewrite.runtime.server.async_tokenizer import AsyncTokenizer
 from fxrewrite.runtime.server.errors import OpenAIError, error_response, install_error_handlers
@@ -138,15 +139,14 @@ def build_app(
         metrics.update_engine_stats(engine.get_stats())
         async_engine.start()
         try:
-            yield
+            with frozen_startup_heap(), fewer_gc_passes():  # GC passes a step, as LLM.generate; no full walks of it
+                yield
         finally:
             tokenizer.shutdown()
             await async_engine.stop()
 
     app = FastAPI(title="fxrewrite OpenAI-compatible server", version=__version__, lifespan=lifespan)
-    app.state.async_engine = async_engine
-    app.state.metrics = metrics
-    app.state.served_model_names = names
+    app.state.async_engine, app.state.metrics, app.state.served_model_names = async_engine, metrics, names
     install_error_handlers(app)
     _add_middleware(app, api_key, cors)
     completion = OpenAIServingCompletion(async_engine, names, generation_defaults, tokenizer)

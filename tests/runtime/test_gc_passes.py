@@ -1,10 +1,11 @@
-"""`LLM.generate` raises the young-generation GC threshold for its run and restores it after."""
+"""`LLM.generate` raises the young-generation GC threshold for its run and restores it after; a server freezes its
+startup heap while it serves."""
 
 import gc
 
 import pytest
 
-from fxrewrite.runtime.llm import fewer_gc_passes
+from fxrewrite.runtime.gc_passes import fewer_gc_passes, frozen_startup_heap
 
 
 def test_threshold_raised_then_restored():
@@ -16,3 +17,37 @@ def test_threshold_raised_then_restored():
         assert gc.get_threshold()[0] == max(old[0], 10)
         raise RuntimeError("boom")
     assert gc.get_threshold() == old
+
+
+def test_frozen_startup_heap_freezes_for_the_block_and_collects_first():
+    class Cycle:
+        pass
+
+    garbage = Cycle()
+    garbage.me = garbage  # cyclic garbage made before the block: collected, not kept frozen
+    del garbage
+    with frozen_startup_heap():
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
+    # had the cycle been frozen instead of collected, unfreezing would have put it back in the oldest generation
+    assert not any(type(o) is Cycle for o in gc.get_objects())
+    with pytest.raises(RuntimeError), frozen_startup_heap():  # unfrozen on an error too
+        raise RuntimeError("boom")
+    assert gc.get_freeze_count() == 0
+
+
+def test_server_lifespan_freezes_its_startup_heap_and_raises_the_young_threshold(tiny_model_dir):
+    from fastapi.testclient import TestClient
+
+    from fxrewrite.runtime.engine.llm_engine import LLMEngine
+    from fxrewrite.runtime.server.api_server import build_app
+
+    engine = LLMEngine.from_kwargs(model=str(tiny_model_dir("qwen3")), device="cpu", load_format="dummy",
+                                   max_model_len=64, kv_cache_memory_bytes=1 << 20)
+    old = gc.get_threshold()
+    with TestClient(build_app(engine)) as client:
+        assert gc.get_freeze_count() > 0 and gc.get_threshold()[0] >= 50_000
+        response = client.post("/v1/completions", json={"model": str(engine.model_config.model), "prompt": "hi",
+                                                        "max_tokens": 2})
+        assert response.status_code == 200, response.text
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == old
