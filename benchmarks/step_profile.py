@@ -21,8 +21,9 @@ BATCH_BANDS = (1, 8, 32, 128)
 def step_profile(runner):
     """Seconds spent, over the steps run inside the block, in `execute_model_async` ("launch": building
     the inputs and queueing the forward and sampler on the device) and blocked waiting for a step's
-    tokens ("wait": the device is behind the host). Whatever else the run took is host work
-    (scheduling, output processing) that the device did not hide. Yields the dict, filled on exit; with
+    tokens ("wait": the device is behind the host). Whatever else the run took is host work (scheduling,
+    output processing), which the device may hide by running a launched step meanwhile ("gpu_idle" below says
+    how much it did not). Yields the dict, filled on exit; with
     "by_batch": per band of scheduled sequences (`BATCH_BANDS`), its steps and the mean milliseconds of
     a step's launch, of its wait and of the interval from its launch to the next one (the step's share of
     the wall time). On a CUDA runner in this process, also the device's side from CUDA events recorded around
