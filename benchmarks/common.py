@@ -190,9 +190,11 @@ def run_requests(engine, prompts: list[list[int]], params: list, time_limit_s: f
     An engine in this process gets the requests as `LLM.generate` (and nano-vllm's and vLLM's throughput
     benchmarks) submits them: one output each, when it finishes (``final_only``), so the engine builds no
     per-step outputs; the progress the figures need (first tokens, the window's tokens) is read from the
-    requests' sequences, and only while something still needs it. A data-parallel engine (replicas in other
-    processes) reports its progress through an output per request every step. The loop runs under
-    `fewer_gc_passes`, as `LLM.generate`'s does."""
+    requests' sequences, and only while something still needs it. The data-parallel front (`DPLLMEngine`: its
+    replicas hold the requests) reports progress through an output per request every step, the harness's way
+    before 2026-12-06. The loop runs under `fewer_gc_passes`, as `LLM.generate`'s does, after a full collection
+    (a gen-2 pass left over from loading or the warm-up would otherwise land in the timing: 270 ms once on an
+    H100 run)."""
     from tqdm import tqdm
 
     stats = RunStats(num_requests=len(prompts), prompt_tokens=sum(map(len, prompts)))
@@ -204,6 +206,7 @@ def run_requests(engine, prompts: list[list[int]], params: list, time_limit_s: f
     live = {rid: engine.requests[rid].seqs for rid in ids} if in_process else None  # unfinished: their sequences
     bar = tqdm(total=sum(p.max_tokens or 0 for p in params), desc=desc, unit="tok", leave=False,
                dynamic_ncols=True, mininterval=0.5)
+    gc.collect()
     start = time.perf_counter()
     with fewer_gc_passes():
         while engine.has_unfinished_requests():

@@ -54,7 +54,8 @@ class DecodeWindow:
         a "reason") when the run never reached a decode step with every request running."""
         if self.start is None or self.end is None:
             return {"steps": 0, "batch": self.batch, "output_tokens_per_s": None,
-                    "reason": "the run ended before every request had its first token (still in prefill)"}
+                    "reason": "no step decoded every request: the run ended with some still in prefill, or "
+                              "a request finished before the last one had its first token"}
         seconds, tokens = self.end[0] - self.start[0], self.end[1] - self.start[1]
         return {"steps": self.covered, "batch": self.batch, "output_tokens": tokens, "seconds": round(seconds, 4),
                 "output_tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else None}

@@ -69,7 +69,8 @@ def find_host_syncs(config: str, arm: str, num_prompts: int, tokenizer_dir=None,
                     max_output_len: int = 128, sync_debug: bool = True, cprofile: int = 0,
                     **engine_kwargs) -> dict:
     """Run the workload once (after a 4-request warm-up) and report the launches' host time, the stacks that
-    synchronised (`sync_debug`) and, with `cprofile` > 0, that many functions of the most own time."""
+    synchronised (`sync_debug`, CUDA's: ignored without a CUDA device) and, with `cprofile` > 0, that many functions
+    of the most own time."""
     spec = load_bench_config(config)
     workload = ThroughputWorkload(num_prompts=num_prompts, max_input_len=max_input_len, max_output_len=max_output_len,
                                   min_len=min(ThroughputWorkload.min_len, max_input_len, max_output_len))
@@ -96,7 +97,7 @@ def find_host_syncs(config: str, arm: str, num_prompts: int, tokenizer_dir=None,
     runner.execute_model_async = timed
     profile = cProfile.Profile() if cprofile > 0 else None
     try:
-        with record_sync_stacks(stacks, enabled=sync_debug):
+        with record_sync_stacks(stacks, enabled=sync_debug and torch.cuda.is_available()):
             if profile is not None:
                 profile.enable()
             try:
@@ -122,17 +123,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-input-len", type=int, default=512)
     p.add_argument("--max-output-len", type=int, default=128)
     p.add_argument("--no-sync-debug", action="store_true", help="only time the launches")
-    p.add_argument("--quantization", default=None, choices=(None, "fp8"), help="as bench compare's")
+    p.add_argument("--quantization", default=None, choices=("fp8",), help="as bench compare's (default: none)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"))
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="profile the timed run's Python (cProfile) and report the N functions of most own time")
-    p.add_argument("--out", type=results_folder, default=None, help="write the result as JSON there: " + FOLDER_HELP)
+    p.add_argument("--out", default=None, help="a results folder (made if missing) to write the result into as JSON; "
+                   "without it nothing is written")
     p.add_argument("--tokenizer-dir", default=None)
     args = p.parse_args(argv)
     if args.cprofile < 0:
         p.error(f"--cprofile {args.cprofile}: expected a count of functions >= 0")
     if not torch.cuda.is_available():  # the launch timings and the sync debug mode are CUDA's
         raise SystemExit("fxrewrite.benchmarks.find_host_syncs needs a CUDA GPU")
+    try:
+        out_dir = results_folder(args.out) if args.out else None  # made only once the run can go ahead
+    except argparse.ArgumentTypeError as e:
+        p.error(f"--out: {e}")
     result = find_host_syncs(args.config, args.arm, args.num_prompts, args.tokenizer_dir, args.max_input_len,
                              args.max_output_len, not args.no_sync_debug, args.cprofile,
                              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
@@ -141,10 +147,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"-- {count} syncs from:\n{stack}")
     for row in result["top_functions"]:
         print(f"{row['own_s']:9.4f} s own {row['cumulative_s']:9.4f} s cum {row['calls']:8d} calls  {row['function']}")
-    if args.out:
-        tags = "".join(f"-{v}" for v in (args.quantization, None if args.kv_cache_dtype == "auto" else "kv-fp8") if v)
+    if out_dir is not None:
+        kv = None if args.kv_cache_dtype == "auto" else f"kv-{args.kv_cache_dtype.replace('_', '-')}"
+        tags = "".join(f"-{v}" for v in (args.quantization, kv) if v)
         name = f"host-syncs-{args.config}-{args.arm}{tags}{'-cprofile' if args.cprofile else ''}"
-        path = args.out / f"{name}.json"
+        path = out_dir / f"{name}.json"
         path.write_text(json.dumps({"environment": environment(), "config": args.config, **result}, indent=1))
         print(f"wrote {path}")
     return 0

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Where a throughput run's host time goes, one call (issue 19's Qwen3-4B FP8 >= 1.2x bf16: the FP8 steps are short
 # enough for the host to set the pace). STEPS (default "syncs cprofile throughput"), CONFIG (qwen3-4b), ARM (native),
-# FP8 (default "--quantization fp8 --kv-cache-dtype fp8"), NUM_PROMPTS (200):
+# FP8 (default "--quantization fp8 --kv-cache-dtype fp8"; empty: bf16), NUM_PROMPTS (200):
 #   syncs:      find_host_syncs on the FP8 engine: the call stacks that made the host wait for the device, and each
 #               launch's host time (torch.cuda.set_sync_debug_mode). ~1.5 min
 #   cprofile:   the same run without the sync check, under cProfile: the functions of most own time. ~1.5 min
@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 source benchmarks/gpu_env.sh
 CONFIG=${CONFIG:-qwen3-4b}
 ARM=${ARM:-native}
-read -r -a FP8_ARGS <<< "${FP8:---quantization fp8 --kv-cache-dtype fp8}"
+read -r -a FP8_ARGS <<< "${FP8---quantization fp8 --kv-cache-dtype fp8}"  # FP8="" runs bf16
 syncs() {  # syncs TIMEOUT LOG ARGS...
   local limit=$1 log=$2; shift 2
   timeout -k 5 "$limit" $PY -m fxrewrite.benchmarks.find_host_syncs --config "$CONFIG" --arm "$ARM" "${FP8_ARGS[@]}" \

@@ -56,9 +56,15 @@ def run_latency(llm, workload: LatencyWorkload, time_limit_s: float | None = Non
     for bs in batch_sizes:
         with watch_jit_compiles() as compiled, gc_pauses() as collections:
             stats = run_requests(engine, workload.prompts(bs), [params] * bs, time_limit_s, desc=f"batch {bs}")
+        if len(stats.first_token_s) < bs:
+            result[f"batch_{bs}"] = {"truncated": True, "error": f"{bs - len(stats.first_token_s)} of {bs} requests "
+                                     f"had no output token within the time limit ({time_limit_s} s)"}
+            continue
         ttft = max(stats.first_token_s.values())
-        steps = workload.output_len - 1
-        decode_s = (max(stats.finish_s.values(), default=stats.elapsed_s) - ttft) / max(1, steps)
+        end = max(stats.finish_s.values(), default=stats.elapsed_s)
+        # a truncated run decoded the steps that ended after the last first token, not output_len - 1 of them
+        steps = sum(1 for t in stats.step_end_s if ttft < t <= end) if stats.truncated else workload.output_len - 1
+        decode_s = (end - ttft) / max(1, steps)
         row = {
             "ttft_ms": round(ttft * 1e3, 2),
             "decode_ms_per_step": round(decode_s * 1e3, 3),
@@ -67,7 +73,7 @@ def run_latency(llm, workload: LatencyWorkload, time_limit_s: float | None = Non
             "truncated": stats.truncated,
             "triton_jit_in_timed_run": compiled,  # should be empty: each entry is a JIT stall inside the timing
             # a mean above the graph replay: per-step host work (median up) or a few stalls (long steps, GC)
-            **decode_step_summary(stats.step_end_s, ttft, max(stats.finish_s.values(), default=stats.elapsed_s)),
+            **decode_step_summary(stats.step_end_s, ttft, end),
             "gc_in_timed_run": collections,
         }
         step_bytes = engine_weight_bytes(engine, batch_size=bs)  # a MoE step reads only the routed experts
@@ -81,7 +87,7 @@ def run_latency(llm, workload: LatencyWorkload, time_limit_s: float | None = Non
     for bs in batch_sizes:  # GPU time alone, to split a step into model time and engine overhead
         gpu_ms = graph_replay_ms(engine.model_runner, bs)
         row = result[f"batch_{bs}"]
-        if gpu_ms is not None:
+        if gpu_ms is not None and "decode_ms_per_step" in row:  # not a batch whose run never got a token
             row["graph_replay_ms"] = round(gpu_ms, 3)
             # whether the replay timed includes the LM head and greedy sampler (runtime/worker/greedy_head.py)
             graphs = engine.model_runner.graph_runner

@@ -62,6 +62,10 @@ def test_tokenizer_dir_is_checked_and_keys_the_cached_folder(tmp_path, monkeypat
 
 def test_gpu_only_tools_say_so_first(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "not-made"
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        find_host_syncs.main(["--config", "tiny", "--out", str(out)])
+    assert not out.exists()  # refused before anything was made
     for tool in (profile_decode, find_host_syncs):
         with pytest.raises(SystemExit, match="needs a CUDA GPU"):
             tool.main(["--config", "tiny", "--arm", "native"] + (["--out", str(tmp_path)] if tool is profile_decode
@@ -100,7 +104,7 @@ def test_profile_decode_batch_sizes(capsys):
 def test_find_host_syncs_profiles_the_timed_run_on_a_cpu():
     """The function under the CLI's CUDA check runs anywhere: launches timed, cProfile's top functions reported."""
     result = find_host_syncs.find_host_syncs("tiny", "native", num_prompts=3, max_input_len=12, max_output_len=4,
-                                             sync_debug=False, cprofile=5, enforce_eager=True, device="cpu")
+                                             cprofile=5, enforce_eager=True, device="cpu")  # the sync check: CUDA's
     assert result["output_tokens"] > 0 and result["steps"] >= 4
     assert sum(v["steps"] for k, v in result["launch"].items() if k in ("graph", "eager")) >= result["steps"] - 1
     assert len(result["top_functions"]) == 5

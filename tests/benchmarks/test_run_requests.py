@@ -67,3 +67,29 @@ def test_a_run_stopped_after_its_window_counts_the_unfinished_requests_tokens(en
         totals.append(stats.output_tokens)
     assert totals[0] == totals[1] > 0
     assert not engine.has_unfinished_requests()
+
+
+def test_latency_rows_of_cut_runs(engine, monkeypatch):
+    """A batch cut before its first token is an error row, not a crash; a cut run's decode rate is over the steps
+    it ran, not over output_len - 1 of them."""
+    from types import SimpleNamespace
+
+    from fxrewrite.benchmarks import latency
+
+    llm = SimpleNamespace(llm_engine=engine)
+    workload = latency.LatencyWorkload(batch_sizes=[2], prompt_len=6, output_len=40)
+    row = latency.run_latency(llm, workload, time_limit_s=0.0)["batch_2"]
+    assert row["truncated"] and "had no output token" in row["error"]
+    full = latency.run_latency(llm, latency.LatencyWorkload(batch_sizes=[2], prompt_len=6, output_len=6))["batch_2"]
+    real = engine.step  # slow each step down so that a time limit cuts the run after a few of them
+
+    def slow_step():
+        import time
+
+        time.sleep(0.02)
+        return real()
+
+    monkeypatch.setattr(engine, "step", slow_step)
+    cut = latency.run_latency(llm, workload, time_limit_s=0.2)["batch_2"]
+    assert cut["truncated"] and not full["truncated"]
+    assert cut["decode_ms_per_step"] >= 20  # each counted step slept 20 ms; over 39 steps it would read ~5 ms

@@ -36,6 +36,22 @@ def test_frozen_startup_heap_freezes_for_the_block_and_collects_first():
     assert gc.get_freeze_count() == 0
 
 
+def test_overlapping_blocks_keep_the_settings_until_the_last_ends():
+    """Two servers in one process that stop in the order they started: the second keeps its frozen heap and its
+    threshold until it stops too."""
+    from contextlib import ExitStack
+
+    old = gc.get_threshold()
+    first, second = ExitStack(), ExitStack()
+    for stack in (first, second):
+        stack.enter_context(frozen_startup_heap())
+        stack.enter_context(fewer_gc_passes())
+    first.close()
+    assert gc.get_freeze_count() > 0 and gc.get_threshold()[0] >= 50_000
+    second.close()
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == old
+
+
 def test_server_lifespan_freezes_its_startup_heap_and_raises_the_young_threshold(tiny_model_dir):
     from fastapi.testclient import TestClient
 
