@@ -190,9 +190,10 @@ def run_requests(engine, prompts: list[list[int]], params: list, time_limit_s: f
     An engine in this process gets the requests as `LLM.generate` (and nano-vllm's and vLLM's throughput
     benchmarks) submits them: one output each, when it finishes (``final_only``), so the engine builds no
     per-step outputs; the progress the figures need (first tokens, the window's tokens) is read from the
-    requests' sequences, and only while something still needs it. The data-parallel front (`DPLLMEngine`: its
-    replicas hold the requests) reports progress through an output per request every step, the harness's way
-    before 2026-12-06. The loop runs under `fewer_gc_passes`, as `LLM.generate`'s does, after a full collection
+    requests' sequences (a data-parallel front's: its replicas'), and only while something still needs it. An
+    engine whose sequences cannot be found reports progress through an output per request every step, the
+    harness's way before 2026-12-06. The loop runs under `fewer_gc_passes`, as `LLM.generate`'s does, after a full
+    collection
     (a gen-2 pass left over from loading or the warm-up would otherwise land in the timing: 270 ms once on an
     H100 run)."""
     from tqdm import tqdm
@@ -200,10 +201,12 @@ def run_requests(engine, prompts: list[list[int]], params: list, time_limit_s: f
     stats = RunStats(num_requests=len(prompts), prompt_tokens=sum(map(len, prompts)))
     ids = [f"bench-{i}" for i in range(len(prompts))]
     counts = dict.fromkeys(ids, 0)
-    in_process = isinstance(getattr(engine, "requests", None), dict)
+    tables = [e.requests for e in getattr(engine, "engines", None) or [engine]
+              if isinstance(getattr(e, "requests", None), dict)]  # where the requests' records are
     for request_id, prompt, p in zip(ids, prompts, params):
-        engine.add_request(request_id, prompt, p, **({"final_only": True} if in_process else {}))
-    live = {rid: engine.requests[rid].seqs for rid in ids} if in_process else None  # unfinished: their sequences
+        engine.add_request(request_id, prompt, p, **({"final_only": True} if tables else {}))
+    # unfinished requests: their sequences
+    live = {rid: next(t[rid].seqs for t in tables if rid in t) for rid in ids} if tables else None
     bar = tqdm(total=sum(p.max_tokens or 0 for p in params), desc=desc, unit="tok", leave=False,
                dynamic_ncols=True, mininterval=0.5)
     gc.collect()

@@ -24,6 +24,18 @@ class _OutputsOnly:
         return getattr(self._engine, name)
 
 
+class _Front(_OutputsOnly):
+    """A data-parallel front over one replica: the requests' records are the replica's."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.engines, self.kinds = [engine], set()
+
+    def add_request(self, *args, **kwargs):
+        self.kinds.add(kwargs.get("final_only", False))
+        return self._engine.add_request(*args, **kwargs)
+
+
 @pytest.fixture(scope="module")
 def engine():
     threads = torch.get_num_threads()
@@ -44,11 +56,15 @@ def test_final_only_run_reports_the_progress_per_step_outputs_report(engine):
     prompts = [[5 + i] * n for i, n in enumerate((3, 9, 14))]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (6, 11, 4)]
     runs = {}
-    for name, target in (("final_only", engine), ("outputs", _OutputsOnly(engine))):
+    front = _Front(engine)
+    for name, target in (("final_only", engine), ("outputs", _OutputsOnly(engine)), ("front", front)):
         window = DecodeWindow(2)
         stats = run_requests(target, prompts, params, window=window)
         runs[name] = (stats, window.result())
-    (ours, our_window), (ref, ref_window) = runs["final_only"], runs["outputs"]
+    (ours, our_window), (ref, ref_window), (dp, dp_window) = runs["final_only"], runs["outputs"], runs["front"]
+    assert front.kinds == {True} and dp.output_tokens == ours.output_tokens and dp_window == {**dp_window, **{
+        k: our_window[k] for k in ("steps", "batch", "output_tokens")}}
+    assert _steps(dp, dp.first_token_s) == _steps(ours, ours.first_token_s)
     assert len(ours.step_end_s) == len(ref.step_end_s)
     assert ours.output_tokens == ref.output_tokens == 21 and ours.num_finished == 3
     assert _steps(ours, ours.first_token_s) == _steps(ref, ref.first_token_s)
