@@ -9,11 +9,26 @@ from contextlib import contextmanager
 
 __all__ = ["fewer_gc_passes", "frozen_startup_heap"]
 
-# The collector's settings are the process's: blocks may overlap (two servers in one process, LLM.generate in two
-# threads) and end in any order, so each setting is restored when the last block using it ends.
 _lock = threading.Lock()
 _young = {"users": 0, "saved": None}
 _frozen = {"users": 0}
+
+
+@contextmanager
+def _shared(state: dict, enter, leave):
+    """The collector's settings are the process's: blocks may overlap (two servers in one process, LLM.generate in
+    two threads) and end in any order. `enter(first)` runs at each block's start (first: no other block holds the
+    setting), `leave()` when the last block holding it ends."""
+    with _lock:
+        enter(state["users"] == 0)
+        state["users"] += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            state["users"] -= 1
+            if state["users"] == 0:
+                leave()
 
 
 @contextmanager
@@ -25,19 +40,14 @@ def fewer_gc_passes(gen0_threshold: int = 50_000):
     (CPU profile of the engine loop, thread time, this session). During the run the young threshold is
     raised to `gen0_threshold` (never lowered), and restored when the last such block ends; nothing else
     changes."""
-    with _lock:
+    def raise_threshold(first: bool) -> None:
         now = gc.get_threshold()
-        if _young["users"] == 0:
+        if first:
             _young["saved"] = now
-        _young["users"] += 1
         gc.set_threshold(max(now[0], gen0_threshold), *now[1:])
-    try:
+
+    with _shared(_young, raise_threshold, lambda: gc.set_threshold(*_young["saved"])):
         yield
-    finally:
-        with _lock:
-            _young["users"] -= 1
-            if _young["users"] == 0:
-                gc.set_threshold(*_young["saved"])
 
 
 @contextmanager
@@ -49,14 +59,9 @@ def frozen_startup_heap():
     startup heap the same way. A collection first, so that garbage made at startup is not kept for the block's
     lifetime. Meant for a process's long-lived engines (`fxrewrite serve`); overlapping blocks unfreeze when the last
     one ends."""
-    with _lock:
+    def freeze(first: bool) -> None:  # a block starting inside another freezes what was made since (its engine)
         gc.collect()
-        gc.freeze()  # a block starting inside another freezes what was made since, its own engine included
-        _frozen["users"] += 1
-    try:
+        gc.freeze()
+
+    with _shared(_frozen, freeze, gc.unfreeze):
         yield
-    finally:
-        with _lock:
-            _frozen["users"] -= 1
-            if _frozen["users"] == 0:
-                gc.unfreeze()
