@@ -16,7 +16,6 @@ import os
 import platform
 import shutil
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 

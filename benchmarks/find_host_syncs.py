@@ -27,7 +27,7 @@ import warnings
 import torch
 
 from fxrewrite.benchmarks.common import bench_model_dir, environment, load_bench_config, make_llm, run_requests
-from fxrewrite.benchmarks.out_paths import FOLDER_HELP, results_folder
+from fxrewrite.benchmarks.out_paths import results_folder
 from fxrewrite.benchmarks.throughput import ThroughputWorkload
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 

@@ -10,9 +10,9 @@ import random
 from dataclasses import asdict, dataclass, replace
 
 from fxrewrite.benchmarks.common import run_requests
+from fxrewrite.benchmarks.decode_window import DecodeWindow
 from fxrewrite.benchmarks.step_profile import step_profile
 from fxrewrite.benchmarks.step_timing import gc_pauses
-from fxrewrite.benchmarks.decode_window import DecodeWindow
 from fxrewrite.kernels.triton_utils import watch_jit_compiles
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 
