@@ -5,7 +5,20 @@ import gc
 
 import pytest
 
+from fxrewrite.runtime import gc_passes
 from fxrewrite.runtime.gc_passes import fewer_gc_passes, frozen_startup_heap
+
+
+@pytest.fixture(autouse=True)
+def own_gc_settings(monkeypatch):
+    """The settings are process-wide and shared: a server fixture of another test file may hold them for the whole
+    session. Each test here starts as the only holder (the other holder's settings stay applied meanwhile)."""
+    others_froze = gc_passes._frozen["users"] > 0
+    monkeypatch.setattr(gc_passes, "_young", {"users": 0, "saved": None})
+    monkeypatch.setattr(gc_passes, "_frozen", {"users": 0})
+    yield
+    if others_froze:
+        gc.freeze()  # the test's unfreeze ended the other holder's: frozen again, as it expects while it runs
 
 
 def test_threshold_raised_then_restored():
