@@ -53,7 +53,7 @@ def fewer_gc_passes(gen0_threshold: int = 50_000):
 @contextmanager
 def frozen_startup_heap():
     """While the block runs, the objects alive at its start (modules, parameters, tokenizer, compiled code: a loaded
-    Qwen3-0.6B engine holds ~400k tracked objects, whose full collection took 180 ms on a 2-core CPU) are moved to
+    Qwen3-0.6B engine holds ~408k tracked objects, whose full collection took 265-386 ms on a 2-core CPU) go to
     the collector's permanent generation (`gc.freeze`), so full collections walk only what was made since; on exit
     they go back (`gc.unfreeze`) and can be collected again. vLLM's API server and engine core freeze their
     startup heap the same way. A collection first, so that garbage made at startup is not kept for the block's
