@@ -63,8 +63,10 @@ def _check(x, w13, w2, topk_weights, topk_ids) -> None:
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, expert_start: int = 0) -> torch.Tensor:
-    """Same contract as `fused_experts_ref`; Triton kernels when `use_triton(x)`, else the reference.
+                  topk_ids: torch.Tensor, expert_start: int = 0, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as `fused_experts_ref`; Triton kernels when `use_triton(x)`, else the reference. With
+    `residual` (x's shape and dtype): ``residual + <the experts' output>``, the decoder layer's closing add, done in
+    the direct path's down-kernel epilogue (`fused_moe_direct.direct_down`) and by torch on every other path.
 
     At inference, up to `DIRECT_MAX_TOKENS` tokens take the direct path (`fused_moe_direct`: two
     GEMV launches indexed by the top-k ids, combine fused); more tokens, or autograd, the grouped
@@ -80,25 +82,33 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     reference, whose routing is data-dependent, runs eagerly behind a graph break.
     """
     _check(x, w13, w2, topk_weights, topk_ids)
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"fused_experts: residual {tuple(residual.shape)} {residual.dtype} must match x "
+                         f"{tuple(x.shape)} {x.dtype}")
     training = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w13, w2, topk_weights))
     if training and x.shape[0] > 0 and grouped_mm_applies(x, w13, w2) and not is_batch_invariant():
-        return grouped_mm_experts(x, w13, w2, topk_weights, topk_ids, expert_start)  # traced by dynamo as it is
-    if torch.compiler.is_compiling() and triton_runs_on(x) and not is_batch_invariant():
+        out = grouped_mm_experts(x, w13, w2, topk_weights, topk_ids, expert_start)  # traced by dynamo as it is
+    elif torch.compiler.is_compiling() and triton_runs_on(x) and not is_batch_invariant():
         if training:
-            return torch.ops.fxrewrite.fused_experts_train(x, w13, w2, topk_weights, topk_ids, expert_start)[0]
-        return torch.ops.fxrewrite.fused_experts(x, w13, w2, topk_weights, topk_ids, expert_start)
-    return _fused_experts_eager(x, w13, w2, topk_weights, topk_ids, expert_start)
+            out = torch.ops.fxrewrite.fused_experts_train(x, w13, w2, topk_weights, topk_ids, expert_start)[0]
+        else:
+            out = torch.ops.fxrewrite.fused_experts(x, w13, w2, topk_weights, topk_ids, expert_start)
+    else:
+        return _fused_experts_eager(x, w13, w2, topk_weights, topk_ids, expert_start, residual)
+    return out if residual is None else residual + out
 
 
 @torch.compiler.disable(reason="fused_experts: the reference's routing is data-dependent")
-def _fused_experts_eager(x, w13, w2, topk_weights, topk_ids, expert_start: int) -> torch.Tensor:
+def _fused_experts_eager(x, w13, w2, topk_weights, topk_ids, expert_start: int, residual=None) -> torch.Tensor:
     if not use_triton(x) or x.shape[0] == 0 or is_batch_invariant():
-        return fused_experts_ref(x, w13, w2, topk_weights, topk_ids, expert_start)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w13, w2, topk_weights)):
-        return _FusedExperts.apply(x, w13, w2, topk_weights, topk_ids, expert_start)
-    if x.shape[0] <= DIRECT_MAX_TOKENS:
-        return direct_experts(x, w13, w2, topk_weights, topk_ids, expert_start)
-    return _forward(x, w13, w2, topk_weights, topk_ids, expert_start, save=False)[0]
+        out = fused_experts_ref(x, w13, w2, topk_weights, topk_ids, expert_start)
+    elif torch.is_grad_enabled() and any(t.requires_grad for t in (x, w13, w2, topk_weights)):
+        out = _FusedExperts.apply(x, w13, w2, topk_weights, topk_ids, expert_start)
+    elif x.shape[0] <= DIRECT_MAX_TOKENS:
+        return direct_experts(x, w13, w2, topk_weights, topk_ids, expert_start, residual=residual)
+    else:
+        out = _forward(x, w13, w2, topk_weights, topk_ids, expert_start, save=False)[0]
+    return out if residual is None else residual + out
 
 
 def _forward(x, w13, w2, topk_weights, topk_ids, expert_start: int, save: bool):

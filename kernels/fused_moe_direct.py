@@ -68,9 +68,10 @@ def _direct_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, expert_start, num_l
 
 
 @triton.jit
-def _direct_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, expert_start, num_local, hidden,
+def _direct_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, res_ptr, out_ptr, expert_start, num_local, hidden,
                         stride_we, stride_wn, stride_wk, TOP_K: tl.constexpr, INTER: tl.constexpr,
-                        BLOCK_TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     gdc_prologue(PDL)
     # One [top-k slots, BLOCK_N rows, BLOCK_K] tile per step: the token's K experts' rows are read
     # together (K times more bytes in flight per load than a loop over slots), and the sum over
@@ -94,8 +95,11 @@ def _direct_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, expert_s
         w = tl.load(w2_ptr + rows[:, :, None] + offs_i[None, None, :] * stride_wk,
                     mask=row_mask[:, :, None] & i_mask[None, None, :], other=0.0)
         acc += w.to(tl.float32) * a[:, None, :]
-    out = tl.sum(tl.sum(acc, axis=2), axis=0)
-    tl.store(out_ptr + token * hidden + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+    out = tl.sum(tl.sum(acc, axis=2), axis=0).to(out_ptr.dtype.element_ty)
+    if HAS_RESIDUAL:  # the decoder layer's ``residual + out``: out rounded first, the sum rounded once, as torch adds
+        res = tl.load(res_ptr + token * hidden + offs_n, mask=n_mask, other=0.0)
+        out = (res.to(tl.float32) + out.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + token * hidden + offs_n, out, mask=n_mask)
 
 
 def direct_config(num_tokens: int) -> dict:
@@ -130,22 +134,26 @@ def direct_gate_up(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor, top_k:
 
 
 def direct_down(act: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
-                top_k: int, expert_start: int, config: dict) -> torch.Tensor:
+                top_k: int, expert_start: int, config: dict, residual: torch.Tensor | None = None) -> torch.Tensor:
     """act [T*K, I], w2 [E_local, H, I], flat ids and weights [T*K] -> out [T, H] (contiguous, written
-    in place and returned): ``sum_k weights[t, k] * w2[ids[t, k]] @ act[t*K + k]`` over local slots."""
+    in place and returned): ``sum_k weights[t, k] * w2[ids[t, k]] @ act[t*K + k]`` over local slots, rounded
+    to out's dtype; with `residual` ([T, H] contiguous, out's dtype) ``residual + that``, rounded once more."""
     num_local, hidden, inter = w2.shape
     pdl = pdl_enabled(out.device)
     launch(_direct_down_kernel, (out.shape[0], triton.cdiv(hidden, config["block_n"])), out.device, pdl)(
-        act, w2, ids, weights, out, expert_start, num_local, hidden, w2.stride(0), w2.stride(1), w2.stride(2),
-        TOP_K=top_k, INTER=inter, BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=config["block_n"],
-        BLOCK_K=min(config["block_k"], triton.next_power_of_2(inter)), PDL=pdl, num_warps=config["num_warps"])
+        act, w2, ids, weights, out if residual is None else residual, out, expert_start, num_local, hidden,
+        w2.stride(0), w2.stride(1), w2.stride(2), TOP_K=top_k, INTER=inter, BLOCK_TOPK=triton.next_power_of_2(top_k),
+        BLOCK_N=config["block_n"], BLOCK_K=min(config["block_k"], triton.next_power_of_2(inter)),
+        HAS_RESIDUAL=residual is not None, PDL=pdl, num_warps=config["num_warps"])
     return out
 
 
 def direct_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                   topk_ids: torch.Tensor, expert_start: int = 0, config: dict | None = None) -> torch.Tensor:
+                   topk_ids: torch.Tensor, expert_start: int = 0, config: dict | None = None,
+                   residual: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as `fused_experts_ref` (x [T, H], w13 [E, 2I, H], w2 [E, H, I], routing [T, K]
-    -> [T, H] in x's dtype), inference only (no autograd); shapes are checked by the caller."""
+    -> [T, H] in x's dtype), inference only (no autograd); shapes are checked by the caller. With `residual`
+    [T, H] (x's dtype): ``residual + fused_experts_ref(...)``, the add in the down kernel's epilogue."""
     t, k = topk_ids.shape
     cfg = config or direct_config(t)
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -153,4 +161,6 @@ def direct_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     weights = topk_weights.reshape(-1).contiguous()
     act = direct_gate_up(x, w13, ids, k, expert_start, cfg["gate_up"])
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    return direct_down(act, w2, ids, weights, out, k, expert_start, cfg["down"])
+    if residual is not None:
+        residual = residual.contiguous()
+    return direct_down(act, w2, ids, weights, out, k, expert_start, cfg["down"], residual)

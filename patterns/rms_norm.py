@@ -2,13 +2,15 @@
 parent, ``x = r + h; r = x; x = norm(x)`` -> ``x, r = norm(h, r)`` (fused residual add), or, when the normed x
 goes only to a `FusedMoE` child in the next statement (``x = self.mlp(x)``), ``x, r = self.mlp(h, norm=self.norm,
 residual=r)``: the block folds the add and the norm into its router launch at decode (vLLM's fused add-norm
-handed to the consumer, as the native models do).
+handed to the consumer, as the native models do); a closing ``x = r + x`` on the block's output goes in too
+(``add_residual=True``: the experts' down kernel adds r at decode, so no separate add launch, which would also end
+the chain of programmatic-dependent launches between the layers' kernels).
 
 `RMSNormPattern` matches a module whose whole forward is that dataflow (float32 upcast
 optional, Gemma's ``(1 + weight)`` form as ``offset``) and replaces the module. eps is read per
 instance from the one float attribute holding the traced constant. `ResidualRMSNormPattern`
 matches, in a parent's graph, an add whose result feeds a fused `RMSNorm` child and a later
-add, and rewrites the three source statements (four with the MoE fold) into one fused call.
+add, and rewrites the three source statements (four or five with the MoE fold) into one fused call.
 """
 
 from __future__ import annotations
@@ -132,7 +134,9 @@ class RMSNormPattern(Pattern):
 class ResidualRMSNormPattern(Pattern):
     """In a parent, ``x = r + e; r = x; x = self.norm(x)`` with a fused `RMSNorm` norm ->
     ``x, r = self.norm(e, r)`` (vLLM's fused residual add); followed by ``x = self.moe(x)`` with a `FusedMoE`
-    child that alone reads x -> ``x, r = self.moe(e, norm=self.norm, residual=r)``."""
+    child that alone reads x -> ``x, r = self.moe(e, norm=self.norm, residual=r)``; and when ``x = r + x`` closes
+    the block (the moe output's only reader) -> ``x, r = self.moe(e, norm=self.norm, residual=r, add_residual=True)``,
+    whose x is already ``r + moe(...)``."""
 
     name = "residual_rms_norm"
 
@@ -149,11 +153,14 @@ class ResidualRMSNormPattern(Pattern):
                 continue
             if isinstance(traced.module.get_submodule(norm.target), RMSNorm):
                 names, claimed = [("norm", norm.target)], {add.name, norm.name}
-                consumer = _moe_consumer(traced, norm)
+                consumer, facts = _moe_consumer(traced, norm), ()
                 if consumer is not None:  # in names: hooks on it refuse the match (compiler._check_instance)
                     names.append(("consumer", consumer.target))
                     claimed.add(consumer.name)
-                matches.append(Match(cls, frozenset(claimed), tuple(names)))
+                    if _closes_with(other, add, consumer):  # ``x = r + self.moe(...)``: the add rides along too
+                        claimed.add(other.name)
+                        facts = (("add_residual", True),)
+                matches.append(Match(cls, frozenset(claimed), tuple(names), facts))
         return matches
 
     @classmethod
@@ -174,13 +181,21 @@ class ResidualRMSNormPattern(Pattern):
             require(i + 1 < len(body) and _is_self_call(body[i + 1], x, consumer),
                     f"the statement after the norm is not `{x} = self.{consumer}({x})`")
             merged.append(body[i + 1])
-            new = cst.parse_statement(f"{x}, {r} = self.{consumer}(__E__, norm=self.{match.name('norm')}, residual={r})\n")
+            closing = ""
+            if match.fact("add_residual"):
+                require(i + 2 < len(body) and _is_residual_add(body[i + 2], x, r),
+                        f"the statement after the {consumer} call is not `{x} = {r} + {x}`")
+                merged.append(body[i + 2])
+                closing = ", add_residual=True"
+            norm_name = match.name("norm")
+            new = cst.parse_statement(f"{x}, {r} = self.{consumer}(__E__, norm=self.{norm_name}, residual={r}{closing})\n")
         new = new.deep_replace(new.body[0].value.args[0].value, e)
         total = sum(source.line_count(tree, s) for s in merged)
         leading = [ln for s in merged for ln in s.leading_lines]
         used = cst.Module(body=[new.with_changes(leading_lines=leading)]).code.count("\n")
         moved = (f"the residual add and `{r} = {x}` are in the norm call" if consumer is None
-                 else f"the residual add, `{r} = {x}` and the norm are in the {consumer} call")
+                 else f"the residual add, `{r} = {x}`, the norm{' and the closing add' if closing else ''} are in the "
+                      f"{consumer} call")
         pad = [cst.EmptyLine(comment=cst.Comment(f"# fxrewrite: {moved} below"))]
         pad += [cst.EmptyLine(indent=False)] * (total - used - 1)  # the same line count: tracebacks keep their lines
         new = new.with_changes(leading_lines=(pad if total > used else []) + leading)
@@ -207,7 +222,8 @@ class ResidualRMSNormPattern(Pattern):
     def describe(cls, match: Match) -> str:
         """``residual add + <norm>`` (``-> <consumer> router`` with the MoE fold)."""
         consumer = dict(match.names).get("consumer")
-        return f"residual add + {match.name('norm')}" + (f" -> {consumer} router" if consumer else "")
+        closing = " + residual add" if match.fact("add_residual") else ""
+        return f"residual add + {match.name('norm')}" + (f" -> {consumer} router{closing}" if consumer else "")
 
 
 def _moe_consumer(traced, norm):
@@ -220,6 +236,24 @@ def _moe_consumer(traced, norm):
     if user.op != "call_module" or user.args != (norm,) or user.kwargs or "." in user.target:
         return None
     return user if isinstance(traced.module.get_submodule(user.target), FusedMoE) else None
+
+
+def _closes_with(later, add, consumer) -> bool:
+    """`later` is ``add + consumer`` (either order) and the consumer's output has no other reader."""
+    return (nodes.is_op(later, operator.add) and len(later.args) == 2 and not later.kwargs
+            and set(later.args) == {add, consumer} and add is not consumer and list(consumer.users) == [later])
+
+
+def _is_residual_add(stmt, x: str, r: str) -> bool:
+    """`stmt` is ``x = r + x`` or ``x = x + r``."""
+    if not (isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 and isinstance(stmt.body[0], cst.Assign)):
+        return False
+    a = stmt.body[0]
+    value = a.value
+    names = {getattr(value, side).value for side in ("left", "right")
+             if isinstance(value, cst.BinaryOperation) and isinstance(getattr(value, side), cst.Name)}
+    return (len(a.targets) == 1 and isinstance(a.targets[0].target, cst.Name) and a.targets[0].target.value == x
+            and isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Add) and names == {x, r})
 
 
 def _is_self_call(stmt, x: str, child: str) -> bool:

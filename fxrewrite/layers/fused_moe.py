@@ -98,8 +98,10 @@ class FusedExperts(nn.Module):
             with torch.no_grad():
                 param.copy_(w)
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_start)
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H], routing [T, K] -> [T, H]; with `residual` [T, H] ``residual + out`` (`fused_experts`)."""
+        return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_start, residual)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, local={self.num_local_experts}, hidden={self.hidden_size}, "
@@ -133,11 +135,11 @@ class FusedMoE(nn.Module):
         return getattr(self, name) if name else None
 
     def forward(self, hidden_states: torch.Tensor, norm: nn.Module | None = None,
-                residual: torch.Tensor | None = None):
+                residual: torch.Tensor | None = None, add_residual: bool = False):
         """hidden_states [..., H] -> [..., H]; with `norm` (and `residual` [..., H]): `forward_norm`'s
         (out, new residual), the form the rewrite's residual fold calls (patterns/rms_norm.py)."""
         if norm is not None:
-            return self.forward_norm(hidden_states, norm, residual)
+            return self.forward_norm(hidden_states, norm, residual, add_residual)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         if dp_ep_active():  # data-parallel replicas share the experts (fxrewrite.layers.moe_dp)
@@ -146,10 +148,12 @@ class FusedMoE(nn.Module):
             out = self._experts(x)
         return self._add_shared(x, out).reshape(shape)
 
-    def forward_norm(self, hidden_states: torch.Tensor, norm: nn.Module, residual: torch.Tensor):
+    def forward_norm(self, hidden_states: torch.Tensor, norm: nn.Module, residual: torch.Tensor,
+                     add_residual: bool = False):
         """``x, residual = norm(hidden_states, residual); return self(x), residual`` (norm: the layer's
         RMSNorm, vLLM's fused-add form), with the norm folded into the router launch at decode
-        (`fxrewrite.kernels.moe_norm_router`) when nothing else needs the plain path."""
+        (`fxrewrite.kernels.moe_norm_router`) when nothing else needs the plain path. `add_residual`: return
+        ``residual + self(x)`` in place of ``self(x)`` (the layer's closing add; in the down kernel at decode)."""
         router = self._child("router")
         if (dp_ep_active() or getattr(router, "bias", None) is not None or torch.compiler.is_compiling()
                 or router_logits_wanted(router)
@@ -157,12 +161,18 @@ class FusedMoE(nn.Module):
                 or torch.is_grad_enabled() or is_batch_invariant()
                 or getattr(norm, "offset", None) != 0.0 or not getattr(norm, "upcast", False)):
             x, residual = norm(hidden_states, residual)
-            return self(x), residual
+            out = self(x)
+            return (residual + out if add_residual else out), residual
         shape = hidden_states.shape
         weights, ids, x, residual = norm_route_experts(
             hidden_states.reshape(-1, shape[-1]), residual.reshape(-1, shape[-1]), norm.weight,
             norm.variance_epsilon, router.weight, self.top_k, self.renormalize, self.scoring_func)
-        return self._add_shared(x, self._run_experts(x, weights, ids)).reshape(shape), residual.reshape(shape)
+        if add_residual and self._child("shared") is None:
+            out = self._run_experts(x, weights, ids, residual)
+        else:
+            out = self._add_shared(x, self._run_experts(x, weights, ids))
+            out = residual + out if add_residual else out
+        return out.reshape(shape), residual.reshape(shape)
 
     def _add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         shared = self._child("shared")
@@ -184,12 +194,15 @@ class FusedMoE(nn.Module):
                                      getattr(router, "bias", None))
         return self._run_experts(x, weights, ids)
 
-    def _run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                     residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The experts' output [T, H], all-reduced over tensor-parallel ranks; ``residual + `` it when given
+        (in the experts' kernel on one rank, after the all-reduce on several)."""
         experts = self._child("experts")
-        out = experts(x, weights, ids)
-        if experts.tp_size > 1:
-            out = tensor_model_parallel_all_reduce(out)
-        return out
+        if experts.tp_size == 1:
+            return experts(x, weights, ids, residual)
+        out = tensor_model_parallel_all_reduce(experts(x, weights, ids))
+        return out if residual is None else residual + out
 
     def extra_repr(self) -> str:
         return f"top_k={self.top_k}, renormalize={self.renormalize}, scoring_func={self.scoring_func!r}"

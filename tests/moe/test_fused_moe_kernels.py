@@ -86,11 +86,31 @@ def test_inference_paths_match_reference(interpret, monkeypatch, t, start):
     monkeypatch.setenv("FXREWRITE_TRITON", "1")
     x, w13, w2, weights, ids = _inputs(t=t)
     calls = []
-    monkeypatch.setattr(fused_moe, "direct_experts", lambda *a: calls.append(1) or direct_experts(*a))
+    monkeypatch.setattr(fused_moe, "direct_experts", lambda *a, **kw: calls.append(1) or direct_experts(*a, **kw))
     with torch.no_grad():
         got = fused_experts(x, w13, w2, weights, ids, start)
     assert bool(calls) == (t <= DIRECT_MAX_TOKENS)
     torch.testing.assert_close(got, fused_experts_ref(x, w13, w2, weights, ids, start), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("t,start", [(1, 0), (3, 2), (DIRECT_MAX_TOKENS + 1, 0)])
+def test_inference_paths_add_the_residual(interpret, monkeypatch, t, start):
+    """``residual=`` (the decoder layer's closing add): residual + the experts' output on every inference path;
+    on the direct path the add in the down kernel rounds as torch's add of the rounded output does (float16:
+    the same bits as direct_experts then ``+``)."""
+    monkeypatch.setenv("FXREWRITE_TRITON", "1")
+    x, w13, w2, weights, ids = _inputs(t=t)
+    residual = torch.randn_like(x)
+    with torch.no_grad():
+        got = fused_experts(x, w13, w2, weights, ids, start, residual=residual)
+        torch.testing.assert_close(got, residual + fused_experts_ref(x, w13, w2, weights, ids, start),
+                                   rtol=1e-5, atol=1e-5)
+        half = [v.half() for v in (x, w13, w2, residual)]
+        got = direct_experts(*half[:3], weights, ids, start, residual=half[3])
+        assert got.dtype == torch.float16
+        assert torch.equal(got, half[3] + direct_experts(*half[:3], weights, ids, start))
+    with pytest.raises(ValueError, match=rf"residual \({t}, 5\) torch.float32 must match x \({t}, 24\)"):
+        fused_experts(x, w13, w2, weights, ids, start, residual=residual[:, :5])
 
 
 def test_direct_kernels_multi_tile(interpret):
@@ -167,23 +187,26 @@ def test_triton_backward_and_cuda_graph_on_gpu():
 @pytest.mark.parametrize("start", [0, 64])
 def test_direct_path_cuda_graph_on_gpu(start):
     """The decode path (T <= DIRECT_MAX_TOKENS) replays in a CUDA graph with new routing; with
-    expert parallelism (start 64: half the experts held) remote slots add zero."""
+    expert parallelism (start 64: half the experts held) remote slots add zero; with a residual (the layer's
+    closing add, in the down kernel) the same bits as bf16 ``residual + out``."""
     torch.manual_seed(0)
     e, h, i, k, t = 128, 2048, 768, 8, 2
     held = slice(start, start + 64) if start else slice(0, e)
-    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    x, residual = (torch.randn(t, h, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     w13 = (torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16) * 0.02)[held].contiguous()
     w2 = (torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16) * 0.02)[held].contiguous()
     weights, ids = select_experts(torch.randn(t, e, device="cuda"), k, True)
     with torch.no_grad():
-        fused_experts(x, w13, w2, weights, ids, start)
+        fused_experts(x, w13, w2, weights, ids, start, residual=residual)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = fused_experts(x, w13, w2, weights, ids, start)
+            summed = fused_experts(x, w13, w2, weights, ids, start, residual=residual)
         ids.copy_(torch.randperm(e, device="cuda")[: t * k].view(t, k))
         graph.replay()
     want = fused_experts_ref(x.float(), w13.float(), w2.float(), weights, ids, start)
     torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+    assert torch.equal(summed, residual + out)
 
 
 @pytest.mark.gpu

@@ -63,27 +63,33 @@ def test_gemm_choice_and_many_tokens_take_norm_then_router(triton_on):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
 
 
-def test_fused_moe_forward_norm_equals_norm_then_block(triton_on):
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-expert", "no-shared-expert"])
+@pytest.mark.parametrize("add_residual", [False, True], ids=["out", "residual-plus-out"])
+def test_fused_moe_forward_norm_equals_norm_then_block(triton_on, shared, add_residual):
     """`FusedMoE.forward_norm` (fused router with the norm, direct experts) = the layer's RMSNorm with the
-    residual add, then the block; with a shared expert and its gate (Qwen2-MoE's form)."""
+    residual add, then the block, then (``add_residual``) the layer's closing ``residual + out``; with a shared
+    expert and its gate (Qwen2-MoE's form) or without (the closing add then in the down kernel)."""
     from fxrewrite.layers.fused_moe import FusedExperts, FusedMoE
     from fxrewrite.layers.layernorm import RMSNorm
 
     torch.manual_seed(0)
     router, experts = torch.nn.Linear(32, 8, bias=False), FusedExperts(8, 32, 16)
-    shared, shared_gate = torch.nn.Linear(32, 32, bias=False), torch.nn.Linear(32, 1, bias=False)
     torch.nn.init.normal_(experts.w13, std=0.2), torch.nn.init.normal_(experts.w2, std=0.2)
-    moe = FusedMoE({"router": "gate", "experts": "experts", "shared": "shared_expert",
-                    "shared_gate": "shared_expert_gate"},
-                   {"router": router, "experts": experts, "shared": shared, "shared_gate": shared_gate},
-                   top_k=2, renormalize=True)
+    names, modules = {"router": "gate", "experts": "experts"}, {"router": router, "experts": experts}
+    if shared:
+        names.update(shared="shared_expert", shared_gate="shared_expert_gate")
+        modules.update(shared=torch.nn.Linear(32, 32, bias=False), shared_gate=torch.nn.Linear(32, 1, bias=False))
+    moe = FusedMoE(names, modules, top_k=2, renormalize=True)
     norm = RMSNorm(32, 1e-6)
     torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
     hidden, residual = torch.randn(2, 32), torch.randn(2, 32)
+    launches = _Launches()
+    with torch.no_grad(), listen_launches(launches):
+        got, got_res = moe(hidden, norm=norm, residual=residual, add_residual=add_residual)
     with torch.no_grad():
-        got, got_res = moe.forward_norm(hidden, norm, residual)
         x, want_res = norm(hidden, residual)
-        want = moe(x)
+        want = want_res + moe(x) if add_residual else moe(x)
+    assert launches.names == ["_norm_router_kernel", "_direct_gate_up_kernel", "_direct_down_kernel"]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got_res, want_res)
 

@@ -84,14 +84,17 @@ def test_report_compares_a_hooked_layer_with_the_nearest_group():
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
 def test_post_attention_norm_folds_into_the_router(triton_on, monkeypatch, family):
     """The decoder layer hands its residual add + post-attention RMSNorm to the FusedMoE block (one router launch
-    at decode, as the native model): the report says so, a no-grad forward takes that path (the norm-router
+    at decode, as the native model), and its closing residual add (the experts' down kernel): the report says so, a no-grad forward takes that path (the norm-router
     kernel in the interpreter, at decode's token counts) and the logits still match transformers'."""
     model = tiny_moe(family)
     ref = stock_eager(copy.deepcopy(model))
     fxrewrite.optimize(model)
     layer = type(model.model.layers[0]).__name__
-    assert list(fxrewrite.explain(model).classes[layer].applied["residual_rms_norm"]) == [
-        "residual add + post_attention_layernorm -> mlp router"]
+    report = fxrewrite.explain(model)
+    assert list(report.classes[layer].applied["residual_rms_norm"]) == [
+        "residual add + post_attention_layernorm -> mlp router + residual add"]
+    assert ("+    hidden_states, residual = self.mlp(hidden_states, norm=self.post_attention_layernorm, "
+            "residual=residual, add_residual=True)") in report.diff()
     launches = LaunchNames()
     ids = torch.randint(0, 96, (1, 1))
     with torch.no_grad(), listen_launches(launches):
@@ -111,7 +114,8 @@ def test_a_hooked_moe_block_keeps_its_plain_call():
     model.model.layers[1].mlp.register_forward_hook(lambda m, args, out: seen.append((len(args), out.shape)))
     fxrewrite.optimize(model)
     assert fxrewrite.explain(model).classes["Qwen3MoeDecoderLayer"].applied["residual_rms_norm"] == {
-        "residual add + post_attention_layernorm -> mlp router": 1, "residual add + post_attention_layernorm": 1}
+        "residual add + post_attention_layernorm -> mlp router + residual add": 1,
+        "residual add + post_attention_layernorm": 1}
     ids = torch.randint(0, 96, (1, 5))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
