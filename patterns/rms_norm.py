@@ -188,7 +188,8 @@ class ResidualRMSNormPattern(Pattern):
                 merged.append(body[i + 2])
                 closing = ", add_residual=True"
             norm_name = match.name("norm")
-            new = cst.parse_statement(f"{x}, {r} = self.{consumer}(__E__, norm=self.{norm_name}, residual={r}{closing})\n")
+            call = f"self.{consumer}(__E__, norm=self.{norm_name}, residual={r}{closing})"
+            new = cst.parse_statement(f"{x}, {r} = {call}\n")
         new = new.deep_replace(new.body[0].value.args[0].value, e)
         total = sum(source.line_count(tree, s) for s in merged)
         leading = [ln for s in merged for ln in s.leading_lines]

@@ -84,8 +84,9 @@ def test_report_compares_a_hooked_layer_with_the_nearest_group():
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
 def test_post_attention_norm_folds_into_the_router(triton_on, monkeypatch, family):
     """The decoder layer hands its residual add + post-attention RMSNorm to the FusedMoE block (one router launch
-    at decode, as the native model), and its closing residual add (the experts' down kernel): the report says so, a no-grad forward takes that path (the norm-router
-    kernel in the interpreter, at decode's token counts) and the logits still match transformers'."""
+    at decode, as the native model), and its closing residual add (the experts' down kernel): the report says so,
+    a no-grad forward takes that path (the norm-router kernel in the interpreter, at decode's token counts) and the
+    logits still match transformers'."""
     model = tiny_moe(family)
     ref = stock_eager(copy.deepcopy(model))
     fxrewrite.optimize(model)
