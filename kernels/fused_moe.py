@@ -65,8 +65,9 @@ def _check(x, w13, w2, topk_weights, topk_ids) -> None:
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, expert_start: int = 0, residual: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as `fused_experts_ref`; Triton kernels when `use_triton(x)`, else the reference. With
-    `residual` (x's shape and dtype): ``residual + <the experts' output>``, the decoder layer's closing add, done in
-    the direct path's down-kernel epilogue (`fused_moe_direct.direct_down`) and by torch on every other path.
+    `residual` (x's shape; ValueError otherwise): ``residual + <the experts' output>``, the decoder layer's closing
+    add, done in the direct path's down-kernel epilogue (`fused_moe_direct.direct_down`) and by torch on every
+    other path (and for a residual of another dtype, as under autocast: torch's type promotion).
 
     At inference, up to `DIRECT_MAX_TOKENS` tokens take the direct path (`fused_moe_direct`: two
     GEMV launches indexed by the top-k ids, combine fused); more tokens, or autograd, the grouped
@@ -82,9 +83,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     reference, whose routing is data-dependent, runs eagerly behind a graph break.
     """
     _check(x, w13, w2, topk_weights, topk_ids)
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(f"fused_experts: residual {tuple(residual.shape)} {residual.dtype} must match x "
-                         f"{tuple(x.shape)} {x.dtype}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"fused_experts: residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+    if residual is not None and residual.dtype != x.dtype:  # autocast: torch's add promotes, as the layer's would
+        return residual + fused_experts(x, w13, w2, topk_weights, topk_ids, expert_start)
     training = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w13, w2, topk_weights))
     if training and x.shape[0] > 0 and grouped_mm_applies(x, w13, w2) and not is_batch_invariant():
         out = grouped_mm_experts(x, w13, w2, topk_weights, topk_ids, expert_start)  # traced by dynamo as it is

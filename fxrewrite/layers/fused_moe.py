@@ -140,6 +140,8 @@ class FusedMoE(nn.Module):
         (out, new residual), the form the rewrite's residual fold calls (patterns/rms_norm.py)."""
         if norm is not None:
             return self.forward_norm(hidden_states, norm, residual, add_residual)
+        if residual is not None or add_residual:
+            raise ValueError("FusedMoE: residual and add_residual belong to the folded norm's call (norm=...)")
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         if dp_ep_active():  # data-parallel replicas share the experts (fxrewrite.layers.moe_dp)

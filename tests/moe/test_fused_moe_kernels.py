@@ -109,7 +109,11 @@ def test_inference_paths_add_the_residual(interpret, monkeypatch, t, start):
         got = direct_experts(*half[:3], weights, ids, start, residual=half[3])
         assert got.dtype == torch.float16
         assert torch.equal(got, half[3] + direct_experts(*half[:3], weights, ids, start))
-    with pytest.raises(ValueError, match=rf"residual \({t}, 5\) torch.float32 must match x \({t}, 24\)"):
+        # another dtype (autocast's bf16 residual beside a float32 x): torch's promoting add
+        got = fused_experts(x, w13, w2, weights, ids, start, residual=residual.bfloat16())
+        assert got.dtype == torch.float32
+        assert torch.equal(got, residual.bfloat16() + fused_experts(x, w13, w2, weights, ids, start))
+    with pytest.raises(ValueError, match=rf"residual \({t}, 5\) must match x \({t}, 24\)"):
         fused_experts(x, w13, w2, weights, ids, start, residual=residual[:, :5])
 
 

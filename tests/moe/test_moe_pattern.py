@@ -105,6 +105,27 @@ def test_post_attention_norm_folds_into_the_router(triton_on, monkeypatch, famil
         torch.testing.assert_close(got, ref(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_folded_block_under_autocast_matches_stock(triton_on):
+    """A float32 model under CPU autocast to bf16 (the residual and the normed x then differ in dtype): the folded
+    closing add promotes as transformers' add does, at decode's token count, on the Triton path (bf16 tolerance,
+    widened: Triton's interpreter truncates float32 to bf16 where torch rounds)."""
+    model = tiny_moe("qwen3_moe")
+    ref = stock_eager(copy.deepcopy(model))
+    fxrewrite.optimize(model)
+    ids = torch.randint(3, 96, (2, 1))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=5e-2, atol=5e-2)
+
+
+def test_fused_moe_refuses_a_residual_without_its_norm():
+    from fxrewrite.layers.fused_moe import FusedMoE
+
+    block = next(m for m in fxrewrite.optimize(tiny_moe("qwen3_moe")).modules() if isinstance(m, FusedMoE))
+    x = torch.randn(1, 2, 32)
+    with pytest.raises(ValueError, match="residual and add_residual belong to the folded norm's call"):
+        block(x, residual=x, add_residual=True)
+
+
 def test_a_hooked_moe_block_keeps_its_plain_call():
     """A forward hook on one layer's MoE block: that block stays transformers' (moe refuses it) and its layer gets
     the residual add + norm fusion without the fold, so the hook sees the block's own call and output; the other
