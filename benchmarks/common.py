@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fxrewrite.benchmarks.step_timing import collect_untimed
 from fxrewrite.errors import UserFileNotFoundError, UserInputError
 from fxrewrite.runtime.gc_passes import fewer_gc_passes
 from fxrewrite.runtime.llm import LLM
@@ -192,9 +193,8 @@ def run_requests(engine, prompts: list[list[int]], params: list, time_limit_s: f
     requests' sequences (a data-parallel front's: its replicas'), and only while something still needs it. An
     engine whose sequences cannot be found reports progress through an output per request every step, the
     harness's way before 2026-12-06. The loop runs under `fewer_gc_passes`, as `LLM.generate`'s does, after a full
-    collection
-    (a gen-2 pass left over from loading or the warm-up would otherwise land in the timing: 270 ms once on an
-    H100 run)."""
+    collection (a gen-2 pass left over from loading or the warm-up would otherwise land in the timing: 270 ms once
+    on an H100 run) that `step_timing.gc_pauses` does not count (`collect_untimed`)."""
     from tqdm import tqdm
 
     stats = RunStats(num_requests=len(prompts), prompt_tokens=sum(map(len, prompts)))
@@ -208,7 +208,7 @@ def run_requests(engine, prompts: list[list[int]], params: list, time_limit_s: f
     live = {rid: next(t[rid].seqs for t in tables if rid in t) for rid in ids} if tables else None
     bar = tqdm(total=sum(p.max_tokens or 0 for p in params), desc=desc, unit="tok", leave=False,
                dynamic_ncols=True, mininterval=0.5)
-    gc.collect()
+    collect_untimed()  # before the clock starts; gc_pauses does not count it
     start = time.perf_counter()
     with fewer_gc_passes():
         while engine.has_unfinished_requests():

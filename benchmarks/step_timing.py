@@ -10,20 +10,36 @@ from __future__ import annotations
 
 import gc
 import statistics
+import threading
 import time
 from contextlib import contextmanager
 
-__all__ = ["gc_pauses", "decode_step_summary"]
+__all__ = ["collect_untimed", "gc_pauses", "decode_step_summary"]
+
+_untimed = threading.local()
+
+
+def collect_untimed() -> None:
+    """A full collection (`gc.collect()`) that `gc_pauses` does not count: the harness's own, just before a timed run
+    starts (so that a gen-2 pass left over from loading does not land in the timing), is not a pause of the run."""
+    _untimed.active = True
+    try:
+        gc.collect()
+    finally:
+        _untimed.active = False
 
 
 @contextmanager
 def gc_pauses():
-    """Record every collection of Python's cyclic garbage collector inside the block (`gc.callbacks`). Yields a
-    dict filled on exit: {"collections": {generation: count}, "pause_ms": total milliseconds, "max_pause_ms"}."""
+    """Record every collection of Python's cyclic garbage collector inside the block (`gc.callbacks`), but
+    `collect_untimed`'s. Yields a dict filled on exit: {"collections": {generation: count}, "pause_ms": total
+    milliseconds, "max_pause_ms"}."""
     pauses: list[tuple[int, float]] = []
     started: list[float] = []
 
     def callback(phase: str, info: dict) -> None:
+        if getattr(_untimed, "active", False):
+            return
         if phase == "start":
             started.append(time.perf_counter())
         elif started:

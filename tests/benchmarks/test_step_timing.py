@@ -4,7 +4,7 @@ import gc
 
 import pytest
 
-from fxrewrite.benchmarks.step_timing import decode_step_summary, gc_pauses
+from fxrewrite.benchmarks.step_timing import collect_untimed, decode_step_summary, gc_pauses
 
 
 def test_one_stall_among_steady_steps():
@@ -38,3 +38,6 @@ def test_gc_pauses_counts_collections_by_generation():
     with gc_pauses() as nothing:
         pass
     assert nothing == {"collections": {}, "pause_ms": 0.0, "max_pause_ms": 0.0}
+    with gc_pauses() as harness_own:  # the harness's collection before its clock starts is not a pause of the run
+        collect_untimed()
+    assert harness_own == {"collections": {}, "pause_ms": 0.0, "max_pause_ms": 0.0}
