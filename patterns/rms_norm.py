@@ -221,7 +221,8 @@ class ResidualRMSNormPattern(Pattern):
 
     @classmethod
     def describe(cls, match: Match) -> str:
-        """``residual add + <norm>`` (``-> <consumer> router`` with the MoE fold)."""
+        """``residual add + <norm>`` (``-> <consumer> router`` with the MoE fold, ``+ residual add`` with its closing
+        add)."""
         consumer = dict(match.names).get("consumer")
         closing = " + residual add" if match.fact("add_residual") else ""
         return f"residual add + {match.name('norm')}" + (f" -> {consumer} router{closing}" if consumer else "")
