@@ -135,23 +135,29 @@ def _tag(config) -> str | None:
 
 
 def run(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config, w_scale: torch.Tensor | None = None,
-        per_channel: bool = False, **prologue):
+        per_channel: bool = False, out_residual: torch.Tensor | None = None, **prologue):
     """The GEMV `config` names: a pipelined choice runs `skinny_gemv_pipelined` (float weight, x [1, K]; the
     prologue's kernel first), an FP8 weight (w_scale [N, ceil(K/128)]) `skinny_gemv_fp8_triton`, else
-    `skinny_gemv_triton`; x [M, K] (or [M, 2K]); `prologue`: norm_weight, eps, residual, silu_mul. ValueError for
-    a pipelined choice on an FP8 weight."""
+    `skinny_gemv_triton`; x [M, K] (or [M, 2K]); `prologue`: norm_weight, eps, residual, silu_mul. out_residual
+    [M, N] of x's dtype: the result is ``out_residual + out``, added in the float-weight kernels' epilogue (after
+    the FP8 GEMV, a torch add). ValueError for a pipelined choice on an FP8 weight."""
     tag = _tag(config)
     if tag is not None and w.dtype == _FP8:
         raise ValueError(f"gemv_dispatch: {config} is a float-weight GEMV; this weight is FP8")
     if tag == PIPELINED:
-        return skinny_gemv_pipelined(x, w, bias, config=tuple(config[1:]), **prologue)
+        return skinny_gemv_pipelined(x, w, bias, config=tuple(config[1:]), out_residual=out_residual, **prologue)
     if tag == PIPELINED_FUSED:
-        return skinny_gemv_pipelined_fused(x, w, bias, config=tuple(config[1:]), **prologue)
+        return skinny_gemv_pipelined_fused(x, w, bias, config=tuple(config[1:]), out_residual=out_residual,
+                                           **prologue)
     if tag == UNFUSED:
-        return with_prologue(lambda h: skinny_gemv_triton(h, w, bias, config=tuple(config[1:])), x, **prologue)
+        return with_prologue(lambda h: skinny_gemv_triton(h, w, bias, config=tuple(config[1:]),
+                                                          out_residual=out_residual), x, **prologue)
     if w.dtype == _FP8:
-        return skinny_gemv_fp8_triton(x, w, w_scale, bias, per_channel=per_channel, config=config, **prologue)
-    return skinny_gemv_triton(x, w, bias, config=config, **prologue)
+        out = skinny_gemv_fp8_triton(x, w, w_scale, bias, per_channel=per_channel, config=config, **prologue)
+        if out_residual is None:
+            return out
+        return (out_residual + out[0], out[1]) if isinstance(out, tuple) else out_residual + out
+    return skinny_gemv_triton(x, w, bias, config=config, out_residual=out_residual, **prologue)
 
 
 def record(kind: str, n: int, k: int, bucket: int, config: tuple | None, fmt: str = "float") -> None:

@@ -7,6 +7,11 @@ layout), with the neighbouring element-wise kernels fused in as prologues:
 - ``silu_mul``: the input is gate_up's output [M, 2K]; silu(gate) * up is computed on the fly (rounded to
   the input dtype, as the separate kernel stores it), so down_proj runs without `_act_and_mul_kernel`.
 
+and one epilogue: ``out_residual`` [M, N] is added to the output (rounded to the output dtype first, then once
+more after the add, as torch's ``out_residual + linear(x)`` rounds): a decoder layer's closing residual add rides
+in down_proj (the rewritten transformers layers, `fxrewrite.layers.layernorm.RMSNorm.forward_mlp`) instead of
+its own launch.
+
 Decode is bound by the weight stream (every weight byte read once per step). Each program owns
 BLOCK_N output rows and all M tokens, streams [BLOCK_N, BLOCK_K] weight tiles along K (16-byte vector
 loads), and keeps a float32 [BLOCK_M, BLOCK_N, BLOCK_K] accumulator of products that is reduced over K
@@ -91,7 +96,7 @@ def configs_for(m: int, kind: str = "norm", n: int | None = None, fmt: str = "fl
     return CONFIGS[bucket] + tuple(c for c in split if n is None or -(-n // c[0]) < SPLIT_MAX_TILES)
 
 
-def _check(x: torch.Tensor, w: torch.Tensor, norm_weight, residual, silu_mul: bool) -> int:
+def _check(x: torch.Tensor, w: torch.Tensor, norm_weight, residual, silu_mul: bool, out_residual=None) -> int:
     k = w.shape[1]
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != (2 * k if silu_mul else k):
         want = f"[M, {2 * k}] (gate | up)" if silu_mul else f"[M, {k}]"
@@ -104,35 +109,46 @@ def _check(x: torch.Tensor, w: torch.Tensor, norm_weight, residual, silu_mul: bo
     if residual is not None and (norm_weight is None or residual.shape != x.shape):
         raise ValueError(f"skinny_gemv: residual {tuple(residual.shape)} needs norm_weight and x's shape "
                          f"{tuple(x.shape)}")
+    if out_residual is not None and (tuple(out_residual.shape) != (x.shape[0], w.shape[0])
+                                     or out_residual.dtype != x.dtype):
+        raise ValueError(f"skinny_gemv: out_residual {tuple(out_residual.shape)} {out_residual.dtype}; expected the "
+                         f"output's shape {(x.shape[0], w.shape[0])} and dtype {x.dtype}")
     return k
 
 
 def skinny_gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
                     norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                    residual: torch.Tensor | None = None, silu_mul: bool = False):
+                    residual: torch.Tensor | None = None, silu_mul: bool = False,
+                    out_residual: torch.Tensor | None = None):
     """Torch reference. x [M, K] (or [M, 2K] with silu_mul), w [N, K], bias [N] or None, all one float dtype.
 
     norm_weight [K]: x -> rms_norm(x (+ residual)) first; with residual [M, K] returns (out, x + residual),
-    else out [M, N]. silu_mul: x -> silu(x[:, :K]) * x[:, K:] first. ValueError on shapes that do not fit."""
-    _check(x, w, norm_weight, residual, silu_mul)
+    else out [M, N]. silu_mul: x -> silu(x[:, :K]) * x[:, K:] first. out_residual [M, N] of x's dtype: out is
+    ``out_residual + out``. ValueError on shapes that do not fit."""
+    _check(x, w, norm_weight, residual, silu_mul, out_residual)
+
+    def linear(h):
+        out = F.linear(h, w, bias)
+        return out if out_residual is None else out_residual + out
+
     if silu_mul:
-        return F.linear(silu_and_mul_ref(x), w, bias)
+        return linear(silu_and_mul_ref(x))
     if norm_weight is None:
-        return F.linear(x, w, bias)
+        return linear(x)
     normed = rms_norm_ref(x, norm_weight, eps, residual)
     if residual is None:
-        return F.linear(normed, w, bias)
-    return F.linear(normed[0], w, bias), normed[1]
+        return linear(normed)
+    return linear(normed[0]), normed[1]
 
 
 def skinny_gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
                        norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
                        residual: torch.Tensor | None = None, silu_mul: bool = False,
-                       config: tuple[int, ...] | None = None):
+                       out_residual: torch.Tensor | None = None, config: tuple[int, ...] | None = None):
     """The Triton kernel; same contract as `skinny_gemv_ref` (M <= GEMV_MAX_M, else ValueError).
     config: (block_n, block_k, num_warps[, split_k]), default the first of `configs_for(M)`; split_k > 1
     only without norm_weight (ValueError). Launched with PDL where `fxrewrite.kernels.pdl` enables it."""
-    k = _check(x, w, norm_weight, residual, silu_mul)
+    k = _check(x, w, norm_weight, residual, silu_mul, out_residual)
     m, n = x.shape[0], w.shape[0]
     block_n, block_k, num_warps, *split = config or configs_for(m)[0]
     configs_for(m)  # range check
@@ -146,6 +162,8 @@ def skinny_gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | No
     res_in = residual if residual is not None else x
     if res_in.stride(1) != 1:
         res_in = res_in.contiguous()
+    if out_residual is not None and not out_residual.is_contiguous():
+        out_residual = out_residual.contiguous()
     block_k = min(block_k, next_power_of_2(k))
     tiles = triton.cdiv(k, block_k)
     per_split = triton.cdiv(tiles, split[0] if split else 1)
@@ -156,11 +174,12 @@ def skinny_gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | No
     pdl = pdl_enabled(x.device)
     launch(_skinny_gemv_kernel, (n_tiles, splits), x.device, pdl)(
         x, res_in, norm_weight if norm_weight is not None else w, w, bias if bias is not None else w, out, res_out,
-        ws, tickets, m, n, k, per_split * block_k, x.stride(0), res_in.stride(0), float(eps),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
-        HAS_RES=residual is not None, SILU_MUL=silu_mul, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
-        SPLIT_K=splits, PDL=pdl, PREFETCH_LINES=prefetch_lines(per_split * block_k, w.element_size()),
-        LINE=LINE_BYTES // w.element_size(), num_warps=num_warps,
+        out_residual if out_residual is not None else out, ws, tickets, m, n, k, per_split * block_k, x.stride(0),
+        res_in.stride(0), float(eps), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
+        HAS_RES=residual is not None, SILU_MUL=silu_mul, HAS_BIAS=bias is not None,
+        ADD_OUT=out_residual is not None, EVEN_K=k % block_k == 0, SPLIT_K=splits, PDL=pdl,
+        PREFETCH_LINES=prefetch_lines(per_split * block_k, w.element_size()), LINE=LINE_BYTES // w.element_size(),
+        num_warps=num_warps,
     )
     return (out, res_out) if residual is not None else out
 
@@ -218,14 +237,27 @@ def _token(x_ptr, res_ptr, g_ptr, res_out_ptr, i, rk, M, K, stride_xm, stride_rm
 
 
 @triton.jit
-def _store_row(out_ptr, b_ptr, acc, ss, i, rn, M, N, K, eps, NORM: tl.constexpr, HAS_BIAS: tl.constexpr):
+def add_out_residual(out, add_ptr, offsets, mask, dtype: tl.constexpr, ADD_OUT: tl.constexpr):
+    """The output row (float32) rounded to `dtype`, plus the epilogue's addend when ADD_OUT, rounded again (torch's
+    ``addend + linear(x)``: two rounded results); the value to store."""
+    out = out.to(dtype)
+    if ADD_OUT:
+        out = (out.to(tl.float32) + tl.load(add_ptr + offsets, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+    return out
+
+
+@triton.jit
+def _store_row(out_ptr, b_ptr, add_ptr, acc, ss, i, rn, M, N, K, eps, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+               ADD_OUT: tl.constexpr):
     out = tl.sum(acc, axis=1)  # [BLOCK_N]: the one reduction over K
     if NORM:
         out = out * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
     if HAS_BIAS:
         out += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
     row_ok = tl.full((1,), i, tl.int32) < M
-    tl.store(out_ptr + i * N + rn, out.to(out_ptr.dtype.element_ty), mask=(rn < N) & row_ok)
+    mask = (rn < N) & row_ok
+    tl.store(out_ptr + i * N + rn, add_out_residual(out, add_ptr, i * N + rn, mask, out_ptr.dtype.element_ty, ADD_OUT),
+             mask=mask)
 
 
 @triton.jit
@@ -268,18 +300,18 @@ def _tile(a0, a1, a2, a3, a4, a5, a6, a7, s0, s1, s2, s3, s4, s5, s6, s7, w, rk,
 
 
 @triton.jit
-def _emit(out_ptr, b_ptr, ws_ptr, acc, ss, i, rn, pid_k, M, N, K, eps, BLOCK_M: tl.constexpr, NORM: tl.constexpr,
-          HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+def _emit(out_ptr, b_ptr, add_ptr, ws_ptr, acc, ss, i, rn, pid_k, M, N, K, eps, BLOCK_M: tl.constexpr,
+          NORM: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_OUT: tl.constexpr, SPLIT_K: tl.constexpr):
     """Token i's result: the output row (one split), or this split's float32 partial sums."""
     if SPLIT_K == 1:
-        _store_row(out_ptr, b_ptr, acc, ss, i, rn, M, N, K, eps, NORM, HAS_BIAS)
+        _store_row(out_ptr, b_ptr, add_ptr, acc, ss, i, rn, M, N, K, eps, NORM, HAS_BIAS, ADD_OUT)
     else:
         tl.store(ws_ptr + (pid_k * BLOCK_M + i) * N + rn, tl.sum(acc, axis=1), mask=rn < N)
 
 
 @triton.jit
-def _finish(out_ptr, b_ptr, ws_ptr, cnt_ptr, pid, rn, M, N, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
-            HAS_BIAS: tl.constexpr):
+def _finish(out_ptr, b_ptr, add_ptr, ws_ptr, cnt_ptr, pid, rn, M, N, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
+            HAS_BIAS: tl.constexpr, ADD_OUT: tl.constexpr):
     """Split-K: the last program of a column tile to arrive sums the partials in split order (deterministic)."""
     tl.debug_barrier()  # every thread's partial stores precede the release below (as a grid barrier does)
     ticket = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
@@ -290,17 +322,18 @@ def _finish(out_ptr, b_ptr, ws_ptr, cnt_ptr, pid, rn, M, N, BLOCK_M: tl.constexp
                 total += tl.load(ws_ptr + (s * BLOCK_M + i) * N + rn, mask=rn < N, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 total += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-            row_ok = tl.full((1,), i, tl.int32) < M
-            tl.store(out_ptr + i * N + rn, total.to(out_ptr.dtype.element_ty), mask=(rn < N) & row_ok)
+            mask = (rn < N) & (tl.full((1,), i, tl.int32) < M)
+            tl.store(out_ptr + i * N + rn,
+                     add_out_residual(total, add_ptr, i * N + rn, mask, out_ptr.dtype.element_ty, ADD_OUT), mask=mask)
         tl.atomic_xchg(cnt_ptr + pid, 0)  # ready for the next call (stream-ordered: it gdc_waits first)
 
 
 @triton.jit
-def _skinny_gemv_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, ws_ptr, cnt_ptr, M, N, K,
-                        k_split, stride_xm, stride_rm, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _skinny_gemv_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, add_ptr, ws_ptr, cnt_ptr, M, N,
+                        K, k_split, stride_xm, stride_rm, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
-                        PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr):
+                        HAS_BIAS: tl.constexpr, ADD_OUT: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                        PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr):
     # One [BLOCK_N, BLOCK_K] float32 accumulator per token, in the weight tile's own layout (elementwise
     # FMAs, no per-step reduction); tokens past BLOCK_M are pruned at compile time. Program (pid, pid_k)
     # covers columns [pid_k * k_split, +k_split) (all of K with one split).
@@ -331,16 +364,24 @@ def _skinny_gemv_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, res_out_pt
         a0, a1, a2, a3, a4, a5, a6, a7, s0, s1, s2, s3, s4, s5, s6, s7 = _tile(
             a0, a1, a2, a3, a4, a5, a6, a7, s0, s1, s2, s3, s4, s5, s6, s7, w, rk, x_ptr, res_ptr, g_ptr,
             res_out_ptr, M, K, stride_xm, stride_rm, first, BLOCK_M, NORM, HAS_RES, SILU_MUL, EVEN_K)
-    _emit(out_ptr, b_ptr, ws_ptr, a0, s0, 0, rn, pid_k, M, N, K, eps, BLOCK_M, NORM, HAS_BIAS, SPLIT_K)
+    _emit(out_ptr, b_ptr, add_ptr, ws_ptr, a0, s0, 0, rn, pid_k, M, N, K, eps, BLOCK_M, NORM, HAS_BIAS, ADD_OUT,
+              SPLIT_K)
     if BLOCK_M > 1:
-        _emit(out_ptr, b_ptr, ws_ptr, a1, s1, 1, rn, pid_k, M, N, K, eps, BLOCK_M, NORM, HAS_BIAS, SPLIT_K)
+        _emit(out_ptr, b_ptr, add_ptr, ws_ptr, a1, s1, 1, rn, pid_k, M, N, K, eps, BLOCK_M, NORM, HAS_BIAS, ADD_OUT,
+              SPLIT_K)
     if BLOCK_M > 2:
-        _emit(out_ptr, b_ptr, ws_ptr, a2, s2, 2, rn, pid_k, M, N, K, eps, BLOCK_M, NORM, HAS_BIAS, SPLIT_K)
-        _emit(out_ptr, b_ptr, ws_ptr, a3, s3, 3, rn, pid_k, M, N, K, eps, BLOCK_M, NORM, HAS_BIAS, SPLIT_K)
+        _emit(out_ptr, b_ptr, add_ptr, ws_ptr, a2, s2, 2, rn, pid_k, M, N, K, eps, BLOCK_M, NORM, HAS_BIAS, ADD_OUT,
+              SPLIT_K)
+        _emit(out_ptr, b_ptr, add_ptr, ws_ptr, a3, s3, 3, rn, pid_k, M, N, K, eps, BLOCK_M, NORM, HAS_BIAS, ADD_OUT,
+              SPLIT_K)
     if BLOCK_M > 4:
-        _emit(out_ptr, b_ptr, ws_ptr, a4, s4, 4, rn, pid_k, M, N, K, eps, BLOCK_M, NORM, HAS_BIAS, SPLIT_K)
-        _emit(out_ptr, b_ptr, ws_ptr, a5, s5, 5, rn, pid_k, M, N, K, eps, BLOCK_M, NORM, HAS_BIAS, SPLIT_K)
-        _emit(out_ptr, b_ptr, ws_ptr, a6, s6, 6, rn, pid_k, M, N, K, eps, BLOCK_M, NORM, HAS_BIAS, SPLIT_K)
-        _emit(out_ptr, b_ptr, ws_ptr, a7, s7, 7, rn, pid_k, M, N, K, eps, BLOCK_M, NORM, HAS_BIAS, SPLIT_K)
+        _emit(out_ptr, b_ptr, add_ptr, ws_ptr, a4, s4, 4, rn, pid_k, M, N, K, eps, BLOCK_M, NORM, HAS_BIAS, ADD_OUT,
+              SPLIT_K)
+        _emit(out_ptr, b_ptr, add_ptr, ws_ptr, a5, s5, 5, rn, pid_k, M, N, K, eps, BLOCK_M, NORM, HAS_BIAS, ADD_OUT,
+              SPLIT_K)
+        _emit(out_ptr, b_ptr, add_ptr, ws_ptr, a6, s6, 6, rn, pid_k, M, N, K, eps, BLOCK_M, NORM, HAS_BIAS, ADD_OUT,
+              SPLIT_K)
+        _emit(out_ptr, b_ptr, add_ptr, ws_ptr, a7, s7, 7, rn, pid_k, M, N, K, eps, BLOCK_M, NORM, HAS_BIAS, ADD_OUT,
+              SPLIT_K)
     if SPLIT_K > 1:
-        _finish(out_ptr, b_ptr, ws_ptr, cnt_ptr, pid, rn, M, N, BLOCK_M, SPLIT_K, HAS_BIAS)
+        _finish(out_ptr, b_ptr, add_ptr, ws_ptr, cnt_ptr, pid, rn, M, N, BLOCK_M, SPLIT_K, HAS_BIAS, ADD_OUT)

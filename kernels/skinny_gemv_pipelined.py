@@ -25,6 +25,9 @@ prologue's launch disappears at the cost of a second input read (from L2) per we
 pipelined loop the prologues were slower at every Qwen3-32B shape; bf16 at Qwen3-4B shapes is what the tuner
 decides.)
 
+Epilogue: ``out_residual`` [1, N] added to the output, rounded as torch's ``out_residual + linear(x)`` (the skinny
+GEMV's, `fxrewrite.kernels.skinny_gemv.add_out_residual`), in every form.
+
 Reference: `fxrewrite.kernels.skinny_gemv.skinny_gemv_ref` (the unfused ops then F.linear), same contract.
 """
 
@@ -35,7 +38,7 @@ import torch
 from fxrewrite.kernels.activation import silu_and_mul
 from fxrewrite.kernels.pdl import LINE_BYTES, gdc_prologue, pdl_enabled, prefetch_l2, prefetch_lines
 from fxrewrite.kernels.rms_norm import rms_norm
-from fxrewrite.kernels.skinny_gemv import _check, _load, _token, skinny_gemv_ref
+from fxrewrite.kernels.skinny_gemv import _check, _load, _token, add_out_residual, skinny_gemv_ref
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
 __all__ = ["PIPELINED_CONFIGS", "skinny_gemv_pipelined_ref", "skinny_gemv_pipelined_triton", "skinny_gemv_pipelined",
@@ -51,10 +54,11 @@ the two with block_k 512 (1 KB of each row per step, as the skinny GEMV's block_
 being listed. Shared-memory ring: at most num_stages x block_n x block_k x 2 bytes in bf16, 12-40 KB."""
 
 
-def skinny_gemv_pipelined_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def skinny_gemv_pipelined_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                              out_residual: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference of `skinny_gemv_pipelined_triton`: F.linear (x [1, K], w [N, K], bias [N] or None, one
-    float dtype) -> [1, N]."""
-    return skinny_gemv_ref(x, w, bias)
+    float dtype) -> [1, N], plus out_residual [1, N] when given."""
+    return skinny_gemv_ref(x, w, bias, out_residual=out_residual)
 
 
 def _refuse(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config, silu_mul: bool = False) -> None:
@@ -76,45 +80,54 @@ def _refuse(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config,
 
 
 def skinny_gemv_pipelined_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                                 config: tuple[int, ...] = PIPELINED_CONFIGS[0]) -> torch.Tensor:
+                                 config: tuple[int, ...] = PIPELINED_CONFIGS[0],
+                                 out_residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [1, K] bf16 / fp16 / fp32 with unit column stride, w [N, K] of x's dtype (contiguous), bias [N] or None
-    -> [1, N] in x's dtype (float32 accumulation, bias added before the rounding). config: (block_n, block_k,
+    -> [1, N] in x's dtype (float32 accumulation, bias added before the rounding; out_residual [1, N] of x's dtype
+    added after it, as torch's ``out_residual + linear(x)``). config: (block_n, block_k,
     num_stages, num_warps), e.g. one of `PIPELINED_CONFIGS`; block_k is capped at the power of two >= K.
     ValueError for more than one token, mixed dtypes or a layout the kernel cannot read. Launched with PDL where
     `fxrewrite.kernels.pdl` enables it."""
     _refuse(x, w, bias, tuple(config))
-    return _launch(x, w, bias, tuple(config))
+    _check(x, w, None, None, False, out_residual)
+    return _launch(x, w, bias, tuple(config), out_residual=out_residual)
 
 
 def skinny_gemv_pipelined_fused(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
                                 norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
                                 residual: torch.Tensor | None = None, silu_mul: bool = False,
+                                out_residual: torch.Tensor | None = None,
                                 config: tuple[int, ...] = PIPELINED_CONFIGS[0]):
     """`skinny_gemv_ref`'s contract at one token (x [1, K], or [1, 2K] with silu_mul; with residual returns (out,
     x + residual)) in one launch: the prologue computed inside the pipelined loop (module docstring). config as
     `skinny_gemv_pipelined_triton`'s. ValueError on shapes that do not fit, more than one token, mixed dtypes or a
     layout the kernel cannot read."""
-    _check(x, w, norm_weight, residual, silu_mul)
+    _check(x, w, norm_weight, residual, silu_mul, out_residual)
     _refuse(x, w, bias, tuple(config), silu_mul)
     if residual is not None and residual.stride(1) != 1:
         residual = residual.contiguous()
-    return _launch(x, w, bias, tuple(config), norm_weight, eps, residual, silu_mul)
+    return _launch(x, w, bias, tuple(config), norm_weight, eps, residual, silu_mul, out_residual)
 
 
-def _launch(x, w, bias, config, norm_weight=None, eps: float = 1e-6, residual=None, silu_mul: bool = False):
+def _launch(x, w, bias, config, norm_weight=None, eps: float = 1e-6, residual=None, silu_mul: bool = False,
+            out_residual=None):
     block_n, block_k, stages, warps = config
     n, k = w.shape
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     res_out = torch.empty((1, k), dtype=x.dtype, device=x.device) if residual is not None else out  # as skinny's
     if n == 0:
         return (out, torch.add(x, residual).to(x.dtype)) if residual is not None else out
+    if out_residual is not None and not out_residual.is_contiguous():
+        out_residual = out_residual.contiguous()
     block_k = min(block_k, next_power_of_2(k))
     pdl = pdl_enabled(x.device)
     launch(_skinny_gemv_pipelined_kernel, (triton.cdiv(n, block_n),), x.device, pdl)(
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else w, w,
-        bias.contiguous() if bias is not None else w, out, res_out, 1, n, k, float(eps), BLOCK_N=block_n,
+        bias.contiguous() if bias is not None else w, out, res_out, out_residual if out_residual is not None else out,
+        1, n, k, float(eps), BLOCK_N=block_n,
         BLOCK_K=block_k, NUM_STAGES=stages, NORM=norm_weight is not None, HAS_RES=residual is not None,
-        SILU_MUL=silu_mul, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, PDL=pdl,
+        SILU_MUL=silu_mul, HAS_BIAS=bias is not None, ADD_OUT=out_residual is not None, EVEN_K=k % block_k == 0,
+        PDL=pdl,
         PREFETCH_LINES=prefetch_lines(k, w.element_size()), LINE=LINE_BYTES // w.element_size(), num_warps=warps)
     return (out, res_out) if residual is not None else out
 
@@ -122,13 +135,14 @@ def _launch(x, w, bias, config, norm_weight=None, eps: float = 1e-6, residual=No
 def skinny_gemv_pipelined(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
                           norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
                           residual: torch.Tensor | None = None, silu_mul: bool = False,
-                          config: tuple[int, ...] = PIPELINED_CONFIGS[0]):
+                          out_residual: torch.Tensor | None = None, config: tuple[int, ...] = PIPELINED_CONFIGS[0]):
     """`skinny_gemv_ref`'s contract at one token (x [1, K], or [1, 2K] with silu_mul): the prologue's own kernel
-    (`rms_norm` with its residual add, or `silu_and_mul`), then `skinny_gemv_pipelined_triton`. With residual
-    returns (out, x + residual). ValueError on shapes that do not fit or more than one token."""
-    _check(x, w, norm_weight, residual, silu_mul)
-    return with_prologue(lambda h: skinny_gemv_pipelined_triton(h, w, bias, config), x, norm_weight, eps, residual,
-                         silu_mul)
+    (`rms_norm` with its residual add, or `silu_and_mul`), then `skinny_gemv_pipelined_triton` (with out_residual
+    in its epilogue). With residual returns (out, x + residual). ValueError on shapes that do not fit or more than
+    one token."""
+    _check(x, w, norm_weight, residual, silu_mul, out_residual)
+    return with_prologue(lambda h: skinny_gemv_pipelined_triton(h, w, bias, config, out_residual), x, norm_weight,
+                         eps, residual, silu_mul)
 
 
 def with_prologue(gemv, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
@@ -148,11 +162,11 @@ def with_prologue(gemv, x: torch.Tensor, norm_weight: torch.Tensor | None = None
 
 
 @triton.jit
-def _skinny_gemv_pipelined_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, M, N, K, eps,
-                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+def _skinny_gemv_pipelined_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, add_ptr, M, N, K,
+                                  eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
                                   NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr,
-                                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
-                                  PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr):
+                                  HAS_BIAS: tl.constexpr, ADD_OUT: tl.constexpr, EVEN_K: tl.constexpr,
+                                  PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * K  # a partial last tile re-reads row N - 1
@@ -177,4 +191,4 @@ def _skinny_gemv_pipelined_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, 
         total = total * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
     if HAS_BIAS:
         total += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rn, total.to(out_ptr.dtype.element_ty), mask=rn < N)
+    tl.store(out_ptr + rn, add_out_residual(total, add_ptr, rn, rn < N, out_ptr.dtype.element_ty, ADD_OUT), mask=rn < N)

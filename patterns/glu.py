@@ -20,6 +20,7 @@ from torch import nn
 
 from fxrewrite import nodes, source
 from fxrewrite.layers.activation import GeluAndMul, SiluAndMul
+from fxrewrite.layers.gated_mlp import GATED_MLP_ATTR
 from fxrewrite.layers.linear import MergedColumnParallelLinear
 from fxrewrite.patterns import feature_path
 from fxrewrite.patterns.base import (PREFUSED_ATTR, Context, Match, Pattern, copy_requires_grad, free_attribute,
@@ -96,6 +97,44 @@ def _already_fused(traced) -> list[Match]:
     return found
 
 
+def _whole_forward(traced, gate, up, act, mul, partner: str | None) -> bool:
+    """Whether the class's forward is exactly ``return down(act(gate(x)) * up(x))``: by dataflow (no node but the
+    input, the four matched ones, the down call and the output; the output is the down call's result) and by source
+    (its body, a docstring aside, is ``return ...`` or ``v = ...; return v``: no statement the trace cannot see).
+    The decoder-layer fold (`fxrewrite.layers.gated_mlp`) may then call the children in place of the forward."""
+    users = list(mul.users)
+    down = users[0] if len(users) == 1 else None
+    if partner is None or down is None or down.op != "call_module" or down.target != partner or down.args != (mul,) \
+            or down.kwargs:
+        return False
+    x = gate.args[0]
+    rest = [n for n in traced.graph.nodes if n not in (x, gate, up, act, mul, down)]
+    if not (getattr(x, "op", None) == "placeholder" and len(rest) == 1 and rest[0].op == "output"
+            and rest[0].args == (down,)):
+        return False
+    try:
+        body = list(source.ForwardSource.recover(type(traced.module)).function.body.body)
+    except source.SourceError:
+        return False
+    if body and _is_docstring(body[0]):
+        body = body[1:]
+    if len(body) == 1:
+        return _single(body[0], cst.Return)
+    if len(body) != 2 or not (_single(body[0], cst.Assign) and _single(body[1], cst.Return)):
+        return False
+    assign, ret = body[0].body[0], body[1].body[0]
+    return (len(assign.targets) == 1 and isinstance(assign.targets[0].target, cst.Name)
+            and isinstance(ret.value, cst.Name) and ret.value.value == assign.targets[0].target.value)
+
+
+def _single(stmt, kind) -> bool:
+    return isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 and isinstance(stmt.body[0], kind)
+
+
+def _is_docstring(stmt) -> bool:
+    return (_single(stmt, cst.Expr) and isinstance(stmt.body[0].value, (cst.SimpleString, cst.ConcatenatedString)))
+
+
 def _down_call(info, product, partner: str | None):
     """The call ``self.<partner>(product)`` when the product goes straight, alone, into the row partner."""
     arg = source.parent(info, product)
@@ -111,7 +150,8 @@ class GLUPattern(Pattern):
     Improve Transformer"; vLLM's `MergedColumnParallelLinear` + `SiluAndMul`); ``down(act(gate(x)) * up(x))``
     -> ``self.act_and_mul(self.gate_up_proj(x), self.down)`` (a training backward that recomputes the product).
 
-    Facts: act ("silu", "gelu", "gelu_tanh"), act_is_module, row_partner (the linear reading the product)."""
+    Facts: act ("silu", "gelu", "gelu_tanh"), act_is_module, row_partner (the linear reading the product),
+    whole_forward (the forward is nothing but ``down(act(gate(x)) * up(x))``: `_whole_forward`)."""
 
     name = "glu"
 
@@ -139,8 +179,10 @@ class GLUPattern(Pattern):
                 require((gm.bias is None) == (um.bias is None), "gate and up disagree on bias")
                 names = (("gate", gate.target), ("up", up.target), ("act", str(act.target)))
                 claimed = frozenset({mul.name, act.name, gate.name, up.name})
-                facts = (("act", kind), ("act_is_module", act.op == "call_module"),
-                         *_partner_facts(mul, root, traced.error))
+                partner = _partner_facts(mul, root, traced.error)
+                whole = not traced.partial and _whole_forward(traced, gate, up, act, mul, partner[0][1])
+                facts = (("act", kind), ("act_is_module", act.op == "call_module"), *partner,
+                         ("whole_forward", bool(whole)))
                 matches.append(Match(cls, claimed, names, facts))
                 break
         return matches
@@ -214,6 +256,8 @@ class GLUPattern(Pattern):
                 fused.bias.weight_loader(fused.bias, lin.bias.detach(), shard)
         copy_requires_grad(fused, gate, up)
         fused.row_partner, fused.row_partner_why = match.fact("row_partner"), match.fact("row_partner_why")
+        if match.fact("whole_forward"):  # the decoder layer may fold its norm and residual adds around it
+            module.__dict__[GATED_MLP_ATTR] = (NEW_LINEAR, NEW_ACT, match.fact("row_partner"))
         kind = match.fact("act")
         # the fused gate_up output is new and read only by the activation: its backward may overwrite it
         act = (SiluAndMul(inplace_backward=True) if kind == "silu"

@@ -4,13 +4,17 @@ goes only to a `FusedMoE` child in the next statement (``x = self.mlp(x)``), ``x
 residual=r)``: the block folds the add and the norm into its router launch at decode (vLLM's fused add-norm
 handed to the consumer, as the native models do); a closing ``x = r + x`` on the block's output goes in too
 (``add_residual=True``: the experts' down kernel adds r at decode, so no separate add launch, which would also end
-the chain of programmatic-dependent launches between the layers' kernels).
+the chain of programmatic-dependent launches between the layers' kernels). A dense gated MLP whose whole forward the
+gated-MLP rewrite proved (`fxrewrite.layers.gated_mlp.GATED_MLP_ATTR`), read the same way and closed by ``x = r + x``,
+folds the same five statements into ``x, r = self.norm.forward_mlp(h, r, self.mlp)``: at decode the norm runs in
+gate_up_proj's GEMV and the closing add in down_proj's epilogue.
 
 `RMSNormPattern` matches a module whose whole forward is that dataflow (float32 upcast
 optional, Gemma's ``(1 + weight)`` form as ``offset``) and replaces the module. eps is read per
 instance from the one float attribute holding the traced constant. `ResidualRMSNormPattern`
 matches, in a parent's graph, an add whose result feeds a fused `RMSNorm` child and a later
-add, and rewrites the three source statements (four or five with the MoE fold) into one fused call.
+add, and rewrites the three source statements (four or five with the MoE fold, five with the MLP fold) into one
+fused call.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from torch import nn
 
 from fxrewrite import nodes, source
 from fxrewrite.layers.fused_moe import FusedMoE
+from fxrewrite.layers.gated_mlp import GATED_MLP_ATTR
 from fxrewrite.layers.layernorm import RMSNorm
+from fxrewrite.signature import BOUND_ATTR
 from fxrewrite.patterns.base import Context, Match, Pattern, Refusal, require
 
 
@@ -136,7 +142,10 @@ class ResidualRMSNormPattern(Pattern):
     ``x, r = self.norm(e, r)`` (vLLM's fused residual add); followed by ``x = self.moe(x)`` with a `FusedMoE`
     child that alone reads x -> ``x, r = self.moe(e, norm=self.norm, residual=r)``; and when ``x = r + x`` closes
     the block (the moe output's only reader) -> ``x, r = self.moe(e, norm=self.norm, residual=r, add_residual=True)``,
-    whose x is already ``r + moe(...)``."""
+    whose x is already ``r + moe(...)``. With a proven gated MLP child instead of the `FusedMoE` (closing add
+    required) -> ``x, r = self.norm.forward_mlp(e, r, self.mlp)``.
+
+    Facts: add_residual (the closing add is folded), consumer_kind ("moe" / "mlp")."""
 
     name = "residual_rms_norm"
 
@@ -153,13 +162,17 @@ class ResidualRMSNormPattern(Pattern):
                 continue
             if isinstance(traced.module.get_submodule(norm.target), RMSNorm):
                 names, claimed = [("norm", norm.target)], {add.name, norm.name}
-                consumer, facts = _moe_consumer(traced, norm), ()
+                consumer, kind, facts = *_consumer(traced, norm), ()
+                closes = consumer is not None and _closes_with(other, add, consumer)
+                if kind == "mlp" and not closes:  # the MLP fold always takes the closing add
+                    consumer = None
                 if consumer is not None:  # in names: hooks on it refuse the match (compiler._check_instance)
                     names.append(("consumer", consumer.target))
                     claimed.add(consumer.name)
-                    if _closes_with(other, add, consumer):  # ``x = r + self.moe(...)``: the add rides along too
+                    facts = (("consumer_kind", kind),)
+                    if closes:  # ``x = r + self.moe(...)``: the add rides along too
                         claimed.add(other.name)
-                        facts = (("add_residual", True),)
+                        facts += (("add_residual", True),)
                 matches.append(Match(cls, frozenset(claimed), tuple(names), facts))
         return matches
 
@@ -189,6 +202,8 @@ class ResidualRMSNormPattern(Pattern):
                 closing = ", add_residual=True"
             norm_name = match.name("norm")
             call = f"self.{consumer}(__E__, norm=self.{norm_name}, residual={r}{closing})"
+            if match.fact("consumer_kind") == "mlp":
+                call = f"self.{norm_name}.forward_mlp(__E__, {r}, self.{consumer})"
             new = cst.parse_statement(f"{x}, {r} = {call}\n")
         new = new.deep_replace(new.body[0].value.args[0].value, e)
         total = sum(source.line_count(tree, s) for s in merged)
@@ -208,16 +223,26 @@ class ResidualRMSNormPattern(Pattern):
 
     @classmethod
     def validate(cls, match: Match, module: nn.Module, ctx: Context) -> None:
-        """The norm child is a fused `RMSNorm` on this instance (and the consumer, if any, a `FusedMoE`)."""
+        """The norm child is a fused `RMSNorm` on this instance (and the consumer, if any, a `FusedMoE`, or a gated MLP
+        proven whole with the forward fxrewrite bound)."""
         require(isinstance(getattr(module, match.name("norm"), None), RMSNorm), "norm child is not a fused RMSNorm")
         consumer = dict(match.names).get("consumer")
-        require(consumer is None or isinstance(getattr(module, consumer, None), FusedMoE),
-                f"{consumer} child is not a FusedMoE")
+        if match.fact("consumer_kind") == "mlp":
+            require(_gated_mlp(getattr(module, consumer, None)),
+                    f"{consumer} child is not a gated MLP whose whole forward was rewritten")
+        else:
+            require(consumer is None or isinstance(getattr(module, consumer, None), FusedMoE),
+                    f"{consumer} child is not a FusedMoE")
 
     @classmethod
     def build(cls, match: Match, module: nn.Module, ctx: Context) -> None:
-        """Nothing to build: the fused `RMSNorm` takes the residual already; only the source changes."""
-        return None  # the norm is already an RMSNorm; only the call changes
+        """Nothing to build: the fused `RMSNorm` takes the residual already; only the source changes. With the MLP fold,
+        the MLP's gate_up_proj is marked as called through `norm_forward` (the load-time GEMV tuner times that kind)."""
+        if match.fact("consumer_kind") == "mlp":
+            mlp = getattr(module, dict(match.names)["consumer"])
+            gate_up = getattr(mlp, mlp.__dict__[GATED_MLP_ATTR][0])
+            gate_up.gemv_prologue = "norm"
+        return None
 
     @classmethod
     def describe(cls, match: Match) -> str:
@@ -225,19 +250,31 @@ class ResidualRMSNormPattern(Pattern):
         add)."""
         consumer = dict(match.names).get("consumer")
         closing = " + residual add" if match.fact("add_residual") else ""
-        return f"residual add + {match.name('norm')}" + (f" -> {consumer} router{closing}" if consumer else "")
+        part = "gate_up" if match.fact("consumer_kind") == "mlp" else "router"
+        return f"residual add + {match.name('norm')}" + (f" -> {consumer} {part}{closing}" if consumer else "")
 
 
-def _moe_consumer(traced, norm):
-    """The call_module node of a direct `FusedMoE` child that is the norm's only reader, with the normed x as
-    its one argument; else None."""
+def _consumer(traced, norm):
+    """(node, "moe") for a direct `FusedMoE` child that is the norm's only reader, with the normed x as its one
+    argument; (node, "mlp") for such a child that is a proven gated MLP (`_gated_mlp`); else (None, None)."""
     users = list(norm.users)
     if len(users) != 1:
-        return None
+        return None, None
     user = users[0]
     if user.op != "call_module" or user.args != (norm,) or user.kwargs or "." in user.target:
-        return None
-    return user if isinstance(traced.module.get_submodule(user.target), FusedMoE) else None
+        return None, None
+    child = traced.module.get_submodule(user.target)
+    if isinstance(child, FusedMoE):
+        return user, "moe"
+    return (user, "mlp") if _gated_mlp(child) else (None, None)
+
+
+def _gated_mlp(child) -> bool:
+    """`child` is a module the gated-MLP rewrite proved whole (`GATED_MLP_ATTR`) and still runs the forward fxrewrite
+    bound to it."""
+    bound = getattr(child, "__dict__", {}).get(BOUND_ATTR)
+    return (isinstance(child, nn.Module) and GATED_MLP_ATTR in child.__dict__ and bound is not None
+            and child.__dict__.get("forward") is bound[1])
 
 
 def _closes_with(later, add, consumer) -> bool:

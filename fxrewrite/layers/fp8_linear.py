@@ -129,9 +129,12 @@ class Fp8LinearMixin:
             return super().norm_forward(x, norm, residual)
         return out.view(*x.shape[:-1], -1), (fused[2].view(x.shape) if residual is not None else x)
 
-    def silu_forward(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
-        """`RowParallelLinear.silu_forward`; above decode token counts, when the chosen GEMM reads FP8
-        activations, the SiLU-and-mul kernel writes them (`silu_and_mul_quant_fp8`)."""
+    def silu_forward(self, x: torch.Tensor, act: nn.Module, out_residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`LinearBase.silu_forward`; above decode token counts, when the chosen GEMM reads FP8
+        activations, the SiLU-and-mul kernel writes them (`silu_and_mul_quant_fp8`). out_residual: added after,
+        by torch (the FP8 kernels have no such epilogue)."""
+        if out_residual is not None:
+            return out_residual + self.silu_forward(x, act)
         form = self._input_quantization(x[..., : x.shape[-1] // 2])
         if form is None or type(act) is not SiluAndMul or x.shape[-1] != 2 * self.weight.shape[1]:
             return super().silu_forward(x, act)

@@ -13,6 +13,7 @@ from torch import nn
 from fxrewrite.kernels import compiled_serving_kernels
 from fxrewrite.kernels.rms_norm import rms_norm
 from fxrewrite.kernels.rms_norm_backward import rms_norm_train
+from fxrewrite.layers.gated_mlp import residual_norm_mlp
 
 
 class RMSNorm(nn.Module):
@@ -43,6 +44,12 @@ class RMSNorm(nn.Module):
                                                   or (residual is not None and residual.requires_grad))
         fn = rms_norm_train if needs_grad or compiled_serving_kernels(x) else rms_norm
         return fn(x, self.weight, self.variance_epsilon, residual, self.offset)
+
+    def forward_mlp(self, x: torch.Tensor, residual: torch.Tensor, mlp: nn.Module):
+        """(r + mlp(self(r)), r) with r = x + residual; x, residual [..., H]: a decoder layer's residual add, this
+        norm, its MLP and the closing residual add in one call, fused where the MLP is a proven gated MLP
+        (`fxrewrite.layers.gated_mlp.residual_norm_mlp`)."""
+        return residual_norm_mlp(self, x, residual, mlp)
 
     def _forward_no_upcast(self, x: torch.Tensor, residual: torch.Tensor | None):
         if residual is not None:

@@ -128,6 +128,48 @@ class LinearBase(nn.Module):
         out, residual = (out[0], out[1].view(x.shape)) if res2 is not None else (out, x)
         return out.view(*lead, -1), residual
 
+    def add_forward(self, x: torch.Tensor, out_residual: torch.Tensor) -> torch.Tensor:
+        """``out_residual + self(x)``: x [..., input_size_per_partition], out_residual [..., output_size] (a decoder
+        layer's closing residual add). At decode token counts, on a float weight whose output is complete on this
+        rank, the add runs in the skinny GEMV's epilogue where it was chosen (kind "linear"; rounded as the two
+        torch ops are); else torch's add."""
+        config = None
+        if self._epilogue_fits(x, out_residual):
+            config = config_for_call("linear", x, self.weight, self.bias, out_residual)
+        if config is None:
+            return out_residual + self(x)
+        k, n = x.shape[-1], self.weight.shape[0]
+        out = gemv_dispatch.run(x.reshape(-1, k), self.weight, self.bias, config, out_residual=out_residual.view(-1, n))
+        return out.view(*x.shape[:-1], n)
+
+    def _epilogue_fits(self, x: torch.Tensor, out_residual: torch.Tensor) -> bool:
+        """Whether `out_residual` can be added in the GEMV's epilogue: a float weight with the plain product, the
+        whole output on this rank (not a row-parallel partial sum), out_residual of the output's shape and x's
+        dtype, contiguous."""
+        return (self._plain_forward() and not (isinstance(self, RowParallelLinear) and self.tp_size > 1)
+                and out_residual.shape == (*x.shape[:-1], self.weight.shape[0]) and out_residual.dtype == x.dtype
+                and out_residual.is_contiguous())
+
+    def silu_forward(self, x: torch.Tensor, act: nn.Module, out_residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``self(act(x))`` for x [..., 2 * input_size_per_partition] holding [gate | up]; where the skinny GEMV
+        was chosen (kind "silu") and `act` is `SiluAndMul`, silu(gate) * up is computed inside it. With
+        out_residual [..., output_size]: ``out_residual + self(act(x))`` (`add_forward`; in the same GEMV's epilogue
+        where it runs)."""
+        scales = self._gemv_operands()
+        fusable = type(act) is SiluAndMul and scales is not None
+        config = config_for_call("silu", x, self.weight, self.bias, **(scales or {})) if fusable else None
+        if config is None or x.shape[-1] != 2 * self.weight.shape[1]:
+            h = act(x)
+            return self(h) if out_residual is None else self.add_forward(h, out_residual)
+        partial = isinstance(self, RowParallelLinear) and self.tp_size > 1
+        epilogue = out_residual is not None and self._epilogue_fits(x[..., : self.weight.shape[1]], out_residual)
+        out = gemv_dispatch.run(x.reshape(-1, x.shape[-1]), self.weight, None if partial else self.bias, config,
+                                silu_mul=True, out_residual=out_residual.view(-1, self.weight.shape[0]) if epilogue
+                                else None, **scales).view(*x.shape[:-1], -1)
+        if partial:
+            out = self._reduce(out)
+        return out if out_residual is None or epilogue else out_residual + out
+
     def _plain_forward(self) -> bool:
         """True when this layer's forward is the plain product (not an FP8 or other override)."""
         return type(self).forward in (LinearBase.forward, RowParallelLinear.forward)
@@ -272,18 +314,6 @@ class RowParallelLinear(LinearBase):
         if self.reduce_results:
             all_reduce_tp_shards(out)
         return out if self.bias is None else out + self.bias
-
-    def silu_forward(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
-        """``self(act(x))`` for x [..., 2 * input_size / tp_size] holding [gate | up]; where the skinny GEMV
-        was chosen (kind "silu") and `act` is `SiluAndMul`, silu(gate) * up is computed inside it."""
-        scales = self._gemv_operands()
-        fusable = type(act) is SiluAndMul and scales is not None
-        config = config_for_call("silu", x, self.weight, self.bias, **(scales or {})) if fusable else None
-        if config is None or x.shape[-1] != 2 * self.weight.shape[1]:
-            return self(act(x))
-        out = gemv_dispatch.run(x.reshape(-1, x.shape[-1]), self.weight, self.bias if self.tp_size == 1 else None,
-                                config, silu_mul=True, **scales).view(*x.shape[:-1], -1)
-        return out if self.tp_size == 1 else self._reduce(out)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id=None) -> None:
         """Weight: this rank's columns of a full [output_size, input_size]; bias: copied whole."""

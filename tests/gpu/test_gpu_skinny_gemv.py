@@ -105,3 +105,33 @@ def test_engine_load_tunes_its_shapes(make_llm, monkeypatch):
     make_llm(model_impl="native", dtype="bfloat16", max_num_seqs=1, compilation_config=0)
     kinds = {key.split(" ")[0] for key in gemv_dispatch.choices()}
     assert kinds == {"norm", "linear", "silu"} and all(key.endswith("@1") for key in gemv_dispatch.choices())
+
+
+@pytest.mark.parametrize("m", [1, 2, 8])
+def test_out_residual_epilogue_is_the_torch_add(cuda, m):
+    """At Qwen3-4B's down_proj shape, in bf16, every skinny config (split-K included) and the pipelined GEMV with
+    the epilogue give exactly ``out_residual + out`` of the same kernel's output (the rewritten layers' closing add)."""
+    from fxrewrite.kernels.skinny_gemv import skinny_gemv_triton
+    from fxrewrite.kernels.skinny_gemv_pipelined import PIPELINED_CONFIGS, skinny_gemv_pipelined_triton
+
+    _, n, k = projections(load_bench_config("qwen3-4b")["config"])["down_proj"]
+    w = gemv_tune.scratch_weights(n, k, cuda, torch.bfloat16)[0]
+    g = torch.Generator(device=cuda).manual_seed(m)
+    x = torch.randn(m, k, device=cuda, generator=g).bfloat16()
+    r = torch.randn(m, n, device=cuda, generator=g).bfloat16()
+    for config in configs_for(m, "linear", n):
+        assert torch.equal(skinny_gemv_triton(x, w, out_residual=r, config=config),
+                           r + skinny_gemv_triton(x, w, config=config)), config
+    if m == 1:
+        for config in PIPELINED_CONFIGS:
+            assert torch.equal(skinny_gemv_pipelined_triton(x, w, None, config, out_residual=r),
+                               r + skinny_gemv_pipelined_triton(x, w, None, config)), config
+
+
+def test_after_engine_load_tunes_the_folded_mlp(make_llm, monkeypatch):
+    """The rewritten model's folded MLP: gate_up_proj is timed as the "norm" kind it is called with."""
+    monkeypatch.setenv("FXREWRITE_GEMV", "auto")
+    llm = make_llm(model_impl="transformers", fusion=True, dtype="bfloat16", max_num_seqs=1, compilation_config=0)
+    gate_up = next(m for n, m in llm.llm_engine.model_runner.model.named_modules() if n.endswith("mlp.gate_up_proj"))
+    assert gate_up.gemv_prologue == "norm"
+    assert any(key.startswith(f"norm {gate_up.weight.shape[0]}x") for key in gemv_dispatch.choices())

@@ -166,9 +166,9 @@ def skinny_pipelined_gemv() -> dict:
     of block_k or not) and of the skinny GEMV's first one-token config: the pipelined loop's weight tiles must be
     cp.async copies into shared memory, the skinny GEMV's plain (16-byte) register loads."""
     bf16 = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16"}
-    prologue_ptrs = {"res_ptr": "*bf16", "g_ptr": "*bf16", "res_out_ptr": "*bf16"}
+    prologue_ptrs = {"res_ptr": "*bf16", "g_ptr": "*bf16", "res_out_ptr": "*bf16", "add_ptr": "*bf16"}
     out = {}
-    plain = dict(NORM=False, HAS_RES=False, SILU_MUL=False)
+    plain = dict(NORM=False, HAS_RES=False, SILU_MUL=False, ADD_OUT=False)
     for block_n, block_k, stages, warps in skinny_gemv_pipelined.PIPELINED_CONFIGS:
         for even in (True, False):
             ptx = compile_sm90(skinny_gemv_pipelined._skinny_gemv_pipelined_kernel, {**bf16, **prologue_ptrs},
@@ -176,18 +176,18 @@ def skinny_pipelined_gemv() -> dict:
                                     PDL=True, PREFETCH_LINES=16, LINE=64, **plain), floats=("eps",), num_warps=warps)
             out[f"pipelined {block_n}/{block_k}/{stages}/{warps}" + ("" if even else " masked")] = _loads(ptx)
     block_n, block_k, stages, warps = skinny_gemv_pipelined.PIPELINED_CONFIGS[0]
-    for name, flags in (("norm", dict(NORM=True, HAS_RES=True, SILU_MUL=False)),
-                        ("silu", dict(NORM=False, HAS_RES=False, SILU_MUL=True))):
+    for name, flags in (("fused-norm", dict(NORM=True, HAS_RES=True, SILU_MUL=False, ADD_OUT=False)),
+                        ("fused-silu", dict(NORM=False, HAS_RES=False, SILU_MUL=True, ADD_OUT=False)),
+                        ("epilogue-add", dict(NORM=False, HAS_RES=False, SILU_MUL=False, ADD_OUT=True))):
         ptx = compile_sm90(skinny_gemv_pipelined._skinny_gemv_pipelined_kernel, {**bf16, **prologue_ptrs},
                            dict(BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, HAS_BIAS=False, EVEN_K=True,
                                 PDL=True, PREFETCH_LINES=16, LINE=64, **flags), floats=("eps",), num_warps=warps)
-        out[f"fused-{name} {block_n}/{block_k}/{stages}/{warps}"] = _loads(ptx)
+        out[f"{name} {block_n}/{block_k}/{stages}/{warps}"] = _loads(ptx)
     block_n, block_k, warps = skinny_gemv.CONFIGS[1][0]
     ptx = compile_sm90(skinny_gemv._skinny_gemv_kernel,
-                       {**bf16, "res_ptr": "*bf16", "g_ptr": "*bf16", "res_out_ptr": "*bf16", "ws_ptr": "*fp32",
-                        "cnt_ptr": "*i32"},
-                       dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, NORM=False, HAS_RES=False, SILU_MUL=False,
-                            HAS_BIAS=False, EVEN_K=True, SPLIT_K=1, PDL=False, PREFETCH_LINES=16, LINE=64),
+                       {**bf16, **prologue_ptrs, "ws_ptr": "*fp32", "cnt_ptr": "*i32"},
+                       dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, **plain, HAS_BIAS=False, EVEN_K=True,
+                            SPLIT_K=1, PDL=False, PREFETCH_LINES=16, LINE=64),
                        floats=("eps",), num_warps=warps)
     out[f"skinny {block_n}/{block_k}/{warps}"] = _loads(ptx)
     return out

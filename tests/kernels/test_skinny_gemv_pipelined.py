@@ -338,7 +338,8 @@ def test_compiles_for_sm90_with_the_weight_loads_pipelined():
     every pipelined config's weight tiles are 16-byte cp.async copies with more than one commit group in flight and
     no register loads, where the skinny GEMV has plain 16-byte register loads and no cp.async. Built with PDL, the
     pipelined GEMV sends its first weight lines towards L2 before it waits on the previous kernel; with a prologue in
-    its loop (norm with residual, silu) the weight tiles stay cp.async copies."""
+    its loop (norm with residual, silu) the weight tiles stay cp.async copies; the residual epilogue compiles too
+    (its addend the one register load of the pipelined kernel)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-m", "tests.kernels.sm90_compile", "skinny-gemv-pipelined"], env=env,
                           capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
@@ -354,6 +355,8 @@ def test_compiles_for_sm90_with_the_weight_loads_pipelined():
     for name, v in fused.items():  # the prologue in the loop leaves the weight tiles cp.async copies
         assert v["cp_async_16B"] == pipelined[name.replace(name.split()[0], "pipelined")]["cp_async_16B"], (name, v)
         assert v["ld_global"] == 0 and v["prefetch_before_wait"] > 0, (name, v)
+    epilogue = next(v for name, v in loads.items() if name.startswith("epilogue-add"))  # the residual epilogue
+    assert epilogue["cp_async_16B"] == next(iter(pipelined.values()))["cp_async_16B"] and epilogue["ld_global"] > 0
     skinny = next(v for name, v in loads.items() if name.startswith("skinny"))
     assert skinny["cp_async"] == 0 and skinny["ld_global_v4"] > 0, skinny
 

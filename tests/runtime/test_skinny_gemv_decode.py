@@ -4,10 +4,13 @@ no cuBLAS GEMM in a batch-1 decode step), and greedy decoding gives the referenc
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
 from fxrewrite.benchmarks.count_launches import decode_step_launches
 from fxrewrite.kernels import gemv_dispatch
+from fxrewrite.layers.skinny import adopt_plain_linears
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 from fxrewrite.runtime.llm import LLM
 
@@ -30,6 +33,34 @@ def test_native_decode_fuses_norms_and_activation_into_the_gemv(tiny_model_dir, 
     assert counts["triton:_skinny_gemv_kernel"] == 4  # qkv, o, gate_up, down
     assert counts["triton:rms_norm_kernel"] == 1 and not counts["triton:_act_and_mul_kernel"]
     assert not any(counts[f"aten:{op}"] for op in ("mm", "addmm", "linear", "matmul"))
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    gemv_dispatch.clear()
+    assert got == want
+
+
+def test_rewritten_decode_folds_the_mlp_norm_and_closing_add(tiny_model_dir, interpret, monkeypatch):
+    """The rewritten transformers Qwen3 (after arm): `residual add + post_attention_layernorm -> mlp gate_up +
+    residual add` runs the norm inside gate_up_proj's GEMV and the closing add in down_proj's epilogue, so a
+    batch-1 decode step launches no fused add-norm for it and no torch add, and greedy tokens are unchanged."""
+    path = tiny_model_dir("qwen3", num_hidden_layers=2)
+    llm = LLM(str(path), model_impl="transformers", dtype="float32", kv_cache_memory_bytes=1 << 21,
+              max_model_len=128, enable_prefix_caching=False)
+    model = llm.llm_engine.model_runner.model
+    layer = next(m for m in model.modules() if type(m).__name__ == "Qwen3DecoderLayer")
+    assert "forward_mlp" in inspect.unwrap(layer.__dict__["_fxrewrite_compiled"][0]).__code__.co_names
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    prompts = [list(range(5, 20)), [7, 8, 9]]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setenv("FXREWRITE_TRITON", "1")
+    monkeypatch.setenv("FXREWRITE_GEMV", "on")
+    adopt_plain_linears(model)  # what a GPU load does (prepare_skinny_gemv): o_proj, down_proj dispatch too
+    head = next(m for n, m in model.named_modules() if n.endswith("lm_head")).weight
+    for bucket in (1, 2):
+        gemv_dispatch.record("linear", *head.shape, bucket, None)
+    counts = decode_step_launches(llm)
+    assert counts["triton:_skinny_gemv_kernel"] == 8  # qkv, o, gate_up (the norm in it), down (the add in it)
+    assert counts["triton:rms_norm_kernel"] == 3  # each layer's input norm and the final one
+    assert not counts["aten:add"] and not any(counts[f"aten:{op}"] for op in ("mm", "addmm", "linear", "matmul"))
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     gemv_dispatch.clear()
     assert got == want
