@@ -6,9 +6,9 @@ At decode token counts the norm runs inside gate_up_proj's skinny GEMV (`LinearB
 and the closing add in down_proj's epilogue (`LinearBase.silu_forward` with ``out_residual``), as the native
 decoder layers fuse them: two launches a layer fewer. That path calls the MLP's children directly, so it runs
 only where the gated-MLP rewrite proved the MLP's whole forward to be ``down(act(gate_up(x)))``
-(`GATED_MLP_ATTR`), the forward is still the one fxrewrite bound, no hook is on the MLP or its children, and
-autograd and autocast are off (training keeps the MLP's own forward, with its fused activation backward);
-otherwise the unfused ops run in the original order.
+(`GATED_MLP_ATTR`), the forward is still the one fxrewrite bound, no hook is on the norm, the MLP or its children, and
+autograd, autocast and torch.compile's tracing are off (training keeps the MLP's own forward, with its fused
+activation backward; Inductor sees the plain ops); otherwise the unfused ops run in the original order.
 """
 
 from __future__ import annotations
@@ -28,8 +28,11 @@ GATED_MLP_ATTR = "_fxrewrite_gated_mlp"
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
-def _children(mlp: nn.Module, x: torch.Tensor):
-    """(gate_up, act, down) when the fused path may replace ``mlp(...)`` for this call, else None."""
+def _children(norm: nn.Module, mlp: nn.Module, x: torch.Tensor):
+    """(gate_up, act, down) when the fused path may replace ``norm(...)`` and ``mlp(...)`` for this call, else
+    None."""
+    if torch.compiler.is_compiling():  # no skinny GEMV under compile: Inductor gets the plain ops, as before the fold
+        return None
     names = mlp.__dict__.get(GATED_MLP_ATTR)
     if names is None or torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
         return None
@@ -37,7 +40,9 @@ def _children(mlp: nn.Module, x: torch.Tensor):
     if bound is None or mlp.__dict__.get("forward") is not bound[1]:  # a forward someone else put on it since
         return None
     children = [mlp._modules.get(name) for name in names]
-    if any(c is None for c in children) or any(m.__dict__.get(h) for m in (mlp, *children) for h in _HOOKS):
+    if any(c is None for c in children) or not hasattr(children[0], "norm_forward"):  # e.g. wrapped since
+        return None
+    if any(m.__dict__.get(h) for m in (norm, mlp, *children) for h in _HOOKS):
         return None
     if _module._global_forward_hooks or _module._global_forward_pre_hooks:
         return None
@@ -50,7 +55,7 @@ def residual_norm_mlp(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor, 
     `norm` is a fused `RMSNorm` (``norm(x, residual) -> (norm(r), r)``). The gate_up / down fusions apply as the
     module docstring says, with the unfused ops' roundings (the sums in the skinny GEMV's order, as in any decode
     step it serves)."""
-    children = _children(mlp, x)
+    children = _children(norm, mlp, x)
     if children is None:
         h, residual = norm(x, residual)
         return residual + mlp(h), residual

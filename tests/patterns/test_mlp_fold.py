@@ -184,3 +184,23 @@ def test_hooks_at_optimize_time_refuse_the_fold():
     assert any("hooks" in why for _, p, why in report.skipped() if p == "residual_rms_norm"), report.skipped()
     with torch.no_grad():
         torch.testing.assert_close(model(x), ref(x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_hook_on_the_norm_added_later_runs(norm_forward_calls):
+    ref, model, _ = _optimized()
+    seen = []
+    model[0].post_attention_layernorm.register_forward_hook(lambda m, i, o: seen.append(len(o)))
+    x = torch.randn(1, 2, 8)
+    with torch.no_grad():
+        want, got = ref(x), model(x)
+    assert len(norm_forward_calls) == 1 and seen == [2]  # layer 0's norm ran as a module (out, residual)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_compiles_without_a_graph_break(norm_forward_calls):
+    ref, model, _ = _optimized()
+    x = torch.randn(1, 3, 8)
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), ref(x), rtol=1e-5, atol=1e-6)
+    assert not norm_forward_calls  # traced: the plain ops
