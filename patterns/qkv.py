@@ -19,6 +19,7 @@ from torch import nn
 from fxrewrite import nodes, source
 from fxrewrite.patterns import feature_path
 from fxrewrite.patterns import qkv_prefused as prefused
+from fxrewrite.layers.input_norm import NORMED_INPUT_ATTR
 from fxrewrite.layers.linear import QKVParallelLinear
 from fxrewrite.patterns.base import (PREFUSED_ATTR, Context, Match, Pattern, Refusal, copy_requires_grad,
                                      free_attribute, require, require_same_requires_grad)
@@ -99,9 +100,20 @@ def _already_fused(traced, ctx: Context) -> list[Match]:
     return found
 
 
+def _only_reader_input(traced, group: list[fx.Node]) -> str | None:
+    """The forward's parameter name when the three projections read a parameter of the forward and nothing else reads
+    it (shapes aside, which the trace keeps as constants), in a complete trace; else None. The decoder layer may then
+    hand the attention its un-normalised input and let qkv_proj apply the norm (`fxrewrite.patterns.input_norm`)."""
+    x = group[0].args[0]
+    if traced.partial or x.op != "placeholder" or set(x.users) != set(group) or not isinstance(x.target, str):
+        return None
+    return x.target if not x.target.startswith("*") else None
+
+
 class QKVPattern(Pattern):
     """Three plain linears reading one input -> one `QKVParallelLinear` whose output splits into q | k | v
-    (vLLM's fused QKV layout). Facts: head_size, row_partner (the linear the attention output reaches)."""
+    (vLLM's fused QKV layout). Facts: head_size, row_partner (the linear the attention output reaches), input_param
+    (the forward's parameter only the projections read: `_only_reader_input`)."""
 
     name = "qkv"
 
@@ -127,7 +139,8 @@ class QKVPattern(Pattern):
                     f"head size {head_size} does not divide q/k sizes")
             names = tuple(zip(_ROLES, (q.target, k.target, v.target)))
             partner, why = feature_path.row_partner(group, traced.module, head_size, traced.error)
-            facts = (("head_size", head_size), ("row_partner", partner), ("row_partner_why", why))
+            facts = (("head_size", head_size), ("row_partner", partner), ("row_partner_why", why),
+                     ("input_param", _only_reader_input(traced, group)))
             matches.append(Match(cls, frozenset(n.name for n in group), names, facts))
         return matches
 
@@ -206,6 +219,8 @@ class QKVPattern(Pattern):
         for role in _ROLES:
             delattr(module, match.name(role))
         setattr(module, NEW_NAME, fused)
+        if match.fact("input_param"):  # the layer's input norm may run inside qkv_proj
+            module.__dict__[NORMED_INPUT_ATTR] = (match.fact("input_param"), NEW_NAME)
 
     @classmethod
     def describe(cls, match: Match) -> str:

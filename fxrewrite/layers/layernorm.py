@@ -14,6 +14,7 @@ from fxrewrite.kernels import compiled_serving_kernels
 from fxrewrite.kernels.rms_norm import rms_norm
 from fxrewrite.kernels.rms_norm_backward import rms_norm_train
 from fxrewrite.layers.gated_mlp import residual_norm_mlp
+from fxrewrite.layers.input_norm import normed_call
 
 
 class RMSNorm(nn.Module):
@@ -50,6 +51,12 @@ class RMSNorm(nn.Module):
         norm, its MLP and the closing residual add in one call, fused where the MLP is a proven gated MLP
         (`fxrewrite.layers.gated_mlp.residual_norm_mlp`)."""
         return residual_norm_mlp(self, x, residual, mlp)
+
+    def forward_into(self, module: nn.Module, *args, **kwargs):
+        """``module(...)`` of this norm of its input (the keyword argument its QKV rewrite recorded, else the first
+        positional one): where proven, the norm runs inside the module's qkv_proj
+        (`fxrewrite.layers.input_norm.normed_call`)."""
+        return normed_call(self, module, args, kwargs)
 
     def _forward_no_upcast(self, x: torch.Tensor, residual: torch.Tensor | None):
         if residual is not None:

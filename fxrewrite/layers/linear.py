@@ -172,7 +172,7 @@ class LinearBase(nn.Module):
 
     def _plain_forward(self) -> bool:
         """True when this layer's forward is the plain product (not an FP8 or other override)."""
-        return type(self).forward in (LinearBase.forward, RowParallelLinear.forward)
+        return type(self).forward in (LinearBase.forward, RowParallelLinear.forward, QKVParallelLinear.forward)
 
     def _gemv_operands(self) -> dict | None:
         """The skinny GEMV's weight-scale arguments (`gemv_dispatch.run`: {} for a float weight, w_scale and
@@ -248,6 +248,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         _copy_checked(param.data.narrow(0, offset, size), shard)
 
 
+PENDING_NORM_ATTR = "_fxrewrite_pending_norm"
+"""Instance attribute of a `QKVParallelLinear` while `fxrewrite.layers.input_norm.normed_call` runs: the RMSNorm its
+next forward applies to its input first (`norm_forward`)."""
+
+
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections in one matmul; output per rank is [q | k | v].
 
@@ -271,6 +276,12 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.output_sizes = [self.q_size, self.kv_size, self.kv_size]
         output_size = (self.num_heads + 2 * self.num_kv_heads) * tp_size * head_size
         super().__init__(hidden_size, output_size, bias, tp_size, tp_rank, params_dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`LinearBase.forward`; while a folded input norm is pending (`PENDING_NORM_ATTR`), of that norm of x, in the
+        skinny GEMV's prologue where it was chosen (`norm_forward`)."""
+        norm = self.__dict__.pop(PENDING_NORM_ATTR, None) if PENDING_NORM_ATTR in self.__dict__ else None
+        return super().forward(x) if norm is None else self.norm_forward(x, norm)[0]
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id=None) -> None:
         """Shard "q"/"k"/"v": copy this rank's heads of that projection; None: a full [q|k|v] tensor."""

@@ -1,0 +1,73 @@
+"""A decoder layer's input RMSNorm applied inside its attention's fused QKV projection, for rewritten transformers
+layers (`fxrewrite.patterns.input_norm`): ``x = self.input_layernorm(x); x, _ = self.self_attn(hidden_states=x,
+...)`` becomes ``x, _ = self.input_layernorm.forward_into(self.self_attn, hidden_states=x, ...)``.
+
+At decode token counts the norm then runs inside qkv_proj's skinny GEMV (`LinearBase.norm_forward`, kind "norm"), as
+the native decoder layers do: one launch a layer fewer. The attention module is called with the un-normalised input
+and its qkv_proj told to normalise what it reads (`QKVParallelLinear.forward` takes the norm left for it); that is
+only right where the QKV rewrite proved the attention reads that input through the q/k/v projections alone
+(`NORMED_INPUT_ATTR`), so the fused path runs only there, while the attention and qkv_proj still run the forwards
+fxrewrite bound or built, no hook is on the norm, the attention or qkv_proj, and autograd, autocast and
+torch.compile's tracing are off. Otherwise the norm runs first, as before the rewrite.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _module
+
+from fxrewrite.layers.linear import PENDING_NORM_ATTR, QKVParallelLinear
+from fxrewrite.signature import BOUND_ATTR
+
+__all__ = ["NORMED_INPUT_ATTR", "normed_call"]
+
+NORMED_INPUT_ATTR = "_fxrewrite_normed_input"
+"""Instance attribute of an attention module whose forward reads its input only through its fused QKV projection
+(`fxrewrite.patterns.qkv`): (the input's parameter name, the QKV child's name)."""
+
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _fused_qkv(norm: nn.Module, module: nn.Module, x: torch.Tensor):
+    """The QKV child when the fused path may run for this call, else None."""
+    if torch.compiler.is_compiling() or torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
+        return None
+    spec = module.__dict__.get(NORMED_INPUT_ATTR)
+    bound = module.__dict__.get(BOUND_ATTR)
+    if spec is None or bound is None or module.__dict__.get("forward") is not bound[1]:
+        return None
+    qkv = module._modules.get(spec[1])
+    if type(qkv) is not QKVParallelLinear or "forward" in qkv.__dict__:  # FP8 / wrapped / patched: its own forward
+        return None
+    if any(m.__dict__.get(h) for m in (norm, module, qkv) for h in _HOOKS):
+        return None
+    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
+        return None
+    return qkv
+
+
+def normed_call(norm: nn.Module, module: nn.Module, args: tuple, kwargs: dict):
+    """``module(*args, **kwargs)`` with `norm` applied to its input first: the keyword argument named in
+    `NORMED_INPUT_ATTR` (or the first positional one). In the fused path the norm runs in the module's qkv_proj.
+    RuntimeError if the attention returned without its qkv_proj taking the norm (a forward the proof did not see)."""
+    spec = module.__dict__.get(NORMED_INPUT_ATTR)
+    name = spec[0] if spec is not None else "hidden_states"
+    positional = name not in kwargs
+    if positional and not args:
+        raise TypeError(f"{type(module).__name__}: no {name!r} argument to normalise")
+    x = args[0] if positional else kwargs[name]
+    qkv = _fused_qkv(norm, module, x)
+    if qkv is None:
+        if positional:
+            return module(norm(x), *args[1:], **kwargs)
+        return module(*args, **{**kwargs, name: norm(x)})
+    qkv.__dict__[PENDING_NORM_ATTR] = norm
+    try:
+        out = module(*args, **kwargs)
+    finally:
+        left = qkv.__dict__.pop(PENDING_NORM_ATTR, None)
+    if left is not None:
+        raise RuntimeError(f"{type(module).__name__}: its {spec[1]} did not run, so the input norm folded into it was "
+                           "not applied")
+    return out
