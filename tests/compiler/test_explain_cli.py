@@ -21,7 +21,9 @@ def test_explain_prints_report_and_diff(tmp_path, capsys):
     # one statement per line (the q/k/v split takes the blank line above q, so line numbers stay)
     assert "+    _fx_q, _fx_k, _fx_v = self.qkv_proj(hidden_states).split(self.qkv_proj.output_sizes, dim=-1)\n" in out
     assert "+    query_states = _fx_q.view(hidden_shape)" in out and "dim=-1); " not in out
-    assert "+    # fxrewrite: the residual add and `residual = hidden_states` are in the norm call below\n" in out
+    assert ("+    # fxrewrite: the residual add, `residual = hidden_states`, the norm and the closing add are in the mlp call "
+            "below\n") in out
+    assert "+    # fxrewrite: hidden_states = self.input_layernorm(hidden_states) is in the call below\n" in out
     # one fusion per line in the table
     (qkv_line,) = [line for line in out.splitlines() if "qkv: q_proj,k_proj,v_proj -> qkv_proj" in line]
     assert "qk_norm_rope" not in qkv_line and any(line.lstrip().startswith("qk_norm_rope: ") for line in out.splitlines())

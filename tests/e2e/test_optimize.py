@@ -9,11 +9,14 @@ from tests.e2e.tiny_models import ARCHS, tiny_model
 import fxrewrite
 from fxrewrite.weights import to_hf_names
 
-FULL = ["glu", "lm_head_loss", "qkv", "residual_rms_norm", "rms_norm", "rotary", "rotary_apply"]
+FULL = ["glu", "input_norm", "lm_head_loss", "qkv", "residual_rms_norm", "rms_norm", "rotary", "rotary_apply"]
 EXPECTED_APPLIED = {arch: FULL for arch in ARCHS}
-EXPECTED_APPLIED["phi3"] = FULL  # its pre-fused qkv_proj / gate_up_proj are proven and recorded for sharding
+# its pre-fused qkv_proj / gate_up_proj are proven and recorded for sharding; the input norm stays a call (the QKV
+# fold that proves the attention's input is read by q/k/v alone is the split-linear one)
+EXPECTED_APPLIED["phi3"] = [p for p in FULL if p != "input_norm"]
 # Qwen3's per-head q/k norms: its rotary call is fused with them (qk_norm_rope), not alone (rotary_apply)
-EXPECTED_APPLIED["qwen3"] = ["glu", "lm_head_loss", "qk_norm_rope", "qkv", "residual_rms_norm", "rms_norm", "rotary"]
+EXPECTED_APPLIED["qwen3"] = ["glu", "input_norm", "lm_head_loss", "qk_norm_rope", "qkv", "residual_rms_norm", "rms_norm",
+                             "rotary"]
 EXPECTED_PRESENT = {arch: [] for arch in ARCHS}  # Phi-3 ships qkv_proj / gate_up_proj fused: applied, proven
 
 

@@ -15,7 +15,8 @@ CASES = {
     "cohere": (T.CohereConfig, {}, ["glu", "lm_head_loss", "qkv", "rotary"], ["rotary_apply"]),
     # dynamic NTK: the rotary module's data-dependent branch stops its trace; the rest is fused
     "llama-dynamic": (T.LlamaConfig, {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
-                      ["glu", "lm_head_loss", "qkv", "residual_rms_norm", "rms_norm", "rotary_apply"], ["trace"]),
+                      ["glu", "input_norm", "lm_head_loss", "qkv", "residual_rms_norm", "rms_norm", "rotary_apply"],
+                      ["trace"]),
 }
 
 
