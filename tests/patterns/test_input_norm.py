@@ -11,6 +11,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import fxrewrite
+from tests.patterns.conftest import count_calls
 from fxrewrite.layers.input_norm import NORMED_INPUT_ATTR
 from fxrewrite.layers.linear import QKVParallelLinear
 
@@ -84,15 +85,7 @@ def _optimized(layer_cls=Layer, attn_cls=Attn):
 @pytest.fixture
 def norm_forward_calls(monkeypatch):
     """How often the fused path ran (qkv_proj's `norm_forward`)."""
-    calls = []
-    original = QKVParallelLinear.norm_forward
-
-    def spy(self, *args, **kwargs):
-        calls.append(1)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(QKVParallelLinear, "norm_forward", spy)
-    return calls
+    return count_calls(monkeypatch, QKVParallelLinear, "norm_forward")
 
 
 def _same(model, ref, x) -> None:

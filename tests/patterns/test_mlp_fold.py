@@ -13,6 +13,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import fxrewrite
+from tests.patterns.conftest import count_calls
 from fxrewrite.layers.gated_mlp import GATED_MLP_ATTR
 from fxrewrite.layers.linear import MergedColumnParallelLinear
 
@@ -93,15 +94,7 @@ def _optimized(layer_cls=Layer, mlp_cls=MLP):
 @pytest.fixture
 def norm_forward_calls(monkeypatch):
     """How often the fused path ran (it goes through gate_up_proj's `norm_forward`)."""
-    calls = []
-    original = MergedColumnParallelLinear.norm_forward
-
-    def spy(self, *args, **kwargs):
-        calls.append(1)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(MergedColumnParallelLinear, "norm_forward", spy)
-    return calls
+    return count_calls(monkeypatch, MergedColumnParallelLinear, "norm_forward")
 
 
 def test_fold_applies_and_matches(norm_forward_calls):
