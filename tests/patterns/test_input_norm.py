@@ -11,7 +11,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import fxrewrite
-from tests.patterns.conftest import count_calls
+from tests.patterns.conftest import assert_same_gradients, count_calls
 from fxrewrite.layers.input_norm import NORMED_INPUT_ATTR
 from fxrewrite.layers.linear import QKVParallelLinear
 
@@ -106,18 +106,8 @@ def test_fold_applies_and_matches(norm_forward_calls, layer_cls):
 
 def test_training_normalises_first_and_matches_gradients(norm_forward_calls):
     ref, model, _ = _optimized()
-    x = torch.randn(2, 5, 8)
-    ref(x).square().mean().backward()
-    model(x).square().mean().backward()
+    assert_same_gradients(ref, model, torch.randn(2, 5, 8), "qkv_proj", ("q_proj", "k_proj", "v_proj"))
     assert not norm_forward_calls
-    grads = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        if "qkv_proj" in name:
-            i, kind = name.split(".")[0], name.rsplit(".", 1)[1]
-            want = torch.cat([grads[f"{i}.self_attn.{r}_proj.{kind}"].grad for r in "qkv"])
-        else:
-            want = grads[name].grad
-        torch.testing.assert_close(p.grad, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("where", ["norm", "attention", "qkv_proj"])

@@ -13,7 +13,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import fxrewrite
-from tests.patterns.conftest import count_calls
+from tests.patterns.conftest import assert_same_gradients, count_calls
 from fxrewrite.layers.gated_mlp import GATED_MLP_ATTR
 from fxrewrite.layers.linear import MergedColumnParallelLinear
 
@@ -112,18 +112,8 @@ def test_fold_applies_and_matches(norm_forward_calls):
 
 def test_training_takes_the_mlp_forward_and_matches_gradients(norm_forward_calls):
     ref, model, _ = _optimized()
-    x = torch.randn(2, 5, 8)
-    ref(x).square().mean().backward()
-    model(x).square().mean().backward()
+    assert_same_gradients(ref, model, torch.randn(2, 5, 8), "gate_up_proj", ("gate_proj", "up_proj"))
     assert not norm_forward_calls
-    grads = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        if "gate_up_proj" in name:
-            i = name.split(".")[0]
-            want = torch.cat([grads[f"{i}.mlp.gate_proj.weight"].grad, grads[f"{i}.mlp.up_proj.weight"].grad])
-        else:
-            want = grads[name].grad
-        torch.testing.assert_close(p.grad, want, rtol=1e-5, atol=1e-6)
 
 
 def test_a_hook_added_later_takes_the_unfused_path(norm_forward_calls):
