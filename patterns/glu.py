@@ -100,8 +100,10 @@ def _already_fused(traced) -> list[Match]:
 def _whole_forward(traced, gate, up, act, mul, partner: str | None) -> bool:
     """Whether the class's forward is exactly ``return down(act(gate(x)) * up(x))``: by dataflow (no node but the
     input, the four matched ones, the down call and the output; the output is the down call's result) and by source
-    (its body, a docstring aside, is ``return ...`` or ``v = ...; return v``: no statement the trace cannot see).
-    The decoder-layer fold (`fxrewrite.layers.gated_mlp`) may then call the children in place of the forward."""
+    (its body, a docstring aside, is ``return E`` or ``v = E; return v``, and E is ``self.<down>(...)`` of nothing
+    but calls of the matched children or of the activation function, products and x: no statement, branch or
+    other call the trace cannot see). The decoder-layer fold (`fxrewrite.layers.gated_mlp`) may then call the
+    children in place of the forward."""
     users = list(mul.users)
     down = users[0] if len(users) == 1 else None
     if partner is None or down is None or down.op != "call_module" or down.target != partner or down.args != (mul,) \
@@ -118,13 +120,52 @@ def _whole_forward(traced, gate, up, act, mul, partner: str | None) -> bool:
         return False
     if body and _is_docstring(body[0]):
         body = body[1:]
-    if len(body) == 1:
-        return _single(body[0], cst.Return)
-    if len(body) != 2 or not (_single(body[0], cst.Assign) and _single(body[1], cst.Return)):
+    if len(body) == 1 and _single(body[0], cst.Return):
+        value = body[0].body[0].value
+    elif len(body) == 2 and _single(body[0], cst.Assign) and _single(body[1], cst.Return):
+        assign, ret = body[0].body[0], body[1].body[0]
+        if not (len(assign.targets) == 1 and isinstance(assign.targets[0].target, cst.Name)
+                and isinstance(ret.value, cst.Name) and ret.value.value == assign.targets[0].target.value):
+            return False
+        value = assign.value
+    else:
         return False
-    assign, ret = body[0].body[0], body[1].body[0]
-    return (len(assign.targets) == 1 and isinstance(assign.targets[0].target, cst.Name)
-            and isinstance(ret.value, cst.Name) and ret.value.value == assign.targets[0].target.value)
+    children = {gate.target, up.target, partner} | ({act.target} if act.op == "call_module" else set())
+    return (isinstance(value, cst.Call) and source.self_attribute(value.func) == partner
+            and _glu_expression(value, children, x.target))
+
+
+_ACT_FUNCTIONS = {f"{prefix}{name}" for prefix in ("F.", "nn.functional.", "torch.nn.functional.")
+                  for name in ("silu", "gelu")}
+
+
+def _glu_expression(expr, children: set, x: str) -> bool:
+    """`expr` is built only of x, products, calls of ``self.<child>`` for the given children, and calls of
+    silu / gelu (``F.``, ``nn.functional.``, ``torch.nn.functional.``; string keyword arguments, as gelu's
+    ``approximate``): no conditional, attribute read, subscript or other call."""
+    if isinstance(expr, cst.Name):
+        return expr.value == x
+    if isinstance(expr, cst.BinaryOperation):
+        return (isinstance(expr.operator, cst.Multiply) and _glu_expression(expr.left, children, x)
+                and _glu_expression(expr.right, children, x))
+    if not isinstance(expr, cst.Call) or any(a.star for a in expr.args):
+        return False
+    if source.self_attribute(expr.func) in children:
+        return all(a.keyword is None and _glu_expression(a.value, children, x) for a in expr.args)
+    if _dotted(expr.func) in _ACT_FUNCTIONS:
+        return all(_glu_expression(a.value, children, x) if a.keyword is None else isinstance(a.value, cst.SimpleString)
+                   for a in expr.args)
+    return False
+
+
+def _dotted(expr) -> str | None:
+    """"a.b.c" for the expression ``a.b.c``, else None."""
+    if isinstance(expr, cst.Name):
+        return expr.value
+    if isinstance(expr, cst.Attribute):
+        head = _dotted(expr.value)
+        return None if head is None else f"{head}.{expr.attr.value}"
+    return None
 
 
 def _single(stmt, kind) -> bool:

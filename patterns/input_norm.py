@@ -5,8 +5,10 @@ hidden_states=x, ...)``, so that at decode the norm runs inside qkv_proj's skinn
 
 Found by dataflow: a fused `RMSNorm` child applied to the layer's input (a forward parameter, so no residual add
 feeds it: that form is `ResidualRMSNormPattern`'s), whose result only an attention child reads, once, as the argument
-the QKV rewrite proved only its q/k/v projections read (`NORMED_INPUT_ATTR`). Source: the norm statement rebinds its
-own input's name and the attention call is the next statement.
+of the parameter the QKV rewrite proved only its q/k/v projections read (`NORMED_INPUT_ATTR`: by keyword, or first
+when it is the first parameter). Source: the norm statement rebinds its own input's name x, the attention call is the
+next statement, reads x once (as that argument) and its statement rebinds x, so no later read, on any path, sees the
+un-normalised value the rewritten code leaves in x before the call.
 """
 
 from __future__ import annotations
@@ -64,11 +66,13 @@ class InputNormPattern(Pattern):
             child = root.get_submodule(attn.target)
             if not _proven_attention(child):
                 continue
-            param = child.__dict__[NORMED_INPUT_ATTR][0]
-            if attn.kwargs.get(param) is not norm and not (attn.args[:1] == (norm,) and param not in attn.kwargs):
+            param, _, position = child.__dict__[NORMED_INPUT_ATTR]
+            first = position == 0 and attn.args[:1] == (norm,) and param not in attn.kwargs
+            if attn.kwargs.get(param) is not norm and not first:  # the normed x must be that parameter's argument
                 continue
             names = (("norm", norm.target), ("consumer", attn.target))
-            matches.append(Match(cls, frozenset({norm.name}), names, (("input_param", param),)))
+            matches.append(Match(cls, frozenset({norm.name}), names, (("input_param", param),
+                                                                     ("input_position", position))))
         return matches
 
     @classmethod
@@ -87,11 +91,18 @@ class InputNormPattern(Pattern):
                 f"self.{attn_name}(...) is not the statement after self.{norm_name}(...)")
         x = _rebinding(norm_stmt, norm_call)
         require(x is not None, f"the norm statement is not `x = self.{norm_name}(x)`")
+        # after the rewrite x holds the un-normalised value: only the call may read it, once, and the call's statement
+        # must rebind it (a later read, even on a path the trace did not take, then sees what it saw before)
+        require(len(attn_stmt.body) == 1 and isinstance(attn_stmt.body[0], cst.Assign)
+                and attn_stmt.body[0].value is attn_call and x in source.assigned_names(attn_stmt),
+                f"the statement of self.{attn_name}(...) does not assign {x} from the call")
         given = [a for a in attn_call.args if (a.keyword.value if a.keyword else None) == param]
-        first = attn_call.args[0] if attn_call.args and attn_call.args[0].keyword is None else None
-        arg = given[0] if given else first
+        positional = match.fact("input_position") == 0 and attn_call.args and attn_call.args[0].keyword is None
+        arg = given[0] if given else (attn_call.args[0] if positional else None)
         require(arg is not None and not arg.star and isinstance(arg.value, cst.Name) and arg.value.value == x,
                 f"self.{attn_name}(...) does not take {x} as {param}")
+        reads = [n for a in attn_call.args for n in _names_in(a.value)]
+        require(reads.count(x) == 1, f"self.{attn_name}(...) reads {x} more than once")
         head = cst.Arg(cst.parse_expression(f"self.{attn_name}"),
                        comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
         new_call = attn_call.with_changes(func=cst.parse_expression(f"self.{norm_name}.forward_into"),
@@ -107,7 +118,8 @@ class InputNormPattern(Pattern):
         instance."""
         require(isinstance(getattr(module, match.name("norm"), None), RMSNorm), "norm child is not a fused RMSNorm")
         attn = getattr(module, match.name("consumer"), None)
-        require(_proven_attention(attn) and attn.__dict__[NORMED_INPUT_ATTR][0] == match.fact("input_param"),
+        spec = attn.__dict__.get(NORMED_INPUT_ATTR) if _proven_attention(attn) else None
+        require(spec is not None and (spec[0], spec[2]) == (match.fact("input_param"), match.fact("input_position")),
                 f"{match.name('consumer')} does not read its input through its qkv_proj alone on this instance")
 
     @classmethod
@@ -121,6 +133,18 @@ class InputNormPattern(Pattern):
     def describe(cls, match: Match) -> str:
         """``input_layernorm -> self_attn qkv_proj``."""
         return f"{match.name('norm')} -> {match.name('consumer')} qkv_proj"
+
+
+def _names_in(expr) -> list[str]:
+    """Every `Name` read in `expr` (with repeats)."""
+    found = []
+
+    class V(cst.CSTVisitor):
+        def visit_Name(self, node):
+            found.append(node.value)
+
+    expr.visit(V())
+    return found
 
 
 def _rebinding(stmt, call) -> str | None:

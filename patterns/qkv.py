@@ -100,14 +100,18 @@ def _already_fused(traced, ctx: Context) -> list[Match]:
     return found
 
 
-def _only_reader_input(traced, group: list[fx.Node]) -> str | None:
-    """The forward's parameter name when the three projections read a parameter of the forward and nothing else reads
-    it (shapes aside, which the trace keeps as constants), in a complete trace; else None. The decoder layer may then
-    hand the attention its un-normalised input and let qkv_proj apply the norm (`fxrewrite.patterns.input_norm`)."""
+def _only_reader_input(traced, group: list[fx.Node]) -> tuple[str, int] | None:
+    """(name, position) of the forward's parameter when the three projections read it and nothing else does (shapes
+    aside, which the trace keeps as constants), in a complete trace; else None. Position: its index among the
+    forward's parameters after self. The decoder layer may then hand the attention its un-normalised input and let
+    qkv_proj apply the norm (`fxrewrite.patterns.input_norm`)."""
     x = group[0].args[0]
     if traced.partial or x.op != "placeholder" or set(x.users) != set(group) or not isinstance(x.target, str):
         return None
-    return x.target if not x.target.startswith("*") else None
+    if x.target.startswith("*"):
+        return None
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    return x.target, placeholders.index(x)
 
 
 class QKVPattern(Pattern):
@@ -220,7 +224,8 @@ class QKVPattern(Pattern):
             delattr(module, match.name(role))
         setattr(module, NEW_NAME, fused)
         if match.fact("input_param"):  # the layer's input norm may run inside qkv_proj
-            module.__dict__[NORMED_INPUT_ATTR] = (match.fact("input_param"), NEW_NAME)
+            name, position = match.fact("input_param")
+            module.__dict__[NORMED_INPUT_ATTR] = (name, NEW_NAME, position)
 
     @classmethod
     def describe(cls, match: Match) -> str:

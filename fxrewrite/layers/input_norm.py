@@ -24,7 +24,7 @@ __all__ = ["NORMED_INPUT_ATTR", "normed_call"]
 
 NORMED_INPUT_ATTR = "_fxrewrite_normed_input"
 """Instance attribute of an attention module whose forward reads its input only through its fused QKV projection
-(`fxrewrite.patterns.qkv`): (the input's parameter name, the QKV child's name)."""
+(`fxrewrite.patterns.qkv`): (the input's parameter name, the QKV child's name, the parameter's position after self)."""
 
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
@@ -49,13 +49,17 @@ def _fused_qkv(norm: nn.Module, module: nn.Module, x: torch.Tensor):
 
 def normed_call(norm: nn.Module, module: nn.Module, args: tuple, kwargs: dict):
     """``module(*args, **kwargs)`` with `norm` applied to its input first: the keyword argument named in
-    `NORMED_INPUT_ATTR` (or the first positional one). In the fused path the norm runs in the module's qkv_proj.
-    RuntimeError if the attention returned without its qkv_proj taking the norm (a forward the proof did not see)."""
+    `NORMED_INPUT_ATTR`, or the first positional one when that parameter is the first. In the fused path the norm runs
+    in the module's qkv_proj. TypeError when the call does not pass that parameter so; RuntimeError if the attention
+    returned without its qkv_proj taking the norm (a forward the proof did not see)."""
     spec = module.__dict__.get(NORMED_INPUT_ATTR)
-    name = spec[0] if spec is not None else "hidden_states"
+    if spec is None:
+        raise TypeError(f"{type(module).__name__} has no proven input for a folded norm ({NORMED_INPUT_ATTR})")
+    name, _, position = spec
     positional = name not in kwargs
-    if positional and not args:
-        raise TypeError(f"{type(module).__name__}: no {name!r} argument to normalise")
+    if positional and (position != 0 or not args):
+        raise TypeError(f"{type(module).__name__}: the call passes no {name!r} argument (by keyword, or first) to "
+                        "normalise")
     x = args[0] if positional else kwargs[name]
     qkv = _fused_qkv(norm, module, x)
     if qkv is None:

@@ -61,6 +61,34 @@ class PositionalLayer(Layer):
         return residual + hidden_states
 
 
+class SecondParamAttn(Attn):
+    def forward(self, gate_in, hidden_states):  # q/k/v read the second parameter
+        shape = hidden_states.shape[:-1]
+        q = self.q_proj(hidden_states).view(*shape, -1, 4)
+        k = self.k_proj(hidden_states).view(*shape, -1, 4).repeat_interleave(2, -2)
+        v = self.v_proj(hidden_states).view(*shape, -1, 4).repeat_interleave(2, -2)
+        out = ((q * k).sum(-1, keepdim=True).sigmoid() * v).reshape(*shape, -1)
+        return self.o_proj(out) * torch.sigmoid(gate_in), None
+
+
+class FirstPositionalLayer(Layer):
+    def forward(self, hidden_states):
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _ = self.self_attn(hidden_states, residual)  # the normed x goes to gate_in, not q/k/v
+        return residual + hidden_states
+
+
+class BranchReadLayer(Layer):
+    def forward(self, hidden_states):
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        out, _ = self.self_attn(hidden_states=hidden_states)
+        if self.training:  # a read of the normed x on a path the (eval) trace did not take
+            out = out + hidden_states
+        return residual + out
+
+
 class TwoReadersLayer(Layer):
     def forward(self, hidden_states):
         residual = hidden_states
@@ -98,7 +126,7 @@ def test_fold_applies_and_matches(norm_forward_calls, layer_cls):
     ref, model, report = _optimized(layer_cls)
     assert "input_norm: input_layernorm -> self_attn qkv_proj" in str(report)
     assert "self.input_layernorm.forward_into(" in report.diff()
-    assert model[0].self_attn.__dict__[NORMED_INPUT_ATTR] == ("hidden_states", "qkv_proj")
+    assert model[0].self_attn.__dict__[NORMED_INPUT_ATTR] == ("hidden_states", "qkv_proj", 0)
     assert model[0].self_attn.qkv_proj.gemv_prologue == "norm"
     _same(model, ref, torch.randn(2, 5, 8))
     assert len(norm_forward_calls) == 2  # one per layer: the fused path ran
@@ -129,13 +157,18 @@ def test_a_replaced_qkv_forward_runs_on_the_normed_input(norm_forward_calls):
     assert len(norm_forward_calls) == 1
 
 
-@pytest.mark.parametrize("layer_cls, attn_cls", [(Layer, GatedAttn), (TwoReadersLayer, Attn)],
-                         ids=["input-read-beside-qkv", "norm-read-twice"])
+@pytest.mark.parametrize("layer_cls, attn_cls", [(Layer, GatedAttn), (TwoReadersLayer, Attn),
+                                                 (FirstPositionalLayer, SecondParamAttn), (BranchReadLayer, Attn)],
+                         ids=["input-read-beside-qkv", "norm-read-twice", "positional-to-another-param",
+                              "read-in-an-untraced-branch"])
 def test_not_proven_keeps_the_norm_call(layer_cls, attn_cls):
     ref, model, report = _optimized(layer_cls, attn_cls)
     assert "qkv" in report.applied_patterns() and "input_norm" not in report.applied_patterns()
     assert "forward_into" not in report.diff()
     _same(model, ref, torch.randn(2, 3, 8))
+    ref.train(), model.train()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x := torch.randn(2, 3, 8)), ref(x), rtol=1e-5, atol=1e-6)
 
 
 def test_compiles_without_a_graph_break(norm_forward_calls):

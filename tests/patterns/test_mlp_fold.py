@@ -45,6 +45,13 @@ class ScaledMLP(MLP):
         return 0.5 * self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
+class SwitchedMLP(MLP):
+    enabled = True
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x)) if self.enabled else torch.zeros_like(x)
+
+
 class Layer(nn.Module):
     def __init__(self, mlp):
         super().__init__()
@@ -139,7 +146,8 @@ def test_a_forward_replaced_later_takes_the_unfused_path(norm_forward_calls):
     torch.testing.assert_close(got, residual)
 
 
-@pytest.mark.parametrize("mlp_cls", [LoggingMLP, ScaledMLP], ids=["unseen-statement", "scaled-output"])
+@pytest.mark.parametrize("mlp_cls", [LoggingMLP, ScaledMLP, SwitchedMLP],
+                         ids=["unseen-statement", "scaled-output", "branch-in-the-return"])
 def test_mlp_not_proven_whole_keeps_its_call(mlp_cls):
     ref, model, report = _optimized(mlp_cls=mlp_cls)
     assert "glu" in report.applied_patterns() and "forward_mlp" not in report.diff()
