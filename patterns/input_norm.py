@@ -18,18 +18,16 @@ import torch.fx as fx
 from torch import nn
 
 from fxrewrite import source
+from fxrewrite.layers.fold_guard import runs_bound_forward
 from fxrewrite.layers.input_norm import NORMED_INPUT_ATTR
 from fxrewrite.layers.layernorm import RMSNorm
 from fxrewrite.patterns.base import Context, Match, Pattern, require
-from fxrewrite.signature import BOUND_ATTR
 
 
 def _proven_attention(child) -> bool:
     """`child` reads its input only through its fused QKV projection (`NORMED_INPUT_ATTR`) and still runs the forward
     fxrewrite bound to it."""
-    bound = getattr(child, "__dict__", {}).get(BOUND_ATTR)
-    return (isinstance(child, nn.Module) and NORMED_INPUT_ATTR in child.__dict__ and bound is not None
-            and child.__dict__.get("forward") is bound[1])
+    return isinstance(child, nn.Module) and NORMED_INPUT_ATTR in child.__dict__ and runs_bound_forward(child)
 
 
 def _uses(node, target) -> int:
@@ -46,7 +44,8 @@ def _uses(node, target) -> int:
 
 class InputNormPattern(Pattern):
     """``x = self.norm(x); ... = self.attn(..., hidden_states=x, ...)`` -> ``... = self.norm.forward_into(self.attn,
-    ..., hidden_states=x, ...)``. Facts: input_param (the attention's parameter that gets x)."""
+    ..., hidden_states=x, ...)``. Facts: input_param (the attention's parameter that gets x), input_position (its
+    position after self)."""
 
     name = "input_norm"
 

@@ -27,9 +27,9 @@ from torch import nn
 
 from fxrewrite import nodes, source
 from fxrewrite.layers.fused_moe import FusedMoE
+from fxrewrite.layers.fold_guard import runs_bound_forward
 from fxrewrite.layers.gated_mlp import GATED_MLP_ATTR
 from fxrewrite.layers.layernorm import RMSNorm
-from fxrewrite.signature import BOUND_ATTR
 from fxrewrite.patterns.base import Context, Match, Pattern, Refusal, require
 
 
@@ -272,9 +272,7 @@ def _consumer(traced, norm):
 def _gated_mlp(child) -> bool:
     """`child` is a module the gated-MLP rewrite proved whole (`GATED_MLP_ATTR`) and still runs the forward fxrewrite
     bound to it."""
-    bound = getattr(child, "__dict__", {}).get(BOUND_ATTR)
-    return (isinstance(child, nn.Module) and GATED_MLP_ATTR in child.__dict__ and bound is not None
-            and child.__dict__.get("forward") is bound[1])
+    return isinstance(child, nn.Module) and GATED_MLP_ATTR in child.__dict__ and runs_bound_forward(child)
 
 
 def _closes_with(later, add, consumer) -> bool:

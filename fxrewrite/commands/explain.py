@@ -7,13 +7,14 @@ this is fast even for large models; rotary buffers are real, as in the serving e
 from __future__ import annotations
 
 import argparse
-import json
+
+from fxrewrite.commands.engine_args import parse_hf_overrides
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None,
                         help="model folder, hub id or .gguf file (default: the built-in default model)")
-    parser.add_argument("--hf-overrides", type=json.loads, default=None,
+    parser.add_argument("--hf-overrides", type=parse_hf_overrides, default=None,
                         help='JSON dict applied to the config, e.g. \'{"rope_parameters": {...}}\'')
     parser.add_argument("--no-diff", action="store_true", help="print the report table only")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow custom modeling code")

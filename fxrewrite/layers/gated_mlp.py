@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn.modules import module as _module
 
-from fxrewrite.signature import BOUND_ATTR
+from fxrewrite.layers.fold_guard import fused_call_allowed, runs_bound_forward, unhooked
 
 __all__ = ["GATED_MLP_ATTR", "residual_norm_mlp"]
 
@@ -25,28 +24,16 @@ GATED_MLP_ATTR = "_fxrewrite_gated_mlp"
 """Instance attribute of a module whose forward the gated-MLP rewrite proved to be exactly
 ``down(act(gate_up(x)))``: the names (gate_up, act, down) of those children (`fxrewrite.patterns.glu`)."""
 
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-
-
 def _children(norm: nn.Module, mlp: nn.Module, x: torch.Tensor):
     """(gate_up, act, down) when the fused path may replace ``norm(...)`` and ``mlp(...)`` for this call, else
     None."""
-    if torch.compiler.is_compiling():  # no skinny GEMV under compile: Inductor gets the plain ops, as before the fold
-        return None
     names = mlp.__dict__.get(GATED_MLP_ATTR)
-    if names is None or torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
-        return None
-    bound = mlp.__dict__.get(BOUND_ATTR)
-    if bound is None or mlp.__dict__.get("forward") is not bound[1]:  # a forward someone else put on it since
+    if names is None or not fused_call_allowed(x) or not runs_bound_forward(mlp):
         return None
     children = [mlp._modules.get(name) for name in names]
     if any(c is None for c in children) or not hasattr(children[0], "norm_forward"):  # e.g. wrapped since
         return None
-    if any(m.__dict__.get(h) for m in (norm, mlp, *children) for h in _HOOKS):
-        return None
-    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
-        return None
-    return children
+    return children if unhooked(norm, mlp, *children) else None
 
 
 def residual_norm_mlp(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor, mlp: nn.Module):

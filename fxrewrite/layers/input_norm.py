@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn.modules import module as _module
 
+from fxrewrite.layers.fold_guard import fused_call_allowed, runs_bound_forward, unhooked
 from fxrewrite.layers.linear import PENDING_NORM_ATTR, QKVParallelLinear
-from fxrewrite.signature import BOUND_ATTR
 
 __all__ = ["NORMED_INPUT_ATTR", "normed_call"]
 
@@ -26,25 +25,15 @@ NORMED_INPUT_ATTR = "_fxrewrite_normed_input"
 """Instance attribute of an attention module whose forward reads its input only through its fused QKV projection
 (`fxrewrite.patterns.qkv`): (the input's parameter name, the QKV child's name, the parameter's position after self)."""
 
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-
-
 def _fused_qkv(norm: nn.Module, module: nn.Module, x: torch.Tensor):
     """The QKV child when the fused path may run for this call, else None."""
-    if torch.compiler.is_compiling() or torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
-        return None
     spec = module.__dict__.get(NORMED_INPUT_ATTR)
-    bound = module.__dict__.get(BOUND_ATTR)
-    if spec is None or bound is None or module.__dict__.get("forward") is not bound[1]:
+    if spec is None or not fused_call_allowed(x) or not runs_bound_forward(module):
         return None
     qkv = module._modules.get(spec[1])
     if type(qkv) is not QKVParallelLinear or "forward" in qkv.__dict__:  # FP8 / wrapped / patched: its own forward
         return None
-    if any(m.__dict__.get(h) for m in (norm, module, qkv) for h in _HOOKS):
-        return None
-    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
-        return None
-    return qkv
+    return qkv if unhooked(norm, module, qkv) else None
 
 
 def normed_call(norm: nn.Module, module: nn.Module, args: tuple, kwargs: dict):

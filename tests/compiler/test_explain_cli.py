@@ -3,6 +3,8 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 from fxrewrite.cli import main
 
 from tests.e2e.tiny_models import tiny_model  # noqa: E402
@@ -79,3 +81,11 @@ def test_explain_defaults_to_the_built_in_model(default_model_dir, capsys):
     assert "default: the built-in default model" in " ".join(help_text.split())
     assert main(["explain", "--no-diff"]) == 0
     assert "LlamaAttention" in capsys.readouterr().out
+
+
+def test_explain_bad_hf_overrides_name_the_value_and_what_was_expected(tmp_path, capsys):
+    for value, said in (("not json", "not valid JSON"), ("[1, 2]", "expected a JSON object")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["explain", str(tmp_path), "--hf-overrides", value])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and said in err and repr(value) in err, err
