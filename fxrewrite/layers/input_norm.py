@@ -25,6 +25,7 @@ NORMED_INPUT_ATTR = "_fxrewrite_normed_input"
 """Instance attribute of an attention module whose forward reads its input only through its fused QKV projection
 (`fxrewrite.patterns.qkv`): (the input's parameter name, the QKV child's name, the parameter's position after self)."""
 
+
 def _fused_qkv(norm: nn.Module, module: nn.Module, x: torch.Tensor):
     """The QKV child when the fused path may run for this call, else None."""
     spec = module.__dict__.get(NORMED_INPUT_ATTR)
