@@ -91,7 +91,7 @@ class QKNormRotaryEmb(nn.Module):
                 and all(w.dtype == q.dtype and w.shape == (q.shape[-1],) for w in weights))
 
     def _kernel(self, q, k, cos, sin, q_norm, k_norm, value=None):
-        positions, cache = packed_cos_sin(cos, sin)
+        positions, cache, settled = packed_cos_sin(cos, sin)
         if not self.inplace:
             q, k = q.clone(), k.clone()
         tokens_q, tokens_k = q[0].transpose(0, 1), k[0].transpose(0, 1)  # [S, H, D] views
@@ -100,7 +100,10 @@ class QKNormRotaryEmb(nn.Module):
         if target is None:
             qk_norm_rope_triton(positions, tokens_q, tokens_k, *norm_rope)
         else:  # one launch fewer per layer: k and v go to the paged cache from the norm-rope kernel
-            qk_norm_rope_cache_triton(positions, tokens_q, tokens_k, value[0].transpose(0, 1), *norm_rope, *target)
+            # settled: the kernel may read positions and the table before it waits on the previous one (as the
+            # native model's; the slot mapping and norm weights are the step's metadata and constants)
+            qk_norm_rope_cache_triton(positions, tokens_q, tokens_k, value[0].transpose(0, 1), *norm_rope, *target,
+                                      static_metadata=settled)
             mark_kv_written(self.layer_idx, k, value)
         return q, k
 

@@ -59,7 +59,7 @@ def _needs_grad(q, k) -> bool:
 
 def _rotary_kernel_qk(q, k, cos, sin):
     """q [1, Hq, S, D], k [1, Hk, S, D], cos/sin [1, S, rotary_dim] (neox: each half repeated) -> new q, k."""
-    positions, cache = packed_cos_sin(cos, sin)
+    positions, cache, _ = packed_cos_sin(cos, sin)
     q_out, k_out = q.clone(), k.clone()  # the kernel rotates in place; the callers' q and k stay as they were
     rotary_embedding_triton(positions, q_out[0].transpose(0, 1), k_out[0].transpose(0, 1), q.shape[-1], cache, True)
     return q_out, k_out

@@ -50,10 +50,12 @@ def kernel_applies(q, k, cos, unsqueeze_dim: int) -> bool:
 _packed: tuple = ()  # (weakref cos, weakref sin, cos._version, sin._version, positions, cache) of the last call
 
 
-def packed_cos_sin(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [1, S, rotary_dim] (neox: each half repeated) -> (positions [S] int, cache [N, rotary_dim]),
+def packed_cos_sin(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """cos/sin [1, S, rotary_dim] (neox: each half repeated) -> (positions [S] int, cache [N, rotary_dim], settled),
     cache row positions[s] = token s's cos half | sin half, the rotary kernels' table: the rotary module's
     own table when it noted cos/sin (`remember_cos_sin`), else cos / sin packed (N = S, positions 0..S-1).
+    settled: nothing was launched to make positions or cache in this call, so the kernel launched just before
+    the caller's did not write them (what `fxrewrite.kernels.pdl.early_loads` asks of a kernel's inputs).
 
     Every decoder layer of one forward gets the same cos/sin tensors, so the table is built once per forward
     and reused while those tensors live unchanged (two launches per layer fewer in a decode step); not under
@@ -62,20 +64,21 @@ def packed_cos_sin(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, 
     global _packed
     versions = (_version(cos), _version(sin))
     if _packed and _packed[0]() is cos and _packed[1]() is sin and _packed[2:4] == versions:
-        return _packed[4], _packed[5]
+        return _packed[4], _packed[5], True
     half = cos.shape[-1] // 2
     cache = torch.cat((cos[0, :, :half], sin[0, :, :half]), dim=-1)
     positions = torch.arange(cache.shape[0], device=cos.device)
     if not torch.compiler.is_compiling():  # the table dies with cos (it may live in a CUDA graph's pool)
         _packed = (weakref.ref(cos, _forget), weakref.ref(sin), *versions, positions, cache)
-    return positions, cache
+    return positions, cache, False
 
 
 def remember_cos_sin(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> None:
     """Note that cos/sin [1, S, rotary_dim] (neox) are rows `positions` [S] of the rotary kernels' `table`
     [max_position, rotary_dim] (cos half | sin half, cos's dtype), as a rotary module computed them: while
-    they live unchanged, `packed_cos_sin` returns (positions, table) and builds nothing (the native models'
-    launches: the kernels read the table at the positions)."""
+    they live unchanged, `packed_cos_sin` returns (positions, table, True) and builds nothing (the native models'
+    launches: the kernels read the table at the positions). The caller has launched the gather of cos / sin from
+    `table` at `positions` after whatever wrote them, so neither was written by the kernel launched last."""
     global _packed
     if not torch.compiler.is_compiling():
         _packed = (weakref.ref(cos, _forget), weakref.ref(sin), _version(cos), _version(sin), positions, table)

@@ -113,10 +113,11 @@ def test_packed_cos_sin_is_built_once_per_forward_and_never_stale():
     from fxrewrite.patterns.rotary_calls import packed_cos_sin
 
     cos, sin = torch.randn(1, 5, 8), torch.randn(1, 5, 8)
-    positions, cache = packed_cos_sin(cos, sin)
+    positions, cache, settled = packed_cos_sin(cos, sin)
     torch.testing.assert_close(cache, torch.cat((cos[0, :, :4], sin[0, :, :4]), dim=-1))
-    assert torch.equal(positions, torch.arange(5))
-    assert packed_cos_sin(cos, sin)[1] is cache  # the next layer of the same forward reuses the table
+    assert torch.equal(positions, torch.arange(5)) and not settled  # built by this call's launches
+    _, again, settled = packed_cos_sin(cos, sin)
+    assert again is cache and settled  # the next layer of the same forward reuses the table, launching nothing
     cos.mul_(2)  # changed in place: rebuilt
     torch.testing.assert_close(packed_cos_sin(cos, sin)[1][:, :4], cos[0, :, :4])
     other = cos.clone()  # another forward's tensors: rebuilt

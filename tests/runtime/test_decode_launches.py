@@ -40,6 +40,19 @@ def test_fused_kv_write_saves_a_launch_per_layer(llm, interpret, monkeypatch):
     assert fused["triton:_decode_kernel"] == 1 and not fused["triton:_reduce_kernel"]  # one split at 256 tokens
 
 
+def _record_static_metadata(monkeypatch, *targets) -> list:
+    """Replace each (module, name) function by one that notes (name, its static_metadata keyword), then calls it."""
+    seen = []
+    for module, name in targets:
+        original = getattr(module, name)
+
+        def call(*args, _original=original, _name=name, **kwargs):
+            seen.append((_name, kwargs.get("static_metadata")))
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(module, name, call)
+    return seen
+
+
 def test_engine_promises_static_metadata(llm, interpret, monkeypatch):
     """The engine's decode attention and the native Qwen3's q/k norm + rope + cache write are launched with
     static_metadata=True (its step metadata is copied in before the forward), so that under PDL they read it before
@@ -48,19 +61,29 @@ def test_engine_promises_static_metadata(llm, interpret, monkeypatch):
     from fxrewrite.kernels import paged_attention as attention_module
     from fxrewrite.runtime.models import qwen3 as qwen3_module
 
-    seen = []
-
-    def recording(original):
-        def call(*args, **kwargs):
-            seen.append((original.__name__, kwargs.get("static_metadata")))
-            return original(*args, **kwargs)
-        return call
-
-    monkeypatch.setattr(attention_module, "paged_decode_triton", recording(attention_module.paged_decode_triton))
-    monkeypatch.setattr(qwen3_module, "qk_norm_rope_cache", recording(qwen3_module.qk_norm_rope_cache))
+    seen = _record_static_metadata(monkeypatch, (attention_module, "paged_decode_triton"),
+                                   (qwen3_module, "qk_norm_rope_cache"))
     monkeypatch.setenv("FXREWRITE_TRITON", "1")
     decode_step_launches(llm)
     assert ("paged_decode_triton", True) in seen and ("qk_norm_rope_cache", True) in seen, seen
+    assert all(flag for _, flag in seen), seen
+
+
+def test_after_arm_promises_static_metadata_as_native_does(tiny_model_dir, interpret, monkeypatch):
+    """The rewritten Qwen3's q/k norm + rope + cache write reads positions from the rotary module's table, which
+    the gather of cos / sin follows: launched with static_metadata=True in every layer of a decode step, as the native
+    model's (without it the kernel waits on the qkv GEMV before its first loads: ~0.3 us a layer on an H100)."""
+    from fxrewrite.kernels import paged_attention as attention_module
+    from fxrewrite.patterns import qk_norm_rope as pattern_module
+
+    path = tiny_model_dir("qwen3", num_hidden_layers=2)
+    monkeypatch.setenv("FXREWRITE_TRITON", "1")
+    after = LLM(str(path), model_impl="transformers", fusion=True, dtype="float32", kv_cache_memory_bytes=1 << 21,
+                max_model_len=256)
+    seen = _record_static_metadata(monkeypatch, (attention_module, "paged_decode_triton"),
+                                   (pattern_module, "qk_norm_rope_cache_triton"))
+    decode_step_launches(after)
+    assert ("qk_norm_rope_cache_triton", True) in seen and ("paged_decode_triton", True) in seen, seen
     assert all(flag for _, flag in seen), seen
 
 
