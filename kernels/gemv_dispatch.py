@@ -139,8 +139,8 @@ def run(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config, w_s
     """The GEMV `config` names: a pipelined choice runs `skinny_gemv_pipelined` (float weight, x [1, K]; the
     prologue's kernel first), an FP8 weight (w_scale [N, ceil(K/128)]) `skinny_gemv_fp8_triton`, else
     `skinny_gemv_triton`; x [M, K] (or [M, 2K]); `prologue`: norm_weight, eps, residual, silu_mul. out_residual
-    [M, N] of x's dtype: the result is ``out_residual + out``, added in the float-weight kernels' epilogue (after
-    the FP8 GEMV, a torch add). ValueError for a pipelined choice on an FP8 weight."""
+    [M, N] of x's dtype: the result is ``out_residual + out``, added in the kernel's epilogue. ValueError for a
+    pipelined choice on an FP8 weight."""
     tag = _tag(config)
     if tag is not None and w.dtype == _FP8:
         raise ValueError(f"gemv_dispatch: {config} is a float-weight GEMV; this weight is FP8")
@@ -153,10 +153,8 @@ def run(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config, w_s
         return with_prologue(lambda h: skinny_gemv_triton(h, w, bias, config=tuple(config[1:]),
                                                           out_residual=out_residual), x, **prologue)
     if w.dtype == _FP8:
-        out = skinny_gemv_fp8_triton(x, w, w_scale, bias, per_channel=per_channel, config=config, **prologue)
-        if out_residual is None:
-            return out
-        return (out_residual + out[0], out[1]) if isinstance(out, tuple) else out_residual + out
+        return skinny_gemv_fp8_triton(x, w, w_scale, bias, per_channel=per_channel, config=config,
+                                      out_residual=out_residual, **prologue)
     return skinny_gemv_triton(x, w, bias, config=config, out_residual=out_residual, **prologue)
 
 

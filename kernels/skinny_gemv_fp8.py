@@ -2,7 +2,8 @@
 block-scaled (one float32 scale per row and 128-column group, w_scale [N, ceil(K/128)], the layout the FP8
 layers keep: the checkpoint's 128 x 128 blocks expanded along N) or per-channel (one scale per row, column
 0 of the same [N, G] tensor). Weight-only: the activations stay in their float dtype, no quantization
-kernel runs, and the same prologues fuse in (RMSNorm with the residual add, SiLU-and-mul, bias).
+kernel runs, and the same prologues fuse in (RMSNorm with the residual add, SiLU-and-mul, bias), as does the
+``out_residual`` epilogue (a decoder layer's closing residual add, rounded as torch's two ops round).
 
 Same tiling idea as the bf16 kernel, with the weight tile viewed as [BLOCK_N, BLOCK_G, 128] (BLOCK_G whole
 scale groups per loop step, contiguous along K: 16-byte loads of 16 FP8 values). Block-scaled: the
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from fxrewrite.kernels.activation import silu_and_mul_ref
 from fxrewrite.kernels.rms_norm import rms_norm_ref
 from fxrewrite.kernels.pdl import fp8_gemv_pdl
-from fxrewrite.kernels.skinny_gemv import _check, _load, _token, configs_for
+from fxrewrite.kernels.skinny_gemv import _check, _load, _token, add_out_residual, configs_for
 from fxrewrite.kernels.triton_utils import launch, next_power_of_2, tl, triton
 
 __all__ = ["GROUP", "dequantize", "skinny_gemv_fp8_ref", "skinny_gemv_fp8_triton"]
@@ -51,11 +52,12 @@ def _check_fp8(w: torch.Tensor, w_scale: torch.Tensor) -> None:
 
 def skinny_gemv_fp8_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
                         *, per_channel: bool = False, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                        residual: torch.Tensor | None = None, silu_mul: bool = False):
+                        residual: torch.Tensor | None = None, silu_mul: bool = False,
+                        out_residual: torch.Tensor | None = None):
     """Torch reference. x [M, K] (or [M, 2K] with silu_mul) bf16 / fp16 / fp32, w [N, K] fp8, w_scale
-    [N, ceil(K/128)] float32, bias [N] in x's dtype or None. Prologues and return value as
-    `fxrewrite.kernels.skinny_gemv.skinny_gemv_ref`. ValueError on shapes or dtypes that do not fit."""
-    _check(x, w, norm_weight, residual, silu_mul)
+    [N, ceil(K/128)] float32, bias [N] in x's dtype or None. Prologues, the out_residual epilogue and the return
+    value as `fxrewrite.kernels.skinny_gemv.skinny_gemv_ref`. ValueError on shapes or dtypes that do not fit."""
+    _check(x, w, norm_weight, residual, silu_mul, out_residual)
     _check_fp8(w, w_scale)
     new_res = None
     if silu_mul:
@@ -65,19 +67,21 @@ def skinny_gemv_fp8_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
         h, new_res = (normed[0], normed[1]) if residual is not None else (normed, None)
     else:
         h = x
-    out = F.linear(h.float(), dequantize(w, w_scale, per_channel), None if bias is None else bias.float())
-    return (out.to(x.dtype), new_res) if residual is not None else out.to(x.dtype)
+    out = F.linear(h.float(), dequantize(w, w_scale, per_channel), None if bias is None else bias.float()).to(x.dtype)
+    if out_residual is not None:
+        out = out_residual + out
+    return (out, new_res) if residual is not None else out
 
 
 def skinny_gemv_fp8_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                            bias: torch.Tensor | None = None, *, per_channel: bool = False,
                            norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
                            residual: torch.Tensor | None = None, silu_mul: bool = False,
-                           config: tuple[int, int, int] | None = None):
+                           out_residual: torch.Tensor | None = None, config: tuple[int, int, int] | None = None):
     """The Triton kernel; contract of `skinny_gemv_fp8_ref` (M <= GEMV_MAX_M, else ValueError), w_scale in
     any strides. config: (block_n, block_g, num_warps), BLOCK_G scale groups of 128 columns per loop step;
     default the first of `configs_for(M, fmt="fp8")`."""
-    k = _check(x, w, norm_weight, residual, silu_mul)
+    k = _check(x, w, norm_weight, residual, silu_mul, out_residual)
     _check_fp8(w, w_scale)
     m, n = x.shape[0], w.shape[0]
     fmt = "fp8-channel" if per_channel else "fp8"
@@ -91,13 +95,17 @@ def skinny_gemv_fp8_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tens
     res_in = residual if residual is not None else x
     if res_in.stride(1) != 1:
         res_in = res_in.contiguous()
+    if out_residual is not None and not out_residual.is_contiguous():
+        out_residual = out_residual.contiguous()
     block_g = max(1, min(block_g, next_power_of_2(-(-k // GROUP))))
     launch(_skinny_gemv_fp8_kernel, (triton.cdiv(n, block_n),), x.device)(
         x, res_in, norm_weight if norm_weight is not None else x, w, w_scale, bias if bias is not None else x, out,
-        res_out, m, n, k, w_scale.shape[1], x.stride(0), res_in.stride(0), w_scale.stride(0), w_scale.stride(1),
+        res_out, out_residual if out_residual is not None else out, m, n, k, w_scale.shape[1], x.stride(0),
+        res_in.stride(0), w_scale.stride(0), w_scale.stride(1),
         float(eps), BLOCK_M=next_power_of_2(m), BLOCK_N=block_n, BLOCK_G=block_g, GROUP_K=GROUP,
         NORM=norm_weight is not None, HAS_RES=residual is not None, SILU_MUL=silu_mul, HAS_BIAS=bias is not None,
-        EVEN_K=k % (block_g * GROUP) == 0, PER_CHANNEL=per_channel, TRIGGER=fp8_gemv_pdl(x.device)[1],
+        EVEN_K=k % (block_g * GROUP) == 0, PER_CHANNEL=per_channel, ADD_OUT=out_residual is not None,
+        TRIGGER=fp8_gemv_pdl(x.device)[1],
         num_warps=num_warps,
     )
     return (out, res_out) if residual is not None else out
@@ -115,8 +123,8 @@ def _fma3(acc, ss, w, i, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm
 
 
 @triton.jit
-def _store3(out_ptr, b_ptr, s_ptr, acc, ss, i, rn, M, N, K, stride_sn, eps, NORM: tl.constexpr,
-            HAS_BIAS: tl.constexpr, PER_CHANNEL: tl.constexpr):
+def _store3(out_ptr, b_ptr, s_ptr, add_ptr, acc, ss, i, rn, M, N, K, stride_sn, eps, NORM: tl.constexpr,
+            HAS_BIAS: tl.constexpr, PER_CHANNEL: tl.constexpr, ADD_OUT: tl.constexpr):
     out = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BLOCK_N]: the one reduction over K
     if PER_CHANNEL:
         out = out * tl.load(s_ptr + tl.minimum(rn, N - 1) * stride_sn)
@@ -125,15 +133,19 @@ def _store3(out_ptr, b_ptr, s_ptr, acc, ss, i, rn, M, N, K, stride_sn, eps, NORM
     if HAS_BIAS:
         out += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
     row_ok = tl.full((1,), i, tl.int32) < M
-    tl.store(out_ptr + i * N + rn, out.to(out_ptr.dtype.element_ty), mask=(rn < N) & row_ok)
+    mask = (rn < N) & row_ok
+    tl.store(out_ptr + i * N + rn, add_out_residual(out, add_ptr, i * N + rn, mask, out_ptr.dtype.element_ty, ADD_OUT),
+             mask=mask)
 
 
 @triton.jit
-def _skinny_gemv_fp8_kernel(x_ptr, res_ptr, g_ptr, w_ptr, s_ptr, b_ptr, out_ptr, res_out_ptr, M, N, K, G, stride_xm,
+def _skinny_gemv_fp8_kernel(x_ptr, res_ptr, g_ptr, w_ptr, s_ptr, b_ptr, out_ptr, res_out_ptr, add_ptr, M, N, K, G,
+                            stride_xm,
                             stride_rm, stride_sn, stride_sg, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_G: tl.constexpr, GROUP_K: tl.constexpr, NORM: tl.constexpr,
                             HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            EVEN_K: tl.constexpr, PER_CHANNEL: tl.constexpr, TRIGGER: tl.constexpr):
+                            EVEN_K: tl.constexpr, PER_CHANNEL: tl.constexpr, ADD_OUT: tl.constexpr,
+                            TRIGGER: tl.constexpr):
     if TRIGGER:  # launched plainly; the next PDL kernel may start during this one's last wave (kernels/pdl.py)
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -174,14 +186,30 @@ def _skinny_gemv_fp8_kernel(x_ptr, res_ptr, g_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
                            NORM, HAS_RES, SILU_MUL, EVEN_K)
             a7, s7 = _fma3(a7, s7, w, 7, x_ptr, res_ptr, g_ptr, res_out_ptr, rk, M, K, stride_xm, stride_rm, first,
                            NORM, HAS_RES, SILU_MUL, EVEN_K)
-    _store3(out_ptr, b_ptr, s_ptr, a0, s0, 0, rn, M, N, K, stride_sn, eps, NORM, HAS_BIAS, PER_CHANNEL)
+    _store_rows(out_ptr, b_ptr, s_ptr, add_ptr, a0, a1, a2, a3, a4, a5, a6, a7, s0, s1, s2, s3, s4, s5, s6, s7, rn, M,
+                N, K, stride_sn, eps, BLOCK_M, NORM, HAS_BIAS, PER_CHANNEL, ADD_OUT)
+
+
+@triton.jit
+def _store_rows(out_ptr, b_ptr, s_ptr, add_ptr, a0, a1, a2, a3, a4, a5, a6, a7, s0, s1, s2, s3, s4, s5, s6, s7, rn, M,
+                N, K, stride_sn, eps, BLOCK_M: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                PER_CHANNEL: tl.constexpr, ADD_OUT: tl.constexpr):
+    """`_store3` of each of the BLOCK_M tokens' accumulators."""
+    _store3(out_ptr, b_ptr, s_ptr, add_ptr, a0, s0, 0, rn, M, N, K, stride_sn, eps, NORM, HAS_BIAS, PER_CHANNEL, ADD_OUT)
     if BLOCK_M > 1:
-        _store3(out_ptr, b_ptr, s_ptr, a1, s1, 1, rn, M, N, K, stride_sn, eps, NORM, HAS_BIAS, PER_CHANNEL)
+        _store3(out_ptr, b_ptr, s_ptr, add_ptr, a1, s1, 1, rn, M, N, K, stride_sn, eps, NORM, HAS_BIAS, PER_CHANNEL,
+                ADD_OUT)
     if BLOCK_M > 2:
-        _store3(out_ptr, b_ptr, s_ptr, a2, s2, 2, rn, M, N, K, stride_sn, eps, NORM, HAS_BIAS, PER_CHANNEL)
-        _store3(out_ptr, b_ptr, s_ptr, a3, s3, 3, rn, M, N, K, stride_sn, eps, NORM, HAS_BIAS, PER_CHANNEL)
+        _store3(out_ptr, b_ptr, s_ptr, add_ptr, a2, s2, 2, rn, M, N, K, stride_sn, eps, NORM, HAS_BIAS, PER_CHANNEL,
+                ADD_OUT)
+        _store3(out_ptr, b_ptr, s_ptr, add_ptr, a3, s3, 3, rn, M, N, K, stride_sn, eps, NORM, HAS_BIAS, PER_CHANNEL,
+                ADD_OUT)
     if BLOCK_M > 4:
-        _store3(out_ptr, b_ptr, s_ptr, a4, s4, 4, rn, M, N, K, stride_sn, eps, NORM, HAS_BIAS, PER_CHANNEL)
-        _store3(out_ptr, b_ptr, s_ptr, a5, s5, 5, rn, M, N, K, stride_sn, eps, NORM, HAS_BIAS, PER_CHANNEL)
-        _store3(out_ptr, b_ptr, s_ptr, a6, s6, 6, rn, M, N, K, stride_sn, eps, NORM, HAS_BIAS, PER_CHANNEL)
-        _store3(out_ptr, b_ptr, s_ptr, a7, s7, 7, rn, M, N, K, stride_sn, eps, NORM, HAS_BIAS, PER_CHANNEL)
+        _store3(out_ptr, b_ptr, s_ptr, add_ptr, a4, s4, 4, rn, M, N, K, stride_sn, eps, NORM, HAS_BIAS, PER_CHANNEL,
+                ADD_OUT)
+        _store3(out_ptr, b_ptr, s_ptr, add_ptr, a5, s5, 5, rn, M, N, K, stride_sn, eps, NORM, HAS_BIAS, PER_CHANNEL,
+                ADD_OUT)
+        _store3(out_ptr, b_ptr, s_ptr, add_ptr, a6, s6, 6, rn, M, N, K, stride_sn, eps, NORM, HAS_BIAS, PER_CHANNEL,
+                ADD_OUT)
+        _store3(out_ptr, b_ptr, s_ptr, add_ptr, a7, s7, 7, rn, M, N, K, stride_sn, eps, NORM, HAS_BIAS, PER_CHANNEL,
+                ADD_OUT)

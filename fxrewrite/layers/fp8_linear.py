@@ -35,6 +35,7 @@ from fxrewrite.kernels.fp8_quant_fused import rms_norm_quant_fp8, silu_and_mul_q
 from fxrewrite.kernels.skinny_gemv import GEMV_MAX_M
 from fxrewrite.layers.activation import SiluAndMul
 from fxrewrite.layers.linear import (
+    PENDING_NORM_ATTR,
     LinearBase,
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -74,7 +75,11 @@ class Fp8LinearMixin:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """At decode token counts the FP8 skinny GEMV where its load-time timing chose it (`gemv_dispatch`),
-        else the FP8 GEMM the FP8 tuner chose (`fp8_dispatch`)."""
+        else the FP8 GEMM the FP8 tuner chose (`fp8_dispatch`). A QKV layer's pending input norm
+        (`PENDING_NORM_ATTR`, as `QKVParallelLinear.forward` takes it) is applied first, through `norm_forward`."""
+        norm = self.__dict__.pop(PENDING_NORM_ATTR, None) if PENDING_NORM_ATTR in self.__dict__ else None
+        if norm is not None:
+            return self.norm_forward(x, norm)[0]
         if self.weight.dtype != FP8_DTYPE:  # dequantized (CPU): the plain layer's forward
             return super().forward(x)
         scales = self._gemv_operands()
@@ -130,17 +135,18 @@ class Fp8LinearMixin:
         return out.view(*x.shape[:-1], -1), (fused[2].view(x.shape) if residual is not None else x)
 
     def silu_forward(self, x: torch.Tensor, act: nn.Module, out_residual: torch.Tensor | None = None) -> torch.Tensor:
-        """`LinearBase.silu_forward`; above decode token counts, when the chosen GEMM reads FP8
-        activations, the SiLU-and-mul kernel writes them (`silu_and_mul_quant_fp8`). out_residual: added after,
-        by torch (the FP8 kernels have no such epilogue)."""
-        if out_residual is not None:
-            return out_residual + self.silu_forward(x, act)
+        """`LinearBase.silu_forward` (at decode token counts out_residual is added in the FP8 skinny GEMV's
+        epilogue where it runs); above them, when the chosen GEMM reads FP8 activations, the SiLU-and-mul kernel
+        writes them (`silu_and_mul_quant_fp8`) and out_residual is added by torch after the GEMM."""
         form = self._input_quantization(x[..., : x.shape[-1] // 2])
         if form is None or type(act) is not SiluAndMul or x.shape[-1] != 2 * self.weight.shape[1]:
-            return super().silu_forward(x, act)
+            return super().silu_forward(x, act, out_residual)
         fused = _fused_producer(silu_and_mul_quant_fp8, x.reshape(-1, x.shape[-1]).contiguous(), form[1])
         out = None if fused is None else self._quantized_product(fused[0], fused[1], form, x.dtype)
-        return super().silu_forward(x, act) if out is None else out.view(*x.shape[:-1], -1)
+        if out is None:
+            return super().silu_forward(x, act, out_residual)
+        out = out.view(*x.shape[:-1], -1)
+        return out if out_residual is None else out_residual + out
 
     def _gemv_operands(self) -> dict | None:
         """FP8 weights with 128-column scale groups: the skinny GEMV's w_scale / per_channel arguments."""

@@ -17,9 +17,12 @@ import torch
 from torch import nn
 
 from fxrewrite.layers.fold_guard import fused_call_allowed, runs_bound_forward, unhooked
+from fxrewrite.layers.fp8_linear import Fp8LinearMixin
 from fxrewrite.layers.linear import PENDING_NORM_ATTR, QKVParallelLinear
 
 __all__ = ["NORMED_INPUT_ATTR", "normed_call"]
+
+_TAKES_PENDING_NORM = (QKVParallelLinear.forward, Fp8LinearMixin.forward)
 
 NORMED_INPUT_ATTR = "_fxrewrite_normed_input"
 """Instance attribute of an attention module whose forward reads its input only through its fused QKV projection
@@ -32,7 +35,9 @@ def _fused_qkv(norm: nn.Module, module: nn.Module, x: torch.Tensor):
     if spec is None or not fused_call_allowed(x) or not runs_bound_forward(module):
         return None
     qkv = module._modules.get(spec[1])
-    if type(qkv) is not QKVParallelLinear or "forward" in qkv.__dict__:  # FP8 / wrapped / patched: its own forward
+    # a forward that takes the pending norm (QKVParallelLinear's, or its FP8 form's); not a wrapped or patched one
+    if not isinstance(qkv, QKVParallelLinear) or type(qkv).forward not in _TAKES_PENDING_NORM \
+            or "forward" in qkv.__dict__:
         return None
     return qkv if unhooked(norm, module, qkv) else None
 

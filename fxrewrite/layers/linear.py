@@ -130,23 +130,24 @@ class LinearBase(nn.Module):
 
     def add_forward(self, x: torch.Tensor, out_residual: torch.Tensor) -> torch.Tensor:
         """``out_residual + self(x)``: x [..., input_size_per_partition], out_residual [..., output_size] (a decoder
-        layer's closing residual add). At decode token counts, on a float weight whose output is complete on this
-        rank, the add runs in the skinny GEMV's epilogue where it was chosen (kind "linear"; rounded as the two
-        torch ops are); else torch's add."""
-        config = None
+        layer's closing residual add). At decode token counts, on a weight the skinny GEMV reads (float, or an FP8
+        layer's) whose output is complete on this rank, the add runs in the GEMV's epilogue where it was chosen (kind
+        "linear"; rounded as the two torch ops are); else torch's add."""
+        config, scales = None, self._gemv_operands()
         if self._epilogue_fits(x, out_residual):
-            config = config_for_call("linear", x, self.weight, self.bias, out_residual)
+            config = config_for_call("linear", x, self.weight, self.bias, out_residual, **scales)
         if config is None:
             return out_residual + self(x)
         k, n = x.shape[-1], self.weight.shape[0]
-        out = gemv_dispatch.run(x.reshape(-1, k), self.weight, self.bias, config, out_residual=out_residual.view(-1, n))
+        out = gemv_dispatch.run(x.reshape(-1, k), self.weight, self.bias, config, out_residual=out_residual.view(-1, n),
+                                **scales)
         return out.view(*x.shape[:-1], n)
 
     def _epilogue_fits(self, x: torch.Tensor, out_residual: torch.Tensor) -> bool:
-        """Whether `out_residual` can be added in the GEMV's epilogue: a float weight with the plain product, the
-        whole output on this rank (not a row-parallel partial sum), out_residual of the output's shape and x's
-        dtype, contiguous."""
-        return (self._plain_forward() and not (isinstance(self, RowParallelLinear) and self.tp_size > 1)
+        """Whether `out_residual` can be added in the GEMV's epilogue: a product the skinny GEMV computes (a float
+        weight's plain product, or an FP8 layer's), the whole output on this rank (not a row-parallel partial sum),
+        out_residual of the output's shape and x's dtype, contiguous."""
+        return (self._gemv_operands() is not None and not (isinstance(self, RowParallelLinear) and self.tp_size > 1)
                 and out_residual.shape == (*x.shape[:-1], self.weight.shape[0]) and out_residual.dtype == x.dtype
                 and out_residual.is_contiguous())
 

@@ -39,6 +39,23 @@ def test_every_config_matches_the_dequantized_product(shape, m, fmt):
     assert all(e < 2e-2 for e in errors.values()), errors
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-channel"])
+@pytest.mark.parametrize("shape", ["o-32b", "down-32b", "down-4b"])
+@pytest.mark.parametrize("m", [1, 8])
+def test_out_residual_epilogue_is_the_torch_add(shape, m, fmt):
+    """The closing residual add in the FP8 GEMV's epilogue, bf16: bitwise the same kernel's output plus out_residual
+    as torch adds them, at every config."""
+    kind, n, k = _SHAPES[shape]
+    w = gemv_tune.scratch_weights(n, k, "cuda", FP8)[0]
+    fp8 = {"w_scale": gemv_tune.scratch_scales(n, k, "cuda", fmt == "fp8-channel"), "per_channel": fmt == "fp8-channel"}
+    args = gemv_tune.make_inputs(kind, m, k, "cuda", torch.bfloat16, seed=m)
+    r = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(m))
+    for config in configs_for(m, kind, n, fmt=fmt):
+        plain = gemv_dispatch.run(args["x"], w, None, config, silu_mul=kind == "silu", **fp8)
+        got = gemv_dispatch.run(args["x"], w, None, config, silu_mul=kind == "silu", out_residual=r, **fp8)
+        assert torch.equal(got, r + plain), config
+
+
 def test_tuner_records_fp8_choices(monkeypatch):
     monkeypatch.setenv("FXREWRITE_GEMV", "auto")
     timings = gemv_tune.tune({("norm", 6144, 2560, "fp8"), ("silu", 2560, 9728, "fp8-channel")}, "cuda",

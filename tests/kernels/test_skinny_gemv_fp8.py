@@ -72,6 +72,21 @@ def test_kernel_matches_reference(interpret, per_channel, dtype, kind, m, n, k):
     _close(got, skinny_gemv_fp8_ref(w=w, w_scale=s, bias=bias, per_channel=per_channel, **args), dtype)
 
 
+@pytest.mark.parametrize("per_channel", [False, True])
+@pytest.mark.parametrize("kind", ["linear", "silu"])
+@pytest.mark.parametrize("m", [1, 3])
+def test_out_residual_epilogue(interpret, per_channel, kind, m):
+    """The closing residual add in the FP8 GEMV's epilogue: the kernel's own output plus out_residual, rounded as
+    torch's add (float32: bitwise), and the reference's ``out_residual + product``."""
+    w, s = _weights(20, 320, per_channel, seed=m)
+    args = _args(kind, m, 320, torch.float32, seed=m)
+    r = torch.randn(m, 20, generator=torch.Generator().manual_seed(9)).mul(4)
+    kw = dict(w=w, w_scale=s, per_channel=per_channel, **args)
+    got = skinny_gemv_fp8_triton(out_residual=r, config=(4, 2, 1), **kw)
+    assert torch.equal(got, r + skinny_gemv_fp8_triton(config=(4, 2, 1), **kw))
+    _close(got, skinny_gemv_fp8_ref(out_residual=r, **kw), torch.float32)
+
+
 @pytest.mark.parametrize("bucket, config", [(b, c) for b, cs in FP8_CONFIGS.items() for c in cs], ids=repr)
 def test_every_config(interpret, bucket, config):
     w, s = _weights(3, 1024, per_channel=False, seed=bucket)
@@ -135,6 +150,34 @@ def test_fp8_layers_run_the_gemv_like_their_dequantized_twins(interpret, monkeyp
     gemv_dispatch.clear()
     for g, w in zip(got, want):
         _close(g, w, torch.float32)
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_fp8_layers_fold_the_rewrite_norm_and_residual_into_the_gemv(interpret, monkeypatch, per_channel):
+    """What a rewritten decoder layer asks of FP8 layers at decode: the closing residual add in down_proj's GEMV
+    epilogue (`silu_forward(out_residual=...)`, `add_forward`), and qkv_proj applying an input norm left pending
+    for it (`PENDING_NORM_ATTR`, fxrewrite.layers.input_norm) in its GEMV's prologue: one GEMV launch each, results
+    as the unfused ops give them (float32: bitwise against the same kernels without the fold)."""
+    from fxrewrite.layers.linear import PENDING_NORM_ATTR
+
+    qkv, down, norm = _fp8_layers(per_channel)
+    x, gate_up, r = torch.randn(3, 256), torch.randn(3, 768), torch.randn(3, 256)
+    monkeypatch.setenv("FXREWRITE_TRITON", "1")
+    monkeypatch.setenv("FXREWRITE_GEMV", "auto")
+    calls = []
+    real_run = gemv_dispatch.run
+    monkeypatch.setattr(gemv_dispatch, "run", lambda *a, **kw: calls.append(kw) or real_run(*a, **kw))
+    with torch.no_grad():
+        got = [down.silu_forward(gate_up, SiluAndMul(), out_residual=r), down.add_forward(gate_up[:, :384], r)]
+        qkv.__dict__[PENDING_NORM_ATTR] = norm
+        got.append(qkv(x))
+        assert PENDING_NORM_ATTR not in qkv.__dict__ and len(calls) == 3, calls
+        assert [c.get("out_residual") is not None for c in calls] == [True, True, False]
+        assert calls[2]["norm_weight"] is norm.weight
+        want = [r + down.silu_forward(gate_up, SiluAndMul()), r + down(gate_up[:, :384]), qkv(norm(x))]
+    gemv_dispatch.clear()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    _close(got[2], want[2], torch.float32)  # the norm's factor applied after the dot: float32 rounding apart
 
 
 def test_tuner_proves_fp8_configs_against_the_dequantized_product(interpret, monkeypatch):

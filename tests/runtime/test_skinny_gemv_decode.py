@@ -5,6 +5,7 @@ no cuBLAS GEMM in a batch-1 decode step), and greedy decoding gives the referenc
 from __future__ import annotations
 
 import inspect
+from collections import Counter
 
 import pytest
 
@@ -66,3 +67,34 @@ def test_rewritten_decode_folds_the_norms_and_closing_add(tiny_model_dir, interp
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     gemv_dispatch.clear()
     assert got == want
+
+
+def test_rewritten_fp8_decode_folds_as_the_native_fp8_model(tiny_model_dir, interpret, monkeypatch):
+    """The same folds over FP8 weights (`quantization="fp8"`, kept in e4m3 as on the GPU): the input norm in qkv_proj's
+    FP8 GEMV, the closing add in down_proj's FP8 GEMV epilogue, so a batch-1 decode step of the rewritten model
+    launches what the native FP8 model's does but the rotary gather, and the greedy tokens are the native model's."""
+    import fxrewrite.runtime.model_files.quantization as quantization
+
+    monkeypatch.setattr(quantization, "dequantize_fp8_layer", lambda module, dtype: None)  # keep e4m3 on the CPU
+    path = tiny_model_dir("qwen3", num_hidden_layers=2)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    prompts = [list(range(5, 20)), [7, 8, 9]]
+    counts, tokens = {}, {}
+    for impl in ("transformers", "native"):
+        llm = LLM(str(path), model_impl=impl, dtype="float32", kv_cache_memory_bytes=1 << 21, max_model_len=128,
+                  enable_prefix_caching=False, quantization="fp8")
+        model = llm.llm_engine.model_runner.model
+        with monkeypatch.context() as m:
+            m.setenv("FXREWRITE_TRITON", "1")
+            m.setenv("FXREWRITE_GEMV", "on")
+            adopt_plain_linears(model)
+            head = next(mod for n, mod in model.named_modules() if n.endswith("lm_head")).weight
+            for bucket in (1, 2):
+                gemv_dispatch.record("linear", *head.shape, bucket, None)
+            counts[impl] = decode_step_launches(llm)
+            tokens[impl] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            gemv_dispatch.clear()
+    after, native = counts["transformers"], counts["native"]
+    assert after["triton:_skinny_gemv_fp8_kernel"] == 8 and after["triton:rms_norm_kernel"] == 1, after
+    assert after - native == Counter({"aten:index": 1}) and not native - after, (after - native, native - after)
+    assert tokens["transformers"] == tokens["native"]
