@@ -195,7 +195,8 @@ def _store_rows(out_ptr, b_ptr, s_ptr, add_ptr, a0, a1, a2, a3, a4, a5, a6, a7, 
                 N, K, stride_sn, eps, BLOCK_M: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
                 PER_CHANNEL: tl.constexpr, ADD_OUT: tl.constexpr):
     """`_store3` of each of the BLOCK_M tokens' accumulators."""
-    _store3(out_ptr, b_ptr, s_ptr, add_ptr, a0, s0, 0, rn, M, N, K, stride_sn, eps, NORM, HAS_BIAS, PER_CHANNEL, ADD_OUT)
+    _store3(out_ptr, b_ptr, s_ptr, add_ptr, a0, s0, 0, rn, M, N, K, stride_sn, eps, NORM, HAS_BIAS, PER_CHANNEL,
+            ADD_OUT)
     if BLOCK_M > 1:
         _store3(out_ptr, b_ptr, s_ptr, add_ptr, a1, s1, 1, rn, M, N, K, stride_sn, eps, NORM, HAS_BIAS, PER_CHANNEL,
                 ADD_OUT)
