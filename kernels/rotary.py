@@ -46,15 +46,36 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox_style
     return torch.stack((o1, o2), dim=-1).flatten(-2)
 
 
+def _outputs(query, key, query_out, key_out, rotary_dim: int, head_size: int):
+    """(query_out, key_out), defaulting to (query, key): in place. Outputs other than the inputs take every feature
+    of a head, so the rotary must cover the whole head; ValueError otherwise, for a missing key_out, or for a shape or
+    dtype unlike its input's."""
+    if query_out is None and key_out is None:
+        return query, key
+    if query_out is None or (key_out is None) != (key is None):
+        raise ValueError("rotary_embedding: query_out and key_out go together (key_out None only without a key)")
+    if rotary_dim != head_size:
+        raise ValueError(f"rotary_embedding: separate outputs need rotary_dim == head_size; got {rotary_dim} of "
+                         f"{head_size} (a partial rotary rotates in place)")
+    for name, x, out in (("query", query, query_out), ("key", key, key_out)):
+        if x is not None and (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device):
+            raise ValueError(f"rotary_embedding: {name}_out {tuple(out.shape)} {out.dtype} {out.device} is not "
+                             f"like {name} {tuple(x.shape)} {x.dtype} {x.device}")
+    return query_out, key_out
+
+
 def rotary_embedding_ref(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None,
-                         head_size: int, cos_sin_cache: torch.Tensor, is_neox_style: bool = True):
-    """Torch reference; returns new ``(query, key)`` of the input shapes (key may be None).
+                         head_size: int, cos_sin_cache: torch.Tensor, is_neox_style: bool = True, *,
+                         query_out: torch.Tensor | None = None, key_out: torch.Tensor | None = None):
+    """Torch reference; returns new ``(query, key)`` of the input shapes (key may be None), or with query_out /
+    key_out (shaped and typed as query / key; a full-head rotary only) writes the results there and returns them.
 
     positions int64 [T] or [B, S]; query [..., Hq*D] or [..., Hq, D] with T tokens in front
     (likewise key with Hkv heads); math in the query dtype with cos/sin cast to it, as
     transformers does. Raises ValueError on inconsistent shapes.
     """
     rotary_dim = _check_cache(cos_sin_cache, head_size)
+    _outputs(query, key, query_out, key_out, rotary_dim, head_size)
     positions = positions.flatten()
     num_tokens = positions.shape[0]
     cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
@@ -66,6 +87,9 @@ def rotary_embedding_ref(positions: torch.Tensor, query: torch.Tensor, key: torc
         h = _heads(x, num_tokens, head_size, name)
         rot = _rotate(h[..., :rotary_dim], cos, sin, is_neox_style)
         outs.append(torch.cat((rot, h[..., rotary_dim:]), dim=-1).view(x.shape))
+    if query_out is not None:
+        query_out.copy_(outs[0])
+        return query_out, key_out if key is None else key_out.copy_(outs[1])
     return outs[0], outs[1]
 
 
@@ -106,34 +130,37 @@ def pair_offsets(i, HALF: tl.constexpr, IS_NEOX: tl.constexpr):
 
 
 @triton.jit
-def _rotate_halves(ptr, row_off, rows, i, imask, cos, sin, HALF: tl.constexpr):
-    """neox, in place: features i and i + HALF of the selected `rows` (heads at ptr + row_off), float32 math."""
+def _rotate_halves(src, dst, src_off, dst_off, rows, i, imask, cos, sin, HALF: tl.constexpr):
+    """neox: features i and i + HALF of the selected `rows` (heads at src + src_off) rotated into dst + dst_off (the
+    same place, in place), float32 math."""
     m = rows[:, None] & imask[None, :]
-    p1 = ptr + row_off[:, None] + i[None, :]
+    p1 = src + src_off[:, None] + i[None, :]
     x1 = tl.load(p1, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(p1 + HALF, mask=m, other=0.0).to(tl.float32)
-    tl.store(p1, (x1 * cos - x2 * sin).to(ptr.dtype.element_ty), mask=m)
-    tl.store(p1 + HALF, (x2 * cos + x1 * sin).to(ptr.dtype.element_ty), mask=m)
+    o1 = dst + dst_off[:, None] + i[None, :]
+    tl.store(o1, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=m)
+    tl.store(o1 + HALF, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def _rotate_pairs(ptr, row_off, rows, cos, sin, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    """GPT-J, in place: features 2i and 2i + 1, loaded contiguously and split in registers (stride-2
-    loads/stores ran at 6% of copy bandwidth on an H200)."""
+def _rotate_pairs(src, dst, src_off, dst_off, rows, cos, sin, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                  BLOCK_H: tl.constexpr):
+    """GPT-J: features 2i and 2i + 1, loaded contiguously and split in registers (stride-2 loads/stores ran at 6%
+    of copy bandwidth on an H200), rotated into dst + dst_off (the same place, in place)."""
     j = tl.arange(0, 2 * BLOCK_HALF)
     m = rows[:, None] & (j < 2 * HALF)[None, :]
-    p = ptr + row_off[:, None] + j[None, :]
-    x1, x2 = tl.split(tl.reshape(tl.load(p, mask=m, other=0.0).to(tl.float32), [BLOCK_H, BLOCK_HALF, 2]))
+    x1, x2 = tl.split(tl.reshape(tl.load(src + src_off[:, None] + j[None, :], mask=m, other=0.0).to(tl.float32),
+                                 [BLOCK_H, BLOCK_HALF, 2]))
     out = tl.reshape(tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin), [BLOCK_H, 2 * BLOCK_HALF])
-    tl.store(p, out.to(ptr.dtype.element_ty), mask=m)
+    tl.store(dst + dst_off[:, None] + j[None, :], out.to(dst.dtype.element_ty), mask=m)
 
 
 # positions / slot_mapping are slices of the engine's packed step buffers, whose 16-byte alignment
 # changes from step to step: not specialised on (one binary for every step)
 @triton.jit(do_not_specialize_on_alignment=["pos_ptr"])
-def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cache_ptr, q_tok_stride, q_head_stride, k_tok_stride,
-                   k_head_stride, cache_stride, num_q_heads, num_k_heads,
-                   HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+def _rotary_kernel(pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cache_ptr, q_tok_stride, q_head_stride, k_tok_stride,
+                   k_head_stride, qo_tok_stride, qo_head_stride, ko_tok_stride, ko_head_stride, cache_stride,
+                   num_q_heads, num_k_heads, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                    IS_NEOX: tl.constexpr, HAS_KEY: tl.constexpr, PDL: tl.constexpr):
     gdc_prologue(PDL)
     tok, i, imask, cos, sin = token_cos_sin(pos_ptr, cache_ptr, cache_stride, HALF, BLOCK_HALF)
@@ -142,35 +169,43 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cache_ptr, q_tok_stride, q_head_stride
     is_q = heads < num_q_heads
     is_k = (heads >= num_q_heads) & (heads < num_q_heads + num_k_heads)
     q_row, k_row = heads * q_head_stride, (heads - num_q_heads) * k_head_stride
+    qo_row, ko_row = heads * qo_head_stride, (heads - num_q_heads) * ko_head_stride
     q_tok, k_tok = q_ptr + tok * q_tok_stride, k_ptr + tok * k_tok_stride
+    qo_tok, ko_tok = qo_ptr + tok * qo_tok_stride, ko_ptr + tok * ko_tok_stride
     if IS_NEOX:
-        _rotate_halves(q_tok, q_row, is_q, i, imask, cos, sin, HALF)
+        _rotate_halves(q_tok, qo_tok, q_row, qo_row, is_q, i, imask, cos, sin, HALF)
         if HAS_KEY:
-            _rotate_halves(k_tok, k_row, is_k, i, imask, cos, sin, HALF)
+            _rotate_halves(k_tok, ko_tok, k_row, ko_row, is_k, i, imask, cos, sin, HALF)
     else:
-        _rotate_pairs(q_tok, q_row, is_q, cos, sin, HALF, BLOCK_HALF, BLOCK_H)
+        _rotate_pairs(q_tok, qo_tok, q_row, qo_row, is_q, cos, sin, HALF, BLOCK_HALF, BLOCK_H)
         if HAS_KEY:
-            _rotate_pairs(k_tok, k_row, is_k, cos, sin, HALF, BLOCK_HALF, BLOCK_H)
+            _rotate_pairs(k_tok, ko_tok, k_row, ko_row, is_k, cos, sin, HALF, BLOCK_HALF, BLOCK_H)
 
 
 def rotary_embedding_triton(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None,
                             head_size: int, cos_sin_cache: torch.Tensor, is_neox_style: bool = True,
-                            *, num_warps: int = 4):
-    """Triton kernel, one program per token, q and k heads in one tile; rotates in place."""
+                            *, num_warps: int = 4, query_out: torch.Tensor | None = None,
+                            key_out: torch.Tensor | None = None):
+    """Triton kernel, one program per token, q and k heads in one tile; rotates in place, or into query_out /
+    key_out (`_outputs`), and returns the rotated (query, key)."""
     rotary_dim = _check_cache(cos_sin_cache, head_size)
     positions = positions.flatten()
     num_tokens = positions.shape[0]
     q = _heads(query, num_tokens, head_size, "query")
     k = _heads(key, num_tokens, head_size, "key") if key is not None else q
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1:
-        raise ValueError("rotary_embedding: the head dim of query/key/cos_sin_cache must be contiguous")
+    qo, ko = _outputs(query, key, query_out, key_out, rotary_dim, head_size)
+    qo = _heads(qo, num_tokens, head_size, "query_out")
+    ko = _heads(ko, num_tokens, head_size, "key_out") if key is not None else qo
+    if any(t.stride(-1) != 1 for t in (q, k, qo, ko, cos_sin_cache)):
+        raise ValueError("rotary_embedding: the head dim of query/key (and their outputs)/cos_sin_cache must be "
+                         "contiguous")
     num_k_heads = k.shape[1] if key is not None else 0
     half = rotary_dim // 2
     if num_tokens:
         pdl = pdl_enabled(query.device)
         launch(_rotary_kernel, (num_tokens,), query.device, pdl)(
-            positions, q, k, cos_sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            cos_sin_cache.stride(0), q.shape[1], num_k_heads,
+            positions, q, k, qo, ko, cos_sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1), qo.stride(0),
+            qo.stride(1), ko.stride(0), ko.stride(1), cos_sin_cache.stride(0), q.shape[1], num_k_heads,
             HALF=half, BLOCK_HALF=next_power_of_2(half), BLOCK_H=next_power_of_2(q.shape[1] + num_k_heads),
             IS_NEOX=is_neox_style, HAS_KEY=key is not None, PDL=pdl, num_warps=num_warps)
-    return query, key
+    return (query, key) if query_out is None else (query_out, key_out)

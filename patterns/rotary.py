@@ -58,11 +58,22 @@ def _needs_grad(q, k) -> bool:
 
 
 def _rotary_kernel_qk(q, k, cos, sin):
-    """q [1, Hq, S, D], k [1, Hk, S, D], cos/sin [1, S, rotary_dim] (neox: each half repeated) -> new q, k."""
+    """q [1, Hq, S, D], k [1, Hk, S, D], cos/sin [1, S, rotary_dim] (neox: each half repeated) -> new q, k; the
+    callers' q and k stay as they were."""
     positions, cache, _ = packed_cos_sin(cos, sin)
-    q_out, k_out = q.clone(), k.clone()  # the kernel rotates in place; the callers' q and k stay as they were
-    rotary_embedding_triton(positions, q_out[0].transpose(0, 1), k_out[0].transpose(0, 1), q.shape[-1], cache, True)
+    if cos.shape[-1] == q.shape[-1]:  # the whole head rotates: into new tensors (laid out as clone lays them out)
+        q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+        rotary_embedding_triton(positions, _tokens(q), _tokens(k), q.shape[-1], cache, True,
+                                query_out=_tokens(q_out), key_out=_tokens(k_out))
+    else:  # a partial rotary: the kernel rotates the first features of copies in place
+        q_out, k_out = q.clone(), k.clone()
+        rotary_embedding_triton(positions, _tokens(q_out), _tokens(k_out), q.shape[-1], cache, True)
     return q_out, k_out
+
+
+def _tokens(x: torch.Tensor) -> torch.Tensor:
+    """[1, H, S, D] -> the [S, H, D] view the rotary kernel takes."""
+    return x[0].transpose(0, 1)
 
 
 class RotaryCosSin(nn.Module):

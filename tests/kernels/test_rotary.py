@@ -55,6 +55,30 @@ def test_kernel_matches_ref(interpret, neox, rotary_dim):
     torch.testing.assert_close(got_k, want_k, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("neox", [True, False])
+def test_kernel_into_separate_outputs(interpret, neox):
+    """query_out / key_out: the rotated heads written there (any token / head strides), the inputs untouched, as the
+    reference writes them; a partial rotary or outputs unlike the inputs are refused."""
+    pos, cache = torch.randint(0, 64, (3,)), make_cache(64, 16)
+    qkv = torch.randn(3, (4 + 2 + 2) * 16)
+    q, k = qkv[:, : 4 * 16].view(3, 4, 16), qkv[:, 4 * 16: 6 * 16].view(3, 2, 16)
+    before = qkv.clone()
+    outs = torch.empty(4, 3, 16).transpose(0, 1), torch.empty(3, 2, 16)  # token-major and head-major layouts
+    got_q, got_k = rotary_embedding_triton(pos, q, k, 16, cache, neox, query_out=outs[0], key_out=outs[1])
+    assert got_q is outs[0] and got_k is outs[1] and torch.equal(qkv, before)
+    want_q, want_k = rotary_embedding_ref(pos, q, k, 16, cache, neox)
+    torch.testing.assert_close(got_q, want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_k, want_k, rtol=1e-5, atol=1e-5)
+    ref_outs = torch.empty(3, 4, 16), torch.empty(3, 2, 16)
+    rotary_embedding_ref(pos, q, k, 16, cache, neox, query_out=ref_outs[0], key_out=ref_outs[1])
+    assert torch.equal(ref_outs[0], want_q) and torch.equal(ref_outs[1], want_k)
+    for bad in (dict(query_out=outs[0]), dict(query_out=outs[0].double(), key_out=outs[1])):
+        with pytest.raises(ValueError, match="query_out"):
+            rotary_embedding_triton(pos, q, k, 16, cache, neox, **bad)
+    with pytest.raises(ValueError, match="rotary_dim == head_size"):
+        rotary_embedding_ref(pos, q, k, 16, make_cache(64, 8), neox, query_out=q.clone(), key_out=k.clone())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("neox", [True, False])
 def test_kernel_matches_ref_gpu(cuda, neox):
@@ -68,3 +92,9 @@ def test_kernel_matches_ref_gpu(cuda, neox):
     # so where the two products cancel a result may differ by a whole ulp of the products
     torch.testing.assert_close(got_q, want_q, rtol=2e-2, atol=2**-5)
     torch.testing.assert_close(got_k, want_k, rtol=2e-2, atol=2**-5)
+    q2, k2 = torch.randn_like(q), torch.randn_like(k)
+    inputs = q2.clone(), k2.clone()
+    in_place = rotary_embedding_triton(pos, *inputs, 128, cache, neox)
+    outs = rotary_embedding_triton(pos, q2, k2, 128, cache, neox, query_out=torch.empty_like(q2),
+                                   key_out=torch.empty_like(k2))
+    assert torch.equal(outs[0], in_place[0]) and torch.equal(outs[1], in_place[1])  # the same kernel, other outputs

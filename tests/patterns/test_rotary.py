@@ -85,18 +85,24 @@ def test_apply_call_refused_when_function_differs():
     assert any(p == "rotary_apply" and "does not compute" in r for _, p, r in report.skipped())
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["own-projections", "qkv-slices"])
 @pytest.mark.parametrize("rotary_dim", [16, 8])
-def test_apply_rotary_emb_kernel_path_matches_torch_form(interpret, monkeypatch, rotary_dim):
-    """The engine's path (no grad, one batch row): the Triton kernel on copies of q and k gives
-    `apply_rotary_qk`'s result (float32) and leaves the inputs untouched; with grad, the torch form runs."""
+def test_apply_rotary_emb_kernel_path_matches_torch_form(interpret, monkeypatch, rotary_dim, fused):
+    """The engine's path (no grad, one batch row): the Triton kernel (into new tensors for a whole-head rotary, on
+    copies for a partial one) gives `apply_rotary_qk`'s result (float32) and leaves the inputs untouched, whether
+    q and k are views of their own projections or slices of a fused QKV output; with grad, the torch form runs."""
     from fxrewrite.patterns.rotary import ApplyRotaryEmb, apply_rotary_qk
     from fxrewrite.patterns.rotary_calls import kernel_applies as _kernel_applies
 
     monkeypatch.setenv("FXREWRITE_TRITON", "1")
     torch.manual_seed(0)
     seq, dim = 5, 16
-    q = torch.randn(1, seq, 4, dim).transpose(1, 2)  # transformers' [B, H, S, D] views
-    k = torch.randn(1, seq, 2, dim).transpose(1, 2)
+    if fused:  # QKVParallelLinear's output [1, S, (4 + 2 + 2) * D], split: neither q nor k dense
+        q, k, _ = torch.randn(1, seq, 8 * dim).split([4 * dim, 2 * dim, 2 * dim], dim=-1)
+        q, k = q.view(1, seq, 4, dim).transpose(1, 2), k.view(1, seq, 2, dim).transpose(1, 2)
+    else:
+        q = torch.randn(1, seq, 4, dim).transpose(1, 2)  # transformers' [B, H, S, D] views
+        k = torch.randn(1, seq, 2, dim).transpose(1, 2)
     angles = torch.rand(1, seq, rotary_dim // 2) * 6
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     q0, k0 = q.clone(), k.clone()

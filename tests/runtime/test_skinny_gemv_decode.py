@@ -69,6 +69,27 @@ def test_rewritten_decode_folds_the_norms_and_closing_add(tiny_model_dir, interp
     assert got == want
 
 
+def _launches_and_tokens(path, impl: str, monkeypatch, **kwargs) -> tuple[Counter, list]:
+    """A batch-1 decode step's launches (Triton interpreted, the GEMV forced on, cuBLAS for the LM head) and greedy
+    tokens of two prompts, from an engine of `impl` on `path`."""
+    llm = LLM(str(path), model_impl=impl, dtype="float32", kv_cache_memory_bytes=1 << 21, max_model_len=128,
+              enable_prefix_caching=False, **kwargs)
+    model = llm.llm_engine.model_runner.model
+    with monkeypatch.context() as m:
+        m.setenv("FXREWRITE_TRITON", "1")
+        m.setenv("FXREWRITE_GEMV", "on")
+        adopt_plain_linears(model)
+        head = next(mod for n, mod in model.named_modules() if n.endswith("lm_head")).weight
+        for bucket in (1, 2):
+            gemv_dispatch.record("linear", *head.shape, bucket, None)
+        counts = decode_step_launches(llm)
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        tokens = [o.outputs[0].token_ids for o in llm.generate([list(range(5, 20)), [7, 8, 9]], params,
+                                                                use_tqdm=False)]
+        gemv_dispatch.clear()
+    return counts, tokens
+
+
 def test_rewritten_fp8_decode_folds_as_the_native_fp8_model(tiny_model_dir, interpret, monkeypatch):
     """The same folds over FP8 weights (`quantization="fp8"`, kept in e4m3 as on the GPU): the input norm in qkv_proj's
     FP8 GEMV, the closing add in down_proj's FP8 GEMV epilogue, so a batch-1 decode step of the rewritten model
@@ -77,24 +98,20 @@ def test_rewritten_fp8_decode_folds_as_the_native_fp8_model(tiny_model_dir, inte
 
     monkeypatch.setattr(quantization, "dequantize_fp8_layer", lambda module, dtype: None)  # keep e4m3 on the CPU
     path = tiny_model_dir("qwen3", num_hidden_layers=2)
-    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    prompts = [list(range(5, 20)), [7, 8, 9]]
-    counts, tokens = {}, {}
-    for impl in ("transformers", "native"):
-        llm = LLM(str(path), model_impl=impl, dtype="float32", kv_cache_memory_bytes=1 << 21, max_model_len=128,
-                  enable_prefix_caching=False, quantization="fp8")
-        model = llm.llm_engine.model_runner.model
-        with monkeypatch.context() as m:
-            m.setenv("FXREWRITE_TRITON", "1")
-            m.setenv("FXREWRITE_GEMV", "on")
-            adopt_plain_linears(model)
-            head = next(mod for n, mod in model.named_modules() if n.endswith("lm_head")).weight
-            for bucket in (1, 2):
-                gemv_dispatch.record("linear", *head.shape, bucket, None)
-            counts[impl] = decode_step_launches(llm)
-            tokens[impl] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-            gemv_dispatch.clear()
-    after, native = counts["transformers"], counts["native"]
+    after, after_tokens = _launches_and_tokens(path, "transformers", monkeypatch, quantization="fp8")
+    native, native_tokens = _launches_and_tokens(path, "native", monkeypatch, quantization="fp8")
     assert after["triton:_skinny_gemv_fp8_kernel"] == 8 and after["triton:rms_norm_kernel"] == 1, after
     assert after - native == Counter({"aten:index": 1}) and not native - after, (after - native, native - after)
-    assert tokens["transformers"] == tokens["native"]
+    assert after_tokens == native_tokens
+
+
+def test_rewritten_llama_decode_launches_the_native_kernels(tiny_model_dir, interpret, monkeypatch):
+    """A rewritten Llama (rotary without q/k norms): the rotary kernel writes the rotated q and k into new tensors
+    (no copies of the projections' outputs first), so its decode step launches the native model's kernels but the
+    rotary gather, with the native model's greedy tokens."""
+    path = tiny_model_dir("llama", num_hidden_layers=2)
+    after, after_tokens = _launches_and_tokens(path, "transformers", monkeypatch)
+    native, native_tokens = _launches_and_tokens(path, "native", monkeypatch)
+    assert after["triton:_rotary_kernel"] == 2 and not after["aten:clone"], after
+    assert after - native == Counter({"aten:index": 1}) and not native - after, (after - native, native - after)
+    assert after_tokens == native_tokens
