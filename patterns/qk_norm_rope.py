@@ -32,7 +32,8 @@ from fxrewrite.kernels.qk_norm_rope_backward import fits
 from fxrewrite.kernels.qk_norm_rope_op import qk_norm_rope_fused
 from fxrewrite.kernels.rotary_backward import rotary_apply_train
 from fxrewrite.layers.kv_context import layer_kv_cache, mark_kv_written
-from fxrewrite.layers.layernorm import RMSNorm
+from fxrewrite.layers.fold_guard import unhooked
+from fxrewrite.layers.layernorm import RMSNorm, note_rewritten_call
 from fxrewrite.patterns.base import Context, Match, Pattern, Refusal, free_attribute, require
 from fxrewrite.patterns.rotary_calls import (apply_calls, apply_rotary_qk, calls_of, fused_norms, kernel_applies,
                                              norm_refusal, packed_cos_sin, unique_call)
@@ -64,11 +65,12 @@ class QKNormRotaryEmb(nn.Module):
     def forward(self, q, k, cos, sin, unsqueeze_dim: int = 1, *, q_norm: RMSNorm, k_norm: RMSNorm, value=None):
         """q [B, Hq, S, D], k [B, Hk, S, D], cos/sin [B, S, rotary_dim] -> (q, k) normalised, rotated; q's dtype."""
         invariant = is_batch_invariant()  # the engine normalises and rotates as the trainer does
-        if self._kernel_applies(q, k, cos, unsqueeze_dim, q_norm, k_norm) and not invariant:
+        fused = unhooked(q_norm, k_norm)  # a hook on a norm sees its call: the norms' own forwards run
+        if fused and self._kernel_applies(q, k, cos, unsqueeze_dim, q_norm, k_norm) and not invariant:
             return self._kernel(q, k, cos, sin, q_norm, k_norm, value)
         training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, q_norm.weight, k_norm.weight))
         kernels = use_triton(q) or compiled_training_kernels(q)  # eager, or custom ops under torch.compile
-        if training and not invariant and kernels and self._llama_form(q_norm, k_norm) and fits(
+        if fused and training and not invariant and kernels and self._llama_form(q_norm, k_norm) and fits(
                 q, k, cos, sin, q_norm.weight, k_norm.weight, unsqueeze_dim):  # one Triton kernel each way
             return qk_norm_rope_fused(q, k, cos, sin, q_norm.weight, k_norm.weight, q_norm.variance_epsilon,
                                       k_norm.variance_epsilon, True)
@@ -206,6 +208,10 @@ class QKNormRopePattern(Pattern):
         layer = getattr(module, "layer_idx", None) if "value" in dict(match.names) else None
         layer = layer if isinstance(layer, int) and not isinstance(layer, bool) else None
         setattr(module, NEW_NAME, QKNormRotaryEmb(inplace=match.fact("inplace"), layer_idx=layer))
+        for name in ("q_norm", "k_norm"):
+            note_rewritten_call(getattr(module, match.name(name)), "called by qk_norm_rope on [batch, heads, tokens, "
+                                "head_dim] (transformers: [batch, tokens, heads, head_dim]); without hooks, inside its "
+                                "kernel")
 
     @classmethod
     def describe(cls, match: Match) -> str:

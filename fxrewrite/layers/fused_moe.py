@@ -26,6 +26,7 @@ from fxrewrite.kernels.fused_moe import SCORING, fused_experts
 from fxrewrite.kernels import moe_router_tune
 from fxrewrite.kernels.moe_norm_router import norm_route_experts
 from fxrewrite.kernels.moe_router import route_experts
+from fxrewrite.layers.fold_guard import unhooked
 from fxrewrite.layers.moe_dp import experts_across_dp
 
 
@@ -161,7 +162,8 @@ class FusedMoE(nn.Module):
                 or router_logits_wanted(router)
                 # training: the norm module's autograd pair; batch-invariant: the path a trainer's recomputation takes
                 or torch.is_grad_enabled() or is_batch_invariant()
-                or getattr(norm, "offset", None) != 0.0 or not getattr(norm, "upcast", False)):
+                or getattr(norm, "offset", None) != 0.0 or not getattr(norm, "upcast", False)
+                or not unhooked(norm)):  # a hook on the norm sees its call
             x, residual = norm(hidden_states, residual)
             out = self(x)
             return (residual + out if add_residual else out), residual

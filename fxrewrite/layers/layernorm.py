@@ -7,6 +7,8 @@ float32; Llama form ``weight * x̂.to(dtype)``; Gemma form ``(x̂ * (1 + weight)
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -15,6 +17,18 @@ from fxrewrite.kernels.rms_norm import rms_norm
 from fxrewrite.kernels.rms_norm_backward import rms_norm_train
 from fxrewrite.layers.gated_mlp import residual_norm_mlp
 from fxrewrite.layers.input_norm import normed_call
+
+
+REWRITTEN_CALLS_ATTR = "_fxrewrite_rewritten_calls"
+"""Instance attribute of a fused `RMSNorm` that its rewritten parent calls otherwise than transformers' code did
+(`note_rewritten_call`): how, for the warning a hook registered on it afterwards gets."""
+
+
+def note_rewritten_call(norm: nn.Module, how: str) -> None:
+    """Record on `norm` (an `RMSNorm`) that a rewrite changed its calls: `how` says what a hook on it would see."""
+    calls = norm.__dict__.setdefault(REWRITTEN_CALLS_ATTR, [])
+    if how not in calls:
+        calls.append(how)
 
 
 class RMSNorm(nn.Module):
@@ -57,6 +71,24 @@ class RMSNorm(nn.Module):
         positional one): where proven, the norm runs inside the module's qkv_proj
         (`fxrewrite.layers.input_norm.normed_call`)."""
         return normed_call(self, module, args, kwargs)
+
+    def _hook_warning(self, register, hook, *args, **kwargs):
+        # a warning, not an error (tools that hook every module must keep working), as for a fused-away projection
+        calls = self.__dict__.get(REWRITTEN_CALLS_ATTR)
+        if calls:
+            warnings.warn(f"a hook on this RMSNorm sees the calls fxrewrite.optimize rewrote, not transformers': "
+                          f"{'; '.join(calls)}. Register the hook before optimize to keep the norm's calls as they "
+                          "were", 
+                          UserWarning, stacklevel=3)
+        return register(hook, *args, **kwargs)
+
+    def register_forward_hook(self, hook, *args, **kwargs):
+        """`nn.Module.register_forward_hook`, with a UserWarning where the rewrite changed this norm's calls."""
+        return self._hook_warning(super().register_forward_hook, hook, *args, **kwargs)
+
+    def register_forward_pre_hook(self, hook, *args, **kwargs):
+        """`nn.Module.register_forward_pre_hook`, with a UserWarning where the rewrite changed this norm's calls."""
+        return self._hook_warning(super().register_forward_pre_hook, hook, *args, **kwargs)
 
     def _forward_no_upcast(self, x: torch.Tensor, residual: torch.Tensor | None):
         if residual is not None:

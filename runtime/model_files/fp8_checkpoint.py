@@ -1,40 +1,75 @@
 """Write an FP8 block-quantized copy of a model folder, in the layout Qwen3-*-FP8 / DeepSeek-V3 ship.
 
-Every 2-D ``*proj.weight`` of a decoder layer becomes float8_e4m3fn with a float32
-``<name>_scale_inv`` of shape [ceil(N / 128), ceil(K / 128)] (dequantized = fp8 * scale, scale =
-block amax / 448, as transformers' ``Fp8Quantize``); embeddings, norms and the LM head stay as they
-were; ``config.json`` gains ``quantization_config = {"quant_method": "fp8", "activation_scheme":
-"dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}``. Used by the tests and the FP8 demo (no
-FP8 checkpoint can be downloaded here); ``python -m fxrewrite.runtime.model_files.fp8_checkpoint SRC DST``.
+The weight of every linear layer the FP8 loader quantizes (`fxrewrite.runtime.model_files.quantization`: each
+``nn.Linear`` of the model but the LM head and MoE routers, whatever its name: q_proj, query_key_value, c_fc,
+kv_a_proj_with_mqa, a shared expert's gate) and every per-expert projection of an MoE checkpoint (gate/up/down,
+Mixtral's w1/w3/w2) becomes float8_e4m3fn with a float32 ``<name>_scale_inv`` of shape [ceil(N / 128),
+ceil(K / 128)] (dequantized = fp8 * scale, scale = block amax / 448, as transformers' ``Fp8Quantize``); embeddings,
+norms, routers and the LM head stay as they were; ``config.json`` gains ``quantization_config = {"quant_method":
+"fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}``. The linear layers are read
+off the model transformers builds from the folder's config (on the meta device: no weights); where it cannot build
+one, the names decide (``*proj.weight`` in a decoder layer). Used by the tests and the FP8 demo (no FP8 checkpoint
+can be downloaded here); ``python -m fxrewrite.runtime.model_files.fp8_checkpoint SRC DST``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 import shutil
 from pathlib import Path
+
+from torch import nn
 
 from fxrewrite.errors import UserInputError
 from fxrewrite.layers.fp8_linear import quantize_weight_fp8
 from fxrewrite.runtime.model_files.loader import iterate_safetensors
 
+logger = logging.getLogger(__name__)
 
-_MIXTRAL_EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
+_EXPERT = re.compile(r"\.experts\.\d+\.(\w*proj|w[123])\.weight$")  # one expert's projection in the checkpoint
+_ROUTERS = ("gate", "router")  # a router is a linear layer of these names in some models (routed experts' gate)
 
 
-def is_quantized_name(name: str, tensor) -> bool:
-    """Decoder-layer projection weights (attention q/k/v/o, MLP and expert gate/up/down, Mixtral's expert
-    w1/w3/w2) are quantized; routers, norms, embeddings and the LM head are not."""
-    projection = name.endswith("proj.weight") or _MIXTRAL_EXPERT.search(name) is not None
-    return ".layers." in name and projection and tensor.dim() == 2
+def is_quantized_name(name: str, tensor, linears: frozenset[str] | None = None) -> bool:
+    """Whether checkpoint tensor `name` is quantized: 2-D, and the weight of one of `linears` (module names of the
+    model's linear layers, `linear_layer_names`) or a per-expert projection; without `linears`, a decoder layer's
+    ``*proj.weight`` or per-expert projection. MoE routers, norms, embeddings and the LM head are not."""
+    if tensor.dim() != 2 or not name.endswith(".weight"):
+        return False
+    if _EXPERT.search(name):
+        return True
+    module = name[: -len(".weight")]
+    if linears is not None:
+        return module in linears
+    return ".layers." in name and name.endswith("proj.weight")
+
+
+def linear_layer_names(src: Path) -> frozenset[str] | None:
+    """Module names of the ``nn.Linear`` layers of the causal LM transformers builds from `src`'s config (meta
+    device), less the output embedding and routers (a last name part in `_ROUTERS`): what the FP8 loader quantizes.
+    None (logged) when transformers cannot build it."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src))
+    except Exception as e:  # noqa: BLE001 - an architecture transformers cannot build: the names decide
+        logger.warning("fp8_checkpoint: transformers cannot build %s (%s: %s); quantizing decoder *proj weights by "
+                       "name", src, type(e).__name__, str(e)[:200])
+        return None
+    head = model.get_output_embeddings()
+    return frozenset(name for name, m in model.named_modules()
+                     if isinstance(m, nn.Linear) and m is not head and name.rsplit(".", 1)[-1] not in _ROUTERS)
 
 
 def write_fp8_checkpoint(src: str | Path, dst: str | Path, block: tuple[int, int] = (128, 128)) -> Path:
-    """Copy folder `src` to `dst` with its decoder projections quantized; returns `dst`. UserInputError, before
-    `dst` is made, for a `src` that is not a model folder with safetensors, is already quantized, or is `dst`, and
-    for a `dst` that is a file. Weights go to ``dst/model.safetensors``, which loaders read before any other
+    """Copy folder `src` to `dst` with its linear layers quantized (module docstring); returns `dst`. UserInputError,
+    before `dst` is made, for a `src` that is not a model folder with safetensors, is already quantized, or is `dst`,
+    and for a `dst` that is a file. Weights go to ``dst/model.safetensors``, which loaders read before any other
     ``*.safetensors`` file left in `dst`.
 
     Non-safetensors files (tokenizer, generation config) are copied as they are.
@@ -56,9 +91,9 @@ def write_fp8_checkpoint(src: str | Path, dst: str | Path, block: tuple[int, int
     for f in src.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
             shutil.copy2(f, dst / f.name)
-    tensors = {}
+    tensors, linears = {}, linear_layer_names(src)
     for name, t in iterate_safetensors(src):
-        if is_quantized_name(name, t):
+        if is_quantized_name(name, t, linears):
             tensors[name], tensors[name + "_scale_inv"] = quantize_weight_fp8(t, block)
         else:
             tensors[name] = t.contiguous()

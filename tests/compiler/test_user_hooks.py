@@ -106,3 +106,28 @@ def test_a_hook_on_a_fused_away_projection_warns_that_it_never_runs():
                      q_proj.register_full_backward_hook, q_proj.register_full_backward_pre_hook):
         with pytest.warns(UserWarning, match="'q_proj' never runs: it was fused into 'qkv_proj'"):
             register(lambda *args: None).remove()
+
+
+def test_hooks_added_after_optimize_on_norms_whose_calls_changed_are_warned():
+    """fresh-user report: a hook registered after optimize on post_attention_layernorm got (normed, residual) and two
+    inputs (the residual add folded into the norm) and its `o * 2` broke the layer with a bare unpacking error; one on
+    q_norm saw another layout. Now registering such a hook warns, naming the new call form; a norm the rewrite calls
+    as transformers did (the final norm) registers silently; a hooked q_norm runs its own forward (not skipped by the
+    fused kernel) and the logits stay stock's when the hook changes nothing."""
+    import warnings
+
+    stock = tiny_model("qwen3").eval()
+    model = fxrewrite.optimize(copy.deepcopy(stock)).eval()
+    layer = model.model.layers[1]
+    with pytest.warns(UserWarning, match=r"called as norm\(x, residual\), returning \(normed, x \+ residual\)"):
+        layer.post_attention_layernorm.register_forward_hook(lambda m, args, out: None)
+    seen = []
+    with pytest.warns(UserWarning, match=r"qk_norm_rope on \[batch, heads, tokens, head_dim\]"):
+        layer.self_attn.q_norm.register_forward_hook(lambda m, args, out: seen.append(tuple(out.shape)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.model.norm.register_forward_pre_hook(lambda m, args: None)
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=1e-5, atol=1e-5)
+    assert len(seen) == 1 and seen[0][2] == 3, seen  # [batch, heads, tokens, head_dim]

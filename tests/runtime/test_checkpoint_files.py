@@ -102,6 +102,33 @@ def test_fp8_checkpoint_refuses_a_file_as_destination_and_quantizes_mixtral_expe
     assert not is_quantized_name("model.layers.0.input_layernorm.weight", torch.zeros(4))
 
 
+@pytest.mark.parametrize("arch", ["gpt_neox", "starcoder2", "qwen2_moe", "deepseek_v3"])
+def test_fp8_checkpoint_quantizes_what_the_loader_expects(tiny_model_dir, tmp_path, arch):
+    """fresh-user report: the tool quantized `*proj.weight` names only, so GPT-NeoX's query_key_value, Starcoder2's
+    c_fc, Qwen2-MoE's shared_expert_gate and DeepSeek-V3's kv_a_proj_with_mqa stayed float and the engine refused
+    the folder (missing *_scale_inv). Now every linear layer of the model transformers builds (but the head and the
+    routers) is FP8, the folder loads, and its greedy tokens are the model's own on the dequantized weights."""
+    from safetensors import safe_open
+
+    from fxrewrite.layers.fp8_linear import dequantize_weight_fp8
+
+    src = tiny_model_dir(arch)
+    dst = write_fp8_checkpoint(src, tmp_path / "fp8")
+    with safe_open(str(dst / "model.safetensors"), framework="pt") as f:
+        tensors = {n: f.get_tensor(n) for n in f.keys()}
+    quantized = {n[: -len("_scale_inv")] for n in tensors if n.endswith("_scale_inv")}
+    assert quantized and all(tensors[n].dtype == torch.float8_e4m3fn for n in quantized)
+    assert not any("lm_head" in n or "embed" in n or n.endswith(".gate.weight") for n in quantized), quantized
+    dequantized = _copy_without_weights(src, tmp_path / "dequantized")  # the same values in float32
+    save_file({n: (dequantize_weight_fp8(t, tensors[n + "_scale_inv"], (128, 128)) if n in quantized else t)
+               for n, t in tensors.items() if not n.endswith("_scale_inv")}, str(dequantized / "model.safetensors"))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    got, want = ([o.outputs[0].token_ids for o in LLM(str(folder), model_impl="transformers", dtype="float32",
+                                                      block_size=4).generate([[5, 6, 7, 8]], params, use_tqdm=False)]
+                 for folder in (dst, dequantized))
+    assert got == want
+
+
 def _with_tensors(src, dst, change) -> "Path":
     folder = _copy_without_weights(src, dst)
     tensors = _tensors(src)
