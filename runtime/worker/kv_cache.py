@@ -89,8 +89,9 @@ def allocate_kv_caches(
         if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
             raise
         gib = math.prod(shape) * dtype.itemsize / 2**30
-        raise UserInputError(f"the KV cache of {num_blocks} blocks ({gib:.1f} GiB) does not fit in {device}'s memory; "
-                             "lower kv_cache_memory_bytes or gpu_memory_utilization") from None
+        raise UserInputError(f"the KV cache of {num_blocks} blocks of block_size={block_size} tokens ({gib:.1f} GiB) "
+                             f"does not fit in {device}'s memory; lower kv_cache_memory_bytes, gpu_memory_utilization "
+                             "or block_size") from None
     values = cache[1]
     if values_keys_contiguous(dtype):  # the same storage laid out [L, num_blocks, Hkv, D, block_size]
         values = values.view(num_layers, num_blocks, num_kv_heads, head_dim, block_size).permute(0, 1, 4, 2, 3)

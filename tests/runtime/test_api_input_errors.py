@@ -107,8 +107,9 @@ def test_a_kv_cache_larger_than_memory_is_a_user_error(tiny_qwen3_dir, monkeypat
         return zeros(shape, *args, **kwargs)
 
     monkeypatch.setattr(kv_cache.torch, "zeros", refuse)
-    with pytest.raises(UserInputError, match=r"the KV cache of \d+ blocks \(0\.0 GiB\) does not fit in cpu's memory; "
-                                             "lower kv_cache_memory_bytes"):
+    with pytest.raises(UserInputError, match=r"the KV cache of \d+ blocks of block_size=16 tokens \(0\.0 GiB\) does not "
+                                             "fit in cpu's memory; lower kv_cache_memory_bytes, gpu_memory_utilization "
+                                             "or block_size"):
         LLM(str(tiny_qwen3_dir), kv_cache_memory_bytes=1 << 22, max_model_len=256)
 
 
