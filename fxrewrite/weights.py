@@ -13,13 +13,13 @@ ones through each pattern's `shards`, recorded on the rewritten module as
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Any, Iterable
 
 import torch
 from torch import nn
 
 from fxrewrite.errors import FusedAwayError, UserInputError
+from fxrewrite.layers.hook_warning import WarnsOnHooks
 
 SHARDS_ATTR = "_fxrewrite_shards"
 _HOOKED = "_fxrewrite_hf_hooks"
@@ -254,7 +254,7 @@ def to_hf_names(model: nn.Module, named: dict[str, torch.Tensor]) -> dict[str, t
     return out
 
 
-class FusedAway(nn.Linear):
+class FusedAway(WarnsOnHooks, nn.Linear):
     """Placeholder left where `optimize` removed a child (``q_proj`` fused into ``qkv_proj``): no parameters,
     never called. It exists so that a LoRA (PEFT) target naming the removed child fails with this
     module's description (PEFT prints it in "Target module ... is not supported") instead of silently
@@ -283,24 +283,9 @@ class FusedAway(nn.Linear):
                                  "'all-linear', a weight init, a quantizer) would miss the fused projection: apply "
                                  "it before fxrewrite.optimize (for LoRA: peft.get_peft_model first)") from None
 
-    def _hook_warning(self, register, hook, *args, **kwargs):
-        # a warning, not an error: tools that hook every module (DeepSpeed ZeRO-3, summaries) must keep working
-        warnings.warn(f"a hook on {self.name!r} never runs: it was fused into {self.fused!r} by fxrewrite.optimize "
-                      f"(hook {self.fused!r}, whose output holds its rows, or register the hook before optimize)",
-                      UserWarning, stacklevel=3)
-        return register(hook, *args, **kwargs)
-
-    def register_forward_hook(self, hook, *args, **kwargs):
-        return self._hook_warning(super().register_forward_hook, hook, *args, **kwargs)
-
-    def register_forward_pre_hook(self, hook, *args, **kwargs):
-        return self._hook_warning(super().register_forward_pre_hook, hook, *args, **kwargs)
-
-    def register_full_backward_hook(self, hook, *args, **kwargs):
-        return self._hook_warning(super().register_full_backward_hook, hook, *args, **kwargs)
-
-    def register_full_backward_pre_hook(self, hook, *args, **kwargs):
-        return self._hook_warning(super().register_full_backward_pre_hook, hook, *args, **kwargs)
+    def _hook_warning_text(self) -> str:
+        return (f"a hook on {self.name!r} never runs: it was fused into {self.fused!r} by fxrewrite.optimize "
+                f"(hook {self.fused!r}, whose output holds its rows, or register the hook before optimize)")
 
     def extra_repr(self) -> str:
         return (f"{self.name!r} was fused into {self.fused!r} by fxrewrite.optimize; to train LoRA adapters on it, "

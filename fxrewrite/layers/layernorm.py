@@ -7,8 +7,6 @@ float32; Llama form ``weight * x̂.to(dtype)``; Gemma form ``(x̂ * (1 + weight)
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import nn
 
@@ -16,6 +14,7 @@ from fxrewrite.kernels import compiled_serving_kernels
 from fxrewrite.kernels.rms_norm import rms_norm
 from fxrewrite.kernels.rms_norm_backward import rms_norm_train
 from fxrewrite.layers.gated_mlp import residual_norm_mlp
+from fxrewrite.layers.hook_warning import WarnsOnHooks
 from fxrewrite.layers.input_norm import normed_call
 
 
@@ -31,7 +30,7 @@ def note_rewritten_call(norm: nn.Module, how: str) -> None:
         calls.append(how)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(WarnsOnHooks, nn.Module):
     """RMSNorm over the last dim: x [..., hidden_size] -> same shape and dtype.
 
     ``forward(x, residual)`` first sets residual = x + residual (in x's dtype, as the HF decoder
@@ -72,23 +71,12 @@ class RMSNorm(nn.Module):
         (`fxrewrite.layers.input_norm.normed_call`)."""
         return normed_call(self, module, args, kwargs)
 
-    def _hook_warning(self, register, hook, *args, **kwargs):
-        # a warning, not an error (tools that hook every module must keep working), as for a fused-away projection
+    def _hook_warning_text(self) -> str | None:
         calls = self.__dict__.get(REWRITTEN_CALLS_ATTR)
-        if calls:
-            warnings.warn(f"a hook on this RMSNorm sees the calls fxrewrite.optimize rewrote, not transformers': "
-                          f"{'; '.join(calls)}. Register the hook before optimize to keep the norm's calls as they "
-                          "were", 
-                          UserWarning, stacklevel=3)
-        return register(hook, *args, **kwargs)
-
-    def register_forward_hook(self, hook, *args, **kwargs):
-        """`nn.Module.register_forward_hook`, with a UserWarning where the rewrite changed this norm's calls."""
-        return self._hook_warning(super().register_forward_hook, hook, *args, **kwargs)
-
-    def register_forward_pre_hook(self, hook, *args, **kwargs):
-        """`nn.Module.register_forward_pre_hook`, with a UserWarning where the rewrite changed this norm's calls."""
-        return self._hook_warning(super().register_forward_pre_hook, hook, *args, **kwargs)
+        if not calls:
+            return None
+        return (f"a hook on this RMSNorm sees the calls fxrewrite.optimize rewrote, not transformers': "
+                f"{'; '.join(calls)}. Register the hook before optimize to keep the norm's calls as they were")
 
     def _forward_no_upcast(self, x: torch.Tensor, residual: torch.Tensor | None):
         if residual is not None:

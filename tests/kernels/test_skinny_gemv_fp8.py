@@ -132,15 +132,21 @@ def _fp8_layers(per_channel: bool):
     return qkv, down, norm
 
 
-@pytest.mark.parametrize("per_channel", [False, True])
-def test_fp8_layers_run_the_gemv_like_their_dequantized_twins(interpret, monkeypatch, per_channel):
-    qkv, down, norm = _fp8_layers(per_channel)
-    x, res, gate_up = torch.randn(3, 256), torch.randn(3, 256), torch.randn(3, 768)
+def _record_gemv_runs(monkeypatch) -> list[dict]:
+    """Triton on (interpreted), the tuned GEMV choices honoured; each `gemv_dispatch.run` call's keywords noted."""
     monkeypatch.setenv("FXREWRITE_TRITON", "1")
     monkeypatch.setenv("FXREWRITE_GEMV", "auto")
     calls = []
     real_run = gemv_dispatch.run
     monkeypatch.setattr(gemv_dispatch, "run", lambda *a, **kw: calls.append(kw) or real_run(*a, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_fp8_layers_run_the_gemv_like_their_dequantized_twins(interpret, monkeypatch, per_channel):
+    qkv, down, norm = _fp8_layers(per_channel)
+    x, res, gate_up = torch.randn(3, 256), torch.randn(3, 256), torch.randn(3, 768)
+    calls = _record_gemv_runs(monkeypatch)
     with torch.no_grad():
         got = [qkv.norm_forward(x, norm, res), down.silu_forward(gate_up, SiluAndMul()), down(gate_up[:, :384])]
         assert len(calls) == 3 and all(c["w_scale"] is not None for c in calls)
@@ -162,11 +168,7 @@ def test_fp8_layers_fold_the_rewrite_norm_and_residual_into_the_gemv(interpret, 
 
     qkv, down, norm = _fp8_layers(per_channel)
     x, gate_up, r = torch.randn(3, 256), torch.randn(3, 768), torch.randn(3, 256)
-    monkeypatch.setenv("FXREWRITE_TRITON", "1")
-    monkeypatch.setenv("FXREWRITE_GEMV", "auto")
-    calls = []
-    real_run = gemv_dispatch.run
-    monkeypatch.setattr(gemv_dispatch, "run", lambda *a, **kw: calls.append(kw) or real_run(*a, **kw))
+    calls = _record_gemv_runs(monkeypatch)
     with torch.no_grad():
         got = [down.silu_forward(gate_up, SiluAndMul(), out_residual=r), down.add_forward(gate_up[:, :384], r)]
         qkv.__dict__[PENDING_NORM_ATTR] = norm
