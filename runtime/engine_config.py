@@ -24,6 +24,9 @@ COMPILATION_LEVELS = (0, 1, 2, 3)
 logger = logging.getLogger(__name__)
 
 
+DEFAULT_BLOCK_SIZE = 16
+
+
 @dataclass
 class EngineConfig:
     """Everything `LLM(...)` accepts. Units: tokens, blocks of `block_size` tokens, bytes."""
@@ -43,7 +46,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     """Token budget of one step (chunked prefill); None means max(8192, max_num_seqs)."""
-    block_size: int = 16
+    block_size: int | None = DEFAULT_BLOCK_SIZE  # tokens per KV block; None: the default
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
     """Fraction of GPU memory the engine may use (weights + activations + KV cache), in (0, 1]."""
@@ -102,6 +105,8 @@ class EngineConfig:
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_choice("runner", self.runner, RUNNERS)
         check_compilation_config(self.compilation_config)
+        if self.block_size is None:  # vLLM's None: the default
+            self.block_size = DEFAULT_BLOCK_SIZE
         positive = {
             "max_num_seqs": self.max_num_seqs,
             "block_size": self.block_size,

@@ -204,3 +204,11 @@ def test_dtype_of_the_wrong_type_names_it():
 
     with pytest.raises(TypeError, match=r"dtype=5 must be a string or a torch.dtype"):
         EngineConfig.from_kwargs(dtype=5)
+
+
+def test_block_size_none_is_the_default():
+    """fresh-user report: block_size=None passed the checks and failed at the KV-cache allocation with torch's
+    TypeError; as in vLLM, None is the default block size."""
+    from fxrewrite.runtime.engine_config import DEFAULT_BLOCK_SIZE, EngineConfig
+
+    assert EngineConfig(model="unused", block_size=None).block_size == DEFAULT_BLOCK_SIZE == 16
