@@ -38,7 +38,8 @@ from torch import nn
 
 from fxrewrite import hub_kernels
 
-__all__ = ["BOUND_ATTR", "BOUND_ATTRS", "HOOK_DICTS", "MEMO_ATTR", "difference", "input_key", "instance_forward",
+__all__ = ["BOUND_ATTR", "BOUND_ATTRS", "HOOK_DICTS", "MEMO_ATTR", "SOURCE_ACT_ATTR", "difference", "input_key",
+           "instance_forward",
            "structure_key", "structure_keys"]
 
 BOUND_ATTR = "_fxrewrite_compiled"
@@ -49,10 +50,14 @@ MEMO_ATTR = "__fxrewrite_wrapped__"
 INDEX_ATTRS = ("layer_idx",)
 RECORD_ATTRS = ("kwargs",)
 """Attributes that record how a module was built (PEFT's LoRA layers): ignored when only ``__init__`` names them."""
+SOURCE_ACT_ATTR = "_fxrewrite_source_act"
+"""Instance attribute (not a registered child) of a gated activation the rewrite built in place of an MLP's
+activation module (`fxrewrite.layers.activation`): that module, still the MLP's registered child, so it is keyed
+there and left out of the activation's key (by identity it would make every layer's key its own)."""
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 BOUND_ATTRS = ("forward", "_replicate_for_data_parallel", "__reduce_ex__", BOUND_ATTR)
 """The instance attributes ``fxrewrite.bound_forward.bind`` sets."""
-_SKIP = frozenset({"_parameters", "_buffers", "_modules", *BOUND_ATTRS, *HOOK_DICTS,
+_SKIP = frozenset({"_parameters", "_buffers", "_modules", SOURCE_ACT_ATTR, *BOUND_ATTRS, *HOOK_DICTS,
                    "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs",
                    "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
                    "_load_state_dict_post_hooks", "_is_full_backward_hook"})

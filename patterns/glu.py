@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxrewrite import nodes, source
-from fxrewrite.layers.activation import GeluAndMul, SiluAndMul
+from fxrewrite.layers.activation import SOURCE_ACT_ATTR, GeluAndMul, SiluAndMul
 from fxrewrite.layers.gated_mlp import GATED_MLP_ATTR
 from fxrewrite.layers.linear import MergedColumnParallelLinear
 from fxrewrite.patterns import feature_path
@@ -303,6 +303,8 @@ class GLUPattern(Pattern):
         # the fused gate_up output is new and read only by the activation: its backward may overwrite it
         act = (SiluAndMul(inplace_backward=True) if kind == "silu"
                else GeluAndMul("tanh" if kind == "gelu_tanh" else "none", inplace_backward=True))
+        if match.fact("act_is_module"):  # a hook put on it later runs (not registered: no second module path)
+            act.__dict__[SOURCE_ACT_ATTR] = getattr(module, match.name("act"))
         delattr(module, match.name("gate"))
         delattr(module, match.name("up"))
         setattr(module, NEW_LINEAR, fused)

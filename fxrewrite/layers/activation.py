@@ -16,6 +16,8 @@ from fxrewrite.kernels.activation import gelu_and_mul, silu_and_mul
 from fxrewrite.kernels.activation_backward import act_and_mul_train
 from fxrewrite.kernels.batch_invariant import is_batch_invariant
 from fxrewrite.kernels.gated_mlp_down import act_and_mul_down_train
+from fxrewrite.layers.fold_guard import unhooked
+from fxrewrite.signature import SOURCE_ACT_ATTR
 
 
 def _needs_grad(x: torch.Tensor) -> bool:
@@ -42,10 +44,23 @@ class _GatedActivation(nn.Module):
 
     def forward(self, x: torch.Tensor, down: nn.Module | None = None) -> torch.Tensor:
         """x [..., 2*d] -> [..., d] in x's dtype (or ``down`` of it); ValueError on an odd last dim."""
+        source = self.hooked_source()
+        if source is not None:  # the user's hook on the fused-away activation module runs, on the gate half
+            gate, up = x.chunk(2, dim=-1)
+            y = source(gate) * up
+            return y if down is None else down(y)
         if _fused_down(x, down):
             return act_and_mul_down_train(x, down.weight, down.bias, self.act, self.inplace_backward)
         y = self._act(x)
         return y if down is None else down(y)
+
+
+    def hooked_source(self) -> nn.Module | None:
+        """The activation module this layer replaced (`SOURCE_ACT_ATTR`, e.g. the MLP's ``act_fn``) when a hook is on
+        it (or a global module hook is set), else None: such a hook, put on after `optimize`, then runs on the gate
+        half as it did before the fusion."""
+        source = self.__dict__.get(SOURCE_ACT_ATTR)
+        return None if source is None or unhooked(source) else source
 
 
 class SiluAndMul(_GatedActivation):

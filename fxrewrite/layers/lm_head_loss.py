@@ -19,6 +19,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from fxrewrite.kernels.fused_linear_cross_entropy import default_chunk_size, fused_linear_cross_entropy
 from fxrewrite.kernels.fused_linear_cross_entropy_op import fused_linear_cross_entropy_op
 from fxrewrite.layers.deferred_head_grad import ScaleRecorder, head_deferrable
+from fxrewrite.layers.fold_guard import unhooked
 
 __all__ = ["LOSS_BREAK", "LMHeadCrossEntropy"]
 
@@ -67,12 +68,15 @@ class LMHeadCrossEntropy(nn.Module):
     def fuses(self, model: nn.Module, labels, hidden_states, head, shift_labels=None) -> bool:
         """Whether this call takes the fused path: labels given, the model training with autograd on, a
         ModelOutput asked for (``return_dict`` not off), the loss still transformers' ``ForCausalLMLoss``, a plain
-        ``nn.Linear`` head (PEFT / tensor-parallel wrappers keep the stock path), and labels shaped like the tokens
+        ``nn.Linear`` head without hooks (PEFT / tensor-parallel wrappers and a head hooked after optimize keep the
+        stock path), and labels shaped like the tokens
         (else the stock path raises the stock error). Notes whether the base model checkpoints its layers (the chunk
         size follows)."""
         if labels is None or not (model.training and torch.is_grad_enabled()) or self.tuple_output:
             return False  # a tuple has no field names: without its logits every later element would move up
         if type(head) is not nn.Linear or type(head.weight) not in (nn.Parameter, torch.Tensor):  # Tensor: a replica's
+            return False
+        if not unhooked(head):  # a hook put on the head after optimize sees its call (the logits), as in stock
             return False
         if model.loss_function is not ForCausalLMLoss:
             return False

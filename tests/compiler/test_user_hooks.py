@@ -131,3 +131,44 @@ def test_hooks_added_after_optimize_on_norms_whose_calls_changed_are_warned():
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=1e-5, atol=1e-5)
     assert len(seen) == 1 and seen[0][2] == 3, seen  # [batch, heads, tokens, head_dim]
+
+
+def test_a_hook_on_the_activation_after_optimize_runs_on_the_gate_half():
+    """The activation module (act_fn) stays on the MLP after its gate/up fusion, which computes silu(gate) * up in
+    one kernel: a hook put on it later used to never run, silently. Now the call takes act_fn(gate) * up through it,
+    in inference and training alike (also in the decoder layer's norm/MLP fold), with stock's logits and gradients."""
+    stock = tiny_model("llama")
+    model = fxrewrite.optimize(copy.deepcopy(stock))
+    mlp = model.model.layers[1].mlp
+    seen = []
+    handle = mlp.act_fn.register_forward_hook(
+        lambda m, args, out: seen.append((tuple(args[0].shape), out.requires_grad)))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(ids).logits, stock.eval()(ids).logits, rtol=1e-5, atol=1e-5)
+    assert seen == [((1, 4, stock.config.intermediate_size), False)]
+    model.train(), stock.train()
+    model(ids, labels=ids).loss.backward()
+    stock(ids, labels=ids).loss.backward()
+    assert seen[1:] == [((1, 4, stock.config.intermediate_size), True)]
+    torch.testing.assert_close(mlp.gate_up_proj.weight.grad,
+                               torch.cat([stock.model.layers[1].mlp.gate_proj.weight.grad,
+                                          stock.model.layers[1].mlp.up_proj.weight.grad]), rtol=1e-5, atol=1e-6)
+    handle.remove()
+    with torch.no_grad():
+        model.eval()(ids)
+    assert len(seen) == 2  # removed: the fused kernel again
+
+
+def test_a_hook_on_the_lm_head_after_optimize_runs_in_a_training_call():
+    """A training call with labels fuses lm_head into the loss (no logits made); a hook on lm_head registered after
+    optimize used to be skipped there. Now that call keeps the stock path: the hook sees the logits, the loss is
+    stock's."""
+    stock = tiny_model("qwen3").train()
+    model = fxrewrite.optimize(copy.deepcopy(stock)).train()
+    seen = []
+    model.lm_head.register_forward_hook(lambda m, args, out: seen.append(tuple(out.shape)))
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    out = model(ids, labels=ids)
+    assert seen == [(1, 5, stock.config.vocab_size)] and out.logits is not None
+    torch.testing.assert_close(out.loss, stock(ids, labels=ids).loss, rtol=1e-5, atol=1e-6)
