@@ -81,6 +81,24 @@ class Context:
     model: nn.Module
     config: Any = None
     merge_weights: bool = True
+    _sharing: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def sharing(self) -> tuple[dict, dict]:
+        """({id(module): [(id(parent), qualified name)] for each parent holding it}, the same for each parameter
+        and the modules holding it), over the model as it was when first asked (before any build); ids, so that no
+        weight a build deletes is kept alive. `require_unshared` reads it."""
+        if self._sharing is None:
+            children: dict[int, list[tuple[int, str]]] = {}
+            params: dict[int, list[tuple[int, str]]] = {}
+            for path, module in self.model.named_modules(remove_duplicate=False):
+                for name, child in module._modules.items():
+                    if child is not None:
+                        children.setdefault(id(child), []).append((id(module), f"{path}.{name}".lstrip(".")))
+                for name, param in module._parameters.items():
+                    if param is not None:
+                        params.setdefault(id(param), []).append((id(module), f"{path}.{name}".lstrip(".")))
+            self._sharing = (children, params)
+        return self._sharing
 
 
 class Pattern:
@@ -138,6 +156,21 @@ def require_same_requires_grad(mods: dict[str, nn.Module]) -> None:
         flags = {n: p.requires_grad for n, m in mods.items() if (p := getattr(m, pname, None)) is not None}
         require(len(set(flags.values())) <= 1, f"{', '.join(mods)} differ in {pname}.requires_grad ({flags}): "
                                                "fused, they would be trained or frozen together")
+
+
+def require_unshared(ctx: Context, owner: nn.Module, mods: dict[str, nn.Module]) -> None:
+    """Refuse when a module a fusion copies into a new one ({child name: module} of `owner`) is also another
+    module's child, or one of its own parameters is also another module's (weights shared across layers, as in
+    ALBERT or MobileLLM): the fused copy would untie them, so the shared weight would get each place's gradient
+    apart and drift after the first optimizer step. A module shared as a whole (one decoder layer called twice)
+    is rewritten once and stays shared."""
+    children, params = ctx.sharing()
+    for name, module in mods.items():
+        shared = [(name, path) for parent, path in children.get(id(module), []) if parent != id(owner)]
+        shared += [(f"{name}.{pname}", path) for pname, param in module._parameters.items() if param is not None
+                   for holder, path in params.get(id(param), []) if holder != id(module)]
+        if shared:
+            raise Refusal(f"{shared[0][0]} is also {shared[0][1]} (shared weights): a fused copy would untie them")
 
 
 def copy_requires_grad(new: nn.Module, *old: nn.Module) -> None:

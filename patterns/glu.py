@@ -24,7 +24,7 @@ from fxrewrite.layers.gated_mlp import GATED_MLP_ATTR
 from fxrewrite.layers.linear import MergedColumnParallelLinear
 from fxrewrite.patterns import feature_path
 from fxrewrite.patterns.base import (PREFUSED_ATTR, Context, Match, Pattern, copy_requires_grad, free_attribute,
-                                     require, require_same_requires_grad)
+                                     require, require_same_requires_grad, require_unshared)
 
 NEW_LINEAR, NEW_ACT = "gate_up_proj", "act_and_mul"
 _ACTS = {"silu": lambda x: F.silu(x), "gelu": lambda x: F.gelu(x), "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -271,6 +271,7 @@ class GLUPattern(Pattern):
         require(gate.in_features == up.in_features and gate.out_features == up.out_features, "gate/up shapes differ")
         require((gate.bias is None) == (up.bias is None), "gate and up disagree on bias")
         require_same_requires_grad({match.name("gate"): gate, match.name("up"): up})
+        require_unshared(ctx, module, {match.name("gate"): gate, match.name("up"): up})
         if match.fact("act_is_module"):
             kind = probe_activation(getattr(module, match.name("act")))
             require(kind == match.fact("act"), f"activation of this instance is {kind}, not {match.fact('act')}")

@@ -28,7 +28,7 @@ from torch.func import functional_call
 from fxrewrite import nodes, origin, tracer
 from fxrewrite.kernels.fused_moe import fused_experts_ref
 from fxrewrite.layers.fused_moe import FusedExperts, FusedMoE
-from fxrewrite.patterns.base import Context, Match, Pattern, Refusal, copy_requires_grad, require
+from fxrewrite.patterns.base import Context, Match, Pattern, Refusal, copy_requires_grad, require, require_unshared
 
 
 def _expert_params(module: nn.Module) -> tuple[str, str] | None:
@@ -178,6 +178,8 @@ class MoEPattern(Pattern):
         router = module.get_submodule(match.name("router"))
         require(tuple(router.weight.shape) == (e, getattr(experts, pnames[0]).shape[2]), "router weight is not [E, H]")
         _require_own_implementation(experts)
+        require_unshared(ctx, module.get_submodule(match.name("experts").rpartition(".")[0]),
+                         {match.name("experts"): experts})
         _probe_experts(experts, pnames, match.fact("top_k"))
 
     @classmethod

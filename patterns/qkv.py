@@ -22,7 +22,7 @@ from fxrewrite.patterns import qkv_prefused as prefused
 from fxrewrite.layers.input_norm import NORMED_INPUT_ATTR
 from fxrewrite.layers.linear import QKVParallelLinear
 from fxrewrite.patterns.base import (PREFUSED_ATTR, Context, Match, Pattern, Refusal, copy_requires_grad,
-                                     free_attribute, require, require_same_requires_grad)
+                                     free_attribute, require, require_same_requires_grad, require_unshared)
 
 _ROLES = ("q", "k", "v")
 NEW_NAME = "qkv_proj"
@@ -195,6 +195,7 @@ class QKVPattern(Pattern):
                 "q/k/v input sizes or biases differ on this instance")
         require(len({(m.weight.dtype, m.weight.device) for m in mods}) == 1, "q/k/v dtypes or devices differ")
         require_same_requires_grad({match.name(r): m for r, m in zip(_ROLES, mods)})
+        require_unshared(ctx, module, {match.name(r): m for r, m in zip(_ROLES, mods)})
 
     @classmethod
     def build(cls, match: Match, module: nn.Module, ctx: Context) -> None:
