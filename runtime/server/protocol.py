@@ -43,7 +43,9 @@ _SEED_RANGE = {"ge": -(2**63), "le": 2**63 - 1}
 
 # OpenAI / vLLM fields this server does not implement: a request that sets them gets a 400
 # rather than an answer that silently ignores them. Value: the setting that means "off".
-UNSUPPORTED_FIELDS = {"functions": [], "suffix": "", "logits_processors": [], "use_beam_search": False}
+UNSUPPORTED_FIELDS = {"functions": [], "suffix": "", "logits_processors": [], "use_beam_search": False, "priority": 0}
+"""Request fields this server does not implement: {name: the one value accepted (the field's "off")}; any other
+value is a 400 naming the field (vLLM's `priority` needs its priority scheduling, which this engine lacks)."""
 
 
 def random_id(prefix: str) -> str:
@@ -194,7 +196,7 @@ class SamplingRequest(RequestModel):
         for name, off in UNSUPPORTED_FIELDS.items():
             value = (self.model_extra or {}).get(name)
             if value is not None and value != off:
-                raise FieldError(name, f"{name} is not supported by this server")
+                raise FieldError(name, f"{name}={value!r} is not supported by this server (only {off!r} is accepted)")
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options", "stream_options can only be set when stream is true")
         limit = self.output_limit()

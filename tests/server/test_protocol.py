@@ -99,7 +99,8 @@ def test_delta_tracker_holds_back_stop_prefixes():
 
 @pytest.mark.parametrize(
     "fields",
-    [{"functions": [{"name": "f"}]}, {"suffix": "x"}, {"use_beam_search": True}, {"tools": [{"type": "function"}]},
+    [{"functions": [{"name": "f"}]}, {"suffix": "x"}, {"use_beam_search": True}, {"priority": 5},
+     {"tools": [{"type": "function"}]},
      {"response_format": {"type": "json_schema"}}, {"best_of": 1, "n": 2}, {"logit_bias": {"a": 5}},
      {"logit_bias": {"1": 500}}, {"seed": 2**64}, {"tool_choice": "required"},
      {"tools": [{"function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}],
@@ -107,6 +108,12 @@ def test_delta_tracker_holds_back_stop_prefixes():
 def test_unsupported_or_invalid_fields_are_refused_not_ignored(fields):
     with pytest.raises(ValidationError):
         ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **fields)
+
+
+def test_a_priority_is_refused_naming_it():
+    """vLLM answers a non-zero priority without its priority scheduling with a 400; it was silently ignored here."""
+    with pytest.raises(ValidationError, match=r"priority=5 is not supported by this server \(only 0 is accepted\)"):
+        CompletionRequest(prompt="x", priority=5)
 
 
 def test_tools_with_one_function_name_twice_are_refused_naming_it():
@@ -117,7 +124,7 @@ def test_tools_with_one_function_name_twice_are_refused_naming_it():
 
 def test_off_values_of_unsupported_fields_and_unknown_extras_pass():
     r = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], logit_bias={}, best_of=1,
-                              use_beam_search=False, response_format={"type": "text"}, some_client_extra=1)
+                              use_beam_search=False, priority=0, response_format={"type": "text"}, some_client_extra=1)
     assert r.model_extra["some_client_extra"] == 1
 
 
