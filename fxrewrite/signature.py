@@ -39,8 +39,7 @@ from torch import nn
 from fxrewrite import hub_kernels
 
 __all__ = ["BOUND_ATTR", "BOUND_ATTRS", "HOOK_DICTS", "MEMO_ATTR", "SOURCE_ACT_ATTR", "difference", "input_key",
-           "instance_forward",
-           "structure_key", "structure_keys"]
+           "instance_forward", "structure_key", "structure_keys"]
 
 BOUND_ATTR = "_fxrewrite_compiled"
 """Instance attribute set by `fxrewrite.compiler`: (compiled function, the bound forward it put in ``__dict__``)."""

@@ -85,8 +85,9 @@ class Context:
 
     def sharing(self) -> tuple[dict, dict]:
         """({id(module): [(id(parent), qualified name)] for each parent holding it}, the same for each parameter
-        and the modules holding it), over the model as it was when first asked (before any build); ids, so that no
-        weight a build deletes is kept alive. `require_unshared` reads it."""
+        and the modules holding it), over the model as it was when first asked: every pattern that copies weights
+        asks in its validate, so before the first such build. Ids, so that no weight a build deletes is kept alive.
+        `require_unshared` reads it."""
         if self._sharing is None:
             children: dict[int, list[tuple[int, str]]] = {}
             params: dict[int, list[tuple[int, str]]] = {}

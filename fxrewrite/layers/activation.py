@@ -54,7 +54,6 @@ class _GatedActivation(nn.Module):
         y = self._act(x)
         return y if down is None else down(y)
 
-
     def hooked_source(self) -> nn.Module | None:
         """The activation module this layer replaced (`SOURCE_ACT_ATTR`, e.g. the MLP's ``act_fn``) when a hook is on
         it (or a global module hook is set), else None: such a hook, put on after `optimize`, then runs on the gate
