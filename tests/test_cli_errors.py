@@ -169,14 +169,25 @@ def _copy_model(src, dst, skip=()):
     ("truncated weights", r"model\.safetensors is not a readable safetensors file"),
     ("bad config.json", r"config\.json is not valid JSON"),
     ("fake gguf", r"does not start with the GGUF magic bytes"),
+    ("truncated gguf", r"truncated\.gguf' is not a readable GGUF file transformers supports: error: unpack_from"),
+    ("no tokenizer", r"tokenizer '.*model' has no vocabulary \(1 token\(s\); .*\): pass a folder or hub id"),
+    ("bad tokenizer.json", r"tokenizer '.*model' cannot be loaded: JSONDecodeError: "),
 ])
 def test_a_broken_model_folder_or_file_is_one_line(tiny_qwen3_dir, tmp_path, capsys, damage, message):
-    """fresh-9 F5: these printed a safetensors / transformers / gguf traceback."""
+    """fresh-9 F5: these printed a safetensors / transformers / gguf traceback; so did a GGUF file cut after its
+    header and a corrupt tokenizer.json, and a folder without tokenizer files loaded an empty tokenizer (every prompt
+    "empty")."""
     import re
 
-    if damage == "fake gguf":
-        model = tmp_path / "fake.gguf"
-        model.write_bytes(b"not a gguf file at all")
+    if damage in ("fake gguf", "truncated gguf"):
+        model = tmp_path / ("fake.gguf" if damage == "fake gguf" else "truncated.gguf")
+        model.write_bytes(b"not a gguf file at all" if damage == "fake gguf" else b"GGUF\x03\x00\x00\x00")
+    elif damage in ("no tokenizer", "bad tokenizer.json"):
+        tokenizer_files = [f.name for f in tiny_qwen3_dir.iterdir() if f.name.startswith(("tokenizer", "vocab"))]
+        skip = tokenizer_files if damage == "no tokenizer" else ()
+        model = _copy_model(tiny_qwen3_dir, tmp_path / "model", skip=skip)
+        if damage == "bad tokenizer.json":
+            (model / "tokenizer.json").write_text("{bad")
     else:
         weights = [f.name for f in tiny_qwen3_dir.glob("*.safetensors")]
         model = _copy_model(tiny_qwen3_dir, tmp_path / "model", skip=weights if damage == "no weights" else ())

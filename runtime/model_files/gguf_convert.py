@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import struct
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -110,19 +111,24 @@ def gguf_read_once():
 
 def write_hf_folder(gguf_file: Path, out: Path, *, chat_template: str | None = None,
                     tokenizer_dir: str | os.PathLike | None = None) -> None:
-    """Load `gguf_file` with transformers and save it into `out` as a bf16 Hugging Face folder."""
+    """Load `gguf_file` with transformers and save it into `out` as a bf16 Hugging Face folder; UserInputError
+    naming the file when transformers cannot read it (truncated, damaged, an architecture it does not convert)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with gguf_read_once():
-        # float32 is transformers' fast path for GGUF dequantisation; cast to bf16 afterwards.
-        model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
-                                                     dtype=torch.float32)
-        max_len = getattr(model.config, "max_position_embeddings", None)
-        if tokenizer_dir is not None:
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        else:
-            tokenizer = load_gguf_tokenizer(gguf_file, chat_template=chat_template, max_length=max_len)
+        try:  # a truncated or damaged file passes the magic check and fails in the gguf reader, with no file name
+            # float32 is transformers' fast path for GGUF dequantisation; cast to bf16 afterwards.
+            model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
+                                                         dtype=torch.float32)
+            max_len = getattr(model.config, "max_position_embeddings", None)
+            if tokenizer_dir is not None:
+                tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+            else:
+                tokenizer = load_gguf_tokenizer(gguf_file, chat_template=chat_template, max_length=max_len)
+        except (struct.error, ValueError, IndexError, KeyError, EOFError) as e:
+            raise UserInputError(f"{str(gguf_file)!r} is not a readable GGUF file transformers supports: "
+                                 f"{type(e).__name__}: {e}") from e
     _drop_quantization(model)
     model.to(torch.bfloat16)
     _sync_special_ids(model, tokenizer)

@@ -76,11 +76,23 @@ def load_model_config(config: EngineConfig):
 def load_tokenizer(model_config, config: EngineConfig):
     """The model's tokenizer. Its `model_max_length` is lifted: the engine checks every prompt against
     max_model_len itself (with a clear error), so transformers' own "Token indices sequence length is
-    longer than the specified maximum" warning would only be noise (or wrong, under RoPE scaling)."""
+    longer than the specified maximum" warning would only be noise (or wrong, under RoPE scaling).
+
+    UserInputError naming the tokenizer's folder or id when transformers cannot load it (a corrupt
+    tokenizer.json: its JSON error) or when what it loads has no vocabulary: for a folder without tokenizer files
+    transformers builds an empty tokenizer of the config's class, which encodes every text to no tokens."""
     from transformers import AutoTokenizer
     from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_config.tokenizer), trust_remote_code=config.trust_remote_code)
+    source = str(model_config.tokenizer)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=config.trust_remote_code)
+    except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+        raise UserInputError(f"tokenizer {source!r} cannot be loaded: {type(e).__name__}: {e}") from e
+    if not tokenizer("a", add_special_tokens=False)["input_ids"]:
+        raise UserInputError(
+            f"tokenizer {source!r} has no vocabulary ({len(tokenizer)} token(s); no tokenizer.json, tokenizer.model or "
+            "vocabulary files there?): pass a folder or hub id that has one as tokenizer= (--tokenizer)")
     tokenizer.model_max_length = VERY_LARGE_INTEGER
     return tokenizer
 
