@@ -79,7 +79,8 @@ def run_arm(arm, model_dir, spec, workload, engine_kwargs, time_limit_s, hf_num_
         if unmatched:  # transformers would run another model than the engine arms: no figure beats a wrong one
             return {"skipped": f"the hf arm runs transformers' generate_batch on the unquantized model, without "
                                f"{' and '.join(unmatched)}; compare it in a run without that"}
-        return run_hf(model_dir, workload, hf_num_prompts, engine_kwargs.get("device"))
+        return run_hf(model_dir, workload, hf_num_prompts, engine_kwargs.get("device"),
+                      engine_kwargs.get("dtype", "auto"))
     return run_engine_arm(arm, model_dir, spec, workload, dict(engine_kwargs), time_limit_s)
 
 
@@ -108,7 +109,8 @@ def run_engine_arm(arm: str, model_dir: Path, spec: dict, workload, engine_kwarg
     runner = llm.llm_engine.model_runner
     graphs = getattr(runner, "graph_runner", None)
     buckets = len(graphs.graphs) if graphs else getattr(runner.model, "cuda_graph_buckets", 0)  # TP: the workers'
-    setup = {"setup_s": round(setup_s, 1), "cuda_graph_buckets": buckets,
+    setup = {"setup_s": round(setup_s, 1), "dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch."),
+             "cuda_graph_buckets": buckets,
              "compiled": bool(getattr(runner.model, "_fxrewrite_compiled", False))}
     if setup["compiled"]:  # which forward each kind of step runs (the faster, timed at load; cuda_graphs.py)
         setup["step_forward"] = getattr(runner, "step_forward", None)
@@ -129,8 +131,10 @@ def run_engine_arm(arm: str, model_dir: Path, spec: dict, workload, engine_kwarg
     return {**setup, "num_kv_blocks": stats["num_blocks"], **figures}
 
 
-def run_hf(model_dir: Path, workload, hf_num_prompts: int | None, device: str | None = None) -> dict:
-    """transformers' `generate_batch` on `device` (default: cuda when available, else cpu)."""
+def run_hf(model_dir: Path, workload, hf_num_prompts: int | None, device: str | None = None,
+           dtype: str = "auto") -> dict:
+    """transformers' `generate_batch` on `device` (default: cuda when available, else cpu), in the engine arms'
+    `dtype` (resolved from the config as the engine resolves it)."""
     import torch
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -140,7 +144,7 @@ def run_hf(model_dir: Path, workload, hf_num_prompts: int | None, device: str | 
     prompts, output_lens = workload.generate()
     n = min(hf_num_prompts or len(prompts), len(prompts))
     try:
-        return run_hf_throughput(model_dir, prompts[:n], output_lens[:n], device=device)
+        return run_hf_throughput(model_dir, prompts[:n], output_lens[:n], device=device, dtype=dtype)
     finally:
         free_device_memory()
 
@@ -176,6 +180,8 @@ def compare(config: str | Path, arms: list[str], workload_kind: str = "throughpu
     }
     if "hf" in arms and workload_kind == "throughput":
         result["hf_num_prompts"] = hf_num_prompts
+    stem = _unused_stem(out_dir, stem)
+    result["name"] = stem
     json_path = out_dir / f"{stem}.json"
     arm_args = (model_dir, spec, workload, dict(engine_kwargs or {}), time_limit_s, hf_num_prompts)
     kw = engine_kwargs or {}  # multi-process engines already run in their own processes
@@ -192,6 +198,8 @@ def compare(config: str | Path, arms: list[str], workload_kind: str = "throughpu
                 figures = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
                 free_device_memory()
         result["arms"][arm] = figures
+        if arm == "hf" and "num_requests" in figures:  # the prompts it ran: at most the workload's
+            result["hf_num_prompts"] = figures["num_requests"]
         print(f"[bench] {arm}: {json.dumps({k: v for k, v in figures.items() if k != 'traceback'})}", flush=True)
         json_path.write_text(json.dumps(result, indent=2) + "\n")
     result["ratios"] = ratios(result)
@@ -210,6 +218,18 @@ def _override_tag(key: str, value) -> str:
     if isinstance(value, (dict, list)):
         return f"-{key}-{hashlib.sha1(json.dumps(value, sort_keys=True).encode()).hexdigest()[:8]}"
     return f"-{key}{value}"
+
+
+def _unused_stem(out_dir: Path, stem: str) -> str:
+    """`stem`, or ``stem-2``, ``stem-3``, ... when `out_dir` already holds a result of that name (another run the
+    same day with other arms, prompts or limits must not overwrite it); says which name it took."""
+    chosen, n = stem, 1
+    while (out_dir / f"{chosen}.json").exists():
+        n += 1
+        chosen = f"{stem}-{n}"
+    if chosen != stem:
+        print(f"[bench] {out_dir / (stem + '.json')} exists: this run writes {chosen}.json", flush=True)
+    return chosen
 
 
 def _result_stem(name: str, workload_kind: str, kw: dict) -> str:

@@ -21,23 +21,27 @@ def _supported(fn, **kwargs) -> dict:
     return {k: v for k, v in kwargs.items() if k in params}
 
 
-def build_hf_model(model_dir: Path, device: str = "cuda"):
+def build_hf_model(model_dir: Path, device: str = "cuda", dtype: str = "auto"):
+    """The transformers model of `model_dir` (random weights) on `device`, in `dtype` resolved as the engine
+    resolves it (`resolve_dtype`: "auto" is the config's dtype), so that the hf arm runs what the engine arms run."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from fxrewrite.runtime.model_files.config import resolve_dtype
+
     config = AutoConfig.from_pretrained(model_dir)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(dtype, config), attn_implementation="sdpa")
     return model.eval()
 
 
-def run_hf_throughput(model_dir: Path, prompts: list[list[int]], output_lens: list[int], device: str = "cuda") -> dict:
+def run_hf_throughput(model_dir: Path, prompts: list[list[int]], output_lens: list[int], device: str = "cuda",
+                      dtype: str = "auto") -> dict:
     """Time one `generate_batch` over `prompts` after a two-prompt warm-up call."""
     import torch
     from transformers import GenerationConfig
 
-    model = build_hf_model(model_dir, device)
+    model = build_hf_model(model_dir, device, dtype)
     max_new = round(sum(output_lens) / len(output_lens))
     gen = GenerationConfig(max_new_tokens=max_new, do_sample=False)
     warm = GenerationConfig(max_new_tokens=8, do_sample=False)
@@ -54,6 +58,7 @@ def run_hf_throughput(model_dir: Path, prompts: list[list[int]], output_lens: li
     outputs = list(results.values())
     output_tokens = sum(len(r.generated_tokens) for r in outputs)
     errors = [r.error for r in outputs if getattr(r, "error", None)]
+    dtype = str(model.dtype).removeprefix("torch.")
     del model
     return {
         "output_tokens": output_tokens,
@@ -62,6 +67,7 @@ def run_hf_throughput(model_dir: Path, prompts: list[list[int]], output_lens: li
         "output_tokens_per_s": round(output_tokens / elapsed, 1),
         "num_finished": len(outputs),
         "num_requests": len(prompts),
+        "dtype": dtype,
         "max_new_tokens": max_new,
         "attn_implementation": "sdpa (generate_batch switches to paged|sdpa)",
         "errors": errors[:3],

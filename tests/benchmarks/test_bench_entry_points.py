@@ -200,3 +200,31 @@ def test_host_step_refuses_a_count_below_one(flag, tmp_path, capsys):
         host_step.main(["--out", str(tmp_path), flag, "0"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and f"argument {flag}: expected a positive integer, got '0'" in err
+
+
+def test_a_second_compare_the_same_day_does_not_overwrite_the_first(tmp_path, capsys, monkeypatch):
+    """fresh-user report: a native-only run replaced the morning's four-arm result of the same name, silently."""
+    import fxrewrite.benchmarks.compare as compare_module
+
+    monkeypatch.setattr(compare_module, "run_engine_arm",
+                        lambda arm, *args, **kwargs: {"batch_1": {"decode_tokens_per_s": 12.5}})
+    for arms in ("native,after", "native"):
+        assert main(["bench", "compare", "--config", "tiny", "--arms", arms, "--workload", "latency", "--device", "cpu",
+                     "--in-process", "--out", str(tmp_path)]) == 0
+    second, first = sorted(tmp_path.glob("*.json"), key=lambda p: p.stem)[::-1]
+    assert second.name == first.name.replace(".json", "-2.json"), (first, second)
+    assert list(json.loads(first.read_text())["arms"]) == ["native", "after"]
+    assert json.loads(second.read_text())["name"] == second.stem
+    assert f"exists: this run writes {second.name}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dtype, expected", [("auto", torch.bfloat16), ("float32", torch.float32)])
+def test_the_hf_arm_runs_in_the_dtype_the_engine_arms_resolve(tmp_path, dtype, expected):
+    """It was bf16 on CUDA and float32 elsewhere whatever the config or --dtype said: not the engine arms' model."""
+    from transformers import Qwen3Config
+
+    from fxrewrite.benchmarks.hf_arm import build_hf_model
+
+    Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, dtype="bfloat16").save_pretrained(tmp_path)
+    assert build_hf_model(tmp_path, "cpu", dtype).dtype == expected

@@ -35,3 +35,17 @@ def test_the_hf_arm_is_skipped_where_it_would_run_another_model():
         assert set(figures) == {"skipped"} and named in figures["skipped"]
     block = {"config": {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}}
     assert "quantization_config" in run_arm("hf", None, block, None, {}, None, 4)["skipped"]
+
+
+def test_results_record_the_commit_that_produced_them():
+    """fresh-user report: a result JSON named the library versions but not fxrewrite's own code."""
+    import subprocess
+    from pathlib import Path
+
+    from fxrewrite.benchmarks.common import environment
+
+    root = Path(__file__).resolve().parents[2]
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    revision = environment()["fxrewrite"]
+    assert revision["commit"] == (head or None) and revision["version"]
+    assert isinstance(revision["dirty"], bool) or head == ""
