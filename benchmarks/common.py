@@ -15,11 +15,11 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fxrewrite.benchmarks.source_revision import source_revision
 from fxrewrite.benchmarks.step_timing import collect_untimed
 from fxrewrite.errors import UserFileNotFoundError, UserInputError
 from fxrewrite.runtime.gc_passes import fewer_gc_passes
@@ -132,29 +132,6 @@ def environment() -> dict:
         env["cuda"] = torch.version.cuda
     env["fxrewrite"] = source_revision()
     return env
-
-
-def source_revision() -> dict:
-    """fxrewrite's installed version and, when run from a git checkout, its commit and whether the tree had
-    uncommitted changes ("dirty"); commit None outside a checkout (a copied tree, a wheel)."""
-    from importlib import metadata
-
-    try:
-        version = metadata.version("fxrewrite")
-    except metadata.PackageNotFoundError:
-        version = None
-    root = Path(__file__).resolve().parents[1]
-
-    def git(*args: str) -> str | None:
-        try:
-            done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return done.stdout.strip() if done.returncode == 0 else None
-
-    commit = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
-    return {"version": version, "commit": commit, "dirty": None if status is None else bool(status)}
 
 
 def cpu_name() -> str:
