@@ -7,6 +7,7 @@ import pytest
 import fxrewrite.commands.generate as generate_command
 from fxrewrite.cli import main
 from fxrewrite.errors import UserFileNotFoundError, UserInputError, UserTypeError
+from tests.ports import free_port
 
 
 def test_user_input_errors_are_one_line(tmp_path, capsys):
@@ -60,8 +61,8 @@ def test_a_bad_generation_config_is_one_line_before_the_model_loads(tmp_path, ca
     folder.mkdir()
     if broken == "not-an-object":
         (folder / "generation_config.json").write_text("[1, 2]")
-    prompt = ["--prompt", "hi"] if command == "generate" else []
-    assert main([command, "--generation-config", str(folder), *prompt]) == 2
+    extra = {"generate": ["--prompt", "hi"], "serve": ["--port", str(free_port())]}.get(command, [])
+    assert main([command, "--generation-config", str(folder), *extra]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"fxrewrite {command}: error: ") and err.count("\n") == 1, err
     assert ("no generation_config.json" if broken == "missing" else "must hold a JSON object") in err

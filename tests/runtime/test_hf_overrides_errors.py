@@ -5,7 +5,6 @@ StrictDataclassFieldValidationError, and values that load but make no model (0 l
 not divide, a shape the checkpoint does not have) failed deep inside the engine with a traceback."""
 
 import logging
-import socket
 
 import pytest
 
@@ -14,6 +13,7 @@ from fxrewrite.errors import UserInputError
 from fxrewrite.runtime.llm import LLM
 from fxrewrite.runtime.model_files.config import ModelConfig
 from fxrewrite.runtime.model_files.config_checks import check_config_overrides
+from tests.ports import free_port
 
 
 @pytest.mark.parametrize("overrides, expected", [
@@ -79,16 +79,10 @@ def test_cli_prints_one_error_line(tiny_qwen3_dir, capsys, monkeypatch, command,
         raise AssertionError("the server started")
 
     monkeypatch.setattr(api_server, "run_server", serve_forever)
-    extra = ["--prompt", "hi"] if command == "generate" else ["--port", str(_free_port())]
+    extra = ["--prompt", "hi"] if command == "generate" else ["--port", str(free_port())]
     assert main([command, str(tiny_qwen3_dir), "--hf-overrides", value, *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"fxrewrite {command}: error: ") and expected in err and "\n" not in err
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_bench_checks_overrides_before_any_arm(capsys, tmp_path):

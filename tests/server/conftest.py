@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from dataclasses import dataclass
 
 import httpx
 import pytest
+from tests.ports import free_port
 
 API_KEY = "token-abc123"
 MODEL_NAME = "tiny-qwen3"
@@ -69,12 +69,6 @@ class ServerHandle:
         raise AssertionError(f"condition not met within {timeout_s}s")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def server(tiny_model_dir):
     """The app built by `fxrewrite serve`'s own argument path, served by uvicorn in a thread."""
@@ -83,7 +77,7 @@ def server(tiny_model_dir):
     from fxrewrite.cli import build_parser
     from fxrewrite.commands.serve import build_server_app
 
-    port = _free_port()
+    port = free_port()
     # 4 MiB of KV cache: a few hundred 16-token blocks for the tiny model; native model, CPU.
     args = build_parser().parse_args([
         "serve", str(tiny_model_dir("qwen3")), "--port", str(port), "--api-key", API_KEY,

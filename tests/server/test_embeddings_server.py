@@ -11,7 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from tests.server.conftest import API_KEY, MODEL_NAME, STARTUP_TIMEOUT_S, ServerHandle, _free_port
+from tests.ports import free_port
+from tests.server.conftest import API_KEY, MODEL_NAME, STARTUP_TIMEOUT_S, ServerHandle
 
 MAX_LEN = 64
 
@@ -23,7 +24,7 @@ def pooling_server(tiny_model_dir):
     from fxrewrite.cli import build_parser
     from fxrewrite.commands.serve import build_server_app
 
-    port = _free_port()
+    port = free_port()
     args = build_parser().parse_args([
         "serve", str(tiny_model_dir("qwen3")), "--port", str(port), "--api-key", API_KEY, "--runner", "pooling",
         "--served-model-name", MODEL_NAME, "--model-impl", "native", "--max-model-len", str(MAX_LEN),

@@ -1,29 +1,23 @@
 """`fxrewrite serve` as its own process on 127.0.0.1 (issue 5: "a real server process"): the command's
 `run()` and uvicorn's own loop, which the in-process `server` fixture does not go through."""
 
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 
 STARTUP_TIMEOUT_S = 120
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_command_answers_the_openai_client_then_stops_on_sigterm(tiny_qwen3_dir):
     from openai import OpenAI
 
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "fxrewrite", "serve", str(tiny_qwen3_dir), "--port", str(port),
             "--model-impl", "native", "--max-model-len", "256", "--kv-cache-memory-bytes", "2M",
             "--served-model-name", "tiny", "--uvicorn-log-level", "warning", "--enable-auto-tool-choice",
