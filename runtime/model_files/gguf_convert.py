@@ -46,10 +46,10 @@ def convert_gguf(gguf_file: str | os.PathLike, *, name: str | None = None,
         if f.read(4) != b"GGUF":  # the magic every GGUF file starts with (the gguf library raises a bare ValueError)
             raise UserInputError(f"{str(gguf_file)!r} does not start with the GGUF magic bytes: not a GGUF file")
     key = file_key(path, CONVERTER_VERSION)
-    info = {"source": str(path), "source_size": path.stat().st_size, "converter": CONVERTER_VERSION}
     return cached_build(name or gguf_folder_name(path), key,
                         lambda out: write_hf_folder(path, out, chat_template=chat_template,
-                                                    tokenizer_dir=tokenizer_dir), info=info)
+                                                    tokenizer_dir=tokenizer_dir),
+                        info={"converter": CONVERTER_VERSION}, source=path)
 
 
 def gguf_cache_key(gguf_file: str | os.PathLike) -> str:
