@@ -25,6 +25,7 @@ def source_revision() -> dict:
             return None
         return done.stdout.strip() if done.returncode == 0 else None
 
-    commit = git("rev-parse", "HEAD")
+    top = git("rev-parse", "--show-toplevel")  # an enclosing repository (a user's project around a venv) is not ours
+    commit = git("rev-parse", "HEAD") if top is not None and Path(top).resolve() == root else None
     status = git("status", "--porcelain", "--untracked-files=no") if commit else None
     return {"version": version, "commit": commit, "dirty": None if status is None else bool(status)}

@@ -277,8 +277,8 @@ def _replace_modules(instances, matches: list[Match], ctx, entry: ClassReport, m
 def _parents(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     out: dict[int, list[tuple[nn.Module, str]]] = defaultdict(list)
     for _, parent in model.named_modules(remove_duplicate=False):
-        for name, child in parent.named_children():
-            out[id(child)].append((parent, name))
+        for name, child in parent._modules.items():  # not named_children: it lists a child under one name only
+            out[id(child)].append((parent, name))  # (a None child's entry is never looked up)
     return out
 
 

@@ -159,17 +159,21 @@ def require_same_requires_grad(mods: dict[str, nn.Module]) -> None:
                                                "fused, they would be trained or frozen together")
 
 
-def require_unshared(ctx: Context, owner: nn.Module, mods: dict[str, nn.Module]) -> None:
+def require_unshared(ctx: Context, owner: nn.Module | None, mods: dict[str, nn.Module]) -> None:
     """Refuse when a module a fusion copies into a new one ({child name: module} of `owner`) is also another
-    module's child, or one of its own parameters is also another module's (weights shared across layers, as in
-    ALBERT or MobileLLM): the fused copy would untie them, so the shared weight would get each place's gradient
-    apart and drift after the first optimizer step. A module shared as a whole (one decoder layer called twice)
-    is rewritten once and stays shared."""
+    module's child or `owner`'s under another name, or one of its own parameters is also another module's (weights
+    shared across layers, as in ALBERT or MobileLLM): the fused copy would untie them, so the shared weight would get
+    each place's gradient apart and drift after the first optimizer step. A module shared as a whole (one decoder
+    layer called twice) is rewritten once and stays shared. `owner` None: only the parameters are checked (a module
+    replaced in every place it is a child: `fxrewrite.compiler`)."""
     children, params = ctx.sharing()
     for name, module in mods.items():
-        shared = [(name, path) for parent, path in children.get(id(module), []) if parent != id(owner)]
-        shared += [(f"{name}.{pname}", path) for pname, param in module._parameters.items() if param is not None
-                   for holder, path in params.get(id(param), []) if holder != id(module)]
+        places = children.get(id(module), []) if owner is not None else []
+        shared = [(name, path) for parent, path in places if parent != id(owner)]
+        names = {path.rpartition(".")[2] for parent, path in places if parent == id(owner)}
+        shared += [(name, f"{'/'.join(sorted(names - {name}))} of the same module")] if len(names) > 1 else []
+        shared += [(f"{name}.{pname}".lstrip("."), path) for pname, param in module._parameters.items()
+                   if param is not None for holder, path in params.get(id(param), []) if holder != id(module)]
         if shared:
             raise Refusal(f"{shared[0][0]} is also {shared[0][1]} (shared weights): a fused copy would untie them")
 

@@ -30,7 +30,7 @@ from fxrewrite.layers.fused_moe import FusedMoE
 from fxrewrite.layers.fold_guard import runs_bound_forward
 from fxrewrite.layers.gated_mlp import GATED_MLP_ATTR
 from fxrewrite.layers.layernorm import RMSNorm, note_rewritten_call
-from fxrewrite.patterns.base import Context, Match, Pattern, Refusal, require
+from fxrewrite.patterns.base import Context, Match, Pattern, Refusal, require, require_unshared
 
 
 def _split(node, pred):
@@ -118,6 +118,7 @@ class RMSNormPattern(Pattern):
         weight = getattr(module, match.name("weight"), None)
         require(isinstance(weight, nn.Parameter) and weight.dim() == 1, "weight is not a 1-D parameter")
         require(isinstance(getattr(module, match.name("eps"), None), float), "eps attribute is not a float")
+        require_unshared(ctx, None, {"": module})  # its weight also another norm's: the copy would untie them
 
     @classmethod
     def build(cls, match: Match, module: nn.Module, ctx: Context) -> nn.Module:

@@ -173,6 +173,7 @@ def _copy_model(src, dst, skip=()):
     ("truncated gguf", r"truncated\.gguf' is not a readable GGUF file transformers supports: error: unpack_from"),
     ("no tokenizer", r"tokenizer '.*model' has no vocabulary \(1 token\(s\); .*\): pass a folder or hub id"),
     ("bad tokenizer.json", r"tokenizer '.*model' cannot be loaded: JSONDecodeError: "),
+    ("partial tokenizer.json", r"tokenizer '.*model' cannot be loaded: \w+: "),
 ])
 def test_a_broken_model_folder_or_file_is_one_line(tiny_qwen3_dir, tmp_path, capsys, damage, message):
     """fresh-9 F5: these printed a safetensors / transformers / gguf traceback; so did a GGUF file cut after its
@@ -183,12 +184,13 @@ def test_a_broken_model_folder_or_file_is_one_line(tiny_qwen3_dir, tmp_path, cap
     if damage in ("fake gguf", "truncated gguf"):
         model = tmp_path / ("fake.gguf" if damage == "fake gguf" else "truncated.gguf")
         model.write_bytes(b"not a gguf file at all" if damage == "fake gguf" else b"GGUF\x03\x00\x00\x00")
-    elif damage in ("no tokenizer", "bad tokenizer.json"):
+    elif damage in ("no tokenizer", "bad tokenizer.json", "partial tokenizer.json"):
         tokenizer_files = [f.name for f in tiny_qwen3_dir.iterdir() if f.name.startswith(("tokenizer", "vocab"))]
         skip = tokenizer_files if damage == "no tokenizer" else ()
         model = _copy_model(tiny_qwen3_dir, tmp_path / "model", skip=skip)
-        if damage == "bad tokenizer.json":
-            (model / "tokenizer.json").write_text("{bad")
+        if damage != "no tokenizer":  # JSON that is not a tokenizer: the tokenizers library's KeyError or Exception
+            (model / "tokenizer.json").write_text("{bad" if damage == "bad tokenizer.json" else
+                                                  '{"version": "1.0", "model": {"type": "BPE"}}')
     else:
         weights = [f.name for f in tiny_qwen3_dir.glob("*.safetensors")]
         model = _copy_model(tiny_qwen3_dir, tmp_path / "model", skip=weights if damage == "no weights" else ())

@@ -91,25 +91,27 @@ def full_hash(path: str | os.PathLike) -> str:
 
 def _source_record(source: Path) -> dict:
     st = source.stat()
-    return {"source": str(source), "source_size": st.st_size, "source_mtime_ns": st.st_mtime_ns,
-            "source_sha256": full_hash(source)}
+    return {"source": str(source), "source_size": st.st_size, "source_sha256": full_hash(source),
+            "verified": [[str(source), st.st_size, st.st_mtime_ns]]}
 
 
 def _stale(final: Path, source: Path | None) -> bool:
-    """Whether the file `final` was built from, still at its recorded path, now holds other bytes: its size or
-    mtime changed and so did its full hash (`file_key` samples the content, so an edit between the samples keeps
-    the key). The same bytes touched: the record takes the new mtime, so the next call does not hash again."""
+    """Whether `source` holds other bytes than the file `final` was built from (`file_key` samples the content, so
+    an edit between the samples keeps the key): decided by the full hash, once per (path, size, mtime) of a source;
+    the record keeps those it found equal ("verified"), so an unchanged file (or the same file in another virtual
+    environment) is hashed once, not at every start."""
     if source is None:
         return False
     record = read_build_info(final)
-    if record.get("source") != str(source) or "source_sha256" not in record:
-        return False  # built from a copy elsewhere (the key's purpose), or before sources were recorded
+    if "source_sha256" not in record:
+        return False  # built before sources were recorded
     st = source.stat()
-    if (record.get("source_size"), record.get("source_mtime_ns")) == (st.st_size, st.st_mtime_ns):
+    seen = [str(source), st.st_size, st.st_mtime_ns]
+    if seen in record.get("verified", []):
         return False
     if full_hash(source) != record["source_sha256"]:
         return True
-    record.update(source_size=st.st_size, source_mtime_ns=st.st_mtime_ns)
+    record["verified"] = [*record.get("verified", []), seen]
     (final / BUILD_INFO).write_text(json.dumps(record, indent=2, default=str) + "\n")
     return False
 
@@ -121,8 +123,8 @@ def cached_build(name: str, key: str, build: Callable[[Path], None], *, info: di
     `build` writes the complete folder into the empty `tmp_dir` it is given; the folder is then
     renamed into place with a `fxrewrite_build.json` holding `info` and the build time (seconds).
     Later calls (any process) return the existing folder without calling `build`, unless `source` (the file
-    the folder is built from; its path, size, mtime and full hash are recorded) was changed in place since:
-    then the folder is built again (`_stale`). Errors from `build` propagate and leave nothing behind.
+    the folder is built from; its full hash is recorded) now holds other bytes: then the folder is built again
+    (`_stale`). Errors from `build` propagate and leave nothing behind.
     """
     models = Path(root) if root is not None else cache_root() / "models"
     final = models / f"{name}-{key}"

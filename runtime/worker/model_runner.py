@@ -87,8 +87,9 @@ def load_tokenizer(model_config, config: EngineConfig):
     source = str(model_config.tokenizer)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=config.trust_remote_code)
-    except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
-        raise UserInputError(f"tokenizer {source!r} cannot be loaded: {type(e).__name__}: {e}") from e
+    except Exception as e:  # noqa: BLE001 - a JSONDecodeError, a KeyError or the tokenizers library's bare Exception
+        raise UserInputError(f"tokenizer {source!r} cannot be loaded: {type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''}") from e
     if not tokenizer("a", add_special_tokens=False)["input_ids"]:
         raise UserInputError(
             f"tokenizer {source!r} has no vocabulary ({len(tokenizer)} token(s); no tokenizer.json, tokenizer.model or "

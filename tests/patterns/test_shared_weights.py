@@ -66,3 +66,32 @@ def test_shared_experts_keep_their_block_unfused():
     assert "moe: experts is also model.layers.1.mlp.experts (shared weights)" in str(fxrewrite.explain(model))
     assert model.model.layers[0].mlp.experts is model.model.layers[1].mlp.experts
     assert model.num_parameters() == stock.num_parameters()
+
+
+@pytest.mark.parametrize("how", ["norm weight across layers", "norm under two names", "k_norm is q_norm"])
+def test_shared_norms_stay_shared(how):
+    """Final fresh user: a norm weight shared by two norms was copied into two fused norms, and a norm module under
+    two names of one layer was replaced under the first name only (torch's named_children lists it once)."""
+    stock = tiny_model("qwen3")
+    first, second = stock.model.layers[0], stock.model.layers[1]
+    if how == "norm weight across layers":
+        second.post_attention_layernorm.weight = first.post_attention_layernorm.weight
+    elif how == "norm under two names":
+        first.post_attention_layernorm = first.input_layernorm
+    else:
+        first.self_attn.k_norm = first.self_attn.q_norm
+    model = fxrewrite.optimize(copy.deepcopy(stock))
+    assert model.num_parameters() == stock.num_parameters()
+    ids = torch.randint(3, stock.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(_train_step(model, ids), _train_step(stock, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_one_projection_under_two_names_is_refused_naming_both():
+    """k_proj = q_proj in one attention (MHA): the refusal was a confusing 'build failed: AttributeError'."""
+    stock = tiny_model("qwen3", num_attention_heads=4, num_key_value_heads=4)
+    attn = stock.model.layers[0].self_attn
+    attn.k_proj = attn.q_proj
+    model = fxrewrite.optimize(copy.deepcopy(stock))
+    assert "q_proj is also k_proj of the same module (shared weights)" in str(fxrewrite.explain(model))
+    ids = torch.randint(3, stock.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(_train_step(model, ids), _train_step(stock, ids), rtol=1e-5, atol=1e-5)

@@ -41,7 +41,8 @@ def test_a_source_touched_but_unchanged_is_hashed_once_and_not_built_again(tmp_p
     folder = cached_build("m", key, _build_counting(builds), root=tmp_path / "cache", source=source)
     os.utime(source, ns=(0, 987654321))
     assert cached_build("m", key, _build_counting(builds), root=tmp_path / "cache", source=source) == folder
-    assert len(builds) == 1 and read_build_info(folder)["source_mtime_ns"] == 987654321
+    verified = read_build_info(folder)["verified"]
+    assert len(builds) == 1 and [str(source.resolve()), 6 * (1 << 20) + 4, 987654321] in verified
 
 
 def test_a_copy_elsewhere_reuses_the_build(tmp_path):
@@ -54,3 +55,20 @@ def test_a_copy_elsewhere_reuses_the_build(tmp_path):
     folder = cached_build("m", file_key(source), _build_counting(builds), root=tmp_path / "cache", source=source)
     assert cached_build("m", file_key(copy), _build_counting(builds), root=tmp_path / "cache", source=copy) == folder
     assert len(builds) == 1
+
+
+def test_another_paths_file_of_other_bytes_is_not_served_the_build(tmp_path):
+    """Final fresh user: the folder of a file edited in place and rebuilt was then served to the pristine file of
+    another virtual environment (same name and sampled key, another path: only the recorded path was checked)."""
+    pristine, builds = tmp_path / "a.gguf", []
+    _source(pristine, b"\3")
+    edited = tmp_path / "b.gguf"
+    data = bytearray(pristine.read_bytes())
+    middle = len(data) - 2 * (1 << 20)
+    data[(1 << 20) + middle * 5 // 32 + (1 << 16) + 7] ^= 0xFF
+    edited.write_bytes(bytes(data))
+    key = file_key(pristine)
+    assert file_key(edited) == key
+    cached_build("m", key, _build_counting(builds), root=tmp_path / "cache", source=edited)
+    folder = cached_build("m", key, _build_counting(builds), root=tmp_path / "cache", source=pristine)
+    assert len(builds) == 2 and read_build_info(folder)["source"] == str(pristine.resolve())
