@@ -112,7 +112,9 @@ def _stale(final: Path, source: Path | None) -> bool:
     if full_hash(source) != record["source_sha256"]:
         return True
     record["verified"] = [*record.get("verified", []), seen]
-    (final / BUILD_INFO).write_text(json.dumps(record, indent=2, default=str) + "\n")
+    tmp = final / f".{BUILD_INFO}.{os.getpid()}"  # replaced whole: another process never reads half a record
+    tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    os.replace(tmp, final / BUILD_INFO)
     return False
 
 
