@@ -112,9 +112,10 @@ def _stale(final: Path, source: Path | None) -> bool:
     if full_hash(source) != record["source_sha256"]:
         return True
     record["verified"] = [*record.get("verified", []), seen]
-    tmp = final / f".{BUILD_INFO}.{os.getpid()}"  # replaced whole: another process never reads half a record
-    tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
-    os.replace(tmp, final / BUILD_INFO)
+    fd, tmp = tempfile.mkstemp(prefix=f".{BUILD_INFO}.", dir=final)  # one per writer (threads, processes)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(json.dumps(record, indent=2, default=str) + "\n")
+    os.replace(tmp, final / BUILD_INFO)  # whole: a reader never sees half a record
     return False
 
 

@@ -88,8 +88,8 @@ def load_tokenizer(model_config, config: EngineConfig):
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=config.trust_remote_code)
     except Exception as e:  # noqa: BLE001 - a JSONDecodeError, a KeyError or the tokenizers library's bare Exception
-        raise UserInputError(f"tokenizer {source!r} cannot be loaded: {type(e).__name__}: "
-                             f"{str(e).splitlines()[0] if str(e) else ''}") from e
+        reason = " ".join(str(e).split())[:400]  # one line (transformers' messages list candidates line by line)
+        raise UserInputError(f"tokenizer {source!r} cannot be loaded: {type(e).__name__}: {reason}") from e
     if not tokenizer("a", add_special_tokens=False)["input_ids"]:
         raise UserInputError(
             f"tokenizer {source!r} has no vocabulary ({len(tokenizer)} token(s); no tokenizer.json, tokenizer.model or "

@@ -72,3 +72,24 @@ def test_another_paths_file_of_other_bytes_is_not_served_the_build(tmp_path):
     cached_build("m", key, _build_counting(builds), root=tmp_path / "cache", source=edited)
     folder = cached_build("m", key, _build_counting(builds), root=tmp_path / "cache", source=pristine)
     assert len(builds) == 2 and read_build_info(folder)["source"] == str(pristine.resolve())
+
+
+def test_threads_verifying_sources_at_once_leave_a_valid_record(tmp_path):
+    """Recheck helper: threads of one process shared one temporary record file (named by the pid): some raised
+    FileNotFoundError and the record could be left as invalid JSON, breaking the cache for good."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    builds, copies = [], []
+    for i in range(6):
+        copies.append(tmp_path / f"c{i}.gguf")
+        _source(copies[-1], b"\4")
+    key = file_key(copies[0])
+    cached_build("m", key, _build_counting(builds), root=tmp_path / "cache", source=copies[0])
+    for round_ in range(3):
+        for c in copies:
+            os.utime(c, ns=(0, 10**9 * (round_ + 1)))
+        with ThreadPoolExecutor(6) as pool:
+            folders = list(pool.map(lambda c: cached_build("m", key, _build_counting(builds), root=tmp_path / "cache",
+                                                           source=c), copies))
+        assert len(set(folders)) == 1 and len(builds) == 1
+        assert read_build_info(folders[0])["source_sha256"]  # valid JSON
