@@ -134,18 +134,27 @@ def prologue_constants(pos_ptr, slot_ptr, tok, active, qw_ptr, kw_ptr, cs_ptr, c
 
 
 @triton.jit
-def norm_rope_rows(rows, rmask, w, wp, cos, sin, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-                   IS_NEOX: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Heads `rows` [R, 1] (pointers to each head's first feature; `rmask` [R, 1]) normalised with the weight `w`
-    (`wp`: at each feature's partner) and rotated by `cos` / `sin` (`prologue_constants`): [R, BLOCK_D] in the rows'
-    dtype, features in their order. The roundings of :func:`~fxrewrite.kernels.qk_norm_rope.norm_rope_tile`
-    (Llama's RMSNorm: x * rstd rounded, times the weight, rounded; the rotation in float32)."""
+def load_head_rows(rows, rmask, num_features, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, IS_NEOX: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
+    """Heads `rows` [R, 1] (pointers to each head's first feature; `rmask` [R, 1]: the rows to read) as `norm_rope`
+    takes them: each feature [R, BLOCK_D] and its rotary partner, in the rows' dtype; features from `num_features`
+    (HEAD_DIM, or 0 to read nothing) on are 0."""
     d, d_mask, rot, first, partner, lane = _feature_lanes(HEAD_DIM, HALF, IS_NEOX, BLOCK_D)
-    mask = rmask & d_mask[None, :]
-    x = tl.load(rows + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(rows + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    mask = rmask & (d < num_features)[None, :]
+    return tl.load(rows + d[None, :], mask=mask, other=0.0), tl.load(rows + partner[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def norm_rope(x, xp, w, wp, cos, sin, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, IS_NEOX: tl.constexpr,
+              BLOCK_D: tl.constexpr):
+    """Heads `x` [R, BLOCK_D] (`xp`: at each feature's partner; `load_head_rows`) normalised with the weight `w`
+    (`wp`: at the partners) and rotated by `cos` / `sin` (`prologue_constants`): [R, BLOCK_D] in x's dtype, features
+    in their order. The roundings of :func:`~fxrewrite.kernels.qk_norm_rope.norm_rope_tile` (Llama's RMSNorm: x * rstd
+    rounded, times the weight, rounded; the rotation in float32)."""
+    d, d_mask, rot, first, partner, lane = _feature_lanes(HEAD_DIM, HALF, IS_NEOX, BLOCK_D)
+    dtype = x.dtype
+    x, xp = x.to(tl.float32), xp.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
-    dtype = rows.dtype.element_ty
     y = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
     yp = ((xp * rstd).to(dtype).to(tl.float32) * wp).to(dtype).to(tl.float32)
     out = tl.where(first[None, :], y * cos - yp * sin, y * cos + yp * sin)
@@ -160,18 +169,24 @@ def prologue_tile(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, tok, kvh, heads, g_mask, 
     """A decode program's prologue: the query heads `heads` [BLOCK_G] (mask `g_mask`) of token `tok`, normalised and
     rotated ([BLOCK_G, BLOCK_D], returned); when `owner` (its keys end with the new one) and the token's `slot` is
     mapped, the new key and value of kv head `kvh` written to the cache as the unfused pair writes them
-    (`cacheable`), then a CTA barrier, so that the program's key loads see them."""
+    (`cacheable`), then a CTA barrier, so that the program's key loads see them. The key and value are read with the
+    query (masked off elsewhere), so the owner waits one memory round trip for all three."""
     tok64 = tok.to(tl.int64)
-    q = norm_rope_rows(q_ptr + tok64 * q_s0 + heads[:, None] * q_s1, g_mask[:, None], qw, qwp, cos, sin, eps, HEAD_DIM,
-                       HALF, IS_NEOX, BLOCK_D)
-    if owner & (slot >= 0):
-        rows = k_ptr + tok64 * k_s0 + kvh * k_s1 + tl.zeros([1, 1], dtype=tl.int64)
-        key = norm_rope_rows(rows, tl.full([1, 1], True, tl.int1), kw, kwp, cos, sin, eps, HEAD_DIM, HALF, IS_NEOX,
-                             BLOCK_D)
-        d = tl.arange(0, BLOCK_D)[None, :]
-        d_mask = d < HEAD_DIM
+    writes = owner & (slot >= 0)
+    # features of the new key and value this program reads: all of them in the writer, none elsewhere (a length, not
+    # a boolean mask: the interpreter widens a scalar condition and'ed into a mask to integers)
+    kv_features = tl.where(writes, HEAD_DIM, 0)
+    xq, xqp = load_head_rows(q_ptr + tok64 * q_s0 + heads[:, None] * q_s1, g_mask[:, None], HEAD_DIM, HEAD_DIM, HALF,
+                             IS_NEOX, BLOCK_D)
+    k_rows = k_ptr + tok64 * k_s0 + kvh * k_s1 + tl.zeros([1, 1], dtype=tl.int64)
+    xk, xkp = load_head_rows(k_rows, tl.full([1, 1], True, tl.int1), kv_features, HEAD_DIM, HALF, IS_NEOX, BLOCK_D)
+    d = tl.arange(0, BLOCK_D)[None, :]
+    d_mask = d < HEAD_DIM
+    value = tl.load(v_ptr + tok64 * v_s0 + kvh * v_s1 + d, mask=d < kv_features)
+    q = norm_rope(xq, xqp, qw, qwp, cos, sin, eps, HEAD_DIM, HALF, IS_NEOX, BLOCK_D)
+    if writes:
+        key = norm_rope(xk, xkp, kw, kwp, cos, sin, eps, HEAD_DIM, HALF, IS_NEOX, BLOCK_D)
         k_dtype = k_ptr.dtype.element_ty
-        value = tl.load(v_ptr + tok64 * v_s0 + kvh * v_s1 + d, mask=d_mask)
         blk = slot // block_size
         off = slot % block_size
         tl.store(kc_ptr + blk * kc_s0 + off * kc_s1 + kvh * kc_s2 + d,
