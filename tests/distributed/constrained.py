@@ -36,7 +36,9 @@ def _outputs(llm, bad_words: list[str]) -> list:
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     prompt_logprobs = outs[2].prompt_logprobs
     assert prompt_logprobs is not None and prompt_logprobs[0] is None and len(prompt_logprobs) > 2
-    logprobs = [(t, pytest.approx(d[t].logprob, abs=1e-4), d[t].rank, sorted(d)) for t, d in
+    # a rank in the tail of this flat random model's distribution moves with the reduction order (34,180 under TP=2,
+    # 34,181 in one process, on an Intel Xeon): ranks are equal to 0.1% (so the leading ones exactly)
+    logprobs = [(t, pytest.approx(d[t].logprob, abs=1e-4), pytest.approx(d[t].rank, rel=1e-3), sorted(d)) for t, d in
                 zip(outs[2].prompt_token_ids[1:], prompt_logprobs[1:])]
     return [o.outputs[0].text for o in outs] + [logprobs]
 

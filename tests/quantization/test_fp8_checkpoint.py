@@ -46,16 +46,24 @@ def _run(llm):
 
 def _greedy(model):
     """[(tokens, logprob of each)] per prompt: greedy decoding with a transformers model (no cache)."""
+    return [(tokens, logprobs) for tokens, logprobs, _ in _greedy_with_margins(model)]
+
+
+def _greedy_with_margins(model):
+    """[(tokens, logprob of each, the top-2 logit margin of each step)] per prompt, as `_greedy`."""
     out = []
     for prompt in PROMPTS:
-        ids, logprobs = torch.tensor([prompt]), []
+        ids, logprobs, margins = torch.tensor([prompt]), [], []
         with torch.no_grad():
             for _ in range(MAX_TOKENS):
-                lp = model(ids).logits[0, -1].log_softmax(-1)
+                logits = model(ids).logits[0, -1]
+                top = logits.topk(2).values
+                lp = logits.log_softmax(-1)
                 nxt = int(lp.argmax())
                 logprobs.append(float(lp[nxt]))
+                margins.append(float(top[0] - top[1]))
                 ids = torch.cat([ids, torch.tensor([[nxt]])], 1)
-        out.append((ids[0, len(prompt):].tolist(), logprobs))
+        out.append((ids[0, len(prompt):].tolist(), logprobs, margins))
     return out
 
 
@@ -215,6 +223,28 @@ def test_e4m3_layers_kept_on_the_cpu_compute_what_the_gpu_path_should(fp8_dir, i
     for name, module in hf.named_modules():
         if isinstance(module, torch.nn.Linear) and name != "lm_head":
             module.register_forward_pre_hook(_round_activations_fp8)
-    for (tokens, lps), (want_tokens, want_lps) in zip(_run(llm), _greedy(hf), strict=True):
-        assert tokens == want_tokens
-        torch.testing.assert_close(torch.tensor(lps), torch.tensor(want_lps), rtol=1e-4, atol=1e-4)
+    for (tokens, lps), oracle in zip(_run(llm), _greedy_with_margins(hf), strict=True):
+        _assert_greedy_within_rounding(tokens, lps, *oracle)
+
+
+FLIP_TIE = 0.25
+"""Logit margin between the oracle's two best tokens below which the engine may take the other one, and (FLIP_LOGPROB)
+how far a chosen token's log-prob may move. Both paths round each linear's input to e4m3 (steps 1/8 apart) from
+float32 values whose last bits differ (fused vs separate projections, block-scaled vs dequantized products, the CPU's
+GEMM blocking): an input that close to a rounding boundary lands on the neighbouring value in one path only. On an Intel
+Xeon (AMX; the first two tokens equal to 2e-6) such flips moved a log-prob by 0.044, then took a token whose oracle
+margin was 0.104 with a log-prob 0.14 above the oracle's; a loader or layout fault moves log-probs by whole units from
+the first token."""
+FLIP_LOGPROB = 0.2
+
+
+def _assert_greedy_within_rounding(tokens, lps, want_tokens, want_lps, margins):
+    """The engine's greedy tokens and their log-probs are the oracle's, within `FLIP_TIE` / `FLIP_LOGPROB`, up to the
+    first step where it takes the oracle's near-tied runner-up (the continuations part there)."""
+    for step, (token, want) in enumerate(zip(tokens, want_tokens, strict=True)):
+        if token != want:
+            assert margins[step] < FLIP_TIE, f"step {step}: engine {token}, oracle {want} (margin {margins[step]:.3f})"
+            # the engine's token is the oracle's runner-up, whose log-prob is the best one's less the margin
+            assert abs(lps[step] - (want_lps[step] - margins[step])) <= FLIP_LOGPROB, (step, lps, want_lps, margins)
+            return
+        assert abs(lps[step] - want_lps[step]) <= FLIP_LOGPROB, (step, lps, want_lps)
