@@ -3,11 +3,15 @@ program normalises and rotates its own query heads, while the one program whose 
 normalises and rotates that token's key and writes it and its value to the paged cache before it walks its keys.
 
 The same computation as :func:`fxrewrite.kernels.qk_norm_rope_cache.qk_norm_rope_cache` followed by the decode
-attention (the reference is that pair), with one launch a layer fewer at decode: a batch-1 decode step of a
-48-layer model spends ~2-3 us a layer on that launch and its wait (an estimate from the H200 per-kernel profiles,
-not measured fused yet), which is why ``FXREWRITE_DECODE_PROLOGUE`` ("off" by default) is a measurement switch
-until a GPU run decides. Every split program of a (sequence, kv head) recomputes the G query heads it holds (a
-[G, D] tile, a few hundred flops); the new key is written by exactly one program, the split whose keys [start, end)
+attention (the reference is that pair), with one launch a layer fewer at decode. Measured slower in its first form
+(H100, batch 1, native: Qwen3-30B-A3B 339.1 -> 327.6 tokens/s, Qwen3-4B 306.4 -> 301.3,
+2026-12-07-*-latency-decode-prologue-{off,on}-h100-fifty-sixth.json): the decode program's key loads wait for the
+prologue, where the separate kernel finished before the decode kernel's PDL wait. The form here (the writer reads
+the new key and value with the query; the static loads before the wait) is not measured yet, so
+``FXREWRITE_DECODE_PROLOGUE`` stays "off" by default, a measurement switch.
+
+Every split program of a (sequence, kv head) recomputes the G query heads it holds (a [G, D] tile, a few hundred
+flops); the new key is written by exactly one program, the split whose keys [start, end)
 end at the sequence's length, and read back by that program only, after a CTA barrier (``bar.sync`` orders a block's
 global writes before its later reads). The query tile is built feature by feature: each feature loads its rotary
 partner (neox halves or GPT-J pairs) next to itself, so the tile comes out in the head's natural order, the layout
