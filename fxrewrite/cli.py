@@ -28,8 +28,16 @@ COMMANDS = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """No abbreviated flags, at every level (subparsers take their parent's class): argparse would read `--model X` as
+    `--model-impl X` and name the wrong flag in its error."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{**kwargs, "allow_abbrev": False})
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fxrewrite", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="fxrewrite", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_name, help_text in COMMANDS:

@@ -265,3 +265,13 @@ def test_a_model_folders_broken_generation_config_is_one_line(tiny_qwen3_dir, tm
     err = capsys.readouterr().err
     assert err.startswith("fxrewrite generate: error: ") and err.count("\n") == 1, err
     assert f"{folder / 'generation_config.json'}" in err and message in err, err
+
+
+@pytest.mark.parametrize("argv,flag", [(["generate", "--model", "some-folder", "--prompt", "hi"], "--model"),
+                                       (["bench", "compare", "--conf", "tiny"], "--config")])
+def test_abbreviated_flags_are_not_taken_for_longer_ones(argv, flag, capsys):
+    """`--model X` was read as `--model-impl X` (argparse's abbreviations), an error naming a flag not typed."""
+    with pytest.raises(SystemExit):
+        main(argv)
+    err = capsys.readouterr().err
+    assert flag in err and "--model-impl" not in err.splitlines()[-1], err
