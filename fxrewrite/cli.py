@@ -16,6 +16,7 @@ import importlib.metadata
 import os
 import sys
 
+from fxrewrite.commands.engine_args import resolve_model
 from fxrewrite.errors import UserInputError
 
 # (name, module, one-line help); the order is the order of `fxrewrite --help`.
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # the subcommand's usage, not the top level's (argparse's parse_args reports at the top)
         getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+    resolve_model(args, getattr(args, "_parser", parser))
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 2

@@ -267,7 +267,7 @@ def test_a_model_folders_broken_generation_config_is_one_line(tiny_qwen3_dir, tm
     assert f"{folder / 'generation_config.json'}" in err and message in err, err
 
 
-@pytest.mark.parametrize("argv,flag", [(["generate", "--model", "some-folder", "--prompt", "hi"], "--model"),
+@pytest.mark.parametrize("argv,flag", [(["generate", "--model-i", "native", "--prompt", "hi"], "--model-i"),
                                        (["bench", "compare", "--conf", "tiny"], "--config")])
 def test_abbreviated_flags_are_not_taken_for_longer_ones(argv, flag, capsys):
     """`--model X` was read as `--model-impl X` (argparse's abbreviations), an error naming a flag not typed."""
@@ -275,3 +275,19 @@ def test_abbreviated_flags_are_not_taken_for_longer_ones(argv, flag, capsys):
         main(argv)
     err = capsys.readouterr().err
     assert flag in err and "--model-impl" not in err.splitlines()[-1], err
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "chat", "explain"])
+def test_model_is_positional_or_vllms_model_flag(command, monkeypatch):
+    """`--model MODEL` is the positional MODEL (vLLM's serve still takes it); the two naming different models is an
+    error naming both."""
+    seen = []
+    monkeypatch.setattr(f"fxrewrite.commands.{command}.run", lambda args: seen.append(args.model) or 0)
+    extra = ["--prompt", "hi"] if command == "generate" else []
+    assert main([command, "--model", "some/model", *extra]) == 0
+    assert main([command, "some/model", "--model=some/model", *extra]) == 0
+    assert main([command, *extra]) == 0
+    assert seen == ["some/model", "some/model", None]
+    with pytest.raises(SystemExit) as e:
+        main([command, "one/model", "--model", "other/model", *extra])
+    assert e.value.code == 2

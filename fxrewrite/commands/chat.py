@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fxrewrite.commands.engine_args import add_engine_arguments
+from fxrewrite.commands.engine_args import add_engine_arguments, add_model_argument
 from fxrewrite.commands.sampling_args import add_sampling_arguments, load_llm
 from fxrewrite.errors import UserInputError
 
@@ -13,8 +13,7 @@ QUIT_WORDS = ("exit", "quit", "/exit", "/quit")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None,
-                        help="model folder, hub id or .gguf file (default: the built-in default model)")
+    add_model_argument(parser)
     parser.add_argument("--system-prompt", default=None, help="system message that opens the conversation")
     add_sampling_arguments(parser)
     add_engine_arguments(parser)

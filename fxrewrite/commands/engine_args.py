@@ -52,6 +52,24 @@ _REMOVED_ROPE_MESSAGE = (
 )
 
 
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    """MODEL, positional, or vLLM's `--model MODEL` (`vllm serve` still takes it); `resolve_model` merges them."""
+    parser.add_argument("model", nargs="?", default=None,
+                        help="model folder, hub id or .gguf file (default: the built-in default model)")
+    parser.add_argument("--model", dest="model_flag", metavar="MODEL", default=None,
+                        help="the same as the positional MODEL (vLLM's flag form)")
+
+
+def resolve_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Set `args.model` from `--model` when MODEL was not given; two different models are a usage error."""
+    flag = getattr(args, "model_flag", None)
+    if flag is None:
+        return
+    if args.model is not None and args.model != flag:
+        parser.error(f"MODEL {args.model!r} and --model {flag!r} name two models: give one")
+    args.model = flag
+
+
 def human_readable_int(value: str) -> int:
     """Parse "2048", "32k" (32000), "32K" (32768), "4G" (4 GiB) or "1.5M" into an int (vLLM's rule)."""
     text = value.strip().replace("_", "")

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import argparse
 
-from fxrewrite.commands.engine_args import parse_hf_overrides
+from fxrewrite.commands.engine_args import add_model_argument, parse_hf_overrides
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None,
-                        help="model folder, hub id or .gguf file (default: the built-in default model)")
+    add_model_argument(parser)
     parser.add_argument("--hf-overrides", type=parse_hf_overrides, default=None,
                         help='JSON dict applied to the config, e.g. \'{"rope_parameters": {...}}\'')
     parser.add_argument("--no-diff", action="store_true", help="print the report table only")

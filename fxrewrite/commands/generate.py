@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import argparse
 
-from fxrewrite.commands.engine_args import add_engine_arguments
+from fxrewrite.commands.engine_args import add_engine_arguments, add_model_argument
 from fxrewrite.commands.sampling_args import add_sampling_arguments, load_chat_template, load_llm
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None,
-                        help="model folder, hub id or .gguf file (default: the built-in default model)")
+    add_model_argument(parser)
     parser.add_argument("--prompt", action="append", required=True,
                         help="prompt text (repeat for a batch)")
     parser.add_argument("--chat", action="store_true",

@@ -8,15 +8,14 @@ import json
 import os
 import socket
 
-from fxrewrite.commands.engine_args import add_engine_arguments, engine_kwargs
+from fxrewrite.commands.engine_args import add_engine_arguments, add_model_argument, engine_kwargs
 from fxrewrite.commands.sampling_args import load_chat_template
 from fxrewrite.errors import UserInputError
 from fxrewrite.runtime.server.tool_parsers import TOOL_PARSERS, get_tool_parser
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None,
-                        help="model folder, hub id or .gguf file (default: the built-in default model)")
+    add_model_argument(parser)
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
