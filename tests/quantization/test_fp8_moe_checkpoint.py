@@ -70,6 +70,11 @@ def test_fp8_checkpoint_refuses_bad_folders_before_writing(tmp_path, fp8_moe_dir
         write_fp8_checkpoint(fp8_moe_dir, tmp_path / "again")
     with pytest.raises(UserInputError, match="is SRC"):
         write_fp8_checkpoint(fp8_moe_dir, fp8_moe_dir)
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    (stale / "model.safetensors.index.json").write_text("{}")  # an old sharded copy: its index would win
+    with pytest.raises(UserInputError, match=r"holds other weight files \(model.safetensors.index.json\)"):
+        write_fp8_checkpoint(fp8_moe_dir, stale)
 
 
 def test_bench_config_that_is_not_json_is_one_clear_error(tmp_path):
