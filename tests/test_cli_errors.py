@@ -242,7 +242,7 @@ def test_a_reader_that_closes_stdout_ends_the_command_quietly(tiny_qwen3_dir):
     import sys
 
     proc = subprocess.Popen([sys.executable, "-m", "fxrewrite", "generate", str(tiny_qwen3_dir), "--prompt", "hi",
-                             "--max-tokens", "400", "--temperature", "0"],
+                             "--max-tokens", "16", "--temperature", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # the reader goes away before the text is written (the model is still loading)
     _, err = proc.communicate(timeout=300)
