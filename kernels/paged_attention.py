@@ -21,7 +21,6 @@ from torch.autograd.function import once_differentiable
 from fxrewrite.kernels import use_triton
 from fxrewrite.kernels.attention_tile import check_paged_args, sinks_arg
 from fxrewrite.kernels.batch_invariant import is_batch_invariant
-from fxrewrite.kernels.decode_prologue import DecodePrologue, apply_prologue, prologue_fusable
 from fxrewrite.kernels.paged_decode import paged_decode_triton
 from fxrewrite.kernels.paged_prefill import paged_prefill_triton
 
@@ -180,24 +179,18 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     max_query_len: int, max_seq_len: int, scale: float,
                     sliding_window: int | None = None, soft_cap: float | None = None,
-                    sinks: torch.Tensor | None = None, *, static_metadata: bool = False,
-                    prologue: DecodePrologue | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, *, static_metadata: bool = False) -> torch.Tensor:
     """Paged attention; on CUDA the decode kernel (split-K) when ``max_query_len == 1``, else the
     varlen prefill kernel; on CPU :func:`paged_attention_ref`. Same contract as the reference; static_metadata:
-    see :func:`~fxrewrite.kernels.paged_decode.paged_decode_triton`. ``prologue``: `query` is the step's raw query,
-    normalised and rotated here, and the step's key and value (in the prologue) are written to the caches first
-    (:mod:`fxrewrite.kernels.decode_prologue`): inside the decode kernel where it can, else as its own launch."""
-    triton_decode = use_triton(query) and max_query_len == 1 and not is_batch_invariant()
-    if prologue is not None and not (triton_decode and prologue_fusable(prologue, key_cache)):
-        query, prologue = apply_prologue(query, prologue, key_cache, value_cache, static_metadata), None
+    see :func:`~fxrewrite.kernels.paged_decode.paged_decode_triton`."""
     args = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
             max_query_len, max_seq_len, scale, sliding_window, soft_cap, sinks)
-    if triton_decode:
-        return paged_decode_triton(*args, static_metadata=static_metadata, prologue=prologue)
     if not use_triton(query):
         return paged_attention_ref(*args)
     if is_batch_invariant():  # one kernel, fixed tiles, no split-K (see BI_TILES)
         return paged_prefill_triton(*args, **BI_TILES)
+    if max_query_len == 1:
+        return paged_decode_triton(*args, static_metadata=static_metadata)
     return paged_prefill_triton(*args)
 
 

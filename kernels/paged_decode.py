@@ -38,7 +38,6 @@ import os
 import torch
 
 from fxrewrite.kernels import env_choice
-from fxrewrite.kernels.decode_prologue import DecodePrologue, prologue_constants, prologue_launch_args, prologue_tile
 from fxrewrite.kernels.attention_tile import (FP8_DOTS, attention_tile, check_last_dim_contiguous, check_paged_args,
                                               decode_tile_keys_major, dot_dtype, float8_dots, fp16_dots, quantize_query,
                                               sinks_arg, tile_slots, value_run, widen_asm)
@@ -91,8 +90,6 @@ _BLOCK_N_FP8 = 128
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, part_ptr, ml_ptr, sinks_ptr,
                    scale, soft_cap, sliding_window, block_size, num_splits, single_len,
                    q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, vc_s3, bt_s0, o_s0, o_s1,
-                   pos_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cs_ptr, slot_ptr, eps, k_s0, k_s1, v_s0, v_s1, cs_s0,
-                   PROLOGUE: tl.constexpr, ROT_HALF: tl.constexpr, IS_NEOX: tl.constexpr, CLAMP: tl.constexpr,
                    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -108,9 +105,6 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr
     tok, lo, splits, start, end, active = _partition(seq_lens_ptr, qsl_ptr, seq, split, sliding_window, num_splits,
                                                      single_len, BLOCK_N, IS_SPLIT, HAS_WINDOW, V_RUN)
     bt_row = bt_ptr + seq.to(tl.int64) * bt_s0
-    if PROLOGUE:  # raw q, k, v (kernels/decode_prologue.py); what no earlier kernel writes is read here
-        slot, cos, sin, qw, qwp, kw, kwp = prologue_constants(pos_ptr, slot_ptr, tok, active, qw_ptr, kw_ptr, cs_ptr,
-                                                              cs_s0, HEAD_DIM, ROT_HALF, IS_NEOX, BLOCK_D)
     if EARLY:  # the metadata above came in during the previous kernel's tail; so do the first tile's K and V rows
         if active:
             _prefetch_first_tile(kc_ptr, vc_ptr, bt_row, start, end, kvh, block_size, kc_s0, kc_s1, kc_s2, vc_s0,
@@ -121,15 +115,13 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr
         offs_d = tl.arange(0, BLOCK_D)
         heads = kvh * G + offs_g
         gd_mask = (offs_g[:, None] < G) & (offs_d[None, :] < HEAD_DIM)
-        if PROLOGUE:  # the new key is written by the split whose keys end with it
-            q = prologue_tile(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, tok, kvh, heads, offs_g < G,
-                              (start < end) & (end == tl.load(seq_lens_ptr + seq)), slot, cos, sin, qw, qwp, kw, kwp,
-                              eps, q_s0, q_s1, k_s0, k_s1, v_s0, v_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, vc_s3,
-                              block_size, HEAD_DIM, ROT_HALF, IS_NEOX, CLAMP, BLOCK_D)
-        else:
-            q = tl.load(q_ptr + tok.to(tl.int64) * q_s0 + heads[:, None] * q_s1 + offs_d[None, :], mask=gd_mask,
-                        other=0.0)
-        m_i, l_i = _initial_stats(sinks_ptr, heads, offs_g < G, split, BLOCK_G, HAS_SINKS)
+        q = tl.load(q_ptr + tok.to(tl.int64) * q_s0 + heads[:, None] * q_s1 + offs_d[None, :], mask=gd_mask, other=0.0)
+        m_i = tl.zeros([BLOCK_G], dtype=tl.float32) - 1.0e30
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        if HAS_SINKS:  # split 0 starts from the sink logit (log2 domain, zero value); the merge weighs it in
+            sink = tl.load(sinks_ptr + heads, mask=offs_g < G, other=-1.0e30) * 1.4426950408889634
+            m_i = tl.where(split == 0, sink, m_i)
+            l_i = tl.where((split == 0) & (offs_g < G), 1.0, l_i)
         # Every key below seq_len is causal for the last token; the window is in `start`.
         if KEYS_MAJOR:
             m_i, l_i, acc = _walk_keys_major(q, m_i, l_i, kc_ptr, vc_ptr, bt_row, start, lo, end, kvh, scale, soft_cap,
@@ -146,19 +138,6 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr
                                                HAS_SOFTCAP, False, DOT_PRECISION, WIDEN_ASM, 0)
         _write_split(acc, m_i, l_i, out_ptr, part_ptr, ml_ptr, tok, heads, offs_d, gd_mask, offs_g < G, splits, split,
                      num_splits, G * tl.num_programs(1), o_s0, o_s1, BLOCK_D)
-
-
-@triton.jit
-def _initial_stats(sinks_ptr, heads, g_mask, split, BLOCK_G: tl.constexpr, HAS_SINKS: tl.constexpr):
-    """The online softmax's starting (m, l) [BLOCK_G]: empty, or with sinks split 0 starts from the sink logit (log2
-    domain, zero value); the merge weighs it in."""
-    m_i = tl.zeros([BLOCK_G], dtype=tl.float32) - 1.0e30
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    if HAS_SINKS:
-        sink = tl.load(sinks_ptr + heads, mask=g_mask, other=-1.0e30) * 1.4426950408889634
-        m_i = tl.where(split == 0, sink, m_i)
-        l_i = tl.where((split == 0) & g_mask, 1.0, l_i)
-    return m_i, l_i
 
 
 @triton.jit
@@ -318,8 +297,7 @@ def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, q
                         max_query_len, max_seq_len, scale, sliding_window=None, soft_cap=None, sinks=None,
                         *, block_n: int | None = None, num_splits: int | None = None, num_warps: int = 4,
                         num_stages: int = 2, single_split_len: int = _SINGLE_SPLIT_LEN, fp8_dots: str | None = None,
-                        keys_major: bool | None = None, static_metadata: bool = False,
-                        prologue: DecodePrologue | None = None):
+                        keys_major: bool | None = None, static_metadata: bool = False):
     """Decode launch (every sequence has at most one query token). ``max_seq_len`` must bound every
     seq_len (it sizes the split-K grid). Keyword-only knobs are for tests and the benchmark
     (``single_split_len``: contexts up to this many tokens skip the split and the merge; 0: never; ``fp8_dots``:
@@ -329,7 +307,7 @@ def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, q
     :func:`decode_tile`), and for the engine: ``static_metadata``, its promise that block_tables, seq_lens and
     query_start_loc were not written by the kernel launched just before this one; under PDL both kernels then read
     them, and the decode kernel asks L2 for its first tile of keys and values, before waiting for that kernel
-    (`fxrewrite.kernels.pdl.early_loads`). ``prologue``: `query` is raw (:mod:`fxrewrite.kernels.decode_prologue`)."""
+    (`fxrewrite.kernels.pdl.early_loads`)."""
     check_paged_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
     dots = dot_flags(query, key_cache, fp8_dots or default_fp8_dots())
     block_n = block_n or (_BLOCK_N_FP8 if key_cache.element_size() == 1 else 64)
@@ -337,7 +315,8 @@ def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, q
         raise ValueError(f"paged_decode_triton: max_query_len={max_query_len}; expected 1 (use the prefill kernel)")
     check_last_dim_contiguous(query, key_cache)
     v_run = value_run(value_cache, block_n)
-    (num_tokens, num_heads, head_dim), num_seqs, num_kv_heads = query.shape, seq_lens.shape[0], key_cache.shape[2]
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs, num_kv_heads = seq_lens.shape[0], key_cache.shape[2]
     # every query token belongs to a sequence, so every row is written; contiguous (the compiled op's fake)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_seqs == 0 or num_tokens == 0:
@@ -350,23 +329,22 @@ def paged_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, q
     if splits > 1:
         part = torch.empty((num_tokens, num_heads, splits, block_d), dtype=torch.float32, device=query.device)
         ml = torch.empty((num_tokens, num_heads, splits, 2), dtype=torch.float32, device=query.device)
-    pro_args, pro_flags = prologue_launch_args(query, prologue, key_cache, value_cache)
     pdl = pdl_enabled(query.device)
-    early, line = early_loads(pdl, static_metadata), LINE_BYTES // key_cache.element_size()
+    early = early_loads(pdl, static_metadata)
+    line = LINE_BYTES // key_cache.element_size()
     launch(_decode_kernel, (num_seqs, num_kv_heads, splits), query.device, pdl)(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, part, ml, sinks_arg(sinks, out),
         float(scale), float(soft_cap or 0.0), int(sliding_window or 0), key_cache.shape[1], splits, single_split_len,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), value_cache.stride(3),
-        block_tables.stride(0), out.stride(0), out.stride(1), *pro_args,
+        block_tables.stride(0), out.stride(0), out.stride(1),
         # the heads are the MMA's N keys-major (>= 8), its M otherwise (>= 16)
         G=group, HEAD_DIM=head_dim, BLOCK_G=max(8 if keys_major else 16, next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=block_n,
         IS_SPLIT=splits > 1, HAS_SOFTCAP=soft_cap is not None, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         KEYS_MAJOR=keys_major, V_RUN=v_run, PDL=pdl, EARLY=early, LINE=line,
-        ROW_LINES=next_power_of_2(-(-head_dim // line)), num_warps=num_warps, num_stages=num_stages, **dots,
-        **pro_flags)
+        ROW_LINES=next_power_of_2(-(-head_dim // line)), num_warps=num_warps, num_stages=num_stages, **dots)
     if splits > 1:
         launch(_reduce_kernel, (num_seqs, num_heads), query.device, pdl)(
             seq_lens, query_start_loc, out, part, ml, out.stride(0), out.stride(1), num_heads, splits,

@@ -97,17 +97,17 @@ def _qk_norm_rope_cache_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cac
         blk = slot // block_size
         off = slot % block_size
         k_dtype = k_ptr.dtype.element_ty
-        store_heads(kc_ptr + blk * kc_s0 + off * kc_s1 + heads * kc_s2, off1, off2, offp, cacheable(o1, k_dtype, CLAMP),
-                    cacheable(o2, k_dtype, CLAMP), cacheable(op, k_dtype, CLAMP), m1, mp)
+        store_heads(kc_ptr + blk * kc_s0 + off * kc_s1 + heads * kc_s2, off1, off2, offp, _cacheable(o1, k_dtype, CLAMP),
+                    _cacheable(o2, k_dtype, CLAMP), _cacheable(op, k_dtype, CLAMP), m1, mp)
         d = tl.arange(0, BLOCK_D)[None, :]
         vmask = (heads < num_k_heads) & (d < HEAD_DIM)
-        v = cacheable(tl.load(v_ptr + tok * v_tok_stride + heads * v_head_stride + d, mask=vmask), k_dtype, CLAMP)
+        v = _cacheable(tl.load(v_ptr + tok * v_tok_stride + heads * v_head_stride + d, mask=vmask), k_dtype, CLAMP)
         tl.store(vc_ptr + blk * vc_s0 + off * vc_s1 + heads * vc_s2 + d * vc_s3, v.to(vc_ptr.dtype.element_ty),
                  mask=vmask)
 
 
 @triton.jit
-def cacheable(x, DTYPE: tl.constexpr, CLAMP: tl.constexpr):
+def _cacheable(x, DTYPE: tl.constexpr, CLAMP: tl.constexpr):
     """`x` as the unfused pair hands it to the cache: for an FP8 cache (CLAMP, its finite range, > 0) rounded to the
     key's DTYPE as qk_norm_rope stores it, then clamped in float32 as reshape_and_cache does; else as is."""
     if CLAMP > 0:

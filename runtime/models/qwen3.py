@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fxrewrite.kernels.decode_prologue import DecodePrologue, decode_prologue_enabled
 from fxrewrite.kernels.qk_norm_rope import qk_norm_rope
 from fxrewrite.kernels.qk_norm_rope_cache import qk_norm_rope_cache
 from fxrewrite.layers.layernorm import RMSNorm
@@ -24,26 +23,19 @@ class Qwen3Attention(LlamaAttention):
                 residual: torch.Tensor | None = None):
         """Eagerly (CUDA graphs included), one kernel normalises and rotates q and k and writes k and v into
         this layer's paged cache (`qk_norm_rope_cache`: a launch per layer fewer than norm-rope + cache
-        write); under ``FXREWRITE_DECODE_PROLOGUE=on`` a decode step folds that kernel into the attention's
-        (`fxrewrite.kernels.decode_prologue`). Under torch.compile, and for batch-dependent rotary, the unfused
-        path: compile cannot trace the forward context (the cache write stays inside the attention custom op).
-        `norm`, `residual` and the result as in `LlamaAttention.forward`."""
+        write). Under torch.compile, and for batch-dependent rotary, the unfused path: compile cannot trace
+        the forward context (the cache write stays inside the attention custom op). `norm`, `residual`
+        and the result as in `LlamaAttention.forward`."""
         if torch.compiler.is_compiling() or self.rotary_emb.rope_type in ("dynamic", "longrope"):
             return super().forward(positions, hidden_states, norm, residual)
         qkv, residual = self.project_qkv(hidden_states, norm, residual)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         rope = self.rotary_emb
-        if decode_prologue_enabled():  # at decode, inside the attention's launch
-            out = self.attn(q, k, v, prologue=DecodePrologue(positions, self.q_norm.weight, self.k_norm.weight,
-                                                             self.q_norm.variance_epsilon, rope.cos_sin_cache,
-                                                             rope.is_neox_style))
-        else:
-            key_cache, value_cache, slot_mapping = layer_kv_cache(self.attn.layer_idx)
-            q, k = qk_norm_rope_cache(positions, q, k, v, self.q_norm.weight, self.k_norm.weight,
-                                      self.q_norm.variance_epsilon, self.head_dim, rope.cos_sin_cache,
-                                      rope.is_neox_style, key_cache, value_cache, slot_mapping, static_metadata=True)
-            out = self.attn(q, k, v, kv_cached=True)
-        out = self.o_proj(out)
+        key_cache, value_cache, slot_mapping = layer_kv_cache(self.attn.layer_idx)
+        q, k = qk_norm_rope_cache(positions, q, k, v, self.q_norm.weight, self.k_norm.weight,
+                                  self.q_norm.variance_epsilon, self.head_dim, rope.cos_sin_cache, rope.is_neox_style,
+                                  key_cache, value_cache, slot_mapping, static_metadata=True)
+        out = self.o_proj(self.attn(q, k, v, kv_cached=True))
         return out if norm is None else (out, residual)
 
     def position_qk(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):

@@ -18,7 +18,6 @@ from torch import nn
 
 from fxrewrite.distributed import get_tp_rank
 from fxrewrite.errors import UnsupportedModelError
-from fxrewrite.kernels.decode_prologue import DecodePrologue
 from fxrewrite.kernels.paged_attention import paged_attention
 from fxrewrite.kernels.reshape_and_cache import reshape_and_cache
 from fxrewrite.layers.kv_context import take_kv_written
@@ -29,22 +28,17 @@ ATTN_IMPLEMENTATION = "fxrewrite_paged"
 
 def paged_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float,
                  sliding_window: int | None = None, soft_cap: float | None = None,
-                 kv_cached: bool = False, sinks: torch.Tensor | None = None,
-                 prologue: DecodePrologue | None = None) -> torch.Tensor:
+                 kv_cached: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query [T, Hq, D], key/value [T, Hkv, D] of this step -> [T, Hq, D]; caches the new K/V first, unless
     `kv_cached` says the caller already wrote them (`layer_kv_cache`, e.g. a fused rotary + cache kernel).
-    `sinks`: None or [Hq] attention-sink logits (GPT-OSS; see `fxrewrite.kernels.paged_attention`). `prologue`
-    (eager only): query, key and value are raw, normalised and rotated by the attention's own launch, which writes
-    the cache (`fxrewrite.kernels.decode_prologue`).
+    `sinks`: None or [Hq] attention-sink logits (GPT-OSS; see `fxrewrite.kernels.paged_attention`).
 
     Under torch.compile this is one opaque op (`fxrewrite.runtime.worker.compilation`, whose op runs
     `attend_now`), so the graph does not break on the forward context. Inside a regionally compiled decoder
     layer the op gets layer index -1 and reads the running layer's index (`running_layer`) when it runs: the
     index never enters the graph, so one graph (and no guard on the index) serves every layer."""
     if not torch.compiler.is_compiling():
-        return _attend(query, key, value, layer_idx, scale, sliding_window, soft_cap, kv_cached, sinks, prologue)
-    if prologue is not None:
-        raise RuntimeError("paged_attend: a decode prologue cannot be traced by torch.compile (eager only)")
+        return attend_now(query, key, value, layer_idx, scale, sliding_window, soft_cap, kv_cached, sinks)
     index = -1 if RUNNING_LAYER.regional else layer_idx
     return torch.ops.fxrewrite.paged_attend(query, key, value, index, scale, sliding_window, soft_cap, kv_cached, sinks)
 
@@ -82,23 +76,14 @@ def attend_now(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, laye
                kv_cached: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`paged_attend` run eagerly: write K/V into layer `layer_idx`'s paged cache (the forward context's,
     not an argument, so not a declared mutation of the custom op) unless `kv_cached`, then attend over it."""
-    return _attend(query, key, value, layer_idx, scale, sliding_window, soft_cap, kv_cached, sinks)
-
-
-def _attend(query, key, value, layer_idx, scale, sliding_window, soft_cap, kv_cached, sinks, prologue=None):
-    """`attend_now`, or with a `prologue` (not in the custom op's schema: eager only) the raw q, k, v handed to the
-    attention, which writes the cache itself."""
     ctx = get_forward_context()
     key_cache, value_cache = ctx.kv_caches[running_layer(layer_idx)]
-    if prologue is not None:
-        prologue = prologue.with_kv(key, value, ctx.slot_mapping)
-    elif not kv_cached:
+    if not kv_cached:
         reshape_and_cache(key, value, key_cache, value_cache, ctx.slot_mapping)
     return paged_attention(
         query, key_cache, value_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
         ctx.max_query_len, ctx.max_seq_len, scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
         static_metadata=True,  # the step's metadata, copied in before the forward
-        prologue=prologue,
     )
 
 
@@ -258,13 +243,12 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.soft_cap = soft_cap
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cached: bool = False,
-                prologue: DecodePrologue | None = None) -> torch.Tensor:
-        """kv_cached: k and v are already in this layer's cache; prologue: q, k, v are raw (see `paged_attend`)."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cached: bool = False) -> torch.Tensor:
+        """kv_cached: k and v are already in this layer's cache (see `paged_attend`)."""
         out = paged_attend(
             q.view(-1, self.num_heads, self.head_dim),
             k.view(-1, self.num_kv_heads, self.head_dim),
             v.view(-1, self.num_kv_heads, self.head_dim),
-            self.layer_idx, self.scale, self.sliding_window, self.soft_cap, kv_cached, prologue=prologue,
+            self.layer_idx, self.scale, self.sliding_window, self.soft_cap, kv_cached,
         )
         return out.reshape(-1, self.num_heads * self.head_dim)

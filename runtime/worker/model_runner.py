@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from fxrewrite import distributed
-from fxrewrite.kernels import decode_prologue, gemv_dispatch, greedy_sample, paged_decode, pdl
+from fxrewrite.kernels import gemv_dispatch, greedy_sample, paged_decode, pdl
 from fxrewrite.kernels.batch_invariant import batch_invariant_mode
 from fxrewrite.layers.rope_context import rope_lengths
 from fxrewrite.layers.fused_moe import prepare_moe_router
@@ -157,16 +157,15 @@ def _default_dtype(dtype: torch.dtype):
 
 def check_kernel_switches(device: torch.device) -> None:
     """The FXREWRITE_* switches the kernels read at each launch (FXREWRITE_GEMV, FXREWRITE_PDL and its prefetch
-    size, FXREWRITE_KV_FP8_DOTS, FXREWRITE_DECODE_TILE, FXREWRITE_DECODE_PROLOGUE), FXREWRITE_GRAPH_LOGITS,
-    FXREWRITE_GREEDY_KERNEL and FXREWRITE_COMPILED_FORWARD, checked before anything is built, on any device:
-    UserInputError naming a bad value, or ``on`` on a device without PDL."""
+    size, FXREWRITE_KV_FP8_DOTS, FXREWRITE_DECODE_TILE), FXREWRITE_GRAPH_LOGITS, FXREWRITE_GREEDY_KERNEL and
+    FXREWRITE_COMPILED_FORWARD, checked before anything is built, on any device: UserInputError naming a bad value,
+    or ``on`` on a device without PDL."""
     try:
         gemv_dispatch.mode()
         compiled_forward_mode()
         pdl.check_environment(device)
         paged_decode.default_fp8_dots()
         paged_decode.decode_tile()
-        decode_prologue.decode_prologue_enabled()
         greedy_head.enabled()
         greedy_sample.kernel_enabled()
     except (ValueError, RuntimeError) as e:

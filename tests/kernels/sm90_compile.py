@@ -23,20 +23,15 @@ def compile_sm90(fn, pointers: dict, constexprs: dict, floats=("scale", "soft_ca
     """PTX of `fn` for sm90 (the cubin is built too). Pointers and integer arguments are declared 16-divisible,
     as the JIT specialises the engine's strides and buffers, so loads vectorise as on the GPU; the packed length
     buffers are not (the kernels opt out of that specialisation)."""
-    constexprs = {n: v for n, v in _PROLOGUE_OFF.items() if n in fn.arg_names} | constexprs
-    sig = {n: pointers.get(n) or ("constexpr" if n in constexprs else "fp32" if n in floats + ("eps",) else "i32")
+    sig = {n: pointers.get(n) or ("constexpr" if n in constexprs else "fp32" if n in floats else "i32")
            for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if sig[n] not in ("constexpr", "fp32") and n not in ("seq_lens_ptr", "qsl_ptr", "pos_ptr", "slot_ptr")}
+             if sig[n] not in ("constexpr", "fp32") and n not in ("seq_lens_ptr", "qsl_ptr")}
     kernel = triton_compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 64), options=options)
     assert kernel.asm["cubin"]
     return kernel.asm["ptx"]
 
 
-# the decode kernel without its q/k norm + rotary prologue (kernels/decode_prologue.py), unless a call says otherwise
-_PROLOGUE_OFF = dict(PROLOGUE=False, ROT_HALF=1, IS_NEOX=True, CLAMP=0.0)
-_PROLOGUE_POINTERS = {"pos_ptr": "*i64", "k_ptr": "*bf16", "v_ptr": "*bf16", "qw_ptr": "*bf16", "kw_ptr": "*bf16",
-                      "cs_ptr": "*fp32", "slot_ptr": "*i64"}
 _INTS = {n: "*i32" for n in ("bt_ptr", "seq_lens_ptr", "qsl_ptr")} | {"sinks_ptr": "*fp32"}
 _DECODE_POINTERS = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "ml_ptr": "*fp32", **_INTS}
 
@@ -71,11 +66,6 @@ def main(cache: str) -> dict:
                               "shared_stores": len(re.findall(r"st\.shared", float8))}
         float8_mma = sorted(set(re.findall(r"(?:wgmma\.mma_async|mma\.sync)\.\S*", float8)))
         float8_mma.append(f"widened: {float8.count('cvt.rn.f16x2.e4m3x2')}")
-    # the q/k norm + rotary + cache write inside the decode kernel, over this cache (FP8: the key clamped)
-    compile_sm90(paged_decode._decode_kernel, {**_DECODE_POINTERS, **_PROLOGUE_POINTERS, **caches},
-                 dict(common, G=4, BLOCK_G=16, BLOCK_N=64, IS_SPLIT=True, KEYS_MAJOR=False, F8_DOTS=False,
-                      EXACT_CAST=False, V_RUN=0, PDL=True, **early, PROLOGUE=True, ROT_HALF=64, IS_NEOX=True,
-                      CLAMP=448.0 if cache == "fp8e4nv" else 57344.0), num_warps=4, num_stages=2)
     for v_run in (0, 16):  # value rows as stored; a keys-contiguous value cache
         compile_sm90(paged_prefill._prefill_kernel, {"q_ptr": "*bf16", "out_ptr": "*bf16", **caches, **ints},
                      dict(common, G=4, BLOCK_M=64, BLOCK_N=64, HAS_SOFTCAP=True, HAS_WINDOW=True, V_RUN=v_run),

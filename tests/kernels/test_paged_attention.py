@@ -142,8 +142,7 @@ def test_dispatch_picks_decode_or_prefill(interpret, paged_batch, monkeypatch):
     paged_attention(*paged_batch(DECODE, 2, 1, 16, 4).args(), 1.0)
     paged_attention(*paged_batch(DECODE, 2, 1, 16, 4).args(), 1.0, static_metadata=True)  # the engine's promise
     paged_attention(*paged_batch(MIXED, 2, 1, 16, 4).args(), 1.0)
-    assert calls == [("decode", {"static_metadata": False, "prologue": None}),
-                     ("decode", {"static_metadata": True, "prologue": None}), ("prefill", {})]
+    assert calls == [("decode", {"static_metadata": False}), ("decode", {"static_metadata": True}), ("prefill", {})]
 
 
 @pytest.mark.gpu

@@ -172,7 +172,6 @@ def test_prefetch_bytes_setting(monkeypatch):
     ("FXREWRITE_GEMV", "yes", "FXREWRITE_GEMV='yes'"),
     ("FXREWRITE_KV_FP8_DOTS", "fp8", "FXREWRITE_KV_FP8_DOTS='fp8': expected 'float16', 'query' or 'float8'"),
     ("FXREWRITE_DECODE_TILE", "rows", "FXREWRITE_DECODE_TILE='rows': expected 'heads' or 'keys'"),
-    ("FXREWRITE_DECODE_PROLOGUE", "maybe", "FXREWRITE_DECODE_PROLOGUE='maybe': expected 'on' or 'off'"),
     ("FXREWRITE_COMPILED_FORWARD", "fastest", "FXREWRITE_COMPILED_FORWARD='fastest': expected 'auto', 'compiled' or"),
 ])
 def test_engine_checks_the_kernel_switches_at_start(tiny_model_dir, monkeypatch, var, value, message):

@@ -96,23 +96,6 @@ def test_interpreted_kernels_give_the_reference_tokens(llm, interpret, monkeypat
     assert got == want
 
 
-def test_decode_prologue_switch_folds_the_norm_rope_cache_kernel_into_attention(llm, interpret, monkeypatch):
-    """FXREWRITE_DECODE_PROLOGUE=on: a batch-1 decode step launches no q/k norm + rotary + cache-write kernel (the
-    decode attention does that work) and one launch fewer, and greedy tokens, read back from the K/V the decode
-    kernel wrote over steps, equal the switch off's (prefill steps run that kernel from the attention layer)."""
-    monkeypatch.setenv("FXREWRITE_TRITON", "1")
-    prompts = [list(range(5, 40)), [7, 8, 9]]
-    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    off = decode_step_launches(llm)
-    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    monkeypatch.setenv("FXREWRITE_DECODE_PROLOGUE", "on")
-    on = decode_step_launches(llm)
-    assert not on["triton:_qk_norm_rope_cache_kernel"] and not on["triton:_reshape_and_cache_kernel"], on
-    assert off - on == Counter({"triton:_qk_norm_rope_cache_kernel": 1}) and not on - off, on
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert got == want
-
-
 def test_decode_warmup_cases_reach_every_split_class():
     for heads, max_len in ((8, 2048), (8, 40960), (2, 300), (4, 100)):
         cases = decode_warmup_cases(heads, max_len)
