@@ -267,8 +267,31 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"), help="weight format "
                    "(dummy: random weights, for benchmarks)")
     g.add_argument("--trust-remote-code", action="store_true", help="build a folder's own modeling code (auto_map)")
-    _add_removed_flags(g)
+    _add_vllm_flags_without_settings(g)
     return parser
+
+
+# vLLM flags with nothing to set in this engine: passed to LLM() only when given, where `VLLM_COMPAT_KWARGS` accepts
+# the values that match it and names the accepted ones for any other (so a vLLM command line runs unchanged).
+VLLM_COMPAT_FLAGS = ("enable_sleep_mode", "disable_log_stats", "enable_chunked_prefill", "swap_space",
+                     "tokenizer_mode", "distributed_executor_backend", "logprobs_mode")
+
+
+def _add_vllm_flags_without_settings(group) -> None:
+    """`VLLM_COMPAT_FLAGS`, and vLLM's old rope flags (`_add_removed_flags`)."""
+    group.add_argument("--enable-sleep-mode", action="store_true", default=None,
+                       help="accepted: LLM.sleep() / wake_up() work without it")
+    group.add_argument("--disable-log-stats", action="store_true", default=None,
+                       help="accepted: the engine logs no periodic stats")
+    group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                       help="accepted when on: prefill is always chunked (--max-num-batched-tokens per step)")
+    group.add_argument("--swap-space", type=float, default=None,
+                       help="accepted (GiB): there is no CPU swap; a preempted sequence is recomputed")
+    group.add_argument("--tokenizer-mode", default=None, help="auto or hf: transformers' AutoTokenizer")
+    group.add_argument("--distributed-executor-backend", default=None,
+                       help="uni, mp or external_launcher, as the parallel sizes imply (default: picked by them)")
+    group.add_argument("--logprobs-mode", default=None, help="raw_logprobs: log-softmax of the raw logits")
+    _add_removed_flags(group)
 
 
 def _add_removed_flags(group) -> None:
@@ -284,6 +307,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     engine argument: the server and the terminal commands read it (see `generation_defaults`).
     """
     kwargs = {name: getattr(args, name) for name in ENGINE_KWARG_NAMES}
+    kwargs |= {name: getattr(args, name) for name in VLLM_COMPAT_FLAGS if getattr(args, name, None) is not None}
     kwargs["model"] = getattr(args, "model", None)
     task = getattr(args, "task", None)
     kwargs["runner"] = "pooling" if task == "embed" else "generate" if task == "generate" else getattr(args, "runner", "auto")

@@ -167,3 +167,22 @@ def test_api_key_falls_back_to_vllm_api_key(monkeypatch):
 def test_trust_remote_code_flag_reaches_the_engine():
     assert engine_kwargs(parse(["serve", "m"]))["trust_remote_code"] is False
     assert engine_kwargs(parse(["serve", "m", "--trust-remote-code"]))["trust_remote_code"] is True
+
+
+def test_vllm_flags_without_settings_reach_the_engines_check():
+    """A vLLM command line runs unchanged: `--disable-log-stats --enable-chunked-prefill ...` are passed on only when
+    given, accepted where they match this engine, and a value it does not honour is the engine's one-line error."""
+    from fxrewrite.errors import UserInputError
+    from fxrewrite.runtime.engine_config import EngineConfig
+
+    assert not {"disable_log_stats", "swap_space"} & set(engine_kwargs(parse(["serve"])))
+    kw = engine_kwargs(parse(["serve", "--enable-sleep-mode", "--disable-log-stats", "--enable-chunked-prefill",
+                              "--swap-space", "4", "--tokenizer-mode", "hf", "--distributed-executor-backend", "uni",
+                              "--logprobs-mode", "raw_logprobs"]))
+    assert kw["disable_log_stats"] is True and kw["swap_space"] == 4.0 and kw["tokenizer_mode"] == "hf"
+    EngineConfig.from_kwargs(**kw)
+    for flags, message in ((["--no-enable-chunked-prefill"], "enable_chunked_prefill=False is not supported"),
+                           (["--tokenizer-mode", "mistral"], "tokenizer_mode='mistral' is not supported"),
+                           (["--distributed-executor-backend", "ray"], "'ray' is not supported")):
+        with pytest.raises(UserInputError, match=message):
+            EngineConfig.from_kwargs(**engine_kwargs(parse(["serve", *flags])))
