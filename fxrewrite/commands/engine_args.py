@@ -16,6 +16,7 @@ from fxrewrite.runtime.engine_config import COMPILATION_LEVELS, KV_CACHE_DTYPES
 ENGINE_KWARG_NAMES = (
     "max_logprobs",
     "trust_remote_code",
+    "revision",
     "tokenizer",
     "model_impl",
     "fusion",
@@ -209,6 +210,15 @@ def _add_execution_arguments(g) -> None:
                         "torch.compile")
 
 
+def _add_loading_arguments(g) -> None:
+    """Where the weights and modeling code come from."""
+    g.add_argument("--revision", default=None,
+                   help="branch, tag or commit of a hub id MODEL (default: the latest)")
+    g.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"), help="weight format "
+                   "(dummy: random weights, for benchmarks)")
+    g.add_argument("--trust-remote-code", action="store_true", help="build a folder's own modeling code (auto_map)")
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the engine flags (vLLM names and defaults) to `parser`; returns it."""
     g = parser.add_argument_group("engine")
@@ -264,9 +274,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         "'vllm': none; or a folder holding a generation_config.json")
     g.add_argument("--max-logprobs", type=max_logprobs_value, default=20,
                    help="most logprobs / prompt_logprobs a request may ask for (default 20; -1: the vocabulary)")
-    g.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"), help="weight format "
-                   "(dummy: random weights, for benchmarks)")
-    g.add_argument("--trust-remote-code", action="store_true", help="build a folder's own modeling code (auto_map)")
+    _add_loading_arguments(g)
     _add_vllm_flags_without_settings(g)
     return parser
 

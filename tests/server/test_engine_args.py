@@ -32,10 +32,10 @@ def test_all_flags_reach_kwargs():
         "--block-size", "32", "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5",
         "--kv-cache-memory-bytes", "1G", "--enforce-eager", "--tensor-parallel-size", "1",
         "--data-parallel-size", "2", "--enable-expert-parallel", "--tokenizer", "tok", "--load-format", "dummy", "--no-fusion", "--generation-config", "vllm", "--batch-invariant",
-        "--port", "1234", "--api-key", "k", "--served-model-name", "a", "b",
+        "--port", "1234", "--api-key", "k", "--served-model-name", "a", "b", "--revision", "v1.0",
     ])
     kw = engine_kwargs(args)
-    assert kw["model"] == "some/model"
+    assert kw["model"] == "some/model" and kw["revision"] == "v1.0"
     assert kw["model_impl"] == "transformers"
     assert kw["hf_overrides"] == {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}
     assert kw["max_model_len"] == 32000 and kw["max_num_batched_tokens"] == 4096
