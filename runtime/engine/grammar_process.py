@@ -128,6 +128,10 @@ class GrammarProcess:
                     raise RuntimeError(error)
                 return accept_s, fill_s, job_s
 
+    def alive(self) -> bool:
+        """Whether the child is running and its pipes work (False once it exited, was killed, or was closed)."""
+        return self.error is None and self._proc.poll() is None
+
     def close(self) -> None:
         """End the child (it exits when its input closes) and unregister the shared slots."""
         if self.error is None:

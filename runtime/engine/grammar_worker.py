@@ -137,9 +137,12 @@ def _read_exact(fd: int, n: int) -> bytes:
 def main(argv: list[str]) -> None:
     """The grammar process: argv = read fd, write fd, mask memfd, tokenizer-info memfd, rows, width."""
     import mmap
+    import signal
 
     import torch
     import xgrammar as xgr
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # its own session: the engine ends it by closing the pipe
 
     rfd, wfd, mask_fd, info_fd, rows, width = (int(a) for a in argv)
     with os.fdopen(info_fd, "rb") as f:

@@ -188,8 +188,9 @@ class StructuredOutputManager:
         if self.process is None:
             self.local.add(seq_id, compiled if compiled is not None else self.compile(params))
         else:
-            if self.process.error is not None and not self.constrained:
-                self._start_process()  # the old one is gone and nobody depends on it: a fresh one
+            if not self.process.alive() and not self.constrained:
+                self.process.close()
+                self._start_process()  # the old one is gone (killed, say) and nobody depends on it: a fresh one
             self.process.add(seq_id, params.spec())
         self.constrained.add(seq_id)
 
@@ -224,6 +225,8 @@ class StructuredOutputManager:
         """Accept, then fill, and wait (here, or a job of the grammar process); the mask on `device`."""
         start = time.perf_counter()
         fill = fill_ids is not None and not self.constrained.isdisjoint(fill_ids)
+        if not fill and self.constrained.isdisjoint(accept_ids):
+            return None  # no matcher to move: unconstrained steps never wait on (or fail with) the grammar process
         slot, host, event = self._slots.next(rows, device) if fill else (0, None, None)
         self.stats["steps"] += fill
         if self.process is None:

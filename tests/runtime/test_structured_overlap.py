@@ -136,18 +136,36 @@ def test_grammar_violation_is_raised_on_the_main_thread(llm):
         structured.remove(-1)
 
 
-def test_a_dead_grammar_process_fails_the_step_and_is_replaced(tiny_llama_dir):
+def test_a_dead_grammar_process_fails_only_its_sequences_and_is_replaced(tiny_llama_dir):
+    """The grammar process killed (as an OOM killer would): plain requests never touch it, a constrained request
+    with no sequence left on the dead one starts a fresh one, and one that dies under running constrained sequences
+    fails those (their KV blocks freed), then is replaced too (fresh-user report: every later request, plain ones
+    included, failed with a 500)."""
     llm = _llm(tiny_llama_dir)
+    engine = llm.llm_engine
     params = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=2, structured_outputs=_constraint(json=ENDLESS))
+    plain = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate(["numbers:"], params, use_tqdm=False)
-    structured = llm.llm_engine._structured
+    structured = engine._structured
+    first = structured.process
+    first._proc.kill()
+    first._proc.wait()
+    assert len(llm.generate(["hello"], plain, use_tqdm=False)[0].outputs[0].token_ids) == 4
+    out = llm.generate(["numbers:"], params, use_tqdm=False)[0]
+    assert structured.process is not first and structured.process.alive()
+    assert all(len(c.token_ids) == 8 and c.text.startswith("[") for c in out.outputs)
+
+    engine.add_request("constrained", "numbers:", params)
+    engine.add_request("plain", "hello", plain)
+    engine.step()
     structured.process._proc.kill()
     structured.process._proc.wait()
     with pytest.raises(RuntimeError, match="grammar process is gone"):
-        llm.generate(["numbers:"], params, use_tqdm=False)
-    engine = llm.llm_engine
+        while engine.has_unfinished_requests():
+            engine.step()
     assert not engine.requests and not structured.constrained
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    out = llm.generate(["numbers:"], params, use_tqdm=False)[0]  # a fresh grammar process
+    assert len(llm.generate(["hello"], plain, use_tqdm=False)[0].outputs[0].token_ids) == 4
+    out = llm.generate(["numbers:"], params, use_tqdm=False)[0]  # a fresh grammar process again
     assert all(len(c.token_ids) == 8 and c.text.startswith("[") for c in out.outputs)
     structured.close()
