@@ -30,6 +30,7 @@ from fxrewrite.runtime.model_files.loader import iterate_safetensors
 logger = logging.getLogger(__name__)
 
 _EXPERT = re.compile(r"\.experts\.\d+\.(\w*proj|w[123])\.weight$")  # one expert's projection in the checkpoint
+_WEIGHT_FILE = re.compile(r"\.(safetensors|bin|pt|pth|ckpt|gguf|h5|msgpack)$|\.(safetensors|bin)\.index\.json$")
 _ROUTERS = ("gate", "router")  # a router is a linear layer of these names in some models (routed experts' gate)
 
 
@@ -69,9 +70,8 @@ def linear_layer_names(src: Path) -> frozenset[str] | None:
 def write_fp8_checkpoint(src: str | Path, dst: str | Path, block: tuple[int, int] = (128, 128)) -> Path:
     """Copy folder `src` to `dst` with its linear layers quantized (module docstring); returns `dst`. UserInputError,
     before `dst` is made, for a `src` that is not a model folder with safetensors, is already quantized, or is `dst`,
-    and for a `dst` that is a file or holds weight files other than ``model.safetensors`` (shards, an index: a
-    loader would read them too). Weights go to ``dst/model.safetensors``; a second run over the same `dst` replaces
-    them.
+    and for a `dst` that is a file or already holds weight files (another model's, or shards and an index a loader
+    would read too: safetensors, PyTorch, GGUF files). Weights go to ``dst/model.safetensors``.
 
     Non-safetensors files (tokenizer, generation config) are copied as they are.
     """
@@ -85,11 +85,10 @@ def write_fp8_checkpoint(src: str | Path, dst: str | Path, block: tuple[int, int
         raise UserInputError(f"fp8_checkpoint: DST {str(dst)!r} exists and is not a folder")
     if dst.exists() and dst.resolve() == src.resolve():
         raise UserInputError(f"fp8_checkpoint: DST {str(dst)!r} is SRC; write the FP8 copy to another folder")
-    stale = sorted(f.name for f in (dst.glob("*.safetensors*") if dst.is_dir() else ())
-                   if f.name != "model.safetensors")
-    if stale:  # a loader would read them beside the new weights, or follow an old index past them
-        raise UserInputError(f"fp8_checkpoint: DST {str(dst)!r} holds other weight files ({', '.join(stale[:3])}); "
-                             "remove them or write to an empty folder")
+    weights = sorted(f.name for f in (dst.iterdir() if dst.is_dir() else ()) if _WEIGHT_FILE.search(f.name))
+    if weights:  # another model's, or shards and an index a loader would read beside the new weights
+        raise UserInputError(f"fp8_checkpoint: DST {str(dst)!r} already holds weight files ({', '.join(weights[:3])}"
+                             f"{', ...' if len(weights) > 3 else ''}); remove them or write to an empty folder")
     if "quantization_config" in json.loads((src / "config.json").read_text()):
         raise UserInputError(f"fp8_checkpoint: SRC {str(src)!r} is already quantized (its config.json has a "
                              "quantization_config)")

@@ -73,7 +73,11 @@ def test_fp8_checkpoint_refuses_bad_folders_before_writing(tmp_path, fp8_moe_dir
     stale = tmp_path / "stale"
     stale.mkdir()
     (stale / "model.safetensors.index.json").write_text("{}")  # an old sharded copy: its index would win
-    with pytest.raises(UserInputError, match=r"holds other weight files \(model.safetensors.index.json\)"):
+    with pytest.raises(UserInputError, match=r"already holds weight files \(model.safetensors.index.json\)"):
+        write_fp8_checkpoint(fp8_moe_dir, stale)
+    (stale / "model.safetensors.index.json").unlink()
+    (stale / "pytorch_model.bin").write_bytes(b"")  # another model's weights are not overwritten or left beside
+    with pytest.raises(UserInputError, match=r"already holds weight files \(pytorch_model.bin\)"):
         write_fp8_checkpoint(fp8_moe_dir, stale)
 
 
