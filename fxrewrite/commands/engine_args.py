@@ -10,6 +10,7 @@ import argparse
 import json
 from typing import Any
 
+from fxrewrite.errors import UserInputError
 from fxrewrite.runtime.engine_config import COMPILATION_LEVELS, KV_CACHE_DTYPES
 
 # Flags whose value is an `LLM(...)` keyword argument of the same name (dest == kwarg).
@@ -167,35 +168,48 @@ def add_compilation_argument(group) -> None:
 
 
 class _RemovedFlag(argparse.Action):
-    """A flag vLLM once had and we do not: using it is an error that says what to use instead."""
+    """A RoPE flag vLLM once had and we do not: its value is kept (``args.removed_rope_flags``) so that
+    `engine_kwargs` refuses the command with one suggestion covering every such flag given."""
 
     def __init__(self, option_strings, dest, **kwargs):
-        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS)
+        super().__init__(option_strings, "removed_rope_flags", nargs="?", default={}, help=argparse.SUPPRESS)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        suggestion = _rope_suggestion(option_string, values)
-        if suggestion is None:
-            parser.error(_REMOVED_ROPE_MESSAGE.format(flag=option_string))
-        parser.error(f"{option_string} was removed; pass the RoPE settings through --hf-overrides with "
-                     f"rope_parameters: --hf-overrides '{suggestion}'")
+        setattr(namespace, self.dest, {**getattr(namespace, self.dest), option_string: values})
 
 
-def _rope_suggestion(flag: str, value: str | None) -> str | None:
-    """The --hf-overrides JSON equivalent to a removed flag's value, or None when it cannot be read."""
+def removed_rope_flags_message(flags: dict[str, str | None]) -> str:
+    """The error for removed `flags` ({flag: value}): the one --hf-overrides JSON that sets all their values, or an
+    example when a value cannot be read."""
+    names = " and ".join(flags)
+    params: dict[str, Any] = {}
+    for flag, value in flags.items():
+        read = _rope_params(flag, value)
+        if read is None:
+            return _REMOVED_ROPE_MESSAGE.format(flag=names)
+        params |= read
+    text = (f"{names} {'were' if len(flags) > 1 else 'was'} removed; pass the RoPE settings through --hf-overrides "
+            f"with rope_parameters: --hf-overrides '{json.dumps({'rope_parameters': params})}'")
+    if "--rope-scaling" in flags and "rope_type" not in params:
+        text += " and a rope_type (--rope-scaling named none: linear, dynamic, yarn, llama3 or longrope)"
+    return text
+
+
+def _rope_params(flag: str, value: str | None) -> dict[str, Any] | None:
+    """The rope_parameters a removed flag's value sets, or None when it cannot be read."""
     if value is None:
         return None
     try:
         if flag == "--rope-theta":
-            params: Any = {"rope_theta": float(value)}
-        else:
-            params = json.loads(value)
-            if not isinstance(params, dict):
-                return None
-            if "type" in params and "rope_type" not in params:  # legacy rope_scaling spelling
-                params = {"rope_type": params.pop("type"), **params}
+            return {"rope_theta": float(value)}
+        params = json.loads(value)
     except ValueError:
         return None
-    return json.dumps({"rope_parameters": params})
+    if not isinstance(params, dict):
+        return None
+    if "type" in params and "rope_type" not in params:  # legacy rope_scaling spelling
+        params = {"rope_type": params.pop("type"), **params}
+    return params
 
 
 def _add_execution_arguments(g) -> None:
@@ -313,7 +327,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
     `model` is `args.model` (None selects the default model). `--generation-config` is not an
     engine argument: the server and the terminal commands read it (see `generation_defaults`).
+    UserInputError for vLLM's removed --rope-scaling / --rope-theta, with the --hf-overrides to use instead.
     """
+    if getattr(args, "removed_rope_flags", None):
+        raise UserInputError(removed_rope_flags_message(args.removed_rope_flags))
     kwargs = {name: getattr(args, name) for name in ENGINE_KWARG_NAMES}
     kwargs |= {name: getattr(args, name) for name in VLLM_COMPAT_FLAGS if getattr(args, name, None) is not None}
     kwargs["model"] = getattr(args, "model", None)

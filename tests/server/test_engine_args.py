@@ -62,10 +62,11 @@ def test_hf_overrides_errors_are_clear(value, expected, capsys):
 
 @pytest.mark.parametrize("flag", ["--rope-scaling", "--rope-theta"])
 def test_removed_rope_flags_point_to_hf_overrides(flag, capsys):
-    with pytest.raises(SystemExit):
-        parse(["serve", flag, '{"type": "yarn"}'])
+    from fxrewrite.cli import main
+
+    assert main(["generate", "--prompt", "hi", flag, '{"type": "yarn"}']) == 2
     err = capsys.readouterr().err
-    assert flag in err and "--hf-overrides" in err and "rope_parameters" in err
+    assert err.count("\n") == 1 and flag in err and "--hf-overrides" in err and "rope_parameters" in err, err
 
 
 def test_model_is_optional_and_generate_chat_take_it():
@@ -95,10 +96,23 @@ def test_engine_arguments_on_a_fresh_parser():
     assert parser.parse_args([]).model_impl == "auto"
 
 
-def test_removed_rope_scaling_suggests_the_equivalent_override(capsys):
-    with pytest.raises(SystemExit):
-        parse(["serve", "--rope-scaling", '{"type": "yarn", "factor": 4.0}'])
-    assert """'{"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}'""" in capsys.readouterr().err
+def test_removed_rope_flags_suggest_one_override_that_sets_them_all():
+    """fresh-user report: with both flags the suggestion dropped --rope-theta, and a scaling without a type was
+    suggested as is (which --hf-overrides then refuses for its missing rope_type)."""
+    from fxrewrite.errors import UserInputError
+
+    def message(*flags):
+        with pytest.raises(UserInputError) as e:
+            engine_kwargs(parse(["serve", *flags]))
+        return str(e.value)
+
+    assert """'{"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}'""" in message(
+        "--rope-scaling", '{"type": "yarn", "factor": 4.0}')
+    both = message("--rope-scaling", '{"rope_type": "linear", "factor": 2}', "--rope-theta", "5000")
+    assert both.startswith("--rope-scaling and --rope-theta were removed")
+    assert """'{"rope_parameters": {"rope_type": "linear", "factor": 2, "rope_theta": 5000.0}}'""" in both, both
+    assert "and a rope_type (--rope-scaling named none" in message("--rope-scaling", '{"factor": 2}')
+    assert "e.g. --hf-overrides" in message("--rope-scaling", "not json")
 
 
 @pytest.mark.parametrize("command", [["serve"], ["generate", "--prompt", "hi"], ["chat"],
