@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from numbers import Real
@@ -233,8 +234,8 @@ VLLM_COMPAT_KWARGS: dict[str, tuple[Callable[[Any, EngineConfig], bool], str, st
         "per step and has no unchunked prefill",
         "prefill is always chunked"),
     "swap_space": (
-        lambda v, c: isinstance(v, Real) and not isinstance(v, bool) and v >= 0,
-        "a non-negative number (GiB of CPU swap space)",
+        lambda v, c: isinstance(v, Real) and not isinstance(v, bool) and 0 <= v < math.inf,
+        "a finite non-negative number (GiB of CPU swap space)",
         "no CPU swap space: a preempted sequence is recomputed"),
     "tokenizer_mode": (
         lambda v, c: v in ("auto", "hf"),

@@ -278,7 +278,7 @@ def test_abbreviated_flags_are_not_taken_for_longer_ones(argv, flag, capsys):
 
 
 @pytest.mark.parametrize("command", ["serve", "generate", "chat", "explain"])
-def test_model_is_positional_or_vllms_model_flag(command, monkeypatch):
+def test_model_is_positional_or_vllms_model_flag(command, monkeypatch, tmp_path):
     """`--model MODEL` is the positional MODEL (vLLM's serve still takes it); the two naming different models is an
     error naming both."""
     seen = []
@@ -287,7 +287,8 @@ def test_model_is_positional_or_vllms_model_flag(command, monkeypatch):
     assert main([command, "--model", "some/model", *extra]) == 0
     assert main([command, "some/model", "--model=some/model", *extra]) == 0
     assert main([command, *extra]) == 0
-    assert seen == ["some/model", "some/model", None]
+    assert main([command, str(tmp_path), "--model", f"{tmp_path}/", *extra]) == 0  # one folder, two spellings
+    assert seen == ["some/model", "some/model", None, str(tmp_path)]
     with pytest.raises(SystemExit) as e:
         main([command, "one/model", "--model", "other/model", *extra])
     assert e.value.code == 2

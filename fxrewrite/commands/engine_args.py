@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Any
 
 from fxrewrite.errors import UserInputError
@@ -67,9 +68,17 @@ def resolve_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     flag = getattr(args, "model_flag", None)
     if flag is None:
         return
-    if args.model is not None and args.model != flag:
+    if args.model is not None and args.model != flag and not _same_folder(args.model, flag):
         parser.error(f"MODEL {args.model!r} and --model {flag!r} name two models: give one")
-    args.model = flag
+    args.model = args.model or flag
+
+
+def _same_folder(a: str, b: str) -> bool:
+    """Whether paths `a` and `b` name one existing file or folder (`m` and `m/`, a link to it)."""
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):
+        return False
 
 
 def human_readable_int(value: str) -> int:
@@ -104,6 +113,16 @@ def parse_hf_overrides(value: str) -> dict[str, Any]:
             f"expected a JSON object (a dict of config keys), got a JSON {type(parsed).__name__}: {value!r}"
         )
     return parsed
+
+
+class StoreOnce(argparse.Action):
+    """A flag that may be given once: a second value is an error, not silently the only one kept
+    (`--hf-overrides` twice dropped the first dict)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string} was given twice; put both values in one (a JSON object may set many keys)")
+        setattr(namespace, self.dest, values)
 
 
 def gpu_memory_utilization(value: str) -> float:
@@ -178,9 +197,9 @@ class _RemovedFlag(argparse.Action):
         setattr(namespace, self.dest, {**getattr(namespace, self.dest), option_string: values})
 
 
-def removed_rope_flags_message(flags: dict[str, str | None]) -> str:
-    """The error for removed `flags` ({flag: value}): the one --hf-overrides JSON that sets all their values, or an
-    example when a value cannot be read."""
+def removed_rope_flags_message(flags: dict[str, str | None], hf_overrides: dict[str, Any] | None = None) -> str:
+    """The error for removed `flags` ({flag: value}): the one --hf-overrides JSON that sets all their values over
+    `hf_overrides` (the command's own --hf-overrides, kept), or an example when a value cannot be read."""
     names = " and ".join(flags)
     params: dict[str, Any] = {}
     for flag, value in flags.items():
@@ -189,10 +208,16 @@ def removed_rope_flags_message(flags: dict[str, str | None]) -> str:
             return _REMOVED_ROPE_MESSAGE.format(flag=names)
         params |= read
     text = (f"{names} {'were' if len(flags) > 1 else 'was'} removed; pass the RoPE settings through --hf-overrides "
-            f"with rope_parameters: --hf-overrides '{json.dumps({'rope_parameters': params})}'")
+            f"with rope_parameters: --hf-overrides '{json.dumps(_with_rope_parameters(hf_overrides or {}, params))}'")
     if "--rope-scaling" in flags and "rope_type" not in params:
         text += " and a rope_type (--rope-scaling named none: linear, dynamic, yarn, llama3 or longrope)"
     return text
+
+
+def _with_rope_parameters(overrides: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """`overrides` with `params` set in its rope_parameters (those it has kept where `params` does not set them)."""
+    given = overrides.get("rope_parameters")
+    return {**overrides, "rope_parameters": {**(given if isinstance(given, dict) else {}), **params}}
 
 
 def _rope_params(flag: str, value: str | None) -> dict[str, Any] | None:
@@ -247,7 +272,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--fusion", action=argparse.BooleanOptionalAction, default=True,
                    help="rewrite transformers models into fused layers (--no-fusion runs them as written)")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id (default: the model's)")
-    g.add_argument("--hf-overrides", type=parse_hf_overrides, default=None,
+    g.add_argument("--hf-overrides", type=parse_hf_overrides, default=None, action=StoreOnce,
                    help="JSON object merged into the model's config, e.g. "
                         '\'{"rope_parameters": {"rope_type": "yarn", "factor": 4.0, ...}}\'')
     g.add_argument("--max-model-len", type=positive_int, default=None,
@@ -330,7 +355,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     UserInputError for vLLM's removed --rope-scaling / --rope-theta, with the --hf-overrides to use instead.
     """
     if getattr(args, "removed_rope_flags", None):
-        raise UserInputError(removed_rope_flags_message(args.removed_rope_flags))
+        raise UserInputError(removed_rope_flags_message(args.removed_rope_flags, getattr(args, "hf_overrides", None)))
     kwargs = {name: getattr(args, name) for name in ENGINE_KWARG_NAMES}
     kwargs |= {name: getattr(args, name) for name in VLLM_COMPAT_FLAGS if getattr(args, name, None) is not None}
     kwargs["model"] = getattr(args, "model", None)

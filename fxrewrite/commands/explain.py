@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import argparse
 
-from fxrewrite.commands.engine_args import add_model_argument, parse_hf_overrides
+from fxrewrite.commands.engine_args import StoreOnce, add_model_argument, parse_hf_overrides
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_argument(parser)
-    parser.add_argument("--hf-overrides", type=parse_hf_overrides, default=None,
+    parser.add_argument("--hf-overrides", type=parse_hf_overrides, default=None, action=StoreOnce,
                         help='JSON dict applied to the config, e.g. \'{"rope_parameters": {...}}\'')
     parser.add_argument("--no-diff", action="store_true", help="print the report table only")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow custom modeling code")

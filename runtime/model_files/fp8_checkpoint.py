@@ -26,6 +26,7 @@ from torch import nn
 from fxrewrite.errors import UserInputError
 from fxrewrite.layers.fp8_linear import quantize_weight_fp8
 from fxrewrite.runtime.model_files.loader import iterate_safetensors
+from fxrewrite.runtime.model_files.model_cache import BUILD_INFO
 
 logger = logging.getLogger(__name__)
 
@@ -70,14 +71,40 @@ def linear_layer_names(src: Path) -> frozenset[str] | None:
 def write_fp8_checkpoint(src: str | Path, dst: str | Path, block: tuple[int, int] = (128, 128)) -> Path:
     """Copy folder `src` to `dst` with its linear layers quantized (module docstring); returns `dst`. UserInputError,
     before `dst` is made, for a `src` that is not a model folder with safetensors, is already quantized, or is `dst`,
-    and for a `dst` that is a file or already holds weight files (another model's, or shards and an index a loader
-    would read too: safetensors, PyTorch, GGUF files). Weights go to ``dst/model.safetensors``.
+    and for a `dst` that is a file, cannot be made, or already holds a model's files (a config.json, weight files:
+    another model's, or shards and an index a loader would read too). Every weight is read before `dst` is written.
+    Weights go to ``dst/model.safetensors``.
 
     Non-safetensors files (tokenizer, generation config) are copied as they are.
     """
     from safetensors.torch import save_file
 
     src, dst = Path(src), Path(dst)
+    _check_folders(src, dst)
+    tensors, linears = {}, linear_layer_names(src)
+    for name, t in iterate_safetensors(src):  # all read before DST is touched: a bad SRC leaves nothing behind
+        if is_quantized_name(name, t, linears):
+            tensors[name], tensors[name + "_scale_inv"] = quantize_weight_fp8(t, block)
+        else:
+            tensors[name] = t.contiguous()
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                     "weight_block_size": list(block)}
+    try:
+        dst.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserInputError(f"fp8_checkpoint: cannot make DST {str(dst)!r}: {e.strerror}") from None
+    for f in src.iterdir():  # tokenizer, generation config; not this project's cache record of SRC
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in (
+                "config.json", "model.safetensors.index.json", BUILD_INFO):
+            shutil.copy2(f, dst / f.name)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return dst
+
+
+def _check_folders(src: Path, dst: Path) -> None:
+    """UserInputError for the folders `write_fp8_checkpoint` refuses (its docstring)."""
     if not (src / "config.json").is_file() or not any(src.glob("*.safetensors")):
         raise UserInputError(f"fp8_checkpoint: SRC {str(src)!r} must be a model folder with config.json and "
                              "*.safetensors weights")
@@ -85,29 +112,14 @@ def write_fp8_checkpoint(src: str | Path, dst: str | Path, block: tuple[int, int
         raise UserInputError(f"fp8_checkpoint: DST {str(dst)!r} exists and is not a folder")
     if dst.exists() and dst.resolve() == src.resolve():
         raise UserInputError(f"fp8_checkpoint: DST {str(dst)!r} is SRC; write the FP8 copy to another folder")
-    weights = sorted(f.name for f in (dst.iterdir() if dst.is_dir() else ()) if _WEIGHT_FILE.search(f.name))
-    if weights:  # another model's, or shards and an index a loader would read beside the new weights
-        raise UserInputError(f"fp8_checkpoint: DST {str(dst)!r} already holds weight files ({', '.join(weights[:3])}"
-                             f"{', ...' if len(weights) > 3 else ''}); remove them or write to an empty folder")
+    model = sorted(f.name for f in (dst.iterdir() if dst.is_dir() else ())
+                   if _WEIGHT_FILE.search(f.name) or f.name == "config.json")
+    if model:  # another model's, or shards and an index a loader would read beside the new weights
+        raise UserInputError(f"fp8_checkpoint: DST {str(dst)!r} already holds a model's files ({', '.join(model[:3])}"
+                             f"{', ...' if len(model) > 3 else ''}); remove them or write to an empty folder")
     if "quantization_config" in json.loads((src / "config.json").read_text()):
         raise UserInputError(f"fp8_checkpoint: SRC {str(src)!r} is already quantized (its config.json has a "
                              "quantization_config)")
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
-            shutil.copy2(f, dst / f.name)
-    tensors, linears = {}, linear_layer_names(src)
-    for name, t in iterate_safetensors(src):
-        if is_quantized_name(name, t, linears):
-            tensors[name], tensors[name + "_scale_inv"] = quantize_weight_fp8(t, block)
-        else:
-            tensors[name] = t.contiguous()
-    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                     "weight_block_size": list(block)}
-    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return dst
 
 
 def main(argv: list[str] | None = None) -> int:

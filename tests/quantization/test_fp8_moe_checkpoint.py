@@ -60,7 +60,7 @@ def test_expert_weights_dequantize_in_any_order_and_a_lone_half_is_an_error():
         list(dequantize_fp8_experts([(name, q), (name + "_scale_inv", scale)], (64, 128)))
 
 
-def test_fp8_checkpoint_refuses_bad_folders_before_writing(tmp_path, fp8_moe_dir):
+def test_fp8_checkpoint_refuses_bad_folders_before_writing(tmp_path, fp8_moe_dir, tiny_model_dir):
     from fxrewrite.errors import UserInputError
 
     with pytest.raises(UserInputError, match="must be a model folder with config.json"):
@@ -73,12 +73,19 @@ def test_fp8_checkpoint_refuses_bad_folders_before_writing(tmp_path, fp8_moe_dir
     stale = tmp_path / "stale"
     stale.mkdir()
     (stale / "model.safetensors.index.json").write_text("{}")  # an old sharded copy: its index would win
-    with pytest.raises(UserInputError, match=r"already holds weight files \(model.safetensors.index.json\)"):
+    with pytest.raises(UserInputError, match=r"already holds a model's files \(model.safetensors.index.json\)"):
         write_fp8_checkpoint(fp8_moe_dir, stale)
     (stale / "model.safetensors.index.json").unlink()
     (stale / "pytorch_model.bin").write_bytes(b"")  # another model's weights are not overwritten or left beside
-    with pytest.raises(UserInputError, match=r"already holds weight files \(pytorch_model.bin\)"):
+    with pytest.raises(UserInputError, match=r"already holds a model's files \(pytorch_model.bin\)"):
         write_fp8_checkpoint(fp8_moe_dir, stale)
+    (stale / "pytorch_model.bin").unlink()
+    (stale / "config.json").write_text("{}")
+    with pytest.raises(UserInputError, match=r"already holds a model's files \(config.json\)"):
+        write_fp8_checkpoint(fp8_moe_dir, stale)
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(UserInputError, match="cannot make DST .*a-file/sub"):
+        write_fp8_checkpoint(tiny_model_dir("qwen3"), tmp_path / "a-file" / "sub")
 
 
 def test_bench_config_that_is_not_json_is_one_clear_error(tmp_path):

@@ -113,6 +113,15 @@ def test_removed_rope_flags_suggest_one_override_that_sets_them_all():
     assert """'{"rope_parameters": {"rope_type": "linear", "factor": 2, "rope_theta": 5000.0}}'""" in both, both
     assert "and a rope_type (--rope-scaling named none" in message("--rope-scaling", '{"factor": 2}')
     assert "e.g. --hf-overrides" in message("--rope-scaling", "not json")
+    kept = message("--rope-theta", "5", "--hf-overrides", '{"max_model_len": 100, "rope_parameters": {"factor": 2}}')
+    assert """'{"max_model_len": 100, "rope_parameters": {"factor": 2, "rope_theta": 5.0}}'""" in kept, kept
+
+
+def test_hf_overrides_given_twice_is_an_error_not_the_last_one_kept(capsys):
+    """fresh-user report: a second --hf-overrides silently dropped the first (its max_model_len)."""
+    with pytest.raises(SystemExit) as e:
+        parse(["serve", "--hf-overrides", '{"max_model_len": 4}', "--hf-overrides", '{"rope_parameters": {}}'])
+    assert e.value.code == 2 and "--hf-overrides was given twice" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", [["serve"], ["generate", "--prompt", "hi"], ["chat"],
