@@ -209,8 +209,11 @@ def _executor_backend_matches(backend: Any, config: EngineConfig) -> bool:
     ranks = config.tensor_parallel_size * config.pipeline_parallel_size * config.data_parallel_size
     if backend is None or backend == "mp":
         return True
+    if backend == "uni" and ranks > 1:
+        raise UserInputError(f"distributed_executor_backend='uni' runs one rank in this process, but the parallel "
+                             f"sizes ask for {ranks} ranks; use 'mp' (worker processes) or leave it unset")
     if backend == "uni":
-        return ranks == 1
+        return True
     if backend == "external_launcher" and ranks == config.tensor_parallel_size:
         from fxrewrite import distributed  # here: this module stays free of torch for the CLI's argument checks
 

@@ -165,7 +165,8 @@ def test_other_values_are_refused_naming_the_argument_and_what_is_accepted(name,
 
 def test_executor_backends_must_match_the_parallel_sizes():
     EngineConfig.from_kwargs(distributed_executor_backend="mp", tensor_parallel_size=2)
-    with pytest.raises(ValueError, match=r"distributed_executor_backend='uni' is not supported; expected .*'mp'"):
+    with pytest.raises(ValueError, match=r"distributed_executor_backend='uni' runs one rank in this process, but the "
+                                         r"parallel sizes ask for 2 ranks; use 'mp'"):  # not "expected ... 'uni'"
         EngineConfig.from_kwargs(distributed_executor_backend="uni", tensor_parallel_size=2)
     # outside torchrun (fxrewrite.distributed.init_from_env) a TP engine starts its own worker processes
     with pytest.raises(ValueError, match=r"distributed_executor_backend='external_launcher' is not supported"):
