@@ -137,6 +137,9 @@ class LLM:
                     if output.finished:
                         results[output.request_id] = output
                         bar.update(1)
+                failed = engine.take_failed_requests()
+                if failed:  # the rest of the call is aborted by generate's caller
+                    raise RuntimeError("; ".join(f"request {rid}: {why}" for rid, why in failed.items()))
         return [results[request_id] for request_id in ids]
 
     def chat(

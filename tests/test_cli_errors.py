@@ -278,7 +278,7 @@ def test_abbreviated_flags_are_not_taken_for_longer_ones(argv, flag, capsys):
 
 
 @pytest.mark.parametrize("command", ["serve", "generate", "chat", "explain"])
-def test_model_is_positional_or_vllms_model_flag(command, monkeypatch, tmp_path):
+def test_model_is_positional_or_vllms_model_flag(command, monkeypatch, tmp_path, capsys):
     """`--model MODEL` is the positional MODEL (vLLM's serve still takes it); the two naming different models is an
     error naming both."""
     seen = []
@@ -292,3 +292,6 @@ def test_model_is_positional_or_vllms_model_flag(command, monkeypatch, tmp_path)
     with pytest.raises(SystemExit) as e:
         main([command, "one/model", "--model", "other/model", *extra])
     assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        main([command, "--model", "one/model", "--model", "other/model", *extra])  # not silently the last
+    assert e.value.code == 2 and "--model was given twice; give one" in capsys.readouterr().err

@@ -59,7 +59,7 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
     """MODEL, positional, or vLLM's `--model MODEL` (`vllm serve` still takes it); `resolve_model` merges them."""
     parser.add_argument("model", nargs="?", default=None,
                         help="model folder, hub id or .gguf file (default: the built-in default model)")
-    parser.add_argument("--model", dest="model_flag", metavar="MODEL", default=None,
+    parser.add_argument("--model", dest="model_flag", metavar="MODEL", default=None, action=StoreOnce,
                         help="the same as the positional MODEL (vLLM's flag form)")
 
 
@@ -117,11 +117,12 @@ def parse_hf_overrides(value: str) -> dict[str, Any]:
 
 class StoreOnce(argparse.Action):
     """A flag that may be given once: a second value is an error, not silently the only one kept
-    (`--hf-overrides` twice dropped the first dict)."""
+    (`--hf-overrides` twice dropped the first dict; `--model a --model b` served b)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         if getattr(namespace, self.dest, None) is not None:
-            parser.error(f"{option_string} was given twice; put both values in one (a JSON object may set many keys)")
+            hint = "put both values in one (a JSON object may set many keys)" if isinstance(values, dict) else "give one"
+            parser.error(f"{option_string} was given twice; {hint}")
         setattr(namespace, self.dest, values)
 
 

@@ -114,6 +114,13 @@ class DPLLMEngine:
                 self._owner.pop(out.request_id, None)
         return outputs
 
+    def take_failed_requests(self) -> dict[str, str]:
+        """`LLMEngine.take_failed_requests` over the replicas."""
+        failed = {rid: why for engine in self.engines for rid, why in engine.take_failed_requests().items()}
+        for rid in failed:
+            self._owner.pop(rid, None)
+        return failed
+
     def check_health(self) -> None:
         self.executor.check_health()
 

@@ -30,6 +30,8 @@ class GrammarJob:
     event: object = None
     grammar_done: set[int] = field(default_factory=set)
     """seq_ids whose accepted token completes their grammar (a stop token)."""
+    process: object = None
+    """The GrammarProcess running the job; None when it was gone before the job could be sent."""
 
 
 class MaskSlots:

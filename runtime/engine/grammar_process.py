@@ -38,6 +38,11 @@ _BOOT = ("import importlib.util as u, sys; s = u.spec_from_file_location('fxrewr
          "m = u.module_from_spec(s); s.loader.exec_module(m); m.main(sys.argv[2:])")
 
 
+class GrammarProcessGone(RuntimeError):
+    """The grammar process exited, was killed or was closed: the matchers it held are lost (a job's own
+    error, a token its grammar refuses, stays a plain RuntimeError)."""
+
+
 def supported() -> bool:
     """Whether this platform can run the grammar process (Linux memfds)."""
     return hasattr(os, "memfd_create") and sys.platform.startswith("linux")
@@ -112,8 +117,8 @@ class GrammarProcess:
 
     def result(self, job_id: int) -> tuple[float, float, float]:
         """Wait for job `job_id`; (seconds accepting, filling, the child's job time). Answers of earlier
-        jobs nobody waited for (a step that failed) are read and dropped. RuntimeError: the job's error, or
-        the process is gone."""
+        jobs nobody waited for (a step that failed) are read and dropped. RuntimeError: the job's error;
+        GrammarProcessGone: the process is gone."""
         if job_id not in self._pending:
             raise RuntimeError(f"grammar job {job_id} was never submitted or was already read")
         while True:
@@ -131,6 +136,10 @@ class GrammarProcess:
     def alive(self) -> bool:
         """Whether the child is running and its pipes work (False once it exited, was killed, or was closed)."""
         return self.error is None and self._proc.poll() is None
+
+    def why_gone(self) -> str:
+        """Why the process is unusable (`alive()` is False): its error, or its exit code."""
+        return self.error or f"the grammar process exited (exit code {self._proc.poll()})"
 
     def close(self) -> None:
         """End the child (it exits when its input closes) and unregister the shared slots."""
@@ -164,13 +173,13 @@ class GrammarProcess:
 
     def _check(self) -> None:
         if self.error is not None:
-            raise RuntimeError(self.error)
+            raise GrammarProcessGone(self.error)
 
     def _fail(self, message: str) -> None:
         code = self._proc.poll()
         self.error = message + (f"; exit code {code}" if code is not None else "")
         self.close()
-        raise RuntimeError(self.error)
+        raise GrammarProcessGone(self.error)
 
 
 def _shutdown(proc: subprocess.Popen, rfd: int, wfd: int, registered: list[int]) -> None:

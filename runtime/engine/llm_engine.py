@@ -77,6 +77,8 @@ class LLMEngine(EngineRLMixin):
         self._structured_lock = threading.Lock()  # the server compiles grammars from several threads
         self._embeddings: dict = {}  # pooling runner: seq_id -> last-token final hidden state [H], host
         self._early_outputs = None  # the previous step's outputs, when grammar masks needed its tokens early
+        self.failed_requests: dict[str, str] = {}
+        """request_id -> why it failed alone (its grammar process died), already aborted: `take_failed_requests`."""
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> LLMEngine:
@@ -152,6 +154,21 @@ class LLMEngine(EngineRLMixin):
             for seq in request.seqs if request is not None else ():
                 self._finish(seq, "abort")
 
+    def take_failed_requests(self) -> dict[str, str]:
+        """The requests that failed alone since the last call (request_id -> why; aborted: blocks freed, no
+        more outputs), while the others go on: the server fails their responses, `LLM.generate` raises."""
+        failed, self.failed_requests = self.failed_requests, {}
+        return failed
+
+    def _fail_lost_grammars(self) -> None:
+        """Abort the requests whose matchers died with the grammar process, recording why."""
+        lost = self._structured.take_lost()
+        for request_id, request in list(self.requests.items()):
+            why = next((lost[s.seq_id] for s in request.seqs if s.seq_id in lost), None)
+            if why is not None:
+                self.failed_requests[request_id] = f"structured outputs failed: {why}"
+                self.abort_request(request_id)
+
     def has_unfinished_requests(self) -> bool:
         """True while a request is queued, running, or finished but not yet returned by `step`."""
         return bool(self.requests)
@@ -167,6 +184,8 @@ class LLMEngine(EngineRLMixin):
         had a token computed for nothing, which is dropped. Steps with repetition/frequency/presence
         penalties (which need every earlier token on the host) wait for the previous step first.
         """
+        if self._structured is not None and self._structured.lost:
+            self._fail_lost_grammars()
         if self.micro_batches is not None:
             return self.micro_batches.step(self)
         previous, self._inflight = self._inflight, None
@@ -250,6 +269,9 @@ class LLMEngine(EngineRLMixin):
         live = [(seq, result) for seq, result in zip(seqs, results) if seq.status is not _FINISHED]
         if grammar_done is None:
             grammar_done = self._structured.accept_tokens(live) if self._structured is not None else ()
+        if self._structured is not None and self._structured.lost:  # their tokens may be unmasked: dropped
+            self._fail_lost_grammars()
+            live = [(seq, result) for seq, result in live if seq.status is not _FINISHED]
         ended = set()  # requests with a sequence finished by these tokens: only those can end a final_only one
         process = self._process_sample
         for seq, result in live:

@@ -157,6 +157,9 @@ class StructuredOutputManager:
         self._width, self._max_rows = xgr.get_bitmask_shape(1, vocab_size)[1], max_rows
         self.constrained: set[int] = set()
         """seq_ids with a grammar (their matchers live in `local` or in the grammar process)."""
+        self.lost: dict[int, str] = {}
+        """seq_ids whose matchers died with the grammar process -> why; the engine fails their requests
+        (`take_lost`), the other sequences go on (the step that found it samples its rows unmasked)."""
         self.stats = dict.fromkeys(STAT_KEYS, 0.0)
         self._last_fill: tuple[list, list[int]] = ([], [])  # (sampling sequences, their seq_ids) of the last step
         self.process: grammar_process.GrammarProcess | None = None
@@ -183,16 +186,27 @@ class StructuredOutputManager:
             raise ValueError(f"invalid {params.kind} for structured outputs: {_clean(str(e))}") from None
 
     def add(self, seq_id: int, params: StructuredOutputsParams, compiled=None) -> None:
-        """Give `seq_id` a matcher of `params` (`compiled`: its CompiledGrammar, when already at hand).
-        RuntimeError when the grammar process is gone while other sequences still need it."""
+        """Give `seq_id` a matcher of `params` (`compiled`: its CompiledGrammar, when already at hand). When the
+        grammar process is gone (killed, say), the sequences it held are lost and a fresh process starts."""
         if self.process is None:
             self.local.add(seq_id, compiled if compiled is not None else self.compile(params))
         else:
-            if not self.process.alive() and not self.constrained:
+            if not self.process.alive():
+                self._lose_matchers(self.process.why_gone())
                 self.process.close()
-                self._start_process()  # the old one is gone (killed, say) and nobody depends on it: a fresh one
+                self._start_process()
             self.process.add(seq_id, params.spec())
         self.constrained.add(seq_id)
+
+    def take_lost(self) -> dict[int, str]:
+        """The seq_ids lost with a dead grammar process since the last call -> why (then forgotten here)."""
+        lost, self.lost = self.lost, {}
+        return lost
+
+    def _lose_matchers(self, why) -> None:
+        for seq_id in self.constrained:
+            self.lost[seq_id] = str(why)
+        self.constrained.clear()
 
     def remove(self, seq_id: int) -> None:
         if seq_id not in self.constrained:
@@ -201,7 +215,10 @@ class StructuredOutputManager:
         if self.process is None:
             self.local.remove(seq_id)
         elif self.process.error is None:
-            self.process.remove(seq_id)
+            try:
+                self.process.remove(seq_id)
+            except grammar_process.GrammarProcessGone as e:
+                self._lose_matchers(e)
 
     def accept_tokens(self, samples: list[tuple[Any, Any]]) -> set[int]:
         """Advance the matchers of the constrained sequences among `samples` ((Sequence, SampleResult)
@@ -232,8 +249,12 @@ class StructuredOutputManager:
         if self.process is None:
             times = self.local.run(accept_ids, tokens, fill_ids if fill else None, skip, host)
         else:
-            job = self.process.submit(accept_ids, tokens, fill_ids if fill else None, skip, slot)
-            times = self._wait(job)
+            try:
+                times = self._wait(self.process, self.process.submit(accept_ids, tokens, fill_ids if fill else None,
+                                                                     skip, slot))
+            except grammar_process.GrammarProcessGone as e:
+                self._lose_matchers(e)
+                return None  # no mask: the lost sequences' tokens are dropped with their requests
         self._add_times(*times)
         out = self._slots.to_device(host, event, device)
         self.stats["main_s"] += time.perf_counter() - start
@@ -276,22 +297,35 @@ class StructuredOutputManager:
         self.stats["steps"] += fill
         last_seqs, last_ids = self._last_fill
         accept_ids = last_ids if seqs is last_seqs else [s.seq_id for s in seqs]  # the previous step's rows
-        job_id = self.process.submit(accept_ids, token_ids, seq_ids if fill else None, done, slot)
+        process = self.process
+        try:
+            job_id = process.submit(accept_ids, token_ids, seq_ids if fill else None, done, slot)
+        except grammar_process.GrammarProcessGone as e:
+            self._lose_matchers(e)
+            job_id, process = -1, None
         self.stats["main_s"] += time.perf_counter() - start
-        return GrammarJob(job_id, slot, host, event, done)
+        return GrammarJob(job_id, slot, host, event, done, process)
 
     def finish_step(self, job: GrammarJob, device: torch.device) -> torch.Tensor | None:
-        """Wait for `start_step`'s job (its RuntimeError re-raised); its bitmask on `device`, or None."""
+        """Wait for `start_step`'s job (its RuntimeError re-raised); its bitmask on `device`, or None (also when
+        the grammar process is gone: its sequences are then `lost`, and the step's rows sample unmasked)."""
         start = time.perf_counter()
-        self._add_times(*self._wait(job.job_id))
+        if job.process is None:
+            return None
+        try:
+            self._add_times(*self._wait(job.process, job.job_id))
+        except grammar_process.GrammarProcessGone as e:
+            if job.process is self.process:  # else a fresh process took over and the old one's sequences are lost
+                self._lose_matchers(e)
+            return None
         out = self._slots.to_device(job.host, job.event, device)
         self.stats["main_s"] += time.perf_counter() - start
         return out
 
-    def _wait(self, job_id: int) -> tuple[float, float, float]:
+    def _wait(self, process, job_id: int) -> tuple[float, float, float]:
         start = time.perf_counter()
         try:
-            return self.process.result(job_id)
+            return process.result(job_id)
         finally:
             self.stats["wait_s"] += time.perf_counter() - start
 

@@ -224,6 +224,11 @@ class AsyncLLMEngine:
             logger.error("the engine is dead; failing the %d requests in flight: %s", len(self._collectors), e)
             self.dead_error = e  # the step's error tells the first failure (the health check's may wrap it)
             return []
+        for request_id, why in self.engine.take_failed_requests().items():  # failed alone; the others go on
+            self._joiner.forget(request_id)
+            collector = self._collectors.pop(request_id, None)
+            if collector is not None:
+                collector.fail(RuntimeError(why))
         return [self._joiner.snapshot(o) for o in outputs]
 
     async def _health_error(self) -> Exception | None:

@@ -2,8 +2,9 @@
 the previous step's tokens, filling this step's bitmask) is sent after the step's forward pass is launched,
 runs there while the main thread completes the previous step, and is read before the step samples; seeded
 outputs equal those of the sequential path (the matchers in this process) and of synchronous scheduling; a
-grammar violation found there is raised on the main thread; a dead grammar process fails the step and the
-next constrained request gets a fresh one."""
+grammar violation found there is raised on the main thread; a dead grammar process fails only the requests
+whose matchers it held (the others, in the same step too, go on) and the next constrained request gets a fresh
+one."""
 
 import json
 from types import SimpleNamespace
@@ -136,36 +137,71 @@ def test_grammar_violation_is_raised_on_the_main_thread(llm):
         structured.remove(-1)
 
 
+def _kill(process) -> None:
+    process._proc.kill()
+    process._proc.wait()
+
+
 def test_a_dead_grammar_process_fails_only_its_sequences_and_is_replaced(tiny_llama_dir):
     """The grammar process killed (as an OOM killer would): plain requests never touch it, a constrained request
     with no sequence left on the dead one starts a fresh one, and one that dies under running constrained sequences
-    fails those (their KV blocks freed), then is replaced too (fresh-user report: every later request, plain ones
-    included, failed with a 500)."""
+    fails only those requests (their KV blocks freed), while a plain request of the same steps finishes; then it
+    is replaced too (fresh-user reports: every later request, plain ones included, failed with a 500; later, the
+    plain requests batched with the constrained ones when it died failed with them)."""
     llm = _llm(tiny_llama_dir)
     engine = llm.llm_engine
     params = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=2, structured_outputs=_constraint(json=ENDLESS))
-    plain = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = llm.generate(["hello"], plain, use_tqdm=False)[0].outputs[0].token_ids
     llm.generate(["numbers:"], params, use_tqdm=False)
     structured = engine._structured
     first = structured.process
-    first._proc.kill()
-    first._proc.wait()
-    assert len(llm.generate(["hello"], plain, use_tqdm=False)[0].outputs[0].token_ids) == 4
+    _kill(first)
+    assert llm.generate(["hello"], plain, use_tqdm=False)[0].outputs[0].token_ids == expected
     out = llm.generate(["numbers:"], params, use_tqdm=False)[0]
     assert structured.process is not first and structured.process.alive()
     assert all(len(c.token_ids) == 8 and c.text.startswith("[") for c in out.outputs)
 
-    engine.add_request("constrained", "numbers:", params)
-    engine.add_request("plain", "hello", plain)
-    engine.step()
-    structured.process._proc.kill()
-    structured.process._proc.wait()
-    with pytest.raises(RuntimeError, match="grammar process is gone"):
+    for steps_before_kill in (1, 3):  # a prefill step in flight, then decode steps
+        engine.add_request("constrained", "numbers:", params)
+        engine.add_request("plain", "hello", plain)
+        outputs = {}
+        for _ in range(steps_before_kill):
+            outputs.update((o.request_id, o) for o in engine.step())
+        _kill(structured.process)
+        failed = {}
         while engine.has_unfinished_requests():
-            engine.step()
-    assert not engine.requests and not structured.constrained
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    assert len(llm.generate(["hello"], plain, use_tqdm=False)[0].outputs[0].token_ids) == 4
+            outputs.update((o.request_id, o) for o in engine.step())
+            failed.update(engine.take_failed_requests())
+        assert list(failed) == ["constrained"] and "grammar process" in failed["constrained"]
+        assert outputs["plain"].finished and outputs["plain"].outputs[0].token_ids == expected
+        assert not engine.requests and not structured.constrained and not structured.lost
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     out = llm.generate(["numbers:"], params, use_tqdm=False)[0]  # a fresh grammar process again
     assert all(len(c.token_ids) == 8 and c.text.startswith("[") for c in out.outputs)
+
+    engine.add_request("constrained", "numbers:", params)  # dead between steps, found by the next request's add
+    engine.step()
+    _kill(structured.process)
+    engine.add_request("second", "numbers:", params)
+    failed, outputs = {}, {}
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in engine.step())
+        failed.update(engine.take_failed_requests())
+    assert list(failed) == ["constrained"] and outputs["second"].finished
+    assert all(c.text.startswith("[") for c in outputs["second"].outputs)
+
+    step, killed = engine.step, []  # offline: the call whose request it held raises, naming it
+
+    def step_then_kill():
+        outputs = step()
+        if not killed:
+            killed.append(_kill(structured.process))
+        return outputs
+
+    engine.step = step_then_kill
+    with pytest.raises(RuntimeError, match=r"request \d+: structured outputs failed: the grammar process is gone"):
+        llm.generate(["hello", "numbers:"], [plain, params], use_tqdm=False)
+    del engine.step
+    assert not engine.requests and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     structured.close()

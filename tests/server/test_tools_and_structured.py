@@ -253,3 +253,36 @@ def test_template_that_cannot_render_tools_is_a_400(server):
     response = TestClient(build_app(server.engine)).post(
         "/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS})
     assert response.status_code == 400 and "--enable-auto-tool-choice" in response.json()["error"]["message"]
+
+
+def test_a_dead_grammar_process_fails_only_the_constrained_request(server, monkeypatch):
+    """The grammar process killed while a constrained and a plain completion share the engine's steps: the
+    constrained one is a 500 naming the cause, the plain one completes, the blocks are freed, and the next
+    constrained request gets a fresh grammar process."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine, step, killed = server.engine, server.engine.step, []
+
+    def step_then_kill():
+        outputs = step()
+        if not killed and len(engine.requests) == 2 and engine._structured.constrained:
+            engine._structured.process._proc.kill()
+            killed.append(engine._structured.process._proc.wait())
+        return outputs
+
+    monkeypatch.setattr(engine, "step", step_then_kill)
+    endless = {"structured_outputs": {"json": {"type": "array", "items": {"type": "integer"}, "minItems": 1000}}}
+    body = dict(model=server.model_name, prompt="numbers:", max_tokens=40, temperature=0)
+    with server.http() as http, ThreadPoolExecutor(2) as pool:
+        constrained = pool.submit(http.post, "/v1/completions", json={**body, **endless, "max_tokens": 400})
+        server.wait_until(lambda: engine._structured is not None and engine._structured.constrained)
+        plain = pool.submit(http.post, "/v1/completions", json={**body, "prompt": "hello", "ignore_eos": True})
+        constrained, plain = constrained.result(), plain.result()
+    assert killed and constrained.status_code == 500, constrained.text
+    assert "structured outputs failed: the grammar process is gone" in constrained.json()["error"]["message"]
+    assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 40
+    server.wait_until(server.all_blocks_free)
+    monkeypatch.undo()
+    again = server.client().completions.create(model=server.model_name, prompt="numbers:", max_tokens=8,
+                                               extra_body=endless)
+    assert again.choices[0].text.startswith("[")
