@@ -65,12 +65,36 @@ def test_dp2_dense_replicas_equal_one_engine(tiny_qwen3_dir):
         assert greedy(llm) == want
         _check_replicas_used_and_freed(llm)
         check_constrained(llm, one)  # structured outputs, bad words, prompt logprobs
+        _check_a_dead_grammar_process_fails_only_its_request(llm.llm_engine)
         assert llm.llm_engine.executor._procs.role == "data-parallel"  # a dead worker's error says so
         workers = list(llm.llm_engine.executor._procs.context.processes)
     finally:
         llm.llm_engine.shutdown()
     # The stop wave reached them: they left their loop and exited, not killed at the shutdown timeout.
     assert [p.exitcode for p in workers] == [0, 0]
+
+
+def _check_a_dead_grammar_process_fails_only_its_request(engine: DPLLMEngine) -> None:
+    """The grammar processes of the replicas killed: the constrained request fails alone, reported by the
+    front (`take_failed_requests`), the plain one finishes, and every block is free again."""
+    from fxrewrite.runtime.engine.structured_outputs import StructuredOutputsParams
+
+    endless = StructuredOutputsParams(json={"type": "array", "items": {"type": "integer"}, "minItems": 1000})
+    engine.add_request("plain", [1, 2, 3], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    engine.add_request("constrained", [4, 5], SamplingParams(max_tokens=6, structured_outputs=endless))
+    outputs = {o.request_id: o for o in engine.step()}
+    grammars = [r._structured for r in engine.engines if r._structured is not None and r._structured.constrained]
+    for structured in grammars:
+        structured.process._proc.kill()
+        structured.process._proc.wait()
+    failed = {}
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in engine.step())
+        failed.update(engine.take_failed_requests())
+    assert grammars and list(failed) == ["constrained"] and "grammar process" in failed["constrained"]
+    assert outputs["plain"].finished and len(outputs["plain"].outputs[0].token_ids) == 6
+    assert not engine._owner and all(r.block_manager.num_free_blocks == r.block_manager.num_blocks
+                                     for r in engine.engines)
 
 
 LOAD_TIMEOUT_S = 400
