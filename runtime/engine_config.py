@@ -11,6 +11,9 @@ from typing import Any
 
 from fxrewrite.errors import UserInputError, UserTypeError
 
+SEED_RANGE = (-(2**63), 2**63 - 1)
+"""The seeds torch.manual_seed and torch.Generator.manual_seed take: the engine's and a request's."""
+
 
 MODEL_IMPLS = ("auto", "native", "transformers")
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
@@ -43,7 +46,8 @@ class EngineConfig:
     """Config overrides: a dict, its JSON text, or a callable(config) -> config (see runtime/hf_config.py)."""
     max_model_len: int | None = None
     dtype: str = "auto"
-    seed: int = 0
+    seed: int | None = 0
+    """None: 0, as vLLM's engine (its V1 cannot run unseeded)."""
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     """Token budget of one step (chunked prefill); None means max(8192, max_num_seqs)."""
@@ -121,8 +125,7 @@ class EngineConfig:
         logprobs = self.max_logprobs  # -1: no limit but the vocabulary (vLLM's)
         if not isinstance(logprobs, int) or isinstance(logprobs, bool) or (logprobs < 1 and logprobs != -1):
             raise UserInputError(f"max_logprobs={logprobs!r} must be a positive integer or -1 (no limit)")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise UserTypeError(f"seed={self.seed!r} must be an integer")
+        self.seed = check_seed(self.seed)
         for name in ("fusion", "enable_prefix_caching", "enforce_eager", "async_scheduling", "trust_remote_code",
                      "enable_expert_parallel", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
@@ -259,6 +262,18 @@ VLLM_COMPAT_KWARGS: dict[str, tuple[Callable[[Any, EngineConfig], bool], str, st
         "penalties and top-k / top-p",
         "the engine's logprobs are raw_logprobs"),
 }
+
+
+def check_seed(seed: Any) -> int:
+    """The engine's seed: an integer in SEED_RANGE, or None for 0 (vLLM's LLM(seed=None): its engine cannot run
+    unseeded either). UserTypeError / UserInputError naming the value."""
+    if seed is None:
+        return 0
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise UserTypeError(f"seed={seed!r} must be an integer")
+    if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise UserInputError(f"seed={seed} must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]")
+    return seed
 
 
 def check_device(device: Any, ranks: int = 1) -> None:

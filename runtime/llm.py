@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import threading
@@ -92,17 +93,22 @@ class LLM:
         return self._submit(prompts, _per_prompt(sampling_params, len(prompts)), use_tqdm)
 
     def embed(self, prompts: str | list[int] | Sequence[str | list[int]], pooling_params: PoolingParams | None = None,
-              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+              use_tqdm: bool = True, *, truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (text or token ids), in order: `output.outputs.embedding` is a list of
         hidden_size floats, the last token's final hidden state L2-normalised (vLLM's default pooler for
-        a decoder LM). Needs LLM(..., runner="pooling"); ValueError otherwise, or for a bad prompt."""
+        a decoder LM). `truncate_prompt_tokens`: embed each prompt's last k tokens (vLLM's; -1: max_model_len
+        of them), else pooling_params' own. Needs LLM(..., runner="pooling"); ValueError otherwise, or for a bad
+        prompt."""
         if not self.llm_engine.config.is_pooling:
             raise UserInputError("LLM.embed needs LLM(model, runner='pooling') (vLLM's pooling runner); this LLM "
                                  "generates")
         prompts = _prompt_list(prompts)
         if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
             raise UserTypeError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}")
-        return self._submit(list(prompts), [pooling_params or PoolingParams()] * len(prompts), use_tqdm)
+        pooling_params = pooling_params or PoolingParams()
+        if truncate_prompt_tokens is not None:
+            pooling_params = dataclasses.replace(pooling_params, truncate_prompt_tokens=truncate_prompt_tokens)
+        return self._submit(list(prompts), [pooling_params] * len(prompts), use_tqdm)
 
     def _submit(self, prompts: list, params: list, use_tqdm: bool) -> list:
         """Add every prompt with its params and run them all; nothing stays queued on an error. Calls from several

@@ -68,6 +68,20 @@ def test_a_bad_generation_config_is_one_line_before_the_model_loads(tmp_path, ca
     assert ("no generation_config.json" if broken == "missing" else "must hold a JSON object") in err
 
 
+@pytest.mark.parametrize(("overrides", "message"), [
+    ('{"head_dim": 7}', "rotary_dim = int(head_size * partial_rotary_factor) = 7 must be even"),
+    ('{"hidden_act": "gelu"}', "hidden_act='gelu': the native Llama supports only 'silu'"),
+    ('{"vocab_size": 10}', "prompt token id"),
+])
+def test_overrides_the_model_cannot_run_are_one_line(tiny_llama_dir, overrides, message, capsys):
+    """Config values a model cannot be built or run with, set through --hf-overrides (fresh user: tracebacks)."""
+    argv = ["generate", str(tiny_llama_dir), "--prompt", "hi there", "--max-tokens", "1", "--hf-overrides", overrides,
+            "--load-format", "dummy"]  # random weights of the new shape (real ones are refused for it, as they should)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
 def test_bad_bench_config_is_one_line(capsys):
     assert main(["bench", "compare", "--config", "no-such-config"]) == 2
     err = capsys.readouterr().err

@@ -40,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="format of the model's tool calls (auto: chosen by the chat template)")
     parser.add_argument("--enable-log-requests", action="store_true",
                         help="log every request's prompt and sampling parameters")
+    parser.add_argument("--disable-log-requests", action="store_true",
+                        help="vLLM's older flag (deprecated there): requests are not logged without --enable-log-requests")
     parser.add_argument("--max-log-len", type=int, default=None,
                         help="characters (or token ids) of a prompt to log with --enable-log-requests (default: all)")
     parser.add_argument("--uvicorn-log-level", default="info",
@@ -63,8 +65,20 @@ def _json_strings(flag: str):
 
 def api_key(args: argparse.Namespace) -> str | None:
     """The key clients must send: ``--api-key``, else the environment's ``VLLM_API_KEY`` (vLLM's fallback, so a
-    deployment that sets the key there is not left open), else None (no key)."""
+    deployment that sets the key there is not left open), else None (no key). UserInputError for an empty
+    ``--api-key`` (``--api-key "$KEY"`` with KEY unset would otherwise serve with no key at all)."""
+    if args.api_key is not None and not args.api_key.strip():
+        raise UserInputError(f"--api-key {args.api_key!r} is empty: give the key, or leave the flag out to serve "
+                             "without one")
     return args.api_key or os.environ.get("VLLM_API_KEY") or None
+
+
+def _served_model_names(args: argparse.Namespace, default: str) -> list[str]:
+    """``--served-model-name`` (each non-empty: a request's ``model`` must name one), else MODEL or `default`."""
+    empty = [n for n in args.served_model_name or () if not n.strip()]
+    if empty:
+        raise UserInputError(f"--served-model-name {empty[0]!r} is empty: a name clients can send is needed")
+    return args.served_model_name or [args.model or default]
 
 
 def build_server_app(args: argparse.Namespace):
@@ -77,16 +91,18 @@ def build_server_app(args: argparse.Namespace):
 
     if args.max_log_len is not None and args.max_log_len < 0:
         raise UserInputError(f"--max-log-len {args.max_log_len} must be at least 0")
+    if args.enable_log_requests and args.disable_log_requests:
+        raise UserInputError("--enable-log-requests and --disable-log-requests contradict each other: give one")
+    key, names = api_key(args), _served_model_names(args, DEFAULT_MODEL)  # checked before the model loads
     check_generation_config(args.generation_config)
     chat_template = load_chat_template(args.chat_template)
     engine = make_engine(EngineConfig.from_kwargs(**engine_kwargs(args)))  # DPLLMEngine with -dp > 1
     defaults = load_generation_defaults(engine.model_config.model_path, args.generation_config)
-    names = args.served_model_name or [args.model or DEFAULT_MODEL]
     tool_parser = None
     if args.enable_auto_tool_choice:
         tool_parser = get_tool_parser(args.tool_call_parser,
                                       chat_template or getattr(engine.tokenizer, "chat_template", None))
-    app = build_app(engine, served_model_names=names, api_key=api_key(args), generation_defaults=defaults,
+    app = build_app(engine, served_model_names=names, api_key=key, generation_defaults=defaults,
                     chat_template=chat_template, tool_parser=tool_parser,
                     log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
                     trust_request_chat_template=args.trust_request_chat_template,

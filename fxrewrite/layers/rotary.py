@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fxrewrite.errors import UserInputError
 from fxrewrite.kernels.rotary import rotary_embedding
 from fxrewrite.layers.rope_context import get_rope_lengths
 from fxrewrite.layers.rope_init import (
@@ -270,14 +271,15 @@ def get_rope(
     cache covers it, or original_max_position_embeddings * factor for yarn / max_position * factor
     for linear when larger). `rope_parameters` is transformers' flat dict (legacy `type` accepted);
     rotary_dim = int(head_size * partial_rotary_factor). `dtype` is what get_cos_sin returns by
-    default. Raises ValueError for invalid parameters (see rope_init.validate_rope_parameters).
+    default. Raises UserInputError (a ValueError) for invalid parameters (see
+    rope_init.validate_rope_parameters).
     """
     params = normalize_rope_parameters(rope_parameters)
     validate_rope_parameters(params, head_size)
     rotary_dim = get_rotary_dim(head_size, params)
     if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_size:
-        raise ValueError(
+        raise UserInputError(
             f"rotary_dim = int(head_size * partial_rotary_factor) = {rotary_dim} must be even and in "
-            f"(0, head_size={head_size}]"
+            f"(0, head_size={head_size}] (head_dim / partial_rotary_factor of the config)"
         )
     return RotaryEmbedding(head_size, rotary_dim, max_position, params, is_neox_style, dtype, device)

@@ -25,14 +25,20 @@ class PoolingParams:
     normalize: divide the last-token hidden state by its L2 norm (vLLM's default for embed).
     dimensions: a shorter (Matryoshka) embedding; only None is supported (the model's hidden size),
     anything else is a ValueError naming the value, as vLLM refuses it for non-Matryoshka models.
+    truncate_prompt_tokens: embed only the prompt's last k tokens (-1: max_model_len of them; None: all), as
+    SamplingParams' field (checked against max_model_len when the request is added).
     """
 
     normalize: bool = True
     dimensions: int | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.normalize, bool):
             raise UserInputError(f"PoolingParams: normalize={self.normalize!r} must be True or False")
+        keep = self.truncate_prompt_tokens
+        if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool)):
+            raise UserTypeError(f"PoolingParams: truncate_prompt_tokens={keep!r} must be an integer or None")
         if self.dimensions is not None:
             raise UserInputError(f"PoolingParams: dimensions={self.dimensions!r} is not supported: this model "
                                  "has no Matryoshka (truncatable) embeddings; leave dimensions unset")
@@ -85,7 +91,8 @@ def split_params(params, is_pooling: bool):
     if params is not None and not isinstance(params, PoolingParams):
         raise UserInputError(f"this engine runs runner='pooling': it returns embeddings (LLM.embed, /v1/embeddings) "
                              f"and does not generate; got {type(params).__name__}, expected PoolingParams")
-    return params or PoolingParams(), SamplingParams(max_tokens=1, temperature=0.0)
+    pooling = params or PoolingParams()
+    return pooling, SamplingParams(max_tokens=1, temperature=0.0, truncate_prompt_tokens=pooling.truncate_prompt_tokens)
 
 
 def pooling_output(request, embeddings: dict[int, torch.Tensor], requests: dict) -> EmbeddingRequestOutput:

@@ -15,6 +15,9 @@ def tokenize_prompt(tokenizer: Any, vocab_size: int, prompt: str | list[int]) ->
     if isinstance(prompt, str):
         token_ids = tokenizer.encode(check_unicode(prompt, "prompt"))
         text = prompt
+        if token_ids and max(token_ids) >= vocab_size:  # a tokenizer of another model (`tokenizer=`)
+            raise UserInputError(f"prompt token id {max(token_ids)} (the tokenizer's) is out of range "
+                                 f"[0, {vocab_size}): the tokenizer does not fit the model's vocabulary")
     elif isinstance(prompt, (list, tuple)) and all(is_integer(t) for t in prompt):
         token_ids, text = [int(t) for t in prompt], None
         bad = [t for t in token_ids if not 0 <= t < vocab_size]

@@ -11,9 +11,9 @@ from numbers import Integral, Real
 from fxrewrite.errors import UserInputError, UserTypeError, is_integer
 
 from fxrewrite.runtime.engine.structured_outputs import StructuredOutputsParams
+from fxrewrite.runtime.engine_config import SEED_RANGE
 
 _GREEDY_EPS = 1e-5
-_SEED_RANGE = (-(2**63), 2**63 - 1)  # what torch.Generator.manual_seed takes
 # The sampler computes in float32: a larger value would become inf there (logits / inf is NaN).
 _FLOAT32_MAX = 3.4028234663852886e38
 _LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
@@ -22,6 +22,8 @@ _LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
 _REPETITION_PENALTY_RANGE = (1e-9, 1e9)
 _NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _INTEGERS = ("n", "top_k", "min_tokens")
+_BOOLEANS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+             "detokenize")
 _OPTIONAL_INTEGERS = ("max_tokens", "logprobs", "prompt_logprobs", "seed", "truncate_prompt_tokens")  # None allowed
 
 
@@ -182,8 +184,8 @@ class SamplingParams:
              "-1 (the whole vocabulary) or at least 0"),
             (self.truncate_prompt_tokens in (None, -1) or self.truncate_prompt_tokens >= 1, "truncate_prompt_tokens",
              self.truncate_prompt_tokens, "-1 or at least 1"),
-            (self.seed is None or _SEED_RANGE[0] <= self.seed <= _SEED_RANGE[1], "seed", self.seed,
-             f"in [{_SEED_RANGE[0]}, {_SEED_RANGE[1]}]"),
+            (self.seed is None or SEED_RANGE[0] <= self.seed <= SEED_RANGE[1], "seed", self.seed,
+             f"in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
              "token ids of at least 0"),
         ]
@@ -196,8 +198,9 @@ class SamplingParams:
             )
         if any(not s for s in self.stop_strings):
             raise UserInputError(f"SamplingParams: stop={self.stop!r} must not contain empty strings")
-        if not isinstance(self.detokenize, bool):
-            raise UserTypeError(f"SamplingParams: detokenize={self.detokenize!r} must be a bool")
+        for name in _BOOLEANS:
+            if not isinstance(getattr(self, name), bool):
+                raise UserTypeError(f"SamplingParams: {name}={getattr(self, name)!r} must be a bool")
         if self.stop_strings and not self.detokenize:
             raise UserInputError(f"SamplingParams: stop={self.stop!r} needs detokenize=True (stop strings are "
                                  "found in the decoded text)")

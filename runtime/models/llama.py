@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from fxrewrite.distributed import get_tp_rank, get_tp_size
+from fxrewrite.errors import UserInputError
 from fxrewrite.layers.activation import SiluAndMul
 from fxrewrite.layers.fused_moe import FusedMoE
 from fxrewrite.layers.layernorm import RMSNorm
@@ -99,7 +100,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias, device=device, **tp)
         self.gate_up_proj.gemv_prologue, self.down_proj.gemv_prologue = "norm", "silu"
         if getattr(cfg, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act={cfg.hidden_act!r}: the native Llama supports only 'silu'")
+            raise UserInputError(f"hidden_act={cfg.hidden_act!r}: the native Llama supports only 'silu'")
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None):

@@ -14,6 +14,7 @@ from __future__ import annotations
 from torch import nn
 
 from fxrewrite.data_parallel import moe_parallel
+from fxrewrite.errors import UserInputError
 from fxrewrite.layers.fused_moe import FusedExperts, FusedMoE
 from fxrewrite.layers.linear import ReplicatedLinear
 from fxrewrite.runtime.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
@@ -30,7 +31,7 @@ def is_moe_layer(cfg, layer_idx: int) -> bool:
 def moe_block(cfg, device) -> FusedMoE:
     """The sparse MoE block of one layer (router `gate`, experts `experts`)."""
     if cfg.hidden_act != "silu":
-        raise ValueError(f"hidden_act={cfg.hidden_act!r}: the native Qwen3-MoE supports only 'silu'")
+        raise UserInputError(f"hidden_act={cfg.hidden_act!r}: the native Qwen3-MoE supports only 'silu'")
     router = ReplicatedLinear(cfg.hidden_size, cfg.num_experts, bias=False, device=device)
     size, rank, expert_parallel = moe_parallel()  # the TP group, or every DP x TP worker under DP + EP
     experts = FusedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, tp_size=size,

@@ -31,6 +31,7 @@ from pydantic import (
 
 from fxrewrite.errors import UserInputError, check_unicode
 from fxrewrite.runtime.engine.chat import check_role, join_text_parts
+from fxrewrite.runtime.engine_config import SEED_RANGE
 from fxrewrite.runtime.server.validation_errors import FieldError
 
 # A logit_bias key that int() reads: ASCII digits (str.isdigit() also takes "¹" or "①", which int() refuses), an
@@ -39,7 +40,7 @@ from fxrewrite.runtime.server.validation_errors import FieldError
 _INTEGER_KEY = re.compile(r"-?0*[0-9]{1,20}")
 
 # torch.Generator.manual_seed takes a 64-bit integer.
-_SEED_RANGE = {"ge": -(2**63), "le": 2**63 - 1}
+_SEED_RANGE = {"ge": SEED_RANGE[0], "le": SEED_RANGE[1]}
 
 # OpenAI / vLLM fields this server does not implement: a request that sets them gets a 400
 # rather than an answer that silently ignores them. Value: the setting that means "off".

@@ -78,7 +78,8 @@ class OpenAIServingChat(OpenAIServing):
         request_id = random_id("chatcmpl")
         field = structured_outputs_field(request)
         ids, streams = await self.start_requests(request_id, [(token_ids, params)], logprobs_field="top_logprobs",
-                                                 structured_field="tool_choice" if field == "tools" else field)
+                                                 structured_field="tool_choice" if field == "tools" else field,
+                                                 prompt_field="messages")
         if request.stream:
             return EventStreamResponse(self._stream(request, model, request_id, ids, streams[0], len(token_ids)),
                                        on_close=lambda: self.abort_all(ids))

@@ -78,7 +78,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         prompts = await self.async_tokenizer.run(self._prompts, request)
         request_id = random_id("embd")
         params = PoolingParams()
-        ids, streams = await self.start_requests(request_id, [(p, params) for p in prompts])
+        ids, streams = await self.start_requests(request_id, [(p, params) for p in prompts], prompt_field="input")
         try:
             data = []
             for index, stream in enumerate(streams):

@@ -34,7 +34,7 @@ def _refused_field(message: str, sent_as: dict[str, str]) -> tuple[str, str | No
     """(message, param) of an engine refusal, whose message starts with the SamplingParams field ("logprobs=21 is
     more than max_logprobs=20", "structured_outputs is not supported with ..."), renamed to the request field
     that set it (`sent_as`: {params field: request field, or (request field, how the message names it)})."""
-    found = re.match(r"(logprobs|prompt_logprobs|structured_outputs|bad_words|allowed_token_ids)\b", message)
+    found = re.match(r"(logprobs|prompt_logprobs|structured_outputs|bad_words|allowed_token_ids|prompt)\b", message)
     if found is None:
         return message, None
     field = found.group(1)
@@ -206,11 +206,13 @@ class OpenAIServing:
     async def start_requests(
         self, request_id: str, prompts: list[tuple[list[int], SamplingParams]], logprobs_field: str = "logprobs",
         structured_field: str = "structured_outputs", prompt_logprobs_field: str | tuple[str, str] = "prompt_logprobs",
+        prompt_field: str = "prompt",
     ) -> tuple[list[str], list[AsyncIterator[StepOutput]]]:
         """Admit one engine request per prompt (ids `request_id-i`); all or none. `logprobs_field` /
-        `structured_field` / `prompt_logprobs_field`: the request fields that set SamplingParams.logprobs /
-        structured_outputs / prompt_logprobs, named in a refusal (chat's are ``top_logprobs`` and, for a forced tool
-        call, ``tool_choice``; a completion's echo with logprobs sets prompt_logprobs).
+        `structured_field` / `prompt_logprobs_field` / `prompt_field`: the request fields that set
+        SamplingParams.logprobs / structured_outputs / prompt_logprobs and the prompt, named in a refusal (chat's are
+        ``top_logprobs``, ``messages`` and, for a forced tool call, ``tool_choice``; a completion's echo with logprobs
+        sets prompt_logprobs).
 
         The caller must `abort_all(ids)` when done (a no-op for finished requests).
         """
@@ -223,7 +225,8 @@ class OpenAIServing:
         except ValueError as e:
             self.abort_all(ids)
             message, param = _refused_field(str(e), {"logprobs": logprobs_field, "structured_outputs": structured_field,
-                                                     "prompt_logprobs": prompt_logprobs_field})
+                                                     "prompt_logprobs": prompt_logprobs_field,
+                                                     "prompt": (prompt_field, "prompt")})
             raise OpenAIError(HTTPStatus.BAD_REQUEST, message, param=param, code="invalid_value") from None
         except EngineDeadError:  # a 503 (an OpenAIError)
             self.abort_all(ids)

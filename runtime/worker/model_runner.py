@@ -94,8 +94,14 @@ def load_tokenizer(model_config, config: EngineConfig):
         raise UserInputError(
             f"tokenizer {source!r} has no vocabulary ({len(tokenizer)} token(s); no tokenizer.json, tokenizer.model or "
             "vocabulary files there?): pass a folder or hub id that has one as tokenizer= (--tokenizer)")
+    if len(tokenizer) + _VOCAB_PADDING < (getattr(model_config, "vocab_size", None) or 0):  # past a padded LM head
+        logger.warning("tokenizer %r has %d tokens, the model %d: sampled ids past the tokenizer's decode to no text "
+                       "(is it this model's tokenizer?)", source, len(tokenizer), model_config.vocab_size)
     tokenizer.model_max_length = VERY_LARGE_INTEGER
     return tokenizer
+
+
+_VOCAB_PADDING = 1024  # LM-head rows a checkpoint may pad past its tokenizer (Qwen3: 267, DeepSeek-V3: 465)
 
 
 def resolve_model_impl(config: EngineConfig, model_config) -> str:

@@ -73,6 +73,21 @@ def test_token_id_lists_name_the_bad_element(llm):
     assert numpy_ids[0].prompt_token_ids == [5, 6] and all(type(t) is int for t in numpy_ids[0].prompt_token_ids)
 
 
+def test_another_models_tokenizer_is_refused_or_warned_of(tiny_model_dir, tiny_qwen3_dir, caplog):
+    """Another model's tokenizer, larger than the model's vocabulary: a text prompt's ids are checked as token-id
+    prompts are (a fresh user got an IndexError from the embedding); smaller: a warning at load (the ids past it
+    decode to no text)."""
+    small = tiny_model_dir("qwen3", vocab="smollm2")
+    llm = LLM(str(small), tokenizer=str(tiny_qwen3_dir), kv_cache_memory_bytes=1 << 22, max_model_len=256)
+    with pytest.raises(ValueError, match=r"prompt 0: prompt token id \d+ \(the tokenizer's\) is out of range "
+                                         r"\[0, 49152\): the tokenizer does not fit"):
+        llm.generate(["你好世界"], use_tqdm=False)
+    assert len(llm.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
+    assert "decode to no text" not in caplog.text
+    LLM(str(tiny_qwen3_dir), tokenizer=str(small), kv_cache_memory_bytes=1 << 22, max_model_len=256)
+    assert "has 49152 tokens, the model 151936: sampled ids past the tokenizer's decode to no text" in caplog.text
+
+
 def test_prompt_token_ids_that_are_no_list_are_refused_by_their_key(llm):
     """A string under prompt_token_ids was served as text (found by a fresh-user run); a tensor was refused under
     the name `prompt`."""
@@ -132,12 +147,23 @@ def test_a_boolean_is_not_a_count(name):
         EngineConfig(**{name: True})
 
 
-@pytest.mark.parametrize("seed", ["1", True, None, 1.5])
+@pytest.mark.parametrize("seed", ["1", True, 1.5])
 def test_seed_must_be_an_integer(seed):
     from fxrewrite.runtime.engine_config import EngineConfig
 
     with pytest.raises(TypeError, match=f"seed={seed!r} must be an integer"):
         EngineConfig(seed=seed)
+
+
+def test_seed_is_none_or_a_64_bit_integer():
+    """vLLM's LLM(seed=None) seeds with 0; a seed torch cannot take is refused before any model loads (a fresh user
+    got torch's "Overflow when unpacking long long" traceback from the model runner)."""
+    from fxrewrite.runtime.engine_config import EngineConfig
+
+    assert EngineConfig(seed=None).seed == 0 and EngineConfig(seed=-(2**63)).seed == -(2**63)
+    for seed in (2**63, -(2**63) - 1, 10**23):
+        with pytest.raises(ValueError, match=rf"seed={seed} must be in \[-9223372036854775808, 9223372036854775807\]"):
+            EngineConfig(seed=seed)
 
 
 @pytest.mark.parametrize("value", ["0.5", True])

@@ -89,3 +89,20 @@ def test_generate_llm_refuses_embed(tiny_llama_dir):
         llm.embed(["x"], use_tqdm=False)
     with pytest.raises(ValueError, match="PoolingParams need an engine made with runner='pooling'"):
         llm.llm_engine.add_request("r", "x", PoolingParams())
+
+
+def test_embed_truncates_prompts_as_vllm(tiny_llama_dir, pooling_llm):
+    """vLLM's LLM.embed(..., truncate_prompt_tokens=k) (and PoolingParams' field): the embedding of each prompt's
+    last k tokens; -1 keeps max_model_len of them, and a k past max_model_len is refused."""
+    ids = list(range(5, 205))
+    out = pooling_llm.embed([ids], use_tqdm=False, truncate_prompt_tokens=7)[0]
+    assert out.prompt_token_ids == ids[-7:]
+    torch.testing.assert_close(torch.tensor(out.outputs.embedding), _oracle(tiny_llama_dir, ids[-7:]),
+                               rtol=1e-5, atol=1e-5)
+    whole = pooling_llm.embed([ids], PoolingParams(truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert whole.prompt_token_ids == ids[-128:]
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens=129 must be -1 or in \[1, 128\]"):
+        pooling_llm.embed([ids], use_tqdm=False, truncate_prompt_tokens=129)
+    with pytest.raises(TypeError, match="truncate_prompt_tokens='7' must be an integer or None"):
+        PoolingParams(truncate_prompt_tokens="7")
+    assert not pooling_llm.llm_engine.has_unfinished_requests()

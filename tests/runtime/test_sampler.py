@@ -118,7 +118,9 @@ def test_bad_sampling_params_name_value_and_range(kwargs, name):
     [({"top_p": "0.5"}, r"top_p='0.5' must be a number"), ({"temperature": None}, "temperature=None must be a number"),
      ({"max_tokens": 2.5}, "max_tokens=2.5 must be an integer"), ({"n": True}, "n=True must be an integer"),
      ({"logprobs": 1.0}, "logprobs=1.0 must be an integer"), ({"seed": "7"}, "seed='7' must be an integer"),
-     ({"stop_token_ids": [1, "2"]}, r"stop_token_ids=\[1, '2'\] must be a list of integers")],
+     ({"stop_token_ids": [1, "2"]}, r"stop_token_ids=\[1, '2'\] must be a list of integers"),
+     ({"ignore_eos": "yes"}, "ignore_eos='yes' must be a bool"),  # a non-empty string is truthy: silently on
+     ({"skip_special_tokens": None}, "skip_special_tokens=None must be a bool")],
 )
 def test_wrong_types_name_the_field(kwargs, message):
     """A value of the wrong type is a TypeError naming the field, not a bare comparison error."""

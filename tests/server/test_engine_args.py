@@ -2,11 +2,13 @@
 
 import argparse
 import dataclasses
+import re
 
 import pytest
 
 from fxrewrite.cli import build_parser
 from fxrewrite.commands.engine_args import add_engine_arguments, engine_kwargs, human_readable_int
+from fxrewrite.errors import UserInputError
 
 
 def parse(argv):
@@ -99,7 +101,6 @@ def test_engine_arguments_on_a_fresh_parser():
 def test_removed_rope_flags_suggest_one_override_that_sets_them_all():
     """fresh-user report: with both flags the suggestion dropped --rope-theta, and a scaling without a type was
     suggested as is (which --hf-overrides then refuses for its missing rope_type)."""
-    from fxrewrite.errors import UserInputError
 
     def message(*flags):
         with pytest.raises(UserInputError) as e:
@@ -148,7 +149,6 @@ def test_bad_optimization_level_is_a_clear_cli_error(bad, capsys):
 
 
 def test_bad_compilation_config_in_python_is_a_user_input_error():
-    from fxrewrite.errors import UserInputError
     from fxrewrite.runtime.engine_config import EngineConfig
 
     for bad in (5, "3", True, {"level": 3}):
@@ -173,6 +173,8 @@ def test_engine_refusals_name_the_request_field():
     assert _refused_field("prompt_logprobs is not supported with tensor ...", echo) == (
         "echo with logprobs is not supported with tensor ...", "echo")
     assert _refused_field("the prompt is too long", sent_as) == ("the prompt is too long", None)
+    too_big = "prompt token id 108386 (the tokenizer's) is out of range [0, 49152): ..."  # chat's prompt: messages
+    assert _refused_field(too_big, {"prompt": ("messages", "prompt")}) == (too_big, "messages")
 
 
 def test_api_key_falls_back_to_vllm_api_key(monkeypatch):
@@ -187,6 +189,20 @@ def test_api_key_falls_back_to_vllm_api_key(monkeypatch):
     assert api_key(parse(["serve", "m", "--api-key", "flag"])) == "flag"
 
 
+@pytest.mark.parametrize("flags, message", [(["--api-key", ""], "--api-key '' is empty"),
+                                            (["--api-key", " "], "--api-key ' ' is empty"),
+                                            (["--served-model-name", "a", ""], "--served-model-name '' is empty"),
+                                            (["--enable-log-requests", "--disable-log-requests"], "contradict")])
+def test_an_empty_key_or_served_name_is_refused_before_the_model_loads(flags, message, monkeypatch):
+    """`--api-key "$KEY"` with KEY unset served with no key at all, and `--served-model-name ''` a model named ""
+    (fresh user); vLLM's older `--disable-log-requests` is taken, but not with `--enable-log-requests`."""
+    from fxrewrite.commands import serve
+
+    monkeypatch.setattr("fxrewrite.runtime.engine.data_parallel.make_engine", pytest.fail)
+    with pytest.raises(UserInputError, match=re.escape(message)):
+        serve.build_server_app(parse(["serve", "m", *flags]))
+
+
 def test_trust_remote_code_flag_reaches_the_engine():
     assert engine_kwargs(parse(["serve", "m"]))["trust_remote_code"] is False
     assert engine_kwargs(parse(["serve", "m", "--trust-remote-code"]))["trust_remote_code"] is True
@@ -195,7 +211,6 @@ def test_trust_remote_code_flag_reaches_the_engine():
 def test_vllm_flags_without_settings_reach_the_engines_check():
     """A vLLM command line runs unchanged: `--disable-log-stats --enable-chunked-prefill ...` are passed on only when
     given, accepted where they match this engine, and a value it does not honour is the engine's one-line error."""
-    from fxrewrite.errors import UserInputError
     from fxrewrite.runtime.engine_config import EngineConfig
 
     assert not {"disable_log_stats", "swap_space"} & set(engine_kwargs(parse(["serve"])))
