@@ -1,11 +1,10 @@
 """Training on the GPU: bf16 kernels' gradients, fused linear cross-entropy, a Qwen3 training step vs stock,
 no graph break on the training kernels under torch.compile (a compiled step: only the deferred LM-head gradient's
-two), the same for an MoE model with its fused experts as custom ops, optimize() time on Qwen3-4B shapes."""
+two), the same for an MoE model with its fused experts as custom ops, optimize() of Qwen3-4B shapes."""
 
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 import torch
@@ -161,17 +160,15 @@ def test_bf16_training_step_matches_stock():
     assert abs(losses[1] - losses[0]) <= 1e-3 * losses[0]
 
 
-def test_optimize_qwen3_4b_under_5_s():
+def test_optimize_qwen3_4b_on_gpu():
+    """The rewrite of a materialised bf16 Qwen3-4B on the GPU applies its patterns. How long it takes is measured by
+    `python -m fxrewrite.benchmarks.optimize_sweep --device cuda` (a benchmark JSON), not asserted here."""
     import fxrewrite
 
     model = _qwen3("qwen3-4b")
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
     fxrewrite.optimize(model)
-    torch.cuda.synchronize()  # the fused weights' copies run asynchronously: count them
-    elapsed = time.perf_counter() - t0
-    assert "qk_norm_rope" in fxrewrite.explain(model).applied_patterns()
-    assert elapsed < 5.0, f"optimize took {elapsed:.1f} s"
+    torch.cuda.synchronize()  # the fused weights' copies run asynchronously
+    assert {"qk_norm_rope", "qkv", "glu", "rms_norm"} <= set(fxrewrite.explain(model).applied_patterns())
 
 
 @pytest.mark.parametrize("kernels,defer", [("references", True), ("custom-ops", True), ("custom-ops", False)])
