@@ -15,8 +15,10 @@ from torch import nn
 
 from fxrewrite.errors import UserInputError, UserTypeError
 from fxrewrite.runtime.model_files.checkpoint_conversion import checkpoint_layout_to_model
+from fxrewrite.runtime.worker.model_runner import resolve_model_impl
 from fxrewrite.runtime.worker.moe_checks import moe_sizes
 from fxrewrite.runtime.worker.weight_sync import merged_peft, named_weights
+from fxrewrite.weights import to_hf_names
 
 
 class EngineRLMixin:
@@ -53,11 +55,18 @@ class EngineRLMixin:
         self._check_idle("load_weights")
         with merged_peft(weights) as source:
             config = self.model_config
-            pairs = checkpoint_layout_to_model(named_weights(source), config.hf_config.model_type,
-                                               moe_sizes(config.hf_text_config)[0])
+            pairs = named_weights(source)
+            if isinstance(source, nn.Module) and not self._takes_fused_names():  # an optimized model's qkv_proj...
+                pairs = list(to_hf_names(source, dict(pairs)).items())  # ...as q/k/v views for HF's own modules
+            pairs = checkpoint_layout_to_model(pairs, config.hf_config.model_type, moe_sizes(config.hf_text_config)[0])
             names = self.model_runner.load_weights(pairs, strict)
         self.reset_prefix_cache()
         return names
+
+    def _takes_fused_names(self) -> bool:
+        """Whether the engine's model has fused projections (native, or transformers rewritten): then an optimized
+        trainer's fused tensors are copied whole; else (``fusion=False``) they arrive split, under HF names."""
+        return self.config.fusion or resolve_model_impl(self.config, self.model_config) == "native"
 
     def reset_prefix_cache(self) -> None:
         """Forget the cached prefixes (their K/V were computed with other weights)."""

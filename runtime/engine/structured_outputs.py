@@ -41,6 +41,7 @@ from fxrewrite.kernels import env_choice
 from fxrewrite.runtime.engine import grammar_process
 from fxrewrite.runtime.engine.grammar_bitmask import STAT_KEYS, GrammarJob, MaskSlots
 from fxrewrite.runtime.engine.grammar_worker import MatcherSet, choice_grammar, compile_constraint
+from fxrewrite.runtime.engine.json_schema_check import unenforced_keyword
 
 logger = logging.getLogger(__name__)
 __all__ = ["StructuredOutputManager", "StructuredOutputsParams", "choice_grammar", "use_grammar_process"]
@@ -179,7 +180,18 @@ class StructuredOutputManager:
             self.process.close()
 
     def compile(self, params: StructuredOutputsParams):
-        """The CompiledGrammar of `params`; ValueError naming the constraint and xgrammar's complaint."""
+        """The CompiledGrammar of `params`; ValueError naming the constraint and xgrammar's complaint, or a schema
+        keyword xgrammar would not enforce (`json_schema_check`)."""
+        if params.kind == "json":
+            schema = params.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError:
+                    schema = None  # xgrammar's own parse error says what is wrong
+            unenforced = unenforced_keyword(schema)
+            if unenforced:
+                raise UserInputError(f"invalid json for structured outputs: {unenforced}")
         try:
             return compile_constraint(self.compiler, *params.spec())
         except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError with the parser's message

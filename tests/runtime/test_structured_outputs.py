@@ -123,11 +123,49 @@ def test_grammar_row_replaces_a_row_the_bans_emptied():
     (StructuredOutputsParams(json="{not json"), "invalid json"),
     (StructuredOutputsParams(regex="(ab"), "invalid regex.*parenthesis"),
     (StructuredOutputsParams(grammar="root ::= foo"), "invalid grammar.*foo"),
+    # keywords xgrammar would drop (a fresh user got "[0, 3, 0]" for uniqueItems, finished with "stop")
+    (StructuredOutputsParams(json={"type": "array", "items": {"type": "integer"}, "uniqueItems": True}),
+     "invalid json.*'uniqueItems' at / is not enforced by xgrammar"),
+    (StructuredOutputsParams(json='{"type": "object", "properties": {"t": {"type": "array", "contains": {}}}}'),
+     "'contains' at /properties/t is not enforced"),
+    (StructuredOutputsParams(json={"type": "string", "pattern": "^[A-Z]+$", "maxLength": 5}),
+     "'minLength' / 'maxLength' beside 'pattern' at / are not enforced"),
+    (StructuredOutputsParams(json={"type": "number", "multipleOf": 0.5}), "'multipleOf' on a number"),
 ])
 def test_bad_constraints_are_refused_before_queueing(llm, bad, message):
     with pytest.raises(ValueError, match=message):
         llm.generate(["x"], SamplingParams(structured_outputs=bad), use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_the_dropped_keywords_are_the_ones_xgrammar_drops():
+    """Each keyword `json_schema_check` refuses is one xgrammar compiles away (it accepts a string the keyword
+    forbids), and the neighbours it passes are enforced: when an xgrammar release starts enforcing one, this
+    fails and the refusal can go."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from fxrewrite.runtime.engine.json_schema_check import unenforced_keyword
+
+    def accepts(schema, text):
+        grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+        return _is_grammar_accept_string(grammar, json.dumps(json.loads(text)))
+
+    ints = {"type": "integer"}
+    dropped = [({"type": "array", "items": ints, "uniqueItems": True}, "[1, 1]"),
+               ({"type": "array", "items": ints, "contains": {"const": 5}}, "[1]"),
+               ({"not": ints}, "1"), ({"type": "integer", "if": {"minimum": 5}, "then": {"maximum": 3}}, "7"),
+               ({"type": "object", "properties": {"a": ints}, "dependentRequired": {"a": ["b"]}}, '{"a": 1}'),
+               ({"allOf": [ints, {"minimum": 5}]}, "1"), ({"type": "number", "multipleOf": 0.5}, "0.3"),
+               ({"type": "string", "pattern": "^[A-Z]+$", "maxLength": 2}, '"ABCDE"')]
+    for schema, text in dropped:
+        assert accepts(schema, text) and unenforced_keyword(schema), schema
+    enforced = [({"type": "integer", "multipleOf": 3}, "4"), ({"type": "string", "maxLength": 2}, '"abc"'),
+                ({"type": "object", "maxProperties": 1}, '{"a": 1, "b": 2}'),
+                ({"type": "object", "propertyNames": {"pattern": "^a"}}, '{"b": 1}'),
+                ({"type": "string", "format": "date"}, '"x"')]
+    for schema, text in enforced:
+        assert not accepts(schema, text) and unenforced_keyword(schema) is None, schema
 
 
 def test_params_need_exactly_one_constraint():

@@ -56,6 +56,17 @@ def test_sync_from_model_equals_engine_started_on_it(dirs, reference, impl, opti
     assert _tokens(llm) == reference != before_tokens
 
 
+@pytest.mark.parametrize("wrap", ["plain", "compiled"])
+def test_an_unfused_engine_takes_an_optimized_model(dirs, reference, wrap):
+    """transformers with fusion=False keeps HF's q/k/v and gate/up modules: an optimized trainer (also under
+    torch.compile) arrives split into them (a fresh user got "nothing was updated": qkv_proj matched nothing)."""
+    llm = LLM(str(dirs[0]), model_impl="transformers", fusion=False, dtype="float32", block_size=4)
+    model = _hf(dirs[1], True)
+    names = llm.load_weights(torch.compile(model) if wrap == "compiled" else model)
+    assert names == {n for n, _ in llm.llm_engine.model_runner.model.named_parameters()}
+    assert _tokens(llm) == reference
+
+
 @pytest.mark.parametrize("stock_as", ["model", "pairs"])
 def test_native_moe_takes_hf_names(tiny_model_dir, stock_as):
     """The native Qwen3-MoE (its packed_modules_mapping keys written with their dots) takes a stock model or its

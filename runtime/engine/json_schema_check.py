@@ -1,0 +1,66 @@
+"""JSON-schema keywords whose constraint xgrammar leaves out of the grammar it compiles: refused up front, so an
+output that finishes with "stop" never breaks its schema silently.
+
+Found by compiling each keyword with xgrammar 0.2.9 (``Grammar.from_json_schema``) and asking whether it accepts a
+string the keyword forbids (it did, for each below; it logs a warning for some, nothing for others): ``uniqueItems``,
+``contains`` (and ``minContains`` / ``maxContains``), ``not``, ``if`` / ``then`` / ``else``, ``dependentRequired``,
+``dependentSchemas``, an ``allOf`` of several schemas, ``multipleOf`` on a number that may be fractional, and
+``minLength`` / ``maxLength`` beside a ``pattern``. vLLM's xgrammar backend refuses schemas with keywords it
+cannot enforce too (its ``has_xgrammar_unsupported_json_features``). Annotations (``format`` is enforced;
+``contentEncoding``, ``title``, ``description``...) are not constraints and pass.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["unenforced_keyword"]
+
+_DROPPED = {
+    "uniqueItems": "the items may repeat",
+    "contains": "no item need match it",
+    "minContains": "no item need match 'contains'",
+    "maxContains": "any number of items may match 'contains'",
+    "not": "the excluded schema is not excluded",
+    "if": "the conditional schema is not applied",
+    "dependentRequired": "the dependent properties are not required",
+    "dependentSchemas": "the dependent schemas are not applied",
+}
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SCHEMAS = ("items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems", "contains",
+            "propertyNames", "not", "if", "then", "else", "additionalItems")
+
+
+def unenforced_keyword(schema: Any, path: str = "") -> str | None:
+    """A sentence naming the first keyword of `schema` (a parsed JSON schema) that xgrammar would not enforce and
+    where it is (a JSON pointer), or None when every constraint is enforced."""
+    if not isinstance(schema, dict):
+        return None
+    where = path or "/"
+    for keyword, effect in _DROPPED.items():
+        if keyword in schema and not (keyword == "uniqueItems" and schema[keyword] is False):
+            return f"{keyword!r} at {where} is not enforced by xgrammar ({effect})"
+    if len(schema.get("allOf") or ()) > 1:
+        return f"'allOf' of {len(schema['allOf'])} schemas at {where} is not enforced by xgrammar (merge them into one)"
+    if "pattern" in schema and {"minLength", "maxLength"} & schema.keys():
+        return (f"'minLength' / 'maxLength' beside 'pattern' at {where} are not enforced by xgrammar (put the length "
+                "in the pattern, e.g. {3,5})")
+    step = schema.get("multipleOf")
+    if isinstance(step, (int, float)) and (schema.get("type") != "integer" or step != int(step)):
+        return f"'multipleOf' on a number at {where} is not enforced by xgrammar (only on integers)"
+    for key in _SCHEMA_MAPS:
+        for name, sub in (schema.get(key) or {}).items() if isinstance(schema.get(key), dict) else ():
+            found = unenforced_keyword(sub, f"{path}/{key}/{name}")
+            if found:
+                return found
+    for key in _SCHEMA_LISTS:
+        for i, sub in enumerate(schema.get(key) or ()) if isinstance(schema.get(key), list) else ():
+            found = unenforced_keyword(sub, f"{path}/{key}/{i}")
+            if found:
+                return found
+    for key in _SCHEMAS:
+        found = unenforced_keyword(schema.get(key), f"{path}/{key}")
+        if found:
+            return found
+    return None
