@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -61,6 +62,11 @@ def load_bench_config(path: str | Path) -> dict:
     for key in ("name", "config"):
         if key not in spec:
             raise UserInputError(f"bench config {str(path)!r} has no {key!r} entry")
+    if not isinstance(spec["name"], str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", spec["name"]):
+        raise UserInputError(f"bench config {str(path)!r}: name={spec['name']!r} must be letters, digits, '.', '_' "
+                             "or '-' (it names cache folders and result files)")
+    if not isinstance(spec["config"], dict) or not isinstance(spec.get("workload_defaults", {}), dict):
+        raise UserInputError(f"bench config {str(path)!r}: 'config' and 'workload_defaults' must be JSON objects")
     return spec
 
 

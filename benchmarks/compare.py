@@ -8,6 +8,7 @@ from outside keeps the arms already done) and a PNG bar chart next to it at the 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -22,7 +23,7 @@ from fxrewrite.benchmarks.latency import LatencyWorkload, run_latency
 from fxrewrite.benchmarks.long import LongWorkload, run_long
 from fxrewrite.benchmarks.plot import HEADLINES, headline, plot_result
 from fxrewrite.benchmarks.throughput import ThroughputWorkload, run_throughput
-from fxrewrite.errors import UserInputError
+from fxrewrite.errors import UserInputError, is_integer
 
 WORKLOADS = ("throughput", "latency", "long")
 
@@ -37,7 +38,38 @@ def make_workload(kind: str, num_prompts: int | None = None, defaults: dict | No
     fields = {**(defaults or {}), **(overrides or {})}
     if num_prompts and kind == "throughput":
         fields["num_prompts"] = num_prompts
-    return classes[kind](**fields)
+    workload = classes[kind](**_checked_fields(kind, classes[kind], fields))
+    if kind == "throughput" and workload.min_len > min(workload.max_input_len, workload.max_output_len):
+        raise UserInputError(f"throughput workload: min_len={workload.min_len} must be at most max_input_len="
+                             f"{workload.max_input_len} and max_output_len={workload.max_output_len}")
+    return workload
+
+
+_AT_LEAST_ZERO = ("decode_window_steps", "prefix_len", "max_token_id")
+
+
+def _checked_fields(kind: str, cls, fields: dict) -> dict:
+    """`fields` when each names a field of `cls` and holds a value of its kind: counts and lengths positive
+    integers (or lists of them), `_AT_LEAST_ZERO` ones >= 0; UserInputError naming the first that does not (a
+    bench config's `num_prompts: -4` ran no request and reported 0.0 tokens/s)."""
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    for key, value in fields.items():
+        if key not in known:
+            raise UserInputError(f"{kind} workload: unknown field {key!r}; expected some of {', '.join(known)}")
+        if key == "seed":
+            ok, expected = is_integer(value), "an integer"
+        elif key in ("temperature", "yarn_factor"):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= (key == "yarn_factor")
+            expected = "a number >= 0" if key == "temperature" else "a number >= 1"
+        elif isinstance(value, list) or key in ("batch_sizes", "prompt_lens"):
+            ok = isinstance(value, list) and bool(value) and all(is_integer(v) and v >= 1 for v in value)
+            expected = "a non-empty list of positive integers"
+        else:
+            low = 0 if key in _AT_LEAST_ZERO else 1
+            ok, expected = is_integer(value) and value >= low, f"an integer >= {low}"
+        if not ok:
+            raise UserInputError(f"{kind} workload: {key}={value!r} must be {expected}")
+    return fields
 
 
 def _arm_process(arm, model_dir, spec, workload, engine_kwargs, time_limit_s, hf_num_prompts, num_threads, out):
@@ -244,13 +276,15 @@ def _result_stem(name: str, workload_kind: str, kw: dict) -> str:
     return stem + (f"-O{kw['compilation_config']}" if kw.get("compilation_config") else "")
 
 def ratios(result: dict) -> dict:
-    """after/native, after/before and native/hf of the headline figure, where both arms have one (throughput:
-    from the arms' output tokens and seconds, not the figure rounded to 0.1 tokens/s)."""
+    """after/native, after/before and native/hf of the headline figure, where both arms have one of the same kind
+    (throughput: from the arms' output tokens and seconds, not the figure rounded to 0.1 tokens/s; with
+    --decode-window the hf arm's whole-run figure is not compared with the engine arms' window)."""
     kind = result["workload"]["kind"]
     values = {arm: _unrounded_headline(r, kind) for arm, r in result["arms"].items()}
+    keys = {arm: r.get("headline_key") for arm, r in result["arms"].items()}
     out = {}
     for a, b in (("after", "native"), ("after", "before"), ("native", "hf"), ("after", "hf")):
-        if values.get(a) is not None and values.get(b):
+        if values.get(a) is not None and values.get(b) and keys.get(a) == keys.get(b):
             out[f"{a}/{b}"] = round(values[a] / values[b], 3)
     return out
 

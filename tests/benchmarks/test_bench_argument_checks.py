@@ -109,3 +109,13 @@ def test_find_host_syncs_profiles_the_timed_run_on_a_cpu():
     assert sum(v["steps"] for k, v in result["launch"].items() if k in ("graph", "eager")) >= result["steps"] - 1
     assert len(result["top_functions"]) == 5
     assert all(row["calls"] >= 1 and row["own_s"] >= 0 for row in result["top_functions"])
+
+
+def test_ratios_compare_only_figures_of_one_kind():
+    """With --decode-window the engine arms' headline is the window, the hf arm's the whole run (a fresh user saw
+    after/hf = 73.3 from the two): such a pair has no ratio; two window arms keep theirs."""
+    window = {"headline_key": "decode_window.output_tokens_per_s", "decode_window": {"output_tokens_per_s": 400.0}}
+    arms = {"after": dict(window), "native": dict(window),
+            "hf": {"output_tokens": 72, "elapsed_s": 13.1, "output_tokens_per_s": 5.5}}
+    got = ratios({"workload": {"kind": "throughput"}, "arms": arms})
+    assert got == {"after/native": 1.0}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
@@ -34,6 +35,29 @@ def test_every_config_file_loads():
     assert {"qwen3-0.6b", "qwen3-4b", "llama-3.1-8b", "tiny"} <= set(names)
     with pytest.raises(FileNotFoundError, match="nope"):
         load_bench_config("nope")
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"name": "../../../tmp/escape"}, "name='../../../tmp/escape' must be letters, digits"),
+    ({"workload_defaults": {"throughput": {"num_prompts": -4}}}, "num_prompts=-4 must be an integer >= 1"),
+    ({"workload_defaults": {"throughput": {"bogus_key": 1}}}, "unknown field 'bogus_key'; expected some of"),
+    ({"workload_defaults": {"throughput": {"min_len": 100, "max_input_len": 48}}},
+     "min_len=100 must be at most max_input_len=48"),
+    ({"workload_defaults": {"latency": {"batch_sizes": []}}}, "batch_sizes=[] must be a non-empty list"),
+])
+def test_a_bad_bench_config_is_one_user_error_before_any_arm(tmp_path, edit, message):
+    """A fresh user's configs: a name that climbed out of the cache folder, a negative prompt count that "succeeded"
+    with 0.0 tokens/s, an unknown key (a TypeError traceback), an empty length range (randrange's error)."""
+
+    from fxrewrite.benchmarks.compare import compare
+    from fxrewrite.errors import UserInputError
+
+    spec = {**load_bench_config("tiny"), **edit}
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(spec))
+    kind = next(iter(edit.get("workload_defaults", {"throughput": 0})))
+    with pytest.raises(UserInputError, match=re.escape(message)):
+        compare(str(path), ["after"], kind, out_dir=tmp_path / "out")
 
 
 def test_parse_arms():
