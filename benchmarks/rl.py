@@ -155,6 +155,10 @@ def train_step(model, optimizer, prompts, completions, old, rewards, samples: in
         gaps = torch.cat(gap)
         out.update(logprob_abs_diff_mean=float(gaps.mean()), logprob_abs_diff_max=float(gaps.max()),
                    logprob_bitwise_equal_fraction=float((gaps == 0).float().mean()))
+    if not bool(adv.any()):  # every group's rewards equal: a zero loss gradient, so the weights did not move
+        out["note"] = ("every advantage was 0 (each group's rewards were equal): this step changed no weight, so "
+                       "the sync and log-prob figures after it measure an unchanged model")
+        print(f"[bench rl] warning: {out['note']}", flush=True)
     return out
 
 

@@ -67,3 +67,22 @@ def test_cli_bench_rl_sync_only(tmp_path, capsys):
     assert saved["arms"] == {} and saved["weight_sync"]["tiny"]["fused_s"]["min"] > 0
     assert "logprob_agreement" not in saved and "speedup_last_iteration" not in saved
     assert main(["bench", "rl", "--config", "tiny", "--arms", "none", "--sync-configs", ""]) == 2
+
+
+def test_a_step_whose_advantages_are_all_zero_says_so(tiny_qwen3_dir, capsys):
+    """Equal rewards in every group give zero advantages and an update of nothing; the iteration says so (a fresh
+    user's short completions, always all distinct, scored 1.0 each and trained nothing, silently)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fxrewrite.benchmarks.rl import train_step
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_qwen3_dir), dtype=torch.float32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    prompts, completions = [[1, 2, 3]] * 4, [[4, 5], [6, 7], [8, 9], [10, 11]]
+    before = [p.detach().clone() for p in model.parameters()]
+    flat = train_step(model, optimizer, prompts, completions, None, [1.0, 1.0, 0.5, 0.5], samples=2, micro_batch=4)
+    assert "every advantage was 0" in flat["note"] and "warning: every advantage" in capsys.readouterr().out
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    moved = train_step(model, optimizer, prompts, completions, None, [1.0, 0.0, 0.5, 0.5], samples=2, micro_batch=4)
+    assert "note" not in moved and any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
