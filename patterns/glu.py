@@ -31,13 +31,15 @@ _ACTS = {"silu": lambda x: F.silu(x), "gelu": lambda x: F.gelu(x), "gelu_tanh": 
 
 
 def probe_activation(module: nn.Module) -> str | None:
-    """'silu' / 'gelu' / 'gelu_tanh' when `module` computes exactly that, else None."""
+    """'silu' / 'gelu' / 'gelu_tanh' when `module` computes exactly that, else None. An in-place one
+    (``nn.SiLU(inplace=True)``) counts: it overwrites the gate's output, which nothing else reads (the pattern
+    requires the activation to be its only user), so the fused kernel computes the same product."""
     if any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
         return None
     x = torch.linspace(-8.0, 8.0, 401)
     with torch.no_grad():
         try:
-            y = module(x)
+            y = module(x.clone())  # a clone: an in-place activation must not change the x compared against
         except Exception:  # noqa: BLE001 - not an elementwise activation
             return None
     return next((k for k, f in _ACTS.items() if isinstance(y, torch.Tensor) and torch.equal(y, f(x))), None)

@@ -173,6 +173,12 @@ class LLM:
                                 f"or a list of such lists, got {type(messages).__name__} {messages!r}")
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise UserTypeError(f"tools must be a list of OpenAI tool dicts, got {tools!r}")
+        for i, tool in enumerate(tools or ()):  # as the server's schema checks them: a template renders what it gets
+            function = tool.get("function")
+            if tool.get("type") != "function" or not isinstance(function, dict) \
+                    or not isinstance(function.get("name"), str) or not function["name"]:
+                raise UserInputError(f"tools[{i}]={tool!r:.120}: expected {{'type': 'function', 'function': "
+                                     "{'name': ..., 'parameters': {...}}}")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         chat_template = resolve_chat_template(chat_template)
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):

@@ -66,6 +66,27 @@ def test_activation_found_by_what_it_computes(act, layer):
     torch.testing.assert_close(out, ref)
 
 
+def test_an_in_place_activation_is_fused_with_the_same_values_and_gradients():
+    """``nn.SiLU(inplace=True)`` overwrites the gate's output, which nothing else reads: fused like nn.SiLU() (a fresh
+    user's report said "activation act_fn is not silu/gelu/gelu_tanh": the probe ran it on its own input)."""
+    torch.manual_seed(0)
+    module, stock = GLUMLP(nn.SiLU(inplace=True), bias=True), GLUMLP(nn.SiLU(inplace=True), bias=True)
+    stock.load_state_dict(module.state_dict())
+    x = torch.randn(3, 8)
+    fxrewrite.optimize(module, example_inputs=((x,), {}))
+    assert fxrewrite.explain(module).applied_patterns() == ["glu"] and isinstance(module.act_and_mul, SiluAndMul)
+    out, ref = module(x), stock(x)
+    torch.testing.assert_close(out, ref)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    got = dict(module.named_parameters())
+    for name, p in stock.named_parameters():  # gate / up: the fused rows, below
+        if not name.startswith(("gate_proj", "up_proj")):
+            torch.testing.assert_close(got[name].grad, p.grad)
+    rows = module.gate_up_proj.weight.grad
+    torch.testing.assert_close(rows, torch.cat([stock.gate_proj.weight.grad, stock.up_proj.weight.grad]))
+
+
 @pytest.mark.parametrize("cls", [ReversedGLUMLP, FunctionalGLUMLP])
 def test_variants_fused(cls):
     report, ref, out = _run(cls())

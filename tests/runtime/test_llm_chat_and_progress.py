@@ -63,6 +63,10 @@ def test_tools_with_a_template_that_ignores_them_are_refused(llm):
         llm.chat(PREFILL[:1], GREEDY, use_tqdm=False, tools=TOOLS, chat_template=template)
     with pytest.raises(TypeError, match="tools must be a list"):
         llm.chat(PREFILL[:1], GREEDY, use_tqdm=False, tools={"name": "x"})
+    for bad in ({"type": "function"}, {"type": "function", "function": {"parameters": {}}},
+                {"type": "retrieval", "function": {"name": "x"}}):  # the template rendered a tool without a function
+        with pytest.raises(ValueError, match=r"tools\[1\]=.*expected \{'type': 'function', 'function'"):
+            llm.chat(PREFILL[:1], GREEDY, use_tqdm=False, tools=[TOOLS[0], bad])
 
 
 def test_progress_bar_is_shown_unless_use_tqdm_is_false(llm, capsys):
