@@ -32,16 +32,35 @@ _SCHEMAS = ("items", "additionalProperties", "unevaluatedProperties", "unevaluat
             "propertyNames", "not", "if", "then", "else", "additionalItems")
 
 
-def unenforced_keyword(schema: Any, path: str = "") -> str | None:
+def unenforced_keyword(schema: Any) -> str | None:
     """A sentence naming the first keyword of `schema` (a parsed JSON schema) that xgrammar would not enforce and
-    where it is (a JSON pointer), or None when every constraint is enforced."""
-    if not isinstance(schema, dict):
-        return None
-    where = path or "/"
+    where it is (a JSON pointer), or None when every constraint is enforced. Walked with a stack, not recursion:
+    any nesting depth xgrammar takes is checked."""
+    stack = [(schema, "")]
+    while stack:
+        node, path = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        found = _dropped_here(node, path or "/")
+        if found:
+            return found
+        subs = []
+        for key in _SCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                subs += [(sub, f"{path}/{key}/{name}") for name, sub in node[key].items()]
+        for key in _SCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                subs += [(sub, f"{path}/{key}/{i}") for i, sub in enumerate(node[key])]
+        subs += [(node.get(key), f"{path}/{key}") for key in _SCHEMAS if key in node]
+        stack += reversed(subs)  # the first subschema is checked first
+    return None
+
+
+def _dropped_here(schema: dict, where: str) -> str | None:
     for keyword, effect in _DROPPED.items():
         if keyword in schema and not (keyword == "uniqueItems" and schema[keyword] is False):
             return f"{keyword!r} at {where} is not enforced by xgrammar ({effect})"
-    if len(schema.get("allOf") or ()) > 1:
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         return f"'allOf' of {len(schema['allOf'])} schemas at {where} is not enforced by xgrammar (merge them into one)"
     if "pattern" in schema and {"minLength", "maxLength"} & schema.keys():
         return (f"'minLength' / 'maxLength' beside 'pattern' at {where} are not enforced by xgrammar (put the length "
@@ -49,18 +68,4 @@ def unenforced_keyword(schema: Any, path: str = "") -> str | None:
     step = schema.get("multipleOf")
     if isinstance(step, (int, float)) and (schema.get("type") != "integer" or step != int(step)):
         return f"'multipleOf' on a number at {where} is not enforced by xgrammar (only on integers)"
-    for key in _SCHEMA_MAPS:
-        for name, sub in (schema.get(key) or {}).items() if isinstance(schema.get(key), dict) else ():
-            found = unenforced_keyword(sub, f"{path}/{key}/{name}")
-            if found:
-                return found
-    for key in _SCHEMA_LISTS:
-        for i, sub in enumerate(schema.get(key) or ()) if isinstance(schema.get(key), list) else ():
-            found = unenforced_keyword(sub, f"{path}/{key}/{i}")
-            if found:
-                return found
-    for key in _SCHEMAS:
-        found = unenforced_keyword(schema.get(key), f"{path}/{key}")
-        if found:
-            return found
     return None

@@ -187,7 +187,7 @@ class StructuredOutputManager:
             if isinstance(schema, str):
                 try:
                     schema = json.loads(schema)
-                except ValueError:
+                except (ValueError, RecursionError):
                     schema = None  # xgrammar's own parse error says what is wrong
             unenforced = unenforced_keyword(schema)
             if unenforced:
