@@ -65,9 +65,21 @@ def load_bench_config(path: str | Path) -> dict:
     if not isinstance(spec["name"], str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", spec["name"]):
         raise UserInputError(f"bench config {str(path)!r}: name={spec['name']!r} must be letters, digits, '.', '_' "
                              "or '-' (it names cache folders and result files)")
-    if not isinstance(spec["config"], dict) or not isinstance(spec.get("workload_defaults", {}), dict):
-        raise UserInputError(f"bench config {str(path)!r}: 'config' and 'workload_defaults' must be JSON objects")
+    defaults = spec.get("workload_defaults", {})
+    if not isinstance(spec["config"], dict) or not isinstance(defaults, dict) \
+            or not all(isinstance(v, dict) for v in defaults.values()):
+        raise UserInputError(f"bench config {str(path)!r}: 'config', 'workload_defaults' and each workload's "
+                             "defaults must be JSON objects")
+    for where, keys, known in (("", spec, _CONFIG_KEYS), ("workload_defaults: ", defaults, _WORKLOADS)):
+        unknown = sorted(set(keys) - set(known))
+        if unknown:  # a misspelt key would drop its settings without a word
+            raise UserInputError(f"bench config {str(path)!r}: {where}unknown key {unknown[0]!r}; expected some of "
+                                 f"{', '.join(known)}")
     return spec
+
+
+_CONFIG_KEYS = ("name", "config", "tokenizer", "source", "note", "workload_defaults")
+_WORKLOADS = ("throughput", "latency", "long", "train")
 
 
 def bench_model_dir(spec: dict, tokenizer_dir: str | Path | None = None) -> Path:

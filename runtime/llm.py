@@ -107,6 +107,9 @@ class LLM:
             raise UserTypeError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}")
         pooling_params = pooling_params or PoolingParams()
         if truncate_prompt_tokens is not None:
+            if pooling_params.truncate_prompt_tokens not in (None, truncate_prompt_tokens):
+                raise UserInputError(f"truncate_prompt_tokens={truncate_prompt_tokens} and pooling_params' "
+                                     f"truncate_prompt_tokens={pooling_params.truncate_prompt_tokens} differ: give one")
             pooling_params = dataclasses.replace(pooling_params, truncate_prompt_tokens=truncate_prompt_tokens)
         return self._submit(list(prompts), [pooling_params] * len(prompts), use_tqdm)
 

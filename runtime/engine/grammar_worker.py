@@ -135,7 +135,15 @@ def _read_exact(fd: int, n: int) -> bytes:
 
 
 def main(argv: list[str]) -> None:
-    """The grammar process: argv = read fd, write fd, mask memfd, tokenizer-info memfd, rows, width."""
+    """The grammar process: argv = read fd, write fd, mask memfd, tokenizer-info memfd, rows, width. Ends when the
+    engine closes its pipe: at a read (end of file) or at a write (a broken pipe, quietly: the engine has gone)."""
+    try:
+        _serve(argv)
+    except BrokenPipeError:
+        return
+
+
+def _serve(argv: list[str]) -> None:
     import mmap
     import signal
 

@@ -1,13 +1,15 @@
-"""JSON-schema keywords whose constraint xgrammar leaves out of the grammar it compiles: refused up front, so an
-output that finishes with "stop" never breaks its schema silently.
+"""JSON-schema keywords whose constraint xgrammar leaves out of the grammar it compiles: refused up front, rather
+than met by chance in outputs that finish with "stop".
 
 Found by compiling each keyword with xgrammar 0.2.9 (``Grammar.from_json_schema``) and asking whether it accepts a
 string the keyword forbids (it did, for each below; it logs a warning for some, nothing for others): ``uniqueItems``,
 ``contains`` (and ``minContains`` / ``maxContains``), ``not``, ``if`` / ``then`` / ``else``, ``dependentRequired``,
-``dependentSchemas``, an ``allOf`` of several schemas, ``multipleOf`` on a number that may be fractional, and
-``minLength`` / ``maxLength`` beside a ``pattern``. vLLM's xgrammar backend refuses schemas with keywords it
-cannot enforce too (its ``has_xgrammar_unsupported_json_features``). Annotations (``format`` is enforced;
-``contentEncoding``, ``title``, ``description``...) are not constraints and pass.
+``dependentSchemas``, an ``allOf`` of several schemas, ``multipleOf`` on a number that may be fractional or on an
+integer bounded on one side only, and ``minLength`` / ``maxLength`` beside a ``pattern`` or a ``format``. vLLM's
+xgrammar backend refuses schemas with keywords it cannot enforce too (its ``has_xgrammar_unsupported_json_features``).
+Annotations (``contentEncoding``, ``title``, ``description``...) are not constraints and pass. Not refused:
+``oneOf``, which xgrammar takes as ``anyOf`` (the same when the branches cannot both match, as a discriminated
+union's; refusing it would refuse those too).
 """
 
 from __future__ import annotations
@@ -62,10 +64,15 @@ def _dropped_here(schema: dict, where: str) -> str | None:
             return f"{keyword!r} at {where} is not enforced by xgrammar ({effect})"
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         return f"'allOf' of {len(schema['allOf'])} schemas at {where} is not enforced by xgrammar (merge them into one)"
-    if "pattern" in schema and {"minLength", "maxLength"} & schema.keys():
-        return (f"'minLength' / 'maxLength' beside 'pattern' at {where} are not enforced by xgrammar (put the length "
-                "in the pattern, e.g. {3,5})")
+    for shaped in ("pattern", "format"):
+        if shaped in schema and {"minLength", "maxLength"} & schema.keys():
+            return (f"'minLength' / 'maxLength' beside {shaped!r} at {where} are not enforced by xgrammar (put the "
+                    "length in a pattern, e.g. {3,5})")
     step = schema.get("multipleOf")
     if isinstance(step, (int, float)) and (schema.get("type") != "integer" or step != int(step)):
         return f"'multipleOf' on a number at {where} is not enforced by xgrammar (only on integers)"
+    low = {"minimum", "exclusiveMinimum"} & schema.keys()
+    if step is not None and bool(low) != bool({"maximum", "exclusiveMaximum"} & schema.keys()):
+        return (f"'multipleOf' with a bound on one side at {where} is not enforced by xgrammar (give both "
+                "bounds, or none)")
     return None

@@ -39,6 +39,9 @@ class PoolingParams:
         keep = self.truncate_prompt_tokens
         if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool)):
             raise UserTypeError(f"PoolingParams: truncate_prompt_tokens={keep!r} must be an integer or None")
+        if keep is not None and keep < 1 and keep != -1:
+            raise UserInputError(f"PoolingParams: truncate_prompt_tokens={keep} must be -1 (max_model_len tokens) "
+                                 "or at least 1")
         if self.dimensions is not None:
             raise UserInputError(f"PoolingParams: dimensions={self.dimensions!r} is not supported: this model "
                                  "has no Matryoshka (truncatable) embeddings; leave dimensions unset")

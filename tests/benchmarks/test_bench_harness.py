@@ -44,6 +44,9 @@ def test_every_config_file_loads():
     ({"workload_defaults": {"throughput": {"min_len": 100, "max_input_len": 48}}},
      "min_len=100 must be at most max_input_len=48"),
     ({"workload_defaults": {"latency": {"batch_sizes": []}}}, "batch_sizes=[] must be a non-empty list"),
+    ({"workload_defaults": {"throughput": 5}}, "each workload's defaults must be JSON objects"),
+    ({"workload_defaults": {"throughputt": {"num_prompts": 4}}}, "workload_defaults: unknown key 'throughputt'"),
+    ({"bogus_top": 1}, "unknown key 'bogus_top'; expected some of name, config"),
 ])
 def test_a_bad_bench_config_is_one_user_error_before_any_arm(tmp_path, edit, message):
     """A fresh user's configs: a name that climbed out of the cache folder, a negative prompt count that "succeeded"
@@ -55,7 +58,7 @@ def test_a_bad_bench_config_is_one_user_error_before_any_arm(tmp_path, edit, mes
     spec = {**load_bench_config("tiny"), **edit}
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(spec))
-    kind = next(iter(edit.get("workload_defaults", {"throughput": 0})))
+    kind = next((k for k in edit.get("workload_defaults", {}) if k in ("latency", "long")), "throughput")
     with pytest.raises(UserInputError, match=re.escape(message)):
         compare(str(path), ["after"], kind, out_dir=tmp_path / "out")
 

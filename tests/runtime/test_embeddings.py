@@ -105,4 +105,8 @@ def test_embed_truncates_prompts_as_vllm(tiny_llama_dir, pooling_llm):
         pooling_llm.embed([ids], use_tqdm=False, truncate_prompt_tokens=129)
     with pytest.raises(TypeError, match="truncate_prompt_tokens='7' must be an integer or None"):
         PoolingParams(truncate_prompt_tokens="7")
+    with pytest.raises(ValueError, match=r"PoolingParams: truncate_prompt_tokens=0 must be -1"):
+        pooling_llm.embed([ids], use_tqdm=False, truncate_prompt_tokens=0)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens=5 and pooling_params' truncate_prompt_tokens=3 differ"):
+        pooling_llm.embed([ids], PoolingParams(truncate_prompt_tokens=3), use_tqdm=False, truncate_prompt_tokens=5)
     assert not pooling_llm.llm_engine.has_unfinished_requests()

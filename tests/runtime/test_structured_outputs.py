@@ -157,10 +157,13 @@ def test_the_dropped_keywords_are_the_ones_xgrammar_drops():
                ({"not": ints}, "1"), ({"type": "integer", "if": {"minimum": 5}, "then": {"maximum": 3}}, "7"),
                ({"type": "object", "properties": {"a": ints}, "dependentRequired": {"a": ["b"]}}, '{"a": 1}'),
                ({"allOf": [ints, {"minimum": 5}]}, "1"), ({"type": "number", "multipleOf": 0.5}, "0.3"),
-               ({"type": "string", "pattern": "^[A-Z]+$", "maxLength": 2}, '"ABCDE"')]
+               ({"type": "string", "pattern": "^[A-Z]+$", "maxLength": 2}, '"ABCDE"'),
+               ({"type": "string", "format": "date", "minLength": 20}, '"7788-10-17"'),
+               ({"type": "integer", "multipleOf": 7, "maximum": 1000}, "725")]
     for schema, text in dropped:
         assert accepts(schema, text) and unenforced_keyword(schema), schema
     enforced = [({"type": "integer", "multipleOf": 3}, "4"), ({"type": "string", "maxLength": 2}, '"abc"'),
+                ({"type": "integer", "multipleOf": 7, "minimum": 0, "maximum": 1000}, "725"),
                 ({"type": "object", "maxProperties": 1}, '{"a": 1, "b": 2}'),
                 ({"type": "object", "propertyNames": {"pattern": "^a"}}, '{"b": 1}'),
                 ({"type": "string", "format": "date"}, '"x"')]
