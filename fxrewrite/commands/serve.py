@@ -111,35 +111,39 @@ def build_server_app(args: argparse.Namespace):
     return engine, app
 
 
-def check_port_free(host: str, port: int) -> None:
-    """UserInputError naming host:port when uvicorn could not listen there (in use, no such address),
-    found by binding it as uvicorn will (SO_REUSEADDR: a port in TIME_WAIT is free)."""
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound to host:port now, before the model loads (which can take minutes), as
+    vLLM binds it: a busy port fails at once, and nothing else can take it meanwhile. Port 0 binds a free port the
+    OS picks (``getsockname()`` names it). SO_REUSEADDR as uvicorn sets it (a port in TIME_WAIT is free).
+    UserInputError naming host:port when it cannot be bound (in use, no such address)."""
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise UserInputError(f"--host {host!r}: cannot resolve it to an address to listen on ({e.strerror})") from None
     family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(address)
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise UserInputError(f"cannot listen on {where}: the address is already in use (another server "
-                                     "running?); stop it or choose another --port") from None
-            raise UserInputError(f"cannot listen on {where}: {e.strerror} (check --host and --port)") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise UserInputError(f"cannot listen on {where}: the address is already in use (another server "
+                                 "running?); stop it or choose another --port") from None
+        raise UserInputError(f"cannot listen on {where}: {e.strerror} (check --host and --port)") from None
+    return sock
 
 
 def run(args: argparse.Namespace) -> int:
     from fxrewrite.runtime.server.api_server import run_server
 
-    if not 0 < args.port < 65536:
-        raise UserInputError(f"--port {args.port} is not a TCP port (1..65535)")
-    check_port_free(args.host, args.port)  # before the model loads, which can take minutes
-    engine, app = build_server_app(args)
-    name = app.state.served_model_names[0]
-    print(f"fxrewrite serve: {name} ({engine.model_config.model_path}) on http://{args.host}:{args.port}/v1",
-          flush=True)
-    run_server(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    if not 0 <= args.port < 65536:
+        raise UserInputError(f"--port {args.port} is not a TCP port (1..65535, or 0 for a free one)")
+    with bind_socket(args.host, args.port) as sock:
+        engine, app = build_server_app(args)
+        name, port = app.state.served_model_names[0], sock.getsockname()[1]
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        print(f"fxrewrite serve: {name} ({engine.model_config.model_path}) on http://{host}:{port}/v1", flush=True)
+        run_server(app, sock, log_level=args.uvicorn_log_level)
     return 0

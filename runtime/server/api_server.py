@@ -13,6 +13,7 @@ from __future__ import annotations
 import hmac
 import logging
 import signal
+import socket
 from contextlib import asynccontextmanager
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
@@ -217,8 +218,8 @@ def _add_routes(app: FastAPI, engine: LLMEngine, names: list[str], completion: O
         return JSONResponse((await detokenize(chat, request)).model_dump())
 
 
-def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve `app` with uvicorn until interrupted (blocks). SIGTERM ends it as Ctrl-C does: uvicorn shuts down
+def run_server(app: FastAPI, sock: socket.socket, log_level: str = "info") -> None:
+    """Serve `app` with uvicorn on `sock` (bound, not yet listening) until interrupted (blocks). SIGTERM ends it as Ctrl-C does: uvicorn shuts down
     gracefully and then re-raises the signal it caught, which by default would kill the process before the engine's
     exit handlers free its workers' shared memory (the resource tracker then warned of leaked segments, TP > 1);
     here the re-raised SIGTERM becomes a normal exit (status 0)."""
@@ -230,8 +231,10 @@ def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_leve
     try:
         # timeout_graceful_shutdown: Ctrl-C / SIGTERM with streams open ends them after a few seconds (uvicorn
         # otherwise waits for every stream to finish, without a bound).
-        uvicorn.run(ShutdownAnswers(app), host=host, port=port, log_level=log_level, timeout_keep_alive=5,
-                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        host, port = sock.getsockname()[:2]
+        config = uvicorn.Config(ShutdownAnswers(app), host=host, port=port, log_level=log_level, timeout_keep_alive=5,
+                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        uvicorn.Server(config).run(sockets=[sock])
     finally:
         signal.signal(signal.SIGTERM, previous)
         logging.getLogger("uvicorn.error").removeFilter(cut_streams)

@@ -90,3 +90,38 @@ def test_serve_on_a_busy_port_fails_before_the_model_loads(monkeypatch, capsys):
     assert f"cannot listen on 127.0.0.1:{port}: the address is already in use" in err and "--port" in err
     assert main(["serve", "--host", "no-such-host.invalid", "--port", str(port)]) == 2
     assert "--host 'no-such-host.invalid': cannot resolve it" in capsys.readouterr().err
+
+
+def test_serve_port_zero_listens_on_the_port_it_prints(monkeypatch, capsys, tiny_qwen3_dir):
+    """--port 0 binds a free port before the model loads (as vLLM's early bind); the printed URL names it and
+    uvicorn serves the app on that socket. (`run_server` itself sets a SIGTERM handler, so the test serves the
+    socket from a thread with its own uvicorn.Server.)"""
+    import threading
+
+    import httpx
+    import uvicorn
+
+    import fxrewrite.runtime.server.api_server as api_server
+
+    served = {}
+
+    def run_server(app, sock, log_level="info"):
+        served["port"] = sock.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        for _ in range(400):
+            try:
+                served["health"] = httpx.get(f"http://127.0.0.1:{served['port']}/health", timeout=1).status_code
+                break
+            except httpx.TransportError:
+                threading.Event().wait(0.05)
+        server.should_exit = True
+        thread.join(timeout=30)
+
+    monkeypatch.setattr(api_server, "run_server", run_server)
+    assert main(["serve", str(tiny_qwen3_dir), "--port", "0", "--max-num-seqs", "2"]) == 0
+    assert served["port"] > 0 and served["health"] == 200
+    assert f"on http://127.0.0.1:{served['port']}/v1" in capsys.readouterr().out
+    assert main(["serve", "--port", "-1"]) == 2
+    assert "--port -1 is not a TCP port (1..65535, or 0 for a free one)" in capsys.readouterr().err
