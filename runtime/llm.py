@@ -167,7 +167,7 @@ class LLM:
 
         tools: OpenAI tool dicts ({"type": "function", "function": {...}}) given to the template (the
         model's tool calls come back as its text, as in vLLM's LLM.chat). continue_final_message: leave
-        the last message (the assistant's) open so the model continues it; needs
+        the last message (any role; usually a prefilled assistant's) open so the model continues it; needs
         add_generation_prompt=False. ValueError when the tokenizer has no chat template, for a bad
         message, or for a template that cannot render `tools`. Each output's `prompt` is the rendered
         conversation text (as in vLLM), its `prompt_token_ids` that text's tokens."""

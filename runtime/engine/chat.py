@@ -83,18 +83,13 @@ def check_template_syntax(template: str, where: str, source: str = "the template
 
 
 def check_generation_mode(messages: list, add_generation_prompt: bool, continue_final_message: bool) -> None:
-    """vLLM's rule for `continue_final_message` (the last message is left open for the model to continue,
-    e.g. a prefilled answer): it excludes `add_generation_prompt` (transformers refuses both) and the
-    last message must be the assistant's. UserInputError naming the fields otherwise."""
-    if not continue_final_message:
-        return
-    if add_generation_prompt:
+    """vLLM's rule for `continue_final_message` (the last message is left open for the model to continue, e.g. a
+    prefilled answer, or a user's unfinished text): it excludes `add_generation_prompt` (transformers refuses
+    both). Any role may be continued, as in transformers and vLLM (whose reply then has that role).
+    UserInputError naming the fields otherwise."""
+    if continue_final_message and add_generation_prompt:
         raise UserInputError("continue_final_message and add_generation_prompt cannot both be true; set "
-                             "add_generation_prompt to false to continue the last (assistant) message")
-    role = messages[-1].get("role") if messages and isinstance(messages[-1], dict) else None
-    if role != "assistant":
-        raise UserInputError(f"continue_final_message needs the last message to be the assistant's, got role "
-                             f"{role!r}")
+                             "add_generation_prompt to false to continue the last message")
 
 
 RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "return_dict", "return_tensors",

@@ -382,10 +382,15 @@ class ChatCompletionRequest(SamplingRequest):
     def output_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def response_role(self) -> str:
+        """The reply's role, as vLLM decides it: "assistant" after a generation prompt, else the last message's
+        (a continued user message is answered as the user's text)."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
     def echoed_text(self) -> str:
-        """What `echo` puts before each choice's content: the last message's text when it is the assistant's (the
-        role the reply has, as vLLM decides), else ""."""
+        """What `echo` puts before each choice's content: the last message's text when its role is the reply's
+        (`response_role`, as vLLM decides), else ""."""
         last = self.messages[-1]
-        if not self.echo or last.role != "assistant" or last.content is None:
+        if not self.echo or last.role != self.response_role() or last.content is None:
             return ""
         return last.to_template_dict("messages")["content"]

@@ -177,7 +177,7 @@ class OpenAIServingChat(OpenAIServing):
             content, calls = parse_output(request, c.text, self.tool_parser)
             if request.echoed_text():
                 content = request.echoed_text() + (content or "")
-            message = ChatResponseMessage(content=content, tool_calls=calls)
+            message = ChatResponseMessage(role=request.response_role(), content=content, tool_calls=calls)
             choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs,
                                       finish_reason=finish_reason(request, c.finish_reason, calls),
                                       stop_reason=c.stop_reason))
@@ -202,7 +202,7 @@ class OpenAIServingChat(OpenAIServing):
         try:
             # OpenAI opens each choice with the role and an empty content.
             for index in range(request.n):
-                yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
+                yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role=request.response_role(), content="")))
             if request.echoed_text():  # vLLM sends the echoed message next, one chunk a choice
                 for index in range(request.n):
                     yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(content=request.echoed_text())))

@@ -57,15 +57,31 @@ def test_echo_puts_the_continued_message_before_the_reply(server):
         assert user_last["choices"][0]["message"] == reply["choices"][0]["message"]
 
 
-@pytest.mark.parametrize("body, needle", [
-    ({"messages": PREFILL, "continue_final_message": True}, "cannot both be true"),
-    ({"messages": PREFILL[:1], "continue_final_message": True, "add_generation_prompt": False},
-     "last message to be the assistant's, got role 'user'"),
-])
-def test_continue_final_message_misuse_is_400(server, body, needle):
+def test_continue_final_message_with_a_generation_prompt_is_400(server):
     with server.http() as http:
-        r = http.post("/v1/chat/completions", json=body | {"max_tokens": 2})
-    assert needle in _error(r, 400, "continue_final_message")
+        r = http.post("/v1/chat/completions", json={"messages": PREFILL, "continue_final_message": True,
+                                                    "max_tokens": 2})
+    assert "cannot both be true" in _error(r, 400, "continue_final_message")
+
+
+def test_a_continued_user_message_is_answered_in_its_role(server):
+    """As in transformers and vLLM, any last message may be continued: the prompt ends inside the user's turn and
+    the reply has the user's role (vLLM's get_chat_request_role), echoed with `echo` (the role matches)."""
+    user_last = PREFILL[:1]
+    tok = server.engine.tokenizer
+    body = {"messages": user_last, "max_tokens": 3, "temperature": 0, "add_generation_prompt": False,
+            "continue_final_message": True}
+    with server.http() as http:
+        ids = http.post("/v1/tokenize", json=body).json()["tokens"]
+        assert tok.decode(ids).endswith(user_last[0]["content"]), tok.decode(ids)
+        reply = http.post("/v1/chat/completions", json=body).json()
+        echoed = http.post("/v1/chat/completions", json=body | {"echo": True}).json()
+        with http.stream("POST", "/v1/chat/completions", json=body | {"stream": True}) as r:
+            first = next(json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {"))
+    message = reply["choices"][0]["message"]
+    assert message["role"] == "user" and reply["usage"]["prompt_tokens"] == len(ids)
+    assert echoed["choices"][0]["message"]["content"] == user_last[0]["content"] + (message["content"] or "")
+    assert first["choices"][0]["delta"] == {"role": "user", "content": ""}
 
 
 @pytest.mark.parametrize("path, body, field", [
