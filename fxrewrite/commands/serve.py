@@ -78,6 +78,9 @@ def _served_model_names(args: argparse.Namespace, default: str) -> list[str]:
     empty = [n for n in args.served_model_name or () if not n.strip()]
     if empty:
         raise UserInputError(f"--served-model-name {empty[0]!r} is empty: a name clients can send is needed")
+    twice = sorted({n for n in args.served_model_name or () if args.served_model_name.count(n) > 1})
+    if twice:
+        raise UserInputError(f"--served-model-name names {twice[0]!r} twice: give each name once")
     return args.served_model_name or [args.model or default]
 
 

@@ -319,11 +319,22 @@ def _template_tool_call(call: ToolCall) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 
 
+FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+"""OpenAI's rule for a tool's function name (its API answers 400 for any other)."""
+
+
 class FunctionDefinition(OpenAIBaseModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: StrictBool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _openai_name(cls, name: str) -> str:
+        if not FUNCTION_NAME.fullmatch(name):
+            raise ValueError(f"function name {name!r} must be 1 to 64 letters, digits, '_' or '-' (OpenAI's rule)")
+        return name
 
 
 class ChatCompletionToolsParam(OpenAIBaseModel):

@@ -161,7 +161,7 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError(HTTPStatus.BAD_REQUEST, f"{where} failed: {error}",
                               param="chat_template" if own else "messages", code="invalid_value") from None
         # The template already wrote the special tokens (BOS etc.): added again only when asked (vLLM's field).
-        return list(self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens))
+        return self.encode_prompt(request, text, add_special_tokens=request.add_special_tokens)
 
     def _response(self, request: ChatCompletionRequest, model: str, request_id: str,
                   final: StepOutput) -> ChatCompletionResponse:

@@ -67,7 +67,8 @@ class OpenAIServingCompletion(OpenAIServing):
         """(prompt text, prompt token ids), off the event loop; token-id prompts are range-checked, and they
         and truncated prompts (`truncate_prompt_tokens`) decoded for echo."""
         if isinstance(prompt, str):
-            token_ids = await self.async_tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
+            token_ids = await self.async_tokenizer.run(self.encode_prompt, request, prompt,
+                                                       add_special_tokens=request.add_special_tokens)
             kept = self.truncate_prompt(request, token_ids)
             return (prompt if len(kept) == len(token_ids) else await self.async_tokenizer.decode(kept)), kept
         token_ids = self.truncate_prompt(request, self.check_token_ids(list(prompt)))

@@ -18,10 +18,11 @@ from typing import Literal
 
 import numpy as np
 from fastapi import Request
-from pydantic import Field
+from pydantic import Field, StrictBool
 
 from fxrewrite.runtime.engine.pooling import PoolingParams
 from fxrewrite.runtime.server.errors import OpenAIError
+from fxrewrite.runtime.server.prompt_bound import PromptTooLong, encode_bounded
 from fxrewrite.runtime.server.protocol import OpenAIBaseModel, RequestInt, RequestModel, random_id
 from fxrewrite.runtime.server.serving_engine import OpenAIServing
 
@@ -33,6 +34,7 @@ class EmbeddingRequest(RequestModel):
     dimensions: RequestInt | None = None
     user: str | None = None
     truncate_prompt_tokens: RequestInt | None = Field(None, ge=-1)  # vLLM's: keep each input's last k tokens
+    normalize: StrictBool | None = None  # vLLM's: L2-normalise each embedding (None: the default, True)
 
 
 class EmbeddingData(OpenAIBaseModel):
@@ -77,7 +79,7 @@ class OpenAIServingEmbedding(OpenAIServing):
                               param="dimensions", code="invalid_value")
         prompts = await self.async_tokenizer.run(self._prompts, request)
         request_id = random_id("embd")
-        params = PoolingParams()
+        params = PoolingParams(normalize=request.normalize is not False)
         ids, streams = await self.start_requests(request_id, [(p, params) for p in prompts], prompt_field="input")
         try:
             data = []
@@ -105,14 +107,27 @@ class OpenAIServingEmbedding(OpenAIServing):
         prompts = []
         for i, item in enumerate(given):
             where = "input" if len(given) == 1 else f"input[{i}]"
-            ids = list(self.tokenizer.encode(item)) if isinstance(item, str) else self.check_token_ids(item, where)
+            ids = self._encode(request, item, where) if isinstance(item, str) else self.check_token_ids(item, where)
             ids = self.truncate_prompt(request, ids)
             if not ids:
                 raise OpenAIError(HTTPStatus.BAD_REQUEST, f"{where} is empty: at least 1 token is needed",
                                   param="input", code="invalid_value")
             if len(ids) > self.max_model_len:
-                raise OpenAIError(HTTPStatus.BAD_REQUEST, f"{where} has {len(ids)} tokens, more than this "
-                                  f"model's maximum context length {self.max_model_len}; shorten it",
-                                  param="input", code="context_length_exceeded")
+                raise self._too_long(where, str(len(ids)))
             prompts.append(ids)
         return prompts
+
+    def _encode(self, request: EmbeddingRequest, text: str, where: str) -> list[int]:
+        """`text`'s token ids; a very long one proven over max_model_len refused early (`encode_bounded`), unless
+        truncate_prompt_tokens keeps its tail."""
+        if request.truncate_prompt_tokens is not None:
+            return list(self.tokenizer.encode(text))
+        try:
+            return encode_bounded(self.tokenizer, text, self.max_model_len)
+        except PromptTooLong as e:
+            raise self._too_long(where, f"more than {e.at_least}") from None
+
+    def _too_long(self, where: str, count: str) -> OpenAIError:
+        return OpenAIError(HTTPStatus.BAD_REQUEST, f"{where} has {count} tokens, more than this model's maximum "
+                           f"context length {self.max_model_len}; shorten it", param="input",
+                           code="context_length_exceeded")

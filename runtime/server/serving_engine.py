@@ -19,6 +19,7 @@ from fxrewrite.runtime.engine.sampling_params import SamplingParams
 from fxrewrite.runtime.server.async_engine import EngineDeadError, StepOutput
 from fxrewrite.runtime.server.async_tokenizer import AsyncTokenizer
 from fxrewrite.runtime.server.errors import OpenAIError
+from fxrewrite.runtime.server.prompt_bound import PromptTooLong, encode_bounded
 from fxrewrite.runtime.server.protocol import SamplingRequest
 from fxrewrite.runtime.server.request_params import logit_bias_of
 
@@ -97,21 +98,38 @@ class OpenAIServing:
             raise OpenAIError(HTTPStatus.BAD_REQUEST, str(e), param="truncate_prompt_tokens",
                               code="invalid_value") from None
 
+    def prompt_too_long(self, request: SamplingRequest, count: str) -> OpenAIError:
+        """The 400 for a prompt of `count` tokens (a number, or "more than N") that leaves no room to generate."""
+        return OpenAIError(
+            HTTPStatus.BAD_REQUEST,
+            f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
+            f"{count} tokens, which leaves no room for the completion (at least 1 token). Please "
+            f"reduce the length of the prompt{_truncate_hint(request, self.max_model_len)}.",
+            param="messages" if hasattr(request, "messages") else "prompt", code="context_length_exceeded")
+
+    def encode_prompt(self, request: SamplingRequest, text: str, **kwargs) -> list[int]:
+        """`text`'s token ids (call it in the tokenizer thread); a very long text proven over max_model_len is
+        refused before it is tokenized whole (`encode_bounded`: the 400 says "more than N tokens"). With
+        `truncate_prompt_tokens` the whole text is tokenized (its tail is kept)."""
+        if getattr(request, "truncate_prompt_tokens", None) is not None:
+            return list(self.tokenizer.encode(text, **kwargs))
+        try:
+            return encode_bounded(self.tokenizer, text, self.max_model_len, **kwargs)
+        except PromptTooLong as e:
+            raise self.prompt_too_long(request, f"more than {e.at_least}") from None
+
     def max_tokens_for(self, request: SamplingRequest, num_prompt_tokens: int, explicit: bool) -> int:
         """The number of tokens to generate, checked against max_model_len and the KV cache (400s naming them).
 
         `explicit`: the request gave a limit (an over-long one is then a 400 instead of clamped). Without
-        one, the rest of the context, or of the KV cache when that holds less (`LLMEngine.max_seq_len`).
+        one, the rest of the context, or of the KV cache when that holds less (`LLMEngine.max_seq_len`). The
+        model's generation_config `max_new_tokens` caps every request, a given limit too (vLLM's get_max_tokens
+        takes the least of them).
         A limit of 0 (a completion's echo of the prompt alone) is checked as the one token the engine generates.
         """
         prompt_param = "messages" if hasattr(request, "messages") else "prompt"
         if num_prompt_tokens >= self.max_model_len:
-            raise OpenAIError(
-                HTTPStatus.BAD_REQUEST,
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
-                f"{num_prompt_tokens} tokens, which leaves no room for the completion (at least 1 token). Please "
-                f"reduce the length of the prompt{_truncate_hint(request, self.max_model_len)}.",
-                param=prompt_param, code="context_length_exceeded")
+            raise self.prompt_too_long(request, str(num_prompt_tokens))
         if num_prompt_tokens >= self.max_seq_len:  # not even one token would fit the KV cache
             raise OpenAIError(
                 HTTPStatus.BAD_REQUEST,
@@ -121,9 +139,9 @@ class OpenAIServing:
                 code="context_length_exceeded")
         room = self.max_model_len - num_prompt_tokens
         limit = request.output_limit()
+        cap = self.generation_defaults.get("max_tokens")  # generation_config's max_new_tokens: a ceiling (vLLM's min)
         if limit is None:
-            limit = self.generation_defaults.get("max_tokens")
-            explicit = False
+            limit, explicit = cap, False
         if not explicit:
             room = min(room, self.max_seq_len - num_prompt_tokens)
         if limit is None:
@@ -145,7 +163,7 @@ class OpenAIServing:
                 f"tokens ({num_prompt_tokens} in the prompt, {limit} for the completion). Please reduce {field} "
                 "or the length of the prompt, or start the server with a larger --kv-cache-memory-bytes / "
                 "--gpu-memory-utilization.", param=field, code="context_length_exceeded")
-        return min(limit, room)
+        return min(limit, room, cap or limit)
 
     def sampling_params(self, request: SamplingRequest, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None = None, structured_outputs=None):

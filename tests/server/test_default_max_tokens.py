@@ -26,6 +26,13 @@ def test_default_max_tokens_fills_the_kv_cache_when_it_is_shorter_than_the_conte
     assert short.max_tokens_for(CompletionRequest(prompt="hi"), 37, explicit=False) == 16  # OpenAI's default
     defaults = _serving(8192, 100, {"max_tokens": 512})  # generation_config's max_new_tokens: capped too
     assert defaults.max_tokens_for(ChatCompletionRequest(**CHAT), 37, explicit=False) == 100 - 37
+    # max_new_tokens caps every request, as vLLM's get_max_tokens (the least of them): a completion's 16, a chat
+    # request's own max_tokens too (a fresh user found 16 / 6 where the file said 4)
+    four = _serving(8192, 8192, {"max_tokens": 4})
+    assert four.max_tokens_for(CompletionRequest(prompt="hi"), 3, explicit=False) == 4
+    assert four.max_tokens_for(ChatCompletionRequest(**CHAT, max_tokens=6), 3, explicit=True) == 4
+    assert four.max_tokens_for(ChatCompletionRequest(**CHAT, max_tokens=2), 3, explicit=True) == 2
+    assert four.max_tokens_for(ChatCompletionRequest(**CHAT), 3, explicit=False) == 4
     assert short.max_tokens_for(ChatCompletionRequest(**CHAT), 5824, explicit=False) == 1  # the last slot
     for request, param in ((ChatCompletionRequest(**CHAT), "messages"), (CompletionRequest(prompt="hi"), "prompt")):
         with pytest.raises(OpenAIError, match=r"prompt has 5825 tokens, more than the KV cache holds \(5824\)") as e:

@@ -78,6 +78,20 @@ def test_embeddings_float_and_base64(pooling_server, tiny_model_dir):
     assert len(one.data) == 1 and len(many.data) == 2 and one.usage.prompt_tokens == len(ids[0])
 
 
+def test_normalize_false_gives_the_raw_embedding(pooling_server, tiny_model_dir):
+    """vLLM's `normalize` field (was ignored with a log line; a fresh user's find): false gives the pooled hidden
+    state itself, the normalised vector times its norm."""
+    with pooling_server.http() as http:
+        raw = http.post("/v1/embeddings", json={"input": "hello world", "normalize": False}).json()
+        unit = http.post("/v1/embeddings", json={"input": "hello world", "normalize": True}).json()
+        bad = http.post("/v1/embeddings", json={"input": "hello world", "normalize": "no"})
+    raw, unit = (np.asarray(r["data"][0]["embedding"], dtype=np.float32) for r in (raw, unit))
+    norm = np.linalg.norm(raw)
+    assert abs(norm - 1.0) > 1e-3 and abs(np.linalg.norm(unit) - 1.0) < 1e-5
+    np.testing.assert_allclose(raw / norm, unit, rtol=1e-5, atol=1e-6)
+    assert bad.status_code == 400 and "normalize" in bad.text
+
+
 def test_truncate_prompt_tokens_embeds_each_inputs_last_tokens(pooling_server):
     """vLLM's `truncate_prompt_tokens`: each input's last k tokens are embedded (-1: the last max_model_len, so an
     input over the context is embedded rather than refused)."""
@@ -98,6 +112,7 @@ def test_truncate_prompt_tokens_embeds_each_inputs_last_tokens(pooling_server):
     ({"input": ["ok", ""]}, 400, "input[1] is empty"),
     ({"input": list(range(1, MAX_LEN + 6))}, 400, f"has {MAX_LEN + 5} tokens"),
     ({"input": [10**9]}, 400, "input: token id 1000000000 is out of range"),
+    ({"input": ["ok", "many words " * 30_000]}, 400, "input[1] has more than "),
     ({"input": "x", "dimensions": 8}, 400, "dimensions=8 is not supported"),
     ({"input": "x", "encoding_format": "int8"}, 400, "encoding_format"),
     ({"input": "x", "model": "nope"}, 404, "nope"),

@@ -192,6 +192,8 @@ def test_api_key_falls_back_to_vllm_api_key(monkeypatch):
 @pytest.mark.parametrize("flags, message", [(["--api-key", ""], "--api-key '' is empty"),
                                             (["--api-key", " "], "--api-key ' ' is empty"),
                                             (["--served-model-name", "a", ""], "--served-model-name '' is empty"),
+                                            (["--served-model-name", "a", "b", "a"],
+                                             "--served-model-name names 'a' twice"),
                                             (["--enable-log-requests", "--disable-log-requests"], "contradict")])
 def test_an_empty_key_or_served_name_is_refused_before_the_model_loads(flags, message, monkeypatch):
     """`--api-key "$KEY"` with KEY unset served with no key at all, and `--served-model-name ''` a model named ""

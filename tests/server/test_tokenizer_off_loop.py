@@ -56,6 +56,28 @@ def test_health_answers_while_a_long_prompt_is_tokenized(server, slow_tokenizer)
     assert "your prompt has 300" in error["message"]  # the exact count: 3001 or so tokens
 
 
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_a_huge_prompt_is_refused_without_tokenizing_it_whole(server, slow_tokenizer, route):
+    """A prompt of 2 M characters (a fresh user's 20 MB one took 20 s and 3.5 GB): proven over the context from its
+    first pieces, so no call tokenizes the whole text; the 400 gives the lower bound."""
+    _, threads = slow_tokenizer
+    prompt = "many words " * 200_000
+    calls = []
+    tok = server.engine.tokenizer
+    encode = tok.encode
+    tok.encode = lambda text, *a, **k: (calls.append(len(text)), encode(text, *a, **k))[1]
+    body = {"prompt": prompt} if route == "/v1/completions" else {"messages": [{"role": "user", "content": prompt}]}
+    t0 = time.monotonic()
+    with server.http() as http:
+        response = http.post(route, json=body | {"max_tokens": 1})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert f"maximum context length is {server.max_model_len} tokens. However, your prompt has more than " \
+        in error["message"]
+    assert calls and max(calls) < 100_000 and time.monotonic() - t0 < 10, calls
+
+
 def test_every_handler_tokenizes_in_the_one_tokenizer_thread(server, slow_tokenizer):
     _, threads = slow_tokenizer
     with server.http() as http:

@@ -286,3 +286,16 @@ def test_a_dead_grammar_process_fails_only_the_constrained_request(server, monke
     again = server.client().completions.create(model=server.model_name, prompt="numbers:", max_tokens=8,
                                                extra_body=endless)
     assert again.choices[0].text.startswith("[")
+
+
+@pytest.mark.parametrize("name", ["", "bad name!", "x" * 65, "get.weather"])
+def test_a_function_name_openai_refuses_is_a_400(server, name):
+    """OpenAI's rule, ^[a-zA-Z0-9_-]{1,64}$ (was accepted, and tool_choice "required" then produced calls of that
+    name; a fresh user's find)."""
+    tools = [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}]
+    with server.http() as http:
+        r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": tools, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert f"function name {name!r} must be 1 to 64 letters, digits, '_' or '-'" in error["message"]
+    assert error["param"].startswith("tools")
