@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import jinja2
@@ -24,6 +25,17 @@ def check_role(role: object, where: str | None = "message") -> str:
         prefix = f"{where}: " if where else ""
         raise UserInputError(f"{prefix}role {role!r} is not one of {', '.join(map(repr, CHAT_ROLES))}")
     return role
+
+
+FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+"""OpenAI's rule for a tool's function name (its API answers 400 for any other)."""
+
+
+def check_function_name(name: str) -> str:
+    """`name` if it follows `FUNCTION_NAME`; UserInputError naming it otherwise."""
+    if not FUNCTION_NAME.fullmatch(name):
+        raise UserInputError(f"function name {name!r} must be 1 to 64 letters, digits, '_' or '-' (OpenAI's rule)")
+    return name
 
 
 def join_text_parts(content: object, where: str) -> object:

@@ -18,6 +18,7 @@ import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -30,7 +31,7 @@ from pydantic import (
 )
 
 from fxrewrite.errors import UserInputError, check_unicode
-from fxrewrite.runtime.engine.chat import check_role, join_text_parts
+from fxrewrite.runtime.engine.chat import check_function_name, check_role, join_text_parts
 from fxrewrite.runtime.engine_config import SEED_RANGE
 from fxrewrite.runtime.server.validation_errors import FieldError
 
@@ -319,22 +320,11 @@ def _template_tool_call(call: ToolCall) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 
 
-FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
-"""OpenAI's rule for a tool's function name (its API answers 400 for any other)."""
-
-
 class FunctionDefinition(OpenAIBaseModel):
-    name: str
+    name: Annotated[str, AfterValidator(check_function_name)]
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: StrictBool | None = None
-
-    @field_validator("name")
-    @classmethod
-    def _openai_name(cls, name: str) -> str:
-        if not FUNCTION_NAME.fullmatch(name):
-            raise ValueError(f"function name {name!r} must be 1 to 64 letters, digits, '_' or '-' (OpenAI's rule)")
-        return name
 
 
 class ChatCompletionToolsParam(OpenAIBaseModel):
