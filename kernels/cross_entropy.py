@@ -55,11 +55,17 @@ def cross_entropy_grad_torch(logits: torch.Tensor, target: torch.Tensor, ignore_
 
 def check_targets(target: torch.Tensor, vocab: int, ignore_index: int) -> None:
     """Every target in [0, vocab) or ``ignore_index``: the kernel reads the logit at the target's column, so another
-    value would read outside its row. Checked on the device without a host sync (``torch._assert_async``): on a GPU
-    a failure is a device-side assert, as transformers' own loss gives; on a CPU a RuntimeError."""
+    value would read outside its row. On a GPU checked without a host sync (``torch._assert_async``: a device-side
+    assert, as transformers' own loss gives); on a CPU, where reading the flag costs nothing, an IndexError, the
+    exception torch's cross_entropy raises there."""
     ok = ((target >= 0) & (target < vocab)) | (target == ignore_index)
-    torch._assert_async(ok.all(), f"cross-entropy: a target is outside [0, {vocab}) and is not "
-                                  f"ignore_index={ignore_index} (labels from another vocabulary?)")
+    message = (f"cross-entropy: a target is outside [0, {vocab}) and is not ignore_index={ignore_index} (labels from "
+               "another vocabulary?)")
+    if target.device.type == "cpu":
+        if not bool(ok.all()):
+            raise IndexError(message)
+        return
+    torch._assert_async(ok.all(), message)
 
 
 @triton.jit
