@@ -104,6 +104,8 @@ class RotaryCosSin(nn.Module):
             kept = self.__dict__.get("kept_attributes", {})
             if name in kept:
                 return kept[name]
+            if name in ("inv_freq", "original_inv_freq"):  # transformers' buffers, read by code that inspects them
+                return super().__getattr__("rope").inv_freq
             raise
 
     def forward(self, *args, **kwargs):

@@ -31,6 +31,8 @@ def test_yarn_cos_sin_and_logits_past_original_length():
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     assert stock.model.rotary_emb.attention_scaling > 1.0  # yarn's mscale is applied
+    for name in ("inv_freq", "original_inv_freq"):  # transformers' buffers still read (a fresh user's find)
+        torch.testing.assert_close(getattr(fused.model.rotary_emb, name), getattr(stock.model.rotary_emb, name))
     ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(40000, 40006)[None]
     with torch.no_grad():
