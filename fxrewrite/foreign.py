@@ -109,6 +109,14 @@ def foreign_patches(model: nn.Module) -> list[str]:
 
 def check_no_foreign_patches(model: nn.Module) -> None:
     """ForeignPatchError naming each replaced function/class/forward (e.g. by Liger-Kernel), else nothing."""
+    hooked = [name or "the model" for name, module in model.named_modules() if hasattr(module, "_hf_hook")]
+    if hooked:
+        raise ForeignPatchError(
+            f"fxrewrite.optimize refuses a model dispatched by accelerate ({len(hooked)} modules run through its "
+            f"hooks, e.g. {hooked[0]}): a device_map that offloads to the CPU or disk, or splits the model over "
+            "devices, moves weights at call time, which the rewrite's fused layers would bypass. Load the model "
+            "onto one device (device_map=None, or a single device: from_pretrained(..., device_map='cuda')) and "
+            "optimize that.")
     found = foreign_patches(model)
     if found:
         raise ForeignPatchError(

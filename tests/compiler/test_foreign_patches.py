@@ -103,3 +103,20 @@ def test_forward_replaced_on_a_torch_child_keeps_its_parent_unfused():
                               "replaced on the instance and would be lost by the fusion; left as it is")
     with torch.no_grad():
         torch.testing.assert_close(stock(ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_offloaded_by_accelerate_is_refused_naming_accelerate(tmp_path):
+    """A device_map with CPU / disk offload runs modules through accelerate's hooks (which move weights at call
+    time): refused saying so and what to do, not as a foreign patch of Qwen3Attention.forward (a fresh user's
+    find)."""
+    from transformers import AutoModelForCausalLM
+
+    tiny_model("qwen3").save_pretrained(tmp_path / "model")
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.norm": "cpu",
+                  "lm_head": "cpu", "model.rotary_emb": "cpu"}
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model", device_map=device_map,
+                                                 offload_folder=tmp_path / "offload")
+    with pytest.raises(ForeignPatchError, match=r"refuses a model dispatched by accelerate \(\d+ modules run through "
+                                                r"its hooks, e\.g\. .*\)\: a device_map that offloads.*Load the model "
+                                                "onto one device"):
+        fxrewrite.optimize(model)
