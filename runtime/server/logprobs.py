@@ -5,6 +5,8 @@ recovers the exact ids (a text that is not valid UTF-8 on its own, or that sever
 
 from __future__ import annotations
 
+import functools
+import re
 from typing import Any
 
 from fxrewrite.runtime.server.protocol_responses import ChatLogProbs, CompletionLogProbs, TokenLogprob, TopLogprob
@@ -18,10 +20,41 @@ def _token_text(tokenizer: Any, token_id: int, entry: Any, as_ids: bool = False)
     return tokenizer.decode([token_id])
 
 
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback pieces
+
+
+@functools.cache
+def _byte_level_decoder() -> dict[str, int]:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
+
+
+def token_bytes(tokenizer: Any, token_id: int, text: str) -> list[int]:
+    """OpenAI's `bytes` of a token whose text is `text`: its UTF-8 encoding, except for a token holding part of a
+    character (its text decodes to U+FFFD), whose raw bytes come from its piece: a byte-level BPE piece through
+    GPT-2's byte-to-character map, or a SentencePiece "<0xNN>" piece, so a client can join split characters (the
+    replacement character's bytes said nothing; a fresh user's find)."""
+    if "\ufffd" not in text or text.startswith("token_id:"):
+        return list(text.encode("utf-8"))
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str) and (match := _BYTE_PIECE.fullmatch(piece)):
+        return [int(match.group(1), 16)]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if isinstance(piece, str) and type(getattr(backend, "decoder", None)).__name__ == "ByteLevel":
+        decoder = _byte_level_decoder()
+        if all(c in decoder for c in piece):
+            return [decoder[c] for c in piece]
+    return list(text.encode("utf-8"))
+
+
+def _ranked(step: dict, num_top: int) -> list[tuple[int, Any]]:
+    return sorted(step.items(), key=lambda kv: -kv[1].logprob)[:num_top]
+
+
 def _top(tokenizer: Any, step: dict, num_top: int, as_ids: bool = False) -> list[tuple[str, float]]:
     """The `num_top` most likely tokens of one step as (text, logprob), best first."""
-    ranked = sorted(step.items(), key=lambda kv: -kv[1].logprob)[:num_top]
-    return [(_token_text(tokenizer, tid, lp, as_ids), float(lp.logprob)) for tid, lp in ranked]
+    return [(_token_text(tokenizer, tid, lp, as_ids), float(lp.logprob)) for tid, lp in _ranked(step, num_top)]
 
 
 def _top_with_token(tokenizer: Any, step: dict, num_top: int, token_id: int, as_ids: bool) -> dict[str, float]:
@@ -69,10 +102,12 @@ def chat_logprobs(tokenizer: Any, choice: Any, tok_start: int, tok_end: int,
     for token_id, step in _steps(choice, tok_start, tok_end):
         entry = step.get(token_id)
         text = _token_text(tokenizer, token_id, entry, as_ids)
-        top = [TopLogprob(token=t, logprob=lp, bytes=list(t.encode("utf-8")))
-               for t, lp in _top(tokenizer, step, num_top, as_ids)]
+        top = []
+        for tid, lp in _ranked(step, num_top):
+            t = _token_text(tokenizer, tid, lp, as_ids)
+            top.append(TopLogprob(token=t, logprob=float(lp.logprob), bytes=token_bytes(tokenizer, tid, t)))
         content.append(TokenLogprob(token=text, logprob=float(entry.logprob) if entry is not None else -9999.0,
-                                    bytes=list(text.encode("utf-8")), top_logprobs=top))
+                                    bytes=token_bytes(tokenizer, token_id, text), top_logprobs=top))
     return ChatLogProbs(content=content)
 
 
