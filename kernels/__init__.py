@@ -44,8 +44,16 @@ def use_triton(x: torch.Tensor) -> bool:
     then sees plain torch ops and fuses the norms, activations and rotary into its own kernels along
     with their neighbours (vLLM compiles its custom ops' native forms for the same reason). Attention
     is an opaque custom op, so its kernels still run.
+    Under torch.func transforms (`functorch_active`) the reference runs as well.
     """
-    return not torch.compiler.is_compiling() and triton_runs_on(x)
+    return not torch.compiler.is_compiling() and not functorch_active() and triton_runs_on(x)
+
+
+def functorch_active() -> bool:
+    """Whether a torch.func transform (grad, vmap, jacrev...) is running: the fused layers then take their torch
+    references, which functorch transforms, because their autograd Functions are written in the ctx-in-forward
+    form functorch refuses ("must override the setup_context staticmethod"). A C flag read: cheap."""
+    return torch._C._are_functorch_transforms_active()
 
 
 def triton_runs_on(x: torch.Tensor) -> bool:
@@ -75,7 +83,7 @@ def compiled_training_kernels(x: torch.Tensor) -> bool:
     env = os.environ
     if env.get("FXREWRITE_COMPILE_TRAIN_KERNELS") == "0" and env.get("FXREWRITE_COMPILE_KERNELS") != "1":
         return False
-    return torch.compiler.is_compiling() and triton_runs_on(x)
+    return torch.compiler.is_compiling() and not functorch_active() and triton_runs_on(x)
 
 
 def compiled_serving_kernels(x: torch.Tensor) -> bool:

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from fxrewrite.kernels import use_triton
+from fxrewrite.kernels import functorch_active, use_triton
 from fxrewrite.kernels.cross_entropy import _transform, cross_entropy_grad_, cross_entropy_grad_torch
 
 __all__ = ["fused_linear_cross_entropy", "fused_linear_cross_entropy_ref", "default_chunk_size", "forward_with_grads"]
@@ -225,7 +225,8 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias:
                          f"{tuple(weight.shape)} [V, H], target {tuple(target.shape)} [N]")
     chunk = chunk_size or default_chunk_size(hidden.shape[0], weight.shape[0], hidden.shape[1],
                                              intermediate=intermediate_size)
-    if not torch.is_grad_enabled():  # no gradients to make: chunked reference, summed
+    if not torch.is_grad_enabled() or functorch_active():  # no gradients to make, or torch.func makes them: the
+        # chunked reference, summed (functorch differentiates / batches torch ops, not the Function)
         parts = [fused_linear_cross_entropy_ref(hidden[s:s + chunk], weight, bias, target[s:s + chunk], ignore_index,
                                                 transform) for s in range(0, hidden.shape[0], chunk)]
         return sum(parts, torch.zeros((), dtype=torch.float32, device=hidden.device))

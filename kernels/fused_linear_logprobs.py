@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from fxrewrite.kernels import use_triton
+from fxrewrite.kernels import functorch_active, use_triton
 from fxrewrite.kernels.cross_entropy import cross_entropy_grad_
 from fxrewrite.kernels.fused_linear_cross_entropy import default_chunk_size
 from fxrewrite.kernels.log_softmax import log_softmax_float32
@@ -126,6 +126,8 @@ def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torc
     form. Peak extra memory: one chunk of logits, plus d/dweight [V, H] in the backward. ValueError on
     mismatched shapes or dtypes."""
     chunk = _checked_chunk("fused_linear_logprobs", hidden, weight, bias, target, chunk_size)
+    if functorch_active():  # torch.func transforms torch ops, not the Function: the reference
+        return fused_linear_logprobs_ref(hidden, weight, bias, target, scale, softcap)
     return _FusedLinearLogprobs.apply(hidden, weight, bias, target, float(scale), softcap, chunk)
 
 

@@ -35,6 +35,7 @@ import os
 import torch
 from torch import nn
 
+from fxrewrite.kernels import functorch_active
 from fxrewrite.kernels.fused_linear_cross_entropy import forward_with_grads
 
 __all__ = ["ATTACH_BREAK", "DeferredHeadGrad", "head_deferrable", "install_deferred_head_grad"]
@@ -124,9 +125,10 @@ def defer_enabled() -> bool:
 
 def head_deferrable(head) -> bool:
     """The head whose weight gradient can be deferred: a plain ``nn.Linear`` without bias whose weight (a plain
-    parameter) wants a gradient, with autograd on and the switch not off. Static under torch.compile (guarded)."""
+    parameter) wants a gradient, with autograd on, the switch not off and no torch.func transform running. Static
+    under torch.compile (guarded)."""
     return (defer_enabled() and torch.is_grad_enabled() and type(head) is nn.Linear and head.bias is None
-            and plain_parameter(head.weight) and head.weight.requires_grad)
+            and plain_parameter(head.weight) and head.weight.requires_grad and not functorch_active())
 
 
 @torch.compiler.disable(reason=ATTACH_BREAK)

@@ -193,3 +193,36 @@ def test_back_to_sdpa_after_optimize_for_context_parallelism():
     assert note.startswith("attention: fxrewrite_sdpa (") and note.endswith("; now 'sdpa', set after optimize")
     fused.set_attn_implementation("fxrewrite_sdpa")  # back: the note as optimize wrote it
     assert not [n for n in fxrewrite.explain(fused).notes if n.endswith("set after optimize")]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_torch_func_grad_and_per_sample_grads_match_stock(arch):
+    """torch.func.grad and vmap(grad) (per-sample gradients) through an optimized model with labels: the fused
+    layers take their torch references under functorch (their autograd Functions are in the ctx-in-forward form it
+    refuses: "must override the setup_context staticmethod", a fresh user's find); gradients as stock's, float32."""
+    from torch.func import functional_call, grad, vmap
+
+    from fxrewrite.weights import to_hf_names
+
+    stock = tiny_model(arch).train()
+    fused = fxrewrite.optimize(copy.deepcopy(stock)).train()
+    ids = torch.randint(3, 96, (2, 8), generator=torch.Generator().manual_seed(1))
+
+    def loss(model):
+        return lambda params, x: functional_call(model, params, (), {"input_ids": x, "labels": x}).loss
+
+    def params(model):
+        return {n: p.detach() for n, p in model.named_parameters()}
+
+    want = grad(loss(stock))(params(stock), ids)
+    got = to_hf_names(fused, grad(loss(fused))(params(fused), ids))
+    assert set(got) == set(want)
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, rtol=1e-5, atol=1e-6, msg=name)
+    one = lambda model: (lambda p, x: loss(model)(p, x[None]))  # noqa: E731
+    want = vmap(grad(one(stock)), in_dims=(None, 0))(params(stock), ids)
+    per = vmap(grad(one(fused)), in_dims=(None, 0))(params(fused), ids)
+    for i in range(ids.shape[0]):
+        got = to_hf_names(fused, {n: g[i] for n, g in per.items()})
+        for name, w in want.items():
+            torch.testing.assert_close(got[name], w[i], rtol=1e-5, atol=1e-6, msg=f"{name} sample {i}")
