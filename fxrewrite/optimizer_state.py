@@ -48,11 +48,18 @@ def _names(model: nn.Module, side: str) -> list[str]:
     return list(names)
 
 
-def _group_names(state: dict, names: list[str], side: str = "hf") -> list[list[str]]:
+def _group_names(state: dict, names: list[str], side: str = "hf", given: list | None = None) -> list[list[str]]:
     groups, flat = state["param_groups"], iter(names)
+    if given is not None and (not isinstance(given, (list, tuple)) or len(given) != len(groups)
+                              or any(len(n) != len(g["params"]) for n, g in zip(given, groups))):
+        raise ValueError(f"param_names must list each of the state dict's {len(groups)} param groups' parameter "
+                         f"names (sizes {[len(g['params']) for g in groups]}), got "
+                         f"{[len(n) for n in given] if isinstance(given, (list, tuple)) else given!r}")
     out = []
-    for g in groups:
-        if g.get("param_names") is not None:
+    for i, g in enumerate(groups):
+        if given is not None:
+            out.append(list(given[i]))
+        elif g.get("param_names") is not None:
             out.append(list(g["param_names"]))
         else:
             try:
@@ -64,11 +71,15 @@ def _group_names(state: dict, names: list[str], side: str = "hf") -> list[list[s
     return out
 
 
-def optimizer_state_dict(model: nn.Module, state_dict: dict, *, to: str) -> dict:
+def optimizer_state_dict(model: nn.Module, state_dict: dict, *, to: str,
+                         param_names: list[list[str]] | None = None) -> dict:
     """Convert ``optimizer.state_dict()`` between the HF view (``to="fused"`` reads an HF-order state) and
     the optimized model's view (``to="hf"`` reads a fused-order state). Returns a new dict; the input
-    is not modified. ValueError for an unknown ``to``, a model not passed through `optimize`, or a state
-    dict listing parameters the model does not have.
+    is not modified. ``param_names``: per param group, the names (in the source view) of its parameters, for a
+    state dict saved without them from groups not in ``named_parameters()`` order (transformers.Trainer's
+    weight-decay groups: README, "Optimizer state"). ValueError for an unknown ``to``, a model not passed through
+    `optimize`, ``param_names`` that do not match the groups' sizes, or a state dict listing parameters the
+    model does not have.
     """
     if to not in ("fused", "hf"):
         raise ValueError(f"to={to!r}; expected 'fused' or 'hf'")
@@ -77,7 +88,7 @@ def optimizer_state_dict(model: nn.Module, state_dict: dict, *, to: str) -> dict
     owner = {hf: fused for fused, hfs in parts.items() for hf in hfs}
     sizes = {name: _sizes(model.get_submodule(name.rpartition(".")[0])) for name in parts}
     target_order = _names(model, to)
-    src_groups = _group_names(state_dict, _names(model, src_side), src_side)
+    src_groups = _group_names(state_dict, _names(model, src_side), src_side, param_names)
     by_name = {}
     index = 0
     for names in src_groups:
@@ -85,7 +96,7 @@ def optimizer_state_dict(model: nn.Module, state_dict: dict, *, to: str) -> dict
             if index in state_dict["state"]:
                 by_name[name] = state_dict["state"][index]
             index += 1
-    unnamed = sum(g.get("param_names") is None for g in state_dict["param_groups"])
+    unnamed = 0 if param_names is not None else sum(g.get("param_names") is None for g in state_dict["param_groups"])
     _check_shapes(by_name, _param_shapes(model, src_side, parts, owner, sizes), src_side, to, unnamed)
     out = {"state": {}, "param_groups": []}
     new_index = 0
@@ -132,8 +143,8 @@ def _check_shapes(by_name: dict, shapes: dict, side: str, to: str, unnamed_group
     names the view wanted, the input must be the other one), or, with several groups that carry no
     ``param_names``, groups whose parameters are not in `named_parameters()` order (weight-decay groups)."""
     groups = (f"; or its {unnamed_groups} param groups do not list the parameters in named_parameters() order "
-              "(weight-decay groups, say): build the optimizer from model.named_parameters() so its state dict "
-              "names them") if unnamed_groups > 1 else ""
+              "(weight-decay groups, say): pass param_names (each group's names), or build the optimizer from "
+              "model.named_parameters() so its state dict names them") if unnamed_groups > 1 else ""
     for name, entry in by_name.items():
         want = shapes.get(name)
         for key, value in (entry or {}).items():

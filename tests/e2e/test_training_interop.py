@@ -226,3 +226,35 @@ def test_torch_func_grad_and_per_sample_grads_match_stock(arch):
         got = to_hf_names(fused, {n: g[i] for n, g in per.items()})
         for name, w in want.items():
             torch.testing.assert_close(got[name], w[i], rtol=1e-5, atol=1e-6, msg=f"{name} sample {i}")
+
+
+def test_trainer_weight_decay_groups_convert_with_param_names():
+    """A stock Trainer's optimizer.pt (decay / no-decay groups, no param_names): converted with `param_names` from
+    transformers' own rule (`Trainer.get_decay_parameter_names`), it loads into the optimizer Trainer builds for the
+    optimized model, and training continues as the stock run does (a fresh user's find)."""
+    from transformers import Trainer
+
+    def groups(model):
+        decay = set(Trainer.get_decay_parameter_names(None, model))  # `self` unused: transformers' rule itself
+        named = list(model.named_parameters())
+        return [[n for n, _ in named if n in decay], [n for n, _ in named if n not in decay]]
+
+    def adamw(model, names):
+        params = dict(model.named_parameters())
+        return torch.optim.AdamW([{"params": [params[n] for n in names[0]], "weight_decay": 0.1},
+                                  {"params": [params[n] for n in names[1]], "weight_decay": 0.0}], lr=1e-2)
+
+    stock = tiny_model("qwen2").train()
+    stock_names = groups(stock)
+    stock_opt = adamw(stock, stock_names)
+    _train_steps(stock, stock_opt, steps=2)
+    fused = fxrewrite.optimize(copy.deepcopy(stock)).train()
+    fused_opt = adamw(fused, groups(fused))
+    fused_opt.load_state_dict(optimizer_state_dict(fused, stock_opt.state_dict(), to="fused",
+                                                   param_names=stock_names))
+    _train_steps(stock, stock_opt, steps=2, seed=1)
+    _train_steps(fused, fused_opt, steps=2, seed=1)
+    for name, value in fused.state_dict().items():
+        torch.testing.assert_close(value, stock.state_dict()[name], rtol=1e-4, atol=1e-5, msg=name)
+    with pytest.raises(ValueError, match=r"param_names must list each of the state dict's 2 param groups"):
+        optimizer_state_dict(fused, stock_opt.state_dict(), to="fused", param_names=stock_names[:1])
