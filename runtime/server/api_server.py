@@ -2,10 +2,10 @@
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (SSE when
 `stream` is true, ending with `data: [DONE]`), POST /v1/embeddings (runner "pooling" only; the others
-then answer 400), POST /tokenize, POST /detokenize (vLLM's paths; also under /v1), GET /health,
-GET /metrics (Prometheus), GET /version.
+then answer 400), POST /tokenize, POST /detokenize (vLLM's paths; also under /v1), GET /health (and vLLM's
+GET / POST /ping, the same), GET /metrics (Prometheus), GET /version.
 With an API key, every /v1 route, /tokenize and /detokenize need `Authorization: Bearer <key>` (compared in
-constant time); /health, /metrics and /version stay open, as in vLLM.
+constant time); /health, /ping, /metrics and /version stay open, as in vLLM.
 """
 
 from __future__ import annotations
@@ -179,6 +179,8 @@ def _add_routes(app: FastAPI, engine: LLMEngine, names: list[str], completion: O
     root = str(getattr(model_config, "model_path", model_config.model))
 
     @app.get("/health")
+    @app.get("/ping")  # vLLM's (SageMaker's health route), GET and POST
+    @app.post("/ping")
     async def health():
         await app.state.async_engine.check_health()  # EngineDeadError: a 503 (e.g. a dead tensor-parallel worker)
         return Response(status_code=200)

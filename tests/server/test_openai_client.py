@@ -13,6 +13,7 @@ def test_models_health_version(server):
     assert [m.id for m in client.models.list().data] == [server.model_name]
     with server.http() as http:
         assert http.get("/health").status_code == 200
+        assert http.get("/ping").status_code == http.post("/ping").status_code == 200  # vLLM's SageMaker route
         assert http.get("/version").json()["version"]
 
 
@@ -27,6 +28,7 @@ def test_health_is_503_once_the_model_cannot_run(server, monkeypatch):
     monkeypatch.setattr(server.engine.model_runner, "check_health", dead, raising=False)
     with server.http() as http:
         response = http.get("/health")
+        assert http.get("/ping").status_code == 503
     assert response.status_code == 503
     assert "worker 1 killed" in response.json()["error"]["message"]
     monkeypatch.undo()
