@@ -89,6 +89,7 @@ def completion_logprobs(
         raise ValueError(f"got {len(prompts)} prompts and {len(completions)} completions; expected as many")
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
+    _check_token_ids(model, prompts, completions)
     device = next(model.parameters()).device
     out: list[torch.Tensor] = []
     invariant = is_batch_invariant() and hasattr(getattr(model, "config", None), "_attn_implementation")
@@ -102,6 +103,19 @@ def completion_logprobs(
             else:
                 out += _batch_logprobs(model, batch, device, temperature)
     return out
+
+
+def _check_token_ids(model: nn.Module, prompts, completions) -> None:
+    """ValueError naming the sequence and the id for a token id outside the model's embedding rows."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(embeddings, "num_embeddings", None)
+    if rows is None:
+        return
+    for what, seqs in (("prompt", prompts), ("completion", completions)):
+        for i, seq in enumerate(seqs):
+            if len(seq) and (min(seq) < 0 or max(seq) >= rows):  # min / max: C loops, not one per token
+                bad = next(t for t in seq if not 0 <= t < rows)
+                raise ValueError(f"{what} {i}: token id {bad} is outside the model's vocabulary [0, {rows})")
 
 
 def fused_head(model: nn.Module, temperature: float = 1.0) -> tuple[nn.Module, nn.Linear, float, float | None] | None:
@@ -182,7 +196,9 @@ def _batch_logprobs(model, batch, device, temperature: float) -> list[torch.Tens
 def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
     """GRPO's group-relative advantages (Shao et al., DeepSeekMath, 2024): rewards [N * group_size], the
     `group_size` completions of one prompt adjacent, -> (r - mean of its group) / (std of its group + eps).
-    ValueError when the length is not a multiple of group_size."""
+    ValueError when group_size is not a positive integer or the length is not a multiple of it."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size={group_size!r}; expected a positive integer (completions per prompt)")
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards are not a multiple of group_size={group_size}")
     groups = rewards.float().view(-1, group_size)
@@ -196,8 +212,20 @@ def grpo_loss(new_logprobs: list[torch.Tensor], old_logprobs: list[torch.Tensor]
     ratio = exp(new - old), loss = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A), averaged over
     every completion token of the batch (DAPO's token-level mean). `old_logprobs`: the engine's
     sampled-token logprobs (no gradient); one tensor [len(completion)] per completion; `advantages` [N],
-    one per completion. Computed over the concatenated tokens (a few kernels, whatever N)."""
-    new = torch.cat(list(new_logprobs))
+    one per completion. Computed over the concatenated tokens (a few kernels, whatever N). A batch without
+    completion tokens (every rollout ended at once) gives 0, differentiable (no NaN of an empty mean).
+    ValueError when the counts or a completion's lengths differ."""
+    new_logprobs, old_logprobs = list(new_logprobs), list(old_logprobs)
+    if not len(new_logprobs) == len(old_logprobs) == len(advantages):
+        raise ValueError(f"{len(new_logprobs)} new logprobs, {len(old_logprobs)} old logprobs and {len(advantages)} "
+                         "advantages; expected one each per completion")
+    for i, (n, o) in enumerate(zip(new_logprobs, old_logprobs)):
+        if n.numel() != o.numel():
+            raise ValueError(f"completion {i}: {n.numel()} new logprobs and {o.numel()} old ones; expected one per "
+                             "token of the completion each")
+    new = torch.cat(new_logprobs)
+    if new.numel() == 0:
+        return new.sum()
     olds = [o.detach().reshape(-1) for o in old_logprobs]
     if len({o.device for o in olds}) == 1:  # one copy to the device, not one per completion
         old = torch.cat(olds).to(new.device, new.dtype, non_blocking=True)

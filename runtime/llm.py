@@ -54,21 +54,26 @@ class LLM:
                                                                  self._generation_config)
         return SamplingParams(**self._generation_defaults)
 
-    # RL (runtime/engine/rl.py): weight sync and sleep mode, as vLLM's LLM has them
+    # RL (runtime/engine/rl.py): weight sync and sleep mode, as vLLM's LLM has them. Each waits for a `generate`
+    # running in another thread to finish (the same lock): a sync between two of its steps would mix weights.
     def load_weights(self, weights, strict: bool = True) -> set[str]:
         """Update the weights in place from a model or (name, tensor) pairs; see `LLMEngine.load_weights`."""
-        return self.llm_engine.load_weights(weights, strict)
+        with self._engine_lock:
+            return self.llm_engine.load_weights(weights, strict)
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache (and offload / discard the weights); see `LLMEngine.sleep`."""
-        self.llm_engine.sleep(level)
+        with self._engine_lock:
+            self.llm_engine.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Undo `sleep` (a no-op without one); see `LLMEngine.wake_up`."""
-        self.llm_engine.wake_up(tags)
+        with self._engine_lock:
+            self.llm_engine.wake_up(tags)
 
     def reset_prefix_cache(self) -> None:
-        self.llm_engine.reset_prefix_cache()
+        with self._engine_lock:
+            self.llm_engine.reset_prefix_cache()
 
     def generate(
         self,
@@ -85,12 +90,15 @@ class LLM:
         without max_tokens, also where the KV cache is full when it holds less (`LLMEngine.max_seq_len`).
         """
         prompts = _prompt_list(prompts)
-        if self.llm_engine.config.is_pooling:
-            raise UserInputError("LLM.generate: this LLM was made with runner='pooling'; it embeds: call "
-                                 "LLM.embed(prompts), or make the LLM without runner='pooling' to generate")
+        self._check_generates("generate")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         return self._submit(prompts, _per_prompt(sampling_params, len(prompts)), use_tqdm)
+
+    def _check_generates(self, method: str) -> None:
+        if self.llm_engine.config.is_pooling:
+            raise UserInputError(f"LLM.{method}: this LLM was made with runner='pooling'; it embeds: call "
+                                 "LLM.embed(prompts), or make the LLM without runner='pooling' to generate")
 
     def embed(self, prompts: str | list[int] | Sequence[str | list[int]], pooling_params: PoolingParams | None = None,
               use_tqdm: bool = True, *, truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
@@ -171,6 +179,7 @@ class LLM:
         add_generation_prompt=False. ValueError when the tokenizer has no chat template, for a bad
         message, or for a template that cannot render `tools`. Each output's `prompt` is the rendered
         conversation text (as in vLLM), its `prompt_token_ids` that text's tokens."""
+        self._check_generates("chat")
         if not isinstance(messages, (list, tuple)) or not messages:
             raise UserTypeError(f"messages must be a non-empty list of {{'role', 'content'}} dicts (one conversation) "
                                 f"or a list of such lists, got {type(messages).__name__} {messages!r}")

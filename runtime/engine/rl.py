@@ -59,9 +59,10 @@ class EngineRLMixin:
             if isinstance(source, nn.Module) and not self._takes_fused_names():  # an optimized model's qkv_proj...
                 pairs = list(to_hf_names(source, dict(pairs)).items())  # ...as q/k/v views for HF's own modules
             pairs = checkpoint_layout_to_model(pairs, config.hf_config.model_type, moe_sizes(config.hf_text_config)[0])
-            names = self.model_runner.load_weights(pairs, strict)
-        self.reset_prefix_cache()
-        return names
+            try:
+                return self.model_runner.load_weights(pairs, strict)
+            finally:  # also after a failure: a copy that failed part way (a device error) may have written some
+                self.reset_prefix_cache()
 
     def _takes_fused_names(self) -> bool:
         """Whether the engine's model has fused projections (native, or transformers rewritten): then an optimized

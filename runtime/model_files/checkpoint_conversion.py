@@ -163,7 +163,7 @@ def checkpoint_layout_to_model(pairs: list[tuple[str, torch.Tensor]], model_type
 
 def _check_experts(target: str, patterns: list[str], entries: list, num_experts: int | None) -> None:
     """UserInputError naming the tensor: an expert index outside [0, num_experts), one given twice, one missing, or a
-    shape unlike the other experts' of its source."""
+    shape unlike the other experts' of its source or the other sources' (gate and up) of its target."""
     seen: dict[tuple[str, str], str] = {}
     shapes: dict[str, tuple[str, tuple]] = {}
     for name, pattern, index, shape in entries:
@@ -178,6 +178,11 @@ def _check_experts(target: str, patterns: list[str], entries: list, num_experts:
         if shape != first[1]:
             raise UserInputError(f"load_weights: tensor {name!r} has shape {shape}, expert tensor {first[0]!r} "
                                  f"{first[1]}; expected one shape for every expert of {target!r}")
+    (name0, shape0), *others = shapes.values()
+    for name, shape in others:  # gate and up are stacked side by side: one shape (else torch.cat's own error)
+        if shape != shape0:
+            raise UserInputError(f"load_weights: tensor {name!r} has shape {shape}, tensor {name0!r} {shape0}; "
+                                 f"expected one shape for the projections stacked into {target!r}")
     for pattern in patterns if num_experts is not None else ():
         missing = [e for e in range(num_experts) if (pattern, str(e)) not in seen]
         if missing:

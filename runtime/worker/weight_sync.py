@@ -65,7 +65,7 @@ def named_weights(source) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs of an nn.Module (its parameters, tied ones once) or of an iterable of pairs.
     TypeError for anything else, a string included, and for a pair whose tensor is not floating point."""
     if isinstance(source, nn.Module):
-        return [(name, p.detach()) for name, p in source.named_parameters()]
+        source = [(name, p.detach()) for name, p in source.named_parameters()]
     if isinstance(source, dict):
         source = source.items()
     if isinstance(source, (str, bytes)):
@@ -309,6 +309,7 @@ def apply_update(plan: list[Target | None], tensors: Iterable[torch.Tensor]) -> 
     is copied, for FP8 tensors the engine would read as other numbers (see `_check_fp8`)."""
     pairs = [(target, tensor) for target, tensor in zip(plan, tensors) if target is not None]
     _check_fp8(pairs)
+    _check_tied(pairs)
     dst, src, fp8_weights = [], [], {}
     for target, tensor in pairs:
         fp8 = isinstance(target.owner, Fp8LinearMixin) and target.param is target.owner.weight
@@ -330,6 +331,22 @@ def apply_update(plan: list[Target | None], tensors: Iterable[torch.Tensor]) -> 
             _load(staging, target, tensor)  # the layer's loader shards into the copy as into the weight
         rows = sorted({r for target, _ in parts for r in part_rows(layer, target.shard_id)})
         requantize_fp8_layer(layer, staging.data, rows)  # the parts sent, each on its own; the others keep their bytes
+
+
+def _check_tied(pairs: list[tuple[Target, torch.Tensor]]) -> None:
+    """ValueError, before anything is copied, when two tensors load one part of an engine parameter with different
+    values: names the engine ties (a tied model's ``lm_head.weight`` and ``embed_tokens.weight``) sent apart, as by a
+    trainer whose head was untied (PEFT's ``modules_to_save=["lm_head"]``); the last copy won silently."""
+    first: dict[tuple[int, Any], tuple[Target, torch.Tensor]] = {}
+    for target, tensor in pairs:
+        seen = first.setdefault((id(target.param), target.shard_id), (target, tensor))
+        if seen[1] is tensor or torch.equal(seen[1], tensor.to(seen[1].device, seen[1].dtype)):
+            continue
+        names = " and ".join(dict.fromkeys(repr(t.name) for t in (seen[0], target)))
+        raise ValueError(f"load_weights: nothing was updated: two tensors with different values load the engine's "
+                         f"{names} (one tied parameter in the engine's model); send one value for both (untied in "
+                         "the trainer, e.g. PEFT's modules_to_save=['lm_head'], they cannot be synced into a tied "
+                         "engine: serve a model with tie_word_embeddings=false)")
 
 
 def _load(param: nn.Parameter, target: Target, tensor: torch.Tensor) -> None:

@@ -59,6 +59,10 @@ def test_recomputation_has_gradients_and_checks_lengths(path):
     assert lps[0].shape == (2,) and model.model.norm.weight.grad is not None
     with pytest.raises(ValueError, match="prompts"):
         completion_logprobs(model, [[1]], [])
+    vocab = model.get_input_embeddings().num_embeddings
+    with pytest.raises(ValueError, match=rf"completion 0: token id {vocab} is outside the model's vocabulary "
+                                         rf"\[0, {vocab}\)"):
+        completion_logprobs(model, [[1]], [[vocab]])  # was torch's bare IndexError (a fresh user's find)
 
 
 @pytest.mark.parametrize("impl", ["transformers", "native"])
@@ -183,6 +187,24 @@ def test_grpo_loss_matches_per_sequence_formula():
     adv = torch.tensor([1.0, -2.0, 0.5])
     per = [-torch.minimum(torch.exp(n - o) * a, torch.exp(n - o).clamp(0.8, 1.2) * a) for n, o, a in zip(new, old, adv)]
     torch.testing.assert_close(grpo_loss(new, old, adv), torch.cat(per).mean())
+
+
+def test_grpo_inputs_are_checked_and_an_empty_batch_is_zero():
+    """Fresh user's finds: every completion empty gave NaN (an empty mean), group_size 0 a ZeroDivisionError,
+    mismatched counts torch's shape errors."""
+    from fxrewrite.rl import grpo_advantages, grpo_loss
+
+    empty = [torch.zeros(0, requires_grad=True), torch.zeros(0, requires_grad=True)]
+    loss = grpo_loss(empty, [torch.zeros(0), torch.zeros(0)], torch.tensor([1.0, -1.0]))
+    assert loss.item() == 0.0 and loss.requires_grad
+    loss.backward()
+    for group_size in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="group_size=.*expected a positive integer"):
+            grpo_advantages(torch.ones(4), group_size)
+    with pytest.raises(ValueError, match="2 new logprobs, 1 old logprobs and 2 advantages"):
+        grpo_loss([torch.zeros(2)] * 2, [torch.zeros(2)], torch.ones(2))
+    with pytest.raises(ValueError, match="completion 1: 3 new logprobs and 2 old ones"):
+        grpo_loss([torch.zeros(2), torch.zeros(3)], [torch.zeros(2), torch.zeros(2)], torch.ones(2))
 
 
 @pytest.mark.parametrize("on_policy", [False, True])

@@ -152,6 +152,44 @@ def test_strict_false_skips_extra_tensors_but_not_a_wrong_shape(fused_llm, dirs,
     assert all(torch.equal(after[n][1], before[n][1]) for n in before), "a refused update changed weights"
 
 
+def test_a_tied_engine_refuses_differing_embedding_and_head(fused_llm, dirs):
+    """The engine ties lm_head to embed_tokens: both sent with different values (a trainer's untied head, PEFT's
+    modules_to_save=["lm_head"]) is an error before any copy (the last copy won silently: a fresh user's find);
+    equal values, as a tied model's state_dict holds them, are taken."""
+    assert fused_llm.llm_engine.model_config.hf_config.tie_word_embeddings
+    state = dict(_hf(dirs[1], False).state_dict())
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    fused_llm.load_weights(state)  # equal: fine
+    state["lm_head.weight"] = state["lm_head.weight"] + 0.5
+    _bad(fused_llm, state, "two tensors with different values", "tied parameter", "tie_word_embeddings=false")
+
+
+def test_a_meta_parameter_of_a_model_is_refused_before_any_copy(fused_llm, dirs):
+    """A model source with a parameter on the meta device: TypeError before anything is copied (the q/k/v and
+    gate/up copies had run before torch's NotImplementedError; a fresh user's find)."""
+    model = _hf(dirs[1], False)
+    model.model.norm.weight = torch.nn.Parameter(torch.empty(model.model.norm.weight.shape, device="meta"))
+    before = _snapshot(fused_llm)
+    with pytest.raises(TypeError, match=r"tensor 'model.norm.weight' is on the meta device"):
+        fused_llm.load_weights(model)
+    after = _snapshot(fused_llm)
+    assert all(torch.equal(after[n][1], before[n][1]) for n in before), "a refused update changed weights"
+
+
+def test_load_weights_waits_for_a_generate_in_another_thread(fused_llm, dirs):
+    """LLM.load_weights / sleep / wake_up take the lock generate holds, so a sync from another thread never lands
+    between two steps of a running generate (a fresh user saw mixed-weight outputs)."""
+    import threading
+
+    model, done = _hf(dirs[1], True), threading.Event()
+    with fused_llm._engine_lock:  # as a generate in another thread holds it
+        thread = threading.Thread(target=lambda: (fused_llm.load_weights(model), done.set()))
+        thread.start()
+        assert not done.wait(0.5), "load_weights ran while generate held the engine"
+    thread.join(30)
+    assert done.is_set()
+
+
 def test_busy_engine_refuses_sync(fused_llm, dirs):
     fused_llm.llm_engine.add_request("busy", "Hello", GREEDY)
     try:

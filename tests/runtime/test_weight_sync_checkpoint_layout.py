@@ -80,6 +80,11 @@ def _renumbered(pairs, old, new):
     (lambda p: p + [p[2]], r"tensors '(.*)' and '\1' are both expert 0 of 'model.layers.0.mlp.experts.\w+'"),
     (lambda p: [(n, t[:, :-1] if n.endswith("experts.3.gate_proj.weight") and ".layers.0." in n else t) for n, t in p],
      r"tensor 'model.layers.0.mlp.experts.3.gate_proj.weight' has shape \(32, 63\), expert tensor '.*' \(32, 64\)"),
+    # every gate_proj short, up_proj not: torch.cat's RuntimeError before (a fresh user's find)
+    (lambda p: [(n, t[:, :-1] if n.endswith("gate_proj.weight") else t) for n, t in p],
+     r"tensor 'model.layers.0.mlp.experts.0.(gate|up)_proj.weight' has shape \(32, 6[34]\), tensor "
+     r"'model.layers.0.mlp.experts.0.(gate|up)_proj.weight' \(32, 6[34]\); expected one shape for the projections "
+     r"stacked into 'model.layers.0.mlp.experts.gate_up_proj'"),
 ])
 def test_bad_expert_sets_are_refused_naming_the_tensor(change, message):
     """Per-expert tensors are checked by index and shape before any is stacked (a renumbered expert 7 was stacked
