@@ -352,6 +352,8 @@ class LLMEngine(EngineRLMixin):
         if seq.is_finished:
             return
         seq.finish_reason = reason
+        if reason != "abort" and not self.config.is_pooling:  # its full blocks' K/V are computed: cached before they
+            self.block_manager.commit(seq)  # are freed (one ending in its prefill step, max_tokens=1, never was)
         self.scheduler.finish(seq)
         detokenizer = self._detokenizers.pop(seq.seq_id, None)
         if detokenizer is not None and detokenizer.deferred:
