@@ -16,7 +16,7 @@ SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
 MODEL_IMPLS = ("auto", "native", "transformers")
-DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
+DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")  # vLLM's --dtype choices
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 QUANTIZATIONS = ("fp8",)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")

@@ -231,6 +231,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.decode_window and args.workload != "throughput":
         raise UserInputError(f"--decode-window applies to the throughput workload, not --workload {args.workload}")
+    if args.device is not None:
+        from fxrewrite.runtime.engine_config import check_device
+
+        ranks = args.tensor_parallel_size * args.pipeline_parallel_size * args.data_parallel_size
+        check_device(args.device, ranks)  # one error line now, not every arm's failure in a result file
     if args.hf_overrides:  # one error line now, not the same error recorded by every arm
         from fxrewrite.benchmarks.common import load_bench_config
         from fxrewrite.runtime.model_files.config_checks import check_config_overrides

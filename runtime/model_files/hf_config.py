@@ -26,7 +26,7 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from fxrewrite.errors import UserInputError, UserTypeError
-from fxrewrite.layers.rope_init import normalize_rope_parameters, validate_rope_parameters
+from fxrewrite.layers.rope_init import SUPPORTED_ROPE_TYPES, normalize_rope_parameters, validate_rope_parameters
 from fxrewrite.runtime.model_files.positions import learned_position_offset
 
 logger = logging.getLogger(__name__)
@@ -256,7 +256,7 @@ def _require_rope_type(value: dict[str, Any], where: str) -> None:
         raise UserInputError(
             f"hf_overrides {where}={value!r} sets {scaling} but 'rope_type' is missing; without it "
             "transformers reads the dict as rope_type='default' and ignores them. Add 'rope_type' "
-            "(default, linear, dynamic, yarn, llama3 or longrope)"
+            f"({', '.join(SUPPORTED_ROPE_TYPES)})"
         )
 
 

@@ -75,11 +75,16 @@ def test_gpu_only_tools_say_so_first(tmp_path, monkeypatch):
         count_launches.main(["--out", str(tmp_path)])
 
 
-def test_bench_train_on_a_device_torch_lacks_is_one_error(capsys):
+@pytest.mark.parametrize("command, arms", [("train", "stock"), ("compare", "native,after")])
+def test_bench_on_a_device_torch_lacks_is_one_error(capsys, tmp_path, command, arms):
+    """Before any arm runs (compare ran every arm to the same failure and wrote a result file of them: a fresh
+    user's find)."""
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA device")
-    assert main(["bench", "train", "--config", "tiny", "--arms", "stock", "--device", "cuda"]) == 2
-    assert "cuda" in capsys.readouterr().err
+    argv = ["bench", command, "--config", "tiny", "--arms", arms, "--device", "cuda", "--out", str(tmp_path)]
+    assert main(argv) == 2
+    assert "device='cuda': this torch sees no CUDA device" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
 
 
 def test_ratios_use_unrounded_figures():

@@ -215,6 +215,10 @@ def test_config_errors(tiny_qwen3_dir):
         LLM(str(tiny_qwen3_dir), no_such_arg=1)
     with pytest.raises(ValueError, match="block_size=0 must be a positive integer"):
         LLM(str(tiny_qwen3_dir), block_size=0)
+    for dtype in ("float64", "bf16"):  # one list, vLLM's (bf16 was offered, then refused by a second check)
+        with pytest.raises(ValueError, match=rf"dtype='{dtype}' is not one of 'auto', 'float32', 'float16', "
+                                             r"'bfloat16', 'half', 'float'$"):
+            LLM(str(tiny_qwen3_dir), dtype=dtype)
     with pytest.raises(ValueError, match=r"gpu_memory_utilization=1.5 must be in \(0, 1\]"):
         LLM(str(tiny_qwen3_dir), gpu_memory_utilization=1.5)
     with pytest.raises(ValueError, match="device='tpu:0' is not a torch device"):
