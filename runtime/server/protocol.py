@@ -61,8 +61,9 @@ HANDLED_EXTRAS = {"guided_whitespace_pattern"}  # read from model_extra (request
 
 def _whole_number(value: Any) -> Any:
     """A float with no fractional part as an int (2.0 -> 2), as vLLM's lax pydantic models take it; any other
-    value as it is, for StrictInt to judge (2.5, "2", true and Infinity stay "expected an integer")."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
+    value as it is, for StrictInt to judge (2.5, "2", true, Infinity and 1e308, past any int64 field, stay "expected
+    an integer": the last was echoed as a 309-digit number)."""
+    return int(value) if isinstance(value, float) and value.is_integer() and abs(value) < 2.0**63 else value
 
 
 RequestInt = Annotated[StrictInt, BeforeValidator(_whole_number)]

@@ -19,6 +19,8 @@ COMPLETION = {"model": "m", "prompt": "hi"}
     (ChatCompletionRequest, CHAT | {"temperature": float("inf")}, "temperature",  # no upper bound, still finite
      "temperature: expected a finite number, got Infinity (a number)"),
     (ChatCompletionRequest, CHAT | {"max_tokens": 2.5}, "max_tokens", "max_tokens: expected an integer, got 2.5 (a number)"),
+    (ChatCompletionRequest, CHAT | {"max_tokens": 1e308}, "max_tokens",
+     "max_tokens: expected an integer, got 1e+308 (a number)"),  # not a 309-digit int (a fresh user's find)
     (CompletionRequest, COMPLETION | {"max_tokens": "2"}, "max_tokens", 'max_tokens: expected an integer, got "2" (a string)'),
     (CompletionRequest, COMPLETION | {"prompt": [[1.0, 2.5]]}, "prompt", "prompt.0.1: expected an integer, got 2.5 (a number)"),
     (ChatCompletionRequest, CHAT | {"temperature": float("nan")}, "temperature",  # fresh-8 F6
