@@ -97,6 +97,8 @@ def optimizer_state_dict(model: nn.Module, state_dict: dict, *, to: str,
                 by_name[name] = state_dict["state"][index]
             index += 1
     unnamed = 0 if param_names is not None else sum(g.get("param_names") is None for g in state_dict["param_groups"])
+    if to == "fused" and not unnamed:  # names known (unnamed groups: the shape check below explains them)
+        _check_parts_grouped(src_groups, owner)
     _check_shapes(by_name, _param_shapes(model, src_side, parts, owner, sizes), src_side, to, unnamed)
     out = {"state": {}, "param_groups": []}
     new_index = 0
@@ -120,6 +122,21 @@ def optimizer_state_dict(model: nn.Module, state_dict: dict, *, to: str,
             new_index += 1
         out["param_groups"].append(new_group)
     return out
+
+
+def _check_parts_grouped(groups: list[list[str]], owner: dict[str, str]) -> None:
+    """ValueError naming the fused parameter whose parts (q / k / v, gate / up) sit in different param groups: one
+    fused parameter can have one group's settings only."""
+    group_of: dict[str, tuple[int, str]] = {}
+    for i, names in enumerate(groups):
+        for name in names:
+            fused = owner.get(name)
+            if fused is None:
+                continue
+            first = group_of.setdefault(fused, (i, name))
+            if first[0] != i:
+                raise ValueError(f"{first[1]!r} (param group {first[0]}) and {name!r} (param group {i}) are parts of "
+                                 f"the optimized model's {fused!r}, one parameter: put its parts in one group")
 
 
 def _param_shapes(model: nn.Module, side: str, parts: dict, owner: dict, sizes: dict) -> dict[str, tuple]:

@@ -240,16 +240,24 @@ def _add_tied_aliases(loaded: set[str], params: dict[str, nn.Parameter]) -> None
 def to_hf_names(model: nn.Module, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Map {model name: tensor shaped like that parameter} (grads, optimizer state...) to HF names.
 
-    Fused tensors are split along dim 0 into their original parts; other names pass through.
+    Fused tensors are split along their first dim into their original parts; other names pass through. A tensor
+    with one leading dim more than its parameter (per-sample gradients of ``torch.func.vmap(grad(...))``, [B,
+    *shape]) is split along dim 1, keeping the batch dim. ValueError naming the tensor for any other shape.
     """
     out = dict(named)
     for prefix, module in model.named_modules(remove_duplicate=False):
         for new, olds in module.__dict__.get(SHARDS_ATTR, ()):
-            sizes = _sizes(module.get_submodule(new))
+            fused = module.get_submodule(new)
+            sizes = _sizes(fused)
             for pname in ("weight", "bias"):
                 key = _join(prefix, new, pname)
                 if key in out:
-                    for (old, _), part in zip(olds, out.pop(key).split(sizes, dim=0)):
+                    value, shape = out.pop(key), tuple(getattr(fused, pname).shape)
+                    batched = value.dim() == len(shape) + 1 and tuple(value.shape[1:]) == shape
+                    if tuple(value.shape) != shape and not batched:
+                        raise ValueError(f"to_hf_names: {key!r} has shape {tuple(value.shape)}; expected the "
+                                         f"parameter's {shape} (or [batch, *{shape}] from vmap)")
+                    for (old, _), part in zip(olds, value.split(sizes, dim=1 if batched else 0)):
                         out[_join(prefix, old, pname)] = part
     return out
 

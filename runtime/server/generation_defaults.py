@@ -44,8 +44,9 @@ def load_generation_defaults(model_path: str | Path, generation_config: str = "a
 
     try:  # the values every request without its own would get: refused here, not blamed on each request
         SamplingParams(**defaults)
-    except (ValueError, TypeError) as e:
-        raise UserInputError(f"{path}: {e}") from None
+    except (ValueError, TypeError) as e:  # named as the file names it (max_new_tokens, not SamplingParams' max_tokens)
+        message = str(e).replace("max_tokens=", "max_new_tokens=") if "max_tokens" in defaults else str(e)
+        raise UserInputError(f"{path}: {message}") from None
     return defaults
 
 

@@ -179,7 +179,8 @@ class OpenAIServing:
         if request.min_tokens > max_tokens:  # an explicit max_tokens below it is the protocol's 400 already
             raise OpenAIError(HTTPStatus.BAD_REQUEST, f"min_tokens ({request.min_tokens}) is more than the "
                               f"{max_tokens} tokens this request may generate (what is left of the context or the "
-                              "KV cache, or the default max_tokens)", param="min_tokens", code="invalid_value")
+                              "KV cache, or the model's generation_config max_new_tokens, which caps every request)",
+                              param="min_tokens", code="invalid_value")
         values = {}
         for name, fallback in _SAMPLING_FALLBACKS.items():
             given = getattr(request, name)

@@ -221,11 +221,11 @@ def test_torch_func_grad_and_per_sample_grads_match_stock(arch):
         torch.testing.assert_close(got[name], w, rtol=1e-5, atol=1e-6, msg=name)
     one = lambda model: (lambda p, x: loss(model)(p, x[None]))  # noqa: E731
     want = vmap(grad(one(stock)), in_dims=(None, 0))(params(stock), ids)
-    per = vmap(grad(one(fused)), in_dims=(None, 0))(params(fused), ids)
-    for i in range(ids.shape[0]):
-        got = to_hf_names(fused, {n: g[i] for n, g in per.items()})
-        for name, w in want.items():
-            torch.testing.assert_close(got[name], w[i], rtol=1e-5, atol=1e-6, msg=f"{name} sample {i}")
+    per = to_hf_names(fused, vmap(grad(one(fused)), in_dims=(None, 0))(params(fused), ids))  # [B, *shape] kept
+    for name, w in want.items():
+        torch.testing.assert_close(per[name], w, rtol=1e-5, atol=1e-6, msg=name)
+    with pytest.raises(ValueError, match=r"to_hf_names: 'model.layers.0.self_attn.qkv_proj.weight' has shape"):
+        to_hf_names(fused, {"model.layers.0.self_attn.qkv_proj.weight": torch.zeros(3)})
 
 
 def test_trainer_weight_decay_groups_convert_with_param_names():
@@ -258,3 +258,8 @@ def test_trainer_weight_decay_groups_convert_with_param_names():
         torch.testing.assert_close(value, stock.state_dict()[name], rtol=1e-4, atol=1e-5, msg=name)
     with pytest.raises(ValueError, match=r"param_names must list each of the state dict's 2 param groups"):
         optimizer_state_dict(fused, stock_opt.state_dict(), to="fused", param_names=stock_names[:1])
+    k = "model.layers.0.self_attn.k_proj.weight"  # one part of qkv_proj in the other group: refused, naming it
+    split = [[n for n in stock_names[0] if n != k], [*stock_names[1], k]]
+    with pytest.raises(ValueError, match=rf"and '{k}' \(param group 1\) are parts of the optimized model's "
+                                         r"'model.layers.0.self_attn.qkv_proj.weight', one parameter"):
+        optimizer_state_dict(fused, adamw(stock, split).state_dict(), to="fused", param_names=split)

@@ -25,7 +25,7 @@ def test_generation_defaults(tmp_path):
     (json.dumps({"temperature": -1}), "temperature=-1"),
     (json.dumps({"temperature": "hot"}), "temperature"),
     ('{"top_p": NaN}', "top_p"),
-    (json.dumps({"max_new_tokens": -3}), "max_tokens=-3"),
+    (json.dumps({"max_new_tokens": -3}), "max_new_tokens=-3"),  # the file's key, not SamplingParams' field
 ])
 def test_values_sampling_refuses_are_an_error_at_load(tmp_path, content, message):
     """A default every request would inherit is refused when the file is read (serve would otherwise start and
