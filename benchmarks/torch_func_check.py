@@ -12,7 +12,7 @@ import torch
 from torch.func import functional_call, grad, vmap
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-import fxrewrite
+from fxrewrite.compiler import optimize
 from fxrewrite.weights import to_hf_names
 
 
@@ -26,7 +26,7 @@ def check(dtype: torch.dtype) -> tuple[float, float]:
     cfg = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     stock = AutoModelForCausalLM.from_config(cfg).to("cuda", dtype).train()
-    fused = fxrewrite.optimize(copy.deepcopy(stock)).train()
+    fused = optimize(copy.deepcopy(stock)).train()
     ids = torch.randint(0, 512, (2, 32), device="cuda")
 
     def loss(model):

@@ -142,8 +142,8 @@ def replace_length_dependent_rotary(model: nn.Module, config) -> list[str]:
     for name, module in list(model.named_modules()):
         if getattr(module, "rope_type", None) not in LENGTH_DEPENDENT_ROPE_TYPES or not name:
             continue
-        if not hasattr(module, "original_inv_freq"):  # not transformers' rotary module
-            continue
+        if isinstance(module, RotaryCosSin) or not hasattr(module, "original_inv_freq"):  # ours already, or not
+            continue  # transformers' rotary module (ours answers original_inv_freq too, for code reading it)
         params = [p for p in inspect.signature(type(module).forward).parameters][1:3]
         try:
             new = RotaryPattern._build_checked(module, Context(model, config), tuple(params))

@@ -40,11 +40,11 @@ def token_bytes(tokenizer: Any, token_id: int, text: str) -> list[int]:
     piece = tokenizer.convert_ids_to_tokens(token_id)
     if isinstance(piece, str) and (match := _BYTE_PIECE.fullmatch(piece)):
         return [int(match.group(1), 16)]
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if isinstance(piece, str) and type(getattr(backend, "decoder", None)).__name__ == "ByteLevel":
-        decoder = _byte_level_decoder()
-        if all(c in decoder for c in piece):
-            return [decoder[c] for c in piece]
+    # A piece of byte-level characters only (the tokenizer's decoder may wrap ByteLevel in a Sequence: transformers
+    # 5.17 converts SmolLM2's so); another tokenizer's partial character is a "<0xNN>" piece, handled above.
+    decoder = _byte_level_decoder()
+    if isinstance(piece, str) and piece and all(c in decoder for c in piece):
+        return [decoder[c] for c in piece]
     return list(text.encode("utf-8"))
 
 
