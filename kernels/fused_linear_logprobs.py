@@ -206,8 +206,12 @@ def fused_linear_token_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: to
     recomputes the logits), Liger-Kernel's fused linear cross-entropy trick extended to any elementwise loss
     of the logprob. Gradients ([N, H], [V, H], [V]) are held from the forward to the backward, which scales
     them by the incoming scalar. Shapes, dtypes, ``scale``/``softcap``/``chunk_size`` and errors as
-    :func:`fused_linear_logprobs`."""
+    :func:`fused_linear_logprobs`; under torch.func
+    transforms the torch reference runs (unchunked)."""
     chunk = _checked_chunk("fused_linear_token_loss", hidden, weight, bias, target, chunk_size)
+    if functorch_active():  # torch.func transforms torch ops, not the Function: the reference, one chunk
+        lps = fused_linear_logprobs_ref(hidden, weight, bias, target, scale, softcap)
+        return token_loss(lps, 0, hidden.shape[0]).sum(), lps.detach()
     return _FusedLinearTokenLoss.apply(hidden, weight, bias, target, token_loss, float(scale), softcap, chunk)
 
 

@@ -112,3 +112,25 @@ def test_token_loss_with_grads_in_forward_equals_logprobs_then_loss(scale, softc
         torch.testing.assert_close(a.grad, r.grad, rtol=1e-5, atol=1e-5)
     if triton_kernel:  # one kernel call per chunk, in the forward only
         assert len(calls) == -(-N // chunk)
+
+
+def test_token_loss_under_torch_func_grad():
+    """torch.func.grad through fused_linear_token_loss (its Function makes gradients in the forward, which
+    functorch cannot transform): the torch reference runs, gradients equal the Function's, float32."""
+    from torch.func import grad
+
+    from fxrewrite.kernels.fused_linear_logprobs import fused_linear_token_loss
+
+    gen = torch.Generator().manual_seed(7)
+    h, w, b = torch.randn(9, 8, generator=gen), torch.randn(30, 8, generator=gen) * 0.4, torch.randn(30, generator=gen)
+    t, adv = torch.randint(0, 30, (9,), generator=gen), torch.randn(9, generator=gen)
+    token_loss = lambda lp, s, e: -(lp * adv[s:e])  # noqa: E731
+
+    def loss(params):
+        return fused_linear_token_loss(params[0], params[1], params[2], t, token_loss, chunk_size=4)[0]
+
+    got = grad(loss)((h, w, b))
+    leaves = [x.clone().requires_grad_() for x in (h, w, b)]
+    loss(leaves).backward()
+    for g, leaf in zip(got, leaves):
+        torch.testing.assert_close(g, leaf.grad, rtol=1e-5, atol=1e-6)
