@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from fxrewrite.errors import is_integer
 from fxrewrite.kernels.batch_invariant import is_batch_invariant
 from fxrewrite.kernels.fused_linear_logprobs import fused_linear_logprobs, fused_linear_token_loss
 from fxrewrite.kernels.log_softmax import log_softmax_float32
@@ -106,7 +107,13 @@ def completion_logprobs(
 
 
 def _check_token_ids(model: nn.Module, prompts, completions) -> None:
-    """ValueError naming the sequence and the id for a token id outside the model's embedding rows."""
+    """ValueError naming the sequence and the id for a token id that is not an integer (a float id was read
+    as its floor by the fused path) or lies outside the model's embedding rows."""
+    for what, seqs in (("prompt", prompts), ("completion", completions)):
+        for i, seq in enumerate(seqs):
+            if not (_integer_tensor(seq) if isinstance(seq, torch.Tensor) else all(map(_integer_id, seq))):
+                bad = seq.dtype if isinstance(seq, torch.Tensor) else next(t for t in seq if not _integer_id(t))
+                raise ValueError(f"{what} {i}: token ids must be integers; got {bad!r}")
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     rows = getattr(embeddings, "num_embeddings", None)
     if rows is None:
@@ -206,6 +213,15 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -
     return ((groups - groups.mean(dim=1, keepdim=True)) / (std + eps)).view(-1)
 
 
+def _integer_tensor(t: torch.Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
+def _integer_id(t) -> bool:
+    """An int (Python's or numpy's), or a 0-d integer tensor (a list made from a tensor of ids)."""
+    return is_integer(t) or (isinstance(t, torch.Tensor) and t.dim() == 0 and _integer_tensor(t))
+
+
 def grpo_loss(new_logprobs: list[torch.Tensor], old_logprobs: list[torch.Tensor], advantages: torch.Tensor,
               clip_eps: float = 0.2) -> torch.Tensor:
     """The clipped surrogate of PPO/GRPO without a KL term (TRL's default beta=0): per token
@@ -219,10 +235,7 @@ def grpo_loss(new_logprobs: list[torch.Tensor], old_logprobs: list[torch.Tensor]
     if not len(new_logprobs) == len(old_logprobs) == len(advantages):
         raise ValueError(f"{len(new_logprobs)} new logprobs, {len(old_logprobs)} old logprobs and {len(advantages)} "
                          "advantages; expected one each per completion")
-    for i, (n, o) in enumerate(zip(new_logprobs, old_logprobs)):
-        if n.numel() != o.numel():
-            raise ValueError(f"completion {i}: {n.numel()} new logprobs and {o.numel()} old ones; expected one per "
-                             "token of the completion each")
+    _check_old_lengths([n.numel() for n in new_logprobs], old_logprobs)
     new = torch.cat(new_logprobs)
     if new.numel() == 0:
         return new.sum()
@@ -235,6 +248,14 @@ def grpo_loss(new_logprobs: list[torch.Tensor], old_logprobs: list[torch.Tensor]
     adv = advantages.to(new.device, new.dtype).repeat_interleave(lengths, output_size=new.numel())
     ratio = torch.exp(new - old)
     return (-torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)).mean()
+
+
+def _check_old_lengths(lengths: Sequence[int], old_logprobs: Sequence[torch.Tensor]) -> None:
+    """ValueError naming the first completion whose old logprobs are not one per token."""
+    for i, (n, o) in enumerate(zip(lengths, old_logprobs)):
+        if n != o.numel():
+            raise ValueError(f"completion {i}: {n} new logprobs and {o.numel()} old ones; expected one per "
+                             "token of the completion each")
 
 
 def completion_grpo_loss(model: nn.Module, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
@@ -265,6 +286,8 @@ def completion_grpo_loss(model: nn.Module, prompts: Sequence[Sequence[int]], com
         raise ValueError("every prompt needs at least one token")
     device = next(model.parameters()).device
     lengths = [len(c) for c in completions]
+    if old_logprobs is not None:  # before the join: offsets into it would silently shift (a fresh user's find)
+        _check_old_lengths(lengths, old_logprobs)
     adv = advantages.to(device, torch.float32).repeat_interleave(torch.tensor(lengths).to(device), output_size=total)
     old = None if old_logprobs is None else torch.cat([o.detach().reshape(-1).float() for o in old_logprobs]).to(device)
     loss, out, offset = None, [], 0

@@ -291,6 +291,19 @@ class FusedAway(WarnsOnHooks, nn.Linear):
                                  "'all-linear', a weight init, a quantizer) would miss the fused projection: apply "
                                  "it before fxrewrite.optimize (for LoRA: peft.get_peft_model first)") from None
 
+    def requires_grad_(self, requires_grad: bool = True):
+        """Nothing to set when the fused module's parameters already agree (a loop over ``model.modules()``
+        reaches the parent first); else FusedAwayError: the weight this would set is rows of the fused parameter
+        (freezing ``q_proj`` here had silently frozen nothing, a fresh user's find)."""
+        parent = self.__dict__.get("_parent")  # not a registered child: no cycle in modules()
+        fused = getattr(parent, self.fused, None) if parent is not None else None
+        if isinstance(fused, nn.Module) and all(p.requires_grad == requires_grad for p in fused.parameters()):
+            return self
+        raise FusedAwayError(f"{self.name}.requires_grad_({requires_grad}): {self.name!r} was fused into "
+                             f"{self.fused!r} by fxrewrite.optimize and has no parameters of its own. Set "
+                             f"requires_grad before fxrewrite.optimize (q/k/v or gate/up that differ in it stay "
+                             f"unfused), freeze the whole {self.fused!r}, or optimize(model, merge_weights=False)")
+
     def _hook_warning_text(self) -> str:
         return (f"a hook on {self.name!r} never runs: it was fused into {self.fused!r} by fxrewrite.optimize "
                 f"(hook {self.fused!r}, whose output holds its rows, or register the hook before optimize)")
@@ -306,4 +319,6 @@ def mark_fused_away(model: nn.Module) -> None:
         for new, olds in module.__dict__.get(SHARDS_ATTR, ()):
             for old, _ in olds:
                 if "." not in old and old not in module._modules and not hasattr(module, old):
-                    module.add_module(old, FusedAway(old, new))
+                    away = FusedAway(old, new)
+                    object.__setattr__(away, "_parent", module)
+                    module.add_module(old, away)

@@ -306,8 +306,9 @@ class GLUPattern(Pattern):
         # the fused gate_up output is new and read only by the activation: its backward may overwrite it
         act = (SiluAndMul(inplace_backward=True) if kind == "silu"
                else GeluAndMul("tanh" if kind == "gelu_tanh" else "none", inplace_backward=True))
-        if match.fact("act_is_module"):  # a hook put on it later runs (not registered: no second module path)
-            act.__dict__[SOURCE_ACT_ATTR] = getattr(module, match.name("act"))
+        if match.fact("act_is_module"):  # a hook put on it later runs, or a module put in its place (not registered:
+            # no second module path; the MLP held in a plain dict entry, no cycle in modules())
+            act.__dict__[SOURCE_ACT_ATTR] = (module, match.name("act"), getattr(module, match.name("act")))
         delattr(module, match.name("gate"))
         delattr(module, match.name("up"))
         setattr(module, NEW_LINEAR, fused)

@@ -35,6 +35,19 @@ def _fused_down(x: torch.Tensor, down: nn.Module | None) -> bool:
             and (use_triton(x) or compiled_training_kernels(x)) and not is_batch_invariant())  # batch-invariant: down as the engine runs it
 
 
+def replaced_activation(layer: nn.Module) -> nn.Module | None:
+    """The module to call in place of `layer`'s fused activation, else None: the MLP's activation child that the
+    rewrite replaced (`SOURCE_ACT_ATTR`: the MLP, the child's name, the child), when a hook is on it (or a global
+    module hook is set), or another module now in its place (``mlp.act_fn = ...`` after `optimize`): it then runs
+    on the gate half, as the stock forward calls it."""
+    held = layer.__dict__.get(SOURCE_ACT_ATTR)
+    if held is None:
+        return None
+    mlp, name, source = held
+    current = getattr(mlp, name)  # AttributeError, as the stock forward's, when deleted since
+    return current if current is not source or not unhooked(source) else None
+
+
 class _GatedActivation(nn.Module):
     """``forward(x, down=None)``: ``act(x)``, or ``down(act(x))`` when the rewrite passes the MLP's
     down projection (then, while training, act(x) is recomputed in the backward instead of saved)."""
@@ -44,8 +57,8 @@ class _GatedActivation(nn.Module):
 
     def forward(self, x: torch.Tensor, down: nn.Module | None = None) -> torch.Tensor:
         """x [..., 2*d] -> [..., d] in x's dtype (or ``down`` of it); ValueError on an odd last dim."""
-        source = self.hooked_source()
-        if source is not None:  # the user's hook on the fused-away activation module runs, on the gate half
+        source = replaced_activation(self)
+        if source is not None:  # the user's hook or module in place of the fused-away activation runs, on the gate half
             gate, up = x.chunk(2, dim=-1)
             y = source(gate) * up
             return y if down is None else down(y)
@@ -53,13 +66,6 @@ class _GatedActivation(nn.Module):
             return act_and_mul_down_train(x, down.weight, down.bias, self.act, self.inplace_backward)
         y = self._act(x)
         return y if down is None else down(y)
-
-    def hooked_source(self) -> nn.Module | None:
-        """The activation module this layer replaced (`SOURCE_ACT_ATTR`, e.g. the MLP's ``act_fn``) when a hook is on
-        it (or a global module hook is set), else None: such a hook, put on after `optimize`, then runs on the gate
-        half as it did before the fusion."""
-        source = self.__dict__.get(SOURCE_ACT_ATTR)
-        return None if source is None or unhooked(source) else source
 
 
 class SiluAndMul(_GatedActivation):

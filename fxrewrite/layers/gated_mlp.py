@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fxrewrite.layers.activation import SOURCE_ACT_ATTR
+from fxrewrite.layers.activation import replaced_activation
 from fxrewrite.layers.fold_guard import fused_call_allowed, runs_bound_forward, unhooked
 
 __all__ = ["GATED_MLP_ATTR", "residual_norm_mlp"]
@@ -34,8 +34,8 @@ def _children(norm: nn.Module, mlp: nn.Module, x: torch.Tensor):
     children = [mlp._modules.get(name) for name in names]
     if any(c is None for c in children) or not hasattr(children[0], "norm_forward"):  # e.g. wrapped since
         return None
-    source = children[1].__dict__.get(SOURCE_ACT_ATTR)  # the activation module the fused one replaced
-    return children if unhooked(norm, mlp, *children, *([source] if source is not None else [])) else None
+    # the activation module the fused one replaced, hooked or swapped since: the MLP's own forward calls it
+    return children if unhooked(norm, mlp, *children) and replaced_activation(children[1]) is None else None
 
 
 def residual_norm_mlp(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor, mlp: nn.Module):

@@ -160,6 +160,24 @@ def test_a_hook_on_the_activation_after_optimize_runs_on_the_gate_half():
     assert len(seen) == 2  # removed: the fused kernel again
 
 
+def test_an_activation_module_put_in_place_after_optimize_runs():
+    """``mlp.act_fn = GELU`` after optimize: the fused SiLU-and-mul had ignored it, silently (a fresh user's find);
+    now the new module runs on the gate half, in the decoder layer's fold and in training, with stock's numbers."""
+    from transformers.activations import ACT2FN
+
+    stock = tiny_model("llama")
+    model = fxrewrite.optimize(copy.deepcopy(stock))
+    for m in (stock, model):
+        m.model.layers[0].mlp.act_fn = ACT2FN["gelu"]
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(ids).logits, stock.eval()(ids).logits, rtol=1e-5, atol=1e-5)
+    model.train()(ids, labels=ids).loss.backward()
+    stock.train()(ids, labels=ids).loss.backward()
+    torch.testing.assert_close(model.model.layers[0].mlp.down_proj.weight.grad,
+                               stock.model.layers[0].mlp.down_proj.weight.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_a_hook_on_the_lm_head_after_optimize_runs_in_a_training_call():
     """A training call with labels fuses lm_head into the loss (no logits made); a hook on lm_head registered after
     optimize used to be skipped there. Now that call keeps the stock path: the hook sees the logits, the loss is

@@ -54,6 +54,18 @@ def test_reading_a_fused_away_projection_says_where_it_went():
     assert not hasattr(q_proj, "weight")
     with pytest.raises(AttributeError, match=r"'q_proj' was fused into 'qkv_proj' .* has no 'weight'"):
         q_proj.weight
+    # freezing it after optimize had frozen nothing, silently (a fresh user's find)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    for flag in (False, True):
+        q_proj.requires_grad_(not flag)  # qkv_proj agrees already: nothing to set
+        with pytest.raises(ValueError, match=rf"q_proj.requires_grad_\({flag}\): .*fused into 'qkv_proj'.*before"):
+            q_proj.requires_grad_(flag)
+        qkv.requires_grad_(flag)
+    assert all(p.requires_grad for p in model.parameters())
+    for module in model.modules():  # freezing everything module by module: the parent came first, nothing to say
+        module.requires_grad_(False)
+    assert not any(p.requires_grad for p in model.parameters())
+    copy.deepcopy(model).model.layers[0].self_attn.q_proj.requires_grad_(False)  # the copy's own parent
 
 
 def _moved(state: dict, keep) -> dict:

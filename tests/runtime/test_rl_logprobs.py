@@ -63,6 +63,12 @@ def test_recomputation_has_gradients_and_checks_lengths(path):
     with pytest.raises(ValueError, match=rf"completion 0: token id {vocab} is outside the model's vocabulary "
                                          rf"\[0, {vocab}\)"):
         completion_logprobs(model, [[1]], [[vocab]])  # was torch's bare IndexError (a fresh user's find)
+    with pytest.raises(ValueError, match=r"completion 0: token ids must be integers; got 4.5"):
+        completion_logprobs(model, [[1]], [[4.5]])  # the fused path had read it as 4
+    with pytest.raises(ValueError, match=r"prompt 0: token ids must be integers; got torch.float32"):
+        completion_logprobs(model, [torch.tensor([1.0])], [[4]])
+    ids = torch.tensor([4, 5])
+    torch.testing.assert_close(completion_logprobs(model, [torch.tensor([1, 2, 3])], [list(ids)])[0], lps[0])
 
 
 @pytest.mark.parametrize("impl", ["transformers", "native"])
@@ -249,3 +255,7 @@ def test_completion_grpo_loss_equals_logprobs_then_loss(path, monkeypatch, on_po
         torch.testing.assert_close(fused[2][k], want[2][k], rtol=1e-5, atol=1e-5, msg=k)
     with pytest.raises(ValueError, match="advantages"):
         rl.completion_grpo_loss(model, prompts, completions, adv[:2])
+    if not on_policy:  # one old logprob moved to the next completion: offsets had shifted silently (a fresh user's)
+        shifted = [torch.cat([old[0], old[2][:1]]), old[1], old[2][1:], old[3]]
+        with pytest.raises(ValueError, match="completion 0: 4 new logprobs and 5 old ones"):
+            rl.completion_grpo_loss(model, prompts, completions, adv, shifted)
