@@ -5,7 +5,8 @@
 
 from typing import Any
 
-__all__ = ["optimize", "explain", "LLM", "SamplingParams", "StructuredOutputsParams", "PoolingParams"]
+__all__ = ["optimize", "explain", "LLM", "SamplingParams", "RequestOutputKind", "StructuredOutputsParams",
+           "PoolingParams", "TextPrompt", "TokensPrompt"]
 __version__ = "0.1.0"
 
 
@@ -24,22 +25,10 @@ def explain(model):
 
 
 def __getattr__(name: str) -> Any:
-    if name == "LLM":
-        from fxrewrite.runtime.llm import LLM
+    if name in _LAZY:
+        import importlib
 
-        return LLM
-    if name == "SamplingParams":
-        from fxrewrite.runtime.engine.sampling_params import SamplingParams
-
-        return SamplingParams
-    if name == "StructuredOutputsParams":
-        from fxrewrite.runtime.engine.structured_outputs import StructuredOutputsParams
-
-        return StructuredOutputsParams
-    if name == "PoolingParams":
-        from fxrewrite.runtime.engine.pooling import PoolingParams
-
-        return PoolingParams
+        return getattr(importlib.import_module(_LAZY[name]), name)
     if name in _SUBMODULES:  # `fxrewrite.rl.completion_logprobs(...)` after a plain `import fxrewrite`
         import importlib
 
@@ -47,5 +36,14 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'fxrewrite' has no attribute {name!r}")
 
 
+_LAZY = {  # name -> the module that defines it, imported on first use
+    "LLM": "fxrewrite.runtime.llm",
+    "SamplingParams": "fxrewrite.runtime.engine.sampling_params",
+    "RequestOutputKind": "fxrewrite.runtime.engine.sampling_params",
+    "StructuredOutputsParams": "fxrewrite.runtime.engine.structured_outputs",
+    "PoolingParams": "fxrewrite.runtime.engine.pooling",
+    "TextPrompt": "fxrewrite.runtime.llm_prompts",
+    "TokensPrompt": "fxrewrite.runtime.llm_prompts",
+}
 _SUBMODULES = ("rl", "optimizer_state", "foreign", "kernels", "distributed", "layers", "patterns", "runtime",
                "benchmarks")

@@ -16,9 +16,13 @@ from fxrewrite.runtime.engine.outputs import RequestOutput
 from fxrewrite.runtime.engine.pooling import EmbeddingRequestOutput, PoolingParams
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
 from fxrewrite.runtime.gc_passes import fewer_gc_passes
+from fxrewrite.runtime.llm_compat import (check_content_format, check_request_kwargs,
+                                          with_unsupported_methods)
+from fxrewrite.runtime.llm_prompts import TextPrompt, TokensPrompt
 from fxrewrite.runtime.server.generation_defaults import check_generation_config, load_generation_defaults
 
 
+@with_unsupported_methods  # vLLM's beam_search, encode, score, ...: NotImplementedError naming what to use
 class LLM:
     """A model ready to generate. Takes vLLM's arguments (see `EngineConfig`, and `engine_config.VLLM_COMPAT_KWARGS`
     for those accepted with the values that match this engine); TypeError names an unknown one, ValueError a bad value.
@@ -77,12 +81,18 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | list[int] | Sequence[str | list[int]],
+        prompts: str | list[int] | TextPrompt | TokensPrompt | Sequence[str | list[int] | TextPrompt | TokensPrompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        lora_request: Any = None,
+        priority: list[int] | None = None,
+        tokenization_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt (text or token ids) to completion; outputs in the order of `prompts`.
-        sampling_params None: `get_default_sampling_params()` for every prompt (the model's generation_config).
+        """Run every prompt (text, token ids, or a TextPrompt / TokensPrompt dict) to completion; outputs in the
+        order of `prompts`. sampling_params None: `get_default_sampling_params()` for every prompt (the model's
+        generation_config). lora_request, priority, tokenization_kwargs: vLLM's, accepted at its defaults (None;
+        priority all 0), NotImplementedError naming the feature otherwise (`llm_compat.check_request_kwargs`).
 
         ValueError (naming the prompt's index and the limit) when a prompt is invalid (longer than
         max_model_len, or prompt + max_tokens, capped at max_model_len, more than the KV cache holds); then
@@ -90,6 +100,8 @@ class LLM:
         without max_tokens, also where the KV cache is full when it holds less (`LLMEngine.max_seq_len`).
         """
         prompts = _prompt_list(prompts)
+        check_request_kwargs("generate", len(prompts), lora_request=lora_request, priority=priority,
+                             tokenization_kwargs=tokenization_kwargs)
         self._check_generates("generate")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -169,6 +181,10 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
+        *,
+        lora_request: Any = None,
+        chat_template_content_format: str = "auto",
+        mm_processor_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Apply the chat template to one conversation (list of {"role", "content"}) or a list of them,
         then `generate` (sampling_params None: `get_default_sampling_params()`), as vLLM's LLM.chat does.
@@ -178,31 +194,28 @@ class LLM:
         the last message (any role; usually a prefilled assistant's) open so the model continues it; needs
         add_generation_prompt=False. ValueError when the tokenizer has no chat template, for a bad
         message, or for a template that cannot render `tools`. Each output's `prompt` is the rendered
-        conversation text (as in vLLM), its `prompt_token_ids` that text's tokens."""
+        conversation text (as in vLLM), its `prompt_token_ids` that text's tokens. chat_template_content_format:
+        "auto" / "string" (text parts joined into one string) or "openai" (the template gets the list of text
+        parts); lora_request, mm_processor_kwargs: as in `generate`."""
         self._check_generates("chat")
+        content_format = check_content_format(chat_template_content_format)
         if not isinstance(messages, (list, tuple)) or not messages:
             raise UserTypeError(f"messages must be a non-empty list of {{'role', 'content'}} dicts (one conversation) "
                                 f"or a list of such lists, got {type(messages).__name__} {messages!r}")
-        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-            raise UserTypeError(f"tools must be a list of OpenAI tool dicts, got {tools!r}")
-        for i, tool in enumerate(tools or ()):  # as the server's schema checks them: a template renders what it gets
-            function = tool.get("function")
-            if tool.get("type") != "function" or not isinstance(function, dict) \
-                    or not isinstance(function.get("name"), str) or not function["name"]:
-                raise UserInputError(f"tools[{i}]={tool!r:.120}: expected {{'type': 'function', 'function': "
-                                     "{'name': ..., 'parameters': {...}}}")
+        _check_tools(tools)
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        check_request_kwargs("chat", len(conversations), lora_request=lora_request,
+                             mm_processor_kwargs=mm_processor_kwargs)
         chat_template = resolve_chat_template(chat_template)
-        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
-            raise UserTypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__} "
-                                f"{chat_template_kwargs!r:.80}")
+        _check_template_kwargs(chat_template_kwargs)
         tokenizer = self.llm_engine.tokenizer
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise UserInputError(f"tokenizer of {self.llm_engine.model_config.model!r} has no chat template")
         prompts, texts = [], []
         for n, conversation in enumerate(conversations):
             _check_conversation(n, conversation)
-            conversation = [_template_message(m, f"conversation {n} message {i}") for i, m in enumerate(conversation)]
+            conversation = [_template_message(m, f"conversation {n} message {i}", content_format)
+                            for i, m in enumerate(conversation)]
             try:
                 text = render_chat(tokenizer, list(conversation), chat_template=chat_template, tools=tools,
                                    add_generation_prompt=add_generation_prompt,
@@ -234,6 +247,23 @@ def _check_generation_config(generation_config) -> str:
     return generation_config
 
 
+def _check_template_kwargs(chat_template_kwargs) -> None:
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        raise UserTypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__} "
+                            f"{chat_template_kwargs!r:.80}")
+
+
+def _check_tools(tools) -> None:
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise UserTypeError(f"tools must be a list of OpenAI tool dicts, got {tools!r}")
+    for i, tool in enumerate(tools or ()):  # as the server's schema checks them: a template renders what it gets
+        function = tool.get("function")
+        if tool.get("type") != "function" or not isinstance(function, dict) \
+                or not isinstance(function.get("name"), str) or not function["name"]:
+            raise UserInputError(f"tools[{i}]={tool!r:.120}: expected {{'type': 'function', 'function': "
+                                 "{'name': ..., 'parameters': {...}}}")
+
+
 def _check_conversation(n: int, conversation) -> None:
     if not isinstance(conversation, (list, tuple)):
         raise UserTypeError(f"conversation {n}: {conversation!r} must be a list of message dicts")
@@ -250,13 +280,18 @@ def _check_conversation(n: int, conversation) -> None:
                                 f"of content parts ({{'type': 'text', 'text': ...}} dicts)")
 
 
-def _template_message(message: dict, where: str) -> dict:
-    """A message as the server gives it to the chat template: text parts joined; an assistant turn of only
-    tool calls gets content "" (templates read message['content'])."""
-    if isinstance(message.get("content"), list):
-        return dict(message, content=join_text_parts(message["content"], where))
-    if message.get("content") is None:
+def _template_message(message: dict, where: str, content_format: str = "string") -> dict:
+    """A message as the server gives it to the chat template: text parts joined ("string"), or, for "openai",
+    kept as a list of text parts (a string content becomes one part); an assistant turn of only tool calls gets
+    content "" (templates read message['content'])."""
+    content = message.get("content")
+    if isinstance(content, list):
+        joined = join_text_parts(content, where)  # checks the parts in either format
+        return dict(message, content=content if content_format == "openai" else joined)
+    if content is None:
         return dict(message, content="")
+    if content_format == "openai":
+        return dict(message, content=[{"type": "text", "text": content}])
     return message
 
 
