@@ -46,7 +46,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="characters (or token ids) of a prompt to log with --enable-log-requests (default: all)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug", "trace"))
+    _add_server_flags(parser)
     add_engine_arguments(parser)
+
+
+def _add_server_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's server-wide flags (`ServerOptions`)."""
+    flag = parser.add_argument
+    flag("--disable-uvicorn-access-log", action="store_true", help="no uvicorn access log line per request")
+    flag("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
+    flag("--root-path", default="", help="path prefix a proxy in front strips (uvicorn's root_path)")
+    flag("--enable-request-id-headers", action="store_true",
+         help="every response carries X-Request-Id: the request's own header, or a new id")
+    flag("--response-role", default="assistant",
+         help="a chat reply's role when add_generation_prompt is true (default 'assistant')")
+    flag("--return-tokens-as-token-ids", action="store_true",
+         help="logprobs name tokens 'token_id:<id>' for requests that do not set return_tokens_as_token_ids")
+    flag("--enable-force-include-usage", action="store_true",
+         help="every streamed response ends with a usage chunk, as with stream_options.include_usage")
+
+
+def server_options(args: argparse.Namespace):
+    """`ServerOptions` of the parsed flags; UserInputError for an empty --response-role or a --root-path that
+    does not start with "/"."""
+    from fxrewrite.runtime.server.server_options import ServerOptions
+
+    if not args.response_role.strip():
+        raise UserInputError(f"--response-role {args.response_role!r} is empty: give a role, e.g. 'assistant'")
+    if args.root_path and not args.root_path.startswith("/"):
+        raise UserInputError(f"--root-path {args.root_path!r} must start with '/', e.g. '/api'")
+    return ServerOptions(response_role=args.response_role, return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                         force_include_usage=args.enable_force_include_usage,
+                         request_id_headers=args.enable_request_id_headers, disable_docs=args.disable_fastapi_docs)
+
+
+def uvicorn_kwargs(args: argparse.Namespace) -> dict:
+    """uvicorn.Config arguments of the parsed flags (`run_server`'s uvicorn_kwargs)."""
+    return {"root_path": args.root_path.rstrip("/"), "access_log": not args.disable_uvicorn_access_log}
 
 
 def _json_strings(flag: str):
@@ -97,6 +133,7 @@ def build_server_app(args: argparse.Namespace):
     if args.enable_log_requests and args.disable_log_requests:
         raise UserInputError("--enable-log-requests and --disable-log-requests contradict each other: give one")
     key, names = api_key(args), _served_model_names(args, DEFAULT_MODEL)  # checked before the model loads
+    options = server_options(args)
     check_generation_config(args.generation_config)
     chat_template = load_chat_template(args.chat_template)
     engine = make_engine(EngineConfig.from_kwargs(**engine_kwargs(args)))  # DPLLMEngine with -dp > 1
@@ -110,7 +147,8 @@ def build_server_app(args: argparse.Namespace):
                     log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
                     trust_request_chat_template=args.trust_request_chat_template,
                     cors={"allow_origins": args.allowed_origins, "allow_credentials": args.allow_credentials,
-                          "allow_methods": args.allowed_methods, "allow_headers": args.allowed_headers})
+                          "allow_methods": args.allowed_methods, "allow_headers": args.allowed_headers},
+                    options=options)
     return engine, app
 
 
@@ -148,5 +186,5 @@ def run(args: argparse.Namespace) -> int:
         name, port = app.state.served_model_names[0], sock.getsockname()[1]
         host = f"[{args.host}]" if ":" in args.host else args.host
         print(f"fxrewrite serve: {name} ({engine.model_config.model_path}) on http://{host}:{port}/v1", flush=True)
-        run_server(app, sock, log_level=args.uvicorn_log_level)
+        run_server(app, sock, log_level=args.uvicorn_log_level, **uvicorn_kwargs(args))
     return 0

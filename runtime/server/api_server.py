@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: FastAPI app over an `AsyncLLMEngine`, run by uvicorn.
 
-Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (SSE when
+Endpoints: GET /v1/models (and /v1/models/{id}), POST /v1/completions, POST /v1/chat/completions (SSE when
 `stream` is true, ending with `data: [DONE]`), POST /v1/embeddings (runner "pooling" only; the others
 then answer 400), POST /tokenize, POST /detokenize (vLLM's paths; also under /v1), GET /health (and vLLM's
 GET / POST /ping, the same), GET /metrics (Prometheus), GET /version.
@@ -33,6 +33,7 @@ from fxrewrite.runtime.server.protocol_responses import ModelCard, ModelList
 from fxrewrite.runtime.server.serving_chat import OpenAIServingChat
 from fxrewrite.runtime.server.serving_completion import OpenAIServingCompletion
 from fxrewrite.runtime.server.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
+from fxrewrite.runtime.server.server_options import RequestIdHeaderMiddleware, ServerOptions
 from fxrewrite.runtime.server.shutdown import GRACEFUL_SHUTDOWN_S, CutStreamsLog, ShutdownAnswers
 from fxrewrite.runtime.server.serving_tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from fxrewrite.runtime.server.tool_parsers import ToolParser
@@ -75,6 +76,12 @@ def _needs_key(path: str) -> bool:
     return path.startswith("/v1") or path in ("/tokenize", "/detokenize")
 
 
+def _route_path(scope) -> str:
+    """The path routes match: without the root path (--root-path) that uvicorn puts in front of it."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
 class APIKeyMiddleware:
     """ASGI middleware: requests to guarded paths (`_needs_key`) without `Authorization: Bearer <api_key>` get a 401.
 
@@ -86,7 +93,7 @@ class APIKeyMiddleware:
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and _needs_key(scope["path"]):
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and _needs_key(_route_path(scope)):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self._expected):
                 message = "missing API key" if not given else "invalid API key"
@@ -98,7 +105,9 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def _add_middleware(app: FastAPI, api_key: str | None, cors: dict[str, Any] | None) -> None:
+def _add_middleware(app: FastAPI, api_key: str | None, cors: dict[str, Any] | None, options: ServerOptions) -> None:
+    if options.request_id_headers:  # added first, so innermost: a 401 from the key check has no id
+        app.add_middleware(RequestIdHeaderMiddleware)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     if cors is not None:  # added last, so outermost: a browser's preflight is answered before the key check
@@ -117,6 +126,7 @@ def build_app(
     max_log_len: int | None = None,
     trust_request_chat_template: bool = False,
     cors: dict[str, Any] | None = None,
+    options: ServerOptions | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine`; its engine loop runs while the app's lifespan does.
 
@@ -127,10 +137,10 @@ def build_app(
     trust_request_chat_template: a chat request's own `chat_template` is used (else it is a 400), as
     vLLM's --trust-request-chat-template. cors: Starlette `CORSMiddleware` keyword arguments (allow_origins,
     allow_credentials, allow_methods, allow_headers: vLLM's --allowed-origins ... flags), or None for no CORS
-    headers. Prompts are tokenized in one thread shared by every handler
+    headers. options: serve's server-wide flags (`ServerOptions`). Prompts are tokenized in one thread shared by every handler
     (`AsyncTokenizer`), so the event loop (and /health) keeps answering while a long prompt is tokenized.
     """
-    names = list(served_model_names or [str(engine.model_config.model)])
+    names, options = list(served_model_names or [str(engine.model_config.model)]), options or ServerOptions()
     metrics = ServerMetrics(names[0])
     async_engine = AsyncLLMEngine(engine, metrics)
     tokenizer = AsyncTokenizer(engine.tokenizer)
@@ -146,17 +156,17 @@ def build_app(
             tokenizer.shutdown()
             await async_engine.stop()
 
-    app = FastAPI(title="fxrewrite OpenAI-compatible server", version=__version__, lifespan=lifespan)
+    app = FastAPI(title="fxrewrite server", version=__version__, lifespan=lifespan, **options.fastapi_kwargs())
     app.state.async_engine, app.state.metrics, app.state.served_model_names = async_engine, metrics, names
     install_error_handlers(app)
-    _add_middleware(app, api_key, cors)
+    _add_middleware(app, api_key, cors, options)
     completion = OpenAIServingCompletion(async_engine, names, generation_defaults, tokenizer)
     chat = OpenAIServingChat(async_engine, names, generation_defaults, tokenizer, chat_template=chat_template,
                              tool_parser=tool_parser, trust_request_chat_template=trust_request_chat_template)
     app.state.async_tokenizer, app.state.serving_chat, app.state.serving_completion = tokenizer, chat, completion
     if log_requests:
         async_engine.request_logger = RequestLogger(max_log_len, engine.tokenizer)
-    _add_routes(app, engine, names, completion, chat, metrics, __version__)
+    _add_routes(app, engine, names, completion, chat, metrics, options)
     embedding = OpenAIServingEmbedding(async_engine, names, generation_defaults, tokenizer)
 
     @app.post("/v1/embeddings")
@@ -174,7 +184,7 @@ def _check_generates(engine: LLMEngine, api: str) -> None:
 
 
 def _add_routes(app: FastAPI, engine: LLMEngine, names: list[str], completion: OpenAIServingCompletion,
-                chat: OpenAIServingChat, metrics: ServerMetrics, version: str) -> None:
+                chat: OpenAIServingChat, metrics: ServerMetrics, options: ServerOptions) -> None:
     model_config = engine.model_config
     root = str(getattr(model_config, "model_path", model_config.model))
 
@@ -187,25 +197,36 @@ def _add_routes(app: FastAPI, engine: LLMEngine, names: list[str], completion: O
 
     @app.get("/version")
     async def show_version():
-        return {"version": version}
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def show_metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=root, max_model_len=model_config.max_model_len)
+
     @app.get("/v1/models")
     async def show_models():
-        cards = [ModelCard(id=name, root=root, max_model_len=model_config.max_model_len) for name in names]
-        return JSONResponse(ModelList(data=cards).model_dump())
+        return JSONResponse(ModelList(data=[card(name) for name in names]).model_dump())
+
+    @app.get("/v1/models/{model_id:path}")  # OpenAI's retrieve-model; :path, as served names hold "/"
+    async def show_model(model_id: str):
+        if model_id not in names:
+            raise OpenAIError(HTTPStatus.NOT_FOUND, f"The model `{model_id}` does not exist; this server serves "
+                              f"{', '.join(map(repr, names))}", param="model", code="model_not_found")
+        return JSONResponse(card(model_id).model_dump())
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request):
         _check_generates(engine, "Completions")
+        options.apply(request)
         return await completion.create_completion(request, raw_request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
         _check_generates(engine, "Chat Completions")
+        options.apply(request)
         return await chat.create_chat_completion(request, raw_request)
 
     # vLLM's paths are /tokenize and /detokenize; the /v1 ones are kept for this server's earlier clients.
@@ -220,11 +241,12 @@ def _add_routes(app: FastAPI, engine: LLMEngine, names: list[str], completion: O
         return JSONResponse((await detokenize(chat, request)).model_dump())
 
 
-def run_server(app: FastAPI, sock: socket.socket, log_level: str = "info") -> None:
+def run_server(app: FastAPI, sock: socket.socket, log_level: str = "info", **uvicorn_kwargs: Any) -> None:
     """Serve `app` with uvicorn on `sock` (bound, not yet listening) until interrupted (blocks). SIGTERM ends it as Ctrl-C does: uvicorn shuts down
     gracefully and then re-raises the signal it caught, which by default would kill the process before the engine's
     exit handlers free its workers' shared memory (the resource tracker then warned of leaked segments, TP > 1);
-    here the re-raised SIGTERM becomes a normal exit (status 0)."""
+    here the re-raised SIGTERM becomes a normal exit (status 0). uvicorn_kwargs: more uvicorn.Config arguments
+    (serve's root_path, access_log)."""
     import uvicorn
 
     previous = signal.signal(signal.SIGTERM, _exit_normally)
@@ -235,7 +257,7 @@ def run_server(app: FastAPI, sock: socket.socket, log_level: str = "info") -> No
         # otherwise waits for every stream to finish, without a bound).
         host, port = sock.getsockname()[:2]
         config = uvicorn.Config(ShutdownAnswers(app), host=host, port=port, log_level=log_level, timeout_keep_alive=5,
-                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **uvicorn_kwargs)
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -345,6 +345,7 @@ class ChatCompletionNamedToolChoiceParam(OpenAIBaseModel):
 class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions."""
 
+    _server_role: str = "assistant"  # the reply's role after a generation prompt: serve's --response-role
     tools: list[ChatCompletionToolsParam] | None = None
     tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = None
     parallel_tool_calls: StrictBool | None = True
@@ -387,7 +388,7 @@ class ChatCompletionRequest(SamplingRequest):
     def response_role(self) -> str:
         """The reply's role, as vLLM decides it: "assistant" after a generation prompt, else the last message's
         (a continued user message is answered as the user's text)."""
-        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+        return self._server_role if self.add_generation_prompt else self.messages[-1].role
 
     def echoed_text(self) -> str:
         """What `echo` puts before each choice's content: the last message's text when its role is the reply's

@@ -1,0 +1,116 @@
+"""`fxrewrite serve`'s server-wide flags (vLLM's), each through a real app: GET /v1/models/{id} on the shared
+server, and a second server started with --disable-uvicorn-access-log, --disable-fastapi-docs, --root-path,
+--enable-request-id-headers, --response-role, --return-tokens-as-token-ids and --enable-force-include-usage."""
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from tests.ports import free_port
+from tests.server.conftest import API_KEY, MODEL_NAME
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+FLAGS = ["--disable-uvicorn-access-log", "--disable-fastapi-docs", "--root-path", "/api", "--enable-request-id-headers",
+         "--response-role", "bot", "--return-tokens-as-token-ids", "--enable-force-include-usage"]
+
+
+@pytest.fixture(scope="module")
+def flagged(tiny_model_dir):
+    """(base URL, uvicorn.Server) of a server started with every flag of `FLAGS`, as `fxrewrite serve` starts it."""
+    import uvicorn
+
+    from fxrewrite.cli import build_parser
+    from fxrewrite.commands.serve import build_server_app, uvicorn_kwargs
+
+    port = free_port()
+    args = build_parser().parse_args([
+        "serve", str(tiny_model_dir("qwen3")), "--port", str(port), "--api-key", API_KEY, "--served-model-name",
+        MODEL_NAME, "--model-impl", "native", "--max-model-len", "256", "--kv-cache-memory-bytes", "2M", *FLAGS])
+    _, app = build_server_app(args)
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="info", **uvicorn_kwargs(args)))
+    thread = threading.Thread(target=uv.run, name="uvicorn-flags-test", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "flagged server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", uv
+    uv.should_exit = True
+    thread.join(timeout=15)
+
+
+def test_retrieve_model_is_the_list_entry_and_unknown_is_a_404(server):
+    with server.http() as http:
+        listed = http.get("/v1/models").json()["data"][0]
+        got = http.get(f"/v1/models/{MODEL_NAME}")
+        missing = http.get("/v1/models/no-such-model")
+    assert got.status_code == 200
+    assert {k: v for k, v in got.json().items() if k != "created"} == {k: v for k, v in listed.items() if k != "created"}
+    assert missing.status_code == 404
+    error = missing.json()["error"]
+    assert "no-such-model" in error["message"] and error["code"] == "model_not_found"
+    assert server.client().models.retrieve(MODEL_NAME).id == MODEL_NAME
+    assert httpx.get(f"{server.base_url}/v1/models/{MODEL_NAME}").status_code == 401  # the key guards it
+
+
+def test_defaults_keep_docs_and_send_no_request_id(server):
+    response = httpx.get(f"{server.base_url}/openapi.json")
+    assert response.status_code == 200 and "x-request-id" not in response.headers
+    assert httpx.get(f"{server.base_url}/docs").status_code == 200
+
+
+def test_disable_fastapi_docs(flagged):
+    url, _ = flagged
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(url + path).status_code == 404, path
+
+
+def test_root_path_serves_under_the_prefix_and_keeps_the_key(flagged):
+    url, _ = flagged
+    # a proxy in front strips /api; uvicorn puts it back in the path (root_path + path), the routes match without it
+    assert httpx.get(f"{url}/v1/models", headers=AUTH).json()["data"][0]["id"] == MODEL_NAME
+    assert httpx.get(f"{url}/v1/models").status_code == 401  # the prefix does not dodge the key check
+
+
+def test_request_id_headers(flagged):
+    url, _ = flagged
+    echoed = httpx.get(f"{url}/health", headers={"X-Request-Id": "abc-123"})
+    fresh = [httpx.get(f"{url}/health").headers["x-request-id"] for _ in range(2)]
+    assert echoed.headers["x-request-id"] == "abc-123"
+    assert fresh[0] != fresh[1] and all(len(f) == 32 for f in fresh)
+
+
+def test_access_log_is_off(flagged):
+    _, uv = flagged
+    assert uv.config.access_log is False  # uvicorn then writes no access line (its h11 / httptools protocols)
+
+
+def _chat(url: str, **body) -> httpx.Response:
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+            "temperature": 0, **body}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, headers=AUTH, timeout=60)
+
+
+def test_response_role_and_token_ids_default(flagged):
+    url, _ = flagged
+    choice = _chat(url, logprobs=True).json()["choices"][0]
+    assert choice["message"]["role"] == "bot"
+    assert all(t["token"].startswith("token_id:") for t in choice["logprobs"]["content"])
+    own = _chat(url, logprobs=True, return_tokens_as_token_ids=False).json()["choices"][0]  # the request's own
+    assert not any(t["token"].startswith("token_id:") for t in own["logprobs"]["content"])
+    continued = _chat(url, add_generation_prompt=False).json()["choices"][0]
+    assert continued["message"]["role"] == "user"  # without a generation prompt: the last message's role
+
+
+def test_force_include_usage(flagged):
+    url, _ = flagged
+    lines = [line[6:] for line in _chat(url, stream=True).text.splitlines() if line.startswith("data: {")]
+    chunks = [json.loads(line) for line in lines]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "bot"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
+    completion = httpx.post(f"{url}/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2,
+                                                           "stream": True}, headers=AUTH, timeout=60)
+    last = json.loads([line for line in completion.text.splitlines() if line.startswith("data: {")][-1][6:])
+    assert last["usage"]["completion_tokens"] == 2
