@@ -88,7 +88,7 @@ def _router_facts(router_node, block_root: nn.Module, ids_idx: int, w_idx: int) 
     require(source is x, f"the router's linear does not read the router's input (it reads {getattr(source, 'name', source)})")
     bias = logits.args[2] if len(logits.args) > 2 else logits.kwargs.get("bias")
     require(bias is None or getattr(bias, "op", "") == "get_attr" and bias.target == "bias", "router bias unknown")
-    return {"scoring": scoring, "renormalize": renormalize, "top_k": topk_args["k"]}
+    return {"scoring": scoring, "renormalize": renormalize, "top_k": topk_args["k"], "router_outputs": (ids_idx, w_idx)}
 
 
 def _width(node) -> int | None:
@@ -197,7 +197,8 @@ class MoEPattern(Pattern):
         children = {role: module.get_submodule(name) for role, name in match.names}
         children["experts"] = experts
         return FusedMoE(dict(match.names), children, top_k=match.fact("top_k"),
-                        renormalize=match.fact("renormalize"), scoring_func=match.fact("scoring"))
+                        renormalize=match.fact("renormalize"), scoring_func=match.fact("scoring"),
+                        router_outputs=match.fact("router_outputs"))
 
     @classmethod
     def describe(cls, match: Match) -> str:

@@ -10,7 +10,7 @@ from torch.nn.modules import module as _module
 
 from fxrewrite.signature import BOUND_ATTR
 
-__all__ = ["fused_call_allowed", "runs_bound_forward", "unhooked"]
+__all__ = ["fused_call_allowed", "global_module_hooks", "runs_bound_forward", "unhooked"]
 
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
@@ -27,8 +27,13 @@ def runs_bound_forward(module: nn.Module) -> bool:
     return bound is not None and module.__dict__.get("forward") is bound[1]
 
 
+def global_module_hooks() -> bool:
+    """A global forward (pre-)hook is set (`torch.nn.modules.module.register_module_forward_hook`)."""
+    return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks)
+
+
 def unhooked(*modules: nn.Module) -> bool:
     """No forward / backward hook on any of `modules`, and no global module hook."""
-    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
+    if global_module_hooks():
         return False
     return not any(m.__dict__.get(h) for m in modules for h in _HOOKS)

@@ -26,8 +26,9 @@ from fxrewrite.kernels.fused_moe import SCORING, fused_experts
 from fxrewrite.kernels import moe_router_tune
 from fxrewrite.kernels.moe_norm_router import norm_route_experts
 from fxrewrite.kernels.moe_router import route_experts
-from fxrewrite.layers.fold_guard import unhooked
+from fxrewrite.layers.fold_guard import global_module_hooks, unhooked
 from fxrewrite.layers.moe_dp import experts_across_dp
+from fxrewrite.signature import HOOK_DICTS
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -99,10 +100,12 @@ class FusedExperts(nn.Module):
             with torch.no_grad():
                 param.copy_(w)
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, H], routing [T, K] -> [T, H]; with `residual` [T, H] ``residual + out`` (`fused_experts`)."""
-        return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_start, residual)
+        """hidden_states [T, H], routing [T, K] (ids, then weights: transformers' experts' order, so that a hook
+        written for them reads the same arguments) -> [T, H]; with `residual` [T, H] ``residual + out``
+        (`fused_experts`)."""
+        return fused_experts(hidden_states, self.w13, self.w2, top_k_weights, top_k_index, self.expert_start, residual)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, local={self.num_local_experts}, hidden={self.hidden_size}, "
@@ -119,7 +122,7 @@ class FusedMoE(nn.Module):
     """
 
     def __init__(self, names: dict[str, str], modules: dict[str, nn.Module], *, top_k: int, renormalize: bool,
-                 scoring_func: str = "softmax") -> None:
+                 scoring_func: str = "softmax", router_outputs: tuple[int, int] | None = None) -> None:
         super().__init__()
         if scoring_func not in SCORING:
             raise ValueError(f"scoring_func={scoring_func!r}, expected one of {SCORING}")
@@ -128,6 +131,11 @@ class FusedMoE(nn.Module):
             raise ValueError(f"top_k={top_k} must be between 1 and num_experts={experts.num_experts}")
         self.names = dict(names)
         self.top_k, self.renormalize, self.scoring_func = top_k, renormalize, scoring_func
+        # where the replaced block read (ids, weights) in its router module's output, and that module's plain
+        # attributes then (top_k, norm_topk_prob, ...): a hook put on it since, or a changed attribute, makes its own
+        # forward route (`_router_routes`). None: a router that outputs logits only (native models)
+        self.router_outputs = router_outputs
+        self.router_state = _plain_state(modules["router"]) if router_outputs is not None else None
         for role, name in self.names.items():
             setattr(self, name, modules[role])
 
@@ -159,7 +167,7 @@ class FusedMoE(nn.Module):
         ``residual + self(x)`` in place of ``self(x)`` (the layer's closing add; in the down kernel at decode)."""
         router = self._child("router")
         if (dp_ep_active() or getattr(router, "bias", None) is not None or torch.compiler.is_compiling()
-                or router_logits_wanted(router)
+                or router_logits_wanted(router) or self._router_routes(router) or _user_hooked(self._child("experts"))
                 # training: the norm module's autograd pair; batch-invariant: the path a trainer's recomputation takes
                 or torch.is_grad_enabled() or is_batch_invariant()
                 or getattr(norm, "offset", None) != 0.0 or not getattr(norm, "upcast", False)
@@ -186,8 +194,20 @@ class FusedMoE(nn.Module):
             out = out + (torch.sigmoid(gate(x)) * s if gate is not None else s)
         return out
 
+    def _router_routes(self, router: nn.Module) -> bool:
+        """The router module's own forward must give this call's routing: a hook on it, or one of its plain
+        attributes changed since `optimize` proved the routing (its top_k, norm_topk_prob...), which the fused
+        routing would not see (a fresh user's find: both were silently ignored). Not while torch.compile traces
+        (the compiled graph keeps what it traced)."""
+        if self.router_outputs is None or torch.compiler.is_compiling():
+            return False
+        return _user_hooked(router) or _plain_state(router) != self.router_state
+
     def _experts(self, x: torch.Tensor) -> torch.Tensor:
         router = self._child("router")
+        if self._router_routes(router):
+            out = router(x)
+            return self._run_experts(x, out[self.router_outputs[1]], out[self.router_outputs[0]])
         # its own forward, for transformers' recorder hook (the same weight routes below); also whenever autograd
         # records: activation checkpointing's recomputation runs without the collector and must save what the
         # forward saved (a call only the first pass made was a CheckpointError with output_router_logits=True)
@@ -203,9 +223,10 @@ class FusedMoE(nn.Module):
         """The experts' output [T, H], all-reduced over tensor-parallel ranks; ``residual + `` it when given
         (in the experts' kernel on one rank, after the all-reduce on several)."""
         experts = self._child("experts")
-        if experts.tp_size == 1:
-            return experts(x, weights, ids, residual)
-        out = tensor_model_parallel_all_reduce(experts(x, weights, ids))
+        if experts.tp_size == 1 and not (residual is not None and _user_hooked(experts)):
+            return experts(x, ids, weights, residual)  # a hook on it sees its own output, as on stock's experts
+        out = experts(x, ids, weights)
+        out = out if experts.tp_size == 1 else tensor_model_parallel_all_reduce(out)
         return out if residual is None else residual + out
 
     def extra_repr(self) -> str:
@@ -235,3 +256,17 @@ def prepare_moe_router(model: nn.Module, device: torch.device, dtype: torch.dtyp
             e, h = module._child("router").weight.shape
             shapes.add((e, h, module.top_k, module.renormalize, module.scoring_func))
     return moe_router_tune.tune(shapes, device, dtype) if shapes else {}
+
+
+def _plain_state(module: nn.Module) -> dict:
+    """`module`'s public attributes of plain Python values (ints, floats, bools, strings, None): what a router's
+    forward reads besides its weight."""
+    return {k: v for k, v in vars(module).items()
+            if not k.startswith("_") and k != "training" and (v is None or isinstance(v, (bool, int, float, str)))}
+
+
+def _user_hooked(module: nn.Module) -> bool:
+    """A forward / backward hook on `module`, or a global module hook, other than transformers' output recorders
+    (installed on the first call asking for router logits; they only read)."""
+    return global_module_hooks() or any(getattr(h, "__module__", None) != output_capturing.__name__
+                                        for d in HOOK_DICTS for h in module.__dict__.get(d, {}).values())

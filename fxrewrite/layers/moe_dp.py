@@ -104,7 +104,7 @@ def experts_across_dp(moe: nn.Module, x: torch.Tensor) -> torch.Tensor:
     real = real_rows(counts, x.device)
     if real is not None:  # padding rows route nowhere (-1: no rank holds it), cost nothing
         ids = torch.where(real[:, None], ids, -1)
-    return sum_to_replica(experts(tokens, weights, ids), x.shape[0])
+    return sum_to_replica(experts(tokens, ids, weights), x.shape[0])
 
 
 _gloo_reduce_scatter = True
