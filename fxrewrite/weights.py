@@ -308,6 +308,10 @@ class FusedAway(WarnsOnHooks, nn.Linear):
         return (f"a hook on {self.name!r} never runs: it was fused into {self.fused!r} by fxrewrite.optimize "
                 f"(hook {self.fused!r}, whose output holds its rows, or register the hook before optimize)")
 
+    def _get_name(self) -> str:
+        # torch's own messages name a module by this (get_parameter: "<name> has no attribute `weight`")
+        return f"FusedAway({self.name} -> {self.fused}, fxrewrite.optimize)"
+
     def extra_repr(self) -> str:
         return (f"{self.name!r} was fused into {self.fused!r} by fxrewrite.optimize; to train LoRA adapters on it, "
                 f"apply peft.get_peft_model first and then fxrewrite.optimize (the LoRA-wrapped projections stay unfused)")

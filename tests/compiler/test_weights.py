@@ -54,6 +54,8 @@ def test_reading_a_fused_away_projection_says_where_it_went():
     assert not hasattr(q_proj, "weight")
     with pytest.raises(AttributeError, match=r"'q_proj' was fused into 'qkv_proj' .* has no 'weight'"):
         q_proj.weight
+    with pytest.raises(AttributeError, match=r"FusedAway\(q_proj -> qkv_proj, fxrewrite.optimize\) has no attribute"):
+        model.get_parameter("model.layers.0.self_attn.q_proj.weight")
     # freezing it after optimize had frozen nothing, silently (a fresh user's find)
     qkv = model.model.layers[0].self_attn.qkv_proj
     for flag in (False, True):
