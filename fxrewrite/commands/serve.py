@@ -11,6 +11,7 @@ import socket
 from fxrewrite.commands.engine_args import add_engine_arguments, add_model_argument, engine_kwargs
 from fxrewrite.commands.sampling_args import load_chat_template
 from fxrewrite.errors import UserInputError
+from fxrewrite.runtime.server.reasoning import REASONING_PARSERS, get_reasoning_parser
 from fxrewrite.runtime.server.tool_parsers import TOOL_PARSERS, get_tool_parser
 
 
@@ -38,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='allow tool_choice "auto": the model\'s tool calls are parsed from its text')
     parser.add_argument("--tool-call-parser", default="auto", choices=("auto", *sorted(TOOL_PARSERS)),
                         help="format of the model's tool calls (auto: chosen by the chat template)")
+    parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                        help="split a chat reply's <think>...</think> block into the message's 'reasoning' "
+                             "(and 'reasoning_content') field, the rest staying 'content' (default: no split)")
     parser.add_argument("--enable-log-requests", action="store_true",
                         help="log every request's prompt and sampling parameters")
     parser.add_argument("--disable-log-requests", action="store_true",
@@ -144,6 +148,7 @@ def build_server_app(args: argparse.Namespace):
                                       chat_template or getattr(engine.tokenizer, "chat_template", None))
     app = build_app(engine, served_model_names=names, api_key=key, generation_defaults=defaults,
                     chat_template=chat_template, tool_parser=tool_parser,
+                    reasoning_parser=get_reasoning_parser(args.reasoning_parser),
                     log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
                     trust_request_chat_template=args.trust_request_chat_template,
                     cors={"allow_origins": args.allowed_origins, "allow_credentials": args.allow_credentials,

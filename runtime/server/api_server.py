@@ -36,6 +36,7 @@ from fxrewrite.runtime.server.serving_embedding import EmbeddingRequest, OpenAIS
 from fxrewrite.runtime.server.server_options import RequestIdHeaderMiddleware, ServerOptions
 from fxrewrite.runtime.server.shutdown import GRACEFUL_SHUTDOWN_S, CutStreamsLog, ShutdownAnswers
 from fxrewrite.runtime.server.serving_tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from fxrewrite.runtime.server.reasoning import ReasoningParser
 from fxrewrite.runtime.server.tool_parsers import ToolParser
 
 if TYPE_CHECKING:
@@ -121,9 +122,8 @@ def build_app(
     api_key: str | None = None,
     generation_defaults: dict[str, Any] | None = None,
     chat_template: str | None = None,
-    tool_parser: ToolParser | None = None,
-    log_requests: bool = False,
-    max_log_len: int | None = None,
+    tool_parser: ToolParser | None = None, reasoning_parser: ReasoningParser | None = None,
+    log_requests: bool = False, max_log_len: int | None = None,
     trust_request_chat_template: bool = False,
     cors: dict[str, Any] | None = None,
     options: ServerOptions | None = None,
@@ -132,8 +132,9 @@ def build_app(
 
     served_model_names: the names clients put in `model` (default: the model as given to the engine).
     chat_template: template text replacing the tokenizer's. tool_parser: the parser of tool_choice
-    "auto" (None refuses "auto"). log_requests: log each request's prompt (its first max_log_len
-    characters or token ids; all when None) and sampling parameters, as vLLM's --enable-log-requests.
+    "auto" (None refuses "auto"). reasoning_parser: splits chat replies' think blocks off (--reasoning-parser).
+    log_requests: log each request's prompt (its first max_log_len characters or token ids; all when None) and
+    sampling parameters, as vLLM's --enable-log-requests.
     trust_request_chat_template: a chat request's own `chat_template` is used (else it is a 400), as
     vLLM's --trust-request-chat-template. cors: Starlette `CORSMiddleware` keyword arguments (allow_origins,
     allow_credentials, allow_methods, allow_headers: vLLM's --allowed-origins ... flags), or None for no CORS
@@ -142,8 +143,7 @@ def build_app(
     """
     names, options = list(served_model_names or [str(engine.model_config.model)]), options or ServerOptions()
     metrics = ServerMetrics(names[0])
-    async_engine = AsyncLLMEngine(engine, metrics)
-    tokenizer = AsyncTokenizer(engine.tokenizer)
+    async_engine, tokenizer = AsyncLLMEngine(engine, metrics), AsyncTokenizer(engine.tokenizer)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -162,7 +162,8 @@ def build_app(
     _add_middleware(app, api_key, cors, options)
     completion = OpenAIServingCompletion(async_engine, names, generation_defaults, tokenizer)
     chat = OpenAIServingChat(async_engine, names, generation_defaults, tokenizer, chat_template=chat_template,
-                             tool_parser=tool_parser, trust_request_chat_template=trust_request_chat_template)
+                             tool_parser=tool_parser, reasoning_parser=reasoning_parser,
+                             trust_request_chat_template=trust_request_chat_template)
     app.state.async_tokenizer, app.state.serving_chat, app.state.serving_completion = tokenizer, chat, completion
     if log_requests:
         async_engine.request_logger = RequestLogger(max_log_len, engine.tokenizer)

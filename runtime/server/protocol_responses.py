@@ -75,6 +75,9 @@ class ChatLogProbs(OpenAIBaseModel):
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning: str | None = None
+    """The think block's text (--reasoning-parser); `reasoning_content` is vLLM's older name, the same text."""
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -117,6 +120,8 @@ class DeltaMessage(DeltaModel):
 
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -16,6 +16,7 @@ from fxrewrite.runtime.server.async_engine import StepOutput
 from fxrewrite.runtime.server.errors import OpenAIError
 from fxrewrite.runtime.server.logprobs import chat_logprobs
 from fxrewrite.runtime.server.protocol import ChatCompletionRequest, random_id
+from fxrewrite.runtime.server.reasoning import ReasoningParser, ReasoningStream, parser_for_request
 from fxrewrite.runtime.server.protocol_responses import (
     ChatChoice,
     ChatCompletionResponse,
@@ -52,16 +53,19 @@ class OpenAIServingChat(OpenAIServing):
 
     chat_template: a template (text) used instead of the tokenizer's (`--chat-template`).
     tool_parser: the parser of tool_choice "auto" (None: "auto" is refused, as vLLM does without
-    `--enable-auto-tool-choice`). trust_request_chat_template: a request's own `chat_template` is used
+    `--enable-auto-tool-choice`). reasoning_parser: splits a reply's think block into `reasoning` (None: the
+    text is all content), vLLM's `--reasoning-parser`. trust_request_chat_template: a request's own `chat_template` is used
     (else it is a 400), vLLM's `--trust-request-chat-template`.
     """
 
     def __init__(self, *args, chat_template: str | None = None, tool_parser: ToolParser | None = None,
-                 trust_request_chat_template: bool = False, **kwargs):
+                 trust_request_chat_template: bool = False, reasoning_parser: ReasoningParser | None = None,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         self.chat_template = chat_template
         self.tool_parser = tool_parser
         self.trust_request_chat_template = trust_request_chat_template
+        self.reasoning_parser = reasoning_parser
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request):
         model = self.model_name(request.model)
@@ -167,6 +171,7 @@ class OpenAIServingChat(OpenAIServing):
                   final: StepOutput) -> ChatCompletionResponse:
         choices = []
         outs = final.choices
+        reasoning_parser = parser_for_request(self.reasoning_parser, request)
         if request.best_of is not None and request.best_of > request.n:
             outs = best_of_choices(list(outs), request.n)
         for c in outs:
@@ -174,10 +179,12 @@ class OpenAIServingChat(OpenAIServing):
             if request.logprobs:
                 logprobs = chat_logprobs(self.tokenizer, c, 0, len(c.token_ids),
                                          self.top_count(request.top_logprobs or 0), request.return_tokens_as_token_ids)
-            content, calls = parse_output(request, c.text, self.tool_parser)
+            reasoning, text = reasoning_parser.extract(c.text) if reasoning_parser else (None, c.text)
+            content, calls = parse_output(request, text, self.tool_parser) if text is not None else (None, [])
             if request.echoed_text():
                 content = request.echoed_text() + (content or "")
-            message = ChatResponseMessage(role=request.response_role(), content=content, tool_calls=calls)
+            message = ChatResponseMessage(role=request.response_role(), content=content, tool_calls=calls,
+                                          reasoning=reasoning, reasoning_content=reasoning)
             choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs,
                                       finish_reason=finish_reason(request, c.finish_reason, calls),
                                       stop_reason=c.stop_reason))
@@ -191,6 +198,7 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
         tracker = DeltaTracker()  # the engine already holds back a possible stop string's prefix
         tools = ToolStream(request, self.tool_parser)
+        thinking = ReasoningStream(parser_for_request(self.reasoning_parser, request))
         last = None
 
         def chunk(choice: ChatStreamChoice, num_tokens: int = 0) -> str:
@@ -210,7 +218,10 @@ class OpenAIServingChat(OpenAIServing):
                 last = output
                 for d in tracker.deltas(0, output):
                     new_tokens = request.logprobs and d.tok_end > d.tok_start
+                    reasoning, d = thinking.split(d)  # the tool stream sees the content alone
                     deltas = tools.deltas(d)
+                    if reasoning:
+                        deltas.insert(0, DeltaMessage(reasoning=reasoning, reasoning_content=reasoning))
                     if not deltas and not d.finished and not new_tokens:
                         continue
                     logprobs = None
