@@ -63,6 +63,9 @@ class ServerMetrics:
                              labels, buckets=_ITL_BUCKETS, registry=r).labels(model_name)
         self.e2e = Histogram("fxrewrite:e2e_request_latency_seconds", "Request latency (seconds).",
                              labels, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+        self._preemptions = Counter("fxrewrite:num_preemptions", "Sequences preempted (their KV blocks freed, to "
+                                    "be recomputed).", labels, registry=r).labels(model_name)
+        self._seen_preemptions = 0
         self._model_name = model_name
 
     def update_engine_stats(self, stats: dict) -> None:
@@ -75,6 +78,10 @@ class ServerMetrics:
             self._free_blocks.labels(name).set(stats["num_free_blocks"])
         if "num_blocks" in stats:
             self._num_blocks.labels(name).set(stats["num_blocks"])
+        preemptions = stats.get("num_preemptions", self._seen_preemptions)  # the engine's count since start
+        if preemptions > self._seen_preemptions:
+            self._preemptions.inc(preemptions - self._seen_preemptions)
+        self._seen_preemptions = preemptions
 
     def record_finished(self, finish_reason: str | None) -> None:
         self._success.labels(self._model_name, finish_reason or "unknown").inc()
