@@ -29,7 +29,7 @@ from fxrewrite import nodes, source
 from fxrewrite.layers.fused_moe import FusedMoE
 from fxrewrite.layers.fold_guard import runs_bound_forward
 from fxrewrite.layers.gated_mlp import GATED_MLP_ATTR
-from fxrewrite.layers.layernorm import RMSNorm, note_rewritten_call
+from fxrewrite.layers.layernorm import RMSNorm, note_residual_call
 from fxrewrite.patterns.base import Context, Match, Pattern, Refusal, require, require_unshared
 
 
@@ -239,13 +239,14 @@ class ResidualRMSNormPattern(Pattern):
     def build(cls, match: Match, module: nn.Module, ctx: Context) -> None:
         """Nothing to build: the fused `RMSNorm` takes the residual already; only the source changes. With the MLP fold,
         the MLP's gate_up_proj is marked as called through `norm_forward` (the load-time GEMV tuner times that kind).
-        The norm notes its new call form (`note_rewritten_call`: a hook registered on it later is warned)."""
+        The norm notes its new call form (`note_residual_call`: a forward hook registered on it later sees
+        transformers' call, `fxrewrite.layers.residual_hooks`; others are warned)."""
         kind = match.fact("consumer_kind")
         inside = {"mlp": "; without hooks, inside the MLP's gate_up_proj", "moe": "; without hooks, inside the MoE "
                   "router's launch"}.get(kind, "")
-        note_rewritten_call(getattr(module, match.name("norm")), "called as norm(x, residual), returning (normed, "
-                            "x + residual): the decoder layer's residual add folded in (transformers: norm(x + "
-                            f"residual)){inside}")
+        note_residual_call(getattr(module, match.name("norm")), "called as norm(x, residual), returning (normed, "
+                           "x + residual): the decoder layer's residual add folded in (transformers: norm(x + "
+                           f"residual)){inside}")
         if kind == "mlp":
             mlp = getattr(module, dict(match.names)["consumer"])
             gate_up = getattr(mlp, mlp.__dict__[GATED_MLP_ATTR][0])

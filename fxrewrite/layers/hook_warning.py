@@ -19,8 +19,8 @@ class WarnsOnHooks:
     def _hook_warning_text(self) -> str | None:
         return None
 
-    def _registered(self, register, hook, *args, **kwargs):
-        text = self._hook_warning_text()
+    def _registered(self, register, hook, *args, adapted: bool = False, **kwargs):
+        text = self._hook_warning_text(adapted) if adapted else self._hook_warning_text()
         if text:
             warnings.warn(text, UserWarning, stacklevel=3)
         return register(hook, *args, **kwargs)

@@ -16,11 +16,22 @@ from fxrewrite.kernels.rms_norm_backward import rms_norm_train
 from fxrewrite.layers.gated_mlp import residual_norm_mlp
 from fxrewrite.layers.hook_warning import WarnsOnHooks
 from fxrewrite.layers.input_norm import normed_call
+from fxrewrite.layers.residual_hooks import ResidualTaken, stock_view_forward_hook, stock_view_pre_hook
 
 
 REWRITTEN_CALLS_ATTR = "_fxrewrite_rewritten_calls"
 """Instance attribute of a fused `RMSNorm` that its rewritten parent calls otherwise than transformers' code did
 (`note_rewritten_call`): how, for the warning a hook registered on it afterwards gets."""
+
+
+RESIDUAL_CALL_ATTR = "_fxrewrite_residual_call"
+"""Instance attribute of a fused `RMSNorm` that the residual fold calls as ``norm(x, residual)``: how, for the warning
+a backward or with_kwargs hook registered on it gets (forward hooks are adapted, `fxrewrite.layers.residual_hooks`)."""
+
+
+def note_residual_call(norm: nn.Module, how: str) -> None:
+    """Record on `norm` (an `RMSNorm`) that the residual fold calls it as ``norm(x, residual)``."""
+    norm.__dict__[RESIDUAL_CALL_ATTR] = how
 
 
 def note_rewritten_call(norm: nn.Module, how: str) -> None:
@@ -49,8 +60,11 @@ class RMSNorm(WarnsOnHooks, nn.Module):
         self.weight = nn.Parameter(init(hidden_size, dtype=dtype or torch.get_default_dtype(), device=device))
         self.weight.weight_loader = self.weight_loader
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """x [..., H]; residual None or like x. Returns out, or (out, x + residual)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | ResidualTaken | None = None):
+        """x [..., H]; residual None or like x. Returns out, or (out, x + residual). A `ResidualTaken` residual
+        (a hook's view of the call, `fxrewrite.layers.residual_hooks`): (norm(x), that sum)."""
+        if isinstance(residual, ResidualTaken):
+            return self.forward(x), residual.tensor  # not self(x): the hooks ran for this call already
         if not self.upcast:
             return self._forward_no_upcast(x, residual)
         # While autograd records: the Triton forward/backward pair (torch reference off the GPU).
@@ -71,8 +85,26 @@ class RMSNorm(WarnsOnHooks, nn.Module):
         (`fxrewrite.layers.input_norm.normed_call`)."""
         return normed_call(self, module, args, kwargs)
 
-    def _hook_warning_text(self) -> str | None:
-        calls = self.__dict__.get(REWRITTEN_CALLS_ATTR)
+    def register_forward_pre_hook(self, hook, *, prepend: bool = False, with_kwargs: bool = False):
+        """`nn.Module.register_forward_pre_hook`; on a norm the residual fold calls, the hook sees transformers' call
+        (`fxrewrite.layers.residual_hooks`; not with_kwargs, which is warned)."""
+        adapt = RESIDUAL_CALL_ATTR in self.__dict__ and not with_kwargs
+        return self._registered(nn.Module.register_forward_pre_hook.__get__(self),
+                                stock_view_pre_hook(hook) if adapt else hook, adapted=adapt, prepend=prepend,
+                                with_kwargs=with_kwargs)
+
+    def register_forward_hook(self, hook, *, prepend: bool = False, with_kwargs: bool = False,
+                              always_call: bool = False):
+        """`nn.Module.register_forward_hook`, adapted as `register_forward_pre_hook`'s."""
+        adapt = RESIDUAL_CALL_ATTR in self.__dict__ and not with_kwargs
+        return self._registered(nn.Module.register_forward_hook.__get__(self),
+                                stock_view_forward_hook(hook) if adapt else hook, adapted=adapt, prepend=prepend,
+                                with_kwargs=with_kwargs, always_call=always_call)
+
+    def _hook_warning_text(self, adapted: bool = False) -> str | None:
+        calls = list(self.__dict__.get(REWRITTEN_CALLS_ATTR, ()))
+        if RESIDUAL_CALL_ATTR in self.__dict__ and not adapted:
+            calls.insert(0, self.__dict__[RESIDUAL_CALL_ATTR])
         if not calls:
             return None
         return (f"a hook on this RMSNorm sees the calls fxrewrite.optimize rewrote, not transformers': "

@@ -111,7 +111,8 @@ def test_a_hook_on_a_fused_away_projection_warns_that_it_never_runs():
 def test_hooks_added_after_optimize_on_norms_whose_calls_changed_are_warned():
     """fresh-user report: a hook registered after optimize on post_attention_layernorm got (normed, residual) and two
     inputs (the residual add folded into the norm) and its `o * 2` broke the layer with a bare unpacking error; one on
-    q_norm saw another layout. Now registering such a hook warns, naming the new call form; a norm the rewrite calls
+    q_norm saw another layout. Now registering such a hook warns, naming the new call form (a with_kwargs one: plain
+    forward hooks see transformers' call, the next test); a norm the rewrite calls
     as transformers did (the final norm) registers silently; a hooked q_norm runs its own forward (not skipped by the
     fused kernel) and the logits stay stock's when the hook changes nothing."""
     import warnings
@@ -120,7 +121,7 @@ def test_hooks_added_after_optimize_on_norms_whose_calls_changed_are_warned():
     model = fxrewrite.optimize(copy.deepcopy(stock)).eval()
     layer = model.model.layers[1]
     with pytest.warns(UserWarning, match=r"called as norm\(x, residual\), returning \(normed, x \+ residual\)"):
-        layer.post_attention_layernorm.register_forward_hook(lambda m, args, out: None)
+        layer.post_attention_layernorm.register_forward_hook(lambda m, args, kwargs, out: None, with_kwargs=True)
     seen = []
     with pytest.warns(UserWarning, match=r"qk_norm_rope on \[batch, heads, tokens, head_dim\]"):
         layer.self_attn.q_norm.register_forward_hook(lambda m, args, out: seen.append(tuple(out.shape)))
@@ -190,3 +191,31 @@ def test_a_hook_on_the_lm_head_after_optimize_runs_in_a_training_call():
     out = model(ids, labels=ids)
     assert seen == [(1, 5, stock.config.vocab_size)] and out.logits is not None
     torch.testing.assert_close(out.loss, stock(ids, labels=ids).loss, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_forward_hooks_on_a_residual_folded_norm_see_transformers_call(arch):
+    """A norm the residual fold calls as norm(x, residual): forward (pre-)hooks registered after optimize see
+    transformers' call, norm(x + residual) -> normed (a fresh user's find: `args[0] + 1` changed the attention
+    output before the add, silently; `out * 2` and `out.clamp(...)` broke the layer), in inference (the decode
+    fold) and training, with stock's logits and gradients; no warning for them, one for a backward hook."""
+    import warnings
+
+    hooks = [("pre", lambda m, a: (a[0] + 1.0,) + tuple(a[1:])), ("pre", lambda m, a: a[0] * 0.5),
+             ("fwd", lambda m, a, o: o * 2), ("fwd", lambda m, a, o: o.clamp(-1, 1) + a[0] * 0.01)]
+    stock = tiny_model(arch)
+    model = fxrewrite.optimize(copy.deepcopy(stock))
+    for m in (stock, model):
+        norm = m.model.layers[0].post_attention_layernorm
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for kind, hook in hooks:
+                (norm.register_forward_pre_hook if kind == "pre" else norm.register_forward_hook)(hook)
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(ids).logits, stock.eval()(ids).logits, rtol=1e-5, atol=1e-5)
+    model.train()(ids, labels=ids).loss.backward()
+    stock.train()(ids, labels=ids).loss.backward()
+    torch.testing.assert_close(model.model.norm.weight.grad, stock.model.norm.weight.grad, rtol=1e-5, atol=1e-6)
+    with pytest.warns(UserWarning, match=r"called as norm\(x, residual\)"):
+        model.model.layers[0].post_attention_layernorm.register_full_backward_hook(lambda *a: None).remove()
