@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import httpx
@@ -72,21 +73,30 @@ class ServerHandle:
 @pytest.fixture(scope="session")
 def server(tiny_model_dir):
     """The app built by `fxrewrite serve`'s own argument path, served by uvicorn in a thread."""
+    # 4 MiB of KV cache: a few hundred 16-token blocks for the tiny model; native model, CPU.
+    with cli_server(tiny_model_dir("qwen3"), "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", "4M",
+                    "--max-num-seqs", "64", "--enable-auto-tool-choice") as (url, engine, app, _):
+        yield ServerHandle(url, engine, app)
+
+
+@contextmanager
+def cli_server(model_dir, *flags: str, log_level: str = "warning"):
+    """(base URL, engine, app, uvicorn.Server) of a server started as `fxrewrite serve MODEL_DIR --api-key API_KEY
+    --served-model-name MODEL_NAME --model-impl native *flags` starts it (defaults: --max-model-len 256, 2 MiB of KV
+    cache, when flags do not set them), in a thread; stopped on exit."""
     import uvicorn
 
     from fxrewrite.cli import build_parser
-    from fxrewrite.commands.serve import build_server_app
+    from fxrewrite.commands.serve import build_server_app, uvicorn_kwargs
 
     port = free_port()
-    # 4 MiB of KV cache: a few hundred 16-token blocks for the tiny model; native model, CPU.
-    args = build_parser().parse_args([
-        "serve", str(tiny_model_dir("qwen3")), "--port", str(port), "--api-key", API_KEY,
-        "--served-model-name", MODEL_NAME, "--model-impl", "native", "--max-model-len", str(MAX_MODEL_LEN),
-        "--kv-cache-memory-bytes", "4M", "--max-num-seqs", "64", "--enable-auto-tool-choice",
-    ])
+    defaults = [d for flag, value in (("--max-model-len", "256"), ("--kv-cache-memory-bytes", "2M"))
+                if flag not in flags for d in (flag, value)]
+    args = build_parser().parse_args(["serve", str(model_dir), "--port", str(port), "--api-key", API_KEY,
+                                      "--served-model-name", MODEL_NAME, "--model-impl", "native", *defaults, *flags])
     engine, app = build_server_app(args)
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=5)
-    uv = uvicorn.Server(config)
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level,
+                                       timeout_graceful_shutdown=5, **uvicorn_kwargs(args)))
     thread = threading.Thread(target=uv.run, name="uvicorn-test", daemon=True)
     thread.start()
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -94,6 +104,8 @@ def server(tiny_model_dir):
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("test server did not start")
         time.sleep(0.05)
-    yield ServerHandle(f"http://127.0.0.1:{port}", engine, app)
-    uv.should_exit = True
-    thread.join(timeout=15)
+    try:
+        yield f"http://127.0.0.1:{port}", engine, app, uv
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=15)

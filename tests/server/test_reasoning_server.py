@@ -2,13 +2,10 @@
 Qwen3's <think> and </think> tokens); the model's text is forced with guided_regex, as the tool-call tests do."""
 
 import json
-import threading
-import time
 
 import httpx
 import pytest
-from tests.ports import free_port
-from tests.server.conftest import API_KEY, MODEL_NAME
+from tests.server.conftest import API_KEY, MODEL_NAME, cli_server
 
 import xgrammar  # noqa: E402,F401 - the serve extra (`make setup` installs it): missing is a setup fault
 
@@ -24,27 +21,8 @@ CALL = r'<think>A tool\.</think>\n<tool_call>\n\{"name": "get_time", "arguments"
 @pytest.fixture(scope="module")
 def thinking(tiny_model_dir):
     """(base URL, serving chat) of a server started with --reasoning-parser qwen3, as `fxrewrite serve` starts it."""
-    import uvicorn
-
-    from fxrewrite.cli import build_parser
-    from fxrewrite.commands.serve import build_server_app
-
-    port = free_port()
-    args = build_parser().parse_args([
-        "serve", str(tiny_model_dir("qwen3")), "--port", str(port), "--api-key", API_KEY, "--served-model-name",
-        MODEL_NAME, "--model-impl", "native", "--max-model-len", "256", "--kv-cache-memory-bytes", "2M",
-        "--enable-auto-tool-choice", "--reasoning-parser", "qwen3"])
-    _, app = build_server_app(args)
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, name="uvicorn-reasoning-test", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "reasoning server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", app.state.serving_chat
-    uv.should_exit = True
-    thread.join(timeout=15)
+    with cli_server(tiny_model_dir("qwen3"), "--enable-auto-tool-choice", "--reasoning-parser", "qwen3") as running:
+        yield running[0], running[2].state.serving_chat
 
 
 def _chat(url, regex, stream=False, **body):

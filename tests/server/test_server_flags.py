@@ -3,13 +3,10 @@ server, and a second server started with --disable-uvicorn-access-log, --disable
 --enable-request-id-headers, --response-role, --return-tokens-as-token-ids and --enable-force-include-usage."""
 
 import json
-import threading
-import time
 
 import httpx
 import pytest
-from tests.ports import free_port
-from tests.server.conftest import API_KEY, MODEL_NAME
+from tests.server.conftest import API_KEY, MODEL_NAME, cli_server
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 FLAGS = ["--disable-uvicorn-access-log", "--disable-fastapi-docs", "--root-path", "/api", "--enable-request-id-headers",
@@ -19,26 +16,8 @@ FLAGS = ["--disable-uvicorn-access-log", "--disable-fastapi-docs", "--root-path"
 @pytest.fixture(scope="module")
 def flagged(tiny_model_dir):
     """(base URL, uvicorn.Server) of a server started with every flag of `FLAGS`, as `fxrewrite serve` starts it."""
-    import uvicorn
-
-    from fxrewrite.cli import build_parser
-    from fxrewrite.commands.serve import build_server_app, uvicorn_kwargs
-
-    port = free_port()
-    args = build_parser().parse_args([
-        "serve", str(tiny_model_dir("qwen3")), "--port", str(port), "--api-key", API_KEY, "--served-model-name",
-        MODEL_NAME, "--model-impl", "native", "--max-model-len", "256", "--kv-cache-memory-bytes", "2M", *FLAGS])
-    _, app = build_server_app(args)
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="info", **uvicorn_kwargs(args)))
-    thread = threading.Thread(target=uv.run, name="uvicorn-flags-test", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "flagged server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", uv
-    uv.should_exit = True
-    thread.join(timeout=15)
+    with cli_server(tiny_model_dir("qwen3"), *FLAGS, log_level="info") as (url, _, _app, uv):
+        yield url, uv
 
 
 def test_retrieve_model_is_the_list_entry_and_unknown_is_a_404(server):
