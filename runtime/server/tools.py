@@ -17,6 +17,7 @@ import json
 from http import HTTPStatus
 from typing import Any
 
+from fxrewrite.runtime.engine.json_schema_check import unenforced_keyword
 from fxrewrite.runtime.engine.structured_outputs import StructuredOutputsParams
 from fxrewrite.runtime.server.errors import OpenAIError
 from fxrewrite.runtime.server.protocol import ChatCompletionRequest, FunctionCall, ToolCall
@@ -41,6 +42,17 @@ def _parameters(tool) -> dict[str, Any]:
     return tool.function.parameters or {"type": "object", "properties": {}}
 
 
+def _check_enforced(tools) -> None:
+    """400 naming the tool and the place in its own parameters of a schema keyword the grammar would not enforce
+    (the wrapped schema's path, /items/anyOf/0/properties/parameters/..., named nothing the user wrote)."""
+    for i, tool in enumerate(tools):
+        unenforced = unenforced_keyword(_parameters(tool))
+        if unenforced:
+            raise OpenAIError(HTTPStatus.BAD_REQUEST, f"tools[{i}].function.parameters ({tool.function.name!r}): "
+                              f"{unenforced}; a forced tool call (tool_choice 'required' or named) cannot follow it",
+                              param="tools", code="invalid_value")
+
+
 def _hoist_defs(parameters: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Each tool's parameters without their `$defs`, and those definitions gathered: a `#/$defs/X` reference
     points at the root of the schema it is written in, which is the list schema once the parameters are wrapped
@@ -63,6 +75,8 @@ def _hoist_defs(parameters: list[dict[str, Any]]) -> tuple[list[dict[str, Any]],
 def forced_tool_outputs(request: ChatCompletionRequest) -> StructuredOutputsParams | None:
     """The constraint that forces a valid call for tool_choice required / named (None otherwise)."""
     mode = tool_mode(request)
+    if mode in ("named", "required"):
+        _check_enforced(request.tools)
     if mode == "named":
         name = request.tool_choice.function.name
         tool = next(t for t in request.tools if t.function.name == name)

@@ -211,3 +211,19 @@ def test_forced_tool_call_streams_arguments_as_generated(live, tools, tool_choic
     assert len({call_id for call_id, _, _ in calls.values()}) == len(calls)
     for _, name, pieces in calls.values():
         assert sum(1 for piece in pieces if piece) > (8 if name == "write_note" else 3), pieces
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "tag"}}])
+def test_a_forced_call_names_the_unenforced_keyword_in_the_tools_own_parameters(tool_choice):
+    """A keyword the grammar would not enforce in a tool's parameters: the 400 names tools[i].function.parameters and
+    the place inside them (it named the wrapped schema's /items/anyOf/0/properties/parameters/..., a fresh user's)."""
+    from fxrewrite.runtime.server.errors import OpenAIError
+    from fxrewrite.runtime.server.tools import forced_tool_outputs
+
+    tools = [TOOLS[0], {"type": "function", "function": {"name": "tag", "parameters": {
+        "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}]
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tool_choice=tool_choice, tools=tools)
+    with pytest.raises(OpenAIError, match=r"tools\[1\].function.parameters \('tag'\): 'uniqueItems' at "
+                                          r"/properties/a is not enforced") as raised:
+        forced_tool_outputs(request)
+    assert raised.value.status == 400 and raised.value.param == "tools"
