@@ -42,6 +42,7 @@ from fxrewrite.runtime.engine import grammar_process
 from fxrewrite.runtime.engine.grammar_bitmask import STAT_KEYS, GrammarJob, MaskSlots
 from fxrewrite.runtime.engine.grammar_worker import MatcherSet, choice_grammar, compile_constraint
 from fxrewrite.runtime.engine.json_schema_check import unenforced_keyword
+from fxrewrite.runtime.engine.lark_grammar import ebnf_grammar
 
 logger = logging.getLogger(__name__)
 __all__ = ["StructuredOutputManager", "StructuredOutputsParams", "choice_grammar", "use_grammar_process"]
@@ -55,8 +56,9 @@ class StructuredOutputsParams:
 
     json: a JSON schema (a dict or its JSON text); regex: a regular expression the whole output matches;
     choice: the output is exactly one of these strings; grammar: an EBNF (GBNF) grammar with a `root`
-    rule; json_object: any JSON object. disable_any_whitespace: JSON without free whitespace between
-    tokens (compact output). ValueError from the constructor when not exactly one is given.
+    rule, or a Lark grammar with a `start` rule (the common subset, converted: lark_grammar.py);
+    json_object: any JSON object. disable_any_whitespace: JSON without free whitespace between tokens
+    (compact output). ValueError from the constructor when not exactly one is given.
     """
 
     json: str | dict | None = None
@@ -92,10 +94,13 @@ class StructuredOutputsParams:
     def spec(self) -> tuple:
         """(kind, value, disable_any_whitespace): what `grammar_worker.compile_constraint` takes. A JSON
         schema goes as its text: a deeply nested dict would exceed pickle's recursion limit on its way to
-        the grammar process (a 900-level schema compiled, then failed there as a 500)."""
+        the grammar process (a 900-level schema compiled, then failed there as a 500). A Lark grammar goes as
+        its EBNF (UserInputError for one outside the converted subset)."""
         kind, value = self.kind, getattr(self, self.kind)
         if kind == "json" and not isinstance(value, str):
             value = json.dumps(value)
+        if kind == "grammar":
+            value = ebnf_grammar(value)
         return kind, value, self.disable_any_whitespace
 
 
