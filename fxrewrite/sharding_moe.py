@@ -51,6 +51,7 @@ def shard_experts(model: nn.Module, tp_rank: int, tp_size: int, plan: dict) -> N
             if old.device.type != "meta":
                 new.weight_loader(param, old.detach())
             param.requires_grad_(old.requires_grad)
+        new.keep_children(module.kept_children())
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, new)
         plan[name] = "expert_parallel" if ep else "experts_colwise"

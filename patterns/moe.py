@@ -194,6 +194,7 @@ class MoEPattern(Pattern):
             experts.weight_loader(experts.w13, w13.detach())
             experts.weight_loader(experts.w2, w2.detach())
         copy_requires_grad(experts, old)
+        experts.keep_children(dict(old.named_children()))
         children = {role: module.get_submodule(name) for role, name in match.names}
         children["experts"] = experts
         return FusedMoE(dict(match.names), children, top_k=match.fact("top_k"),

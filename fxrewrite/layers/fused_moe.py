@@ -37,6 +37,9 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
+_KEPT_ATTR = "_fxrewrite_kept_children"
+
+
 class FusedExperts(nn.Module):
     """E experts of a SiLU-gated MLP; x [T, H] with routing [T, K] -> partial output [T, H].
 
@@ -64,6 +67,34 @@ class FusedExperts(nn.Module):
         self.register_parameter(param_names[1], nn.Parameter(torch.empty(e, hidden_size, i, **factory)))
         self.w13.weight_loader = self.weight_loader
         self.w2.weight_loader = self.weight_loader
+
+    def keep_children(self, children: dict[str, nn.Module]) -> None:
+        """Register the replaced experts module's own children (transformers' ``act_fn``) under their names, as the
+        stock module tree has them, each marked as kept; a forward then refuses one replaced or hooked since
+        (`_check_kept`). Names and a flag, not module references: instances stay alike (`fxrewrite.signature`)."""
+        for name, child in children.items():
+            if not hasattr(self, name):
+                self.add_module(name, child)
+                child.__dict__[_KEPT_ATTR] = True
+        self.__dict__[_KEPT_ATTR] = tuple(n for n, c in children.items() if self._modules.get(n) is c)
+
+    def kept_children(self) -> dict[str, nn.Module]:
+        """The children `keep_children` registered, by name."""
+        return {n: self._modules[n] for n in self.__dict__.get(_KEPT_ATTR, ()) if n in self._modules}
+
+    def _check_kept(self) -> None:
+        """RuntimeError when a kept child was replaced or hooked after `optimize` (a fresh user's find: a new
+        ``experts.act_fn`` was silently ignored): the kernels compute the activation proven at `optimize`."""
+        if torch.compiler.is_compiling():
+            return
+        for name in self.__dict__.get(_KEPT_ATTR, ()):
+            now = self._modules.get(name)
+            kept = now is not None and now.__dict__.get(_KEPT_ATTR)
+            if not kept or any(now.__dict__.get(h) for h in HOOK_DICTS):
+                raise RuntimeError(f"experts.{name} was {'hooked' if kept else 'replaced'} after "
+                                   "fxrewrite.optimize, but the fused experts compute the activation proven then "
+                                   "(SiLU-and-mul), not this module: make the change before optimize (an experts "
+                                   "module so changed is left unfused)")
 
     @property
     def w13(self) -> nn.Parameter:
@@ -105,6 +136,7 @@ class FusedExperts(nn.Module):
         """hidden_states [T, H], routing [T, K] (ids, then weights: transformers' experts' order, so that a hook
         written for them reads the same arguments) -> [T, H]; with `residual` [T, H] ``residual + out``
         (`fused_experts`)."""
+        self._check_kept()
         return fused_experts(hidden_states, self.w13, self.w2, top_k_weights, top_k_index, self.expert_start, residual)
 
     def extra_repr(self) -> str:

@@ -53,3 +53,29 @@ def test_a_change_after_optimize_is_honoured(family, change):
     stock.train()(ids, labels=ids).loss.backward()
     gate = "model.layers.1.mlp.gate.weight"
     torch.testing.assert_close(model.get_parameter(gate).grad, stock.get_parameter(gate).grad, rtol=1e-4, atol=1e-6)
+
+
+def test_the_experts_activation_changed_after_optimize_is_refused():
+    """transformers' experts module keeps its act_fn; the fused experts keep it at the same path (the stock module
+    tree) and refuse a forward once it is replaced or hooked (a new act_fn had been silently ignored); before
+    optimize, the same change leaves the block unfused and stock's numbers come out."""
+    from transformers.activations import ACT2FN
+
+    model = fxrewrite.optimize(tiny_moe("qwen3_moe"))
+    experts = model.model.layers[0].mlp.experts
+    assert isinstance(experts.act_fn, type(ACT2FN["silu"])) and "model.layers.0.mlp.experts.act_fn" in dict(
+        model.named_modules())
+    ids = torch.tensor([[5, 6, 7]])
+    handle = experts.act_fn.register_forward_hook(lambda *a: None)
+    with pytest.raises(RuntimeError, match=r"experts.act_fn was hooked after fxrewrite.optimize"):
+        model(ids)
+    handle.remove()
+    model(ids)
+    experts.act_fn = ACT2FN["gelu"]
+    with pytest.raises(RuntimeError, match=r"experts.act_fn was replaced after fxrewrite.optimize"):
+        model(ids)
+    stock = stock_eager(tiny_moe("qwen3_moe"))
+    stock.model.layers[0].mlp.experts.act_fn = ACT2FN["gelu"]
+    changed = fxrewrite.optimize(copy.deepcopy(stock))
+    with torch.no_grad():
+        torch.testing.assert_close(changed(ids).logits, stock(ids).logits, rtol=1e-5, atol=1e-5)
