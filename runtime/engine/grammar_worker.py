@@ -45,8 +45,10 @@ def compile_constraint(compiler: Any, kind: str, value: Any, disable_any_whitesp
 
 
 def choice_grammar(choices: list[str]) -> str:
-    """EBNF accepting exactly one of `choices` (JSON string escapes are valid EBNF literal escapes)."""
-    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+    """EBNF accepting exactly one of `choices` (JSON string escapes are valid EBNF literal escapes). Non-ASCII text
+    raw: xgrammar reads a JSON surrogate pair escape ("\\ud83d\\ude00") as two lone surrogates, so a choice
+    holding a character past U+FFFF (an emoji) could never be generated."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 class MatcherSet:

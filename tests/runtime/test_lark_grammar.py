@@ -152,3 +152,4 @@ def test_the_refusals_say_what_is_converted():
                                      "not a grammar at all"])
 def test_ebnf_and_other_text_pass_unchanged(grammar):
     assert not is_lark(grammar) and ebnf_grammar(grammar) == grammar
+

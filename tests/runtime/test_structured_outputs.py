@@ -308,3 +308,16 @@ def test_concurrent_first_constrained_requests_share_one_manager(tiny_llama_dir,
         t.join()
     assert len(made) == 1 and llm.llm_engine._structured is made[0]
     assert llm.generate(["Answer:"], params, use_tqdm=False)[0].outputs[0].text in ("yes", "no")
+
+
+def test_a_choice_past_the_basic_plane_can_be_generated():
+    """A choice holding an emoji: its grammar accepts it (JSON's surrogate-pair escapes had made it unmatchable)."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from fxrewrite.runtime.engine.grammar_worker import choice_grammar
+
+    grammar = xgr.Grammar.from_ebnf(choice_grammar(["😀 yes", 'a "quoted"\\ne', "no"]))
+    for text in ("😀 yes", 'a "quoted"\\ne', "no"):
+        assert _is_grammar_accept_string(grammar, text), text
+    assert not _is_grammar_accept_string(grammar, "yes")
