@@ -251,8 +251,11 @@ def grpo_loss(new_logprobs: list[torch.Tensor], old_logprobs: list[torch.Tensor]
 
 
 def _check_old_lengths(lengths: Sequence[int], old_logprobs: Sequence[torch.Tensor]) -> None:
-    """ValueError naming the first completion whose old logprobs are not one per token."""
+    """ValueError naming the first completion whose old logprobs are not one per token, or not a tensor."""
     for i, (n, o) in enumerate(zip(lengths, old_logprobs)):
+        if not isinstance(o, torch.Tensor):
+            raise ValueError(f"completion {i}: old logprobs {type(o).__name__} {o!r:.60}; expected a float tensor "
+                             "(the engine's, e.g. torch.tensor(logprobs))")
         if n != o.numel():
             raise ValueError(f"completion {i}: {n} new logprobs and {o.numel()} old ones; expected one per "
                              "token of the completion each")
@@ -284,6 +287,7 @@ def completion_grpo_loss(model: nn.Module, prompts: Sequence[Sequence[int]], com
         return grpo_loss(new, olds, advantages, clip_eps), [n.detach() for n in new]
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
+    _check_token_ids(model, prompts, completions)  # as completion_logprobs does (an id past the vocabulary)
     device = next(model.parameters()).device
     lengths = [len(c) for c in completions]
     if old_logprobs is not None:  # before the join: offsets into it would silently shift (a fresh user's find)

@@ -259,3 +259,8 @@ def test_completion_grpo_loss_equals_logprobs_then_loss(path, monkeypatch, on_po
         shifted = [torch.cat([old[0], old[2][:1]]), old[1], old[2][1:], old[3]]
         with pytest.raises(ValueError, match="completion 0: 4 new logprobs and 5 old ones"):
             rl.completion_grpo_loss(model, prompts, completions, adv, shifted)
+        with pytest.raises(ValueError, match="completion 0: old logprobs list .*expected a float tensor"):
+            rl.completion_grpo_loss(model, prompts, completions, adv, [o.tolist() for o in old])
+        vocab = model.get_input_embeddings().num_embeddings
+        with pytest.raises(ValueError, match=rf"completion 3: token id {vocab} is outside"):  # was a bare IndexError
+            rl.completion_grpo_loss(model, prompts, completions[:3] + [[31, vocab]], adv, old)
