@@ -198,9 +198,21 @@ class StructuredOutputManager:
             if unenforced:
                 raise UserInputError(f"invalid json for structured outputs: {unenforced}")
         try:
-            return compile_constraint(self.compiler, *params.spec())
+            compiled = compile_constraint(self.compiler, *params.spec())
         except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError with the parser's message
             raise ValueError(f"invalid {params.kind} for structured outputs: {_clean(str(e))}") from None
+        if not self._first_token_allowed(compiled):  # else the first step masks every token: a 500 ("sampler bug")
+            raise ValueError(f"invalid {params.kind} for structured outputs: it accepts no string (no token can "
+                             "start an output, and it cannot end empty; e.g. a rule defined only through itself)")
+        return compiled
+
+    def _first_token_allowed(self, compiled) -> bool:
+        """Whether a fresh matcher of `compiled` allows some token (the stop tokens included) at the first step."""
+        import xgrammar as xgr
+
+        mask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(mask)
+        return bool(mask.any())
 
     def add(self, seq_id: int, params: StructuredOutputsParams, compiled=None) -> None:
         """Give `seq_id` a matcher of `params` (`compiled`: its CompiledGrammar, when already at hand). When the

@@ -153,3 +153,12 @@ def test_the_refusals_say_what_is_converted():
 def test_ebnf_and_other_text_pass_unchanged(grammar):
     assert not is_lark(grammar) and ebnf_grammar(grammar) == grammar
 
+
+
+@pytest.mark.parametrize("grammar", ['start: x\nx: x "a"', 'root ::= x\nx ::= x "a"'])
+def test_a_grammar_that_accepts_no_string_is_refused_before_it_runs(grammar, llm):
+    """A rule defined only through itself: no token can start the output. It was a RuntimeError "(a sampler bug)" at
+    the first step (a 500 on the server, a final fresh user's find); now a ValueError before the request is queued."""
+    with pytest.raises(ValueError, match="invalid grammar for structured outputs: it accepts no string"):
+        llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(grammar=grammar)),
+                     use_tqdm=False)
