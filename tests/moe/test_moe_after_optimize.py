@@ -1,6 +1,7 @@
-"""Hooks and router attributes set on a fused MoE block's modules after `optimize` (a fresh user's find: a hook on
-the experts scaled the residual too, a hook on the router and a changed top_k / norm_topk_prob were ignored, all
-silently): each is honoured as stock honours it, in the decode fold (no autograd) and in training."""
+"""Hooks and router attributes set on a fused MoE block's modules after `optimize` (fresh users' finds: a hook on
+the experts scaled the residual too, a hook on the router and a changed top_k / norm_topk_prob were ignored, a hook
+on the block itself saw the folded call, all silently): each is honoured as stock honours it, in the decode fold
+(no autograd) and in training."""
 
 from __future__ import annotations
 
@@ -25,6 +26,14 @@ def _halve_router_weights(m):
     m.model.layers[1].mlp.gate.register_forward_hook(hook)
 
 
+def _scale_block_input(m):
+    m.model.layers[0].mlp.register_forward_pre_hook(lambda mod, args: (args[0] * 2,) + tuple(args[1:]))
+
+
+def _scale_block_output(m):
+    m.model.layers[1].mlp.register_forward_hook(lambda mod, args, out: out * 2 + args[0] * 0.1)
+
+
 def _top_1(m):
     m.model.layers[0].mlp.gate.top_k = 1
 
@@ -34,7 +43,8 @@ def _renormalize(m):
 
 
 CASES = [(family, change) for family in ("qwen3_moe", "mixtral", "olmoe")
-         for change in (_scale_experts, _halve_router_weights, _top_1, _renormalize)
+         for change in (_scale_experts, _halve_router_weights, _top_1, _renormalize, _scale_block_input,
+                        _scale_block_output)
          if not (family == "mixtral" and change is _renormalize)]  # Mixtral's router has no norm_topk_prob
 
 
