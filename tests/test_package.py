@@ -19,7 +19,8 @@ def test_public_surface_is_small():
     import fxrewrite
 
     assert set(fxrewrite.__all__) == {"optimize", "explain", "LLM", "SamplingParams", "StructuredOutputsParams",
-                                       "PoolingParams"}
+                                       "PoolingParams", "RequestOutputKind", "TextPrompt", "TokensPrompt"}
+    assert all(getattr(fxrewrite, name) is not None for name in fxrewrite.__all__)  # each one resolves
     try:
         fxrewrite.no_such_name
     except AttributeError as e:

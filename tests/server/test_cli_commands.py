@@ -105,9 +105,9 @@ def test_serve_port_zero_listens_on_the_port_it_prints(monkeypatch, capsys, tiny
 
     served = {}
 
-    def run_server(app, sock, log_level="info"):
+    def run_server(app, sock, log_level="info", **uvicorn_kwargs):
         served["port"] = sock.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **uvicorn_kwargs))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
         for _ in range(400):
