@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 from fxrewrite.errors import UserInputError, UserTypeError, check_unicode
 from fxrewrite.runtime.engine_config import EngineConfig
-from fxrewrite.runtime.engine.chat import check_role, join_text_parts, render_chat, resolve_chat_template
+from fxrewrite.runtime.engine.chat import check_role, render_chat, resolve_chat_template, text_parts, with_reasoning
 from fxrewrite.runtime.engine.data_parallel import make_engine
 from fxrewrite.runtime.engine.outputs import RequestOutput
 from fxrewrite.runtime.engine.pooling import EmbeddingRequestOutput, PoolingParams
@@ -283,11 +283,13 @@ def _check_conversation(n: int, conversation) -> None:
 def _template_message(message: dict, where: str, content_format: str = "string") -> dict:
     """A message as the server gives it to the chat template: text parts joined ("string"), or, for "openai",
     kept as a list of text parts (a string content becomes one part); an assistant turn of only tool calls gets
-    content "" (templates read message['content'])."""
+    content "" (templates read message['content']); an assistant turn's reasoning goes under both of vLLM's names
+    (`with_reasoning`)."""
+    message = with_reasoning(message)
     content = message.get("content")
     if isinstance(content, list):
-        joined = join_text_parts(content, where)  # checks the parts in either format
-        return dict(message, content=content if content_format == "openai" else joined)
+        parts = text_parts(content, where)  # checked, and refusal / input_text parts as text parts
+        return dict(message, content=parts if content_format == "openai" else "\n".join(p["text"] for p in parts))
     if content is None:
         return dict(message, content="")
     if content_format == "openai":

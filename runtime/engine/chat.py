@@ -38,27 +38,51 @@ def check_function_name(name: str) -> str:
     return name
 
 
-def join_text_parts(content: object, where: str) -> object:
-    """A message's content as chat templates read it: a list of OpenAI content parts
-    (``{"type": "text", "text": str}``) joined with newlines, as vLLM joins them; anything else as it is.
-    UserInputError naming ``where`` for an empty list, a part that is not text (images, audio: the engine
-    serves text only) or a part whose text is not a string."""
-    if not isinstance(content, list):
-        return content
+TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+"""Content part types that carry text, and the key holding it: OpenAI's text and refusal parts (an assistant turn
+replayed from OpenAI's API may hold ``{"type": "refusal", "refusal": ...}``) and the Responses API's
+input_text / output_text, all of which vLLM's chat parsing reads as text."""
+
+
+def text_parts(content: list, where: str) -> list[dict]:
+    """A message's list of OpenAI content parts as ``{"type": "text", "text": str}`` dicts (see
+    `TEXT_PART_KEYS` for the part types taken as text). UserInputError naming ``where`` for an empty list, a
+    part that is not text (images, audio: the engine serves text only) or a part whose text is not a string."""
     if not content:
         raise UserInputError(f"{where}.content is an empty list; expected a string or text parts "
                              "([{'type': 'text', 'text': ...}])")
-    texts = []
+    parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text":
+        key = TEXT_PART_KEYS.get(kind) if isinstance(kind, str) else None
+        if key is None:
             got = f"type {kind!r}" if isinstance(part, dict) else f"{part!r:.80}"
-            raise UserInputError(f"{where}.content[{j}]: only text content parts ({{'type': 'text', 'text': ...}}) "
-                                 f"are supported, got {got}")
-        if not isinstance(part.get("text"), str):
-            raise UserInputError(f"{where}.content[{j}].text must be a string, got {part.get('text')!r:.80}")
-        texts.append(part["text"])
-    return "\n".join(texts)
+            raise UserInputError(f"{where}.content[{j}]: only text content parts ({{'type': 'text', 'text': ...}}; "
+                                 f"also 'input_text', 'output_text' and 'refusal') are supported, got {got}")
+        if not isinstance(part.get(key), str):
+            raise UserInputError(f"{where}.content[{j}].{key} must be a string, got {part.get(key)!r:.80}")
+        parts.append({"type": "text", "text": part[key]})
+    return parts
+
+
+def join_text_parts(content: object, where: str) -> object:
+    """A message's content as chat templates read it: a list of OpenAI content parts (`text_parts`) joined
+    with newlines, as vLLM joins them; anything else as it is. UserInputError as `text_parts` raises it."""
+    if not isinstance(content, list):
+        return content
+    return "\n".join(part["text"] for part in text_parts(content, where))
+
+
+def with_reasoning(message: dict) -> dict:
+    """`message` with an assistant turn's reasoning (an earlier reply's, sent back) under both `reasoning` and
+    `reasoning_content`, whichever it came as (Qwen3's template reads the second), as vLLM passes it; another
+    role's reasoning is dropped, as vLLM drops it."""
+    reasoning = message.get("reasoning")
+    reasoning = message.get("reasoning_content") if reasoning is None else reasoning
+    message = {k: v for k, v in message.items() if k not in ("reasoning", "reasoning_content")}
+    if reasoning is not None and message.get("role") == "assistant":
+        message["reasoning"] = message["reasoning_content"] = reasoning
+    return message
 
 
 def resolve_chat_template(value: str | None, name: str = "chat_template") -> str | None:

@@ -9,7 +9,6 @@ A value out of range fails validation, which the server answers with a 400 in Op
 from __future__ import annotations
 
 import collections
-
 import json
 import re
 import typing
@@ -31,7 +30,7 @@ from pydantic import (
 )
 
 from fxrewrite.errors import UserInputError, check_unicode
-from fxrewrite.runtime.engine.chat import check_function_name, check_role, join_text_parts
+from fxrewrite.runtime.engine.chat import check_function_name, check_role, join_text_parts, with_reasoning
 from fxrewrite.runtime.engine_config import SEED_RANGE
 from fxrewrite.runtime.server.validation_errors import FieldError
 
@@ -43,8 +42,6 @@ _INTEGER_KEY = re.compile(r"-?0*[0-9]{1,20}")
 # torch.Generator.manual_seed takes a 64-bit integer.
 _SEED_RANGE = {"ge": SEED_RANGE[0], "le": SEED_RANGE[1]}
 
-# OpenAI / vLLM fields this server does not implement: a request that sets them gets a 400
-# rather than an answer that silently ignores them. Value: the setting that means "off".
 UNSUPPORTED_FIELDS = {"functions": [], "suffix": "", "logits_processors": [], "use_beam_search": False, "priority": 0}
 """Request fields this server does not implement: {name: the one value accepted (the field's "off")}; any other
 value is a 400 naming the field (vLLM's `priority` needs its priority scheduling, which this engine lacks)."""
@@ -289,6 +286,8 @@ class ChatMessage(OpenAIBaseModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    reasoning: str | None = None  # a reply's reasoning sent back (vLLM's names; Qwen3's template reads
+    reasoning_content: str | None = None  # message.reasoning_content): the template gets both (`with_reasoning`)
 
     @field_validator("role")
     @classmethod
@@ -298,8 +297,8 @@ class ChatMessage(OpenAIBaseModel):
     def to_template_dict(self, where: str = "message") -> dict[str, Any]:
         """The message as chat templates expect it; text parts are joined, other parts refused (ValueError
         naming ``where``). Tool-call arguments become dicts (transformers' chat templates expect them so, as
-        vLLM passes them)."""
-        message = self.model_dump(exclude_none=True)
+        vLLM passes them), and an assistant turn's reasoning goes under both of vLLM's names."""
+        message = with_reasoning(self.model_dump(exclude_none=True))
         if self.tool_calls:
             message["tool_calls"] = [_template_tool_call(c) for c in self.tool_calls]
             if self.content is None:

@@ -110,12 +110,28 @@ def test_text_content_parts_are_joined_as_the_server_joins_them(llm):
     joined = [{"role": "user", "content": "Name a\ncolour."}]
     got, want = (llm.chat(c, GREEDY, use_tqdm=False)[0] for c in (parts, joined))
     assert got.prompt == want.prompt and got.outputs[0].token_ids == want.outputs[0].token_ids
+    other = [{"role": "user", "content": [{"type": "input_text", "text": "Name a"},
+                                          {"type": "text", "text": "colour."}]}]
+    assert llm.chat(other, GREEDY, use_tqdm=False)[0].prompt == want.prompt  # vLLM's text-like parts are text too
+    refusal = [{"role": "user", "content": "Hi"},
+               {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+               {"role": "user", "content": "Ok"}]
+    assert "No." in llm.chat(refusal, GREEDY, use_tqdm=False)[0].prompt
     for content, error in [([], r"conversation 0 message 0.content is an empty list"),
                            ([{"type": "text"}], r"message 0.content\[0\].text must be a string, got None"),
                            ([{"type": "image_url", "image_url": {"url": "x"}}], r"only text .* got type 'image_url'")]:
         with pytest.raises(ValueError, match=error):
             llm.chat([{"role": "user", "content": content}], GREEDY, use_tqdm=False)
     assert llm.chat(joined, GREEDY, use_tqdm=False)[0].outputs[0].token_ids  # still serving
+
+
+def test_an_assistant_turns_reasoning_reaches_the_template_under_both_names(llm):
+    template = ("{% for m in messages %}{{ m['role'] }}:{{ m.get('reasoning_content', '-') }}|"
+                "{{ m.get('reasoning', '-') }};{% endfor %}")
+    convo = [{"role": "user", "content": "x", "reasoning": "u"},
+             {"role": "assistant", "content": "A", "reasoning": "R"}]
+    text = llm.chat(convo, GREEDY, use_tqdm=False, chat_template=template, add_generation_prompt=False)[0].prompt
+    assert text == "user:-|-;assistant:R|R;"  # as vLLM passes it (Qwen3's template reads reasoning_content)
 
 
 def test_an_assistant_turn_of_only_tool_calls_renders_as_over_http(llm):

@@ -153,3 +153,30 @@ def test_content_parts_that_are_not_text_are_refused_naming_the_part(content, er
     request = ChatCompletionRequest(messages=[{"role": "user", "content": content}])
     with pytest.raises(ValueError, match=error):
         request.messages[0].to_template_dict("messages.0")
+
+
+def test_refusal_and_responses_text_parts_are_text_as_in_vllm(caplog):
+    """fresh-user report: an assistant turn replayed from OpenAI's API with a refusal part, and the Responses
+    API's input_text / output_text parts, were a 400; vLLM's chat parsing reads all three as text."""
+    content = [{"type": "refusal", "refusal": "I can't."}, {"type": "input_text", "text": "a"},
+               {"type": "output_text", "text": "b"}, {"type": "text", "text": "c"}]
+    with caplog.at_level("WARNING", logger="fxrewrite.runtime.server.protocol"):
+        request = ChatCompletionRequest(messages=[{"role": "assistant", "content": content}])
+    assert request.messages[0].to_template_dict()["content"] == "I can't.\na\nb\nc"
+    assert "ignored" not in caplog.text
+    bad = ChatCompletionRequest(messages=[{"role": "assistant", "content": [{"type": "refusal", "text": "x"}]}])
+    with pytest.raises(ValueError, match=r"content\[0\].refusal must be a string, got None"):
+        bad.messages[0].to_template_dict("messages.0")
+
+
+@pytest.mark.parametrize("field", ["reasoning", "reasoning_content"])
+def test_an_assistant_turns_reasoning_reaches_the_template_under_both_names(field, caplog):
+    """fresh-user report: a reply's reasoning sent back (Qwen3's template reads message.reasoning_content) was
+    logged as 'not supported and were ignored'; vLLM gives the template both names."""
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "A", field: "R"}]
+    with caplog.at_level("WARNING", logger="fxrewrite.runtime.server.protocol"):
+        request = ChatCompletionRequest(messages=messages)
+    assert "ignored" not in caplog.text
+    assistant = request.messages[1].to_template_dict()
+    assert assistant["reasoning"] == assistant["reasoning_content"] == "R"
+    assert "reasoning" not in request.messages[0].to_template_dict()
