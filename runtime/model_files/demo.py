@@ -147,9 +147,19 @@ def make_config(arch: str, tok_ids: dict, *, hidden_size: int, num_attention_hea
     if params["vocab_size"] < tok_ids["vocab_size"]:
         raise UserInputError(f"vocab_size {params['vocab_size']} is smaller than the tokenizer's {tok_ids['vocab_size']}")
     try:
-        return AutoConfig.for_model(arch, **params)
+        config = AutoConfig.for_model(arch, **params)
     except ValueError as e:
         raise UserInputError(f"arch {arch!r}: transformers refused the config ({e})") from None
+    text = config.get_text_config()
+    if text is not config and getattr(text, "hidden_size", hidden_size) != hidden_size:
+        # A composite (Gemma 3, Mllama, Llama 4, ...): the sizes land on the outer config, the language model keeps
+        # its checkpoint-sized text_config (Gemma 3: a 10.9 GB float32 folder for "hidden 64, 2 layers").
+        raise UserInputError(
+            f"arch {arch!r} is a composite model ({type(config).__name__} with a {text.model_type!r} text_config): "
+            f"the sizes asked for (hidden_size {hidden_size}) do not reach its language model (hidden_size "
+            f"{text.hidden_size}, {getattr(text, 'num_hidden_layers', '?')} layers); build the language model "
+            f"alone with arch {text.model_type!r}")
+    return config
 
 
 def write_weights(out: Path, config, *, seed: int, dtype: torch.dtype) -> None:

@@ -123,3 +123,11 @@ def test_an_architecture_whose_config_leaves_expert_counts_unset_builds(tmp_path
     folder = build_model_dir(tmp_path / "dots1", "dots1", vocab="smollm2")
     model = AutoModelForCausalLM.from_pretrained(folder)
     assert (model.config.n_routed_experts, model.config.num_experts_per_tok) == (8, 2)
+
+
+def test_a_composite_arch_whose_sizes_miss_its_text_config_is_refused(tmp_path):
+    """`--arch gemma3` put hidden 64 / 2 layers on Gemma3Config's outer fields and kept the 2B text_config: a
+    10.9 GB folder, silently. It is refused before anything is written, naming the text model_type to build."""
+    with pytest.raises(ValueError, match=r"arch 'gemma3' is a composite .*hidden_size 2304.*arch 'gemma3_text'"):
+        build_model_dir(tmp_path / "g", "gemma3", vocab="smollm2")
+    assert not (tmp_path / "g").exists()
