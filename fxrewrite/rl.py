@@ -23,6 +23,7 @@ from fxrewrite.kernels.batch_invariant import is_batch_invariant
 from fxrewrite.kernels.fused_linear_logprobs import fused_linear_logprobs, fused_linear_token_loss
 from fxrewrite.kernels.log_softmax import log_softmax_float32
 from fxrewrite.kernels.paged_attention import causal_attention_batch_invariant
+from fxrewrite.layers.fold_guard import global_module_hooks
 from fxrewrite.layers.lm_head_loss import LMHeadCrossEntropy
 
 BATCH_INVARIANT_ATTENTION = "fxrewrite_batch_invariant"
@@ -129,12 +130,14 @@ def fused_head(model: nn.Module, temperature: float = 1.0) -> tuple[nn.Module, n
     """(base model, LM head, scale, softcap) when `model`'s sampled-token logprobs can skip the logits: an
     `fxrewrite.optimize`d causal LM whose `lm_head_loss` proved the logits' transform (scale / soft-cap),
     with a plain `nn.Linear` head over the base model's last hidden state; the temperature folds into the
-    scale (not under soft-capping: then None, and the logits path runs). A torch.compile wrapper is looked through
+    scale (not under soft-capping: then None, and the logits path runs). None too when the model (or the PEFT
+    wrapper passed) or its head has a forward / backward hook, or a global module hook is set, or the head a
+    forward of its own instance: this path runs neither, the logits path does. A torch.compile wrapper is looked through
     (the base then runs eagerly); a PEFT model is read through `get_base_model()` when its adapters live inside that
     model's modules (LoRA and the other tuners; prompt learning, whose virtual tokens the PeftModel's own forward
     adds, takes the logits path). None otherwise (fail closed): the base must be the causal LM's own child under
     its `base_model_prefix`."""
-    model = getattr(model, "_orig_mod", model)
+    outer = model = getattr(model, "_orig_mod", model)
     if callable(getattr(model, "get_base_model", None)):
         if getattr(getattr(model, "active_peft_config", None), "is_prompt_learning", True):
             return None
@@ -145,10 +148,27 @@ def fused_head(model: nn.Module, temperature: float = 1.0) -> tuple[nn.Module, n
     base = model._modules.get(getattr(model, "base_model_prefix", "") or "model")
     if params is None or type(head) is not nn.Linear or not isinstance(base, nn.Module):
         return None
+    # this path calls neither the causal LM nor its head: a hook on either (or a global module hook), or a forward
+    # put on the head's instance, would not run, and would silently not shape the logprobs (a fresh user's find: a
+    # forward hook on lm_head masking tokens to -inf) -- the logits path runs them, as the model's own call does
+    if _user_hooked(outer, model, head) or "forward" in head.__dict__:
+        return None
     scale, softcap = params
     if softcap and temperature != 1.0:
         return None
     return base, head, scale / temperature, softcap
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _user_hooked(*modules: nn.Module) -> bool:
+    """A global forward (pre-)hook is set, or one of `modules` has a forward / backward hook that is not
+    fxrewrite's own (`optimize` puts pre-hooks on the causal LM and its base model, and they stay)."""
+    if global_module_hooks():
+        return True
+    return any(not (getattr(hook, "__module__", None) or type(hook).__module__ or "").startswith("fxrewrite.")
+               for m in modules for name in _HOOK_DICTS for hook in (m.__dict__.get(name) or {}).values())
 
 
 def _padded(batch, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

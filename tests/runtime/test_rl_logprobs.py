@@ -184,6 +184,45 @@ def test_fused_head_looks_through_compile_and_refuses_prompt_learning(path):
                                    rtol=1e-5, atol=1e-5)
 
 
+def test_hooked_head_or_model_takes_the_logits_path(path):
+    """A fresh user's find: the logits-free path called neither the causal LM nor its head, so a forward hook on
+    `lm_head` (masking tokens to -inf), a pre-hook on it or a hook on the model itself was silently left out of the
+    logprobs (5% off). Now each sends the call through the model's logits, whose hooks run: the logprobs equal the
+    hooked stock-style log_softmax of `model(...).logits`, and `completion_grpo_loss` too."""
+    from transformers import AutoModelForCausalLM
+
+    from fxrewrite import rl
+
+    model = fxrewrite.optimize(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)).train()
+    prompts, completions = [[5, 6, 7], [8]], [[20, 21], [22, 23, 24]]
+
+    def masked(module, args, out):
+        return out.masked_fill(torch.arange(out.shape[-1]) >= 100, float("-inf"))
+
+    def halved(module, args, out):
+        out.logits = out.logits * 0.5
+        return out
+
+    for owner, register, hook in ((model.lm_head, "register_forward_hook", masked),
+                                  (model.lm_head, "register_forward_pre_hook", lambda m, args: (args[0] * 2,)),
+                                  (model, "register_forward_hook", halved)):
+        handle = getattr(owner, register)(hook)
+        try:
+            assert rl.fused_head(model) is None
+            with torch.no_grad():
+                got = completion_logprobs(model, prompts, completions)
+                for p, c, lp in zip(prompts, completions, got, strict=True):
+                    logits = model(input_ids=torch.tensor([p + c])).logits[0, len(p) - 1 : -1]
+                    want = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(c)[:, None])[:, 0]
+                    torch.testing.assert_close(lp, want, rtol=1e-5, atol=1e-5)
+                loss, new = rl.completion_grpo_loss(model, prompts, completions, torch.tensor([1.0, -1.0]))
+                for a, b in zip(new, got, strict=True):
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        finally:
+            handle.remove()
+    assert rl.fused_head(model) is not None  # unhooked again: the fused path
+
+
 def test_grpo_loss_matches_per_sequence_formula():
     from fxrewrite.rl import grpo_loss
 
