@@ -86,10 +86,10 @@ class LLMEngine(EngineRLMixin):
 
     # requests
     def add_request(
-        self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+        self, request_id: str, prompt: str | list[int] | dict, sampling_params: SamplingParams | None = None,
         *, final_only: bool = False,
     ) -> None:
-        """Queue a prompt (text, or token ids) for generation; ValueError for an invalid request. final_only:
+        """Queue a prompt (text, token ids, or vLLM's TextPrompt / TokensPrompt dict) for generation; ValueError for an invalid request. final_only:
         one RequestOutput, when it finishes (vLLM's FINAL_ONLY; offline `LLM.generate`), not one every step, as
         ``sampling_params.output_kind=RequestOutputKind.FINAL_ONLY`` asks too (DELTA: outputs of new text only)."""
         pooling, params = split_params(sampling_params, self.config.is_pooling)

@@ -11,7 +11,23 @@ from fxrewrite.errors import UserInputError, UserTypeError, check_unicode, is_in
 def tokenize_prompt(tokenizer: Any, vocab_size: int, prompt: str | list[int]) -> tuple[str | None, list[int]]:
     """(the prompt's text or None for token ids, its token ids). UserInputError naming the bad value: a token
     id outside [0, vocab_size), an empty prompt, invalid unicode; UserTypeError (also a ValueError) for a non-int
-    element or another prompt type."""
+    element or another prompt type. vLLM's prompt dicts (TextPrompt {"prompt": text}, TokensPrompt
+    {"prompt_token_ids": ids}, whose "prompt" is then ignored) are taken as their text / ids, as `LLM.generate`
+    takes them (`LLMEngine.add_request` is called with them by vLLM users driving the engine)."""
+    if isinstance(prompt, dict):
+        if prompt.get("multi_modal_data") is not None:  # not dropped silently
+            raise UserInputError("multi_modal_data is not supported: the engine serves text-only decoder models")
+        if "prompt_token_ids" in prompt:
+            prompt = prompt["prompt_token_ids"]
+            if not isinstance(prompt, (list, tuple)):  # a string here is no text prompt
+                raise UserTypeError(f"prompt_token_ids must be a list of token ids (ints), got "
+                                    f"{type(prompt).__name__} {prompt!r:.60}")
+        elif "prompt" in prompt:
+            prompt = prompt["prompt"]
+            if not isinstance(prompt, str):
+                raise UserTypeError(f"a TextPrompt's 'prompt' must be a string, got {type(prompt).__name__}")
+        else:
+            raise UserInputError(f"prompt {prompt!r:.80} has neither 'prompt' nor 'prompt_token_ids'")
     if isinstance(prompt, str):
         token_ids = tokenizer.encode(check_unicode(prompt, "prompt"))
         text = prompt
@@ -27,7 +43,8 @@ def tokenize_prompt(tokenizer: Any, vocab_size: int, prompt: str | list[int]) ->
         i, bad = next((i, t) for i, t in enumerate(prompt) if not is_integer(t))
         raise UserTypeError(f"prompt token ids must be ints: element {i} is {type(bad).__name__} {bad!r}")
     else:
-        raise UserTypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        raise UserTypeError(f"prompt must be a string, a list of token ids or a TextPrompt / TokensPrompt dict, got "
+                            f"{type(prompt).__name__}")
     if not token_ids:
         raise UserInputError("prompt is empty: at least 1 token is needed")
     return text, token_ids

@@ -92,3 +92,22 @@ def test_an_id_taken_again_gets_nothing_of_the_step_its_old_request_left_in_flig
         outs += engine.step()
     assert [len(o.outputs) for o in outs] == [1] * len(outs)
     assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, 4))  # one new token an output, from the first
+
+
+def test_add_request_takes_vllms_prompt_dicts(engine):
+    """vLLM's `LLMEngine.add_request(request_id, prompt, params)` takes TextPrompt / TokensPrompt dicts (its
+    PromptType); here they were a UserTypeError "prompt must be a string or a list of token ids, got dict"."""
+    ids = engine.tokenizer.encode("1 2 3")
+    params = SamplingParams(temperature=0, max_tokens=3, output_kind=RequestOutputKind.FINAL_ONLY)
+    for rid, prompt in (("text", "1 2 3"), ("d-text", {"prompt": "1 2 3"}), ("d-ids", {"prompt_token_ids": ids})):
+        engine.add_request(rid, prompt, params)
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in engine.step())
+    assert outs["d-ids"].prompt_token_ids == outs["d-text"].prompt_token_ids == ids
+    assert outs["d-ids"].outputs[0].token_ids == outs["d-text"].outputs[0].token_ids == outs["text"].outputs[0].token_ids
+    with pytest.raises(ValueError, match="has neither 'prompt' nor 'prompt_token_ids'"):
+        engine.add_request("bad", {"text": "1 2 3"}, params)
+    with pytest.raises(ValueError, match="prompt_token_ids must be a list of token ids"):
+        engine.add_request("bad", {"prompt_token_ids": "1 2 3"}, params)
+    assert not engine.has_unfinished_requests()
