@@ -28,17 +28,17 @@ def _needs_grad(x: torch.Tensor) -> bool:
 def _fused_down(x: torch.Tensor, down: nn.Module | None) -> bool:
     """Whether ``down(act(x))`` may run as one Function that does not save act(x) (`act_and_mul_down_train`):
     autograd records, the Triton kernels run (eager, or as custom ops under torch.compile), and ``down`` is a plain ``nn.Linear`` of this dtype
-    without hooks of its own (a LoRA wrapper, a sharded or hooked layer is called as it is), outside
-    batch-invariant mode."""
+    without hooks of its own, backward ones included, or a forward put on its instance (`unhooked`: a LoRA wrapper, a
+    sharded or hooked layer is called as it is), outside batch-invariant mode."""
     return (down is not None and type(down) is nn.Linear and torch.is_grad_enabled() and x.requires_grad
-            and not (down._forward_hooks or down._forward_pre_hooks) and down.weight.dtype == x.dtype
+            and unhooked(down) and down.weight.dtype == x.dtype
             and (use_triton(x) or compiled_training_kernels(x)) and not is_batch_invariant())  # batch-invariant: down as the engine runs it
 
 
 def replaced_activation(layer: nn.Module) -> nn.Module | None:
     """The module to call in place of `layer`'s fused activation, else None: the MLP's activation child that the
-    rewrite replaced (`SOURCE_ACT_ATTR`: the MLP, the child's name, the child), when a hook is on it (or a global
-    module hook is set), or another module now in its place (``mlp.act_fn = ...`` after `optimize`): it then runs
+    rewrite replaced (`SOURCE_ACT_ATTR`: the MLP, the child's name, the child), when a hook or a forward of its own
+    instance is on it (or a global module hook is set), or another module now in its place (``mlp.act_fn = ...`` after `optimize`): it then runs
     on the gate half, as the stock forward calls it."""
     held = layer.__dict__.get(SOURCE_ACT_ATTR)
     if held is None:

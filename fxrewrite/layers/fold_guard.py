@@ -8,9 +8,9 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
-from fxrewrite.signature import BOUND_ATTR
+from fxrewrite.signature import BOUND_ATTR, instance_forward
 
-__all__ = ["fused_call_allowed", "global_module_hooks", "runs_bound_forward", "unhooked"]
+__all__ = ["foreign_forward", "fused_call_allowed", "global_module_hooks", "runs_bound_forward", "unhooked"]
 
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
@@ -32,8 +32,17 @@ def global_module_hooks() -> bool:
     return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks)
 
 
+def foreign_forward(module: nn.Module) -> bool:
+    """A ``forward`` was put on `module`'s instance by someone other than fxrewrite (``module.forward = ...``, a
+    `functools.partial`, accelerate's ``add_hook_to_module``): calling the module runs it, so it is a hook too."""
+    own, bound = instance_forward(module), module.__dict__.get(BOUND_ATTR)
+    return own is not None and (bound is None or own is not bound[1])
+
+
 def unhooked(*modules: nn.Module) -> bool:
-    """No forward / backward hook on any of `modules`, and no global module hook."""
+    """No forward / backward hook on any of `modules`, no forward put on one's instance since (`foreign_forward`; a
+    fresh user's find: one on ``lm_head``, ``act_fn`` or ``down_proj`` set after optimize was silently skipped by
+    the fused loss / activation), and no global module hook."""
     if global_module_hooks():
         return False
-    return not any(m.__dict__.get(h) for m in modules for h in _HOOKS)
+    return not any(m.__dict__.get(h) for m in modules for h in _HOOKS) and not any(map(foreign_forward, modules))

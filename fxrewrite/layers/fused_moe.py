@@ -92,7 +92,7 @@ class FusedExperts(nn.Module):
         for name in self.__dict__.get(_KEPT_ATTR, ()):
             now = self._modules.get(name)
             kept = now is not None and now.__dict__.get(_KEPT_ATTR)
-            if not kept or any(now.__dict__.get(h) for h in HOOK_DICTS):
+            if not kept or any(now.__dict__.get(h) for h in HOOK_DICTS) or "forward" in now.__dict__:
                 raise RuntimeError(f"experts.{name} was {'hooked' if kept else 'replaced'} after "
                                    "fxrewrite.optimize, but the fused experts compute the activation proven then "
                                    "(SiLU-and-mul), not this module: make the change before optimize (an experts "

@@ -193,6 +193,49 @@ def test_a_hook_on_the_lm_head_after_optimize_runs_in_a_training_call():
     torch.testing.assert_close(out.loss, stock(ids, labels=ids).loss, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("triton", [False, True])
+def test_forwards_and_backward_hooks_put_on_fused_over_modules_after_optimize_run(triton, monkeypatch):
+    """A fresh user's finds: a ``forward`` put on the instance of ``lm_head`` or ``mlp.act_fn`` after optimize (as
+    ``module.forward = ...`` or accelerate's ``add_hook_to_module`` do) was skipped by a training call, silently
+    (the fused loss and SiLU-and-mul never call them); with the Triton kernels (a GPU's path, here the interpreter)
+    so were such a forward and a full backward hook on ``down_proj``, which the activation + down Function bypasses.
+    Each now runs, with stock's loss and gradients."""
+    import types
+
+    if triton:
+        from tests.triton_cpu import require_interpreter
+
+        require_interpreter()
+        monkeypatch.setenv("FXREWRITE_TRITON", "1")
+
+    def halve_forward(module, calls):
+        def forward(self, x):
+            calls.append(1)
+            return type(self).forward(self, x) * 0.5
+        module.forward = types.MethodType(forward, module)
+
+    def halve_input_grad(module, calls):
+        module.register_full_backward_hook(lambda m, gin, gout: (calls.append(1), (gin[0] * 0.5,))[1])
+
+    cases = [(lambda m: m.lm_head, halve_forward), (lambda m: m.model.layers[0].mlp.act_fn, halve_forward),
+             (lambda m: m.model.layers[1].mlp.down_proj, halve_forward),
+             (lambda m: m.model.layers[1].mlp.down_proj, halve_input_grad)]
+    ids = torch.tensor([[5, 6, 7, 8, 9], [9, 8, 7, 6, 5]])
+    for where, put in cases:
+        stock = tiny_model("llama").train()
+        model = fxrewrite.optimize(copy.deepcopy(stock)).train()
+        calls = {"stock": [], "fused": []}
+        put(where(stock), calls["stock"])
+        put(where(model), calls["fused"])
+        loss, want = model(ids, labels=ids).loss, stock(ids, labels=ids).loss
+        loss.backward(), want.backward()
+        assert len(calls["fused"]) == len(calls["stock"]) == 1
+        torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+        for name in ("embed_tokens", "layers.0.self_attn.o_proj", "layers.1.mlp.down_proj"):
+            torch.testing.assert_close(model.model.get_submodule(name).weight.grad,
+                                       stock.model.get_submodule(name).weight.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_forward_hooks_on_a_residual_folded_norm_see_transformers_call(arch):
     """A norm the residual fold calls as norm(x, residual): forward (pre-)hooks registered after optimize see

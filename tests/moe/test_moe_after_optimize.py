@@ -67,7 +67,8 @@ def test_a_change_after_optimize_is_honoured(family, change):
 
 def test_the_experts_activation_changed_after_optimize_is_refused():
     """transformers' experts module keeps its act_fn; the fused experts keep it at the same path (the stock module
-    tree) and refuse a forward once it is replaced or hooked (a new act_fn had been silently ignored); before
+    tree) and refuse a forward once it is replaced or hooked, or given a forward of its own instance (a new act_fn had
+    been silently ignored); before
     optimize, the same change leaves the block unfused and stock's numbers come out."""
     from transformers.activations import ACT2FN
 
@@ -80,6 +81,11 @@ def test_the_experts_activation_changed_after_optimize_is_refused():
     with pytest.raises(RuntimeError, match=r"experts.act_fn was hooked after fxrewrite.optimize"):
         model(ids)
     handle.remove()
+    model(ids)
+    experts.act_fn.forward = lambda x: x  # a forward put on its instance is a hook too (it was silently ignored)
+    with pytest.raises(RuntimeError, match=r"experts.act_fn was hooked after fxrewrite.optimize"):
+        model(ids)
+    del experts.act_fn.forward
     model(ids)
     experts.act_fn = ACT2FN["gelu"]
     with pytest.raises(RuntimeError, match=r"experts.act_fn was replaced after fxrewrite.optimize"):
