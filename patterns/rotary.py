@@ -112,12 +112,27 @@ class RotaryCosSin(nn.Module):
         """(x, position_ids [B, S]), by position or keyword -> (cos, sin) [B, S, rotary_dim] in x's dtype."""
         bound = dict(zip(self.arg_names, args), **kwargs)
         x, positions = bound[self.arg_names[0]], bound[self.arg_names[1]]
+        rescale = self._rescale()
+        if rescale is not None:  # attention_scaling set since optimize: transformers multiplies by it in float32
+            cos, sin = self.rope.get_cos_sin(positions, dtype=torch.float32)
+            return (cos * rescale).to(x.dtype), (sin * rescale).to(x.dtype)
         cos, sin = self.rope.get_cos_sin(positions, dtype=x.dtype)
         table = self.rope.cos_sin_table(x.dtype)  # cos / sin are its rows `positions` when it exists
         if table is not None and self.rope.is_neox_style and _one_row(positions, table.device):
             half = self.rope.rotary_dim // 2
             remember_cos_sin(cos, sin, positions[0], table[:, half: 3 * half])
         return cos, sin
+
+
+    def _rescale(self) -> float | None:
+        """new / proven ``attention_scaling`` once the user set another on this module after `optimize` (transformers'
+        forward multiplies cos and sin by the attribute at each call; the cached table holds the proven factor: a
+        fresh user's find, a new value was silently ignored), else None."""
+        kept = self.kept_attributes.get("attention_scaling")
+        now = self.__dict__.get("attention_scaling", kept)
+        if now is kept or not isinstance(kept, (int, float)) or not kept or now == kept:
+            return None
+        return now / kept
 
 
 def _one_row(positions: torch.Tensor, device: torch.device) -> bool:

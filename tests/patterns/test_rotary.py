@@ -21,6 +21,29 @@ def _pair(**overrides):
     return stock, fused
 
 
+def test_attention_scaling_set_after_optimize_is_applied():
+    """A fresh user's find: ``model.model.rotary_emb.attention_scaling = ...`` after optimize (transformers' rotary
+    forward multiplies cos / sin by it at each call) was silently ignored, the logits 1-87% off; now cos / sin follow
+    it (a YaRN factor and the default 1.0), and the fused table path returns once it is set back."""
+    for overrides in ({}, {"rope_parameters": YARN, "max_position_embeddings": 131072}):
+        stock, fused = _pair(**overrides)
+        ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(1))
+        proven = stock.model.rotary_emb.attention_scaling
+        for value in (0.5, proven):
+            for m in (stock, fused):
+                m.model.rotary_emb.attention_scaling = value
+            pos = torch.tensor([[0, 3, 40000]])
+            for w, g in zip(stock.model.rotary_emb(torch.zeros(1), pos), fused.model.rotary_emb(torch.zeros(1), pos)):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+            with torch.no_grad():
+                torch.testing.assert_close(fused.eval()(ids).logits, stock.eval()(ids).logits, rtol=1e-5, atol=1e-5)
+            fused.train()(ids, labels=ids).loss.backward()
+            stock.train()(ids, labels=ids).loss.backward()
+            torch.testing.assert_close(fused.model.layers[0].self_attn.o_proj.weight.grad,
+                                       stock.model.layers[0].self_attn.o_proj.weight.grad, rtol=1e-5, atol=1e-6)
+            assert (fused.model.rotary_emb._rescale() is None) == (value == proven)
+
+
 def test_yarn_cos_sin_and_logits_past_original_length():
     stock, fused = _pair(rope_parameters=YARN, max_position_embeddings=131072)
     assert isinstance(fused.model.rotary_emb, RotaryCosSin)
