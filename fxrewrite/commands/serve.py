@@ -68,6 +68,8 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
          help="logprobs name tokens 'token_id:<id>' for requests that do not set return_tokens_as_token_ids")
     flag("--enable-force-include-usage", action="store_true",
          help="every streamed response ends with a usage chunk, as with stream_options.include_usage")
+    flag("--enable-prompt-tokens-details", action="store_true",
+         help="usage carries prompt_tokens_details.cached_tokens (prompt tokens the prefix cache served)")
 
 
 def server_options(args: argparse.Namespace):
@@ -81,7 +83,8 @@ def server_options(args: argparse.Namespace):
         raise UserInputError(f"--root-path {args.root_path!r} must start with '/', e.g. '/api'")
     return ServerOptions(response_role=args.response_role, return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                          force_include_usage=args.enable_force_include_usage,
-                         request_id_headers=args.enable_request_id_headers, disable_docs=args.disable_fastapi_docs)
+                         request_id_headers=args.enable_request_id_headers, disable_docs=args.disable_fastapi_docs,
+                         prompt_tokens_details=args.enable_prompt_tokens_details)
 
 
 def uvicorn_kwargs(args: argparse.Namespace) -> dict:

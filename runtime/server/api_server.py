@@ -188,6 +188,7 @@ def _add_routes(app: FastAPI, engine: LLMEngine, names: list[str], completion: O
                 chat: OpenAIServingChat, metrics: ServerMetrics, options: ServerOptions) -> None:
     model_config = engine.model_config
     root = str(getattr(model_config, "model_path", model_config.model))
+    completion.prompt_tokens_details = chat.prompt_tokens_details = options.prompt_tokens_details
 
     @app.get("/health")
     @app.get("/ping")  # vLLM's (SageMaker's health route), GET and POST

@@ -10,10 +10,25 @@ from pydantic import Field, model_serializer
 from fxrewrite.runtime.server.protocol import OpenAIBaseModel, ToolCall, random_id
 
 
+class PromptTokenUsageInfo(OpenAIBaseModel):
+    cached_tokens: int = 0
+    """Prompt tokens read from the prefix cache instead of computed."""
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
+    """Only with serve's --enable-prompt-tokens-details, and only when some prompt tokens were cached (vLLM's
+    rule); left out of the JSON otherwise."""
+
+    @model_serializer(mode="wrap")
+    def _without_empty_details(self, handler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("prompt_tokens_details") is None:
+            out.pop("prompt_tokens_details", None)
+        return out
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:

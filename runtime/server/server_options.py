@@ -17,14 +17,16 @@ class ServerOptions:
     not set it (--return-tokens-as-token-ids). force_include_usage: every streamed response ends with a usage
     chunk, as if stream_options.include_usage were true (--enable-force-include-usage). request_id_headers: every
     response carries X-Request-Id, the request's own header or a new id (--enable-request-id-headers).
-    disable_docs: no /docs, /redoc, /openapi.json (--disable-fastapi-docs). (--root-path is uvicorn's root_path,
-    `serve.uvicorn_kwargs`.)"""
+    disable_docs: no /docs, /redoc, /openapi.json (--disable-fastapi-docs). prompt_tokens_details: a response's
+    usage carries prompt_tokens_details.cached_tokens when the prefix cache served some of the prompt
+    (--enable-prompt-tokens-details). (--root-path is uvicorn's root_path, `serve.uvicorn_kwargs`.)"""
 
     response_role: str = "assistant"
     return_tokens_as_token_ids: bool = False
     force_include_usage: bool = False
     request_id_headers: bool = False
     disable_docs: bool = False
+    prompt_tokens_details: bool = False
 
     def apply(self, request: SamplingRequest) -> None:
         """Set the server-wide defaults on a validated request (fields the request set itself stay)."""

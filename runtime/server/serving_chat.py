@@ -188,7 +188,8 @@ class OpenAIServingChat(OpenAIServing):
             choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs,
                                       finish_reason=finish_reason(request, c.finish_reason, calls),
                                       stop_reason=c.stop_reason))
-        response = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=_usage(final))
+        response = ChatCompletionResponse(id=request_id, model=model, choices=choices,
+                                          usage=self.with_cached_tokens(_usage(final), final.num_cached_tokens))
         if request.prompt_logprobs is not None:
             response.prompt_logprobs = prompt_logprobs_json(final.prompt_logprobs)
         return response
@@ -238,7 +239,7 @@ class OpenAIServingChat(OpenAIServing):
                             stop_reason=d.choice.stop_reason if end else None), len(d.choice.token_ids))
             if request.include_usage() and last is not None:
                 body = ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
-                                                    usage=_usage(last))
+                                                    usage=self.with_cached_tokens(_usage(last), last.num_cached_tokens))
                 yield sse(body.model_dump_json())
         except Exception as e:
             yield sse_error(e)

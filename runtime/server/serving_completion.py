@@ -103,9 +103,10 @@ class OpenAIServingCompletion(OpenAIServing):
         choices = []
         for i, output in enumerate(finals):
             choices.extend(self._choices(request, i, output, echo_texts[i]))
-        usage = _usage(finals)
+        usage = self.with_cached_tokens(_usage(finals), sum(o.num_cached_tokens for o in finals))
         if request.max_tokens == 0:  # the one token generated for nothing is not reported
-            usage = UsageInfo(prompt_tokens=usage.prompt_tokens, completion_tokens=0, total_tokens=usage.prompt_tokens)
+            usage = UsageInfo(prompt_tokens=usage.prompt_tokens, completion_tokens=0, total_tokens=usage.prompt_tokens,
+                              prompt_tokens_details=usage.prompt_tokens_details)
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
     async def _stream(self, request: CompletionRequest, model: str, request_id: str, ids: list[str],
@@ -138,8 +139,10 @@ class OpenAIServingCompletion(OpenAIServing):
                                                      usage=usage)
                     yield sse(chunk.model_dump_json())
             if request.include_usage():
+                outputs = list(last.values())
+                usage = self.with_cached_tokens(_usage(outputs), sum(o.num_cached_tokens for o in outputs))
                 chunk = CompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
-                                                 usage=_usage(list(last.values())))
+                                                 usage=usage)
                 yield sse(chunk.model_dump_json())
         except Exception as e:
             yield sse_error(e)

@@ -21,6 +21,7 @@ from fxrewrite.runtime.server.async_tokenizer import AsyncTokenizer
 from fxrewrite.runtime.server.errors import OpenAIError
 from fxrewrite.runtime.server.prompt_bound import PromptTooLong, encode_bounded
 from fxrewrite.runtime.server.protocol import SamplingRequest
+from fxrewrite.runtime.server.protocol_responses import PromptTokenUsageInfo, UsageInfo
 from fxrewrite.runtime.server.request_params import logit_bias_of
 
 if TYPE_CHECKING:
@@ -58,6 +59,8 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str],
                  generation_defaults: dict[str, Any] | None = None, async_tokenizer: AsyncTokenizer | None = None):
         self.engine = engine
+        self.prompt_tokens_details = False
+        """Usage carries prompt_tokens_details.cached_tokens (serve's --enable-prompt-tokens-details)."""
         self.served_model_names = list(served_model_names)
         self.generation_defaults = dict(generation_defaults or {})
         self.tokenizer = engine.engine.tokenizer
@@ -67,6 +70,13 @@ class OpenAIServing:
         """What a request without max_tokens may fill: max_model_len, or less when the KV cache holds less."""
         self.vocab_size = int(engine.engine.model_config.vocab_size)
         """The model's vocabulary (its logits' width): the bound of prompt ids and logit_bias keys, as offline."""
+
+    def with_cached_tokens(self, usage: UsageInfo, cached_tokens: int) -> UsageInfo:
+        """`usage` with prompt_tokens_details.cached_tokens (the prompt tokens read from the prefix cache) when
+        --enable-prompt-tokens-details is on and some were, as vLLM reports them."""
+        if self.prompt_tokens_details and cached_tokens:
+            usage.prompt_tokens_details = PromptTokenUsageInfo(cached_tokens=cached_tokens)
+        return usage
 
     def top_count(self, n: int) -> int:
         """How many top logprobs a response shows for a request's count `n`: -1 (vLLM's "the whole vocabulary") is

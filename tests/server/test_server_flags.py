@@ -1,6 +1,7 @@
 """`fxrewrite serve`'s server-wide flags (vLLM's), each through a real app: GET /v1/models/{id} on the shared
 server, and a second server started with --disable-uvicorn-access-log, --disable-fastapi-docs, --root-path,
---enable-request-id-headers, --response-role, --return-tokens-as-token-ids and --enable-force-include-usage."""
+--enable-request-id-headers, --response-role, --return-tokens-as-token-ids, --enable-force-include-usage and
+--enable-prompt-tokens-details."""
 
 import json
 
@@ -10,7 +11,8 @@ from tests.server.conftest import API_KEY, MODEL_NAME, cli_server
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 FLAGS = ["--disable-uvicorn-access-log", "--disable-fastapi-docs", "--root-path", "/api", "--enable-request-id-headers",
-         "--response-role", "bot", "--return-tokens-as-token-ids", "--enable-force-include-usage"]
+         "--response-role", "bot", "--return-tokens-as-token-ids", "--enable-force-include-usage",
+         "--enable-prompt-tokens-details"]
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +95,27 @@ def test_force_include_usage(flagged):
                                                            "stream": True}, headers=AUTH, timeout=60)
     last = json.loads([line for line in completion.text.splitlines() if line.startswith("data: {")][-1][6:])
     assert last["usage"]["completion_tokens"] == 2
+
+
+def test_prompt_tokens_details_count_the_cached_prompt_tokens(flagged, server):
+    """fresh-user report: vLLM's --enable-prompt-tokens-details was an unrecognized argument. With it, usage
+    carries prompt_tokens_details.cached_tokens once the prefix cache served part of the prompt (vLLM's rule:
+    left out when none was); without it, never."""
+    url, _ = flagged
+    prompt = "one two three four five six seven eight nine ten " * 8  # several 16-token blocks
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2}
+    post = lambda base, path, **kw: httpx.post(f"{base}{path}", json={**body, **kw}, headers=AUTH, timeout=60)
+    first = post(url, "/v1/completions").json()["usage"]
+    again = post(url, "/v1/completions").json()["usage"]
+    assert "prompt_tokens_details" not in first  # nothing cached yet
+    cached = again["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cached < again["prompt_tokens"] and cached % 16 == 0
+    stream = post(url, "/v1/completions", stream=True).text.splitlines()
+    assert json.loads([x for x in stream if x.startswith("data: {")][-1][6:])["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": cached}
+    messages = [{"role": "user", "content": prompt}]
+    chat = [post(url, "/v1/chat/completions", messages=messages).json()["usage"] for _ in range(2)]
+    assert chat[1]["prompt_tokens_details"]["cached_tokens"] > 0
+    usage = server.client().chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2).usage
+    again = server.client().chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2).usage
+    assert usage.prompt_tokens_details is None and again.prompt_tokens_details is None  # the flag is off there
