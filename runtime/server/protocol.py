@@ -169,7 +169,7 @@ class SamplingRequest(RequestModel):
     # vLLM extras
     top_k: RequestInt | None = Field(None, ge=-1)
     min_p: StrictFloat | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: StrictFloat | None = Field(None, gt=0.0)
+    repetition_penalty: StrictFloat | None = Field(None, gt=0.0, allow_inf_nan=False)
     ignore_eos: StrictBool = False
     min_tokens: RequestInt = Field(0, ge=0)
     stop_token_ids: list[TokenId] | None = None

@@ -26,7 +26,8 @@ def test_completion_defaults_are_openai_and_sampling_fields_unset():
     [
         {"temperature": -0.1}, {"temperature": float("inf")}, {"top_p": 0}, {"n": 0}, {"max_tokens": 0},
         {"presence_penalty": 3}, {"frequency_penalty": -2.1}, {"logprobs": -2}, {"top_k": -2},
-        {"min_p": 1.5}, {"repetition_penalty": 0}, {"min_tokens": -1}, {"prompt": ""}, {"prompt": []},
+        {"min_p": 1.5}, {"repetition_penalty": 0}, {"repetition_penalty": float("inf")}, {"min_tokens": -1},
+        {"prompt": ""}, {"prompt": []},
         {"stream_options": {"include_usage": True}}, {"min_tokens": 20, "max_tokens": 10}, {"stop": [""]},
         {"prompt": ["a", ""]}, {"max_tokens": 2.5}, {"n": "2"}, {"n": True}, {"prompt": [1.5]},
     ],
