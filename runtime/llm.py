@@ -10,7 +10,8 @@ from typing import Any, Sequence
 
 from fxrewrite.errors import UserInputError, UserTypeError, check_unicode
 from fxrewrite.runtime.engine_config import EngineConfig
-from fxrewrite.runtime.engine.chat import check_role, render_chat, resolve_chat_template, text_parts, with_reasoning
+from fxrewrite.runtime.engine.chat import (as_content_format, check_role, render_chat, resolve_chat_template,
+                                           with_reasoning)
 from fxrewrite.runtime.engine.data_parallel import make_engine
 from fxrewrite.runtime.engine.outputs import RequestOutput
 from fxrewrite.runtime.engine.pooling import EmbeddingRequestOutput, PoolingParams
@@ -287,14 +288,9 @@ def _template_message(message: dict, where: str, content_format: str = "string")
     (`with_reasoning`)."""
     message = with_reasoning(message)
     content = message.get("content")
-    if isinstance(content, list):
-        parts = text_parts(content, where)  # checked, and refusal / input_text parts as text parts
-        return dict(message, content=parts if content_format == "openai" else "\n".join(p["text"] for p in parts))
     if content is None:
         return dict(message, content="")
-    if content_format == "openai":
-        return dict(message, content=[{"type": "text", "text": content}])
-    return message
+    return dict(message, content=as_content_format(content, content_format, where))
 
 
 def _per_prompt(sampling_params, num: int) -> list[SamplingParams]:

@@ -11,6 +11,7 @@ import socket
 from fxrewrite.commands.engine_args import add_engine_arguments, add_model_argument, engine_kwargs
 from fxrewrite.commands.sampling_args import load_chat_template
 from fxrewrite.errors import UserInputError
+from fxrewrite.runtime.llm_compat import CHAT_TEMPLATE_CONTENT_FORMATS, check_content_format
 from fxrewrite.runtime.server.reasoning import REASONING_PARSERS, get_reasoning_parser
 from fxrewrite.runtime.server.tool_parsers import TOOL_PARSERS, get_tool_parser
 
@@ -68,6 +69,9 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
          help="logprobs name tokens 'token_id:<id>' for requests that do not set return_tokens_as_token_ids")
     flag("--enable-force-include-usage", action="store_true",
          help="every streamed response ends with a usage chunk, as with stream_options.include_usage")
+    flag("--chat-template-content-format", choices=CHAT_TEMPLATE_CONTENT_FORMATS, default="auto",
+         help="message content as the chat template gets it: 'string' (text parts joined; what 'auto' does here) "
+              "or 'openai' (the list of {'type': 'text', 'text': ...} parts)")
     flag("--enable-prompt-tokens-details", action="store_true",
          help="usage carries prompt_tokens_details.cached_tokens (prompt tokens the prefix cache served)")
 
@@ -84,7 +88,8 @@ def server_options(args: argparse.Namespace):
     return ServerOptions(response_role=args.response_role, return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                          force_include_usage=args.enable_force_include_usage,
                          request_id_headers=args.enable_request_id_headers, disable_docs=args.disable_fastapi_docs,
-                         prompt_tokens_details=args.enable_prompt_tokens_details)
+                         prompt_tokens_details=args.enable_prompt_tokens_details,
+                         chat_template_content_format=check_content_format(args.chat_template_content_format))
 
 
 def uvicorn_kwargs(args: argparse.Namespace) -> dict:

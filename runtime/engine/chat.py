@@ -73,6 +73,14 @@ def join_text_parts(content: object, where: str) -> object:
     return "\n".join(part["text"] for part in text_parts(content, where))
 
 
+def as_content_format(content: object, content_format: str, where: str) -> object:
+    """A message's content in vLLM's chat_template_content_format: "string", text parts joined (`join_text_parts`);
+    "openai", a list of ``{"type": "text", "text": ...}`` parts (a string becomes one). None stays None."""
+    if content_format != "openai" or content is None:
+        return join_text_parts(content, where)
+    return text_parts(content, where) if isinstance(content, list) else [{"type": "text", "text": content}]
+
+
 def with_reasoning(message: dict) -> dict:
     """`message` with an assistant turn's reasoning (an earlier reply's, sent back) under both `reasoning` and
     `reasoning_content`, whichever it came as (Qwen3's template reads the second), as vLLM passes it; another

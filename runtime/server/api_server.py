@@ -189,6 +189,7 @@ def _add_routes(app: FastAPI, engine: LLMEngine, names: list[str], completion: O
     model_config = engine.model_config
     root = str(getattr(model_config, "model_path", model_config.model))
     completion.prompt_tokens_details = chat.prompt_tokens_details = options.prompt_tokens_details
+    chat.content_format = options.chat_template_content_format
 
     @app.get("/health")
     @app.get("/ping")  # vLLM's (SageMaker's health route), GET and POST

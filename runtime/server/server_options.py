@@ -19,7 +19,9 @@ class ServerOptions:
     response carries X-Request-Id, the request's own header or a new id (--enable-request-id-headers).
     disable_docs: no /docs, /redoc, /openapi.json (--disable-fastapi-docs). prompt_tokens_details: a response's
     usage carries prompt_tokens_details.cached_tokens when the prefix cache served some of the prompt
-    (--enable-prompt-tokens-details). (--root-path is uvicorn's root_path, `serve.uvicorn_kwargs`.)"""
+    (--enable-prompt-tokens-details). chat_template_content_format: "string" (a message's text parts joined) or
+    "openai" (the list of text parts), as the chat template gets message content (--chat-template-content-format;
+    "auto" is "string" here). (--root-path is uvicorn's root_path, `serve.uvicorn_kwargs`.)"""
 
     response_role: str = "assistant"
     return_tokens_as_token_ids: bool = False
@@ -27,6 +29,7 @@ class ServerOptions:
     request_id_headers: bool = False
     disable_docs: bool = False
     prompt_tokens_details: bool = False
+    chat_template_content_format: str = "string"
 
     def apply(self, request: SamplingRequest) -> None:
         """Set the server-wide defaults on a validated request (fields the request set itself stay)."""

@@ -10,8 +10,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from fxrewrite.errors import UserInputError
-from fxrewrite.runtime.engine.chat import (ChatTemplateError, check_generation_mode, check_template_kwargs,
-                                           check_template_syntax, render_chat, template_renders_tools)
+from fxrewrite.runtime.engine.chat import (ChatTemplateError, as_content_format, check_generation_mode,
+                                           check_template_kwargs, check_template_syntax, render_chat,
+                                           template_renders_tools)
 from fxrewrite.runtime.server.async_engine import StepOutput
 from fxrewrite.runtime.server.errors import OpenAIError
 from fxrewrite.runtime.server.logprobs import chat_logprobs
@@ -66,6 +67,8 @@ class OpenAIServingChat(OpenAIServing):
         self.tool_parser = tool_parser
         self.trust_request_chat_template = trust_request_chat_template
         self.reasoning_parser = reasoning_parser
+        self.content_format = "string"
+        """vLLM's --chat-template-content-format: "string" (text parts joined) or "openai" (lists of text parts)."""
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request):
         model = self.model_name(request.model)
@@ -127,7 +130,7 @@ class OpenAIServingChat(OpenAIServing):
                               "use /v1/completions or start the server with --chat-template",
                               param="messages", code="no_chat_template")
         try:
-            messages = [m.to_template_dict(f"messages.{i}") for i, m in enumerate(request.messages)]
+            messages = _template_messages(request, self.content_format)
         except ValueError as e:
             raise OpenAIError(HTTPStatus.BAD_REQUEST, str(e) if str(e).startswith("messages.") else f"messages: {e}",
                               param="messages", code="invalid_value") from None
@@ -246,6 +249,17 @@ class OpenAIServingChat(OpenAIServing):
         finally:
             self.abort_all(ids)
         yield sse("[DONE]")
+
+
+def _template_messages(request: ChatCompletionRequest, content_format: str) -> list[dict]:
+    """The request's messages as the chat template gets them (`ChatMessage.to_template_dict`), their content in
+    `content_format` (`as_content_format`); ValueError naming the message for a part that is not text."""
+    messages = [m.to_template_dict(f"messages.{i}") for i, m in enumerate(request.messages)]
+    if content_format == "openai":
+        for i, (m, message) in enumerate(zip(request.messages, messages)):
+            parts = [p.model_dump() for p in m.content] if isinstance(m.content, list) else message["content"]
+            message["content"] = as_content_format(parts, "openai", f"messages.{i}")
+    return messages
 
 
 def _usage(output: StepOutput) -> UsageInfo:

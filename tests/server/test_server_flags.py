@@ -119,3 +119,20 @@ def test_prompt_tokens_details_count_the_cached_prompt_tokens(flagged, server):
     usage = server.client().chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2).usage
     again = server.client().chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2).usage
     assert usage.prompt_tokens_details is None and again.prompt_tokens_details is None  # the flag is off there
+
+
+def test_chat_template_content_format_openai_gives_the_template_lists_of_text_parts(tiny_model_dir):
+    """fresh-user report: vLLM's --chat-template-content-format was an unrecognized argument. With 'openai' the
+    template gets each message's content as a list of text parts (a string content as one part)."""
+    template = ("{% for m in messages %}{{ m['role'] }}:{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %};"
+                "{% endfor %}")
+    messages = [{"role": "user", "content": "a"},
+                {"role": "assistant", "content": [{"type": "text", "text": "b"}, {"type": "refusal", "refusal": "c"}]}]
+    with cli_server(tiny_model_dir("qwen3"), "--chat-template", template,
+                    "--chat-template-content-format", "openai") as (url, _, _app, _uv):
+        ids = httpx.post(f"{url}/tokenize", json={"messages": messages, "add_generation_prompt": False},
+                         headers=AUTH, timeout=60).json()["tokens"]
+        text = httpx.post(f"{url}/detokenize", json={"tokens": ids}, headers=AUTH, timeout=60).json()["prompt"]
+        assert text == "user:[a];assistant:[b][c];"
+        assert _chat(url, messages=messages).json()["usage"]["prompt_tokens"] == len(ids)  # the template has no
+        # generation prompt: the chat request renders the same text
