@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import socket
+import ssl
 
 from fxrewrite.commands.engine_args import add_engine_arguments, add_model_argument, engine_kwargs
 from fxrewrite.commands.sampling_args import load_chat_template
@@ -69,6 +70,11 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
          help="logprobs name tokens 'token_id:<id>' for requests that do not set return_tokens_as_token_ids")
     flag("--enable-force-include-usage", action="store_true",
          help="every streamed response ends with a usage chunk, as with stream_options.include_usage")
+    flag("--ssl-keyfile", default=None, help="the TLS private key file (PEM): serve HTTPS (uvicorn's ssl_keyfile)")
+    flag("--ssl-certfile", default=None, help="the TLS certificate chain file (PEM): serve HTTPS")
+    flag("--ssl-ca-certs", default=None, help="CA certificates (PEM) to verify client certificates with")
+    flag("--ssl-cert-reqs", type=int, default=0, help="whether client certificates are required (Python's "
+         "ssl.CERT_NONE 0, CERT_OPTIONAL 1, CERT_REQUIRED 2)")
     flag("--chat-template-content-format", choices=CHAT_TEMPLATE_CONTENT_FORMATS, default="auto",
          help="message content as the chat template gets it: 'string' (text parts joined; what 'auto' does here) "
               "or 'openai' (the list of {'type': 'text', 'text': ...} parts)")
@@ -93,8 +99,27 @@ def server_options(args: argparse.Namespace):
 
 
 def uvicorn_kwargs(args: argparse.Namespace) -> dict:
-    """uvicorn.Config arguments of the parsed flags (`run_server`'s uvicorn_kwargs)."""
-    return {"root_path": args.root_path.rstrip("/"), "access_log": not args.disable_uvicorn_access_log}
+    """uvicorn.Config arguments of the parsed flags (`run_server`'s uvicorn_kwargs): the TLS files are checked here
+    (UserInputError naming the flag for a key or certificate that does not load), so that `run` refuses them
+    before the model loads, not when uvicorn starts after it."""
+    kwargs = {"root_path": args.root_path.rstrip("/"), "access_log": not args.disable_uvicorn_access_log}
+    if args.ssl_keyfile or args.ssl_certfile or args.ssl_ca_certs:
+        if not args.ssl_certfile:
+            raise UserInputError("--ssl-keyfile / --ssl-ca-certs need --ssl-certfile (the certificate to serve)")
+        if args.ssl_cert_reqs not in (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED):
+            raise UserInputError(f"--ssl-cert-reqs {args.ssl_cert_reqs}: expected 0 (none), 1 (optional) or 2 "
+                                 "(required)")
+        try:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+            if args.ssl_ca_certs:
+                context.load_verify_locations(args.ssl_ca_certs)
+        except (OSError, ssl.SSLError) as e:  # FileNotFoundError is an OSError; a bad PEM an SSLError
+            raise UserInputError(f"--ssl-certfile {args.ssl_certfile!r} / --ssl-keyfile {args.ssl_keyfile!r} / "
+                                 f"--ssl-ca-certs {args.ssl_ca_certs!r} do not load: {e}") from None
+        kwargs.update(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+                      ssl_cert_reqs=args.ssl_cert_reqs)
+    return kwargs
 
 
 def _json_strings(flag: str):
@@ -194,10 +219,12 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port < 65536:
         raise UserInputError(f"--port {args.port} is not a TCP port (1..65535, or 0 for a free one)")
+    server_kwargs = uvicorn_kwargs(args)  # a TLS file that does not load is refused before the model loads
+    scheme = "https" if "ssl_certfile" in server_kwargs else "http"
     with bind_socket(args.host, args.port) as sock:
         engine, app = build_server_app(args)
         name, port = app.state.served_model_names[0], sock.getsockname()[1]
         host = f"[{args.host}]" if ":" in args.host else args.host
-        print(f"fxrewrite serve: {name} ({engine.model_config.model_path}) on http://{host}:{port}/v1", flush=True)
-        run_server(app, sock, log_level=args.uvicorn_log_level, **uvicorn_kwargs(args))
+        print(f"fxrewrite serve: {name} ({engine.model_config.model_path}) on {scheme}://{host}:{port}/v1", flush=True)
+        run_server(app, sock, log_level=args.uvicorn_log_level, **server_kwargs)
     return 0

@@ -136,3 +136,29 @@ def test_chat_template_content_format_openai_gives_the_template_lists_of_text_pa
         assert text == "user:[a];assistant:[b][c];"
         assert _chat(url, messages=messages).json()["usage"]["prompt_tokens"] == len(ids)  # the template has no
         # generation prompt: the chat request renders the same text
+
+
+def test_ssl_flags_serve_https_and_a_bad_file_is_refused_before_loading(tiny_model_dir, tmp_path):
+    """fresh-user report: vLLM's --ssl-keyfile / --ssl-certfile were unrecognized arguments."""
+    import shutil
+    import subprocess
+
+    from fxrewrite.cli import build_parser
+    from fxrewrite.commands.serve import uvicorn_kwargs
+    from fxrewrite.errors import UserInputError
+
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    with cli_server(tiny_model_dir("qwen3"), "--ssl-keyfile", str(key), "--ssl-certfile", str(cert)) as (url, *_):
+        https = url.replace("http://", "https://")
+        got = httpx.get(f"{https}/v1/models", headers=AUTH, verify=str(cert), timeout=30)
+        assert got.json()["data"][0]["id"] == MODEL_NAME
+    for bad in (["--ssl-certfile", str(tmp_path / "missing.pem")], ["--ssl-certfile", str(key)],
+                ["--ssl-keyfile", str(key)]):
+        args = build_parser().parse_args(["serve", "m", *bad])
+        with pytest.raises(UserInputError, match="--ssl-"):
+            uvicorn_kwargs(args)
