@@ -145,6 +145,7 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError(HTTPStatus.BAD_REQUEST, str(e), param="continue_final_message",
                               code="invalid_value") from None
         kwargs = {k: v for k, v in (request.chat_template_kwargs or {}).items() if k != "chat_template"}
+        kwargs = {**_documents(request), **kwargs}  # as vLLM's: chat_template_kwargs win
         try:
             check_template_kwargs(kwargs)
         except UserInputError as e:
@@ -260,6 +261,21 @@ def _template_messages(request: ChatCompletionRequest, content_format: str) -> l
             parts = [p.model_dump() for p in m.content] if isinstance(m.content, list) else message["content"]
             message["content"] = as_content_format(parts, "openai", f"messages.{i}")
     return messages
+
+
+def _documents(request: ChatCompletionRequest) -> dict:
+    """vLLM's `documents` field (a list of {"title": ..., "text": ...} objects that RAG chat templates read) as
+    the template variable of that name; {} when unset; 400 naming the field when it is not a list of objects of
+    strings."""
+    documents = (request.model_extra or {}).get("documents")
+    if documents is None:
+        return {}
+    if not isinstance(documents, list) or not all(
+            isinstance(d, dict) and all(isinstance(v, str) for v in d.values()) for d in documents):
+        raise OpenAIError(HTTPStatus.BAD_REQUEST, f"documents: expected a list of objects of strings (such as "
+                          f"{{'title': ..., 'text': ...}}), got {documents!r:.100}", param="documents",
+                          code="invalid_value")
+    return {"documents": documents}
 
 
 def _usage(output: StepOutput) -> UsageInfo:

@@ -183,3 +183,20 @@ def test_chat_template_kwargs_that_clash_with_the_renderer_are_400(server, kwarg
             if path == "/v1/tokenize":
                 body.pop("max_tokens")
             assert needle in _error(http.post(path, json=body), 400, "chat_template_kwargs")
+
+
+def test_documents_reach_the_chat_template_as_in_vllm(server, monkeypatch, caplog):
+    """fresh-user report: vLLM's `documents` field (RAG templates read it) was logged as ignored and the prompt
+    rendered without the documents."""
+    template = ("{% for d in documents or [] %}<{{ d['title'] }}:{{ d['text'] }}>{% endfor %}"
+                "{{ messages[0]['content'] }}")
+    monkeypatch.setattr(server.app.state.serving_chat, "chat_template", template)
+    tok, docs = server.engine.tokenizer, [{"title": "Paris", "text": "is the capital of France"}]
+    with caplog.at_level("WARNING", logger="fxrewrite.runtime.server.protocol"), server.http() as http:
+        usage = [http.post("/v1/chat/completions", json={**CHAT, **extra}).json()["usage"]["prompt_tokens"]
+                 for extra in ({"documents": docs}, {})]
+        bad = http.post("/v1/chat/completions", json={**CHAT, "documents": [{"title": 5}]})
+    assert usage == [len(tok.encode("<Paris:is the capital of France>Name a colour.", add_special_tokens=False)),
+                     len(tok.encode("Name a colour.", add_special_tokens=False))]
+    assert "ignored" not in caplog.text
+    assert "documents: expected a list of objects of strings" in _error(bad, 400, "documents")
