@@ -45,7 +45,7 @@ from fxrewrite.runtime.model_files.config_checks import check_weights_fit, confi
 from fxrewrite.runtime.model_files.default_model import default_model_path
 from fxrewrite.runtime.model_files.loader import load_weights, materialize
 from fxrewrite.errors import UserInputError
-from fxrewrite.runtime.models.registry import NATIVE_MODELS, get_native_model_cls
+from fxrewrite.runtime.models.registry import get_native_model_cls, resolve_model_impl as resolve_impl
 from fxrewrite.runtime.models.transformers_backend import TransformersForCausalLM
 from fxrewrite.sharding import shard_model
 
@@ -105,16 +105,8 @@ _VOCAB_PADDING = 1024  # LM-head rows a checkpoint may pad past its tokenizer (Q
 
 
 def resolve_model_impl(config: EngineConfig, model_config) -> str:
-    """"native" or "transformers"; auto picks native when the architecture has a native class."""
-    native = get_native_model_cls(model_config.architectures)
-    if config.model_impl == "native" and native is None:
-        raise UserInputError(
-            f"model_impl='native': no native implementation for {model_config.architectures}; native ones: "
-            f"{sorted(NATIVE_MODELS)}; use model_impl='transformers' (or 'auto')"
-        )
-    if config.model_impl == "auto":
-        return "native" if native is not None else "transformers"
-    return config.model_impl
+    """"native" or "transformers" for config.model_impl (`registry.resolve_model_impl`)."""
+    return resolve_impl(config.model_impl, model_config)
 
 
 def build_model(config: EngineConfig, model_config, device: torch.device, stage: PipelineStage | None = None) -> nn.Module:

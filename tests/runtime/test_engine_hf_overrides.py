@@ -80,3 +80,30 @@ def test_fewer_layers_by_override_load_like_transformers(tiny_qwen3_dir, caplog)
     hf = LLM(str(tiny_qwen3_dir), model_impl="transformers", dtype="float32", hf_overrides=overrides)
     tokens = [[o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] for llm in (native, hf)]
     assert tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize("overrides", [
+    {"hidden_act": "gelu"},
+    {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+])
+def test_auto_serves_what_the_native_llama_would_compute_differently_with_transformers(tiny_llama_dir, overrides):
+    """A Llama config the native class computes otherwise than transformers' LlamaForCausalLM: a non-SiLU
+    hidden_act (it was refused under model_impl='auto', the default) and a partial_rotary_factor (transformers'
+    Llama rotates the whole head and ignores it; the native model rotated half: other greedy tokens, silently).
+    'auto' now picks the transformers backend for them, and tokens equal transformers'; 'native' says why not."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fxrewrite.errors import UserInputError
+    from fxrewrite.runtime.model_files.config import ModelConfig
+
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=64, hf_overrides=overrides)
+    assert llm.llm_engine.model_runner.model.impl == "transformers"
+    config = ModelConfig.from_pretrained(tiny_llama_dir, hf_overrides=overrides).hf_config
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, config=config, dtype=torch.float32)
+    ids = AutoTokenizer.from_pretrained(tiny_llama_dir)(PROMPTS[1], return_tensors="pt").input_ids
+    expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                              eos_token_id=None)[0, ids.shape[1]:].tolist()
+    assert llm.generate([PROMPTS[1]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
+    with pytest.raises(UserInputError, match=r"model_impl='native': the native LlamaForCausalLM does not compute "
+                                             r"this config as transformers does: (hidden_act|partial_rotary_factor)"):
+        LLM(str(tiny_llama_dir), model_impl="native", dtype="float32", max_model_len=64, hf_overrides=overrides)
