@@ -16,7 +16,7 @@ from fxrewrite.runtime.engine.chat import (ChatTemplateError, as_content_format,
 from fxrewrite.runtime.server.async_engine import StepOutput
 from fxrewrite.runtime.server.errors import OpenAIError
 from fxrewrite.runtime.server.logprobs import chat_logprobs
-from fxrewrite.runtime.server.protocol import ChatCompletionRequest, random_id
+from fxrewrite.runtime.server.protocol import ChatCompletionRequest
 from fxrewrite.runtime.server.reasoning import ReasoningParser, ReasoningStream, parser_for_request
 from fxrewrite.runtime.server.protocol_responses import (
     ChatChoice,
@@ -82,9 +82,9 @@ class OpenAIServingChat(OpenAIServing):
         if tool_mode(request) == "auto" and self.tool_parser.needs_special_tokens:
             params.skip_special_tokens = False
         await self.check_structured_outputs(params, structured_outputs_field(request))
-        request_id = random_id("chatcmpl")
+        request_id, engine_id = self.request_ids("chatcmpl", raw_request, request)
         field = structured_outputs_field(request)
-        ids, streams = await self.start_requests(request_id, [(token_ids, params)], logprobs_field="top_logprobs",
+        ids, streams = await self.start_requests(engine_id, [(token_ids, params)], logprobs_field="top_logprobs",
                                                  structured_field="tool_choice" if field == "tools" else field,
                                                  prompt_field="messages")
         if request.stream:

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 
 from fxrewrite.runtime.server.async_engine import StepOutput
 from fxrewrite.runtime.server.logprobs import completion_logprobs, concat_logprobs, echo_logprobs
-from fxrewrite.runtime.server.protocol import CompletionRequest, random_id
+from fxrewrite.runtime.server.protocol import CompletionRequest
 from fxrewrite.runtime.server.protocol_responses import (
     CompletionChoice,
     CompletionResponse,
@@ -47,10 +47,10 @@ class OpenAIServingCompletion(OpenAIServing):
             params = self.sampling_params(request, max_tokens, request.logprobs, echo_lp, structured)
             inputs.append((token_ids, params))
         await self.check_structured_outputs(inputs[0][1], structured_outputs_field(request))
-        request_id = random_id("cmpl")
+        request_id, engine_id = self.request_ids("cmpl", raw_request, request)
         echo_field = ("echo", "echo with logprobs") if echo_lp is not None and request.prompt_logprobs is None \
             else "prompt_logprobs"  # what set SamplingParams.prompt_logprobs, for a refusal to name
-        ids, streams = await self.start_requests(request_id, inputs, structured_field=structured_outputs_field(request),
+        ids, streams = await self.start_requests(engine_id, inputs, structured_field=structured_outputs_field(request),
                                                  prompt_logprobs_field=echo_field)
         echo_texts = [text if request.echo else "" for text, _ in prompts]
         if request.stream:

@@ -23,7 +23,7 @@ from pydantic import Field, StrictBool
 from fxrewrite.runtime.engine.pooling import PoolingParams
 from fxrewrite.runtime.server.errors import OpenAIError
 from fxrewrite.runtime.server.prompt_bound import PromptTooLong, encode_bounded
-from fxrewrite.runtime.server.protocol import OpenAIBaseModel, RequestInt, RequestModel, random_id
+from fxrewrite.runtime.server.protocol import OpenAIBaseModel, RequestInt, RequestModel
 from fxrewrite.runtime.server.serving_engine import OpenAIServing
 
 
@@ -78,9 +78,9 @@ class OpenAIServingEmbedding(OpenAIServing):
                               "model has no Matryoshka (truncatable) embeddings; leave dimensions unset",
                               param="dimensions", code="invalid_value")
         prompts = await self.async_tokenizer.run(self._prompts, request)
-        request_id = random_id("embd")
+        request_id, engine_id = self.request_ids("embd", raw_request, request)
         params = PoolingParams(normalize=request.normalize is not False)
-        ids, streams = await self.start_requests(request_id, [(p, params) for p in prompts], prompt_field="input")
+        ids, streams = await self.start_requests(engine_id, [(p, params) for p in prompts], prompt_field="input")
         try:
             data = []
             for index, stream in enumerate(streams):

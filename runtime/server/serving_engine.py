@@ -20,7 +20,7 @@ from fxrewrite.runtime.server.async_engine import EngineDeadError, StepOutput
 from fxrewrite.runtime.server.async_tokenizer import AsyncTokenizer
 from fxrewrite.runtime.server.errors import OpenAIError
 from fxrewrite.runtime.server.prompt_bound import PromptTooLong, encode_bounded
-from fxrewrite.runtime.server.protocol import SamplingRequest
+from fxrewrite.runtime.server.protocol import SamplingRequest, random_id
 from fxrewrite.runtime.server.protocol_responses import PromptTokenUsageInfo, UsageInfo
 from fxrewrite.runtime.server.request_params import logit_bias_of
 
@@ -70,6 +70,17 @@ class OpenAIServing:
         """What a request without max_tokens may fill: max_model_len, or less when the KV cache holds less."""
         self.vocab_size = int(engine.engine.model_config.vocab_size)
         """The model's vocabulary (its logits' width): the bound of prompt ids and logit_bias keys, as offline."""
+
+    @staticmethod
+    def request_ids(prefix: str, raw_request: Any, request: Any) -> tuple[str, str]:
+        """(the response's id, the base of its engine requests' ids), as vLLM names a response: `prefix`-the
+        X-Request-Id header, else-the body's `request_id` (vLLM's field), else-a new id. A client's id gets a random
+        suffix in the engine, where ids must be unique (two requests may send the same one)."""
+        given = raw_request.headers.get("x-request-id") or (request.model_extra or {}).get("request_id")
+        if not isinstance(given, str) or not given:
+            new = random_id(prefix)
+            return new, new
+        return f"{prefix}-{given}", random_id(f"{prefix}-{given}")
 
     def with_cached_tokens(self, usage: UsageInfo, cached_tokens: int) -> UsageInfo:
         """`usage` with prompt_tokens_details.cached_tokens (the prompt tokens read from the prefix cache) when

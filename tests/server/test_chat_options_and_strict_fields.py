@@ -200,3 +200,24 @@ def test_documents_reach_the_chat_template_as_in_vllm(server, monkeypatch, caplo
                      len(tok.encode("Name a colour.", add_special_tokens=False))]
     assert "ignored" not in caplog.text
     assert "documents: expected a list of objects of strings" in _error(bad, 400, "documents")
+
+
+def test_response_ids_take_the_clients_request_id_as_in_vllm(server, caplog):
+    """fresh-user report: vLLM names a response `chatcmpl-<X-Request-Id>` (else the body's `request_id`), so logs and
+    clients can follow one id; here the id was always new and `request_id` logged as ignored. Two requests may send
+    the same id: the engine's ids stay unique."""
+    with caplog.at_level("WARNING", logger="fxrewrite.runtime.server.protocol"), server.http() as http:
+        header = http.post("/v1/chat/completions", json={**CHAT, "request_id": "body-2"},
+                           headers={"X-Request-Id": "trace-1"}).json()["id"]
+        body = http.post("/v1/chat/completions", json={**CHAT, "request_id": "body-2"}).json()["id"]
+        completion = http.post("/v1/completions", json=COMPLETION, headers={"X-Request-Id": "trace-1"}).json()["id"]
+        fresh = http.post("/v1/chat/completions", json=CHAT).json()["id"]
+        with http.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True, "max_tokens": 50},
+                         headers={"X-Request-Id": "same"}) as open_stream:
+            next(open_stream.iter_lines())  # the first request is in the engine while the second runs
+            second = http.post("/v1/chat/completions", json=CHAT, headers={"X-Request-Id": "same"})
+            assert second.status_code == 200 and second.json()["id"] == "chatcmpl-same"
+    assert (header, body, completion) == ("chatcmpl-trace-1", "chatcmpl-body-2", "cmpl-trace-1")
+    assert fresh.startswith("chatcmpl-") and len(fresh) == len("chatcmpl-") + 32
+    assert "ignored" not in caplog.text
+    server.wait_until(server.all_blocks_free)

@@ -136,3 +136,11 @@ def test_generate_server_refuses_embeddings(server):
         r = http.post("/v1/embeddings", json={"input": "hi"})
     assert r.status_code == 400, r.text
     assert "--runner pooling" in r.json()["error"]["message"]
+
+
+def test_embedding_response_id_takes_the_x_request_id(pooling_server):
+    """As vLLM names it (`embd-<X-Request-Id>`); a new id otherwise."""
+    with pooling_server.http() as http:
+        given = http.post("/v1/embeddings", json={"input": "hi"}, headers={"X-Request-Id": "trace-9"}).json()["id"]
+        fresh = http.post("/v1/embeddings", json={"input": "hi"}).json()["id"]
+    assert given == "embd-trace-9" and fresh.startswith("embd-") and fresh != "embd-trace-9"
