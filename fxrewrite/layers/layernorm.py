@@ -16,7 +16,8 @@ from fxrewrite.kernels.rms_norm_backward import rms_norm_train
 from fxrewrite.layers.gated_mlp import residual_norm_mlp
 from fxrewrite.layers.hook_warning import WarnsOnHooks
 from fxrewrite.layers.input_norm import normed_call
-from fxrewrite.layers.residual_hooks import ResidualTaken, stock_view_forward_hook, stock_view_pre_hook
+from fxrewrite.layers.residual_hooks import (ResidualTaken, stock_view_backward_hook, stock_view_backward_pre_hook,
+                                             stock_view_forward_hook, stock_view_pre_hook, take_residual)
 
 
 REWRITTEN_CALLS_ATTR = "_fxrewrite_rewritten_calls"
@@ -25,8 +26,11 @@ REWRITTEN_CALLS_ATTR = "_fxrewrite_rewritten_calls"
 
 
 RESIDUAL_CALL_ATTR = "_fxrewrite_residual_call"
-"""Instance attribute of a fused `RMSNorm` that the residual fold calls as ``norm(x, residual)``: how, for the warning
-a backward or with_kwargs hook registered on it gets (forward hooks are adapted, `fxrewrite.layers.residual_hooks`)."""
+"""Instance attribute of a fused `RMSNorm` that the residual fold calls as ``norm(x, residual)``: how (hooks
+registered on it afterwards are adapted to transformers' call, `fxrewrite.layers.residual_hooks`)."""
+
+TAKES_RESIDUAL_ATTR = "_fxrewrite_takes_residual"
+"""Instance attribute of such a norm once its first pre-hook forms x + residual (`take_residual`, for backward hooks)."""
 
 
 def note_residual_call(norm: nn.Module, how: str) -> None:
@@ -87,19 +91,42 @@ class RMSNorm(WarnsOnHooks, nn.Module):
 
     def register_forward_pre_hook(self, hook, *, prepend: bool = False, with_kwargs: bool = False):
         """`nn.Module.register_forward_pre_hook`; on a norm the residual fold calls, the hook sees transformers' call
-        (`fxrewrite.layers.residual_hooks`; not with_kwargs, which is warned)."""
-        adapt = RESIDUAL_CALL_ATTR in self.__dict__ and not with_kwargs
+        (`fxrewrite.layers.residual_hooks`)."""
+        adapt = self._residual_call()
         return self._registered(nn.Module.register_forward_pre_hook.__get__(self),
-                                stock_view_pre_hook(hook) if adapt else hook, adapted=adapt, prepend=prepend,
-                                with_kwargs=with_kwargs)
+                                stock_view_pre_hook(hook, with_kwargs) if adapt else hook, adapted=adapt,
+                                prepend=prepend, with_kwargs=with_kwargs)
 
     def register_forward_hook(self, hook, *, prepend: bool = False, with_kwargs: bool = False,
                               always_call: bool = False):
         """`nn.Module.register_forward_hook`, adapted as `register_forward_pre_hook`'s."""
-        adapt = RESIDUAL_CALL_ATTR in self.__dict__ and not with_kwargs
+        adapt = self._residual_call()
         return self._registered(nn.Module.register_forward_hook.__get__(self),
-                                stock_view_forward_hook(hook) if adapt else hook, adapted=adapt, prepend=prepend,
-                                with_kwargs=with_kwargs, always_call=always_call)
+                                stock_view_forward_hook(hook, with_kwargs) if adapt else hook, adapted=adapt,
+                                prepend=prepend, with_kwargs=with_kwargs, always_call=always_call)
+
+    def register_full_backward_hook(self, hook, prepend: bool = False):
+        """`nn.Module.register_full_backward_hook`, adapted as `register_forward_pre_hook`'s: the gradients of
+        transformers' input and output."""
+        adapt = self._residual_call(backward=True)
+        return self._registered(nn.Module.register_full_backward_hook.__get__(self),
+                                stock_view_backward_hook(hook) if adapt else hook, adapted=adapt, prepend=prepend)
+
+    def register_full_backward_pre_hook(self, hook, prepend: bool = False):
+        """`nn.Module.register_full_backward_pre_hook`, adapted as `register_full_backward_hook`'s."""
+        adapt = self._residual_call(backward=True)
+        return self._registered(nn.Module.register_full_backward_pre_hook.__get__(self),
+                                stock_view_backward_pre_hook(hook) if adapt else hook, adapted=adapt,
+                                prepend=prepend)
+
+    def _residual_call(self, backward: bool = False) -> bool:
+        """Whether the residual fold calls this norm (its hooks are then adapted). For a backward hook the norm's
+        first pre-hook forms x + residual from then on (`take_residual`), so that the module's input is the sum."""
+        folded = RESIDUAL_CALL_ATTR in self.__dict__
+        if folded and backward and not self.__dict__.get(TAKES_RESIDUAL_ATTR):
+            nn.Module.register_forward_pre_hook(self, take_residual(), prepend=True)
+            self.__dict__[TAKES_RESIDUAL_ATTR] = True
+        return folded
 
     def _hook_warning_text(self, adapted: bool = False) -> str | None:
         calls = list(self.__dict__.get(REWRITTEN_CALLS_ATTR, ()))

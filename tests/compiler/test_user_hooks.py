@@ -111,8 +111,8 @@ def test_a_hook_on_a_fused_away_projection_warns_that_it_never_runs():
 def test_hooks_added_after_optimize_on_norms_whose_calls_changed_are_warned():
     """fresh-user report: a hook registered after optimize on post_attention_layernorm got (normed, residual) and two
     inputs (the residual add folded into the norm) and its `o * 2` broke the layer with a bare unpacking error; one on
-    q_norm saw another layout. Now registering such a hook warns, naming the new call form (a with_kwargs one: plain
-    forward hooks see transformers' call, the next test); a norm the rewrite calls
+    q_norm saw another layout. Now registering a hook on q_norm warns, naming the new call form (hooks on the
+    residual-folded norm see transformers' call, the next tests); a norm the rewrite calls
     as transformers did (the final norm) registers silently; a hooked q_norm runs its own forward (not skipped by the
     fused kernel) and the logits stay stock's when the hook changes nothing."""
     import warnings
@@ -120,8 +120,6 @@ def test_hooks_added_after_optimize_on_norms_whose_calls_changed_are_warned():
     stock = tiny_model("qwen3").eval()
     model = fxrewrite.optimize(copy.deepcopy(stock)).eval()
     layer = model.model.layers[1]
-    with pytest.warns(UserWarning, match=r"called as norm\(x, residual\), returning \(normed, x \+ residual\)"):
-        layer.post_attention_layernorm.register_forward_hook(lambda m, args, kwargs, out: None, with_kwargs=True)
     seen = []
     with pytest.warns(UserWarning, match=r"qk_norm_rope on \[batch, heads, tokens, head_dim\]"):
         layer.self_attn.q_norm.register_forward_hook(lambda m, args, out: seen.append(tuple(out.shape)))
@@ -241,7 +239,7 @@ def test_forward_hooks_on_a_residual_folded_norm_see_transformers_call(arch):
     """A norm the residual fold calls as norm(x, residual): forward (pre-)hooks registered after optimize see
     transformers' call, norm(x + residual) -> normed (a fresh user's find: `args[0] + 1` changed the attention
     output before the add, silently; `out * 2` and `out.clamp(...)` broke the layer), in inference (the decode
-    fold) and training, with stock's logits and gradients; no warning for them, one for a backward hook."""
+    fold) and training, with stock's logits and gradients; no warning for them."""
     import warnings
 
     hooks = [("pre", lambda m, a: (a[0] + 1.0,) + tuple(a[1:])), ("pre", lambda m, a: a[0] * 0.5),
@@ -260,5 +258,60 @@ def test_forward_hooks_on_a_residual_folded_norm_see_transformers_call(arch):
     model.train()(ids, labels=ids).loss.backward()
     stock.train()(ids, labels=ids).loss.backward()
     torch.testing.assert_close(model.model.norm.weight.grad, stock.model.norm.weight.grad, rtol=1e-5, atol=1e-6)
-    with pytest.warns(UserWarning, match=r"called as norm\(x, residual\)"):
-        model.model.layers[0].post_attention_layernorm.register_full_backward_hook(lambda *a: None).remove()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_backward_and_with_kwargs_hooks_on_a_residual_folded_norm_see_transformers_call(arch):
+    """Backward (pre-)hooks and with_kwargs forward (pre-)hooks on a norm the residual fold calls see transformers'
+    call too: the gradients of norm(x + residual)'s input and normed output (a fresh user's find: a backward hook
+    halving its input gradient also halved the residual stream's, gradients 50% off, with a warning only); each
+    runs once a call, with stock's values, and changes them as in stock; no warning."""
+    import warnings
+
+    def hooks(seen):
+        def bwd(m, gin, gout):
+            seen.append(("bwd", gin[0].clone(), gout[0].clone(), len(gin), len(gout)))
+            return (gin[0] * 0.5,)
+
+        def bwd_pre(m, gout):
+            seen.append(("bwd_pre", gout[0].clone(), len(gout)))
+            return (gout[0] * 3,)
+
+        def pre_kw(m, args, kwargs):
+            seen.append(("pre_kw", args[0].clone(), len(args), dict(kwargs)))
+            return (args[0] * 2,), kwargs
+
+        def fwd_kw(m, args, kwargs, out):
+            seen.append(("fwd_kw", args[0].clone(), out.clone()))
+            return out - 0.25
+
+        return [("bwd", bwd), ("bwd_pre", bwd_pre), ("pre_kw", pre_kw), ("fwd_kw", fwd_kw)]
+
+    stock = tiny_model(arch)
+    model = fxrewrite.optimize(copy.deepcopy(stock))
+    seen = {"stock": [], "fused": []}
+    for key, m in (("stock", stock), ("fused", model)):
+        norm = m.model.layers[0].post_attention_layernorm
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for kind, hook in hooks(seen[key]):
+                register = {"bwd": norm.register_full_backward_hook, "bwd_pre": norm.register_full_backward_pre_hook,
+                            "pre_kw": lambda h: norm.register_forward_pre_hook(h, with_kwargs=True),
+                            "fwd_kw": lambda h: norm.register_forward_hook(h, with_kwargs=True)}[kind]
+                register(hook)
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(ids).logits, stock.eval()(ids).logits, rtol=1e-5, atol=1e-5)
+    seen["stock"].clear(), seen["fused"].clear()
+    model.train()(ids, labels=ids).loss.backward()
+    stock.train()(ids, labels=ids).loss.backward()
+    assert [s[0] for s in seen["fused"]] == [s[0] for s in seen["stock"]] == ["pre_kw", "fwd_kw", "bwd_pre", "bwd"]
+    for got, want in zip(seen["fused"], seen["stock"]):
+        for a, b in zip(got[1:], want[1:]):
+            if isinstance(a, torch.Tensor):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=got[0])
+            else:
+                assert a == b, got[0]
+    for name in ("embed_tokens", "layers.0.self_attn.o_proj", "layers.0.post_attention_layernorm", "norm"):
+        torch.testing.assert_close(model.model.get_submodule(name).weight.grad,
+                                   stock.model.get_submodule(name).weight.grad, rtol=1e-5, atol=1e-6, msg=name)
