@@ -123,7 +123,6 @@ class RotaryCosSin(nn.Module):
             remember_cos_sin(cos, sin, positions[0], table[:, half: 3 * half])
         return cos, sin
 
-
     def _rescale(self) -> float | None:
         """new / proven ``attention_scaling`` once the user set another on this module after `optimize` (transformers'
         forward multiplies cos and sin by the attribute at each call; the cached table holds the proven factor: a
