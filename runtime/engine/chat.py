@@ -170,7 +170,7 @@ def render_chat(tokenizer, messages: list[dict], *, chat_template: str | None = 
     override the named arguments (`add_generation_prompt`, `continue_final_message`, `tools`), and the keys
     `RESERVED_TEMPLATE_KWARGS` are refused. UserInputError for a bad combination, a reserved key or a
     template that cannot render the tools; ChatTemplateError (a UserInputError) when the template itself
-    fails (a jinja2 error, its raise_exception)."""
+    fails (a jinja2 error, its raise_exception, or any error its code raises, such as a TypeError)."""
     check_template_kwargs(chat_template_kwargs)
     extra = dict(chat_template_kwargs or {})
     add_generation_prompt = extra.pop("add_generation_prompt", add_generation_prompt)
@@ -189,3 +189,8 @@ def render_chat(tokenizer, messages: list[dict], *, chat_template: str | None = 
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message, **extra)
     except jinja2.TemplateError as e:  # a syntax error, or the template's own raise_exception(...)
         raise ChatTemplateError(f"chat template failed: {e}") from e
+    except UserInputError:
+        raise
+    except Exception as e:  # noqa: BLE001 - what the template's own code raised (vLLM: a ValueError of it too)
+        # e.g. `message['content'] + '...'` on list content (chat_template_content_format="openai"): a TypeError
+        raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e

@@ -178,3 +178,14 @@ def test_load_weights_and_wake_up_refuse_bad_arguments(llm):
         llm.load_weights([(name, torch.zeros(param.shape, dtype=torch.int64))], strict=False)
     with pytest.raises(ValueError, match="wake_up: tags=\\['bogus'\\]"):
         llm.wake_up(["bogus"])
+
+
+def test_a_template_whose_code_raises_is_a_value_error_naming_it(llm):
+    """A Python error inside the template's own code (here `content + '!'` on the list of parts that
+    chat_template_content_format="openai" gives it) was a bare TypeError "can only concatenate str (not "list")
+    to str" out of jinja; as in vLLM it is a ValueError, here naming the template and the error."""
+    template = "{% for m in messages %}{{ m['content'] + '!' }}{% endfor %}"
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    with pytest.raises(ValueError, match=r"conversation 0: chat template failed: TypeError: can only concatenate"):
+        llm.chat(parts, GREEDY, chat_template=template, chat_template_content_format="openai", use_tqdm=False)
+    assert llm.chat(parts, GREEDY, chat_template=template, use_tqdm=False)[0].prompt == "Hi!"  # "string": joined
