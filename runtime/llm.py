@@ -50,6 +50,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    @property
+    def model_config(self):
+        """vLLM's `llm.model_config`: the engine's ModelConfig (`max_model_len`, `hf_config`, `dtype`, ...)."""
+        return self.llm_engine.model_config
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` / `chat` use when given no sampling_params, as in vLLM: a new SamplingParams with the
         generation_config's temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens (as

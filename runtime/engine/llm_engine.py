@@ -173,6 +173,9 @@ class LLMEngine(EngineRLMixin):
         """True while a request is queued, running, or finished but not yet returned by `step`."""
         return bool(self.requests)
 
+    def get_tokenizer(self):  # vLLM's
+        return self.tokenizer
+
     # stepping
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; RequestOutputs (cumulative) for the requests that progressed.

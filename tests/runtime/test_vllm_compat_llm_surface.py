@@ -84,3 +84,9 @@ def test_prompt_typeddicts_and_request_output_kind_are_exported(llm):
     by_ids, by_text = llm.generate([tokens, text], GREEDY, use_tqdm=False)
     assert list(by_ids.prompt_token_ids) == ids == list(by_text.prompt_token_ids)
     assert by_ids.outputs[0].token_ids == by_text.outputs[0].token_ids
+
+
+def test_vllms_engine_and_config_accessors(llm):
+    """`llm.llm_engine.get_tokenizer()` and `llm.model_config` (vLLM's; both were AttributeErrors)."""
+    assert llm.llm_engine.get_tokenizer() is llm.get_tokenizer()
+    assert llm.model_config is llm.llm_engine.model_config and llm.model_config.max_model_len == 256
