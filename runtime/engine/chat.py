@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -183,6 +184,7 @@ def render_chat(tokenizer, messages: list[dict], *, chat_template: str | None = 
     if tools and not template_renders_tools(template):
         raise UserInputError("this model's chat template cannot render tools (it never reads `tools`); pass "
                              "a chat_template that does, or leave tools out")
+    messages = tool_call_arguments_as_dicts(messages)
     try:
         return tokenizer.apply_chat_template(
             messages, tools=tools or None, tokenize=False, chat_template=chat_template,
@@ -194,3 +196,34 @@ def render_chat(tokenizer, messages: list[dict], *, chat_template: str | None = 
     except Exception as e:  # noqa: BLE001 - what the template's own code raised (vLLM: a ValueError of it too)
         # e.g. `message['content'] + '...'` on list content (chat_template_content_format="openai"): a TypeError
         raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
+
+
+def tool_call_arguments_as_dicts(messages: list[dict]) -> list[dict]:
+    """`messages` with each assistant tool call's `function.arguments` (OpenAI's JSON string) parsed into a dict,
+    an empty or missing one as {}, as vLLM gives them to the template (transformers' convention: templates such
+    as Llama 3.1's write `arguments | tojson`, which a string would reach double-encoded; Qwen's printed an empty
+    string as `"arguments": }`). The caller's dicts are not changed. UserInputError naming the message and call
+    when a string is not JSON (vLLM: a 400 from json.loads). The server's messages come parsed already
+    (`protocol._template_tool_call`); LLM.chat's rendered the string as it was."""
+    out = []
+    for i, message in enumerate(messages):
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if message.get("role") != "assistant" or not isinstance(calls, list) or not calls:
+            out.append(message)
+            continue
+        parsed = []
+        for j, call in enumerate(calls):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or isinstance(function.get("arguments"), (dict, list)):
+                parsed.append(call)
+                continue
+            arguments = function.get("arguments") or {}
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments)
+                except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError; deep nesting recurses
+                    raise UserInputError(f"message {i} tool_calls[{j}].function.arguments={arguments!r:.80} is not "
+                                         f"JSON ({e})") from None
+            parsed.append({**call, "function": {**function, "arguments": arguments}})
+        out.append({**message, "tool_calls": parsed})
+    return out

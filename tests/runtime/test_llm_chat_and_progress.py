@@ -189,3 +189,20 @@ def test_a_template_whose_code_raises_is_a_value_error_naming_it(llm):
     with pytest.raises(ValueError, match=r"conversation 0: chat template failed: TypeError: can only concatenate"):
         llm.chat(parts, GREEDY, chat_template=template, chat_template_content_format="openai", use_tqdm=False)
     assert llm.chat(parts, GREEDY, chat_template=template, use_tqdm=False)[0].prompt == "Hi!"  # "string": joined
+
+
+def test_tool_call_arguments_reach_the_template_as_dicts(llm):
+    """LLM.chat gave an assistant tool call's `arguments` (OpenAI's JSON string) to the template as the string:
+    a template writing `arguments | tojson` (Llama 3.1's) got it double-encoded, and Qwen3's printed an empty one
+    as `"arguments": }`. As vLLM and the server do, they are parsed (empty: {}); the caller's dicts unchanged."""
+    template = "{% for m in messages %}{% for c in m.tool_calls or [] %}{{ c.function.arguments | tojson }};" \
+               "{% endfor %}{% endfor %}"
+    calls = [{"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"city": "Paris"}'}},
+             {"id": "b", "type": "function", "function": {"name": "g", "arguments": ""}}]
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+    out = llm.chat(messages, GREEDY, chat_template=template, add_generation_prompt=False, use_tqdm=False)
+    assert out[0].prompt == '{"city": "Paris"};{};'
+    assert calls[0]["function"]["arguments"] == '{"city": "Paris"}'
+    calls[1]["function"]["arguments"] = "{bad"
+    with pytest.raises(ValueError, match=r"message 1 tool_calls\[1\]\.function\.arguments='\{bad' is not JSON"):
+        llm.chat(messages, GREEDY, chat_template=template, add_generation_prompt=False, use_tqdm=False)
