@@ -316,7 +316,7 @@ def _per_prompt(sampling_params, num: int) -> list[SamplingParams]:
 
 def _prompt_list(prompts) -> list:
     """One prompt (text, token ids, or vLLM's TextPrompt / TokensPrompt dict) or a list of them -> a list of
-    texts / token-id lists. UserTypeError for another type, UserInputError for a dict with neither key."""
+    texts / token-id lists (a dict with a ``cache_salt`` kept as it is). UserTypeError for another type, UserInputError for a dict with neither key."""
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                             and isinstance(prompts[0], int)):
         prompts = [prompts]
@@ -333,4 +333,6 @@ def _prompt_list(prompts) -> list:
             hint = " (convert it with .tolist())" if hasattr(ids, "tolist") else ""
             raise UserTypeError(f"prompt {i}: prompt_token_ids must be a list of token ids (ints), got "
                                 f"{type(ids).__name__} {ids!r:.60}{hint}")
-    return [p.get("prompt_token_ids", p.get("prompt")) if isinstance(p, dict) else p for p in prompts]
+    # a dict with a cache_salt goes to the engine as it is (the salt is part of the request)
+    return [p.get("prompt_token_ids", p.get("prompt")) if isinstance(p, dict) and "cache_salt" not in p else p
+            for p in prompts]

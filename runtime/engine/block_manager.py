@@ -26,6 +26,15 @@ def compute_block_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int
     return hash((prev_hash, token_ids))
 
 
+def _chain_start(seq: Sequence) -> int | None:
+    """Where seq's chain of block hashes starts: its RoPE salt (set by the scheduler where the KV depends on the
+    prefill length) and its request's ``cache_salt`` (vLLM's: a tenant's prefix is found only by requests that send
+    the same salt, so the time to first token tells nothing across salts)."""
+    if seq.cache_salt is None:
+        return seq.block_hash_salt
+    return hash(("cache_salt", seq.block_hash_salt, seq.cache_salt))
+
+
 class BlockManager:
     """Hands out KV blocks to sequences.
 
@@ -78,7 +87,7 @@ class BlockManager:
         waiting sequence is looked up every step until admitted, and commit needs the same hashes)."""
         cached, bs = seq.token_block_hashes, self.block_size
         for i in range(len(cached), num_blocks):
-            prev = cached[-1] if cached else seq.block_hash_salt
+            prev = cached[-1] if cached else _chain_start(seq)
             cached.append(compute_block_hash(prev, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
         return cached[:num_blocks]
 

@@ -18,7 +18,7 @@ from fxrewrite.runtime.engine.detokenizer import (
 from fxrewrite.runtime.engine_config import EngineConfig
 from fxrewrite.runtime.engine.outputs import Logprob, RequestOutput
 from fxrewrite.runtime.engine.pooling import pooled_rows, split_params
-from fxrewrite.runtime.engine.prompts import tokenize_prompt, truncate_prompt
+from fxrewrite.runtime.engine.prompts import prompt_cache_salt, tokenize_prompt, truncate_prompt
 from fxrewrite.runtime.engine.rl import EngineRLMixin
 from fxrewrite.runtime.engine.micro_batches import MicroBatchQueue
 from fxrewrite.runtime.engine.request_state import CompletedStep, Request, make_output, reads_host_tokens
@@ -89,7 +89,8 @@ class LLMEngine(EngineRLMixin):
         self, request_id: str, prompt: str | list[int] | dict, sampling_params: SamplingParams | None = None,
         *, final_only: bool = False,
     ) -> None:
-        """Queue a prompt (text, token ids, or vLLM's TextPrompt / TokensPrompt dict) for generation; ValueError for an invalid request. final_only:
+        """Queue a prompt (text, token ids, or vLLM's TextPrompt / TokensPrompt dict, whose ``cache_salt`` keeps its
+        cached prefix to requests of the same salt) for generation; ValueError for an invalid request. final_only:
         one RequestOutput, when it finishes (vLLM's FINAL_ONLY; offline `LLM.generate`), not one every step, as
         ``sampling_params.output_kind=RequestOutputKind.FINAL_ONLY`` asks too (DELTA: outputs of new text only)."""
         pooling, params = split_params(sampling_params, self.config.is_pooling)
@@ -98,6 +99,7 @@ class LLMEngine(EngineRLMixin):
         if request_id in self.requests:
             raise UserInputError(f"request_id {request_id!r} is already in use")
         text, token_ids = tokenize_prompt(self.tokenizer, self.model_config.vocab_size, prompt)
+        cache_salt = prompt_cache_salt(prompt)
         token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, self.model_config.max_model_len)
         self._check_request(token_ids, params)
         params = whole_vocabulary_logprobs(params, self.model_config.vocab_size)
@@ -107,7 +109,7 @@ class LLMEngine(EngineRLMixin):
         check_allowed_tokens(params, bad_words, self.eos_token_ids)
         self.requests[request_id] = request
         for seq in request.seqs:
-            seq.bad_words_token_ids = bad_words
+            seq.bad_words_token_ids, seq.cache_salt = bad_words, cache_salt
             if compiled is not None:
                 self._structured.add(seq.seq_id, params.structured_outputs, compiled)
             if params.detokenize:

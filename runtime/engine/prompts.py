@@ -8,6 +8,15 @@ from typing import Any
 from fxrewrite.errors import UserInputError, UserTypeError, check_unicode, is_integer
 
 
+def prompt_cache_salt(prompt: Any) -> str | None:
+    """A TextPrompt / TokensPrompt dict's ``cache_salt`` (vLLM's), else None; UserInputError unless it is a non-empty
+    string."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise UserInputError(f"cache_salt must be a non-empty string, got {type(salt).__name__} {salt!r:.60}")
+    return salt
+
+
 def tokenize_prompt(tokenizer: Any, vocab_size: int, prompt: str | list[int]) -> tuple[str | None, list[int]]:
     """(the prompt's text or None for token ids, its token ids). UserInputError naming the bad value: a token
     id outside [0, vocab_size), an empty prompt, invalid unicode; UserTypeError (also a ValueError) for a non-int

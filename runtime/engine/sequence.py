@@ -64,6 +64,9 @@ class Sequence:
         + 1` for a batch of one), read by length-dependent rope types (fxrewrite.layers.rope_context)."""
         self.block_hash_salt: int | None = None
         """Starts the chain of block hashes: set when the KV depends on rope_prefill_len (see Scheduler)."""
+        self.cache_salt: str | None = None
+        """The request's ``cache_salt`` (vLLM's): it starts the hash chain too, so that only requests with the same
+        salt share cached blocks (`BlockManager`)."""
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []
         self.token_block_hashes: list[int] = []

@@ -53,7 +53,7 @@ def random_id(prefix: str) -> str:
 
 
 logger = logging.getLogger(__name__)
-HANDLED_EXTRAS = {"guided_whitespace_pattern", "documents", "request_id"}  # model_extra (request_params, serving_*)
+HANDLED_EXTRAS = {"guided_whitespace_pattern", "documents", "request_id", "cache_salt"}  # model_extra (request_params, serving_*)
 
 
 def _whole_number(value: Any) -> Any:

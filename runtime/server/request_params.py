@@ -66,6 +66,15 @@ def structured_outputs_of(request: SamplingRequest) -> StructuredOutputsParams |
         raise _bad(f"{field}: {str(e).removeprefix('StructuredOutputsParams: ')}", field) from None
 
 
+def request_cache_salt(request: SamplingRequest) -> str | None:
+    """The request's ``cache_salt`` (vLLM's: its cached prefix is found only by requests with the same salt), else
+    None; a 400 naming it unless it is a non-empty string."""
+    salt = (request.model_extra or {}).get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise _bad(f"cache_salt must be a non-empty string, got {salt!r:.60}", "cache_salt")
+    return salt
+
+
 def structured_outputs_field(request: SamplingRequest) -> str:
     """The request field that set its output constraint (`response_format`, a `guided_*` field or
     `structured_outputs`); `tools` when none did (a chat request whose tool_choice forces a call)."""

@@ -27,8 +27,8 @@ from fxrewrite.runtime.server.protocol_responses import (
     DeltaMessage,
     UsageInfo,
 )
-from fxrewrite.runtime.server.request_params import (best_of_choices, prompt_logprobs_json, structured_outputs_field,
-                                                      structured_outputs_of)
+from fxrewrite.runtime.server.request_params import (best_of_choices, prompt_logprobs_json, request_cache_salt,
+                                                      structured_outputs_field, structured_outputs_of)
 from fxrewrite.runtime.server.serving_engine import OpenAIServing
 from fxrewrite.runtime.server.tool_parsers import ToolParser
 from fxrewrite.runtime.server.tool_stream import ToolStream
@@ -86,7 +86,7 @@ class OpenAIServingChat(OpenAIServing):
         field = structured_outputs_field(request)
         ids, streams = await self.start_requests(engine_id, [(token_ids, params)], logprobs_field="top_logprobs",
                                                  structured_field="tool_choice" if field == "tools" else field,
-                                                 prompt_field="messages")
+                                                 prompt_field="messages", cache_salt=request_cache_salt(request))
         if request.stream:
             return EventStreamResponse(self._stream(request, model, request_id, ids, streams[0], len(token_ids)),
                                        on_close=lambda: self.abort_all(ids))

@@ -17,8 +17,8 @@ from fxrewrite.runtime.server.protocol_responses import (
     CompletionStreamResponse,
     UsageInfo,
 )
-from fxrewrite.runtime.server.request_params import (best_of_choices, prompt_logprobs_json, structured_outputs_field,
-                                                      structured_outputs_of)
+from fxrewrite.runtime.server.request_params import (best_of_choices, prompt_logprobs_json, request_cache_salt,
+                                                      structured_outputs_field, structured_outputs_of)
 from fxrewrite.runtime.server.serving_engine import OpenAIServing
 from fxrewrite.runtime.server.streaming import (
     DeltaTracker,
@@ -51,7 +51,8 @@ class OpenAIServingCompletion(OpenAIServing):
         echo_field = ("echo", "echo with logprobs") if echo_lp is not None and request.prompt_logprobs is None \
             else "prompt_logprobs"  # what set SamplingParams.prompt_logprobs, for a refusal to name
         ids, streams = await self.start_requests(engine_id, inputs, structured_field=structured_outputs_field(request),
-                                                 prompt_logprobs_field=echo_field)
+                                                 prompt_logprobs_field=echo_field,
+                                                 cache_salt=request_cache_salt(request))
         echo_texts = [text if request.echo else "" for text, _ in prompts]
         if request.stream:
             events = self._stream(request, model, request_id, ids, streams, echo_texts)

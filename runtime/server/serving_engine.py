@@ -246,13 +246,13 @@ class OpenAIServing:
     async def start_requests(
         self, request_id: str, prompts: list[tuple[list[int], SamplingParams]], logprobs_field: str = "logprobs",
         structured_field: str = "structured_outputs", prompt_logprobs_field: str | tuple[str, str] = "prompt_logprobs",
-        prompt_field: str = "prompt",
+        prompt_field: str = "prompt", cache_salt: str | None = None,
     ) -> tuple[list[str], list[AsyncIterator[StepOutput]]]:
         """Admit one engine request per prompt (ids `request_id-i`); all or none. `logprobs_field` /
         `structured_field` / `prompt_logprobs_field` / `prompt_field`: the request fields that set
         SamplingParams.logprobs / structured_outputs / prompt_logprobs and the prompt, named in a refusal (chat's are
         ``top_logprobs``, ``messages`` and, for a forced tool call, ``tool_choice``; a completion's echo with logprobs
-        sets prompt_logprobs).
+        sets prompt_logprobs). `cache_salt`: the request's (`request_params.request_cache_salt`), for every prompt.
 
         The caller must `abort_all(ids)` when done (a no-op for finished requests).
         """
@@ -260,7 +260,8 @@ class OpenAIServing:
         try:
             for i, (token_ids, params) in enumerate(prompts):
                 rid = f"{request_id}-{i}"
-                streams.append(await self.engine.add_request(rid, token_ids, params))
+                prompt = token_ids if cache_salt is None else {"prompt_token_ids": token_ids, "cache_salt": cache_salt}
+                streams.append(await self.engine.add_request(rid, prompt, params))
                 ids.append(rid)
         except ValueError as e:
             self.abort_all(ids)

@@ -30,6 +30,17 @@ def test_allocate_and_free_returns_every_block():
     assert bm.num_free_blocks == 8 and seq.block_table == []
 
 
+def test_cache_salt_shares_blocks_only_between_requests_of_the_same_salt():
+    """vLLM's cache_salt: a prefix cached under one salt (or none) is not found under another; the same salt finds it."""
+    bm = BlockManager(16, 4)
+    salts = ["tenant-a", "tenant-b", None, "tenant-a"]
+    seqs = [make_seq(range(10)) for _ in salts]
+    for seq, salt in zip(seqs, salts):
+        seq.cache_salt = salt
+    assert [run_prefill(bm, seq) for seq in seqs] == [0, 0, 0, 2]
+    assert seqs[3].block_table[:2] == seqs[0].block_table[:2]
+
+
 def test_prefix_hit_reuses_computed_full_blocks_and_shares_them():
     bm = BlockManager(8, 4)
     a, b = make_seq(range(10)), make_seq(list(range(8)) + [99, 98, 97])

@@ -90,3 +90,20 @@ def test_vllms_engine_and_config_accessors(llm):
     """`llm.llm_engine.get_tokenizer()` and `llm.model_config` (vLLM's; both were AttributeErrors)."""
     assert llm.llm_engine.get_tokenizer() is llm.get_tokenizer()
     assert llm.model_config is llm.llm_engine.model_config and llm.model_config.max_model_len == 256
+
+
+def test_cache_salt_keeps_a_cached_prefix_to_prompts_of_the_same_salt(llm):
+    """vLLM's cache_salt in a TextPrompt / TokensPrompt: a prompt cached under one salt is a prefix-cache hit only
+    for the same salt (not for another, nor for none); the tokens do not change; a bad salt is refused, named."""
+    ids = list(range(10, 90))  # several full blocks
+    hits = []
+    want = llm.generate([ids], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    for salt in ("a", "b", None, "a"):
+        before = llm.llm_engine.get_stats()["prefix_cache_hits"]
+        prompt = fxrewrite.TokensPrompt(prompt_token_ids=ids, **({"cache_salt": salt} if salt else {}))
+        assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
+        hits.append(llm.llm_engine.get_stats()["prefix_cache_hits"] - before)
+    assert hits[0] == hits[1] == 0 and hits[2] > 0 and hits[3] > 0, hits
+    for bad in ("", 7):
+        with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+            llm.generate([{"prompt": "Hi", "cache_salt": bad}], GREEDY, use_tqdm=False)

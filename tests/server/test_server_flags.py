@@ -121,6 +121,26 @@ def test_prompt_tokens_details_count_the_cached_prompt_tokens(flagged, server):
     assert usage.prompt_tokens_details is None and again.prompt_tokens_details is None  # the flag is off there
 
 
+def test_cache_salt_keeps_the_cached_prefix_to_requests_of_the_same_salt(flagged):
+    """vLLM's cache_salt (a fresh user's find: it was logged as ignored, every tenant's prefix open to all): a prompt
+    cached under one salt is served from the cache only to requests sending the same salt, on both endpoints; a bad
+    salt is a 400 naming it."""
+    url, _ = flagged
+    prompt = "eleven twelve thirteen fourteen fifteen sixteen " * 10
+    post = lambda path, **kw: httpx.post(f"{url}{path}", json={"model": MODEL_NAME, "max_tokens": 2, **kw},
+                                         headers=AUTH, timeout=60)
+    cached = [post("/v1/completions", prompt=prompt, cache_salt=salt).json()["usage"].get("prompt_tokens_details")
+              for salt in ("a", "a", "b")]
+    assert cached[0] is None and cached[1]["cached_tokens"] > 0 and cached[2] is None
+    messages = [{"role": "user", "content": prompt}]
+    chat = [post("/v1/chat/completions", messages=messages, cache_salt=salt).json()["usage"].get("prompt_tokens_details")
+            for salt in ("c", "d", "c")]
+    assert chat[0] is None and chat[1] is None and chat[2]["cached_tokens"] > 0
+    for bad in ("", 5):
+        response = post("/v1/completions", prompt="Hi", cache_salt=bad)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "cache_salt", response.text
+
+
 def test_chat_template_content_format_openai_gives_the_template_lists_of_text_parts(tiny_model_dir):
     """fresh-user report: vLLM's --chat-template-content-format was an unrecognized argument. With 'openai' the
     template gets each message's content as a list of text parts (a string content as one part)."""
