@@ -18,6 +18,7 @@ from fxrewrite.runtime.engine.llm_engine import LLMEngine
 from fxrewrite.runtime.engine.outputs import RequestOutput
 from fxrewrite.runtime.engine.request_extras import eos_token_ids
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
+from fxrewrite.runtime.engine.vllm_accessors import VLLMEngineAccessors
 from fxrewrite.runtime.engine_config import EngineConfig
 from fxrewrite.runtime.worker.dp_checks import check_data_parallel
 from fxrewrite.runtime.worker.dp_executor import DPExecutor
@@ -29,7 +30,7 @@ def make_engine(config: EngineConfig) -> LLMEngine | DPLLMEngine:
     return DPLLMEngine(config) if config.data_parallel_size > 1 else LLMEngine(config)
 
 
-class DPLLMEngine:
+class DPLLMEngine(VLLMEngineAccessors):
     """`LLMEngine`'s interface over data_parallel_size replicas (see the module docstring).
 
     Raises UserInputError before any worker starts for settings that cannot run (`check_data_parallel`).
@@ -95,6 +96,9 @@ class DPLLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return any(e.has_unfinished_requests() for e in self.engines)
+
+    def get_num_unfinished_requests(self) -> int:
+        return sum(e.get_num_unfinished_requests() for e in self.engines)
 
     def step(self) -> list[RequestOutput]:
         """One step of every replica with work, launched together; their RequestOutputs."""

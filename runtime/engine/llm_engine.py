@@ -36,6 +36,7 @@ from fxrewrite.runtime.engine.sampling_params import SamplingParams
 from fxrewrite.runtime.engine.scheduler import Scheduler, SchedulerOutput
 from fxrewrite.runtime.engine.sequence import Sequence, SequenceStatus
 from fxrewrite.runtime.engine.structured_outputs import StructuredOutputManager
+from fxrewrite.runtime.engine.vllm_accessors import VLLMEngineAccessors
 from fxrewrite.runtime.worker.executor import create_model_runner
 from fxrewrite.runtime.worker.model_runner import load_model_config, load_tokenizer
 
@@ -43,7 +44,7 @@ logger = logging.getLogger(__name__)
 _FINISHED = SequenceStatus.FINISHED
 
 
-class LLMEngine(EngineRLMixin):
+class LLMEngine(EngineRLMixin, VLLMEngineAccessors):
     """Owns the tokenizer, model runner, block manager and scheduler.
 
     `add_request` validates (ValueError, nothing allocated), `step` runs one batch and returns a
@@ -174,9 +175,6 @@ class LLMEngine(EngineRLMixin):
     def has_unfinished_requests(self) -> bool:
         """True while a request is queued, running, or finished but not yet returned by `step`."""
         return bool(self.requests)
-
-    def get_tokenizer(self):  # vLLM's
-        return self.tokenizer
 
     # stepping
     def step(self) -> list[RequestOutput]:

@@ -87,9 +87,20 @@ def test_prompt_typeddicts_and_request_output_kind_are_exported(llm):
 
 
 def test_vllms_engine_and_config_accessors(llm):
-    """`llm.llm_engine.get_tokenizer()` and `llm.model_config` (vLLM's; both were AttributeErrors)."""
-    assert llm.llm_engine.get_tokenizer() is llm.get_tokenizer()
-    assert llm.model_config is llm.llm_engine.model_config and llm.model_config.max_model_len == 256
+    """`llm.llm_engine.get_tokenizer()`, `get_model_config()`, `get_num_unfinished_requests()` and `llm.model_config`
+    (vLLM's; they were AttributeErrors), on the data-parallel engine too."""
+    from fxrewrite.runtime.engine.data_parallel import DPLLMEngine
+
+    engine = llm.llm_engine
+    assert engine.get_tokenizer() is llm.get_tokenizer()
+    assert llm.model_config is engine.model_config is engine.get_model_config() and llm.model_config.max_model_len == 256
+    assert engine.get_num_unfinished_requests() == 0
+    engine.add_request("accessors", "Hello", GREEDY)
+    assert engine.get_num_unfinished_requests() == 1
+    engine.abort_request("accessors")
+    assert engine.get_num_unfinished_requests() == 0
+    assert all(hasattr(DPLLMEngine, name) for name in ("get_tokenizer", "get_model_config",
+                                                         "get_num_unfinished_requests"))
 
 
 def test_cache_salt_keeps_a_cached_prefix_to_prompts_of_the_same_salt(llm):
