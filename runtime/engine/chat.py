@@ -208,7 +208,7 @@ def tool_call_arguments_as_dicts(messages: list[dict]) -> list[dict]:
     out = []
     for i, message in enumerate(messages):
         calls = message.get("tool_calls") if isinstance(message, dict) else None
-        if message.get("role") != "assistant" or not isinstance(calls, list) or not calls:
+        if not isinstance(calls, list) or not calls or message.get("role") != "assistant":
             out.append(message)
             continue
         parsed = []
