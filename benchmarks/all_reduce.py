@@ -82,7 +82,8 @@ def run(world: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fxrewrite.benchmarks.all_reduce",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=results_folder, default=RESULTS_DIR, help=FOLDER_HELP)
     parser.add_argument("--world-size", type=int, default=None, help="GPUs (default: all visible)")
     args = parser.parse_args(argv)

@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> dict:
     (the path torch.compile takes, and the one before the fusion); print and write JSON."""
     from fxrewrite.runtime.model_files.demo import build_model_dir
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fxrewrite.benchmarks.count_launches",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=results_folder, default=None, help=FOLDER_HELP)
     parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args(argv)

@@ -206,7 +206,8 @@ def precompile_both(names: list[str], workers: int) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     """Parse the arguments (``--help``), time every config, write the JSON; returns the result dict."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fxrewrite.benchmarks.decode_chain",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=results_folder, default=RESULTS_DIR, help=FOLDER_HELP)
     p.add_argument("--configs", default="qwen3-4b,qwen3-32b", help="comma list of bench configs")
     p.add_argument("--layers", type=int, default=12, help="decoder layers in the captured graph (default 12)")

@@ -195,7 +195,8 @@ def _rows(batch: int, ctx: int, bandwidth: float, once: bool, kinds: tuple[str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fxrewrite.benchmarks.decode_prefetch",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=results_folder, default=RESULTS_DIR, help=FOLDER_HELP)
     p.add_argument("--once", action="store_true", help="one launch of each kernel, nothing timed (run under ncu)")
     p.add_argument("--cases", default="all", help="'all' or 'BATCHxCONTEXT,...'")

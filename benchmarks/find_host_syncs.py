@@ -116,7 +116,8 @@ def find_host_syncs(config: str, arm: str, num_prompts: int, tokenizer_dir=None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fxrewrite.benchmarks.find_host_syncs",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="qwen3-0.6b")
     p.add_argument("--arm", default="after", choices=("before", "after", "native"))
     p.add_argument("--num-prompts", type=int, default=64)

@@ -134,7 +134,8 @@ def main(models=("qwen3-32b",), tokens=TOKENS, out_dir: Path | None = None) -> P
 if __name__ == "__main__":
     import argparse
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fxrewrite.benchmarks.fp8_gemm",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="qwen3-32b", help="comma-separated keys of SHAPES")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated token counts M")
     parser.add_argument("--out", type=results_folder, default=None, help=FOLDER_HELP)

@@ -103,7 +103,8 @@ def measure(n: int, k: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fxrewrite.benchmarks.fp8_gemv_mma",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default="qwen3-32b,qwen3-4b")
     parser.add_argument("--out", type=results_folder, default=RESULTS_DIR, help=FOLDER_HELP)
     args = parser.parse_args(argv)

@@ -66,7 +66,7 @@ def run(names: list[str], tokens: tuple[int, ...]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fxrewrite.benchmarks.fp8_quant", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=results_folder, default=RESULTS_DIR, help=FOLDER_HELP)
     p.add_argument("--configs", default="qwen3-4b,qwen3-32b", help="comma list of bench configs")
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma list of token counts")

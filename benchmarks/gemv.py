@@ -211,7 +211,7 @@ def copy_tbps() -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fxrewrite.benchmarks.gemv", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=results_folder, default=RESULTS_DIR, help=FOLDER_HELP)
     p.add_argument("--configs", default="qwen3-4b,qwen3-32b", help="comma list of bench configs")
     p.add_argument("--compile-workers", type=int, default=min(16, os.cpu_count() or 1),

@@ -165,7 +165,8 @@ def ptx_stats() -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fxrewrite.benchmarks.gemv_pipelined",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default="qwen3-4b,qwen3-32b")
     parser.add_argument("--formats", default="float,fp8-channel")
     parser.add_argument("--out", type=results_folder, default=RESULTS_DIR, help=FOLDER_HELP)

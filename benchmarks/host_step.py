@@ -146,7 +146,8 @@ def run_workload(model_dir: str, num_seqs: int, prompt_len: int, steps: int, war
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m fxrewrite.benchmarks.host_step",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=results_folder, required=True, help=FOLDER_HELP)
     ap.add_argument("--name", default=None, help="file name stem (default: <date>-host-step)")
     ap.add_argument("--num-seqs", type=count_argument, default=256)

@@ -320,7 +320,8 @@ def format_table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fxrewrite.benchmarks.kernels",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=results_folder, default=RESULTS_DIR, help=FOLDER_HELP)
     parser.add_argument("--only", type=lambda s: s.split(","), default=None,
                         help=f"comma-separated kernel groups of {sorted(ROW_GROUPS)} (default: all)")

@@ -108,7 +108,8 @@ def _graph_rows(layers: int, max_model_len: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fxrewrite.benchmarks.kv_cache_fp8",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=results_folder, default=RESULTS_DIR, help=FOLDER_HELP)
     p.add_argument("--no-sweep", action="store_true", help="skip the per-config sweep (only the graph rows)")
     p.add_argument("--graph-layers", type=int, default=0, metavar="N",

@@ -163,7 +163,7 @@ def run(config: str, out_dir: Path, do_sweep: bool = False, tokens: tuple[int, .
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fxrewrite.benchmarks.moe_kernels", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="qwen3-30b-a3b")
     p.add_argument("--out", type=results_folder, default=RESULTS_DIR, help=FOLDER_HELP)
     p.add_argument("--tokens", type=lambda v: tuple(int(t) for t in v.split(",")), default=TOKENS,

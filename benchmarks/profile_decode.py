@@ -124,7 +124,8 @@ def _profile_batch(llm, spec: dict, arm: str, batch: int, context: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fxrewrite.benchmarks.profile_decode",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="qwen3-4b")
     p.add_argument("--arm", default="native", choices=("before", "after", "native"))
     p.add_argument("--batch", type=_batch_sizes, default=[1], help="sequences per decode step, or a comma list")

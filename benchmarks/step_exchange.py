@@ -153,7 +153,8 @@ def end_to_end(args, transports: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fxrewrite.benchmarks.step_exchange",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=results_folder, default=RESULTS_DIR, help=FOLDER_HELP)
     parser.add_argument("--world-size", type=int, default=2, help="tensor-parallel workers (default 2)")
     parser.add_argument("--config", default=None, help="bench config for the end-to-end part (GPU); "

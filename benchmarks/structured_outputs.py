@@ -145,7 +145,8 @@ def _validity(llm, num_samples: int, max_tokens: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fxrewrite.benchmarks.structured_outputs",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="qwen3-0.6b", help="bench config name or path (benchmarks/configs)")
     p.add_argument("--arm", default="native", choices=("before", "after", "native"))
     p.add_argument("--batch", type=int, default=64)

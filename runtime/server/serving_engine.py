@@ -98,8 +98,8 @@ class OpenAIServing:
         """The name a response carries: the first served name, whichever served name (or none) the request
         gave, as vLLM's `OpenAIServingModels.model_name()`; 404 for a name this server does not serve."""
         if requested is not None and requested not in self.served_model_names:
-            raise OpenAIError(HTTPStatus.NOT_FOUND, f"The model `{requested}` does not exist; this server "
-                              f"serves {self.served_model_names}.", param="model", code="model_not_found")
+            raise OpenAIError(HTTPStatus.NOT_FOUND, f"The model `{requested}` does not exist; this server serves "
+                              f"{', '.join(map(repr, self.served_model_names))}", param="model", code="model_not_found")
         return self.served_model_names[0]
 
     def check_token_ids(self, token_ids: list[int], param: str = "prompt") -> list[int]:
