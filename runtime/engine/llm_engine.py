@@ -25,7 +25,6 @@ from fxrewrite.runtime.engine.request_state import CompletedStep, Request, make_
 from fxrewrite.runtime.engine.rope_lengths import length_dependent_rope
 from fxrewrite.runtime.engine.sampler import SampleResult
 from fxrewrite.runtime.engine.request_extras import (
-    bad_words_token_ids,
     check_allowed_tokens,
     check_request_extras,
     eos_token_ids,
@@ -106,7 +105,7 @@ class LLMEngine(EngineRLMixin, VLLMEngineAccessors):
         params = whole_vocabulary_logprobs(params, self.model_config.vocab_size)
         compiled = self.compile_structured_outputs(params)
         request = Request(request_id, text, token_ids, params, next(self._arrivals), pooling, final_only)
-        bad_words = bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
+        bad_words = params.bad_words_token_ids(self.tokenizer) if params.bad_words else []
         check_allowed_tokens(params, bad_words, self.eos_token_ids)
         self.requests[request_id] = request
         for seq in request.seqs:

@@ -1,4 +1,4 @@
-"""What the engine does for the optional parts of a request: logprob limits, bad words, prompt logprobs.
+"""What the engine does for the optional parts of a request: logprob limits, allowed tokens, prompt logprobs.
 
 Kept beside `llm_engine.py` so the engine's step loop stays readable.
 """
@@ -44,17 +44,6 @@ def whole_vocabulary_logprobs(params: SamplingParams, vocab_size: int) -> Sampli
     params.logprobs = vocab_size if params.logprobs == -1 else params.logprobs
     params.prompt_logprobs = vocab_size if params.prompt_logprobs == -1 else params.prompt_logprobs
     return params
-
-
-def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
-    """Each bad word's token ids, tokenized alone and after a space (vLLM's two forms), deduplicated."""
-    out: list[list[int]] = []
-    for word in words:
-        for text in (word, " " + word.lstrip()):
-            ids = list(tokenizer.encode(text, add_special_tokens=False))
-            if ids and ids not in out:
-                out.append(ids)
-    return out
 
 
 def check_allowed_tokens(params: SamplingParams, bad_words: list[list[int]], eos_ids: set[int]) -> None:

@@ -106,6 +106,9 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     """What each RequestOutput of `LLMEngine.step` carries (`RequestOutputKind`)."""
     stop_strings: list[str] = field(init=False, repr=False)
+    _bad_words_token_ids: tuple[tuple[str, ...], list[list[int]]] | None = field(
+        default=None, init=False, repr=False, compare=False)
+    """(the words, their token ids) from `update_from_tokenizer`: the words are kept so a later edit is noticed."""
 
     def __post_init__(self) -> None:
         if self.stop is not None and not isinstance(self.stop, str) and not (
@@ -216,6 +219,19 @@ class SamplingParams:
         constructor's errors (ValueError / TypeError naming the field)."""
         self.__post_init__()
 
+    def update_from_tokenizer(self, tokenizer) -> None:
+        """vLLM's: tokenize bad_words now, so that adding the request does not (the server calls it in its tokenizer
+        thread: thousands of words take a second or more, which must not stall the event loop)."""
+        words = tuple(self.bad_words or ())
+        self._bad_words_token_ids = (words, bad_words_token_ids(tokenizer, words))
+
+    def bad_words_token_ids(self, tokenizer) -> list[list[int]]:
+        """bad_words as token ids: `update_from_tokenizer`'s, when it saw the current words, else tokenized now."""
+        words = tuple(self.bad_words or ())
+        if self._bad_words_token_ids is not None and self._bad_words_token_ids[0] == words:
+            return self._bad_words_token_ids[1]
+        return bad_words_token_ids(tokenizer, words)
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
@@ -231,3 +247,16 @@ class SamplingParams:
         return (
             self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1.0
         )
+
+
+def bad_words_token_ids(tokenizer, words) -> list[list[int]]:
+    """Each bad word's token ids, tokenized alone and after a space (vLLM's two forms), deduplicated."""
+    out: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()  # not `ids in out`: quadratic in the words (5,000 took over a second)
+    for word in words:
+        for text in (word, " " + word.lstrip()):
+            ids = list(tokenizer.encode(text, add_special_tokens=False))
+            if ids and tuple(ids) not in seen:
+                seen.add(tuple(ids))
+                out.append(ids)
+    return out

@@ -85,3 +85,22 @@ def test_engine_refuses_allowed_eos_only_under_min_tokens_and_keeps_serving(tiny
         llm.generate("hi", SamplingParams(max_tokens=4, allowed_token_ids=[eos], min_tokens=2), use_tqdm=False)
     out = llm.generate("hi", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_bad_words_tokenized_ahead_are_used_until_the_words_change():
+    """`update_from_tokenizer` (the server's tokenizer thread) tokenizes once; the engine reuses it, unless
+    bad_words were edited since."""
+    calls = []
+
+    class Tok:
+        def encode(self, text, add_special_tokens=False):
+            calls.append(text)
+            return [len(text)]
+
+    sp = SamplingParams(bad_words=["ab", "cd"])
+    sp.update_from_tokenizer(Tok())
+    assert calls == ["ab", " ab", "cd", " cd"]
+    assert sp.bad_words_token_ids(Tok()) == [[2], [3]] and len(calls) == 4  # deduplicated, not tokenized again
+    assert sp.clone().bad_words_token_ids(Tok()) == [[2], [3]] and len(calls) == 4
+    sp.bad_words = ["xyz"]
+    assert sp.bad_words_token_ids(Tok()) == [[3], [4]] and calls[4:] == ["xyz", " xyz"]

@@ -151,3 +151,51 @@ def test_request_logging_cuts_and_decodes_only_the_logged_ids(server, caplog, mo
         RequestLogger(5, tok).log("r-cut", ids, "params")
     assert f"prompt_token_ids: {ids[:5]}," in caplog.text and str(ids[:6]).rstrip("]") not in caplog.text
     assert decoded == [5]  # not the whole prompt, on the event loop
+
+
+BLOCK_WORD = "blockblock"
+
+
+def test_health_answers_while_bad_words_are_tokenized(server, monkeypatch):
+    """A few thousand bad_words are tokenized in the tokenizer thread, not when the request is admitted on the
+    event loop (5,000 words stalled /health for 1.7 s): the tokenizer blocks on BLOCK_WORD until /health has
+    answered, so on the event loop /health would time out."""
+    tok = server.engine.tokenizer
+    original = tok.encode
+    reached, release, threads = threading.Event(), threading.Event(), set()
+
+    def encode(text, *args, **kwargs):
+        if isinstance(text, str) and BLOCK_WORD in text:
+            threads.add(threading.current_thread().name)
+            reached.set()
+            release.wait(10)
+        return original(text, *args, **kwargs)
+
+    monkeypatch.setattr(tok, "encode", encode)
+    words = [f"word{i}" for i in range(3000)] + [BLOCK_WORD]
+    result = {}
+
+    def post():
+        with server.http() as http:
+            result["response"] = http.post("/v1/completions", json={
+                "prompt": "Hello", "max_tokens": 2, "bad_words": words})
+
+    poster = threading.Thread(target=post)
+    poster.start()
+    try:
+        assert reached.wait(20), "the bad words never reached the tokenizer"
+        assert httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200
+        assert "response" not in result  # answered while the completion was still being tokenized
+    finally:
+        release.set()
+        poster.join(30)
+    assert result["response"].status_code == 200, result["response"].text
+    assert threads and all(name.startswith("fxrewrite-tokenizer") for name in threads), threads
+
+
+def test_bad_words_of_the_wrong_type_are_a_400_naming_the_field(server):
+    with server.http() as http:
+        response = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 1, "bad_words": ["ok", ""]})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "bad_words" and "non-empty strings" in error["message"]
