@@ -28,8 +28,6 @@ from fxrewrite.kernels.moe_norm_router import norm_route_experts
 from fxrewrite.kernels.moe_router import route_experts
 from fxrewrite.layers.fold_guard import global_module_hooks, unhooked
 from fxrewrite.layers.moe_dp import experts_across_dp
-from fxrewrite.layers.moe_hooks import CloseResidual, Normalize, StockViewForwardHook, StockViewPreHook
-from fxrewrite.layers.residual_hooks import ResidualTaken
 from fxrewrite.signature import HOOK_DICTS
 
 
@@ -173,29 +171,18 @@ class FusedMoE(nn.Module):
         for role, name in self.names.items():
             setattr(self, name, modules[role])
 
-    def register_forward_pre_hook(self, hook, *, prepend: bool = False, with_kwargs: bool = False):
-        """`nn.Module.register_forward_pre_hook`; without kwargs the hook sees transformers' call of the block
-        (`fxrewrite.layers.moe_hooks`)."""
-        if with_kwargs:
-            return super().register_forward_pre_hook(hook, prepend=prepend, with_kwargs=True)
-        self._install_stock_view()
-        return super().register_forward_pre_hook(StockViewPreHook(hook), prepend=prepend, with_kwargs=True)
-
-    def register_forward_hook(self, hook, *, prepend: bool = False, with_kwargs: bool = False,
-                              always_call: bool = False):
-        """`nn.Module.register_forward_hook`, adapted as `register_forward_pre_hook`'s."""
-        if with_kwargs:
-            return super().register_forward_hook(hook, prepend=prepend, with_kwargs=True, always_call=always_call)
-        self._install_stock_view()
-        handle = super().register_forward_hook(StockViewForwardHook(hook), prepend=prepend, with_kwargs=True,
-                                               always_call=always_call)
-        self._forward_hooks.move_to_end(self.__dict__["_fxrewrite_close_id"])  # the closing add runs last
-        return handle
-
-    def _install_stock_view(self) -> None:
-        if "_fxrewrite_close_id" not in self.__dict__:
-            super().register_forward_pre_hook(Normalize(), prepend=True, with_kwargs=True)
-            self.__dict__["_fxrewrite_close_id"] = super().register_forward_hook(CloseResidual(), with_kwargs=True).id
+    def __call__(self, *args, **kwargs):
+        """The folded call ``block(e, norm=..., residual=r, add_residual=...)`` (patterns/rms_norm.py) runs as
+        transformers' layer does, ``x, r = norm(e, r); out = block(x)``, whenever the block is hooked (forward or
+        backward, with or without kwargs, a global module hook, a forward put on its instance): every hook then sees
+        the block's own call and output (a fresh user's find: with-kwargs and backward hooks saw the folded call,
+        and a backward hook's change leaked into the residual stream)."""
+        norm = kwargs.get("norm")
+        if norm is None or unhooked(self):
+            return super().__call__(*args, **kwargs)
+        x, residual = norm(args[0], kwargs["residual"])
+        out = super().__call__(x)
+        return (residual + out if kwargs.get("add_residual") else out), residual
 
     def _child(self, role: str) -> nn.Module | None:
         name = self.names.get(role)
@@ -205,8 +192,6 @@ class FusedMoE(nn.Module):
                 residual: torch.Tensor | None = None, add_residual: bool = False):
         """hidden_states [..., H] -> [..., H]; with `norm` (and `residual` [..., H]): `forward_norm`'s
         (out, new residual), the form the rewrite's residual fold calls (patterns/rms_norm.py)."""
-        if isinstance(residual, ResidualTaken):  # a hook's view of a folded call (`fxrewrite.layers.moe_hooks`)
-            return self.forward(hidden_states), residual.tensor
         if norm is not None:
             return self.forward_norm(hidden_states, norm, residual, add_residual)
         if residual is not None or add_residual:

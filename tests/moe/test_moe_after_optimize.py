@@ -34,6 +34,23 @@ def _scale_block_output(m):
     m.model.layers[1].mlp.register_forward_hook(lambda mod, args, out: out * 2 + args[0] * 0.1)
 
 
+def _scale_block_input_with_kwargs(m):
+    m.model.layers[0].mlp.register_forward_pre_hook(lambda mod, args, kwargs: ((args[0] * 2,), kwargs),
+                                                    with_kwargs=True)
+
+
+def _scale_block_output_with_kwargs(m):
+    def hook(mod, args, kwargs, out):
+        assert not kwargs  # transformers' call: block(x)
+        return out * 2 + args[0] * 0.1
+    m.model.layers[1].mlp.register_forward_hook(hook, with_kwargs=True)
+
+
+def _scale_block_forward(m):
+    block = m.model.layers[1].mlp
+    block.forward = lambda x: type(block).forward(block, x) * 3  # a forward on the instance is a hook too
+
+
 def _top_1(m):
     m.model.layers[0].mlp.gate.top_k = 1
 
@@ -44,7 +61,8 @@ def _renormalize(m):
 
 CASES = [(family, change) for family in ("qwen3_moe", "mixtral", "olmoe")
          for change in (_scale_experts, _halve_router_weights, _top_1, _renormalize, _scale_block_input,
-                        _scale_block_output)
+                        _scale_block_output, _scale_block_input_with_kwargs, _scale_block_output_with_kwargs,
+                        _scale_block_forward)
          if not (family == "mixtral" and change is _renormalize)]  # Mixtral's router has no norm_topk_prob
 
 
@@ -63,6 +81,41 @@ def test_a_change_after_optimize_is_honoured(family, change):
     stock.train()(ids, labels=ids).loss.backward()
     gate = "model.layers.1.mlp.gate.weight"
     torch.testing.assert_close(model.get_parameter(gate).grad, stock.get_parameter(gate).grad, rtol=1e-4, atol=1e-6)
+
+
+def _halve_grad_input(m, seen):
+    def hook(mod, grad_input, grad_output):
+        seen.append((len(grad_input), len(grad_output)))
+        return tuple(g * 0.5 for g in grad_input)
+    m.model.layers[1].mlp.register_full_backward_hook(hook)
+
+
+def _triple_grad_output(m, seen):
+    def hook(mod, grad_output):
+        seen.append((len(grad_output),))
+        return tuple(g * 3 for g in grad_output)
+    m.model.layers[1].mlp.register_full_backward_pre_hook(hook)
+
+
+@pytest.mark.parametrize("change", [_halve_grad_input, _triple_grad_output])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_a_backward_hook_on_the_block_after_optimize_sees_and_changes_stock_gradients(family, change):
+    """A backward (pre-)hook on a fused block gets the gradients of transformers' call, block(norm(r)), and what it
+    returns reaches the layers below as in stock (it had seen the folded call's (out + r, r), and a change to its
+    inputs' gradients leaked into the residual stream)."""
+    stock = stock_eager(tiny_moe(family))
+    model, plain = fxrewrite.optimize(copy.deepcopy(stock)), copy.deepcopy(stock)
+    seen_stock, seen_model = [], []
+    change(stock, seen_stock), change(model, seen_model)
+    ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(5))
+    for m in (stock, model, plain):
+        m.train()(ids, labels=ids).loss.backward()
+    assert seen_model == seen_stock and seen_stock
+    for name in ("model.embed_tokens.weight", "model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"):
+        want = stock.get_parameter(name).grad
+        if "layers.1" not in name:  # below the hooked block: the hook moves stock's gradient
+            assert (want - plain.get_parameter(name).grad).abs().max() > 1e-6
+        torch.testing.assert_close(model.get_parameter(name).grad, want, rtol=1e-4, atol=1e-6)
 
 
 def test_the_experts_activation_changed_after_optimize_is_refused():
