@@ -23,7 +23,7 @@ from fxrewrite.kernels.batch_invariant import is_batch_invariant
 from fxrewrite.kernels.fused_linear_logprobs import fused_linear_logprobs, fused_linear_token_loss
 from fxrewrite.kernels.log_softmax import log_softmax_float32
 from fxrewrite.kernels.paged_attention import causal_attention_batch_invariant
-from fxrewrite.layers.fold_guard import global_module_hooks
+from fxrewrite.layers.fold_guard import foreign_forward, global_module_hooks
 from fxrewrite.layers.lm_head_loss import LMHeadCrossEntropy
 
 BATCH_INVARIANT_ATTENTION = "fxrewrite_batch_invariant"
@@ -131,8 +131,8 @@ def fused_head(model: nn.Module, temperature: float = 1.0) -> tuple[nn.Module, n
     `fxrewrite.optimize`d causal LM whose `lm_head_loss` proved the logits' transform (scale / soft-cap),
     with a plain `nn.Linear` head over the base model's last hidden state; the temperature folds into the
     scale (not under soft-capping: then None, and the logits path runs). None too when the model (or the PEFT
-    wrapper passed) or its head has a forward / backward hook, or a global module hook is set, or the head a
-    forward of its own instance: this path runs neither, the logits path does. A torch.compile wrapper is looked through
+    wrapper passed) or its head has a forward / backward hook, or a global module hook is set, or one of them a
+    forward of its own instance (accelerate's autocast wrapper): this path runs neither, the logits path does. A torch.compile wrapper is looked through
     (the base then runs eagerly); a PEFT model is read through `get_base_model()` when its adapters live inside that
     model's modules (LoRA and the other tuners; prompt learning, whose virtual tokens the PeftModel's own forward
     adds, takes the logits path). None otherwise (fail closed): the base must be the causal LM's own child under
@@ -151,7 +151,8 @@ def fused_head(model: nn.Module, temperature: float = 1.0) -> tuple[nn.Module, n
     # this path calls neither the causal LM nor its head: a hook on either (or a global module hook), or a forward
     # put on the head's instance, would not run, and would silently not shape the logprobs (a fresh user's find: a
     # forward hook on lm_head masking tokens to -inf) -- the logits path runs them, as the model's own call does
-    if _user_hooked(outer, model, head) or "forward" in head.__dict__:
+    # and a forward put on an instance (accelerate's autocast wrapper on the causal LM) is a hook too
+    if _user_hooked(outer, model, head) or any(map(foreign_forward, (outer, model, head))):
         return None
     scale, softcap = params
     if softcap and temperature != 1.0:

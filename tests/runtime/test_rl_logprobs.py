@@ -2,6 +2,8 @@
 (`fxrewrite.rl.completion_logprobs` on the optimized model) and stock transformers' log_softmax in float32, and under `batch_invariant=True`
 a sequence's logprobs are bitwise the same alone and batched with others."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -188,7 +190,8 @@ def test_hooked_head_or_model_takes_the_logits_path(path):
     """A fresh user's find: the logits-free path called neither the causal LM nor its head, so a forward hook on
     `lm_head` (masking tokens to -inf), a pre-hook on it or a hook on the model itself was silently left out of the
     logprobs (5% off). Now each sends the call through the model's logits, whose hooks run: the logprobs equal the
-    hooked stock-style log_softmax of `model(...).logits`, and `completion_grpo_loss` too."""
+    hooked stock-style log_softmax of `model(...).logits`, and `completion_grpo_loss` too. So does a forward put on
+    the model's instance (accelerate's autocast wrapper: the fused path had run without it)."""
     from transformers import AutoModelForCausalLM
 
     from fxrewrite import rl
@@ -203,10 +206,17 @@ def test_hooked_head_or_model_takes_the_logits_path(path):
         out.logits = out.logits * 0.5
         return out
 
-    for owner, register, hook in ((model.lm_head, "register_forward_hook", masked),
-                                  (model.lm_head, "register_forward_pre_hook", lambda m, args: (args[0] * 2,)),
-                                  (model, "register_forward_hook", halved)):
-        handle = getattr(owner, register)(hook)
+    def wrapped(*args, **kwargs):  # a forward put on the instance, as accelerate's autocast wrapper is
+        return halved(model, args, type(model).forward(model, *args, **kwargs))
+
+    def instance_forward():
+        model.forward = wrapped
+        return SimpleNamespace(remove=lambda: delattr(model, "forward"))
+
+    for install in (lambda: model.lm_head.register_forward_hook(masked),
+                    lambda: model.lm_head.register_forward_pre_hook(lambda m, args: (args[0] * 2,)),
+                    lambda: model.register_forward_hook(halved), instance_forward):
+        handle = install()
         try:
             assert rl.fused_head(model) is None
             with torch.no_grad():
