@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from numbers import Real
@@ -91,6 +92,9 @@ class EngineConfig:
     load_format: str = "auto"
     """"auto"/"safetensors" load the checkpoint; "dummy" keeps random weights (benchmarks)."""
     revision: str | None = None
+    download_dir: str | None = None
+    """vLLM's: the Hugging Face hub cache folder a hub id `model` (or `tokenizer`) is read from and downloaded
+    into, instead of the default one (HF_HUB_CACHE); a local folder ignores it."""
     trust_remote_code: bool = False
     device: str | None = None
     """torch device; None picks cuda when available, else cpu."""
@@ -149,6 +153,7 @@ class EngineConfig:
                 "hf_overrides must be a dict, a JSON object string or a callable(config) -> config, "
                 f"got {type(self.hf_overrides).__name__}: {self.hf_overrides!r}"
             )
+        self.download_dir = check_download_dir(self.download_dir)
         if self.runner == "pooling" and max(self.tensor_parallel_size, self.pipeline_parallel_size,
                                             getattr(self, "data_parallel_size", 1)) > 1:
             raise UserInputError("runner='pooling' runs in one process: tensor_parallel_size, "
@@ -187,6 +192,18 @@ class EngineConfig:
                 raise UserInputError(f"{name}={value!r} is not supported; expected {expected}")
             logger.debug("LLM(%s=%r) accepted for vLLM compatibility: %s", name, value, note)
         return config
+
+
+def check_download_dir(value: Any) -> str | None:
+    """`download_dir` as a string (a path-like object's text); UserTypeError naming it for anything but None, a
+    non-empty string or a path. The folder need not exist: huggingface_hub creates it on download."""
+    if value is None:
+        return None
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value.strip():
+        raise UserTypeError(f"download_dir={value!r} must be a folder path (a non-empty string) or None")
+    return os.path.expanduser(value)
 
 
 TASK_RUNNERS = {"auto": None, "generate": "generate", "embed": "pooling"}

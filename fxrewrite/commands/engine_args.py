@@ -19,6 +19,7 @@ ENGINE_KWARG_NAMES = (
     "max_logprobs",
     "trust_remote_code",
     "revision",
+    "download_dir",
     "tokenizer",
     "model_impl",
     "fusion",
@@ -254,6 +255,9 @@ def _add_loading_arguments(g) -> None:
     """Where the weights and modeling code come from."""
     g.add_argument("--revision", default=None,
                    help="branch, tag or commit of a hub id MODEL (default: the latest)")
+    g.add_argument("--download-dir", default=None,
+                   help="folder of the Hugging Face hub cache a hub id MODEL is read from and downloaded into "
+                        "(default: the HF cache, HF_HUB_CACHE); a local folder ignores it")
     g.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"), help="weight format "
                    "(dummy: random weights, for benchmarks)")
     g.add_argument("--trust-remote-code", action="store_true", help="build a folder's own modeling code (auto_map)")

@@ -140,22 +140,22 @@ class ModelConfig:
         dtype: str | torch.dtype = "auto",
         tokenizer: str | Path | None = None,
         revision: str | None = None,
+        download_dir: str | None = None,
         trust_remote_code: bool = False,
         disable_sliding_window: bool = False,
     ) -> ModelConfig:
         """Load `model`'s config, apply `hf_overrides`, check rope and max_model_len.
 
         `model`: local folder, hub id, .gguf file, or None for the default model (resolved by
-        model_files.resolve_model_path, as is `tokenizer` when given).
-
-        `hf_overrides`: dict, JSON object text, or callable(config) -> config (see hf_config).
-        A `max_model_len` key in the overrides is used when `max_model_len` is None.
+        model_files.resolve_model_path, as is `tokenizer` when given; a hub id's files are read from and downloaded
+        into `download_dir`, vLLM's hub cache folder, when given). A `max_model_len` key in `hf_overrides` (a dict,
+        JSON object text, or callable(config) -> config, see hf_config) is used when `max_model_len` is None.
         Raises FileNotFoundError (no model), ValueError (bad overrides: not a JSON object, a value of the
         wrong type, a dimension that is not a positive int or does not divide (config_checks); dtype, rope
         parameters, a max_model_len above the derived one without FXREWRITE_ALLOW_LONG_MAX_MODEL_LEN=1),
         TypeError (overrides of the wrong kind): `fxrewrite.errors.UserInputError`s naming key and value.
         """
-        model_path = resolve_model_path(model, revision=revision)
+        model_path = resolve_model_path(model, revision=revision, download_dir=download_dir)
         hf_config, override_len = load_hf_config(model_path, hf_overrides, revision, trust_remote_code)
         text_config = hf_config.get_text_config()
         check_model_dimensions(text_config, config_json_values(model_path, text_config is not hf_config))
@@ -163,10 +163,10 @@ class ModelConfig:
         head_dim = _head_dim(text_config)
         check_rope_parameters(text_config, head_dim)
         rope_parameters, by_layer = get_rope_parameters(text_config)
-        tokenizer_path = str(resolve_model_path(tokenizer, what="tokenizer") if tokenizer is not None else model_path)
-        derived, key = derive_max_model_len(
-            text_config, _tokenizer_model_max_length(Path(tokenizer_path)), disable_sliding_window
-        )
+        tokenizer_path = str(model_path if tokenizer is None else
+                             resolve_model_path(tokenizer, what="tokenizer", download_dir=download_dir))
+        derived, key = derive_max_model_len(text_config, _tokenizer_model_max_length(Path(tokenizer_path)),
+                                            disable_sliding_window)
         user_len = max_model_len if max_model_len is not None else override_len
         num_heads = text_config.num_attention_heads
         return cls(

@@ -60,6 +60,7 @@ def load_model_config(config: EngineConfig):
     model_config = ModelConfig.from_pretrained(
         model, hf_overrides=config.hf_overrides, max_model_len=config.max_model_len, dtype=config.dtype,
         tokenizer=config.tokenizer, revision=config.revision, trust_remote_code=config.trust_remote_code,
+        download_dir=config.download_dir,
     )
     quant = resolve_quantization(config.quantization, model_config.hf_config)  # unsupported methods fail here
     resolve_model_impl(config, model_config)  # model_impl='native' without a native class fails here
