@@ -1,9 +1,12 @@
 """The OpenAI-compatible HTTP server: FastAPI app over an `AsyncLLMEngine`, run by uvicorn.
 
 Endpoints: GET /v1/models (and /v1/models/{id}), POST /v1/completions, POST /v1/chat/completions (SSE when
-`stream` is true, ending with `data: [DONE]`), POST /v1/embeddings (runner "pooling" only; the others
-then answer 400), POST /tokenize, POST /detokenize (vLLM's paths; also under /v1), GET /health (and vLLM's
-GET / POST /ping, the same), GET /metrics (Prometheus), GET /version.
+`stream` is true, ending with `data: [DONE]`), POST /v1/responses (OpenAI's Responses API, served on the chat
+path: `instructions` and the input items become chat messages, the reply becomes output items, and with `stream`
+OpenAI's typed events; `serving_responses`, `responses_stream`; nothing is stored, as in vLLM without its response
+store), POST /v1/embeddings (runner "pooling" only; the others then answer 400), POST /tokenize, POST /detokenize
+(vLLM's paths; also under /v1), GET /health (and vLLM's GET / POST /ping, the same), GET /metrics (Prometheus),
+GET /version.
 With an API key, every /v1 route, /tokenize and /detokenize need `Authorization: Bearer <key>` (compared in
 constant time); /health, /ping, /metrics and /version stay open, as in vLLM.
 """
@@ -31,7 +34,9 @@ from fxrewrite.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from fxrewrite.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 from fxrewrite.runtime.server.protocol_responses import ModelCard, ModelList
 from fxrewrite.runtime.server.serving_chat import OpenAIServingChat
+from fxrewrite.runtime.server.responses_protocol import ResponsesRequest
 from fxrewrite.runtime.server.serving_completion import OpenAIServingCompletion
+from fxrewrite.runtime.server.serving_responses import OpenAIServingResponses
 from fxrewrite.runtime.server.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
 from fxrewrite.runtime.server.server_options import RequestIdHeaderMiddleware, ServerOptions
 from fxrewrite.runtime.server.shutdown import GRACEFUL_SHUTDOWN_S, CutStreamsLog, ShutdownAnswers
@@ -184,6 +189,16 @@ def _check_generates(engine: LLMEngine, api: str) -> None:
                           "--runner pooling (embeddings: POST /v1/embeddings)", code="model_not_supported")
 
 
+def _add_responses_route(app: FastAPI, engine: LLMEngine, chat: OpenAIServingChat) -> None:
+    """POST /v1/responses, served through the chat handler (`serving_responses`)."""
+    responses = OpenAIServingResponses(chat)
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request):
+        _check_generates(engine, "Responses")
+        return await responses.create_response(request, raw_request)
+
+
 def _add_routes(app: FastAPI, engine: LLMEngine, names: list[str], completion: OpenAIServingCompletion,
                 chat: OpenAIServingChat, metrics: ServerMetrics, options: ServerOptions) -> None:
     model_config = engine.model_config
@@ -231,6 +246,8 @@ def _add_routes(app: FastAPI, engine: LLMEngine, names: list[str], completion: O
         _check_generates(engine, "Chat Completions")
         options.apply(request)
         return await chat.create_chat_completion(request, raw_request)
+
+    _add_responses_route(app, engine, chat)
 
     # vLLM's paths are /tokenize and /detokenize; the /v1 ones are kept for this server's earlier clients.
     @app.post("/tokenize")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from http import HTTPStatus
 
 from fastapi import Request
@@ -16,7 +17,8 @@ from fxrewrite.runtime.engine.chat import (ChatTemplateError, as_content_format,
 from fxrewrite.runtime.server.async_engine import StepOutput
 from fxrewrite.runtime.server.errors import OpenAIError
 from fxrewrite.runtime.server.logprobs import chat_logprobs
-from fxrewrite.runtime.server.protocol import ChatCompletionRequest
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
+from fxrewrite.runtime.server.protocol import ChatCompletionRequest, ToolCall
 from fxrewrite.runtime.server.reasoning import ReasoningParser, ReasoningStream, parser_for_request
 from fxrewrite.runtime.server.protocol_responses import (
     ChatChoice,
@@ -49,6 +51,20 @@ from fxrewrite.runtime.server.streaming import (
 )
 
 
+@dataclass
+class ChatRun:
+    """A chat request admitted to the engine (`OpenAIServingChat.prepare`): the name its response carries, the
+    response's id, its engine requests' ids and output streams (one), its prompt's length and its sampling
+    parameters."""
+
+    model: str
+    request_id: str
+    ids: list[str]
+    streams: list[AsyncIterator[StepOutput]]
+    num_prompt_tokens: int
+    params: SamplingParams
+
+
 class OpenAIServingChat(OpenAIServing):
     """Handles `ChatCompletionRequest`s.
 
@@ -71,6 +87,22 @@ class OpenAIServingChat(OpenAIServing):
         """vLLM's --chat-template-content-format: "string" (text parts joined) or "openai" (lists of text parts)."""
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request):
+        run = await self.prepare(request, raw_request)
+        if request.stream:
+            return EventStreamResponse(self._stream(request, run.model, run.request_id, run.ids, run.streams[0],
+                                                    run.num_prompt_tokens), on_close=lambda: self.abort_all(run.ids))
+        try:
+            (final,) = await cancel_on_disconnect(final_outputs(run.streams), raw_request)
+        finally:
+            self.abort_all(run.ids)
+        return JSONResponse(self._response(request, run.model, run.request_id, final).model_dump())
+
+    async def prepare(self, request: ChatCompletionRequest, raw_request: Request,
+                      request_ids: tuple[str, str] | None = None) -> ChatRun:
+        """Everything a chat request does before its output: the checks (400s before anything is allocated), the
+        prompt, the sampling parameters, the engine requests. `request_ids`: (the response's id, the base of its
+        engine requests' ids); default chat's (`request_ids("chatcmpl", ...)`). The caller must
+        `abort_all(run.ids)` when done (the Responses API runs its requests through here too)."""
         model = self.model_name(request.model)
         structured = self._check_tools(request)
         token_ids = await self.async_tokenizer.run(self.apply_chat_template, request)  # off the event loop
@@ -82,19 +114,20 @@ class OpenAIServingChat(OpenAIServing):
         if tool_mode(request) == "auto" and self.tool_parser.needs_special_tokens:
             params.skip_special_tokens = False
         await self.check_structured_outputs(params, structured_outputs_field(request))
-        request_id, engine_id = self.request_ids("chatcmpl", raw_request, request)
+        request_id, engine_id = request_ids or self.request_ids("chatcmpl", raw_request, request)
         field = structured_outputs_field(request)
         ids, streams = await self.start_requests(engine_id, [(token_ids, params)], logprobs_field="top_logprobs",
                                                  structured_field="tool_choice" if field == "tools" else field,
                                                  prompt_field="messages", cache_salt=request_cache_salt(request))
-        if request.stream:
-            return EventStreamResponse(self._stream(request, model, request_id, ids, streams[0], len(token_ids)),
-                                       on_close=lambda: self.abort_all(ids))
-        try:
-            (final,) = await cancel_on_disconnect(final_outputs(streams), raw_request)
-        finally:
-            self.abort_all(ids)
-        return JSONResponse(self._response(request, model, request_id, final).model_dump())
+        return ChatRun(model, request_id, ids, streams, len(token_ids), params)
+
+    def parse_choice(self, request: ChatCompletionRequest, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
+        """(reasoning, content, tool calls) of a finished choice's text: the think block split off
+        (--reasoning-parser), then the calls parsed from the rest under the request's tool_choice."""
+        reasoning_parser = parser_for_request(self.reasoning_parser, request)
+        reasoning, text = reasoning_parser.extract(text) if reasoning_parser else (None, text)
+        content, calls = parse_output(request, text, self.tool_parser) if text is not None else (None, [])
+        return reasoning, content, calls
 
     def template(self, request: ChatCompletionRequest | None = None) -> str | None:
         """`request`'s own chat template (see `request_chat_template`), else --chat-template, else the
@@ -175,7 +208,6 @@ class OpenAIServingChat(OpenAIServing):
                   final: StepOutput) -> ChatCompletionResponse:
         choices = []
         outs = final.choices
-        reasoning_parser = parser_for_request(self.reasoning_parser, request)
         if request.best_of is not None and request.best_of > request.n:
             outs = best_of_choices(list(outs), request.n)
         for c in outs:
@@ -183,8 +215,7 @@ class OpenAIServingChat(OpenAIServing):
             if request.logprobs:
                 logprobs = chat_logprobs(self.tokenizer, c, 0, len(c.token_ids),
                                          self.top_count(request.top_logprobs or 0), request.return_tokens_as_token_ids)
-            reasoning, text = reasoning_parser.extract(c.text) if reasoning_parser else (None, c.text)
-            content, calls = parse_output(request, text, self.tool_parser) if text is not None else (None, [])
+            reasoning, content, calls = self.parse_choice(request, c.text)
             if request.echoed_text():
                 content = request.echoed_text() + (content or "")
             message = ChatResponseMessage(role=request.response_role(), content=content, tool_calls=calls,

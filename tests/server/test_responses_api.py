@@ -1,0 +1,231 @@
+"""POST /v1/responses (OpenAI's Responses API) through the real `openai` client against the test server (tiny
+Qwen3 with Qwen3's chat template; `--enable-auto-tool-choice`). It is served on the chat path, so a greedy answer
+is chat's; streamed events parse as the client's types; errors are chat's 400s, named in this API's fields. The
+random model's text is forced with vLLM's `structured_outputs` where a test needs chosen text, as the chat tests do."""
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+import xgrammar  # noqa: F401 - the serve extra (`make setup` installs it): missing is a setup fault
+
+pytestmark = pytest.mark.slow  # runs first under xdist (tests/conftest.py)
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]
+GREEDY = {"temperature": 0.0, "max_output_tokens": 8, "extra_body": {"ignore_eos": True}}
+TIME_TOOL = {"type": "function", "name": "get_time", "description": "The time", "parameters": {
+    "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"],
+    "additionalProperties": False}}
+HERMES_CALL = r'Sure\.\n<tool_call>\n\{"name": "get_time", "arguments": \{"tz": "UTC"\}\}\n</tool_call>'
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _grammar_compiler(server):
+    """Build xgrammar's tokenizer info for the 151,936-token vocabulary once, outside any request timeout."""
+    from fxrewrite.runtime.engine.sampling_params import SamplingParams
+    from fxrewrite.runtime.engine.structured_outputs import StructuredOutputsParams
+
+    server.engine.compile_structured_outputs(SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")))
+
+
+def _client(server):
+    return server.client().with_options(timeout=600)  # a loaded 2-core CI machine is slow
+
+
+def _create(server, **kwargs):
+    return _client(server).responses.create(model=server.model_name, **kwargs)
+
+
+def _chat_text(server, messages, max_tokens=8):
+    out = _client(server).chat.completions.create(model=server.model_name, messages=messages, temperature=0.0,
+                                                  max_tokens=max_tokens, extra_body={"ignore_eos": True})
+    return out.choices[0].message.content
+
+
+def _forced(regex):
+    return {"structured_outputs": {"regex": regex}}
+
+
+def test_text_answer_is_the_chat_answer_with_instructions_as_the_system_message(server):
+    response = _create(server, instructions="Be brief.", input=[{"role": "user", "content": "Say hello."}], **GREEDY)
+    assert response.id.startswith("resp_") and response.object == "response" and response.model == server.model_name
+    assert response.output_text == _chat_text(server, MESSAGES)
+    (message,) = response.output
+    assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+    assert message.content[0].type == "output_text" and message.content[0].annotations == []
+    # cut by max_output_tokens
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    usage = response.usage
+    assert usage.output_tokens == 8 and usage.total_tokens == usage.input_tokens + 8
+    assert usage.input_tokens_details.cached_tokens >= 0 and usage.output_tokens_details.reasoning_tokens == 0
+    assert (response.temperature, response.max_output_tokens, response.tool_choice) == (0.0, 8, "auto")
+    assert response.text.format.type == "text" and response.tools == [] and response.parallel_tool_calls
+    assert response.instructions == "Be brief."
+    # a string input is one user message, and so is a message of input_text parts
+    parts = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Say hello."}]}]
+    for given in ("Say hello.", parts):
+        assert _create(server, input=given, **GREEDY).output_text == _chat_text(server, MESSAGES[1:])
+    server.wait_until(server.all_blocks_free)
+
+
+def test_a_finished_answer_is_completed(server):
+    response = _create(server, input="Greet.", max_output_tokens=20, extra_body=_forced(r"Hi there\."),
+                       metadata={"k": "v"}, user="u1")
+    assert response.status == "completed" and response.incomplete_details is None
+    assert response.output_text == "Hi there." and response.output[0].status == "completed"
+    assert response.metadata == {"k": "v"} and response.user == "u1"
+
+
+def test_stream_events_parse_and_join_to_the_answer(server):
+    kwargs = {"input": "Count to ten.", "temperature": 0.0, "max_output_tokens": 12}
+    whole = _create(server, **kwargs)
+    events = list(_create(server, stream=True, **kwargs))
+    assert [e.type for e in events[:4]] == ["response.created", "response.in_progress", "response.output_item.added",
+                                            "response.content_part.added"]
+    assert [e.type for e in events[-4:]] == ["response.output_text.done", "response.content_part.done",
+                                             "response.output_item.done", "response.completed"]
+    assert {e.type for e in events[4:-4]} == {"response.output_text.delta"}
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert type(events[0]).__name__ == "ResponseCreatedEvent" and events[0].response.status == "in_progress"
+    assert type(events[4]).__name__ == "ResponseTextDeltaEvent"
+    deltas = [e.delta for e in events[4:-4]]
+    assert len(deltas) > 1 and "".join(deltas) == whole.output_text == events[-4].text
+    final = events[-1].response
+    assert final.output_text == whole.output_text and final.status == whole.status == "incomplete"
+    assert final.usage.output_tokens == whole.usage.output_tokens == 12
+    assert final.output[0].id == events[2].item.id == events[-4].item_id  # one item id throughout
+    assert final.created_at == events[0].response.created_at
+    server.wait_until(server.all_blocks_free)
+
+
+def test_json_schema_and_json_object_text_formats(server):
+    schema = TIME_TOOL["parameters"]
+    compact = {"structured_outputs": {"disable_any_whitespace": True}}  # a random model would emit whitespace
+    response = _create(server, input="Which zone?", temperature=1.0, max_output_tokens=40, extra_body=compact,
+                       text={"format": {"type": "json_schema", "name": "zone", "schema": schema, "strict": True}})
+    jsonschema.validate(json.loads(response.output_text), schema)
+    assert response.status == "completed" and response.text.format.type == "json_schema"
+    assert response.text.format.schema_ == schema
+    close = {str(i): 100 for text in ('"', "}") for i in server.engine.tokenizer.encode(text, add_special_tokens=False)}
+    response = _create(server, input="JSON please.", temperature=1.0, max_output_tokens=60, text={"format": {
+        "type": "json_object"}}, extra_body={**compact, "seed": 1, "logit_bias": close})
+    assert isinstance(json.loads(response.output_text), dict), response.output_text
+
+
+def test_tools_give_function_call_items(server):
+    named = {"type": "function", "name": "get_time"}
+    response = _create(server, input="What time is it?", tools=[TIME_TOOL], tool_choice=named, temperature=1.0,
+                       max_output_tokens=40)
+    (call,) = response.output
+    assert call.type == "function_call" and call.name == "get_time" and call.id.startswith("fc_") and call.call_id
+    assert json.loads(call.arguments)["tz"] in ("UTC", "CET") and response.tool_choice.name == "get_time"
+    assert response.tools[0].name == "get_time" and response.tools[0].parameters == TIME_TOOL["parameters"]
+    # "auto": the model's own (Hermes) format, parsed; text before the call is the message
+    response = _create(server, input="What time is it?", tools=[TIME_TOOL], max_output_tokens=60,
+                       extra_body=_forced(HERMES_CALL))
+    message, call = response.output
+    assert message.type == "message" and response.output_text.strip() == "Sure."
+    assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "get_time", {"tz": "UTC"})
+    events = list(_create(server, input="What time is it?", tools=[TIME_TOOL], max_output_tokens=60, stream=True,
+                          extra_body=_forced(HERMES_CALL)))
+    kinds = [e.type for e in events]
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 2
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert json.loads(done.arguments) == {"tz": "UTC"}
+    items = events[-1].response.output
+    assert [i.type for i in items] == ["message", "function_call"] and items[1].id == done.item_id
+    server.wait_until(server.all_blocks_free)
+
+
+def test_function_call_round_trip_is_the_chat_conversation(server):
+    """function_call + function_call_output items are the assistant's tool call and the tool's message."""
+    items = [{"role": "user", "content": "What time is it?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_time", "arguments": '{"tz": "UTC"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "12:00"}]
+    response = _create(server, input=items, tools=[TIME_TOOL], tool_choice="none", **GREEDY)
+    messages = [items[0], {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    chat = _client(server).chat.completions.create(
+        model=server.model_name, messages=messages, tools=[{"type": "function", "function": {
+            k: v for k, v in TIME_TOOL.items() if k != "type"}}], tool_choice="none", temperature=0.0, max_tokens=8,
+        extra_body={"ignore_eos": True})
+    assert response.output_text == chat.choices[0].message.content
+
+
+def test_a_responses_output_items_go_back_as_input(server):
+    """The next turn's input is the history plus the last response's output items (message, function_call,
+    reasoning), as the openai client sends them: each becomes the assistant turn it was."""
+    first = _create(server, input="Hi.", max_output_tokens=20, extra_body=_forced(r"Hello\."))
+    history = [{"role": "user", "content": "Hi."}, *[item.model_dump() for item in first.output],
+               {"type": "reasoning", "id": "rs_1", "summary": [], "content": [
+                   {"type": "reasoning_text", "text": "They ask."}]},
+               {"role": "user", "content": "And?"}]
+    second = _create(server, input=history, **GREEDY)
+    assert second.usage.input_tokens > first.usage.input_tokens and second.output_text
+    with pytest.raises(openai.BadRequestError, match=r"input\[0\].content: expected a list of reasoning_text"):
+        _create(server, input=[{"type": "reasoning", "content": "flat"}])
+
+
+def test_reasoning_parser_gives_a_reasoning_item(server, monkeypatch):
+    from fxrewrite.runtime.server.reasoning import REASONING_PARSERS
+
+    monkeypatch.setattr(server.app.state.serving_chat, "reasoning_parser", REASONING_PARSERS["qwen3"])
+    forced = _forced(r"<think>Let me see\.</think>\n\nParis\.")
+    response = _create(server, input="Capital of France?", max_output_tokens=60, extra_body=forced,
+                       reasoning={"effort": "low"})
+    reasoning, message = response.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == "Let me see."
+    assert message.type == "message" and response.output_text.strip() == "Paris."
+    assert response.usage.output_tokens_details.reasoning_tokens > 0 and response.reasoning.effort == "low"
+    events = list(_create(server, input="Capital of France?", max_output_tokens=60, extra_body=forced, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "Let me see."
+    assert [i.type for i in events[-1].response.output] == ["reasoning", "message"]
+    assert events[-1].response.output_text == response.output_text
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"temperature": -1}, "temperature", "temperature: expected a value greater than or equal to 0"),
+    ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
+    ({"max_output_tokens": 5000}, "max_output_tokens", "Please reduce the length of the prompt or max_output_tokens"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "input", r"input\[0\].role: 'robot' is not one of"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input", r"input\[0\].call_id: expected a string"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input", "only text content parts"),
+    ({"input": []}, "input", "input must not be empty"),
+    ({"tools": [{"type": "web_search"}]}, "tools", "expected 'function'"),
+    ({"tool_choice": "required"}, "tool_choice", "tool_choice requires tools"),
+    ({"text": {"format": {"type": "json_schema", "schema": {"type": "objec"}}}}, "text", "text.format: invalid json"),
+    ({"background": True}, "background", "does not support the background mode"),
+    ({"top_k": "a"}, "top_k", "top_k: expected an integer"),
+])
+def test_bad_requests_are_400s_naming_the_field(server, body, param, message):
+    with pytest.raises(openai.BadRequestError, match=message) as e:
+        _client(server).post("/responses", cast_to=httpx.Response,
+                             body={"model": server.model_name, "input": "x", **body})
+    assert e.value.param == param
+
+
+def test_previous_response_id_is_refused_as_nothing_is_stored(server):
+    with pytest.raises(openai.NotFoundError, match="does not store responses") as e:
+        _create(server, input="And then?", previous_response_id="resp_123")
+    assert e.value.param == "previous_response_id"
+    with server.http() as http:  # the key guards the route as every /v1 route
+        assert httpx.post(f"{server.base_url}/v1/responses", json={"input": "x"}).status_code == 401
+        assert http.post("/v1/responses", json={"input": "x", "model": "other"}).status_code == 404
+        # store is accepted (and ignored, as vLLM does without its store)
+        assert http.post("/v1/responses", json={"input": "x", "store": True, "max_output_tokens": 1}).status_code == 200
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    body = {"model": server.model_name, "input": "A long story:", "max_output_tokens": 1000, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with server.http() as http:
+        with http.stream("POST", "/v1/responses", json=body) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            kinds = [line for line in (next(lines) for _ in range(20)) if line.startswith("event: ")]
+            assert "event: response.output_text.delta" in kinds
+    server.wait_until(server.all_blocks_free)
