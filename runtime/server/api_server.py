@@ -173,7 +173,7 @@ def build_app(
     if log_requests:
         async_engine.request_logger = RequestLogger(max_log_len, engine.tokenizer)
     _add_routes(app, engine, names, completion, chat, metrics, options)
-    embedding = OpenAIServingEmbedding(async_engine, names, generation_defaults, tokenizer)
+    embedding = OpenAIServingEmbedding(async_engine, names, generation_defaults, tokenizer, chat=chat)
 
     @app.post("/v1/embeddings")
     async def create_embedding(request: EmbeddingRequest, raw_request: Request):

@@ -67,19 +67,26 @@ def _tokenize(chat, request: TokenizeRequest) -> TokenizeResponse:
         add = True if request.add_special_tokens is None else request.add_special_tokens
         ids = list(tokenizer.encode(request.prompt, add_special_tokens=add))
     else:
-        try:  # the chat endpoint's own checks (messages non-empty, tools' shape): a 400 naming the field
-            chat_request = ChatCompletionRequest(
-                messages=request.messages, add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message, chat_template=request.chat_template,
-                chat_template_kwargs=request.chat_template_kwargs, tools=request.tools, tool_choice="none")
-        except ValidationError as e:
-            message, param = describe_errors(e.errors())
-            raise OpenAIError(HTTPStatus.BAD_REQUEST, message, param=param, code="invalid_value") from None
-        ids = chat.apply_chat_template(chat_request)
+        ids = chat.apply_chat_template(template_request(
+            messages=request.messages, add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message, chat_template=request.chat_template,
+            chat_template_kwargs=request.chat_template_kwargs, tools=request.tools))
         if request.add_special_tokens and tokenizer.bos_token_id is not None and ids[:1] != [tokenizer.bos_token_id]:
             ids = [tokenizer.bos_token_id] + ids
     strs = tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
     return TokenizeResponse(count=len(ids), max_model_len=chat.max_model_len, tokens=ids, token_strs=strs)
+
+
+def template_request(**fields: Any) -> ChatCompletionRequest:
+    """A chat request holding only what `OpenAIServingChat.apply_chat_template` reads (messages, add_generation_prompt,
+    continue_final_message, chat_template, chat_template_kwargs, tools, add_special_tokens, truncate_prompt_tokens),
+    for an endpoint that renders messages as /v1/chat/completions does (tokenize, embeddings). The chat endpoint's
+    own checks (messages non-empty, tools' shape) are a 400 (`OpenAIError`) naming the field."""
+    try:
+        return ChatCompletionRequest(tool_choice="none", **fields)
+    except ValidationError as e:
+        message, param = describe_errors(e.errors())
+        raise OpenAIError(HTTPStatus.BAD_REQUEST, message, param=param, code="invalid_value") from None
 
 
 async def detokenize(chat, request: DetokenizeRequest) -> DetokenizeResponse:

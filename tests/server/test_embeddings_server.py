@@ -144,3 +144,56 @@ def test_embedding_response_id_takes_the_x_request_id(pooling_server):
         given = http.post("/v1/embeddings", json={"input": "hi"}, headers={"X-Request-Id": "trace-9"}).json()["id"]
         fresh = http.post("/v1/embeddings", json={"input": "hi"}).json()["id"]
     assert given == "embd-trace-9" and fresh.startswith("embd-") and fresh != "embd-trace-9"
+
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello world"}]
+
+
+def _template_ids(tokenizer, **kwargs) -> list[int]:
+    text = tokenizer.apply_chat_template(MESSAGES, tokenize=False, **kwargs)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("generation_prompt", [None, True])
+def test_messages_embed_the_chat_template_rendering(pooling_server, generation_prompt):
+    """vLLM's EmbeddingChatRequest: `messages` instead of `input`, rendered by the chat template (no generation
+    prompt by default there), embed exactly as `input` holding the rendered text's token ids."""
+    tokenizer = pooling_server.engine.tokenizer
+    ids = _template_ids(tokenizer, add_generation_prompt=bool(generation_prompt))
+    body = {"messages": MESSAGES} | ({} if generation_prompt is None else {"add_generation_prompt": True})
+    with pooling_server.http() as http:
+        chat = http.post("/v1/embeddings", json=body)
+        plain = http.post("/v1/embeddings", json={"input": ids}).json()
+    assert chat.status_code == 200, chat.text
+    chat = chat.json()
+    assert chat["usage"]["prompt_tokens"] == len(ids) == plain["usage"]["prompt_tokens"]
+    assert len(chat["data"]) == 1 and chat["id"].startswith("embd-")
+    np.testing.assert_allclose(chat["data"][0]["embedding"], plain["data"][0]["embedding"], rtol=1e-5, atol=1e-6)
+
+
+def test_messages_through_the_openai_client(pooling_server):
+    """vLLM's documented way: `messages` in the body of client.embeddings.create(extra_body=...)."""
+    ids = _template_ids(pooling_server.engine.tokenizer)
+    client = pooling_server.client()
+    out = client.post("/embeddings", body={"model": MODEL_NAME, "messages": MESSAGES, "encoding_format": "float"},
+                      cast_to=object)
+    assert out["usage"]["prompt_tokens"] == len(ids)
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"input": "hi", "messages": MESSAGES}, "messages", "either input or messages, not both"),
+    ({}, "input", "input is required"),
+    ({"encoding_format": "float"}, "input", "input is required"),
+    ({"messages": []}, "messages", "messages"),
+    ({"input": "hi", "add_generation_prompt": True}, "add_generation_prompt", "applies to messages only"),
+    ({"messages": MESSAGES, "chat_template": "{{ messages }}"}, "chat_template", "--trust-request-chat-template"),
+    ({"messages": [{"role": "user", "content": "many words " * 30_000}]}, "messages", "messages has more than"),
+    ({"messages": MESSAGES, "add_special_tokens": "yes"}, "add_special_tokens", "add_special_tokens"),
+])
+def test_bad_messages_requests(pooling_server, body, param, words):
+    with pooling_server.http() as http:
+        r = http.post("/v1/embeddings", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+    assert pooling_server.all_blocks_free()
