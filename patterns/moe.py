@@ -88,7 +88,32 @@ def _router_facts(router_node, block_root: nn.Module, ids_idx: int, w_idx: int) 
     require(source is x, f"the router's linear does not read the router's input (it reads {getattr(source, 'name', source)})")
     bias = logits.args[2] if len(logits.args) > 2 else logits.kwargs.get("bias")
     require(bias is None or getattr(bias, "op", "") == "get_attr" and bias.target == "bias", "router bias unknown")
-    return {"scoring": scoring, "renormalize": renormalize, "top_k": topk_args["k"], "router_outputs": (ids_idx, w_idx)}
+    return {"scoring": scoring, "renormalize": renormalize, "top_k": topk_args["k"], "router_outputs": (ids_idx, w_idx),
+            "weights_dtype": _router_weights_dtype(module, w_idx, bias is not None)}
+
+
+def _router_weights_dtype(router: nn.Module, w_idx: int, has_bias: bool) -> str:
+    """Which dtype the router rounds its routing weights to, by running it (the traced graph's casts carry the
+    trace's dtype as a constant): "float32" (Mixtral: kept), "logits" (Qwen3-MoE, OLMoE: ``.to(router_logits.dtype)``,
+    the autocast dtype under autocast) or "input" (Granite-MoE: ``.type_as(hidden_states)``). Transformers' experts
+    multiply by the weights in that dtype, so bf16 rounds them (a fresh user's find: the fused block kept them in
+    float32, off stock's bf16 output by an ulp). Refusal for a router that rounds otherwise or cannot run."""
+    e, h = router.weight.shape
+    gen = torch.Generator().manual_seed(0)
+    params = {"weight": torch.randn(e, h, generator=gen)} | ({"bias": torch.randn(e, generator=gen)} if has_bias else {})
+    x = torch.randn(3, h, generator=gen)
+    try:
+        with torch.no_grad():
+            plain = functional_call(router, {k: v.bfloat16() for k, v in params.items()}, (x.bfloat16(),))[w_idx].dtype
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                autocast = functional_call(router, params, (x,))[w_idx].dtype
+    except Exception as exc:  # noqa: BLE001 - a router we cannot run is not proven
+        raise Refusal(f"router could not be probed: {type(exc).__name__}: {exc}") from exc
+    kind = {(torch.float32, torch.float32): "float32", (torch.bfloat16, torch.bfloat16): "logits",
+            (torch.bfloat16, torch.float32): "input"}.get((plain, autocast))
+    require(kind is not None, f"router's routing weights are {plain} for bf16 input and {autocast} under bf16 autocast "
+                              "(expected float32, the logits' dtype or the input's)")
+    return kind
 
 
 def _width(node) -> int | None:
@@ -199,7 +224,7 @@ class MoEPattern(Pattern):
         children["experts"] = experts
         return FusedMoE(dict(match.names), children, top_k=match.fact("top_k"),
                         renormalize=match.fact("renormalize"), scoring_func=match.fact("scoring"),
-                        router_outputs=match.fact("router_outputs"))
+                        router_outputs=match.fact("router_outputs"), weights_dtype=match.fact("weights_dtype"))
 
     @classmethod
     def describe(cls, match: Match) -> str:

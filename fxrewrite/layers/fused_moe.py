@@ -30,6 +30,8 @@ from fxrewrite.layers.fold_guard import global_module_hooks, unhooked
 from fxrewrite.layers.moe_dp import experts_across_dp
 from fxrewrite.signature import HOOK_DICTS
 
+ROUTING_WEIGHT_DTYPES = ("float32", "logits", "input")
+"""`FusedMoE(weights_dtype=...)`: what the replaced router rounds its routing weights to (see `round_routing_weights`)."""
 
 def _divide(n: int, d: int, what: str) -> int:
     if n % d:
@@ -154,15 +156,20 @@ class FusedMoE(nn.Module):
     """
 
     def __init__(self, names: dict[str, str], modules: dict[str, nn.Module], *, top_k: int, renormalize: bool,
-                 scoring_func: str = "softmax", router_outputs: tuple[int, int] | None = None) -> None:
+                 scoring_func: str = "softmax", router_outputs: tuple[int, int] | None = None,
+                 weights_dtype: str = "float32") -> None:
         super().__init__()
         if scoring_func not in SCORING:
             raise ValueError(f"scoring_func={scoring_func!r}, expected one of {SCORING}")
+        if weights_dtype not in ROUTING_WEIGHT_DTYPES:
+            raise ValueError(f"weights_dtype={weights_dtype!r}, expected one of {ROUTING_WEIGHT_DTYPES}")
         experts = modules["experts"]
         if not 1 <= top_k <= experts.num_experts:
             raise ValueError(f"top_k={top_k} must be between 1 and num_experts={experts.num_experts}")
         self.names = dict(names)
         self.top_k, self.renormalize, self.scoring_func = top_k, renormalize, scoring_func
+        # the dtype the replaced router rounds its routing weights to (patterns/moe.py `_router_weights_dtype`)
+        self.weights_dtype = weights_dtype
         # where the replaced block read (ids, weights) in its router module's output, and that module's plain
         # attributes then (top_k, norm_topk_prob, ...): a hook put on it since, or a changed attribute, makes its own
         # forward route (`_router_routes`). None: a router that outputs logits only (native models)
@@ -268,11 +275,28 @@ class FusedMoE(nn.Module):
         """The experts' output [T, H], all-reduced over tensor-parallel ranks; ``residual + `` it when given
         (in the experts' kernel on one rank, after the all-reduce on several)."""
         experts = self._child("experts")
+        weights = self.round_routing_weights(weights, x)
         if experts.tp_size == 1 and not (residual is not None and _user_hooked(experts)):
             return experts(x, ids, weights, residual)  # a hook on it sees its own output, as on stock's experts
         out = experts(x, ids, weights)
         out = out if experts.tp_size == 1 else tensor_model_parallel_all_reduce(out)
         return out if residual is None else residual + out
+
+    def round_routing_weights(self, weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """weights [T, K] (float32) cast to the dtype the replaced router gave them in (`weights_dtype`: "logits",
+        the router linear's output dtype for input x, the autocast dtype under autocast; "input", x's); unchanged
+        for "float32". The reference experts then round ``out * weights`` as transformers' experts do (under
+        autocast a bf16 product, then x's dtype); the kernels read such weights as float32 (their values rounded)."""
+        kind = getattr(self, "weights_dtype", "float32")  # a FusedMoE pickled before the attribute: float32
+        if kind == "float32" or not weights.is_floating_point():
+            return weights
+        if kind == "input":
+            dtype = x.dtype
+        elif torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+        else:
+            dtype = torch.promote_types(x.dtype, self._child("router").weight.dtype)
+        return weights.to(dtype)
 
     def extra_repr(self) -> str:
         return f"top_k={self.top_k}, renormalize={self.renormalize}, scoring_func={self.scoring_func!r}"

@@ -101,6 +101,7 @@ def experts_across_dp(moe: nn.Module, x: torch.Tensor) -> torch.Tensor:
     router, experts = moe._child("router"), moe._child("experts")
     logits = F.linear(tokens, router.weight, getattr(router, "bias", None))
     weights, ids = select_experts(logits, moe.top_k, moe.renormalize, moe.scoring_func)
+    weights = moe.round_routing_weights(weights, tokens)
     real = real_rows(counts, x.device)
     if real is not None:  # padding rows route nowhere (-1: no rank holds it), cost nothing
         ids = torch.where(real[:, None], ids, -1)
