@@ -229,8 +229,8 @@ def _item_message(item: Any, where: str) -> dict[str, Any]:
                 "content": _text(item.get("output"), f"{where}.output")}
     if kind == "reasoning":  # its reasoning_text parts (or, without them, its summary_text parts)
         parts = item.get("content") or item.get("summary") or []
-        texts = [p.get("text") for p in parts if isinstance(p, dict)] if isinstance(parts, list) else [None]
-        if len(texts) != len(parts) or not all(isinstance(t, str) for t in texts):
+        texts = [p.get("text") if isinstance(p, dict) else None for p in parts] if isinstance(parts, list) else [None]
+        if not all(isinstance(t, str) for t in texts):  # a non-list (5, "flat") or a part without a string text
             raise FieldError("input", f"{where}.content: expected a list of reasoning_text parts ({{'type': "
                              f"'reasoning_text', 'text': ...}}), got {parts!r:.60}")
         return {"role": "assistant", "content": None, "reasoning": "\n".join(texts)}
