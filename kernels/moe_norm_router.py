@@ -103,14 +103,16 @@ def _applies(hidden, residual, norm_weight, weight, cfg) -> bool:
 
 def norm_route_experts(hidden: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                        weight: torch.Tensor, top_k: int, renormalize: bool, scoring_func: str = "softmax",
-                       config=None):
+                       config=None, weights_dtype: torch.dtype = torch.float32):
     """Same contract as `norm_route_experts_ref`. One launch when the router's fused form applies (Triton,
     1..FUSED_ROUTER_MAX_TOKENS tokens, contiguous rows, one dtype, no autograd) and the shape's router
-    choice (`config`, else `choice_for`) is not the GEMM pair; else ``rms_norm`` then `route_experts`."""
+    choice (`config`, else `choice_for`) is not the GEMM pair; else ``rms_norm`` then `route_experts`.
+    `weights_dtype`: as `route_experts`'."""
     cfg = config or choice_for(weight.shape[0], weight.shape[-1], top_k)
     if not _applies(hidden, residual, norm_weight, weight, cfg):
         x, new_residual = rms_norm(hidden, norm_weight, eps, residual)
-        return (*route_experts(x, weight, top_k, renormalize, scoring_func, config=cfg), x, new_residual)
+        return (*route_experts(x, weight, top_k, renormalize, scoring_func, config=cfg, weights_dtype=weights_dtype),
+                x, new_residual)
     t, h = hidden.shape
     num_experts = weight.shape[0]
     check_routing(hidden.new_empty(0, num_experts), top_k, scoring_func)
@@ -118,7 +120,7 @@ def norm_route_experts(hidden: torch.Tensor, residual: torch.Tensor, norm_weight
         raise ValueError(f"router weight {tuple(weight.shape)} does not match hidden states {tuple(hidden.shape)}")
     x, new_residual = torch.empty_like(hidden), torch.empty_like(hidden)
     logits = torch.empty(t, num_experts, dtype=hidden.dtype, device=hidden.device)
-    weights = torch.empty(t, top_k, dtype=torch.float32, device=hidden.device)
+    weights = torch.empty(t, top_k, dtype=weights_dtype, device=hidden.device)  # the kernel's store rounds to it
     ids = torch.empty(t, top_k, dtype=torch.int64, device=hidden.device)
     split = min(cfg.experts_per_program, next_power_of_2(num_experts))
     # one shot when the row and the gate rows fit in registers: <= 64 gate values per thread

@@ -159,11 +159,14 @@ def fused_router_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 def route_experts(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
                   scoring_func: str = "softmax", bias: torch.Tensor | None = None,
-                  config: RouterConfig | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  config: RouterConfig | str | None = None,
+                  weights_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `route_experts_ref`; one Triton launch when `fused_router_applies` and the shape's
     choice (`config`, else `choice_for`) is a RouterConfig, else ``select_experts(F.linear(x, weight, bias),
     ...)`` (the Triton top-k where it applies); in `batch_invariant_mode`, the latter (the batch-invariant F.linear,
-    the reference top-k), as a trainer's recomputation runs it."""
+    the reference top-k), as a trainer's recomputation runs it. `weights_dtype`: the one launch stores the
+    weights rounded to it (a router that casts them, as Qwen3-MoE's does, without a cast kernel after); the other
+    paths return float32."""
     cfg = config or choice_for(weight.shape[0], weight.shape[-1], top_k)
     if cfg == GEMM or not fused_router_applies(x, weight, bias) or is_batch_invariant():
         return select_experts(F.linear(x, weight, bias), top_k, renormalize, scoring_func)
@@ -173,7 +176,7 @@ def route_experts(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize
     if weight.shape[1] != hidden:
         raise ValueError(f"router weight {tuple(weight.shape)} does not match hidden states {tuple(x.shape)}")
     logits = torch.empty(t, num_experts, dtype=x.dtype, device=x.device)
-    weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
+    weights = torch.empty(t, top_k, dtype=weights_dtype, device=x.device)  # the kernel's store rounds to it
     ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
     split = min(cfg.experts_per_program, next_power_of_2(num_experts))
     pdl = pdl_enabled(x.device)

@@ -230,7 +230,8 @@ class FusedMoE(nn.Module):
         shape = hidden_states.shape
         weights, ids, x, residual = norm_route_experts(
             hidden_states.reshape(-1, shape[-1]), residual.reshape(-1, shape[-1]), norm.weight,
-            norm.variance_epsilon, router.weight, self.top_k, self.renormalize, self.scoring_func)
+            norm.variance_epsilon, router.weight, self.top_k, self.renormalize, self.scoring_func,
+            weights_dtype=self.routing_dtype(hidden_states))
         if add_residual and self._child("shared") is None:
             out = self._run_experts(x, weights, ids, residual)
         else:
@@ -267,7 +268,7 @@ class FusedMoE(nn.Module):
             router(x)
         # a few tokens (decode): gate GEMV + top-k in one launch (fxrewrite.kernels.moe_router)
         weights, ids = route_experts(x, router.weight, self.top_k, self.renormalize, self.scoring_func,
-                                     getattr(router, "bias", None))
+                                     getattr(router, "bias", None), weights_dtype=self.routing_dtype(x))
         return self._run_experts(x, weights, ids)
 
     def _run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
@@ -283,20 +284,22 @@ class FusedMoE(nn.Module):
         return out if residual is None else residual + out
 
     def round_routing_weights(self, weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """weights [T, K] (float32) cast to the dtype the replaced router gave them in (`weights_dtype`: "logits",
-        the router linear's output dtype for input x, the autocast dtype under autocast; "input", x's); unchanged
-        for "float32". The reference experts then round ``out * weights`` as transformers' experts do (under
-        autocast a bf16 product, then x's dtype); the kernels read such weights as float32 (their values rounded)."""
+        """weights [T, K] cast to `routing_dtype` (a no-op for the router kernels' weights, stored in it). The
+        reference experts then round ``out * weights`` as transformers' experts do (under autocast a bf16 product,
+        then x's dtype); the kernels read such weights as float32 (their values rounded)."""
+        return weights if not weights.is_floating_point() else weights.to(self.routing_dtype(x))
+
+    def routing_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """The dtype the replaced router gave its routing weights in for input x [T, H] (`weights_dtype`:
+        "float32"; "logits", the router linear's output dtype, the autocast dtype under autocast; "input", x's)."""
         kind = getattr(self, "weights_dtype", "float32")  # a FusedMoE pickled before the attribute: float32
-        if kind == "float32" or not weights.is_floating_point():
-            return weights
+        if kind == "float32":
+            return torch.float32
         if kind == "input":
-            dtype = x.dtype
-        elif torch.is_autocast_enabled(x.device.type):
-            dtype = torch.get_autocast_dtype(x.device.type)
-        else:
-            dtype = torch.promote_types(x.dtype, self._child("router").weight.dtype)
-        return weights.to(dtype)
+            return x.dtype
+        if torch.is_autocast_enabled(x.device.type):
+            return torch.get_autocast_dtype(x.device.type)
+        return torch.promote_types(x.dtype, self._child("router").weight.dtype)
 
     def extra_repr(self) -> str:
         return f"top_k={self.top_k}, renormalize={self.renormalize}, scoring_func={self.scoring_func!r}"

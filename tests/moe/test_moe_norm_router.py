@@ -50,6 +50,15 @@ def test_norm_router_half_rounds_like_rms_norm(triton_on):
     torch.testing.assert_close(got[2], want[2], rtol=1e-2, atol=1e-2)
 
 
+def test_norm_router_stores_weights_rounded_to_the_asked_dtype(triton_on):
+    """`weights_dtype` (as `route_experts`'): the launch stores the routing weights rounded to it."""
+    hidden, residual, norm_w, w = _inputs(2, 64, 16, seed=4)
+    want = norm_route_experts(hidden, residual, norm_w, 1e-6, w, 4, True)
+    got = norm_route_experts(hidden, residual, norm_w, 1e-6, w, 4, True, weights_dtype=torch.float16)
+    assert got[0].dtype == torch.float16 and torch.equal(got[0], want[0].to(torch.float16))
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
+
+
 def test_gemm_choice_and_many_tokens_take_norm_then_router(triton_on):
     """The GEMM router choice, or more tokens than the fused router takes: rms_norm then the router."""
     hidden, residual, norm_w, w = _inputs(moe_router.FUSED_ROUTER_MAX_TOKENS + 1, 32, 8, seed=3)

@@ -94,6 +94,17 @@ def test_fused_router_rounds_logits_to_the_input_dtype(triton_on):
     torch.testing.assert_close(got_w, want_w, rtol=2e-2, atol=1e-3)
 
 
+def test_fused_router_stores_weights_rounded_to_the_asked_dtype(triton_on):
+    """`weights_dtype` (a router that casts its routing weights, as Qwen3-MoE's does to the logits' dtype): the
+    launch stores the float32 weights rounded to it (float16 here: the interpreter has no bf16 arithmetic), the
+    same values as a cast after, with no cast kernel."""
+    x, w = _inputs(3, 64, 16, seed=5)
+    want_w, want_ids = route_experts(x, w, 4, True)
+    got_w, got_ids = route_experts(x, w, 4, True, weights_dtype=torch.float16)
+    assert got_w.dtype == torch.float16 and torch.equal(got_w, want_w.to(torch.float16))
+    assert torch.equal(got_ids, want_ids)
+
+
 def test_fallbacks_take_the_gemm_path(triton_on):
     """More tokens than FUSED_ROUTER_MAX_TOKENS, a router bias, or autograd: no fused launch, same results."""
     launches = _Launches()
@@ -149,17 +160,27 @@ def test_router_tuner_on_gpu():
     assert results[moe_router_tune._name(chosen)] == min(results.values())
 
 
-def test_fused_moe_layer_routes_decode_tokens_in_one_launch(interpret, monkeypatch):
+@pytest.mark.parametrize("weights_dtype", ["float32", "logits"])
+def test_fused_moe_layer_routes_decode_tokens_in_one_launch(interpret, monkeypatch, weights_dtype):
     """`FusedMoE` at decode (2 tokens, Triton on): the fused router and the two direct expert kernels,
-    no GEMM + select pair; the output equals the torch path's (Triton off)."""
+    no GEMM + select pair; the output equals the torch path's (Triton off). A router that rounds its weights to
+    the logits' dtype (float16 here): the router launch stores them so, and no cast follows."""
     from fxrewrite.layers.fused_moe import FusedExperts, FusedMoE
 
     torch.manual_seed(0)
-    router, experts = torch.nn.Linear(32, 8, bias=False), FusedExperts(8, 32, 16)
+    dtype = torch.float32 if weights_dtype == "float32" else torch.float16
+    router, experts = torch.nn.Linear(32, 8, bias=False).to(dtype), FusedExperts(8, 32, 16).to(dtype)
     torch.nn.init.normal_(experts.w13, std=0.2), torch.nn.init.normal_(experts.w2, std=0.2)
     moe = FusedMoE({"router": "gate", "experts": "experts"}, {"router": router, "experts": experts},
-                   top_k=2, renormalize=True)
-    x = torch.randn(2, 32)
+                   top_k=2, renormalize=True, weights_dtype=weights_dtype)
+    x = torch.randn(2, 32).to(dtype)
+    rounding, casts = FusedMoE.round_routing_weights, []
+
+    def spy(self, weights, x):
+        out = rounding(self, weights, x)
+        casts.append(out is not weights)
+        return out
+    monkeypatch.setattr(FusedMoE, "round_routing_weights", spy)
     with torch.no_grad():
         want = moe(x)
         monkeypatch.setenv("FXREWRITE_TRITON", "1")
@@ -167,4 +188,6 @@ def test_fused_moe_layer_routes_decode_tokens_in_one_launch(interpret, monkeypat
         with listen_launches(launches):
             got = moe(x)
     assert launches.names == ["_router_kernel", "_direct_gate_up_kernel", "_direct_down_kernel"]
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert casts == [weights_dtype == "logits", False]  # the torch path casts, the router launch stored them so
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
