@@ -54,8 +54,9 @@ class ResponseRun:
 class ResponseEventWriter:
     """The events of one response's output items; `items` holds them as built (the last one open while it grows)."""
 
-    def __init__(self):
+    def __init__(self, forced: bool = False):
         self.sequence_number = 0
+        self.forced = forced  # tool_choice forces the calls: a length cut leaves them "incomplete"
         self.items: list[OutputItem] = []
         self._open: OutputItem | None = None
         self._text = ""  # the open item's text (message, reasoning) or arguments (function_call) so far
@@ -69,7 +70,9 @@ class ResponseEventWriter:
         return {"item_id": self._open.id, "output_index": len(self.items) - 1}
 
     def _start(self, item: OutputItem) -> list[str]:
-        out = self.close("completed")
+        # text after a forced call: its list did not parse (a length cut), the text follows as content
+        after_call = isinstance(self._open, OutputFunctionCall) and isinstance(item, OutputMessage)
+        out = self.close("incomplete" if after_call else "completed")
         item.status = "in_progress"
         self.items.append(item)
         self._open = item
@@ -124,7 +127,8 @@ class ResponseEventWriter:
         else:
             item.arguments = text
             out.append(self.event("response.function_call_arguments.done", arguments=text, name=item.name, **where))
-        item.status = status if isinstance(item, OutputMessage) else "completed"
+        forced_call = self.forced and isinstance(item, OutputFunctionCall)
+        item.status = status if isinstance(item, OutputMessage) or forced_call else "completed"
         out.append(self.event("response.output_item.done", output_index=where["output_index"], item=item.model_dump()))
         return out
 
@@ -132,8 +136,8 @@ class ResponseEventWriter:
 async def response_events(r: ResponseRun) -> AsyncIterator[str]:
     """The event stream of one admitted Responses request (see the module docstring); aborts its engine request
     however it ends."""
-    writer, tracker = ResponseEventWriter(), DeltaTracker()
     tools = ToolStream(r.chat_request, r.chat.tool_parser)
+    writer, tracker = ResponseEventWriter(forced=tools.mode in ("required", "named")), DeltaTracker()
     thinking = ReasoningStream(parser_for_request(r.chat.reasoning_parser, r.chat_request))
     try:
         start = r.response([], None).model_dump(by_alias=True)
@@ -152,6 +156,9 @@ async def response_events(r: ResponseRun) -> AsyncIterator[str]:
         cut = last is not None and last.choices[0].finish_reason == "length"
         for event in writer.close("incomplete" if cut else "completed"):
             yield event
+        for item in writer.items if cut and writer.forced else ():  # a cut list's earlier calls too (unparsed)
+            if isinstance(item, OutputFunctionCall):
+                item.status = "incomplete"
         final = r.response(writer.items, last).model_dump(by_alias=True)
         yield writer.event("response.completed", response=final)
     except Exception as e:

@@ -42,6 +42,7 @@ from fxrewrite.runtime.server.responses_protocol import (
 from fxrewrite.runtime.server.responses_stream import ResponseRun, response_events
 from fxrewrite.runtime.server.serving_chat import ChatRun, OpenAIServingChat
 from fxrewrite.runtime.server.streaming import EventStreamResponse, cancel_on_disconnect, final_outputs
+from fxrewrite.runtime.server.tools import tool_mode
 from fxrewrite.runtime.server.validation_errors import FieldError
 
 
@@ -91,11 +92,13 @@ class OpenAIServingResponses:
         items: list[OutputItem] = []
         if reasoning:
             items.append(OutputReasoning(content=[ReasoningText(text=reasoning)]))
-        if content:
-            status = "incomplete" if choice.finish_reason == "length" else "completed"
+        cut = choice.finish_reason == "length"
+        if content:  # the length cut it unless calls follow it (as the stream closes it when a call starts)
+            status = "incomplete" if cut and not calls else "completed"
             items.append(OutputMessage(status=status, content=[OutputText(text=content)]))
-        items += [OutputFunctionCall(call_id=c.id, name=c.function.name, arguments=c.function.arguments)
-                  for c in calls]
+        status = "incomplete" if cut and forced_calls(chat_request) else "completed"  # a forced call cut short
+        items += [OutputFunctionCall(call_id=c.id, name=c.function.name, arguments=c.function.arguments,
+                                     status=status) for c in calls]
         return items
 
     def response(self, request: ResponsesRequest, chat_request: ChatCompletionRequest, run: ChatRun,
@@ -129,6 +132,12 @@ class OpenAIServingResponses:
             total_tokens=final.num_prompt_tokens + final.num_generated_tokens,
             input_tokens_details=InputTokensDetails(cached_tokens=final.num_cached_tokens),
             output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning))
+
+
+def forced_calls(chat_request: ChatCompletionRequest) -> bool:
+    """True when tool_choice forces the calls (required or a named function): the output is the calls' JSON, so a
+    length cut leaves the last call's arguments unfinished (or, under required, the list unparsed)."""
+    return bool(chat_request.tools) and tool_mode(chat_request) in ("required", "named")
 
 
 def reasoning_tokens(tokenizer, parser: ReasoningParser | None, choice) -> int:

@@ -140,6 +140,30 @@ def test_tools_give_function_call_items(server):
     server.wait_until(server.all_blocks_free)
 
 
+def test_a_length_cut_marks_the_item_it_cut_incomplete_streamed_or_not(server):
+    """max_output_tokens cutting the output: the item it cut is "incomplete" (a forced call's unfinished arguments
+    too), one finished before it "completed", and the streamed response.completed says what the JSON one says."""
+    def statuses(**kwargs):
+        whole = _create(server, input="What time is it?", tools=[TIME_TOOL], **kwargs)
+        events = list(_create(server, input="What time is it?", tools=[TIME_TOOL], stream=True, **kwargs))
+        assert whole.status == events[-1].response.status == "incomplete"
+        return [(i.type, i.status) for i in whole.output], [(i.type, i.status) for i in events[-1].response.output]
+
+    # "auto": the message before a parsed call was finished; the length cut the text after the call
+    whole, streamed = statuses(max_output_tokens=100, extra_body={**_forced(HERMES_CALL + r"\n[a-z]{1000}"),
+                                                                  "ignore_eos": True})
+    assert whole[:2] == streamed[:2] == [("message", "completed"), ("function_call", "completed")]
+    # a named function's arguments cut short
+    named = {"type": "function", "name": "get_time"}
+    whole, streamed = statuses(tool_choice=named, max_output_tokens=3, temperature=1.0)
+    assert whole == streamed == [("function_call", "incomplete")]
+    # "required": a cut list has no calls; streamed, the calls already sent are incomplete
+    whole, streamed = statuses(tool_choice="required", max_output_tokens=12, temperature=1.0)
+    assert whole == [("message", "incomplete")] and streamed[-1] == ("message", "incomplete")
+    assert set(streamed[:-1]) <= {("function_call", "incomplete")}
+    server.wait_until(server.all_blocks_free)
+
+
 def test_function_call_round_trip_is_the_chat_conversation(server):
     """function_call + function_call_output items are the assistant's tool call and the tool's message."""
     items = [{"role": "user", "content": "What time is it?"},
