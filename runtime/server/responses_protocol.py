@@ -184,10 +184,11 @@ RESPONSES_FIELD = {"max_tokens": "max_output_tokens", "max_completion_tokens": "
 
 
 def renamed(message: str) -> str:
-    """A chat error's text in this request's words: max_tokens is max_output_tokens, response_format text.format."""
+    """A chat error's text in this request's words: max_tokens is max_output_tokens, response_format text.format, and
+    a leading "messages: " (the whole conversation) input."""
     for chat, own in (("max_tokens", "max_output_tokens"), ("response_format", "text.format")):
         message = message.replace(chat, own)
-    return message
+    return "input: " + message[len("messages: "):] if message.startswith("messages: ") else message
 
 
 def _text(content: Any, where: str) -> str:

@@ -220,6 +220,8 @@ def test_reasoning_parser_gives_a_reasoning_item(server, monkeypatch):
     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input", "only text content parts"),
     ({"input": []}, "input", "input must not be empty"),
     ({"input": [{"type": "reasoning", "content": 5}]}, "input", r"input\[0\].content: expected a list of reasoning"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]}, "input",
+     "400 - input: tool call 'f': arguments are not valid JSON"),
     ({"tools": [{"type": "web_search"}]}, "tools", "expected 'function'"),
     ({"tool_choice": "required"}, "tool_choice", "tool_choice requires tools"),
     ({"text": {"format": {"type": "json_schema", "schema": {"type": "objec"}}}}, "text", "text.format: invalid json"),
