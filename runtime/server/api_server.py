@@ -36,7 +36,7 @@ from fxrewrite.runtime.server.protocol_responses import ModelCard, ModelList
 from fxrewrite.runtime.server.serving_chat import OpenAIServingChat
 from fxrewrite.runtime.server.responses_protocol import ResponsesRequest
 from fxrewrite.runtime.server.serving_completion import OpenAIServingCompletion
-from fxrewrite.runtime.server.serving_responses import OpenAIServingResponses
+from fxrewrite.runtime.server.serving_responses import OpenAIServingResponses, not_stored
 from fxrewrite.runtime.server.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
 from fxrewrite.runtime.server.server_options import RequestIdHeaderMiddleware, ServerOptions
 from fxrewrite.runtime.server.shutdown import GRACEFUL_SHUTDOWN_S, CutStreamsLog, ShutdownAnswers
@@ -190,13 +190,19 @@ def _check_generates(engine: LLMEngine, api: str) -> None:
 
 
 def _add_responses_route(app: FastAPI, engine: LLMEngine, chat: OpenAIServingChat) -> None:
-    """POST /v1/responses, served through the chat handler (`serving_responses`)."""
+    """POST /v1/responses, served through the chat handler (`serving_responses`); vLLM's GET /v1/responses/{id} and
+    POST /v1/responses/{id}/cancel answer its 404 for any id (nothing is stored)."""
     responses = OpenAIServingResponses(chat)
 
     @app.post("/v1/responses")
     async def create_response(request: ResponsesRequest, raw_request: Request):
         _check_generates(engine, "Responses")
         return await responses.create_response(request, raw_request)
+
+    @app.get("/v1/responses/{response_id}")
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def stored_response(response_id: str):
+        raise not_stored(response_id)
 
 
 def _add_routes(app: FastAPI, engine: LLMEngine, names: list[str], completion: OpenAIServingCompletion,

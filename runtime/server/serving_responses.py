@@ -56,10 +56,7 @@ class OpenAIServingResponses:
         """The response object (JSON), or its event stream when `request.stream`. OpenAIError for what cannot be
         served (400 naming the field, 404 for a model or a previous response this server does not have)."""
         if request.previous_response_id is not None:
-            raise OpenAIError(HTTPStatus.NOT_FOUND, f"Response with id '{request.previous_response_id}' not found: "
-                              "this server does not store responses (as vLLM without VLLM_ENABLE_RESPONSES_API_STORE"
-                              "); send the whole conversation in `input` instead",
-                              param="previous_response_id", code="response_not_found")
+            raise not_stored(request.previous_response_id, param="previous_response_id")
         try:
             chat_request = request.to_chat_request()
         except FieldError as e:
@@ -132,6 +129,13 @@ class OpenAIServingResponses:
             total_tokens=final.num_prompt_tokens + final.num_generated_tokens,
             input_tokens_details=InputTokensDetails(cached_tokens=final.num_cached_tokens),
             output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning))
+
+
+def not_stored(response_id: str, param: str | None = None) -> OpenAIError:
+    """vLLM's 404 for a response id, without its store: nothing is kept to continue, retrieve or cancel."""
+    return OpenAIError(HTTPStatus.NOT_FOUND, f"Response with id '{response_id}' not found: this server does not "
+                       "store responses (as vLLM without VLLM_ENABLE_RESPONSES_API_STORE); send the whole "
+                       "conversation in `input` instead", param=param, code="response_not_found")
 
 
 def forced_calls(chat_request: ChatCompletionRequest) -> bool:

@@ -239,6 +239,9 @@ def test_previous_response_id_is_refused_as_nothing_is_stored(server):
     with pytest.raises(openai.NotFoundError, match="does not store responses") as e:
         _create(server, input="And then?", previous_response_id="resp_123")
     assert e.value.param == "previous_response_id"
+    for call in (_client(server).responses.retrieve, _client(server).responses.cancel):  # vLLM's routes, its 404
+        with pytest.raises(openai.NotFoundError, match="Response with id 'resp_123' not found: this server does not"):
+            call("resp_123")
     with server.http() as http:  # the key guards the route as every /v1 route
         assert httpx.post(f"{server.base_url}/v1/responses", json={"input": "x"}).status_code == 401
         assert http.post("/v1/responses", json={"input": "x", "model": "other"}).status_code == 404
