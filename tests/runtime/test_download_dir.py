@@ -71,3 +71,13 @@ def test_the_flag_reaches_the_engine_and_the_help():
     for command in ("serve", "generate", "chat"):
         help_text = parser._subparsers._group_actions[0].choices[command].format_help()
         assert "--download-dir DOWNLOAD_DIR" in help_text, command
+
+
+def test_explain_reads_a_hub_id_from_the_download_dir(hub_cache, capsys):
+    """`fxrewrite explain` takes the loading flags of the other commands (it had neither)."""
+    from fxrewrite.cli import main
+
+    assert main(["explain", REPO, "--download-dir", str(hub_cache), "--revision", "main", "--no-diff"]) == 0
+    assert "qkv" in capsys.readouterr().out
+    assert main(["explain", REPO, "--no-diff"]) == 2  # not in the default cache: the download dir was what found it
+    assert "not in the HF cache" in capsys.readouterr().err
