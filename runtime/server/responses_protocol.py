@@ -101,6 +101,8 @@ class ResponsesRequest(RequestModel):
     previous_response_id: str | None = None
     truncation: Literal["auto", "disabled"] = "disabled"
     service_tier: str = "auto"
+    include: list[str] | None = None  # "message.output_text.logprobs": the output_text's logprobs (others ignored)
+    top_logprobs: RequestInt | None = None  # with that include: the alternatives per token (chat's check)
 
     def model_post_init(self, context: Any, /) -> None:
         ignored = sorted(set(self.model_extra or ()) - set(PASSED_TO_CHAT))  # the chat request warns of its own
@@ -170,6 +172,8 @@ class ResponsesRequest(RequestModel):
             data["chat_template_kwargs"] = {"reasoning_effort": self.reasoning.effort}
         if self.continues_final_message():
             data.update(add_generation_prompt=False, continue_final_message=True)
+        if "message.output_text.logprobs" in (self.include or ()):  # vLLM's rule: top_logprobs alone gives none
+            data.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         data.update({k: v for k, v in (self.model_extra or {}).items() if k in PASSED_TO_CHAT})
         try:
             return ChatCompletionRequest.model_validate(data)
@@ -260,6 +264,8 @@ class OutputText(OpenAIBaseModel):
     type: Literal["output_text"] = "output_text"
     text: str
     annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[dict[str, Any]] | None = None
+    """With include ["message.output_text.logprobs"]: per output token {token, logprob, bytes, top_logprobs}."""
 
 
 class OutputMessage(OpenAIBaseModel):

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fxrewrite.runtime.server.async_engine import StepOutput
+from fxrewrite.runtime.server.logprobs import chat_logprobs
 from fxrewrite.runtime.server.protocol import ChatCompletionRequest
 from fxrewrite.runtime.server.protocol_responses import DeltaMessage
 from fxrewrite.runtime.server.reasoning import ReasoningStream, parser_for_request
@@ -54,8 +55,11 @@ class ResponseRun:
 class ResponseEventWriter:
     """The events of one response's output items; `items` holds them as built (the last one open while it grows)."""
 
-    def __init__(self, forced: bool = False):
+    def __init__(self, forced: bool = False, logprobs: bool = False):
         self.sequence_number = 0
+        self.logprobs = logprobs  # the message's output_text carries them (include message.output_text.logprobs)
+        self.pending: list[dict[str, Any]] = []  # token logprobs not yet sent (they go out with the message's text)
+        self._item_logprobs: list[dict[str, Any]] = []
         self.forced = forced  # tool_choice forces the calls: a length cut leaves them "incomplete"
         self.items: list[OutputItem] = []
         self._open: OutputItem | None = None
@@ -96,8 +100,10 @@ class ResponseEventWriter:
             if not isinstance(self._open, OutputMessage):
                 out += self._start(OutputMessage(content=[]))
             self._text += delta.content
-            out.append(self.event("response.output_text.delta", content_index=0, delta=delta.content, logprobs=[],
-                                  **self._where()))
+            sent, self.pending = self.pending, []
+            self._item_logprobs += sent
+            out.append(self.event("response.output_text.delta", content_index=0, delta=delta.content,
+                                  logprobs=sent, **self._where()))
         for call in delta.tool_calls or ():
             arguments = call.function.arguments if call.function is not None else None
             if call.id is not None:  # a call's first delta: its id and name
@@ -115,8 +121,9 @@ class ResponseEventWriter:
         where, out = self._where(), []
         self._open, self._text = None, ""
         if isinstance(item, OutputMessage):
-            item.content = [OutputText(text=text)]
-            out.append(self.event("response.output_text.done", content_index=0, text=text, logprobs=[], **where))
+            logprobs, self._item_logprobs, self.pending = self._item_logprobs + self.pending, [], []
+            item.content = [OutputText(text=text, logprobs=logprobs if self.logprobs else None)]
+            out.append(self.event("response.output_text.done", content_index=0, text=text, logprobs=logprobs, **where))
             out.append(self.event("response.content_part.done", content_index=0, part=item.content[0].model_dump(),
                                   **where))
         elif isinstance(item, OutputReasoning):
@@ -133,11 +140,21 @@ class ResponseEventWriter:
         return out
 
 
+def output_logprobs(chat: OpenAIServingChat, request: ChatCompletionRequest, choice, tok_start: int,
+                    tok_end: int) -> list[dict[str, Any]]:
+    """The output_text logprobs of tokens [tok_start, tok_end): chat's, {token, logprob, bytes, top_logprobs}."""
+    logprobs = chat_logprobs(chat.tokenizer, choice, tok_start, tok_end, chat.top_count(request.top_logprobs or 0),
+                             request.return_tokens_as_token_ids)
+    return [entry.model_dump() for entry in (logprobs.content if logprobs is not None else None) or ()]
+
+
 async def response_events(r: ResponseRun) -> AsyncIterator[str]:
     """The event stream of one admitted Responses request (see the module docstring); aborts its engine request
     however it ends."""
     tools = ToolStream(r.chat_request, r.chat.tool_parser)
-    writer, tracker = ResponseEventWriter(forced=tools.mode in ("required", "named")), DeltaTracker()
+    request = r.chat_request
+    writer = ResponseEventWriter(forced=tools.mode in ("required", "named"), logprobs=request.logprobs)
+    tracker = DeltaTracker()
     thinking = ReasoningStream(parser_for_request(r.chat.reasoning_parser, r.chat_request))
     try:
         start = r.response([], None).model_dump(by_alias=True)
@@ -147,6 +164,8 @@ async def response_events(r: ResponseRun) -> AsyncIterator[str]:
         async for output in r.run.streams[0]:
             last = output
             for d in tracker.deltas(0, output):
+                if request.logprobs:
+                    writer.pending += output_logprobs(r.chat, request, d.choice, d.tok_start, d.tok_end)
                 reasoning, d = thinking.split(d)  # the tool stream sees the content alone, as chat's
                 for event in (writer.reasoning(reasoning) if reasoning else []):
                     yield event

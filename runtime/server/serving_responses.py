@@ -39,7 +39,7 @@ from fxrewrite.runtime.server.responses_protocol import (
     new_id,
     renamed,
 )
-from fxrewrite.runtime.server.responses_stream import ResponseRun, response_events
+from fxrewrite.runtime.server.responses_stream import ResponseRun, output_logprobs, response_events
 from fxrewrite.runtime.server.serving_chat import ChatRun, OpenAIServingChat
 from fxrewrite.runtime.server.streaming import EventStreamResponse, cancel_on_disconnect, final_outputs
 from fxrewrite.runtime.server.tools import tool_mode
@@ -92,7 +92,9 @@ class OpenAIServingResponses:
         cut = choice.finish_reason == "length"
         if content:  # the length cut it unless calls follow it (as the stream closes it when a call starts)
             status = "incomplete" if cut and not calls else "completed"
-            items.append(OutputMessage(status=status, content=[OutputText(text=content)]))
+            logprobs = output_logprobs(self.chat, chat_request, choice, 0, len(choice.token_ids)) if (
+                chat_request.logprobs) else None  # the whole output's tokens, as the stream sends them
+            items.append(OutputMessage(status=status, content=[OutputText(text=content, logprobs=logprobs)]))
         status = "incomplete" if cut and forced_calls(chat_request) else "completed"  # a forced call cut short
         items += [OutputFunctionCall(call_id=c.id, name=c.function.name, arguments=c.function.arguments,
                                      status=status) for c in calls]

@@ -101,6 +101,29 @@ def test_stream_events_parse_and_join_to_the_answer(server):
     server.wait_until(server.all_blocks_free)
 
 
+def test_include_output_text_logprobs_gives_chats_logprobs_streamed_or_not(server):
+    """include ["message.output_text.logprobs"] (+ top_logprobs): the output_text's per-token logprobs, chat's;
+    streamed, the output_text.delta events carry them and join to the same list. Without the include, none."""
+    kwargs = {"input": "Say hello.", "temperature": 0.0, "max_output_tokens": 6, "top_logprobs": 2,
+              "include": ["message.output_text.logprobs"], "extra_body": {"ignore_eos": True}}
+    response = _create(server, **kwargs)
+    logprobs = response.output[0].content[0].logprobs
+    assert len(logprobs) == 6 and all(len(lp.top_logprobs) == 2 for lp in logprobs)
+    chat = _client(server).chat.completions.create(
+        model=server.model_name, messages=[{"role": "user", "content": "Say hello."}], temperature=0.0, max_tokens=6,
+        logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True}).choices[0].logprobs.content
+    assert [lp.token for lp in logprobs] == [lp.token for lp in chat]
+    assert [lp.logprob for lp in logprobs] == pytest.approx([lp.logprob for lp in chat], abs=1e-4)
+    events = list(_create(server, stream=True, **kwargs))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    final = events[-1].response.output[0].content[0].logprobs
+    assert [lp.token for lp in streamed] == [lp.token for lp in final] == [lp.token for lp in logprobs]
+    assert _create(server, input="x", max_output_tokens=2, top_logprobs=2).output[0].content[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="top_logprobs") as e:
+        _create(server, input="x", max_output_tokens=2, top_logprobs=99, include=["message.output_text.logprobs"])
+    assert e.value.param == "top_logprobs"
+
+
 def test_json_schema_and_json_object_text_formats(server):
     schema = TIME_TOOL["parameters"]
     compact = {"structured_outputs": {"disable_any_whitespace": True}}  # a random model would emit whitespace
