@@ -121,6 +121,9 @@ class ResponseEventWriter:
         where, out = self._where(), []
         self._open, self._text = None, ""
         if isinstance(item, OutputMessage):
+            if self.pending:  # tokens that made no text (a character cut short): chat sends them with "" too
+                out.append(self.event("response.output_text.delta", content_index=0, delta="", logprobs=self.pending,
+                                      **where))
             logprobs, self._item_logprobs, self.pending = self._item_logprobs + self.pending, [], []
             item.content = [OutputText(text=text, logprobs=logprobs if self.logprobs else None)]
             out.append(self.event("response.output_text.done", content_index=0, text=text, logprobs=logprobs, **where))

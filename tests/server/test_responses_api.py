@@ -124,6 +124,25 @@ def test_include_output_text_logprobs_gives_chats_logprobs_streamed_or_not(serve
     assert e.value.param == "top_logprobs"
 
 
+def test_logprobs_of_tokens_that_made_no_text_still_stream():
+    """The tokens after the message's last text (a character's bytes cut by max_output_tokens: no text) send their
+    logprobs on an empty output_text.delta, as chat's stream sends them, so the deltas join to the item's list."""
+    from fxrewrite.runtime.server.protocol_responses import DeltaMessage
+    from fxrewrite.runtime.server.responses_stream import ResponseEventWriter
+
+    writer = ResponseEventWriter(logprobs=True)
+    writer.pending = [{"token": "a", "logprob": -1.0}]
+    events = writer.delta(DeltaMessage(content="a"))
+    writer.pending = [{"token": "\\xf0", "logprob": -2.0}]
+    events += writer.close("incomplete")
+    bodies = [json.loads(e.split("data: ", 1)[1]) for e in events]
+    deltas = [b for b in bodies if b["type"] == "response.output_text.delta"]
+    assert [(d["delta"], [lp["token"] for lp in d["logprobs"]]) for d in deltas] == [("a", ["a"]), ("", ["\\xf0"])]
+    done = next(b for b in bodies if b["type"] == "response.output_text.done")
+    assert [lp["token"] for lp in done["logprobs"]] == ["a", "\\xf0"] == [
+        lp["token"] for lp in writer.items[0].content[0].logprobs]
+
+
 def test_json_schema_and_json_object_text_formats(server):
     schema = TIME_TOOL["parameters"]
     compact = {"structured_outputs": {"disable_any_whitespace": True}}  # a random model would emit whitespace
