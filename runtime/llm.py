@@ -1,4 +1,4 @@
-"""Offline API: `LLM(...)`, `generate()`, `chat()` and `embed()` (runner="pooling"), as in vLLM."""
+"""Offline API: `LLM(...)`, `generate()`, `chat()`, `embed()` and `score()` (runner="pooling"), as in vLLM."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from fxrewrite.runtime.engine.data_parallel import make_engine
 from fxrewrite.runtime.engine.outputs import RequestOutput
 from fxrewrite.runtime.engine.pooling import EmbeddingRequestOutput, PoolingParams
 from fxrewrite.runtime.engine.sampling_params import SamplingParams
+from fxrewrite.runtime.engine.scoring import (ScoringRequestOutput, check_pair_counts, dedupe, renamed_prompt_error,
+                                             score_outputs)
 from fxrewrite.runtime.gc_passes import fewer_gc_passes
 from fxrewrite.runtime.llm_compat import (check_content_format, check_request_kwargs,
                                           with_unsupported_methods)
@@ -23,7 +25,7 @@ from fxrewrite.runtime.llm_prompts import TextPrompt, TokensPrompt
 from fxrewrite.runtime.server.generation_defaults import check_generation_config, load_generation_defaults
 
 
-@with_unsupported_methods  # vLLM's beam_search, encode, score, ...: NotImplementedError naming what to use
+@with_unsupported_methods  # vLLM's beam_search, encode, classify, ...: NotImplementedError naming what to use
 class LLM:
     """A model ready to generate. Takes vLLM's arguments (see `EngineConfig`, and `engine_config.VLLM_COMPAT_KWARGS`
     for those accepted with the values that match this engine); TypeError names an unknown one, ValueError a bad value.
@@ -138,6 +140,36 @@ class LLM:
                                      f"truncate_prompt_tokens={pooling_params.truncate_prompt_tokens} differ: give one")
             pooling_params = dataclasses.replace(pooling_params, truncate_prompt_tokens=truncate_prompt_tokens)
         return self._submit(list(prompts), [pooling_params] * len(prompts), use_tqdm)
+
+    def score(self, data_1: str | list[int] | Sequence[str | list[int]],
+              data_2: str | list[int] | Sequence[str | list[int]], /, *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              pooling_params: PoolingParams | None = None, lora_request: Any = None) -> list[ScoringRequestOutput]:
+        """vLLM's Score API for an embedding model: the cosine similarity of each pair's embeddings (`LLM.embed`'s),
+        `output.outputs.score` a float in [-1, 1]. data_1 / data_2: a prompt (text, token ids, TextPrompt /
+        TokensPrompt dict) or a list of them; pairs 1:1, 1:N (the one data_1 against each data_2) or N:N (pairwise),
+        one output per pair in data_2's order. Each distinct prompt is embedded once. truncate_prompt_tokens /
+        pooling_params: as `embed` (the score is the same with or without normalisation). ValueError (vLLM's wording)
+        for an LLM without runner='pooling', naming both counts when they do not pair, naming `data_2[1]` (say)
+        for a bad prompt."""
+        if not self.llm_engine.config.is_pooling:
+            raise UserInputError("LLM.score() is only supported for pooling models. Try passing runner='pooling' "
+                                 "(`--runner pooling`) to use the model as a pooling model.")
+        sides = []
+        for name, data in (("data_1", data_1), ("data_2", data_2)):
+            try:
+                sides.append(_prompt_list(data))
+            except ValueError as e:
+                raise renamed_prompt_error(e, _item_names(name, data)) from None
+        check_pair_counts(len(sides[0]), len(sides[1]))
+        check_request_kwargs("score", len(sides[1]), lora_request=lora_request)
+        distinct, slots = dedupe(sides[0] + sides[1])
+        names = [f"data_{side + 1}[{i}]" for side in (0, 1) for i in range(len(sides[side]))]
+        try:
+            embedded = self.embed(distinct, pooling_params, use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens)
+        except ValueError as e:
+            raise renamed_prompt_error(e, [names[slots.index(k)] for k in range(len(distinct))]) from None
+        n = len(sides[0])
+        return score_outputs(embedded, slots[:n], slots[n:], getattr(self.get_tokenizer(), "pad_token_id", None))
 
     def _submit(self, prompts: list, params: list, use_tqdm: bool) -> list:
         """Add every prompt with its params and run them all; nothing stays queued on an error. Calls from several
@@ -336,3 +368,10 @@ def _prompt_list(prompts) -> list:
     # a dict with a cache_salt goes to the engine as it is (the salt is part of the request)
     return [p.get("prompt_token_ids", p.get("prompt")) if isinstance(p, dict) and "cache_salt" not in p else p
             for p in prompts]
+
+
+def _item_names(name: str, data) -> list[str]:
+    """How a score call's error names the items of one side: `name[i]` for a list of prompts, `name` for one."""
+    if isinstance(data, (list, tuple)) and not (data and isinstance(data[0], int)):
+        return [f"{name}[{i}]" for i in range(len(data))]
+    return [name]

@@ -61,8 +61,6 @@ UNSUPPORTED_METHODS = {
     "beam_search": "beam search is not implemented; use LLM.generate (sampling, or temperature=0 for greedy; n "
                    "for several samples)",
     "encode": "use LLM.embed with LLM(model, runner='pooling') (the last token's normalised hidden state)",
-    "score": "cross-encoder / embedding scoring is not implemented; LLM.embed with runner='pooling' gives "
-             "normalised embeddings, whose dot product is their cosine similarity",
     "classify": "classification models are not served; LLM.embed with runner='pooling' gives embeddings",
     "reward": "reward models are not served; LLM.embed with runner='pooling' gives embeddings",
     "collective_rpc": "the engine's workers take no RPCs; use LLM.load_weights, sleep, wake_up and "

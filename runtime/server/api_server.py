@@ -4,11 +4,12 @@ Endpoints: GET /v1/models (and /v1/models/{id}), POST /v1/completions, POST /v1/
 `stream` is true, ending with `data: [DONE]`), POST /v1/responses (OpenAI's Responses API, served on the chat
 path: `instructions` and the input items become chat messages, the reply becomes output items, and with `stream`
 OpenAI's typed events; `serving_responses`, `responses_stream`; nothing is stored, as in vLLM without its response
-store), POST /v1/embeddings (runner "pooling" only; the others then answer 400), POST /tokenize, POST /detokenize
-(vLLM's paths; also under /v1), GET /health (and vLLM's GET / POST /ping, the same), GET /metrics (Prometheus),
-GET /version.
-With an API key, every /v1 route, /tokenize and /detokenize need `Authorization: Bearer <key>` (compared in
-constant time); /health, /ping, /metrics and /version stay open, as in vLLM.
+store), POST /v1/embeddings, and vLLM's POST /score (also /v1/score) and POST /rerank (also /v1/rerank, /v2/rerank),
+scores by the cosine similarity of embeddings (`serving_score`) (these four: runner "pooling" only; the others
+then answer 400), POST /tokenize, POST /detokenize (vLLM's paths; also under /v1), GET /health (and vLLM's GET /
+POST /ping, the same), GET /metrics (Prometheus), GET /version.
+With an API key, every /v1 and /v2 route, /score, /rerank, /tokenize and /detokenize need `Authorization: Bearer
+<key>` (compared in constant time); /health, /ping, /metrics and /version stay open, as in vLLM.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from fxrewrite.runtime.server.responses_protocol import ResponsesRequest
 from fxrewrite.runtime.server.serving_completion import OpenAIServingCompletion
 from fxrewrite.runtime.server.serving_responses import OpenAIServingResponses, not_stored
 from fxrewrite.runtime.server.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
+from fxrewrite.runtime.server.serving_score import OpenAIServingScores, add_score_routes
 from fxrewrite.runtime.server.server_options import RequestIdHeaderMiddleware, ServerOptions
 from fxrewrite.runtime.server.shutdown import GRACEFUL_SHUTDOWN_S, CutStreamsLog, ShutdownAnswers
 from fxrewrite.runtime.server.serving_tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
@@ -77,9 +79,11 @@ class RequestLogger:
 
 
 def _needs_key(path: str) -> bool:
-    """/v1 routes, and /tokenize and /detokenize: vLLM leaves those open, but they render chat templates
-    (a request's own with --trust-request-chat-template), so a key guards them as it guards /v1/tokenize."""
-    return path.startswith("/v1") or path in ("/tokenize", "/detokenize")
+    """/v1 and /v2 routes, /score and /rerank (they run the model; vLLM's current middleware guards every route
+    but its health, metrics and docs ones, /v2 included), and /tokenize and /detokenize: older vLLM leaves those
+    open, but they render chat templates (a request's own with --trust-request-chat-template), so a key guards
+    them as it guards /v1/tokenize."""
+    return path.startswith(("/v1", "/v2")) or path in ("/tokenize", "/detokenize", "/score", "/rerank")
 
 
 def _route_path(scope) -> str:
@@ -173,20 +177,26 @@ def build_app(
     if log_requests:
         async_engine.request_logger = RequestLogger(max_log_len, engine.tokenizer)
     _add_routes(app, engine, names, completion, chat, metrics, options)
-    embedding = OpenAIServingEmbedding(async_engine, names, generation_defaults, tokenizer, chat=chat)
+    _add_pooling_routes(app, OpenAIServingEmbedding(async_engine, names, generation_defaults, tokenizer, chat=chat),
+                        OpenAIServingScores(async_engine, names, generation_defaults, tokenizer))
+    return app
+
+
+def _add_pooling_routes(app: FastAPI, embedding: OpenAIServingEmbedding, scores: OpenAIServingScores) -> None:
+    """POST /v1/embeddings, and vLLM's /score and /rerank paths (`serving_score.add_score_routes`)."""
 
     @app.post("/v1/embeddings")
     async def create_embedding(request: EmbeddingRequest, raw_request: Request):
         return JSONResponse((await embedding.create_embedding(request, raw_request)).model_dump())
 
-    return app
+    add_score_routes(app, scores)
 
 
 def _check_generates(engine: LLMEngine, api: str) -> None:
     """A pooling server answers completions and chat with vLLM's 400."""
     if engine.config.is_pooling:
         raise OpenAIError(HTTPStatus.BAD_REQUEST, f"The model does not support the {api} API: this server runs "
-                          "--runner pooling (embeddings: POST /v1/embeddings)", code="model_not_supported")
+                          "--runner pooling (embeddings: POST /v1/embeddings; scores: POST /score, /rerank)", code="model_not_supported")
 
 
 def _add_responses_route(app: FastAPI, engine: LLMEngine, chat: OpenAIServingChat) -> None:

@@ -66,7 +66,7 @@ def test_chat_template_content_format_is_honoured(llm, content_format, rendered)
     assert out[0].prompt == rendered
 
 
-@pytest.mark.parametrize("method", ["beam_search", "encode", "score", "collective_rpc", "apply_model",
+@pytest.mark.parametrize("method", ["beam_search", "encode", "classify", "collective_rpc", "apply_model",
                                     "get_metrics"])
 def test_missing_vllm_methods_name_what_to_use(llm, method):
     assert hasattr(llm, method)  # as on vLLM's LLM: code probing for it finds it, calling it says why not
