@@ -49,7 +49,7 @@ class ToolStream:
 
     def __init__(self, request: ChatCompletionRequest, parser: ToolParser | None):
         self.request = request
-        self.mode = tool_mode(request) if request.tools else "none"
+        self.mode = tool_mode(request)
         if self.mode == "auto" and parser is None:
             self.mode = "none"
         self.parser = parser

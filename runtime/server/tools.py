@@ -25,8 +25,11 @@ from fxrewrite.runtime.server.tool_parsers import ParsedToolCall, ToolParser, du
 
 
 def tool_mode(request: ChatCompletionRequest) -> str:
-    """"none", "auto", "required" or "named"."""
+    """"none", "auto", "required" or "named". "none" without tools, as vLLM parses calls only when the request
+    has tools: an explicit "auto" without them (the Responses API's default) is plain text."""
     choice = request.tool_choice
+    if not request.tools:
+        return "none"
     return choice if isinstance(choice, str) else "named"
 
 

@@ -10,6 +10,8 @@ import jsonschema
 import openai
 import pytest
 
+from tests.server.conftest import ServerHandle, cli_server
+
 import xgrammar  # noqa: F401 - the serve extra (`make setup` installs it): missing is a setup fault
 
 pytestmark = pytest.mark.slow  # runs first under xdist (tests/conftest.py)
@@ -180,6 +182,37 @@ def test_tools_give_function_call_items(server):
     items = events[-1].response.output
     assert [i.type for i in items] == ["message", "function_call"] and items[1].id == done.item_id
     server.wait_until(server.all_blocks_free)
+
+
+@pytest.fixture(scope="module")
+def plain_server(tiny_model_dir):
+    """A server started without --enable-auto-tool-choice / --tool-call-parser (no tool parser at all)."""
+    with cli_server(tiny_model_dir("qwen3")) as (url, engine, app, _):  # cli_server's default: 256 positions
+        yield ServerHandle(url, engine, app, max_model_len=256)
+
+
+def test_without_tools_the_output_is_text_with_or_without_a_tool_parser(server, plain_server):
+    """A request without tools (tool_choice "auto", the Responses default) is plain text, as vLLM parses calls only
+    for a request with tools: no 500 on a server without a tool parser (it was one for every /v1/responses and for
+    chat's explicit tool_choice "auto"), and on one with a parser, call-shaped text is the message, streamed or not
+    (unstreamed, it was parsed into a function_call item)."""
+    response = _create(plain_server, input="Hi.", max_output_tokens=2)
+    assert response.output[0].type == "message" and response.tool_choice == "auto"
+    chat = _client(plain_server).chat.completions.create(model=plain_server.model_name, max_tokens=2,
+                                                         messages=[{"role": "user", "content": "Hi."}],
+                                                         tool_choice="auto")
+    assert chat.choices[0].message.content and not chat.choices[0].message.tool_calls
+    kwargs = {"input": "What time is it?", "max_output_tokens": 60, "extra_body": _forced(HERMES_CALL)}
+    whole = _create(server, **kwargs)
+    events = list(_create(server, stream=True, **kwargs))
+    for output in (whole.output, events[-1].response.output):
+        assert [i.type for i in output] == ["message"] and output[0].content[0].text.startswith("Sure.\n<tool_call>")
+    chat = _client(server).chat.completions.create(model=server.model_name, max_tokens=60, tool_choice="auto",
+                                                   messages=[{"role": "user", "content": "Hi."}],
+                                                   extra_body=_forced(HERMES_CALL))
+    assert "<tool_call>" in chat.choices[0].message.content and not chat.choices[0].message.tool_calls
+    server.wait_until(server.all_blocks_free)
+    plain_server.wait_until(plain_server.all_blocks_free)
 
 
 def test_a_length_cut_marks_the_item_it_cut_incomplete_streamed_or_not(server):
