@@ -79,6 +79,14 @@ class Reasoning(OpenAIBaseModel):
     summary: str | None = None
 
 
+ResponseIncludable = Literal["file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+                             "message.input_image.image_url", "computer_call_output.output.image_url",
+                             "code_interpreter_call.outputs", "reasoning.encrypted_content",
+                             "message.output_text.logprobs"]
+"""OpenAI's (and vLLM's) `include` values: another is a 400 naming it (a misspelt logprobs include gave no logprobs,
+silently). Only message.output_text.logprobs does something here; the others name outputs this server has none of."""
+
+
 class ResponsesRequest(RequestModel):
     """POST /v1/responses: OpenAI's fields this server serves (see the module docstring)."""
 
@@ -101,7 +109,7 @@ class ResponsesRequest(RequestModel):
     previous_response_id: str | None = None
     truncation: Literal["auto", "disabled"] = "disabled"
     service_tier: str = "auto"
-    include: list[str] | None = None  # "message.output_text.logprobs": the output_text's logprobs (others ignored)
+    include: list[ResponseIncludable] | None = None  # "message.output_text.logprobs": the output_text's logprobs
     top_logprobs: RequestInt | None = None  # with that include: the alternatives per token (chat's check)
 
     def model_post_init(self, context: Any, /) -> None:

@@ -302,6 +302,9 @@ def test_reasoning_parser_gives_a_reasoning_item(server, monkeypatch):
     ({"text": {"format": {"type": "json_schema", "schema": {"type": "objec"}}}}, "text", "text.format: invalid json"),
     ({"background": True}, "background", "does not support the background mode"),
     ({"top_k": "a"}, "top_k", "top_k: expected an integer"),
+    # a misspelt include (OpenAI's and vLLM's list of values) gave no logprobs, silently
+    ({"include": ["message.output_text.logprob"]}, "include",
+     r"include.0: expected 'file_search_call.results', .* or 'message.output_text.logprobs', got \"message.output_"),
 ])
 def test_bad_requests_are_400s_naming_the_field(server, body, param, message):
     with pytest.raises(openai.BadRequestError, match=message) as e:
