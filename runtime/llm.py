@@ -163,7 +163,7 @@ class LLM:
         check_pair_counts(len(sides[0]), len(sides[1]))
         check_request_kwargs("score", len(sides[1]), lora_request=lora_request)
         distinct, slots = dedupe(sides[0] + sides[1])
-        names = [f"data_{side + 1}[{i}]" for side in (0, 1) for i in range(len(sides[side]))]
+        names = _item_names("data_1", data_1) + _item_names("data_2", data_2)  # `data_1` for a single prompt
         try:
             embedded = self.embed(distinct, pooling_params, use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens)
         except ValueError as e:
