@@ -111,6 +111,7 @@ class ResponsesRequest(RequestModel):
     service_tier: str = "auto"
     include: list[ResponseIncludable] | None = None  # "message.output_text.logprobs": the output_text's logprobs
     top_logprobs: RequestInt | None = None  # with that include: the alternatives per token (chat's check)
+    prompt: Any = None  # OpenAI's stored prompt template (by id): refused, as vLLM refuses it
 
     def model_post_init(self, context: Any, /) -> None:
         ignored = sorted(set(self.model_extra or ()) - set(PASSED_TO_CHAT))  # the chat request warns of its own
@@ -122,6 +123,9 @@ class ResponsesRequest(RequestModel):
         if self.background:  # vLLM's words without its store
             raise FieldError("background", "This server does not support `store=True` and therefore does not "
                              "support the background mode (vLLM needs VLLM_ENABLE_RESPONSES_API_STORE=1 for it)")
+        if self.prompt is not None:  # answering without the template's text would answer another prompt
+            raise FieldError("prompt", "prompt templates are not supported (as in vLLM): send the prompt's text as "
+                             "instructions and input")
         if self.truncation != "disabled":
             raise FieldError("truncation", "truncation 'auto' is not supported; send a shorter input")
         if self.input == "" or self.input == []:
@@ -362,5 +366,7 @@ class ResponsesResponse(OpenAIBaseModel):
     previous_response_id: str | None = None
     background: bool = False
     service_tier: str = "auto"
+    top_logprobs: int | None = None
+    """The alternatives per token the output_text's logprobs carry (vLLM's: None without the logprobs include)."""
     truncation: str = "disabled"
     user: str | None = None

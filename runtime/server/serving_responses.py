@@ -119,7 +119,8 @@ class OpenAIServingResponses:
             tools=[t.model_dump(exclude_none=True) for t in request.tools],
             text=request.text.model_dump(by_alias=True, exclude_none=True),
             reasoning=request.reasoning.model_dump() if request.reasoning is not None else None,
-            service_tier=request.service_tier, user=request.user)
+            service_tier=request.service_tier, user=request.user,
+            top_logprobs=chat_request.top_logprobs if chat_request.logprobs else None)
 
     def usage(self, chat_request: ChatCompletionRequest, final: StepOutput) -> ResponsesUsage:
         """Tokens in and out; cached_tokens: the input tokens the prefix cache served; reasoning_tokens: the output

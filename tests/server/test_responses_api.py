@@ -111,6 +111,7 @@ def test_include_output_text_logprobs_gives_chats_logprobs_streamed_or_not(serve
     response = _create(server, **kwargs)
     logprobs = response.output[0].content[0].logprobs
     assert len(logprobs) == 6 and all(len(lp.top_logprobs) == 2 for lp in logprobs)
+    assert response.top_logprobs == 2  # echoed, as vLLM's response does
     chat = _client(server).chat.completions.create(
         model=server.model_name, messages=[{"role": "user", "content": "Say hello."}], temperature=0.0, max_tokens=6,
         logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True}).choices[0].logprobs.content
@@ -120,7 +121,8 @@ def test_include_output_text_logprobs_gives_chats_logprobs_streamed_or_not(serve
     streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
     final = events[-1].response.output[0].content[0].logprobs
     assert [lp.token for lp in streamed] == [lp.token for lp in final] == [lp.token for lp in logprobs]
-    assert _create(server, input="x", max_output_tokens=2, top_logprobs=2).output[0].content[0].logprobs is None
+    alone = _create(server, input="x", max_output_tokens=2, top_logprobs=2)
+    assert alone.output[0].content[0].logprobs is None and alone.top_logprobs is None
     with pytest.raises(openai.BadRequestError, match="top_logprobs") as e:
         _create(server, input="x", max_output_tokens=2, top_logprobs=99, include=["message.output_text.logprobs"])
     assert e.value.param == "top_logprobs"
@@ -302,6 +304,7 @@ def test_reasoning_parser_gives_a_reasoning_item(server, monkeypatch):
     ({"text": {"format": {"type": "json_schema", "schema": {"type": "objec"}}}}, "text", "text.format: invalid json"),
     ({"background": True}, "background", "does not support the background mode"),
     ({"top_k": "a"}, "top_k", "top_k: expected an integer"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt", "prompt templates are not supported"),  # was ignored: another prompt
     # a misspelt include (OpenAI's and vLLM's list of values) gave no logprobs, silently
     ({"include": ["message.output_text.logprob"]}, "include",
      r"include.0: expected 'file_search_call.results', .* or 'message.output_text.logprobs', got \"message.output_"),
