@@ -132,13 +132,20 @@ class ResponsesRequest(RequestModel):
             raise FieldError("input", "input must not be empty")
         return self
 
-    def input_messages(self) -> list[dict[str, Any]]:
+    def input_messages(self, fold_developer: bool = False) -> list[dict[str, Any]]:
         """The chat messages of `instructions` and `input` (FieldError naming input[i] for an item it cannot
         take): a function_call joins the assistant message before it (as its tool_calls), a function_call_output
-        is a tool message, a reasoning item the assistant turn's reasoning."""
+        is a tool message, a reasoning item the assistant turn's reasoning. `fold_developer` (a chat template
+        that has no developer role): as vLLM, developer messages are system ones and every system text joins one
+        leading system message (most templates drop an unknown role silently, or take one system message, first)."""
         messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
         if isinstance(self.input, str):
             return [*messages, {"role": "user", "content": self.input}]
+        messages = self._item_messages(messages)
+        return _folded_system(messages) if fold_developer else messages
+
+    def _item_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """`messages` followed by those of the input items (see `input_messages`)."""
         for i, item in enumerate(self.input):
             message = _item_message(item, f"input[{i}]")
             last = messages[-1] if messages else None
@@ -158,10 +165,11 @@ class ResponsesRequest(RequestModel):
         return (isinstance(last, dict) and last.get("type", "message") == "message"
                 and last.get("role") == "assistant" and last.get("status") in ("in_progress", "incomplete"))
 
-    def to_chat_request(self) -> ChatCompletionRequest:
+    def to_chat_request(self, fold_developer: bool = False) -> ChatCompletionRequest:
         """The chat request that serves this one; FieldError (a 400 naming this request's field) for a value
-        chat refuses."""
-        data: dict[str, Any] = {"model": self.model, "messages": self.input_messages(), "stream": self.stream,
+        chat refuses. `fold_developer`: as `input_messages`."""
+        data: dict[str, Any] = {"model": self.model, "messages": self.input_messages(fold_developer),
+                                "stream": self.stream,
                                 "parallel_tool_calls": self.parallel_tool_calls, "user": self.user}
         for name in ("temperature", "top_p"):
             if getattr(self, name) is not None:
@@ -253,6 +261,14 @@ def _item_message(item: Any, where: str) -> dict[str, Any]:
         return {"role": "assistant", "content": None, "reasoning": "\n".join(texts)}
     raise FieldError("input", f"{where}.type: {kind!r} is not supported (expected 'message', 'function_call', "
                      "'function_call_output' or 'reasoning')")
+
+
+def _folded_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` with every system and developer message's text joined (blank-line separated, in order) into one
+    leading system message (vLLM's Responses API normalisation for chat templates without a developer role)."""
+    system = [m["content"] for m in messages if m["role"] in ("system", "developer")]
+    rest = [m for m in messages if m["role"] not in ("system", "developer")]
+    return [{"role": "system", "content": "\n\n".join(system)}, *rest] if system else rest
 
 
 def _merge_assistant(last: dict[str, Any], message: dict[str, Any]) -> bool:

@@ -58,7 +58,7 @@ class OpenAIServingResponses:
         if request.previous_response_id is not None:
             raise not_stored(request.previous_response_id, param="previous_response_id")
         try:
-            chat_request = request.to_chat_request()
+            chat_request = request.to_chat_request(fold_developer="developer" not in (self.chat.template() or ""))
         except FieldError as e:
             raise OpenAIError(HTTPStatus.BAD_REQUEST, str(e), param=e.param, code="invalid_value") from None
         given = (request.model_extra or {}).get("request_id")  # vLLM's field: the response's id

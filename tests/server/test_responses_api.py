@@ -81,6 +81,18 @@ def test_a_finished_answer_is_completed(server):
     assert response.metadata == {"k": "v"} and response.user == "u1"
 
 
+def test_developer_and_system_messages_join_the_instructions(server):
+    """As vLLM's Responses API: with a chat template that has no developer role (Qwen3's drops it silently), a
+    developer message is a system one, and every system text joins one leading system message."""
+    developer = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]
+    assert _create(server, input=developer, **GREEDY).output_text == _chat_text(server, MESSAGES)
+    mixed = [{"role": "user", "content": "Say hello."}, {"role": "system", "content": "B"},
+             {"role": "developer", "content": [{"type": "input_text", "text": "C"}]}]
+    joined = [{"role": "system", "content": "A\n\nB\n\nC"}, MESSAGES[1]]
+    response = _create(server, instructions="A", input=mixed, **GREEDY)
+    assert response.output_text == _chat_text(server, joined) and response.instructions == "A"
+
+
 def test_stream_events_parse_and_join_to_the_answer(server):
     kwargs = {"input": "Count to ten.", "temperature": 0.0, "max_output_tokens": 12}
     whole = _create(server, **kwargs)
