@@ -7,14 +7,13 @@ instances with one structure (`fxrewrite.signature.structure_key`) and one input
 2. run every pattern's `match` on that graph once (the per-structure match cache); near misses and
    nodes claimed twice become "skipped" lines of the report;
 3. "module" patterns: per instance `validate`, then `build` a replacement put in the parent's place;
-4. "forward" patterns: each match's source edit is tried alone first (a refusal drops that
-   match); per instance, the matches whose `validate` passes are applied: the source with exactly
-   those edits is compiled once per distinct set, `build` creates the fused children, and the
-   new forward is bound to that instance only.
-The model is changed in place; a second `optimize` is a no-op. The `FusionReport` is kept on the
-model (`explain`). Fail closed: any refusal leaves that module (or instance) as it was; an instance
-whose forward someone else replaced, or whose children to fuse away carry hooks or a replaced forward, is
-refused. Users' hooks do not run during optimize's own meta runs and probes (`fxrewrite.user_hooks`).
+4. "forward" patterns: each match's source edit is tried alone first (a refusal drops that match); per instance,
+   the matches whose `validate` passes are applied: the source with exactly those edits is compiled once per
+   distinct set, `build` creates the fused children, and the new forward is bound to that instance only.
+The model is changed in place; a second `optimize` is a no-op. The `FusionReport` is kept on the model
+(`explain`). Fail closed: any refusal leaves that module (or instance) as it was; an instance whose forward someone
+else replaced, or whose children to fuse away carry hooks or a replaced forward, is refused. Users' hooks do not run
+during optimize's meta runs and probes; transformers' output recorders are not users' hooks (`fxrewrite.user_hooks`).
 """
 
 from __future__ import annotations
@@ -63,6 +62,7 @@ def optimize(model: nn.Module, **opts) -> nn.Module:
     ctx = Context(model, _text_config(model), merge_weights)
     with user_hooks.suspended(model):  # users' hooks must not see the meta run's tensors
         records, error = tracer.record_calls(model, example_inputs=example_inputs)
+    user_hooks.drop_output_recorders(model)  # transformers' own, put back on the rewritten modules
     records = {k: (weakref.ref(m), args, kwargs) for k, (m, args, kwargs) in records.items()}  # fused-away ones go
     if error:
         report.notes.append(f"meta run stopped early ({error}); classes not reached are left unchanged")

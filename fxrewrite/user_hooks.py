@@ -22,13 +22,15 @@ from typing import Iterator
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-__all__ = ["global_hooks", "suspended"]
+__all__ = ["drop_output_recorders", "global_hooks", "suspended"]
 
 _MODULE_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
                  "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")
 _GLOBAL_DICTS = (*_GLOBAL_HOOKS, "_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called")
+_RECORDERS_MODULE = "transformers.utils.output_capturing"
+_RECORDERS_MARK = "_output_capturing_hooks_installed"
 
 
 def global_hooks() -> int:
@@ -52,3 +54,25 @@ def suspended(module: nn.Module) -> Iterator[None]:
             d.clear()
             d.update(hooks)
             d.update(added)
+
+
+def drop_output_recorders(model: nn.Module) -> int:
+    """Remove transformers' output recorders from `model`'s modules; returns how many were removed.
+
+    transformers installs them (read-only forward hooks, `transformers.utils.output_capturing`, on the router, the
+    attention and the decoder layers) on the first call that asks for router logits, attentions or hidden states (a
+    config with ``output_router_logits=True`` makes `optimize`'s own meta run that call), marks the model, and never
+    removes them. Left in place they read as the user's hooks, so a fused MoE block, say, was refused ("hooks on
+    child 'gate'") for a model loaded with ``output_router_logits=True``. Without them and the mark, transformers
+    installs them again, on the rewritten modules, at the next such call: the path of a model that asks for those
+    outputs only after `optimize`."""
+    removed = 0
+    for module in model.modules():
+        hooks = module.__dict__.get("_forward_hooks") or {}
+        for key in [k for k, h in hooks.items() if getattr(h, "__module__", None) == _RECORDERS_MODULE]:
+            del hooks[key]
+            for extra in ("_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+                (module.__dict__.get(extra) or {}).pop(key, None)
+            removed += 1
+        module.__dict__.pop(_RECORDERS_MARK, None)
+    return removed

@@ -67,6 +67,29 @@ def test_hooks_do_not_run_inside_optimize_and_run_after_it():
         torch.testing.assert_close(fused(ids).logits, stock(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_transformers_output_recorders_are_not_users_hooks():
+    """transformers' output recorders, installed by a call asking for hidden states before optimize, block no fusion
+    (they did: the input norm's fold into self_attn, "hooks on child 'self_attn'"); they are removed with the
+    model's mark, so transformers installs them again on the rewritten modules, and the hidden states equal stock's.
+    A user's hook beside them stays."""
+    stock = tiny_model("qwen3")
+    ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(0))
+    stock(ids, output_hidden_states=True)
+    assert stock.model.layers[0].self_attn._forward_hooks
+    fused = copy.deepcopy(stock)
+    mine = fused.model.layers[1].self_attn.register_forward_hook(lambda module, args, out: None)
+    fxrewrite.optimize(fused)
+    skipped = dict(fxrewrite.explain(fused).classes["Qwen3DecoderLayer"].skipped)
+    assert skipped == {"input_norm": "[model.layers.1] forward/backward hooks on child 'self_attn' would be lost by "
+                                     "the fusion; left as it is"}
+    assert list(fused.model.layers[1].self_attn._forward_hooks) == [mine.id]
+    got, want = fused(ids, output_hidden_states=True), stock(ids, output_hidden_states=True)
+    assert len(got.hidden_states) == len(want.hidden_states) == 3
+    for a, b in zip(got.hidden_states, want.hidden_states):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert user_hooks.drop_output_recorders(fused) == 4  # installed again: both layers and their attentions
+
+
 def test_suspended_puts_every_hook_back_exactly_even_on_error():
     model = tiny_model("llama", num_hidden_layers=1)
     mlp, calls = model.model.layers[0].mlp, []

@@ -213,6 +213,29 @@ def test_router_logits_under_gradient_checkpointing_match_stock(family):
     _same_gradients(got.loss, model, want.loss, ref)
 
 
+@pytest.mark.parametrize("when", ["config", "earlier call"])
+def test_router_logits_asked_before_optimize_still_fuse(family, when):
+    """A model loaded with output_router_logits=True (optimize's meta run then installs transformers' recorder hooks),
+    or one that recorded outputs before optimize: those hooks are transformers' own, not the user's, so the blocks
+    fuse (a fresh user's find: they were refused, "hooks on child 'gate'") and transformers puts them back on the
+    rewritten modules; router logits, hidden states, the aux loss and every gradient equal stock's."""
+    model = tiny_moe(family, output_router_logits=when == "config").train()
+    ids = torch.randint(0, 96, (2, 6), generator=torch.Generator().manual_seed(3))
+    if when == "earlier call":
+        with torch.no_grad():
+            model(ids, output_router_logits=True, output_hidden_states=True)
+    ref = stock_eager(copy.deepcopy(model))
+    fxrewrite.optimize(model)
+    fused = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert len(fused) == model.config.num_hidden_layers, fxrewrite.explain(model)
+    got, want = (m(ids, labels=ids, output_router_logits=True, output_hidden_states=True) for m in (model, ref))
+    assert len(got.router_logits) == len(want.router_logits) == model.config.num_hidden_layers
+    for a, b in [*zip(got.router_logits, want.router_logits), *zip(got.hidden_states, want.hidden_states)]:
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.aux_loss, want.aux_loss, rtol=1e-5, atol=1e-6)
+    _same_gradients(got.loss, model, want.loss, ref)
+
+
 def _same_gradients(loss, model, ref_loss, ref) -> None:
     """Backward both losses; every gradient of `ref` (by name) equals `model`'s within float32 noise."""
     loss.backward()
