@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.nn.modules import module as _module
+from transformers.utils import output_capturing
 
 from fxrewrite.signature import BOUND_ATTR, instance_forward
 
@@ -39,10 +40,23 @@ def foreign_forward(module: nn.Module) -> bool:
     return own is not None and (bound is None or own is not bound[1])
 
 
+def _idle_recorder(hook) -> bool:
+    """`hook` is one of transformers' output recorders (`transformers.utils.output_capturing`: forward hooks, put on the
+    attention, decoder layer and router modules by the first call asking for attentions, hidden states or router
+    logits, that append the module's output to the active collector) and no call is recording: it does nothing then.
+    Under torch.compile's tracing it counts as a hook (the collector's ContextVar is not read there)."""
+    collector = getattr(output_capturing, "_active_collector", None)  # transformers 5.x's, checked 5.17 to 5.25
+    return (getattr(hook, "__module__", None) == output_capturing.__name__ and collector is not None
+            and not torch.compiler.is_compiling() and collector.get() is None)
+
+
 def unhooked(*modules: nn.Module) -> bool:
-    """No forward / backward hook on any of `modules`, no forward put on one's instance since (`foreign_forward`; a
-    fresh user's find: one on ``lm_head``, ``act_fn`` or ``down_proj`` set after optimize was silently skipped by
-    the fused loss / activation), and no global module hook."""
+    """No forward / backward hook on any of `modules` but an idle output recorder of transformers' (`_idle_recorder`: a
+    fresh user's find: one call with ``output_hidden_states=True`` after optimize left the folds off for every later
+    call), no forward put on one's instance since (`foreign_forward`; a fresh user's find: one on ``lm_head``,
+    ``act_fn`` or ``down_proj`` set after optimize was silently skipped by the fused loss / activation), and no
+    global module hook."""
     if global_module_hooks():
         return False
-    return not any(m.__dict__.get(h) for m in modules for h in _HOOKS) and not any(map(foreign_forward, modules))
+    hooks = (hook for m in modules for name in _HOOKS for hook in (m.__dict__.get(name) or {}).values())
+    return all(map(_idle_recorder, hooks)) and not any(map(foreign_forward, modules))

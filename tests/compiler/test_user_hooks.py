@@ -10,6 +10,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 
 import fxrewrite
 from fxrewrite import user_hooks
+from fxrewrite.layers.input_norm import _fused_qkv
 
 from tests.e2e.tiny_models import tiny_model
 
@@ -88,6 +89,28 @@ def test_transformers_output_recorders_are_not_users_hooks():
     for a, b in zip(got.hidden_states, want.hidden_states):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert user_hooks.drop_output_recorders(fused) == 4  # installed again: both layers and their attentions
+
+
+def test_idle_output_recorders_leave_the_folds_on():
+    """After one call asking for hidden states (transformers installs its recorders on the rewritten attentions and
+    layers), later inference calls still take the input norm's fold: a recorder does nothing while no call records
+    (they had turned the fold off for good); a user's hook still turns it off."""
+    stock = tiny_model("qwen3")
+    fused = fxrewrite.optimize(copy.deepcopy(stock))
+    ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+    got, want = fused(ids, output_hidden_states=True), stock(ids, output_hidden_states=True)
+    for a, b in zip(got.hidden_states, want.hidden_states):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    layer = fused.model.layers[0]
+    assert layer.self_attn._forward_hooks  # transformers' recorder
+    x = torch.randn(2, 7, stock.config.hidden_size)
+    with torch.no_grad():
+        assert _fused_qkv(layer.input_layernorm, layer.self_attn, x) is layer.self_attn.qkv_proj
+        torch.testing.assert_close(fused(ids).logits, stock(ids).logits, rtol=1e-5, atol=1e-5)
+    mine = layer.self_attn.register_forward_hook(lambda module, args, out: None)
+    with torch.no_grad():
+        assert _fused_qkv(layer.input_layernorm, layer.self_attn, x) is None  # a user's hook still turns it off
+    mine.remove()
 
 
 def test_suspended_puts_every_hook_back_exactly_even_on_error():
