@@ -17,7 +17,7 @@ from fxrewrite.errors import UserInputError, UserTypeError
 from fxrewrite.runtime.model_files.checkpoint_conversion import checkpoint_layout_to_model
 from fxrewrite.runtime.worker.model_runner import resolve_model_impl
 from fxrewrite.runtime.worker.moe_checks import moe_sizes
-from fxrewrite.runtime.worker.weight_sync import merged_peft, named_weights
+from fxrewrite.runtime.worker.weight_sync import merged_peft, named_weights, unwrap_data_parallel
 from fxrewrite.weights import to_hf_names
 
 
@@ -38,7 +38,8 @@ class EngineRLMixin:
 
         `weights`: a model (its `named_parameters()`: an optimized one copies per fused tensor, a stock
         one per Hugging Face tensor into its shard; a PEFT model with its adapters merged for the copy,
-        `weight_sync.merged_peft`) or (name, tensor) pairs in either naming, or a checkpoint's with one tensor per
+        `weight_sync.merged_peft`; one in a DistributedDataParallel / DataParallel wrapper read as the model it
+        holds) or (name, tensor) pairs in either naming, or a checkpoint's with one tensor per
         expert (``mlp.experts.3.gate_proj.weight``: each layer's experts stacked by transformers' conversion rules, all
         of a layer's experts in one call, `checkpoint_layout_to_model`). Tensors may
         be on any device and of any float dtype (cast to the engine's). With tensor parallelism every
@@ -53,7 +54,7 @@ class EngineRLMixin:
         if not isinstance(strict, bool):  # "yes" or None would pass as truthy / falsy
             raise UserTypeError(f"load_weights: strict={strict!r}; expected True or False")
         self._check_idle("load_weights")
-        with merged_peft(weights) as source:
+        with merged_peft(unwrap_data_parallel(weights)) as source:
             config = self.model_config
             pairs = named_weights(source)
             if isinstance(source, nn.Module) and not self._takes_fused_names():  # an optimized model's qkv_proj...

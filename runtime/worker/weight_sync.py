@@ -11,7 +11,8 @@ Accepted names (the source's own layout decides, nothing is re-fused):
   model (`fxrewrite.optimize`) or a native model names them: one copy per fused tensor;
 - Hugging Face names (``...q_proj.weight``): copied into their shard of the fused tensor (the fusion's
   shard table, `fxrewrite.weights.shard_map`, or a native model's ``packed_modules_mapping``);
-- either with the engine wrapper's ``hf_model.`` prefix or torch.compile's ``_orig_mod.`` segments.
+- either with the engine wrapper's ``hf_model.`` prefix or torch.compile's ``_orig_mod.`` segments; a model in a
+  DistributedDataParallel / DataParallel wrapper is read as the model it holds (`unwrap_data_parallel`).
 A PEFT model (LoRA and the other mergeable tuners) is read with its adapters merged (`merged_peft`), in the base
 checkpoint's names, as TRL syncs one into vLLM.
 Shapes are always the full (unsharded) ones; each rank takes its slice, and each pipeline stage its layers.
@@ -88,6 +89,14 @@ def named_weights(source) -> list[tuple[str, torch.Tensor]]:
             raise TypeError(f"load_weights: tensor {pair[0]!r} is {what}; expected a dense tensor holding values "
                             "(materialize an offloaded or empty-init model first)")
     return [(name, t.detach()) for name, t in pairs]
+
+
+def unwrap_data_parallel(source):
+    """The module a `DistributedDataParallel` / `DataParallel` wrapper holds (a trainer's model as its loop has it:
+    its parameters' names carry the wrapper's ``module.`` prefix, which no engine name has), else `source`."""
+    while isinstance(source, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        source = source.module
+    return source
 
 
 @contextlib.contextmanager

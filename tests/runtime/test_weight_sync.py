@@ -67,6 +67,16 @@ def test_an_unfused_engine_takes_an_optimized_model(dirs, reference, wrap):
     assert _tokens(llm) == reference
 
 
+def test_a_data_parallel_wrapped_trainer_syncs_as_the_model_it_holds(dirs, reference):
+    """A trainer's model in its DataParallel / DDP wrapper (names under ``module.``) syncs as the model itself (it
+    was refused: every name unknown)."""
+    llm = LLM(str(dirs[0]), model_impl="native", dtype="float32", block_size=4)
+    wrapped = torch.nn.DataParallel(_hf(dirs[1], True))
+    assert next(iter(dict(wrapped.named_parameters()))).startswith("module.")
+    assert llm.load_weights(wrapped) == {n for n, _ in llm.llm_engine.model_runner.model.named_parameters()}
+    assert _tokens(llm) == reference
+
+
 @pytest.mark.parametrize("stock_as", ["model", "pairs"])
 def test_native_moe_takes_hf_names(tiny_model_dir, stock_as):
     """The native Qwen3-MoE (its packed_modules_mapping keys written with their dots) takes a stock model or its
