@@ -149,7 +149,7 @@ class OpenAIServingChat(OpenAIServing):
         forced = forced_tool_outputs(request)
         if forced is not None and structured is not None:
             raise OpenAIError(HTTPStatus.BAD_REQUEST, f"tool_choice {mode!r} cannot be combined with another "
-                              "output constraint (response_format / guided_*)", param="tool_choice",
+                              f"output constraint ({structured_outputs_field(request)})", param="tool_choice",
                               code="invalid_value")
         return forced or structured
 

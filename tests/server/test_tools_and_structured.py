@@ -236,8 +236,10 @@ def test_tool_errors(server):
         _client(server).chat.completions.create(model=server.model_name, max_tokens=2, messages=[
             {"role": "assistant", "content": None, "tool_calls": [
                 {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{bad"}}]}])
-    with pytest.raises(openai.BadRequestError, match="cannot be combined"):
+    with pytest.raises(openai.BadRequestError, match=r"cannot be combined .*\(response_format\)"):
         _chat(server, tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})
+    with pytest.raises(openai.BadRequestError, match=r"cannot be combined .*\(structured_outputs\)"):
+        _chat(server, tools=TOOLS, tool_choice="required", extra_body={"structured_outputs": {"regex": "a+"}})
 
 
 def test_template_that_cannot_render_tools_is_a_400(server):
