@@ -165,8 +165,9 @@ class OpenAIServingChat(OpenAIServing):
         try:
             messages = _template_messages(request, self.content_format)
         except ValueError as e:
-            raise OpenAIError(HTTPStatus.BAD_REQUEST, str(e) if str(e).startswith("messages.") else f"messages: {e}",
-                              param="messages", code="invalid_value") from None
+            named = str(e).startswith(("messages.", "messages["))  # names the message at fault
+            raise OpenAIError(HTTPStatus.BAD_REQUEST, str(e) if named else f"messages: {e}", param="messages",
+                              code="invalid_value") from None
         tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
         if tools and tool_mode(request) == "none" and not template_renders_tools(template):
             tools = None  # the answer is plain text: a template that cannot show the tools renders without them
@@ -286,11 +287,11 @@ class OpenAIServingChat(OpenAIServing):
 def _template_messages(request: ChatCompletionRequest, content_format: str) -> list[dict]:
     """The request's messages as the chat template gets them (`ChatMessage.to_template_dict`), their content in
     `content_format` (`as_content_format`); ValueError naming the message for a part that is not text."""
-    messages = [m.to_template_dict(f"messages.{i}") for i, m in enumerate(request.messages)]
+    messages = [m.to_template_dict(f"messages[{i}]") for i, m in enumerate(request.messages)]
     if content_format == "openai":
         for i, (m, message) in enumerate(zip(request.messages, messages)):
             parts = [p.model_dump() for p in m.content] if isinstance(m.content, list) else message["content"]
-            message["content"] = as_content_format(parts, "openai", f"messages.{i}")
+            message["content"] = as_content_format(parts, "openai", f"messages[{i}]")
     return messages
 
 

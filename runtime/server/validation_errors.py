@@ -82,14 +82,19 @@ class FieldError(ValueError):
         self.param = param
 
 
-def _split(loc: tuple) -> tuple[list[str], str | None, list[str]]:
-    """(field path before the first member tag, that tag, the path after it with later tags dropped)."""
+def _split(loc: tuple) -> tuple[list, str | None, list]:
+    """(field path before the first member tag, that tag, the path after it with later tags dropped); names are
+    strings, list indices ints (`_where`)."""
     parts = [part for part in loc if part != "body"]
     for i, part in enumerate(parts):
         if _is_member_tag(part):
-            rest = [str(p) for p in parts[i + 1:] if not _is_member_tag(p)]
-            return [str(p) for p in parts[:i]], part, rest
-    return [str(p) for p in parts], None, []
+            return parts[:i], part, [p for p in parts[i + 1:] if not _is_member_tag(p)]
+    return parts, None, []
+
+
+def _where(path: list) -> str:
+    """A field path as OpenAI's `param` writes one: ``messages[0].content``, not pydantic's ``messages.0.content``."""
+    return "".join(f"[{p}]" if isinstance(p, int) else f"{'.' if n else ''}{p}" for n, p in enumerate(path))
 
 
 def _message(error: dict) -> str:
@@ -129,7 +134,7 @@ def describe_errors(errors: list[dict]) -> tuple[str, str | None]:
     if param is None and isinstance(cause, FieldError):
         return _message(first) + _more(errors, path), cause.param
     if tag is None:
-        where = ".".join(path)
+        where = _where(path)
         message = _message(first) + _got(first)
         named = not where or message.startswith((f"{where}:", f"{where} "))  # a validator may name it
         return (message if named else f"{where}: {message}") + _more(errors, path), param
@@ -139,11 +144,11 @@ def describe_errors(errors: list[dict]) -> tuple[str, str | None]:
     deep = [m for m in members if len(m[2]) == deepest]
     if deepest and len({t for _, t, _ in deep}) == 1:  # the input had that member's shape
         error, _, rest = deep[0]
-        where = ".".join(path + rest)
+        where = _where(path + rest)
         return f"{where}: {_message(error)}{_got(error)}{_more(errors, path)}", param
     expected = list(dict.fromkeys(_describe_tag(t) for _, t, _ in members))
     wanted = expected[0] if len(expected) == 1 else ", ".join(expected[:-1]) + " or " + expected[-1]
-    return f"{'.'.join(path)}: expected {wanted}, got {_shown(first.get('input'))}{_more(errors, path)}", param
+    return f"{_where(path)}: expected {wanted}, got {_shown(first.get('input'))}{_more(errors, path)}", param
 
 
 def _more(errors: list[dict], path: list[str]) -> str:

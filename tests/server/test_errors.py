@@ -110,7 +110,7 @@ def test_null_optional_fields_take_their_defaults(server):
         assert chat.status_code == 200 and chat.json()["choices"][0]["logprobs"] is None, chat.text
         error = _error(http.post("/v1/chat/completions", json=CHAT | {
             "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text"}]}]}), 400)
-    assert error["message"] == "messages.0.content[1].text must be a string, got None"
+    assert error["message"] == "messages[0].content[1].text must be a string, got None"
 
 
 def test_type_error_names_the_field_what_it_expects_and_what_it_got(server):

@@ -60,7 +60,7 @@ def test_unknown_role_message_has_no_stray_prefix(server):
     with server.http() as http:
         r = http.post("/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "hi"}]})
     message = r.json()["error"]["message"]
-    assert r.status_code == 400 and message.startswith("messages.0.role: role 'wizard' is not one of"), message
+    assert r.status_code == 400 and message.startswith("messages[0].role: role 'wizard' is not one of"), message
 
 
 def test_echo_with_max_tokens_0_returns_the_prompt_alone(server):

@@ -145,15 +145,15 @@ def test_null_takes_the_default_where_the_field_has_no_null_meaning():
 
 
 @pytest.mark.parametrize("content, error", [
-    ([], r"messages.0.content is an empty list"),
-    ([{"type": "text"}], r"messages.0.content\[0\].text must be a string, got None"),
-    ([{"type": "text", "text": None}], r"messages.0.content\[0\].text must be a string"),
-    ([{"type": "text", "text": "a"}, {"type": "input_audio"}], r"messages.0.content\[1\]: only text .* 'input_audio'"),
+    ([], r"messages\[0\].content is an empty list"),
+    ([{"type": "text"}], r"messages\[0\].content\[0\].text must be a string, got None"),
+    ([{"type": "text", "text": None}], r"messages\[0\].content\[0\].text must be a string"),
+    ([{"type": "text", "text": "a"}, {"type": "input_audio"}], r"messages\[0\].content\[1\]: only text .* 'input_audio'"),
 ])
 def test_content_parts_that_are_not_text_are_refused_naming_the_part(content, error):
     request = ChatCompletionRequest(messages=[{"role": "user", "content": content}])
     with pytest.raises(ValueError, match=error):
-        request.messages[0].to_template_dict("messages.0")
+        request.messages[0].to_template_dict("messages[0]")
 
 
 def test_refusal_and_responses_text_parts_are_text_as_in_vllm(caplog):
@@ -167,7 +167,7 @@ def test_refusal_and_responses_text_parts_are_text_as_in_vllm(caplog):
     assert "ignored" not in caplog.text
     bad = ChatCompletionRequest(messages=[{"role": "assistant", "content": [{"type": "refusal", "text": "x"}]}])
     with pytest.raises(ValueError, match=r"content\[0\].refusal must be a string, got None"):
-        bad.messages[0].to_template_dict("messages.0")
+        bad.messages[0].to_template_dict("messages[0]")
 
 
 @pytest.mark.parametrize("field", ["reasoning", "reasoning_content"])

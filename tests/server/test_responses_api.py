@@ -319,7 +319,7 @@ def test_reasoning_parser_gives_a_reasoning_item(server, monkeypatch):
     ({"prompt": {"id": "pmpt_1"}}, "prompt", "prompt templates are not supported"),  # was ignored: another prompt
     # a misspelt include (OpenAI's and vLLM's list of values) gave no logprobs, silently
     ({"include": ["message.output_text.logprob"]}, "include",
-     r"include.0: expected 'file_search_call.results', .* or 'message.output_text.logprobs', got \"message.output_"),
+     r"include\[0\]: expected 'file_search_call.results', .* or 'message.output_text.logprobs', got \"message.output_"),
 ])
 def test_bad_requests_are_400s_naming_the_field(server, body, param, message):
     with pytest.raises(openai.BadRequestError, match=message) as e:

@@ -22,22 +22,22 @@ COMPLETION = {"model": "m", "prompt": "hi"}
     (ChatCompletionRequest, CHAT | {"max_tokens": 1e308}, "max_tokens",
      "max_tokens: expected an integer, got 1e+308 (a number)"),  # not a 309-digit int (a fresh user's find)
     (CompletionRequest, COMPLETION | {"max_tokens": "2"}, "max_tokens", 'max_tokens: expected an integer, got "2" (a string)'),
-    (CompletionRequest, COMPLETION | {"prompt": [[1.0, 2.5]]}, "prompt", "prompt.0.1: expected an integer, got 2.5 (a number)"),
+    (CompletionRequest, COMPLETION | {"prompt": [[1.0, 2.5]]}, "prompt", "prompt[0][1]: expected an integer, got 2.5 (a number)"),
     (ChatCompletionRequest, CHAT | {"temperature": float("nan")}, "temperature",  # fresh-8 F6
      "temperature: expected a finite number, got NaN (a number)"),
     (CompletionRequest, COMPLETION | {"top_p": float("inf")}, "top_p",
      "top_p: expected a finite number, got Infinity (a number)"),
     (ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages",
-     "messages.0.content: expected a string or a list of objects, got 5 (a number)"),
+     "messages[0].content: expected a string or a list of objects, got 5 (a number)"),
     (ChatCompletionRequest, CHAT | {"tool_choice": 5}, "tool_choice",
      "tool_choice: expected 'none', 'auto', 'required' or an object, got 5 (a number)"),
     # The input had one member's shape: that member's own error, at its path.
     (ChatCompletionRequest, CHAT | {"tool_choice": {"type": "function", "function": {}}}, "tool_choice",
      "tool_choice.function.name: field required"),
-    (ChatCompletionRequest, CHAT | {"tools": [{"type": "function"}]}, "tools", "tools.0.function: field required"),
+    (ChatCompletionRequest, CHAT | {"tools": [{"type": "function"}]}, "tools", "tools[0].function: field required"),
     (CompletionRequest, COMPLETION | {"prompt": {"a": 1}}, "prompt", "prompt: expected a string, a list of strings, "
      'a list of integers or a list of lists of integers, got {"a": 1} (an object)'),
-    (CompletionRequest, COMPLETION | {"prompt": [[1, "a"]]}, "prompt", 'prompt.0.1: expected an integer, got "a" (a string)'),
+    (CompletionRequest, COMPLETION | {"prompt": [[1, "a"]]}, "prompt", 'prompt[0][1]: expected an integer, got "a" (a string)'),
     (ChatCompletionRequest, {"model": "m", "messages": []}, "messages",  # fresh-15: pydantic's "List should ..."
      "messages: expected at least 1 item, got [] (a list)"),
     (CompletionRequest, COMPLETION | {"seed": "s", "n": 1.5}, "n",
