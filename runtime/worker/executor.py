@@ -105,6 +105,16 @@ def check_tp_divisible(model_config, tp_size: int, config) -> None:
             raise UserInputError(f"tensor_parallel_size={tp_size} must divide the model's {name}={value}")
 
 
+def _worker_roles(tp_size: int, pp_size: int) -> tuple[str, str]:
+    """(what the workers are, which rank each process is) for WorkerError messages: process i is pipeline stage
+    i // tp_size, TP rank i % tp_size of it (`worker.worker_main`)."""
+    if pp_size == 1:
+        return "tensor-parallel", "process i is TP rank i"
+    if tp_size == 1:
+        return "pipeline-parallel", "process i is PP stage i"
+    return "tensor/pipeline-parallel", f"process i is PP stage i // {tp_size}, TP rank i % {tp_size}"
+
+
 @dataclasses.dataclass
 class RemoteModel:
     """What the driver knows of the workers' model (its weights live in the workers)."""
@@ -141,7 +151,7 @@ class MultiprocExecutor(WorkerGuard):
             # instead up to pp_size batches of other sequences are in flight (engine/micro_batches.py).
             self.supports_async = False
             self.pipeline_depth = pp_size
-        self._procs = _Processes()
+        self._procs = _Processes(*_worker_roles(tp_size, pp_size))
         self._finalizer = weakref.finalize(self, self._procs.close, True)
         self._dead: str | None = None
         self._encoder = StepEncoder()
@@ -195,7 +205,7 @@ class MultiprocExecutor(WorkerGuard):
             if multiprocessing.connection.wait(sentinels, timeout=0.05):
                 raise _failure(self._procs, "startup")
             if time.monotonic() > deadline:
-                raise WorkerError(f"tensor-parallel workers did not start within {STARTUP_TIMEOUT_S:.0f} s")
+                raise WorkerError(f"{self._procs.role} workers did not start within {STARTUP_TIMEOUT_S:.0f} s")
 
     supports_async = True
     """A step's tokens are received after the next step is sent (LLMEngine's async scheduling)."""
@@ -229,7 +239,7 @@ class MultiprocExecutor(WorkerGuard):
 
     def _check_alive(self) -> None:
         if self._dead is not None:
-            raise WorkerError(f"the tensor-parallel workers are shut down ({self._dead})")
+            raise WorkerError(f"the {self._procs.role} workers are shut down ({self._dead})")
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop the workers (idempotent): graceful receives the steps in flight, sends the workers None

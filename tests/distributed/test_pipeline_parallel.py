@@ -185,3 +185,36 @@ def test_ranks_that_disagree_on_sleep_are_an_error_naming_them():
     with pytest.raises(RuntimeError, match=r"disagree \(awake on rank 1 \(PP stage 0, TP rank 0\); asleep "
                                            r"\(kv_cache freed\) on rank 2 \(PP stage 1, TP rank 0\)\)"):
         combine_rank_statuses([report(1, None), report(2, asleep)])
+
+
+def test_a_killed_stage_is_named_as_a_pipeline_stage(qwen3_3layers):
+    """fresh-user find: a PP=2 worker's death said 'tensor-parallel worker failed ... (process i is TP rank i ...)',
+    though TP was 1 and process 1 was pipeline stage 1."""
+    import os
+    import signal
+
+    import psutil
+
+    from fxrewrite.runtime.engine.sampling_params import SamplingParams
+    from fxrewrite.runtime.worker.executor import WorkerError
+
+    llm = make_llm(qwen3_3layers, "native", pipeline_parallel_size=2)
+    engine = llm.llm_engine
+    pids = engine.model_runner.worker_pids()
+    engine.add_request("long", list(range(5, 25)), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    engine.step()
+    os.kill(pids[1], signal.SIGKILL)
+    with pytest.raises(WorkerError, match=r"^pipeline-parallel worker failed .*\(process i is PP stage i; pids .*"
+                                          r"process 1 terminated with signal SIGKILL"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    with pytest.raises(WorkerError, match="^the pipeline-parallel workers are shut down"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE] == []
+
+
+def test_tp_x_pp_worker_errors_name_stage_and_tp_rank():
+    from fxrewrite.runtime.worker.executor import _worker_roles
+
+    assert _worker_roles(2, 1) == ("tensor-parallel", "process i is TP rank i")
+    assert _worker_roles(2, 2) == ("tensor/pipeline-parallel", "process i is PP stage i // 2, TP rank i % 2")
