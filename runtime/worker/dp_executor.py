@@ -118,18 +118,18 @@ class DPExecutor(WorkerGuard):
             return
         wave, steps = self._wave, self._wave_steps
         self._wave, self._wave_steps = [None] * self.dp_size, [None] * self.dp_size
-        with self._procs.lock:
+        with self._exchange():
             self._guard(lambda: broadcast_object(wave, 0, wait=self._wait("the step broadcast")))
             self._outstanding.append(steps)
-        for step in steps:
-            if step is not None:
-                step._sent = True
+            for step in steps:
+                if step is not None:
+                    step._sent = True
 
     def receive(self, step: DPStep) -> None:
         """Receive every replica's tokens of the waves sent, in order, until `step`'s are in."""
         if not step._sent:
             self.flush()
-        with self._procs.lock:
+        with self._exchange():
             while step._out is None:
                 self.check_health()
                 steps = self._outstanding.popleft()

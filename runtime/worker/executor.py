@@ -222,7 +222,7 @@ class MultiprocExecutor(WorkerGuard):
         msg = self._encoder.encode(sched)
         attach_bitmask(msg, sched, bitmask_hook)
         step = RemoteStep(self, sched)
-        with self._procs.lock:
+        with self._exchange():
             self._check_alive()  # again: `check_health` (another thread) may have shut the workers down meanwhile
             self._guard(lambda: self._procs.channel.send(msg, wait=self._wait("the step broadcast")))
             self._outstanding.append(step)
@@ -230,7 +230,7 @@ class MultiprocExecutor(WorkerGuard):
 
     def _receive(self, step: RemoteStep) -> None:
         """Receive results in launch order up to `step`'s (a step the engine dropped is skipped)."""
-        with self._procs.lock:
+        with self._exchange():
             while step._out is None:
                 self._check_alive()
                 head = self._outstanding.popleft()
@@ -303,7 +303,7 @@ class MultiprocExecutor(WorkerGuard):
         """Send a ControlMessage (after the steps in flight are received), then `payload`; return the result
         or raise the first rank's error (ValueError / TypeError as such, else RuntimeError)."""
         self._check_alive()
-        with self._procs.lock:
+        with self._exchange():
             self._check_alive()
             if self._outstanding:
                 self._receive(self._outstanding[-1])

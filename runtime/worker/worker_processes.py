@@ -12,6 +12,7 @@ import contextlib
 import logging
 import multiprocessing.connection
 import os
+import signal
 import sys
 import threading
 import time
@@ -202,9 +203,43 @@ def _failure(procs: _Processes, what: str, cause: BaseException | None = None) -
     return WorkerError(f"{procs.role} worker failed during {what} ({procs.ranks}; pids {pids}): {detail}")
 
 
+@contextlib.contextmanager
+def interrupts_deferred(role: str):
+    """In the main thread under Python's own SIGINT handler: a Ctrl-C during the block is raised as KeyboardInterrupt
+    when the block ends, so the step exchange it interrupted completes and the workers stay in step with the driver
+    (an interrupted `LLM.generate` aborts its requests and the engine serves on, as on one process); a second Ctrl-C
+    raises at once (the workers are then shut down: a hung step). Elsewhere (a server's stepping thread, a handler
+    of the user's) the block runs as it is."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    hits = []
+
+    def handler(signum, frame):
+        hits.append(signum)
+        if len(hits) > 1:
+            raise KeyboardInterrupt
+        logger.warning("Ctrl-C: finishing the %s workers' step in flight (Ctrl-C again stops them)", role)
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if hits:
+        raise KeyboardInterrupt
+
+
 class WorkerGuard:
     """Waits on workers for the multi-process executors (uses `_procs`, `_dead`, `shutdown`): `_wait` polls
-    the workers' sentinels while `work` runs; `_guard(fn)` shuts every worker down when fn fails."""
+    the workers' sentinels while `work` runs; `_guard(fn)` shuts every worker down when fn fails; `_exchange()`
+    holds the lock around a step's exchange with the workers, a Ctrl-C deferred to its end."""
+
+    @contextlib.contextmanager
+    def _exchange(self):
+        with self._procs.lock, interrupts_deferred(self._procs.role):
+            yield
 
     def _wait(self, what: str, timeout: float = STEP_TIMEOUT_S):
         return lambda work: _poll(work, self._procs, timeout, what)

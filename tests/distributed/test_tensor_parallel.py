@@ -141,6 +141,23 @@ def test_llm_tp2_workers_equal_tp1_transformers_fused(tp2_llm, qwen3_kv1):
     assert [len(c) for t in seeded for c in t] == [MAX_TOKENS] * 4
 
 
+def test_ctrl_c_during_generate_leaves_the_workers_serving(tp2_llm):
+    """fresh-user find: a Ctrl-C (KeyboardInterrupt) in `LLM.generate` at TP=2 shut the workers down ('the
+    tensor-parallel workers are shut down (KeyboardInterrupt: )' on every later call), where one process serves on:
+    the interrupted step exchange now completes first, the call's requests are aborted, and the engine serves on."""
+    import _thread
+    import threading
+
+    want = generate_tokens(tp2_llm)
+    long = SamplingParams(temperature=0, max_tokens=5000, ignore_eos=True)
+    for delay in (1.0, 1.3):
+        threading.Timer(delay, _thread.interrupt_main).start()
+        with pytest.raises(KeyboardInterrupt):
+            tp2_llm.generate([[1, 2, 3]] * 3, long, use_tqdm=False)
+        assert not tp2_llm.llm_engine.has_unfinished_requests()
+        assert generate_tokens(tp2_llm) == want  # every KV block free again, too
+
+
 def test_killed_worker_ends_engine_with_clear_error(tp2_llm):
     from fxrewrite.runtime.worker.executor import WorkerError
 
