@@ -42,6 +42,7 @@ from fxrewrite.layers.fp8_linear import (
 )
 from fxrewrite.layers.fused_moe import FusedMoE
 from fxrewrite.layers.linear import LinearBase
+from fxrewrite.runtime.model_files.config_checks import dense_mlp_width
 from fxrewrite.weights import SHARDS_ATTR, FusedAway
 
 QUANTIZATION_METHODS = ("fp8",)
@@ -130,23 +131,39 @@ def check_fp8_checkpoint_tensors(quant: Fp8Config | None, model_path) -> None:
 
 def check_fp8_tensor_parallel(quant: Fp8Config | None, text_config, tp_size: int) -> None:
     """UserInputError, before any worker starts, when an FP8 checkpoint's column blocks do not tile a row-parallel
-    layer's share of its input (o_proj: heads x head_dim; a dense MLP's down_proj: intermediate_size): each rank
-    would start mid-block in the checkpoint's scale grid. The layers check themselves too (`check_fp8_shapes`);
-    this names the config value first. Weights quantized at load (``quantization="fp8"``) need no alignment."""
+    layer's share of its input (`_row_parallel_inputs`): each rank would start mid-block in the checkpoint's scale grid.
+    The layers check themselves too (`check_fp8_shapes`); this names the config value first. Weights quantized at load
+    (``quantization="fp8"``) need no alignment."""
     if quant is None or not quant.is_checkpoint_fp8 or tp_size <= 1:
         return
-    heads = text_config.num_attention_heads
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
-    inputs = {"o_proj": (heads * head_dim, f"num_attention_heads x head_dim = {heads} x {head_dim}")}
-    if not any(getattr(text_config, key, None) for key in ("num_experts", "num_local_experts")):  # dense MLP
-        inputs["down_proj"] = (text_config.intermediate_size, "intermediate_size")
     block = quant.weight_block_size[1]
-    for layer, (size, what) in inputs.items():
+    for layer, (size, what) in _row_parallel_inputs(text_config).items():
         if size % tp_size == 0 and (size // tp_size) % block:
             raise UserInputError(
                 f"{layer}: {what} = {size} input columns over tensor_parallel_size={tp_size} gives {size // tp_size} "
                 f"per rank, not a multiple of the checkpoint's FP8 block width {block} (weight_block_size="
                 f"{list(quant.weight_block_size)}); use a tensor_parallel_size that keeps whole blocks")
+
+
+def _row_parallel_inputs(text_config) -> dict[str, tuple[int, str]]:
+    """The FP8 row-parallel layers' input widths: o_proj (heads x head_dim); a dense MLP's down_proj (intermediate_size,
+    where a decoder layer holds one: `dense_mlp_width`; Mixtral's and OLMoE's is their experts' width, and experts are
+    dequantized at load); Qwen2-MoE's shared expert's down_proj (shared_expert_intermediate_size)."""
+    heads = text_config.num_attention_heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+    inputs = {"o_proj": (heads * head_dim, f"num_attention_heads x head_dim = {heads} x {head_dim}")}
+    experts = any(getattr(text_config, key, None) for key in ("num_experts", "num_local_experts"))
+    if not experts:
+        dense = text_config.intermediate_size
+    else:
+        has_moe_width = getattr(text_config, "moe_intermediate_size", None) is not None
+        dense = dense_mlp_width(text_config) if has_moe_width else None
+    if isinstance(dense, int) and dense:
+        inputs["down_proj"] = (dense, "intermediate_size")
+    shared = getattr(text_config, "shared_expert_intermediate_size", None)
+    if experts and isinstance(shared, int) and shared:
+        inputs["shared_expert.down_proj"] = (shared, "shared_expert_intermediate_size")
+    return inputs
 
 
 def _targets(model: nn.Module, quant: Fp8Config):

@@ -78,3 +78,37 @@ def test_fp8_checkpoint_with_partial_blocks_per_rank_is_refused_before_workers(b
                                          r"=2 gives 192 per rank, not a multiple of the checkpoint's FP8 block width "
                                          r"128"):
         make_llm(str(fp8), "native", 2)
+
+
+@pytest.mark.parametrize("arch, sizes, message", [
+    ("qwen2_moe", dict(shared_expert_intermediate_size=192),
+     r"shared_expert.down_proj: shared_expert_intermediate_size = 192 input columns over tensor_parallel_size=2 "
+     r"gives 96 per rank"),
+    ("qwen3_moe", dict(mlp_only_layers=[0], intermediate_size=384),  # layer 0 holds a dense MLP
+     r"down_proj: intermediate_size = 384 input columns over tensor_parallel_size=2 gives 192 per rank"),
+])
+def test_moe_checkpoints_row_parallel_mlps_are_checked_before_workers(tiny_model_dir, tmp_path, monkeypatch, arch,
+                                                                       sizes, message):
+    """fresh-user find: a Qwen2-MoE FP8 checkpoint whose shared expert's down_proj would start mid-block at TP=2 (and a
+    Qwen3-MoE one's dense layer) was refused by the workers (a rank's traceback after loading), not before they
+    started: the check left every down_proj out for a model with experts."""
+    import fxrewrite.runtime.engine.llm_engine as llm_engine
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("workers started before the block check")
+
+    src = tiny_model_dir(arch, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=128, vocab="smollm2", **sizes)
+    monkeypatch.setattr(llm_engine, "create_model_runner", no_workers)
+    with pytest.raises(ValueError, match=message):
+        make_llm(str(write_fp8_checkpoint(src, tmp_path / "fp8")), "transformers", 2)
+
+
+def test_experts_widths_need_no_fp8_alignment():
+    """Mixtral's intermediate_size is its experts' width: FP8 experts are dequantized at load, so no down_proj check."""
+    from transformers import MixtralConfig
+
+    from fxrewrite.runtime.model_files.quantization import _row_parallel_inputs
+
+    config = MixtralConfig(hidden_size=256, num_attention_heads=4, intermediate_size=96, num_local_experts=4)
+    assert list(_row_parallel_inputs(config)) == ["o_proj"]
