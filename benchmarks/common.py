@@ -393,7 +393,7 @@ def copy_bandwidth_bytes_per_s(nbytes: int = 1 << 30) -> float | None:
 
 
 def write_result(out: Path, result: dict) -> None:
-    """Write a benchmark's result dict as indented JSON to `out` (parents made) and say where."""
+    """Write `result` as indented JSON to `out` (parents made), with an `environment` if it has none; say where."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    out.write_text(json.dumps({**result, "environment": result.get("environment") or environment()}, indent=1))
     print(f"wrote {out}")

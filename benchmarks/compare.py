@@ -36,7 +36,10 @@ def make_workload(kind: str, num_prompts: int | None = None, defaults: dict | No
     if kind not in classes:
         raise UserInputError(f"unknown workload {kind!r}; expected one of {', '.join(WORKLOADS)}")
     fields = {**(defaults or {}), **(overrides or {})}
-    if num_prompts and kind == "throughput":
+    if num_prompts and kind != "throughput":  # was ignored: a latency run of --num-prompts 4 ran its batch sizes
+        raise UserInputError(f"--num-prompts applies to the throughput workload, not --workload {kind} (its request "
+                             "counts are the workload's own: latency's batch sizes, long's one prompt per length)")
+    if num_prompts:
         fields["num_prompts"] = num_prompts
     workload = classes[kind](**_checked_fields(kind, classes[kind], fields))
     if kind == "throughput" and workload.min_len > min(workload.max_input_len, workload.max_output_len):
@@ -198,6 +201,7 @@ def compare(config: str | Path, arms: list[str], workload_kind: str = "throughpu
                 "name": spec["name"] + "".join(_override_tag(k, v) for k, v in sorted(config_overrides.items()))}
     defaults = spec.get("workload_defaults", {}).get(workload_kind, {})
     workload = make_workload(workload_kind, num_prompts, defaults, workload_overrides)
+    _check_window_fits(workload, arms, engine_kwargs or {})
     model_dir = bench_model_dir(spec, tokenizer_dir)
     env = environment()
     out_dir = Path(out_dir)
@@ -240,6 +244,22 @@ def compare(config: str | Path, arms: list[str], workload_kind: str = "throughpu
     result["files"] = [str(json_path)] + ([str(png)] if png else [])
     return result
 
+
+def _check_window_fits(workload, arms: list[str], engine_kwargs: dict) -> None:
+    """UserInputError when a decode window is asked for and an engine arm can never run every request at once
+    (max_num_seqs x data_parallel_size below the request count): each such arm ran its whole workload and
+    reported no figure, with nothing in the table saying why."""
+    window = getattr(workload, "decode_window_steps", 0)
+    if not window or not set(arms) - {"hf"}:
+        return
+    dp = engine_kwargs.get("data_parallel_size") or 1
+    running = (engine_kwargs.get("max_num_seqs") or 256) * dp
+    if running < workload.num_prompts:
+        raise UserInputError(
+            f"--decode-window {window} measures steps with all {workload.num_prompts} requests running, but "
+            f"--max-num-seqs {engine_kwargs.get('max_num_seqs') or 256}{f' x {dp} replicas' if dp > 1 else ''} runs at "
+            f"most {running} at once; expected --max-num-seqs of at least {-(-workload.num_prompts // dp)} or "
+            f"--num-prompts of at most {running}")
 
 
 def _override_tag(key: str, value) -> str:
@@ -297,6 +317,20 @@ def _unrounded_headline(arm_result: dict, kind: str) -> float | None:
     return value
 
 
+def format_tables(folder: str | Path, since: float = 0.0) -> str:
+    """The tables (:func:`format_table`) of the comparison JSONs in `folder` written at or after `since` (seconds
+    since the epoch), what gpu_check.sh prints last: its folder is benchmarks/results without $OUT, where the
+    train, RL and kernel JSONs (whose "arms" are no comparison's) and every earlier run's results also lie."""
+    tables = []
+    for path in sorted(Path(folder).glob("*.json")):
+        if path.stat().st_mtime < since:
+            continue
+        result = json.loads(path.read_text())
+        if isinstance(result, dict) and isinstance(result.get("arms"), dict) and "kind" in result.get("workload", {}):
+            tables.append(format_table(result))
+    return "\n\n".join(tables)
+
+
 def format_table(result: dict) -> str:
     """A plain-text table of the headline figure per arm (what gpu_check.sh prints last)."""
     kind = result["workload"]["kind"]
@@ -311,6 +345,8 @@ def format_table(result: dict) -> str:
             note = "skipped: " + r["skipped"]
         else:
             note = "truncated" if r.get("truncated") else ""
+            if value is None and (r.get("decode_window") or {}).get("reason"):  # the window was never reached
+                note = ", ".join(filter(None, [note, "no decode window: " + r["decode_window"]["reason"]]))
         shown = f"{value:,.1f}" if value is not None else "-"
         lines.append(f"{arm:<8} {shown:>36}  {note}")
     for name, value in result.get("ratios", {}).items():

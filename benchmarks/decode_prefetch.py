@@ -34,6 +34,7 @@ import torch
 from fxrewrite.benchmarks import kernels
 from fxrewrite.benchmarks.common import RESULTS_DIR, environment
 from fxrewrite.benchmarks.out_paths import FOLDER_HELP, results_folder
+from fxrewrite.benchmarks.tool_cli import require_cuda
 from fxrewrite.kernels import paged_decode
 from fxrewrite.kernels.attention_tile import dot_dtype, keys_contiguous, log2_scores, tile_slots, widen, widen_asm
 from fxrewrite.kernels.paged_attention import paged_attention_ref
@@ -203,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kinds", default="prefetch", help="comma-separated: prefetch (the variant), maxnreg (the engine "
                    "kernel under a register cap); the engine kernel's own configs always run")
     args = p.parse_args(argv)
+    require_cuda("decode_prefetch")
     cases = CASES if args.cases == "all" else [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
     bandwidth = kernels.copy_bandwidth()
     kinds = tuple(args.kinds.split(","))

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from fxrewrite.benchmarks.out_paths import FOLDER_HELP, results_folder
+from fxrewrite.benchmarks.tool_cli import require_cuda
 from fxrewrite.kernels import fp8_dispatch, fp8_tune
 from fxrewrite.kernels.fp8_gemm import per_token_group_quant_fp8
 from fxrewrite.kernels.fp8_rowwise import per_token_quant_fp8
@@ -100,6 +101,7 @@ def bench_shape(n: int, k: int, m: int, weights) -> list[dict]:
 def main(models=("qwen3-32b",), tokens=TOKENS, out_dir: Path | None = None) -> Path:
     from fxrewrite.benchmarks.common import RESULTS_DIR, environment
 
+    require_cuda("fp8_gemm")
     rows, picks = [], {}
     for model in models:
         for layer, (n, k) in SHAPES[model].items():

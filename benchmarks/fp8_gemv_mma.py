@@ -28,6 +28,7 @@ from fxrewrite.benchmarks.common import RESULTS_DIR, environment, write_result
 from fxrewrite.benchmarks.gemv import _timed, copy_tbps
 from fxrewrite.benchmarks.gemv_pipelined import SHAPES
 from fxrewrite.benchmarks.out_paths import FOLDER_HELP, results_folder
+from fxrewrite.benchmarks.tool_cli import require_cuda
 from fxrewrite.kernels.fp8_gemv_pipelined import PIPELINED_CONFIGS, fp8_gemv_pipelined_triton
 from fxrewrite.kernels.gemv_tune import max_rel_error, scratch_scales, scratch_weights
 from fxrewrite.kernels.triton_utils import tl, triton
@@ -108,6 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--configs", default="qwen3-32b,qwen3-4b")
     parser.add_argument("--out", type=results_folder, default=RESULTS_DIR, help=FOLDER_HELP)
     args = parser.parse_args(argv)
+    require_cuda("fp8_gemv_mma")
     date = datetime.date.today().isoformat()
     result = {"date": date, "environment": environment(), "copy_TBps": round(copy_tbps(), 3), "rows": {}}
     for cfg in args.configs.split(","):

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from fxrewrite.benchmarks.out_paths import FOLDER_HELP, results_folder
 from fxrewrite.benchmarks.common import RESULTS_DIR, environment, write_result
 from fxrewrite.benchmarks.gemv import _timed, copy_tbps
+from fxrewrite.benchmarks.tool_cli import require_cuda
 from fxrewrite.kernels import fp8_dispatch
 from fxrewrite.kernels.gemv_dispatch import is_pipelined
 from fxrewrite.kernels.gemv_tune import (TOLERANCE, candidate, candidates, max_rel_error, scratch_scales,
@@ -171,6 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--formats", default="float,fp8-channel")
     parser.add_argument("--out", type=results_folder, default=RESULTS_DIR, help=FOLDER_HELP)
     args = parser.parse_args(argv)
+    require_cuda("gemv_pipelined")
     date = datetime.date.today().isoformat()
     result = {"date": date, "environment": environment(), "copy_TBps": round(copy_tbps(), 3), "rows": {}}
     for cfg in args.configs.split(","):

@@ -51,13 +51,6 @@ timeout -k 5 ${LONG_TIMEOUT:-200} $PY -m fxrewrite bench compare --config qwen3-
 fi
 
 stamp "done"
-$PY - "$OUT_DIR" <<'PYEOF'
-import json, sys
-from pathlib import Path
-from fxrewrite.benchmarks.compare import format_table
-for path in sorted(Path(sys.argv[1]).glob("*.json")):
-    result = json.loads(path.read_text())
-    if "arms" in result:
-        print()
-        print(format_table(result))
-PYEOF
+# this run's comparisons only ($OUT_DIR is benchmarks/results without $OUT: every earlier result lies there too)
+$PY -c 'import sys; from fxrewrite.benchmarks.compare import format_tables as t; print(); print(t(sys.argv[1], float(sys.argv[2])))' \
+  "$OUT_DIR" "$start"

@@ -20,7 +20,8 @@ from typing import Callable
 import torch
 import transformers
 
-from fxrewrite.benchmarks.common import RESULTS_DIR
+from fxrewrite.benchmarks.common import RESULTS_DIR, cpu_name
+from fxrewrite.benchmarks.source_revision import source_revision
 from fxrewrite.benchmarks.out_paths import FOLDER_HELP, results_folder
 from fxrewrite.errors import UserInputError
 from fxrewrite.kernels.activation import _act_and_mul_triton, gelu_and_mul_ref, silu_and_mul_ref
@@ -288,7 +289,8 @@ def run_kernel_bench(out_dir: str | Path, cpu_smoke: bool = False, only: list[st
     result = dict(meta=dict(date=now.isoformat(timespec="seconds"),
                             gpu=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter smoke run)",
                             torch=torch.__version__, transformers=transformers.__version__, triton=triton.__version__,
-                            python=platform.python_version()),
+                            python=platform.python_version(), host=platform.node(), cpu=cpu_name(),
+                            fxrewrite=source_revision()),  # the commit the figures came from
                   copy_GBps=bw / 1e9, kernels=rows, sweeps=sweeps)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

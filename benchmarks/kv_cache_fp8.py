@@ -23,6 +23,7 @@ import torch
 from fxrewrite.benchmarks import kernels
 from fxrewrite.benchmarks.common import RESULTS_DIR, environment, replay_ms
 from fxrewrite.benchmarks.out_paths import FOLDER_HELP, results_folder
+from fxrewrite.benchmarks.tool_cli import require_cuda
 from fxrewrite.kernels.attention_tile import keys_contiguous
 from fxrewrite.kernels.paged_attention import paged_attention_ref
 from fxrewrite.kernels.paged_decode import paged_decode_triton
@@ -116,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time N layers' decode launches replayed in a CUDA graph, as the engine runs them")
     p.add_argument("--max-model-len", type=int, default=40960, help="sizes the graph rows' split count")
     args = p.parse_args(argv)
+    require_cuda("kv_cache_fp8")
     bandwidth = kernels.copy_bandwidth()
     rows = [] if args.no_sweep else [r for batch, ctx in CASES for r in _case_rows(batch, ctx, bandwidth)]
     graph_rows = _graph_rows(args.graph_layers, args.max_model_len) if args.graph_layers else []

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from fxrewrite.benchmarks.common import RESULTS_DIR, load_bench_config
+from fxrewrite.benchmarks.common import RESULTS_DIR, environment, load_bench_config
 from fxrewrite.benchmarks.kernels import _time_ms, copy_bandwidth
 from fxrewrite.benchmarks.moe_direct_sweep import direct_sweep, graph_ms, short_context_decode_rows
 from fxrewrite.benchmarks.out_paths import FOLDER_HELP, results_folder
@@ -155,7 +155,8 @@ def run(config: str, out_dir: Path, do_sweep: bool = False, tokens: tuple[int, .
     now = datetime.datetime.now(datetime.timezone.utc)
     result = dict(meta=dict(date=now.isoformat(timespec="seconds"), gpu=torch.cuda.get_device_name(),
                             config=config, torch=torch.__version__, copy_GBps=bw / 1e9),
-                  gemm_configs={t: gemm_config(t) for t in tokens}, rows=rows)
+                  gemm_configs={t: gemm_config(t) for t in tokens}, rows=rows,
+                  environment=environment())  # versions (transformers, triton) and fxrewrite's commit
     out_dir.mkdir(parents=True, exist_ok=True)
     suffix = "-direct" if direct_only else ""
     (out_dir / f"{now:%Y-%m-%d}-moe-kernels-{Path(config).stem}{suffix}.json").write_text(json.dumps(result, indent=2))

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import time
 from pathlib import Path
 
@@ -70,7 +69,7 @@ def saved_tensor_bytes(loss: torch.Tensor, parameters=()) -> dict[str, int]:
 
 def main(argv=None) -> int:
     """CLI: one arm's saved-tensor bytes per node type (see the module docstring)."""
-    from fxrewrite.benchmarks.common import RESULTS_DIR, load_bench_config
+    from fxrewrite.benchmarks.common import RESULTS_DIR, load_bench_config, write_result
     from fxrewrite.benchmarks.tool_cli import count_argument, device_argument
 
     p = argparse.ArgumentParser(prog="python -m fxrewrite.benchmarks.saved_tensors")
@@ -94,11 +93,9 @@ def main(argv=None) -> int:
         print(f"{name:60s} {nbytes / 2**20:10.1f} MiB")
     print(f"{'total':60s} {sum(totals.values()) / 2**20:10.1f} MiB")
     out = args.out or Path(RESULTS_DIR) / f"{time.strftime('%Y-%m-%d')}-{bench['name']}-saved-{args.arm}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"arm": args.arm, "config": bench["name"], "layers": args.layers,
-                               "batch_size": args.batch_size, "seq_len": args.seq_len, "device": args.device,
-                               "dtype": args.dtype, "saved_bytes": totals}, indent=1))
-    print(f"wrote {out}")
+    write_result(out, {"arm": args.arm, "config": bench["name"], "layers": args.layers,  # with its environment
+                       "batch_size": args.batch_size, "seq_len": args.seq_len, "device": args.device,
+                       "dtype": args.dtype, "saved_bytes": totals})
     return 0
 
 

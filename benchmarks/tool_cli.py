@@ -12,7 +12,7 @@ import torch
 
 from fxrewrite.errors import UserInputError
 
-__all__ = ["count_argument", "device_argument", "json_object_argument", "run_cli"]
+__all__ = ["count_argument", "device_argument", "json_object_argument", "require_cuda", "run_cli"]
 
 
 def run_cli(main) -> int:
@@ -24,6 +24,15 @@ def run_cli(main) -> int:
     except UserInputError as e:
         print(f"python -m fxrewrite.benchmarks.{Path(sys.argv[0]).stem}: error: {e}", file=sys.stderr)
         return 2
+
+
+def require_cuda(tool: str) -> None:
+    """SystemExit with one line (``python -m fxrewrite.benchmarks.<tool> needs a CUDA GPU ...``) when torch sees no
+    CUDA device: a GPU-only tool run on a CPU machine, instead of torch's "not compiled with CUDA" traceback from
+    its first CUDA tensor. Call it after parsing the arguments (``--help`` works anywhere)."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"python -m fxrewrite.benchmarks.{tool} needs a CUDA GPU; torch {torch.__version__} sees "
+                         "none on this machine")
 
 
 def device_argument(device: str) -> str:

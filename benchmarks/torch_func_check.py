@@ -12,6 +12,7 @@ import torch
 from torch.func import functional_call, grad, vmap
 from transformers import AutoModelForCausalLM, Qwen3Config
 
+from fxrewrite.benchmarks.tool_cli import require_cuda
 from fxrewrite.compiler import optimize
 from fxrewrite.weights import to_hf_names
 
@@ -45,6 +46,7 @@ def check(dtype: torch.dtype) -> tuple[float, float]:
 
 
 def main() -> int:
+    require_cuda("torch_func_check")
     bad = False
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 5e-2)):
         whole, sample = check(dtype)

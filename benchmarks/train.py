@@ -237,8 +237,9 @@ def run_train_bench(config: str, arms: list[str], *, steps: int = 8, warmup: int
     from fxrewrite.benchmarks.common import RESULTS_DIR, environment, load_bench_config
 
     unknown = [a for a in arms if a not in ARMS]
-    if unknown:
-        raise UserInputError(f"unknown train arm(s) {unknown}; expected some of {list(ARMS)}")
+    if unknown or not arms:  # no arm at all wrote an empty table and exited 0
+        what = f"unknown train arm(s) {unknown}" if unknown else "no train arm given"
+        raise UserInputError(f"{what}; expected some of {list(ARMS)}")
     bench = load_bench_config(config)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     spec = {"config": bench["config"], "dtype": dtype, "device": device, "seed": seed, "lr": lr, "steps": steps,
