@@ -14,7 +14,8 @@ from tests.server.conftest import ServerHandle, cli_server
 
 import xgrammar  # noqa: F401 - the serve extra (`make setup` installs it): missing is a setup fault
 
-pytestmark = pytest.mark.slow  # runs first under xdist (tests/conftest.py)
+# slow: runs first under xdist (tests/conftest.py); xgrammar's tokenizer info built before any request
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("grammar_compiler")]
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]
 GREEDY = {"temperature": 0.0, "max_output_tokens": 8, "extra_body": {"ignore_eos": True}}
@@ -22,15 +23,6 @@ TIME_TOOL = {"type": "function", "name": "get_time", "description": "The time", 
     "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"],
     "additionalProperties": False}}
 HERMES_CALL = r'Sure\.\n<tool_call>\n\{"name": "get_time", "arguments": \{"tz": "UTC"\}\}\n</tool_call>'
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _grammar_compiler(server):
-    """Build xgrammar's tokenizer info for the 151,936-token vocabulary once, outside any request timeout."""
-    from fxrewrite.runtime.engine.sampling_params import SamplingParams
-    from fxrewrite.runtime.engine.structured_outputs import StructuredOutputsParams
-
-    server.engine.compile_structured_outputs(SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")))
 
 
 def _client(server):

@@ -158,12 +158,7 @@ NAMED = {"type": "function", "function": {"name": "write_note"}}
 
 
 @pytest.fixture(scope="module")
-def live(server):
-    import xgrammar  # noqa: F401 - the serve extra: missing is a setup fault, not a skip
-    from fxrewrite.runtime.engine.sampling_params import SamplingParams
-    from fxrewrite.runtime.engine.structured_outputs import StructuredOutputsParams
-
-    server.engine.compile_structured_outputs(SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")))
+def live(server, grammar_compiler):
     return server
 
 

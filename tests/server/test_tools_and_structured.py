@@ -11,7 +11,8 @@ import pytest
 import xgrammar  # noqa: E402,F401 - the serve extra (`make setup` installs it): missing is a setup fault
 import jsonschema  # noqa: E402
 
-pytestmark = pytest.mark.slow  # runs first under xdist (tests/conftest.py)
+# slow: runs first under xdist (tests/conftest.py); xgrammar's tokenizer info built before any request
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("grammar_compiler")]
 
 SCHEMA = {
     "type": "object",
@@ -33,15 +34,6 @@ TOOLS = [
 MESSAGES = [{"role": "user", "content": "What's the weather in Paris?"}]
 COMPACT = {"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}}
 JSON_OBJECT_SEED, JSON_OBJECT_MAX_TOKENS = 1, 60
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _grammar_compiler(server):
-    """Build xgrammar's tokenizer info for the 151,936-token vocabulary once, outside any request timeout."""
-    from fxrewrite.runtime.engine.sampling_params import SamplingParams
-    from fxrewrite.runtime.engine.structured_outputs import StructuredOutputsParams
-
-    server.engine.compile_structured_outputs(SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")))
 
 
 def _client(server):
