@@ -331,6 +331,16 @@ def format_tables(folder: str | Path, since: float = 0.0) -> str:
     return "\n\n".join(tables)
 
 
+def _no_figure_reason(arm_result: dict, kind: str) -> str:
+    """Why an arm that did not fail has no headline figure: its decode window was never reached, or the row that
+    holds the figure (latency's batch_1) recorded an error (the time limit came before a decode step)."""
+    if (arm_result.get("decode_window") or {}).get("reason"):
+        return "no decode window: " + arm_result["decode_window"]["reason"]
+    if kind == "latency" and "error" in (arm_result.get("batch_1") or {}):
+        return f"batch_1: {arm_result['batch_1']['error']}"
+    return ""
+
+
 def format_table(result: dict) -> str:
     """A plain-text table of the headline figure per arm (what gpu_check.sh prints last)."""
     kind = result["workload"]["kind"]
@@ -344,9 +354,8 @@ def format_table(result: dict) -> str:
         elif r.get("skipped"):  # why the arm has no figure (the hf arm on latency, or with FP8 settings)
             note = "skipped: " + r["skipped"]
         else:
-            note = "truncated" if r.get("truncated") else ""
-            if value is None and (r.get("decode_window") or {}).get("reason"):  # the window was never reached
-                note = ", ".join(filter(None, [note, "no decode window: " + r["decode_window"]["reason"]]))
+            note = ", ".join(filter(None, ["truncated" if r.get("truncated") else "", _no_figure_reason(r, kind)
+                                           if value is None else ""]))
         shown = f"{value:,.1f}" if value is not None else "-"
         lines.append(f"{arm:<8} {shown:>36}  {note}")
     for name, value in result.get("ratios", {}).items():

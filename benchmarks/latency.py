@@ -56,26 +56,12 @@ def run_latency(llm, workload: LatencyWorkload, time_limit_s: float | None = Non
     for bs in batch_sizes:
         with watch_jit_compiles() as compiled, gc_pauses() as collections:
             stats = run_requests(engine, workload.prompts(bs), [params] * bs, time_limit_s, desc=f"batch {bs}")
-        if len(stats.first_token_s) < bs:
-            result[f"batch_{bs}"] = {"truncated": True, "error": f"{bs - len(stats.first_token_s)} of {bs} requests "
-                                     f"had no output token within the time limit ({time_limit_s} s)"}
+        row, decode_s = _timed_row(stats, bs, workload.output_len, time_limit_s)
+        if decode_s is None:
+            result[f"batch_{bs}"] = row
             continue
-        ttft = max(stats.first_token_s.values())
-        end = max(stats.finish_s.values(), default=stats.elapsed_s)
-        # a truncated run decoded the steps that ended after the last first token, not output_len - 1 of them
-        steps = sum(1 for t in stats.step_end_s if ttft < t <= end) if stats.truncated else workload.output_len - 1
-        decode_s = (end - ttft) / max(1, steps)
-        row = {
-            "ttft_ms": round(ttft * 1e3, 2),
-            "decode_ms_per_step": round(decode_s * 1e3, 3),
-            "decode_tokens_per_s_per_seq": round(1.0 / decode_s, 1),
-            "decode_tokens_per_s": round(bs / decode_s, 1),
-            "truncated": stats.truncated,
-            "triton_jit_in_timed_run": compiled,  # should be empty: each entry is a JIT stall inside the timing
-            # a mean above the graph replay: per-step host work (median up) or a few stalls (long steps, GC)
-            **decode_step_summary(stats.step_end_s, ttft, end),
-            "gc_in_timed_run": collections,
-        }
+        # JIT builds should be none (each is a stall inside the timing); GC passes inside the timed run
+        row.update(triton_jit_in_timed_run=compiled, gc_in_timed_run=collections)
         step_bytes = engine_weight_bytes(engine, batch_size=bs)  # a MoE step reads only the routed experts
         if step_bytes != nbytes:
             row["step_weight_bytes"] = step_bytes
@@ -97,6 +83,28 @@ def run_latency(llm, workload: LatencyWorkload, time_limit_s: float | None = Non
             if bandwidth:
                 row["graph_roofline_fraction"] = round(row["roofline_ms_per_step"] / gpu_ms, 3)
     return result
+
+
+def _timed_row(stats, bs: int, output_len: int, time_limit_s: float | None) -> tuple[dict, float | None]:
+    """One batch size's timing from `run_requests`' stats and its unrounded seconds per decode step, or
+    ({"truncated", "error"}, None) when the time limit left no figure: a request without its first token, or no decode step after the last first token (the time from it to
+    the abort, ~0.1 ms, was reported as one decode step: 10,000 tokens/s on a CPU that decodes 250)."""
+    if len(stats.first_token_s) < bs:
+        return {"truncated": True, "error": f"{bs - len(stats.first_token_s)} of {bs} requests had no output token "
+                                            f"within the time limit ({time_limit_s} s)"}, None
+    ttft = max(stats.first_token_s.values())
+    end = max(stats.finish_s.values(), default=stats.elapsed_s)
+    # a truncated run decoded the steps that ended after the last first token, not output_len - 1 of them
+    steps = sum(1 for t in stats.step_end_s if ttft < t <= end) if stats.truncated else output_len - 1
+    if steps < 1 and stats.truncated:
+        return {"truncated": True, "ttft_ms": round(ttft * 1e3, 2),
+                "error": f"no decode step after the first token within the time limit ({time_limit_s} s)"}, None
+    decode_s = (end - ttft) / max(1, steps)
+    return {"ttft_ms": round(ttft * 1e3, 2), "decode_ms_per_step": round(decode_s * 1e3, 3),
+            "decode_tokens_per_s_per_seq": round(1.0 / decode_s, 1), "decode_tokens_per_s": round(bs / decode_s, 1),
+            "truncated": stats.truncated,
+            # a mean above the graph replay: per-step host work (median up) or a few stalls (long steps, GC)
+            **decode_step_summary(stats.step_end_s, ttft, end)}, decode_s
 
 
 def graph_forward_fields(graphs, bucket: int) -> dict:

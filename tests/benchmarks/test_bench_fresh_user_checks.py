@@ -124,3 +124,22 @@ def test_gpu_check_summary_prints_only_this_runs_comparisons(tmp_path):
     text = format_tables(tmp_path, since=2000)
     assert "new " in text and "old " not in text and text.count("tiny throughput") == 1
     assert "old " in format_tables(tmp_path)
+
+
+def test_a_latency_run_cut_before_any_decode_step_reports_no_figure():
+    """--time-limit 0.01 on the tiny config: the abort right after the first token counted as one decode step of
+    ~0.1 ms, a batch-1 figure of 10,324.8 tokens/s (the CPU decodes ~250) with no note in the table."""
+    from fxrewrite.benchmarks.common import RunStats
+    from fxrewrite.benchmarks.latency import _timed_row
+
+    cut = RunStats(elapsed_s=0.0101, truncated=True, first_token_s={"0": 0.01}, step_end_s=[0.01])
+    row, decode_s = _timed_row(cut, 1, 16, 0.01)
+    assert decode_s is None and row["truncated"] and row["ttft_ms"] == 10.0
+    assert row["error"] == "no decode step after the first token within the time limit (0.01 s)"
+    two = RunStats(elapsed_s=0.031, truncated=True, first_token_s={"0": 0.01}, step_end_s=[0.01, 0.02, 0.03])
+    row, decode_s = _timed_row(two, 1, 16, 0.01)  # two decode steps before the cut: a figure, marked truncated
+    assert decode_s == pytest.approx(0.0105) and row["truncated"] and "error" not in row
+    result = {"config": "tiny", "date": "d", "environment": {"gpu": "G"}, "workload": {"kind": "latency"},
+              "arms": {"native": {"batch_1": _timed_row(cut, 1, 16, 0.01)[0]}}}
+    assert format_table(result).splitlines()[2].endswith("batch_1: no decode step after the first token within the "
+                                                         "time limit (0.01 s)")
