@@ -263,7 +263,9 @@ def run_kernel_bench(out_dir: str | Path, cpu_smoke: bool = False, only: list[st
     """
     import os
 
-    only = [g.strip() for g in only] if only else None
+    only = [g.strip() for g in only if g.strip()] if only else None  # "sampler," names one group
+    if only == []:
+        raise UserInputError(f"no kernel group given; expected some of {sorted(ROW_GROUPS)}")
     unknown = sorted(set(only or ()) - set(ROW_GROUPS))
     if unknown:
         raise UserInputError(f"kernel groups {unknown} do not exist; expected some of {sorted(ROW_GROUPS)}")

@@ -34,7 +34,11 @@ ARMS = ("stock", "stock-compile", "liger", "optimize", "optimize-compile", "opti
 
 
 def _liger_patch(model_type: str, model) -> None:
-    from liger_kernel.transformers import monkey_patch
+    try:
+        from liger_kernel.transformers import monkey_patch
+    except ModuleNotFoundError as e:
+        raise UserInputError(f"the liger arm needs liger-kernel ({e}): pip install 'fxrewrite[bench]' or "
+                             "liger-kernel==0.8.5") from None
 
     apply = monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]
     apply(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True, model=model)

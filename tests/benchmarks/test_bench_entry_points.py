@@ -57,6 +57,8 @@ def test_bench_kernels_only_some_groups(tmp_path, monkeypatch, capsys):
     assert "greedy_sample [1," in capsys.readouterr().out  # the table tells the shapes apart
     assert main(["bench", "kernels", "--cpu-smoke", "--only", "sampler,sorting", "--out", str(tmp_path)]) == 2
     assert "kernel groups ['sorting'] do not exist" in capsys.readouterr().err
+    assert main(["bench", "kernels", "--cpu-smoke", "--only", ",", "--out", str(tmp_path)]) == 2
+    assert "no kernel group given" in capsys.readouterr().err  # not "kernel groups [''] do not exist"
 
 
 def test_bench_kernels_without_a_gpu_is_one_line(capsys):

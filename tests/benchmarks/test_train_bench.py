@@ -48,3 +48,14 @@ def test_parse_arm_timeouts():
         parse_arm_timeouts("nope=3")
     with pytest.raises(ValueError, match="not SECONDS"):
         parse_arm_timeouts("liger=fast")
+
+
+def test_liger_arm_without_liger_kernel_says_what_to_install(monkeypatch):
+    import sys
+
+    from fxrewrite.benchmarks.train import _liger_patch
+    from fxrewrite.errors import UserInputError
+
+    monkeypatch.setitem(sys.modules, "liger_kernel", None)  # as if not installed
+    with pytest.raises(UserInputError, match=r"the liger arm needs liger-kernel .*pip install 'fxrewrite\[bench\]'"):
+        _liger_patch("qwen3", None)
