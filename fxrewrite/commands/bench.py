@@ -142,7 +142,7 @@ def _add_rl_arguments(sub) -> None:
     r.add_argument("--max-num-seqs", type=positive_int, default=1024,
                    help="engine arm: sequences per step (rollouts are many short sequences)")
     r.add_argument("--max-model-len", type=positive_int, default=1024)
-    r.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+    r.add_argument("--gpu-memory-utilization", type=gpu_memory_utilization, default=0.5,
                    help="the engine's share of the GPU (the trainer holds the rest)")
     r.add_argument("--batch-invariant", action="store_true", help="engine and recomputation in batch-invariant mode")
     r.add_argument("--sync-configs", default="qwen3-0.6b,qwen3-4b",

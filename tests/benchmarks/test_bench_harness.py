@@ -117,6 +117,7 @@ def test_cli_rejects_unknown_arm(capsys):
     (["train", "--config", "tiny", "--batch-size", "-1"], "--batch-size"),
     (["train", "--config", "tiny", "--warmup", "-1"], "--warmup"),
     (["rl", "--iterations", "0"], "--iterations"),
+    (["rl", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
     (["compare", "--config", "tiny", "--time-limit", "inf"], "--time-limit"),
     (["compare", "--config", "tiny", "-pp", "0"], "--pipeline-parallel-size"),
     (["compare", "--config", "tiny", "-tp", "0"], "--tensor-parallel-size"),
