@@ -144,6 +144,12 @@ def make_config(arch: str, tok_ids: dict, *, hidden_size: int, num_attention_hea
         params["attention_types"] = [[["global", "local"], n // 2]] if n % 2 == 0 else [[["global"], n]]
     if "kv_lora_rank" in params:  # MLA: transformers' attention has one key/value head per query head
         params["num_key_value_heads"] = num_attention_heads
+    kv_heads = params.get("num_key_value_heads")
+    if isinstance(kv_heads, int) and params["num_attention_heads"] % kv_heads:
+        # transformers writes such a config; every loader (the engine, explain, transformers' GQA) refuses it later
+        raise UserInputError(
+            f"num_attention_heads {params['num_attention_heads']} is not a multiple of num_key_value_heads {kv_heads}: "
+            f"each key/value head serves a whole group of query heads (--num-key-value-heads, default 2)")
     if params["vocab_size"] < tok_ids["vocab_size"]:
         raise UserInputError(f"vocab_size {params['vocab_size']} is smaller than the tokenizer's {tok_ids['vocab_size']}")
     try:

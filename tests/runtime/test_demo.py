@@ -101,6 +101,11 @@ def test_config_overrides_and_bad_values(tmp_path):
         build_model_dir(tmp_path / "y", "llama", vocab="klingon")
     with pytest.raises(ValueError, match="hidden_size 64 is not a multiple of num_attention_heads 5"):
         build_model_dir(tmp_path / "z", "llama", num_attention_heads=5)
+    # 4 query heads over 3 KV heads: the folder was written, and every loader then refused it
+    with pytest.raises(ValueError, match="num_attention_heads 4 is not a multiple of num_key_value_heads 3"):
+        build_model_dir(tmp_path / "kv", "qwen3", num_key_value_heads=3)
+    with pytest.raises(ValueError, match="num_attention_heads 1 is not a multiple of num_key_value_heads 2"):
+        build_model_dir(tmp_path / "kv", "llama", num_attention_heads=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no half-built folder, no staging folder left
     (tmp_path / "file").write_text("")  # a file in the way: one error line, not a FileExistsError traceback
     assert main(["build", str(tmp_path / "file"), "--arch", "llama"]) == 2
