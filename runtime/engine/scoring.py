@@ -100,7 +100,11 @@ def score_outputs(embedded: Sequence, slots_1: Sequence[int], slots_2: Sequence[
 
 def renamed_prompt_error(error: Exception, names: Sequence[str]) -> Exception:
     """`error` ("prompt 3: ...", as LLM.embed names a prompt by its index) naming it `names[3]` instead (which
-    side and item of a score call it came from); other errors as they are."""
+    side and item of a score call it came from); "prompts=5 must be ..." (a side that is no prompt or list at all)
+    naming the side, `data_1=5 must be ...`; other errors as they are."""
+    whole = re.match(r"prompts(=.*)", str(error), re.S)
+    if whole is not None and names:
+        return type(error)(f"{names[0].split('[')[0]}{whole.group(1)}")
     found = re.match(r"prompt (\d+)(:.*)", str(error), re.S)
     if found is None or int(found.group(1)) >= len(names):
         return error

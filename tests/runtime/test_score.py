@@ -101,6 +101,8 @@ def test_score_takes_token_ids_truncates_and_embeds_each_text_once(scorer):
     (QUERY, [{"text": "x"}], ValueError, r"data_2\[0\]: .* has neither 'prompt' nor 'prompt_token_ids'"),
     ("", DOCS, ValueError, r"^data_1: prompt is empty"),  # a single prompt is named without an index
     (QUERY, [5] * 200, ValueError, r"^data_2: prompt has 200 tokens"),
+    (5, DOCS, TypeError, r"^data_1=5 must be a string, a list of token ids"),  # was "prompts=5", no side named
+    (QUERY, None, TypeError, r"^data_2=None must be a string"),
 ])
 def test_bad_score_input_is_refused(scorer, data_1, data_2, error, words):
     with pytest.raises(error, match=words):
