@@ -42,7 +42,7 @@ from fxrewrite.layers.fp8_linear import (
 )
 from fxrewrite.layers.fused_moe import FusedMoE
 from fxrewrite.layers.linear import LinearBase
-from fxrewrite.runtime.model_files.config_checks import dense_mlp_width
+from fxrewrite.runtime.model_files.dense_mlp import dense_mlp_width
 from fxrewrite.weights import SHARDS_ATTR, FusedAway
 
 QUANTIZATION_METHODS = ("fp8",)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from fxrewrite.errors import UserInputError
 from fxrewrite import distributed
-from fxrewrite.runtime.model_files.config_checks import dense_mlp_width
+from fxrewrite.runtime.model_files.dense_mlp import dense_mlp_width
 from fxrewrite.runtime.worker.cpu_threads import size_cpu_threads
 from fxrewrite.runtime.worker.model_runner import ModelRunner
 from fxrewrite.runtime.worker.moe_checks import check_moe_parallel

@@ -175,7 +175,7 @@ def test_dense_width_checked_where_a_dense_layer_holds_it(moe_dir, monkeypatch):
 def test_dense_mlp_width_follows_transformers_layer_rules():
     from types import SimpleNamespace
 
-    from fxrewrite.runtime.model_files.config_checks import dense_mlp_width
+    from fxrewrite.runtime.model_files.dense_mlp import dense_mlp_width
 
     base = dict(intermediate_size=51, moe_intermediate_size=32, num_experts=8, num_hidden_layers=4)
     assert dense_mlp_width(SimpleNamespace(**base)) is None
