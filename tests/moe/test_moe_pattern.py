@@ -162,6 +162,19 @@ def _older_than(version: str, bound: tuple[int, int]) -> bool:
     return Version(version).release[:2] < bound
 
 
+def _stock_outputs(ref, family: str, ids: torch.Tensor, **kwargs):
+    """`ref(ids, labels=ids, **kwargs)`; a skip for the one known stock failure: GraniteMoE on older transformers
+    (5.17; 5.25 works) returns the aux loss as an int 0 from load_balancing_loss_func and then calls
+    `aux_loss.to(...)` with labels. Anything else fails."""
+    try:
+        return ref(ids, labels=ids, **kwargs)
+    except AttributeError as e:
+        if not (family == "granitemoe" and _older_than(T.__version__, (5, 25))
+                and "'int' object has no attribute 'to'" in str(e)):
+            raise
+        pytest.skip(f"{family}: stock transformers {T.__version__} fails: {e}")
+
+
 @pytest.mark.parametrize("train", [True, False])
 def test_router_logits_and_aux_loss_match_stock(family, train):
     """output_router_logits=True on a fused model (the call's argument, or the config's set after optimize): the
@@ -173,15 +186,7 @@ def test_router_logits_and_aux_loss_match_stock(family, train):
     assert any(type(m).__name__ == "FusedMoE" for m in model.modules())
     ids = torch.randint(0, 96, (2, 6))
     with torch.set_grad_enabled(train):
-        try:
-            want = ref(ids, labels=ids, output_router_logits=True)
-        except AttributeError as e:
-            # the one known stock failure: GraniteMoE on older transformers (5.17; 5.25 works) returns the aux loss as
-            # an int 0 from load_balancing_loss_func and then calls `aux_loss.to(...)` with labels. Anything else fails.
-            if not (family == "granitemoe" and _older_than(T.__version__, (5, 25))
-                    and "'int' object has no attribute 'to'" in str(e)):
-                raise
-            pytest.skip(f"{family}: stock transformers {T.__version__} fails: {e}")
+        want = _stock_outputs(ref, family, ids, output_router_logits=True)
         got = model(ids, labels=ids, output_router_logits=True)
     assert len(got.router_logits) == len(want.router_logits) == 2
     for a, b in zip(got.router_logits, want.router_logits):
@@ -228,7 +233,8 @@ def test_router_logits_asked_before_optimize_still_fuse(family, when):
     fxrewrite.optimize(model)
     fused = [m for m in model.modules() if isinstance(m, FusedMoE)]
     assert len(fused) == model.config.num_hidden_layers, fxrewrite.explain(model)
-    got, want = (m(ids, labels=ids, output_router_logits=True, output_hidden_states=True) for m in (model, ref))
+    want = _stock_outputs(ref, family, ids, output_router_logits=True, output_hidden_states=True)
+    got = model(ids, labels=ids, output_router_logits=True, output_hidden_states=True)
     assert len(got.router_logits) == len(want.router_logits) == model.config.num_hidden_layers
     for a, b in [*zip(got.router_logits, want.router_logits), *zip(got.hidden_states, want.hidden_states)]:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
