@@ -97,10 +97,10 @@ def test_rewritten_fp8_decode_folds_as_the_native_fp8_model(tiny_model_dir, inte
     import fxrewrite.runtime.model_files.quantization as quantization
 
     monkeypatch.setattr(quantization, "dequantize_fp8_layer", lambda module, dtype: None)  # keep e4m3 on the CPU
-    path = tiny_model_dir("qwen3", num_hidden_layers=2)
+    path = tiny_model_dir("qwen3", num_hidden_layers=1)  # the interpreter: ~1.6 s an FP8 GEMV; launches are per layer
     after, after_tokens = _launches_and_tokens(path, "transformers", monkeypatch, quantization="fp8")
     native, native_tokens = _launches_and_tokens(path, "native", monkeypatch, quantization="fp8")
-    assert after["triton:_skinny_gemv_fp8_kernel"] == 8 and after["triton:rms_norm_kernel"] == 1, after
+    assert after["triton:_skinny_gemv_fp8_kernel"] == 4 and after["triton:rms_norm_kernel"] == 1, after
     assert after - native == Counter({"aten:index": 1}) and not native - after, (after - native, native - after)
     assert after_tokens == native_tokens
 
@@ -109,9 +109,9 @@ def test_rewritten_llama_decode_launches_the_native_kernels(tiny_model_dir, inte
     """A rewritten Llama (rotary without q/k norms): the rotary kernel writes the rotated q and k into new tensors
     (no copies of the projections' outputs first), so its decode step launches the native model's kernels but the
     rotary gather, with the native model's greedy tokens."""
-    path = tiny_model_dir("llama", num_hidden_layers=2)
+    path = tiny_model_dir("llama", num_hidden_layers=1)  # launches are per layer
     after, after_tokens = _launches_and_tokens(path, "transformers", monkeypatch)
     native, native_tokens = _launches_and_tokens(path, "native", monkeypatch)
-    assert after["triton:_rotary_kernel"] == 2 and not after["aten:clone"], after
+    assert after["triton:_rotary_kernel"] == 1 and not after["aten:clone"], after
     assert after - native == Counter({"aten:index": 1}) and not native - after, (after - native, native - after)
     assert after_tokens == native_tokens
