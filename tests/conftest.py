@@ -115,6 +115,18 @@ def default_model_dir(fxrewrite_cache):
     return default_model_path()
 
 
+@pytest.fixture
+def python_sigint():
+    """Python's own Ctrl-C handler for the test (`signal.default_int_handler`), the previous one back after: a
+    process started in the background by a non-interactive shell inherits SIGINT ignored, and then
+    `_thread.interrupt_main()` does nothing."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One torch thread for the module: its tests run worker processes beside the in-process reference

@@ -141,7 +141,7 @@ def test_llm_tp2_workers_equal_tp1_transformers_fused(tp2_llm, qwen3_kv1):
     assert [len(c) for t in seeded for c in t] == [MAX_TOKENS] * 4
 
 
-def test_ctrl_c_during_generate_leaves_the_workers_serving(tp2_llm):
+def test_ctrl_c_during_generate_leaves_the_workers_serving(tp2_llm, python_sigint):
     """fresh-user find: a Ctrl-C (KeyboardInterrupt) in `LLM.generate` at TP=2 shut the workers down ('the
     tensor-parallel workers are shut down (KeyboardInterrupt: )' on every later call), where one process serves on:
     the interrupted step exchange now completes first, the call's requests are aborted, and the engine serves on."""

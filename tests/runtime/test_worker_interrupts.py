@@ -9,6 +9,8 @@ import pytest
 
 from fxrewrite.runtime.worker.worker_processes import interrupts_deferred
 
+pytestmark = pytest.mark.usefixtures("python_sigint")
+
 
 def test_one_ctrl_c_is_raised_when_the_exchange_ends():
     done = []
