@@ -126,8 +126,6 @@ class ResponsesRequest(RequestModel):
         if self.prompt is not None:  # answering without the template's text would answer another prompt
             raise FieldError("prompt", "prompt templates are not supported (as in vLLM): send the prompt's text as "
                              "instructions and input")
-        if self.truncation != "disabled":
-            raise FieldError("truncation", "truncation 'auto' is not supported; send a shorter input")
         if self.input == "" or self.input == []:
             raise FieldError("input", "input must not be empty")
         return self

@@ -61,6 +61,7 @@ class OpenAIServingResponses:
             chat_request = request.to_chat_request(fold_developer="developer" not in (self.chat.template() or ""))
         except FieldError as e:
             raise OpenAIError(HTTPStatus.BAD_REQUEST, str(e), param=e.param, code="invalid_value") from None
+        chat_request = await self.truncated(request, chat_request)
         given = (request.model_extra or {}).get("request_id")  # vLLM's field: the response's id
         response_id = given if isinstance(given, str) and given else new_id("resp")
         try:
@@ -80,6 +81,35 @@ class OpenAIServingResponses:
         output = self.output_items(chat_request, final)
         response = self.response(request, chat_request, run, output, final, created_at=created_at)
         return JSONResponse(response.model_dump(by_alias=True))
+
+    async def truncated(self, request: ResponsesRequest, chat_request: ChatCompletionRequest) -> ChatCompletionRequest:
+        """`chat_request`, or under `truncation: "auto"` (OpenAI's rule: items dropped from the beginning of the
+        conversation) its messages after the fewest oldest ones whose prompt leaves room for max_output_tokens (one
+        token when unset) in max_model_len and the KV cache. The leading system messages (instructions) stay; tool
+        outputs left first lose their call, so they go with it; the last message always stays (when it alone does
+        not fit, the chat path's 400 says so). Each try renders the chat template (a binary search: log2(items))."""
+        if request.truncation != "auto":
+            return chat_request
+        chat, messages = self.chat, chat_request.messages
+        limit = min(chat.max_model_len - (request.max_output_tokens or 1), chat.max_seq_len - 1)
+        first = next((i for i, m in enumerate(messages) if m.role != "system"), len(messages) - 1)
+
+        def dropping(n: int) -> ChatCompletionRequest:
+            start = first + n
+            while start < len(messages) - 1 and messages[start].role == "tool":
+                start += 1
+            return chat_request.model_copy(update={"messages": messages[:first] + messages[start:]})
+
+        async def fits(n: int) -> bool:
+            return len(await chat.async_tokenizer.run(chat.apply_chat_template, dropping(n))) <= limit
+
+        low, high = 0, len(messages) - 1 - first  # high: only the last message left
+        if high <= 0 or await fits(0):
+            return chat_request
+        while low + 1 < high:  # fits(high) is assumed: at the end the chat path checks it
+            middle = (low + high) // 2
+            low, high = (low, middle) if await fits(middle) else (middle, high)
+        return dropping(high)
 
     def output_items(self, chat_request: ChatCompletionRequest, final: StepOutput) -> list[OutputItem]:
         """The output items of a finished request: reasoning (when the reasoning parser found some), the message
@@ -119,7 +149,7 @@ class OpenAIServingResponses:
             tools=[t.model_dump(exclude_none=True) for t in request.tools],
             text=request.text.model_dump(by_alias=True, exclude_none=True),
             reasoning=request.reasoning.model_dump() if request.reasoning is not None else None,
-            service_tier=request.service_tier, user=request.user,
+            service_tier=request.service_tier, user=request.user, truncation=request.truncation,
             top_logprobs=chat_request.top_logprobs if chat_request.logprobs else None)
 
     def usage(self, chat_request: ChatCompletionRequest, final: StepOutput) -> ResponsesUsage:

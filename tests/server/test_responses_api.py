@@ -344,3 +344,44 @@ def test_disconnect_mid_stream_frees_blocks(server):
             kinds = [line for line in (next(lines) for _ in range(20)) if line.startswith("event: ")]
             assert "event: response.output_text.delta" in kinds
     server.wait_until(server.all_blocks_free)
+
+
+def test_truncation_auto_drops_the_oldest_items_until_the_output_fits(server):
+    """truncation "auto" (was a 400): the instructions stay and the fewest oldest items go (a function_call_output
+    whose call went goes with it) for the prompt to leave max_output_tokens in the 1024-token context; the answer is
+    chat's on what is left, found here by rendering each tail through /tokenize. "disabled" (the default): a 400."""
+    limit, turn = 1024 - 8, "word " * 120
+    items = [{"role": "user", "content": "What time is it?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_time", "arguments": '{"tz": "UTC"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "12:00"}]
+    for i in range(5):
+        items += [{"role": "user", "content": f"{i} {turn}"}, {"role": "assistant", "content": f"ok {i} {turn}"}]
+    items.append({"role": "user", "content": "Say hello."})
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 1024") as e:
+        _create(server, instructions="Be brief.", input=items, **GREEDY)
+    assert e.value.code == "context_length_exceeded"
+    response = _create(server, instructions="Be brief.", input=items, truncation="auto", **GREEDY)
+    assert response.truncation == "auto"
+
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_time", "arguments": '{"tz": "UTC"}'}}]}
+    messages = [items[0], call, {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}, *items[3:]]
+    system = {"role": "system", "content": "Be brief."}
+    with server.http() as http:
+        def prompt_tokens(tail):
+            return http.post("/tokenize", json={"model": server.model_name, "messages": [system, *tail]}).json()["count"]
+
+        starts = [k for k, m in enumerate(messages) if m["role"] != "tool"]  # a tail never opens with a tool output
+        kept = next(messages[k:] for k in starts if prompt_tokens(messages[k:]) <= limit)
+        assert kept[0]["content"].startswith("ok ") and len(kept) < len(messages) - 3  # some turns went too
+        assert response.usage.input_tokens == prompt_tokens(kept)
+        assert response.output_text == _chat_text(server, [system, *kept])
+
+        # the call with its output: a question too long to follow the call, short enough to follow its output alone
+        def question(n):
+            return {"role": "user", "content": "word " * n}
+        n = next(n for n in range(limit - 60, limit) if prompt_tokens([*messages[1:3], question(n)]) > limit)
+        assert prompt_tokens(messages[2:3] + [question(n)]) <= limit  # what keeping the orphaned output would send
+        pair = _create(server, instructions="Be brief.", input=[*items[:3], question(n)], truncation="auto", **GREEDY)
+        assert pair.usage.input_tokens == prompt_tokens([question(n)])
+    server.wait_until(server.all_blocks_free)
