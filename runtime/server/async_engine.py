@@ -295,6 +295,8 @@ class _LatencyTimer:
         self.arrival = arrival
         self.last_time: float | None = None
         self.num_tokens = 0
+        self.choice_tokens: dict[int, int] = {}
+        """Each choice's token count at the last output: the steps a new output spans."""
         self.counted_prompt = False
 
     def observe(self, output: StepOutput) -> None:
@@ -312,14 +314,21 @@ class _LatencyTimer:
             if self.last_time is None:
                 m.ttft.observe(now - self.arrival)
             else:
-                # One observation per token, so the count is the number of inter-token gaps even
-                # when a slow reader sees two steps' tokens at once.
+                # One observation per token, so the count is the number of inter-token gaps (of every choice)
+                # even when a slow reader sees two steps' tokens at once; each is the time of one step, however
+                # many of n choices gained a token in it (vLLM times each of n's child requests apart).
+                gap = (now - self.last_time) / self._steps(output)
                 for _ in range(new_tokens):
-                    m.itl.observe((now - self.last_time) / new_tokens)
+                    m.itl.observe(gap)
             self.last_time = now
             self.num_tokens = num_tokens
+            self.choice_tokens = {c.index: len(c.token_ids) for c in output.choices}
         if output.finished:
             m.e2e.observe(now - self.arrival)
+
+    def _steps(self, output: StepOutput) -> int:
+        """The steps since the last output: the most tokens one choice gained (at least 1)."""
+        return max([len(c.token_ids) - self.choice_tokens.get(c.index, 0) for c in output.choices] + [1])
 
 
 def _as_delta(params):

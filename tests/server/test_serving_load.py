@@ -175,3 +175,25 @@ def test_a_choice_finished_before_the_client_leaves_counts_as_success_the_other_
         assert success == sum(v for k, v in before.items() if k.startswith("fxrewrite:request_success_total")) + 1
         return
     pytest.fail("no seed gave a stream with one choice finished before the other")
+
+
+def test_inter_token_latency_is_a_step_per_token_of_each_choice_with_n(monkeypatch):
+    """n=4 choices gain a token each per 0.1 s step: each of the 4 tokens is a 0.1 s gap, not 0.025 (the step's time
+    was split over every choice's tokens: a fresh user's finding); a reader that sees two steps at once counts 0.1 per
+    token too."""
+    from fxrewrite.runtime.server import async_engine
+    from fxrewrite.runtime.server.metrics import ServerMetrics
+    from fxrewrite.runtime.server.step_outputs import ChoiceSnapshot, StepOutput
+
+    clock = {"now": 10.0}
+    monkeypatch.setattr(async_engine.time, "monotonic", lambda: clock["now"])
+    metrics = ServerMetrics("m")
+    timer = async_engine._LatencyTimer(metrics, arrival=10.0)
+    for step, tokens in ((1, 1), (2, 2), (4, 4)):  # outputs after steps 1, 2 and 4 (3 and 4 read at once)
+        clock["now"] = 10.0 + 0.1 * step
+        choices = tuple(ChoiceSnapshot(i, "", [7] * tokens, None, None, None) for i in range(4))
+        timer.observe(StepOutput("r", 3, choices, finished=step == 4))
+    gaps = metrics.registry.get_sample_value
+    assert gaps("fxrewrite:inter_token_latency_seconds_count", {"model_name": "m"}) == 12  # 3 gaps x 4 choices
+    assert gaps("fxrewrite:inter_token_latency_seconds_sum", {"model_name": "m"}) == pytest.approx(1.2)
+    assert gaps("fxrewrite:time_to_first_token_seconds_sum", {"model_name": "m"}) == pytest.approx(0.1)
