@@ -28,6 +28,16 @@ LOSS_BREAK = ("fxrewrite: the chunked loss, eager (the deferred LM-head gradient
               "none; or a logits transform other than scaling / soft-capping)")  # graph-break reason
 
 
+def _divide(total: torch.Tensor, denominator: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``total / denominator`` (0-dim tensors), with stock's gradient when no target counts (`valid`, the number of
+    targets other than ``ignore_index``, is 0): the loss is NaN (0 / 0) as stock's, but every gradient is 0, as
+    stock's cross-entropy backward writes nothing for an ignored row, not ``0 * (1 / 0)`` = NaN in every parameter
+    (a batch whose labels are all -100 would poison the model at the optimizer's step). No host sync."""
+    some = valid > 0
+    safe = torch.where(some, denominator, torch.ones_like(denominator))
+    return torch.where(some, total / safe, total.detach() / denominator)
+
+
 class LMHeadCrossEntropy(nn.Module):
     """``forward(hidden_states, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
     shift_labels=None, *, head, transform=None) -> loss`` (float32 scalar).
@@ -120,11 +130,12 @@ class LMHeadCrossEntropy(nn.Module):
                                                   softcap, self.chunk_size, inter)
         else:
             total = self._eager(hidden, head, target, ignore_index, transform, inter)
+        valid = (target != ignore_index).sum()
         if num_items_in_batch is None:
-            return total / (target != ignore_index).sum()
+            return _divide(total, valid, valid)
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(total.device)
-        return total / num_items_in_batch
+        return _divide(total, torch.as_tensor(num_items_in_batch, device=total.device), valid)
 
     # under torch.compile one graph break: dynamo cannot trace the chunk loop (it computes gradients in the
     # forward), a transform other than scaling / soft-capping does not fit the custom op's schema, and this

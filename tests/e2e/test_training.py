@@ -253,3 +253,20 @@ def test_positions_past_max_position_embeddings_match_stock(arch):
     assert_same_training_step(stock, fused, ids, ids.clone(), position_ids=packed)
     with torch.no_grad():
         torch.testing.assert_close(fused.eval()(ids).logits, stock.eval()(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("defer", ["1", "0"])
+@pytest.mark.parametrize("num_items", [None, 0, "tensor"])
+def test_a_batch_with_every_label_ignored_has_zero_gradients_as_stock(defer, num_items, monkeypatch):
+    """Every label -100 (a prompt-only batch after truncation): stock's loss is NaN (0 / 0) and every gradient 0, so
+    an optimizer step does not hurt; the fused loss gave NaN in every gradient (0 * (1 / 0)), and that step made
+    every weight NaN."""
+    monkeypatch.setenv("FXREWRITE_DEFER_HEAD_GRAD", defer)
+    stock = tiny_model("llama").train()
+    fused = fxrewrite.optimize(copy.deepcopy(stock)).train()
+    ids, labels = _batch()
+    kwargs = {} if num_items is None else {"num_items_in_batch": torch.tensor(0) if num_items == "tensor" else 0}
+    for model in (stock, fused):
+        out, grads = _step(model, ids, torch.full_like(labels, -100), **kwargs)
+        assert torch.isnan(out.loss)
+        assert grads and all(torch.equal(g, torch.zeros_like(g)) for g in grads.values()), type(model).__name__
