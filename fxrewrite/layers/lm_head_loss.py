@@ -24,6 +24,7 @@ from fxrewrite.layers.fold_guard import unhooked
 __all__ = ["LOSS_BREAK", "LMHeadCrossEntropy"]
 
 _MISSING = object()
+_TARGET_DTYPES = (torch.int64, torch.uint8)  # the class-index targets F.cross_entropy takes
 LOSS_BREAK = ("fxrewrite: the chunked loss, eager (the deferred LM-head gradient, FXREWRITE_DEFER_HEAD_GRAD=0 for "
               "none; or a logits transform other than scaling / soft-capping)")  # graph-break reason
 
@@ -79,9 +80,9 @@ class LMHeadCrossEntropy(nn.Module):
         """Whether this call takes the fused path: labels given, the model training with autograd on, a
         ModelOutput asked for (``return_dict`` not off), the loss still transformers' ``ForCausalLMLoss``, a plain
         ``nn.Linear`` head without hooks (PEFT / tensor-parallel wrappers and a head hooked after optimize keep the
-        stock path), and labels shaped like the tokens
-        (else the stock path raises the stock error). Notes whether the base model checkpoints its layers (the chunk
-        size follows)."""
+        stock path), and labels shaped like the tokens with targets of a dtype torch's cross-entropy takes (int64,
+        uint8; an int32 or bool target is its error) (else the stock path raises the stock error). Notes whether the
+        base model checkpoints its layers (the chunk size follows)."""
         if labels is None or not (model.training and torch.is_grad_enabled()) or self.tuple_output:
             return False  # a tuple has no field names: without its logits every later element would move up
         if type(head) is not nn.Linear or type(head.weight) not in (nn.Parameter, torch.Tensor):  # Tensor: a replica's
@@ -97,7 +98,7 @@ class LMHeadCrossEntropy(nn.Module):
         ok = isinstance(labels, torch.Tensor) and not labels.is_floating_point() and tuple(labels.shape) == tokens
         if shift_labels is not None:
             ok = ok and isinstance(shift_labels, torch.Tensor) and tuple(shift_labels.shape) == tokens
-        return ok
+        return ok and (labels if shift_labels is None else shift_labels).dtype in _TARGET_DTYPES
 
     def params_for(self, model: nn.Module) -> tuple[float, float | None] | None:
         """`kernel_params` while every value in `depends` is still what it was when the transform was proven; None
