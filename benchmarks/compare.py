@@ -333,11 +333,16 @@ def format_tables(folder: str | Path, since: float = 0.0) -> str:
 
 def _no_figure_reason(arm_result: dict, kind: str) -> str:
     """Why an arm that did not fail has no headline figure: its decode window was never reached, or the row that
-    holds the figure (latency's batch_1) recorded an error (the time limit came before a decode step)."""
+    holds the figure (latency's batch_1, long's longest prompt) recorded an error (the time limit came before a
+    decode step)."""
     if (arm_result.get("decode_window") or {}).get("reason"):
         return "no decode window: " + arm_result["decode_window"]["reason"]
     if kind == "latency" and "error" in (arm_result.get("batch_1") or {}):
         return f"batch_1: {arm_result['batch_1']['error']}"
+    rows = sorted((k for k in arm_result if k.startswith("prompt_")), key=lambda k: int(k[len("prompt_"):]))
+    if kind == "long" and rows:  # the figure is the longest prompt's decode rate
+        row = arm_result[rows[-1]]
+        return f"{rows[-1]}: {row.get('error') or 'fewer than 2 output tokens within the time limit'}"
     return ""
 
 

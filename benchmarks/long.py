@@ -86,22 +86,33 @@ def run_long(llm, workload: LongWorkload, time_limit_s: float | None = None) -> 
             stats = run_requests(engine, [prompt], [params], time_limit_s, desc=f"prompt {length}")
         finally:
             engine.step = engine_step
-        final = [o for o in outputs if o.finished]
-        logprobs = final[0].outputs[0].logprobs if final else []
-        finite = all(math.isfinite(lp.logprob) for step_lps in logprobs for lp in step_lps.values())
-        ttft = stats.first_token_s.get("bench-0", stats.elapsed_s)
-        decode_s = stats.elapsed_s - ttft
-        result[f"prompt_{length}"] = {
-            "ttft_s": round(ttft, 3),
-            "prefill_tokens_per_s": round(length / ttft, 1),
-            "decode_tokens_per_s": round((workload.output_len - 1) / decode_s, 1) if decode_s > 0 else None,
-            "all_logprobs_finite": finite and bool(logprobs),
-            "truncated": stats.truncated,
-        }
+        result[f"prompt_{length}"] = _prompt_row(stats, outputs, length, workload.output_len, time_limit_s)
+    rows = [result[f"prompt_{n}"] for n in workload.prompt_lens]
+    result["truncated"] = any(row["truncated"] for row in rows)  # the table's note
     result["prefix_check"] = prefix_check(llm, workload)
     longest = result.get(f"prompt_{max(workload.prompt_lens)}", {})
     result["decode_tokens_per_s"] = longest.get("decode_tokens_per_s")
     return result
+
+
+def _prompt_row(stats, outputs: list, length: int, output_len: int, time_limit_s: float | None) -> dict:
+    """One prompt's figures (seconds, tokens/s). A run the time limit cut has no final output: its decode rate is of
+    the tokens it made (None with fewer than 2, and ttft None without a first token, with an "error" saying so),
+    and `all_logprobs_finite` is None (not checked), not False (which reads as NaN logprobs)."""
+    final = [o for o in outputs if o.finished]
+    logprobs = final[0].outputs[0].logprobs if final else []
+    ttft = stats.first_token_s.get("bench-0")
+    decoded = (stats.output_tokens - 1) if stats.truncated else output_len - 1
+    decode_s = stats.elapsed_s - ttft if ttft is not None else 0.0
+    row = {"ttft_s": round(ttft, 3) if ttft is not None else None,
+           "prefill_tokens_per_s": round(length / ttft, 1) if ttft else None,
+           "decode_tokens_per_s": round(decoded / decode_s, 1) if decoded > 0 and decode_s > 0 else None,
+           "all_logprobs_finite": (all(math.isfinite(lp.logprob) for step in logprobs for lp in step.values())
+                                   and bool(logprobs)) if final else None,
+           "truncated": stats.truncated}
+    if ttft is None:
+        row["error"] = f"no output token within the time limit ({time_limit_s} s)"
+    return row
 
 
 def prefix_check(llm, workload: LongWorkload) -> dict:

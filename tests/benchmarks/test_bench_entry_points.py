@@ -87,7 +87,8 @@ def test_compare_long_tiny(tmp_path, capsys, one_thread):
     assert rc == 0, capsys.readouterr().err
     arm = _saved(tmp_path)["arms"]["native"]
     assert "error" not in arm, arm.get("traceback")
-    assert set(arm) >= {"prompt_512", "prompt_1024"}
+    assert set(arm) >= {"prompt_512", "prompt_1024"} and arm["truncated"] is False
+    assert arm["prompt_1024"]["all_logprobs_finite"] is True and arm["prompt_1024"]["decode_tokens_per_s"] > 0
 
 
 def test_compare_tiny_defaults_and_a_failing_arm_in_own_processes(tmp_path, capsys, one_thread):

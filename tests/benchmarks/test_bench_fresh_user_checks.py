@@ -143,3 +143,23 @@ def test_a_latency_run_cut_before_any_decode_step_reports_no_figure():
               "arms": {"native": {"batch_1": _timed_row(cut, 1, 16, 0.01)[0]}}}
     assert format_table(result).splitlines()[2].endswith("batch_1: no decode step after the first token within the "
                                                          "time limit (0.01 s)")
+
+
+def test_a_long_run_cut_by_the_time_limit_reports_what_it_ran():
+    """--workload long with a time limit: a cut prompt's decode rate was (output_len - 1) tokens over the time it ran,
+    all_logprobs_finite false (no final output to read: it read as NaN logprobs), and the table had no note."""
+    from fxrewrite.benchmarks.common import RunStats
+    from fxrewrite.benchmarks.long import _prompt_row
+
+    cut = RunStats(elapsed_s=2.0, output_tokens=5, truncated=True, first_token_s={"bench-0": 1.0})
+    row = _prompt_row(cut, [], 64, 32, 2.0)
+    assert row == {"ttft_s": 1.0, "prefill_tokens_per_s": 64.0, "decode_tokens_per_s": 4.0,
+                   "all_logprobs_finite": None, "truncated": True}
+    early = _prompt_row(RunStats(elapsed_s=2.0, truncated=True), [], 64, 32, 2.0)
+    assert early["ttft_s"] is early["decode_tokens_per_s"] is early["all_logprobs_finite"] is None
+    assert early["error"] == "no output token within the time limit (2.0 s)"
+    arm = {"prompt_32": row, "prompt_64": early, "truncated": True, "decode_tokens_per_s": None}
+    result = {"config": "tiny", "date": "d", "environment": {"gpu": "G"}, "workload": {"kind": "long"},
+              "arms": {"native": arm}}
+    assert format_table(result).splitlines()[2].endswith(
+        "truncated, prompt_64: no output token within the time limit (2.0 s)")
