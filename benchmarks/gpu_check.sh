@@ -32,9 +32,10 @@ fi
 
 if [ -z "${SKIP_THROUGHPUT:-}" ]; then
 stamp "throughput compare (Qwen3-0.6B shapes)"
+arms=${ARMS:-before,after,native,hf}
+HF=(); [[ ",$arms," == *,hf,* ]] && HF=(--hf-num-prompts "${HF_NUM_PROMPTS:-48}")  # refused without the hf arm
 timeout -k 5 ${COMPARE_TIMEOUT:-300} $PY -m fxrewrite bench compare --config qwen3-0.6b \
-  --arms "${ARMS:-before,after,native,hf}" --num-prompts "${NUM_PROMPTS:-256}" \
-  --hf-num-prompts "${HF_NUM_PROMPTS:-48}" --time-limit "${ARM_TIME_LIMIT:-40}" -O "${OPT_LEVEL:-0}" \
+  --arms "$arms" --num-prompts "${NUM_PROMPTS:-256}" "${HF[@]}" --time-limit "${ARM_TIME_LIMIT:-40}" -O "${OPT_LEVEL:-0}" \
   "${TOK[@]}" --out "$OUT_DIR" 2>&1 | grep -v "it/s\]$" | tail -30
 fi
 

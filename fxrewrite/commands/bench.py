@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="throughput: the headline is output tokens/s over STEPS engine steps after every request's "
                         "prefill (all requests running) and each arm stops once it is measured "
                         "(benchmarks/decode_window.py; for arms too slow to finish the prefill in --time-limit)")
-    c.add_argument("--hf-num-prompts", type=positive_int, default=64,
+    c.add_argument("--hf-num-prompts", type=positive_int, default=None,
                    help="throughput: requests given to the hf arm (its speed is ~1k tokens/s; default 64)")
     c.add_argument("--time-limit", type=positive_seconds, default=None,
                    help="seconds per arm for the timed run; past it the rest is aborted and marked truncated")
@@ -231,6 +231,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.decode_window and args.workload != "throughput":
         raise UserInputError(f"--decode-window applies to the throughput workload, not --workload {args.workload}")
+    arms = parse_arms(args.arms)
+    if args.hf_num_prompts is not None and "hf" not in arms:  # it was accepted and did nothing
+        raise UserInputError(f"--hf-num-prompts applies to the hf arm, which --arms {args.arms!r} does not include")
     if args.device is not None:
         from fxrewrite.runtime.engine_config import check_device
 
@@ -259,8 +262,8 @@ def run(args: argparse.Namespace) -> int:
     if args.kv_cache_dtype != "auto":
         engine_kwargs["kv_cache_dtype"] = args.kv_cache_dtype
     result = compare(
-        args.config, parse_arms(args.arms), args.workload, num_prompts=args.num_prompts,
-        hf_num_prompts=args.hf_num_prompts, engine_kwargs=engine_kwargs, time_limit_s=args.time_limit,
+        args.config, arms, args.workload, num_prompts=args.num_prompts,
+        hf_num_prompts=args.hf_num_prompts or 64, engine_kwargs=engine_kwargs, time_limit_s=args.time_limit,
         out_dir=args.out or RESULTS_DIR, notes=args.note, tokenizer_dir=args.tokenizer_dir,
         isolate=not args.in_process, config_overrides=args.hf_overrides,
         workload_overrides={"decode_window_steps": args.decode_window} if args.decode_window else None,

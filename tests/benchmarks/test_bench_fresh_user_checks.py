@@ -163,3 +163,12 @@ def test_a_long_run_cut_by_the_time_limit_reports_what_it_ran():
               "arms": {"native": arm}}
     assert format_table(result).splitlines()[2].endswith(
         "truncated, prompt_64: no output token within the time limit (2.0 s)")
+
+
+def test_hf_num_prompts_is_refused_without_the_hf_arm(tmp_path, capsys):
+    """It was accepted and did nothing (gpu_check.sh passed it whatever its ARMS)."""
+    rc = main(["bench", "compare", "--config", "tiny", "--arms", "native,after", "--hf-num-prompts", "4",
+               "--out", str(tmp_path)])
+    assert rc == 2 and "--hf-num-prompts applies to the hf arm, which --arms 'native,after' does not include" in \
+        capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
