@@ -349,13 +349,19 @@ def _check_tied(pairs: list[tuple[Target, torch.Tensor]]) -> None:
     first: dict[tuple[int, Any], tuple[Target, torch.Tensor]] = {}
     for target, tensor in pairs:
         seen = first.setdefault((id(target.param), target.shard_id), (target, tensor))
-        if seen[1] is tensor or torch.equal(seen[1], tensor.to(seen[1].device, seen[1].dtype)):
+        if seen[1] is tensor or _same_values(seen[1], tensor.to(seen[1].device, seen[1].dtype)):
             continue
         names = " and ".join(dict.fromkeys(repr(t.name) for t in (seen[0], target)))
         raise ValueError(f"load_weights: nothing was updated: two tensors with different values load the engine's "
                          f"{names} (one tied parameter in the engine's model); send one value for both (untied in "
                          "the trainer, e.g. PEFT's modules_to_save=['lm_head'], they cannot be synced into a tied "
                          "engine: serve a model with tie_word_embeddings=false)")
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, a NaN equal to a NaN in the same place (a diverged tied model's head and embedding are one
+    tensor: `torch.equal` alone took them for two)."""
+    return torch.equal(a, b) or bool(torch.isclose(a, b, rtol=0, atol=0, equal_nan=True).all())
 
 
 def _load(param: nn.Parameter, target: Target, tensor: torch.Tensor) -> None:
