@@ -83,9 +83,14 @@ class LLM:
         with self._engine_lock:
             self.llm_engine.wake_up(tags)
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget every cached prefix (their K/V are stale after a weight change); True, as vLLM's on success. It
+        always succeeds: running requests keep their blocks, which are only no longer found by later prompts, so
+        vLLM's `reset_running_requests` (preempt them to free their blocks) has nothing to do, and there is no KV
+        connector (`reset_connector`)."""
         with self._engine_lock:
             self.llm_engine.reset_prefix_cache()
+        return True
 
     def generate(
         self,

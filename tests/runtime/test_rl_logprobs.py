@@ -80,7 +80,7 @@ def test_batch_invariant_logprobs_bitwise_alone_and_batched(path, impl):
     alone = _sampled(llm.generate([PROMPTS[1]], target, use_tqdm=False))
     others = [SamplingParams(temperature=1.0, seed=s, logprobs=0, max_tokens=m, ignore_eos=True)
               for s, m in ((1, 5), (2, 16), (3, 9))]
-    llm.reset_prefix_cache()  # the target's prompt is prefilled again, in a batch this time
+    assert llm.reset_prefix_cache() is True  # vLLM's return; the target's prompt is prefilled again, batched
     batched = _sampled(llm.generate(PROMPTS, [others[0], target, others[1], others[2]], use_tqdm=False))
     assert batched[1][1] == alone[0][1]
     assert batched[1][2] == alone[0][2]  # bitwise: float equality of every logprob
