@@ -286,7 +286,7 @@ class MultiprocExecutor(WorkerGuard):
         """Send a ControlMessage (after the steps in flight are received), then `payload`; return the result
         or raise the first rank's error (ValueError / TypeError as such, else RuntimeError)."""
         self._check_alive()
-        with self._exchange():
+        with self._exchange(method):
             self._check_alive()
             if self._outstanding:
                 self._receive(self._outstanding[-1])

@@ -79,6 +79,9 @@ class _Processes:
         self.context = None
         self.store = self.channel = None  # channel: ShmChannel or GlooChannel (`step_channel`)
         self.joined_group = False
+        self.activity = "a step exchange"
+        """What the driver is exchanging with the workers now (a control call names itself: "load_weights"), for
+        a failure found by the shared-memory queue's wait (`_check_workers`)."""
         self.send_stop = None
         """`send_stop(wait)`: tells every worker to exit; None: send None on `channel`."""
         # The server steps in a worker thread; the exit-time shutdown must not interleave with a step.
@@ -172,11 +175,12 @@ def _poll(work, procs: _Processes, timeout: float, what: str) -> None:
         raise _failure(procs, what, e) from e
 
 
-def _check_workers(procs: _Processes, what: str = "a step exchange") -> bool:
-    """True while every worker runs, else raises `_failure` (polled by the shared-memory queues' waits)."""
+def _check_workers(procs: _Processes, what: str | None = None) -> bool:
+    """True while every worker runs, else raises `_failure` naming `what` (default: `procs.activity`; polled by the
+    shared-memory queues' waits)."""
     sentinels = list(procs.context.sentinels) if procs.context is not None else []
     if sentinels and multiprocessing.connection.wait(sentinels, timeout=0):
-        raise _failure(procs, what)
+        raise _failure(procs, what or procs.activity)
     return True
 
 
@@ -237,9 +241,13 @@ class WorkerGuard:
     holds the lock around a step's exchange with the workers, a Ctrl-C deferred to its end."""
 
     @contextlib.contextmanager
-    def _exchange(self):
+    def _exchange(self, activity: str = "a step exchange"):
         with self._procs.lock, interrupts_deferred(self._procs.role):
-            yield
+            self._procs.activity = activity  # what a worker's failure found meanwhile names
+            try:
+                yield
+            finally:
+                self._procs.activity = "a step exchange"
 
     def _wait(self, what: str, timeout: float = STEP_TIMEOUT_S):
         return lambda work: _poll(work, self._procs, timeout, what)

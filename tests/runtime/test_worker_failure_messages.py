@@ -32,3 +32,26 @@ def test_data_parallel_worker_death_names_dp_ranks():
 def test_tensor_parallel_is_the_default_role():
     assert _message(_Processes()).startswith("tensor-parallel worker failed during a step exchange (process i is TP "
                                              "rank i;")
+
+
+def test_a_death_seen_by_the_queue_wait_names_the_control_call_running():
+    """A worker killed during `load_weights` was reported as failing "during a step exchange" (the shared-memory
+    queue's liveness check named every exchange so); a control call's exchange now names the call."""
+    import multiprocessing
+
+    import pytest
+
+    from fxrewrite.runtime.worker.worker_processes import WorkerGuard, _check_workers
+
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    writer.close()  # a sentinel that is ready, as a dead process's
+    procs = _Processes()
+    procs.context = _DeadContext()
+    procs.context.sentinels = [reader]
+    guard = WorkerGuard()
+    guard._procs = procs
+    with guard._exchange("load_weights"), pytest.raises(WorkerError, match="failed during load_weights "):
+        _check_workers(procs)
+    assert procs.activity == "a step exchange"
+    with pytest.raises(WorkerError, match="failed during a step exchange "):
+        _check_workers(procs)
