@@ -288,7 +288,9 @@ class AsyncLLMEngine:
 
 
 class _LatencyTimer:
-    """Feeds TTFT, inter-token latency, token counts and e2e latency of one request to the metrics."""
+    """Feeds TTFT, inter-token latency, token counts and e2e latency of one request to the metrics. With n > 1 each
+    choice is timed as vLLM times each of its child requests: a TTFT at its first token, an inter-token gap per later
+    token (one step's time, however many choices gained a token in that step), an e2e latency when it finishes."""
 
     def __init__(self, metrics: ServerMetrics | None, arrival: float):
         self.metrics = metrics
@@ -296,7 +298,9 @@ class _LatencyTimer:
         self.last_time: float | None = None
         self.num_tokens = 0
         self.choice_tokens: dict[int, int] = {}
-        """Each choice's token count at the last output: the steps a new output spans."""
+        """Each choice's token count at the last output."""
+        self.ended: set[int] = set()
+        """The choices whose e2e latency is recorded."""
         self.counted_prompt = False
 
     def observe(self, output: StepOutput) -> None:
@@ -307,24 +311,24 @@ class _LatencyTimer:
         if not self.counted_prompt:
             m.prompt_tokens.inc(output.num_prompt_tokens)
             self.counted_prompt = True
-        num_tokens = output.num_generated_tokens
-        new_tokens = num_tokens - self.num_tokens
+        new_tokens = output.num_generated_tokens - self.num_tokens
         if new_tokens > 0:
             m.generation_tokens.inc(new_tokens)
-            if self.last_time is None:
-                m.ttft.observe(now - self.arrival)
-            else:
-                # One observation per token, so the count is the number of inter-token gaps (of every choice)
-                # even when a slow reader sees two steps' tokens at once; each is the time of one step, however
-                # many of n choices gained a token in it (vLLM times each of n's child requests apart).
-                gap = (now - self.last_time) / self._steps(output)
-                for _ in range(new_tokens):
+            # a slow reader may see several steps' tokens at once: each later token is still one gap
+            gap = (now - self.last_time) / self._steps(output) if self.last_time is not None else None
+            for choice in output.choices:
+                before, count = self.choice_tokens.get(choice.index, 0), len(choice.token_ids)
+                if before == 0 and count > 0:
+                    m.ttft.observe(now - self.arrival)
+                for _ in range(count - max(before, 1) if gap is not None else 0):
                     m.itl.observe(gap)
             self.last_time = now
-            self.num_tokens = num_tokens
+            self.num_tokens = output.num_generated_tokens
             self.choice_tokens = {c.index: len(c.token_ids) for c in output.choices}
-        if output.finished:
-            m.e2e.observe(now - self.arrival)
+        for choice in output.choices:
+            if (choice.finish_reason is not None or output.finished) and choice.index not in self.ended:
+                self.ended.add(choice.index)
+                m.e2e.observe(now - self.arrival)
 
     def _steps(self, output: StepOutput) -> int:
         """The steps since the last output: the most tokens one choice gained (at least 1)."""

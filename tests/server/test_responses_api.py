@@ -369,7 +369,8 @@ def test_truncation_auto_drops_the_oldest_items_until_the_output_fits(server):
     system = {"role": "system", "content": "Be brief."}
     with server.http() as http:
         def prompt_tokens(tail):
-            return http.post("/tokenize", json={"model": server.model_name, "messages": [system, *tail]}).json()["count"]
+            body = {"model": server.model_name, "messages": [system, *tail]}
+            return http.post("/tokenize", json=body).json()["count"]
 
         starts = [k for k, m in enumerate(messages) if m["role"] != "tool"]  # a tail never opens with a tool output
         kept = next(messages[k:] for k in starts if prompt_tokens(messages[k:]) <= limit)

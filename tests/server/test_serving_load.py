@@ -196,4 +196,29 @@ def test_inter_token_latency_is_a_step_per_token_of_each_choice_with_n(monkeypat
     gaps = metrics.registry.get_sample_value
     assert gaps("fxrewrite:inter_token_latency_seconds_count", {"model_name": "m"}) == 12  # 3 gaps x 4 choices
     assert gaps("fxrewrite:inter_token_latency_seconds_sum", {"model_name": "m"}) == pytest.approx(1.2)
-    assert gaps("fxrewrite:time_to_first_token_seconds_sum", {"model_name": "m"}) == pytest.approx(0.1)
+    # each choice is one of vLLM's child requests: a TTFT and an e2e latency each (there were one of each)
+    assert gaps("fxrewrite:time_to_first_token_seconds_count", {"model_name": "m"}) == 4
+    assert gaps("fxrewrite:time_to_first_token_seconds_sum", {"model_name": "m"}) == pytest.approx(0.4)
+    assert gaps("fxrewrite:e2e_request_latency_seconds_count", {"model_name": "m"}) == 4
+
+
+def test_each_choice_has_its_own_e2e_latency_and_a_late_first_token_its_own_ttft(monkeypatch):
+    """n=2: choice 1's first token comes a step after choice 0's (its TTFT is its own), choice 0 ends at 0.2 s on a
+    stop and choice 1 at 0.3 s: two e2e latencies, 0.2 and 0.3 s, and no choice's tokens are counted twice."""
+    from fxrewrite.runtime.server import async_engine
+    from fxrewrite.runtime.server.metrics import ServerMetrics
+    from fxrewrite.runtime.server.step_outputs import ChoiceSnapshot, StepOutput
+
+    clock = {"now": 10.0}
+    monkeypatch.setattr(async_engine.time, "monotonic", lambda: clock["now"])
+    metrics = ServerMetrics("m")
+    timer = async_engine._LatencyTimer(metrics, arrival=10.0)
+    for step, (a, b, reason) in enumerate(((1, 0, None), (2, 1, "stop"), (2, 2, None)), start=1):
+        clock["now"] = 10.0 + 0.1 * step
+        choices = (ChoiceSnapshot(0, "", [7] * a, None, reason, None), ChoiceSnapshot(1, "", [7] * b, None, None, None))
+        timer.observe(StepOutput("r", 3, choices, finished=step == 3))
+    value = metrics.registry.get_sample_value
+    assert value("fxrewrite:time_to_first_token_seconds_sum", {"model_name": "m"}) == pytest.approx(0.1 + 0.2)
+    assert value("fxrewrite:inter_token_latency_seconds_count", {"model_name": "m"}) == 2  # one gap per choice
+    assert value("fxrewrite:e2e_request_latency_seconds_count", {"model_name": "m"}) == 2
+    assert value("fxrewrite:e2e_request_latency_seconds_sum", {"model_name": "m"}) == pytest.approx(0.2 + 0.3)
