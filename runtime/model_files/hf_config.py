@@ -131,6 +131,9 @@ def load_hf_config(
         config_json = Path(model_path) / "config.json"
         raise _override_error(exc, flat, f"the config of {model_path}", _config_class(config_json)) from None
     _warn_unknown_keys(config, {**flat, **nested}, Path(model_path) / "config.json")
+    for key, value in flat.items():  # from_pretrained drops a kwarg its config lacks; vLLM's config.update sets it
+        if not hasattr(config, key):
+            setattr(config, key, value)
     # transformers only setdefaults a flat rope_theta into rope_parameters: make the override win.
     forced = {k: v for k, v in flat.items() if k in _ROPE_FACTS}
     fallback = {**_rope_facts_from_json(Path(model_path) / "config.json"), **forced}

@@ -64,6 +64,9 @@ def test_unknown_key_is_set_with_a_warning(tiny_qwen3_dir, caplog):
         mc = ModelConfig.from_pretrained(tiny_qwen3_dir, hf_overrides={"num_hiden_layers": 1, "max_position_embeddings": 512})
     assert "'num_hiden_layers' are not fields of Qwen3Config" in caplog.text
     assert "max_position_embeddings" not in caplog.text and mc.max_model_len == 512
+    assert mc.hf_config.num_hiden_layers == 1  # set, as the warning says (transformers' from_pretrained dropped it)
+    matryoshka = ModelConfig.from_pretrained(tiny_qwen3_dir, hf_overrides={"is_matryoshka": True})
+    assert matryoshka.hf_config.is_matryoshka is True  # vLLM's documented way to enable Matryoshka dimensions
 
 
 @pytest.mark.parametrize("value, expected", [
