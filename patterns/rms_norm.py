@@ -78,6 +78,18 @@ def _normed(node, x):
     return eps if is_square else None
 
 
+def _lossy_cast(graph, x) -> str | None:
+    """'<node> casts to <dtype>' for the first cast in `graph` to a dtype other than float32 and x's own (x: the
+    forward's input), e.g. ``.to(torch.float16)`` in a float32 model: a rounding the fused norm does not do (the
+    matcher reads through casts); None when there is none."""
+    allowed = {torch.float32, getattr(nodes.meta(x), "dtype", None)}
+    for node in graph.nodes:
+        val = nodes.meta(node)
+        if nodes.peel(node) is not node and val is not None and val.dtype not in allowed:
+            return f"{node.name} casts to {val.dtype}"
+    return None
+
+
 def _eps_attribute(module: nn.Module, eps: float) -> str:
     names = [k for k, v in vars(module).items() if isinstance(v, float) and v == eps]
     require(len(names) == 1, f"eps {eps} is held by {len(names)} float attributes, expected exactly one")
@@ -93,7 +105,8 @@ class RMSNormPattern(Pattern):
 
     @classmethod
     def match(cls, traced, ctx: Context) -> list[Match]:
-        """The whole forward as that dataflow on its one input, else []; `Refusal` unless one float attribute is eps."""
+        """The whole forward as that dataflow on its one input, else []; `Refusal` unless one float attribute is eps
+        and every cast is to float32 or to the input's dtype."""
         out = nodes.output_value(traced.graph)
         if not hasattr(out, "op") or not nodes.is_op(nodes.peel(out), operator.mul, torch.mul):
             return []
@@ -105,6 +118,8 @@ class RMSNormPattern(Pattern):
             x = h.args[0] if hasattr(h, "args") and h.args and hasattr(h.args[0], "op") else None
             eps = _normed(h, x) if weight and x is not None else None
             if eps is not None and nodes.peel(x) is inputs[0]:
+                lossy = _lossy_cast(traced.graph, inputs[0])
+                require(lossy is None, f"{lossy}, a rounding the fused RMSNorm would not do")
                 upcast = x is not inputs[0]
                 eps_name = _eps_attribute(traced.module, eps)
                 claimed = frozenset(n.name for n in traced.graph.nodes if n.op != "output")

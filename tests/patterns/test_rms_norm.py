@@ -101,3 +101,22 @@ def test_refuses_ambiguous_eps():
     assert any(p == "rms_norm" and "expected exactly one" in r for _, p, r in report.skipped())
     assert all(type(n) is TwoEps for n in block.norms)
     assert torch.equal(out, ref)
+
+
+class HalfNorm(LlamaRMSNorm):
+    """Llama's norm computing in float16, not float32: the casts round, so it is no float32 RMSNorm."""
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float16)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+def test_refuses_a_cast_that_rounds():
+    block = Block([HalfNorm(8, 1e-5), LlamaRMSNorm(8, 1e-5)])
+    report, ref, out = _run(block)
+    assert type(block.norms[0]) is HalfNorm and type(block.norms[1]) is RMSNorm
+    assert any(p == "rms_norm" and "float16" in r for _, p, r in report.skipped()), report.skipped()
+    assert torch.equal(out, ref)
