@@ -23,12 +23,12 @@ from collections import defaultdict
 
 from torch import nn
 
-from fxrewrite import bound_forward, foreign, merged_params, options, signature, source, tracer, user_hooks, weights, wrappers
+from fxrewrite import bound_forward, foreign, merged_params, options, signature, source, tracer, train_eval, user_hooks, weights, wrappers
 from fxrewrite.layers.linear import no_weight_init
 from fxrewrite.layers.sdpa_causal import SDPA_CAUSAL, sdpa_read_by_name, use_sdpa_causal
 from fxrewrite.optimizer_state import HF_NAMES_ATTR
 from fxrewrite.patterns import Context, Match, Refusal
-from fxrewrite.meta_memo import MetaMemo, memoized, with_parameters
+from fxrewrite.meta_memo import MetaMemo
 from fxrewrite.report import ATTENTION_NOTE, REPORT_ATTR as _REPORT_ATTR, ClassReport, FusionReport, GroupReport, explain
 from fxrewrite.signature import BOUND_ATTR, HOOK_DICTS, input_key, instance_forward, structure_key
 
@@ -151,9 +151,8 @@ def _optimize_groups(cls, instances, records, names, memo, patterns, ctx, entry:
                        else "not called during the meta run")
             continue
         args, kwargs = record
-        with memoized(with_parameters(model), memo), user_hooks.suspended(members[0]):  # children run on meta
-            traced = tracer.trace(members[0], args, kwargs)
-        found.append((members, group, _optimize_class(cls, members, traced, patterns, ctx, group, model)))
+        traced, modes = train_eval.trace(members[0], args, kwargs, model, memo)  # modes(): `_optimize_class`
+        found.append((members, group, _optimize_class(cls, members, traced, patterns, ctx, group, model, modes)))
     for members, group, names_found in found if len(groups) > 1 else ():
         nearest_first = sorted(found, key=lambda f: nearness[id(f[0][0]), id(members[0])])
         for other, other_group, other_found in nearest_first:  # only where this group lost a fusion and gained none
@@ -216,8 +215,8 @@ def _match_all(traced, patterns, ctx, entry: ClassReport) -> list[Match]:
     return matches
 
 
-def _optimize_class(cls, instances, traced, patterns, ctx, entry: ClassReport, model) -> set[str]:
-    """Match `traced` and rewrite `instances` (one group); the names of the patterns that matched."""
+def _optimize_class(cls, instances, traced, patterns, ctx, entry: ClassReport, model, modes) -> set[str]:
+    """Match `traced` and rewrite `instances` (one group; `modes`: see `train_eval.trace`); the patterns matched."""
     if traced.partial:
         entry.skip("trace", f"stopped at {traced.error}")
     with user_hooks.suspended(traced.module):  # patterns may probe children (an activation on a ramp)
@@ -227,7 +226,8 @@ def _optimize_class(cls, instances, traced, patterns, ctx, entry: ClassReport, m
         if line not in entry.present:  # several groups of one class may each find it
             entry.present.append(line)
     matches = [m for m in matches if not m.present]
-    module_matches = [m for m in matches if m.pattern.scope == "module"]
+    module_matches = train_eval.refuse_if_mode_dependent([m for m in matches if m.pattern.scope == "module"],
+                                                         entry, modes)
     forward_matches = [m for m in matches if m.pattern.scope == "forward"]
     if module_matches:
         _replace_modules(instances, module_matches, ctx, entry, model)
