@@ -17,7 +17,7 @@ from fxrewrite.runtime.engine.detokenizer import (
 )
 from fxrewrite.runtime.engine_config import EngineConfig
 from fxrewrite.runtime.engine.outputs import Logprob, RequestOutput
-from fxrewrite.runtime.engine.pooling import pooled_rows, split_params
+from fxrewrite.runtime.engine.pooling import check_dimensions, pooled_rows, split_params
 from fxrewrite.runtime.engine.prompts import prompt_cache_salt, tokenize_prompt, truncate_prompt
 from fxrewrite.runtime.engine.rl import EngineRLMixin
 from fxrewrite.runtime.engine.micro_batches import MicroBatchQueue
@@ -95,6 +95,8 @@ class LLMEngine(EngineRLMixin, VLLMEngineAccessors):
         ``sampling_params.output_kind=RequestOutputKind.FINAL_ONLY`` asks too (DELTA: outputs of new text only)."""
         pooling, params = split_params(sampling_params, self.config.is_pooling)
         params.verify()  # fields may have been set after construction
+        if pooling is not None:
+            check_dimensions(pooling.dimensions, self.model_config.hf_config, self.model_config.hidden_size)
         self._check_awake()
         if request_id in self.requests:
             raise UserInputError(f"request_id {request_id!r} is already in use")

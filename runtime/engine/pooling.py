@@ -23,8 +23,8 @@ class PoolingParams:
     """Per-request pooling settings (vLLM's `PoolingParams`, embed task).
 
     normalize: divide the last-token hidden state by its L2 norm (vLLM's default for embed).
-    dimensions: a shorter (Matryoshka) embedding; only None is supported (the model's hidden size),
-    anything else is a ValueError naming the value, as vLLM refuses it for non-Matryoshka models.
+    dimensions: a shorter (Matryoshka) embedding, the first `dimensions` values normalised after the cut (vLLM's);
+    None: all hidden_size. Checked against the model when the request is added (`check_dimensions`).
     truncate_prompt_tokens: embed only the prompt's last k tokens (-1: max_model_len of them; None: all), as
     SamplingParams' field (checked against max_model_len when the request is added).
     """
@@ -42,9 +42,8 @@ class PoolingParams:
         if keep is not None and keep < 1 and keep != -1:
             raise UserInputError(f"PoolingParams: truncate_prompt_tokens={keep} must be -1 (max_model_len tokens) "
                                  "or at least 1")
-        if self.dimensions is not None:
-            raise UserInputError(f"PoolingParams: dimensions={self.dimensions!r} is not supported: this model "
-                                 "has no Matryoshka (truncatable) embeddings; leave dimensions unset")
+        if self.dimensions is not None and (not isinstance(self.dimensions, int) or isinstance(self.dimensions, bool)):
+            raise UserTypeError(f"PoolingParams: dimensions={self.dimensions!r} must be an integer or None")
 
 
 @dataclass
@@ -70,10 +69,29 @@ class EmbeddingRequestOutput:
     finished: bool
 
 
-def last_token_embedding(hidden: torch.Tensor, normalize: bool) -> list[float]:
+def check_dimensions(dimensions: int | None, hf_config, hidden_size: int) -> None:
+    """vLLM's Matryoshka rule for `dimensions` (PoolingParams.verify): None always passes; otherwise the config
+    must say `is_matryoshka: true` or list `matryoshka_dimensions` (set them with hf_overrides, as in vLLM), a listed
+    size must be one of the list, and any size must be in [1, hidden_size]. UserInputError naming the value."""
+    if dimensions is None:
+        return
+    allowed = getattr(hf_config, "matryoshka_dimensions", None)
+    if not allowed and not getattr(hf_config, "is_matryoshka", False):
+        raise UserInputError(f"dimensions={dimensions} is not supported: this model does not support matryoshka "
+                             "representation (its config has no is_matryoshka / matryoshka_dimensions; hf_overrides "
+                             "sets them); changing output dimensions would give poor results: leave dimensions unset")
+    if allowed and dimensions not in allowed:
+        raise UserInputError(f"dimensions={dimensions} is not supported: this model only supports "
+                             f"{list(allowed)} matryoshka dimensions")
+    if not 1 <= dimensions <= hidden_size:
+        raise UserInputError(f"dimensions={dimensions} must be in [1, {hidden_size}] (the hidden size)")
+
+
+def last_token_embedding(hidden: torch.Tensor, normalize: bool, dimensions: int | None = None) -> list[float]:
     """The embedding of one prompt from its last-token final hidden state `hidden` [H] (any float dtype,
-    any device): float32, L2-normalised when `normalize` (torch.nn.functional.normalize, eps 1e-12)."""
-    vector = hidden.float()
+    any device): its first `dimensions` values (None: all; Matryoshka), float32, then L2-normalised when
+    `normalize` (torch.nn.functional.normalize, eps 1e-12), in vLLM's order."""
+    vector = hidden.float()[:dimensions]
     if normalize:
         vector = torch.nn.functional.normalize(vector, dim=-1)
     return vector.tolist()
@@ -107,7 +125,8 @@ def pooling_output(request, embeddings: dict[int, torch.Tensor], requests: dict)
     if finished:
         del requests[request.request_id]
     row = embeddings.pop(seq.seq_id, None) if finished else None
-    outputs = None if row is None else EmbeddingOutput(last_token_embedding(row, request.pooling_params.normalize))
+    params = request.pooling_params
+    outputs = None if row is None else EmbeddingOutput(last_token_embedding(row, params.normalize, params.dimensions))
     return EmbeddingRequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, finished)
 
 

@@ -5,7 +5,8 @@ Request: `input` is a string, a list of strings, a list of token ids or a list o
 renders them (`add_generation_prompt` default false there, `continue_final_message`, `chat_template`,
 `chat_template_kwargs`), one embedding; exactly one of the two. `add_special_tokens` (vLLM's): default true
 for `input`, false for `messages` (the template writes them). `encoding_format` "float" (lists of floats) or "base64" (the little-endian float32 bytes, base64, as
-OpenAI sends them); `dimensions` is refused with a 400 (no Matryoshka embeddings). Response:
+OpenAI sends them); `dimensions` (a Matryoshka embedding's first values, normalised after the cut) only for a
+model whose config says `is_matryoshka` or lists `matryoshka_dimensions`, else a 400, as vLLM. Response:
 {"object": "list", "data": [{"object": "embedding", "index", "embedding"}], "model", "usage":
 {"prompt_tokens", "total_tokens"}}. Every input is checked (empty, longer than max_model_len, token
 ids out of range) before any is queued. A server that generates answers 400, as vLLM does for a
@@ -23,7 +24,8 @@ import numpy as np
 from fastapi import Request
 from pydantic import Field, StrictBool
 
-from fxrewrite.runtime.engine.pooling import PoolingParams
+from fxrewrite.errors import UserInputError
+from fxrewrite.runtime.engine.pooling import PoolingParams, check_dimensions
 from fxrewrite.runtime.server.errors import OpenAIError
 from fxrewrite.runtime.server.prompt_bound import PromptTooLong, encode_bounded
 from fxrewrite.runtime.server.protocol import ChatMessage, OpenAIBaseModel, RequestInt, RequestModel
@@ -94,14 +96,15 @@ class OpenAIServingEmbedding(OpenAIServing):
             raise OpenAIError(HTTPStatus.BAD_REQUEST, "The model does not support the Embeddings API: this server "
                               "generates; start it with `fxrewrite serve MODEL --runner pooling` for embeddings",
                               param="model", code="model_not_supported")
-        if request.dimensions is not None:
-            raise OpenAIError(HTTPStatus.BAD_REQUEST, f"dimensions={request.dimensions} is not supported: the "
-                              "model has no Matryoshka (truncatable) embeddings; leave dimensions unset",
-                              param="dimensions", code="invalid_value")
+        config = self.engine.engine.model_config
+        try:
+            check_dimensions(request.dimensions, config.hf_config, config.hidden_size)
+        except UserInputError as e:
+            raise OpenAIError(HTTPStatus.BAD_REQUEST, str(e), param="dimensions", code="invalid_value") from None
         _check_input_or_messages(request)
         prompts = await self.async_tokenizer.run(self._prompts, request)
         request_id, engine_id = self.request_ids("embd", raw_request, request)
-        params = PoolingParams(normalize=request.normalize is not False)
+        params = PoolingParams(normalize=request.normalize is not False, dimensions=request.dimensions)
         ids, streams = await self.start_requests(engine_id, [(p, params) for p in prompts], prompt_field="input")
         try:
             data = []

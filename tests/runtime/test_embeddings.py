@@ -60,8 +60,10 @@ def test_bad_input_and_wrong_runner(tiny_llama_dir, pooling_llm):
         pooling_llm.embed([[]], use_tqdm=False)
     with pytest.raises(ValueError, match="200 tokens, more than max_model_len=128"):
         pooling_llm.embed([[5] * 200], use_tqdm=False)
-    with pytest.raises(ValueError, match="dimensions=8 is not supported"):
-        PoolingParams(dimensions=8)
+    with pytest.raises(ValueError, match="dimensions=8 is not supported: this model does not support matryoshka"):
+        pooling_llm.embed(["x"], PoolingParams(dimensions=8), use_tqdm=False)
+    with pytest.raises(TypeError, match="dimensions='8' must be an integer"):
+        PoolingParams(dimensions="8")
     with pytest.raises(ValueError, match="call LLM.embed"):
         pooling_llm.generate(["x"], SamplingParams(max_tokens=2), use_tqdm=False)
     with pytest.raises(ValueError, match="expected PoolingParams"):
@@ -110,3 +112,20 @@ def test_embed_truncates_prompts_as_vllm(tiny_llama_dir, pooling_llm):
     with pytest.raises(ValueError, match="truncate_prompt_tokens=5 and pooling_params' truncate_prompt_tokens=3 differ"):
         pooling_llm.embed([ids], PoolingParams(truncate_prompt_tokens=3), use_tqdm=False, truncate_prompt_tokens=5)
     assert not pooling_llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("overrides", [{"is_matryoshka": True}, {"matryoshka_dimensions": [16, 32]}])
+def test_matryoshka_dimensions_as_vllm(tiny_llama_dir, overrides):
+    """A model whose config says is_matryoshka or lists matryoshka_dimensions (hf_overrides, as vLLM documents) takes
+    PoolingParams(dimensions=k): the first k values of the hidden state, normalised after the cut (vLLM's order);
+    a size outside the list or past the hidden size is refused (dimensions was refused for every model)."""
+    llm = LLM(str(tiny_llama_dir), model_impl="native", runner="pooling", dtype="float32", hf_overrides=overrides,
+              kv_cache_memory_bytes=1 << 20, max_model_len=64)
+    ids = llm.get_tokenizer().encode(PROMPTS[0])
+    got = torch.tensor(llm.embed([ids], PoolingParams(dimensions=16), use_tqdm=False)[0].outputs.embedding)
+    want = torch.nn.functional.normalize(_oracle(tiny_llama_dir, ids, False)[:16], dim=-1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    bad = r"only supports \[16, 32\]" if "matryoshka_dimensions" in overrides else r"must be in \[1, 64\]"
+    with pytest.raises(ValueError, match=bad):
+        llm.embed([ids], PoolingParams(dimensions=65), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()

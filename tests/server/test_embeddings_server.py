@@ -92,6 +92,23 @@ def test_normalize_false_gives_the_raw_embedding(pooling_server, tiny_model_dir)
     assert bad.status_code == 400 and "normalize" in bad.text
 
 
+def test_matryoshka_dimensions(pooling_server, monkeypatch):
+    """`dimensions` on a model whose config lists matryoshka_dimensions (`--hf-overrides`, as vLLM): the raw
+    embedding's first values, normalised after the cut; a size not listed is a 400 (every size was refused)."""
+    monkeypatch.setattr(pooling_server.engine.model_config.hf_config, "matryoshka_dimensions", [16],
+                        raising=False)
+    with pooling_server.http() as http:
+        raw = http.post("/v1/embeddings", json={"input": "hello world", "normalize": False}).json()
+        cut = http.post("/v1/embeddings", json={"input": "hello world", "dimensions": 16,
+                                                "encoding_format": "base64"}).json()
+        bad = http.post("/v1/embeddings", json={"input": "hello world", "dimensions": 8})
+    head = np.asarray(raw["data"][0]["embedding"], dtype=np.float32)[:16]
+    got = np.frombuffer(base64.b64decode(cut["data"][0]["embedding"]), dtype="<f4")
+    np.testing.assert_allclose(got, head / np.linalg.norm(head), rtol=1e-5, atol=1e-6)
+    assert bad.status_code == 400 and "only supports [16] matryoshka dimensions" in bad.json()["error"]["message"]
+    assert bad.json()["error"]["param"] == "dimensions"
+
+
 def test_truncate_prompt_tokens_embeds_each_inputs_last_tokens(pooling_server):
     """vLLM's `truncate_prompt_tokens`: each input's last k tokens are embedded (-1: the last max_model_len, so an
     input over the context is embedded rather than refused)."""
@@ -113,7 +130,7 @@ def test_truncate_prompt_tokens_embeds_each_inputs_last_tokens(pooling_server):
     ({"input": list(range(1, MAX_LEN + 6))}, 400, f"has {MAX_LEN + 5} tokens"),
     ({"input": [10**9]}, 400, "input: token id 1000000000 is out of range"),
     ({"input": ["ok", "many words " * 30_000]}, 400, "input[1] has more than "),
-    ({"input": "x", "dimensions": 8}, 400, "dimensions=8 is not supported"),
+    ({"input": "x", "dimensions": 8}, 400, "dimensions=8 is not supported: this model does not support matryoshka"),
     ({"input": "x", "encoding_format": "int8"}, 400, "encoding_format"),
     ({"input": "x", "model": "nope"}, 404, "nope"),
 ])
