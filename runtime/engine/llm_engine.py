@@ -17,7 +17,7 @@ from fxrewrite.runtime.engine.detokenizer import (
 )
 from fxrewrite.runtime.engine_config import EngineConfig
 from fxrewrite.runtime.engine.outputs import Logprob, RequestOutput
-from fxrewrite.runtime.engine.pooling import check_dimensions, pooled_rows, split_params
+from fxrewrite.runtime.engine.pooling import check_sentence_transformers_pooling, pooled_rows, split_params
 from fxrewrite.runtime.engine.prompts import prompt_cache_salt, tokenize_prompt, truncate_prompt
 from fxrewrite.runtime.engine.rl import EngineRLMixin
 from fxrewrite.runtime.engine.micro_batches import MicroBatchQueue
@@ -53,6 +53,8 @@ class LLMEngine(EngineRLMixin, VLLMEngineAccessors):
     def __init__(self, config: EngineConfig, *, model_config=None, tokenizer=None, model_runner=None):
         self.config = config  # the keyword arguments: a data-parallel replica's (runtime/engine/data_parallel.py)
         self.model_config = model_config or load_model_config(config)
+        if config.is_pooling:  # before the weights load: a MEAN / CLS Sentence Transformers model is refused
+            check_sentence_transformers_pooling(self.model_config.model_path)
         self.tokenizer = tokenizer or load_tokenizer(self.model_config, config)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_config)
         # tensor_parallel_size > 1: worker processes behind the same interface (runtime/executor.py)
@@ -93,10 +95,8 @@ class LLMEngine(EngineRLMixin, VLLMEngineAccessors):
         cached prefix to requests of the same salt) for generation; ValueError for an invalid request. final_only:
         one RequestOutput, when it finishes (vLLM's FINAL_ONLY; offline `LLM.generate`), not one every step, as
         ``sampling_params.output_kind=RequestOutputKind.FINAL_ONLY`` asks too (DELTA: outputs of new text only)."""
-        pooling, params = split_params(sampling_params, self.config.is_pooling)
+        pooling, params = split_params(sampling_params, self.config.is_pooling, self.model_config)
         params.verify()  # fields may have been set after construction
-        if pooling is not None:
-            check_dimensions(pooling.dimensions, self.model_config.hf_config, self.model_config.hidden_size)
         self._check_awake()
         if request_id in self.requests:
             raise UserInputError(f"request_id {request_id!r} is already in use")

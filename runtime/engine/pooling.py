@@ -10,7 +10,9 @@ a sampled token.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -87,6 +89,35 @@ def check_dimensions(dimensions: int | None, hf_config, hidden_size: int) -> Non
         raise UserInputError(f"dimensions={dimensions} must be in [1, {hidden_size}] (the hidden size)")
 
 
+def check_sentence_transformers_pooling(model_path: Path) -> None:
+    """Refuse a Sentence Transformers folder whose modules.json asks for what LAST pooling does not do: a Pooling
+    module whose config (e.g. 1_Pooling/config.json) sets a mode other than `pooling_mode_lasttoken` (vLLM reads it
+    and pools MEAN / CLS instead), or a Dense projection. Without modules.json, or with LAST pooling (as
+    Qwen3-Embedding's), nothing is checked. UserInputError naming the file and the mode."""
+    modules_json = Path(model_path) / "modules.json"
+    try:
+        modules = json.loads(modules_json.read_text())
+    except (OSError, ValueError):
+        return
+    for module in modules if isinstance(modules, list) else []:
+        kind = str(module.get("type", "")) if isinstance(module, dict) else ""
+        if kind.endswith("Dense"):
+            raise UserInputError(f"{modules_json} has a Dense module ({module.get('path')}): its projection is not "
+                                 "applied here, so the embeddings would differ from the model's; unsupported")
+        if not kind.endswith("Pooling"):
+            continue
+        pooling_json = Path(model_path) / str(module.get("path", "")) / "config.json"
+        try:
+            modes = json.loads(pooling_json.read_text())
+        except (OSError, ValueError):
+            continue
+        wanted = [key for key, value in modes.items() if key.startswith("pooling_mode_") and value is True]
+        if wanted and wanted != ["pooling_mode_lasttoken"]:
+            raise UserInputError(f"{pooling_json} sets {', '.join(wanted)}: this engine pools the last token only "
+                                 "(pooling_mode_lasttoken, vLLM's LAST), so the embeddings would differ from the "
+                                 "model's; unsupported")
+
+
 def last_token_embedding(hidden: torch.Tensor, normalize: bool, dimensions: int | None = None) -> list[float]:
     """The embedding of one prompt from its last-token final hidden state `hidden` [H] (any float dtype,
     any device): its first `dimensions` values (None: all; Matryoshka), float32, then L2-normalised when
@@ -97,10 +128,11 @@ def last_token_embedding(hidden: torch.Tensor, normalize: bool, dimensions: int 
     return vector.tolist()
 
 
-def split_params(params, is_pooling: bool):
+def split_params(params, is_pooling: bool, model_config=None):
     """(PoolingParams or None, the SamplingParams the engine runs) for a request's params on a runner.
     A pooling request is a one-token greedy step (its token is dropped). ValueError for params that do
-    not fit the runner (vLLM refuses generation on a pooling model and the reverse)."""
+    not fit the runner (vLLM refuses generation on a pooling model and the reverse), or (given the engine's
+    ModelConfig) dimensions the model does not take (`check_dimensions`)."""
     if params is not None and not isinstance(params, (SamplingParams, PoolingParams)):
         raise UserTypeError(f"sampling_params={params!r:.80}: expected a SamplingParams (or PoolingParams), got "
                             f"{type(params).__name__}")
@@ -113,6 +145,8 @@ def split_params(params, is_pooling: bool):
         raise UserInputError(f"this engine runs runner='pooling': it returns embeddings (LLM.embed, /v1/embeddings) "
                              f"and does not generate; got {type(params).__name__}, expected PoolingParams")
     pooling = params or PoolingParams()
+    if model_config is not None:
+        check_dimensions(pooling.dimensions, model_config.hf_config, model_config.hidden_size)
     return pooling, SamplingParams(max_tokens=1, temperature=0.0, truncate_prompt_tokens=pooling.truncate_prompt_tokens)
 
 

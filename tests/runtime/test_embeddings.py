@@ -129,3 +129,39 @@ def test_matryoshka_dimensions_as_vllm(tiny_llama_dir, overrides):
     with pytest.raises(ValueError, match=bad):
         llm.embed([ids], PoolingParams(dimensions=65), use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def _sentence_transformers_dir(tmp_path, model_dir, pooling: dict, dense: bool = False):
+    """A copy of `model_dir` with Sentence Transformers' modules.json and 1_Pooling/config.json (`pooling`)."""
+    import json
+    import shutil
+
+    folder = shutil.copytree(model_dir, tmp_path / "st")
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if dense:
+        modules.append({"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, **pooling}))
+    return folder
+
+
+@pytest.mark.parametrize("pooling, dense, refused", [
+    ({"pooling_mode_lasttoken": True, "pooling_mode_mean_tokens": False}, False, None),  # Qwen3-Embedding's
+    ({"pooling_mode_mean_tokens": True, "pooling_mode_lasttoken": False}, False, "sets pooling_mode_mean_tokens"),
+    ({"pooling_mode_cls_token": True}, False, "sets pooling_mode_cls_token"),
+    ({"pooling_mode_lasttoken": True}, True, "has a Dense module"),
+])
+def test_sentence_transformers_pooling_other_than_last_is_refused(tmp_path, tiny_llama_dir, pooling, dense, refused):
+    """modules.json's Pooling mode is what vLLM pools by; LAST is the only one here, so a MEAN / CLS model (or one
+    with a Dense projection) is refused before its weights load, not embedded by its last token silently."""
+    from fxrewrite.runtime.engine.pooling import check_sentence_transformers_pooling
+
+    folder = _sentence_transformers_dir(tmp_path, tiny_llama_dir, pooling, dense)
+    if refused is None:
+        check_sentence_transformers_pooling(folder)
+        return
+    with pytest.raises(ValueError, match=refused):
+        LLM(str(folder), model_impl="native", runner="pooling", kv_cache_memory_bytes=1 << 20, max_model_len=64)
+    LLM(str(folder), model_impl="native", kv_cache_memory_bytes=1 << 20, max_model_len=64)  # generating: not read
