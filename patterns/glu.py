@@ -31,18 +31,33 @@ _ACTS = {"silu": lambda x: F.silu(x), "gelu": lambda x: F.gelu(x), "gelu_tanh": 
 
 
 def probe_activation(module: nn.Module) -> str | None:
-    """'silu' / 'gelu' / 'gelu_tanh' when `module` computes exactly that, else None. An in-place one
+    """'silu' / 'gelu' / 'gelu_tanh' when `module` computes exactly that in train and in eval mode, else None (a
+    dropout inside, idle in eval mode, would be dropped in train mode by the fused kernel). An in-place one
     (``nn.SiLU(inplace=True)``) counts: it overwrites the gate's output, which nothing else reads (the pattern
     requires the activation to be its only user), so the fused kernel computes the same product."""
     if any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
         return None
     x = torch.linspace(-8.0, 8.0, 401)
-    with torch.no_grad():
-        try:
-            y = module(x.clone())  # a clone: an in-place activation must not change the x compared against
-        except Exception:  # noqa: BLE001 - not an elementwise activation
-            return None
-    return next((k for k, f in _ACTS.items() if isinstance(y, torch.Tensor) and torch.equal(y, f(x))), None)
+    try:
+        ys = _in_both_modes(module, x)
+    except Exception:  # noqa: BLE001 - not an elementwise activation
+        return None
+    return next((k for k, f in _ACTS.items()
+                 if all(isinstance(y, torch.Tensor) and torch.equal(y, f(x)) for y in ys)), None)
+
+
+def _in_both_modes(module: nn.Module, x: torch.Tensor) -> list:
+    """[module(x) as it is, module(x) with every submodule's training flag flipped]: each flag is put back after, and
+    the global RNG state too (a dropout in train mode draws from it); x itself is never changed (clones in)."""
+    flags = [(m, m.training) for m in module.modules()]
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            ys = [module(x.clone())]
+            module.train(not module.training)
+            return ys + [module(x.clone())]
+    finally:
+        for m, flag in flags:
+            m.training = flag
 
 
 def _functional_act(node) -> str | None:

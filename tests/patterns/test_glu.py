@@ -113,6 +113,13 @@ def test_refuses_unknown_activation():
     _refused(GLUMLP(nn.ReLU()), "is not silu/gelu/gelu_tanh")
 
 
+def test_refuses_an_activation_with_dropout_probed_in_eval_mode():
+    """silu then dropout computes silu in eval mode only: fused, train mode would lose the dropout."""
+    module = GLUMLP(nn.Sequential(nn.SiLU(), nn.Dropout(0.5))).eval()
+    _refused(module, "is not silu/gelu/gelu_tanh")
+    assert module.training is False and module.act_fn[1].training is False  # the probe put the flags back
+
+
 def test_refuses_product_split_over_statements():
     _refused(SplitStatementsMLP(), "not one expression")
 
