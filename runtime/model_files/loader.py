@@ -16,6 +16,7 @@ from fxrewrite.distributed import get_tp_size
 from fxrewrite.errors import UserFileNotFoundError, UserInputError
 from fxrewrite.sharding import LazySlice
 from fxrewrite.weights import CheckpointTensorError, LoadedNames, load_hf_weights, naming_tensor
+from fxrewrite.runtime.model_files.base_model import head_parameter_names, missing_prefix, with_prefix
 from fxrewrite.runtime.model_files.checkpoint_conversion import convert_for_model
 from fxrewrite.runtime.model_files.fp8_experts import dequantize_fp8_experts
 
@@ -56,14 +57,8 @@ def iterate_safetensors(model_path: str | Path, sliced: bool = False) -> Iterato
     With `sliced` (tensor-parallel ranks) each tensor comes as a `LazySlice`, read only where a
     weight loader narrows it; 0-d tensors are read whole. The file stays open while the item is held.
     """
-    from safetensors import SafetensorError, safe_open
-
     for file in checkpoint_files(model_path):
-        try:
-            handle = safe_open(str(file), framework="pt")
-        except SafetensorError as e:  # a truncated or corrupt file
-            raise UserInputError(f"{file} is not a readable safetensors file: {e}") from None
-        with handle as f:
+        with _safe_open(file) as f:
             for name in f.keys():
                 if not sliced:
                     yield name, f.get_tensor(name)
@@ -71,6 +66,25 @@ def iterate_safetensors(model_path: str | Path, sliced: bool = False) -> Iterato
                 sl = f.get_slice(name)
                 shape = tuple(sl.get_shape())
                 yield name, (LazySlice(sl, shape) if shape else f.get_tensor(name))
+
+
+def checkpoint_keys(model_path: str | Path) -> list[str]:
+    """The tensor names of the folder's weight files (`checkpoint_files`; their headers only)."""
+    keys: list[str] = []
+    for file in checkpoint_files(model_path):
+        with _safe_open(file) as f:
+            keys.extend(f.keys())
+    return keys
+
+
+def _safe_open(file: Path):
+    """safetensors' `safe_open` of `file` (torch tensors); UserInputError for a truncated or corrupt file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(file), framework="pt")
+    except SafetensorError as e:
+        raise UserInputError(f"{file} is not a readable safetensors file: {e}") from None
 
 
 def materialize(model: nn.Module, device: torch.device) -> nn.Module:
@@ -169,7 +183,8 @@ def _default_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
         param.copy_(loaded)
 
 
-def check_all_loaded(model: nn.Module, loaded: set[str], model_path: str | Path | None = None) -> None:
+def check_all_loaded(model: nn.Module, loaded: set[str], model_path: str | Path | None = None,
+                     hint: str = "") -> None:
     """UserInputError (a ValueError) naming the parameters the checkpoint in `model_path` did not provide (they
     would hold garbage), in checkpoint names: for a fused parameter with only some parts in the checkpoint
     (`LoadedNames`), the missing parts; the transformers wrapper's ``hf_model.`` prefix left out."""
@@ -180,15 +195,23 @@ def check_all_loaded(model: nn.Module, loaded: set[str], model_path: str | Path 
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         where = f" in {model_path}" if model_path is not None else ""
-        raise UserInputError(f"the checkpoint{where} is missing {len(missing)} parameter(s): {shown}")
+        raise UserInputError(f"the checkpoint{where} is missing {len(missing)} parameter(s): {shown}{hint}")
 
 
 def load_weights(model: nn.Module, model_path: str | Path, native: bool,
-                 fp8_block: tuple[int, int] | None = None) -> None:
+                 fp8_block: tuple[int, int] | None = None, pooling: bool = False) -> None:
     """Load the folder's safetensors into the model (native or HF) and check nothing is missing.
-    `fp8_block`: an FP8 checkpoint's ``weight_block_size`` (its expert weights are dequantized as they load)."""
+    `fp8_block`: an FP8 checkpoint's ``weight_block_size`` (its expert weights are dequantized as they load).
+    A base model's checkpoint (no ``model.`` prefix) loads as transformers loads it (`base_model`); `pooling`: the
+    output head may be absent (it is never read; zero-filled then)."""
+    root = model if native else model.hf_model
     # On a TP rank, read only this rank's slice of each sharded tensor.
     weights = iterate_safetensors(model_path, sliced=get_tp_size() > 1)
+    prefix = missing_prefix(root, checkpoint_keys(model_path))
+    if prefix is not None:
+        logger.info("the checkpoint in %s is a base model's (no %r prefix): loaded as transformers loads it, "
+                    "its names prefixed", model_path, prefix)
+        weights = with_prefix(weights, prefix)
     dropped = tuple(getattr(model, "pp_dropped_prefixes", ()))  # layers of other pipeline stages
     if dropped:
         weights = ((name, t) for name, t in weights if not name.startswith(dropped))
@@ -204,8 +227,14 @@ def load_weights(model: nn.Module, model_path: str | Path, native: bool,
             loaded = load_hf_weights(model.hf_model, weights).prefixed("hf_model.")
     except CheckpointTensorError as e:
         raise CheckpointTensorError(f"the checkpoint in {model_path}: {e}") from None
+    if pooling:  # the head is never read: a checkpoint without it (an embedding model's) loads
+        wrapper = "" if native else "hf_model."
+        for name in {wrapper + n for n in head_parameter_names(root)} - set(loaded):
+            model.get_parameter(name).data.zero_()
+            loaded.add(name)
     if loaded.unused:  # transformers' own rule for the model it builds: warn, load the rest
         shown = ", ".join(loaded.unused[:5]) + (" ..." if len(loaded.unused) > 5 else "")
         logger.warning("%d tensor(s) of the checkpoint in %s are not used by the model: %s", len(loaded.unused),
                        model_path, shown)
-    check_all_loaded(model, loaded, model_path)
+    base = " (a base model's checkpoint: no output head; runner='pooling' serves its embeddings)" if prefix else ""
+    check_all_loaded(model, loaded, model_path, base)

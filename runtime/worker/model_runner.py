@@ -132,7 +132,8 @@ def build_model(config: EngineConfig, model_config, device: torch.device, stage:
         fill_dummy_weights(model)
     else:
         load_weights(model, model_config.model_path, native=impl == "native",
-                     fp8_block=quant.weight_block_size if quant and quant.is_checkpoint_fp8 else None)
+                     fp8_block=quant.weight_block_size if quant and quant.is_checkpoint_fp8 else None,
+                     pooling=config.is_pooling)
     finish_fp8_model(model, quant, model_config.dtype, device)
     model.impl = impl
     return model.eval()

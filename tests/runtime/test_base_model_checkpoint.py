@@ -1,0 +1,74 @@
+"""A base model's checkpoint (saved from ``Qwen3Model``: no ``model.`` prefix, no head, as embedding models such as
+Qwen3-Embedding ship) loads as transformers' from_pretrained loads it (the prefix added): the pooling runner embeds
+with it (the head is never read), a tied model generates with it, an untied one is refused naming the head; a BERT
+encoder's is refused for its bidirectional attention, not for 40 missing tensors. The oracle is transformers."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from fxrewrite.errors import UnsupportedModelError, UserInputError
+from fxrewrite.runtime.engine.sampling_params import SamplingParams
+from fxrewrite.runtime.llm import LLM
+
+ENGINE = {"dtype": "float32", "kv_cache_memory_bytes": 4 << 20, "max_model_len": 64}
+
+
+def _base_folder(model_dir, out, architectures=None):
+    """`model_dir`'s decoder saved alone (its base model), with its tokenizer; `architectures` written over the
+    config's ("Qwen3Model" as saved)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.model.save_pretrained(out)
+    for file in model_dir.iterdir():
+        if "token" in file.name or file.name in ("vocab.json", "merges.txt"):
+            shutil.copy(file, out / file.name)
+    if architectures is not None:
+        config = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**config, "architectures": architectures}))
+    return out
+
+
+@pytest.mark.parametrize("impl", ["native", "transformers"])
+def test_pooling_embeds_from_a_base_models_checkpoint(tiny_model_dir, tmp_path, impl):
+    from transformers import AutoModel
+
+    folder = _base_folder(tiny_model_dir("qwen3", tie_word_embeddings=False), tmp_path / "base",
+                          ["Qwen3ForCausalLM"])  # as Qwen3-Embedding's config says
+    llm = LLM(str(folder), model_impl=impl, runner="pooling", **ENGINE)
+    ids = llm.get_tokenizer().encode("The capital of France is")
+    got = torch.tensor(llm.embed([ids], use_tqdm=False)[0].outputs.embedding)
+    with torch.no_grad():
+        hidden = AutoModel.from_pretrained(str(folder), dtype=torch.float32)(torch.tensor([ids])).last_hidden_state
+    torch.testing.assert_close(got, torch.nn.functional.normalize(hidden[0, -1], dim=-1), rtol=1e-5, atol=1e-5)
+    with pytest.raises(UserInputError, match=r"missing 1 parameter\(s\): lm_head.weight \(a base model's checkpoint"):
+        LLM(str(folder), model_impl=impl, **ENGINE)  # generating needs the head it lacks
+
+
+def test_a_tied_base_checkpoint_generates_as_transformers_loads_it(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    folder = _base_folder(tiny_model_dir("qwen3", tie_word_embeddings=True), tmp_path / "tied", ["Qwen3ForCausalLM"])
+    llm = LLM(str(folder), model_impl="transformers", **ENGINE)
+    ids = llm.get_tokenizer().encode("Once upon a time")
+    got = llm.generate([ids], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    stock = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    want = stock.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, min_new_tokens=8)[0, len(ids):]
+    assert list(got[0].outputs[0].token_ids) == want.tolist()
+
+
+def test_a_bert_encoders_checkpoint_is_refused_for_its_attention(tiny_qwen3_dir, tmp_path):
+    from transformers import BertConfig, BertModel
+
+    out = tmp_path / "bert"
+    config = BertConfig(vocab_size=151936, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=128)
+    BertModel(config).save_pretrained(out)
+    for file in tiny_qwen3_dir.iterdir():
+        if "token" in file.name or file.name in ("vocab.json", "merges.txt"):
+            shutil.copy(file, out / file.name)
+    with pytest.raises(UnsupportedModelError, match=r"is_causal=False \(bidirectional attention\)"):
+        LLM(str(out), runner="pooling", **ENGINE)
