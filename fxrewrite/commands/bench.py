@@ -213,6 +213,17 @@ def _run_train(args: argparse.Namespace) -> int:
     return _status(result["arms"])
 
 
+def _check_workload_flags(args: argparse.Namespace, arms: list[str]) -> None:
+    """Flags that a workload or the arms would ignore are refused (each was accepted and did nothing)."""
+    if args.decode_window and args.workload != "throughput":
+        raise UserInputError(f"--decode-window applies to the throughput workload, not --workload {args.workload}")
+    if args.hf_num_prompts is not None and "hf" not in arms:
+        raise UserInputError(f"--hf-num-prompts applies to the hf arm, which --arms {args.arms!r} does not include")
+    if args.hf_num_prompts is not None and args.workload != "throughput":  # the hf arm skips latency / long
+        raise UserInputError(f"--hf-num-prompts applies to the throughput workload, not --workload {args.workload} "
+                             "(the hf arm runs the throughput workload only)")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.bench_command == "train":
         return _run_train(args)
@@ -229,11 +240,8 @@ def run(args: argparse.Namespace) -> int:
     from fxrewrite.benchmarks.common import RESULTS_DIR, parse_arms
     from fxrewrite.benchmarks.compare import compare, format_table
 
-    if args.decode_window and args.workload != "throughput":
-        raise UserInputError(f"--decode-window applies to the throughput workload, not --workload {args.workload}")
     arms = parse_arms(args.arms)
-    if args.hf_num_prompts is not None and "hf" not in arms:  # it was accepted and did nothing
-        raise UserInputError(f"--hf-num-prompts applies to the hf arm, which --arms {args.arms!r} does not include")
+    _check_workload_flags(args, arms)
     if args.device is not None:
         from fxrewrite.runtime.engine_config import check_device
 

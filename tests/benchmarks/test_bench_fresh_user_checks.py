@@ -172,3 +172,12 @@ def test_hf_num_prompts_is_refused_without_the_hf_arm(tmp_path, capsys):
     assert rc == 2 and "--hf-num-prompts applies to the hf arm, which --arms 'native,after' does not include" in \
         capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_hf_num_prompts_is_refused_for_a_workload_the_hf_arm_skips(tmp_path, capsys):
+    """--workload latency / long with the hf arm: the arm is skipped and --hf-num-prompts was accepted, doing nothing."""
+    rc = main(["bench", "compare", "--config", "tiny", "--workload", "latency", "--arms", "native,hf",
+               "--hf-num-prompts", "4", "--out", str(tmp_path)])
+    assert rc == 2 and "--hf-num-prompts applies to the throughput workload, not --workload latency" in \
+        capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
