@@ -2,9 +2,9 @@
 
 A folder saved from ``Qwen3Model`` (tensors ``layers.0.…``, ``embed_tokens.weight``; embedding checkpoints such as
 Qwen3-Embedding are saved so) holds no ``model.`` prefix, while the engine's model (``Qwen3ForCausalLM``, native or
-transformers) names them ``model.layers.0.…``. transformers adds the model's ``base_model_prefix`` to every key
-when no checkpoint key has it and the model's keys do (``modeling_utils``: loading a task model from a base-model
-state dict); so does the engine. The head is then absent: a pooling model never reads it (vLLM's pooling models
+transformers) names them ``model.layers.0.…``. transformers adds the model's ``base_model_prefix`` to each key the
+model does not hold as it is (a head saved beside: ``lm_head.weight``) when no checkpoint key has it and the model's
+keys do (loading a task model from a base-model state dict); so does the engine. The head is then absent: a pooling model never reads it (vLLM's pooling models
 delete it), a generating one is refused by `loader.check_all_loaded` unless it is tied to the embeddings.
 """
 
@@ -42,9 +42,11 @@ def _has_owner(root: nn.Module, name: str) -> bool:
     return bool(owner)
 
 
-def with_prefix(weights: Iterable[tuple[str, torch.Tensor]], prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """`weights` with `prefix` put before every name."""
-    return ((prefix + name, tensor) for name, tensor in weights)
+def with_prefix(weights: Iterable[tuple[str, torch.Tensor]], prefix: str,
+                root: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """`weights` with `prefix` put before every name but one `root` holds as it is (a head saved beside the base
+    model, ``lm_head.weight``: transformers 5 prefixes only the keys the model names with the prefix)."""
+    return ((name if _has_owner(root, name) else prefix + name, tensor) for name, tensor in weights)
 
 
 def head_parameter_names(root: nn.Module) -> list[str]:

@@ -211,7 +211,7 @@ def load_weights(model: nn.Module, model_path: str | Path, native: bool,
     if prefix is not None:
         logger.info("the checkpoint in %s is a base model's (no %r prefix): loaded as transformers loads it, "
                     "its names prefixed", model_path, prefix)
-        weights = with_prefix(weights, prefix)
+        weights = with_prefix(weights, prefix, root)
     dropped = tuple(getattr(model, "pp_dropped_prefixes", ()))  # layers of other pipeline stages
     if dropped:
         weights = ((name, t) for name, t in weights if not name.startswith(dropped))

@@ -72,3 +72,23 @@ def test_a_bert_encoders_checkpoint_is_refused_for_its_attention(tiny_qwen3_dir,
             shutil.copy(file, out / file.name)
     with pytest.raises(UnsupportedModelError, match=r"is_causal=False \(bidirectional attention\)"):
         LLM(str(out), runner="pooling", **ENGINE)
+
+
+@pytest.mark.parametrize("impl", ["native", "transformers"])
+def test_a_head_saved_beside_the_base_model_keeps_its_name(tiny_model_dir, tmp_path, impl):
+    """``lm_head.weight`` beside unprefixed base-model tensors is the model's own name: transformers loads it as it
+    is (it prefixes only the keys the model names with the prefix), so an untied model generates as transformers'."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    folder = _base_folder(tiny_model_dir("qwen3", tie_word_embeddings=False), tmp_path / "head", ["Qwen3ForCausalLM"])
+    stock = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir("qwen3", tie_word_embeddings=False)),
+                                                 dtype=torch.float32)
+    tensors = load_file(folder / "model.safetensors")
+    save_file({**tensors, "lm_head.weight": stock.lm_head.weight.detach().clone()}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+    llm = LLM(str(folder), model_impl=impl, **ENGINE)
+    ids = llm.get_tokenizer().encode("Once upon a time")
+    got = llm.generate([ids], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    want = stock.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, min_new_tokens=8)[0, len(ids):]
+    assert list(got[0].outputs[0].token_ids) == want.tolist()
