@@ -22,10 +22,10 @@ def base_prefix(root: nn.Module) -> str:
 
 
 def missing_prefix(root: nn.Module, keys: list[str]) -> str | None:
-    """`base_prefix` when no checkpoint key starts with it and some key names, once prefixed, a module of `root` that
-    it does not name without the prefix (transformers' test for a task model loaded from a base model's state dict,
-    kept to names this model has: a checkpoint whose names a conversion rule renames is left to that rule); else
-    None."""
+    """`base_prefix` when no checkpoint key (as transformers' renamings leave it: a VLM's legacy
+    ``language_model.model.*`` is ``model.language_model.*``) starts with it and some key names, once prefixed, a
+    module of `root` that it does not name without the prefix (transformers' test for a task model loaded from a base
+    model's state dict, kept to names this model has); else None."""
     prefix = base_prefix(root)
     if not keys or any(k.startswith(prefix) for k in keys):
         return None
@@ -33,7 +33,12 @@ def missing_prefix(root: nn.Module, keys: list[str]) -> str | None:
 
 
 def _has_owner(root: nn.Module, name: str) -> bool:
-    """Whether the module that would hold tensor `name` (its path less the last part) exists in `root`."""
+    """Whether the module that would hold tensor `name` (its path less the last part) exists in `root`; a native
+    model's fused parts (`packed_modules_mapping`: ``q_proj`` in ``qkv_proj``) count as their fused module."""
+    for part, (fused, _) in getattr(root, "packed_modules_mapping", {}).items():
+        if part in name:
+            name = name.replace(part, fused)
+            break
     owner = name.rpartition(".")[0]
     try:
         root.get_submodule(owner)

@@ -116,6 +116,15 @@ def convert_for_model(model: torch.nn.Module, weights: Iterable[tuple[str, torch
     return convert_checkpoint(weights, transforms, expected, None if native else StockShapes(root))
 
 
+def renamed_keys(model: torch.nn.Module, keys: list[str], native: bool) -> list[str]:
+    """`keys` as transformers' renamings for the engine model (`convert_for_model`'s transforms) leave them: a VLM's
+    legacy ``language_model.model.*`` becomes ``model.language_model.*`` (converters, which merge tensors, aside)."""
+    root = model if native else model.hf_model
+    transforms = transforms_for(model_type=getattr(model, "model_type", None)) if native else transforms_for(root)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    return [_claim(k, renamings, [])[0] for k in keys]
+
+
 class StockShapes:
     """The stock model's parameters, built on meta at the first `get_parameter` (the model the engine loads into may be
     fused by optimize, or sharded by tensor parallelism, while the checkpoint holds whole, unfused tensors)."""

@@ -17,7 +17,7 @@ from fxrewrite.errors import UserFileNotFoundError, UserInputError
 from fxrewrite.sharding import LazySlice
 from fxrewrite.weights import CheckpointTensorError, LoadedNames, load_hf_weights, naming_tensor
 from fxrewrite.runtime.model_files.base_model import head_parameter_names, missing_prefix, with_prefix
-from fxrewrite.runtime.model_files.checkpoint_conversion import convert_for_model
+from fxrewrite.runtime.model_files.checkpoint_conversion import convert_for_model, renamed_keys
 from fxrewrite.runtime.model_files.fp8_experts import dequantize_fp8_experts
 
 logger = logging.getLogger(__name__)
@@ -207,7 +207,7 @@ def load_weights(model: nn.Module, model_path: str | Path, native: bool,
     root = model if native else model.hf_model
     # On a TP rank, read only this rank's slice of each sharded tensor.
     weights = iterate_safetensors(model_path, sliced=get_tp_size() > 1)
-    prefix = missing_prefix(root, checkpoint_keys(model_path))
+    prefix = missing_prefix(root, renamed_keys(model, checkpoint_keys(model_path), native))
     if prefix is not None:
         logger.info("the checkpoint in %s is a base model's (no %r prefix): loaded as transformers loads it, "
                     "its names prefixed", model_path, prefix)

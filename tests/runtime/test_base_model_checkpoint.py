@@ -92,3 +92,27 @@ def test_a_head_saved_beside_the_base_model_keeps_its_name(tiny_model_dir, tmp_p
     got = llm.generate([ids], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     want = stock.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, min_new_tokens=8)[0, len(ids):]
     assert list(got[0].outputs[0].token_ids) == want.tolist()
+
+
+def test_a_vlms_legacy_names_are_left_to_transformers_renamings():
+    """A Gemma 3 VLM checkpoint in its legacy layout (language_model.model.*, vision_tower.*: no key starts with
+    "model.") is not a base model's: transformers' renamings give it the prefix, so none is added (before the
+    renamings were taken into account, multi_modal_projector.* named a module once prefixed and every key got it)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM, Gemma3Config
+
+    from fxrewrite.runtime.model_files.base_model import missing_prefix
+    from fxrewrite.runtime.model_files.checkpoint_conversion import renamed_keys
+
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, vocab_size=300)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(Gemma3Config(text_config=text, vision_config=vision))
+    keys = ["language_model.model.layers.0.self_attn.q_proj.weight", "language_model.model.embed_tokens.weight",
+            "vision_tower.vision_model.embeddings.patch_embedding.weight",
+            "multi_modal_projector.mm_input_projection_weight"]
+    wrapper = type("Wrapper", (), {"hf_model": model})()
+    assert missing_prefix(model, keys) == "model."  # what the names alone suggest
+    assert missing_prefix(model, renamed_keys(wrapper, keys, native=False)) is None
